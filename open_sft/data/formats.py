@@ -1,0 +1,118 @@
+"""Row formats → one canonical conversation (a list of {"role", "content"} messages), validated.
+
+Each converter is a pure function of one row; `to_messages` adds where the row came from to
+every error so the user can find and fix it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from open_sft.errors import UserError
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+
+Messages = list[dict[str, str]]
+
+
+class RowError(ValueError):
+    """What is wrong with one row; the caller adds the file and line."""
+
+
+def _from_messages(row: dict[str, Any]) -> Messages:
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RowError("'messages' must be a non-empty list of {role, content} objects")
+    out = []
+    for i, message in enumerate(messages, start=1):
+        if not isinstance(message, dict):
+            raise RowError(f"message {i} is a {type(message).__name__}, expected an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RowError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _from_alpaca(row: dict[str, Any]) -> Messages:
+    for key in ("instruction", "output"):
+        if not isinstance(row.get(key), str):
+            raise RowError(f"alpaca row needs a string {key!r}")
+    prompt = row["instruction"]
+    if isinstance(row.get("input"), str) and row["input"].strip():
+        prompt = f"{prompt}\n\n{row['input']}"
+    messages = []
+    if isinstance(row.get("system"), str) and row["system"].strip():
+        messages.append({"role": "system", "content": row["system"]})
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+    return messages
+
+
+def _from_sharegpt(row: dict[str, Any]) -> Messages:
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not turns:
+        raise RowError("'conversations' must be a non-empty list of {from, value} objects")
+    out = []
+    for i, turn in enumerate(turns, start=1):
+        speaker = turn.get("from") if isinstance(turn, dict) else None
+        if speaker not in SHAREGPT_ROLES:
+            raise RowError(f"turn {i} has from={speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}")
+        if not isinstance(turn.get("value"), str):
+            raise RowError(f"turn {i} ({speaker}) has a non-string value")
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+    if isinstance(row.get("system"), str) and row["system"].strip() and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": row["system"]})
+    return out
+
+
+CONVERTERS: dict[str, Callable[[dict[str, Any]], Messages]] = {
+    "messages": _from_messages,
+    "alpaca": _from_alpaca,
+    "sharegpt": _from_sharegpt,
+}
+
+
+def detect_format(row: dict[str, Any], where: str) -> str:
+    """The format of a source, from the columns of its first row."""
+    if "messages" in row:
+        return "messages"
+    if "conversations" in row:
+        return "sharegpt"
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    raise UserError(
+        f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
+        "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
+        "of from/value). Rename the columns or convert the file"
+    )
+
+
+def check_trainable(messages: Messages) -> None:
+    """A training conversation needs at least one non-empty assistant turn and must end with one."""
+    if messages[-1]["role"] != "assistant":
+        raise RowError(f"the conversation ends with a {messages[-1]['role']} turn; it must end with an assistant turn")
+    for i, message in enumerate(messages, start=1):
+        if message["role"] == "assistant" and not message["content"].strip():
+            raise RowError(f"message {i} (assistant) is empty")
+
+
+def to_messages(row: dict[str, Any], fmt: str, where: str) -> Messages:
+    """Convert and validate one row; errors name the row's location."""
+    try:
+        messages = CONVERTERS[fmt](row)
+        check_trainable(messages)
+    except RowError as exc:
+        raise UserError(f"{where}: {exc}") from None
+    return messages

@@ -1,0 +1,148 @@
+"""Reading the sources named in --dataset_mixer_list into plain row dicts.
+
+Local JSON Lines are read by hand (not with `datasets`) so that a malformed line is reported with
+its file and line number; `datasets`' JSON loader only says that parsing failed somewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One NAME AMOUNT pair of --dataset_mixer_list."""
+
+    name: str
+    amount: float
+    is_fraction: bool
+    split: str
+
+    @property
+    def is_local(self) -> bool:
+        return self.name.endswith(LOCAL_SUFFIXES) or Path(self.name).exists()
+
+
+def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--dataset_mixer_list") -> list[SourceSpec]:
+    """`["a.jsonl", "0.5", "b.jsonl", "100"]` → specs. An amount with a '.' is a fraction, else a row count."""
+    specs = []
+    for i in range(0, len(values), 2):
+        name, raw = values[i], values[i + 1]
+        is_fraction = "." in raw
+        try:
+            amount = float(raw) if is_fraction else int(raw)
+        except ValueError:
+            raise UserError(
+                f"{flag}: amount {raw!r} for {name} is not a number; use a fraction like 1.0 or a row count like 500"
+            ) from None
+        if amount <= 0:
+            raise UserError(f"{flag}: amount {raw} for {name} must be positive")
+        split = splits[0] if len(splits) == 1 else splits[i // 2]
+        specs.append(SourceSpec(name=name, amount=amount, is_fraction=is_fraction, split=split))
+    return specs
+
+
+@dataclass
+class LoadedSource:
+    """The rows of one source and how to name row i in an error message."""
+
+    spec: SourceSpec
+    rows: list[dict[str, Any]]
+    line_numbers: list[int] | None = None
+
+    def where(self, index: int) -> str:
+        if self.line_numbers is not None:
+            return f"{self.spec.name} line {self.line_numbers[index]}"
+        return f"{self.spec.name} row {index}"
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    rows, line_numbers = [], []
+    with path.open("r", encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(
+                    f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                    "each line must be one JSON object"
+                ) from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+            line_numbers.append(lineno)
+    return rows, line_numbers
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg}); expected a list of objects") from None
+    if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list):
+        loaded = next(iter(loaded.values()))  # {"train": [...]} / {"data": [...]}
+    if not isinstance(loaded, list):
+        raise UserError(f"{path}: expected a JSON list of objects (or use .jsonl with one object per line)")
+    for index, row in enumerate(loaded):
+        if not isinstance(row, dict):
+            raise UserError(f"{path} item {index}: expected a JSON object, got {type(row).__name__}")
+    return loaded
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    import datasets
+
+    return datasets.Dataset.from_parquet(str(path)).to_list()
+
+
+def _read_hub(spec: SourceSpec) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(spec.name, split=spec.split)
+    except Exception as exc:  # datasets raises many types; the user needs the name and the cause
+        raise UserError(
+            f"dataset {spec.name!r} (split {spec.split!r}) could not be loaded: {exc}. "
+            "If it is meant to be a local file, check the path; if a Hub dataset, check the id and network access"
+        ) from exc
+    return dataset.to_list()
+
+
+def read_source(spec: SourceSpec) -> LoadedSource:
+    """All rows of one source, in file order."""
+    path = Path(spec.name).expanduser()
+    if spec.name.endswith(LOCAL_SUFFIXES) and not path.exists():
+        raise UserError(f"--dataset_mixer_list: data file {spec.name} does not exist; check the path")
+    if path.is_dir():
+        import datasets
+
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            loaded = loaded[spec.split]
+        return LoadedSource(spec, loaded.to_list())
+    if path.is_file():
+        line_numbers = None
+        if path.suffix == ".jsonl":
+            rows, line_numbers = _read_jsonl(path)
+        elif path.suffix == ".json":
+            rows = _read_json(path)
+        elif path.suffix == ".parquet":
+            rows = _read_parquet(path)
+        else:
+            raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
+        if not rows:
+            raise UserError(f"{path}: the file has no rows")
+        return LoadedSource(spec, rows, line_numbers)
+    return LoadedSource(spec, _read_hub(spec))

@@ -1,0 +1,119 @@
+"""Chat template rendering and exact assistant-only labels.
+
+The trained character spans are found by rendering prefixes of the conversation: for assistant
+message i, `render(messages[:i], add_generation_prompt=True)` ends where its content starts, and
+`render(messages[:i+1])` ends after its end-of-turn marker. The rendered text is then tokenized
+once with offsets, and a token is trained when its characters overlap a trained span. Working in
+characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
+boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from transformers import PreTrainedTokenizerBase
+
+from open_sft.data.formats import Messages, RowError
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Example:
+    """One tokenized training example; labels are IGNORE_INDEX where no loss is taken."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
+    """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
+    everything up to and including the last special-token marker, nothing after it."""
+    end = 0
+    for marker in markers:
+        position = suffix.rfind(marker)
+        if position >= 0:
+            end = max(end, position + len(marker))
+    return end
+
+
+def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Strings that can close an assistant turn: the tokenizer's special tokens."""
+    return tuple(sorted(set(tokenizer.all_special_tokens), key=len, reverse=True))
+
+
+def trained_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character spans that carry a loss."""
+    text = render(tokenizer, messages)
+    if train_on == "all":
+        return text, [(0, len(text))]
+    assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if train_on == "last_assistant":
+        assistant_indices = assistant_indices[-1:]
+    spans = []
+    for i in assistant_indices:
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render(tokenizer, messages[: i + 1])
+        content = messages[i]["content"]
+        if text.startswith(prompt) and text.startswith(through):
+            start = text.find(content.strip(), len(prompt))
+            if start < 0 or start >= len(through):
+                raise RowError(f"message {i + 1} (assistant): its content does not appear in the rendered template")
+            content_end = start + len(content.strip())
+            end = content_end + _end_of_turn_length(text[content_end : len(through)], markers)
+        else:
+            raise RowError(
+                "the chat template is not prefix-stable for this conversation (rendering the first "
+                f"{i} messages is not a prefix of the full rendering); choose another template"
+            )
+        spans.append((start, end))
+    return text, spans
+
+
+def label_tokens(
+    input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
+) -> list[int]:
+    """Copy each token id whose characters overlap a trained span; IGNORE_INDEX elsewhere."""
+    labels = [IGNORE_INDEX] * len(input_ids)
+    span_index = 0
+    for t, (start, end) in enumerate(offsets):
+        while span_index < len(spans) and spans[span_index][1] <= start:
+            span_index += 1
+        if span_index == len(spans):
+            break
+        span_start, span_end = spans[span_index]
+        if end > span_start and start < span_end:
+            labels[t] = input_ids[t]
+    return labels
+
+
+def truncate_example(example: Example, max_seq_length: int, truncation: str) -> tuple[Optional[Example], str]:
+    """Apply --max_seq_length; returns (example or None, drop/keep reason)."""
+    if len(example.input_ids) <= max_seq_length:
+        return example, "kept"
+    if truncation == "drop":
+        return None, "too_long"
+    cut = Example(example.input_ids[:max_seq_length], example.labels[:max_seq_length])
+    if all(label == IGNORE_INDEX for label in cut.labels[1:]):
+        return None, "no_trained_tokens_after_truncation"
+    return cut, "truncated"
+
+
+def tokenize_conversations(
+    tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, list[tuple[int, int]]]]
+) -> list[Example]:
+    """Tokenize rendered conversations in one batch (fast tokenizers parallelise it) and label them."""
+    texts = [text for text, _ in texts_and_spans]
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        Example(ids, label_tokens(ids, offsets, spans))
+        for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], texts_and_spans)
+    ]

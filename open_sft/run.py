@@ -1,0 +1,123 @@
+"""One fine-tuning run: parse → build data → build model → train → export. `finetune.py` calls `main`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from open_sft.config import FinetuneConfig, parse_config
+from open_sft.errors import UserError
+
+logger = logging.getLogger("open_sft")
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _setup_logging() -> None:
+    level = logging.INFO if _is_main_rank() else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=level, stream=sys.stdout, force=True)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate", "datasets", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def run(config: FinetuneConfig) -> dict:
+    """Train and export; returns a summary. Raises UserError for problems the user can fix."""
+    from open_sft import distributed
+    from open_sft.data.pipeline import build_examples
+    from open_sft.export import git_revision, library_versions, save_model, write_json
+    from open_sft.loss import TokenLossModel
+    from open_sft.metrics import FlopCounter, MetricsWriter, device_peak_flops
+    from open_sft.model import compute_dtype, load_model, load_tokenizer
+    from open_sft.optim import build_optimizer
+    from open_sft.trainer import Trainer, plan_schedule
+
+    m, d, t = config.model, config.data, config.train
+    dtype = compute_dtype(m)
+    torch.manual_seed(t.seed)
+    tokenizer = load_tokenizer(m)
+    examples, reports = build_examples(d, tokenizer, t.seed)
+    model = load_model(m)
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ds_config = distributed.deepspeed_config_from_env()
+    if ds_config is not None:
+        ds_config = distributed.resolve_deepspeed_config(
+            ds_config, micro_batch_size=t.per_device_train_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps, world_size=world_size,
+            bf16=dtype == torch.bfloat16, clip_grad_norm=t.clip_grad_norm,
+            hidden_size=getattr(model.config, "hidden_size", None),
+        )
+    accelerator = distributed.build_accelerator(
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
+    )
+    schedule = plan_schedule(t, len(examples), accelerator.num_processes)
+    output_dir = Path(t.output_dir)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    logger.info("world size %d (%s), compute dtype %s, %d threads per rank", accelerator.num_processes,
+                accelerator.distributed_type.name, dtype, torch.get_num_threads())
+    logger.info("schedule: %s", schedule.to_dict())
+
+    backbone_params = sum(p.numel() for n, p in model.named_parameters()
+                          if "embed" not in n and p is not model.get_output_embeddings().weight)
+    flop_counter = FlopCounter(model.config, backbone_params)
+    peak = device_peak_flops(dtype)
+    wrapped = TokenLossModel(model)
+    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay)
+    wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
+
+    tensorboard_dir = output_dir / "tensorboard" if t.with_tracking and t.report_to == "tensorboard" else None
+    metrics = MetricsWriter(output_dir / "metrics.jsonl", tensorboard_dir) if accelerator.is_main_process else None
+    run_info = {
+        "args": config.to_dict(), "versions": library_versions(), "world_size": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.name, "compute_dtype": str(dtype),
+        "loss_normalization": t.loss_normalization, "schedule": schedule.to_dict(),
+        "dataset_cache_key": None, "git_revision": git_revision(), "deepspeed_config": ds_config,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+    if accelerator.is_main_process:
+        write_json(output_dir / "run.json", run_info)
+        write_json(output_dir / "data_report.json", {"sources": [r.to_dict() for r in reports],
+                                                    "examples": len(examples)})
+
+    trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, examples, tokenizer.pad_token_id,
+                      flop_counter, peak, metrics, reduce_sum=distributed.all_reduce_sum)
+    records = trainer.train()
+    if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
+        write_json(output_dir / f"data_order.rank{accelerator.process_index}.json",
+                   {"rank": accelerator.process_index, "example_indices": trainer.seen_example_ids})
+
+    state_dict = distributed.gather_full_state_dict(accelerator, wrapped)
+    if accelerator.is_main_process:
+        state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+        save_model(accelerator.unwrap_model(wrapped).model, state_dict, tokenizer, output_dir)
+        metrics.close()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {"records": records, "output_dir": str(output_dir)}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    _setup_logging()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        from open_sft import distributed
+
+        distributed.setup_cpu_environment()
+        config = parse_config(argv)
+        run(config)
+    except UserError as exc:
+        if _is_main_rank():
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

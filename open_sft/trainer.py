@@ -1,0 +1,199 @@
+"""The training loop: global batches, token-normalised loss, optimizer steps, metrics.
+
+Loss normalisation (--loss_normalization token): the gradient of an optimizer step is that of
+    sum of token losses over the global batch (all micro-batches of all ranks) / its trained tokens.
+The trained-token count of the global batch is all-reduced before the first micro-batch, so each
+micro-batch's loss sum can be divided by it. Accelerate (outside DeepSpeed) and DeepSpeed both
+divide the loss by the accumulation steps, and DDP/ZeRO average gradients over ranks, so we
+multiply by accumulation × world size to undo both.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from open_sft.config import TrainingArguments
+from open_sft.data.batching import BatchLayout, collate, epoch_order, micro_batches_for_rank, steps_per_epoch
+from open_sft.data.pipeline import count_trained
+from open_sft.data.tokenize import Example
+from open_sft.metrics import FlopCounter, MetricsWriter, peak_memory_gib
+from open_sft.optim import lr_multiplier, warmup_steps_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Derived once from the flags and the data; logged and written to run.json."""
+
+    layout: BatchLayout
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    num_epochs: int
+
+    def to_dict(self) -> dict:
+        return {"micro_batch_size": self.layout.micro_batch_size,
+                "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,
+                "world_size": self.layout.world_size, "global_batch_size": self.layout.global_batch_size,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs}
+
+
+def plan_schedule(args: TrainingArguments, n_examples: int, world_size: int) -> Schedule:
+    layout = BatchLayout(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size)
+    per_epoch = steps_per_epoch(n_examples, layout)
+    total = args.max_train_steps or per_epoch * args.num_train_epochs
+    return Schedule(layout, per_epoch, total, warmup_steps_for(args.warmup_ratio, total), math.ceil(total / per_epoch))
+
+
+@dataclass
+class Window:
+    """Accumulators of one logging window (global sums over ranks)."""
+
+    loss_sum: float = 0.0
+    trained_tokens: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+    started: float = 0.0
+
+
+class Trainer:
+    def __init__(self, accelerator, model, optimizer, args: TrainingArguments, schedule: Schedule,
+                 examples: list[Example], pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
+                 metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.args = args
+        self.schedule = schedule
+        self.examples = examples
+        self.pad_token_id = pad_token_id
+        self.flop_counter = flop_counter
+        self.peak_flops = peak_flops
+        self.metrics = metrics
+        self.reduce_sum = reduce_sum
+        self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
+        self.train_tokens = 0
+        self.total_tokens = 0
+        self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
+
+    def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
+        epoch, step_in_epoch = divmod(step, self.schedule.steps_per_epoch)
+        order = epoch_order(len(self.examples), self.args.seed, epoch)
+        slots = micro_batches_for_rank(order, step_in_epoch, self.schedule.layout, self.accelerator.process_index)
+        batches = []
+        for indices in slots:
+            if indices:
+                batches.append((collate([self.examples[i] for i in indices], self.pad_token_id), indices))
+            else:  # past the end of a partial last batch: same compute, no loss
+                batches.append((collate([self.examples[order[0]]], self.pad_token_id, loss_free=True), []))
+        return batches
+
+    def _loss_scale(self, trained_global: float, trained_local: float) -> float:
+        """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
+        undo = self.schedule.layout.gradient_accumulation_steps * self.schedule.layout.world_size
+        if self.args.loss_normalization == "token":
+            return undo / max(trained_global, 1.0)
+        if self.args.loss_normalization == "sum":
+            return float(undo)
+        return 1.0 / max(trained_local, 1.0)  # "mean": each micro-batch's own mean, averaged
+
+    def _set_lr(self, step: int) -> float:
+        lr = self.args.learning_rate * lr_multiplier(
+            self.args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _clip_and_norm(self) -> float:
+        if self.is_deepspeed:
+            return float("nan")  # DeepSpeed clips inside its step; the norm is read after it
+        max_norm = self.args.clip_grad_norm if self.args.clip_grad_norm > 0 else float("inf")
+        return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def train_step(self, step: int) -> dict:
+        batches = self._micro_batches(step)
+        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
+        lengths = [batch["attention_mask"].sum(dim=1) for batch, _ in batches]
+        local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
+                              sum(int((l.double() ** 2).sum()) for l in lengths)], dtype=torch.float64)
+        trained_global, tokens_global, squares_global = self.reduce_sum(local).tolist()
+        lr = self._set_lr(step)
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        grad_norm = float("nan")
+        for a, ((batch, indices), trained_local) in enumerate(zip(batches, local_counts)):
+            self.seen_example_ids.extend(indices)
+            with self.accelerator.accumulate(self.model):
+                with self.accelerator.autocast():
+                    token_loss_sum = self.model(**batch)
+                loss_sum += token_loss_sum.detach().double()
+                self.accelerator.backward(token_loss_sum * self._loss_scale(trained_global, trained_local))
+                if a == len(batches) - 1:
+                    grad_norm = self._clip_and_norm()
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        if self.is_deepspeed:
+            grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
+        loss_global = float(self.reduce_sum(loss_sum.reshape(1))[0])
+        flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
+        return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
+                "lr": lr, "grad_norm": grad_norm, "flops": flops}
+
+    def train(self, start_step: int = 0) -> list[dict]:
+        """Run to the end of the schedule; returns the logged records (also written to metrics.jsonl)."""
+        records = []
+        window = Window(started=time.perf_counter())
+        run_started = time.perf_counter()
+        for step in range(start_step, self.schedule.total_steps):
+            result = self.train_step(step)
+            window.loss_sum += result["loss_sum"]
+            window.trained_tokens += result["trained_tokens"]
+            window.tokens += result["tokens"]
+            window.flops += result["flops"]
+            self.train_tokens += result["trained_tokens"]
+            self.total_tokens += result["tokens"]
+            done = step + 1
+            if done % self.args.logging_steps == 0 or done == self.schedule.total_steps:
+                seconds = max(time.perf_counter() - window.started, 1e-9)
+                record = {
+                    "step": done,
+                    "epoch": round(done / self.schedule.steps_per_epoch, 4),
+                    "loss": window.loss_sum / max(window.trained_tokens, 1),
+                    "learning_rate": result["lr"],
+                    "grad_norm": result["grad_norm"],
+                    "train_tokens": self.train_tokens,
+                    "total_tokens": self.total_tokens,
+                    "tokens_per_second": window.tokens / seconds,
+                    "mfu": window.flops / seconds / (self.peak_flops * self.schedule.layout.world_size),
+                    "peak_memory_gib": peak_memory_gib(),
+                    "elapsed_s": time.perf_counter() - run_started,
+                }
+                records.append(record)
+                self._log(record)
+                window = Window(started=time.perf_counter())
+        return records
+
+    def _log(self, record: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        total = self.schedule.total_steps
+        remaining = record["elapsed_s"] / record["step"] * (total - record["step"])
+        logger.info(
+            "step %d/%d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tok/s | mfu %.1f%% | mem %.2f GiB | eta %.0fs",
+            record["step"], total, record["loss"], record["learning_rate"], record["grad_norm"],
+            record["tokens_per_second"], 100 * record["mfu"], record["peak_memory_gib"], remaining,
+        )
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+
+def count_trained_batch(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())

@@ -1,0 +1,31 @@
+# Sourced by demo.sh and test.sh: create/reuse .venv and install the project into it.
+# Usage: source scripts/_venv.sh [extras]   (extras like "test")
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${OPEN_SFT_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${1:-}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[setup] creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+# On a machine without an NVIDIA GPU, install the CPU build of torch first: a bare `torch`
+# requirement pulls a multi-GB CUDA build. Set OPEN_SFT_TORCH_SPEC to choose another build;
+# GPU machines skip this and get torch (with CUDA) from setup.cfg's requirement.
+if ! python -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "[setup] installing CPU torch"
+    pip install --quiet ${OPEN_SFT_TORCH_SPEC:-torch==2.13.0}
+fi
+
+# Reinstall only when the dependency list changed (a stamp of setup.cfg + extras).
+STAMP="$VENV/.open_sft_install"
+WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+    echo "[setup] installing open_sft${EXTRAS:+[$EXTRAS]} into $VENV"
+    pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    echo "$WANT" > "$STAMP"
+fi
