@@ -30,7 +30,10 @@ class RowError(ValueError):
 
 
 def _from_messages(row: dict[str, Any]) -> Messages:
-    messages = row.get("messages")
+    if "messages" not in row:
+        raise RowError(f"row has no 'messages' (columns: {sorted(row)}); every row of this source needs a "
+                       "'messages' list of {role, content}")
+    messages = row["messages"]
     if not isinstance(messages, list) or not messages:
         raise RowError("'messages' must be a non-empty list of {role, content} objects")
     out = []

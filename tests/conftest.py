@@ -1,0 +1,72 @@
+"""Shared fixtures: offline environment, the tiny embedded model, and a runner for finetune.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# An accidental download must fail loudly, not hang or pass by luck.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "open_sft" / "embedded" / "data" / "sample.jsonl"
+FINETUNE = ROOT / "finetune.py"
+DS_CONFIGS = ROOT / "configs" / "ds"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The embedded default at test size, built once per session by the project's own factory."""
+    from open_sft.embedded.factory import build_embedded_default
+
+    out = tmp_path_factory.mktemp("tiny_model")
+    return build_embedded_default(out, vocab_size=1024, hidden_size=64, num_layers=2, seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+                "OPEN_SFT_RECORD_DATA_ORDER": "1", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+def launch_command(processes: int, deepspeed_config: str | None) -> list[str]:
+    """`python finetune.py` for one process, else `accelerate launch` with real ranks."""
+    if processes == 1 and deepspeed_config is None:
+        return [sys.executable, str(FINETUNE)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port())]
+    if deepspeed_config is not None:
+        cmd += ["--use_deepspeed", "--deepspeed_config_file", str(DS_CONFIGS / deepspeed_config)]
+    else:
+        cmd += ["--multi_gpu"]
+    return cmd + [str(FINETUNE)]
+
+
+def run_finetune(args: list[str], processes: int = 1, deepspeed_config: str | None = None,
+                 timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(launch_command(processes, deepspeed_config) + args, cwd=ROOT, env=child_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+    return result
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,60 @@
+"""Argument parsing: flags, a YAML file with flag overrides, and up-front validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from open_sft.config import parse_config
+from open_sft.errors import ConfigError, UserError
+
+BASE = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]
+
+
+def test_flags_and_defaults() -> None:
+    config = parse_config(BASE + ["--per_device_train_batch_size", "2", "--gradient_checkpointing"])
+    assert config.model.model_name_or_path == "org/model"
+    assert config.data.dataset_mixer_list == ["a.jsonl", "1.0"]
+    assert config.train.per_device_train_batch_size == 2
+    assert config.model.gradient_checkpointing is True
+    # Contract defaults.
+    assert config.train.learning_rate == 2e-5
+    assert config.train.num_train_epochs == 2
+    assert config.train.warmup_ratio == 0.03
+    assert config.train.loss_normalization == "token"
+    assert config.data.max_seq_length == 2048
+    assert config.train.seed == 42
+    assert config.train.clip_grad_norm == 1.0
+
+
+def test_yaml_then_flags_override(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model_name_or_path: org/model\n"
+        "dataset_mixer_list: [a.jsonl, '0.5', b.jsonl, '100']\n"
+        "learning_rate: 1.0e-4\n"
+        "per_device_train_batch_size: 4\n"
+    )
+    config = parse_config([str(path), "--learning_rate", "3e-4"])
+    assert config.train.learning_rate == 3e-4  # flag wins
+    assert config.train.per_device_train_batch_size == 4  # from YAML
+    assert config.data.dataset_mixer_list == ["a.jsonl", "0.5", "b.jsonl", "100"]
+
+
+def test_yaml_unknown_key_is_named(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name_or_path: x\nlearning_rat: 1.0\n")
+    with pytest.raises(UserError, match="unknown setting\\(s\\) learning_rat"):
+        parse_config([str(path)])
+
+
+def test_all_problems_reported_at_once(tmp_path) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--model_name_or_path", str(tmp_path / "missing"), "--dataset_mixer_list", "a.jsonl",
+                      "--learning_rate", "-1", "--truncation", "cut", "--per_device_train_batch_size", "0"])
+    text = str(info.value)
+    assert "missing: no such file or directory" in text
+    assert "NAME AMOUNT pairs" in text
+    assert "--learning_rate must be positive" in text
+    assert "--truncation 'cut' is not one of truncate, drop" in text
+    assert "--per_device_train_batch_size must be at least 1" in text
+    assert len(info.value.problems) == 5

@@ -1,0 +1,80 @@
+"""Bad input → one clear message naming the file, line and fix; exit code 2; nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import FINETUNE, ROOT, child_env
+from open_sft.run import main
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+def write_lines(path, lines: list[str]) -> str:
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def run_main(capsys, model: str, data: str, output_dir) -> str:
+    code = main(["--model_name_or_path", model, "--dataset_mixer_list", data, "1.0",
+                 "--output_dir", str(output_dir), "--max_train_steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not output_dir.exists(), "a failed run must not leave files in --output_dir"
+    return err
+
+
+@pytest.mark.parametrize(
+    "lines, expected",
+    [
+        ([json.dumps(GOOD), "{not json"], "bad.jsonl line 2: not valid JSON"),
+        ([json.dumps(GOOD), json.dumps(GOOD), json.dumps({"text": "hello"})],
+         "bad.jsonl line 3: row has no 'messages' (columns: ['text'])"),
+        ([json.dumps({"text": "hello"})], "bad.jsonl line 1: cannot tell the data format from the columns ['text']"),
+        ([json.dumps({"messages": [{"role": "gpt", "content": "x"}]})],
+         "bad.jsonl line 1: message 1 has role 'gpt'; expected one of system, user, assistant, tool"),
+        ([json.dumps(GOOD), json.dumps({"messages": [{"role": "user", "content": "only a question"}]})],
+         "bad.jsonl line 2: the conversation ends with a user turn; it must end with an assistant turn"),
+        ([json.dumps({"messages": "hello"})], "bad.jsonl line 1: 'messages' must be a non-empty list"),
+        (["[1, 2]"], "bad.jsonl line 1: expected a JSON object, got list"),
+    ],
+    ids=["malformed-json", "no-messages", "unknown-format", "bad-role", "ends-with-user", "messages-not-list", "not-object"],
+)
+def test_bad_rows(tmp_path, capsys, tiny_model_dir, lines, expected) -> None:
+    data = write_lines(tmp_path / "bad.jsonl", lines)
+    err = run_main(capsys, str(tiny_model_dir), data, tmp_path / "out")
+    assert expected in err
+
+
+def test_missing_data_file(tmp_path, capsys, tiny_model_dir) -> None:
+    err = run_main(capsys, str(tiny_model_dir), str(tmp_path / "nope.jsonl"), tmp_path / "out")
+    assert "data file" in err and "nope.jsonl does not exist" in err
+
+
+def test_missing_model_path(tmp_path, capsys) -> None:
+    data = write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)])
+    err = run_main(capsys, str(tmp_path / "no_model"), data, tmp_path / "out")
+    assert "--model_name_or_path" in err and "no_model: no such file or directory" in err
+
+
+def test_row_count_larger_than_source(tmp_path, capsys, tiny_model_dir) -> None:
+    data = write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)] * 3)
+    code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", data, "5",
+                 "--output_dir", str(tmp_path / "out")])
+    assert code == 2
+    assert "asked for 5 rows of" in capsys.readouterr().err
+
+
+def test_exit_code_from_the_command_line(tmp_path, tiny_model_dir) -> None:
+    data = write_lines(tmp_path / "bad.jsonl", [json.dumps(GOOD), "{oops"])
+    result = subprocess.run([sys.executable, str(FINETUNE), "--model_name_or_path", str(tiny_model_dir),
+                             "--dataset_mixer_list", data, "1.0", "--output_dir", str(tmp_path / "out")],
+                            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "bad.jsonl line 2: not valid JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
