@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,7 +96,8 @@ def _launched_by_launcher() -> bool:
     torchrun-style launchers export LOCAL_RANK; every ``accelerate launch`` code path (also its
     single-process "simple launcher") exports ACCELERATE_DYNAMO_BACKEND.
     """
-    return any(name in os.environ for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_DYNAMO_BACKEND"))
+    markers = ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "ACCELERATE_DYNAMO_BACKEND")
+    return any(name in os.environ for name in markers)
 
 
 def _multi_rank_launch() -> bool:
@@ -152,6 +154,11 @@ def setup_cpu_environment() -> None:
     """
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # DeepSpeed 0.19 calls torch.distributed.{all_gather_into_tensor,reduce_scatter_tensor},
+    # which torch 2.13 flags as deprecated on *every* call: keep the logs readable.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
+    )
 
     override = os.environ.get(NUM_THREADS_ENV)
     threads: int | None = None
@@ -175,12 +182,15 @@ def setup_cpu_environment() -> None:
 # --------------------------------------------------------------------------------------------
 # DeepSpeed config
 # --------------------------------------------------------------------------------------------
-def _check_or_fill(node: dict[str, Any], key: str, value: Any, path: str) -> None:
+def _check_or_fill(node: dict[str, Any], key: str, value: Any) -> None:
     current = node.get(key, "auto")
     if current == "auto":
         node[key] = value
     elif current != value:
-        raise ValueError(f"DeepSpeed config {path}={current!r} conflicts with the training flags ({value!r}); set it to \"auto\"")
+        raise ValueError(
+            f"DeepSpeed config {key}={current!r} conflicts with the training flags ({value!r}); "
+            'set it to "auto"'
+        )
 
 
 def _find_auto(node: Any, prefix: str = "") -> list[str]:
@@ -216,16 +226,16 @@ def resolve_deepspeed_config(
     cfg = copy.deepcopy(config)
     for section in ("optimizer", "scheduler"):
         if section in cfg:
-            raise ValueError(f"DeepSpeed config must not contain {section!r}: open_sft creates its own {section}")
+            raise ValueError(
+                f"DeepSpeed config must not contain {section!r}: open_sft creates its own {section}"
+            )
     if micro_batch_size < 1 or gradient_accumulation_steps < 1 or world_size < 1:
         raise ValueError("micro_batch_size, gradient_accumulation_steps and world_size must be >= 1")
 
-    _check_or_fill(cfg, "train_micro_batch_size_per_gpu", micro_batch_size, "train_micro_batch_size_per_gpu")
-    _check_or_fill(cfg, "gradient_accumulation_steps", gradient_accumulation_steps, "gradient_accumulation_steps")
-    _check_or_fill(
-        cfg, "train_batch_size", micro_batch_size * gradient_accumulation_steps * world_size, "train_batch_size"
-    )
-    _check_or_fill(cfg, "gradient_clipping", float(clip_grad_norm) if clip_grad_norm > 0 else 0.0, "gradient_clipping")
+    _check_or_fill(cfg, "train_micro_batch_size_per_gpu", micro_batch_size)
+    _check_or_fill(cfg, "gradient_accumulation_steps", gradient_accumulation_steps)
+    _check_or_fill(cfg, "train_batch_size", micro_batch_size * gradient_accumulation_steps * world_size)
+    _check_or_fill(cfg, "gradient_clipping", float(clip_grad_norm) if clip_grad_norm > 0 else 0.0)
 
     for name, wanted in (("bf16", bf16), ("fp16", False)):
         section = cfg.setdefault(name, {})
@@ -238,7 +248,9 @@ def resolve_deepspeed_config(
             section["enabled"] = wanted
         elif enabled != wanted:
             hint = "fp16 is not supported" if name == "fp16" else "set it to \"auto\""
-            raise ValueError(f"DeepSpeed config {name}.enabled={section['enabled']!r} conflicts with bf16={bf16} ({hint})")
+            raise ValueError(
+                f"DeepSpeed config {name}.enabled={section['enabled']!r} conflicts with bf16={bf16} ({hint})"
+            )
         else:
             section["enabled"] = wanted
 
@@ -377,9 +389,10 @@ def loss_multiplier(accelerator: Accelerator) -> int:
 
 
 def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
-    """Sum a scalar (or tensor) over all ranks; works with gloo on CPU. Returns a CPU tensor.
+    """Sum a scalar (or tensor) over all ranks; works with gloo on CPU (and nccl).
 
-    Must be called by every rank (collective).  Integers are summed exactly as int64.
+    Must be called by every rank (collective).  Python ints are summed exactly as int64,
+    floats as float64; the result is on the input tensor's device (CPU for Python numbers).
     """
     if isinstance(value, torch.Tensor):
         tensor = value.detach().clone()
@@ -387,7 +400,8 @@ def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
         tensor = torch.tensor(value, dtype=torch.int64)
     else:
         tensor = torch.tensor(float(value), dtype=torch.float64)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         backend = torch.distributed.get_backend()
         device = tensor.device
         if backend == "nccl" and device.type != "cuda":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 import sys
 from pathlib import Path
 from typing import Optional
@@ -21,11 +22,12 @@ def _is_main_rank() -> bool:
 
 
 def _setup_logging() -> None:
-    level = logging.INFO if _is_main_rank() else logging.WARNING
+    """open_sft logs INFO on rank 0 and warnings elsewhere; other libraries only warnings."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=level, stream=sys.stdout, force=True)
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "accelerate", "datasets", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+                        level=logging.WARNING, stream=sys.stdout, force=True)
+    logging.getLogger("open_sft").setLevel(logging.INFO if _is_main_rank() else logging.WARNING)
+    # torch.distributed's own deprecation notices, emitted from inside DeepSpeed's collectives.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 def run(config: FinetuneConfig) -> dict:

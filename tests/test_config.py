@@ -58,3 +58,14 @@ def test_all_problems_reported_at_once(tmp_path) -> None:
     assert "--truncation 'cut' is not one of truncate, drop" in text
     assert "--per_device_train_batch_size must be at least 1" in text
     assert len(info.value.problems) == 5
+
+
+def test_example_configs_parse(tmp_path) -> None:
+    """Every shipped example YAML is valid (paths overridden, since they point at built artefacts)."""
+    from conftest import ROOT
+
+    examples = sorted((ROOT / "configs" / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        config = parse_config([str(path), "--model_name_or_path", "org/model"])
+        assert config.data.dataset_mixer_list and config.train.output_dir
