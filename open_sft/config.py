@@ -69,6 +69,13 @@ class DataArguments:
         "Which tokens get a loss: all_assistant (every assistant turn), last_assistant, all.",
         default="all_assistant",
     )
+    dataset_local_cache_dir: str = _help(
+        "Directory of the tokenization cache (OPEN_SFT_CACHE overrides it).", default="local_dataset_cache"
+    )
+    dataset_skip_cache: bool = _help("Tokenize without reading or writing the cache.", default=False)
+    cache_dataset_only: bool = _help(
+        "Build the tokenization cache, print its path on the last line, and exit without training.", default=False
+    )
 
 
 @dataclass

@@ -33,7 +33,7 @@ def _setup_logging() -> None:
 def run(config: FinetuneConfig) -> dict:
     """Train and export; returns a summary. Raises UserError for problems the user can fix."""
     from open_sft import distributed
-    from open_sft.data.pipeline import build_examples
+    from open_sft.data.pipeline import prepare_data
     from open_sft.export import git_revision, library_versions, save_model, write_json
     from open_sft.loss import TokenLossModel
     from open_sft.metrics import FlopCounter, MetricsWriter, device_peak_flops
@@ -45,7 +45,11 @@ def run(config: FinetuneConfig) -> dict:
     dtype = compute_dtype(m)
     torch.manual_seed(t.seed)
     tokenizer = load_tokenizer(m)
-    examples, reports = build_examples(d, tokenizer, t.seed)
+    data = prepare_data(d, tokenizer, t.seed)
+    if d.cache_dataset_only:
+        if _is_main_rank():
+            print(data.cache_path)
+        return {"cache_path": str(data.cache_path)}
     model = load_model(m)
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -61,7 +65,7 @@ def run(config: FinetuneConfig) -> dict:
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
     )
-    schedule = plan_schedule(t, len(examples), accelerator.num_processes)
+    schedule = plan_schedule(t, len(data), accelerator.num_processes)
     output_dir = Path(t.output_dir)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -84,15 +88,14 @@ def run(config: FinetuneConfig) -> dict:
         "args": config.to_dict(), "versions": library_versions(), "world_size": accelerator.num_processes,
         "distributed_type": accelerator.distributed_type.name, "compute_dtype": str(dtype),
         "loss_normalization": t.loss_normalization, "schedule": schedule.to_dict(),
-        "dataset_cache_key": None, "git_revision": git_revision(), "deepspeed_config": ds_config,
+        "dataset_cache_key": data.cache_key, "dataset_cache_path": str(data.cache_path), "git_revision": git_revision(), "deepspeed_config": ds_config,
         "threads_per_rank": torch.get_num_threads(),
     }
     if accelerator.is_main_process:
         write_json(output_dir / "run.json", run_info)
-        write_json(output_dir / "data_report.json", {"sources": [r.to_dict() for r in reports],
-                                                    "examples": len(examples)})
+        write_json(output_dir / "data_report.json", data.report)
 
-    trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, examples, tokenizer.pad_token_id,
+    trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id,
                       flop_counter, peak, metrics, reduce_sum=distributed.all_reduce_sum)
     records = trainer.train()
     if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on

@@ -20,8 +20,7 @@ import torch
 
 from open_sft.config import TrainingArguments
 from open_sft.data.batching import BatchLayout, collate, epoch_order, micro_batches_for_rank, steps_per_epoch
-from open_sft.data.pipeline import count_trained
-from open_sft.data.tokenize import Example
+from open_sft.data.pipeline import PreparedData
 from open_sft.metrics import FlopCounter, MetricsWriter, peak_memory_gib
 from open_sft.optim import lr_multiplier, warmup_steps_for
 
@@ -66,14 +65,14 @@ class Window:
 
 class Trainer:
     def __init__(self, accelerator, model, optimizer, args: TrainingArguments, schedule: Schedule,
-                 examples: list[Example], pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
+                 data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
                  metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
         self.args = args
         self.schedule = schedule
-        self.examples = examples
+        self.data = data
         self.pad_token_id = pad_token_id
         self.flop_counter = flop_counter
         self.peak_flops = peak_flops
@@ -86,14 +85,14 @@ class Trainer:
 
     def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
         epoch, step_in_epoch = divmod(step, self.schedule.steps_per_epoch)
-        order = epoch_order(len(self.examples), self.args.seed, epoch)
+        order = epoch_order(len(self.data), self.args.seed, epoch)
         slots = micro_batches_for_rank(order, step_in_epoch, self.schedule.layout, self.accelerator.process_index)
         batches = []
         for indices in slots:
             if indices:
-                batches.append((collate([self.examples[i] for i in indices], self.pad_token_id), indices))
+                batches.append((collate([self.data.example(i) for i in indices], self.pad_token_id), indices))
             else:  # past the end of a partial last batch: same compute, no loss
-                batches.append((collate([self.examples[order[0]]], self.pad_token_id, loss_free=True), []))
+                batches.append((collate([self.data.example(order[0])], self.pad_token_id, loss_free=True), []))
         return batches
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:

@@ -22,6 +22,14 @@ FINETUNE = ROOT / "finetune.py"
 DS_CONFIGS = ROOT / "configs" / "ds"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokenization_cache(tmp_path_factory) -> Path:
+    """One tokenization cache for the session (runs in subprocesses inherit it through the environment)."""
+    path = tmp_path_factory.mktemp("tokenization_cache")
+    os.environ["OPEN_SFT_CACHE"] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The embedded default at test size, built once per session by the project's own factory."""

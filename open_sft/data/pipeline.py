@@ -9,14 +9,16 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config import DataArguments
 from open_sft.data.formats import RowError, detect_format, to_messages
 from open_sft.data.mixer import select_indices
-from open_sft.data.sources import parse_mixer_list, read_source
+from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
+from open_sft.data.sources import parse_mixer_list, read_source, source_identity
 from open_sft.data.tokenize import (
     IGNORE_INDEX,
     Example,
@@ -49,6 +51,24 @@ class SourceReport:
             "rows_dropped": dict(self.dropped), "truncated": self.truncated,
             "tokens": self.tokens, "trained_tokens": self.trained_tokens,
         }
+
+
+@dataclass
+class PreparedData:
+    """The tokenized training set (memory-mapped `datasets.Dataset`) and how it was made."""
+
+    dataset: Any
+    report: dict[str, Any]
+    cache_key: str
+    cache_path: Optional[Path]
+    cache_hit: bool
+
+    def example(self, index: int) -> Example:
+        row = self.dataset[index]
+        return Example(row["input_ids"], row["labels"])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
 
 
 def _check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -110,3 +130,44 @@ def build_examples(
     if not examples:
         raise UserError("no training examples are left after mixing, truncation and filtering; see the data report")
     return examples, reports
+
+
+def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict[str, Any]:
+    """Everything that changes the tokenized output, for the cache key (and key.json)."""
+    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits)
+    return {
+        "sources": [{"name": s.name, "identity": source_identity(s), "amount": s.amount,
+                     "is_fraction": s.is_fraction, "split": s.split} for s in specs],
+        "seed": seed,
+        "max_seq_length": args.max_seq_length,
+        "truncation": args.truncation,
+        "train_on": args.train_on,
+        "tokenizer_files": tokenizer_fingerprint(tokenizer),
+        "chat_template": tokenizer.chat_template,
+        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    }
+
+
+def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[Any, dict[str, Any]]:
+    import datasets
+
+    examples, reports = build_examples(args, tokenizer, seed)
+    dataset = datasets.Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
+                                          "labels": [e.labels for e in examples]})
+    report = {"sources": [r.to_dict() for r in reports], "examples": len(examples),
+              "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports)}
+    return dataset, report
+
+
+def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreparedData:
+    """Tokenized training data from the cache, building (once, under a lock) on a miss."""
+    _check_chat_template(tokenizer)
+    inputs = key_inputs(args, tokenizer, seed)
+    key = cache_key(inputs)
+    if args.dataset_skip_cache:
+        dataset, report = _build(args, tokenizer, seed)
+        return PreparedData(dataset, report, key, None, False)
+    cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
+    dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, lambda: _build(args, tokenizer, seed))
+    logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
+    return PreparedData(dataset, report, key, entry, hit)

@@ -6,6 +6,7 @@ its file and line number; `datasets`' JSON loader only says that parsing failed 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -66,6 +67,29 @@ class LoadedSource:
         return f"{self.spec.name} row {index}"
 
 
+def _local_path(spec: SourceSpec) -> Path:
+    path = Path(spec.name).expanduser()
+    if spec.name.endswith(LOCAL_SUFFIXES) and not path.exists():
+        raise UserError(f"--dataset_mixer_list: data file {spec.name} does not exist; check the path")
+    return path
+
+
+def source_identity(spec: SourceSpec) -> str:
+    """What the cache key records for a source: the content hash of a local file or directory,
+    else the dataset id and split (the loaded dataset's fingerprint is added by the pipeline)."""
+    from open_sft.data.cache import sha256_file
+
+    path = _local_path(spec)
+    if path.is_file():
+        return "file:" + sha256_file(path)
+    if path.is_dir():
+        digest = hashlib.sha256()
+        for item in sorted(p for p in path.rglob("*") if p.is_file()):
+            digest.update(str(item.relative_to(path)).encode() + b"\0" + sha256_file(item).encode())
+        return "dir:" + digest.hexdigest()
+    return f"hub:{spec.name}:{spec.split}:{_load_hub(spec)._fingerprint}"
+
+
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     rows, line_numbers = [], []
     with path.open("r", encoding="utf-8") as handle:
@@ -107,24 +131,21 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     return datasets.Dataset.from_parquet(str(path)).to_list()
 
 
-def _read_hub(spec: SourceSpec) -> list[dict[str, Any]]:
+def _load_hub(spec: SourceSpec) -> Any:
     import datasets
 
     try:
-        dataset = datasets.load_dataset(spec.name, split=spec.split)
+        return datasets.load_dataset(spec.name, split=spec.split)
     except Exception as exc:  # datasets raises many types; the user needs the name and the cause
         raise UserError(
             f"dataset {spec.name!r} (split {spec.split!r}) could not be loaded: {exc}. "
             "If it is meant to be a local file, check the path; if a Hub dataset, check the id and network access"
         ) from exc
-    return dataset.to_list()
 
 
 def read_source(spec: SourceSpec) -> LoadedSource:
     """All rows of one source, in file order."""
-    path = Path(spec.name).expanduser()
-    if spec.name.endswith(LOCAL_SUFFIXES) and not path.exists():
-        raise UserError(f"--dataset_mixer_list: data file {spec.name} does not exist; check the path")
+    path = _local_path(spec)
     if path.is_dir():
         import datasets
 
@@ -145,4 +166,4 @@ def read_source(spec: SourceSpec) -> LoadedSource:
         if not rows:
             raise UserError(f"{path}: the file has no rows")
         return LoadedSource(spec, rows, line_numbers)
-    return LoadedSource(spec, _read_hub(spec))
+    return LoadedSource(spec, _load_hub(spec).to_list())

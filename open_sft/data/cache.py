@@ -1,0 +1,127 @@
+"""The tokenization cache: `<cache_dir>/<sha256 key>/`, built once, loaded memory-mapped.
+
+Layout of an entry: a `datasets` directory (columns `input_ids`, `labels`; one row per training
+example before packing) loadable with `datasets.load_from_disk`, `key.json` (the inputs of the key,
+for humans), `report.json` (the data report of the build) and `COMPLETE` (written last; holds the
+sha256 of every data file so a damaged entry is detected).
+
+Builds happen in `<key>.tmp-<pid>/` and are renamed into place. Concurrent processes (ranks, or
+jobs sharing the directory) serialise on a `fcntl` lock: the first builds, the others wait and load.
+We lock by hand because `datasets`' own fingerprint cache neither covers the tokenizer and template
+nor keeps a crashed half-written build from being reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> dict[str, str]:
+    """sha256 of every file the tokenizer saves: vocabulary, merges, special tokens, chat template."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return {p.name: sha256_file(p) for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+def cache_key(inputs: dict[str, Any]) -> str:
+    canonical = json.dumps({"version": CACHE_FORMAT_VERSION, **inputs}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def resolve_cache_dir(flag_value: str) -> Path:
+    return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _data_files(entry: Path) -> list[Path]:
+    return sorted(p for p in entry.rglob("*") if p.is_file() and p.name not in (COMPLETE, "key.json", "report.json"))
+
+
+def _verify(entry: Path) -> Optional[str]:
+    """None when the entry is complete and intact, else what is wrong with it."""
+    marker = entry / COMPLETE
+    if not marker.exists():
+        return "no COMPLETE marker (an interrupted build)"
+    try:
+        expected = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError):
+        return "unreadable COMPLETE marker"
+    actual = {str(p.relative_to(entry)): p for p in _data_files(entry)}
+    if set(actual) != set(expected):
+        return f"files differ from the COMPLETE manifest ({sorted(set(actual) ^ set(expected))})"
+    for name, digest in expected.items():
+        if sha256_file(actual[name]) != digest:
+            return f"{name} is damaged (sha256 mismatch)"
+    return None
+
+
+def _load(entry: Path) -> tuple[Any, dict]:
+    import datasets
+
+    return datasets.load_from_disk(str(entry)), json.loads((entry / "report.json").read_text())
+
+
+def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
+                  build: Callable[[], tuple[Any, dict]]) -> tuple[Any, dict, Path, bool]:
+    """The cached dataset and report for `key`, building them with `build()` on a miss.
+
+    Returns (dataset, report, entry path, hit). `build` returns a `datasets.Dataset` and a JSON-able report.
+    """
+    entry = cache_dir / key
+    with _locked(cache_dir / f"{key}.lock"):
+        if entry.exists():
+            problem = _verify(entry)
+            if problem is None:
+                dataset, report = _load(entry)
+                return dataset, report, entry, True
+            logger.warning("cache entry %s is unusable (%s); rebuilding it", entry, problem)
+            shutil.rmtree(entry)
+        for stale in cache_dir.glob(f"{key}.tmp-*"):  # left by a killed build; we hold the lock
+            logger.warning("removing the partial build %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = cache_dir / f"{key}.tmp-{os.getpid()}"
+        dataset, report = build()
+        dataset.save_to_disk(str(staging))
+        (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
+        (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        manifest = {str(p.relative_to(staging)): sha256_file(p) for p in _data_files(staging)}
+        with (staging / COMPLETE).open("w") as handle:
+            json.dump({"key": key, "files": manifest}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, entry)
+        logger.info("cached tokenized data at %s", entry)
+    dataset, report = _load(entry)  # memory-mapped, like a hit
+    return dataset, report, entry, False
