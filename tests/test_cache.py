@@ -1,0 +1,167 @@
+"""The tokenization cache: key sensitivity, hits that never tokenize, races, crashes and damage."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+import open_sft.data.pipeline as pipeline
+from conftest import ROOT, SAMPLE, child_env
+from open_sft.config import DataArguments
+from open_sft.data import cache
+from open_sft.data.pipeline import key_inputs, prepare_data
+from open_sft.run import main
+
+# sha256 over the tokenized bundled sample (input_ids and labels of every row, in order) with the
+# session's tiny tokenizer. Changes only when tokenization, labelling, mixing or the sample change.
+GOLDEN_SAMPLE_SHA256 = "7dff9af9c58691a65e73901f866a413e931e950a7e464170757a021fb6aadf20"
+
+
+@pytest.fixture()
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    shutil.copy(SAMPLE, path)
+    return path
+
+
+def args_for(path, cache_dir, **overrides) -> DataArguments:
+    values = dict(dataset_mixer_list=[str(path), "0.1"], dataset_local_cache_dir=str(cache_dir), max_seq_length=256)
+    values.update(overrides)
+    return DataArguments(**values)
+
+
+def key_of(args, tokenizer, seed=1) -> str:
+    return cache.cache_key(key_inputs(args, tokenizer, seed))
+
+
+def test_golden_hash_of_tokenized_sample(tokenizer, tmp_path) -> None:
+    data = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True), tokenizer, 42)
+    digest = hashlib.sha256()
+    for row in data.dataset:
+        digest.update(json.dumps([row["input_ids"], row["labels"]]).encode())
+    assert len(data) == 2000
+    assert digest.hexdigest() == GOLDEN_SAMPLE_SHA256
+
+
+def test_key_stable_and_sensitive(tokenizer, data_file, tmp_path, monkeypatch) -> None:
+    args = args_for(data_file, tmp_path)
+    base = key_of(args, tokenizer)
+    assert key_of(args, tokenizer) == base
+    changed = {
+        "max_seq_length": key_of(args_for(data_file, tmp_path, max_seq_length=128), tokenizer),
+        "seed": key_of(args, tokenizer, seed=2),
+        "amount": key_of(args_for(data_file, tmp_path, dataset_mixer_list=[str(data_file), "0.2"]), tokenizer),
+        "train_on": key_of(args_for(data_file, tmp_path, train_on="last_assistant"), tokenizer),
+        "truncation": key_of(args_for(data_file, tmp_path, truncation="drop"), tokenizer),
+    }
+    template = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    template.chat_template = template.chat_template.replace("<|user|>", "<|user|> ")
+    changed["chat_template"] = key_of(args, template)
+    extra_token = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    extra_token.add_tokens(["<|tool|>"], special_tokens=True)
+    changed["tokenizer_file"] = key_of(args, extra_token)
+    with data_file.open("r+b") as handle:  # one byte of the data file
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(b"X" if byte != b"X" else b"Y")
+    changed["file_byte"] = key_of(args, tokenizer)
+    monkeypatch.setattr(cache, "CACHE_FORMAT_VERSION", cache.CACHE_FORMAT_VERSION + 1)
+    changed["version"] = key_of(args, tokenizer)
+    assert len(set(changed.values()) | {base}) == len(changed) + 1, changed
+
+
+def test_hit_does_not_tokenize(tokenizer, data_file, tmp_path, monkeypatch) -> None:
+    args = args_for(data_file, tmp_path / "cache")
+    built = prepare_data(args, tokenizer, 1)
+    assert not built.cache_hit and (built.cache_path / "COMPLETE").exists()
+    key = json.loads((built.cache_path / "key.json").read_text())
+    assert key["max_seq_length"] == 256 and key["sources"][0]["identity"].startswith("file:")
+
+    def refuse(*_, **__):
+        raise AssertionError("a cache hit must not tokenize")
+
+    monkeypatch.setattr(pipeline, "tokenize_conversations", refuse)
+    hit = prepare_data(args, tokenizer, 1)
+    assert hit.cache_hit and hit.cache_path == built.cache_path
+    assert hit.dataset["input_ids"] == built.dataset["input_ids"]
+    assert hit.dataset["labels"] == built.dataset["labels"]
+    assert hit.report == built.report
+
+
+def test_interrupted_and_damaged_entries_are_rebuilt(tokenizer, data_file, tmp_path, caplog) -> None:
+    args = args_for(data_file, tmp_path / "cache")
+    good = prepare_data(args, tokenizer, 1)
+    expected = good.dataset["input_ids"]
+    entry = good.cache_path
+
+    # Damage: one byte of an Arrow file changes.
+    arrow = next(entry.glob("*.arrow"))
+    raw = bytearray(arrow.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    arrow.write_bytes(bytes(raw))
+    again = prepare_data(args, tokenizer, 1)
+    assert not again.cache_hit and again.dataset["input_ids"] == expected
+    assert "sha256 mismatch" in caplog.text
+
+    # A killed build: a staging directory and an entry without COMPLETE.
+    (entry / "COMPLETE").unlink()
+    stale = entry.parent / f"{entry.name}.tmp-99999"
+    stale.mkdir()
+    (stale / "half.arrow").write_bytes(b"partial")
+    rebuilt = prepare_data(args, tokenizer, 1)
+    assert not rebuilt.cache_hit and rebuilt.dataset["input_ids"] == expected
+    assert not stale.exists()
+    assert "no COMPLETE marker" in caplog.text
+
+
+RACE = """
+import json, sys
+from transformers import AutoTokenizer
+from open_sft.config import DataArguments
+from open_sft.data.pipeline import prepare_data
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+data = prepare_data(DataArguments(dataset_mixer_list=[sys.argv[2], "0.5"], dataset_local_cache_dir=sys.argv[3]), tok, 3)
+print(json.dumps({"hit": data.cache_hit, "path": str(data.cache_path),
+                  "digest": hash(str(data.dataset["input_ids"]) + str(data.dataset["labels"]))}))
+"""
+
+
+def test_two_processes_racing_build_once(tiny_model_dir, data_file, tmp_path) -> None:
+    cache_dir = tmp_path / "race"
+    env = child_env(PYTHONHASHSEED="0")
+    env.pop("OPEN_SFT_CACHE")
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, str(tiny_model_dir), str(data_file), str(cache_dir)],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["hit"] for r in results) == [False, True]  # one built, the other waited and loaded
+    assert results[0]["path"] == results[1]["path"] and results[0]["digest"] == results[1]["digest"]
+    assert [p.name for p in cache_dir.iterdir() if not p.name.endswith(".lock")] == [results[0]["path"].split("/")[-1]]
+
+
+def test_cache_dataset_only(tiny_model_dir, data_file, tmp_path, capsys) -> None:
+    output_dir = tmp_path / "out"
+    code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(data_file), "0.1",
+                 "--dataset_local_cache_dir", str(tmp_path / "c"), "--cache_dataset_only", "--output_dir", str(output_dir)])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    loaded = datasets.load_from_disk(last)
+    assert {"input_ids", "labels"} <= set(loaded.column_names) and len(loaded) == 200
+    assert not output_dir.exists()
