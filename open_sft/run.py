@@ -30,13 +30,53 @@ def _setup_logging() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
+def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype):
+    """The Accelerator, with the DeepSpeed config the launch asked for resolved from our flags."""
+    from open_sft import distributed
+
+    t = config.train
+    ds_config = distributed.deepspeed_config_from_env()
+    if ds_config is not None:
+        ds_config = distributed.resolve_deepspeed_config(
+            ds_config, micro_batch_size=t.per_device_train_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")), bf16=dtype == torch.bfloat16,
+            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model.config, "hidden_size", None),
+        )
+    accelerator = distributed.build_accelerator(
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
+    )
+    return accelerator, ds_config
+
+
+def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_config) -> dict:
+    from open_sft.export import git_revision, library_versions
+
+    return {
+        "args": config.to_dict(), "versions": library_versions(), "world_size": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.name, "compute_dtype": str(dtype),
+        "loss_normalization": config.train.loss_normalization, "schedule": schedule.to_dict(),
+        "dataset_cache_key": data.cache_key, "dataset_cache_path": str(data.cache_path),
+        "git_revision": git_revision(), "deepspeed_config": ds_config, "threads_per_rank": torch.get_num_threads(),
+    }
+
+
+def _flop_counter(model):
+    from open_sft.metrics import FlopCounter
+
+    head = model.get_output_embeddings().weight
+    backbone_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and p is not head)
+    return FlopCounter(model.config, backbone_params)
+
+
 def run(config: FinetuneConfig) -> dict:
     """Train and export; returns a summary. Raises UserError for problems the user can fix."""
     from open_sft import distributed
     from open_sft.data.pipeline import prepare_data
-    from open_sft.export import git_revision, library_versions, save_model, write_json
+    from open_sft.export import save_model, write_json
     from open_sft.loss import TokenLossModel
-    from open_sft.metrics import FlopCounter, MetricsWriter, device_peak_flops
+    from open_sft.metrics import MetricsWriter, device_peak_flops
     from open_sft.model import compute_dtype, load_model, load_tokenizer
     from open_sft.optim import build_optimizer
     from open_sft.trainer import Trainer, plan_schedule
@@ -51,20 +91,7 @@ def run(config: FinetuneConfig) -> dict:
             print(data.cache_path)
         return {"cache_path": str(data.cache_path)}
     model = load_model(m)
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ds_config = distributed.deepspeed_config_from_env()
-    if ds_config is not None:
-        ds_config = distributed.resolve_deepspeed_config(
-            ds_config, micro_batch_size=t.per_device_train_batch_size,
-            gradient_accumulation_steps=t.gradient_accumulation_steps, world_size=world_size,
-            bf16=dtype == torch.bfloat16, clip_grad_norm=t.clip_grad_norm,
-            hidden_size=getattr(model.config, "hidden_size", None),
-        )
-    accelerator = distributed.build_accelerator(
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
-    )
+    accelerator, ds_config = _accelerator_for(config, model, dtype)
     schedule = plan_schedule(t, len(data), accelerator.num_processes)
     output_dir = Path(t.output_dir)
     if accelerator.is_main_process:
@@ -74,29 +101,20 @@ def run(config: FinetuneConfig) -> dict:
                 accelerator.distributed_type.name, dtype, torch.get_num_threads())
     logger.info("schedule: %s", schedule.to_dict())
 
-    backbone_params = sum(p.numel() for n, p in model.named_parameters()
-                          if "embed" not in n and p is not model.get_output_embeddings().weight)
-    flop_counter = FlopCounter(model.config, backbone_params)
-    peak = device_peak_flops(dtype)
+    flop_counter = _flop_counter(model)
     wrapped = TokenLossModel(model)
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay)
     wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
 
-    tensorboard_dir = output_dir / "tensorboard" if t.with_tracking and t.report_to == "tensorboard" else None
-    metrics = MetricsWriter(output_dir / "metrics.jsonl", tensorboard_dir) if accelerator.is_main_process else None
-    run_info = {
-        "args": config.to_dict(), "versions": library_versions(), "world_size": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.name, "compute_dtype": str(dtype),
-        "loss_normalization": t.loss_normalization, "schedule": schedule.to_dict(),
-        "dataset_cache_key": data.cache_key, "dataset_cache_path": str(data.cache_path), "git_revision": git_revision(), "deepspeed_config": ds_config,
-        "threads_per_rank": torch.get_num_threads(),
-    }
+    metrics = None
     if accelerator.is_main_process:
-        write_json(output_dir / "run.json", run_info)
+        tensorboard_dir = output_dir / "tensorboard" if t.with_tracking and t.report_to == "tensorboard" else None
+        metrics = MetricsWriter(output_dir / "metrics.jsonl", tensorboard_dir)
+        write_json(output_dir / "run.json", _run_info(config, accelerator, dtype, schedule, data, ds_config))
         write_json(output_dir / "data_report.json", data.report)
 
     trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id,
-                      flop_counter, peak, metrics, reduce_sum=distributed.all_reduce_sum)
+                      flop_counter, device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum)
     records = trainer.train()
     if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
         write_json(output_dir / f"data_order.rank{accelerator.process_index}.json",
