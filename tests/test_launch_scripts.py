@@ -1,0 +1,163 @@
+"""Launch helpers: a real two-"machine" ZeRO-3 job on loopback through scripts/launch_multinode.sh must
+give the losses of one machine with two processes; the SLURM batch script requeues exactly when the
+job was preempted; prepare_data.sh and merge_lora.sh hand their arguments to the right command.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, SAMPLE, child_env, free_port, read_metrics
+
+LAUNCH = ROOT / "scripts" / "launch_multinode.sh"
+SBATCH = ROOT / "scripts" / "slurm" / "finetune.sbatch"
+STEPS = 4
+SLURM_VARS = ("SLURM_NNODES", "SLURM_NODEID", "SLURM_GPUS_ON_NODE", "SLURM_JOB_NODELIST", "MASTER_ADDR",
+              "MASTER_PORT", "NNODES", "NODE_RANK", "NUM_MACHINES", "MACHINE_RANK", "MAIN_PROCESS_IP",
+              "MAIN_PROCESS_PORT", "PROCESSES_PER_MACHINE", "DEEPSPEED_CONFIG")
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The child environment without any launch variables of the machine running the tests."""
+    env = child_env(OPEN_SFT_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for name in SLURM_VARS:
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def finetune_args(model_dir: Path, output_dir: Path) -> list[str]:
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(output_dir), "--max_train_steps", str(STEPS), "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--warmup_ratio", "0.1",
+            "--logging_steps", "1", "--seed", "1", "--torch_dtype", "float32", "--max_seq_length", "256"]
+
+
+def launch(options: list[str], args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(LAUNCH), *options, "--", *args], cwd=ROOT, env=script_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: int = 400) -> str:
+    output, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, output[-6000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    single = tmp_path_factory.mktemp("one_machine")
+    finish(launch(["--processes_per_machine", "2", "--main_process_port", str(free_port())],
+                  finetune_args(tiny_model_dir, single)))
+    multi = tmp_path_factory.mktemp("two_machines")
+    port = str(free_port())
+    machines = [launch(["--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+                        "--main_process_port", port, "--processes_per_machine", "1"],
+                       finetune_args(tiny_model_dir, multi)) for rank in (0, 1)]
+    outputs = [finish(machine) for machine in machines]
+    assert "machine 1/2, 1 process(es) here" in outputs[1]
+    return {"single": single, "multi": multi}
+
+
+def test_two_machines_match_one_machine_under_zero3(zero3_runs) -> None:
+    single, multi = read_metrics(zero3_runs["single"]), read_metrics(zero3_runs["multi"])
+    assert [m["step"] for m in multi] == [m["step"] for m in single] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in multi] == pytest.approx([m["loss"] for m in single], rel=1e-5)
+    assert [m["train_tokens"] for m in multi] == [m["train_tokens"] for m in single]
+    a, b = load_file(zero3_runs["single"] / "model.safetensors"), load_file(zero3_runs["multi"] / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
+    for run in zero3_runs.values():  # both ranks trained, and the run went through DeepSpeed with 2 ranks
+        assert (run / "data_order.rank0.json").exists() and (run / "data_order.rank1.json").exists()
+        assert '"world_size": 2' in (run / "run.json").read_text()
+
+
+def dry_command(*options: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(LAUNCH), *options, "--dry_run_command", "--", "--seed", "3"], cwd=ROOT,
+                          env=script_env(**env), capture_output=True, text=True, timeout=60)
+
+
+def test_launch_script_reads_slurm_and_overrides() -> None:
+    slurm = {"SLURM_NNODES": "4", "SLURM_NODEID": "2", "SLURM_GPUS_ON_NODE": "8", "MASTER_ADDR": "node07"}
+    result = dry_command(**slurm)
+    assert result.returncode == 0, result.stderr
+    cmd = result.stdout.split()
+    pairs = dict(zip(cmd, cmd[1:]))
+    assert pairs["--num_machines"] == "4" and pairs["--machine_rank"] == "2"
+    assert pairs["--main_process_ip"] == "node07" and pairs["--main_process_port"] == "29500"
+    assert pairs["--num_processes"] == "32" and pairs["--deepspeed_multinode_launcher"] == "standard"
+    assert pairs["--deepspeed_config_file"].endswith("configs/ds/zero3.json")
+    assert cmd[-3:] == [str(ROOT / "finetune.py"), "--seed", "3"]
+    override = dry_command("--machine_rank", "3", "--main_process_port", "1234", "--processes_per_machine", "2",
+                           **slurm).stdout.split()
+    pairs = dict(zip(override, override[1:]))
+    assert (pairs["--machine_rank"], pairs["--main_process_port"], pairs["--num_processes"]) == ("3", "1234", "8")
+    bad = dry_command("--num_machines", "2", "--machine_rank", "2")
+    assert bad.returncode == 2 and "must be below --num_machines 2" in bad.stderr
+
+
+FAKE_SLURM = """#!/usr/bin/env bash
+echo "$(basename "$0") $*" >> "$FAKE_SLURM_LOG"
+if [ "$(basename "$0")" = scontrol ] && [ "$1" = show ]; then printf 'gpu-a1\\ngpu-a2\\n'; fi
+if [ "$(basename "$0")" = srun ]; then exit "$FAKE_SRUN_EXIT"; fi
+"""
+
+
+@pytest.mark.parametrize("srun_exit, sbatch_exit, requeued", [(0, 0, False), (75, 0, True), (1, 1, False)])
+def test_sbatch_requeues_only_when_preempted(tmp_path, srun_exit, sbatch_exit, requeued) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).write_text(FAKE_SLURM)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
+                     FAKE_SRUN_EXIT=str(srun_exit), SLURM_JOB_ID="4242", SLURM_NNODES="2",
+                     SLURM_JOB_NODELIST="gpu-a[1-2]", SLURM_SUBMIT_DIR=str(ROOT))
+    result = subprocess.run(["bash", str(SBATCH), "--output_dir", "/shared/out"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == sbatch_exit, result.stderr
+    calls = log.read_text().splitlines()
+    srun = next(c for c in calls if c.startswith("srun "))
+    assert "--ntasks-per-node=1" in srun and f"{ROOT}/scripts/launch_multinode.sh -- --output_dir /shared/out" in srun
+    assert ("scontrol requeue 4242" in calls) is requeued
+    assert "main gpu-a1:" in result.stdout
+    header = SBATCH.read_text()
+    for directive in ("#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR1@", "#SBATCH --requeue"):
+        assert directive in header
+
+
+def test_prepare_data_prints_the_cache_path(tiny_model_dir, tmp_path) -> None:
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_data.sh"), "--model_name_or_path",
+                             str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "0.05", "--max_seq_length",
+                             "256", "--output_dir", str(tmp_path / "unused")], cwd=ROOT, env=script_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cache = Path(result.stdout.strip().splitlines()[-1])
+    assert (cache / "COMPLETE").exists() and (cache / "key.json").exists()
+    assert not (tmp_path / "unused" / "model.safetensors").exists()
+
+
+def test_merge_lora_wraps_the_lora_cli(tmp_path) -> None:
+    adapter = tmp_path / "run"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/usr/bin/env bash\necho "$*"\n')
+    fake_python.chmod(0o755)
+    script = str(ROOT / "scripts" / "merge_lora.sh")
+    result = subprocess.run(["bash", script, str(adapter), str(tmp_path / "merged"), "--dtype", "bfloat16"],
+                            env=script_env(PYTHON=str(fake_python)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"-m open_sft.lora merge {adapter} {tmp_path / 'merged'} --dtype bfloat16"
+    missing = subprocess.run(["bash", script, str(tmp_path), str(tmp_path / "merged")], env=script_env(),
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "adapter_config.json not found" in missing.stderr

@@ -1,0 +1,191 @@
+"""Trackers and the end-of-run report.
+
+One short single-process run with `--with_tracking --report_to all` (W&B offline) is read back with
+the real readers: TensorBoard's EventAccumulator and W&B's own record protobufs. Their loss and
+learning-rate values must be those of metrics.jsonl, no secret may reach the disk, and report/
+must hold valid PNGs and a summary whose numbers are recomputed here from metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
+from open_sft.errors import UserError
+from open_sft.report import summarize, write_report
+from open_sft.tracking import REDACTED, build_trackers, redact_secrets, scalars_of, trackers_for
+
+STEPS = 6
+SECRET = "hf_TESTSECRETdoNotLog0123456789"
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tiny_model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tracked")
+    args = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(out), "--max_train_steps", str(STEPS), "--per_device_train_batch_size", "4",
+            "--learning_rate", "3e-3", "--warmup_ratio", "0.2", "--logging_steps", "1", "--seed", "1",
+            "--torch_dtype", "float32", "--max_seq_length", "256", "--with_tracking", "--report_to", "all"]
+    env = child_env(WANDB_MODE="offline", WANDB_SILENT="true", HF_TOKEN=SECRET, WANDB_API_KEY=SECRET)
+    env.pop("WANDB_DIR", None)
+    result = subprocess.run(launch_command(1, None) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def wandb_history(run_file: Path) -> dict[int, dict[str, float]]:
+    """step -> logged values, decoded from a .wandb file (LevelDB-log framing of W&B Record protobufs)."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw = run_file.read_bytes()
+    history, pos, pending = {}, 7, b""  # 7-byte W&B file header
+    while pos + 7 <= len(raw):
+        room = 32768 - pos % 32768
+        if room < 7:  # block trailer
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: one record complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                history[record.history.step.num] = items
+    return history
+
+
+def test_tensorboard_events_equal_metrics(tracked_run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = read_metrics(tracked_run)
+    events = EventAccumulator(str(tracked_run / "tensorboard"))
+    events.Reload()
+    for field in ("loss", "learning_rate", "grad_norm", "tokens_per_second", "mfu"):
+        scalars = events.Scalars(f"train/{field}")
+        assert [s.step for s in scalars] == [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+        # event files store float32
+        assert [s.value for s in scalars] == pytest.approx([m[field] for m in metrics], rel=1e-6), field
+
+
+def test_wandb_offline_history_equals_metrics(tracked_run) -> None:
+    runs = list((tracked_run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, runs
+    history = wandb_history(runs[0])
+    metrics = read_metrics(tracked_run)
+    assert sorted(history) == [m["step"] for m in metrics]
+    for record in metrics:
+        assert history[record["step"]]["train/loss"] == record["loss"]
+        assert history[record["step"]]["train/learning_rate"] == record["learning_rate"]
+
+
+def test_no_secret_reaches_the_disk(tracked_run) -> None:
+    files = [p for p in tracked_run.rglob("*") if p.is_file()]
+    assert len(files) > 10
+    leaked = [str(p) for p in files if SECRET.encode() in p.read_bytes()]
+    assert not leaked, leaked
+
+
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5_000
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.size == (700, 400)
+        assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 10  # a drawn chart, not a blank canvas
+
+
+def expected_summary(metrics: list[dict]) -> dict:
+    """The summary's definitions, recomputed independently from metrics.jsonl."""
+    last = metrics[-1]
+    windows = [m["elapsed_s"] - p for m, p in zip(metrics, [0.0] + [m["elapsed_s"] for m in metrics[:-1]])]
+    return {"steps": last["step"], "elapsed_s": last["elapsed_s"], "train_tokens": last["train_tokens"],
+            "total_tokens": last["total_tokens"], "tokens_per_second": last["total_tokens"] / last["elapsed_s"],
+            "mfu": sum(m["mfu"] * w for m, w in zip(metrics, windows)) / sum(windows),
+            "peak_memory_gib": max(m["peak_memory_gib"] for m in metrics), "final_loss": last["loss"],
+            "final_eval_loss": None}
+
+
+def test_report_written_at_end_of_run(tracked_run) -> None:
+    report = tracked_run / "report"
+    _assert_png(report / "loss.png")
+    _assert_png(report / "learning_rate.png")
+    metrics = read_metrics(tracked_run)
+    want = expected_summary(metrics)
+    got = json.loads((report / "summary.json").read_text())
+    assert got.pop("final_eval_loss") is want.pop("final_eval_loss") is None
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got["steps"] == STEPS and got["final_loss"] == metrics[-1]["loss"]
+    markdown = (report / "summary.md").read_text()
+    for text in (f"{want['tokens_per_second']:.1f} tokens/s", f"{want['final_loss']:.4f}",
+                 f"{100 * want['mfu']:.2f} %", f"{want['peak_memory_gib']:.3f} GiB", f"{want['train_tokens']:,}",
+                 "](loss.png)", "](learning_rate.png)"):
+        assert text in markdown, text
+
+
+def test_report_cli_regenerates(tracked_run, tmp_path) -> None:
+    copy = tmp_path / "run"
+    copy.mkdir()
+    (copy / "metrics.jsonl").write_bytes((tracked_run / "metrics.jsonl").read_bytes())
+    result = subprocess.run([sys.executable, "-m", "open_sft.report", str(copy)], cwd=ROOT, env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((copy / "report" / "summary.json").read_text()) == \
+        json.loads((tracked_run / "report" / "summary.json").read_text())
+    _assert_png(copy / "report" / "loss.png")
+    missing = subprocess.run([sys.executable, "-m", "open_sft.report", str(tmp_path / "nowhere")], cwd=ROOT,
+                             env=child_env(), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "metrics.jsonl not found" in missing.stderr
+
+
+def test_report_with_eval_lines(tmp_path) -> None:
+    records = [{"step": s, "loss": 3.0 - 0.1 * s, "learning_rate": 1e-3 * s, "train_tokens": 100 * s,
+                "total_tokens": 150 * s, "mfu": 0.1 * s, "peak_memory_gib": 1.0 + s / 10, "elapsed_s": 2.0 * s}
+               for s in range(1, 5)]
+    records.insert(2, {"step": 2, "eval_loss": 2.5})
+    records.append({"step": 4, "eval_loss": 2.25})
+    summary = write_report(records, tmp_path / "report")
+    assert summary.final_eval_loss == 2.25 and summary.final_loss == pytest.approx(2.6)
+    assert summary.mfu == pytest.approx(0.25)  # equal 2 s windows: plain mean of 0.1..0.4
+    assert summary.tokens_per_second == pytest.approx(600 / 8)
+    assert summary.peak_memory_gib == pytest.approx(1.4)
+    assert "| Final eval loss | 2.2500 |" in (tmp_path / "report" / "summary.md").read_text()
+    _assert_png(tmp_path / "report" / "loss.png")
+    with pytest.raises(ValueError, match="no training records"):
+        summarize([{"step": 1, "eval_loss": 1.0}])
+
+
+def test_tracker_names_and_scalars() -> None:
+    assert trackers_for("all") == ("tensorboard", "wandb")
+    assert trackers_for("none") == ()
+    assert trackers_for("wandb") == ("wandb",)
+    with pytest.raises(UserError, match="expected one of"):
+        trackers_for("mlflow")
+    assert scalars_of({"step": 3, "loss": 1.5, "eval_loss": 2.0, "note": "x", "flag": True}) == \
+        {"train/loss": 1.5, "eval/loss": 2.0}
+
+
+def test_secrets_redacted_from_tracker_config() -> None:
+    config = {"train": {"hub_token": SECRET, "output_dir": "o", "add_special_tokens": True},
+              "model": {"tokenizer_name_or_path": "t", "api_key": SECRET, "hub_password": None}}
+    clean = redact_secrets(config)
+    assert clean["train"] == {"hub_token": REDACTED, "output_dir": "o", "add_special_tokens": True}
+    assert clean["model"] == {"tokenizer_name_or_path": "t", "api_key": REDACTED, "hub_password": None}
+    assert config["train"]["hub_token"] == SECRET  # the input is not modified
+
+
+def test_wandb_missing_names_the_extra(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(UserError, match=r"pip install 'open_sft\[wandb\]'"):
+        build_trackers("wandb", tmp_path)
