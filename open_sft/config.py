@@ -48,6 +48,38 @@ class ModelArguments:
     )
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
     use_liger_kernel: bool = _help("Use Liger kernels (needs CUDA and Triton).", default=False)
+    neftune_noise_alpha: Optional[float] = _help(
+        "NEFTune: add uniform noise of scale alpha/sqrt(seq_len*hidden) to the input embeddings during "
+        "training (never in eval or generation). Typical values 5-15.", default=None
+    )
+    add_tokens: Optional[str] = _help(
+        "A text file of new tokens, one per line, added to the tokenizer; embeddings grow to a multiple of "
+        "64 rows and new rows start at the mean embedding.", default=None
+    )
+    add_special_tokens: Optional[str] = _help(
+        "Like --add_tokens, but the tokens are added as special tokens (never split, skipped when decoding "
+        "with skip_special_tokens).", default=None
+    )
+
+
+@dataclass
+class LoraArguments:
+    use_lora: bool = _help("Train LoRA adapters (peft) instead of the full model; saves the adapter.", default=False)
+    use_qlora: bool = _help(
+        "QLoRA: LoRA on a base model quantized to 4-bit NF4 with double quantization (bitsandbytes), "
+        "bf16 compute. Single process or DDP; not with DeepSpeed.", default=False
+    )
+    lora_rank: int = _help("LoRA rank r.", default=64)
+    lora_alpha: float = _help("LoRA alpha; the adapter update is scaled by alpha / rank.", default=16)
+    lora_dropout: float = _help("Dropout on the LoRA input during training.", default=0.1)
+    lora_target_modules: list[str] = _help(
+        "Module names to adapt (e.g. q_proj v_proj), or all-linear: every linear layer but the LM head.",
+        default_factory=lambda: ["all-linear"],
+    )
+    merge_lora_on_save: bool = _help(
+        "Also write the merged full model (base + adapter; QLoRA bases dequantized to bf16) next to the adapter.",
+        default=False,
+    )
 
 
 @dataclass
@@ -60,6 +92,32 @@ class DataArguments:
     dataset_mixer_list_splits: list[str] = _help(
         "Split(s) to read from dataset ids: one for all sources or one per source.",
         default_factory=lambda: ["train"],
+    )
+    dataset_mixer_unit: str = _help(
+        "What AMOUNTs count: rows, or tokens (a fraction is then a share of the source's tokens, "
+        "a count a number of tokens).", default="rows"
+    )
+    dataset_format: str = _help(
+        "Row format of every source: auto (detected per source from its columns), messages, alpaca, "
+        "sharegpt, text (raw documents for continual pretraining, spliced into --max_seq_length blocks).",
+        default="auto",
+    )
+    chat_template_name: Optional[str] = _help(
+        "Built-in chat template: tulu, olmo, simple_chat, chatml, llama3, zephyr. Default: the tokenizer's own.",
+        default=None,
+    )
+    chat_template_path: Optional[str] = _help("A Jinja chat template file (overrides --chat_template_name).",
+                                              default=None)
+    on_bad_row: str = _help(
+        "A row that fails validation: 'error' stops with its file, line and problem; 'drop' skips it "
+        "and counts the reason in the data report.", default="error"
+    )
+    eval_dataset_mixer_list: list[str] = _help(
+        "Evaluation sources, NAME AMOUNT pairs like --dataset_mixer_list (same formats and template).",
+        default_factory=list,
+    )
+    eval_split_ratio: float = _help(
+        "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
     )
     max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)
     truncation: str = _help(
@@ -84,11 +142,27 @@ class TrainingArguments:
     per_device_train_batch_size: int = _help("Examples per micro-batch on each process.", default=8)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer step on each process.", default=1)
     learning_rate: float = _help("Peak learning rate.", default=2e-5)
-    lr_scheduler_type: str = _help("Learning-rate schedule: linear, cosine, constant, constant_with_warmup.", default="linear")
+    lr_scheduler_type: str = _help(
+        "Learning-rate schedule: linear, cosine, constant, constant_with_warmup, wsd (warmup-stable-decay).",
+        default="linear")
     warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly.", default=0.03)
+    warmup_steps: Optional[int] = _help("Warmup steps; overrides --warmup_ratio.", default=None)
+    wsd_decay_ratio: float = _help("wsd: fraction of the steps, at the end, over which the LR decays to 0.",
+                                   default=0.1)
     weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", default=0.0)
     num_train_epochs: int = _help("Passes over the training data (ignored when --max_train_steps is set).", default=2)
     max_train_steps: Optional[int] = _help("Total optimizer steps; overrides --num_train_epochs.", default=None)
+    max_nonfinite_steps: int = _help(
+        "Abort after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped).",
+        default=3,
+    )
+    packing: bool = _help(
+        "Pack examples into micro-batches of at most --max_tokens_per_batch tokens (best-fit-decreasing), "
+        "positions restarting per example and no attention across examples; removes padding.", default=False
+    )
+    max_tokens_per_batch: Optional[int] = _help(
+        "Token budget of a packed micro-batch; default per_device_train_batch_size × max_seq_length.", default=None
+    )
     clip_grad_norm: float = _help("Clip the global gradient norm to this value; -1 disables.", default=1.0)
     loss_normalization: str = _help(
         "token: sum of token losses over the global batch / its trained tokens (invariant to batch "
@@ -96,21 +170,81 @@ class TrainingArguments:
         default="token",
     )
     seed: int = _help("Seed for data order, mixing and model-side randomness.", default=42)
+    eval_steps: Optional[int] = _help("Evaluate every this many optimizer steps (and always at the end).",
+                                      default=None)
     logging_steps: int = _help("Log (metrics.jsonl, stdout, trackers) every this many optimizer steps.", default=10)
-    report_to: str = _help("Trackers used with --with_tracking: tensorboard, none.", default="tensorboard")
+    report_to: str = _help("Trackers used with --with_tracking: tensorboard, wandb, all, none.",
+                           default="tensorboard")
     with_tracking: bool = _help("Write tracker logs (see --report_to) in addition to metrics.jsonl.", default=False)
+    dry_run: bool = _help(
+        "Build the data, print the data report and a few examples with trained tokens marked, and exit "
+        "without training.", default=False
+    )
 
 
-DATACLASSES = (ModelArguments, DataArguments, TrainingArguments)
+@dataclass
+class CheckpointArguments:
+    checkpointing_steps: Optional[str] = _help(
+        "Save a resumable checkpoint to OUTPUT_DIR/checkpoints/step_N every N optimizer steps, or 'epoch' "
+        "at the end of each epoch. Default: only when preempted (SIGTERM, SIGINT, SIGUSR1).", default=None
+    )
+    keep_last_n_checkpoints: int = _help(
+        "Complete checkpoints kept; older ones are deleted (the newest complete one never is).", default=3
+    )
+    resume_from_checkpoint: str = _help(
+        "auto: resume from the newest complete checkpoint in OUTPUT_DIR/checkpoints if there is one; "
+        "a checkpoint directory; or none to start over (earlier checkpoints are moved aside).", default="auto"
+    )
+    max_shard_size: str = _help("Largest safetensors file of the exported model, e.g. 5GB or 500MB.",
+                                default="5GB")
+
+    def problems(self) -> list[str]:
+        found = []
+        steps = self.checkpointing_steps
+        if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
+            found.append(f"--checkpointing_steps {steps!r} must be a positive number of steps or 'epoch'")
+        if self.keep_last_n_checkpoints < 1:
+            found.append(f"--keep_last_n_checkpoints must be at least 1, got {self.keep_last_n_checkpoints}")
+        return found
+
+
+@dataclass
+class HubArguments:
+    push_to_hub: bool = _help("Upload the exported model to the Hugging Face Hub (main process only).",
+                              default=False)
+    hub_model_id: Optional[str] = _help("Hub repository to push to, e.g. my-org/my-model.", default=None)
+    hub_revision: str = _help("Branch of the Hub repository to push to (created if missing).", default="main")
+    hub_private: bool = _help("Create the Hub repository as private.", default=True)
+    hub_token: Optional[str] = _help(
+        "Hub token (default: the HF_TOKEN environment variable). Never logged or written to disk.", default=None
+    )
+
+    def problems(self) -> list[str]:
+        if self.push_to_hub and not self.hub_model_id:
+            return ["--push_to_hub needs --hub_model_id (e.g. my-org/my-model)"]
+        return []
+
+    def public_dict(self) -> dict[str, Any]:
+        """The arguments with the token replaced, for run.json, checkpoints, trackers and model cards."""
+        out = dataclasses.asdict(self)
+        out["hub_token"] = "<redacted>" if self.hub_token else None
+        return out
+
+
+DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
+               HubArguments)
 
 CHOICES = {
     "torch_dtype": ("auto", "bfloat16", "bf16", "float32", "fp32"),
     "attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
     "truncation": ("truncate", "drop"),
+    "dataset_mixer_unit": ("rows", "tokens"),
+    "dataset_format": ("auto", "messages", "alpaca", "sharegpt", "text"),
+    "on_bad_row": ("error", "drop"),
     "train_on": ("all_assistant", "last_assistant", "all"),
-    "lr_scheduler_type": ("linear", "cosine", "constant", "constant_with_warmup"),
+    "lr_scheduler_type": ("linear", "cosine", "constant", "constant_with_warmup", "wsd"),
     "loss_normalization": ("token", "mean", "sum"),
-    "report_to": ("tensorboard", "none"),
+    "report_to": ("tensorboard", "wandb", "all", "none"),
 }
 
 
@@ -121,10 +255,14 @@ class FinetuneConfig:
     model: ModelArguments
     data: DataArguments
     train: TrainingArguments
+    lora: LoraArguments = field(default_factory=LoraArguments)
+    checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
+    hub: HubArguments = field(default_factory=HubArguments)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
-                "train": dataclasses.asdict(self.train)}
+                "train": dataclasses.asdict(self.train), "lora": dataclasses.asdict(self.lora),
+                "checkpoint": dataclasses.asdict(self.checkpoint), "hub": self.hub.public_dict()}
 
 
 def _make_parser() -> HfArgumentParser:
@@ -156,8 +294,8 @@ def parse_config(argv: list[str]) -> FinetuneConfig:
             raise UserError(f"config file {path} does not exist; pass an existing YAML file or only flags")
         parser.set_defaults(**_yaml_defaults(path))
         argv = argv[1:]
-    model, data, train = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
-    config = FinetuneConfig(model=model, data=data, train=train)
+    model, data, train, lora, checkpoint, hub = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+    config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub)
     validate(config)
     return config
 
@@ -196,6 +334,12 @@ def validate(config: FinetuneConfig) -> None:
             f"--dataset_mixer_list_splits has {len(d.dataset_mixer_list_splits)} values; give one for all "
             f"sources or one per source ({n_sources})"
         )
+    if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list) % 2:
+        problems.append("--eval_dataset_mixer_list takes NAME AMOUNT pairs")
+    if not 0.0 <= d.eval_split_ratio < 1.0:
+        problems.append(f"--eval_split_ratio must be in [0, 1), got {d.eval_split_ratio}")
+    if d.eval_split_ratio and d.eval_dataset_mixer_list:
+        problems.append("give --eval_dataset_mixer_list or --eval_split_ratio, not both")
     if d.max_seq_length < 2:
         problems.append(f"--max_seq_length must be at least 2, got {d.max_seq_length}")
 
@@ -204,11 +348,38 @@ def validate(config: FinetuneConfig) -> None:
             problems.append(f"--{flag} must be at least 1, got {getattr(t, flag)}")
     if t.max_train_steps is not None and t.max_train_steps < 1:
         problems.append(f"--max_train_steps must be at least 1, got {t.max_train_steps}")
+    if t.max_tokens_per_batch is not None and t.max_tokens_per_batch < d.max_seq_length:
+        problems.append(f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_seq_length "
+                        f"{d.max_seq_length}; every example must fit a micro-batch, raise it")
     if t.learning_rate <= 0:
         problems.append(f"--learning_rate must be positive, got {t.learning_rate}")
     if not 0.0 <= t.warmup_ratio < 1.0:
         problems.append(f"--warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.weight_decay < 0:
         problems.append(f"--weight_decay must be non-negative, got {t.weight_decay}")
+    problems += _lora_and_model_problems(config)
+    problems += config.checkpoint.problems() + config.hub.problems()
     if problems:
         raise ConfigError(problems)
+
+
+def _lora_and_model_problems(config: FinetuneConfig) -> list[str]:
+    m, lora = config.model, config.lora
+    problems = []
+    if m.neftune_noise_alpha is not None and m.neftune_noise_alpha <= 0:
+        problems.append(f"--neftune_noise_alpha must be positive, got {m.neftune_noise_alpha}")
+    for flag in ("add_tokens", "add_special_tokens"):
+        value = getattr(m, flag)
+        if value and not Path(value).expanduser().is_file():
+            problems.append(f"--{flag} {value}: no such file; give a text file with one token per line")
+    if lora.lora_rank < 1:
+        problems.append(f"--lora_rank must be at least 1, got {lora.lora_rank}")
+    if lora.lora_alpha <= 0:
+        problems.append(f"--lora_alpha must be positive, got {lora.lora_alpha}")
+    if not 0.0 <= lora.lora_dropout < 1.0:
+        problems.append(f"--lora_dropout must be in [0, 1), got {lora.lora_dropout}")
+    if not lora.lora_target_modules:
+        problems.append("--lora_target_modules needs at least one module name, or all-linear")
+    if lora.merge_lora_on_save and not (lora.use_lora or lora.use_qlora):
+        problems.append("--merge_lora_on_save needs --use_lora or --use_qlora")
+    return problems

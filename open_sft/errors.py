@@ -16,3 +16,10 @@ class ConfigError(UserError):
         self.problems = problems
         lines = "\n".join(f"  - {p}" for p in problems)
         super().__init__(f"invalid configuration ({len(problems)} problem(s)):\n{lines}")
+
+
+class StopRun(Exception):
+    """Not a failure of the user's input: the run stopped on purpose or an external service failed
+    (preemption, Hub upload). The entrypoint prints the message and exits with `exit_code`."""
+
+    exit_code = 1

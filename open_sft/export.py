@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from open_sft.data.tokenize import special_markers
+
 logger = logging.getLogger(__name__)
 
 LIBRARIES = ("open_sft", "torch", "transformers", "accelerate", "deepspeed", "datasets", "peft", "tokenizers",
@@ -34,7 +36,7 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     except Exception:  # a template that cannot render the probe still exports; eos alone ends turns
         return ids
     tail = rendered[rendered.rfind("y") + 1 :]
-    for token in tokenizer.all_special_tokens:
+    for token in special_markers(tokenizer):
         if token in tail:
             token_id = tokenizer.convert_tokens_to_ids(token)
             if token_id not in ids:
@@ -43,8 +45,10 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
-               output_dir: Path) -> None:
-    """Write weights (safetensors), config, tokenizer (with chat template) and generation config."""
+               output_dir: Path, max_shard_size: str | int = "5GB") -> None:
+    """Write weights (safetensors, sharded with an index past max_shard_size), config, tokenizer (with chat
+    template) and generation config. LoRA runs export through open_sft.lora.save_lora instead; the model
+    card (open_sft.model_card) and the Hub upload (open_sft.push) follow either export."""
     staging = output_dir / ".export.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -55,12 +59,22 @@ def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], toke
     if tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id
     model.config.use_cache = True
-    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(staging)
+    move_into_place(staging, output_dir)
+    logger.info("saved model to %s", output_dir)
+
+
+def move_into_place(staging: Path, output_dir: Path) -> None:
+    """Replace the export in output_dir with staging's files; weight files of an earlier export that the
+    new one does not have (another sharding) are removed so loaders never mix the two."""
+    fresh = {item.name for item in staging.iterdir()}
+    for old in output_dir.glob("model*.safetensors*"):
+        if old.name not in fresh:
+            old.unlink()
     for item in staging.iterdir():
         os.replace(item, output_dir / item.name)
     staging.rmdir()
-    logger.info("saved model to %s", output_dir)
 
 
 def git_revision() -> str | None:

@@ -9,6 +9,8 @@ normalises over the global batch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,11 +25,22 @@ class TokenLossModel(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        backbone = getattr(self.model, self.model.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def causal_lm(self) -> nn.Module:
+        """The transformers model; a peft model injects its adapters into it in place."""
+        get_base_model = getattr(self.model, "get_base_model", None)
+        return get_base_model() if callable(get_base_model) else self.model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask."""
+        causal_lm = self.causal_lm()
+        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
+        # position_ids only when no KV cache is passed.
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
         selected = hidden[:, :-1][trained]
-        logits = self.model.get_output_embeddings()(selected)
+        logits = causal_lm.get_output_embeddings()(selected)
         return F.cross_entropy(logits.float(), targets[trained], reduction="sum")

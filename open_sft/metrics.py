@@ -87,24 +87,37 @@ def peak_memory_gib() -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logging step to metrics.jsonl (main process only)."""
+    """Appends one JSON object per logging step to metrics.jsonl and forwards it to the trackers
+    (main process only)."""
 
-    def __init__(self, path: Path, tensorboard_dir: Optional[Path] = None):
+    def __init__(self, path: Path, tensorboard_dir: Optional[Path] = None, trackers: Optional[list] = None):
+        from open_sft.tracking import TensorBoardTracker
+
         self.path = path
-        self.writer = None
+        self.trackers = list(trackers or [])
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            self.trackers.append(TensorBoardTracker(tensorboard_dir))
 
-            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+    @classmethod
+    def for_run(cls, output_dir: Path, with_tracking: bool, report_to: str,
+                run_config: Optional[dict[str, Any]] = None) -> "MetricsWriter":
+        """metrics.jsonl in output_dir, plus the --report_to trackers when --with_tracking is set."""
+        from open_sft.tracking import build_trackers
+
+        trackers = build_trackers(report_to, output_dir, run_config) if with_tracking else []
+        return cls(output_dir / "metrics.jsonl", trackers=trackers)
 
     def write(self, record: dict[str, Any]) -> None:
+        from open_sft.tracking import scalars_of
+
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"train/{key}", value, global_step=record["step"])
+        if self.trackers:
+            scalars = scalars_of(record)
+            for tracker in self.trackers:
+                tracker.log(scalars, step=record["step"])
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

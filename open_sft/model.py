@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Any
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from open_sft.config import ModelArguments
+from open_sft.config import LoraArguments, ModelArguments
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,28 @@ def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
     return {"revision": args.model_revision, "trust_remote_code": args.trust_remote_code}
 
 
+def read_token_file(path: str) -> list[str]:
+    """Tokens of an --add_tokens file: one per line, blank lines and repeats skipped."""
+    tokens: list[str] = []
+    for line in Path(path).expanduser().read_text(encoding="utf-8").splitlines():
+        token = line.strip()
+        if token and token not in tokens:
+            tokens.append(token)
+    return tokens
+
+
+def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool) -> list[int]:
+    """Add a file's tokens that the tokenizer lacks; returns their ids (remembered for the embedding init)."""
+    known = tokenizer.get_vocab()
+    new = [t for t in read_token_file(path) if t not in known]
+    tokenizer.add_tokens(new, special_tokens=special)
+    ids = tokenizer.convert_tokens_to_ids(new)
+    tokenizer.open_sft_added_ids = sorted(set(getattr(tokenizer, "open_sft_added_ids", [])) | set(ids))
+    logger.info("added %d %stokens from %s (%d were already known)", len(new), "special " if special else "",
+                path, len(read_token_file(path)) - len(new))
+    return ids
+
+
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     name = args.tokenizer_name_or_path or args.model_name_or_path
     flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
@@ -64,16 +89,25 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
         logger.warning("tokenizer has no pad token; using eos %r for padding (padding never gets a loss)",
                        tokenizer.eos_token)
         tokenizer.pad_token = tokenizer.eos_token
+    if args.add_tokens:
+        add_tokens(tokenizer, args.add_tokens, special=False)
+    if args.add_special_tokens:
+        add_tokens(tokenizer, args.add_special_tokens, special=True)
     return tokenizer
 
 
-def load_model(args: ModelArguments) -> PreTrainedModel:
-    """The model in fp32 (master weights); the compute dtype is applied by autocast or DeepSpeed."""
-    check_liger(args)
+def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> PreTrainedModel:
+    from open_sft.lora import quantization_config
+
     kwargs = _hub_kwargs(args)
+    quantization = quantization_config(lora) if lora is not None else None
+    if quantization is not None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        kwargs.update(quantization_config=quantization,
+                      device_map={"": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"})
     try:
-        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args))
+        return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, config=config, dtype=torch.float32,
             attn_implementation=attn_implementation(args), **kwargs,
         )
@@ -82,11 +116,74 @@ def load_model(args: ModelArguments) -> PreTrainedModel:
             f"--model_name_or_path {args.model_name_or_path}: could not load the model ({exc}); "
             "check the path (a directory with config.json and weights) or the Hub id"
         ) from exc
+
+
+def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,
+               lora: Optional[LoraArguments] = None) -> PreTrainedModel:
+    """The model ready to train: fp32 parameters (master weights; the compute dtype comes from autocast
+    or DeepSpeed), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
+    and with --use_lora / --use_qlora wrapped as a peft model whose only trainable weights are adapters."""
+    from open_sft import distributed
+    from open_sft.lora import apply_lora, check_qlora_supported, uses_lora
+
+    check_liger(args)
+    if lora is not None:
+        check_qlora_supported(lora, under_deepspeed=distributed.deepspeed_config_from_env() is not None)
+    model = _from_pretrained(args, lora)
+    if tokenizer is not None:
+        fit_embeddings_to_tokenizer(model, tokenizer)
     if args.use_liger_kernel:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
+    if args.neftune_noise_alpha:
+        add_neftune_noise(model, args.neftune_noise_alpha)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if lora is not None and uses_lora(lora):
+        if tokenizer is not None and getattr(tokenizer, "open_sft_added_ids", None):
+            logger.warning("LoRA trains adapters only: the %d added tokens keep their mean-embedding rows",
+                           len(tokenizer.open_sft_added_ids))
+        model = apply_lora(model, lora, args.gradient_checkpointing)
     return model
+
+
+def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Grow the embeddings to a multiple of 64 rows when the tokenizer gained tokens (a chat template's
+    special tokens, --add_tokens); rows of new tokens (new rows, and rows of ids --add_tokens assigned
+    inside the old matrix) are set to the mean of the other old rows. A no-op once they fit."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    added = [i for i in getattr(tokenizer, "open_sft_added_ids", []) if i < rows]
+    if len(tokenizer) <= rows and not added:
+        return
+    if len(tokenizer) > rows:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+        logger.info("resized embeddings from %d to %d rows for %d tokens", rows,
+                    model.get_input_embeddings().weight.shape[0], len(tokenizer))
+    layers = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
+    for weight in {id(w): w for w in layers}.values():  # once when the embeddings are tied
+        _mean_init_rows(weight, rows, added)
+    tokenizer.open_sft_added_ids = []  # initialised; a second call must not reset trained rows
+
+
+@torch.no_grad()
+def _mean_init_rows(weight: torch.Tensor, old_rows: int, reset: list[int]) -> None:
+    keep = torch.ones(old_rows, dtype=torch.bool)
+    keep[reset] = False
+    mean = weight[:old_rows][keep].float().mean(dim=0).to(weight.dtype)
+    weight[old_rows:] = mean
+    weight[reset] = mean
+
+
+def add_neftune_noise(model: PreTrainedModel, alpha: float) -> torch.utils.hooks.RemovableHandle:
+    """NEFTune (Jain et al. 2023): while training, add Uniform(-1, 1) · alpha / sqrt(L · d) noise to the
+    input embeddings (L = sequence length of the batch, d = hidden size). Eval and generation are untouched."""
+
+    def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        scale = alpha / math.sqrt(output.shape[-2] * output.shape[-1])
+        return output + torch.empty_like(output).uniform_(-scale, scale)
+
+    return model.get_input_embeddings().register_forward_hook(hook)

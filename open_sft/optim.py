@@ -21,7 +21,7 @@ def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float)
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=learning_rate, betas=(0.9, 0.999), eps=1e-8)
 
 
-def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int) -> float:
+def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, decay_ratio: float = 0.1) -> float:
     """Learning rate of optimizer step `step` (0-based) as a fraction of the peak.
 
     Warmup rises linearly to the peak at step warmup_steps - 1 (no step is wasted at lr 0); linear
@@ -31,6 +31,10 @@ def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int) -> 
         return (step + 1) / warmup_steps
     if kind in ("constant", "constant_with_warmup"):
         return 1.0
+    if kind == "wsd":  # warmup, stable at the peak, then linear decay over the last decay_ratio of steps
+        decay_steps = max(1, math.ceil(decay_ratio * total_steps))
+        decay_start = total_steps - decay_steps
+        return 1.0 if step < decay_start else max(0.0, 1.0 - (step - decay_start + 1) / (decay_steps + 1))
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     if kind == "linear":
         return max(0.0, 1.0 - progress)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 
 from open_sft.config import FinetuneConfig, parse_config
-from open_sft.errors import UserError
+from open_sft.errors import StopRun, UserError
 
 logger = logging.getLogger("open_sft")
 
@@ -70,14 +71,29 @@ def _flop_counter(model):
     return FlopCounter(model.config, backbone_params)
 
 
+def _print_examples(data, tokenizer, count: int = 3) -> None:
+    from open_sft.data.summary import mark_trained
+
+    color = sys.stdout.isatty()
+    for index in range(min(count, len(data))):
+        example = data.example(index)
+        print(f"\n--- example {index} ({len(example.input_ids)} tokens; trained tokens marked) ---")
+        print(mark_trained(tokenizer, example.input_ids, example.labels, color))
+
+
 def run(config: FinetuneConfig) -> dict:
     """Train and export; returns a summary. Raises UserError for problems the user can fix."""
-    from open_sft import distributed
+    from open_sft import checkpoint, distributed
     from open_sft.data.pipeline import prepare_data
+    from open_sft.data.summary import format_report
     from open_sft.export import save_model, write_json
+    from open_sft.model_card import write_model_card
+    from open_sft.push import push_output_dir
+    from open_sft.lora import is_peft_model, save_lora
     from open_sft.loss import TokenLossModel
     from open_sft.metrics import MetricsWriter, device_peak_flops
-    from open_sft.model import compute_dtype, load_model, load_tokenizer
+    from open_sft.data.templates import apply_chat_template_choice
+    from open_sft.model import compute_dtype, fit_embeddings_to_tokenizer, load_model, load_tokenizer
     from open_sft.optim import build_optimizer
     from open_sft.trainer import Trainer, plan_schedule
 
@@ -85,18 +101,34 @@ def run(config: FinetuneConfig) -> dict:
     dtype = compute_dtype(m)
     torch.manual_seed(t.seed)
     tokenizer = load_tokenizer(m)
+    apply_chat_template_choice(tokenizer, d.chat_template_name, d.chat_template_path)
     data = prepare_data(d, tokenizer, t.seed)
     if d.cache_dataset_only:
         if _is_main_rank():
             print(data.cache_path)
         return {"cache_path": str(data.cache_path)}
-    model = load_model(m)
+    eval_data = None
+    if d.eval_dataset_mixer_list:
+        eval_data = prepare_data(dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list), tokenizer, t.seed)
+    elif d.eval_split_ratio:
+        data, eval_data = data.split(d.eval_split_ratio, t.seed)
+    if _is_main_rank():
+        print(format_report(data.report), flush=True)
+    if t.dry_run:
+        if _is_main_rank():
+            _print_examples(data, tokenizer)
+        return {"dry_run": True}
+    model = load_model(m, tokenizer, config.lora)
+    fit_embeddings_to_tokenizer(model, tokenizer)
     accelerator, ds_config = _accelerator_for(config, model, dtype)
-    schedule = plan_schedule(t, len(data), accelerator.num_processes)
+    schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     output_dir = Path(t.output_dir)
+    identity = checkpoint.run_identity(config, data.cache_key, accelerator.num_processes)
+    resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
+                                       accelerator.is_main_process)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", accelerator.num_processes,
                 accelerator.distributed_type.name, dtype, torch.get_num_threads())
     logger.info("schedule: %s", schedule.to_dict())
@@ -108,14 +140,18 @@ def run(config: FinetuneConfig) -> dict:
 
     metrics = None
     if accelerator.is_main_process:
-        tensorboard_dir = output_dir / "tensorboard" if t.with_tracking and t.report_to == "tensorboard" else None
-        metrics = MetricsWriter(output_dir / "metrics.jsonl", tensorboard_dir)
+        metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict())
         write_json(output_dir / "run.json", _run_info(config, accelerator, dtype, schedule, data, ds_config))
         write_json(output_dir / "data_report.json", data.report)
 
     trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id,
-                      flop_counter, device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum)
-    records = trainer.train()
+                      flop_counter, device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum,
+                      eval_data=eval_data)
+    checkpointer = checkpoint.Checkpointer(accelerator, trainer, output_dir, config.checkpoint, identity,
+                                           config.to_dict(), reduce_sum=distributed.all_reduce_sum)
+    start_step, window = checkpointer.restore(resume)
+    records = trainer.train(start_step, window, on_step_end=checkpointer.on_step_end)
+    checkpointer.raise_if_preempted(metrics)
     if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
         write_json(output_dir / f"data_order.rank{accelerator.process_index}.json",
                    {"rank": accelerator.process_index, "example_indices": trainer.seen_example_ids})
@@ -123,10 +159,21 @@ def run(config: FinetuneConfig) -> dict:
     state_dict = distributed.gather_full_state_dict(accelerator, wrapped)
     if accelerator.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
-        save_model(accelerator.unwrap_model(wrapped).model, state_dict, tokenizer, output_dir)
+        trained_model = accelerator.unwrap_model(wrapped).model
+        if is_peft_model(trained_model):
+            save_lora(trained_model, state_dict, tokenizer, output_dir, merge=config.lora.merge_lora_on_save,
+                      max_shard_size=config.checkpoint.max_shard_size)
+        else:
+            save_model(trained_model, state_dict, tokenizer, output_dir, max_shard_size=config.checkpoint.max_shard_size)
         metrics.close()
+        from open_sft.report import write_run_report
+
+        write_run_report(output_dir)
+        write_model_card(output_dir)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    if config.hub.push_to_hub and accelerator.is_main_process:  # other ranks are released already
+        push_output_dir(output_dir, config.hub)
     return {"records": records, "output_dir": str(output_dir)}
 
 
@@ -143,4 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if _is_main_rank():
             print(f"error: {exc}", file=sys.stderr)
         return 2
+    except StopRun as exc:  # preempted (checkpoint saved) or the Hub upload failed (export intact)
+        if _is_main_rank():
+            print(f"open_sft: {exc}", file=sys.stderr)
+        return exc.exit_code
     return 0

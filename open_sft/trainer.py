@@ -14,12 +14,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from open_sft.config import TrainingArguments
-from open_sft.data.batching import BatchLayout, collate, epoch_order, micro_batches_for_rank, steps_per_epoch
+from open_sft.errors import UserError
+from open_sft.evaluate import evaluate
+from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, locate
 from open_sft.data.pipeline import PreparedData
 from open_sft.metrics import FlopCounter, MetricsWriter, peak_memory_gib
 from open_sft.optim import lr_multiplier, warmup_steps_for
@@ -36,6 +38,8 @@ class Schedule:
     total_steps: int
     warmup_steps: int
     num_epochs: int
+    plan: Any = None  # UnpackedPlan | PackedPlan: which examples each rank trains on at each step
+    max_seq_length: int = 0  # row capacity of packed micro-batches
 
     def to_dict(self) -> dict:
         return {"micro_batch_size": self.layout.micro_batch_size,
@@ -45,11 +49,22 @@ class Schedule:
                 "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs}
 
 
-def plan_schedule(args: TrainingArguments, n_examples: int, world_size: int) -> Schedule:
+def plan_schedule(args: TrainingArguments, data: PreparedData, world_size: int, max_seq_length: int) -> Schedule:
     layout = BatchLayout(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size)
-    per_epoch = steps_per_epoch(n_examples, layout)
-    total = args.max_train_steps or per_epoch * args.num_train_epochs
-    return Schedule(layout, per_epoch, total, warmup_steps_for(args.warmup_ratio, total), math.ceil(total / per_epoch))
+    if args.packing:
+        budget = args.max_tokens_per_batch or args.per_device_train_batch_size * max_seq_length
+        plan: Any = PackedPlan(data.lengths(), layout, args.seed, budget)
+    else:
+        plan = UnpackedPlan(len(data), layout, args.seed)
+    per_epoch = plan.steps_in_epoch(0)
+    if args.max_train_steps:
+        total = args.max_train_steps
+        epochs = locate(plan, total - 1)[0] + 1
+    else:
+        total = sum(plan.steps_in_epoch(e) for e in range(args.num_train_epochs))
+        epochs = args.num_train_epochs
+    warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
+    return Schedule(layout, per_epoch, total, warmup, epochs, plan, max_seq_length)
 
 
 @dataclass
@@ -60,13 +75,15 @@ class Window:
     trained_tokens: int = 0
     tokens: int = 0
     flops: float = 0.0
+    padded_slots: int = 0  # token positions computed, padding included
     started: float = 0.0
 
 
 class Trainer:
     def __init__(self, accelerator, model, optimizer, args: TrainingArguments, schedule: Schedule,
                  data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
-                 metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+                 metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                 eval_data: Optional[PreparedData] = None):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
@@ -81,19 +98,34 @@ class Trainer:
         self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
         self.train_tokens = 0
         self.total_tokens = 0
+        self.eval_data = eval_data
+        self.nonfinite_steps = 0
+        self.nonfinite_in_a_row = 0
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
 
+    def _collate(self, examples: list, loss_free: bool = False) -> dict[str, torch.Tensor]:
+        if self.args.packing:
+            batch = collate_packed(examples, self.pad_token_id, self.schedule.max_seq_length)
+            if loss_free:
+                batch["labels"].fill_(-100)
+            return batch
+        return collate(examples, self.pad_token_id, loss_free=loss_free)
+
     def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
-        epoch, step_in_epoch = divmod(step, self.schedule.steps_per_epoch)
-        order = epoch_order(len(self.data), self.args.seed, epoch)
-        slots = micro_batches_for_rank(order, step_in_epoch, self.schedule.layout, self.accelerator.process_index)
+        epoch, step_in_epoch = locate(self.schedule.plan, step)
+        slots = self.schedule.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
         batches = []
         for indices in slots:
             if indices:
-                batches.append((collate([self.data.example(i) for i in indices], self.pad_token_id), indices))
-            else:  # past the end of a partial last batch: same compute, no loss
-                batches.append((collate([self.data.example(order[0])], self.pad_token_id, loss_free=True), []))
+                batches.append((self._collate([self.data.example(i) for i in indices]), indices))
+            else:  # an empty slot (end of an epoch): same compute on every rank, no loss
+                batches.append((self._collate([self.data.example(0)], loss_free=True), []))
         return batches
+
+    def epoch_progress(self, done: int) -> float:
+        """Epochs completed after `done` optimizer steps (fractional within an epoch)."""
+        epoch, step_in_epoch = locate(self.schedule.plan, done - 1)
+        return epoch + (step_in_epoch + 1) / self.schedule.plan.steps_in_epoch(epoch)
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
         """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
@@ -106,7 +138,8 @@ class Trainer:
 
     def _set_lr(self, step: int) -> float:
         lr = self.args.learning_rate * lr_multiplier(
-            self.args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps)
+            self.args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps,
+            self.args.wsd_decay_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -117,17 +150,41 @@ class Trainer:
         max_norm = self.args.clip_grad_norm if self.args.clip_grad_norm > 0 else float("inf")
         return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
 
+    def _nonfinite(self, loss_sum: torch.Tensor, grad_norm: float) -> bool:
+        """Whether any rank saw a non-finite loss or gradient norm this step (all ranks agree).
+
+        Outside DeepSpeed the optimizer step is then skipped. DeepSpeed applies its step inside the
+        last backward, before we can look, so there a bad step is counted (and aborts the run after
+        --max_nonfinite_steps in a row) but not undone."""
+        bad = not (math.isfinite(float(loss_sum)) and (self.is_deepspeed or math.isfinite(grad_norm)))
+        return bool(self.reduce_sum(torch.tensor([float(bad)], dtype=torch.float64))[0] > 0)
+
+    def _count_nonfinite(self, step: int, bad: bool) -> None:
+        if not bad:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        logger.warning("step %d: non-finite loss or gradient; the update was skipped (%d so far, %d in a row)",
+                       step + 1, self.nonfinite_steps, self.nonfinite_in_a_row)
+        if self.nonfinite_in_a_row >= self.args.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient (last at "
+                f"step {step + 1}); lower --learning_rate, check the data, or raise --max_nonfinite_steps")
+
     def train_step(self, step: int) -> dict:
         batches = self._micro_batches(step)
         local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
-        lengths = [batch["attention_mask"].sum(dim=1) for batch, _ in batches]
+        lengths = [batch.pop("lengths") for batch, _ in batches]
         local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
-                              sum(int((l.double() ** 2).sum()) for l in lengths)], dtype=torch.float64)
-        trained_global, tokens_global, squares_global = self.reduce_sum(local).tolist()
+                              sum(int((l.double() ** 2).sum()) for l in lengths),
+                              sum(batch["input_ids"].numel() for batch, _ in batches)], dtype=torch.float64)
+        trained_global, tokens_global, squares_global, slots_global = self.reduce_sum(local).tolist()
         lr = self._set_lr(step)
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_norm = float("nan")
+        skipped = False
         for a, ((batch, indices), trained_local) in enumerate(zip(batches, local_counts)):
             self.seen_example_ids.extend(indices)
             with self.accelerator.accumulate(self.model):
@@ -137,19 +194,30 @@ class Trainer:
                 self.accelerator.backward(token_loss_sum * self._loss_scale(trained_global, trained_local))
                 if a == len(batches) - 1:
                     grad_norm = self._clip_and_norm()
-                self.optimizer.step()
+                    skipped = self._nonfinite(loss_sum, grad_norm)
+                if not skipped:
+                    self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
         if self.is_deepspeed:
             grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
         loss_global = float(self.reduce_sum(loss_sum.reshape(1))[0])
+        self._count_nonfinite(step, skipped or not math.isfinite(loss_global))
+        if skipped or not math.isfinite(loss_global):  # the step taught nothing: keep it out of the loss
+            loss_global, trained_global = 0.0, 0
         flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
         return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
+                "padded_slots": int(slots_global),
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
-    def train(self, start_step: int = 0) -> list[dict]:
-        """Run to the end of the schedule; returns the logged records (also written to metrics.jsonl)."""
+    def train(self, start_step: int = 0, window: Optional[Window] = None,
+              on_step_end: Optional[Callable[[int, Window], bool]] = None) -> list[dict]:
+        """Run to the end of the schedule; returns the logged records (also written to metrics.jsonl).
+
+        Resuming passes the step to start at and the logging window open at that step; `on_step_end`
+        (checkpointing, preemption) runs after every optimizer step and returns True to stop early.
+        """
         records = []
-        window = Window(started=time.perf_counter())
+        window = window or Window(started=time.perf_counter())
         run_started = time.perf_counter()
         for step in range(start_step, self.schedule.total_steps):
             result = self.train_step(step)
@@ -157,6 +225,7 @@ class Trainer:
             window.trained_tokens += result["trained_tokens"]
             window.tokens += result["tokens"]
             window.flops += result["flops"]
+            window.padded_slots += result["padded_slots"]
             self.train_tokens += result["trained_tokens"]
             self.total_tokens += result["tokens"]
             done = step + 1
@@ -164,7 +233,7 @@ class Trainer:
                 seconds = max(time.perf_counter() - window.started, 1e-9)
                 record = {
                     "step": done,
-                    "epoch": round(done / self.schedule.steps_per_epoch, 4),
+                    "epoch": round(self.epoch_progress(done), 4),
                     "loss": window.loss_sum / max(window.trained_tokens, 1),
                     "learning_rate": result["lr"],
                     "grad_norm": result["grad_norm"],
@@ -173,12 +242,31 @@ class Trainer:
                     "tokens_per_second": window.tokens / seconds,
                     "mfu": window.flops / seconds / (self.peak_flops * self.schedule.layout.world_size),
                     "peak_memory_gib": peak_memory_gib(),
+                    "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
+                    "nonfinite_steps": self.nonfinite_steps,
                     "elapsed_s": time.perf_counter() - run_started,
                 }
                 records.append(record)
                 self._log(record)
                 window = Window(started=time.perf_counter())
+            if self.eval_data is not None and (
+                    done == self.schedule.total_steps or (self.args.eval_steps and done % self.args.eval_steps == 0)):
+                records.append(self.evaluate(done))
+            if on_step_end is not None and on_step_end(done, window):
+                break
         return records
+
+    def evaluate(self, done: int) -> dict:
+        """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
+        result = evaluate(self.accelerator, self.model, self.eval_data, self.args.per_device_train_batch_size,
+                          self.pad_token_id, self.reduce_sum)
+        record = {"step": done, "epoch": round(self.epoch_progress(done), 4), **result}
+        if self.accelerator.is_main_process:
+            logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.schedule.total_steps,
+                        record["eval_loss"], record["eval_tokens"])
+            if self.metrics is not None:
+                self.metrics.write(record)
+        return record
 
     def _log(self, record: dict) -> None:
         if not self.accelerator.is_main_process:
@@ -192,6 +280,10 @@ class Trainer:
         )
         if self.metrics is not None:
             self.metrics.write(record)
+
+
+class NonFiniteError(UserError):
+    """Training diverged: too many non-finite steps in a row."""
 
 
 def count_trained_batch(labels: torch.Tensor) -> int:

@@ -165,3 +165,12 @@ def test_cache_dataset_only(tiny_model_dir, data_file, tmp_path, capsys) -> None
     loaded = datasets.load_from_disk(last)
     assert {"input_ids", "labels"} <= set(loaded.column_names) and len(loaded) == 200
     assert not output_dir.exists()
+
+
+def test_key_ignores_how_the_tokenizer_was_loaded(tiny_model_dir, data_file, tmp_path) -> None:
+    """HF_HUB_OFFLINE makes transformers record local_files_only in tokenizer_config.json; a relaunch
+    with another environment must still hit the same cache (and resume)."""
+    args = args_for(data_file, tmp_path)
+    online = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=False)
+    offline = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    assert key_of(args, online) == key_of(args, offline)

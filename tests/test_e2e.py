@@ -22,6 +22,8 @@ METRIC_FIELDS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "train_t
                  "tokens_per_second", "mfu", "peak_memory_gib", "elapsed_s"}
 LAYOUTS = {  # name: (processes, deepspeed config, micro-batch, accumulation)
     "single": (1, None, 4, 2),
+    "bs8": (1, None, 8, 1),
+    "bs2_ga4": (1, None, 2, 4),
     "zero2": (2, "zero2.json", 2, 2),
     "zero3": (2, "zero3.json", 2, 2),
 }
@@ -62,8 +64,8 @@ def test_learns_and_logs_contract_metrics(runs, name) -> None:
     assert metrics[-1]["epoch"] == pytest.approx(STEPS * 8 / 2000, abs=1e-3)
 
 
-@pytest.mark.parametrize("name", ["zero2", "zero3"])
-def test_two_ranks_match_one_process(runs, tiny_model_dir, name) -> None:
+@pytest.mark.parametrize("name", ["bs8", "bs2_ga4", "zero2", "zero3"])
+def test_batch_layout_does_not_change_the_math(runs, tiny_model_dir, name) -> None:
     """Same global batch, token-normalised loss: the layout must not change the math."""
     single = [m["loss"] for m in runs["single"]["metrics"]]
     multi = [m["loss"] for m in runs[name]["metrics"]]
@@ -96,11 +98,11 @@ def test_run_json(runs, name) -> None:
     info = json.loads((runs[name]["dir"] / "run.json").read_text())
     processes = LAYOUTS[name][0]
     assert info["world_size"] == processes
-    assert info["distributed_type"] == ("NO" if name == "single" else "DEEPSPEED")
+    assert info["distributed_type"] == ("DEEPSPEED" if name.startswith("zero") else "NO")
     assert info["loss_normalization"] == "token"
     assert info["schedule"]["global_batch_size"] == 8
     assert info["versions"]["torch"] and info["versions"]["transformers"]
-    if name != "single":
+    if name.startswith("zero"):
         assert info["deepspeed_config"]["zero_optimization"]["stage"] == int(name[-1])
         assert info["deepspeed_config"]["train_batch_size"] == 8
         assert "auto" not in json.dumps(info["deepspeed_config"])
@@ -138,3 +140,15 @@ def test_saved_model_reloads_in_fresh_process(runs, tiny_model_dir, name) -> Non
     assert summary["finite"]
     assert summary["max_diff"] > 0.1
     assert summary["new_tokens"] >= 1
+
+
+def test_mean_of_means_differs_from_token_normalisation(runs, tiny_model_dir, tmp_path) -> None:
+    """open-instruct's old weighting (mean of micro-batch means) is not layout-invariant: with the same
+    data and layout as bs2_ga4 its losses must differ from the token-normalised run's."""
+    output_dir = tmp_path / "mean"
+    run_finetune(common_args(tiny_model_dir, output_dir, 2, 4) + ["--loss_normalization", "mean"])
+    mean = [m["loss"] for m in read_metrics(output_dir)]
+    token = [m["loss"] for m in runs["bs2_ga4"]["metrics"]]
+    assert mean[0] == pytest.approx(token[0], rel=1e-5)  # same weights before the first update
+    assert max(abs(a - b) / b for a, b in zip(mean[1:], token[1:])) > 1e-3
+    assert json.loads((output_dir / "run.json").read_text())["loss_normalization"] == "mean"

@@ -34,7 +34,7 @@ def run_main(capsys, model: str, data: str, output_dir) -> str:
         ([json.dumps(GOOD), "{not json"], "bad.jsonl line 2: not valid JSON"),
         ([json.dumps(GOOD), json.dumps(GOOD), json.dumps({"text": "hello"})],
          "bad.jsonl line 3: row has no 'messages' (columns: ['text'])"),
-        ([json.dumps({"text": "hello"})], "bad.jsonl line 1: cannot tell the data format from the columns ['text']"),
+        ([json.dumps({"body": "hello"})], "bad.jsonl line 1: cannot tell the data format from the columns ['body']"),
         ([json.dumps({"messages": [{"role": "gpt", "content": "x"}]})],
          "bad.jsonl line 1: message 1 has role 'gpt'; expected one of system, user, assistant, tool"),
         ([json.dumps(GOOD), json.dumps({"messages": [{"role": "user", "content": "only a question"}]})],

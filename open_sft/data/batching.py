@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -67,4 +68,119 @@ def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False)
         if not loss_free:
             labels[row, :n] = torch.tensor(example.labels)
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+            "lengths": torch.tensor([len(e.input_ids) for e in examples])}
+
+
+def best_fit_decreasing(lengths: dict[int, int], capacity: int, bins: Optional[int] = None) -> tuple[list[list[int]], list[int]]:
+    """Pack items (index → length) into bins of `capacity` tokens, longest first, each into the
+    fullest bin it fits. With a fixed number of `bins`, items that fit nowhere are returned as
+    left over (in their original order) instead of opening a new bin."""
+    contents: list[list[int]] = [[] for _ in range(bins or 0)]
+    free: list[int] = [capacity] * (bins or 0)
+    leftover = []
+    for index in sorted(lengths, key=lambda i: (-lengths[i], i)):
+        size = lengths[index]
+        fits = [b for b in range(len(free)) if free[b] >= size]
+        if fits:
+            best = min(fits, key=lambda b: (free[b], b))
+        elif bins is None:
+            contents.append([])
+            free.append(capacity)
+            best = len(free) - 1
+        else:
+            leftover.append(index)
+            continue
+        contents[best].append(index)
+        free[best] -= size
+    order = {index: position for position, index in enumerate(lengths)}
+    return contents, sorted(leftover, key=order.__getitem__)
+
+
+class UnpackedPlan:
+    """Fixed-size global batches: micro_batch_size × accumulation × ranks examples per step."""
+
+    def __init__(self, n_examples: int, layout: BatchLayout, seed: int):
+        self.n_examples, self.layout, self.seed = n_examples, layout, seed
+        self._order: tuple[int, list[int]] | None = None
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return steps_per_epoch(self.n_examples, self.layout)
+
+    def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(self.n_examples, self.seed, epoch))
+        return micro_batches_for_rank(self._order[1], step_in_epoch, self.layout, rank)
+
+
+class PackedPlan:
+    """--packing: each optimizer step takes examples in the epoch's shuffled order and packs them,
+    best-fit-decreasing, into gradient_accumulation × world_size micro-batches of at most
+    `max_tokens` tokens; whatever does not fit waits for the next step. The plan of an epoch depends
+    only on (seed, epoch, lengths, budget, accumulation × ranks), so every rank computes the same one."""
+
+    def __init__(self, lengths: list[int], layout: BatchLayout, seed: int, max_tokens: int):
+        self.lengths, self.layout, self.seed, self.max_tokens = lengths, layout, seed, max_tokens
+        self._epochs: dict[int, list[list[list[int]]]] = {}
+
+    def epoch(self, epoch: int) -> list[list[list[int]]]:
+        """Steps of the epoch, each a list of micro-batch slots (slot k = accumulation_index × world + rank)."""
+        if epoch not in self._epochs:
+            slots = self.layout.gradient_accumulation_steps * self.layout.world_size
+            queue = epoch_order(len(self.lengths), self.seed, epoch)
+            steps, carry, position = [], [], 0
+            while carry or position < len(queue):
+                window, budget = list(carry), slots * self.max_tokens - sum(self.lengths[i] for i in carry)
+                while position < len(queue) and budget >= self.lengths[queue[position]]:
+                    budget -= self.lengths[queue[position]]
+                    window.append(queue[position])
+                    position += 1
+                # Every example fits an empty micro-batch (max_tokens >= max_seq_length), so the
+                # longest is always placed and each step makes progress.
+                bins, carry = best_fit_decreasing({i: self.lengths[i] for i in window}, self.max_tokens, slots)
+                steps.append(bins)
+            self._epochs[epoch] = steps
+        return self._epochs[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return len(self.epoch(epoch))
+
+    def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
+        bins = self.epoch(epoch)[step_in_epoch]
+        world = self.layout.world_size
+        return [bins[a * world + rank] for a in range(self.layout.gradient_accumulation_steps)]
+
+
+def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int) -> dict[str, torch.Tensor]:
+    """Lay a micro-batch's examples into rows of at most `row_capacity` tokens (best-fit-decreasing),
+    with position ids restarting at each example and no attention mask: transformers then builds a
+    block-diagonal causal mask from the position ids (varlen kernels on GPU), so no token attends
+    across an example boundary. Each example's first label is masked so no loss crosses it either."""
+    rows, _ = best_fit_decreasing({i: len(e.input_ids) for i, e in enumerate(examples)}, row_capacity)
+    rows = [row for row in rows if row]
+    width = max(sum(len(examples[i].input_ids) for i in row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    lengths = []
+    for r, row in enumerate(rows):
+        cursor = 0
+        for i in sorted(row):
+            n = len(examples[i].input_ids)
+            input_ids[r, cursor : cursor + n] = torch.tensor(examples[i].input_ids)
+            labels[r, cursor + 1 : cursor + n] = torch.tensor(examples[i].labels[1:])
+            position_ids[r, cursor : cursor + n] = torch.arange(n)
+            lengths.append(n)
+            cursor += n
+        position_ids[r, cursor:] = torch.arange(width - cursor)  # padding: a block of its own, no loss
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "lengths": torch.tensor(lengths)}
+
+
+def locate(plan, step: int) -> tuple[int, int]:
+    """(epoch, step within the epoch) of a global optimizer step."""
+    epoch = 0
+    while step >= plan.steps_in_epoch(epoch):
+        step -= plan.steps_in_epoch(epoch)
+        epoch += 1
+    return epoch, step

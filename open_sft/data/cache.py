@@ -38,10 +38,21 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# Keys transformers writes into tokenizer_config.json that describe how the tokenizer was loaded, not
+# what it does (HF_HUB_OFFLINE sets local_files_only): they must not change the cache key.
+_LOAD_ONLY_KEYS = ("local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision", "token")
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, str]:
     """sha256 of every file the tokenizer saves: vocabulary, merges, special tokens, chat template."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
+        config = Path(tmp) / "tokenizer_config.json"
+        if config.exists():
+            settings = json.loads(config.read_text())
+            for key in _LOAD_ONLY_KEYS:
+                settings.pop(key, None)
+            config.write_text(json.dumps(settings, sort_keys=True))
         return {p.name: sha256_file(p) for p in sorted(Path(tmp).iterdir()) if p.is_file()}
 
 
@@ -113,6 +124,9 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
             shutil.rmtree(stale, ignore_errors=True)
         staging = cache_dir / f"{key}.tmp-{os.getpid()}"
         dataset, report = build()
+        import datasets
+
+        datasets.disable_progress_bars()
         dataset.save_to_disk(str(staging))
         (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
         (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

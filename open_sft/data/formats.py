@@ -26,25 +26,30 @@ Messages = list[dict[str, str]]
 
 
 class RowError(ValueError):
-    """What is wrong with one row; the caller adds the file and line."""
+    """What is wrong with one row; the caller adds the file and line. `reason` is the short code
+    counted in the data report when --on_bad_row drop skips the row."""
+
+    def __init__(self, message: str, reason: str = "invalid_row"):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _from_messages(row: dict[str, Any]) -> Messages:
     if "messages" not in row:
         raise RowError(f"row has no 'messages' (columns: {sorted(row)}); every row of this source needs a "
-                       "'messages' list of {role, content}")
+                       "'messages' list of {role, content}", "missing_messages")
     messages = row["messages"]
     if not isinstance(messages, list) or not messages:
-        raise RowError("'messages' must be a non-empty list of {role, content} objects")
+        raise RowError("'messages' must be a non-empty list of {role, content} objects", "missing_messages")
     out = []
     for i, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
-            raise RowError(f"message {i} is a {type(message).__name__}, expected an object with role and content")
+            raise RowError(f"message {i} is a {type(message).__name__}, expected an object with role and content", "bad_message")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise RowError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}")
+            raise RowError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}", "unknown_role")
         if not isinstance(content, str):
-            raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string")
+            raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string", "bad_content_type")
         out.append({"role": role, "content": content})
     return out
 
@@ -52,7 +57,7 @@ def _from_messages(row: dict[str, Any]) -> Messages:
 def _from_alpaca(row: dict[str, Any]) -> Messages:
     for key in ("instruction", "output"):
         if not isinstance(row.get(key), str):
-            raise RowError(f"alpaca row needs a string {key!r}")
+            raise RowError(f"alpaca row needs a string {key!r}", "missing_field")
     prompt = row["instruction"]
     if isinstance(row.get("input"), str) and row["input"].strip():
         prompt = f"{prompt}\n\n{row['input']}"
@@ -66,14 +71,14 @@ def _from_alpaca(row: dict[str, Any]) -> Messages:
 def _from_sharegpt(row: dict[str, Any]) -> Messages:
     turns = row.get("conversations")
     if not isinstance(turns, list) or not turns:
-        raise RowError("'conversations' must be a non-empty list of {from, value} objects")
+        raise RowError("'conversations' must be a non-empty list of {from, value} objects", "missing_messages")
     out = []
     for i, turn in enumerate(turns, start=1):
         speaker = turn.get("from") if isinstance(turn, dict) else None
         if speaker not in SHAREGPT_ROLES:
-            raise RowError(f"turn {i} has from={speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}")
+            raise RowError(f"turn {i} has from={speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}", "unknown_role")
         if not isinstance(turn.get("value"), str):
-            raise RowError(f"turn {i} ({speaker}) has a non-string value")
+            raise RowError(f"turn {i} ({speaker}) has a non-string value", "bad_content_type")
         out.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
     if isinstance(row.get("system"), str) and row["system"].strip() and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": row["system"]})
@@ -95,27 +100,37 @@ def detect_format(row: dict[str, Any], where: str) -> str:
         return "sharegpt"
     if "instruction" in row and "output" in row:
         return "alpaca"
+    if "text" in row:
+        return "text"
     raise UserError(
         f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
-        "of from/value). Rename the columns or convert the file"
+        "of from/value), text (a 'text' column of raw documents). Rename the columns, convert the file, or "
+        "force a format with --dataset_format"
     )
 
 
 def check_trainable(messages: Messages) -> None:
     """A training conversation needs at least one non-empty assistant turn and must end with one."""
     if messages[-1]["role"] != "assistant":
-        raise RowError(f"the conversation ends with a {messages[-1]['role']} turn; it must end with an assistant turn")
+        raise RowError(f"the conversation ends with a {messages[-1]['role']} turn; it must end with an assistant turn",
+                       "no_final_assistant")
     for i, message in enumerate(messages, start=1):
         if message["role"] == "assistant" and not message["content"].strip():
-            raise RowError(f"message {i} (assistant) is empty")
+            raise RowError(f"message {i} (assistant) is empty", "empty_assistant")
 
 
-def to_messages(row: dict[str, Any], fmt: str, where: str) -> Messages:
-    """Convert and validate one row; errors name the row's location."""
-    try:
-        messages = CONVERTERS[fmt](row)
-        check_trainable(messages)
-    except RowError as exc:
-        raise UserError(f"{where}: {exc}") from None
+def to_messages(row: dict[str, Any], fmt: str) -> Messages:
+    """Convert and validate one row (RowError says what is wrong)."""
+    messages = CONVERTERS[fmt](row)
+    check_trainable(messages)
     return messages
+
+
+def to_text(row: dict[str, Any]) -> str:
+    text = row.get("text")
+    if not isinstance(text, str):
+        raise RowError(f"text row needs a string 'text' (columns: {sorted(row)})", "missing_text")
+    if not text.strip():
+        raise RowError("'text' is empty", "empty_text")
+    return text

@@ -35,3 +35,37 @@ def select_indices(spec: SourceSpec, n_rows: int, seed: int) -> list[int]:
             f"ask for at most {n_rows}, or use a fraction such as {count / n_rows:.2f} to upsample"
         )
     return sorted(rng.sample(range(n_rows), count))
+
+
+def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[int]:
+    """--dataset_mixer_unit tokens: indices whose token total reaches the amount.
+
+    A fraction f of a source with T tokens takes floor(f) whole copies plus rows in a seeded order
+    until (f - floor(f)) * T more tokens are reached; a count takes rows until that many tokens and
+    must not exceed T.
+    """
+    total = sum(lengths)
+    rng = random.Random(f"{seed}:{spec.name}:{spec.split}:tokens")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if spec.is_fraction:
+        whole = math.floor(spec.amount)
+        target = (spec.amount - whole) * total
+        indices = list(range(len(lengths))) * whole
+    else:
+        target = int(spec.amount)
+        if target > total:
+            raise UserError(
+                f"--dataset_mixer_list: asked for {target} tokens of {spec.name} but it has {total}; ask for at "
+                f"most {total}, or use a fraction such as {target / total:.2f} to upsample"
+            )
+        indices = []
+    taken = 0
+    for index in order:
+        if taken >= target:
+            break
+        indices.append(index)
+        taken += lengths[index]
+    if not indices:
+        raise UserError(f"--dataset_mixer_list: {spec.amount} of {spec.name} selects no tokens; raise the amount")
+    return sorted(indices)

@@ -15,10 +15,11 @@ from typing import Any, Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config import DataArguments
-from open_sft.data.formats import RowError, detect_format, to_messages
-from open_sft.data.mixer import select_indices
+from open_sft.data.formats import RowError, detect_format, to_messages, to_text
+from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
-from open_sft.data.sources import parse_mixer_list, read_source, source_identity
+from open_sft.data.summary import length_percentiles
+from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
 from open_sft.data.tokenize import (
     IGNORE_INDEX,
     Example,
@@ -43,13 +44,14 @@ class SourceReport:
     truncated: int = 0
     tokens: int = 0
     trained_tokens: int = 0
+    examples: int = 0  # training examples made (text sources: blocks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name, "format": self.format, "rows_in": self.rows_in,
             "rows_selected": self.rows_selected, "rows_kept": self.rows_kept,
             "rows_dropped": dict(self.dropped), "truncated": self.truncated,
-            "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+            "examples": self.examples, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
         }
 
 
@@ -70,12 +72,28 @@ class PreparedData:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def lengths(self) -> list[int]:
+        return list(self.dataset["length"])
+
+    def split(self, eval_ratio: float, seed: int) -> tuple["PreparedData", "PreparedData"]:
+        """(train, eval): a seeded hold-out of round(eval_ratio × n) examples (at least one)."""
+        import random
+
+        n = len(self.dataset)
+        held = set(random.Random(f"{seed}:eval_split").sample(range(n), max(1, round(eval_ratio * n))))
+        if len(held) >= n:
+            raise UserError(f"--eval_split_ratio {eval_ratio} leaves no training examples out of {n}")
+        train = [i for i in range(n) if i not in held]
+        view = lambda rows: PreparedData(self.dataset.select(rows), self.report, self.cache_key,  # noqa: E731
+                                         self.cache_path, self.cache_hit)
+        return view(train), view(sorted(held))
+
 
 def _check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
-            f"the tokenizer {tokenizer.name_or_path!r} has no chat template; use a tokenizer that has one "
-            "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
+            f"the tokenizer {tokenizer.name_or_path!r} has no chat template; choose one with --chat_template_name "
+            "(tulu, olmo, simple_chat, chatml, llama3, zephyr) or --chat_template_path FILE"
         )
 
 
@@ -84,49 +102,146 @@ def count_trained(labels: list[int]) -> int:
     return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
 
 
-def build_examples(
-    args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int
-) -> tuple[list[Example], list[SourceReport]]:
-    """All training examples of the mixture, in mixture order, and a report per source."""
-    _check_chat_template(tokenizer)
-    markers = special_markers(tokenizer)
-    examples: list[Example] = []
-    reports = []
-    for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits):
-        source = read_source(spec)
-        fmt = detect_format(source.rows[0], source.where(0))
-        report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows))
-        conversations = [to_messages(row, fmt, source.where(i)) for i, row in enumerate(source.rows)]
-        selected = select_indices(spec, len(conversations), seed)
-        report.rows_selected = len(selected)
+class _RowSink:
+    """Applies --on_bad_row to one source: raise with the row's location, or count the reason."""
 
-        unique = sorted(set(selected))
-        rendered = []
-        for i in unique:
-            try:
-                rendered.append(trained_spans(tokenizer, conversations[i], args.train_on, markers))
-            except RowError as exc:
-                raise UserError(f"{source.where(i)}: {exc}") from None
-        by_index: dict[int, tuple[Example | None, str]] = {}
-        for i, example in zip(unique, tokenize_conversations(tokenizer, rendered)):
-            kept, reason = truncate_example(example, args.max_seq_length, args.truncation)
+    def __init__(self, source: LoadedSource, report: SourceReport, drop: bool):
+        self.source, self.report, self.drop = source, report, drop
+
+    def reject(self, index: int, error: RowError) -> None:
+        if not self.drop:
+            raise UserError(f"{self.source.where(index)}: {error}") from None
+        self.report.dropped[error.reason] += 1
+
+
+def _convert(source: LoadedSource, fmt: str, sink: _RowSink) -> dict[int, Any]:
+    """Row index → messages (or text for the text format), for every valid row."""
+    items = {}
+    for i, row in enumerate(source.rows):
+        try:
+            items[i] = to_text(row) if fmt == "text" else to_messages(row, fmt)
+        except RowError as exc:
+            sink.reject(i, exc)
+    return items
+
+
+def _verify_labels(tokenizer: PreTrainedTokenizerBase, example: Example, text: str,
+                   spans: list[tuple[int, int]]) -> bool:
+    """The decoded trained tokens, run by run, equal the trained character spans (modulo the
+    whitespace a boundary token may carry)."""
+    runs, current = [], []
+    for token, label in zip(example.input_ids, example.labels):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    decoded = [tokenizer.decode(run).strip() for run in runs]
+    return decoded == [text[a:b].strip() for a, b in spans if text[a:b].strip()]
+
+
+def _tokenize_chat(tokenizer, items: dict[int, Any], indices: list[int], args: DataArguments,
+                   sink: _RowSink) -> dict[int, Example]:
+    markers = special_markers(tokenizer)
+    rendered = {}
+    for i in indices:
+        try:
+            rendered[i] = trained_spans(tokenizer, items[i], args.train_on, markers)
+        except RowError as exc:
+            sink.reject(i, exc)
+    order = list(rendered)
+    examples = {}
+    for i, example in zip(order, tokenize_conversations(tokenizer, [rendered[i] for i in order])):
+        if args.train_on != "all" and not _verify_labels(tokenizer, example, *rendered[i]):
+            sink.reject(i, RowError("the trained tokens do not decode to the assistant turns (the tokenizer "
+                                    "merges across a turn boundary); try another chat template", "label_mismatch"))
+            continue
+        examples[i] = example
+    return examples
+
+
+def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict[int, list[int]]:
+    """Each document's tokens followed by eos (the document separator of continual pretraining)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    encoded = tokenizer([items[i] for i in indices], add_special_tokens=False)["input_ids"]
+    return {i: ids + eos for i, ids in zip(indices, encoded)}
+
+
+def _blocks(token_lists: list[list[int]], block: int) -> list[Example]:
+    """Concatenate documents and cut the stream into --max_seq_length blocks; every token trained."""
+    stream = [token for tokens in token_lists for token in tokens]
+    return [Example(stream[i : i + block], stream[i : i + block])
+            for i in range(0, len(stream), block) if len(stream[i : i + block]) > 1]
+
+
+def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
+    if args.dataset_mixer_unit == "tokens":
+        picked = select_by_tokens(spec, [lengths[i] for i in valid], seed)
+    else:
+        picked = select_indices(spec, len(valid), seed)
+    return [valid[p] for p in picked]
+
+
+def _source_examples(spec, args: DataArguments, tokenizer, seed: int) -> tuple[list[Example], SourceReport]:
+    source = read_source(spec, drop_bad=args.on_bad_row == "drop")
+    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(source.rows[0], source.where(0))
+    if fmt != "text":
+        _check_chat_template(tokenizer)
+    report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable)
+    if source.unreadable:
+        report.dropped["invalid_json"] += source.unreadable
+    sink = _RowSink(source, report, drop=args.on_bad_row == "drop")
+    items = _convert(source, fmt, sink)
+    valid = sorted(items)
+    by_tokens = args.dataset_mixer_unit == "tokens"
+    if fmt == "text":
+        tokenized = _tokenize_text(tokenizer, items, valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed))))
+        selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \
+            else _select(spec, args, valid, None, seed)
+        report.rows_selected = len(selected)
+        examples = _blocks([tokenized[i] for i in selected], args.max_seq_length)
+        report.rows_kept = len(selected)
+    else:
+        if by_tokens:
+            chat = _tokenize_chat(tokenizer, items, valid, args, sink)
+            kept_valid = sorted(chat)
+            selected = _select(spec, args, kept_valid, {i: len(e.input_ids) for i, e in chat.items()}, seed)
+        else:
+            selected = _select(spec, args, valid, None, seed)
+            chat = _tokenize_chat(tokenizer, items, sorted(set(selected)), args, sink)
+            selected = [i for i in selected if i in chat]
+        report.rows_selected = len(selected)
+        examples = []
+        for i in selected:
+            kept, reason = truncate_example(chat[i], args.max_seq_length, args.truncation)
             if kept is not None and count_trained(kept.labels) == 0:
                 kept, reason = None, "no_trained_tokens"
-            by_index[i] = (kept, reason)
-
-        for i in selected:
-            kept, reason = by_index[i]
             if kept is None:
                 report.dropped[reason] += 1
                 continue
             report.truncated += reason == "truncated"
             report.rows_kept += 1
-            report.tokens += len(kept.input_ids)
-            report.trained_tokens += count_trained(kept.labels)
             examples.append(kept)
+    report.tokens = sum(len(e.input_ids) for e in examples)
+    report.trained_tokens = sum(count_trained(e.labels) for e in examples)
+    report.examples = len(examples)
+    return examples, report
+
+
+def build_examples(
+    args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int
+) -> tuple[list[Example], list[SourceReport]]:
+    """All training examples of the mixture, in mixture order, and a report per source."""
+    examples: list[Example] = []
+    reports = []
+    for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits):
+        source_examples, report = _source_examples(spec, args, tokenizer, seed)
+        examples += source_examples
         reports.append(report)
-        logger.info("source %s: %d rows, %d selected, %d kept", spec.name, report.rows_in,
-                    report.rows_selected, report.rows_kept)
+        logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
+                    report.rows_in, report.rows_selected, report.rows_kept, sum(report.dropped.values()))
     if not examples:
         raise UserError("no training examples are left after mixing, truncation and filtering; see the data report")
     return examples, reports
@@ -142,6 +257,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         "max_seq_length": args.max_seq_length,
         "truncation": args.truncation,
         "train_on": args.train_on,
+        "dataset_format": args.dataset_format,
+        "dataset_mixer_unit": args.dataset_mixer_unit,
+        "on_bad_row": args.on_bad_row,
         "tokenizer_files": tokenizer_fingerprint(tokenizer),
         "chat_template": tokenizer.chat_template,
         "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
@@ -153,15 +271,16 @@ def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -
 
     examples, reports = build_examples(args, tokenizer, seed)
     dataset = datasets.Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
-                                          "labels": [e.labels for e in examples]})
+                                          "labels": [e.labels for e in examples],
+                                          "length": [len(e.input_ids) for e in examples]})
     report = {"sources": [r.to_dict() for r in reports], "examples": len(examples),
-              "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports)}
+              "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports),
+              "length_percentiles": length_percentiles([len(e.input_ids) for e in examples])}
     return dataset, report
 
 
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss."""
-    _check_chat_template(tokenizer)
     inputs = key_inputs(args, tokenizer, seed)
     key = cache_key(inputs)
     if args.dataset_skip_cache:

@@ -60,6 +60,7 @@ class LoadedSource:
     spec: SourceSpec
     rows: list[dict[str, Any]]
     line_numbers: list[int] | None = None
+    unreadable: int = 0  # malformed lines skipped under --on_bad_row drop
 
     def where(self, index: int) -> str:
         if self.line_numbers is not None:
@@ -90,8 +91,8 @@ def source_identity(spec: SourceSpec) -> str:
     return f"hub:{spec.name}:{spec.split}:{_load_hub(spec)._fingerprint}"
 
 
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
-    rows, line_numbers = [], []
+def _read_jsonl(path: Path, drop_bad: bool) -> tuple[list[dict[str, Any]], list[int], int]:
+    rows, line_numbers, unreadable = [], [], 0
     with path.open("r", encoding="utf-8") as handle:
         for lineno, line in enumerate(handle, start=1):
             if not line.strip():
@@ -99,15 +100,21 @@ def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
+                if drop_bad:
+                    unreadable += 1
+                    continue
                 raise UserError(
                     f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
                     "each line must be one JSON object"
                 ) from None
             if not isinstance(row, dict):
+                if drop_bad:
+                    unreadable += 1
+                    continue
                 raise UserError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
             line_numbers.append(lineno)
-    return rows, line_numbers
+    return rows, line_numbers, unreadable
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
@@ -143,7 +150,7 @@ def _load_hub(spec: SourceSpec) -> Any:
         ) from exc
 
 
-def read_source(spec: SourceSpec) -> LoadedSource:
+def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     """All rows of one source, in file order."""
     path = _local_path(spec)
     if path.is_dir():
@@ -154,9 +161,9 @@ def read_source(spec: SourceSpec) -> LoadedSource:
             loaded = loaded[spec.split]
         return LoadedSource(spec, loaded.to_list())
     if path.is_file():
-        line_numbers = None
+        line_numbers, unreadable = None, 0
         if path.suffix == ".jsonl":
-            rows, line_numbers = _read_jsonl(path)
+            rows, line_numbers, unreadable = _read_jsonl(path, drop_bad)
         elif path.suffix == ".json":
             rows = _read_json(path)
         elif path.suffix == ".parquet":
@@ -165,5 +172,5 @@ def read_source(spec: SourceSpec) -> LoadedSource:
             raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
         if not rows:
             raise UserError(f"{path}: the file has no rows")
-        return LoadedSource(spec, rows, line_numbers)
+        return LoadedSource(spec, rows, line_numbers, unreadable)
     return LoadedSource(spec, _load_hub(spec).to_list())

@@ -44,8 +44,11 @@ def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
 
 
 def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
-    """Strings that can close an assistant turn: the tokenizer's special tokens."""
-    return tuple(sorted(set(tokenizer.all_special_tokens), key=len, reverse=True))
+    """Strings that can close an assistant turn: the tokenizer's special tokens, including added
+    tokens flagged special (Llama 3's `<|eot_id|>`, chatml's `<|im_end|>`), longest first."""
+    tokens = set(tokenizer.all_special_tokens)
+    tokens |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return tuple(sorted(tokens, key=len, reverse=True))
 
 
 def trained_spans(

@@ -1,0 +1,61 @@
+"""Human-readable views of the data: the data report table and examples with trained tokens marked."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from open_sft.data.tokenize import IGNORE_INDEX
+
+BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
+
+
+def length_percentiles(lengths: list[int]) -> dict[str, int]:
+    if not lengths:
+        return {}
+    ordered = sorted(lengths)
+
+    def at(q: float) -> int:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The data report as a fixed-width table, one line per source plus the mixture total."""
+    header = f"{'source':<40} {'format':<9} {'rows in':>8} {'kept':>8} {'dropped':>8} {'trunc':>6} {'examples':>9} " \
+             f"{'tokens':>11} {'trained':>7}"
+    lines = ["data report", header, "-" * len(header)]
+    for source in report["sources"]:
+        name = source["name"] if len(source["name"]) <= 40 else "…" + source["name"][-39:]
+        dropped = sum(source["rows_dropped"].values())
+        share = source["trained_tokens"] / max(source["tokens"], 1)
+        lines.append(f"{name:<40} {source['format']:<9} {source['rows_in']:>8} {source['rows_kept']:>8} {dropped:>8} "
+                     f"{source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} {share:>7.1%}")
+        for reason, count in sorted(source["rows_dropped"].items()):
+            lines.append(f"{'':<4}dropped {count} row(s): {reason}")
+    share = report["trained_tokens"] / max(report["tokens"], 1)
+    lines.append("-" * len(header))
+    lines.append(f"{'mixture':<40} {'':<9} {'':>8} {'':>8} {'':>8} {'':>6} {report['examples']:>9} "
+                 f"{report['tokens']:>11} {share:>7.1%}")
+    if report.get("length_percentiles"):
+        percentiles = report["length_percentiles"]
+        lines.append("example length (tokens): " + ", ".join(f"{k} {percentiles[k]}" for k in ("p50", "p90", "p99", "max")))
+    return "\n".join(lines)
+
+
+def mark_trained(tokenizer: Any, input_ids: list[int], labels: list[int], color: bool) -> str:
+    """Decode an example with its trained spans highlighted (colour on a terminal, [[brackets]] otherwise)."""
+    open_, close = (BOLD_GREEN, RESET) if color else ("[[", "]]")
+    parts, run, trained = [], [], None
+    for token, label in zip(input_ids, labels):
+        is_trained = label != IGNORE_INDEX
+        if trained is not None and is_trained != trained:
+            text = tokenizer.decode(run)
+            parts.append(f"{open_}{text}{close}" if trained else text)
+            run = []
+        run.append(token)
+        trained = is_trained
+    if run:
+        text = tokenizer.decode(run)
+        parts.append(f"{open_}{text}{close}" if trained else text)
+    return "".join(parts)

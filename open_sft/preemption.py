@@ -1,0 +1,69 @@
+"""Graceful stop on SIGTERM, SIGINT and SIGUSR1 (SLURM's `--signal`): finish the optimizer step, save a
+checkpoint, exit with PREEMPTED_EXIT_CODE.
+
+A handler only sets a flag; the training loop all-reduces it after every optimizer step, so every rank
+stops after the same step even when the signal reached only some of them.
+
+Under `accelerate launch` (torchrun) the launcher also handles SIGTERM/SIGINT: it forwards the signal to
+the workers, gives them 30 s, and then exits non-zero itself (its own exit code, not ours). Send the
+signal to the workers too (e.g. the whole process group, or `srun --signal`) so the checkpoint is written
+inside that grace period; SIGUSR1 reaches the launcher only if listed in TORCHELASTIC_SIGNALS_TO_HANDLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from types import FrameType
+from typing import Callable, Optional
+
+import torch
+
+from open_sft.errors import StopRun
+
+logger = logging.getLogger(__name__)
+
+#: Exit code of a process that stopped on a signal after saving its checkpoint (EX_TEMPFAIL: "try again").
+PREEMPTED_EXIT_CODE = 75
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+
+class Preempted(StopRun):
+    """Raised after the preemption checkpoint is saved; `finetune.py` exits with PREEMPTED_EXIT_CODE."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+
+class StopRequest:
+    """Set by a signal handler in this process; `agreed` makes all ranks see the same answer."""
+
+    def __init__(self) -> None:
+        self.signal_name: Optional[str] = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "StopRequest":
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not on the main thread: SIGTERM/SIGINT/SIGUSR1 will not stop training gracefully")
+            return self
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.signal_name is None:  # only a flag: I/O inside a handler can hit a reentrant write
+            self.signal_name = signal.Signals(signum).name
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def agreed(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """True on every rank if any rank was signalled. Collective: call on every rank, every step."""
+        flag = torch.tensor([1.0 if self.requested else 0.0], dtype=torch.float64)
+        return bool(reduce_sum(flag)[0] > 0)

@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""Data pipeline speed: tokenization-cache build (rows/s, tokens/s) against the raw tokenizer's batch
+encode of the same rendered text, and the cache-hit load time.
+
+    python scripts/benchmark_data.py                              # 100k generated rows, the embedded tokenizer
+    python scripts/benchmark_data.py --tokenizer DIR --data rows.jsonl --chat_template_name tulu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the embedded one)")
+    parser.add_argument("--data", default=None, help="messages/alpaca/sharegpt JSONL (default: generated rows)")
+    parser.add_argument("--rows", type=int, default=100_000, help="rows to generate when --data is not given")
+    parser.add_argument("--chat_template_name", default=None)
+    parser.add_argument("--max_seq_length", type=int, default=2048)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from open_sft.config import DataArguments
+    from open_sft.data.pipeline import prepare_data
+    from open_sft.data.templates import apply_chat_template_choice
+    from open_sft.data.tokenize import render
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        if args.tokenizer is None:
+            from open_sft.embedded.factory import build_embedded_default
+
+            args.tokenizer = str(build_embedded_default(tmp_path / "model", hidden_size=32, num_layers=1))
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        apply_chat_template_choice(tokenizer, args.chat_template_name, None)
+        if args.data is None:
+            from open_sft.embedded.sample_data import generate_examples, write_jsonl
+
+            args.data = str(write_jsonl(generate_examples(args.rows, seed=7), tmp_path / "rows.jsonl"))
+        data_args = DataArguments(dataset_mixer_list=[args.data, "1.0"], max_seq_length=args.max_seq_length,
+                                  dataset_local_cache_dir=str(tmp_path / "cache"))
+
+        started = time.perf_counter()
+        built = prepare_data(data_args, tokenizer, 0)
+        build_s = time.perf_counter() - started
+        started = time.perf_counter()
+        hit = prepare_data(data_args, tokenizer, 0)
+        _ = hit.dataset[len(hit) - 1]  # touch the memory map
+        hit_s = time.perf_counter() - started
+
+        rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
+        from open_sft.data.formats import detect_format, to_messages
+
+        fmt = detect_format(rows[0], args.data)
+        texts = [render(tokenizer, to_messages(r, fmt)) for r in rows]
+        started = time.perf_counter()
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        raw_s = time.perf_counter() - started
+        raw_tokens = sum(len(ids) for ids in encoded)
+
+    tokens = built.report["tokens"]
+    print(json.dumps({
+        "rows": len(built), "tokens": tokens,
+        "build_s": round(build_s, 2), "build_rows_per_s": round(len(built) / build_s),
+        "build_tokens_per_s": round(tokens / build_s),
+        "raw_tokenizer_tokens_per_s": round(raw_tokens / raw_s),
+        "build_over_raw_tokenizer": round((tokens / build_s) / (raw_tokens / raw_s), 3),
+        "cache_hit_load_s": round(hit_s, 3), "cache_hit": hit.cache_hit,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

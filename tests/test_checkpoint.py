@@ -1,0 +1,451 @@
+"""Checkpoints that survive anything: kill -9 / SIGTERM and relaunch equals the uninterrupted run
+(bitwise in one process, 1e-6 relative with 2 ranks under ZeRO-2 and ZeRO-3), partial checkpoints are
+ignored, pruning keeps the newest complete one, resume refuses a changed data/batch layout, the sharded
+export reloads, and the Hub upload retries, fails cleanly and never leaks the token.
+
+Runs are shared through module fixtures (one run serves several assertions). The whole launch is
+interrupted: the launcher and its workers (torchrun starts workers in their own sessions).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics, run_finetune
+from hub_server import FakeHub
+
+STEPS = 8
+EXACT_FIELDS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
+TOKEN = "hf_TESTtoken_never_on_disk_1234"
+LAYOUTS = {"single": (1, None, 4, 2), "zero2": (2, "zero2.json", 2, 2), "zero3": (2, "zero3.json", 2, 2)}
+
+
+def finetune_args(model_dir: Path, output_dir: Path, layout: str, *extra: str) -> list[str]:
+    _, _, micro_batch, accumulation = LAYOUTS[layout]
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(output_dir), "--max_train_steps", str(STEPS),
+            "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", str(accumulation),
+            "--learning_rate", "3e-3", "--warmup_ratio", "0.1", "--logging_steps", "1", "--seed", "1",
+            "--torch_dtype", "float32", "--max_seq_length", "256", "--checkpointing_steps", "2",
+            "--keep_last_n_checkpoints", "2", "--max_shard_size", "300KB", *extra]
+
+
+def run_layout(layout: str, args: list[str], check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    processes, ds_config, _, _ = LAYOUTS[layout]
+    result = subprocess.run(launch_command(processes, ds_config) + args, cwd=ROOT, env=child_env(**env),
+                            capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig: int, log: Path,
+              only_rank: int | None = None, env: dict[str, str] | None = None) -> int:
+    """Launch, wait until metrics.jsonl has `at_line` lines, send `sig` to the launcher and every worker
+    (or only to the worker of `only_rank`)."""
+    processes, ds_config, _, _ = LAYOUTS[layout]
+    with log.open("w") as handle:
+        proc = subprocess.Popen(launch_command(processes, ds_config) + args, cwd=ROOT, env=child_env(**(env or {})),
+                                stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        metrics = output_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= at_line:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"run ended before step {at_line}:\n{log.read_text()[-3000:]}"
+        launcher = psutil.Process(proc.pid)
+        targets = launcher.children(recursive=True) + [launcher]
+        if only_rank is not None:
+            targets = [t for t in targets if t.environ().get("RANK") == str(only_rank)]
+            assert len(targets) == 1, targets
+        for target in targets:
+            try:
+                target.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        return proc.wait(timeout=120)
+
+
+def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    weights = {}
+    for file in sorted(glob.glob(str(output_dir / "model*.safetensors"))):
+        weights.update(load_file(file))
+    return weights
+
+
+def exact_view(records: list[dict]) -> list[dict]:
+    return [{k: r[k] for k in EXACT_FIELDS} for r in records]
+
+
+def complete_steps(output_dir: Path) -> list[int]:
+    root = output_dir / "checkpoints"
+    return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / "COMPLETE").is_file())
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def single(tiny_model_dir, tmp_path_factory, logs) -> dict:
+    """Uninterrupted; SIGTERM at step 1 (checkpoint at 1 although checkpointing_steps is 2); relaunch
+    killed -9 at step 5; partial checkpoints planted; relaunch."""
+    base = tmp_path_factory.mktemp("single_base")
+    run_layout("single", finetune_args(tiny_model_dir, base, "single"))
+    out = tmp_path_factory.mktemp("single_killed")
+    args = finetune_args(tiny_model_dir, out, "single")
+    term_code = interrupt("single", args, out, 1, signal.SIGTERM, logs / "single_sigterm.log")
+    stop_step = read_metrics(out)[-1]["step"]
+    term = {"code": term_code, "step": stop_step, "log": (logs / "single_sigterm.log").read_text(),
+            "state": json.loads((out / "checkpoints" / f"step_{stop_step}" / "trainer_state.json").read_text())}
+    killed_code = interrupt("single", args, out, 5, signal.SIGKILL, logs / "single_killed.log")
+    newest = max(complete_steps(out))
+    (out / "checkpoints" / f"step_{newest + 4}.tmp").mkdir(exist_ok=True)  # crash while writing
+    (out / "checkpoints" / f"step_{newest + 4}.tmp" / "optimizer.bin").write_bytes(b"partial")
+    planted = out / "checkpoints" / f"step_{newest + 2}"
+    planted.mkdir(exist_ok=True)  # renamed but COMPLETE never written
+    (planted / "trainer_state.json").write_text("{}")
+    relaunch = run_layout("single", args)
+    (logs / "single_relaunch.log").write_text(relaunch.stdout + relaunch.stderr)
+    return {"base": base, "out": out, "killed_code": killed_code, "newest_before": newest, "term": term,
+            "relaunch": relaunch.stdout + relaunch.stderr}
+
+
+@pytest.fixture(scope="module")
+def zero2(tiny_model_dir, tmp_path_factory, logs) -> dict:
+    """Uninterrupted; SIGTERM to rank 1 only at step 2; relaunch killed -9 at step 5; relaunch to the end."""
+    base = tmp_path_factory.mktemp("zero2_base")
+    run_layout("zero2", finetune_args(tiny_model_dir, base, "zero2"))
+    out = tmp_path_factory.mktemp("zero2_interrupted")
+    args = finetune_args(tiny_model_dir, out, "zero2")
+    term_code = interrupt("zero2", args, out, 2, signal.SIGTERM, logs / "zero2_sigterm.log", only_rank=1)
+    term_log = (logs / "zero2_sigterm.log").read_text()
+    stop_step = read_metrics(out)[-1]["step"]
+    after_term = {"complete": complete_steps(out), "metrics": read_metrics(out),
+                  "state": json.loads((out / "checkpoints" / f"step_{stop_step}" / "trainer_state.json").read_text())}
+    kill_code = interrupt("zero2", args, out, 5, signal.SIGKILL, logs / "zero2_killed.log")
+    run_layout("zero2", args)
+    return {"base": base, "out": out, "term_code": term_code, "term_log": term_log, "after_term": after_term,
+            "kill_code": kill_code}
+
+
+@pytest.fixture(scope="module")
+def hub():
+    server = FakeHub(TOKEN).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def zero3(tiny_model_dir, tmp_path_factory, hub, logs) -> dict:
+    """Uninterrupted; kill -9 at step 3; relaunch with --push_to_hub against a Hub that always fails.
+    All three runs are online (HF_HUB_OFFLINE=0, HF_ENDPOINT on loopback), as the push needs."""
+    online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url}
+    base = tmp_path_factory.mktemp("zero3_base")
+    run_layout("zero3", finetune_args(tiny_model_dir, base, "zero3"), **online)
+    out = tmp_path_factory.mktemp("zero3_interrupted")
+    args = finetune_args(tiny_model_dir, out, "zero3")
+    kill_code = interrupt("zero3", args, out, 3, signal.SIGKILL, logs / "zero3_killed.log", env=online)
+    hub.always["create"] = "500"
+    creates_before = hub.count("create")
+    started = time.monotonic()
+    final = run_layout("zero3", args + ["--push_to_hub", "--hub_model_id", "org/zero3", "--hub_token", TOKEN],
+                       check=False, **online, OPEN_SFT_HUB_RETRIES="3",
+                       OPEN_SFT_HUB_BACKOFF_S="0.1")
+    hub.always.clear()
+    (logs / "zero3_final.log").write_text(final.stdout + final.stderr)
+    return {"base": base, "out": out, "kill_code": kill_code, "final": final,
+            "final_seconds": time.monotonic() - started, "create_attempts": hub.count("create") - creates_before}
+
+
+# ------------------------------------------------------------------------------------------------
+# Exactness
+# ------------------------------------------------------------------------------------------------
+def test_single_process_resume_after_kill_is_bitwise(single) -> None:
+    assert single["killed_code"] == -signal.SIGKILL
+    base, resumed = read_metrics(single["base"]), read_metrics(single["out"])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))  # continued, no duplicates
+    assert exact_view(resumed) == exact_view(base)
+    a, b = load_weights(single["base"]), load_weights(single["out"])
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("layout", ["zero2", "zero3"])
+def test_two_rank_resume_matches_uninterrupted(layout, zero2, zero3) -> None:
+    runs = {"zero2": zero2, "zero3": zero3}[layout]
+    assert runs["kill_code"] != 0
+    base, resumed = read_metrics(runs["base"]), read_metrics(runs["out"])
+    assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+    for x, y in zip(base, resumed):
+        for key in EXACT_FIELDS:
+            assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-12), (x["step"], key)
+    a, b = load_weights(runs["base"]), load_weights(runs["out"])
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint files, partial writes, pruning
+# ------------------------------------------------------------------------------------------------
+def test_partial_checkpoints_are_skipped_with_a_warning(single) -> None:
+    newest, log = single["newest_before"], single["relaunch"]
+    assert f"step_{newest + 4}.tmp (interrupted while being written)" in log
+    assert f"skipping checkpoint {single['out'] / 'checkpoints' / f'step_{newest + 2}'}: no COMPLETE marker" in log
+    assert f"resuming from {single['out'] / 'checkpoints' / f'step_{newest}'} (step {newest})" in log
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints(single, zero2) -> None:
+    for run in (single, zero2):
+        assert complete_steps(run["out"]) == [STEPS - 2, STEPS]
+        assert not list((run["out"] / "checkpoints").glob("*.tmp"))
+
+
+def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
+    from open_sft.checkpoint import publish, prune
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        tmp = root / f"step_{step}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        publish(tmp, root / f"step_{step}", step)
+    (root / "step_8").mkdir()  # being written (renamed, COMPLETE not yet)
+    (root / "step_10.tmp").mkdir()
+    removed = prune(root, keep=1)
+    assert sorted(p.name for p in removed) == ["step_2", "step_4"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_10.tmp", "step_6", "step_8"]
+
+
+def test_damaged_checkpoint_is_detected(tmp_path) -> None:
+    from open_sft.checkpoint import newest_complete, publish
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        tmp = root / f"step_{step}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "model.safetensors").write_bytes(b"x" * 100)
+        publish(tmp, root / f"step_{step}", step)
+    (root / "step_4" / "model.safetensors").write_bytes(b"x" * 10)  # truncated after the fact
+    assert newest_complete(root) == root / "step_2"
+
+
+def test_checkpoint_holds_rng_per_rank_state_and_no_token(zero2, single) -> None:
+    ckpt = zero2["out"] / "checkpoints" / f"step_{STEPS}"
+    assert (ckpt / "random_states_0.pkl").is_file() and (ckpt / "random_states_1.pkl").is_file()
+    assert list((ckpt / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt"))  # DeepSpeed's own format
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    metrics = read_metrics(zero2["out"])
+    assert state["step"] == STEPS and state["train_tokens"] == metrics[-1]["train_tokens"]
+    assert state["identity"]["world_size"] == 2 and len(state["identity"]["dataset_cache_key"]) == 64
+    assert state["data_position"] == {"epoch": 0, "step_in_epoch": STEPS, "seed": 1}
+    assert state["config"]["hub"]["hub_token"] is None
+    single_ckpt = single["out"] / "checkpoints" / f"step_{STEPS}"
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= {p.name for p in single_ckpt.iterdir()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Preemption
+# ------------------------------------------------------------------------------------------------
+def test_sigterm_saves_a_checkpoint_and_all_ranks_stop_at_the_same_step(zero2) -> None:
+    after = zero2["after_term"]
+    stop_step = after["metrics"][-1]["step"]
+    assert stop_step >= 2
+    assert after["complete"][-1] == stop_step  # saved at the step where it stopped
+    state = after["state"]
+    assert state["preempted"] is True and state["step"] == stop_step
+    log = zero2["term_log"]
+    # rank 1 got the signal, rank 0 learned it through the all-reduce: both stop after the same step
+    assert f"(SIGTERM received here): saving a checkpoint at step {stop_step} and exiting" in log, log[-3000:]
+    assert f"(signal received by another rank): saving a checkpoint at step {stop_step} and exiting" in log, log[-3000:]
+    assert "exitcode: 75" in log, log[-3000:]  # PREEMPTED_EXIT_CODE, reported by the launcher
+    assert zero2["term_code"] != 0
+
+
+def test_sigterm_single_process_exit_code(single) -> None:
+    from open_sft.preemption import PREEMPTED_EXIT_CODE
+
+    term = single["term"]
+    assert term["code"] == PREEMPTED_EXIT_CODE
+    assert term["state"]["preempted"] is True and term["state"]["step"] == term["step"]
+    assert "relaunch the same command to resume" in term["log"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume refused
+# ------------------------------------------------------------------------------------------------
+def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) -> None:
+    args = finetune_args(tiny_model_dir, single["out"], "single")
+    changed = {"--per_device_train_batch_size": "2", "--gradient_accumulation_steps": "4", "--max_seq_length": "200"}
+    for flag, value in changed.items():
+        args[args.index(flag) + 1] = value
+    result = run_layout("single", args, check=False)
+    assert result.returncode == 2
+    message = result.stderr
+    assert "cannot resume from" in message and f"step_{STEPS}" in message
+    assert "--per_device_train_batch_size: checkpoint 4, now 2" in message
+    assert "--gradient_accumulation_steps: checkpoint 2, now 4" in message
+    assert "the tokenized data (cache key" in message
+    assert "--resume_from_checkpoint none" in message
+    assert complete_steps(single["out"]) == [STEPS - 2, STEPS]  # nothing touched
+
+
+def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
+    from open_sft.checkpoint import resolve_resume
+
+    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
+    assert resolve_resume("none", tmp_path, {}, is_main=True) is None
+    assert (tmp_path / "checkpoints.previous-1" / "step_2").is_dir()
+    assert not (tmp_path / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------------
+RELOAD = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+path = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path).eval()
+enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], add_generation_prompt=True,
+                              return_tensors="pt", return_dict=True)
+with torch.no_grad():
+    logits = model(**enc).logits
+total = sum(float(p.double().sum()) for p in model.parameters())
+print(json.dumps({"finite": bool(torch.isfinite(logits).all()), "template": bool(tok.chat_template),
+                  "eos": GenerationConfig.from_pretrained(path).eos_token_id, "param_sum": total}))
+"""
+
+
+def test_sharded_export_reloads_in_a_fresh_process(single) -> None:
+    out = single["out"]
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (out / "model.safetensors.index.json").is_file()
+    assert not (out / "model.safetensors").exists()
+    result = subprocess.run([sys.executable, "-c", RELOAD, str(out)], cwd=ROOT, env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["finite"] and summary["template"] and summary["eos"] is not None
+    weights = load_weights(out)
+    expected = sum(float(w.double().sum()) for name, w in weights.items())
+    assert summary["param_sum"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_model_card(single) -> None:
+    card = (single["out"] / "README.md").read_text()
+    last = read_metrics(single["out"])[-1]
+    assert card.startswith("---\nlibrary_name: transformers")
+    assert "A fine-tune of" in card and str(SAMPLE) in card  # base model and data source
+    assert "| 2000 |" in card and "100.0%" in card  # rows kept and share of trained tokens
+    assert "| learning_rate | 0.003 |" in card and "| per_device_train_batch_size | 4 |" in card
+    assert f"| loss | {last['loss']:.6g} |" in card and f"| step | {STEPS} |" in card
+    for name in ("run.json", "data_report.json", "generation_config.json", "tokenizer_config.json"):
+        assert (single["out"] / name).is_file(), name
+
+
+# ------------------------------------------------------------------------------------------------
+# Hub
+# ------------------------------------------------------------------------------------------------
+def test_push_retries_transient_failures_and_uploads_the_export(single, hub, logs) -> None:
+    hub.faults = {"create": ["500"], "commit": ["500", "drop", "hang"]}
+    hub.hang_seconds = 4
+    env = child_env(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN=TOKEN, OPEN_SFT_HUB_RETRIES="4",
+                    OPEN_SFT_HUB_BACKOFF_S="0.1", OPEN_SFT_HUB_TIMEOUT_S="2")
+    result = subprocess.run([str(ROOT / "scripts" / "push_to_hub.sh"), str(single["out"]), "--hub_model_id",
+                             "org/single", "--hub_revision", "v1"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    (logs / "push.log").write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, result.stderr[-3000:]
+    statuses = [(name, status) for name, _, status in hub.log]
+    assert ("create", 500) in statuses and ("commit", 500) in statuses and ("commit", -1) in statuses
+    assert "retry 1/3" in result.stderr  # our backoff around create_repo
+    repo = hub.repos["org/single"]
+    assert repo["private"] is True
+    files = repo["branches"]["v1"]
+    local = {str(p.relative_to(single["out"])) for p in single["out"].rglob("*") if p.is_file()}
+    expected = {name for name in local if not name.startswith("checkpoints") and not name.startswith("data_order")}
+    assert set(files) == expected
+    for name in ("model.safetensors.index.json", "README.md", "run.json"):
+        assert files[name] == (single["out"] / name).read_bytes()
+
+
+def test_failed_push_exits_nonzero_with_retry_command_and_keeps_the_export(zero3) -> None:
+    final, out = zero3["final"], zero3["out"]
+    assert final.returncode != 0
+    assert zero3["final_seconds"] < 300  # no rank hung
+    assert zero3["create_attempts"] == 3  # OPEN_SFT_HUB_RETRIES
+    assert f"python -m open_sft.push {out} --hub_model_id org/zero3 --hub_revision main --hub_private" in final.stderr
+    assert "The local export in" in final.stderr
+    assert load_weights(out) and (out / "README.md").is_file() and (out / "config.json").is_file()
+
+
+def test_retry_policy() -> None:
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+    from open_sft.push import is_transient, with_retries
+
+    def http_error(status: int) -> HfHubHTTPError:
+        response = httpx2.Response(status, request=httpx2.Request("POST", "http://127.0.0.1/x"))
+        return HfHubHTTPError(f"{status}", response=response)
+
+    assert is_transient(http_error(503)) and is_transient(http_error(429))
+    assert is_transient(httpx2.RemoteProtocolError("dropped")) and is_transient(httpx2.ReadTimeout("slow"))
+    assert not is_transient(http_error(403)) and not is_transient(ValueError("bad"))
+    calls, sleeps = [], []
+
+    def forbidden():
+        calls.append(1)
+        raise http_error(403)
+
+    with pytest.raises(HfHubHTTPError):
+        with_retries("x", forbidden, sleep=sleeps.append)
+    assert len(calls) == 1 and sleeps == []  # a refusal is not retried
+    outcomes = [http_error(500), httpx2.ConnectError("refused"), "ok"]
+
+    def flaky():
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    os.environ["OPEN_SFT_HUB_BACKOFF_S"] = "1.5"
+    try:
+        assert with_retries("x", flaky, sleep=sleeps.append) == "ok"
+    finally:
+        del os.environ["OPEN_SFT_HUB_BACKOFF_S"]
+    assert sleeps == [1.5, 3.0]  # exponential backoff
+
+
+def test_token_never_written_or_logged(single, zero2, zero3, hub, logs) -> None:
+    """Every file of the runs (exports, checkpoints, logs) and every captured output: no token."""
+    needle = TOKEN.encode()
+    scanned = 0
+    for root in (single["out"], zero2["out"], zero3["out"], logs):
+        for path in Path(root).rglob("*"):
+            if path.is_file():
+                scanned += 1
+                assert needle not in path.read_bytes(), path
+    assert TOKEN not in zero3["final"].stdout + zero3["final"].stderr
+    run_json = json.loads((zero3["out"] / "run.json").read_text())
+    assert run_json["args"]["hub"]["hub_token"] == "<redacted>"
+    assert scanned > 20

@@ -1,0 +1,176 @@
+"""Data pipeline: built-in templates' labels, formats, bad-row handling, mixer arithmetic, text blocks."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from transformers import AutoTokenizer
+
+from open_sft.config import DataArguments
+from open_sft.data.mixer import select_by_tokens, select_indices
+from open_sft.data.pipeline import build_examples, prepare_data
+from open_sft.data.sources import SourceSpec, parse_mixer_list
+from open_sft.data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
+from open_sft.data.tokenize import IGNORE_INDEX
+from open_sft.errors import UserError
+from open_sft.run import main
+
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "The sum is 5."}],
+    "multi": [{"role": "user", "content": "Reverse cat."}, {"role": "assistant", "content": "tac"},
+              {"role": "user", "content": "Uppercase it."}, {"role": "assistant", "content": "TAC"}],
+    "system": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "3 km in m?"},
+               {"role": "assistant", "content": "3000"}],
+    "tool": [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Calling the tool."},
+             {"role": "tool", "content": "{\"temp\": 4}"}, {"role": "assistant", "content": "It is 4 degrees."}],
+}
+END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+
+
+@pytest.fixture()
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def trained_runs(tokenizer, input_ids, labels) -> list[str]:
+    runs, current = [], []
+    for token, label in zip(input_ids, labels):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    return runs + ([tokenizer.decode(current)] if current else [])
+
+
+@pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))
+@pytest.mark.parametrize("case", sorted(CONVERSATIONS))
+def test_builtin_templates_train_exactly_assistant_turns(tokenizer, tmp_path, template, case) -> None:
+    apply_chat_template_choice(tokenizer, template, None)
+    messages = CONVERSATIONS[case]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}])
+    examples, _ = build_examples(DataArguments(dataset_mixer_list=[data, "1.0"]), tokenizer, 0)
+    eot = END_OF_TURN.get(template, tokenizer.eos_token)
+    expected = [m["content"] + eot for m in messages if m["role"] == "assistant"]
+    runs = trained_runs(tokenizer, examples[0].input_ids, examples[0].labels)
+    assert [r.strip() for r in runs] == expected
+    for token in BUILTIN_TEMPLATES[template].special_tokens:  # added as single special tokens
+        assert len(tokenizer(token, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_unknown_template_name_lists_choices(tokenizer) -> None:
+    with pytest.raises(UserError, match="'vicuna' is not a built-in template; choose one of tulu, olmo"):
+        apply_chat_template_choice(tokenizer, "vicuna", None)
+
+
+def test_template_file(tokenizer, tmp_path) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+                    "{% if add_generation_prompt %}assistant: {% endif %}")
+    apply_chat_template_choice(tokenizer, "chatml", str(path))  # the file wins over the name
+    assert tokenizer.chat_template == path.read_text()
+
+
+def test_formats_detected_and_converted(tokenizer, tmp_path) -> None:
+    alpaca = write_jsonl(tmp_path / "a.jsonl", [{"instruction": "Add 2 and 2.", "input": "", "output": "4"}])
+    sharegpt = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [{"from": "human", "value": "Hi"},
+                                                                     {"from": "gpt", "value": "Hello"}]}])
+    examples, reports = build_examples(DataArguments(dataset_mixer_list=[alpaca, "1.0", sharegpt, "1.0"]), tokenizer, 0)
+    assert [r.format for r in reports] == ["alpaca", "sharegpt"]
+    eos = tokenizer.eos_token
+    assert [r.strip() for r in trained_runs(tokenizer, examples[0].input_ids, examples[0].labels)] == ["4" + eos]
+    assert [r.strip() for r in trained_runs(tokenizer, examples[1].input_ids, examples[1].labels)] == ["Hello" + eos]
+
+
+def test_text_format_blocks(tokenizer, tmp_path) -> None:
+    docs = [{"text": "alpha beta gamma " * 20}, {"text": "delta epsilon " * 30}]
+    data = write_jsonl(tmp_path / "t.jsonl", docs)
+    examples, reports = build_examples(DataArguments(dataset_mixer_list=[data, "1.0"], max_seq_length=32), tokenizer, 0)
+    stream = []
+    for doc in docs:
+        stream += tokenizer(doc["text"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    spliced = [t for e in examples for t in e.input_ids]
+    # A final block of one token has nothing to predict and is not kept.
+    assert spliced == stream[: len(spliced)] and len(stream) - len(spliced) in (0, 1)
+    assert all(len(e.input_ids) == 32 for e in examples[:-1])
+    assert all(e.labels == e.input_ids for e in examples)  # every token trained
+    assert reports[0].format == "text"
+
+
+def test_on_bad_row_drop_counts_reasons(tokenizer, tmp_path) -> None:
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join([
+        json.dumps(good), "{broken", json.dumps({"messages": [{"role": "gpt", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "q"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
+        json.dumps(good)]) + "\n")
+    args = DataArguments(dataset_mixer_list=[str(path), "1.0"], on_bad_row="drop")
+    examples, reports = build_examples(args, tokenizer, 0)
+    assert len(examples) == 2
+    assert dict(reports[0].dropped) == {"invalid_json": 1, "unknown_role": 1, "no_final_assistant": 1,
+                                        "empty_assistant": 1}
+    assert reports[0].rows_in == 6 and reports[0].rows_kept == 2
+
+
+def test_mixer_amounts() -> None:
+    specs = parse_mixer_list(["a.jsonl", "0.5", "b.jsonl", "3", "c.jsonl", "2.25"], ["train"])
+    assert [(s.amount, s.is_fraction) for s in specs] == [(0.5, True), (3, False), (2.25, True)]
+    half = select_indices(specs[0], 10, seed=1)
+    assert len(half) == 5 and len(set(half)) == 5
+    assert select_indices(specs[0], 10, seed=1) == half  # deterministic
+    assert select_indices(specs[0], 10, seed=2) != half
+    assert len(set(select_indices(specs[1], 10, seed=1))) == 3
+    upsampled = Counter(select_indices(specs[2], 8, seed=1))
+    assert sum(upsampled.values()) == 18 and set(upsampled.values()) == {2, 3}  # 2 copies + 2 of 8 extra
+    with pytest.raises(UserError, match="asked for 3 rows of b.jsonl but it has 2"):
+        select_indices(specs[1], 2, seed=1)
+    with pytest.raises(UserError, match="amount 'x' for a.jsonl is not a number"):
+        parse_mixer_list(["a.jsonl", "x"], ["train"])
+
+
+def test_mixer_token_unit() -> None:
+    lengths = [10, 20, 30, 40, 100]  # 200 tokens
+    half = select_by_tokens(SourceSpec("a.jsonl", 0.5, True, "train"), lengths, seed=0)
+    taken = sum(lengths[i] for i in half)
+    assert 100 <= taken < 100 + max(lengths)
+    count = select_by_tokens(SourceSpec("a.jsonl", 60, False, "train"), lengths, seed=0)
+    assert 60 <= sum(lengths[i] for i in count) < 160
+    double = select_by_tokens(SourceSpec("a.jsonl", 2.0, True, "train"), lengths, seed=0)
+    assert sum(lengths[i] for i in double) == 400
+    with pytest.raises(UserError, match="asked for 500 tokens of a.jsonl but it has 200"):
+        select_by_tokens(SourceSpec("a.jsonl", 500, False, "train"), lengths, seed=0)
+
+
+def test_token_unit_balances_tokens_not_rows(tokenizer, tmp_path) -> None:
+    short = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 40
+    long = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 60}]}] * 40
+    a, b = write_jsonl(tmp_path / "short.jsonl", short), write_jsonl(tmp_path / "long.jsonl", long)
+    args = DataArguments(dataset_mixer_list=[a, "0.5", b, "0.5"], dataset_mixer_unit="tokens")
+    _, reports = build_examples(args, tokenizer, 0)
+    for report in reports:
+        assert report.rows_selected == 20  # equal-length rows: half the tokens is half the rows
+    # Counts are tokens too: 300 tokens of the long source is a few rows, of the short one many.
+    by_count = DataArguments(dataset_mixer_list=[a, "300", b, "300"], dataset_mixer_unit="tokens")
+    _, reports = build_examples(by_count, tokenizer, 0)
+    assert reports[0].rows_selected > 4 * reports[1].rows_selected
+    assert all(300 <= r.tokens for r in reports)
+
+
+def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path, capsys) -> None:
+    from conftest import SAMPLE
+
+    code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "0.05",
+                 "--output_dir", str(tmp_path / "out"), "--dry_run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "data report" in out and "mixture" in out and "100" in out
+    assert "[[" in out and "]]" in out  # trained spans marked (not a terminal: brackets)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,244 @@
+"""LoRA and QLoRA: only adapters train, the saved adapter and the merged model agree, ZeRO-3 matches
+one process, and QLoRA (bitsandbytes' CPU backend, NF4 + double quantization, bf16 compute) trains."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SAMPLE, read_metrics, run_finetune
+from open_sft.config import LoraArguments, parse_config
+from open_sft.errors import ConfigError, UserError
+from open_sft.loss import TokenLossModel
+from open_sft.model import load_model
+from open_sft.optim import build_optimizer
+from test_model_options import make_batch, model_args
+
+RANK, ALPHA = 8, 16
+SCALING = ALPHA / RANK
+STEPS = 12
+LORA_RUNS = {  # name: (processes, deepspeed config, micro-batch, accumulation); global batch 8 in both
+    "single": (1, None, 4, 2),
+    "zero2": (2, "zero2.json", 2, 2),
+    "zero3": (2, "zero3.json", 2, 2),
+}
+QLORA_STEPS = 40
+# The tiny base is random: with a frozen random LM head, adapters on the blocks alone plateau near
+# loss 6.5 (LoRA and QLoRA alike), so the QLoRA run also adapts lm_head (an explicit target list).
+QLORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
+
+
+def lora_flags(model_dir, output_dir, steps: int, rank: int, lr: str) -> list[str]:
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(output_dir), "--max_train_steps", str(steps), "--learning_rate", lr,
+            "--warmup_ratio", "0.1", "--logging_steps", "1", "--seed", "1", "--max_seq_length", "256",
+            "--lora_rank", str(rank), "--lora_alpha", str(2 * rank), "--lora_dropout", "0.0", "--merge_lora_on_save"]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dir, tmp_path_factory) -> dict:
+    out = {}
+    for name, (processes, ds_config, micro_batch, accumulation) in LORA_RUNS.items():
+        output_dir = tmp_path_factory.mktemp(f"lora_{name}")
+        flags = lora_flags(tiny_model_dir, output_dir, STEPS, RANK, "1e-2") + [
+            "--use_lora", "--torch_dtype", "float32", "--per_device_train_batch_size", str(micro_batch),
+            "--gradient_accumulation_steps", str(accumulation)]
+        run_finetune(flags, processes=processes, deepspeed_config=ds_config)
+        out[name] = output_dir
+    return out
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tiny_model_dir, tmp_path_factory):
+    output_dir = tmp_path_factory.mktemp("qlora")
+    run_finetune(lora_flags(tiny_model_dir, output_dir, QLORA_STEPS, 16, "2e-2")
+                 + ["--use_qlora", "--per_device_train_batch_size", "8", "--lora_target_modules", *QLORA_TARGETS])
+    return output_dir
+
+
+def lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Base-model weight key → (A, B) from a saved adapter."""
+    pairs = {}
+    for key in adapter:
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            pairs[f"{module}.weight"] = (adapter[key], adapter[key.replace("lora_A", "lora_B")])
+    return pairs
+
+
+def test_lora_flags_defaults_and_validation() -> None:
+    base = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]
+    lora = parse_config(base + ["--use_lora"]).lora
+    assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (64, 16, 0.1)
+    assert lora.lora_target_modules == ["all-linear"]
+    targets = parse_config(base + ["--lora_target_modules", "q_proj", "v_proj"]).lora.lora_target_modules
+    assert targets == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(base + ["--merge_lora_on_save", "--lora_rank", "0", "--lora_dropout", "1.5"])
+    assert len(info.value.problems) == 3
+    assert "--merge_lora_on_save needs --use_lora or --use_qlora" in str(info.value)
+
+
+def test_only_adapter_weights_train(tiny_model_dir) -> None:
+    """In process: after three AdamW steps every adapter tensor changed everywhere, nothing else moved."""
+    lora = LoraArguments(use_lora=True, lora_rank=4, lora_dropout=0.0)
+    model = load_model(model_args(tiny_model_dir), lora=lora)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 blocks; not lm_head
+    wrapped = TokenLossModel(model).train()
+    optimizer = build_optimizer(wrapped, 1e-2, 0.0)
+    batch = make_batch()
+    for _ in range(3):
+        wrapped(**batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, param in model.named_parameters():
+        if name in trainable:
+            assert float((param != before[name]).float().mean()) > 0.99, name
+        else:
+            assert torch.equal(param, before[name]), name
+
+
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_lora_output_layout_and_frozen_base(lora_runs, tiny_model_dir, name) -> None:
+    out = lora_runs[name]
+    for required in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "generation_config.json",
+                     "merged/config.json", "merged/model.safetensors", "merged/tokenizer.json"):
+        assert (out / required).exists(), required
+    assert not (out / "config.json").exists()  # see open_sft/lora.py: it would make loaders apply the adapter twice
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (RANK, ALPHA, str(tiny_model_dir))
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert len(adapter) == 2 * 7 * 2 and all(".lora_A." in k or ".lora_B." in k for k in adapter)
+    base = load_file(tiny_model_dir / "model.safetensors")
+    merged = load_file(out / "merged" / "model.safetensors")
+    assert merged.keys() == base.keys()
+    pairs = lora_pairs(adapter)
+    for key, weight in base.items():
+        if key in pairs:  # merged = frozen base + the adapter's update, and the update is not zero
+            lora_a, lora_b = pairs[key]
+            assert float(lora_b.abs().min(dim=1).values.max()) > 0, key
+            torch.testing.assert_close(merged[key], weight + SCALING * lora_b @ lora_a, rtol=0, atol=1e-6, msg=key)
+        else:  # embeddings, norms, LM head: never trained
+            assert torch.equal(merged[key], weight), key
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_two_rank_lora_matches_one_process(lora_runs, name) -> None:
+    single = [m["loss"] for m in read_metrics(lora_runs["single"])]
+    multi = [m["loss"] for m in read_metrics(lora_runs[name])]
+    assert len(single) == STEPS and single[-1] < single[0] - 0.2
+    assert multi == pytest.approx(single, rel=1e-5)
+    a = load_file(lora_runs["single"] / "adapter_model.safetensors")
+    b = load_file(lora_runs[name] / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(input_ids=ids).logits.float()
+
+
+@pytest.mark.parametrize("name", LORA_RUNS)
+def test_merged_model_logits_equal_adapter_logits(lora_runs, tiny_model_dir, name) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = lora_runs[name]
+    ids = make_batch(seed=3)["input_ids"]
+    base_logits = _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ids)
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    adapter_logits = _logits(adapter, ids)
+    merged_logits = _logits(AutoModelForCausalLM.from_pretrained(out / "merged"), ids)
+    torch.testing.assert_close(merged_logits, adapter_logits, rtol=1e-5, atol=1e-5)
+    # The output directory itself loads as base + adapter (once) with plain transformers.
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(out), ids), adapter_logits,
+                               rtol=1e-5, atol=1e-5)
+    assert float((adapter_logits - base_logits).abs().max()) > 0.05
+
+
+def test_qlora_trains_on_cpu(qlora_run, tiny_model_dir) -> None:
+    metrics = read_metrics(qlora_run)
+    assert [m["step"] for m in metrics] == list(range(1, QLORA_STEPS + 1))
+    first = sum(m["loss"] for m in metrics[:3]) / 3
+    last = sum(m["loss"] for m in metrics[-3:]) / 3
+    assert first - last > 1.5, (first, last)
+    info = json.loads((qlora_run / "run.json").read_text())
+    assert info["compute_dtype"] == "torch.bfloat16"
+    adapter = load_file(qlora_run / "adapter_model.safetensors")
+    # peft also stores the (frozen) base weight of a targeted output layer in the adapter: it is unchanged.
+    head = adapter.pop("base_model.model.lm_head.base_layer.weight")
+    assert torch.equal(head, load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"])
+    assert len(adapter) == 2 * 7 * 2 + 2 and all(t.dtype == torch.float32 for t in adapter.values())
+    merged_config = json.loads((qlora_run / "merged" / "config.json").read_text())
+    assert merged_config["dtype"] == "bfloat16" and "quantization_config" not in merged_config
+    merged = load_file(qlora_run / "merged" / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in merged.values())
+
+
+def test_qlora_merge_dequantizes_to_bf16(qlora_run, tiny_model_dir) -> None:
+    """Merged = bf16(dequantized NF4 base + B·A·alpha/r), checked weight by weight; then its logits against
+    the trained setup (4-bit base with bf16 matmuls, fp32 adapter). Storing the merge in bf16 (relative
+    step 2^-8 per weight) moves logits by ~2.5 % of their spread on this model; the merge in fp32 is
+    within 0.4 % (only bitsandbytes' bf16 matmul differs), so allow 5 %."""
+    import bitsandbytes as bnb
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from open_sft.lora import quantization_config
+
+    quantized = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, quantization_config=quantization_config(LoraArguments(use_qlora=True)),
+        dtype=torch.float32, device_map={"": "cpu"})
+    adapter_model = PeftModel.from_pretrained(quantized, qlora_run)
+    merged = load_file(qlora_run / "merged" / "model.safetensors")
+    pairs = lora_pairs(load_file(qlora_run / "adapter_model.safetensors"))
+    dequantized = 0
+    for name, module in adapter_model.get_base_model().named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = f"{name.removesuffix('.base_layer')}.weight"
+            lora_a, lora_b = pairs[key]
+            base = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+            expected = (base + 2.0 * lora_b @ lora_a).to(torch.bfloat16)  # alpha / r = 32 / 16
+            torch.testing.assert_close(merged[key], expected, rtol=0, atol=0, msg=key)
+            dequantized += 1
+    assert dequantized == 2 * 7  # every block linear was 4-bit; lm_head stayed unquantized
+
+    ids = make_batch(seed=3)["input_ids"]
+    adapter_logits = _logits(adapter_model, ids)
+    merged_logits = _logits(AutoModelForCausalLM.from_pretrained(qlora_run / "merged", dtype=torch.float32), ids)
+    base_logits = _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ids)
+    scale = float(adapter_logits.std())
+    error = float((merged_logits - adapter_logits).abs().max())
+    assert error < 0.05 * scale, (error, scale)
+    assert float((adapter_logits - base_logits).abs().max()) > 10 * error  # training moved far beyond it
+
+
+def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
+    from conftest import DS_CONFIGS
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(DS_CONFIGS / "zero3.json"))
+    with pytest.raises(UserError, match=r"--use_qlora does not work under DeepSpeed.*accelerate launch --multi_gpu"):
+        load_model(model_args(tiny_model_dir), lora=LoraArguments(use_qlora=True))
+
+
+def test_offline_merge_cli_equals_merge_on_save(lora_runs, tmp_path) -> None:
+    """`python -m open_sft.lora merge` (what scripts/merge_lora.sh runs) gives the merge the run wrote."""
+    from open_sft.lora import main as lora_main
+
+    out = lora_runs["single"]
+    assert lora_main(["merge", str(out), str(tmp_path / "m"), "--dtype", "float32"]) == 0
+    offline = load_file(tmp_path / "m" / "model.safetensors")
+    on_save = load_file(out / "merged" / "model.safetensors")
+    assert offline.keys() == on_save.keys()
+    for key in on_save:
+        torch.testing.assert_close(offline[key], on_save[key], rtol=0, atol=1e-6, msg=key)
+    assert lora_main(["merge", str(tmp_path), str(tmp_path / "n")]) == 2  # not a LoRA run: clear error

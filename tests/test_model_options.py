@@ -1,0 +1,134 @@
+"""Model options, in process on the tiny model (fp32): gradient checkpointing, attention kernels,
+NEFTune, Liger / flash-attention errors on CPU, and vocabulary expansion."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from open_sft.config import ModelArguments
+from open_sft.errors import UserError
+from open_sft.loss import TokenLossModel
+from open_sft.model import load_model, load_tokenizer
+
+
+def model_args(model_dir, **overrides) -> ModelArguments:
+    return ModelArguments(model_name_or_path=str(model_dir), torch_dtype="float32", **overrides)
+
+
+def make_batch(vocab: int = 1000, rows: int = 3, length: int = 24, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tokens, right padding on all but the first row, the first 5 positions untrained."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(6, vocab, (rows, length), generator=generator)
+    attention_mask = torch.ones(rows, length, dtype=torch.long)
+    for row in range(1, rows):
+        attention_mask[row, length - 4 * row:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, :5] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    wrapped = TokenLossModel(model).train()
+    torch.manual_seed(0)
+    loss = wrapped(**batch)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradient_checkpointing_same_loss_and_gradients(tiny_model_dir) -> None:
+    batch = make_batch()
+    loss_plain, grads_plain = loss_and_grads(load_model(model_args(tiny_model_dir)), batch)
+    checkpointed = load_model(model_args(tiny_model_dir, gradient_checkpointing=True))
+    assert checkpointed.is_activation_checkpointing
+    loss_ckpt, grads_ckpt = loss_and_grads(checkpointed, batch)
+    assert loss_ckpt == pytest.approx(loss_plain, rel=1e-6)
+    assert grads_ckpt.keys() == grads_plain.keys() and len(grads_plain) == 21
+    for name, grad in grads_plain.items():
+        torch.testing.assert_close(grads_ckpt[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_eager_and_sdpa_attention_give_the_same_loss(tiny_model_dir) -> None:
+    batch = make_batch()
+    losses = {}
+    for kind in ("eager", "sdpa"):
+        model = load_model(model_args(tiny_model_dir, attn_implementation=kind))
+        assert model.config._attn_implementation == kind
+        losses[kind], _ = loss_and_grads(model, batch)
+    assert losses["eager"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    assert load_model(model_args(tiny_model_dir)).config._attn_implementation == "sdpa"  # auto on CPU
+
+
+def test_flash_attention_2_on_cpu_is_a_clear_error(tiny_model_dir) -> None:
+    with pytest.raises(UserError, match=r"flash_attention_2 needs a CUDA GPU and the flash-attn package.*"
+                                        r"use --attn_implementation sdpa"):
+        load_model(model_args(tiny_model_dir, attn_implementation="flash_attention_2"))
+
+
+def test_liger_kernel_on_cpu_is_a_clear_error(tiny_model_dir) -> None:
+    with pytest.raises(UserError, match=r"--use_liger_kernel needs a CUDA GPU \(Liger's kernels are written in "
+                                        r"Triton\).*Drop --use_liger_kernel"):
+        load_model(model_args(tiny_model_dir, use_liger_kernel=True))
+
+
+def test_neftune_noise_in_training_only(tiny_model_dir) -> None:
+    alpha = 5.0
+    plain = load_model(model_args(tiny_model_dir))
+    noisy = load_model(model_args(tiny_model_dir, neftune_noise_alpha=alpha))
+    batch = make_batch()
+    ids = batch["input_ids"]
+    # Training: the embeddings move by at most alpha / sqrt(L * d), and nearly that much somewhere.
+    bound = alpha / math.sqrt(ids.shape[1] * plain.config.hidden_size)
+    noisy.train()
+    delta = noisy.get_input_embeddings()(ids) - plain.get_input_embeddings()(ids)
+    assert 0.9 * bound < float(delta.abs().max()) <= bound * (1 + 1e-6)
+    assert abs(float(delta.mean())) < 0.05 * bound  # zero-mean uniform noise
+    loss_plain, _ = loss_and_grads(plain, batch)
+    loss_noisy, _ = loss_and_grads(noisy, batch)
+    assert abs(loss_noisy - loss_plain) > 1e-4 * loss_plain
+    # Eval and generation: identical to the model without NEFTune.
+    plain.eval(), noisy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(noisy(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=0, atol=0)
+        prompt = ids[:1, :8]
+        kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 2}
+        assert torch.equal(noisy.generate(prompt, **kwargs), plain.generate(prompt, **kwargs))
+
+
+@pytest.mark.parametrize("flag", ["add_tokens", "add_special_tokens"])
+def test_vocabulary_expansion(tiny_model_dir, tmp_path, flag) -> None:
+    base_tokenizer = load_tokenizer(model_args(tiny_model_dir))
+    base = load_model(model_args(tiny_model_dir))
+    old_rows = base.get_input_embeddings().weight.shape[0]
+    new_tokens = [f"<|tool_{i}|>" for i in range(70)]  # enough to need a bigger matrix
+    token_file = tmp_path / "tokens.txt"
+    token_file.write_text("\n".join(new_tokens[:3] + ["", "<|user|>"] + new_tokens[3:] + [new_tokens[0]]) + "\n")
+
+    tokenizer = load_tokenizer(model_args(tiny_model_dir, **{flag: str(token_file)}))
+    assert len(tokenizer) == len(base_tokenizer) + 70  # blank line, known token and repeat skipped
+    ids = tokenizer.convert_tokens_to_ids(new_tokens)
+    assert ids == list(range(len(base_tokenizer), len(base_tokenizer) + 70))
+    assert tokenizer.encode("a <|tool_5|> b", add_special_tokens=False).count(ids[5]) == 1
+
+    model = load_model(model_args(tiny_model_dir, **{flag: str(token_file)}), tokenizer)
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert rows % 64 == 0 and rows >= len(tokenizer) > old_rows and rows - len(tokenizer) < 64
+    assert model.config.vocab_size == rows
+    for new, old in ((model.get_input_embeddings().weight, base.get_input_embeddings().weight),
+                     (model.get_output_embeddings().weight, base.get_output_embeddings().weight)):
+        assert new.shape == (rows, old.shape[1])
+        torch.testing.assert_close(new[:old_rows], old, rtol=0, atol=0)  # old rows untouched
+        mean = old.mean(dim=0)
+        torch.testing.assert_close(new[old_rows:], mean.expand(rows - old_rows, -1), rtol=1e-6, atol=1e-7)
+        assert float(mean.abs().max()) > 0
+
+    saved = tmp_path / "saved_tokenizer"
+    tokenizer.save_pretrained(saved)
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(saved)
+    assert reloaded.convert_tokens_to_ids(new_tokens) == ids
+    text = reloaded.decode([ids[0], ids[1]], skip_special_tokens=True)
+    assert (text == "") == (flag == "add_special_tokens")
