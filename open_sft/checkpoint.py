@@ -24,7 +24,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 
@@ -236,15 +236,18 @@ def publish(tmp: Path, final: Path, step: int) -> None:
     _fsync_path(final)
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` usable ones; never an incomplete one."""
+def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep` usable ones; never an incomplete one, nor one
+    in `busy` (its upload is queued or running: a later prune deletes it)."""
     usable = 0
     removed = []
     for _, path in step_dirs(root):
         if usable < keep:
             usable += problem_with(path) is None
             continue
-        if (path / COMPLETE).is_file():
+        if path in busy:
+            logger.info("keeping old checkpoint %s until its upload ends", path)
+        elif (path / COMPLETE).is_file():
             shutil.rmtree(path)
             removed.append(path)
     return removed
@@ -255,8 +258,9 @@ class Checkpointer:
 
     def __init__(self, accelerator, trainer, output_dir: Path, args: Any, identity: dict[str, Any],
                  config: dict[str, Any], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-                 on_saved: Optional[Callable[[Path], None]] = None):
-        """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed).
+                 uploader: Any = None):
+        """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed);
+        `uploader`: a checkpoint_upload.CheckpointUploader on the main process with --push_checkpoints.
         Installs the SIGTERM/SIGINT/SIGUSR1 handlers of this process."""
         self.accelerator = accelerator
         self.trainer = trainer
@@ -268,7 +272,7 @@ class Checkpointer:
         self.config = config
         self.stop = StopRequest().install()
         self.reduce_sum = reduce_sum
-        self.on_saved = on_saved
+        self.uploader = uploader
         self.preempted_at: Optional[int] = None
 
     def restore(self, resume: Optional[ResumePoint]) -> tuple[int, Any]:
@@ -284,6 +288,16 @@ class Checkpointer:
         window = Window(**state["window"], started=time.perf_counter())
         return resume.step, window
 
+    def finish_uploads(self) -> None:
+        """Main process, after the other ranks are released: wait (bounded) for the checkpoint uploads,
+        then prune what pruning skipped while they ran."""
+        if self.uploader is None:
+            return
+        self.uploader.close()
+        for path in prune(self.root, self.keep, self.uploader.pending()):
+            logger.info("deleted old checkpoint %s", path)
+        self.uploader = None
+
     def raise_if_preempted(self, metrics: Any) -> None:
         """After a stop on a signal: release everything and raise Preempted (exit PREEMPTED_EXIT_CODE)."""
         self.stop.uninstall()
@@ -292,6 +306,7 @@ class Checkpointer:
         if metrics is not None:
             metrics.close()
         self.accelerator.end_training()
+        self.finish_uploads()
         raise Preempted(f"stopped on a signal after step {self.preempted_at}; checkpoint saved in "
                         f"{self.root / f'step_{self.preempted_at}'}; relaunch the same command to resume "
                         f"(exit code {PREEMPTED_EXIT_CODE})")
@@ -346,11 +361,11 @@ class Checkpointer:
         acc.wait_for_everyone()
         if acc.is_main_process:
             publish(tmp, final, step)
-            for path in prune(self.root, self.keep):
+            for path in prune(self.root, self.keep, self.uploader.pending() if self.uploader else ()):
                 logger.info("deleted old checkpoint %s", path)
             logger.info("saved checkpoint %s (%.1fs)", final, time.perf_counter() - started)
-            if self.on_saved is not None:
-                self.on_saved(final)
+            if self.uploader is not None:
+                self.uploader.submit(final)
         acc.wait_for_everyone()
         return final
 

@@ -119,6 +119,10 @@ class DataArguments:
     eval_split_ratio: float = _help(
         "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
     )
+    preprocessing_num_workers: int = _help(
+        "Processes that render chat templates while building the tokenization cache (1 = in process).",
+        default=1,
+    )
     max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)
     truncation: str = _help(
         "Examples longer than --max_seq_length: 'truncate' cuts them, 'drop' removes them.", default="truncate"
@@ -218,11 +222,19 @@ class HubArguments:
     hub_token: Optional[str] = _help(
         "Hub token (default: the HF_TOKEN environment variable). Never logged or written to disk.", default=None
     )
+    push_checkpoints: bool = _help(
+        "With --push_to_hub: upload each complete checkpoint in the background (main process) to "
+        "checkpoints/step_N/ on the --hub_revision branch; a failed upload warns and training goes on.",
+        default=False
+    )
 
     def problems(self) -> list[str]:
+        found = []
         if self.push_to_hub and not self.hub_model_id:
-            return ["--push_to_hub needs --hub_model_id (e.g. my-org/my-model)"]
-        return []
+            found.append("--push_to_hub needs --hub_model_id (e.g. my-org/my-model)")
+        if self.push_checkpoints and not self.push_to_hub:
+            found.append("--push_checkpoints needs --push_to_hub (and --hub_model_id)")
+        return found
 
     def public_dict(self) -> dict[str, Any]:
         """The arguments with the token replaced, for run.json, checkpoints, trackers and model cards."""

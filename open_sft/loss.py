@@ -4,7 +4,8 @@ Why not `model(..., labels=...)`: HF computes logits for every position (a [toke
 the largest tensor of a small model's step) and returns a mean whose weighting depends on the
 micro-batch. We run the backbone, keep the hidden states of positions that have a label, apply the
 LM head to those alone, and return the *sum* of their losses in fp32 plus their count; the trainer
-normalises over the global batch.
+normalises over the global batch. With a plain nn.Linear head the head and the loss are fused over chunks
+of those positions (`open_sft.fused_ce`), so their [tokens, vocab] logits never exist at once.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from open_sft.data.tokenize import IGNORE_INDEX
+from open_sft.fused_ce import lm_head_loss_sum, supports_fused
 
 
 class TokenLossModel(nn.Module):
     """Wraps a causal LM so that DeepSpeed/DDP see one module whose forward returns the loss sum."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, fused_loss: bool = True):
         super().__init__()
         self.model = model
+        self.fused_loss = fused_loss  # False: the plain lm_head + F.cross_entropy path (tests, benchmarks)
 
     def causal_lm(self) -> nn.Module:
         """The transformers model; a peft model injects its adapters into it in place."""
@@ -42,5 +45,7 @@ class TokenLossModel(nn.Module):
         targets = labels[:, 1:]
         trained = targets != IGNORE_INDEX
         selected = hidden[:, :-1][trained]
-        logits = causal_lm.get_output_embeddings()(selected)
-        return F.cross_entropy(logits.float(), targets[trained], reduction="sum")
+        lm_head = causal_lm.get_output_embeddings()
+        if self.fused_loss and supports_fused(lm_head):
+            return lm_head_loss_sum(lm_head, selected, targets[trained])
+        return F.cross_entropy(lm_head(selected).float(), targets[trained], reduction="sum")

@@ -1,6 +1,7 @@
 """Upload an export (or a checkpoint) to the Hugging Face Hub, with retries, never losing local work.
 
     python -m open_sft.push OUTPUT_DIR --hub_model_id my-org/my-model [--hub_revision main] [--no_hub_private]
+    python -m open_sft.push OUTPUT_DIR/checkpoints/step_N --hub_model_id ...   (to checkpoints/step_N/ in the repo)
 
 finetune.py --push_to_hub calls `push_output_dir` on the main process after every rank has finished and
 been released, so no rank waits on the network. Transient failures (HTTP 429/5xx, dropped connections,
@@ -155,6 +156,14 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
     return url
 
 
+def push_checkpoint(checkpoint: Path, repo_id: str, revision: str = "main", private: bool = True,
+                    token: Optional[str] = None) -> str:
+    """Upload a complete checkpoint directory (COMPLETE included) to checkpoints/step_N/ in one commit;
+    retried like the export; raises the final error (callers add the retry command)."""
+    return push_folder(checkpoint, repo_id, revision, private, resolve_token(token),
+                       path_in_repo=f"checkpoints/{checkpoint.name}", message=f"open_sft checkpoint {checkpoint.name}")
+
+
 def push_output_dir(output_dir: Path, hub: Any) -> str:
     """finetune.py --push_to_hub: `hub` is the HubArguments."""
     return push_export(output_dir, hub.hub_model_id, hub.hub_revision, hub.hub_private, hub.hub_token)
@@ -162,7 +171,7 @@ def push_output_dir(output_dir: Path, hub: Any) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m open_sft.push", description=__doc__.split("\n\n")[0])
-    parser.add_argument("output_dir", type=Path, help="the --output_dir of a finished run")
+    parser.add_argument("output_dir", type=Path, help="the --output_dir of a finished run, or a complete checkpoint")
     parser.add_argument("--hub_model_id", required=True)
     parser.add_argument("--hub_revision", default="main")
     parser.add_argument("--hub_private", action=argparse.BooleanOptionalAction, default=True)
@@ -171,9 +180,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
+    if (args.output_dir / "COMPLETE").is_file():  # a checkpoint (checkpoint.COMPLETE)
+        try:
+            print(push_checkpoint(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private,
+                                  args.hub_token))
+        except Exception as exc:
+            print(f"open_sft: checkpoint upload failed: {scrub(describe(exc), resolve_token(args.hub_token))}",
+                  file=sys.stderr)
+            return PUSH_FAILED_EXIT_CODE
+        return 0
     if not any((args.output_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
-        print(f"error: {args.output_dir} has no exported model (config.json); pass the --output_dir of a "
-              "finished run", file=sys.stderr)
+        print(f"error: {args.output_dir} has no exported model (config.json) and is not a complete checkpoint "
+              "(COMPLETE); pass the --output_dir of a finished run or OUTPUT_DIR/checkpoints/step_N", file=sys.stderr)
         return 2
     try:
         print(push_export(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private, args.hub_token))

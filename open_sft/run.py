@@ -147,8 +147,14 @@ def run(config: FinetuneConfig) -> dict:
     trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id,
                       flop_counter, device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum,
                       eval_data=eval_data)
+    uploader = None
+    if config.hub.push_checkpoints and accelerator.is_main_process:
+        from open_sft.checkpoint_upload import CheckpointUploader
+
+        uploader = CheckpointUploader(config.hub)
     checkpointer = checkpoint.Checkpointer(accelerator, trainer, output_dir, config.checkpoint, identity,
-                                           config.to_dict(), reduce_sum=distributed.all_reduce_sum)
+                                           config.to_dict(), reduce_sum=distributed.all_reduce_sum,
+                                           uploader=uploader)
     start_step, window = checkpointer.restore(resume)
     records = trainer.train(start_step, window, on_step_end=checkpointer.on_step_end)
     checkpointer.raise_if_preempted(metrics)
@@ -172,7 +178,8 @@ def run(config: FinetuneConfig) -> dict:
         write_model_card(output_dir)
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if config.hub.push_to_hub and accelerator.is_main_process:  # other ranks are released already
+    checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
+    if config.hub.push_to_hub and accelerator.is_main_process:
         push_output_dir(output_dir, config.hub)
     return {"records": records, "output_dir": str(output_dir)}
 

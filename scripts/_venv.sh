@@ -18,7 +18,7 @@ source "$VENV/bin/activate"
 # GPU machines skip this and get torch (with CUDA) from setup.cfg's requirement.
 if ! python -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 2>&1; then
     echo "[setup] installing CPU torch"
-    pip install --quiet ${OPEN_SFT_TORCH_SPEC:-torch==2.13.0}
+    pip install --quiet ${OPEN_SFT_TORCH_SPEC:-torch==2.13.0} 2> >(grep -v "is ignored: it is neither" >&2)
 fi
 
 # Reinstall only when the dependency list changed (a stamp of setup.cfg + extras).
@@ -26,6 +26,7 @@ STAMP="$VENV/.open_sft_install"
 WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "[setup] installing open_sft${EXTRAS:+[$EXTRAS]} into $VENV"
-    pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    # (the grep drops pip's notices about this machine's local index mirrors, which are noise here)
+    pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}" 2> >(grep -v "is ignored: it is neither" >&2)
     echo "$WANT" > "$STAMP"
 fi

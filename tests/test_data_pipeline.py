@@ -174,3 +174,38 @@ def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path, cap
     assert "data report" in out and "mixture" in out and "100" in out
     assert "[[" in out and "]]" in out  # trained spans marked (not a terminal: brackets)
     assert not (tmp_path / "out").exists()
+
+
+def test_parallel_render_workers_give_identical_data(tokenizer) -> None:
+    from conftest import SAMPLE
+
+    one = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True), tokenizer, 0)
+    two = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
+                                     preprocessing_num_workers=2), tokenizer, 0)
+    assert one.dataset["input_ids"] == two.dataset["input_ids"] and one.dataset["labels"] == two.dataset["labels"]
+    assert one.cache_key == two.cache_key  # workers change speed, not output
+
+
+@pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))
+def test_direct_renderer_equals_apply_chat_template(tokenizer, template) -> None:
+    """The fast path renders with the compiled template; it must agree with the public API."""
+    from conftest import SAMPLE
+    from open_sft.data.tokenize import render
+
+    apply_chat_template_choice(tokenizer, template, None)
+    rows = [json.loads(line)["messages"] for line in SAMPLE.read_text().splitlines()[:100]]
+    for messages in rows + list(CONVERSATIONS.values()):
+        for k in range(1, len(messages) + 1):
+            assert render(tokenizer, messages[:k], True) == tokenizer.apply_chat_template(
+                messages[:k], tokenize=False, add_generation_prompt=True)
+            assert render(tokenizer, messages[:k]) == tokenizer.apply_chat_template(messages[:k], tokenize=False)
+
+
+def test_bad_row_reason_survives_a_worker_process() -> None:
+    """Render workers send RowErrors back pickled; the reason counted in the data report must survive."""
+    import pickle
+
+    from open_sft.data.formats import RowError
+
+    restored = pickle.loads(pickle.dumps(RowError("message 2 (assistant) is empty", "empty_assistant")))
+    assert (str(restored), restored.reason) == ("message 2 (assistant) is empty", "empty_assistant")

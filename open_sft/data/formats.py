@@ -33,6 +33,9 @@ class RowError(ValueError):
         super().__init__(message)
         self.reason = reason
 
+    def __reduce__(self):  # keep the reason when sent back from a render worker process
+        return (RowError, (str(self), self.reason))
+
 
 def _from_messages(row: dict[str, Any]) -> Messages:
     if "messages" not in row:

@@ -142,15 +142,44 @@ def _verify_labels(tokenizer: PreTrainedTokenizerBase, example: Example, text: s
     return decoded == [text[a:b].strip() for a, b in spans if text[a:b].strip()]
 
 
+_WORKER_STATE: dict[str, Any] = {}  # set before forking render workers; read in the children
+
+
+def _render_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """(index, (text, spans)) or (index, RowError) for each conversation of a chunk."""
+    tokenizer, train_on, markers = (_WORKER_STATE[k] for k in ("tokenizer", "train_on", "markers"))
+    out = []
+    for i, messages in chunk:
+        try:
+            out.append((i, trained_spans(tokenizer, messages, train_on, markers)))
+        except RowError as exc:
+            out.append((i, exc))
+    return out
+
+
+def _render_all(tokenizer, items: dict[int, Any], indices: list[int], train_on: str, workers: int) -> list:
+    """Rendering (Python/Jinja) is the slow part of a build; with --preprocessing_num_workers > 1 it
+    runs in forked worker processes (the Rust tokenizer batch-encodes on its own threads)."""
+    _WORKER_STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer))
+    work = [(i, items[i]) for i in indices]
+    if workers <= 1 or len(work) < 2000:
+        return _render_chunk(work)
+    import multiprocessing
+
+    size = -(-len(work) // (workers * 4))
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        parts = pool.map(_render_chunk, [work[k : k + size] for k in range(0, len(work), size)])
+    return [entry for part in parts for entry in part]
+
+
 def _tokenize_chat(tokenizer, items: dict[int, Any], indices: list[int], args: DataArguments,
                    sink: _RowSink) -> dict[int, Example]:
-    markers = special_markers(tokenizer)
     rendered = {}
-    for i in indices:
-        try:
-            rendered[i] = trained_spans(tokenizer, items[i], args.train_on, markers)
-        except RowError as exc:
-            sink.reject(i, exc)
+    for i, result in _render_all(tokenizer, items, indices, args.train_on, args.preprocessing_num_workers):
+        if isinstance(result, RowError):
+            sink.reject(i, result)
+        else:
+            rendered[i] = result
     order = list(rendered)
     examples = {}
     for i, example in zip(order, tokenize_conversations(tokenizer, [rendered[i] for i in order])):

@@ -10,8 +10,9 @@ boundary.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from transformers import PreTrainedTokenizerBase
 
@@ -28,7 +29,44 @@ class Example:
     labels: list[int]
 
 
+_PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+          {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
+          {"role": "assistant", "content": " 6 \n"}]
+_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Callable[[Messages, bool], str]]:
+    """Render with the compiled Jinja template directly, skipping apply_chat_template's per-call
+    argument handling (about 60 % of the data build's time). Used only if it reproduces
+    apply_chat_template exactly on a probe conversation; otherwise None (use the public API)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(tokenizer.chat_template)
+        variables = dict(tokenizer.special_tokens_map)
+
+        def direct(messages: Messages, add_generation_prompt: bool) -> str:
+            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                   documents=None, **variables)
+
+        for k in range(1, len(_PROBE) + 1):
+            for generation_prompt in (False, True):
+                expected = tokenizer.apply_chat_template(_PROBE[:k], tokenize=False,
+                                                         add_generation_prompt=generation_prompt)
+                if direct(_PROBE[:k], generation_prompt) != expected:
+                    return None
+        return direct
+    except Exception:  # any template or transformers change: fall back to the public API
+        return None
+
+
 def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False) -> str:
+    cached = _RENDERERS.get(tokenizer)
+    if cached is None or cached[0] != tokenizer.chat_template:
+        cached = (tokenizer.chat_template, _direct_renderer(tokenizer))
+        _RENDERERS[tokenizer] = cached
+    if cached[1] is not None:
+        return cached[1](messages, add_generation_prompt)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 

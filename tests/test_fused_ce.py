@@ -1,0 +1,211 @@
+"""The chunked LM-head + cross-entropy equals the plain path (loss and gradients), skips -100
+positions, tracks fp32 under bf16 autocast, and never creates a [tokens, vocab] tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from open_sft.fused_ce import lm_head_loss_sum, linear_cross_entropy_sum, supports_fused
+from open_sft.loss import TokenLossModel
+
+N, D, V = 50, 16, 300
+
+
+def problem(seed: int = 0, bias: bool = False, ignored: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g, dtype=torch.float64).float().requires_grad_()
+    head = nn.Linear(D, V, bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, D, generator=g) * 0.5)
+        if bias:
+            head.bias.copy_(torch.randn(V, generator=g))
+    targets = torch.randint(0, V, (N,), generator=g)
+    if ignored:
+        targets[torch.randperm(N, generator=g)[:ignored]] = -100
+    return hidden, head, targets
+
+
+def grads(loss: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, tensors))
+
+
+def value(loss: torch.Tensor) -> float:
+    return float(loss.detach())
+
+
+def plain(hidden, head, targets) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 50, 64])  # 7 does not divide 50; 64 is one chunk larger than N
+def test_fused_equals_plain_fp32(chunk, bias) -> None:
+    hidden, head, targets = problem(bias=bias)
+    params = [hidden, head.weight] + ([head.bias] if bias else [])
+    scale = 0.37  # the trainer multiplies the loss sum before backward: grad_output != 1
+    expected = plain(hidden, head, targets)
+    expected_grads = grads(expected * scale, *params)
+    got = lm_head_loss_sum(head, hidden, targets, chunk_rows=chunk)
+    assert got.dtype == torch.float32
+    assert value(got) == pytest.approx(value(expected), rel=1e-5)
+    for g, e in zip(grads(got * scale, *params), expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
+def test_ignored_positions_are_skipped() -> None:
+    hidden, head, targets = problem(ignored=17)
+    keep = targets != -100
+    expected = plain(hidden, head, targets)  # F.cross_entropy ignores -100 by default
+    expected_grads = grads(expected, hidden, head.weight)
+    with_ignored = linear_cross_entropy_sum(hidden, head.weight, None, targets, chunk_rows=8)
+    skipped = linear_cross_entropy_sum(hidden[keep], head.weight, None, targets[keep], chunk_rows=8)
+    assert value(with_ignored) == pytest.approx(value(expected), rel=1e-5)
+    assert value(skipped) == pytest.approx(value(expected), rel=1e-5)
+    got_grads = grads(with_ignored, hidden, head.weight)
+    for g, e in zip(got_grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+    assert float(got_grads[0][~keep].abs().max()) == 0.0
+    # Nothing trained: zero loss and zero gradients, as the plain path gives.
+    none = linear_cross_entropy_sum(hidden, head.weight, None, torch.full((N,), -100), chunk_rows=8)
+    assert value(none) == 0.0
+    assert all(float(g.abs().max()) == 0.0 for g in grads(none, hidden, head.weight))
+
+
+def test_bf16_autocast_tracks_fp32() -> None:
+    """bf16 matmuls, fp32 softmax: within 1 % of the fp32 loss (bf16 keeps 8 bits of mantissa) and
+    gradients within 3 % of their largest entry; and as close to the plain bf16 path as to fp32."""
+    hidden, head, targets = problem(bias=True)
+    params = [hidden, head.weight, head.bias]
+    fp32 = plain(hidden, head, targets)
+    fp32_grads = grads(fp32, *params)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = lm_head_loss_sum(head, hidden, targets, chunk_rows=7)
+        plain_bf16 = plain(hidden, head, targets)
+    assert fused.dtype == torch.float32
+    assert value(fused) != value(fp32)  # really computed in bf16
+    assert value(fused) == pytest.approx(value(fp32), rel=1e-2)
+    assert value(fused) == pytest.approx(value(plain_bf16), rel=1e-3)
+    fused_grads = grads(fused, *params)
+    for g, p, e, b in zip(fused_grads, params, fp32_grads, grads(plain_bf16, *params)):
+        assert g.dtype == p.dtype
+        assert float((g - e).abs().max()) < 0.03 * float(e.abs().max())
+        assert float((g - b).abs().max()) < 0.03 * float(e.abs().max())
+
+
+def test_tied_weight_gradients_add_up() -> None:
+    """A head tied to the input embeddings: the embedding and head gradients add up through autograd."""
+    g = torch.Generator().manual_seed(3)
+    embed = nn.Embedding(V, D)
+    head = nn.Linear(D, V, bias=False)
+    head.weight = embed.weight
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(V, D, generator=g))
+    ids = torch.randint(0, V, (N,), generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    expected_grad = grads(plain(torch.tanh(embed(ids)), head, targets), embed.weight)[0]
+    got_grad = grads(lm_head_loss_sum(head, torch.tanh(embed(ids)), targets, chunk_rows=9), embed.weight)[0]
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+class ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor an ATen op returns (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def largest_output(fn) -> int:
+    recorder = ShapeRecorder()
+    with recorder:
+        fn()
+    return max(torch.Size(s).numel() for s in recorder.shapes)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_never_creates_full_logits(autocast) -> None:
+    """No op output of forward or backward exceeds chunk × vocab elements (the plain path does make [N, V])."""
+    hidden, head, targets = problem()
+    chunk = 8
+
+    def run(loss_fn):
+        def step():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_fn()
+            (loss * 0.5).backward()
+        return step
+
+    assert largest_output(run(lambda: plain(hidden, head, targets))) >= N * V  # the recorder sees it
+    largest = largest_output(run(lambda: lm_head_loss_sum(head, hidden, targets, chunk_rows=chunk)))
+    assert largest <= max(chunk * V, V * D), largest
+
+
+def test_no_gradient_work_under_no_grad() -> None:
+    """Evaluation runs under no_grad: one matmul per chunk (logits), none for gradients, same value."""
+    hidden, head, targets = problem()
+    expected = float(plain(hidden, head, targets).detach())
+    recorder = ShapeRecorder()
+    with torch.no_grad(), recorder:
+        loss = lm_head_loss_sum(head, hidden, targets, chunk_rows=7)
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    assert sum(op in ("mm", "addmm") for op in recorder.ops) == -(-N // 7)
+    assert not loss.requires_grad
+
+
+def test_only_plain_linear_heads_are_fused() -> None:
+    class Subclass(nn.Linear):  # e.g. bitsandbytes' Linear4bit
+        pass
+
+    assert supports_fused(nn.Linear(4, 8))
+    assert not supports_fused(Subclass(4, 8))
+    with pytest.raises(TypeError, match="plain nn.Linear"):
+        lm_head_loss_sum(Subclass(4, 8), torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
+    head = nn.Linear(4, 8)
+    lm_head_loss_sum(head, torch.zeros(2, 4), torch.zeros(2, dtype=torch.long))
+    assert "forward" not in head.__dict__  # the temporary forward is removed again
+    assert head(torch.zeros(2, 4)).shape == (2, 8)
+
+
+def test_hooks_of_the_head_fire_around_the_fused_loss() -> None:
+    """ZeRO-3 gathers the head's weight in its forward pre-hook: the fused loss must run inside that call."""
+    hidden, head, targets = problem()
+    events = []
+    head.register_forward_pre_hook(lambda module, args: events.append("pre"))
+    head.register_forward_hook(lambda module, args, out: events.append(("post", out.shape)))
+    lm_head_loss_sum(head, hidden, targets)
+    assert events == ["pre", ("post", torch.Size([]))]
+
+
+def test_token_loss_model_fused_equals_plain(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=g)
+    labels = input_ids.clone()
+    labels[:, :15] = -100
+    labels[2] = -100
+    results = []
+    for fused in (False, True):
+        wrapped = TokenLossModel(model, fused_loss=fused)
+        model.zero_grad(set_to_none=True)
+        loss = wrapped(input_ids=input_ids, labels=labels)
+        loss.backward()
+        results.append((value(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_loss, plain_grads), (fused_loss, fused_grads) = results
+    assert fused_loss == pytest.approx(plain_loss, rel=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
