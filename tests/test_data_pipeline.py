@@ -13,7 +13,7 @@ from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.pipeline import build_examples, prepare_data
 from open_sft.data.sources import SourceSpec, parse_mixer_list
 from open_sft.data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
-from open_sft.data.tokenize import IGNORE_INDEX
+from open_sft.data.tokenize import trained_token_runs
 from open_sft.errors import UserError
 from open_sft.run import main
 
@@ -40,14 +40,7 @@ def write_jsonl(path, rows) -> str:
 
 
 def trained_runs(tokenizer, input_ids, labels) -> list[str]:
-    runs, current = [], []
-    for token, label in zip(input_ids, labels):
-        if label != IGNORE_INDEX:
-            current.append(token)
-        elif current:
-            runs.append(tokenizer.decode(current))
-            current = []
-    return runs + ([tokenizer.decode(current)] if current else [])
+    return [tokenizer.decode(run) for run in trained_token_runs(input_ids, labels)]
 
 
 @pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))

@@ -6,7 +6,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from open_sft.data.pipeline import count_trained
-from open_sft.data.tokenize import IGNORE_INDEX, Example, special_markers, tokenize_conversations, trained_spans
+from open_sft.data.tokenize import (IGNORE_INDEX, Example, special_markers, tokenize_conversations, trained_spans,
+                                   trained_token_runs)
 from open_sft.data.tokenize import truncate_example
 
 ROWS = [
@@ -29,18 +30,9 @@ def label(tokenizer, rows, train_on="all_assistant") -> list[Example]:
 
 
 def trained_runs(tokenizer, example: Example) -> list[str]:
-    """Decoded contiguous runs of trained tokens."""
-    runs, current = [], []
-    for token, lab in zip(example.input_ids, example.labels):
-        if lab != IGNORE_INDEX:
-            assert lab == token
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(run) for run in runs]
+    """Decoded contiguous runs of trained tokens (each trained label is its own token id)."""
+    assert all(lab in (IGNORE_INDEX, token) for token, lab in zip(example.input_ids, example.labels))
+    return [tokenizer.decode(run) for run in trained_token_runs(example.input_ids, example.labels)]
 
 
 def test_only_assistant_content_and_eos_are_trained(tokenizer) -> None:

@@ -26,6 +26,7 @@ from open_sft.data.tokenize import (
     special_markers,
     tokenize_conversations,
     trained_spans,
+    trained_token_runs,
     truncate_example,
 )
 from open_sft.errors import UserError
@@ -129,16 +130,7 @@ def _verify_labels(tokenizer: PreTrainedTokenizerBase, example: Example, text: s
                    spans: list[tuple[int, int]]) -> bool:
     """The decoded trained tokens, run by run, equal the trained character spans (modulo the
     whitespace a boundary token may carry)."""
-    runs, current = [], []
-    for token, label in zip(example.input_ids, example.labels):
-        if label != IGNORE_INDEX:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    decoded = [tokenizer.decode(run).strip() for run in runs]
+    decoded = [tokenizer.decode(run).strip() for run in trained_token_runs(example.input_ids, example.labels)]
     return decoded == [text[a:b].strip() for a, b in spans if text[a:b].strip()]
 
 

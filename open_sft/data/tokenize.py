@@ -136,6 +136,20 @@ def label_tokens(
     return labels
 
 
+def trained_token_runs(input_ids: list[int], labels: list[int]) -> list[list[int]]:
+    """The maximal runs of consecutive trained tokens (label != IGNORE_INDEX), in order."""
+    runs: list[list[int]] = []
+    previous_trained = False
+    for token, label in zip(input_ids, labels):
+        trained = label != IGNORE_INDEX
+        if trained:
+            if not previous_trained:
+                runs.append([])
+            runs[-1].append(token)
+        previous_trained = trained
+    return runs
+
+
 def truncate_example(example: Example, max_seq_length: int, truncation: str) -> tuple[Optional[Example], str]:
     """Apply --max_seq_length; returns (example or None, drop/keep reason)."""
     if len(example.input_ids) <= max_seq_length:
