@@ -19,8 +19,8 @@ Loss normalisation: in every mode supported here the gradient that reaches the o
 (accelerate divides by GA outside DeepSpeed, the DeepSpeed engine divides by GA inside
 ``engine.backward``; DDP and ZeRO both *average* gradients over ranks).  So to obtain
 ``grad(sum of token losses in the global batch / global trained tokens)`` pass
-``loss = micro_sum_token_loss / global_tokens * loss_multiplier(accelerator)`` to
-``accelerator.backward`` (``loss_multiplier = gradient_accumulation_steps * num_processes``).
+``loss = micro_sum_token_loss / global_tokens * gradient_accumulation_steps * num_processes`` to
+``accelerator.backward`` (``open_sft.trainer.Trainer._loss_scale`` applies it).
 """
 
 from __future__ import annotations
@@ -45,10 +45,6 @@ __all__ = [
     "build_accelerator",
     "gather_full_state_dict",
     "all_reduce_sum",
-    "loss_multiplier",
-    "grad_norm_after_step",
-    "current_lr",
-    "cleanup_distributed",
 ]
 
 #: Explicit per-rank thread count; overrides everything else (also use it to force 1 thread).
@@ -379,15 +375,6 @@ def build_accelerator(
     )
 
 
-def loss_multiplier(accelerator: Accelerator) -> int:
-    """Multiplier for ``micro_batch_token_loss_sum / global_batch_tokens`` before ``backward``.
-
-    Same in every mode: accelerate (non-DS) or the DeepSpeed engine divides each micro-batch
-    loss by GA, and DDP/ZeRO average gradients over ranks.
-    """
-    return int(accelerator.gradient_accumulation_steps) * int(accelerator.num_processes)
-
-
 def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
     """Sum a scalar (or tensor) over all ranks; works with gloo on CPU (and nccl).
 
@@ -413,31 +400,6 @@ def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def grad_norm_after_step(accelerator: Accelerator, model: torch.nn.Module, max_norm: float) -> float | None:
-    """Gradient norm for logging; call after ``accelerator.backward`` when ``sync_gradients``.
-
-    Under DeepSpeed, clipping is done inside the engine (config ``gradient_clipping``) during
-    ``accelerator.backward``; ``accelerator.clip_grad_norm_`` then just returns the engine's
-    pre-clipping global norm (``engine.get_global_grad_norm()``) and ignores ``max_norm``.
-    Elsewhere this clips (``max_norm > 0``) and returns the pre-clipping norm; call it before
-    ``optimizer.step()``.
-    """
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        norm = accelerator.clip_grad_norm_(model.parameters(), max_norm)
-        return None if norm is None else float(norm)
-    if max_norm > 0:
-        return float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
-    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
-
-
-def current_lr(optimizer: torch.optim.Optimizer) -> float:
-    """LR of the first param group; works for the raw optimizer and accelerate/DS wrappers."""
-    return float(optimizer.param_groups[0]["lr"])
-
-
 def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights on the main process, ``{}`` on the other ranks.
 
@@ -449,10 +411,3 @@ def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> 
     if not accelerator.is_main_process or state_dict is None:
         return {}
     return {name: tensor.detach().to("cpu").clone() for name, tensor in state_dict.items()}
-
-
-def cleanup_distributed() -> None:
-    """Destroy the default process group (if any) so the process exits without warnings."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()

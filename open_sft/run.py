@@ -93,7 +93,7 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.loss import TokenLossModel
     from open_sft.metrics import MetricsWriter, device_peak_flops
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import compute_dtype, fit_embeddings_to_tokenizer, load_model, load_tokenizer
+    from open_sft.model import compute_dtype, load_model, load_tokenizer
     from open_sft.optim import build_optimizer
     from open_sft.trainer import Trainer, plan_schedule
 
@@ -119,7 +119,6 @@ def run(config: FinetuneConfig) -> dict:
             _print_examples(data, tokenizer)
         return {"dry_run": True}
     model = load_model(m, tokenizer, config.lora)
-    fit_embeddings_to_tokenizer(model, tokenizer)
     accelerator, ds_config = _accelerator_for(config, model, dtype)
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     output_dir = Path(t.output_dir)
