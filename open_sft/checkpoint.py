@@ -97,9 +97,12 @@ def problem_with(path: Path) -> Optional[str]:
 
 
 def newest_complete(root: Path) -> Optional[Path]:
-    """The newest usable checkpoint; every newer unusable one is skipped with a warning naming it."""
+    """The newest usable checkpoint; every newer unusable one is skipped with a warning naming it.
+    A step_N.tmp left by a crash is deleted: only this run writes into its output dir, and no save is
+    under way before it starts (left in place, nothing would ever remove one past the last step)."""
     for partial in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
-        logger.warning("ignoring partial checkpoint %s (interrupted while being written)", partial)
+        logger.warning("removing partial checkpoint %s (interrupted while being written)", partial)
+        shutil.rmtree(partial, ignore_errors=True)
     for _, path in step_dirs(root):
         problem = problem_with(path)
         if problem is None:

@@ -117,8 +117,9 @@ def single(tiny_model_dir, tmp_path_factory, logs) -> dict:
             "state": json.loads((out / "checkpoints" / f"step_{stop_step}" / "trainer_state.json").read_text())}
     killed_code = interrupt("single", args, out, 5, signal.SIGKILL, logs / "single_killed.log")
     newest = max(complete_steps(out))
-    (out / "checkpoints" / f"step_{newest + 4}.tmp").mkdir(exist_ok=True)  # crash while writing
-    (out / "checkpoints" / f"step_{newest + 4}.tmp" / "optimizer.bin").write_bytes(b"partial")
+    partial = out / "checkpoints" / f"step_{STEPS + 2}.tmp"  # a crash while writing (past the last step,
+    partial.mkdir(exist_ok=True)                              # so only the relaunch's cleanup removes it)
+    (partial / "optimizer.bin").write_bytes(b"partial")
     planted = out / "checkpoints" / f"step_{newest + 2}"
     planted.mkdir(exist_ok=True)  # renamed but COMPLETE never written
     (planted / "trainer_state.json").write_text("{}")
@@ -207,7 +208,8 @@ def test_two_rank_resume_matches_uninterrupted(layout, zero2, zero3) -> None:
 # ------------------------------------------------------------------------------------------------
 def test_partial_checkpoints_are_skipped_with_a_warning(single) -> None:
     newest, log = single["newest_before"], single["relaunch"]
-    assert f"step_{newest + 4}.tmp (interrupted while being written)" in log
+    partial = single["out"] / "checkpoints" / f"step_{STEPS + 2}.tmp"
+    assert f"removing partial checkpoint {partial} (interrupted while being written)" in log
     assert f"skipping checkpoint {single['out'] / 'checkpoints' / f'step_{newest + 2}'}: no COMPLETE marker" in log
     assert f"resuming from {single['out'] / 'checkpoints' / f'step_{newest}'} (step {newest})" in log
 
