@@ -96,6 +96,11 @@ class Trainer:
         self.metrics = metrics
         self.reduce_sum = reduce_sum
         self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
+        if self.is_deepspeed:
+            problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
+            if problems:
+                raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
+                                "skipping them: " + "; ".join(problems))
         self.train_tokens = 0
         self.total_tokens = 0
         self.eval_data = eval_data
@@ -151,13 +156,21 @@ class Trainer:
         return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
 
     def _nonfinite(self, loss_sum: torch.Tensor, grad_norm: float) -> bool:
-        """Whether any rank saw a non-finite loss or gradient norm this step (all ranks agree).
+        """Whether any rank saw a non-finite loss or gradient this step (all ranks agree); it is skipped.
 
-        Outside DeepSpeed the optimizer step is then skipped. DeepSpeed applies its step inside the
-        last backward, before we can look, so there a bad step is counted (and aborts the run after
-        --max_nonfinite_steps in a row) but not undone."""
+        Outside DeepSpeed we skip the optimizer step ourselves. DeepSpeed steps inside the last backward
+        and skips by itself when the gradient norm is not finite (under the settings
+        deepspeed_nonfinite_problems allows), leaving weights and optimizer state untouched: we read its
+        verdict, so a gradient that is non-finite under a finite loss is counted too."""
         bad = not (math.isfinite(float(loss_sum)) and (self.is_deepspeed or math.isfinite(grad_norm)))
-        return bool(self.reduce_sum(torch.tensor([float(bad)], dtype=torch.float64))[0] > 0)
+        bad = bool(self.reduce_sum(torch.tensor([float(bad)], dtype=torch.float64))[0] > 0)
+        if not self.is_deepspeed:
+            return bad
+        skipped = bool(self.optimizer.step_was_skipped)
+        if bad and not skipped:
+            raise NonFiniteError("DeepSpeed applied an optimizer step with a non-finite loss; the weights can no "
+                                 "longer be trusted. Use ZeRO stage 1-3 with the gradient-norm check enabled")
+        return skipped
 
     def _count_nonfinite(self, step: int, bad: bool) -> None:
         if not bad:
@@ -284,6 +297,26 @@ class Trainer:
 
 class NonFiniteError(UserError):
     """Training diverged: too many non-finite steps in a row."""
+
+
+def deepspeed_nonfinite_problems(config: dict) -> list[str]:
+    """Settings under which DeepSpeed 0.19 applies an optimizer step whose gradient is not finite.
+
+    ZeRO-3, and bf16 without ZeRO, skip a step whose global gradient norm is not finite. ZeRO-1/2 do so
+    in fp32 when they compute the norm (zero_optimization.compute_grad_norm, default true) and in bf16
+    when bf16.check_grad_overflow is on (default true). Without ZeRO, fp32 steps a plain torch optimizer.
+    """
+    zero = config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    bf16 = config.get("bf16", {})
+    problems = []
+    if stage == 0 and not bf16.get("enabled", False):
+        problems.append("zero_optimization.stage 0 in fp32 has no overflow check; use stage 1, 2 or 3")
+    if stage in (1, 2) and bf16.get("enabled", False) and bf16.get("check_grad_overflow", True) is False:
+        problems.append("bf16.check_grad_overflow is false; remove it or set it to true")
+    if stage in (1, 2) and not bf16.get("enabled", False) and zero.get("compute_grad_norm", True) is False:
+        problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
+    return problems
 
 
 def count_trained_batch(labels: torch.Tensor) -> int:
