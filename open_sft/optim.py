@@ -1,4 +1,5 @@
-"""AdamW with decay only on matrices, and the learning-rate schedules as pure functions of the step."""
+"""AdamW (fused where the build supports it) with decay only on matrices, and the learning-rate schedules
+as pure functions of the step."""
 
 from __future__ import annotations
 
@@ -18,7 +19,39 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=learning_rate, betas=(0.9, 0.999), eps=1e-8)
+    """torch AdamW: the fused kernel (one kernel per parameter group) when this torch build has it for every
+    device and dtype of the trained parameters, else the multi-tensor (foreach) implementation. Under
+    DeepSpeed ZeRO the same optimizer steps the flat fp32 partitions (see optimizer_impl)."""
+    groups = param_groups(model, weight_decay)
+    params = [p for group in groups for p in group["params"]]
+    impl = {"fused": True} if fused_adamw_supported(params) else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8, **impl)
+
+
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """Whether fused AdamW steps every (device, dtype) of `params`: torch only checks on the first step,
+    so probe one step on a one-element tensor of each."""
+    for device, dtype in {(p.device, p.dtype) for p in params}:
+        probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        try:
+            torch.optim.AdamW([probe], fused=True).step()
+        except RuntimeError:
+            return False
+    return True
+
+
+def optimizer_impl(optimizer: torch.optim.Optimizer) -> dict:
+    """What actually steps the weights, for run.json: the innermost optimizer, its implementation, and the
+    wrappers around it (accelerate's, DeepSpeed ZeRO's)."""
+    wrappers = []
+    while hasattr(optimizer, "optimizer"):
+        wrappers.append(type(optimizer).__name__)
+        optimizer = optimizer.optimizer
+    defaults = getattr(optimizer, "defaults", {})
+    impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "implementation": impl,
+            "wrapped_by": wrappers}
 
 
 def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, decay_ratio: float = 0.1) -> float:
