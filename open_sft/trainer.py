@@ -24,7 +24,7 @@ from open_sft.evaluate import evaluate
 from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, locate
 from open_sft.data.pipeline import PreparedData
 from open_sft.metrics import FlopCounter, MetricsWriter, peak_memory_gib
-from open_sft.optim import lr_multiplier, warmup_steps_for
+from open_sft.optim import lr_multiplier, optimizer_impl, warmup_steps_for
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,8 @@ class Trainer:
             if problems:
                 raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
                                 "skipping them: " + "; ".join(problems))
+        if accelerator.is_main_process:
+            logger.info("optimizer: %s", optimizer_impl(optimizer))
         self.train_tokens = 0
         self.total_tokens = 0
         self.eval_data = eval_data

@@ -76,10 +76,17 @@ def test_batch_layout_does_not_change_the_math(runs, tiny_model_dir, name) -> No
     base = load_file(tiny_model_dir / "model.safetensors")
     for key in a:
         assert a[key].shape == b[key].shape, key  # ZeRO-3 saves the full gathered weights
-        # Adam turns float-summation-order noise on near-zero gradients into updates of order lr·1e-2,
-        # so compare with an absolute tolerance far below how far training moved the weights.
+        assert float((a[key] - base[key]).abs().max()) > 1e-2, key  # the weights really moved
+        # Per tensor ||b - a|| / ||a|| <= 1e-5 (elementwise relative is meaningless for weights near 0), over
+        # all but the tensor's 2 largest elementwise differences: where an accumulated gradient is ~0, Adam's
+        # m / (sqrt(v) + eps) turns float-summation-order noise into updates of order lr·1e-2 on single
+        # elements, and one or two such elements make up >95 % of a tensor's difference. Observed worst
+        # tensor, single vs bs8 / bs2_ga4 / zero2 / zero3: 4.3e-7 / 5.8e-7 / 1.4e-6 / 1.4e-6 (with those
+        # elements: 2.1e-6 / 1.8e-6 / 6.6e-6 / 4.8e-6). The elementwise atol guards the excluded elements.
+        differences = (b[key] - a[key]).flatten().abs().sort().values
+        relative = float(differences[:-2].norm() / a[key].norm())
+        assert relative <= 1e-5, (key, relative)
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4, msg=key)
-        assert float((a[key] - base[key]).abs().max()) > 1e-2, key
 
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
