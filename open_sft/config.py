@@ -181,8 +181,18 @@ class TrainingArguments:
                            default="tensorboard")
     with_tracking: bool = _help("Write tracker logs (see --report_to) in addition to metrics.jsonl.", default=False)
     dry_run: bool = _help(
-        "Build the data, print the data report and a few examples with trained tokens marked, and exit "
-        "without training.", default=False
+        "Build the data, print the data report, a few examples with trained tokens marked and the preflight "
+        "(memory per rank, time from a probe of a few training steps on a throwaway copy), and exit: nothing "
+        "is written to --output_dir.", default=False
+    )
+    auto_micro_batch_size: bool = _help(
+        "Use the largest micro-batch (a divisor of per_device_train_batch_size × gradient_accumulation_steps) "
+        "whose estimated memory fits the rank, and raise the accumulation so the global batch, and so the "
+        "training math, stays the same. Not with --packing (the packing would change).", default=False
+    )
+    max_memory_per_rank_gib: Optional[float] = _help(
+        "Memory one rank may use, for the preflight warning and --auto_micro_batch_size. Default: the GPU's "
+        "memory, or on CPU the machine's RAM divided by the ranks on this node.", default=None
     )
 
 
@@ -363,6 +373,11 @@ def validate(config: FinetuneConfig) -> None:
     if t.max_tokens_per_batch is not None and t.max_tokens_per_batch < d.max_seq_length:
         problems.append(f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_seq_length "
                         f"{d.max_seq_length}; every example must fit a micro-batch, raise it")
+    if t.auto_micro_batch_size and t.packing:
+        problems.append("--auto_micro_batch_size cannot keep the packing of --packing runs; set "
+                        "--max_tokens_per_batch (the packed micro-batch's token budget) instead")
+    if t.max_memory_per_rank_gib is not None and t.max_memory_per_rank_gib <= 0:
+        problems.append(f"--max_memory_per_rank_gib must be positive, got {t.max_memory_per_rank_gib}")
     if t.learning_rate <= 0:
         problems.append(f"--learning_rate must be positive, got {t.learning_rate}")
     if not 0.0 <= t.warmup_ratio < 1.0:

@@ -7,6 +7,7 @@ import logging
 import os
 import warnings
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -81,21 +82,56 @@ def _print_examples(data, tokenizer, count: int = 3) -> None:
         print(mark_trained(tokenizer, example.input_ids, example.labels, color))
 
 
+def _build_trainer(config: FinetuneConfig, accelerator, model, schedule, data, tokenizer, dtype, metrics,
+                   eval_data=None):
+    from open_sft import distributed
+    from open_sft.loss import TokenLossModel
+    from open_sft.metrics import device_peak_flops
+    from open_sft.optim import build_optimizer
+    from open_sft.trainer import Trainer
+
+    t = config.train
+    flop_counter = _flop_counter(model)
+    wrapped = TokenLossModel(model)
+    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay)
+    wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
+    return Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id, flop_counter,
+                   device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum, eval_data=eval_data)
+
+
+def _probe_only(config: FinetuneConfig, accelerator, model, schedule, data, tokenizer, plan, dtype) -> dict:
+    """--dry_run: train the probe steps on this throwaway copy of the model, print the time estimate,
+    write nothing."""
+    from open_sft import preflight
+
+    trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics=None)
+    probe = preflight.TimeProbe(schedule.total_steps, plan.step_slots)
+    timer = preflight.StepTimer(probe, 0, inner=lambda done, window: probe.done)
+    trainer.train(0, on_step_end=timer)
+    estimate = timer.estimate
+    if estimate is None:  # the whole run is shorter than the probe: it was measured, not estimated
+        estimate = time.perf_counter() - timer.started
+    if accelerator.is_main_process:
+        print(f"time estimate: {preflight.format_seconds(estimate)} for {schedule.total_steps} optimizer steps "
+              f"(from a probe of {len(probe.seconds)} step(s) after {probe.warmup} warm-up step)", flush=True)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {"dry_run": True, "time_estimate_s": estimate, "preflight": plan.to_dict()}
+
+
 def run(config: FinetuneConfig) -> dict:
     """Train and export; returns a summary. Raises UserError for problems the user can fix."""
-    from open_sft import checkpoint, distributed
+    from open_sft import checkpoint, distributed, preflight
     from open_sft.data.pipeline import prepare_data
     from open_sft.data.summary import format_report
     from open_sft.export import save_model, write_json
     from open_sft.model_card import write_model_card
     from open_sft.push import push_output_dir
     from open_sft.lora import is_peft_model, save_lora
-    from open_sft.loss import TokenLossModel
-    from open_sft.metrics import MetricsWriter, device_peak_flops
+    from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
     from open_sft.model import compute_dtype, load_model, load_tokenizer
-    from open_sft.optim import build_optimizer
-    from open_sft.trainer import Trainer, plan_schedule
+    from open_sft.trainer import plan_schedule
 
     m, d, t = config.model, config.data, config.train
     dtype = compute_dtype(m)
@@ -114,13 +150,27 @@ def run(config: FinetuneConfig) -> dict:
         data, eval_data = data.split(d.eval_split_ratio, t.seed)
     if _is_main_rank():
         print(format_report(data.report), flush=True)
-    if t.dry_run:
-        if _is_main_rank():
-            _print_examples(data, tokenizer)
-        return {"dry_run": True}
+    if t.dry_run and _is_main_rank():
+        _print_examples(data, tokenizer)
+    baseline = preflight.runtime_bytes(distributed.deepspeed_config_from_env() is not None,
+                                       config.lora.use_lora, config.lora.use_qlora)
     model = load_model(m, tokenizer, config.lora)
+    if t.auto_micro_batch_size:
+        from open_sft.auto_batch import fit_micro_batch
+
+        config = fit_micro_batch(config, model, data, distributed.deepspeed_config_from_env(),
+                                 dtype == torch.bfloat16, baseline)
+        t = config.train
     accelerator, ds_config = _accelerator_for(config, model, dtype)
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
+    plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)
+    if accelerator.is_main_process:
+        print(plan.describe(schedule, data), flush=True)
+        warning = preflight.over_budget_warning(plan.memory, plan.device_bytes)
+        if warning:
+            logger.warning(warning)
+    if t.dry_run:
+        return _probe_only(config, accelerator, model, schedule, data, tokenizer, plan, dtype)
     output_dir = Path(t.output_dir)
     identity = checkpoint.run_identity(config, data.cache_key, accelerator.num_processes)
     resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
@@ -132,20 +182,14 @@ def run(config: FinetuneConfig) -> dict:
                 accelerator.distributed_type.name, dtype, torch.get_num_threads())
     logger.info("schedule: %s", schedule.to_dict())
 
-    flop_counter = _flop_counter(model)
-    wrapped = TokenLossModel(model)
-    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay)
-    wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
-
     metrics = None
     if accelerator.is_main_process:
         metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict())
-        write_json(output_dir / "run.json", _run_info(config, accelerator, dtype, schedule, data, ds_config))
+        info = _run_info(config, accelerator, dtype, schedule, data, ds_config)
+        write_json(output_dir / "run.json", {**info, "preflight": plan.to_dict()})
         write_json(output_dir / "data_report.json", data.report)
-
-    trainer = Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id,
-                      flop_counter, device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum,
-                      eval_data=eval_data)
+    trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics, eval_data)
+    wrapped = trainer.model
     uploader = None
     if config.hub.push_checkpoints and accelerator.is_main_process:
         from open_sft.checkpoint_upload import CheckpointUploader
@@ -155,7 +199,9 @@ def run(config: FinetuneConfig) -> dict:
                                            config.to_dict(), reduce_sum=distributed.all_reduce_sum,
                                            uploader=uploader)
     start_step, window = checkpointer.restore(resume)
-    records = trainer.train(start_step, window, on_step_end=checkpointer.on_step_end)
+    timer = preflight.StepTimer(preflight.TimeProbe(schedule.total_steps, plan.step_slots), start_step,
+                                inner=checkpointer.on_step_end, log=logger.info if accelerator.is_main_process else None)
+    records = trainer.train(start_step, window, on_step_end=timer)
     checkpointer.raise_if_preempted(metrics)
     if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
         write_json(output_dir / f"data_order.rank{accelerator.process_index}.json",
