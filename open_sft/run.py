@@ -126,11 +126,13 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.data.summary import format_report
     from open_sft.export import save_model, write_json
     from open_sft.model_card import write_model_card
+    from open_sft.progress import ProgressBar, chain
     from open_sft.push import push_output_dir
     from open_sft.lora import is_peft_model, save_lora
     from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
     from open_sft.model import compute_dtype, load_model, load_tokenizer
+    from open_sft.optim import optimizer_impl
     from open_sft.trainer import plan_schedule
 
     m, d, t = config.model, config.data, config.train
@@ -185,10 +187,12 @@ def run(config: FinetuneConfig) -> dict:
     metrics = None
     if accelerator.is_main_process:
         metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict())
-        info = _run_info(config, accelerator, dtype, schedule, data, ds_config)
-        write_json(output_dir / "run.json", {**info, "preflight": plan.to_dict()})
-        write_json(output_dir / "data_report.json", data.report)
     trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics, eval_data)
+    if accelerator.is_main_process:
+        info = _run_info(config, accelerator, dtype, schedule, data, ds_config)
+        write_json(output_dir / "run.json", {**info, "preflight": plan.to_dict(),
+                                             "optimizer": optimizer_impl(trainer.optimizer)})
+        write_json(output_dir / "data_report.json", data.report)
     wrapped = trainer.model
     uploader = None
     if config.hub.push_checkpoints and accelerator.is_main_process:
@@ -199,9 +203,12 @@ def run(config: FinetuneConfig) -> dict:
                                            config.to_dict(), reduce_sum=distributed.all_reduce_sum,
                                            uploader=uploader)
     start_step, window = checkpointer.restore(resume)
+    progress = ProgressBar.for_rank(schedule.total_steps, start_step, accelerator.is_main_process)
     timer = preflight.StepTimer(preflight.TimeProbe(schedule.total_steps, plan.step_slots), start_step,
-                                inner=checkpointer.on_step_end, log=logger.info if accelerator.is_main_process else None)
-    records = trainer.train(start_step, window, on_step_end=timer)
+                                inner=chain(progress, checkpointer.on_step_end),
+                                log=logger.info if accelerator.is_main_process else None)
+    with progress.around_training():
+        records = trainer.train(start_step, window, on_step_end=timer)
     checkpointer.raise_if_preempted(metrics)
     if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
         write_json(output_dir / f"data_order.rank{accelerator.process_index}.json",

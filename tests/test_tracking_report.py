@@ -38,6 +38,7 @@ def tracked_run(tiny_model_dir, tmp_path_factory) -> Path:
     result = subprocess.run(launch_command(1, None) + args, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (out.parent / f"{out.name}.stdout").write_text(result.stdout)
     return out
 
 
@@ -189,3 +190,40 @@ def test_wandb_missing_names_the_extra(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(UserError, match=r"pip install 'open_sft\[wandb\]'"):
         build_trackers("wandb", tmp_path)
+
+
+def _run_on_a_terminal(args: list[str]) -> str:
+    """Run with stdout and stderr on a pseudo-terminal (as in an interactive shell); return what it printed."""
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(launch_command(1, None) + args, cwd=ROOT, env=child_env(), stdout=terminal,
+                            stderr=terminal, stdin=subprocess.DEVNULL)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: the run ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    assert proc.wait(timeout=300) == 0, b"".join(chunks)[-3000:]
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise(tiny_model_dir, tracked_run, tmp_path) -> None:
+    args = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(tmp_path / "tty"), "--max_train_steps", "5", "--per_device_train_batch_size", "4",
+            "--logging_steps", "1", "--torch_dtype", "float32", "--max_seq_length", "256"]
+    shown = _run_on_a_terminal(args)
+    assert "training: 100%" in shown and "5/5 [" in shown, shown[-2000:]
+    assert "step/s" in shown or "s/step" in shown
+    assert "\r" in shown  # redrawn in place
+    assert shown.count("step 3/5 | loss") == 1  # log lines still shown, once, above the bar
+    plain = (tracked_run.parent / f"{tracked_run.name}.stdout").read_text()
+    assert f"step {STEPS}/{STEPS} | loss" in plain
+    assert "training:" not in plain and "\r" not in plain  # no bar in a file or pipe
