@@ -109,6 +109,11 @@ def test_run_json(runs, name) -> None:
     assert info["loss_normalization"] == "token"
     assert info["schedule"]["global_batch_size"] == 8
     assert info["versions"]["torch"] and info["versions"]["transformers"]
+    # The fused AdamW kernel steps the weights, under DeepSpeed too (ZeRO steps our optimizer on its partitions).
+    assert info["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert info["optimizer"]["implementation"] == "fused"
+    assert info["optimizer"]["wrapped_by"][-1] == {"single": "AcceleratedOptimizer", "zero2": "DeepSpeedZeroOptimizer",
+                                                   "zero3": "DeepSpeedZeroOptimizer_Stage3"}.get(name, "AcceleratedOptimizer")
     if name.startswith("zero"):
         assert info["deepspeed_config"]["zero_optimization"]["stage"] == int(name[-1])
         assert info["deepspeed_config"]["train_batch_size"] == 8
