@@ -288,6 +288,8 @@ class Checkpointer:
         state = resume.state
         self.trainer.train_tokens = int(state["train_tokens"])
         self.trainer.total_tokens = int(state["total_tokens"])
+        self.trainer.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        self.trainer.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         window = Window(**state["window"], started=time.perf_counter())
         return resume.step, window
 
@@ -340,7 +342,8 @@ class Checkpointer:
             "format": FORMAT_VERSION, "step": step, "epoch": step / schedule.steps_per_epoch,
             "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": self.identity["seed"]},
             "preempted": preempted, "train_tokens": self.trainer.train_tokens,
-            "total_tokens": self.trainer.total_tokens,
+            "total_tokens": self.trainer.total_tokens, "nonfinite_steps": self.trainer.nonfinite_steps,
+            "nonfinite_in_a_row": self.trainer.nonfinite_in_a_row,
             "window": {"loss_sum": window.loss_sum, "trained_tokens": window.trained_tokens,
                        "tokens": window.tokens, "flops": window.flops},
             "identity": self.identity, "schedule": schedule.to_dict(), "config": self.config,

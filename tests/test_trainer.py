@@ -4,6 +4,7 @@ real ranks), and eval_loss is the token-weighted mean a direct computation gives
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 import subprocess
@@ -155,6 +156,9 @@ def test_nan_step_is_skipped_under_deepspeed(tiny_model_dir, tmp_path, ds_config
     assert math.isfinite(metrics[0]["loss"]) and math.isfinite(metrics[2]["loss"])
     assert [m["learning_rate"] for m in metrics] == pytest.approx([3e-3, 3e-3, 2.25e-3, 1.5e-3])  # schedule by step
 
+    counters = [json.loads((out / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())
+                for step in (1, 2, 3, 4)]  # a resumed run continues the counts (and the in-a-row abort)
+    assert [(c["nonfinite_steps"], c["nonfinite_in_a_row"]) for c in counters] == [(0, 0), (1, 1), (1, 0), (2, 1)]
     state = {step: saved_tensors(out / "checkpoints" / f"step_{step}") for step in (1, 2, 3, 4)}
     assert sum("optim_states" in key and "exp_avg_sq" in key for key in state[1]) >= 2  # both ranks' Adam state
     for before, after, changes in ((1, 2, False), (2, 3, True), (3, 4, False)):
