@@ -15,7 +15,6 @@ from open_sft.data.sources import SourceSpec, parse_mixer_list
 from open_sft.data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
 from open_sft.data.tokenize import trained_token_runs
 from open_sft.errors import UserError
-from open_sft.run import main
 
 CONVERSATIONS = {
     "single": [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "The sum is 5."}],
@@ -157,14 +156,14 @@ def test_token_unit_balances_tokens_not_rows(tokenizer, tmp_path) -> None:
     assert all(300 <= r.tokens for r in reports)
 
 
-def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path, capsys) -> None:
-    from conftest import SAMPLE
+def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path) -> None:
+    """In a subprocess: the dry run's probe sets up accelerate's process-wide state."""
+    from conftest import SAMPLE, run_finetune
 
-    code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "0.05",
-                 "--output_dir", str(tmp_path / "out"), "--dry_run"])
-    out = capsys.readouterr().out
-    assert code == 0
+    out = run_finetune(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "0.05",
+                        "--output_dir", str(tmp_path / "out"), "--dry_run"]).stdout
     assert "data report" in out and "mixture" in out and "100" in out
+    assert "memory estimate per rank:" in out and "time estimate:" in out
     assert "[[" in out and "]]" in out  # trained spans marked (not a terminal: brackets)
     assert not (tmp_path / "out").exists()
 
