@@ -53,7 +53,7 @@ def base_args(model_dir, data, out, *extra):
 
 
 MEMORY_RUNS = {  # name: (processes, deepspeed config, extra flags)
-    "fp32": (1, None, ["--torch_dtype", "float32", "--per_device_train_batch_size", "8"]),
+    "fp32": (1, None, ["--torch_dtype", "float32", "--per_device_train_batch_size", "6"]),
     "bf16_checkpointing": (1, None, ["--torch_dtype", "bfloat16", "--per_device_train_batch_size", "8",
                                      "--gradient_checkpointing"]),
     "lora": (1, None, ["--torch_dtype", "float32", "--per_device_train_batch_size", "4", "--use_lora",
@@ -67,6 +67,7 @@ MEMORY_RUNS = {  # name: (processes, deepspeed config, extra flags)
 def test_memory_estimate_within_25_percent_of_peak_rss(name, mid_model_dir, text_file, tmp_path) -> None:
     processes, ds_config, extra = MEMORY_RUNS[name]
     out = tmp_path / name
+    # the allocator's high-water mark still grows over the first steps: measure a few
     result = run_finetune(base_args(mid_model_dir, text_file, out, "--max_train_steps", "4", *extra),
                           processes=processes, deepspeed_config=ds_config)
     assert "memory estimate per rank:" in result.stdout
@@ -78,12 +79,12 @@ def test_memory_estimate_within_25_percent_of_peak_rss(name, mid_model_dir, text
 
 
 def test_dry_run_time_estimate_within_30_percent(mid_model_dir, text_file, tmp_path) -> None:
-    args = ["--torch_dtype", "float32", "--per_device_train_batch_size", "4", "--max_train_steps", "16"]
+    args = ["--torch_dtype", "float32", "--per_device_train_batch_size", "2", "--max_train_steps", "16"]
     dry = run_finetune(base_args(mid_model_dir, text_file, tmp_path / "dry", "--dry_run", *args))
     assert not (tmp_path / "dry").exists()  # a dry run writes nothing
     match = re.search(r"time estimate: (\d+)m(\d+)s for 16 optimizer steps", dry.stdout)
     assert match, dry.stdout[-2000:]
-    assert "memory estimate per rank:" in dry.stdout and "global batch: 4 per micro-batch × 1" in dry.stdout
+    assert "memory estimate per rank:" in dry.stdout and "global batch: 2 per micro-batch × 1" in dry.stdout
     estimate = 60 * int(match[1]) + int(match[2])
 
     real = run_finetune(base_args(mid_model_dir, text_file, tmp_path / "real", *args))
@@ -186,7 +187,7 @@ def _auto_choice(stdout: str) -> tuple[int, int, list[tuple[int, float]], float]
 def test_auto_micro_batch_keeps_the_global_batch_and_the_losses(mid_model_dir, text_file, tmp_path) -> None:
     """Asked for 8 × 1 with 1 GiB per rank: a smaller micro-batch is chosen, the accumulation raised to
     keep 8 examples per step, and the loss trajectory is that of the 8 × 1 run."""
-    common = ["--torch_dtype", "float32", "--per_device_train_batch_size", "8", "--max_train_steps", "4"]
+    common = ["--torch_dtype", "float32", "--per_device_train_batch_size", "8", "--max_train_steps", "3"]
     auto = run_finetune(base_args(mid_model_dir, text_file, tmp_path / "auto", *common, "--auto_micro_batch_size",
                                   "--max_memory_per_rank_gib", "1.0"))
     micro, accumulation, estimates, budget = _auto_choice(auto.stdout)
@@ -201,7 +202,7 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_losses(mid_model_dir, t
     run_finetune(base_args(mid_model_dir, text_file, tmp_path / "fixed", *common))
     auto_losses = [r["loss"] for r in read_metrics(tmp_path / "auto")]
     fixed_losses = [r["loss"] for r in read_metrics(tmp_path / "fixed")]
-    assert len(auto_losses) == 4
+    assert len(auto_losses) == 3
     assert auto_losses == pytest.approx(fixed_losses, rel=1e-5)
 
 
