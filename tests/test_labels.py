@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -65,3 +67,43 @@ def test_truncation(tokenizer) -> None:
     # A window the prompt fills alone keeps no trained token: the row is dropped, not kept useless.
     first_trained = next(i for i, l in enumerate(example.labels) if l != IGNORE_INDEX)
     assert truncate_example(example, first_trained, "truncate") == (None, "no_trained_tokens_after_truncation")
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% if m.role == 'assistant' %}{{ eos_token }}{% endif %}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_tools_column_reaches_the_template_and_is_never_trained(tokenizer) -> None:
+    from open_sft.data.formats import to_messages
+
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    schema = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    row = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                        {"role": "assistant", "content": "get_weather(city='Oslo')"},
+                        {"role": "tool", "content": "rain, 4 C"},
+                        {"role": "assistant", "content": "Rain and 4 C."}],
+           "tools": [schema]}
+    with_tools = label(tokenizer, [to_messages(row, "messages")])[0]
+    as_json_string = label(tokenizer, [to_messages({**row, "tools": json.dumps([schema])}, "messages")])[0]
+    without = label(tokenizer, [to_messages({"messages": row["messages"]}, "messages")])[0]
+    text = tokenizer.decode(with_tools.input_ids)
+    assert "get_weather" in text.split("<|user|>")[0]  # the schema is rendered before the conversation
+    assert "get_weather" not in tokenizer.decode(without.input_ids).split("<|user|>")[0]
+    assert as_json_string == with_tools
+    eos = tokenizer.eos_token
+    for example in (with_tools, without):  # tool schemas and the tool turn carry no loss
+        assert trained_runs(tokenizer, example) == ["get_weather(city='Oslo')" + eos, "Rain and 4 C." + eos]
+
+
+@pytest.mark.parametrize("tools", [{"name": "x"}, ["not an object"], "{not json"])
+def test_bad_tools_column_is_a_row_error(tools) -> None:
+    from open_sft.data.formats import RowError, to_messages
+
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "tools": tools}
+    with pytest.raises(RowError) as error:
+        to_messages(row, "messages")
+    assert error.value.reason == "bad_tools" and "'tools'" in str(error.value)

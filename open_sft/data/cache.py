@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: the rows' `tools` column reaches the chat template
 COMPLETE = "COMPLETE"
 
 

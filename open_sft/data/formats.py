@@ -6,7 +6,8 @@ every error so the user can find and fix it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import json
+from typing import Any, Callable, Optional
 
 from open_sft.errors import UserError
 
@@ -23,6 +24,13 @@ SHAREGPT_ROLES = {
 }
 
 Messages = list[dict[str, str]]
+
+
+class Conversation(list):
+    """A row's messages, plus its tool schemas (the optional `tools` column) for the chat template. A list,
+    so it goes wherever messages go; slices are plain lists, so read `tools` before slicing."""
+
+    tools: Optional[list] = None
 
 
 class RowError(ValueError):
@@ -123,10 +131,27 @@ def check_trainable(messages: Messages) -> None:
             raise RowError(f"message {i} (assistant) is empty", "empty_assistant")
 
 
-def to_messages(row: dict[str, Any], fmt: str) -> Messages:
+def _tools(row: dict[str, Any]) -> Optional[list]:
+    """The `tools` column: a list of tool schemas (objects), or that list as a JSON string (as sharegpt
+    files and parquet columns often carry it); absent, null or empty means no tools."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError as exc:
+            raise RowError(f"'tools' is a string but not JSON ({exc}); give a list of tool schemas", "bad_tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RowError("'tools' must be a list of tool schemas (JSON objects)", "bad_tools")
+    return tools
+
+
+def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     """Convert and validate one row (RowError says what is wrong)."""
-    messages = CONVERTERS[fmt](row)
+    messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
+    messages.tools = _tools(row)
     return messages
 
 

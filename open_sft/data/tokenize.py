@@ -60,14 +60,18 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Callable[[M
         return None
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False) -> str:
+def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
+           tools: Optional[list] = None) -> str:
+    """The chat template's text; rows with tools go through apply_chat_template (the direct renderer was
+    only checked against it without tools)."""
     cached = _RENDERERS.get(tokenizer)
     if cached is None or cached[0] != tokenizer.chat_template:
         cached = (tokenizer.chat_template, _direct_renderer(tokenizer))
         _RENDERERS[tokenizer] = cached
-    if cached[1] is not None:
+    if cached[1] is not None and tools is None:
         return cached[1](messages, add_generation_prompt)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools)
 
 
 def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
@@ -92,8 +96,10 @@ def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
 def trained_spans(
     tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans that carry a loss."""
-    text = render(tokenizer, messages)
+    """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
+    (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text."""
+    tools = getattr(messages, "tools", None)
+    text = render(tokenizer, messages, tools=tools)
     if train_on == "all":
         return text, [(0, len(text))]
     assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -101,8 +107,8 @@ def trained_spans(
         assistant_indices = assistant_indices[-1:]
     spans = []
     for i in assistant_indices:
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = render(tokenizer, messages[: i + 1])
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        through = render(tokenizer, messages[: i + 1], tools=tools)
         content = messages[i]["content"]
         if text.startswith(prompt) and text.startswith(through):
             start = text.find(content.strip(), len(prompt))
