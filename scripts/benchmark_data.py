@@ -23,6 +23,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=100_000, help="rows to generate when --data is not given")
     parser.add_argument("--chat_template_name", default=None)
     parser.add_argument("--max_seq_length", type=int, default=2048)
+    parser.add_argument("--preprocessing_num_workers", type=int, default=1)
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -45,7 +46,8 @@ def main() -> int:
 
             args.data = str(write_jsonl(generate_examples(args.rows, seed=7), tmp_path / "rows.jsonl"))
         data_args = DataArguments(dataset_mixer_list=[args.data, "1.0"], max_seq_length=args.max_seq_length,
-                                  dataset_local_cache_dir=str(tmp_path / "cache"))
+                                  dataset_local_cache_dir=str(tmp_path / "cache"),
+                                  preprocessing_num_workers=args.preprocessing_num_workers)
 
         started = time.perf_counter()
         built = prepare_data(data_args, tokenizer, 0)
