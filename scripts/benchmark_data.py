@@ -4,12 +4,16 @@ encode of the same rendered text, and the cache-hit load time.
 
     python scripts/benchmark_data.py                              # 100k generated rows, the embedded tokenizer
     python scripts/benchmark_data.py --tokenizer DIR --data rows.jsonl --chat_template_name tulu
+
+The machine may be shared, so each repeat times the raw encode right before its build (into a fresh
+cache directory); the reported times are medians and the ratio is that of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -19,19 +23,22 @@ from pathlib import Path
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the embedded one)")
-    parser.add_argument("--data", default=None, help="messages/alpaca/sharegpt JSONL (default: generated rows)")
+    parser.add_argument("--data", default=None, help="messages/alpaca/sharegpt JSONL or JSON (default: generated rows)")
     parser.add_argument("--rows", type=int, default=100_000, help="rows to generate when --data is not given")
     parser.add_argument("--chat_template_name", default=None)
     parser.add_argument("--max_seq_length", type=int, default=2048)
     parser.add_argument("--preprocessing_num_workers", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3, help="timed builds (each after a timed raw encode)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
     from open_sft.config import DataArguments
+    from open_sft.data.formats import detect_format, to_messages
     from open_sft.data.pipeline import prepare_data
+    from open_sft.data.render import render
+    from open_sft.data.sources import parse_mixer_list, read_source
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.data.tokenize import render
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -45,28 +52,29 @@ def main() -> int:
             from open_sft.embedded.sample_data import generate_examples, write_jsonl
 
             args.data = str(write_jsonl(generate_examples(args.rows, seed=7), tmp_path / "rows.jsonl"))
-        data_args = DataArguments(dataset_mixer_list=[args.data, "1.0"], max_seq_length=args.max_seq_length,
-                                  dataset_local_cache_dir=str(tmp_path / "cache"),
-                                  preprocessing_num_workers=args.preprocessing_num_workers)
 
-        started = time.perf_counter()
-        built = prepare_data(data_args, tokenizer, 0)
-        build_s = time.perf_counter() - started
+        rows = read_source(parse_mixer_list([args.data, "1.0"], ["train"])[0]).rows
+        fmt = detect_format(rows[0], args.data)
+        texts = [render(tokenizer, m, tools=m.tools) for m in (to_messages(r, fmt) for r in rows)]
+
+        raw_times, build_times = [], []
+        for attempt in range(args.repeat):
+            started = time.perf_counter()
+            encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+            raw_times.append(time.perf_counter() - started)
+            data_args = DataArguments(dataset_mixer_list=[args.data, "1.0"], max_seq_length=args.max_seq_length,
+                                      dataset_local_cache_dir=str(tmp_path / f"cache{attempt}"),
+                                      preprocessing_num_workers=args.preprocessing_num_workers)
+            started = time.perf_counter()
+            built = prepare_data(data_args, tokenizer, 0)
+            build_times.append(time.perf_counter() - started)
+        raw_tokens = sum(len(ids) for ids in encoded)
         started = time.perf_counter()
         hit = prepare_data(data_args, tokenizer, 0)
         _ = hit.dataset[len(hit) - 1]  # touch the memory map
         hit_s = time.perf_counter() - started
 
-        rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()]
-        from open_sft.data.formats import detect_format, to_messages
-
-        fmt = detect_format(rows[0], args.data)
-        texts = [render(tokenizer, to_messages(r, fmt)) for r in rows]
-        started = time.perf_counter()
-        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        raw_s = time.perf_counter() - started
-        raw_tokens = sum(len(ids) for ids in encoded)
-
+    build_s, raw_s = statistics.median(build_times), statistics.median(raw_times)
     tokens = built.report["tokens"]
     print(json.dumps({
         "rows": len(built), "tokens": tokens,
@@ -74,6 +82,7 @@ def main() -> int:
         "build_tokens_per_s": round(tokens / build_s),
         "raw_tokenizer_tokens_per_s": round(raw_tokens / raw_s),
         "build_over_raw_tokenizer": round((tokens / build_s) / (raw_tokens / raw_s), 3),
+        "build_s_each": [round(t, 2) for t in build_times], "raw_s_each": [round(t, 2) for t in raw_times],
         "cache_hit_load_s": round(hit_s, 3), "cache_hit": hit.cache_hit,
     }))
     return 0

@@ -8,9 +8,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from open_sft.data.pipeline import count_trained
-from open_sft.data.tokenize import (IGNORE_INDEX, Example, special_markers, tokenize_conversations, trained_spans,
-                                   trained_token_runs)
-from open_sft.data.tokenize import truncate_example
+from open_sft.data.render import special_markers, trained_spans
+from open_sft.data.tokenize import (IGNORE_INDEX, Example, label_and_check, label_tokens, tokenize_conversations,
+                                   trained_token_runs, truncate_example)
 
 ROWS = [
     [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}],
@@ -107,3 +107,67 @@ def test_bad_tools_column_is_a_row_error(tools) -> None:
     with pytest.raises(RowError) as error:
         to_messages(row, "messages")
     assert error.value.reason == "bad_tools" and "'tools'" in str(error.value)
+
+
+def test_batch_labels_equal_the_row_by_row_definition(tokenizer) -> None:
+    """The batch path (one encode call, array labelling) gives the ids of `tokenizer(...)` and the labels
+    of `label_tokens`, row by row, on the bundled sample and all three train_on modes."""
+    from conftest import SAMPLE
+    from open_sft.data.formats import to_messages
+
+    rows = [to_messages(json.loads(line), "messages") for line in SAMPLE.read_text().splitlines()[:300]] + ROWS
+    markers = special_markers(tokenizer)
+    for train_on in ("all_assistant", "last_assistant", "all"):
+        texts_and_spans = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
+        examples = tokenize_conversations(tokenizer, texts_and_spans)
+        encoded = tokenizer([text for text, _ in texts_and_spans], add_special_tokens=False,
+                            return_offsets_mapping=True)
+        for example, ids, offsets, (_, spans) in zip(examples, encoded["input_ids"], encoded["offset_mapping"],
+                                                     texts_and_spans):
+            assert example.input_ids == ids
+            assert example.labels == label_tokens(ids, offsets, spans)
+        assert sum(count_trained(e.labels) for e in examples) > 0
+
+
+def test_batch_labels_follow_the_definition_on_unordered_offsets() -> None:
+    """Offsets need not be monotonic (the definition's span index only moves forward); random rows,
+    including empty ones and zero-width tokens, label the same in one batch as one by one."""
+    import random
+
+    import numpy as np
+
+    from open_sft.data.tokenize import _batch_labels
+
+    rng = random.Random(0)
+    rows = []
+    for _ in range(200):
+        length = rng.randint(0, 40)
+        offsets = []
+        for _ in range(rng.randint(0, 30)):
+            start = rng.randint(0, length)
+            offsets.append((start, min(length, start + rng.randint(0, 4))))
+        if rng.random() < 0.7:
+            offsets.sort()
+        cuts = sorted(rng.sample(range(length + 1), k=min(length + 1, 2 * rng.randint(0, 3))))
+        rows.append((length, list(range(100, 100 + len(offsets))), offsets, list(zip(cuts[::2], cuts[1::2]))))
+    base = np.cumsum([0] + [length + 1 for length, *_ in rows[:-1]])
+    ids = np.array([t for _, row_ids, _, _ in rows for t in row_ids], dtype=np.int64)
+    offsets = np.array([o for _, _, row_offsets, _ in rows for o in row_offsets], dtype=np.int64).reshape(-1, 2)
+    token_base = np.repeat(base, [len(row_ids) for _, row_ids, _, _ in rows])
+    spans = np.array([(a + b, c + b) for (_, _, _, row_spans), b in zip(rows, base) for a, c in row_spans],
+                     dtype=np.int64).reshape(-1, 2)
+    expected = [label for _, row_ids, row_offsets, row_spans in rows
+                for label in label_tokens(row_ids, row_offsets, row_spans)]
+    assert _batch_labels(ids, offsets, token_base, spans).tolist() == expected
+    assert expected.count(IGNORE_INDEX) not in (0, len(expected))  # the case mixes trained and untrained
+
+
+def test_label_check_catches_a_span_that_cuts_a_token(tokenizer) -> None:
+    text = "<|user|>\nhello there\n<|assistant|>\nwonderful answer" + tokenizer.eos_token
+    right = (text.index("wonderful"), len(text))
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    inside = next(a + 1 for a, b in offsets if a >= right[0] and b - a >= 2)  # within a token of the answer
+    examples, ok = label_and_check(tokenizer, [(text, [right]), (text, [(inside, len(text))]),
+                                               (text, [right, (len(text), len(text))])])
+    assert ok == [True, False, True]
+    assert trained_runs(tokenizer, examples[0]) == ["wonderful answer" + tokenizer.eos_token]

@@ -1,24 +1,27 @@
-"""Chat template rendering and exact assistant-only labels.
+"""Rendered conversations → tokens and exact assistant-only labels, each row's labels checked.
 
-The trained character spans are found by rendering prefixes of the conversation: for assistant
-message i, `render(messages[:i], add_generation_prompt=True)` ends where its content starts, and
-`render(messages[:i+1])` ends after its end-of-turn marker. The rendered text is then tokenized
-once with offsets, and a token is trained when its characters overlap a trained span. Working in
-characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
-boundary.
+render.py finds the [start, end) character spans that carry a loss; here the rendered texts are
+tokenized once with offsets and a token is trained when its characters overlap a trained span.
+Then the trained tokens are checked against the spans by decoding them run by run.
+
+A batch is encoded in one call of the Rust tokenizer (its threads do the work) and labelled with
+array operations over all rows at once: a Python loop over tokens costs more than the encoding.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from itertools import chain
+from typing import Optional
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from open_sft.data.formats import Messages, RowError
+from open_sft.data.render import render, special_markers, trained_spans  # noqa: F401 (the data step's API)
 
 IGNORE_INDEX = -100
+
+Spans = list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -29,106 +32,9 @@ class Example:
     labels: list[int]
 
 
-_PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
-          {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
-          {"role": "assistant", "content": " 6 \n"}]
-_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Callable[[Messages, bool], str]]:
-    """Render with the compiled Jinja template directly, skipping apply_chat_template's per-call
-    argument handling (about 60 % of the data build's time). Used only if it reproduces
-    apply_chat_template exactly on a probe conversation; otherwise None (use the public API)."""
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        compiled = _compile_jinja_template(tokenizer.chat_template)
-        variables = dict(tokenizer.special_tokens_map)
-
-        def direct(messages: Messages, add_generation_prompt: bool) -> str:
-            return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                   documents=None, **variables)
-
-        for k in range(1, len(_PROBE) + 1):
-            for generation_prompt in (False, True):
-                expected = tokenizer.apply_chat_template(_PROBE[:k], tokenize=False,
-                                                         add_generation_prompt=generation_prompt)
-                if direct(_PROBE[:k], generation_prompt) != expected:
-                    return None
-        return direct
-    except Exception:  # any template or transformers change: fall back to the public API
-        return None
-
-
-def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
-           tools: Optional[list] = None) -> str:
-    """The chat template's text; rows with tools go through apply_chat_template (the direct renderer was
-    only checked against it without tools)."""
-    cached = _RENDERERS.get(tokenizer)
-    if cached is None or cached[0] != tokenizer.chat_template:
-        cached = (tokenizer.chat_template, _direct_renderer(tokenizer))
-        _RENDERERS[tokenizer] = cached
-    if cached[1] is not None and tools is None:
-        return cached[1](messages, add_generation_prompt)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         tools=tools)
-
-
-def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
-    """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
-    everything up to and including the last special-token marker, nothing after it."""
-    end = 0
-    for marker in markers:
-        position = suffix.rfind(marker)
-        if position >= 0:
-            end = max(end, position + len(marker))
-    return end
-
-
-def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
-    """Strings that can close an assistant turn: the tokenizer's special tokens, including added
-    tokens flagged special (Llama 3's `<|eot_id|>`, chatml's `<|im_end|>`), longest first."""
-    tokens = set(tokenizer.all_special_tokens)
-    tokens |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
-    return tuple(sorted(tokens, key=len, reverse=True))
-
-
-def trained_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
-    (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text."""
-    tools = getattr(messages, "tools", None)
-    text = render(tokenizer, messages, tools=tools)
-    if train_on == "all":
-        return text, [(0, len(text))]
-    assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if train_on == "last_assistant":
-        assistant_indices = assistant_indices[-1:]
-    spans = []
-    for i in assistant_indices:
-        prompt = render(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
-        through = render(tokenizer, messages[: i + 1], tools=tools)
-        content = messages[i]["content"]
-        if text.startswith(prompt) and text.startswith(through):
-            start = text.find(content.strip(), len(prompt))
-            if start < 0 or start >= len(through):
-                raise RowError(f"message {i + 1} (assistant): its content does not appear in the rendered template")
-            content_end = start + len(content.strip())
-            end = content_end + _end_of_turn_length(text[content_end : len(through)], markers)
-        else:
-            raise RowError(
-                "the chat template is not prefix-stable for this conversation (rendering the first "
-                f"{i} messages is not a prefix of the full rendering); choose another template"
-            )
-        spans.append((start, end))
-    return text, spans
-
-
-def label_tokens(
-    input_ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]
-) -> list[int]:
-    """Copy each token id whose characters overlap a trained span; IGNORE_INDEX elsewhere."""
+def label_tokens(input_ids: list[int], offsets: list[tuple[int, int]], spans: Spans) -> list[int]:
+    """Copy each token id whose characters overlap a trained span; IGNORE_INDEX elsewhere. One row at a
+    time: the definition that `_batch_labels` computes for a whole batch with arrays."""
     labels = [IGNORE_INDEX] * len(input_ids)
     span_index = 0
     for t, (start, end) in enumerate(offsets):
@@ -140,6 +46,121 @@ def label_tokens(
         if end > span_start and start < span_end:
             labels[t] = input_ids[t]
     return labels
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Token ids and character offsets of each text, no special tokens added.
+
+    Calls the Rust backend directly when that is exactly what `tokenizer(texts, ...)` would do (a fast
+    tokenizer without truncation or padding configured): transformers' conversion of the result into
+    dicts of lists takes as long as the encoding itself."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (getattr(tokenizer, "is_fast", False) and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)):
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        return [e.ids for e in encodings], [e.offsets for e in encodings]
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return encoded["input_ids"], encoded["offset_mapping"]
+
+
+def _ints(rows: list[list[int]], count: int) -> np.ndarray:
+    """Concatenate per-row lists of ints into one array."""
+    return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=count)
+
+
+def _pairs(rows: list[list[tuple[int, int]]], count: int) -> np.ndarray:
+    """Concatenate per-row lists of (start, end) pairs into one array of shape (count, 2)."""
+    return np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.int64, count=2 * count).reshape(-1, 2)
+
+
+def _batch_labels(ids: np.ndarray, offsets: np.ndarray, token_row_base: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """`label_tokens` for every row of a batch at once.
+
+    Rows are laid end to end in one character axis (row r starts at its base, one past the end of
+    row r-1), so each row's spans and tokens keep their order and no token of one row can overlap a
+    span of another. `label_tokens` walks the spans with an index that only moves forward; here that
+    index is the running maximum of "spans that end at or before the token's start"."""
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+    if len(spans) == 0 or len(ids) == 0:
+        return labels
+    starts, ends = offsets[:, 0] + token_row_base, offsets[:, 1] + token_row_base
+    index = np.maximum.accumulate(np.searchsorted(spans[:, 1], starts, side="right"))
+    inside = index < len(spans)
+    span = spans[np.minimum(index, len(spans) - 1)]
+    trained = inside & (ends > span[:, 0]) & (starts < span[:, 1])
+    labels[trained] = ids[trained]
+    return labels
+
+
+def _run_bounds(trained: np.ndarray, row_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) token positions of the maximal runs of trained tokens; no run crosses a row."""
+    before = np.zeros_like(trained)
+    before[1:] = trained[:-1]
+    before[row_starts] = False
+    after = np.zeros_like(trained)
+    after[:-1] = trained[1:]
+    after[row_starts[row_starts > 0] - 1] = False
+    return np.flatnonzero(trained & ~before), np.flatnonzero(trained & ~after) + 1
+
+
+def _decode_runs(tokenizer: PreTrainedTokenizerBase, runs: list[list[int]]) -> list[str]:
+    """`tokenizer.decode` of each run; in one Rust call when decode adds nothing to the backend's."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if getattr(tokenizer, "is_fast", False) and not tokenizer.clean_up_tokenization_spaces:
+        return backend.decode_batch(runs, skip_special_tokens=False)
+    return [tokenizer.decode(run) for run in runs]
+
+
+def label_and_check(
+    tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]], check: bool = True
+) -> tuple[list[Example], list[bool]]:
+    """Tokenize and label rendered conversations, and say for each whether its labels are right: the
+    decoded runs of trained tokens equal the trained character spans, run for span (modulo the
+    whitespace a boundary token may carry). A tokenizer that merges across a turn boundary fails it.
+    With check=False every row counts as right (train_on all: nothing to check)."""
+    if not texts_and_spans:
+        return [], []
+    texts = [text for text, _ in texts_and_spans]
+    id_rows, offset_rows = _encode(tokenizer, texts)
+    lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
+    total = int(lengths.sum())
+    row_bounds = np.zeros(len(id_rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=row_bounds[1:])
+    text_base = np.zeros(len(texts), dtype=np.int64)
+    np.cumsum([len(text) + 1 for text in texts[:-1]], out=text_base[1:])
+    span_rows = [spans for _, spans in texts_and_spans]
+    span_counts = [len(spans) for spans in span_rows]
+    spans = _pairs(span_rows, sum(span_counts)) + np.repeat(text_base, span_counts)[:, None]
+    ids = _ints(id_rows, total)
+    if np.all(spans[1:, 1] >= spans[:-1, 1]):
+        labels = _batch_labels(ids, _pairs(offset_rows, total), np.repeat(text_base, lengths), spans)
+    else:  # spans out of order (no built-in template makes them): the row-by-row definition
+        labels = np.fromiter(chain.from_iterable(map(label_tokens, id_rows, offset_rows, span_rows)),
+                             dtype=np.int64, count=total)
+    label_list = labels.tolist()
+    examples = [Example(row_ids, label_list[a:b]) for row_ids, a, b in zip(id_rows, row_bounds[:-1].tolist(),
+                                                                           row_bounds[1:].tolist())]
+    if not check:
+        return examples, [True] * len(examples)
+    return examples, _check_runs(tokenizer, ids, labels, row_bounds, texts_and_spans)
+
+
+def _check_runs(tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, labels: np.ndarray, row_bounds: np.ndarray,
+                texts_and_spans: list[tuple[str, Spans]]) -> list[bool]:
+    run_starts, run_ends = _run_bounds(labels != IGNORE_INDEX, row_bounds[:-1][row_bounds[:-1] < row_bounds[-1]])
+    id_list = ids.tolist()
+    decoded = _decode_runs(tokenizer, [id_list[a:b] for a, b in zip(run_starts.tolist(), run_ends.tolist())])
+    run_rows = (np.searchsorted(row_bounds, run_starts, side="right") - 1).tolist()
+    by_row: list[list[str]] = [[] for _ in texts_and_spans]
+    for row, text in zip(run_rows, decoded):
+        by_row[row].append(text.strip())
+    expected = ([text[a:b].strip() for a, b in spans if text[a:b].strip()] for text, spans in texts_and_spans)
+    return [runs == wanted for runs, wanted in zip(by_row, expected)]
+
+
+def tokenize_conversations(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]]) -> list[Example]:
+    """Tokenize and label rendered conversations (without the label check)."""
+    return label_and_check(tokenizer, texts_and_spans, check=False)[0]
 
 
 def trained_token_runs(input_ids: list[int], labels: list[int]) -> list[list[int]]:
@@ -166,15 +187,3 @@ def truncate_example(example: Example, max_seq_length: int, truncation: str) -> 
     if all(label == IGNORE_INDEX for label in cut.labels[1:]):
         return None, "no_trained_tokens_after_truncation"
     return cut, "truncated"
-
-
-def tokenize_conversations(
-    tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, list[tuple[int, int]]]]
-) -> list[Example]:
-    """Tokenize rendered conversations in one batch (fast tokenizers parallelise it) and label them."""
-    texts = [text for text, _ in texts_and_spans]
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    return [
-        Example(ids, label_tokens(ids, offsets, spans))
-        for ids, offsets, (_, spans) in zip(encoded["input_ids"], encoded["offset_mapping"], texts_and_spans)
-    ]

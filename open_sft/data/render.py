@@ -1,0 +1,134 @@
+"""Chat template rendering and the character spans of the assistant turns.
+
+The trained character spans are found by rendering prefixes of the conversation: for assistant
+message i, `render(messages[:i], add_generation_prompt=True)` ends where its content starts, and
+`render(messages[:i+1])` ends after its end-of-turn marker. Both must be prefixes of the full
+rendering (the template is prefix-stable for this row), else the row is rejected. Working in
+characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
+boundary; the token step (tokenize.py) turns the spans into labels.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+from transformers import PreTrainedTokenizerBase
+
+from open_sft.data.formats import Messages, RowError
+
+Renderer = Callable[[Messages, bool, Optional[list]], str]
+
+_PROBE = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+          {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3 + 3?"},
+          {"role": "assistant", "content": " 6 \n"}]
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+_RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _public_renderer(tokenizer: PreTrainedTokenizerBase) -> Renderer:
+    def public(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
+    return public
+
+
+def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
+    """Render with the compiled Jinja template and a context built from a dict prepared once.
+
+    apply_chat_template's per-call argument handling, and Jinja's own `Template.render` (which merges
+    the environment's globals, a ChainMap, into a new dict on every call), cost about 4× the template
+    itself on short rows. Used only if it reproduces apply_chat_template exactly on probe
+    conversations with and without tools; otherwise None (use the public API)."""
+    try:
+        from jinja2.runtime import new_context
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(tokenizer.chat_template)
+        environment = compiled.environment
+        base = {**compiled.globals, **tokenizer.special_tokens_map, "documents": None}
+
+        def direct(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
+            variables = {**base, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools}
+            context = new_context(environment, compiled.name, compiled.blocks, variables, shared=True)
+            return environment.concat(compiled.root_render_func(context))
+
+        public = _public_renderer(tokenizer)
+        for tools in (None, _PROBE_TOOLS):
+            for k in range(1, len(_PROBE) + 1):
+                for generation_prompt in (False, True):
+                    if direct(_PROBE[:k], generation_prompt, tools) != public(_PROBE[:k], generation_prompt, tools):
+                        return None
+        return direct
+    except Exception:  # any template or transformers/jinja change: fall back to the public API
+        return None
+
+
+def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
+    """The fastest renderer that matches apply_chat_template, checked once per tokenizer and template."""
+    cached = _RENDERERS.get(tokenizer)
+    if cached is None or cached[0] != tokenizer.chat_template:
+        cached = (tokenizer.chat_template, _direct_renderer(tokenizer) or _public_renderer(tokenizer))
+        _RENDERERS[tokenizer] = cached
+    return cached[1]
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
+           tools: Optional[list] = None) -> str:
+    """The chat template's text for `messages` (and the row's tool schemas, if any)."""
+    return renderer_for(tokenizer)(messages, add_generation_prompt, tools)
+
+
+def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """Strings that can close an assistant turn: the tokenizer's special tokens, including added
+    tokens flagged special (Llama 3's `<|eot_id|>`, chatml's `<|im_end|>`), longest first."""
+    tokens = set(tokenizer.all_special_tokens)
+    tokens |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
+    return tuple(sorted(tokens, key=len, reverse=True))
+
+
+def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
+    """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
+    everything up to and including the last special-token marker, nothing after it."""
+    end = 0
+    for marker in markers:
+        position = suffix.rfind(marker)
+        if position >= 0:
+            end = max(end, position + len(marker))
+    return end
+
+
+def trained_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
+    (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text."""
+    draw = renderer_for(tokenizer)
+    tools = getattr(messages, "tools", None)
+    text = draw(messages, False, tools)
+    if train_on == "all":
+        return text, [(0, len(text))]
+    assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if train_on == "last_assistant":
+        assistant_indices = assistant_indices[-1:]
+    last = len(messages) - 1
+    spans = []
+    for i in assistant_indices:
+        prompt = draw(messages[:i], True, tools)
+        # The final turn's prefix is all the messages: the text itself, no need to render it again.
+        through = text if i == last else draw(messages[: i + 1], False, tools)
+        content = messages[i]["content"].strip()
+        if not (text.startswith(prompt) and text.startswith(through)):
+            raise RowError(
+                "the chat template is not prefix-stable for this conversation (rendering the first "
+                f"{i} messages is not a prefix of the full rendering); choose another template"
+            )
+        start = text.find(content, len(prompt))
+        if start < 0 or start >= len(through):
+            raise RowError(f"message {i + 1} (assistant): its content does not appear in the rendered template")
+        content_end = start + len(content)
+        spans.append((start, content_end + _end_of_turn_length(text[content_end : len(through)], markers)))
+    return text, spans
