@@ -120,7 +120,8 @@ class DataArguments:
         "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
     )
     preprocessing_num_workers: int = _help(
-        "Processes that render chat templates while building the tokenization cache (1 = in process).",
+        "Processes that render, tokenize and check rows while building the tokenization cache (1 = in "
+        "process, where the tokenizer alone uses threads; set it to the node's cores for large data).",
         default=1,
     )
     max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)

@@ -12,7 +12,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-import open_sft.data.pipeline as pipeline
+import open_sft.data.workers as workers
 from conftest import ROOT, SAMPLE, child_env
 from open_sft.config import DataArguments
 from open_sft.data import cache
@@ -93,7 +93,7 @@ def test_hit_does_not_tokenize(tokenizer, data_file, tmp_path, monkeypatch) -> N
     def refuse(*_, **__):
         raise AssertionError("a cache hit must not tokenize")
 
-    monkeypatch.setattr(pipeline, "label_and_check", refuse)
+    monkeypatch.setattr(workers, "label_and_check", refuse)
     hit = prepare_data(args, tokenizer, 1)
     assert hit.cache_hit and hit.cache_path == built.cache_path
     assert hit.dataset["input_ids"] == built.dataset["input_ids"]

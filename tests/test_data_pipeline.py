@@ -168,14 +168,16 @@ def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path) -> 
     assert not (tmp_path / "out").exists()
 
 
-def test_parallel_render_workers_give_identical_data(tokenizer) -> None:
+def test_parallel_workers_give_identical_data(tokenizer, caplog) -> None:
     from conftest import SAMPLE
 
     one = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True), tokenizer, 0)
+    caplog.set_level("INFO", logger="open_sft.data.workers")
     two = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
                                      preprocessing_num_workers=2), tokenizer, 0)
     assert one.dataset["input_ids"] == two.dataset["input_ids"] and one.dataset["labels"] == two.dataset["labels"]
     assert one.cache_key == two.cache_key  # workers change speed, not output
+    assert "2000 rows in 2 process(es)" in caplog.text  # the worker processes really ran
 
 
 @pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))

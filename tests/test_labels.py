@@ -171,3 +171,52 @@ def test_label_check_catches_a_span_that_cuts_a_token(tokenizer) -> None:
                                                (text, [right, (len(text), len(text))])])
     assert ok == [True, False, True]
     assert trained_runs(tokenizer, examples[0]) == ["wonderful answer" + tokenizer.eos_token]
+
+
+CONTENT_READING_TEMPLATE = (  # renders an assistant content twice when it mentions a tool: no layout for such rows
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
+    "{% if m.role == 'assistant' %}{% if 'tool' in m.content %} (again: {{ m.content }}){% endif %}"
+    "{{ eos_token }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["tulu", "olmo", "simple_chat", "chatml", "llama3", "zephyr", "reading"])
+def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -> None:
+    """Rows whose spans are read off their shape's layout (one render) get the same text and spans as
+    rendering every prefix; including padded contents (llama3 trims them), an answer repeated in the
+    prompt, and a template that reads the contents (such rows take the prefix path)."""
+    from conftest import SAMPLE
+    from open_sft.data import render as render_module
+    from open_sft.data.formats import to_messages
+    from open_sft.data.templates import apply_chat_template_choice
+
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
+    if template == "reading":
+        tokenizer.chat_template = CONTENT_READING_TEMPLATE
+    else:
+        apply_chat_template_choice(tokenizer, template, None)
+    rows = [to_messages(json.loads(line), "messages") for line in SAMPLE.read_text().splitlines()[:200]] + ROWS + [
+        [{"role": "user", "content": "  Say 7.\n"}, {"role": "assistant", "content": " 7 \n"}],
+        [{"role": "user", "content": "Echo: tool"}, {"role": "assistant", "content": "tool"},
+         {"role": "user", "content": "{braces} and }{"}, {"role": "assistant", "content": "ok {x}"}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+    ]
+    markers = special_markers(tokenizer)
+    layout_ends = render_module._layout_ends
+    used = []
+    monkeypatch.setattr(render_module, "_layout_ends", lambda *a: used.append(layout_ends(*a)) or used[-1])
+    for train_on in ("all_assistant", "last_assistant"):
+        fast = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
+        with monkeypatch.context() as patch:
+            patch.setattr(render_module, "_layout_ends", lambda *a: None)
+            slow = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
+        assert fast == slow
+    draw = render_module.renderer_for(tokenizer)
+    for row in rows:  # the ends themselves are the prefix renderings' lengths
+        ends = layout_ends(tokenizer, row, draw(row, False, None))
+        assert ends is None or ends == {i: (len(draw(row[:i], True, None)), len(draw(row[: i + 1], False, None)))
+                                        for i, m in enumerate(row) if m["role"] == "assistant"}
+    by_layout = sum(ends is not None for ends in used)
+    assert by_layout >= len(used) - (4 if template == "reading" else 0)  # all rows, but those naming "tool"
+    if template == "reading":
+        assert by_layout < len(used)

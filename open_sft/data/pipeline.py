@@ -22,8 +22,8 @@ from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
 from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
-from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import IGNORE_INDEX, Example, label_and_check, truncate_example
+from open_sft.data.tokenize import IGNORE_INDEX, Example, truncate_example
+from open_sft.data.workers import label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -100,9 +100,10 @@ def count_trained(labels: list[int]) -> int:
 
 @contextlib.contextmanager
 def _gc_paused():
-    """Pause the cyclic garbage collector around steps that allocate millions of small objects that
-    cannot form cycles (parsed JSON rows, token id lists, offset pairs): its passes over them find
-    nothing and would add about half to those steps' time. Not around rendering (Jinja's objects)."""
+    """Pause the cyclic garbage collector for a build. It allocates millions of small objects that
+    cannot form cycles (parsed JSON rows, messages, token id lists) and keeps them alive to the end,
+    so the collector's full passes over them find nothing and cost about a third of the build. The
+    render loop, whose template may make cycles, collects its own young garbage (workers.py)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -135,54 +136,15 @@ def _convert(source: LoadedSource, fmt: str, sink: _RowSink) -> dict[int, Any]:
     return items
 
 
-_WORKER_STATE: dict[str, Any] = {}  # set before forking render workers; read in the children
-
-
-def _render_chunk(chunk: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """(index, (text, spans)) or (index, RowError) for each conversation of a chunk."""
-    tokenizer, train_on, markers = (_WORKER_STATE[k] for k in ("tokenizer", "train_on", "markers"))
-    out = []
-    for i, messages in chunk:
-        try:
-            out.append((i, trained_spans(tokenizer, messages, train_on, markers)))
-        except RowError as exc:
-            out.append((i, exc))
-    return out
-
-
-def _render_all(tokenizer, items: dict[int, Any], indices: list[int], train_on: str, workers: int) -> list:
-    """Rendering (Python/Jinja) is the slow part of a build; with --preprocessing_num_workers > 1 it
-    runs in forked worker processes (the Rust tokenizer batch-encodes on its own threads)."""
-    _WORKER_STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer))
-    work = [(i, items[i]) for i in indices]
-    if workers <= 1 or len(work) < 2000:
-        return _render_chunk(work)
-    import multiprocessing
-
-    size = -(-len(work) // (workers * 4))
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        parts = pool.map(_render_chunk, [work[k : k + size] for k in range(0, len(work), size)])
-    return [entry for part in parts for entry in part]
-
-
 def _tokenize_chat(tokenizer, items: dict[int, Any], indices: list[int], args: DataArguments,
                    sink: _RowSink) -> dict[int, Example]:
-    rendered = {}
-    for i, result in _render_all(tokenizer, items, indices, args.train_on, args.preprocessing_num_workers):
+    examples = {}
+    for i, result in label_rows(tokenizer, [(i, items[i]) for i in indices], args.train_on,
+                                args.preprocessing_num_workers):
         if isinstance(result, RowError):
             sink.reject(i, result)
         else:
-            rendered[i] = result
-    order = list(rendered)
-    with _gc_paused():
-        labelled, right = label_and_check(tokenizer, [rendered[i] for i in order], check=args.train_on != "all")
-    examples = {}
-    for i, example, ok in zip(order, labelled, right):
-        if not ok:
-            sink.reject(i, RowError("the trained tokens do not decode to the assistant turns (the tokenizer "
-                                    "merges across a turn boundary); try another chat template", "label_mismatch"))
-            continue
-        examples[i] = example
+            examples[i] = result
     return examples
 
 
@@ -209,8 +171,7 @@ def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int]
 
 
 def _source_examples(spec, args: DataArguments, tokenizer, seed: int) -> tuple[list[Example], SourceReport]:
-    with _gc_paused():
-        source = read_source(spec, drop_bad=args.on_bad_row == "drop")
+    source = read_source(spec, drop_bad=args.on_bad_row == "drop")
     fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(source.rows[0], source.where(0))
     if fmt != "text":
         _check_chat_template(tokenizer)
@@ -295,10 +256,9 @@ def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -
     import datasets
 
     examples, reports = build_examples(args, tokenizer, seed)
-    with _gc_paused():
-        dataset = datasets.Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
-                                              "labels": [e.labels for e in examples],
-                                              "length": [len(e.input_ids) for e in examples]})
+    dataset = datasets.Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
+                                          "labels": [e.labels for e in examples],
+                                          "length": [len(e.input_ids) for e in examples]})
     report = {"sources": [r.to_dict() for r in reports], "examples": len(examples),
               "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports),
               "length_percentiles": length_percentiles([len(e.input_ids) for e in examples])}
@@ -310,9 +270,11 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     inputs = key_inputs(args, tokenizer, seed)
     key = cache_key(inputs)
     if args.dataset_skip_cache:
-        dataset, report = _build(args, tokenizer, seed)
+        with _gc_paused():
+            dataset, report = _build(args, tokenizer, seed)
         return PreparedData(dataset, report, key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
-    dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, lambda: _build(args, tokenizer, seed))
+    with _gc_paused():  # around the save too: it runs while the built examples are still alive
+        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, lambda: _build(args, tokenizer, seed))
     logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
     return PreparedData(dataset, report, key, entry, hit)

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
+from open_sft.data.layout import Layout, build_layout
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -67,13 +68,37 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
         return None
 
 
-def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
-    """The fastest renderer that matches apply_chat_template, checked once per tokenizer and template."""
+def _state(tokenizer: PreTrainedTokenizerBase) -> tuple[str, Renderer, dict[tuple[str, ...], Optional[Layout]]]:
+    """(template, renderer, layouts by roles) of a tokenizer, made again when its template changes."""
     cached = _RENDERERS.get(tokenizer)
     if cached is None or cached[0] != tokenizer.chat_template:
-        cached = (tokenizer.chat_template, _direct_renderer(tokenizer) or _public_renderer(tokenizer))
+        cached = (tokenizer.chat_template, _direct_renderer(tokenizer) or _public_renderer(tokenizer), {})
         _RENDERERS[tokenizer] = cached
-    return cached[1]
+    return cached
+
+
+def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
+    """The fastest renderer that matches apply_chat_template, checked once per tokenizer and template."""
+    return _state(tokenizer)[1]
+
+
+_MAX_LAYOUTS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
+
+
+def _layout_ends(tokenizer: PreTrainedTokenizerBase, messages: Messages, text: str) -> Optional[dict]:
+    """The prompt and turn ends of each assistant message read off its shape's layout (layout.py), or
+    None when the row must render its prefixes (rows with tools: their schemas are part of the text)."""
+    if getattr(messages, "tools", None) is not None:
+        return None
+    _, draw, layouts = _state(tokenizer)
+    roles = tuple(m["role"] for m in messages)
+    if roles in layouts:
+        layout = layouts[roles]
+    else:
+        layout = build_layout(draw, roles)
+        if len(layouts) < _MAX_LAYOUTS:
+            layouts[roles] = layout
+    return None if layout is None else layout.prefix_ends([m["content"] for m in messages], text)
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
@@ -115,20 +140,25 @@ def trained_spans(
     if train_on == "last_assistant":
         assistant_indices = assistant_indices[-1:]
     last = len(messages) - 1
+    known_ends = _layout_ends(tokenizer, messages, text)
     spans = []
     for i in assistant_indices:
-        prompt = draw(messages[:i], True, tools)
-        # The final turn's prefix is all the messages: the text itself, no need to render it again.
-        through = text if i == last else draw(messages[: i + 1], False, tools)
+        if known_ends is not None:
+            prompt_length, through_length = known_ends[i]
+        else:
+            prompt = draw(messages[:i], True, tools)
+            # The final turn's prefix is all the messages: the text itself, no need to render it again.
+            through = text if i == last else draw(messages[: i + 1], False, tools)
+            if not (text.startswith(prompt) and text.startswith(through)):
+                raise RowError(
+                    "the chat template is not prefix-stable for this conversation (rendering the first "
+                    f"{i} messages is not a prefix of the full rendering); choose another template"
+                )
+            prompt_length, through_length = len(prompt), len(through)
         content = messages[i]["content"].strip()
-        if not (text.startswith(prompt) and text.startswith(through)):
-            raise RowError(
-                "the chat template is not prefix-stable for this conversation (rendering the first "
-                f"{i} messages is not a prefix of the full rendering); choose another template"
-            )
-        start = text.find(content, len(prompt))
-        if start < 0 or start >= len(through):
+        start = text.find(content, prompt_length)
+        if start < 0 or start >= through_length:
             raise RowError(f"message {i + 1} (assistant): its content does not appear in the rendered template")
         content_end = start + len(content)
-        spans.append((start, content_end + _end_of_turn_length(text[content_end : len(through)], markers)))
+        spans.append((start, content_end + _end_of_turn_length(text[content_end:through_length], markers)))
     return text, spans
