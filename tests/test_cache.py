@@ -93,7 +93,7 @@ def test_hit_does_not_tokenize(tokenizer, data_file, tmp_path, monkeypatch) -> N
     def refuse(*_, **__):
         raise AssertionError("a cache hit must not tokenize")
 
-    monkeypatch.setattr(workers, "label_and_check", refuse)
+    monkeypatch.setattr(workers, "label_batch", refuse)
     hit = prepare_data(args, tokenizer, 1)
     assert hit.cache_hit and hit.cache_path == built.cache_path
     assert hit.dataset["input_ids"] == built.dataset["input_ids"]

@@ -111,15 +111,30 @@ def _decode_runs(tokenizer: PreTrainedTokenizerBase, runs: list[list[int]]) -> l
     return [tokenizer.decode(run) for run in runs]
 
 
-def label_and_check(
-    tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]], check: bool = True
-) -> tuple[list[Example], list[bool]]:
+@dataclass(frozen=True)
+class LabelledBatch:
+    """Tokens and labels of a batch of rows laid end to end: row r is [bounds[r], bounds[r+1]). Arrays,
+    so a worker process sends it back in a few buffers instead of millions of pickled ints."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    bounds: np.ndarray
+    right: np.ndarray  # per row: its labels passed the check
+
+    def examples(self) -> list[Example]:
+        ids, labels, bounds = self.ids.tolist(), self.labels.tolist(), self.bounds.tolist()
+        return [Example(ids[a:b], labels[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
+                check: bool = True) -> LabelledBatch:
     """Tokenize and label rendered conversations, and say for each whether its labels are right: the
     decoded runs of trained tokens equal the trained character spans, run for span (modulo the
     whitespace a boundary token may carry). A tokenizer that merges across a turn boundary fails it.
     With check=False every row counts as right (train_on all: nothing to check)."""
     if not texts_and_spans:
-        return [], []
+        empty = np.zeros(0, dtype=np.int64)
+        return LabelledBatch(empty, empty, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=bool))
     texts = [text for text, _ in texts_and_spans]
     id_rows, offset_rows = _encode(tokenizer, texts)
     lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
@@ -137,12 +152,16 @@ def label_and_check(
     else:  # spans out of order (no built-in template makes them): the row-by-row definition
         labels = np.fromiter(chain.from_iterable(map(label_tokens, id_rows, offset_rows, span_rows)),
                              dtype=np.int64, count=total)
-    label_list = labels.tolist()
-    examples = [Example(row_ids, label_list[a:b]) for row_ids, a, b in zip(id_rows, row_bounds[:-1].tolist(),
-                                                                           row_bounds[1:].tolist())]
-    if not check:
-        return examples, [True] * len(examples)
-    return examples, _check_runs(tokenizer, ids, labels, row_bounds, texts_and_spans)
+    right = _check_runs(tokenizer, ids, labels, row_bounds, texts_and_spans) if check else [True] * len(texts)
+    return LabelledBatch(ids, labels, row_bounds, np.asarray(right, dtype=bool))
+
+
+def label_and_check(
+    tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]], check: bool = True
+) -> tuple[list[Example], list[bool]]:
+    """`label_batch` as one Example per row, and whether each row's labels are right."""
+    batch = label_batch(tokenizer, texts_and_spans, check)
+    return batch.examples(), batch.right.tolist()
 
 
 def _check_runs(tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, labels: np.ndarray, row_bounds: np.ndarray,

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import RowError
 from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import Example, label_and_check
+from open_sft.data.tokenize import Example, LabelledBatch, label_batch
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +33,11 @@ def _label_mismatch() -> RowError:
                     "boundary); try another chat template", "label_mismatch")
 
 
-def _chunk(bounds: tuple[int, int]) -> list[Result]:
-    """(row index, Example or RowError) for the work items in [start, stop)."""
+def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tuple[int, RowError]]]:
+    """For the work items in [start, stop): the row indices rendered, their labelled batch, and the
+    (row index, RowError) of the rows that could not be rendered."""
     tokenizer, train_on, markers, work = (_STATE[k] for k in ("tokenizer", "train_on", "markers", "work"))
-    out: list[Result] = []
+    errors: list[tuple[int, RowError]] = []
     rendered = []
     for n, (i, messages) in enumerate(work[bounds[0] : bounds[1]], start=1):
         if n % 4096 == 0:
@@ -44,10 +45,15 @@ def _chunk(bounds: tuple[int, int]) -> list[Result]:
         try:
             rendered.append((i, trained_spans(tokenizer, messages, train_on, markers)))
         except RowError as exc:
-            out.append((i, exc))
-    examples, right = label_and_check(tokenizer, [texts_and_spans for _, texts_and_spans in rendered],
-                                      check=train_on != "all")
-    out += [(i, example if ok else _label_mismatch()) for (i, _), example, ok in zip(rendered, examples, right)]
+            errors.append((i, exc))
+    batch = label_batch(tokenizer, [texts_and_spans for _, texts_and_spans in rendered], check=train_on != "all")
+    return [i for i, _ in rendered], batch, errors
+
+
+def _results(indices: list[int], batch: LabelledBatch, errors: list[tuple[int, RowError]]) -> list[Result]:
+    out: list[Result] = list(errors)
+    out += [(i, example if ok else _label_mismatch())
+            for i, example, ok in zip(indices, batch.examples(), batch.right.tolist())]
     return out
 
 
@@ -74,7 +80,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
     try:
         workers = max(1, min(workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
-            results = _chunk((0, len(work)))
+            results = _results(*_chunk((0, len(work))))
         else:
             import multiprocessing
 
@@ -83,7 +89,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
                 pool = multiprocessing.get_context("fork").Pool(workers)
             with pool:
                 parts = pool.map(_chunk, [(k, min(k + size, len(work))) for k in range(0, len(work), size)])
-            results = [result for part in parts for result in part]
+            results = [result for part in parts for result in _results(*part)]
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
