@@ -84,7 +84,7 @@ def _training_section(info: dict[str, Any]) -> list[str]:
            f"- global batch {schedule.get('global_batch_size')} examples, {schedule.get('total_steps')} optimizer "
            f"steps ({schedule.get('warmup_steps')} warmup)",
            f"- loss: {info.get('loss_normalization')}-normalised cross-entropy on the trained tokens",
-           f"- libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
+           "- libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
            f"- open_sft git revision {info.get('git_revision')}, tokenized data {info.get('dataset_cache_key')}"]
     return ["## How it was trained", "", "Fine-tuned with open_sft (Accelerate/DeepSpeed supervised fine-tuning).",
             ""] + how + [""]
