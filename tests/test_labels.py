@@ -211,9 +211,9 @@ def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -
             patch.setattr(render_module, "_layout_ends", lambda *a: None)
             slow = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
         assert fast == slow
-    draw = render_module.renderer_for(tokenizer)
+    _, draw, layouts = render_module._state(tokenizer)
     for row in rows:  # the ends themselves are the prefix renderings' lengths
-        ends = layout_ends(tokenizer, row, draw(row, False, None))
+        ends = layout_ends(draw, layouts, row, draw(row, False, None))
         assert ends is None or ends == {i: (len(draw(row[:i], True, None)), len(draw(row[: i + 1], False, None)))
                                         for i, m in enumerate(row) if m["role"] == "assistant"}
     by_layout = sum(ends is not None for ends in used)

@@ -16,44 +16,34 @@ prefix-rendering path. The label check (tokenize.py) verifies every row's traine
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from bisect import bisect_right
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import Callable, Optional
 
 _SLOT = "\x00{}\x00"  # the placeholder for message j's content: a string no template writes by itself
 _SLOT_PATTERN = re.compile("\x00(\\d+)\x00")
 
-Place = tuple[int, int]  # (literal index, offset in that literal)
-
 
 @dataclass(frozen=True)
 class Layout:
-    literals: tuple[str, ...]  # text between slots: one more than slots
+    text_format: str  # the shape's literal text, "{}" where each slot's content goes (other braces doubled)
     slots: tuple[int, ...]  # the message whose content fills each slot, in text order
-    ends: dict[int, tuple[Place, Place]]  # assistant message i → (end of its prompt, end of its turn)
-    # Derived: the literals as one format string (filled by one C call), and each end as (slots
-    # before it, its position counting literal characters only).
-    _format: str = field(init=False, repr=False)
-    _ends: dict[int, tuple[int, int, int, int]] = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        escaped = (literal.replace("{", "{{").replace("}", "}}") for literal in self.literals)
-        object.__setattr__(self, "_format", "{}".join(escaped))
-        literal_chars = [0, *accumulate(map(len, self.literals))]
-        flat = lambda place: (place[0], literal_chars[place[0]] + place[1])  # noqa: E731
-        object.__setattr__(self, "_ends", {i: (*flat(p), *flat(t)) for i, (p, t) in self.ends.items()})
+    # assistant message i → for the end of its prompt and the end of its turn: (slots before that end,
+    # literal characters before it)
+    ends: dict[int, tuple[int, int, int, int]]
 
     def prefix_ends(self, contents: list[str], text: str) -> Optional[dict[int, tuple[int, int]]]:
         """Assistant message i → (prompt length, length through its turn) in `text`, or None when the
         layout filled with these contents (as they are, or stripped) is not `text`."""
         inserted = [contents[j] for j in self.slots]
-        if self._format.format(*inserted) != text:
+        if self.text_format.format(*inserted) != text:
             inserted = [content.strip() for content in inserted]
-            if self._format.format(*inserted) != text:
+            if self.text_format.format(*inserted) != text:
                 return None
         content_chars = [0, *accumulate(map(len, inserted))]
         return {i: (p + content_chars[slots_p], t + content_chars[slots_t])
-                for i, (slots_p, p, slots_t, t) in self._ends.items()}
+                for i, (slots_p, p, slots_t, t) in self.ends.items()}
 
 
 Draw = Callable[[list, bool, Optional[list]], str]
@@ -65,21 +55,20 @@ def build_layout(draw: Draw, roles: tuple[str, ...]) -> Optional[Layout]:
     messages = [{"role": role, "content": _SLOT.format(j)} for j, role in enumerate(roles)]
     try:
         full = draw(messages, False, None)
-        parts = _SLOT_PATTERN.split(full)
-        literals, slots = tuple(parts[0::2]), tuple(int(j) for j in parts[1::2])
+        matches = list(_SLOT_PATTERN.finditer(full))
+        slots = tuple(int(match.group(1)) for match in matches)
         if list(slots) != sorted(set(slots)):
             return None
-        literal_starts, position = [], 0
-        for literal, slot in zip(literals, slots + (None,)):
-            literal_starts.append(position)
-            position += len(literal) + (len(_SLOT.format(slot)) if slot is not None else 0)
+        slot_ends = [match.end() for match in matches]
+        placeholder_chars = [0, *accumulate(match.end() - match.start() for match in matches)]
 
-        def place(length: int) -> Optional[Place]:
-            for index in range(len(literals) - 1, -1, -1):
-                offset = length - literal_starts[index]
-                if offset >= 0:
-                    return (index, offset) if offset <= len(literals[index]) else None  # None: inside a slot
-            return None
+        def place(length: int) -> Optional[tuple[int, int]]:
+            """(slots before, literal characters before) a prefix of `length` characters; None if it
+            ends inside a placeholder."""
+            before = bisect_right(slot_ends, length)
+            if before < len(matches) and matches[before].start() < length:
+                return None
+            return before, length - placeholder_chars[before]
 
         ends = {}
         for i, role in enumerate(roles):
@@ -91,7 +80,9 @@ def build_layout(draw: Draw, roles: tuple[str, ...]) -> Optional[Layout]:
             if i not in slots or not (full.startswith(prompt) and full.startswith(through)) \
                     or prompt_end is None or through_end is None:
                 return None
-            ends[i] = (prompt_end, through_end)
-        return Layout(literals, slots, ends)
+            ends[i] = (*prompt_end, *through_end)
+        literals = _SLOT_PATTERN.split(full)[0::2]
+        text_format = "{}".join(literal.replace("{", "{{").replace("}", "}}") for literal in literals)
+        return Layout(text_format, slots, ends)
     except Exception:  # a template that rejects this shape: the prefix path reports it for the row
         return None

@@ -85,12 +85,12 @@ def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
 _MAX_LAYOUTS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
 
 
-def _layout_ends(tokenizer: PreTrainedTokenizerBase, messages: Messages, text: str) -> Optional[dict]:
+def _layout_ends(draw: Renderer, layouts: dict[tuple[str, ...], Optional[Layout]], messages: Messages,
+                 text: str) -> Optional[dict]:
     """The prompt and turn ends of each assistant message read off its shape's layout (layout.py), or
     None when the row must render its prefixes (rows with tools: their schemas are part of the text)."""
     if getattr(messages, "tools", None) is not None:
         return None
-    _, draw, layouts = _state(tokenizer)
     roles = tuple(m["role"] for m in messages)
     if roles in layouts:
         layout = layouts[roles]
@@ -131,7 +131,7 @@ def trained_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
     (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text."""
-    draw = renderer_for(tokenizer)
+    _, draw, layouts = _state(tokenizer)
     tools = getattr(messages, "tools", None)
     text = draw(messages, False, tools)
     if train_on == "all":
@@ -140,7 +140,7 @@ def trained_spans(
     if train_on == "last_assistant":
         assistant_indices = assistant_indices[-1:]
     last = len(messages) - 1
-    known_ends = _layout_ends(tokenizer, messages, text)
+    known_ends = _layout_ends(draw, layouts, messages, text)
     spans = []
     for i in assistant_indices:
         if known_ends is not None:
