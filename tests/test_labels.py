@@ -7,10 +7,9 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from open_sft.data.pipeline import count_trained
 from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import (IGNORE_INDEX, Example, label_and_check, label_tokens, tokenize_conversations,
-                                   trained_token_runs, truncate_example)
+from open_sft.data.tokenize import (IGNORE_INDEX, Example, count_trained, label_and_check, label_tokens,
+                                   tokenize_conversations, trained_token_runs, truncate_example)
 
 ROWS = [
     [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}],
@@ -129,37 +128,44 @@ def test_batch_labels_equal_the_row_by_row_definition(tokenizer) -> None:
         assert sum(count_trained(e.labels) for e in examples) > 0
 
 
-def test_batch_labels_follow_the_definition_on_unordered_offsets() -> None:
-    """Offsets need not be monotonic (the definition's span index only moves forward); random rows,
-    including empty ones and zero-width tokens, label the same in one batch as one by one."""
+def _wordpiece_tokenizer():
+    """A BERT-style tokenizer: lowercased, whitespace held by no token (the trimmed-offsets case)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    corpus = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café", "answer: 42 and 7!"] * 20
+    backend.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "wordpiece"])
+def test_boundary_labels_equal_the_definition_on_random_spans(tokenizer, kind) -> None:
+    """label_batch finds each span's trained tokens from the tokens holding its boundary characters;
+    on random texts (accents, emoji split into byte tokens, runs of spaces no WordPiece token holds,
+    longer than the look-ahead) and random ordered spans (inside tokens, on whitespace, empty, at the
+    end, reaching the end) every row labels as `label_tokens` says."""
     import random
 
-    import numpy as np
+    from open_sft.data.tokenize import label_batch
 
-    from open_sft.data.tokenize import _batch_labels
-
-    rng = random.Random(0)
+    if kind == "wordpiece":
+        tokenizer = _wordpiece_tokenizer()
+    rng = random.Random(3)
+    words = ["the", "quick", "héllo", "wörld", "😀", "naïve", "42", "!", "\n", "  ", " " * 20, "café", "<|assistant|>"]
     rows = []
-    for _ in range(200):
-        length = rng.randint(0, 40)
-        offsets = []
-        for _ in range(rng.randint(0, 30)):
-            start = rng.randint(0, length)
-            offsets.append((start, min(length, start + rng.randint(0, 4))))
-        if rng.random() < 0.7:
-            offsets.sort()
-        cuts = sorted(rng.sample(range(length + 1), k=min(length + 1, 2 * rng.randint(0, 3))))
-        rows.append((length, list(range(100, 100 + len(offsets))), offsets, list(zip(cuts[::2], cuts[1::2]))))
-    base = np.cumsum([0] + [length + 1 for length, *_ in rows[:-1]])
-    ids = np.array([t for _, row_ids, _, _ in rows for t in row_ids], dtype=np.int64)
-    offsets = np.array([o for _, _, row_offsets, _ in rows for o in row_offsets], dtype=np.int64).reshape(-1, 2)
-    token_base = np.repeat(base, [len(row_ids) for _, row_ids, _, _ in rows])
-    spans = np.array([(a + b, c + b) for (_, _, _, row_spans), b in zip(rows, base) for a, c in row_spans],
-                     dtype=np.int64).reshape(-1, 2)
-    expected = [label for _, row_ids, row_offsets, row_spans in rows
-                for label in label_tokens(row_ids, row_offsets, row_spans)]
-    assert _batch_labels(ids, offsets, token_base, spans).tolist() == expected
-    assert expected.count(IGNORE_INDEX) not in (0, len(expected))  # the case mixes trained and untrained
+    for _ in range(400):
+        text = "".join(rng.choice(words) + rng.choice(["", " ", "  "]) for _ in range(rng.randint(1, 25)))
+        cuts = sorted(rng.choices(range(len(text) + 1), k=2 * rng.randint(1, 3)))
+        rows.append((text, list(zip(cuts[::2], cuts[1::2]))))
+    batch = label_batch(tokenizer, rows, check=False)
+    encoded = tokenizer([text for text, _ in rows], add_special_tokens=False, return_offsets_mapping=True)
+    for r, ((text, spans), ids, offsets) in enumerate(zip(rows, encoded["input_ids"], encoded["offset_mapping"])):
+        assert batch.rows.row(r) == (ids, label_tokens(ids, offsets, spans)), (text, spans)
+    trained = batch.rows.labels != IGNORE_INDEX
+    assert 0 < trained.sum() < len(trained)  # the case mixes trained and untrained tokens
 
 
 def test_label_check_catches_a_span_that_cuts_a_token(tokenizer) -> None:

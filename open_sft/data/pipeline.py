@@ -11,9 +11,11 @@ import gc
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config import DataArguments
@@ -22,7 +24,8 @@ from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
 from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
-from open_sft.data.tokenize import IGNORE_INDEX, Example, truncate_example
+from open_sft.data.token_rows import TokenRows, fit_rows
+from open_sft.data.tokenize import Example
 from open_sft.data.workers import label_rows
 from open_sft.errors import UserError
 
@@ -93,11 +96,6 @@ def _check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
         )
 
 
-def count_trained(labels: list[int]) -> int:
-    """Tokens that get a loss: labels are shifted by one inside the model, so position 0 never does."""
-    return len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
-
-
 @contextlib.contextmanager
 def _gc_paused():
     """Pause the cyclic garbage collector for a build. It allocates millions of small objects that
@@ -137,15 +135,12 @@ def _convert(source: LoadedSource, fmt: str, sink: _RowSink) -> dict[int, Any]:
 
 
 def _tokenize_chat(tokenizer, items: dict[int, Any], indices: list[int], args: DataArguments,
-                   sink: _RowSink) -> dict[int, Example]:
-    examples = {}
-    for i, result in label_rows(tokenizer, [(i, items[i]) for i in indices], args.train_on,
-                                args.preprocessing_num_workers):
-        if isinstance(result, RowError):
-            sink.reject(i, result)
-        else:
-            examples[i] = result
-    return examples
+                   sink: _RowSink) -> tuple[TokenRows, dict[int, int]]:
+    """The labelled rows and each row index's position among them; bad rows go to the sink."""
+    labelled = label_rows(tokenizer, [(i, items[i]) for i in indices], args.train_on, args.preprocessing_num_workers)
+    for i, error in labelled.errors:
+        sink.reject(i, error)
+    return labelled.rows, labelled.position
 
 
 def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict[int, list[int]]:
@@ -155,11 +150,14 @@ def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict
     return {i: ids + eos for i, ids in zip(indices, encoded)}
 
 
-def _blocks(token_lists: list[list[int]], block: int) -> list[Example]:
-    """Concatenate documents and cut the stream into --max_seq_length blocks; every token trained."""
-    stream = [token for tokens in token_lists for token in tokens]
-    return [Example(stream[i : i + block], stream[i : i + block])
-            for i in range(0, len(stream), block) if len(stream[i : i + block]) > 1]
+def _blocks(token_lists: list[list[int]], block: int) -> TokenRows:
+    """Concatenate documents and cut the stream into --max_seq_length blocks; every token trained. A
+    last block of one token is left out (it has nothing to predict)."""
+    stream = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=sum(map(len, token_lists)))
+    lengths = np.diff(np.append(np.arange(0, len(stream), block), len(stream)))
+    if len(lengths) and lengths[-1] <= 1:
+        stream, lengths = stream[: len(stream) - lengths[-1]], lengths[:-1]
+    return TokenRows.from_lengths(stream, stream, lengths)
 
 
 def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
@@ -170,7 +168,7 @@ def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int]
     return [valid[p] for p in picked]
 
 
-def _source_examples(spec, args: DataArguments, tokenizer, seed: int) -> tuple[list[Example], SourceReport]:
+def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
     source = read_source(spec, drop_bad=args.on_bad_row == "drop")
     fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(source.rows[0], source.where(0))
     if fmt != "text":
@@ -186,51 +184,48 @@ def _source_examples(spec, args: DataArguments, tokenizer, seed: int) -> tuple[l
         tokenized = _tokenize_text(tokenizer, items, valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed))))
         selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \
             else _select(spec, args, valid, None, seed)
-        report.rows_selected = len(selected)
-        examples = _blocks([tokenized[i] for i in selected], args.max_seq_length)
-        report.rows_kept = len(selected)
+        report.rows_selected = report.rows_kept = len(selected)
+        rows = _blocks([tokenized[i] for i in selected], args.max_seq_length)
     else:
         if by_tokens:
-            chat = _tokenize_chat(tokenizer, items, valid, args, sink)
-            kept_valid = sorted(chat)
-            selected = _select(spec, args, kept_valid, {i: len(e.input_ids) for i, e in chat.items()}, seed)
+            labelled, position = _tokenize_chat(tokenizer, items, valid, args, sink)
+            lengths = labelled.lengths()
+            selected = _select(spec, args, sorted(position), {i: int(lengths[p]) for i, p in position.items()}, seed)
         else:
             selected = _select(spec, args, valid, None, seed)
-            chat = _tokenize_chat(tokenizer, items, sorted(set(selected)), args, sink)
-            selected = [i for i in selected if i in chat]
+            labelled, position = _tokenize_chat(tokenizer, items, sorted(set(selected)), args, sink)
+            selected = [i for i in selected if i in position]
         report.rows_selected = len(selected)
-        examples = []
-        for i in selected:
-            kept, reason = truncate_example(chat[i], args.max_seq_length, args.truncation)
-            if kept is not None and count_trained(kept.labels) == 0:
-                kept, reason = None, "no_trained_tokens"
-            if kept is None:
-                report.dropped[reason] += 1
-                continue
-            report.truncated += reason == "truncated"
-            report.rows_kept += 1
-            examples.append(kept)
-    report.tokens = sum(len(e.input_ids) for e in examples)
-    report.trained_tokens = sum(count_trained(e.labels) for e in examples)
-    report.examples = len(examples)
-    return examples, report
+        rows, dropped, report.truncated = fit_rows(labelled, np.array([position[i] for i in selected], dtype=np.int64),
+                                                   args.max_seq_length, args.truncation)
+        report.dropped.update(dropped)
+        report.rows_kept = len(rows)
+    report.tokens = int(rows.bounds[-1])
+    report.trained_tokens = int(rows.trained_counts().sum())
+    report.examples = len(rows)
+    return rows, report
 
 
-def build_examples(
-    args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int
-) -> tuple[list[Example], list[SourceReport]]:
+def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[TokenRows, list[SourceReport]]:
     """All training examples of the mixture, in mixture order, and a report per source."""
-    examples: list[Example] = []
-    reports = []
+    parts, reports = [], []
     for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits):
-        source_examples, report = _source_examples(spec, args, tokenizer, seed)
-        examples += source_examples
+        rows, report = _source_rows(spec, args, tokenizer, seed)
+        parts.append(rows)
         reports.append(report)
         logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
                     report.rows_in, report.rows_selected, report.rows_kept, sum(report.dropped.values()))
-    if not examples:
+    rows = TokenRows.concat(parts)
+    if not len(rows):
         raise UserError("no training examples are left after mixing, truncation and filtering; see the data report")
-    return examples, reports
+    return rows, reports
+
+
+def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
+                   seed: int) -> tuple[list[Example], list[SourceReport]]:
+    """`build_rows` as one Example per training example."""
+    rows, reports = build_rows(args, tokenizer, seed)
+    return [Example(*rows.row(r)) for r in range(len(rows))], reports
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict[str, Any]:
@@ -252,17 +247,12 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     }
 
 
-def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[Any, dict[str, Any]]:
-    import datasets
-
-    examples, reports = build_examples(args, tokenizer, seed)
-    dataset = datasets.Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
-                                          "labels": [e.labels for e in examples],
-                                          "length": [len(e.input_ids) for e in examples]})
-    report = {"sources": [r.to_dict() for r in reports], "examples": len(examples),
+def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int, key: str) -> tuple[Any, dict[str, Any]]:
+    rows, reports = build_rows(args, tokenizer, seed)
+    report = {"sources": [r.to_dict() for r in reports], "examples": len(rows),
               "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports),
-              "length_percentiles": length_percentiles([len(e.input_ids) for e in examples])}
-    return dataset, report
+              "length_percentiles": length_percentiles(rows.lengths().tolist())}
+    return rows.to_dataset(fingerprint=key), report
 
 
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreparedData:
@@ -271,10 +261,10 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     key = cache_key(inputs)
     if args.dataset_skip_cache:
         with _gc_paused():
-            dataset, report = _build(args, tokenizer, seed)
+            dataset, report = _build(args, tokenizer, seed, key)
         return PreparedData(dataset, report, key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     with _gc_paused():  # around the save too: it runs while the built examples are still alive
-        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, lambda: _build(args, tokenizer, seed))
+        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, lambda: _build(args, tokenizer, seed, key))
     logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
     return PreparedData(dataset, report, key, entry, hit)

@@ -1,27 +1,29 @@
 """Rendered conversations → tokens and exact assistant-only labels, each row's labels checked.
 
 render.py finds the [start, end) character spans that carry a loss; here the rendered texts are
-tokenized once with offsets and a token is trained when its characters overlap a trained span.
-Then the trained tokens are checked against the spans by decoding them run by run.
+tokenized once and a token is trained when its characters overlap a trained span (`label_tokens`,
+the definition). Then the trained tokens are checked against the spans by decoding them run by run.
 
-A batch is encoded in one call of the Rust tokenizer (its threads do the work) and labelled with
-array operations over all rows at once: a Python loop over tokens costs more than the encoding.
+A batch is encoded in one call of the Rust tokenizer. The trained tokens of a span are found by
+asking the encoding which tokens hold the span's first and last characters (`_span_tokens`): a few
+calls per row instead of turning every token's offsets into Python objects, which costs as much as
+a third of the encoding. Rows where that shortcut cannot answer take the definition.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.render import render, special_markers, trained_spans  # noqa: F401 (the data step's API)
-
-IGNORE_INDEX = -100
+from open_sft.data.token_rows import IGNORE_INDEX, TokenRows
 
 Spans = list[tuple[int, int]]
+_LOOK_AHEAD = 16  # characters searched past a boundary no token holds (whitespace that trimmed offsets skip)
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,7 @@ class Example:
 
 
 def label_tokens(input_ids: list[int], offsets: list[tuple[int, int]], spans: Spans) -> list[int]:
-    """Copy each token id whose characters overlap a trained span; IGNORE_INDEX elsewhere. One row at a
-    time: the definition that `_batch_labels` computes for a whole batch with arrays."""
+    """Copy each token id whose characters overlap a trained span; IGNORE_INDEX elsewhere."""
     labels = [IGNORE_INDEX] * len(input_ids)
     span_index = 0
     for t, (start, end) in enumerate(offsets):
@@ -48,8 +49,45 @@ def label_tokens(input_ids: list[int], offsets: list[tuple[int, int]], spans: Sp
     return labels
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-    """Token ids and character offsets of each text, no special tokens added.
+def _first_token(encoding: Any, position: int, stop: int) -> Optional[int]:
+    """The first token holding a character of [position, stop), looked for from `position` on; -1 when
+    no character there is held by a token; None when the look-ahead ran out first."""
+    for char in range(position, min(stop, position + _LOOK_AHEAD)):
+        token = encoding.char_to_token(char)
+        if token is not None:
+            return token
+    return -1 if stop <= position + _LOOK_AHEAD else None
+
+
+def _span_tokens(encoding: Any, text_length: int, token_count: int, spans: Spans) -> Optional[list[tuple[int, int]]]:
+    """[first, stop) token range of each span: what `label_tokens` trains, for an encoding whose token
+    offsets only move forward (as every tokenizer's do), read off the tokens that hold the span's
+    boundary characters. None when it cannot tell (empty or unordered spans, a long stretch of
+    characters no token holds): the caller then applies the definition."""
+    ranges, previous_end = [], 0
+    for start, end in spans:
+        if not previous_end <= start < end <= text_length:
+            return None
+        previous_end = end
+        first = _first_token(encoding, start, end)
+        if first is None:
+            return None
+        if first < 0:  # no token holds any of the span's characters
+            continue
+        stop = token_count
+        if end < text_length:
+            after = _first_token(encoding, end, text_length)
+            if after is None:
+                return None
+            if after >= 0:  # the token that holds `end` is trained too when it began inside the span
+                stop = after + 1 if encoding.token_to_chars(after)[0] < end else after
+        if stop > first:
+            ranges.append((first, stop))
+    return ranges
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[Any]:
+    """The `tokenizers.Encoding` of each text, no special tokens added.
 
     Calls the Rust backend directly when that is exactly what `tokenizer(texts, ...)` would do (a fast
     tokenizer without truncation or padding configured): transformers' conversion of the result into
@@ -57,39 +95,8 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> tuple[list[
     backend = getattr(tokenizer, "_tokenizer", None)
     if (getattr(tokenizer, "is_fast", False) and backend.truncation is None and backend.padding is None
             and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)):
-        encodings = backend.encode_batch(texts, add_special_tokens=False)
-        return [e.ids for e in encodings], [e.offsets for e in encodings]
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    return encoded["input_ids"], encoded["offset_mapping"]
-
-
-def _ints(rows: list[list[int]], count: int) -> np.ndarray:
-    """Concatenate per-row lists of ints into one array."""
-    return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=count)
-
-
-def _pairs(rows: list[list[tuple[int, int]]], count: int) -> np.ndarray:
-    """Concatenate per-row lists of (start, end) pairs into one array of shape (count, 2)."""
-    return np.fromiter(chain.from_iterable(chain.from_iterable(rows)), dtype=np.int64, count=2 * count).reshape(-1, 2)
-
-
-def _batch_labels(ids: np.ndarray, offsets: np.ndarray, token_row_base: np.ndarray, spans: np.ndarray) -> np.ndarray:
-    """`label_tokens` for every row of a batch at once.
-
-    Rows are laid end to end in one character axis (row r starts at its base, one past the end of
-    row r-1), so each row's spans and tokens keep their order and no token of one row can overlap a
-    span of another. `label_tokens` walks the spans with an index that only moves forward; here that
-    index is the running maximum of "spans that end at or before the token's start"."""
-    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
-    if len(spans) == 0 or len(ids) == 0:
-        return labels
-    starts, ends = offsets[:, 0] + token_row_base, offsets[:, 1] + token_row_base
-    index = np.maximum.accumulate(np.searchsorted(spans[:, 1], starts, side="right"))
-    inside = index < len(spans)
-    span = spans[np.minimum(index, len(spans) - 1)]
-    trained = inside & (ends > span[:, 0]) & (starts < span[:, 1])
-    labels[trained] = ids[trained]
-    return labels
+        return backend.encode_batch(texts, add_special_tokens=False)
+    return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).encodings
 
 
 def _run_bounds(trained: np.ndarray, row_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,17 +120,13 @@ def _decode_runs(tokenizer: PreTrainedTokenizerBase, runs: list[list[int]]) -> l
 
 @dataclass(frozen=True)
 class LabelledBatch:
-    """Tokens and labels of a batch of rows laid end to end: row r is [bounds[r], bounds[r+1]). Arrays,
-    so a worker process sends it back in a few buffers instead of millions of pickled ints."""
+    """The tokenized rows of a batch and, per row, whether its labels passed the check."""
 
-    ids: np.ndarray
-    labels: np.ndarray
-    bounds: np.ndarray
-    right: np.ndarray  # per row: its labels passed the check
+    rows: TokenRows
+    right: np.ndarray
 
     def examples(self) -> list[Example]:
-        ids, labels, bounds = self.ids.tolist(), self.labels.tolist(), self.bounds.tolist()
-        return [Example(ids[a:b], labels[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [Example(*self.rows.row(r)) for r in range(len(self.rows))]
 
 
 def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
@@ -133,27 +136,30 @@ def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[
     whitespace a boundary token may carry). A tokenizer that merges across a turn boundary fails it.
     With check=False every row counts as right (train_on all: nothing to check)."""
     if not texts_and_spans:
-        empty = np.zeros(0, dtype=np.int64)
-        return LabelledBatch(empty, empty, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=bool))
-    texts = [text for text, _ in texts_and_spans]
-    id_rows, offset_rows = _encode(tokenizer, texts)
+        return LabelledBatch(TokenRows.empty(), np.zeros(0, dtype=bool))
+    encodings = _encode(tokenizer, [text for text, _ in texts_and_spans])
+    id_rows = [encoding.ids for encoding in encodings]
     lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
-    total = int(lengths.sum())
-    row_bounds = np.zeros(len(id_rows) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=row_bounds[1:])
-    text_base = np.zeros(len(texts), dtype=np.int64)
-    np.cumsum([len(text) + 1 for text in texts[:-1]], out=text_base[1:])
-    span_rows = [spans for _, spans in texts_and_spans]
-    span_counts = [len(spans) for spans in span_rows]
-    spans = _pairs(span_rows, sum(span_counts)) + np.repeat(text_base, span_counts)[:, None]
-    ids = _ints(id_rows, total)
-    if np.all(spans[1:, 1] >= spans[:-1, 1]):
-        labels = _batch_labels(ids, _pairs(offset_rows, total), np.repeat(text_base, lengths), spans)
-    else:  # spans out of order (no built-in template makes them): the row-by-row definition
-        labels = np.fromiter(chain.from_iterable(map(label_tokens, id_rows, offset_rows, span_rows)),
-                             dtype=np.int64, count=total)
-    right = _check_runs(tokenizer, ids, labels, row_bounds, texts_and_spans) if check else [True] * len(texts)
-    return LabelledBatch(ids, labels, row_bounds, np.asarray(right, dtype=bool))
+    ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int64, count=int(lengths.sum()))
+    rows = TokenRows.from_lengths(ids, ids, lengths)
+    starts, stops, by_definition = [], [], []
+    for row, (base, encoding, (text, spans)) in enumerate(zip(rows.bounds.tolist(), encodings, texts_and_spans)):
+        ranges = _span_tokens(encoding, len(text), len(id_rows[row]), spans)
+        if ranges is None:
+            by_definition.append(row)
+            continue
+        for first, stop in ranges:
+            starts.append(base + first)
+            stops.append(base + stop)
+    edges = np.bincount(np.asarray(starts, dtype=np.int64), minlength=len(ids) + 1)
+    edges -= np.bincount(np.asarray(stops, dtype=np.int64), minlength=len(ids) + 1)
+    labels = np.where(np.cumsum(edges[:-1]) > 0, ids, IGNORE_INDEX)
+    for row in by_definition:
+        labels[rows.bounds[row] : rows.bounds[row + 1]] = label_tokens(id_rows[row], encodings[row].offsets,
+                                                                       texts_and_spans[row][1])
+    rows = TokenRows(ids, labels, rows.bounds)
+    right = _check_runs(tokenizer, id_rows, rows, texts_and_spans) if check else [True] * len(id_rows)
+    return LabelledBatch(rows, np.asarray(right, dtype=bool))
 
 
 def label_and_check(
@@ -164,12 +170,14 @@ def label_and_check(
     return batch.examples(), batch.right.tolist()
 
 
-def _check_runs(tokenizer: PreTrainedTokenizerBase, ids: np.ndarray, labels: np.ndarray, row_bounds: np.ndarray,
+def _check_runs(tokenizer: PreTrainedTokenizerBase, id_rows: list[list[int]], rows: TokenRows,
                 texts_and_spans: list[tuple[str, Spans]]) -> list[bool]:
-    run_starts, run_ends = _run_bounds(labels != IGNORE_INDEX, row_bounds[:-1][row_bounds[:-1] < row_bounds[-1]])
-    id_list = ids.tolist()
-    decoded = _decode_runs(tokenizer, [id_list[a:b] for a, b in zip(run_starts.tolist(), run_ends.tolist())])
-    run_rows = (np.searchsorted(row_bounds, run_starts, side="right") - 1).tolist()
+    row_starts = rows.bounds[:-1]
+    run_starts, run_ends = _run_bounds(rows.labels != IGNORE_INDEX, row_starts[row_starts < rows.bounds[-1]])
+    run_rows = (np.searchsorted(rows.bounds, run_starts, side="right") - 1).tolist()
+    bases = row_starts.tolist()
+    decoded = _decode_runs(tokenizer, [id_rows[r][a - bases[r] : b - bases[r]]
+                                       for r, a, b in zip(run_rows, run_starts.tolist(), run_ends.tolist())])
     by_row: list[list[str]] = [[] for _ in texts_and_spans]
     for row, text in zip(run_rows, decoded):
         by_row[row].append(text.strip())
@@ -194,6 +202,11 @@ def trained_token_runs(input_ids: list[int], labels: list[int]) -> list[list[int
             runs[-1].append(token)
         previous_trained = trained
     return runs
+
+
+def count_trained(labels: list[int]) -> int:
+    """Tokens that get a loss: labels are shifted by one inside the model, so position 0 never does."""
+    return len(labels) - 1 - labels[1:].count(IGNORE_INDEX) if labels else 0
 
 
 def truncate_example(example: Example, max_seq_length: int, truncation: str) -> tuple[Optional[Example], str]:

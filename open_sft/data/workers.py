@@ -12,20 +12,30 @@ import contextlib
 import gc
 import logging
 import os
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import RowError
 from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import Example, LabelledBatch, label_batch
+from open_sft.data.token_rows import TokenRows
+from open_sft.data.tokenize import LabelledBatch, label_batch
 
 logger = logging.getLogger(__name__)
 
 _STATE: dict[str, Any] = {}  # set before forking; the children read it (copy-on-write, nothing pickled)
 _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it saves
 
-Result = tuple[int, Union[Example, RowError]]
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """The labelled rows (`position`: row index → its row in `rows`) and the rows that failed."""
+
+    rows: TokenRows
+    position: dict[int, int]
+    errors: list[tuple[int, RowError]]  # in row-index order
 
 
 def _label_mismatch() -> RowError:
@@ -50,13 +60,6 @@ def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tupl
     return [i for i, _ in rendered], batch, errors
 
 
-def _results(indices: list[int], batch: LabelledBatch, errors: list[tuple[int, RowError]]) -> list[Result]:
-    out: list[Result] = list(errors)
-    out += [(i, example if ok else _label_mismatch())
-            for i, example, ok in zip(indices, batch.examples(), batch.right.tolist())]
-    return out
-
-
 @contextlib.contextmanager
 def _single_threaded_tokenizers():
     """Children forked with TOKENIZERS_PARALLELISM=false use one thread each (N workers fill N cores)
@@ -73,14 +76,14 @@ def _single_threaded_tokenizers():
 
 
 def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], train_on: str,
-               workers: int) -> list[Result]:
-    """Each (row index, messages) → (row index, Example), or (row index, RowError) for a row that cannot
-    be rendered or whose labels fail the check; in row-index order."""
+               workers: int) -> Labelled:
+    """Render, tokenize and label each (row index, messages); a row that cannot be rendered or whose
+    labels fail the check is an error instead."""
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work)
     try:
         workers = max(1, min(workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
-            results = _results(*_chunk((0, len(work))))
+            parts = [_chunk((0, len(work)))]
         else:
             import multiprocessing
 
@@ -89,9 +92,14 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
                 pool = multiprocessing.get_context("fork").Pool(workers)
             with pool:
                 parts = pool.map(_chunk, [(k, min(k + size, len(work))) for k in range(0, len(work), size)])
-            results = [result for part in parts for result in _results(*part)]
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
-    results.sort(key=lambda result: result[0])
-    return results
+    position, errors, offset = {}, [], 0
+    for indices, batch, failed in parts:
+        errors += failed
+        errors += [(i, _label_mismatch()) for i, ok in zip(indices, batch.right.tolist()) if not ok]
+        position.update((i, offset + k) for k, (i, ok) in enumerate(zip(indices, batch.right.tolist())) if ok)
+        offset += len(indices)
+    errors.sort(key=lambda error: error[0])
+    return Labelled(TokenRows.concat([batch.rows for _, batch, _ in parts]), position, errors)

@@ -1,0 +1,116 @@
+"""Tokenized rows as flat arrays: row r is positions [bounds[r], bounds[r+1]) of `ids` and `labels`.
+
+A build holds millions of tokens. As Python lists every token is an object to allocate, to pickle
+back from a worker process and to convert again for Arrow; as arrays the rows move between
+processes in a few buffers, are selected, cut to --max_seq_length and counted with array
+operations, and become Arrow list columns without a per-token step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+_MAX_LIST_VALUES = 1 << 30  # values per Arrow list chunk: its offsets are int32
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    ids: np.ndarray  # int64
+    labels: np.ndarray  # int64, IGNORE_INDEX where no loss is taken
+    bounds: np.ndarray  # int64, one more than there are rows
+
+    @staticmethod
+    def empty() -> "TokenRows":
+        nothing = np.zeros(0, dtype=np.int64)
+        return TokenRows(nothing, nothing, np.zeros(1, dtype=np.int64))
+
+    @staticmethod
+    def from_lengths(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> "TokenRows":
+        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        return TokenRows(ids, labels, bounds)
+
+    @staticmethod
+    def concat(parts: list["TokenRows"]) -> "TokenRows":
+        if not parts:
+            return TokenRows.empty()
+        return TokenRows.from_lengths(np.concatenate([p.ids for p in parts]),
+                                      np.concatenate([p.labels for p in parts]),
+                                      np.concatenate([p.lengths() for p in parts]))
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.bounds)
+
+    def take(self, rows: np.ndarray, max_length: int | None = None) -> "TokenRows":
+        """These rows, in this order (repeats allowed), each cut to its first `max_length` tokens."""
+        rows = np.asarray(rows, dtype=np.int64)
+        lengths = self.lengths()[rows]
+        if max_length is not None:
+            lengths = np.minimum(lengths, max_length)
+        out = TokenRows.from_lengths(self.ids[:0], self.labels[:0], lengths)
+        # Position k of the output comes from position k + (start of its row here - start of its row there).
+        source = np.repeat(self.bounds[rows] - out.bounds[:-1], lengths) + np.arange(out.bounds[-1])
+        return TokenRows(self.ids[source], self.labels[source], out.bounds)
+
+    def trained_counts(self, max_length: int | None = None) -> np.ndarray:
+        """Per row, the tokens that get a loss among its first `max_length`. Labels are shifted by one
+        inside the model, so a row's first position never does (tokenize.count_trained, per row)."""
+        trained = np.concatenate(([0], np.cumsum(self.labels != IGNORE_INDEX, dtype=np.int64)))
+        starts, ends = self.bounds[:-1], self.bounds[1:]
+        if max_length is not None:
+            ends = np.minimum(ends, starts + max_length)
+        return trained[ends] - trained[np.minimum(starts + 1, ends)]
+
+    def row(self, r: int) -> tuple[list[int], list[int]]:
+        a, b = int(self.bounds[r]), int(self.bounds[r + 1])
+        return self.ids[a:b].tolist(), self.labels[a:b].tolist()
+
+    def to_dataset(self, fingerprint: str) -> Any:
+        """A `datasets.Dataset` with columns input_ids (int32), labels (int64) and length (int64), the
+        schema `Dataset.from_dict` gives the same rows as lists (it narrows input_ids to int32). The
+        fingerprint is given (the cache key): `datasets` would otherwise hash the whole table for one."""
+        import datasets
+        import pyarrow as pa
+
+        table = pa.table({"input_ids": self._list_column(self.ids.astype(np.int32), pa.int32()),
+                          "labels": self._list_column(self.labels, pa.int64()),
+                          "length": pa.array(self.lengths(), pa.int64())})
+        return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=fingerprint)
+
+    def _list_column(self, values: np.ndarray, value_type: Any) -> Any:
+        """Rows as an Arrow list column, in chunks of at most 2^30 values (list offsets are int32)."""
+        import pyarrow as pa
+
+        cuts = [0]
+        while cuts[-1] < len(self):  # each chunk: as many rows as fit, at least one
+            limit = self.bounds[cuts[-1]] + _MAX_LIST_VALUES
+            cuts.append(max(cuts[-1] + 1, int(np.searchsorted(self.bounds, limit, side="right")) - 1))
+        chunks = [pa.ListArray.from_arrays(pa.array((self.bounds[a : b + 1] - self.bounds[a]).astype(np.int32)),
+                                           pa.array(values[self.bounds[a] : self.bounds[b]], value_type))
+                  for a, b in zip(cuts, cuts[1:])]
+        return pa.chunked_array(chunks, pa.list_(value_type))
+
+
+def fit_rows(rows: TokenRows, order: np.ndarray, max_length: int, truncation: str) -> tuple[TokenRows, Counter, int]:
+    """The rows in `order` that fit --max_seq_length (cut to it with truncation=truncate), without those
+    left with no trained token; why the others were dropped; how many kept rows were cut. Row for row:
+    tokenize.truncate_example followed by the pipeline's no-trained-tokens rule."""
+    order = np.asarray(order, dtype=np.int64)
+    too_long = rows.lengths()[order] > max_length
+    dropped: Counter = Counter()
+    if truncation == "drop":
+        dropped["too_long"] = int(too_long.sum())
+        order, too_long = order[~too_long], too_long[~too_long]
+    untrained = rows.trained_counts(max_length)[order] == 0
+    dropped["no_trained_tokens_after_truncation"] = int((untrained & too_long).sum())
+    dropped["no_trained_tokens"] = int((untrained & ~too_long).sum())
+    kept = rows.take(order[~untrained], max_length)
+    return kept, +dropped, int((too_long & ~untrained).sum())
