@@ -1,5 +1,5 @@
 """Rows as flat arrays: selection, truncation and counting equal the row-by-row definitions; the
-Arrow columns equal what `datasets.Dataset.from_dict` makes of the same rows."""
+Arrow columns equal what `datasets.Dataset.from_dict` makes of the same rows (with int32 features)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def random_rows(seed: int, count: int = 300) -> list[Example]:
 
 
 def as_rows(examples: list[Example]) -> TokenRows:
-    flat = lambda field: np.array([v for e in examples for v in getattr(e, field)], dtype=np.int64)  # noqa: E731
+    flat = lambda field: np.array([v for e in examples for v in getattr(e, field)], dtype=np.int32)  # noqa: E731
     return TokenRows.from_lengths(flat("input_ids"), flat("labels"), np.array([len(e.input_ids) for e in examples]))
 
 
@@ -64,9 +64,11 @@ def test_concat_and_take_keep_rows_whole() -> None:
 
 def test_arrow_columns_equal_from_dict_and_split_into_int32_chunks(monkeypatch) -> None:
     examples = random_rows(3, 100)
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "labels": datasets.List(datasets.Value("int32")), "length": datasets.Value("int64")})
     reference = datasets.Dataset.from_dict({"input_ids": [e.input_ids for e in examples],
                                             "labels": [e.labels for e in examples],
-                                            "length": [len(e.input_ids) for e in examples]})
+                                            "length": [len(e.input_ids) for e in examples]}, features=features)
     monkeypatch.setattr(token_rows, "_MAX_LIST_VALUES", 50)  # many chunks, some of a single row
     built = as_rows(examples).to_dataset(fingerprint="test")
     assert built.features == reference.features

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 2  # 2: the rows' `tools` column reaches the chat template
+CACHE_FORMAT_VERSION = 3  # 2: the rows' `tools` column reaches the chat template; 3: labels are int32
 COMPLETE = "COMPLETE"
 
 

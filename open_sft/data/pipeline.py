@@ -153,7 +153,7 @@ def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict
 def _blocks(token_lists: list[list[int]], block: int) -> TokenRows:
     """Concatenate documents and cut the stream into --max_seq_length blocks; every token trained. A
     last block of one token is left out (it has nothing to predict)."""
-    stream = np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=sum(map(len, token_lists)))
+    stream = np.fromiter(chain.from_iterable(token_lists), dtype=np.int32, count=sum(map(len, token_lists)))
     lengths = np.diff(np.append(np.arange(0, len(stream), block), len(stream)))
     if len(lengths) and lengths[-1] <= 1:
         stream, lengths = stream[: len(stream) - lengths[-1]], lengths[:-1]

@@ -140,20 +140,17 @@ def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[
     encodings = _encode(tokenizer, [text for text, _ in texts_and_spans])
     id_rows = [encoding.ids for encoding in encodings]
     lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
-    ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int64, count=int(lengths.sum()))
+    ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int32, count=int(lengths.sum()))
     rows = TokenRows.from_lengths(ids, ids, lengths)
-    starts, stops, by_definition = [], [], []
+    trained, by_definition = np.zeros(len(ids), dtype=bool), []
     for row, (base, encoding, (text, spans)) in enumerate(zip(rows.bounds.tolist(), encodings, texts_and_spans)):
         ranges = _span_tokens(encoding, len(text), len(id_rows[row]), spans)
         if ranges is None:
             by_definition.append(row)
             continue
         for first, stop in ranges:
-            starts.append(base + first)
-            stops.append(base + stop)
-    edges = np.bincount(np.asarray(starts, dtype=np.int64), minlength=len(ids) + 1)
-    edges -= np.bincount(np.asarray(stops, dtype=np.int64), minlength=len(ids) + 1)
-    labels = np.where(np.cumsum(edges[:-1]) > 0, ids, IGNORE_INDEX)
+            trained[base + first : base + stop] = True
+    labels = np.where(trained, ids, np.int32(IGNORE_INDEX))
     for row in by_definition:
         labels[rows.bounds[row] : rows.bounds[row + 1]] = label_tokens(id_rows[row], encodings[row].offsets,
                                                                        texts_and_spans[row][1])
