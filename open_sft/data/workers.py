@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 _STATE: dict[str, Any] = {}  # set before forking; the children read it (copy-on-write, nothing pickled)
 _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it saves
+_MIN_ROWS_PER_CHUNK = 256
 
 
 
@@ -87,7 +88,9 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
         else:
             import multiprocessing
 
-            size = -(-len(work) // (workers * 4))  # several chunks per worker: the last ones balance the load
+            # Many small chunks handed out as workers free up: rows differ in length, and a worker left
+            # with one big chunk at the end keeps the others idle. Each chunk costs one encode call.
+            size = max(_MIN_ROWS_PER_CHUNK, -(-len(work) // (workers * 16)))
             with _single_threaded_tokenizers():
                 pool = multiprocessing.get_context("fork").Pool(workers)
             with pool:
