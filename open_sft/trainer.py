@@ -249,7 +249,8 @@ class Trainer:
                 record = {
                     "step": done,
                     "epoch": round(self.epoch_progress(done), 4),
-                    "loss": window.loss_sum / max(window.trained_tokens, 1),
+                    # A window whose every step was skipped (non-finite) has no loss: NaN, not a false 0.0.
+                    "loss": window.loss_sum / window.trained_tokens if window.trained_tokens else float("nan"),
                     "learning_rate": result["lr"],
                     "grad_norm": result["grad_norm"],
                     "train_tokens": self.train_tokens,

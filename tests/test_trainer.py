@@ -75,6 +75,15 @@ def test_nan_step_is_skipped_and_counted(setup, tiny_model_dir) -> None:
     assert records[-1]["nonfinite_steps"] == 1
 
 
+def test_window_of_only_skipped_steps_logs_no_loss(setup, tiny_model_dir) -> None:
+    """logging_steps=1: the window of the poisoned step trained nothing, so its loss is NaN (not 0.0)."""
+    trainer, _ = make_trainer(setup, tiny_model_dir, poison={2})
+    records = trainer.train()
+    losses = [r["loss"] for r in records]
+    assert math.isnan(losses[2]) and all(math.isfinite(loss) and loss > 0 for k, loss in enumerate(losses) if k != 2)
+    assert [r["nonfinite_steps"] for r in records] == [0, 0, 1, 1, 1, 1]
+
+
 def test_too_many_nonfinite_steps_abort(setup, tiny_model_dir) -> None:
     trainer, _ = make_trainer(setup, tiny_model_dir, poison={1, 2}, max_nonfinite_steps=2)
     with pytest.raises(NonFiniteError, match="2 optimizer steps in a row had a non-finite loss"):
@@ -154,6 +163,7 @@ def test_nan_step_is_skipped_under_deepspeed(tiny_model_dir, tmp_path, ds_config
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # step 5 aborted before it was logged
     assert [m["nonfinite_steps"] for m in metrics] == [0, 1, 1, 2]
     assert math.isfinite(metrics[0]["loss"]) and math.isfinite(metrics[2]["loss"])
+    assert math.isnan(metrics[1]["loss"]) and math.isnan(metrics[3]["loss"])  # windows of skipped steps only
     assert [m["learning_rate"] for m in metrics] == pytest.approx([3e-3, 3e-3, 2.25e-3, 1.5e-3])  # schedule by step
 
     counters = [json.loads((out / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())
