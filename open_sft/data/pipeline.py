@@ -225,7 +225,7 @@ def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
                    seed: int) -> tuple[list[Example], list[SourceReport]]:
     """`build_rows` as one Example per training example."""
     rows, reports = build_rows(args, tokenizer, seed)
-    return [Example(*rows.row(r)) for r in range(len(rows))], reports
+    return rows.examples(), reports
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict[str, Any]:

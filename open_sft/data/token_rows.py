@@ -19,6 +19,21 @@ _MAX_LIST_VALUES = 1 << 30  # values per Arrow list chunk: its offsets are int32
 
 
 @dataclass(frozen=True)
+class Example:
+    """One tokenized training example; labels are IGNORE_INDEX where no loss is taken."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
+def row_bounds(lengths: np.ndarray) -> np.ndarray:
+    """Where each row of these lengths starts when laid end to end, and where the last one ends."""
+    bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    return bounds
+
+
+@dataclass(frozen=True)
 class TokenRows:
     ids: np.ndarray  # int32 (half the memory of int64: fresh pages are a real cost at millions of tokens)
     labels: np.ndarray  # int32, IGNORE_INDEX where no loss is taken
@@ -31,9 +46,7 @@ class TokenRows:
 
     @staticmethod
     def from_lengths(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> "TokenRows":
-        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=bounds[1:])
-        return TokenRows(ids, labels, bounds)
+        return TokenRows(ids, labels, row_bounds(lengths))
 
     @staticmethod
     def concat(parts: list["TokenRows"]) -> "TokenRows":
@@ -57,10 +70,10 @@ class TokenRows:
             lengths = np.minimum(lengths, max_length)
         if len(rows) == len(self) and np.array_equal(rows, np.arange(len(self))) and lengths.sum() == len(self.ids):
             return self  # all rows, in order, uncut: nothing to copy
-        out = TokenRows.from_lengths(self.ids[:0], self.labels[:0], lengths)
+        bounds = row_bounds(lengths)
         # Position k of the output comes from position k + (start of its row here - start of its row there).
-        source = np.repeat(self.bounds[rows] - out.bounds[:-1], lengths) + np.arange(out.bounds[-1])
-        return TokenRows(self.ids[source], self.labels[source], out.bounds)
+        source = np.repeat(self.bounds[rows] - bounds[:-1], lengths) + np.arange(bounds[-1])
+        return TokenRows(self.ids[source], self.labels[source], bounds)
 
     def trained_counts(self, max_length: int | None = None) -> np.ndarray:
         """Per row, the tokens that get a loss among its first `max_length`. Labels are shifted by one
@@ -79,6 +92,9 @@ class TokenRows:
     def row(self, r: int) -> tuple[list[int], list[int]]:
         a, b = int(self.bounds[r]), int(self.bounds[r + 1])
         return self.ids[a:b].tolist(), self.labels[a:b].tolist()
+
+    def examples(self) -> list[Example]:
+        return [Example(*self.row(r)) for r in range(len(self))]
 
     def to_dataset(self, fingerprint: str) -> Any:
         """A `datasets.Dataset` with columns input_ids and labels (lists of int32) and length (int64).

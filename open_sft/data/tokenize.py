@@ -20,18 +20,10 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.render import render, special_markers, trained_spans  # noqa: F401 (the data step's API)
-from open_sft.data.token_rows import IGNORE_INDEX, TokenRows
+from open_sft.data.token_rows import IGNORE_INDEX, Example, TokenRows, row_bounds
 
 Spans = list[tuple[int, int]]
 _LOOK_AHEAD = 16  # characters searched past a boundary no token holds (whitespace that trimmed offsets skip)
-
-
-@dataclass(frozen=True)
-class Example:
-    """One tokenized training example; labels are IGNORE_INDEX where no loss is taken."""
-
-    input_ids: list[int]
-    labels: list[int]
 
 
 def label_tokens(input_ids: list[int], offsets: list[tuple[int, int]], spans: Spans) -> list[int]:
@@ -125,9 +117,6 @@ class LabelledBatch:
     rows: TokenRows
     right: np.ndarray
 
-    def examples(self) -> list[Example]:
-        return [Example(*self.rows.row(r)) for r in range(len(self.rows))]
-
 
 def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
                 check: bool = True) -> LabelledBatch:
@@ -141,9 +130,9 @@ def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[
     id_rows = [encoding.ids for encoding in encodings]
     lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
     ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int32, count=int(lengths.sum()))
-    rows = TokenRows.from_lengths(ids, ids, lengths)
+    bounds = row_bounds(lengths)
     trained, by_definition = np.zeros(len(ids), dtype=bool), []
-    for row, (base, encoding, (text, spans)) in enumerate(zip(rows.bounds.tolist(), encodings, texts_and_spans)):
+    for row, (base, encoding, (text, spans)) in enumerate(zip(bounds.tolist(), encodings, texts_and_spans)):
         ranges = _span_tokens(encoding, len(text), len(id_rows[row]), spans)
         if ranges is None:
             by_definition.append(row)
@@ -152,9 +141,9 @@ def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[
             trained[base + first : base + stop] = True
     labels = np.where(trained, ids, np.int32(IGNORE_INDEX))
     for row in by_definition:
-        labels[rows.bounds[row] : rows.bounds[row + 1]] = label_tokens(id_rows[row], encodings[row].offsets,
-                                                                       texts_and_spans[row][1])
-    rows = TokenRows(ids, labels, rows.bounds)
+        labels[bounds[row] : bounds[row + 1]] = label_tokens(id_rows[row], encodings[row].offsets,
+                                                             texts_and_spans[row][1])
+    rows = TokenRows(ids, labels, bounds)
     right = _check_runs(tokenizer, id_rows, rows, texts_and_spans) if check else [True] * len(id_rows)
     return LabelledBatch(rows, np.asarray(right, dtype=bool))
 
@@ -164,7 +153,7 @@ def label_and_check(
 ) -> tuple[list[Example], list[bool]]:
     """`label_batch` as one Example per row, and whether each row's labels are right."""
     batch = label_batch(tokenizer, texts_and_spans, check)
-    return batch.examples(), batch.right.tolist()
+    return batch.rows.examples(), batch.right.tolist()
 
 
 def _check_runs(tokenizer: PreTrainedTokenizerBase, id_rows: list[list[int]], rows: TokenRows,

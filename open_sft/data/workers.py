@@ -29,7 +29,6 @@ _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it
 _MIN_ROWS_PER_CHUNK = 256
 
 
-
 @dataclass(frozen=True)
 class Labelled:
     """The labelled rows (`position`: row index → its row in `rows`) and the rows that failed."""
@@ -100,9 +99,10 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
         _STATE.clear()
     position, errors, offset = {}, [], 0
     for indices, batch, failed in parts:
+        right = batch.right.tolist()
         errors += failed
-        errors += [(i, _label_mismatch()) for i, ok in zip(indices, batch.right.tolist()) if not ok]
-        position.update((i, offset + k) for k, (i, ok) in enumerate(zip(indices, batch.right.tolist())) if ok)
+        errors += [(i, _label_mismatch()) for i, ok in zip(indices, right) if not ok]
+        position.update((i, offset + k) for k, (i, ok) in enumerate(zip(indices, right)) if ok)
         offset += len(indices)
     errors.sort(key=lambda error: error[0])
     return Labelled(TokenRows.concat([batch.rows for _, batch, _ in parts]), position, errors)
