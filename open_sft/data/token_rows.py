@@ -33,6 +33,19 @@ def row_bounds(lengths: np.ndarray) -> np.ndarray:
     return bounds
 
 
+def run_bounds(rows: "TokenRows") -> tuple[np.ndarray, np.ndarray]:
+    """[start, end) positions of the maximal runs of trained tokens; no run crosses a row."""
+    trained = rows.labels != IGNORE_INDEX
+    row_starts = rows.bounds[:-1][rows.bounds[:-1] < rows.bounds[-1]]
+    before = np.zeros_like(trained)
+    before[1:] = trained[:-1]
+    before[row_starts] = False
+    after = np.zeros_like(trained)
+    after[:-1] = trained[1:]
+    after[row_starts[row_starts > 0] - 1] = False
+    return np.flatnonzero(trained & ~before), np.flatnonzero(trained & ~after) + 1
+
+
 @dataclass(frozen=True)
 class TokenRows:
     ids: np.ndarray  # int32 (half the memory of int64: fresh pages are a real cost at millions of tokens)

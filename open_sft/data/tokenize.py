@@ -19,8 +19,9 @@ from typing import Any, Optional
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from open_sft.data.byte_level import byte_table, label_byte_level
 from open_sft.data.render import render, special_markers, trained_spans  # noqa: F401 (the data step's API)
-from open_sft.data.token_rows import IGNORE_INDEX, Example, TokenRows, row_bounds
+from open_sft.data.token_rows import IGNORE_INDEX, Example, TokenRows, row_bounds, run_bounds
 
 Spans = list[tuple[int, int]]
 _LOOK_AHEAD = 16  # characters searched past a boundary no token holds (whitespace that trimmed offsets skip)
@@ -51,21 +52,26 @@ def _first_token(encoding: Any, position: int, stop: int) -> Optional[int]:
     return -1 if stop <= position + _LOOK_AHEAD else None
 
 
+def _trains(encoding: Any, token: int, start: int, end: int) -> bool:
+    """`label_tokens`' rule for one token and span."""
+    token_start, token_end = encoding.token_to_chars(token)
+    return token_end > start and token_start < end
+
+
 def _span_tokens(encoding: Any, text_length: int, token_count: int, spans: Spans) -> Optional[list[tuple[int, int]]]:
     """[first, stop) token range of each span: what `label_tokens` trains, for an encoding whose token
     offsets only move forward (as every tokenizer's do), read off the tokens that hold the span's
-    boundary characters. None when it cannot tell (empty or unordered spans, a long stretch of
-    characters no token holds): the caller then applies the definition."""
+    boundary characters. The tokens just outside that range are asked too: trimmed offsets (GPT-NeoX,
+    OLMo) give whitespace tokens an empty range that holds no character. None when it cannot tell
+    (empty or unordered spans, characters no token holds): the caller then applies the definition."""
     ranges, previous_end = [], 0
     for start, end in spans:
         if not previous_end <= start < end <= text_length:
             return None
         previous_end = end
         first = _first_token(encoding, start, end)
-        if first is None:
+        if first is None or first < 0:  # out of look-ahead, or no token holds any of the span's characters
             return None
-        if first < 0:  # no token holds any of the span's characters
-            continue
         stop = token_count
         if end < text_length:
             after = _first_token(encoding, end, text_length)
@@ -73,33 +79,35 @@ def _span_tokens(encoding: Any, text_length: int, token_count: int, spans: Spans
                 return None
             if after >= 0:  # the token that holds `end` is trained too when it began inside the span
                 stop = after + 1 if encoding.token_to_chars(after)[0] < end else after
+        while first > 0 and _trains(encoding, first - 1, start, end):
+            first -= 1
+        while stop > first and not _trains(encoding, stop - 1, start, end):
+            stop -= 1
+        while stop < token_count and _trains(encoding, stop, start, end):
+            stop += 1
         if stop > first:
             ranges.append((first, stop))
     return ranges
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[Any]:
-    """The `tokenizers.Encoding` of each text, no special tokens added.
-
-    Calls the Rust backend directly when that is exactly what `tokenizer(texts, ...)` would do (a fast
-    tokenizer without truncation or padding configured): transformers' conversion of the result into
-    dicts of lists takes as long as the encoding itself."""
+def _plain_backend(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The Rust tokenizer when calling it is exactly what `tokenizer(texts, add_special_tokens=False)`
+    does (a fast tokenizer without truncation or padding configured), else None."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if (getattr(tokenizer, "is_fast", False) and backend.truncation is None and backend.padding is None
             and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)):
+        return backend
+    return None
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[Any]:
+    """The `tokenizers.Encoding` of each text, no special tokens added; from the Rust backend directly
+    when possible: transformers' conversion of the result into dicts of lists takes as long as the
+    encoding itself."""
+    backend = _plain_backend(tokenizer)
+    if backend is not None:
         return backend.encode_batch(texts, add_special_tokens=False)
     return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).encodings
-
-
-def _run_bounds(trained: np.ndarray, row_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[start, end) token positions of the maximal runs of trained tokens; no run crosses a row."""
-    before = np.zeros_like(trained)
-    before[1:] = trained[:-1]
-    before[row_starts] = False
-    after = np.zeros_like(trained)
-    after[:-1] = trained[1:]
-    after[row_starts[row_starts > 0] - 1] = False
-    return np.flatnonzero(trained & ~before), np.flatnonzero(trained & ~after) + 1
 
 
 def _decode_runs(tokenizer: PreTrainedTokenizerBase, runs: list[list[int]]) -> list[str]:
@@ -124,6 +132,26 @@ def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[
     decoded runs of trained tokens equal the trained character spans, run for span (modulo the
     whitespace a boundary token may carry). A tokenizer that merges across a turn boundary fails it.
     With check=False every row counts as right (train_on all: nothing to check)."""
+    if not texts_and_spans:
+        return LabelledBatch(TokenRows.empty(), np.zeros(0, dtype=bool))
+    backend = _plain_backend(tokenizer)
+    table = byte_table(tokenizer) if backend is not None else None
+    if table is None:
+        return _label_by_offsets(tokenizer, texts_and_spans, check)
+    fast = label_byte_level(table, backend, texts_and_spans, check)
+    if fast.taken.all():
+        return LabelledBatch(fast.rows, fast.right)
+    taken, left = np.flatnonzero(fast.taken), np.flatnonzero(~fast.taken)
+    slow = _label_by_offsets(tokenizer, [texts_and_spans[i] for i in left.tolist()], check)
+    position = np.empty(len(texts_and_spans), dtype=np.int64)
+    position[taken], position[left] = np.arange(len(taken)), len(taken) + np.arange(len(left))
+    return LabelledBatch(TokenRows.concat([fast.rows, slow.rows]).take(position),
+                         np.concatenate([fast.right, slow.right])[position])
+
+
+def _label_by_offsets(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
+                      check: bool) -> LabelledBatch:
+    """label_batch for any tokenizer: labels from the encodings' offsets, checked by decoding."""
     if not texts_and_spans:
         return LabelledBatch(TokenRows.empty(), np.zeros(0, dtype=bool))
     encodings = _encode(tokenizer, [text for text, _ in texts_and_spans])
@@ -158,10 +186,9 @@ def label_and_check(
 
 def _check_runs(tokenizer: PreTrainedTokenizerBase, id_rows: list[list[int]], rows: TokenRows,
                 texts_and_spans: list[tuple[str, Spans]]) -> list[bool]:
-    row_starts = rows.bounds[:-1]
-    run_starts, run_ends = _run_bounds(rows.labels != IGNORE_INDEX, row_starts[row_starts < rows.bounds[-1]])
+    run_starts, run_ends = run_bounds(rows)
     run_rows = (np.searchsorted(rows.bounds, run_starts, side="right") - 1).tolist()
-    bases = row_starts.tolist()
+    bases = rows.bounds[:-1].tolist()
     decoded = _decode_runs(tokenizer, [id_rows[r][a - bases[r] : b - bases[r]]
                                        for r, a, b in zip(run_rows, run_starts.tolist(), run_ends.tolist())])
     by_row: list[list[str]] = [[] for _ in texts_and_spans]

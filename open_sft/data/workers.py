@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
 from open_sft.data.render import special_markers, trained_spans
 from open_sft.data.token_rows import TokenRows
@@ -79,6 +80,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
                workers: int) -> Labelled:
     """Render, tokenize and label each (row index, messages); a row that cannot be rendered or whose
     labels fail the check is an error instead."""
+    byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work)
     try:
         workers = max(1, min(workers, len(work) // _MIN_ROWS_PER_WORKER))
@@ -93,7 +95,8 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
             with _single_threaded_tokenizers():
                 pool = multiprocessing.get_context("fork").Pool(workers)
             with pool:
-                parts = pool.map(_chunk, [(k, min(k + size, len(work))) for k in range(0, len(work), size)])
+                # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end
+                parts = pool.map(_chunk, [(k, min(k + size, len(work))) for k in range(0, len(work), size)], chunksize=1)
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
