@@ -10,6 +10,7 @@ boundary; the token step (tokenize.py) turns the spans into labels.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Optional
 
@@ -115,9 +116,11 @@ def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     return tuple(sorted(tokens, key=len, reverse=True))
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
     """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
-    everything up to and including the last special-token marker, nothing after it."""
+    everything up to and including the last special-token marker, nothing after it. Remembered: a few
+    suffixes recur in every row, and Llama 3 has 256 special tokens to look for."""
     end = 0
     for marker in markers:
         position = suffix.rfind(marker)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _STATE: dict[str, Any] = {}  # set before forking; the children read it (copy-on-write, nothing pickled)
 _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it saves
-_MIN_ROWS_PER_CHUNK = 256
+_MIN_ROWS_PER_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,19 @@ class Labelled:
 def _label_mismatch() -> RowError:
     return RowError("the trained tokens do not decode to the assistant turns (the tokenizer merges across a turn "
                     "boundary); try another chat template", "label_mismatch")
+
+
+def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
+    """[start, stop) of the chunks handed out to the workers as they free up, largest first ("guided"
+    scheduling): each a quarter of the rows left per worker, at least _MIN_ROWS_PER_CHUNK. Rows differ
+    in length, and a worker left with a big chunk at the end keeps the others idle; each chunk costs
+    one encode call, so not all are small."""
+    bounds, start = [], 0
+    while start < rows:
+        stop = min(rows, start + max(_MIN_ROWS_PER_CHUNK, (rows - start) // (4 * workers)))
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tuple[int, RowError]]]:
@@ -89,14 +102,11 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
         else:
             import multiprocessing
 
-            # Many small chunks handed out as workers free up: rows differ in length, and a worker left
-            # with one big chunk at the end keeps the others idle. Each chunk costs one encode call.
-            size = max(_MIN_ROWS_PER_CHUNK, -(-len(work) // (workers * 16)))
             with _single_threaded_tokenizers():
                 pool = multiprocessing.get_context("fork").Pool(workers)
             with pool:
                 # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end
-                parts = pool.map(_chunk, [(k, min(k + size, len(work))) for k in range(0, len(work), size)], chunksize=1)
+                parts = pool.map(_chunk, _chunks(len(work), workers), chunksize=1)
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
