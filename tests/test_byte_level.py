@@ -114,8 +114,8 @@ def test_table_agrees_with_the_tokenizers_decode(olmo_like) -> None:
     size = backend.get_vocab_size(with_added_tokens=True)
     decoded = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
     for i, text in enumerate(decoded):
-        piece = bytes(table.flat[table.starts[i] : table.starts[i] + table.lengths[i]])
-        assert piece.decode("utf-8", "replace") == text
+        assert table.pieces[i].decode("utf-8", "replace") == text
+        assert table.lengths[i] == len(table.pieces[i])
     spaces = backend.token_to_id(" " * 4)
     assert (table.lengths[spaces], table.lead[spaces], table.trail[spaces]) == (4, 4, 4)
 

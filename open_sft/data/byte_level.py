@@ -31,10 +31,9 @@ _PROBE = "Hello, World!  Two  spaces,\n\ta tab, café and 😀 at 42 %"
 
 @dataclass(frozen=True)
 class ByteTable:
-    """Token id → the bytes its decode stands for: flat[starts[i] : starts[i] + lengths[i]]."""
+    """Token id → the bytes its decode stands for, and their number."""
 
-    flat: np.ndarray  # uint8
-    starts: np.ndarray  # int64
+    pieces: list[bytes]
     lengths: np.ndarray  # int64
     # Bytes of the characters ByteLevel's offset trimming may cut from the token's start and end ("Ġ",
     # or whitespace in an added token), at most: its offsets may be narrower than its bytes.
@@ -80,11 +79,11 @@ def _build_table(backend: Any) -> Optional[ByteTable]:
     lead = np.fromiter((len(token[: len(token) - len(token.lstrip())].encode()) for token in spaced),
                        dtype=np.int64, count=size)
     trail = np.fromiter((len(token[len(token.rstrip()):].encode()) for token in spaced), dtype=np.int64, count=size)
-    table = ByteTable(np.frombuffer(b"".join(pieces), dtype=np.uint8), row_bounds(lengths)[:-1], lengths, lead, trail)
+    table = ByteTable(pieces, lengths, lead, trail)
     # A tokenizer that changes every text (lowercases, adds a prefix space) would send every row through
     # both paths: such a tokenizer gets none.
     probe = backend.encode_batch_fast([_PROBE], add_special_tokens=False)[0].ids
-    if len(probe) == 0 or not _spelled(table, np.asarray(probe), np.array([0, len(probe)]), [_PROBE.encode()])[0]:
+    if not _spelled(table, [probe], [_PROBE.encode()])[0]:
         return None
     return table
 
@@ -107,25 +106,12 @@ def byte_table(tokenizer: Any) -> Optional[ByteTable]:
     return cached[1]
 
 
-def _spelled(table: ByteTable, ids: np.ndarray, bounds: np.ndarray, encoded: list[bytes]) -> np.ndarray:
-    """Per row: do its tokens' bytes, end to end, equal its text's bytes?"""
-    token_bytes = table.lengths[ids]
-    ends = np.cumsum(token_bytes)
-    cumulative = np.concatenate([[0], ends])
-    text_bytes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
-    same = cumulative[bounds[1:]] - cumulative[bounds[:-1]] == text_bytes
-    tokens = np.repeat(same, np.diff(bounds))  # compare byte by byte only the rows of the right length
-    kept_ids, kept_bytes = ids[tokens], token_bytes[tokens]
-    total = int(kept_bytes.sum())
-    kept_starts = np.cumsum(kept_bytes) - kept_bytes
-    source = np.repeat(table.starts[kept_ids] - kept_starts, kept_bytes) + np.arange(total)
-    text = np.frombuffer(b"".join(b for b, ok in zip(encoded, same.tolist()) if ok), dtype=np.uint8)
-    differ = np.flatnonzero(table.flat[source] != text)
-    if len(differ):
-        rows = np.flatnonzero(same)
-        starts = row_bounds(text_bytes[rows])
-        same[rows[np.unique(np.searchsorted(starts, differ, side="right") - 1)]] = False
-    return same
+def _spelled(table: ByteTable, id_rows: list[list[int]], encoded: list[bytes]) -> np.ndarray:
+    """Per row: do its tokens' bytes, end to end, equal its text's bytes? (A join of the token ids'
+    bytes objects per row: 5× faster than gathering bytes with numpy.)"""
+    piece = table.pieces.__getitem__
+    return np.fromiter((b"".join(map(piece, ids)) == text for ids, text in zip(id_rows, encoded)), dtype=bool,
+                       count=len(encoded))
 
 
 def _byte_spans(text: str, spans: Spans) -> Optional[list[tuple[int, int]]]:
@@ -167,7 +153,7 @@ def label_byte_level(table: ByteTable, backend: Any, texts_and_spans: list[tuple
     ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int32, count=int(lengths.sum()))
     bounds = row_bounds(lengths)
     encoded = [text.encode() for text in texts]
-    taken = _spelled(table, ids, bounds, encoded)
+    taken = _spelled(table, id_rows, encoded)
     token_ends = np.cumsum(table.lengths[ids])  # byte end of each token, rows end to end
     row_base = np.concatenate([[0], token_ends])[bounds[:-1]].tolist()
     firsts, stops, span_rows = [], [], []
