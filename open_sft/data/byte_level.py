@@ -1,11 +1,11 @@
 """Labels and the label check for byte-level BPE tokenizers (GPT-2, GPT-NeoX/OLMo, Llama 3, Qwen), from
 each token's bytes instead of the tokenizer's offsets and decoder.
 
-Why by hand: the tokenizers library spends 12-19 % of an encode computing character offsets that the
-labels need only at a few span boundaries, and its decoder takes ~180 ns per token; together a fifth
-of a build. Here the rows are encoded without offsets (`encode_batch_fast`) and, for a tokenizer whose
-decoder is ByteLevel, each token id's bytes come from a table checked once against the tokenizer's own
-decode of every id. A row takes this path only if its tokens' bytes spell exactly its text's UTF-8
+Why by hand: the label check decodes every trained token, and the tokenizers library's decoder takes
+~180 ns a token (a tenth of the encode); the labels need offsets only at a few span boundaries, asked
+token by token from Python. Here the rows are encoded without offsets (`encode_batch_fast`) and, for a
+tokenizer whose decoder is ByteLevel, each token id's bytes come from a table checked once against the
+tokenizer's own decode of every id: a decode is then a slice of the row's own bytes. A row takes this path only if its tokens' bytes spell exactly its text's UTF-8
 bytes (so the tokens hold consecutive byte ranges and a decode is a slice of the text: no normalizer
 changed it, no prefix space, no stripping added token), and the tokens at the ends of its spans
 must overlap the span with more than the spaces ByteLevel's offset trimming may cut from them: then the
