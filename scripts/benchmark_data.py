@@ -73,13 +73,14 @@ def main() -> int:
             encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
             raw_times.append(time.perf_counter() - started)
             gc.enable()
+            raw_tokens = sum(len(ids) for ids in encoded)
+            del encoded  # the build runs without the raw encode's millions of objects alive (its workers fork)
             data_args = DataArguments(dataset_mixer_list=[args.data, "1.0"], max_seq_length=args.max_seq_length,
                                       dataset_local_cache_dir=str(tmp_path / f"cache{attempt}"),
                                       preprocessing_num_workers=args.preprocessing_num_workers)
             started = time.perf_counter()
             built = prepare_data(data_args, tokenizer, 0)
             build_times.append(time.perf_counter() - started)
-        raw_tokens = sum(len(ids) for ids in encoded)
         started = time.perf_counter()
         hit = prepare_data(data_args, tokenizer, 0)
         _ = hit.dataset[len(hit) - 1]  # touch the memory map
