@@ -42,9 +42,31 @@ def trained_runs(tokenizer, input_ids, labels) -> list[str]:
     return [tokenizer.decode(run) for run in trained_token_runs(input_ids, labels)]
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_dirs(tmp_path_factory) -> dict[str, str]:
+    """Llama-2-style and Metaspace tokenizers trained on the bundled sample, saved once per module."""
+    from conftest import SAMPLE
+    from open_sft.embedded.factory import iter_message_texts, load_rows
+    from tokenizer_kinds import sentencepiece_like
+
+    texts = list(iter_message_texts(load_rows(SAMPLE)))
+    dirs = {}
+    for scheme in ("llama2", "metaspace"):
+        dirs[scheme] = str(tmp_path_factory.mktemp(scheme))
+        sentencepiece_like(texts, scheme).save_pretrained(dirs[scheme])
+    return dirs
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "llama2", "metaspace"])
 @pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))
 @pytest.mark.parametrize("case", sorted(CONVERSATIONS))
-def test_builtin_templates_train_exactly_assistant_turns(tokenizer, tmp_path, template, case) -> None:
+def test_builtin_templates_train_exactly_assistant_turns(tokenizer, sentencepiece_dirs, tmp_path, kind, template,
+                                                         case) -> None:
+    """Every built-in template × conversation shape × tokenizer family (byte-level BPE; SentencePiece-style
+    with "▁" spaces and byte fallback, with Llama 2's normalizer or the Metaspace pre-tokenizer): the
+    trained tokens decode to exactly the assistant contents, each followed by its end of turn."""
+    if kind != "byte_level":
+        tokenizer = AutoTokenizer.from_pretrained(sentencepiece_dirs[kind])
     apply_chat_template_choice(tokenizer, template, None)
     messages = CONVERSATIONS[case]
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}])

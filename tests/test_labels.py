@@ -141,34 +141,24 @@ def _wordpiece_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
 
 
-def _metaspace_tokenizer():
-    """A Llama-2-style tokenizer: spaces become "▁", one is prepended, BPE with byte fallback."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-    corpus = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café", "answer: 42 and 7!"] * 20
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"] + [f"<0x{b:02X}>" for b in range(256)])
-    backend.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
-
-
-@pytest.mark.parametrize("kind", ["byte_level", "wordpiece", "metaspace"])
+@pytest.mark.parametrize("kind", ["byte_level", "wordpiece", "llama2", "metaspace"])
 def test_boundary_labels_equal_the_definition_on_random_spans(tokenizer, kind) -> None:
     """label_batch finds each span's trained tokens from the tokens holding its boundary characters;
     on random texts (accents, emoji split into byte tokens, runs of spaces no WordPiece token holds,
-    longer than the look-ahead, Llama-2-style "▁" spaces and byte fallback) and random ordered spans (inside tokens, on whitespace, empty, at the
-    end, reaching the end) every row labels as `label_tokens` says."""
+    longer than the look-ahead, SentencePiece-style "▁" spaces and byte fallback) and random ordered
+    spans (inside tokens, on whitespace, empty, at the end, reaching the end) every row labels as
+    `label_tokens` says."""
     import random
 
     from open_sft.data.tokenize import label_batch
 
-    if kind != "byte_level":
-        tokenizer = _wordpiece_tokenizer() if kind == "wordpiece" else _metaspace_tokenizer()
+    if kind == "wordpiece":
+        tokenizer = _wordpiece_tokenizer()
+    elif kind != "byte_level":  # SentencePiece-style: Llama 2's "▁" normalizer, or the Metaspace pre-tokenizer
+        from tokenizer_kinds import sentencepiece_like
+
+        corpus = ["the quick brown fox jumps over the lazy dog", "héllo wörld, naïve café", "answer: 42 and 7!"] * 20
+        tokenizer = sentencepiece_like(corpus, kind, vocab_size=300)
     rng = random.Random(3)
     words = ["the", "quick", "héllo", "wörld", "😀", "naïve", "42", "!", "\n", "  ", " " * 20, "café", "<|assistant|>"]
     rows = []
