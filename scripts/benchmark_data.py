@@ -27,7 +27,7 @@ from pathlib import Path
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the embedded one)")
-    parser.add_argument("--data", default=None, help="messages/alpaca/sharegpt JSONL or JSON (default: generated rows)")
+    parser.add_argument("--data", default=None, help="messages/alpaca/sharegpt/text JSONL or JSON (default: generated rows)")
     parser.add_argument("--rows", type=int, default=100_000, help="rows to generate when --data is not given")
     parser.add_argument("--chat_template_name", default=None)
     parser.add_argument("--max_seq_length", type=int, default=2048)
@@ -38,7 +38,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from open_sft.config import DataArguments
-    from open_sft.data.formats import detect_format, to_messages
+    from open_sft.data.formats import detect_format, to_messages, to_text
     from open_sft.data.pipeline import prepare_data
     from open_sft.data.render import render
     from open_sft.data.sources import parse_mixer_list, read_source
@@ -59,7 +59,10 @@ def main() -> int:
 
         rows = read_source(parse_mixer_list([args.data, "1.0"], ["train"])[0]).rows
         fmt = detect_format(rows[0], args.data)
-        texts = [render(tokenizer, m, tools=m.tools) for m in (to_messages(r, fmt) for r in rows)]
+        if fmt == "text":  # documents for continual pretraining: encoded as they are
+            texts = [to_text(r) for r in rows]
+        else:
+            texts = [render(tokenizer, m, tools=m.tools) for m in (to_messages(r, fmt) for r in rows)]
         del rows  # the raw encode runs with only the texts alive, so the collector has little to walk
 
         raw_times, raw_gc_times, build_times = [], [], []

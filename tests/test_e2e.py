@@ -179,3 +179,38 @@ def test_bf16_tracks_fp32(runs, tiny_model_dir, tmp_path) -> None:
     assert max(abs(a - b) / b for a, b in zip(bf16, fp32)) < 0.02
     saved = load_file(output_dir / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in saved.values())  # master weights stay fp32
+
+
+def test_continual_pretraining_with_a_base_tokenizer(tiny_model_dir, tmp_path, capsys) -> None:
+    """A base model's tokenizer has no chat template: text documents train with it (every token, the
+    loss falls); chat rows are refused with the flags that fix it, and nothing is written."""
+    import shutil
+
+    from open_sft.run import main
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:400]]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": "\n".join(m["content"] for m in r["messages"])}) + "\n" for r in rows))
+
+    output_dir = tmp_path / "cpt"
+    run_finetune(["--model_name_or_path", str(base), "--dataset_mixer_list", str(docs), "1.0",
+                  "--output_dir", str(output_dir), "--max_train_steps", "12", "--per_device_train_batch_size", "4",
+                  "--learning_rate", "3e-3", "--logging_steps", "1", "--max_seq_length", "64",
+                  "--torch_dtype", "float32"])
+    report = json.loads((output_dir / "data_report.json").read_text())
+    assert report["sources"][0]["format"] == "text"
+    assert report["trained_tokens"] == report["tokens"] - report["examples"]  # all but each block's first
+    losses = [m["loss"] for m in read_metrics(output_dir)]
+    assert len(losses) == 12 and losses[-1] < 0.9 * losses[0]
+
+    code = main(["--model_name_or_path", str(base), "--dataset_mixer_list", str(SAMPLE), "1.0",
+                 "--output_dir", str(tmp_path / "chat"), "--max_train_steps", "1"])
+    assert code == 2
+    assert "has no chat template, and chat rows need one; choose one with --chat_template_name" in capsys.readouterr().err
+    assert not (tmp_path / "chat").exists()

@@ -23,6 +23,7 @@ from open_sft.data.formats import RowError, detect_format, to_messages, to_text
 from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
+from open_sft.data.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
 from open_sft.data.token_rows import TokenRows, fit_rows
 from open_sft.data.tokenize import Example
@@ -91,8 +92,8 @@ class PreparedData:
 def _check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
-            f"the tokenizer {tokenizer.name_or_path!r} has no chat template; choose one with --chat_template_name "
-            "(tulu, olmo, simple_chat, chatml, llama3, zephyr) or --chat_template_path FILE"
+            f"the tokenizer {tokenizer.name_or_path!r} has no chat template, and chat rows need one; choose one "
+            f"with --chat_template_name ({', '.join(BUILTIN_TEMPLATES)}) or --chat_template_path FILE"
         )
 
 

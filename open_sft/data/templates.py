@@ -88,7 +88,9 @@ BUILTIN_TEMPLATES = {
 def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[str]) -> list[str]:
     """Set the run's chat template on the tokenizer; returns the special tokens that had to be added.
 
-    Precedence: --chat_template_path, then --chat_template_name, then the tokenizer's own template.
+    Precedence: --chat_template_path, then --chat_template_name, then the tokenizer's own template. A
+    tokenizer without one (a base model's) is fine for text documents; a chat source is refused with
+    a clear message when the pipeline reaches it.
     """
     if path:
         file = Path(path)
@@ -97,11 +99,6 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
         tokenizer.chat_template = file.read_text()
         return []
     if name is None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError(
-                f"the tokenizer {tokenizer.name_or_path!r} has no chat template; choose one with "
-                f"--chat_template_name ({', '.join(BUILTIN_TEMPLATES)}) or --chat_template_path FILE"
-            )
         return []
     if name not in BUILTIN_TEMPLATES:
         raise UserError(f"--chat_template_name {name!r} is not a built-in template; choose one of "
