@@ -91,9 +91,10 @@ def main() -> int:
 
     build_s, raw_s, raw_gc_s = (statistics.median(t) for t in (build_times, raw_times, raw_gc_times))
     tokens = built.report["tokens"]
+    rows = sum(source["rows_in"] for source in built.report["sources"])  # read; examples: made (text: blocks)
     print(json.dumps({
-        "rows": len(built), "tokens": tokens,
-        "build_s": round(build_s, 2), "build_rows_per_s": round(len(built) / build_s),
+        "rows": rows, "examples": len(built), "tokens": tokens,
+        "build_s": round(build_s, 2), "build_rows_per_s": round(rows / build_s),
         "build_tokens_per_s": round(tokens / build_s),
         "raw_tokenizer_tokens_per_s": round(raw_tokens / raw_s),
         "build_over_raw_tokenizer": round((tokens / build_s) / (raw_tokens / raw_s), 3),

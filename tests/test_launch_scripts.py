@@ -161,3 +161,29 @@ def test_merge_lora_wraps_the_lora_cli(tmp_path) -> None:
     missing = subprocess.run(["bash", script, str(tmp_path), str(tmp_path / "merged")], env=script_env(),
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "adapter_config.json not found" in missing.stderr
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_benchmark_data_runs_on_chat_rows_and_documents(tiny_model_dir, tmp_path, kind) -> None:
+    """scripts/benchmark_data.py (its numbers are for notes, not asserted here) builds the cache in two
+    workers beside the raw encode, and reports rows read, examples made and a cache hit."""
+    import json
+
+    lines = SAMPLE.read_text().splitlines()
+    data = SAMPLE
+    if kind == "text":
+        data = tmp_path / "docs.jsonl"
+        data.write_text("".join(json.dumps({"text": "\n".join(m["content"] for m in json.loads(line)["messages"])})
+                                + "\n" for line in lines))
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_data.py"), "--tokenizer",
+                             str(tiny_model_dir), "--data", str(data), "--preprocessing_num_workers", "2",
+                             "--repeat", "1", "--max_seq_length", "128"],
+                            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert numbers["rows"] == len(lines) and numbers["cache_hit"] is True
+    if kind == "chat":
+        assert 0.99 * len(lines) <= numbers["examples"] <= len(lines)
+    else:  # documents spliced into blocks of 128 tokens (a last block of one token is left out)
+        assert numbers["examples"] in (numbers["tokens"] // 128, -(-numbers["tokens"] // 128))
+    assert numbers["build_tokens_per_s"] > 0 and numbers["raw_tokenizer_tokens_per_s"] > 0
