@@ -124,10 +124,12 @@ def test_tokenizers_the_table_cannot_serve_get_none(plain, tiny_model_dir) -> No
     """Not ByteLevel-decoded (WordPiece, Llama-2-style), or changing every text (a prefix space,
     lowercasing), or decoding with transformers' space clean-up: the offset path labels them."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
-    from test_labels import _metaspace_tokenizer, _wordpiece_tokenizer
+    from test_labels import _wordpiece_tokenizer
+    from tokenizer_kinds import sentencepiece_like
 
     assert byte_table(_wordpiece_tokenizer()) is None
-    assert byte_table(_metaspace_tokenizer()) is None
+    for scheme in ("llama2", "metaspace"):
+        assert byte_table(sentencepiece_like(["the quick brown fox", "naïve café 42"] * 10, scheme, 300)) is None
     for change in ("prefix_space", "lowercase", "clean_up"):
         backend = Tokenizer.from_str(plain._tokenizer.to_str())
         if change == "prefix_space":
