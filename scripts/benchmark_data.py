@@ -27,7 +27,8 @@ from pathlib import Path
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the embedded one)")
-    parser.add_argument("--data", default=None, help="messages/alpaca/sharegpt/text JSONL or JSON (default: generated rows)")
+    parser.add_argument("--data", default=None,
+                        help="messages/alpaca/sharegpt/text JSONL or JSON (default: generated rows)")
     parser.add_argument("--rows", type=int, default=100_000, help="rows to generate when --data is not given")
     parser.add_argument("--chat_template_name", default=None)
     parser.add_argument("--max_seq_length", type=int, default=2048)

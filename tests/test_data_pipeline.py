@@ -202,6 +202,45 @@ def test_parallel_workers_give_identical_data(tokenizer, caplog) -> None:
     assert "2000 rows in 2 process(es)" in caplog.text  # the worker processes really ran
 
 
+@pytest.mark.parametrize("amount, unit", [("1.0", "rows"), ("0.37", "rows"), ("1.6", "rows"), ("1500", "rows"),
+                                          ("0.5", "tokens")])
+def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, monkeypatch, amount, unit) -> None:
+    """JSON Lines chat rows are parsed and converted in the render workers; the serial read (which every
+    other source takes) must give the same examples and reports, in one process and in two, for
+    fractions, upsampling, counts and token shares."""
+    from conftest import SAMPLE
+    from open_sft.data import pipeline
+
+    data = write_jsonl(tmp_path / "d.jsonl", [json.loads(line) for line in SAMPLE.read_text().splitlines()])
+    read_by_workers = pipeline._jsonl_chat_rows
+    for workers in (1, 2):
+        built = []
+        for path in (read_by_workers, lambda *args: None):
+            monkeypatch.setattr(pipeline, "_jsonl_chat_rows", path)
+            args = DataArguments(dataset_mixer_list=[data, amount], dataset_mixer_unit=unit, max_seq_length=24,
+                                 preprocessing_num_workers=workers)
+            token_rows, reports = pipeline.build_rows(args, tokenizer, 3)
+            built.append((token_rows.ids.tolist(), token_rows.labels.tolist(), token_rows.bounds.tolist(),
+                          reports[0].to_dict()))
+        assert built[0] == built[1]
+        assert built[0][3]["truncated"] > 0 and built[0][3]["rows_kept"] > 0
+
+
+def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monkeypatch) -> None:
+    """With two workers the parent splits the file into lines and parses only the first (for the format):
+    every other row is parsed in the worker processes (whose calls the parent does not see)."""
+    from conftest import SAMPLE
+    from open_sft.data import pipeline, sources
+
+    calls = []
+    original = sources.parse_json_line
+    for module in (pipeline, sources):
+        monkeypatch.setattr(module, "parse_json_line", lambda line: calls.append(line) or original(line))
+    built = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
+                                       preprocessing_num_workers=2), tokenizer, 0)
+    assert len(built) == 2000 and len(calls) == 1
+
+
 @pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))
 def test_direct_renderer_equals_apply_chat_template(tokenizer, template) -> None:
     """The fast path renders with the compiled template; it must agree with the public API."""

@@ -212,5 +212,6 @@ def test_continual_pretraining_with_a_base_tokenizer(tiny_model_dir, tmp_path, c
     code = main(["--model_name_or_path", str(base), "--dataset_mixer_list", str(SAMPLE), "1.0",
                  "--output_dir", str(tmp_path / "chat"), "--max_train_steps", "1"])
     assert code == 2
-    assert "has no chat template, and chat rows need one; choose one with --chat_template_name" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has no chat template, and chat rows need one; choose one with --chat_template_name" in err
     assert not (tmp_path / "chat").exists()

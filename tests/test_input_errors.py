@@ -41,8 +41,11 @@ def run_main(capsys, model: str, data: str, output_dir) -> str:
          "bad.jsonl line 2: the conversation ends with a user turn; it must end with an assistant turn"),
         ([json.dumps({"messages": "hello"})], "bad.jsonl line 1: 'messages' must be a non-empty list"),
         (["[1, 2]"], "bad.jsonl line 1: expected a JSON object, got list"),
+        ([json.dumps(GOOD), json.dumps({"messages": [{"role": "gpt", "content": "x"}]}), json.dumps(GOOD), "{oops",
+          json.dumps(GOOD)], "bad.jsonl line 4: not valid JSON"),  # a line that is not JSON is reported first
     ],
-    ids=["malformed-json", "no-messages", "unknown-format", "bad-role", "ends-with-user", "messages-not-list", "not-object"],
+    ids=["malformed-json", "no-messages", "unknown-format", "bad-role", "ends-with-user", "messages-not-list",
+         "not-object", "json-before-row-errors"],
 )
 def test_bad_rows(tmp_path, capsys, tiny_model_dir, lines, expected) -> None:
     data = write_lines(tmp_path / "bad.jsonl", lines)

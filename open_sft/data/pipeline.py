@@ -1,19 +1,22 @@
 """From --dataset_mixer_list to tokenized, labelled training examples and a data report.
 
 read → convert/validate → mix → render + label → truncate; each step is a function of its own
-module, this one only wires them together and counts what happened to the rows.
+module, this one only wires them together and counts what happened to the rows. A local JSON Lines
+chat source is read, converted, rendered and labelled in one pass by the workers (the parent only
+splits its lines), with the serial read as the fallback that decides whenever a row is bad.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -24,10 +27,11 @@ from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
 from open_sft.data.templates import BUILTIN_TEMPLATES
-from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
+from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
+                                  source_identity)
 from open_sft.data.token_rows import TokenRows, fit_rows
 from open_sft.data.tokenize import Example
-from open_sft.data.workers import label_rows
+from open_sft.data.workers import Labelled, label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -115,12 +119,12 @@ def _gc_paused():
 class _RowSink:
     """Applies --on_bad_row to one source: raise with the row's location, or count the reason."""
 
-    def __init__(self, source: LoadedSource, report: SourceReport, drop: bool):
-        self.source, self.report, self.drop = source, report, drop
+    def __init__(self, where: Callable[[int], str], report: SourceReport, drop: bool):
+        self.where, self.report, self.drop = where, report, drop
 
     def reject(self, index: int, error: RowError) -> None:
         if not self.drop:
-            raise UserError(f"{self.source.where(index)}: {error}") from None
+            raise UserError(f"{self.where(index)}: {error}") from None
         self.report.dropped[error.reason] += 1
 
 
@@ -135,13 +139,62 @@ def _convert(source: LoadedSource, fmt: str, sink: _RowSink) -> dict[int, Any]:
     return items
 
 
-def _tokenize_chat(tokenizer, items: dict[int, Any], indices: list[int], args: DataArguments,
-                   sink: _RowSink) -> tuple[TokenRows, dict[int, int]]:
-    """The labelled rows and each row index's position among them; bad rows go to the sink."""
-    labelled = label_rows(tokenizer, [(i, items[i]) for i in indices], args.train_on, args.preprocessing_num_workers)
+def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[list[int]], sink: _RowSink,
+               report: SourceReport, seed: int) -> TokenRows:
+    """The selected rows of a labelled chat source, fitted to --max_seq_length; rows that failed to
+    render or label go to the sink. `picked` is the selection, or None for --dataset_mixer_unit tokens
+    (drawn here from the labelled rows' lengths)."""
     for i, error in labelled.errors:
         sink.reject(i, error)
-    return labelled.rows, labelled.position
+    position = labelled.position
+    if picked is None:
+        lengths = labelled.rows.lengths()
+        picked = _select(spec, args, sorted(position), {i: int(lengths[p]) for i, p in position.items()}, seed)
+    selected = [i for i in picked if i in position]
+    report.rows_selected = len(selected)
+    rows, dropped, report.truncated = fit_rows(labelled.rows, np.array([position[i] for i in selected], dtype=np.int64),
+                                               args.max_seq_length, args.truncation)
+    report.dropped.update(dropped)
+    report.rows_kept = len(rows)
+    return rows
+
+
+def _parse_and_convert(line: str, fmt: str) -> Any:
+    return to_messages(parse_json_line(line), fmt)
+
+
+def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optional[tuple[TokenRows, SourceReport]]:
+    """A local JSON Lines chat source whose lines are parsed and converted in the render workers (the
+    parent only splits the file into lines), so reading scales with --preprocessing_num_workers too.
+    The selection is drawn from all lines as if every row were valid, which is exactly right when they
+    are. None (the serial path reads the source) for other sources and formats, a first line that does
+    not say the format, a tokenizer without a chat template (the serial path reports what comes first),
+    and bad rows under --on_bad_row drop (the selection is then drawn from the valid rows)."""
+    path = Path(spec.name).expanduser()
+    if path.suffix != ".jsonl" or not path.is_file() or not getattr(tokenizer, "chat_template", None):
+        return None
+    lines, numbers = read_lines(path)
+    try:
+        fmt = args.dataset_format if args.dataset_format != "auto" else \
+            detect_format(parse_json_line(lines[0]), f"{spec.name} line {numbers[0]}")
+    except (IndexError, RowError, UserError):
+        return None
+    if fmt == "text":
+        return None
+    picked = None if args.dataset_mixer_unit == "tokens" else _select(spec, args, list(range(len(lines))), None, seed)
+    labelled = label_rows(tokenizer, list(enumerate(lines)), args.train_on, args.preprocessing_num_workers,
+                          convert=functools.partial(_parse_and_convert, fmt=fmt),
+                          wanted=None if picked is None else set(picked))
+    if labelled.invalid:
+        if args.on_bad_row == "drop":
+            return None
+        # As the serial path reports them: a line that is not JSON first, then a row that is not valid.
+        i, error = min(labelled.invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
+        where = str(path) if error.reason == "invalid_json" else spec.name
+        raise UserError(f"{where} line {numbers[i]}: {error}")
+    report = SourceReport(name=spec.name, format=fmt, rows_in=len(lines))
+    sink = _RowSink(lambda i: f"{spec.name} line {numbers[i]}", report, drop=args.on_bad_row == "drop")
+    return _chat_rows(spec, args, labelled, picked, sink, report, seed), report
 
 
 def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict[int, list[int]]:
@@ -170,6 +223,11 @@ def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int]
 
 
 def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
+    read_by_workers = _jsonl_chat_rows(spec, args, tokenizer, seed)
+    if read_by_workers is not None:
+        rows, report = read_by_workers
+        report.tokens, report.trained_tokens, report.examples = _counts(rows)
+        return rows, report
     source = read_source(spec, drop_bad=args.on_bad_row == "drop")
     fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(source.rows[0], source.where(0))
     if fmt != "text":
@@ -177,7 +235,7 @@ def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable)
     if source.unreadable:
         report.dropped["invalid_json"] += source.unreadable
-    sink = _RowSink(source, report, drop=args.on_bad_row == "drop")
+    sink = _RowSink(source.where, report, drop=args.on_bad_row == "drop")
     items = _convert(source, fmt, sink)
     valid = sorted(items)
     by_tokens = args.dataset_mixer_unit == "tokens"
@@ -188,23 +246,17 @@ def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
         report.rows_selected = report.rows_kept = len(selected)
         rows = _blocks([tokenized[i] for i in selected], args.max_seq_length)
     else:
-        if by_tokens:
-            labelled, position = _tokenize_chat(tokenizer, items, valid, args, sink)
-            lengths = labelled.lengths()
-            selected = _select(spec, args, sorted(position), {i: int(lengths[p]) for i, p in position.items()}, seed)
-        else:
-            selected = _select(spec, args, valid, None, seed)
-            labelled, position = _tokenize_chat(tokenizer, items, sorted(set(selected)), args, sink)
-            selected = [i for i in selected if i in position]
-        report.rows_selected = len(selected)
-        rows, dropped, report.truncated = fit_rows(labelled, np.array([position[i] for i in selected], dtype=np.int64),
-                                                   args.max_seq_length, args.truncation)
-        report.dropped.update(dropped)
-        report.rows_kept = len(rows)
-    report.tokens = int(rows.bounds[-1])
-    report.trained_tokens = int(rows.trained_counts().sum())
-    report.examples = len(rows)
+        picked = None if by_tokens else _select(spec, args, valid, None, seed)
+        labelled = label_rows(tokenizer, [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))],
+                              args.train_on, args.preprocessing_num_workers)
+        rows = _chat_rows(spec, args, labelled, picked, sink, report, seed)
+    report.tokens, report.trained_tokens, report.examples = _counts(rows)
     return rows, report
+
+
+def _counts(rows: TokenRows) -> tuple[int, int, int]:
+    """(tokens, trained tokens, examples) of a source's rows, for its report."""
+    return int(rows.bounds[-1]), int(rows.trained_counts().sum()), len(rows)
 
 
 def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[TokenRows, list[SourceReport]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from open_sft.data.formats import RowError
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -91,29 +92,36 @@ def source_identity(spec: SourceSpec) -> str:
     return f"hub:{spec.name}:{spec.split}:{_load_hub(spec)._fingerprint}"
 
 
+def parse_json_line(line: str) -> dict[str, Any]:
+    """One JSON Lines row; RowError (reason invalid_json) says what is wrong, the caller adds where."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RowError(f"not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object",
+                       "invalid_json") from None
+    if not isinstance(row, dict):
+        raise RowError(f"expected a JSON object, got {type(row).__name__}", "invalid_json")
+    return row
+
+
+def read_lines(path: Path) -> tuple[list[str], list[int]]:
+    """The non-blank lines of a JSON Lines file and their line numbers (from 1)."""
+    with path.open("r", encoding="utf-8") as handle:
+        numbered = [(number, line) for number, line in enumerate(handle, start=1) if not line.isspace()]
+    return [line for _, line in numbered], [number for number, _ in numbered]
+
+
 def _read_jsonl(path: Path, drop_bad: bool) -> tuple[list[dict[str, Any]], list[int], int]:
     rows, line_numbers, unreadable = [], [], 0
-    with path.open("r", encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
+    for line, lineno in zip(*read_lines(path)):
+        try:
+            rows.append(parse_json_line(line))
+        except RowError as exc:
+            if drop_bad:
+                unreadable += 1
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                if drop_bad:
-                    unreadable += 1
-                    continue
-                raise UserError(
-                    f"{path} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                    "each line must be one JSON object"
-                ) from None
-            if not isinstance(row, dict):
-                if drop_bad:
-                    unreadable += 1
-                    continue
-                raise UserError(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-            line_numbers.append(lineno)
+            raise UserError(f"{path} line {lineno}: {exc}") from None
+        line_numbers.append(lineno)
     return rows, line_numbers, unreadable
 
 

@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 from transformers import PreTrainedTokenizerBase
 
@@ -32,11 +32,13 @@ _MIN_ROWS_PER_CHUNK = 128
 
 @dataclass(frozen=True)
 class Labelled:
-    """The labelled rows (`position`: row index → its row in `rows`) and the rows that failed."""
+    """The labelled rows (`position`: row index → its row in `rows`), the rows that failed to render or
+    label, and (when the items are raw rows to convert) the rows that could not be converted."""
 
     rows: TokenRows
     position: dict[int, int]
     errors: list[tuple[int, RowError]]  # in row-index order
+    invalid: list[tuple[int, RowError]]  # in row-index order
 
 
 def _label_mismatch() -> RowError:
@@ -57,21 +59,32 @@ def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tuple[int, RowError]]]:
-    """For the work items in [start, stop): the row indices rendered, their labelled batch, and the
-    (row index, RowError) of the rows that could not be rendered."""
-    tokenizer, train_on, markers, work = (_STATE[k] for k in ("tokenizer", "train_on", "markers", "work"))
+def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tuple[int, RowError]],
+                                              list[tuple[int, RowError]]]:
+    """For the work items in [start, stop): the row indices rendered, their labelled batch, the (row
+    index, RowError) of the rows that could not be rendered, and of those that could not be converted."""
+    tokenizer, train_on, markers, work, convert, wanted = (
+        _STATE[k] for k in ("tokenizer", "train_on", "markers", "work", "convert", "wanted"))
     errors: list[tuple[int, RowError]] = []
+    invalid: list[tuple[int, RowError]] = []
     rendered = []
     for n, (i, messages) in enumerate(work[bounds[0] : bounds[1]], start=1):
         if n % 4096 == 0:
             gc.collect(0)  # only objects made since the last call: cheap, and frees any cycles a template made
         try:
+            if convert is not None:
+                try:
+                    messages = convert(messages)
+                except RowError as exc:
+                    invalid.append((i, exc))
+                    continue
+                if wanted is not None and i not in wanted:
+                    continue
             rendered.append((i, trained_spans(tokenizer, messages, train_on, markers)))
         except RowError as exc:
             errors.append((i, exc))
     batch = label_batch(tokenizer, [texts_and_spans for _, texts_and_spans in rendered], check=train_on != "all")
-    return [i for i, _ in rendered], batch, errors
+    return [i for i, _ in rendered], batch, errors, invalid
 
 
 @contextlib.contextmanager
@@ -89,12 +102,15 @@ def _single_threaded_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
-def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], train_on: str,
-               workers: int) -> Labelled:
+def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], train_on: str, workers: int,
+               convert: Optional[Callable[[Any], Any]] = None, wanted: Optional[set[int]] = None) -> Labelled:
     """Render, tokenize and label each (row index, messages); a row that cannot be rendered or whose
-    labels fail the check is an error instead."""
+    labels fail the check is an error instead. With `convert`, the items are raw rows (a JSON line,
+    say) that the workers turn into messages, so reading scales with the workers too: every item is
+    converted (a RowError makes it invalid) and, if `wanted` is given, only those rows are labelled."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
-    _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work)
+    _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,
+                  convert=convert, wanted=wanted)
     try:
         workers = max(1, min(workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
@@ -110,12 +126,13 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: list[tuple[int, Any]], 
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
-    position, errors, offset = {}, [], 0
-    for indices, batch, failed in parts:
+    position, errors, invalid, offset = {}, [], [], 0
+    for indices, batch, failed, unconverted in parts:
         right = batch.right.tolist()
         errors += failed
+        invalid += unconverted
         errors += [(i, _label_mismatch()) for i, ok in zip(indices, right) if not ok]
         position.update((i, offset + k) for k, (i, ok) in enumerate(zip(indices, right)) if ok)
         offset += len(indices)
     errors.sort(key=lambda error: error[0])
-    return Labelled(TokenRows.concat([batch.rows for _, batch, _ in parts]), position, errors)
+    return Labelled(TokenRows.concat([part[1].rows for part in parts]), position, errors, invalid)
