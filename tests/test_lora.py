@@ -54,7 +54,7 @@ def lora_runs(tiny_model_dir, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def qlora_run(tiny_model_dir, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("qlora")
-    run_finetune(lora_flags(tiny_model_dir, output_dir, QLORA_STEPS, 16, "2e-2")
+    run_finetune(lora_flags(tiny_model_dir, output_dir, QLORA_STEPS, 16, "1e-2")
                  + ["--use_qlora", "--per_device_train_batch_size", "8", "--lora_target_modules", *QLORA_TARGETS])
     return output_dir
 
@@ -184,10 +184,13 @@ def test_qlora_trains_on_cpu(qlora_run, tiny_model_dir) -> None:
 
 
 def test_qlora_merge_dequantizes_to_bf16(qlora_run, tiny_model_dir) -> None:
-    """Merged = bf16(dequantized NF4 base + B·A·alpha/r), checked weight by weight; then its logits against
-    the trained setup (4-bit base with bf16 matmuls, fp32 adapter). Storing the merge in bf16 (relative
-    step 2^-8 per weight) moves logits by ~2.5 % of their spread on this model; the merge in fp32 is
-    within 0.4 % (only bitsandbytes' bf16 matmul differs), so allow 5 %."""
+    """Merged = bf16(dequantized NF4 base + B·A·alpha/r), checked weight by weight. Then its logits
+    against the trained setup (4-bit base with bf16 matmuls, fp32 adapter): they may differ by what
+    storing weights in bf16 does, which depends on how well conditioned the trained model is (on some
+    CPUs a briefly trained tiny model turns out so ill-conditioned that bf16 rounding moves its logits
+    by half their spread). So that effect is measured on the merged model itself, as the logit change
+    from a seeded 2^-9 relative perturbation of every weight, and the merge may not differ by more
+    than 3× that; training moved the logits far beyond either."""
     import bitsandbytes as bnb
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -213,12 +216,17 @@ def test_qlora_merge_dequantizes_to_bf16(qlora_run, tiny_model_dir) -> None:
 
     ids = make_batch(seed=3)["input_ids"]
     adapter_logits = _logits(adapter_model, ids)
-    merged_logits = _logits(AutoModelForCausalLM.from_pretrained(qlora_run / "merged", dtype=torch.float32), ids)
+    model = AutoModelForCausalLM.from_pretrained(qlora_run / "merged", dtype=torch.float32)
+    merged_logits = _logits(model, ids)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1 + 2**-9 * torch.randn(parameter.shape, generator=generator))
+    sensitivity = float((_logits(model, ids) - merged_logits).abs().max())
     base_logits = _logits(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ids)
-    scale = float(adapter_logits.std())
     error = float((merged_logits - adapter_logits).abs().max())
-    assert error < 0.05 * scale, (error, scale)
-    assert float((adapter_logits - base_logits).abs().max()) > 10 * error  # training moved far beyond it
+    assert error < 3 * sensitivity, (error, sensitivity)
+    assert float((adapter_logits - base_logits).abs().max()) > 5 * max(error, sensitivity)
 
 
 def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
