@@ -204,26 +204,38 @@ def test_parallel_workers_give_identical_data(tokenizer, caplog) -> None:
 
 @pytest.mark.parametrize("amount, unit", [("1.0", "rows"), ("0.37", "rows"), ("1.6", "rows"), ("1500", "rows"),
                                           ("0.5", "tokens")])
-def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, monkeypatch, amount, unit) -> None:
+@pytest.mark.parametrize("dirty", [False, True])
+def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, monkeypatch, amount, unit,
+                                                          dirty) -> None:
     """JSON Lines chat rows are parsed and converted in the render workers; the serial read (which every
     other source takes) must give the same examples and reports, in one process and in two, for
-    fractions, upsampling, counts and token shares."""
+    fractions, upsampling, counts and token shares; also with bad lines and rows dropped (so the rows
+    are numbered and drawn from the valid ones) and rows whose prompt fills the window."""
     from conftest import SAMPLE
     from open_sft.data import pipeline
 
-    data = write_jsonl(tmp_path / "d.jsonl", [json.loads(line) for line in SAMPLE.read_text().splitlines()])
+    lines = SAMPLE.read_text().splitlines()
+    if dirty:
+        user_only = json.dumps({"messages": [{"role": "user", "content": "no answer"}]})
+        for k, bad in enumerate(["{oops", "[1, 2]", json.dumps({"messages": [{"role": "gpt", "content": "x"}]}),
+                                 user_only, "{oops", "", "   "]):
+            lines[7 + 211 * k] = bad
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
     read_by_workers = pipeline._jsonl_chat_rows
     for workers in (1, 2):
         built = []
         for path in (read_by_workers, lambda *args: None):
             monkeypatch.setattr(pipeline, "_jsonl_chat_rows", path)
-            args = DataArguments(dataset_mixer_list=[data, amount], dataset_mixer_unit=unit, max_seq_length=24,
-                                 preprocessing_num_workers=workers)
+            args = DataArguments(dataset_mixer_list=[str(data), amount], dataset_mixer_unit=unit, max_seq_length=24,
+                                 preprocessing_num_workers=workers, on_bad_row="drop" if dirty else "error")
             token_rows, reports = pipeline.build_rows(args, tokenizer, 3)
             built.append((token_rows.ids.tolist(), token_rows.labels.tolist(), token_rows.bounds.tolist(),
                           reports[0].to_dict()))
         assert built[0] == built[1]
         assert built[0][3]["truncated"] > 0 and built[0][3]["rows_kept"] > 0
+        assert set(built[0][3]["rows_dropped"]) >= ({"invalid_json", "unknown_role", "no_final_assistant"} if dirty
+                                                   else set())
 
 
 def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monkeypatch) -> None:

@@ -3,7 +3,7 @@
 read → convert/validate → mix → render + label → truncate; each step is a function of its own
 module, this one only wires them together and counts what happened to the rows. A local JSON Lines
 chat source is read, converted, rendered and labelled in one pass by the workers (the parent only
-splits its lines), with the serial read as the fallback that decides whenever a row is bad.
+splits its lines); it gives what the serial read of every other source gives (tested), bad rows too.
 """
 
 from __future__ import annotations
@@ -167,9 +167,10 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     """A local JSON Lines chat source whose lines are parsed and converted in the render workers (the
     parent only splits the file into lines), so reading scales with --preprocessing_num_workers too.
     The selection is drawn from all lines as if every row were valid, which is exactly right when they
-    are. None (the serial path reads the source) for other sources and formats, a first line that does
-    not say the format, a tokenizer without a chat template (the serial path reports what comes first),
-    and bad rows under --on_bad_row drop (the selection is then drawn from the valid rows)."""
+    are; else bad rows stop the run as the serial read would, or under --on_bad_row drop the selection
+    is drawn again from the valid rows. None (the serial read) for other sources and formats, a first
+    line that does not say the format, and a tokenizer without a chat template (the serial read reports
+    what comes first)."""
     path = Path(spec.name).expanduser()
     if path.suffix != ".jsonl" or not path.is_file() or not getattr(tokenizer, "chat_template", None):
         return None
@@ -182,19 +183,39 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     if fmt == "text":
         return None
     picked = None if args.dataset_mixer_unit == "tokens" else _select(spec, args, list(range(len(lines))), None, seed)
+    convert = functools.partial(_parse_and_convert, fmt=fmt)
     labelled = label_rows(tokenizer, list(enumerate(lines)), args.train_on, args.preprocessing_num_workers,
-                          convert=functools.partial(_parse_and_convert, fmt=fmt),
-                          wanted=None if picked is None else set(picked))
-    if labelled.invalid:
-        if args.on_bad_row == "drop":
-            return None
-        # As the serial path reports them: a line that is not JSON first, then a row that is not valid.
-        i, error = min(labelled.invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
-        where = str(path) if error.reason == "invalid_json" else spec.name
-        raise UserError(f"{where} line {numbers[i]}: {error}")
+                          convert=convert, wanted=None if picked is None else set(picked))
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(lines))
-    sink = _RowSink(lambda i: f"{spec.name} line {numbers[i]}", report, drop=args.on_bad_row == "drop")
-    return _chat_rows(spec, args, labelled, picked, sink, report, seed), report
+    if not labelled.invalid:
+        sink = _RowSink(lambda i: f"{spec.name} line {numbers[i]}", report, drop=args.on_bad_row == "drop")
+        return _chat_rows(spec, args, labelled, picked, sink, report, seed), report
+    if args.on_bad_row != "drop":  # as the serial read reports them: a line that is not JSON first
+        i, error = min(labelled.invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
+        raise UserError(f"{str(path) if error.reason == 'invalid_json' else spec.name} line {numbers[i]}: {error}")
+    # Dropping bad rows: number the rows (the lines that parse) and draw the selection from the valid
+    # ones as the serial read does; label the selected rows the speculative selection missed.
+    unreadable = {i for i, error in labelled.invalid if error.reason == "invalid_json"}
+    line_of = [i for i in range(len(lines)) if i not in unreadable]
+    row_of = {line: row for row, line in enumerate(line_of)}
+    if unreadable:
+        report.dropped["invalid_json"] += len(unreadable)
+    sink = _RowSink(lambda row: f"{spec.name} line {numbers[line_of[row]]}", report, drop=True)
+    for i, error in labelled.invalid:
+        if i not in unreadable:
+            sink.reject(row_of[i], error)
+    invalid = {i for i, _ in labelled.invalid}
+    keep = None
+    if picked is not None:
+        picked = _select(spec, args, [row for row, line in enumerate(line_of) if line not in invalid], None, seed)
+        missing = sorted({line_of[row] for row in picked} - set(labelled.position) - {i for i, _ in labelled.errors})
+        if missing:
+            labelled = labelled.then(label_rows(tokenizer, [(i, lines[i]) for i in missing], args.train_on,
+                                                args.preprocessing_num_workers, convert=convert))
+        keep = set(picked)
+    renumbered = Labelled(labelled.rows, {row_of[i]: p for i, p in labelled.position.items()},
+                          [(row_of[i], e) for i, e in labelled.errors if keep is None or row_of[i] in keep], [])
+    return _chat_rows(spec, args, renumbered, picked, sink, report, seed), report
 
 
 def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict[int, list[int]]:

@@ -40,6 +40,14 @@ class Labelled:
     errors: list[tuple[int, RowError]]  # in row-index order
     invalid: list[tuple[int, RowError]]  # in row-index order
 
+    def then(self, other: "Labelled") -> "Labelled":
+        """These rows and `other`'s (labelled from other row indices)."""
+        offset = len(self.rows)
+        return Labelled(TokenRows.concat([self.rows, other.rows]),
+                        {**self.position, **{i: offset + p for i, p in other.position.items()}},
+                        sorted(self.errors + other.errors, key=lambda error: error[0]),
+                        sorted(self.invalid + other.invalid, key=lambda error: error[0]))
+
 
 def _label_mismatch() -> RowError:
     return RowError("the trained tokens do not decode to the assistant turns (the tokenizer merges across a turn "
