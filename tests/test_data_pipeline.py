@@ -238,6 +238,28 @@ def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, m
                                                    else set())
 
 
+@pytest.mark.parametrize("count", ["1997", "2001"])
+def test_jsonl_read_in_the_workers_reports_too_large_counts_as_the_serial_read(tokenizer, tmp_path, monkeypatch,
+                                                                               count) -> None:
+    """More rows asked for than the valid rows (1996 of 1999 lines) or than the lines: the same error,
+    with the same numbers, as the serial read."""
+    from conftest import SAMPLE
+    from open_sft.data import pipeline
+
+    lines = SAMPLE.read_text().splitlines()[:1999]
+    lines[5], lines[50], lines[500] = "{oops", "[1]", json.dumps({"messages": [{"role": "user", "content": "q"}]})
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    args = DataArguments(dataset_mixer_list=[str(data), count], on_bad_row="drop")
+    messages = []
+    for path in (pipeline._jsonl_chat_rows, lambda *args: None):
+        monkeypatch.setattr(pipeline, "_jsonl_chat_rows", path)
+        with pytest.raises(UserError) as error:
+            pipeline.build_rows(args, tokenizer, 0)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and f"asked for {count} rows of {data} but it has 1996 usable rows" in messages[0]
+
+
 def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monkeypatch) -> None:
     """With two workers the parent splits the file into lines and parses only the first (for the format):
     every other row is parsed in the worker processes (whose calls the parent does not see)."""

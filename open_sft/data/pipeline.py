@@ -182,7 +182,11 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         return None
     if fmt == "text":
         return None
-    picked = None if args.dataset_mixer_unit == "tokens" else _select(spec, args, list(range(len(lines))), None, seed)
+    try:
+        picked = None if args.dataset_mixer_unit == "tokens" else _select(spec, args, list(range(len(lines))), None,
+                                                                          seed)
+    except UserError:  # more rows asked for than there are lines: the serial read says how many are valid
+        return None
     convert = functools.partial(_parse_and_convert, fmt=fmt)
     labelled = label_rows(tokenizer, list(enumerate(lines)), args.train_on, args.preprocessing_num_workers,
                           convert=convert, wanted=None if picked is None else set(picked))
@@ -193,8 +197,17 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     if args.on_bad_row != "drop":  # as the serial read reports them: a line that is not JSON first
         i, error = min(labelled.invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
         raise UserError(f"{str(path) if error.reason == 'invalid_json' else spec.name} line {numbers[i]}: {error}")
-    # Dropping bad rows: number the rows (the lines that parse) and draw the selection from the valid
-    # ones as the serial read does; label the selected rows the speculative selection missed.
+    rows = _dropping_bad_rows(spec, args, tokenizer, lines, numbers, labelled, picked is not None, convert, report,
+                              seed)
+    return rows, report
+
+
+def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], numbers: list[int],
+                       labelled: Labelled, by_rows: bool, convert: Callable, report: SourceReport,
+                       seed: int) -> TokenRows:
+    """`_jsonl_chat_rows` under --on_bad_row drop with bad rows: number the rows (the lines that parse)
+    and draw the selection from the valid ones as the serial read does, reusing the rows the workers
+    labelled and labelling the selected rows the speculative selection missed."""
     unreadable = {i for i, error in labelled.invalid if error.reason == "invalid_json"}
     line_of = [i for i in range(len(lines)) if i not in unreadable]
     row_of = {line: row for row, line in enumerate(line_of)}
@@ -205,8 +218,8 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         if i not in unreadable:
             sink.reject(row_of[i], error)
     invalid = {i for i, _ in labelled.invalid}
-    keep = None
-    if picked is not None:
+    picked, keep = None, None
+    if by_rows:
         picked = _select(spec, args, [row for row, line in enumerate(line_of) if line not in invalid], None, seed)
         missing = sorted({line_of[row] for row in picked} - set(labelled.position) - {i for i, _ in labelled.errors})
         if missing:
@@ -215,7 +228,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         keep = set(picked)
     renumbered = Labelled(labelled.rows, {row_of[i]: p for i, p in labelled.position.items()},
                           [(row_of[i], e) for i, e in labelled.errors if keep is None or row_of[i] in keep], [])
-    return _chat_rows(spec, args, renumbered, picked, sink, report, seed), report
+    return _chat_rows(spec, args, renumbered, picked, sink, report, seed)
 
 
 def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict[int, list[int]]:
