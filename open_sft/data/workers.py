@@ -79,15 +79,15 @@ def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tupl
     for n, (i, messages) in enumerate(work[bounds[0] : bounds[1]], start=1):
         if n % 4096 == 0:
             gc.collect(0)  # only objects made since the last call: cheap, and frees any cycles a template made
+        if convert is not None:
+            try:
+                messages = convert(messages)
+            except RowError as exc:
+                invalid.append((i, exc))
+                continue
+            if wanted is not None and i not in wanted:
+                continue
         try:
-            if convert is not None:
-                try:
-                    messages = convert(messages)
-                except RowError as exc:
-                    invalid.append((i, exc))
-                    continue
-                if wanted is not None and i not in wanted:
-                    continue
             rendered.append((i, trained_spans(tokenizer, messages, train_on, markers)))
         except RowError as exc:
             errors.append((i, exc))
