@@ -192,11 +192,13 @@ CONTENT_READING_TEMPLATE = (  # renders an assistant content twice when it menti
 )
 
 
-@pytest.mark.parametrize("template", ["tulu", "olmo", "simple_chat", "chatml", "llama3", "zephyr", "reading"])
+@pytest.mark.parametrize("template", ["tulu", "olmo", "simple_chat", "chatml", "llama3", "zephyr", "embedded", "reading"])
 def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -> None:
-    """Rows whose spans are read off their shape's layout (one render) get the same text and spans as
-    rendering every prefix; including padded contents (llama3 trims them), an answer repeated in the
-    prompt, and a template that reads the contents (such rows take the prefix path)."""
+    """Rows whose text and spans come from their shape's layout get the same text and spans as rendering
+    the row and every prefix with the template: both when the layout is filled without rendering (the
+    templates open_sft ships) and when the rendered row is checked against it; including padded
+    contents (llama3 trims them), braces, NULs and markers in contents, an answer repeated in the prompt,
+    and a template that reads the contents (such rows take the prefix path)."""
     from conftest import SAMPLE
     from open_sft.data import render as render_module
     from open_sft.data.formats import to_messages
@@ -205,30 +207,37 @@ def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
     if template == "reading":
         tokenizer.chat_template = CONTENT_READING_TEMPLATE
-    else:
+    elif template != "embedded":
         apply_chat_template_choice(tokenizer, template, None)
     rows = [to_messages(json.loads(line), "messages") for line in SAMPLE.read_text().splitlines()[:200]] + ROWS + [
         [{"role": "user", "content": "  Say 7.\n"}, {"role": "assistant", "content": " 7 \n"}],
         [{"role": "user", "content": "Echo: tool"}, {"role": "assistant", "content": "tool"},
-         {"role": "user", "content": "{braces} and }{"}, {"role": "assistant", "content": "ok {x}"}],
+         {"role": "user", "content": "{braces} and }{"}, {"role": "assistant", "content": "ok {x} {0} {}"}],
         [{"role": "system", "content": ""}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+        [{"role": "user", "content": "\x000\x00 and {{ messages }}"}, {"role": "assistant", "content": "\u3000 x\t\u3000"},
+         {"role": "user", "content": "<|assistant|>\n"}, {"role": "assistant", "content": "\n<|user|>\nno\n"}],
     ]
     markers = special_markers(tokenizer)
-    layout_ends = render_module._layout_ends
+    state = render_module._state(tokenizer)
+    assert (state.contents is not None) == (template != "reading")  # shipped templates are filled, not rendered
+    text_and_ends = render_module._text_and_ends
     used = []
-    monkeypatch.setattr(render_module, "_layout_ends", lambda *a: used.append(layout_ends(*a)) or used[-1])
-    for train_on in ("all_assistant", "last_assistant"):
+    monkeypatch.setattr(render_module, "_text_and_ends", lambda *a: used.append(text_and_ends(*a)) or used[-1])
+    for train_on in ("all_assistant", "last_assistant", "all"):
         fast = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
         with monkeypatch.context() as patch:
-            patch.setattr(render_module, "_layout_ends", lambda *a: None)
+            patch.setattr(state, "contents", None)  # render with Jinja, check against the layout
+            rendered = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
+            patch.setattr(render_module, "_text_and_ends", lambda state, m: (state.draw(m, False, None), None))
             slow = [trained_spans(tokenizer, r, train_on, markers) for r in rows]
-        assert fast == slow
-    _, draw, layouts = render_module._state(tokenizer)
-    for row in rows:  # the ends themselves are the prefix renderings' lengths
-        ends = layout_ends(draw, layouts, row, draw(row, False, None))
+        assert fast == rendered == slow
+    draw = state.draw
+    for row in rows:  # the text is the template's, and the ends are the prefix renderings' lengths
+        text, ends = text_and_ends(state, row)
+        assert text == tokenizer.apply_chat_template(row, tokenize=False)
         assert ends is None or ends == {i: (len(draw(row[:i], True, None)), len(draw(row[: i + 1], False, None)))
                                         for i, m in enumerate(row) if m["role"] == "assistant"}
-    by_layout = sum(ends is not None for ends in used)
-    assert by_layout >= len(used) - (4 if template == "reading" else 0)  # all rows, but those naming "tool"
-    if template == "reading":
-        assert by_layout < len(used)
+    naming_tool = sum(any(m["role"] == "assistant" and "tool" in m["content"] for m in r) for r in rows)
+    assert 0 < naming_tool < 4
+    by_layout = sum(ends is not None for _, ends in used)  # all rows, but (reading) those naming "tool"
+    assert by_layout == len(used) - (2 * 3 * naming_tool if template == "reading" else 0)  # 2 passes × 3 modes

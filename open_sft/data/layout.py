@@ -41,6 +41,15 @@ class Layout:
             inserted = [content.strip() for content in inserted]
             if self.text_format.format(*inserted) != text:
                 return None
+        return self._ends(inserted)
+
+    def fill(self, contents: list[str], trimmed: bool) -> tuple[str, dict[int, tuple[int, int]]]:
+        """The text of a row of this shape and its prefix ends, for a template known to write each
+        content once, in order, as it is (or stripped) and nothing that depends on it (templates.py)."""
+        inserted = [contents[j].strip() if trimmed else contents[j] for j in self.slots]
+        return self.text_format.format(*inserted), self._ends(inserted)
+
+    def _ends(self, inserted: list[str]) -> dict[int, tuple[int, int]]:
         content_chars = [0, *accumulate(map(len, inserted))]
         return {i: (p + content_chars[slots_p], t + content_chars[slots_t])
                 for i, (slots_p, p, slots_t, t) in self.ends.items()}

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.layout import Layout, build_layout
+from open_sft.data.templates import content_writing
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -69,37 +71,76 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
         return None
 
 
-def _state(tokenizer: PreTrainedTokenizerBase) -> tuple[str, Renderer, dict[tuple[str, ...], Optional[Layout]]]:
-    """(template, renderer, layouts by roles) of a tokenizer, made again when its template changes."""
+@dataclass
+class _Template:
+    """What rendering a tokenizer's current template needs: the renderer, the layouts of the shapes seen,
+    and (for a template open_sft ships) how it writes contents, so rows are filled into layouts."""
+
+    source: str
+    draw: Renderer
+    layouts: dict[tuple[str, ...], Optional[Layout]] = field(default_factory=dict)
+    contents: Optional[str] = None  # "as_is" / "trimmed": templates.content_writing
+
+
+def _state(tokenizer: PreTrainedTokenizerBase) -> _Template:
+    """The tokenizer's template state, made again when its template changes."""
     cached = _RENDERERS.get(tokenizer)
-    if cached is None or cached[0] != tokenizer.chat_template:
-        cached = (tokenizer.chat_template, _direct_renderer(tokenizer) or _public_renderer(tokenizer), {})
+    if cached is None or cached.source != tokenizer.chat_template:
+        cached = _Template(tokenizer.chat_template, _direct_renderer(tokenizer) or _public_renderer(tokenizer))
+        contents = content_writing(tokenizer.chat_template)
+        if contents is not None and _fill_agrees(cached, contents):
+            cached.contents = contents
         _RENDERERS[tokenizer] = cached
     return cached
 
 
 def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
     """The fastest renderer that matches apply_chat_template, checked once per tokenizer and template."""
-    return _state(tokenizer)[1]
+    return _state(tokenizer).draw
 
 
 _MAX_LAYOUTS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
 
 
-def _layout_ends(draw: Renderer, layouts: dict[tuple[str, ...], Optional[Layout]], messages: Messages,
-                 text: str) -> Optional[dict]:
-    """The prompt and turn ends of each assistant message read off its shape's layout (layout.py), or
-    None when the row must render its prefixes (rows with tools: their schemas are part of the text)."""
-    if getattr(messages, "tools", None) is not None:
-        return None
-    roles = tuple(m["role"] for m in messages)
-    if roles in layouts:
-        layout = layouts[roles]
-    else:
-        layout = build_layout(draw, roles)
-        if len(layouts) < _MAX_LAYOUTS:
-            layouts[roles] = layout
-    return None if layout is None else layout.prefix_ends([m["content"] for m in messages], text)
+def _layout(state: _Template, roles: tuple[str, ...]) -> Optional[Layout]:
+    if roles in state.layouts:
+        return state.layouts[roles]
+    layout = build_layout(state.draw, roles)
+    if len(state.layouts) < _MAX_LAYOUTS:
+        state.layouts[roles] = layout
+    return layout
+
+
+def _text_and_ends(state: _Template, messages: Messages) -> tuple[str, Optional[dict]]:
+    """The row's text and, when its shape's layout (layout.py) gives them, the prompt and turn ends of
+    each assistant message; else None, and the row renders its prefixes (rows with tools: their
+    schemas are part of the text). A template open_sft ships is not rendered at all: its layout is
+    filled with the contents, one string format instead of a Jinja render."""
+    tools = getattr(messages, "tools", None)
+    layout = None if tools is not None else _layout(state, tuple(m["role"] for m in messages))
+    if layout is None:
+        return state.draw(messages, False, tools), None
+    contents = [m["content"] for m in messages]
+    if state.contents is not None:
+        return layout.fill(contents, trimmed=state.contents == "trimmed")
+    text = state.draw(messages, False, None)
+    return text, layout.prefix_ends(contents, text)
+
+
+def _fill_agrees(state: _Template, contents: str) -> bool:
+    """Filling layouts gives the renderer's text and prefix ends on the probe conversations (a guard:
+    the special tokens or Jinja could make a shipped template render differently than assumed)."""
+    for k in range(2, len(_PROBE) + 1):
+        probe = _PROBE[:k]
+        layout = _layout(state, tuple(m["role"] for m in probe))
+        if layout is None:
+            return False
+        text, ends = layout.fill([m["content"] for m in probe], trimmed=contents == "trimmed")
+        if text != state.draw(probe, False, None) or ends != {
+                i: (len(state.draw(probe[:i], True, None)), len(state.draw(probe[: i + 1], False, None)))
+                for i, m in enumerate(probe) if m["role"] == "assistant"}:
+            return False
+    return True
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
@@ -134,16 +175,15 @@ def trained_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
     (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text."""
-    _, draw, layouts = _state(tokenizer)
-    tools = getattr(messages, "tools", None)
-    text = draw(messages, False, tools)
+    state = _state(tokenizer)
+    draw, tools = state.draw, getattr(messages, "tools", None)
+    text, known_ends = _text_and_ends(state, messages)
     if train_on == "all":
         return text, [(0, len(text))]
     assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "last_assistant":
         assistant_indices = assistant_indices[-1:]
     last = len(messages) - 1
-    known_ends = _layout_ends(draw, layouts, messages, text)
     spans = []
     for i in assistant_indices:
         if known_ends is not None:

@@ -69,10 +69,29 @@ ZEPHYR = (
 )
 
 
+# The embedded tiny model's template (open_sft/embedded/factory.py): tulu's turns after a bos token.
+EMBEDDED = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ '<|system|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}"
+    "{{ '<|user|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% else %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
 @dataclass(frozen=True)
 class BuiltinTemplate:
     source: str
     special_tokens: tuple[str, ...] = ()  # must be single tokens (added when the tokenizer lacks them)
+    contents: str = "as_is"  # how it writes each message's content: "as_is" or "trimmed" (see content_writing)
 
 
 BUILTIN_TEMPLATES = {
@@ -80,9 +99,19 @@ BUILTIN_TEMPLATES = {
     "olmo": BuiltinTemplate(OLMO),
     "simple_chat": BuiltinTemplate(SIMPLE_CHAT),
     "chatml": BuiltinTemplate(CHATML, ("<|im_start|>", "<|im_end|>")),
-    "llama3": BuiltinTemplate(LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
+    "llama3": BuiltinTemplate(LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "trimmed"),
     "zephyr": BuiltinTemplate(ZEPHYR),
 }
+_CONTENT_WRITING = {**{t.source: t.contents for t in BUILTIN_TEMPLATES.values()}, EMBEDDED: "as_is"}
+
+
+def content_writing(template: Optional[str]) -> Optional[str]:
+    """For a template open_sft ships, how it writes message contents: "as_is" or "trimmed". Each such
+    template writes every message's content exactly once, in message order, and nothing else in its
+    text depends on a content (it reads only roles, the special tokens and add_generation_prompt), so
+    a row's text is its shape's layout filled with the contents (render.py skips Jinja; tested equal to
+    rendering). None for any other template: nothing is assumed about it."""
+    return _CONTENT_WRITING.get(template) if template else None
 
 
 def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[str]) -> list[str]:

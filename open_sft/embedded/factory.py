@@ -23,6 +23,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from open_sft.data.templates import EMBEDDED
+
 logger = logging.getLogger(__name__)
 
 BOS_TOKEN = "<|bos|>"
@@ -36,23 +38,9 @@ MODEL_MAX_LENGTH = 2048
 VOCAB_MULTIPLE = 64
 DEFAULT_DATA_PATH = Path(__file__).resolve().parent / "data" / "sample.jsonl"
 
-# Tulu-style template. Prefix-stable: rendering messages[:k] (without a generation
-# prompt) is a string prefix of rendering all messages.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}"
-    "{{ '<|system|>\n' + message['content'] + '\n' }}"
-    "{% elif message['role'] == 'user' %}"
-    "{{ '<|user|>\n' + message['content'] + '\n' }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
-    "{% else %}"
-    "{{ raise_exception('Unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+# Tulu-style and prefix-stable: rendering messages[:k] (without a generation prompt) is a string
+# prefix of rendering all messages.
+CHAT_TEMPLATE = EMBEDDED
 
 
 def _round_up(value: int, multiple: int) -> int:
