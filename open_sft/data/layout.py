@@ -46,7 +46,9 @@ class Layout:
     def fill(self, contents: list[str], trimmed: bool) -> tuple[str, dict[int, tuple[int, int]]]:
         """The text of a row of this shape and its prefix ends, for a template known to write each
         content once, in order, as it is (or stripped) and nothing that depends on it (templates.py)."""
-        inserted = [contents[j].strip() if trimmed else contents[j] for j in self.slots]
+        inserted = contents if len(self.slots) == len(contents) else [contents[j] for j in self.slots]  # slots ascend
+        if trimmed:
+            inserted = [content.strip() for content in inserted]
         return self.text_format.format(*inserted), self._ends(inserted)
 
     def _ends(self, inserted: list[str]) -> dict[int, tuple[int, int]]:

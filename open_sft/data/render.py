@@ -10,7 +10,7 @@ boundary; the token step (tokenize.py) turns the spans into labels.
 
 from __future__ import annotations
 
-import functools
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -80,6 +80,8 @@ class _Template:
     draw: Renderer
     layouts: dict[tuple[str, ...], Optional[Layout]] = field(default_factory=dict)
     contents: Optional[str] = None  # "as_is" / "trimmed": templates.content_writing
+    markers: tuple[str, ...] = ()  # the markers `end_of_turn` remembers lengths for
+    end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
 
 
 def _state(tokenizer: PreTrainedTokenizerBase) -> _Template:
@@ -100,6 +102,8 @@ def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
 
 
 _MAX_LAYOUTS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
+_MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
+_ROLE, _CONTENT = operator.itemgetter("role"), operator.itemgetter("content")
 
 
 def _layout(state: _Template, roles: tuple[str, ...]) -> Optional[Layout]:
@@ -117,10 +121,10 @@ def _text_and_ends(state: _Template, messages: Messages) -> tuple[str, Optional[
     schemas are part of the text). A template open_sft ships is not rendered at all: its layout is
     filled with the contents, one string format instead of a Jinja render."""
     tools = getattr(messages, "tools", None)
-    layout = None if tools is not None else _layout(state, tuple(m["role"] for m in messages))
+    layout = None if tools is not None else _layout(state, tuple(map(_ROLE, messages)))
     if layout is None:
         return state.draw(messages, False, tools), None
-    contents = [m["content"] for m in messages]
+    contents = list(map(_CONTENT, messages))
     if state.contents is not None:
         return layout.fill(contents, trimmed=state.contents == "trimmed")
     text = state.draw(messages, False, None)
@@ -157,16 +161,18 @@ def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     return tuple(sorted(tokens, key=len, reverse=True))
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _end_of_turn_length(suffix: str, markers: tuple[str, ...]) -> int:
+def _end_of_turn_length(state: _Template, suffix: str, markers: tuple[str, ...]) -> int:
     """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
-    everything up to and including the last special-token marker, nothing after it. Remembered: a few
-    suffixes recur in every row, and Llama 3 has 256 special tokens to look for."""
-    end = 0
-    for marker in markers:
-        position = suffix.rfind(marker)
-        if position >= 0:
-            end = max(end, position + len(marker))
+    everything up to and including the last special-token marker, nothing after it. Remembered per
+    template state (keyed by the suffix alone while the markers are the same object: hashing Llama 3's
+    256 markers for every row would cost more than the lookup saves); a few suffixes recur in every row."""
+    if state.markers is not markers:
+        state.markers, state.end_of_turn = markers, {}
+    end = state.end_of_turn.get(suffix)
+    if end is None:
+        end = max((suffix.rfind(marker) + len(marker) for marker in markers if marker in suffix), default=0)
+        if len(state.end_of_turn) < _MAX_SUFFIXES:
+            state.end_of_turn[suffix] = end
     return end
 
 
@@ -180,7 +186,10 @@ def trained_spans(
     text, known_ends = _text_and_ends(state, messages)
     if train_on == "all":
         return text, [(0, len(text))]
-    assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if known_ends is not None:  # its keys: the assistant messages, in order
+        assistant_indices = list(known_ends)
+    else:
+        assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "last_assistant":
         assistant_indices = assistant_indices[-1:]
     last = len(messages) - 1
@@ -203,5 +212,5 @@ def trained_spans(
         if start < 0 or start >= through_length:
             raise RowError(f"message {i + 1} (assistant): its content does not appear in the rendered template")
         content_end = start + len(content)
-        spans.append((start, content_end + _end_of_turn_length(text[content_end:through_length], markers)))
+        spans.append((start, content_end + _end_of_turn_length(state, text[content_end:through_length], markers)))
     return text, spans
