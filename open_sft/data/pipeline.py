@@ -14,7 +14,7 @@ import gc
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -31,7 +31,7 @@ from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_li
                                   source_identity)
 from open_sft.data.token_rows import TokenRows, fit_rows
 from open_sft.data.tokenize import Example
-from open_sft.data.workers import Labelled, label_rows
+from open_sft.data.workers import Labelled, Numbered, label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -150,10 +150,10 @@ def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[l
     if picked is None:
         lengths = labelled.rows.lengths()
         picked = _select(spec, args, sorted(position), {i: int(lengths[p]) for i, p in position.items()}, seed)
-    selected = [i for i in picked if i in position]
-    report.rows_selected = len(selected)
-    rows, dropped, report.truncated = fit_rows(labelled.rows, np.array([position[i] for i in selected], dtype=np.int64),
-                                               args.max_seq_length, args.truncation)
+    found = np.fromiter(map(position.get, picked, repeat(-1)), dtype=np.int64, count=len(picked))
+    found = found[found >= 0]  # the selected rows that were labelled, in selection order
+    report.rows_selected = len(found)
+    rows, dropped, report.truncated = fit_rows(labelled.rows, found, args.max_seq_length, args.truncation)
     report.dropped.update(dropped)
     report.rows_kept = len(rows)
     return rows
@@ -188,7 +188,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     except UserError:  # more rows asked for than there are lines: the serial read says how many are valid
         return None
     convert = functools.partial(_parse_and_convert, fmt=fmt)
-    labelled = label_rows(tokenizer, list(enumerate(lines)), args.train_on, args.preprocessing_num_workers,
+    labelled = label_rows(tokenizer, Numbered(lines), args.train_on, args.preprocessing_num_workers,
                           convert=convert, wanted=None if picked is None else set(picked))
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(lines))
     if not labelled.invalid:
