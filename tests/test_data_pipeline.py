@@ -298,3 +298,19 @@ def test_bad_row_reason_survives_a_worker_process() -> None:
 
     restored = pickle.loads(pickle.dumps(RowError("message 2 (assistant) is empty", "empty_assistant")))
     assert (str(restored), restored.reason) == ("message 2 (assistant) is empty", "empty_assistant")
+
+
+@pytest.mark.parametrize("content", [
+    '{"a": 1}\n{"a": 2}\n', '{"a": 1}\n{"a": 2}', '{"a": 1}\r\n\r\n{"a": 2}\r\n', '\n\n{"a": 1}\n  \t\n{"a": 2}\n\n',
+    '{"a": 1}\r{"a": 2}\n\u3000\n{"a": "x\x0cy\u2028z"}\n', '', '\n', '{"a": 1}\n\n'])
+def test_read_lines_gives_the_files_non_blank_lines_and_their_numbers(tmp_path, content) -> None:
+    """As iterating the file (universal newlines) and skipping whitespace-only lines would, whatever the
+    line endings, blank lines, a missing final newline, or characters str.splitlines would split at."""
+    from open_sft.data.sources import read_lines
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(content.encode())
+    with path.open(encoding="utf-8") as handle:
+        expected = [(number, line.rstrip("\n")) for number, line in enumerate(handle, start=1) if not line.isspace()]
+    lines, numbers = read_lines(path)
+    assert list(zip(numbers, lines)) == expected
