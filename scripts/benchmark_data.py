@@ -100,6 +100,8 @@ def main() -> int:
         "raw_tokenizer_tokens_per_s": round(raw_tokens / raw_s),
         "build_over_raw_tokenizer": round((tokens / build_s) / (raw_tokens / raw_s), 3),
         "build_over_raw_tokenizer_gc_on": round((tokens / build_s) / (raw_tokens / raw_gc_s), 3),
+        # each repeat's ratio (its raw encode ran just before its build): how much the machine's noise moves it
+        "build_over_raw_each": [round(raw / build, 3) for raw, build in zip(raw_times, build_times)],
         "build_s_each": [round(t, 2) for t in build_times], "raw_s_each": [round(t, 2) for t in raw_times],
         "raw_gc_on_s_each": [round(t, 2) for t in raw_gc_times],
         "cache_hit_load_s": round(hit_s, 3), "cache_hit": hit.cache_hit,

@@ -187,3 +187,4 @@ def test_benchmark_data_runs_on_chat_rows_and_documents(tiny_model_dir, tmp_path
     else:  # documents spliced into blocks of 128 tokens (a last block of one token is left out)
         assert numbers["examples"] in (numbers["tokens"] // 128, -(-numbers["tokens"] // 128))
     assert numbers["build_tokens_per_s"] > 0 and numbers["raw_tokenizer_tokens_per_s"] > 0
+    assert len(numbers["build_over_raw_each"]) == 1 and numbers["build_over_raw_each"][0] > 0
