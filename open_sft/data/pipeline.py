@@ -257,11 +257,15 @@ def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int]
 
 
 def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
-    read_by_workers = _jsonl_chat_rows(spec, args, tokenizer, seed)
-    if read_by_workers is not None:
-        rows, report = read_by_workers
-        report.tokens, report.trained_tokens, report.examples = _counts(rows)
-        return rows, report
+    """A source's training examples and its report: read by the workers when they can, else serially."""
+    rows, report = _jsonl_chat_rows(spec, args, tokenizer, seed) or _serial_rows(spec, args, tokenizer, seed)
+    report.tokens, report.trained_tokens, report.examples = _counts(rows)
+    return rows, report
+
+
+def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
+    """Any source, read and converted in this process; chat rows are then rendered and labelled by the
+    workers, documents tokenized here."""
     source = read_source(spec, drop_bad=args.on_bad_row == "drop")
     fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(source.rows[0], source.where(0))
     if fmt != "text":
@@ -284,7 +288,6 @@ def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
         labelled = label_rows(tokenizer, [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))],
                               args.train_on, args.preprocessing_num_workers)
         rows = _chat_rows(spec, args, labelled, picked, sink, report, seed)
-    report.tokens, report.trained_tokens, report.examples = _counts(rows)
     return rows, report
 
 
