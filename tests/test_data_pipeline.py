@@ -125,13 +125,14 @@ def test_on_bad_row_drop_counts_reasons(tokenizer, tmp_path) -> None:
         json.dumps(good), "{broken", json.dumps({"messages": [{"role": "gpt", "content": "x"}]}),
         json.dumps({"messages": [{"role": "user", "content": "q"}]}),
         json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}),
-        json.dumps(good)]) + "\n")
+        json.dumps({"messages": [{"role": "tool", "content": "3"}, {"role": "assistant", "content": "3"}]}),
+        json.dumps(good)]) + "\n")  # the tiny model's template raises on a tool turn
     args = DataArguments(dataset_mixer_list=[str(path), "1.0"], on_bad_row="drop")
     examples, reports = build_examples(args, tokenizer, 0)
     assert len(examples) == 2
     assert dict(reports[0].dropped) == {"invalid_json": 1, "unknown_role": 1, "no_final_assistant": 1,
-                                        "empty_assistant": 1}
-    assert reports[0].rows_in == 6 and reports[0].rows_kept == 2
+                                        "empty_assistant": 1, "template_error": 1}
+    assert reports[0].rows_in == 7 and reports[0].rows_kept == 2
 
 
 def test_mixer_amounts() -> None:

@@ -43,9 +43,13 @@ def run_main(capsys, model: str, data: str, output_dir) -> str:
         (["[1, 2]"], "bad.jsonl line 1: expected a JSON object, got list"),
         ([json.dumps(GOOD), json.dumps({"messages": [{"role": "gpt", "content": "x"}]}), json.dumps(GOOD), "{oops",
           json.dumps(GOOD)], "bad.jsonl line 4: not valid JSON"),  # a line that is not JSON is reported first
+        ([json.dumps(GOOD), json.dumps(GOOD), json.dumps({"messages": [
+            {"role": "user", "content": "add 1 and 2"}, {"role": "tool", "content": "3"},
+            {"role": "assistant", "content": "3"}]})],  # the tiny model's own template has no tool role
+         "bad.jsonl line 3: the chat template rejects this conversation (Unknown role: tool); fix the row"),
     ],
     ids=["malformed-json", "no-messages", "unknown-format", "bad-role", "ends-with-user", "messages-not-list",
-         "not-object", "json-before-row-errors"],
+         "not-object", "json-before-row-errors", "template-rejects-row"],
 )
 def test_bad_rows(tmp_path, capsys, tiny_model_dir, lines, expected) -> None:
     data = write_lines(tmp_path / "bad.jsonl", lines)

@@ -15,6 +15,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
@@ -180,7 +181,19 @@ def trained_spans(
     tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
-    (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text."""
+    (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text. A
+    template that rejects the row (raise_exception: a role it does not know, turns that do not
+    alternate) makes it a bad row, reported with its place or dropped, not a crash."""
+    try:
+        return _trained_spans(tokenizer, messages, train_on, markers)
+    except TemplateError as exc:
+        raise RowError(f"the chat template rejects this conversation ({exc}); fix the row, choose another template "
+                       "with --chat_template_name or --chat_template_path, or skip such rows with --on_bad_row drop",
+                       "template_error") from None
+
+
+def _trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str,
+                   markers: tuple[str, ...]) -> tuple[str, list[tuple[int, int]]]:
     state = _state(tokenizer)
     draw, tools = state.draw, getattr(messages, "tools", None)
     text, known_ends = _text_and_ends(state, messages)
