@@ -241,3 +241,52 @@ def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -
     assert 0 < naming_tool < 4
     by_layout = sum(ends is not None for _, ends in used)  # all rows, but (reading) those naming "tool"
     assert by_layout == len(used) - (2 * 3 * naming_tool if template == "reading" else 0)  # 2 passes × 3 modes
+
+
+# Mistral-style: the system prompt goes into the last user turn, so rendering the first messages of a
+# multi-turn conversation with a system prompt is not a prefix of rendering all of them.
+SYSTEM_IN_LAST_USER_TURN = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set turns = messages[1:] %}{%- else %}{%- set turns = messages %}{%- endif %}"
+    "{%- set last_user = namespace(index=-1) %}{%- for m in turns %}{%- if m['role'] == 'user' %}"
+    "{%- set last_user.index = loop.index0 %}{%- endif %}{%- endfor %}{{- bos_token }}"
+    "{%- for m in turns %}{%- if m['role'] == 'user' %}"
+    "{%- if loop.index0 == last_user.index and system is defined %}{{- '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] + eos_token }}"
+    "{%- else %}{{- raise_exception('unknown role ' + m['role']) }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_template_that_is_not_prefix_stable_falls_back_to_locating_the_turns(tokenizer) -> None:
+    """Multi-turn rows with a system prompt under a template that moves it into the last user turn:
+    each assistant content is located by rendering the row with a marker in its place, and exactly the
+    contents and their end of turn are trained (labels checked by decoding). A template that also
+    changes with the assistant's content cannot be located: the row is rejected with the reason."""
+    from open_sft.data.formats import RowError
+
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
+    tokenizer.chat_template = SYSTEM_IN_LAST_USER_TURN
+    rows = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse cat."},
+             {"role": "assistant", "content": "tac"}, {"role": "user", "content": "Uppercase it."},
+             {"role": "assistant", "content": " TAC\n"}, {"role": "user", "content": "Twice?"},
+             {"role": "assistant", "content": "TACTAC"}],
+            ROWS[1]]
+    markers = special_markers(tokenizer)
+    text = tokenizer.apply_chat_template(rows[0], tokenize=False)
+    assert not text.startswith(tokenizer.apply_chat_template(rows[0][:3], tokenize=False))  # not prefix-stable
+    examples, right = label_and_check(tokenizer, [trained_spans(tokenizer, r, "all_assistant", markers) for r in rows])
+    eos = tokenizer.eos_token
+    assert right == [True, True]
+    # (the content's trailing newline lies between it and its end of turn: trained with it, as on any template)
+    assert [run.strip() for run in trained_runs(tokenizer, examples[0])] == ["tac" + eos, "TAC\n" + eos,
+                                                                           "TACTAC" + eos]
+    assert [run.strip() for run in trained_runs(tokenizer, examples[1])] == ["tac" + eos, "TAC" + eos]
+    untrained = tokenizer.decode([t for t, l in zip(examples[0].input_ids, examples[0].labels) if l == IGNORE_INDEX])
+    assert "Be brief." in untrained and "Uppercase it." in untrained and "TAC" not in untrained
+
+    tokenizer.chat_template = SYSTEM_IN_LAST_USER_TURN.replace(  # writes more after short answers
+        "{{- ' ' + m['content'] + eos_token }}",
+        "{{- ' ' + m['content'] + (' (short)' if m['content'] | length < 4 else '') + eos_token }}")
+    with pytest.raises(RowError, match="not prefix-stable .* changes with the assistant's content"):
+        trained_spans(tokenizer, rows[0], "all_assistant", markers)

@@ -3,7 +3,8 @@
 The trained character spans are found by rendering prefixes of the conversation: for assistant
 message i, `render(messages[:i], add_generation_prompt=True)` ends where its content starts, and
 `render(messages[:i+1])` ends after its end-of-turn marker. Both must be prefixes of the full
-rendering (the template is prefix-stable for this row), else the row is rejected. Working in
+rendering (the template is prefix-stable for this row); where they are not, the content is located by
+rendering the row with a marker in its place (`_marked_ends`), else the row is rejected. Working in
 characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
 boundary; the token step (tokenize.py) turns the spans into labels.
 """
@@ -177,6 +178,32 @@ def _end_of_turn_length(state: _Template, suffix: str, markers: tuple[str, ...])
     return end
 
 
+_MARK = "\x00assistant content\x00"  # a string no template writes by itself
+
+
+def _marked_ends(state: _Template, messages: Messages, tools: Optional[list], text: str, i: int,
+                 markers: tuple[str, ...]) -> Optional[tuple[int, int]]:
+    """The fallback for a template that is not prefix-stable for this row (one that writes the system
+    prompt into the last user turn, say): where assistant message i's content starts in `text` and
+    where its turn ends. Its place: the row rendered with that content replaced by a marker must be
+    `text` with the content (as is, or stripped) in the marker's place. Its end of turn: what the
+    template writes after the content when it is the last message, up to the last special token, which
+    must follow it in `text` as well. None when either fails (the template reads the content)."""
+    marked = [dict(m, content=_MARK) if k == i else m for k, m in enumerate(messages)]
+    before, *after = state.draw(marked, False, tools).split(_MARK)
+    content = messages[i]["content"]
+    if len(after) != 1 or not any(before + inserted + after[0] == text for inserted in (content, content.strip())):
+        return None
+    content_end = len(text) - len(after[0])
+    _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
+    if len(closing) != 1:
+        return None
+    closing = closing[0][: _end_of_turn_length(state, closing[0], markers)]
+    if not text.startswith(closing, content_end):
+        return None
+    return len(before), content_end + len(closing)
+
+
 def trained_spans(
     tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
 ) -> tuple[str, list[tuple[int, int]]]:
@@ -214,12 +241,16 @@ def _trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train
             prompt = draw(messages[:i], True, tools)
             # The final turn's prefix is all the messages: the text itself, no need to render it again.
             through = text if i == last else draw(messages[: i + 1], False, tools)
-            if not (text.startswith(prompt) and text.startswith(through)):
-                raise RowError(
-                    "the chat template is not prefix-stable for this conversation (rendering the first "
-                    f"{i} messages is not a prefix of the full rendering); choose another template"
-                )
-            prompt_length, through_length = len(prompt), len(through)
+            if text.startswith(prompt) and text.startswith(through):
+                prompt_length, through_length = len(prompt), len(through)
+            else:
+                found = _marked_ends(state, messages, tools, text, i, markers)
+                if found is None:
+                    raise RowError(
+                        "the chat template is not prefix-stable for this conversation (rendering the first "
+                        f"{i} messages is not a prefix of the full rendering) and its rendering changes with "
+                        "the assistant's content, so the turn cannot be located; choose another template")
+                prompt_length, through_length = found
         content = messages[i]["content"].strip()
         start = text.find(content, prompt_length)
         if start < 0 or start >= through_length:
