@@ -144,11 +144,11 @@ class ByteLabelled:
     right: np.ndarray  # per labelled row: its trained runs decode to its spans
 
 
-def label_byte_level(table: ByteTable, backend: Any, texts_and_spans: list[tuple[str, Spans]],
+def label_byte_level(table: ByteTable, id_rows: list[list[int]], texts_and_spans: list[tuple[str, Spans]],
                      check: bool) -> ByteLabelled:
-    """Encode every row without offsets and label the rows this path can take (module docstring)."""
+    """Label the rows this path can take (module docstring), from their token ids (encoded without
+    offsets, no special tokens added)."""
     texts = [text for text, _ in texts_and_spans]
-    id_rows = [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
     lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
     ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int32, count=int(lengths.sum()))
     bounds = row_bounds(lengths)

@@ -119,6 +119,24 @@ def _decode_runs(tokenizer: PreTrainedTokenizerBase, runs: list[list[int]]) -> l
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """A batch's tokens, the first half of `label_batch`: made apart from the labelling so that it can
+    run on another thread while this one labels the batch before (the Rust tokenizer releases the GIL).
+    Token ids only, for the byte-level path; the `tokenizers.Encoding`s (with offsets) for the other."""
+
+    id_rows: Optional[list[list[int]]] = None
+    encodings: Optional[list[Any]] = None
+
+
+def encode_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> Encoded:
+    """Encode the rendered texts as `label_batch` needs them, no special tokens added."""
+    backend = _plain_backend(tokenizer)
+    if backend is not None and byte_table(tokenizer) is not None:
+        return Encoded(id_rows=[encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)])
+    return Encoded(encodings=_encode(tokenizer, texts))
+
+
+@dataclass(frozen=True)
 class LabelledBatch:
     """The tokenized rows of a batch and, per row, whether its labels passed the check."""
 
@@ -127,18 +145,19 @@ class LabelledBatch:
 
 
 def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
-                check: bool = True) -> LabelledBatch:
+                check: bool = True, encoded: Optional[Encoded] = None) -> LabelledBatch:
     """Tokenize and label rendered conversations, and say for each whether its labels are right: the
     decoded runs of trained tokens equal the trained character spans, run for span (modulo the
     whitespace a boundary token may carry). A tokenizer that merges across a turn boundary fails it.
-    With check=False every row counts as right (train_on all: nothing to check)."""
+    With check=False every row counts as right (train_on all: nothing to check). `encoded`: the
+    texts' `encode_batch`, when it was made beforehand."""
     if not texts_and_spans:
         return LabelledBatch(TokenRows.empty(), np.zeros(0, dtype=bool))
-    backend = _plain_backend(tokenizer)
-    table = byte_table(tokenizer) if backend is not None else None
-    if table is None:
-        return _label_by_offsets(tokenizer, texts_and_spans, check)
-    fast = label_byte_level(table, backend, texts_and_spans, check)
+    if encoded is None:
+        encoded = encode_batch(tokenizer, [text for text, _ in texts_and_spans])
+    if encoded.id_rows is None:
+        return _label_by_offsets(tokenizer, texts_and_spans, check, encoded.encodings)
+    fast = label_byte_level(byte_table(tokenizer), encoded.id_rows, texts_and_spans, check)
     if fast.taken.all():
         return LabelledBatch(fast.rows, fast.right)
     taken, left = np.flatnonzero(fast.taken), np.flatnonzero(~fast.taken)
@@ -150,11 +169,12 @@ def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[
 
 
 def _label_by_offsets(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
-                      check: bool) -> LabelledBatch:
+                      check: bool, encodings: Optional[list[Any]] = None) -> LabelledBatch:
     """label_batch for any tokenizer: labels from the encodings' offsets, checked by decoding."""
     if not texts_and_spans:
         return LabelledBatch(TokenRows.empty(), np.zeros(0, dtype=bool))
-    encodings = _encode(tokenizer, [text for text, _ in texts_and_spans])
+    if encodings is None:
+        encodings = _encode(tokenizer, [text for text, _ in texts_and_spans])
     id_rows = [encoding.ids for encoding in encodings]
     lengths = np.fromiter(map(len, id_rows), dtype=np.int64, count=len(id_rows))
     ids = np.fromiter(chain.from_iterable(id_rows), dtype=np.int32, count=int(lengths.sum()))

@@ -1,7 +1,8 @@
 """Render, tokenize and check conversations, in process or across --preprocessing_num_workers processes.
 
-In one process the Rust tokenizer encodes a batch on its own threads while the Python steps (the
-Jinja template, labelling, the label check) run on one core. With N workers each forked process
+In one process the Rust tokenizer encodes a chunk on its own threads while the Python steps (the
+template, labelling, the label check) run on this one, for the chunks before and after: their time
+overlaps the encode's instead of adding to it. With N workers each forked process
 takes whole chunks through every step with a single-threaded tokenizer, so all cores do all the
 work: on 2 cores this is faster than one process, and it scales with the cores of a real node.
 """
@@ -23,13 +24,15 @@ from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
 from open_sft.data.render import special_markers, trained_spans
 from open_sft.data.token_rows import TokenRows
-from open_sft.data.tokenize import LabelledBatch, label_batch
+from open_sft.data.tokenize import Encoded, LabelledBatch, encode_batch, label_batch
 
 logger = logging.getLogger(__name__)
 
 _STATE: dict[str, Any] = {}  # set before forking; the children read it (copy-on-write, nothing pickled)
 _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it saves
 _MIN_ROWS_PER_CHUNK = 128
+_IN_PROCESS_CHUNK = 1024  # rows encoded at a time in one process: enough for the tokenizer's threads
+_Part = tuple[list[int], LabelledBatch, list[tuple[int, RowError]], list[tuple[int, RowError]]]
 
 
 class Numbered:
@@ -84,15 +87,22 @@ def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tuple[int, RowError]],
-                                              list[tuple[int, RowError]]]:
-    """For the work items in [start, stop): the row indices rendered, their labelled batch, the (row
-    index, RowError) of the rows that could not be rendered, and of those that could not be converted."""
+@dataclass
+class _Rendered:
+    """A chunk's work items rendered: the row indices and their (text, trained spans), and the (row
+    index, RowError) of the items that could not be rendered, and of those that could not be converted."""
+
+    indices: list[int]
+    texts_and_spans: list[tuple[str, list[tuple[int, int]]]]
+    errors: list[tuple[int, RowError]]
+    invalid: list[tuple[int, RowError]]
+
+
+def _render(bounds: tuple[int, int]) -> _Rendered:
+    """Convert (when the items are raw rows) and render the work items in [start, stop)."""
     tokenizer, train_on, markers, work, convert, wanted = (
         _STATE[k] for k in ("tokenizer", "train_on", "markers", "work", "convert", "wanted"))
-    errors: list[tuple[int, RowError]] = []
-    invalid: list[tuple[int, RowError]] = []
-    rendered = []
+    done = _Rendered([], [], [], [])
     for n, (i, messages) in enumerate(work[bounds[0] : bounds[1]], start=1):
         if n % 4096 == 0:
             gc.collect(0)  # only objects made since the last call: cheap, and frees any cycles a template made
@@ -100,16 +110,52 @@ def _chunk(bounds: tuple[int, int]) -> tuple[list[int], LabelledBatch, list[tupl
             try:
                 messages = convert(messages)
             except RowError as exc:
-                invalid.append((i, exc))
+                done.invalid.append((i, exc))
                 continue
             if wanted is not None and i not in wanted:
                 continue
         try:
-            rendered.append((i, trained_spans(tokenizer, messages, train_on, markers)))
+            done.texts_and_spans.append(trained_spans(tokenizer, messages, train_on, markers))
         except RowError as exc:
-            errors.append((i, exc))
-    batch = label_batch(tokenizer, [texts_and_spans for _, texts_and_spans in rendered], check=train_on != "all")
-    return [i for i, _ in rendered], batch, errors, invalid
+            done.errors.append((i, exc))
+            continue
+        done.indices.append(i)
+    return done
+
+
+def _label(rendered: _Rendered, encoded: Optional[Encoded] = None) -> _Part:
+    batch = label_batch(_STATE["tokenizer"], rendered.texts_and_spans, check=_STATE["train_on"] != "all",
+                        encoded=encoded)
+    return rendered.indices, batch, rendered.errors, rendered.invalid
+
+
+def _chunk(bounds: tuple[int, int]) -> _Part:
+    """A worker's whole job for the work items in [start, stop)."""
+    return _label(_render(bounds))
+
+
+def _in_process(rows: int) -> list[_Part]:
+    """All chunks in this process, overlapped: a thread has the Rust tokenizer encode one chunk (on
+    its own threads, without the GIL) while this one renders the next and labels the one before, so
+    the Python steps do not add their time to the encode's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer, parts, pending = _STATE["tokenizer"], [], None
+    with ThreadPoolExecutor(1) as encoder:
+        for bounds in _even_chunks(rows):
+            rendered = _render(bounds)
+            encoding = encoder.submit(encode_batch, tokenizer, [text for text, _ in rendered.texts_and_spans])
+            if pending is not None:
+                parts.append(_label(pending[0], pending[1].result()))
+            pending = (rendered, encoding)
+        if pending is not None:
+            parts.append(_label(pending[0], pending[1].result()))
+    return parts
+
+
+def _even_chunks(rows: int) -> list[tuple[int, int]]:
+    """[start, stop) of chunks of _IN_PROCESS_CHUNK rows (the last may be smaller)."""
+    return [(start, min(rows, start + _IN_PROCESS_CHUNK)) for start in range(0, rows, _IN_PROCESS_CHUNK)]
 
 
 @contextlib.contextmanager
@@ -139,7 +185,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     try:
         workers = max(1, min(workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
-            parts = [_chunk((0, len(work)))]
+            parts = _in_process(len(work))
         else:
             import multiprocessing
 
