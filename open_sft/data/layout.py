@@ -1,7 +1,8 @@
 """One template render per row: a conversation shape's layout, with the contents as slots.
 
-The label step needs, for each assistant turn, where its prompt ends and where its turn ends in the
-rendered text. Rendering those two prefixes of every row (render.py's definition) costs two more
+The label step needs, for each assistant turn, where its prompt ends, where its content starts (its
+slot: a search for the content could find it in text the template writes before it, such as an empty
+`<think>` block) and where its turn ends in the rendered text. Rendering those two prefixes of every row (render.py's definition) costs two more
 template renders per assistant turn: most of a build's time. Rows share few shapes (the sequence of
 roles), so for each shape the prefixes are rendered once with placeholder contents, and the result is
 kept as a layout: the literal text between content slots, and each prefix's end as a place in it.
@@ -29,13 +30,14 @@ _SLOT_PATTERN = re.compile("\x00(\\d+)\x00")
 class Layout:
     text_format: str  # the shape's literal text, "{}" where each slot's content goes (other braces doubled)
     slots: tuple[int, ...]  # the message whose content fills each slot, in text order
-    # assistant message i → for the end of its prompt and the end of its turn: (slots before that end,
-    # literal characters before it)
-    ends: dict[int, tuple[int, int, int, int]]
+    # assistant message i → for the end of its prompt, the start of its content (its slot) and the end
+    # of its turn: (slots before that place, literal characters before it)
+    ends: dict[int, tuple[int, int, int, int, int, int]]
 
-    def prefix_ends(self, contents: list[str], text: str) -> Optional[dict[int, tuple[int, int]]]:
-        """Assistant message i → (prompt length, length through its turn) in `text`, or None when the
-        layout filled with these contents (as they are, or stripped) is not `text`."""
+    def prefix_ends(self, contents: list[str], text: str) -> Optional[dict[int, tuple[int, int, int]]]:
+        """Assistant message i → (prompt length, where its content as written starts, length through its
+        turn) in `text`, or None when the layout filled with these contents (as they are, or stripped)
+        is not `text`."""
         inserted = [contents[j] for j in self.slots]
         if self.text_format.format(*inserted) != text:
             inserted = [content.strip() for content in inserted]
@@ -43,7 +45,7 @@ class Layout:
                 return None
         return self._ends(inserted)
 
-    def fill(self, contents: list[str], trimmed: bool) -> tuple[str, dict[int, tuple[int, int]]]:
+    def fill(self, contents: list[str], trimmed: bool) -> tuple[str, dict[int, tuple[int, int, int]]]:
         """The text of a row of this shape and its prefix ends, for a template known to write each
         content once, in order, as it is (or stripped) and nothing that depends on it (templates.py)."""
         inserted = contents if len(self.slots) == len(contents) else [contents[j] for j in self.slots]  # slots ascend
@@ -51,10 +53,10 @@ class Layout:
             inserted = [content.strip() for content in inserted]
         return self.text_format.format(*inserted), self._ends(inserted)
 
-    def _ends(self, inserted: list[str]) -> dict[int, tuple[int, int]]:
+    def _ends(self, inserted: list[str]) -> dict[int, tuple[int, int, int]]:
         content_chars = [0, *accumulate(map(len, inserted))]
-        return {i: (p + content_chars[slots_p], t + content_chars[slots_t])
-                for i, (slots_p, p, slots_t, t) in self.ends.items()}
+        return {i: (p + content_chars[slots_p], c + content_chars[slots_c], t + content_chars[slots_t])
+                for i, (slots_p, p, slots_c, c, slots_t, t) in self.ends.items()}
 
 
 Draw = Callable[[list, bool, Optional[list]], str]
@@ -91,7 +93,11 @@ def build_layout(draw: Draw, roles: tuple[str, ...]) -> Optional[Layout]:
             if i not in slots or not (full.startswith(prompt) and full.startswith(through)) \
                     or prompt_end is None or through_end is None:
                 return None
-            ends[i] = (*prompt_end, *through_end)
+            slot = slots.index(i)
+            content_start = (slot, matches[slot].start() - placeholder_chars[slot])
+            if not prompt_end <= content_start < through_end:
+                return None
+            ends[i] = (*prompt_end, *content_start, *through_end)
         literals = _SLOT_PATTERN.split(full)[0::2]
         text_format = "{}".join(literal.replace("{", "{{").replace("}", "}}") for literal in literals)
         return Layout(text_format, slots, ends)

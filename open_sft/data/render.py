@@ -3,8 +3,10 @@
 The trained character spans are found by rendering prefixes of the conversation: for assistant
 message i, `render(messages[:i], add_generation_prompt=True)` ends where its content starts, and
 `render(messages[:i+1])` ends after its end-of-turn marker. Both must be prefixes of the full
-rendering (the template is prefix-stable for this row); where they are not, the content is located by
-rendering the row with a marker in its place (`_marked_ends`), else the row is rejected. Working in
+rendering (the template is prefix-stable for this row) and the content must occur once between their
+ends; where not, the content is located by rendering the row with a marker in its place
+(`_marked_place`), else the row is rejected. Rows of a shape with a layout (layout.py) know where each
+content was written. Working in
 characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
 boundary; the token step (tokenize.py) turns the spans into labels.
 """
@@ -12,6 +14,7 @@ boundary; the token step (tokenize.py) turns the spans into labels.
 from __future__ import annotations
 
 import operator
+import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -86,11 +89,27 @@ class _Template:
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
 
 
+def _guarded(draw: Renderer) -> Renderer:
+    """The renderer, with any failure of the template raised as the row's error (reason template_error)
+    rather than a crash of the whole build: raise_exception on a role it has no turn for, turns that do
+    not alternate, a variable it assumes (a tool-use template iterating `tools` the row does not have)."""
+    def guarded(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
+        try:
+            return draw(messages, add_generation_prompt, tools)
+        except Exception as exc:
+            problem = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            raise RowError(f"the chat template rejects this conversation ({problem}); fix the row, choose another "
+                           "template with --chat_template_name or --chat_template_path, or skip such rows with "
+                           "--on_bad_row drop", "template_error") from None
+    return guarded
+
+
 def _state(tokenizer: PreTrainedTokenizerBase) -> _Template:
     """The tokenizer's template state, made again when its template changes."""
     cached = _RENDERERS.get(tokenizer)
     if cached is None or cached.source != tokenizer.chat_template:
-        cached = _Template(tokenizer.chat_template, _direct_renderer(tokenizer) or _public_renderer(tokenizer))
+        cached = _Template(tokenizer.chat_template,
+                           _guarded(_direct_renderer(tokenizer) or _public_renderer(tokenizer)))
         contents = content_writing(tokenizer.chat_template)
         if contents is not None and _fill_agrees(cached, contents):
             cached.contents = contents
@@ -142,7 +161,7 @@ def _fill_agrees(state: _Template, contents: str) -> bool:
         if layout is None:
             return False
         text, ends = layout.fill([m["content"] for m in probe], trimmed=contents == "trimmed")
-        if text != state.draw(probe, False, None) or ends != {
+        if text != state.draw(probe, False, None) or {i: (p, t) for i, (p, _, t) in ends.items()} != {
                 i: (len(state.draw(probe[:i], True, None)), len(state.draw(probe[: i + 1], False, None)))
                 for i, m in enumerate(probe) if m["role"] == "assistant"}:
             return False
@@ -181,27 +200,46 @@ def _end_of_turn_length(state: _Template, suffix: str, markers: tuple[str, ...])
 _MARK = "\x00assistant content\x00"  # a string no template writes by itself
 
 
-def _marked_ends(state: _Template, messages: Messages, tools: Optional[list], text: str, i: int,
-                 markers: tuple[str, ...]) -> Optional[tuple[int, int]]:
-    """The fallback for a template that is not prefix-stable for this row (one that writes the system
-    prompt into the last user turn, say): where assistant message i's content starts in `text` and
-    where its turn ends. Its place: the row rendered with that content replaced by a marker must be
-    `text` with the content (as is, or stripped) in the marker's place. Its end of turn: what the
-    template writes after the content when it is the last message, up to the last special token, which
-    must follow it in `text` as well. None when either fails (the template reads the content)."""
+def _marked_place(state: _Template, messages: Messages, tools: Optional[list], text: str, i: int
+                  ) -> Optional[tuple[int, int]]:
+    """Where assistant message i's content, stripped, starts in `text`, and where the text its turn
+    closes with ends; for rows the prefix renderings cannot place (a template that is not prefix-stable,
+    one writing the system prompt into the last user turn, say; a content that also occurs in the text
+    the template writes before it). Its place: the row rendered with that content replaced by a marker
+    must be `text` with the content (as is, or stripped) in the marker's place. Its closing: what the
+    template writes after the content when it is the last message, as far as `text` has the same there
+    (Phi-3 closes only the final turn with eos after <|end|>). None when the template reads the content."""
     marked = [dict(m, content=_MARK) if k == i else m for k, m in enumerate(messages)]
     before, *after = state.draw(marked, False, tools).split(_MARK)
     content = messages[i]["content"]
-    if len(after) != 1 or not any(before + inserted + after[0] == text for inserted in (content, content.strip())):
-        return None
-    content_end = len(text) - len(after[0])
+    inserted = next((written for written in (content, content.strip())
+                     if len(after) == 1 and before + written + after[0] == text), None)
     _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
-    if len(closing) != 1:
+    if inserted is None or len(closing) != 1:
         return None
-    closing = closing[0][: _end_of_turn_length(state, closing[0], markers)]
-    if not text.startswith(closing, content_end):
+    inserted_end = len(text) - len(after[0])
+    closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
+    return len(before) + len(inserted) - len(inserted.lstrip()), inserted_end + len(closed)
+
+
+def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], text: str, i: int
+                  ) -> Optional[tuple[int, int]]:
+    """Where assistant message i's content, stripped, starts in `text`, and where its turn ends: from the
+    renderings of the messages before it (with the generation prompt) and through it, which must be
+    prefixes of `text`, when the content occurs just once between their ends. None otherwise (a first
+    message has no prefix to render: apply_chat_template refuses an empty conversation)."""
+    if i == 0:
         return None
-    return len(before), content_end + len(closing)
+    prompt = draw(messages[:i], True, tools)
+    # The final turn's prefix is all the messages: the text itself, no need to render it again.
+    through = text if i == len(messages) - 1 else draw(messages[: i + 1], False, tools)
+    if not (text.startswith(prompt) and text.startswith(through)):
+        return None
+    content = messages[i]["content"].strip()
+    start = text.find(content, len(prompt), len(through))
+    if start < 0 or text.find(content, start + 1, len(through)) >= 0:
+        return None
+    return start, len(through)
 
 
 def trained_spans(
@@ -209,18 +247,7 @@ def trained_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
     (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text. A
-    template that rejects the row (raise_exception: a role it does not know, turns that do not
-    alternate) makes it a bad row, reported with its place or dropped, not a crash."""
-    try:
-        return _trained_spans(tokenizer, messages, train_on, markers)
-    except TemplateError as exc:
-        raise RowError(f"the chat template rejects this conversation ({exc}); fix the row, choose another template "
-                       "with --chat_template_name or --chat_template_path, or skip such rows with --on_bad_row drop",
-                       "template_error") from None
-
-
-def _trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str,
-                   markers: tuple[str, ...]) -> tuple[str, list[tuple[int, int]]]:
+    template that fails on the row makes it a bad row (`_guarded`), reported with its place or dropped."""
     state = _state(tokenizer)
     draw, tools = state.draw, getattr(messages, "tools", None)
     text, known_ends = _text_and_ends(state, messages)
@@ -232,29 +259,21 @@ def _trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train
         assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "last_assistant":
         assistant_indices = assistant_indices[-1:]
-    last = len(messages) - 1
     spans = []
     for i in assistant_indices:
-        if known_ends is not None:
-            prompt_length, through_length = known_ends[i]
-        else:
-            prompt = draw(messages[:i], True, tools)
-            # The final turn's prefix is all the messages: the text itself, no need to render it again.
-            through = text if i == last else draw(messages[: i + 1], False, tools)
-            if text.startswith(prompt) and text.startswith(through):
-                prompt_length, through_length = len(prompt), len(through)
-            else:
-                found = _marked_ends(state, messages, tools, text, i, markers)
-                if found is None:
-                    raise RowError(
-                        "the chat template is not prefix-stable for this conversation (rendering the first "
-                        f"{i} messages is not a prefix of the full rendering) and its rendering changes with "
-                        "the assistant's content, so the turn cannot be located; choose another template")
-                prompt_length, through_length = found
         content = messages[i]["content"].strip()
-        start = text.find(content, prompt_length)
-        if start < 0 or start >= through_length:
-            raise RowError(f"message {i + 1} (assistant): its content does not appear in the rendered template")
+        if known_ends is not None:  # the layout knows where the content was written (as is, or stripped)
+            _, written_at, through_length = known_ends[i]
+            raw = messages[i]["content"]
+            start = written_at + (len(raw) - len(raw.lstrip()) if text.startswith(raw, written_at) else 0)
+        else:
+            place = _prefix_place(draw, messages, tools, text, i) or _marked_place(state, messages, tools, text, i)
+            if place is None:
+                raise RowError(
+                    f"message {i + 1} (assistant): the chat template is not prefix-stable for this conversation "
+                    "(or writes this content more than once) and its rendering changes with the assistant's "
+                    "content, so the turn cannot be located; choose another template")
+            start, through_length = place
         content_end = start + len(content)
         spans.append((start, content_end + _end_of_turn_length(state, text[content_end:through_length], markers)))
     return text, spans

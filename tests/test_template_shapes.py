@@ -1,0 +1,143 @@
+"""Labels under chat-template shapes found in real models' templates (each written here in a few lines,
+in the style of the original): a final turn written after an empty think block (Qwen3), eos only after
+the final turn (Phi-3), a conversation that opens with the assistant, and a tool-use template that
+assumes a `tools` list. Trained tokens are checked by decoding them, on the layout path (the row's
+shape rendered once with placeholders) and on the per-row path (a row with tools, which has no layout)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from open_sft.config import DataArguments
+from open_sft.data.formats import Conversation, RowError
+from open_sft.data.pipeline import build_examples
+from open_sft.data.render import special_markers, trained_spans
+from open_sft.data.tokenize import IGNORE_INDEX, label_and_check, trained_token_runs
+from open_sft.errors import UserError
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+
+# Qwen3: the answer after the last user turn is written after an empty think block (earlier ones are not).
+THINK_LAST = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{{- m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Phi-3: every turn ends with <|end|>; eos follows only when no generation prompt is asked for.
+EOS_AT_THE_END = (
+    "{% for m in messages %}{{ '<|' + m.role + '|>\\n' + m.content + '<|end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+# Hermes-style tool-use template: iterates `tools` without asking whether there are any.
+NEEDS_TOOLS = "{%- for t in tools %}{{- t.function.name }}{%- endfor %}" + EOS_AT_THE_END
+
+
+@pytest.fixture()
+def tokenizer(tiny_model_dir):
+    """A fresh copy of the tiny tokenizer with the special tokens these templates use (<think> is not
+    one of them: the think block is spelled with ordinary tokens, so a misplaced span could decode right)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|end|>"]})
+    return tokenizer
+
+
+def trained(tokenizer, rows: list, train_on: str = "all_assistant") -> list[list[str]]:
+    """Per row, its decoded runs of trained tokens; the rows' labels must pass open_sft's own check."""
+    markers = special_markers(tokenizer)
+    examples, right = label_and_check(tokenizer, [trained_spans(tokenizer, r, train_on, markers) for r in rows])
+    assert all(right)
+    for example in examples:
+        assert all(label in (IGNORE_INDEX, token) for token, label in zip(example.input_ids, example.labels))
+    return [[tokenizer.decode(run) for run in trained_token_runs(e.input_ids, e.labels)] for e in examples]
+
+
+def with_tools(messages: list) -> Conversation:
+    conversation = Conversation(messages)
+    conversation.tools = TOOLS
+    return conversation
+
+
+def chat(*turns: str, system: str | None = None) -> list[dict]:
+    """user, assistant, user, assistant, ... (with a system prompt first, if given)."""
+    roles = ["user", "assistant"] * len(turns)
+    messages = [{"role": role, "content": text} for role, text in zip(roles, turns)]
+    return ([{"role": "system", "content": system}] if system else []) + messages
+
+
+@pytest.mark.parametrize("answer", ["think", "n", "k", "<think>", "4", "thinking about it"])
+def test_a_final_answer_after_an_empty_think_block_is_located_where_the_template_wrote_it(tokenizer,
+                                                                                          answer) -> None:
+    """The answer is found at its own place, not in the think block before it (a search from the end of
+    the generation prompt would find "think", "n" or "k" there and train the block)."""
+    tokenizer.chat_template = THINK_LAST
+    rows = [chat("Say it.", answer), chat("Say it.", answer, "Again.", answer)]
+    expected = [[answer + "<|im_end|>"], [answer + "<|im_end|>", answer + "<|im_end|>"]]
+    assert trained(tokenizer, rows) == expected  # layout path
+    assert trained(tokenizer, [with_tools(r) for r in rows]) == expected  # per-row path
+    assert trained(tokenizer, [with_tools(r) for r in rows], "last_assistant") == [[e[-1]] for e in expected]
+    example = label_and_check(tokenizer, [trained_spans(tokenizer, rows[0], "all_assistant",
+                                                        special_markers(tokenizer))])[0][0]
+    untrained = tokenizer.decode([t for t, label in zip(example.input_ids, example.labels) if label == IGNORE_INDEX])
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in untrained
+
+
+def test_eos_written_only_after_the_final_turn(tokenizer) -> None:
+    """Phi-3's template is not prefix-stable (rendering the first turn alone ends it with eos): every
+    assistant turn trains its content and <|end|>, the final one also the eos the template closes with."""
+    tokenizer.chat_template = EOS_AT_THE_END
+    eos = tokenizer.eos_token
+    rows = [chat("Hi", "Hello!", "2+2?", "4", system="Be brief."), chat("Hi", "Hello!")]
+    expected = [["Hello!<|end|>", f"4<|end|>\n{eos}"], [f"Hello!<|end|>\n{eos}"]]
+    assert trained(tokenizer, rows) == expected
+    assert trained(tokenizer, [with_tools(r) for r in rows]) == expected
+    assert trained(tokenizer, rows, "last_assistant") == [[f"4<|end|>\n{eos}"], [f"Hello!<|end|>\n{eos}"]]
+
+
+@pytest.mark.parametrize("template", ["embedded", "think_last", "eos_at_the_end"])
+def test_a_conversation_may_open_with_the_assistant(tokenizer, template, monkeypatch) -> None:
+    """An assistant turn with nothing before it (a greeting) is located without rendering an empty
+    conversation, which apply_chat_template refuses; also with the public renderer."""
+    from open_sft.data import render as render_module
+
+    if template != "embedded":
+        tokenizer.chat_template = THINK_LAST if template == "think_last" else EOS_AT_THE_END
+    row = [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "2+2?"},
+           {"role": "assistant", "content": "4"}]
+    runs = trained(tokenizer, [row])[0]
+    assert [run.startswith(content) for run, content in zip(runs, ["Hello, how can I help?", "4"])] == [True, True]
+    state = render_module._state(tokenizer)
+    monkeypatch.setattr(state, "draw", render_module._guarded(render_module._public_renderer(tokenizer)))
+    monkeypatch.setattr(render_module, "_text_and_ends", lambda state, m: (state.draw(m, False, None), None))
+    assert trained(tokenizer, [row]) == [runs]
+
+
+def test_a_template_that_fails_on_a_row_makes_it_a_bad_row(tokenizer, tmp_path) -> None:
+    """A template error that is not Jinja's own (a TypeError iterating tools the row does not have) stops
+    the run with the row's line and the template's message, or drops and counts the row: never a crash."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in [
+        {"messages": chat("Hi", "Hello!"), "tools": TOOLS}, {"messages": chat("Hi", "Hello!")},
+        {"messages": chat("2+2?", "4"), "tools": TOOLS}]) + "\n")
+    tokenizer.chat_template = NEEDS_TOOLS
+    args = dict(dataset_mixer_list=[str(data), "1.0"])
+    with pytest.raises(UserError, match=r"rows.jsonl line 2: the chat template rejects this conversation "
+                                        r"\(TypeError: 'NoneType' object is not iterable\); fix the row"):
+        build_examples(DataArguments(**args), tokenizer, 0)
+    examples, reports = build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
+    assert len(examples) == 2 and dict(reports[0].dropped) == {"template_error": 1}
+
+
+def test_a_content_written_twice_by_a_content_reading_template_is_rejected(tokenizer) -> None:
+    """Which of two copies is the answer cannot be told when the template reads the content: the row is
+    rejected with the reason rather than a guess trained."""
+    tokenizer.chat_template = EOS_AT_THE_END.replace("m.content + '<|end|>", "m.content + (' / ' + m.content "
+                                                     "if m.content == 'twice' else '') + '<|end|>")
+    with pytest.raises(RowError, match="writes this content more than once"):
+        trained_spans(tokenizer, with_tools(chat("Say it twice.", "twice")), "all_assistant",
+                      special_markers(tokenizer))
