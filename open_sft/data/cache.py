@@ -26,7 +26,9 @@ from typing import Any, Callable, Iterator, Optional
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 3  # 2: the rows' `tools` column reaches the chat template; 3: labels are int32
+# 2: the rows' `tools` column reaches the chat template; 3: labels are int32; 4: each content is labelled
+# where the template wrote it (Qwen3's think block, Phi-3's final eos), rows may open with the assistant
+CACHE_FORMAT_VERSION = 4
 COMPLETE = "COMPLETE"
 
 
