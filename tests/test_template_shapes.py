@@ -141,3 +141,79 @@ def test_a_content_written_twice_by_a_content_reading_template_is_rejected(token
     with pytest.raises(RowError, match="writes this content more than once"):
         trained_spans(tokenizer, with_tools(chat("Say it twice.", "twice")), "all_assistant",
                       special_markers(tokenizer))
+
+
+# Qwen-style tool calls (and a reasoning trace) written from the message's own fields, not its content.
+TOOL_CALLING = (
+    "{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if loop.last and THINK %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if m.reasoning_content %}{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content }}{%- for call in m.tool_calls or [] %}{{- '\\n<tool_call>\\n' + {'name': call.function.name, "
+    "'arguments': call.function.arguments} | tojson + '\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+CALLING_ROW = {"messages": [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},  # OpenAI style: no content
+    {"role": "tool", "content": '{"temp_c": -3}', "tool_call_id": "call_1"},
+    {"role": "assistant", "content": "It is -3 °C in Oslo."}], "tools": TOOLS}
+
+
+@pytest.mark.parametrize("think", [False, True])
+def test_tool_calls_are_trained_as_the_template_writes_them(tokenizer, think) -> None:
+    """An assistant turn with tool calls trains what the template writes of them and its end of turn
+    (the content is empty, so it cannot locate the turn); the tool's answer is not trained. Also when
+    the final turn is written differently from the same turn further back (think=True: not prefix-stable)."""
+    from open_sft.data.formats import to_messages
+
+    tokenizer.chat_template = TOOL_CALLING.replace("THINK", "true" if think else "false")
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+    messages = to_messages(CALLING_ROW, "messages")
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    assert messages[2]["tool_call_id"] == "call_1"
+    assert trained(tokenizer, [messages]) == [[call_text, "It is -3 °C in Oslo.<|im_end|>"]]
+    last_call = to_messages({"messages": CALLING_ROW["messages"][:2]}, "messages")  # a row may end with a call
+    final = ("<think>\n\n</think>\n\n\n" if think else "") + call_text  # (the template's newline before a call)
+    assert trained(tokenizer, [last_call]) == [[final]]
+    reasoning = to_messages({"messages": [{"role": "user", "content": "2+2?"}, {
+        "role": "assistant", "content": "4", "reasoning_content": "Two and two make four."}]}, "messages")
+    assert trained(tokenizer, [reasoning]) == [[("<think>\n\n</think>\n\n" if think else "")
+                                                + "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>"]]
+
+
+def test_null_message_fields_are_left_out(tokenizer) -> None:
+    """A column read with Arrow gives every message every key, most of them null or empty: such a row
+    is the row without them (the template is not asked about tool calls that are null)."""
+    from open_sft.data.formats import to_messages
+
+    tokenizer.chat_template = TOOL_CALLING.replace("THINK", "false")
+    padded = [dict(m, tool_calls=m.get("tool_calls", []), tool_call_id=m.get("tool_call_id"), name=None)
+              for m in CALLING_ROW["messages"]]
+    assert to_messages({"messages": padded}, "messages") == to_messages(CALLING_ROW, "messages")
+
+
+def test_tool_calls_a_template_does_not_write_are_not_silently_lost(tokenizer, tmp_path) -> None:
+    """The tiny model's template writes contents only: a row with tool calls is a bad row (the calls
+    would not be trained), with the line and the fix, or dropped and counted; bad tool_calls are named."""
+    data = tmp_path / "calls.jsonl"
+    rows = [{"messages": CALLING_ROW["messages"][:2]}, {"messages": chat("Hi", "Hello!")},
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}, {"role": "assistant", "content": "y"}]},
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": "f()"}]}]
+    args = dict(dataset_mixer_list=[str(data), "1.0"])
+    for lines, message in [
+        (rows[:2], r"calls.jsonl line 1: message 2 \(assistant, with tool calls\): the chat template does not write "
+                   r"its tool calls \(get_weather\); use a template that renders tool_calls"),
+        (rows[1:], r"calls.jsonl line 2: message 1 \(user\) has tool_calls of type list; only assistant messages "
+                   r"have tool_calls, a list of"),
+        (rows[3:], r"calls.jsonl line 1: message 2 \(assistant\) has tool_calls of type str")]:
+        data.write_text("\n".join(json.dumps(row) for row in lines) + "\n")
+        with pytest.raises(UserError, match=message):
+            build_examples(DataArguments(**args), tokenizer, 0)
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    examples, reports = build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
+    assert len(examples) == 1
+    assert dict(reports[0].dropped) == {"tool_calls_not_rendered": 1, "bad_tool_calls": 2}

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator, Optional
 logger = logging.getLogger(__name__)
 
 # 2: the rows' `tools` column reaches the chat template; 3: labels are int32; 4: each content is labelled
-# where the template wrote it (Qwen3's think block, Phi-3's final eos), rows may open with the assistant
+# where the template wrote it (Qwen3's think block, Phi-3's final eos), rows may open with the assistant,
+# messages keep their tool_calls (trained as written) and other fields
 CACHE_FORMAT_VERSION = 4
 COMPLETE = "COMPLETE"
 

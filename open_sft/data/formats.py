@@ -59,11 +59,25 @@ def _from_messages(row: dict[str, Any]) -> Messages:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise RowError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}", "unknown_role")
+        calls = message.get("tool_calls")
+        if calls not in (None, []) and (role != "assistant" or not isinstance(calls, list)
+                                        or not all(isinstance(call, dict) for call in calls)):
+            raise RowError(f"message {i} ({role}) has tool_calls of type {type(calls).__name__}; only assistant "
+                           "messages have tool_calls, a list of {type, function: {name, arguments}} objects",
+                           "bad_tool_calls")
+        if content is None and calls:  # OpenAI style: a turn that only calls tools has no content
+            content = ""
         if not isinstance(content, str):
             raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string", "bad_content_type")
         # A message of exactly these two keys is used as it is (messages are never changed): a copy per
-        # message costs a tenth of the conversion on short rows. Other keys are left out of the copy.
-        out.append(message if len(message) == 2 else {"role": role, "content": content})
+        # message costs a tenth of the conversion on short rows. Other keys (tool_calls, tool_call_id, name,
+        # reasoning_content) go to the chat template as they are, but for empty ones (a column read with
+        # Arrow gives every message every key, most of them null).
+        if len(message) == 2 and content is message["content"]:
+            out.append(message)
+        else:
+            out.append({**{key: value for key, value in message.items() if value is not None and value != []},
+                        "role": role, "content": content})
     return out
 
 
@@ -129,7 +143,7 @@ def check_trainable(messages: Messages) -> None:
         raise RowError(f"the conversation ends with a {messages[-1]['role']} turn; it must end with an assistant turn",
                        "no_final_assistant")
     for i, message in enumerate(messages, start=1):
-        if message["role"] == "assistant" and not message["content"].strip():
+        if message["role"] == "assistant" and not message["content"].strip() and not message.get("tool_calls"):
             raise RowError(f"message {i} (assistant) is empty", "empty_assistant")
 
 

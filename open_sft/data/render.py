@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.layout import Layout, build_layout
 from open_sft.data.templates import content_writing
+from open_sft.data.turns import last_marker_end, whole_turn_span
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -87,6 +88,7 @@ class _Template:
     contents: Optional[str] = None  # "as_is" / "trimmed": templates.content_writing
     markers: tuple[str, ...] = ()  # the markers `end_of_turn` remembers lengths for
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
+    closers: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # turns.py
 
 
 def _guarded(draw: Renderer) -> Renderer:
@@ -142,7 +144,10 @@ def _text_and_ends(state: _Template, messages: Messages) -> tuple[str, Optional[
     schemas are part of the text). A template open_sft ships is not rendered at all: its layout is
     filled with the contents, one string format instead of a Jinja render."""
     tools = getattr(messages, "tools", None)
-    layout = None if tools is not None else _layout(state, tuple(map(_ROLE, messages)))
+    # Rows with tools, or with messages carrying more than role and content (tool calls), are rendered
+    # whole: the template writes more than the contents.
+    plain = tools is None and max(map(len, messages)) == 2
+    layout = _layout(state, tuple(map(_ROLE, messages))) if plain else None
     if layout is None:
         return state.draw(messages, False, tools), None
     contents = list(map(_CONTENT, messages))
@@ -191,7 +196,7 @@ def _end_of_turn_length(state: _Template, suffix: str, markers: tuple[str, ...])
         state.markers, state.end_of_turn = markers, {}
     end = state.end_of_turn.get(suffix)
     if end is None:
-        end = max((suffix.rfind(marker) + len(marker) for marker in markers if marker in suffix), default=0)
+        end = last_marker_end(suffix, markers)
         if len(state.end_of_turn) < _MAX_SUFFIXES:
             state.end_of_turn[suffix] = end
     return end
@@ -261,6 +266,9 @@ def trained_spans(
         assistant_indices = assistant_indices[-1:]
     spans = []
     for i in assistant_indices:
+        if len(messages[i]) > 2:  # tool calls, a reasoning trace: all the turn writes is trained
+            spans.append(whole_turn_span(state, messages, tools, text, i, markers))
+            continue
         content = messages[i]["content"].strip()
         if known_ends is not None:  # the layout knows where the content was written (as is, or stripped)
             _, written_at, through_length = known_ends[i]
