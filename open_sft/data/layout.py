@@ -2,10 +2,11 @@
 
 The label step needs, for each assistant turn, where its prompt ends, where its content starts (its
 slot: a search for the content could find it in text the template writes before it, such as an empty
-`<think>` block) and where its turn ends in the rendered text. Rendering those two prefixes of every row (render.py's definition) costs two more
-template renders per assistant turn: most of a build's time. Rows share few shapes (the sequence of
-roles), so for each shape the prefixes are rendered once with placeholder contents, and the result is
-kept as a layout: the literal text between content slots, and each prefix's end as a place in it.
+`<think>` block) and where its turn ends in the rendered text. Rendering the two prefixes of every row
+(render.py's definition) costs two more template renders per assistant turn: most of a build's time.
+Rows share few shapes (the sequence of roles), so for each shape the prefixes are rendered once with
+placeholder contents, and the result is kept as a layout: the literal text between content slots, and
+each prefix's end and each content's start as a place in it.
 
 A row of that shape is still rendered by the real template (so its text is always exactly the
 template's), and its prefix ends are read off the layout only if the layout, filled with the row's
