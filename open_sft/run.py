@@ -141,8 +141,9 @@ def run(config: FinetuneConfig) -> dict:
     tokenizer = load_tokenizer(m)
     apply_chat_template_choice(tokenizer, d.chat_template_name, d.chat_template_path)
     data = prepare_data(d, tokenizer, t.seed)
-    if d.cache_dataset_only:
+    if d.cache_dataset_only:  # nothing is written but the cache (its report.json holds the data report)
         if _is_main_rank():
+            print(format_report(data.report), flush=True)
             print(data.cache_path)
         return {"cache_path": str(data.cache_path)}
     eval_data = None

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import datasets
 import pytest
@@ -161,7 +162,9 @@ def test_cache_dataset_only(tiny_model_dir, data_file, tmp_path, capsys) -> None
     code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(data_file), "0.1",
                  "--dataset_local_cache_dir", str(tmp_path / "c"), "--cache_dataset_only", "--output_dir", str(output_dir)])
     assert code == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    assert "data report" in out and json.loads((Path(last) / "report.json").read_text())["sources"][0]["rows_kept"] == 200
     loaded = datasets.load_from_disk(last)
     assert {"input_ids", "labels"} <= set(loaded.column_names) and len(loaded) == 200
     assert not output_dir.exists()
