@@ -119,10 +119,12 @@ class DataArguments:
     eval_split_ratio: float = _help(
         "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
     )
-    preprocessing_num_workers: int = _help(
-        "Processes that render, tokenize and check rows while building the tokenization cache (1 = in "
-        "process, where the tokenizer alone uses threads; set it to the node's cores for large data).",
-        default=1,
+    preprocessing_num_workers: Optional[int] = _help(
+        "Processes that render, tokenize and check rows while building the tokenization cache: 1 = in "
+        "process (the tokenizer encodes on its own threads while Python renders and labels), N = N worker "
+        "processes; unset = timed on the first rows and chosen: in process where the encode dominates "
+        "(long rows, few cores), else one process per usable core.",
+        default=None,
     )
     max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)
     truncation: str = _help(

@@ -32,7 +32,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=100_000, help="rows to generate when --data is not given")
     parser.add_argument("--chat_template_name", default=None)
     parser.add_argument("--max_seq_length", type=int, default=2048)
-    parser.add_argument("--preprocessing_num_workers", type=int, default=1)
+    parser.add_argument("--preprocessing_num_workers", type=int, default=None,
+                        help="as finetune.py's (default: unset, chosen from a timed probe)")
     parser.add_argument("--repeat", type=int, default=5, help="timed builds (each after a timed raw encode)")
     args = parser.parse_args()
 

@@ -24,6 +24,8 @@ def test_flags_and_defaults() -> None:
     assert config.data.max_seq_length == 2048
     assert config.train.seed == 42
     assert config.train.clip_grad_norm == 1.0
+    assert config.data.preprocessing_num_workers is None  # chosen at build time from a timed probe
+    assert parse_config(BASE + ["--preprocessing_num_workers", "3"]).data.preprocessing_num_workers == 3
 
 
 def test_yaml_then_flags_override(tmp_path) -> None:
@@ -50,14 +52,16 @@ def test_yaml_unknown_key_is_named(tmp_path) -> None:
 def test_all_problems_reported_at_once(tmp_path) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(["--model_name_or_path", str(tmp_path / "missing"), "--dataset_mixer_list", "a.jsonl",
-                      "--learning_rate", "-1", "--truncation", "cut", "--per_device_train_batch_size", "0"])
+                      "--learning_rate", "-1", "--truncation", "cut", "--per_device_train_batch_size", "0",
+                      "--preprocessing_num_workers", "0"])
     text = str(info.value)
     assert "missing: no such file or directory" in text
     assert "NAME AMOUNT pairs" in text
     assert "--learning_rate must be positive" in text
     assert "--truncation 'cut' is not one of truncate, drop" in text
     assert "--per_device_train_batch_size must be at least 1" in text
-    assert len(info.value.problems) == 5
+    assert "--preprocessing_num_workers 0: give 1 or more processes, or leave it unset" in text
+    assert len(info.value.problems) == 6
 
 
 def test_example_configs_parse(tmp_path) -> None:
