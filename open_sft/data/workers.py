@@ -174,7 +174,7 @@ def prefer_processes(python_s: float, encode_s: float, cores: int) -> bool:
     work (render, label, check) and of the encode (on the tokenizer's own threads). In process the two
     overlap, so a chunk costs about max(python, encode); in worker processes about python / cores +
     encode (each does both, single-threaded). The encode dominating (long rows, few cores): stay here."""
-    return cores > 1 and python_s > encode_s and python_s * (1 - 1 / cores) > encode_s
+    return cores > 1 and python_s * (1 - 1 / cores) > encode_s
 
 
 def _probe(stop: int) -> tuple[_Part, float, float]:
