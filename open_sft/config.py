@@ -122,8 +122,7 @@ class DataArguments:
     preprocessing_num_workers: Optional[int] = _help(
         "Processes that render, tokenize and check rows while building the tokenization cache: 1 = in "
         "process (the tokenizer encodes on its own threads while Python renders and labels), N = N worker "
-        "processes; unset = timed on the first rows and chosen: in process where the encode dominates "
-        "(long rows, few cores), else one process per usable core.",
+        "processes; unset = one per usable core.",
         default=None,
     )
     max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)

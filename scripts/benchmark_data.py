@@ -33,7 +33,7 @@ def main() -> int:
     parser.add_argument("--chat_template_name", default=None)
     parser.add_argument("--max_seq_length", type=int, default=2048)
     parser.add_argument("--preprocessing_num_workers", type=int, default=None,
-                        help="as finetune.py's (default: unset, chosen from a timed probe)")
+                        help="as finetune.py's (default: unset, one per usable core)")
     parser.add_argument("--repeat", type=int, default=5, help="timed builds (each after a timed raw encode)")
     args = parser.parse_args()
 

@@ -24,7 +24,7 @@ def test_flags_and_defaults() -> None:
     assert config.data.max_seq_length == 2048
     assert config.train.seed == 42
     assert config.train.clip_grad_norm == 1.0
-    assert config.data.preprocessing_num_workers is None  # chosen at build time from a timed probe
+    assert config.data.preprocessing_num_workers is None  # one per usable core
     assert parse_config(BASE + ["--preprocessing_num_workers", "3"]).data.preprocessing_num_workers == 3
 
 

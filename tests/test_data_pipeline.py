@@ -191,46 +191,28 @@ def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path) -> 
     assert not (tmp_path / "out").exists()
 
 
-def test_parallel_workers_give_identical_data(tokenizer, caplog, monkeypatch, tmp_path) -> None:
-    """One process, two, and the choice made from a timed probe (both ways) give the same data."""
+def test_parallel_workers_give_identical_data(tokenizer, caplog, monkeypatch) -> None:
+    """One process, two, and the default (one per usable core) give the same data."""
     from conftest import SAMPLE
     from open_sft.data import workers
 
-    data = tmp_path / "twice.jsonl"
-    data.write_text(SAMPLE.read_text() * 2)
-
     def build(**kwargs):
-        return prepare_data(DataArguments(dataset_mixer_list=[str(data), "1.0"], dataset_skip_cache=True,
+        return prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
                                           **kwargs), tokenizer, 0)
 
     caplog.set_level("INFO", logger="open_sft.data.workers")
     one = build(preprocessing_num_workers=1)
-    assert "4000 rows in 1 process(es)" in caplog.text
+    assert "2000 rows in 1 process(es)" in caplog.text
     two = build(preprocessing_num_workers=2)
-    assert "4000 rows in 2 process(es)" in caplog.text  # the worker processes really ran
-    monkeypatch.setattr(workers, "usable_cores", lambda: 2)
-    chosen = {}
-    for processes in (False, True):
-        monkeypatch.setattr(workers, "prefer_processes", lambda python_s, encode_s, cores: processes)
+    assert "2000 rows in 2 process(es)" in caplog.text  # the worker processes really ran
+    for cores in (1, 2, 3):  # (2000 rows: two workers' worth at most)
+        monkeypatch.setattr(workers, "usable_cores", lambda: cores)
         caplog.clear()
-        chosen[processes] = build()
-        assert f"4000 rows in {2 if processes else 1} process(es) (auto, from 512 rows: " in caplog.text
-    for other in (two, chosen[False], chosen[True]):
-        assert one.dataset["input_ids"] == other.dataset["input_ids"] and one.dataset["labels"] == other.dataset["labels"]
-        assert one.cache_key == other.cache_key  # workers change speed, not output
-
-
-@pytest.mark.parametrize("python_us, encode_us, cores, processes", [
-    (35, 140, 2, False),  # long rows, 2 cores: the encode dominates; in process it overlaps the Python steps
-    (25, 6, 2, True),  # short rows: the Python steps dominate, two processes share them
-    (35, 9, 32, True),  # long rows on 32 cores: one Python thread could not keep up with the encode
-    (25, 6, 1, False),  # one core: nothing to share
-    (30, 20, 2, False),  # half the Python steps would not save what the encode then costs
-])
-def test_prefer_processes(python_us, encode_us, cores, processes) -> None:
-    from open_sft.data.workers import prefer_processes
-
-    assert prefer_processes(python_us * 1e-6, encode_us * 1e-6, cores) is processes
+        default = build()
+        assert f"2000 rows in {min(cores, 2)} process(es)" in caplog.text
+        assert one.dataset["input_ids"] == default.dataset["input_ids"] and one.dataset["labels"] == default.dataset["labels"]
+    assert one.dataset["input_ids"] == two.dataset["input_ids"] and one.dataset["labels"] == two.dataset["labels"]
+    assert one.cache_key == two.cache_key == default.cache_key  # workers change speed, not output
 
 
 @pytest.mark.parametrize("amount, unit", [("1.0", "rows"), ("0.37", "rows"), ("1.6", "rows"), ("1500", "rows"),

@@ -4,9 +4,9 @@ In one process the Rust tokenizer encodes a chunk on its own threads while the P
 template, labelling, the label check) run on this one, for the chunks before and after: their time
 overlaps the encode's instead of adding to it. With N workers each forked process takes whole chunks
 through every step with a single-threaded tokenizer, so all cores do all the work, the Python steps
-too. Which is faster depends on the rows, the tokenizer and the cores (long rows on 2 cores: in
-process; short rows, or many cores: the workers), so unless told, the first rows are timed and the
-rest are built the faster way (`prefer_processes`).
+too: unless told, one per usable core. (On 2 cores the two ways build real instruction rows about
+equally fast, and short rows faster with the workers; on a node with many cores one Python thread
+could not keep up with the tokenizer's.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import contextlib
 import gc
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -35,7 +34,6 @@ _STATE: dict[str, Any] = {}  # set before forking; the children read it (copy-on
 _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it saves
 _MIN_ROWS_PER_CHUNK = 128
 _IN_PROCESS_CHUNK = 1024  # rows encoded at a time in one process: enough for the tokenizer's threads
-_PROBE_ROWS = 512  # rows timed in process to choose between it and worker processes (workers=None)
 _Part = tuple[list[int], LabelledBatch, list[tuple[int, RowError]], list[tuple[int, RowError]]]
 
 
@@ -78,12 +76,12 @@ def _label_mismatch() -> RowError:
                     "boundary); try another chat template", "label_mismatch")
 
 
-def _chunks(start: int, rows: int, workers: int) -> list[tuple[int, int]]:
-    """[start, stop) of the chunks of rows [start, rows) handed out to the workers as they free up,
-    largest first ("guided" scheduling): each a quarter of the rows left per worker, at least
-    _MIN_ROWS_PER_CHUNK. Rows differ in length, and a worker left with a big chunk at the end keeps the
-    others idle; each chunk costs one encode call, so not all are small."""
-    bounds = []
+def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
+    """[start, stop) of the chunks handed out to the workers as they free up, largest first ("guided"
+    scheduling): each a quarter of the rows left per worker, at least _MIN_ROWS_PER_CHUNK. Rows differ
+    in length, and a worker left with a big chunk at the end keeps the others idle; each chunk costs
+    one encode call, so not all are small."""
+    bounds, start = [], 0
     while start < rows:
         stop = min(rows, start + max(_MIN_ROWS_PER_CHUNK, (rows - start) // (4 * workers)))
         bounds.append((start, stop))
@@ -138,15 +136,15 @@ def _chunk(bounds: tuple[int, int]) -> _Part:
     return _label(_render(bounds))
 
 
-def _in_process(start: int, rows: int) -> list[_Part]:
-    """Rows [start, rows) in this process, overlapped: a thread has the Rust tokenizer encode one chunk (on
+def _in_process(rows: int) -> list[_Part]:
+    """All chunks in this process, overlapped: a thread has the Rust tokenizer encode one chunk (on
     its own threads, without the GIL) while this one renders the next and labels the one before, so
     the Python steps do not add their time to the encode's."""
     from concurrent.futures import ThreadPoolExecutor
 
     tokenizer, parts, pending = _STATE["tokenizer"], [], None
     with ThreadPoolExecutor(1) as encoder:
-        for bounds in _even_chunks(start, rows):
+        for bounds in _even_chunks(rows):
             rendered = _render(bounds)
             encoding = encoder.submit(encode_batch, tokenizer, [text for text, _ in rendered.texts_and_spans])
             if pending is not None:
@@ -157,9 +155,9 @@ def _in_process(start: int, rows: int) -> list[_Part]:
     return parts
 
 
-def _even_chunks(start: int, rows: int) -> list[tuple[int, int]]:
-    """[start, stop) of chunks of _IN_PROCESS_CHUNK rows of [start, rows) (the last may be smaller)."""
-    return [(a, min(rows, a + _IN_PROCESS_CHUNK)) for a in range(start, rows, _IN_PROCESS_CHUNK)]
+def _even_chunks(rows: int) -> list[tuple[int, int]]:
+    """[start, stop) of chunks of _IN_PROCESS_CHUNK rows (the last may be smaller)."""
+    return [(start, min(rows, start + _IN_PROCESS_CHUNK)) for start in range(0, rows, _IN_PROCESS_CHUNK)]
 
 
 def usable_cores() -> int:
@@ -167,26 +165,6 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-def prefer_processes(python_s: float, encode_s: float, cores: int) -> bool:
-    """Whether `cores` worker processes build faster than this process, from a probe's seconds of Python
-    work (render, label, check) and of the encode (on the tokenizer's own threads). In process the two
-    overlap, so a chunk costs about max(python, encode); in worker processes about python / cores +
-    encode (each does both, single-threaded). The encode dominating (long rows, few cores): stay here."""
-    return cores > 1 and python_s * (1 - 1 / cores) > encode_s
-
-
-def _probe(stop: int) -> tuple[_Part, float, float]:
-    """The rows [0, stop) done in this process, step by step, and the seconds of Python work and of
-    encoding they took."""
-    started = time.perf_counter()
-    rendered = _render((0, stop))
-    rendered_s = time.perf_counter() - started
-    encoded = encode_batch(_STATE["tokenizer"], [text for text, _ in rendered.texts_and_spans])
-    encoded_s = time.perf_counter() - started - rendered_s
-    part = _label(rendered, encoded)
-    return part, time.perf_counter() - started - encoded_s, encoded_s
 
 
 @contextlib.contextmanager
@@ -211,24 +189,14 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     labels fail the check is an error instead. With `convert`, the items are raw rows (a JSON line,
     say) that the workers turn into messages, so reading scales with the workers too: every item is
     converted (a RowError makes it invalid) and, if `wanted` is given, only those rows are labelled.
-    workers=None: the first rows are done here and timed, and the rest here or in one process per
-    usable core, whichever `prefer_processes` says is faster for these rows, tokenizer and machine."""
+    workers=None: one process per usable core (this process for fewer rows than two workers' worth)."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,
                   convert=convert, wanted=wanted)
     try:
-        parts, start, how = [], 0, ""
-        if workers is None:
-            workers = usable_cores() if len(work) >= _PROBE_ROWS + 2 * _MIN_ROWS_PER_WORKER else 1
-            if workers > 1:
-                probe, python_s, encode_s = _probe(_PROBE_ROWS)
-                parts, start = [probe], _PROBE_ROWS
-                workers = workers if prefer_processes(python_s, encode_s, workers) else 1
-                how = (f" (auto, from {_PROBE_ROWS} rows: {python_s / _PROBE_ROWS * 1e6:.0f} µs of Python and "
-                       f"{encode_s / _PROBE_ROWS * 1e6:.0f} µs of encoding per row)")
-        workers = max(1, min(workers, (len(work) - start) // _MIN_ROWS_PER_WORKER))
+        workers = max(1, min(usable_cores() if workers is None else workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
-            parts += _in_process(start, len(work))
+            parts = _in_process(len(work))
         else:
             import multiprocessing
 
@@ -236,8 +204,8 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
                 pool = multiprocessing.get_context("fork").Pool(workers)
             with pool:
                 # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end
-                parts += pool.map(_chunk, _chunks(start, len(work), workers), chunksize=1)
-        logger.info("rendered, tokenized and checked %d rows in %d process(es)%s", len(work), workers, how)
+                parts = pool.map(_chunk, _chunks(len(work), workers), chunksize=1)
+        logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
     position: dict[int, int] = {}
