@@ -56,7 +56,7 @@ def validate(config: FinetuneConfig) -> None:
         )
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         problems.append(f"--preprocessing_num_workers {d.preprocessing_num_workers}: give 1 or more processes, "
-                        "or leave it unset to have it chosen")
+                        "or leave it unset for one per usable core")
     n_sources = len(d.dataset_mixer_list) // 2
     if len(d.dataset_mixer_list_splits) not in (1, n_sources):
         problems.append(

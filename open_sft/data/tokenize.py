@@ -132,7 +132,8 @@ def encode_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> Encode
     """Encode the rendered texts as `label_batch` needs them, no special tokens added."""
     backend = _plain_backend(tokenizer)
     if backend is not None and byte_table(tokenizer) is not None:
-        return Encoded(id_rows=[encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)])
+        encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+        return Encoded(id_rows=[encoding.ids for encoding in encodings])
     return Encoded(encodings=_encode(tokenizer, texts))
 
 
