@@ -71,11 +71,24 @@ _MIN_BUCKET = 1 << 20
 # --------------------------------------------------------------------------------------------
 # Environment
 # --------------------------------------------------------------------------------------------
-def _usable_cpus() -> int:
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>", or "max <period>" for none
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: its affinity, capped by the cgroup's CPU quota (a container's
+    `--cpus`, a job's CPU limit), which the affinity does not show."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
+        cpus = max(1, os.cpu_count() or 1)
+    try:
+        with open(CGROUP_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):  # no cgroup v2 limit to read
+        pass
+    return cpus
 
 
 def _local_world_size() -> int:
@@ -166,7 +179,7 @@ def setup_cpu_environment() -> None:
         if threads < 1:
             raise ValueError(f"{NUM_THREADS_ENV} must be a positive integer, got {override!r}")
     elif _threads_forced_by_launcher():
-        threads = max(1, _usable_cpus() // _local_world_size())
+        threads = max(1, usable_cpus() // _local_world_size())
 
     if threads is not None:
         torch.set_num_threads(threads)

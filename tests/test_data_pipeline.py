@@ -206,13 +206,29 @@ def test_parallel_workers_give_identical_data(tokenizer, caplog, monkeypatch) ->
     two = build(preprocessing_num_workers=2)
     assert "2000 rows in 2 process(es)" in caplog.text  # the worker processes really ran
     for cores in (1, 2, 3):  # (2000 rows: two workers' worth at most)
-        monkeypatch.setattr(workers, "usable_cores", lambda: cores)
+        monkeypatch.setattr(workers, "usable_cpus", lambda: cores)
         caplog.clear()
         default = build()
         assert f"2000 rows in {min(cores, 2)} process(es)" in caplog.text
         assert one.dataset["input_ids"] == default.dataset["input_ids"] and one.dataset["labels"] == default.dataset["labels"]
     assert one.dataset["input_ids"] == two.dataset["input_ids"] and one.dataset["labels"] == two.dataset["labels"]
     assert one.cache_key == two.cache_key == default.cache_key  # workers change speed, not output
+
+
+@pytest.mark.parametrize("cpu_max, cap", [("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None),
+                                          (None, None)])
+def test_usable_cpus_respect_a_cgroup_quota(cpu_max, cap, tmp_path, monkeypatch) -> None:
+    """A container's CPU quota (cgroup v2 cpu.max, rounded up) caps the CPUs the affinity shows."""
+    import os
+
+    from open_sft import distributed
+
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(distributed, "CGROUP_CPU_MAX", str(path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert distributed.usable_cpus() == (8 if cap is None else cap)
 
 
 @pytest.mark.parametrize("amount, unit", [("1.0", "rows"), ("0.37", "rows"), ("1.6", "rows"), ("1500", "rows"),

@@ -27,6 +27,7 @@ from open_sft.data.formats import RowError
 from open_sft.data.render import special_markers, trained_spans
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.tokenize import Encoded, LabelledBatch, encode_batch, label_batch
+from open_sft.distributed import usable_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -160,13 +161,6 @@ def _even_chunks(rows: int) -> list[tuple[int, int]]:
     return [(start, min(rows, start + _IN_PROCESS_CHUNK)) for start in range(0, rows, _IN_PROCESS_CHUNK)]
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 @contextlib.contextmanager
 def _single_threaded_tokenizers():
     """Children forked with TOKENIZERS_PARALLELISM=false use one thread each (N workers fill N cores)
@@ -194,7 +188,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,
                   convert=convert, wanted=wanted)
     try:
-        workers = max(1, min(usable_cores() if workers is None else workers, len(work) // _MIN_ROWS_PER_WORKER))
+        workers = max(1, min(usable_cpus() if workers is None else workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
             parts = _in_process(len(work))
         else:
