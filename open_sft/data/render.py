@@ -219,8 +219,10 @@ def _marked_place(state: _Template, messages: Messages, tools: Optional[list], t
     content = messages[i]["content"]
     inserted = next((written for written in (content, content.strip())
                      if len(after) == 1 and before + written + after[0] == text), None)
+    if inserted is None:
+        return None
     _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
-    if inserted is None or len(closing) != 1:
+    if len(closing) != 1:
         return None
     inserted_end = len(text) - len(after[0])
     closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
