@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.layout import Layout, build_layout
 from open_sft.data.templates import content_writing
-from open_sft.data.turns import last_marker_end, whole_turn_span
+from open_sft.data.turns import last_marker_end, prefix_renders, whole_turn_span
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -235,12 +235,8 @@ def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], tex
     renderings of the messages before it (with the generation prompt) and through it, which must be
     prefixes of `text`, when the content occurs just once between their ends. None otherwise (a first
     message has no prefix to render: apply_chat_template refuses an empty conversation)."""
-    if i == 0:
-        return None
-    prompt = draw(messages[:i], True, tools)
-    # The final turn's prefix is all the messages: the text itself, no need to render it again.
-    through = text if i == len(messages) - 1 else draw(messages[: i + 1], False, tools)
-    if not (text.startswith(prompt) and text.startswith(through)):
+    prompt, through = prefix_renders(draw, messages, tools, text, i)
+    if prompt is None or not (text.startswith(prompt) and text.startswith(through)):
         return None
     content = messages[i]["content"].strip()
     start = text.find(content, len(prompt), len(through))

@@ -36,6 +36,15 @@ def _closers(state: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
     return state.closers[markers]
 
 
+def prefix_renders(draw: Any, messages: Messages, tools: Optional[list], text: str, i: int
+                   ) -> tuple[Optional[str], str]:
+    """The renderings of the messages before message i, with the generation prompt (None for the first
+    message: apply_chat_template refuses an empty conversation), and of the messages through it (the
+    row's `text` itself when it is the last)."""
+    prompt = draw(messages[:i], True, tools) if i else None
+    return prompt, text if i == len(messages) - 1 else draw(messages[: i + 1], False, tools)
+
+
 def _call_names(message: dict) -> list[str]:
     names = []
     for call in message.get("tool_calls") or []:
@@ -53,12 +62,11 @@ def whole_turn_span(state: Any, messages: Messages, tools: Optional[list], text:
     Phi-3's eos) at the first end-of-turn token after its start. Every tool call's name must be in the
     span: a template that does not write tool calls would otherwise train none of them."""
     where = f"message {i + 1} (assistant, with {'tool calls' if messages[i].get('tool_calls') else 'more than a content'})"
-    prompt = state.draw(messages[:i], True, tools) if i else None
+    prompt, through = prefix_renders(state.draw, messages, tools, text, i)
     if prompt is None or not text.startswith(prompt):
         raise RowError(f"{where}: rendering the messages before it with the generation prompt is not a prefix of "
                        "the conversation, so the turn cannot be located; choose another template")
     begin = len(prompt)
-    through = text if i == len(messages) - 1 else state.draw(messages[: i + 1], False, tools)
     if text.startswith(through):
         finish = len(through)
     else:
@@ -70,8 +78,10 @@ def whole_turn_span(state: Any, messages: Messages, tools: Optional[list], text:
     start = begin + len(body) - len(body.lstrip())
     end = begin + (last_marker_end(body, markers) or len(body.rstrip()))
     missing = [name for name in _call_names(messages[i]) if name not in text[start:end]]
-    if missing or end <= start:
+    if missing:
         raise RowError(f"{where}: the chat template does not write its tool calls ({', '.join(missing)}); use a "
                        "template that renders tool_calls (the model's own, or --chat_template_path FILE)",
                        "tool_calls_not_rendered")
+    if end <= start:
+        raise RowError(f"{where}: the chat template writes nothing for this turn; choose another template")
     return start, end
