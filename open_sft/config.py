@@ -268,6 +268,9 @@ class FinetuneConfig:
     lora: LoraArguments = field(default_factory=LoraArguments)
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     hub: HubArguments = field(default_factory=HubArguments)
+    explicit: frozenset[str] = frozenset()
+    """The settings the user gave (flags and run-YAML keys), as opposed to defaults: a given flag wins over
+    a launch config's value, a default does not (open_sft.launch_config)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
@@ -295,16 +298,30 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
     return loaded
 
 
+def _given_on_command_line(argv: list[str]) -> set[str]:
+    """The fields the command line sets: parsed once more with every default replaced by a marker
+    (argparse resolves prefixes and `--no_x` forms itself, so this agrees with the real parse)."""
+    parser, unset = _make_parser(), object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
+    namespace, _ = parser.parse_known_args(argv)
+    return {name for name, value in vars(namespace).items() if value is not unset}
+
+
 def parse_config(argv: list[str]) -> FinetuneConfig:
     """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig."""
     parser = _make_parser()
+    explicit: set[str] = set()
     if argv and argv[0].endswith((".yaml", ".yml")):
         path = Path(argv[0])
         if not path.is_file():
             raise UserError(f"config file {path} does not exist; pass an existing YAML file or only flags")
-        parser.set_defaults(**_yaml_defaults(path))
+        defaults = _yaml_defaults(path)
+        parser.set_defaults(**defaults)
+        explicit |= set(defaults)
         argv = argv[1:]
     model, data, train, lora, checkpoint, hub = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
-    config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub)
+    explicit |= _given_on_command_line(argv)
+    config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,
+                            explicit=frozenset(explicit))
     validate(config)
     return config

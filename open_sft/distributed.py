@@ -8,7 +8,8 @@ Supported launches (all verified on a CPU-only machine, see the docs of each hel
   (``accelerate launch --num_processes N`` *without* ``--multi_gpu`` starts ONE process
   on a machine without GPUs: accelerate's "simple launcher" ignores ``--num_processes``.)
 * ``accelerate launch --num_processes N --use_deepspeed --deepspeed_config_file CFG finetune.py ...``
-                                                              -> DeepSpeed ZeRO; on CPU over gloo
+  (or ``--config_file ACCELERATE.yaml``, or ``--use_deepspeed --zero_stage N ...``: see
+  :mod:`open_sft.launch_config`)                              -> DeepSpeed ZeRO; on CPU over gloo
 
 Thread rule (see :func:`setup_cpu_environment`): ``OPEN_SFT_NUM_THREADS`` wins; otherwise an
 ``OMP_NUM_THREADS`` the *user* set is respected; otherwise a launched rank (torchrun /
@@ -26,7 +27,6 @@ Loss normalisation: in every mode supported here the gradient that reaches the o
 from __future__ import annotations
 
 import copy
-import json
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -40,8 +40,6 @@ __all__ = [
     "NUM_THREADS_ENV",
     "setup_cpu_environment",
     "resolve_deepspeed_config",
-    "load_deepspeed_config",
-    "deepspeed_config_from_env",
     "build_accelerator",
     "gather_full_state_dict",
     "all_reduce_sum",
@@ -49,14 +47,6 @@ __all__ = [
 
 #: Explicit per-rank thread count; overrides everything else (also use it to force 1 thread).
 NUM_THREADS_ENV = "OPEN_SFT_NUM_THREADS"
-
-# Env vars set by `accelerate launch` (accelerate 1.15, accelerate/utils/launch.py
-# prepare_deepspeed_cmd_env) for the DeepSpeed launcher.
-_ENV_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
-_ENV_DS_CONFIG_FILE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
-_ENV_DS_ZERO_STAGE = "ACCELERATE_DEEPSPEED_ZERO_STAGE"
-_ENV_DS_OFFLOAD_OPT = "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"
-_ENV_DS_OFFLOAD_PARAM = "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"
 
 # DeepSpeed's own defaults, used for hidden-size dependent "auto" keys when the hidden size
 # is unknown.
@@ -227,10 +217,12 @@ def resolve_deepspeed_config(
 ) -> dict[str, Any]:
     """Return a copy of ``config`` with every "auto" filled from our flags.
 
-    Explicit values that contradict the flags raise ``ValueError`` (DeepSpeed would otherwise
-    silently train with e.g. a different batch size or precision); so does any "auto" left
-    that this function does not know, and an "optimizer"/"scheduler" section (we always pass
-    our own torch optimizer and scheduler).  ``clip_grad_norm <= 0`` disables clipping (0.0).
+    ``config`` comes from :func:`open_sft.launch_config.plan_launch`, which has already settled every
+    conflict between the launch config and the flags (and reported it to the user), so a ``ValueError``
+    here is a bug: explicit values that contradict the flags (DeepSpeed would otherwise silently train
+    with e.g. a different batch size or precision), an "auto" this function does not know, or an
+    "optimizer"/"scheduler" section (we always pass our own torch optimizer and scheduler).
+    ``clip_grad_norm <= 0`` disables clipping (0.0).
     """
     cfg = copy.deepcopy(config)
     for section in ("optimizer", "scheduler"):
@@ -291,47 +283,6 @@ def resolve_deepspeed_config(
     return cfg
 
 
-def load_deepspeed_config(path: str | os.PathLike[str]) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: a DeepSpeed config must be a JSON object")
-    return cfg
-
-
-def deepspeed_config_from_env() -> dict[str, Any] | None:
-    """The DeepSpeed config requested through ``accelerate launch --use_deepspeed``, else None.
-
-    Reads ``ACCELERATE_USE_DEEPSPEED=true`` and ``ACCELERATE_DEEPSPEED_CONFIG_FILE``.  Without a
-    config file (``--use_deepspeed --zero_stage N [--offload_*_device cpu]``) a minimal config
-    is built from ``ACCELERATE_DEEPSPEED_ZERO_STAGE`` / ``..._OFFLOAD_{OPTIMIZER,PARAM}_DEVICE``.
-    """
-    if os.environ.get(_ENV_USE_DEEPSPEED, "false").lower() != "true":
-        return None
-    path = os.environ.get(_ENV_DS_CONFIG_FILE, "none")
-    if path and path.lower() != "none":
-        return load_deepspeed_config(path)
-    zero: dict[str, Any] = {"stage": int(os.environ.get(_ENV_DS_ZERO_STAGE, "2"))}
-    offload_opt = os.environ.get(_ENV_DS_OFFLOAD_OPT, "none").lower()
-    offload_param = os.environ.get(_ENV_DS_OFFLOAD_PARAM, "none").lower()
-    if offload_opt != "none":
-        zero["offload_optimizer"] = {"device": offload_opt}
-    if offload_param != "none":
-        zero["offload_param"] = {"device": offload_param}
-    cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "train_batch_size": "auto",
-        "gradient_clipping": "auto",
-        "bf16": {"enabled": "auto"},
-        "fp16": {"enabled": False},
-        "zero_optimization": zero,
-    }
-    if offload_opt != "none":
-        cfg["zero_force_ds_cpu_optimizer"] = False
-    return cfg
-
-
 # --------------------------------------------------------------------------------------------
 # Accelerator
 # --------------------------------------------------------------------------------------------
@@ -371,7 +322,10 @@ def build_accelerator(
         ds_bf16 = bool(deepspeed_config.get("bf16", {}).get("enabled", False))
         if ds_bf16 != (mixed_precision == "bf16"):
             raise ValueError(f"DeepSpeed bf16.enabled={ds_bf16} but mixed_precision={mixed_precision!r}")
-        os.environ[_ENV_USE_DEEPSPEED] = "true"  # accelerate does this too; needed before the state exists
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # accelerate does this too; needed before the state exists
+        # The config is final (launch_config merged accelerate's settings into it): without this list
+        # accelerate refuses a config of ours beside an `accelerate config` YAML's DeepSpeed fields.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         plugin = DeepSpeedPlugin(
             hf_ds_config=copy.deepcopy(deepspeed_config),
             gradient_accumulation_steps=int(deepspeed_config["gradient_accumulation_steps"]),

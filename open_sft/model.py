@@ -123,12 +123,12 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     """The model ready to train: fp32 parameters (master weights; the compute dtype comes from autocast
     or DeepSpeed), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
     and with --use_lora / --use_qlora wrapped as a peft model whose only trainable weights are adapters."""
-    from open_sft import distributed
+    from open_sft.launch_config import uses_deepspeed
     from open_sft.lora import apply_lora, check_qlora_supported, uses_lora
 
     check_liger(args)
     if lora is not None:
-        check_qlora_supported(lora, under_deepspeed=distributed.deepspeed_config_from_env() is not None)
+        check_qlora_supported(lora, under_deepspeed=uses_deepspeed())
     model = _from_pretrained(args, lora)
     if tokenizer is not None:
         fit_embeddings_to_tokenizer(model, tokenizer)

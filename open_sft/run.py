@@ -32,12 +32,11 @@ def _setup_logging() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
-def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype):
-    """The Accelerator, with the DeepSpeed config the launch asked for resolved from our flags."""
+def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype, ds_config: Optional[dict]):
+    """The Accelerator, with the launch's DeepSpeed config (from launch_config) resolved from our flags."""
     from open_sft import distributed
 
     t = config.train
-    ds_config = distributed.deepspeed_config_from_env()
     if ds_config is not None:
         ds_config = distributed.resolve_deepspeed_config(
             ds_config, micro_batch_size=t.per_device_train_batch_size,
@@ -52,7 +51,20 @@ def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype):
     return accelerator, ds_config
 
 
-def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_config) -> dict:
+def _plan_launch(config: FinetuneConfig):
+    """The flags reconciled with what `accelerate launch` was given (its YAML or flags, a DeepSpeed JSON);
+    each decision that is not the plain flag is logged once."""
+    from open_sft.launch_config import plan_launch
+    from open_sft.model import compute_dtype
+
+    plan = plan_launch(config.train, config.model, config.explicit, lambda: compute_dtype(config.model))
+    if _is_main_rank():
+        for note in plan.notes:
+            logger.info("launch config: %s", note)
+    return dataclasses.replace(config, train=plan.train), plan
+
+
+def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_config, launch) -> dict:
     from open_sft.export import git_revision, library_versions
 
     return {
@@ -61,6 +73,7 @@ def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_con
         "loss_normalization": config.train.loss_normalization, "schedule": schedule.to_dict(),
         "dataset_cache_key": data.cache_key, "dataset_cache_path": str(data.cache_path),
         "git_revision": git_revision(), "deepspeed_config": ds_config, "threads_per_rank": torch.get_num_threads(),
+        "launch": launch.record,
     }
 
 
@@ -131,12 +144,13 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.lora import is_peft_model, save_lora
     from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import compute_dtype, load_model, load_tokenizer
+    from open_sft.model import load_model, load_tokenizer
     from open_sft.optim import optimizer_impl
     from open_sft.trainer import plan_schedule
 
+    config, launch = _plan_launch(config)
     m, d, t = config.model, config.data, config.train
-    dtype = compute_dtype(m)
+    dtype = launch.dtype
     torch.manual_seed(t.seed)
     tokenizer = load_tokenizer(m)
     apply_chat_template_choice(tokenizer, d.chat_template_name, d.chat_template_path)
@@ -155,16 +169,16 @@ def run(config: FinetuneConfig) -> dict:
         print(format_report(data.report), flush=True)
     if t.dry_run and _is_main_rank():
         _print_examples(data, tokenizer)
-    baseline = preflight.runtime_bytes(distributed.deepspeed_config_from_env() is not None,
+    baseline = preflight.runtime_bytes(launch.deepspeed_config is not None,
                                        config.lora.use_lora, config.lora.use_qlora)
     model = load_model(m, tokenizer, config.lora)
     if t.auto_micro_batch_size:
         from open_sft.auto_batch import fit_micro_batch
 
-        config = fit_micro_batch(config, model, data, distributed.deepspeed_config_from_env(),
+        config = fit_micro_batch(config, model, data, launch.deepspeed_config,
                                  dtype == torch.bfloat16, baseline)
         t = config.train
-    accelerator, ds_config = _accelerator_for(config, model, dtype)
+    accelerator, ds_config = _accelerator_for(config, model, dtype, launch.deepspeed_config)
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)
     if accelerator.is_main_process:
@@ -190,7 +204,7 @@ def run(config: FinetuneConfig) -> dict:
         metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict())
     trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics, eval_data)
     if accelerator.is_main_process:
-        info = _run_info(config, accelerator, dtype, schedule, data, ds_config)
+        info = _run_info(config, accelerator, dtype, schedule, data, ds_config, launch)
         write_json(output_dir / "run.json", {**info, "preflight": plan.to_dict(),
                                              "optimizer": optimizer_impl(trainer.optimizer)})
         write_json(output_dir / "data_report.json", data.report)

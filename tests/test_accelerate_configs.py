@@ -1,0 +1,230 @@
+"""Every way users configure DeepSpeed through accelerate: an `accelerate config` YAML without a JSON,
+`accelerate launch` flags alone, and a Trainer-style JSON with optimizer/scheduler sections.
+
+The decisions are unit-tested on the environment accelerate hands its workers; real 2-rank runs through
+each style must give the per-step losses of the JSON path (configs/ds/zero2.json) tested in test_e2e.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, child_env, free_port, read_metrics
+from open_sft.config import parse_config
+from open_sft.errors import UserError
+from open_sft.launch_config import plan_launch
+
+ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
+# What `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` exports.
+YAML_ENV = {
+    "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "bf16",
+    "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_multinode_launcher,gradient_accumulation_steps,gradient_clipping,"
+                                   "offload_optimizer_device,offload_param_device,zero3_init_flag,"
+                                   "zero3_save_16bit_model,zero_stage,mixed_precision",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1", "ACCELERATE_GRADIENT_CLIPPING": "0.5",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
+    "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+}
+TRAINER_JSON = {  # the shape of the HF Trainer docs' ZeRO-3 example
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_min_lr": "auto",
+                                                      "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto",
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 1e5, "wall_clock_breakdown": False,
+}
+
+
+def plan(flags: list[str], env: dict[str, str], auto_dtype: torch.dtype = torch.float32):
+    config = parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *flags])
+    return plan_launch(config.train, config.model, config.explicit, lambda: auto_dtype, env)
+
+
+def write_json(tmp_path, content: dict) -> str:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(content))
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decisions
+# ---------------------------------------------------------------------------------------------------
+def test_yaml_settings_build_the_deepspeed_config() -> None:
+    result = plan([], YAML_ENV)
+    zero = result.deepspeed_config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"] == {"device": "cpu"} and zero["offload_param"] == {"device": "cpu"}
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert result.deepspeed_config["zero_force_ds_cpu_optimizer"] is False  # our AdamW steps the offloaded state
+    # No flag given: accelerate's values are used, and said so.
+    assert result.train.gradient_accumulation_steps == 1 and result.train.clip_grad_norm == 0.5
+    assert result.dtype == torch.bfloat16 and result.record["compute_dtype_from"] == "accelerate_config"
+    assert any("clip_grad_norm = 0.5 from accelerate's gradient_clipping" in n for n in result.notes)
+    assert any("zero3_init_flag" in n for n in result.notes)
+    assert result.record["accelerate_deepspeed_settings"]["zero3_init_flag"] is True
+
+
+def test_given_flags_win_over_the_yaml_with_one_line_each() -> None:
+    result = plan(["--gradient_accumulation_steps", "4", "--clip_grad_norm", "1.0", "--torch_dtype", "float32"],
+                  YAML_ENV)
+    assert result.train.gradient_accumulation_steps == 4 and result.train.clip_grad_norm == 1.0
+    assert result.dtype == torch.float32
+    wins = [n for n in result.notes if " wins over accelerate's " in n]
+    assert len(wins) == 3, result.notes
+    # The values live in the flags; the config takes them when it is resolved.
+    assert result.deepspeed_config["gradient_accumulation_steps"] == "auto"
+
+
+def test_flag_prefix_and_run_yaml_count_as_given(tmp_path) -> None:
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("model_name_or_path: m\ndataset_mixer_list: [d.jsonl, '1.0']\nclip_grad_norm: 2.0\n")
+    config = parse_config([str(run_yaml), "--gradient_accum", "3"])
+    assert {"clip_grad_norm", "gradient_accumulation_steps"} <= config.explicit
+    assert "learning_rate" not in config.explicit
+    result = plan_launch(config.train, config.model, config.explicit, lambda: torch.float32, YAML_ENV)
+    assert (result.train.gradient_accumulation_steps, result.train.clip_grad_norm) == (3, 2.0)
+
+
+def test_mixed_precision_no_is_only_a_request_when_the_yaml_says_it() -> None:
+    base = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no"}
+    assert plan([], base, auto_dtype=torch.bfloat16).dtype == torch.bfloat16  # accelerate's default: auto decides
+    from_yaml = {**base, "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage,mixed_precision"}
+    assert plan([], from_yaml, auto_dtype=torch.bfloat16).dtype == torch.float32
+    with pytest.raises(UserError, match="mixed_precision=fp16 is not supported"):
+        plan([], {**base, "ACCELERATE_MIXED_PRECISION": "fp16"})
+    assert plan(["--torch_dtype", "bfloat16"], {**base, "ACCELERATE_MIXED_PRECISION": "fp16"}).dtype == torch.bfloat16
+
+
+def test_flags_only_launch_defaults_to_zero2() -> None:
+    result = plan([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no"})
+    assert result.deepspeed_config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": "auto"}
+    assert plan([], {"ACCELERATE_USE_DEEPSPEED": "false"}).deepspeed_config is None
+
+
+def test_json_merges_accelerate_settings_and_refuses_contradictions(tmp_path) -> None:
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 3}, "gradient_clipping": 0.3})
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": path,
+           "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+    result = plan([], env)
+    assert result.deepspeed_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert result.train.clip_grad_norm == 0.3  # the file's explicit value, no flag given
+    with pytest.raises(UserError, match=r"gradient_clipping=0.3 conflicts with --clip_grad_norm 1.0"):
+        plan(["--clip_grad_norm", "1.0"], env)
+    with pytest.raises(UserError, match=r"zero_optimization.stage=3 conflicts with accelerate's zero_stage=2"):
+        plan([], {**env, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
+
+
+def test_json_bf16_and_batch_values_are_checked(tmp_path) -> None:
+    env = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    with pytest.raises(UserError, match=r"bf16.enabled=True conflicts with --torch_dtype float32"):
+        plan(["--torch_dtype", "float32"], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+    assert plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path}).dtype == torch.bfloat16
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}})
+    with pytest.raises(UserError, match="fp16.enabled=true is not supported"):
+        plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 24})
+    with pytest.raises(UserError, match=r"train_batch_size=24 is not micro-batch 8 × accumulation 1"):
+        plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"bad.json: not valid JSON"):
+        plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "bad.json")})
+
+
+def test_trainer_sections_become_our_optimizer_and_schedule(tmp_path) -> None:
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, TRAINER_JSON)}
+    result = plan([], env)
+    assert "optimizer" not in result.deepspeed_config and "scheduler" not in result.deepspeed_config
+    assert result.train.lr_scheduler_type == "linear" and result.train.learning_rate == 2e-5
+    assert sum("replaced by open_sft's AdamW" in n for n in result.notes) == 1
+
+    explicit = json.loads(json.dumps(TRAINER_JSON))
+    explicit["optimizer"]["params"].update(lr=1e-4, weight_decay=0.1)
+    explicit["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 7, "warmup_max_lr": 1e-4}}
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, explicit)
+    result = plan([], env)
+    assert (result.train.learning_rate, result.train.weight_decay, result.train.warmup_steps) == (1e-4, 0.1, 7)
+    assert result.train.lr_scheduler_type == "constant_with_warmup"
+    with pytest.raises(UserError, match=r"optimizer.params.lr=0.0001 conflicts with --learning_rate 0.001"):
+        plan(["--learning_rate", "1e-3"], env)
+    assert plan(["--lr_scheduler_type", "cosine"], env).train.lr_scheduler_type == "cosine"  # a given flag wins
+
+    for section, change, message in (
+            ("optimizer", {"type": "Lamb"}, r"optimizer.type='Lamb' is not one open_sft can train with"),
+            ("optimizer", {"params": {"betas": [0.9, 0.95]}}, r"betas=\[0.9, 0.95\] cannot be honoured"),
+            ("scheduler", {"type": "OneCycle"}, r"scheduler.type='OneCycle'")):
+        broken = json.loads(json.dumps(TRAINER_JSON))
+        broken[section].update(change)
+        env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, broken)
+        with pytest.raises(UserError, match=message):
+            plan([], env)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real 2-rank runs through each style
+# ---------------------------------------------------------------------------------------------------
+STEPS = 6
+STYLES = {  # name: accelerate launch arguments
+    "json_zero2": ["--use_deepspeed", "--deepspeed_config_file", str(DS_CONFIGS / "zero2.json"),
+                   "--mixed_precision", "no"],
+    "yaml_zero2": ["--config_file", str(ACCELERATE_CONFIGS / "deepspeed_zero2.yaml")],
+    "yaml_zero3_offload": ["--config_file", str(ACCELERATE_CONFIGS / "deepspeed_zero3_offload.yaml")],
+    "flags_zero3": ["--use_deepspeed", "--zero_stage", "3", "--mixed_precision", "no"],
+    "trainer_json_zero3": ["--use_deepspeed", "--deepspeed_config_file", "TRAINER_JSON", "--mixed_precision", "no"],
+}
+
+
+@pytest.fixture(scope="module")
+def style_runs(tiny_model_dir, tmp_path_factory) -> dict:
+    trainer_json = tmp_path_factory.mktemp("trainer") / "ds_trainer.json"
+    trainer_json.write_text(json.dumps(TRAINER_JSON))
+    out = {}
+    for name, launch_args in STYLES.items():
+        output_dir = tmp_path_factory.mktemp(name)
+        launch_args = [str(trainer_json) if a == "TRAINER_JSON" else a for a in launch_args]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_processes", "2",
+               "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+               str(FINETUNE), "--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE),
+               "1.0", "--output_dir", str(output_dir), "--max_train_steps", str(STEPS),
+               "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--learning_rate",
+               "3e-3", "--logging_steps", "1", "--seed", "1", "--torch_dtype", "float32", "--max_seq_length", "256"]
+        result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        out[name] = {"stdout": result.stdout, "metrics": read_metrics(output_dir),
+                     "run": json.loads((output_dir / "run.json").read_text())}
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in STYLES if n != "json_zero2"])
+def test_each_style_trains_the_same_losses_as_the_json_path(style_runs, name) -> None:
+    reference = [m["loss"] for m in style_runs["json_zero2"]["metrics"]]
+    losses = [m["loss"] for m in style_runs[name]["metrics"]]
+    assert len(losses) == STEPS and reference[0] - reference[-1] > 0.3
+    assert losses == pytest.approx(reference, rel=1e-5)
+
+
+def test_run_json_records_what_each_style_resolved_to(style_runs) -> None:
+    yaml_run = style_runs["yaml_zero3_offload"]["run"]
+    zero = yaml_run["deepspeed_config"]["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu"
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["stage3_gather_16bit_weights_on_model_save"]
+    assert yaml_run["deepspeed_config"]["gradient_accumulation_steps"] == 2  # the flag, over the YAML's 1
+    assert yaml_run["deepspeed_config"]["bf16"]["enabled"] is False  # --torch_dtype float32 over bf16
+    assert yaml_run["launch"]["accelerate_deepspeed_settings"]["zero3_init_flag"] is True
+    assert any("--gradient_accumulation_steps 2 wins" in d for d in yaml_run["launch"]["decisions"])
+    assert "--gradient_accumulation_steps 2 wins over accelerate's" in style_runs["yaml_zero3_offload"]["stdout"]
+    assert style_runs["flags_zero3"]["run"]["deepspeed_config"]["zero_optimization"]["stage"] == 3
+    assert style_runs["yaml_zero2"]["run"]["deepspeed_config"]["zero_optimization"]["stage"] == 2
+    trainer = style_runs["trainer_json_zero3"]
+    assert "optimizer" not in trainer["run"]["deepspeed_config"]
+    assert trainer["stdout"].count("replaced by open_sft's AdamW") == 1  # logged once, by rank 0
