@@ -145,10 +145,14 @@ def test_mixer_amounts() -> None:
     assert len(set(select_indices(specs[1], 10, seed=1))) == 3
     upsampled = Counter(select_indices(specs[2], 8, seed=1))
     assert sum(upsampled.values()) == 18 and set(upsampled.values()) == {2, 3}  # 2 copies + 2 of 8 extra
-    with pytest.raises(UserError, match="asked for 3 rows of b.jsonl but it has 2"):
-        select_indices(specs[1], 2, seed=1)
-    with pytest.raises(UserError, match="amount 'x' for a.jsonl is not a number"):
-        parse_mixer_list(["a.jsonl", "x"], ["train"])
+    # A count above the source's rows upsamples, as in open-instruct: 3 of 2 rows = both rows + one again.
+    assert sorted(Counter(select_indices(specs[1], 2, seed=1)).values()) == [1, 2]
+    seven = Counter(select_indices(SourceSpec("b.jsonl", 7, False, "train"), 3, seed=1))
+    assert sorted(seven.values()) == [2, 2, 3]
+    for bad, message in (("x", "is not a number"), ("0", "must be positive"), ("-3", "must be positive"),
+                         ("-0.5", "must be positive")):
+        with pytest.raises(UserError, match=f"amount '?{bad}'? for a.jsonl {message}"):
+            parse_mixer_list(["a.jsonl", bad], ["train"])
 
 
 def test_mixer_token_unit() -> None:
@@ -160,8 +164,9 @@ def test_mixer_token_unit() -> None:
     assert 60 <= sum(lengths[i] for i in count) < 160
     double = select_by_tokens(SourceSpec("a.jsonl", 2.0, True, "train"), lengths, seed=0)
     assert sum(lengths[i] for i in double) == 400
-    with pytest.raises(UserError, match="asked for 500 tokens of a.jsonl but it has 200"):
-        select_by_tokens(SourceSpec("a.jsonl", 500, False, "train"), lengths, seed=0)
+    above = select_by_tokens(SourceSpec("a.jsonl", 500, False, "train"), lengths, seed=0)  # 2 copies + 100 tokens
+    assert 500 <= sum(lengths[i] for i in above) < 500 + max(lengths)
+    assert all(count >= 2 for count in Counter(above).values())
 
 
 def test_token_unit_balances_tokens_not_rows(tokenizer, tmp_path) -> None:
@@ -272,26 +277,34 @@ def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, m
     assert by_workers[1] == by_workers[2]
 
 
-@pytest.mark.parametrize("count", ["1997", "2001"])
-def test_jsonl_read_in_the_workers_reports_too_large_counts_as_the_serial_read(tokenizer, tmp_path, monkeypatch,
-                                                                               count) -> None:
-    """More rows asked for than the valid rows (1996 of 1999 lines) or than the lines: the same error,
-    with the same numbers, as the serial read."""
+@pytest.mark.parametrize("count", ["1997", "4001"])
+def test_counts_above_the_valid_rows_upsample_alike_in_workers_and_serially(tokenizer, tmp_path, monkeypatch,
+                                                                            count) -> None:
+    """More rows asked for than the valid rows (1996 of 1999 lines) upsample, as open-instruct does: whole
+    copies plus a seeded sample of the rest, the same rows whether the workers or the parent read the file,
+    and the data report shows the factor."""
     from conftest import SAMPLE
     from open_sft.data import pipeline
+    from open_sft.data.summary import format_report
 
     lines = SAMPLE.read_text().splitlines()[:1999]
     lines[5], lines[50], lines[500] = "{oops", "[1]", json.dumps({"messages": [{"role": "user", "content": "q"}]})
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(lines) + "\n")
     args = DataArguments(dataset_mixer_list=[str(data), count], on_bad_row="drop")
-    messages = []
+    built = []
     for path in (pipeline._jsonl_chat_rows, lambda *args: None):
         monkeypatch.setattr(pipeline, "_jsonl_chat_rows", path)
-        with pytest.raises(UserError) as error:
-            pipeline.build_rows(args, tokenizer, 0)
-        messages.append(str(error.value))
-    assert messages[0] == messages[1] and f"asked for {count} rows of {data} but it has 1996 usable rows" in messages[0]
+        rows, reports = pipeline.build_rows(args, tokenizer, 0)
+        built.append((rows.bounds.tolist(), rows.ids.tolist(), reports[0].to_dict()))
+    assert built[0] == built[1]
+    report = built[0][2]
+    assert report["rows_selected"] == int(count) and len(built[0][0]) - 1 == report["examples"]
+    assert report["upsample_factor"] == round(int(count) / 1996, 4) > 1.0  # of the 1996 valid rows
+    assert f"upsampled ×{int(count) / 1996:.2f} (rows repeated" in format_report(
+        {"sources": [report], "examples": report["examples"], "tokens": report["tokens"],
+         "trained_tokens": report["trained_tokens"]})
+    assert report["examples"] == int(count)
 
 
 def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monkeypatch) -> None:

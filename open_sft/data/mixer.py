@@ -16,7 +16,8 @@ def select_indices(spec: SourceSpec, n_rows: int, seed: int) -> list[int]:
     """Row indices of a source with n_rows rows that the mixture takes, in a seeded order.
 
     A fraction f takes floor(f) whole copies plus a seeded sample of round((f - floor(f)) * n) rows;
-    a count c takes a seeded sample of c distinct rows and must not exceed the source's size.
+    a count c takes a seeded sample of c distinct rows, and above the source's size (as open-instruct
+    does) c // n whole copies plus a seeded sample of c % n rows.
     """
     rng = random.Random(f"{seed}:{spec.name}:{spec.split}")
     if spec.is_fraction:
@@ -29,20 +30,18 @@ def select_indices(spec: SourceSpec, n_rows: int, seed: int) -> list[int]:
             )
         return indices
     count = int(spec.amount)
-    if count > n_rows:
-        raise UserError(
-            f"--dataset_mixer_list: asked for {count} rows of {spec.name} but it has {n_rows} usable rows; "
-            f"ask for at most {n_rows}, or use a fraction such as {count / n_rows:.2f} to upsample"
-        )
-    return sorted(rng.sample(range(n_rows), count))
+    if n_rows == 0:
+        raise UserError(f"--dataset_mixer_list: {spec.name} has no usable rows to take {count} from")
+    whole, rest = divmod(count, n_rows)
+    return list(range(n_rows)) * whole + sorted(rng.sample(range(n_rows), rest))
 
 
 def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[int]:
     """--dataset_mixer_unit tokens: indices whose token total reaches the amount.
 
     A fraction f of a source with T tokens takes floor(f) whole copies plus rows in a seeded order
-    until (f - floor(f)) * T more tokens are reached; a count takes rows until that many tokens and
-    must not exceed T.
+    until (f - floor(f)) * T more tokens are reached; a count takes rows until that many tokens
+    (above T: whole copies first, as for row counts).
     """
     total = sum(lengths)
     rng = random.Random(f"{seed}:{spec.name}:{spec.split}:tokens")
@@ -53,13 +52,8 @@ def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[in
         target = (spec.amount - whole) * total
         indices = list(range(len(lengths))) * whole
     else:
-        target = int(spec.amount)
-        if target > total:
-            raise UserError(
-                f"--dataset_mixer_list: asked for {target} tokens of {spec.name} but it has {total}; ask for at "
-                f"most {total}, or use a fraction such as {target / total:.2f} to upsample"
-            )
-        indices = []
+        whole, target = divmod(int(spec.amount), max(total, 1))
+        indices = list(range(len(lengths))) * whole
     taken = 0
     for index in order:
         if taken >= target:

@@ -49,6 +49,7 @@ class SourceReport:
     tokens: int = 0
     trained_tokens: int = 0
     examples: int = 0  # training examples made (text sources: blocks)
+    upsample_factor: float = 1.0  # times each selected row is taken, on average (> 1: the amount upsamples)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,7 +57,9 @@ class SourceReport:
             "rows_selected": self.rows_selected, "rows_kept": self.rows_kept,
             "rows_dropped": dict(self.dropped), "truncated": self.truncated,
             "examples": self.examples, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+            "upsample_factor": self.upsample_factor,
         }
+
 
 
 @dataclass
@@ -153,6 +156,7 @@ def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[l
     found = np.fromiter(map(position.get, picked, repeat(-1)), dtype=np.int64, count=len(picked))
     found = found[found >= 0]  # the selected rows that were labelled, in selection order
     report.rows_selected = len(found)
+    report.upsample_factor = _upsample_factor(picked)
     rows, dropped, report.truncated = fit_rows(labelled.rows, found, args.max_seq_length, args.truncation)
     report.dropped.update(dropped)
     report.rows_kept = len(rows)
@@ -248,6 +252,10 @@ def _blocks(token_lists: list[list[int]], block: int) -> TokenRows:
     return TokenRows.from_lengths(stream, stream, lengths)
 
 
+def _upsample_factor(picked: list[int]) -> float:
+    return round(len(picked) / max(1, len(set(picked))), 4)
+
+
 def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
     if args.dataset_mixer_unit == "tokens":
         picked = select_by_tokens(spec, [lengths[i] for i in valid], seed)
@@ -282,6 +290,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
         selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \
             else _select(spec, args, valid, None, seed)
         report.rows_selected = report.rows_kept = len(selected)
+        report.upsample_factor = _upsample_factor(selected)
         rows = _blocks([tokenized[i] for i in selected], args.max_seq_length)
     else:
         picked = None if by_tokens else _select(spec, args, valid, None, seed)

@@ -31,6 +31,8 @@ def format_report(report: dict[str, Any]) -> str:
         share = source["trained_tokens"] / max(source["tokens"], 1)
         lines.append(f"{name:<40} {source['format']:<9} {source['rows_in']:>8} {source['rows_kept']:>8} {dropped:>8} "
                      f"{source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} {share:>7.1%}")
+        if source.get("upsample_factor", 1.0) > 1.0:
+            lines.append(f"{'':<4}upsampled ×{source['upsample_factor']:.2f} (rows repeated to reach the amount)")
         for reason, count in sorted(source["rows_dropped"].items()):
             lines.append(f"{'':<4}dropped {count} row(s): {reason}")
     share = report["trained_tokens"] / max(report["tokens"], 1)
