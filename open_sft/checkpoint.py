@@ -241,7 +241,9 @@ def publish(tmp: Path, final: Path, step: int) -> None:
 
 def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep` usable ones; never an incomplete one, nor one
-    in `busy` (its upload is queued or running: a later prune deletes it)."""
+    in `busy` (its upload is queued or running: a later prune deletes it). keep -1: keep all."""
+    if keep < 0:
+        return []
     usable = 0
     removed = []
     for _, path in step_dirs(root):
@@ -254,6 +256,14 @@ def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
             shutil.rmtree(path)
             removed.append(path)
     return removed
+
+
+def remove_all(output_dir: Path) -> None:
+    """--clean_checkpoints_at_end: the run is exported, its checkpoints are no longer needed."""
+    root = output_dir / CHECKPOINTS
+    if root.is_dir():
+        shutil.rmtree(root)
+        logger.info("deleted %s (--clean_checkpoints_at_end)", root)
 
 
 class Checkpointer:

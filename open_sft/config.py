@@ -1,26 +1,23 @@
-"""Typed run configuration: parsed from flags (and an optional YAML file), validated up front.
-
-`python finetune.py [run.yaml] --flag value ...`: the YAML gives defaults, flags override them.
-Flag names follow allenai/open-instruct `finetune.py` so existing command lines keep working.
-Each field is documented once, in its `help` metadata (shown by `--help`).
+"""Typed run configuration: one dataclass per concern, each field documented once in its `help`
+metadata (shown by `--help`). open_sft.cli parses flags and run YAMLs into it and open_sft.config_checks
+validates it. Flag names follow allenai/open-instruct `finetune.py` so existing command lines keep
+working (its flags that are not ours: open_sft.compat).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
-
-import yaml
-from transformers import HfArgumentParser
-
-from open_sft.config_checks import validate
-from open_sft.errors import UserError
 
 
 def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
+
+
+def _aliased(alias: str, text: str, **kwargs: Any) -> Any:
+    """A field with a second flag name (open-instruct's), parsed into the same field."""
+    return field(metadata={"help": text, "aliases": [alias]}, **kwargs)
 
 
 @dataclass
@@ -28,14 +25,18 @@ class ModelArguments:
     model_name_or_path: Optional[str] = _help(
         "Local model directory or Hub id of the model to fine-tune.", default=None
     )
-    tokenizer_name_or_path: Optional[str] = _help(
-        "Tokenizer directory or Hub id; defaults to --model_name_or_path.", default=None
-    )
+    tokenizer_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory or Hub id; defaults to --model_name_or_path.",
+                                "aliases": ["--tokenizer_name"]})
+    tokenizer_revision: Optional[str] = _help("Hub revision of the tokenizer; defaults to --model_revision.",
+                                              default=None)
     config_name: Optional[str] = _help(
         "Model config directory or Hub id, if not the same as --model_name_or_path.", default=None
     )
     model_revision: Optional[str] = _help("Hub revision (branch, tag or commit) of the model.", default=None)
     trust_remote_code: bool = _help("Allow custom modelling code from the model repository.", default=False)
+    additional_model_arguments: Optional[str] = _help(
+        "Model config overrides: a JSON object (or YAML mapping), e.g. '{\"rope_theta\": 500000}'.", default=None)
     torch_dtype: str = _help(
         "Compute dtype: auto (bf16 where supported), bfloat16 or float32. Parameters and optimizer "
         "states stay in fp32 (bf16 runs use autocast, or DeepSpeed's bf16 mode with fp32 master weights).",
@@ -102,12 +103,17 @@ class DataArguments:
         "sharegpt, text (raw documents for continual pretraining, spliced into --max_seq_length blocks).",
         default="auto",
     )
-    chat_template_name: Optional[str] = _help(
+    chat_template_name: Optional[str] = _aliased("--chat_template",
         "Built-in chat template: tulu, olmo, simple_chat, chatml, llama3, zephyr. Default: the tokenizer's own.",
         default=None,
     )
     chat_template_path: Optional[str] = _help("A Jinja chat template file (overrides --chat_template_name).",
                                               default=None)
+    add_bos: bool = _help(
+        "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
+        "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token).", default=False)
+    sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
+                                  default="messages")
     on_bad_row: str = _help(
         "A row that fails validation: 'error' stops with its file, line and problem; 'drop' skips it "
         "and counts the reason in the data report.", default="error"
@@ -145,17 +151,26 @@ class DataArguments:
 @dataclass
 class TrainingArguments:
     output_dir: str = _help("Where the model, metrics.jsonl and run.json are written.", default="output/")
+    exp_name: Optional[str] = _help(
+        "Name of the run: the W&B run name and, with --push_to_hub, the default --hub_revision. The output "
+        "directory stays --output_dir (open-instruct appends the name to it; open_sft does not).", default=None)
     per_device_train_batch_size: int = _help("Examples per micro-batch on each process.", default=8)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer step on each process.", default=1)
     learning_rate: float = _help("Peak learning rate.", default=2e-5)
     lr_scheduler_type: str = _help(
-        "Learning-rate schedule: linear, cosine, constant, constant_with_warmup, wsd (warmup-stable-decay).",
+        "Learning-rate schedule: linear, cosine, cosine_with_restarts (one cycle: = cosine, as in open-instruct), "
+        "polynomial (power 1 to 1e-7, as transformers'), constant, constant_with_warmup, wsd (warmup-stable-decay).",
         default="linear")
+    final_lr_ratio: Optional[float] = _help(
+        "linear: decay to this fraction of the peak learning rate at the last step instead of to ~0.", default=None)
     warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly.", default=0.03)
     warmup_steps: Optional[int] = _help("Warmup steps; overrides --warmup_ratio.", default=None)
     wsd_decay_ratio: float = _help("wsd: fraction of the steps, at the end, over which the LR decays to 0.",
                                    default=0.1)
     weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", default=0.0)
+    use_8bit_optimizer: bool = _help("bitsandbytes 8-bit AdamW (runs on CPU too); not with DeepSpeed.", default=False)
+    fused_optimizer: bool = _help("Use the fused AdamW kernel where this torch build has it (else foreach).",
+                                  default=True)
     num_train_epochs: int = _help("Passes over the training data (ignored when --max_train_steps is set).", default=2)
     max_train_steps: Optional[int] = _help("Total optimizer steps; overrides --num_train_epochs.", default=None)
     max_nonfinite_steps: int = _help(
@@ -179,8 +194,14 @@ class TrainingArguments:
     eval_steps: Optional[int] = _help("Evaluate every this many optimizer steps (and always at the end).",
                                       default=None)
     logging_steps: int = _help("Log (metrics.jsonl, stdout, trackers) every this many optimizer steps.", default=10)
-    report_to: str = _help("Trackers used with --with_tracking: tensorboard, wandb, all, none.",
-                           default="tensorboard")
+    report_to: list[str] = _help("Trackers used with --with_tracking: one or more of tensorboard, wandb; or all, "
+                                 "none.", default_factory=lambda: ["tensorboard"])
+    wandb_project_name: Optional[str] = _help("W&B project (default: $WANDB_PROJECT, else open_sft).", default=None)
+    wandb_entity: Optional[str] = _help("W&B entity (user or team; default: W&B's own).", default=None)
+    timeout: int = _help("Seconds a collective may wait (process-group timeout), e.g. for a long tokenization "
+                         "on rank 0.", default=1800)
+    sequence_parallel_size: int = _help("Ulysses sequence parallelism degree; only 1 (none) is supported yet.",
+                                        default=1)
     with_tracking: bool = _help("Write tracker logs (see --report_to) in addition to metrics.jsonl.", default=False)
     dry_run: bool = _help(
         "Build the data, print the data report, a few examples with trained tokens marked and the preflight "
@@ -205,8 +226,12 @@ class CheckpointArguments:
         "at the end of each epoch. Default: only when preempted (SIGTERM, SIGINT, SIGUSR1).", default=None
     )
     keep_last_n_checkpoints: int = _help(
-        "Complete checkpoints kept; older ones are deleted (the newest complete one never is).", default=3
+        "Complete checkpoints kept; older ones are deleted (the newest complete one never is); -1 keeps all.",
+        default=3
     )
+    clean_checkpoints_at_end: bool = _help(
+        "Delete OUTPUT_DIR/checkpoints after the model is exported (open-instruct's default; open_sft keeps them "
+        "unless asked).", default=False)
     resume_from_checkpoint: str = _help(
         "auto: resume from the newest complete checkpoint in OUTPUT_DIR/checkpoints if there is one; "
         "a checkpoint directory; or none to start over (earlier checkpoints are moved aside).", default="auto"
@@ -219,8 +244,9 @@ class CheckpointArguments:
         steps = self.checkpointing_steps
         if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
             found.append(f"--checkpointing_steps {steps!r} must be a positive number of steps or 'epoch'")
-        if self.keep_last_n_checkpoints < 1:
-            found.append(f"--keep_last_n_checkpoints must be at least 1, got {self.keep_last_n_checkpoints}")
+        if self.keep_last_n_checkpoints < 1 and self.keep_last_n_checkpoints != -1:
+            found.append(f"--keep_last_n_checkpoints must be at least 1, or -1 to keep all, got "
+                         f"{self.keep_last_n_checkpoints}")
         return found
 
 
@@ -271,57 +297,10 @@ class FinetuneConfig:
     explicit: frozenset[str] = frozenset()
     """The settings the user gave (flags and run-YAML keys), as opposed to defaults: a given flag wins over
     a launch config's value, a default does not (open_sft.launch_config)."""
+    notes: tuple[str, ...] = ()
+    """One line per open-instruct flag translated or ignored (open_sft.compat), logged once at start."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
                 "train": dataclasses.asdict(self.train), "lora": dataclasses.asdict(self.lora),
                 "checkpoint": dataclasses.asdict(self.checkpoint), "hub": self.hub.public_dict()}
-
-
-def _make_parser() -> HfArgumentParser:
-    return HfArgumentParser(DATACLASSES)
-
-
-def _yaml_defaults(path: Path) -> dict[str, Any]:
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UserError(f"{path}: not valid YAML ({exc}); fix the file or pass the settings as flags") from exc
-    if loaded is None:
-        return {}
-    if not isinstance(loaded, dict):
-        raise UserError(f"{path}: expected a mapping of flag names to values, got {type(loaded).__name__}")
-    known = {f.name for cls in DATACLASSES for f in dataclasses.fields(cls)}
-    unknown = sorted(set(loaded) - known)
-    if unknown:
-        raise UserError(f"{path}: unknown setting(s) {', '.join(unknown)}; see `python finetune.py --help`")
-    return loaded
-
-
-def _given_on_command_line(argv: list[str]) -> set[str]:
-    """The fields the command line sets: parsed once more with every default replaced by a marker
-    (argparse resolves prefixes and `--no_x` forms itself, so this agrees with the real parse)."""
-    parser, unset = _make_parser(), object()
-    parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
-    namespace, _ = parser.parse_known_args(argv)
-    return {name for name, value in vars(namespace).items() if value is not unset}
-
-
-def parse_config(argv: list[str]) -> FinetuneConfig:
-    """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig."""
-    parser = _make_parser()
-    explicit: set[str] = set()
-    if argv and argv[0].endswith((".yaml", ".yml")):
-        path = Path(argv[0])
-        if not path.is_file():
-            raise UserError(f"config file {path} does not exist; pass an existing YAML file or only flags")
-        defaults = _yaml_defaults(path)
-        parser.set_defaults(**defaults)
-        explicit |= set(defaults)
-        argv = argv[1:]
-    model, data, train, lora, checkpoint, hub = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
-    explicit |= _given_on_command_line(argv)
-    config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,
-                            explicit=frozenset(explicit))
-    validate(config)
-    return config

@@ -3,9 +3,12 @@ named and the fix (config.py parses, this module judges)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import yaml
 
 from open_sft.errors import ConfigError
 
@@ -20,10 +23,11 @@ CHOICES = {
     "dataset_format": ("auto", "messages", "alpaca", "sharegpt", "text"),
     "on_bad_row": ("error", "drop"),
     "train_on": ("all_assistant", "last_assistant", "all"),
-    "lr_scheduler_type": ("linear", "cosine", "constant", "constant_with_warmup", "wsd"),
+    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "wsd"),
     "loss_normalization": ("token", "mean", "sum"),
-    "report_to": ("tensorboard", "wandb", "all", "none"),
 }
+REPORT_TO = ("tensorboard", "wandb", "all", "none")
 
 
 def _is_local_path(name: str) -> bool:
@@ -91,10 +95,44 @@ def validate(config: FinetuneConfig) -> None:
         problems.append(f"--warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.weight_decay < 0:
         problems.append(f"--weight_decay must be non-negative, got {t.weight_decay}")
+    problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
     problems += config.checkpoint.problems() + config.hub.problems()
     if problems:
         raise ConfigError(problems)
+
+
+def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
+    """The settings open_sft took over from open-instruct."""
+    t, problems = config.train, []
+    bad = [name for name in t.report_to if name not in REPORT_TO]
+    if bad or not t.report_to:
+        problems.append(f"--report_to {' '.join(t.report_to)}: give one or more of tensorboard, wandb, or all, none")
+    elif len(t.report_to) > 1 and {"all", "none"} & set(t.report_to):
+        problems.append(f"--report_to {' '.join(t.report_to)}: 'all' and 'none' stand alone")
+    if t.final_lr_ratio is not None:
+        if not 0.0 <= t.final_lr_ratio <= 1.0:
+            problems.append(f"--final_lr_ratio must be in [0, 1], got {t.final_lr_ratio}")
+        if t.lr_scheduler_type != "linear":
+            problems.append(f"--final_lr_ratio applies to --lr_scheduler_type linear, not {t.lr_scheduler_type} "
+                            "(as in open-instruct)")
+    if t.timeout < 1:
+        problems.append(f"--timeout must be at least 1 second, got {t.timeout}")
+    if t.sequence_parallel_size != 1:
+        problems.append(f"--sequence_parallel_size {t.sequence_parallel_size}: sequence parallelism is not available "
+                        "yet; use 1 (with --gradient_checkpointing or a shorter --max_seq_length for long examples)")
+    if t.use_8bit_optimizer and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("--use_8bit_optimizer needs bitsandbytes>=0.50 (it runs on CPU too): "
+                        "pip install 'open_sft[qlora]'")
+    if config.model.additional_model_arguments:
+        try:
+            overrides = yaml.safe_load(config.model.additional_model_arguments)
+        except yaml.YAMLError:
+            overrides = None
+        if not isinstance(overrides, dict):
+            problems.append(f"--additional_model_arguments {config.model.additional_model_arguments!r}: give a JSON "
+                            "object of model config settings, e.g. '{\"rope_theta\": 500000}'")
+    return problems
 
 
 def _lora_and_model_problems(config: FinetuneConfig) -> list[str]:

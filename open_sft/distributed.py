@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import os
+from datetime import timedelta
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -291,6 +292,7 @@ def build_accelerator(
     gradient_accumulation_steps: int,
     mixed_precision: str,
     deepspeed_config: dict[str, Any] | None,
+    timeout_s: int = 1800,
 ) -> Accelerator:
     """Build the Accelerator for single process, DDP or DeepSpeed (``deepspeed_config`` resolved).
 
@@ -312,7 +314,9 @@ def build_accelerator(
     on_cpu = not torch.cuda.is_available()
     # Only for launched (multi-rank) jobs: a single plain process with backend="gloo" makes
     # accelerate 1.15 query a process group that was never initialised.
-    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu and _multi_rank_launch() else []
+    # --timeout: how long a collective waits, e.g. ranks waiting for rank 0's tokenization.
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu else None, timeout=timedelta(seconds=timeout_s))
+                       ] if _multi_rank_launch() else []
 
     plugin = None
     if deepspeed_config is not None:

@@ -255,6 +255,9 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         updates.update(section_updates)
         decider.notes += section_notes
     ds = cfg or {}
+    if cfg is not None and train.use_8bit_optimizer:
+        raise UserError("--use_8bit_optimizer does not work under DeepSpeed (ZeRO steps its flat fp32 partitions "
+                        "with a torch optimizer); drop the flag, or train without DeepSpeed")
     updates["gradient_accumulation_steps"] = int(decider.pick(
         "gradient_accumulation_steps", train.gradient_accumulation_steps, "gradient_accumulation_steps",
         ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps",

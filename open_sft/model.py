@@ -82,7 +82,8 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     name = args.tokenizer_name_or_path or args.model_name_or_path
     flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, **_hub_kwargs(args))
+        revision = args.tokenizer_revision or args.model_revision
+        tokenizer = AutoTokenizer.from_pretrained(name, **{**_hub_kwargs(args), "revision": revision})
     except (OSError, ValueError) as exc:
         raise UserError(f"{flag} {name}: could not load a tokenizer ({exc}); check the path or Hub id") from exc
     if tokenizer.pad_token_id is None:
@@ -96,6 +97,28 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def add_bos_to_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """--add_bos: the chat template writes the bos token first, as open-instruct's does; a tokenizer without a
+    bos token (GPT-NeoX/OLMo) uses its eos token, as open-instruct does."""
+    if tokenizer.bos_token is None:
+        logger.info("--add_bos: the tokenizer has no bos token; using its eos token %r", tokenizer.eos_token)
+        tokenizer.bos_token = tokenizer.eos_token
+    template = tokenizer.chat_template or ""
+    if template.lstrip().startswith("{{ bos_token }}") or template.startswith(tokenizer.bos_token):
+        logger.info("--add_bos: the chat template already begins with the bos token; nothing to add")
+        return
+    tokenizer.chat_template = "{{ bos_token }}" + template
+
+
+def _config_overrides(args: ModelArguments) -> dict[str, Any]:
+    """--additional_model_arguments as keyword overrides of the model config (validated as a mapping)."""
+    if not args.additional_model_arguments:
+        return {}
+    import yaml  # JSON is YAML: one parser for the CLI's JSON string and a run YAML's mapping
+
+    return dict(yaml.safe_load(args.additional_model_arguments))
+
+
 def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> PreTrainedModel:
     from open_sft.lora import quantization_config
 
@@ -106,7 +129,8 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> Pre
         kwargs.update(quantization_config=quantization,
                       device_map={"": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"})
     try:
-        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args))
+        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args),
+                                            **_config_overrides(args))
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, config=config, dtype=torch.float32,
             attn_implementation=attn_implementation(args), **kwargs,

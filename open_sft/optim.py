@@ -18,13 +18,20 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
-    """torch AdamW: the fused kernel (one kernel per parameter group) when this torch build has it for every
-    device and dtype of the trained parameters, else the multi-tensor (foreach) implementation. Under
-    DeepSpeed ZeRO the same optimizer steps the flat fp32 partitions (see optimizer_impl)."""
+def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float, fused: bool = True,
+                    eight_bit: bool = False) -> torch.optim.Optimizer:
+    """torch AdamW: the fused kernel (one kernel per parameter group) when `fused` and this torch build has it
+    for every device and dtype of the trained parameters, else the multi-tensor (foreach) implementation.
+    Under DeepSpeed ZeRO the same optimizer steps the flat fp32 partitions (see optimizer_impl).
+    `eight_bit` (--use_8bit_optimizer): bitsandbytes' AdamW8bit, its moments stored in 8 bits (blockwise
+    quantized), same betas and eps; bitsandbytes runs it on CPU too."""
     groups = param_groups(model, weight_decay)
+    if eight_bit:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8)
     params = [p for group in groups for p in group["params"]]
-    impl = {"fused": True} if fused_adamw_supported(params) else {"foreach": True}
+    impl = {"fused": True} if fused and fused_adamw_supported(params) else {"foreach": True}
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8, **impl)
 
 
@@ -54,8 +61,12 @@ def optimizer_impl(optimizer: torch.optim.Optimizer) -> dict:
             "wrapped_by": wrappers}
 
 
-def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, decay_ratio: float = 0.1) -> float:
+def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, decay_ratio: float = 0.1,
+                  floor: float = 0.0) -> float:
     """Learning rate of optimizer step `step` (0-based) as a fraction of the peak.
+
+    `floor`: where linear and polynomial decay end (--final_lr_ratio; polynomial: transformers' lr_end 1e-7 as
+    a fraction of the peak). cosine_with_restarts has open-instruct's one cycle, so it is cosine.
 
     Warmup rises linearly to the peak at step warmup_steps - 1 (no step is wasted at lr 0); linear
     decay reaches 1 / (total - warmup) of the peak at the last step, not 0 (no wasted last step).
@@ -69,11 +80,21 @@ def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, dec
         decay_start = total_steps - decay_steps
         return 1.0 if step < decay_start else max(0.0, 1.0 - (step - decay_start + 1) / (decay_steps + 1))
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    if kind == "cosine":
+    if kind in ("linear", "polynomial"):  # polynomial of power 1, transformers' default, is linear to lr_end
+        return floor + (1.0 - floor) * max(0.0, 1.0 - progress)
+    if kind in ("cosine", "cosine_with_restarts"):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown schedule {kind!r}")
+
+
+POLYNOMIAL_LR_END = 1e-7  # transformers' get_polynomial_decay_schedule_with_warmup default, as open-instruct uses it
+
+
+def schedule_floor(kind: str, learning_rate: float, final_lr_ratio: float | None) -> float:
+    """The `floor` of lr_multiplier for the flags."""
+    if kind == "polynomial":
+        return min(1.0, POLYNOMIAL_LR_END / learning_rate)
+    return (final_lr_ratio or 0.0) if kind == "linear" else 0.0
 
 
 def warmup_steps_for(warmup_ratio: float, total_steps: int) -> int:

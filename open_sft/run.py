@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from open_sft.config import FinetuneConfig, parse_config
+from open_sft.cli import parse_config
+from open_sft.config import FinetuneConfig
 from open_sft.errors import StopRun, UserError
 
 logger = logging.getLogger("open_sft")
@@ -47,6 +48,7 @@ def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype, ds_confi
     accelerator = distributed.build_accelerator(
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
+        timeout_s=t.timeout,
     )
     return accelerator, ds_config
 
@@ -59,6 +61,8 @@ def _plan_launch(config: FinetuneConfig):
 
     plan = plan_launch(config.train, config.model, config.explicit, lambda: compute_dtype(config.model))
     if _is_main_rank():
+        for note in config.notes:
+            logger.info("%s", note)
         for note in plan.notes:
             logger.info("launch config: %s", note)
     return dataclasses.replace(config, train=plan.train), plan
@@ -106,7 +110,8 @@ def _build_trainer(config: FinetuneConfig, accelerator, model, schedule, data, t
     t = config.train
     flop_counter = _flop_counter(model)
     wrapped = TokenLossModel(model)
-    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay)
+    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
+                                eight_bit=t.use_8bit_optimizer)
     wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
     return Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id, flop_counter,
                    device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum, eval_data=eval_data)
@@ -144,7 +149,7 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.lora import is_peft_model, save_lora
     from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import load_model, load_tokenizer
+    from open_sft.model import add_bos_to_template, load_model, load_tokenizer
     from open_sft.optim import optimizer_impl
     from open_sft.trainer import plan_schedule
 
@@ -154,6 +159,8 @@ def run(config: FinetuneConfig) -> dict:
     torch.manual_seed(t.seed)
     tokenizer = load_tokenizer(m)
     apply_chat_template_choice(tokenizer, d.chat_template_name, d.chat_template_path)
+    if d.add_bos:
+        add_bos_to_template(tokenizer)
     data = prepare_data(d, tokenizer, t.seed)
     if d.cache_dataset_only:  # nothing is written but the cache (its report.json holds the data report)
         if _is_main_rank():
@@ -201,7 +208,8 @@ def run(config: FinetuneConfig) -> dict:
 
     metrics = None
     if accelerator.is_main_process:
-        metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict())
+        metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict(), name=t.exp_name,
+                                        project=t.wandb_project_name, entity=t.wandb_entity)
     trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics, eval_data)
     if accelerator.is_main_process:
         info = _run_info(config, accelerator, dtype, schedule, data, ds_config, launch)
@@ -246,6 +254,8 @@ def run(config: FinetuneConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
+    if config.checkpoint.clean_checkpoints_at_end and accelerator.is_main_process:
+        checkpoint.remove_all(output_dir)  # after the uploads: they read from these directories
     if config.hub.push_to_hub and accelerator.is_main_process:
         push_output_dir(output_dir, config.hub)
     return {"records": records, "output_dir": str(output_dir)}

@@ -11,7 +11,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 from open_sft.errors import UserError
 
@@ -30,13 +30,15 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def trackers_for(report_to: str) -> tuple[str, ...]:
-    """The tracker names a --report_to value stands for."""
-    if report_to not in REPORT_TO_CHOICES:
-        raise UserError(f"--report_to {report_to!r}: expected one of {', '.join(REPORT_TO_CHOICES)}")
-    if report_to == "all":
+def trackers_for(report_to: str | Sequence[str]) -> tuple[str, ...]:
+    """The tracker names --report_to stands for (one value or a list, as open-instruct takes it)."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    for name in names:
+        if name not in REPORT_TO_CHOICES:
+            raise UserError(f"--report_to {name!r}: expected one or more of {', '.join(REPORT_TO_CHOICES)}")
+    if "all" in names:
         return TRACKERS
-    return () if report_to == "none" else (report_to,)
+    return tuple(dict.fromkeys(name for name in names if name != "none"))
 
 
 def redact_secrets(value: Any) -> Any:
@@ -79,16 +81,19 @@ class TensorBoardTracker:
 
 class WandbTracker:
     """A W&B run. WANDB_MODE=offline writes it under `<output_dir>/wandb/` without network
-    (`wandb sync` uploads it later); WANDB_PROJECT names the project (default open_sft)."""
+    (`wandb sync` uploads it later). The project is --wandb_project_name, else WANDB_PROJECT, else open_sft;
+    the run name --exp_name, else the output directory's name."""
 
-    def __init__(self, output_dir: Path, run_config: dict[str, Any]):
+    def __init__(self, output_dir: Path, run_config: dict[str, Any], name: Optional[str] = None,
+                 project: Optional[str] = None, entity: Optional[str] = None):
         try:
             import wandb
         except ImportError as exc:
             raise UserError(f"--report_to wandb needs the wandb package: {WANDB_INSTALL_HINT}") from exc
         # x_disable_meta: W&B would otherwise store the command line, where a --hub_token may sit.
         settings = wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "open_sft"), name=output_dir.name,
+        self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT", "open_sft"),
+                              name=name or output_dir.name, entity=entity,
                               dir=os.environ.get("WANDB_DIR", str(output_dir)),
                               config=redact_secrets(run_config), settings=settings)
 
@@ -99,13 +104,15 @@ class WandbTracker:
         self.run.finish()
 
 
-def build_trackers(report_to: str, output_dir: Path, run_config: Optional[dict[str, Any]] = None) -> list[Tracker]:
-    """The trackers --report_to asks for; call on the main process only."""
+def build_trackers(report_to: str | Sequence[str], output_dir: Path, run_config: Optional[dict[str, Any]] = None,
+                   **wandb_options: Optional[str]) -> list[Tracker]:
+    """The trackers --report_to asks for; call on the main process only. `wandb_options`: name, project,
+    entity of the W&B run."""
     trackers: list[Tracker] = []
     for name in trackers_for(report_to):
         if name == "tensorboard":
             trackers.append(TensorBoardTracker(output_dir / "tensorboard"))
         else:
-            trackers.append(WandbTracker(output_dir, run_config or {}))
+            trackers.append(WandbTracker(output_dir, run_config or {}, **wandb_options))
     logger.info("tracking with %s", ", ".join(trackers_for(report_to)) or "no tracker")
     return trackers

@@ -24,7 +24,7 @@ from open_sft.evaluate import evaluate
 from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, locate
 from open_sft.data.pipeline import PreparedData
 from open_sft.metrics import FlopCounter, MetricsWriter, peak_memory_gib
-from open_sft.optim import lr_multiplier, optimizer_impl, warmup_steps_for
+from open_sft.optim import lr_multiplier, optimizer_impl, schedule_floor, warmup_steps_for
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +144,10 @@ class Trainer:
         return 1.0 / max(trained_local, 1.0)  # "mean": each micro-batch's own mean, averaged
 
     def _set_lr(self, step: int) -> float:
-        lr = self.args.learning_rate * lr_multiplier(
-            self.args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps,
-            self.args.wsd_decay_ratio)
+        args = self.args
+        lr = args.learning_rate * lr_multiplier(
+            args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps, args.wsd_decay_ratio,
+            schedule_floor(args.lr_scheduler_type, args.learning_rate, args.final_lr_ratio))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr

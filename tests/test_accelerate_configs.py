@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, child_env, free_port, read_metrics
-from open_sft.config import parse_config
+from open_sft.cli import parse_config
 from open_sft.errors import UserError
 from open_sft.launch_config import plan_launch
 

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE, read_metrics, run_finetune
-from open_sft.config import LoraArguments, parse_config
+from open_sft.cli import parse_config
+from open_sft.config import LoraArguments
 from open_sft.errors import ConfigError, UserError
 from open_sft.loss import TokenLossModel
 from open_sft.model import load_model

@@ -119,10 +119,10 @@ CONVERTERS: dict[str, Callable[[dict[str, Any]], Messages]] = {
 }
 
 
-def detect_format(row: dict[str, Any], where: str) -> str:
+def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages") -> str:
     """The format of a source, from the columns of its first row."""
-    if "messages" in row:
-        return "messages"
+    if messages_key in row:
+        return messages_format(messages_key)
     if "conversations" in row:
         return "sharegpt"
     if "instruction" in row and "output" in row:
@@ -163,8 +163,18 @@ def _tools(row: dict[str, Any]) -> Optional[list]:
     return tools
 
 
+def messages_format(key: str) -> str:
+    """The format name of messages rows whose conversation is in column `key` (--sft_messages_key)."""
+    return "messages" if key == "messages" else f"messages:{key}"
+
+
 def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     """Convert and validate one row (RowError says what is wrong)."""
+    if fmt.startswith("messages:"):  # --sft_messages_key: the conversation is in another column
+        key = fmt.split(":", 1)[1]
+        if key not in row:
+            raise RowError(f"row has no {key!r} (--sft_messages_key; columns: {sorted(row)})", "missing_messages")
+        row, fmt = {**row, "messages": row[key]}, "messages"
     messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
     messages.tools = _tools(row)

@@ -22,7 +22,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config import DataArguments
-from open_sft.data.formats import RowError, detect_format, to_messages, to_text
+from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
 from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
@@ -94,6 +94,13 @@ class PreparedData:
         view = lambda rows: PreparedData(self.dataset.select(rows), self.report, self.cache_key,  # noqa: E731
                                          self.cache_path, self.cache_hit)
         return view(train), view(sorted(held))
+
+
+def _format(args: DataArguments, first_row: dict, where: str) -> str:
+    """--dataset_format, or the format detected from a source's first row; messages rows read their
+    conversation from --sft_messages_key."""
+    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(first_row, where, args.sft_messages_key)
+    return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
 
 
 def _check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
@@ -180,8 +187,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         return None
     lines, numbers = read_lines(path)
     try:
-        fmt = args.dataset_format if args.dataset_format != "auto" else \
-            detect_format(parse_json_line(lines[0]), f"{spec.name} line {numbers[0]}")
+        fmt = _format(args, parse_json_line(lines[0]), f"{spec.name} line {numbers[0]}")
     except (IndexError, RowError, UserError):
         return None
     if fmt == "text":
@@ -275,7 +281,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     """Any source, read and converted in this process; chat rows are then rendered and labelled by the
     workers, documents tokenized here."""
     source = read_source(spec, drop_bad=args.on_bad_row == "drop")
-    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(source.rows[0], source.where(0))
+    fmt = _format(args, source.rows[0], source.where(0))
     if fmt != "text":
         _check_chat_template(tokenizer)
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable)
@@ -330,7 +336,10 @@ def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict[str, Any]:
     """Everything that changes the tokenized output, for the cache key (and key.json)."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits)
+    # Settings added later enter the key only when set, so the keys of existing caches stay valid.
+    later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
     return {
+        **later,
         "sources": [{"name": s.name, "identity": source_identity(s), "amount": s.amount,
                      "is_fraction": s.is_fraction, "split": s.split} for s in specs],
         "seed": seed,
