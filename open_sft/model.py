@@ -103,7 +103,10 @@ def add_bos_to_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if tokenizer.bos_token is None:
         logger.info("--add_bos: the tokenizer has no bos token; using its eos token %r", tokenizer.eos_token)
         tokenizer.bos_token = tokenizer.eos_token
-    template = tokenizer.chat_template or ""
+    template = tokenizer.chat_template
+    if not template:  # raw text documents: no template to begin with bos
+        logger.info("--add_bos: the tokenizer has no chat template; nothing to add")
+        return
     if template.lstrip().startswith("{{ bos_token }}") or template.startswith(tokenizer.bos_token):
         logger.info("--add_bos: the chat template already begins with the bos token; nothing to add")
         return
