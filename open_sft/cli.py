@@ -77,6 +77,25 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
     return loaded
 
 
+def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """YAML values as the flag's type would read them: `checkpointing_steps: 1000` is an int to YAML and a
+    string to us, and YAML 1.1 reads `learning_rate: 5e-06` (no dot) as a string."""
+    actions = {action.dest: action for action in parser._actions}
+    out = {}
+    for name, value in values.items():
+        convert = actions[name].type if name in actions and callable(actions[name].type) else None
+        try:
+            if convert is None or value is None:
+                out[name] = value
+            elif isinstance(value, list):
+                out[name] = [convert(v if convert is not str else str(v)) for v in value]
+            else:
+                out[name] = convert(str(value) if not isinstance(value, bool) or convert is str else value)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{path}: {name}: {value!r} is not a valid value ({exc})") from None
+    return out
+
+
 def _given_on_command_line(argv: list[str]) -> set[str]:
     """The fields the command line sets: parsed once more with every default replaced by a marker
     (argparse resolves prefixes, aliases and `--no_x` forms itself, so this agrees with the real parse)."""
@@ -94,7 +113,7 @@ def parse_config(argv: list[str]) -> FinetuneConfig:
         path = Path(argv[0])
         if not path.is_file():
             raise UserError(f"config file {path} does not exist; pass an existing YAML file or only flags")
-        defaults = _yaml_defaults(path)
+        defaults = _coerce(parser, path, _yaml_defaults(path))
         parser.set_defaults(**defaults)
         explicit |= set(defaults)
         argv = argv[1:]

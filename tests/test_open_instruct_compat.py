@@ -160,6 +160,20 @@ def test_a_train_config_of_open_instruct_loads(tmp_path) -> None:
     assert "--dataset_mix_dir" in config.notes[0] and "--use_slow_tokenizer" in config.notes[0]
 
 
+def test_yaml_values_are_read_as_the_flags_types(tmp_path) -> None:
+    """YAML reads `checkpointing_steps: 1000` as an int and `learning_rate: 5e-06` (no dot) as a string."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name_or_path: m\ndataset_mixer_list: [a.jsonl, 1.0, b.jsonl, 100]\ncheckpointing_steps: 1000\n"
+                    "learning_rate: 5e-06\nuse_slow_tokenizer: 'False'\nreport_to: tensorboard\n")
+    config = parse_config([str(path)])
+    assert config.checkpoint.checkpointing_steps == "1000" and config.train.learning_rate == 5e-06
+    assert config.data.dataset_mixer_list == ["a.jsonl", "1.0", "b.jsonl", "100"]
+    assert config.train.report_to == ["tensorboard"]
+    path.write_text("model_name_or_path: m\nlearning_rate: fast\n")
+    with pytest.raises(UserError, match=r"run.yaml: learning_rate: 'fast' is not a valid value"):
+        parse_config([str(path)])
+
+
 def test_schedules_of_open_instruct() -> None:
     from open_sft.optim import lr_multiplier, schedule_floor
 
