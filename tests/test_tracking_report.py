@@ -171,8 +171,10 @@ def test_tracker_names_and_scalars() -> None:
     assert trackers_for("all") == ("tensorboard", "wandb")
     assert trackers_for("none") == ()
     assert trackers_for("wandb") == ("wandb",)
-    with pytest.raises(UserError, match="expected one of"):
-        trackers_for("mlflow")
+    assert trackers_for(["wandb", "tensorboard", "wandb"]) == ("wandb", "tensorboard")  # open-instruct's list
+    assert trackers_for(["tensorboard", "all"]) == ("tensorboard", "wandb")
+    with pytest.raises(UserError, match="--report_to 'mlflow': expected one or more of"):
+        trackers_for(["tensorboard", "mlflow"])
     assert scalars_of({"step": 3, "loss": 1.5, "eval_loss": 2.0, "note": "x", "flag": True}) == \
         {"train/loss": 1.5, "eval/loss": 2.0}
 
