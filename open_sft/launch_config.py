@@ -29,6 +29,7 @@ import torch
 
 from open_sft.ds_sections import replace_trainer_sections
 from open_sft.errors import UserError
+from open_sft.precision import DtypeChoice
 
 # accelerate 1.15 (utils/launch.py prepare_deepspeed_cmd_env): DeepSpeed settings → worker environment.
 ENV_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
@@ -155,6 +156,7 @@ class LaunchPlan:
     deepspeed_config: Optional[dict[str, Any]]
     notes: list[str] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
+    dtype_choice: Optional[DtypeChoice] = None
 
 
 class _Decider:
@@ -200,7 +202,7 @@ def _bf16_in_json(cfg: Optional[dict], path: Optional[str]) -> Optional[bool]:
 
 
 def _dtype(torch_dtype: str, decider: _Decider, json_bf16: Optional[bool], env: Mapping[str, str],
-           choose_auto: Callable[[], torch.dtype]) -> tuple[torch.dtype, str]:
+           choose: Callable[[], DtypeChoice]) -> DtypeChoice:
     """The compute dtype and why: --torch_dtype when given, else the launch config's precision, else auto."""
     mixed = env.get(ENV_MIXED_PRECISION, "no").lower()
     from_yaml = "mixed_precision" in env.get(ENV_FIELDS_FROM_YAML, "").split(",")
@@ -218,19 +220,17 @@ def _dtype(torch_dtype: str, decider: _Decider, json_bf16: Optional[bool], env: 
         if accelerate is not None and DTYPES.get(accelerate) != dtype:
             decider.notes.append(f"--torch_dtype {torch_dtype} wins over accelerate's mixed_precision={mixed} "
                                  "(the flag is this run's recipe)")
-        return dtype, "--torch_dtype"
+        return choose()
     if json_bf16 is not None:
         if accelerate is not None and DTYPES[accelerate] != (torch.bfloat16 if json_bf16 else torch.float32):
             raise UserError(f"DeepSpeed config {decider.path}: bf16.enabled={json_bf16} conflicts with accelerate's "
                             f"mixed_precision={mixed}; keep one of the two")
-        decider.notes.append(f"compute dtype {'bf16' if json_bf16 else 'fp32'} from bf16.enabled={json_bf16} in "
-                             f"{decider.path} (--torch_dtype auto)")
-        return (torch.bfloat16 if json_bf16 else torch.float32), "deepspeed_config"
+        return DtypeChoice(torch.bfloat16 if json_bf16 else torch.float32,
+                           f"bf16.enabled={json_bf16} in {decider.path} (--torch_dtype auto follows the launch config)")
     if accelerate is not None:
-        decider.notes.append(f"compute dtype {'bf16' if accelerate == 'bf16' else 'fp32'} from accelerate's "
-                             f"mixed_precision={mixed} (--torch_dtype auto)")
-        return DTYPES[accelerate], "accelerate_config"
-    return choose_auto(), "auto"
+        return DtypeChoice(DTYPES[accelerate], f"accelerate's mixed_precision={mixed} (--torch_dtype auto follows the "
+                                              "launch config)")
+    return choose()
 
 
 def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
@@ -244,7 +244,7 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
 
 
 def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
-                choose_auto: Callable[[], torch.dtype], env: Mapping[str, str] = os.environ) -> LaunchPlan:
+                choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ) -> LaunchPlan:
     """Decide the run's accumulation, clipping, micro-batch, optimizer and schedule settings and dtype from
     the flags and the launch config; the returned DeepSpeed config keeps "auto" for what the flags fill."""
     cfg, path, settings = deepspeed_request(env)
@@ -272,7 +272,7 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         "per_device_train_batch_size", train.per_device_train_batch_size, "train_micro_batch_size_per_gpu",
         ds.get("train_micro_batch_size_per_gpu"), None, None))
     train = dataclasses.replace(train, **updates)
-    dtype, dtype_source = _dtype(model_args.torch_dtype, decider, _bf16_in_json(cfg, path), env, choose_auto)
+    choice = _dtype(model_args.torch_dtype, decider, _bf16_in_json(cfg, path), env, choose)
     if cfg is not None:
         _check_global_batch(cfg, path, train)
         # Every value decided above now lives in the flags; the config takes them at resolve time.
@@ -287,8 +287,9 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         decider.notes.append("zero3_init_flag: the model is loaded whole on each rank and partitioned by ZeRO-3 "
                              "when training starts (open_sft does not load it under deepspeed.zero.Init)")
     record = {"deepspeed_config_file": path, "accelerate_deepspeed_settings": settings,
-              "compute_dtype_from": dtype_source, "decisions": list(decider.notes)}
-    return LaunchPlan(train=train, dtype=dtype, deepspeed_config=cfg, notes=decider.notes, record=record)
+              "decisions": list(decider.notes)}
+    return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, notes=decider.notes, record=record,
+                      dtype_choice=choice)
 
 
 def _check_global_batch(cfg: dict, path: Optional[str], train: Any) -> None:

@@ -19,14 +19,10 @@ logger = logging.getLogger(__name__)
 
 
 def compute_dtype(args: ModelArguments) -> torch.dtype:
-    """--torch_dtype resolved: bf16 where the device supports it, unless the user said otherwise."""
-    if args.torch_dtype in ("float32", "fp32"):
-        return torch.float32
-    if args.torch_dtype in ("bfloat16", "bf16"):
-        return torch.bfloat16
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    return torch.bfloat16
+    """--torch_dtype resolved (auto: bf16 only where the hardware runs it faster; open_sft.precision)."""
+    from open_sft.precision import choose_dtype
+
+    return choose_dtype(args).dtype
 
 
 def attn_implementation(args: ModelArguments) -> str:

@@ -57,15 +57,27 @@ def _plan_launch(config: FinetuneConfig):
     """The flags reconciled with what `accelerate launch` was given (its YAML or flags, a DeepSpeed JSON);
     each decision that is not the plain flag is logged once."""
     from open_sft.launch_config import plan_launch
-    from open_sft.model import compute_dtype
+    from open_sft.precision import choose_dtype
 
-    plan = plan_launch(config.train, config.model, config.explicit, lambda: compute_dtype(config.model))
+    plan = plan_launch(config.train, config.model, config.explicit, lambda: choose_dtype(config.model, config.lora.use_qlora))
     if _is_main_rank():
         for note in config.notes:
             logger.info("%s", note)
         for note in plan.notes:
             logger.info("launch config: %s", note)
+        logger.info("compute dtype %s: %s", plan.dtype_choice.dtype, plan.dtype_choice.reason)
     return dataclasses.replace(config, train=plan.train), plan
+
+
+def _check_ranks_agree_on_dtype(accelerator, dtype: torch.dtype) -> None:
+    """--torch_dtype auto is measured per node: nodes of different CPU kinds could choose differently."""
+    from open_sft import distributed
+
+    if accelerator.num_processes > 1:
+        bf16_ranks = int(distributed.all_reduce_sum(int(dtype == torch.bfloat16)))
+        if bf16_ranks not in (0, accelerator.num_processes):
+            raise UserError(f"the ranks chose different compute dtypes ({bf16_ranks} of {accelerator.num_processes} "
+                            "bf16: the nodes' CPUs differ); pass --torch_dtype bfloat16 or float32")
 
 
 def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_config, launch) -> dict:
@@ -77,7 +89,7 @@ def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_con
         "loss_normalization": config.train.loss_normalization, "schedule": schedule.to_dict(),
         "dataset_cache_key": data.cache_key, "dataset_cache_path": str(data.cache_path),
         "git_revision": git_revision(), "deepspeed_config": ds_config, "threads_per_rank": torch.get_num_threads(),
-        "launch": launch.record,
+        "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
     }
 
 
@@ -186,6 +198,7 @@ def run(config: FinetuneConfig) -> dict:
                                  dtype == torch.bfloat16, baseline)
         t = config.train
     accelerator, ds_config = _accelerator_for(config, model, dtype, launch.deepspeed_config)
+    _check_ranks_agree_on_dtype(accelerator, dtype)
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)
     if accelerator.is_main_process:

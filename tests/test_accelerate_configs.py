@@ -18,6 +18,7 @@ from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, child_env, free_port, r
 from open_sft.cli import parse_config
 from open_sft.errors import UserError
 from open_sft.launch_config import plan_launch
+from open_sft.precision import DtypeChoice
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
 # What `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` exports.
@@ -47,7 +48,9 @@ TRAINER_JSON = {  # the shape of the HF Trainer docs' ZeRO-3 example
 
 def plan(flags: list[str], env: dict[str, str], auto_dtype: torch.dtype = torch.float32):
     config = parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *flags])
-    return plan_launch(config.train, config.model, config.explicit, lambda: auto_dtype, env)
+    explicit = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(config.model.torch_dtype)
+    return plan_launch(config.train, config.model, config.explicit,
+                       lambda: DtypeChoice(explicit or auto_dtype, "flag" if explicit else "auto"), env)
 
 
 def write_json(tmp_path, content: dict) -> str:
@@ -68,7 +71,8 @@ def test_yaml_settings_build_the_deepspeed_config() -> None:
     assert result.deepspeed_config["zero_force_ds_cpu_optimizer"] is False  # our AdamW steps the offloaded state
     # No flag given: accelerate's values are used, and said so.
     assert result.train.gradient_accumulation_steps == 1 and result.train.clip_grad_norm == 0.5
-    assert result.dtype == torch.bfloat16 and result.record["compute_dtype_from"] == "accelerate_config"
+    assert result.dtype == torch.bfloat16
+    assert result.dtype_choice.reason.startswith("accelerate's mixed_precision=bf16")
     assert any("clip_grad_norm = 0.5 from accelerate's gradient_clipping" in n for n in result.notes)
     assert any("zero3_init_flag" in n for n in result.notes)
     assert result.record["accelerate_deepspeed_settings"]["zero3_init_flag"] is True
@@ -91,7 +95,8 @@ def test_flag_prefix_and_run_yaml_count_as_given(tmp_path) -> None:
     config = parse_config([str(run_yaml), "--gradient_accum", "3"])
     assert {"clip_grad_norm", "gradient_accumulation_steps"} <= config.explicit
     assert "learning_rate" not in config.explicit
-    result = plan_launch(config.train, config.model, config.explicit, lambda: torch.float32, YAML_ENV)
+    result = plan_launch(config.train, config.model, config.explicit, lambda: DtypeChoice(torch.float32, "x"),
+                         YAML_ENV)
     assert (result.train.gradient_accumulation_steps, result.train.clip_grad_norm) == (3, 2.0)
 
 

@@ -1,0 +1,87 @@
+"""--torch_dtype auto: bf16 only where the hardware runs it faster, decided by a cached probe."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from open_sft import precision
+from open_sft.config import ModelArguments
+from open_sft.precision import choose_dtype
+
+
+@pytest.fixture(autouse=True)
+def probe_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(precision.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    return tmp_path / "dtype_probe.json"
+
+
+def on_cpu(monkeypatch, flags: set[str]) -> None:
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ("Test CPU", flags))
+
+
+def fake_measure(bf16: float, fp32: float, calls: list | None = None):
+    def measure(shapes, dtype):
+        if calls is not None:
+            calls.append(dtype)
+        return bf16 if dtype == torch.bfloat16 else fp32
+    return measure
+
+
+def args(dtype: str = "auto", model: str | None = None) -> ModelArguments:
+    return ModelArguments(model_name_or_path=model, torch_dtype=dtype)
+
+
+def test_slow_bf16_probe_selects_fp32_and_fast_selects_bf16(monkeypatch) -> None:
+    on_cpu(monkeypatch, {"avx2", "avx512_bf16"})
+    slow = choose_dtype(args(), measure=fake_measure(bf16=17.0, fp32=104.0))
+    assert slow.dtype == torch.float32 and "bf16 17 vs fp32 104 GFLOP/s" in slow.reason
+    monkeypatch.setenv(precision.CACHE_ENV, str(monkeypatch))  # a fresh cache: another machine
+    fast = choose_dtype(args(), measure=fake_measure(bf16=700.0, fp32=180.0))
+    assert fast.dtype == torch.bfloat16 and fast.measured["bf16_gflops"] == 700.0
+    # A near tie is not worth bf16: it must win by the margin.
+    monkeypatch.setenv(precision.CACHE_ENV, str(monkeypatch) + "2")
+    assert choose_dtype(args(), measure=fake_measure(bf16=110.0, fp32=100.0)).dtype == torch.float32
+
+
+def test_no_native_bf16_means_fp32_without_a_probe(monkeypatch) -> None:
+    on_cpu(monkeypatch, {"avx2", "fma"})
+    calls: list = []
+    choice = choose_dtype(args(), measure=fake_measure(1000.0, 1.0, calls))
+    assert choice.dtype == torch.float32 and calls == [] and "no native bf16" in choice.reason
+
+
+def test_explicit_flags_win_and_slow_bf16_warns_once(monkeypatch, caplog) -> None:
+    on_cpu(monkeypatch, {"avx2"})
+    assert choose_dtype(args("float32"), measure=fake_measure(1000.0, 1.0)).dtype == torch.float32
+    with caplog.at_level(logging.WARNING, logger="open_sft.precision"):
+        choice = choose_dtype(args("bfloat16"), measure=fake_measure(bf16=20.0, fp32=100.0))
+    assert choice.dtype == torch.bfloat16
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "fp32 measured 5.0× faster (100 vs 20 GFLOP/s" in warnings[0]
+    assert choose_dtype(args(), qlora=True).dtype == torch.bfloat16  # QLoRA's base computes in bf16
+
+
+def test_probe_is_cached_and_a_damaged_cache_is_measured_again(monkeypatch, probe_cache) -> None:
+    on_cpu(monkeypatch, {"amx_bf16"})
+    calls: list = []
+    first = choose_dtype(args(), measure=fake_measure(300.0, 100.0, calls))
+    second = choose_dtype(args(), measure=fake_measure(1.0, 1000.0, calls))  # would flip it, were it measured
+    assert calls == [torch.bfloat16, torch.float32]  # measured once, for both dtypes
+    assert first.dtype == second.dtype == torch.bfloat16
+    assert first.measured["cached"] is False and second.measured["cached"] is True
+    probe_cache.write_text("{not json")
+    third = choose_dtype(args(), measure=fake_measure(1.0, 1000.0, calls))
+    assert third.dtype == torch.float32 and len(calls) == 4
+    assert json.loads(json.dumps(third.to_dict()))["dtype"] == "float32"
+
+
+def test_probe_uses_the_models_shapes(tiny_model_dir) -> None:
+    shapes = precision.probe_shapes(args(model=str(tiny_model_dir)))
+    assert shapes == [(64, 64), (64, 176), (64, 1024)] or shapes[0] == (64, 64)
+    real = precision.measure_gflops(shapes, torch.float32)  # the real kernel runs and gives a positive rate
+    assert real > 0
