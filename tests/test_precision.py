@@ -36,15 +36,15 @@ def args(dtype: str = "auto", model: str | None = None) -> ModelArguments:
     return ModelArguments(model_name_or_path=model, torch_dtype=dtype)
 
 
-def test_slow_bf16_probe_selects_fp32_and_fast_selects_bf16(monkeypatch) -> None:
+def test_slow_bf16_probe_selects_fp32_and_fast_selects_bf16(monkeypatch, tmp_path) -> None:
     on_cpu(monkeypatch, {"avx2", "avx512_bf16"})
     slow = choose_dtype(args(), measure=fake_measure(bf16=17.0, fp32=104.0))
     assert slow.dtype == torch.float32 and "bf16 17 vs fp32 104 GFLOP/s" in slow.reason
-    monkeypatch.setenv(precision.CACHE_ENV, str(monkeypatch))  # a fresh cache: another machine
+    monkeypatch.setenv(precision.CACHE_ENV, str(tmp_path / "other"))  # a fresh cache: another machine
     fast = choose_dtype(args(), measure=fake_measure(bf16=700.0, fp32=180.0))
     assert fast.dtype == torch.bfloat16 and fast.measured["bf16_gflops"] == 700.0
     # A near tie is not worth bf16: it must win by the margin.
-    monkeypatch.setenv(precision.CACHE_ENV, str(monkeypatch) + "2")
+    monkeypatch.setenv(precision.CACHE_ENV, str(tmp_path / "third"))
     assert choose_dtype(args(), measure=fake_measure(bf16=110.0, fp32=100.0)).dtype == torch.float32
 
 
