@@ -104,7 +104,9 @@ class DataArguments:
         default="auto",
     )
     chat_template_name: Optional[str] = _aliased("--chat_template",
-        "Built-in chat template: tulu, olmo, simple_chat, chatml, llama3, zephyr. Default: the tokenizer's own.",
+        "Built-in chat template: every name of open-instruct's (tulu, olmo, zephyr, simple_chat, "
+        "olmo_thinker, r1_simple_chat, ..., rendering what open-instruct's does), chatml, llama3. "
+        "Default: the tokenizer's own.",
         default=None,
     )
     chat_template_path: Optional[str] = _help("A Jinja chat template file (overrides --chat_template_name).",

@@ -25,7 +25,38 @@ CONVERSATIONS = {
     "tool": [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Calling the tool."},
              {"role": "tool", "content": "{\"temp\": 4}"}, {"role": "assistant", "content": "It is 4 degrees."}],
 }
-END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
+_OLMO_STYLE = ("olmo", "olmo_old", "olmo_thinker", "olmo_thinker_no_think_7b", "olmo_thinker_remove_intermediate_thinking",
+               "olmo_thinker_no_think_sft_tokenization")
+# What each template writes after an assistant content that another message follows, and after the last
+# one: the end of turn trained with it ("eos": the tokenizer's). Templates that write none train none.
+END_OF_TURN = {
+    **dict.fromkeys(("tulu", "tulu_thinker", "tulu_thinker_r1_style", "zephyr"), ("eos", "eos")),
+    **dict.fromkeys(("simple_chat", "simple_concat_with_space", "simple_concat_with_new_line"), ("", "eos")),
+    **dict.fromkeys(_OLMO_STYLE, ("<|im_end|>", "eos")),
+    **dict.fromkeys(("assistant_message_only", "olmo_thinker_rlzero", "olmo_thinker_code_rlzero", "r1_simple_chat",
+                     "r1_simple_chat_postpend_think", "r1_simple_chat_postpend_think_orz_style",
+                     "r1_simple_chat_postpend_think_tool_vllm"), ("", "")),
+    **dict.fromkeys(("chatml", "qwen_instruct_user_boxed_math"), ("<|im_end|>", "<|im_end|>")),
+    "llama3": ("<|eot_id|>", "<|eot_id|>"),
+}
+NOT_WRITTEN = {**dict.fromkeys(("tulu", "tulu_thinker", "tulu_thinker_r1_style", "zephyr", *_OLMO_STYLE), {"tool"}),
+               "qwen_instruct_user_boxed_math": {"tool", "system"}}  # roles the template rejects
+
+
+def expected_trained(template: str, messages: list, eos: str) -> list[str]:
+    """The trained text of each assistant turn: its content and its end of turn; turns written back to
+    back (assistant_message_only) are one run."""
+    runs, previous = [], None
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        closing = END_OF_TURN[template][i == len(messages) - 1].replace("eos", eos)
+        if previous is not None and template == "assistant_message_only":  # it writes only these turns
+            runs[-1] += message["content"] + closing
+        else:
+            runs.append(message["content"] + closing)
+        previous = i
+    return runs
 
 
 @pytest.fixture()
@@ -70,9 +101,19 @@ def test_builtin_templates_train_exactly_assistant_turns(tokenizer, sentencepiec
     apply_chat_template_choice(tokenizer, template, None)
     messages = CONVERSATIONS[case]
     data = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages}])
+    rejected = sorted({m["role"] for m in messages} & NOT_WRITTEN.get(template, set()))
+    if rejected:
+        with pytest.raises(UserError, match=f"d.jsonl line 1: the chat template rejects this conversation "
+                                            f"\\(the {template} chat template has no turn for role {rejected[0]}\\)"):
+            build_examples(DataArguments(dataset_mixer_list=[data, "1.0"]), tokenizer, 0)
+        return
+    expected = expected_trained(template, messages, tokenizer.eos_token)
+    if template == "assistant_message_only" and len(tokenizer(expected[0], add_special_tokens=False)["input_ids"]) == 1:
+        # the row is one token: nothing precedes it to predict it from, so it trains nothing and is dropped
+        with pytest.raises(UserError, match="no training examples are left"):
+            build_examples(DataArguments(dataset_mixer_list=[data, "1.0"]), tokenizer, 0)
+        return
     examples, _ = build_examples(DataArguments(dataset_mixer_list=[data, "1.0"]), tokenizer, 0)
-    eot = END_OF_TURN.get(template, tokenizer.eos_token)
-    expected = [m["content"] + eot for m in messages if m["role"] == "assistant"]
     runs = trained_runs(tokenizer, examples[0].input_ids, examples[0].labels)
     assert [r.strip() for r in runs] == expected
     for token in BUILTIN_TEMPLATES[template].special_tokens:  # added as single special tokens
@@ -80,7 +121,8 @@ def test_builtin_templates_train_exactly_assistant_turns(tokenizer, sentencepiec
 
 
 def test_unknown_template_name_lists_choices(tokenizer) -> None:
-    with pytest.raises(UserError, match="'vicuna' is not a built-in template; choose one of tulu, olmo"):
+    with pytest.raises(UserError, match="'vicuna' is not a built-in template; choose one of simple_concat_with_space, .*, tulu, .*, chatml, llama3, "
+                                         "or pass a Jinja file"):
         apply_chat_template_choice(tokenizer, "vicuna", None)
 
 
@@ -331,6 +373,8 @@ def test_direct_renderer_equals_apply_chat_template(tokenizer, template) -> None
     apply_chat_template_choice(tokenizer, template, None)
     rows = [json.loads(line)["messages"] for line in SAMPLE.read_text().splitlines()[:100]]
     for messages in rows + list(CONVERSATIONS.values()):
+        if {m["role"] for m in messages} & NOT_WRITTEN.get(template, set()):
+            continue
         for k in range(1, len(messages) + 1):
             assert render(tokenizer, messages[:k], True) == tokenizer.apply_chat_template(
                 messages[:k], tokenize=False, add_generation_prompt=True)

@@ -193,7 +193,7 @@ CONTENT_READING_TEMPLATE = (  # renders an assistant content twice when it menti
 )
 
 
-@pytest.mark.parametrize("template", ["tulu", "olmo", "simple_chat", "chatml", "llama3", "zephyr", "embedded", "reading"])
+@pytest.mark.parametrize("template", ["tulu", "chatml", "llama3", "zephyr", "embedded", "reading"])
 def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -> None:
     """Rows whose text and spans come from their shape's layout get the same text and spans as rendering
     the row and every prefix with the template: both when the layout is filled without rendering (the

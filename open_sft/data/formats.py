@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from open_sft.errors import UserError
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "user", "assistant", "tool", "environment")  # environment: OLMo's tool results
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -65,7 +65,7 @@ def _from_messages(row: dict[str, Any]) -> Messages:
             raise RowError(f"message {i} ({role}) has tool_calls of type {type(calls).__name__}; only assistant "
                            "messages have tool_calls, a list of {type, function: {name, arguments}} objects",
                            "bad_tool_calls")
-        if content is None and calls:  # OpenAI style: a turn that only calls tools has no content
+        if content is None and (calls or message.get("function_calls")):  # a turn that only calls tools
             content = ""
         if not isinstance(content, str):
             raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string", "bad_content_type")
@@ -143,7 +143,8 @@ def check_trainable(messages: Messages) -> None:
         raise RowError(f"the conversation ends with a {messages[-1]['role']} turn; it must end with an assistant turn",
                        "no_final_assistant")
     for i, message in enumerate(messages, start=1):
-        if message["role"] == "assistant" and not message["content"].strip() and not message.get("tool_calls"):
+        if message["role"] == "assistant" and not message["content"].strip() and not (
+                message.get("tool_calls") or message.get("function_calls")):
             raise RowError(f"message {i} (assistant) is empty", "empty_assistant")
 
 

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.layout import Layout, build_layout
 from open_sft.data.templates import content_writing
-from open_sft.data.turns import last_marker_end, prefix_renders, whole_turn_span
+from open_sft.data.turns import last_marker_end, middle_closing, prefix_renders, whole_turn_span
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -89,6 +89,7 @@ class _Template:
     markers: tuple[str, ...] = ()  # the markers `end_of_turn` remembers lengths for
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
     closers: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # turns.py
+    middle_closings: dict[tuple[str, ...], str] = field(default_factory=dict)  # turns.py
 
 
 def _guarded(draw: Renderer) -> Renderer:
@@ -205,36 +206,46 @@ def _end_of_turn_length(state: _Template, suffix: str, markers: tuple[str, ...])
 _MARK = "\x00assistant content\x00"  # a string no template writes by itself
 
 
-def _marked_place(state: _Template, messages: Messages, tools: Optional[list], text: str, i: int
-                  ) -> Optional[tuple[int, int]]:
-    """Where assistant message i's content, stripped, starts in `text`, and where the text its turn
-    closes with ends; for rows the prefix renderings cannot place (a template that is not prefix-stable,
-    one writing the system prompt into the last user turn, say; a content that also occurs in the text
-    the template writes before it). Its place: the row rendered with that content replaced by a marker
-    must be `text` with the content (as is, or stripped) in the marker's place. Its closing: what the
-    template writes after the content when it is the last message, as far as `text` has the same there
-    (Phi-3 closes only the final turn with eos after <|end|>). None when the template reads the content."""
+def _marked_place(state: _Template, messages: Messages, tools: Optional[list], text: str, i: int,
+                  markers: tuple[str, ...]) -> Optional[tuple[int, int, int]]:
+    """Where what the template writes of assistant message i's content, stripped, starts and ends in
+    `text`, and where the text its turn closes with ends; for rows the prefix renderings cannot place (a
+    template that is not prefix-stable, one writing the system prompt into the last user turn, say; a
+    content that also occurs in the text the template writes before it). Its place: the row rendered
+    with that content replaced by a marker must be `text` with, in the marker's place, the content (as
+    is, or stripped) or only its end (templates that keep only the answer after a `</think>`). Its
+    closing: what the template writes after the content when it is the last message, as far as `text`
+    has the same there (Phi-3 closes only the final turn with eos after <|end|>), or else when another
+    message follows (OLMo's template: <|im_end|> there, eos at the end). None when the template reads
+    the content otherwise."""
     marked = [dict(m, content=_MARK) if k == i else m for k, m in enumerate(messages)]
     before, *after = state.draw(marked, False, tools).split(_MARK)
+    if len(after) != 1 or not (text.startswith(before) and text.endswith(after[0])) \
+            or len(before) + len(after[0]) > len(text):
+        return None
+    inserted = text[len(before): len(text) - len(after[0])]
     content = messages[i]["content"]
-    inserted = next((written for written in (content, content.strip())
-                     if len(after) == 1 and before + written + after[0] == text), None)
-    if inserted is None:
+    if not (inserted in (content, content.strip()) or (inserted.strip() and content.strip().endswith(inserted.strip()))):
         return None
     _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
     if len(closing) != 1:
         return None
     inserted_end = len(text) - len(after[0])
     closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
-    return len(before) + len(inserted) - len(inserted.lstrip()), inserted_end + len(closed)
+    if not last_marker_end(closed, markers):  # a turn the template closes differently when another follows
+        middle = middle_closing(state, markers)
+        if middle and text.startswith(middle, inserted_end):
+            closed = middle
+    start = len(before) + len(inserted) - len(inserted.lstrip())
+    return start, start + len(inserted.strip()), inserted_end + len(closed)
 
 
 def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], text: str, i: int
-                  ) -> Optional[tuple[int, int]]:
-    """Where assistant message i's content, stripped, starts in `text`, and where its turn ends: from the
-    renderings of the messages before it (with the generation prompt) and through it, which must be
-    prefixes of `text`, when the content occurs just once between their ends. None otherwise (a first
-    message has no prefix to render: apply_chat_template refuses an empty conversation)."""
+                  ) -> Optional[tuple[int, int, int]]:
+    """Where assistant message i's content, stripped, starts and ends in `text`, and where its turn ends:
+    from the renderings of the messages before it (with the generation prompt) and through it, which
+    must be prefixes of `text`, when the content occurs just once between their ends. None otherwise (a
+    first message has no prefix to render: apply_chat_template refuses an empty conversation)."""
     prompt, through = prefix_renders(draw, messages, tools, text, i)
     if prompt is None or not (text.startswith(prompt) and text.startswith(through)):
         return None
@@ -242,7 +253,7 @@ def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], tex
     start = text.find(content, len(prompt), len(through))
     if start < 0 or text.find(content, start + 1, len(through)) >= 0:
         return None
-    return start, len(through)
+    return start, start + len(content), len(through)
 
 
 def trained_spans(
@@ -272,14 +283,26 @@ def trained_spans(
             _, written_at, through_length = known_ends[i]
             raw = messages[i]["content"]
             start = written_at + (len(raw) - len(raw.lstrip()) if text.startswith(raw, written_at) else 0)
+            content_end = start + len(content)
         else:
-            place = _prefix_place(draw, messages, tools, text, i) or _marked_place(state, messages, tools, text, i)
+            place = _prefix_place(draw, messages, tools, text, i) or _marked_place(state, messages, tools, text, i, markers)
             if place is None:
                 raise RowError(
                     f"message {i + 1} (assistant): the chat template is not prefix-stable for this conversation "
                     "(or writes this content more than once) and its rendering changes with the assistant's "
                     "content, so the turn cannot be located; choose another template")
-            start, through_length = place
-        content_end = start + len(content)
+            start, content_end, through_length = place
         spans.append((start, content_end + _end_of_turn_length(state, text[content_end:through_length], markers)))
-    return text, spans
+    return text, _joined(spans)
+
+
+def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Spans that touch made one (assistant_message_only writes the turns back to back): one run of
+    trained tokens, which a token holding the end of one and the start of the next may straddle."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out

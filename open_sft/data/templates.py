@@ -1,9 +1,11 @@
 """Built-in chat templates, and choosing the one a run uses.
 
-Every template here is prefix-stable (rendering the first k messages is a prefix of rendering all
-of them), which the label step relies on, and closes assistant turns with a declared end-of-turn
-token. If the tokenizer lacks a template's special tokens (say chatml's `<|im_end|>` on a GPT-NeoX
-tokenizer) they are added as special tokens, and the model's embeddings are resized to match.
+Every name of open-instruct's --chat_template_name renders what open-instruct's template of that name
+renders (oi_templates.py); chatml and llama3 are open_sft's own. Not all are prefix-stable (several
+close only the last assistant turn with eos, or write the generation prompt differently from the
+turn), which the label step handles (render.py). If the tokenizer lacks a template's special tokens
+(say `<|im_end|>` on a GPT-NeoX tokenizer) they are added as special tokens, and the model's
+embeddings are resized to match.
 """
 
 from __future__ import annotations
@@ -12,36 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from open_sft.data.oi_templates import CHATML_TOKENS, OPEN_INSTRUCT_TEMPLATES
 from open_sft.errors import UserError
 
 _RAISE_UNKNOWN = "{{ raise_exception('unknown role ' + message['role']) }}"
 
-
-def _tagged(prefix: str, sep: str, bos: bool = False) -> str:
-    """Templates of the form `<|role|>` newline content, assistant turns closed by eos (tulu, olmo)."""
-    start = "{{ bos_token }}" if bos else ""
-    return (
-        start + "{% for message in messages %}"
-        "{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}"
-        "{{ '" + prefix + "' + message['role'] + '|>" + sep + "' + message['content'] }}"
-        "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}"
-        "{% else %}" + _RAISE_UNKNOWN + "{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '" + prefix + "assistant|>" + sep + "' }}{% endif %}"
-    )
-
-
-TULU = _tagged("<|", "\\n")
-OLMO = _tagged("<|", "\\n", bos=True)
-
-SIMPLE_CHAT = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'user' %}{{ 'User: ' + message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'tool' %}{{ 'Tool: ' + message['content'] + '\\n\\n' }}"
-    "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token + '\\n\\n' }}"
-    "{% else %}" + _RAISE_UNKNOWN + "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
-)
 
 CHATML = (
     "{% for message in messages %}"
@@ -59,15 +36,6 @@ LLAMA3 = (
     "{% else %}" + _RAISE_UNKNOWN + "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
-
-ZEPHYR = (
-    "{% for message in messages %}"
-    "{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
-    "{% else %}" + _RAISE_UNKNOWN + "{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
 
 # The embedded tiny model's template (open_sft/embedded/factory.py): tulu's turns after a bos token.
 EMBEDDED = (
@@ -91,18 +59,20 @@ EMBEDDED = (
 class BuiltinTemplate:
     source: str
     special_tokens: tuple[str, ...] = ()  # must be single tokens (added when the tokenizer lacks them)
-    contents: str = "as_is"  # how it writes each message's content: "as_is" or "trimmed" (see content_writing)
+    # how it writes each message's content: "as_is", "trimmed" (see content_writing), None: not assumed
+    contents: Optional[str] = None
 
 
+# open-instruct's names mean what they mean there (oi_templates.py); chatml and llama3 are open_sft's.
+# Of open-instruct's, those that write each content once, in order, as it is: their rows fill layouts.
+_FILLED = {"tulu", "zephyr", "qwen_instruct_user_boxed_math"}
 BUILTIN_TEMPLATES = {
-    "tulu": BuiltinTemplate(TULU),
-    "olmo": BuiltinTemplate(OLMO),
-    "simple_chat": BuiltinTemplate(SIMPLE_CHAT),
-    "chatml": BuiltinTemplate(CHATML, ("<|im_start|>", "<|im_end|>")),
+    **{name: BuiltinTemplate(source, tokens, "as_is" if name in _FILLED else None)
+       for name, (source, tokens) in OPEN_INSTRUCT_TEMPLATES.items()},
+    "chatml": BuiltinTemplate(CHATML, CHATML_TOKENS, "as_is"),
     "llama3": BuiltinTemplate(LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "trimmed"),
-    "zephyr": BuiltinTemplate(ZEPHYR),
 }
-_CONTENT_WRITING = {**{t.source: t.contents for t in BUILTIN_TEMPLATES.values()}, EMBEDDED: "as_is"}
+_CONTENT_WRITING = {**{t.source: t.contents for t in BUILTIN_TEMPLATES.values() if t.contents}, EMBEDDED: "as_is"}
 
 
 def content_writing(template: Optional[str]) -> Optional[str]:

@@ -10,6 +10,7 @@ end of turn.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 from open_sft.data.formats import Messages, RowError
@@ -22,17 +23,40 @@ def last_marker_end(text: str, markers: tuple[str, ...]) -> int:
     return max((text.rfind(marker) + len(marker) for marker in markers if marker in text), default=0)
 
 
+def middle_closing(state: Any, markers: tuple[str, ...]) -> str:
+    """What the template writes right after an assistant content that is not the last message, through
+    its first special token ("<|im_end|>" for OLMo's template, which closes only the last turn with eos;
+    "" for one that writes no special token between turns, such as simple_chat). Rendering the
+    conversation through that turn shows only how the last turn is closed."""
+    if markers not in state.middle_closings:
+        closing = ""
+        try:
+            text = state.draw(_PROBE + [{"role": "user", "content": "Bye now"}], False, None)
+            after = text.index("Hello there") + len("Hello there")
+            between = text[after: text.index("Bye now", after)]
+            firsts = [(between.find(marker), -len(marker)) for marker in markers if marker in between]
+            if firsts:
+                at, minus_length = min(firsts)
+                closing = between[: at - minus_length]
+        except (RowError, ValueError):
+            pass
+        state.middle_closings[markers] = closing
+    return state.middle_closings[markers]
+
+
 def _closers(state: Any, markers: tuple[str, ...]) -> tuple[str, ...]:
     """The special tokens the template ends an assistant turn with (<|im_end|>, <|eot_id|>, Phi-3's
-    <|end|> and eos): those it writes after an assistant content. All markers when the probe fails."""
+    <|end|> and eos): those it writes after an assistant content, as the last message or before another.
+    All markers when the probe fails."""
     if markers not in state.closers:
         try:
             text = state.draw(_PROBE, False, None)
             suffix = text[text.index("Hello there") + len("Hello there"):]
-            found = tuple(marker for marker in markers if marker in suffix[: last_marker_end(suffix, markers)])
+            found = [marker for marker in markers if marker in suffix[: last_marker_end(suffix, markers)]]
         except (RowError, ValueError):
-            found = ()
-        state.closers[markers] = found or markers
+            found = []
+        found += [marker for marker in markers if middle_closing(state, markers).endswith(marker) and marker not in found]
+        state.closers[markers] = tuple(found) or markers
     return state.closers[markers]
 
 
@@ -63,6 +87,10 @@ def whole_turn_span(state: Any, messages: Messages, tools: Optional[list], text:
     span: a template that does not write tool calls would otherwise train none of them."""
     where = f"message {i + 1} (assistant, with {'tool calls' if messages[i].get('tool_calls') else 'more than a content'})"
     prompt, through = prefix_renders(state.draw, messages, tools, text, i)
+    if prompt is not None and not text.startswith(prompt) and text.startswith(state.draw(messages[:i], False, tools)):
+        # a generation prompt that opens more than the turn writes (the thinkers' "<think>"): the turn
+        # starts where the two part
+        prompt = os.path.commonprefix([prompt, text])
     if prompt is None or not text.startswith(prompt):
         raise RowError(f"{where}: rendering the messages before it with the generation prompt is not a prefix of "
                        "the conversation, so the turn cannot be located; choose another template")

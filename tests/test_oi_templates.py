@@ -1,0 +1,78 @@
+"""open-instruct's chat templates: byte-identical to open-instruct's own renderings, rows of a role a
+template has no turn for rejected, and the trained tokens of each template what its turns write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from jinja2 import TemplateError
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from oi_conversations import CONVERSATIONS, ROLES_WRITTEN
+from open_sft.data.oi_templates import OPEN_INSTRUCT_TEMPLATES
+
+EXPECTED = json.loads((Path(__file__).parent / "data" / "open_instruct_renderings.json").read_text())["renderings"]
+CASES = [(name, case) for name in sorted(OPEN_INSTRUCT_TEMPLATES) for case in sorted(CONVERSATIONS)]
+
+
+def _render(name: str, messages: list, generation_prompt: bool) -> str:
+    texts, _ = render_jinja_template([messages], chat_template=OPEN_INSTRUCT_TEMPLATES[name][0],
+                                     add_generation_prompt=generation_prompt, bos_token="<s>", eos_token="</s>")
+    return texts[0]
+
+
+def test_every_open_instruct_template_name_is_here() -> None:
+    assert sorted(OPEN_INSTRUCT_TEMPLATES) == sorted(EXPECTED)
+    assert len(EXPECTED) == 21
+
+
+@pytest.mark.parametrize("name,case", CASES)
+def test_renders_byte_identical_to_open_instruct(name, case) -> None:
+    messages = CONVERSATIONS[case]
+    expected = EXPECTED[name]
+    if case not in expected:  # a role the template has no turn for: rejected, not left out
+        roles = {m["role"] for m in messages} - ROLES_WRITTEN[name]
+        with pytest.raises(TemplateError, match=f"the {name} chat template has no turn for role ({'|'.join(roles)})"):
+            _render(name, messages, False)
+        return
+    assert _render(name, messages, False) == expected[case]
+    if messages[-1]["role"] != "assistant":
+        assert _render(name, messages, True) == expected[f"{case}+prompt"]
+
+
+LABELS = [  # template, conversation → the trained text of each assistant turn ("eos": the tokenizer's)
+    ("tulu_thinker_r1_style", "thinking", ["It is 4.eos", "It is 6.eos"]),  # it writes only the answers
+    ("olmo_thinker_remove_intermediate_thinking", "thinking",
+     ["It is 4.<|im_end|>", "<think>Three and three.</think>It is 6.eos"]),
+    ("olmo", "multi", ["tac<|im_end|>", "TACeos"]),  # eos closes only the last turn, <|im_end|> the others
+    ("olmo", "functions", ["<function_calls>add(a=2, b=3)</function_calls><|im_end|>", "It is 5.eos"]),
+    ("olmo_thinker", "user_functions",
+     ["Let me add.<function_calls>add(a=1, b=1)</function_calls><|im_end|>", "2eos"]),
+    ("simple_chat", "multi", ["tac", "TACeos"]),  # no end of turn between turns: none trained
+    ("r1_simple_chat", "multi", ["tac", "TAC"]),
+    ("qwen_instruct_user_boxed_math", "multi", ["tac<|im_end|>", "TAC<|im_end|>"]),
+    ("zephyr", "system_multi", ["Hello.eos", "Goodbye.eos"]),
+]
+
+
+@pytest.mark.parametrize("name,case,expected", LABELS)
+def test_trained_tokens_are_what_each_assistant_turn_writes(tiny_model_dir, tmp_path, name, case, expected) -> None:
+    """Through the data pipeline, with a real tokenizer: templates that are not prefix-stable (eos only
+    after the last turn, a generation prompt the turn does not start with, answers cut from their
+    thinking) still train exactly each assistant turn and its end of turn, and nothing of the prompts."""
+    from transformers import AutoTokenizer
+
+    from open_sft.config import DataArguments
+    from open_sft.data.pipeline import build_examples
+    from open_sft.data.templates import apply_chat_template_choice
+    from open_sft.data.tokenize import trained_token_runs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    apply_chat_template_choice(tokenizer, name, None)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATIONS[case]}) + "\n")
+    examples, _ = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), tokenizer, 0)
+    runs = [tokenizer.decode(run).strip() for run in trained_token_runs(examples[0].input_ids, examples[0].labels)]
+    assert runs == [text.replace("eos", tokenizer.eos_token) for text in expected]
