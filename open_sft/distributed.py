@@ -293,6 +293,7 @@ def build_accelerator(
     mixed_precision: str,
     deepspeed_config: dict[str, Any] | None,
     timeout_s: int = 1800,
+    zero3_init: bool = False,
 ) -> Accelerator:
     """Build the Accelerator for single process, DDP or DeepSpeed (``deepspeed_config`` resolved).
 
@@ -305,6 +306,8 @@ def build_accelerator(
       checked here.
     * No trackers (``log_with=None``); we step the LR scheduler ourselves (do not pass it to
       ``prepare``: accelerate's wrapper steps it ``num_processes`` times per optimizer step).
+    * ``zero3_init``: a model loaded after this loads partitioned (transformers sees the DeepSpeed
+      config through the plugin and loads under ``deepspeed.zero.Init``).
     """
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
@@ -335,6 +338,7 @@ def build_accelerator(
             gradient_accumulation_steps=int(deepspeed_config["gradient_accumulation_steps"]),
             gradient_clipping=float(deepspeed_config.get("gradient_clipping", 0.0)),
             zero_stage=int(deepspeed_config["zero_optimization"].get("stage", 0)),
+            zero3_init_flag=zero3_init,
         )
     return Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,

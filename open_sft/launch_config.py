@@ -157,6 +157,7 @@ class LaunchPlan:
     notes: list[str] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
     dtype_choice: Optional[DtypeChoice] = None
+    zero3_init: bool = False  # load the model partitioned, under deepspeed.zero.Init (ZeRO-3)
 
 
 class _Decider:
@@ -283,13 +284,25 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         for var in _MERGED_ENV:  # merged above: accelerate would refuse them beside our own config
             os.environ.pop(var, None)
         os.environ.pop(ENV_FIELDS_FROM_YAML, None)
-    if settings.get("zero3_init_flag"):
-        decider.notes.append("zero3_init_flag: the model is loaded whole on each rank and partitioned by ZeRO-3 "
-                             "when training starts (open_sft does not load it under deepspeed.zero.Init)")
+    zero3_init = _zero3_init(cfg, settings, decider.notes)
     record = {"deepspeed_config_file": path, "accelerate_deepspeed_settings": settings,
-              "decisions": list(decider.notes)}
+              "decisions": list(decider.notes), "zero3_init": zero3_init}
     return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, notes=decider.notes, record=record,
-                      dtype_choice=choice)
+                      dtype_choice=choice, zero3_init=zero3_init)
+
+
+def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:
+    """ZeRO-3 loads the model partitioned (deepspeed.zero.Init: each rank materialises only its share of
+    the weights) unless accelerate's zero3_init_flag is false; accelerate and the HF Trainer default to
+    it for stage 3 too."""
+    if cfg is None or str(cfg.get("zero_optimization", {}).get("stage", 0)) != "3":
+        return False
+    if settings.get("zero3_init_flag") is False:
+        notes.append("zero3_init_flag false: the model is loaded whole on each rank and partitioned by ZeRO-3 "
+                     "when training starts")
+        return False
+    notes.append("ZeRO-3: the model is loaded partitioned (deepspeed.zero.Init), each rank holding its share")
+    return True
 
 
 def _check_global_batch(cfg: dict, path: Optional[str], train: Any) -> None:

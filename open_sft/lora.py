@@ -97,8 +97,10 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
             f"--lora_target_modules {' '.join(args.lora_target_modules)}: {exc}; name linear layers of the model "
             "(e.g. q_proj v_proj) or use all-linear"
         ) from exc
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in peft_model.parameters())
+    from open_sft.model import param_numel
+
+    trainable = sum(param_numel(p) for p in peft_model.parameters() if p.requires_grad)
+    total = sum(param_numel(p) for p in peft_model.parameters())
     logger.info("%s: %d trainable adapter parameters of %d (%.3f%%)", "QLoRA" if args.use_qlora else "LoRA",
                 trainable, total, 100 * trainable / max(total, 1))
     return peft_model

@@ -118,6 +118,40 @@ def _config_overrides(args: ModelArguments) -> dict[str, Any]:
     return dict(yaml.safe_load(args.additional_model_arguments))
 
 
+def param_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's full shape, also when ZeRO-3 has partitioned it (its own tensor is then empty)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def param_numel(param: torch.Tensor) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def _gathered(weights: list[torch.Tensor]):
+    """The weights whole on every rank inside the block (ZeRO-3 partitioned ones gathered; what rank 0
+    writes is kept); a no-op for ordinary tensors."""
+    import contextlib
+
+    partitioned = [w for w in weights if hasattr(w, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+
+
+def load_model_config(args: ModelArguments):
+    """The model's config with --additional_model_arguments applied."""
+    try:
+        return AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args),
+                                          **_config_overrides(args))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"--model_name_or_path {args.model_name_or_path}: could not load the model config ({exc}); "
+            "check the path (a directory with config.json and weights) or the Hub id"
+        ) from exc
+
+
 def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> PreTrainedModel:
     from open_sft.lora import quantization_config
 
@@ -127,9 +161,8 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> Pre
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         kwargs.update(quantization_config=quantization,
                       device_map={"": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"})
+    config = load_model_config(args)
     try:
-        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args),
-                                            **_config_overrides(args))
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, config=config, dtype=torch.float32,
             attn_implementation=attn_implementation(args), **kwargs,
@@ -176,17 +209,19 @@ def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTok
     """Grow the embeddings to a multiple of 64 rows when the tokenizer gained tokens (a chat template's
     special tokens, --add_tokens); rows of new tokens (new rows, and rows of ids --add_tokens assigned
     inside the old matrix) are set to the mean of the other old rows. A no-op once they fit."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = param_shape(model.get_input_embeddings().weight)[0]
     added = [i for i in getattr(tokenizer, "open_sft_added_ids", []) if i < rows]
     if len(tokenizer) <= rows and not added:
         return
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
         logger.info("resized embeddings from %d to %d rows for %d tokens", rows,
-                    model.get_input_embeddings().weight.shape[0], len(tokenizer))
+                    param_shape(model.get_input_embeddings().weight)[0], len(tokenizer))
     layers = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
-    for weight in {id(w): w for w in layers}.values():  # once when the embeddings are tied
-        _mean_init_rows(weight, rows, added)
+    weights = list({id(w): w for w in layers}.values())  # once when the embeddings are tied
+    with _gathered(weights):
+        for weight in weights:
+            _mean_init_rows(weight, rows, added)
     tokenizer.open_sft_added_ids = []  # initialised; a second call must not reset trained rows
 
 

@@ -8,13 +8,15 @@ import math
 import torch
 from torch import nn
 
+from open_sft.model import param_shape
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices only: never on biases or norm scales (1-D parameters)."""
     decay, no_decay = [], []
     for _, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            (decay if len(param_shape(param)) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

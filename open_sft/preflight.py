@@ -61,14 +61,16 @@ class ModelShape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         config = model.config
-        params = list(model.parameters())
+        from open_sft.model import param_numel, param_shape
+
+        params = list(model.parameters())  # full sizes, also of a model loaded partitioned (ZeRO-3 init)
         hidden = config.hidden_size
         return cls(
-            params=sum(p.numel() for p in params),
-            trainable=sum(p.numel() for p in params if p.requires_grad),
-            param_bytes=sum(p.numel() * p.element_size() for p in params),
-            largest_param=max(p.numel() for p in params),
-            matmul_params=sum(p.numel() for p in params if p.requires_grad and p.ndim == 2),
+            params=sum(param_numel(p) for p in params),
+            trainable=sum(param_numel(p) for p in params if p.requires_grad),
+            param_bytes=sum(param_numel(p) * p.element_size() for p in params),
+            largest_param=max(param_numel(p) for p in params),
+            matmul_params=sum(param_numel(p) for p in params if p.requires_grad and len(param_shape(p)) == 2),
             hidden=hidden, layers=config.num_hidden_layers,
             intermediate=getattr(config, "intermediate_size", None) or 4 * hidden, vocab=config.vocab_size,
             heads=getattr(config, "num_attention_heads", 1), lora_dropout_inputs=_lora_dropout_inputs(model),

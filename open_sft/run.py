@@ -33,8 +33,10 @@ def _setup_logging() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
-def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype, ds_config: Optional[dict]):
-    """The Accelerator, with the launch's DeepSpeed config (from launch_config) resolved from our flags."""
+def _accelerator_for(config: FinetuneConfig, model_config, dtype: torch.dtype, ds_config: Optional[dict],
+                     zero3_init: bool = False):
+    """The Accelerator, with the launch's DeepSpeed config (from launch_config) resolved from our flags;
+    with `zero3_init`, a model loaded after it loads partitioned."""
     from open_sft import distributed
 
     t = config.train
@@ -43,12 +45,12 @@ def _accelerator_for(config: FinetuneConfig, model, dtype: torch.dtype, ds_confi
             ds_config, micro_batch_size=t.per_device_train_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             world_size=int(os.environ.get("WORLD_SIZE", "1")), bf16=dtype == torch.bfloat16,
-            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model.config, "hidden_size", None),
+            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None),
         )
     accelerator = distributed.build_accelerator(
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
-        timeout_s=t.timeout,
+        timeout_s=t.timeout, zero3_init=zero3_init,
     )
     return accelerator, ds_config
 
@@ -95,9 +97,10 @@ def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_con
 
 def _flop_counter(model):
     from open_sft.metrics import FlopCounter
+    from open_sft.model import param_numel
 
     head = model.get_output_embeddings().weight
-    backbone_params = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n and p is not head)
+    backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
     return FlopCounter(model.config, backbone_params)
 
 
@@ -161,7 +164,7 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.lora import is_peft_model, save_lora
     from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import add_bos_to_template, load_model, load_tokenizer
+    from open_sft.model import add_bos_to_template, load_model, load_model_config, load_tokenizer
     from open_sft.optim import optimizer_impl
     from open_sft.trainer import plan_schedule
 
@@ -190,14 +193,26 @@ def run(config: FinetuneConfig) -> dict:
         _print_examples(data, tokenizer)
     baseline = preflight.runtime_bytes(launch.deepspeed_config is not None,
                                        config.lora.use_lora, config.lora.use_qlora)
-    model = load_model(m, tokenizer, config.lora)
-    if t.auto_micro_batch_size:
-        from open_sft.auto_batch import fit_micro_batch
+    zero3_init = launch.zero3_init and not t.auto_micro_batch_size
+    if zero3_init:  # the accelerator first: from_pretrained then loads under deepspeed.zero.Init
+        accelerator, ds_config = _accelerator_for(config, load_model_config(m), dtype, launch.deepspeed_config, True)
+        model = load_model(m, tokenizer, config.lora)
+        from open_sft.model import param_numel
 
-        config = fit_micro_batch(config, model, data, launch.deepspeed_config,
-                                 dtype == torch.bfloat16, baseline)
-        t = config.train
-    accelerator, ds_config = _accelerator_for(config, model, dtype, launch.deepspeed_config)
+        logger.info("model loaded partitioned (ZeRO-3 init): this rank holds %d of its %d parameters",
+                    sum(p.numel() for p in model.parameters()), sum(param_numel(p) for p in model.parameters()))
+    else:
+        if launch.zero3_init:
+            logger.info("--auto_micro_batch_size measures the whole model: it is loaded whole on each rank and "
+                        "partitioned by ZeRO-3 when training starts")
+        model = load_model(m, tokenizer, config.lora)
+        if t.auto_micro_batch_size:
+            from open_sft.auto_batch import fit_micro_batch
+
+            config = fit_micro_batch(config, model, data, launch.deepspeed_config,
+                                     dtype == torch.bfloat16, baseline)
+            t = config.train
+        accelerator, ds_config = _accelerator_for(config, model.config, dtype, launch.deepspeed_config)
     _check_ranks_agree_on_dtype(accelerator, dtype)
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)

@@ -74,8 +74,19 @@ def test_yaml_settings_build_the_deepspeed_config() -> None:
     assert result.dtype == torch.bfloat16
     assert result.dtype_choice.reason.startswith("accelerate's mixed_precision=bf16")
     assert any("clip_grad_norm = 0.5 from accelerate's gradient_clipping" in n for n in result.notes)
-    assert any("zero3_init_flag" in n for n in result.notes)
+    assert any("loaded partitioned (deepspeed.zero.Init)" in n for n in result.notes)
     assert result.record["accelerate_deepspeed_settings"]["zero3_init_flag"] is True
+    assert result.zero3_init and result.record["zero3_init"]
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}, False),  # accelerate's flag off: loaded whole
+    ({}, True),  # stage 3 without the flag: partitioned, as accelerate and the HF Trainer default to
+    ({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true"}, False),  # ZeRO-2: n/a
+])
+def test_zero3_init_follows_accelerates_flag(env, expected) -> None:
+    base = {k: v for k, v in YAML_ENV.items() if k != "ACCELERATE_DEEPSPEED_ZERO3_INIT"}
+    assert plan([], {**base, **env}).zero3_init is expected
 
 
 def test_given_flags_win_over_the_yaml_with_one_line_each() -> None:
@@ -233,3 +244,37 @@ def test_run_json_records_what_each_style_resolved_to(style_runs) -> None:
     trainer = style_runs["trainer_json_zero3"]
     assert "optimizer" not in trainer["run"]["deepspeed_config"]
     assert trainer["stdout"].count("replaced by open_sft's AdamW") == 1  # logged once, by rank 0
+
+
+def test_zero3_init_loads_partitioned_and_trains_the_same(tiny_model_dir, tmp_path) -> None:
+    """ZeRO-3 with zero3_init (the model loaded under deepspeed.zero.Init, each rank holding about half of
+    it) and without (loaded whole, partitioned at prepare): the same losses and bit-identical saved
+    weights, with a template whose special tokens grow the embeddings (resized and mean-initialised while
+    partitioned)."""
+    runs = {}
+    for init in ("true", "false"):
+        output_dir = tmp_path / init
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
+               "--zero3_init_flag", init, "--mixed_precision", "no", "--num_processes", "2", "--num_machines", "1",
+               "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(FINETUNE),
+               "--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+               "--output_dir", str(output_dir), "--max_train_steps", "4", "--per_device_train_batch_size", "2",
+               "--learning_rate", "3e-3", "--logging_steps", "1", "--seed", "1", "--torch_dtype", "float32",
+               "--max_seq_length", "256", "--chat_template_name", "chatml"]
+        result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{init}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        runs[init] = (result.stdout + result.stderr, read_metrics(output_dir), output_dir)
+    import re
+
+    from safetensors.torch import load_file
+
+    held = re.search(r"this rank holds (\d+) of its (\d+) parameters", runs["true"][0])
+    assert held and 0.4 < int(held[1]) / int(held[2]) < 0.6, runs["true"][0][-3000:]
+    assert "this rank holds" not in runs["false"][0]
+    assert [m["loss"] for m in runs["true"][1]] == pytest.approx([m["loss"] for m in runs["false"][1]], rel=1e-6)
+    partitioned, whole = (load_file(runs[k][2] / "model.safetensors") for k in ("true", "false"))
+    assert partitioned["model.embed_tokens.weight"].shape[0] > 1024  # grown for <|im_start|>, <|im_end|>
+    assert all(torch.equal(partitioned[k], whole[k]) for k in whole) and partitioned.keys() == whole.keys()
+    for init in ("true", "false"):
+        run = json.loads((runs[init][2] / "run.json").read_text())
+        assert run["launch"]["zero3_init"] is (init == "true")
