@@ -96,7 +96,34 @@ def load_json(path: str) -> dict[str, Any]:
         raise UserError(f"DeepSpeed config {path}: not valid JSON ({exc}); fix the file") from exc
     if not isinstance(cfg, dict):
         raise UserError(f"DeepSpeed config {path}: expected a JSON object, got {type(cfg).__name__}")
+    _check_zero_section(cfg, path)
     return cfg
+
+
+def _check_zero_section(cfg: dict[str, Any], path: str) -> None:
+    """The ZeRO section checked by DeepSpeed's own schema now, so a wrong key is an error naming the file
+    (not a failure deep inside model loading), and its settings under one spelling: DeepSpeed takes the
+    ZeRO-3 ones with or without their stage3_ prefix (axolotl's configs write
+    gather_16bit_weights_on_model_save), and the settings merged and filled later use the prefixed names."""
+    zero = cfg.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    for name, spec in DeepSpeedZeroConfig.model_fields.items():
+        if spec.alias and spec.alias != name and name in zero:
+            value = zero.pop(name)
+            if zero.get(spec.alias, value) != value:
+                raise UserError(f"DeepSpeed config {path}: zero_optimization sets both {name}={value!r} and "
+                                f"{spec.alias}={zero[spec.alias]!r}; keep one")
+            zero[spec.alias] = value
+    try:
+        DeepSpeedZeroConfig(**{key: value for key, value in zero.items() if value != "auto"})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise UserError(f"DeepSpeed config {path}: zero_optimization is not valid for DeepSpeed ({problems}); "
+                        "fix the file") from None
 
 
 def _minimal_config() -> dict[str, Any]:

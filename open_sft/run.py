@@ -200,7 +200,8 @@ def run(config: FinetuneConfig) -> dict:
         from open_sft.model import param_numel
 
         logger.info("model loaded partitioned (ZeRO-3 init): this rank holds %d of its %d parameters",
-                    sum(p.numel() for p in model.parameters()), sum(param_numel(p) for p in model.parameters()))
+                    sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters()),
+                    sum(param_numel(p) for p in model.parameters()))
     else:
         if launch.zero3_init:
             logger.info("--auto_micro_batch_size measures the whole model: it is loaded whole on each rank and "

@@ -278,3 +278,27 @@ def test_zero3_init_loads_partitioned_and_trains_the_same(tiny_model_dir, tmp_pa
     for init in ("true", "false"):
         run = json.loads((runs[init][2] / "run.json").read_text())
         assert run["launch"]["zero3_init"] is (init == "true")
+
+
+def test_zero_section_spellings_and_bad_keys(tmp_path) -> None:
+    """axolotl's configs write ZeRO-3 settings without the stage3_ prefix (DeepSpeed accepts both): one
+    spelling is kept, so the gather-on-save setting open_sft fills is not written twice (DeepSpeed
+    then rejects the file); a key DeepSpeed does not know, or both spellings disagreeing, is an error
+    naming the file."""
+    from open_sft.launch_config import load_json
+
+    def write(zero: dict):
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+        return str(path)
+
+    zero = load_json(write({"gather_16bit_weights_on_model_save": True, "max_live_parameters": 0,
+                            "reduce_bucket_size": "auto"}))["zero_optimization"]
+    assert zero == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "stage3_max_live_parameters": 0,
+                    "reduce_bucket_size": "auto"}
+    with pytest.raises(UserError, match=r"ds.json: zero_optimization is not valid for DeepSpeed \(stage3_bogus: "
+                                        r"Extra inputs are not permitted\)"):
+        load_json(write({"stage3_bogus": 1}))
+    with pytest.raises(UserError, match="ds.json: zero_optimization sets both max_reuse_distance=0 and "
+                                        "stage3_max_reuse_distance=5; keep one"):
+        load_json(write({"max_reuse_distance": 0, "stage3_max_reuse_distance": 5}))
