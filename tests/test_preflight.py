@@ -78,21 +78,58 @@ def test_memory_estimate_within_25_percent_of_peak_rss(name, mid_model_dir, text
     assert 0.75 * peak <= memory["total_bytes"] <= 1.25 * peak, (memory, peak / GIB)
 
 
-def test_dry_run_time_estimate_within_30_percent(mid_model_dir, text_file, tmp_path) -> None:
+def test_dry_run_and_real_run_print_a_time_estimate(mid_model_dir, text_file, tmp_path) -> None:
+    """A dry run prints the time and memory estimates and writes nothing; a real run logs its estimate
+    after the probe steps. (How close the estimate is, is tested against given step times below: a
+    test timing the machine fails when another job shares it.)"""
     args = ["--torch_dtype", "float32", "--per_device_train_batch_size", "2", "--max_train_steps", "16"]
     dry = run_finetune(base_args(mid_model_dir, text_file, tmp_path / "dry", "--dry_run", *args))
     assert not (tmp_path / "dry").exists()  # a dry run writes nothing
-    match = re.search(r"time estimate: (\d+)m(\d+)s for 16 optimizer steps", dry.stdout)
-    assert match, dry.stdout[-2000:]
+    assert re.search(r"time estimate: (\d+)m(\d+)s for 16 optimizer steps", dry.stdout), dry.stdout[-2000:]
     assert "memory estimate per rank:" in dry.stdout and "global batch: 2 per micro-batch × 1" in dry.stdout
-    estimate = 60 * int(match[1]) + int(match[2])
-
     real = run_finetune(base_args(mid_model_dir, text_file, tmp_path / "real", *args))
-    measured = read_metrics(tmp_path / "real")[-1]["elapsed_s"]
-    assert 0.7 * measured <= estimate + 0.5 <= 1.3 * measured + 1, (estimate, measured)  # whole seconds printed
-    in_run = re.search(r"time estimate: (\d+)m(\d+)s for steps 1-16", real.stdout)
-    assert in_run, real.stdout[-2000:]
-    assert 0.7 * measured <= 60 * int(in_run[1]) + int(in_run[2]) + 0.5 <= 1.3 * measured + 1
+    assert re.search(r"time estimate: (\d+)m(\d+)s for steps 1-16 \(measured on steps 2-4\)", real.stdout), \
+        real.stdout[-2000:]
+
+
+def test_time_probe_scales_the_probe_steps_by_token_positions() -> None:
+    """Steps whose time is proportional to the token positions they compute are estimated exactly from
+    the probe steps (after the warm-up one), whatever the other steps' sizes."""
+    from open_sft.preflight import TimeProbe
+
+    slots = [900, 400, 800, 1200, 300, 2000, 1000, 600]
+    probe = TimeProbe(total_steps=len(slots), step_slots=slots)
+    seconds_per_slot = 0.002
+    for index, size in enumerate(slots):
+        probe.record(index, 5.0 if index == 0 else seconds_per_slot * size)  # a slow warm-up step
+    assert probe.done and probe.seconds == pytest.approx([0.8, 1.6, 2.4])
+    assert probe.estimate_seconds(1, 1) == pytest.approx(seconds_per_slot * sum(slots[1:]))
+    assert probe.estimate_seconds(4, 1) == pytest.approx(seconds_per_slot * sum(slots[4:]))
+
+
+def test_step_timer_estimate_is_warmup_plus_probed_rate(monkeypatch) -> None:
+    """StepTimer on a clock it is given: the estimate logged after the probe steps is the warm-up step's
+    time plus the probed rate × the remaining token positions; a resumed launch starts from its step."""
+    from open_sft import preflight
+
+    slots = [100, 100, 200, 300, 100, 400]
+    durations = iter([3.0, 0.1, 0.2, 0.3, 0.1, 0.4])  # a warm-up step, then 1 ms per position
+    clock = [0.0]
+    monkeypatch.setattr(preflight.time, "perf_counter", lambda: clock[0])
+    logged = []
+    timer = preflight.StepTimer(preflight.TimeProbe(len(slots), slots), 0, log=logged.append)
+    for done in range(1, len(slots) + 1):
+        clock[0] += next(durations)
+        timer(done, None)
+    assert timer.estimate == pytest.approx(3.0 + 0.001 * sum(slots[1:]))
+    assert logged == ["time estimate: 0m04s for steps 1-6 (measured on steps 2-4)"]
+
+    clock[0] = 0.0
+    resumed = preflight.StepTimer(preflight.TimeProbe(len(slots), slots), 2, log=logged.append)
+    for done, seconds in zip(range(3, 7), [1.0, 0.3, 0.1, 0.4]):
+        clock[0] += seconds
+        resumed(done, None)
+    assert resumed.estimate == pytest.approx(1.0 + 0.001 * sum(slots[3:]))
 
 
 def _saved_bytes(model, tokens: torch.Tensor, mask: torch.Tensor, autocast: bool) -> int:
