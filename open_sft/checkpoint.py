@@ -300,7 +300,7 @@ class Checkpointer:
         self.trainer.total_tokens = int(state["total_tokens"])
         self.trainer.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.trainer.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-        window = Window(**state["window"], started=time.perf_counter())
+        window = Window.from_state(state["window"])
         return resume.step, window
 
     def finish_uploads(self) -> None:
@@ -354,8 +354,7 @@ class Checkpointer:
             "preempted": preempted, "train_tokens": self.trainer.train_tokens,
             "total_tokens": self.trainer.total_tokens, "nonfinite_steps": self.trainer.nonfinite_steps,
             "nonfinite_in_a_row": self.trainer.nonfinite_in_a_row,
-            "window": {"loss_sum": window.loss_sum, "trained_tokens": window.trained_tokens,
-                       "tokens": window.tokens, "flops": window.flops},
+            "window": window.to_state(),
             "identity": self.identity, "schedule": schedule.to_dict(), "config": self.config,
             "saved_at": time.time(),
         }

@@ -10,6 +10,7 @@ multiply by accumulation × world size to undo both.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -76,7 +77,21 @@ class Window:
     tokens: int = 0
     flops: float = 0.0
     padded_slots: int = 0  # token positions computed, padding included
-    started: float = 0.0
+    started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
+
+    def to_state(self) -> dict:
+        """Every accumulator, and the training seconds it has run, for a checkpoint."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "started"}
+        return {**state, "seconds": time.perf_counter() - self.started}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Window":
+        """The window a checkpoint saved, continuing: its throughput counts the seconds it ran before
+        the checkpoint, not the downtime. (Checkpoints before padded_slots was saved: no padding known.)"""
+        state = dict(state)
+        seconds = float(state.pop("seconds", 0.0))
+        state.setdefault("padded_slots", state.get("tokens", 0))
+        return cls(**state, started=time.perf_counter() - seconds)
 
 
 class Trainer:

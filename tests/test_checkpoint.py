@@ -203,6 +203,25 @@ def test_two_rank_resume_matches_uninterrupted(layout, zero2, zero3) -> None:
         torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=key)
 
 
+def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tiny_model_dir, tmp_path) -> None:
+    """Six-step logging windows and a SIGTERM after the first: the checkpoint is taken inside the second
+    window, and the resumed run logs that window (loss, padding ratio, tokens, every exact field) as the
+    uninterrupted run does. Unpacked micro-batches of 4, so the padding ratio is far from 0."""
+    args = ["--max_train_steps", "12", "--logging_steps", "6", "--checkpointing_steps", "100"]
+    base = tmp_path / "base"
+    run_layout("single", finetune_args(tiny_model_dir, base, "single") + args)
+    out = tmp_path / "resumed"
+    interrupt("single", finetune_args(tiny_model_dir, out, "single") + args, out, 1, signal.SIGTERM,
+              tmp_path / "term.log")
+    saved = complete_steps(out)
+    assert len(saved) == 1 and 6 < saved[0] < 12, saved  # inside the window of steps 7-12
+    run_layout("single", finetune_args(tiny_model_dir, out, "single") + args)
+    fields = (*EXACT_FIELDS, "padding_ratio", "nonfinite_steps")
+    expected, resumed = read_metrics(base), read_metrics(out)
+    assert [r["step"] for r in resumed] == [6, 12] and expected[1]["padding_ratio"] > 0.05
+    assert [{k: r[k] for k in fields} for r in resumed] == [{k: r[k] for k in fields} for r in expected]
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoint files, partial writes, pruning
 # ------------------------------------------------------------------------------------------------
