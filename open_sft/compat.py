@@ -122,7 +122,7 @@ class _Translation:
     """Collects the replacements per config section and one note per decision."""
 
     def __init__(self, config: Any):
-        self.config, self.notes = config, []
+        self.config, self.notes, self.warnings = config, [], []
         self.changes: dict[str, dict[str, Any]] = {}
 
     def given(self, name: str) -> bool:
@@ -136,7 +136,7 @@ class _Translation:
 
     def result(self) -> Any:
         replaced = {s: dataclasses.replace(getattr(self.config, s), **v) for s, v in self.changes.items()}
-        return dataclasses.replace(self.config, **replaced, notes=tuple(self.notes))
+        return dataclasses.replace(self.config, **replaced, notes=tuple(self.notes), warnings=tuple(self.warnings))
 
 
 def translate(config: Any, oi: OpenInstructArguments) -> Any:
@@ -185,6 +185,17 @@ def translate(config: Any, oi: OpenInstructArguments) -> Any:
     if given:
         reasons = {f.name: f.metadata["help"] for f in dataclasses.fields(OpenInstructArguments)}
         t.notes.append("open-instruct flags accepted and ignored: " +
-                       "; ".join(f"--{name} ({reasons[name].removeprefix('Ignored').strip(' .,:()') or 'no effect'})"
-                                 for name in given))
+                       "; ".join(f"--{name} ({_reason(reasons[name])})" for name in given))
+    if oi.load_balancing_loss:
+        t.warnings.append("--load_balancing_loss: open-instruct adds the MoE router load-balancing loss; open_sft "
+                          "does not implement it, so the router trains on the language-model loss alone")
     return t.result()
+
+
+def _reason(help_text: str) -> str:
+    """An ignored flag's --help text as the reason in the log line: "Ignored, as open-instruct does (use
+    X)." → "as open-instruct does (use X)"; "Ignored (AI2's Beaker)." → "AI2's Beaker"."""
+    reason = help_text.removeprefix("Ignored").strip(" ,:").removesuffix(".")
+    if reason.startswith("(") and reason.endswith(")") and reason.count("(") == 1:
+        reason = reason[1:-1]
+    return reason or "no effect"

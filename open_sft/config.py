@@ -301,6 +301,8 @@ class FinetuneConfig:
     a launch config's value, a default does not (open_sft.launch_config)."""
     notes: tuple[str, ...] = ()
     """One line per open-instruct flag translated or ignored (open_sft.compat), logged once at start."""
+    warnings: tuple[str, ...] = ()
+    """Ignored open-instruct flags that change what is trained (open_sft.compat), logged as warnings."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),

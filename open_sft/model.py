@@ -205,6 +205,17 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     return model
 
 
+def context_warning(config: Any, longest: int) -> Optional[str]:
+    """A warning when the data's longest example is longer than the positions the model was trained for
+    (packed examples keep their own positions): a RoPE model runs past them, but its attention degrades."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions or longest <= positions:
+        return None
+    return (f"examples up to {longest} tokens are longer than the model's {positions} positions "
+            f"(max_position_embeddings): lower --max_seq_length to {positions}, or extend the context "
+            "(e.g. rope_scaling through --additional_model_arguments)")
+
+
 def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Grow the embeddings to a multiple of 64 rows when the tokenizer gained tokens (a chat template's
     special tokens, --add_tokens); rows of new tokens (new rows, and rows of ids --add_tokens assigned

@@ -65,6 +65,8 @@ def _plan_launch(config: FinetuneConfig):
     if _is_main_rank():
         for note in config.notes:
             logger.info("%s", note)
+        for warning in config.warnings:
+            logger.warning("%s", warning)
         for note in plan.notes:
             logger.info("launch config: %s", note)
         logger.info("compute dtype %s: %s", plan.dtype_choice.dtype, plan.dtype_choice.reason)
@@ -164,7 +166,7 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.lora import is_peft_model, save_lora
     from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import add_bos_to_template, load_model, load_model_config, load_tokenizer
+    from open_sft.model import add_bos_to_template, context_warning, load_model, load_model_config, load_tokenizer
     from open_sft.optim import optimizer_impl
     from open_sft.trainer import plan_schedule
 
@@ -217,6 +219,9 @@ def run(config: FinetuneConfig) -> dict:
     _check_ranks_agree_on_dtype(accelerator, dtype)
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)
+    context = context_warning(model.config, max(data.lengths(), default=0))
+    if accelerator.is_main_process and context:
+        logger.warning("%s", context)
     if accelerator.is_main_process:
         print(plan.describe(schedule, data), flush=True)
         warning = preflight.over_budget_warning(plan.memory, plan.device_bytes)

@@ -1,13 +1,21 @@
 #!/usr/bin/env python
-"""Training throughput of open_sft (and optionally TRL's SFTTrainer) on one model and dataset.
+"""Training throughput of open_sft, side by side with TRL's SFTTrainer, on one model and dataset.
 
     python scripts/benchmark.py                                   # the embedded default, 20 steps
     python scripts/benchmark.py --model_name_or_path M --data D.jsonl --packing --steps 30
-    python scripts/benchmark.py ... --compare trl                 # TRL SFTTrainer, same data/seq/global batch
+    python scripts/benchmark.py ... --compare trl --trl_python /path/to/trl-venv/bin/python
 
-Prints trained tokens/s (padding excluded), MFU against this machine's measured matmul peak, and
-peak RSS, from the steady-state steps (the first --warmup_steps are excluded). Runs are subprocesses
-launched the way a user would, one after the other in this invocation, so the ratio is side by side.
+Runs open_sft with its default dtype (`--torch_dtype auto`) and with bf16 and fp32 forced (--dtypes),
+then, with --compare trl, TRL's fastest configuration (packing + padding-free when --packing, no
+gradient checkpointing) in bf16 and fp32. TRL runs in a side environment when --trl_python is given
+(TRL pins its own transformers/accelerate; keep it out of open_sft's venv). Each run is a subprocess
+launched as a user would, one after the other in this invocation, so the ratios are side by side.
+
+Prints, per run: tokens/s over the steady-state steps (the first --warmup_steps excluded; padding
+excluded), MFU against this machine's measured dense matmul peak of the run's dtype, peak RSS, and
+each run's ratio to TRL's best; first a line naming the CPU and its bf16-relevant flags (a figure
+holds for that CPU kind only). TRL's MFU uses the FLOPs per token of open_sft's run on the same model
+and data (the same work per token).
 """
 
 from __future__ import annotations
@@ -22,28 +30,30 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_open_sft(args, model: str, out: Path) -> dict:
+def run_open_sft(args, model: str, out: Path, dtype: str) -> dict:
     cmd = [sys.executable, str(ROOT / "finetune.py"), "--model_name_or_path", model,
            "--dataset_mixer_list", args.data, "1.0", "--output_dir", str(out), "--max_train_steps", str(args.steps),
            "--per_device_train_batch_size", str(args.batch_size), "--gradient_accumulation_steps", "1",
            "--max_seq_length", str(args.max_seq_length), "--logging_steps", "1", "--learning_rate", "1e-4",
-           "--torch_dtype", args.dtype, "--dataset_local_cache_dir", str(out.parent / "cache")]
+           "--torch_dtype", dtype, "--dataset_local_cache_dir", str(out.parent / "cache")]
     if args.chat_template_name:
         cmd += ["--chat_template_name", args.chat_template_name]
     if args.packing:
         cmd += ["--packing"]
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    subprocess.run(cmd, check=True, cwd=ROOT, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run = json.loads((out / "run.json").read_text())
     steady = [r for r in records if "loss" in r][args.warmup_steps:]
     # Each record is one step (logging_steps 1): tokens in the window / its seconds.
     step_tokens = [b["total_tokens"] - a["total_tokens"] for a, b in zip(steady, steady[1:])]
     step_seconds = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steady, steady[1:])]
     trained = [b["train_tokens"] - a["train_tokens"] for a, b in zip(steady, steady[1:])]
     seconds = sum(step_seconds)
-    return {"tool": "open_sft" + (" (packing)" if args.packing else ""),
+    return {"tool": "open_sft", "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""),
             "tokens_per_second": sum(step_tokens) / seconds, "trained_tokens_per_second": sum(trained) / seconds,
             "mfu": sum(r["mfu"] for r in steady[1:]) / max(len(steady) - 1, 1),
             "peak_rss_gib": max(r["peak_memory_gib"] for r in records),
@@ -55,7 +65,8 @@ import json, sys, time, resource, torch
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
-model_dir, data, steps, bs, seq, packing, warm = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7])
+model_dir, data, steps, bs, seq, packing, warm, bf16 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), sys.argv[8] == "1"
+torch.set_num_threads(int(sys.argv[9]))
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 ds = load_dataset("json", data_files=data, split="train").select_columns(["messages"])
@@ -64,8 +75,8 @@ class Clock(TrainerCallback):
     def on_step_end(self, args, state, control, **kw): self.times.append(time.perf_counter())
 clock = Clock()
 cfg = SFTConfig(output_dir="/tmp/trl_bench", max_steps=steps, per_device_train_batch_size=bs, max_length=seq,
-                packing=packing, padding_free=packing, bf16=True, logging_steps=1, save_strategy="no", report_to=[],
-                assistant_only_loss=False, dataloader_num_workers=0, use_cpu=True)
+                packing=packing, padding_free=packing, bf16=bf16, logging_steps=1, save_strategy="no", report_to=[],
+                assistant_only_loss=False, dataloader_num_workers=0, use_cpu=True, gradient_checkpointing=False)
 trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[clock])
 tokens = []
 orig = trainer.compute_loss
@@ -81,12 +92,38 @@ print(json.dumps({"tokens_per_second": sum(tokens[warm + 1:]) / (t[-1] - t[warm]
 """
 
 
-def run_trl(args, model: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", TRL_SCRIPT, model, args.data, str(args.steps), str(args.batch_size),
-                          str(args.max_seq_length), "1" if args.packing else "0", str(args.warmup_steps)],
-                         check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def run_trl(args, model: str, dtype: str) -> dict:
+    import torch
+
+    out = subprocess.run([args.trl_python, "-c", TRL_SCRIPT, model, args.data, str(args.steps), str(args.batch_size),
+                          str(args.max_seq_length), "1" if args.packing else "0", str(args.warmup_steps),
+                          "1" if dtype == "bfloat16" else "0", str(torch.get_num_threads())],
+                         check=True, capture_output=True, text=True, env=OFFLINE)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"tool": "trl SFTTrainer" + (" (packing)" if args.packing else ""), **result}
+    return {"tool": "trl SFTTrainer", "asked": dtype, "dtype": dtype, **result}
+
+
+def cpu_line() -> dict:
+    from open_sft.precision import cpu_flags
+
+    name, flags = cpu_flags()
+    return {"cpu": name, "flags": sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "bf16"})}
+
+
+def add_mfu(results: list[dict]) -> None:
+    """MFU of the TRL runs from the FLOPs per token open_sft measured (the same model and data)."""
+    import torch
+
+    from open_sft.metrics import measure_cpu_peak
+
+    ours = [r for r in results if r["tool"] == "open_sft" and r["mfu"] > 0]
+    if not ours:
+        return
+    peaks = {name: measure_cpu_peak(getattr(torch, name)) for name in ("float32", "bfloat16")}
+    flops_per_token = ours[0]["mfu"] * peaks[ours[0]["dtype"]] / ours[0]["tokens_per_second"]
+    for r in results:
+        if r["tool"] != "open_sft":
+            r["mfu"] = r["tokens_per_second"] * flops_per_token / peaks[r["dtype"]]
 
 
 def main() -> int:
@@ -98,23 +135,29 @@ def main() -> int:
     parser.add_argument("--warmup_steps", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--max_seq_length", type=int, default=1024)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtypes", nargs="+", default=["auto", "bfloat16", "float32"],
+                        help="open_sft's --torch_dtype values to run (auto: its default)")
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--compare", choices=["trl"], default=None)
+    parser.add_argument("--trl_python", default=sys.executable,
+                        help="python of an environment with trl installed (default: this one)")
     args = parser.parse_args()
+    print(json.dumps(cpu_line()))
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_name_or_path
         if model is None:
             from open_sft.embedded.factory import build_embedded_default
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=256, num_layers=4, num_heads=4))
-        results = [run_open_sft(args, model, Path(tmp) / "open_sft")]
+        results = [run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}", dtype) for dtype in args.dtypes]
         if args.compare == "trl":
-            results.append(run_trl(args, model))
+            results += [run_trl(args, model, dtype) for dtype in ("bfloat16", "float32")]
+    add_mfu(results)
+    trl = [r["tokens_per_second"] for r in results if r["tool"] != "open_sft"]
     for r in results:
-        print(json.dumps(r))
-    if len(results) == 2:
-        print(json.dumps({"open_sft_over_trl": results[0]["tokens_per_second"] / results[1]["tokens_per_second"]}))
+        if trl:
+            r["over_trl_best"] = r["tokens_per_second"] / max(trl)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     return 0
 
 

@@ -132,3 +132,15 @@ def test_vocabulary_expansion(tiny_model_dir, tmp_path, flag) -> None:
     assert reloaded.convert_tokens_to_ids(new_tokens) == ids
     text = reloaded.decode([ids[0], ids[1]], skip_special_tokens=True)
     assert (text == "") == (flag == "add_special_tokens")
+
+
+def test_examples_longer_than_the_models_positions_warn() -> None:
+    from types import SimpleNamespace
+
+    from open_sft.model import context_warning
+
+    config = SimpleNamespace(max_position_embeddings=2048)
+    assert context_warning(config, 2048) is None and context_warning(SimpleNamespace(), 10**6) is None
+    assert context_warning(config, 4000) == (
+        "examples up to 4000 tokens are longer than the model's 2048 positions (max_position_embeddings): lower "
+        "--max_seq_length to 2048, or extend the context (e.g. rope_scaling through --additional_model_arguments)")
