@@ -127,6 +127,18 @@ def param_numel(param: torch.Tensor) -> int:
     return getattr(param, "ds_numel", None) or param.numel()
 
 
+def partition_summary(model: torch.nn.Module) -> str:
+    """What this rank holds of a model loaded under deepspeed.zero.Init. Parameters made after loading
+    are whole until training starts: transformers builds resized embeddings without ZeRO-3 init."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    whole = sum(p.numel() for p in model.parameters() if not hasattr(p, "ds_id"))
+    text = (f"model loaded partitioned (ZeRO-3 init): this rank holds {sum(p.ds_tensor.numel() for p in partitioned)} "
+            f"of its {sum(p.ds_numel for p in partitioned)} partitioned parameters")
+    if whole:
+        text += f"; {whole} parameters made after loading (resized embeddings) are whole until training starts"
+    return text
+
+
 def _gathered(weights: list[torch.Tensor]):
     """The weights whole on every rank inside the block (ZeRO-3 partitioned ones gathered; what rank 0
     writes is kept); a no-op for ordinary tensors."""

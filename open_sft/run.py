@@ -166,7 +166,8 @@ def run(config: FinetuneConfig) -> dict:
     from open_sft.lora import is_peft_model, save_lora
     from open_sft.metrics import MetricsWriter
     from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import add_bos_to_template, context_warning, load_model, load_model_config, load_tokenizer
+    from open_sft.model import (add_bos_to_template, context_warning, load_model, load_model_config, load_tokenizer,
+                                partition_summary)
     from open_sft.optim import optimizer_impl
     from open_sft.trainer import plan_schedule
 
@@ -199,11 +200,7 @@ def run(config: FinetuneConfig) -> dict:
     if zero3_init:  # the accelerator first: from_pretrained then loads under deepspeed.zero.Init
         accelerator, ds_config = _accelerator_for(config, load_model_config(m), dtype, launch.deepspeed_config, True)
         model = load_model(m, tokenizer, config.lora)
-        from open_sft.model import param_numel
-
-        logger.info("model loaded partitioned (ZeRO-3 init): this rank holds %d of its %d parameters",
-                    sum(getattr(p, "ds_tensor", p).numel() for p in model.parameters()),
-                    sum(param_numel(p) for p in model.parameters()))
+        logger.info("%s", partition_summary(model))
     else:
         if launch.zero3_init:
             logger.info("--auto_micro_batch_size measures the whole model: it is loaded whole on each rank and "

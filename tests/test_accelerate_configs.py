@@ -268,8 +268,10 @@ def test_zero3_init_loads_partitioned_and_trains_the_same(tiny_model_dir, tmp_pa
 
     from safetensors.torch import load_file
 
-    held = re.search(r"this rank holds (\d+) of its (\d+) parameters", runs["true"][0])
+    held = re.search(r"this rank holds (\d+) of its (\d+) partitioned parameters; (\d+) parameters made after "
+                     r"loading \(resized embeddings\) are whole until training starts", runs["true"][0])
     assert held and 0.4 < int(held[1]) / int(held[2]) < 0.6, runs["true"][0][-3000:]
+    assert int(held[3]) % (1088 * 64) == 0 and int(held[3]) > 0  # the grown embedding rows × hidden 64
     assert "this rank holds" not in runs["false"][0]
     assert [m["loss"] for m in runs["true"][1]] == pytest.approx([m["loss"] for m in runs["false"][1]], rel=1e-6)
     partitioned, whole = (load_file(runs[k][2] / "model.safetensors") for k in ("true", "false"))
