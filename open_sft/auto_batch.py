@@ -37,10 +37,10 @@ def _agree(fits: list[bool]) -> list[bool]:
     from accelerate import PartialState
 
     from open_sft.distributed import all_reduce_sum
+    from open_sft.launch_config import uses_deepspeed
 
     on_cpu = not torch.cuda.is_available()
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    PartialState(cpu=on_cpu and not deepspeed, **({"backend": "gloo"} if on_cpu else {}))
+    PartialState(cpu=on_cpu and not uses_deepspeed(), **({"backend": "gloo"} if on_cpu else {}))
     counts = all_reduce_sum(torch.tensor([int(f) for f in fits], dtype=torch.int64))
     return [int(c) == int(os.environ["WORLD_SIZE"]) for c in counts.tolist()]
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from open_sft.errors import ConfigError
+from open_sft.tracking import REPORT_TO_CHOICES
 
 if TYPE_CHECKING:
     from open_sft.config import FinetuneConfig
@@ -27,7 +28,6 @@ CHOICES = {
                           "constant_with_warmup", "wsd"),
     "loss_normalization": ("token", "mean", "sum"),
 }
-REPORT_TO = ("tensorboard", "wandb", "all", "none")
 
 
 def _is_local_path(name: str) -> bool:
@@ -105,7 +105,7 @@ def validate(config: FinetuneConfig) -> None:
 def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
     """The settings open_sft took over from open-instruct."""
     t, problems = config.train, []
-    bad = [name for name in t.report_to if name not in REPORT_TO]
+    bad = [name for name in t.report_to if name not in REPORT_TO_CHOICES]
     if bad or not t.report_to:
         problems.append(f"--report_to {' '.join(t.report_to)}: give one or more of tensorboard, wandb, or all, none")
     elif len(t.report_to) > 1 and {"all", "none"} & set(t.report_to):

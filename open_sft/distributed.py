@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import copy
 import os
-from datetime import timedelta
 import warnings
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -329,10 +329,9 @@ def build_accelerator(
         ds_bf16 = bool(deepspeed_config.get("bf16", {}).get("enabled", False))
         if ds_bf16 != (mixed_precision == "bf16"):
             raise ValueError(f"DeepSpeed bf16.enabled={ds_bf16} but mixed_precision={mixed_precision!r}")
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # accelerate does this too; needed before the state exists
-        # The config is final (launch_config merged accelerate's settings into it): without this list
-        # accelerate refuses a config of ours beside an `accelerate config` YAML's DeepSpeed fields.
-        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        from open_sft.launch_config import ENV_USE_DEEPSPEED
+
+        os.environ[ENV_USE_DEEPSPEED] = "true"  # accelerate does this too; needed before the state exists
         plugin = DeepSpeedPlugin(
             hf_ds_config=copy.deepcopy(deepspeed_config),
             gradient_accumulation_steps=int(deepspeed_config["gradient_accumulation_steps"]),

@@ -18,13 +18,6 @@ from open_sft.errors import UserError
 logger = logging.getLogger(__name__)
 
 
-def compute_dtype(args: ModelArguments) -> torch.dtype:
-    """--torch_dtype resolved (auto: bf16 only where the hardware runs it faster; open_sft.precision)."""
-    from open_sft.precision import choose_dtype
-
-    return choose_dtype(args).dtype
-
-
 def attn_implementation(args: ModelArguments) -> str:
     cuda = torch.cuda.is_available()
     has_flash = importlib.util.find_spec("flash_attn") is not None

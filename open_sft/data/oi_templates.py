@@ -55,11 +55,9 @@ def _tagged(name: str, generation_prompt: str, *, eos_after_every_turn: bool = F
     unless last; zephyr closes system and user turns with eos too and always adds the newline;
     `answer_only` writes what follows the last `</think>` of an assistant content."""
     closing = " + eos_token + '\\n'" if eos_after_every_turn else " + '\\n'"
-    content = "message['content']"
     answer = ("{% set content = message['content'] %}{% if '</think>' in content %}"
               "{% set content = content.split('</think>')[-1] %}{% endif %}") if answer_only else ""
-    if answer_only:
-        content = "content"
+    content = "content" if answer_only else "message['content']"
     assistant_end = ("{{ eos_token + '\\n' }}" if eos_after_every_turn
                      else "{{ eos_token }}{% if not loop.last %}{{ '\\n' }}{% endif %}")
     return ("{{ " + _q(preamble) + " }}{% for message in messages %}"

@@ -61,7 +61,6 @@ class SourceReport:
         }
 
 
-
 @dataclass
 class PreparedData:
     """The tokenized training set (memory-mapped `datasets.Dataset`) and how it was made."""

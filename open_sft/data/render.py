@@ -223,14 +223,14 @@ def _marked_place(state: _Template, messages: Messages, tools: Optional[list], t
     if len(after) != 1 or not (text.startswith(before) and text.endswith(after[0])) \
             or len(before) + len(after[0]) > len(text):
         return None
-    inserted = text[len(before): len(text) - len(after[0])]
+    inserted_end = len(text) - len(after[0])
+    inserted = text[len(before): inserted_end]
     content = messages[i]["content"]
     if not (inserted in (content, content.strip()) or (inserted.strip() and content.strip().endswith(inserted.strip()))):
         return None
     _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
     if len(closing) != 1:
         return None
-    inserted_end = len(text) - len(after[0])
     closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
     if not last_marker_end(closed, markers):  # a turn the template closes differently when another follows
         middle = middle_closing(state, markers)
