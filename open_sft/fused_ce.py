@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from open_sft import bf16_matmul
+
 IGNORE_INDEX = -100
 # At most this many logits per chunk: 2^25 fp32 values = 128 MiB (e.g. 671 rows of a 50k vocabulary).
 CHUNK_ELEMENTS = 1 << 25
@@ -42,20 +44,26 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, chunk_rows: int, dtype: torch.dtype) -> torch.Tensor:
+                targets: torch.Tensor, chunk_rows: int, dtype: torch.dtype, via_fp32: bool) -> torch.Tensor:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         need_grad = need_hidden or need_weight or need_bias
+        # via_fp32 (open_sft.bf16_matmul): every operand and product rounded to `dtype`, multiplied in fp32.
+        mm_dtype = torch.float32 if via_fp32 else dtype
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype).to(mm_dtype)
+
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            b = bias.to(dtype) if bias is not None else None
+            w = cast(weight)
+            b = cast(bias) if bias is not None else None
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if need_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
             for start in range(0, hidden.shape[0], chunk_rows):
-                h = hidden[start : start + chunk_rows].to(dtype)
+                h = cast(hidden[start : start + chunk_rows])
                 t = targets[start : start + chunk_rows]
-                logits = torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+                logits = cast(torch.addmm(b, h, w.t()) if b is not None else h @ w.t())
                 logprobs = torch.log_softmax(logits, dim=1, dtype=torch.float32)
                 del logits
                 loss -= logprobs.gather(1, t[:, None]).sum()
@@ -64,14 +72,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 # d loss / d logits = softmax − one-hot, computed in fp32 in place, then cast for the matmuls.
                 probs = logprobs.exp_()
                 probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-                grad_logits = probs.to(dtype)
+                grad_logits = cast(probs)
                 del probs, logprobs
                 if need_hidden:
-                    grad_hidden[start : start + chunk_rows] = grad_logits @ w
+                    grad_hidden[start : start + chunk_rows] = cast(grad_logits @ w)
                 if need_weight and dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)
                 elif need_weight:  # each chunk's product rounded once to `dtype`, the sum kept in fp32
-                    grad_weight += grad_logits.t() @ h
+                    grad_weight += cast(grad_logits.t() @ h)
                 if need_bias:
                     grad_bias += grad_logits.sum(0, dtype=torch.float32)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
@@ -89,15 +97,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = (grad_weight * scale).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = (grad_bias * scale).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                             targets: torch.Tensor, chunk_rows: Optional[int] = None) -> torch.Tensor:
+                             targets: torch.Tensor, chunk_rows: Optional[int] = None,
+                             bf16_via_fp32: bool = False) -> torch.Tensor:
     """Sum of cross-entropies of `hidden @ weight.T + bias` ([N, d] rows) against `targets` ([N]) in fp32.
 
     Positions whose target is -100 are skipped (they add nothing, as in F.cross_entropy). Matmuls run in
-    the autocast dtype when autocast is on, else the weight's dtype; the softmax always in fp32."""
+    the autocast dtype when autocast is on, else the weight's dtype; the softmax always in fp32. With
+    `bf16_via_fp32`, bf16 matmuls run as fp32 matmuls of bf16-rounded operands (open_sft.bf16_matmul)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if hidden.shape[0] != targets.shape[0]:
@@ -111,7 +121,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
     rows = chunk_rows or default_chunk_rows(weight.shape[0])
     if rows < 1:
         raise ValueError(f"chunk_rows must be positive, got {rows}")
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, compute_dtype_for(hidden, weight))
+    dtype = compute_dtype_for(hidden, weight)
+    via_fp32 = bf16_via_fp32 and dtype == torch.bfloat16
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, dtype, via_fp32)
 
 
 def supports_fused(lm_head: nn.Module) -> bool:
@@ -127,7 +139,8 @@ def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Te
         raise TypeError(f"the fused loss needs a plain nn.Linear LM head, got {type(lm_head).__name__}")
 
     def fused_forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, t, chunk_rows)
+        return linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, t, chunk_rows,
+                                        bf16_via_fp32=bf16_matmul.installed(lm_head))
 
     own_forward = lm_head.__dict__.get("forward")
     lm_head.forward = fused_forward

@@ -42,9 +42,11 @@ class DtypeChoice:
     dtype: torch.dtype
     reason: str
     measured: Optional[dict[str, Any]] = None
+    bf16_via_fp32: bool = False  # bf16 numerics on fp32 kernels (open_sft.bf16_matmul)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": str(self.dtype).removeprefix("torch."), "reason": self.reason, "measured": self.measured}
+        return {"dtype": str(self.dtype).removeprefix("torch."), "reason": self.reason, "measured": self.measured,
+                "bf16_matmuls_via_fp32": self.bf16_via_fp32}
 
 
 def cpu_flags() -> tuple[str, set[str]]:
@@ -148,6 +150,26 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
     return {**result, "cached": False}
 
 
+def _requested_bf16(args: Any, cpu: str, flags: set[str],
+                    measure: Callable[[list[tuple[int, int]], torch.dtype], float]) -> DtypeChoice:
+    """--torch_dtype bfloat16 on a CPU: where the probe measures bf16 matmuls slower than fp32 (no native
+    bf16), they run on fp32 kernels with bf16 rounding (OPEN_SFT_BF16_MATMULS=native|fp32 forces a side)."""
+    from open_sft import bf16_matmul
+
+    mode = bf16_matmul.mode_from_env()
+    measured = probe(probe_shapes(args), cpu, flags, measure)
+    bf16, fp32 = measured["bf16_gflops"], measured["fp32_gflops"]
+    via_fp32 = mode == "fp32" or (mode == "auto" and fp32 > bf16)
+    if fp32 > bf16:
+        logger.warning("--torch_dtype bfloat16: this CPU's bf16 matmul kernels measured %.1f× slower than fp32 (%.0f vs "
+                       "%.0f GFLOP/s on the model's shapes)%s; --torch_dtype auto would train in float32", fp32 / bf16,
+                       bf16, fp32, "; they run as fp32 matmuls of bf16-rounded values (the same bf16 numerics)"
+                       if via_fp32 else f" and {bf16_matmul.ENV}=native keeps them")
+    how = "bf16 matmuls on fp32 kernels" if via_fp32 else "native bf16 matmuls"
+    why = f"{bf16_matmul.ENV}={mode}" if mode != "auto" else f"probe: bf16 {bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s"
+    return DtypeChoice(torch.bfloat16, f"requested by --torch_dtype; {how} ({why})", measured, via_fp32)
+
+
 def choose_dtype(args: Any, qlora: bool = False,
                  measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> DtypeChoice:
     """--torch_dtype resolved, with the reason (and the probe's numbers on a CPU)."""
@@ -165,13 +187,7 @@ def choose_dtype(args: Any, qlora: bool = False,
     cpu, flags = cpu_flags()
     native = bool(flags & set(NATIVE_BF16_FLAGS))
     if wanted in ("bfloat16", "bf16"):
-        measured = probe(probe_shapes(args), cpu, flags, measure)
-        ratio = measured["fp32_gflops"] / max(measured["bf16_gflops"], 1e-9)
-        if ratio > 1.0:
-            logger.warning("--torch_dtype bfloat16: on this CPU fp32 measured %.1f× faster (%.0f vs %.0f GFLOP/s on "
-                           "the model's shapes); --torch_dtype auto would pick float32", ratio,
-                           measured["fp32_gflops"], measured["bf16_gflops"])
-        return DtypeChoice(torch.bfloat16, "requested by --torch_dtype", measured)
+        return _requested_bf16(args, cpu, flags, measure)
     if not native and flags:
         return DtypeChoice(torch.float32, "auto: float32 — this CPU has no native bf16 (no avx512_bf16, amx_bf16 "
                                           "or bf16 flag): bf16 matmuls would be emulated")

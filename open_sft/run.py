@@ -214,6 +214,10 @@ def run(config: FinetuneConfig) -> dict:
             t = config.train
         accelerator, ds_config = _accelerator_for(config, model.config, dtype, launch.deepspeed_config)
     _check_ranks_agree_on_dtype(accelerator, dtype)
+    if launch.dtype_choice.bf16_via_fp32:
+        from open_sft import bf16_matmul
+
+        logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(model))
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
     plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)
     context = context_warning(model.config, max(data.lengths(), default=0))

@@ -1,0 +1,121 @@
+"""bf16 matmuls on fp32 kernels (CPUs without native bf16): the same numerics as bf16 autocast, chosen
+when the probe measures bf16 slower, or forced with OPEN_SFT_BF16_MATMULS."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from open_sft import bf16_matmul, precision
+from open_sft.config import ModelArguments
+from open_sft.errors import UserError
+from open_sft.fused_ce import lm_head_loss_sum
+from open_sft.precision import choose_dtype
+from tests.conftest import read_metrics, run_finetune
+from tests.test_e2e import common_args
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
+
+
+def native_and_emulated(x: torch.Tensor, layer: nn.Linear):
+    """(output, grad_x, grad_w, grad_b) of `layer(x)` under bf16 autocast, natively and via fp32."""
+    results = []
+    for via_fp32 in (False, True):
+        module = copy.deepcopy(layer)
+        if via_fp32:
+            assert bf16_matmul.install(module) == 1
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module(xi)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        results.append((out, xi.grad, module.weight.grad, module.bias.grad))
+    return results
+
+
+def test_linear_matches_bf16_autocast_in_values_and_dtypes() -> None:
+    torch.manual_seed(0)
+    x, layer = torch.randn(3, 40, 96), nn.Linear(96, 200)
+    (out, gx, gw, gb), (e_out, e_gx, e_gw, e_gb) = native_and_emulated(x, layer)
+    assert e_out.dtype == out.dtype == torch.bfloat16
+    assert (e_gx.dtype, e_gw.dtype, e_gb.dtype) == (gx.dtype, gw.dtype, gb.dtype) == (torch.float32,) * 3
+    # Both are bf16 products with fp32 accumulation: they differ by summation order and one rounding.
+    for a, b in ((e_out, out), (e_gx, gx), (e_gw, gw), (e_gb, gb)):
+        assert rel_err(a, b) < 1e-2
+    # And they are really bf16-rounded, not fp32: far from the fp32 result's last bits.
+    assert rel_err(e_out, F.linear(x, layer.weight, layer.bias)) > 1e-4
+    exact = F.linear(x.bfloat16().float(), layer.weight.bfloat16().float(), layer.bias.bfloat16().float()).bfloat16()
+    assert torch.equal(e_out, exact)
+
+
+def test_only_bf16_calls_are_rerouted_and_copies_keep_their_own_weights() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert bf16_matmul.install(model) == 2 and bf16_matmul.install(model) == 0  # idempotent
+    x = torch.randn(5, 8)
+    assert torch.equal(model(x), F.linear(F.relu(F.linear(x, *model[0].parameters())), *model[2].parameters()))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[2].weight.zero_(), twin[2].bias.zero_()
+    assert torch.equal(twin(x), torch.zeros(5, 4)) and not torch.equal(model(x), torch.zeros(5, 4))
+
+
+def test_fused_lm_head_loss_matches_native_bf16() -> None:
+    torch.manual_seed(0)
+    head, hidden, targets = nn.Linear(64, 1000, bias=False), torch.randn(300, 64), torch.randint(0, 1000, (300,))
+    results = []
+    for via_fp32 in (False, True):
+        module = copy.deepcopy(head)
+        if via_fp32:
+            bf16_matmul.install(module)
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_head_loss_sum(module, h, targets, chunk_rows=128)
+        loss.backward()
+        results.append((loss, h.grad, module.weight.grad))
+    (loss, gh, gw), (e_loss, e_gh, e_gw) = results
+    assert float(e_loss) == pytest.approx(float(loss), rel=2e-3)
+    assert rel_err(e_gh, gh) < 1e-2 and rel_err(e_gw, gw) < 1e-2
+
+
+def test_choice_follows_the_probe_and_the_override(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(precision.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ("Test CPU", {"avx2"}))
+
+    def measure(bf16: float, fp32: float):
+        return lambda shapes, dtype: bf16 if dtype == torch.bfloat16 else fp32
+
+    wanted = ModelArguments(torch_dtype="bfloat16")
+    assert choose_dtype(wanted, measure=measure(17.0, 104.0)).bf16_via_fp32  # emulated bf16: fp32 kernels
+    monkeypatch.setenv(precision.CACHE_ENV, str(tmp_path / "native"))
+    fast = choose_dtype(wanted, measure=measure(700.0, 180.0))
+    assert not fast.bf16_via_fp32 and fast.to_dict()["bf16_matmuls_via_fp32"] is False
+    monkeypatch.setenv(bf16_matmul.ENV, "fp32")
+    assert choose_dtype(wanted, measure=measure(700.0, 180.0)).bf16_via_fp32
+    monkeypatch.setenv(bf16_matmul.ENV, "native")
+    assert not choose_dtype(wanted, measure=measure(17.0, 104.0)).bf16_via_fp32
+    monkeypatch.setenv(bf16_matmul.ENV, "fast")
+    with pytest.raises(UserError, match="OPEN_SFT_BF16_MATMULS='fast' is not one of auto, fp32, native"):
+        choose_dtype(wanted, measure=measure(17.0, 104.0))
+
+
+def test_training_via_fp32_kernels_tracks_native_bf16(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """Through finetune.py: the same run with native bf16 matmuls and on fp32 kernels, loss for loss."""
+    losses = {}
+    for mode in ("native", "fp32"):
+        monkeypatch.setenv(bf16_matmul.ENV, mode)
+        output_dir = tmp_path / mode
+        result = run_finetune(common_args(tiny_model_dir, output_dir, 4, 2) + ["--torch_dtype", "bfloat16"])
+        choice = json.loads((output_dir / "run.json").read_text())["compute_dtype_choice"]
+        assert choice["dtype"] == "bfloat16" and choice["bf16_matmuls_via_fp32"] is (mode == "fp32")
+        assert ("linear layers run on fp32 kernels" in result.stdout) is (mode == "fp32")
+        losses[mode] = [m["loss"] for m in read_metrics(output_dir)]
+    assert len(losses["fp32"]) == len(losses["native"]) >= 4
+    assert max(abs(a - b) / b for a, b in zip(losses["fp32"], losses["native"])) < 5e-3
