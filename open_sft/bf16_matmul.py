@@ -78,12 +78,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return _Bf16LinearViaFp32.apply(x, weight, bias)
 
 
+def _bf16_autocast(device: str) -> bool:
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+
+
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # Only where the matmul would be bf16: autocast to bf16, or bf16 weights (DeepSpeed's bf16 mode).
     device = x.device.type
-    bf16 = (torch.get_autocast_dtype(device) == torch.bfloat16 if torch.is_autocast_enabled(device)
-            else module.weight.dtype == torch.bfloat16)
+    bf16 = _bf16_autocast(device) if torch.is_autocast_enabled(device) else module.weight.dtype == torch.bfloat16
     return linear(x, module.weight, module.bias) if bf16 else F.linear(x, module.weight, module.bias)
+
+
+def _sdpa_via_fp32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], **kwargs):
+    """transformers' sdpa attention with bf16 inputs run in fp32 (the CPU flash kernel's bf16 backward is
+    ~25x slower than fp32 where bf16 is emulated), its output rounded back to bf16."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    device = query.device.type
+    # Under autocast, sdpa casts its (often fp32, after rotary) inputs to bf16: the same rounding here.
+    if not (_bf16_autocast(device) or query.dtype == torch.bfloat16):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    with torch.autocast(device, enabled=False):
+        out, weights = sdpa_attention_forward(module, _rounded(query), _rounded(key), _rounded(value),
+                                              attention_mask, **kwargs)
+    return out.to(torch.bfloat16), weights
+
+
+def _route_sdpa(model: nn.Module) -> bool:
+    """Models look their attention function up by name at every call, in one process-wide table: the
+    "sdpa" entry is replaced there (it changes nothing for inputs that are not bf16)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_via_fp32
+    return True
 
 
 def install(model: nn.Module) -> int:
@@ -95,6 +128,7 @@ def install(model: nn.Module) -> int:
             module.forward = types.MethodType(_forward, module)  # a bound method: deepcopy rebinds it
             setattr(module, FLAG, True)
             count += 1
+    _route_sdpa(model)
     return count
 
 

@@ -119,3 +119,29 @@ def test_training_via_fp32_kernels_tracks_native_bf16(tiny_model_dir, tmp_path, 
         losses[mode] = [m["loss"] for m in read_metrics(output_dir)]
     assert len(losses["fp32"]) == len(losses["native"]) >= 4
     assert max(abs(a - b) / b for a, b in zip(losses["fp32"], losses["native"])) < 5e-3
+
+
+def test_sdpa_attention_runs_in_fp32_and_matches_native_bf16(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    torch.manual_seed(0)
+    native = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    emulated = copy.deepcopy(native)
+    ids = torch.randint(3, native.config.vocab_size, (2, 24))
+    try:
+        assert bf16_matmul.install(emulated) > 0
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is bf16_matmul._sdpa_via_fp32
+        grads = []
+        for model in (native, emulated):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(input_ids=ids, use_cache=False).logits
+            logits.float().logsumexp(-1).sum().backward()
+            grads.append((logits, model.get_input_embeddings().weight.grad))
+        (logits, grad), (e_logits, e_grad) = grads
+        assert rel_err(e_logits, logits) < 2e-2 and rel_err(e_grad, grad) < 2e-2
+        # fp32 inputs pass straight through the replaced entry: a model without autocast is unchanged.
+        with torch.no_grad():
+            assert torch.equal(emulated(input_ids=ids).logits, native(input_ids=ids).logits)
+    finally:
+        ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
