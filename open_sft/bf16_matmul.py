@@ -21,14 +21,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from open_sft.errors import UserError
+
 ENV = "OPEN_SFT_BF16_MATMULS"  # auto (measured, the default) | fp32 | native
 MODES = ("auto", "fp32", "native")
 FLAG = "_open_sft_bf16_via_fp32"  # set on each installed module; read by the fused LM-head loss
 
 
 def mode_from_env() -> str:
-    from open_sft.errors import UserError
-
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise UserError(f"{ENV}={mode!r} is not one of {', '.join(MODES)} (auto: fp32 kernels where the probe "
@@ -107,16 +107,14 @@ def _sdpa_via_fp32(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     return out.to(torch.bfloat16), weights
 
 
-def _route_sdpa(model: nn.Module) -> bool:
+def _route_sdpa(model: nn.Module) -> None:
     """Models look their attention function up by name at every call, in one process-wide table: the
     "sdpa" entry is replaced there (it changes nothing for inputs that are not bf16)."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if getattr(config, "_attn_implementation", None) == "sdpa":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_via_fp32
-    return True
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _sdpa_via_fp32
 
 
 def install(model: nn.Module) -> int:

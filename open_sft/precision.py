@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from open_sft import bf16_matmul
+
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "OPEN_SFT_DTYPE_CACHE_DIR"
@@ -154,15 +156,14 @@ def _requested_bf16(args: Any, cpu: str, flags: set[str],
                     measure: Callable[[list[tuple[int, int]], torch.dtype], float]) -> DtypeChoice:
     """--torch_dtype bfloat16 on a CPU: where the probe measures bf16 matmuls slower than fp32 (no native
     bf16), they run on fp32 kernels with bf16 rounding (OPEN_SFT_BF16_MATMULS=native|fp32 forces a side)."""
-    from open_sft import bf16_matmul
-
     mode = bf16_matmul.mode_from_env()
     measured = probe(probe_shapes(args), cpu, flags, measure)
     bf16, fp32 = measured["bf16_gflops"], measured["fp32_gflops"]
     via_fp32 = mode == "fp32" or (mode == "auto" and fp32 > bf16)
     if fp32 > bf16:
         logger.warning("--torch_dtype bfloat16: this CPU's bf16 matmul kernels measured %.1f× slower than fp32 (%.0f vs "
-                       "%.0f GFLOP/s on the model's shapes)%s; --torch_dtype auto would train in float32", fp32 / bf16,
+                       "%.0f GFLOP/s on the model's shapes)%s; --torch_dtype auto would train in float32",
+                       fp32 / max(bf16, 1e-9),
                        bf16, fp32, "; they run as fp32 matmuls of bf16-rounded values (the same bf16 numerics)"
                        if via_fp32 else f" and {bf16_matmul.ENV}=native keeps them")
     how = "bf16 matmuls on fp32 kernels" if via_fp32 else "native bf16 matmuls"
