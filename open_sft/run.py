@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from open_sft.cli import parse_config
-from open_sft.config import FinetuneConfig
+from open_sft.config.parse import parse_config
+from open_sft.config.args import FinetuneConfig
 from open_sft.errors import StopRun, UserError
 
 logger = logging.getLogger("open_sft")
@@ -37,7 +37,7 @@ def _accelerator_for(config: FinetuneConfig, model_config, dtype: torch.dtype, d
                      zero3_init: bool = False):
     """The Accelerator, with the launch's DeepSpeed config (from launch_config) resolved from our flags;
     with `zero3_init`, a model loaded after it loads partitioned."""
-    from open_sft import distributed
+    from open_sft.distributed import setup as distributed
 
     t = config.train
     if ds_config is not None:
@@ -58,8 +58,8 @@ def _accelerator_for(config: FinetuneConfig, model_config, dtype: torch.dtype, d
 def _plan_launch(config: FinetuneConfig):
     """The flags reconciled with what `accelerate launch` was given (its YAML or flags, a DeepSpeed JSON);
     each decision that is not the plain flag is logged once."""
-    from open_sft.launch_config import plan_launch
-    from open_sft.precision import choose_dtype
+    from open_sft.config.launch import plan_launch
+    from open_sft.model.precision import choose_dtype
 
     plan = plan_launch(config.train, config.model, config.explicit, lambda: choose_dtype(config.model, config.lora.use_qlora))
     if _is_main_rank():
@@ -75,7 +75,7 @@ def _plan_launch(config: FinetuneConfig):
 
 def _check_ranks_agree_on_dtype(accelerator, dtype: torch.dtype) -> None:
     """--torch_dtype auto is measured per node: nodes of different CPU kinds could choose differently."""
-    from open_sft import distributed
+    from open_sft.distributed import setup as distributed
 
     if accelerator.num_processes > 1:
         bf16_ranks = int(distributed.all_reduce_sum(int(dtype == torch.bfloat16)))
@@ -85,7 +85,7 @@ def _check_ranks_agree_on_dtype(accelerator, dtype: torch.dtype) -> None:
 
 
 def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_config, launch) -> dict:
-    from open_sft.export import git_revision, library_versions
+    from open_sft.export.save import git_revision, library_versions
 
     return {
         "args": config.to_dict(), "versions": library_versions(), "world_size": accelerator.num_processes,
@@ -98,8 +98,8 @@ def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_con
 
 
 def _flop_counter(model):
-    from open_sft.metrics import FlopCounter
-    from open_sft.model import param_numel
+    from open_sft.monitor.metrics import FlopCounter
+    from open_sft.model.load import param_numel
 
     head = model.get_output_embeddings().weight
     backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
@@ -118,11 +118,11 @@ def _print_examples(data, tokenizer, count: int = 3) -> None:
 
 def _build_trainer(config: FinetuneConfig, accelerator, model, schedule, data, tokenizer, dtype, metrics,
                    eval_data=None):
-    from open_sft import distributed
-    from open_sft.loss import TokenLossModel
-    from open_sft.metrics import device_peak_flops
-    from open_sft.optim import build_optimizer
-    from open_sft.trainer import Trainer
+    from open_sft.distributed import setup as distributed
+    from open_sft.model.loss import TokenLossModel
+    from open_sft.monitor.metrics import device_peak_flops
+    from open_sft.training.optim import build_optimizer
+    from open_sft.training.trainer import Trainer
 
     t = config.train
     flop_counter = _flop_counter(model)
@@ -137,7 +137,7 @@ def _build_trainer(config: FinetuneConfig, accelerator, model, schedule, data, t
 def _probe_only(config: FinetuneConfig, accelerator, model, schedule, data, tokenizer, plan, dtype) -> dict:
     """--dry_run: train the probe steps on this throwaway copy of the model, print the time estimate,
     write nothing."""
-    from open_sft import preflight
+    from open_sft.preflight import estimate as preflight
 
     trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics=None)
     probe = preflight.TimeProbe(schedule.total_steps, plan.step_slots)
@@ -156,20 +156,22 @@ def _probe_only(config: FinetuneConfig, accelerator, model, schedule, data, toke
 
 def run(config: FinetuneConfig) -> dict:
     """Train and export; returns a summary. Raises UserError for problems the user can fix."""
-    from open_sft import checkpoint, distributed, preflight
+    from open_sft.training import checkpoint
+    from open_sft.distributed import setup as distributed
+    from open_sft.preflight import estimate as preflight
     from open_sft.data.pipeline import prepare_data
     from open_sft.data.summary import format_report
-    from open_sft.export import save_model, write_json
-    from open_sft.model_card import write_model_card
-    from open_sft.progress import ProgressBar, chain
-    from open_sft.push import push_output_dir
-    from open_sft.lora import is_peft_model, save_lora
-    from open_sft.metrics import MetricsWriter
-    from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.model import (add_bos_to_template, context_warning, load_model, load_model_config, load_tokenizer,
+    from open_sft.export.save import save_model, write_json
+    from open_sft.export.model_card import write_model_card
+    from open_sft.monitor.progress import ProgressBar, chain
+    from open_sft.export.hub import push_output_dir
+    from open_sft.model.lora import is_peft_model, save_lora
+    from open_sft.monitor.metrics import MetricsWriter
+    from open_sft.data.chat.templates import apply_chat_template_choice
+    from open_sft.model.load import (add_bos_to_template, context_warning, load_model, load_model_config, load_tokenizer,
                                 partition_summary)
-    from open_sft.optim import optimizer_impl
-    from open_sft.trainer import plan_schedule
+    from open_sft.training.optim import optimizer_impl
+    from open_sft.training.trainer import plan_schedule
 
     config, launch = _plan_launch(config)
     m, d, t = config.model, config.data, config.train
@@ -207,7 +209,7 @@ def run(config: FinetuneConfig) -> dict:
                         "partitioned by ZeRO-3 when training starts")
         model = load_model(m, tokenizer, config.lora)
         if t.auto_micro_batch_size:
-            from open_sft.auto_batch import fit_micro_batch
+            from open_sft.preflight.auto_batch import fit_micro_batch
 
             config = fit_micro_batch(config, model, data, launch.deepspeed_config,
                                      dtype == torch.bfloat16, baseline)
@@ -215,7 +217,7 @@ def run(config: FinetuneConfig) -> dict:
         accelerator, ds_config = _accelerator_for(config, model.config, dtype, launch.deepspeed_config)
     _check_ranks_agree_on_dtype(accelerator, dtype)
     if launch.dtype_choice.bf16_via_fp32:
-        from open_sft import bf16_matmul
+        from open_sft.model import bf16_matmul
 
         logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(model))
     schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
@@ -254,7 +256,7 @@ def run(config: FinetuneConfig) -> dict:
     wrapped = trainer.model
     uploader = None
     if config.hub.push_checkpoints and accelerator.is_main_process:
-        from open_sft.checkpoint_upload import CheckpointUploader
+        from open_sft.export.hub_checkpoints import CheckpointUploader
 
         uploader = CheckpointUploader(config.hub)
     checkpointer = checkpoint.Checkpointer(accelerator, trainer, output_dir, config.checkpoint, identity,
@@ -282,7 +284,7 @@ def run(config: FinetuneConfig) -> dict:
         else:
             save_model(trained_model, state_dict, tokenizer, output_dir, max_shard_size=config.checkpoint.max_shard_size)
         metrics.close()
-        from open_sft.report import write_run_report
+        from open_sft.monitor.report import write_run_report
 
         write_run_report(output_dir)
         write_model_card(output_dir)
@@ -300,7 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        from open_sft import distributed
+        from open_sft.distributed import setup as distributed
 
         distributed.setup_cpu_environment()
         config = parse_config(argv)

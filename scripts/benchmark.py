@@ -104,7 +104,7 @@ def run_trl(args, model: str, dtype: str) -> dict:
 
 
 def cpu_line() -> dict:
-    from open_sft.precision import cpu_flags
+    from open_sft.model.precision import cpu_flags
 
     name, flags = cpu_flags()
     return {"cpu": name, "flags": sorted(flags & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2", "bf16"})}
@@ -114,7 +114,7 @@ def add_mfu(results: list[dict]) -> None:
     """MFU of the TRL runs from the FLOPs per token open_sft measured (the same model and data)."""
     import torch
 
-    from open_sft.metrics import measure_cpu_peak
+    from open_sft.monitor.metrics import measure_cpu_peak
 
     ours = [r for r in results if r["tool"] == "open_sft" and r["mfu"] > 0]
     if not ours:

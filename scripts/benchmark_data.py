@@ -39,12 +39,12 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from open_sft.config import DataArguments
+    from open_sft.config.args import DataArguments
     from open_sft.data.formats import detect_format, to_messages, to_text
     from open_sft.data.pipeline import prepare_data
-    from open_sft.data.render import render
+    from open_sft.data.chat.render import render
     from open_sft.data.sources import parse_mixer_list, read_source
-    from open_sft.data.templates import apply_chat_template_choice
+    from open_sft.data.chat.templates import apply_chat_template_choice
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)

@@ -24,6 +24,6 @@ accelerate launch --num_processes 2 --num_machines 1 --mixed_precision no --dyna
     --lr_scheduler_type cosine --max_seq_length 256 --logging_steps 25 --seed 42
 
 echo "[demo] model written to $(cd "$WORK/output" && pwd)"
-python -m open_sft.generate "$WORK/output" \
+python -m open_sft.export.generate "$WORK/output" \
     --prompt "What is 12 plus 7?" --prompt "Reverse the word planet." --prompt "Convert 3 km to m." \
     --score_sample 100

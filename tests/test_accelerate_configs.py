@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, child_env, free_port, read_metrics
-from open_sft.cli import parse_config
+from open_sft.config.parse import parse_config
 from open_sft.errors import UserError
-from open_sft.launch_config import plan_launch
-from open_sft.precision import DtypeChoice
+from open_sft.config.launch import plan_launch
+from open_sft.model.precision import DtypeChoice
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
 # What `accelerate launch --config_file configs/accelerate/deepspeed_zero3_offload.yaml` exports.
@@ -287,7 +287,7 @@ def test_zero_section_spellings_and_bad_keys(tmp_path) -> None:
     spelling is kept, so the gather-on-save setting open_sft fills is not written twice (DeepSpeed
     then rejects the file); a key DeepSpeed does not know, or both spellings disagreeing, is an error
     naming the file."""
-    from open_sft.launch_config import load_json
+    from open_sft.config.launch import load_json
 
     def write(zero: dict):
         path = tmp_path / "ds.json"

@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from open_sft import bf16_matmul, precision
-from open_sft.config import ModelArguments
+from open_sft.model import bf16_matmul
+from open_sft.model import precision
+from open_sft.config.args import ModelArguments
 from open_sft.errors import UserError
-from open_sft.fused_ce import lm_head_loss_sum
-from open_sft.precision import choose_dtype
+from open_sft.model.fused_ce import lm_head_loss_sum
+from open_sft.model.precision import choose_dtype
 from tests.conftest import read_metrics, run_finetune
 from tests.test_e2e import common_args
 

@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from open_sft.data.byte_level import byte_table, label_byte_level
-from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import _label_by_offsets, encode_batch, label_batch, label_tokens
+from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.labels import _label_by_offsets, encode_batch, label_batch, label_tokens
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_byte_level_labels_equal_the_definition_on_random_spans(kind, plain, olm
 def _template_rows(tokenizer, template_name: str) -> list[tuple[str, list[tuple[int, int]]]]:
     from conftest import SAMPLE
     from open_sft.data.formats import to_messages
-    from open_sft.data.templates import apply_chat_template_choice
+    from open_sft.data.chat.templates import apply_chat_template_choice
 
     apply_chat_template_choice(tokenizer, template_name, None)
     markers = special_markers(tokenizer)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 import open_sft.data.workers as workers
 from conftest import ROOT, SAMPLE, child_env
-from open_sft.config import DataArguments
+from open_sft.config.args import DataArguments
 from open_sft.data import cache
 from open_sft.data.pipeline import key_inputs, prepare_data
 from open_sft.run import main
@@ -131,7 +131,7 @@ def test_interrupted_and_damaged_entries_are_rebuilt(tokenizer, data_file, tmp_p
 RACE = """
 import json, sys
 from transformers import AutoTokenizer
-from open_sft.config import DataArguments
+from open_sft.config.args import DataArguments
 from open_sft.data.pipeline import prepare_data
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 data = prepare_data(DataArguments(dataset_mixer_list=[sys.argv[2], "0.5"], dataset_local_cache_dir=sys.argv[3]), tok, 3)

@@ -240,7 +240,7 @@ def test_pruning_keeps_the_newest_complete_checkpoints(single, zero2) -> None:
 
 
 def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
-    from open_sft.checkpoint import publish, prune
+    from open_sft.training.checkpoint import publish, prune
 
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
@@ -256,7 +256,7 @@ def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
 
 
 def test_damaged_checkpoint_is_detected(tmp_path) -> None:
-    from open_sft.checkpoint import newest_complete, publish
+    from open_sft.training.checkpoint import newest_complete, publish
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):
@@ -302,7 +302,7 @@ def test_sigterm_saves_a_checkpoint_and_all_ranks_stop_at_the_same_step(zero2) -
 
 
 def test_sigterm_single_process_exit_code(single) -> None:
-    from open_sft.preemption import PREEMPTED_EXIT_CODE
+    from open_sft.training.preemption import PREEMPTED_EXIT_CODE
 
     term = single["term"]
     assert term["code"] == PREEMPTED_EXIT_CODE
@@ -330,7 +330,7 @@ def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) 
 
 
 def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
-    from open_sft.checkpoint import resolve_resume
+    from open_sft.training.checkpoint import resolve_resume
 
     (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
     assert resolve_resume("none", tmp_path, {}, is_main=True) is None
@@ -415,7 +415,7 @@ def test_failed_push_exits_nonzero_with_retry_command_and_keeps_the_export(zero3
     assert final.returncode != 0
     assert zero3["final_seconds"] < 300  # no rank hung
     assert zero3["create_attempts"] == 3  # OPEN_SFT_HUB_RETRIES
-    assert f"python -m open_sft.push {out} --hub_model_id org/zero3 --hub_revision main --hub_private" in final.stderr
+    assert f"python -m open_sft.export.hub {out} --hub_model_id org/zero3 --hub_revision main --hub_private" in final.stderr
     assert "The local export in" in final.stderr
     assert load_weights(out) and (out / "README.md").is_file() and (out / "config.json").is_file()
 
@@ -423,7 +423,7 @@ def test_failed_push_exits_nonzero_with_retry_command_and_keeps_the_export(zero3
 def test_retry_policy() -> None:
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError
-    from open_sft.push import is_transient, with_retries
+    from open_sft.export.hub import is_transient, with_retries
 
     def http_error(status: int) -> HfHubHTTPError:
         response = httpx2.Response(status, request=httpx2.Request("POST", "http://127.0.0.1/x"))

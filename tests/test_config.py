@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from open_sft.cli import parse_config
+from open_sft.config.parse import parse_config
 from open_sft.errors import ConfigError, UserError
 
 BASE = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]

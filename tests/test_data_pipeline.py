@@ -8,12 +8,12 @@ from collections import Counter
 import pytest
 from transformers import AutoTokenizer
 
-from open_sft.config import DataArguments
+from open_sft.config.args import DataArguments
 from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.pipeline import build_examples, prepare_data
 from open_sft.data.sources import SourceSpec, parse_mixer_list
-from open_sft.data.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
-from open_sft.data.tokenize import trained_token_runs
+from open_sft.data.chat.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
+from open_sft.data.labels import trained_token_runs
 from open_sft.errors import UserError
 
 CONVERSATIONS = {
@@ -268,7 +268,7 @@ def test_usable_cpus_respect_a_cgroup_quota(cpu_max, cap, tmp_path, monkeypatch)
     """A container's CPU quota (cgroup v2 cpu.max, rounded up) caps the CPUs the affinity shows."""
     import os
 
-    from open_sft import distributed
+    from open_sft.distributed import setup as distributed
 
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
@@ -289,7 +289,8 @@ def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, m
     are numbered and drawn from the valid ones) and rows whose prompt fills the window. One process and
     two give the same too (in one, the rows are encoded 300 at a time, overlapped with the labelling)."""
     from conftest import SAMPLE
-    from open_sft.data import pipeline, workers as worker_pool
+    from open_sft.data import pipeline
+    from open_sft.data import workers as worker_pool
 
     monkeypatch.setattr(worker_pool, "_IN_PROCESS_CHUNK", 300)
 
@@ -353,7 +354,8 @@ def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monke
     """With two workers the parent splits the file into lines and parses only the first (for the format):
     every other row is parsed in the worker processes (whose calls the parent does not see)."""
     from conftest import SAMPLE
-    from open_sft.data import pipeline, sources
+    from open_sft.data import pipeline
+    from open_sft.data import sources
 
     calls = []
     original = sources.parse_json_line
@@ -368,7 +370,7 @@ def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monke
 def test_direct_renderer_equals_apply_chat_template(tokenizer, template) -> None:
     """The fast path renders with the compiled template; it must agree with the public API."""
     from conftest import SAMPLE
-    from open_sft.data.tokenize import render
+    from open_sft.data.labels import render
 
     apply_chat_template_choice(tokenizer, template, None)
     rows = [json.loads(line)["messages"] for line in SAMPLE.read_text().splitlines()[:100]]

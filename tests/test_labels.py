@@ -8,8 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from open_sft.data.formats import RowError
-from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import (IGNORE_INDEX, Example, count_trained, label_and_check, label_tokens,
+from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.labels import (IGNORE_INDEX, Example, count_trained, label_and_check, label_tokens,
                                    tokenize_conversations, trained_token_runs, truncate_example)
 
 ROWS = [
@@ -151,7 +151,7 @@ def test_boundary_labels_equal_the_definition_on_random_spans(tokenizer, kind) -
     `label_tokens` says."""
     import random
 
-    from open_sft.data.tokenize import label_batch
+    from open_sft.data.labels import label_batch
 
     if kind == "wordpiece":
         tokenizer = _wordpiece_tokenizer()
@@ -201,9 +201,9 @@ def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -
     contents (llama3 trims them), braces, NULs and markers in contents, an answer repeated in the prompt,
     and a template that reads the contents (such rows take the prefix path)."""
     from conftest import SAMPLE
-    from open_sft.data import render as render_module
+    from open_sft.data.chat import render as render_module
     from open_sft.data.formats import to_messages
-    from open_sft.data.templates import apply_chat_template_choice
+    from open_sft.data.chat.templates import apply_chat_template_choice
 
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
     if template == "reading":

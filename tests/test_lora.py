@@ -10,12 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE, read_metrics, run_finetune
-from open_sft.cli import parse_config
-from open_sft.config import LoraArguments
+from open_sft.config.parse import parse_config
+from open_sft.config.args import LoraArguments
 from open_sft.errors import ConfigError, UserError
-from open_sft.loss import TokenLossModel
-from open_sft.model import load_model
-from open_sft.optim import build_optimizer
+from open_sft.model.loss import TokenLossModel
+from open_sft.model.load import load_model
+from open_sft.training.optim import build_optimizer
 from test_model_options import make_batch, model_args
 
 RANK, ALPHA = 8, 16
@@ -111,7 +111,7 @@ def test_lora_output_layout_and_frozen_base(lora_runs, tiny_model_dir, name) -> 
     for required in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "generation_config.json",
                      "merged/config.json", "merged/model.safetensors", "merged/tokenizer.json"):
         assert (out / required).exists(), required
-    assert not (out / "config.json").exists()  # see open_sft/lora.py: it would make loaders apply the adapter twice
+    assert not (out / "config.json").exists()  # see open_sft/model/lora.py: it would make loaders apply the adapter twice
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (RANK, ALPHA, str(tiny_model_dir))
     adapter = load_file(out / "adapter_model.safetensors")
@@ -196,7 +196,7 @@ def test_qlora_merge_dequantizes_to_bf16(qlora_run, tiny_model_dir) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from open_sft.lora import quantization_config
+    from open_sft.model.lora import quantization_config
 
     quantized = AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, quantization_config=quantization_config(LoraArguments(use_qlora=True)),
@@ -240,8 +240,8 @@ def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
 
 
 def test_offline_merge_cli_equals_merge_on_save(lora_runs, tmp_path) -> None:
-    """`python -m open_sft.lora merge` (what scripts/merge_lora.sh runs) gives the merge the run wrote."""
-    from open_sft.lora import main as lora_main
+    """`python -m open_sft.model.lora merge` (what scripts/merge_lora.sh runs) gives the merge the run wrote."""
+    from open_sft.model.lora import main as lora_main
 
     out = lora_runs["single"]
     assert lora_main(["merge", str(out), str(tmp_path / "m"), "--dtype", "float32"]) == 0

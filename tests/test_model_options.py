@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from open_sft.config import ModelArguments
+from open_sft.config.args import ModelArguments
 from open_sft.errors import UserError
-from open_sft.loss import TokenLossModel
-from open_sft.model import load_model, load_tokenizer
+from open_sft.model.loss import TokenLossModel
+from open_sft.model.load import load_model, load_tokenizer
 
 
 def model_args(model_dir, **overrides) -> ModelArguments:
@@ -137,7 +137,7 @@ def test_vocabulary_expansion(tiny_model_dir, tmp_path, flag) -> None:
 def test_examples_longer_than_the_models_positions_warn() -> None:
     from types import SimpleNamespace
 
-    from open_sft.model import context_warning
+    from open_sft.model.load import context_warning
 
     config = SimpleNamespace(max_position_embeddings=2048)
     assert context_warning(config, 2048) is None and context_warning(SimpleNamespace(), 10**6) is None

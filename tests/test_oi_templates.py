@@ -11,7 +11,7 @@ from jinja2 import TemplateError
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from oi_conversations import CONVERSATIONS, ROLES_WRITTEN
-from open_sft.data.oi_templates import OPEN_INSTRUCT_TEMPLATES
+from open_sft.data.chat.oi_templates import OPEN_INSTRUCT_TEMPLATES
 
 EXPECTED = json.loads((Path(__file__).parent / "data" / "open_instruct_renderings.json").read_text())["renderings"]
 CASES = [(name, case) for name in sorted(OPEN_INSTRUCT_TEMPLATES) for case in sorted(CONVERSATIONS)]
@@ -64,10 +64,10 @@ def test_trained_tokens_are_what_each_assistant_turn_writes(tiny_model_dir, tmp_
     thinking) still train exactly each assistant turn and its end of turn, and nothing of the prompts."""
     from transformers import AutoTokenizer
 
-    from open_sft.config import DataArguments
+    from open_sft.config.args import DataArguments
     from open_sft.data.pipeline import build_examples
-    from open_sft.data.templates import apply_chat_template_choice
-    from open_sft.data.tokenize import trained_token_runs
+    from open_sft.data.chat.templates import apply_chat_template_choice
+    from open_sft.data.labels import trained_token_runs
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     apply_chat_template_choice(tokenizer, name, None)

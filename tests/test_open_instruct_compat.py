@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import FINETUNE, ROOT, SAMPLE, child_env, read_metrics
-from open_sft.cli import parse_config
+from open_sft.config.parse import parse_config
 from open_sft.errors import ConfigError, UserError
 
 FLAT_ARGUMENTS = (
@@ -179,7 +179,7 @@ def test_yaml_values_are_read_as_the_flags_types(tmp_path) -> None:
 
 
 def test_schedules_of_open_instruct() -> None:
-    from open_sft.optim import lr_multiplier, schedule_floor
+    from open_sft.training.optim import lr_multiplier, schedule_floor
 
     total, warmup = 100, 10
     for step in range(total):  # one cycle of "cosine_with_restarts" is cosine, as open-instruct runs it

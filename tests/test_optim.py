@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from open_sft.optim import (build_optimizer, fused_adamw_supported, lr_multiplier, optimizer_impl, param_groups,
+from open_sft.training.optim import (build_optimizer, fused_adamw_supported, lr_multiplier, optimizer_impl, param_groups,
                              warmup_steps_for)
 
 

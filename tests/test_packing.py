@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from open_sft.data.batching import BatchLayout, PackedPlan, best_fit_decreasing, collate, collate_packed
-from open_sft.data.tokenize import IGNORE_INDEX, Example
-from open_sft.loss import TokenLossModel
+from open_sft.data.labels import IGNORE_INDEX, Example
+from open_sft.model.loss import TokenLossModel
 
 
 def random_examples(n: int, vocab: int, seed: int = 0) -> list[Example]:

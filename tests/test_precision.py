@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from open_sft import precision
-from open_sft.config import ModelArguments
-from open_sft.precision import choose_dtype
+from open_sft.model import precision
+from open_sft.config.args import ModelArguments
+from open_sft.model.precision import choose_dtype
 
 
 @pytest.fixture(autouse=True)
@@ -58,7 +58,7 @@ def test_no_native_bf16_means_fp32_without_a_probe(monkeypatch) -> None:
 def test_explicit_flags_win_and_slow_bf16_warns_once(monkeypatch, caplog) -> None:
     on_cpu(monkeypatch, {"avx2"})
     assert choose_dtype(args("float32"), measure=fake_measure(1000.0, 1.0)).dtype == torch.float32
-    with caplog.at_level(logging.WARNING, logger="open_sft.precision"):
+    with caplog.at_level(logging.WARNING, logger="open_sft.model.precision"):
         choice = choose_dtype(args("bfloat16"), measure=fake_measure(bf16=20.0, fp32=100.0))
     assert choice.dtype == torch.bfloat16
     warnings = [r.getMessage() for r in caplog.records]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import SAMPLE, read_metrics, run_finetune
-from open_sft.preflight import (
+from open_sft.preflight.estimate import (
     GIB,
     ModelShape,
     RunShape,
@@ -95,7 +95,7 @@ def test_dry_run_and_real_run_print_a_time_estimate(mid_model_dir, text_file, tm
 def test_time_probe_scales_the_probe_steps_by_token_positions() -> None:
     """Steps whose time is proportional to the token positions they compute are estimated exactly from
     the probe steps (after the warm-up one), whatever the other steps' sizes."""
-    from open_sft.preflight import TimeProbe
+    from open_sft.preflight.estimate import TimeProbe
 
     slots = [900, 400, 800, 1200, 300, 2000, 1000, 600]
     probe = TimeProbe(total_steps=len(slots), step_slots=slots)
@@ -110,7 +110,7 @@ def test_time_probe_scales_the_probe_steps_by_token_positions() -> None:
 def test_step_timer_estimate_is_warmup_plus_probed_rate(monkeypatch) -> None:
     """StepTimer on a clock it is given: the estimate logged after the probe steps is the warm-up step's
     time plus the probed rate × the remaining token positions; a resumed launch starts from its step."""
-    from open_sft import preflight
+    from open_sft.preflight import estimate as preflight
 
     slots = [100, 100, 200, 300, 100, 400]
     durations = iter([3.0, 0.1, 0.2, 0.3, 0.1, 0.4])  # a warm-up step, then 1 ms per position

@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import ROOT, child_env
 from test_checkpoint import TOKEN, complete_steps, finetune_args, hub, run_layout  # noqa: F401 (hub: fixture)
 
-from open_sft.checkpoint import prune
+from open_sft.training.checkpoint import prune
 
 REPO = "org/ckpts"
 
@@ -64,7 +64,7 @@ def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
 UPLOAD_FAILS = """
 import logging, sys, types
 from pathlib import Path
-from open_sft.checkpoint_upload import CheckpointUploader
+from open_sft.export.hub_checkpoints import CheckpointUploader
 logging.basicConfig(level=logging.INFO, stream=sys.stdout)
 uploader = CheckpointUploader(types.SimpleNamespace(hub_model_id="org/fails", hub_revision="ckpts", hub_private=True,
                                                     hub_token=None))
@@ -89,7 +89,7 @@ def test_failed_checkpoint_upload_warns_with_a_retry_command_that_works(tmp_path
         hub.always.clear()
     log = failed.stdout + failed.stderr
     assert failed.returncode == 0 and "failed: ['step_3']" in failed.stdout, log[-3000:]
-    command = f"python -m open_sft.push {checkpoint} --hub_model_id org/fails --hub_revision ckpts --hub_private"
+    command = f"python -m open_sft.export.hub {checkpoint} --hub_model_id org/fails --hub_revision ckpts --hub_private"
     assert "upload of checkpoint" in log and command in log and TOKEN not in log
     retried = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=60)

@@ -11,11 +11,11 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from open_sft.config import DataArguments
+from open_sft.config.args import DataArguments
 from open_sft.data.formats import Conversation, RowError
 from open_sft.data.pipeline import build_examples
-from open_sft.data.render import special_markers, trained_spans
-from open_sft.data.tokenize import IGNORE_INDEX, label_and_check, trained_token_runs
+from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.labels import IGNORE_INDEX, label_and_check, trained_token_runs
 from open_sft.errors import UserError
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
@@ -103,7 +103,7 @@ def test_eos_written_only_after_the_final_turn(tokenizer) -> None:
 def test_a_conversation_may_open_with_the_assistant(tokenizer, template, monkeypatch) -> None:
     """An assistant turn with nothing before it (a greeting) is located without rendering an empty
     conversation, which apply_chat_template refuses; also with the public renderer."""
-    from open_sft.data import render as render_module
+    from open_sft.data.chat import render as render_module
 
     if template != "embedded":
         tokenizer.chat_template = THINK_LAST if template == "think_last" else EOS_AT_THE_END

@@ -12,7 +12,7 @@ import pytest
 
 from open_sft.data import token_rows
 from open_sft.data.token_rows import IGNORE_INDEX, TokenRows, fit_rows
-from open_sft.data.tokenize import Example, count_trained, truncate_example
+from open_sft.data.labels import Example, count_trained, truncate_example
 
 
 def random_rows(seed: int, count: int = 300) -> list[Example]:

@@ -19,8 +19,8 @@ from PIL import Image
 
 from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
 from open_sft.errors import UserError
-from open_sft.report import summarize, write_report
-from open_sft.tracking import REDACTED, build_trackers, redact_secrets, scalars_of, trackers_for
+from open_sft.monitor.report import summarize, write_report
+from open_sft.monitor.tracking import REDACTED, build_trackers, redact_secrets, scalars_of, trackers_for
 
 STEPS = 6
 SECRET = "hf_TESTSECRETdoNotLog0123456789"
@@ -139,13 +139,13 @@ def test_report_cli_regenerates(tracked_run, tmp_path) -> None:
     copy = tmp_path / "run"
     copy.mkdir()
     (copy / "metrics.jsonl").write_bytes((tracked_run / "metrics.jsonl").read_bytes())
-    result = subprocess.run([sys.executable, "-m", "open_sft.report", str(copy)], cwd=ROOT, env=child_env(),
+    result = subprocess.run([sys.executable, "-m", "open_sft.monitor.report", str(copy)], cwd=ROOT, env=child_env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads((copy / "report" / "summary.json").read_text()) == \
         json.loads((tracked_run / "report" / "summary.json").read_text())
     _assert_png(copy / "report" / "loss.png")
-    missing = subprocess.run([sys.executable, "-m", "open_sft.report", str(tmp_path / "nowhere")], cwd=ROOT,
+    missing = subprocess.run([sys.executable, "-m", "open_sft.monitor.report", str(tmp_path / "nowhere")], cwd=ROOT,
                              env=child_env(), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "metrics.jsonl not found" in missing.stderr
 

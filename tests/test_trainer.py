@@ -14,14 +14,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
-from open_sft import distributed
-from open_sft.config import DataArguments, TrainingArguments
+from open_sft.distributed import setup as distributed
+from open_sft.config.args import DataArguments, TrainingArguments
 from open_sft.data.pipeline import prepare_data
-from open_sft.evaluate import evaluate
-from open_sft.loss import TokenLossModel
-from open_sft.metrics import FlopCounter
-from open_sft.optim import build_optimizer
-from open_sft.trainer import NonFiniteError, Trainer, deepspeed_nonfinite_problems, plan_schedule
+from open_sft.training.evaluate import evaluate
+from open_sft.model.loss import TokenLossModel
+from open_sft.monitor.metrics import FlopCounter
+from open_sft.training.optim import build_optimizer
+from open_sft.training.trainer import NonFiniteError, Trainer, deepspeed_nonfinite_problems, plan_schedule
 
 
 class Poisoned(TokenLossModel):
@@ -110,7 +110,8 @@ def test_eval_loss_is_token_weighted(setup, tiny_model_dir) -> None:
 # finetune.py with a NaN loss on rank 1's forward calls listed in POISON_CALLS (0-based).
 POISONED_FINETUNE = """
 import os, sys
-from open_sft import loss, run
+from open_sft.model import loss
+from open_sft import run
 poison = {int(c) for c in os.environ["POISON_CALLS"].split(",")} if os.environ["RANK"] == "1" else set()
 forward, calls = loss.TokenLossModel.forward, [0]
 def poisoned(self, **batch):

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from open_sft.data.tokenize import IGNORE_INDEX, Example
+from open_sft.data.labels import IGNORE_INDEX, Example
 
 
 @dataclass(frozen=True)

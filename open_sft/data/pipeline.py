@@ -21,16 +21,16 @@ from typing import Any, Callable, Optional
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from open_sft.config import DataArguments
+from open_sft.config.args import DataArguments
 from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
 from open_sft.data.mixer import select_by_tokens, select_indices
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
-from open_sft.data.templates import BUILTIN_TEMPLATES
+from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
 from open_sft.data.token_rows import TokenRows, fit_rows
-from open_sft.data.tokenize import Example
+from open_sft.data.labels import Example
 from open_sft.data.workers import Labelled, Numbered, label_rows
 from open_sft.errors import UserError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from open_sft.data.tokenize import IGNORE_INDEX
+from open_sft.data.labels import IGNORE_INDEX
 
 BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
 

@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from open_sft.data.templates import EMBEDDED
+from open_sft.data.chat.templates import EMBEDDED
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,310 @@
+"""Typed run configuration: one dataclass per concern, each field documented once in its `help`
+metadata (shown by `--help`). open_sft.config.parse parses flags and run YAMLs into it and open_sft.config.checks
+validates it. Flag names follow allenai/open-instruct `finetune.py` so existing command lines keep
+working (its flags that are not ours: open_sft.config.open_instruct).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+def _aliased(alias: str, text: str, **kwargs: Any) -> Any:
+    """A field with a second flag name (open-instruct's), parsed into the same field."""
+    return field(metadata={"help": text, "aliases": [alias]}, **kwargs)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: Optional[str] = _help(
+        "Local model directory or Hub id of the model to fine-tune.", default=None
+    )
+    tokenizer_name_or_path: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer directory or Hub id; defaults to --model_name_or_path.",
+                                "aliases": ["--tokenizer_name"]})
+    tokenizer_revision: Optional[str] = _help("Hub revision of the tokenizer; defaults to --model_revision.",
+                                              default=None)
+    config_name: Optional[str] = _help(
+        "Model config directory or Hub id, if not the same as --model_name_or_path.", default=None
+    )
+    model_revision: Optional[str] = _help("Hub revision (branch, tag or commit) of the model.", default=None)
+    trust_remote_code: bool = _help("Allow custom modelling code from the model repository.", default=False)
+    additional_model_arguments: Optional[str] = _help(
+        "Model config overrides: a JSON object (or YAML mapping), e.g. '{\"rope_theta\": 500000}'.", default=None)
+    torch_dtype: str = _help(
+        "Compute dtype: auto (bf16 where supported), bfloat16 or float32. Parameters and optimizer "
+        "states stay in fp32 (bf16 runs use autocast, or DeepSpeed's bf16 mode with fp32 master weights).",
+        default="auto",
+    )
+    attn_implementation: str = _help(
+        "Attention kernel: auto (flash_attention_2 on CUDA when installed, else sdpa), sdpa, eager, "
+        "flash_attention_2.",
+        default="auto",
+    )
+    gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
+    use_liger_kernel: bool = _help("Use Liger kernels (needs CUDA and Triton).", default=False)
+    neftune_noise_alpha: Optional[float] = _help(
+        "NEFTune: add uniform noise of scale alpha/sqrt(seq_len*hidden) to the input embeddings during "
+        "training (never in eval or generation). Typical values 5-15.", default=None
+    )
+    add_tokens: Optional[str] = _help(
+        "A text file of new tokens, one per line, added to the tokenizer; embeddings grow to a multiple of "
+        "64 rows and new rows start at the mean embedding.", default=None
+    )
+    add_special_tokens: Optional[str] = _help(
+        "Like --add_tokens, but the tokens are added as special tokens (never split, skipped when decoding "
+        "with skip_special_tokens).", default=None
+    )
+
+
+@dataclass
+class LoraArguments:
+    use_lora: bool = _help("Train LoRA adapters (peft) instead of the full model; saves the adapter.", default=False)
+    use_qlora: bool = _help(
+        "QLoRA: LoRA on a base model quantized to 4-bit NF4 with double quantization (bitsandbytes), "
+        "bf16 compute. Single process or DDP; not with DeepSpeed.", default=False
+    )
+    lora_rank: int = _help("LoRA rank r.", default=64)
+    lora_alpha: float = _help("LoRA alpha; the adapter update is scaled by alpha / rank.", default=16)
+    lora_dropout: float = _help("Dropout on the LoRA input during training.", default=0.1)
+    lora_target_modules: list[str] = _help(
+        "Module names to adapt (e.g. q_proj v_proj), or all-linear: every linear layer but the LM head.",
+        default_factory=lambda: ["all-linear"],
+    )
+    merge_lora_on_save: bool = _help(
+        "Also write the merged full model (base + adapter; QLoRA bases dequantized to bf16) next to the adapter.",
+        default=False,
+    )
+
+
+@dataclass
+class DataArguments:
+    dataset_mixer_list: list[str] = _help(
+        "Pairs NAME AMOUNT: NAME a local .jsonl/.json/.parquet file or a dataset id; AMOUNT with a '.' "
+        "is a fraction of that source (may exceed 1.0 to upsample), without a '.' a row count.",
+        default_factory=list,
+    )
+    dataset_mixer_list_splits: list[str] = _help(
+        "Split(s) to read from dataset ids: one for all sources or one per source.",
+        default_factory=lambda: ["train"],
+    )
+    dataset_mixer_unit: str = _help(
+        "What AMOUNTs count: rows, or tokens (a fraction is then a share of the source's tokens, "
+        "a count a number of tokens).", default="rows"
+    )
+    dataset_format: str = _help(
+        "Row format of every source: auto (detected per source from its columns), messages, alpaca, "
+        "sharegpt, text (raw documents for continual pretraining, spliced into --max_seq_length blocks).",
+        default="auto",
+    )
+    chat_template_name: Optional[str] = _aliased("--chat_template",
+        "Built-in chat template: every name of open-instruct's (tulu, olmo, zephyr, simple_chat, "
+        "olmo_thinker, r1_simple_chat, ..., rendering what open-instruct's does), chatml, llama3. "
+        "Default: the tokenizer's own.",
+        default=None,
+    )
+    chat_template_path: Optional[str] = _help("A Jinja chat template file (overrides --chat_template_name).",
+                                              default=None)
+    add_bos: bool = _help(
+        "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
+        "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token).", default=False)
+    sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
+                                  default="messages")
+    on_bad_row: str = _help(
+        "A row that fails validation: 'error' stops with its file, line and problem; 'drop' skips it "
+        "and counts the reason in the data report.", default="error"
+    )
+    eval_dataset_mixer_list: list[str] = _help(
+        "Evaluation sources, NAME AMOUNT pairs like --dataset_mixer_list (same formats and template).",
+        default_factory=list,
+    )
+    eval_split_ratio: float = _help(
+        "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
+    )
+    preprocessing_num_workers: Optional[int] = _help(
+        "Processes that render, tokenize and check rows while building the tokenization cache: 1 = in "
+        "process (the tokenizer encodes on its own threads while Python renders and labels), N = N worker "
+        "processes; unset = one per usable core.",
+        default=None,
+    )
+    max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)
+    truncation: str = _help(
+        "Examples longer than --max_seq_length: 'truncate' cuts them, 'drop' removes them.", default="truncate"
+    )
+    train_on: str = _help(
+        "Which tokens get a loss: all_assistant (every assistant turn), last_assistant, all.",
+        default="all_assistant",
+    )
+    dataset_local_cache_dir: str = _help(
+        "Directory of the tokenization cache (OPEN_SFT_CACHE overrides it).", default="local_dataset_cache"
+    )
+    dataset_skip_cache: bool = _help("Tokenize without reading or writing the cache.", default=False)
+    cache_dataset_only: bool = _help(
+        "Build the tokenization cache, print its path on the last line, and exit without training.", default=False
+    )
+
+
+@dataclass
+class TrainingArguments:
+    output_dir: str = _help("Where the model, metrics.jsonl and run.json are written.", default="output/")
+    exp_name: Optional[str] = _help(
+        "Name of the run: the W&B run name and, with --push_to_hub, the default --hub_revision. The output "
+        "directory stays --output_dir (open-instruct appends the name to it; open_sft does not).", default=None)
+    per_device_train_batch_size: int = _help("Examples per micro-batch on each process.", default=8)
+    gradient_accumulation_steps: int = _help("Micro-batches per optimizer step on each process.", default=1)
+    learning_rate: float = _help("Peak learning rate.", default=2e-5)
+    lr_scheduler_type: str = _help(
+        "Learning-rate schedule: linear, cosine, cosine_with_restarts (one cycle: = cosine, as in open-instruct), "
+        "polynomial (power 1 to 1e-7, as transformers'), constant, constant_with_warmup, wsd (warmup-stable-decay).",
+        default="linear")
+    final_lr_ratio: Optional[float] = _help(
+        "linear: decay to this fraction of the peak learning rate at the last step instead of to ~0.", default=None)
+    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly.", default=0.03)
+    warmup_steps: Optional[int] = _help("Warmup steps; overrides --warmup_ratio.", default=None)
+    wsd_decay_ratio: float = _help("wsd: fraction of the steps, at the end, over which the LR decays to 0.",
+                                   default=0.1)
+    weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", default=0.0)
+    use_8bit_optimizer: bool = _help("bitsandbytes 8-bit AdamW (runs on CPU too); not with DeepSpeed.", default=False)
+    fused_optimizer: bool = _help("Use the fused AdamW kernel where this torch build has it (else foreach).",
+                                  default=True)
+    num_train_epochs: int = _help("Passes over the training data (ignored when --max_train_steps is set).", default=2)
+    max_train_steps: Optional[int] = _help("Total optimizer steps; overrides --num_train_epochs.", default=None)
+    max_nonfinite_steps: int = _help(
+        "Abort after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped).",
+        default=3,
+    )
+    packing: bool = _help(
+        "Pack examples into micro-batches of at most --max_tokens_per_batch tokens (best-fit-decreasing), "
+        "positions restarting per example and no attention across examples; removes padding.", default=False
+    )
+    max_tokens_per_batch: Optional[int] = _help(
+        "Token budget of a packed micro-batch; default per_device_train_batch_size × max_seq_length.", default=None
+    )
+    clip_grad_norm: float = _help("Clip the global gradient norm to this value; -1 disables.", default=1.0)
+    loss_normalization: str = _help(
+        "token: sum of token losses over the global batch / its trained tokens (invariant to batch "
+        "layout). mean: mean of micro-batch means. sum: sum of token losses.",
+        default="token",
+    )
+    seed: int = _help("Seed for data order, mixing and model-side randomness.", default=42)
+    eval_steps: Optional[int] = _help("Evaluate every this many optimizer steps (and always at the end).",
+                                      default=None)
+    logging_steps: int = _help("Log (metrics.jsonl, stdout, trackers) every this many optimizer steps.", default=10)
+    report_to: list[str] = _help("Trackers used with --with_tracking: one or more of tensorboard, wandb; or all, "
+                                 "none.", default_factory=lambda: ["tensorboard"])
+    wandb_project_name: Optional[str] = _help("W&B project (default: $WANDB_PROJECT, else open_sft).", default=None)
+    wandb_entity: Optional[str] = _help("W&B entity (user or team; default: W&B's own).", default=None)
+    timeout: int = _help("Seconds a collective may wait (process-group timeout), e.g. for a long tokenization "
+                         "on rank 0.", default=1800)
+    sequence_parallel_size: int = _help("Ulysses sequence parallelism degree; only 1 (none) is supported yet.",
+                                        default=1)
+    with_tracking: bool = _help("Write tracker logs (see --report_to) in addition to metrics.jsonl.", default=False)
+    dry_run: bool = _help(
+        "Build the data, print the data report, a few examples with trained tokens marked and the preflight "
+        "(memory per rank, time from a probe of a few training steps on a throwaway copy), and exit: nothing "
+        "is written to --output_dir.", default=False
+    )
+    auto_micro_batch_size: bool = _help(
+        "Use the largest micro-batch (a divisor of per_device_train_batch_size × gradient_accumulation_steps) "
+        "whose estimated memory fits the rank, and raise the accumulation so the global batch, and so the "
+        "training math, stays the same. Not with --packing (the packing would change).", default=False
+    )
+    max_memory_per_rank_gib: Optional[float] = _help(
+        "Memory one rank may use, for the preflight warning and --auto_micro_batch_size. Default: the GPU's "
+        "memory, or on CPU the machine's RAM divided by the ranks on this node.", default=None
+    )
+
+
+@dataclass
+class CheckpointArguments:
+    checkpointing_steps: Optional[str] = _help(
+        "Save a resumable checkpoint to OUTPUT_DIR/checkpoints/step_N every N optimizer steps, or 'epoch' "
+        "at the end of each epoch. Default: only when preempted (SIGTERM, SIGINT, SIGUSR1).", default=None
+    )
+    keep_last_n_checkpoints: int = _help(
+        "Complete checkpoints kept; older ones are deleted (the newest complete one never is); -1 keeps all.",
+        default=3
+    )
+    clean_checkpoints_at_end: bool = _help(
+        "Delete OUTPUT_DIR/checkpoints after the model is exported (open-instruct's default; open_sft keeps them "
+        "unless asked).", default=False)
+    resume_from_checkpoint: str = _help(
+        "auto: resume from the newest complete checkpoint in OUTPUT_DIR/checkpoints if there is one; "
+        "a checkpoint directory; or none to start over (earlier checkpoints are moved aside).", default="auto"
+    )
+    max_shard_size: str = _help("Largest safetensors file of the exported model, e.g. 5GB or 500MB.",
+                                default="5GB")
+
+    def problems(self) -> list[str]:
+        found = []
+        steps = self.checkpointing_steps
+        if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
+            found.append(f"--checkpointing_steps {steps!r} must be a positive number of steps or 'epoch'")
+        if self.keep_last_n_checkpoints < 1 and self.keep_last_n_checkpoints != -1:
+            found.append(f"--keep_last_n_checkpoints must be at least 1, or -1 to keep all, got "
+                         f"{self.keep_last_n_checkpoints}")
+        return found
+
+
+@dataclass
+class HubArguments:
+    push_to_hub: bool = _help("Upload the exported model to the Hugging Face Hub (main process only).",
+                              default=False)
+    hub_model_id: Optional[str] = _help("Hub repository to push to, e.g. my-org/my-model.", default=None)
+    hub_revision: str = _help("Branch of the Hub repository to push to (created if missing).", default="main")
+    hub_private: bool = _help("Create the Hub repository as private.", default=True)
+    hub_token: Optional[str] = _help(
+        "Hub token (default: the HF_TOKEN environment variable). Never logged or written to disk.", default=None
+    )
+    push_checkpoints: bool = _help(
+        "With --push_to_hub: upload each complete checkpoint in the background (main process) to "
+        "checkpoints/step_N/ on the --hub_revision branch; a failed upload warns and training goes on.",
+        default=False
+    )
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.push_to_hub and not self.hub_model_id:
+            found.append("--push_to_hub needs --hub_model_id (e.g. my-org/my-model)")
+        if self.push_checkpoints and not self.push_to_hub:
+            found.append("--push_checkpoints needs --push_to_hub (and --hub_model_id)")
+        return found
+
+    def public_dict(self) -> dict[str, Any]:
+        """The arguments with the token replaced, for run.json, checkpoints, trackers and model cards."""
+        out = dataclasses.asdict(self)
+        out["hub_token"] = "<redacted>" if self.hub_token else None
+        return out
+
+
+DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
+               HubArguments)
+
+@dataclass
+class FinetuneConfig:
+    """Everything a run needs; built by `parse_config` and never mutated after validation."""
+
+    model: ModelArguments
+    data: DataArguments
+    train: TrainingArguments
+    lora: LoraArguments = field(default_factory=LoraArguments)
+    checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
+    hub: HubArguments = field(default_factory=HubArguments)
+    explicit: frozenset[str] = frozenset()
+    """The settings the user gave (flags and run-YAML keys), as opposed to defaults: a given flag wins over
+    a launch config's value, a default does not (open_sft.config.launch)."""
+    notes: tuple[str, ...] = ()
+    """One line per open-instruct flag translated or ignored (open_sft.config.open_instruct), logged once at start."""
+    warnings: tuple[str, ...] = ()
+    """Ignored open-instruct flags that change what is trained (open_sft.config.open_instruct), logged as warnings."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train), "lora": dataclasses.asdict(self.lora),
+                "checkpoint": dataclasses.asdict(self.checkpoint), "hub": self.hub.public_dict()}

@@ -1,0 +1,157 @@
+"""Up-front checks of a parsed configuration: every problem found, reported together with the flag
+named and the fix (config.py parses, this module judges)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from open_sft.errors import ConfigError
+from open_sft.monitor.tracking import REPORT_TO_CHOICES
+
+if TYPE_CHECKING:
+    from open_sft.config.args import FinetuneConfig
+
+CHOICES = {
+    "torch_dtype": ("auto", "bfloat16", "bf16", "float32", "fp32"),
+    "attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
+    "truncation": ("truncate", "drop"),
+    "dataset_mixer_unit": ("rows", "tokens"),
+    "dataset_format": ("auto", "messages", "alpaca", "sharegpt", "text"),
+    "on_bad_row": ("error", "drop"),
+    "train_on": ("all_assistant", "last_assistant", "all"),
+    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                          "constant_with_warmup", "wsd"),
+    "loss_normalization": ("token", "mean", "sum"),
+}
+
+
+def _is_local_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or os.path.exists(name)
+
+
+def validate(config: FinetuneConfig) -> None:
+    """Collect every problem in the configuration and raise them together."""
+    problems: list[str] = []
+    m, d, t = config.model, config.data, config.train
+    for section in (m, d, t):
+        for name, allowed in CHOICES.items():
+            value = getattr(section, name, None)
+            if value is not None and hasattr(section, name) and value not in allowed:
+                problems.append(f"--{name} {value!r} is not one of {', '.join(allowed)}")
+
+    if not m.model_name_or_path:
+        problems.append("--model_name_or_path is required (a local model directory or a Hub id)")
+    for flag in ("model_name_or_path", "tokenizer_name_or_path", "config_name"):
+        value = getattr(m, flag)
+        if value and _is_local_path(value) and not Path(value).expanduser().exists():
+            problems.append(f"--{flag} {value}: no such file or directory; check the path")
+
+    if not d.dataset_mixer_list:
+        problems.append("--dataset_mixer_list is required, e.g. --dataset_mixer_list data.jsonl 1.0")
+    elif len(d.dataset_mixer_list) % 2:
+        problems.append(
+            f"--dataset_mixer_list takes NAME AMOUNT pairs; got {len(d.dataset_mixer_list)} values "
+            f"({' '.join(d.dataset_mixer_list)})"
+        )
+    if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
+        problems.append(f"--preprocessing_num_workers {d.preprocessing_num_workers}: give 1 or more processes, "
+                        "or leave it unset for one per usable core")
+    n_sources = len(d.dataset_mixer_list) // 2
+    if len(d.dataset_mixer_list_splits) not in (1, n_sources):
+        problems.append(
+            f"--dataset_mixer_list_splits has {len(d.dataset_mixer_list_splits)} values; give one for all "
+            f"sources or one per source ({n_sources})"
+        )
+    if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list) % 2:
+        problems.append("--eval_dataset_mixer_list takes NAME AMOUNT pairs")
+    if not 0.0 <= d.eval_split_ratio < 1.0:
+        problems.append(f"--eval_split_ratio must be in [0, 1), got {d.eval_split_ratio}")
+    if d.eval_split_ratio and d.eval_dataset_mixer_list:
+        problems.append("give --eval_dataset_mixer_list or --eval_split_ratio, not both")
+    if d.max_seq_length < 2:
+        problems.append(f"--max_seq_length must be at least 2, got {d.max_seq_length}")
+
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps"):
+        if getattr(t, flag) < 1:
+            problems.append(f"--{flag} must be at least 1, got {getattr(t, flag)}")
+    if t.max_train_steps is not None and t.max_train_steps < 1:
+        problems.append(f"--max_train_steps must be at least 1, got {t.max_train_steps}")
+    if t.max_tokens_per_batch is not None and t.max_tokens_per_batch < d.max_seq_length:
+        problems.append(f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_seq_length "
+                        f"{d.max_seq_length}; every example must fit a micro-batch, raise it")
+    if t.auto_micro_batch_size and t.packing:
+        problems.append("--auto_micro_batch_size cannot keep the packing of --packing runs; set "
+                        "--max_tokens_per_batch (the packed micro-batch's token budget) instead")
+    if t.max_memory_per_rank_gib is not None and t.max_memory_per_rank_gib <= 0:
+        problems.append(f"--max_memory_per_rank_gib must be positive, got {t.max_memory_per_rank_gib}")
+    if t.learning_rate <= 0:
+        problems.append(f"--learning_rate must be positive, got {t.learning_rate}")
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        problems.append(f"--warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    if t.weight_decay < 0:
+        problems.append(f"--weight_decay must be non-negative, got {t.weight_decay}")
+    problems += _open_instruct_problems(config)
+    problems += _lora_and_model_problems(config)
+    problems += config.checkpoint.problems() + config.hub.problems()
+    if problems:
+        raise ConfigError(problems)
+
+
+def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
+    """The settings open_sft took over from open-instruct."""
+    t, problems = config.train, []
+    bad = [name for name in t.report_to if name not in REPORT_TO_CHOICES]
+    if bad or not t.report_to:
+        problems.append(f"--report_to {' '.join(t.report_to)}: give one or more of tensorboard, wandb, or all, none")
+    elif len(t.report_to) > 1 and {"all", "none"} & set(t.report_to):
+        problems.append(f"--report_to {' '.join(t.report_to)}: 'all' and 'none' stand alone")
+    if t.final_lr_ratio is not None:
+        if not 0.0 <= t.final_lr_ratio <= 1.0:
+            problems.append(f"--final_lr_ratio must be in [0, 1], got {t.final_lr_ratio}")
+        if t.lr_scheduler_type != "linear":
+            problems.append(f"--final_lr_ratio applies to --lr_scheduler_type linear, not {t.lr_scheduler_type} "
+                            "(as in open-instruct)")
+    if t.timeout < 1:
+        problems.append(f"--timeout must be at least 1 second, got {t.timeout}")
+    if t.sequence_parallel_size != 1:
+        problems.append(f"--sequence_parallel_size {t.sequence_parallel_size}: sequence parallelism is not available "
+                        "yet; use 1 (with --gradient_checkpointing or a shorter --max_seq_length for long examples)")
+    if t.use_8bit_optimizer and importlib.util.find_spec("bitsandbytes") is None:
+        problems.append("--use_8bit_optimizer needs bitsandbytes>=0.50 (it runs on CPU too): "
+                        "pip install 'open_sft[qlora]'")
+    if config.model.additional_model_arguments:
+        try:
+            overrides = yaml.safe_load(config.model.additional_model_arguments)
+        except yaml.YAMLError:
+            overrides = None
+        if not isinstance(overrides, dict):
+            problems.append(f"--additional_model_arguments {config.model.additional_model_arguments!r}: give a JSON "
+                            "object of model config settings, e.g. '{\"rope_theta\": 500000}'")
+    return problems
+
+
+def _lora_and_model_problems(config: FinetuneConfig) -> list[str]:
+    m, lora = config.model, config.lora
+    problems = []
+    if m.neftune_noise_alpha is not None and m.neftune_noise_alpha <= 0:
+        problems.append(f"--neftune_noise_alpha must be positive, got {m.neftune_noise_alpha}")
+    for flag in ("add_tokens", "add_special_tokens"):
+        value = getattr(m, flag)
+        if value and not Path(value).expanduser().is_file():
+            problems.append(f"--{flag} {value}: no such file; give a text file with one token per line")
+    if lora.lora_rank < 1:
+        problems.append(f"--lora_rank must be at least 1, got {lora.lora_rank}")
+    if lora.lora_alpha <= 0:
+        problems.append(f"--lora_alpha must be positive, got {lora.lora_alpha}")
+    if not 0.0 <= lora.lora_dropout < 1.0:
+        problems.append(f"--lora_dropout must be in [0, 1), got {lora.lora_dropout}")
+    if not lora.lora_target_modules:
+        problems.append("--lora_target_modules needs at least one module name, or all-linear")
+    if lora.merge_lora_on_save and not (lora.use_lora or lora.use_qlora):
+        problems.append("--merge_lora_on_save needs --use_lora or --use_qlora")
+    return problems

@@ -1,0 +1,345 @@
+"""What the launch asked for, reconciled with finetune.py's flags before anything is built.
+
+`accelerate launch` hands its settings to every worker as ACCELERATE_* environment variables, whether
+they came from an `accelerate config` YAML (`--config_file`: `distributed_type: DEEPSPEED`, a
+`deepspeed_config:` block, `mixed_precision`) or from its own flags (`--use_deepspeed --zero_stage 3
+--offload_optimizer_device cpu ...`). A DeepSpeed JSON (`--deepspeed_config_file`, also a Trainer-style
+one with `optimizer`/`scheduler` sections) may add explicit values. accelerate itself refuses to combine
+a JSON with the YAML's DeepSpeed fields and leaves "auto" to the script; open_sft reads them all here,
+builds one DeepSpeed config and decides, once, each value that more than one place can set:
+
+* a flag the user gave (command line or run YAML) wins over accelerate's config, with one line saying
+  so: `accelerate config` writes `gradient_accumulation_steps: 1` and a clipping value into every
+  DeepSpeed YAML whether or not the user thought about them, while the flag is this run's recipe;
+* an explicit value in the DeepSpeed JSON that contradicts a given flag is an error naming both: the
+  file was written for a run, so one of the two is a mistake;
+* a value the flags leave at their default is taken from the launch config (JSON, then accelerate),
+  with one line saying so; otherwise the flag's default stands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from open_sft.distributed.deepspeed import replace_trainer_sections
+from open_sft.errors import UserError
+from open_sft.model.precision import DtypeChoice
+
+# accelerate 1.15 (utils/launch.py prepare_deepspeed_cmd_env): DeepSpeed settings → worker environment.
+ENV_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
+ENV_CONFIG_FILE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+ENV_FIELDS_FROM_YAML = "ACCELERATE_CONFIG_DS_FIELDS"
+ENV_MIXED_PRECISION = "ACCELERATE_MIXED_PRECISION"
+ENV_GRADIENT_ACCUMULATION = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+ENV_GRADIENT_CLIPPING = "ACCELERATE_GRADIENT_CLIPPING"
+ENV_ZERO3_INIT = "ACCELERATE_DEEPSPEED_ZERO3_INIT"
+# accelerate setting → (its environment variable, the DeepSpeed config key it sets).
+ZERO_SETTINGS = {
+    "zero_stage": ("ACCELERATE_DEEPSPEED_ZERO_STAGE", "zero_optimization.stage"),
+    "offload_optimizer_device": ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                                 "zero_optimization.offload_optimizer.device"),
+    "offload_param_device": ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "zero_optimization.offload_param.device"),
+    "offload_optimizer_nvme_path": ("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH",
+                                    "zero_optimization.offload_optimizer.nvme_path"),
+    "offload_param_nvme_path": ("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH",
+                                "zero_optimization.offload_param.nvme_path"),
+    "zero3_save_16bit_model": ("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+                               "zero_optimization.stage3_gather_16bit_weights_on_model_save"),
+}
+# Every accelerate variable accelerate refuses beside a JSON file; cleared once their values are merged.
+_MERGED_ENV = [env for env, _ in ZERO_SETTINGS.values()] + [ENV_GRADIENT_ACCUMULATION, ENV_GRADIENT_CLIPPING]
+
+DTYPES = {"bf16": torch.bfloat16, "no": torch.float32}
+
+
+def uses_deepspeed(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(ENV_USE_DEEPSPEED, "false").lower() == "true"
+
+
+def _set_path(node: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def _get_path(node: dict, dotted: str) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(key)
+    return node
+
+
+def _setting_value(name: str, raw: str) -> Any:
+    if name == "zero_stage":
+        return int(raw)
+    if name == "zero3_save_16bit_model":
+        return raw.lower() == "true"
+    return raw.lower() if name.endswith("_device") else raw
+
+
+def load_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except OSError as exc:
+        raise UserError(f"DeepSpeed config {path}: cannot read it ({exc.strerror}); check "
+                        "--deepspeed_config_file") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"DeepSpeed config {path}: not valid JSON ({exc}); fix the file") from exc
+    if not isinstance(cfg, dict):
+        raise UserError(f"DeepSpeed config {path}: expected a JSON object, got {type(cfg).__name__}")
+    _check_zero_section(cfg, path)
+    return cfg
+
+
+def _check_zero_section(cfg: dict[str, Any], path: str) -> None:
+    """The ZeRO section checked by DeepSpeed's own schema now, so a wrong key is an error naming the file
+    (not a failure deep inside model loading), and its settings under one spelling: DeepSpeed takes the
+    ZeRO-3 ones with or without their stage3_ prefix (axolotl's configs write
+    gather_16bit_weights_on_model_save), and the settings merged and filled later use the prefixed names."""
+    zero = cfg.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from pydantic import ValidationError
+
+    for name, spec in DeepSpeedZeroConfig.model_fields.items():
+        if spec.alias and spec.alias != name and name in zero:
+            value = zero.pop(name)
+            if zero.get(spec.alias, value) != value:
+                raise UserError(f"DeepSpeed config {path}: zero_optimization sets both {name}={value!r} and "
+                                f"{spec.alias}={zero[spec.alias]!r}; keep one")
+            zero[spec.alias] = value
+    try:
+        DeepSpeedZeroConfig(**{key: value for key, value in zero.items() if value != "auto"})
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise UserError(f"DeepSpeed config {path}: zero_optimization is not valid for DeepSpeed ({problems}); "
+                        "fix the file") from None
+
+
+def _minimal_config() -> dict[str, Any]:
+    """The DeepSpeed config of a launch that gave no JSON: every value from the flags or accelerate."""
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": False}, "zero_optimization": {}}
+
+
+def deepspeed_request(env: Mapping[str, str] = os.environ) -> tuple[Optional[dict[str, Any]], Optional[str], dict]:
+    """(DeepSpeed config with accelerate's ZeRO settings merged in, its JSON path or None, the accelerate
+    settings given), or (None, None, {}) without DeepSpeed. A setting that contradicts an explicit value
+    of the JSON is an error naming both."""
+    if not uses_deepspeed(env):
+        return None, None, {}
+    path = env.get(ENV_CONFIG_FILE, "none")
+    path = None if not path or path.lower() == "none" else path
+    cfg = load_json(path) if path else _minimal_config()
+    settings = {name: _setting_value(name, env[var]) for name, (var, _) in ZERO_SETTINGS.items() if var in env}
+    if ENV_ZERO3_INIT in env:
+        settings["zero3_init_flag"] = env[ENV_ZERO3_INIT].lower() == "true"
+    for name, value in settings.items():
+        if name not in ZERO_SETTINGS or (name.endswith("nvme_path") and value == "none"):
+            continue
+        key = ZERO_SETTINGS[name][1]
+        current = _get_path(cfg, key)
+        if current in (None, "auto") or current == value:
+            if not (name.endswith("_device") and value == "none" and current is None):
+                _set_path(cfg, key, value)
+        else:
+            raise UserError(f"DeepSpeed config {path}: {key}={current!r} conflicts with accelerate's "
+                            f"{name}={value!r} (from `accelerate config` or `accelerate launch --{name}`); "
+                            "keep one of the two")
+    zero = cfg.get("zero_optimization")
+    if path is None:
+        zero.setdefault("stage", 2)  # accelerate's default for `--use_deepspeed` without --zero_stage
+        # Bucket sizes from the hidden size, as accelerate fills them for its own YAML-only configs.
+        zero["reduce_bucket_size"] = "auto"
+        if zero["stage"] == 3:
+            zero.update(stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto")
+    if not isinstance(zero, dict) or "stage" not in zero:
+        raise UserError(f"DeepSpeed config {path}: needs a zero_optimization section with a stage "
+                        "(e.g. {\"zero_optimization\": {\"stage\": 2}})")
+    if _get_path(cfg, "zero_optimization.offload_optimizer.device") not in (None, "none"):
+        # Our torch AdamW steps the offloaded fp32 partitions; DeepSpeed would otherwise insist on its own.
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    return cfg, path, settings
+
+
+@dataclass
+class LaunchPlan:
+    """The decisions: flags as resolved, the compute dtype, the DeepSpeed config still holding "auto"
+    where the flags fill it, and one line per decision that was not the plain flag."""
+
+    train: Any
+    dtype: torch.dtype
+    deepspeed_config: Optional[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
+    record: dict[str, Any] = field(default_factory=dict)
+    dtype_choice: Optional[DtypeChoice] = None
+    zero3_init: bool = False  # load the model partitioned, under deepspeed.zero.Init (ZeRO-3)
+
+
+class _Decider:
+    """Picks each value from (given flag, DeepSpeed JSON, accelerate's config, flag default)."""
+
+    def __init__(self, explicit: frozenset[str], path: Optional[str]):
+        self.explicit, self.path, self.notes = explicit, path, []
+
+    def pick(self, flag: str, flag_value: Any, json_key: Optional[str], json_value: Any,
+             accelerate_name: Optional[str], accelerate_value: Any) -> Any:
+        json_value = None if json_value == "auto" else json_value
+        if json_value is not None and accelerate_value is not None and json_value != accelerate_value:
+            raise UserError(f"DeepSpeed config {self.path}: {json_key}={json_value!r} conflicts with accelerate's "
+                            f"{accelerate_name}={accelerate_value!r}; keep one of the two")
+        given = flag in self.explicit
+        if json_value is not None and json_value != flag_value:
+            if given:
+                raise UserError(f"DeepSpeed config {self.path}: {json_key}={json_value!r} conflicts with "
+                                f"--{flag} {flag_value}; set it to \"auto\" in the file or drop the flag")
+            self.notes.append(f"{flag} = {json_value} from {json_key} in {self.path} (no --{flag} given)")
+            return json_value
+        if accelerate_value is not None and accelerate_value != flag_value:
+            if given:
+                self.notes.append(f"--{flag} {flag_value} wins over accelerate's {accelerate_name}="
+                                  f"{accelerate_value} (the flag is this run's recipe; the accelerate config "
+                                  "only sets up the machine)")
+                return flag_value
+            self.notes.append(f"{flag} = {accelerate_value} from accelerate's {accelerate_name} "
+                              f"(no --{flag} given)")
+            return accelerate_value
+        return flag_value
+
+
+def _bf16_in_json(cfg: Optional[dict], path: Optional[str]) -> Optional[bool]:
+    if not cfg:
+        return None
+    fp16 = cfg.get("fp16", {})
+    if isinstance(fp16, dict) and str(fp16.get("enabled", False)).lower() == "true":
+        raise UserError(f"DeepSpeed config {path}: fp16.enabled=true is not supported (open_sft trains in bf16 or "
+                        "fp32); set it to false or \"auto\" and choose --torch_dtype bfloat16 or float32")
+    enabled = cfg.get("bf16", {}).get("enabled", "auto") if isinstance(cfg.get("bf16"), dict) else "auto"
+    return None if str(enabled).lower() == "auto" else str(enabled).lower() == "true"
+
+
+def _dtype(torch_dtype: str, decider: _Decider, json_bf16: Optional[bool], env: Mapping[str, str],
+           choose: Callable[[], DtypeChoice]) -> DtypeChoice:
+    """The compute dtype and why: --torch_dtype when given, else the launch config's precision, else auto."""
+    mixed = env.get(ENV_MIXED_PRECISION, "no").lower()
+    from_yaml = "mixed_precision" in env.get(ENV_FIELDS_FROM_YAML, "").split(",")
+    # 'no' is also accelerate's default when nothing was said: only a YAML's 'no' is a request for fp32.
+    accelerate = None if mixed == "no" and not from_yaml else mixed
+    if accelerate not in (None, "bf16", "no") and torch_dtype == "auto":
+        raise UserError(f"accelerate's mixed_precision={mixed} is not supported with --torch_dtype auto "
+                        "(open_sft trains in bf16 or fp32); set mixed_precision to bf16 or no, or pass "
+                        "--torch_dtype bfloat16 or float32")
+    if torch_dtype != "auto":
+        dtype = torch.bfloat16 if torch_dtype in ("bfloat16", "bf16") else torch.float32
+        if json_bf16 is not None and json_bf16 != (dtype == torch.bfloat16):
+            raise UserError(f"DeepSpeed config {decider.path}: bf16.enabled={json_bf16} conflicts with "
+                            f"--torch_dtype {torch_dtype}; set it to \"auto\" in the file or drop the flag")
+        if accelerate is not None and DTYPES.get(accelerate) != dtype:
+            decider.notes.append(f"--torch_dtype {torch_dtype} wins over accelerate's mixed_precision={mixed} "
+                                 "(the flag is this run's recipe)")
+        return choose()
+    if json_bf16 is not None:
+        if accelerate is not None and DTYPES[accelerate] != (torch.bfloat16 if json_bf16 else torch.float32):
+            raise UserError(f"DeepSpeed config {decider.path}: bf16.enabled={json_bf16} conflicts with accelerate's "
+                            f"mixed_precision={mixed}; keep one of the two")
+        return DtypeChoice(torch.bfloat16 if json_bf16 else torch.float32,
+                           f"bf16.enabled={json_bf16} in {decider.path} (--torch_dtype auto follows the launch config)")
+    if accelerate is not None:
+        return DtypeChoice(DTYPES[accelerate], f"accelerate's mixed_precision={mixed} (--torch_dtype auto follows the "
+                                              "launch config)")
+    return choose()
+
+
+def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
+    raw = env.get(name)
+    if raw is None or raw.lower() in ("", "auto", "none"):
+        return None
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise UserError(f"accelerate passed {name}={raw!r}, not a number; fix the accelerate config") from exc
+
+
+def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
+                choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ) -> LaunchPlan:
+    """Decide the run's accumulation, clipping, micro-batch, optimizer and schedule settings and dtype from
+    the flags and the launch config; the returned DeepSpeed config keeps "auto" for what the flags fill."""
+    cfg, path, settings = deepspeed_request(env)
+    decider = _Decider(explicit, path)
+    updates: dict[str, Any] = {}
+    if cfg is not None:
+        cfg, section_updates, section_notes = replace_trainer_sections(cfg, path, train, explicit)
+        updates.update(section_updates)
+        decider.notes += section_notes
+    ds = cfg or {}
+    if cfg is not None and train.use_8bit_optimizer:
+        raise UserError("--use_8bit_optimizer does not work under DeepSpeed (ZeRO steps its flat fp32 partitions "
+                        "with a torch optimizer); drop the flag, or train without DeepSpeed")
+    updates["gradient_accumulation_steps"] = int(decider.pick(
+        "gradient_accumulation_steps", train.gradient_accumulation_steps, "gradient_accumulation_steps",
+        ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps",
+        _env_number(env, ENV_GRADIENT_ACCUMULATION, int) if cfg is not None else None))
+    clip = ds.get("gradient_clipping")
+    clip = None if clip == "auto" or clip is None else (float(clip) if float(clip) > 0 else -1.0)
+    acc_clip = _env_number(env, ENV_GRADIENT_CLIPPING, float) if cfg is not None else None
+    flag_clip = float(train.clip_grad_norm) if train.clip_grad_norm > 0 else -1.0
+    updates["clip_grad_norm"] = float(decider.pick("clip_grad_norm", flag_clip, "gradient_clipping", clip,
+                                                   "gradient_clipping", acc_clip))
+    updates["per_device_train_batch_size"] = int(decider.pick(
+        "per_device_train_batch_size", train.per_device_train_batch_size, "train_micro_batch_size_per_gpu",
+        ds.get("train_micro_batch_size_per_gpu"), None, None))
+    train = dataclasses.replace(train, **updates)
+    choice = _dtype(model_args.torch_dtype, decider, _bf16_in_json(cfg, path), env, choose)
+    if cfg is not None:
+        _check_global_batch(cfg, path, train)
+        # Every value decided above now lives in the flags; the config takes them at resolve time.
+        for key in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
+                    "train_batch_size"):
+            cfg[key] = "auto"
+        cfg.setdefault("bf16", {})["enabled"] = "auto"
+        for var in _MERGED_ENV:  # merged above: accelerate would refuse them beside our own config
+            os.environ.pop(var, None)
+        os.environ.pop(ENV_FIELDS_FROM_YAML, None)
+    zero3_init = _zero3_init(cfg, settings, decider.notes)
+    record = {"deepspeed_config_file": path, "accelerate_deepspeed_settings": settings,
+              "decisions": list(decider.notes), "zero3_init": zero3_init}
+    return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, notes=decider.notes, record=record,
+                      dtype_choice=choice, zero3_init=zero3_init)
+
+
+def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:
+    """ZeRO-3 loads the model partitioned (deepspeed.zero.Init: each rank materialises only its share of
+    the weights) unless accelerate's zero3_init_flag is false; accelerate and the HF Trainer default to
+    it for stage 3 too."""
+    if cfg is None or str(cfg.get("zero_optimization", {}).get("stage", 0)) != "3":
+        return False
+    if settings.get("zero3_init_flag") is False:
+        notes.append("zero3_init_flag false: the model is loaded whole on each rank and partitioned by ZeRO-3 "
+                     "when training starts")
+        return False
+    notes.append("ZeRO-3: the model is loaded partitioned (deepspeed.zero.Init), each rank holding its share")
+    return True
+
+
+def _check_global_batch(cfg: dict, path: Optional[str], train: Any) -> None:
+    total = cfg.get("train_batch_size")
+    if total in (None, "auto"):
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    wanted = train.per_device_train_batch_size * train.gradient_accumulation_steps * world
+    if int(total) != wanted:
+        raise UserError(f"DeepSpeed config {path}: train_batch_size={total} is not micro-batch "
+                        f"{train.per_device_train_batch_size} × accumulation {train.gradient_accumulation_steps} "
+                        f"× {world} ranks = {wanted}; set it to \"auto\" or change --per_device_train_batch_size "
+                        "/ --gradient_accumulation_steps")

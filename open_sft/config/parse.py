@@ -1,0 +1,130 @@
+"""`finetune.py [run.yaml] --flag value ...` → a validated FinetuneConfig.
+
+The YAML (open_sft's or an open-instruct train config) gives defaults and flags override them. Flags may
+be abbreviated to any unambiguous prefix, as in open-instruct. Every mistake (unknown flag, ambiguous
+prefix, bad value, unknown YAML key) is a UserError naming the flag and the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+from transformers import HfArgumentParser
+
+from open_sft.config import open_instruct as compat
+from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
+                             ModelArguments, TrainingArguments)
+from open_sft.config.checks import validate
+from open_sft.errors import UserError
+
+DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
+               HubArguments, compat.OpenInstructArguments)
+
+
+class _Parser(HfArgumentParser):
+    """argparse reports mistakes by printing usage and exiting; here they become one `error:` line."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("ambiguous option"):
+            message += "; write the whole flag name"
+        raise UserError(f"{message} (see python finetune.py --help)")
+
+    def option_names(self) -> list[str]:
+        return [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+
+
+def _make_parser() -> _Parser:
+    return _Parser(DATACLASSES)
+
+
+def _unknown_flag_error(parser: _Parser, leftover: list[str]) -> UserError:
+    flags = [arg.split("=", 1)[0] for arg in leftover if arg.startswith("-")]
+    if not flags:
+        return UserError(f"unexpected argument(s) {' '.join(leftover)}: every value follows a --flag "
+                         "(see python finetune.py --help)")
+    parts = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, parser.option_names(), n=1, cutoff=0.6)
+        parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    return UserError(f"unknown flag {', '.join(parts)}; see python finetune.py --help")
+
+
+def _yaml_defaults(path: Path) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid YAML ({exc}); fix the file or pass the settings as flags") from exc
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"{path}: expected a mapping of flag names to values, got {type(loaded).__name__}")
+    loaded = {compat.YAML_ALIASES.get(key, key): value for key, value in loaded.items()}
+    known = {f.name for cls in DATACLASSES for f in dataclasses.fields(cls)}
+    unknown = sorted(set(loaded) - known)
+    if unknown:
+        hints = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, n=1))
+                 else name for name in unknown]
+        raise UserError(f"{path}: unknown setting(s) {', '.join(hints)}; see `python finetune.py --help`")
+    if isinstance(loaded.get("report_to"), str):
+        loaded["report_to"] = [loaded["report_to"]]
+    for key in ("dataset_mixer", "additional_model_arguments"):  # mappings in YAML, JSON strings on the CLI
+        if isinstance(loaded.get(key), dict):
+            loaded[key] = yaml.safe_dump(loaded[key])
+    return loaded
+
+
+def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """YAML values as the flag's type would read them: `checkpointing_steps: 1000` is an int to YAML and a
+    string to us, and YAML 1.1 reads `learning_rate: 5e-06` (no dot) as a string."""
+    actions = {action.dest: action for action in parser._actions}
+    out = {}
+    for name, value in values.items():
+        convert = actions[name].type if name in actions and callable(actions[name].type) else None
+        try:
+            if convert is None or value is None:
+                out[name] = value
+            elif isinstance(value, list):
+                out[name] = [convert(v if convert is not str else str(v)) for v in value]
+            else:
+                out[name] = convert(str(value) if not isinstance(value, bool) or convert is str else value)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{path}: {name}: {value!r} is not a valid value ({exc})") from None
+    return out
+
+
+def _given_on_command_line(argv: list[str]) -> set[str]:
+    """The fields the command line sets: parsed once more with every default replaced by a marker
+    (argparse resolves prefixes, aliases and `--no_x` forms itself, so this agrees with the real parse)."""
+    parser, unset = _make_parser(), object()
+    parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
+    namespace, _ = parser.parse_known_args(argv)
+    return {name for name, value in vars(namespace).items() if value is not unset}
+
+
+def parse_config(argv: list[str]) -> FinetuneConfig:
+    """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig."""
+    parser = _make_parser()
+    explicit: set[str] = set()
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        path = Path(argv[0])
+        if not path.is_file():
+            raise UserError(f"config file {path} does not exist; pass an existing YAML file or only flags")
+        defaults = _coerce(parser, path, _yaml_defaults(path))
+        parser.set_defaults(**defaults)
+        explicit |= set(defaults)
+        argv = argv[1:]
+    *parsed, leftover = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
+                                                           return_remaining_strings=True)
+    if leftover:
+        raise _unknown_flag_error(parser, leftover)
+    model, data, train, lora, checkpoint, hub, open_instruct = parsed
+    explicit |= _given_on_command_line(argv)
+    config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,
+                            explicit=frozenset(explicit))
+    config = compat.translate(config, open_instruct)
+    validate(config)
+    return config

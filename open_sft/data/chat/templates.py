@@ -1,0 +1,111 @@
+"""Built-in chat templates, and choosing the one a run uses.
+
+Every name of open-instruct's --chat_template_name renders what open-instruct's template of that name
+renders (oi_templates.py); chatml and llama3 are open_sft's own. Not all are prefix-stable (several
+close only the last assistant turn with eos, or write the generation prompt differently from the
+turn), which the label step handles (render.py). If the tokenizer lacks a template's special tokens
+(say `<|im_end|>` on a GPT-NeoX tokenizer) they are added as special tokens, and the model's
+embeddings are resized to match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from open_sft.data.chat.oi_templates import CHATML_TOKENS, OPEN_INSTRUCT_TEMPLATES
+from open_sft.errors import UserError
+
+_RAISE_UNKNOWN = "{{ raise_exception('unknown role ' + message['role']) }}"
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% else %}" + _RAISE_UNKNOWN + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}"
+    "{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% else %}" + _RAISE_UNKNOWN + "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+# The embedded tiny model's template (open_sft/embedded/factory.py): tulu's turns after a bos token.
+EMBEDDED = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ '<|system|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'user' %}"
+    "{{ '<|user|>\n' + message['content'] + '\n' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>\n' + message['content'] + eos_token + '\n' }}"
+    "{% else %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class BuiltinTemplate:
+    source: str
+    special_tokens: tuple[str, ...] = ()  # must be single tokens (added when the tokenizer lacks them)
+    # how it writes each message's content: "as_is", "trimmed" (see content_writing), None: not assumed
+    contents: Optional[str] = None
+
+
+# open-instruct's names mean what they mean there (oi_templates.py); chatml and llama3 are open_sft's.
+# Of open-instruct's, those that write each content once, in order, as it is: their rows fill layouts.
+_FILLED = {"tulu", "zephyr", "qwen_instruct_user_boxed_math"}
+BUILTIN_TEMPLATES = {
+    **{name: BuiltinTemplate(source, tokens, "as_is" if name in _FILLED else None)
+       for name, (source, tokens) in OPEN_INSTRUCT_TEMPLATES.items()},
+    "chatml": BuiltinTemplate(CHATML, CHATML_TOKENS, "as_is"),
+    "llama3": BuiltinTemplate(LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "trimmed"),
+}
+_CONTENT_WRITING = {**{t.source: t.contents for t in BUILTIN_TEMPLATES.values() if t.contents}, EMBEDDED: "as_is"}
+
+
+def content_writing(template: Optional[str]) -> Optional[str]:
+    """For a template open_sft ships, how it writes message contents: "as_is" or "trimmed". Each such
+    template writes every message's content exactly once, in message order, and nothing else in its
+    text depends on a content (it reads only roles, the special tokens and add_generation_prompt), so
+    a row's text is its shape's layout filled with the contents (render.py skips Jinja; tested equal to
+    rendering). None for any other template: nothing is assumed about it."""
+    return _CONTENT_WRITING.get(template) if template else None
+
+
+def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[str]) -> list[str]:
+    """Set the run's chat template on the tokenizer; returns the special tokens that had to be added.
+
+    Precedence: --chat_template_path, then --chat_template_name, then the tokenizer's own template. A
+    tokenizer without one (a base model's) is fine for text documents; a chat source is refused with
+    a clear message when the pipeline reaches it.
+    """
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise UserError(f"--chat_template_path {path}: no such file; give a Jinja template file")
+        tokenizer.chat_template = file.read_text()
+        return []
+    if name is None:
+        return []
+    if name not in BUILTIN_TEMPLATES:
+        raise UserError(f"--chat_template_name {name!r} is not a built-in template; choose one of "
+                        f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path")
+    template = BUILTIN_TEMPLATES[name]
+    vocab = tokenizer.get_vocab()
+    missing = [token for token in template.special_tokens if token not in vocab]
+    if missing:
+        tokenizer.add_tokens(missing, special_tokens=True)
+    tokenizer.chat_template = template.source
+    return missing

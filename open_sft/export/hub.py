@@ -1,0 +1,205 @@
+"""Upload an export (or a checkpoint) to the Hugging Face Hub, with retries, never losing local work.
+
+    python -m open_sft.export.hub OUTPUT_DIR --hub_model_id my-org/my-model [--hub_revision main] [--no_hub_private]
+    python -m open_sft.export.hub OUTPUT_DIR/checkpoints/step_N --hub_model_id ...   (to checkpoints/step_N/ in the repo)
+
+finetune.py --push_to_hub calls `push_output_dir` on the main process after every rank has finished and
+been released, so no rank waits on the network. Transient failures (HTTP 429/5xx, dropped connections,
+timeouts) are retried with exponential backoff; a final failure leaves the export untouched, prints this
+module's command to retry only the upload, and exits with PUSH_FAILED_EXIT_CODE.
+
+The token comes from --hub_token or HF_TOKEN. It is passed to huggingface_hub only: never logged, never
+in an error message we print (scrubbed), never written to disk (run.json holds "<redacted>").
+Environment: HF_ENDPOINT (another Hub), OPEN_SFT_HUB_RETRIES [6], OPEN_SFT_HUB_BACKOFF_S [2.0, doubling
+up to 60 s], OPEN_SFT_HUB_TIMEOUT_S [300, per request read timeout].
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+from open_sft.errors import StopRun
+
+logger = logging.getLogger(__name__)
+
+PUSH_FAILED_EXIT_CODE = 3
+#: Exports bigger than this go through upload_large_folder (resumable, many commits).
+LARGE_FOLDER_BYTES = 20 * 2**30
+#: Never uploaded with the export: training state, staging leftovers, test aids.
+EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", ".export.tmp/**", "*.tmp", "data_order.rank*.json",
+                 ".cache/**"]
+T = TypeVar("T")
+
+
+class PushFailed(StopRun):
+    exit_code = PUSH_FAILED_EXIT_CODE
+
+
+def _env_number(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def resolve_token(explicit: Optional[str]) -> Optional[str]:
+    return explicit or os.environ.get("HF_TOKEN") or None
+
+
+def scrub(text: str, token: Optional[str]) -> str:
+    return text.replace(token, "<redacted>") if token else text
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: the server or the network failed, not the request."""
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else None
+        return status is None or status == 429 or status >= 500
+    return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
+
+
+def with_retries(what: str, call: Callable[[], T], token: Optional[str] = None,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    attempts = max(1, int(_env_number("OPEN_SFT_HUB_RETRIES", 6)))
+    delay = _env_number("OPEN_SFT_HUB_BACKOFF_S", 2.0)
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if attempt == attempts or not is_transient(exc):
+                raise
+            logger.warning("%s failed (%s); retry %d/%d in %.1fs", what, scrub(describe(exc), token),
+                           attempt, attempts - 1, delay)
+            sleep(delay)
+            delay = min(delay * 2, 60.0)
+    raise AssertionError("unreachable")
+
+
+def describe(exc: BaseException) -> str:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first_line}"
+
+
+def _use_timeouts() -> None:
+    """huggingface_hub's client waits forever by default; a stalled upload must become a retryable error."""
+    import httpx2
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    read = _env_number("OPEN_SFT_HUB_TIMEOUT_S", 300.0)
+
+    def factory() -> Any:
+        client = default_client_factory()
+        client.timeout = httpx2.Timeout(read, connect=min(read, 30.0))
+        return client
+
+    set_client_factory(factory)
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def push_folder(folder: Path, repo_id: str, revision: str = "main", private: bool = True,
+                token: Optional[str] = None, path_in_repo: Optional[str] = None,
+                ignore_patterns: Optional[list[str]] = None, message: str = "Upload with open_sft") -> str:
+    """Create the repo and branch if needed and upload `folder`; returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    _use_timeouts()
+    api = HfApi(token=token)
+    with_retries("create repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True), token)
+    if revision != "main":
+        with_retries("create branch", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), token)
+    if path_in_repo is None and folder_bytes(folder) > LARGE_FOLDER_BYTES:
+        # resumable and retried inside huggingface_hub; a rerun continues where it stopped
+        api.upload_large_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
+                                private=private, ignore_patterns=ignore_patterns)
+        return f"{api.endpoint}/{repo_id}/tree/{revision}"
+    info = with_retries("upload", lambda: api.upload_folder(
+        repo_id=repo_id, folder_path=folder, path_in_repo=path_in_repo, revision=revision,
+        ignore_patterns=ignore_patterns, commit_message=message), token)
+    return str(info.commit_url if hasattr(info, "commit_url") else info)
+
+
+def retry_command(output_dir: Path, repo_id: str, revision: str, private: bool) -> str:
+    parts = ["python", "-m", "open_sft.export.hub", str(output_dir), "--hub_model_id", repo_id, "--hub_revision", revision]
+    parts.append("--hub_private" if private else "--no_hub_private")
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def push_export(output_dir: Path, repo_id: str, revision: str = "main", private: bool = True,
+                token: Optional[str] = None) -> str:
+    """Upload the export in output_dir; raises PushFailed (with the retry command) on a final failure."""
+    token = resolve_token(token)
+    logger.info("uploading %s to %s (revision %s)", output_dir, repo_id, revision)
+    try:
+        url = push_folder(output_dir, repo_id, revision, private, token, ignore_patterns=EXPORT_IGNORE,
+                          message=f"open_sft export of {output_dir.name}")
+    except Exception as exc:
+        command = retry_command(output_dir, repo_id, revision, private)
+        raise PushFailed(
+            f"upload to the Hub failed: {scrub(describe(exc), token)}\nThe local export in {output_dir} is intact. "
+            f"Retry just the upload (token from HF_TOKEN or --hub_token) with:\n  {command}"
+        ) from None
+    logger.info("uploaded to %s", url)
+    return url
+
+
+def push_checkpoint(checkpoint: Path, repo_id: str, revision: str = "main", private: bool = True,
+                    token: Optional[str] = None) -> str:
+    """Upload a complete checkpoint directory (COMPLETE included) to checkpoints/step_N/ in one commit;
+    retried like the export; raises the final error (callers add the retry command)."""
+    return push_folder(checkpoint, repo_id, revision, private, resolve_token(token),
+                       path_in_repo=f"checkpoints/{checkpoint.name}", message=f"open_sft checkpoint {checkpoint.name}")
+
+
+def push_output_dir(output_dir: Path, hub: Any) -> str:
+    """finetune.py --push_to_hub: `hub` is the HubArguments."""
+    return push_export(output_dir, hub.hub_model_id, hub.hub_revision, hub.hub_private, hub.hub_token)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m open_sft.export.hub", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=Path, help="the --output_dir of a finished run, or a complete checkpoint")
+    parser.add_argument("--hub_model_id", required=True)
+    parser.add_argument("--hub_revision", default="main")
+    parser.add_argument("--hub_private", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--no_hub_private", dest="hub_private", action="store_false")
+    parser.add_argument("--hub_token", default=None, help="default: HF_TOKEN")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    if (args.output_dir / "COMPLETE").is_file():  # a checkpoint (checkpoint.COMPLETE)
+        try:
+            print(push_checkpoint(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private,
+                                  args.hub_token))
+        except Exception as exc:
+            print(f"open_sft: checkpoint upload failed: {scrub(describe(exc), resolve_token(args.hub_token))}",
+                  file=sys.stderr)
+            return PUSH_FAILED_EXIT_CODE
+        return 0
+    if not any((args.output_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
+        print(f"error: {args.output_dir} has no exported model (config.json) and is not a complete checkpoint "
+              "(COMPLETE); pass the --output_dir of a finished run or OUTPUT_DIR/checkpoints/step_N", file=sys.stderr)
+        return 2
+    try:
+        print(push_export(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private, args.hub_token))
+    except PushFailed as exc:
+        print(f"open_sft: {exc}", file=sys.stderr)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

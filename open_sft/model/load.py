@@ -1,0 +1,263 @@
+"""Loading the tokenizer and the model for training, with clear errors for bad paths and options."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from open_sft.config.args import LoraArguments, ModelArguments
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+def attn_implementation(args: ModelArguments) -> str:
+    cuda = torch.cuda.is_available()
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if args.attn_implementation == "auto":
+        return "flash_attention_2" if cuda and has_flash else "sdpa"
+    if args.attn_implementation == "flash_attention_2" and not (cuda and has_flash):
+        raise UserError(
+            "--attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
+            f"(CUDA available: {cuda}, flash-attn installed: {has_flash}); use --attn_implementation sdpa"
+        )
+    return args.attn_implementation
+
+
+def check_liger(args: ModelArguments) -> None:
+    if args.use_liger_kernel and not torch.cuda.is_available():
+        raise UserError(
+            "--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton); this machine has no "
+            "CUDA device. Drop --use_liger_kernel: open_sft's own loss path already avoids full logits on CPU"
+        )
+    if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        raise UserError("--use_liger_kernel needs the liger-kernel package: pip install 'open_sft[liger]'")
+
+
+def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
+    return {"revision": args.model_revision, "trust_remote_code": args.trust_remote_code}
+
+
+def read_token_file(path: str) -> list[str]:
+    """Tokens of an --add_tokens file: one per line, blank lines and repeats skipped."""
+    tokens: list[str] = []
+    for line in Path(path).expanduser().read_text(encoding="utf-8").splitlines():
+        token = line.strip()
+        if token and token not in tokens:
+            tokens.append(token)
+    return tokens
+
+
+def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool) -> list[int]:
+    """Add a file's tokens that the tokenizer lacks; returns their ids (remembered for the embedding init)."""
+    known = tokenizer.get_vocab()
+    new = [t for t in read_token_file(path) if t not in known]
+    tokenizer.add_tokens(new, special_tokens=special)
+    ids = tokenizer.convert_tokens_to_ids(new)
+    tokenizer.open_sft_added_ids = sorted(set(getattr(tokenizer, "open_sft_added_ids", [])) | set(ids))
+    logger.info("added %d %stokens from %s (%d were already known)", len(new), "special " if special else "",
+                path, len(read_token_file(path)) - len(new))
+    return ids
+
+
+def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
+    name = args.tokenizer_name_or_path or args.model_name_or_path
+    flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
+    try:
+        revision = args.tokenizer_revision or args.model_revision
+        tokenizer = AutoTokenizer.from_pretrained(name, **{**_hub_kwargs(args), "revision": revision})
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{flag} {name}: could not load a tokenizer ({exc}); check the path or Hub id") from exc
+    if tokenizer.pad_token_id is None:
+        logger.warning("tokenizer has no pad token; using eos %r for padding (padding never gets a loss)",
+                       tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.add_tokens:
+        add_tokens(tokenizer, args.add_tokens, special=False)
+    if args.add_special_tokens:
+        add_tokens(tokenizer, args.add_special_tokens, special=True)
+    return tokenizer
+
+
+def add_bos_to_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """--add_bos: the chat template writes the bos token first, as open-instruct's does; a tokenizer without a
+    bos token (GPT-NeoX/OLMo) uses its eos token, as open-instruct does."""
+    if tokenizer.bos_token is None:
+        logger.info("--add_bos: the tokenizer has no bos token; using its eos token %r", tokenizer.eos_token)
+        tokenizer.bos_token = tokenizer.eos_token
+    template = tokenizer.chat_template
+    if not template:  # raw text documents: no template to begin with bos
+        logger.info("--add_bos: the tokenizer has no chat template; nothing to add")
+        return
+    if template.lstrip().startswith("{{ bos_token }}") or template.startswith(tokenizer.bos_token):
+        logger.info("--add_bos: the chat template already begins with the bos token; nothing to add")
+        return
+    tokenizer.chat_template = "{{ bos_token }}" + template
+
+
+def _config_overrides(args: ModelArguments) -> dict[str, Any]:
+    """--additional_model_arguments as keyword overrides of the model config (validated as a mapping)."""
+    if not args.additional_model_arguments:
+        return {}
+    import yaml  # JSON is YAML: one parser for the CLI's JSON string and a run YAML's mapping
+
+    return dict(yaml.safe_load(args.additional_model_arguments))
+
+
+def param_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's full shape, also when ZeRO-3 has partitioned it (its own tensor is then empty)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def param_numel(param: torch.Tensor) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def partition_summary(model: torch.nn.Module) -> str:
+    """What this rank holds of a model loaded under deepspeed.zero.Init. Parameters made after loading
+    are whole until training starts: transformers builds resized embeddings without ZeRO-3 init."""
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    whole = sum(p.numel() for p in model.parameters() if not hasattr(p, "ds_id"))
+    text = (f"model loaded partitioned (ZeRO-3 init): this rank holds {sum(p.ds_tensor.numel() for p in partitioned)} "
+            f"of its {sum(p.ds_numel for p in partitioned)} partitioned parameters")
+    if whole:
+        text += f"; {whole} parameters made after loading (resized embeddings) are whole until training starts"
+    return text
+
+
+def _gathered(weights: list[torch.Tensor]):
+    """The weights whole on every rank inside the block (ZeRO-3 partitioned ones gathered; what rank 0
+    writes is kept); a no-op for ordinary tensors."""
+    import contextlib
+
+    partitioned = [w for w in weights if hasattr(w, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+
+
+def load_model_config(args: ModelArguments):
+    """The model's config with --additional_model_arguments applied."""
+    try:
+        return AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args),
+                                          **_config_overrides(args))
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"--model_name_or_path {args.model_name_or_path}: could not load the model config ({exc}); "
+            "check the path (a directory with config.json and weights) or the Hub id"
+        ) from exc
+
+
+def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> PreTrainedModel:
+    from open_sft.model.lora import quantization_config
+
+    kwargs = _hub_kwargs(args)
+    quantization = quantization_config(lora) if lora is not None else None
+    if quantization is not None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        kwargs.update(quantization_config=quantization,
+                      device_map={"": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"})
+    config = load_model_config(args)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path, config=config, dtype=torch.float32,
+            attn_implementation=attn_implementation(args), **kwargs,
+        )
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"--model_name_or_path {args.model_name_or_path}: could not load the model ({exc}); "
+            "check the path (a directory with config.json and weights) or the Hub id"
+        ) from exc
+
+
+def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,
+               lora: Optional[LoraArguments] = None) -> PreTrainedModel:
+    """The model ready to train: fp32 parameters (master weights; the compute dtype comes from autocast
+    or DeepSpeed), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
+    and with --use_lora / --use_qlora wrapped as a peft model whose only trainable weights are adapters."""
+    from open_sft.config.launch import uses_deepspeed
+    from open_sft.model.lora import apply_lora, check_qlora_supported, uses_lora
+
+    check_liger(args)
+    if lora is not None:
+        check_qlora_supported(lora, under_deepspeed=uses_deepspeed())
+    model = _from_pretrained(args, lora)
+    if tokenizer is not None:
+        fit_embeddings_to_tokenizer(model, tokenizer)
+    if args.use_liger_kernel:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    if args.neftune_noise_alpha:
+        add_neftune_noise(model, args.neftune_noise_alpha)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if lora is not None and uses_lora(lora):
+        if tokenizer is not None and getattr(tokenizer, "open_sft_added_ids", None):
+            logger.warning("LoRA trains adapters only: the %d added tokens keep their mean-embedding rows",
+                           len(tokenizer.open_sft_added_ids))
+        model = apply_lora(model, lora, args.gradient_checkpointing)
+    return model
+
+
+def context_warning(config: Any, longest: int) -> Optional[str]:
+    """A warning when the data's longest example is longer than the positions the model was trained for
+    (packed examples keep their own positions): a RoPE model runs past them, but its attention degrades."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not positions or longest <= positions:
+        return None
+    return (f"examples up to {longest} tokens are longer than the model's {positions} positions "
+            f"(max_position_embeddings): lower --max_seq_length to {positions}, or extend the context "
+            "(e.g. rope_scaling through --additional_model_arguments)")
+
+
+def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Grow the embeddings to a multiple of 64 rows when the tokenizer gained tokens (a chat template's
+    special tokens, --add_tokens); rows of new tokens (new rows, and rows of ids --add_tokens assigned
+    inside the old matrix) are set to the mean of the other old rows. A no-op once they fit."""
+    rows = param_shape(model.get_input_embeddings().weight)[0]
+    added = [i for i in getattr(tokenizer, "open_sft_added_ids", []) if i < rows]
+    if len(tokenizer) <= rows and not added:
+        return
+    if len(tokenizer) > rows:
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+        logger.info("resized embeddings from %d to %d rows for %d tokens", rows,
+                    param_shape(model.get_input_embeddings().weight)[0], len(tokenizer))
+    layers = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
+    weights = list({id(w): w for w in layers}.values())  # once when the embeddings are tied
+    with _gathered(weights):
+        for weight in weights:
+            _mean_init_rows(weight, rows, added)
+    tokenizer.open_sft_added_ids = []  # initialised; a second call must not reset trained rows
+
+
+@torch.no_grad()
+def _mean_init_rows(weight: torch.Tensor, old_rows: int, reset: list[int]) -> None:
+    keep = torch.ones(old_rows, dtype=torch.bool)
+    keep[reset] = False
+    mean = weight[:old_rows][keep].float().mean(dim=0).to(weight.dtype)
+    weight[old_rows:] = mean
+    weight[reset] = mean
+
+
+def add_neftune_noise(model: PreTrainedModel, alpha: float) -> torch.utils.hooks.RemovableHandle:
+    """NEFTune (Jain et al. 2023): while training, add Uniform(-1, 1) · alpha / sqrt(L · d) noise to the
+    input embeddings (L = sequence length of the batch, d = hidden size). Eval and generation are untouched."""
+
+    def hook(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
+        scale = alpha / math.sqrt(output.shape[-2] * output.shape[-1])
+        return output + torch.empty_like(output).uniform_(-scale, scale)
+
+    return model.get_input_embeddings().register_forward_hook(hook)

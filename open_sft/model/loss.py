@@ -1,0 +1,51 @@
+"""The training forward pass: sum of token cross-entropies over trained positions only.
+
+Why not `model(..., labels=...)`: HF computes logits for every position (a [tokens, vocab] matrix,
+the largest tensor of a small model's step) and returns a mean whose weighting depends on the
+micro-batch. We run the backbone, keep the hidden states of positions that have a label, apply the
+LM head to those alone, and return the *sum* of their losses in fp32 plus their count; the trainer
+normalises over the global batch. With a plain nn.Linear head the head and the loss are fused over chunks
+of those positions (`open_sft.model.fused_ce`), so their [tokens, vocab] logits never exist at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from open_sft.data.labels import IGNORE_INDEX
+from open_sft.model.fused_ce import lm_head_loss_sum, supports_fused
+
+
+class TokenLossModel(nn.Module):
+    """Wraps a causal LM so that DeepSpeed/DDP see one module whose forward returns the loss sum."""
+
+    def __init__(self, model: nn.Module, fused_loss: bool = True):
+        super().__init__()
+        self.model = model
+        self.fused_loss = fused_loss  # False: the plain lm_head + F.cross_entropy path (tests, benchmarks)
+
+    def causal_lm(self) -> nn.Module:
+        """The transformers model; a peft model injects its adapters into it in place."""
+        get_base_model = getattr(self.model, "get_base_model", None)
+        return get_base_model() if callable(get_base_model) else self.model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask."""
+        causal_lm = self.causal_lm()
+        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
+        # position_ids only when no KV cache is passed.
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        targets = labels[:, 1:]
+        trained = targets != IGNORE_INDEX
+        selected = hidden[:, :-1][trained]
+        lm_head = causal_lm.get_output_embeddings()
+        if self.fused_loss and supports_fused(lm_head):
+            return lm_head_loss_sum(lm_head, selected, targets[trained])
+        return F.cross_entropy(lm_head(selected).float(), targets[trained], reduction="sum")

@@ -1,0 +1,200 @@
+"""`--torch_dtype auto`: the fast, correct compute dtype for the hardware the run lands on.
+
+bf16 on a GPU that supports it. On a CPU, bf16 only where the CPU has native bf16 instructions
+(avx512_bf16, AMX, Arm's bf16) *and* a short probe of the model's own matmul shapes measures it faster
+than fp32: without them bf16 GEMMs are emulated (on AVX2, bf16 `F.linear` runs ~6× and bf16 `torch.mm`
+~150× slower than fp32), and even with them the gain depends on the shapes. The probe times a forward
+`F.linear` and the weight-gradient `torch.mm` of each shape (training runs both) and is cached per
+machine, so the ranks of a node measure once and agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from open_sft.model import bf16_matmul
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "OPEN_SFT_DTYPE_CACHE_DIR"
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags / Arm "Features"
+# bf16 must beat fp32 by this much: a near tie is not worth bf16's rounding, and the margin keeps timing
+# noise (these machines are shared) from flipping the choice between runs.
+MARGIN = 1.15
+PROBE_TOKENS = 128
+MAX_DIM = 2048  # shapes are capped so the probe stays well under a second even where bf16 is emulated
+PROBE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+    measured: Optional[dict[str, Any]] = None
+    bf16_via_fp32: bool = False  # bf16 numerics on fp32 kernels (open_sft.model.bf16_matmul)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": str(self.dtype).removeprefix("torch."), "reason": self.reason, "measured": self.measured,
+                "bf16_matmuls_via_fp32": self.bf16_via_fp32}
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    """(CPU model name, its feature flags) from /proc/cpuinfo; ("", set()) where there is none."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key in ("model name", "cpu model") and name in ("", platform.machine()):
+                name = value.strip()
+            elif key in ("flags", "features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return name, flags
+
+
+def probe_shapes(args: Any) -> list[tuple[int, int]]:
+    """(in, out) of the model's attention projection, MLP up projection and an LM-head chunk, capped."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, revision=args.model_revision,
+                                            trust_remote_code=args.trust_remote_code)
+        config = getattr(config, "text_config", config)
+        hidden = int(config.hidden_size)
+        inner = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+        vocab = int(config.vocab_size)
+    except Exception:  # the loader reports a bad model path with its own error; probe generic shapes here
+        hidden, inner, vocab = 1024, 4096, 32000
+    hidden = min(hidden, MAX_DIM)
+    return [(hidden, hidden), (hidden, min(inner, MAX_DIM)), (hidden, min(vocab, MAX_DIM))]
+
+
+def measure_gflops(shapes: list[tuple[int, int]], dtype: torch.dtype) -> float:
+    """Best of 3 timings of forward F.linear + weight-gradient mm over the shapes, in GFLOP/s."""
+    gen = torch.Generator().manual_seed(0)
+    ops = []
+    for n_in, n_out in shapes:
+        x = torch.randn(PROBE_TOKENS, n_in, generator=gen).to(dtype)
+        w = torch.randn(n_out, n_in, generator=gen).to(dtype)
+        g = torch.randn(PROBE_TOKENS, n_out, generator=gen).to(dtype)
+        ops.append((x, w, g))
+
+    def step() -> None:
+        for x, w, g in ops:
+            F.linear(x, w)
+            torch.mm(g.t(), x)
+
+    step()  # warm-up: kernel selection, page faults
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - started)
+    flops = sum(2 * 2 * PROBE_TOKENS * n_in * n_out for n_in, n_out in shapes)
+    return flops / max(best, 1e-9) / 1e9
+
+
+def _cache_path() -> Path:
+    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "open_sft"
+    return Path(root) / "dtype_probe.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # the ranks of a node probe one at a time: the first one measures
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
+          measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> dict[str, Any]:
+    """The bf16 and fp32 throughput of the shapes on this machine, from the cache or measured once."""
+    key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, torch.get_num_threads(), shapes])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+    path = _cache_path()
+    with _locked(path):
+        try:
+            entries = json.loads(path.read_text())
+            if not isinstance(entries, dict):
+                raise ValueError("not a mapping")
+        except (OSError, ValueError):  # absent, unreadable or damaged: measure again
+            entries = {}
+        if isinstance(entries.get(key), dict) and {"bf16_gflops", "fp32_gflops"} <= set(entries[key]):
+            return {**entries[key], "cached": True}
+        started = time.perf_counter()
+        result = {"bf16_gflops": round(measure(shapes, torch.bfloat16), 1),
+                  "fp32_gflops": round(measure(shapes, torch.float32), 1),
+                  "shapes": [list(s) for s in shapes], "threads": torch.get_num_threads(), "cpu": cpu}
+        result["probe_seconds"] = round(time.perf_counter() - started, 3)
+        entries[key] = result
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entries, indent=1))
+        os.replace(tmp, path)
+    return {**result, "cached": False}
+
+
+def _requested_bf16(args: Any, cpu: str, flags: set[str],
+                    measure: Callable[[list[tuple[int, int]], torch.dtype], float]) -> DtypeChoice:
+    """--torch_dtype bfloat16 on a CPU: where the probe measures bf16 matmuls slower than fp32 (no native
+    bf16), they run on fp32 kernels with bf16 rounding (OPEN_SFT_BF16_MATMULS=native|fp32 forces a side)."""
+    mode = bf16_matmul.mode_from_env()
+    measured = probe(probe_shapes(args), cpu, flags, measure)
+    bf16, fp32 = measured["bf16_gflops"], measured["fp32_gflops"]
+    via_fp32 = mode == "fp32" or (mode == "auto" and fp32 > bf16)
+    if fp32 > bf16:
+        logger.warning("--torch_dtype bfloat16: this CPU's bf16 matmul kernels measured %.1f× slower than fp32 (%.0f vs "
+                       "%.0f GFLOP/s on the model's shapes)%s; --torch_dtype auto would train in float32",
+                       fp32 / max(bf16, 1e-9),
+                       bf16, fp32, "; they run as fp32 matmuls of bf16-rounded values (the same bf16 numerics)"
+                       if via_fp32 else f" and {bf16_matmul.ENV}=native keeps them")
+    how = "bf16 matmuls on fp32 kernels" if via_fp32 else "native bf16 matmuls"
+    why = f"{bf16_matmul.ENV}={mode}" if mode != "auto" else f"probe: bf16 {bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s"
+    return DtypeChoice(torch.bfloat16, f"requested by --torch_dtype; {how} ({why})", measured, via_fp32)
+
+
+def choose_dtype(args: Any, qlora: bool = False,
+                 measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> DtypeChoice:
+    """--torch_dtype resolved, with the reason (and the probe's numbers on a CPU)."""
+    wanted = args.torch_dtype
+    if wanted in ("float32", "fp32"):
+        return DtypeChoice(torch.float32, "requested by --torch_dtype")
+    if qlora and wanted == "auto":
+        return DtypeChoice(torch.bfloat16, "auto: bfloat16 — QLoRA's 4-bit base computes in bf16")
+    if torch.cuda.is_available():
+        if wanted in ("bfloat16", "bf16") or torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, "requested by --torch_dtype" if wanted != "auto" else
+                               "auto: bfloat16 (the GPU supports it)")
+        return DtypeChoice(torch.float32, "auto: float32 (this GPU has no bf16; fp16 with loss scaling is not "
+                                          "implemented)")
+    cpu, flags = cpu_flags()
+    native = bool(flags & set(NATIVE_BF16_FLAGS))
+    if wanted in ("bfloat16", "bf16"):
+        return _requested_bf16(args, cpu, flags, measure)
+    if not native and flags:
+        return DtypeChoice(torch.float32, "auto: float32 — this CPU has no native bf16 (no avx512_bf16, amx_bf16 "
+                                          "or bf16 flag): bf16 matmuls would be emulated")
+    measured = probe(probe_shapes(args), cpu, flags, measure)
+    bf16, fp32 = measured["bf16_gflops"], measured["fp32_gflops"]
+    faster = bf16 >= MARGIN * fp32
+    return DtypeChoice(torch.bfloat16 if faster else torch.float32,
+                       f"auto: {'bfloat16' if faster else 'float32'} — probe of the model's matmul shapes: bf16 "
+                       f"{bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s (bf16 chosen at ≥ {MARGIN}× fp32)", measured)

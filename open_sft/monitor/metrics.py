@@ -1,0 +1,126 @@
+"""Step metrics: the metrics.jsonl writer, model FLOPs for MFU, peak compute, peak memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import resource
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peaks (FLOP/s) of common training GPUs, from the vendors' data sheets.
+GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
+                 "L4": 121e12, "B200": 2250e12, "MI300X": 1307e12}
+
+
+class FlopCounter:
+    """Model FLOPs of training (forward + backward = 3 × forward), counting what we really compute:
+    the backbone's matmuls on every token, attention scores per sequence, the LM head on trained tokens."""
+
+    def __init__(self, config: Any, backbone_params: int):
+        self.hidden = config.hidden_size
+        self.layers = config.num_hidden_layers
+        self.vocab = config.vocab_size
+        self.backbone_params = backbone_params
+
+    def step_flops(self, tokens: int, trained_tokens: int, sum_squared_lengths: int) -> float:
+        dense = 6 * self.backbone_params * tokens
+        attention = 12 * self.layers * self.hidden * sum_squared_lengths / 2  # causal: half the scores
+        head = 6 * self.vocab * self.hidden * trained_tokens
+        return float(dense + attention + head)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "open_sft"
+
+
+def measure_cpu_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024), seconds: float = 0.3) -> float:
+    """Best FLOP/s of a linear layer (the op training spends its time in) this process reaches with its
+    threads, over a few square sizes; cached per machine and setting. `torch.mm` is not used: on CPUs
+    without native bf16 its bf16 path can be 10× slower than `F.linear`'s, which would put MFU over 100 %."""
+    key = f"linear|{platform.processor() or platform.machine()}|{torch.__version__}|{dtype}|{torch.get_num_threads()}"
+    cache = _cache_dir() / "cpu_peak.json"
+    try:
+        known = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return float(known[key])
+    best = 0.0
+    for size in sizes:
+        x = torch.randn(size, size, dtype=dtype)
+        weight = torch.randn(size, size, dtype=dtype)
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            best = max(best, 2 * size**3 / (time.perf_counter() - start))
+    known[key] = best
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(known))
+    except OSError:
+        pass  # a read-only home only costs a re-measure next time
+    return best
+
+
+def device_peak_flops(dtype: torch.dtype) -> float:
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for model, peak in GPU_PEAK_BF16.items():
+            if model in name:
+                return peak if dtype != torch.float32 else peak / 2
+        logger.warning("unknown GPU %r: MFU is reported against the A100 peak", name)
+        return GPU_PEAK_BF16["A100"]
+    return measure_cpu_peak(dtype)
+
+
+def peak_memory_gib() -> float:
+    """Peak device memory on CUDA; peak resident set size of this process on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+class MetricsWriter:
+    """Appends one JSON object per logging step to metrics.jsonl and forwards it to the trackers
+    (main process only)."""
+
+    def __init__(self, path: Path, tensorboard_dir: Optional[Path] = None, trackers: Optional[list] = None):
+        from open_sft.monitor.tracking import TensorBoardTracker
+
+        self.path = path
+        self.trackers = list(trackers or [])
+        if tensorboard_dir is not None:
+            self.trackers.append(TensorBoardTracker(tensorboard_dir))
+
+    @classmethod
+    def for_run(cls, output_dir: Path, with_tracking: bool, report_to: Any,
+                run_config: Optional[dict[str, Any]] = None, **wandb_options: Optional[str]) -> "MetricsWriter":
+        """metrics.jsonl in output_dir, plus the --report_to trackers when --with_tracking is set."""
+        from open_sft.monitor.tracking import build_trackers
+
+        trackers = build_trackers(report_to, output_dir, run_config, **wandb_options) if with_tracking else []
+        return cls(output_dir / "metrics.jsonl", trackers=trackers)
+
+    def write(self, record: dict[str, Any]) -> None:
+        from open_sft.monitor.tracking import scalars_of
+
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+        if self.trackers:
+            scalars = scalars_of(record)
+            for tracker in self.trackers:
+                tracker.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []

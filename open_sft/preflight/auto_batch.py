@@ -1,0 +1,76 @@
+"""--auto_micro_batch_size: the largest micro-batch whose estimated memory fits, with the accumulation
+raised so the global batch stays what the user asked for.
+
+HF Trainer's auto_find_batch_size halves the batch after an out-of-memory error, which changes the global
+batch (and so the training math), and refuses ZeRO-3. Here the choice is made before anything is
+allocated, from the preflight memory estimate (on CPU an out-of-memory kills the process, so trying and
+catching is not an option), and only among micro-batches that divide the per-rank batch exactly: with
+token-normalised loss the run is then the same run, only split differently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from open_sft.errors import UserError
+from open_sft.preflight.estimate import GIB, plan_preflight
+
+logger = logging.getLogger(__name__)
+# Leave room for what the estimate does not see (fragmentation, other processes' page cache pressure).
+SAFETY_FRACTION = 0.9
+
+
+def divisors_descending(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _agree(fits: list[bool]) -> list[bool]:
+    """Whether each candidate fits on every rank. Each rank measured its own process memory, so near the
+    budget they could disagree; choosing different micro-batches would split the data inconsistently.
+    The process group is started here (as the Accelerator would start it; it reuses this state)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return fits
+    import torch
+    from accelerate import PartialState
+
+    from open_sft.distributed.setup import all_reduce_sum
+    from open_sft.config.launch import uses_deepspeed
+
+    on_cpu = not torch.cuda.is_available()
+    PartialState(cpu=on_cpu and not uses_deepspeed(), **({"backend": "gloo"} if on_cpu else {}))
+    counts = all_reduce_sum(torch.tensor([int(f) for f in fits], dtype=torch.int64))
+    return [int(c) == int(os.environ["WORLD_SIZE"]) for c in counts.tolist()]
+
+
+def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bool, baseline: int) -> Any:
+    """The config with per_device_train_batch_size / gradient_accumulation_steps replaced by the largest
+    split of the same per-rank batch that fits on every rank. Raises UserError when even 1 does not fit."""
+    from open_sft.training.trainer import plan_schedule
+
+    t = config.train
+    per_rank = t.per_device_train_batch_size * t.gradient_accumulation_steps
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    candidates, fits, tried = [], [], []
+    for micro in divisors_descending(per_rank):
+        train = dataclasses.replace(t, per_device_train_batch_size=micro, gradient_accumulation_steps=per_rank // micro)
+        candidate = dataclasses.replace(config, train=train)
+        schedule = plan_schedule(train, data, world_size, config.data.max_seq_length)
+        plan = plan_preflight(candidate, model, schedule, data, ds_config, bf16, baseline)
+        budget = SAFETY_FRACTION * plan.device_bytes
+        candidates.append(candidate)
+        fits.append(plan.memory.total <= budget)
+        tried.append(f"{micro} × {per_rank // micro}: {plan.memory.total / GIB:.2f} GiB")
+    for candidate, fit in zip(candidates, _agree(fits)):
+        if fit:
+            logger.info("--auto_micro_batch_size: micro-batch %d × accumulation %d per rank (estimates: %s; "
+                        "budget %.2f GiB = %.0f%% of %s)", candidate.train.per_device_train_batch_size,
+                        candidate.train.gradient_accumulation_steps, "; ".join(tried), budget / GIB,
+                        100 * SAFETY_FRACTION, plan.device_name)
+            return candidate
+    raise UserError(
+        f"--auto_micro_batch_size: no micro-batch fits {SAFETY_FRACTION:.0%} of the memory per rank "
+        f"({plan.device_bytes / GIB:.2f} GiB, {plan.device_name}); estimates: {'; '.join(tried)}. Use "
+        "--gradient_checkpointing, a shorter --max_seq_length, ZeRO-3 or LoRA, or more memory")

@@ -1,0 +1,384 @@
+"""Preflight: the per-rank memory a run will need, by component, and its wall time from a measured probe.
+
+Printed by --dry_run (which also runs the probe, then exits without writing anything) and at the start
+of every run. The memory model is analytic so that it can warn before an out-of-memory, not after:
+
+- parameters, gradients and optimizer states follow from the parameter counts, the dtype, the ZeRO stage
+  (stage 2 partitions gradients and optimizer states over ranks, stage 3 the parameters too), offload and
+  LoRA/QLoRA (frozen base weights have no gradient or optimizer state; 4-bit weights count packed bytes);
+- activations follow from the largest micro-batch (tokens), the model shape and gradient checkpointing.
+  The per-token coefficients were measured with `torch.autograd.graph.saved_tensors_hooks` on
+  transformers' Llama with SDPA (tests/test_preflight.py re-measures them so a library change that
+  breaks them fails a test);
+- on CPU the process itself (interpreter, libraries, the memory-mapped data touched so far) is part of
+  the resident set: it is measured when the estimate is made, before the model is loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import psutil
+import torch
+
+from open_sft.data.batching import best_fit_decreasing, locate
+
+GIB = 2**30
+# Saved-for-backward elements per token, fp32, parameters excluded (see the module docstring): per decoder
+# layer 10 × hidden + 4 × intermediate (norms upcast to fp32, q/k/v and rotary copies, SDPA output, the
+# SwiGLU MLP), plus 2.4 × hidden outside the layers (embedding output, final norm). With a padding mask
+# SDPA also keeps ~1.8 × width elements per token and layer. Fitted within 7 % over 48 shapes.
+LAYER_HIDDEN_COEF, LAYER_INTERMEDIATE_COEF, OUTSIDE_HIDDEN_COEF, MASK_WIDTH_COEF = 10.0, 4.0, 2.4, 1.8
+# Under bf16 autocast the matmul outputs are bf16 but norms and the residual stream stay fp32: measured
+# 0.65 of the fp32 bytes.
+BF16_ACTIVATION_FACTOR = 0.65
+# Backward holds the gradients of activations next to the saved tensors it has not freed yet, and the CPU
+# allocator keeps freed blocks: the peak resident activation memory measured on CPU runs was ~1.4 × the
+# saved bytes in fp32 and ~1.8 × under bf16 autocast (backward also makes fp32 copies of bf16 gradients).
+# Gradient checkpointing holds one recomputed layer (and its gradients) at a time.
+ACTIVATION_PEAK_FACTOR = {False: 1.4, True: 1.8}  # by bf16
+RECOMPUTED_LAYER_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: int  # every parameter
+    trainable: int  # parameters the optimizer updates
+    param_bytes: int  # bytes of the parameters as loaded (4-bit weights: their packed bytes)
+    largest_param: int  # elements of the largest single tensor (gathered whole under ZeRO-3)
+    matmul_params: int  # trainable parameters of 2-D weights (autocast keeps a bf16 copy of each)
+    hidden: int
+    layers: int
+    intermediate: int
+    vocab: int
+    heads: int = 1
+    lora_dropout_inputs: int = 0  # summed input widths of LoRA layers with dropout (each keeps a copy)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelShape":
+        config = model.config
+        from open_sft.model.load import param_numel, param_shape
+
+        params = list(model.parameters())  # full sizes, also of a model loaded partitioned (ZeRO-3 init)
+        hidden = config.hidden_size
+        return cls(
+            params=sum(param_numel(p) for p in params),
+            trainable=sum(param_numel(p) for p in params if p.requires_grad),
+            param_bytes=sum(param_numel(p) * p.element_size() for p in params),
+            largest_param=max(param_numel(p) for p in params),
+            matmul_params=sum(param_numel(p) for p in params if p.requires_grad and len(param_shape(p)) == 2),
+            hidden=hidden, layers=config.num_hidden_layers,
+            intermediate=getattr(config, "intermediate_size", None) or 4 * hidden, vocab=config.vocab_size,
+            heads=getattr(config, "num_attention_heads", 1), lora_dropout_inputs=_lora_dropout_inputs(model),
+        )
+
+
+def _lora_dropout_inputs(model: torch.nn.Module) -> int:
+    """peft's LoRA layers apply dropout to their input before lora_A: a new tensor per layer, saved."""
+    total = 0
+    for module in model.modules():
+        dropout = getattr(module, "lora_dropout", None)
+        if isinstance(dropout, torch.nn.ModuleDict) and any(
+                not isinstance(d, torch.nn.Identity) for d in dropout.values()):
+            total += getattr(module, "in_features", 0)
+    return total
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the estimate depends on besides the model."""
+
+    world_size: int
+    zero_stage: int  # 0 without DeepSpeed
+    offload: bool
+    bf16: bool  # bf16 autocast (or DeepSpeed bf16) activations
+    micro_batch_tokens: int  # token positions of the largest micro-batch (padding included)
+    trained_tokens: int  # trained positions of that micro-batch (the LM-head loss runs on these)
+    gradient_checkpointing: bool
+    reduce_bucket_size: int = 0  # elements (DeepSpeed)
+    attention_width: int = 0  # padded width of that micro-batch when it needs a padding mask, else 0
+
+
+@dataclass
+class MemoryEstimate:
+    runtime: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.parameters + self.gradients + self.optimizer + self.activations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"runtime_bytes": self.runtime, "parameters_bytes": self.parameters,
+                "gradients_bytes": self.gradients, "optimizer_bytes": self.optimizer,
+                "activations_bytes": self.activations, "total_bytes": self.total, "notes": self.notes}
+
+
+def _model_states(model: ModelShape, run: RunShape) -> tuple[int, int, int, list[str]]:
+    """Bytes of parameters, gradients and optimizer states per rank."""
+    ws, trainable = run.world_size, model.trainable
+    notes = []
+    adam = 8 * trainable  # exp_avg and exp_avg_sq in fp32
+    if run.zero_stage == 0:
+        params = model.param_bytes + (2 * model.matmul_params if run.bf16 else 0)  # autocast's bf16 copies
+        grads = 4 * trainable
+        # torch's foreach/fused AdamW keeps one parameter-sized temporary while it steps
+        return params, grads, adam + 4 * trainable, notes
+    frozen_bytes = model.param_bytes - 4 * trainable  # LoRA: the frozen base, as loaded
+    low = 2 if run.bf16 else 4  # DeepSpeed casts the module to bf16 when bf16 is on
+    master = 4 * trainable // ws  # fp32 master partition (a separate copy even in fp32)
+    if run.zero_stage >= 3:
+        gathered = low * model.largest_param * 2  # the live gathered parameters of the current module
+        params = (low * trainable + max(frozen_bytes, 0) * low // 4) // ws + master + gathered
+        notes.append("ZeRO-3: parameters partitioned over ranks, gathered one module at a time")
+    else:
+        params = low * trainable + max(frozen_bytes, 0) * low // 4 + master
+    grads = (low + 4) * trainable // ws + low * model.largest_param + low * run.reduce_bucket_size
+    optimizer = adam // ws
+    if run.offload:
+        notes.append("offload: optimizer states and master weights live in host memory (counted here)")
+    return params, grads, optimizer, notes
+
+
+def saved_activation_bytes(model: ModelShape, run: RunShape) -> int:
+    """Bytes the decoder's forward keeps for backward on the largest micro-batch (without checkpointing;
+    with it, the layer inputs plus one recomputed layer and its gradients)."""
+    per_layer = LAYER_HIDDEN_COEF * model.hidden + LAYER_INTERMEDIATE_COEF * model.intermediate
+    per_layer += MASK_WIDTH_COEF * run.attention_width
+    outside = OUTSIDE_HIDDEN_COEF * model.hidden
+    factor = BF16_ACTIVATION_FACTOR if run.bf16 else 1.0
+    tokens = run.micro_batch_tokens
+    if run.gradient_checkpointing:  # layer inputs (the fp32 residual stream) + one layer at a time
+        saved = tokens * (4 * model.hidden * model.layers + 4 * factor * (RECOMPUTED_LAYER_FACTOR * per_layer + outside))
+    else:
+        saved = tokens * 4 * factor * (model.layers * per_layer + outside)
+    return int(saved + tokens * 5 * model.lora_dropout_inputs)  # LoRA: fp32 dropout output + its bool mask
+
+
+def activation_bytes(model: ModelShape, run: RunShape) -> int:
+    """Peak activation memory of one micro-batch's forward and backward, the fused LM-head loss included
+    (its fp32 weight gradient and the logits of one chunk of rows; see open_sft/model/fused_ce.py)."""
+    from open_sft.model.fused_ce import default_chunk_rows
+
+    chunk = min(run.trained_tokens, default_chunk_rows(model.vocab))
+    compute = 2 if run.bf16 else 4
+    loss = (4 + compute) * model.vocab * model.hidden + chunk * model.vocab * (compute + 8)
+    return int(ACTIVATION_PEAK_FACTOR[run.bf16] * saved_activation_bytes(model, run) + loss)
+
+
+def process_bytes() -> int:
+    """This process's resident memory on CPU (interpreter, libraries, data); 0 on CUDA (device memory)."""
+    if torch.cuda.is_available():
+        return 0
+    return psutil.Process().memory_info().rss
+
+
+def estimate_memory(model: ModelShape, run: RunShape, runtime: int) -> MemoryEstimate:
+    params, grads, optimizer, notes = _model_states(model, run)
+    return MemoryEstimate(runtime, params, grads, optimizer, activation_bytes(model, run), notes)
+
+
+def device_memory_bytes(local_world_size: int, limit_gib: Optional[float] = None) -> tuple[int, str]:
+    """Memory one rank can use and what it is: the user's limit, a GPU's total, or this machine's RAM shared
+    by its ranks."""
+    if limit_gib is not None:
+        return int(limit_gib * GIB), "--max_memory_per_rank_gib"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.total_memory, props.name
+    total = psutil.virtual_memory().total
+    return total // max(local_world_size, 1), f"RAM ÷ {local_world_size} local ranks"
+
+
+# ----------------------------------------------------------------------------------------------
+# Time
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class TimeProbe:
+    """Times the optimizer steps after a warm-up one; estimates the rest in proportion to tokens computed
+    (a step's time grows with the token positions it computes: padding included, since it is computed)."""
+
+    total_steps: int
+    step_slots: list[int]  # token positions computed (all ranks) at every step of the schedule
+    warmup: int = 1
+    probe_steps: int = 3
+    seconds: list[float] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+
+    def record(self, step_index: int, seconds: float) -> None:
+        """`step_index` is 0-based within this launch (a resumed run starts again from its warm-up)."""
+        if self.warmup <= step_index < self.warmup + self.probe_steps:
+            self.seconds.append(seconds)
+
+    @property
+    def done(self) -> bool:
+        return len(self.seconds) >= self.probe_steps
+
+    def estimate_seconds(self, first_step: int, probed_from: int) -> float:
+        """Training time of steps first_step..total from the probe steps (which began at probed_from)."""
+        probed = self.step_slots[probed_from:probed_from + len(self.seconds)]
+        rate = sum(self.seconds) / max(sum(probed), 1)
+        return rate * sum(self.step_slots[first_step:self.total_steps])
+
+
+def micro_batch_positions(sizes: list[int], packing: bool, row_capacity: int) -> int:
+    """Token positions a micro-batch computes as it will be collated: unpacked ones pad to their longest
+    example; packed ones lay examples into rows (best-fit-decreasing) padded to the fullest row."""
+    if not packing:
+        return len(sizes) * max(sizes)
+    rows, _ = best_fit_decreasing(dict(enumerate(sizes)), row_capacity)
+    rows = [row for row in rows if row]
+    return len(rows) * max(sum(sizes[i] for i in row) for row in rows)
+
+
+def schedule_slots(schedule: Any, lengths: list[int], packing: bool) -> tuple[list[int], int, int]:
+    """Token positions computed at every optimizer step of the run (all ranks); those of the largest
+    micro-batch any rank computes (what activations scale with) and its width if it needs a padding mask."""
+    plan, slots, largest, width = schedule.plan, [], 0, 0
+    for step in range(schedule.total_steps):
+        epoch, in_epoch = locate(plan, step)
+        total = 0
+        for rank in range(schedule.layout.world_size):
+            for indices in plan.micro_batches(epoch, in_epoch, rank):
+                if indices:
+                    sizes = [lengths[i] for i in indices]
+                    positions = micro_batch_positions(sizes, packing, schedule.max_seq_length)
+                    total += positions
+                    if positions > largest:
+                        largest = positions
+                        width = max(sizes) if not packing and min(sizes) != max(sizes) else 0
+        slots.append(total)
+    return slots, largest, width
+
+
+def format_seconds(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def format_memory(estimate: MemoryEstimate, device_bytes: int, device_name: str) -> str:
+    def gib(value: int) -> str:
+        return f"{value / GIB:8.2f} GiB"
+
+    rows = [("process (measured)", estimate.runtime), ("parameters", estimate.parameters),
+            ("gradients", estimate.gradients), ("optimizer states", estimate.optimizer),
+            ("activations (peak)", estimate.activations)]
+    lines = ["memory estimate per rank:"]
+    lines += [f"  {name:<20}{gib(value)}" for name, value in rows]
+    lines.append(f"  {'total':<20}{gib(estimate.total)}   (available: {device_bytes / GIB:.2f} GiB, {device_name})")
+    lines += [f"  note: {note}" for note in estimate.notes]
+    return "\n".join(lines)
+
+
+def over_budget_warning(estimate: MemoryEstimate, device_bytes: int) -> Optional[str]:
+    if estimate.total <= device_bytes:
+        return None
+    return (f"the estimated memory per rank ({estimate.total / GIB:.2f} GiB) exceeds what a rank has "
+            f"({device_bytes / GIB:.2f} GiB): lower --per_device_train_batch_size (and raise "
+            "--gradient_accumulation_steps to keep the global batch), turn on --gradient_checkpointing, use "
+            "ZeRO-3 (configs/ds/zero3.json) or offload (zero3_offload.json), or LoRA")
+
+
+def local_world_size() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Putting it together for a run
+# ----------------------------------------------------------------------------------------------
+def runtime_bytes(uses_deepspeed: bool, uses_lora: bool, uses_qlora: bool) -> int:
+    """The process's own memory before the model is loaded, with the libraries the run will import
+    (importing deepspeed alone adds a few hundred MB to the resident set)."""
+    wanted = [("deepspeed", uses_deepspeed), ("peft", uses_lora or uses_qlora), ("bitsandbytes", uses_qlora)]
+    for name, used in wanted:
+        if used:
+            importlib.import_module(name)
+    return process_bytes()
+
+
+def zero_settings(ds_config: Optional[dict]) -> tuple[int, bool, int]:
+    """(ZeRO stage, offload, reduce bucket elements) of a DeepSpeed config; (0, False, 0) without one."""
+    if not ds_config:
+        return 0, False, 0
+    zero = ds_config.get("zero_optimization", {})
+    offload = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in ("none", None)
+                  for k in ("offload_optimizer", "offload_param"))
+    bucket = zero.get("reduce_bucket_size", 0)
+    return int(zero.get("stage", 0)), offload, bucket if isinstance(bucket, int) else 0
+
+
+
+
+@dataclass
+class Preflight:
+    memory: MemoryEstimate
+    device_bytes: int
+    device_name: str
+    step_slots: list[int]
+
+    def describe(self, schedule: Any, data: Any) -> str:
+        layout = schedule.layout
+        lines = [
+            f"preflight: {len(data)} training examples, {schedule.steps_per_epoch} optimizer steps per epoch, "
+            f"{schedule.total_steps} steps in all ({schedule.num_epochs} epoch(s))",
+            f"  global batch: {layout.micro_batch_size} per micro-batch × {layout.gradient_accumulation_steps} "
+            f"accumulation × {layout.world_size} rank(s) = {layout.global_batch_size} examples per step",
+            format_memory(self.memory, self.device_bytes, self.device_name),
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name}
+
+
+def plan_preflight(config: Any, model: torch.nn.Module, schedule: Any, data: Any, ds_config: Optional[dict],
+                   bf16: bool, baseline: int) -> Preflight:
+    slots, largest, width = schedule_slots(schedule, data.lengths(), config.train.packing)
+    stage, offload, bucket = zero_settings(ds_config)
+    # every position of the largest micro-batch counted as trained: an upper bound for the LM-head loss term
+    # bitsandbytes' 4-bit layers keep fp32-sized activations on CPU (measured with bitsandbytes 0.50)
+    bf16_activations = bf16 and not (config.lora.use_qlora and not torch.cuda.is_available())
+    shape = RunShape(schedule.layout.world_size, stage, offload, bf16_activations, largest, largest,
+                     config.model.gradient_checkpointing, bucket, width)
+    memory = estimate_memory(ModelShape.of(model), shape, baseline)
+    device_bytes, device_name = device_memory_bytes(local_world_size(), config.train.max_memory_per_rank_gib)
+    return Preflight(memory, device_bytes, device_name, slots)
+
+
+class StepTimer:
+    """on_step_end wrapper: times each optimizer step of this launch, and once the probe steps are done
+    logs the training-time estimate (the probe is the run's own first steps: nothing is spent twice)."""
+
+    def __init__(self, probe: TimeProbe, start_step: int, inner: Any = None, log: Any = None):
+        self.probe, self.start_step, self.inner, self.log = probe, start_step, inner, log
+        self.index = 0
+        self.started = self.last = time.perf_counter()
+        self.started_probe = self.started
+        self.estimate: Optional[float] = None
+
+    def __call__(self, done: int, window: Any) -> bool:
+        now = time.perf_counter()
+        self.probe.record(self.index, now - self.last)
+        self.index += 1
+        if self.estimate is None and self.probe.done:
+            probed_from = self.start_step + self.probe.warmup
+            warmup_seconds = self.started_probe - self.started
+            self.estimate = warmup_seconds + self.probe.estimate_seconds(probed_from, probed_from)
+            if self.log is not None:
+                self.log(f"time estimate: {format_seconds(self.estimate)} for steps {self.start_step + 1}-"
+                         f"{self.probe.total_steps} (measured on steps {probed_from + 1}-{done})")
+        if self.index == self.probe.warmup:
+            self.started_probe = time.perf_counter()
+        stop = self.inner(done, window) if self.inner is not None else False
+        self.last = time.perf_counter()
+        return stop

@@ -1,0 +1,103 @@
+"""AdamW (fused where the build supports it) with decay only on matrices, and the learning-rate schedules
+as pure functions of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from open_sft.model.load import param_shape
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weight matrices only: never on biases or norm scales (1-D parameters)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if len(param_shape(param)) >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float, fused: bool = True,
+                    eight_bit: bool = False) -> torch.optim.Optimizer:
+    """torch AdamW: the fused kernel (one kernel per parameter group) when `fused` and this torch build has it
+    for every device and dtype of the trained parameters, else the multi-tensor (foreach) implementation.
+    Under DeepSpeed ZeRO the same optimizer steps the flat fp32 partitions (see optimizer_impl).
+    `eight_bit` (--use_8bit_optimizer): bitsandbytes' AdamW8bit, its moments stored in 8 bits (blockwise
+    quantized), same betas and eps; bitsandbytes runs it on CPU too."""
+    groups = param_groups(model, weight_decay)
+    if eight_bit:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8)
+    params = [p for group in groups for p in group["params"]]
+    impl = {"fused": True} if fused and fused_adamw_supported(params) else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8, **impl)
+
+
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """Whether fused AdamW steps every (device, dtype) of `params`: torch only checks on the first step,
+    so probe one step on a one-element tensor of each."""
+    for device, dtype in {(p.device, p.dtype) for p in params}:
+        probe = torch.zeros(1, device=device, dtype=dtype, requires_grad=True)
+        probe.grad = torch.zeros_like(probe)
+        try:
+            torch.optim.AdamW([probe], fused=True).step()
+        except RuntimeError:
+            return False
+    return True
+
+
+def optimizer_impl(optimizer: torch.optim.Optimizer) -> dict:
+    """What actually steps the weights, for run.json: the innermost optimizer, its implementation, and the
+    wrappers around it (accelerate's, DeepSpeed ZeRO's)."""
+    wrappers = []
+    while hasattr(optimizer, "optimizer"):
+        wrappers.append(type(optimizer).__name__)
+        optimizer = optimizer.optimizer
+    defaults = getattr(optimizer, "defaults", {})
+    impl = "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "default"
+    return {"class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "implementation": impl,
+            "wrapped_by": wrappers}
+
+
+def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, decay_ratio: float = 0.1,
+                  floor: float = 0.0) -> float:
+    """Learning rate of optimizer step `step` (0-based) as a fraction of the peak.
+
+    `floor`: where linear and polynomial decay end (--final_lr_ratio; polynomial: transformers' lr_end 1e-7 as
+    a fraction of the peak). cosine_with_restarts has open-instruct's one cycle, so it is cosine.
+
+    Warmup rises linearly to the peak at step warmup_steps - 1 (no step is wasted at lr 0); linear
+    decay reaches 1 / (total - warmup) of the peak at the last step, not 0 (no wasted last step).
+    """
+    if step < warmup_steps and kind != "constant":
+        return (step + 1) / warmup_steps
+    if kind in ("constant", "constant_with_warmup"):
+        return 1.0
+    if kind == "wsd":  # warmup, stable at the peak, then linear decay over the last decay_ratio of steps
+        decay_steps = max(1, math.ceil(decay_ratio * total_steps))
+        decay_start = total_steps - decay_steps
+        return 1.0 if step < decay_start else max(0.0, 1.0 - (step - decay_start + 1) / (decay_steps + 1))
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if kind in ("linear", "polynomial"):  # polynomial of power 1, transformers' default, is linear to lr_end
+        return floor + (1.0 - floor) * max(0.0, 1.0 - progress)
+    if kind in ("cosine", "cosine_with_restarts"):
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown schedule {kind!r}")
+
+
+POLYNOMIAL_LR_END = 1e-7  # transformers' get_polynomial_decay_schedule_with_warmup default, as open-instruct uses it
+
+
+def schedule_floor(kind: str, learning_rate: float, final_lr_ratio: float | None) -> float:
+    """The `floor` of lr_multiplier for the flags."""
+    if kind == "polynomial":
+        return min(1.0, POLYNOMIAL_LR_END / learning_rate)
+    return (final_lr_ratio or 0.0) if kind == "linear" else 0.0
+
+
+def warmup_steps_for(warmup_ratio: float, total_steps: int) -> int:
+    return math.ceil(warmup_ratio * total_steps)

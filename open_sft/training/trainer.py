@@ -1,0 +1,342 @@
+"""The training loop: global batches, token-normalised loss, optimizer steps, metrics.
+
+Loss normalisation (--loss_normalization token): the gradient of an optimizer step is that of
+    sum of token losses over the global batch (all micro-batches of all ranks) / its trained tokens.
+The trained-token count of the global batch is all-reduced before the first micro-batch, so each
+micro-batch's loss sum can be divided by it. Accelerate (outside DeepSpeed) and DeepSpeed both
+divide the loss by the accumulation steps, and DDP/ZeRO average gradients over ranks, so we
+multiply by accumulation × world size to undo both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from open_sft.config.args import TrainingArguments
+from open_sft.errors import UserError
+from open_sft.training.evaluate import evaluate
+from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, locate
+from open_sft.data.pipeline import PreparedData
+from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib
+from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor, warmup_steps_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Derived once from the flags and the data; logged and written to run.json."""
+
+    layout: BatchLayout
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    num_epochs: int
+    plan: Any = None  # UnpackedPlan | PackedPlan: which examples each rank trains on at each step
+    max_seq_length: int = 0  # row capacity of packed micro-batches
+
+    def to_dict(self) -> dict:
+        return {"micro_batch_size": self.layout.micro_batch_size,
+                "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,
+                "world_size": self.layout.world_size, "global_batch_size": self.layout.global_batch_size,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs}
+
+
+def plan_schedule(args: TrainingArguments, data: PreparedData, world_size: int, max_seq_length: int) -> Schedule:
+    layout = BatchLayout(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size)
+    if args.packing:
+        budget = args.max_tokens_per_batch or args.per_device_train_batch_size * max_seq_length
+        plan: Any = PackedPlan(data.lengths(), layout, args.seed, budget)
+    else:
+        plan = UnpackedPlan(len(data), layout, args.seed)
+    per_epoch = plan.steps_in_epoch(0)
+    if args.max_train_steps:
+        total = args.max_train_steps
+        epochs = locate(plan, total - 1)[0] + 1
+    else:
+        total = sum(plan.steps_in_epoch(e) for e in range(args.num_train_epochs))
+        epochs = args.num_train_epochs
+    warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
+    return Schedule(layout, per_epoch, total, warmup, epochs, plan, max_seq_length)
+
+
+@dataclass
+class Window:
+    """Accumulators of one logging window (global sums over ranks)."""
+
+    loss_sum: float = 0.0
+    trained_tokens: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+    padded_slots: int = 0  # token positions computed, padding included
+    started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
+
+    def to_state(self) -> dict:
+        """Every accumulator, and the training seconds it has run, for a checkpoint."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "started"}
+        return {**state, "seconds": time.perf_counter() - self.started}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Window":
+        """The window a checkpoint saved, continuing: its throughput counts the seconds it ran before
+        the checkpoint, not the downtime. (Checkpoints before padded_slots was saved: no padding known.)"""
+        state = dict(state)
+        seconds = float(state.pop("seconds", 0.0))
+        state.setdefault("padded_slots", state.get("tokens", 0))
+        return cls(**state, started=time.perf_counter() - seconds)
+
+
+class Trainer:
+    def __init__(self, accelerator, model, optimizer, args: TrainingArguments, schedule: Schedule,
+                 data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
+                 metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                 eval_data: Optional[PreparedData] = None):
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.args = args
+        self.schedule = schedule
+        self.data = data
+        self.pad_token_id = pad_token_id
+        self.flop_counter = flop_counter
+        self.peak_flops = peak_flops
+        self.metrics = metrics
+        self.reduce_sum = reduce_sum
+        self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
+        if self.is_deepspeed:
+            problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
+            if problems:
+                raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
+                                "skipping them: " + "; ".join(problems))
+        if accelerator.is_main_process:
+            logger.info("optimizer: %s", optimizer_impl(optimizer))
+        self.train_tokens = 0
+        self.total_tokens = 0
+        self.eval_data = eval_data
+        self.nonfinite_steps = 0
+        self.nonfinite_in_a_row = 0
+        self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
+
+    def _collate(self, examples: list, loss_free: bool = False) -> dict[str, torch.Tensor]:
+        if self.args.packing:
+            batch = collate_packed(examples, self.pad_token_id, self.schedule.max_seq_length)
+            if loss_free:
+                batch["labels"].fill_(-100)
+            return batch
+        return collate(examples, self.pad_token_id, loss_free=loss_free)
+
+    def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
+        epoch, step_in_epoch = locate(self.schedule.plan, step)
+        slots = self.schedule.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
+        batches = []
+        for indices in slots:
+            if indices:
+                batches.append((self._collate([self.data.example(i) for i in indices]), indices))
+            else:  # an empty slot (end of an epoch): same compute on every rank, no loss
+                batches.append((self._collate([self.data.example(0)], loss_free=True), []))
+        return batches
+
+    def epoch_progress(self, done: int) -> float:
+        """Epochs completed after `done` optimizer steps (fractional within an epoch)."""
+        epoch, step_in_epoch = locate(self.schedule.plan, done - 1)
+        return epoch + (step_in_epoch + 1) / self.schedule.plan.steps_in_epoch(epoch)
+
+    def _loss_scale(self, trained_global: float, trained_local: float) -> float:
+        """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
+        undo = self.schedule.layout.gradient_accumulation_steps * self.schedule.layout.world_size
+        if self.args.loss_normalization == "token":
+            return undo / max(trained_global, 1.0)
+        if self.args.loss_normalization == "sum":
+            return float(undo)
+        return 1.0 / max(trained_local, 1.0)  # "mean": each micro-batch's own mean, averaged
+
+    def _set_lr(self, step: int) -> float:
+        args = self.args
+        lr = args.learning_rate * lr_multiplier(
+            args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps, args.wsd_decay_ratio,
+            schedule_floor(args.lr_scheduler_type, args.learning_rate, args.final_lr_ratio))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _clip_and_norm(self) -> float:
+        if self.is_deepspeed:
+            return float("nan")  # DeepSpeed clips inside its step; the norm is read after it
+        max_norm = self.args.clip_grad_norm if self.args.clip_grad_norm > 0 else float("inf")
+        return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def _nonfinite(self, loss_sum: torch.Tensor, grad_norm: float) -> bool:
+        """Whether any rank saw a non-finite loss or gradient this step (all ranks agree); it is skipped.
+
+        Outside DeepSpeed we skip the optimizer step ourselves. DeepSpeed steps inside the last backward
+        and skips by itself when the gradient norm is not finite (under the settings
+        deepspeed_nonfinite_problems allows), leaving weights and optimizer state untouched: we read its
+        verdict, so a gradient that is non-finite under a finite loss is counted too."""
+        bad = not (math.isfinite(float(loss_sum)) and (self.is_deepspeed or math.isfinite(grad_norm)))
+        bad = bool(self.reduce_sum(torch.tensor([float(bad)], dtype=torch.float64))[0] > 0)
+        if not self.is_deepspeed:
+            return bad
+        skipped = bool(self.optimizer.step_was_skipped)
+        if bad and not skipped:
+            raise NonFiniteError("DeepSpeed applied an optimizer step with a non-finite loss; the weights can no "
+                                 "longer be trusted. Use ZeRO stage 1-3 with the gradient-norm check enabled")
+        return skipped
+
+    def _count_nonfinite(self, step: int, bad: bool) -> None:
+        if not bad:
+            self.nonfinite_in_a_row = 0
+            return
+        self.nonfinite_steps += 1
+        self.nonfinite_in_a_row += 1
+        logger.warning("step %d: non-finite loss or gradient; the update was skipped (%d so far, %d in a row)",
+                       step + 1, self.nonfinite_steps, self.nonfinite_in_a_row)
+        if self.nonfinite_in_a_row >= self.args.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient (last at "
+                f"step {step + 1}); lower --learning_rate, check the data, or raise --max_nonfinite_steps")
+
+    def train_step(self, step: int) -> dict:
+        batches = self._micro_batches(step)
+        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
+        lengths = [batch.pop("lengths") for batch, _ in batches]
+        local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
+                              sum(int((l.double() ** 2).sum()) for l in lengths),
+                              sum(batch["input_ids"].numel() for batch, _ in batches)], dtype=torch.float64)
+        trained_global, tokens_global, squares_global, slots_global = self.reduce_sum(local).tolist()
+        lr = self._set_lr(step)
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        grad_norm = float("nan")
+        skipped = False
+        for a, ((batch, indices), trained_local) in enumerate(zip(batches, local_counts)):
+            self.seen_example_ids.extend(indices)
+            with self.accelerator.accumulate(self.model):
+                with self.accelerator.autocast():
+                    token_loss_sum = self.model(**batch)
+                loss_sum += token_loss_sum.detach().double()
+                self.accelerator.backward(token_loss_sum * self._loss_scale(trained_global, trained_local))
+                if a == len(batches) - 1:
+                    grad_norm = self._clip_and_norm()
+                    skipped = self._nonfinite(loss_sum, grad_norm)
+                if not skipped:
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        if self.is_deepspeed:
+            grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
+        loss_global = float(self.reduce_sum(loss_sum.reshape(1))[0])
+        self._count_nonfinite(step, skipped or not math.isfinite(loss_global))
+        if skipped or not math.isfinite(loss_global):  # the step taught nothing: keep it out of the loss
+            loss_global, trained_global = 0.0, 0
+        flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
+        return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
+                "padded_slots": int(slots_global),
+                "lr": lr, "grad_norm": grad_norm, "flops": flops}
+
+    def train(self, start_step: int = 0, window: Optional[Window] = None,
+              on_step_end: Optional[Callable[[int, Window], bool]] = None) -> list[dict]:
+        """Run to the end of the schedule; returns the logged records (also written to metrics.jsonl).
+
+        Resuming passes the step to start at and the logging window open at that step; `on_step_end`
+        (checkpointing, preemption) runs after every optimizer step and returns True to stop early.
+        """
+        records = []
+        window = window or Window(started=time.perf_counter())
+        run_started = time.perf_counter()
+        for step in range(start_step, self.schedule.total_steps):
+            result = self.train_step(step)
+            window.loss_sum += result["loss_sum"]
+            window.trained_tokens += result["trained_tokens"]
+            window.tokens += result["tokens"]
+            window.flops += result["flops"]
+            window.padded_slots += result["padded_slots"]
+            self.train_tokens += result["trained_tokens"]
+            self.total_tokens += result["tokens"]
+            done = step + 1
+            if done % self.args.logging_steps == 0 or done == self.schedule.total_steps:
+                seconds = max(time.perf_counter() - window.started, 1e-9)
+                record = {
+                    "step": done,
+                    "epoch": round(self.epoch_progress(done), 4),
+                    # A window whose every step was skipped (non-finite) has no loss: NaN, not a false 0.0.
+                    "loss": window.loss_sum / window.trained_tokens if window.trained_tokens else float("nan"),
+                    "learning_rate": result["lr"],
+                    "grad_norm": result["grad_norm"],
+                    "train_tokens": self.train_tokens,
+                    "total_tokens": self.total_tokens,
+                    "tokens_per_second": window.tokens / seconds,
+                    "mfu": window.flops / seconds / (self.peak_flops * self.schedule.layout.world_size),
+                    "peak_memory_gib": peak_memory_gib(),
+                    "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
+                    "nonfinite_steps": self.nonfinite_steps,
+                    "elapsed_s": time.perf_counter() - run_started,
+                }
+                records.append(record)
+                self._log(record)
+                window = Window(started=time.perf_counter())
+            if self.eval_data is not None and (
+                    done == self.schedule.total_steps or (self.args.eval_steps and done % self.args.eval_steps == 0)):
+                records.append(self.evaluate(done))
+            if on_step_end is not None and on_step_end(done, window):
+                break
+        return records
+
+    def evaluate(self, done: int) -> dict:
+        """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
+        result = evaluate(self.accelerator, self.model, self.eval_data, self.args.per_device_train_batch_size,
+                          self.pad_token_id, self.reduce_sum)
+        record = {"step": done, "epoch": round(self.epoch_progress(done), 4), **result}
+        if self.accelerator.is_main_process:
+            logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.schedule.total_steps,
+                        record["eval_loss"], record["eval_tokens"])
+            if self.metrics is not None:
+                self.metrics.write(record)
+        return record
+
+    def _log(self, record: dict) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        total = self.schedule.total_steps
+        remaining = record["elapsed_s"] / record["step"] * (total - record["step"])
+        logger.info(
+            "step %d/%d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tok/s | mfu %.1f%% | mem %.2f GiB | eta %.0fs",
+            record["step"], total, record["loss"], record["learning_rate"], record["grad_norm"],
+            record["tokens_per_second"], 100 * record["mfu"], record["peak_memory_gib"], remaining,
+        )
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+
+class NonFiniteError(UserError):
+    """Training diverged: too many non-finite steps in a row."""
+
+
+def deepspeed_nonfinite_problems(config: dict) -> list[str]:
+    """Settings under which DeepSpeed 0.19 applies an optimizer step whose gradient is not finite.
+
+    ZeRO-3, and bf16 without ZeRO, skip a step whose global gradient norm is not finite. ZeRO-1/2 do so
+    in fp32 when they compute the norm (zero_optimization.compute_grad_norm, default true) and in bf16
+    when bf16.check_grad_overflow is on (default true). Without ZeRO, fp32 steps a plain torch optimizer.
+    """
+    zero = config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    bf16 = config.get("bf16", {})
+    problems = []
+    if stage == 0 and not bf16.get("enabled", False):
+        problems.append("zero_optimization.stage 0 in fp32 has no overflow check; use stage 1, 2 or 3")
+    if stage in (1, 2) and bf16.get("enabled", False) and bf16.get("check_grad_overflow", True) is False:
+        problems.append("bf16.check_grad_overflow is false; remove it or set it to true")
+    if stage in (1, 2) and not bf16.get("enabled", False) and zero.get("compute_grad_norm", True) is False:
+        problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
+    return problems
+
+
+def count_trained_batch(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
