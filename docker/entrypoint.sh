@@ -4,7 +4,7 @@
 # default ZeRO-3; NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT or SLURM's variables for multi-node).
 #   docker run IMAGE --model_name_or_path ... --output_dir /out     -> training
 #   docker run IMAGE --help                                         -> finetune.py's flags
-#   docker run IMAGE python -m open_sft.monitor.report /out                 -> any other command, as is
+#   docker run IMAGE python -m open_sft report /out                 -> any other command, as is
 set -euo pipefail
 APP="${OPEN_SFT_APP:-/opt/open_sft}"
 

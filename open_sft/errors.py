@@ -1,7 +1,11 @@
-"""The one exception type for problems a user can fix (bad flag, file, row).
+"""The exceptions the entrypoint turns into a message and an exit code instead of a traceback.
 
-The entrypoint turns it into a clean message and exit code 2 instead of a traceback;
-anything else is a bug and keeps its traceback.
+    exit 2   UserError (and ConfigError, every problem of a configuration at once): input the user can fix
+             (a flag, a file, a row); the message names it and the fix
+    exit 3   open_sft.export.hub.PushFailed (a StopRun): the Hub upload failed, the local export is intact
+    exit 75  open_sft.training.preemption.Preempted (a StopRun): stopped on a signal, checkpoint saved;
+             relaunching resumes (75 is EX_TEMPFAIL, which schedulers read as "retry")
+Anything else is a bug and keeps its traceback.
 """
 
 

@@ -1,23 +1,55 @@
-"""One fine-tuning run: parse → build data → build model → train → export. `finetune.py` calls `main`."""
+"""One fine-tuning run, as named phases over one Job: parse → launch plan → data → model → preflight → train
+→ export. `finetune.py` calls `main`.
+
+The phases import the heavy modules (torch's distributed stack, transformers, DeepSpeed) inside their bodies:
+`main` first sets up this process (`setup_cpu_environment`), and DeepSpeed picks its accelerator when it is
+first imported, so nothing may import it earlier; `finetune.py --help` also stays fast that way.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import warnings
 import sys
-import time
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from open_sft.config.parse import parse_config
 from open_sft.config.args import FinetuneConfig
+from open_sft.config.parse import parse_config
+from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError
 
 logger = logging.getLogger("open_sft")
+
+
+@dataclass
+class Job:
+    """What the phases hand on. `config` is final once the model phase has fitted the micro-batch."""
+
+    config: FinetuneConfig
+    launch: Any  # open_sft.config.launch.LaunchPlan
+    tokenizer: Any = None
+    data: Any = None  # open_sft.data.pipeline.PreparedData
+    eval_data: Any = None
+    model: Any = None
+    accelerator: Any = None
+    ds_config: Optional[dict] = None  # resolved: no "auto" left
+    schedule: Any = None  # open_sft.training.trainer.Schedule
+    preflight: Any = None  # open_sft.preflight.estimate.Preflight
+    baseline_bytes: int = 0  # this process's memory before the model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.launch.dtype
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.train.output_dir)
 
 
 def _is_main_rank() -> bool:
@@ -33,35 +65,17 @@ def _setup_logging() -> None:
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
-def _accelerator_for(config: FinetuneConfig, model_config, dtype: torch.dtype, ds_config: Optional[dict],
-                     zero3_init: bool = False):
-    """The Accelerator, with the launch's DeepSpeed config (from launch_config) resolved from our flags;
-    with `zero3_init`, a model loaded after it loads partitioned."""
-    from open_sft.distributed import setup as distributed
-
-    t = config.train
-    if ds_config is not None:
-        ds_config = distributed.resolve_deepspeed_config(
-            ds_config, micro_batch_size=t.per_device_train_batch_size,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            world_size=int(os.environ.get("WORLD_SIZE", "1")), bf16=dtype == torch.bfloat16,
-            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None),
-        )
-    accelerator = distributed.build_accelerator(
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        mixed_precision="bf16" if dtype == torch.bfloat16 else "no", deepspeed_config=ds_config,
-        timeout_s=t.timeout, zero3_init=zero3_init,
-    )
-    return accelerator, ds_config
-
-
-def _plan_launch(config: FinetuneConfig):
-    """The flags reconciled with what `accelerate launch` was given (its YAML or flags, a DeepSpeed JSON);
-    each decision that is not the plain flag is logged once."""
-    from open_sft.config.launch import plan_launch
+# --------------------------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------------------------
+def plan_launch(config: FinetuneConfig) -> Job:
+    """The flags reconciled with what `accelerate launch` was given (its YAML or flags, a DeepSpeed JSON) and the
+    compute dtype chosen; each decision that is not the plain flag is logged once."""
+    from open_sft.config.launch import plan_launch as reconcile
     from open_sft.model.precision import choose_dtype
 
-    plan = plan_launch(config.train, config.model, config.explicit, lambda: choose_dtype(config.model, config.lora.use_qlora))
+    plan = reconcile(config.train, config.model, config.explicit,
+                     lambda: choose_dtype(config.model, config.lora.use_qlora))
     if _is_main_rank():
         for note in config.notes:
             logger.info("%s", note)
@@ -70,243 +84,204 @@ def _plan_launch(config: FinetuneConfig):
         for note in plan.notes:
             logger.info("launch config: %s", note)
         logger.info("compute dtype %s: %s", plan.dtype_choice.dtype, plan.dtype_choice.reason)
-    return dataclasses.replace(config, train=plan.train), plan
+    torch.manual_seed(plan.train.seed)
+    return Job(dataclasses.replace(config, train=plan.train), plan)
 
 
-def _check_ranks_agree_on_dtype(accelerator, dtype: torch.dtype) -> None:
-    """--torch_dtype auto is measured per node: nodes of different CPU kinds could choose differently."""
-    from open_sft.distributed import setup as distributed
-
-    if accelerator.num_processes > 1:
-        bf16_ranks = int(distributed.all_reduce_sum(int(dtype == torch.bfloat16)))
-        if bf16_ranks not in (0, accelerator.num_processes):
-            raise UserError(f"the ranks chose different compute dtypes ({bf16_ranks} of {accelerator.num_processes} "
-                            "bf16: the nodes' CPUs differ); pass --torch_dtype bfloat16 or float32")
-
-
-def _run_info(config: FinetuneConfig, accelerator, dtype, schedule, data, ds_config, launch) -> dict:
-    from open_sft.export.save import git_revision, library_versions
-
-    return {
-        "args": config.to_dict(), "versions": library_versions(), "world_size": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.name, "compute_dtype": str(dtype),
-        "loss_normalization": config.train.loss_normalization, "schedule": schedule.to_dict(),
-        "dataset_cache_key": data.cache_key, "dataset_cache_path": str(data.cache_path),
-        "git_revision": git_revision(), "deepspeed_config": ds_config, "threads_per_rank": torch.get_num_threads(),
-        "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
-    }
-
-
-def _flop_counter(model):
-    from open_sft.monitor.metrics import FlopCounter
-    from open_sft.model.load import param_numel
-
-    head = model.get_output_embeddings().weight
-    backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
-    return FlopCounter(model.config, backbone_params)
-
-
-def _print_examples(data, tokenizer, count: int = 3) -> None:
-    from open_sft.data.summary import mark_trained
-
-    color = sys.stdout.isatty()
-    for index in range(min(count, len(data))):
-        example = data.example(index)
-        print(f"\n--- example {index} ({len(example.input_ids)} tokens; trained tokens marked) ---")
-        print(mark_trained(tokenizer, example.input_ids, example.labels, color))
-
-
-def _build_trainer(config: FinetuneConfig, accelerator, model, schedule, data, tokenizer, dtype, metrics,
-                   eval_data=None):
-    from open_sft.distributed import setup as distributed
-    from open_sft.model.loss import TokenLossModel
-    from open_sft.monitor.metrics import device_peak_flops
-    from open_sft.training.optim import build_optimizer
-    from open_sft.training.trainer import Trainer
-
-    t = config.train
-    flop_counter = _flop_counter(model)
-    wrapped = TokenLossModel(model)
-    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
-                                eight_bit=t.use_8bit_optimizer)
-    wrapped, optimizer = accelerator.prepare(wrapped, optimizer)
-    return Trainer(accelerator, wrapped, optimizer, t, schedule, data, tokenizer.pad_token_id, flop_counter,
-                   device_peak_flops(dtype), metrics, reduce_sum=distributed.all_reduce_sum, eval_data=eval_data)
-
-
-def _probe_only(config: FinetuneConfig, accelerator, model, schedule, data, tokenizer, plan, dtype) -> dict:
-    """--dry_run: train the probe steps on this throwaway copy of the model, print the time estimate,
-    write nothing."""
-    from open_sft.preflight import estimate as preflight
-
-    trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics=None)
-    probe = preflight.TimeProbe(schedule.total_steps, plan.step_slots)
-    timer = preflight.StepTimer(probe, 0, inner=lambda done, window: probe.done)
-    trainer.train(0, on_step_end=timer)
-    estimate = timer.estimate
-    if estimate is None:  # the whole run is shorter than the probe: it was measured, not estimated
-        estimate = time.perf_counter() - timer.started
-    if accelerator.is_main_process:
-        print(f"time estimate: {preflight.format_seconds(estimate)} for {schedule.total_steps} optimizer steps "
-              f"(from a probe of {len(probe.seconds)} step(s) after {probe.warmup} warm-up step)", flush=True)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return {"dry_run": True, "time_estimate_s": estimate, "preflight": plan.to_dict()}
-
-
-def run(config: FinetuneConfig) -> dict:
-    """Train and export; returns a summary. Raises UserError for problems the user can fix."""
-    from open_sft.training import checkpoint
-    from open_sft.distributed import setup as distributed
-    from open_sft.preflight import estimate as preflight
-    from open_sft.data.pipeline import prepare_data
-    from open_sft.data.summary import format_report
-    from open_sft.export.save import save_model, write_json
-    from open_sft.export.model_card import write_model_card
-    from open_sft.monitor.progress import ProgressBar, chain
-    from open_sft.export.hub import push_output_dir
-    from open_sft.model.lora import is_peft_model, save_lora
-    from open_sft.monitor.metrics import MetricsWriter
+def prepare_data(job: Job) -> None:
+    """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
-    from open_sft.model.load import (add_bos_to_template, context_warning, load_model, load_model_config, load_tokenizer,
-                                partition_summary)
-    from open_sft.training.optim import optimizer_impl
-    from open_sft.training.trainer import plan_schedule
+    from open_sft.data.pipeline import prepare_data as build
+    from open_sft.data.summary import format_report
+    from open_sft.model.load import add_bos_to_template, load_tokenizer
 
-    config, launch = _plan_launch(config)
-    m, d, t = config.model, config.data, config.train
-    dtype = launch.dtype
-    torch.manual_seed(t.seed)
-    tokenizer = load_tokenizer(m)
-    apply_chat_template_choice(tokenizer, d.chat_template_name, d.chat_template_path)
+    m, d, seed = job.config.model, job.config.data, job.config.train.seed
+    job.tokenizer = load_tokenizer(m)
+    apply_chat_template_choice(job.tokenizer, d.chat_template_name, d.chat_template_path)
     if d.add_bos:
-        add_bos_to_template(tokenizer)
-    data = prepare_data(d, tokenizer, t.seed)
-    if d.cache_dataset_only:  # nothing is written but the cache (its report.json holds the data report)
-        if _is_main_rank():
-            print(format_report(data.report), flush=True)
-            print(data.cache_path)
-        return {"cache_path": str(data.cache_path)}
-    eval_data = None
+        add_bos_to_template(job.tokenizer)
+    job.data = build(d, job.tokenizer, seed)
+    if d.cache_dataset_only:
+        return
     if d.eval_dataset_mixer_list:
-        eval_data = prepare_data(dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list), tokenizer, t.seed)
+        job.eval_data = build(dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list), job.tokenizer, seed)
     elif d.eval_split_ratio:
-        data, eval_data = data.split(d.eval_split_ratio, t.seed)
+        job.data, job.eval_data = job.data.split(d.eval_split_ratio, seed)
     if _is_main_rank():
-        print(format_report(data.report), flush=True)
-    if t.dry_run and _is_main_rank():
-        _print_examples(data, tokenizer)
-    baseline = preflight.runtime_bytes(launch.deepspeed_config is not None,
-                                       config.lora.use_lora, config.lora.use_qlora)
-    zero3_init = launch.zero3_init and not t.auto_micro_batch_size
-    if zero3_init:  # the accelerator first: from_pretrained then loads under deepspeed.zero.Init
-        accelerator, ds_config = _accelerator_for(config, load_model_config(m), dtype, launch.deepspeed_config, True)
-        model = load_model(m, tokenizer, config.lora)
-        logger.info("%s", partition_summary(model))
+        print(format_report(job.data.report), flush=True)
+        if job.config.train.dry_run:
+            _print_examples(job.data, job.tokenizer)
+
+
+def build_model(job: Job) -> None:
+    """The model and the Accelerator. Under ZeRO-3 init the Accelerator comes first, so that from_pretrained loads
+    partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
+    from open_sft.model.load import load_model, load_model_config, partition_summary
+    from open_sft.preflight.estimate import runtime_bytes
+
+    config, launch = job.config, job.launch
+    job.baseline_bytes = runtime_bytes(launch.deepspeed_config is not None, config.lora.use_lora, config.lora.use_qlora)
+    if launch.zero3_init and not config.train.auto_micro_batch_size:
+        _start_accelerator(job, load_model_config(config.model), zero3_init=True)
+        job.model = load_model(config.model, job.tokenizer, config.lora)
+        logger.info("%s", partition_summary(job.model))
     else:
         if launch.zero3_init:
             logger.info("--auto_micro_batch_size measures the whole model: it is loaded whole on each rank and "
                         "partitioned by ZeRO-3 when training starts")
-        model = load_model(m, tokenizer, config.lora)
-        if t.auto_micro_batch_size:
+        job.model = load_model(config.model, job.tokenizer, config.lora)
+        if config.train.auto_micro_batch_size:
             from open_sft.preflight.auto_batch import fit_micro_batch
 
-            config = fit_micro_batch(config, model, data, launch.deepspeed_config,
-                                     dtype == torch.bfloat16, baseline)
-            t = config.train
-        accelerator, ds_config = _accelerator_for(config, model.config, dtype, launch.deepspeed_config)
-    _check_ranks_agree_on_dtype(accelerator, dtype)
+            job.config = fit_micro_batch(config, job.model, job.data, launch.deepspeed_config,
+                                         job.dtype == torch.bfloat16, job.baseline_bytes)
+        _start_accelerator(job, job.model.config)
+    _check_ranks_agree_on_dtype(job.accelerator, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
         from open_sft.model import bf16_matmul
 
-        logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(model))
-    schedule = plan_schedule(t, data, accelerator.num_processes, d.max_seq_length)
-    plan = preflight.plan_preflight(config, model, schedule, data, ds_config, dtype == torch.bfloat16, baseline)
-    context = context_warning(model.config, max(data.lengths(), default=0))
-    if accelerator.is_main_process and context:
-        logger.warning("%s", context)
-    if accelerator.is_main_process:
-        print(plan.describe(schedule, data), flush=True)
-        warning = preflight.over_budget_warning(plan.memory, plan.device_bytes)
+        logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(job.model))
+
+
+def preflight(job: Job) -> None:
+    """The step schedule, and the memory and time the run will need, printed before anything is trained."""
+    from open_sft.model.load import context_warning
+    from open_sft.preflight.estimate import over_budget_warning, plan_preflight
+    from open_sft.training.trainer import plan_schedule
+
+    config, data = job.config, job.data
+    job.schedule = plan_schedule(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
+    job.preflight = plan_preflight(config, job.model, job.schedule, data, job.ds_config, job.dtype == torch.bfloat16,
+                                   job.baseline_bytes)
+    if job.accelerator.is_main_process:
+        context = context_warning(job.model.config, max(data.lengths(), default=0))
+        if context:
+            logger.warning("%s", context)
+        print(job.preflight.describe(job.schedule, data), flush=True)
+        warning = over_budget_warning(job.preflight.memory, job.preflight.device_bytes)
         if warning:
             logger.warning(warning)
-    if t.dry_run:
-        return _probe_only(config, accelerator, model, schedule, data, tokenizer, plan, dtype)
-    output_dir = Path(t.output_dir)
-    identity = checkpoint.run_identity(config, data.cache_key, accelerator.num_processes)
+
+
+def probe_only(job: Job) -> dict:
+    """--dry_run: train the probe steps on this throwaway copy of the model, print the time estimate, write
+    nothing."""
+    from open_sft.preflight.estimate import StepTimer, TimeProbe, format_seconds
+
+    trainer = _build_trainer(job, metrics=None)
+    probe = TimeProbe(job.schedule.total_steps, job.preflight.step_slots)
+    timer = StepTimer(probe, 0)
+    trainer.train(0, after_step=[timer, lambda done, seconds: probe.done])
+    # a run shorter than the probe was measured whole, not estimated
+    estimate = timer.estimate if timer.estimate is not None else timer.elapsed
+    if job.accelerator.is_main_process:
+        print(f"time estimate: {format_seconds(estimate)} for {job.schedule.total_steps} optimizer steps "
+              f"(from a probe of {len(probe.seconds)} step(s) after {probe.warmup} warm-up step)", flush=True)
+    job.accelerator.wait_for_everyone()
+    job.accelerator.end_training()
+    return {"dry_run": True, "time_estimate_s": estimate, "preflight": job.preflight.to_dict()}
+
+
+def train(job: Job) -> tuple[Any, Any, list[dict]]:
+    """Resume if there is something to resume, train to the end (or to a stop signal: checkpoint, then
+    Preempted); returns the trainer, the checkpointer and the logged records."""
+    from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.monitor.progress import ProgressBar
+    from open_sft.preflight.estimate import StepTimer, TimeProbe
+    from open_sft.training import checkpoint
+    from open_sft.training.preemption import StopRequest
+
+    config, acc, output_dir = job.config, job.accelerator, job.output_dir
+    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes)
     resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
-                                       accelerator.is_main_process)
-    if accelerator.is_main_process:
+                                       acc.is_main_process)
+    if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
-    logger.info("world size %d (%s), compute dtype %s, %d threads per rank", accelerator.num_processes,
-                accelerator.distributed_type.name, dtype, torch.get_num_threads())
-    logger.info("schedule: %s", schedule.to_dict())
-
-    metrics = None
-    if accelerator.is_main_process:
-        metrics = MetricsWriter.for_run(output_dir, t.with_tracking, t.report_to, config.to_dict(), name=t.exp_name,
-                                        project=t.wandb_project_name, entity=t.wandb_entity)
-    trainer = _build_trainer(config, accelerator, model, schedule, data, tokenizer, dtype, metrics, eval_data)
-    if accelerator.is_main_process:
-        info = _run_info(config, accelerator, dtype, schedule, data, ds_config, launch)
-        write_json(output_dir / "run.json", {**info, "preflight": plan.to_dict(),
-                                             "optimizer": optimizer_impl(trainer.optimizer)})
-        write_json(output_dir / "data_report.json", data.report)
-    wrapped = trainer.model
-    uploader = None
-    if config.hub.push_checkpoints and accelerator.is_main_process:
-        from open_sft.export.hub_checkpoints import CheckpointUploader
-
-        uploader = CheckpointUploader(config.hub)
-    checkpointer = checkpoint.Checkpointer(accelerator, trainer, output_dir, config.checkpoint, identity,
-                                           config.to_dict(), reduce_sum=distributed.all_reduce_sum,
-                                           uploader=uploader)
-    start_step, window = checkpointer.restore(resume)
-    progress = ProgressBar.for_rank(schedule.total_steps, start_step, accelerator.is_main_process)
-    timer = preflight.StepTimer(preflight.TimeProbe(schedule.total_steps, plan.step_slots), start_step,
-                                inner=chain(progress, checkpointer.on_step_end),
-                                log=logger.info if accelerator.is_main_process else None)
+    logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
+                acc.distributed_type.name, job.dtype, torch.get_num_threads())
+    logger.info("schedule: %s", job.schedule.to_dict())
+    metrics = _metrics_writer(job) if acc.is_main_process else None
+    trainer = _build_trainer(job, metrics)
+    if acc.is_main_process:
+        _write_run_files(job, trainer)
+    checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
+                                           reduce_sum=all_reduce_sum, stop=StopRequest().install(),
+                                           uploader=_checkpoint_uploader(job))
+    start_step = checkpointer.restore(resume)
+    progress = ProgressBar.for_rank(job.schedule.total_steps, start_step, acc.is_main_process)
+    timer = StepTimer(TimeProbe(job.schedule.total_steps, job.preflight.step_slots), start_step,
+                      log=logger.info if acc.is_main_process else None)
     with progress.around_training():
-        records = trainer.train(start_step, window, on_step_end=timer)
+        records = trainer.train(start_step, after_step=[timer, progress, checkpointer.on_step_end])
     checkpointer.raise_if_preempted(metrics)
     if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
-        write_json(output_dir / f"data_order.rank{accelerator.process_index}.json",
-                   {"rank": accelerator.process_index, "example_indices": trainer.seen_example_ids})
+        from open_sft.monitor.run_info import write_json
 
-    state_dict = distributed.gather_full_state_dict(accelerator, wrapped)
-    if accelerator.is_main_process:
+        write_json(output_dir / f"data_order.rank{acc.process_index}.json",
+                   {"rank": acc.process_index, "example_indices": trainer.seen_example_ids})
+    return trainer, checkpointer, records
+
+
+def export(job: Job, trainer: Any, checkpointer: Any) -> None:
+    """The model in Hugging Face layout (full, or LoRA with its optional merge), the report and the model card;
+    then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export pushed if asked."""
+    from open_sft.distributed.collectives import gather_full_state_dict
+    from open_sft.export.hub import push_output_dir
+    from open_sft.export.model_card import write_model_card
+    from open_sft.export.save import save_lora, save_model
+    from open_sft.model.lora import is_peft_model
+    from open_sft.monitor.report import write_run_report
+    from open_sft.training.checkpoint import remove_all
+
+    config, acc, output_dir = job.config, job.accelerator, job.output_dir
+    state_dict = gather_full_state_dict(acc, trainer.model)  # collective
+    if acc.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
-        trained_model = accelerator.unwrap_model(wrapped).model
+        trained_model = acc.unwrap_model(trainer.model).model
+        shard = config.checkpoint.max_shard_size
         if is_peft_model(trained_model):
-            save_lora(trained_model, state_dict, tokenizer, output_dir, merge=config.lora.merge_lora_on_save,
-                      max_shard_size=config.checkpoint.max_shard_size)
+            save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard)
         else:
-            save_model(trained_model, state_dict, tokenizer, output_dir, max_shard_size=config.checkpoint.max_shard_size)
-        metrics.close()
-        from open_sft.monitor.report import write_run_report
-
+            save_model(trained_model, state_dict, job.tokenizer, output_dir, max_shard_size=shard)
+        trainer.metrics.close()
         write_run_report(output_dir)
         write_model_card(output_dir)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    acc.wait_for_everyone()
+    acc.end_training()
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
-    if config.checkpoint.clean_checkpoints_at_end and accelerator.is_main_process:
-        checkpoint.remove_all(output_dir)  # after the uploads: they read from these directories
-    if config.hub.push_to_hub and accelerator.is_main_process:
+    if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
+        remove_all(output_dir)  # after the uploads: they read from these directories
+    if config.hub.push_to_hub and acc.is_main_process:
         push_output_dir(output_dir, config.hub)
-    return {"records": records, "output_dir": str(output_dir)}
+
+
+def run(config: FinetuneConfig) -> dict:
+    """Train and export; returns a summary. Raises UserError for problems the user can fix."""
+    job = plan_launch(config)
+    prepare_data(job)
+    if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
+        if _is_main_rank():
+            from open_sft.data.summary import format_report
+
+            print(format_report(job.data.report), flush=True)
+            print(job.data.cache_path)
+        return {"cache_path": str(job.data.cache_path)}
+    build_model(job)
+    preflight(job)
+    if job.config.train.dry_run:
+        return probe_only(job)
+    trainer, checkpointer, records = train(job)
+    export(job, trainer, checkpointer)
+    return {"records": records, "output_dir": str(job.output_dir)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     try:
-        from open_sft.distributed import setup as distributed
-
-        distributed.setup_cpu_environment()
-        config = parse_config(argv)
-        run(config)
+        setup_cpu_environment()  # before anything imports deepspeed: it picks its accelerator at import
+        run(parse_config(argv))
     except UserError as exc:
         if _is_main_rank():
             print(f"error: {exc}", file=sys.stderr)
@@ -316,3 +291,99 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"open_sft: {exc}", file=sys.stderr)
         return exc.exit_code
     return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Helpers of the phases
+# --------------------------------------------------------------------------------------------------------------
+def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) -> None:
+    """The Accelerator, with the launch's DeepSpeed config resolved from the flags (its "auto" values filled)."""
+    from open_sft.distributed.deepspeed import resolve_deepspeed_config
+    from open_sft.distributed.setup import build_accelerator
+
+    t = job.config.train
+    if job.launch.deepspeed_config is not None:
+        job.ds_config = resolve_deepspeed_config(
+            job.launch.deepspeed_config, micro_batch_size=t.per_device_train_batch_size,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")), bf16=job.dtype == torch.bfloat16,
+            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
+    job.accelerator = build_accelerator(
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        mixed_precision="bf16" if job.dtype == torch.bfloat16 else "no", deepspeed_config=job.ds_config,
+        timeout_s=t.timeout, zero3_init=zero3_init)
+
+
+def _check_ranks_agree_on_dtype(accelerator: Any, dtype: torch.dtype) -> None:
+    """--torch_dtype auto is measured per node: nodes of different CPU kinds could choose differently."""
+    from open_sft.distributed.collectives import all_reduce_sum
+
+    if accelerator.num_processes > 1:
+        bf16_ranks = int(all_reduce_sum(int(dtype == torch.bfloat16)))
+        if bf16_ranks not in (0, accelerator.num_processes):
+            raise UserError(f"the ranks chose different compute dtypes ({bf16_ranks} of {accelerator.num_processes} "
+                            "bf16: the nodes' CPUs differ); pass --torch_dtype bfloat16 or float32")
+
+
+def _print_examples(data: Any, tokenizer: Any, count: int = 3) -> None:
+    from open_sft.data.summary import mark_trained
+
+    color = sys.stdout.isatty()
+    for index in range(min(count, len(data))):
+        example = data.example(index)
+        print(f"\n--- example {index} ({len(example.input_ids)} tokens; trained tokens marked) ---")
+        print(mark_trained(tokenizer, example.input_ids, example.labels, color))
+
+
+def _build_trainer(job: Job, metrics: Any) -> Any:
+    """The loss-wrapped model and the optimizer, prepared by the Accelerator, in a Trainer."""
+    from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.model.load import param_numel
+    from open_sft.model.loss import TokenLossModel
+    from open_sft.monitor.metrics import FlopCounter, device_peak_flops
+    from open_sft.training.optim import build_optimizer
+    from open_sft.training.trainer import Trainer
+
+    t, model = job.config.train, job.model
+    head = model.get_output_embeddings().weight
+    backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
+    wrapped = TokenLossModel(model)
+    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
+                                eight_bit=t.use_8bit_optimizer)
+    wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
+    return Trainer(job.accelerator, wrapped, optimizer, t, job.schedule, job.data, job.tokenizer.pad_token_id,
+                   FlopCounter(model.config, backbone_params), device_peak_flops(job.dtype), metrics,
+                   reduce_sum=all_reduce_sum, eval_data=job.eval_data)
+
+
+def _metrics_writer(job: Job) -> Any:
+    from open_sft.monitor.metrics import MetricsWriter
+
+    t = job.config.train
+    return MetricsWriter.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(), name=t.exp_name,
+                                 project=t.wandb_project_name, entity=t.wandb_entity)
+
+
+def _write_run_files(job: Job, trainer: Any) -> None:
+    """run.json (what ran, where, with what) and data_report.json, before the first step."""
+    from open_sft.monitor.run_info import git_revision, library_versions, write_json
+    from open_sft.training.optim import optimizer_impl
+
+    acc, launch = job.accelerator, job.launch
+    write_json(job.output_dir / "run.json", {
+        "args": job.config.to_dict(), "versions": library_versions(), "world_size": acc.num_processes,
+        "distributed_type": acc.distributed_type.name, "compute_dtype": str(job.dtype),
+        "loss_normalization": job.config.train.loss_normalization, "schedule": job.schedule.to_dict(),
+        "dataset_cache_key": job.data.cache_key, "dataset_cache_path": str(job.data.cache_path),
+        "git_revision": git_revision(), "deepspeed_config": job.ds_config, "threads_per_rank": torch.get_num_threads(),
+        "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
+        "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer)})
+    write_json(job.output_dir / "data_report.json", job.data.report)
+
+
+def _checkpoint_uploader(job: Job) -> Any:
+    if not (job.config.hub.push_checkpoints and job.accelerator.is_main_process):
+        return None
+    from open_sft.export.hub_checkpoints import CheckpointUploader
+
+    return CheckpointUploader(job.config.hub)

@@ -10,7 +10,7 @@ WORK="${DEMO_DIR:-.demo}"
 mkdir -p "$WORK"
 
 echo "[demo] building the embedded default model and tokenizer in $WORK/base"
-python -m open_sft.embedded "$WORK/base" --hidden_size 128 --num_layers 4 --num_heads 4 --num_kv_heads 2 >/dev/null
+python -m open_sft embedded "$WORK/base" --hidden_size 128 --num_layers 4 --num_heads 4 --num_kv_heads 2 >/dev/null
 
 echo "[demo] fine-tuning on the bundled sample with 2 processes under ZeRO-2"
 accelerate launch --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
@@ -24,6 +24,6 @@ accelerate launch --num_processes 2 --num_machines 1 --mixed_precision no --dyna
     --lr_scheduler_type cosine --max_seq_length 256 --logging_steps 25 --seed 42
 
 echo "[demo] model written to $(cd "$WORK/output" && pwd)"
-python -m open_sft.export.generate "$WORK/output" \
+python -m open_sft generate "$WORK/output" \
     --prompt "What is 12 plus 7?" --prompt "Reverse the word planet." --prompt "Convert 3 km to m." \
     --score_sample 100

@@ -5,4 +5,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${OPEN_SFT_VENV:-$ROOT/.venv}/bin/python"
 [ -x "$PY" ] || PY=python3
-exec "$PY" -m open_sft.export.hub "$@"
+exec "$PY" -m open_sft push "$@"

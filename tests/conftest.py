@@ -16,10 +16,20 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 SAMPLE = ROOT / "open_sft" / "embedded" / "data" / "sample.jsonl"
 FINETUNE = ROOT / "finetune.py"
 DS_CONFIGS = ROOT / "configs" / "ds"
+INTEGRATION = TESTS / "integration"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Every test under tests/integration/ (the ones that launch real processes) carries the integration
+    marker, so `./scripts/test.sh -m "not integration"` is the fast loop."""
+    for item in items:
+        if INTEGRATION in item.path.parents:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session", autouse=True)

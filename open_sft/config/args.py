@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from open_sft.redaction import redact_secrets
+
 
 def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
@@ -278,9 +280,7 @@ class HubArguments:
 
     def public_dict(self) -> dict[str, Any]:
         """The arguments with the token replaced, for run.json, checkpoints, trackers and model cards."""
-        out = dataclasses.asdict(self)
-        out["hub_token"] = "<redacted>" if self.hub_token else None
-        return out
+        return redact_secrets(dataclasses.asdict(self))
 
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,

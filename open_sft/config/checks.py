@@ -14,7 +14,7 @@ from open_sft.errors import ConfigError
 from open_sft.monitor.tracking import REPORT_TO_CHOICES
 
 if TYPE_CHECKING:
-    from open_sft.config.args import FinetuneConfig
+    from open_sft.config.args import DataArguments, FinetuneConfig, ModelArguments, TrainingArguments
 
 CHOICES = {
     "torch_dtype": ("auto", "bfloat16", "bf16", "float32", "fp32"),
@@ -36,21 +36,38 @@ def _is_local_path(name: str) -> bool:
 
 def validate(config: FinetuneConfig) -> None:
     """Collect every problem in the configuration and raise them together."""
-    problems: list[str] = []
-    m, d, t = config.model, config.data, config.train
-    for section in (m, d, t):
+    problems = _choice_problems(config) + _model_problems(config.model) + _data_problems(config.data)
+    problems += _training_problems(config.train, config.data)
+    problems += _open_instruct_problems(config)
+    problems += _lora_and_model_problems(config)
+    problems += config.checkpoint.problems() + config.hub.problems()
+    if problems:
+        raise ConfigError(problems)
+
+
+def _choice_problems(config: FinetuneConfig) -> list[str]:
+    problems = []
+    for section in (config.model, config.data, config.train):
         for name, allowed in CHOICES.items():
             value = getattr(section, name, None)
             if value is not None and hasattr(section, name) and value not in allowed:
                 problems.append(f"--{name} {value!r} is not one of {', '.join(allowed)}")
+    return problems
 
+
+def _model_problems(m: ModelArguments) -> list[str]:
+    problems = []
     if not m.model_name_or_path:
         problems.append("--model_name_or_path is required (a local model directory or a Hub id)")
     for flag in ("model_name_or_path", "tokenizer_name_or_path", "config_name"):
         value = getattr(m, flag)
         if value and _is_local_path(value) and not Path(value).expanduser().exists():
             problems.append(f"--{flag} {value}: no such file or directory; check the path")
+    return problems
 
+
+def _data_problems(d: DataArguments) -> list[str]:
+    problems = []
     if not d.dataset_mixer_list:
         problems.append("--dataset_mixer_list is required, e.g. --dataset_mixer_list data.jsonl 1.0")
     elif len(d.dataset_mixer_list) % 2:
@@ -75,7 +92,11 @@ def validate(config: FinetuneConfig) -> None:
         problems.append("give --eval_dataset_mixer_list or --eval_split_ratio, not both")
     if d.max_seq_length < 2:
         problems.append(f"--max_seq_length must be at least 2, got {d.max_seq_length}")
+    return problems
 
+
+def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
+    problems = []
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps"):
         if getattr(t, flag) < 1:
             problems.append(f"--{flag} must be at least 1, got {getattr(t, flag)}")
@@ -95,11 +116,7 @@ def validate(config: FinetuneConfig) -> None:
         problems.append(f"--warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.weight_decay < 0:
         problems.append(f"--weight_decay must be non-negative, got {t.weight_decay}")
-    problems += _open_instruct_problems(config)
-    problems += _lora_and_model_problems(config)
-    problems += config.checkpoint.problems() + config.hub.problems()
-    if problems:
-        raise ConfigError(problems)
+    return problems
 
 
 def _open_instruct_problems(config: FinetuneConfig) -> list[str]:

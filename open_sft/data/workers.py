@@ -27,7 +27,7 @@ from open_sft.data.formats import RowError
 from open_sft.data.chat.render import special_markers, trained_spans
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
-from open_sft.distributed.setup import usable_cpus
+from open_sft.distributed.env import usable_cpus
 
 logger = logging.getLogger(__name__)
 

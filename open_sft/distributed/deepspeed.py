@@ -1,4 +1,5 @@
-"""The `optimizer` and `scheduler` sections of a Trainer-style DeepSpeed JSON, read as settings.
+"""Every rule about a DeepSpeed JSON past the launch: its Trainer-style `optimizer` and `scheduler` sections read as
+settings, and its "auto" values filled from our flags (`resolve_deepspeed_config`).
 
 Users bring the JSON they used with the HF Trainer: AdamW and a Warmup*LR schedule whose values are
 mostly "auto". open_sft keeps its own torch AdamW and schedule (one implementation with and without
@@ -107,3 +108,123 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
 
 def _describe(updates: dict[str, Any]) -> str:
     return ", ".join(f"--{flag} {value}" for flag, value in updates.items())
+
+
+# DeepSpeed's own defaults, used for hidden-size dependent "auto" keys when the hidden size
+# is unknown.
+_DS_DEFAULT_REDUCE_BUCKET = 500_000_000
+_DS_DEFAULT_PREFETCH_BUCKET = 50_000_000
+_DS_DEFAULT_PERSISTENCE_THRESHOLD = 100_000
+# Lower bound for bucket sizes derived from a (tiny) hidden size: hidden**2 for a toy model
+# would mean thousands of tiny gloo collectives per step.
+_MIN_BUCKET = 1 << 20
+
+
+def _check_or_fill(node: dict[str, Any], key: str, value: Any) -> None:
+    current = node.get(key, "auto")
+    if current == "auto":
+        node[key] = value
+    elif current != value:
+        raise ValueError(
+            f"DeepSpeed config {key}={current!r} conflicts with the training flags ({value!r}); "
+            'set it to "auto"'
+        )
+
+
+def find_auto(node: Any, prefix: str = "") -> list[str]:
+    found: list[str] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found += find_auto(value, f"{prefix}{key}.")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += find_auto(value, f"{prefix}{i}.")
+    elif node == "auto":
+        found.append(prefix[:-1])
+    return found
+
+
+def resolve_deepspeed_config(
+    config: dict[str, Any],
+    *,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    world_size: int,
+    bf16: bool,
+    clip_grad_norm: float,
+    hidden_size: int | None = None,
+) -> dict[str, Any]:
+    """Return a copy of ``config`` with every "auto" filled from our flags.
+
+    ``config`` comes from :func:`open_sft.config.launch.plan_launch`, which has already settled every
+    conflict between the launch config and the flags (and reported it to the user), so a ``ValueError``
+    here is a bug: explicit values that contradict the flags (DeepSpeed would otherwise silently train
+    with e.g. a different batch size or precision), an "auto" this function does not know, or an
+    "optimizer"/"scheduler" section (we always pass our own torch optimizer and scheduler).
+    ``clip_grad_norm <= 0`` disables clipping (0.0).
+    """
+    cfg = copy.deepcopy(config)
+    for section in ("optimizer", "scheduler"):
+        if section in cfg:
+            raise ValueError(
+                f"DeepSpeed config must not contain {section!r}: open_sft creates its own {section}"
+            )
+    if micro_batch_size < 1 or gradient_accumulation_steps < 1 or world_size < 1:
+        raise ValueError("micro_batch_size, gradient_accumulation_steps and world_size must be >= 1")
+
+    _check_or_fill(cfg, "train_micro_batch_size_per_gpu", micro_batch_size)
+    _check_or_fill(cfg, "gradient_accumulation_steps", gradient_accumulation_steps)
+    _check_or_fill(cfg, "train_batch_size", micro_batch_size * gradient_accumulation_steps * world_size)
+    _check_or_fill(cfg, "gradient_clipping", float(clip_grad_norm) if clip_grad_norm > 0 else 0.0)
+
+    _fill_precision(cfg, bf16)
+    zero = cfg.get("zero_optimization")
+    if not isinstance(zero, dict):
+        raise ValueError("DeepSpeed config needs a zero_optimization section")
+    _fill_zero(zero, hidden_size)
+    leftover = find_auto(cfg)
+    if leftover:
+        raise ValueError(f"DeepSpeed config has unsupported \"auto\" value for: {', '.join(leftover)}")
+    return cfg
+
+
+def _fill_precision(cfg: dict[str, Any], bf16: bool) -> None:
+    """bf16.enabled from the compute dtype; fp16 stays off (see the fp16 issue)."""
+    for name, wanted in (("bf16", bf16), ("fp16", False)):
+        section = cfg.setdefault(name, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"DeepSpeed config {name} must be an object")
+        enabled = section.get("enabled", "auto")
+        if enabled != "auto" and str(enabled).lower() in ("true", "false"):
+            enabled = str(enabled).lower() == "true"
+        if enabled == "auto":
+            section["enabled"] = wanted
+        elif enabled != wanted:
+            hint = "fp16 is not supported" if name == "fp16" else "set it to \"auto\""
+            raise ValueError(
+                f"DeepSpeed config {name}.enabled={section['enabled']!r} conflicts with bf16={bf16} ({hint})"
+            )
+        else:
+            section["enabled"] = wanted
+
+
+def _fill_zero(zero: dict[str, Any], hidden_size: int | None) -> None:
+    """The hidden-size dependent bucket sizes HF's integration fills, and the ZeRO-3 save-time gather."""
+    if hidden_size:
+        hidden_defaults = {
+            "reduce_bucket_size": max(hidden_size * hidden_size, _MIN_BUCKET),
+            "stage3_prefetch_bucket_size": max(int(0.9 * hidden_size * hidden_size), _MIN_BUCKET),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+        }
+    else:
+        hidden_defaults = {
+            "reduce_bucket_size": _DS_DEFAULT_REDUCE_BUCKET,
+            "stage3_prefetch_bucket_size": _DS_DEFAULT_PREFETCH_BUCKET,
+            "stage3_param_persistence_threshold": _DS_DEFAULT_PERSISTENCE_THRESHOLD,
+        }
+    for key, value in hidden_defaults.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
+    if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
+        # Needed by accelerator.get_state_dict to gather full weights under ZeRO-3.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True

@@ -1,4 +1,4 @@
-"""``python -m open_sft.embedded OUT_DIR [...]``: same as ``python -m open_sft.embedded.factory``."""
+"""``python -m open_sft embedded OUT_DIR [...]``: same as ``python -m open_sft.embedded.factory``."""
 
 from __future__ import annotations
 

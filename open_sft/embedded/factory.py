@@ -108,6 +108,20 @@ def _check_tokenizer(tokenizer: PreTrainedTokenizerFast) -> None:
         raise RuntimeError("tokenizer inserts special tokens on encode; expected none")
 
 
+def _check_shape(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+                 max_position_embeddings: int) -> None:
+    for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("num_heads", num_heads),
+                        ("num_kv_heads", num_kv_heads), ("intermediate_size", intermediate_size),
+                        ("max_position_embeddings", max_position_embeddings)):
+        _require_positive(name, value)
+    if hidden_size % num_heads != 0:
+        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
+    if (hidden_size // num_heads) % 2 != 0:
+        raise ValueError(f"head dim {hidden_size // num_heads} must be even for rotary embeddings")
+
+
 def build_model(
     tokenizer: PreTrainedTokenizerFast,
     *,
@@ -125,19 +139,9 @@ def build_model(
     ``len(tokenizer)`` rounded up to a multiple of 64. The global torch RNG state of the
     caller is left untouched.
     """
-    for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers),
-                        ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                        ("max_position_embeddings", max_position_embeddings)):
-        _require_positive(name, value)
     if intermediate_size is None:
         intermediate_size = 4 * hidden_size
-    _require_positive("intermediate_size", intermediate_size)
-    if hidden_size % num_heads != 0:
-        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})")
-    if (hidden_size // num_heads) % 2 != 0:
-        raise ValueError(f"head dim {hidden_size // num_heads} must be even for rotary embeddings")
+    _check_shape(hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, max_position_embeddings)
     ids = {name: getattr(tokenizer, f"{name}_token_id") for name in ("bos", "eos", "pad")}
     missing = [name for name, value in ids.items() if value is None]
     if missing:
@@ -232,9 +236,9 @@ def build_embedded_default(
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m open_sft.embedded.factory",
+        prog=prog,
         description="Build the offline embedded default tokenizer + tiny Llama model.",
     )
     parser.add_argument("out_dir", help="directory to write the model and tokenizer into")

@@ -17,7 +17,7 @@ Task kinds (equal shares, order shuffled by the seed): ``arithmetic``, ``string`
 
 Command line::
 
-    python -m open_sft.embedded.sample_data OUT.jsonl --n 2000 --seed 0
+    python -m open_sft sample-data OUT.jsonl --n 2000 --seed 0
 """
 
 from __future__ import annotations
@@ -339,9 +339,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "open_sft sample-data") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m open_sft.embedded.sample_data",
+        prog=prog,
         description="Write deterministic, checkable instruction data as JSON lines.",
     )
     parser.add_argument("out", help="output .jsonl path")

@@ -1,7 +1,7 @@
 """Generate from a saved model with its chat template, and score it on the embedded sample tasks.
 
-    python -m open_sft.export.generate OUTPUT_DIR --prompt "What is 7 plus 5?"
-    python -m open_sft.export.generate OUTPUT_DIR --score_sample 50     # exact-answer accuracy on sample rows
+    python -m open_sft generate OUTPUT_DIR --prompt "What is 7 plus 5?"
+    python -m open_sft generate OUTPUT_DIR --score_sample 50     # exact-answer accuracy on sample rows
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def score_sample(model, tokenizer, rows: list[dict]) -> float:
     return hits / max(len(rows), 1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m open_sft.export.generate", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_dir")
     parser.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")

@@ -1,7 +1,7 @@
 """Upload an export (or a checkpoint) to the Hugging Face Hub, with retries, never losing local work.
 
-    python -m open_sft.export.hub OUTPUT_DIR --hub_model_id my-org/my-model [--hub_revision main] [--no_hub_private]
-    python -m open_sft.export.hub OUTPUT_DIR/checkpoints/step_N --hub_model_id ...   (to checkpoints/step_N/ in the repo)
+    python -m open_sft push OUTPUT_DIR --hub_model_id my-org/my-model [--hub_revision main] [--no_hub_private]
+    python -m open_sft push OUTPUT_DIR/checkpoints/step_N --hub_model_id ...   (to checkpoints/step_N/ in the repo)
 
 finetune.py --push_to_hub calls `push_output_dir` on the main process after every rank has finished and
 been released, so no rank waits on the network. Transient failures (HTTP 429/5xx, dropped connections,
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from open_sft.errors import StopRun
+from open_sft.redaction import scrub
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,6 @@ def _env_number(name: str, default: float) -> float:
 
 def resolve_token(explicit: Optional[str]) -> Optional[str]:
     return explicit or os.environ.get("HF_TOKEN") or None
-
-
-def scrub(text: str, token: Optional[str]) -> str:
-    return text.replace(token, "<redacted>") if token else text
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -133,7 +130,7 @@ def push_folder(folder: Path, repo_id: str, revision: str = "main", private: boo
 
 
 def retry_command(output_dir: Path, repo_id: str, revision: str, private: bool) -> str:
-    parts = ["python", "-m", "open_sft.export.hub", str(output_dir), "--hub_model_id", repo_id, "--hub_revision", revision]
+    parts = ["python", "-m", "open_sft", "push", str(output_dir), "--hub_model_id", repo_id, "--hub_revision", revision]
     parts.append("--hub_private" if private else "--no_hub_private")
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -169,8 +166,8 @@ def push_output_dir(output_dir: Path, hub: Any) -> str:
     return push_export(output_dir, hub.hub_model_id, hub.hub_revision, hub.hub_private, hub.hub_token)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m open_sft.export.hub", description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="the --output_dir of a finished run, or a complete checkpoint")
     parser.add_argument("--hub_model_id", required=True)
     parser.add_argument("--hub_revision", default="main")

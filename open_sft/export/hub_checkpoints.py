@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from open_sft.export.hub import describe, push_checkpoint, resolve_token, retry_command, scrub
+from open_sft.export.hub import describe, push_checkpoint, resolve_token, retry_command
+from open_sft.redaction import scrub
 
 logger = logging.getLogger(__name__)
 

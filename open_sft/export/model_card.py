@@ -8,6 +8,7 @@ an allow-list of them is printed.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -120,5 +121,16 @@ def write_model_card(output_dir: Path) -> Path:
     return path
 
 
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft model-card") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="(re)write README.md, the model card, of a run's export")
+    parser.add_argument("output_dir", type=Path, help="a run's --output_dir (holds run.json)")
+    args = parser.parse_args(argv)
+    if not (args.output_dir / "run.json").is_file():
+        print(f"error: {args.output_dir / 'run.json'} not found; pass the --output_dir of a finished run", file=sys.stderr)
+        return 2
+    print(write_model_card(args.output_dir))
+    return 0
+
+
 if __name__ == "__main__":
-    print(write_model_card(Path(sys.argv[1])))
+    sys.exit(main())

@@ -1,30 +1,37 @@
-"""The final model in Hugging Face layout, and run.json.
+"""The final model in Hugging Face layout: a full model (`save_model`) or a LoRA adapter with its optional
+merge (`save_lora`).
 
-Files are written to a hidden staging directory inside --output_dir and moved into place when all
-of them exist, so a crash during export never leaves a config.json without its weights.
+Both write into one staging helper (`staged_export`): a hidden directory inside --output_dir whose files
+are moved into place when all of them exist, so a crash during export never leaves a config.json without
+its weights, and an earlier export's leftovers (weights of another sharding, a stale merged/) are removed
+so loaders never mix two exports.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import os
-import platform
 import shutil
-import subprocess
-from importlib import metadata
 from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from peft import PeftModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from open_sft.data.labels import special_markers
+from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 
 logger = logging.getLogger(__name__)
 
-LIBRARIES = ("open_sft", "torch", "transformers", "accelerate", "deepspeed", "datasets", "peft", "tokenizers",
-             "safetensors", "huggingface-hub")
+STAGING = ".export.tmp"
+MERGED_DIR = "merged"  # --merge_lora_on_save writes the full model here, inside --output_dir
+# What an earlier export may have left that the new one must not be mixed with: weights of another sharding, a
+# full model's config.json beside an adapter (loaders would apply the adapter to it), an adapter beside a full
+# model, a stale merge.
+LEFTOVERS = ("model*.safetensors*", "config.json", "adapter_config.json", "adapter_model.safetensors", MERGED_DIR)
 
 
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -44,59 +51,68 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return ids
 
 
-def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
-               output_dir: Path, max_shard_size: str | int = "5GB") -> None:
-    """Write weights (safetensors, sharded with an index past max_shard_size), config, tokenizer (with chat
-    template) and generation config. LoRA runs export through open_sft.model.lora.save_lora instead; the model
-    card (open_sft.export.model_card) and the Hub upload (open_sft.export.hub) follow either export."""
-    staging = output_dir / ".export.tmp"
+@contextmanager
+def staged_export(output_dir: Path) -> Iterator[Path]:
+    """A fresh staging directory inside output_dir; when the block ends without error its files replace the
+    export in output_dir. What an earlier export left that the new one does not have (LEFTOVERS) is
+    removed first. On an error the staging directory is removed and output_dir is left as it was."""
+    staging = output_dir / STAGING
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    generation = model.generation_config
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fresh = {item.name for item in staging.iterdir()}
+    for old in (old for pattern in LEFTOVERS for old in output_dir.glob(pattern)):
+        if old.name not in fresh:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    for item in staging.iterdir():
+        target = output_dir / item.name
+        if target.is_dir() and item.is_dir():
+            shutil.rmtree(target)
+        os.replace(item, target)
+    staging.rmdir()
+
+
+def write_generation_config(generation: GenerationConfig, tokenizer: PreTrainedTokenizerBase,
+                            directory: Path) -> None:
+    """The model's generation config (a copy) with the tokenizer's end-of-turn ids as eos, its pad and bos."""
+    generation = copy.deepcopy(generation)
     eot = end_of_turn_ids(tokenizer)
     generation.eos_token_id = eot[0] if len(eot) == 1 else eot
     generation.pad_token_id = tokenizer.pad_token_id
     if tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id
+    generation.save_pretrained(directory)
+
+
+def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+               output_dir: Path, max_shard_size: str | int = "5GB") -> None:
+    """Write weights (safetensors, sharded with an index past max_shard_size), config, tokenizer (with chat
+    template) and generation config. The model card (open_sft.export.model_card) and the Hub upload
+    (open_sft.export.hub) follow either export."""
     model.config.use_cache = True
-    model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(staging)
-    move_into_place(staging, output_dir)
+    with staged_export(output_dir) as staging:
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(staging)
+        write_generation_config(model.generation_config, tokenizer, staging)
     logger.info("saved model to %s", output_dir)
 
 
-def move_into_place(staging: Path, output_dir: Path) -> None:
-    """Replace the export in output_dir with staging's files; weight files of an earlier export that the
-    new one does not have (another sharding) are removed so loaders never mix the two."""
-    fresh = {item.name for item in staging.iterdir()}
-    for old in output_dir.glob("model*.safetensors*"):
-        if old.name not in fresh:
-            old.unlink()
-    for item in staging.iterdir():
-        os.replace(item, output_dir / item.name)
-    staging.rmdir()
-
-
-def git_revision() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
-def library_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
+def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
+              output_dir: Path, merge: bool, max_shard_size: str | int = "5GB") -> None:
+    """Adapter (+ the merged full model in merged/ with `merge`), tokenizer and generation config; main process
+    only. The top level has no config.json (see open_sft.model.lora)."""
+    with staged_export(output_dir) as staging:
+        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
+        (staging / "README.md").unlink(missing_ok=True)  # peft's stub card; open_sft.export.model_card writes ours
+        directories = [staging]
+        if merge:
+            write_merged_model(model, merged_state_dict(model, state_dict), staging / MERGED_DIR, max_shard_size)
+            directories.append(staging / MERGED_DIR)
+        for directory in directories:
+            tokenizer.save_pretrained(directory)
+            write_generation_config(model.get_base_model().generation_config, tokenizer, directory)
+    logger.info("saved the LoRA adapter%s to %s", " and the merged model" if merge else "", output_dir)

@@ -19,9 +19,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.model import bf16_matmul
 
-IGNORE_INDEX = -100
 # At most this many logits per chunk: 2^25 fp32 values = 128 MiB (e.g. 671 rows of a 50k vocabulary).
 CHUNK_ELEMENTS = 1 << 25
 MIN_CHUNK_ROWS = 64
@@ -105,7 +105,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
                              bf16_via_fp32: bool = False) -> torch.Tensor:
     """Sum of cross-entropies of `hidden @ weight.T + bias` ([N, d] rows) against `targets` ([N]) in fp32.
 
-    Positions whose target is -100 are skipped (they add nothing, as in F.cross_entropy). Matmuls run in
+    Positions whose target is IGNORE_INDEX are skipped (they add nothing, as in F.cross_entropy). Matmuls run in
     the autocast dtype when autocast is on, else the weight's dtype; the softmax always in fp32. With
     `bf16_via_fp32`, bf16 matmuls run as fp32 matmuls of bf16-rounded operands (open_sft.model.bf16_matmul)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])

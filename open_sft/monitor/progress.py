@@ -7,10 +7,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
-
-StepCallback = Callable[[int, Any], bool]
-
+from typing import Iterator
 
 class ProgressBar:
     def __init__(self, total: int, initial: int, enabled: bool):
@@ -27,7 +24,7 @@ class ProgressBar:
     def for_rank(cls, total: int, initial: int, is_main: bool) -> "ProgressBar":
         return cls(total, initial, enabled=is_main and sys.stdout.isatty())
 
-    def __call__(self, done: int, window: Any) -> bool:
+    def __call__(self, done: int, seconds: float) -> bool:
         if self.bar is not None:
             self.bar.update(done - self.bar.n)
         return False
@@ -51,13 +48,3 @@ def _terminal_columns() -> int:
         return os.get_terminal_size(sys.stdout.fileno()).columns
     except (OSError, ValueError):
         return 0
-
-
-def chain(*callbacks: Optional[StepCallback]) -> StepCallback:
-    """One on_step_end from several: all run every step; the run stops if any asks to."""
-    active = [c for c in callbacks if c is not None]
-
-    def on_step_end(done: int, window: Any) -> bool:
-        return any([callback(done, window) for callback in active])
-
-    return on_step_end

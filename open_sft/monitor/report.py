@@ -1,7 +1,7 @@
 """The end-of-run report: `report/` in the output dir with loss and learning-rate curves (PNG) and a
 markdown summary, computed from the metrics.jsonl records alone.
 
-    python -m open_sft.monitor.report OUTPUT_DIR      # (re)build OUTPUT_DIR/report from OUTPUT_DIR/metrics.jsonl
+    python -m open_sft report OUTPUT_DIR      # (re)build OUTPUT_DIR/report from OUTPUT_DIR/metrics.jsonl
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def summary_markdown(summary: Summary, title: str) -> str:
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return (f"# Training report: {title}\n\n| | |\n|---|---|\n{table}\n\n"
             f"![loss]({LOSS_PNG})\n\n![learning rate]({LR_PNG})\n\n"
-            "Computed from `metrics.jsonl`; regenerate with `python -m open_sft.monitor.report OUTPUT_DIR`.\n")
+            "Computed from `metrics.jsonl`; regenerate with `python -m open_sft report OUTPUT_DIR`.\n")
 
 
 def write_report(records: list[dict[str, Any]], report_dir: Path, title: str = "open_sft run") -> Summary:
@@ -136,15 +136,15 @@ def write_run_report(output_dir: Path) -> Optional[Path]:
     try:
         write_report(read_records(output_dir / "metrics.jsonl"), output_dir / REPORT_DIR, output_dir.name)
     except (OSError, ValueError, KeyError, ImportError) as exc:
-        logger.warning("could not write the report in %s: %s (retry: python -m open_sft.monitor.report %s)",
+        logger.warning("could not write the report in %s: %s (retry: python -m open_sft report %s)",
                        output_dir / REPORT_DIR, exc, output_dir)
         return None
     logger.info("report: %s", output_dir / REPORT_DIR / SUMMARY_MD)
     return output_dir / REPORT_DIR
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m open_sft.monitor.report", description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft report") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="a run's --output_dir (holds metrics.jsonl)")
     args = parser.parse_args(argv)
     metrics_path = args.output_dir / "metrics.jsonl"

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence
 
 from open_sft.errors import UserError
+from open_sft.redaction import redact_secrets
 
 logger = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "wandb")
 REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
 WANDB_INSTALL_HINT = "pip install 'open_sft[wandb]'"
-_SECRET_NAME = re.compile(r"(^|_)(token|secret|password|passwd|api_key|apikey|credentials?)$", re.IGNORECASE)
-REDACTED = "<redacted>"
 
 
 class Tracker(Protocol):
@@ -39,16 +37,6 @@ def trackers_for(report_to: str | Sequence[str]) -> tuple[str, ...]:
     if "all" in names:
         return TRACKERS
     return tuple(dict.fromkeys(name for name in names if name != "none"))
-
-
-def redact_secrets(value: Any) -> Any:
-    """A copy of nested dicts/lists with the values of secret-looking keys replaced (when set)."""
-    if isinstance(value, dict):
-        return {key: (REDACTED if _SECRET_NAME.search(str(key)) and item else redact_secrets(item))
-                for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact_secrets(item) for item in value]
-    return value
 
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:

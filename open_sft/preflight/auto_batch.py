@@ -36,7 +36,7 @@ def _agree(fits: list[bool]) -> list[bool]:
     import torch
     from accelerate import PartialState
 
-    from open_sft.distributed.setup import all_reduce_sum
+    from open_sft.distributed.collectives import all_reduce_sum
     from open_sft.config.launch import uses_deepspeed
 
     on_cpu = not torch.cuda.is_available()

@@ -17,8 +17,6 @@ of every run. The memory model is analytic so that it can warn before an out-of-
 from __future__ import annotations
 
 import importlib
-import os
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -26,6 +24,7 @@ import psutil
 import torch
 
 from open_sft.data.batching import best_fit_decreasing, locate
+from open_sft.distributed import env
 
 GIB = 2**30
 # Saved-for-backward elements per token, fp32, parameters excluded (see the module docstring): per decoder
@@ -289,10 +288,6 @@ def over_budget_warning(estimate: MemoryEstimate, device_bytes: int) -> Optional
             "ZeRO-3 (configs/ds/zero3.json) or offload (zero3_offload.json), or LoRA")
 
 
-def local_world_size() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 # ----------------------------------------------------------------------------------------------
 # Putting it together for a run
 # ----------------------------------------------------------------------------------------------
@@ -351,34 +346,31 @@ def plan_preflight(config: Any, model: torch.nn.Module, schedule: Any, data: Any
     shape = RunShape(schedule.layout.world_size, stage, offload, bf16_activations, largest, largest,
                      config.model.gradient_checkpointing, bucket, width)
     memory = estimate_memory(ModelShape.of(model), shape, baseline)
-    device_bytes, device_name = device_memory_bytes(local_world_size(), config.train.max_memory_per_rank_gib)
+    device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
     return Preflight(memory, device_bytes, device_name, slots)
 
 
 class StepTimer:
-    """on_step_end wrapper: times each optimizer step of this launch, and once the probe steps are done
-    logs the training-time estimate (the probe is the run's own first steps: nothing is spent twice)."""
+    """After-step hook: records the seconds of each optimizer step of this launch, and once the probe steps are
+    done logs the training-time estimate (the probe is the run's own first steps: nothing is spent twice)."""
 
-    def __init__(self, probe: TimeProbe, start_step: int, inner: Any = None, log: Any = None):
-        self.probe, self.start_step, self.inner, self.log = probe, start_step, inner, log
+    def __init__(self, probe: TimeProbe, start_step: int, log: Any = None):
+        self.probe, self.start_step, self.log = probe, start_step, log
         self.index = 0
-        self.started = self.last = time.perf_counter()
-        self.started_probe = self.started
+        self.elapsed = 0.0  # seconds of the steps recorded so far
+        self.warmup_seconds = 0.0
         self.estimate: Optional[float] = None
 
-    def __call__(self, done: int, window: Any) -> bool:
-        now = time.perf_counter()
-        self.probe.record(self.index, now - self.last)
+    def __call__(self, done: int, seconds: float) -> bool:
+        self.probe.record(self.index, seconds)
+        self.elapsed += seconds
+        if self.index < self.probe.warmup:
+            self.warmup_seconds += seconds
         self.index += 1
         if self.estimate is None and self.probe.done:
             probed_from = self.start_step + self.probe.warmup
-            warmup_seconds = self.started_probe - self.started
-            self.estimate = warmup_seconds + self.probe.estimate_seconds(probed_from, probed_from)
+            self.estimate = self.warmup_seconds + self.probe.estimate_seconds(probed_from, probed_from)
             if self.log is not None:
                 self.log(f"time estimate: {format_seconds(self.estimate)} for steps {self.start_step + 1}-"
                          f"{self.probe.total_steps} (measured on steps {probed_from + 1}-{done})")
-        if self.index == self.probe.warmup:
-            self.started_probe = time.perf_counter()
-        stop = self.inner(done, window) if self.inner is not None else False
-        self.last = time.perf_counter()
-        return stop
+        return False

@@ -270,7 +270,7 @@ class Checkpointer:
     """Saves at the configured steps and on preemption; restores a ResumePoint into the trainer."""
 
     def __init__(self, accelerator, trainer, output_dir: Path, args: Any, identity: dict[str, Any],
-                 config: dict[str, Any], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                 config: dict[str, Any], reduce_sum: Callable[[torch.Tensor], torch.Tensor], stop: StopRequest,
                  uploader: Any = None):
         """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed);
         `uploader`: a checkpoint_upload.CheckpointUploader on the main process with --push_checkpoints.
@@ -283,25 +283,18 @@ class Checkpointer:
         self.keep = args.keep_last_n_checkpoints
         self.identity = identity
         self.config = config
-        self.stop = StopRequest().install()
+        self.stop = stop  # installed by the caller: constructing a checkpointer touches no signal handler
         self.reduce_sum = reduce_sum
         self.uploader = uploader
         self.preempted_at: Optional[int] = None
 
-    def restore(self, resume: Optional[ResumePoint]) -> tuple[int, Any]:
-        """Load model, optimizer and RNG states; returns (start step, open logging window)."""
-        from open_sft.training.trainer import Window
-
+    def restore(self, resume: Optional[ResumePoint]) -> int:
+        """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
         if resume is None:
-            return 0, None
+            return 0
         self.accelerator.load_state(str(resume.path))
-        state = resume.state
-        self.trainer.train_tokens = int(state["train_tokens"])
-        self.trainer.total_tokens = int(state["total_tokens"])
-        self.trainer.nonfinite_steps = int(state.get("nonfinite_steps", 0))
-        self.trainer.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-        window = Window.from_state(state["window"])
-        return resume.step, window
+        self.trainer.load_state_dict(resume.state)
+        return resume.step
 
     def finish_uploads(self) -> None:
         """Main process, after the other ranks are released: wait (bounded) for the checkpoint uploads,
@@ -333,33 +326,30 @@ class Checkpointer:
             return step % self.trainer.schedule.steps_per_epoch == 0
         return step % int(self.every) == 0
 
-    def on_step_end(self, step: int, window: Any) -> bool:
-        """Called by the trainer after each optimizer step (collective); True means stop now."""
+    def on_step_end(self, step: int, seconds: float = 0.0) -> bool:
+        """The trainer's after-step hook (collective): save when due or asked to stop; True means stop now."""
         stop = self.stop.agreed(self.reduce_sum)
         if stop:
             where = f"{self.stop.signal_name} received here" if self.stop.requested else "signal received by another rank"
             logger.warning("stop requested (%s): saving a checkpoint at step %d and exiting", where, step)
         if stop or self._due(step):
-            self.save(step, window, preempted=stop)
+            self.save(step, preempted=stop)
         if stop:
             self.preempted_at = step
         return stop
 
-    def _state(self, step: int, window: Any, preempted: bool) -> dict[str, Any]:
+    def _state(self, step: int, preempted: bool) -> dict[str, Any]:
         schedule = self.trainer.schedule
         epoch, step_in_epoch = divmod(step, schedule.steps_per_epoch)
         return {
             "format": FORMAT_VERSION, "step": step, "epoch": step / schedule.steps_per_epoch,
             "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": self.identity["seed"]},
-            "preempted": preempted, "train_tokens": self.trainer.train_tokens,
-            "total_tokens": self.trainer.total_tokens, "nonfinite_steps": self.trainer.nonfinite_steps,
-            "nonfinite_in_a_row": self.trainer.nonfinite_in_a_row,
-            "window": window.to_state(),
+            "preempted": preempted, **self.trainer.state_dict(),
             "identity": self.identity, "schedule": schedule.to_dict(), "config": self.config,
             "saved_at": time.time(),
         }
 
-    def save(self, step: int, window: Any, preempted: bool = False) -> Path:
+    def save(self, step: int, preempted: bool = False) -> Path:
         """Collective: every rank writes its part into step_N.tmp; the main rank publishes it."""
         acc = self.accelerator
         tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
@@ -370,7 +360,7 @@ class Checkpointer:
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
         if acc.is_main_process:
-            (tmp / STATE_FILE).write_text(json.dumps(self._state(step, window, preempted), indent=1,
+            (tmp / STATE_FILE).write_text(json.dumps(self._state(step, preempted), indent=1,
                                                      default=str) + "\n")
         fsync_tree(tmp)
         acc.wait_for_everyone()

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from open_sft.data.batching import collate
+from open_sft.data.batching import collate, count_trained_batch
 
 
 @torch.no_grad()
@@ -30,7 +30,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         with accelerator.autocast():
             loss_sum = model(**batch)
         totals[0] += float(loss_sum)
-        totals[1] += int((batch["labels"][:, 1:] != -100).sum())
+        totals[1] += count_trained_batch(batch["labels"])
     model.train()
     loss_sum, tokens = reduce_sum(totals).tolist()
     return {"eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens)}

@@ -15,14 +15,16 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from open_sft.config.args import TrainingArguments
 from open_sft.errors import UserError
 from open_sft.training.evaluate import evaluate
-from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, locate
+from open_sft.data.batching import (BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, count_trained_batch,
+                                    locate)
+from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.data.pipeline import PreparedData
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor, warmup_steps_for
@@ -66,6 +68,9 @@ def plan_schedule(args: TrainingArguments, data: PreparedData, world_size: int, 
         epochs = args.num_train_epochs
     warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
     return Schedule(layout, per_epoch, total, warmup, epochs, plan, max_seq_length)
+
+
+StepHook = Callable[[int, float], bool]  # (optimizer steps done, seconds the last one took) -> stop now
 
 
 @dataclass
@@ -123,13 +128,14 @@ class Trainer:
         self.eval_data = eval_data
         self.nonfinite_steps = 0
         self.nonfinite_in_a_row = 0
+        self.window = Window(started=time.perf_counter())  # the logging window open now
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
 
     def _collate(self, examples: list, loss_free: bool = False) -> dict[str, torch.Tensor]:
         if self.args.packing:
             batch = collate_packed(examples, self.pad_token_id, self.schedule.max_seq_length)
             if loss_free:
-                batch["labels"].fill_(-100)
+                batch["labels"].fill_(IGNORE_INDEX)
             return batch
         return collate(examples, self.pad_token_id, loss_free=loss_free)
 
@@ -240,17 +246,33 @@ class Trainer:
                 "padded_slots": int(slots_global),
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
-    def train(self, start_step: int = 0, window: Optional[Window] = None,
-              on_step_end: Optional[Callable[[int, Window], bool]] = None) -> list[dict]:
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs of the loop besides model, optimizer and RNG: the run's counters and the
+        open logging window (its sums and the seconds it has run)."""
+        return {"train_tokens": self.train_tokens, "total_tokens": self.total_tokens,
+                "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                "window": self.window.to_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` (older checkpoints lack the non-finite counters: 0)."""
+        self.train_tokens = int(state["train_tokens"])
+        self.total_tokens = int(state["total_tokens"])
+        self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        self.window = Window.from_state(state["window"])
+
+    def train(self, start_step: int = 0, after_step: Sequence[StepHook] = ()) -> list[dict]:
         """Run to the end of the schedule; returns the logged records (also written to metrics.jsonl).
 
-        Resuming passes the step to start at and the logging window open at that step; `on_step_end`
-        (checkpointing, preemption) runs after every optimizer step and returns True to stop early.
+        Resuming passes the step to start at (after `load_state_dict`). Each hook of `after_step` (step timer,
+        progress bar, checkpointing and preemption) is called after every optimizer step with the steps done
+        and the seconds the step took; the loop stops early when any of them returns True.
         """
         records = []
-        window = window or Window(started=time.perf_counter())
         run_started = time.perf_counter()
         for step in range(start_step, self.schedule.total_steps):
+            step_started = time.perf_counter()
+            window = self.window
             result = self.train_step(step)
             window.loss_sum += result["loss_sum"]
             window.trained_tokens += result["trained_tokens"]
@@ -280,11 +302,12 @@ class Trainer:
                 }
                 records.append(record)
                 self._log(record)
-                window = Window(started=time.perf_counter())
+                self.window = Window(started=time.perf_counter())
             if self.eval_data is not None and (
                     done == self.schedule.total_steps or (self.args.eval_steps and done % self.args.eval_steps == 0)):
                 records.append(self.evaluate(done))
-            if on_step_end is not None and on_step_end(done, window):
+            seconds = time.perf_counter() - step_started
+            if any([hook(done, seconds) for hook in after_step]):  # a list: every hook runs
                 break
         return records
 
@@ -337,6 +360,3 @@ def deepspeed_nonfinite_problems(config: dict) -> list[str]:
         problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
     return problems
 
-
-def count_trained_batch(labels: torch.Tensor) -> int:
-    return int((labels[:, 1:] != -100).sum())

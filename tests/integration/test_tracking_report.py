@@ -4,6 +4,8 @@ One short single-process run with `--with_tracking --report_to all` (W&B offline
 the real readers: TensorBoard's EventAccumulator and W&B's own record protobufs. Their loss and
 learning-rate values must be those of metrics.jsonl, no secret may reach the disk, and report/
 must hold valid PNGs and a summary whose numbers are recomputed here from metrics.jsonl.
+
+(Its fast in-process tests are in tests/unit/monitor/test_tracking_report.py.)
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
-from open_sft.errors import UserError
-from open_sft.monitor.report import summarize, write_report
-from open_sft.monitor.tracking import REDACTED, build_trackers, redact_secrets, scalars_of, trackers_for
+
 
 STEPS = 6
+
+
 SECRET = "hf_TESTSECRETdoNotLog0123456789"
 
 
@@ -139,59 +141,16 @@ def test_report_cli_regenerates(tracked_run, tmp_path) -> None:
     copy = tmp_path / "run"
     copy.mkdir()
     (copy / "metrics.jsonl").write_bytes((tracked_run / "metrics.jsonl").read_bytes())
-    result = subprocess.run([sys.executable, "-m", "open_sft.monitor.report", str(copy)], cwd=ROOT, env=child_env(),
+    result = subprocess.run([sys.executable, "-m", "open_sft", "report", str(copy)], cwd=ROOT, env=child_env(),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads((copy / "report" / "summary.json").read_text()) == \
         json.loads((tracked_run / "report" / "summary.json").read_text())
     _assert_png(copy / "report" / "loss.png")
-    missing = subprocess.run([sys.executable, "-m", "open_sft.monitor.report", str(tmp_path / "nowhere")], cwd=ROOT,
+    # the path before `open_sft report` still works, errors included
+    missing = subprocess.run([sys.executable, "-m", "open_sft.report", str(tmp_path / "nowhere")], cwd=ROOT,
                              env=child_env(), capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "metrics.jsonl not found" in missing.stderr
-
-
-def test_report_with_eval_lines(tmp_path) -> None:
-    records = [{"step": s, "loss": 3.0 - 0.1 * s, "learning_rate": 1e-3 * s, "train_tokens": 100 * s,
-                "total_tokens": 150 * s, "mfu": 0.1 * s, "peak_memory_gib": 1.0 + s / 10, "elapsed_s": 2.0 * s}
-               for s in range(1, 5)]
-    records.insert(2, {"step": 2, "eval_loss": 2.5})
-    records.append({"step": 4, "eval_loss": 2.25})
-    summary = write_report(records, tmp_path / "report")
-    assert summary.final_eval_loss == 2.25 and summary.final_loss == pytest.approx(2.6)
-    assert summary.mfu == pytest.approx(0.25)  # equal 2 s windows: plain mean of 0.1..0.4
-    assert summary.tokens_per_second == pytest.approx(600 / 8)
-    assert summary.peak_memory_gib == pytest.approx(1.4)
-    assert "| Final eval loss | 2.2500 |" in (tmp_path / "report" / "summary.md").read_text()
-    _assert_png(tmp_path / "report" / "loss.png")
-    with pytest.raises(ValueError, match="no training records"):
-        summarize([{"step": 1, "eval_loss": 1.0}])
-
-
-def test_tracker_names_and_scalars() -> None:
-    assert trackers_for("all") == ("tensorboard", "wandb")
-    assert trackers_for("none") == ()
-    assert trackers_for("wandb") == ("wandb",)
-    assert trackers_for(["wandb", "tensorboard", "wandb"]) == ("wandb", "tensorboard")  # open-instruct's list
-    assert trackers_for(["tensorboard", "all"]) == ("tensorboard", "wandb")
-    with pytest.raises(UserError, match="--report_to 'mlflow': expected one or more of"):
-        trackers_for(["tensorboard", "mlflow"])
-    assert scalars_of({"step": 3, "loss": 1.5, "eval_loss": 2.0, "note": "x", "flag": True}) == \
-        {"train/loss": 1.5, "eval/loss": 2.0}
-
-
-def test_secrets_redacted_from_tracker_config() -> None:
-    config = {"train": {"hub_token": SECRET, "output_dir": "o", "add_special_tokens": True},
-              "model": {"tokenizer_name_or_path": "t", "api_key": SECRET, "hub_password": None}}
-    clean = redact_secrets(config)
-    assert clean["train"] == {"hub_token": REDACTED, "output_dir": "o", "add_special_tokens": True}
-    assert clean["model"] == {"tokenizer_name_or_path": "t", "api_key": REDACTED, "hub_password": None}
-    assert config["train"]["hub_token"] == SECRET  # the input is not modified
-
-
-def test_wandb_missing_names_the_extra(tmp_path, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
-    with pytest.raises(UserError, match=r"pip install 'open_sft\[wandb\]'"):
-        build_trackers("wandb", tmp_path)
 
 
 def _run_on_a_terminal(args: list[str]) -> str:

@@ -128,7 +128,7 @@ def test_tokenizers_the_table_cannot_serve_get_none(plain, tiny_model_dir) -> No
     """Not ByteLevel-decoded (WordPiece, Llama-2-style), or changing every text (a prefix space,
     lowercasing), or decoding with transformers' space clean-up: the offset path labels them."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
-    from test_labels import _wordpiece_tokenizer
+    from unit.data.test_labels import _wordpiece_tokenizer
     from tokenizer_kinds import sentencepiece_like
 
     assert byte_table(_wordpiece_tokenizer()) is None

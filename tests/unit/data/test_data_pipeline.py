@@ -1,4 +1,7 @@
-"""Data pipeline: built-in templates' labels, formats, bad-row handling, mixer arithmetic, text blocks."""
+"""Data pipeline: built-in templates' labels, formats, bad-row handling, mixer arithmetic, text blocks.
+
+The tests of this subject that launch real processes are in tests/integration/test_data_pipeline.py.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from open_sft.data.chat.templates import BUILTIN_TEMPLATES, apply_chat_template_
 from open_sft.data.labels import trained_token_runs
 from open_sft.errors import UserError
 
+
 CONVERSATIONS = {
     "single": [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "The sum is 5."}],
     "multi": [{"role": "user", "content": "Reverse cat."}, {"role": "assistant", "content": "tac"},
@@ -25,10 +29,12 @@ CONVERSATIONS = {
     "tool": [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Calling the tool."},
              {"role": "tool", "content": "{\"temp\": 4}"}, {"role": "assistant", "content": "It is 4 degrees."}],
 }
+
+
 _OLMO_STYLE = ("olmo", "olmo_old", "olmo_thinker", "olmo_thinker_no_think_7b", "olmo_thinker_remove_intermediate_thinking",
                "olmo_thinker_no_think_sft_tokenization")
-# What each template writes after an assistant content that another message follows, and after the last
-# one: the end of turn trained with it ("eos": the tokenizer's). Templates that write none train none.
+
+
 END_OF_TURN = {
     **dict.fromkeys(("tulu", "tulu_thinker", "tulu_thinker_r1_style", "zephyr"), ("eos", "eos")),
     **dict.fromkeys(("simple_chat", "simple_concat_with_space", "simple_concat_with_new_line"), ("", "eos")),
@@ -39,6 +45,8 @@ END_OF_TURN = {
     **dict.fromkeys(("chatml", "qwen_instruct_user_boxed_math"), ("<|im_end|>", "<|im_end|>")),
     "llama3": ("<|eot_id|>", "<|eot_id|>"),
 }
+
+
 NOT_WRITTEN = {**dict.fromkeys(("tulu", "tulu_thinker", "tulu_thinker_r1_style", "zephyr", *_OLMO_STYLE), {"tool"}),
                "qwen_instruct_user_boxed_math": {"tool", "system"}}  # roles the template rejects
 
@@ -226,18 +234,6 @@ def test_token_unit_balances_tokens_not_rows(tokenizer, tmp_path) -> None:
     assert all(300 <= r.tokens for r in reports)
 
 
-def test_dry_run_prints_report_and_marked_examples(tiny_model_dir, tmp_path) -> None:
-    """In a subprocess: the dry run's probe sets up accelerate's process-wide state."""
-    from conftest import SAMPLE, run_finetune
-
-    out = run_finetune(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "0.05",
-                        "--output_dir", str(tmp_path / "out"), "--dry_run"]).stdout
-    assert "data report" in out and "mixture" in out and "100" in out
-    assert "memory estimate per rank:" in out and "time estimate:" in out
-    assert "[[" in out and "]]" in out  # trained spans marked (not a terminal: brackets)
-    assert not (tmp_path / "out").exists()
-
-
 def test_parallel_workers_give_identical_data(tokenizer, caplog, monkeypatch) -> None:
     """One process, two, and the default (one per usable core) give the same data."""
     from conftest import SAMPLE
@@ -260,22 +256,6 @@ def test_parallel_workers_give_identical_data(tokenizer, caplog, monkeypatch) ->
         assert one.dataset["input_ids"] == default.dataset["input_ids"] and one.dataset["labels"] == default.dataset["labels"]
     assert one.dataset["input_ids"] == two.dataset["input_ids"] and one.dataset["labels"] == two.dataset["labels"]
     assert one.cache_key == two.cache_key == default.cache_key  # workers change speed, not output
-
-
-@pytest.mark.parametrize("cpu_max, cap", [("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None),
-                                          (None, None)])
-def test_usable_cpus_respect_a_cgroup_quota(cpu_max, cap, tmp_path, monkeypatch) -> None:
-    """A container's CPU quota (cgroup v2 cpu.max, rounded up) caps the CPUs the affinity shows."""
-    import os
-
-    from open_sft.distributed import setup as distributed
-
-    path = tmp_path / "cpu.max"
-    if cpu_max is not None:
-        path.write_text(cpu_max)
-    monkeypatch.setattr(distributed, "CGROUP_CPU_MAX", str(path))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert distributed.usable_cpus() == (8 if cap is None else cap)
 
 
 @pytest.mark.parametrize("amount, unit", [("1.0", "rows"), ("0.37", "rows"), ("1.6", "rows"), ("1500", "rows"),

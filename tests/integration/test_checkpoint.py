@@ -5,13 +5,14 @@ export reloads, and the Hub upload retries, fails cleanly and never leaks the to
 
 Runs are shared through module fixtures (one run serves several assertions). The whole launch is
 interrupted: the launcher and its workers (torchrun starts workers in their own sessions).
+
+(Its fast in-process tests are in tests/unit/training/test_checkpoint.py.)
 """
 
 from __future__ import annotations
 
 import glob
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,12 +24,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics, run_finetune
+from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
 from hub_server import FakeHub
 
+
 STEPS = 8
+
+
 EXACT_FIELDS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
+
+
 TOKEN = "hf_TESTtoken_never_on_disk_1234"
+
+
 LAYOUTS = {"single": (1, None, 4, 2), "zero2": (2, "zero2.json", 2, 2), "zero3": (2, "zero3.json", 2, 2)}
 
 
@@ -95,9 +103,6 @@ def complete_steps(output_dir: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in root.glob("step_*") if (p / "COMPLETE").is_file())
 
 
-# ------------------------------------------------------------------------------------------------
-# Runs
-# ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
@@ -176,9 +181,6 @@ def zero3(tiny_model_dir, tmp_path_factory, hub, logs) -> dict:
             "final_seconds": time.monotonic() - started, "create_attempts": hub.count("create") - creates_before}
 
 
-# ------------------------------------------------------------------------------------------------
-# Exactness
-# ------------------------------------------------------------------------------------------------
 def test_single_process_resume_after_kill_is_bitwise(single) -> None:
     assert single["killed_code"] == -signal.SIGKILL
     base, resumed = read_metrics(single["base"]), read_metrics(single["out"])
@@ -222,9 +224,6 @@ def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tin
     assert [{k: r[k] for k in fields} for r in resumed] == [{k: r[k] for k in fields} for r in expected]
 
 
-# ------------------------------------------------------------------------------------------------
-# Checkpoint files, partial writes, pruning
-# ------------------------------------------------------------------------------------------------
 def test_partial_checkpoints_are_skipped_with_a_warning(single) -> None:
     newest, log = single["newest_before"], single["relaunch"]
     partial = single["out"] / "checkpoints" / f"step_{STEPS + 2}.tmp"
@@ -237,36 +236,6 @@ def test_pruning_keeps_the_newest_complete_checkpoints(single, zero2) -> None:
     for run in (single, zero2):
         assert complete_steps(run["out"]) == [STEPS - 2, STEPS]
         assert not list((run["out"] / "checkpoints").glob("*.tmp"))
-
-
-def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
-    from open_sft.training.checkpoint import publish, prune
-
-    root = tmp_path / "checkpoints"
-    for step in (2, 4, 6):
-        tmp = root / f"step_{step}.tmp"
-        tmp.mkdir(parents=True)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        publish(tmp, root / f"step_{step}", step)
-    (root / "step_8").mkdir()  # being written (renamed, COMPLETE not yet)
-    (root / "step_10.tmp").mkdir()
-    removed = prune(root, keep=1)
-    assert sorted(p.name for p in removed) == ["step_2", "step_4"]
-    assert sorted(p.name for p in root.iterdir()) == ["step_10.tmp", "step_6", "step_8"]
-
-
-def test_damaged_checkpoint_is_detected(tmp_path) -> None:
-    from open_sft.training.checkpoint import newest_complete, publish
-
-    root = tmp_path / "checkpoints"
-    for step in (2, 4):
-        tmp = root / f"step_{step}.tmp"
-        tmp.mkdir(parents=True)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        (tmp / "model.safetensors").write_bytes(b"x" * 100)
-        publish(tmp, root / f"step_{step}", step)
-    (root / "step_4" / "model.safetensors").write_bytes(b"x" * 10)  # truncated after the fact
-    assert newest_complete(root) == root / "step_2"
 
 
 def test_checkpoint_holds_rng_per_rank_state_and_no_token(zero2, single) -> None:
@@ -283,9 +252,6 @@ def test_checkpoint_holds_rng_per_rank_state_and_no_token(zero2, single) -> None
     assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= {p.name for p in single_ckpt.iterdir()}
 
 
-# ------------------------------------------------------------------------------------------------
-# Preemption
-# ------------------------------------------------------------------------------------------------
 def test_sigterm_saves_a_checkpoint_and_all_ranks_stop_at_the_same_step(zero2) -> None:
     after = zero2["after_term"]
     stop_step = after["metrics"][-1]["step"]
@@ -310,9 +276,6 @@ def test_sigterm_single_process_exit_code(single) -> None:
     assert "relaunch the same command to resume" in term["log"]
 
 
-# ------------------------------------------------------------------------------------------------
-# Resume refused
-# ------------------------------------------------------------------------------------------------
 def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) -> None:
     args = finetune_args(tiny_model_dir, single["out"], "single")
     changed = {"--per_device_train_batch_size": "2", "--gradient_accumulation_steps": "4", "--max_seq_length": "200"}
@@ -329,18 +292,6 @@ def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) 
     assert complete_steps(single["out"]) == [STEPS - 2, STEPS]  # nothing touched
 
 
-def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
-    from open_sft.training.checkpoint import resolve_resume
-
-    (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
-    assert resolve_resume("none", tmp_path, {}, is_main=True) is None
-    assert (tmp_path / "checkpoints.previous-1" / "step_2").is_dir()
-    assert not (tmp_path / "checkpoints").exists()
-
-
-# ------------------------------------------------------------------------------------------------
-# Export
-# ------------------------------------------------------------------------------------------------
 RELOAD = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -384,9 +335,6 @@ def test_model_card(single) -> None:
         assert (single["out"] / name).is_file(), name
 
 
-# ------------------------------------------------------------------------------------------------
-# Hub
-# ------------------------------------------------------------------------------------------------
 def test_push_retries_transient_failures_and_uploads_the_export(single, hub, logs) -> None:
     hub.faults = {"create": ["500"], "commit": ["500", "drop", "hang"]}
     hub.hang_seconds = 4
@@ -415,46 +363,9 @@ def test_failed_push_exits_nonzero_with_retry_command_and_keeps_the_export(zero3
     assert final.returncode != 0
     assert zero3["final_seconds"] < 300  # no rank hung
     assert zero3["create_attempts"] == 3  # OPEN_SFT_HUB_RETRIES
-    assert f"python -m open_sft.export.hub {out} --hub_model_id org/zero3 --hub_revision main --hub_private" in final.stderr
+    assert f"python -m open_sft push {out} --hub_model_id org/zero3 --hub_revision main --hub_private" in final.stderr
     assert "The local export in" in final.stderr
     assert load_weights(out) and (out / "README.md").is_file() and (out / "config.json").is_file()
-
-
-def test_retry_policy() -> None:
-    import httpx2
-    from huggingface_hub.errors import HfHubHTTPError
-    from open_sft.export.hub import is_transient, with_retries
-
-    def http_error(status: int) -> HfHubHTTPError:
-        response = httpx2.Response(status, request=httpx2.Request("POST", "http://127.0.0.1/x"))
-        return HfHubHTTPError(f"{status}", response=response)
-
-    assert is_transient(http_error(503)) and is_transient(http_error(429))
-    assert is_transient(httpx2.RemoteProtocolError("dropped")) and is_transient(httpx2.ReadTimeout("slow"))
-    assert not is_transient(http_error(403)) and not is_transient(ValueError("bad"))
-    calls, sleeps = [], []
-
-    def forbidden():
-        calls.append(1)
-        raise http_error(403)
-
-    with pytest.raises(HfHubHTTPError):
-        with_retries("x", forbidden, sleep=sleeps.append)
-    assert len(calls) == 1 and sleeps == []  # a refusal is not retried
-    outcomes = [http_error(500), httpx2.ConnectError("refused"), "ok"]
-
-    def flaky():
-        outcome = outcomes.pop(0)
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
-
-    os.environ["OPEN_SFT_HUB_BACKOFF_S"] = "1.5"
-    try:
-        assert with_retries("x", flaky, sleep=sleeps.append) == "ok"
-    finally:
-        del os.environ["OPEN_SFT_HUB_BACKOFF_S"]
-    assert sleeps == [1.5, 3.0]  # exponential backoff
 
 
 def test_token_never_written_or_logged(single, zero2, zero3, hub, logs) -> None:

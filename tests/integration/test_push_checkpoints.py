@@ -1,19 +1,19 @@
 """--push_checkpoints: every complete checkpoint reaches the Hub (one commit each, COMPLETE included) in
 the background, an injected 500 is retried, pruning never deletes a checkpoint whose upload is pending,
-a failed upload warns with a retry command that works and never stops training, no token anywhere."""
+a failed upload warns with a retry command that works and never stops training, no token anywhere.
+
+(Its fast in-process tests are in tests/unit/export/test_push_checkpoints.py.)
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 from conftest import ROOT, child_env
-from test_checkpoint import TOKEN, complete_steps, finetune_args, hub, run_layout  # noqa: F401 (hub: fixture)
+from integration.test_checkpoint import TOKEN, complete_steps, finetune_args, hub, run_layout  # noqa: F401 (hub: fixture)
 
-from open_sft.training.checkpoint import prune
 
 REPO = "org/ckpts"
 
@@ -50,17 +50,6 @@ def test_push_checkpoints_uploads_each_checkpoint_and_retries(tiny_model_dir, tm
     assert all(TOKEN.encode() not in p.read_bytes() for p in out.rglob("*") if p.is_file())
 
 
-def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
-    root = tmp_path / "checkpoints"
-    for step in (2, 4, 6):
-        (root / f"step_{step}").mkdir(parents=True)
-        (root / f"step_{step}" / "trainer_state.json").write_text("{}")
-        (root / f"step_{step}" / "COMPLETE").write_text(json.dumps({"files": {"trainer_state.json": 2}}))
-    assert prune(root, 1, busy={root / "step_2"}) == [root / "step_4"]
-    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6"]
-    assert prune(root, 1) == [root / "step_2"]
-
-
 UPLOAD_FAILS = """
 import logging, sys, types
 from pathlib import Path
@@ -89,7 +78,7 @@ def test_failed_checkpoint_upload_warns_with_a_retry_command_that_works(tmp_path
         hub.always.clear()
     log = failed.stdout + failed.stderr
     assert failed.returncode == 0 and "failed: ['step_3']" in failed.stdout, log[-3000:]
-    command = f"python -m open_sft.export.hub {checkpoint} --hub_model_id org/fails --hub_revision ckpts --hub_private"
+    command = f"python -m open_sft push {checkpoint} --hub_model_id org/fails --hub_revision ckpts --hub_private"
     assert "upload of checkpoint" in log and command in log and TOKEN not in log
     retried = subprocess.run([sys.executable, *command.split()[1:]], cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=60)

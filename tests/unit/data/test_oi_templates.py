@@ -4,16 +4,16 @@ template has no turn for rejected, and the trained tokens of each template what 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from jinja2 import TemplateError
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from conftest import TESTS
 from oi_conversations import CONVERSATIONS, ROLES_WRITTEN
 from open_sft.data.chat.oi_templates import OPEN_INSTRUCT_TEMPLATES
 
-EXPECTED = json.loads((Path(__file__).parent / "data" / "open_instruct_renderings.json").read_text())["renderings"]
+EXPECTED = json.loads((TESTS / "data" / "open_instruct_renderings.json").read_text())["renderings"]
 CASES = [(name, case) for name in sorted(OPEN_INSTRUCT_TEMPLATES) for case in sorted(CONVERSATIONS)]
 
 

@@ -4,21 +4,19 @@ OPEN_INSTRUCT_FLAGS is every field of open-instruct's FlatArguments (open_instru
 TokenizerConfig (open_instruct/dataset_transformation.py) at commit e6c3044aa6201c8bfa4573c1b03142af599e730d,
 extracted by name, plus the fields of older versions that are still pasted (add_seed_and_date_to_exp_name,
 overwrite_output_dir, reduce_loss, run_name, train_file, use_flash_attn).
+
+The tests of this subject that launch real processes are in tests/integration/test_open_instruct_compat.py.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
-import torch
 
-from conftest import FINETUNE, ROOT, SAMPLE, child_env, read_metrics
 from open_sft.config.parse import parse_config
 from open_sft.errors import ConfigError, UserError
+
 
 FLAT_ARGUMENTS = (
     "exp_name do_not_randomize_output_dir model_name_or_path config_name model_revision additional_model_arguments "
@@ -33,13 +31,19 @@ FLAT_ARGUMENTS = (
     "wandb_project_name wandb_entity push_to_hub hf_entity hf_repo_id hf_repo_revision hf_repo_url "
     "try_launch_beaker_eval_jobs hf_metadata_dataset cache_dataset_only try_auto_save_to_beaker gs_bucket_path "
     "oe_eval_tasks oe_eval_max_length sync_each_batch packing verbose sequence_parallel_size").split()
+
+
 TOKENIZER_CONFIG = ("tokenizer_name_or_path tokenizer_revision trust_remote_code use_fast chat_template_name add_bos "
                     "get_tokenizer_fn tokenizer_files_hash use_slow_tokenizer tokenizer_name ground_truths_key "
                     "sft_messages_key").split()
+
+
 OLDER = "add_seed_and_date_to_exp_name overwrite_output_dir reduce_loss run_name train_file use_flash_attn".split()
+
+
 OPEN_INSTRUCT_FLAGS = sorted(set(FLAT_ARGUMENTS + TOKENIZER_CONFIG + OLDER))
 
-# A value for each flag as an open-instruct user writes it (bools alone mean true), where it needs one.
+
 VALUES = {
     "exp_name": ["tulu3_8b_sft"], "model_name_or_path": ["org/model"], "push_to_hub": ["true", "--hub_model_id", "o/m"],
     "config_name": ["org/model"], "model_revision": ["main"],
@@ -65,6 +69,8 @@ VALUES = {
     "tokenizer_files_hash": ["abc"], "tokenizer_name": ["org/model"], "ground_truths_key": ["ground_truth"],
     "sft_messages_key": ["conversation"], "reduce_loss": ["sum"], "run_name": ["tulu"], "train_file": ["data.jsonl"],
 }
+
+
 DATA_FLAGS = {"dataset_name", "dataset_mixer", "dataset_mixer_list", "train_file"}
 
 
@@ -190,36 +196,3 @@ def test_schedules_of_open_instruct() -> None:
     poly = schedule_floor("polynomial", 2e-5, None)
     assert poly == pytest.approx(1e-7 / 2e-5)
     assert lr_multiplier("polynomial", total, warmup, total, floor=poly) == pytest.approx(poly)
-
-
-def test_an_open_instruct_command_line_trains(tiny_model_dir, tmp_path) -> None:
-    """open-instruct's scripts/train/debug/finetune.sh, flags as written, model and data local; 4 steps with the
-    8-bit optimizer, --add_bos and the tulu template, then the same with --dry_run."""
-    out = tmp_path / "out"
-    args = [str(FINETUNE), "--model_name_or_path", str(tiny_model_dir), "--tokenizer_name", str(tiny_model_dir),
-            "--max_seq_length", "256", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "4",
-            "--learning_rate", "5e-04", "--lr_scheduler_type", "linear", "--warmup_ratio", "0.03",
-            "--weight_decay", "0.0", "--num_train_epochs", "2", "--report_to", "tensorboard", "--logging_steps", "1",
-            "--model_revision", "main", "--dataset_mixer_list", str(SAMPLE), "100", "--add_bos", "--seed", "123",
-            "--chat_template_name", "tulu", "--with_tracking", "--max_train_steps", "4", "--use_8bit_optimizer",
-            "--exp_name", "debug_sft", "--use_slow_tokenizer", "--keep_last_n_checkpoints", "-1",
-            "--checkpointing_steps", "2", "--clean_checkpoints_at_end", "--output_dir", str(out)]
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    losses = [m["loss"] for m in read_metrics(out)]
-    assert len(losses) == 4 and all(loss == loss for loss in losses)
-    run = json.loads((out / "run.json").read_text())
-    assert run["optimizer"]["class"].endswith("AdamW8bit")
-    assert run["args"]["data"]["add_bos"] and not (out / "checkpoints").exists()
-    assert "accepted and ignored: --use_slow_tokenizer" in result.stdout
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
-    assert text.startswith(tokenizer.bos_token + "<|user|>\n")
-    dry = subprocess.run([sys.executable, *args[:-1], str(tmp_path / "dry"), "--dry_run"], cwd=ROOT,
-                         env=child_env(), capture_output=True, text=True, timeout=600)
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    assert "time estimate:" in dry.stdout and not (tmp_path / "dry").exists()
-    assert torch.isfinite(torch.tensor(losses)).all()

@@ -1,5 +1,8 @@
 """LoRA and QLoRA: only adapters train, the saved adapter and the merged model agree, ZeRO-3 matches
-one process, and QLoRA (bitsandbytes' CPU backend, NF4 + double quantization, bf16 compute) trains."""
+one process, and QLoRA (bitsandbytes' CPU backend, NF4 + double quantization, bf16 compute) trains.
+
+(Its fast in-process tests are in tests/unit/model/test_lora.py.)
+"""
 
 from __future__ import annotations
 
@@ -10,25 +13,29 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE, read_metrics, run_finetune
-from open_sft.config.parse import parse_config
 from open_sft.config.args import LoraArguments
-from open_sft.errors import ConfigError, UserError
-from open_sft.model.loss import TokenLossModel
-from open_sft.model.load import load_model
-from open_sft.training.optim import build_optimizer
-from test_model_options import make_batch, model_args
+from unit.model.test_model_options import make_batch
+
 
 RANK, ALPHA = 8, 16
+
+
 SCALING = ALPHA / RANK
+
+
 STEPS = 12
+
+
 LORA_RUNS = {  # name: (processes, deepspeed config, micro-batch, accumulation); global batch 8 in both
     "single": (1, None, 4, 2),
     "zero2": (2, "zero2.json", 2, 2),
     "zero3": (2, "zero3.json", 2, 2),
 }
+
+
 QLORA_STEPS = 40
-# The tiny base is random: with a frozen random LM head, adapters on the blocks alone plateau near
-# loss 6.5 (LoRA and QLoRA alike), so the QLoRA run also adapts lm_head (an explicit target list).
+
+
 QLORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 
 
@@ -68,41 +75,6 @@ def lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor
             module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
             pairs[f"{module}.weight"] = (adapter[key], adapter[key.replace("lora_A", "lora_B")])
     return pairs
-
-
-def test_lora_flags_defaults_and_validation() -> None:
-    base = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]
-    lora = parse_config(base + ["--use_lora"]).lora
-    assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (64, 16, 0.1)
-    assert lora.lora_target_modules == ["all-linear"]
-    targets = parse_config(base + ["--lora_target_modules", "q_proj", "v_proj"]).lora.lora_target_modules
-    assert targets == ["q_proj", "v_proj"]
-    with pytest.raises(ConfigError) as info:
-        parse_config(base + ["--merge_lora_on_save", "--lora_rank", "0", "--lora_dropout", "1.5"])
-    assert len(info.value.problems) == 3
-    assert "--merge_lora_on_save needs --use_lora or --use_qlora" in str(info.value)
-
-
-def test_only_adapter_weights_train(tiny_model_dir) -> None:
-    """In process: after three AdamW steps every adapter tensor changed everywhere, nothing else moved."""
-    lora = LoraArguments(use_lora=True, lora_rank=4, lora_dropout=0.0)
-    model = load_model(model_args(tiny_model_dir), lora=lora)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    assert len(trainable) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 blocks; not lm_head
-    wrapped = TokenLossModel(model).train()
-    optimizer = build_optimizer(wrapped, 1e-2, 0.0)
-    batch = make_batch()
-    for _ in range(3):
-        wrapped(**batch).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    for name, param in model.named_parameters():
-        if name in trainable:
-            assert float((param != before[name]).float().mean()) > 0.99, name
-        else:
-            assert torch.equal(param, before[name]), name
 
 
 @pytest.mark.parametrize("name", LORA_RUNS)
@@ -230,24 +202,15 @@ def test_qlora_merge_dequantizes_to_bf16(qlora_run, tiny_model_dir) -> None:
     assert float((adapter_logits - base_logits).abs().max()) > 5 * max(error, sensitivity)
 
 
-def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
-    from conftest import DS_CONFIGS
-
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(DS_CONFIGS / "zero3.json"))
-    with pytest.raises(UserError, match=r"--use_qlora does not work under DeepSpeed.*accelerate launch --multi_gpu"):
-        load_model(model_args(tiny_model_dir), lora=LoraArguments(use_qlora=True))
-
-
 def test_offline_merge_cli_equals_merge_on_save(lora_runs, tmp_path) -> None:
-    """`python -m open_sft.model.lora merge` (what scripts/merge_lora.sh runs) gives the merge the run wrote."""
-    from open_sft.model.lora import main as lora_main
+    """`python -m open_sft merge-lora` (what scripts/merge_lora.sh runs) gives the merge the run wrote."""
+    from open_sft.export.lora_merge import main as merge_main
 
     out = lora_runs["single"]
-    assert lora_main(["merge", str(out), str(tmp_path / "m"), "--dtype", "float32"]) == 0
+    assert merge_main([str(out), str(tmp_path / "m"), "--dtype", "float32"]) == 0
     offline = load_file(tmp_path / "m" / "model.safetensors")
     on_save = load_file(out / "merged" / "model.safetensors")
     assert offline.keys() == on_save.keys()
     for key in on_save:
         torch.testing.assert_close(offline[key], on_save[key], rtol=0, atol=1e-6, msg=key)
-    assert lora_main(["merge", str(tmp_path), str(tmp_path / "n")]) == 2  # not a LoRA run: clear error
+    assert merge_main([str(tmp_path), str(tmp_path / "n")]) == 2  # not a LoRA run: clear error

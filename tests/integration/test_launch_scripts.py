@@ -157,7 +157,7 @@ def test_merge_lora_wraps_the_lora_cli(tmp_path) -> None:
     result = subprocess.run(["bash", script, str(adapter), str(tmp_path / "merged"), "--dtype", "bfloat16"],
                             env=script_env(PYTHON=str(fake_python)), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"-m open_sft.model.lora merge {adapter} {tmp_path / 'merged'} --dtype bfloat16"
+    assert result.stdout.strip() == f"-m open_sft merge-lora {adapter} {tmp_path / 'merged'} --dtype bfloat16"
     missing = subprocess.run(["bash", script, str(tmp_path), str(tmp_path / "merged")], env=script_env(),
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "adapter_config.json not found" in missing.stderr

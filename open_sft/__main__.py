@@ -1,0 +1,56 @@
+"""`open_sft <command>` (also `python -m open_sft <command>`): the side tools of a run, behind one command.
+
+Training itself is `finetune.py` (the open-instruct command line). Each command is a module's `main`;
+the modules are imported only when their command runs, so `open_sft --help` starts without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+# command -> (module whose main(argv) runs it, one-line help)
+COMMANDS = {
+    "generate": ("open_sft.export.generate", "generate from a saved model with its chat template; score sample tasks"),
+    "push": ("open_sft.export.hub", "upload an export or a checkpoint to the Hugging Face Hub"),
+    "merge-lora": ("open_sft.export.lora_merge", "merge a saved LoRA adapter into its base model"),
+    "report": ("open_sft.monitor.report", "(re)draw the report/ plots and summary from a run's metrics.jsonl"),
+    "model-card": ("open_sft.export.model_card", "(re)write the model card README.md of an export"),
+    "embedded": ("open_sft.embedded.factory", "build the offline embedded tokenizer and tiny model"),
+    "sample-data": ("open_sft.embedded.sample_data", "write deterministic, checkable instruction data"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    return ("usage: open_sft <command> [options]   (open_sft <command> --help for its options)\n\n"
+            "commands:\n" + "\n".join(lines) + "\n\nTraining: python finetune.py --help")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{_usage()}",
+              file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return module.main(rest, prog=f"open_sft {command}")
+
+
+def forward(command: str, drop: Optional[str] = None) -> None:
+    """An old `python -m open_sft.<module>` path: run `command` with this process's arguments (after the
+    old sub-command `drop`, when the old path had one) and exit with its code."""
+    argv = sys.argv[1:]
+    if drop is not None and argv[:1] == [drop]:
+        argv = argv[1:]
+    sys.exit(main([command, *argv]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Collectives every rank calls: sums over ranks, and the full weights gathered onto the main process."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover - import only for type checkers
+    from accelerate import Accelerator
+
+
+def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
+    """Sum a scalar (or tensor) over all ranks; works with gloo on CPU (and nccl).
+
+    Must be called by every rank (collective).  Python ints are summed exactly as int64,
+    floats as float64; the result is on the input tensor's device (CPU for Python numbers).
+    """
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().clone()
+    elif isinstance(value, int):
+        tensor = torch.tensor(value, dtype=torch.int64)
+    else:
+        tensor = torch.tensor(float(value), dtype=torch.float64)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        backend = torch.distributed.get_backend()
+        device = tensor.device
+        if backend == "nccl" and device.type != "cuda":
+            tensor = tensor.cuda()
+        elif backend == "gloo" and device.type != "cpu":
+            tensor = tensor.cpu()
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        tensor = tensor.to(device)
+    return tensor
+
+
+def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model weights on the main process, ``{}`` on the other ranks.
+
+    Collective: call on every rank.  Under ZeRO-3 the parameters are gathered layer by layer
+    (needs ``stage3_gather_16bit_weights_on_model_save=true``, which resolve_deepspeed_config
+    sets); tensors are CPU copies in the model's dtype (bf16 under DS bf16, else fp32).
+    """
+    state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process or state_dict is None:
+        return {}
+    return {name: tensor.detach().to("cpu").clone() for name, tensor in state_dict.items()}

@@ -1,0 +1,125 @@
+"""A LoRA adapter merged into its base: W + (alpha/r)·B·A, from a run's gathered state dict (`--merge_lora_on_save`)
+or offline from a saved adapter directory (`open_sft merge-lora ADAPTER OUT`).
+
+The in-run merge works from the gathered full state dict, never from the live modules, because under ZeRO-3
+those hold only shards. The one exception is QLoRA's 4-bit base weights, which are dequantized from their
+modules: QLoRA never runs under DeepSpeed, so they are whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from huggingface_hub import save_torch_state_dict
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+
+from open_sft.errors import UserError
+from open_sft.model.lora import ADAPTER, PEFT_PREFIX
+
+MERGED_QLORA_DTYPE = torch.bfloat16
+
+
+def _dequantized_4bit_weights(model: PeftModel) -> dict[str, torch.Tensor]:
+    """`<module>.weight` → fp32 dequantized weight, for every bitsandbytes 4-bit linear layer."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return {}
+    import bitsandbytes as bnb
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+            out[f"{name}.weight"] = weight.float().cpu()
+    return out
+
+
+def _lora_delta(layer: LoraLayer, name: str, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
+    """scaling · B · A of one LoRA layer, in fp32, in the base weight's layout."""
+    lora_a = state_dict[f"{name}.lora_A.{ADAPTER}.weight"].float()
+    lora_b = state_dict[f"{name}.lora_B.{ADAPTER}.weight"].float()
+    delta = (lora_b @ lora_a) * layer.scaling[ADAPTER]
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's state dict (its own key names) with every adapter merged: W + (alpha/r)·B·A.
+
+    `state_dict` is the gathered PeftModel state dict. A QLoRA base is dequantized first and the
+    result is bf16; otherwise each tensor keeps the dtype it was trained in.
+    """
+    dequantized = _dequantized_4bit_weights(model)
+    quantized = tuple(f"{key}." for key in dequantized)  # bitsandbytes' quant-state entries
+    full = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and not k.startswith(quantized)}
+    full.update(dequantized)
+    dtypes = {k: (MERGED_QLORA_DTYPE if dequantized else v.dtype) for k, v in full.items()}
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer):
+            key = f"{name}.base_layer.weight"
+            full[key] = full[key].float() + _lora_delta(layer, name, state_dict)
+    merged = {}
+    for key, tensor in full.items():
+        if ".lora_" in key:
+            continue
+        clean = key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        merged[clean] = tensor.to(dtypes[key]).contiguous()
+    return merged
+
+
+def write_merged_model(model: PeftModel, merged: dict[str, torch.Tensor], directory: Path,
+                        max_shard_size: str | int) -> None:
+    config = copy.deepcopy(model.get_base_model().config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.use_cache = True
+    config.dtype = next(iter(merged.values())).dtype
+    config.save_pretrained(directory)
+    save_torch_state_dict(merged, directory, max_shard_size=max_shard_size)
+
+
+def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "bfloat16",
+                      base_model: Optional[str] = None) -> Path:
+    """Offline merge of a saved adapter into its base: `open_sft merge-lora ADAPTER OUT`.
+    Uses peft's merge_and_unload (the live modules are whole here: no DeepSpeed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_file = adapter_dir / "adapter_config.json"
+    if not config_file.exists():
+        raise UserError(f"{config_file} not found; pass the --output_dir of a --use_lora/--use_qlora run")
+    base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{config_file} names no base model; pass --base_model")
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
+    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(output_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(output_dir)
+    return output_dir
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft merge-lora") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="merge a LoRA adapter into its base model and save the "
+                                     "full model")
+    parser.add_argument("adapter_dir", type=Path)
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
+    parser.add_argument("--base_model", default=None, help="default: base_model_name_or_path of adapter_config.json")
+    args = parser.parse_args(argv)
+    try:
+        print(merge_adapter_dir(args.adapter_dir, args.output_dir, args.dtype, args.base_model))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

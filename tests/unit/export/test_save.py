@@ -1,0 +1,65 @@
+"""The one staging helper both exports (full model, LoRA) write through."""
+
+from __future__ import annotations
+
+import pytest
+
+from open_sft.export.save import MERGED_DIR, STAGING, staged_export
+
+
+def _files(directory) -> dict[str, str]:
+    return {str(p.relative_to(directory)): p.read_text() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _earlier_full_export(out) -> None:
+    out.mkdir()
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "model.safetensors.index.json", "tokenizer.json", "metrics.jsonl"):
+        (out / name).write_text(f"old {name}")
+
+
+def test_lora_export_over_a_full_export_leaves_no_full_model_beside_the_adapter(tmp_path) -> None:
+    """Loaders given a directory with config.json and adapter_config.json would apply the adapter to the stale
+    model; shards of another sharding would be mixed into the new model."""
+    out = tmp_path / "out"
+    _earlier_full_export(out)
+    with staged_export(out) as staging:
+        (staging / "adapter_config.json").write_text("new adapter config")
+        (staging / "adapter_model.safetensors").write_text("new adapter")
+        (staging / "tokenizer.json").write_text("new tokenizer")
+    assert _files(out) == {"adapter_config.json": "new adapter config", "adapter_model.safetensors": "new adapter",
+                           "tokenizer.json": "new tokenizer", "metrics.jsonl": "old metrics.jsonl"}
+
+
+def test_full_export_over_a_lora_export_removes_the_adapter_and_its_merge(tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "adapter_config.json").write_text("old")
+    (out / "adapter_model.safetensors").write_text("old")
+    (out / MERGED_DIR).mkdir()
+    (out / MERGED_DIR / "model.safetensors").write_text("old merge")
+    with staged_export(out) as staging:
+        (staging / "config.json").write_text("new config")
+        (staging / "model.safetensors").write_text("new weights")
+    assert _files(out) == {"config.json": "new config", "model.safetensors": "new weights"}
+
+
+def test_a_new_merge_replaces_the_old_one_whole(tmp_path) -> None:
+    out = tmp_path / "out"
+    (out / MERGED_DIR).mkdir(parents=True)
+    (out / MERGED_DIR / "model-00001-of-00002.safetensors").write_text("old shard")
+    with staged_export(out) as staging:
+        (staging / MERGED_DIR).mkdir()
+        (staging / MERGED_DIR / "model.safetensors").write_text("new merge")
+    assert _files(out) == {f"{MERGED_DIR}/model.safetensors": "new merge"}
+
+
+def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path) -> None:
+    out = tmp_path / "out"
+    _earlier_full_export(out)
+    before = _files(out)
+    with pytest.raises(RuntimeError, match="disk full"):
+        with staged_export(out) as staging:
+            (staging / "config.json").write_text("half")
+            raise RuntimeError("disk full")
+    assert _files(out) == before and not (out / STAGING).exists()

@@ -1,0 +1,79 @@
+"""Trackers and the end-of-run report.
+
+One short single-process run with `--with_tracking --report_to all` (W&B offline) is read back with
+the real readers: TensorBoard's EventAccumulator and W&B's own record protobufs. Their loss and
+learning-rate values must be those of metrics.jsonl, no secret may reach the disk, and report/
+must hold valid PNGs and a summary whose numbers are recomputed here from metrics.jsonl.
+
+The tests of this subject that launch real processes are in tests/integration/test_tracking_report.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from open_sft.errors import UserError
+from open_sft.monitor.report import summarize, write_report
+from open_sft.monitor.tracking import build_trackers, scalars_of, trackers_for
+from open_sft.redaction import REDACTED, redact_secrets
+
+
+SECRET = "hf_TESTSECRETdoNotLog0123456789"
+
+
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5_000
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.size == (700, 400)
+        assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 10  # a drawn chart, not a blank canvas
+
+
+def test_report_with_eval_lines(tmp_path) -> None:
+    records = [{"step": s, "loss": 3.0 - 0.1 * s, "learning_rate": 1e-3 * s, "train_tokens": 100 * s,
+                "total_tokens": 150 * s, "mfu": 0.1 * s, "peak_memory_gib": 1.0 + s / 10, "elapsed_s": 2.0 * s}
+               for s in range(1, 5)]
+    records.insert(2, {"step": 2, "eval_loss": 2.5})
+    records.append({"step": 4, "eval_loss": 2.25})
+    summary = write_report(records, tmp_path / "report")
+    assert summary.final_eval_loss == 2.25 and summary.final_loss == pytest.approx(2.6)
+    assert summary.mfu == pytest.approx(0.25)  # equal 2 s windows: plain mean of 0.1..0.4
+    assert summary.tokens_per_second == pytest.approx(600 / 8)
+    assert summary.peak_memory_gib == pytest.approx(1.4)
+    assert "| Final eval loss | 2.2500 |" in (tmp_path / "report" / "summary.md").read_text()
+    _assert_png(tmp_path / "report" / "loss.png")
+    with pytest.raises(ValueError, match="no training records"):
+        summarize([{"step": 1, "eval_loss": 1.0}])
+
+
+def test_tracker_names_and_scalars() -> None:
+    assert trackers_for("all") == ("tensorboard", "wandb")
+    assert trackers_for("none") == ()
+    assert trackers_for("wandb") == ("wandb",)
+    assert trackers_for(["wandb", "tensorboard", "wandb"]) == ("wandb", "tensorboard")  # open-instruct's list
+    assert trackers_for(["tensorboard", "all"]) == ("tensorboard", "wandb")
+    with pytest.raises(UserError, match="--report_to 'mlflow': expected one or more of"):
+        trackers_for(["tensorboard", "mlflow"])
+    assert scalars_of({"step": 3, "loss": 1.5, "eval_loss": 2.0, "note": "x", "flag": True}) == \
+        {"train/loss": 1.5, "eval/loss": 2.0}
+
+
+def test_secrets_redacted_from_tracker_config() -> None:
+    config = {"train": {"hub_token": SECRET, "output_dir": "o", "add_special_tokens": True},
+              "model": {"tokenizer_name_or_path": "t", "api_key": SECRET, "hub_password": None}}
+    clean = redact_secrets(config)
+    assert clean["train"] == {"hub_token": REDACTED, "output_dir": "o", "add_special_tokens": True}
+    assert clean["model"] == {"tokenizer_name_or_path": "t", "api_key": REDACTED, "hub_password": None}
+    assert config["train"]["hub_token"] == SECRET  # the input is not modified
+
+
+def test_wandb_missing_names_the_extra(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
+    with pytest.raises(UserError, match=r"pip install 'open_sft\[wandb\]'"):
+        build_trackers("wandb", tmp_path)

@@ -1,0 +1,133 @@
+"""Preflight: the memory estimate per rank against the measured peak RSS (±25 %), the time estimate of
+--dry_run's probe against the real run's training time (±30 %), and the activation coefficients against
+the bytes transformers' Llama really saves for backward.
+
+The memory runs use a model big enough that parameters, optimizer states and activations are a large
+share of the peak (not only the interpreter and libraries): hidden 256, 4 layers, 4k vocabulary, 512-token
+blocks of text.
+
+The tests of this subject that launch real processes are in tests/integration/test_preflight.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory, format_seconds, micro_batch_positions, saved_activation_bytes
+
+
+def test_time_probe_scales_the_probe_steps_by_token_positions() -> None:
+    """Steps whose time is proportional to the token positions they compute are estimated exactly from
+    the probe steps (after the warm-up one), whatever the other steps' sizes."""
+    from open_sft.preflight.estimate import TimeProbe
+
+    slots = [900, 400, 800, 1200, 300, 2000, 1000, 600]
+    probe = TimeProbe(total_steps=len(slots), step_slots=slots)
+    seconds_per_slot = 0.002
+    for index, size in enumerate(slots):
+        probe.record(index, 5.0 if index == 0 else seconds_per_slot * size)  # a slow warm-up step
+    assert probe.done and probe.seconds == pytest.approx([0.8, 1.6, 2.4])
+    assert probe.estimate_seconds(1, 1) == pytest.approx(seconds_per_slot * sum(slots[1:]))
+    assert probe.estimate_seconds(4, 1) == pytest.approx(seconds_per_slot * sum(slots[4:]))
+
+
+def test_step_timer_estimate_is_warmup_plus_probed_rate() -> None:
+    """StepTimer on step times it is given: the estimate logged after the probe steps is the warm-up step's
+    time plus the probed rate × the remaining token positions; a resumed launch starts from its step."""
+    from open_sft.preflight import estimate as preflight
+
+    slots = [100, 100, 200, 300, 100, 400]
+    durations = iter([3.0, 0.1, 0.2, 0.3, 0.1, 0.4])  # a warm-up step, then 1 ms per position
+    logged = []
+    timer = preflight.StepTimer(preflight.TimeProbe(len(slots), slots), 0, log=logged.append)
+    for done in range(1, len(slots) + 1):
+        assert timer(done, next(durations)) is False  # a timer never stops the run
+    assert timer.estimate == pytest.approx(3.0 + 0.001 * sum(slots[1:]))
+    assert logged == ["time estimate: 0m04s for steps 1-6 (measured on steps 2-4)"]
+    assert timer.elapsed == pytest.approx(4.1)
+    resumed = preflight.StepTimer(preflight.TimeProbe(len(slots), slots), 2, log=logged.append)
+    for done, seconds in zip(range(3, 7), [1.0, 0.3, 0.1, 0.4]):
+        resumed(done, seconds)
+    assert resumed.estimate == pytest.approx(1.0 + 0.001 * sum(slots[3:]))
+
+
+def _saved_bytes(model, tokens: torch.Tensor, mask: torch.Tensor, autocast: bool) -> int:
+    """Bytes of the distinct storages autograd saves for backward in the decoder, parameters excluded."""
+    seen, total = set(), [0]
+
+    def pack(tensor):
+        key = tensor.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total[0] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    seen.update(p.untyped_storage().data_ptr() for p in model.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model.model(input_ids=tokens, attention_mask=mask)
+    return total[0]
+
+
+@pytest.mark.parametrize("hidden,intermediate,layers,bf16,padded", [
+    (256, 688, 4, False, False), (384, 1024, 2, False, True), (256, 688, 4, True, False), (512, 1376, 2, True, True),
+])
+def test_activation_coefficients_match_saved_tensors(hidden, intermediate, layers, bf16, padded) -> None:
+    """The estimate's per-token coefficients equal what autograd really keeps for backward (±15 %)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).train()
+    tokens = torch.randint(0, 512, (2, 256))
+    mask = torch.ones_like(tokens)
+    if padded:
+        mask[1, 100:] = 0
+    measured = _saved_bytes(model, tokens, mask, bf16)
+    if bf16:  # autocast's bf16 copies of the layers' weights are saved too; the estimate counts them as parameters
+        measured -= 2 * sum(p.numel() for p in model.model.layers.parameters() if p.ndim == 2)
+    run = RunShape(1, 0, False, bf16, tokens.numel(), 0, False, attention_width=256 if padded else 0)
+    estimated = saved_activation_bytes(ModelShape.of(model), run)
+    assert 0.85 * measured <= estimated <= 1.15 * measured, (estimated / 2**20, measured / 2**20)
+
+
+def _shape(params: int, trainable: int, param_bytes: int) -> ModelShape:
+    return ModelShape(params=params, trainable=trainable, param_bytes=param_bytes, largest_param=params // 10,
+                      matmul_params=trainable, hidden=1024, layers=8, intermediate=2816, vocab=32000)
+
+
+def test_model_states_follow_zero_stage_lora_and_dtype() -> None:
+    full = _shape(100_000_000, 100_000_000, 400_000_000)
+
+    def states(model, **run):
+        fields = dict(world_size=1, zero_stage=0, offload=False, bf16=False, micro_batch_tokens=0,
+                      trained_tokens=0, gradient_checkpointing=False)
+        estimate = estimate_memory(model, RunShape(**{**fields, **run}), runtime=0)
+        return estimate.parameters, estimate.gradients, estimate.optimizer
+
+    params, grads, optimizer = states(full)
+    assert (params, grads) == (400_000_000, 400_000_000)
+    assert optimizer == 1_200_000_000  # Adam's two fp32 moments + one step temporary
+    _, _, zero2_optimizer = states(full, world_size=4, zero_stage=2)
+    assert zero2_optimizer == 200_000_000  # 8 bytes × N / 4 ranks
+    zero2_params = states(full, world_size=4, zero_stage=2, bf16=True)[0]
+    zero3_params = states(full, world_size=4, zero_stage=3, bf16=True)[0]
+    assert zero2_params == 200_000_000 + 100_000_000  # bf16 module copy + fp32 master partition
+    assert zero3_params < zero2_params  # ZeRO-3 partitions the module's parameters too
+    lora = _shape(100_000_000, 1_000_000, 400_000_000)
+    lora_params, lora_grads, lora_optimizer = states(lora)
+    assert lora_params == 400_000_000 and lora_grads == 4_000_000 and lora_optimizer == 12_000_000
+    qlora = _shape(100_000_000, 1_000_000, 56_000_000)  # 4-bit base: packed bytes as loaded
+    assert states(qlora)[0] == 56_000_000
+
+
+def test_packed_micro_batch_positions_count_the_rows_as_collated() -> None:
+    assert micro_batch_positions([100, 30, 7], packing=False, row_capacity=512) == 300
+    # 300 + 300 + 200 do not fit one 512 row: rows [300, 200] and [300] → 2 rows of width 500
+    assert micro_batch_positions([300, 300, 200], packing=True, row_capacity=512) == 1000
+
+
+def test_format_seconds() -> None:
+    assert format_seconds(59.6) == "1m00s"
+    assert format_seconds(3725) == "1h02m05s"
