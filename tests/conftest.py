@@ -88,3 +88,31 @@ def run_finetune(args: list[str], processes: int = 1, deepspeed_config: str | No
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# The shape of the HF Trainer docs' ZeRO-3 example (optimizer and scheduler sections, "auto" everywhere).
+TRAINER_JSON = {
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_min_lr": "auto",
+                                                      "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                          "stage3_param_persistence_threshold": "auto",
+                          "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 1e5, "wall_clock_breakdown": False,
+}
+
+
+def assert_png(path: Path) -> None:
+    """A real 700×400 chart: PNG signature, decodable, more than a blank canvas."""
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5_000
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.size == (700, 400)
+        assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 10  # a drawn chart, not a blank canvas

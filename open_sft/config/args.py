@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from open_sft.redaction import redact_secrets
 
@@ -39,12 +39,12 @@ class ModelArguments:
     trust_remote_code: bool = _help("Allow custom modelling code from the model repository.", default=False)
     additional_model_arguments: Optional[str] = _help(
         "Model config overrides: a JSON object (or YAML mapping), e.g. '{\"rope_theta\": 500000}'.", default=None)
-    torch_dtype: str = _help(
+    torch_dtype: Literal["auto", "bfloat16", "bf16", "float32", "fp32"] = _help(
         "Compute dtype: auto (bf16 where supported), bfloat16 or float32. Parameters and optimizer "
         "states stay in fp32 (bf16 runs use autocast, or DeepSpeed's bf16 mode with fp32 master weights).",
         default="auto",
     )
-    attn_implementation: str = _help(
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = _help(
         "Attention kernel: auto (flash_attention_2 on CUDA when installed, else sdpa), sdpa, eager, "
         "flash_attention_2.",
         default="auto",
@@ -96,11 +96,11 @@ class DataArguments:
         "Split(s) to read from dataset ids: one for all sources or one per source.",
         default_factory=lambda: ["train"],
     )
-    dataset_mixer_unit: str = _help(
+    dataset_mixer_unit: Literal["rows", "tokens"] = _help(
         "What AMOUNTs count: rows, or tokens (a fraction is then a share of the source's tokens, "
         "a count a number of tokens).", default="rows"
     )
-    dataset_format: str = _help(
+    dataset_format: Literal["auto", "messages", "alpaca", "sharegpt", "text"] = _help(
         "Row format of every source: auto (detected per source from its columns), messages, alpaca, "
         "sharegpt, text (raw documents for continual pretraining, spliced into --max_seq_length blocks).",
         default="auto",
@@ -118,7 +118,7 @@ class DataArguments:
         "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token).", default=False)
     sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
                                   default="messages")
-    on_bad_row: str = _help(
+    on_bad_row: Literal["error", "drop"] = _help(
         "A row that fails validation: 'error' stops with its file, line and problem; 'drop' skips it "
         "and counts the reason in the data report.", default="error"
     )
@@ -136,10 +136,10 @@ class DataArguments:
         default=None,
     )
     max_seq_length: int = _help("Longest tokenized example, in tokens.", default=2048)
-    truncation: str = _help(
+    truncation: Literal["truncate", "drop"] = _help(
         "Examples longer than --max_seq_length: 'truncate' cuts them, 'drop' removes them.", default="truncate"
     )
-    train_on: str = _help(
+    train_on: Literal["all_assistant", "last_assistant", "all"] = _help(
         "Which tokens get a loss: all_assistant (every assistant turn), last_assistant, all.",
         default="all_assistant",
     )
@@ -161,7 +161,7 @@ class TrainingArguments:
     per_device_train_batch_size: int = _help("Examples per micro-batch on each process.", default=8)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer step on each process.", default=1)
     learning_rate: float = _help("Peak learning rate.", default=2e-5)
-    lr_scheduler_type: str = _help(
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "wsd"] = _help(
         "Learning-rate schedule: linear, cosine, cosine_with_restarts (one cycle: = cosine, as in open-instruct), "
         "polynomial (power 1 to 1e-7, as transformers'), constant, constant_with_warmup, wsd (warmup-stable-decay).",
         default="linear")
@@ -189,7 +189,7 @@ class TrainingArguments:
         "Token budget of a packed micro-batch; default per_device_train_batch_size × max_seq_length.", default=None
     )
     clip_grad_norm: float = _help("Clip the global gradient norm to this value; -1 disables.", default=1.0)
-    loss_normalization: str = _help(
+    loss_normalization: Literal["token", "mean", "sum"] = _help(
         "token: sum of token losses over the global batch / its trained tokens (invariant to batch "
         "layout). mean: mean of micro-batch means. sum: sum of token losses.",
         default="token",

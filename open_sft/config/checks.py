@@ -5,29 +5,27 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import typing
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
+from open_sft.config.args import DataArguments, FinetuneConfig, ModelArguments, TrainingArguments
 from open_sft.errors import ConfigError
 from open_sft.monitor.tracking import REPORT_TO_CHOICES
 
-if TYPE_CHECKING:
-    from open_sft.config.args import DataArguments, FinetuneConfig, ModelArguments, TrainingArguments
 
-CHOICES = {
-    "torch_dtype": ("auto", "bfloat16", "bf16", "float32", "fp32"),
-    "attn_implementation": ("auto", "sdpa", "eager", "flash_attention_2"),
-    "truncation": ("truncate", "drop"),
-    "dataset_mixer_unit": ("rows", "tokens"),
-    "dataset_format": ("auto", "messages", "alpaca", "sharegpt", "text"),
-    "on_bad_row": ("error", "drop"),
-    "train_on": ("all_assistant", "last_assistant", "all"),
-    "lr_scheduler_type": ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-                          "constant_with_warmup", "wsd"),
-    "loss_normalization": ("token", "mean", "sum"),
-}
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Each flag's allowed values, as the Literal type of its field says (the one place they are written)."""
+    found = {}
+    for cls in (ModelArguments, DataArguments, TrainingArguments):
+        for name, hint in typing.get_type_hints(cls).items():
+            if typing.get_origin(hint) is typing.Literal:
+                found[name] = typing.get_args(hint)
+    return found
+
+
+CHOICES = _choices()
 
 
 def _is_local_path(name: str) -> bool:

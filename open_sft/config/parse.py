@@ -38,7 +38,15 @@ class _Parser(HfArgumentParser):
 
 
 def _make_parser() -> _Parser:
-    return _Parser(DATACLASSES)
+    """HfArgumentParser turns each field's Literal type into argparse choices, so --help lists them; argparse
+    would then refuse a bad value alone, before the other flags are read. The choices stay in the help and are
+    judged in open_sft.config.checks with every other problem, all reported at once."""
+    parser = _Parser(DATACLASSES)
+    for action in parser._actions:
+        if action.choices:
+            action.metavar = "{" + ",".join(map(str, action.choices)) + "}"
+            action.choices = None
+    return parser
 
 
 def _unknown_flag_error(parser: _Parser, leftover: list[str]) -> UserError:

@@ -16,24 +16,10 @@ import sys
 import pytest
 import torch
 
-from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, child_env, free_port, read_metrics
+from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, TRAINER_JSON, child_env, free_port, read_metrics
 
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
-
-
-TRAINER_JSON = {  # the shape of the HF Trainer docs' ZeRO-3 example
-    "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_min_lr": "auto",
-                                                      "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto",
-                          "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 1e5, "wall_clock_breakdown": False,
-}
 
 
 STEPS = 6

@@ -50,10 +50,12 @@ def finetune_args(model_dir: Path, output_dir: Path, layout: str, *extra: str) -
             "--keep_last_n_checkpoints", "2", "--max_shard_size", "300KB", *extra]
 
 
-def run_layout(layout: str, args: list[str], check: bool = True, **env: str) -> subprocess.CompletedProcess:
+def run_layout(layout: str, args: list[str], check: bool = True, timeout: float = 600,
+               **env: str) -> subprocess.CompletedProcess:
+    """One launch; a launch still running after `timeout` seconds (a hung rank) fails the test."""
     processes, ds_config, _, _ = LAYOUTS[layout]
     result = subprocess.run(launch_command(processes, ds_config) + args, cwd=ROOT, env=child_env(**env),
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -171,14 +173,13 @@ def zero3(tiny_model_dir, tmp_path_factory, hub, logs) -> dict:
     kill_code = interrupt("zero3", args, out, 3, signal.SIGKILL, logs / "zero3_killed.log", env=online)
     hub.always["create"] = "500"
     creates_before = hub.count("create")
-    started = time.monotonic()
     final = run_layout("zero3", args + ["--push_to_hub", "--hub_model_id", "org/zero3", "--hub_token", TOKEN],
-                       check=False, **online, OPEN_SFT_HUB_RETRIES="3",
+                       check=False, timeout=300, **online, OPEN_SFT_HUB_RETRIES="3",
                        OPEN_SFT_HUB_BACKOFF_S="0.1")
     hub.always.clear()
     (logs / "zero3_final.log").write_text(final.stdout + final.stderr)
     return {"base": base, "out": out, "kill_code": kill_code, "final": final,
-            "final_seconds": time.monotonic() - started, "create_attempts": hub.count("create") - creates_before}
+            "create_attempts": hub.count("create") - creates_before}
 
 
 def test_single_process_resume_after_kill_is_bitwise(single) -> None:
@@ -361,7 +362,6 @@ def test_push_retries_transient_failures_and_uploads_the_export(single, hub, log
 def test_failed_push_exits_nonzero_with_retry_command_and_keeps_the_export(zero3) -> None:
     final, out = zero3["final"], zero3["out"]
     assert final.returncode != 0
-    assert zero3["final_seconds"] < 300  # no rank hung
     assert zero3["create_attempts"] == 3  # OPEN_SFT_HUB_RETRIES
     assert f"python -m open_sft push {out} --hub_model_id org/zero3 --hub_revision main --hub_private" in final.stderr
     assert "The local export in" in final.stderr

@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
-from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
+from conftest import ROOT, SAMPLE, assert_png, child_env, launch_command, read_metrics
 
 
 STEPS = 6
@@ -99,16 +98,6 @@ def test_no_secret_reaches_the_disk(tracked_run) -> None:
     assert not leaked, leaked
 
 
-def _assert_png(path: Path) -> None:
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size > 5_000
-    with Image.open(path) as image:
-        image.verify()
-    with Image.open(path) as image:
-        assert image.size == (700, 400)
-        assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 10  # a drawn chart, not a blank canvas
-
-
 def expected_summary(metrics: list[dict]) -> dict:
     """The summary's definitions, recomputed independently from metrics.jsonl."""
     last = metrics[-1]
@@ -122,8 +111,8 @@ def expected_summary(metrics: list[dict]) -> dict:
 
 def test_report_written_at_end_of_run(tracked_run) -> None:
     report = tracked_run / "report"
-    _assert_png(report / "loss.png")
-    _assert_png(report / "learning_rate.png")
+    assert_png(report / "loss.png")
+    assert_png(report / "learning_rate.png")
     metrics = read_metrics(tracked_run)
     want = expected_summary(metrics)
     got = json.loads((report / "summary.json").read_text())
@@ -146,7 +135,7 @@ def test_report_cli_regenerates(tracked_run, tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads((copy / "report" / "summary.json").read_text()) == \
         json.loads((tracked_run / "report" / "summary.json").read_text())
-    _assert_png(copy / "report" / "loss.png")
+    assert_png(copy / "report" / "loss.png")
     # the path before `open_sft report` still works, errors included
     missing = subprocess.run([sys.executable, "-m", "open_sft.report", str(tmp_path / "nowhere")], cwd=ROOT,
                              env=child_env(), capture_output=True, text=True, timeout=120)

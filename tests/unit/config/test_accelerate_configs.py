@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from conftest import TRAINER_JSON
 from open_sft.config.parse import parse_config
 from open_sft.errors import UserError
 from open_sft.config.launch import plan_launch
@@ -29,20 +30,6 @@ YAML_ENV = {
     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu",
     "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
     "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-}
-
-
-TRAINER_JSON = {  # the shape of the HF Trainer docs' ZeRO-3 example
-    "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto", "warmup_min_lr": "auto",
-                                                      "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                          "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
-                          "stage3_param_persistence_threshold": "auto",
-                          "stage3_gather_16bit_weights_on_model_save": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto", "steps_per_print": 1e5, "wall_clock_breakdown": False,
 }
 
 

@@ -73,3 +73,14 @@ def test_example_configs_parse(tmp_path) -> None:
     for path in examples:
         config = parse_config([str(path), "--model_name_or_path", "org/model"])
         assert config.data.dataset_mixer_list and config.train.output_dir
+
+
+def test_help_lists_the_choices_written_once_on_the_fields() -> None:
+    """Each choice flag's values come from its field's Literal type: --help shows them, the checks use them."""
+    from open_sft.config.checks import CHOICES
+    from open_sft.config.parse import _make_parser
+
+    text = " ".join(_make_parser().format_help().split())
+    assert len(CHOICES) >= 9
+    for name, values in CHOICES.items():
+        assert f"--{name} {{{','.join(values)}}}" in text, name

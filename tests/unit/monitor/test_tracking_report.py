@@ -11,11 +11,10 @@ The tests of this subject that launch real processes are in tests/integration/te
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
-from PIL import Image
 
+from conftest import assert_png
 from open_sft.errors import UserError
 from open_sft.monitor.report import summarize, write_report
 from open_sft.monitor.tracking import build_trackers, scalars_of, trackers_for
@@ -23,16 +22,6 @@ from open_sft.redaction import REDACTED, redact_secrets
 
 
 SECRET = "hf_TESTSECRETdoNotLog0123456789"
-
-
-def _assert_png(path: Path) -> None:
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert path.stat().st_size > 5_000
-    with Image.open(path) as image:
-        image.verify()
-    with Image.open(path) as image:
-        assert image.size == (700, 400)
-        assert len(image.convert("L").getcolors(maxcolors=1 << 16)) > 10  # a drawn chart, not a blank canvas
 
 
 def test_report_with_eval_lines(tmp_path) -> None:
@@ -47,7 +36,7 @@ def test_report_with_eval_lines(tmp_path) -> None:
     assert summary.tokens_per_second == pytest.approx(600 / 8)
     assert summary.peak_memory_gib == pytest.approx(1.4)
     assert "| Final eval loss | 2.2500 |" in (tmp_path / "report" / "summary.md").read_text()
-    _assert_png(tmp_path / "report" / "loss.png")
+    assert_png(tmp_path / "report" / "loss.png")
     with pytest.raises(ValueError, match="no training records"):
         summarize([{"step": 1, "eval_loss": 1.0}])
 
