@@ -39,7 +39,7 @@ class Job:
     model: Any = None
     accelerator: Any = None
     ds_config: Optional[dict] = None  # resolved: no "auto" left
-    schedule: Any = None  # open_sft.training.trainer.Schedule
+    steps: Any = None  # open_sft.training.steps.StepPlan
     preflight: Any = None  # open_sft.preflight.estimate.Preflight
     baseline_bytes: int = 0  # this process's memory before the model
 
@@ -92,7 +92,7 @@ def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.pipeline import prepare_data as build
-    from open_sft.data.summary import format_report
+    from open_sft.data.summary import format_data_report
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
@@ -108,7 +108,7 @@ def prepare_data(job: Job) -> None:
     elif d.eval_split_ratio:
         job.data, job.eval_data = job.data.split(d.eval_split_ratio, seed)
     if _is_main_rank():
-        print(format_report(job.data.report), flush=True)
+        print(format_data_report(job.data.report), flush=True)
         if job.config.train.dry_run:
             _print_examples(job.data, job.tokenizer)
 
@@ -144,20 +144,20 @@ def build_model(job: Job) -> None:
 
 
 def preflight(job: Job) -> None:
-    """The step schedule, and the memory and time the run will need, printed before anything is trained."""
+    """The step plan, and the memory and time the run will need, printed before anything is trained."""
     from open_sft.model.load import context_warning
-    from open_sft.preflight.estimate import over_budget_warning, plan_preflight
-    from open_sft.training.trainer import plan_schedule
+    from open_sft.preflight.estimate import over_budget_warning, estimate_run
+    from open_sft.training.steps import plan_steps
 
     config, data = job.config, job.data
-    job.schedule = plan_schedule(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
-    job.preflight = plan_preflight(config, job.model, job.schedule, data, job.ds_config, job.dtype == torch.bfloat16,
+    job.steps = plan_steps(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
+    job.preflight = estimate_run(config, job.model, job.steps, data, job.ds_config, job.dtype == torch.bfloat16,
                                    job.baseline_bytes)
     if job.accelerator.is_main_process:
         context = context_warning(job.model.config, max(data.lengths(), default=0))
         if context:
             logger.warning("%s", context)
-        print(job.preflight.describe(job.schedule, data), flush=True)
+        print(job.preflight.describe(job.steps, data), flush=True)
         warning = over_budget_warning(job.preflight.memory, job.preflight.device_bytes)
         if warning:
             logger.warning(warning)
@@ -169,13 +169,13 @@ def probe_only(job: Job) -> dict:
     from open_sft.preflight.estimate import StepTimer, TimeProbe, format_seconds
 
     trainer = _build_trainer(job, metrics=None)
-    probe = TimeProbe(job.schedule.total_steps, job.preflight.step_slots)
+    probe = TimeProbe(job.steps.total_steps, job.preflight.step_slots)
     timer = StepTimer(probe, 0)
     trainer.train(0, after_step=[timer, lambda done, seconds: probe.done])
     # a run shorter than the probe was measured whole, not estimated
     estimate = timer.estimate if timer.estimate is not None else timer.elapsed
     if job.accelerator.is_main_process:
-        print(f"time estimate: {format_seconds(estimate)} for {job.schedule.total_steps} optimizer steps "
+        print(f"time estimate: {format_seconds(estimate)} for {job.steps.total_steps} optimizer steps "
               f"(from a probe of {len(probe.seconds)} step(s) after {probe.warmup} warm-up step)", flush=True)
     job.accelerator.wait_for_everyone()
     job.accelerator.end_training()
@@ -200,7 +200,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
-    logger.info("schedule: %s", job.schedule.to_dict())
+    logger.info("schedule: %s", job.steps.to_dict())
     metrics = _metrics_writer(job) if acc.is_main_process else None
     trainer = _build_trainer(job, metrics)
     if acc.is_main_process:
@@ -209,8 +209,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=_checkpoint_uploader(job))
     start_step = checkpointer.restore(resume)
-    progress = ProgressBar.for_rank(job.schedule.total_steps, start_step, acc.is_main_process)
-    timer = StepTimer(TimeProbe(job.schedule.total_steps, job.preflight.step_slots), start_step,
+    progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
+    timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
                       log=logger.info if acc.is_main_process else None)
     with progress.around_training():
         records = trainer.train(start_step, after_step=[timer, progress, checkpointer.on_step_end])
@@ -262,9 +262,9 @@ def run(config: FinetuneConfig) -> dict:
     prepare_data(job)
     if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
         if _is_main_rank():
-            from open_sft.data.summary import format_report
+            from open_sft.data.summary import format_data_report
 
-            print(format_report(job.data.report), flush=True)
+            print(format_data_report(job.data.report), flush=True)
             print(job.data.cache_path)
         return {"cache_path": str(job.data.cache_path)}
     build_model(job)
@@ -351,7 +351,7 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
                                 eight_bit=t.use_8bit_optimizer)
     wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
-    return Trainer(job.accelerator, wrapped, optimizer, t, job.schedule, job.data, job.tokenizer.pad_token_id,
+    return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
                    FlopCounter(model.config, backbone_params), device_peak_flops(job.dtype), metrics,
                    reduce_sum=all_reduce_sum, eval_data=job.eval_data)
 
@@ -373,7 +373,7 @@ def _write_run_files(job: Job, trainer: Any) -> None:
     write_json(job.output_dir / "run.json", {
         "args": job.config.to_dict(), "versions": library_versions(), "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.name, "compute_dtype": str(job.dtype),
-        "loss_normalization": job.config.train.loss_normalization, "schedule": job.schedule.to_dict(),
+        "loss_normalization": job.config.train.loss_normalization, "schedule": job.steps.to_dict(),
         "dataset_cache_key": job.data.cache_key, "dataset_cache_path": str(job.data.cache_path),
         "git_revision": git_revision(), "deepspeed_config": job.ds_config, "threads_per_rank": torch.get_num_threads(),
         "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,

@@ -243,16 +243,6 @@ class CheckpointArguments:
     max_shard_size: str = _help("Largest safetensors file of the exported model, e.g. 5GB or 500MB.",
                                 default="5GB")
 
-    def problems(self) -> list[str]:
-        found = []
-        steps = self.checkpointing_steps
-        if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
-            found.append(f"--checkpointing_steps {steps!r} must be a positive number of steps or 'epoch'")
-        if self.keep_last_n_checkpoints < 1 and self.keep_last_n_checkpoints != -1:
-            found.append(f"--keep_last_n_checkpoints must be at least 1, or -1 to keep all, got "
-                         f"{self.keep_last_n_checkpoints}")
-        return found
-
 
 @dataclass
 class HubArguments:
@@ -269,14 +259,6 @@ class HubArguments:
         "checkpoints/step_N/ on the --hub_revision branch; a failed upload warns and training goes on.",
         default=False
     )
-
-    def problems(self) -> list[str]:
-        found = []
-        if self.push_to_hub and not self.hub_model_id:
-            found.append("--push_to_hub needs --hub_model_id (e.g. my-org/my-model)")
-        if self.push_checkpoints and not self.push_to_hub:
-            found.append("--push_checkpoints needs --push_to_hub (and --hub_model_id)")
-        return found
 
     def public_dict(self) -> dict[str, Any]:
         """The arguments with the token replaced, for run.json, checkpoints, trackers and model cards."""

@@ -8,9 +8,13 @@ import os
 import typing
 from pathlib import Path
 
+import torch
 import yaml
 
-from open_sft.config.args import DataArguments, FinetuneConfig, ModelArguments, TrainingArguments
+from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
+                                  TrainingArguments)
+from open_sft.config.launch import uses_deepspeed
+from open_sft.data.chat.templates import chat_template_problems
 from open_sft.errors import ConfigError
 from open_sft.monitor.tracking import REPORT_TO_CHOICES
 
@@ -38,7 +42,8 @@ def validate(config: FinetuneConfig) -> None:
     problems += _training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
-    problems += config.checkpoint.problems() + config.hub.problems()
+    problems += _checkpoint_problems(config.checkpoint) + _hub_problems(config.hub)
+    problems += _environment_problems(config)
     if problems:
         raise ConfigError(problems)
 
@@ -114,6 +119,54 @@ def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
         problems.append(f"--warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
     if t.weight_decay < 0:
         problems.append(f"--weight_decay must be non-negative, got {t.weight_decay}")
+    return problems
+
+
+def _environment_problems(config: FinetuneConfig) -> list[str]:
+    """What this machine and launch cannot do: found here, with the flags, not when the model loads."""
+    m, lora, problems = config.model, config.lora, []
+    cuda = torch.cuda.is_available()
+    if m.attn_implementation == "flash_attention_2" and not (cuda and _installed("flash_attn")):
+        problems.append("--attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
+                        f"(CUDA available: {cuda}, flash-attn installed: {_installed('flash_attn')}); "
+                        "use --attn_implementation sdpa")
+    if m.use_liger_kernel and not cuda:
+        problems.append("--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton); this machine "
+                        "has no CUDA device. Drop --use_liger_kernel: open_sft's own loss path already avoids full "
+                        "logits on CPU")
+    elif m.use_liger_kernel and not _installed("liger_kernel"):
+        problems.append("--use_liger_kernel needs the liger-kernel package: pip install 'open_sft[liger]'")
+    if lora.use_qlora and uses_deepspeed():
+        problems.append("--use_qlora does not work under DeepSpeed: ZeRO flattens and partitions parameters, and "
+                        "bitsandbytes' packed 4-bit weights (with their quantization state) cannot be partitioned or "
+                        "cast. Run QLoRA in one process (python finetune.py ...) or with DDP (accelerate launch "
+                        "--multi_gpu --num_processes N finetune.py ...), or use --use_lora under DeepSpeed")
+    elif lora.use_qlora and not _installed("bitsandbytes"):
+        problems.append("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install 'open_sft[qlora]'")
+    return problems + chat_template_problems(config.data.chat_template_name, config.data.chat_template_path)
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _checkpoint_problems(c: CheckpointArguments) -> list[str]:
+    problems = []
+    steps = c.checkpointing_steps
+    if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
+        problems.append(f"--checkpointing_steps {steps!r} must be a positive number of steps or 'epoch'")
+    if c.keep_last_n_checkpoints < 1 and c.keep_last_n_checkpoints != -1:
+        problems.append(f"--keep_last_n_checkpoints must be at least 1, or -1 to keep all, got "
+                        f"{c.keep_last_n_checkpoints}")
+    return problems
+
+
+def _hub_problems(h: HubArguments) -> list[str]:
+    problems = []
+    if h.push_to_hub and not h.hub_model_id:
+        problems.append("--push_to_hub needs --hub_model_id (e.g. my-org/my-model)")
+    if h.push_checkpoints and not h.push_to_hub:
+        problems.append("--push_checkpoints needs --push_to_hub (and --hub_model_id)")
     return problems
 
 

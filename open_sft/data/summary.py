@@ -20,7 +20,7 @@ def length_percentiles(lengths: list[int]) -> dict[str, int]:
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
 
 
-def format_report(report: dict[str, Any]) -> str:
+def format_data_report(report: dict[str, Any]) -> str:
     """The data report as a fixed-width table, one line per source plus the mixture total."""
     header = f"{'source':<40} {'format':<9} {'rows in':>8} {'kept':>8} {'dropped':>8} {'trunc':>6} {'examples':>9} " \
              f"{'tokens':>11} {'trained':>7}"

@@ -8,7 +8,7 @@ twice with the same arguments gives byte-identical ``tokenizer.json`` and
 
 Command line::
 
-    python -m open_sft.embedded.factory OUT_DIR [--hidden_size 64] [--num_layers 2] ...
+    open_sft embedded OUT_DIR [--hidden_size 64] [--num_layers 2] ...
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -199,35 +200,17 @@ def load_rows(path: str | Path) -> list[dict]:
 
 
 def build_embedded_default(
-    out_dir: str | Path,
-    *,
-    data_path: str | Path | None = None,
-    vocab_size: int = 2048,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = MODEL_MAX_LENGTH,
-    seed: int = 0,
+    out_dir: str | Path, *, data_path: str | Path | None = None, vocab_size: int = 2048, **model_shape: Any
 ) -> Path:
-    """Train the tokenizer on ``data_path`` (default: bundled sample), build the model, save both.
+    """Train the tokenizer on ``data_path`` (default: bundled sample), build the model (``model_shape``: the
+    keyword arguments of :func:`build_model`, its defaults otherwise), save both.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
     tokenizer files into ``out_dir`` and returns it as a ``Path``.
     """
     rows = load_rows(DEFAULT_DATA_PATH if data_path is None else data_path)
     tokenizer = build_tokenizer(iter_message_texts(rows), vocab_size=vocab_size)
-    model = build_model(
-        tokenizer,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        seed=seed,
-    )
+    model = build_model(tokenizer, **model_shape)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

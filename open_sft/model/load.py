@@ -19,26 +19,12 @@ logger = logging.getLogger(__name__)
 
 
 def attn_implementation(args: ModelArguments) -> str:
-    cuda = torch.cuda.is_available()
-    has_flash = importlib.util.find_spec("flash_attn") is not None
+    """The kernel `auto` stands for here; an explicit choice was checked against the machine up front
+    (config.checks)."""
     if args.attn_implementation == "auto":
-        return "flash_attention_2" if cuda and has_flash else "sdpa"
-    if args.attn_implementation == "flash_attention_2" and not (cuda and has_flash):
-        raise UserError(
-            "--attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-            f"(CUDA available: {cuda}, flash-attn installed: {has_flash}); use --attn_implementation sdpa"
-        )
+        has_flash = importlib.util.find_spec("flash_attn") is not None
+        return "flash_attention_2" if torch.cuda.is_available() and has_flash else "sdpa"
     return args.attn_implementation
-
-
-def check_liger(args: ModelArguments) -> None:
-    if args.use_liger_kernel and not torch.cuda.is_available():
-        raise UserError(
-            "--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton); this machine has no "
-            "CUDA device. Drop --use_liger_kernel: open_sft's own loss path already avoids full logits on CPU"
-        )
-    if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
-        raise UserError("--use_liger_kernel needs the liger-kernel package: pip install 'open_sft[liger]'")
 
 
 def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
@@ -184,12 +170,8 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     """The model ready to train: fp32 parameters (master weights; the compute dtype comes from autocast
     or DeepSpeed), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
     and with --use_lora / --use_qlora wrapped as a peft model whose only trainable weights are adapters."""
-    from open_sft.config.launch import uses_deepspeed
-    from open_sft.model.lora import apply_lora, check_qlora_supported, uses_lora
+    from open_sft.model.lora import apply_lora, uses_lora
 
-    check_liger(args)
-    if lora is not None:
-        check_qlora_supported(lora, under_deepspeed=uses_deepspeed())
     model = _from_pretrained(args, lora)
     if tokenizer is not None:
         fit_embeddings_to_tokenizer(model, tokenizer)

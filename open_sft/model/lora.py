@@ -20,7 +20,6 @@ sat beside the adapter (the delta counted twice), so the merged model lives in i
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from typing import Optional
 
@@ -44,21 +43,6 @@ PEFT_PREFIX = "base_model.model."  # PeftModel state-dict keys = this + the base
 
 def uses_lora(args: LoraArguments) -> bool:
     return args.use_lora or args.use_qlora
-
-
-def check_qlora_supported(args: LoraArguments, under_deepspeed: bool) -> None:
-    """QLoRA runs in one process or under DDP; DeepSpeed cannot shard bitsandbytes' packed 4-bit weights."""
-    if not args.use_qlora:
-        return
-    if under_deepspeed:
-        raise UserError(
-            "--use_qlora does not work under DeepSpeed: ZeRO flattens and partitions parameters, and "
-            "bitsandbytes' packed 4-bit weights (with their quantization state) cannot be partitioned or cast. "
-            "Run QLoRA in one process (python finetune.py ...) or with DDP (accelerate launch --multi_gpu "
-            "--num_processes N finetune.py ...), or use --use_lora under DeepSpeed"
-        )
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserError("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install 'open_sft[qlora]'")
 
 
 def quantization_config(args: LoraArguments) -> Optional[BitsAndBytesConfig]:

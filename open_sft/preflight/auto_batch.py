@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from open_sft.errors import UserError
-from open_sft.preflight.estimate import GIB, plan_preflight
+from open_sft.preflight.estimate import GIB, estimate_run
 
 logger = logging.getLogger(__name__)
 # Leave room for what the estimate does not see (fragmentation, other processes' page cache pressure).
@@ -48,7 +48,7 @@ def _agree(fits: list[bool]) -> list[bool]:
 def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bool, baseline: int) -> Any:
     """The config with per_device_train_batch_size / gradient_accumulation_steps replaced by the largest
     split of the same per-rank batch that fits on every rank. Raises UserError when even 1 does not fit."""
-    from open_sft.training.trainer import plan_schedule
+    from open_sft.training.steps import plan_steps
 
     t = config.train
     per_rank = t.per_device_train_batch_size * t.gradient_accumulation_steps
@@ -57,20 +57,20 @@ def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bo
     for micro in divisors_descending(per_rank):
         train = dataclasses.replace(t, per_device_train_batch_size=micro, gradient_accumulation_steps=per_rank // micro)
         candidate = dataclasses.replace(config, train=train)
-        schedule = plan_schedule(train, data, world_size, config.data.max_seq_length)
-        plan = plan_preflight(candidate, model, schedule, data, ds_config, bf16, baseline)
-        budget = SAFETY_FRACTION * plan.device_bytes
+        steps = plan_steps(train, data, world_size, config.data.max_seq_length)
+        estimate = estimate_run(candidate, model, steps, data, ds_config, bf16, baseline)
+        budget = SAFETY_FRACTION * estimate.device_bytes
         candidates.append(candidate)
-        fits.append(plan.memory.total <= budget)
-        tried.append(f"{micro} × {per_rank // micro}: {plan.memory.total / GIB:.2f} GiB")
+        fits.append(estimate.memory.total <= budget)
+        tried.append(f"{micro} × {per_rank // micro}: {estimate.memory.total / GIB:.2f} GiB")
     for candidate, fit in zip(candidates, _agree(fits)):
         if fit:
             logger.info("--auto_micro_batch_size: micro-batch %d × accumulation %d per rank (estimates: %s; "
                         "budget %.2f GiB = %.0f%% of %s)", candidate.train.per_device_train_batch_size,
                         candidate.train.gradient_accumulation_steps, "; ".join(tried), budget / GIB,
-                        100 * SAFETY_FRACTION, plan.device_name)
+                        100 * SAFETY_FRACTION, estimate.device_name)
             return candidate
     raise UserError(
         f"--auto_micro_batch_size: no micro-batch fits {SAFETY_FRACTION:.0%} of the memory per rank "
-        f"({plan.device_bytes / GIB:.2f} GiB, {plan.device_name}); estimates: {'; '.join(tried)}. Use "
+        f"({estimate.device_bytes / GIB:.2f} GiB, {estimate.device_name}); estimates: {'; '.join(tried)}. Use "
         "--gradient_checkpointing, a shorter --max_seq_length, ZeRO-3 or LoRA, or more memory")

@@ -238,18 +238,18 @@ def micro_batch_positions(sizes: list[int], packing: bool, row_capacity: int) ->
     return len(rows) * max(sum(sizes[i] for i in row) for row in rows)
 
 
-def schedule_slots(schedule: Any, lengths: list[int], packing: bool) -> tuple[list[int], int, int]:
+def step_slots(steps: Any, lengths: list[int], packing: bool) -> tuple[list[int], int, int]:
     """Token positions computed at every optimizer step of the run (all ranks); those of the largest
     micro-batch any rank computes (what activations scale with) and its width if it needs a padding mask."""
-    plan, slots, largest, width = schedule.plan, [], 0, 0
-    for step in range(schedule.total_steps):
+    plan, slots, largest, width = steps.plan, [], 0, 0
+    for step in range(steps.total_steps):
         epoch, in_epoch = locate(plan, step)
         total = 0
-        for rank in range(schedule.layout.world_size):
+        for rank in range(steps.layout.world_size):
             for indices in plan.micro_batches(epoch, in_epoch, rank):
                 if indices:
                     sizes = [lengths[i] for i in indices]
-                    positions = micro_batch_positions(sizes, packing, schedule.max_seq_length)
+                    positions = micro_batch_positions(sizes, packing, steps.max_seq_length)
                     total += positions
                     if positions > largest:
                         largest = positions
@@ -321,11 +321,11 @@ class Preflight:
     device_name: str
     step_slots: list[int]
 
-    def describe(self, schedule: Any, data: Any) -> str:
-        layout = schedule.layout
+    def describe(self, steps: Any, data: Any) -> str:
+        layout = steps.layout
         lines = [
-            f"preflight: {len(data)} training examples, {schedule.steps_per_epoch} optimizer steps per epoch, "
-            f"{schedule.total_steps} steps in all ({schedule.num_epochs} epoch(s))",
+            f"preflight: {len(data)} training examples, {steps.steps_per_epoch} optimizer steps per epoch, "
+            f"{steps.total_steps} steps in all ({steps.num_epochs} epoch(s))",
             f"  global batch: {layout.micro_batch_size} per micro-batch × {layout.gradient_accumulation_steps} "
             f"accumulation × {layout.world_size} rank(s) = {layout.global_batch_size} examples per step",
             format_memory(self.memory, self.device_bytes, self.device_name),
@@ -336,14 +336,14 @@ class Preflight:
         return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name}
 
 
-def plan_preflight(config: Any, model: torch.nn.Module, schedule: Any, data: Any, ds_config: Optional[dict],
+def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_config: Optional[dict],
                    bf16: bool, baseline: int) -> Preflight:
-    slots, largest, width = schedule_slots(schedule, data.lengths(), config.train.packing)
+    slots, largest, width = step_slots(steps, data.lengths(), config.train.packing)
     stage, offload, bucket = zero_settings(ds_config)
     # every position of the largest micro-batch counted as trained: an upper bound for the LM-head loss term
     # bitsandbytes' 4-bit layers keep fp32-sized activations on CPU (measured with bitsandbytes 0.50)
     bf16_activations = bf16 and not (config.lora.use_qlora and not torch.cuda.is_available())
-    shape = RunShape(schedule.layout.world_size, stage, offload, bf16_activations, largest, largest,
+    shape = RunShape(steps.layout.world_size, stage, offload, bf16_activations, largest, largest,
                      config.model.gradient_checkpointing, bucket, width)
     memory = estimate_memory(ModelShape.of(model), shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)

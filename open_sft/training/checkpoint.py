@@ -323,7 +323,7 @@ class Checkpointer:
         if self.every is None:
             return False
         if self.every == "epoch":
-            return step % self.trainer.schedule.steps_per_epoch == 0
+            return step % self.trainer.steps.steps_per_epoch == 0
         return step % int(self.every) == 0
 
     def on_step_end(self, step: int, seconds: float = 0.0) -> bool:
@@ -339,13 +339,13 @@ class Checkpointer:
         return stop
 
     def _state(self, step: int, preempted: bool) -> dict[str, Any]:
-        schedule = self.trainer.schedule
-        epoch, step_in_epoch = divmod(step, schedule.steps_per_epoch)
+        steps = self.trainer.steps
+        epoch, step_in_epoch = divmod(step, steps.steps_per_epoch)
         return {
-            "format": FORMAT_VERSION, "step": step, "epoch": step / schedule.steps_per_epoch,
+            "format": FORMAT_VERSION, "step": step, "epoch": step / steps.steps_per_epoch,
             "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": self.identity["seed"]},
             "preempted": preempted, **self.trainer.state_dict(),
-            "identity": self.identity, "schedule": schedule.to_dict(), "config": self.config,
+            "identity": self.identity, "schedule": steps.to_dict(), "config": self.config,
             "saved_at": time.time(),
         }
 

@@ -20,54 +20,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from open_sft.config.args import TrainingArguments
-from open_sft.errors import UserError
-from open_sft.training.evaluate import evaluate
-from open_sft.data.batching import (BatchLayout, PackedPlan, UnpackedPlan, collate, collate_packed, count_trained_batch,
-                                    locate)
-from open_sft.data.token_rows import IGNORE_INDEX
+from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate
 from open_sft.data.pipeline import PreparedData
+from open_sft.data.token_rows import IGNORE_INDEX
+from open_sft.errors import UserError
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib
-from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor, warmup_steps_for
+from open_sft.training.evaluate import evaluate
+from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
+from open_sft.training.steps import StepPlan
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Derived once from the flags and the data; logged and written to run.json."""
-
-    layout: BatchLayout
-    steps_per_epoch: int
-    total_steps: int
-    warmup_steps: int
-    num_epochs: int
-    plan: Any = None  # UnpackedPlan | PackedPlan: which examples each rank trains on at each step
-    max_seq_length: int = 0  # row capacity of packed micro-batches
-
-    def to_dict(self) -> dict:
-        return {"micro_batch_size": self.layout.micro_batch_size,
-                "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,
-                "world_size": self.layout.world_size, "global_batch_size": self.layout.global_batch_size,
-                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs}
-
-
-def plan_schedule(args: TrainingArguments, data: PreparedData, world_size: int, max_seq_length: int) -> Schedule:
-    layout = BatchLayout(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size)
-    if args.packing:
-        budget = args.max_tokens_per_batch or args.per_device_train_batch_size * max_seq_length
-        plan: Any = PackedPlan(data.lengths(), layout, args.seed, budget)
-    else:
-        plan = UnpackedPlan(len(data), layout, args.seed)
-    per_epoch = plan.steps_in_epoch(0)
-    if args.max_train_steps:
-        total = args.max_train_steps
-        epochs = locate(plan, total - 1)[0] + 1
-    else:
-        total = sum(plan.steps_in_epoch(e) for e in range(args.num_train_epochs))
-        epochs = args.num_train_epochs
-    warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
-    return Schedule(layout, per_epoch, total, warmup, epochs, plan, max_seq_length)
 
 
 StepHook = Callable[[int, float], bool]  # (optimizer steps done, seconds the last one took) -> stop now
@@ -100,7 +62,7 @@ class Window:
 
 
 class Trainer:
-    def __init__(self, accelerator, model, optimizer, args: TrainingArguments, schedule: Schedule,
+    def __init__(self, accelerator, model, optimizer, args: TrainingArguments, steps: StepPlan,
                  data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
                  metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                  eval_data: Optional[PreparedData] = None):
@@ -108,7 +70,7 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.args = args
-        self.schedule = schedule
+        self.steps = steps
         self.data = data
         self.pad_token_id = pad_token_id
         self.flop_counter = flop_counter
@@ -133,17 +95,17 @@ class Trainer:
 
     def _collate(self, examples: list, loss_free: bool = False) -> dict[str, torch.Tensor]:
         if self.args.packing:
-            batch = collate_packed(examples, self.pad_token_id, self.schedule.max_seq_length)
+            batch = collate_packed(examples, self.pad_token_id, self.steps.max_seq_length)
             if loss_free:
                 batch["labels"].fill_(IGNORE_INDEX)
             return batch
         return collate(examples, self.pad_token_id, loss_free=loss_free)
 
     def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
-        epoch, step_in_epoch = locate(self.schedule.plan, step)
-        slots = self.schedule.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
+        epoch, step_in_epoch = locate(self.steps.plan, step)
+        micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
         batches = []
-        for indices in slots:
+        for indices in micro_batches:
             if indices:
                 batches.append((self._collate([self.data.example(i) for i in indices]), indices))
             else:  # an empty slot (end of an epoch): same compute on every rank, no loss
@@ -152,12 +114,12 @@ class Trainer:
 
     def epoch_progress(self, done: int) -> float:
         """Epochs completed after `done` optimizer steps (fractional within an epoch)."""
-        epoch, step_in_epoch = locate(self.schedule.plan, done - 1)
-        return epoch + (step_in_epoch + 1) / self.schedule.plan.steps_in_epoch(epoch)
+        epoch, step_in_epoch = locate(self.steps.plan, done - 1)
+        return epoch + (step_in_epoch + 1) / self.steps.plan.steps_in_epoch(epoch)
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
         """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
-        undo = self.schedule.layout.gradient_accumulation_steps * self.schedule.layout.world_size
+        undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size
         if self.args.loss_normalization == "token":
             return undo / max(trained_global, 1.0)
         if self.args.loss_normalization == "sum":
@@ -167,7 +129,7 @@ class Trainer:
     def _set_lr(self, step: int) -> float:
         args = self.args
         lr = args.learning_rate * lr_multiplier(
-            args.lr_scheduler_type, step, self.schedule.warmup_steps, self.schedule.total_steps, args.wsd_decay_ratio,
+            args.lr_scheduler_type, step, self.steps.warmup_steps, self.steps.total_steps, args.wsd_decay_ratio,
             schedule_floor(args.lr_scheduler_type, args.learning_rate, args.final_lr_ratio))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -270,7 +232,7 @@ class Trainer:
         """
         records = []
         run_started = time.perf_counter()
-        for step in range(start_step, self.schedule.total_steps):
+        for step in range(start_step, self.steps.total_steps):
             step_started = time.perf_counter()
             window = self.window
             result = self.train_step(step)
@@ -282,7 +244,7 @@ class Trainer:
             self.train_tokens += result["trained_tokens"]
             self.total_tokens += result["tokens"]
             done = step + 1
-            if done % self.args.logging_steps == 0 or done == self.schedule.total_steps:
+            if done % self.args.logging_steps == 0 or done == self.steps.total_steps:
                 seconds = max(time.perf_counter() - window.started, 1e-9)
                 record = {
                     "step": done,
@@ -294,7 +256,7 @@ class Trainer:
                     "train_tokens": self.train_tokens,
                     "total_tokens": self.total_tokens,
                     "tokens_per_second": window.tokens / seconds,
-                    "mfu": window.flops / seconds / (self.peak_flops * self.schedule.layout.world_size),
+                    "mfu": window.flops / seconds / (self.peak_flops * self.steps.layout.world_size),
                     "peak_memory_gib": peak_memory_gib(),
                     "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
                     "nonfinite_steps": self.nonfinite_steps,
@@ -304,7 +266,7 @@ class Trainer:
                 self._log(record)
                 self.window = Window(started=time.perf_counter())
             if self.eval_data is not None and (
-                    done == self.schedule.total_steps or (self.args.eval_steps and done % self.args.eval_steps == 0)):
+                    done == self.steps.total_steps or (self.args.eval_steps and done % self.args.eval_steps == 0)):
                 records.append(self.evaluate(done))
             seconds = time.perf_counter() - step_started
             if any([hook(done, seconds) for hook in after_step]):  # a list: every hook runs
@@ -317,7 +279,7 @@ class Trainer:
                           self.pad_token_id, self.reduce_sum)
         record = {"step": done, "epoch": round(self.epoch_progress(done), 4), **result}
         if self.accelerator.is_main_process:
-            logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.schedule.total_steps,
+            logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
                         record["eval_loss"], record["eval_tokens"])
             if self.metrics is not None:
                 self.metrics.write(record)
@@ -326,7 +288,7 @@ class Trainer:
     def _log(self, record: dict) -> None:
         if not self.accelerator.is_main_process:
             return
-        total = self.schedule.total_steps
+        total = self.steps.total_steps
         remaining = record["elapsed_s"] / record["step"] * (total - record["step"])
         logger.info(
             "step %d/%d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tok/s | mfu %.1f%% | mem %.2f GiB | eta %.0fs",

@@ -5,7 +5,7 @@ message i, `render(messages[:i], add_generation_prompt=True)` ends where its con
 `render(messages[:i+1])` ends after its end-of-turn marker. Both must be prefixes of the full
 rendering (the template is prefix-stable for this row) and the content must occur once between their
 ends; where not, the content is located by rendering the row with a marker in its place
-(`_marked_place`), else the row is rejected. Rows of a shape with a layout (layout.py) know where each
+(`_marked_place`), else the row is rejected. Rows of a shape with a shape render (shape_render.py) know where each
 content was written. Working in
 characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
 boundary; the token step (tokenize.py) turns the spans into labels.
@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
-from open_sft.data.chat.layout import Layout, build_layout
+from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing
 from open_sft.data.chat.turns import last_marker_end, middle_closing, prefix_renders, whole_turn_span
 
@@ -79,12 +79,12 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
 
 @dataclass
 class _Template:
-    """What rendering a tokenizer's current template needs: the renderer, the layouts of the shapes seen,
-    and (for a template open_sft ships) how it writes contents, so rows are filled into layouts."""
+    """What rendering a tokenizer's current template needs: the renderer, the shape renders of the shapes seen,
+    and (for a template open_sft ships) how it writes contents, so rows are filled into shape renders."""
 
     source: str
     draw: Renderer
-    layouts: dict[tuple[str, ...], Optional[Layout]] = field(default_factory=dict)
+    shape_renders: dict[tuple[str, ...], Optional[ShapeRender]] = field(default_factory=dict)
     contents: Optional[str] = None  # "as_is" / "trimmed": templates.content_writing
     markers: tuple[str, ...] = ()  # the markers `end_of_turn` remembers lengths for
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
@@ -125,48 +125,48 @@ def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
     return _state(tokenizer).draw
 
 
-_MAX_LAYOUTS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
+_MAX_SHAPE_RENDERS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
 _MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
 _ROLE, _CONTENT = operator.itemgetter("role"), operator.itemgetter("content")
 
 
-def _layout(state: _Template, roles: tuple[str, ...]) -> Optional[Layout]:
-    if roles in state.layouts:
-        return state.layouts[roles]
-    layout = build_layout(state.draw, roles)
-    if len(state.layouts) < _MAX_LAYOUTS:
-        state.layouts[roles] = layout
-    return layout
+def _shape_render(state: _Template, roles: tuple[str, ...]) -> Optional[ShapeRender]:
+    if roles in state.shape_renders:
+        return state.shape_renders[roles]
+    shape = render_shape(state.draw, roles)
+    if len(state.shape_renders) < _MAX_SHAPE_RENDERS:
+        state.shape_renders[roles] = shape
+    return shape
 
 
 def _text_and_ends(state: _Template, messages: Messages) -> tuple[str, Optional[dict]]:
-    """The row's text and, when its shape's layout (layout.py) gives them, the prompt and turn ends of
+    """The row's text and, when its shape render (shape_render.py) gives them, the prompt and turn ends of
     each assistant message; else None, and the row renders its prefixes (rows with tools: their
-    schemas are part of the text). A template open_sft ships is not rendered at all: its layout is
+    schemas are part of the text). A template open_sft ships is not rendered at all: its shape render is
     filled with the contents, one string format instead of a Jinja render."""
     tools = getattr(messages, "tools", None)
     # Rows with tools, or with messages carrying more than role and content (tool calls), are rendered
     # whole: the template writes more than the contents.
     plain = tools is None and max(map(len, messages)) == 2
-    layout = _layout(state, tuple(map(_ROLE, messages))) if plain else None
-    if layout is None:
+    shape = _shape_render(state, tuple(map(_ROLE, messages))) if plain else None
+    if shape is None:
         return state.draw(messages, False, tools), None
     contents = list(map(_CONTENT, messages))
     if state.contents is not None:
-        return layout.fill(contents, trimmed=state.contents == "trimmed")
+        return shape.fill(contents, trimmed=state.contents == "trimmed")
     text = state.draw(messages, False, None)
-    return text, layout.prefix_ends(contents, text)
+    return text, shape.prefix_ends(contents, text)
 
 
 def _fill_agrees(state: _Template, contents: str) -> bool:
-    """Filling layouts gives the renderer's text and prefix ends on the probe conversations (a guard:
+    """Filling shape renders gives the renderer's text and prefix ends on the probe conversations (a guard:
     the special tokens or Jinja could make a shipped template render differently than assumed)."""
     for k in range(2, len(_PROBE) + 1):
         probe = _PROBE[:k]
-        layout = _layout(state, tuple(m["role"] for m in probe))
-        if layout is None:
+        shape = _shape_render(state, tuple(m["role"] for m in probe))
+        if shape is None:
             return False
-        text, ends = layout.fill([m["content"] for m in probe], trimmed=contents == "trimmed")
+        text, ends = shape.fill([m["content"] for m in probe], trimmed=contents == "trimmed")
         if text != state.draw(probe, False, None) or {i: (p, t) for i, (p, _, t) in ends.items()} != {
                 i: (len(state.draw(probe[:i], True, None)), len(state.draw(probe[: i + 1], False, None)))
                 for i, m in enumerate(probe) if m["role"] == "assistant"}:
@@ -279,7 +279,7 @@ def trained_spans(
             spans.append(whole_turn_span(state, messages, tools, text, i, markers))
             continue
         content = messages[i]["content"].strip()
-        if known_ends is not None:  # the layout knows where the content was written (as is, or stripped)
+        if known_ends is not None:  # the shape render knows where the content was written (as is, or stripped)
             _, written_at, through_length = known_ends[i]
             raw = messages[i]["content"]
             start = written_at + (len(raw) - len(raw.lstrip()) if text.startswith(raw, written_at) else 0)

@@ -64,7 +64,7 @@ class BuiltinTemplate:
 
 
 # open-instruct's names mean what they mean there (oi_templates.py); chatml and llama3 are open_sft's.
-# Of open-instruct's, those that write each content once, in order, as it is: their rows fill layouts.
+# Of open-instruct's, those that write each content once, in order, as it is: their rows fill shape renders.
 _FILLED = {"tulu", "zephyr", "qwen_instruct_user_boxed_math"}
 BUILTIN_TEMPLATES = {
     **{name: BuiltinTemplate(source, tokens, "as_is" if name in _FILLED else None)
@@ -79,9 +79,19 @@ def content_writing(template: Optional[str]) -> Optional[str]:
     """For a template open_sft ships, how it writes message contents: "as_is" or "trimmed". Each such
     template writes every message's content exactly once, in message order, and nothing else in its
     text depends on a content (it reads only roles, the special tokens and add_generation_prompt), so
-    a row's text is its shape's layout filled with the contents (render.py skips Jinja; tested equal to
+    a row's text is its shape render filled with the contents (render.py skips Jinja; tested equal to
     rendering). None for any other template: nothing is assumed about it."""
     return _CONTENT_WRITING.get(template) if template else None
+
+
+def chat_template_problems(name: Optional[str], path: Optional[str]) -> list[str]:
+    """What is wrong with --chat_template_name / --chat_template_path (config.checks reports it up front)."""
+    if path:
+        return [] if Path(path).is_file() else [f"--chat_template_path {path}: no such file; give a Jinja template file"]
+    if name is not None and name not in BUILTIN_TEMPLATES:
+        return [f"--chat_template_name {name!r} is not a built-in template; choose one of "
+                f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path"]
+    return []
 
 
 def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[str]) -> list[str]:
@@ -91,17 +101,14 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
     tokenizer without one (a base model's) is fine for text documents; a chat source is refused with
     a clear message when the pipeline reaches it.
     """
+    problems = chat_template_problems(name, path)
+    if problems:
+        raise UserError("; ".join(problems))
     if path:
-        file = Path(path)
-        if not file.is_file():
-            raise UserError(f"--chat_template_path {path}: no such file; give a Jinja template file")
-        tokenizer.chat_template = file.read_text()
+        tokenizer.chat_template = Path(path).read_text()
         return []
     if name is None:
         return []
-    if name not in BUILTIN_TEMPLATES:
-        raise UserError(f"--chat_template_name {name!r} is not a built-in template; choose one of "
-                        f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path")
     template = BUILTIN_TEMPLATES[name]
     vocab = tokenizer.get_vocab()
     missing = [token for token in template.special_tokens if token not in vocab]

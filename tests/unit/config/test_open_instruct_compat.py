@@ -85,8 +85,18 @@ def test_the_flag_list_is_open_instructs() -> None:
     assert len(FLAT_ARGUMENTS) == 73 and len(TOKENIZER_CONFIG) == 12 and len(OPEN_INSTRUCT_FLAGS) == 91
 
 
+@pytest.fixture
+def gpu_machine(monkeypatch) -> None:
+    """A CUDA machine with flash-attn and liger-kernel installed (what --use_flash_attn and --use_liger_kernel need;
+    on a CPU they are refused up front, which test_model_options checks)."""
+    from open_sft.config import checks
+
+    monkeypatch.setattr(checks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checks, "_installed", lambda package: True)
+
+
 @pytest.mark.parametrize("name", OPEN_INSTRUCT_FLAGS)
-def test_every_open_instruct_flag_parses(name) -> None:
+def test_every_open_instruct_flag_parses(name, gpu_machine) -> None:
     config = parse_config(flag_args(name))
     assert name in config.explicit or name in {"tokenizer_name", "use_flash_attn", "reduce_loss", "run_name",
                                                 "train_file", "dataset_name", "dataset_mixer", "hf_entity",
@@ -123,7 +133,7 @@ def test_every_open_instruct_flag_parses(name) -> None:
                               "open_sft does not implement it, so the router trains on the language-model loss alone",)
      and "--load_balancing_weight (with --load_balancing_loss)" in c.notes[0]),
 ])
-def test_open_instruct_flags_mean_what_they_mean(args, check) -> None:
+def test_open_instruct_flags_mean_what_they_mean(args, check, gpu_machine) -> None:
     assert check(parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *args]))
 
 

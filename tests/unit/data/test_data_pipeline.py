@@ -308,7 +308,7 @@ def test_counts_above_the_valid_rows_upsample_alike_in_workers_and_serially(toke
     and the data report shows the factor."""
     from conftest import SAMPLE
     from open_sft.data import pipeline
-    from open_sft.data.summary import format_report
+    from open_sft.data.summary import format_data_report
 
     lines = SAMPLE.read_text().splitlines()[:1999]
     lines[5], lines[50], lines[500] = "{oops", "[1]", json.dumps({"messages": [{"role": "user", "content": "q"}]})
@@ -324,7 +324,7 @@ def test_counts_above_the_valid_rows_upsample_alike_in_workers_and_serially(toke
     report = built[0][2]
     assert report["rows_selected"] == int(count) and len(built[0][0]) - 1 == report["examples"]
     assert report["upsample_factor"] == round(int(count) / 1996, 4) > 1.0  # of the 1996 valid rows
-    assert f"upsampled ×{int(count) / 1996:.2f} (rows repeated" in format_report(
+    assert f"upsampled ×{int(count) / 1996:.2f} (rows repeated" in format_data_report(
         {"sources": [report], "examples": report["examples"], "tokens": report["tokens"],
          "trained_tokens": report["trained_tokens"]})
     assert report["examples"] == int(count)

@@ -59,4 +59,5 @@ def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(DS_CONFIGS / "zero3.json"))
     with pytest.raises(UserError, match=r"--use_qlora does not work under DeepSpeed.*accelerate launch --multi_gpu"):
-        load_model(model_args(tiny_model_dir), lora=LoraArguments(use_qlora=True))
+        parse_config(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", "d.jsonl", "1.0",
+                      "--use_qlora"])

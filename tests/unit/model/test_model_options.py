@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from open_sft.config.args import ModelArguments
-from open_sft.errors import UserError
 from open_sft.model.loss import TokenLossModel
 from open_sft.model.load import load_model, load_tokenizer
 
@@ -61,16 +60,20 @@ def test_eager_and_sdpa_attention_give_the_same_loss(tiny_model_dir) -> None:
     assert load_model(model_args(tiny_model_dir)).config._attn_implementation == "sdpa"  # auto on CPU
 
 
-def test_flash_attention_2_on_cpu_is_a_clear_error(tiny_model_dir) -> None:
-    with pytest.raises(UserError, match=r"flash_attention_2 needs a CUDA GPU and the flash-attn package.*"
-                                        r"use --attn_implementation sdpa"):
-        load_model(model_args(tiny_model_dir, attn_implementation="flash_attention_2"))
+def test_cuda_only_kernels_on_cpu_are_refused_up_front_together(tiny_model_dir, tmp_path) -> None:
+    """flash-attn and Liger need CUDA: refused with the flags, both at once, before any model loads."""
+    from open_sft.config.parse import parse_config
+    from open_sft.errors import ConfigError
 
-
-def test_liger_kernel_on_cpu_is_a_clear_error(tiny_model_dir) -> None:
-    with pytest.raises(UserError, match=r"--use_liger_kernel needs a CUDA GPU \(Liger's kernels are written in "
-                                        r"Triton\).*Drop --use_liger_kernel"):
-        load_model(model_args(tiny_model_dir, use_liger_kernel=True))
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", "d.jsonl", "1.0",
+                      "--output_dir", str(tmp_path), "--attn_implementation", "flash_attention_2",
+                      "--use_liger_kernel"])
+    text = str(info.value)
+    assert "flash_attention_2 needs a CUDA GPU and the flash-attn package" in text
+    assert "use --attn_implementation sdpa" in text
+    assert "--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton)" in text
+    assert "Drop --use_liger_kernel" in text and len(info.value.problems) == 2
 
 
 def test_neftune_noise_in_training_only(tiny_model_dir) -> None:

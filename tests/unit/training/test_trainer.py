@@ -21,7 +21,8 @@ from open_sft.training.evaluate import evaluate
 from open_sft.model.loss import TokenLossModel
 from open_sft.monitor.metrics import FlopCounter
 from open_sft.training.optim import build_optimizer
-from open_sft.training.trainer import NonFiniteError, Trainer, deepspeed_nonfinite_problems, plan_schedule
+from open_sft.training.steps import plan_steps
+from open_sft.training.trainer import NonFiniteError, Trainer, deepspeed_nonfinite_problems
 
 
 class Poisoned(TokenLossModel):
@@ -54,8 +55,8 @@ def make_trainer(setup, tiny_model_dir, poison: set[int], **train_kwargs):
     model = Poisoned(base, poison)
     optimizer = build_optimizer(model, args.learning_rate, 0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
-    schedule = plan_schedule(args, data, 1, 256)
-    return Trainer(accelerator, model, optimizer, args, schedule, data, tokenizer.pad_token_id,
+    steps = plan_steps(args, data, 1, 256)
+    return Trainer(accelerator, model, optimizer, args, steps, data, tokenizer.pad_token_id,
                    FlopCounter(base.config, 1), 1e12, None, reduce_sum=all_reduce_sum), base
 
 

@@ -1,0 +1,52 @@
+"""The step plan: a run's optimizer steps, from the flags and the data (the learning-rate schedule over those
+steps is open_sft.training.optim's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from open_sft.config.args import TrainingArguments
+from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, locate
+from open_sft.data.pipeline import PreparedData
+from open_sft.training.optim import warmup_steps_for
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The run in optimizer steps: the batch layout, which examples each rank trains on at each step, how many
+    steps there are and how many warm up. Derived once from the flags and the data; logged, and written to
+    run.json as "schedule"."""
+
+    layout: BatchLayout
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    num_epochs: int
+    plan: Any = None  # UnpackedPlan | PackedPlan: which examples each rank trains on at each step
+    max_seq_length: int = 0  # row capacity of packed micro-batches
+
+    def to_dict(self) -> dict:
+        return {"micro_batch_size": self.layout.micro_batch_size,
+                "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,
+                "world_size": self.layout.world_size, "global_batch_size": self.layout.global_batch_size,
+                "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
+                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs}
+
+
+def plan_steps(args: TrainingArguments, data: PreparedData, world_size: int, max_seq_length: int) -> StepPlan:
+    layout = BatchLayout(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size)
+    if args.packing:
+        budget = args.max_tokens_per_batch or args.per_device_train_batch_size * max_seq_length
+        plan: Any = PackedPlan(data.lengths(), layout, args.seed, budget)
+    else:
+        plan = UnpackedPlan(len(data), layout, args.seed)
+    per_epoch = plan.steps_in_epoch(0)
+    if args.max_train_steps:
+        total = args.max_train_steps
+        epochs = locate(plan, total - 1)[0] + 1
+    else:
+        total = sum(plan.steps_in_epoch(e) for e in range(args.num_train_epochs))
+        epochs = args.num_train_epochs
+    warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
+    return StepPlan(layout, per_epoch, total, warmup, epochs, plan, max_seq_length)
