@@ -323,7 +323,7 @@ class Checkpointer:
         if self.every is None:
             return False
         if self.every == "epoch":
-            return step % self.trainer.steps.steps_per_epoch == 0
+            return self.trainer.steps.ends_epoch(step)
         return step % int(self.every) == 0
 
     def on_step_end(self, step: int, seconds: float = 0.0) -> bool:
@@ -340,9 +340,9 @@ class Checkpointer:
 
     def _state(self, step: int, preempted: bool) -> dict[str, Any]:
         steps = self.trainer.steps
-        epoch, step_in_epoch = divmod(step, steps.steps_per_epoch)
+        epoch, step_in_epoch = steps.position(step)
         return {
-            "format": FORMAT_VERSION, "step": step, "epoch": step / steps.steps_per_epoch,
+            "format": FORMAT_VERSION, "step": step, "epoch": steps.epochs_done(step),
             "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": self.identity["seed"]},
             "preempted": preempted, **self.trainer.state_dict(),
             "identity": self.identity, "schedule": steps.to_dict(), "config": self.config,

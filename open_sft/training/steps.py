@@ -26,6 +26,21 @@ class StepPlan:
     plan: Any = None  # UnpackedPlan | PackedPlan: which examples each rank trains on at each step
     max_seq_length: int = 0  # row capacity of packed micro-batches
 
+    def position(self, done: int) -> tuple[int, int]:
+        """(epoch, step within it) at which training continues after `done` optimizer steps. Under --packing
+        epochs differ in steps (each epoch packs its own shuffle), so this walks the plan, never divides."""
+        return locate(self.plan, done)
+
+    def epochs_done(self, done: int) -> float:
+        """Epochs completed after `done` (>= 1) optimizer steps, fractional within an epoch."""
+        epoch, step_in_epoch = locate(self.plan, done - 1)
+        return epoch + (step_in_epoch + 1) / self.plan.steps_in_epoch(epoch)
+
+    def ends_epoch(self, done: int) -> bool:
+        """Whether optimizer step number `done` (1-based) is the last of its epoch."""
+        epoch, step_in_epoch = locate(self.plan, done - 1)
+        return step_in_epoch + 1 == self.plan.steps_in_epoch(epoch)
+
     def to_dict(self) -> dict:
         return {"micro_batch_size": self.layout.micro_batch_size,
                 "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,

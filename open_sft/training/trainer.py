@@ -112,11 +112,6 @@ class Trainer:
                 batches.append((self._collate([self.data.example(0)], loss_free=True), []))
         return batches
 
-    def epoch_progress(self, done: int) -> float:
-        """Epochs completed after `done` optimizer steps (fractional within an epoch)."""
-        epoch, step_in_epoch = locate(self.steps.plan, done - 1)
-        return epoch + (step_in_epoch + 1) / self.steps.plan.steps_in_epoch(epoch)
-
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
         """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
         undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size
@@ -248,7 +243,7 @@ class Trainer:
                 seconds = max(time.perf_counter() - window.started, 1e-9)
                 record = {
                     "step": done,
-                    "epoch": round(self.epoch_progress(done), 4),
+                    "epoch": round(self.steps.epochs_done(done), 4),
                     # A window whose every step was skipped (non-finite) has no loss: NaN, not a false 0.0.
                     "loss": window.loss_sum / window.trained_tokens if window.trained_tokens else float("nan"),
                     "learning_rate": result["lr"],
@@ -277,7 +272,7 @@ class Trainer:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
         result = evaluate(self.accelerator, self.model, self.eval_data, self.args.per_device_train_batch_size,
                           self.pad_token_id, self.reduce_sum)
-        record = {"step": done, "epoch": round(self.epoch_progress(done), 4), **result}
+        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
                         record["eval_loss"], record["eval_tokens"])
