@@ -104,7 +104,9 @@ def prepare_data(job: Job) -> None:
     if d.cache_dataset_only:
         return
     if d.eval_dataset_mixer_list:
-        job.eval_data = build(dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list), job.tokenizer, seed)
+        eval_args = dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list,
+                                        dataset_mixer_list_splits=d.eval_dataset_mixer_list_splits)
+        job.eval_data = build(eval_args, job.tokenizer, seed)
     elif d.eval_split_ratio:
         job.data, job.eval_data = job.data.split(d.eval_split_ratio, seed)
     if _is_main_rank():

@@ -126,6 +126,10 @@ class DataArguments:
         "Evaluation sources, NAME AMOUNT pairs like --dataset_mixer_list (same formats and template).",
         default_factory=list,
     )
+    eval_dataset_mixer_list_splits: list[str] = _help(
+        "Split(s) to read from the evaluation dataset ids: one for all evaluation sources or one per source.",
+        default_factory=lambda: ["train"],
+    )
     eval_split_ratio: float = _help(
         "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
     )
@@ -159,6 +163,9 @@ class TrainingArguments:
         "Name of the run: the W&B run name and, with --push_to_hub, the default --hub_revision. The output "
         "directory stays --output_dir (open-instruct appends the name to it; open_sft does not).", default=None)
     per_device_train_batch_size: int = _help("Examples per micro-batch on each process.", default=8)
+    per_device_eval_batch_size: Optional[int] = _help(
+        "Examples per evaluation batch on each process (no gradients are kept, so it can be larger than the "
+        "training micro-batch); default --per_device_train_batch_size.", default=None)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer step on each process.", default=1)
     learning_rate: float = _help("Peak learning rate.", default=2e-5)
     lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "wsd"] = _help(

@@ -89,6 +89,10 @@ def _data_problems(d: DataArguments) -> list[str]:
         )
     if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list) % 2:
         problems.append("--eval_dataset_mixer_list takes NAME AMOUNT pairs")
+    n_eval = len(d.eval_dataset_mixer_list) // 2
+    if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list_splits) not in (1, n_eval):
+        problems.append(f"--eval_dataset_mixer_list_splits has {len(d.eval_dataset_mixer_list_splits)} values; give "
+                        f"one for all evaluation sources or one per source ({n_eval})")
     if not 0.0 <= d.eval_split_ratio < 1.0:
         problems.append(f"--eval_split_ratio must be in [0, 1), got {d.eval_split_ratio}")
     if d.eval_split_ratio and d.eval_dataset_mixer_list:
@@ -103,6 +107,8 @@ def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps"):
         if getattr(t, flag) < 1:
             problems.append(f"--{flag} must be at least 1, got {getattr(t, flag)}")
+    if t.per_device_eval_batch_size is not None and t.per_device_eval_batch_size < 1:
+        problems.append(f"--per_device_eval_batch_size must be at least 1, got {t.per_device_eval_batch_size}")
     if t.max_train_steps is not None and t.max_train_steps < 1:
         problems.append(f"--max_train_steps must be at least 1, got {t.max_train_steps}")
     if t.max_tokens_per_batch is not None and t.max_tokens_per_batch < d.max_seq_length:

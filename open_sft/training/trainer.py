@@ -270,7 +270,8 @@ class Trainer:
 
     def evaluate(self, done: int) -> dict:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
-        result = evaluate(self.accelerator, self.model, self.eval_data, self.args.per_device_train_batch_size,
+        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        result = evaluate(self.accelerator, self.model, self.eval_data, batch_size,
                           self.pad_token_id, self.reduce_sum)
         record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
         if self.accelerator.is_main_process:

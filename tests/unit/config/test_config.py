@@ -84,3 +84,23 @@ def test_help_lists_the_choices_written_once_on_the_fields() -> None:
     assert len(CHOICES) >= 9
     for name, values in CHOICES.items():
         assert f"--{name} {{{','.join(values)}}}" in text, name
+
+
+def test_eval_sources_have_their_own_splits_checked_up_front(tmp_path) -> None:
+    """Three eval sources beside two training ones with a split each once ended in an IndexError mid-run."""
+    from open_sft.data.sources import parse_mixer_list
+
+    base = ["--model_name_or_path", str(tmp_path), "--dataset_mixer_list", "a.jsonl", "1.0", "b.jsonl", "1.0",
+            "--dataset_mixer_list_splits", "train", "train",
+            "--eval_dataset_mixer_list", "a.jsonl", "10", "b.jsonl", "10", "org/c", "10"]
+    data = parse_config(base).data
+    assert [s.split for s in parse_mixer_list(data.eval_dataset_mixer_list, data.eval_dataset_mixer_list_splits)] \
+        == ["train"] * 3
+    data = parse_config(base + ["--eval_dataset_mixer_list_splits", "train", "train", "test"]).data
+    assert [s.split for s in parse_mixer_list(data.eval_dataset_mixer_list, data.eval_dataset_mixer_list_splits)] \
+        == ["train", "train", "test"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(base + ["--eval_dataset_mixer_list_splits", "train", "test", "--per_device_eval_batch_size", "0"])
+    assert info.value.problems == [
+        "--eval_dataset_mixer_list_splits has 2 values; give one for all evaluation sources or one per source (3)",
+        "--per_device_eval_batch_size must be at least 1, got 0"]

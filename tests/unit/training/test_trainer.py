@@ -119,3 +119,25 @@ def test_deepspeed_settings_that_would_apply_a_nan_step() -> None:
     assert ["stage 0" in p for p in fp32_stage0] == [True]
     assert ["check_grad_overflow" in p for p in no_check] == [True]
     assert ["compute_grad_norm" in p for p in no_norm] == [True]
+
+
+@pytest.mark.parametrize("eval_batch, expected", [(None, 4), (13, 13)])
+def test_evaluation_batches_by_the_eval_batch_size(setup, tiny_model_dir, monkeypatch, eval_batch, expected) -> None:
+    """--per_device_eval_batch_size sets the evaluation batch (default: the training micro-batch, 4 here)."""
+    from open_sft.training import trainer as trainer_module
+
+    tokenizer, data, _ = setup
+    trainer, _ = make_trainer(setup, tiny_model_dir, poison=set(), per_device_eval_batch_size=eval_batch)
+    trainer.eval_data = data
+    seen = []
+    real = trainer_module.evaluate
+    monkeypatch.setattr(trainer_module, "evaluate", lambda acc, model, d, batch_size, *rest: seen.append(batch_size)
+                        or real(acc, model, d, batch_size, *rest))
+    record = trainer.evaluate(1)
+    assert seen == [expected] and record["eval_tokens"] == sum(example_trained(data, i) for i in range(len(data)))
+
+
+def example_trained(data, index: int) -> int:
+    from open_sft.data.labels import count_trained
+
+    return count_trained(list(data.example(index).labels))
