@@ -1,5 +1,5 @@
 """Up-front checks of a parsed configuration: every problem found, reported together with the flag
-named and the fix (config.py parses, this module judges)."""
+named and the fix (config.parse parses, this module judges)."""
 
 from __future__ import annotations
 

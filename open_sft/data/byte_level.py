@@ -10,7 +10,7 @@ bytes (so the tokens hold consecutive byte ranges and a decode is a slice of the
 changed it, no prefix space, no stripping added token), and the tokens at the ends of its spans
 must overlap the span with more than the spaces ByteLevel's offset trimming may cut from them: then the
 tokenizer's offsets and the tokens' byte ranges train the same tokens (`tokenize.label_tokens`, the
-definition; tested equal). Every other row is left to tokenize.py's offset path.
+definition; tested equal). Every other row is left to labels.py's offset path.
 """
 
 from __future__ import annotations

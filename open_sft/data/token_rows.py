@@ -90,7 +90,7 @@ class TokenRows:
 
     def trained_counts(self, max_length: int | None = None) -> np.ndarray:
         """Per row, the tokens that get a loss among its first `max_length`. Labels are shifted by one
-        inside the model, so a row's first position never does (tokenize.count_trained, per row)."""
+        inside the model, so a row's first position never does (labels.count_trained, per row)."""
         starts, ends = self.bounds[:-1] + 1, self.bounds[1:]
         if max_length is not None:
             ends = np.minimum(ends, self.bounds[:-1] + max_length)
@@ -137,7 +137,7 @@ class TokenRows:
 def fit_rows(rows: TokenRows, order: np.ndarray, max_length: int, truncation: str) -> tuple[TokenRows, Counter, int]:
     """The rows in `order` that fit --max_seq_length (cut to it with truncation=truncate), without those
     left with no trained token; why the others were dropped; how many kept rows were cut. Row for row:
-    tokenize.truncate_example followed by the pipeline's no-trained-tokens rule."""
+    labels.truncate_example followed by the pipeline's no-trained-tokens rule."""
     order = np.asarray(order, dtype=np.int64)
     too_long = rows.lengths()[order] > max_length
     dropped: Counter = Counter()

@@ -273,7 +273,7 @@ class Checkpointer:
                  config: dict[str, Any], reduce_sum: Callable[[torch.Tensor], torch.Tensor], stop: StopRequest,
                  uploader: Any = None):
         """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed);
-        `uploader`: a checkpoint_upload.CheckpointUploader on the main process with --push_checkpoints.
+        `uploader`: an export.hub_checkpoints.CheckpointUploader on the main process with --push_checkpoints.
         Installs the SIGTERM/SIGINT/SIGUSR1 handlers of this process."""
         self.accelerator = accelerator
         self.trainer = trainer

@@ -8,7 +8,7 @@ ends; where not, the content is located by rendering the row with a marker in it
 (`_marked_place`), else the row is rejected. Rows of a shape with a shape render (shape_render.py) know where each
 content was written. Working in
 characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
-boundary; the token step (tokenize.py) turns the spans into labels.
+boundary; the label step (data/labels.py) turns the spans into labels.
 """
 
 from __future__ import annotations

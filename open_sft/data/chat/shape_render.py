@@ -12,7 +12,7 @@ A row of that shape is still rendered by the real template (so its text is alway
 template's), and its prefix ends are read off the shape render only if the shape render, filled with the row's
 contents (as they are, or stripped, for templates that `trim` them), is that very text. A template that
 reads the contents (branches on them, renders one twice) fails that test and the row takes the
-prefix-rendering path. The label check (tokenize.py) verifies every row's trained tokens either way.
+prefix-rendering path. The label check (data/labels.py) verifies every row's trained tokens either way.
 """
 
 from __future__ import annotations
