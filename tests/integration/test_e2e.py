@@ -218,3 +218,23 @@ def test_continual_pretraining_with_a_base_tokenizer(tiny_model_dir, tmp_path, c
     err = capsys.readouterr().err
     assert "has no chat template, and chat rows need one; choose one with --chat_template_name" in err
     assert not (tmp_path / "chat").exists()
+
+
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "added_tokens.json"}  # "the tokenizer with its chat template"
+
+
+def test_readme_lists_what_a_run_writes(runs) -> None:
+    """README "What a run writes": every metrics.jsonl field and every file of a finished run is named there."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### What a run writes"):readme.index("### Checkpoints, resume, preemption")]
+    per_step = section[section.index("one line per logging step:"):]
+    per_step = per_step[:per_step.index(";")]
+    assert set(re.findall(r"`(\w+)`", per_step)) == set(runs["single"]["metrics"][0])
+    named = set(re.findall(r"`([^`]+)`", section))
+    out = runs["single"]["dir"]
+    written = {p.name + ("/" if p.is_dir() else "") for p in out.iterdir()}
+    unnamed = {name for name in written - TOKENIZER_FILES if not name.startswith("data_order.")} - named
+    assert not unnamed, f"README.md does not say what these are: {sorted(unnamed)}"
