@@ -19,17 +19,14 @@ from open_sft.errors import ConfigError
 from open_sft.monitor.tracking import REPORT_TO_CHOICES
 
 
-def _choices() -> dict[str, tuple[str, ...]]:
-    """Each flag's allowed values, as the Literal type of its field says (the one place they are written)."""
-    found = {}
-    for cls in (ModelArguments, DataArguments, TrainingArguments):
-        for name, hint in typing.get_type_hints(cls).items():
-            if typing.get_origin(hint) is typing.Literal:
-                found[name] = typing.get_args(hint)
-    return found
+def _choices(cls: type) -> dict[str, tuple[str, ...]]:
+    """The allowed values of each choice field of `cls`, as its Literal type says (the one place they are written)."""
+    hints = typing.get_type_hints(cls)
+    return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is typing.Literal}
 
 
-CHOICES = _choices()
+_SECTION_CHOICES = {cls: _choices(cls) for cls in (ModelArguments, DataArguments, TrainingArguments)}
+CHOICES = {name: values for choices in _SECTION_CHOICES.values() for name, values in choices.items()}
 
 
 def _is_local_path(name: str) -> bool:
@@ -51,10 +48,9 @@ def validate(config: FinetuneConfig) -> None:
 def _choice_problems(config: FinetuneConfig) -> list[str]:
     problems = []
     for section in (config.model, config.data, config.train):
-        for name, allowed in CHOICES.items():
-            value = getattr(section, name, None)
-            if value is not None and hasattr(section, name) and value not in allowed:
-                problems.append(f"--{name} {value!r} is not one of {', '.join(allowed)}")
+        for name, allowed in _SECTION_CHOICES[type(section)].items():
+            if getattr(section, name) not in allowed:
+                problems.append(f"--{name} {getattr(section, name)!r} is not one of {', '.join(allowed)}")
     return problems
 
 
@@ -131,10 +127,10 @@ def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
 def _environment_problems(config: FinetuneConfig) -> list[str]:
     """What this machine and launch cannot do: found here, with the flags, not when the model loads."""
     m, lora, problems = config.model, config.lora, []
-    cuda = torch.cuda.is_available()
-    if m.attn_implementation == "flash_attention_2" and not (cuda and _installed("flash_attn")):
+    cuda, flash = torch.cuda.is_available(), _installed("flash_attn")
+    if m.attn_implementation == "flash_attention_2" and not (cuda and flash):
         problems.append("--attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-                        f"(CUDA available: {cuda}, flash-attn installed: {_installed('flash_attn')}); "
+                        f"(CUDA available: {cuda}, flash-attn installed: {flash}); "
                         "use --attn_implementation sdpa")
     if m.use_liger_kernel and not cuda:
         problems.append("--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton); this machine "
