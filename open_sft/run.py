@@ -232,6 +232,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.export.hub import push_output_dir
     from open_sft.export.model_card import write_model_card
     from open_sft.export.save import save_lora, save_model
+    from open_sft.file_modes import share_as_umask
     from open_sft.model.lora import is_peft_model
     from open_sft.monitor.report import write_run_report
     from open_sft.training.checkpoint import remove_all
@@ -249,6 +250,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         trainer.metrics.close()
         write_run_report(output_dir)
         write_model_card(output_dir)
+        share_as_umask(output_dir)  # everything the run wrote, as the umask says (safetensors writes 0600)
     acc.wait_for_everyone()
     acc.end_training()
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already

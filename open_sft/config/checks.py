@@ -16,6 +16,7 @@ from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneCo
 from open_sft.config.launch import uses_deepspeed
 from open_sft.data.chat.templates import chat_template_problems
 from open_sft.errors import ConfigError
+from open_sft.file_modes import unreadable
 from open_sft.monitor.tracking import REPORT_TO_CHOICES
 
 
@@ -40,7 +41,7 @@ def validate(config: FinetuneConfig) -> None:
     problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
     problems += _checkpoint_problems(config.checkpoint) + _hub_problems(config.hub)
-    problems += _environment_problems(config)
+    problems += _environment_problems(config) + _unreadable_input_problems(config)
     if problems:
         raise ConfigError(problems)
 
@@ -62,6 +63,22 @@ def _model_problems(m: ModelArguments) -> list[str]:
         value = getattr(m, flag)
         if value and _is_local_path(value) and not Path(value).expanduser().exists():
             problems.append(f"--{flag} {value}: no such file or directory; check the path")
+    return problems
+
+
+def _unreadable_input_problems(config: FinetuneConfig) -> list[str]:
+    """Local inputs this user may not read (a container's user and root-only files): named before anything loads."""
+    m, d = config.model, config.data
+    named = [(flag, getattr(m, flag)) for flag in ("model_name_or_path", "tokenizer_name_or_path", "config_name",
+                                                   "add_tokens", "add_special_tokens")]
+    named += [("dataset_mixer_list", name) for name in d.dataset_mixer_list[0::2]]
+    named += [("eval_dataset_mixer_list", name) for name in d.eval_dataset_mixer_list[0::2]]
+    named.append(("chat_template_path", d.chat_template_path))
+    problems = []
+    for flag, value in named:
+        why = unreadable(Path(value)) if value and _is_local_path(value) else None
+        if why:
+            problems.append(f"--{flag} {value}: {why}")
     return problems
 
 

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from open_sft.file_modes import share_as_umask
+
 logger = logging.getLogger(__name__)
 
 # 2: the rows' `tools` column reaches the chat template; 3: labels are int32; 4: each content is labelled
@@ -139,6 +141,7 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
             json.dump({"key": key, "files": manifest}, handle)
             handle.flush()
             os.fsync(handle.fileno())
+        share_as_umask(staging)  # a cache shared by users or containers is readable as the umask says
         os.replace(staging, entry)
         logger.info("cached tokenized data at %s", entry)
     dataset, report = _load(entry)  # memory-mapped, like a hit

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from open_sft.data.chat.templates import EMBEDDED
+from open_sft.file_modes import share_as_umask
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ def build_embedded_default(
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    share_as_umask(out)  # safetensors writes 0600 whatever the umask
     logger.info("saved embedded default to %s", out)
     return out
 

@@ -22,6 +22,7 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 
 from open_sft.errors import UserError
+from open_sft.file_modes import share_as_umask
 from open_sft.model.lora import ADAPTER, PEFT_PREFIX
 
 MERGED_QLORA_DTYPE = torch.bfloat16
@@ -102,6 +103,7 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "bfloat1
     output_dir.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(output_dir, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(output_dir)
+    share_as_umask(output_dir)  # safetensors writes 0600 whatever the umask
     return output_dir
 
 

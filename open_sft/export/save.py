@@ -23,6 +23,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from open_sft.data.labels import special_markers
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
+from open_sft.file_modes import share_as_umask
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def staged_export(output_dir: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    share_as_umask(staging)  # safetensors writes 0600 whatever the umask
     fresh = {item.name for item in staging.iterdir()}
     for old in (old for pattern in LEFTOVERS for old in output_dir.glob(pattern)):
         if old.name not in fresh:

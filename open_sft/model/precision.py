@@ -116,11 +116,20 @@ def _cache_path() -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as handle:
+    """Yields whether the cache can be used. A home that is not writable (a container's user, a read-only
+    home) costs the probe's fraction of a second per start, not the run."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")
+    except OSError as exc:
+        logger.warning("the dtype probe cannot cache its result in %s (%s): measuring each start; set %s to a "
+                       "writable directory", path.parent, exc.strerror or exc, CACHE_ENV)
+        yield False
+        return
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # the ranks of a node probe one at a time: the first one measures
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -131,9 +140,9 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
     key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, torch.get_num_threads(), shapes])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = _cache_path()
-    with _locked(path):
+    with _locked(path) as cached:
         try:
-            entries = json.loads(path.read_text())
+            entries = json.loads(path.read_text()) if cached else {}
             if not isinstance(entries, dict):
                 raise ValueError("not a mapping")
         except (OSError, ValueError):  # absent, unreadable or damaged: measure again
@@ -146,9 +155,10 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
                   "shapes": [list(s) for s in shapes], "threads": torch.get_num_threads(), "cpu": cpu}
         result["probe_seconds"] = round(time.perf_counter() - started, 3)
         entries[key] = result
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(entries, indent=1))
-        os.replace(tmp, path)
+        if cached:
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(entries, indent=1))
+            os.replace(tmp, path)
     return {**result, "cached": False}
 
 

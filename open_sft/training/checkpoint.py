@@ -29,6 +29,7 @@ from typing import Any, Callable, Collection, Optional
 import torch
 
 from open_sft.errors import UserError
+from open_sft.file_modes import share_as_umask
 from open_sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 
 logger = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ def publish(tmp: Path, final: Path, step: int) -> None:
     """step_N.tmp → step_N, then COMPLETE (the manifest) written, flushed and renamed into place."""
     if final.exists():  # an unusable leftover of an earlier attempt at this step
         shutil.rmtree(final)
+    share_as_umask(tmp)  # safetensors writes 0600 whatever the umask
     os.rename(tmp, final)
     _fsync_path(final.parent)
     manifest = {"step": step, "files": _manifest(final), "format": FORMAT_VERSION}

@@ -1,0 +1,86 @@
+"""Files a run writes get the permissions the user's umask gives, like any file made with `open()`.
+
+Written by hand because safetensors' `save_file` (behind transformers' save_pretrained and accelerate's
+save_state) creates its file with mode 0600 whatever the umask: a model exported by a container job (uid
+1000) or on a shared filesystem was unreadable by the host user and by teammates. Nothing in the field's
+libraries restores the umask's modes, so the writers here pass what they wrote through `share_as_umask`.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux tells (/proc/self/status, kernel >= 4.7)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not atomic, but only this process's own files race)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(is_dir: bool, umask: int) -> int:
+    """The permission bits `open()` (rw for all) or `mkdir()` (rwx for all) give under `umask`."""
+    return (0o777 if is_dir else 0o666) & ~umask
+
+
+def share_as_umask(root: Path, umask: int | None = None) -> int:
+    """Add to `root` and everything under it the permission bits the umask gives and they lack (bits are never
+    taken away); returns how many entries changed. Entries owned by another user (a mounted input, another
+    node's files on a shared filesystem) and symlinks are left alone."""
+    umask = current_umask() if umask is None else umask
+    root = Path(root)
+    if not root.exists():
+        return 0
+    changed = 0
+    paths = [root]
+    if root.is_dir():
+        paths += [Path(d) / name for d, dirs, files in os.walk(root) for name in dirs + files]
+    for path in paths:
+        try:
+            info = path.lstat()
+        except FileNotFoundError:  # removed meanwhile (a pruned checkpoint)
+            continue
+        if stat.S_ISLNK(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        mode = stat.S_IMODE(info.st_mode)
+        want = mode | umask_mode(stat.S_ISDIR(info.st_mode), umask)
+        if mode != want:
+            try:
+                os.chmod(path, want)
+                changed += 1
+            except OSError:
+                continue
+    return changed
+
+
+def unreadable(path: Path) -> str | None:
+    """Why this process cannot read `path` (a file, or a directory with everything under it), or None.
+
+    Checked up front because the libraries report it badly: transformers says "No such file or directory" for a
+    weights file it may not open, and a data file fails deep inside tokenization with a traceback."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return None  # a missing path has its own message
+    todo = [path]
+    while todo:
+        item = todo.pop()
+        is_dir = item.is_dir()
+        if not os.access(item, os.R_OK | (os.X_OK if is_dir else 0), effective_ids=_EFFECTIVE_IDS):
+            info = item.stat()
+            return (f"{item} cannot be read by this user (uid {os.geteuid()}): it is mode "
+                    f"{stat.filemode(info.st_mode)} owned by uid {info.st_uid}; make it readable (chmod -R a+rX) "
+                    "or run as its owner")
+        if is_dir:
+            todo.extend(sorted(item.iterdir(), reverse=True))
+    return None
+
+
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
