@@ -3,7 +3,8 @@
 
 import sys
 
+from open_sft.errors import record_exit_code
 from open_sft.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(record_exit_code(main()))

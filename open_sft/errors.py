@@ -6,7 +6,26 @@
     exit 75  open_sft.training.preemption.Preempted (a StopRun): stopped on a signal, checkpoint saved;
              relaunching resumes (75 is EX_TEMPFAIL, which schedulers read as "retry")
 Anything else is a bug and keeps its traceback.
+
+`accelerate launch` (torchrun) exits 1 whatever its workers' codes were. A launcher that wants them (scripts/
+launch_multinode.sh, and so the container) sets OPEN_SFT_EXIT_CODE_DIR: each rank leaves its code there.
 """
+
+import os
+from pathlib import Path
+
+EXIT_CODE_DIR_ENV = "OPEN_SFT_EXIT_CODE_DIR"
+
+
+def record_exit_code(code: int) -> int:
+    """Leave this rank's exit code where the launcher looks (when it asked for it); returns the code."""
+    directory = os.environ.get(EXIT_CODE_DIR_ENV)
+    if directory:
+        try:
+            (Path(directory) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
+        except OSError:  # the launcher's directory is gone: it exits with torchrun's code then
+            pass
+    return code
 
 
 class UserError(Exception):

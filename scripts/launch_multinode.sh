@@ -9,7 +9,9 @@
 #   --machine_rank R            $MACHINE_RANK, $NODE_RANK, $SLURM_NODEID, 0
 #   --main_process_ip HOST      $MAIN_PROCESS_IP, $MASTER_ADDR, first host of $SLURM_JOB_NODELIST, 127.0.0.1
 #   --main_process_port PORT    $MAIN_PROCESS_PORT, $MASTER_PORT, 29500
-#   --processes_per_machine G   $PROCESSES_PER_MACHINE, $SLURM_GPUS_ON_NODE, GPUs seen by nvidia-smi, 1
+#   --processes_per_machine G   $PROCESSES_PER_MACHINE, $SLURM_GPUS_ON_NODE, GPUs seen by nvidia-smi, else 1
+#                               (no GPU: one process, whose threads use every core this node gives it)
+#   --num_processes N           all machines' processes together, as accelerate counts them: N / num_machines here
 #   --deepspeed_config FILE     $DEEPSPEED_CONFIG, configs/ds/zero3.json
 #   --dry_run_command           print the accelerate command and exit
 #
@@ -45,6 +47,7 @@ main_port="${MAIN_PROCESS_PORT:-${MASTER_PORT:-29500}}"
 per_machine="${PROCESSES_PER_MACHINE:-${SLURM_GPUS_ON_NODE:-}}"
 ds_config="${DEEPSPEED_CONFIG:-$ROOT/configs/ds/zero3.json}"
 print_only=0
+total_processes=""
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -53,6 +56,7 @@ while [ $# -gt 0 ]; do
         --main_process_ip) main_ip="${2:?}"; shift 2 ;;
         --main_process_port) main_port="${2:?}"; shift 2 ;;
         --processes_per_machine) per_machine="${2:?}"; shift 2 ;;
+        --num_processes) total_processes="${2:?}"; shift 2 ;;
         --deepspeed_config) ds_config="${2:?}"; shift 2 ;;
         --dry_run_command) print_only=1; shift ;;
         --) shift; break ;;
@@ -62,14 +66,19 @@ done
 
 [ -n "$main_ip" ] || main_ip="$(first_slurm_host)"
 [ -n "$main_ip" ] || main_ip="127.0.0.1"
+for pair in "num_machines:$num_machines" "machine_rank:$machine_rank" "main_process_port:$main_port" \
+            "num_processes:${total_processes:-0}"; do
+    [[ "${pair#*:}" =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${pair#*:}'"
+done
+if [ -n "$total_processes" ]; then
+    [ "$num_machines" -gt 0 ] && [ $((total_processes % num_machines)) = 0 ] && [ "$total_processes" -gt 0 ] \
+        || die "--num_processes $total_processes must be a positive multiple of --num_machines $num_machines"
+    per_machine=$((total_processes / num_machines))
+fi
 [ -n "$per_machine" ] || per_machine="$(local_gpu_count)"
 [ -n "$per_machine" ] && [ "$per_machine" != "0" ] || per_machine=1
 per_machine="${per_machine%%(*}"  # SLURM_GPUS_ON_NODE may read like "8(IDX:0-7)" on some sites
-
-for pair in "num_machines:$num_machines" "machine_rank:$machine_rank" "main_process_port:$main_port" \
-            "processes_per_machine:$per_machine"; do
-    [[ "${pair#*:}" =~ ^[0-9]+$ ]] || die "--${pair%%:*} must be a non-negative integer, got '${pair#*:}'"
-done
+[[ "$per_machine" =~ ^[0-9]+$ ]] || die "--processes_per_machine must be a non-negative integer, got '$per_machine'"
 [ "$machine_rank" -lt "$num_machines" ] || die "--machine_rank $machine_rank must be below --num_machines $num_machines"
 [ -f "$ds_config" ] || die "DeepSpeed config '$ds_config' not found (see configs/ds/)"
 
@@ -90,13 +99,26 @@ echo "[launch_multinode] machine $machine_rank/$num_machines, $per_machine proce
 
 PREEMPTED_EXIT_CODE=75
 stop_requested=0
+# torchrun exits 1 whatever its workers' codes; each rank leaves its own here (2 bad input, 3 Hub, 75 preempted)
+OPEN_SFT_EXIT_CODE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/open_sft_exit.XXXXXX")"
+export OPEN_SFT_EXIT_CODE_DIR
 ( trap '' USR1; exec "${cmd[@]}" ) &  # ignored signals stay ignored across exec
 launcher=$!
+
+children_of() {  # pids whose parent is $1, read from /proc: slim images (Debian minbase) have no pgrep
+    local stat_file stat fields
+    for stat_file in /proc/[0-9]*/stat; do
+        stat="$(cat "$stat_file" 2>/dev/null)" || continue
+        read -r -a fields <<< "${stat##*) }"  # after "pid (comm) ": state ppid ...; comm may hold spaces
+        [ "${fields[1]:-}" = "$1" ] && { stat_file="${stat_file#/proc/}"; echo "${stat_file%/stat}"; }
+    done
+    return 0
+}
 
 # shellcheck disable=SC2317,SC2086  # called from traps; $workers is a list of pids
 forward() {  # torchrun's workers are the launcher's children; the launcher itself keeps supervising
     local workers
-    workers="$(pgrep -P "$launcher" | tr "\n" " " || true)"
+    workers="$(children_of "$launcher" | tr "\n" " ")"
     stop_requested=1
     echo "[launch_multinode] got SIG$1, forwarding to ${workers:-no workers yet}" >&2
     [ -z "$workers" ] || kill -s "$1" $workers 2>/dev/null || true
@@ -110,8 +132,13 @@ while true; do
     wait "$launcher" && status=0 || status=$?
     kill -0 "$launcher" 2>/dev/null || break  # a trapped signal interrupted `wait`: keep waiting
 done
+rank_code="$(cat "$OPEN_SFT_EXIT_CODE_DIR"/rank* 2>/dev/null | grep -v '^0$' | sort -n | tail -1 || true)"
+rm -rf "$OPEN_SFT_EXIT_CODE_DIR"
 if [ "$status" != 0 ] && [ "$stop_requested" = 1 ]; then
     echo "[launch_multinode] stopped on a signal (launcher exit $status): exiting $PREEMPTED_EXIT_CODE" >&2
     exit "$PREEMPTED_EXIT_CODE"
+fi
+if [ "$status" != 0 ] && [ -n "$rank_code" ]; then
+    exit "$rank_code"  # the workers' own code (the highest, when ranks differ), not torchrun's 1
 fi
 exit "$status"

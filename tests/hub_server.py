@@ -1,6 +1,9 @@
 """A loopback stand-in for the Hugging Face Hub: only the endpoints huggingface_hub's create_repo,
 create_branch and upload_folder call, plus injectable faults. Files are kept in memory.
 
+Run as a program (`python hub_server.py --port P --dump DIR`, the token from $HF_TOKEN) it serves until killed
+and also writes every committed file to DIR/<repo>/<branch>/<path>; scripts/test_container.sh runs it so.
+
 Faults: `server.faults[endpoint]` is a list consumed one request at a time ("500", "drop" = close the
 connection without answering, "hang" = answer after `hang_seconds`, "403"); `server.always[endpoint]`
 applies to every request. Endpoints: create, branch, validate, preupload, commit.
@@ -8,13 +11,16 @@ applies to every request. Endpoints: create, branch, validate, preupload, commit
 
 from __future__ import annotations
 
+import argparse
 import base64
 import hashlib
 import json
+import os
 import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Optional
 
 ROUTES = (
@@ -29,9 +35,10 @@ ROUTES = (
 class FakeHub(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, token: str):
-        super().__init__(("127.0.0.1", 0), _Handler)
+    def __init__(self, token: str, port: int = 0, dump_dir: Optional[Path] = None):
+        super().__init__(("127.0.0.1", port), _Handler)
         self.token = token
+        self.dump_dir = dump_dir
         self.faults: dict[str, list[str]] = {}
         self.always: dict[str, str] = {}
         self.hang_seconds = 5.0
@@ -142,9 +149,27 @@ class _Handler(BaseHTTPRequestHandler):
             item = json.loads(line)
             if item["key"] == "file":
                 branch[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                if self.server.dump_dir is not None:
+                    target = self.server.dump_dir / groups["repo"] / groups["rev"] / item["value"]["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(branch[item["value"]["path"]])
         oid = hashlib.sha1(body).hexdigest()
         self._reply(endpoint, 200, {"commitUrl": f"{self._url(groups['repo'])}/commit/{oid}", "commitOid": oid,
                                     "success": True})
 
     def _url(self, repo: str) -> str:
         return f"{self.server.url}/{repo}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="serve the loopback Hub until killed (token from $HF_TOKEN)")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dump", type=Path, required=True, help="committed files are written under this directory")
+    args = parser.parse_args()
+    server = FakeHub(os.environ["HF_TOKEN"], args.port, args.dump)
+    print(f"hub_server: serving {server.url}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -6,8 +6,10 @@ job was preempted; prepare_data.sh and merge_lora.sh hand their arguments to the
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,49 @@ def test_launch_script_reads_slurm_and_overrides() -> None:
     assert (pairs["--machine_rank"], pairs["--main_process_port"], pairs["--num_processes"]) == ("3", "1234", "8")
     bad = dry_command("--num_machines", "2", "--machine_rank", "2")
     assert bad.returncode == 2 and "must be below --num_machines 2" in bad.stderr
+
+
+def test_num_processes_counts_all_machines_and_no_gpu_means_one_process() -> None:
+    """`--num_processes` as accelerate counts it (all machines); on a machine without GPUs (this one: no
+    nvidia-smi on PATH) the default is one process, whose threads use the node's cores."""
+    def pairs(result: subprocess.CompletedProcess) -> dict[str, str]:
+        return dict(zip(result.stdout.split(), result.stdout.split()[1:]))
+
+    assert pairs(dry_command())["--num_processes"] == "1"
+    assert pairs(dry_command("--num_processes", "4", "--num_machines", "2"))["--num_processes"] == "4"
+    assert "machine" not in dry_command("--num_processes", "4").stderr
+    bad = dry_command("--num_processes", "3", "--num_machines", "2")
+    assert bad.returncode == 2 and "--num_processes 3 must be a positive multiple of --num_machines 2" in bad.stderr
+
+
+def test_the_workers_exit_code_comes_through_torchrun(tiny_model_dir, tmp_path) -> None:
+    """torchrun exits 1 whatever its workers' codes: the launcher hands on finetune.py's own 2 for bad input."""
+    args = finetune_args(tiny_model_dir, tmp_path / "out")
+    args[args.index(str(SAMPLE))] = str(tmp_path / "missing.jsonl")
+    process = launch(["--processes_per_machine", "2", "--main_process_port", str(free_port())], args)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 2, output[-3000:]
+    assert "missing.jsonl does not exist" in output
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tiny_model_dir, tmp_path) -> None:
+    """`docker stop` signals the container's PID 1, the launch script: it must reach the training process, which
+    saves a checkpoint, and the script must exit 75 (the workers' children are found without pgrep)."""
+    out = tmp_path / "out"
+    args = finetune_args(tiny_model_dir, out)
+    args[args.index("--max_train_steps") + 1] = "400"
+    process = launch(["--processes_per_machine", "1", "--main_process_port", str(free_port())], args)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 75, output[-3000:]
+    assert "got SIGTERM, forwarding to" in output and "no workers yet" not in output
+    steps = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()]
+    assert steps and 3 <= max(steps) < 400
 
 
 FAKE_SLURM = """#!/usr/bin/env bash
