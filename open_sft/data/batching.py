@@ -56,8 +56,10 @@ def micro_batches_for_rank(order: list[int], step_in_epoch: int, layout: BatchLa
     return out
 
 
-def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example in the micro-batch (not to max_seq_length)."""
+def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
+            sources: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example in the micro-batch (not to max_seq_length). With `sources` (the source
+    index of each example), "sources" gives each position's source, for per-source losses."""
     length = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
@@ -68,8 +70,11 @@ def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False)
         if not loss_free:
             labels[row, :n] = torch.tensor(example.labels)
         attention_mask[row, :n] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-            "lengths": torch.tensor([len(e.input_ids) for e in examples])}
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+             "lengths": torch.tensor([len(e.input_ids) for e in examples])}
+    if sources is not None:
+        batch["sources"] = torch.tensor(sources, dtype=torch.long)[:, None].expand(-1, length).contiguous()
+    return batch
 
 
 def best_fit_decreasing(lengths: dict[int, int], capacity: int, bins: Optional[int] = None) -> tuple[list[list[int]], list[int]]:
@@ -151,7 +156,8 @@ class PackedPlan:
         return [bins[a * world + rank] for a in range(self.layout.gradient_accumulation_steps)]
 
 
-def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int) -> dict[str, torch.Tensor]:
+def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int,
+                   sources: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
     """Lay a micro-batch's examples into rows of at most `row_capacity` tokens (best-fit-decreasing),
     with position ids restarting at each example and no attention mask: transformers then builds a
     block-diagonal causal mask from the position ids (varlen kernels on GPU), so no token attends
@@ -162,6 +168,7 @@ def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    source_ids = torch.zeros((len(rows), width), dtype=torch.long)
     lengths = []
     for r, row in enumerate(rows):
         cursor = 0
@@ -170,11 +177,16 @@ def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int
             input_ids[r, cursor : cursor + n] = torch.tensor(examples[i].input_ids)
             labels[r, cursor + 1 : cursor + n] = torch.tensor(examples[i].labels[1:])
             position_ids[r, cursor : cursor + n] = torch.arange(n)
+            if sources is not None:
+                source_ids[r, cursor : cursor + n] = sources[i]
             lengths.append(n)
             cursor += n
         position_ids[r, cursor:] = torch.arange(width - cursor)  # padding: a block of its own, no loss
-    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-            "lengths": torch.tensor(lengths)}
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+             "lengths": torch.tensor(lengths)}
+    if sources is not None:
+        batch["sources"] = source_ids
+    return batch
 
 
 def locate(plan, step: int) -> tuple[int, int]:
@@ -190,3 +202,9 @@ def count_trained_batch(labels: torch.Tensor) -> int:
     """Trained tokens of a collated batch: labels are shifted by one inside the model, so position 0 of a row
     never gets a loss (the batch form of open_sft.data.labels.count_trained)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def trained_sources(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The source of each trained position of a collated batch, in the order the loss visits them (row-major
+    over labels[:, 1:] != IGNORE_INDEX, as count_trained_batch counts them)."""
+    return batch["sources"][:, 1:][batch["labels"][:, 1:] != IGNORE_INDEX]

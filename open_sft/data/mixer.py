@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import random
+import re
+from pathlib import PurePath
 
-from open_sft.data.sources import SourceSpec
+from open_sft.data.sources import LOCAL_SUFFIXES, SourceSpec
 from open_sft.errors import UserError
 
 
@@ -63,3 +65,22 @@ def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[in
     if not indices:
         raise UserError(f"--dataset_mixer_list: {spec.amount} of {spec.name} selects no tokens; raise the amount")
     return sorted(indices)
+
+
+def source_names(entries: list[str]) -> list[str]:
+    """Names for the metrics of each mixer entry (`loss/<name>`): unique, and safe as a file or tag name.
+
+    A local file gives its stem (`data/alpaca.jsonl` → `alpaca`), a Hub id its path with `/` as `_`
+    (`allenai/tulu-3-sft-mixture` → `allenai_tulu-3-sft-mixture`); any other character becomes `_`, and a name
+    seen before gets `_2`, `_3`, ... in mixture order."""
+    names: list[str] = []
+    for entry in entries:
+        path = PurePath(entry)
+        stem = path.stem if path.suffix in LOCAL_SUFFIXES else entry
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", stem.strip("/")).strip("._") or "source"
+        name, copy = base, 1
+        while name in names:
+            copy += 1
+            name = f"{base}_{copy}"
+        names.append(name)
+    return names

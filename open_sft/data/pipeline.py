@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
-from open_sft.data.mixer import select_by_tokens, select_indices
+from open_sft.data.mixer import select_by_tokens, select_indices, source_names
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
@@ -63,13 +63,31 @@ class SourceReport:
 
 @dataclass
 class PreparedData:
-    """The tokenized training set (memory-mapped `datasets.Dataset`) and how it was made."""
+    """The tokenized training set (memory-mapped `datasets.Dataset`) and how it was made.
+
+    `sources[i]` is the mixer entry example i came from (an index into `source_names`). Examples are stored in
+    mixture order, source after source, so the report's per-source example counts give it without a column in
+    the cache."""
 
     dataset: Any
     report: dict[str, Any]
     cache_key: str
     cache_path: Optional[Path]
     cache_hit: bool
+    sources: np.ndarray = field(default=None)  # type: ignore[assignment]
+    source_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.sources is None:
+            entries = self.report.get("sources", [])
+            counts = [int(entry["examples"]) for entry in entries]
+            if sum(counts) != len(self.dataset):  # not this dataset's report (a hand-made one): one source
+                counts, entries = [len(self.dataset)], [{"name": "data"}]
+            self.sources = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+            self.source_names = source_names([entry["name"] for entry in entries])
+
+    def source(self, index: int) -> int:
+        return int(self.sources[index])
 
     def example(self, index: int) -> Example:
         row = self.dataset[index]
@@ -91,7 +109,7 @@ class PreparedData:
             raise UserError(f"--eval_split_ratio {eval_ratio} leaves no training examples out of {n}")
         train = [i for i in range(n) if i not in held]
         view = lambda rows: PreparedData(self.dataset.select(rows), self.report, self.cache_key,  # noqa: E731
-                                         self.cache_path, self.cache_hit)
+                                         self.cache_path, self.cache_hit, self.sources[rows], self.source_names)
         return view(train), view(sorted(held))
 
 

@@ -44,7 +44,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                targets: torch.Tensor, chunk_rows: int, dtype: torch.dtype, via_fp32: bool) -> torch.Tensor:
+                targets: torch.Tensor, chunk_rows: int, dtype: torch.dtype, via_fp32: bool,
+                token_losses: Optional[torch.Tensor]) -> torch.Tensor:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         need_grad = need_hidden or need_weight or need_bias
         # via_fp32 (open_sft.model.bf16_matmul): every operand and product rounded to `dtype`, multiplied in fp32.
@@ -66,7 +67,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 logits = cast(torch.addmm(b, h, w.t()) if b is not None else h @ w.t())
                 logprobs = torch.log_softmax(logits, dim=1, dtype=torch.float32)
                 del logits
-                loss -= logprobs.gather(1, t[:, None]).sum()
+                picked = logprobs.gather(1, t[:, None])
+                loss -= picked.sum()
+                if token_losses is not None:  # each position's loss, for per-source sums (no gradient)
+                    token_losses[start : start + chunk_rows] = -picked[:, 0]
                 if not need_grad:
                     continue
                 # d loss / d logits = softmax − one-hot, computed in fp32 in place, then cast for the matmuls.
@@ -97,14 +101,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = (grad_weight * scale).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = (grad_bias * scale).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              targets: torch.Tensor, chunk_rows: Optional[int] = None,
-                             bf16_via_fp32: bool = False) -> torch.Tensor:
+                             bf16_via_fp32: bool = False, token_losses: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum of cross-entropies of `hidden @ weight.T + bias` ([N, d] rows) against `targets` ([N]) in fp32.
 
+    `token_losses` (fp32, one value per target that is not IGNORE_INDEX), when given, receives each position's loss
+    (no gradient flows through it; the sum returned is computed as without it).
     Positions whose target is IGNORE_INDEX are skipped (they add nothing, as in F.cross_entropy). Matmuls run in
     the autocast dtype when autocast is on, else the weight's dtype; the softmax always in fp32. With
     `bf16_via_fp32`, bf16 matmuls run as fp32 matmuls of bf16-rounded operands (open_sft.model.bf16_matmul)."""
@@ -123,7 +129,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
         raise ValueError(f"chunk_rows must be positive, got {rows}")
     dtype = compute_dtype_for(hidden, weight)
     via_fp32 = bf16_via_fp32 and dtype == torch.bfloat16
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, dtype, via_fp32)
+    if token_losses is not None and token_losses.shape != targets.shape:
+        raise ValueError(f"token_losses holds {token_losses.numel()} values for {targets.numel()} trained positions")
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, dtype, via_fp32, token_losses)
 
 
 def supports_fused(lm_head: nn.Module) -> bool:
@@ -132,7 +140,7 @@ def supports_fused(lm_head: nn.Module) -> bool:
 
 
 def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
-                     chunk_rows: Optional[int] = None) -> torch.Tensor:
+                     chunk_rows: Optional[int] = None, token_losses: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`linear_cross_entropy_sum` with lm_head's parameters, run inside a call to lm_head itself so that
     module hooks (ZeRO-3 gathering its weight for forward and again for backward) fire as for lm_head(x)."""
     if not supports_fused(lm_head):
@@ -140,7 +148,7 @@ def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Te
 
     def fused_forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, t, chunk_rows,
-                                        bf16_via_fp32=bf16_matmul.installed(lm_head))
+                                        bf16_via_fp32=bf16_matmul.installed(lm_head), token_losses=token_losses)
 
     own_forward = lm_head.__dict__.get("forward")
     lm_head.forward = fused_forward

@@ -27,6 +27,10 @@ class TokenLossModel(nn.Module):
         super().__init__()
         self.model = model
         self.fused_loss = fused_loss  # False: the plain lm_head + F.cross_entropy path (tests, benchmarks)
+        # The trainer sets keep_token_losses to read each trained position's loss after a forward (per-source
+        # losses); they come out of the same pass, detached.
+        self.keep_token_losses = False
+        self.token_losses: Optional[torch.Tensor] = None
 
     def causal_lm(self) -> nn.Module:
         """The transformers model; a peft model injects its adapters into it in place."""
@@ -46,6 +50,14 @@ class TokenLossModel(nn.Module):
         trained = targets != IGNORE_INDEX
         selected = hidden[:, :-1][trained]
         lm_head = causal_lm.get_output_embeddings()
+        kept = torch.empty(selected.shape[0], dtype=torch.float32, device=selected.device) \
+            if self.keep_token_losses else None
         if self.fused_loss and supports_fused(lm_head):
-            return lm_head_loss_sum(lm_head, selected, targets[trained])
-        return F.cross_entropy(lm_head(selected).float(), targets[trained], reduction="sum")
+            loss = lm_head_loss_sum(lm_head, selected, targets[trained], token_losses=kept)
+        else:
+            logits = lm_head(selected).float()
+            loss = F.cross_entropy(logits, targets[trained], reduction="sum")
+            if kept is not None:
+                kept.copy_(F.cross_entropy(logits.detach(), targets[trained], reduction="none"))
+        self.token_losses = kept
+        return loss

@@ -1,4 +1,4 @@
-"""The end-of-run report: `report/` in the output dir with loss and learning-rate curves (PNG) and a
+"""The end-of-run report: `report/` in the output dir with loss (per source too), learning-rate curves (PNG) and a
 markdown summary, computed from the metrics.jsonl records alone.
 
     python -m open_sft report OUTPUT_DIR      # (re)build OUTPUT_DIR/report from OUTPUT_DIR/metrics.jsonl
@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 REPORT_DIR = "report"
 LOSS_PNG = "loss.png"
+SOURCES_PNG = "loss_by_source.png"  # with two or more sources
 LR_PNG = "learning_rate.png"
 SUMMARY_MD = "summary.md"
 SUMMARY_JSON = "summary.json"
@@ -72,6 +73,14 @@ def summarize(records: list[dict[str, Any]]) -> Summary:
     )
 
 
+def source_series(records: list[dict[str, Any]], prefix: str) -> list[tuple[str, list[float], list[float], str]]:
+    """One line per source of `<prefix>loss/<source>` (a window where a source trained nothing has no point)."""
+    key = f"{prefix}loss/"
+    names = list(dict.fromkeys(k[len(key):] for r in records for k in r if k.startswith(key)))
+    return [(f"{prefix.rstrip('_') or 'train'} {name}", [r["step"] for r in records if key + name in r],
+             [r[key + name] for r in records if key + name in r], "o--" if prefix else "-") for name in names]
+
+
 def _plot(path: Path, title: str, ylabel: str, series: list[tuple[str, list[float], list[float], str]]) -> None:
     """One PNG line chart; Figure without pyplot, so no global state and no display needed."""
     from matplotlib.figure import Figure
@@ -121,7 +130,15 @@ def write_report(records: list[dict[str, Any]], report_dir: Path, title: str = "
     _plot(report_dir / LOSS_PNG, "Loss", "loss (per trained token)", loss_series)
     _plot(report_dir / LR_PNG, "Learning rate", "learning rate",
           [("learning rate", [r["step"] for r in train], [r["learning_rate"] for r in train], "-")])
-    (report_dir / SUMMARY_MD).write_text(summary_markdown(summary, title), encoding="utf-8")
+    by_source = source_series(train, "") + source_series(evals, "eval_")
+    (report_dir / SOURCES_PNG).unlink(missing_ok=True)
+    if len(by_source) > 1:
+        _plot(report_dir / SOURCES_PNG, "Loss per source", "loss (per trained token)", by_source)
+    markdown = summary_markdown(summary, title)
+    if len(by_source) > 1:
+        markdown = markdown.replace(f"![learning rate]({LR_PNG})", f"![loss per source]({SOURCES_PNG})\n\n"
+                                                                   f"![learning rate]({LR_PNG})")
+    (report_dir / SUMMARY_MD).write_text(markdown, encoding="utf-8")
     (report_dir / SUMMARY_JSON).write_text(json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8")
     return summary
 

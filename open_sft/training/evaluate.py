@@ -1,4 +1,4 @@
-"""Token-weighted evaluation loss over a held-out set, sharded across ranks."""
+"""Token-weighted evaluation loss over a held-out set, sharded across ranks, in total and per source."""
 
 from __future__ import annotations
 
@@ -6,31 +6,42 @@ from typing import Callable
 
 import torch
 
-from open_sft.data.batching import collate, count_trained_batch
+from open_sft.data.batching import collate, count_trained_batch, trained_sources
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
-             reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+             reduce_sum: Callable[[torch.Tensor], torch.Tensor], loss_model=None) -> dict[str, float]:
     """Sum of token losses over every eval example / their trained tokens (the same weighting as
-    training). Rank r takes examples r, r + world, ...; every rank runs the same number of forward
-    passes (ZeRO-3 gathers parameters collectively), padding its last batches with loss-free copies."""
+    training), and `eval_loss/<source>`, `eval_tokens/<source>` per source of the eval data. Rank r takes
+    examples r, r + world, ...; every rank runs the same number of forward passes (ZeRO-3 gathers parameters
+    collectively), padding its last batches with loss-free copies. One all-reduce at the end."""
+    from open_sft.training.trainer import per_source
+
+    loss_model = loss_model if loss_model is not None else accelerator.unwrap_model(model)
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(data), world))
     batches = -(-len(range(0, len(data), world)) // batch_size)  # batches of the largest shard
+    n_sources = len(data.source_names)
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2 + 2 * n_sources, dtype=torch.float64)  # loss, tokens, per-source losses, tokens
     for b in range(batches):
         indices = mine[b * batch_size : (b + 1) * batch_size]
-        if indices:
-            batch = collate([data.example(i) for i in indices], pad_token_id)
-        else:
-            batch = collate([data.example(0)], pad_token_id, loss_free=True)
+        loss_free, indices = not indices, indices or [0]
+        batch = collate([data.example(i) for i in indices], pad_token_id, loss_free=loss_free,
+                        sources=[data.source(i) for i in indices])
         batch.pop("lengths")
+        sources = trained_sources(batch)
+        batch.pop("sources")
         with accelerator.autocast():
             loss_sum = model(**batch)
         totals[0] += float(loss_sum)
         totals[1] += count_trained_batch(batch["labels"])
+        if loss_model.token_losses is not None:
+            totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double())
+        totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
     model.train()
-    loss_sum, tokens = reduce_sum(totals).tolist()
-    return {"eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens)}
+    summed = reduce_sum(totals).tolist()
+    loss_sum, tokens = summed[:2]
+    return {"eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),
+            **per_source(data.source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}

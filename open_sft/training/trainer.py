@@ -14,13 +14,13 @@ import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from open_sft.config.args import TrainingArguments
-from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate
+from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate, trained_sources
 from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.errors import UserError
@@ -44,6 +44,8 @@ class Window:
     tokens: int = 0
     flops: float = 0.0
     padded_slots: int = 0  # token positions computed, padding included
+    source_loss: list[float] = field(default_factory=list)  # per source of the mixture: loss sum
+    source_tokens: list[int] = field(default_factory=list)  # and trained tokens
     started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
 
     def to_state(self) -> dict:
@@ -91,15 +93,19 @@ class Trainer:
         self.nonfinite_steps = 0
         self.nonfinite_in_a_row = 0
         self.window = Window(started=time.perf_counter())  # the logging window open now
+        self.source_names = data.source_names
+        self.loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: per-position losses
+        self.loss_model.keep_token_losses = True
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
 
-    def _collate(self, examples: list, loss_free: bool = False) -> dict[str, torch.Tensor]:
+    def _collate(self, indices: list[int], loss_free: bool = False) -> dict[str, torch.Tensor]:
+        examples, sources = [self.data.example(i) for i in indices], [self.data.source(i) for i in indices]
         if self.args.packing:
-            batch = collate_packed(examples, self.pad_token_id, self.steps.max_seq_length)
+            batch = collate_packed(examples, self.pad_token_id, self.steps.max_seq_length, sources)
             if loss_free:
                 batch["labels"].fill_(IGNORE_INDEX)
             return batch
-        return collate(examples, self.pad_token_id, loss_free=loss_free)
+        return collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
 
     def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
         epoch, step_in_epoch = locate(self.steps.plan, step)
@@ -107,9 +113,9 @@ class Trainer:
         batches = []
         for indices in micro_batches:
             if indices:
-                batches.append((self._collate([self.data.example(i) for i in indices]), indices))
+                batches.append((self._collate(indices), indices))
             else:  # an empty slot (end of an epoch): same compute on every rank, no loss
-                batches.append((self._collate([self.data.example(0)], loss_free=True), []))
+                batches.append((self._collate([0], loss_free=True), []))
         return batches
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
@@ -167,13 +173,24 @@ class Trainer:
                 f"step {step + 1}); lower --learning_rate, check the data, or raise --max_nonfinite_steps")
 
     def train_step(self, step: int) -> dict:
+        """One optimizer step. The per-source token counts and loss sums ride in the two all-reduces the step
+        makes anyway (counts before the first micro-batch, loss sums after the last): no extra collective."""
         batches = self._micro_batches(step)
+        n_sources = len(self.source_names)
         local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
+        positions = [trained_sources(batch) for batch, _ in batches]
         lengths = [batch.pop("lengths") for batch, _ in batches]
+        for batch, _ in batches:
+            batch.pop("sources")
         local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
                               sum(int((l.double() ** 2).sum()) for l in lengths),
                               sum(batch["input_ids"].numel() for batch, _ in batches)], dtype=torch.float64)
-        trained_global, tokens_global, squares_global, slots_global = self.reduce_sum(local).tolist()
+        per_source = sum((torch.bincount(p, minlength=n_sources) for p in positions),
+                         torch.zeros(n_sources, dtype=torch.float64))
+        reduced = self.reduce_sum(torch.cat([local, per_source.to(torch.float64)])).tolist()
+        trained_global, tokens_global, squares_global, slots_global = reduced[:4]
+        source_tokens = [int(t) for t in reduced[4:]]
+        source_loss = torch.zeros(n_sources, dtype=torch.float64)
         lr = self._set_lr(step)
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -185,6 +202,8 @@ class Trainer:
                 with self.accelerator.autocast():
                     token_loss_sum = self.model(**batch)
                 loss_sum += token_loss_sum.detach().double()
+                if self.loss_model.token_losses is not None:
+                    source_loss.index_add_(0, positions[a], self.loss_model.token_losses.double())
                 self.accelerator.backward(token_loss_sum * self._loss_scale(trained_global, trained_local))
                 if a == len(batches) - 1:
                     grad_norm = self._clip_and_norm()
@@ -194,13 +213,15 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
         if self.is_deepspeed:
             grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
-        loss_global = float(self.reduce_sum(loss_sum.reshape(1))[0])
+        summed = self.reduce_sum(torch.cat([loss_sum.reshape(1), source_loss])).tolist()
+        loss_global, source_loss_global = float(summed[0]), summed[1:]
         self._count_nonfinite(step, skipped or not math.isfinite(loss_global))
         if skipped or not math.isfinite(loss_global):  # the step taught nothing: keep it out of the loss
             loss_global, trained_global = 0.0, 0
+            source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
         flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
         return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
-                "padded_slots": int(slots_global),
+                "padded_slots": int(slots_global), "source_loss": source_loss_global, "source_tokens": source_tokens,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
     def state_dict(self) -> dict[str, Any]:
@@ -236,6 +257,10 @@ class Trainer:
             window.tokens += result["tokens"]
             window.flops += result["flops"]
             window.padded_slots += result["padded_slots"]
+            window.source_loss = [a + b for a, b in zip(window.source_loss or [0.0] * len(self.source_names),
+                                                        result["source_loss"])]
+            window.source_tokens = [a + b for a, b in zip(window.source_tokens or [0] * len(self.source_names),
+                                                          result["source_tokens"])]
             self.train_tokens += result["trained_tokens"]
             self.total_tokens += result["tokens"]
             done = step + 1
@@ -256,6 +281,7 @@ class Trainer:
                     "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
                     "nonfinite_steps": self.nonfinite_steps,
                     "elapsed_s": time.perf_counter() - run_started,
+                    **per_source(self.source_names, window.source_loss, window.source_tokens),
                 }
                 records.append(record)
                 self._log(record)
@@ -272,7 +298,7 @@ class Trainer:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
         result = evaluate(self.accelerator, self.model, self.eval_data, batch_size,
-                          self.pad_token_id, self.reduce_sum)
+                          self.pad_token_id, self.reduce_sum, self.loss_model)
         record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
@@ -293,6 +319,17 @@ class Trainer:
         )
         if self.metrics is not None:
             self.metrics.write(record)
+
+
+def per_source(names: list[str], loss_sums: list[float], tokens: list[int], prefix: str = "") -> dict[str, float]:
+    """`loss/<source>` (token-weighted over the window; absent when the source trained no token in it) and
+    `tokens/<source>` (its trained tokens), with `prefix` ("eval_") for evaluation."""
+    record: dict[str, float] = {}
+    for name, loss_sum, count in zip(names, loss_sums, tokens):
+        if count:
+            record[f"{prefix}loss/{name}"] = loss_sum / count
+        record[f"{prefix}tokens/{name}"] = int(count)
+    return record
 
 
 class NonFiniteError(UserError):

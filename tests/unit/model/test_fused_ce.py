@@ -209,3 +209,42 @@ def test_token_loss_model_fused_equals_plain(tiny_model_dir) -> None:
     assert fused_loss == pytest.approx(plain_loss, rel=1e-5)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_token_losses_are_each_positions_loss_and_leave_the_sum_as_it_was(chunk) -> None:
+    """Per-source losses read each trained position's loss out of the same pass: they match F.cross_entropy per
+    position, and the returned sum (and its gradient) is bit-for-bit the sum computed without them."""
+    hidden, head, targets = problem(ignored=9)
+    kept = torch.empty(int((targets != -100).sum()), dtype=torch.float32)
+    with_losses = lm_head_loss_sum(head, hidden, targets, chunk_rows=chunk, token_losses=kept)
+    without = lm_head_loss_sum(head, hidden, targets, chunk_rows=chunk)
+    assert value(with_losses) == value(without)
+    for a, b in zip(grads(with_losses, hidden, head.weight), grads(without, hidden, head.weight)):
+        assert torch.equal(a, b)
+    keep = targets != -100
+    expected = F.cross_entropy(head(hidden[keep]).float(), targets[keep], reduction="none")
+    torch.testing.assert_close(kept, expected.detach(), rtol=1e-5, atol=1e-6)
+    assert float(kept.sum()) == pytest.approx(value(without), rel=1e-6)
+    with pytest.raises(ValueError, match="token_losses holds 3 values"):
+        lm_head_loss_sum(head, hidden, targets, token_losses=torch.empty(3))
+
+
+def test_token_loss_model_keeps_token_losses_on_both_paths(tiny_model_dir) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=g)
+    labels = input_ids.clone()
+    labels[:, :10] = -100
+    kept = []
+    for fused in (False, True):
+        wrapped = TokenLossModel(model, fused_loss=fused)
+        assert wrapped(input_ids=input_ids, labels=labels) is not None and wrapped.token_losses is None
+        wrapped.keep_token_losses = True
+        loss = wrapped(input_ids=input_ids, labels=labels)
+        assert wrapped.token_losses.shape == (2 * 20,) and not wrapped.token_losses.requires_grad
+        assert float(wrapped.token_losses.sum()) == pytest.approx(value(loss), rel=1e-5)
+        kept.append(wrapped.token_losses)
+    torch.testing.assert_close(kept[1], kept[0], rtol=1e-5, atol=1e-6)

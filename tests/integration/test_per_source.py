@@ -1,0 +1,113 @@
+"""Per-source loss through finetune.py: a 2-source mixture in which one source is trivially learnable (the
+assistant always gives the same answer) and the other is real instructions.
+
+- the learnable source's loss falls far below the other's;
+- in every logging window the token-weighted mean of the per-source losses is the logged `loss`, and the
+  per-source trained tokens add up to the window's trained tokens (eval likewise);
+- 2 ranks under ZeRO-2 with the same global batch log the per-source losses of one process (the sums are
+  all-reduced: each token is counted once), padded and packed;
+- TensorBoard gets them as train/loss/<source>, and the report draws loss_by_source.png.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import SAMPLE, assert_png, read_metrics, run_finetune
+
+STEPS = 24
+NAMES = ("usual", "sample")
+
+
+def _easy_source(path) -> str:
+    with path.open("w") as handle:
+        for i in range(200):
+            handle.write(json.dumps({"messages": [
+                {"role": "user", "content": f"Reply with the usual answer, please ({i})."},
+                {"role": "assistant", "content": "Yes yes yes yes yes yes yes yes yes yes."}]}) + "\n")
+    return str(path)
+
+
+def _args(model_dir, easy: str, output_dir, micro: int, accumulation: int, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", easy, "1.0", str(SAMPLE), "0.05",
+            "--output_dir", str(output_dir), "--max_train_steps", str(STEPS), "--logging_steps", "4",
+            "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accumulation),
+            "--learning_rate", "1e-2", "--seed", "3", "--torch_dtype", "float32", "--max_seq_length", "256",
+            "--eval_split_ratio", "0.1", "--eval_steps", "12", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> dict:
+    easy = _easy_source(tmp_path_factory.mktemp("data") / "usual.jsonl")
+    layouts = {"single": (1, None, 4, 2, ("--with_tracking", "--report_to", "tensorboard")),
+               "zero2": (2, "zero2.json", 2, 2, ()),
+               "packed_single": (1, None, 4, 2, ("--packing",)),
+               "packed_zero2": (2, "zero2.json", 2, 2, ("--packing",))}
+    out = {}
+    for name, (processes, ds_config, micro, accumulation, extra) in layouts.items():
+        output_dir = tmp_path_factory.mktemp(name)
+        run_finetune(_args(tiny_model_dir, easy, output_dir, micro, accumulation, *extra), processes=processes,
+                     deepspeed_config=ds_config)
+        metrics = read_metrics(output_dir)
+        out[name] = {"dir": output_dir, "train": [m for m in metrics if "loss" in m],
+                     "eval": [m for m in metrics if "eval_loss" in m]}
+    return out
+
+
+@pytest.mark.parametrize("name", ["single", "packed_single"])
+def test_the_learnable_source_is_learned_and_the_other_is_not(runs, name) -> None:
+    first, last = runs[name]["train"][0], runs[name]["train"][-1]
+    assert last["loss/usual"] < 0.25 * last["loss/sample"]
+    assert last["loss/usual"] < first["loss/usual"] / 5
+    assert runs[name]["eval"][-1]["eval_loss/usual"] < 0.25 * runs[name]["eval"][-1]["eval_loss/sample"]
+
+
+@pytest.mark.parametrize("name", ["single", "zero2", "packed_single", "packed_zero2"])
+def test_per_source_losses_weighted_by_tokens_are_the_logged_loss(runs, name) -> None:
+    train_tokens = 0
+    for record in runs[name]["train"]:
+        tokens = [record[f"tokens/{s}"] for s in NAMES]
+        assert all(t > 0 for t in tokens) and all(f"loss/{s}" in record for s in NAMES)
+        assert sum(tokens) == record["train_tokens"] - train_tokens  # the window's trained tokens
+        train_tokens = record["train_tokens"]
+        weighted = sum(record[f"loss/{s}"] * record[f"tokens/{s}"] for s in NAMES) / sum(tokens)
+        assert weighted == pytest.approx(record["loss"], rel=1e-6)
+    assert [e["step"] for e in runs[name]["eval"]] == [12, 24]
+    for record in runs[name]["eval"]:
+        tokens = [record[f"eval_tokens/{s}"] for s in NAMES]
+        assert sum(tokens) == record["eval_tokens"]
+        weighted = sum(record[f"eval_loss/{s}"] * record[f"eval_tokens/{s}"] for s in NAMES) / sum(tokens)
+        assert weighted == pytest.approx(record["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("one, two", [("single", "zero2"), ("packed_single", "packed_zero2")])
+def test_two_ranks_log_the_per_source_losses_of_one_process(runs, one, two) -> None:
+    """Token counts agree in every window. Losses are compared up to step 12: at this learning rate (1e-2) the two
+    layouts' fp32 reduction orders make the trajectories drift apart by ~1e-4 after that, the total loss as much
+    as the per-source ones."""
+    for kind in ("train", "eval"):
+        for a, b in zip(runs[one][kind], runs[two][kind], strict=True):
+            keys = sorted(k for k in a if "/" in k)
+            assert keys == sorted(k for k in b if "/" in k) and keys
+            for key in keys:
+                if "tokens/" in key:
+                    assert b[key] == a[key], (kind, a["step"], key)
+                elif a["step"] <= 12:
+                    assert b[key] == pytest.approx(a[key], rel=1e-4), (kind, a["step"], key)
+
+
+def test_tensorboard_and_the_report_show_each_source(runs) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = runs["single"]
+    events = EventAccumulator(str(run["dir"] / "tensorboard"))
+    events.Reload()
+    for source in NAMES:
+        scalars = events.Scalars(f"train/loss/{source}")
+        assert [s.step for s in scalars] == [m["step"] for m in run["train"]]
+        assert [s.value for s in scalars] == pytest.approx([m[f"loss/{source}"] for m in run["train"]], rel=1e-6)
+        assert [s.step for s in events.Scalars(f"eval/loss/{source}")] == [12, 24]
+    assert_png(run["dir"] / "report" / "loss_by_source.png")
+    assert "loss_by_source.png" in (run["dir"] / "report" / "summary.md").read_text()
