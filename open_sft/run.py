@@ -100,15 +100,16 @@ def prepare_data(job: Job) -> None:
     apply_chat_template_choice(job.tokenizer, d.chat_template_name, d.chat_template_path)
     if d.add_bos:
         add_bos_to_template(job.tokenizer)
-    job.data = build(d, job.tokenizer, seed)
+    ratio = d.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)
+    job.data = build(d, job.tokenizer, seed, holdout=("train", ratio) if ratio else None)
     if d.cache_dataset_only:
         return
     if d.eval_dataset_mixer_list:
         eval_args = dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list,
                                         dataset_mixer_list_splits=d.eval_dataset_mixer_list_splits)
         job.eval_data = build(eval_args, job.tokenizer, seed)
-    elif d.eval_split_ratio:
-        job.data, job.eval_data = job.data.split(d.eval_split_ratio, seed)
+    elif ratio:
+        job.eval_data = build(d, job.tokenizer, seed, holdout=("eval", ratio))
     if _is_main_rank():
         print(format_data_report(job.data.report), flush=True)
         if job.config.train.dry_run:

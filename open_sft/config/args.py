@@ -131,7 +131,8 @@ class DataArguments:
         default_factory=lambda: ["train"],
     )
     eval_split_ratio: float = _help(
-        "Hold out this fraction of the training mixture (seeded) for evaluation instead.", default=0.0
+        "Hold out this fraction of each source's rows (seeded, before upsampling) for evaluation instead.",
+        default=0.0
     )
     preprocessing_num_workers: Optional[int] = _help(
         "Processes that render, tokenize and check rows while building the tokenization cache: 1 = in "

@@ -84,3 +84,31 @@ def source_names(entries: list[str]) -> list[str]:
             name = f"{base}_{copy}"
         names.append(name)
     return names
+
+
+def held_out_rows(valid: list[int], ratio: float, seed: int, name: str) -> list[int]:
+    """The rows of a source that --eval_split_ratio holds out for evaluation, drawn from its distinct valid rows
+    before the mixture takes its amount: an upsampled row and all its copies land on one side of the split.
+    Seeded by the source's name, so an entry listed twice holds out the same rows of it."""
+    count = round(ratio * len(valid))
+    if valid and count >= len(valid):
+        raise UserError(f"--eval_split_ratio {ratio} holds out all {len(valid)} rows of {name}; lower it")
+    return sorted(random.Random(f"{seed}:eval_split:{name}").sample(valid, count))
+
+
+def select_rows(spec: SourceSpec, unit: str, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
+    """The rows (repeats allowed) the mixture takes of a source's valid rows, by rows or by tokens (`lengths`
+    gives each valid row's). Under --eval_split_ratio the training side takes its amount from the rows not held
+    out, the evaluation side takes the held-out rows once each."""
+    if spec.holdout is not None:
+        side, ratio = spec.holdout
+        held = held_out_rows(valid, ratio, seed, f"{spec.name}:{spec.split}")
+        if side == "eval":
+            return held
+        held_set = set(held)
+        valid = [i for i in valid if i not in held_set]
+    if unit == "tokens":
+        picked = select_by_tokens(spec, [lengths[i] for i in valid], seed)
+    else:
+        picked = select_indices(spec, len(valid), seed)
+    return [valid[p] for p in picked]

@@ -9,6 +9,7 @@ splits its lines); it gives what the serial read of every other source gives (te
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -23,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
-from open_sft.data.mixer import select_by_tokens, select_indices, source_names
+from open_sft.data.mixer import select_rows, source_names
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.summary import length_percentiles
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
@@ -98,19 +99,6 @@ class PreparedData:
 
     def lengths(self) -> list[int]:
         return list(self.dataset["length"])
-
-    def split(self, eval_ratio: float, seed: int) -> tuple["PreparedData", "PreparedData"]:
-        """(train, eval): a seeded hold-out of round(eval_ratio × n) examples (at least one)."""
-        import random
-
-        n = len(self.dataset)
-        held = set(random.Random(f"{seed}:eval_split").sample(range(n), max(1, round(eval_ratio * n))))
-        if len(held) >= n:
-            raise UserError(f"--eval_split_ratio {eval_ratio} leaves no training examples out of {n}")
-        train = [i for i in range(n) if i not in held]
-        view = lambda rows: PreparedData(self.dataset.select(rows), self.report, self.cache_key,  # noqa: E731
-                                         self.cache_path, self.cache_hit, self.sources[rows], self.source_names)
-        return view(train), view(sorted(held))
 
 
 def _format(args: DataArguments, first_row: dict, where: str) -> str:
@@ -280,11 +268,7 @@ def _upsample_factor(picked: list[int]) -> float:
 
 
 def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
-    if args.dataset_mixer_unit == "tokens":
-        picked = select_by_tokens(spec, [lengths[i] for i in valid], seed)
-    else:
-        picked = select_indices(spec, len(valid), seed)
-    return [valid[p] for p in picked]
+    return select_rows(spec, args.dataset_mixer_unit, valid, lengths, seed)
 
 
 def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
@@ -328,16 +312,25 @@ def _counts(rows: TokenRows) -> tuple[int, int, int]:
     return int(rows.bounds[-1]), int(rows.trained_counts().sum()), len(rows)
 
 
-def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[TokenRows, list[SourceReport]]:
-    """All training examples of the mixture, in mixture order, and a report per source."""
+def _specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
+    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits)
+    return [dataclasses.replace(spec, holdout=holdout) for spec in specs] if holdout else specs
+
+
+def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
+               holdout: Optional[tuple[str, float]] = None) -> tuple[TokenRows, list[SourceReport]]:
+    """All training examples of the mixture (or with `holdout`, one side of --eval_split_ratio), in mixture
+    order, and a report per source."""
     parts, reports = [], []
-    for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits):
+    for spec in _specs(args, holdout):
         rows, report = _source_rows(spec, args, tokenizer, seed)
         parts.append(rows)
         reports.append(report)
         logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
                     report.rows_in, report.rows_selected, report.rows_kept, sum(report.dropped.values()))
     rows = TokenRows.concat(parts)
+    if not len(rows) and holdout and holdout[0] == "eval":
+        raise UserError(f"--eval_split_ratio {holdout[1]} holds out no example; raise it")
     if not len(rows):
         raise UserError("no training examples are left after mixing, truncation and filtering; see the data report")
     return rows, reports
@@ -350,11 +343,14 @@ def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
     return rows.examples(), reports
 
 
-def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> dict[str, Any]:
+def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
+               holdout: Optional[tuple[str, float]] = None) -> dict[str, Any]:
     """Everything that changes the tokenized output, for the cache key (and key.json)."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
+    if holdout:
+        later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
     return {
         **later,
         "sources": [{"name": s.name, "identity": source_identity(s), "amount": s.amount,
@@ -372,24 +368,28 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     }
 
 
-def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int, key: str) -> tuple[Any, dict[str, Any]]:
-    rows, reports = build_rows(args, tokenizer, seed)
+def _build(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int, key: str,
+           holdout: Optional[tuple[str, float]]) -> tuple[Any, dict[str, Any]]:
+    rows, reports = build_rows(args, tokenizer, seed, holdout)
     report = {"sources": [r.to_dict() for r in reports], "examples": len(rows),
               "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports),
               "length_percentiles": length_percentiles(rows.lengths().tolist())}
     return rows.to_dataset(fingerprint=key), report
 
 
-def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int) -> PreparedData:
-    """Tokenized training data from the cache, building (once, under a lock) on a miss."""
-    inputs = key_inputs(args, tokenizer, seed)
+def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
+                 holdout: Optional[tuple[str, float]] = None) -> PreparedData:
+    """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
+    "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry."""
+    inputs = key_inputs(args, tokenizer, seed, holdout)
     key = cache_key(inputs)
+    build = functools.partial(_build, args, tokenizer, seed, key, holdout)
     if args.dataset_skip_cache:
         with _gc_paused():
-            dataset, report = _build(args, tokenizer, seed, key)
+            dataset, report = build()
         return PreparedData(dataset, report, key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     with _gc_paused():  # around the save too: it runs while the built examples are still alive
-        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, lambda: _build(args, tokenizer, seed, key))
+        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
     logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
     return PreparedData(dataset, report, key, entry, hit)

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from open_sft.data.formats import RowError
 from open_sft.errors import UserError
@@ -30,6 +30,8 @@ class SourceSpec:
     amount: float
     is_fraction: bool
     split: str
+    # --eval_split_ratio: ("train", r) takes the amount from the rows not held out, ("eval", r) the held-out rows
+    holdout: Optional[tuple[str, float]] = None
 
     @property
     def is_local(self) -> bool:

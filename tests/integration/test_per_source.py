@@ -4,8 +4,8 @@ assistant always gives the same answer) and the other is real instructions.
 - the learnable source's loss falls far below the other's;
 - in every logging window the token-weighted mean of the per-source losses is the logged `loss`, and the
   per-source trained tokens add up to the window's trained tokens (eval likewise);
-- 2 ranks under ZeRO-2 with the same global batch log the per-source losses of one process (the sums are
-  all-reduced: each token is counted once), padded and packed;
+- 2 ranks under ZeRO-2 with the same global batch log the per-source losses of one process within 1e-5 (the
+  sums are all-reduced: each token is counted once), padded and packed;
 - TensorBoard gets them as train/loss/<source>, and the report draws loss_by_source.png.
 """
 
@@ -30,25 +30,29 @@ def _easy_source(path) -> str:
     return str(path)
 
 
-def _args(model_dir, easy: str, output_dir, micro: int, accumulation: int, *extra: str) -> list[str]:
+def _args(model_dir, easy: str, output_dir, micro: int, accumulation: int, lr: str, *extra: str) -> list[str]:
     return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", easy, "1.0", str(SAMPLE), "0.05",
             "--output_dir", str(output_dir), "--max_train_steps", str(STEPS), "--logging_steps", "4",
             "--per_device_train_batch_size", str(micro), "--gradient_accumulation_steps", str(accumulation),
-            "--learning_rate", "1e-2", "--seed", "3", "--torch_dtype", "float32", "--max_seq_length", "256",
+            "--learning_rate", lr, "--seed", "3", "--torch_dtype", "float32", "--max_seq_length", "256",
             "--eval_split_ratio", "0.1", "--eval_steps", "12", *extra]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
     easy = _easy_source(tmp_path_factory.mktemp("data") / "usual.jsonl")
-    layouts = {"single": (1, None, 4, 2, ("--with_tracking", "--report_to", "tensorboard")),
-               "zero2": (2, "zero2.json", 2, 2, ()),
-               "packed_single": (1, None, 4, 2, ("--packing",)),
-               "packed_zero2": (2, "zero2.json", 2, 2, ("--packing",))}
+    # A high learning rate shows learning within 24 steps; the layout comparisons use a low one, under which one
+    # process and 2 ranks (fp32, different reduction orders) stay on the same trajectory to the end.
+    layouts = {"single": (1, None, 4, 2, "1e-2", ("--with_tracking", "--report_to", "tensorboard")),
+               "packed_single": (1, None, 4, 2, "1e-2", ("--packing",)),
+               "slow_single": (1, None, 4, 2, "1e-3", ()),
+               "slow_zero2": (2, "zero2.json", 2, 2, "1e-3", ()),
+               "slow_packed_single": (1, None, 4, 2, "1e-3", ("--packing",)),
+               "slow_packed_zero2": (2, "zero2.json", 2, 2, "1e-3", ("--packing",))}
     out = {}
-    for name, (processes, ds_config, micro, accumulation, extra) in layouts.items():
+    for name, (processes, ds_config, micro, accumulation, lr, extra) in layouts.items():
         output_dir = tmp_path_factory.mktemp(name)
-        run_finetune(_args(tiny_model_dir, easy, output_dir, micro, accumulation, *extra), processes=processes,
+        run_finetune(_args(tiny_model_dir, easy, output_dir, micro, accumulation, lr, *extra), processes=processes,
                      deepspeed_config=ds_config)
         metrics = read_metrics(output_dir)
         out[name] = {"dir": output_dir, "train": [m for m in metrics if "loss" in m],
@@ -64,7 +68,7 @@ def test_the_learnable_source_is_learned_and_the_other_is_not(runs, name) -> Non
     assert runs[name]["eval"][-1]["eval_loss/usual"] < 0.25 * runs[name]["eval"][-1]["eval_loss/sample"]
 
 
-@pytest.mark.parametrize("name", ["single", "zero2", "packed_single", "packed_zero2"])
+@pytest.mark.parametrize("name", ["single", "slow_zero2", "packed_single", "slow_packed_zero2"])
 def test_per_source_losses_weighted_by_tokens_are_the_logged_loss(runs, name) -> None:
     train_tokens = 0
     for record in runs[name]["train"]:
@@ -82,11 +86,8 @@ def test_per_source_losses_weighted_by_tokens_are_the_logged_loss(runs, name) ->
         assert weighted == pytest.approx(record["eval_loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("one, two", [("single", "zero2"), ("packed_single", "packed_zero2")])
+@pytest.mark.parametrize("one, two", [("slow_single", "slow_zero2"), ("slow_packed_single", "slow_packed_zero2")])
 def test_two_ranks_log_the_per_source_losses_of_one_process(runs, one, two) -> None:
-    """Token counts agree in every window. Losses are compared up to step 12: at this learning rate (1e-2) the two
-    layouts' fp32 reduction orders make the trajectories drift apart by ~1e-4 after that, the total loss as much
-    as the per-source ones."""
     for kind in ("train", "eval"):
         for a, b in zip(runs[one][kind], runs[two][kind], strict=True):
             keys = sorted(k for k in a if "/" in k)
@@ -94,8 +95,8 @@ def test_two_ranks_log_the_per_source_losses_of_one_process(runs, one, two) -> N
             for key in keys:
                 if "tokens/" in key:
                     assert b[key] == a[key], (kind, a["step"], key)
-                elif a["step"] <= 12:
-                    assert b[key] == pytest.approx(a[key], rel=1e-4), (kind, a["step"], key)
+                else:
+                    assert b[key] == pytest.approx(a[key], rel=1e-5), (kind, a["step"], key)
 
 
 def test_tensorboard_and_the_report_show_each_source(runs) -> None:
