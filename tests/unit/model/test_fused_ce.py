@@ -189,14 +189,20 @@ def test_hooks_of_the_head_fire_around_the_fused_loss() -> None:
     assert events == ["pre", ("post", torch.Size([]))]
 
 
-def test_token_loss_model_fused_equals_plain(tiny_model_dir) -> None:
+def tiny_batch(model_dir, seed: int, rows: int, length: int, prompt: int):
+    """The tiny model in fp32 and a random batch whose first `prompt` positions carry no label."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=g)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=g)
     labels = input_ids.clone()
-    labels[:, :15] = -100
+    labels[:, :prompt] = -100
+    return model, input_ids, labels
+
+
+def test_token_loss_model_fused_equals_plain(tiny_model_dir) -> None:
+    model, input_ids, labels = tiny_batch(tiny_model_dir, 0, 3, 40, 15)
     labels[2] = -100
     results = []
     for fused in (False, True):
@@ -231,13 +237,7 @@ def test_token_losses_are_each_positions_loss_and_leave_the_sum_as_it_was(chunk)
 
 
 def test_token_loss_model_keeps_token_losses_on_both_paths(tiny_model_dir) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=g)
-    labels = input_ids.clone()
-    labels[:, :10] = -100
+    model, input_ids, labels = tiny_batch(tiny_model_dir, 1, 2, 30, 10)
     kept = []
     for fused in (False, True):
         wrapped = TokenLossModel(model, fused_loss=fused)
