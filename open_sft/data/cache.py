@@ -68,6 +68,13 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 
 def resolve_cache_dir(flag_value: str) -> Path:
+    """--dataset_local_cache_dir when given; else $OPEN_SFT_CACHE (the container sets it to its /cache volume),
+    else the flag's default. A flag on the command line must not lose to an environment it cannot see."""
+    from open_sft.config.args import DataArguments
+
+    default = DataArguments.__dataclass_fields__["dataset_local_cache_dir"].default
+    if flag_value != default:
+        return Path(flag_value).expanduser()
     return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
 
 
