@@ -4,7 +4,7 @@ assistant always gives the same answer) and the other is real instructions.
 - the learnable source's loss falls far below the other's;
 - in every logging window the token-weighted mean of the per-source losses is the logged `loss`, and the
   per-source trained tokens add up to the window's trained tokens (eval likewise);
-- 2 ranks under ZeRO-2 with the same global batch log the per-source losses of one process within 1e-5 (the
+- 2 ranks under ZeRO-2 with the same global batch log the per-source losses of one process within 1e-6 (the
   sums are all-reduced: each token is counted once), padded and packed;
 - TensorBoard gets them as train/loss/<source>, and the report draws loss_by_source.png.
 """
@@ -47,8 +47,9 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
                "packed_single": (1, None, 4, 2, "1e-2", ("--packing",)),
                "slow_single": (1, None, 4, 2, "1e-3", ()),
                "slow_zero2": (2, "zero2.json", 2, 2, "1e-3", ()),
-               "slow_packed_single": (1, None, 4, 2, "1e-3", ("--packing",)),
-               "slow_packed_zero2": (2, "zero2.json", 2, 2, "1e-3", ("--packing",))}
+               # packed: 4 micro-batches of 512 tokens per step in both layouts, so the plans are the same
+               "slow_packed_single": (1, None, 4, 4, "1e-3", ("--packing", "--max_tokens_per_batch", "512")),
+               "slow_packed_zero2": (2, "zero2.json", 2, 2, "1e-3", ("--packing", "--max_tokens_per_batch", "512"))}
     out = {}
     for name, (processes, ds_config, micro, accumulation, lr, extra) in layouts.items():
         output_dir = tmp_path_factory.mktemp(name)
@@ -95,8 +96,8 @@ def test_two_ranks_log_the_per_source_losses_of_one_process(runs, one, two) -> N
             for key in keys:
                 if "tokens/" in key:
                     assert b[key] == a[key], (kind, a["step"], key)
-                else:
-                    assert b[key] == pytest.approx(a[key], rel=1e-5), (kind, a["step"], key)
+                else:  # measured: within 2e-8 (the same micro-batches, fp32 under DeepSpeed and without it)
+                    assert b[key] == pytest.approx(a[key], rel=1e-6), (kind, a["step"], key)
 
 
 def test_tensorboard_and_the_report_show_each_source(runs) -> None:
