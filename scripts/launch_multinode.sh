@@ -25,6 +25,8 @@
 # after such a signal, this script exits 75 too: "preempted, resume from the newest checkpoint".
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/_proc.sh
+source "$ROOT/scripts/_proc.sh"  # children_of
 
 die() { echo "launch_multinode.sh: $*" >&2; exit 2; }
 
@@ -104,16 +106,6 @@ OPEN_SFT_EXIT_CODE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/open_sft_exit.XXXXXX")"
 export OPEN_SFT_EXIT_CODE_DIR
 ( trap '' USR1; exec "${cmd[@]}" ) &  # ignored signals stay ignored across exec
 launcher=$!
-
-children_of() {  # pids whose parent is $1, read from /proc: slim images (Debian minbase) have no pgrep
-    local stat_file stat fields
-    for stat_file in /proc/[0-9]*/stat; do
-        stat="$(cat "$stat_file" 2>/dev/null)" || continue
-        read -r -a fields <<< "${stat##*) }"  # after "pid (comm) ": state ppid ...; comm may hold spaces
-        [ "${fields[1]:-}" = "$1" ] && { stat_file="${stat_file#/proc/}"; echo "${stat_file%/stat}"; }
-    done
-    return 0
-}
 
 # shellcheck disable=SC2317,SC2086  # called from traps; $workers is a list of pids
 forward() {  # torchrun's workers are the launcher's children; the launcher itself keeps supervising

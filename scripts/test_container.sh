@@ -38,11 +38,11 @@ run() { "$CONTAINER" run --rm "$@"; }
 volumes=(-v "$WORK/data:/data:ro" -v "$WORK/out:/out" -v "$WORK/cache:/cache")
 final_loss() { grep '"loss"' "$1" | tail -1 | sed 's/.*"loss": *\([-0-9.eE+]*\).*/\1/'; }
 same_loss() { awk -v a="$1" -v b="$2" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(a != "" && d <= 1e-6 * (a < 0 ? -a : a)) }'; }
+# shellcheck source=scripts/_proc.sh
+source "$ROOT/scripts/_proc.sh"  # children_of
 descendant_leaf() {  # the engine's client under a wrapper script: the signal must reach the process that proxies it
     local pid="$1" child
-    while child="$(for s in /proc/[0-9]*/stat; do read -r -a f <<< "$(sed 's/^.*) //' "$s" 2>/dev/null)"; \
-                   [ "${f[1]:-}" = "$pid" ] && { s="${s#/proc/}"; echo "${s%/stat}"; }; done | head -1)"; \
-          [ -n "$child" ]; do
+    while child="$(children_of "$pid" | head -1)"; [ -n "$child" ]; do
         pid="$child"
     done
     echo "$pid"
