@@ -72,8 +72,7 @@ def resolve_cache_dir(flag_value: str) -> Path:
     else the flag's default. A flag on the command line must not lose to an environment it cannot see."""
     from open_sft.config.args import DataArguments
 
-    default = DataArguments.__dataclass_fields__["dataset_local_cache_dir"].default
-    if flag_value != default:
+    if flag_value != DataArguments.dataset_local_cache_dir:  # the class attribute holds the default
         return Path(flag_value).expanduser()
     return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
 

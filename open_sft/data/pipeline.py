@@ -75,17 +75,15 @@ class PreparedData:
     cache_key: str
     cache_path: Optional[Path]
     cache_hit: bool
-    sources: np.ndarray = field(default=None)  # type: ignore[assignment]
-    source_names: list[str] = field(default_factory=list)
+    sources: np.ndarray = field(init=False)
+    source_names: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.sources is None:
-            entries = self.report.get("sources", [])
-            counts = [int(entry["examples"]) for entry in entries]
-            if sum(counts) != len(self.dataset):  # not this dataset's report (a hand-made one): one source
-                counts, entries = [len(self.dataset)], [{"name": "data"}]
-            self.sources = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-            self.source_names = source_names([entry["name"] for entry in entries])
+        counts = [int(entry["examples"]) for entry in self.report["sources"]]
+        if sum(counts) != len(self.dataset):
+            raise ValueError(f"the report counts {sum(counts)} examples for a dataset of {len(self.dataset)}")
+        self.sources = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self.source_names = source_names([entry["name"] for entry in self.report["sources"]])
 
     def source(self, index: int) -> int:
         return int(self.sources[index])

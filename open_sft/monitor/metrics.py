@@ -124,3 +124,14 @@ class MetricsWriter:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def per_source(names: list[str], loss_sums: list[float], tokens: list[int], prefix: str = "") -> dict[str, float]:
+    """`loss/<source>` (token-weighted over the window; absent when the source trained no token in it) and
+    `tokens/<source>` (its trained tokens), with `prefix` ("eval_") for evaluation."""
+    record: dict[str, float] = {}
+    for name, loss_sum, count in zip(names, loss_sums, tokens):
+        if count:
+            record[f"{prefix}loss/{name}"] = loss_sum / count
+        record[f"{prefix}tokens/{name}"] = int(count)
+    return record

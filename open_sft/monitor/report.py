@@ -101,7 +101,7 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def summary_markdown(summary: Summary, title: str) -> str:
+def summary_markdown(summary: Summary, title: str, per_source_plot: bool = False) -> str:
     rows = [
         ("Optimizer steps", str(summary.steps)),
         ("Wall time", f"{summary.elapsed_s:.1f} s"),
@@ -115,7 +115,8 @@ def summary_markdown(summary: Summary, title: str) -> str:
     ]
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     return (f"# Training report: {title}\n\n| | |\n|---|---|\n{table}\n\n"
-            f"![loss]({LOSS_PNG})\n\n![learning rate]({LR_PNG})\n\n"
+            f"![loss]({LOSS_PNG})\n\n" + (f"![loss per source]({SOURCES_PNG})\n\n" if per_source_plot else "") +
+            f"![learning rate]({LR_PNG})\n\n"
             "Computed from `metrics.jsonl`; regenerate with `python -m open_sft report OUTPUT_DIR`.\n")
 
 
@@ -134,11 +135,7 @@ def write_report(records: list[dict[str, Any]], report_dir: Path, title: str = "
     (report_dir / SOURCES_PNG).unlink(missing_ok=True)
     if len(by_source) > 1:
         _plot(report_dir / SOURCES_PNG, "Loss per source", "loss (per trained token)", by_source)
-    markdown = summary_markdown(summary, title)
-    if len(by_source) > 1:
-        markdown = markdown.replace(f"![learning rate]({LR_PNG})", f"![loss per source]({SOURCES_PNG})\n\n"
-                                                                   f"![learning rate]({LR_PNG})")
-    (report_dir / SUMMARY_MD).write_text(markdown, encoding="utf-8")
+    (report_dir / SUMMARY_MD).write_text(summary_markdown(summary, title, len(by_source) > 1), encoding="utf-8")
     (report_dir / SUMMARY_JSON).write_text(json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8")
     return summary
 

@@ -7,18 +7,18 @@ from typing import Callable
 import torch
 
 from open_sft.data.batching import collate, count_trained_batch, trained_sources
+from open_sft.monitor.metrics import per_source
 
 
 @torch.no_grad()
 def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
-             reduce_sum: Callable[[torch.Tensor], torch.Tensor], loss_model=None) -> dict[str, float]:
+             reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
     """Sum of token losses over every eval example / their trained tokens (the same weighting as
     training), and `eval_loss/<source>`, `eval_tokens/<source>` per source of the eval data. Rank r takes
     examples r, r + world, ...; every rank runs the same number of forward passes (ZeRO-3 gathers parameters
     collectively), padding its last batches with loss-free copies. One all-reduce at the end."""
-    from open_sft.training.trainer import per_source
-
-    loss_model = loss_model if loss_model is not None else accelerator.unwrap_model(model)
+    loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: each trained position's loss
+    loss_model.keep_token_losses = True
     world, rank = accelerator.num_processes, accelerator.process_index
     mine = list(range(rank, len(data), world))
     batches = -(-len(range(0, len(data), world)) // batch_size)  # batches of the largest shard
@@ -37,8 +37,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
             loss_sum = model(**batch)
         totals[0] += float(loss_sum)
         totals[1] += count_trained_batch(batch["labels"])
-        if loss_model.token_losses is not None:
-            totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double())
+        totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double())
         totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
     model.train()
     summed = reduce_sum(totals).tolist()

@@ -24,7 +24,7 @@ from open_sft.data.batching import collate, collate_packed, count_trained_batch,
 from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.errors import UserError
-from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib
+from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
 from open_sft.training.evaluate import evaluate
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
 from open_sft.training.steps import StepPlan
@@ -185,9 +185,9 @@ class Trainer:
         local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
                               sum(int((l.double() ** 2).sum()) for l in lengths),
                               sum(batch["input_ids"].numel() for batch, _ in batches)], dtype=torch.float64)
-        per_source = sum((torch.bincount(p, minlength=n_sources) for p in positions),
-                         torch.zeros(n_sources, dtype=torch.float64))
-        reduced = self.reduce_sum(torch.cat([local, per_source.to(torch.float64)])).tolist()
+        source_counts = sum((torch.bincount(p, minlength=n_sources) for p in positions),
+                            torch.zeros(n_sources, dtype=torch.float64))
+        reduced = self.reduce_sum(torch.cat([local, source_counts])).tolist()
         trained_global, tokens_global, squares_global, slots_global = reduced[:4]
         source_tokens = [int(t) for t in reduced[4:]]
         source_loss = torch.zeros(n_sources, dtype=torch.float64)
@@ -202,8 +202,7 @@ class Trainer:
                 with self.accelerator.autocast():
                     token_loss_sum = self.model(**batch)
                 loss_sum += token_loss_sum.detach().double()
-                if self.loss_model.token_losses is not None:
-                    source_loss.index_add_(0, positions[a], self.loss_model.token_losses.double())
+                source_loss.index_add_(0, positions[a], self.loss_model.token_losses.double())
                 self.accelerator.backward(token_loss_sum * self._loss_scale(trained_global, trained_local))
                 if a == len(batches) - 1:
                     grad_norm = self._clip_and_norm()
@@ -298,7 +297,7 @@ class Trainer:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
         result = evaluate(self.accelerator, self.model, self.eval_data, batch_size,
-                          self.pad_token_id, self.reduce_sum, self.loss_model)
+                          self.pad_token_id, self.reduce_sum)
         record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
@@ -319,17 +318,6 @@ class Trainer:
         )
         if self.metrics is not None:
             self.metrics.write(record)
-
-
-def per_source(names: list[str], loss_sums: list[float], tokens: list[int], prefix: str = "") -> dict[str, float]:
-    """`loss/<source>` (token-weighted over the window; absent when the source trained no token in it) and
-    `tokens/<source>` (its trained tokens), with `prefix` ("eval_") for evaluation."""
-    record: dict[str, float] = {}
-    for name, loss_sum, count in zip(names, loss_sums, tokens):
-        if count:
-            record[f"{prefix}loss/{name}"] = loss_sum / count
-        record[f"{prefix}tokens/{name}"] = int(count)
-    return record
 
 
 class NonFiniteError(UserError):

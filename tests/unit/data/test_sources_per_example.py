@@ -29,8 +29,8 @@ def test_every_example_knows_its_source() -> None:
     data = PreparedData(dataset, report, "key", None, False)
     assert data.source_names == ["a", "org_b", "c"]
     assert [data.source(i) for i in range(7)] == [0, 0, 0, 2, 2, 2, 2]
-    other = PreparedData(dataset, {"sources": [{"name": "x", "examples": 5}]}, "key", None, False)
-    assert other.source_names == ["data"] and set(other.sources.tolist()) == {0}  # a report of other data
+    with pytest.raises(ValueError, match="the report counts 5 examples for a dataset of 7"):
+        PreparedData(dataset, {"sources": [{"name": "x", "examples": 5}]}, "key", None, False)
 
 
 EXAMPLES = [Example([1, 2, 3, 4], [IGNORE_INDEX, IGNORE_INDEX, 3, 4]), Example([5, 6], [5, 6]),
