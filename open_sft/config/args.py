@@ -149,7 +149,7 @@ class DataArguments:
         default="all_assistant",
     )
     dataset_local_cache_dir: str = _help(
-        "Directory of the tokenization cache (default: $OPEN_SFT_CACHE if set).", default="local_dataset_cache"
+        "Directory of the tokenization cache (OPEN_SFT_CACHE overrides it).", default="local_dataset_cache"
     )
     dataset_skip_cache: bool = _help("Tokenize without reading or writing the cache.", default=False)
     cache_dataset_only: bool = _help(

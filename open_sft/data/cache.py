@@ -68,12 +68,7 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 
 def resolve_cache_dir(flag_value: str) -> Path:
-    """--dataset_local_cache_dir when given; else $OPEN_SFT_CACHE (the container sets it to its /cache volume),
-    else the flag's default. A flag on the command line must not lose to an environment it cannot see."""
-    from open_sft.config.args import DataArguments
-
-    if flag_value != DataArguments.dataset_local_cache_dir:  # the class attribute holds the default
-        return Path(flag_value).expanduser()
+    """$OPEN_SFT_CACHE when set (it overrides --dataset_local_cache_dir, as CONTRACT.md says), else the flag."""
     return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -133,14 +132,3 @@ def test_key_ignores_how_the_tokenizer_was_loaded(tiny_model_dir, data_file, tmp
     online = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=False)
     offline = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
     assert key_of(args, online) == key_of(args, offline)
-
-
-def test_a_cache_dir_flag_wins_over_the_environment(monkeypatch, tmp_path) -> None:
-    """The container sets OPEN_SFT_CACHE; a user's --dataset_local_cache_dir must still be where the cache goes."""
-    from open_sft.data.cache import resolve_cache_dir
-
-    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "env"))
-    assert resolve_cache_dir(str(tmp_path / "flag")) == tmp_path / "flag"
-    assert resolve_cache_dir("local_dataset_cache") == tmp_path / "env"  # the flag's default: the variable
-    monkeypatch.delenv("OPEN_SFT_CACHE")
-    assert resolve_cache_dir("local_dataset_cache") == Path("local_dataset_cache")
