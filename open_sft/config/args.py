@@ -196,6 +196,11 @@ class TrainingArguments:
     max_tokens_per_batch: Optional[int] = _help(
         "Token budget of a packed micro-batch; default per_device_train_batch_size × max_seq_length.", default=None
     )
+    balance_micro_batches: Optional[bool] = _help(
+        "Lay each global batch out so every rank's micro-batches carry about the same number of tokens (the "
+        "fastest rank no longer waits for the slowest at each all-reduce); the examples of each step stay the "
+        "same. Default: on, except under --loss_normalization mean, whose mean of micro-batch means it would "
+        "change.", default=None)
     clip_grad_norm: float = _help("Clip the global gradient norm to this value; -1 disables.", default=1.0)
     loss_normalization: Literal["token", "mean", "sum"] = _help(
         "token: sum of token losses over the global batch / its trained tokens (invariant to batch "

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from open_sft.data.balance import balance_packed, balance_unpacked
 from open_sft.data.labels import IGNORE_INDEX, Example
 
 
@@ -103,10 +104,12 @@ def best_fit_decreasing(lengths: dict[int, int], capacity: int, bins: Optional[i
 
 
 class UnpackedPlan:
-    """Fixed-size global batches: micro_batch_size × accumulation × ranks examples per step."""
+    """Fixed-size global batches: micro_batch_size × accumulation × ranks examples per step. With the
+    examples' `lengths`, each step's examples are laid out token-balanced over ranks and micro-batches
+    (open_sft.data.balance); without, in shuffled order."""
 
-    def __init__(self, n_examples: int, layout: BatchLayout, seed: int):
-        self.n_examples, self.layout, self.seed = n_examples, layout, seed
+    def __init__(self, n_examples: int, layout: BatchLayout, seed: int, lengths: Optional[list[int]] = None):
+        self.n_examples, self.layout, self.seed, self.lengths = n_examples, layout, seed, lengths
         self._order: tuple[int, list[int]] | None = None
 
     def steps_in_epoch(self, epoch: int) -> int:
@@ -115,17 +118,26 @@ class UnpackedPlan:
     def micro_batches(self, epoch: int, step_in_epoch: int, rank: int) -> list[list[int]]:
         if self._order is None or self._order[0] != epoch:
             self._order = (epoch, epoch_order(self.n_examples, self.seed, epoch))
-        return micro_batches_for_rank(self._order[1], step_in_epoch, self.layout, rank)
+        if self.lengths is None:
+            return micro_batches_for_rank(self._order[1], step_in_epoch, self.layout, rank)
+        size, world = self.layout.global_batch_size, self.layout.world_size
+        batch = self._order[1][step_in_epoch * size:(step_in_epoch + 1) * size]
+        slots = balance_unpacked(batch, self.lengths, self.layout.micro_batch_size, world,
+                                 self.layout.gradient_accumulation_steps)
+        return [slots[a * world + rank] for a in range(self.layout.gradient_accumulation_steps)]
 
 
 class PackedPlan:
     """--packing: each optimizer step takes examples in the epoch's shuffled order and packs them,
     best-fit-decreasing, into gradient_accumulation × world_size micro-batches of at most
     `max_tokens` tokens; whatever does not fit waits for the next step. The plan of an epoch depends
-    only on (seed, epoch, lengths, budget, accumulation × ranks), so every rank computes the same one."""
+    only on (seed, epoch, lengths, budget, accumulation × ranks), so every rank computes the same one.
+    With `balance`, each step's examples are then spread evenly over its micro-batches and ranks
+    (open_sft.data.balance); the examples of each step stay the same."""
 
-    def __init__(self, lengths: list[int], layout: BatchLayout, seed: int, max_tokens: int):
+    def __init__(self, lengths: list[int], layout: BatchLayout, seed: int, max_tokens: int, balance: bool = False):
         self.lengths, self.layout, self.seed, self.max_tokens = lengths, layout, seed, max_tokens
+        self.balance = balance
         self._epochs: dict[int, list[list[list[int]]]] = {}
 
     def epoch(self, epoch: int) -> list[list[list[int]]]:
@@ -143,6 +155,9 @@ class PackedPlan:
                 # Every example fits an empty micro-batch (max_tokens >= max_seq_length), so the
                 # longest is always placed and each step makes progress.
                 bins, carry = best_fit_decreasing({i: self.lengths[i] for i in window}, self.max_tokens, slots)
+                if self.balance:
+                    bins = balance_packed(bins, self.lengths, self.max_tokens, self.layout.world_size,
+                                          self.layout.gradient_accumulation_steps)
                 steps.append(bins)
             self._epochs[epoch] = steps
         return self._epochs[epoch]

@@ -30,6 +30,7 @@ import torch
 
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
+from open_sft.training.steps import balances
 from open_sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,13 @@ IDENTITY_FLAGS = {
     "gradient_accumulation_steps": "--gradient_accumulation_steps",
     "world_size": "the number of processes (world size)",
     "seed": "--seed",
+    "packing": "--packing",
+    "max_tokens_per_batch": "--max_tokens_per_batch",
+    "balanced": "--balance_micro_batches (its default is off under --loss_normalization mean)",
 }
+# What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
+# the same version, are not compared with such a checkpoint).
+IDENTITY_BEFORE_RECORDED = {"balanced": False}
 
 
 @dataclass(frozen=True)
@@ -136,8 +143,9 @@ def _broadcast(value: Any) -> Any:
 
 def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
+    saved = {**IDENTITY_BEFORE_RECORDED, **saved}
     differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
-                   for key in IDENTITY_FLAGS if saved.get(key) != current[key]]
+                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key]]
     if differences:
         lines = "\n".join(f"  - {d}" for d in differences)
         raise UserError(
@@ -382,4 +390,5 @@ def run_identity(config: Any, cache_key: str, world_size: int) -> dict[str, Any]
     t = config.train
     return {"dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size,
-            "seed": t.seed}
+            "seed": t.seed, "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
+            "balanced": balances(t)}

@@ -25,6 +25,7 @@ class StepPlan:
     num_epochs: int
     plan: Any = None  # UnpackedPlan | PackedPlan: which examples each rank trains on at each step
     max_seq_length: int = 0  # row capacity of packed micro-batches
+    balanced: bool = False  # token-balanced ranks (open_sft.data.balance)
 
     def position(self, done: int) -> tuple[int, int]:
         """(epoch, step within it) at which training continues after `done` optimizer steps. Under --packing
@@ -46,16 +47,17 @@ class StepPlan:
                 "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,
                 "world_size": self.layout.world_size, "global_batch_size": self.layout.global_batch_size,
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs}
+                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs, "balanced": self.balanced}
 
 
 def plan_steps(args: TrainingArguments, data: PreparedData, world_size: int, max_seq_length: int) -> StepPlan:
     layout = BatchLayout(args.per_device_train_batch_size, args.gradient_accumulation_steps, world_size)
+    balanced = balances(args)
     if args.packing:
         budget = args.max_tokens_per_batch or args.per_device_train_batch_size * max_seq_length
-        plan: Any = PackedPlan(data.lengths(), layout, args.seed, budget)
+        plan: Any = PackedPlan(data.lengths(), layout, args.seed, budget, balance=balanced)
     else:
-        plan = UnpackedPlan(len(data), layout, args.seed)
+        plan = UnpackedPlan(len(data), layout, args.seed, data.lengths() if balanced else None)
     per_epoch = plan.steps_in_epoch(0)
     if args.max_train_steps:
         total = args.max_train_steps
@@ -64,4 +66,11 @@ def plan_steps(args: TrainingArguments, data: PreparedData, world_size: int, max
         total = sum(plan.steps_in_epoch(e) for e in range(args.num_train_epochs))
         epochs = args.num_train_epochs
     warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
-    return StepPlan(layout, per_epoch, total, warmup, epochs, plan, max_seq_length)
+    return StepPlan(layout, per_epoch, total, warmup, epochs, plan, max_seq_length, balanced)
+
+
+def balances(args: TrainingArguments) -> bool:
+    """--balance_micro_batches, whose default is on except under --loss_normalization mean."""
+    if args.balance_micro_batches is not None:
+        return args.balance_micro_batches
+    return args.loss_normalization != "mean"

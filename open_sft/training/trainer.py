@@ -44,6 +44,7 @@ class Window:
     tokens: int = 0
     flops: float = 0.0
     padded_slots: int = 0  # token positions computed, padding included
+    busiest_rank_slots: int = 0  # per step, the positions the busiest rank computed; summed over steps
     source_loss: list[float] = field(default_factory=list)  # per source of the mixture: loss sum
     source_tokens: list[int] = field(default_factory=list)  # and trained tokens
     started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
@@ -60,6 +61,7 @@ class Window:
         state = dict(state)
         seconds = float(state.pop("seconds", 0.0))
         state.setdefault("padded_slots", state.get("tokens", 0))
+        state.setdefault("busiest_rank_slots", 0)
         return cls(**state, started=time.perf_counter() - seconds)
 
 
@@ -182,14 +184,18 @@ class Trainer:
         lengths = [batch.pop("lengths") for batch, _ in batches]
         for batch, _ in batches:
             batch.pop("sources")
+        slots_local = sum(batch["input_ids"].numel() for batch, _ in batches)
         local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
-                              sum(int((l.double() ** 2).sum()) for l in lengths),
-                              sum(batch["input_ids"].numel() for batch, _ in batches)], dtype=torch.float64)
+                              sum(int((l.double() ** 2).sum()) for l in lengths), slots_local], dtype=torch.float64)
         source_counts = sum((torch.bincount(p, minlength=n_sources) for p in positions),
                             torch.zeros(n_sources, dtype=torch.float64))
-        reduced = self.reduce_sum(torch.cat([local, source_counts])).tolist()
+        world = self.steps.layout.world_size
+        rank_slots = torch.zeros(world, dtype=torch.float64)  # each rank's positions, gathered by the sum
+        rank_slots[self.accelerator.process_index] = slots_local
+        reduced = self.reduce_sum(torch.cat([local, rank_slots, source_counts])).tolist()
         trained_global, tokens_global, squares_global, slots_global = reduced[:4]
-        source_tokens = [int(t) for t in reduced[4:]]
+        busiest_rank_slots = int(max(reduced[4:4 + world]))
+        source_tokens = [int(t) for t in reduced[4 + world:]]
         source_loss = torch.zeros(n_sources, dtype=torch.float64)
         lr = self._set_lr(step)
         self.model.train()
@@ -220,7 +226,7 @@ class Trainer:
             source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
         flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
         return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
-                "padded_slots": int(slots_global), "source_loss": source_loss_global, "source_tokens": source_tokens,
+                "padded_slots": int(slots_global), "busiest_rank_slots": busiest_rank_slots, "source_loss": source_loss_global, "source_tokens": source_tokens,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
     def state_dict(self) -> dict[str, Any]:
@@ -256,6 +262,7 @@ class Trainer:
             window.tokens += result["tokens"]
             window.flops += result["flops"]
             window.padded_slots += result["padded_slots"]
+            window.busiest_rank_slots += result["busiest_rank_slots"]
             window.source_loss = [a + b for a, b in zip(window.source_loss or [0.0] * len(self.source_names),
                                                         result["source_loss"])]
             window.source_tokens = [a + b for a, b in zip(window.source_tokens or [0] * len(self.source_names),
@@ -278,6 +285,9 @@ class Trainer:
                     "mfu": window.flops / seconds / (self.peak_flops * self.steps.layout.world_size),
                     "peak_memory_gib": peak_memory_gib(),
                     "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
+                    # 1.0 when ranks computed equal shares; 1.5: each step waited for a rank with 1.5× the mean.
+                    "rank_tokens_max_over_mean": self.steps.layout.world_size * window.busiest_rank_slots
+                                                 / max(window.padded_slots, 1),
                     "nonfinite_steps": self.nonfinite_steps,
                     "elapsed_s": time.perf_counter() - run_started,
                     **per_source(self.source_names, window.source_loss, window.source_tokens),

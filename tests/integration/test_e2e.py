@@ -95,7 +95,9 @@ def test_ranks_saw_disjoint_data(runs, name) -> None:
     out = runs[name]["dir"]
     rank0 = json.loads((out / "data_order.rank0.json").read_text())["example_indices"]
     rank1 = json.loads((out / "data_order.rank1.json").read_text())["example_indices"]
-    assert len(rank0) == len(rank1) == STEPS * 4
+    # Token-balanced ranks (the default) give a rank fewer, longer examples or more, shorter ones; every step
+    # still trains its 8 examples once.
+    assert len(rank0) + len(rank1) == STEPS * 8 and len(rank0) != len(rank1)
     assert not set(rank0) & set(rank1)
     single = json.loads((runs["single"]["dir"] / "data_order.rank0.json").read_text())["example_indices"]
     assert set(rank0) | set(rank1) == set(single)
