@@ -23,6 +23,7 @@ from open_sft.config.args import FinetuneConfig
 from open_sft.config.parse import parse_config
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError
+from open_sft.training.amp import HALF, accelerate_mixed_precision
 
 logger = logging.getLogger("open_sft")
 
@@ -137,7 +138,7 @@ def build_model(job: Job) -> None:
             from open_sft.preflight.auto_batch import fit_micro_batch
 
             job.config = fit_micro_batch(config, job.model, job.data, launch.deepspeed_config,
-                                         job.dtype == torch.bfloat16, job.baseline_bytes)
+                                         job.dtype in HALF, job.baseline_bytes)
         _start_accelerator(job, job.model.config)
     _check_ranks_agree_on_dtype(job.accelerator, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
@@ -154,7 +155,7 @@ def preflight(job: Job) -> None:
 
     config, data = job.config, job.data
     job.steps = plan_steps(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
-    job.preflight = estimate_run(config, job.model, job.steps, data, job.ds_config, job.dtype == torch.bfloat16,
+    job.preflight = estimate_run(config, job.model, job.steps, data, job.ds_config, job.dtype in HALF,
                                    job.baseline_bytes)
     if job.accelerator.is_main_process:
         context = context_warning(job.model.config, max(data.lengths(), default=0))
@@ -312,11 +313,12 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
             job.launch.deepspeed_config, micro_batch_size=t.per_device_train_batch_size,
             gradient_accumulation_steps=t.gradient_accumulation_steps,
             world_size=int(os.environ.get("WORLD_SIZE", "1")), bf16=job.dtype == torch.bfloat16,
-            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
+            fp16=job.dtype == torch.float16, clip_grad_norm=t.clip_grad_norm,
+            hidden_size=getattr(model_config, "hidden_size", None))
     job.accelerator = build_accelerator(
         gradient_accumulation_steps=t.gradient_accumulation_steps,
-        mixed_precision="bf16" if job.dtype == torch.bfloat16 else "no", deepspeed_config=job.ds_config,
-        timeout_s=t.timeout, zero3_init=zero3_init)
+        mixed_precision=accelerate_mixed_precision(job.dtype, job.ds_config is not None),
+        deepspeed_config=job.ds_config, timeout_s=t.timeout, zero3_init=zero3_init)
 
 
 def _check_ranks_agree_on_dtype(accelerator: Any, dtype: torch.dtype) -> None:
@@ -324,10 +326,12 @@ def _check_ranks_agree_on_dtype(accelerator: Any, dtype: torch.dtype) -> None:
     from open_sft.distributed.collectives import all_reduce_sum
 
     if accelerator.num_processes > 1:
-        bf16_ranks = int(all_reduce_sum(int(dtype == torch.bfloat16)))
-        if bf16_ranks not in (0, accelerator.num_processes):
-            raise UserError(f"the ranks chose different compute dtypes ({bf16_ranks} of {accelerator.num_processes} "
-                            "bf16: the nodes' CPUs differ); pass --torch_dtype bfloat16 or float32")
+        kinds = (torch.float32, torch.bfloat16, torch.float16)
+        counts = all_reduce_sum(torch.tensor([int(dtype == kind) for kind in kinds])).tolist()
+        if max(counts) != accelerator.num_processes:
+            chosen = ", ".join(f"{n} {str(kind).removeprefix('torch.')}" for n, kind in zip(counts, kinds) if n)
+            raise UserError(f"the ranks chose different compute dtypes ({chosen}: the nodes' CPUs differ); pass "
+                            "--torch_dtype bfloat16, float16 or float32")
 
 
 def _print_examples(data: Any, tokenizer: Any, count: int = 3) -> None:
@@ -358,7 +362,7 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
     return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
                    FlopCounter(model.config, backbone_params), device_peak_flops(job.dtype), metrics,
-                   reduce_sum=all_reduce_sum, eval_data=job.eval_data)
+                   reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
 
 
 def _metrics_writer(job: Job) -> Any:

@@ -39,9 +39,10 @@ class ModelArguments:
     trust_remote_code: bool = _help("Allow custom modelling code from the model repository.", default=False)
     additional_model_arguments: Optional[str] = _help(
         "Model config overrides: a JSON object (or YAML mapping), e.g. '{\"rope_theta\": 500000}'.", default=None)
-    torch_dtype: Literal["auto", "bfloat16", "bf16", "float32", "fp32"] = _help(
-        "Compute dtype: auto (bf16 where supported), bfloat16 or float32. Parameters and optimizer "
-        "states stay in fp32 (bf16 runs use autocast, or DeepSpeed's bf16 mode with fp32 master weights).",
+    torch_dtype: Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"] = _help(
+        "Compute dtype: auto (bf16 where it is fast; fp16 on GPUs without bf16), bfloat16, float16 or float32. "
+        "Parameters and optimizer states stay in fp32 (autocast, or DeepSpeed's bf16/fp16 mode with fp32 "
+        "master weights); float16 adds dynamic loss scaling.",
         default="auto",
     )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = _help(

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from open_sft.distributed.deepspeed import replace_trainer_sections
+from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections
 from open_sft.errors import UserError
 from open_sft.model.precision import DtypeChoice
 
@@ -55,7 +55,7 @@ ZERO_SETTINGS = {
 # Every accelerate variable accelerate refuses beside a JSON file; cleared once their values are merged.
 _MERGED_ENV = [env for env, _ in ZERO_SETTINGS.values()] + [ENV_GRADIENT_ACCUMULATION, ENV_GRADIENT_CLIPPING]
 
-DTYPES = {"bf16": torch.bfloat16, "no": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 
 
 def uses_deepspeed(env: Mapping[str, str] = os.environ) -> bool:
@@ -218,43 +218,56 @@ class _Decider:
         return flag_value
 
 
-def _bf16_in_json(cfg: Optional[dict], path: Optional[str]) -> Optional[bool]:
+def _precision_in_json(cfg: Optional[dict], path: Optional[str]) -> Optional[str]:
+    """"bf16", "fp16" or "no" when the DeepSpeed JSON fixes the precision (an `enabled: true`, or bf16 switched
+    off), None when it leaves it to the flags ("auto" or absent)."""
     if not cfg:
         return None
-    fp16 = cfg.get("fp16", {})
-    if isinstance(fp16, dict) and str(fp16.get("enabled", False)).lower() == "true":
-        raise UserError(f"DeepSpeed config {path}: fp16.enabled=true is not supported (open_sft trains in bf16 or "
-                        "fp32); set it to false or \"auto\" and choose --torch_dtype bfloat16 or float32")
-    enabled = cfg.get("bf16", {}).get("enabled", "auto") if isinstance(cfg.get("bf16"), dict) else "auto"
-    return None if str(enabled).lower() == "auto" else str(enabled).lower() == "true"
+
+    def enabled(name: str) -> Optional[bool]:
+        value = cfg.get(name, {}).get("enabled", "auto") if isinstance(cfg.get(name), dict) else "auto"
+        return None if str(value).lower() == "auto" else str(value).lower() == "true"
+
+    bf16, fp16 = enabled("bf16"), enabled("fp16")
+    if bf16 and fp16:
+        raise UserError(f"DeepSpeed config {path}: bf16.enabled and fp16.enabled are both true; keep one of the two")
+    if bf16 or fp16:
+        return "bf16" if bf16 else "fp16"
+    return "no" if bf16 is False else None  # bf16 switched off, fp16 not on: fp32
 
 
-def _dtype(torch_dtype: str, decider: _Decider, json_bf16: Optional[bool], env: Mapping[str, str],
+def _flag_dtype(torch_dtype: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+            "fp16": torch.float16}.get(torch_dtype, torch.float32)
+
+
+def _dtype(torch_dtype: str, decider: _Decider, json_precision: Optional[str], env: Mapping[str, str],
            choose: Callable[[], DtypeChoice]) -> DtypeChoice:
     """The compute dtype and why: --torch_dtype when given, else the launch config's precision, else auto."""
     mixed = env.get(ENV_MIXED_PRECISION, "no").lower()
     from_yaml = "mixed_precision" in env.get(ENV_FIELDS_FROM_YAML, "").split(",")
     # 'no' is also accelerate's default when nothing was said: only a YAML's 'no' is a request for fp32.
     accelerate = None if mixed == "no" and not from_yaml else mixed
-    if accelerate not in (None, "bf16", "no") and torch_dtype == "auto":
+    if accelerate not in (None, *DTYPES) and torch_dtype == "auto":
         raise UserError(f"accelerate's mixed_precision={mixed} is not supported with --torch_dtype auto "
-                        "(open_sft trains in bf16 or fp32); set mixed_precision to bf16 or no, or pass "
-                        "--torch_dtype bfloat16 or float32")
+                        "(open_sft trains in bf16, fp16 or fp32); set mixed_precision to bf16, fp16 or no, or pass "
+                        "--torch_dtype bfloat16, float16 or float32")
     if torch_dtype != "auto":
-        dtype = torch.bfloat16 if torch_dtype in ("bfloat16", "bf16") else torch.float32
-        if json_bf16 is not None and json_bf16 != (dtype == torch.bfloat16):
-            raise UserError(f"DeepSpeed config {decider.path}: bf16.enabled={json_bf16} conflicts with "
-                            f"--torch_dtype {torch_dtype}; set it to \"auto\" in the file or drop the flag")
+        dtype = _flag_dtype(torch_dtype)
+        if json_precision is not None and DTYPES[json_precision] != dtype:
+            raise UserError(f"DeepSpeed config {decider.path}: its precision ({json_precision}) conflicts with "
+                            f"--torch_dtype {torch_dtype}; set bf16.enabled and fp16.enabled to \"auto\" in the file "
+                            "or drop the flag")
         if accelerate is not None and DTYPES.get(accelerate) != dtype:
             decider.notes.append(f"--torch_dtype {torch_dtype} wins over accelerate's mixed_precision={mixed} "
                                  "(the flag is this run's recipe)")
         return choose()
-    if json_bf16 is not None:
-        if accelerate is not None and DTYPES[accelerate] != (torch.bfloat16 if json_bf16 else torch.float32):
-            raise UserError(f"DeepSpeed config {decider.path}: bf16.enabled={json_bf16} conflicts with accelerate's "
-                            f"mixed_precision={mixed}; keep one of the two")
-        return DtypeChoice(torch.bfloat16 if json_bf16 else torch.float32,
-                           f"bf16.enabled={json_bf16} in {decider.path} (--torch_dtype auto follows the launch config)")
+    if json_precision is not None:
+        if accelerate is not None and accelerate != json_precision:
+            raise UserError(f"DeepSpeed config {decider.path}: its precision ({json_precision}) conflicts with "
+                            f"accelerate's mixed_precision={mixed}; keep one of the two")
+        return DtypeChoice(DTYPES[json_precision], f"{json_precision} in {decider.path} (--torch_dtype auto follows "
+                                                   "the launch config)")
     if accelerate is not None:
         return DtypeChoice(DTYPES[accelerate], f"accelerate's mixed_precision={mixed} (--torch_dtype auto follows the "
                                               "launch config)")
@@ -300,14 +313,20 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         "per_device_train_batch_size", train.per_device_train_batch_size, "train_micro_batch_size_per_gpu",
         ds.get("train_micro_batch_size_per_gpu"), None, None))
     train = dataclasses.replace(train, **updates)
-    choice = _dtype(model_args.torch_dtype, decider, _bf16_in_json(cfg, path), env, choose)
+    choice = _dtype(model_args.torch_dtype, decider, _precision_in_json(cfg, path), env, choose)
+    if cfg is not None and choice.dtype == torch.float16 and deepspeed_fp16_problem():
+        raise UserError(f"{deepspeed_fp16_problem()} (compute dtype float16: {choice.reason})")
     if cfg is not None:
         _check_global_batch(cfg, path, train)
         # Every value decided above now lives in the flags; the config takes them at resolve time.
         for key in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
                     "train_batch_size"):
             cfg[key] = "auto"
-        cfg.setdefault("bf16", {})["enabled"] = "auto"
+        for name in ("bf16", "fp16"):
+            section = cfg.setdefault(name, {})
+            if not isinstance(section, dict):
+                raise UserError(f"DeepSpeed config {path}: {name} must be an object, e.g. {{\"enabled\": \"auto\"}}")
+            section["enabled"] = "auto"
         for var in _MERGED_ENV:  # merged above: accelerate would refuse them beside our own config
             os.environ.pop(var, None)
         os.environ.pop(ENV_FIELDS_FROM_YAML, None)

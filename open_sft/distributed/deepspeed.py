@@ -14,6 +14,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+import torch
+
 from open_sft.errors import UserError
 
 OPTIMIZERS = ("adamw", "adam")  # DeepSpeed's Adam is AdamW unless adam_w_mode is false
@@ -29,6 +31,13 @@ FIXED = {"betas": ([0.9, 0.999], "open_sft's AdamW uses betas (0.9, 0.999)"),
          "warmup_min_lr": (0, "open_sft's schedules warm up from 0"),
          "adam_w_mode": (True, "open_sft trains with AdamW (decoupled weight decay)")}
 IGNORED = ("torch_adam", "warmup_type", "warmup_min_ratio", "cos_min_ratio", "last_batch_iteration")
+
+
+# DeepSpeed's fp16 settings unless the user's JSON gives them: dynamic scale from 2^16 (torch's default too),
+# halved at the first overflow (DeepSpeed's default hysteresis 2 waits for a second one, which skips an extra
+# step), never below 1.
+DEEPSPEED_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                           "hysteresis": 1, "min_loss_scale": 1}
 
 
 def _number_equal(a: Any, b: Any) -> bool:
@@ -153,6 +162,7 @@ def resolve_deepspeed_config(
     bf16: bool,
     clip_grad_norm: float,
     hidden_size: int | None = None,
+    fp16: bool = False,
 ) -> dict[str, Any]:
     """Return a copy of ``config`` with every "auto" filled from our flags.
 
@@ -177,7 +187,7 @@ def resolve_deepspeed_config(
     _check_or_fill(cfg, "train_batch_size", micro_batch_size * gradient_accumulation_steps * world_size)
     _check_or_fill(cfg, "gradient_clipping", float(clip_grad_norm) if clip_grad_norm > 0 else 0.0)
 
-    _fill_precision(cfg, bf16)
+    _fill_precision(cfg, bf16, fp16)
     zero = cfg.get("zero_optimization")
     if not isinstance(zero, dict):
         raise ValueError("DeepSpeed config needs a zero_optimization section")
@@ -188,9 +198,10 @@ def resolve_deepspeed_config(
     return cfg
 
 
-def _fill_precision(cfg: dict[str, Any], bf16: bool) -> None:
-    """bf16.enabled from the compute dtype; fp16 stays off (see the fp16 issue)."""
-    for name, wanted in (("bf16", bf16), ("fp16", False)):
+def _fill_precision(cfg: dict[str, Any], bf16: bool, fp16: bool) -> None:
+    """bf16.enabled and fp16.enabled from the compute dtype; under fp16 the dynamic loss scaling settings the
+    JSON leaves out (DEEPSPEED_FP16_DEFAULTS)."""
+    for name, wanted in (("bf16", bf16), ("fp16", fp16)):
         section = cfg.setdefault(name, {})
         if not isinstance(section, dict):
             raise ValueError(f"DeepSpeed config {name} must be an object")
@@ -200,12 +211,13 @@ def _fill_precision(cfg: dict[str, Any], bf16: bool) -> None:
         if enabled == "auto":
             section["enabled"] = wanted
         elif enabled != wanted:
-            hint = "fp16 is not supported" if name == "fp16" else "set it to \"auto\""
-            raise ValueError(
-                f"DeepSpeed config {name}.enabled={section['enabled']!r} conflicts with bf16={bf16} ({hint})"
-            )
+            raise ValueError(f"DeepSpeed config {name}.enabled={section['enabled']!r} conflicts with the compute "
+                             f"dtype (bf16={bf16}, fp16={fp16}); set it to \"auto\"")
         else:
             section["enabled"] = wanted
+    if fp16:
+        for key, value in DEEPSPEED_FP16_DEFAULTS.items():
+            cfg["fp16"].setdefault(key, value)
 
 
 def _fill_zero(zero: dict[str, Any], hidden_size: int | None) -> None:
@@ -228,3 +240,19 @@ def _fill_zero(zero: dict[str, Any], hidden_size: int | None) -> None:
     if zero.get("stage") == 3 and zero.get("stage3_gather_16bit_weights_on_model_save", "auto") == "auto":
         # Needed by accelerator.get_state_dict to gather full weights under ZeRO-3.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+
+
+def deepspeed_fp16_problem() -> Optional[str]:
+    """Why DeepSpeed cannot train fp16 here, or None. On CPU, DeepSpeed 0.19 refuses fp16 ("Type fp16 is not
+    supported on your device") unless oneDNN has fp16 kernels for this CPU (AVX512-FP16 or AMX-FP16)."""
+    if torch.cuda.is_available():
+        return None
+    try:
+        supported = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # an older or unusual torch build: DeepSpeed's own check fails the same way
+        supported = False
+    if supported:
+        return None
+    return ("DeepSpeed cannot train fp16 on this CPU (it needs oneDNN fp16 kernels: AVX512-FP16 or AMX-FP16, "
+            "which this CPU lacks); use --torch_dtype bfloat16 or float32 here, or train fp16 without DeepSpeed "
+            "(torch autocast + GradScaler, which runs on any CPU)")

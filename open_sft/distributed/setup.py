@@ -62,10 +62,13 @@ def build_accelerator(
       config through the plugin and loads under ``deepspeed.zero.Init``).
     """
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+    from accelerate.utils import InitProcessGroupKwargs
 
-    if mixed_precision not in ("no", "bf16"):
-        raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {mixed_precision!r}")
+    if mixed_precision not in ("no", "bf16", "fp16"):
+        raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {mixed_precision!r}")
+    if mixed_precision == "fp16" and deepspeed_config is None:
+        # accelerate 1.15 ignores fp16 on CPU (no autocast, no scaler): open_sft.training.amp does it instead.
+        raise ValueError("fp16 outside DeepSpeed is open_sft.training.amp's: pass mixed_precision='no'")
     on_cpu = not torch.cuda.is_available()
     # Only for launched (multi-rank) jobs: a single plain process with backend="gloo" makes
     # accelerate 1.15 query a process group that was never initialised.
@@ -73,22 +76,7 @@ def build_accelerator(
     kwargs_handlers = [InitProcessGroupKwargs(backend="gloo" if on_cpu else None, timeout=timedelta(seconds=timeout_s))
                        ] if multi_rank_launch() else []
 
-    plugin = None
-    if deepspeed_config is not None:
-        leftover = find_auto(deepspeed_config)
-        if leftover:
-            raise ValueError(f"resolve the DeepSpeed config first; \"auto\" left in: {', '.join(leftover)}")
-        ds_bf16 = bool(deepspeed_config.get("bf16", {}).get("enabled", False))
-        if ds_bf16 != (mixed_precision == "bf16"):
-            raise ValueError(f"DeepSpeed bf16.enabled={ds_bf16} but mixed_precision={mixed_precision!r}")
-        os.environ[ENV_USE_DEEPSPEED] = "true"  # accelerate does this too; needed before the state exists
-        plugin = DeepSpeedPlugin(
-            hf_ds_config=copy.deepcopy(deepspeed_config),
-            gradient_accumulation_steps=int(deepspeed_config["gradient_accumulation_steps"]),
-            gradient_clipping=float(deepspeed_config.get("gradient_clipping", 0.0)),
-            zero_stage=int(deepspeed_config["zero_optimization"].get("stage", 0)),
-            zero3_init_flag=zero3_init,
-        )
+    plugin = _deepspeed_plugin(deepspeed_config, mixed_precision, zero3_init) if deepspeed_config is not None else None
     return Accelerator(
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=mixed_precision,
@@ -96,4 +84,25 @@ def build_accelerator(
         cpu=on_cpu and plugin is None,
         kwargs_handlers=kwargs_handlers,
         log_with=None,
+    )
+
+
+def _deepspeed_plugin(deepspeed_config: dict[str, Any], mixed_precision: str, zero3_init: bool) -> Any:
+    """accelerate's DeepSpeed plugin for a resolved config whose precision agrees with mixed_precision."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    leftover = find_auto(deepspeed_config)
+    if leftover:
+        raise ValueError(f"resolve the DeepSpeed config first; \"auto\" left in: {', '.join(leftover)}")
+    for name in ("bf16", "fp16"):
+        enabled = bool(deepspeed_config.get(name, {}).get("enabled", False))
+        if enabled != (mixed_precision == name):
+            raise ValueError(f"DeepSpeed {name}.enabled={enabled} but mixed_precision={mixed_precision!r}")
+    os.environ[ENV_USE_DEEPSPEED] = "true"  # accelerate does this too; needed before the state exists
+    return DeepSpeedPlugin(
+        hf_ds_config=copy.deepcopy(deepspeed_config),
+        gradient_accumulation_steps=int(deepspeed_config["gradient_accumulation_steps"]),
+        gradient_clipping=float(deepspeed_config.get("gradient_clipping", 0.0)),
+        zero_stage=int(deepspeed_config["zero_optimization"].get("stage", 0)),
+        zero3_init_flag=zero3_init,
     )

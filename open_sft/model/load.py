@@ -147,7 +147,9 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> Pre
     from open_sft.model.lora import quantization_config
 
     kwargs = _hub_kwargs(args)
-    quantization = quantization_config(lora) if lora is not None else None
+    fp16 = args.torch_dtype in ("float16", "fp16") or (
+        args.torch_dtype == "auto" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported())
+    quantization = quantization_config(lora, fp16) if lora is not None else None
     if quantization is not None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         kwargs.update(quantization_config=quantization,

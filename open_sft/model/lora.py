@@ -45,12 +45,13 @@ def uses_lora(args: LoraArguments) -> bool:
     return args.use_lora or args.use_qlora
 
 
-def quantization_config(args: LoraArguments) -> Optional[BitsAndBytesConfig]:
-    """4-bit NF4 with double quantization and bf16 compute, or None without --use_qlora."""
+def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[BitsAndBytesConfig]:
+    """4-bit NF4 with double quantization and bf16 compute (fp16 where the run computes in fp16: GPUs without
+    bf16), or None without --use_qlora."""
     if not args.use_qlora:
         return None
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.bfloat16)
+                              bnb_4bit_compute_dtype=torch.float16 if fp16 else torch.bfloat16)
 
 
 def lora_config(args: LoraArguments) -> LoraConfig:

@@ -181,20 +181,34 @@ def _requested_bf16(args: Any, cpu: str, flags: set[str],
     return DtypeChoice(torch.bfloat16, f"requested by --torch_dtype; {how} ({why})", measured, via_fp32)
 
 
+def _requested_fp16() -> DtypeChoice:
+    """--torch_dtype float16. It is meant for GPUs without bf16; a CPU without fp16 instructions (AVX512-FP16,
+    AMX-FP16) emulates fp16 matmuls, so say that bf16 or fp32 would serve better there."""
+    if not torch.cuda.is_available():
+        _, flags = cpu_flags()
+        if not flags & {"avx512_fp16", "amx_fp16"}:
+            logger.warning("--torch_dtype float16 on a CPU without fp16 instructions (no avx512_fp16 or amx_fp16): "
+                           "fp16 matmuls are emulated and slower than float32; --torch_dtype auto picks the fast "
+                           "dtype here")
+    return DtypeChoice(torch.float16, "requested by --torch_dtype; dynamic loss scaling, fp32 master weights")
+
+
 def choose_dtype(args: Any, qlora: bool = False,
                  measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> DtypeChoice:
     """--torch_dtype resolved, with the reason (and the probe's numbers on a CPU)."""
     wanted = args.torch_dtype
     if wanted in ("float32", "fp32"):
         return DtypeChoice(torch.float32, "requested by --torch_dtype")
+    gpu_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+    if wanted in ("float16", "fp16"):
+        return _requested_fp16()
+    if gpu_without_bf16 and wanted == "auto":
+        return DtypeChoice(torch.float16, "auto: float16 with dynamic loss scaling (this GPU has no bf16)")
     if qlora and wanted == "auto":
         return DtypeChoice(torch.bfloat16, "auto: bfloat16 — QLoRA's 4-bit base computes in bf16")
     if torch.cuda.is_available():
-        if wanted in ("bfloat16", "bf16") or torch.cuda.is_bf16_supported():
-            return DtypeChoice(torch.bfloat16, "requested by --torch_dtype" if wanted != "auto" else
-                               "auto: bfloat16 (the GPU supports it)")
-        return DtypeChoice(torch.float32, "auto: float32 (this GPU has no bf16; fp16 with loss scaling is not "
-                                          "implemented)")
+        return DtypeChoice(torch.bfloat16, "requested by --torch_dtype" if wanted != "auto" else
+                           "auto: bfloat16 (the GPU supports it)")
     cpu, flags = cpu_flags()
     native = bool(flags & set(NATIVE_BF16_FLAGS))
     if wanted in ("bfloat16", "bf16"):

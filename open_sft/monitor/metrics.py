@@ -15,9 +15,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 peaks (FLOP/s) of common training GPUs, from the vendors' data sheets.
+# Dense 16-bit tensor-core peaks (FLOP/s) of common training GPUs, from the vendors' data sheets: bf16 (= fp16 on
+# these), and fp16 for the V100 and T4, which have no bf16.
 GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
-                 "L4": 121e12, "B200": 2250e12, "MI300X": 1307e12}
+                 "L4": 121e12, "B200": 2250e12, "MI300X": 1307e12, "V100": 125e12, "T4": 65e12}
 
 
 class FlopCounter:

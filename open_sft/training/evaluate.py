@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -12,7 +12,8 @@ from open_sft.monitor.metrics import per_source
 
 @torch.no_grad()
 def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
-             reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+             reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+             autocast: Optional[Callable[[], Any]] = None) -> dict[str, float]:
     """Sum of token losses over every eval example / their trained tokens (the same weighting as
     training), and `eval_loss/<source>`, `eval_tokens/<source>` per source of the eval data. Rank r takes
     examples r, r + world, ...; every rank runs the same number of forward passes (ZeRO-3 gathers parameters
@@ -33,7 +34,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         batch.pop("lengths")
         sources = trained_sources(batch)
         batch.pop("sources")
-        with accelerator.autocast():
+        with (autocast or accelerator.autocast)():
             loss_sum = model(**batch)
         totals[0] += float(loss_sum)
         totals[1] += count_trained_batch(batch["labels"])

@@ -25,6 +25,7 @@ from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.errors import UserError
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
+from open_sft.training.amp import Precision
 from open_sft.training.evaluate import evaluate
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
 from open_sft.training.steps import StepPlan
@@ -69,7 +70,7 @@ class Trainer:
     def __init__(self, accelerator, model, optimizer, args: TrainingArguments, steps: StepPlan,
                  data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
                  metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-                 eval_data: Optional[PreparedData] = None):
+                 eval_data: Optional[PreparedData] = None, dtype: torch.dtype = torch.float32):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
@@ -82,6 +83,7 @@ class Trainer:
         self.metrics = metrics
         self.reduce_sum = reduce_sum
         self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
+        self.precision = Precision(dtype, accelerator, optimizer, self.is_deepspeed)
         if self.is_deepspeed:
             problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
             if problems:
@@ -161,11 +163,18 @@ class Trainer:
                                  "longer be trusted. Use ZeRO stage 1-3 with the gradient-norm check enabled")
         return skipped
 
-    def _count_nonfinite(self, step: int, bad: bool) -> None:
+    def _count_nonfinite(self, step: int, bad: bool, overflow: bool = False) -> None:
+        """Count a skipped step. An fp16 overflow (finite loss, gradients past fp16's range) is how dynamic loss
+        scaling finds its scale: it counts toward the abort only once the scale is down to 1 and still overflows."""
         if not bad:
             self.nonfinite_in_a_row = 0
             return
         self.nonfinite_steps += 1
+        scale = self.precision.loss_scale
+        if overflow and scale is not None and scale >= 1:
+            logger.warning("step %d: fp16 gradient overflow; the update was skipped and the loss scale is now %g",
+                           step + 1, scale)
+            return
         self.nonfinite_in_a_row += 1
         logger.warning("step %d: non-finite loss or gradient; the update was skipped (%d so far, %d in a row)",
                        step + 1, self.nonfinite_steps, self.nonfinite_in_a_row)
@@ -205,28 +214,33 @@ class Trainer:
         for a, ((batch, indices), trained_local) in enumerate(zip(batches, local_counts)):
             self.seen_example_ids.extend(indices)
             with self.accelerator.accumulate(self.model):
-                with self.accelerator.autocast():
+                with self.precision.autocast():
                     token_loss_sum = self.model(**batch)
                 loss_sum += token_loss_sum.detach().double()
                 source_loss.index_add_(0, positions[a], self.loss_model.token_losses.double())
-                self.accelerator.backward(token_loss_sum * self._loss_scale(trained_global, trained_local))
+                self.accelerator.backward(
+                    self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
                 if a == len(batches) - 1:
+                    self.precision.unscale()
                     grad_norm = self._clip_and_norm()
                     skipped = self._nonfinite(loss_sum, grad_norm)
                 if not skipped:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+        self.precision.update()
         if self.is_deepspeed:
             grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
         summed = self.reduce_sum(torch.cat([loss_sum.reshape(1), source_loss])).tolist()
         loss_global, source_loss_global = float(summed[0]), summed[1:]
-        self._count_nonfinite(step, skipped or not math.isfinite(loss_global))
+        self._count_nonfinite(step, skipped or not math.isfinite(loss_global),
+                              overflow=self.precision.fp16 and math.isfinite(loss_global))
         if skipped or not math.isfinite(loss_global):  # the step taught nothing: keep it out of the loss
             loss_global, trained_global = 0.0, 0
             source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
         flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
         return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
-                "padded_slots": int(slots_global), "busiest_rank_slots": busiest_rank_slots, "source_loss": source_loss_global, "source_tokens": source_tokens,
+                "padded_slots": int(slots_global), "busiest_rank_slots": busiest_rank_slots,
+                "source_loss": source_loss_global, "source_tokens": source_tokens,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,7 +248,7 @@ class Trainer:
         open logging window (its sums and the seconds it has run)."""
         return {"train_tokens": self.train_tokens, "total_tokens": self.total_tokens,
                 "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                "window": self.window.to_state()}
+                "window": self.window.to_state(), **self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()` (older checkpoints lack the non-finite counters: 0)."""
@@ -243,6 +257,7 @@ class Trainer:
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         self.window = Window.from_state(state["window"])
+        self.precision.load_state_dict(state)
 
     def train(self, start_step: int = 0, after_step: Sequence[StepHook] = ()) -> list[dict]:
         """Run to the end of the schedule; returns the logged records (also written to metrics.jsonl).
@@ -289,6 +304,7 @@ class Trainer:
                     "rank_tokens_max_over_mean": self.steps.layout.world_size * window.busiest_rank_slots
                                                  / max(window.padded_slots, 1),
                     "nonfinite_steps": self.nonfinite_steps,
+                    **({"loss_scale": self.precision.loss_scale} if self.precision.fp16 else {}),
                     "elapsed_s": time.perf_counter() - run_started,
                     **per_source(self.source_names, window.source_loss, window.source_tokens),
                 }
@@ -307,7 +323,7 @@ class Trainer:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
         result = evaluate(self.accelerator, self.model, self.eval_data, batch_size,
-                          self.pad_token_id, self.reduce_sum)
+                          self.pad_token_id, self.reduce_sum, self.precision.autocast)
         record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
@@ -344,12 +360,13 @@ def deepspeed_nonfinite_problems(config: dict) -> list[str]:
     zero = config.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
     bf16 = config.get("bf16", {})
+    fp16 = config.get("fp16", {}).get("enabled", False)  # fp16 checks overflow at every stage
     problems = []
-    if stage == 0 and not bf16.get("enabled", False):
+    if stage == 0 and not bf16.get("enabled", False) and not fp16:
         problems.append("zero_optimization.stage 0 in fp32 has no overflow check; use stage 1, 2 or 3")
     if stage in (1, 2) and bf16.get("enabled", False) and bf16.get("check_grad_overflow", True) is False:
         problems.append("bf16.check_grad_overflow is false; remove it or set it to true")
-    if stage in (1, 2) and not bf16.get("enabled", False) and zero.get("compute_grad_norm", True) is False:
+    if stage in (1, 2) and not bf16.get("enabled", False) and not fp16 and zero.get("compute_grad_norm", True) is False:
         problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
     return problems
 

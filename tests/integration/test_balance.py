@@ -58,10 +58,11 @@ def _imbalance(run: dict) -> float:
     return sum(m["rank_tokens_max_over_mean"] for m in run["metrics"]) / len(run["metrics"])
 
 
-# Padded, shuffled ranks wait on this data (measured 1.33 busiest/mean over 6 steps; balanced 1.03). Packed,
-# best fit already fills most micro-batches, so shuffled ranks are close (1.03) but for the light last bins
-# and the epoch's tail step (1.11 there); balanced: 1.00 where the examples allow it.
-@pytest.mark.parametrize("mode, shuffled_above, balanced_below", [("", 1.15, 1.1), ("packed_", 1.0, 1.02)])
+# Padded, shuffled ranks wait on this data (measured 1.34 busiest/mean over 6 steps; balanced 1.11: the layout
+# is chosen for the shortest wait at every micro-step, which DeepSpeed's per-micro-step reductions impose, and
+# then for the step's busiest rank). Packed, best fit already fills most micro-batches, so shuffled ranks are
+# close (1.03) but for the light last bins and the epoch's tail step (1.11 there); balanced 1.02.
+@pytest.mark.parametrize("mode, shuffled_above, balanced_below", [("", 1.2, 1.15), ("packed_", 1.0, 1.03)])
 def test_balancing_evens_ranks_and_keeps_the_math(runs, mode, shuffled_above, balanced_below) -> None:
     balanced, shuffled = runs[mode + "balanced"], runs[mode + "shuffled"]
     assert [m["step"] for m in balanced["metrics"]] == list(range(1, STEPS + 1))

@@ -62,12 +62,14 @@ def run_layout(layout: str, args: list[str], check: bool = True, timeout: float 
 
 
 def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig: int, log: Path,
-              only_rank: int | None = None, env: dict[str, str] | None = None) -> int:
-    """Launch, wait until metrics.jsonl has `at_line` lines, send `sig` to the launcher and every worker
-    (or only to the worker of `only_rank`)."""
+              only_rank: int | None = None, env: dict[str, str] | None = None,
+              command: list[str] | None = None) -> int:
+    """Launch (the layout's launch command, or `command`), wait until metrics.jsonl has `at_line` lines, send
+    `sig` to the launcher and every worker (or only to the worker of `only_rank`)."""
     processes, ds_config, _, _ = LAYOUTS[layout]
     with log.open("w") as handle:
-        proc = subprocess.Popen(launch_command(processes, ds_config) + args, cwd=ROOT, env=child_env(**(env or {})),
+        proc = subprocess.Popen((command or launch_command(processes, ds_config)) + args, cwd=ROOT,
+                                env=child_env(**(env or {})),
                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         metrics = output_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300

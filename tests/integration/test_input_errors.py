@@ -30,8 +30,8 @@ def write_lines(path, lines: list[str]) -> str:
     (["--per_device_train_batch_size", "two"], {}, "error: argument --per_device_train_batch_size"),
     (["--clip_grad_norm", "1.0"], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "DS_JSON"},
      "error: DeepSpeed config DS_JSON: gradient_clipping=0.3 conflicts with --clip_grad_norm 1.0; set it to \"auto\""),
-    ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "fp16"},
-     "error: accelerate's mixed_precision=fp16 is not supported with --torch_dtype auto"),
+    ([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "fp8"},
+     "error: accelerate's mixed_precision=fp8 is not supported with --torch_dtype auto"),
 ])
 def test_command_line_mistakes_are_one_error_line(tmp_path, tiny_model_dir, args, env, expected) -> None:
     """No traceback for a user's mistake: one `error:` line on stderr, exit 2, nothing written."""

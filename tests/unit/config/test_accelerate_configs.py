@@ -17,6 +17,7 @@ import torch
 from conftest import TRAINER_JSON
 from open_sft.config.parse import parse_config
 from open_sft.errors import UserError
+from open_sft.config import launch
 from open_sft.config.launch import plan_launch
 from open_sft.model.precision import DtypeChoice
 
@@ -35,7 +36,8 @@ YAML_ENV = {
 
 def plan(flags: list[str], env: dict[str, str], auto_dtype: torch.dtype = torch.float32):
     config = parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *flags])
-    explicit = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(config.model.torch_dtype)
+    explicit = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        config.model.torch_dtype)
     return plan_launch(config.train, config.model, config.explicit,
                        lambda: DtypeChoice(explicit or auto_dtype, "flag" if explicit else "auto"), env)
 
@@ -100,9 +102,32 @@ def test_mixed_precision_no_is_only_a_request_when_the_yaml_says_it() -> None:
     assert plan([], base, auto_dtype=torch.bfloat16).dtype == torch.bfloat16  # accelerate's default: auto decides
     from_yaml = {**base, "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage,mixed_precision"}
     assert plan([], from_yaml, auto_dtype=torch.bfloat16).dtype == torch.float32
-    with pytest.raises(UserError, match="mixed_precision=fp16 is not supported"):
-        plan([], {**base, "ACCELERATE_MIXED_PRECISION": "fp16"})
+    with pytest.raises(UserError, match="mixed_precision=fp8 is not supported"):
+        plan([], {**base, "ACCELERATE_MIXED_PRECISION": "fp8"})
     assert plan(["--torch_dtype", "bfloat16"], {**base, "ACCELERATE_MIXED_PRECISION": "fp16"}).dtype == torch.bfloat16
+
+
+def test_fp16_from_accelerate_the_json_or_the_flag(tmp_path, monkeypatch) -> None:
+    """`accelerate launch --mixed_precision fp16`, a JSON with fp16.enabled true and --torch_dtype float16 all train
+    fp16; outside DeepSpeed on any machine, under DeepSpeed where DeepSpeed can (else one clear error)."""
+    assert plan([], {"ACCELERATE_MIXED_PRECISION": "fp16"}).dtype == torch.float16
+    assert plan(["--torch_dtype", "float16"], {}).dtype == torch.float16
+    ds = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "fp16"}
+    monkeypatch.setattr(launch, "deepspeed_fp16_problem", lambda: None)  # a GPU, or a CPU with AVX512-FP16
+    result = plan([], ds)
+    assert result.dtype == torch.float16 and result.deepspeed_config["fp16"] == {"enabled": "auto"}
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True, "hysteresis": 2}})
+    json_env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": path}
+    assert plan([], json_env).dtype == torch.float16
+    with pytest.raises(UserError, match=r"its precision \(fp16\) conflicts with --torch_dtype float32"):
+        plan(["--torch_dtype", "float32"], json_env)
+    monkeypatch.setattr(launch, "deepspeed_fp16_problem", lambda: "DeepSpeed cannot train fp16 on this CPU (...)")
+    with pytest.raises(UserError, match=r"DeepSpeed cannot train fp16 on this CPU .* \(compute dtype float16: "):
+        plan([], ds)
+    assert plan([], {"ACCELERATE_MIXED_PRECISION": "fp16"}).dtype == torch.float16  # no DeepSpeed: still fine
+    both = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(UserError, match="bf16.enabled and fp16.enabled are both true"):
+        plan([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": both})
 
 
 def test_flags_only_launch_defaults_to_zero2() -> None:
@@ -127,12 +152,9 @@ def test_json_merges_accelerate_settings_and_refuses_contradictions(tmp_path) ->
 def test_json_bf16_and_batch_values_are_checked(tmp_path) -> None:
     env = {"ACCELERATE_USE_DEEPSPEED": "true"}
     path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
-    with pytest.raises(UserError, match=r"bf16.enabled=True conflicts with --torch_dtype float32"):
+    with pytest.raises(UserError, match=r"its precision \(bf16\) conflicts with --torch_dtype float32"):
         plan(["--torch_dtype", "float32"], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
     assert plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path}).dtype == torch.bfloat16
-    path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}})
-    with pytest.raises(UserError, match="fp16.enabled=true is not supported"):
-        plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
     path = write_json(tmp_path, {"zero_optimization": {"stage": 2}, "train_batch_size": 24})
     with pytest.raises(UserError, match=r"train_batch_size=24 is not micro-batch 8 × accumulation 1"):
         plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})

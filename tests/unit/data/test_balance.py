@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from open_sft.data.balance import (assign_to_ranks, balance_packed, balance_unpacked, packed_cost,
+from open_sft.data.balance import (assign_to_ranks, balance_packed, balance_unpacked, critical_path, packed_cost,
                                    padded_cost, rank_loads)
 from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan
 
@@ -40,11 +40,19 @@ def imbalance(plan, layout: BatchLayout, cost, steps: int) -> float:
     return busiest / mean
 
 
-# Measured on LENGTHS (busiest rank / mean rank, padded positions), shuffled → balanced: 1.32 → 1.07,
-# 1.37 → 1.07, 1.65 → 1.15 (one example per micro-batch: only the assignment to ranks can help), 1.44 → 1.01.
-@pytest.mark.parametrize("micro, accumulation, world, bound", [(2, 2, 2, 1.1), (4, 1, 2, 1.1), (1, 4, 4, 1.2),
-                                                               (8, 2, 4, 1.05)])
-def test_unpacked_balance_keeps_each_steps_examples_and_evens_ranks(micro, accumulation, world, bound) -> None:
+def critical_paths(plan, layout: BatchLayout, cost, steps: int) -> int:
+    """Σ over steps and micro-steps of the busiest rank's micro-batch: what ranks meeting at every micro-step
+    (DeepSpeed) wait for."""
+    return sum(critical_path(step_slots(plan, layout, 0, step), cost, layout.world_size) for step in range(steps))
+
+
+# Measured on LENGTHS, shuffled → balanced: critical path (padded positions) 416k → 254k, 568k → 325k,
+# 208k → 142k (one example per micro-batch: only the dealing to ranks can help), 433k → 121k; busiest rank over
+# mean rank per step 1.32 → 1.08, 1.37 → 1.13, 1.65 → 1.25, 1.43 → 1.05.
+@pytest.mark.parametrize("micro, accumulation, world, faster, bound", [
+    (2, 2, 2, 1.5, 1.1), (4, 1, 2, 1.6, 1.15), (1, 4, 4, 1.4, 1.3), (8, 2, 4, 3.0, 1.07)])
+def test_unpacked_balance_keeps_each_steps_examples_and_shortens_the_wait(micro, accumulation, world, faster,
+                                                                          bound) -> None:
     layout = BatchLayout(micro, accumulation, world)
     plain = UnpackedPlan(len(LENGTHS), layout, seed=5)
     balanced = UnpackedPlan(len(LENGTHS), layout, seed=5, lengths=LENGTHS)
@@ -58,6 +66,7 @@ def test_unpacked_balance_keeps_each_steps_examples_and_evens_ranks(micro, accum
         # No micro-batch computes more than a shuffled one of this step could (the memory estimate holds).
         assert max(cost(slot) for slot in b) <= micro * longest
         assert all(b) or step == steps - 1  # no idle slot but in the last, partial step
+    assert critical_paths(plain, layout, cost, steps) > faster * critical_paths(balanced, layout, cost, steps)
     before = imbalance(plain, layout, cost, steps)
     after = imbalance(balanced, layout, cost, steps)
     assert before > 1.25, before  # the shuffled layout makes ranks wait
@@ -66,7 +75,6 @@ def test_unpacked_balance_keeps_each_steps_examples_and_evens_ranks(micro, accum
 
 def test_unpacked_balance_does_not_add_padding() -> None:
     layout = BatchLayout(4, 2, 2)
-    total = sum(LENGTHS)
 
     def padded(plan) -> int:
         cost = padded_cost(LENGTHS)
@@ -127,18 +135,19 @@ def test_packed_epoch_tail_puts_the_long_example_alone() -> None:
     assert rank_loads(slots, packed_cost(lengths), 2) == [2491, 2000]  # no split does better than 2,491
 
 
-def test_unpacked_micro_steps_are_balanced_too() -> None:
-    """Under ZeRO-3 ranks also meet inside every micro-step: each accumulation index's micro-batches are
-    of similar cost, not only the step's sums."""
+def test_unpacked_runs_of_similar_lengths_and_the_shortest_critical_path() -> None:
+    """Under DeepSpeed ranks also meet inside every micro-step: the layout with the shortest sum over
+    micro-steps of the busiest rank's micro-batch wins."""
     lengths = [2000, 1500, 900, 800, 700, 30, 20, 10]
     slots = balance_unpacked(list(range(8)), lengths, micro_batch_size=2, world=2, accumulation=2)
-    # 2000 and 1500 stay alone; 900 takes 30 and 10, 800 takes 700 and 20. Micro-step 0 gets the two heaviest
-    # micro-batches, micro-step 1 the others, the heavier to the rank with less so far. In shuffled order
-    # (slots of 2 in index order) rank 0 would compute 4,000 + 1,400 positions and rank 1 1,800 + 40.
-    assert slots == [[2, 5, 7], [3, 4, 6], [1], [0]]
+    # 2000 and 1500 alone, 900 + 800 + 700 padded to 900 (within 2 × 2000), the three short ones together.
+    # Micro-step 0: 2,700 and 2,000 positions, micro-step 1: 90 and 1,500: the ranks wait 2,700 + 1,500. In
+    # shuffled order (slots of 2 in index order) they would wait 4,000 + 1,400; spreading the long ones apart
+    # (each example to the micro-batch it grows least) 2,700 + 2,000.
+    assert slots == [[2, 3, 4], [0], [5, 6, 7], [1]]
     cost = padded_cost(lengths)
-    assert [cost(s) for s in slots] == [2700, 2400, 1500, 2000]
-    assert rank_loads(slots, cost, 2) == [4200, 4400]
+    assert [cost(s) for s in slots] == [2700, 2000, 90, 1500]
+    assert critical_path(slots, cost, 2) == 4200 and rank_loads(slots, cost, 2) == [2790, 3500]
 
 
 def test_packed_falls_back_to_best_fit_when_worst_fit_cannot_place_everything() -> None:

@@ -44,8 +44,8 @@ def test_clipping_off_and_fp32() -> None:
 
 @pytest.mark.parametrize("config, message", [
     ({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu=8"),
-    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}, "bf16.enabled=False conflicts with bf16=True"),
-    ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": "true"}}, "fp16 is not supported"),
+    ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": False}}, "bf16.enabled=False conflicts with the compute dtype"),
+    ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": "true"}}, r"fp16.enabled='true' conflicts with the compute dtype \(bf16=True, fp16=False\)"),
     ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}, "must not contain 'optimizer'"),
     ({"bf16": {"enabled": "auto"}}, "needs a zero_optimization section"),
     ({"zero_optimization": {"stage": 2, "sub_group_size": "auto"}}, "zero_optimization.sub_group_size"),
@@ -54,3 +54,16 @@ def test_what_the_launch_plan_should_have_settled_is_refused(config, message) ->
     """plan_launch reports these to the user first; reaching here is a bug, and it must not train silently."""
     with pytest.raises(ValueError, match=message):
         resolve_deepspeed_config(config, **FLAGS)
+
+
+def test_fp16_fills_dynamic_loss_scaling_and_keeps_the_users_settings() -> None:
+    flags = {**FLAGS, "bf16": False, "fp16": True}
+    resolved = resolve_deepspeed_config({"zero_optimization": {"stage": 2}}, **flags)
+    assert resolved["bf16"] == {"enabled": False}
+    # Dynamic scale from 2^16, halved at the first overflow (hysteresis 1), never below 1.
+    assert resolved["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                                "loss_scale_window": 1000, "hysteresis": 1, "min_loss_scale": 1}
+    mine = resolve_deepspeed_config({"zero_optimization": {"stage": 2},
+                                     "fp16": {"enabled": "auto", "hysteresis": 2, "initial_scale_power": 12}}, **flags)
+    assert (mine["fp16"]["hysteresis"], mine["fp16"]["initial_scale_power"], mine["fp16"]["min_loss_scale"]) == (2, 12, 1)
+    assert "loss_scale" not in resolve_deepspeed_config({"zero_optimization": {"stage": 2}}, **FLAGS)["fp16"]
