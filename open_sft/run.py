@@ -120,19 +120,23 @@ def prepare_data(job: Job) -> None:
 def build_model(job: Job) -> None:
     """The model and the Accelerator. Under ZeRO-3 init the Accelerator comes first, so that from_pretrained loads
     partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
+    from open_sft.distributed.collectives import check_ranks_agree_on_dtype
     from open_sft.model.load import load_model, load_model_config, partition_summary
     from open_sft.preflight.estimate import runtime_bytes
 
     config, launch = job.config, job.launch
     job.baseline_bytes = runtime_bytes(launch.deepspeed_config is not None, config.lora.use_lora, config.lora.use_qlora)
-    if launch.zero3_init and not config.train.auto_micro_batch_size:
+    whole = "--auto_micro_batch_size measures the whole model" if config.train.auto_micro_batch_size else (
+        "--sequence_parallel_size: DeepSpeed's partitioned load does not know the SP groups"
+        if config.train.sequence_parallel_size > 1 else None)
+    if launch.zero3_init and not whole:
         _start_accelerator(job, load_model_config(config.model), zero3_init=True)
         job.model = load_model(config.model, job.tokenizer, config.lora)
         logger.info("%s", partition_summary(job.model))
     else:
         if launch.zero3_init:
-            logger.info("--auto_micro_batch_size measures the whole model: it is loaded whole on each rank and "
-                        "partitioned by ZeRO-3 when training starts")
+            logger.info("%s: the model is loaded whole on each rank and partitioned by ZeRO-3 when training starts",
+                        whole)
         job.model = load_model(config.model, job.tokenizer, config.lora)
         if config.train.auto_micro_batch_size:
             from open_sft.preflight.auto_batch import fit_micro_batch
@@ -140,7 +144,7 @@ def build_model(job: Job) -> None:
             job.config = fit_micro_batch(config, job.model, job.data, launch.deepspeed_config,
                                          job.dtype in HALF, job.baseline_bytes)
         _start_accelerator(job, job.model.config)
-    _check_ranks_agree_on_dtype(job.accelerator, job.dtype)
+    check_ranks_agree_on_dtype(job.accelerator, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
         from open_sft.model import bf16_matmul
 
@@ -305,33 +309,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) -> None:
     """The Accelerator, with the launch's DeepSpeed config resolved from the flags (its "auto" values filled)."""
     from open_sft.distributed.deepspeed import resolve_deepspeed_config
+    from open_sft.distributed.sequence_parallel import sequence_parallel_launch
     from open_sft.distributed.setup import build_accelerator
+    from open_sft.model.load import attn_implementation
 
-    t = job.config.train
-    if job.launch.deepspeed_config is not None:
+    t, deepspeed = job.config.train, job.launch.deepspeed_config is not None
+    sp, batch = sequence_parallel_launch(job.config, int(os.environ.get("WORLD_SIZE", "1")), deepspeed, model_config,
+                                         attn_implementation(job.config.model))
+    if deepspeed:
         job.ds_config = resolve_deepspeed_config(
-            job.launch.deepspeed_config, micro_batch_size=t.per_device_train_batch_size,
-            gradient_accumulation_steps=t.gradient_accumulation_steps,
-            world_size=int(os.environ.get("WORLD_SIZE", "1")), bf16=job.dtype == torch.bfloat16,
-            fp16=job.dtype == torch.float16, clip_grad_norm=t.clip_grad_norm,
-            hidden_size=getattr(model_config, "hidden_size", None))
+            job.launch.deepspeed_config, **batch, bf16=job.dtype == torch.bfloat16, fp16=job.dtype == torch.float16,
+            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
     job.accelerator = build_accelerator(
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        mixed_precision=accelerate_mixed_precision(job.dtype, job.ds_config is not None),
-        deepspeed_config=job.ds_config, timeout_s=t.timeout, zero3_init=zero3_init)
-
-
-def _check_ranks_agree_on_dtype(accelerator: Any, dtype: torch.dtype) -> None:
-    """--torch_dtype auto is measured per node: nodes of different CPU kinds could choose differently."""
-    from open_sft.distributed.collectives import all_reduce_sum
-
-    if accelerator.num_processes > 1:
-        kinds = (torch.float32, torch.bfloat16, torch.float16)
-        counts = all_reduce_sum(torch.tensor([int(dtype == kind) for kind in kinds])).tolist()
-        if max(counts) != accelerator.num_processes:
-            chosen = ", ".join(f"{n} {str(kind).removeprefix('torch.')}" for n, kind in zip(counts, kinds) if n)
-            raise UserError(f"the ranks chose different compute dtypes ({chosen}: the nodes' CPUs differ); pass "
-                            "--torch_dtype bfloat16, float16 or float32")
+        gradient_accumulation_steps=batch["gradient_accumulation_steps"],
+        mixed_precision=accelerate_mixed_precision(job.dtype, deepspeed), deepspeed_config=job.ds_config,
+        timeout_s=t.timeout, zero3_init=zero3_init, parallelism_config=sp)
 
 
 def _print_examples(data: Any, tokenizer: Any, count: int = 3) -> None:
@@ -357,6 +349,8 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     head = model.get_output_embeddings().weight
     backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
     wrapped = TokenLossModel(model)
+    if t.sequence_parallel_size > 1:
+        wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
                                 eight_bit=t.use_8bit_optimizer)
     wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)

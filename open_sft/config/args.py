@@ -218,8 +218,9 @@ class TrainingArguments:
     wandb_entity: Optional[str] = _help("W&B entity (user or team; default: W&B's own).", default=None)
     timeout: int = _help("Seconds a collective may wait (process-group timeout), e.g. for a long tokenization "
                          "on rank 0.", default=1800)
-    sequence_parallel_size: int = _help("Ulysses sequence parallelism degree; only 1 (none) is supported yet.",
-                                        default=1)
+    sequence_parallel_size: int = _help(
+        "DeepSpeed Ulysses sequence parallelism: N ranks compute each micro-batch together, each holding 1/N of "
+        "every sequence (N divides the number of processes; needs DeepSpeed ZeRO-2/3).", default=1)
     with_tracking: bool = _help("Write tracker logs (see --report_to) in addition to metrics.jsonl.", default=False)
     dry_run: bool = _help(
         "Build the data, print the data report, a few examples with trained tokens marked and the preflight "

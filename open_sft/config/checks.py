@@ -205,9 +205,8 @@ def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
                             "(as in open-instruct)")
     if t.timeout < 1:
         problems.append(f"--timeout must be at least 1 second, got {t.timeout}")
-    if t.sequence_parallel_size != 1:
-        problems.append(f"--sequence_parallel_size {t.sequence_parallel_size}: sequence parallelism is not available "
-                        "yet; use 1 (with --gradient_checkpointing or a shorter --max_seq_length for long examples)")
+    if t.sequence_parallel_size < 1:
+        problems.append(f"--sequence_parallel_size must be at least 1, got {t.sequence_parallel_size}")
     if t.use_8bit_optimizer and importlib.util.find_spec("bitsandbytes") is None:
         problems.append("--use_8bit_optimizer needs bitsandbytes>=0.50 (it runs on CPU too): "
                         "pip install 'open_sft[qlora]'")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,3 +46,16 @@ def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> 
     if not accelerator.is_main_process or state_dict is None:
         return {}
     return {name: tensor.detach().to("cpu").clone() for name, tensor in state_dict.items()}
+
+
+def check_ranks_agree_on_dtype(accelerator: Any, dtype: torch.dtype) -> None:
+    """--torch_dtype auto is measured per node: nodes of different CPU kinds could choose differently."""
+    from open_sft.errors import UserError
+
+    if accelerator.num_processes > 1:
+        kinds = (torch.float32, torch.bfloat16, torch.float16)
+        counts = all_reduce_sum(torch.tensor([int(dtype == kind) for kind in kinds])).tolist()
+        if max(counts) != accelerator.num_processes:
+            chosen = ", ".join(f"{n} {str(kind).removeprefix('torch.')}" for n, kind in zip(counts, kinds) if n)
+            raise UserError(f"the ranks chose different compute dtypes ({chosen}: the nodes' CPUs differ); pass "
+                            "--torch_dtype bfloat16, float16 or float32")

@@ -256,3 +256,24 @@ def deepspeed_fp16_problem() -> Optional[str]:
     return ("DeepSpeed cannot train fp16 on this CPU (it needs oneDNN fp16 kernels: AVX512-FP16 or AMX-FP16, "
             "which this CPU lacks); use --torch_dtype bfloat16 or float32 here, or train fp16 without DeepSpeed "
             "(torch autocast + GradScaler, which runs on any CPU)")
+
+
+def deepspeed_nonfinite_problems(config: dict) -> list[str]:
+    """Settings under which DeepSpeed 0.19 applies an optimizer step whose gradient is not finite.
+
+    ZeRO-3, and bf16 without ZeRO, skip a step whose global gradient norm is not finite. ZeRO-1/2 do so
+    in fp32 when they compute the norm (zero_optimization.compute_grad_norm, default true) and in bf16
+    when bf16.check_grad_overflow is on (default true). Without ZeRO, fp32 steps a plain torch optimizer.
+    """
+    zero = config.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    bf16 = config.get("bf16", {})
+    fp16 = config.get("fp16", {}).get("enabled", False)  # fp16 checks overflow at every stage
+    problems = []
+    if stage == 0 and not bf16.get("enabled", False) and not fp16:
+        problems.append("zero_optimization.stage 0 in fp32 has no overflow check; use stage 1, 2 or 3")
+    if stage in (1, 2) and bf16.get("enabled", False) and bf16.get("check_grad_overflow", True) is False:
+        problems.append("bf16.check_grad_overflow is false; remove it or set it to true")
+    if stage in (1, 2) and not bf16.get("enabled", False) and not fp16 and zero.get("compute_grad_norm", True) is False:
+        problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
+    return problems

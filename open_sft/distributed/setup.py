@@ -46,6 +46,7 @@ def build_accelerator(
     deepspeed_config: dict[str, Any] | None,
     timeout_s: int = 1800,
     zero3_init: bool = False,
+    parallelism_config: Any = None,
 ) -> Accelerator:
     """Build the Accelerator for single process, DDP or DeepSpeed (``deepspeed_config`` resolved).
 
@@ -84,6 +85,7 @@ def build_accelerator(
         cpu=on_cpu and plugin is None,
         kwargs_handlers=kwargs_handlers,
         log_with=None,
+        parallelism_config=parallelism_config,  # --sequence_parallel_size (distributed.sequence_parallel)
     )
 
 

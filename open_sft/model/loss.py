@@ -37,18 +37,20 @@ class TokenLossModel(nn.Module):
         get_base_model = getattr(self.model, "get_base_model", None)
         return get_base_model() if callable(get_base_model) else self.model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask."""
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask. A sequence-
+        parallel slice passes `shift_labels` (each position's target, shifted before the sequence was cut)."""
         causal_lm = self.causal_lm()
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
         # position_ids only when no KV cache is passed.
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        targets = labels[:, 1:]
+        targets, inputs = (shift_labels, hidden) if shift_labels is not None else (labels[:, 1:], hidden[:, :-1])
         trained = targets != IGNORE_INDEX
-        selected = hidden[:, :-1][trained]
+        selected = inputs[trained]
         lm_head = causal_lm.get_output_embeddings()
         kept = torch.empty(selected.shape[0], dtype=torch.float32, device=selected.device) \
             if self.keep_token_losses else None

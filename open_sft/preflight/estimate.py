@@ -320,6 +320,8 @@ class Preflight:
     device_bytes: int
     device_name: str
     step_slots: list[int]
+    sequence_parallel: int = 1  # --sequence_parallel_size: each rank holds 1/N of every sequence
+    world_size: int = 1
 
     def describe(self, steps: Any, data: Any) -> str:
         layout = steps.layout
@@ -330,10 +332,15 @@ class Preflight:
             f"accumulation × {layout.world_size} rank(s) = {layout.global_batch_size} examples per step",
             format_memory(self.memory, self.device_bytes, self.device_name),
         ]
+        if self.sequence_parallel > 1:
+            lines.insert(2, f"  parallel layout: data parallel {layout.world_size // self.sequence_parallel} × "
+                            f"sequence parallel {self.sequence_parallel} (each rank holds 1/{self.sequence_parallel} "
+                            "of every sequence; the estimate is per rank)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name}
+        return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name,
+                "parallel": {"data": self.world_size // self.sequence_parallel, "sequence": self.sequence_parallel}}
 
 
 def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_config: Optional[dict],
@@ -343,11 +350,13 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
     # every position of the largest micro-batch counted as trained: an upper bound for the LM-head loss term
     # bitsandbytes' 4-bit layers keep fp32-sized activations on CPU (measured with bitsandbytes 0.50)
     bf16_activations = bf16 and not (config.lora.use_qlora and not torch.cuda.is_available())
-    shape = RunShape(steps.layout.world_size, stage, offload, bf16_activations, largest, largest,
-                     config.model.gradient_checkpointing, bucket, width)
+    sp = config.train.sequence_parallel_size  # a rank computes 1/sp of each micro-batch's positions, unmasked
+    per_rank = -(-largest // sp)
+    shape = RunShape(steps.layout.world_size, stage, offload, bf16_activations, per_rank, per_rank,
+                     config.model.gradient_checkpointing, bucket, width if sp == 1 else 0)
     memory = estimate_memory(ModelShape.of(model), shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
-    return Preflight(memory, device_bytes, device_name, slots)
+    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size)
 
 
 class StepTimer:

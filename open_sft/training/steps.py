@@ -73,4 +73,6 @@ def balances(args: TrainingArguments) -> bool:
     """--balance_micro_batches, whose default is on except under --loss_normalization mean."""
     if args.balance_micro_batches is not None:
         return args.balance_micro_batches
+    if args.sequence_parallel_size > 1 and not args.packing:
+        return False  # Ulysses wants micro-batches of a fixed row count; balanced ones vary
     return args.loss_normalization != "mean"

@@ -23,6 +23,8 @@ from open_sft.config.args import TrainingArguments
 from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate, trained_sources
 from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
+from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
+from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
 from open_sft.errors import UserError
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
 from open_sft.training.amp import Precision
@@ -84,6 +86,8 @@ class Trainer:
         self.reduce_sum = reduce_sum
         self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
         self.precision = Precision(dtype, accelerator, optimizer, self.is_deepspeed)
+        # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel)
+        self.sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
         if self.is_deepspeed:
             problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
             if problems:
@@ -102,29 +106,55 @@ class Trainer:
         self.loss_model.keep_token_losses = True
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
 
-    def _collate(self, indices: list[int], loss_free: bool = False) -> dict[str, torch.Tensor]:
+    def _collate(self, indices: list[int], loss_free: bool = False, width: int = 0) -> dict[str, torch.Tensor]:
         examples, sources = [self.data.example(i) for i in indices], [self.data.source(i) for i in indices]
         if self.args.packing:
-            batch = collate_packed(examples, self.pad_token_id, self.steps.max_seq_length, sources)
+            # Under SP a packed micro-batch is one row of the whole budget (Ulysses wants fixed rows).
+            capacity = self.steps.max_seq_length if self.sp_size == 1 else self.steps.plan.max_tokens
+            batch = collate_packed(examples, self.pad_token_id, capacity, sources)
             if loss_free:
                 batch["labels"].fill_(IGNORE_INDEX)
-            return batch
-        return collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
+        else:
+            batch = collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
+        if self.sp_size > 1:
+            lengths = batch["lengths"]
+            rows = 1 if self.args.packing else self.steps.layout.micro_batch_size
+            batch = {**fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width), "lengths": lengths}
+        return batch
+
+    def _passes(self, batches: list[dict[str, torch.Tensor]], positions: list[torch.Tensor],
+                counts: list[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, int]]:
+        """(inputs, source of each trained position, trained tokens) of each forward pass of the step: the
+        micro-batches, or under SP this rank's slices of its group's micro-batches."""
+        if self.sp_size == 1:
+            return [({k: v for k, v in b.items() if k != "sources"}, p, c)
+                    for b, p, c in zip(batches, positions, counts)]
+        slices = shard(self.accelerator, self.model, batches)
+        return [({k: v for k, v in s.items() if k != "sources"}, trained_shard_sources(s),
+                 int((s["shift_labels"] != IGNORE_INDEX).sum())) for s in slices]
 
     def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
         epoch, step_in_epoch = locate(self.steps.plan, step)
         micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
+        widths = [0] * len(micro_batches) if self.sp_size == 1 else group_widths(
+            self.steps.plan, epoch, step_in_epoch, self._lengths(), self.args.packing)
         batches = []
-        for indices in micro_batches:
+        for indices, width in zip(micro_batches, widths):
             if indices:
-                batches.append((self._collate(indices), indices))
+                batches.append((self._collate(indices, width=width), indices))
             else:  # an empty slot (end of an epoch): same compute on every rank, no loss
-                batches.append((self._collate([0], loss_free=True), []))
+                batches.append((self._collate([0], loss_free=True, width=width), []))
         return batches
+
+    def _lengths(self) -> list[int]:
+        if not hasattr(self, "_example_lengths"):
+            self._example_lengths = self.data.lengths()
+        return self._example_lengths
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
         """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
-        undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size
+        # × sp_size: under SP DeepSpeed accumulates over N passes per micro-batch
+        undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size * self.sp_size
         if self.args.loss_normalization == "token":
             return undo / max(trained_global, 1.0)
         if self.args.loss_normalization == "sum":
@@ -191,8 +221,6 @@ class Trainer:
         local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
         positions = [trained_sources(batch) for batch, _ in batches]
         lengths = [batch.pop("lengths") for batch, _ in batches]
-        for batch, _ in batches:
-            batch.pop("sources")
         slots_local = sum(batch["input_ids"].numel() for batch, _ in batches)
         local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
                               sum(int((l.double() ** 2).sum()) for l in lengths), slots_local], dtype=torch.float64)
@@ -211,16 +239,18 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_norm = float("nan")
         skipped = False
-        for a, ((batch, indices), trained_local) in enumerate(zip(batches, local_counts)):
+        for _, indices in batches:
             self.seen_example_ids.extend(indices)
+        passes = self._passes([batch for batch, _ in batches], positions, local_counts)
+        for a, (batch, trained_positions, trained_local) in enumerate(passes):
             with self.accelerator.accumulate(self.model):
                 with self.precision.autocast():
                     token_loss_sum = self.model(**batch)
                 loss_sum += token_loss_sum.detach().double()
-                source_loss.index_add_(0, positions[a], self.loss_model.token_losses.double())
+                source_loss.index_add_(0, trained_positions, self.loss_model.token_losses.double())
                 self.accelerator.backward(
                     self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
-                if a == len(batches) - 1:
+                if a == len(passes) - 1:
                     self.precision.unscale()
                     grad_norm = self._clip_and_norm()
                     skipped = self._nonfinite(loss_sum, grad_norm)
@@ -348,25 +378,3 @@ class Trainer:
 
 class NonFiniteError(UserError):
     """Training diverged: too many non-finite steps in a row."""
-
-
-def deepspeed_nonfinite_problems(config: dict) -> list[str]:
-    """Settings under which DeepSpeed 0.19 applies an optimizer step whose gradient is not finite.
-
-    ZeRO-3, and bf16 without ZeRO, skip a step whose global gradient norm is not finite. ZeRO-1/2 do so
-    in fp32 when they compute the norm (zero_optimization.compute_grad_norm, default true) and in bf16
-    when bf16.check_grad_overflow is on (default true). Without ZeRO, fp32 steps a plain torch optimizer.
-    """
-    zero = config.get("zero_optimization", {})
-    stage = int(zero.get("stage", 0))
-    bf16 = config.get("bf16", {})
-    fp16 = config.get("fp16", {}).get("enabled", False)  # fp16 checks overflow at every stage
-    problems = []
-    if stage == 0 and not bf16.get("enabled", False) and not fp16:
-        problems.append("zero_optimization.stage 0 in fp32 has no overflow check; use stage 1, 2 or 3")
-    if stage in (1, 2) and bf16.get("enabled", False) and bf16.get("check_grad_overflow", True) is False:
-        problems.append("bf16.check_grad_overflow is false; remove it or set it to true")
-    if stage in (1, 2) and not bf16.get("enabled", False) and not fp16 and zero.get("compute_grad_norm", True) is False:
-        problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
-    return problems
-

@@ -149,7 +149,7 @@ def test_data_flags_of_open_instruct() -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--sequence_parallel_size", "2"], "--sequence_parallel_size 2: sequence parallelism is not available yet"),
+    (["--sequence_parallel_size", "0"], "--sequence_parallel_size must be at least 1, got 0"),
     (["--final_lr_ratio", "0.1", "--lr_scheduler_type", "cosine"], "--final_lr_ratio applies to --lr_scheduler_type "
                                                                    "linear, not cosine"),
     (["--report_to", "wandb", "none"], "'all' and 'none' stand alone"),

@@ -1,0 +1,95 @@
+"""--sequence_parallel_size through finetune.py: DeepSpeed Ulysses on real gloo ranks.
+
+An SP group computes each micro-batch together, each rank holding a slice of every sequence; the global
+batch and the token-normalised loss are those of data parallelism, so the per-step losses must equal one
+process training the same global batch (fp32): 2 ranks as SP 2 under ZeRO-2 and ZeRO-3, padded and packed
+(packed sequences keep their examples apart through the split: the losses would differ if attention crossed
+an example boundary), and 4 ranks as SP 2 × data parallel 2.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from conftest import SAMPLE, read_metrics, run_finetune
+from integration.test_checkpoint import interrupt
+
+STEPS = 3
+
+
+def args_for(model_dir, output_dir, micro_batch: int, accumulation: int, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(output_dir), "--max_train_steps", str(STEPS), "--logging_steps", "1",
+            "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", str(accumulation),
+            "--learning_rate", "3e-3", "--seed", "1", "--torch_dtype", "float32", "--max_seq_length", "256", *extra]
+
+
+PACKED = ("--packing", "--max_tokens_per_batch", "512")
+EVAL = ("--eval_split_ratio", "0.01", "--eval_steps", str(STEPS))  # eval runs whole sequences per rank under SP
+# name: (processes, DeepSpeed config, micro-batch, accumulation, extra flags); each SP run's global batch is its
+# one-process reference's (packed: the same number of 512-token micro-batches per step).
+RUNS = {
+    "one_padded": (1, None, 4, 2, ()),
+    "one_padded_with_eval": (1, None, 4, 2, EVAL),
+    "one_packed": (1, None, 4, 4, PACKED),
+    "sp2_zero2_padded": (2, "zero2.json", 2, 2, ("--sequence_parallel_size", "2", *EVAL)),
+    "sp2_zero2_packed": (2, "zero2.json", 4, 2, ("--sequence_parallel_size", "2", *PACKED)),
+    "sp2_zero3_padded": (2, "zero3.json", 2, 2, ("--sequence_parallel_size", "2")),
+    "sp2_dp2_zero2_padded": (4, "zero2.json", 1, 2, ("--sequence_parallel_size", "2")),
+}
+
+
+@pytest.fixture(scope="module")
+def losses(tiny_model_dir, tmp_path_factory) -> dict:
+    out = {}
+    for name, (processes, ds_config, micro, accumulation, extra) in RUNS.items():
+        output_dir = tmp_path_factory.mktemp(name)
+        result = run_finetune(args_for(tiny_model_dir, output_dir, micro, accumulation, *extra), processes=processes,
+                              deepspeed_config=ds_config)
+        out[name] = [m["loss"] for m in read_metrics(output_dir) if "loss" in m]
+        out[name + "_eval"] = [m["eval_loss"] for m in read_metrics(output_dir) if "eval_loss" in m]
+        out[name + "_run"] = json.loads((output_dir / "run.json").read_text())
+        out[name + "_stdout"] = result.stdout
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("sp2") and n != "sp2_zero2_padded"])
+def test_sequence_parallel_losses_equal_one_process(losses, name) -> None:
+    reference = losses["one_packed" if name.endswith("packed") else "one_padded"]
+    assert len(losses[name]) == STEPS
+    # Measured: equal to 6 decimals (the slices' attention and the all-to-all reorder fp32 sums only).
+    assert losses[name] == pytest.approx(reference, rel=1e-5)
+
+
+def test_refused_without_deepspeed(tiny_model_dir, tmp_path) -> None:
+    result = run_finetune(args_for(tiny_model_dir, tmp_path / "out", 2, 1, "--sequence_parallel_size", "2"),
+                          processes=2, check=False)
+    assert result.returncode != 0
+    assert "error: --sequence_parallel_size 2 runs on DeepSpeed Ulysses" in result.stdout + result.stderr
+
+
+def test_preflight_and_run_json_show_the_layout(losses) -> None:
+    assert losses["sp2_dp2_zero2_padded_run"]["preflight"]["parallel"] == {"data": 2, "sequence": 2}
+    assert losses["sp2_zero3_padded_run"]["preflight"]["parallel"] == {"data": 1, "sequence": 2}
+    assert losses["one_padded_run"]["preflight"]["parallel"] == {"data": 1, "sequence": 1}
+    assert "parallel layout: data parallel 2 × sequence parallel 2" in losses["sp2_dp2_zero2_padded_stdout"]
+    assert losses["sp2_zero3_padded_run"]["args"]["train"]["sequence_parallel_size"] == 2
+
+
+def test_sequence_parallel_with_evaluation(losses) -> None:
+    """The same held-out split in both runs: training and eval losses equal one process's."""
+    assert losses["sp2_zero2_padded"] == pytest.approx(losses["one_padded_with_eval"], rel=1e-5)
+    assert len(losses["one_padded_with_eval_eval"]) == 1
+    assert losses["sp2_zero2_padded_eval"] == pytest.approx(losses["one_padded_with_eval_eval"], rel=1e-5)
+
+
+def test_sequence_parallel_resume_continues_the_run(losses, tiny_model_dir, tmp_path) -> None:
+    """SIGTERM after step 1 (a checkpoint) and relaunch: the continuation is the uninterrupted SP run's."""
+    args = args_for(tiny_model_dir, tmp_path / "out", 2, 2, "--sequence_parallel_size", "2", "--checkpointing_steps", "1")
+    code = interrupt("zero3", args, tmp_path / "out", 1, signal.SIGTERM, tmp_path / "term.log")
+    assert code != 0
+    run_finetune(args, processes=2, deepspeed_config="zero3.json")
+    assert [m["loss"] for m in read_metrics(tmp_path / "out")] == pytest.approx(losses["sp2_zero3_padded"], rel=1e-6)
