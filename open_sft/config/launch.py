@@ -29,7 +29,7 @@ import torch
 
 from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections
 from open_sft.errors import UserError
-from open_sft.model.precision import DtypeChoice
+from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
 
 # accelerate 1.15 (utils/launch.py prepare_deepspeed_cmd_env): DeepSpeed settings → worker environment.
 ENV_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
@@ -236,11 +236,6 @@ def _precision_in_json(cfg: Optional[dict], path: Optional[str]) -> Optional[str
     return "no" if bf16 is False else None  # bf16 switched off, fp16 not on: fp32
 
 
-def _flag_dtype(torch_dtype: str) -> torch.dtype:
-    return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-            "fp16": torch.float16}.get(torch_dtype, torch.float32)
-
-
 def _dtype(torch_dtype: str, decider: _Decider, json_precision: Optional[str], env: Mapping[str, str],
            choose: Callable[[], DtypeChoice]) -> DtypeChoice:
     """The compute dtype and why: --torch_dtype when given, else the launch config's precision, else auto."""
@@ -253,7 +248,7 @@ def _dtype(torch_dtype: str, decider: _Decider, json_precision: Optional[str], e
                         "(open_sft trains in bf16, fp16 or fp32); set mixed_precision to bf16, fp16 or no, or pass "
                         "--torch_dtype bfloat16, float16 or float32")
     if torch_dtype != "auto":
-        dtype = _flag_dtype(torch_dtype)
+        dtype = FLAG_DTYPES[torch_dtype]
         if json_precision is not None and DTYPES[json_precision] != dtype:
             raise UserError(f"DeepSpeed config {decider.path}: its precision ({json_precision}) conflicts with "
                             f"--torch_dtype {torch_dtype}; set bf16.enabled and fp16.enabled to \"auto\" in the file "
@@ -314,8 +309,9 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         ds.get("train_micro_batch_size_per_gpu"), None, None))
     train = dataclasses.replace(train, **updates)
     choice = _dtype(model_args.torch_dtype, decider, _precision_in_json(cfg, path), env, choose)
-    if cfg is not None and choice.dtype == torch.float16 and deepspeed_fp16_problem():
-        raise UserError(f"{deepspeed_fp16_problem()} (compute dtype float16: {choice.reason})")
+    problem = deepspeed_fp16_problem() if cfg is not None and choice.dtype == torch.float16 else None
+    if problem:
+        raise UserError(f"{problem} (compute dtype float16: {choice.reason})")
     if cfg is not None:
         _check_global_batch(cfg, path, train)
         # Every value decided above now lives in the flags; the config takes them at resolve time.

@@ -92,14 +92,15 @@ def group_widths(plan: Any, epoch: int, step: int, lengths: list[int], packed: b
 def fit_for_ulysses(batch: dict[str, torch.Tensor], size: int, rows: int, pad_token_id: int,
                     width: int = 0) -> dict[str, torch.Tensor]:
     """The micro-batch with `rows` rows (extra rows loss-free padding) and at least `width` positions, a multiple
-    of `size`, without the attention mask (right padding needs none: no real token attends a later position)."""
+    of `size`, without the attention mask (right padding needs none: no real token attends a later position).
+    `lengths` (per example, not per position) passes through."""
+    out = {"lengths": batch["lengths"]} if "lengths" in batch else {}
     batch = {k: v for k, v in batch.items() if k not in ("attention_mask", "lengths")}
     if "position_ids" not in batch:
         batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]).clone()
     n, length = batch["input_ids"].shape
     width = -(-max(length, width) // size) * size
     fill = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "sources": 0}
-    out = {}
     for key, value in batch.items():
         grown = torch.full((max(rows, n), width), fill.get(key, 0), dtype=value.dtype)
         grown[:n, :length] = value

@@ -143,13 +143,12 @@ def load_model_config(args: ModelArguments):
         ) from exc
 
 
-def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> PreTrainedModel:
+def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
+                     compute_dtype: torch.dtype) -> PreTrainedModel:
     from open_sft.model.lora import quantization_config
 
     kwargs = _hub_kwargs(args)
-    fp16 = args.torch_dtype in ("float16", "fp16") or (
-        args.torch_dtype == "auto" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported())
-    quantization = quantization_config(lora, fp16) if lora is not None else None
+    quantization = quantization_config(lora, compute_dtype == torch.float16) if lora is not None else None
     if quantization is not None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         kwargs.update(quantization_config=quantization,
@@ -168,13 +167,13 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments]) -> Pre
 
 
 def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,
-               lora: Optional[LoraArguments] = None) -> PreTrainedModel:
-    """The model ready to train: fp32 parameters (master weights; the compute dtype comes from autocast
-    or DeepSpeed), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
+               lora: Optional[LoraArguments] = None, compute_dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The model ready to train: fp32 parameters (master weights; `compute_dtype`, the run's resolved dtype,
+    comes from autocast or DeepSpeed, and is QLoRA's 4-bit compute dtype when fp16), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
     and with --use_lora / --use_qlora wrapped as a peft model whose only trainable weights are adapters."""
     from open_sft.model.lora import apply_lora, uses_lora
 
-    model = _from_pretrained(args, lora)
+    model = _from_pretrained(args, lora, compute_dtype)
     if tokenizer is not None:
         fit_embeddings_to_tokenizer(model, tokenizer)
     if args.use_liger_kernel:

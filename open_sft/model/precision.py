@@ -193,14 +193,20 @@ def _requested_fp16() -> DtypeChoice:
     return DtypeChoice(torch.float16, "requested by --torch_dtype; dynamic loss scaling, fp32 master weights")
 
 
+# --torch_dtype's explicit values (auto is resolved by choose_dtype).
+FLAG_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+               "float32": torch.float32, "fp32": torch.float32}
+
+
 def choose_dtype(args: Any, qlora: bool = False,
                  measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> DtypeChoice:
     """--torch_dtype resolved, with the reason (and the probe's numbers on a CPU)."""
     wanted = args.torch_dtype
-    if wanted in ("float32", "fp32"):
+    requested = FLAG_DTYPES.get(wanted)
+    if requested == torch.float32:
         return DtypeChoice(torch.float32, "requested by --torch_dtype")
     gpu_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
-    if wanted in ("float16", "fp16"):
+    if requested == torch.float16:
         return _requested_fp16()
     if gpu_without_bf16 and wanted == "auto":
         return DtypeChoice(torch.float16, "auto: float16 with dynamic loss scaling (this GPU has no bf16)")
@@ -211,7 +217,7 @@ def choose_dtype(args: Any, qlora: bool = False,
                            "auto: bfloat16 (the GPU supports it)")
     cpu, flags = cpu_flags()
     native = bool(flags & set(NATIVE_BF16_FLAGS))
-    if wanted in ("bfloat16", "bf16"):
+    if requested == torch.bfloat16:
         return _requested_bf16(args, cpu, flags, measure)
     if not native and flags:
         return DtypeChoice(torch.float32, "auto: float32 — this CPU has no native bf16 (no avx512_bf16, amx_bf16 "

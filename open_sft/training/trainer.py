@@ -88,6 +88,7 @@ class Trainer:
         self.precision = Precision(dtype, accelerator, optimizer, self.is_deepspeed)
         # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel)
         self.sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
+        self.example_lengths = data.lengths() if self.sp_size > 1 else []  # the plan's, for SP group widths
         if self.is_deepspeed:
             problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
             if problems:
@@ -117,9 +118,8 @@ class Trainer:
         else:
             batch = collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
         if self.sp_size > 1:
-            lengths = batch["lengths"]
             rows = 1 if self.args.packing else self.steps.layout.micro_batch_size
-            batch = {**fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width), "lengths": lengths}
+            batch = fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width)
         return batch
 
     def _passes(self, batches: list[dict[str, torch.Tensor]], positions: list[torch.Tensor],
@@ -137,7 +137,7 @@ class Trainer:
         epoch, step_in_epoch = locate(self.steps.plan, step)
         micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
         widths = [0] * len(micro_batches) if self.sp_size == 1 else group_widths(
-            self.steps.plan, epoch, step_in_epoch, self._lengths(), self.args.packing)
+            self.steps.plan, epoch, step_in_epoch, self.example_lengths, self.args.packing)
         batches = []
         for indices, width in zip(micro_batches, widths):
             if indices:
@@ -145,11 +145,6 @@ class Trainer:
             else:  # an empty slot (end of an epoch): same compute on every rank, no loss
                 batches.append((self._collate([0], loss_free=True, width=width), []))
         return batches
-
-    def _lengths(self) -> list[int]:
-        if not hasattr(self, "_example_lengths"):
-            self._example_lengths = self.data.lengths()
-        return self._example_lengths
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
         """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
