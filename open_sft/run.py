@@ -85,6 +85,10 @@ def plan_launch(config: FinetuneConfig) -> Job:
         for note in plan.notes:
             logger.info("launch config: %s", note)
         logger.info("compute dtype %s: %s", plan.dtype_choice.dtype, plan.dtype_choice.reason)
+    if plan.fsdp is not None:
+        from open_sft.distributed.fsdp import refuse_what_fsdp_cannot_do
+
+        refuse_what_fsdp_cannot_do(plan.train, config.lora, plan.dtype)
     torch.manual_seed(plan.train.seed)
     return Job(dataclasses.replace(config, train=plan.train), plan)
 
@@ -93,7 +97,7 @@ def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.pipeline import prepare_data as build
-    from open_sft.data.summary import format_data_report
+    from open_sft.data.summary import format_data_report, print_examples
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
@@ -114,7 +118,7 @@ def prepare_data(job: Job) -> None:
     if _is_main_rank():
         print(format_data_report(job.data.report), flush=True)
         if job.config.train.dry_run:
-            _print_examples(job.data, job.tokenizer)
+            print_examples(job.data, job.tokenizer, color=sys.stdout.isatty())
 
 
 def build_model(job: Job) -> None:
@@ -153,6 +157,7 @@ def build_model(job: Job) -> None:
 
 def preflight(job: Job) -> None:
     """The step plan, and the memory and time the run will need, printed before anything is trained."""
+    from open_sft.distributed.fsdp import fsdp_layout
     from open_sft.model.load import context_warning
     from open_sft.preflight.estimate import over_budget_warning, estimate_run
     from open_sft.training.steps import plan_steps
@@ -160,7 +165,7 @@ def preflight(job: Job) -> None:
     config, data = job.config, job.data
     job.steps = plan_steps(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
     job.preflight = estimate_run(config, job.model, job.steps, data, job.ds_config, job.dtype in HALF,
-                                   job.baseline_bytes)
+                                 job.baseline_bytes, fsdp_layout(job.accelerator))
     if job.accelerator.is_main_process:
         context = context_warning(job.model.config, max(data.lengths(), default=0))
         if context:
@@ -174,7 +179,7 @@ def preflight(job: Job) -> None:
 def probe_only(job: Job) -> dict:
     """--dry_run: train the probe steps on this throwaway copy of the model, print the time estimate, write
     nothing."""
-    from open_sft.preflight.estimate import StepTimer, TimeProbe, format_seconds
+    from open_sft.preflight.timing import StepTimer, TimeProbe, format_seconds
 
     trainer = _build_trainer(job, metrics=None)
     probe = TimeProbe(job.steps.total_steps, job.preflight.step_slots)
@@ -195,12 +200,13 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     Preempted); returns the trainer, the checkpointer and the logged records."""
     from open_sft.distributed.collectives import all_reduce_sum
     from open_sft.monitor.progress import ProgressBar
-    from open_sft.preflight.estimate import StepTimer, TimeProbe
+    from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
     from open_sft.training.preemption import StopRequest
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes)
+    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes,
+                                       checkpoint.engine_name(acc.distributed_type.name))
     resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
                                        acc.is_main_process)
     if acc.is_main_process:
@@ -309,6 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) -> None:
     """The Accelerator, with the launch's DeepSpeed config resolved from the flags (its "auto" values filled)."""
     from open_sft.distributed.deepspeed import resolve_deepspeed_config
+    from open_sft.distributed.fsdp import build_plugin
     from open_sft.distributed.sequence_parallel import sequence_parallel_launch
     from open_sft.distributed.setup import build_accelerator
     from open_sft.model.load import attn_implementation
@@ -320,20 +327,12 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
         job.ds_config = resolve_deepspeed_config(
             job.launch.deepspeed_config, **batch, bf16=job.dtype == torch.bfloat16, fp16=job.dtype == torch.float16,
             clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
+    mixed_precision = accelerate_mixed_precision(job.dtype, deepspeed)
+    fsdp = build_plugin(job.model, mixed_precision) if job.launch.fsdp is not None else None
     job.accelerator = build_accelerator(
-        gradient_accumulation_steps=batch["gradient_accumulation_steps"],
-        mixed_precision=accelerate_mixed_precision(job.dtype, deepspeed), deepspeed_config=job.ds_config,
-        timeout_s=t.timeout, zero3_init=zero3_init, parallelism_config=sp)
-
-
-def _print_examples(data: Any, tokenizer: Any, count: int = 3) -> None:
-    from open_sft.data.summary import mark_trained
-
-    color = sys.stdout.isatty()
-    for index in range(min(count, len(data))):
-        example = data.example(index)
-        print(f"\n--- example {index} ({len(example.input_ids)} tokens; trained tokens marked) ---")
-        print(mark_trained(tokenizer, example.input_ids, example.labels, color))
+        gradient_accumulation_steps=batch["gradient_accumulation_steps"], mixed_precision=mixed_precision,
+        deepspeed_config=job.ds_config, timeout_s=t.timeout, zero3_init=zero3_init, parallelism_config=sp,
+        fsdp_plugin=fsdp)
 
 
 def _build_trainer(job: Job, metrics: Any) -> Any:

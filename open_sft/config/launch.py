@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections
+from open_sft.distributed.fsdp import fsdp_request
 from open_sft.errors import UserError
 from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
 
@@ -185,6 +186,7 @@ class LaunchPlan:
     record: dict[str, Any] = field(default_factory=dict)
     dtype_choice: Optional[DtypeChoice] = None
     zero3_init: bool = False  # load the model partitioned, under deepspeed.zero.Init (ZeRO-3)
+    fsdp: Optional[dict[str, str]] = None  # FSDP2: the launch's FSDP_* settings (open_sft.distributed.fsdp)
 
 
 class _Decider:
@@ -284,6 +286,10 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
     """Decide the run's accumulation, clipping, micro-batch, optimizer and schedule settings and dtype from
     the flags and the launch config; the returned DeepSpeed config keeps "auto" for what the flags fill."""
     cfg, path, settings = deepspeed_request(env)
+    fsdp = fsdp_request(env)
+    if cfg is not None and fsdp is not None:
+        raise UserError("the launch asks for both DeepSpeed and FSDP; pick one engine (--use_deepspeed or --use_fsdp, "
+                        "or one accelerate config file)")
     decider = _Decider(explicit, path)
     updates: dict[str, Any] = {}
     if cfg is not None:
@@ -328,9 +334,9 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         os.environ.pop(ENV_FIELDS_FROM_YAML, None)
     zero3_init = _zero3_init(cfg, settings, decider.notes)
     record = {"deepspeed_config_file": path, "accelerate_deepspeed_settings": settings,
-              "decisions": list(decider.notes), "zero3_init": zero3_init}
+              "decisions": list(decider.notes), "zero3_init": zero3_init, "fsdp_settings": fsdp}
     return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, notes=decider.notes, record=record,
-                      dtype_choice=choice, zero3_init=zero3_init)
+                      dtype_choice=choice, zero3_init=zero3_init, fsdp=fsdp)
 
 
 def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:

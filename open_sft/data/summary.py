@@ -61,3 +61,11 @@ def mark_trained(tokenizer: Any, input_ids: list[int], labels: list[int], color:
         text = tokenizer.decode(run)
         parts.append(f"{open_}{text}{close}" if trained else text)
     return "".join(parts)
+
+
+def print_examples(data: Any, tokenizer: Any, color: bool, count: int = 3) -> None:
+    """--dry_run: the first examples as the model will see them, trained tokens marked."""
+    for index in range(min(count, len(data))):
+        example = data.example(index)
+        print(f"\n--- example {index} ({len(example.input_ids)} tokens; trained tokens marked) ---")
+        print(mark_trained(tokenizer, example.input_ids, example.labels, color))

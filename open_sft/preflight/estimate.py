@@ -1,4 +1,4 @@
-"""Preflight: the per-rank memory a run will need, by component, and its wall time from a measured probe.
+"""Preflight: the per-rank memory a run will need, by component (its wall time: open_sft.preflight.timing).
 
 Printed by --dry_run (which also runs the probe, then exits without writing anything) and at the start
 of every run. The memory model is analytic so that it can warn before an out-of-memory, not after:
@@ -100,6 +100,7 @@ class RunShape:
     gradient_checkpointing: bool
     reduce_bucket_size: int = 0  # elements (DeepSpeed)
     attention_width: int = 0  # padded width of that micro-batch when it needs a padding mask, else 0
+    fsdp: bool = False  # FSDP2 full sharding (zero_stage is 0 then)
 
 
 @dataclass
@@ -126,6 +127,8 @@ def _model_states(model: ModelShape, run: RunShape) -> tuple[int, int, int, list
     ws, trainable = run.world_size, model.trainable
     notes = []
     adam = 8 * trainable  # exp_avg and exp_avg_sq in fp32
+    if run.fsdp:
+        return _fsdp_states(model, run, adam)
     if run.zero_stage == 0:
         params = model.param_bytes + (2 * model.matmul_params if run.bf16 else 0)  # autocast's bf16 copies
         grads = 4 * trainable
@@ -145,6 +148,24 @@ def _model_states(model: ModelShape, run: RunShape) -> tuple[int, int, int, list
     if run.offload:
         notes.append("offload: optimizer states and master weights live in host memory (counted here)")
     return params, grads, optimizer, notes
+
+
+def _fsdp_states(model: ModelShape, run: RunShape, adam: int) -> tuple[int, int, int, list[str]]:
+    """FSDP2 full sharding: every parameter, gradient and optimizer state sharded over the ranks; a transformer
+    block gathered (in the compute dtype) while it runs and the next one prefetched; the root unit (embeddings,
+    final norm, LM head) gathered for the whole step."""
+    ws, trainable = run.world_size, model.trainable
+    block = max(model.params - 2 * model.vocab * model.hidden, 0) // max(model.layers, 1)
+    root = max(model.params - model.layers * block, 0)
+    low = 2 if run.bf16 else 4
+    frozen_bytes = max(model.param_bytes - 4 * trainable, 0)
+    params = (4 * trainable + frozen_bytes) // ws + low * (root + 2 * block)
+    grads = 4 * trainable // ws + 4 * min(trainable, root + block)  # the unit's full gradient before reduce-scatter
+    notes = [f"FSDP2: parameters, gradients and optimizer states sharded over {ws} rank(s), one transformer block "
+             "gathered at a time"]
+    if run.offload:
+        notes.append("offload: sharded parameters, gradients and optimizer states live in host memory (counted here)")
+    return params, grads, adam // ws + 4 * trainable // ws, notes
 
 
 def saved_activation_bytes(model: ModelShape, run: RunShape) -> int:
@@ -198,36 +219,8 @@ def device_memory_bytes(local_world_size: int, limit_gib: Optional[float] = None
 
 
 # ----------------------------------------------------------------------------------------------
-# Time
+# Token positions per step (what the time probe scales by, and the largest micro-batch)
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class TimeProbe:
-    """Times the optimizer steps after a warm-up one; estimates the rest in proportion to tokens computed
-    (a step's time grows with the token positions it computes: padding included, since it is computed)."""
-
-    total_steps: int
-    step_slots: list[int]  # token positions computed (all ranks) at every step of the schedule
-    warmup: int = 1
-    probe_steps: int = 3
-    seconds: list[float] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-
-    def record(self, step_index: int, seconds: float) -> None:
-        """`step_index` is 0-based within this launch (a resumed run starts again from its warm-up)."""
-        if self.warmup <= step_index < self.warmup + self.probe_steps:
-            self.seconds.append(seconds)
-
-    @property
-    def done(self) -> bool:
-        return len(self.seconds) >= self.probe_steps
-
-    def estimate_seconds(self, first_step: int, probed_from: int) -> float:
-        """Training time of steps first_step..total from the probe steps (which began at probed_from)."""
-        probed = self.step_slots[probed_from:probed_from + len(self.seconds)]
-        rate = sum(self.seconds) / max(sum(probed), 1)
-        return rate * sum(self.step_slots[first_step:self.total_steps])
-
-
 def micro_batch_positions(sizes: list[int], packing: bool, row_capacity: int) -> int:
     """Token positions a micro-batch computes as it will be collated: unpacked ones pad to their longest
     example; packed ones lay examples into rows (best-fit-decreasing) padded to the fullest row."""
@@ -256,13 +249,6 @@ def step_slots(steps: Any, lengths: list[int], packing: bool) -> tuple[list[int]
                         width = max(sizes) if not packing and min(sizes) != max(sizes) else 0
         slots.append(total)
     return slots, largest, width
-
-
-def format_seconds(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
 def format_memory(estimate: MemoryEstimate, device_bytes: int, device_name: str) -> str:
@@ -322,6 +308,7 @@ class Preflight:
     step_slots: list[int]
     sequence_parallel: int = 1  # --sequence_parallel_size: each rank holds 1/N of every sequence
     world_size: int = 1
+    fsdp: Optional[dict] = None  # FSDP2's layout (open_sft.distributed.fsdp.describe)
 
     def describe(self, steps: Any, data: Any) -> str:
         layout = steps.layout
@@ -336,15 +323,21 @@ class Preflight:
             lines.insert(2, f"  parallel layout: data parallel {layout.world_size // self.sequence_parallel} × "
                             f"sequence parallel {self.sequence_parallel} (each rank holds 1/{self.sequence_parallel} "
                             "of every sequence; the estimate is per rank)")
+        if self.fsdp is not None:
+            lines.insert(2, f"  parallel layout: FSDP2, data parallel {layout.world_size} with every parameter, "
+                            f"gradient and optimizer state in {self.fsdp['shards']} shards (units: "
+                            f"{self.fsdp['wrap']}); the estimate is per rank")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name,
-                "parallel": {"data": self.world_size // self.sequence_parallel, "sequence": self.sequence_parallel}}
+                "parallel": {"data": self.world_size // self.sequence_parallel, "sequence": self.sequence_parallel,
+                             **({"fsdp": self.fsdp} if self.fsdp is not None else {})}}
 
 
 def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_config: Optional[dict],
-                   bf16: bool, baseline: int) -> Preflight:
+                   bf16: bool, baseline: int, fsdp: Optional[dict] = None) -> Preflight:
+    """`fsdp`: open_sft.distributed.fsdp.describe's layout of an FSDP2 run, else None."""
     slots, largest, width = step_slots(steps, data.lengths(), config.train.packing)
     stage, offload, bucket = zero_settings(ds_config)
     # every position of the largest micro-batch counted as trained: an upper bound for the LM-head loss term
@@ -352,34 +345,11 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
     bf16_activations = bf16 and not (config.lora.use_qlora and not torch.cuda.is_available())
     sp = config.train.sequence_parallel_size  # a rank computes 1/sp of each micro-batch's positions, unmasked
     per_rank = -(-largest // sp)
+    if fsdp is not None:
+        offload = fsdp["cpu_offload"]
+    checkpointing = config.model.gradient_checkpointing or bool(fsdp and fsdp["activation_checkpointing"])
     shape = RunShape(steps.layout.world_size, stage, offload, bf16_activations, per_rank, per_rank,
-                     config.model.gradient_checkpointing, bucket, width if sp == 1 else 0)
+                     checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None)
     memory = estimate_memory(ModelShape.of(model), shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
-    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size)
-
-
-class StepTimer:
-    """After-step hook: records the seconds of each optimizer step of this launch, and once the probe steps are
-    done logs the training-time estimate (the probe is the run's own first steps: nothing is spent twice)."""
-
-    def __init__(self, probe: TimeProbe, start_step: int, log: Any = None):
-        self.probe, self.start_step, self.log = probe, start_step, log
-        self.index = 0
-        self.elapsed = 0.0  # seconds of the steps recorded so far
-        self.warmup_seconds = 0.0
-        self.estimate: Optional[float] = None
-
-    def __call__(self, done: int, seconds: float) -> bool:
-        self.probe.record(self.index, seconds)
-        self.elapsed += seconds
-        if self.index < self.probe.warmup:
-            self.warmup_seconds += seconds
-        self.index += 1
-        if self.estimate is None and self.probe.done:
-            probed_from = self.start_step + self.probe.warmup
-            self.estimate = self.warmup_seconds + self.probe.estimate_seconds(probed_from, probed_from)
-            if self.log is not None:
-                self.log(f"time estimate: {format_seconds(self.estimate)} for steps {self.start_step + 1}-"
-                         f"{self.probe.total_steps} (measured on steps {probed_from + 1}-{done})")
-        return False
+    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp)

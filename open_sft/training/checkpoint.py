@@ -52,6 +52,7 @@ IDENTITY_FLAGS = {
     "packing": "--packing",
     "max_tokens_per_batch": "--max_tokens_per_batch",
     "balanced": "--balance_micro_batches (its default is off under --loss_normalization mean)",
+    "engine": "the training engine (DeepSpeed, FSDP2, or neither: each writes its own checkpoint format)",
 }
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
@@ -385,10 +386,15 @@ class Checkpointer:
         return final
 
 
-def run_identity(config: Any, cache_key: str, world_size: int) -> dict[str, Any]:
+def engine_name(distributed_type: str) -> str:
+    """The checkpoint format's engine, from accelerate's distributed type name."""
+    return {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(distributed_type, "torch")
+
+
+def run_identity(config: Any, cache_key: str, world_size: int, engine: str = "torch") -> dict[str, Any]:
     """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS)."""
     t = config.train
-    return {"dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
+    return {"engine": engine, "dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size,
             "seed": t.seed, "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
             "balanced": balances(t)}

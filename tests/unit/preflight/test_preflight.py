@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory, format_seconds, micro_batch_positions, saved_activation_bytes
+from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory, micro_batch_positions, saved_activation_bytes
+from open_sft.preflight.timing import format_seconds
 
 
 def test_time_probe_scales_the_probe_steps_by_token_positions() -> None:
     """Steps whose time is proportional to the token positions they compute are estimated exactly from
     the probe steps (after the warm-up one), whatever the other steps' sizes."""
-    from open_sft.preflight.estimate import TimeProbe
+    from open_sft.preflight.timing import TimeProbe
 
     slots = [900, 400, 800, 1200, 300, 2000, 1000, 600]
     probe = TimeProbe(total_steps=len(slots), step_slots=slots)
@@ -35,7 +36,7 @@ def test_time_probe_scales_the_probe_steps_by_token_positions() -> None:
 def test_step_timer_estimate_is_warmup_plus_probed_rate() -> None:
     """StepTimer on step times it is given: the estimate logged after the probe steps is the warm-up step's
     time plus the probed rate × the remaining token positions; a resumed launch starts from its step."""
-    from open_sft.preflight import estimate as preflight
+    from open_sft.preflight import timing as preflight
 
     slots = [100, 100, 200, 300, 100, 400]
     durations = iter([3.0, 0.1, 0.2, 0.3, 0.1, 0.4])  # a warm-up step, then 1 ms per position

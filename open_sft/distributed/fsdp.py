@@ -1,0 +1,155 @@
+"""FSDP2 (torch's `fully_shard`) as the second engine beside DeepSpeed, through accelerate's FSDP plugin.
+
+A launch asks for it the accelerate way: `accelerate launch --use_fsdp --fsdp_version 2 ...` or
+`--config_file configs/accelerate/fsdp2.yaml`; accelerate hands the settings to every worker as
+ACCELERATE_USE_FSDP and FSDP_* variables, and its `FullyShardedDataParallelPlugin()` reads them. open_sft
+adds what a fine-tuning run needs and accelerate leaves open:
+
+* the transformer blocks are the sharding units when the launch names no wrap policy (accelerate's default
+  would shard the whole model as one unit: every rank would gather all of it at once);
+* checkpoints are always sharded (`SHARDED_STATE_DICT`: accelerate's save_state writes them with
+  torch.distributed.checkpoint, each rank its own shard), whatever the launch says for the final model: the
+  export gathers the full weights itself;
+* on CPU the engine is switched on by hand (`engage_on_cpu`, see there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Mapping, Optional
+
+import torch
+
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+ENV_USE_FSDP = "ACCELERATE_USE_FSDP"
+ENV_PREFIX = "FSDP_"
+ENV_VERSION = "FSDP_VERSION"
+ENV_WRAP = "FSDP_AUTO_WRAP_POLICY"
+ENV_OFFLOAD = "FSDP_OFFLOAD_PARAMS"
+ENV_ACTIVATION_CHECKPOINTING = "FSDP_ACTIVATION_CHECKPOINTING"
+
+
+def uses_fsdp(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(ENV_USE_FSDP, "false").lower() == "true"
+
+
+def fsdp_request(env: Mapping[str, str] = os.environ) -> Optional[dict[str, str]]:
+    """The FSDP settings the launch passed (FSDP_* variables, prefix dropped, lower case), or None without FSDP.
+    Only FSDP2 is trained with: FSDP1 is a clear error naming the fix."""
+    if not uses_fsdp(env):
+        return None
+    settings = {name[len(ENV_PREFIX):].lower(): value for name, value in sorted(env.items())
+                if name.startswith(ENV_PREFIX)}
+    version = settings.get("version", "1")  # accelerate's own default when --fsdp_version is not given
+    if version != "2":
+        raise UserError(f"FSDP version {version} was asked for (accelerate's default without --fsdp_version); "
+                        "open_sft trains with FSDP2: pass `accelerate launch --use_fsdp --fsdp_version 2`, or "
+                        "use configs/accelerate/fsdp2.yaml (fsdp_version: 2)")
+    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" and not torch.cuda.is_available():
+        # accelerate 1.15 checks a ParallelismConfig against the distributed type while the Accelerator is built,
+        # before engage_on_cpu can switch CPU ranks to FSDP, and refuses MULTI_CPU
+        raise UserError("HSDP (accelerate's --use_parallelism_config with FSDP) needs GPU ranks: accelerate 1.15 "
+                        "refuses a parallelism config on CPU ranks; drop --use_parallelism_config to shard over "
+                        "all ranks")
+    return settings
+
+
+def fsdp_problems(train: Any, lora: Any, dtype: torch.dtype) -> list[str]:
+    """What an FSDP2 run cannot do here, each with its fix (checked before anything is loaded)."""
+    problems = []
+    if train.sequence_parallel_size > 1:
+        problems.append("--sequence_parallel_size is DeepSpeed Ulysses: launch with DeepSpeed "
+                        "(configs/accelerate/deepspeed_zero3.yaml) instead of FSDP, or drop the flag")
+    if lora.use_qlora:
+        problems.append("--use_qlora under FSDP2: 4-bit weights cannot be sharded into DTensors here; use "
+                        "--use_lora, or train QLoRA under DeepSpeed ZeRO-2 or on one process")
+    if dtype == torch.float16:
+        problems.append("fp16 under FSDP2 is not supported (its loss scaling needs a sharded grad scaler); pass "
+                        "--torch_dtype bfloat16 or float32, or use DeepSpeed for fp16")
+    if train.auto_micro_batch_size:
+        problems.append("--auto_micro_batch_size measures one whole model on one process, not FSDP2's shards; "
+                        "pass --per_device_train_batch_size instead")
+    return problems
+
+
+def refuse_what_fsdp_cannot_do(train: Any, lora: Any, dtype: torch.dtype) -> None:
+    problems = fsdp_problems(train, lora, dtype)
+    if problems:
+        raise UserError("FSDP2: " + "; ".join(problems))
+
+
+def build_plugin(model: torch.nn.Module, mixed_precision: str) -> Any:
+    """accelerate's FSDP plugin from the launch's FSDP_* settings, with open_sft's defaults where the launch is
+    silent: transformer blocks (the model's `_no_split_modules`) as sharding units, sharded checkpoints."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    os.environ.setdefault(ENV_VERSION, "2")
+    if ENV_WRAP not in os.environ or os.environ[ENV_WRAP] == "NO_WRAP":
+        blocks = getattr(model, "_no_split_modules", None) or []
+        if blocks:
+            os.environ[ENV_WRAP] = "TRANSFORMER_BASED_WRAP"
+            os.environ.setdefault(ENV_PREFIX + "TRANSFORMER_CLS_TO_WRAP", ",".join(blocks))
+    elif os.environ[ENV_WRAP] == "TRANSFORMER_BASED_WRAP" and not os.environ.get(ENV_PREFIX + "TRANSFORMER_CLS_TO_WRAP"):
+        # accelerate would look for _no_split_modules on the module it prepares: our loss wrapper has none
+        os.environ[ENV_PREFIX + "TRANSFORMER_CLS_TO_WRAP"] = ",".join(getattr(model, "_no_split_modules", None) or [])
+    os.environ[ENV_PREFIX + "STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
+    plugin = FullyShardedDataParallelPlugin()
+    if offloads(plugin) and not torch.cuda.is_available():
+        from torch.distributed.fsdp import OffloadPolicy
+
+        # FSDP2's CPUOffloadPolicy pins host memory for device copies, which needs an accelerator; on CPU the
+        # sharded parameters, gradients and optimizer states already live in host memory
+        plugin.cpu_offload = OffloadPolicy()
+        logger.info("FSDP2 offload_params: nothing to offload on CPU ranks (everything is in host memory already)")
+    if mixed_precision == "bf16":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # bf16 compute on fp32 sharded master weights; gradients reduced in fp32 (accelerate's default policy
+        # reduces in bf16, which rounds every rank's contribution before the sum)
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return plugin
+
+
+def offloads(plugin: Any) -> bool:
+    return type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
+
+
+def engage_on_cpu(accelerator: Any, plugin: Any) -> None:
+    """Switch an Accelerator built for CPU ranks (MULTI_CPU over gloo) to the FSDP engine.
+
+    Why by hand: accelerate 1.15's AcceleratorState turns FSDP on only for GPU-like distributed types
+    (MULTI_GPU, MULTI_XPU, ...): on CPU it leaves MULTI_CPU even under `--use_fsdp`, and `prepare` would wrap
+    the model in DDP, sharding nothing. torch's `fully_shard` itself runs on CPU tensors over gloo, and
+    accelerate's FSDP2 code paths (prepare, clip_grad_norm_, get_state_dict, save_state/load_state through
+    torch.distributed.checkpoint) are device-agnostic, so setting the distributed type before `prepare` makes
+    CPU runs take exactly the path GPU runs take. The type lives in two shared states (AcceleratorState, and
+    PartialState, from which a later AcceleratorState() re-reads it), so both are set.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type == DistributedType.FSDP:
+        return
+    if state.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.NO):
+        raise RuntimeError(f"cannot switch a {state.distributed_type} accelerator to FSDP")
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def fsdp_layout(accelerator: Any) -> Optional[dict[str, Any]]:
+    """The FSDP2 layout for the preflight and run.json; None when the run is not on FSDP."""
+    if accelerator.distributed_type.name != "FSDP":
+        return None
+    plugin, world_size = accelerator.state.fsdp_plugin, accelerator.num_processes
+    policy = plugin.mixed_precision_policy
+    return {"engine": "fsdp2", "shards": world_size, "reshard_after_forward": plugin.reshard_after_forward,
+            "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model",
+            "cpu_offload": offloads(plugin),
+            "param_dtype": str(getattr(policy, "param_dtype", None) or "float32"),
+            "activation_checkpointing": bool(plugin.activation_checkpointing)}
