@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""Scaling out on 2 real ranks (gloo on CPU): the engines side by side, and the longest sequence that trains
+under a per-rank memory cap with and without sequence parallelism.
+
+    python scripts/benchmark_scale_out.py engines            # ZeRO-2, ZeRO-3 and FSDP2 on the same model and data
+    python scripts/benchmark_scale_out.py longest --cap_gib 1.6 --lengths 2048 4096 8192 16384
+
+`engines`: finetune.py under `accelerate launch --num_processes 2` with configs/ds/zero2.json, zero3.json and
+configs/accelerate/fsdp2.yaml, one after the other on a generated chat mix; prints tokens/s over the steady
+steps (the first --warmup_steps excluded), each rank's peak resident memory (polled), and the final loss (the
+engines train the same steps, so the losses agree).
+
+`longest`: documents spliced into blocks of exactly L tokens (text format: every token trained), one block per
+rank and step, under ZeRO-3 with and without `--sequence_parallel_size 2`. Per length: the ranks' peak resident
+memory and tokens/s; then, per layout, the longest L whose peak stays under --cap_gib. A run that fails (out of
+memory) counts as over the cap. First a line names the CPU and its flags: a figure holds for that CPU kind only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchmark import cpu_line  # noqa: E402  (the CPU line every benchmark prints)
+from benchmark_balance import WORDS, long_tailed_mix  # noqa: E402
+
+GIB = 2**30
+ENGINES = {"zero2": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "configs" / "ds" / "zero2.json")],
+           "zero3": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "configs" / "ds" / "zero3.json")],
+           "fsdp2": ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")]}
+
+
+def documents(path: Path, rows: int, words: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with path.open("w") as handle:
+        for _ in range(rows):
+            handle.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(words))}) + "\n")
+
+
+def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
+    """One 2-rank run; returns its metrics and each worker's peak resident memory (polled every 50 ms)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(args.port),
+           *ENGINES[engine], str(ROOT / "finetune.py"), "--output_dir", str(out), "--logging_steps", "1",
+           "--torch_dtype", args.dtype, "--dataset_local_cache_dir", str(out.parent / "cache"), *finetune]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+    peaks: dict[int, int] = {}
+    with (out.parent / f"{out.name}.log").open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        launcher = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                for child in launcher.children(recursive=True):
+                    if "finetune.py" in " ".join(child.cmdline()):
+                        peaks[child.pid] = max(peaks.get(child.pid, 0), child.memory_info().rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    steady = [r for r in records if "loss" in r][args.warmup_steps:]
+    result = {"ok": proc.returncode == 0 and len(steady) >= 2,
+              "peak_rss_gib_per_rank": sorted(round(v / GIB, 3) for v in peaks.values())}
+    if result["ok"]:
+        result["tokens_per_second"] = round((steady[-1]["total_tokens"] - steady[0]["total_tokens"])
+                                            / (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]), 1)
+        result["final_loss"] = round(steady[-1]["loss"], 5)
+    return result
+
+
+def engines(args, model: str, tmp: Path) -> None:
+    data = tmp / "mix.jsonl"
+    long_tailed_mix(data, args.rows, seed=0)
+    for engine in ENGINES:
+        result = launch(args, engine, ["--model_name_or_path", model, "--dataset_mixer_list", str(data), "1.0",
+                                       "--max_train_steps", str(args.steps), "--per_device_train_batch_size", "4",
+                                       "--gradient_accumulation_steps", "2", "--max_seq_length", "1024",
+                                       "--learning_rate", "1e-4"], tmp / engine)
+        print(json.dumps({"engine": engine, **result}), flush=True)
+
+
+def longest(args, model: str, tmp: Path) -> None:
+    data = tmp / "documents.jsonl"
+    documents(data, rows=4 * args.steps, words=max(args.lengths) + 64, seed=0)
+    fits: dict[int, int] = {1: 0, 2: 0}
+    for length in args.lengths:
+        for sp in (1, 2):
+            flags = ["--model_name_or_path", model, "--dataset_mixer_list", str(data), "1.0",
+                     "--dataset_format", "text", "--max_seq_length", str(length), "--max_train_steps",
+                     str(args.steps), "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+                     "--learning_rate", "1e-4", "--sequence_parallel_size", str(sp)]
+            result = launch(args, "zero3", flags, tmp / f"len{length}_sp{sp}")
+            peak = max(result["peak_rss_gib_per_rank"], default=0.0)
+            if result["ok"] and peak <= args.cap_gib:
+                fits[sp] = max(fits[sp], length)
+            print(json.dumps({"length": length, "sequence_parallel": sp, **result}), flush=True)
+    print(json.dumps({"cap_gib_per_rank": args.cap_gib, "longest_without_sp": fits[1], "longest_with_sp2": fits[2]}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("engines", "longest"))
+    parser.add_argument("--model_name_or_path", default=None, help="default: the embedded default at --hidden")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup_steps", type=int, default=2)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--cap_gib", type=float, default=1.6, help="per-rank peak resident memory cap (longest)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--port", type=int, default=29741)
+    args = parser.parse_args()
+    print(json.dumps(cpu_line()))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model_name_or_path
+        if model is None:
+            from open_sft.embedded.factory import build_embedded_default
+
+            model = str(build_embedded_default(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
+                                               num_heads=4))
+        (engines if args.what == "engines" else longest)(args, model, Path(tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
