@@ -55,15 +55,16 @@ def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
            *ENGINES[engine], str(ROOT / "finetune.py"), "--output_dir", str(out), "--logging_steps", "1",
            "--torch_dtype", args.dtype, "--dataset_local_cache_dir", str(out.parent / "cache"), *finetune]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
-    peaks: dict[int, int] = {}
+    peaks: dict[str, int] = {}  # by RANK
     with (out.parent / f"{out.name}.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         launcher = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
                 for child in launcher.children(recursive=True):
-                    if "finetune.py" in " ".join(child.cmdline()):
-                        peaks[child.pid] = max(peaks.get(child.pid, 0), child.memory_info().rss)
+                    rank = child.environ().get("RANK")
+                    if rank is not None and "finetune.py" in " ".join(child.cmdline()):
+                        peaks[rank] = max(peaks.get(rank, 0), child.memory_info().rss)
             except psutil.Error:
                 pass
             time.sleep(0.05)
@@ -71,7 +72,7 @@ def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steady = [r for r in records if "loss" in r][args.warmup_steps:]
     result = {"ok": proc.returncode == 0 and len(steady) >= 2,
-              "peak_rss_gib_per_rank": sorted(round(v / GIB, 3) for v in peaks.values())}
+              "peak_rss_gib_per_rank": [round(peaks[rank] / GIB, 3) for rank in sorted(peaks)]}
     if result["ok"]:
         result["tokens_per_second"] = round((steady[-1]["total_tokens"] - steady[0]["total_tokens"])
                                             / (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]), 1)
