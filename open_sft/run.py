@@ -234,6 +234,11 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
 
         write_json(output_dir / f"data_order.rank{acc.process_index}.json",
                    {"rank": acc.process_index, "example_indices": trainer.seen_example_ids})
+    if trainer.saved_activations is not None:  # OPEN_SFT_RECORD_ACTIVATIONS: audit aid (monitor.activations)
+        from open_sft.monitor.run_info import write_json
+
+        write_json(output_dir / f"activations.rank{acc.process_index}.json",
+                   {"rank": acc.process_index, "peak_saved_bytes": trainer.saved_activations.peak_bytes})
     return trainer, checkpointer, records
 
 

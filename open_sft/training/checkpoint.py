@@ -53,10 +53,11 @@ IDENTITY_FLAGS = {
     "max_tokens_per_batch": "--max_tokens_per_batch",
     "balanced": "--balance_micro_batches (its default is off under --loss_normalization mean)",
     "engine": "the training engine (DeepSpeed, FSDP2, or neither: each writes its own checkpoint format)",
+    "sequence_parallel_size": "--sequence_parallel_size (it sets DeepSpeed's data-parallel partitioning)",
 }
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
-IDENTITY_BEFORE_RECORDED = {"balanced": False}
+IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1}
 
 
 @dataclass(frozen=True)
@@ -397,4 +398,4 @@ def run_identity(config: Any, cache_key: str, world_size: int, engine: str = "to
     return {"engine": engine, "dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size,
             "seed": t.seed, "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
-            "balanced": balances(t)}
+            "balanced": balances(t), "sequence_parallel_size": t.sequence_parallel_size}

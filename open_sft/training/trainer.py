@@ -10,6 +10,7 @@ multiply by accumulation × world size to undo both.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -26,6 +27,7 @@ from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
 from open_sft.errors import UserError
+from open_sft.monitor.activations import SavedActivations
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
 from open_sft.training.amp import Precision
 from open_sft.training.evaluate import evaluate
@@ -106,6 +108,7 @@ class Trainer:
         self.loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: per-position losses
         self.loss_model.keep_token_losses = True
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
+        self.saved_activations = SavedActivations.if_requested()  # audit aid: measured activation bytes
 
     def _collate(self, indices: list[int], loss_free: bool = False, width: int = 0) -> dict[str, torch.Tensor]:
         examples, sources = [self.data.example(i) for i in indices], [self.data.source(i) for i in indices]
@@ -239,7 +242,8 @@ class Trainer:
         passes = self._passes([batch for batch, _ in batches], positions, local_counts)
         for a, (batch, trained_positions, trained_local) in enumerate(passes):
             with self.accelerator.accumulate(self.model):
-                with self.precision.autocast():
+                with self.precision.autocast(), (self.saved_activations.measure() if self.saved_activations
+                                                 else contextlib.nullcontext()):
                     token_loss_sum = self.model(**batch)
                 loss_sum += token_loss_sum.detach().double()
                 source_loss.index_add_(0, trained_positions, self.loss_model.token_losses.double())

@@ -17,15 +17,17 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file as load_weights_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import FINETUNE, ROOT, SAMPLE, child_env, free_port, read_metrics, run_finetune
 from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
+from integration.test_lora import lora_pairs
 
 STEPS = 6
 YAML = ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")]
 FLAGS = ["--use_fsdp", "--fsdp_version", "2"]
-LORA = ("--use_lora", "--lora_rank", "4", "--lora_dropout", "0")  # no dropout: its masks depend on the layout
+LORA = ("--use_lora", "--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout", "0")  # no dropout: its masks depend on the layout
 
 
 def args_for(model_dir, output_dir, micro_batch: int, *extra: str) -> list[str]:
@@ -66,11 +68,11 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
                           command=fsdp_command(YAML))
     relaunch = run_fsdp(YAML, killed_args)
     run_finetune(args_for(tiny_model_dir, out["lora_one"], 4, *LORA))
-    run_fsdp(FLAGS, args_for(tiny_model_dir, out["lora_fsdp"], 2, *LORA))
+    run_fsdp(FLAGS, args_for(tiny_model_dir, out["lora_fsdp"], 2, *LORA, "--merge_lora_on_save"))
     run_finetune(args_for(tiny_model_dir, out["bf16_one"], 4, "--torch_dtype", "bfloat16"))
     run_fsdp(FLAGS, args_for(tiny_model_dir, out["bf16_fsdp"], 2, "--torch_dtype", "bfloat16",
                              "--gradient_checkpointing"))
-    return {**out, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr}
+    return {**out, "base": tiny_model_dir, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr}
 
 
 def test_two_ranks_train_what_one_process_trains(runs) -> None:
@@ -138,6 +140,14 @@ def test_lora_under_fsdp2_trains_only_the_adapters(runs) -> None:
     assert held and all("lora_A" in key or "lora_B" in key for key in held)
     model = FileSystemReader(str(runs["lora_fsdp"] / "checkpoints" / f"step_{STEPS}" / "pytorch_model_fsdp_0"))
     assert any("base_layer" in key for key in model.read_metadata().state_dict_metadata)  # the base is sharded too
+    # the merged export: the untouched base plus each adapter's update (lora_alpha 8 / rank 4)
+    base, merged = load_weights(runs["base"]), load_weights(runs["lora_fsdp"] / "merged")
+    pairs = lora_pairs(load_weights_file(runs["lora_fsdp"] / "adapter_model.safetensors"))
+    assert merged.keys() == base.keys() and pairs
+    for key, weight in base.items():
+        lora_a, lora_b = pairs.get(key, (None, None))
+        expected = weight if lora_a is None else weight + 8 / 4 * lora_b @ lora_a
+        torch.testing.assert_close(merged[key], expected, rtol=0, atol=1e-6, msg=key)
 
 
 def test_bf16_under_fsdp2_tracks_one_process(runs) -> None:

@@ -93,3 +93,31 @@ def test_sequence_parallel_resume_continues_the_run(losses, tiny_model_dir, tmp_
     assert code != 0
     run_finetune(args, processes=2, deepspeed_config="zero3.json")
     assert [m["loss"] for m in read_metrics(tmp_path / "out")] == pytest.approx(losses["sp2_zero3_padded"], rel=1e-6)
+
+
+def test_each_rank_saves_about_half_the_activations_of_a_long_sequence(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """8,192-token blocks, one per rank (2 ranks, ZeRO-2): with SP 2 a rank computes its group's sequences in
+    halves, so the activations it saves for backward (measured: autograd's saved tensors, parameters excluded)
+    are about half those of a rank holding whole sequences; the loss is the same."""
+    import random
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(300)]
+    data = tmp_path / "documents.jsonl"
+    data.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(12_000))}) + "\n"
+                            for _ in range(2)))
+    monkeypatch.setenv("OPEN_SFT_RECORD_ACTIVATIONS", "1")
+    peaks, loss = {}, {}
+    for sp in (1, 2):
+        out = tmp_path / f"sp{sp}"
+        run_finetune(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(data), "1.0",
+                      "--dataset_format", "text", "--max_seq_length", "8192", "--output_dir", str(out),
+                      "--max_train_steps", "1", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps",
+                      "1", "--seed", "1", "--torch_dtype", "float32", "--sequence_parallel_size", str(sp)],
+                     processes=2, deepspeed_config="zero2.json")
+        peaks[sp] = [json.loads((out / f"activations.rank{r}.json").read_text())["peak_saved_bytes"] for r in (0, 1)]
+        loss[sp] = read_metrics(out)[-1]["loss"]
+    assert min(peaks[1]) > 8192 * 64 * 4 * 10  # whole sequences: at least 10 hidden-sized fp32 tensors per position
+    for whole, sliced in zip(peaks[1], peaks[2]):
+        assert sliced < 0.6 * whole, (peaks, "measured: 0.50")
+    assert loss[2] == pytest.approx(loss[1], rel=1e-5)

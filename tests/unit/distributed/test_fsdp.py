@@ -11,7 +11,7 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory
-from open_sft.training.checkpoint import check_compatible, engine_name
+from open_sft.training.checkpoint import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, engine_name
 
 
 def config(*flags: str):
@@ -95,8 +95,10 @@ def test_offload_is_kept_on_gpus_and_dropped_on_cpu_ranks(llama, launch_env) -> 
 def test_a_checkpoint_of_another_engine_is_not_resumed(tmp_path) -> None:
     assert [engine_name(t) for t in ("DEEPSPEED", "FSDP", "MULTI_CPU", "NO")] == ["deepspeed", "fsdp2", "torch", "torch"]
     with pytest.raises(UserError, match="training engine .*checkpoint 'fsdp2', now 'deepspeed'"):
-        check_compatible(tmp_path, {"engine": "fsdp2"}, {"engine": "deepspeed", "balanced": False})
-    check_compatible(tmp_path, {}, {"engine": "deepspeed", "balanced": False})  # written before the engine was recorded
+        check_compatible(tmp_path, {"engine": "fsdp2"}, {"engine": "deepspeed", **BEFORE})
+    check_compatible(tmp_path, {}, {"engine": "deepspeed", **BEFORE})  # written before the engine was recorded
+    with pytest.raises(UserError, match="--sequence_parallel_size .*checkpoint 1, now 2"):
+        check_compatible(tmp_path, {}, {**BEFORE, "sequence_parallel_size": 2})  # before SP was recorded: SP 1
 
 
 def shape(**kw) -> ModelShape:
