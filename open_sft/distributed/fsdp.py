@@ -10,14 +10,14 @@ adds what a fine-tuning run needs and accelerate leaves open:
 * checkpoints are always sharded (`SHARDED_STATE_DICT`: accelerate's save_state writes them with
   torch.distributed.checkpoint, each rank its own shard), whatever the launch says for the final model: the
   export gathers the full weights itself;
-* on CPU the engine is switched on by hand (`engage_on_cpu`, see there).
+* on CPU the engine is switched on by hand (`build_on_cpu`, see there).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ ENV_VERSION = "FSDP_VERSION"
 ENV_WRAP = "FSDP_AUTO_WRAP_POLICY"
 ENV_OFFLOAD = "FSDP_OFFLOAD_PARAMS"
 ENV_ACTIVATION_CHECKPOINTING = "FSDP_ACTIVATION_CHECKPOINTING"
+ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # accelerate launch --use_parallelism_config (HSDP)
 
 
 def uses_fsdp(env: Mapping[str, str] = os.environ) -> bool:
@@ -49,12 +50,6 @@ def fsdp_request(env: Mapping[str, str] = os.environ) -> Optional[dict[str, str]
         raise UserError(f"FSDP version {version} was asked for (accelerate's default without --fsdp_version); "
                         "open_sft trains with FSDP2: pass `accelerate launch --use_fsdp --fsdp_version 2`, or "
                         "use configs/accelerate/fsdp2.yaml (fsdp_version: 2)")
-    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" and not torch.cuda.is_available():
-        # accelerate 1.15 checks a ParallelismConfig against the distributed type while the Accelerator is built,
-        # before engage_on_cpu can switch CPU ranks to FSDP, and refuses MULTI_CPU
-        raise UserError("HSDP (accelerate's --use_parallelism_config with FSDP) needs GPU ranks: accelerate 1.15 "
-                        "refuses a parallelism config on CPU ranks; drop --use_parallelism_config to shard over "
-                        "all ranks")
     return settings
 
 
@@ -70,6 +65,7 @@ def fsdp_problems(train: Any, lora: Any, dtype: torch.dtype) -> list[str]:
     if dtype == torch.float16:
         problems.append("fp16 under FSDP2 is not supported (its loss scaling needs a sharded grad scaler); pass "
                         "--torch_dtype bfloat16 or float32, or use DeepSpeed for fp16")
+    problems += parallelism_problems()
     if train.auto_micro_batch_size:
         problems.append("--auto_micro_batch_size measures one whole model on one process, not FSDP2's shards; "
                         "pass --per_device_train_batch_size instead")
@@ -118,38 +114,61 @@ def offloads(plugin: Any) -> bool:
     return type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
 
 
-def engage_on_cpu(accelerator: Any, plugin: Any) -> None:
-    """Switch an Accelerator built for CPU ranks (MULTI_CPU over gloo) to the FSDP engine.
+def build_on_cpu(make_accelerator: Callable[[], Any], plugin: Any) -> Any:
+    """An Accelerator for CPU ranks (MULTI_CPU over gloo, from `make_accelerator`) switched to the FSDP engine,
+    with the launch's HSDP layout (`--use_parallelism_config`: dp_replicate × dp_shard) attached afterwards.
 
     Why by hand: accelerate 1.15's AcceleratorState turns FSDP on only for GPU-like distributed types
     (MULTI_GPU, MULTI_XPU, ...): on CPU it leaves MULTI_CPU even under `--use_fsdp`, and `prepare` would wrap
-    the model in DDP, sharding nothing. torch's `fully_shard` itself runs on CPU tensors over gloo, and
-    accelerate's FSDP2 code paths (prepare, clip_grad_norm_, get_state_dict, save_state/load_state through
-    torch.distributed.checkpoint) are device-agnostic, so setting the distributed type before `prepare` makes
-    CPU runs take exactly the path GPU runs take. The type lives in two shared states (AcceleratorState, and
-    PartialState, from which a later AcceleratorState() re-reads it), so both are set.
+    the model in DDP, sharding nothing; it also refuses a ParallelismConfig on MULTI_CPU while the Accelerator
+    is being built. torch's `fully_shard` and DeviceMesh run on CPU tensors over gloo, and accelerate's FSDP2
+    code paths (prepare, clip_grad_norm_, get_state_dict, save_state/load_state through
+    torch.distributed.checkpoint) are device-agnostic, so setting the distributed type (and then the mesh)
+    before `prepare` makes CPU runs take exactly the path GPU runs take. The type lives in two shared states
+    (AcceleratorState, and PartialState, from which a later AcceleratorState() re-reads it): both are set.
     """
+    from accelerate.parallelism_config import ParallelismConfig
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
+    hsdp = os.environ.pop(ENV_PARALLELISM, "false").lower() == "true"  # read back below, once FSDP is on
+    try:
+        accelerator = make_accelerator()
+    finally:
+        if hsdp:
+            os.environ[ENV_PARALLELISM] = "true"
     state = accelerator.state
-    if state.distributed_type == DistributedType.FSDP:
-        return
     if state.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.NO):
         raise RuntimeError(f"cannot switch a {state.distributed_type} accelerator to FSDP")
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if hsdp:
+        config = ParallelismConfig()  # its sizes from accelerate's PARALLELISM_CONFIG_* variables
+        state.parallelism_config = config
+        state.device_mesh = config.get_device_mesh(accelerator.device.type)
+        config._validate_accelerator(accelerator)  # accelerate's own checks, now against the FSDP state
+    return accelerator
+
+
+def parallelism_problems(env: Mapping[str, str] = os.environ) -> list[str]:
+    """What a launch's ParallelismConfig asks of FSDP2 that open_sft does not train with."""
+    if env.get(ENV_PARALLELISM, "false").lower() != "true":
+        return []
+    sizes = {name: int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1) for name in ("tp", "cp", "sp")}
+    return [f"--parallelism_config_{name}_size {size}: only data parallelism (dp_replicate × dp_shard, HSDP) is "
+            "supported under FSDP2; drop it" for name, size in sizes.items() if size > 1]
 
 
 def fsdp_layout(accelerator: Any) -> Optional[dict[str, Any]]:
     """The FSDP2 layout for the preflight and run.json; None when the run is not on FSDP."""
     if accelerator.distributed_type.name != "FSDP":
         return None
-    plugin, world_size = accelerator.state.fsdp_plugin, accelerator.num_processes
+    plugin, config = accelerator.state.fsdp_plugin, accelerator.parallelism_config
+    replicas = config.dp_replicate_size if config is not None else 1
     policy = plugin.mixed_precision_policy
-    return {"engine": "fsdp2", "shards": world_size, "reshard_after_forward": plugin.reshard_after_forward,
-            "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model",
-            "cpu_offload": offloads(plugin),
+    return {"engine": "fsdp2", "shards": accelerator.num_processes // replicas, "replicas": replicas,
+            "reshard_after_forward": plugin.reshard_after_forward,
+            "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model", "cpu_offload": offloads(plugin),
             "param_dtype": str(getattr(policy, "param_dtype", None) or "float32"),
             "activation_checkpointing": bool(plugin.activation_checkpointing)}

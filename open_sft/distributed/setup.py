@@ -63,7 +63,7 @@ def build_accelerator(
     * ``zero3_init``: a model loaded after this loads partitioned (transformers sees the DeepSpeed
       config through the plugin and loads under ``deepspeed.zero.Init``).
     * ``fsdp_plugin`` (open_sft.distributed.fsdp.build_plugin): FSDP2; on CPU the Accelerator is built for
-      MULTI_CPU and then switched to FSDP (``engage_on_cpu`` says why).
+      MULTI_CPU and then switched to FSDP (``build_on_cpu`` says why).
     """
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
@@ -81,21 +81,23 @@ def build_accelerator(
                        ] if multi_rank_launch() else []
 
     plugin = _deepspeed_plugin(deepspeed_config, mixed_precision, zero3_init) if deepspeed_config is not None else None
-    accelerator = Accelerator(
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        mixed_precision=mixed_precision,
-        deepspeed_plugin=plugin,
-        fsdp_plugin=fsdp_plugin if not on_cpu else None,
-        cpu=on_cpu and plugin is None,
-        kwargs_handlers=kwargs_handlers,
-        log_with=None,
-        parallelism_config=parallelism_config,  # --sequence_parallel_size (distributed.sequence_parallel)
-    )
-    if fsdp_plugin is not None and on_cpu:
-        from open_sft.distributed.fsdp import engage_on_cpu
+    def make() -> Accelerator:
+        return Accelerator(
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            mixed_precision=mixed_precision,
+            deepspeed_plugin=plugin,
+            fsdp_plugin=fsdp_plugin if not on_cpu else None,
+            cpu=on_cpu and plugin is None,
+            kwargs_handlers=kwargs_handlers,
+            log_with=None,
+            parallelism_config=parallelism_config,  # --sequence_parallel_size (distributed.sequence_parallel)
+        )
 
-        engage_on_cpu(accelerator, fsdp_plugin)
-    return accelerator
+    if fsdp_plugin is not None and on_cpu:
+        from open_sft.distributed.fsdp import build_on_cpu
+
+        return build_on_cpu(make, fsdp_plugin)
+    return make()
 
 
 def _deepspeed_plugin(deepspeed_config: dict[str, Any], mixed_precision: str, zero3_init: bool) -> Any:

@@ -324,8 +324,9 @@ class Preflight:
                             f"sequence parallel {self.sequence_parallel} (each rank holds 1/{self.sequence_parallel} "
                             "of every sequence; the estimate is per rank)")
         if self.fsdp is not None:
+            replicas = f" × {self.fsdp['replicas']} replicas (HSDP)" if self.fsdp["replicas"] > 1 else ""
             lines.insert(2, f"  parallel layout: FSDP2, data parallel {layout.world_size} with every parameter, "
-                            f"gradient and optimizer state in {self.fsdp['shards']} shards (units: "
+                            f"gradient and optimizer state in {self.fsdp['shards']} shards{replicas} (units: "
                             f"{self.fsdp['wrap']}); the estimate is per rank")
         return "\n".join(lines)
 
@@ -348,7 +349,8 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
     if fsdp is not None:
         offload = fsdp["cpu_offload"]
     checkpointing = config.model.gradient_checkpointing or bool(fsdp and fsdp["activation_checkpointing"])
-    shape = RunShape(steps.layout.world_size, stage, offload, bf16_activations, per_rank, per_rank,
+    sharded_over = fsdp["shards"] if fsdp is not None else steps.layout.world_size  # HSDP: replicas hold copies
+    shape = RunShape(sharded_over, stage, offload, bf16_activations, per_rank, per_rank,
                      checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None)
     memory = estimate_memory(ModelShape.of(model), shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)

@@ -160,6 +160,20 @@ def test_bf16_under_fsdp2_tracks_one_process(runs) -> None:
     assert {t.dtype for t in load_weights(runs["bf16_one"]).values()} == {torch.float32}
 
 
+def test_hsdp_on_four_ranks_trains_what_one_process_trains(runs, tiny_model_dir, tmp_path) -> None:
+    """2 replicas × 2 shards (accelerate's --use_parallelism_config), micro-batch 1 × 2 × 4 ranks."""
+    hsdp = [*FLAGS, "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
+            "--parallelism_config_dp_shard_size", "2"]
+    args = args_for(tiny_model_dir, tmp_path / "out", 1)
+    result = subprocess.run(fsdp_command(hsdp, processes=4) + args, cwd=ROOT, env=child_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert losses(tmp_path / "out") == pytest.approx(losses(runs["one"]), rel=1e-5)
+    layout = json.loads((tmp_path / "out" / "run.json").read_text())["preflight"]["parallel"]["fsdp"]
+    assert (layout["shards"], layout["replicas"]) == (2, 2)
+    assert "in 2 shards × 2 replicas (HSDP)" in result.stdout
+
+
 def test_fsdp1_is_refused_with_the_fix(tiny_model_dir, tmp_path) -> None:
     result = run_fsdp(["--use_fsdp"], args_for(tiny_model_dir, tmp_path / "out", 2), check=False)
     assert result.returncode != 0

@@ -119,5 +119,5 @@ def test_each_rank_saves_about_half_the_activations_of_a_long_sequence(tiny_mode
         loss[sp] = read_metrics(out)[-1]["loss"]
     assert min(peaks[1]) > 8192 * 64 * 4 * 10  # whole sequences: at least 10 hidden-sized fp32 tensors per position
     for whole, sliced in zip(peaks[1], peaks[2]):
-        assert sliced < 0.6 * whole, (peaks, "measured: 0.50")
+        assert sliced < 0.6 * whole, (peaks, "measured: 0.52 and 0.54")
     assert loss[2] == pytest.approx(loss[1], rel=1e-5)

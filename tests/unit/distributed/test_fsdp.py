@@ -26,13 +26,19 @@ def test_request_is_read_from_accelerates_variables() -> None:
     assert settings == {"version": "2", "offload_params": "false"}
 
 
-def test_fsdp1_and_cpu_hsdp_are_refused_with_the_fix() -> None:
+def test_fsdp1_is_refused_with_the_fix() -> None:
     with pytest.raises(UserError, match=r"FSDP version 1 was asked for .*--fsdp_version 2.*fsdp2.yaml"):
         fsdp.fsdp_request({"ACCELERATE_USE_FSDP": "true"})
-    hsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
-    if not torch.cuda.is_available():
-        with pytest.raises(UserError, match="HSDP .* needs GPU ranks.*drop --use_parallelism_config"):
-            fsdp.fsdp_request(hsdp)
+
+
+def test_only_data_parallel_layouts_of_a_parallelism_config() -> None:
+    hsdp = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+            "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
+    assert fsdp.parallelism_problems(hsdp) == []
+    assert fsdp.parallelism_problems({"PARALLELISM_CONFIG_TP_SIZE": "2"}) == []  # no --use_parallelism_config
+    problems = fsdp.parallelism_problems({**hsdp, "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1"})
+    assert problems == ["--parallelism_config_tp_size 2: only data parallelism (dp_replicate × dp_shard, HSDP) is "
+                        "supported under FSDP2; drop it"]
 
 
 def test_what_fsdp2_cannot_do_is_named_with_its_fix() -> None:
