@@ -12,7 +12,8 @@ engines train the same steps, so the losses agree).
 
 `longest`: documents spliced into blocks of exactly L tokens (text format: every token trained), one block per
 rank and step, under ZeRO-3 with and without `--sequence_parallel_size 2`. Per length: the ranks' peak resident
-memory and tokens/s; then, per layout, the longest L whose peak stays under --cap_gib. A run that fails (out of
+memory, the activations each rank saved for backward (measured, open_sft.monitor.activations) and tokens/s;
+then, per layout, the longest L whose peak stays under --cap_gib. A run that fails (out of
 memory) counts as over the cap. First a line names the CPU and its flags: a figure holds for that CPU kind only.
 """
 
@@ -54,7 +55,8 @@ def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(args.port),
            *ENGINES[engine], str(ROOT / "finetune.py"), "--output_dir", str(out), "--logging_steps", "1",
            "--torch_dtype", args.dtype, "--dataset_local_cache_dir", str(out.parent / "cache"), *finetune]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+           "OPEN_SFT_RECORD_ACTIVATIONS": "1"}  # each rank's saved-for-backward bytes (open_sft.monitor.activations)
     peaks: dict[str, int] = {}  # by RANK
     with (out.parent / f"{out.name}.log").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -74,6 +76,9 @@ def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
     result = {"ok": proc.returncode == 0 and len(steady) >= 2,
               "peak_rss_gib_per_rank": [round(peaks[rank] / GIB, 3) for rank in sorted(peaks)]}
     if result["ok"]:
+        result["saved_activations_gib_per_rank"] = [
+            round(json.loads(path.read_text())["peak_saved_bytes"] / GIB, 3)
+            for path in sorted(out.glob("activations.rank*.json"))]
         result["tokens_per_second"] = round((steady[-1]["total_tokens"] - steady[0]["total_tokens"])
                                             / (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]), 1)
         result["final_loss"] = round(steady[-1]["loss"], 5)
