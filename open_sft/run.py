@@ -125,6 +125,7 @@ def build_model(job: Job) -> None:
     """The model and the Accelerator. Under ZeRO-3 init the Accelerator comes first, so that from_pretrained loads
     partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
     from open_sft.distributed.collectives import check_ranks_agree_on_dtype
+    from open_sft.distributed.fsdp import adopt_model
     from open_sft.model.load import load_model, load_model_config, partition_summary
     from open_sft.preflight.estimate import runtime_bytes
 
@@ -148,6 +149,8 @@ def build_model(job: Job) -> None:
             job.config = fit_micro_batch(config, job.model, job.data, launch.deepspeed_config,
                                          job.dtype in HALF, job.baseline_bytes)
         _start_accelerator(job, job.model.config)
+    if launch.fsdp is not None:
+        adopt_model(job.accelerator.state.fsdp_plugin, job.model)
     check_ranks_agree_on_dtype(job.accelerator, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
         from open_sft.model import bf16_matmul
@@ -199,14 +202,14 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     """Resume if there is something to resume, train to the end (or to a stop signal: checkpoint, then
     Preempted); returns the trainer, the checkpointer and the logged records."""
     from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.export.hub_checkpoints import CheckpointUploader
     from open_sft.monitor.progress import ProgressBar
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
     from open_sft.training.preemption import StopRequest
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes,
-                                       checkpoint.engine_name(acc.distributed_type.name))
+    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name)
     resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
                                        acc.is_main_process)
     if acc.is_main_process:
@@ -221,7 +224,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         _write_run_files(job, trainer)
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
-                                           uploader=_checkpoint_uploader(job))
+                                           uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process))
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
@@ -333,7 +336,7 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
             job.launch.deepspeed_config, **batch, bf16=job.dtype == torch.bfloat16, fp16=job.dtype == torch.float16,
             clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
     mixed_precision = accelerate_mixed_precision(job.dtype, deepspeed)
-    fsdp = build_plugin(job.model, mixed_precision) if job.launch.fsdp is not None else None
+    fsdp = build_plugin(mixed_precision) if job.launch.fsdp is not None else None
     job.accelerator = build_accelerator(
         gradient_accumulation_steps=batch["gradient_accumulation_steps"], mixed_precision=mixed_precision,
         deepspeed_config=job.ds_config, timeout_s=t.timeout, zero3_init=zero3_init, parallelism_config=sp,
@@ -386,11 +389,3 @@ def _write_run_files(job: Job, trainer: Any) -> None:
         "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
         "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer)})
     write_json(job.output_dir / "data_report.json", job.data.report)
-
-
-def _checkpoint_uploader(job: Job) -> Any:
-    if not (job.config.hub.push_checkpoints and job.accelerator.is_main_process):
-        return None
-    from open_sft.export.hub_checkpoints import CheckpointUploader
-
-    return CheckpointUploader(job.config.hub)

@@ -78,20 +78,15 @@ def refuse_what_fsdp_cannot_do(train: Any, lora: Any, dtype: torch.dtype) -> Non
         raise UserError("FSDP2: " + "; ".join(problems))
 
 
-def build_plugin(model: torch.nn.Module, mixed_precision: str) -> Any:
+def build_plugin(mixed_precision: str) -> Any:
     """accelerate's FSDP plugin from the launch's FSDP_* settings, with open_sft's defaults where the launch is
-    silent: transformer blocks (the model's `_no_split_modules`) as sharding units, sharded checkpoints."""
+    silent: transformer blocks as sharding units (named once the model is loaded: `adopt_model`), sharded
+    checkpoints."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     os.environ.setdefault(ENV_VERSION, "2")
-    if ENV_WRAP not in os.environ or os.environ[ENV_WRAP] == "NO_WRAP":
-        blocks = getattr(model, "_no_split_modules", None) or []
-        if blocks:
-            os.environ[ENV_WRAP] = "TRANSFORMER_BASED_WRAP"
-            os.environ.setdefault(ENV_PREFIX + "TRANSFORMER_CLS_TO_WRAP", ",".join(blocks))
-    elif os.environ[ENV_WRAP] == "TRANSFORMER_BASED_WRAP" and not os.environ.get(ENV_PREFIX + "TRANSFORMER_CLS_TO_WRAP"):
-        # accelerate would look for _no_split_modules on the module it prepares: our loss wrapper has none
-        os.environ[ENV_PREFIX + "TRANSFORMER_CLS_TO_WRAP"] = ",".join(getattr(model, "_no_split_modules", None) or [])
+    if os.environ.get(ENV_WRAP, "NO_WRAP") == "NO_WRAP":
+        os.environ[ENV_WRAP] = "TRANSFORMER_BASED_WRAP"
     os.environ[ENV_PREFIX + "STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
     plugin = FullyShardedDataParallelPlugin()
     if offloads(plugin) and not torch.cuda.is_available():
@@ -108,6 +103,15 @@ def build_plugin(model: torch.nn.Module, mixed_precision: str) -> Any:
         # reduces in bf16, which rounds every rank's contribution before the sum)
         plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return plugin
+
+
+def adopt_model(plugin: Any, model: torch.nn.Module) -> None:
+    """Name the sharding units after the model's own blocks (`_no_split_modules`) unless the launch named them:
+    accelerate would look for them on the module it prepares, our loss wrapper, which has none."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    if plugin.auto_wrap_policy is transformer_auto_wrap_policy and not plugin.transformer_cls_names_to_wrap:
+        plugin.transformer_cls_names_to_wrap = list(getattr(model, "_no_split_modules", None) or [])
 
 
 def offloads(plugin: Any) -> bool:

@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 class CheckpointUploader:
     """Background uploads of complete checkpoints (main process only). `hub`: the HubArguments."""
 
+    @classmethod
+    def for_run(cls, hub: Any, is_main_process: bool) -> "CheckpointUploader | None":
+        """The uploader of a run with --push_checkpoints, on its main process; None elsewhere."""
+        return cls(hub) if hub.push_checkpoints and is_main_process else None
+
     def __init__(self, hub: Any):
         self.repo_id, self.revision, self.private = hub.hub_model_id, hub.hub_revision, hub.hub_private
         self.token = resolve_token(hub.hub_token)

@@ -58,6 +58,7 @@ IDENTITY_FLAGS = {
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
 IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1}
+ENGINES = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}  # accelerate's distributed type → checkpoint format; else torch
 
 
 @dataclass(frozen=True)
@@ -387,15 +388,11 @@ class Checkpointer:
         return final
 
 
-def engine_name(distributed_type: str) -> str:
-    """The checkpoint format's engine, from accelerate's distributed type name."""
-    return {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}.get(distributed_type, "torch")
-
-
-def run_identity(config: Any, cache_key: str, world_size: int, engine: str = "torch") -> dict[str, Any]:
-    """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS)."""
+def run_identity(config: Any, cache_key: str, world_size: int, distributed_type: str = "NO") -> dict[str, Any]:
+    """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); `distributed_type`:
+    accelerate's name for it, which decides the checkpoint format (ENGINES)."""
     t = config.train
-    return {"engine": engine, "dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
+    return {"engine": ENGINES.get(distributed_type, "torch"), "dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size,
             "seed": t.seed, "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
             "balanced": balances(t), "sequence_parallel_size": t.sequence_parallel_size}

@@ -11,7 +11,7 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory
-from open_sft.training.checkpoint import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, engine_name
+from open_sft.training.checkpoint import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
 
 
 def config(*flags: str):
@@ -74,7 +74,8 @@ def launch_env(monkeypatch):
 
 def test_plugin_shards_transformer_blocks_and_checkpoints_sharded(llama, launch_env) -> None:
     launch_env.setenv("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
-    plugin = fsdp.build_plugin(llama, "no")
+    plugin = fsdp.build_plugin("no")
+    fsdp.adopt_model(plugin, llama)
     assert plugin.fsdp_version == 2
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]  # accelerate's default: one unit
     assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"  # checkpoints stay sharded; the export gathers
@@ -85,21 +86,24 @@ def test_plugin_shards_transformer_blocks_and_checkpoints_sharded(llama, launch_
 def test_plugin_keeps_the_launchs_own_units(llama, launch_env) -> None:
     launch_env.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     launch_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaMLP")
-    assert fsdp.build_plugin(llama, "no").transformer_cls_names_to_wrap == ["LlamaMLP"]
+    plugin = fsdp.build_plugin("no")
+    fsdp.adopt_model(plugin, llama)
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaMLP"]
 
 
-def test_bf16_computes_on_fp32_masters_and_reduces_in_fp32(llama, launch_env) -> None:
-    policy = fsdp.build_plugin(llama, "bf16").mixed_precision_policy
+def test_bf16_computes_on_fp32_masters_and_reduces_in_fp32(launch_env) -> None:
+    policy = fsdp.build_plugin("bf16").mixed_precision_policy
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
 
 
-def test_offload_is_kept_on_gpus_and_dropped_on_cpu_ranks(llama, launch_env) -> None:
+def test_offload_is_kept_on_gpus_and_dropped_on_cpu_ranks(launch_env) -> None:
     launch_env.setenv("FSDP_OFFLOAD_PARAMS", "true")
-    assert fsdp.offloads(fsdp.build_plugin(llama, "no")) is torch.cuda.is_available()
+    assert fsdp.offloads(fsdp.build_plugin("no")) is torch.cuda.is_available()
 
 
 def test_a_checkpoint_of_another_engine_is_not_resumed(tmp_path) -> None:
-    assert [engine_name(t) for t in ("DEEPSPEED", "FSDP", "MULTI_CPU", "NO")] == ["deepspeed", "fsdp2", "torch", "torch"]
+    engines = [run_identity(config(), "key", 2, kind)["engine"] for kind in ("DEEPSPEED", "FSDP", "MULTI_CPU", "NO")]
+    assert engines == ["deepspeed", "fsdp2", "torch", "torch"]
     with pytest.raises(UserError, match="training engine .*checkpoint 'fsdp2', now 'deepspeed'"):
         check_compatible(tmp_path, {"engine": "fsdp2"}, {"engine": "deepspeed", **BEFORE})
     check_compatible(tmp_path, {}, {"engine": "deepspeed", **BEFORE})  # written before the engine was recorded
