@@ -31,12 +31,14 @@ LORA = ("--use_lora", "--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout",
 
 
 def args_for(model_dir, output_dir, micro_batch: int, *extra: str) -> list[str]:
-    """One process trains micro-batch 4 × accumulation 2; two ranks micro-batch 2 × 2 × 2: the same steps."""
+    """One process trains micro-batch 4 × accumulation 2; two ranks micro-batch 2 × 2 × 2: the same steps; 1 % of
+    the examples held out and evaluated at the end."""
     return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
             "--output_dir", str(output_dir), "--max_train_steps", str(STEPS), "--logging_steps", "1",
             "--per_device_train_batch_size", str(micro_batch), "--gradient_accumulation_steps", "2",
             "--learning_rate", "3e-3", "--warmup_ratio", "0.2", "--seed", "1", "--torch_dtype", "float32",
-            "--max_seq_length", "256", "--checkpointing_steps", "2", *extra]
+            "--max_seq_length", "256", "--checkpointing_steps", "2", "--eval_split_ratio", "0.01",
+            "--eval_steps", str(STEPS), *extra]
 
 
 def fsdp_command(launch: list[str], processes: int = 2) -> list[str]:
@@ -85,6 +87,14 @@ def test_two_ranks_train_what_one_process_trains(runs) -> None:
     for name, tensor in one.items():  # measured: at most 1.1e-5 apart (Adam amplifies reordered fp32 sums)
         assert fsdp[name].dtype == torch.float32
         torch.testing.assert_close(fsdp[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_evaluation_under_fsdp2_equals_one_process(runs) -> None:
+    def eval_losses(output_dir) -> list[float]:
+        return [m["eval_loss"] for m in read_metrics(output_dir) if "eval_loss" in m]
+
+    assert len(eval_losses(runs["one"])) == 1
+    assert eval_losses(runs["fsdp"]) == pytest.approx(eval_losses(runs["one"]), rel=1e-5)
 
 
 def test_the_run_is_fsdp2_and_says_so(runs) -> None:
@@ -172,6 +182,12 @@ def test_hsdp_on_four_ranks_trains_what_one_process_trains(runs, tiny_model_dir,
     layout = json.loads((tmp_path / "out" / "run.json").read_text())["preflight"]["parallel"]["fsdp"]
     assert (layout["shards"], layout["replicas"]) == (2, 2)
     assert "in 2 shards × 2 replicas (HSDP)" in result.stdout
+
+
+def test_dry_run_probes_under_fsdp2_and_writes_nothing(tiny_model_dir, tmp_path) -> None:
+    result = run_fsdp(FLAGS, args_for(tiny_model_dir, tmp_path / "out", 2, "--dry_run"))
+    assert "parallel layout: FSDP2" in result.stdout and "time estimate:" in result.stdout
+    assert not (tmp_path / "out").exists()
 
 
 def test_fsdp1_is_refused_with_the_fix(tiny_model_dir, tmp_path) -> None:
