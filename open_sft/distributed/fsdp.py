@@ -29,8 +29,6 @@ ENV_USE_FSDP = "ACCELERATE_USE_FSDP"
 ENV_PREFIX = "FSDP_"
 ENV_VERSION = "FSDP_VERSION"
 ENV_WRAP = "FSDP_AUTO_WRAP_POLICY"
-ENV_OFFLOAD = "FSDP_OFFLOAD_PARAMS"
-ENV_ACTIVATION_CHECKPOINTING = "FSDP_ACTIVATION_CHECKPOINTING"
 ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # accelerate launch --use_parallelism_config (HSDP)
 
 
@@ -40,7 +38,7 @@ def uses_fsdp(env: Mapping[str, str] = os.environ) -> bool:
 
 def fsdp_request(env: Mapping[str, str] = os.environ) -> Optional[dict[str, str]]:
     """The FSDP settings the launch passed (FSDP_* variables, prefix dropped, lower case), or None without FSDP.
-    Only FSDP2 is trained with: FSDP1 is a clear error naming the fix."""
+    Only FSDP2 is trained with, and only its data-parallel layouts: anything else is a clear error naming the fix."""
     if not uses_fsdp(env):
         return None
     settings = {name[len(ENV_PREFIX):].lower(): value for name, value in sorted(env.items())
@@ -50,6 +48,9 @@ def fsdp_request(env: Mapping[str, str] = os.environ) -> Optional[dict[str, str]
         raise UserError(f"FSDP version {version} was asked for (accelerate's default without --fsdp_version); "
                         "open_sft trains with FSDP2: pass `accelerate launch --use_fsdp --fsdp_version 2`, or "
                         "use configs/accelerate/fsdp2.yaml (fsdp_version: 2)")
+    problems = parallelism_problems(env)
+    if problems:
+        raise UserError("FSDP2: " + "; ".join(problems))
     return settings
 
 
@@ -65,7 +66,6 @@ def fsdp_problems(train: Any, lora: Any, dtype: torch.dtype) -> list[str]:
     if dtype == torch.float16:
         problems.append("fp16 under FSDP2 is not supported (its loss scaling needs a sharded grad scaler); pass "
                         "--torch_dtype bfloat16 or float32, or use DeepSpeed for fp16")
-    problems += parallelism_problems()
     if train.auto_micro_batch_size:
         problems.append("--auto_micro_batch_size measures one whole model on one process, not FSDP2's shards; "
                         "pass --per_device_train_batch_size instead")
@@ -173,6 +173,7 @@ def fsdp_layout(accelerator: Any) -> Optional[dict[str, Any]]:
     policy = plugin.mixed_precision_policy
     return {"engine": "fsdp2", "shards": accelerator.num_processes // replicas, "replicas": replicas,
             "reshard_after_forward": plugin.reshard_after_forward,
-            "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model", "cpu_offload": offloads(plugin),
+            "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model",
+            "cpu_offload": offloads(plugin),
             "param_dtype": str(getattr(policy, "param_dtype", None) or "float32"),
             "activation_checkpointing": bool(plugin.activation_checkpointing)}

@@ -169,8 +169,9 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
 def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,
                lora: Optional[LoraArguments] = None, compute_dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The model ready to train: fp32 parameters (master weights; `compute_dtype`, the run's resolved dtype,
-    comes from autocast or DeepSpeed, and is QLoRA's 4-bit compute dtype when fp16), embeddings fitted to the tokenizer, NEFTune / gradient checkpointing / Liger applied,
-    and with --use_lora / --use_qlora wrapped as a peft model whose only trainable weights are adapters."""
+    comes from autocast or DeepSpeed, and is QLoRA's 4-bit compute dtype when fp16), embeddings fitted to the
+    tokenizer, NEFTune / gradient checkpointing / Liger applied, and with --use_lora / --use_qlora wrapped as a
+    peft model whose only trainable weights are adapters."""
     from open_sft.model.lora import apply_lora, uses_lora
 
     model = _from_pretrained(args, lora, compute_dtype)

@@ -308,7 +308,7 @@ class Preflight:
     step_slots: list[int]
     sequence_parallel: int = 1  # --sequence_parallel_size: each rank holds 1/N of every sequence
     world_size: int = 1
-    fsdp: Optional[dict] = None  # FSDP2's layout (open_sft.distributed.fsdp.describe)
+    fsdp: Optional[dict] = None  # FSDP2's layout (open_sft.distributed.fsdp.fsdp_layout)
 
     def describe(self, steps: Any, data: Any) -> str:
         layout = steps.layout
@@ -338,7 +338,7 @@ class Preflight:
 
 def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_config: Optional[dict],
                    bf16: bool, baseline: int, fsdp: Optional[dict] = None) -> Preflight:
-    """`fsdp`: open_sft.distributed.fsdp.describe's layout of an FSDP2 run, else None."""
+    """`fsdp`: open_sft.distributed.fsdp.fsdp_layout's layout of an FSDP2 run, else None."""
     slots, largest, width = step_slots(steps, data.lengths(), config.train.packing)
     stage, offload, bucket = zero_settings(ds_config)
     # every position of the largest micro-batch counted as trained: an upper bound for the LM-head loss term

@@ -392,7 +392,8 @@ def run_identity(config: Any, cache_key: str, world_size: int, distributed_type:
     """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); `distributed_type`:
     accelerate's name for it, which decides the checkpoint format (ENGINES)."""
     t = config.train
-    return {"engine": ENGINES.get(distributed_type, "torch"), "dataset_cache_key": cache_key, "micro_batch_size": t.per_device_train_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size,
-            "seed": t.seed, "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
+    return {"engine": ENGINES.get(distributed_type, "torch"), "dataset_cache_key": cache_key,
+            "micro_batch_size": t.per_device_train_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed,
+            "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
             "balanced": balances(t), "sequence_parallel_size": t.sequence_parallel_size}

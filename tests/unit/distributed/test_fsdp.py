@@ -39,6 +39,10 @@ def test_only_data_parallel_layouts_of_a_parallelism_config() -> None:
     problems = fsdp.parallelism_problems({**hsdp, "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1"})
     assert problems == ["--parallelism_config_tp_size 2: only data parallelism (dp_replicate × dp_shard, HSDP) is "
                         "supported under FSDP2; drop it"]
+    fsdp_launch = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    assert fsdp.fsdp_request({**fsdp_launch, **hsdp}) == {"version": "2"}
+    with pytest.raises(UserError, match="^FSDP2: --parallelism_config_tp_size 2"):
+        fsdp.fsdp_request({**fsdp_launch, **hsdp, "PARALLELISM_CONFIG_TP_SIZE": "2"})
 
 
 def test_what_fsdp2_cannot_do_is_named_with_its_fix() -> None:
