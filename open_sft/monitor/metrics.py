@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-import platform
 import resource
 import time
 from pathlib import Path
@@ -44,9 +44,14 @@ def _cache_dir() -> Path:
 
 def measure_cpu_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024), seconds: float = 0.3) -> float:
     """Best FLOP/s of a linear layer (the op training spends its time in) this process reaches with its
-    threads, over a few square sizes; cached per machine and setting. `torch.mm` is not used: on CPUs
-    without native bf16 its bf16 path can be 10× slower than `F.linear`'s, which would put MFU over 100 %."""
-    key = f"linear|{platform.processor() or platform.machine()}|{torch.__version__}|{dtype}|{torch.get_num_threads()}"
+    threads, over a few square sizes; cached per CPU kind (its model name and flags: a home directory can
+    outlive the machine under it) and setting. `torch.mm` is not used: on CPUs without native bf16 its bf16
+    path can be 10× slower than `F.linear`'s, which would put MFU over 100 %."""
+    from open_sft.model.precision import cpu_flags
+
+    name, flags = cpu_flags()
+    kind = hashlib.sha256(" ".join([name, *sorted(flags)]).encode()).hexdigest()[:12]
+    key = f"linear|{name}|{kind}|{torch.__version__}|{dtype}|{torch.get_num_threads()}"
     cache = _cache_dir() / "cpu_peak.json"
     try:
         known = json.loads(cache.read_text())

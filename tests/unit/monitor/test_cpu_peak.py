@@ -1,0 +1,28 @@
+"""The measured CPU peak behind MFU is cached per CPU kind, not per architecture name."""
+
+import json
+
+import torch
+
+from open_sft.model import precision
+from open_sft.monitor import metrics
+
+
+def test_peak_is_cached_per_cpu_kind(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kinds = {"amx": ("Intel Xeon", {"avx2", "amx_bf16"}), "avx2": ("Intel Xeon", {"avx2"})}
+    monkeypatch.setattr(precision, "cpu_flags", lambda: kinds[current])
+    current = "amx"
+    first = metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01)
+    assert first > 0
+    cache = tmp_path / "open_sft" / "cpu_peak.json"
+    entries = json.loads(cache.read_text())
+    assert len(entries) == 1
+    # A planted value for this kind is what comes back: the cache is read, not re-measured.
+    entries[next(iter(entries))] = 123.0
+    cache.write_text(json.dumps(entries))
+    assert metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01) == 123.0
+    # The same home on a CPU of another kind (same model name, other flags) measures its own peak.
+    current = "avx2"
+    assert metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01) != 123.0
+    assert len(json.loads(cache.read_text())) == 2
