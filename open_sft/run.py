@@ -156,6 +156,11 @@ def build_model(job: Job) -> None:
         from open_sft.model import bf16_matmul
 
         logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(job.model))
+    if not torch.cuda.is_available() and config.train.sequence_parallel_size == 1:
+        from open_sft.model import packed_attention
+
+        if packed_attention.install(job.model):  # after bf16_matmul's: it wraps what that put in place
+            logger.info("packed rows attend one example at a time (CPU sdpa has no variable-length kernel)")
 
 
 def preflight(job: Job) -> None:

@@ -186,11 +186,9 @@ def saved_activation_bytes(model: ModelShape, run: RunShape) -> int:
 def activation_bytes(model: ModelShape, run: RunShape) -> int:
     """Peak activation memory of one micro-batch's forward and backward, the fused LM-head loss included
     (its fp32 weight gradient and the logits of one chunk of rows; see open_sft/model/fused_ce.py)."""
-    from open_sft.model.fused_ce import default_chunk_rows
+    from open_sft.model.fused_ce import peak_bytes
 
-    chunk = min(run.trained_tokens, default_chunk_rows(model.vocab))
-    compute = 2 if run.bf16 else 4
-    loss = (4 + compute) * model.vocab * model.hidden + chunk * model.vocab * (compute + 8)
+    loss = peak_bytes(model.vocab, model.hidden, run.trained_tokens, 2 if run.bf16 else 4)
     return int(ACTIVATION_PEAK_FACTOR[run.bf16] * saved_activation_bytes(model, run) + loss)
 
 

@@ -1,0 +1,124 @@
+"""Packed rows attended one example at a time give what transformers' block-diagonal sdpa mask gives:
+the same loss and gradients (fp32: to rounding; bf16 autocast: to bf16's), the same evaluation loss, and
+rows that hold one example each go to the masked path untouched."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from open_sft.model import packed_attention
+from open_sft.model.loss import TokenLossModel
+
+
+@pytest.fixture
+def sdpa_entry():
+    """install() changes a process-wide table: put back what was there."""
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    yield
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+
+
+def packed_batch(lengths_per_row: list[list[int]], vocab: int, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    width = max(sum(row) for row in lengths_per_row)
+    ids = torch.randint(3, vocab, (len(lengths_per_row), width), generator=generator)
+    position_ids = torch.zeros_like(ids)
+    for r, row in enumerate(lengths_per_row):
+        cursor = 0
+        for n in row + [width - sum(row)]:
+            position_ids[r, cursor : cursor + n] = torch.arange(n)
+            cursor += n
+    labels = ids.clone()
+    labels[:, ::4] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": position_ids}
+
+
+def loss_and_grads(model: TokenLossModel, batch: dict, bf16: bool = False):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = model(**batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_segment_lengths_follow_position_restarts() -> None:
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    assert packed_attention.segment_lengths(position_ids) == [3, 2, 1, 4, 2]
+    # A jump that is not a restart starts an example too (transformers reads packing the same way).
+    assert packed_attention.segment_lengths(torch.tensor([[0, 1, 5, 6]])) == [2, 2]
+    assert packed_attention.segment_lengths(torch.arange(6).repeat(2, 1)) is None
+
+
+def relative_error(got: dict, reference: dict) -> float:
+    return max(float((got[n] - reference[n]).norm() / reference[n].norm()) for n in reference)
+
+
+def tiny_sdpa_model(tiny_model_dir) -> TokenLossModel:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA is covered
+    return TokenLossModel(model)
+
+
+def test_per_example_attention_equals_the_block_diagonal_mask(tiny_model_dir, sdpa_entry) -> None:
+    """fp32: the same loss, gradients and evaluation loss to rounding."""
+    model = tiny_sdpa_model(tiny_model_dir)
+    batch = packed_batch([[7, 1, 20, 5], [33], [2, 2, 2, 10]], model.model.config.vocab_size)
+    masked_loss, masked_grads = loss_and_grads(model, batch)
+    with torch.no_grad():
+        masked_eval = model(**batch)
+    assert packed_attention.install(model.model)
+    assert packed_attention.install(model.model)  # a second install does not wrap twice
+    assert getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], packed_attention.FLAG)
+    assert not getattr(ALL_ATTENTION_FUNCTIONS["sdpa"].__closure__[0].cell_contents, packed_attention.FLAG, False)
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, masked_loss, rtol=1e-6, atol=0)
+    assert grads.keys() == masked_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], masked_grads[name], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # evaluation goes through it too
+        torch.testing.assert_close(model(**batch), masked_eval, rtol=1e-6, atol=0)
+
+
+def test_per_example_attention_in_bf16_is_as_close_to_fp32_as_the_mask(tiny_model_dir, sdpa_entry) -> None:
+    """bf16 autocast: both paths round differently, so each is held to the fp32 result: per example is no
+    further from it than the masked kernel is."""
+    model = tiny_sdpa_model(tiny_model_dir)
+    batch = packed_batch([[7, 1, 20, 5], [33], [2, 2, 2, 10]], model.model.config.vocab_size, seed=1)
+    reference_loss, reference = loss_and_grads(model, batch)
+    masked_loss, masked = loss_and_grads(model, batch, bf16=True)
+    packed_attention.install(model.model)
+    loss, grads = loss_and_grads(model, batch, bf16=True)
+    masked_error, error = relative_error(masked, reference), relative_error(grads, reference)
+    assert 0 < error < 2 * masked_error + 1e-3, (error, masked_error)
+    assert abs(float(loss - reference_loss)) <= 2 * abs(float(masked_loss - reference_loss)) + 1e-3 * float(loss)
+
+
+def test_rows_of_one_example_take_the_masked_path(sdpa_entry) -> None:
+    calls = []
+
+    def inner(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape, attention_mask))
+        return query.transpose(1, 2), None
+
+    wrapped = packed_attention._per_example(inner)
+    q = torch.randn(2, 4, 6, 8)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    wrapped(None, q, q, q, mask, position_ids=torch.arange(6).repeat(2, 1))
+    assert calls == [(q.shape, mask)]
+    # Decoding with a cache (one query against longer keys) is not split either.
+    calls.clear()
+    wrapped(None, q[:, :, :1], q, q, None, position_ids=torch.tensor([[5], [5]]))
+    assert len(calls) == 1 and calls[0][0] == (2, 4, 1, 8)
+    # Packed rows: one call per example, each without a mask, causal.
+    calls.clear()
+    out, _ = wrapped(None, q, q, q, mask, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]))
+    assert [c[0][2] for c in calls] == [3, 3, 2, 4] and all(c[1] is None for c in calls)
+    torch.testing.assert_close(out, q.transpose(1, 2))
+
+
+def test_only_sdpa_models_are_routed(tiny_model_dir, sdpa_entry) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert not packed_attention.install(model)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
