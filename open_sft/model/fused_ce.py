@@ -57,13 +57,27 @@ def _pieces(start: int, stop: int, step: int):
     return ((i, min(i + step, stop)) for i in range(start, stop, step))
 
 
+# Below this a target's fp32 probability has lost precision (fp32's smallest normal is ~1.2e-38): its
+# log-probability is then taken from a log-softmax of its row instead.
+TINY_PROBABILITY = 1e-30
+
+
 def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, need_grad: bool) -> torch.Tensor:
     """Each row's log-probability of its target, in fp32; with need_grad, `logits` is overwritten in place by
-    d loss / d logits = softmax − one-hot (computed in fp32, rounded to `dtype`)."""
-    logprobs = torch.log_softmax(logits, dim=1, dtype=torch.float32)  # one block: it stays in the cache
-    picked = logprobs.gather(1, targets[:, None])[:, 0]
+    d loss / d logits = softmax − one-hot (computed in fp32, rounded to `dtype`).
+
+    One softmax (one exp per logit) gives both: the loss is log(p_target), which in fp32 is as exact as a
+    log-softmax's entry while p_target is a normal number; rows where it is not (a target ~69 nats below
+    the row's best) are recomputed with log-softmax. A log-softmax followed by exp would cost a second
+    exp per logit, measured ~1.5x the time of this block's passes in bf16 (AMD EPYC, 50k vocabulary)."""
+    probs = torch.softmax(logits, dim=1, dtype=torch.float32)  # one block: it stays in the cache
+    target_probs = probs.gather(1, targets[:, None])[:, 0]
+    picked = target_probs.log()
+    tiny = target_probs < TINY_PROBABILITY
+    if bool(tiny.any()):
+        rows = tiny.nonzero()[:, 0]
+        picked[rows] = torch.log_softmax(logits[rows], dim=1, dtype=torch.float32).gather(1, targets[rows, None])[:, 0]
     if need_grad:
-        probs = logprobs.exp_()
         probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
         # rounded to the logits' dtype; bf16 via fp32 matmuls: rounded as a bf16 gradient would be first
         logits.copy_(probs.to(dtype) if logits.dtype != dtype else probs)

@@ -67,6 +67,15 @@ def cpu_flags() -> tuple[str, set[str]]:
     return name, flags
 
 
+# Settings that hold torch's and oneDNN's kernels below what the CPU offers: a measurement taken under
+# them is for another machine kind, so they are part of every cached measurement's key.
+KERNEL_LIMITS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "DNNL_MAX_CPU_ISA")
+
+
+def kernel_limits() -> dict[str, str]:
+    return {k: os.environ[k] for k in KERNEL_LIMITS if k in os.environ}
+
+
 def probe_shapes(args: Any) -> list[tuple[int, int]]:
     """(in, out) of the model's attention projection, MLP up projection and an LM-head chunk, capped."""
     try:
@@ -137,7 +146,8 @@ def _locked(path: Path):
 def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
           measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> dict[str, Any]:
     """The bf16 and fp32 throughput of the shapes on this machine, from the cache or measured once."""
-    key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, torch.get_num_threads(), shapes])
+    key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, torch.get_num_threads(), shapes,
+                           *([kernel_limits()] if kernel_limits() else [])])  # older entries keep their keys
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = _cache_path()
     with _locked(path) as cached:

@@ -47,10 +47,10 @@ def measure_cpu_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 102
     threads, over a few square sizes; cached per CPU kind (its model name and flags: a home directory can
     outlive the machine under it) and setting. `torch.mm` is not used: on CPUs without native bf16 its bf16
     path can be 10× slower than `F.linear`'s, which would put MFU over 100 %."""
-    from open_sft.model.precision import cpu_flags
+    from open_sft.model.precision import cpu_flags, kernel_limits
 
     name, flags = cpu_flags()
-    kind = hashlib.sha256(" ".join([name, *sorted(flags)]).encode()).hexdigest()[:12]
+    kind = hashlib.sha256(json.dumps([name, sorted(flags), kernel_limits()]).encode()).hexdigest()[:12]
     key = f"linear|{name}|{kind}|{torch.__version__}|{dtype}|{torch.get_num_threads()}"
     cache = _cache_dir() / "cpu_peak.json"
     try:

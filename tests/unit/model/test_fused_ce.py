@@ -248,3 +248,21 @@ def test_token_loss_model_keeps_token_losses_on_both_paths(tiny_model_dir) -> No
         assert float(wrapped.token_losses.sum()) == pytest.approx(value(loss), rel=1e-5)
         kept.append(wrapped.token_losses)
     torch.testing.assert_close(kept[1], kept[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gap", [50.0, 120.0, 1000.0])
+def test_a_target_far_below_its_rows_best_keeps_its_exact_loss(gap) -> None:
+    """The loss is read as log(p_target) off one softmax; a target whose probability is below fp32's normal
+    range (gaps of 120 and 1000 nats) takes its row's log-softmax instead, so the loss stays finite and exact."""
+    hidden, head, targets = problem()
+    with torch.no_grad():
+        head.weight[targets[0]] = head.weight[targets[0]] - gap * hidden[0] / hidden[0].norm() ** 2
+    expected = plain(hidden, head, targets)
+    kept = torch.empty(N)
+    got = lm_head_loss_sum(head, hidden, targets, chunk_rows=7, token_losses=kept)
+    assert float(kept[0]) > gap * 0.9
+    assert value(got) == pytest.approx(value(expected), rel=1e-6)
+    torch.testing.assert_close(kept, F.cross_entropy(head(hidden).float(), targets, reduction="none"),
+                               rtol=1e-6, atol=1e-5)
+    for g, e in zip(grads(got, hidden, head.weight), grads(expected, hidden, head.weight)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)

@@ -86,3 +86,19 @@ def test_probe_uses_the_models_shapes(tiny_model_dir) -> None:
     assert shapes == [(64, 64), (64, 176), (64, 1024)] or shapes[0] == (64, 64)
     real = precision.measure_gflops(shapes, torch.float32)  # the real kernel runs and gives a positive rate
     assert real > 0
+
+
+def test_kernels_held_below_the_cpu_are_probed_apart(monkeypatch, probe_cache) -> None:
+    """ONEDNN_MAX_CPU_ISA=AVX2 & co. make this CPU run like an older kind: the cached native result must not
+    answer for it, nor its result for the native kernels afterwards."""
+    on_cpu(monkeypatch, {"avx512_bf16"})
+    for name in precision.KERNEL_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    native = choose_dtype(args(), measure=fake_measure(300.0, 100.0))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    limited = choose_dtype(args(), measure=fake_measure(10.0, 100.0))
+    assert (native.dtype, limited.dtype) == (torch.bfloat16, torch.float32)
+    assert limited.measured["cached"] is False
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    again = choose_dtype(args(), measure=fake_measure(1.0, 1000.0))
+    assert again.dtype == torch.bfloat16 and again.measured["cached"] is True

@@ -26,3 +26,15 @@ def test_peak_is_cached_per_cpu_kind(monkeypatch, tmp_path):
     current = "avx2"
     assert metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01) != 123.0
     assert len(json.loads(cache.read_text())) == 2
+
+
+def test_peak_under_limited_kernels_is_its_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: ("AMD EPYC", {"avx2", "avx512_bf16"}))
+    for name in precision.KERNEL_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01)
+    keys = list(json.loads((tmp_path / "open_sft" / "cpu_peak.json").read_text()))
+    assert len(keys) == 2 and keys[0] != keys[1]
