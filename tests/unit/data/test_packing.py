@@ -72,8 +72,11 @@ def test_packed_equals_padded_and_a_wrong_mask_does_not(model) -> None:
     assert packed["input_ids"].shape[0] < len(examples)  # several examples share a row
     packed_loss, packed_grads = loss_and_grads(model, packed)
     assert packed_loss == pytest.approx(padded_loss, rel=1e-5)
+    # Equal to fp32 rounding: the two layouts reach each gradient by different kernels (per-element differences
+    # reach ~1e-6 on entries of cancelling sums), so each parameter's gradient is held as a whole.
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert float((packed_grads[name] - grad).norm() / grad.norm()) < 1e-5, name
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=5e-6)
 
     # Positions that do not restart make the examples of a row attend to each other: must differ.
     wrong = dict(packed)
