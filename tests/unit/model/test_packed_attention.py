@@ -110,11 +110,16 @@ def test_rows_of_one_example_take_the_masked_path(sdpa_entry) -> None:
     calls.clear()
     wrapped(None, q[:, :, :1], q, q, None, position_ids=torch.tensor([[5], [5]]))
     assert len(calls) == 1 and calls[0][0] == (2, 4, 1, 8)
-    # Packed rows: one call per example, each without a mask, causal.
+    # Packed rows: one call per example, each without a mask, causal, its length padded up to the bucket.
     calls.clear()
     out, _ = wrapped(None, q, q, q, mask, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]))
-    assert [c[0][2] for c in calls] == [3, 3, 2, 4] and all(c[1] is None for c in calls)
-    torch.testing.assert_close(out, q.transpose(1, 2))
+    assert [c[0][2] for c in calls] == [packed_attention.BUCKET] * 4 and all(c[1] is None for c in calls)
+    torch.testing.assert_close(out, q.transpose(1, 2))  # the padding's outputs are dropped
+    long = torch.randn(1, 4, packed_attention.BUCKET + 3, 8)
+    calls.clear()
+    out, _ = wrapped(None, long, long, long, None, position_ids=torch.cat([torch.arange(2), torch.arange(33)])[None])
+    assert [c[0][2] for c in calls] == [packed_attention.BUCKET, 2 * packed_attention.BUCKET]
+    torch.testing.assert_close(out, long.transpose(1, 2))
 
 
 def test_only_sdpa_models_are_routed(tiny_model_dir, sdpa_entry) -> None:
