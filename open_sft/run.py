@@ -366,8 +366,9 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
                                 eight_bit=t.use_8bit_optimizer)
     wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
+    peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)
     return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
-                   FlopCounter(model.config, backbone_params), device_peak_flops(job.dtype), metrics,
+                   FlopCounter(model.config, backbone_params), peak, metrics,
                    reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
 
 

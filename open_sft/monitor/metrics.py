@@ -77,7 +77,11 @@ def measure_cpu_peak(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 102
     return best
 
 
-def device_peak_flops(dtype: torch.dtype) -> float:
+def device_peak_flops(dtype: torch.dtype, on_fp32_kernels: bool = False) -> float:
+    """The peak MFU is measured against: of the kernels that run, so fp32's for bf16 numerics on fp32 kernels
+    (open_sft.model.bf16_matmul; the emulated bf16 peak would put MFU at several hundred per cent)."""
+    if on_fp32_kernels:
+        dtype = torch.float32
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         for model, peak in GPU_PEAK_BF16.items():

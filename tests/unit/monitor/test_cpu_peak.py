@@ -38,3 +38,10 @@ def test_peak_under_limited_kernels_is_its_own(monkeypatch, tmp_path):
     metrics.measure_cpu_peak(torch.float32, sizes=(32,), seconds=0.01)
     keys = list(json.loads((tmp_path / "open_sft" / "cpu_peak.json").read_text()))
     assert len(keys) == 2 and keys[0] != keys[1]
+
+
+def test_bf16_on_fp32_kernels_is_measured_against_the_fp32_peak(monkeypatch):
+    monkeypatch.setattr(metrics.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(metrics, "measure_cpu_peak", lambda dtype: {torch.float32: 200e9, torch.bfloat16: 20e9}[dtype])
+    assert metrics.device_peak_flops(torch.bfloat16) == 20e9
+    assert metrics.device_peak_flops(torch.bfloat16, on_fp32_kernels=True) == 200e9
