@@ -3,10 +3,10 @@
 The plain path (`F.cross_entropy(lm_head(hidden).float(), targets)`) keeps the logits in the compute
 dtype and in fp32 for backward: for 8k trained tokens and a 50k vocabulary that is ~2.5 GB, the
 largest tensors of a small model's step. Here the forward pass walks over chunks of rows: each chunk's
-logits are computed in the compute dtype, its log-softmax in fp32 (a cache-sized block at a time), and — since the loss is the last
-operation of the graph — the gradients (softmax − one-hot) are turned into the chunk's hidden-state
-gradient and added into the weight gradient at once. Only grad_hidden [N, d], grad_weight [V, d]
-(and grad_bias [V]) are kept; backward scales them by the incoming gradient.
+logits are computed in the compute dtype, its softmax in fp32 (a cache-sized block at a time), and — since
+the loss is the last operation of the graph — the gradients (softmax − one-hot) are turned into the chunk's
+hidden-state gradient and added into the weight gradient at once. Only grad_hidden [N, d], grad_weight
+[V, d] (and grad_bias [V]) are kept; backward scales them by the incoming gradient.
 
 ZeRO-3 gathers a module's parameters only inside a call to that module, so `lm_head_loss_sum` calls
 the LM head's own `__call__` (hooks included) with a forward that computes the fused loss.
@@ -29,8 +29,8 @@ MIN_CHUNK_ROWS = 64
 # Rows per matmul: a [256, d] × [d, V] product runs near the machine's matmul peak, while one of ~700 rows whose
 # output is a 67 MB bf16 block ran at half of it (measured on a 2-core AMD EPYC: 368 vs 191 GFLOP/s).
 MATMUL_ROWS = 256
-# Elements of one softmax block in fp32 (4 MiB): its passes (to fp32, logsumexp, exp, − one-hot, back to the
-# chunk's dtype) run out of the CPU's cache instead of streaming the whole chunk through memory five times.
+# Elements of one softmax block in fp32 (4 MiB): its passes (to fp32, softmax, − one-hot, back to the chunk's
+# dtype) run out of the CPU's cache instead of streaming the whole chunk through memory each time.
 SOFTMAX_ELEMENTS = 1 << 20
 
 
@@ -42,7 +42,8 @@ def peak_bytes(vocab_size: int, hidden_size: int, rows: int, compute_bytes: int)
     """The fused loss's own peak memory: the fp32 weight gradient, the weight in the compute dtype (twice: as it
     is and transposed), one chunk's logits in the compute dtype and one softmax block's fp32 temporaries."""
     chunk = min(rows, default_chunk_rows(vocab_size, compute_bytes))
-    return (4 + 2 * compute_bytes) * vocab_size * hidden_size + chunk * vocab_size * compute_bytes + 8 * SOFTMAX_ELEMENTS
+    weights = (4 + 2 * compute_bytes) * vocab_size * hidden_size
+    return weights + chunk * vocab_size * compute_bytes + 8 * SOFTMAX_ELEMENTS
 
 
 def compute_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -76,7 +77,8 @@ def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dty
     tiny = target_probs < TINY_PROBABILITY
     if bool(tiny.any()):
         rows = tiny.nonzero()[:, 0]
-        picked[rows] = torch.log_softmax(logits[rows], dim=1, dtype=torch.float32).gather(1, targets[rows, None])[:, 0]
+        exact = torch.log_softmax(logits[rows], dim=1, dtype=torch.float32)
+        picked[rows] = exact.gather(1, targets[rows, None])[:, 0]
     if need_grad:
         probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
         # rounded to the logits' dtype; bf16 via fp32 matmuls: rounded as a bf16 gradient would be first
@@ -88,7 +90,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_i cross_entropy(hidden_i @ weight.T + bias, target_i), every target valid (no ignore_index).
 
     Per chunk of rows: the logits are computed into one buffer a matmul of MATMUL_ROWS at a time, turned
-    into log-probabilities and softmax − one-hot in place a cache-sized block at a time, and the chunk's
+    into softmax − one-hot in place a cache-sized block at a time (the loss read off it), and the chunk's
     gradient then goes into grad_hidden (MATMUL_ROWS at a time) and into the fp32 weight gradient (one
     matmul over the whole chunk, so its fp32 accumulation is read and written once per chunk)."""
 

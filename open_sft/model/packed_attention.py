@@ -12,6 +12,9 @@ is one concatenation) and attended with `is_causal=True` by the attention functi
 before, so the result is the one the mask gives. torch's CPU SDPA has no variable-length kernel (the CUDA
 flash-attention package does, and transformers uses it there through `position_ids`), which is why this
 is written here. It is installed only for CPU runs with "sdpa" and without sequence parallelism.
+
+A padded batch's position ids (transformers counts them off the attention mask) split too, padding apart from
+the tokens it pads: no real token attends a pad either way, so the real tokens' outputs are the same.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def _per_example(inner: Callable) -> Callable:
         position_ids = kwargs.get("position_ids")
         batch, _, length, _ = query.shape
         # Rows of their own (no KV cache: keys are the queries' positions), with one position id per query.
-        usable = (position_ids is not None and key.shape[2] == length and tuple(position_ids.shape) == (batch, length))
+        usable = (position_ids is not None and key.shape[2] == length
+                  and tuple(position_ids.shape) == (batch, length))
         lengths = segment_lengths(position_ids) if usable else None
         if lengths is None:
             return inner(module, query, key, value, attention_mask, **kwargs)
