@@ -54,8 +54,9 @@ def compute_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype
     return weight.dtype
 
 
-def _pieces(start: int, stop: int, step: int):
-    return ((i, min(i + step, stop)) for i in range(start, stop, step))
+def _pieces(stop: int, step: int):
+    """(start, end) of consecutive pieces of 0..stop, `step` long (the last one shorter)."""
+    return ((i, min(i + step, stop)) for i in range(0, stop, step))
 
 
 # Below this a target's fp32 probability has lost precision (fp32's smallest normal is ~1.2e-38): its
@@ -118,17 +119,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
             vocab = weight.shape[0]
             block = max(1, SOFTMAX_ELEMENTS // vocab)
-            for start, stop in _pieces(0, hidden.shape[0], chunk_rows):
+            for start, stop in _pieces(hidden.shape[0], chunk_rows):
                 h = cast(hidden[start:stop])
                 logits = torch.empty((stop - start, vocab), dtype=mm_dtype, device=hidden.device)
-                for i, j in _pieces(0, stop - start, MATMUL_ROWS):
+                for i, j in _pieces(stop - start, MATMUL_ROWS):
                     if b is not None:
                         torch.addmm(b, h[i:j], w_t, out=logits[i:j])
                     else:
                         torch.mm(h[i:j], w_t, out=logits[i:j])
                     if via_fp32:
                         logits[i:j] = logits[i:j].to(dtype)
-                for i, j in _pieces(0, stop - start, block):
+                for i, j in _pieces(stop - start, block):
                     picked = _softmax_grad_(logits[i:j], targets[start + i : start + j], dtype, need_grad)
                     loss -= picked.sum()
                     if token_losses is not None:  # each position's loss, for per-source sums (no gradient)
@@ -137,7 +138,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     continue
                 grad_logits = logits
                 if need_hidden:
-                    for i, j in _pieces(0, stop - start, MATMUL_ROWS):
+                    for i, j in _pieces(stop - start, MATMUL_ROWS):
                         grad_hidden[start + i : start + j] = cast(grad_logits[i:j] @ w)
                 if need_weight and dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)

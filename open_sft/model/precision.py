@@ -146,8 +146,9 @@ def _locked(path: Path):
 def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
           measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> dict[str, Any]:
     """The bf16 and fp32 throughput of the shapes on this machine, from the cache or measured once."""
+    limits = kernel_limits()
     key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, torch.get_num_threads(), shapes,
-                           *([kernel_limits()] if kernel_limits() else [])])  # older entries keep their keys
+                           *([limits] if limits else [])])  # without limits, the keys entries already have
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = _cache_path()
     with _locked(path) as cached:
