@@ -23,7 +23,7 @@ from open_sft.config.args import FinetuneConfig
 from open_sft.config.parse import parse_config
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError
-from open_sft.training.amp import HALF, accelerate_mixed_precision
+from open_sft.training.amp import HALF
 
 logger = logging.getLogger("open_sft")
 
@@ -126,6 +126,7 @@ def build_model(job: Job) -> None:
     partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
     from open_sft.distributed.collectives import check_ranks_agree_on_dtype
     from open_sft.distributed.fsdp import adopt_model
+    from open_sft.distributed.tensor_parallel import shard_model, tp_size_of
     from open_sft.model.load import load_model, load_model_config, partition_summary
     from open_sft.preflight.estimate import runtime_bytes
 
@@ -151,6 +152,8 @@ def build_model(job: Job) -> None:
         _start_accelerator(job, job.model.config)
     if launch.fsdp is not None:
         adopt_model(job.accelerator.state.fsdp_plugin, job.model)
+    if tp_size_of(job.accelerator) > 1:
+        logger.info("%s", shard_model(job.accelerator, job.model))
     check_ranks_agree_on_dtype(job.accelerator, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
         from open_sft.model import bf16_matmul
@@ -207,6 +210,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     """Resume if there is something to resume, train to the end (or to a stop signal: checkpoint, then
     Preempted); returns the trainer, the checkpointer and the logged records."""
     from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.export.hub_checkpoints import CheckpointUploader
     from open_sft.monitor.progress import ProgressBar
     from open_sft.preflight.timing import StepTimer, TimeProbe
@@ -214,7 +218,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.preemption import StopRequest
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name)
+    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name,
+                                       tp_size_of(acc))
     resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
                                        acc.is_main_process)
     if acc.is_main_process:
@@ -326,31 +331,15 @@ def main(argv: Optional[list[str]] = None) -> int:
 # Helpers of the phases
 # --------------------------------------------------------------------------------------------------------------
 def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) -> None:
-    """The Accelerator, with the launch's DeepSpeed config resolved from the flags (its "auto" values filled)."""
-    from open_sft.distributed.deepspeed import resolve_deepspeed_config
-    from open_sft.distributed.fsdp import build_plugin
-    from open_sft.distributed.sequence_parallel import sequence_parallel_launch
-    from open_sft.distributed.setup import build_accelerator
-    from open_sft.model.load import attn_implementation
+    from open_sft.distributed.setup import start_accelerator
 
-    t, deepspeed = job.config.train, job.launch.deepspeed_config is not None
-    sp, batch = sequence_parallel_launch(job.config, int(os.environ.get("WORLD_SIZE", "1")), deepspeed, model_config,
-                                         attn_implementation(job.config.model))
-    if deepspeed:
-        job.ds_config = resolve_deepspeed_config(
-            job.launch.deepspeed_config, **batch, bf16=job.dtype == torch.bfloat16, fp16=job.dtype == torch.float16,
-            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
-    mixed_precision = accelerate_mixed_precision(job.dtype, deepspeed)
-    fsdp = build_plugin(mixed_precision) if job.launch.fsdp is not None else None
-    job.accelerator = build_accelerator(
-        gradient_accumulation_steps=batch["gradient_accumulation_steps"], mixed_precision=mixed_precision,
-        deepspeed_config=job.ds_config, timeout_s=t.timeout, zero3_init=zero3_init, parallelism_config=sp,
-        fsdp_plugin=fsdp)
+    job.accelerator, job.ds_config = start_accelerator(job.config, job.launch, job.dtype, model_config, zero3_init)
 
 
 def _build_trainer(job: Job, metrics: Any) -> Any:
     """The loss-wrapped model and the optimizer, prepared by the Accelerator, in a Trainer."""
     from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.model.load import param_numel
     from open_sft.model.loss import TokenLossModel
     from open_sft.monitor.metrics import FlopCounter, device_peak_flops
@@ -360,7 +349,9 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     t, model = job.config.train, job.model
     head = model.get_output_embeddings().weight
     backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
-    wrapped = TokenLossModel(model)
+    # under TP the LM head's columns are sharded: its gathered logits feed the plain loss (the fused one reads
+    # the whole weight)
+    wrapped = TokenLossModel(model, fused_loss=tp_size_of(job.accelerator) == 1)
     if t.sequence_parallel_size > 1:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,

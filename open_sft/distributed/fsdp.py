@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from open_sft.distributed.tensor_parallel import requested_tp_size
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,11 @@ def build_plugin(mixed_precision: str) -> Any:
         os.environ[ENV_WRAP] = "TRANSFORMER_BASED_WRAP"
     os.environ[ENV_PREFIX + "STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
     plugin = FullyShardedDataParallelPlugin()
+    if requested_tp_size() > 1 and plugin.cpu_ram_efficient_loading:
+        # accelerate 1.15's broadcast of rank 0's weights (fsdp2_load_full_state_dict) sends a TP-sharded weight's
+        # local slice as if it were the whole tensor; under TP every rank loads the model and keeps its slice
+        plugin.cpu_ram_efficient_loading = False
+        logger.info("FSDP2 cpu_ram_efficient_loading is off under tensor parallelism (each rank loads the model)")
     if offloads(plugin) and not torch.cuda.is_available():
         from torch.distributed.fsdp import OffloadPolicy
 
@@ -120,7 +126,7 @@ def offloads(plugin: Any) -> bool:
 
 def build_on_cpu(make_accelerator: Callable[[], Any], plugin: Any) -> Any:
     """An Accelerator for CPU ranks (MULTI_CPU over gloo, from `make_accelerator`) switched to the FSDP engine,
-    with the launch's HSDP layout (`--use_parallelism_config`: dp_replicate × dp_shard) attached afterwards.
+    with the launch's parallel layout (`--use_parallelism_config`: dp_replicate × dp_shard × tp) attached afterwards.
 
     Why by hand: accelerate 1.15's AcceleratorState turns FSDP on only for GPU-like distributed types
     (MULTI_GPU, MULTI_XPU, ...): on CPU it leaves MULTI_CPU even under `--use_fsdp`, and `prepare` would wrap
@@ -135,11 +141,11 @@ def build_on_cpu(make_accelerator: Callable[[], Any], plugin: Any) -> Any:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    hsdp = os.environ.pop(ENV_PARALLELISM, "false").lower() == "true"  # read back below, once FSDP is on
+    parallel = os.environ.pop(ENV_PARALLELISM, "false").lower() == "true"  # read back below, once FSDP is on
     try:
         accelerator = make_accelerator()
     finally:
-        if hsdp:
+        if parallel:
             os.environ[ENV_PARALLELISM] = "true"
     state = accelerator.state
     if state.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.NO):
@@ -147,7 +153,7 @@ def build_on_cpu(make_accelerator: Callable[[], Any], plugin: Any) -> Any:
     state.distributed_type = DistributedType.FSDP
     state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    if hsdp:
+    if parallel:
         config = ParallelismConfig()  # its sizes from accelerate's PARALLELISM_CONFIG_* variables
         state.parallelism_config = config
         state.device_mesh = config.get_device_mesh(accelerator.device.type)
@@ -156,12 +162,13 @@ def build_on_cpu(make_accelerator: Callable[[], Any], plugin: Any) -> Any:
 
 
 def parallelism_problems(env: Mapping[str, str] = os.environ) -> list[str]:
-    """What a launch's ParallelismConfig asks of FSDP2 that open_sft does not train with."""
+    """What a launch's ParallelismConfig asks of FSDP2 that open_sft does not train with (tensor parallelism is
+    open_sft.distributed.tensor_parallel's, checked once the model's shape is known)."""
     if env.get(ENV_PARALLELISM, "false").lower() != "true":
         return []
-    sizes = {name: int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1) for name in ("tp", "cp", "sp")}
-    return [f"--parallelism_config_{name}_size {size}: only data parallelism (dp_replicate × dp_shard, HSDP) is "
-            "supported under FSDP2; drop it" for name, size in sizes.items() if size > 1]
+    sizes = {name: int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1) for name in ("cp", "sp")}
+    return [f"--parallelism_config_{name}_size {size}: FSDP2 trains with data parallelism (dp_replicate × dp_shard, "
+            "HSDP) and tensor parallelism (tp) only; drop it" for name, size in sizes.items() if size > 1]
 
 
 def fsdp_layout(accelerator: Any) -> Optional[dict[str, Any]]:
@@ -170,8 +177,11 @@ def fsdp_layout(accelerator: Any) -> Optional[dict[str, Any]]:
         return None
     plugin, config = accelerator.state.fsdp_plugin, accelerator.parallelism_config
     replicas = config.dp_replicate_size if config is not None else 1
+    tp = config.tp_size if config is not None else 1
     policy = plugin.mixed_precision_policy
+    # shards: the pieces of each parameter, FSDP2's dp_shard × TP's tp
     return {"engine": "fsdp2", "shards": accelerator.num_processes // replicas, "replicas": replicas,
+            "tensor_parallel": tp,
             "reshard_after_forward": plugin.reshard_after_forward,
             "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model",
             "cpu_offload": offloads(plugin),

@@ -101,6 +101,7 @@ class RunShape:
     reduce_bucket_size: int = 0  # elements (DeepSpeed)
     attention_width: int = 0  # padded width of that micro-batch when it needs a padding mask, else 0
     fsdp: bool = False  # FSDP2 full sharding (zero_stage is 0 then)
+    tensor_parallel: int = 1  # FSDP2 + TP: a gathered block holds 1/tp of its attention and MLP weights
 
 
 @dataclass
@@ -159,10 +160,12 @@ def _fsdp_states(model: ModelShape, run: RunShape, adam: int) -> tuple[int, int,
     root = max(model.params - model.layers * block, 0)
     low = 2 if run.bf16 else 4
     frozen_bytes = max(model.param_bytes - 4 * trainable, 0)
+    block //= run.tensor_parallel  # under TP FSDP2 gathers a block's slices only (its norms are counted sliced too)
     params = (4 * trainable + frozen_bytes) // ws + low * (root + 2 * block)
     grads = 4 * trainable // ws + 4 * min(trainable, root + block)  # the unit's full gradient before reduce-scatter
     notes = [f"FSDP2: parameters, gradients and optimizer states sharded over {ws} rank(s), one transformer block "
-             "gathered at a time"]
+             "gathered at a time" + (f" (its 1/{run.tensor_parallel} tensor-parallel slice)"
+                                     if run.tensor_parallel > 1 else "")]
     if run.offload:
         notes.append("offload: sharded parameters, gradients and optimizer states live in host memory (counted here)")
     return params, grads, adam // ws + 4 * trainable // ws, notes
@@ -323,14 +326,19 @@ class Preflight:
                             "of every sequence; the estimate is per rank)")
         if self.fsdp is not None:
             replicas = f" × {self.fsdp['replicas']} replicas (HSDP)" if self.fsdp["replicas"] > 1 else ""
+            tp = self.fsdp.get("tensor_parallel", 1)
+            shards = f"{self.fsdp['shards']} shards" if tp == 1 else (
+                f"{self.fsdp['shards'] // tp} FSDP shards × tensor parallel {tp} (each TP group of {tp} ranks "
+                "computes its members' micro-batches together)")
             lines.insert(2, f"  parallel layout: FSDP2, data parallel {layout.world_size} with every parameter, "
-                            f"gradient and optimizer state in {self.fsdp['shards']} shards{replicas} (units: "
+                            f"gradient and optimizer state in {shards}{replicas} (units: "
                             f"{self.fsdp['wrap']}); the estimate is per rank")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name,
                 "parallel": {"data": self.world_size // self.sequence_parallel, "sequence": self.sequence_parallel,
+                             "tensor": (self.fsdp or {}).get("tensor_parallel", 1),
                              **({"fsdp": self.fsdp} if self.fsdp is not None else {})}}
 
 
@@ -349,7 +357,8 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
     checkpointing = config.model.gradient_checkpointing or bool(fsdp and fsdp["activation_checkpointing"])
     sharded_over = fsdp["shards"] if fsdp is not None else steps.layout.world_size  # HSDP: replicas hold copies
     shape = RunShape(sharded_over, stage, offload, bf16_activations, per_rank, per_rank,
-                     checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None)
+                     checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None,
+                     tensor_parallel=(fsdp or {}).get("tensor_parallel", 1))
     memory = estimate_memory(ModelShape.of(model), shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
     return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp)

@@ -3,10 +3,9 @@
 Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
     accelerate's save_state: model + optimizer (DeepSpeed's own per-rank files under ZeRO, else
         model.safetensors + optimizer.bin) and random_states_<rank>.pkl (python, numpy, torch RNGs per rank)
-    trainer_state.json: the step (our data order is a pure function of (seed, epoch, step), and so is
-        the learning rate, so the step *is* the exact data and schedule position), token counters, the
-        open logging window, the settings a resume must share (cache key, batch layout, seed), the
-        resolved config
+    trainer_state.json: the step (our data order is a pure function of (seed, epoch, step), and so is the
+        learning rate, so the step *is* the exact data and schedule position), token counters, the open logging
+        window, the settings a resume must share (cache key, batch layout, seed), the resolved config
     COMPLETE: written last; a manifest of every file with its size
 
 A checkpoint is written to step_N.tmp/, fsynced, renamed to step_N/, then COMPLETE is written and
@@ -54,10 +53,11 @@ IDENTITY_FLAGS = {
     "balanced": "--balance_micro_batches (its default is off under --loss_normalization mean)",
     "engine": "the training engine (DeepSpeed, FSDP2, or neither: each writes its own checkpoint format)",
     "sequence_parallel_size": "--sequence_parallel_size (it sets DeepSpeed's data-parallel partitioning)",
+    "tensor_parallel_size": "accelerate's --parallelism_config_tp_size (it sets how each parameter is sharded)",
 }
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
-IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1}
+IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1}
 ENGINES = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}  # accelerate's distributed type → checkpoint format; else torch
 
 
@@ -388,12 +388,13 @@ class Checkpointer:
         return final
 
 
-def run_identity(config: Any, cache_key: str, world_size: int, distributed_type: str = "NO") -> dict[str, Any]:
+def run_identity(config: Any, cache_key: str, world_size: int, distributed_type: str = "NO",
+                 tensor_parallel: int = 1) -> dict[str, Any]:
     """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); `distributed_type`:
     accelerate's name for it, which decides the checkpoint format (ENGINES)."""
     t = config.train
     return {"engine": ENGINES.get(distributed_type, "torch"), "dataset_cache_key": cache_key,
-            "micro_batch_size": t.per_device_train_batch_size,
-            "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed,
-            "packing": t.packing, "max_tokens_per_batch": t.max_tokens_per_batch,
-            "balanced": balances(t), "sequence_parallel_size": t.sequence_parallel_size}
+            "micro_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps":
+            t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed, "packing": t.packing,
+            "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),
+            "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": tensor_parallel}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -13,14 +13,20 @@ from open_sft.monitor.metrics import per_source
 @torch.no_grad()
 def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
              reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-             autocast: Optional[Callable[[], Any]] = None) -> dict[str, float]:
+             autocast: Optional[Callable[[], Any]] = None, tp_ranks: Sequence[int] = ()) -> dict[str, float]:
     """Sum of token losses over every eval example / their trained tokens (the same weighting as
     training), and `eval_loss/<source>`, `eval_tokens/<source>` per source of the eval data. Rank r takes
     examples r, r + world, ...; every rank runs the same number of forward passes (ZeRO-3 gathers parameters
-    collectively), padding its last batches with loss-free copies. One all-reduce at the end."""
+    collectively), padding its last batches with loss-free copies. One all-reduce at the end.
+
+    Under tensor parallelism (`tp_ranks`: this rank's TP group) the ranks of a group compute the same batches:
+    the data-parallel groups share the examples, and each group's first rank counts them."""
     loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: each trained position's loss
     loss_model.keep_token_losses = True
     world, rank = accelerator.num_processes, accelerator.process_index
+    counted = not tp_ranks or rank == tp_ranks[0]
+    if tp_ranks:  # ranks are (data parallel, tp) row-major in accelerate's mesh: a group is T consecutive ranks
+        world, rank = world // len(tp_ranks), rank // len(tp_ranks)
     mine = list(range(rank, len(data), world))
     batches = -(-len(range(0, len(data), world)) // batch_size)  # batches of the largest shard
     n_sources = len(data.source_names)
@@ -41,7 +47,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double())
         totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
     model.train()
-    summed = reduce_sum(totals).tolist()
+    summed = reduce_sum(totals if counted else torch.zeros_like(totals)).tolist()
     loss_sum, tokens = summed[:2]
     return {"eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),
             **per_source(data.source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}

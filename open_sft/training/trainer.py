@@ -26,6 +26,7 @@ from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
+from open_sft.distributed.tensor_parallel import group_ranks, tp_size_of
 from open_sft.errors import UserError
 from open_sft.monitor.activations import SavedActivations
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
@@ -91,6 +92,8 @@ class Trainer:
         # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel)
         self.sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
         self.example_lengths = data.lengths() if self.sp_size > 1 else []  # the plan's, for SP group widths
+        # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
+        self.tp_ranks = group_ranks(accelerator) if tp_size_of(accelerator) > 1 else []
         if self.is_deepspeed:
             problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
             if problems:
@@ -125,20 +128,36 @@ class Trainer:
             batch = fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width)
         return batch
 
-    def _passes(self, batches: list[dict[str, torch.Tensor]], positions: list[torch.Tensor],
-                counts: list[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor, int]]:
+    def _passes(self, step: int, batches: list[dict[str, torch.Tensor]], positions: list[torch.Tensor],
+                counts: list[int]) -> list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]:
         """(inputs, source of each trained position, trained tokens) of each forward pass of the step: the
-        micro-batches, or under SP this rank's slices of its group's micro-batches."""
+        micro-batches, under SP this rank's slices of its group's micro-batches, under TP its group's micro-
+        batches (another member's pass has no sources: its loss is counted on its own rank)."""
         if self.sp_size == 1:
-            return [({k: v for k, v in b.items() if k != "sources"}, p, c)
-                    for b, p, c in zip(batches, positions, counts)]
+            own = [({k: v for k, v in b.items() if k != "sources"}, p, c)
+                   for b, p, c in zip(batches, positions, counts)]
+            return self._group_passes(step, own) if self.tp_ranks else own
         slices = shard(self.accelerator, self.model, batches)
         return [({k: v for k, v in s.items() if k != "sources"}, trained_shard_sources(s),
                  int((s["shift_labels"] != IGNORE_INDEX).sum())) for s in slices]
 
-    def _micro_batches(self, step: int) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
+    def _group_passes(self, step: int, own: list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]
+                      ) -> list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]:
+        """Under TP, the passes of the whole TP group, micro-batch slot by slot and member by member: every
+        member collates the others' micro-batches from the plan (a pure function), so no collective is needed."""
+        def others(rank: int) -> list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]:
+            batches = [batch for batch, _ in self._micro_batches(step, rank)]
+            return [({k: v for k, v in b.items() if k not in ("sources", "lengths")}, None,
+                     count_trained_batch(b["labels"])) for b in batches]
+
+        me = self.accelerator.process_index
+        members = [own if rank == me else others(rank) for rank in self.tp_ranks]
+        return [passes[slot] for slot in range(len(own)) for passes in members]
+
+    def _micro_batches(self, step: int, rank: Optional[int] = None) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
         epoch, step_in_epoch = locate(self.steps.plan, step)
-        micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, self.accelerator.process_index)
+        rank = self.accelerator.process_index if rank is None else rank
+        micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, rank)
         widths = [0] * len(micro_batches) if self.sp_size == 1 else group_widths(
             self.steps.plan, epoch, step_in_epoch, self.example_lengths, self.args.packing)
         batches = []
@@ -237,16 +256,16 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         grad_norm = float("nan")
         skipped = False
-        for _, indices in batches:
-            self.seen_example_ids.extend(indices)
-        passes = self._passes([batch for batch, _ in batches], positions, local_counts)
+        self.seen_example_ids.extend(i for _, indices in batches for i in indices)
+        passes = self._passes(step, [batch for batch, _ in batches], positions, local_counts)
         for a, (batch, trained_positions, trained_local) in enumerate(passes):
             with self.accelerator.accumulate(self.model):
                 with self.precision.autocast(), (self.saved_activations.measure() if self.saved_activations
                                                  else contextlib.nullcontext()):
                     token_loss_sum = self.model(**batch)
-                loss_sum += token_loss_sum.detach().double()
-                source_loss.index_add_(0, trained_positions, self.loss_model.token_losses.double())
+                if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
+                    loss_sum += token_loss_sum.detach().double()
+                    source_loss.index_add_(0, trained_positions, self.loss_model.token_losses.double())
                 self.accelerator.backward(
                     self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
                 if a == len(passes) - 1:
@@ -352,7 +371,7 @@ class Trainer:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
         result = evaluate(self.accelerator, self.model, self.eval_data, batch_size,
-                          self.pad_token_id, self.reduce_sum, self.precision.autocast)
+                          self.pad_token_id, self.reduce_sum, self.precision.autocast, tp_ranks=self.tp_ranks)
         record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,

@@ -31,18 +31,19 @@ def test_fsdp1_is_refused_with_the_fix() -> None:
         fsdp.fsdp_request({"ACCELERATE_USE_FSDP": "true"})
 
 
-def test_only_data_parallel_layouts_of_a_parallelism_config() -> None:
+def test_data_and_tensor_parallel_layouts_of_a_parallelism_config() -> None:
     hsdp = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
             "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"}
     assert fsdp.parallelism_problems(hsdp) == []
-    assert fsdp.parallelism_problems({"PARALLELISM_CONFIG_TP_SIZE": "2"}) == []  # no --use_parallelism_config
-    problems = fsdp.parallelism_problems({**hsdp, "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1"})
-    assert problems == ["--parallelism_config_tp_size 2: only data parallelism (dp_replicate × dp_shard, HSDP) is "
-                        "supported under FSDP2; drop it"]
+    assert fsdp.parallelism_problems({**hsdp, "PARALLELISM_CONFIG_TP_SIZE": "2"}) == []  # distributed.tensor_parallel
+    assert fsdp.parallelism_problems({"PARALLELISM_CONFIG_CP_SIZE": "2"}) == []  # no --use_parallelism_config
+    problems = fsdp.parallelism_problems({**hsdp, "PARALLELISM_CONFIG_CP_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "1"})
+    assert problems == ["--parallelism_config_cp_size 2: FSDP2 trains with data parallelism (dp_replicate × dp_shard, "
+                        "HSDP) and tensor parallelism (tp) only; drop it"]
     fsdp_launch = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
     assert fsdp.fsdp_request({**fsdp_launch, **hsdp}) == {"version": "2"}
-    with pytest.raises(UserError, match="^FSDP2: --parallelism_config_tp_size 2"):
-        fsdp.fsdp_request({**fsdp_launch, **hsdp, "PARALLELISM_CONFIG_TP_SIZE": "2"})
+    with pytest.raises(UserError, match="^FSDP2: --parallelism_config_sp_size 2"):
+        fsdp.fsdp_request({**fsdp_launch, **hsdp, "PARALLELISM_CONFIG_SP_SIZE": "2"})
 
 
 def test_what_fsdp2_cannot_do_is_named_with_its_fix() -> None:

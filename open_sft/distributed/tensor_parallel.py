@@ -1,0 +1,160 @@
+"""Tensor parallelism (TP) combined with FSDP2: accelerate's ParallelismConfig `tp_size`, transformers' tp_plan.
+
+A launch asks for it the accelerate way, beside FSDP2:
+`accelerate launch --use_fsdp --fsdp_version 2 --use_parallelism_config --parallelism_config_dp_shard_size D
+--parallelism_config_tp_size T ...` (or configs/accelerate/fsdp2_tp.yaml). accelerate builds the
+(dp_shard, tp) device mesh; here the model's own plan (`base_model_tp_plan`, for Llama-family models
+colwise q/k/v/gate/up, rowwise o/down, the LM head's columns gathered) is applied on that mesh's "tp"
+dimension with transformers' sharding styles; accelerate's `prepare` then makes every other parameter a
+replicated DTensor of the same mesh and shards all of them with FSDP2 over "dp_shard". Optimizer state,
+gradient clipping, torch.distributed.checkpoint and the full-state-dict export all work on those 2-D DTensors.
+
+Why the plan is applied here and not by `from_pretrained(distributed_config=DistributedConfig(tp_size=T))`:
+transformers 5 builds its own mesh of the whole world from DistributedConfig (and applies its own FSDP when
+that mesh has a data-parallel dimension), while FSDP2's `fully_shard` needs the TP mesh and its own data-
+parallel mesh cut from one device mesh, accelerate's. So the model is loaded whole (each rank reads the same
+checkpoint) and each rank keeps its slice: `distribute_tensor(..., src_data_rank=None)` slices locally,
+without a broadcast.
+
+The data plan is the one of data parallelism over all ranks, as under sequence parallelism: every rank has
+its own micro-batches, and a TP group of T ranks computes its members' micro-batches together, one after the
+other (every rank of the group must see the same inputs). The global batch, the token-normalised loss and the
+step plan are therefore those of the same world without TP; only the rank whose micro-batch a pass is counts
+its loss and tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+
+ENV_TP_SIZE = "PARALLELISM_CONFIG_TP_SIZE"
+ENV_DP_SHARD_SIZE = "PARALLELISM_CONFIG_DP_SHARD_SIZE"
+ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
+
+
+def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
+    """The launch's tensor-parallel size (1 without `--use_parallelism_config`)."""
+    if env.get(ENV_PARALLELISM, "false").lower() != "true":
+        return 1
+    return int(env.get(ENV_TP_SIZE, "1") or 1)
+
+
+def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: Any, model_config: Any,
+                             env: Mapping[str, str] = os.environ) -> list[str]:
+    """What `--parallelism_config_tp_size tp` cannot do with this run, each with its fix."""
+    if tp == 1:
+        return []
+    flag = f"--parallelism_config_tp_size {tp}"
+    problems = []
+    if not fsdp:
+        problems.append(f"{flag} runs combined with FSDP2: launch with `--use_fsdp --fsdp_version 2` "
+                        "(configs/accelerate/fsdp2_tp.yaml)")
+    dp_shard = int(env.get(ENV_DP_SHARD_SIZE, "1") or 1)
+    if world % tp:
+        problems.append(f"{flag} must divide the number of processes ({world})")
+    elif dp_shard < 2:
+        problems.append(f"{flag} needs FSDP2 to shard over at least 2 ranks (accelerate's rule for TP under FSDP): "
+                        f"pass --parallelism_config_dp_shard_size {world // tp} on {world} processes, or more "
+                        "processes")
+    if train.sequence_parallel_size > 1:
+        problems.append(f"{flag} with --sequence_parallel_size: Ulysses SP runs on DeepSpeed, TP on FSDP2; pick one")
+    if lora.use_lora or lora.use_qlora:
+        problems.append(f"{flag} with --use_lora/--use_qlora: peft's adapters add full-width outputs to a base "
+                        "layer whose output TP has sliced; train LoRA under FSDP2 without TP, or under DeepSpeed")
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(model_config, name, None)
+        if heads is not None and heads % tp:
+            problems.append(f"{flag} must divide the model's {name} ({heads}): each rank attends with 1/{tp} "
+                            "of the heads")
+    if not (getattr(model_config, "base_model_tp_plan", None) or {}):
+        problems.append(f"{flag}: the model ({getattr(model_config, 'model_type', '?')}) has no tensor-parallel plan "
+                        "in transformers (base_model_tp_plan); drop TP and shard with FSDP2 alone")
+    return problems
+
+
+def apply(model: torch.nn.Module, tp_mesh: Any) -> list[str]:
+    """Shard `model` (loaded whole, identical on every rank) with its transformers tp_plan over `tp_mesh`, the
+    "tp" dimension of accelerate's device mesh; returns the names of the parameters the plan sharded.
+    transformers resolves the plan (the model's `_tp_plan` and its config's `base_model_tp_plan`, expanded per
+    layer), and its styles shard each weight and hook each module's forward."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
+    apply_tensor_parallelism(model, tp_mesh, tp_plan)
+    parameters = dict(model.named_parameters())
+    return sorted(name for name in tp_plan if name in parameters)
+
+
+class ReplicateParallel:
+    """What accelerate 1.15's FSDP2 + TP `prepare` imports from transformers.integrations.tensor_parallel (removed
+    in transformers 5) to hook each module that owns a parameter outside the tp_plan (embeddings, norms):
+    accelerate makes the parameter a replicated DTensor of the TP mesh, and this hook turns the module's tensor
+    inputs into replicated DTensors and its outputs back into plain tensors, so the layers around it (which
+    exchange plain tensors, as transformers' TP styles do) are untouched. Every rank of a TP group computes the
+    same replicated gradient for such a parameter: the gradient reaching it was all-reduced by the colwise
+    layers' input redistribution."""
+
+    def prepare_module_tp(self, module: torch.nn.Module, mesh: Any) -> None:
+        if getattr(module, "_open_sft_replicated", False):  # accelerate calls once per parameter of a module
+            return
+        from torch.distributed.tensor import DTensor, Replicate
+
+        def to_dtensor(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+            return value
+
+        def to_local(value: Any) -> Any:
+            return value.to_local() if isinstance(value, DTensor) else value
+
+        def before(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            return tuple(to_dtensor(a) for a in args), {k: to_dtensor(v) for k, v in kwargs.items()}
+
+        def after(_module: Any, _args: Any, output: Any) -> Any:
+            return tuple(to_local(o) for o in output) if isinstance(output, tuple) else to_local(output)
+
+        module.register_forward_pre_hook(before, with_kwargs=True)
+        module.register_forward_hook(after)
+        module._open_sft_replicated = True
+
+
+def provide_replicate_parallel() -> None:
+    """Give accelerate's FSDP2 + TP `prepare` the ReplicateParallel it imports, when transformers lacks it."""
+    import transformers.integrations.tensor_parallel as hf_tensor_parallel
+
+    if not hasattr(hf_tensor_parallel, "ReplicateParallel"):
+        hf_tensor_parallel.ReplicateParallel = ReplicateParallel
+
+
+def group_ranks(accelerator: Any) -> list[int]:
+    """The global ranks of this rank's TP group, in TP order (all ranks compute the same inputs)."""
+    return torch.distributed.get_process_group_ranks(accelerator.torch_device_mesh["tp"].get_group())
+
+
+def tp_size_of(accelerator: Any) -> int:
+    config = getattr(accelerator, "parallelism_config", None)
+    return int(getattr(config, "tp_size", 1) or 1) if config is not None else 1
+
+
+def tensor_parallel_launch(config: Any, world: int, fsdp: bool, model_config: Any) -> int:
+    """The launch's TP size, after refusing what TP cannot do with this run (a UserError naming the fixes)."""
+    from open_sft.errors import UserError
+
+    tp = requested_tp_size()
+    problems = tensor_parallel_problems(tp, world, fsdp, config.train, config.lora, model_config)
+    if problems:
+        raise UserError("tensor parallelism: " + "; ".join(problems))
+    return tp
+
+
+def shard_model(accelerator: Any, model: torch.nn.Module) -> str:
+    """Apply the model's tp_plan on the accelerator's "tp" mesh dimension; the log line saying what was sharded."""
+    names = apply(model, accelerator.torch_device_mesh["tp"])
+    provide_replicate_parallel()
+    tp = tp_size_of(accelerator)
+    return (f"tensor parallel {tp}: {len(names)} weights sharded by the model's tp_plan (this rank holds 1/{tp} of "
+            f"each); TP group ranks {group_ranks(accelerator)}")

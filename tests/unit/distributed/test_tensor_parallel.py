@@ -1,0 +1,124 @@
+"""Tensor parallelism's launch side: the size read from accelerate's variables, what is refused with its fix, the
+plugin setting it turns off, the resume identity and the memory model (training: integration/test_tensor_parallel)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import GPT2Config, LlamaConfig
+
+from open_sft.config.parse import parse_config
+from open_sft.distributed import fsdp, tensor_parallel
+from open_sft.errors import UserError
+from open_sft.preflight.estimate import ModelShape, Preflight, RunShape, estimate_memory
+from open_sft.training.checkpoint import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
+
+LAYOUT = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+          "PARALLELISM_CONFIG_TP_SIZE": "2"}
+LLAMA = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+def config(*flags: str):
+    return parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *flags])
+
+
+def problems(tp: int = 2, world: int = 4, fsdp_on: bool = True, *flags: str, model=LLAMA, env=LAYOUT) -> list[str]:
+    c = config(*flags)
+    return tensor_parallel.tensor_parallel_problems(tp, world, fsdp_on, c.train, c.lora, model, env)
+
+
+def test_the_size_is_accelerates_parallelism_config() -> None:
+    assert tensor_parallel.requested_tp_size({}) == 1
+    assert tensor_parallel.requested_tp_size({"PARALLELISM_CONFIG_TP_SIZE": "2"}) == 1  # no --use_parallelism_config
+    assert tensor_parallel.requested_tp_size(LAYOUT) == 2
+
+
+def test_a_llama_under_fsdp2_with_room_to_shard_is_accepted() -> None:
+    assert problems() == []
+    assert problems(tp=1, fsdp_on=False) == []  # no TP: nothing to check
+
+
+def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
+    assert problems(fsdp_on=False) == ["--parallelism_config_tp_size 2 runs combined with FSDP2: launch with "
+                                       "`--use_fsdp --fsdp_version 2` (configs/accelerate/fsdp2_tp.yaml)"]
+    assert problems(world=3, env={**LAYOUT, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}) == [
+        "--parallelism_config_tp_size 2 must divide the number of processes (3)"]
+    only_tp = problems(world=2, env={**LAYOUT, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"})
+    assert len(only_tp) == 1 and "needs FSDP2 to shard over at least 2 ranks" in only_tp[0]
+    assert "--parallelism_config_dp_shard_size 1 on 2 processes" in only_tp[0]
+    lora = problems(2, 4, True, "--use_lora")
+    assert len(lora) == 1 and "with --use_lora/--use_qlora" in lora[0]
+    odd_heads = LlamaConfig(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, vocab_size=128)
+    assert problems(model=odd_heads) == [
+        "--parallelism_config_tp_size 2 must divide the model's num_attention_heads (3): each rank attends with 1/2 "
+        "of the heads",
+        "--parallelism_config_tp_size 2 must divide the model's num_key_value_heads (1): each rank attends with 1/2 "
+        "of the heads"]
+    no_plan = problems(model=GPT2Config(n_head=4))
+    assert no_plan == ["--parallelism_config_tp_size 2: the model (gpt2) has no tensor-parallel plan in transformers "
+                       "(base_model_tp_plan); drop TP and shard with FSDP2 alone"]
+
+
+def test_the_launch_refuses_before_anything_is_built(monkeypatch) -> None:
+    for name, value in LAYOUT.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=r"^tensor parallelism: .*--use_lora/--use_qlora"):
+        tensor_parallel.tensor_parallel_launch(config("--use_lora"), 4, True, LLAMA)
+    assert tensor_parallel.tensor_parallel_launch(config(), 4, True, LLAMA) == 2
+
+
+def test_accelerate_gets_the_replicate_style_transformers_5_dropped(monkeypatch) -> None:
+    import transformers.integrations.tensor_parallel as hf_tensor_parallel
+
+    monkeypatch.delattr(hf_tensor_parallel, "ReplicateParallel", raising=False)
+    tensor_parallel.provide_replicate_parallel()
+    assert hf_tensor_parallel.ReplicateParallel is tensor_parallel.ReplicateParallel
+    own = type("ReplicateParallel", (), {})
+    monkeypatch.setattr(hf_tensor_parallel, "ReplicateParallel", own, raising=False)
+    tensor_parallel.provide_replicate_parallel()  # a transformers that has one keeps it
+    assert hf_tensor_parallel.ReplicateParallel is own
+
+
+def test_fsdp2_loads_on_every_rank_under_tensor_parallel(monkeypatch) -> None:
+    for name in [n for n in __import__("os").environ if n.startswith("FSDP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    assert fsdp.build_plugin("no").cpu_ram_efficient_loading is True
+    for name, value in LAYOUT.items():
+        monkeypatch.setenv(name, value)
+    assert fsdp.build_plugin("no").cpu_ram_efficient_loading is False
+
+
+def test_a_checkpoint_of_another_tensor_parallel_size_is_not_resumed(tmp_path) -> None:
+    assert run_identity(config(), "key", 4, "FSDP", 2)["tensor_parallel_size"] == 2
+    assert run_identity(config(), "key", 4, "FSDP")["tensor_parallel_size"] == 1
+    with pytest.raises(UserError, match=r"--parallelism_config_tp_size .*checkpoint 1, now 2"):
+        check_compatible(tmp_path, {}, {**BEFORE, "tensor_parallel_size": 2})  # before TP was recorded: TP 1
+
+
+def test_fsdp2_memory_gathers_a_blocks_tensor_parallel_slice() -> None:
+    shape = ModelShape(params=1_000_000, trainable=1_000_000, param_bytes=4_000_000, largest_param=64_000,
+                       matmul_params=900_000, hidden=100, layers=10, intermediate=300, vocab=500)
+
+    def run(tp: int) -> RunShape:
+        return RunShape(4, 0, False, False, 512, 512, False, fsdp=True, tensor_parallel=tp)
+
+    plain, sliced = estimate_memory(shape, run(1), 0), estimate_memory(shape, run(2), 0)
+    block, root = (1_000_000 - 2 * 500 * 100) // 10, 1_000_000 - 10 * 90_000
+    assert sliced.parameters == 4_000_000 // 4 + 4 * (root + 2 * (block // 2))
+    assert plain.parameters - sliced.parameters == 4 * 2 * (block - block // 2)
+    assert sliced.optimizer == plain.optimizer  # states were sharded over all 4 ranks either way
+    assert any("1/2 tensor-parallel slice" in note for note in sliced.notes)
+
+
+def test_the_preflight_names_the_layout() -> None:
+    layout = {"engine": "fsdp2", "shards": 4, "replicas": 1, "tensor_parallel": 2, "wrap": "LlamaDecoderLayer"}
+    memory = estimate_memory(ModelShape(1000, 1000, 4000, 100, 900, 10, 2, 30, 50), RunShape(4, 0, False, False, 8, 8,
+                                                                                            False, fsdp=True), 0)
+    preflight = Preflight(memory, 2**30, "cpu", [8], world_size=4, fsdp=layout)
+    assert preflight.to_dict()["parallel"]["tensor"] == 2
+    steps = type("Steps", (), {"steps_per_epoch": 1, "total_steps": 1, "num_epochs": 1,
+                               "layout": type("Layout", (), {"micro_batch_size": 1, "gradient_accumulation_steps": 2,
+                                                             "world_size": 4, "global_batch_size": 8})()})()
+    text = preflight.describe(steps, [0] * 8)
+    assert "in 2 FSDP shards × tensor parallel 2 (each TP group of 2 ranks computes its members' micro-batches" in text
