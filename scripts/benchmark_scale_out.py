@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""Scaling out on 2 real ranks (gloo on CPU): the engines side by side, and the longest sequence that trains
-under a per-rank memory cap with and without sequence parallelism.
+"""Scaling out on real ranks (gloo on CPU): the engines side by side, FSDP2 with and without tensor parallelism,
+and the longest sequence that trains under a per-rank memory cap with and without sequence parallelism.
 
     python scripts/benchmark_scale_out.py engines            # ZeRO-2, ZeRO-3 and FSDP2 on the same model and data
+    python scripts/benchmark_scale_out.py tensor             # 4 ranks: FSDP2 4 shards vs 2 shards × TP 2
     python scripts/benchmark_scale_out.py longest --cap_gib 1.6 --lengths 2048 4096 8192 16384
 
 `engines`: finetune.py under `accelerate launch --num_processes 2` with configs/ds/zero2.json, zero3.json and
 configs/accelerate/fsdp2.yaml, one after the other on a generated chat mix; prints tokens/s over the steady
 steps (the first --warmup_steps excluded), each rank's peak resident memory (polled), and the final loss (the
 engines train the same steps, so the losses agree).
+
+`tensor`: the same on 4 ranks, FSDP2 over all 4 against FSDP2 over 2 × tensor parallel 2
+(configs/accelerate/fsdp2_tp.yaml): both train the same global batch, so the losses agree.
 
 `longest`: documents spliced into blocks of exactly L tokens (text format: every token trained), one block per
 rank and step, under ZeRO-3 with and without `--sequence_parallel_size 2`. Per length: the ranks' peak resident
@@ -39,7 +43,9 @@ from benchmark_balance import WORDS, long_tailed_mix  # noqa: E402
 GIB = 2**30
 ENGINES = {"zero2": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "configs" / "ds" / "zero2.json")],
            "zero3": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "configs" / "ds" / "zero3.json")],
-           "fsdp2": ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")]}
+           "fsdp2": ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")],
+           "fsdp2_tp2": ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2_tp.yaml"),
+                         "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"]}
 
 
 def documents(path: Path, rows: int, words: int, seed: int) -> None:
@@ -49,9 +55,10 @@ def documents(path: Path, rows: int, words: int, seed: int) -> None:
             handle.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(words))}) + "\n")
 
 
-def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
-    """One 2-rank run; returns its metrics and each worker's peak resident memory (polled every 50 ms)."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+def launch(args, engine: str, finetune: list[str], out: Path, processes: int = 2) -> dict:
+    """One run of `processes` ranks; returns its metrics and each worker's peak resident memory (polled every
+    50 ms)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(args.port),
            *ENGINES[engine], str(ROOT / "finetune.py"), "--output_dir", str(out), "--logging_steps", "1",
            "--torch_dtype", args.dtype, "--dataset_local_cache_dir", str(out.parent / "cache"), *finetune]
@@ -88,12 +95,14 @@ def launch(args, engine: str, finetune: list[str], out: Path) -> dict:
 def engines(args, model: str, tmp: Path) -> None:
     data = tmp / "mix.jsonl"
     long_tailed_mix(data, args.rows, seed=0)
-    for engine in ENGINES:
+    tensor = args.what == "tensor"  # 4 ranks: the micro-batch halves, the global batch stays
+    for engine in ("fsdp2", "fsdp2_tp2") if tensor else ("zero2", "zero3", "fsdp2"):
         result = launch(args, engine, ["--model_name_or_path", model, "--dataset_mixer_list", str(data), "1.0",
-                                       "--max_train_steps", str(args.steps), "--per_device_train_batch_size", "4",
-                                       "--gradient_accumulation_steps", "2", "--max_seq_length", "1024",
-                                       "--learning_rate", "1e-4"], tmp / engine)
-        print(json.dumps({"engine": engine, **result}), flush=True)
+                                       "--max_train_steps", str(args.steps), "--per_device_train_batch_size",
+                                       "2" if tensor else "4", "--gradient_accumulation_steps", "2",
+                                       "--max_seq_length", "1024", "--learning_rate", "1e-4"], tmp / engine,
+                        processes=4 if tensor else 2)
+        print(json.dumps({"engine": engine, "processes": 4 if tensor else 2, **result}), flush=True)
 
 
 def longest(args, model: str, tmp: Path) -> None:
@@ -116,7 +125,7 @@ def longest(args, model: str, tmp: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("engines", "longest"))
+    parser.add_argument("what", choices=("engines", "tensor", "longest"))
     parser.add_argument("--model_name_or_path", default=None, help="default: the embedded default at --hidden")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -136,7 +145,7 @@ def main() -> int:
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
                                                num_heads=4))
-        (engines if args.what == "engines" else longest)(args, model, Path(tmp))
+        (longest if args.what == "longest" else engines)(args, model, Path(tmp))
     return 0
 
 

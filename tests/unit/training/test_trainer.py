@@ -131,8 +131,8 @@ def test_evaluation_batches_by_the_eval_batch_size(setup, tiny_model_dir, monkey
     trainer.eval_data = data
     seen = []
     real = trainer_module.evaluate
-    monkeypatch.setattr(trainer_module, "evaluate", lambda acc, model, d, batch_size, *rest, **kw: seen.append(batch_size)
-                        or real(acc, model, d, batch_size, *rest))
+    monkeypatch.setattr(trainer_module, "evaluate", lambda acc, model, d, batch_size, *rest, **kw:
+                        seen.append(batch_size) or real(acc, model, d, batch_size, *rest))
     record = trainer.evaluate(1)
     assert seen == [expected] and record["eval_tokens"] == sum(example_trained(data, i) for i in range(len(data)))
 
