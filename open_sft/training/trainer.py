@@ -37,8 +37,9 @@ from open_sft.training.steps import StepPlan
 
 logger = logging.getLogger(__name__)
 
-
 StepHook = Callable[[int, float], bool]  # (optimizer steps done, seconds the last one took) -> stop now
+# a forward pass: inputs, each trained position's source (None: a TP group member's pass), trained tokens
+Pass = tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Trainer:
         return batch
 
     def _passes(self, step: int, batches: list[dict[str, torch.Tensor]], positions: list[torch.Tensor],
-                counts: list[int]) -> list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]:
+                counts: list[int]) -> list[Pass]:
         """(inputs, source of each trained position, trained tokens) of each forward pass of the step: the
         micro-batches, under SP this rank's slices of its group's micro-batches, under TP its group's micro-
         batches (another member's pass has no sources: its loss is counted on its own rank)."""
@@ -141,11 +142,10 @@ class Trainer:
         return [({k: v for k, v in s.items() if k != "sources"}, trained_shard_sources(s),
                  int((s["shift_labels"] != IGNORE_INDEX).sum())) for s in slices]
 
-    def _group_passes(self, step: int, own: list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]
-                      ) -> list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]:
+    def _group_passes(self, step: int, own: list[Pass]) -> list[Pass]:
         """Under TP, the passes of the whole TP group, micro-batch slot by slot and member by member: every
         member collates the others' micro-batches from the plan (a pure function), so no collective is needed."""
-        def others(rank: int) -> list[tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]]:
+        def others(rank: int) -> list[Pass]:
             batches = [batch for batch, _ in self._micro_batches(step, rank)]
             return [({k: v for k, v in b.items() if k not in ("sources", "lengths")}, None,
                      count_trained_batch(b["labels"])) for b in batches]
