@@ -61,9 +61,8 @@ def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: 
                         "processes")
     if train.sequence_parallel_size > 1:
         problems.append(f"{flag} with --sequence_parallel_size: Ulysses SP runs on DeepSpeed, TP on FSDP2; pick one")
-    if lora.use_lora or lora.use_qlora:
-        problems.append(f"{flag} with --use_lora/--use_qlora: peft's adapters add full-width outputs to a base "
-                        "layer whose output TP has sliced; train LoRA under FSDP2 without TP, or under DeepSpeed")
+    if lora.use_qlora:
+        problems.append(f"{flag} with --use_qlora: 4-bit weights cannot be sliced into DTensors; use --use_lora")
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(model_config, name, None)
         if heads is not None and heads % tp:
@@ -83,10 +82,42 @@ def apply(model: torch.nn.Module, tp_mesh: Any) -> list[str]:
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
-    apply_tensor_parallelism(model, tp_mesh, tp_plan)
-    parameters = dict(model.named_parameters())
+    from open_sft.model.lora import is_peft_model
+
+    causal_lm = model.get_base_model() if is_peft_model(model) else model
+    tp_plan, _, _ = causal_lm._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
+    tp_plan = with_adapters(tp_plan, dict(causal_lm.named_modules()))
+    apply_tensor_parallelism(causal_lm, tp_mesh, tp_plan)
+    parameters = dict(causal_lm.named_parameters())
     return sorted(name for name in tp_plan if name in parameters)
+
+
+def with_adapters(tp_plan: dict[str, str], modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """The plan for a model whose layers peft's LoRA wrapped: a planned module that is a LoRA layer keeps its
+    style on the layer it wraps (`base_layer`), and one adapter matrix is sliced to match. Colwise (the output
+    sliced): lora_B's output columns, so the adapter adds this rank's slice of the update; lora_A, full input
+    to rank r, stays whole. Rowwise (the input sliced): lora_A's input rows, whose partial products the style
+    sums as it does the base layer's; lora_B stays whole. The whole matrices are replicated (accelerate's
+    `prepare` under TP)."""
+    from open_sft.errors import UserError
+
+    planned = {}
+    for name, style in tp_plan.items():
+        module = modules.get(name)
+        if module is None or not hasattr(module, "base_layer") or not hasattr(module, "lora_A"):
+            planned[name] = style
+            continue
+        if style not in ("colwise", "rowwise"):
+            raise UserError(f"tensor parallelism: LoRA on {name}, which the model's tp_plan shards {style!r}, is not "
+                            "supported; leave it out of --lora_target_modules")
+        sliced = module.lora_B if style == "colwise" else module.lora_A
+        targets = [f"{name}.base_layer"] + [f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.{adapter}"
+                                            for adapter in sliced]
+        for target in targets:
+            for param, _ in modules[target].named_parameters(recurse=False):
+                planned[f"{target}.{param}"] = style
+            planned[target] = style
+    return planned
 
 
 class ReplicateParallel:

@@ -1,9 +1,11 @@
 """Tensor parallelism's launch side: the size read from accelerate's variables, what is refused with its fix, the
-plugin setting it turns off, the resume identity and the memory model (training: integration/test_tensor_parallel)."""
+plugin setting it turns off, the plan for LoRA layers, the resume identity and the memory model (training:
+integration/test_tensor_parallel)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import GPT2Config, LlamaConfig
 
 from open_sft.config.parse import parse_config
@@ -45,8 +47,9 @@ def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
     only_tp = problems(world=2, env={**LAYOUT, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"})
     assert len(only_tp) == 1 and "needs FSDP2 to shard over at least 2 ranks" in only_tp[0]
     assert "--parallelism_config_dp_shard_size 1 on 2 processes" in only_tp[0]
-    lora = problems(2, 4, True, "--use_lora")
-    assert len(lora) == 1 and "with --use_lora/--use_qlora" in lora[0]
+    assert problems(2, 4, True, "--use_lora") == []  # the adapters follow their layers' slices (with_adapters)
+    assert problems(2, 4, True, "--use_qlora") == ["--parallelism_config_tp_size 2 with --use_qlora: 4-bit weights "
+                                                   "cannot be sliced into DTensors; use --use_lora"]
     odd_heads = LlamaConfig(hidden_size=48, num_attention_heads=3, num_key_value_heads=1, vocab_size=128)
     assert problems(model=odd_heads) == [
         "--parallelism_config_tp_size 2 must divide the model's num_attention_heads (3): each rank attends with 1/2 "
@@ -61,9 +64,33 @@ def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
 def test_the_launch_refuses_before_anything_is_built(monkeypatch) -> None:
     for name, value in LAYOUT.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(UserError, match=r"^tensor parallelism: .*--use_lora/--use_qlora"):
-        tensor_parallel.tensor_parallel_launch(config("--use_lora"), 4, True, LLAMA)
+    with pytest.raises(UserError, match=r"^tensor parallelism: .*--use_qlora"):
+        tensor_parallel.tensor_parallel_launch(config("--use_qlora"), 4, True, LLAMA)
     assert tensor_parallel.tensor_parallel_launch(config(), 4, True, LLAMA) == 2
+
+
+def test_lora_layers_keep_the_style_on_their_base_and_slice_one_adapter() -> None:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    small = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=64)
+    model = get_peft_model(LlamaForCausalLM(small), LoraConfig(r=2, target_modules=["q_proj", "o_proj"]))
+    modules = dict(model.get_base_model().named_modules())
+    plan = {"model.layers.0.self_attn.q_proj": "colwise", "model.layers.0.self_attn.o_proj": "rowwise",
+            "model.layers.0.mlp.up_proj.weight": "colwise", "model.layers.0.mlp.up_proj": "colwise",
+            "lm_head.weight": "colwise_gather_output", "lm_head": "colwise_gather_output"}
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
+    assert tensor_parallel.with_adapters(plan, modules) == {
+        f"{q}.base_layer.weight": "colwise", f"{q}.base_layer": "colwise",
+        f"{q}.lora_B.default.weight": "colwise", f"{q}.lora_B.default": "colwise",  # output columns: lora_B
+        f"{o}.base_layer.weight": "rowwise", f"{o}.base_layer": "rowwise",
+        f"{o}.lora_A.default.weight": "rowwise", f"{o}.lora_A.default": "rowwise",  # input rows: lora_A
+        "model.layers.0.mlp.up_proj.weight": "colwise", "model.layers.0.mlp.up_proj": "colwise",  # no adapter
+        "lm_head.weight": "colwise_gather_output", "lm_head": "colwise_gather_output"}
+    with pytest.raises(UserError, match=r"LoRA on .*q_proj, which the model's tp_plan shards 'colwise_rep'"):
+        tensor_parallel.with_adapters({q: "colwise_rep"}, modules)
 
 
 def test_accelerate_gets_the_replicate_style_transformers_5_dropped(monkeypatch) -> None:
