@@ -57,7 +57,8 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
     run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["packed_tp"], 1, *packed, "--gradient_checkpointing"))
     run_finetune(args_for(tiny_model_dir, out["lora_one"], 4, *LORA))
     run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["lora_tp"], 1, *LORA, "--merge_lora_on_save"))
-    return {**out, "base": tiny_model_dir, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr}
+    return {**out, "base": tiny_model_dir, "stdout": result.stdout, "kill_code": kill_code,
+            "relaunch": relaunch.stdout + relaunch.stderr}
 
 
 def test_fsdp2_with_tensor_parallel_trains_what_one_process_trains(runs) -> None:
