@@ -32,6 +32,7 @@ import torch
 
 ENV_TP_SIZE = "PARALLELISM_CONFIG_TP_SIZE"
 ENV_DP_SHARD_SIZE = "PARALLELISM_CONFIG_DP_SHARD_SIZE"
+ENV_DP_REPLICATE_SIZE = "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"
 ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
 
 
@@ -56,9 +57,12 @@ def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: 
     if world % tp:
         problems.append(f"{flag} must divide the number of processes ({world})")
     elif dp_shard < 2:
+        replicas = int(env.get(ENV_DP_REPLICATE_SIZE, "1") or 1)
+        shards = world // (tp * replicas)
+        fix = (f"pass --parallelism_config_dp_shard_size {shards} (dp_replicate × dp_shard × tp = {world} processes)"
+               if shards >= 2 else f"launch at least {2 * tp * replicas} processes with dp_shard 2 or more")
         problems.append(f"{flag} needs FSDP2 to shard over at least 2 ranks (accelerate's rule for TP under FSDP): "
-                        f"pass --parallelism_config_dp_shard_size {world // tp} on {world} processes, or more "
-                        "processes")
+                        + fix)
     if train.sequence_parallel_size > 1:
         problems.append(f"{flag} with --sequence_parallel_size: Ulysses SP runs on DeepSpeed, TP on FSDP2; pick one")
     if lora.use_qlora:

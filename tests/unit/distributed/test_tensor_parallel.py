@@ -45,8 +45,12 @@ def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
     assert problems(world=3, env={**LAYOUT, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"}) == [
         "--parallelism_config_tp_size 2 must divide the number of processes (3)"]
     only_tp = problems(world=2, env={**LAYOUT, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1"})
-    assert len(only_tp) == 1 and "needs FSDP2 to shard over at least 2 ranks" in only_tp[0]
-    assert "--parallelism_config_dp_shard_size 1 on 2 processes" in only_tp[0]
+    assert only_tp == ["--parallelism_config_tp_size 2 needs FSDP2 to shard over at least 2 ranks (accelerate's rule "
+                       "for TP under FSDP): launch at least 4 processes with dp_shard 2 or more"]
+    unsharded = problems(world=8, env={**LAYOUT, "PARALLELISM_CONFIG_DP_SHARD_SIZE": "1",
+                                       "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"})
+    assert unsharded[0].endswith("pass --parallelism_config_dp_shard_size 2 (dp_replicate × dp_shard × tp = 8 "
+                                 "processes)")
     assert problems(2, 4, True, "--use_lora") == []  # the adapters follow their layers' slices (with_adapters)
     assert problems(2, 4, True, "--use_qlora") == ["--parallelism_config_tp_size 2 with --use_qlora: 4-bit weights "
                                                    "cannot be sliced into DTensors; use --use_lora"]
