@@ -34,6 +34,11 @@ ENV_TP_SIZE = "PARALLELISM_CONFIG_TP_SIZE"
 ENV_DP_SHARD_SIZE = "PARALLELISM_CONFIG_DP_SHARD_SIZE"
 ENV_DP_REPLICATE_SIZE = "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"
 ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
+# transformers' style for a norm applied per attention head between a colwise and a rowwise layer (Qwen3's and
+# Gemma 3's q_norm/k_norm): its parameter is whole on every rank, its input holds this rank's heads only
+PER_HEAD = "replicated_with_grad_allreduce"
+# the styles whose training under FSDP2 + TP the tests compare with one process (Llama, Qwen3 and OLMo2 plans)
+VERIFIED_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", PER_HEAD}
 
 
 def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
@@ -90,8 +95,19 @@ def apply(model: torch.nn.Module, tp_mesh: Any) -> list[str]:
 
     causal_lm = model.get_base_model() if is_peft_model(model) else model
     tp_plan, _, _ = causal_lm._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
-    tp_plan = with_adapters(tp_plan, dict(causal_lm.named_modules()))
-    apply_tensor_parallelism(causal_lm, tp_mesh, tp_plan)
+    untested = sorted(set(tp_plan.values()) - VERIFIED_STYLES)
+    if untested:
+        from open_sft.errors import UserError
+
+        raise UserError(f"tensor parallelism: the model's tp_plan uses {', '.join(untested)}, which open_sft has not "
+                        "verified under FSDP2 + TP (only " + ", ".join(sorted(VERIFIED_STYLES)) + "); drop "
+                        "--parallelism_config_tp_size and shard the model with FSDP2 alone")
+    modules = dict(causal_lm.named_modules())
+    tp_plan = with_adapters(tp_plan, modules)
+    for name, style in tp_plan.items():
+        if style == PER_HEAD and name in modules:  # see ReplicateParallel: its input is marked sharded instead
+            modules[name]._open_sft_heads_sharded = True
+    apply_tensor_parallelism(causal_lm, tp_mesh, {n: s for n, s in tp_plan.items() if s != PER_HEAD})
     parameters = dict(causal_lm.named_parameters())
     return sorted(name for name in tp_plan if name in parameters)
 
@@ -131,16 +147,24 @@ class ReplicateParallel:
     inputs into replicated DTensors and its outputs back into plain tensors, so the layers around it (which
     exchange plain tensors, as transformers' TP styles do) are untouched. Every rank of a TP group computes the
     same replicated gradient for such a parameter: the gradient reaching it was all-reduced by the colwise
-    layers' input redistribution."""
+    layers' input redistribution.
+
+    A per-head norm (`PER_HEAD`) gets its input marked sharded on the heads dimension instead: its weight's
+    gradient is then a partial sum over this rank's heads, which DTensor knows to add up across the TP group
+    (FSDP2 redistributes it to the parameter's replicated placement). transformers' own style for it all-reduces
+    a plain tensor's gradient in a hook, which cannot run on accelerate's DTensor parameter."""
 
     def prepare_module_tp(self, module: torch.nn.Module, mesh: Any) -> None:
         if getattr(module, "_open_sft_replicated", False):  # accelerate calls once per parameter of a module
             return
-        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        heads_sharded = getattr(module, "_open_sft_heads_sharded", False)  # [..., heads, head_dim]
 
         def to_dtensor(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                return DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+                placement = Shard(value.ndim - 2) if heads_sharded else Replicate()
+                return DTensor.from_local(value, mesh, [placement], run_check=False)
             return value
 
         def to_local(value: Any) -> Any:

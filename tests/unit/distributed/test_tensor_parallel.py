@@ -97,6 +97,18 @@ def test_lora_layers_keep_the_style_on_their_base_and_slice_one_adapter() -> Non
         tensor_parallel.with_adapters({q: "colwise_rep"}, modules)
 
 
+def test_a_plan_with_styles_not_verified_here_is_refused() -> None:
+    from transformers import LlamaForCausalLM
+
+    small = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=64)
+    small.base_model_tp_plan = {**small.base_model_tp_plan, "layers.*.mlp.gate_proj": "packed_colwise"}
+    mesh = type("Mesh", (), {"size": lambda self: 2})()
+    with pytest.raises(UserError, match=r"^tensor parallelism: the model's tp_plan uses packed_colwise, which open_sft "
+                                        r"has not verified under FSDP2 \+ TP \(only colwise, colwise_gather_output, "):
+        tensor_parallel.apply(LlamaForCausalLM(small), mesh)
+
+
 def test_accelerate_gets_the_replicate_style_transformers_5_dropped(monkeypatch) -> None:
     import transformers.integrations.tensor_parallel as hf_tensor_parallel
 
