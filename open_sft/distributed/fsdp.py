@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from open_sft.distributed.tensor_parallel import requested_tp_size
+from open_sft.distributed.tensor_parallel import ENV_PARALLELISM, parallelism_size, requested_tp_size
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,6 @@ ENV_USE_FSDP = "ACCELERATE_USE_FSDP"
 ENV_PREFIX = "FSDP_"
 ENV_VERSION = "FSDP_VERSION"
 ENV_WRAP = "FSDP_AUTO_WRAP_POLICY"
-ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # accelerate launch --use_parallelism_config (HSDP)
 
 
 def uses_fsdp(env: Mapping[str, str] = os.environ) -> bool:
@@ -164,9 +163,7 @@ def build_on_cpu(make_accelerator: Callable[[], Any], plugin: Any) -> Any:
 def parallelism_problems(env: Mapping[str, str] = os.environ) -> list[str]:
     """What a launch's ParallelismConfig asks of FSDP2 that open_sft does not train with (tensor parallelism is
     open_sft.distributed.tensor_parallel's, checked once the model's shape is known)."""
-    if env.get(ENV_PARALLELISM, "false").lower() != "true":
-        return []
-    sizes = {name: int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1) for name in ("cp", "sp")}
+    sizes = {name: parallelism_size(name, env) for name in ("cp", "sp")}
     return [f"--parallelism_config_{name}_size {size}: FSDP2 trains with data parallelism (dp_replicate × dp_shard, "
             "HSDP) and tensor parallelism (tp) only; drop it" for name, size in sizes.items() if size > 1]
 

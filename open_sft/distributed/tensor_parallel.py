@@ -30,10 +30,7 @@ from typing import Any, Mapping
 
 import torch
 
-ENV_TP_SIZE = "PARALLELISM_CONFIG_TP_SIZE"
-ENV_DP_SHARD_SIZE = "PARALLELISM_CONFIG_DP_SHARD_SIZE"
-ENV_DP_REPLICATE_SIZE = "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"
-ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"
+ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # accelerate launch --use_parallelism_config
 # transformers' style for a norm applied per attention head between a colwise and a rowwise layer (Qwen3's and
 # Gemma 3's q_norm/k_norm): its parameter is whole on every rank, its input holds this rank's heads only
 PER_HEAD = "replicated_with_grad_allreduce"
@@ -41,11 +38,17 @@ PER_HEAD = "replicated_with_grad_allreduce"
 VERIFIED_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", PER_HEAD}
 
 
-def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
-    """The launch's tensor-parallel size (1 without `--use_parallelism_config`)."""
+def parallelism_size(name: str, env: Mapping[str, str] = os.environ) -> int:
+    """The size the launch gave one dimension of accelerate's ParallelismConfig (`--parallelism_config_<name>_size`,
+    passed as PARALLELISM_CONFIG_<NAME>_SIZE): 1 when unset or without `--use_parallelism_config`."""
     if env.get(ENV_PARALLELISM, "false").lower() != "true":
         return 1
-    return int(env.get(ENV_TP_SIZE, "1") or 1)
+    return int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1)
+
+
+def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
+    """The launch's tensor-parallel size (1 without `--use_parallelism_config`)."""
+    return parallelism_size("tp", env)
 
 
 def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: Any, model_config: Any,
@@ -58,11 +61,11 @@ def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: 
     if not fsdp:
         problems.append(f"{flag} runs combined with FSDP2: launch with `--use_fsdp --fsdp_version 2` "
                         "(configs/accelerate/fsdp2_tp.yaml)")
-    dp_shard = int(env.get(ENV_DP_SHARD_SIZE, "1") or 1)
+    dp_shard = parallelism_size("dp_shard", env)
     if world % tp:
         problems.append(f"{flag} must divide the number of processes ({world})")
     elif dp_shard < 2:
-        replicas = int(env.get(ENV_DP_REPLICATE_SIZE, "1") or 1)
+        replicas = parallelism_size("dp_replicate", env)
         shards = world // (tp * replicas)
         fix = (f"pass --parallelism_config_dp_shard_size {shards} (dp_replicate × dp_shard × tp = {world} processes)"
                if shards >= 2 else f"launch at least {2 * tp * replicas} processes with dp_shard 2 or more")
@@ -130,9 +133,8 @@ def with_adapters(tp_plan: dict[str, str], modules: dict[str, torch.nn.Module]) 
         if style not in ("colwise", "rowwise"):
             raise UserError(f"tensor parallelism: LoRA on {name}, which the model's tp_plan shards {style!r}, is not "
                             "supported; leave it out of --lora_target_modules")
-        sliced = module.lora_B if style == "colwise" else module.lora_A
-        targets = [f"{name}.base_layer"] + [f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.{adapter}"
-                                            for adapter in sliced]
+        sliced = "lora_B" if style == "colwise" else "lora_A"
+        targets = [f"{name}.base_layer"] + [f"{name}.{sliced}.{adapter}" for adapter in getattr(module, sliced)]
         for target in targets:
             for param, _ in modules[target].named_parameters(recurse=False):
                 planned[f"{target}.{param}"] = style
