@@ -233,3 +233,36 @@ def test_benchmark_data_runs_on_chat_rows_and_documents(tiny_model_dir, tmp_path
         assert numbers["examples"] in (numbers["tokens"] // 128, -(-numbers["tokens"] // 128))
     assert numbers["build_tokens_per_s"] > 0 and numbers["raw_tokenizer_tokens_per_s"] > 0
     assert len(numbers["build_over_raw_each"]) == 1 and numbers["build_over_raw_each"][0] > 0
+
+
+def test_profile_step_sorts_a_real_step_into_kinds_of_work(tiny_model_dir, tmp_path) -> None:
+    """scripts/profile_step.py runs finetune.py's own command line, profiles one step of it, and accounts for
+    every op's time in one kind of work; the run itself completes as without the profiler."""
+    import json
+
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--step", "2", "--top", "5",
+                             "--", *finetune_args(tiny_model_dir, out), "--packing"],
+                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    kinds = {line["kind"]: line for line in lines if "share" in line}
+    top = [line for line in lines if "op" in line]
+    summary = lines[-1]
+    assert set(kinds) == {"lm_head_matmul", "lm_head_other", "backbone_matmul", "attention", "optimizer",
+                          "casts_copies", "elementwise_other"}
+    assert sum(k["share"] for k in kinds.values()) == pytest.approx(1.0, abs=1e-3)
+    for kind in ("lm_head_matmul", "backbone_matmul", "attention", "optimizer"):
+        assert kinds[kind]["seconds"] > 0, kind
+    assert len(top) == 5 and top[0]["seconds"] >= top[-1]["seconds"]
+    kernels = sum(kinds[k]["seconds"] for k in ("lm_head_matmul", "backbone_matmul", "attention"))
+    assert summary["step"] == 2 and summary["model_flops"] > 0
+    assert summary["mfu_ceiling_kernels"] == pytest.approx(
+        summary["model_flops"] / (summary["peak_flops"] * kernels), rel=1e-2)
+    assert summary["mfu_ceiling_kernels"] > summary["mfu_profiled"] > 0
+    assert len([r for r in read_metrics(out) if "loss" in r]) == STEPS  # the profiled run is a whole run
+
+    short = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--step", str(STEPS), "--",
+                            *finetune_args(tiny_model_dir, tmp_path / "short")],
+                           cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    assert short.returncode == 2 and f"ended before step {STEPS}" in short.stderr

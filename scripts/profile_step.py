@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Where one training step's time goes, by kind of work, and the MFU that its matmul and attention kernels allow.
+
+    python scripts/profile_step.py [--step 4] [--top 12] -- <finetune.py arguments>
+
+Runs finetune.py in this process (one rank, no launcher) with the given arguments, profiles training step --step
+(later steps than the first, so allocations and kernel caches are warm) with torch.profiler, and prints one JSON
+line per kind of work: its share of the step's operator time and the seconds it took:
+
+  lm_head_matmul      matmuls with a vocabulary-sized dimension (logits, hidden-state and weight gradients)
+  lm_head_other       every other op over vocabulary-sized tensors (the loss's softmax passes, weight casts)
+  backbone_matmul     the decoder's other matmuls
+  attention           the attention kernels, forward and backward
+  optimizer           the optimizer's kernels
+  casts_copies        copies and dtype casts of activations
+  elementwise_other   everything else: norms, rotary, SiLU, residual adds, reductions, collation
+
+then a summary: the step's model FLOPs (the trainer's own count), the peak it measures MFU against, the step's
+MFU under the profiler, and `mfu_ceiling_kernels`: the MFU the step would reach if only its matmul and attention
+kernels took time, at the speed they ran here. That ceiling is what no change outside those kernels can
+beat. torch.profiler has no grouping by kind of work (its tables group by op name and shape), hence this file.
+The profiler adds a little time to every op: shares are sound, absolute seconds a little high. A figure holds for
+the CPU kind it was measured on (the first line names it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+KINDS = ("lm_head_matmul", "lm_head_other", "backbone_matmul", "attention", "optimizer", "casts_copies",
+         "elementwise_other")
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_", "aten::_addmm_activation",
+           "aten::addbmm", "aten::_int_mm", "aten::mkldnn_linear", "aten::_mkldnn_linear"}
+COPIES = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat", "aten::constant_pad_nd",
+          "aten::index_select", "aten::split_with_sizes_copy"}
+
+
+def kind_of(name: str, shapes: Sequence[Sequence[int]], vocab: int) -> str:
+    """The kind of work of one op, from its name and its inputs' shapes (pure: unit-tested)."""
+    lowered = name.lower()
+    over_vocab = any(vocab in tuple(shape) for shape in shapes if shape)
+    if name in MATMULS:
+        return "lm_head_matmul" if over_vocab else "backbone_matmul"
+    if "scaled_dot_product" in lowered or "flash_attention" in lowered or "efficient_attention" in lowered:
+        return "attention"
+    if "adam" in lowered or "sgd" in lowered or lowered.startswith("aten::_foreach") or "optimizer" in lowered:
+        return "optimizer"
+    if over_vocab:
+        return "lm_head_other"
+    if name in COPIES:
+        return "casts_copies"
+    return "elementwise_other"
+
+
+def breakdown(ops: Iterable[tuple[str, Sequence[Sequence[int]], float]], vocab: int) -> dict[str, float]:
+    """Seconds per kind of work from (op name, input shapes, self seconds) triples."""
+    seconds = Counter({kind: 0.0 for kind in KINDS})
+    for name, shapes, self_seconds in ops:
+        seconds[kind_of(name, shapes, vocab)] += self_seconds
+    return dict(seconds)
+
+
+def ceiling(flops: float, peak: float, seconds: dict[str, float]) -> float:
+    """MFU if only the matmul and attention kernels took time, at the speed they ran."""
+    kernels = seconds["lm_head_matmul"] + seconds["backbone_matmul"] + seconds["attention"]
+    return flops / (peak * kernels) if kernels > 0 else float("nan")
+
+
+class StepProfiler:
+    """Wraps Trainer.train_step: step `at` runs under torch.profiler; the others as they are."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.profile = None
+        self.record: Optional[dict] = None
+        self.trainer = None
+
+    def install(self) -> None:
+        from open_sft.training.trainer import Trainer
+
+        original = Trainer.train_step
+        profiler = self
+
+        def train_step(trainer, step: int) -> dict:
+            if step != profiler.at:
+                return original(trainer, step)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                record = original(trainer, step)
+            profiler.profile, profiler.record, profiler.trainer = prof, record, trainer
+            return record
+
+        Trainer.train_step = train_step
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("usage: profile_step.py [--step N] [--top K] -- <finetune.py arguments>", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step", type=int, default=4, help="the step to profile (0-based; later ones are warm)")
+    parser.add_argument("--top", type=int, default=12, help="also print the K ops that took longest")
+    args = parser.parse_args(argv[:split])
+    finetune_args = argv[split + 1:]
+
+    from open_sft.model.precision import cpu_flags
+    from open_sft.run import main as finetune
+
+    name, flags = cpu_flags()
+    print(json.dumps({"cpu": name, "flags": sorted(flags & {"amx_bf16", "avx512_bf16", "avx512f", "avx2"})}))
+    profiler = StepProfiler(args.step)
+    profiler.install()
+    code = finetune(finetune_args)
+    if code:
+        return code
+    if profiler.profile is None:
+        print(f"error: the run ended before step {args.step}; give --max_train_steps above it", file=sys.stderr)
+        return 2
+    trainer = profiler.trainer
+    vocab = trainer.flop_counter.vocab
+    events = [e for e in profiler.profile.key_averages(group_by_input_shape=True) if e.self_cpu_time_total > 0]
+    ops = [(e.key, e.input_shapes or [], e.self_cpu_time_total / 1e6) for e in events]
+    seconds = breakdown(ops, vocab)
+    total = sum(seconds.values())
+    for kind in KINDS:
+        print(json.dumps({"kind": kind, "share": round(seconds[kind] / total, 4), "seconds": round(seconds[kind], 4)}))
+    for op, shapes, took in sorted(ops, key=lambda o: -o[2])[: args.top]:
+        print(json.dumps({"op": op, "shapes": shapes, "seconds": round(took, 4), "kind": kind_of(op, shapes, vocab)}))
+    flops, peak = profiler.record["flops"], trainer.peak_flops
+    print(json.dumps({"step": args.step, "model_flops": flops, "peak_flops": peak, "op_seconds": round(total, 4),
+                      "mfu_profiled": round(flops / (peak * total), 4),
+                      "mfu_ceiling_kernels": round(ceiling(flops, peak, seconds), 4)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

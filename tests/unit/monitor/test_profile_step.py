@@ -1,0 +1,57 @@
+"""scripts/profile_step.py's sorting of profiled ops into kinds of work, and the MFU ceiling it derives."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
+profile_step = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(profile_step)
+
+V = 50304
+
+
+@pytest.mark.parametrize("name,shapes,kind", [
+    ("aten::mm", [[256, 256], [256, V], [256, V]], "lm_head_matmul"),  # logits
+    ("aten::mm", [[V, 1334], [1334, 256]], "lm_head_matmul"),  # weight gradient
+    ("aten::addmm", [[V], [256, 256], [256, V]], "lm_head_matmul"),  # logits with a bias
+    ("aten::mm", [[8192, 256], [256, 688]], "backbone_matmul"),
+    ("aten::bmm", [[4, 160, 64], [4, 64, 160]], "backbone_matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", [[1, 4, 160, 64]], "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", [[1, 4, 160, 64]], "attention"),
+    ("aten::_fused_adamw_", [[], []], "optimizer"),
+    ("aten::_foreach_mul_", [[], []], "optimizer"),
+    ("aten::_softmax", [[20, V], [], []], "lm_head_other"),
+    ("aten::copy_", [[V, 256], [V, 256], []], "lm_head_other"),  # the head weight's cast
+    ("aten::copy_", [[8, 1024, 256], [8, 1024, 256], []], "casts_copies"),
+    ("aten::cat", [[]], "casts_copies"),
+    ("aten::mul", [[8, 1024, 256], [8, 1024, 256]], "elementwise_other"),
+    ("aten::rsqrt", [[8, 1024, 1]], "elementwise_other"),
+    ("aten::mm", [], "backbone_matmul"),  # no shapes recorded
+])
+def test_kind_of(name, shapes, kind) -> None:
+    assert profile_step.kind_of(name, shapes, V) == kind
+
+
+def test_breakdown_sums_every_op_into_one_kind() -> None:
+    ops = [("aten::mm", [[256, 256], [256, V]], 0.5), ("aten::mm", [[8192, 256], [256, 688]], 0.25),
+           ("aten::_scaled_dot_product_flash_attention_for_cpu", [[1, 4, 64, 64]], 0.125),
+           ("aten::mul", [[8, 256]], 0.0625), ("aten::mm", [[256, V], [V, 256]], 0.5)]
+    seconds = profile_step.breakdown(ops, V)
+    assert set(seconds) == set(profile_step.KINDS)
+    assert seconds["lm_head_matmul"] == 1.0 and seconds["backbone_matmul"] == 0.25
+    assert seconds["attention"] == 0.125 and seconds["elementwise_other"] == 0.0625
+    assert sum(seconds.values()) == pytest.approx(sum(o[2] for o in ops))
+
+
+def test_ceiling_counts_only_matmul_and_attention_time() -> None:
+    seconds = dict.fromkeys(profile_step.KINDS, 0.0)
+    seconds.update(lm_head_matmul=1.0, backbone_matmul=0.5, attention=0.5, elementwise_other=3.0)
+    # 2 s of kernels at a peak of 100 FLOP/s: 140 FLOPs are 70 % of what they could have done
+    assert profile_step.ceiling(140.0, 100.0, seconds) == pytest.approx(0.7)
+    assert math.isnan(profile_step.ceiling(1.0, 1.0, dict.fromkeys(profile_step.KINDS, 0.0)))  # no kernels seen
