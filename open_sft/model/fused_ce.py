@@ -87,6 +87,16 @@ def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dty
     return picked
 
 
+def _buffers(hidden: torch.Tensor, weight: torch.Tensor, chunk_rows: int, mm_dtype: torch.dtype,
+             rounded_product: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One logits buffer for every chunk, and one for the weight gradient's rounded product. A fresh 128 MB block
+    per chunk is a fresh mapping on CPU (glibc maps blocks over 32 MB), whose first write page-faults inside the
+    matmul (measured: the logits matmul at 294 vs 356 GFLOP/s, bf16, 2-core AMD EPYC)."""
+    rows = min(chunk_rows, hidden.shape[0])
+    buffer = torch.empty((rows, weight.shape[0]), dtype=mm_dtype, device=hidden.device)
+    return buffer, torch.empty(weight.shape, dtype=mm_dtype, device=weight.device) if rounded_product else None
+
+
 class _LinearCrossEntropySum(torch.autograd.Function):
     """sum_i cross_entropy(hidden_i @ weight.T + bias, target_i), every target valid (no ignore_index).
 
@@ -119,12 +129,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
             vocab = weight.shape[0]
             block = max(1, SOFTMAX_ELEMENTS // vocab)
-            # One logits buffer for every chunk, and one for the weight-gradient product: a fresh 128 MB block per
-            # chunk is a fresh mapping on CPU (glibc maps blocks over 32 MB), whose first write page-faults in
-            # the matmul (measured: the logits matmul at 294 vs 356 GFLOP/s, bf16, 2-core AMD EPYC).
-            buffer = torch.empty((min(chunk_rows, hidden.shape[0]), vocab), dtype=mm_dtype, device=hidden.device)
-            rounded_product = need_weight and dtype != torch.float32
-            product = torch.empty(weight.shape, dtype=mm_dtype, device=weight.device) if rounded_product else None
+            buffer, product = _buffers(hidden, weight, chunk_rows, mm_dtype, need_weight and dtype != torch.float32)
             for start, stop in _pieces(hidden.shape[0], chunk_rows):
                 h = cast(hidden[start:stop])
                 logits = buffer[: stop - start]

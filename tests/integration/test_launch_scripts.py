@@ -262,7 +262,9 @@ def test_profile_step_sorts_a_real_step_into_kinds_of_work(tiny_model_dir, tmp_p
     assert summary["mfu_ceiling_kernels"] > summary["mfu_profiled"] > 0
     assert len([r for r in read_metrics(out) if "loss" in r]) == STEPS  # the profiled run is a whole run
 
-    short = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--step", str(STEPS), "--",
-                            *finetune_args(tiny_model_dir, tmp_path / "short")],
+    one_step = finetune_args(tiny_model_dir, tmp_path / "short")
+    one_step[one_step.index("--max_train_steps") + 1] = "1"
+    short = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--step", "1", "--",
+                            *one_step],
                            cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
-    assert short.returncode == 2 and f"ended before step {STEPS}" in short.stderr
+    assert short.returncode == 2 and "ended before step 1; give --max_train_steps above it" in short.stderr
