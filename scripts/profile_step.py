@@ -34,6 +34,8 @@ from typing import Iterable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchmark import cpu_line  # noqa: E402  (the CPU line every benchmark prints)
 
 KINDS = ("lm_head_matmul", "lm_head_other", "backbone_matmul", "attention", "optimizer", "casts_copies",
          "elementwise_other")
@@ -114,11 +116,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv[:split])
     finetune_args = argv[split + 1:]
 
-    from open_sft.model.precision import cpu_flags
     from open_sft.run import main as finetune
 
-    name, flags = cpu_flags()
-    print(json.dumps({"cpu": name, "flags": sorted(flags & {"amx_bf16", "avx512_bf16", "avx512f", "avx2"})}))
+    print(json.dumps(cpu_line()))
     profiler = StepProfiler(args.step)
     profiler.install()
     code = finetune(finetune_args)
