@@ -4,6 +4,7 @@
     python scripts/benchmark.py                                   # the embedded default, 20 steps
     python scripts/benchmark.py --model_name_or_path M --data D.jsonl --packing --steps 30
     python scripts/benchmark.py ... --compare trl --trl_python /path/to/trl-venv/bin/python
+    python scripts/benchmark.py ... --variants plain liger --trl_variants plain liger --json_out bench.json  # GPU
 
 Runs open_sft with its default dtype (`--torch_dtype auto`) and with bf16 and fp32 forced (--dtypes),
 then, with --compare trl, TRL's fastest configuration (packing + padding-free when --packing, no
@@ -16,6 +17,11 @@ excluded), MFU against this machine's measured dense matmul peak of the run's dt
 each run's ratio to TRL's best; first a line naming the CPU and its bf16-relevant flags (a figure
 holds for that CPU kind only). TRL's MFU uses the FLOPs per token of open_sft's run on the same model
 and data (the same work per token).
+
+On a GPU the same runs go to CUDA: MFU is given against the datasheet's dense peak (open_sft's metric) and
+against the peak a large bf16 matmul measures on this GPU, peak memory is the GPU's (max allocated), and
+open_sft's preflight estimate of that peak is printed beside it. `--variants liger` adds open_sft with
+--use_liger_kernel, `--trl_variants liger` TRL with use_liger_kernel; `--json_out` writes every figure.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_open_sft(args, model: str, out: Path, dtype: str) -> dict:
+def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain") -> dict:
     cmd = [sys.executable, str(ROOT / "finetune.py"), "--model_name_or_path", model,
            "--dataset_mixer_list", args.data, "1.0", "--output_dir", str(out), "--max_train_steps", str(args.steps),
            "--per_device_train_batch_size", str(args.batch_size), "--gradient_accumulation_steps", "1",
@@ -43,6 +49,8 @@ def run_open_sft(args, model: str, out: Path, dtype: str) -> dict:
         cmd += ["--chat_template_name", args.chat_template_name]
     if args.packing:
         cmd += ["--packing"]
+    if variant == "liger":
+        cmd += ["--use_liger_kernel"]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -53,11 +61,20 @@ def run_open_sft(args, model: str, out: Path, dtype: str) -> dict:
     step_seconds = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steady, steady[1:])]
     trained = [b["train_tokens"] - a["train_tokens"] for a, b in zip(steady, steady[1:])]
     seconds = sum(step_seconds)
-    return {"tool": "open_sft", "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""),
+    peak = max(r["peak_memory_gib"] for r in records)
+    return {"tool": "open_sft", "label": f"open_sft {dtype}" + (" + liger" if variant == "liger" else ""),
+            "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""),
             "tokens_per_second": sum(step_tokens) / seconds, "trained_tokens_per_second": sum(trained) / seconds,
             "mfu": sum(r["mfu"] for r in steady[1:]) / max(len(steady) - 1, 1),
-            "peak_rss_gib": max(r["peak_memory_gib"] for r in records),
+            "peak_gib": peak, "peak_of": "GPU memory allocated" if _on_gpu() else "process RSS",
+            "estimate_gib": run["preflight"]["memory"]["total_bytes"] / 2**30,
             "wall_s": time.perf_counter() - started}
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 TRL_SCRIPT = r"""
@@ -67,6 +84,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 model_dir, data, steps, bs, seq, packing, warm, bf16 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), sys.argv[8] == "1"
 torch.set_num_threads(int(sys.argv[9]))
+liger, gpu = sys.argv[10] == "1", torch.cuda.is_available()
 tok = AutoTokenizer.from_pretrained(model_dir)
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 ds = load_dataset("json", data_files=data, split="train").select_columns(["messages"])
@@ -76,7 +94,8 @@ class Clock(TrainerCallback):
 clock = Clock()
 cfg = SFTConfig(output_dir="/tmp/trl_bench", max_steps=steps, per_device_train_batch_size=bs, max_length=seq,
                 packing=packing, padding_free=packing, bf16=bf16, logging_steps=1, save_strategy="no", report_to=[],
-                assistant_only_loss=False, dataloader_num_workers=0, use_cpu=True, gradient_checkpointing=False)
+                assistant_only_loss=False, dataloader_num_workers=0, use_cpu=not gpu, gradient_checkpointing=False,
+                use_liger_kernel=liger)
 trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[clock])
 tokens = []
 orig = trainer.compute_loss
@@ -87,20 +106,34 @@ def counting(model, inputs, *a, **k):
 trainer.compute_loss = counting
 trainer.train()
 t = clock.times
+peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 print(json.dumps({"tokens_per_second": sum(tokens[warm + 1:]) / (t[-1] - t[warm]),
-                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+                  "peak_gib": peak, "peak_of": "GPU memory allocated" if gpu else "process RSS"}))
 """
 
 
-def run_trl(args, model: str, dtype: str) -> dict:
+def run_trl(args, model: str, dtype: str, variant: str = "plain") -> dict:
     import torch
 
     out = subprocess.run([args.trl_python, "-c", TRL_SCRIPT, model, args.data, str(args.steps), str(args.batch_size),
                           str(args.max_seq_length), "1" if args.packing else "0", str(args.warmup_steps),
-                          "1" if dtype == "bfloat16" else "0", str(torch.get_num_threads())],
-                         check=True, capture_output=True, text=True, env=OFFLINE)
+                          "1" if dtype == "bfloat16" else "0", str(torch.get_num_threads()),
+                          "1" if variant == "liger" else "0"],
+                         capture_output=True, text=True, env=OFFLINE)
+    if out.returncode != 0:
+        raise RuntimeError(f"TRL {dtype} {variant}: exit {out.returncode}: {out.stderr.strip()[-1500:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return {"tool": "trl SFTTrainer", "asked": dtype, "dtype": dtype, **result}
+    label = f"trl SFTTrainer {dtype}" + (" + liger" if variant == "liger" else "")
+    return {"tool": "trl SFTTrainer", "label": label, "asked": dtype, "dtype": dtype, **result}
+
+
+def gpu_line(measured_bf16_peak: float) -> dict:
+    import torch
+
+    from open_sft.monitor.metrics import device_peak_flops
+
+    return {"gpu": torch.cuda.get_device_name(), "bf16_peak_datasheet": device_peak_flops(torch.bfloat16),
+            "bf16_peak_measured": measured_bf16_peak}
 
 
 def cpu_line() -> dict:
@@ -113,20 +146,39 @@ def cpu_line() -> dict:
     return {**line, "kernels_limited_by": limits} if limits else line
 
 
-def add_mfu(results: list[dict]) -> None:
-    """MFU of the TRL runs from the FLOPs per token open_sft measured (the same model and data)."""
+def measure_gpu_peak(size: int = 8192, repeat: int = 10) -> float:
+    """FLOP/s of a large bf16 matmul on this GPU (random data; the mean of `repeat` after warm-ups)."""
     import torch
 
-    from open_sft.monitor.metrics import measure_cpu_peak
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * size**3 * repeat / (start.elapsed_time(end) / 1e3)
+
+
+def add_mfu(results: list[dict], measured_bf16_peak: float | None = None) -> None:
+    """MFU of the TRL runs from the FLOPs per token open_sft measured (the same model and data); on a GPU, every
+    run's MFU against the measured bf16 peak as well."""
+    import torch
+
+    from open_sft.monitor.metrics import device_peak_flops
 
     ours = [r for r in results if r["tool"] == "open_sft" and r["mfu"] > 0]
     if not ours:
         return
-    peaks = {name: measure_cpu_peak(getattr(torch, name)) for name in ("float32", "bfloat16")}
+    peaks = {name: device_peak_flops(getattr(torch, name)) for name in ("float32", "bfloat16")}
     flops_per_token = ours[0]["mfu"] * peaks[ours[0]["dtype"]] / ours[0]["tokens_per_second"]
     for r in results:
         if r["tool"] != "open_sft":
             r["mfu"] = r["tokens_per_second"] * flops_per_token / peaks[r["dtype"]]
+        if measured_bf16_peak and r["dtype"] == "bfloat16":
+            r["mfu_measured_peak"] = r["tokens_per_second"] * flops_per_token / measured_bf16_peak
 
 
 def main() -> int:
@@ -141,28 +193,37 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", default=["auto", "bfloat16", "float32"],
                         help="open_sft's --torch_dtype values to run (auto: its default)")
     parser.add_argument("--packing", action="store_true")
+    parser.add_argument("--variants", nargs="+", default=["plain"], choices=["plain", "liger"],
+                        help="open_sft's runs per dtype: plain, and with --use_liger_kernel")
+    parser.add_argument("--trl_variants", nargs="+", default=["plain"], choices=["plain", "liger"])
+    parser.add_argument("--json_out", default=None, help="write every run's figures to this JSON file")
     parser.add_argument("--compare", choices=["trl"], default=None)
     parser.add_argument("--trl_dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
                         help="TRL's runs (where a dtype is emulated and far slower, its run can be left out)")
     parser.add_argument("--trl_python", default=sys.executable,
                         help="python of an environment with trl installed (default: this one)")
     args = parser.parse_args()
-    print(json.dumps(cpu_line()))
+    gpu_peak = measure_gpu_peak() if _on_gpu() else None
+    print(json.dumps(cpu_line()) if gpu_peak is None else json.dumps(gpu_line(gpu_peak)))
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_name_or_path
         if model is None:
             from open_sft.embedded.factory import build_embedded_default
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=256, num_layers=4, num_heads=4))
-        results = [run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}", dtype) for dtype in args.dtypes]
+        results = [run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}_{variant}", dtype, variant)
+                   for dtype in args.dtypes for variant in args.variants]
         if args.compare == "trl":
-            results += [run_trl(args, model, dtype) for dtype in args.trl_dtypes]
-    add_mfu(results)
+            results += [run_trl(args, model, dtype, variant) for dtype in args.trl_dtypes
+                        for variant in args.trl_variants]
+    add_mfu(results, gpu_peak)
     trl = [r["tokens_per_second"] for r in results if r["tool"] != "open_sft"]
     for r in results:
         if trl:
             r["over_trl_best"] = r["tokens_per_second"] / max(trl)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"runs": results, "measured_bf16_peak": gpu_peak}, indent=1))
     return 0
 
 

@@ -32,18 +32,31 @@ MATMUL_ROWS = 256
 # Elements of one softmax block in fp32 (4 MiB): its passes (to fp32, softmax, − one-hot, back to the chunk's
 # dtype) run out of the CPU's cache instead of streaming the whole chunk through memory each time.
 SOFTMAX_ELEMENTS = 1 << 20
+# On a GPU the pieces that suit a CPU's caches are launches too small to fill it (a 20-row softmax block is a
+# few kernels of microseconds each, and the CPU blocks' check for tiny probabilities waits on the device):
+# there a chunk's logits may take 512 MiB, its matmuls and its softmax run whole, and the log-probability comes
+# from a log-sum-exp, which needs no check (open_sft.model.fused_ce._softmax_grad_lse_).
+GPU_CHUNK_BYTES = 1 << 29
 
 
-def default_chunk_rows(vocab_size: int, element_size: int = 4) -> int:
-    return max(MIN_CHUNK_ROWS, CHUNK_BYTES // (max(vocab_size, 1) * element_size))
+def gpu_layout(t: torch.Tensor) -> bool:
+    """Whether the loss over `t` takes the GPU's layout of chunks (a test runs that layout on CPU by patching)."""
+    return t.device.type == "cuda"
 
 
-def peak_bytes(vocab_size: int, hidden_size: int, rows: int, compute_bytes: int) -> int:
+def default_chunk_rows(vocab_size: int, element_size: int = 4, on_gpu: bool = False) -> int:
+    budget = GPU_CHUNK_BYTES if on_gpu else CHUNK_BYTES
+    return max(MIN_CHUNK_ROWS, budget // (max(vocab_size, 1) * element_size))
+
+
+def peak_bytes(vocab_size: int, hidden_size: int, rows: int, compute_bytes: int, on_gpu: bool = False) -> int:
     """The fused loss's own peak memory: the fp32 weight gradient, the weight in the compute dtype (twice: as it
-    is and transposed), one chunk's logits in the compute dtype and one softmax block's fp32 temporaries."""
-    chunk = min(rows, default_chunk_rows(vocab_size, compute_bytes))
+    is and transposed), one chunk's logits in the compute dtype and its softmax's fp32 temporaries (one block
+    of them on CPU, the whole chunk's on a GPU)."""
+    chunk = min(rows, default_chunk_rows(vocab_size, compute_bytes, on_gpu))
     weights = (4 + 2 * compute_bytes) * vocab_size * hidden_size
-    return weights + chunk * vocab_size * compute_bytes + 8 * SOFTMAX_ELEMENTS
+    softmax = 4 * chunk * vocab_size if on_gpu else 8 * SOFTMAX_ELEMENTS
+    return weights + chunk * vocab_size * compute_bytes + softmax
 
 
 def compute_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -84,6 +97,21 @@ def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dty
         probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
         # rounded to the logits' dtype; bf16 via fp32 matmuls: rounded as a bf16 gradient would be first
         logits.copy_(probs.to(dtype) if logits.dtype != dtype else probs)
+    return picked
+
+
+def _softmax_grad_lse_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                       need_grad: bool) -> torch.Tensor:
+    """`_softmax_grad_` for a GPU, over a whole chunk: log p_target = logit_target − logsumexp(row), exact without
+    a check that waits on the device; the gradient exp(logits − lse) − one-hot in one fp32 temporary."""
+    scores = logits.float()
+    lse = torch.logsumexp(scores, dim=1)
+    picked = scores.gather(1, targets[:, None])[:, 0] - lse
+    if need_grad:
+        probs = scores.sub_(lse[:, None]).exp_()  # in place: `scores` is `logits` itself when they are fp32
+        probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+        if probs is not logits or dtype != logits.dtype:
+            logits.copy_(probs.to(dtype))
     return picked
 
 
@@ -128,12 +156,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
             grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
             vocab = weight.shape[0]
-            block = max(1, SOFTMAX_ELEMENTS // vocab)
+            on_gpu = gpu_layout(hidden)
+            block = chunk_rows if on_gpu else max(1, SOFTMAX_ELEMENTS // vocab)
+            matmul_rows = chunk_rows if on_gpu else MATMUL_ROWS
+            softmax_grad = _softmax_grad_lse_ if on_gpu else _softmax_grad_
             buffer, product = _buffers(hidden, weight, chunk_rows, mm_dtype, need_weight and dtype != torch.float32)
             for start, stop in _pieces(hidden.shape[0], chunk_rows):
                 h = cast(hidden[start:stop])
                 logits = buffer[: stop - start]
-                for i, j in _pieces(stop - start, MATMUL_ROWS):
+                for i, j in _pieces(stop - start, matmul_rows):
                     if b is not None:
                         torch.addmm(b, h[i:j], w_t, out=logits[i:j])
                     else:
@@ -141,7 +172,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     if via_fp32:
                         logits[i:j] = logits[i:j].to(dtype)
                 for i, j in _pieces(stop - start, block):
-                    picked = _softmax_grad_(logits[i:j], targets[start + i : start + j], dtype, need_grad)
+                    picked = softmax_grad(logits[i:j], targets[start + i : start + j], dtype, need_grad)
                     loss -= picked.sum()
                     if token_losses is not None:  # each position's loss, for per-source sums (no gradient)
                         token_losses[start + i : start + j] = -picked
@@ -149,7 +180,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     continue
                 grad_logits = logits
                 if need_hidden:
-                    for i, j in _pieces(stop - start, MATMUL_ROWS):
+                    for i, j in _pieces(stop - start, matmul_rows):
                         grad_hidden[start + i : start + j] = cast(grad_logits[i:j] @ w)
                 if need_weight and dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)
@@ -199,7 +230,8 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
         bias = bias.detach() if bias is not None else None
     dtype = compute_dtype_for(hidden, weight)
     via_fp32 = bf16_via_fp32 and dtype == torch.bfloat16
-    rows = chunk_rows or default_chunk_rows(weight.shape[0], (torch.float32 if via_fp32 else dtype).itemsize)
+    rows = chunk_rows or default_chunk_rows(weight.shape[0], (torch.float32 if via_fp32 else dtype).itemsize,
+                                            on_gpu=gpu_layout(hidden))
     if rows < 1:
         raise ValueError(f"chunk_rows must be positive, got {rows}")
     if token_losses is not None and token_losses.shape != targets.shape:

@@ -15,16 +15,25 @@ is written here. It is installed only for CPU runs with "sdpa" and without seque
 
 A padded batch's position ids (transformers counts them off the attention mask) split too, padding apart from
 the tokens it pads: no real token attends a pad either way, so the real tokens' outputs are the same.
+
+On a GPU without the flash-attn package, transformers' "sdpa" gives packed rows the same dense block-diagonal
+mask, which keeps torch off its flash kernel (a mask forces the memory-efficient or math kernel, over whole
+rows). There the examples of the whole micro-batch go to one call of torch's variable-length flash attention
+(`torch.nn.attention.varlen`, bf16/fp16, cumulative example lengths); other dtypes, softcapping or sliding
+windows take the per-example calls above. scripts/gpu_check.py measures these candidates against each other.
 """
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 FLAG = "_open_sft_packed_attention"
+VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def segment_lengths(position_ids: torch.Tensor) -> Optional[list[int]]:
@@ -52,7 +61,57 @@ def _to_bucket(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, extra)) if extra else t
 
 
-def _per_example(inner: Callable) -> Callable:
+def varlen_kernel() -> Optional[Callable]:
+    """torch's variable-length flash attention (torch >= 2.10, CUDA), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+class _Segments:
+    """The example lengths of the position ids of the forward pass in progress: every layer passes the same
+    tensor, so it is read off the device once (a weak reference: a new batch is a new tensor)."""
+
+    def __init__(self) -> None:
+        self._of: Optional[weakref.ref] = None
+        self._lengths: Optional[list[int]] = None
+
+    def __call__(self, position_ids: torch.Tensor) -> Optional[list[int]]:
+        if self._of is None or self._of() is not position_ids:
+            self._lengths = segment_lengths(position_ids)
+            self._of = weakref.ref(position_ids)
+        return self._lengths
+
+
+def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 lengths: list[int], scaling: Optional[float]) -> torch.Tensor:
+    """One causal variable-length attention over the examples of a [batch, heads, row, head_dim] micro-batch;
+    returns [batch, row, heads, head_dim], as transformers' attention functions do."""
+    batch, heads, length, dim = query.shape
+    params = inspect.signature(kernel).parameters
+    if key.shape[1] != heads and "enable_gqa" not in params:
+        key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    options: dict[str, Any] = {"scale": scaling}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = key.shape[1] != heads
+    if "is_causal" in params:  # torch 2.10/2.11
+        options["is_causal"] = True
+    else:  # later releases: causal is the window (-1, 0)
+        options["window_size"] = (-1, 0)
+    out = kernel(*flat, cu, cu, max(lengths), max(lengths), **options)
+    return out.view(batch, length, heads, dim)
+
+
+def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable:
+    segments = _Segments()
+
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Optional[torch.Tensor], **kwargs: Any):
         position_ids = kwargs.get("position_ids")
@@ -60,9 +119,13 @@ def _per_example(inner: Callable) -> Callable:
         # Rows of their own (no KV cache: keys are the queries' positions), with one position id per query.
         usable = (position_ids is not None and key.shape[2] == length
                   and tuple(position_ids.shape) == (batch, length))
-        lengths = segment_lengths(position_ids) if usable else None
+        lengths = segments(position_ids) if usable else None
         if lengths is None:
             return inner(module, query, key, value, attention_mask, **kwargs)
+        plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None
+                 and kwargs.get("sliding_window") is None)
+        if kernel is not None and plain and query.dtype in VARLEN_DTYPES:
+            return _varlen_call(kernel, query, key, value, lengths, kwargs.get("scaling")), None
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value)]
         outputs = []
@@ -77,15 +140,16 @@ def _per_example(inner: Callable) -> Callable:
     return attention
 
 
-def install(model: nn.Module) -> bool:
-    """Route the "sdpa" attention of packed rows through per-example calls; True if it now is. Models look their
-    attention function up by name at each call in one process-wide table, so the entry is wrapped there
-    (around whatever it holds, e.g. open_sft.model.bf16_matmul's)."""
+def install(model: nn.Module, varlen: bool = False) -> bool:
+    """Route the "sdpa" attention of packed rows through per-example calls (with `varlen`, through torch's
+    variable-length flash attention where it applies); True if it now is. Models look their attention function
+    up by name at each call in one process-wide table, so the entry is wrapped there (around whatever it holds,
+    e.g. open_sft.model.bf16_matmul's)."""
     if getattr(getattr(model, "config", None), "_attn_implementation", None) != "sdpa":
         return False
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     current = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if not getattr(current, FLAG, False):
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _per_example(current)
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _per_example(current, varlen_kernel() if varlen else None)
     return True

@@ -191,7 +191,8 @@ def activation_bytes(model: ModelShape, run: RunShape) -> int:
     (its fp32 weight gradient and the logits of one chunk of rows; see open_sft/model/fused_ce.py)."""
     from open_sft.model.fused_ce import peak_bytes
 
-    loss = peak_bytes(model.vocab, model.hidden, run.trained_tokens, 2 if run.bf16 else 4)
+    loss = peak_bytes(model.vocab, model.hidden, run.trained_tokens, 2 if run.bf16 else 4,
+                      on_gpu=torch.cuda.is_available())
     return int(ACTIVATION_PEAK_FACTOR[run.bf16] * saved_activation_bytes(model, run) + loss)
 
 

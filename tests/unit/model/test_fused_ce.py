@@ -266,3 +266,43 @@ def test_a_target_far_below_its_rows_best_keeps_its_exact_loss(gap) -> None:
                                rtol=1e-6, atol=1e-5)
     for g, e in zip(grads(got, hidden, head.weight), grads(expected, hidden, head.weight)):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def gpu_layout(monkeypatch):
+    """The chunk layout a CUDA device takes (whole-chunk matmuls and softmax, log-sum-exp), run here on CPU."""
+    from open_sft.model import fused_ce
+
+    monkeypatch.setattr(fused_ce, "gpu_layout", lambda t: True)
+
+
+@pytest.mark.parametrize("gap", [0.0, 120.0, 1000.0])
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_gpu_layout_equals_plain(gpu_layout, chunk, gap) -> None:
+    """The GPU layout's log-sum-exp loss and its gradient equal the plain path in fp32 (a target 1,000 nats below
+    its row's best included: no tiny-probability check is needed there), and its bf16 loss tracks the plain bf16."""
+    hidden, head, targets = problem(bias=True)
+    with torch.no_grad():
+        head.weight[targets[0]] = head.weight[targets[0]] - gap * hidden[0] / hidden[0].norm() ** 2
+    params = [hidden, head.weight, head.bias]
+    expected = plain(hidden, head, targets)
+    kept = torch.empty(N)
+    got = lm_head_loss_sum(head, hidden, targets, chunk_rows=chunk, token_losses=kept)
+    assert value(got) == pytest.approx(value(expected), rel=1e-6)
+    torch.testing.assert_close(kept, F.cross_entropy(head(hidden).float(), targets, reduction="none"),
+                               rtol=1e-6, atol=1e-5)
+    for g, e in zip(grads(got * 0.37, *params), grads(expected * 0.37, *params)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = lm_head_loss_sum(head, hidden, targets, chunk_rows=chunk)
+        plain_bf16 = plain(hidden, head, targets)
+    assert value(fused) == pytest.approx(value(plain_bf16), rel=1e-3)
+
+
+def test_gpu_layout_takes_bigger_chunks() -> None:
+    """A GPU's chunk holds 512 MiB of logits (a CPU's 128 MiB): 5,242 bf16 rows of a 51,200 vocabulary."""
+    from open_sft.model.fused_ce import default_chunk_rows, peak_bytes
+
+    assert default_chunk_rows(51200, 2) == 1310
+    assert default_chunk_rows(51200, 2, on_gpu=True) == 5242
+    assert peak_bytes(51200, 2048, 100_000, 2, on_gpu=True) > peak_bytes(51200, 2048, 100_000, 2)

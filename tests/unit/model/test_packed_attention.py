@@ -127,3 +127,53 @@ def test_only_sdpa_models_are_routed(tiny_model_dir, sdpa_entry) -> None:
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     assert not packed_attention.install(model)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
+
+
+def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                     enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract ([tokens, heads, dim], cumulative lengths, causal as the
+    window (-1, 0)) computed per example with sdpa: the CUDA kernel's stand-in on CPU."""
+    assert window_size == (-1, 0) and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+    out = []
+    for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
+        q, k, v = (t[a:b].transpose(0, 1)[None] for t in (query, key, value))
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1))
+    assert max(b - a for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:])) == max_q == max_k
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
+    """The one variable-length call GPUs take: flattened rows, cumulative lengths and grouped kv heads give what
+    the block-diagonal mask gives, in bf16 (the dtypes the kernel takes); fp32 keeps the per-example calls."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    q = torch.randn(2, 4, 10, 8, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, kv_heads, 10, 8, dtype=torch.bfloat16) for _ in range(2))
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    segment = starts.cumsum(1)
+    mask = (segment[:, :, None] == segment[:, None, :]) & torch.ones(10, 10, dtype=torch.bool).tril()
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 4 // kv_heads
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask[:, None], scaling=0.3)
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(args[3].tolist())
+        return reference_varlen(*args, **kwargs)
+
+    wrapped = packed_attention._per_example(sdpa_attention_forward, kernel)
+    out, _ = wrapped(module, q, k, v, mask[:, None], position_ids=position_ids, scaling=0.3)
+    assert calls == [[0, 3, 5, 10, 16, 20]]  # one call for the whole micro-batch
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+    # the layers of one forward pass share the position ids: their lengths are read once
+    wrapped(module, q, k, v, mask[:, None], position_ids=position_ids, scaling=0.3)
+    assert calls[-1] == calls[0]
+    out32, _ = wrapped(module, q.float(), k.float(), v.float(), mask[:, None], position_ids=position_ids,
+                       scaling=0.3)
+    assert len(calls) == 2  # fp32 is not the kernel's: per-example sdpa
+    torch.testing.assert_close(out32, expected.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""One command that checks open_sft on one GPU and writes what it found:
+
+    python scripts/gpu_check.py OUT_DIR --data alpaca.json --tokenizer tokenizer.json   # on a GPU node
+    python scripts/gpu_check.py OUT_DIR --smoke                                         # CPU: the suite's run
+
+Writes OUT_DIR/gpu_report.json and OUT_DIR/gpu_report.md (one row per part: verdict and figures), and prints
+the GPU, driver, library versions and commit first. Each part runs as a user's command would (finetune.py,
+`accelerate launch`, scripts/benchmark.py, scripts/gpu_probes.py) in a process of its own with a time limit,
+so one failing or hanging part never hides the others; the report is rewritten after every part.
+
+Parts (--parts picks some):
+- correctness: batch_layouts (bs 8 vs bs 2 x GA 4, bf16 and fp32), packed (packed = padded with the
+  attention this device installs), fused_ce (chunked LM-head loss = cross-entropy), attention (the
+  candidates for packed rows, timed and checked for cross-example attention), kill_resume (kill -9 and
+  relaunch = the uninterrupted run, held to the run-to-run spread of two uninterrupted runs);
+- features: dtype_auto, liger, qlora, zero2, zero3, fsdp2, gradient_checkpointing, auto_micro_batch_size
+  (each: finite and falling loss, the export reloads in a fresh process);
+- speed: scripts/benchmark.py on a Llama-3.2-1B-shaped model (random init, the tokenizer given), rows packed
+  to 4,096: open_sft, open_sft + Liger, TRL's SFTTrainer (packing + padding-free) with and without Liger.
+
+--smoke runs the parts a CPU can run on the project's tiny embedded model and data (GPU-only parts are
+reported as skipped): the test suite runs it, so the script's logic and report stay checked without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gpu_check_runs as runs  # noqa: E402  (scripts/gpu_check_runs.py)
+from gpu_check_runs import Context, falling, finetune, reload_export  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CORRECTNESS = ["batch_layouts", "packed", "fused_ce", "attention", "kill_resume"]
+FEATURES = ["dtype_auto", "liger", "qlora", "zero2", "zero3", "fsdp2", "gradient_checkpointing",
+            "auto_micro_batch_size"]
+SPEED = ["speed"]
+GPU_ONLY = {"liger": "Liger's kernels are Triton (CUDA)", "qlora": "run on a GPU only here (bitsandbytes 4-bit)"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# correctness
+# ------------------------------------------------------------------------------------------------------------
+def part_batch_layouts(ctx: Context) -> dict:
+    """Per-step losses of one global batch of 8 as bs 8 x GA 1 and as bs 2 x GA 4."""
+    figures, ok = {}, True
+    for dtype, tolerance in ctx.dtypes_with_tolerance():
+        one = finetune(ctx, f"layout_{dtype}_bs8", ["--torch_dtype", dtype])
+        four = finetune(ctx, f"layout_{dtype}_bs2ga4", ["--torch_dtype", dtype, "--per_device_train_batch_size",
+                                                         "2", "--gradient_accumulation_steps", "4"])
+        diff = max(abs(a - b) / abs(a) for a, b in zip(one.losses, four.losses))
+        figures[dtype] = {"max_rel_diff": diff, "tolerance": tolerance, "steps": len(one.losses),
+                          "losses_bs8": one.losses, "losses_bs2ga4": four.losses}
+        ok = ok and len(one.losses) == len(four.losses) == ctx.steps and diff <= tolerance
+    return {"pass": ok, **figures}
+
+
+def part_kill_resume(ctx: Context) -> dict:
+    """kill -9 at step 5 of 10 (checkpoints every 2 steps), relaunch; against the uninterrupted run, and two
+    uninterrupted runs against each other (the device's run-to-run spread)."""
+    extra = ["--max_train_steps", "10", "--checkpointing_steps", "2", "--torch_dtype", ctx.train_dtype]
+    base = finetune(ctx, "resume_base", extra)
+    repeat = finetune(ctx, "resume_repeat", extra) if not ctx.smoke else base
+    killed_code = runs.interrupt(ctx, "resume_killed", extra, at_line=5)
+    resumed = finetune(ctx, "resume_killed", extra, fresh=False)
+    spread = max(abs(a - b) / abs(a) for a, b in zip(base.losses, repeat.losses))
+    diff = max(abs(a - b) / abs(a) for a, b in zip(base.losses, resumed.losses))
+    tolerance = max(2 * spread, 1e-6)
+    return {"pass": killed_code == -signal.SIGKILL and len(resumed.losses) == 10 and diff <= tolerance,
+            "bitwise": base.losses == resumed.losses, "max_rel_diff": diff, "run_to_run_rel_diff": spread,
+            "tolerance": tolerance, "killed_exit": killed_code, "resumed_from": resumed.resumed_from}
+
+
+def part_probe(name: str):
+    def part(ctx: Context) -> dict:
+        args = ["--model", str(ctx.small_model)] if name == "packed" else (["--smoke"] if ctx.smoke else [])
+        return runs.probe(ctx, name, args)
+
+    part.__name__ = f"part_{name}"
+    return part
+
+
+# ------------------------------------------------------------------------------------------------------------
+# features
+# ------------------------------------------------------------------------------------------------------------
+def feature(name: str, extra: list[str], launcher: str = "python", check=None):
+    def part(ctx: Context) -> dict:
+        result = finetune(ctx, name, extra, launcher=launcher)
+        figures = {"losses": result.losses, "compute_dtype": result.run.get("compute_dtype"),
+                   "peak_memory_gib": result.peak_memory_gib, "falling": falling(result.losses)}
+        figures["export_reloads"] = reload_export(ctx, result.out)
+        ok = figures["falling"] and figures["export_reloads"] is True
+        if check is not None:
+            more, fine = check(ctx, result)
+            figures.update(more)
+            ok = ok and fine
+        return {"pass": bool(ok), **figures}
+
+    part.__name__ = f"part_{name}"
+    return part
+
+
+def _auto_dtype(ctx: Context, result) -> tuple[dict, bool]:
+    want = "torch.bfloat16" if ctx.gpu else result.run.get("compute_dtype")
+    return {"expected_dtype": want}, result.run.get("compute_dtype") == want
+
+
+def _micro_batch(ctx: Context, result) -> tuple[dict, bool]:
+    schedule = result.run.get("schedule", {})
+    chosen = schedule.get("micro_batch_size")
+    return {"micro_batch_chosen": f"{chosen} x GA {schedule.get('gradient_accumulation_steps')}"}, \
+        isinstance(chosen, int) and chosen >= 1
+
+
+def _liger_modules(ctx: Context, result) -> tuple[dict, bool]:
+    return runs.liger_replacements(ctx)
+
+
+PARTS = {
+    "batch_layouts": part_batch_layouts,
+    "packed": part_probe("packed"),
+    "fused_ce": part_probe("fused_ce"),
+    "attention": part_probe("attention"),
+    "kill_resume": part_kill_resume,
+    "dtype_auto": feature("dtype_auto", [], check=_auto_dtype),
+    "liger": feature("liger", ["--use_liger_kernel"], check=_liger_modules),
+    "qlora": feature("qlora", ["--use_qlora", "--lora_rank", "16", "--merge_lora_on_save", "--learning_rate",
+                               "1e-3"]),
+    "zero2": feature("zero2", [], launcher="zero2.json"),
+    "zero3": feature("zero3", [], launcher="zero3.json"),
+    "fsdp2": feature("fsdp2", [], launcher="fsdp2"),
+    "gradient_checkpointing": feature("gradient_checkpointing", ["--gradient_checkpointing"]),
+    "auto_micro_batch_size": feature("auto_micro_batch_size", ["--auto_micro_batch_size"], check=_micro_batch),
+    "speed": lambda ctx: runs.speed(ctx),
+}
+
+
+def group_of(name: str) -> str:
+    return "correctness" if name in CORRECTNESS else "feature" if name in FEATURES else "speed"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# running and reporting
+# ------------------------------------------------------------------------------------------------------------
+def run_part(ctx: Context, name: str, report: dict) -> None:
+    started = time.monotonic()
+    if not ctx.gpu and name in GPU_ONLY:
+        entry = {"verdict": "skip", "why": GPU_ONLY[name]}
+    elif name == "qlora" and not runs.importable("bitsandbytes"):
+        entry = {"verdict": "skip", "why": "bitsandbytes is not installed"}
+    elif name == "liger" and not runs.importable("liger_kernel"):
+        entry = {"verdict": "skip", "why": "liger-kernel is not installed"}
+    elif time.monotonic() > ctx.deadline:
+        entry = {"verdict": "not run", "why": "the check's time budget (--budget_s) ran out first"}
+    else:
+        try:
+            figures = PARTS[name](ctx)
+            entry = {"verdict": "pass" if figures.pop("pass") else "FAIL", **figures}
+        except Exception as exc:  # reported, never hiding the other parts
+            entry = {"verdict": "FAIL", "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+    entry.update(group=group_of(name), seconds=round(time.monotonic() - started, 1))
+    with ctx.lock:
+        report["parts"][name] = entry
+        write_report(ctx, report)
+        runs.pack_logs(ctx)
+    print(f"[gpu_check] {name}: {entry['verdict']} ({entry['seconds']} s)", flush=True)
+
+
+def write_report(ctx: Context, report: dict) -> None:
+    verdicts = [p["verdict"] for p in report["parts"].values()]
+    report["verdict"] = "FAIL" if "FAIL" in verdicts else "pass" if verdicts else "nothing run"
+    (ctx.out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (ctx.out / "gpu_report.md").write_text(runs.markdown(report))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir")
+    parser.add_argument("--data", help="alpaca-style rows (.json/.jsonl); default: the embedded sample")
+    parser.add_argument("--tokenizer", help="a tokenizers JSON file (real tokenizer); default: the embedded one")
+    parser.add_argument("--parts", default="all", help="comma-separated part names, or all")
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, the parts a CPU can run")
+    parser.add_argument("--workers", type=int, default=None, help="parts run at once (the speed part runs alone)")
+    parser.add_argument("--budget_s", type=float, default=480.0, help="start no part after this many seconds")
+    parser.add_argument("--speed_steps", type=int, default=12)
+    parser.add_argument("--commit", default=None, help="default: git rev-parse HEAD, else $OPEN_SFT_COMMIT")
+    args = parser.parse_args(argv)
+    names = list(PARTS) if args.parts == "all" else args.parts.split(",")
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
+    args.names = names
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = Context.create(args)
+    report = {"header": runs.header(ctx), "parts": {}}
+    print(json.dumps(report["header"]), flush=True)
+    runs.prepare(ctx, need_big="speed" in args.names and not args.smoke)
+    report["header"]["models"] = ctx.describe_models()
+    pooled = [n for n in args.names if n not in SPEED]
+    with ThreadPoolExecutor(max_workers=ctx.workers) as pool:
+        list(pool.map(lambda n: run_part(ctx, n, report), pooled))
+    for name in [n for n in args.names if n in SPEED]:
+        run_part(ctx, name, report)
+    write_report(ctx, report)
+    runs.pack_logs(ctx)
+    print(runs.markdown(report), flush=True)
+    return 0 if report["verdict"] == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
