@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import sys
@@ -81,6 +82,7 @@ def probe_fused_ce(smoke: bool) -> dict:
     n, d, v = (512, 64, 3000) if smoke else (16384, 2048, 50304)
     hidden, weight, targets = _head_problem(n, d, v)
     reference = F.cross_entropy(hidden.double() @ weight.double().t(), targets, reduction="sum")
+    ref_value = float(reference.detach())
     ref_grads = torch.autograd.grad(reference, (hidden, weight))
     fused = lambda: linear_cross_entropy_sum(hidden, weight, None, targets)  # noqa: E731
     plain = lambda: F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")  # noqa: E731
@@ -89,7 +91,7 @@ def probe_fused_ce(smoke: bool) -> dict:
         errors = {}
         for name, fn in (("fused", fused), ("plain", plain)):
             loss, gh, gw = _loss_and_grads(fn, hidden, weight, bf16)
-            errors[name] = {"loss": abs(float(loss) - float(reference)) / abs(float(reference)),
+            errors[name] = {"loss": abs(float(loss) - ref_value) / abs(ref_value),
                             "grad_hidden": rel(gh, ref_grads[0]), "grad_weight": rel(gw, ref_grads[1])}
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -152,13 +154,23 @@ def probe_packed(model_dir: str) -> dict:
     wrong["position_ids"] = torch.arange(packed["input_ids"].shape[1]).expand_as(packed["input_ids"]).clone()
     fp32_loss, fp32_grads = _model_loss(model, padded, bf16=False)  # padded, before anything is installed
     bf16_pad_loss, bf16_pad_grads = _model_loss(model, padded, bf16=True)
+    kernel, calls = packed_attention.varlen_kernel(), [0]
+    if kernel is not None:  # count the calls that reach torch's variable-length kernel
+        def counting(*args, **kwargs):
+            calls[0] += 1
+            return kernel(*args, **kwargs)
+
+        counting.__signature__ = inspect.signature(kernel)
+        packed_attention.varlen_kernel = lambda: counting
     installed = packed_attention.install(causal_lm, varlen=DEVICE == "cuda")
-    result: dict = {"attention": "varlen" if DEVICE == "cuda" and packed_attention.varlen_kernel() else
-                    "per_example_sdpa", "installed": installed, "rows": list(packed["input_ids"].shape)}
+    result: dict = {"installed": installed, "rows": list(packed["input_ids"].shape)}
     for name, bf16, ref_loss, ref_grads in (("fp32", False, fp32_loss, fp32_grads),
                                             ("bf16", True, fp32_loss, fp32_grads)):
+        before = calls[0]
         loss, grads = _model_loss(model, packed, bf16)
-        result[name] = {"loss_rel_error": abs(loss - ref_loss) / ref_loss, "grad_rel_error": _grad_error(grads, ref_grads)}
+        result[name] = {"loss_rel_error": abs(loss - ref_loss) / ref_loss, "grad_rel_error": _grad_error(grads, ref_grads),
+                        "varlen_kernel_calls": calls[0] - before}
+    result["attention"] = "varlen_flash (bf16)" if result["bf16"]["varlen_kernel_calls"] else "per_example_sdpa"
     result["bf16_padded"] = {"loss_rel_error": abs(bf16_pad_loss - fp32_loss) / fp32_loss,
                              "grad_rel_error": _grad_error(bf16_pad_grads, fp32_grads)}
     wrong_loss, _ = _model_loss(model, wrong, bf16=False)

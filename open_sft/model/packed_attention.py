@@ -109,6 +109,18 @@ def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value
     return out.view(batch, length, heads, dim)
 
 
+def _varlen_dtype(query: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype the variable-length kernel runs in here, or None. Under autocast the queries arrive in fp32 (the
+    rotary embedding multiplies them by the fp32 residual stream's cos/sin) and sdpa would cast them to the autocast
+    dtype itself; a custom op is not on autocast's list, so the cast is done here."""
+    if query.dtype in VARLEN_DTYPES:
+        return query.dtype
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in VARLEN_DTYPES:
+        return torch.get_autocast_dtype(device)
+    return None
+
+
 def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable:
     segments = _Segments()
 
@@ -124,8 +136,10 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
             return inner(module, query, key, value, attention_mask, **kwargs)
         plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None
                  and kwargs.get("sliding_window") is None)
-        if kernel is not None and plain and query.dtype in VARLEN_DTYPES:
-            return _varlen_call(kernel, query, key, value, lengths, kwargs.get("scaling")), None
+        dtype = _varlen_dtype(query)
+        if kernel is not None and plain and dtype is not None:
+            q, k, v = (t.to(dtype) for t in (query, key, value))
+            return _varlen_call(kernel, q, k, v, lengths, kwargs.get("scaling")), None
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value)]
         outputs = []

@@ -177,3 +177,9 @@ def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
                        scaling=0.3)
     assert len(calls) == 2  # fp32 is not the kernel's: per-example sdpa
     torch.testing.assert_close(out32, expected.float(), rtol=2e-2, atol=2e-2)
+    # under bf16 autocast fp32 queries (rotary times the fp32 residual stream's cos/sin) go to the kernel in bf16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_autocast, _ = wrapped(module, q.float(), k.float(), v.float(), mask[:, None], position_ids=position_ids,
+                                  scaling=0.3)
+    assert len(calls) == 3 and out_autocast.dtype == torch.bfloat16
+    torch.testing.assert_close(out_autocast, expected, rtol=1e-2, atol=1e-2)
