@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # open_sft from this checkout, installed or not
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -52,7 +53,12 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
     if variant == "liger":
         cmd += ["--use_liger_kernel"]
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, cwd=ROOT, env=OFFLINE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = out.parent / f"{out.name}.log"
+    with log.open("w") as handle:
+        code = subprocess.run(cmd, cwd=ROOT, env=OFFLINE, stdout=handle, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise RuntimeError(f"open_sft {dtype} {variant}: exit {code}:\n{tail}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     run = json.loads((out / "run.json").read_text())
     steady = [r for r in records if "loss" in r][args.warmup_steps:]
@@ -205,6 +211,7 @@ def main() -> int:
     args = parser.parse_args()
     gpu_peak = measure_gpu_peak() if _on_gpu() else None
     print(json.dumps(cpu_line()) if gpu_peak is None else json.dumps(gpu_line(gpu_peak)))
+    failed: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_name_or_path
         if model is None:
@@ -214,16 +221,24 @@ def main() -> int:
         results = [run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}_{variant}", dtype, variant)
                    for dtype in args.dtypes for variant in args.variants]
         if args.compare == "trl":
-            results += [run_trl(args, model, dtype, variant) for dtype in args.trl_dtypes
-                        for variant in args.trl_variants]
+            for dtype in args.trl_dtypes:
+                for variant in args.trl_variants:
+                    try:
+                        results.append(run_trl(args, model, dtype, variant))
+                    except RuntimeError as exc:  # one configuration TRL cannot run is reported, not fatal
+                        failed.append({"tool": "trl SFTTrainer", "label": f"trl {dtype} {variant}",
+                                       "error": str(exc)})
     add_mfu(results, gpu_peak)
     trl = [r["tokens_per_second"] for r in results if r["tool"] != "open_sft"]
     for r in results:
         if trl:
             r["over_trl_best"] = r["tokens_per_second"] / max(trl)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
+    for r in failed:
+        print(json.dumps(r))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"runs": results, "measured_bf16_peak": gpu_peak}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"runs": results, "failed": failed,
+                                                   "measured_bf16_peak": gpu_peak}, indent=1))
     return 0
 
 

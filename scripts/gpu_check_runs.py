@@ -99,11 +99,13 @@ class Context:
 
 
 def _commit() -> str:
+    if os.environ.get("OPEN_SFT_COMMIT"):  # a copied tree's .git can be stale
+        return os.environ["OPEN_SFT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("OPEN_SFT_COMMIT", "unknown")
+        return "unknown"
 
 
 def importable(name: str) -> bool:
@@ -370,7 +372,7 @@ def speed(ctx: Context) -> dict:
     ours = [r for r in results["runs"] if r["tool"] == "open_sft"]
     best = max(ours, key=lambda r: r["tokens_per_second"])
     trl = [r for r in results["runs"] if r["tool"] != "open_sft"]
-    reached = {"runs_finished": all(r["tokens_per_second"] > 0 for r in results["runs"])}
+    reached = {"runs_finished": not results.get("failed") and all(r["tokens_per_second"] > 0 for r in results["runs"])}
     if ctx.gpu:
         reached["mfu_datasheet>=0.50"] = best["mfu"] >= TARGETS["mfu"]
         estimate = best.get("estimate_gib")
@@ -396,7 +398,7 @@ def _short(value: Any) -> str:
 
 KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "compute_dtype", "peak_memory_gib",
                "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
-               "error", "targets", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change")
+               "error", "targets", "failed", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change")
 
 
 def markdown(report: dict) -> str:

@@ -57,6 +57,12 @@ def micro_batches_for_rank(order: list[int], step_in_epoch: int, layout: BatchLa
     return out
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The micro-batch on the device the model computes on (batches are collated on the host; on CPU this moves
+    nothing)."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
 def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
             sources: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example in the micro-batch (not to max_seq_length). With `sources` (the source

@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from open_sft.data.batching import collate, count_trained_batch, trained_sources
+from open_sft.data.batching import collate, count_trained_batch, to_device, trained_sources
 from open_sft.monitor.metrics import per_source
 
 
@@ -41,10 +41,10 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         sources = trained_sources(batch)
         batch.pop("sources")
         with (autocast or accelerator.autocast)():
-            loss_sum = model(**batch)
+            loss_sum = model(**to_device(batch, accelerator.device))
         totals[0] += float(loss_sum)
         totals[1] += count_trained_batch(batch["labels"])
-        totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double())
+        totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double().cpu())
         totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
     model.train()
     summed = reduce_sum(totals if counted else torch.zeros_like(totals)).tolist()

@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from open_sft.config.args import TrainingArguments
-from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate, trained_sources
+from open_sft.data.batching import (collate, collate_packed, count_trained_batch, locate, to_device,
+                                    trained_sources)
 from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
@@ -250,10 +251,11 @@ class Trainer:
         trained_global, tokens_global, squares_global, slots_global = reduced[:4]
         busiest_rank_slots = int(max(reduced[4:4 + world]))
         source_tokens = [int(t) for t in reduced[4 + world:]]
-        source_loss = torch.zeros(n_sources, dtype=torch.float64)
+        device = self.accelerator.device  # the step's sums stay there: no wait on the device per micro-batch
+        source_loss = torch.zeros(n_sources, dtype=torch.float64, device=device)
         lr = self._set_lr(step)
         self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         grad_norm = float("nan")
         skipped = False
         self.seen_example_ids.extend(i for _, indices in batches for i in indices)
@@ -262,10 +264,10 @@ class Trainer:
             with self.accelerator.accumulate(self.model):
                 with self.precision.autocast(), (self.saved_activations.measure() if self.saved_activations
                                                  else contextlib.nullcontext()):
-                    token_loss_sum = self.model(**batch)
+                    token_loss_sum = self.model(**to_device(batch, device))
                 if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
                     loss_sum += token_loss_sum.detach().double()
-                    source_loss.index_add_(0, trained_positions, self.loss_model.token_losses.double())
+                    source_loss.index_add_(0, trained_positions.to(device), self.loss_model.token_losses.double())
                 self.accelerator.backward(
                     self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
                 if a == len(passes) - 1:

@@ -141,3 +141,27 @@ def example_trained(data, index: int) -> int:
     from open_sft.data.labels import count_trained
 
     return count_trained(list(data.example(index).labels))
+
+
+def test_batches_reach_the_model_on_the_accelerators_device(setup, tiny_model_dir, monkeypatch) -> None:
+    """Batches are collated on the host: every forward pass, training and evaluation, gets them through
+    to_device(batch, accelerator.device) (the first GPU run failed here: 'index is on cpu')."""
+    from open_sft.data import batching
+    from open_sft.training import evaluate as evaluate_module
+    from open_sft.training import trainer as trainer_module
+
+    moved = []
+
+    def recording(batch, device):
+        moved.append(device)
+        return batching.to_device(batch, device)
+
+    monkeypatch.setattr(trainer_module, "to_device", recording)
+    monkeypatch.setattr(evaluate_module, "to_device", recording)
+    trainer, _ = make_trainer(setup, tiny_model_dir, poison=set(), gradient_accumulation_steps=2)
+    trainer.train_step(0)
+    assert trainer.model.calls == 2 and moved == [setup[2].device] * 2
+    evaluate(setup[2], trainer.model, setup[1], 4, setup[0].pad_token_id, all_reduce_sum)
+    assert trainer.model.calls > 2 and moved == [setup[2].device] * trainer.model.calls
+    meta = batching.to_device({"input_ids": torch.ones(2, 3, dtype=torch.long)}, torch.device("meta"))
+    assert meta["input_ids"].device.type == "meta" and meta["input_ids"].dtype == torch.long
