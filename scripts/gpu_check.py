@@ -194,6 +194,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=None, help="parts run at once (the speed part runs alone)")
     parser.add_argument("--budget_s", type=float, default=480.0, help="start no part after this many seconds")
     parser.add_argument("--speed_steps", type=int, default=12)
+    parser.add_argument("--speed_compare", choices=["trl", "none"], default="trl",
+                        help="run TRL's SFTTrainer beside open_sft in the speed part (when trl is installed)")
     parser.add_argument("--commit", default=None, help="default: git rev-parse HEAD, else $OPEN_SFT_COMMIT")
     args = parser.parse_args(argv)
     names = list(PARTS) if args.parts == "all" else args.parts.split(",")

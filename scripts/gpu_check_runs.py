@@ -60,6 +60,7 @@ class Context:
     small_model: Optional[Path] = None
     big_model: Optional[Path] = None
     steps: int = 8
+    compare_trl: bool = True
 
     @classmethod
     def create(cls, args) -> "Context":
@@ -74,6 +75,7 @@ class Context:
         ctx.data = args.data or str(SAMPLE)
         ctx.data_amount = "256" if args.data else "1.0"
         ctx.tokenizer_file = args.tokenizer
+        ctx.compare_trl = args.speed_compare == "trl"
         return ctx
 
     @property
@@ -315,8 +317,10 @@ import json, sys, torch
 from open_sft.config.args import ModelArguments
 from open_sft.model.load import load_model
 model = load_model(ModelArguments(model_name_or_path=sys.argv[1], use_liger_kernel=True))
-print(json.dumps(sorted({type(m).__module__ + "." + type(m).__name__ for m in model.modules()
-                         if "liger" in type(m).__module__})))
+# Liger binds its forwards to the model's own modules (renamed) and swaps the modeling module's rotary function
+names = sorted({m._get_name() for m in model.modules() if "Liger" in m._get_name()})
+rope = getattr(sys.modules[type(model).__module__], "apply_rotary_pos_emb", None)
+print(json.dumps(names + (["liger rotary embedding"] if "liger" in getattr(rope, "__module__", "") else [])))
 """
 
 
@@ -358,7 +362,7 @@ def speed(ctx: Context) -> dict:
     if ctx.gpu:
         cmd += ["--model_name_or_path", str(ctx.big_model), "--max_seq_length", "4096", "--batch_size", "4",
                 "--warmup_steps", "3", "--dtypes", "auto", "--variants", "plain", "liger"]
-        if importable("trl"):
+        if importable("trl") and ctx.compare_trl:
             cmd += ["--compare", "trl", "--trl_dtypes", "bfloat16", "--trl_variants", "plain", "liger"]
     else:
         cmd += ["--model_name_or_path", str(ctx.small_model), "--max_seq_length", "256", "--batch_size", "2",
@@ -382,7 +386,25 @@ def speed(ctx: Context) -> dict:
             reached[">=1.5x_trl_best"] = best["tokens_per_second"] >= TARGETS["over_trl_best"] * fastest[
                 "tokens_per_second"]
             reached["peak_memory<=trl"] = best["peak_gib"] <= min(r["peak_gib"] for r in trl)
-    return {"pass": all(reached.values()), "targets": reached, **results}
+    return {"pass": all(reached.values()), "targets": reached, **results, "profile": profile(ctx)}
+
+
+def profile(ctx: Context) -> dict:
+    """scripts/profile_step.py on open_sft's default run of the speed model: where step 4's time goes."""
+    model, width, batch = (ctx.big_model, "4096", "4") if ctx.gpu else (ctx.small_model, "256", "2")
+    cmd = [sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--step", "4", "--top", "8", "--",
+           "--model_name_or_path", str(model), "--dataset_mixer_list", ctx.speed_data, "1.0",
+           "--output_dir", str(ctx.work / "runs" / "profile"), "--max_train_steps", "6",
+           "--per_device_train_batch_size", batch, "--max_seq_length", width, "--packing", "--logging_steps", "1",
+           "--learning_rate", "1e-4", "--dataset_local_cache_dir", str(ctx.work / "cache")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ctx.env(), capture_output=True, text=True, timeout=600)
+    _log(ctx, "profile").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip()[-800:]}
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    kinds = {r["kind"]: r["share"] for r in lines if "kind" in r and "share" in r}
+    summary = next((r for r in lines if "mfu_ceiling_kernels" in r), {})
+    return {"shares": kinds, **{k: v for k, v in summary.items() if k != "step"}}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -398,7 +420,7 @@ def _short(value: Any) -> str:
 
 KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "compute_dtype", "peak_memory_gib",
                "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
-               "error", "targets", "failed", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change")
+               "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change")
 
 
 def markdown(report: dict) -> str:

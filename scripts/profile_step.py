@@ -51,7 +51,8 @@ def kind_of(name: str, shapes: Sequence[Sequence[int]], vocab: int) -> str:
     over_vocab = any(vocab in tuple(shape) for shape in shapes if shape)
     if name in MATMULS:
         return "lm_head_matmul" if over_vocab else "backbone_matmul"
-    if "scaled_dot_product" in lowered or "flash_attention" in lowered or "efficient_attention" in lowered:
+    if any(k in lowered for k in ("scaled_dot_product", "flash_attention", "efficient_attention", "varlen_attn",
+                                  "flash_attn")):
         return "attention"
     if "adam" in lowered or "sgd" in lowered or lowered.startswith("aten::_foreach") or "optimizer" in lowered:
         return "optimizer"
@@ -84,6 +85,7 @@ class StepProfiler:
         self.profile = None
         self.record: Optional[dict] = None
         self.trainer = None
+        self.wall = 0.0
 
     def install(self) -> None:
         from open_sft.training.trainer import Trainer
@@ -94,10 +96,19 @@ class StepProfiler:
         def train_step(trainer, step: int) -> dict:
             if step != profiler.at:
                 return original(trainer, step)
+            import time
+
+            import torch
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            gpu = torch.cuda.is_available()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+            with profile(activities=activities, record_shapes=True) as prof:
+                started = time.perf_counter()
                 record = original(trainer, step)
+                if gpu:
+                    torch.cuda.synchronize()
+                profiler.wall = time.perf_counter() - started
             profiler.profile, profiler.record, profiler.trainer = prof, record, trainer
             return record
 
@@ -118,7 +129,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from open_sft.run import main as finetune
 
-    print(json.dumps(cpu_line()))
+    import torch
+
+    gpu = torch.cuda.is_available()
+    print(json.dumps({"gpu": torch.cuda.get_device_name()} if gpu else cpu_line()))
     profiler = StepProfiler(args.step)
     profiler.install()
     code = finetune(finetune_args)
@@ -129,8 +143,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     trainer = profiler.trainer
     vocab = trainer.flop_counter.vocab
-    events = [e for e in profiler.profile.key_averages(group_by_input_shape=True) if e.self_cpu_time_total > 0]
-    ops = [(e.key, e.input_shapes or [], e.self_cpu_time_total / 1e6) for e in events]
+    # on a GPU the kernels' time on the device, credited to the op that launched them; on CPU the ops' own time
+    took = (lambda e: getattr(e, "self_device_time_total", 0.0)) if gpu else (lambda e: e.self_cpu_time_total)
+    events = [e for e in profiler.profile.key_averages(group_by_input_shape=True) if took(e) > 0]
+    ops = [(e.key, e.input_shapes or [], took(e) / 1e6) for e in events]
     seconds = breakdown(ops, vocab)
     total = sum(seconds.values())
     for kind in KINDS:
@@ -140,7 +156,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     flops, peak = profiler.record["flops"], trainer.peak_flops
     print(json.dumps({"step": args.step, "model_flops": flops, "peak_flops": peak, "op_seconds": round(total, 4),
                       "mfu_profiled": round(flops / (peak * total), 4),
-                      "mfu_ceiling_kernels": round(ceiling(flops, peak, seconds), 4)}))
+                      "mfu_ceiling_kernels": round(ceiling(flops, peak, seconds), 4),
+                      "step_wall_seconds": round(profiler.wall, 4),
+                      # on a GPU: the share of the step's wall time the device was computing (the rest it waited
+                      # for the host: launches, synchronisations, collation)
+                      **({"device_busy": round(total / profiler.wall, 4)} if gpu and profiler.wall else {})}))
     return 0
 
 
