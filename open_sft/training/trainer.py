@@ -256,8 +256,7 @@ class Trainer:
         lr = self._set_lr(step)
         self.model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        grad_norm = float("nan")
-        skipped = False
+        grad_norm, skipped = float("nan"), False
         self.seen_example_ids.extend(i for _, indices in batches for i in indices)
         passes = self._passes(step, [batch for batch, _ in batches], positions, local_counts)
         for a, (batch, trained_positions, trained_local) in enumerate(passes):

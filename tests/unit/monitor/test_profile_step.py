@@ -55,3 +55,21 @@ def test_ceiling_counts_only_matmul_and_attention_time() -> None:
     # 2 s of kernels at a peak of 100 FLOP/s: 140 FLOPs are 70 % of what they could have done
     assert profile_step.ceiling(140.0, 100.0, seconds) == pytest.approx(0.7)
     assert math.isnan(profile_step.ceiling(1.0, 1.0, dict.fromkeys(profile_step.KINDS, 0.0)))  # no kernels seen
+
+
+def test_gpu_device_time_is_read_off_the_op_events_alone() -> None:
+    """A CUDA profile lists each kernel's time twice, on the op that launched it and on the kernel's own event:
+    only the op events count (the H200 profile that summed both reported a device busy 181 % of the step)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, device_us, cpu_us=5.0):
+        return SimpleNamespace(key=key, device_type=device_type, self_device_time_total=device_us,
+                               self_cpu_time_total=cpu_us, input_shapes=[[4, 8]])
+
+    events = [event("aten::mm", DeviceType.CPU, 300.0), event("nvjet_sm90_tst_128x256", DeviceType.CUDA, 300.0),
+              event("aten::add", DeviceType.CPU, 20.0), event("void elementwise_kernel<add>", DeviceType.CUDA, 20.0),
+              event("aten::view", DeviceType.CPU, 0.0)]
+    assert profile_step.op_seconds(events, gpu=True) == [("aten::mm", [[4, 8]], 300e-6), ("aten::add", [[4, 8]], 20e-6)]
+    assert [name for name, _, _ in profile_step.op_seconds(events, gpu=False)] == [e.key for e in events]

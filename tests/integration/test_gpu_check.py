@@ -1,0 +1,81 @@
+"""scripts/gpu_check.py's CPU smoke mode, as the suite runs it on every change: the parts a CPU can run pass on
+the tiny embedded model with their figures, the GPU-only parts are reported as skipped with the reason, the
+report is written as JSON and Markdown, and a part that fails is reported without hiding the others."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+CPU_PARTS = ["batch_layouts", "packed", "fused_ce", "attention", "kill_resume", "dtype_auto", "zero2", "zero3",
+             "fsdp2", "gradient_checkpointing", "auto_micro_batch_size", "speed"]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(out), "--smoke",
+                           "--commit", "abc123"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return out, proc
+
+
+def test_smoke_parts_pass_with_their_figures(smoke) -> None:
+    out, proc = smoke
+    report = json.loads((out / "gpu_report.json").read_text())
+    parts = report["parts"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {name: parts[name]["verdict"] for name in CPU_PARTS} == {name: "pass" for name in CPU_PARTS}
+    assert parts["liger"]["verdict"] == parts["qlora"]["verdict"] == "skip" and parts["liger"]["why"]
+    assert report["verdict"] == "pass" and report["header"]["commit"] == "abc123"
+    assert report["header"]["mode"] == "smoke (CPU)" and report["header"]["versions"]["torch"]
+    # the numbers behind the verdicts
+    assert parts["batch_layouts"]["float32"]["max_rel_diff"] <= 1e-5
+    assert len(parts["batch_layouts"]["float32"]["losses_bs8"]) == 8
+    resume = parts["kill_resume"]
+    assert resume["killed_exit"] == -signal.SIGKILL and resume["bitwise"] is True  # CPU kernels: bit for bit
+    assert parts["packed"]["fp32"]["loss_rel_error"] < 1e-5 and parts["packed"]["wrong_positions_loss_rel_change"] > 1e-4
+    assert all(parts["attention"][c]["cross_example_change"] == 0.0 for c in ("sdpa_block_mask", "per_example_sdpa"))
+    for name in ("dtype_auto", "zero2", "zero3", "fsdp2", "gradient_checkpointing", "auto_micro_batch_size"):
+        assert parts[name]["export_reloads"] is True and parts[name]["falling"] is True, name
+    speed = parts["speed"]
+    assert speed["runs"][0]["tokens_per_second"] > 0 and speed["runs"][0]["estimate_gib"] > 0
+    assert sum(speed["profile"]["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_smoke_report_markdown_and_logs(smoke) -> None:
+    out, _ = smoke
+    table = (out / "gpu_report.md").read_text()
+    assert table.startswith("# open_sft GPU check: pass")
+    for name in CPU_PARTS + ["liger", "qlora"]:
+        assert f"| {name} |" in table
+    assert "| open_sft float32 |" in table  # the speed table
+    assert (out / "gpu_check_logs.tar.gz").stat().st_size > 0
+
+
+def test_a_failing_part_is_reported_without_hiding_the_others(tmp_path, monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def broken(ctx):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setitem(gpu_check.PARTS, "fused_ce", broken)
+    code = gpu_check.main([str(tmp_path), "--smoke", "--parts", "fused_ce,attention"])
+    report = json.loads((tmp_path / "gpu_report.json").read_text())
+    assert code == 1 and report["verdict"] == "FAIL"
+    assert report["parts"]["fused_ce"]["verdict"] == "FAIL" and "planted failure" in report["parts"]["fused_ce"]["error"]
+    assert report["parts"]["attention"]["verdict"] == "pass"
+
+
+def test_unknown_part_is_refused_with_the_choices() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "/tmp/x", "--parts", "fast"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown ['fast']" in proc.stderr and "batch_layouts" in proc.stderr
