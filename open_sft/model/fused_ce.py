@@ -21,6 +21,7 @@ from torch import nn
 
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.model import bf16_matmul
+from open_sft.model.logits import LogitTransform
 
 # The logits of one chunk of rows are the largest tensor: at most this many bytes (e.g. 1,334 rows of a 50k
 # vocabulary in bf16, 667 in fp32).
@@ -77,7 +78,8 @@ def _pieces(stop: int, step: int):
 TINY_PROBABILITY = 1e-30
 
 
-def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, need_grad: bool) -> torch.Tensor:
+def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, need_grad: bool,
+                   transform: Optional[LogitTransform] = None) -> torch.Tensor:
     """Each row's log-probability of its target, in fp32; with need_grad, `logits` is overwritten in place by
     d loss / d logits = softmax − one-hot (computed in fp32, rounded to `dtype`).
 
@@ -85,31 +87,40 @@ def _softmax_grad_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dty
     log-softmax's entry while p_target is a normal number; rows where it is not (a target ~69 nats below
     the row's best) are recomputed with log-softmax. A log-softmax followed by exp would cost a second
     exp per logit, measured ~1.5x the time of this block's passes in bf16 (AMD EPYC, 50k vocabulary)."""
-    probs = torch.softmax(logits, dim=1, dtype=torch.float32)  # one block: it stays in the cache
+    # a family's logit transform (open_sft.model.logits) on the block's fp32 scores
+    scores = transform.apply(logits.float()) if transform is not None else logits
+    probs = torch.softmax(scores, dim=1, dtype=torch.float32)  # one block: it stays in the cache
     target_probs = probs.gather(1, targets[:, None])[:, 0]
     picked = target_probs.log()
     tiny = target_probs < TINY_PROBABILITY
     if bool(tiny.any()):
         rows = tiny.nonzero()[:, 0]
-        exact = torch.log_softmax(logits[rows], dim=1, dtype=torch.float32)
+        exact = torch.log_softmax(scores[rows], dim=1, dtype=torch.float32)
         picked[rows] = exact.gather(1, targets[rows, None])[:, 0]
     if need_grad:
         probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+        if transform is not None:
+            probs *= transform.slope(scores)  # d loss / d z = (softmax(y) − one-hot) · dy/dz
         # rounded to the logits' dtype; bf16 via fp32 matmuls: rounded as a bf16 gradient would be first
         logits.copy_(probs.to(dtype) if logits.dtype != dtype else probs)
     return picked
 
 
 def _softmax_grad_lse_(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
-                       need_grad: bool) -> torch.Tensor:
+                       need_grad: bool, transform: Optional[LogitTransform] = None) -> torch.Tensor:
     """`_softmax_grad_` for a GPU, over a whole chunk: log p_target = logit_target − logsumexp(row), exact without
     a check that waits on the device; the gradient exp(logits − lse) − one-hot in one fp32 temporary."""
     scores = logits.float()
+    if transform is not None:
+        scores = transform.apply(scores)
+        slope = transform.slope(scores) if need_grad else None
     lse = torch.logsumexp(scores, dim=1)
     picked = scores.gather(1, targets[:, None])[:, 0] - lse
     if need_grad:
         probs = scores.sub_(lse[:, None]).exp_()  # in place: `scores` is `logits` itself when they are fp32
         probs[torch.arange(targets.shape[0], device=targets.device), targets] -= 1.0
+        if transform is not None:
+            probs *= slope
         if probs is not logits or dtype != logits.dtype:
             logits.copy_(probs.to(dtype))
     return picked
@@ -136,7 +147,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 targets: torch.Tensor, chunk_rows: int, dtype: torch.dtype, via_fp32: bool,
-                token_losses: Optional[torch.Tensor]) -> torch.Tensor:
+                token_losses: Optional[torch.Tensor], transform: Optional[LogitTransform]) -> torch.Tensor:
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         need_grad = need_hidden or need_weight or need_bias
         # via_fp32 (open_sft.model.bf16_matmul): every operand and product rounded to `dtype`, multiplied in fp32.
@@ -172,7 +183,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     if via_fp32:
                         logits[i:j] = logits[i:j].to(dtype)
                 for i, j in _pieces(stop - start, block):
-                    picked = softmax_grad(logits[i:j], targets[start + i : start + j], dtype, need_grad)
+                    picked = softmax_grad(logits[i:j], targets[start + i : start + j], dtype, need_grad, transform)
                     loss -= picked.sum()
                     if token_losses is not None:  # each position's loss, for per-source sums (no gradient)
                         token_losses[start + i : start + j] = -picked
@@ -205,12 +216,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = (grad_weight * scale).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = (grad_bias * scale).to(bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              targets: torch.Tensor, chunk_rows: Optional[int] = None,
-                             bf16_via_fp32: bool = False, token_losses: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             bf16_via_fp32: bool = False, token_losses: Optional[torch.Tensor] = None,
+                             transform: Optional[LogitTransform] = None) -> torch.Tensor:
     """Sum of cross-entropies of `hidden @ weight.T + bias` ([N, d] rows) against `targets` ([N]) in fp32.
 
     `token_losses` (fp32, one value per target that is not IGNORE_INDEX), when given, receives each position's loss
@@ -236,7 +248,9 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
         raise ValueError(f"chunk_rows must be positive, got {rows}")
     if token_losses is not None and token_losses.shape != targets.shape:
         raise ValueError(f"token_losses holds {token_losses.numel()} values for {targets.numel()} trained positions")
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, dtype, via_fp32, token_losses)
+    if transform is not None and transform.identity:
+        transform = None
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, dtype, via_fp32, token_losses, transform)
 
 
 def supports_fused(lm_head: nn.Module) -> bool:
@@ -245,7 +259,8 @@ def supports_fused(lm_head: nn.Module) -> bool:
 
 
 def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
-                     chunk_rows: Optional[int] = None, token_losses: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     chunk_rows: Optional[int] = None, token_losses: Optional[torch.Tensor] = None,
+                     transform: Optional[LogitTransform] = None) -> torch.Tensor:
     """`linear_cross_entropy_sum` with lm_head's parameters, run inside a call to lm_head itself so that
     module hooks (ZeRO-3 gathering its weight for forward and again for backward) fire as for lm_head(x)."""
     if not supports_fused(lm_head):
@@ -253,7 +268,8 @@ def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Te
 
     def fused_forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, t, chunk_rows,
-                                        bf16_via_fp32=bf16_matmul.installed(lm_head), token_losses=token_losses)
+                                        bf16_via_fp32=bf16_matmul.installed(lm_head), token_losses=token_losses,
+                                        transform=transform)
 
     own_forward = lm_head.__dict__.get("forward")
     lm_head.forward = fused_forward

@@ -177,6 +177,7 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     model = _from_pretrained(args, lora, compute_dtype)
     if tokenizer is not None:
         fit_embeddings_to_tokenizer(model, tokenizer)
+    _check_family_loss(model)
     if args.use_liger_kernel:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -192,6 +193,20 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
                            len(tokenizer.open_sft_added_ids))
         model = apply_lora(model, lora, args.gradient_checkpointing)
     return model
+
+
+def _check_family_loss(model: PreTrainedModel) -> None:
+    """The family's logit transform, logged; a family open_sft has not verified is checked against its own loss
+    (open_sft.model.logits), before anything changes its forward (Liger, NEFTune, LoRA)."""
+    from open_sft.model.logits import check_loss_parity, logit_transform
+
+    transform = logit_transform(model.config)
+    if not transform.identity:
+        logger.info("loss: logits %s before the cross-entropy, as the model's own forward does",
+                    transform.describe())
+    note = check_loss_parity(model)
+    if note:
+        logger.info("%s", note)
 
 
 def context_warning(config: Any, longest: int) -> Optional[str]:

@@ -18,6 +18,7 @@ from torch import nn
 
 from open_sft.data.labels import IGNORE_INDEX
 from open_sft.model.fused_ce import lm_head_loss_sum, supports_fused
+from open_sft.model.logits import logit_transform
 
 
 class TokenLossModel(nn.Module):
@@ -31,6 +32,8 @@ class TokenLossModel(nn.Module):
         # losses); they come out of the same pass, detached.
         self.keep_token_losses = False
         self.token_losses: Optional[torch.Tensor] = None
+        # what the model's own forward does to its logits before the loss (Gemma's cap, Granite's and Cohere's scale)
+        self.transform = logit_transform(self.causal_lm().config)
 
     def causal_lm(self) -> nn.Module:
         """The transformers model; a peft model injects its adapters into it in place."""
@@ -55,9 +58,10 @@ class TokenLossModel(nn.Module):
         kept = torch.empty(selected.shape[0], dtype=torch.float32, device=selected.device) \
             if self.keep_token_losses else None
         if self.fused_loss and supports_fused(lm_head):
-            loss = lm_head_loss_sum(lm_head, selected, targets[trained], token_losses=kept)
+            loss = lm_head_loss_sum(lm_head, selected, targets[trained], token_losses=kept, transform=self.transform)
         else:
             logits = lm_head(selected).float()
+            logits = logits if self.transform.identity else self.transform.apply(logits)
             loss = F.cross_entropy(logits, targets[trained], reduction="sum")
             if kept is not None:
                 kept.copy_(F.cross_entropy(logits.detach(), targets[trained], reduction="none"))

@@ -1,0 +1,132 @@
+"""Every family trains its own loss: TokenLossModel's loss and gradients (fused, chunked, and plain) equal the
+model's own `model(input_ids, labels=...)` for tiny random configs of each verified family, with weights large
+enough that a skipped logit cap or scale changes the loss; an unknown transform is caught at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from open_sft.errors import UserError
+from open_sft.model.fused_ce import gpu_layout  # noqa: F401  (the GPU layout is patched in below)
+from open_sft.model.logits import VERIFIED, LogitTransform, check_loss_parity, logit_transform
+from open_sft.model.loss import TokenLossModel
+
+SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# each family's own knobs, and a transform strong enough to matter at these weights
+FAMILY = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 4.0},
+    "gemma2": {"final_logit_softcapping": 0.5},
+    "gemma3_text": {"final_logit_softcapping": 0.5},
+    "granite": {"logits_scaling": 4.0},
+    "cohere": {"logit_scale": 0.25},
+    "cohere2": {"logit_scale": 0.25},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "phi": {"partial_rotary_factor": 0.5},
+}
+TRANSFORMED = {"gemma2", "gemma3_text", "granite", "granitemoe", "cohere", "cohere2"}
+
+
+def tiny(family: str) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **{**SMALL, **FAMILY.get(family, {})})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():  # logits of a few units, so a cap at 0.5 or a scale of 4 changes the loss
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() == 2 else None
+    return model
+
+
+def their_loss_and_grads(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def our_loss_and_grads(model, ids, labels, fused: bool, transform=None):
+    wrapped = TokenLossModel(model, fused_loss=fused)
+    if transform is not None:
+        wrapped.transform = transform
+    model.zero_grad(set_to_none=True)
+    trained = int((labels[:, 1:] != -100).sum())
+    loss = wrapped(input_ids=ids, labels=labels) / trained
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, SMALL["vocab_size"], (2, 20), generator=g)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("family", sorted(VERIFIED))
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])
+def test_our_loss_is_the_models_own(family, layout, monkeypatch) -> None:
+    if layout == "gpu":  # the GPU's chunk layout (log-sum-exp, whole chunks), run here
+        monkeypatch.setattr("open_sft.model.fused_ce.gpu_layout", lambda t: True)
+    model = tiny(family)
+    ids, labels = batch()
+    theirs, their_grads = their_loss_and_grads(model, ids, labels)
+    for fused in (True, False):
+        ours, our_grads = our_loss_and_grads(model, ids, labels, fused)
+        assert ours == pytest.approx(theirs, rel=1e-5), (family, fused)
+        assert our_grads.keys() == their_grads.keys()
+        for name, grad in their_grads.items():
+            assert float((our_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)) < 1e-5, (family, name)
+    if family in TRANSFORMED:  # the transform matters here: skipping it would train another loss
+        skipped, _ = our_loss_and_grads(model, ids, labels, True, transform=LogitTransform())
+        assert abs(skipped - theirs) > 1e-2 * theirs, family
+    else:
+        assert logit_transform(model.config).identity, family
+
+
+def test_transforms_read_from_configs() -> None:
+    assert logit_transform(tiny("gemma2").config) == LogitTransform(1.0, 0.5)
+    assert logit_transform(tiny("granite").config) == LogitTransform(0.25, None)
+    assert logit_transform(tiny("cohere").config) == LogitTransform(0.25, None)
+    assert LogitTransform(2.0, 3.0).describe() == "scaled by 2, capped at 3 (tanh)"
+
+
+def test_a_planted_unknown_transform_is_caught_at_load(monkeypatch) -> None:
+    """A family outside VERIFIED whose forward changes the logits (here Llama's forward, patched to halve them,
+    under an unverified model_type) stops the run with the family named; an honest one passes the check."""
+    model = tiny("llama")
+    model.config.model_type = "mystery_lm"
+    assert "equals the model's own" in check_loss_parity(model)
+    original = type(model.lm_head).forward
+
+    def halved(self, x):
+        return original(self, x) * 0.5
+
+    monkeypatch.setattr(type(model.lm_head), "forward", halved)
+    # the fused loss calls lm_head's matmul itself: our loss keeps the unhalved logits, the model's own halves them
+    with pytest.raises(UserError, match="model type 'mystery_lm'.*differs from the model's own"):
+        check_loss_parity(model)
+    model.config.model_type = "llama"
+    assert check_loss_parity(model) is None  # verified families are not re-checked
+
+
+def test_load_model_refuses_a_family_whose_transform_it_does_not_know(tmp_path, monkeypatch) -> None:
+    """Through load_model, as a run loads it: a Granite checkpoint whose logits_scaling open_sft did not know (its
+    reading of the config patched out, Granite taken off the verified list) is refused before training; known, it
+    loads with the transform logged."""
+    from open_sft.config.args import ModelArguments
+    from open_sft.model.load import load_model
+
+    tiny("granite").save_pretrained(tmp_path)
+    assert load_model(ModelArguments(model_name_or_path=str(tmp_path))).config.model_type == "granite"
+    monkeypatch.setattr("open_sft.model.logits.VERIFIED", VERIFIED - {"granite"})
+    monkeypatch.setattr("open_sft.model.loss.logit_transform", lambda config: LogitTransform())
+    with pytest.raises(UserError, match="model type 'granite'.*differs"):
+        load_model(ModelArguments(model_name_or_path=str(tmp_path)))
