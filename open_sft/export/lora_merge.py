@@ -20,6 +20,7 @@ import torch
 from huggingface_hub import save_torch_state_dict
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
+from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
@@ -65,11 +66,16 @@ def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> 
         if isinstance(layer, LoraLayer):
             key = f"{name}.base_layer.weight"
             full[key] = full[key].float() + _lora_delta(layer, name, state_dict)
+        elif isinstance(layer, TrainableTokensLayer):  # the trained rows of added tokens replace the base's
+            key, rows = f"{name}.base_layer.weight", f"{name}.trainable_tokens_delta.{ADAPTER}"
+            if key in full and rows in state_dict:
+                index = torch.tensor(layer.token_indices[ADAPTER], device=full[key].device)
+                full[key] = full[key].index_copy(0, index, state_dict[rows].to(full[key].dtype))
     merged = {}
     for key, tensor in full.items():
-        if ".lora_" in key:
+        if ".lora_" in key or ".trainable_tokens_delta." in key:
             continue
-        clean = key.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        clean = key.removeprefix(PEFT_PREFIX).replace(".token_adapter.base_layer.", ".").replace(".base_layer.", ".")
         merged[clean] = tensor.to(dtypes[key]).contiguous()
     return merged
 

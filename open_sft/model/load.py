@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from open_sft.config.args import LoraArguments, ModelArguments
+from open_sft.data.chat.templates import remember_new_tokens
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool) -> 
     new = [t for t in read_token_file(path) if t not in known]
     tokenizer.add_tokens(new, special_tokens=special)
     ids = tokenizer.convert_tokens_to_ids(new)
-    tokenizer.open_sft_added_ids = sorted(set(getattr(tokenizer, "open_sft_added_ids", [])) | set(ids))
+    remember_new_tokens(tokenizer, ids)
     logger.info("added %d %stokens from %s (%d were already known)", len(new), "special " if special else "",
                 path, len(read_token_file(path)) - len(new))
     return ids
@@ -188,10 +189,7 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if lora is not None and uses_lora(lora):
-        if tokenizer is not None and getattr(tokenizer, "open_sft_added_ids", None):
-            logger.warning("LoRA trains adapters only: the %d added tokens keep their mean-embedding rows",
-                           len(tokenizer.open_sft_added_ids))
-        model = apply_lora(model, lora, args.gradient_checkpointing)
+        model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []))
     return model
 
 

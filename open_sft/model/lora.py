@@ -54,23 +54,45 @@ def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[Bit
                               bnb_4bit_compute_dtype=torch.float16 if fp16 else torch.bfloat16)
 
 
-def lora_config(args: LoraArguments) -> LoraConfig:
+def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None) -> LoraConfig:
     targets = args.lora_target_modules
     return LoraConfig(
         r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
         target_modules="all-linear" if targets == ["all-linear"] else list(targets), task_type="CAUSAL_LM",
+        trainable_token_indices=trainable_tokens or None,
     )
 
 
-def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointing: bool) -> PeftModel:
-    """Freeze the base model and inject LoRA adapters in place; returns the PeftModel."""
+def trainable_token_rows(model: PreTrainedModel, new_ids: list[int]) -> dict[str, list[int]]:
+    """peft's trainable tokens for the rows of tokens the run added (a chat template's end-of-turn token, say):
+    under LoRA they would otherwise keep their mean initialisation and the model never learns to end a turn.
+    The input embedding and an untied LM head by module name (peft wraps a tied head with the embedding)."""
+    if not new_ids:
+        return {}
+    names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    rows = {names[id(embedding)]: list(new_ids)}
+    tied = head is None or head.weight is embedding.weight
+    if not tied:
+        rows[names[id(head)]] = list(new_ids)
+    return rows
+
+
+def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointing: bool,
+               new_ids: Optional[list[int]] = None) -> PeftModel:
+    """Freeze the base model and inject LoRA adapters in place (and make the rows of `new_ids`, tokens the run
+    added, trainable); returns the PeftModel."""
     if args.use_qlora:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     try:
-        peft_model = get_peft_model(model, lora_config(args))
+        rows = trainable_token_rows(model, new_ids or [])
+        peft_model = get_peft_model(model, lora_config(args, rows))
+        if rows:
+            logger.info("LoRA also trains the embedding rows of the %d added tokens (%s)", len(new_ids),
+                        ", ".join(rows))
     except ValueError as exc:
         raise UserError(
             f"--lora_target_modules {' '.join(args.lora_target_modules)}: {exc}; name linear layers of the model "

@@ -10,12 +10,15 @@ embeddings are resized to match.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from open_sft.data.chat.oi_templates import CHATML_TOKENS, OPEN_INSTRUCT_TEMPLATES
 from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 _RAISE_UNKNOWN = "{{ raise_exception('unknown role ' + message['role']) }}"
 
@@ -114,5 +117,15 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
     missing = [token for token in template.special_tokens if token not in vocab]
     if missing:
         tokenizer.add_tokens(missing, special_tokens=True)
+        remember_new_tokens(tokenizer, tokenizer.convert_tokens_to_ids(missing))
+        logger.info("chat template %s: added the special tokens %s (their embedding rows start at the mean row)",
+                    name, ", ".join(missing))
     tokenizer.chat_template = template.source
     return missing
+
+
+def remember_new_tokens(tokenizer, ids: list[int]) -> None:
+    """Ids the run added to the vocabulary: `open_sft_added_ids` until their embedding rows are initialised
+    (open_sft.model.load.fit_embeddings_to_tokenizer), `open_sft_new_ids` for good (LoRA trains their rows)."""
+    for attribute in ("open_sft_added_ids", "open_sft_new_ids"):
+        setattr(tokenizer, attribute, sorted(set(getattr(tokenizer, attribute, [])) | set(ids)))

@@ -61,3 +61,26 @@ def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
     with pytest.raises(UserError, match=r"--use_qlora does not work under DeepSpeed.*accelerate launch --multi_gpu"):
         parse_config(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", "d.jsonl", "1.0",
                       "--use_qlora"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
+    """The rows of tokens the run added train under LoRA: the embedding's and an untied head's by name, a tied
+    head through the embedding (peft wraps both); nothing is added without new tokens."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from open_sft.config.args import LoraArguments
+    from open_sft.model.lora import apply_lora, trainable_token_rows
+
+    config = AutoConfig.for_model("llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(config)
+    expected = {"embed_tokens": [90, 91]} if tied else {"embed_tokens": [90, 91], "lm_head": [90, 91]}
+    assert trainable_token_rows(model, [90, 91]) == expected
+    assert trainable_token_rows(model, []) == {}
+    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, [90, 91])
+    trained = [n for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
+    assert len(trained) == (1 if tied else 2) and all("trainable_tokens_delta" in n for n in trained)
+    x = torch.tensor([[1, 90, 91, 5]])
+    peft_model(input_ids=x, labels=x).loss.backward()
+    assert all(float(p.grad.norm()) > 0 for n, p in peft_model.named_parameters() if n in trained)

@@ -1,0 +1,71 @@
+"""LoRA trains what the template added: chatml on a tokenizer without <|im_start|>/<|im_end|> adds them, and
+under --use_lora their embedding and LM-head rows train (peft's trainable tokens), are saved in the adapter,
+are in the merged export, and the adapter loads with plain peft onto the base and gives the merged model's
+logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import SAMPLE, read_metrics, run_finetune
+
+CHATML = ["<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def chatml_lora(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora_chatml")
+    run_finetune(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "200",
+                  "--output_dir", str(out), "--max_train_steps", "8", "--learning_rate", "5e-2",
+                  "--logging_steps", "1", "--seed", "1", "--max_seq_length", "128", "--torch_dtype", "float32",
+                  "--per_device_train_batch_size", "4", "--use_lora", "--lora_rank", "4", "--lora_alpha", "8",
+                  "--lora_dropout", "0.0", "--chat_template_name", "chatml", "--merge_lora_on_save"])
+    return out
+
+
+def test_added_token_rows_train_and_are_exported(chatml_lora, tiny_model_dir) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(chatml_lora)
+    ids = tokenizer.convert_tokens_to_ids(CHATML)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base_rows = base.get_input_embeddings().weight.shape[0]
+    assert all(i >= len(AutoTokenizer.from_pretrained(tiny_model_dir)) for i in ids)  # really new tokens
+    adapter = load_file(chatml_lora / "adapter_model.safetensors")
+    deltas = {k: v for k, v in adapter.items() if "trainable_tokens_delta" in k}
+    assert sorted(k.split(".")[-3] for k in deltas) == ["embed_tokens", "lm_head"], sorted(deltas)
+    assert all(v.shape == (len(ids), base.config.hidden_size) for v in deltas.values())
+    merged = AutoModelForCausalLM.from_pretrained(chatml_lora / "merged", dtype=torch.float32)
+    embed, head = merged.get_input_embeddings().weight.detach(), merged.get_output_embeddings().weight.detach()
+    assert embed.shape[0] > base_rows  # resized for the new tokens
+    # the mean row they started from (fit_embeddings_to_tokenizer), and where training took them
+    start = base.get_input_embeddings().weight.detach().mean(0)
+    for i in ids:
+        assert float((embed[i] - start).norm()) > 1e-3 * float(start.norm()), i
+    start_head = base.get_output_embeddings().weight.detach().mean(0)
+    assert any(float((head[i] - start_head).norm()) > 1e-3 * float(start_head.norm()) for i in ids)
+    # the trained rows in the merged export are the adapter's
+    embed_delta = next(v for k, v in deltas.items() if "embed_tokens" in k)
+    torch.testing.assert_close(embed[ids], embed_delta.float())
+    assert read_metrics(chatml_lora)[-1]["loss"] < read_metrics(chatml_lora)[0]["loss"]
+
+
+def test_adapter_loads_with_plain_peft_and_equals_the_merged_model(chatml_lora, tiny_model_dir) -> None:
+    from peft import PeftModel
+
+    tokenizer = AutoTokenizer.from_pretrained(chatml_lora)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    model = PeftModel.from_pretrained(base, str(chatml_lora)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(chatml_lora / "merged", dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"},
+                                          {"role": "assistant", "content": "5"}], tokenize=False)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert set(tokenizer.convert_tokens_to_ids(CHATML)) <= set(ids[0].tolist())
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    config = json.loads((chatml_lora / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"]
