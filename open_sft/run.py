@@ -265,7 +265,8 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.distributed.collectives import gather_full_state_dict
     from open_sft.export.hub import push_output_dir
     from open_sft.export.model_card import write_model_card
-    from open_sft.export.save import save_lora, save_model
+    from open_sft.export.save import save_dtype, save_lora, save_model
+    from open_sft.model.load import load_model_config
     from open_sft.file_modes import share_as_umask
     from open_sft.model.lora import is_peft_model
     from open_sft.monitor.report import write_run_report
@@ -276,11 +277,13 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     if acc.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         trained_model = acc.unwrap_model(trainer.model).model
-        shard = config.checkpoint.max_shard_size
-        if is_peft_model(trained_model):
-            save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard)
+        shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
+        dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
+        if is_peft_model(trained_model):  # a QLoRA merge is bf16 unless the flag says (its base was 4-bit)
+            save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard,
+                      dtype=None if config.lora.use_qlora and flag == "auto" else dtype)
         else:
-            save_model(trained_model, state_dict, job.tokenizer, output_dir, max_shard_size=shard)
+            save_model(trained_model, state_dict, job.tokenizer, output_dir, max_shard_size=shard, dtype=dtype)
         trainer.metrics.close()
         write_run_report(output_dir)
         write_model_card(output_dir)

@@ -257,6 +257,10 @@ class CheckpointArguments:
     )
     max_shard_size: str = _help("Largest safetensors file of the exported model, e.g. 5GB or 500MB.",
                                 default="5GB")
+    save_dtype: Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"] = _help(
+        "dtype of the exported weights: auto (the dtype of the checkpoint the run started from, as its config "
+        "says: bf16 for a bf16 checkpoint; float32 where it says none), bfloat16, float16 or float32. Training "
+        "keeps fp32 master weights either way.", default="auto")
 
 
 @dataclass

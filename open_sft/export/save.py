@@ -17,6 +17,8 @@ from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from typing import Any, Optional
+
 import torch
 from peft import PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -90,29 +92,56 @@ def write_generation_config(generation: GenerationConfig, tokenizer: PreTrainedT
     generation.save_pretrained(directory)
 
 
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+def save_dtype(flag: str, source_config: Any) -> torch.dtype:
+    """--save_dtype: an explicit dtype, or (auto) the one the source checkpoint's config names (`dtype`, or the
+    older `torch_dtype`), float32 where it names none: a bf16 checkpoint is exported in bf16, as HF's Trainer
+    does for a model loaded in bf16, not at twice its size."""
+    if flag != "auto":
+        return DTYPES[flag]
+    named = getattr(source_config, "dtype", None) or getattr(source_config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = DTYPES.get(named.removeprefix("torch."))
+    return named if named in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
+def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in state_dict.items()}
+
+
 def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
-               output_dir: Path, max_shard_size: str | int = "5GB") -> None:
-    """Write weights (safetensors, sharded with an index past max_shard_size), config, tokenizer (with chat
-    template) and generation config. The model card (open_sft.export.model_card) and the Hub upload
+               output_dir: Path, max_shard_size: str | int = "5GB", dtype: torch.dtype = torch.float32) -> None:
+    """Write weights (safetensors in `dtype`, sharded with an index past max_shard_size), config, tokenizer
+    (with chat template) and generation config. The model card (open_sft.export.model_card) and the Hub upload
     (open_sft.export.hub) follow either export."""
     model.config.use_cache = True
+    state_dict = cast_floating(state_dict, dtype)
     with staged_export(output_dir) as staging:
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
+        model.config.dtype = dtype  # save_pretrained wrote the live (fp32 master) parameters' dtype
+        model.config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         write_generation_config(model.generation_config, tokenizer, staging)
     logger.info("saved model to %s", output_dir)
 
 
 def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
-              output_dir: Path, merge: bool, max_shard_size: str | int = "5GB") -> None:
-    """Adapter (+ the merged full model in merged/ with `merge`), tokenizer and generation config; main process
-    only. The top level has no config.json (see open_sft.model.lora)."""
+              output_dir: Path, merge: bool, max_shard_size: str | int = "5GB",
+              dtype: Optional[torch.dtype] = None) -> None:
+    """Adapter (+ the merged full model in merged/ with `merge`, in `dtype` when given), tokenizer and generation
+    config; main process only. The top level has no config.json (see open_sft.model.lora)."""
     with staged_export(output_dir) as staging:
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         (staging / "README.md").unlink(missing_ok=True)  # peft's stub card; open_sft.export.model_card writes ours
         directories = [staging]
         if merge:
-            write_merged_model(model, merged_state_dict(model, state_dict), staging / MERGED_DIR, max_shard_size)
+            merged = merged_state_dict(model, state_dict)
+            write_merged_model(model, cast_floating(merged, dtype) if dtype else merged, staging / MERGED_DIR,
+                               max_shard_size)
             directories.append(staging / MERGED_DIR)
         for directory in directories:
             tokenizer.save_pretrained(directory)
