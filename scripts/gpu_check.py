@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -67,9 +67,9 @@ class OpenInstructArguments:
     overwrite_cache: bool = _help("Ignored (a changed input changes the cache key; "
                                             "--dataset_skip_cache skips the cache).", default=False)
     overwrite_output_dir: bool = _help("Ignored (use --resume_from_checkpoint none).", default=False)
-    load_balancing_loss: bool = _help("Ignored: the MoE load-balancing loss is not implemented.",
-                                                default=False)
-    load_balancing_weight: Optional[float] = _help("Ignored, with --load_balancing_loss.", default=None)
+    load_balancing_weight: Optional[float] = _help(
+        "Ignored, as open-instruct does (its loss weighs the router loss by the model's router_aux_loss_coef; "
+        "set that with --additional_model_arguments).", default=None)
     save_to_hub: Optional[str] = _help("Ignored (deprecated in open-instruct; use --push_to_hub).", default=None)
     hf_repo_url: Optional[str] = _help("Ignored (derived from --hub_model_id).", default=None)
     try_launch_beaker_eval_jobs: bool = _help("Ignored (AI2's Beaker).", default=True)
@@ -92,7 +92,7 @@ class OpenInstructArguments:
 
 IGNORED = ("do_not_randomize_output_dir", "low_cpu_mem_usage", "dataset_cache_mode", "dataset_config_hash",
            "dataset_mix_dir", "dataset_config_name", "max_train_samples", "overwrite_cache", "overwrite_output_dir",
-           "load_balancing_loss", "load_balancing_weight", "save_to_hub", "hf_repo_url",
+           "load_balancing_weight", "save_to_hub", "hf_repo_url",
            "try_launch_beaker_eval_jobs", "hf_metadata_dataset", "try_auto_save_to_beaker", "gs_bucket_path",
            "oe_eval_tasks", "oe_eval_max_length", "sync_each_batch", "verbose", "use_fast", "use_slow_tokenizer",
            "get_tokenizer_fn", "tokenizer_files_hash", "ground_truths_key", "add_seed_and_date_to_exp_name")
@@ -186,9 +186,6 @@ def translate(config: Any, oi: OpenInstructArguments) -> Any:
         reasons = {f.name: f.metadata["help"] for f in dataclasses.fields(OpenInstructArguments)}
         t.notes.append("open-instruct flags accepted and ignored: " +
                        "; ".join(f"--{name} ({_reason(reasons[name])})" for name in given))
-    if oi.load_balancing_loss:
-        t.warnings.append("--load_balancing_loss: open-instruct adds the MoE router load-balancing loss; open_sft "
-                          "does not implement it, so the router trains on the language-model loss alone")
     return t.result()
 
 

@@ -24,7 +24,7 @@ from open_sft.model.logits import logit_transform
 class TokenLossModel(nn.Module):
     """Wraps a causal LM so that DeepSpeed/DDP see one module whose forward returns the loss sum."""
 
-    def __init__(self, model: nn.Module, fused_loss: bool = True):
+    def __init__(self, model: nn.Module, fused_loss: bool = True, load_balancing: bool = False):
         super().__init__()
         self.model = model
         self.fused_loss = fused_loss  # False: the plain lm_head + F.cross_entropy path (tests, benchmarks)
@@ -34,6 +34,9 @@ class TokenLossModel(nn.Module):
         self.token_losses: Optional[torch.Tensor] = None
         # what the model's own forward does to its logits before the loss (Gemma's cap, Granite's and Cohere's scale)
         self.transform = logit_transform(self.causal_lm().config)
+        # --load_balancing_loss: the MoE router's auxiliary loss, as the model's own forward computes it
+        self.router = router_loss(self.causal_lm()) if load_balancing else None
+        self.aux_sum: Optional[torch.Tensor] = None  # the last training pass's aux loss × its trained tokens
 
     def causal_lm(self) -> nn.Module:
         """The transformers model; a peft model injects its adapters into it in place."""
@@ -49,8 +52,10 @@ class TokenLossModel(nn.Module):
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
         # position_ids only when no KV cache is passed.
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        routed = self.router is not None and self.training
+        out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False, **({"output_router_logits": True} if routed else {}))
+        hidden = out.last_hidden_state
         targets, inputs = (shift_labels, hidden) if shift_labels is not None else (labels[:, 1:], hidden[:, :-1])
         trained = targets != IGNORE_INDEX
         selected = inputs[trained]
@@ -66,4 +71,28 @@ class TokenLossModel(nn.Module):
             if kept is not None:
                 kept.copy_(F.cross_entropy(logits.detach(), targets[trained], reduction="none"))
         self.token_losses = kept
+        if routed:
+            function, experts, top_k, coefficient = self.router
+            aux = function(out.router_logits, experts, top_k, attention_mask).float()
+            # token-weighted like the language-model loss: after the trainer divides the step's sum by its trained
+            # tokens, a single micro-batch's loss is the model's own, mean cross-entropy + coefficient × aux
+            self.aux_sum = (aux * selected.shape[0]).detach()
+            loss = loss + coefficient * aux * selected.shape[0]
         return loss
+
+
+def router_loss(causal_lm: nn.Module) -> tuple:
+    """(load_balancing_loss_func, experts, experts per token, coefficient) of an MoE model, read where its own
+    forward reads them (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE: the function in its modeling module, the counts
+    and router_aux_loss_coef on the ForCausalLM); a UserError for a model without a router loss."""
+    import sys
+
+    from open_sft.errors import UserError
+
+    function = getattr(sys.modules.get(type(causal_lm).__module__), "load_balancing_loss_func", None)
+    parts = [getattr(causal_lm, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
+    if function is None or None in parts:
+        family = getattr(causal_lm.config, "model_type", type(causal_lm).__name__)
+        raise UserError(f"--load_balancing_loss: model type {family!r} has no router load-balancing loss (it is not "
+                        "a mixture-of-experts model transformers trains with one); drop the flag")
+    return (function, *parts)

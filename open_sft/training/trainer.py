@@ -11,11 +11,9 @@ multiply by accumulation × world size to undo both.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -35,42 +33,13 @@ from open_sft.training.amp import Precision
 from open_sft.training.evaluate import evaluate
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
 from open_sft.training.steps import StepPlan
+from open_sft.training.window import Window
 
 logger = logging.getLogger(__name__)
 
 StepHook = Callable[[int, float], bool]  # (optimizer steps done, seconds the last one took) -> stop now
 # a forward pass: inputs, each trained position's source (None: a TP group member's pass), trained tokens
 Pass = tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]
-
-
-@dataclass
-class Window:
-    """Accumulators of one logging window (global sums over ranks)."""
-
-    loss_sum: float = 0.0
-    trained_tokens: int = 0
-    tokens: int = 0
-    flops: float = 0.0
-    padded_slots: int = 0  # token positions computed, padding included
-    busiest_rank_slots: int = 0  # per step, the positions the busiest rank computed; summed over steps
-    source_loss: list[float] = field(default_factory=list)  # per source of the mixture: loss sum
-    source_tokens: list[int] = field(default_factory=list)  # and trained tokens
-    started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
-
-    def to_state(self) -> dict:
-        """Every accumulator, and the training seconds it has run, for a checkpoint."""
-        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "started"}
-        return {**state, "seconds": time.perf_counter() - self.started}
-
-    @classmethod
-    def from_state(cls, state: dict) -> "Window":
-        """The window a checkpoint saved, continuing: its throughput counts the seconds it ran before
-        the checkpoint, not the downtime. (Checkpoints before padded_slots was saved: no padding known.)"""
-        state = dict(state)
-        seconds = float(state.pop("seconds", 0.0))
-        state.setdefault("padded_slots", state.get("tokens", 0))
-        state.setdefault("busiest_rank_slots", 0)
-        return cls(**state, started=time.perf_counter() - seconds)
 
 
 class Trainer:
@@ -231,13 +200,10 @@ class Trainer:
                 f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient (last at "
                 f"step {step + 1}); lower --learning_rate, check the data, or raise --max_nonfinite_steps")
 
-    def train_step(self, step: int) -> dict:
-        """One optimizer step. The per-source token counts and loss sums ride in the two all-reduces the step
-        makes anyway (counts before the first micro-batch, loss sums after the last): no extra collective."""
-        batches = self._micro_batches(step)
-        n_sources = len(self.source_names)
-        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
-        positions = [trained_sources(batch) for batch, _ in batches]
+    def _step_counts(self, batches: list, local_counts: list[int], positions: list[torch.Tensor],
+                     n_sources: int) -> tuple:
+        """The step's global counts in one all-reduce: trained tokens, tokens, the sum of squared example
+        lengths (attention FLOPs), positions computed, the busiest rank's positions, trained tokens per source."""
         lengths = [batch.pop("lengths") for batch, _ in batches]
         slots_local = sum(batch["input_ids"].numel() for batch, _ in batches)
         local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
@@ -248,14 +214,22 @@ class Trainer:
         rank_slots = torch.zeros(world, dtype=torch.float64)  # each rank's positions, gathered by the sum
         rank_slots[self.accelerator.process_index] = slots_local
         reduced = self.reduce_sum(torch.cat([local, rank_slots, source_counts])).tolist()
-        trained_global, tokens_global, squares_global, slots_global = reduced[:4]
-        busiest_rank_slots = int(max(reduced[4:4 + world]))
-        source_tokens = [int(t) for t in reduced[4 + world:]]
+        return (*reduced[:4], int(max(reduced[4:4 + world])), [int(t) for t in reduced[4 + world:]])
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step. The per-source token counts and loss sums ride in the two all-reduces the step
+        makes anyway (counts before the first micro-batch, loss sums after the last): no extra collective."""
+        batches = self._micro_batches(step)
+        n_sources = len(self.source_names)
+        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
+        positions = [trained_sources(batch) for batch, _ in batches]
+        (trained_global, tokens_global, squares_global, slots_global, busiest_rank_slots,
+         source_tokens) = self._step_counts(batches, local_counts, positions, n_sources)
         device = self.accelerator.device  # the step's sums stay there: no wait on the device per micro-batch
         source_loss = torch.zeros(n_sources, dtype=torch.float64, device=device)
         lr = self._set_lr(step)
         self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        loss_sum, aux_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
         grad_norm, skipped = float("nan"), False
         self.seen_example_ids.extend(i for _, indices in batches for i in indices)
         passes = self._passes(step, [batch for batch, _ in batches], positions, local_counts)
@@ -265,7 +239,10 @@ class Trainer:
                                                  else contextlib.nullcontext()):
                     token_loss_sum = self.model(**to_device(batch, device))
                 if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
-                    loss_sum += token_loss_sum.detach().double()
+                    aux = self.loss_model.aux_sum if self.loss_model.router else None
+                    aux_sum += aux.double() if aux is not None else 0.0
+                    loss_sum += token_loss_sum.detach().double() - (  # the logged loss: the language model's
+                        self.loss_model.router[3] * aux.double() if aux is not None else 0.0)
                     source_loss.index_add_(0, trained_positions.to(device), self.loss_model.token_losses.double())
                 self.accelerator.backward(
                     self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
@@ -279,17 +256,17 @@ class Trainer:
         self.precision.update()
         if self.is_deepspeed:
             grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
-        summed = self.reduce_sum(torch.cat([loss_sum.reshape(1), source_loss])).tolist()
-        loss_global, source_loss_global = float(summed[0]), summed[1:]
+        summed = self.reduce_sum(torch.cat([loss_sum.reshape(1), aux_sum.reshape(1), source_loss])).tolist()
+        loss_global, aux_global, source_loss_global = float(summed[0]), float(summed[1]), summed[2:]
         self._count_nonfinite(step, skipped or not math.isfinite(loss_global),
                               overflow=self.precision.fp16 and math.isfinite(loss_global))
         if skipped or not math.isfinite(loss_global):  # the step taught nothing: keep it out of the loss
-            loss_global, trained_global = 0.0, 0
+            loss_global, trained_global, aux_global = 0.0, 0, 0.0
             source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
         flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
         return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
                 "padded_slots": int(slots_global), "busiest_rank_slots": busiest_rank_slots,
-                "source_loss": source_loss_global, "source_tokens": source_tokens,
+                "source_loss": source_loss_global, "source_tokens": source_tokens, "aux_sum": aux_global,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
     def state_dict(self) -> dict[str, Any]:
@@ -321,16 +298,7 @@ class Trainer:
             step_started = time.perf_counter()
             window = self.window
             result = self.train_step(step)
-            window.loss_sum += result["loss_sum"]
-            window.trained_tokens += result["trained_tokens"]
-            window.tokens += result["tokens"]
-            window.flops += result["flops"]
-            window.padded_slots += result["padded_slots"]
-            window.busiest_rank_slots += result["busiest_rank_slots"]
-            window.source_loss = [a + b for a, b in zip(window.source_loss or [0.0] * len(self.source_names),
-                                                        result["source_loss"])]
-            window.source_tokens = [a + b for a, b in zip(window.source_tokens or [0] * len(self.source_names),
-                                                          result["source_tokens"])]
+            window.add(result, len(self.source_names))
             self.train_tokens += result["trained_tokens"]
             self.total_tokens += result["tokens"]
             done = step + 1
@@ -354,6 +322,7 @@ class Trainer:
                                                  / max(window.padded_slots, 1),
                     "nonfinite_steps": self.nonfinite_steps,
                     **({"loss_scale": self.precision.loss_scale} if self.precision.fp16 else {}),
+                    **({"aux_loss": window.aux_sum / max(window.trained_tokens, 1)} if self.loss_model.router else {}),
                     "elapsed_s": time.perf_counter() - run_started,
                     **per_source(self.source_names, window.source_loss, window.source_tokens),
                 }

@@ -128,10 +128,9 @@ def test_every_open_instruct_flag_parses(name, gpu_machine) -> None:
      lambda c: c.notes == ("open-instruct flags accepted and ignored: --max_train_samples (as open-instruct does "
                            "(use an amount in --dataset_mixer_list)); --try_launch_beaker_eval_jobs (AI2's Beaker); "
                            "--use_slow_tokenizer (as open-instruct does)",) and c.warnings == ()),
-    (["--load_balancing_loss", "--load_balancing_weight", "0.5"],  # it changes what is trained: a warning too
-     lambda c: c.warnings == ("--load_balancing_loss: open-instruct adds the MoE router load-balancing loss; "
-                              "open_sft does not implement it, so the router trains on the language-model loss alone",)
-     and "--load_balancing_weight (with --load_balancing_loss)" in c.notes[0]),
+    (["--load_balancing_loss", "--load_balancing_weight", "0.5"],  # the router loss trains; the weight, as in
+     lambda c: c.train.load_balancing_loss and c.warnings == ()  # open-instruct, is the model's coefficient
+     and "--load_balancing_weight (as open-instruct does (its loss weighs the router loss" in c.notes[0]),
 ])
 def test_open_instruct_flags_mean_what_they_mean(args, check, gpu_machine) -> None:
     assert check(parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *args]))

@@ -130,3 +130,46 @@ def test_load_model_refuses_a_family_whose_transform_it_does_not_know(tmp_path, 
     monkeypatch.setattr("open_sft.model.loss.logit_transform", lambda config: LogitTransform())
     with pytest.raises(UserError, match="model type 'granite'.*differs"):
         load_model(ModelArguments(model_name_or_path=str(tmp_path)))
+
+
+MOE = ["granitemoe", "mixtral", "olmoe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_router_loss_is_the_models_own(family) -> None:
+    """--load_balancing_loss: on one micro-batch our loss (÷ its trained tokens, as the trainer normalises) is the
+    model's own with output_router_logits=True, mean cross-entropy + router_aux_loss_coef × aux, gradients
+    included; the aux kept for the metric is the model's aux_loss; evaluation leaves it out."""
+    model = tiny(family).train()
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.5  # large enough to matter here
+    ids, labels = batch()
+    model.zero_grad(set_to_none=True)
+    own = model(input_ids=ids, labels=labels, use_cache=False, output_router_logits=True)
+    own.loss.backward()
+    their_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    wrapped = TokenLossModel(model, load_balancing=True).train()
+    model.zero_grad(set_to_none=True)
+    trained = int((labels[:, 1:] != -100).sum())
+    ours = wrapped(input_ids=ids, labels=labels) / trained
+    ours.backward()
+    assert float(ours.detach()) == pytest.approx(float(own.loss.detach()), rel=1e-5)
+    assert float(wrapped.aux_sum) / trained == pytest.approx(float(own.aux_loss), rel=1e-5)
+    assert float(own.aux_loss) * 0.5 > 1e-3 * float(own.loss)  # the router term is really in there
+    for name, grad in their_grads.items():
+        got = dict(model.named_parameters())[name].grad
+        assert float((got - grad).norm() / grad.norm().clamp_min(1e-12)) < 1e-5, (family, name)
+    routers = [n for n in their_grads if "router" in n or (".gate." in n and "proj" not in n)]
+    assert routers, sorted(their_grads)
+    model.zero_grad(set_to_none=True)
+    (TokenLossModel(model)(input_ids=ids, labels=labels) / trained).backward()
+    for name in routers:  # the router weights get the aux loss's gradient on top of the language model's
+        assert not torch.allclose(dict(model.named_parameters())[name].grad, their_grads[name]), name
+    wrapped.eval()
+    with torch.no_grad():
+        plain = TokenLossModel(model).eval()(input_ids=ids, labels=labels)
+        assert float(wrapped(input_ids=ids, labels=labels)) == pytest.approx(float(plain), rel=1e-6)
+
+
+def test_load_balancing_on_a_dense_model_is_refused() -> None:
+    with pytest.raises(UserError, match="--load_balancing_loss: model type 'llama' has no router"):
+        TokenLossModel(tiny("llama"), load_balancing=True)

@@ -1,0 +1,47 @@
+"""The accumulators of one logging window: global sums over ranks, saved with a checkpoint so that a resumed
+run logs what the uninterrupted run logs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Window:
+    """Accumulators of one logging window (global sums over ranks)."""
+
+    loss_sum: float = 0.0
+    trained_tokens: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+    padded_slots: int = 0  # token positions computed, padding included
+    busiest_rank_slots: int = 0  # per step, the positions the busiest rank computed; summed over steps
+    source_loss: list[float] = field(default_factory=list)  # per source of the mixture: loss sum
+    source_tokens: list[int] = field(default_factory=list)  # and trained tokens
+    aux_sum: float = 0.0  # --load_balancing_loss: the router aux loss × trained tokens of each pass
+    started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
+
+    def to_state(self) -> dict:
+        """Every accumulator, and the training seconds it has run, for a checkpoint."""
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "started"}
+        return {**state, "seconds": time.perf_counter() - self.started}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Window":
+        """The window a checkpoint saved, continuing: its throughput counts the seconds it ran before
+        the checkpoint, not the downtime. (Checkpoints before padded_slots was saved: no padding known.)"""
+        state = dict(state)
+        seconds = float(state.pop("seconds", 0.0))
+        state.setdefault("padded_slots", state.get("tokens", 0))
+        state.setdefault("busiest_rank_slots", 0)
+        return cls(**state, started=time.perf_counter() - seconds)
+
+    def add(self, result: dict, n_sources: int) -> None:
+        """One optimizer step's sums (Trainer.train_step's result)."""
+        for name in ("loss_sum", "trained_tokens", "tokens", "flops", "padded_slots", "busiest_rank_slots",
+                     "aux_sum"):
+            setattr(self, name, getattr(self, name) + result[name])
+        self.source_loss = [a + b for a, b in zip(self.source_loss or [0.0] * n_sources, result["source_loss"])]
+        self.source_tokens = [a + b for a, b in zip(self.source_tokens or [0] * n_sources, result["source_tokens"])]
