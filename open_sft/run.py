@@ -232,7 +232,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
     logger.info("schedule: %s", job.steps.to_dict())
-    metrics = _metrics_writer(job) if acc.is_main_process else None
+    metrics = _metrics_writer(job, resume.step if resume else 0) if acc.is_main_process else None
     trainer = _build_trainer(job, metrics)
     if acc.is_main_process:
         _write_run_files(job, trainer)
@@ -370,12 +370,14 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
                    reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
 
 
-def _metrics_writer(job: Job) -> Any:
+def _metrics_writer(job: Job, resume_step: int) -> Any:
+    """metrics.jsonl and the trackers; resuming from step N, the trackers continue the run after step N."""
     from open_sft.monitor.metrics import MetricsWriter
 
     t = job.config.train
-    return MetricsWriter.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(), name=t.exp_name,
-                                 project=t.wandb_project_name, entity=t.wandb_entity)
+    return MetricsWriter.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(),
+                                 resume_step=resume_step, name=t.exp_name, project=t.wandb_project_name,
+                                 entity=t.wandb_entity)
 
 
 def _write_run_files(job: Job, trainer: Any) -> None:

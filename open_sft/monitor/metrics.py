@@ -113,11 +113,13 @@ class MetricsWriter:
 
     @classmethod
     def for_run(cls, output_dir: Path, with_tracking: bool, report_to: Any,
-                run_config: Optional[dict[str, Any]] = None, **wandb_options: Optional[str]) -> "MetricsWriter":
+                run_config: Optional[dict[str, Any]] = None, resume_step: int = 0,
+                **wandb_options: Optional[str]) -> "MetricsWriter":
         """metrics.jsonl in output_dir, plus the --report_to trackers when --with_tracking is set."""
         from open_sft.monitor.tracking import build_trackers
 
-        trackers = build_trackers(report_to, output_dir, run_config, **wandb_options) if with_tracking else []
+        trackers = build_trackers(report_to, output_dir, run_config, resume_step,
+                                  **wandb_options) if with_tracking else []
         return cls(output_dir / "metrics.jsonl", trackers=trackers)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -51,12 +51,13 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardTracker:
-    """Event files under `<output_dir>/tensorboard/` via torch's SummaryWriter."""
+    """Event files under `<output_dir>/tensorboard/` via torch's SummaryWriter. Resumed from step N, the events
+    a killed launch wrote after step N are purged (SummaryWriter's purge_step), so no step appears twice."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for name, value in scalars.items():
@@ -67,23 +68,34 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+WANDB_RUN_ID = "wandb_run_id"  # in the output directory: the W&B run a resumed launch continues
+
+
 class WandbTracker:
     """A W&B run. WANDB_MODE=offline writes it under `<output_dir>/wandb/` without network
     (`wandb sync` uploads it later). The project is --wandb_project_name, else WANDB_PROJECT, else open_sft;
-    the run name --exp_name, else the output directory's name."""
+    the run name --exp_name, else the output directory's name. A launch that resumes from a checkpoint
+    continues the W&B run of the launch before it (its id kept in `<output_dir>/wandb_run_id`); one that
+    starts over starts a new run."""
 
     def __init__(self, output_dir: Path, run_config: dict[str, Any], name: Optional[str] = None,
-                 project: Optional[str] = None, entity: Optional[str] = None):
+                 project: Optional[str] = None, entity: Optional[str] = None, resume_step: int = 0):
         try:
             import wandb
         except ImportError as exc:
             raise UserError(f"--report_to wandb needs the wandb package: {WANDB_INSTALL_HINT}") from exc
         # x_disable_meta: W&B would otherwise store the command line, where a --hub_token may sit.
         settings = wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)
+        id_file = output_dir / WANDB_RUN_ID
+        run_id = id_file.read_text().strip() if resume_step and id_file.exists() else None
         self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT", "open_sft"),
                               name=name or output_dir.name, entity=entity,
                               dir=os.environ.get("WANDB_DIR", str(output_dir)),
-                              config=redact_secrets(run_config), settings=settings)
+                              config=redact_secrets(run_config), settings=settings,
+                              **({"id": run_id, "resume": "allow"} if run_id else {}))
+        id_file.write_text(self.run.id + "\n")
+        if run_id:
+            logger.info("W&B: continuing run %s from step %d", run_id, resume_step)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         self.run.log(scalars, step=step)
@@ -93,14 +105,14 @@ class WandbTracker:
 
 
 def build_trackers(report_to: str | Sequence[str], output_dir: Path, run_config: Optional[dict[str, Any]] = None,
-                   **wandb_options: Optional[str]) -> list[Tracker]:
-    """The trackers --report_to asks for; call on the main process only. `wandb_options`: name, project,
-    entity of the W&B run."""
+                   resume_step: int = 0, **wandb_options: Optional[str]) -> list[Tracker]:
+    """The trackers --report_to asks for; call on the main process only. `resume_step`: the checkpoint step this
+    launch resumes from (0: a new run). `wandb_options`: name, project, entity of the W&B run."""
     trackers: list[Tracker] = []
     for name in trackers_for(report_to):
         if name == "tensorboard":
-            trackers.append(TensorBoardTracker(output_dir / "tensorboard"))
+            trackers.append(TensorBoardTracker(output_dir / "tensorboard", resume_step))
         else:
-            trackers.append(WandbTracker(output_dir, run_config or {}, **wandb_options))
+            trackers.append(WandbTracker(output_dir, run_config or {}, resume_step=resume_step, **wandb_options))
     logger.info("tracking with %s", ", ".join(trackers_for(report_to)) or "no tracker")
     return trackers

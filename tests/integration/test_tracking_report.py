@@ -177,3 +177,48 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tiny_model_dir, tracke
     plain = (tracked_run.parent / f"{tracked_run.name}.stdout").read_text()
     assert f"step {STEPS}/{STEPS} | loss" in plain
     assert "training:" not in plain and "\r" not in plain  # no bar in a file or pipe
+
+
+def test_resumed_launch_continues_the_same_tracker_runs(tiny_model_dir, tmp_path) -> None:
+    """kill -9 after step 5 (checkpoints every 2 steps), relaunch: W&B continues the run it started (one run
+    id, offline), TensorBoard's reader sees each step once, with the values the relaunch logged after the
+    checkpoint it resumed from (the killed launch's step 5 is purged), and a launch that starts over
+    (--resume_from_checkpoint none) starts a new W&B run."""
+    import os
+    import signal
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+            "--output_dir", str(out), "--max_train_steps", "8", "--per_device_train_batch_size", "4",
+            "--learning_rate", "3e-3", "--logging_steps", "1", "--seed", "1", "--torch_dtype", "float32",
+            "--max_seq_length", "256", "--with_tracking", "--report_to", "all", "--checkpointing_steps", "2"]
+    env = child_env(WANDB_MODE="offline", WANDB_SILENT="true")
+    env.pop("WANDB_DIR", None)
+    proc = subprocess.Popen(launch_command(1, None) + args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 5:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    first_id = (out / "wandb_run_id").read_text().strip()
+    result = subprocess.run(launch_command(1, None) + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (out / "wandb_run_id").read_text().strip() == first_id
+    assert {p.name.rsplit("-", 1)[-1] for p in (out / "wandb").glob("offline-run-*")} == {first_id}
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    metrics = read_metrics(out)
+    assert [s.step for s in losses] == list(range(1, 9))
+    assert [s.value for s in losses] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+    again = subprocess.run(launch_command(1, None) + args + ["--resume_from_checkpoint", "none"], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "wandb_run_id").read_text().strip() != first_id
