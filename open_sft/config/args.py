@@ -97,6 +97,9 @@ class DataArguments:
         "Split(s) to read from dataset ids: one for all sources or one per source.",
         default_factory=lambda: ["train"],
     )
+    dataset_config_name: Optional[str] = _help(
+        "The configuration of Hub datasets (and of local directories laid out as a Hub dataset repository), as "
+        "datasets.load_dataset(name=...) takes it.", default=None)
     dataset_mixer_unit: Literal["rows", "tokens"] = _help(
         "What AMOUNTs count: rows, or tokens (a fraction is then a share of the source's tokens, "
         "a count a number of tokens).", default="rows"

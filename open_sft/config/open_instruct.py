@@ -60,8 +60,6 @@ class OpenInstructArguments:
     dataset_config_hash: Optional[str] = _help("Ignored (open_sft computes its cache key).", default=None)
     dataset_mix_dir: Optional[str] = _help("Ignored (the mixture is in the cache; data_report.json describes it).",
                                            default=None)
-    dataset_config_name: Optional[str] = _help("Ignored (give a local file or a saved dataset directory).",
-                                               default=None)
     max_train_samples: Optional[int] = _help("Ignored, as open-instruct does (use an amount in "
                                              "--dataset_mixer_list).", default=None)
     overwrite_cache: bool = _help("Ignored (a changed input changes the cache key; "
@@ -91,7 +89,7 @@ class OpenInstructArguments:
 
 
 IGNORED = ("do_not_randomize_output_dir", "low_cpu_mem_usage", "dataset_cache_mode", "dataset_config_hash",
-           "dataset_mix_dir", "dataset_config_name", "max_train_samples", "overwrite_cache", "overwrite_output_dir",
+           "dataset_mix_dir", "max_train_samples", "overwrite_cache", "overwrite_output_dir",
            "load_balancing_weight", "save_to_hub", "hf_repo_url",
            "try_launch_beaker_eval_jobs", "hf_metadata_dataset", "try_auto_save_to_beaker", "gs_bucket_path",
            "oe_eval_tasks", "oe_eval_max_length", "sync_each_batch", "verbose", "use_fast", "use_slow_tokenizer",

@@ -311,7 +311,8 @@ def _counts(rows: TokenRows) -> tuple[int, int, int]:
 
 
 def _specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
-    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits)
+    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                             config_name=args.dataset_config_name)
     return [dataclasses.replace(spec, holdout=holdout) for spec in specs] if holdout else specs
 
 
@@ -344,7 +345,8 @@ def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
                holdout: Optional[tuple[str, float]] = None) -> dict[str, Any]:
     """Everything that changes the tokenized output, for the cache key (and key.json)."""
-    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits)
+    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                             config_name=args.dataset_config_name)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
     if holdout:
@@ -352,7 +354,8 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     return {
         **later,
         "sources": [{"name": s.name, "identity": source_identity(s), "amount": s.amount,
-                     "is_fraction": s.is_fraction, "split": s.split} for s in specs],
+                     "is_fraction": s.is_fraction, "split": s.split,
+                     **({"config": s.config_name} if s.config_name else {})} for s in specs],
         "seed": seed,
         "max_seq_length": args.max_seq_length,
         "truncation": args.truncation,

@@ -32,13 +32,15 @@ class SourceSpec:
     split: str
     # --eval_split_ratio: ("train", r) takes the amount from the rows not held out, ("eval", r) the held-out rows
     holdout: Optional[tuple[str, float]] = None
+    config_name: Optional[str] = None  # --dataset_config_name: the configuration of a Hub dataset (or its layout)
 
     @property
     def is_local(self) -> bool:
         return self.name.endswith(LOCAL_SUFFIXES) or Path(self.name).exists()
 
 
-def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--dataset_mixer_list") -> list[SourceSpec]:
+def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--dataset_mixer_list",
+                     config_name: Optional[str] = None) -> list[SourceSpec]:
     """`["a.jsonl", "0.5", "b.jsonl", "100"]` → specs. An amount with a '.' is a fraction, else a row count."""
     specs = []
     for i in range(0, len(values), 2):
@@ -53,7 +55,8 @@ def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--datase
         if amount <= 0:
             raise UserError(f"{flag}: amount {raw} for {name} must be positive")
         split = splits[0] if len(splits) == 1 else splits[i // 2]
-        specs.append(SourceSpec(name=name, amount=amount, is_fraction=is_fraction, split=split))
+        specs.append(SourceSpec(name=name, amount=amount, is_fraction=is_fraction, split=split,
+                                config_name=config_name))
     return specs
 
 
@@ -92,7 +95,7 @@ def source_identity(spec: SourceSpec) -> str:
         for item in sorted(p for p in path.rglob("*") if p.is_file()):
             digest.update(str(item.relative_to(path)).encode() + b"\0" + sha256_file(item).encode())
         return "dir:" + digest.hexdigest()
-    return f"hub:{spec.name}:{spec.split}:{_load_hub(spec)._fingerprint}"
+    return f"hub:{spec.name}:{spec.split}:{_load_hub(spec, spec.name)._fingerprint}"
 
 
 def parse_json_line(line: str) -> dict[str, Any]:
@@ -172,26 +175,40 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     return datasets.Dataset.from_parquet(str(path)).to_list()
 
 
-def _load_hub(spec: SourceSpec) -> Any:
+def _load_hub(spec: SourceSpec, where: str) -> Any:
+    """A Hub dataset id, or a local directory laid out as a Hub dataset repository (data files, or a README
+    whose YAML names configs), through `datasets.load_dataset` with --dataset_config_name and the split."""
     import datasets
 
     try:
-        return datasets.load_dataset(spec.name, split=spec.split)
+        return datasets.load_dataset(where, name=spec.config_name, split=spec.split)
     except Exception as exc:  # datasets raises many types; the user needs the name and the cause
+        config = f", config {spec.config_name!r}" if spec.config_name else ""
         raise UserError(
-            f"dataset {spec.name!r} (split {spec.split!r}) could not be loaded: {exc}. "
-            "If it is meant to be a local file, check the path; if a Hub dataset, check the id and network access"
+            f"dataset {spec.name!r} (split {spec.split!r}{config}) could not be loaded: {exc}. "
+            "If it is meant to be a local file, check the path; if a Hub dataset, check the id, the split "
+            "(--dataset_mixer_list_splits), the config (--dataset_config_name) and network access"
         ) from exc
+
+
+def _saved_by_datasets(path: Path) -> bool:
+    """A directory `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote (else a Hub repository layout)."""
+    return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
 
 
 def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     """All rows of one source, in file order."""
     path = _local_path(spec)
+    if path.is_dir() and not _saved_by_datasets(path):
+        return LoadedSource(spec, _load_hub(spec, str(path)).to_list())
     if path.is_dir():
         import datasets
 
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
+            if spec.split not in loaded:
+                raise UserError(f"{path}: no split {spec.split!r} (it has {', '.join(loaded)}); choose one with "
+                                "--dataset_mixer_list_splits")
             loaded = loaded[spec.split]
         return LoadedSource(spec, loaded.to_list())
     if path.is_file():
@@ -207,4 +224,4 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
         if not rows:
             raise UserError(f"{path}: the file has no rows")
         return LoadedSource(spec, rows, line_numbers, unreadable)
-    return LoadedSource(spec, _load_hub(spec).to_list())
+    return LoadedSource(spec, _load_hub(spec, spec.name).to_list())

@@ -1,0 +1,89 @@
+"""Every kind of source --dataset_mixer_list takes is loaded, with its split and config: a .jsonl, a .json, a
+.parquet, a directory `Dataset.save_to_disk` wrote, one `DatasetDict.save_to_disk` wrote (split by
+--dataset_mixer_list_splits), and a directory laid out as a Hub dataset repository, read offline by
+`datasets.load_dataset` (data/<split>-*.parquet; and a README whose YAML names two configs, chosen by
+--dataset_config_name); the config enters the cache key."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from open_sft.data.sources import parse_mixer_list, read_source, source_identity
+from open_sft.errors import UserError
+
+TRAIN = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+         for i in range(5)]
+TEST = [{"messages": [{"role": "user", "content": f"t{i}"}, {"role": "assistant", "content": f"b{i}"}]}
+        for i in range(3)]
+
+
+def rows_of(name: str, split: str = "train", config: str | None = None) -> list[dict]:
+    spec, = parse_mixer_list([name, "1.0"], [split], config_name=config)
+    return read_source(spec).rows
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
+    (root / "rows.json").write_text(json.dumps(TRAIN))
+    datasets.Dataset.from_list(TRAIN).to_parquet(str(root / "rows.parquet"))
+    datasets.Dataset.from_list(TRAIN).save_to_disk(str(root / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(TRAIN),
+                          "test": datasets.Dataset.from_list(TEST)}).save_to_disk(str(root / "saved_dict"))
+    hub = root / "hub_repo"
+    (hub / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(TRAIN).to_parquet(str(hub / "data" / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list(TEST).to_parquet(str(hub / "data" / "test-00000-of-00001.parquet"))
+    configs = root / "hub_configs"
+    for name, rows in (("small", TEST), ("full", TRAIN)):
+        (configs / name).mkdir(parents=True)
+        (configs / name / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (configs / "README.md").write_text(
+        "---\nconfigs:\n- config_name: full\n  data_files:\n  - split: train\n    path: full/train.jsonl\n"
+        "  default: true\n- config_name: small\n  data_files:\n  - split: train\n    path: small/train.jsonl\n---\n")
+    return root
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet", "saved", "saved_dict", "hub_repo"])
+def test_each_kind_loads_its_train_rows(sources, name) -> None:
+    assert rows_of(str(sources / name)) == TRAIN
+
+
+def test_splits_of_a_dataset_dict_and_a_hub_layout(sources) -> None:
+    assert rows_of(str(sources / "saved_dict"), "test") == TEST
+    assert rows_of(str(sources / "hub_repo"), "test") == TEST
+    with pytest.raises(UserError, match="no split 'validation' \\(it has train, test\\).*--dataset_mixer_list_splits"):
+        rows_of(str(sources / "saved_dict"), "validation")
+    with pytest.raises(UserError, match="split 'validation'.*--dataset_mixer_list_splits"):
+        rows_of(str(sources / "hub_repo"), "validation")
+
+
+def test_config_of_a_hub_layout_and_the_cache_key(sources) -> None:
+    path = str(sources / "hub_configs")
+    assert rows_of(path) == TRAIN  # the default config
+    assert rows_of(path, config="small") == TEST
+    with pytest.raises(UserError, match="config 'missing'.*--dataset_config_name"):
+        rows_of(path, config="missing")
+
+
+def test_dataset_config_name_enters_the_cache_key(sources, tiny_model_dir) -> None:
+    """Another config is another cache entry; without the flag the key's inputs are what they were (caches built
+    before the flag existed stay valid)."""
+    from transformers import AutoTokenizer
+
+    from open_sft.config.args import DataArguments
+    from open_sft.data.cache import cache_key
+    from open_sft.data.pipeline import key_inputs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    keys = {}
+    for config in (None, "small", "full"):
+        args = DataArguments(dataset_mixer_list=[str(sources / "hub_configs"), "1.0"], dataset_config_name=config)
+        inputs = key_inputs(args, tokenizer, 0)
+        assert ("config" in inputs["sources"][0]) is (config is not None)
+        keys[config] = cache_key(inputs)
+    assert len(set(keys.values())) == 3
