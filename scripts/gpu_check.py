@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import time
@@ -194,7 +195,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--speed_steps", type=int, default=12)
     parser.add_argument("--speed_compare", choices=["trl", "none"], default="trl",
                         help="run TRL's SFTTrainer beside open_sft in the speed part (when trl is installed)")
-    parser.add_argument("--commit", default=None, help="default: git rev-parse HEAD, else $OPEN_SFT_COMMIT")
+    parser.add_argument("--commit", default=None, help="default: $OPEN_SFT_COMMIT, else git rev-parse HEAD")
+    parser.add_argument("--keep_work", action="store_true",
+                        help="keep the models, runs and caches the check made (a temporary directory) for a look")
     args = parser.parse_args(argv)
     names = list(PARTS) if args.parts == "all" else args.parts.split(",")
     unknown = [n for n in names if n not in PARTS]
@@ -219,6 +222,10 @@ def main(argv=None) -> int:
     write_report(ctx, report)
     runs.pack_logs(ctx)
     print(runs.markdown(report), flush=True)
+    if args.keep_work:
+        print(f"[gpu_check] models, runs and caches kept in {ctx.work}", flush=True)
+    else:
+        shutil.rmtree(ctx.work, ignore_errors=True)
     return 0 if report["verdict"] == "pass" else 1
 
 
