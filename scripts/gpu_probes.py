@@ -258,12 +258,13 @@ def probe_attention(smoke: bool) -> dict:
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (torch.randn(batch, h, width, dim, generator=g).to(DEVICE, dtype) for h in (heads, kv_heads, kv_heads))
-    reference = _candidates()["per_example_sdpa"](q.float(), k.float(), v.float(), lengths)
+    candidates = _candidates()
+    reference = candidates["per_example_sdpa"](q.float(), k.float(), v.float(), lengths)
     moved = k.clone()
     moved[0, :, : lengths[0]] += 1.0  # the keys of row 0's first example
     result: dict = {"shape": {"batch": batch, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "row": width,
                               "examples": len(lengths), "dtype": str(dtype).replace("torch.", "")}}
-    for name, fn in _candidates().items():
+    for name, fn in candidates.items():
         try:
             out = fn(q, k, v, lengths)
             other = fn(q, moved, v, lengths)

@@ -16,7 +16,6 @@ import shutil
 from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from typing import Any, Optional
 
 import torch
@@ -92,19 +91,17 @@ def write_generation_config(generation: GenerationConfig, tokenizer: PreTrainedT
     generation.save_pretrained(directory)
 
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
-
-
 def save_dtype(flag: str, source_config: Any) -> torch.dtype:
     """--save_dtype: an explicit dtype, or (auto) the one the source checkpoint's config names (`dtype`, or the
     older `torch_dtype`), float32 where it names none: a bf16 checkpoint is exported in bf16, as HF's Trainer
     does for a model loaded in bf16, not at twice its size."""
+    from open_sft.model.precision import FLAG_DTYPES  # --save_dtype takes --torch_dtype's names
+
     if flag != "auto":
-        return DTYPES[flag]
+        return FLAG_DTYPES[flag]
     named = getattr(source_config, "dtype", None) or getattr(source_config, "torch_dtype", None)
     if isinstance(named, str):
-        named = DTYPES.get(named.removeprefix("torch."))
+        named = FLAG_DTYPES.get(named.removeprefix("torch."))
     return named if named in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 

@@ -10,7 +10,7 @@ of those positions (`open_sft.model.fused_ce`), so their [tokens, vocab] logits 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,16 +72,23 @@ class TokenLossModel(nn.Module):
                 kept.copy_(F.cross_entropy(logits.detach(), targets[trained], reduction="none"))
         self.token_losses = kept
         if routed:
-            function, experts, top_k, coefficient = self.router
-            aux = function(out.router_logits, experts, top_k, attention_mask).float()
+            router = self.router
+            aux = router.function(out.router_logits, router.experts, router.top_k, attention_mask).float()
             # token-weighted like the language-model loss: after the trainer divides the step's sum by its trained
             # tokens, a single micro-batch's loss is the model's own, mean cross-entropy + coefficient × aux
             self.aux_sum = (aux * selected.shape[0]).detach()
-            loss = loss + coefficient * aux * selected.shape[0]
+            loss = loss + router.coefficient * aux * selected.shape[0]
         return loss
 
 
-def router_loss(causal_lm: nn.Module) -> tuple:
+class RouterLoss(NamedTuple):
+    function: Callable  # the modeling module's load_balancing_loss_func
+    experts: int
+    top_k: int
+    coefficient: float  # router_aux_loss_coef
+
+
+def router_loss(causal_lm: nn.Module) -> RouterLoss:
     """(load_balancing_loss_func, experts, experts per token, coefficient) of an MoE model, read where its own
     forward reads them (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE: the function in its modeling module, the counts
     and router_aux_loss_coef on the ForCausalLM); a UserError for a model without a router loss."""
@@ -95,4 +102,4 @@ def router_loss(causal_lm: nn.Module) -> tuple:
         family = getattr(causal_lm.config, "model_type", type(causal_lm).__name__)
         raise UserError(f"--load_balancing_loss: model type {family!r} has no router load-balancing loss (it is not "
                         "a mixture-of-experts model transformers trains with one); drop the flag")
-    return (function, *parts)
+    return RouterLoss(function, *parts)

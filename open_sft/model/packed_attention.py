@@ -25,6 +25,7 @@ windows take the per-example calls above. scripts/gpu_check.py measures these ca
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from typing import Any, Callable, Optional
@@ -85,12 +86,18 @@ class _Segments:
         return self._lengths
 
 
+@functools.lru_cache(maxsize=None)
+def _parameters(kernel: Callable) -> frozenset[str]:
+    """The keyword names the kernel takes (they differ between torch releases), read once, not at every layer."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  lengths: list[int], scaling: Optional[float]) -> torch.Tensor:
     """One causal variable-length attention over the examples of a [batch, heads, row, head_dim] micro-batch;
     returns [batch, row, heads, head_dim], as transformers' attention functions do."""
     batch, heads, length, dim = query.shape
-    params = inspect.signature(kernel).parameters
+    params = _parameters(kernel)
     if key.shape[1] != heads and "enable_gqa" not in params:
         key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]

@@ -242,7 +242,7 @@ class Trainer:
                     aux = self.loss_model.aux_sum if self.loss_model.router else None
                     aux_sum += aux.double() if aux is not None else 0.0
                     loss_sum += token_loss_sum.detach().double() - (  # the logged loss: the language model's
-                        self.loss_model.router[3] * aux.double() if aux is not None else 0.0)
+                        self.loss_model.router.coefficient * aux.double() if aux is not None else 0.0)
                     source_loss.index_add_(0, trained_positions.to(device), self.loss_model.token_losses.double())
                 self.accelerator.backward(
                     self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
