@@ -358,7 +358,8 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
     # under TP the LM head's columns are sharded: its gathered logits feed the plain loss (the fused one reads
     # the whole weight)
-    wrapped = TokenLossModel(model, fused_loss=tp_size_of(job.accelerator) == 1, load_balancing=t.load_balancing_loss)
+    wrapped = TokenLossModel(model, fused_loss=tp_size_of(job.accelerator) == 1, load_balancing=t.load_balancing_loss,
+                             liger=job.config.model.use_liger_kernel)
     if t.sequence_parallel_size > 1:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,

@@ -63,7 +63,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _head_problem(n: int, d: int, v: int):
     g = torch.Generator(device="cpu").manual_seed(0)
     hidden = (torch.randn(n, d, generator=g) * 1.0).to(DEVICE).requires_grad_()
-    weight = (torch.randn(v, d, generator=g) / d ** 0.5).to(DEVICE).requires_grad_()
+    weight = torch.nn.Parameter((torch.randn(v, d, generator=g) / d ** 0.5).to(DEVICE))  # an LM head's, below
     targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     return hidden, weight, targets
 
@@ -78,6 +78,8 @@ def _loss_and_grads(fn, hidden, weight, bf16: bool):
 
 def probe_fused_ce(smoke: bool) -> dict:
     from open_sft.model.fused_ce import linear_cross_entropy_sum
+    from open_sft.model.liger_loss import liger_loss_sum
+    from open_sft.model.logits import LogitTransform
 
     n, d, v = (512, 64, 3000) if smoke else (16384, 2048, 50304)
     hidden, weight, targets = _head_problem(n, d, v)
@@ -87,9 +89,13 @@ def probe_fused_ce(smoke: bool) -> dict:
     fused = lambda: linear_cross_entropy_sum(hidden, weight, None, targets)  # noqa: E731
     plain = lambda: F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")  # noqa: E731
     result: dict = {"shape": {"rows": n, "hidden": d, "vocab": v}}
+    candidates = [("fused", fused), ("plain", plain)]
+    liger = _liger_head(weight)
+    if liger is not None:  # --use_liger_kernel's loss: Liger's kernel through open_sft's mapping
+        candidates.append(("liger", lambda: liger_loss_sum(liger, hidden, targets, LogitTransform())))
     for dtype, bf16 in (("fp32", False), ("bf16", True)):
         errors = {}
-        for name, fn in (("fused", fused), ("plain", plain)):
+        for name, fn in candidates:
             loss, gh, gw = _loss_and_grads(fn, hidden, weight, bf16)
             errors[name] = {"loss": abs(float(loss) - ref_value) / abs(ref_value),
                             "grad_hidden": rel(gh, ref_grads[0]), "grad_weight": rel(gw, ref_grads[1])}
@@ -101,14 +107,42 @@ def probe_fused_ce(smoke: bool) -> dict:
             if DEVICE == "cuda":
                 errors[name]["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         result[dtype] = errors
-    # fp32: both to fp32 rounding of the float64 reference; bf16: the fused loss no further from it than the
-    # plain bf16 path (twice its error, plus bf16's own rounding as a floor).
+    # fp32: each to fp32 rounding of the float64 reference; bf16: the fused loss (and Liger's) no further from it
+    # than the plain bf16 path (twice its error, plus bf16's own rounding as a floor).
     fp32_ok = all(max(e["loss"], e["grad_hidden"], e["grad_weight"]) < 1e-4 for e in result["fp32"].values())
     bf16 = result["bf16"]
-    bf16_ok = all(bf16["fused"][k] <= 2 * bf16["plain"][k] + 4e-3 for k in ("loss", "grad_hidden", "grad_weight"))
-    result["tolerance"] = "fp32: relative error < 1e-4; bf16: fused error <= 2 x plain bf16 error + 4e-3"
-    result["pass"] = bool(fp32_ok and bf16_ok)
+    bf16_ok = all(bf16[name][k] <= 2 * bf16["plain"][k] + 4e-3
+                  for name in bf16 for k in ("loss", "grad_hidden", "grad_weight"))
+    transformed_ok = True
+    if liger is not None:  # a cap and a scale (Gemma-2's, Cohere's): Liger's softcap and the folded scale
+        transform = LogitTransform(scale=0.25, softcap=2.0)
+        capped = {}
+        for name, fn in (("fused", lambda: linear_cross_entropy_sum(hidden, weight, None, targets, transform=transform)),
+                         ("liger", lambda: liger_loss_sum(liger, hidden, targets, transform))):
+            capped[name] = _loss_and_grads(fn, hidden, weight, bf16=False)
+        result["capped_fp32_liger_vs_fused"] = {k: rel(a, b) for k, a, b in
+                                                zip(("loss", "grad_hidden", "grad_weight"), capped["liger"], capped["fused"])}
+        transformed_ok = max(result["capped_fp32_liger_vs_fused"].values()) < 1e-4
+    result["liger"] = "measured" if liger is not None else "not installed or no CUDA"
+    result["tolerance"] = ("fp32: relative error < 1e-4; bf16: each candidate's error <= 2 x plain bf16 error + 4e-3; "
+                           "Liger with a cap and a scale within 1e-4 of the fused loss (fp32)")
+    result["pass"] = bool(fp32_ok and bf16_ok and transformed_ok)
     return result
+
+
+def _liger_head(weight: torch.nn.Parameter):
+    """An LM head holding `weight`, when Liger's kernel can run here."""
+    if DEVICE != "cuda":
+        return None
+    try:
+        from open_sft.model.liger_loss import kernel
+
+        kernel()
+    except ImportError:
+        return None
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=DEVICE)
+    head.weight = weight
+    return head
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -261,8 +261,7 @@ def supports_fused(lm_head: nn.Module) -> bool:
 def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
                      chunk_rows: Optional[int] = None, token_losses: Optional[torch.Tensor] = None,
                      transform: Optional[LogitTransform] = None) -> torch.Tensor:
-    """`linear_cross_entropy_sum` with lm_head's parameters, run inside a call to lm_head itself so that
-    module hooks (ZeRO-3 gathering its weight for forward and again for backward) fire as for lm_head(x)."""
+    """`linear_cross_entropy_sum` with lm_head's parameters, run inside a call to lm_head itself (`call_in_head`)."""
     if not supports_fused(lm_head):
         raise TypeError(f"the fused loss needs a plain nn.Linear LM head, got {type(lm_head).__name__}")
 
@@ -271,10 +270,16 @@ def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Te
                                         bf16_via_fp32=bf16_matmul.installed(lm_head), token_losses=token_losses,
                                         transform=transform)
 
+    return call_in_head(lm_head, fused_forward, hidden, targets)
+
+
+def call_in_head(lm_head: nn.Module, forward, *args: torch.Tensor) -> torch.Tensor:
+    """`forward(*args)` run as lm_head's forward, through lm_head's own `__call__`, so that module hooks (ZeRO-3
+    gathering its weight for forward and again for backward) fire as for lm_head(x)."""
     own_forward = lm_head.__dict__.get("forward")
-    lm_head.forward = fused_forward
+    lm_head.forward = forward
     try:
-        return lm_head(hidden, targets)
+        return lm_head(*args)
     finally:
         if own_forward is None:
             del lm_head.forward

@@ -183,11 +183,10 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-        # open_sft computes the loss itself (the token-sum over the global batch, per-source losses, each family's
-        # logit transform), in its chunked LM-head loss: the model's forward, where Liger puts its fused linear
-        # cross-entropy, is not called
-        logger.info("--use_liger_kernel: Liger's norms, SwiGLU and rotary kernels are in place; the LM head and "
-                    "loss stay open_sft's chunked loss (it never materialises the logits either)")
+        # the model's forward, where Liger puts its fused linear cross-entropy, is not called: open_sft's
+        # TokenLossModel calls Liger's loss itself where it computes open_sft's loss (open_sft.model.liger_loss)
+        logger.info("--use_liger_kernel: Liger's norms, SwiGLU and rotary kernels are in place; the LM-head loss "
+                    "is Liger's fused linear cross-entropy where it applies (the log says where not)")
     if args.neftune_noise_alpha:
         add_neftune_noise(model, args.neftune_noise_alpha)
     if args.gradient_checkpointing:

@@ -17,17 +17,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from open_sft.data.labels import IGNORE_INDEX
+from open_sft.model import liger_loss
 from open_sft.model.fused_ce import lm_head_loss_sum, supports_fused
+from open_sft.model.liger_loss import liger_loss_sum
 from open_sft.model.logits import logit_transform
 
 
 class TokenLossModel(nn.Module):
     """Wraps a causal LM so that DeepSpeed/DDP see one module whose forward returns the loss sum."""
 
-    def __init__(self, model: nn.Module, fused_loss: bool = True, load_balancing: bool = False):
+    def __init__(self, model: nn.Module, fused_loss: bool = True, load_balancing: bool = False,
+                 liger: bool = False):
         super().__init__()
         self.model = model
         self.fused_loss = fused_loss  # False: the plain lm_head + F.cross_entropy path (tests, benchmarks)
+        self.liger = liger  # --use_liger_kernel: Liger's fused linear cross-entropy where it applies (on CUDA)
         # The trainer sets keep_token_losses to read each trained position's loss after a forward (per-source
         # losses); they come out of the same pass, detached.
         self.keep_token_losses = False
@@ -62,7 +66,10 @@ class TokenLossModel(nn.Module):
         lm_head = causal_lm.get_output_embeddings()
         kept = torch.empty(selected.shape[0], dtype=torch.float32, device=selected.device) \
             if self.keep_token_losses else None
-        if self.fused_loss and supports_fused(lm_head):
+        liger = self.fused_loss and self.liger and self._liger_applies(lm_head, selected, kept is not None)
+        if liger:
+            loss = liger_loss_sum(lm_head, selected, targets[trained], self.transform)
+        elif self.fused_loss and supports_fused(lm_head):
             loss = lm_head_loss_sum(lm_head, selected, targets[trained], token_losses=kept, transform=self.transform)
         else:
             logits = lm_head(selected).float()
@@ -79,6 +86,12 @@ class TokenLossModel(nn.Module):
             self.aux_sum = (aux * selected.shape[0]).detach()
             loss = loss + router.coefficient * aux * selected.shape[0]
         return loss
+
+    def _liger_applies(self, lm_head: nn.Module, hidden: torch.Tensor, per_position: bool) -> bool:
+        reason = liger_loss.why_not(lm_head, hidden, per_position, self.training)
+        if reason is not None:
+            liger_loss.say_once(reason)
+        return reason is None
 
 
 class RouterLoss(NamedTuple):

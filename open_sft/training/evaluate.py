@@ -22,7 +22,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
     Under tensor parallelism (`tp_ranks`: this rank's TP group) the ranks of a group compute the same batches:
     the data-parallel groups share the examples, and each group's first rank counts them."""
     loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: each trained position's loss
-    loss_model.keep_token_losses = True
+    kept_before, loss_model.keep_token_losses = loss_model.keep_token_losses, True
     world, rank = accelerator.num_processes, accelerator.process_index
     counted = not tp_ranks or rank == tp_ranks[0]
     if tp_ranks:  # ranks are (data parallel, tp) row-major in accelerate's mesh: a group is T consecutive ranks
@@ -47,6 +47,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double().cpu())
         totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
     model.train()
+    loss_model.keep_token_losses = kept_before
     summed = reduce_sum(totals if counted else torch.zeros_like(totals)).tolist()
     loss_sum, tokens = summed[:2]
     return {"eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),

@@ -80,7 +80,9 @@ class Trainer:
         self.window = Window(started=time.perf_counter())  # the logging window open now
         self.source_names = data.source_names
         self.loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: per-position losses
-        self.loss_model.keep_token_losses = True
+        # each trained position's loss, for the per-source losses of a run of several sources (one source's loss is
+        # the step's; Liger's fused loss gives no per-position losses)
+        self.loss_model.keep_token_losses = len(self.source_names) > 1
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
         self.saved_activations = SavedActivations.if_requested()  # audit aid: measured activation bytes
 
@@ -241,9 +243,14 @@ class Trainer:
                 if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
                     aux = self.loss_model.aux_sum if self.loss_model.router else None
                     aux_sum += aux.double() if aux is not None else 0.0
-                    loss_sum += token_loss_sum.detach().double() - (  # the logged loss: the language model's
+                    lm_loss = token_loss_sum.detach().double() - (  # the logged loss: the language model's
                         self.loss_model.router.coefficient * aux.double() if aux is not None else 0.0)
-                    source_loss.index_add_(0, trained_positions.to(device), self.loss_model.token_losses.double())
+                    loss_sum += lm_loss
+                    kept = self.loss_model.token_losses
+                    if kept is not None:
+                        source_loss.index_add_(0, trained_positions.to(device), kept.double())
+                    else:  # one source: its loss is the language model's
+                        source_loss[0] += lm_loss
                 self.accelerator.backward(
                     self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
                 if a == len(passes) - 1:
