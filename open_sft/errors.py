@@ -3,6 +3,7 @@
     exit 2   UserError (and ConfigError, every problem of a configuration at once): input the user can fix
              (a flag, a file, a row); the message names it and the fix
     exit 3   open_sft.export.hub.PushFailed (a StopRun): the Hub upload failed, the local export is intact
+    exit 4   open_sft.distributed.lifeline: the launcher or a peer rank is gone; no checkpoint written
     exit 75  open_sft.training.preemption.Preempted (a StopRun): stopped on a signal, checkpoint saved;
              relaunching resumes (75 is EX_TEMPFAIL, which schedulers read as "retry")
 Anything else is a bug and keeps its traceback.

@@ -21,9 +21,11 @@ import torch
 
 from open_sft.config.args import FinetuneConfig
 from open_sft.config.parse import parse_config
+from open_sft.distributed import lifeline
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError
 from open_sft.training.amp import HALF
+from open_sft.training.output_lock import lock_output_dir
 
 logger = logging.getLogger("open_sft")
 
@@ -206,6 +208,7 @@ def probe_only(job: Job) -> dict:
         print(f"time estimate: {format_seconds(estimate)} for {job.steps.total_steps} optimizer steps "
               f"(from a probe of {len(probe.seconds)} step(s) after {probe.warmup} warm-up step)", flush=True)
     job.accelerator.wait_for_everyone()
+    lifeline.release()
     job.accelerator.end_training()
     return {"dry_run": True, "time_estimate_s": estimate, "preflight": job.preflight.to_dict()}
 
@@ -217,6 +220,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.export.hub_checkpoints import CheckpointUploader
     from open_sft.monitor.progress import ProgressBar
+    from open_sft.monitor.run_info import write_run_files
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
     from open_sft.training.preemption import StopRequest
@@ -235,7 +239,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     metrics = _metrics_writer(job, resume.step if resume else 0) if acc.is_main_process else None
     trainer = _build_trainer(job, metrics)
     if acc.is_main_process:
-        _write_run_files(job, trainer)
+        write_run_files(job, trainer)
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process))
@@ -289,6 +293,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         write_model_card(output_dir)
         share_as_umask(output_dir)  # everything the run wrote, as the umask says (safetensors writes 0600)
     acc.wait_for_everyone()
+    lifeline.release()  # the last collective: ranks may now finish one after another
     acc.end_training()
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
@@ -300,6 +305,11 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
 def run(config: FinetuneConfig) -> dict:
     """Train and export; returns a summary. Raises UserError for problems the user can fix."""
     job = plan_launch(config)
+    with lock_output_dir(job.config, _is_main_rank()):  # held until the run has ended, however it ends
+        return _phases(job)
+
+
+def _phases(job: Job) -> dict:
     prepare_data(job)
     if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
         if _is_main_rank():
@@ -320,17 +330,23 @@ def run(config: FinetuneConfig) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
+    lifeline.install()  # a rank started by a launcher stops when the launcher or a peer on its host is gone
     try:
         setup_cpu_environment()  # before anything imports deepspeed: it picks its accelerator at import
         run(parse_config(argv))
     except UserError as exc:
+        lifeline.release()
         if _is_main_rank():
             print(f"error: {exc}", file=sys.stderr)
         return 2
     except StopRun as exc:  # preempted (checkpoint saved) or the Hub upload failed (export intact)
+        lifeline.release()
         if _is_main_rank():
             print(f"open_sft: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception:
+        lifeline.explain_failure()  # a collective failed because a peer or the launcher is gone: say that instead
+        raise
     return 0
 
 
@@ -341,6 +357,7 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
     from open_sft.distributed.setup import start_accelerator
 
     job.accelerator, job.ds_config = start_accelerator(job.config, job.launch, job.dtype, model_config, zero3_init)
+    lifeline.watch_ranks()  # collective: from here on a peer that disappears stops this rank
 
 
 def _build_trainer(job: Job, metrics: Any) -> Any:
@@ -379,20 +396,3 @@ def _metrics_writer(job: Job, resume_step: int) -> Any:
     return MetricsWriter.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(),
                                  resume_step=resume_step, name=t.exp_name, project=t.wandb_project_name,
                                  entity=t.wandb_entity)
-
-
-def _write_run_files(job: Job, trainer: Any) -> None:
-    """run.json (what ran, where, with what) and data_report.json, before the first step."""
-    from open_sft.monitor.run_info import git_revision, library_versions, write_json
-    from open_sft.training.optim import optimizer_impl
-
-    acc, launch = job.accelerator, job.launch
-    write_json(job.output_dir / "run.json", {
-        "args": job.config.to_dict(), "versions": library_versions(), "world_size": acc.num_processes,
-        "distributed_type": acc.distributed_type.name, "compute_dtype": str(job.dtype),
-        "loss_normalization": job.config.train.loss_normalization, "schedule": job.steps.to_dict(),
-        "dataset_cache_key": job.data.cache_key, "dataset_cache_path": str(job.data.cache_path),
-        "git_revision": git_revision(), "deepspeed_config": job.ds_config, "threads_per_rank": torch.get_num_threads(),
-        "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
-        "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer)})
-    write_json(job.output_dir / "data_report.json", job.data.report)

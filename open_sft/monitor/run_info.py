@@ -37,3 +37,21 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def write_run_files(job: Any, trainer: Any) -> None:
+    """run.json (what ran, where, with what) and data_report.json, before the first step."""
+    import torch
+
+    from open_sft.training.optim import optimizer_impl
+
+    acc, launch = job.accelerator, job.launch
+    write_json(job.output_dir / "run.json", {
+        "args": job.config.to_dict(), "versions": library_versions(), "world_size": acc.num_processes,
+        "distributed_type": acc.distributed_type.name, "compute_dtype": str(job.dtype),
+        "loss_normalization": job.config.train.loss_normalization, "schedule": job.steps.to_dict(),
+        "dataset_cache_key": job.data.cache_key, "dataset_cache_path": str(job.data.cache_path),
+        "git_revision": git_revision(), "deepspeed_config": job.ds_config, "threads_per_rank": torch.get_num_threads(),
+        "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
+        "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer)})
+    write_json(job.output_dir / "data_report.json", job.data.report)

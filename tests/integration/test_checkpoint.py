@@ -63,9 +63,10 @@ def run_layout(layout: str, args: list[str], check: bool = True, timeout: float 
 
 def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig: int, log: Path,
               only_rank: int | None = None, env: dict[str, str] | None = None,
-              command: list[str] | None = None) -> int:
+              command: list[str] | None = None, only_launcher: bool = False, fate: dict | None = None) -> int:
     """Launch (the layout's launch command, or `command`), wait until metrics.jsonl has `at_line` lines, send
-    `sig` to the launcher and every worker (or only to the worker of `only_rank`)."""
+    `sig` to the launcher and every worker (or only to the worker of `only_rank`, or only to the launcher).
+    `fate` receives how many seconds the last of the run's processes took to go (within 60 s, else None)."""
     processes, ds_config, _, _ = LAYOUTS[layout]
     with log.open("w") as handle:
         proc = subprocess.Popen((command or launch_command(processes, ds_config)) + args, cwd=ROOT,
@@ -79,16 +80,31 @@ def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig:
             time.sleep(0.05)
         assert proc.poll() is None, f"run ended before step {at_line}:\n{log.read_text()[-3000:]}"
         launcher = psutil.Process(proc.pid)
-        targets = launcher.children(recursive=True) + [launcher]
+        workers = launcher.children(recursive=True)
+        targets = [launcher] if only_launcher else workers + [launcher]
         if only_rank is not None:
             targets = [t for t in targets if t.environ().get("RANK") == str(only_rank)]
             assert len(targets) == 1, targets
+        signalled = time.monotonic()
         for target in targets:
             try:
                 target.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
-        return proc.wait(timeout=120)
+        code = proc.wait(timeout=120)
+        while any(_alive(p) for p in workers) and time.monotonic() - signalled < 60:
+            time.sleep(0.05)
+        if fate is not None:
+            fate["gone_after_s"] = None if any(_alive(p) for p in workers) else time.monotonic() - signalled
+        return code
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Running, not a zombie waiting to be reaped (an orphan's new parent reaps it when it gets to it)."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:
@@ -112,12 +128,34 @@ def logs(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("logs")
 
 
+def run_beside_a_live_run(args: list[str], output_dir: Path, log: Path) -> dict:
+    """A run, paused (SIGSTOP) after its first step while a second launch with the same --output_dir starts;
+    resumed once that one has exited; runs to its end. Returns the second launch's exit code, seconds, stderr."""
+    with log.open("w") as handle:
+        first = subprocess.Popen(launch_command(1, None) + args, cwd=ROOT, env=child_env(), stdout=handle,
+                                 stderr=subprocess.STDOUT)
+        metrics = output_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while first.poll() is None and time.monotonic() < deadline and not (
+                metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)  # alive, holding its lock, mid-run
+        try:
+            started = time.monotonic()
+            second = run_layout("single", args, check=False, timeout=120)
+            seconds = time.monotonic() - started
+        finally:
+            first.send_signal(signal.SIGCONT)
+        assert first.wait(timeout=300) == 0, log.read_text()[-3000:]
+    return {"code": second.returncode, "seconds": seconds, "stderr": second.stderr, "first_pid": first.pid}
+
+
 @pytest.fixture(scope="module")
 def single(tiny_model_dir, tmp_path_factory, logs) -> dict:
     """Uninterrupted; SIGTERM at step 1 (checkpoint at 1 although checkpointing_steps is 2); relaunch
     killed -9 at step 5; partial checkpoints planted; relaunch."""
     base = tmp_path_factory.mktemp("single_base")
-    run_layout("single", finetune_args(tiny_model_dir, base, "single"))
+    intruder = run_beside_a_live_run(finetune_args(tiny_model_dir, base, "single"), base, logs / "single_base.log")
     out = tmp_path_factory.mktemp("single_killed")
     args = finetune_args(tiny_model_dir, out, "single")
     term_code = interrupt("single", args, out, 1, signal.SIGTERM, logs / "single_sigterm.log")
@@ -135,12 +173,13 @@ def single(tiny_model_dir, tmp_path_factory, logs) -> dict:
     relaunch = run_layout("single", args)
     (logs / "single_relaunch.log").write_text(relaunch.stdout + relaunch.stderr)
     return {"base": base, "out": out, "killed_code": killed_code, "newest_before": newest, "term": term,
-            "relaunch": relaunch.stdout + relaunch.stderr}
+            "relaunch": relaunch.stdout + relaunch.stderr, "intruder": intruder}
 
 
 @pytest.fixture(scope="module")
 def zero2(tiny_model_dir, tmp_path_factory, logs) -> dict:
-    """Uninterrupted; SIGTERM to rank 1 only at step 2; relaunch killed -9 at step 5; relaunch to the end."""
+    """Uninterrupted; SIGTERM to rank 1 only at step 2; relaunch's launcher alone killed -9 at step 5; relaunch to
+    the end."""
     base = tmp_path_factory.mktemp("zero2_base")
     run_layout("zero2", finetune_args(tiny_model_dir, base, "zero2"))
     out = tmp_path_factory.mktemp("zero2_interrupted")
@@ -150,10 +189,13 @@ def zero2(tiny_model_dir, tmp_path_factory, logs) -> dict:
     stop_step = read_metrics(out)[-1]["step"]
     after_term = {"complete": complete_steps(out), "metrics": read_metrics(out),
                   "state": json.loads((out / "checkpoints" / f"step_{stop_step}" / "trainer_state.json").read_text())}
-    kill_code = interrupt("zero2", args, out, 5, signal.SIGKILL, logs / "zero2_killed.log")
-    run_layout("zero2", args)
+    orphans: dict = {}  # only the launcher killed (the OOM killer's choice): its workers must follow it
+    kill_code = interrupt("zero2", args, out, 5, signal.SIGKILL, logs / "zero2_killed.log", only_launcher=True,
+                          fate=orphans)
+    relaunch = run_layout("zero2", args)
     return {"base": base, "out": out, "term_code": term_code, "term_log": term_log, "after_term": after_term,
-            "kill_code": kill_code}
+            "kill_code": kill_code, "orphans": orphans, "killed_log": (logs / "zero2_killed.log").read_text(),
+            "relaunch_log": relaunch.stdout + relaunch.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -165,14 +207,16 @@ def hub():
 
 @pytest.fixture(scope="module")
 def zero3(tiny_model_dir, tmp_path_factory, hub, logs) -> dict:
-    """Uninterrupted; kill -9 at step 3; relaunch with --push_to_hub against a Hub that always fails.
+    """Uninterrupted; rank 1 alone killed -9 at step 3; relaunch with --push_to_hub against a Hub that always fails.
     All three runs are online (HF_HUB_OFFLINE=0, HF_ENDPOINT on loopback), as the push needs."""
     online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url}
     base = tmp_path_factory.mktemp("zero3_base")
     run_layout("zero3", finetune_args(tiny_model_dir, base, "zero3"), **online)
     out = tmp_path_factory.mktemp("zero3_interrupted")
     args = finetune_args(tiny_model_dir, out, "zero3")
-    kill_code = interrupt("zero3", args, out, 3, signal.SIGKILL, logs / "zero3_killed.log", env=online)
+    peer: dict = {}  # only rank 1 killed mid-run: rank 0 must not wait for it in a collective
+    kill_code = interrupt("zero3", args, out, 3, signal.SIGKILL, logs / "zero3_killed.log", env=online, only_rank=1,
+                          fate=peer)
     hub.always["create"] = "500"
     creates_before = hub.count("create")
     final = run_layout("zero3", args + ["--push_to_hub", "--hub_model_id", "org/zero3", "--hub_token", TOKEN],
@@ -180,8 +224,8 @@ def zero3(tiny_model_dir, tmp_path_factory, hub, logs) -> dict:
                        OPEN_SFT_HUB_BACKOFF_S="0.1")
     hub.always.clear()
     (logs / "zero3_final.log").write_text(final.stdout + final.stderr)
-    return {"base": base, "out": out, "kill_code": kill_code, "final": final,
-            "create_attempts": hub.count("create") - creates_before}
+    return {"base": base, "out": out, "kill_code": kill_code, "final": final, "peer": peer,
+            "killed_log": (logs / "zero3_killed.log").read_text(), "create_attempts": hub.count("create") - creates_before}
 
 
 def test_single_process_resume_after_kill_is_bitwise(single) -> None:
@@ -206,6 +250,46 @@ def test_two_rank_resume_matches_uninterrupted(layout, zero2, zero3) -> None:
     a, b = load_weights(runs["base"]), load_weights(runs["out"])
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_workers_follow_their_killed_launcher_and_the_relaunch_resumes(zero2) -> None:
+    """Only the launcher SIGKILLed at step 5 (torchrun starts workers in sessions of their own): both workers are
+    gone within seconds, each saying why, and the relaunch resumed (its losses are held to the uninterrupted run's
+    by test_two_rank_resume_matches_uninterrupted)."""
+    assert zero2["kill_code"] == -signal.SIGKILL
+    assert zero2["orphans"]["gone_after_s"] is not None and zero2["orphans"]["gone_after_s"] < 30
+    for rank in (0, 1):
+        assert f"error: rank {rank}: its launcher (pid " in zero2["killed_log"]
+    assert "stopping this rank without writing a checkpoint (exit 4)" in zero2["killed_log"]
+    assert "resuming from " in zero2["relaunch_log"]
+
+
+def test_a_rank_whose_peer_is_killed_stops_naming_it(zero3) -> None:
+    """Rank 1 alone SIGKILLed mid-run: rank 0 stops within seconds (not the process-group timeout) with an error
+    naming rank 1, and no traceback of the failed collective."""
+    assert zero3["peer"]["gone_after_s"] is not None and zero3["peer"]["gone_after_s"] < 30
+    log = zero3["killed_log"]
+    assert "error: rank 0: rank 1 (pid " in log and " is gone; stopping this rank without writing a checkpoint" in log
+    assert "exitcode  : 4" in log  # torchrun's summary of rank 0
+
+
+def test_a_second_run_on_a_live_runs_output_dir_stops_naming_it(single) -> None:
+    """While the first run lives (paused, its lock held) a second launch on its --output_dir exits at once with
+    `error:` naming the first (pid, host, start); the first then finishes unaffected (its losses are the reference
+    the resumed runs are held to bitwise)."""
+    intruder = single["intruder"]
+    assert intruder["code"] == 2 and intruder["seconds"] < 60
+    assert f"is in use by a live run (pid {intruder['first_pid']} on " in intruder["stderr"]
+    assert "started at" in intruder["stderr"] and "pick another --output_dir" in intruder["stderr"]
+    assert "Traceback" not in intruder["stderr"]
+    assert [r["step"] for r in read_metrics(single["base"])] == list(range(1, STEPS + 1))
+    assert json.loads((single["base"] / ".open_sft.lock").read_text())["state"] == "ended"
+
+
+def test_the_relaunch_takes_over_the_lock_of_a_killed_run(zero2) -> None:
+    """The launcher killed at step 5 took rank 0 (the lock's holder) with it: the relaunch takes the lock over."""
+    assert "taking over the lock of a run that is gone (pid " in zero2["relaunch_log"]
+    assert json.loads((zero2["out"] / ".open_sft.lock").read_text())["state"] == "ended"
 
 
 def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tiny_model_dir, tmp_path) -> None:
@@ -355,7 +439,8 @@ def test_push_retries_transient_failures_and_uploads_the_export(single, hub, log
     assert repo["private"] is True
     files = repo["branches"]["v1"]
     local = {str(p.relative_to(single["out"])) for p in single["out"].rglob("*") if p.is_file()}
-    expected = {name for name in local if not name.startswith("checkpoints") and not name.startswith("data_order")}
+    expected = {name for name in local if not name.startswith("checkpoints") and not name.startswith("data_order")
+                and name != ".open_sft.lock"}
     assert set(files) == expected
     for name in ("model.safetensors.index.json", "README.md", "run.json"):
         assert files[name] == (single["out"] / name).read_bytes()

@@ -1,0 +1,188 @@
+"""A rank lives only while its launcher and its peers do.
+
+torch's elastic agent (`accelerate launch`, torchrun) starts each worker in a session of its own, so when the
+launcher is killed (OOM killer, kill -9, a dying login shell) nothing tells the workers: they train on, or hang
+in a collective whose peer is gone, holding the memory the relaunch needs, while the relaunch trains beside them.
+
+Here each rank started by a launcher
+- asks the kernel for a signal when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`), and
+- runs a watchdog thread that every POLL_S seconds checks that its parent is still the one it started under
+  (it covers a parent that is not the direct launcher, and systems without prctl), and — while the run's
+  collectives are under way — that the other ranks on its host are alive (a peer SIGKILLed mid-step would
+  otherwise leave this rank waiting in a collective until the process-group timeout, --timeout).
+
+On either it prints why and exits at once with LOST_EXIT_CODE, from the watchdog thread (`os._exit`: the main
+thread may be blocked inside a collective, where no Python runs) and without writing a checkpoint: its state may
+be torn between two steps; the relaunch resumes from the last complete checkpoint. Peers on other hosts are
+bounded by the process-group timeout (--timeout), after which the failed collective is reported the same way.
+
+A process started by hand (`python finetune.py`, also under nohup) follows nobody: its parent is a shell.
+OPEN_SFT_FOLLOW_LAUNCHER=0 turns the parent check off (=1 turns it on without a launcher).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+#: Exit code of a rank that stopped because its launcher or a peer rank is gone (no checkpoint written).
+LOST_EXIT_CODE = 4
+POLL_S = 0.5
+# A peer's exit is acted on only if it is still unexplained this long after: ranks that stop together (the same
+# error on each, a preemption) leave one after another, and each stops watching as it starts to leave.
+GRACE_S = 2.0
+PR_SET_PDEATHSIG = 1
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "LOCAL_RANK")
+
+
+def started_by_launcher(env=os.environ) -> bool:
+    choice = env.get("OPEN_SFT_FOLLOW_LAUNCHER")
+    if choice in ("0", "1"):
+        return choice == "1"
+    return any(name in env for name in LAUNCHER_ENV)
+
+
+def process_start(pid: int) -> Optional[str]:
+    """The process's start time (field 22 of /proc/PID/stat), or None when it is gone or a zombie: a pid reused
+    by another process, or one that exited and waits to be reaped, is not the peer."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+class Lifeline:
+    """The watchdog of this rank (one per process: `install()`)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.parent = os.getppid()
+        self.host = socket.gethostname()
+        self.peers: dict[int, tuple[int, str]] = {}  # rank -> (pid, start time), ranks on this host only
+        self.follow = started_by_launcher()
+        self._lock = threading.Lock()
+
+    def start(self) -> "Lifeline":
+        if self.follow:
+            self._ask_kernel()
+            if os.getppid() != self.parent:  # it died before we asked
+                self.exit_lost(f"its launcher (pid {self.parent}) is gone")
+        threading.Thread(target=self._watch, name="open_sft-lifeline", daemon=True).start()
+        return self
+
+    def _ask_kernel(self) -> None:
+        """SIGUSR2 when the parent dies; its handler exits as the watchdog would (when the main thread is in
+        Python; inside a collective the watchdog thread does it)."""
+        if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGUSR2), 0, 0, 0) != 0:
+                return
+        except (OSError, AttributeError):
+            return
+        signal.signal(signal.SIGUSR2, self._parent_died)
+
+    def _parent_died(self, signum: int, frame: object) -> None:
+        # the kernel also sends it when the *thread* that started this process exits: only a new parent counts
+        if os.getppid() != self.parent:
+            self.exit_lost(f"its launcher (pid {self.parent}) is gone")
+
+    def watch_peers(self, table: list[tuple[str, int, Optional[str]]]) -> None:
+        """`table[r]` = (host, pid, start time) of rank r (all-gathered once the process group is up): from now
+        on a peer on this host that disappears stops this rank."""
+        with self._lock:
+            self.peers = {r: (pid, start) for r, (host, pid, start) in enumerate(table)
+                          if r != self.rank and host == self.host and start is not None}
+
+    def release_peers(self) -> None:
+        """The run's collectives are over: a peer may finish and exit before this rank."""
+        with self._lock:
+            self.peers = {}
+
+    def gone(self) -> Optional[str]:
+        """What is gone, if anything: the launcher, or peers on this host."""
+        if self.follow and os.getppid() != self.parent:
+            return f"its launcher (pid {self.parent}) is gone"
+        with self._lock:
+            lost = [f"rank {r} (pid {pid} on {self.host})" for r, (pid, start) in sorted(self.peers.items())
+                    if process_start(pid) != start]
+        if lost:
+            return " and ".join(lost) + (" is" if len(lost) == 1 else " are") + " gone"
+        return None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(POLL_S)
+            if self.gone() is not None:
+                time.sleep(GRACE_S)
+                why = self.gone()
+                if why is not None:
+                    self.exit_lost(why)
+
+    def exit_lost(self, why: str) -> None:
+        message = (f"error: rank {self.rank}: {why}; stopping this rank without writing a checkpoint (exit "
+                   f"{LOST_EXIT_CODE}). Relaunch the run: it resumes from the last complete checkpoint in "
+                   "--output_dir\n")
+        try:
+            os.write(2, message.encode())
+        finally:
+            from open_sft.errors import record_exit_code
+
+            os._exit(record_exit_code(LOST_EXIT_CODE))
+
+
+_installed: Optional[Lifeline] = None
+
+
+def install() -> Lifeline:
+    """This process's lifeline, started on the first call."""
+    global _installed
+    if _installed is None:
+        _installed = Lifeline(int(os.environ.get("RANK", "0"))).start()
+    return _installed
+
+
+def release() -> None:
+    """This rank's collectives are over (the run ended, or it is leaving on an error): peers may exit first."""
+    if _installed is not None:
+        _installed.release_peers()
+
+
+def explain_failure() -> None:
+    """An exception is leaving this rank: if its launcher or a peer on its host is gone (a failed collective),
+    exit with that message instead of a traceback; else stop watching the peers and let it propagate."""
+    why = gone()
+    if why is not None:
+        _installed.exit_lost(why)
+    release()
+
+
+def gone() -> Optional[str]:
+    """Why this rank has lost its run (launcher or a peer on this host gone), if it has."""
+    return _installed.gone() if _installed is not None else None
+
+
+def watch_ranks() -> None:
+    """Once the process group is up: every rank's (host, pid, start time), to notice a peer that disappears.
+    Collective."""
+    import torch.distributed as dist
+
+    if _installed is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    table: list = [None] * dist.get_world_size()
+    dist.all_gather_object(table, peer_entry())
+    _installed.watch_peers(table)
+
+
+def peer_entry() -> tuple[str, int, Optional[str]]:
+    """This rank's row of the table `watch_peers` takes."""
+    return socket.gethostname(), os.getpid(), process_start(os.getpid())

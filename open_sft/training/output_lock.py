@@ -1,0 +1,156 @@
+"""One live run per --output_dir.
+
+Two runs on one directory (a relaunch while the first run's workers live on, or a second job with the same
+flags) write checkpoints, prune each other's and export into the same files. The main process therefore holds
+`OUTPUT_DIR/.open_sft.lock` for the run's lifetime:
+
+- an advisory `flock` on it, which the kernel releases when the process dies however it dies, so a lock whose
+  holder is gone is simply free again (the next run takes it over and says so);
+- a lease written in it (host, pid, start time, a heartbeat renewed every HEARTBEAT_S seconds), because on some
+  shared filesystems a flock taken on one host is not seen on another: a lease of another host whose heartbeat
+  is fresher than STALE_AFTER_S is a live run there.
+
+A second run finds the lock held and stops at once with `error:` naming the live run. `--dry_run` and
+`--cache_dataset_only` write nothing there and take no lock. The file stays after the run (its lease says the
+run ended; the Hub upload leaves it out), unless the run failed before writing anything else: then neither the
+file nor a directory the lock created is left.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".open_sft.lock"
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 120.0
+
+
+@dataclass
+class Lease:
+    host: str
+    pid: int
+    started_at: str  # local time, ISO 8601
+    heartbeat: float  # time.time() of the last renewal
+    state: str = "running"  # "ended" once the run has released the lock
+
+    def describe(self) -> str:
+        beat = time.time() - self.heartbeat
+        return f"pid {self.pid} on {self.host}, started at {self.started_at}, last heartbeat {beat:.0f} s ago"
+
+
+def read_lease(path: Path) -> Optional[Lease]:
+    try:
+        return Lease(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None  # no lease yet, or one being written: the flock decides
+
+
+class OutputDirLock:
+    """Held by the main process from `acquire` to `release` (or its death)."""
+
+    def __init__(self, path: Path, fd: int, lease: Lease, created: tuple[bool, bool] = (False, False)) -> None:
+        self.path, self.fd, self.lease = path, fd, lease
+        self.created_dir, self.created_file = created
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="open_sft-output-lock", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> "OutputDirLock":
+        path = output_dir / LOCK_NAME
+        created = (not output_dir.exists(), not path.exists())
+        output_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise UserError(_busy(output_dir, read_lease(path), path)) from None
+            # ENOLCK and the like: a filesystem without flock; the lease alone decides
+            logger.warning("--output_dir %s: this filesystem refused a file lock (%s); relying on the lease in %s",
+                           output_dir, exc.strerror, path)
+        previous = read_lease(path)
+        host = socket.gethostname()
+        if previous is not None and previous.state == "running":
+            fresh = time.time() - previous.heartbeat < STALE_AFTER_S
+            if previous.host != host and fresh:  # the flock is not shared across hosts here; the lease is
+                os.close(fd)
+                raise UserError(_busy(output_dir, previous, path))
+            logger.warning("--output_dir %s: taking over the lock of a run that is gone (%s)", output_dir,
+                           previous.describe())
+        lease = Lease(host, os.getpid(), time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.time())
+        _write(fd, lease)
+        return cls(path, fd, lease, created)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            self.lease.heartbeat = time.time()
+            try:
+                _write(self.fd, self.lease)
+            except OSError as exc:  # a full disk or a vanished mount must not stop training
+                logger.warning("could not renew the output-directory lease %s: %s", self.path, exc)
+
+    def __enter__(self) -> "OutputDirLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.lease.state, self.lease.heartbeat = "ended", time.time()
+        try:
+            if self.created_file and os.listdir(self.path.parent) == [LOCK_NAME]:
+                # a run that failed before writing anything leaves nothing behind, not even this file
+                self.path.unlink()
+                if self.created_dir:
+                    self.path.parent.rmdir()
+            else:
+                _write(self.fd, self.lease)
+        finally:
+            os.close(self.fd)  # closing releases the flock
+
+
+class NoLock:
+    def __enter__(self) -> "NoLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def lock_output_dir(config: Any, main_process: bool) -> Union[OutputDirLock, NoLock]:
+    """The main process's lock for a run (a FinetuneConfig); none for --dry_run and --cache_dataset_only, which
+    write nothing there, and none on the other ranks."""
+    if config.train.dry_run or config.data.cache_dataset_only or not main_process:
+        return NoLock()
+    return OutputDirLock.acquire(Path(config.train.output_dir))
+
+
+def _write(fd: int, lease: Lease) -> None:
+    data = json.dumps(asdict(lease)).encode() + b"\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    os.fsync(fd)
+
+
+def _busy(output_dir: Path, lease: Optional[Lease], path: Path) -> str:
+    who = lease.describe() if lease is not None else "its lease is not written yet"
+    return (f"--output_dir {output_dir} is in use by a live run ({who}; lock file {path}). Two runs would write "
+            "and prune each other's checkpoints: wait for that run to finish, stop it, or pick another --output_dir")

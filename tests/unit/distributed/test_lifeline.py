@@ -1,0 +1,48 @@
+"""Which processes a rank follows, and how it notices a peer that is gone (real processes: `sleep`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from open_sft.distributed import lifeline
+from open_sft.distributed.lifeline import Lifeline, process_start, started_by_launcher
+
+
+def test_a_rank_follows_its_parent_only_when_a_launcher_started_it() -> None:
+    assert started_by_launcher({"TORCHELASTIC_RUN_ID": "none", "RANK": "0"})  # torchrun, accelerate's multi-rank
+    assert started_by_launcher({"ACCELERATE_MIXED_PRECISION": "no"})  # accelerate launch, one process
+    assert started_by_launcher({"LOCAL_RANK": "3"})  # deepspeed's launcher, srun scripts
+    assert not started_by_launcher({"HOME": "/root"})  # python finetune.py by hand, also under nohup
+    assert not started_by_launcher({"LOCAL_RANK": "0", "OPEN_SFT_FOLLOW_LAUNCHER": "0"})
+    assert started_by_launcher({"OPEN_SFT_FOLLOW_LAUNCHER": "1"})
+
+
+def test_a_peer_that_exits_or_waits_unreaped_is_gone_and_named() -> None:
+    peer = subprocess.Popen(["sleep", "60"])
+    me = Lifeline(rank=0)
+    me.follow = False
+    me.watch_peers([lifeline.peer_entry(), (me.host, peer.pid, process_start(peer.pid)), ("other-host", 1, "7")])
+    assert set(me.peers) == {1}  # a peer on another host is the process-group timeout's
+    assert me.gone() is None
+    peer.send_signal(signal.SIGKILL)
+    time.sleep(0.2)  # not reaped yet: a zombie is not a live peer
+    assert me.gone() == f"rank 1 (pid {peer.pid} on {me.host}) is gone"
+    peer.wait()
+    assert me.gone() == f"rank 1 (pid {peer.pid} on {me.host}) is gone"
+    me.release_peers()  # the run's last collective is behind it: peers may finish first
+    assert me.gone() is None
+
+
+def test_a_reused_pid_is_not_the_peer() -> None:
+    me = Lifeline(rank=1)
+    me.follow = False
+    me.watch_peers([(me.host, os.getpid(), "0"), lifeline.peer_entry()])  # rank 0's pid, another start time
+    assert me.gone() == f"rank 0 (pid {os.getpid()} on {me.host}) is gone"
+
+
+def test_process_start_of_a_missing_process() -> None:
+    assert process_start(os.getpid()) is not None
+    assert process_start(2 ** 22 + 1) is None
