@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -112,16 +112,59 @@ def parse_json_line(line: str) -> dict[str, Any]:
 
 def read_utf8(path: Path) -> str:
     """The file's text; a file that is not UTF-8 is a UserError naming the line and the fix."""
-    data = path.read_bytes()
+    return _decode(path, path.read_bytes(), 0)
+
+
+def _decode(path: Path, data: bytes, lines_before: int) -> str:
+    """`data` (whole lines of `path`, after `lines_before` lines) as text, or a UserError naming the line."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
+        line = lines_before + data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
         raise UserError(
             f"{path} line {line}: not UTF-8 (byte 0x{data[exc.start]:02x} at column {column}); data files must be "
             f"UTF-8: re-encode it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
         ) from None
+
+
+READ_BYTES = 1 << 22  # a JSON Lines file is read this much at a time (whole lines)
+
+
+def line_chunks(path: Path, rows: int, chars: int = 1 << 62) -> Iterator[tuple[list[str], list[int]]]:
+    """`read_lines` a chunk at a time, reading the file a block at a time: the same lines and line numbers,
+    without the whole file in memory. A chunk ends at `rows` lines, or at the line that reaches `chars`
+    characters (long documents)."""
+    pending: list[str] = []
+    numbers: list[int] = []
+    number = raw_lines = size = 0
+    carry = b""
+    with path.open("rb") as handle:
+        while True:
+            block = handle.read(READ_BYTES)
+            data = carry + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)  # whole lines only, but for the file's end
+            data, carry = data[:cut], data[cut:]
+            text = _decode(path, data, raw_lines)
+            raw_lines += data.count(b"\n")
+            if "\r" in text:  # universal newlines, as in read_lines (a block ends after a "\n": no pair is cut)
+                text = text.replace("\r\n", "\n").replace("\r", "\n")
+            lines = text.split("\n")
+            if lines[-1] == "":
+                lines.pop()
+            for line in lines:
+                number += 1
+                if line and not line.isspace():
+                    pending.append(line)
+                    numbers.append(number)
+                    size += len(line)
+                    if len(pending) >= rows or size >= chars:
+                        yield pending, numbers
+                        pending, numbers, size = [], [], 0
+            if not block:
+                if pending:
+                    yield pending, numbers
+                return
 
 
 def read_lines(path: Path) -> tuple[list[str], Sequence[int]]:
@@ -169,12 +212,6 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     return loaded
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import datasets
-
-    return datasets.Dataset.from_parquet(str(path)).to_list()
-
-
 def _load_hub(spec: SourceSpec, where: str) -> Any:
     """A Hub dataset id, or a local directory laid out as a Hub dataset repository (data files, or a README
     whose YAML names configs), through `datasets.load_dataset` with --dataset_config_name and the split."""
@@ -196,32 +233,46 @@ def _saved_by_datasets(path: Path) -> bool:
     return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
 
 
-def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
-    """All rows of one source, in file order."""
+def open_dataset(spec: SourceSpec) -> Any:
+    """The `datasets.Dataset` (memory-mapped Arrow) of a source that is not a local JSON or JSON Lines file:
+    a parquet file, a `save_to_disk` directory, a directory laid out as a Hub dataset, a Hub id. None for
+    JSON and JSON Lines files, which are read as text."""
+    import datasets
+
     path = _local_path(spec)
     if path.is_dir() and not _saved_by_datasets(path):
-        return LoadedSource(spec, _load_hub(spec, str(path)).to_list())
+        return _load_hub(spec, str(path))
     if path.is_dir():
-        import datasets
-
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if spec.split not in loaded:
                 raise UserError(f"{path}: no split {spec.split!r} (it has {', '.join(loaded)}); choose one with "
                                 "--dataset_mixer_list_splits")
             loaded = loaded[spec.split]
-        return LoadedSource(spec, loaded.to_list())
+        return loaded
     if path.is_file():
-        line_numbers, unreadable = None, 0
-        if path.suffix == ".jsonl":
-            rows, line_numbers, unreadable = _read_jsonl(path, drop_bad)
-        elif path.suffix == ".json":
-            rows = _read_json(path)
-        elif path.suffix == ".parquet":
-            rows = _read_parquet(path)
-        else:
+        if path.suffix in (".jsonl", ".json"):
+            return None
+        if path.suffix != ".parquet":
             raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
-        if not rows:
+        loaded = datasets.Dataset.from_parquet(str(path))
+        if not len(loaded):
             raise UserError(f"{path}: the file has no rows")
-        return LoadedSource(spec, rows, line_numbers, unreadable)
-    return LoadedSource(spec, _load_hub(spec, spec.name).to_list())
+        return loaded
+    return _load_hub(spec, spec.name)
+
+
+def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
+    """All rows of one source, in file order."""
+    dataset = open_dataset(spec)
+    if dataset is not None:
+        return LoadedSource(spec, dataset.to_list())
+    path = _local_path(spec)
+    line_numbers, unreadable = None, 0
+    if path.suffix == ".jsonl":
+        rows, line_numbers, unreadable = _read_jsonl(path, drop_bad)
+    else:
+        rows = _read_json(path)
+    if not rows:
+        raise UserError(f"{path}: the file has no rows")
+    return LoadedSource(spec, rows, line_numbers, unreadable)

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from open_sft.data.labels import IGNORE_INDEX
 
 BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
 
 
-def length_percentiles(lengths: list[int]) -> dict[str, int]:
-    if not lengths:
+def length_percentiles(lengths: Any) -> dict[str, int]:
+    """p50/p90/p99/max of the examples' lengths (a list or an array)."""
+    if not len(lengths):
         return {}
-    ordered = sorted(lengths)
+    ordered = np.sort(np.asarray(lengths, dtype=np.int64))
 
     def at(q: float) -> int:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        return int(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": ordered[-1]}
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": int(ordered[-1])}
 
 
 def format_data_report(report: dict[str, Any]) -> str:

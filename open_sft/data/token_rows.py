@@ -113,12 +113,16 @@ class TokenRows:
         """A `datasets.Dataset` with columns input_ids and labels (lists of int32) and length (int64).
         The fingerprint is given (the cache key): `datasets` would otherwise hash the whole table."""
         import datasets
+
+        return datasets.Dataset(datasets.table.InMemoryTable(self.to_table()), fingerprint=fingerprint)
+
+    def to_table(self) -> Any:
+        """The rows as an Arrow table: input_ids and labels (lists of int32), length (int64)."""
         import pyarrow as pa
 
-        table = pa.table({"input_ids": self._list_column(self.ids, pa.int32()),
-                          "labels": self._list_column(self.labels, pa.int32()),
-                          "length": pa.array(self.lengths(), pa.int64())})
-        return datasets.Dataset(datasets.table.InMemoryTable(table), fingerprint=fingerprint)
+        return pa.table({"input_ids": self._list_column(self.ids, pa.int32()),
+                         "labels": self._list_column(self.labels, pa.int32()),
+                         "length": pa.array(self.lengths(), pa.int64())})
 
     def _list_column(self, values: np.ndarray, value_type: Any) -> Any:
         """Rows as an Arrow list column, in chunks of at most 2^30 values (list offsets are int32)."""
@@ -138,14 +142,22 @@ def fit_rows(rows: TokenRows, order: np.ndarray, max_length: int, truncation: st
     """The rows in `order` that fit --max_seq_length (cut to it with truncation=truncate), without those
     left with no trained token; why the others were dropped; how many kept rows were cut. Row for row:
     labels.truncate_example followed by the pipeline's no-trained-tokens rule."""
+    kept, dropped, truncated = fit_order(rows.lengths(), rows.trained_counts(max_length), order, max_length,
+                                         truncation)
+    return rows.take(kept, max_length), dropped, truncated
+
+
+def fit_order(lengths: np.ndarray, trained: np.ndarray, order: np.ndarray, max_length: int,
+              truncation: str) -> tuple[np.ndarray, Counter, int]:
+    """`fit_rows` on the rows' lengths and trained counts (within max_length) alone: the kept rows of `order`,
+    to take from the rows (a build that streams them takes them a piece at a time)."""
     order = np.asarray(order, dtype=np.int64)
-    too_long = rows.lengths()[order] > max_length
+    too_long = lengths[order] > max_length
     dropped: Counter = Counter()
     if truncation == "drop":
         dropped["too_long"] = int(too_long.sum())
         order, too_long = order[~too_long], too_long[~too_long]
-    untrained = rows.trained_counts(max_length)[order] == 0
+    untrained = trained[order] == 0
     dropped["no_trained_tokens_after_truncation"] = int((untrained & too_long).sum())
     dropped["no_trained_tokens"] = int((untrained & ~too_long).sum())
-    kept = rows.take(order[~untrained], max_length)
-    return kept, +dropped, int((too_long & ~untrained).sum())
+    return order[~untrained], +dropped, int((too_long & ~untrained).sum())

@@ -1,0 +1,268 @@
+"""One source's training examples built a chunk at a time, in memory bounded by the chunk, not the corpus.
+
+A source is read CHUNK_ROWS rows at a time (JSON Lines a block of whole lines at a time, every other kind
+but a JSON list file as slices of its memory-mapped `datasets.Dataset`); each chunk is converted, rendered,
+labelled and tokenized by the workers (open_sft.data.workers) and its rows are spilled to disk
+(open_sft.data.spill). The selection is then drawn exactly as the in-memory build draws it (a first cheap pass
+counts the rows where the amount needs them), truncation and the no-trained-token rule are applied from
+per-row numbers, and the examples are written out a piece at a time: chat rows in selection order, documents
+spliced into --max_seq_length blocks across chunk boundaries. The examples are those of the in-memory build
+(open_sft.data.pipeline.build_rows), bit for bit (tests/unit/data/test_stream.py).
+
+A bad row stops a streaming build at the end of the chunk that has it (the in-memory build reads everything
+first): with several bad rows the one named may be another than the in-memory build names.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+from open_sft.data.formats import RowError, to_messages, to_text
+from open_sft.data.sources import line_chunks, open_dataset, parse_json_line
+from open_sft.data.spill import ExampleWriter, Spill, pieces
+from open_sft.data.token_rows import TokenRows, fit_order
+from open_sft.data.workers import label_rows
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+CHUNK_ROWS = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_ROWS", "20000"))
+CHUNK_BYTES = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_MB", "64")) << 20  # long documents make shorter chunks
+PROGRESS_EVERY_S = 10.0
+
+
+class Reader:
+    """A source a chunk at a time: (first row index, raw rows, their line numbers or None)."""
+
+    def __init__(self, spec: Any, dataset: Any = None):
+        self.spec, self.dataset = spec, dataset
+        self.path = Path(spec.name).expanduser()
+
+    @classmethod
+    def open(cls, spec: Any) -> Optional["Reader"]:
+        """None for a JSON list file (one JSON document: read whole, by the in-memory build)."""
+        if Path(spec.name).expanduser().suffix == ".json" and Path(spec.name).expanduser().is_file():
+            return None
+        if Path(spec.name).expanduser().suffix == ".jsonl" and Path(spec.name).expanduser().is_file():
+            return cls(spec)
+        return cls(spec, open_dataset(spec))
+
+    @property
+    def lines(self) -> bool:
+        return self.dataset is None
+
+    def chunks(self, rows: int = 0) -> Iterator[tuple[int, list[Any], Optional[list[int]]]]:
+        start = 0
+        if self.lines:
+            for lines, numbers in line_chunks(self.path, rows or CHUNK_ROWS, CHUNK_BYTES):
+                yield start, lines, numbers
+                start += len(lines)
+            return
+        row_bytes = self.dataset.data.nbytes / max(1, len(self.dataset))
+        rows = rows or max(1, min(CHUNK_ROWS, int(CHUNK_BYTES / max(row_bytes, 1.0))))
+        for start in range(0, len(self.dataset), rows):
+            yield start, self.dataset.select(range(start, min(len(self.dataset), start + rows))).to_list(), None
+
+    def count(self) -> int:
+        return sum(len(items) for _, items, _ in self.chunks()) if self.lines else len(self.dataset)
+
+    def first(self) -> tuple[Optional[dict], str]:
+        """The first row (None when it is not a JSON object) and where it is."""
+        for _, items, numbers in self.chunks(1):
+            if not self.lines:
+                return items[0], f"{self.spec.name} row 0"
+            try:
+                return parse_json_line(items[0]), f"{self.spec.name} line {numbers[0]}"
+            except RowError:
+                return None, ""
+        return None, ""
+
+    def where(self, index: int, numbers: Optional[list[int]], start: int) -> str:
+        return f"{self.spec.name} line {numbers[index - start]}" if numbers else f"{self.spec.name} row {index}"
+
+    def size(self) -> int:
+        return self.path.stat().st_size if self.lines else len(self.dataset)
+
+
+class Progress:
+    """A log line every PROGRESS_EVERY_S seconds on the building rank: rows/s, tokens/s, ETA."""
+
+    def __init__(self, name: str, total: Optional[int]):
+        self.name, self.total, self.started, self.said = name, total, time.monotonic(), time.monotonic()
+        self.rows = self.tokens = 0
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.rows, self.tokens = self.rows + rows, self.tokens + tokens
+        now = time.monotonic()
+        if now - self.said < PROGRESS_EVERY_S:
+            return
+        self.said, seconds = now, max(now - self.started, 1e-9)
+        left = f", eta {(self.total - self.rows) * seconds / max(self.rows, 1):.0f}s" if self.total else ""
+        logger.info("building %s: %d%s rows, %.0f rows/s, %.0f tokens/s%s", self.name, self.rows,
+                    f"/{self.total}" if self.total else "", self.rows / seconds, self.tokens / seconds, left)
+
+
+def _convert_line(line: str, fmt: str) -> Any:
+    return to_messages(parse_json_line(line), fmt)
+
+
+def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader, fmt: str, writer: ExampleWriter,
+                tmp: Path, report: Any, select: Callable) -> None:
+    """A chat source's examples, appended to `writer`; `report` (its SourceReport) filled in."""
+    drop, by_rows = args.on_bad_row == "drop", args.dataset_mixer_unit != "tokens"
+    n = reader.count()
+    report.rows_in = n
+    picked = None
+    if by_rows and not drop:  # speculative: every row valid (else the bad row stops the build)
+        try:
+            picked = select(list(range(n)), None)
+        except UserError:  # more rows asked for than there are: label all, and the selection says so below
+            picked = None
+    wanted = None if picked is None else np.zeros(n, dtype=bool)
+    if wanted is not None:
+        wanted[picked] = True
+    convert = functools.partial(_convert_line, fmt=fmt) if reader.lines else functools.partial(to_messages, fmt=fmt)
+    spill, errors, invalid = Spill(tmp, "chat"), [], []
+    progress = Progress(spec.name, n)
+    for start, items, numbers in reader.chunks():
+        here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
+        labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
+                              args.preprocessing_num_workers, convert=convert, wanted=here)
+        if not drop and (labelled.invalid or labelled.errors):
+            _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
+        done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
+        spill.append(done[:, 0], labelled.rows.take(done[:, 1]), args.max_seq_length)
+        errors += labelled.errors
+        invalid += labelled.invalid
+        progress.update(len(items), int(labelled.rows.bounds[-1]))
+        del labelled, items
+        # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
+        # the render loop collects only the youngest generation: what survived it is collected here, a chunk's
+        # worth of objects (a full collection would walk every object of the process, torch's included)
+        gc.collect(1)
+    spilled = spill.close()
+    # the row numbering the in-memory build selects in: rows are the lines that parse
+    unreadable = np.array([i for i, e in invalid if e.reason == "invalid_json"], dtype=np.int64)
+    line_of = np.setdiff1d(np.arange(n, dtype=np.int64), unreadable)
+    if len(unreadable):
+        report.dropped["invalid_json"] += len(unreadable)
+    for _, error in invalid:
+        if error.reason != "invalid_json":
+            report.dropped[error.reason] += 1
+    labelled_rows = np.searchsorted(line_of, spilled.index)
+    if picked is None and by_rows:
+        bad = np.array([i for i, _ in invalid], dtype=np.int64)
+        valid = np.flatnonzero(~np.isin(line_of, bad))
+        if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
+            valid = np.arange(n)
+        picked = line_of[np.asarray(select(valid.tolist(), None), dtype=np.int64)].tolist()
+    elif picked is None:
+        rows = select(labelled_rows.tolist(), _Lengths(labelled_rows, spilled.rows.lengths()))
+        picked = line_of[np.asarray(rows, dtype=np.int64)].tolist()
+    counted = set(picked) if by_rows else None
+    for i, error in errors:
+        if counted is None or i in counted:
+            report.dropped[error.reason] += 1
+    found = spilled.positions(np.asarray(picked, dtype=np.int64))
+    found = found[found >= 0]
+    report.rows_selected = len(found)
+    report.upsample_factor = round(len(picked) / max(1, len(set(picked))), 4)
+    kept, dropped, report.truncated = fit_order(spilled.rows.lengths(), spilled.trained, found, args.max_seq_length,
+                                                args.truncation)
+    report.dropped.update(dropped)
+    report.rows_kept = len(kept)
+    for a, b in pieces(np.minimum(spilled.rows.lengths()[kept], args.max_seq_length)):
+        _add_counts(report, writer.write(spilled.rows.take(kept[a:b], args.max_seq_length)))
+
+
+def _raise_first(reader: Reader, invalid: list, errors: list, numbers: Optional[list[int]], start: int) -> None:
+    """--on_bad_row error: the chunk's first bad row, as the in-memory build names it (a line that is not JSON
+    before a row that does not convert, before one that does not render or label)."""
+    if invalid:
+        i, error = min(invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
+        if reader.lines and error.reason == "invalid_json":
+            raise UserError(f"{reader.path} line {numbers[i - start]}: {error}")
+    else:
+        i, error = errors[0]
+    raise UserError(f"{reader.where(i, numbers, start)}: {error}")
+
+
+class _Lengths:
+    """Row → length for select_rows, from two arrays (a dict of millions of rows costs ~100 bytes each)."""
+
+    def __init__(self, rows: np.ndarray, lengths: np.ndarray):
+        self.rows, self.lengths = rows, lengths
+
+    def __getitem__(self, row: int) -> int:
+        return int(self.lengths[np.searchsorted(self.rows, row)])
+
+
+def _add_counts(report: Any, counts: tuple[int, int, int]) -> None:
+    report.tokens += counts[0]
+    report.trained_tokens += counts[1]
+    report.examples += counts[2]
+
+
+def text_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader, writer: ExampleWriter,
+                tmp: Path, report: Any, select: Callable) -> None:
+    """Documents (+ eos) spliced into --max_seq_length blocks, every token trained: `_blocks` of the in-memory
+    build over the selected documents in selection order, cut across chunk boundaries."""
+    drop = args.on_bad_row == "drop"
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    spill = Spill(tmp, "text", keep_labels=False)
+    rows_seen = 0  # rows are the lines that parse
+    progress = Progress(spec.name, None if reader.lines else reader.size())
+    for start, items, numbers in reader.chunks():
+        indices, texts = [], []
+        for k, item in enumerate(items):
+            if reader.lines:
+                try:
+                    item = parse_json_line(item)
+                except RowError as exc:
+                    if not drop:
+                        raise UserError(f"{reader.path} line {numbers[k]}: {exc}") from None
+                    report.dropped["invalid_json"] += 1
+                    continue
+            row, rows_seen = rows_seen, rows_seen + 1
+            try:
+                texts.append(to_text(item))
+            except RowError as exc:
+                if not drop:
+                    where = f"line {numbers[k]}" if numbers else f"row {row}"
+                    raise UserError(f"{spec.name} {where}: {exc}") from None
+                report.dropped[exc.reason] += 1
+                continue
+            indices.append(row)
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        ids = np.fromiter((t for doc in encoded for t in doc + eos), dtype=np.int32)
+        lengths = np.array([len(doc) + len(eos) for doc in encoded], dtype=np.int64)
+        spill.append(np.array(indices, dtype=np.int64), TokenRows.from_lengths(ids, ids, lengths))
+        progress.update(len(items), len(ids))
+    report.rows_in = rows_seen + report.dropped["invalid_json"]
+    if rows_seen == 0:
+        raise UserError(f"{reader.path}: the file has no rows")
+    spilled = spill.close()
+    lengths = spilled.rows.lengths()
+    valid = spilled.index.tolist()
+    selected = select(valid, _Lengths(spilled.index, lengths) if args.dataset_mixer_unit == "tokens" else None)
+    report.rows_selected = report.rows_kept = len(selected)
+    report.upsample_factor = round(len(selected) / max(1, len(set(selected))), 4)
+    block, carry = args.max_seq_length, np.zeros(0, dtype=np.int32)
+    positions = spilled.positions(np.asarray(selected, dtype=np.int64))
+    for a, b in pieces(lengths[positions]):
+        carry = np.concatenate([carry, spilled.rows.take(positions[a:b]).ids])
+        whole = len(carry) // block * block
+        if whole:
+            blocks = carry[:whole]
+            _add_counts(report, writer.write(TokenRows.from_lengths(blocks, blocks, np.full(whole // block, block))))
+            carry = carry[whole:].copy()
+    if len(carry) > 1:  # a last block of one token has nothing to predict
+        _add_counts(report, writer.write(TokenRows.from_lengths(carry, carry, np.array([len(carry)]))))

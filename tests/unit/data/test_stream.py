@@ -1,0 +1,164 @@
+"""The streaming build gives the in-memory build's examples bit for bit, and its reports.
+
+open_sft.data.pipeline.build_rows (every source read whole) is the reference; open_sft.data.build streams the same
+sources a few rows at a time (chunks of 7 rows, blocks of 300 bytes, pieces of 400 tokens), so every step meets chunk
+boundaries: selection (fractions, counts, upsampling above 1.0, --dataset_mixer_unit tokens, --eval_split_ratio),
+bad rows under --on_bad_row drop, truncation, and documents spliced into blocks across chunks."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import datasets
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import SAMPLE
+from open_sft.config.args import DataArguments
+from open_sft.data import pipeline, sources, spill, stream
+from open_sft.data.build import build_sources
+from open_sft.errors import UserError
+
+LINES = SAMPLE.read_text().splitlines()[:120]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("corpora")
+    rows = [json.loads(line) for line in LINES]
+    rng = random.Random(0)
+    texts = [{"text": " ".join(m["content"] for m in row["messages"]) * rng.randint(1, 4)} for row in rows]
+    files = {"chat": root / "chat.jsonl", "text": root / "text.jsonl", "bad": root / "bad.jsonl",
+             "crlf": root / "crlf.jsonl", "bad_text": root / "bad_text.jsonl", "render": root / "render.jsonl"}
+    files["chat"].write_text("\n".join(LINES) + "\n")
+    files["text"].write_text("\n".join(json.dumps(t) for t in texts))  # no newline at the end
+    bad = list(LINES)
+    bad[3], bad[17] = "{not json", json.dumps({"messages": "not a list"})
+    bad[40] = json.dumps({"messages": [{"role": "user", "content": "no answer"}]})
+    for at in (25, 60, 61, 90, 115):  # the tiny template does not write tool calls: a row that fails to render
+        bad[at] = json.dumps({"messages": [{"role": "user", "content": "Weather in Oslo?"}, {
+            "role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Oslo"}}}]}]})
+    files["bad"].write_text("\n".join(bad[:10]) + "\n\n  \n" + "\n".join(bad[10:]) + "\n")
+    files["crlf"].write_text("\r\n".join(LINES[:50]) + "\r\n")
+    files["render"].write_text("\n".join(line for k, line in enumerate(bad) if k not in (3, 17, 40)) + "\n")
+    bad_text = [json.dumps(t) for t in texts[:60]]
+    bad_text[5], bad_text[22] = "{oops", json.dumps({"text": "   "})
+    files["bad_text"].write_text("\n".join(bad_text) + "\n")
+    datasets.Dataset.from_list(rows).to_parquet(str(root / "chat.parquet"))
+    datasets.Dataset.from_list(texts).to_parquet(str(root / "text.parquet"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:70])}).save_to_disk(str(root / "saved"))
+    return {**{k: str(v) for k, v in files.items()}, "chat_parquet": str(root / "chat.parquet"),
+            "text_parquet": str(root / "text.parquet"), "saved": str(root / "saved")}
+
+
+CASES = {
+    "fraction": (["chat", "0.5"], {}),
+    "all": (["chat", "1.0"], {}),
+    "upsampled": (["chat", "2.5"], {}),
+    "count_above_size": (["chat", "300"], {}),
+    "tokens_fraction": (["chat", "0.3"], {"dataset_mixer_unit": "tokens"}),
+    "tokens_count": (["chat", "4000"], {"dataset_mixer_unit": "tokens"}),
+    "truncate": (["chat", "1.0"], {"max_seq_length": 40}),
+    "drop_long": (["chat", "1.0"], {"max_seq_length": 40, "truncation": "drop"}),
+    "last_assistant": (["chat", "0.7"], {"train_on": "last_assistant"}),
+    "bad_rows_dropped": (["bad", "0.6"], {"on_bad_row": "drop"}),
+    "bad_rows_dropped_by_tokens": (["bad", "0.6"], {"on_bad_row": "drop", "dataset_mixer_unit": "tokens"}),
+    "render_errors_dropped": (["render", "0.4"], {"on_bad_row": "drop"}),
+    "crlf": (["crlf", "1.0"], {}),
+    "text_blocks": (["text", "1.0"], {"max_seq_length": 50}),
+    "text_upsampled": (["text", "1.5"], {"max_seq_length": 64}),
+    "text_tokens": (["text", "2000"], {"max_seq_length": 50, "dataset_mixer_unit": "tokens"}),
+    "text_bad_rows_dropped": (["bad_text", "1.0"], {"max_seq_length": 50, "on_bad_row": "drop"}),
+    "parquet_chat": (["chat_parquet", "0.5"], {}),
+    "parquet_text": (["text_parquet", "1.0"], {"max_seq_length": 50}),
+    "saved_to_disk": (["saved", "40"], {}),
+    "mixture": (["chat", "0.5", "text", "1.0", "chat_parquet", "20"], {"max_seq_length": 64}),
+}
+
+
+def args_for(corpora, case: str, **more) -> DataArguments:
+    mixer, extra = CASES[case]
+    mixer = [corpora[item] if i % 2 == 0 else item for i, item in enumerate(mixer)]
+    return DataArguments(dataset_mixer_list=mixer, **{"max_seq_length": 256, **extra, **more})
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(stream, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(spill, "PIECE_TOKENS", 400)
+    monkeypatch.setattr(sources, "READ_BYTES", 300)
+
+
+def streamed(args, tokenizer, tmp_path, holdout=None):
+    writer, reports = build_sources(args, tokenizer, 3, holdout, tmp_path)
+    table = writer.finish("").data.table
+    return [np.asarray(x, dtype=np.int32) for x in table["input_ids"].to_pylist()], \
+        [np.asarray(x, dtype=np.int32) for x in table["labels"].to_pylist()], [r.to_dict() for r in reports]
+
+
+def in_memory(args, tokenizer, holdout=None):
+    rows, reports = pipeline.build_rows(args, tokenizer, 3, holdout)
+    ids = [rows.ids[rows.bounds[r]: rows.bounds[r + 1]] for r in range(len(rows))]
+    labels = [rows.labels[rows.bounds[r]: rows.bounds[r + 1]] for r in range(len(rows))]
+    return ids, labels, [r.to_dict() for r in reports]
+
+
+def test_the_cases_meet_what_they_are_named_for(corpora, tokenizer) -> None:
+    """Bad rows of each kind are dropped where a case says so; the render errors counted are the selected rows'."""
+    reports = {case: in_memory(args_for(corpora, case), tokenizer)[2][0]["rows_dropped"]
+               for case in ("bad_rows_dropped", "render_errors_dropped", "text_bad_rows_dropped")}
+    assert reports["bad_rows_dropped"]["invalid_json"] == 1 and reports["bad_rows_dropped"]["tool_calls_not_rendered"]
+    assert 0 < reports["render_errors_dropped"]["tool_calls_not_rendered"] < 5
+    assert reports["text_bad_rows_dropped"] == {"invalid_json": 1, "empty_text": 1}
+
+
+def assert_same(a, b) -> None:
+    assert len(a[0]) == len(b[0]) > 0
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        assert np.array_equal(x, y)
+    assert a[2] == b[2]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_streaming_equals_the_in_memory_build(case, corpora, tokenizer, tmp_path, small_chunks) -> None:
+    args = args_for(corpora, case)
+    assert_same(streamed(args, tokenizer, tmp_path), in_memory(args, tokenizer))
+
+
+@pytest.mark.parametrize("side", ["train", "eval"])
+def test_streaming_holds_out_the_same_rows(side, corpora, tokenizer, tmp_path, small_chunks) -> None:
+    args = args_for(corpora, "mixture")
+    holdout = (side, 0.2)
+    assert_same(streamed(args, tokenizer, tmp_path, holdout), in_memory(args, tokenizer, holdout))
+
+
+@pytest.mark.parametrize("file, message", [
+    ("bad", r"bad\.jsonl line 4: not valid JSON"),
+    ("bad_text", r"bad_text\.jsonl line 6: not valid JSON"),
+])
+def test_a_bad_row_stops_the_streaming_build_naming_its_line(file, message, corpora, tokenizer, tmp_path,
+                                                             small_chunks) -> None:
+    args = DataArguments(dataset_mixer_list=[corpora[file], "1.0"], max_seq_length=64)
+    with pytest.raises(UserError, match=message):
+        build_sources(args, tokenizer, 3, None, tmp_path)
+    with pytest.raises(UserError, match=message):
+        pipeline.build_rows(args, tokenizer, 3)
+
+
+def test_a_chunk_of_rows_is_all_a_build_holds(corpora, tokenizer, tmp_path, monkeypatch, small_chunks) -> None:
+    """The workers see one chunk at a time: no call labels more than CHUNK_ROWS rows."""
+    sizes = []
+    original = stream.label_rows
+    monkeypatch.setattr(stream, "label_rows", lambda tok, work, *a, **k: sizes.append(len(work)) or original(
+        tok, work, *a, **k))
+    build_sources(args_for(corpora, "all"), tokenizer, 3, None, tmp_path)
+    assert max(sizes) == 7 and sum(sizes) == len(LINES)
+
