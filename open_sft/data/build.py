@@ -2,16 +2,21 @@
 
 Every source but a JSON list file streams (open_sft.data.stream); a JSON list file is one JSON document, read
 whole by the in-memory build (open_sft.data.pipeline.build_rows), whose examples are written the same way.
-The result is the memory-mapped `datasets.Dataset` the cache saves, and the data report.
+The result is a `datasets` directory (save_to_disk's layout, written in place) and the data report.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.data import pipeline as memory
+from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import Reader, chat_source, text_source
 from open_sft.data.summary import length_percentiles
@@ -20,11 +25,12 @@ from open_sft.errors import UserError
 logger = logging.getLogger(__name__)
 
 
-def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[str, float]],
+def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[str, float]], out: Path,
                   tmp: Path) -> tuple[ExampleWriter, list[Any]]:
-    """The mixture's examples written to `tmp/examples.arrow`, in mixture order, and a SourceReport each."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    writer = ExampleWriter(tmp / "examples.arrow")
+    """The mixture's examples written to `out` (save_to_disk's layout, once the writer is finished), in mixture
+    order, and a SourceReport each; `tmp` holds the spilled tokens meanwhile."""
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ExampleWriter(out)
     reports = []
     for number, spec in enumerate(memory._specs(args, holdout)):
         report = _stream_source(spec, args, tokenizer, seed, writer, tmp / f"source{number}")
@@ -32,6 +38,7 @@ def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[
             rows, report = memory._source_rows(spec, args, tokenizer, seed)
             writer.write(rows)
         reports.append(report)
+        shutil.rmtree(tmp / f"source{number}", ignore_errors=True)
         logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
                     report.rows_in, report.rows_selected, report.rows_kept, sum(report.dropped.values()))
     if not sum(r.examples for r in reports) and holdout and holdout[0] == "eval":
@@ -42,13 +49,13 @@ def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[
 
 
 def build_dataset(args: Any, tokenizer: Any, seed: int, key: str, holdout: Optional[tuple[str, float]],
-                  tmp: Path) -> tuple[Any, dict[str, Any]]:
-    """(dataset, data report) of the mixture, the dataset memory-mapped from `tmp`, which must outlive it."""
-    writer, reports = build_sources(args, tokenizer, seed, holdout, tmp)
-    report = {"sources": [r.to_dict() for r in reports], "examples": sum(r.examples for r in reports),
-              "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports),
-              "length_percentiles": length_percentiles(writer.all_lengths())}
-    return writer.finish(fingerprint=key), report
+                  tmp: Path, out: Path) -> dict[str, Any]:
+    """Writes the mixture's examples to `out` (a `datasets` directory) and returns the data report."""
+    writer, reports = build_sources(args, tokenizer, seed, holdout, out, tmp)
+    writer.finish(fingerprint=key)
+    return {"sources": [r.to_dict() for r in reports], "examples": sum(r.examples for r in reports),
+            "tokens": sum(r.tokens for r in reports), "trained_tokens": sum(r.trained_tokens for r in reports),
+            "length_percentiles": length_percentiles(writer.all_lengths())}
 
 
 def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: ExampleWriter,
@@ -74,3 +81,29 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     else:
         chat_source(spec, args, tokenizer, seed, reader, fmt, writer, tmp, report, select)
     return report
+
+
+def prepare(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[str, float]]) -> Any:
+    """open_sft.data.pipeline.prepare_data: the cache entry, built on a miss (once, under its lock)."""
+    import datasets
+
+    inputs = memory.key_inputs(args, tokenizer, seed, holdout)
+    key = cache_key(inputs)
+    if args.dataset_skip_cache:  # the examples' files live as long as this process
+        tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
+        atexit.register(shutil.rmtree, tmp, True)
+        with memory._gc_paused():
+            report = build_dataset(args, tokenizer, seed, key, holdout, tmp / "spill", tmp / "data")
+        shutil.rmtree(tmp / "spill", ignore_errors=True)
+        return memory.PreparedData(datasets.load_from_disk(str(tmp / "data")), report, key, None, False)
+    cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
+    # a build's spilled tokens go beside its staging directory (a killed build's are removed with it)
+    tmp = cache_dir / f"{key}.tmp-{os.getpid()}.spill"
+    try:
+        with memory._gc_paused():
+            dataset, report, entry, hit = load_or_build(
+                cache_dir, key, inputs, lambda staging: build_dataset(args, tokenizer, seed, key, holdout, tmp, staging))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
+    return memory.PreparedData(dataset, report, key, entry, hit)

@@ -3,7 +3,8 @@
 Layout of an entry: a `datasets` directory (columns `input_ids`, `labels`; one row per training
 example before packing) loadable with `datasets.load_from_disk`, `key.json` (the inputs of the key,
 for humans), `report.json` (the data report of the build) and `COMPLETE` (written last; holds the
-sha256 of every data file so a damaged entry is detected).
+sha256 of every data file, their sizes and the hash of their edges, so a damaged entry is detected: entries
+over FULL_CHECK_BYTES are checked on a hit by sizes and edges, smaller ones by every byte).
 
 Builds happen in `<key>.tmp-<pid>/` and are renamed into place. Concurrent processes (ranks, or
 jobs sharing the directory) serialise on a `fcntl` lock: the first builds, the others wait and load.
@@ -87,18 +88,53 @@ def _data_files(entry: Path) -> list[Path]:
     return sorted(p for p in entry.rglob("*") if p.is_file() and p.name not in (COMPLETE, "key.json", "report.json"))
 
 
+# Above this many bytes an entry is checked on a hit by its files' sizes and the hash of each file's first and
+# last EDGE_BYTES (every byte is hashed when it is built): hashing a corpus's cache in full at every launch
+# would cost a second per GB before training starts.
+FULL_CHECK_BYTES = 1 << 30
+EDGE_BYTES = 1 << 20
+
+
+def _edges(path: Path) -> str:
+    """sha256 of the file's first and last EDGE_BYTES (and its size)."""
+    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(EDGE_BYTES))
+        handle.seek(max(0, path.stat().st_size - EDGE_BYTES))
+        digest.update(handle.read(EDGE_BYTES))
+    return digest.hexdigest()
+
+
+def _manifest(entry: Path) -> dict[str, Any]:
+    files = _data_files(entry)
+    return {"files": {str(p.relative_to(entry)): sha256_file(p) for p in files},
+            "sizes": {str(p.relative_to(entry)): p.stat().st_size for p in files},
+            "edges": {str(p.relative_to(entry)): _edges(p) for p in files}}
+
+
 def _verify(entry: Path) -> Optional[str]:
     """None when the entry is complete and intact, else what is wrong with it."""
     marker = entry / COMPLETE
     if not marker.exists():
         return "no COMPLETE marker (an interrupted build)"
     try:
-        expected = json.loads(marker.read_text())["files"]
+        manifest = json.loads(marker.read_text())
+        expected = manifest["files"]
     except (ValueError, KeyError):
         return "unreadable COMPLETE marker"
     actual = {str(p.relative_to(entry)): p for p in _data_files(entry)}
     if set(actual) != set(expected):
         return f"files differ from the COMPLETE manifest ({sorted(set(actual) ^ set(expected))})"
+    sizes, edges = manifest.get("sizes"), manifest.get("edges")
+    if sizes is not None:
+        for name, size in sizes.items():
+            if actual[name].stat().st_size != size:
+                return f"{name} is damaged (size {actual[name].stat().st_size}, built {size})"
+    if edges is not None and sum(sizes.values()) > FULL_CHECK_BYTES:
+        for name, digest in edges.items():
+            if _edges(actual[name]) != digest:
+                return f"{name} is damaged (sha256 mismatch of its first and last MiB)"
+        return None
     for name, digest in expected.items():
         if sha256_file(actual[name]) != digest:
             return f"{name} is damaged (sha256 mismatch)"
@@ -112,10 +148,11 @@ def _load(entry: Path) -> tuple[Any, dict]:
 
 
 def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
-                  build: Callable[[], tuple[Any, dict]]) -> tuple[Any, dict, Path, bool]:
-    """The cached dataset and report for `key`, building them with `build()` on a miss.
+                  build: Callable[[Path], dict]) -> tuple[Any, dict, Path, bool]:
+    """The cached dataset and report for `key`, building them with `build(staging)` on a miss.
 
-    Returns (dataset, report, entry path, hit). `build` returns a `datasets.Dataset` and a JSON-able report.
+    Returns (dataset, report, entry path, hit). `build` writes a `datasets` directory (save_to_disk's layout)
+    into the staging directory it is given and returns a JSON-able report.
     """
     entry = cache_dir / key
     with _locked(cache_dir / f"{key}.lock"):
@@ -130,16 +167,12 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
             logger.warning("removing the partial build %s", stale)
             shutil.rmtree(stale, ignore_errors=True)
         staging = cache_dir / f"{key}.tmp-{os.getpid()}"
-        dataset, report = build()
-        import datasets
-
-        datasets.disable_progress_bars()
-        dataset.save_to_disk(str(staging))
+        staging.mkdir(parents=True)
+        report = build(staging)
         (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
         (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        manifest = {str(p.relative_to(staging)): sha256_file(p) for p in _data_files(staging)}
         with (staging / COMPLETE).open("w") as handle:
-            json.dump({"key": key, "files": manifest}, handle)
+            json.dump({"key": key, **_manifest(staging)}, handle)
             handle.flush()
             os.fsync(handle.fileno())
         share_as_umask(staging)  # a cache shared by users or containers is readable as the umask says

@@ -8,7 +8,9 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections.abc import Sequence
 from pathlib import PurePath
+from typing import Any
 
 from open_sft.data.sources import LOCAL_SUFFIXES, SourceSpec
 from open_sft.errors import UserError
@@ -96,9 +98,9 @@ def held_out_rows(valid: list[int], ratio: float, seed: int, name: str) -> list[
     return sorted(random.Random(f"{seed}:eval_split:{name}").sample(valid, count))
 
 
-def select_rows(spec: SourceSpec, unit: str, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
+def select_rows(spec: SourceSpec, unit: str, valid: Sequence[int], lengths: Any, seed: int) -> list[int]:
     """The rows (repeats allowed) the mixture takes of a source's valid rows, by rows or by tokens (`lengths`
-    gives each valid row's). Under --eval_split_ratio the training side takes its amount from the rows not held
+    gives each valid row's; `valid` may be a range). Under --eval_split_ratio the training side takes its amount from the rows not held
     out, the evaluation side takes the held-out rows once each."""
     if spec.holdout is not None:
         side, ratio = spec.holdout
@@ -111,4 +113,6 @@ def select_rows(spec: SourceSpec, unit: str, valid: list[int], lengths: dict[int
         picked = select_by_tokens(spec, [lengths[i] for i in valid], seed)
     else:
         picked = select_indices(spec, len(valid), seed)
+    if isinstance(valid, range) and valid.start == 0 and valid.step == 1:
+        return picked  # every row valid: the picks are the rows (no second list of millions of rows)
     return [valid[p] for p in picked]

@@ -8,14 +8,11 @@ splits its lines); it gives what the serial read of every other source gives (te
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import functools
 import gc
 import logging
-import os
-import shutil
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
 from open_sft.data.mixer import select_rows, source_names
-from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir, tokenizer_fingerprint
+from open_sft.data.cache import tokenizer_fingerprint
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
@@ -341,11 +338,15 @@ def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
 def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
                    seed: int) -> tuple[list[Example], list[SourceReport]]:
     """The mixture's examples as the cache gets them (streamed, open_sft.data.build), and a report per source."""
+    import datasets
+
     from open_sft.data.build import build_sources
 
     with tempfile.TemporaryDirectory() as tmp:
-        writer, reports = build_sources(args, tokenizer, seed, None, Path(tmp))
-        return [Example(row["input_ids"], row["labels"]) for row in writer.finish("")], reports
+        writer, reports = build_sources(args, tokenizer, seed, None, Path(tmp) / "data", Path(tmp) / "spill")
+        writer.finish("")
+        rows = datasets.load_from_disk(str(Path(tmp) / "data"))
+        return [Example(row["input_ids"], row["labels"]) for row in rows], reports
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
@@ -379,25 +380,6 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
                  holdout: Optional[tuple[str, float]] = None) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
     "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry."""
-    from open_sft.data.build import build_dataset  # streaming, source by source (it builds on this module)
+    from open_sft.data.build import prepare  # streaming, source by source (it builds on this module)
 
-    inputs = key_inputs(args, tokenizer, seed, holdout)
-    key = cache_key(inputs)
-    if args.dataset_skip_cache:  # the examples' file lives as long as this process
-        tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
-        atexit.register(shutil.rmtree, tmp, True)
-        with _gc_paused():
-            dataset, report = build_dataset(args, tokenizer, seed, key, holdout, tmp)
-        return PreparedData(dataset, report, key, None, False)
-    cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
-    # the spilled tokens and examples of a build, beside its staging directory (a killed build's are removed
-    # with it); the saved entry is loaded from its own files, so they go once it is in place
-    tmp = cache_dir / f"{key}.tmp-{os.getpid()}.build"
-    build = functools.partial(build_dataset, args, tokenizer, seed, key, holdout, tmp)
-    try:
-        with _gc_paused():  # around the save too: it runs while the built examples are still alive
-            dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
-    return PreparedData(dataset, report, key, entry, hit)
+    return prepare(args, tokenizer, seed, holdout)

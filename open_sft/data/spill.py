@@ -55,25 +55,34 @@ class Spill:
             if handle is not None:
                 handle.close()
         lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
-        bounds = row_bounds(lengths)
-        ids = _mapped(self.paths[0], int(bounds[-1]))
-        labels = _mapped(self.paths[1], int(bounds[-1])) if self.files[1] is not None else ids
         index = np.concatenate(self.index) if self.index else np.zeros(0, dtype=np.int64)
         trained = np.concatenate(self.trained) if self.trained else None
-        return SpilledRows(TokenRows(ids, labels, bounds), index, trained)
-
-
-def _mapped(path: Path, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=np.int32)
-    return np.memmap(path, dtype=np.int32, mode="r", shape=(count,))
+        return SpilledRows(self.paths[0], self.paths[1] if self.files[1] is not None else None, row_bounds(lengths),
+                           index, trained)
 
 
 class SpilledRows:
-    """A spill read back: `rows` memory-mapped, `index[r]` the source row of row r (ascending)."""
+    """A spill read back: row r (source row `index[r]`, ascending) is positions [bounds[r], bounds[r+1]) of the
+    files. The files are mapped for each `take` and unmapped after it, so the pages read do not stay in this
+    process's resident memory (a long-lived map of a corpus's tokens would count them all)."""
 
-    def __init__(self, rows: TokenRows, index: np.ndarray, trained: Optional[np.ndarray]):
-        self.rows, self.index, self.trained = rows, index, trained
+    def __init__(self, ids: Path, labels: Optional[Path], bounds: np.ndarray, index: np.ndarray,
+                 trained: Optional[np.ndarray]):
+        self.files, self.bounds, self.index, self.trained = (ids, labels), bounds, index, trained
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.bounds)
+
+    def take(self, positions: np.ndarray, max_length: Optional[int] = None) -> TokenRows:
+        """TokenRows.take of these spilled rows, read into memory."""
+        count = int(self.bounds[-1])
+        ids = _mapped(self.files[0], count)
+        labels = _mapped(self.files[1], count) if self.files[1] is not None else ids
+        try:
+            taken = TokenRows(ids, labels, self.bounds).take(positions, max_length)
+            return TokenRows(np.array(taken.ids), np.array(taken.labels), taken.bounds)  # copies: the maps go
+        finally:
+            del ids, labels
 
     def positions(self, source_rows: np.ndarray) -> np.ndarray:
         """The spilled row of each source row, -1 where it was not spilled (dropped, failed)."""
@@ -84,33 +93,77 @@ class SpilledRows:
         return np.where(found, at, -1)
 
 
+def _mapped(path: Path, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=np.int32)
+    return np.memmap(path, dtype=np.int32, mode="r", shape=(count,))
+
+
+SHARD_BYTES = 500 << 20  # as datasets' save_to_disk shards (config.MAX_SHARD_SIZE)
+
+
 class ExampleWriter:
-    """Training examples appended to one Arrow file (columns input_ids, labels: list<int32>; length: int64),
-    the layout TokenRows.to_dataset gives in memory."""
+    """Training examples appended, a piece at a time, to `directory` in the layout `datasets`' save_to_disk
+    writes (Arrow shards of up to SHARD_BYTES, state.json, dataset_info.json) with the columns and features
+    TokenRows.to_dataset has (input_ids, labels: list<int32>; length: int64), so `datasets.load_from_disk` loads
+    it memory-mapped. Written in place: saving a memory-mapped Dataset would read every example back through a
+    map of the whole file (its pages resident in the builder's memory)."""
 
-    def __init__(self, path: Path):
-        import pyarrow as pa
-
-        self.path = path
-        self.schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
-                                 ("length", pa.int64())])
-        self.writer = pa.ipc.new_stream(str(path), self.schema)
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.features = TokenRows.empty().to_dataset(fingerprint="").features
+        self.shards: list[Path] = []
+        self.writer: Any = None
+        self.shard_bytes = 0
         self.lengths: list[np.ndarray] = []
 
     def write(self, rows: TokenRows) -> tuple[int, int, int]:
         """Appends the rows; returns their (tokens, trained tokens, examples) for the report."""
+        from datasets.arrow_writer import ArrowWriter
+
         for start, stop in pieces(rows.lengths()):
             piece = rows if stop - start == len(rows) else rows.take(np.arange(start, stop))
-            self.writer.write_table(piece.to_table())
+            if self.writer is None or self.shard_bytes >= SHARD_BYTES:
+                self._close_shard()
+                self.shards.append(self.directory / f"shard{len(self.shards)}.arrow")
+                self.writer = ArrowWriter(features=self.features, path=str(self.shards[-1]))
+            table = piece.to_table()
+            self.writer.write_table(table)
+            self.shard_bytes += table.nbytes
         self.lengths.append(rows.lengths())
         return int(rows.bounds[-1] - rows.bounds[0]), int(rows.trained_counts().sum()), len(rows)
+
+    def _close_shard(self) -> None:
+        if self.writer is not None:
+            self.writer.finalize()
+            self.writer.close()
+        self.writer, self.shard_bytes = None, 0
 
     def all_lengths(self) -> np.ndarray:
         return np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
 
-    def finish(self, fingerprint: str) -> Any:
-        """The examples as a memory-mapped `datasets.Dataset`."""
+    def finish(self, fingerprint: str) -> None:
+        """Names the shards as save_to_disk does and writes its state.json and dataset_info.json."""
+        import dataclasses
+        import json
+
         import datasets
 
-        self.writer.close()
-        return datasets.Dataset(datasets.table.MemoryMappedTable.from_file(str(self.path)), fingerprint=fingerprint)
+        if not self.shards:  # no example: one empty shard, as save_to_disk writes
+            from datasets.arrow_writer import ArrowWriter
+
+            self.shards.append(self.directory / "shard0.arrow")
+            self.writer = ArrowWriter(features=self.features, path=str(self.shards[-1]))
+            self.writer.write_table(TokenRows.empty().to_table())
+        self._close_shard()
+        names = [f"data-{i:05d}-of-{len(self.shards):05d}.arrow" for i in range(len(self.shards))]
+        for shard, name in zip(self.shards, names):
+            shard.rename(self.directory / name)
+        state = {"_data_files": [{"filename": name} for name in names], "_fingerprint": fingerprint,
+                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+                 "_split": None}
+        (self.directory / datasets.config.DATASET_STATE_JSON_FILENAME).write_text(
+            json.dumps(state, indent=2, sort_keys=True))
+        info = dataclasses.asdict(datasets.DatasetInfo(features=self.features))
+        (self.directory / datasets.config.DATASET_INFO_FILENAME).write_text(
+            json.dumps({key: info[key] for key in sorted(info)}, indent=2))

@@ -33,8 +33,12 @@ from open_sft.data.workers import label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
+# Progress lines come from whichever rank builds (the first to take the cache's lock), and open_sft logs INFO on
+# rank 0 only: this logger says INFO on every rank
+progress_logger = logging.getLogger("open_sft.data.build_progress")
+progress_logger.setLevel(logging.INFO)
 
-CHUNK_ROWS = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_ROWS", "20000"))
+CHUNK_ROWS = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_ROWS", "100000"))
 CHUNK_BYTES = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_MB", "64")) << 20  # long documents make shorter chunks
 PROGRESS_EVERY_S = 10.0
 
@@ -88,26 +92,31 @@ class Reader:
     def where(self, index: int, numbers: Optional[list[int]], start: int) -> str:
         return f"{self.spec.name} line {numbers[index - start]}" if numbers else f"{self.spec.name} row {index}"
 
-    def size(self) -> int:
-        return self.path.stat().st_size if self.lines else len(self.dataset)
-
 
 class Progress:
-    """A log line every PROGRESS_EVERY_S seconds on the building rank: rows/s, tokens/s, ETA."""
+    """A log line every PROGRESS_EVERY_S seconds on the building rank (rows/s, tokens/s, ETA), and one at the end."""
 
-    def __init__(self, name: str, total: Optional[int]):
+    def __init__(self, name: str, total: int):
         self.name, self.total, self.started, self.said = name, total, time.monotonic(), time.monotonic()
         self.rows = self.tokens = 0
 
     def update(self, rows: int, tokens: int) -> None:
         self.rows, self.tokens = self.rows + rows, self.tokens + tokens
         now = time.monotonic()
-        if now - self.said < PROGRESS_EVERY_S:
-            return
-        self.said, seconds = now, max(now - self.started, 1e-9)
-        left = f", eta {(self.total - self.rows) * seconds / max(self.rows, 1):.0f}s" if self.total else ""
-        logger.info("building %s: %d%s rows, %.0f rows/s, %.0f tokens/s%s", self.name, self.rows,
-                    f"/{self.total}" if self.total else "", self.rows / seconds, self.tokens / seconds, left)
+        if now - self.said >= PROGRESS_EVERY_S:
+            self.said = now
+            self._say(f", eta {(self.total - self.rows) * self._seconds() / max(self.rows, 1):.0f}s")
+
+    def done(self) -> None:
+        self._say(f" in {self._seconds():.1f}s")
+
+    def _seconds(self) -> float:
+        return max(time.monotonic() - self.started, 1e-9)
+
+    def _say(self, tail: str) -> None:
+        seconds = self._seconds()
+        progress_logger.info("building %s: %d/%d rows, %.0f rows/s, %.0f tokens/s%s", self.name, self.rows,
+                             self.total, self.rows / seconds, self.tokens / seconds, tail)
 
 
 def _convert_line(line: str, fmt: str) -> Any:
@@ -123,7 +132,7 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
     picked = None
     if by_rows and not drop:  # speculative: every row valid (else the bad row stops the build)
         try:
-            picked = select(list(range(n)), None)
+            picked = np.asarray(select(range(n), None), dtype=np.int64)
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
     wanted = None if picked is None else np.zeros(n, dtype=bool)
@@ -148,6 +157,7 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
         # the render loop collects only the youngest generation: what survived it is collected here, a chunk's
         # worth of objects (a full collection would walk every object of the process, torch's included)
         gc.collect(1)
+    progress.done()
     spilled = spill.close()
     # the row numbering the in-memory build selects in: rows are the lines that parse
     unreadable = np.array([i for i, e in invalid if e.reason == "invalid_json"], dtype=np.int64)
@@ -163,24 +173,25 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
         valid = np.flatnonzero(~np.isin(line_of, bad))
         if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
             valid = np.arange(n)
-        picked = line_of[np.asarray(select(valid.tolist(), None), dtype=np.int64)].tolist()
+        every = len(valid) == len(line_of)  # a range: select_rows makes no second list of the rows
+        picked = line_of[np.asarray(select(range(len(valid)) if every else valid.tolist(), None), dtype=np.int64)]
     elif picked is None:
-        rows = select(labelled_rows.tolist(), _Lengths(labelled_rows, spilled.rows.lengths()))
-        picked = line_of[np.asarray(rows, dtype=np.int64)].tolist()
-    counted = set(picked) if by_rows else None
-    for i, error in errors:
-        if counted is None or i in counted:
+        rows = select(labelled_rows.tolist(), _Lengths(labelled_rows, spilled.lengths()))
+        picked = line_of[np.asarray(rows, dtype=np.int64)]
+    counted = np.isin(np.array([i for i, _ in errors], dtype=np.int64), picked) if by_rows else np.ones(len(errors), bool)
+    for (_, error), count in zip(errors, counted):
+        if count:
             report.dropped[error.reason] += 1
-    found = spilled.positions(np.asarray(picked, dtype=np.int64))
+    found = spilled.positions(picked)
     found = found[found >= 0]
     report.rows_selected = len(found)
-    report.upsample_factor = round(len(picked) / max(1, len(set(picked))), 4)
-    kept, dropped, report.truncated = fit_order(spilled.rows.lengths(), spilled.trained, found, args.max_seq_length,
+    report.upsample_factor = round(len(picked) / max(1, len(np.unique(picked))), 4)
+    kept, dropped, report.truncated = fit_order(spilled.lengths(), spilled.trained, found, args.max_seq_length,
                                                 args.truncation)
     report.dropped.update(dropped)
     report.rows_kept = len(kept)
-    for a, b in pieces(np.minimum(spilled.rows.lengths()[kept], args.max_seq_length)):
-        _add_counts(report, writer.write(spilled.rows.take(kept[a:b], args.max_seq_length)))
+    for a, b in pieces(np.minimum(spilled.lengths()[kept], args.max_seq_length)):
+        _add_counts(report, writer.write(spilled.take(kept[a:b], args.max_seq_length)))
 
 
 def _raise_first(reader: Reader, invalid: list, errors: list, numbers: Optional[list[int]], start: int) -> None:
@@ -219,7 +230,7 @@ def text_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     spill = Spill(tmp, "text", keep_labels=False)
     rows_seen = 0  # rows are the lines that parse
-    progress = Progress(spec.name, None if reader.lines else reader.size())
+    progress = Progress(spec.name, reader.count())
     for start, items, numbers in reader.chunks():
         indices, texts = [], []
         for k, item in enumerate(items):
@@ -246,19 +257,22 @@ def text_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
         lengths = np.array([len(doc) + len(eos) for doc in encoded], dtype=np.int64)
         spill.append(np.array(indices, dtype=np.int64), TokenRows.from_lengths(ids, ids, lengths))
         progress.update(len(items), len(ids))
+    progress.done()
     report.rows_in = rows_seen + report.dropped["invalid_json"]
     if rows_seen == 0:
         raise UserError(f"{reader.path}: the file has no rows")
     spilled = spill.close()
-    lengths = spilled.rows.lengths()
-    valid = spilled.index.tolist()
-    selected = select(valid, _Lengths(spilled.index, lengths) if args.dataset_mixer_unit == "tokens" else None)
+    lengths = spilled.lengths()
+    every = len(spilled.index) == rows_seen  # every row valid: a range (select_rows makes no second list)
+    valid = range(rows_seen) if every else spilled.index.tolist()
+    selected = np.asarray(select(valid, _Lengths(spilled.index, lengths) if args.dataset_mixer_unit == "tokens"
+                                 else None), dtype=np.int64)
     report.rows_selected = report.rows_kept = len(selected)
-    report.upsample_factor = round(len(selected) / max(1, len(set(selected))), 4)
+    report.upsample_factor = round(len(selected) / max(1, len(np.unique(selected))), 4)
     block, carry = args.max_seq_length, np.zeros(0, dtype=np.int32)
-    positions = spilled.positions(np.asarray(selected, dtype=np.int64))
+    positions = spilled.positions(selected)
     for a, b in pieces(lengths[positions]):
-        carry = np.concatenate([carry, spilled.rows.take(positions[a:b]).ids])
+        carry = np.concatenate([carry, spilled.take(positions[a:b]).ids])
         whole = len(carry) // block * block
         if whole:
             blocks = carry[:whole]

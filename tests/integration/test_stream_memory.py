@@ -60,7 +60,8 @@ def corpus(rows):
 def build(args):
     with pipeline._gc_paused():  # as prepare_data builds
         if mode == "stream":
-            build_sources(args, tokenizer, 0, None, Path(tempfile.mkdtemp()))
+            tmp = Path(tempfile.mkdtemp())
+            build_sources(args, tokenizer, 0, None, tmp / "data", tmp / "spill")[0].finish("")
         else:
             pipeline.build_rows(args, tokenizer, 0)
 

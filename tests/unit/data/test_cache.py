@@ -132,3 +132,25 @@ def test_key_ignores_how_the_tokenizer_was_loaded(tiny_model_dir, data_file, tmp
     online = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=False)
     offline = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
     assert key_of(args, online) == key_of(args, offline)
+
+
+def test_a_large_entry_is_checked_by_sizes_and_edges_on_a_hit(tokenizer, data_file, tmp_path, caplog,
+                                                               monkeypatch) -> None:
+    """Above FULL_CHECK_BYTES a hit reads each file's size and first and last MiB, not every byte (a second per GB
+    before training): a changed edge or a cut file is caught; the build itself hashed every byte."""
+    monkeypatch.setattr(cache, "FULL_CHECK_BYTES", 0)
+    args = args_for(data_file, tmp_path / "cache")
+    entry = prepare_data(args, tokenizer, 1).cache_path
+    manifest = json.loads((entry / "COMPLETE").read_text())
+    assert set(manifest) == {"key", "files", "sizes", "edges"}
+    assert prepare_data(args, tokenizer, 1).cache_hit
+    arrow = next(entry.glob("*.arrow"))
+    raw = bytearray(arrow.read_bytes())
+    raw[-10] ^= 0xFF
+    arrow.write_bytes(bytes(raw))
+    assert not prepare_data(args, tokenizer, 1).cache_hit
+    assert "sha256 mismatch of its first and last MiB" in caplog.text
+    arrow = next(entry.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[:-100])
+    assert not prepare_data(args, tokenizer, 1).cache_hit
+    assert "is damaged (size " in caplog.text

@@ -1,14 +1,16 @@
 """The streaming build gives the in-memory build's examples bit for bit, and its reports.
 
 open_sft.data.pipeline.build_rows (every source read whole) is the reference; open_sft.data.build streams the same
-sources a few rows at a time (chunks of 7 rows, blocks of 300 bytes, pieces of 400 tokens), so every step meets chunk
+sources a few rows at a time (chunks of 7 rows, blocks of 300 bytes, pieces of 400 tokens, shards of 2 kB), so every step meets chunk
 boundaries: selection (fractions, counts, upsampling above 1.0, --dataset_mixer_unit tokens, --eval_split_ratio),
 bad rows under --on_bad_row drop, truncation, and documents spliced into blocks across chunks."""
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 
 import datasets
 import numpy as np
@@ -95,11 +97,13 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(stream, "CHUNK_ROWS", 7)
     monkeypatch.setattr(spill, "PIECE_TOKENS", 400)
     monkeypatch.setattr(sources, "READ_BYTES", 300)
+    monkeypatch.setattr(spill, "SHARD_BYTES", 2000)  # several Arrow shards, as save_to_disk splits big datasets
 
 
 def streamed(args, tokenizer, tmp_path, holdout=None):
-    writer, reports = build_sources(args, tokenizer, 3, holdout, tmp_path)
-    table = writer.finish("").data.table
+    writer, reports = build_sources(args, tokenizer, 3, holdout, tmp_path / "data", tmp_path / "spill")
+    writer.finish("")
+    table = datasets.load_from_disk(str(tmp_path / "data")).data.table
     return [np.asarray(x, dtype=np.int32) for x in table["input_ids"].to_pylist()], \
         [np.asarray(x, dtype=np.int32) for x in table["labels"].to_pylist()], [r.to_dict() for r in reports]
 
@@ -148,7 +152,7 @@ def test_a_bad_row_stops_the_streaming_build_naming_its_line(file, message, corp
                                                              small_chunks) -> None:
     args = DataArguments(dataset_mixer_list=[corpora[file], "1.0"], max_seq_length=64)
     with pytest.raises(UserError, match=message):
-        build_sources(args, tokenizer, 3, None, tmp_path)
+        build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     with pytest.raises(UserError, match=message):
         pipeline.build_rows(args, tokenizer, 3)
 
@@ -159,6 +163,17 @@ def test_a_chunk_of_rows_is_all_a_build_holds(corpora, tokenizer, tmp_path, monk
     original = stream.label_rows
     monkeypatch.setattr(stream, "label_rows", lambda tok, work, *a, **k: sizes.append(len(work)) or original(
         tok, work, *a, **k))
-    build_sources(args_for(corpora, "all"), tokenizer, 3, None, tmp_path)
+    build_sources(args_for(corpora, "all"), tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     assert max(sizes) == 7 and sum(sizes) == len(LINES)
 
+
+
+def test_the_building_rank_says_how_fast_and_how_long(corpora, tokenizer, tmp_path, monkeypatch, caplog,
+                                                      small_chunks) -> None:
+    monkeypatch.setattr(stream, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="open_sft.data.build_progress"):
+        build_sources(args_for(corpora, "text_blocks"), tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+    lines = [r.getMessage() for r in caplog.records if r.name == "open_sft.data.build_progress"]
+    assert re.fullmatch(r"building .*text\.jsonl: 7/120 rows, \d+ rows/s, \d+ tokens/s, eta \d+s", lines[0])
+    assert re.fullmatch(r"building .*text\.jsonl: 120/120 rows, \d+ rows/s, \d+ tokens/s in [\d.]+s", lines[-1])
+    assert len(lines) == 120 // 7 + 2
