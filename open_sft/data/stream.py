@@ -127,38 +127,14 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
                 tmp: Path, report: Any, select: Callable) -> None:
     """A chat source's examples, appended to `writer`; `report` (its SourceReport) filled in."""
     drop, by_rows = args.on_bad_row == "drop", args.dataset_mixer_unit != "tokens"
-    n = reader.count()
-    report.rows_in = n
+    n = report.rows_in = reader.count()
     picked = None
     if by_rows and not drop:  # speculative: every row valid (else the bad row stops the build)
         try:
             picked = np.asarray(select(range(n), None), dtype=np.int64)
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
-    wanted = None if picked is None else np.zeros(n, dtype=bool)
-    if wanted is not None:
-        wanted[picked] = True
-    convert = functools.partial(_convert_line, fmt=fmt) if reader.lines else functools.partial(to_messages, fmt=fmt)
-    spill, errors, invalid = Spill(tmp, "chat"), [], []
-    progress = Progress(spec.name, n)
-    for start, items, numbers in reader.chunks():
-        here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
-        labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
-                              args.preprocessing_num_workers, convert=convert, wanted=here)
-        if not drop and (labelled.invalid or labelled.errors):
-            _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
-        done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
-        spill.append(done[:, 0], labelled.rows.take(done[:, 1]), args.max_seq_length)
-        errors += labelled.errors
-        invalid += labelled.invalid
-        progress.update(len(items), int(labelled.rows.bounds[-1]))
-        del labelled, items
-        # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
-        # the render loop collects only the youngest generation: what survived it is collected here, a chunk's
-        # worth of objects (a full collection would walk every object of the process, torch's included)
-        gc.collect(1)
-    progress.done()
-    spilled = spill.close()
+    spilled, errors, invalid = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
     # the row numbering the in-memory build selects in: rows are the lines that parse
     unreadable = np.array([i for i, e in invalid if e.reason == "invalid_json"], dtype=np.int64)
     line_of = np.setdiff1d(np.arange(n, dtype=np.int64), unreadable)
@@ -167,15 +143,14 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
     for _, error in invalid:
         if error.reason != "invalid_json":
             report.dropped[error.reason] += 1
-    labelled_rows = np.searchsorted(line_of, spilled.index)
     if picked is None and by_rows:
-        bad = np.array([i for i, _ in invalid], dtype=np.int64)
-        valid = np.flatnonzero(~np.isin(line_of, bad))
+        valid = np.flatnonzero(~np.isin(line_of, np.array([i for i, _ in invalid], dtype=np.int64)))
         if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
             valid = np.arange(n)
         every = len(valid) == len(line_of)  # a range: select_rows makes no second list of the rows
         picked = line_of[np.asarray(select(range(len(valid)) if every else valid.tolist(), None), dtype=np.int64)]
     elif picked is None:
+        labelled_rows = np.searchsorted(line_of, spilled.index)
         rows = select(labelled_rows.tolist(), _Lengths(labelled_rows, spilled.lengths()))
         picked = line_of[np.asarray(rows, dtype=np.int64)]
     counted = np.isin(np.array([i for i, _ in errors], dtype=np.int64), picked) if by_rows else np.ones(len(errors), bool)
@@ -192,6 +167,37 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader,
     report.rows_kept = len(kept)
     for a, b in pieces(np.minimum(spilled.lengths()[kept], args.max_seq_length)):
         _add_counts(report, writer.write(spilled.take(kept[a:b], args.max_seq_length)))
+
+
+def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, tmp: Path, n: int,
+                  picked: Optional[np.ndarray]) -> tuple[Any, list, list]:
+    """Every chunk converted, rendered, labelled (only the `picked` rows, when given) and spilled; the rows that
+    failed (row index, RowError) to render or label, and those that did not parse or convert. Under
+    --on_bad_row error the first bad row stops it."""
+    wanted = None if picked is None else np.zeros(n, dtype=bool)
+    if wanted is not None:
+        wanted[picked] = True
+    convert = functools.partial(_convert_line, fmt=fmt) if reader.lines else functools.partial(to_messages, fmt=fmt)
+    spill, errors, invalid = Spill(tmp, "chat"), [], []
+    progress = Progress(spec.name, n)
+    for start, items, numbers in reader.chunks():
+        here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
+        labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
+                              args.preprocessing_num_workers, convert=convert, wanted=here)
+        if args.on_bad_row != "drop" and (labelled.invalid or labelled.errors):
+            _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
+        done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
+        spill.append(done[:, 0], labelled.rows.take(done[:, 1]), args.max_seq_length)
+        errors += labelled.errors
+        invalid += labelled.invalid
+        progress.update(len(items), int(labelled.rows.bounds[-1]))
+        del labelled, items
+        # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
+        # the render loop collects only the youngest generation: what survived it is collected here, a chunk's
+        # worth of objects (a full collection would walk every object of the process, torch's included)
+        gc.collect(1)
+    progress.done()
+    return spill.close(), errors, invalid
 
 
 def _raise_first(reader: Reader, invalid: list, errors: list, numbers: Optional[list[int]], start: int) -> None:
