@@ -7,7 +7,9 @@
 A JSON Lines corpus of each size is written from the given rows (alpaca, messages or text), repeated with
 variation (each copy's first user turn or text gets the copy's number); each is built by a fresh process
 exactly as `finetune.py --cache_dataset_only` builds it (prepare_data with the same arguments), which reports
-its own peak RSS and its workers' (the build's only processes), its time, rows/s and tokens/s. The raw
+its own peak RSS and its workers' (the build's only processes), its peak anonymous memory (sampled: RSS
+also counts the pages of memory-mapped files it has read, which the kernel reclaims), its time, rows/s and
+tokens/s. The raw
 tokenizer's batch encode of the rendered text of the first rows of the corpus (all of them, up to
 --raw_rows) gives the reference throughput, measured in one more process; then a fresh process loads the
 finished cache (the start of the training run that follows). One line of JSON per size, and a Markdown table.
@@ -26,8 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 BUILD = r"""
-import json, resource, sys, time
+import json, resource, sys, threading, time
 sys.path.insert(0, sys.argv[1])
+
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+peak_anon, done = [0], threading.Event()
+
+def sample():  # the heap and arrays; RSS also counts the pages of memory-mapped files read (reclaimable)
+    while not done.wait(0.2):
+        peak_anon[0] = max(peak_anon[0], status("RssAnon"))
+
+threading.Thread(target=sample, daemon=True).start()
 from scripts.benchmark_data_scaling import load_tokenizer
 from open_sft.config.args import DataArguments
 from open_sft.data.pipeline import prepare_data
@@ -38,8 +53,10 @@ started = time.perf_counter()
 data = prepare_data(args, tokenizer, 0)
 seconds = time.perf_counter() - started
 mine, workers = (resource.getrusage(who).ru_maxrss * 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+done.set()
 print(json.dumps({"seconds": seconds, "hit": data.cache_hit, "rows": data.report["sources"][0]["rows_in"],
-                  "tokens": data.report["tokens"], "examples": len(data), "peak_rss": mine, "worker_peak_rss": workers}))
+                  "tokens": data.report["tokens"], "examples": len(data), "peak_rss": mine, "worker_peak_rss": workers,
+                  "peak_anon": max(peak_anon[0], status("RssAnon")), "rss_file_at_end": status("RssFile")}))
 """
 
 RAW = r"""
@@ -153,17 +170,18 @@ def main() -> int:
                       "raw_tokenizer_tokens_per_s": round(raw["tokens"] / raw["seconds"]),
                       "build_over_raw": round(build["tokens"] / build["seconds"] / (raw["tokens"] / raw["seconds"]), 3),
                       "peak_rss_mb": round(build["peak_rss"] / 2**20), "worker_peak_rss_mb": round(build["worker_peak_rss"] / 2**20),
+                      "peak_anon_mb": round(build["peak_anon"] / 2**20), "rss_file_at_end_mb": round(build["rss_file_at_end"] / 2**20),
                       "cache_hit_load_s": round(hit["seconds"], 2), "cache_hit_process_s": round(hit_wall, 1),
                       "hit": hit["hit"]}
             print(json.dumps(result), flush=True)
             results.append(result)
             corpus.unlink()
     print("\n| corpus | rows | tokens | build | rows/s | tokens/s | × raw tokenizer | peak RSS (main / a worker) | "
-          "cache hit load |\n|---|---|---|---|---|---|---|---|---|")
+          "peak anonymous (main) | cache hit load |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['corpus_mb']} MB | {r['rows']:,} | {r['tokens']:,} | {r['build_s']} s | {r['rows_per_s']:,} | "
               f"{r['tokens_per_s']:,} | {r['build_over_raw']} | {r['peak_rss_mb']} / {r['worker_peak_rss_mb']} MB | "
-              f"{r['cache_hit_load_s']} s |")
+              f"{r['peak_anon_mb']} MB | {r['cache_hit_load_s']} s |")
     return 0
 
 
