@@ -1,4 +1,5 @@
-"""The build of a mixture's training examples into one Arrow file, source by source, streaming where it can.
+"""The build of a mixture's training examples into a `datasets` directory, source by source, streaming where
+it can.
 
 Every source but a JSON list file streams (open_sft.data.stream); a JSON list file is one JSON document, read
 whole by the in-memory build (open_sft.data.pipeline.build_rows), whose examples are written the same way.
@@ -77,9 +78,9 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
         return memory._select(spec, args, valid, lengths, seed)
 
     if fmt == "text":
-        text_source(spec, args, tokenizer, seed, reader, writer, tmp, report, select)
+        text_source(spec, args, tokenizer, reader, writer, tmp, report, select)
     else:
-        chat_source(spec, args, tokenizer, seed, reader, fmt, writer, tmp, report, select)
+        chat_source(spec, args, tokenizer, reader, fmt, writer, tmp, report, select)
     return report
 
 

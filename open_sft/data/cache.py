@@ -97,10 +97,11 @@ EDGE_BYTES = 1 << 20
 
 def _edges(path: Path) -> str:
     """sha256 of the file's first and last EDGE_BYTES (and its size)."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as handle:
         digest.update(handle.read(EDGE_BYTES))
-        handle.seek(max(0, path.stat().st_size - EDGE_BYTES))
+        handle.seek(max(0, size - EDGE_BYTES))
         digest.update(handle.read(EDGE_BYTES))
     return digest.hexdigest()
 

@@ -2,9 +2,10 @@
 
 A streaming build (open_sft.data.stream) never holds a corpus's tokens in memory. Each chunk's rows are
 appended to a Spill (two flat int32 files and, in memory, a few numbers per row: its source row index,
-length and trained count); the selection, truncation and block cutting then read them back memory-mapped,
-a piece at a time, and an ExampleWriter appends the training examples to one Arrow file, which becomes the
-`datasets.Dataset` (memory-mapped) that the cache saves. Peak memory is a chunk's, whatever the corpus's size.
+length and trained count); the selection, truncation and block cutting then read them back a piece at a time
+(mapped for that piece only), and an ExampleWriter writes the training examples straight into the cache
+entry's Arrow shards. The corpus's tokens are never in memory together; what grows with it is a few numbers
+per row.
 """
 
 from __future__ import annotations
@@ -78,11 +79,8 @@ class SpilledRows:
         count = int(self.bounds[-1])
         ids = _mapped(self.files[0], count)
         labels = _mapped(self.files[1], count) if self.files[1] is not None else ids
-        try:
-            taken = TokenRows(ids, labels, self.bounds).take(positions, max_length)
-            return TokenRows(np.array(taken.ids), np.array(taken.labels), taken.bounds)  # copies: the maps go
-        finally:
-            del ids, labels
+        taken = TokenRows(ids, labels, self.bounds).take(positions, max_length)
+        return TokenRows(np.array(taken.ids), np.array(taken.labels), taken.bounds)  # copies: the maps go
 
     def positions(self, source_rows: np.ndarray) -> np.ndarray:
         """The spilled row of each source row, -1 where it was not spilled (dropped, failed)."""
@@ -119,19 +117,22 @@ class ExampleWriter:
 
     def write(self, rows: TokenRows) -> tuple[int, int, int]:
         """Appends the rows; returns their (tokens, trained tokens, examples) for the report."""
-        from datasets.arrow_writer import ArrowWriter
-
         for start, stop in pieces(rows.lengths()):
             piece = rows if stop - start == len(rows) else rows.take(np.arange(start, stop))
             if self.writer is None or self.shard_bytes >= SHARD_BYTES:
-                self._close_shard()
-                self.shards.append(self.directory / f"shard{len(self.shards)}.arrow")
-                self.writer = ArrowWriter(features=self.features, path=str(self.shards[-1]))
+                self._open_shard()
             table = piece.to_table()
             self.writer.write_table(table)
             self.shard_bytes += table.nbytes
         self.lengths.append(rows.lengths())
         return int(rows.bounds[-1] - rows.bounds[0]), int(rows.trained_counts().sum()), len(rows)
+
+    def _open_shard(self) -> None:
+        from datasets.arrow_writer import ArrowWriter
+
+        self._close_shard()
+        self.shards.append(self.directory / f"shard{len(self.shards)}.arrow")
+        self.writer = ArrowWriter(features=self.features, path=str(self.shards[-1]))
 
     def _close_shard(self) -> None:
         if self.writer is not None:
@@ -150,10 +151,7 @@ class ExampleWriter:
         import datasets
 
         if not self.shards:  # no example: one empty shard, as save_to_disk writes
-            from datasets.arrow_writer import ArrowWriter
-
-            self.shards.append(self.directory / "shard0.arrow")
-            self.writer = ArrowWriter(features=self.features, path=str(self.shards[-1]))
+            self._open_shard()
             self.writer.write_table(TokenRows.empty().to_table())
         self._close_shard()
         names = [f"data-{i:05d}-of-{len(self.shards):05d}.arrow" for i in range(len(self.shards))]

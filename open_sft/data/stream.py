@@ -53,10 +53,9 @@ class Reader:
     @classmethod
     def open(cls, spec: Any) -> Optional["Reader"]:
         """None for a JSON list file (one JSON document: read whole, by the in-memory build)."""
-        if Path(spec.name).expanduser().suffix == ".json" and Path(spec.name).expanduser().is_file():
-            return None
-        if Path(spec.name).expanduser().suffix == ".jsonl" and Path(spec.name).expanduser().is_file():
-            return cls(spec)
+        path = Path(spec.name).expanduser()
+        if path.suffix in (".json", ".jsonl") and path.is_file():
+            return cls(spec) if path.suffix == ".jsonl" else None
         return cls(spec, open_dataset(spec))
 
     @property
@@ -123,8 +122,8 @@ def _convert_line(line: str, fmt: str) -> Any:
     return to_messages(parse_json_line(line), fmt)
 
 
-def chat_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader, fmt: str, writer: ExampleWriter,
-                tmp: Path, report: Any, select: Callable) -> None:
+def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, writer: ExampleWriter, tmp: Path,
+                report: Any, select: Callable) -> None:
     """A chat source's examples, appended to `writer`; `report` (its SourceReport) filled in."""
     drop, by_rows = args.on_bad_row == "drop", args.dataset_mixer_unit != "tokens"
     n = report.rows_in = reader.count()
@@ -228,8 +227,8 @@ def _add_counts(report: Any, counts: tuple[int, int, int]) -> None:
     report.examples += counts[2]
 
 
-def text_source(spec: Any, args: Any, tokenizer: Any, seed: int, reader: Reader, writer: ExampleWriter,
-                tmp: Path, report: Any, select: Callable) -> None:
+def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: ExampleWriter, tmp: Path,
+                report: Any, select: Callable) -> None:
     """Documents (+ eos) spliced into --max_seq_length blocks, every token trained: `_blocks` of the in-memory
     build over the selected documents in selection order, cut across chunk boundaries."""
     drop = args.on_bad_row == "drop"

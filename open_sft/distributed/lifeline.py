@@ -73,8 +73,7 @@ class Lifeline:
     def start(self) -> "Lifeline":
         if self.follow:
             self._ask_kernel()
-            if os.getppid() != self.parent:  # it died before we asked
-                self.exit_lost(f"its launcher (pid {self.parent}) is gone")
+            self._parent_died()  # it may have died before we asked
         threading.Thread(target=self._watch, name="open_sft-lifeline", daemon=True).start()
         return self
 
@@ -91,10 +90,14 @@ class Lifeline:
             return
         signal.signal(signal.SIGUSR2, self._parent_died)
 
-    def _parent_died(self, signum: int, frame: object) -> None:
-        # the kernel also sends it when the *thread* that started this process exits: only a new parent counts
-        if os.getppid() != self.parent:
-            self.exit_lost(f"its launcher (pid {self.parent}) is gone")
+    def _parent_gone(self) -> Optional[str]:
+        # the kernel also signals when the *thread* that started this process exits: only a new parent counts
+        return f"its launcher (pid {self.parent}) is gone" if self.follow and os.getppid() != self.parent else None
+
+    def _parent_died(self, *signal_args: object) -> None:
+        why = self._parent_gone()
+        if why is not None:
+            self.exit_lost(why)
 
     def watch_peers(self, table: list[tuple[str, int, Optional[str]]]) -> None:
         """`table[r]` = (host, pid, start time) of rank r (all-gathered once the process group is up): from now
@@ -110,8 +113,9 @@ class Lifeline:
 
     def gone(self) -> Optional[str]:
         """What is gone, if anything: the launcher, or peers on this host."""
-        if self.follow and os.getppid() != self.parent:
-            return f"its launcher (pid {self.parent}) is gone"
+        parent = self._parent_gone()
+        if parent is not None:
+            return parent
         with self._lock:
             lost = [f"rank {r} (pid {pid} on {self.host})" for r, (pid, start) in sorted(self.peers.items())
                     if process_start(pid) != start]

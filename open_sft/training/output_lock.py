@@ -18,6 +18,7 @@ file nor a directory the lock created is left.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -28,7 +29,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, ContextManager, Optional
 
 from open_sft.errors import UserError
 
@@ -127,19 +128,11 @@ class OutputDirLock:
             os.close(self.fd)  # closing releases the flock
 
 
-class NoLock:
-    def __enter__(self) -> "NoLock":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-def lock_output_dir(config: Any, main_process: bool) -> Union[OutputDirLock, NoLock]:
+def lock_output_dir(config: Any, main_process: bool) -> ContextManager[Any]:
     """The main process's lock for a run (a FinetuneConfig); none for --dry_run and --cache_dataset_only, which
     write nothing there, and none on the other ranks."""
     if config.train.dry_run or config.data.cache_dataset_only or not main_process:
-        return NoLock()
+        return contextlib.nullcontext()
     return OutputDirLock.acquire(Path(config.train.output_dir))
 
 
