@@ -292,6 +292,21 @@ def test_the_relaunch_takes_over_the_lock_of_a_killed_run(zero2) -> None:
     assert json.loads((zero2["out"] / ".open_sft.lock").read_text())["state"] == "ended"
 
 
+SLOWED_AFTER_FIRST_WINDOW = """
+import sys, time
+from open_sft.model import loss
+from open_sft import run
+forward, calls = loss.TokenLossModel.forward, [0]
+def slowed(self, **batch):
+    calls[0] += 1
+    if calls[0] > 12:  # the micro-batches after step 6 (2 per step)
+        time.sleep(0.5)
+    return forward(self, **batch)
+loss.TokenLossModel.forward = slowed
+sys.exit(run.main())
+"""
+
+
 def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tiny_model_dir, tmp_path) -> None:
     """Six-step logging windows and a SIGTERM after the first: the checkpoint is taken inside the second
     window, and the resumed run logs that window (loss, padding ratio, tokens, every exact field) as the
@@ -300,8 +315,12 @@ def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tin
     base = tmp_path / "base"
     run_layout("single", finetune_args(tiny_model_dir, base, "single") + args)
     out = tmp_path / "resumed"
+    # Steps 7-12 of this tiny model take less time than the signal's way in: the interrupted run's later
+    # micro-batches are slowed (a sleep, nothing numeric) so that the SIGTERM surely lands inside the window.
+    script = tmp_path / "slow_finetune.py"
+    script.write_text(SLOWED_AFTER_FIRST_WINDOW)
     interrupt("single", finetune_args(tiny_model_dir, out, "single") + args, out, 1, signal.SIGTERM,
-              tmp_path / "term.log")
+              tmp_path / "term.log", command=[*launch_command(1, None)[:-1], str(script)])
     saved = complete_steps(out)
     assert len(saved) == 1 and 6 < saved[0] < 12, saved  # inside the window of steps 7-12
     run_layout("single", finetune_args(tiny_model_dir, out, "single") + args)
