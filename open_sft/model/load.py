@@ -223,32 +223,47 @@ def context_warning(config: Any, longest: int) -> Optional[str]:
 
 
 def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Grow the embeddings to a multiple of 64 rows when the tokenizer gained tokens (a chat template's
-    special tokens, --add_tokens); rows of new tokens (new rows, and rows of ids --add_tokens assigned
-    inside the old matrix) are set to the mean of the other old rows. A no-op once they fit."""
+    """Give the tokens the run added (a chat template's special tokens, --add_tokens) rows that start at the mean
+    of the trained rows, in the input embeddings and the LM head (once when tied): the matrix grows to a multiple
+    of 64 rows when the tokenizer no longer fits, and an added token whose id falls on a spare row of a padded
+    matrix (GPT-NeoX/OLMo/Qwen: 50,304 rows for 50,280 tokens) gets the mean too, never that untrained row. The
+    trained rows are those of the tokens the tokenizer had before the run added any; rows grown for padding get
+    the mean as well. A no-op once the added rows are initialised."""
     rows = param_shape(model.get_input_embeddings().weight)[0]
-    added = [i for i in getattr(tokenizer, "open_sft_added_ids", []) if i < rows]
-    if len(tokenizer) <= rows and not added:
+    pending = sorted(getattr(tokenizer, "open_sft_added_ids", []))
+    if len(tokenizer) <= rows and not pending:
         return
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
         logger.info("resized embeddings from %d to %d rows for %d tokens", rows,
                     param_shape(model.get_input_embeddings().weight)[0], len(tokenizer))
+    # the trained rows: those of the tokens the tokenizer had before the run added any (spare padding rows
+    # past the tokenizer's size are untrained)
+    limit = min(len(tokenizer), rows)
+    added = sorted(i for i in set(getattr(tokenizer, "open_sft_new_ids", [])) | set(pending) if i < limit)
     layers = [model.get_input_embeddings().weight, model.get_output_embeddings().weight]
     weights = list({id(w): w for w in layers}.values())  # once when the embeddings are tied
     with _gathered(weights):
         for weight in weights:
-            _mean_init_rows(weight, rows, added)
+            _mean_init_rows(weight, rows, limit, added, [i for i in pending if i < rows])
+    if pending:
+        named = ", ".join(f"{token} ({i})" for token, i in zip(tokenizer.convert_ids_to_tokens(pending), pending))
+        logger.info("added tokens %s: their %s rows start at the mean of the %d trained rows", named,
+                    "embedding" if len(weights) == 1 else "input-embedding and LM-head", limit - len(added))
     tokenizer.open_sft_added_ids = []  # initialised; a second call must not reset trained rows
 
 
 @torch.no_grad()
-def _mean_init_rows(weight: torch.Tensor, old_rows: int, reset: list[int]) -> None:
-    keep = torch.ones(old_rows, dtype=torch.bool)
-    keep[reset] = False
-    mean = weight[:old_rows][keep].float().mean(dim=0).to(weight.dtype)
+def _mean_init_rows(weight: torch.Tensor, old_rows: int, limit: int, excluded: list[int], reset: list[int]) -> None:
+    """Rows `reset` and every row past `old_rows` (grown) set to the mean of rows 0..limit-1 but `excluded`
+    (summed in fp32 without copying the matrix)."""
+    total = weight[:limit].float().sum(dim=0)
+    if excluded:
+        total -= weight[excluded].float().sum(dim=0)
+    mean = (total / max(limit - len(excluded), 1)).to(weight.dtype)
     weight[old_rows:] = mean
-    weight[reset] = mean
+    if reset:
+        weight[reset] = mean
 
 
 def add_neftune_noise(model: PreTrainedModel, alpha: float) -> torch.utils.hooks.RemovableHandle:

@@ -69,3 +69,34 @@ def test_adapter_loads_with_plain_peft_and_equals_the_merged_model(chatml_lora, 
         torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     config = json.loads((chatml_lora / "adapter_config.json").read_text())
     assert config["trainable_token_indices"]
+
+
+def test_chatml_tokens_on_spare_rows_start_at_the_mean_in_a_run(tiny_model_dir, tmp_path) -> None:
+    """A real run (full fine-tune, and LoRA) of a model whose embedding has spare rows: chatml's tokens take spare
+    rows, start at the mean of the trained rows in both matrices (one step at lr 1e-9 keeps them there), the log
+    names them with their ids, and LoRA trains those rows."""
+    from unit.model.test_model_options import with_spare_rows
+
+    model_dir = with_spare_rows(tiny_model_dir, tmp_path / "spare", tied=False)
+    common = ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "40",
+              "--max_train_steps", "1", "--seed", "1", "--max_seq_length", "128", "--torch_dtype", "float32",
+              "--per_device_train_batch_size", "4", "--chat_template_name", "chatml"]
+    full = run_finetune(common + ["--output_dir", str(tmp_path / "full"), "--learning_rate", "1e-9"])
+    line = ("added tokens <|im_start|> (1024), <|im_end|> (1025): their input-embedding and LM-head rows start at "
+            "the mean of the 1024 trained rows")
+    assert line in full.stdout
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "full", dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(tmp_path / "full").convert_tokens_to_ids(CHATML) == [1024, 1025]
+    for new, old in ((trained.get_input_embeddings().weight, base.get_input_embeddings().weight),
+                     (trained.get_output_embeddings().weight, base.get_output_embeddings().weight)):
+        assert new.shape == old.shape == (1088, 64)
+        mean = old.detach()[:1024].mean(0)
+        torch.testing.assert_close(new.detach()[1024:1026], mean.expand(2, -1), rtol=0, atol=1e-6)
+        assert float((old.detach()[1024:1026] - mean).abs().max()) > 0.5  # the padding rows it replaced
+    lora = run_finetune(common + ["--output_dir", str(tmp_path / "lora"), "--learning_rate", "1e-3", "--use_lora",
+                                  "--lora_rank", "4"])
+    assert line in lora.stdout and "LoRA also trains the embedding rows of the 2 added tokens" in lora.stdout
+    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert {k: sorted(v) for k, v in config["trainable_token_indices"].items()} == {
+        "embed_tokens": [1024, 1025], "lm_head": [1024, 1025]}

@@ -147,3 +147,62 @@ def test_examples_longer_than_the_models_positions_warn() -> None:
     assert context_warning(config, 4000) == (
         "examples up to 4000 tokens are longer than the model's 2048 positions (max_position_embeddings): lower "
         "--max_seq_length to 2048, or extend the context (e.g. rope_scaling through --additional_model_arguments)")
+
+
+def with_spare_rows(tiny_model_dir, out, tied: bool):
+    """The tiny model with 64 spare embedding rows past its 1,024 tokens, as GPT-NeoX/OLMo/Qwen pad theirs
+    (50,304 rows for 50,280 tokens): the spare rows hold values far from the trained rows' (N(0, 1) against
+    the model's 0.02 init), as untrained padding does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, tie_word_embeddings=tied)
+    tokens = len(AutoTokenizer.from_pretrained(tiny_model_dir))
+    model.resize_token_embeddings(tokens + 64, mean_resizing=False)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for weight in {id(w): w for w in (model.get_input_embeddings().weight,
+                                          model.get_output_embeddings().weight)}.values():
+            weight[tokens:] = torch.randn(64, weight.shape[1], generator=generator)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("how", ["chatml", "add_special_tokens"])
+def test_added_tokens_on_spare_rows_start_at_the_mean_of_the_trained_rows(tiny_model_dir, tmp_path, caplog,
+                                                                          tied, how) -> None:
+    """Tokens the run adds land on spare rows (the matrix need not grow): their rows, in the input embeddings and
+    the LM head, are the mean of the 1,024 trained rows, not the padding that was there nor a mean polluted by
+    it; every other row is untouched; one log line names the tokens and their ids."""
+    from transformers import AutoModelForCausalLM
+
+    from open_sft.data.chat.templates import apply_chat_template_choice
+
+    model_dir = with_spare_rows(tiny_model_dir, tmp_path / "spare", tied)
+    token_file = tmp_path / "tokens.txt"
+    token_file.write_text("<|im_start|>\n<|im_end|>\n")
+    args = model_args(model_dir, **({"add_special_tokens": str(token_file)} if how != "chatml" else {}))
+    tokenizer = load_tokenizer(args)
+    if how == "chatml":
+        assert apply_chat_template_choice(tokenizer, "chatml", None) == ["<|im_start|>", "<|im_end|>"]
+    with caplog.at_level("INFO", logger="open_sft"):
+        model = load_model(args, tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids == [1024, 1025]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pairs = [(model.get_input_embeddings().weight, base.get_input_embeddings().weight),
+             (model.get_output_embeddings().weight, base.get_output_embeddings().weight)]
+    assert (pairs[0][0] is pairs[1][0]) == tied
+    others = [i for i in range(1088) if i not in ids]
+    for new, old in pairs:
+        assert new.shape == old.shape == (1088, 64)  # not resized: the spare rows took the tokens
+        mean = old[:1024].mean(dim=0)
+        torch.testing.assert_close(new[ids], mean.expand(2, -1), rtol=1e-6, atol=1e-7)
+        assert float((old[others].mean(0) - mean).abs().max()) > 1e-3  # the padding would have shifted it
+        torch.testing.assert_close(new[others], old[others], rtol=0, atol=0)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("added tokens ")]
+    rows = "embedding" if tied else "input-embedding and LM-head"
+    assert lines == [f"added tokens <|im_start|> (1024), <|im_end|> (1025): their {rows} rows start at the mean of "
+                     "the 1024 trained rows"]
+    assert tokenizer.open_sft_new_ids == ids  # what LoRA makes trainable (open_sft.model.lora)
