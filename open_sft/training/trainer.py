@@ -78,6 +78,10 @@ class Trainer:
         self.nonfinite_steps = 0
         self.nonfinite_in_a_row = 0
         self.window = Window(started=time.perf_counter())  # the logging window open now
+        # training seconds of the launches before this one (a checkpoint's), and when this launch's loop started:
+        # elapsed_s, tokens/s and the ETA count training time across resumes, never the downtime between them
+        self.elapsed_before = 0.0
+        self.loop_started: Optional[float] = None
         self.source_names = data.source_names
         self.loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: per-position losses
         # each trained position's loss, for the per-source losses of a run of several sources (one source's loss is
@@ -276,16 +280,23 @@ class Trainer:
                 "source_loss": source_loss_global, "source_tokens": source_tokens, "aux_sum": aux_global,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
+    def elapsed(self) -> float:
+        """Training seconds of the run so far: earlier launches' (from the checkpoint) and this launch's loop."""
+        running = time.perf_counter() - self.loop_started if self.loop_started is not None else 0.0
+        return self.elapsed_before + running
+
     def state_dict(self) -> dict[str, Any]:
-        """What a resume needs of the loop besides model, optimizer and RNG: the run's counters and the
-        open logging window (its sums and the seconds it has run)."""
-        return {"train_tokens": self.train_tokens, "total_tokens": self.total_tokens,
+        """What a resume needs of the loop besides model, optimizer and RNG: the run's counters, its training
+        seconds so far and the open logging window (its sums and the seconds it has run)."""
+        return {"train_tokens": self.train_tokens, "total_tokens": self.total_tokens, "elapsed_s": self.elapsed(),
                 "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_a_row": self.nonfinite_in_a_row,
                 "window": self.window.to_state(), **self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()` (older checkpoints lack the non-finite counters: 0)."""
+        """Continue from `state_dict()` (older checkpoints lack the non-finite counters and the elapsed
+        seconds: 0)."""
         self.train_tokens = int(state["train_tokens"])
+        self.elapsed_before = float(state.get("elapsed_s", 0.0))
         self.total_tokens = int(state["total_tokens"])
         self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
@@ -300,7 +311,7 @@ class Trainer:
         and the seconds the step took; the loop stops early when any of them returns True.
         """
         records = []
-        run_started = time.perf_counter()
+        self.loop_started = time.perf_counter()
         for step in range(start_step, self.steps.total_steps):
             step_started = time.perf_counter()
             window = self.window
@@ -330,7 +341,7 @@ class Trainer:
                     "nonfinite_steps": self.nonfinite_steps,
                     **({"loss_scale": self.precision.loss_scale} if self.precision.fp16 else {}),
                     **({"aux_loss": window.aux_sum / max(window.trained_tokens, 1)} if self.loss_model.router else {}),
-                    "elapsed_s": time.perf_counter() - run_started,
+                    "elapsed_s": self.elapsed(),
                     **per_source(self.source_names, window.source_loss, window.source_tokens),
                 }
                 records.append(record)
