@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from open_sft.data import pipeline as memory
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
+from open_sft.data.mixer import select_row_array
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import Reader, chat_source, text_source
 from open_sft.data.summary import length_percentiles
@@ -38,8 +40,7 @@ def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[
         if report is None:  # read whole: a JSON list file, or a first row that does not say the format
             rows, report = memory._source_rows(spec, args, tokenizer, seed)
             writer.write(rows)
-        reports.append(report)
-        shutil.rmtree(tmp / f"source{number}", ignore_errors=True)
+        reports.append(report)  # its spill stays until the build ends: a killed build resumes after this source
         logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
                     report.rows_in, report.rows_selected, report.rows_kept, sum(report.dropped.values()))
     if not sum(r.examples for r in reports) and holdout and holdout[0] == "eval":
@@ -74,8 +75,8 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     tmp.mkdir(parents=True, exist_ok=True)
     report = memory.SourceReport(name=spec.name, format=fmt, rows_in=0)
 
-    def select(valid: list[int], lengths: Any) -> list[int]:
-        return memory._select(spec, args, valid, lengths, seed)
+    def select(valid: Any, lengths: Any) -> np.ndarray:
+        return select_row_array(spec, args.dataset_mixer_unit, valid, lengths, seed)
 
     if fmt == "text":
         text_source(spec, args, tokenizer, reader, writer, tmp, report, select)
@@ -98,13 +99,21 @@ def prepare(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[str, f
         shutil.rmtree(tmp / "spill", ignore_errors=True)
         return memory.PreparedData(datasets.load_from_disk(str(tmp / "data")), report, key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
-    # a build's spilled tokens go beside its staging directory (a killed build's are removed with it)
-    tmp = cache_dir / f"{key}.tmp-{os.getpid()}.spill"
-    try:
-        with memory._gc_paused():
-            dataset, report, entry, hit = load_or_build(
-                cache_dir, key, inputs, lambda staging: build_dataset(args, tokenizer, seed, key, holdout, tmp, staging))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
+    # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
+    # chunk they hold. Bad data (a UserError) leaves nothing to resume.
+    partial = cache_dir / f"{key}.partial"
+
+    def build(staging: Path) -> dict[str, Any]:
+        try:
+            report = build_dataset(args, tokenizer, seed, key, holdout, partial, staging)
+        except UserError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        return report
+
+    with memory._gc_paused():
+        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
     logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
     return memory.PreparedData(dataset, report, key, entry, hit)

@@ -169,7 +169,11 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
             shutil.rmtree(stale, ignore_errors=True)
         staging = cache_dir / f"{key}.tmp-{os.getpid()}"
         staging.mkdir(parents=True)
-        report = build(staging)
+        try:
+            report = build(staging)
+        except BaseException:  # bad data, an interrupt: no half-written entry is left (a kill leaves it to the next)
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
         (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
         with (staging / COMPLETE).open("w") as handle:

@@ -1,15 +1,17 @@
 """Token rows on disk while a build streams: a source's tokenized rows, and the training examples written.
 
 A streaming build (open_sft.data.stream) never holds a corpus's tokens in memory. Each chunk's rows are
-appended to a Spill (two flat int32 files and, in memory, a few numbers per row: its source row index,
-length and trained count); the selection, truncation and block cutting then read them back a piece at a time
-(mapped for that piece only), and an ExampleWriter writes the training examples straight into the cache
-entry's Arrow shards. The corpus's tokens are never in memory together; what grows with it is a few numbers
-per row.
+appended to a Spill (flat files of the tokens and of a few numbers per row: its source row index, length and
+trained count), committed chunk by chunk so that a killed build resumes; the selection, truncation and block
+cutting then read the tokens back a piece at a time (mapped for that piece only), and an ExampleWriter writes
+the training examples straight into the cache entry's Arrow shards. The corpus's tokens are never in memory
+together; what grows with it, once labelling is done, is a few numbers per row.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -32,34 +34,85 @@ def pieces(lengths: np.ndarray) -> Iterator[tuple[int, int]]:
 
 
 class Spill:
-    """Token rows appended in ascending source-row order; `close()` reads them back."""
+    """Token rows appended in ascending source-row order, a chunk at a time; `close()` reads them back.
 
-    def __init__(self, directory: Path, name: str, keep_labels: bool = True):
-        self.paths = (directory / f"{name}.ids", directory / f"{name}.labels")
-        self.files = [open(self.paths[0], "wb"), open(self.paths[1], "wb") if keep_labels else None]
-        self.index: list[np.ndarray] = []
-        self.lengths: list[np.ndarray] = []
-        self.trained: list[np.ndarray] = []
+    Everything lives in files of `directory`: the tokens (ids, labels) and a few numbers per row (its source row
+    index, length and trained count), so nothing grows in memory while a corpus is labelled. After each chunk
+    `commit` flushes the files and records their sizes (and the chunk's notes) in `<name>.state.json`, written
+    atomically: a build that is killed resumes after its last committed chunk (`chunks`, `notes`), the files cut
+    back to the recorded sizes. A state written for another `tag` (another chunking) is not resumed from.
+    """
+
+    def __init__(self, directory: Path, name: str, keep_labels: bool = True, tag: Any = None):
+        directory.mkdir(parents=True, exist_ok=True)
+        kinds = ["ids", "index", "lengths"] + (["labels", "trained"] if keep_labels else [])
+        self.paths = {kind: directory / f"{name}.{kind}" for kind in kinds}
+        self.notes_path, self.state_path = directory / f"{name}.notes", directory / f"{name}.state.json"
+        self.keep_labels, self.tag = keep_labels, tag
+        state = self._state()
+        self.chunks, self.rows = (state["chunks"], state["rows"]) if state else (0, 0)
+        sizes = state["sizes"] if state else {}
+        self.files = {}
+        for kind, path in [*self.paths.items(), ("notes", self.notes_path)]:
+            handle = open(path, "r+b" if state else "w+b")
+            handle.truncate(sizes.get(kind, 0))  # a killed build's bytes after its last commit
+            handle.seek(0, 2)
+            self.files[kind] = handle
+
+    def _state(self) -> Optional[dict]:
+        """The committed state to resume from, or None (none, another chunking, files missing or short)."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return None
+        paths = {**self.paths, "notes": self.notes_path}
+        if state.get("tag") != self.tag or set(state.get("sizes", {})) != set(paths):
+            return None
+        if any(not paths[k].is_file() or paths[k].stat().st_size < size for k, size in state["sizes"].items()):
+            return None
+        return state
+
+    def notes(self) -> list[Any]:
+        """The notes committed with each chunk so far (those of a build resumed from)."""
+        self.files["notes"].seek(0)
+        notes = [json.loads(line) for line in self.files["notes"].read().splitlines()]
+        self.files["notes"].seek(0, 2)
+        return notes
 
     def append(self, index: np.ndarray, rows: TokenRows, max_length: Optional[int] = None) -> None:
         """Rows of these source-row indices (ascending, after every index appended before); their trained
         counts within `max_length` are kept (what truncation needs, without reading the labels again)."""
-        self.files[0].write(np.ascontiguousarray(rows.ids, dtype=np.int32).tobytes())
-        if self.files[1] is not None:
-            self.files[1].write(np.ascontiguousarray(rows.labels, dtype=np.int32).tobytes())
-            self.trained.append(rows.trained_counts(max_length))
-        self.index.append(np.asarray(index, dtype=np.int64))
-        self.lengths.append(rows.lengths())
+        self._write("ids", rows.ids, np.int32)
+        self._write("index", index, np.int64)
+        self._write("lengths", rows.lengths(), np.int32)
+        if self.keep_labels:
+            self._write("labels", rows.labels, np.int32)
+            self._write("trained", rows.trained_counts(max_length), np.int32)
+
+    def _write(self, kind: str, values: Any, dtype: Any) -> None:
+        self.files[kind].write(np.ascontiguousarray(values, dtype=dtype).tobytes())
+
+    def commit(self, rows: int, note: Any = None) -> None:
+        """The chunk appended since the last commit is durable: `rows` is how many source rows have now been
+        read, `note` (JSON) is kept for `notes()`."""
+        self.files["notes"].write((json.dumps(note) + "\n").encode())
+        for handle in self.files.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+        self.chunks, self.rows = self.chunks + 1, rows
+        state = {"tag": self.tag, "chunks": self.chunks, "rows": rows,
+                 "sizes": {kind: handle.tell() for kind, handle in self.files.items()}}
+        staged = self.state_path.with_suffix(".tmp")
+        staged.write_text(json.dumps(state))
+        os.replace(staged, self.state_path)
 
     def close(self) -> "SpilledRows":
-        for handle in self.files:
-            if handle is not None:
-                handle.close()
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, dtype=np.int64)
-        index = np.concatenate(self.index) if self.index else np.zeros(0, dtype=np.int64)
-        trained = np.concatenate(self.trained) if self.trained else None
-        return SpilledRows(self.paths[0], self.paths[1] if self.files[1] is not None else None, row_bounds(lengths),
-                           index, trained)
+        for handle in self.files.values():
+            handle.close()
+        numbers = {kind: np.fromfile(self.paths[kind], dtype=np.int64 if kind == "index" else np.int32)
+                   for kind in ("index", "lengths", "trained") if kind in self.paths}
+        return SpilledRows(self.paths["ids"], self.paths.get("labels"), row_bounds(numbers["lengths"]),
+                           numbers["index"], numbers.get("trained"))
 
 
 class SpilledRows:

@@ -62,17 +62,30 @@ class Reader:
     def lines(self) -> bool:
         return self.dataset is None
 
-    def chunks(self, rows: int = 0) -> Iterator[tuple[int, list[Any], Optional[list[int]]]]:
+    def chunks(self, rows: int = 0, skip: int = 0) -> Iterator[tuple[int, list[Any], Optional[list[int]]]]:
+        """The chunks after the first `skip` (those of a build resumed from: JSON Lines are still read past)."""
         start = 0
         if self.lines:
-            for lines, numbers in line_chunks(self.path, rows or CHUNK_ROWS, CHUNK_BYTES):
-                yield start, lines, numbers
+            for number, (lines, numbers) in enumerate(line_chunks(self.path, rows or CHUNK_ROWS, CHUNK_BYTES)):
+                if number >= skip:
+                    yield start, lines, numbers
                 start += len(lines)
             return
         row_bytes = self.dataset.data.nbytes / max(1, len(self.dataset))
         rows = rows or max(1, min(CHUNK_ROWS, int(CHUNK_BYTES / max(row_bytes, 1.0))))
-        for start in range(0, len(self.dataset), rows):
+        for start in range(skip * rows, len(self.dataset), rows):
             yield start, self.dataset.select(range(start, min(len(self.dataset), start + rows))).to_list(), None
+
+    def chunking(self) -> list[Any]:
+        """What decides where chunks end: a build is resumed only from a spill chunked the same way."""
+        return ["lines" if self.lines else "rows", CHUNK_ROWS, CHUNK_BYTES]
+
+    def resuming(self, spill: Spill) -> int:
+        """The chunks already in `spill` (of a killed build of this entry), said in the log when there are any."""
+        if spill.chunks:
+            logger.info("resuming the build of %s: %d rows already tokenized (%d chunks), by the build that was "
+                        "interrupted", self.spec.name, spill.rows, spill.chunks)
+        return spill.chunks
 
     def count(self) -> int:
         return sum(len(items) for _, items, _ in self.chunks()) if self.lines else len(self.dataset)
@@ -95,16 +108,16 @@ class Reader:
 class Progress:
     """A log line every PROGRESS_EVERY_S seconds on the building rank (rows/s, tokens/s, ETA), and one at the end."""
 
-    def __init__(self, name: str, total: int):
+    def __init__(self, name: str, total: int, done: int = 0):
         self.name, self.total, self.started, self.said = name, total, time.monotonic(), time.monotonic()
-        self.rows = self.tokens = 0
+        self.rows, self.resumed, self.tokens = done, done, 0  # `done`: rows of a resumed build, not timed here
 
     def update(self, rows: int, tokens: int) -> None:
         self.rows, self.tokens = self.rows + rows, self.tokens + tokens
         now = time.monotonic()
         if now - self.said >= PROGRESS_EVERY_S:
             self.said = now
-            self._say(f", eta {(self.total - self.rows) * self._seconds() / max(self.rows, 1):.0f}s")
+            self._say(f", eta {(self.total - self.rows) * self._seconds() / max(self.rows - self.resumed, 1):.0f}s")
 
     def done(self) -> None:
         self._say(f" in {self._seconds():.1f}s")
@@ -115,7 +128,7 @@ class Progress:
     def _say(self, tail: str) -> None:
         seconds = self._seconds()
         progress_logger.info("building %s: %d/%d rows, %.0f rows/s, %.0f tokens/s%s", self.name, self.rows,
-                             self.total, self.rows / seconds, self.tokens / seconds, tail)
+                             self.total, (self.rows - self.resumed) / seconds, self.tokens / seconds, tail)
 
 
 def _convert_line(line: str, fmt: str) -> Any:
@@ -130,7 +143,7 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
     picked = None
     if by_rows and not drop:  # speculative: every row valid (else the bad row stops the build)
         try:
-            picked = np.asarray(select(range(n), None), dtype=np.int64)
+            picked = select(range(n), None)
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
     spilled, errors, invalid = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
@@ -146,12 +159,10 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
         valid = np.flatnonzero(~np.isin(line_of, np.array([i for i, _ in invalid], dtype=np.int64)))
         if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
             valid = np.arange(n)
-        every = len(valid) == len(line_of)  # a range: select_rows makes no second list of the rows
-        picked = line_of[np.asarray(select(range(len(valid)) if every else valid.tolist(), None), dtype=np.int64)]
+        picked = line_of[select(range(len(valid)) if len(valid) == len(line_of) else valid, None)]
     elif picked is None:
         labelled_rows = np.searchsorted(line_of, spilled.index)
-        rows = select(labelled_rows.tolist(), _Lengths(labelled_rows, spilled.lengths()))
-        picked = line_of[np.asarray(rows, dtype=np.int64)]
+        picked = line_of[select(labelled_rows, _Lengths(labelled_rows, spilled.lengths()))]
     counted = np.isin(np.array([i for i, _ in errors], dtype=np.int64), picked) if by_rows else np.ones(len(errors), bool)
     for (_, error), count in zip(errors, counted):
         if count:
@@ -177,9 +188,13 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
     if wanted is not None:
         wanted[picked] = True
     convert = functools.partial(_convert_line, fmt=fmt) if reader.lines else functools.partial(to_messages, fmt=fmt)
-    spill, errors, invalid = Spill(tmp, "chat"), [], []
-    progress = Progress(spec.name, n)
-    for start, items, numbers in reader.chunks():
+    spill = Spill(tmp, "chat", tag=reader.chunking())
+    errors, invalid = [], []
+    for note in spill.notes():  # a resumed build's rows that failed
+        errors += [(row, RowError(message, reason)) for row, message, reason in note["errors"]]
+        invalid += [(row, RowError(message, reason)) for row, message, reason in note["invalid"]]
+    progress = Progress(spec.name, n, spill.rows)
+    for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
         labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
                               args.preprocessing_num_workers, convert=convert, wanted=here)
@@ -187,6 +202,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
             _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
         done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
         spill.append(done[:, 0], labelled.rows.take(done[:, 1]), args.max_seq_length)
+        spill.commit(start + len(items), {"errors": _dumped(labelled.errors), "invalid": _dumped(labelled.invalid)})
         errors += labelled.errors
         invalid += labelled.invalid
         progress.update(len(items), int(labelled.rows.bounds[-1]))
@@ -197,6 +213,10 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         gc.collect(1)
     progress.done()
     return spill.close(), errors, invalid
+
+
+def _dumped(failures: list[tuple[int, RowError]]) -> list[tuple[int, str, str]]:
+    return [(row, str(error), error.reason) for row, error in failures]
 
 
 def _raise_first(reader: Reader, invalid: list, errors: list, numbers: Optional[list[int]], start: int) -> None:
@@ -233,11 +253,14 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     build over the selected documents in selection order, cut across chunk boundaries."""
     drop = args.on_bad_row == "drop"
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    spill = Spill(tmp, "text", keep_labels=False)
+    spill = Spill(tmp, "text", keep_labels=False, tag=reader.chunking())
     rows_seen = 0  # rows are the lines that parse
-    progress = Progress(spec.name, reader.count())
-    for start, items, numbers in reader.chunks():
-        indices, texts = [], []
+    for note in spill.notes():  # a resumed build's chunks
+        rows_seen += note["rows"]
+        report.dropped.update(note["dropped"])
+    progress = Progress(spec.name, reader.count(), spill.rows)
+    for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
+        indices, texts, parsed, dropped = [], [], rows_seen, dict(report.dropped)
         for k, item in enumerate(items):
             if reader.lines:
                 try:
@@ -261,6 +284,8 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
         ids = np.fromiter((t for doc in encoded for t in doc + eos), dtype=np.int32)
         lengths = np.array([len(doc) + len(eos) for doc in encoded], dtype=np.int64)
         spill.append(np.array(indices, dtype=np.int64), TokenRows.from_lengths(ids, ids, lengths))
+        spill.commit(start + len(items), {"rows": rows_seen - parsed,
+                                          "dropped": {k: v - dropped.get(k, 0) for k, v in report.dropped.items()}})
         progress.update(len(items), len(ids))
     progress.done()
     report.rows_in = rows_seen + report.dropped["invalid_json"]
@@ -268,10 +293,9 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
         raise UserError(f"{reader.path}: the file has no rows")
     spilled = spill.close()
     lengths = spilled.lengths()
-    every = len(spilled.index) == rows_seen  # every row valid: a range (select_rows makes no second list)
-    valid = range(rows_seen) if every else spilled.index.tolist()
-    selected = np.asarray(select(valid, _Lengths(spilled.index, lengths) if args.dataset_mixer_unit == "tokens"
-                                 else None), dtype=np.int64)
+    every = len(spilled.index) == rows_seen  # every row valid: a range (the selection makes no list of the rows)
+    selected = select(range(rows_seen) if every else spilled.index,
+                      _Lengths(spilled.index, lengths) if args.dataset_mixer_unit == "tokens" else None)
     report.rows_selected = report.rows_kept = len(selected)
     report.upsample_factor = round(len(selected) / max(1, len(np.unique(selected))), 4)
     block, carry = args.max_seq_length, np.zeros(0, dtype=np.int32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -203,6 +204,23 @@ def test_mixer_amounts() -> None:
                          ("-0.5", "must be positive")):
         with pytest.raises(UserError, match=f"amount '?{bad}'? for a.jsonl {message}"):
             parse_mixer_list(["a.jsonl", bad], ["train"])
+
+
+def test_mixer_array_selection_is_the_list_selection() -> None:
+    """The streaming build's array form of the selection (no Python list of the rows) picks what select_rows
+    picks: fractions below and above 1, counts below and above the rows, a subset of valid rows, a holdout."""
+    from open_sft.data.mixer import select_row_array, select_rows
+
+    specs = [SourceSpec("a.jsonl", amount, fraction, "train") for amount, fraction in
+             ((1.0, True), (0.37, True), (2.25, True), (7, False), (250, False))]
+    specs.append(SourceSpec("a.jsonl", 0.5, True, "train", holdout=("train", 0.1)))
+    for spec in specs:
+        for valid in (range(100), [i for i in range(100) if i % 7]):
+            expected = select_rows(spec, "rows", valid, None, seed=3)
+            picked = select_row_array(spec, "rows", valid if isinstance(valid, range) else np.array(valid), None, 3)
+            assert picked.dtype == np.int64 and picked.tolist() == expected, (spec, valid)
+    with pytest.raises(UserError, match="selects no rows"):
+        select_row_array(SourceSpec("a.jsonl", 0.001, True, "train"), "rows", range(100), None, 3)
 
 
 def test_mixer_token_unit() -> None:
