@@ -1,7 +1,12 @@
-"""Generate from a saved model with its chat template, and score it on the embedded sample tasks.
+"""Generate from a run's output directory with its chat template, and score it on the embedded sample tasks.
 
-    python -m open_sft generate OUTPUT_DIR --prompt "What is 7 plus 5?"
-    python -m open_sft generate OUTPUT_DIR --score_sample 50     # exact-answer accuracy on sample rows
+    open_sft generate OUTPUT_DIR --prompt "What is 7 plus 5?"
+    open_sft generate OUTPUT_DIR --score_sample 50     # exact-answer accuracy on sample rows
+
+OUTPUT_DIR is what the run wrote, whatever it holds: a full export, a LoRA/QLoRA adapter (its base model is
+the one adapter_config.json names, or --base_model), or a LoRA run's merged/ directory. Each generation says
+why it stopped: `end_of_turn` (the model ended its turn: an end-of-turn or eos token), `max_new_tokens` (the
+--max_new_tokens limit cut it off) or `max_length` (the model's context was full).
 """
 
 from __future__ import annotations
@@ -9,20 +14,65 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 HELD_OUT_SEED = 20261122  # the bundled sample is generated with seed 0
+END_OF_TURN, TOKEN_LIMIT, CONTEXT_FULL = "end_of_turn", "max_new_tokens", "max_length"
+
+
+@dataclass
+class Generation:
+    """One reply: its text, why it stopped (END_OF_TURN, TOKEN_LIMIT or CONTEXT_FULL), the tokens of the prompt it
+    answered and its new tokens and, when the model ended its turn, the token that ended it."""
+
+    text: str
+    stop_reason: str
+    prompt_tokens: int
+    new_tokens: int
+    stop_token: str | None = None
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end a turn: the generation config's eos ids (the export writes the template's end-of-turn
+    markers there) and the tokenizer's eos."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def context_length(model) -> int:
+    """The positions the model was trained for (max_position_embeddings), or no limit where it names none."""
+    return getattr(model.config, "max_position_embeddings", None) or sys.maxsize
+
+
+def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32) -> Generation:
+    """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+    prompt_tokens = encoded["input_ids"].shape[1]
+    room = context_length(model) - prompt_tokens
+    if room <= 0:
+        return Generation("", CONTEXT_FULL, prompt_tokens, 0)
+    stops = stop_token_ids(model, tokenizer)
+    with torch.no_grad():
+        out = model.generate(**encoded, max_new_tokens=min(max_new_tokens, room), do_sample=False,
+                             eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id
+                             if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    new = out[0, prompt_tokens:].tolist()
+    text = tokenizer.decode(new, skip_special_tokens=True).strip()
+    if new and new[-1] in stops:
+        return Generation(text, END_OF_TURN, prompt_tokens, len(new), tokenizer.convert_ids_to_tokens(new[-1]))
+    return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new))
 
 
 def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 32) -> str:
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
-    with torch.no_grad():
-        out = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    """The reply's text alone (see generate_reply)."""
+    return generate_reply(model, tokenizer, messages, max_new_tokens).text
 
 
 def score_sample(model, tokenizer, rows: list[dict]) -> float:
@@ -33,26 +83,56 @@ def score_sample(model, tokenizer, rows: list[dict]) -> float:
     return hits / max(len(rows), 1)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The arguments `generate` and `chat` share: the directory, the base of an adapter, the token limit."""
+    parser.add_argument("model_dir", type=Path,
+                        help="a run's --output_dir (full export or LoRA/QLoRA adapter) or its merged/ directory")
+    parser.add_argument("--base_model", default=None,
+                        help="for an adapter directory: the base model to apply it to (default: "
+                             "base_model_name_or_path of its adapter_config.json)")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens,
+                        help="the most tokens one reply may have; a reply cut there says so")
+
+
+def load_or_exit(args: argparse.Namespace):
+    """The run's model (open_sft.export.run_dir), or None after printing the error to stderr."""
+    from open_sft.errors import UserError
+    from open_sft.export.run_dir import load_run_model
+
+    if args.max_new_tokens < 1:
+        print(f"error: --max_new_tokens {args.max_new_tokens} must be at least 1", file=sys.stderr)
+        return None
+    if not sys.stderr.isatty():  # transformers' weight-loading bar: for a terminal, not a log or a pipe
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    try:
+        return load_run_model(args.model_dir, args.base_model)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model_dir")
+    add_model_arguments(parser, max_new_tokens=32)
     parser.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
     parser.add_argument("--system", default=None, help="optional system message")
-    parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--score_sample", type=int, default=0,
                         help="score exact answers on this many freshly generated sample tasks (held out: "
                              "a seed the bundled training sample does not use)")
     args = parser.parse_args(argv)
-    if not (Path(args.model_dir) / "config.json").exists():
-        print(f"error: {args.model_dir} has no config.json; pass a directory written by finetune.py", file=sys.stderr)
+    loaded = load_or_exit(args)
+    if loaded is None:
         return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+    model, tokenizer = loaded.model, loaded.tokenizer
     for prompt in args.prompt:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        print(json.dumps({"prompt": prompt, "generation": generate(model, tokenizer, messages, args.max_new_tokens)}))
+        reply = generate_reply(model, tokenizer, messages, args.max_new_tokens)
+        print(json.dumps({"prompt": prompt, "generation": reply.text, "stop_reason": reply.stop_reason,
+                          "new_tokens": reply.new_tokens, "stop_token": reply.stop_token}), flush=True)
     if args.score_sample:
         from open_sft.embedded.sample_data import generate_examples
 

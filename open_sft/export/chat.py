@@ -1,0 +1,118 @@
+"""Chat with a run's model: `open_sft chat OUTPUT_DIR`.
+
+Each line read is a user turn; the reply is generated (greedy) from the whole conversation so far, rendered
+with the run's chat template (the tokenizer saved in OUTPUT_DIR carries it), and followed by a line saying why
+it stopped. `/reset` starts the conversation over (a --system message stays), `/exit` (or end of input, Ctrl-D)
+quits. On a terminal the turns are read with line editing after a `you> ` prompt; from a pipe
+(`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout holds only the
+replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
+directory, as for `open_sft generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Optional, TextIO
+
+from open_sft.export.generate import (CONTEXT_FULL, END_OF_TURN, Generation, add_model_arguments, context_length,
+                                      generate_reply, load_or_exit)
+
+EXIT, RESET = ("/exit", "/quit"), "/reset"
+PROMPT = "you> "
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+def stop_line(reply: Generation, max_new_tokens: int, context: int) -> str:
+    """Why the reply stopped, in words, with its length and the conversation's (which grows turn by turn)."""
+    size = f"{_tokens(reply.new_tokens)}; conversation {reply.prompt_tokens + reply.new_tokens} of {context} tokens"
+    if reply.stop_reason == END_OF_TURN:
+        return f"[end of turn ({reply.stop_token}): {size}]"
+    if reply.stop_reason == CONTEXT_FULL:
+        return f"[stopped: the model's context is full ({size}); {RESET} to start over]"
+    return f"[cut off at --max_new_tokens {max_new_tokens}: {size}]"
+
+
+def line_reader(stdin: TextIO, stdout: TextIO) -> Callable[[], Optional[str]]:
+    """A function returning the next user line (None at end of input): with a prompt and line editing on a
+    terminal, plain reads from a pipe or file."""
+    if stdin.isatty() and stdin is sys.stdin and stdout is sys.stdout:
+        try:
+            import readline  # noqa: F401  (input() gets line editing and history)
+        except ImportError:
+            pass
+
+        def read_tty() -> Optional[str]:
+            try:
+                return input(PROMPT)
+            except EOFError:
+                stdout.write("\n")
+                return None
+
+        return read_tty
+
+    def read_pipe() -> Optional[str]:
+        line = stdin.readline()
+        return None if line == "" else line.rstrip("\n")
+
+    return read_pipe
+
+
+def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, system: Optional[str] = None,
+         max_new_tokens: int = 256) -> int:
+    """The loop: read a turn, reply from the conversation so far, until /exit or end of input. Returns the
+    number of replies."""
+    start = [{"role": "system", "content": system}] if system else []
+    messages, replies, context = list(start), 0, context_length(model)
+    while (line := read()) is not None:
+        text = line.strip()
+        if not text:
+            continue
+        if text in EXIT:
+            break
+        if text == RESET:
+            messages = list(start)
+            out.write("[conversation reset]\n")
+            out.flush()
+            continue
+        if text.startswith("/") and " " not in text:
+            out.write(f"[unknown command {text}: {RESET} clears the conversation, {EXIT[0]} quits]\n")
+            out.flush()
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = generate_reply(model, tokenizer, messages, max_new_tokens)
+        if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
+            messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
+        else:
+            messages.append({"role": "assistant", "content": reply.text})
+            replies += 1
+        out.write(f"{reply.text}\n{stop_line(reply, max_new_tokens, context)}\n")
+        out.flush()
+    return replies
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, max_new_tokens=256)
+    parser.add_argument("--system", default=None, help="a system message that starts every conversation")
+    args = parser.parse_args(argv)
+    loaded = load_or_exit(args)
+    if loaded is None:
+        return 2
+    print(f"chatting with {loaded.description}; {RESET} clears the conversation, {EXIT[0]} or Ctrl-D quits",
+          file=sys.stderr, flush=True)
+    try:
+        chat(loaded.model, loaded.tokenizer, line_reader(sys.stdin, sys.stdout), sys.stdout, args.system,
+             args.max_new_tokens)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

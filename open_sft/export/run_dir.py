@@ -1,0 +1,134 @@
+"""What a run's output directory holds, and its model loaded for generation (`open_sft generate`, `open_sft chat`).
+
+A run leaves one of three layouts, and each loads here:
+    full export     config.json + model*.safetensors (+ tokenizer, generation_config.json)
+    LoRA / QLoRA    adapter_config.json + adapter_model.safetensors: the base named in adapter_config.json's
+                    base_model_name_or_path (or --base_model), with the adapter applied through peft
+    merged/         a LoRA run's --merge_lora_on_save model: a full export of its own
+The tokenizer (with the run's chat template) and generation_config.json (the end-of-turn ids) are read from the
+directory itself, never from the base model: a run may have added template tokens and changed the end of turn.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from open_sft.errors import UserError
+
+FULL, ADAPTER_DIR = "full model", "LoRA adapter"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass
+class RunModel:
+    """A loaded model with the tokenizer saved beside it, and what was loaded (for the user's first line)."""
+
+    model: Any
+    tokenizer: Any
+    kind: str  # FULL or ADAPTER_DIR
+    description: str
+
+
+def _no_model_error(directory: Path) -> UserError:
+    """Why `directory` holds no model, and what to pass instead."""
+    if not directory.exists():
+        return UserError(f"{directory} does not exist; pass the --output_dir of a finished run")
+    if not directory.is_dir():
+        return UserError(f"{directory} is a file; pass the --output_dir of a finished run (a directory)")
+    hint = ""
+    if (directory / "checkpoints").is_dir():
+        hint = (" It has checkpoints/ but no export: the run has not finished; relaunch the same command to "
+                "resume it and export.")
+    elif (directory / "run.json").is_file():
+        hint = " It has run.json but no export: the run stopped before it saved the model; relaunch it."
+    return UserError(f"{directory} holds no model (no config.json with weights, no adapter_config.json).{hint} "
+                     "Pass a run's --output_dir after its export: a full model, a LoRA/QLoRA adapter, or its "
+                     "merged/ directory.")
+
+
+def model_kind(directory: Path) -> str:
+    """FULL or ADAPTER_DIR for what `directory` holds; a UserError naming the directory and the fix otherwise."""
+    if (directory / "adapter_config.json").is_file():
+        if not (directory / "adapter_model.safetensors").is_file():
+            raise UserError(f"{directory} has adapter_config.json but no adapter_model.safetensors; the export is "
+                            "incomplete: relaunch the run to export it again")
+        return ADAPTER_DIR
+    if (directory / "config.json").is_file():
+        if not any((directory / name).is_file() for name in WEIGHTS):
+            raise UserError(f"{directory} has config.json but no weights (model*.safetensors); the export is "
+                            "incomplete: relaunch the run to export it again")
+        return FULL
+    raise _no_model_error(directory)
+
+
+def adapter_base(directory: Path, base_model: Optional[str] = None) -> str:
+    """The base model of the adapter in `directory`: `base_model` when given, else adapter_config.json's."""
+    if base_model:
+        return base_model
+    config_file = directory / "adapter_config.json"
+    base = json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{config_file} names no base model (base_model_name_or_path); pass --base_model PATH_OR_ID")
+    return base
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{directory} has no loadable tokenizer ({exc}); the export writes one: relaunch the run "
+                        "to export it again") from exc
+    if not tokenizer.chat_template:
+        raise UserError(f"{directory}: its tokenizer has no chat template; export it again with a run of this "
+                        "version (the export saves the run's template)")
+    return tokenizer
+
+
+def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
+    import open_sft.model.lora  # noqa: F401  (before peft: keeps bitsandbytes' CPU-kernel warning out of the log)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = adapter_base(directory, base_model)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    except OSError as exc:
+        raise UserError(f"{directory} is a LoRA adapter on {base}, which cannot be loaded here "
+                        f"({str(exc).splitlines()[0]}); pass "
+                        "--base_model PATH_OR_ID with the base model the run trained from") from exc
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:  # the run added tokens (a chat template's): grown as training grew it
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+    try:
+        with warnings.catch_warnings():  # peft asks transformers' deprecated name; nothing the user can change
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = PeftModel.from_pretrained(model, str(directory))
+    except (RuntimeError, ValueError) as exc:  # shapes that do not fit: another base than the run's
+        raise UserError(f"the adapter in {directory} does not fit the base model {base} ({exc}); pass "
+                        "--base_model with the model the run trained from") from exc
+    return model, base
+
+
+def load_run_model(directory: Path, base_model: Optional[str] = None) -> RunModel:
+    """The model in a run's output directory (full export, LoRA/QLoRA adapter, or merged/), in eval mode, with
+    the directory's tokenizer and generation config (its end-of-turn ids)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    kind = model_kind(directory)
+    tokenizer = _load_tokenizer(directory)
+    if kind == ADAPTER_DIR:
+        model, base = _load_adapter(directory, tokenizer, base_model)
+        description = f"{directory} (LoRA adapter on {base})"
+        inner = model.get_base_model()
+    else:
+        model = inner = AutoModelForCausalLM.from_pretrained(directory, dtype="auto")
+        description = f"{directory} (full model)"
+    if (directory / "generation_config.json").is_file():  # the run's end-of-turn ids, not the base model's
+        inner.generation_config = GenerationConfig.from_pretrained(directory)
+    return RunModel(model.eval(), tokenizer, kind, description)

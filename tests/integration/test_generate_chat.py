@@ -1,0 +1,240 @@
+"""`open_sft generate` and `open_sft chat` on what runs really leave: a full export, a LoRA run's directory
+(adapter on its base, with chatml's added tokens) and its merged/ model; each reply says why it stopped; the chat
+keeps the conversation, resets it and quits, from a pipe and on a pseudo-terminal; a directory without a model
+is a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ROOT, SAMPLE, child_env, run_finetune
+
+PROMPTS = ["What is 7 plus 5?", "How many letters are in the word cookie?", "Convert banana to capital letters.",
+           "What is the product of 4 and 10?", "Add 3 to 9."]
+STOP_LINE = re.compile(r"^\[(?P<why>end of turn \((?P<token>[^)]+)\)|cut off at --max_new_tokens \d+|stopped: [^(]+)"
+                       r".*?(?P<new>\d+) tokens?; conversation (?P<conversation>\d+) of \d+ tokens.*\]$")
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A full fine-tune long enough to end its turns (the template's eos) after short answers."""
+    out = tmp_path_factory.mktemp("generate_full")
+    run_finetune(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "1.0",
+                  "--output_dir", str(out), "--max_train_steps", "40", "--learning_rate", "5e-3",
+                  "--warmup_ratio", "0.1", "--logging_steps", "10", "--max_seq_length", "128",
+                  "--per_device_train_batch_size", "8", "--torch_dtype", "float32"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(full_run, tmp_path_factory) -> Path:
+    """A LoRA run on the full run's export, with chatml (tokens added: the base's embeddings must grow to load
+    the adapter) and --merge_lora_on_save."""
+    out = tmp_path_factory.mktemp("generate_lora")
+    run_finetune(["--model_name_or_path", str(full_run), "--dataset_mixer_list", str(SAMPLE), "200",
+                  "--output_dir", str(out), "--max_train_steps", "6", "--learning_rate", "3e-2",
+                  "--logging_steps", "3", "--max_seq_length", "128", "--per_device_train_batch_size", "4",
+                  "--torch_dtype", "float32", "--use_lora", "--lora_rank", "4", "--lora_alpha", "8",
+                  "--lora_dropout", "0.0", "--chat_template_name", "chatml", "--merge_lora_on_save"])
+    return out
+
+
+def open_sft(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "open_sft", *args], cwd=ROOT, env=child_env(), input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def generations(*args: str) -> list[dict]:
+    result = open_sft("generate", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def greedy(directory: Path, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """The new token ids plain transformers generates (greedy) from a full model directory."""
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, encoded["input_ids"].shape[1]:].tolist()
+
+
+def test_full_export_replies_say_why_they_stopped(full_run) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(full_run)
+    rows = generations(str(full_run), *[a for p in PROMPTS for a in ("--prompt", p)], "--max_new_tokens", "40")
+    assert [row["prompt"] for row in rows] == PROMPTS
+    for row in rows:  # each reply is what plain transformers generates, and says why it ended
+        ids = greedy(full_run, [{"role": "user", "content": row["prompt"]}], 40)
+        assert row["generation"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+        assert row["new_tokens"] == len(ids)
+        if ids[-1] == tokenizer.eos_token_id:
+            assert (row["stop_reason"], row["stop_token"]) == ("end_of_turn", tokenizer.eos_token)
+        else:
+            assert (row["stop_reason"], len(ids)) == ("max_new_tokens", 40)
+    ended = [row for row in rows if row["stop_reason"] == "end_of_turn" and row["new_tokens"] >= 2]
+    assert ended, rows  # the trained model ends some turns itself, after a reply of a token or more
+    # the same prompt under a limit one token short of its reply: cut off, and says so
+    row = ended[0]
+    limit = row["new_tokens"] - 1
+    [cut] = generations(str(full_run), "--prompt", row["prompt"], "--max_new_tokens", str(limit))
+    assert (cut["stop_reason"], cut["new_tokens"], cut["stop_token"]) == ("max_new_tokens", limit, None)
+    ids = greedy(full_run, [{"role": "user", "content": row["prompt"]}], limit)
+    assert cut["generation"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_lora_run_directory_and_its_merged_model_generate_alike(lora_run, full_run) -> None:
+    """The LoRA run's own directory (no config.json: the adapter on the base adapter_config.json names) and its
+    merged/ give the same replies; the CLI's loader applies the adapter (logits of the merged model, not the
+    base's)."""
+    from open_sft.export.run_dir import ADAPTER_DIR, FULL, load_run_model
+
+    assert not (lora_run / "config.json").exists()
+    args = [a for p in PROMPTS[:3] for a in ("--prompt", p)] + ["--max_new_tokens", "12"]
+    adapter_rows, merged_rows = generations(str(lora_run), *args), generations(str(lora_run / "merged"), *args)
+    assert adapter_rows == merged_rows
+    assert all(row["stop_reason"] in ("end_of_turn", "max_new_tokens") for row in adapter_rows)
+
+    adapter, merged = load_run_model(lora_run), load_run_model(lora_run / "merged")
+    assert (adapter.kind, merged.kind) == (ADAPTER_DIR, FULL) and "LoRA adapter on" in adapter.description
+    assert "<|im_end|>" in adapter.tokenizer.chat_template  # the run's template, not the base's
+    ids = adapter.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                                add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+    with torch.no_grad():
+        adapter_logits, merged_logits = adapter.model(input_ids=ids).logits, merged.model(input_ids=ids).logits
+        with adapter.model.disable_adapter():
+            base_logits = adapter.model(input_ids=ids).logits
+    torch.testing.assert_close(adapter_logits, merged_logits, rtol=1e-5, atol=1e-5)
+    assert float((adapter_logits - base_logits).abs().max()) > 1e-2
+    im_end = adapter.tokenizer.convert_tokens_to_ids("<|im_end|>")  # the run's end of turn ends a reply
+    assert im_end in adapter.model.generation_config.eos_token_id
+
+
+def test_directory_without_a_model_is_a_clear_error(lora_run, full_run, tmp_path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = open_sft("generate", str(empty), "--prompt", "hi")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"error: {empty} holds no model") and "a LoRA/QLoRA adapter" in result.stderr
+    (empty / "checkpoints").mkdir()
+    result = open_sft("chat", str(empty), stdin="hi\n")
+    assert result.returncode == 2 and "has checkpoints/ but no export" in result.stderr
+    assert "relaunch the same command" in result.stderr
+    result = open_sft("generate", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert result.returncode == 2 and f"error: {tmp_path / 'nowhere'} does not exist" in result.stderr
+
+    moved = tmp_path / "moved_adapter"  # an adapter whose base is not where adapter_config.json says
+    shutil.copytree(lora_run, moved, ignore=shutil.ignore_patterns("merged", "checkpoints"))
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone_base")
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    result = open_sft("generate", str(moved), "--prompt", PROMPTS[0])
+    assert result.returncode == 2 and f"is a LoRA adapter on {tmp_path / 'gone_base'}" in result.stderr
+    assert "--base_model" in result.stderr and "Traceback" not in result.stderr
+    rows = generations(str(moved), "--prompt", PROMPTS[0], "--base_model", str(full_run), "--max_new_tokens", "12")
+    assert rows == generations(str(lora_run), "--prompt", PROMPTS[0], "--max_new_tokens", "12")
+
+
+def parse_chat(stdout: str) -> list[dict]:
+    """The chat's stdout as events: {"reply", "why", "token", "new", "conversation"} per reply, {"reset"}."""
+    events, text = [], []
+    for line in stdout.splitlines():
+        match = STOP_LINE.match(line)
+        if line == "[conversation reset]":
+            events.append({"reset": True})
+        elif match:
+            events.append({"reply": "\n".join(text).strip(), "why": match["why"], "token": match["token"],
+                           "new": int(match["new"]), "conversation": int(match["conversation"])})
+            text = []
+        else:
+            text.append(line)
+    return events
+
+
+def test_chat_from_a_pipe_keeps_the_conversation_and_resets(full_run) -> None:
+    first, second = PROMPTS[0], PROMPTS[1]
+    result = open_sft("chat", str(full_run), "--max_new_tokens", "24", stdin=f"{first}\n\n{second}\n/reset\n{second}\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"chatting with {full_run} (full model)" in result.stderr and "/reset" in result.stderr
+    events = parse_chat(result.stdout)
+    assert [("reset" if "reset" in e else "reply") for e in events] == ["reply", "reply", "reset", "reply"]
+    one, two, _, three = events
+    tokenizer = AutoTokenizer.from_pretrained(full_run)
+    conversations = [[{"role": "user", "content": first}],
+                     [{"role": "user", "content": first}, {"role": "assistant", "content": one["reply"]},
+                      {"role": "user", "content": second}],
+                     [{"role": "user", "content": second}]]
+    for event, messages in zip((one, two, three), conversations):
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert event["conversation"] == len(prompt) + event["new"]  # the history it answered, and no more
+        ids = greedy(full_run, messages, 24)
+        assert (event["reply"], event["new"]) == (tokenizer.decode(ids, skip_special_tokens=True).strip(), len(ids))
+        ended = ids[-1] == tokenizer.eos_token_id
+        assert event["why"].startswith("end of turn" if ended else "cut off at --max_new_tokens 24")
+    assert two["conversation"] > one["conversation"] > 0 and three["conversation"] < two["conversation"]
+
+
+def test_chat_system_message_starts_every_conversation(full_run) -> None:
+    system = "Answer with a number."
+    result = open_sft("chat", str(full_run), "--system", system, "--max_new_tokens", "8",
+                      stdin=f"{PROMPTS[0]}\n/reset\n{PROMPTS[0]}\n/exit\n{PROMPTS[1]}\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [event for event in parse_chat(result.stdout) if "reset" not in event]
+    assert len(events) == 2 and events[0] == events[1]  # after /reset the system message is there again
+    tokenizer = AutoTokenizer.from_pretrained(full_run)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPTS[0]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert events[0]["conversation"] == len(prompt) + events[0]["new"]
+    ids = greedy(full_run, messages, 8)
+    assert events[0]["reply"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def _read_until(controller: int, marker: bytes, seen: bytearray, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while marker not in seen:
+        ready, _, _ = select.select([controller], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"no {marker!r} within {timeout}s; the terminal shows: {bytes(seen)[-2000:]!r}"
+        seen += os.read(controller, 65536)
+
+
+@pytest.mark.parametrize("quit_with", ["/exit\r", "\x04"])
+def test_chat_on_a_terminal_with_the_lora_run(lora_run, quit_with) -> None:
+    """On a pseudo-terminal: the prompt, a reply and its stop line, /reset, and /exit or Ctrl-D quit (exit 0)."""
+    import pty
+
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "open_sft", "chat", str(lora_run), "--max_new_tokens", "8"],
+                            cwd=ROOT, env=child_env(), stdin=terminal, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    seen = bytearray()
+    try:
+        _read_until(controller, b"you> ", seen)
+        assert b"LoRA adapter on" in seen
+        os.write(controller, f"{PROMPTS[0]}\r".encode())
+        _read_until(controller, b"tokens]", seen)
+        _read_until(controller, b"you> ", seen)
+        os.write(controller, b"/reset\r")
+        _read_until(controller, b"[conversation reset]", seen)
+        os.write(controller, quit_with.encode())
+        assert proc.wait(timeout=60) == 0, bytes(seen)[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(controller)
+    shown = bytes(seen).decode("utf-8", "replace").replace("\r\n", "\n")
+    stops = [match for match in map(STOP_LINE.match, shown.splitlines()) if match]
+    assert len(stops) == 1 and stops[0]["why"].startswith(("end of turn", "cut off at --max_new_tokens 8"))
