@@ -1,6 +1,13 @@
 """The model card (README.md of the export): base model, data sources and proportions,
-hyperparameters, final metrics and how the model was trained, built from the files the run wrote
-(run.json, data_report.json, metrics.jsonl) so it can be regenerated: `python -m open_sft.export.model_card DIR`.
+hyperparameters, the epochs actually trained, final metrics and how the model was trained, built from the files
+the run wrote (run.json, data_report.json, metrics.jsonl, adapter_config.json) so it can be regenerated:
+`open_sft model-card DIR`.
+
+A LoRA/QLoRA run's card describes its adapter (base model, rank, alpha, dropout, target modules, from
+adapter_config.json), and its merged/ directory (--merge_lora_on_save) gets a card of its own. The front
+matter's `base_model` names the base by its Hub id: the id the run was given, or the one a Hub cache snapshot
+path (`models--ORG--NAME/snapshots/...`) stands for. A base loaded from any other local directory has no Hub id,
+and the Hub refuses a card whose `base_model` is not one, so the card names that directory in its text instead.
 
 It never contains the Hub token: run.json holds the arguments with the token already redacted, and only
 an allow-list of them is printed.
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +32,8 @@ HYPERPARAMETERS = (
     ("lora", "lora_alpha"),
 )
 FINAL_METRICS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
+MERGED_DIR = "merged"  # open_sft.export.save.MERGED_DIR (not imported: that module pulls in torch and peft)
+HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<id>[^/]+)/snapshots/[^/]+/?$")  # the cache writes ORG/NAME as ORG--NAME
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -33,27 +43,49 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
 
 
-def _last_train_record(path: Path) -> Optional[dict[str, Any]]:
-    last = None
+def _records(path: Path) -> list[dict[str, Any]]:
+    records = []
     if path.exists():
         for line in path.read_text().splitlines():
             try:
-                record = json.loads(line)
+                records.append(json.loads(line))
             except ValueError:
                 continue
-            if "loss" in record:
-                last = record
-    return last
+    return records
+
+
+def _last_train_record(path: Path) -> Optional[dict[str, Any]]:
+    return next((r for r in reversed(_records(path)) if "loss" in r), None)
+
+
+def epochs_trained(output_dir: Path, info: dict[str, Any]) -> tuple[Optional[float], Optional[int]]:
+    """(epochs, optimizer steps) the run actually trained: metrics.jsonl's last `epoch` and `step`, else the
+    schedule in run.json (total steps / steps per epoch); None where neither says."""
+    last = next((r for r in reversed(_records(output_dir / "metrics.jsonl")) if "epoch" in r), None)
+    if last is not None:
+        return float(last["epoch"]), last.get("step")
+    schedule = info.get("schedule", {})
+    steps, per_epoch = schedule.get("total_steps"), schedule.get("steps_per_epoch")
+    return (round(steps / per_epoch, 4) if steps and per_epoch else None), steps
 
 
 def _looks_like_hub_id(name: str) -> bool:
     return bool(name) and not name.startswith((".", "/", "~")) and not Path(name).exists() and name.count("/") <= 1
 
 
-def _front_matter(base_model: str) -> str:
-    lines = ["---", "library_name: transformers", "tags:", "- open_sft", "- sft"]
-    if _looks_like_hub_id(base_model):
-        lines.append(f"base_model: {base_model}")
+def hub_id(name: str) -> Optional[str]:
+    """The Hub id a base model name stands for: itself when it is one, ORG/NAME for a Hub cache snapshot path,
+    else None (a local directory)."""
+    if _looks_like_hub_id(name):
+        return name
+    match = HUB_CACHE_SNAPSHOT.search(name)
+    return match["id"].replace("--", "/") if match else None
+
+
+def _front_matter(base_model: str, library: str = "transformers", lora: bool = False) -> str:
+    lines = ["---", f"library_name: {library}", "tags:", "- open_sft", "- sft"] + (["- lora"] if lora else [])
+    if hub_id(base_model):
+        lines.append(f"base_model: {hub_id(base_model)}")
     return "\n".join(lines + ["---", ""])
 
 
@@ -68,11 +100,66 @@ def _data_section(report: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def _hyperparameter_section(args: dict[str, Any]) -> list[str]:
+def target_modules(adapter: dict[str, Any]) -> str:
+    """adapter_config.json's target_modules in a line: a pattern as it is, a list of module paths as the
+    sorted module names they end in, with how many modules there are."""
+    targets = adapter.get("target_modules")
+    if not targets:
+        return "none"
+    if isinstance(targets, str):
+        return targets
+    names = sorted({t.rsplit(".", 1)[-1] for t in targets})
+    return ", ".join(names) + (f" ({len(targets)} modules)" if len(targets) > len(names) else "")
+
+
+def _adapter_section(adapter: dict[str, Any], qlora: bool, base_model: str) -> list[str]:
+    kind = "QLoRA (LoRA on the base quantized to 4-bit NF4)" if qlora else "LoRA"
+    rows = [("type", kind), ("base model", f"`{base_model}`"), ("rank (r)", adapter.get("r")),
+            ("alpha", adapter.get("lora_alpha")), ("dropout", adapter.get("lora_dropout")),
+            ("target modules", target_modules(adapter))]
+    if adapter.get("trainable_token_indices"):  # rows of tokens the run added (a chat template's), trained too
+        rows.append(("trained token rows", ", ".join(f"{module}: {len(ids)} tokens" for module, ids
+                                                     in sorted(adapter["trainable_token_indices"].items()))))
+    rows += [(name, adapter[name]) for name in ("use_rslora", "use_dora") if adapter.get(name)]
+    if adapter.get("modules_to_save"):
+        rows.append(("fully trained modules", ", ".join(adapter["modules_to_save"])))
+    return ["## Adapter", "", "| setting | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
+
+
+def _what(base_model: str, adapter: dict[str, Any], merged: bool, has_merged: bool) -> str:
+    """The card's first sentence: a full fine-tune, an adapter, or an adapter merged into its base."""
+    if not adapter:
+        return f"A fine-tune of `{base_model}`."
+    if merged:
+        return (f"`{base_model}` fine-tuned with LoRA, the adapter merged into its weights: a full model (the "
+                "adapter itself is in the directory above).")
+    return (f"A LoRA adapter for `{base_model}`: load it with peft on that base (its adapter_config.json names it)"
+            + (", or use `merged/`, the full model with the adapter merged in." if has_merged else "."))
+
+
+def _intro(name: str, what: str, base_model: str, epochs: Optional[float], steps: Optional[int]) -> list[str]:
+    lines = [f"# {name}", "", what, ""]
+    if epochs is not None:
+        lines += [f"Trained for {epochs:g} epochs" + (f" ({steps} optimizer steps)." if steps else "."), ""]
+    if not hub_id(base_model):
+        lines += [f"The base model `{base_model}` is a local directory, not a Hugging Face Hub id, so the front "
+                  "matter names no `base_model` (the Hub accepts only ids there); add `base_model: ORG/NAME` "
+                  "before sharing if the base came from the Hub.", ""]
+    return lines
+
+
+def _hyperparameter_section(args: dict[str, Any], epochs: Optional[float]) -> list[str]:
     lines = ["## Hyperparameters", "", "| setting | value |", "| --- | --- |"]
+    train = args.get("train", {})
     for section, name in HYPERPARAMETERS:
-        if name in args.get(section, {}):
-            lines.append(f"| {name} | {args[section][name]} |")
+        if name not in args.get(section, {}):
+            continue
+        value = args[section][name]
+        if name == "num_train_epochs" and epochs is not None and train.get("max_train_steps") and epochs < value:
+            value = f"{value} (not reached: --max_train_steps {train['max_train_steps']} ended the run)"
+        lines.append(f"| {name} | {value} |")
+    if epochs is not None:
+        lines.append(f"| epochs trained | {epochs:g} |")
     return lines + [""]
 
 
@@ -100,25 +187,40 @@ def _metrics_section(record: Optional[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
-def render_model_card(output_dir: Path) -> str:
+def render_model_card(output_dir: Path, merged: bool = False) -> str:
+    """The card of the export in `output_dir`, or (`merged`) of its merged/ model; the run's files are read
+    from `output_dir` either way."""
     info = _read_json(output_dir / "run.json")
     args = info.get("args", {})
-    base_model = args.get("model", {}).get("model_name_or_path") or "unknown"
+    adapter = _read_json(output_dir / "adapter_config.json")
+    base_model = (adapter.get("base_model_name_or_path") or args.get("model", {}).get("model_name_or_path")
+                  or "unknown")
     name = args.get("hub", {}).get("hub_model_id") or output_dir.name
-    body = [f"# {name}", "", f"A fine-tune of `{base_model}`.", ""]
+    epochs, steps = epochs_trained(output_dir, info)
+    what = _what(base_model, adapter, merged, (output_dir / MERGED_DIR / "config.json").is_file())
+    body = _intro(f"{name}/{MERGED_DIR}" if merged else name, what, base_model, epochs, steps)
+    if adapter:
+        body += _adapter_section(adapter, bool(args.get("lora", {}).get("use_qlora")), base_model)
     body += _data_section(_read_json(output_dir / "data_report.json"))
-    body += _hyperparameter_section(args)
+    body += _hyperparameter_section(args, epochs)
     body += _metrics_section(_last_train_record(output_dir / "metrics.jsonl"))
     body += _training_section(info)
-    return _front_matter(base_model) + "\n".join(body)
+    library = "peft" if adapter and not merged else "transformers"
+    return _front_matter(base_model, library, lora=bool(adapter)) + "\n".join(body)
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
 
 
 def write_model_card(output_dir: Path) -> Path:
-    path = output_dir / "README.md"
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(render_model_card(output_dir))
-    tmp.replace(path)
-    return path
+    """README.md of the export, and of its merged/ model when the run wrote one; returns the first."""
+    if (output_dir / MERGED_DIR / "config.json").is_file():
+        _write(output_dir / MERGED_DIR / "README.md", render_model_card(output_dir, merged=True))
+    return _write(output_dir / "README.md", render_model_card(output_dir))
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft model-card") -> int:
