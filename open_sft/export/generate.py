@@ -53,7 +53,7 @@ def context_length(model) -> int:
 def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32) -> Generation:
     """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped."""
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)
+                                            return_dict=True).to(model.device)
     prompt_tokens = encoded["input_ids"].shape[1]
     room = context_length(model) - prompt_tokens
     if room <= 0:

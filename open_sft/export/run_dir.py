@@ -3,7 +3,8 @@
 A run leaves one of three layouts, and each loads here:
     full export     config.json + model*.safetensors (+ tokenizer, generation_config.json)
     LoRA / QLoRA    adapter_config.json + adapter_model.safetensors: the base named in adapter_config.json's
-                    base_model_name_or_path (or --base_model), with the adapter applied through peft
+                    base_model_name_or_path (or --base_model), with the adapter applied through peft; a QLoRA
+                    run's base (run.json says which) quantized to 4-bit as it was in training
     merged/         a LoRA run's --merge_lora_on_save model: a full export of its own
 The tokenizer (with the run's chat template) and generation_config.json (the end-of-turn ids) are read from the
 directory itself, never from the base model: a run may have added template tokens and changed the end of turn.
@@ -90,6 +91,29 @@ def _load_tokenizer(directory: Path) -> Any:
     return tokenizer
 
 
+def _base_loading(directory: Path) -> dict[str, Any]:
+    """from_pretrained's arguments for an adapter's base: its own dtype; for a QLoRA run (run.json says so) the
+    4-bit NF4 base it trained against, as training quantized it, on the GPU when there is one."""
+    import torch
+
+    info = _read_run_json(directory)
+    if not info.get("args", {}).get("lora", {}).get("use_qlora"):
+        return {"dtype": "auto"}
+    from open_sft.config.args import LoraArguments
+    from open_sft.model.lora import quantization_config
+
+    fp16 = info.get("compute_dtype") == str(torch.float16)
+    return {"quantization_config": quantization_config(LoraArguments(use_qlora=True), fp16=fp16),
+            "dtype": torch.float32, "device_map": {"": 0 if torch.cuda.is_available() else "cpu"}}
+
+
+def _read_run_json(directory: Path) -> dict[str, Any]:
+    try:
+        return json.loads((directory / "run.json").read_text())
+    except (OSError, ValueError):  # a directory copied without it: the adapter alone decides
+        return {}
+
+
 def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
     import open_sft.model.lora  # noqa: F401  (before peft: keeps bitsandbytes' CPU-kernel warning out of the log)
     from peft import PeftModel
@@ -97,7 +121,7 @@ def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) ->
 
     base = adapter_base(directory, base_model)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(base, **_base_loading(directory))
     except OSError as exc:
         raise UserError(f"{directory} is a LoRA adapter on {base}, which cannot be loaded here "
                         f"({str(exc).splitlines()[0]}); pass "

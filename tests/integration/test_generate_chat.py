@@ -51,6 +51,16 @@ def lora_run(full_run, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def qlora_run(full_run, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("generate_qlora")
+    run_finetune(["--model_name_or_path", str(full_run), "--dataset_mixer_list", str(SAMPLE), "200",
+                  "--output_dir", str(out), "--max_train_steps", "4", "--learning_rate", "1e-2",
+                  "--logging_steps", "2", "--max_seq_length", "128", "--per_device_train_batch_size", "8",
+                  "--use_qlora", "--lora_rank", "8", "--lora_alpha", "16", "--merge_lora_on_save"])
+    return out
+
+
 def open_sft(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "open_sft", *args], cwd=ROOT, env=child_env(), input=stdin,
                           capture_output=True, text=True, timeout=300)
@@ -122,6 +132,30 @@ def test_lora_run_directory_and_its_merged_model_generate_alike(lora_run, full_r
     assert float((adapter_logits - base_logits).abs().max()) > 1e-2
     im_end = adapter.tokenizer.convert_tokens_to_ids("<|im_end|>")  # the run's end of turn ends a reply
     assert im_end in adapter.model.generation_config.eos_token_id
+
+
+def test_qlora_run_directory_loads_on_the_4bit_base_it_trained_against(qlora_run) -> None:
+    """A QLoRA adapter is applied to its base quantized as in training (NF4, bitsandbytes' CPU backend here):
+    its logits are the merged/ model's (the dequantized base plus the update, stored in bf16) up to a small
+    fraction of what the adapter changes."""
+    import bitsandbytes as bnb
+
+    from open_sft.export.run_dir import load_run_model
+
+    rows = generations(str(qlora_run), "--prompt", PROMPTS[0], "--max_new_tokens", "8")
+    assert rows[0]["stop_reason"] in ("end_of_turn", "max_new_tokens")
+    adapter, merged = load_run_model(qlora_run), load_run_model(qlora_run / "merged")
+    assert sum(isinstance(module, bnb.nn.Linear4bit) for module in adapter.model.modules()) == 2 * 7
+    ids = adapter.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
+                                                add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True)["input_ids"]
+    with torch.no_grad():
+        adapter_logits = adapter.model(input_ids=ids).logits.float()
+        merged_logits = merged.model(input_ids=ids).logits.float()
+        with adapter.model.disable_adapter():
+            base_logits = adapter.model(input_ids=ids).logits.float()
+    effect = float((adapter_logits - base_logits).abs().max())
+    assert effect > 0.1 and float((adapter_logits - merged_logits).abs().max()) < 0.1 * effect
 
 
 def test_directory_without_a_model_is_a_clear_error(lora_run, full_run, tmp_path) -> None:
