@@ -15,6 +15,7 @@ first): with several bad rows the one named may be another than the in-memory bu
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import logging
@@ -147,36 +148,58 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
     spilled, errors, invalid = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
-    # the row numbering the in-memory build selects in: rows are the lines that parse
+    # The row numbering the in-memory build selects in: rows are the lines that parse (all of them, mostly: then
+    # no array maps one to the other). Arrays of a number per row are made only where needed and let go early:
+    # at 10 M rows each costs 80 MB.
     unreadable = np.array([i for i, e in invalid if e.reason == "invalid_json"], dtype=np.int64)
-    line_of = np.setdiff1d(np.arange(n, dtype=np.int64), unreadable)
+    line_of = np.setdiff1d(np.arange(n, dtype=np.int64), unreadable) if len(unreadable) else None
     if len(unreadable):
         report.dropped["invalid_json"] += len(unreadable)
     for _, error in invalid:
         if error.reason != "invalid_json":
             report.dropped[error.reason] += 1
-    if picked is None and by_rows:
-        valid = np.flatnonzero(~np.isin(line_of, np.array([i for i, _ in invalid], dtype=np.int64)))
-        if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
-            valid = np.arange(n)
-        picked = line_of[select(range(len(valid)) if len(valid) == len(line_of) else valid, None)]
-    elif picked is None:
-        labelled_rows = np.searchsorted(line_of, spilled.index)
-        picked = line_of[select(labelled_rows, _Lengths(labelled_rows, spilled.lengths()))]
+    if picked is None:
+        picked = _select_labelled(spilled, invalid, line_of, n, by_rows, drop, select)
+        if line_of is not None:
+            picked = line_of[picked]
+    del line_of
     counted = np.isin(np.array([i for i, _ in errors], dtype=np.int64), picked) if by_rows else np.ones(len(errors), bool)
     for (_, error), count in zip(errors, counted):
         if count:
             report.dropped[error.reason] += 1
+    report.upsample_factor = round(len(picked) / max(1, _distinct(picked, n)), 4)
     found = spilled.positions(picked)
-    found = found[found >= 0]
+    del picked
+    if len(found) and found.min() < 0:
+        found = found[found >= 0]
     report.rows_selected = len(found)
-    report.upsample_factor = round(len(picked) / max(1, len(np.unique(picked))), 4)
-    kept, dropped, report.truncated = fit_order(spilled.lengths(), spilled.trained, found, args.max_seq_length,
-                                                args.truncation)
+    lengths = spilled.lengths()
+    kept, dropped, report.truncated = fit_order(lengths, spilled.trained, found, args.max_seq_length, args.truncation)
+    del found
     report.dropped.update(dropped)
     report.rows_kept = len(kept)
-    for a, b in pieces(np.minimum(spilled.lengths()[kept], args.max_seq_length)):
+    for a, b in pieces(np.minimum(lengths[kept], args.max_seq_length)):
         _add_counts(report, writer.write(spilled.take(kept[a:b], args.max_seq_length)))
+
+
+def _select_labelled(spilled: Any, invalid: list, line_of: Optional[np.ndarray], n: int, by_rows: bool,
+                     drop: bool, select: Callable) -> np.ndarray:
+    """The selection, in rows (lines that parse), drawn once labelling has said which rows are valid: by tokens,
+    or by rows where some rows failed (or the speculative draw asked for more rows than there are)."""
+    lines = np.arange(n, dtype=np.int64) if line_of is None else line_of
+    if by_rows:
+        valid = np.flatnonzero(~np.isin(lines, np.array([i for i, _ in invalid], dtype=np.int64)))
+        if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
+            valid = np.arange(n)
+        return select(range(len(valid)) if len(valid) == len(lines) else valid, None)
+    labelled_rows = np.searchsorted(lines, spilled.index)
+    return select(labelled_rows, _Lengths(labelled_rows, spilled.lengths()))
+
+
+def _distinct(rows: np.ndarray, n: int) -> int:
+    seen = np.zeros(n, dtype=bool)  # a byte a row (np.unique would sort a copy of the selection)
+    seen[rows] = True
+    return int(seen.sum())
 
 
 def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, tmp: Path, n: int,
@@ -202,7 +225,8 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
             _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
         done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
         spill.append(done[:, 0], labelled.rows.take(done[:, 1]), args.max_seq_length)
-        spill.commit(start + len(items), {"errors": _dumped(labelled.errors), "invalid": _dumped(labelled.invalid)})
+        spill.commit(start + len(items), {"errors": _dumped(labelled.errors),
+                                          "invalid": _dumped(labelled.invalid)})
         errors += labelled.errors
         invalid += labelled.invalid
         progress.update(len(items), int(labelled.rows.bounds[-1]))
@@ -212,7 +236,17 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         # worth of objects (a full collection would walk every object of the process, torch's included)
         gc.collect(1)
     progress.done()
+    _release_heap()
     return spill.close(), errors, invalid
+
+
+def _release_heap() -> None:
+    """Gives the heap the chunks used and freed back to the system (glibc keeps freed small blocks mapped:
+    ~400 MB after labelling a 256 MB corpus, which the per-row arrays made next would come on top of)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _dumped(failures: list[tuple[int, RowError]]) -> list[tuple[int, str, str]]:

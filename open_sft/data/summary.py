@@ -15,7 +15,7 @@ def length_percentiles(lengths: Any) -> dict[str, int]:
     """p50/p90/p99/max of the examples' lengths (a list or an array)."""
     if not len(lengths):
         return {}
-    ordered = np.sort(np.asarray(lengths, dtype=np.int64))
+    ordered = np.sort(np.asarray(lengths))
 
     def at(q: float) -> int:
         return int(ordered[min(len(ordered) - 1, int(q * len(ordered)))])

@@ -98,6 +98,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(spill, "PIECE_TOKENS", 400)
     monkeypatch.setattr(sources, "READ_BYTES", 300)
     monkeypatch.setattr(spill, "SHARD_BYTES", 2000)  # several Arrow shards, as save_to_disk splits big datasets
+    monkeypatch.setattr(spill, "BATCH_TOKENS", 900)  # several record batches in each
 
 
 def streamed(args, tokenizer, tmp_path, holdout=None):
@@ -177,3 +178,24 @@ def test_the_building_rank_says_how_fast_and_how_long(corpora, tokenizer, tmp_pa
     assert re.fullmatch(r"building .*text\.jsonl: 7/120 rows, \d+ rows/s, \d+ tokens/s, eta \d+s", lines[0])
     assert re.fullmatch(r"building .*text\.jsonl: 120/120 rows, \d+ rows/s, \d+ tokens/s in [\d.]+s", lines[-1])
     assert len(lines) == 120 // 7 + 2
+
+
+@pytest.mark.parametrize("batch_tokens", [900, None])
+def test_record_batches_hold_batch_tokens(tokenizer, tmp_path, monkeypatch, batch_tokens) -> None:
+    """The entry's Arrow record batches hold BATCH_TOKENS tokens each (the last one of the entry less): loading
+    reads each batch's header, so a corpus's entry has few of them (datasets' default is 1,000 rows a batch)."""
+    import pyarrow as pa
+
+    if batch_tokens:
+        monkeypatch.setattr(spill, "BATCH_TOKENS", batch_tokens)
+    args = DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], max_seq_length=256)
+    writer, _ = build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+    writer.finish("")
+    batches = [batch for shard in sorted((tmp_path / "data").glob("*.arrow"))
+               for batch in pa.ipc.open_stream(pa.memory_map(str(shard))).read_all().to_batches()]
+    tokens = [int(pa.compute.sum(batch.column("length")).as_py()) for batch in batches]
+    if batch_tokens:
+        assert len(tokens) > 10 and all(batch_tokens - 41 < t <= batch_tokens for t in tokens[:-1])  # rows <= 41
+        assert 0 < tokens[-1] <= batch_tokens and sum(tokens) == 43524
+    else:  # the sample's 2,000 examples, 43,524 tokens: one batch
+        assert len(tokens) == 1 and tokens[0] == 43524
