@@ -184,12 +184,15 @@ def test_directory_without_a_model_is_a_clear_error(lora_run, full_run, tmp_path
 
 
 def parse_chat(stdout: str) -> list[dict]:
-    """The chat's stdout as events: {"reply", "why", "token", "new", "conversation"} per reply, {"reset"}."""
+    """The chat's stdout as events: {"reply", "why", "token", "new", "conversation"} per reply, {"reset"},
+    {"unknown"}."""
     events, text = [], []
     for line in stdout.splitlines():
         match = STOP_LINE.match(line)
         if line == "[conversation reset]":
             events.append({"reset": True})
+        elif line.startswith("[unknown command "):
+            events.append({"unknown": line})
         elif match:
             events.append({"reply": "\n".join(text).strip(), "why": match["why"], "token": match["token"],
                            "new": int(match["new"]), "conversation": int(match["conversation"])})
@@ -235,6 +238,30 @@ def test_chat_system_message_starts_every_conversation(full_run) -> None:
     assert events[0]["conversation"] == len(prompt) + events[0]["new"]
     ids = greedy(full_run, messages, 8)
     assert events[0]["reply"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_a_full_context_is_said_and_its_turn_dropped(full_run, tmp_path) -> None:
+    """The model's context (max_position_embeddings, cut to 24 positions in a copy) ends a reply with
+    max_length; a turn that no longer fits is answered by a line saying so, not kept, and /reset recovers."""
+    short = tmp_path / "short_context"
+    shutil.copytree(full_run, short, ignore=shutil.ignore_patterns("checkpoints"))
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 24}))
+    tokenizer = AutoTokenizer.from_pretrained(short)
+    prompt = PROMPTS[2]  # the trained model answers it at length
+    length = len(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_dict=True)["input_ids"])
+    [row] = generations(str(short), "--prompt", prompt, "--max_new_tokens", "100")
+    if row["stop_reason"] != "end_of_turn":
+        assert (row["stop_reason"], row["new_tokens"]) == ("max_length", 24 - length)
+    result = open_sft("chat", str(short), "--max_new_tokens", "100",
+                      stdin=f"{prompt}\n{prompt}\n/foo\n/reset\n{prompt}\n")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, full, unknown, reset, again = parse_chat(result.stdout)
+    assert first["why"].startswith("end of turn" if row["stop_reason"] == "end_of_turn" else "stopped: the model's")
+    assert full["why"].startswith("stopped: the model's context is full") and (full["new"], full["reply"]) == (0, "")
+    assert unknown == {"unknown": "[unknown command /foo: /reset clears the conversation, /exit quits]"}
+    assert "reset" in reset and again == first  # the turn that did not fit was not kept
 
 
 def _read_until(controller: int, marker: bytes, seen: bytearray, timeout: float = 120) -> None:
