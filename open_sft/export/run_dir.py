@@ -134,8 +134,8 @@ def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) ->
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = PeftModel.from_pretrained(model, str(directory))
     except (RuntimeError, ValueError) as exc:  # shapes that do not fit: another base than the run's
-        raise UserError(f"the adapter in {directory} does not fit the base model {base} ({exc}); pass "
-                        "--base_model with the model the run trained from") from exc
+        raise UserError(f"the adapter in {directory} does not fit the base model {base} "
+                        f"({str(exc).splitlines()[0]}); pass --base_model with the model the run trained from") from exc
     return model, base
 
 
@@ -145,11 +145,15 @@ def load_run_model(directory: Path, base_model: Optional[str] = None) -> RunMode
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     kind = model_kind(directory)
+    if base_model and kind == FULL:
+        raise UserError(f"--base_model is for a LoRA/QLoRA adapter directory; {directory} holds a full model: "
+                        "leave --base_model out")
     tokenizer = _load_tokenizer(directory)
     if kind == ADAPTER_DIR:
         model, base = _load_adapter(directory, tokenizer, base_model)
-        description = f"{directory} (LoRA adapter on {base})"
         inner = model.get_base_model()
+        quantized = getattr(inner, "is_loaded_in_4bit", False)
+        description = f"{directory} ({'QLoRA adapter on 4-bit' if quantized else 'LoRA adapter on'} {base})"
     else:
         model = inner = AutoModelForCausalLM.from_pretrained(directory, dtype="auto")
         description = f"{directory} (full model)"

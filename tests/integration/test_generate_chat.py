@@ -146,6 +146,7 @@ def test_qlora_run_directory_loads_on_the_4bit_base_it_trained_against(qlora_run
     assert rows[0]["stop_reason"] in ("end_of_turn", "max_new_tokens")
     adapter, merged = load_run_model(qlora_run), load_run_model(qlora_run / "merged")
     assert sum(isinstance(module, bnb.nn.Linear4bit) for module in adapter.model.modules()) == 2 * 7
+    assert "(QLoRA adapter on 4-bit" in adapter.description
     ids = adapter.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[0]}],
                                                 add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True)["input_ids"]
@@ -179,6 +180,8 @@ def test_directory_without_a_model_is_a_clear_error(lora_run, full_run, tmp_path
     result = open_sft("generate", str(moved), "--prompt", PROMPTS[0])
     assert result.returncode == 2 and f"is a LoRA adapter on {tmp_path / 'gone_base'}" in result.stderr
     assert "--base_model" in result.stderr and "Traceback" not in result.stderr
+    result = open_sft("generate", str(full_run), "--prompt", PROMPTS[0], "--base_model", str(full_run))
+    assert result.returncode == 2 and "--base_model is for a LoRA/QLoRA adapter directory" in result.stderr
     rows = generations(str(moved), "--prompt", PROMPTS[0], "--base_model", str(full_run), "--max_new_tokens", "12")
     assert rows == generations(str(lora_run), "--prompt", PROMPTS[0], "--max_new_tokens", "12")
 
