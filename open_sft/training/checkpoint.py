@@ -15,6 +15,7 @@ and never pruned.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -226,9 +227,9 @@ def _fsync_path(path: Path) -> None:
 
 def fsync_tree(root: Path) -> None:
     for directory, _, files in os.walk(root):
-        for name in files:
-            _fsync_path(Path(directory) / name)
-        _fsync_path(Path(directory))
+        for path in [Path(directory) / name for name in files] + [Path(directory)]:
+            with contextlib.suppress(FileNotFoundError):  # another rank's temporary file, renamed since listed
+                _fsync_path(path)  # (each rank fsyncs the tree after its own writes)
 
 
 def _manifest(root: Path) -> dict[str, int]:
