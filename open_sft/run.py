@@ -25,6 +25,7 @@ from open_sft.distributed import lifeline
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError
 from open_sft.training.amp import HALF
+from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
 
 logger = logging.getLogger("open_sft")
@@ -220,18 +221,19 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.export.hub_checkpoints import CheckpointUploader
     from open_sft.monitor.progress import ProgressBar
-    from open_sft.monitor.run_info import write_run_files
+    from open_sft.monitor.run_info import write_audit_files, write_run_files
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
+    from open_sft.training.completion import clear_marker, resume_setting
     from open_sft.training.preemption import StopRequest
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name,
                                        tp_size_of(acc))
-    resume = checkpoint.resolve_resume(config.checkpoint.resume_from_checkpoint, output_dir, identity,
-                                       acc.is_main_process)
+    resume = checkpoint.resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
+        clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
         checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
@@ -250,16 +252,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     with progress.around_training():
         records = trainer.train(start_step, after_step=[timer, progress, checkpointer.on_step_end])
     checkpointer.raise_if_preempted(metrics)
-    if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):  # audit/test aid: which examples each rank trained on
-        from open_sft.monitor.run_info import write_json
-
-        write_json(output_dir / f"data_order.rank{acc.process_index}.json",
-                   {"rank": acc.process_index, "example_indices": trainer.seen_example_ids})
-    if trainer.saved_activations is not None:  # OPEN_SFT_RECORD_ACTIVATIONS: audit aid (monitor.activations)
-        from open_sft.monitor.run_info import write_json
-
-        write_json(output_dir / f"activations.rank{acc.process_index}.json",
-                   {"rank": acc.process_index, "peak_saved_bytes": trainer.saved_activations.peak_bytes})
+    write_audit_files(output_dir, acc.process_index, trainer)
     return trainer, checkpointer, records
 
 
@@ -275,6 +268,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.model.lora import is_peft_model
     from open_sft.monitor.report import write_run_report
     from open_sft.training.checkpoint import remove_all
+    from open_sft.training.completion import mark_complete
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     state_dict = gather_full_state_dict(acc, trainer.model)  # collective
@@ -298,12 +292,20 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
+    if acc.is_main_process:  # last of all it writes here: a relaunch now says "already complete"
+        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed())
     if config.hub.push_to_hub and acc.is_main_process:
         push_output_dir(output_dir, config.hub)
 
 
 def run(config: FinetuneConfig) -> dict:
-    """Train and export; returns a summary. Raises UserError for problems the user can fix."""
+    """Train and export; returns a summary. Raises UserError for problems the user can fix. A completed run in
+    --output_dir is left as it is (every rank reads its record: open_sft.training.completion)."""
+    done = already_complete(config)
+    if done is not None:
+        if _is_main_rank():
+            print(done, flush=True)
+        return {"already_complete": config.train.output_dir}
     job = plan_launch(config)
     with lock_output_dir(job.config, _is_main_rank()):  # held until the run has ended, however it ends
         return _phases(job)

@@ -262,6 +262,12 @@ class CheckpointArguments:
         "auto: resume from the newest complete checkpoint in OUTPUT_DIR/checkpoints if there is one; "
         "a checkpoint directory; or none to start over (earlier checkpoints are moved aside).", default="auto"
     )
+    overwrite_output_dir: bool = _help(
+        "Start over in --output_dir on purpose: train from step 0 even if a run there finished (OUTPUT_DIR/"
+        "RUN_COMPLETE; without this flag a relaunch of a finished run says 'already complete' and exits 0) or left "
+        "checkpoints (moved aside to checkpoints.previous-N, as with --resume_from_checkpoint none); the export is "
+        "overwritten at the end. Leave it out of a command a scheduler requeues: each relaunch would start over.",
+        default=False)
     max_shard_size: str = _help("Largest safetensors file of the exported model, e.g. 5GB or 500MB.",
                                 default="5GB")
     save_dtype: Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"] = _help(

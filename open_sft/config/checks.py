@@ -177,6 +177,9 @@ def _checkpoint_problems(c: CheckpointArguments) -> list[str]:
     if c.keep_last_n_checkpoints < 1 and c.keep_last_n_checkpoints != -1:
         problems.append(f"--keep_last_n_checkpoints must be at least 1, or -1 to keep all, got "
                         f"{c.keep_last_n_checkpoints}")
+    if c.overwrite_output_dir and c.resume_from_checkpoint not in ("auto", "none"):
+        problems.append(f"--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint "
+                        f"{c.resume_from_checkpoint} continues that checkpoint; give one of the two")
     return problems
 
 

@@ -64,7 +64,6 @@ class OpenInstructArguments:
                                              "--dataset_mixer_list).", default=None)
     overwrite_cache: bool = _help("Ignored (a changed input changes the cache key; "
                                             "--dataset_skip_cache skips the cache).", default=False)
-    overwrite_output_dir: bool = _help("Ignored (use --resume_from_checkpoint none).", default=False)
     load_balancing_weight: Optional[float] = _help(
         "Ignored, as open-instruct does (its loss weighs the router loss by the model's router_aux_loss_coef; "
         "set that with --additional_model_arguments).", default=None)
@@ -89,11 +88,11 @@ class OpenInstructArguments:
 
 
 IGNORED = ("do_not_randomize_output_dir", "low_cpu_mem_usage", "dataset_cache_mode", "dataset_config_hash",
-           "dataset_mix_dir", "max_train_samples", "overwrite_cache", "overwrite_output_dir",
-           "load_balancing_weight", "save_to_hub", "hf_repo_url",
-           "try_launch_beaker_eval_jobs", "hf_metadata_dataset", "try_auto_save_to_beaker", "gs_bucket_path",
-           "oe_eval_tasks", "oe_eval_max_length", "sync_each_batch", "verbose", "use_fast", "use_slow_tokenizer",
-           "get_tokenizer_fn", "tokenizer_files_hash", "ground_truths_key", "add_seed_and_date_to_exp_name")
+           "dataset_mix_dir", "max_train_samples", "overwrite_cache", "load_balancing_weight", "save_to_hub",
+           "hf_repo_url", "try_launch_beaker_eval_jobs", "hf_metadata_dataset", "try_auto_save_to_beaker",
+           "gs_bucket_path", "oe_eval_tasks", "oe_eval_max_length", "sync_each_batch", "verbose", "use_fast",
+           "use_slow_tokenizer", "get_tokenizer_fn", "tokenizer_files_hash", "ground_truths_key",
+           "add_seed_and_date_to_exp_name")
 TRANSFORMS = {  # open-instruct dataset_transform_fn → --train_on (None: a filter, nothing to map)
     "sft_tulu_tokenize_and_truncate_v1": "all_assistant", "sft_tulu_tokenize_without_truncation_v1": "all_assistant",
     "last_turn_tulu_tokenize_and_truncate_v1": "last_assistant", "sft_tokenize_v1": "all",

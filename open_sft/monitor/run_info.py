@@ -55,3 +55,14 @@ def write_run_files(job: Any, trainer: Any) -> None:
         "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
         "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer)})
     write_json(job.output_dir / "data_report.json", job.data.report)
+
+
+def write_audit_files(output_dir: Path, rank: int, trainer: Any) -> None:
+    """Audit and test aids of this rank, when asked for: the examples it trained on, in order
+    (OPEN_SFT_RECORD_DATA_ORDER), and its measured activation bytes (OPEN_SFT_RECORD_ACTIVATIONS)."""
+    if os.environ.get("OPEN_SFT_RECORD_DATA_ORDER"):
+        write_json(output_dir / f"data_order.rank{rank}.json",
+                   {"rank": rank, "example_indices": trainer.seen_example_ids})
+    if trainer.saved_activations is not None:
+        write_json(output_dir / f"activations.rank{rank}.json",
+                   {"rank": rank, "peak_saved_bytes": trainer.saved_activations.peak_bytes})

@@ -383,7 +383,9 @@ def test_sigterm_single_process_exit_code(single) -> None:
 
 
 def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) -> None:
-    args = finetune_args(tiny_model_dir, single["out"], "single")
+    # the run is finished (a relaunch with auto would say 'already complete'): resume its checkpoint by name
+    args = finetune_args(tiny_model_dir, single["out"], "single", "--resume_from_checkpoint",
+                         str(single["out"] / "checkpoints" / f"step_{STEPS}"))
     changed = {"--per_device_train_batch_size": "2", "--gradient_accumulation_steps": "4", "--max_seq_length": "200"}
     for flag, value in changed.items():
         args[args.index(flag) + 1] = value
@@ -396,6 +398,7 @@ def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) 
     assert "the tokenized data (cache key" in message
     assert "--resume_from_checkpoint none" in message
     assert complete_steps(single["out"]) == [STEPS - 2, STEPS]  # nothing touched
+    assert (single["out"] / "RUN_COMPLETE").is_file()  # refused before training: the run is still complete
 
 
 RELOAD = """
@@ -459,7 +462,7 @@ def test_push_retries_transient_failures_and_uploads_the_export(single, hub, log
     files = repo["branches"]["v1"]
     local = {str(p.relative_to(single["out"])) for p in single["out"].rglob("*") if p.is_file()}
     expected = {name for name in local if not name.startswith("checkpoints") and not name.startswith("data_order")
-                and name != ".open_sft.lock"}
+                and name not in (".open_sft.lock", "RUN_COMPLETE")}
     assert set(files) == expected
     for name in ("model.safetensors.index.json", "README.md", "run.json"):
         assert files[name] == (single["out"] / name).read_bytes()

@@ -1,0 +1,103 @@
+"""A finished run stays finished: OUTPUT_DIR/RUN_COMPLETE, written last.
+
+A SLURM requeue or a re-run script relaunches the same command. Without a mark of the end, the relaunch would
+resume from the newest checkpoint (step 17 of 30, say), train the steps after it again and overwrite the
+export. So, as each checkpoint has its COMPLETE, the run writes OUTPUT_DIR/RUN_COMPLETE after everything else
+it writes there (the export, the report and model card, the checkpoint clean-up; before the optional Hub push,
+whose failure says how to retry it alone): a JSON record of the last step and the export's files. The Hub upload
+leaves it out.
+
+A launch with --resume_from_checkpoint auto (the default) on a directory with that record prints
+`already complete: OUTPUT_DIR` on the main process and exits 0 on every rank before anything is loaded, locked
+or written (every rank reads the record: checkpoints and their resume already need the directory shared).
+`--overwrite_output_dir` starts over on purpose: training from step 0, the earlier checkpoints moved aside to
+checkpoints.previous-N (as `--resume_from_checkpoint none` does; kept, never deleted), metrics.jsonl begun
+anew and the export overwritten at the end. A launch that trains for any reason (that flag, `none`, or a named
+checkpoint) removes the record once its resume point is settled, under the output-directory lock: the directory
+then holds a run in progress, which a relaunch resumes (a launch refused before that leaves the record).
+`--dry_run` and `--cache_dataset_only` neither read nor write it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from open_sft.errors import UserError
+
+MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
+# what the export is not: run bookkeeping and the training state, left out of the record's file list
+NOT_EXPORT = ("checkpoints", "checkpoints.previous-", ".open_sft.lock", "data_order.rank", "activations.rank",
+              MARKER)
+
+
+def checks_completion(config: Any) -> bool:
+    """Whether this launch stops at a completed run: a training launch that would resume by itself."""
+    return not (config.train.dry_run or config.data.cache_dataset_only or config.checkpoint.overwrite_output_dir
+                or config.checkpoint.resume_from_checkpoint != "auto")
+
+
+def resume_setting(config: Any) -> str:
+    """--resume_from_checkpoint as the run applies it: `none` under --overwrite_output_dir."""
+    return "none" if config.checkpoint.overwrite_output_dir else config.checkpoint.resume_from_checkpoint
+
+
+def already_complete(config: Any) -> Optional[str]:
+    """The line to print when OUTPUT_DIR holds a completed run that this launch would only train again, else
+    None. Raises UserError when the record is there but files of the export it lists are not."""
+    output_dir = Path(config.train.output_dir)
+    if not checks_completion(config):
+        return None
+    record = read_marker(output_dir)
+    if record is None:
+        return None
+    missing = [name for name in record.get("files", {}) if not (output_dir / name).is_file()]
+    if missing:
+        raise UserError(f"--output_dir {output_dir}: the run there completed ({output_dir / MARKER}) but its export "
+                        f"lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; restore the files, or "
+                        "pass --overwrite_output_dir to train again from scratch")
+    upload = (f"; to upload the export: python -m open_sft push {output_dir} --hub_model_id "
+              f"{config.hub.hub_model_id}" if config.hub.push_to_hub else "")
+    return (f"already complete: {output_dir} (trained to step {record.get('step')}, finished at "
+            f"{record.get('finished_at')}); nothing to do{upload}. To train again from scratch pass "
+            "--overwrite_output_dir (the earlier checkpoints are moved aside), or choose another --output_dir")
+
+
+def read_marker(output_dir: Path) -> Optional[dict[str, Any]]:
+    """The completion record, or None where there is none (it is written whole or not at all)."""
+    try:
+        record = json.loads((output_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def export_files(output_dir: Path) -> dict[str, int]:
+    """The export's files (relative path → size): everything under OUTPUT_DIR but the run's bookkeeping."""
+    files = {}
+    for path in sorted(output_dir.rglob("*")):
+        name = str(path.relative_to(output_dir))
+        if path.is_file() and not name.startswith(NOT_EXPORT):
+            files[name] = path.stat().st_size
+    return files
+
+
+def mark_complete(output_dir: Path, step: int, elapsed_s: float) -> None:
+    """Written last by the main process: the record, fsynced and renamed into place."""
+    record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "files": export_files(output_dir)}
+    tmp = output_dir / f"{MARKER}.tmp"
+    with tmp.open("w") as handle:
+        json.dump(record, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, output_dir / MARKER)
+
+
+def clear_marker(output_dir: Path) -> None:
+    """Training starts (main process, under the output-directory lock, once the resume point is settled): the
+    directory holds a run in progress from here on."""
+    (output_dir / MARKER).unlink(missing_ok=True)

@@ -1,0 +1,86 @@
+"""A finished run stays finished: relaunching a 2-rank run whose export is complete says `already complete` once,
+exits 0 on every rank without training and touches nothing (every file's bytes and times compared);
+--overwrite_output_dir trains it again from step 0 (the same losses, the earlier checkpoints moved aside);
+--dry_run and --cache_dataset_only run as ever on a finished directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import SAMPLE, read_metrics, run_finetune
+
+EXACT = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
+
+
+def args_for(model_dir: Path, output_dir: Path, *extra: str) -> list[str]:
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "64",
+            "--output_dir", str(output_dir), "--max_train_steps", "4", "--checkpointing_steps", "2",
+            "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--logging_steps", "1", "--seed", "1",
+            "--torch_dtype", "float32", "--max_seq_length", "128", *extra]
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under root (the directories too) with its bytes and modification time."""
+    found = {".": (b"", root.stat().st_mtime_ns)}
+    for path in sorted(root.rglob("*")):
+        found[str(path.relative_to(root))] = (path.read_bytes() if path.is_file() else b"", path.stat().st_mtime_ns)
+    return found
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_model_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("finished")
+    first = run_finetune(args_for(tiny_model_dir, out), processes=2)
+    before = snapshot(out)
+    again = run_finetune(args_for(tiny_model_dir, out), processes=2, check=False)
+    after = snapshot(out)
+    return {"out": out, "first": first, "before": before, "again": again, "after": after,
+            "metrics": read_metrics(out)}
+
+
+def test_the_run_writes_its_completion_record_last(finished) -> None:
+    out = finished["out"]
+    record = json.loads((out / "RUN_COMPLETE").read_text())
+    assert record["step"] == 4 and record["elapsed_s"] >= finished["metrics"][-1]["elapsed_s"]
+    assert {"config.json", "model.safetensors", "metrics.jsonl", "README.md", "report/summary.md"} <= set(record["files"])
+    assert not any(name.startswith(("checkpoints", ".open_sft.lock")) for name in record["files"])
+    newest = max(p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != ".open_sft.lock")
+    assert (out / "RUN_COMPLETE").stat().st_mtime_ns == newest  # written after everything else
+
+
+def test_a_relaunch_of_a_finished_run_exits_0_touching_nothing(finished) -> None:
+    again, out = finished["again"], finished["out"]
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(f"already complete: {out} (trained to step 4, finished at ") == 1  # the main process
+    assert "--overwrite_output_dir" in again.stdout
+    for quiet in ("step 1/4", "resuming from", "loading", "world size", "Traceback"):
+        assert quiet not in again.stdout + again.stderr, quiet
+    assert finished["after"] == finished["before"]  # every byte and time, metrics.jsonl and the export included
+
+
+def test_overwrite_output_dir_trains_again_from_step_0(finished, tiny_model_dir) -> None:
+    out = finished["out"]
+    result = run_finetune(args_for(tiny_model_dir, out, "--overwrite_output_dir"), processes=2)
+    log = result.stdout + result.stderr
+    assert "resuming from" not in log and "already complete" not in log
+    assert f"the earlier checkpoints were moved to {out / 'checkpoints.previous-1'}" in log
+    assert sorted(p.name for p in (out / "checkpoints.previous-1").iterdir()) == ["step_2", "step_4"]
+    again = read_metrics(out)
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    assert [{k: r[k] for k in EXACT} for r in again] == [{k: r[k] for k in EXACT} for r in finished["metrics"]]
+    assert json.loads((out / "RUN_COMPLETE").read_text())["step"] == 4
+
+
+def test_dry_run_and_cache_only_are_unaffected_by_a_finished_run(finished, tiny_model_dir) -> None:
+    out = finished["out"]
+    before = snapshot(out)
+    dry = run_finetune(args_for(tiny_model_dir, out, "--dry_run"))
+    assert "time estimate:" in dry.stdout and "already complete" not in dry.stdout
+    cache = run_finetune(args_for(tiny_model_dir, out, "--cache_dataset_only"))
+    assert "already complete" not in cache.stdout
+    assert os.path.isdir(cache.stdout.strip().splitlines()[-1])  # the cache path, on the last line
+    assert snapshot(out) == before

@@ -1,0 +1,82 @@
+"""The completion record of a run (open_sft.training.completion), in process: which launches stop at it, what it
+lists, what a damaged export says, and --overwrite_output_dir's place among the flags. A real relaunch of a
+finished run (bytes compared, 2 ranks) is in tests/integration/test_completion.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from open_sft.config.parse import parse_config
+from open_sft.errors import ConfigError, UserError
+from open_sft.training import completion
+
+BASE = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0"]
+
+
+def finished_run(output_dir) -> None:
+    """A finished run's files, its bookkeeping, and the record written last."""
+    (output_dir / "checkpoints" / "step_4").mkdir(parents=True)
+    (output_dir / "checkpoints" / "step_4" / "COMPLETE").write_text("{}")
+    (output_dir / "report").mkdir()
+    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "metrics.jsonl": "{}\n",
+                       "report/summary.md": "# r\n", ".open_sft.lock": "{}", "data_order.rank0.json": "{}"}.items():
+        (output_dir / name).write_text(text)
+    completion.mark_complete(output_dir, 4, 12.5)
+
+
+def test_the_record_lists_the_export_not_the_bookkeeping(tmp_path) -> None:
+    finished_run(tmp_path)
+    record = json.loads((tmp_path / "RUN_COMPLETE").read_text())
+    assert record["step"] == 4 and record["elapsed_s"] == 12.5 and re.match(r"\d{4}-\d\d-\d\dT", record["finished_at"])
+    assert record["files"] == {"config.json": 2, "metrics.jsonl": 3, "model.safetensors": 100, "report/summary.md": 4}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_relaunch_with_auto_stops_at_a_finished_run(tmp_path) -> None:
+    finished_run(tmp_path)
+    message = completion.already_complete(parse_config(BASE + ["--output_dir", str(tmp_path)]))
+    assert message.startswith(f"already complete: {tmp_path} (trained to step 4, finished at ")
+    assert "pass --overwrite_output_dir" in message and "open_sft push" not in message
+    pushing = parse_config(BASE + ["--output_dir", str(tmp_path), "--push_to_hub", "--hub_model_id", "o/m"])
+    assert f"to upload the export: python -m open_sft push {tmp_path} --hub_model_id o/m" in \
+        completion.already_complete(pushing)
+
+
+@pytest.mark.parametrize("extra", [["--overwrite_output_dir"], ["--resume_from_checkpoint", "none"],
+                                   ["--resume_from_checkpoint", "ckpt"], ["--dry_run"], ["--cache_dataset_only"]])
+def test_launches_that_train_on_purpose_or_write_nothing_do_not_stop(tmp_path, extra) -> None:
+    finished_run(tmp_path)
+    config = parse_config(BASE + ["--output_dir", str(tmp_path), *extra])
+    assert completion.already_complete(config) is None
+    assert completion.resume_setting(config) == ("none" if extra == ["--overwrite_output_dir"] else
+                                                 config.checkpoint.resume_from_checkpoint)
+
+
+def test_no_record_no_stop_and_training_removes_the_record(tmp_path) -> None:
+    config = parse_config(BASE + ["--output_dir", str(tmp_path)])
+    assert completion.already_complete(config) is None  # an unfinished or fresh directory
+    finished_run(tmp_path)
+    completion.clear_marker(tmp_path)  # what the train phase does once its resume point is settled
+    assert completion.already_complete(config) is None and not (tmp_path / "RUN_COMPLETE").exists()
+
+
+def test_a_finished_run_whose_export_lost_files_says_so(tmp_path) -> None:
+    finished_run(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=re.escape(
+            f"--output_dir {tmp_path}: the run there completed ({tmp_path / 'RUN_COMPLETE'}) but its export lacks "
+            "model.safetensors; restore the files, or pass --overwrite_output_dir to train again from scratch")):
+        completion.already_complete(parse_config(BASE + ["--output_dir", str(tmp_path)]))
+
+
+def test_overwrite_output_dir_is_open_sfts_flag_and_refuses_a_named_checkpoint() -> None:
+    config = parse_config(BASE + ["--overwrite_output_dir"])
+    assert config.checkpoint.overwrite_output_dir and not config.notes  # a flag of its own, no longer ignored
+    assert parse_config(BASE + ["--overwrite_output_dir", "--resume_from_checkpoint", "none"]).checkpoint
+    with pytest.raises(ConfigError, match=re.escape(
+            "--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint out/checkpoints/step_4 "
+            "continues that checkpoint; give one of the two")):
+        parse_config(BASE + ["--overwrite_output_dir", "--resume_from_checkpoint", "out/checkpoints/step_4"])
