@@ -159,31 +159,41 @@ def test_qlora_run_directory_loads_on_the_4bit_base_it_trained_against(qlora_run
     assert effect > 0.1 and float((adapter_logits - merged_logits).abs().max()) < 0.1 * effect
 
 
-def test_directory_without_a_model_is_a_clear_error(lora_run, full_run, tmp_path) -> None:
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """`open_sft ARGS` run in this process: (exit code, stdout, stderr)."""
+    from open_sft.__main__ import main
+
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_directory_without_a_model_is_a_clear_error(lora_run, full_run, tmp_path, capsys) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = open_sft("generate", str(empty), "--prompt", "hi")
+    result = open_sft("generate", str(empty), "--prompt", "hi")  # the real command line, once
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith(f"error: {empty} holds no model") and "a LoRA/QLoRA adapter" in result.stderr
     (empty / "checkpoints").mkdir()
-    result = open_sft("chat", str(empty), stdin="hi\n")
-    assert result.returncode == 2 and "has checkpoints/ but no export" in result.stderr
-    assert "relaunch the same command" in result.stderr
-    result = open_sft("generate", str(tmp_path / "nowhere"), "--prompt", "hi")
-    assert result.returncode == 2 and f"error: {tmp_path / 'nowhere'} does not exist" in result.stderr
+    code, out, err = in_process(capsys, "chat", str(empty))
+    assert (code, out) == (2, "") and "has checkpoints/ but no export" in err and "relaunch the same command" in err
+    code, _, err = in_process(capsys, "generate", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert code == 2 and err.startswith(f"error: {tmp_path / 'nowhere'} does not exist")
 
     moved = tmp_path / "moved_adapter"  # an adapter whose base is not where adapter_config.json says
     shutil.copytree(lora_run, moved, ignore=shutil.ignore_patterns("merged", "checkpoints"))
     config = json.loads((moved / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = str(tmp_path / "gone_base")
     (moved / "adapter_config.json").write_text(json.dumps(config))
-    result = open_sft("generate", str(moved), "--prompt", PROMPTS[0])
-    assert result.returncode == 2 and f"is a LoRA adapter on {tmp_path / 'gone_base'}" in result.stderr
-    assert "--base_model" in result.stderr and "Traceback" not in result.stderr
-    result = open_sft("generate", str(full_run), "--prompt", PROMPTS[0], "--base_model", str(full_run))
-    assert result.returncode == 2 and "--base_model is for a LoRA/QLoRA adapter directory" in result.stderr
-    rows = generations(str(moved), "--prompt", PROMPTS[0], "--base_model", str(full_run), "--max_new_tokens", "12")
-    assert rows == generations(str(lora_run), "--prompt", PROMPTS[0], "--max_new_tokens", "12")
+    code, _, err = in_process(capsys, "generate", str(moved), "--prompt", PROMPTS[0])
+    assert code == 2 and f"is a LoRA adapter on {tmp_path / 'gone_base'}" in err and "pass --base_model" in err
+    code, _, err = in_process(capsys, "generate", str(full_run), "--prompt", PROMPTS[0], "--base_model", str(full_run))
+    assert code == 2 and "--base_model is for a LoRA/QLoRA adapter directory" in err
+    code, _, err = in_process(capsys, "chat", str(full_run), "--max_new_tokens", "0")
+    assert code == 2 and "--max_new_tokens 0 must be at least 1" in err
+    args = ["--prompt", PROMPTS[0], "--max_new_tokens", "12"]
+    code, out, _ = in_process(capsys, "generate", str(moved), *args, "--base_model", str(full_run))
+    assert code == 0 and out == in_process(capsys, "generate", str(lora_run), *args)[1]
 
 
 def parse_chat(stdout: str) -> list[dict]:
