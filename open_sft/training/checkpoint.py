@@ -298,8 +298,7 @@ class Checkpointer:
         self.identity = identity
         self.config = config
         self.stop = stop  # installed by the caller: constructing a checkpointer touches no signal handler
-        self.reduce_sum = reduce_sum
-        self.uploader = uploader
+        self.reduce_sum, self.uploader = reduce_sum, uploader
         self.preempted_at: Optional[int] = None
 
     def restore(self, resume: Optional[ResumePoint]) -> int:
