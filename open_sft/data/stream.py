@@ -294,26 +294,8 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
         report.dropped.update(note["dropped"])
     progress = Progress(spec.name, reader.count(), spill.rows)
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
-        indices, texts, parsed, dropped = [], [], rows_seen, dict(report.dropped)
-        for k, item in enumerate(items):
-            if reader.lines:
-                try:
-                    item = parse_json_line(item)
-                except RowError as exc:
-                    if not drop:
-                        raise UserError(f"{reader.path} line {numbers[k]}: {exc}") from None
-                    report.dropped["invalid_json"] += 1
-                    continue
-            row, rows_seen = rows_seen, rows_seen + 1
-            try:
-                texts.append(to_text(item))
-            except RowError as exc:
-                if not drop:
-                    where = f"line {numbers[k]}" if numbers else f"row {row}"
-                    raise UserError(f"{spec.name} {where}: {exc}") from None
-                report.dropped[exc.reason] += 1
-                continue
-            indices.append(row)
+        parsed, dropped = rows_seen, dict(report.dropped)
+        indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop)
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         ids = np.fromiter((t for doc in encoded for t in doc + eos), dtype=np.int32)
         lengths = np.array([len(doc) + len(eos) for doc in encoded], dtype=np.int64)
@@ -331,9 +313,41 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     selected = select(range(rows_seen) if every else spilled.index,
                       _Lengths(spilled.index, lengths) if args.dataset_mixer_unit == "tokens" else None)
     report.rows_selected = report.rows_kept = len(selected)
-    report.upsample_factor = round(len(selected) / max(1, len(np.unique(selected))), 4)
-    block, carry = args.max_seq_length, np.zeros(0, dtype=np.int32)
-    positions = spilled.positions(selected)
+    report.upsample_factor = round(len(selected) / max(1, _distinct(selected, rows_seen)), 4)
+    _write_blocks(spilled, spilled.positions(selected), lengths, args.max_seq_length, writer, report)
+
+
+def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[list[int]], rows_seen: int,
+               report: Any, drop: bool) -> tuple[list[int], list[str], int]:
+    """A chunk's documents: (their row indices, their texts, rows seen after them); rows are the lines that
+    parse. Bad rows are counted in `report` (--on_bad_row drop) or stop the build."""
+    indices, texts = [], []
+    for k, item in enumerate(items):
+        if reader.lines:
+            try:
+                item = parse_json_line(item)
+            except RowError as exc:
+                if not drop:
+                    raise UserError(f"{reader.path} line {numbers[k]}: {exc}") from None
+                report.dropped["invalid_json"] += 1
+                continue
+        row, rows_seen = rows_seen, rows_seen + 1
+        try:
+            texts.append(to_text(item))
+        except RowError as exc:
+            if not drop:
+                where = f"line {numbers[k]}" if numbers else f"row {row}"
+                raise UserError(f"{spec.name} {where}: {exc}") from None
+            report.dropped[exc.reason] += 1
+            continue
+        indices.append(row)
+    return indices, texts, rows_seen
+
+
+def _write_blocks(spilled: Any, positions: np.ndarray, lengths: np.ndarray, block: int, writer: ExampleWriter,
+                  report: Any) -> None:
+    """The documents at `positions`, in that order, spliced end to end and cut into blocks of `block` tokens."""
+    carry = np.zeros(0, dtype=np.int32)
     for a, b in pieces(lengths[positions]):
         carry = np.concatenate([carry, spilled.take(positions[a:b]).ids])
         whole = len(carry) // block * block
