@@ -132,10 +132,11 @@ def write_report(records: list[dict[str, Any]], report_dir: Path, title: str = "
     _plot(report_dir / LR_PNG, "Learning rate", "learning rate",
           [("learning rate", [r["step"] for r in train], [r["learning_rate"] for r in train], "-")])
     by_source = source_series(train, "") + source_series(evals, "eval_")
+    sources = {k.split("loss/", 1)[1] for r in records for k in r if k.startswith(("loss/", "eval_loss/"))}
     (report_dir / SOURCES_PNG).unlink(missing_ok=True)
-    if len(by_source) > 1:
+    if len(sources) > 1:  # one source's train and eval lines are loss.png's
         _plot(report_dir / SOURCES_PNG, "Loss per source", "loss (per trained token)", by_source)
-    (report_dir / SUMMARY_MD).write_text(summary_markdown(summary, title, len(by_source) > 1), encoding="utf-8")
+    (report_dir / SUMMARY_MD).write_text(summary_markdown(summary, title, len(sources) > 1), encoding="utf-8")
     (report_dir / SUMMARY_JSON).write_text(json.dumps(asdict(summary), indent=2) + "\n", encoding="utf-8")
     return summary
 

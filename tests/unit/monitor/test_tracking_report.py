@@ -41,6 +41,20 @@ def test_report_with_eval_lines(tmp_path) -> None:
         summarize([{"step": 1, "eval_loss": 1.0}])
 
 
+def test_per_source_plot_only_for_two_or_more_sources(tmp_path) -> None:
+    """One source with train and eval losses per source is loss.png's two lines, not a per-source plot; two
+    sources get loss_by_source.png and the summary shows it."""
+    base = {"learning_rate": 1e-3, "train_tokens": 100, "total_tokens": 150, "mfu": 0.1, "peak_memory_gib": 1.0,
+            "elapsed_s": 2.0}
+    one = [{"step": 1, "loss": 2.0, "loss/a": 2.0, **base}, {"step": 1, "eval_loss": 2.1, "eval_loss/a": 2.1}]
+    two = [{"step": 1, "loss": 2.0, "loss/a": 2.0, "loss/b": 1.5, **base}]
+    for records, drawn in ((one, False), (two, True)):
+        report = tmp_path / str(drawn)
+        write_report(records, report)
+        assert (report / "loss_by_source.png").exists() == drawn
+        assert ("loss_by_source.png" in (report / "summary.md").read_text()) == drawn
+
+
 def test_tracker_names_and_scalars() -> None:
     assert trackers_for("all") == ("tensorboard", "wandb")
     assert trackers_for("none") == ()
