@@ -10,16 +10,28 @@ Anything else is a bug and keeps its traceback.
 
 `accelerate launch` (torchrun) exits 1 whatever its workers' codes were. A launcher that wants them (scripts/
 launch_multinode.sh, and so the container) sets OPEN_SFT_EXIT_CODE_DIR: each rank leaves its code there.
+
+Under torchrun (and so `accelerate launch`) the launcher prints, last, a summary of the failed ranks whose "Root
+Cause" is read from each rank's error file (TORCHELASTIC_ERROR_FILE, torch elastic's mechanism): every rank that
+stops with one of the codes above writes its one-line message there (`report_to_launcher`), so the summary names
+it instead of "To enable traceback see ...", with the rank's exit code beside it; a bug keeps its traceback there
+(`torch.distributed.elastic.multiprocessing.errors.record` on the entrypoint).
 """
 
+import json
 import os
+import time
 from pathlib import Path
+from typing import Optional
 
 EXIT_CODE_DIR_ENV = "OPEN_SFT_EXIT_CODE_DIR"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
-def record_exit_code(code: int) -> int:
-    """Leave this rank's exit code where the launcher looks (when it asked for it); returns the code."""
+def record_exit_code(code: Optional[int]) -> int:
+    """Leave this rank's exit code where the launcher looks (when it asked for it); returns the code (None, as
+    torch elastic's `record` returns for `--help`'s exit 0, is 0)."""
+    code = code or 0
     directory = os.environ.get(EXIT_CODE_DIR_ENV)
     if directory:
         try:
@@ -27,6 +39,20 @@ def record_exit_code(code: int) -> int:
         except OSError:  # the launcher's directory is gone: it exits with torchrun's code then
             pass
     return code
+
+
+def report_to_launcher(message: str) -> None:
+    """This rank's closing message as its torch elastic error file, in the layout the launcher's summary reads (it
+    shows `py_callstack`); nothing without a launcher that asked for one."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                            "timestamp": str(int(time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(record))
+    except OSError:  # the launcher's directory is gone: its summary says what it can
+        pass
 
 
 class UserError(Exception):

@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from open_sft.config.args import FinetuneConfig
 from open_sft.config.parse import parse_config
 from open_sft.distributed import lifeline
 from open_sft.distributed.env import setup_cpu_environment
-from open_sft.errors import StopRun, UserError
+from open_sft.errors import StopRun, UserError, report_to_launcher
+from open_sft.monitor.quiet import quiet_third_parties
 from open_sft.training.amp import HALF
 from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
@@ -220,6 +222,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.distributed.collectives import all_reduce_sum
     from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.export.hub_checkpoints import CheckpointUploader
+    from open_sft.monitor.metrics import MetricsWriter
     from open_sft.monitor.progress import ProgressBar
     from open_sft.monitor.run_info import write_audit_files, write_run_files
     from open_sft.preflight.timing import StepTimer, TimeProbe
@@ -237,8 +240,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
-    logger.info("schedule: %s", job.steps.to_dict())
-    metrics = _metrics_writer(job, resume.step if resume else 0) if acc.is_main_process else None
+    logger.info("schedule: %s", job.steps.describe())
+    metrics = MetricsWriter.for_job(job, resume.step if resume else 0) if acc.is_main_process else None
     trainer = _build_trainer(job, metrics)
     if acc.is_main_process:
         write_run_files(job, trainer)
@@ -306,6 +309,7 @@ def run(config: FinetuneConfig) -> dict:
         if _is_main_rank():
             print(done, flush=True)
         return {"already_complete": config.train.output_dir}
+    quiet_third_parties(config.lora.use_qlora)
     job = plan_launch(config)
     with lock_output_dir(job.config, _is_main_rank()):  # held until the run has ended, however it ends
         return _phases(job)
@@ -329,6 +333,7 @@ def _phases(job: Job) -> dict:
     return {"records": records, "output_dir": str(job.output_dir)}
 
 
+@record  # a bug's traceback becomes the root cause in torchrun's summary (our own ends write theirs: _stop)
 def main(argv: Optional[list[str]] = None) -> int:
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
@@ -337,19 +342,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         setup_cpu_environment()  # before anything imports deepspeed: it picks its accelerator at import
         run(parse_config(argv))
     except UserError as exc:
-        lifeline.release()
-        if _is_main_rank():
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _stop(f"error: {exc}", 2)
     except StopRun as exc:  # preempted (checkpoint saved) or the Hub upload failed (export intact)
-        lifeline.release()
-        if _is_main_rank():
-            print(f"open_sft: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return _stop(f"open_sft: {exc}", exc.exit_code)
     except Exception:
         lifeline.explain_failure()  # a collective failed because a peer or the launcher is gone: say that instead
         raise
     return 0
+
+
+def _stop(message: str, code: int) -> int:
+    """A run that ends on a handled error or stop: the main process prints the message; every rank leaves it for
+    the launcher's closing summary (open_sft.errors.report_to_launcher), which a user reads last."""
+    lifeline.release()
+    if _is_main_rank():
+        print(message, file=sys.stderr, flush=True)
+    report_to_launcher(message)
+    return code
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -388,13 +397,3 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
     return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
                    FlopCounter(model.config, backbone_params), peak, metrics,
                    reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
-
-
-def _metrics_writer(job: Job, resume_step: int) -> Any:
-    """metrics.jsonl and the trackers; resuming from step N, the trackers continue the run after step N."""
-    from open_sft.monitor.metrics import MetricsWriter
-
-    t = job.config.train
-    return MetricsWriter.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(),
-                                 resume_step=resume_step, name=t.exp_name, project=t.wandb_project_name,
-                                 entity=t.wandb_entity)

@@ -139,8 +139,9 @@ class Lifeline:
         try:
             os.write(2, message.encode())
         finally:
-            from open_sft.errors import record_exit_code
+            from open_sft.errors import record_exit_code, report_to_launcher
 
+            report_to_launcher(message.strip())
             os._exit(record_exit_code(LOST_EXIT_CODE))
 
 

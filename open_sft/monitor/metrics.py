@@ -122,6 +122,13 @@ class MetricsWriter:
                                   **wandb_options) if with_tracking else []
         return cls(output_dir / "metrics.jsonl", trackers=trackers)
 
+    @classmethod
+    def for_job(cls, job: Any, resume_step: int) -> "MetricsWriter":
+        """A run's writer (an open_sft.run.Job); resuming from step N, the trackers continue the run after step N."""
+        t = job.config.train
+        return cls.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(), resume_step=resume_step,
+                           name=t.exp_name, project=t.wandb_project_name, entity=t.wandb_entity)
+
     def write(self, record: dict[str, Any]) -> None:
         from open_sft.monitor.tracking import scalars_of
 

@@ -1,4 +1,5 @@
-"""Bad input → one clear message naming the file, line and fix; exit code 2; nothing written.
+"""Bad input → one clear message naming the file, line and fix; exit code 2; nothing written. Under a launcher the
+message is also the last thing printed: the root cause of torchrun's closing summary.
 
 (Its fast in-process tests are in tests/unit/config/test_input_errors.py.)
 """
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import FINETUNE, ROOT, child_env
+from conftest import FINETUNE, ROOT, SAMPLE, child_env, launch_command
 
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -57,4 +58,30 @@ def test_exit_code_from_the_command_line(tmp_path, tiny_model_dir) -> None:
     assert result.returncode == 2
     assert "bad.jsonl line 2: not valid JSON" in result.stderr
     assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_under_accelerate_launch_our_error_is_the_root_cause_printed_last(tmp_path, tiny_model_dir) -> None:
+    """2 ranks under `accelerate launch`, and a flag value found wrong only once the data is built and the model
+    loaded (LoRA target modules the model does not have): torchrun's summary, the end of the output, names our
+    one-line error as the root cause with our exit code 2 (not "To enable traceback see ..." after a traceback
+    of the launcher), the ranks leave 2 as their code, and nothing is written."""
+    codes = tmp_path / "codes"
+    codes.mkdir()
+    args = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "64",
+            "--output_dir", str(tmp_path / "out"), "--max_train_steps", "2", "--max_seq_length", "128",
+            "--use_lora", "--lora_target_modules", "no_such_proj"]
+    result = subprocess.run(launch_command(2, None) + args, cwd=ROOT, env=child_env(OPEN_SFT_EXIT_CODE_DIR=str(codes)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert result.returncode != 0  # torchrun's own code; the ranks' are below and in its summary
+    message = ("error: --lora_target_modules no_such_proj: Target modules {'no_such_proj'} not found in the base "
+               "model")
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    assert lines[-1].strip("=") == "" and lines[-2].startswith(f"traceback : {message}"), "\n".join(lines[-12:])
+    root = lines[max(i for i, line in enumerate(lines) if line == "Root Cause (first observed failure):"):]
+    assert "exitcode  : 2 (pid:" in " ".join(root) and "To enable traceback" not in result.stdout
+    assert sum(line.startswith(message) for line in lines) == 1  # printed once, by the main process
+    # rank 0's code is 2; rank 1 left 2 too unless the launcher stopped it first (torchrun ends the others)
+    assert (codes / "rank0").read_text().strip() == "2"
+    assert {p.read_text().strip() for p in codes.iterdir()} == {"2"}
     assert not (tmp_path / "out").exists()

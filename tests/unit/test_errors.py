@@ -1,0 +1,31 @@
+"""Our closing message as torch elastic's error file: torchrun's summary reads it back as the root cause (the real
+2-rank launch is tests/integration/test_input_errors.py)."""
+
+from __future__ import annotations
+
+import json
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from open_sft.errors import ERROR_FILE_ENV, record_exit_code, report_to_launcher
+
+
+def test_the_launchers_summary_shows_our_message_as_the_root_cause(tmp_path, monkeypatch) -> None:
+    message = "error: invalid configuration (2 problem(s)):\n  - --learning_rate must be positive, got -1.0\n  - x"
+    monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    report_to_launcher(message)
+    assert json.loads((tmp_path / "error.json").read_text())["message"]["message"] == message
+    failure = ProcessFailure(local_rank=0, pid=123, exitcode=2, error_file=str(tmp_path / "error.json"))
+    summary = ChildFailedError("finetune.py", {0: failure}).format_msg()
+    root = summary[summary.index("Root Cause (first observed failure):"):]
+    assert "exitcode  : 2 (pid: 123)" in root
+    assert "traceback : error: invalid configuration (2 problem(s)):\n    - --learning_rate must be positive" in root
+
+
+def test_without_a_launcher_nothing_is_written_and_none_is_exit_0(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    report_to_launcher("error: x")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("OPEN_SFT_EXIT_CODE_DIR", str(tmp_path))
+    assert record_exit_code(None) == 0 and (tmp_path / "rank0").read_text() == "0\n"
