@@ -42,6 +42,16 @@ class StepPlan:
         epoch, step_in_epoch = locate(self.plan, done - 1)
         return step_in_epoch + 1 == self.plan.steps_in_epoch(epoch)
 
+    def describe(self) -> str:
+        """The plan as one log line."""
+        layout = self.layout
+        tokens = getattr(self.plan, "max_tokens", None)  # --packing: micro-batches are token budgets
+        micro = f"micro-batches of up to {tokens} packed tokens" if tokens else f"{layout.micro_batch_size} examples"
+        return (f"{self.total_steps} optimizer steps ({self.num_epochs} epoch(s) of {self.steps_per_epoch}, "
+                f"{self.warmup_steps} warming up), each {micro} × {layout.gradient_accumulation_steps} accumulation"
+                f" × {layout.world_size} rank(s)" + ("" if tokens else f" = {layout.global_batch_size} examples")
+                + ("; ranks balanced by tokens" if self.balanced else ""))
+
     def to_dict(self) -> dict:
         return {"micro_batch_size": self.layout.micro_batch_size,
                 "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,

@@ -96,7 +96,8 @@ def test_a_killed_build_resumes_after_its_last_chunk(tiny_model_dir, tmp_path, k
     assert 4 <= done < 15 and killed.returncode == -signal.SIGKILL
 
     resumed, log = finish(start(tiny_model_dir, corpus, cache, 0.0))
-    assert f"resuming the build of {corpus}: {done * 100} rows already tokenized ({done} chunks)" in log
+    said = f"resuming the build of {corpus}: {done * 100} rows already tokenized ({done} chunks)"
+    assert said in log
     assert resumed["calls"] == 15 - done
     assert not list(cache.glob("*.partial")) and not list(cache.glob("*.tmp-*"))
     entries = {name: Path(run["entry"]) for name, run in (("clean", clean), ("resumed", resumed))}

@@ -7,6 +7,7 @@ one process, and QLoRA (bitsandbytes' CPU backend, NF4 + double quantization, bf
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -54,8 +55,8 @@ def lora_runs(tiny_model_dir, tmp_path_factory) -> dict:
         flags = lora_flags(tiny_model_dir, output_dir, STEPS, RANK, "1e-2") + [
             "--use_lora", "--torch_dtype", "float32", "--per_device_train_batch_size", str(micro_batch),
             "--gradient_accumulation_steps", str(accumulation)]
-        run_finetune(flags, processes=processes, deepspeed_config=ds_config)
-        out[name] = output_dir
+        result = run_finetune(flags, processes=processes, deepspeed_config=ds_config)
+        out[name], out[f"{name}_log"] = output_dir, result.stdout + result.stderr
     return out
 
 
@@ -75,6 +76,17 @@ def lora_pairs(adapter: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor
             module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
             pairs[f"{module}.weight"] = (adapter[key], adapter[key.replace("lora_A", "lora_B")])
     return pairs
+
+
+def test_a_plain_lora_run_logs_no_third_party_noise(lora_runs) -> None:
+    """Output redirected (not a terminal): no progress bars, no bitsandbytes warning about its optional kernels
+    (not a QLoRA run), no FutureWarning from peft's own call, the schedule as one readable line."""
+    log = lora_runs[f"{next(iter(LORA_RUNS))}_log"]
+    for noise in ("Loading weights", "Writing model shards", "it/s]", "kernels-community", "FutureWarning",
+                  "is_gradient_checkpointing", "schedule: {"):
+        assert noise not in log, noise
+    assert re.search(r"schedule: \d+ optimizer steps \(1 epoch\(s\) of \d+, \d+ warming up\), each \d+ examples × "
+                     r"\d+ accumulation × \d+ rank\(s\) = \d+ examples", log), log[-3000:]
 
 
 @pytest.mark.parametrize("name", LORA_RUNS)
