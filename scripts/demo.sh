@@ -21,7 +21,8 @@ accelerate launch --num_processes 2 --num_machines 1 --mixed_precision no --dyna
     --output_dir "$WORK/output" \
     --per_device_train_batch_size 16 --gradient_accumulation_steps 1 \
     --num_train_epochs "${DEMO_EPOCHS:-4}" --learning_rate 3e-3 --warmup_ratio 0.05 \
-    --lr_scheduler_type cosine --max_seq_length 256 --logging_steps 25 --seed 42
+    --lr_scheduler_type cosine --max_seq_length 256 --logging_steps 25 --seed 42 \
+    --overwrite_output_dir  # a demo trains each time it runs (a finished run is otherwise left as it is)
 
 echo "[demo] model written to $(cd "$WORK/output" && pwd)"
 python -m open_sft generate "$WORK/output" \
