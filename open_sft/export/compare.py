@@ -1,0 +1,155 @@
+"""Score two models on the same held-out tasks and show their answers side by side (`open_sft compare`).
+
+    open_sft compare BEFORE_DIR AFTER_DIR --tasks held_out.jsonl
+
+BEFORE_DIR is typically the base model and AFTER_DIR the run's --output_dir (anything `open_sft generate`
+loads). Each task is a row of a JSON-lines file in the bundled sample's format: `messages` whose last message
+is the assistant's expected reply, and `answer`, that reply. Each model answers the messages before the last
+(greedy, with its own chat template) and scores a hit when its reply equals `answer` exactly, up to runs of
+whitespace (:func:`exact_match`): no partial credit, case and punctuation count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CELL = 26  # characters of a table cell; longer answers end in "…"
+
+
+def exact_match(expected: str, generated: str) -> bool:
+    """True when `generated` equals `expected` word for word (whitespace runs aside; case and punctuation count)."""
+    return generated.split() == expected.split()
+
+
+@dataclass
+class TaskScore:
+    """One model's replies to a list of tasks and whether each is exactly the expected answer."""
+
+    answers: list[str]
+    correct: list[bool]
+
+    @property
+    def hits(self) -> int:
+        return sum(self.correct)
+
+    @property
+    def accuracy(self) -> float:
+        """Share of tasks answered exactly (0.0 for no tasks)."""
+        return self.hits / len(self.correct) if self.correct else 0.0
+
+
+def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = 16) -> TaskScore:
+    """Greedy replies of `model` to each row's messages but the last, scored with exact_match against `answer`."""
+    from open_sft.export.generate import generate
+
+    answers = [generate(model, tokenizer, row["messages"][:-1], max_new_tokens) for row in rows]
+    return TaskScore(answers, [exact_match(row["answer"], answer) for row, answer in zip(rows, answers)])
+
+
+def read_tasks(path: Path) -> list[dict]:
+    """The rows of a tasks file; a ValueError naming the file and line of the first row that is not a task."""
+    rows = []
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if (not isinstance(messages, list) or len(messages) < 2 or not isinstance(row.get("answer"), str)
+                    or messages[-1].get("role") != "assistant"):
+                raise ValueError(f"{path} line {number}: a task needs 'messages' ending with the assistant's "
+                                 "reply and 'answer', that reply")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no tasks")
+    return rows
+
+
+def _cell(text: str, width: int = CELL) -> str:
+    flat = " ".join(text.split()) or "(nothing)"
+    return flat if len(flat) <= width else flat[:width - 1] + "…"
+
+
+def format_table(rows: list[dict], before: TaskScore, after: TaskScore, show: int) -> str:
+    """The first `show` tasks: the prompt, each model's answer marked ✓ (exact) or ✗, and the expected answer."""
+    prompt_width = max(len(_cell(row["messages"][-2]["content"], 48)) for row in rows[:show] or rows)
+    lines = [f"{'held-out task (never in training)':<{prompt_width}}  {'before fine-tuning':<{CELL + 2}}  "
+             f"{'after fine-tuning':<{CELL + 2}}  expected"]
+    for i, row in enumerate(rows[:show]):
+        marks = ["✓" if score.correct[i] else "✗" for score in (before, after)]
+        lines.append(f"{_cell(row['messages'][-2]['content'], 48):<{prompt_width}}  "
+                     f"{marks[0]} {_cell(before.answers[i]):<{CELL}}  {marks[1]} {_cell(after.answers[i]):<{CELL}}  "
+                     f"{row['answer']}")
+    return "\n".join(lines)
+
+
+def accuracy_line(before: TaskScore, after: TaskScore) -> str:
+    """`exact-answer accuracy on N held-out tasks: before 0.00 (0/N) -> after 0.95 (38/N)`."""
+    n = len(before.correct)
+    return (f"exact-answer accuracy on {n} held-out tasks: before {before.accuracy:.2f} ({before.hits}/{n}) -> "
+            f"after {after.accuracy:.2f} ({after.hits}/{n})")
+
+
+def write_scores(path: Path, rows: list[dict], dirs: tuple[Path, Path], before: TaskScore, after: TaskScore) -> None:
+    """Every task with both answers and both accuracies, as one JSON document."""
+    tasks = [{"id": row.get("id"), "task": row.get("task"), "prompt": row["messages"][-2]["content"],
+              "expected": row["answer"], "before": b, "after": a, "before_correct": bc, "after_correct": ac}
+             for row, b, a, bc, ac in zip(rows, before.answers, after.answers, before.correct, after.correct)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"tasks": len(rows), "before": {"model": str(dirs[0]), "accuracy": before.accuracy},
+                                "after": {"model": str(dirs[1]), "accuracy": after.accuracy}, "rows": tasks},
+                               indent=1) + "\n")
+
+
+def _load(directory: Path):
+    """(model, tokenizer) of a model directory or a run's output, or None after printing the error."""
+    from open_sft.errors import UserError
+    from open_sft.export.run_dir import load_run_model
+
+    try:
+        loaded = load_run_model(directory)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    return loaded.model, loaded.tokenizer
+
+
+def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before", type=Path, help="the model before fine-tuning (a model directory)")
+    parser.add_argument("after", type=Path, help="the model after: a run's --output_dir (or its merged/)")
+    parser.add_argument("--tasks", type=Path, required=True, help="JSON-lines tasks (messages + answer)")
+    parser.add_argument("--show", type=int, default=12, help="tasks shown in the table (all are scored)")
+    parser.add_argument("--max_new_tokens", type=int, default=16, help="the most tokens of one answer")
+    parser.add_argument("--json", type=Path, default=None, help="also write every answer and score here")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.show < 0:
+        parser.error("--max_new_tokens must be at least 1 and --show at least 0")
+    try:
+        rows = read_tasks(args.tasks)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    scores = []
+    for directory in (args.before, args.after):
+        loaded = _load(directory)
+        if loaded is None:
+            return 2
+        scores.append(score_tasks(*loaded, rows, args.max_new_tokens))
+    print(format_table(rows, *scores, args.show))
+    print(accuracy_line(*scores), flush=True)
+    if args.json is not None:
+        write_scores(args.json, rows, (args.before, args.after), *scores)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
