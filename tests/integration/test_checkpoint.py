@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SAMPLE, child_env, launch_command, read_metrics
+from conftest import FINETUNE, ROOT, SAMPLE, TESTS, child_env, launch_command, read_metrics
 from hub_server import FakeHub
 
 
@@ -37,6 +37,7 @@ EXACT_FIELDS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_to
 TOKEN = "hf_TESTtoken_never_on_disk_1234"
 
 
+SLOW_FINETUNE = TESTS / "slow_finetune.py"
 LAYOUTS = {"single": (1, None, 4, 2), "zero2": (2, "zero2.json", 2, 2), "zero3": (2, "zero3.json", 2, 2)}
 
 
@@ -64,13 +65,16 @@ def run_layout(layout: str, args: list[str], check: bool = True, timeout: float 
 def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig: int, log: Path,
               only_rank: int | None = None, env: dict[str, str] | None = None,
               command: list[str] | None = None, only_launcher: bool = False, fate: dict | None = None) -> int:
-    """Launch (the layout's launch command, or `command`), wait until metrics.jsonl has `at_line` lines, send
+    """Launch (the layout's launch command, or `command`; finetune.py as tests/slow_finetune.py, its micro-batches
+    0.1 s slower unless `env` says otherwise), wait until metrics.jsonl has `at_line` lines, send
     `sig` to the launcher and every worker (or only to the worker of `only_rank`, or only to the launcher).
     `fate` receives how many seconds the last of the run's processes took to go (within 60 s, else None)."""
     processes, ds_config, _, _ = LAYOUTS[layout]
+    command = command or launch_command(processes, ds_config)
+    if command[-1] == str(FINETUNE):  # steps slowed (tests/slow_finetune.py), so the signal lands mid-run
+        command = [*command[:-1], str(SLOW_FINETUNE)]
     with log.open("w") as handle:
-        proc = subprocess.Popen((command or launch_command(processes, ds_config)) + args, cwd=ROOT,
-                                env=child_env(**(env or {})),
+        proc = subprocess.Popen(command + args, cwd=ROOT, env=child_env(**{"SLOW_FORWARD_S": "0.1", **(env or {})}),
                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
         metrics = output_dir / "metrics.jsonl"
         deadline = time.monotonic() + 300
@@ -292,21 +296,6 @@ def test_the_relaunch_takes_over_the_lock_of_a_killed_run(zero2) -> None:
     assert json.loads((zero2["out"] / ".open_sft.lock").read_text())["state"] == "ended"
 
 
-SLOWED_AFTER_FIRST_WINDOW = """
-import sys, time
-from open_sft.model import loss
-from open_sft import run
-forward, calls = loss.TokenLossModel.forward, [0]
-def slowed(self, **batch):
-    calls[0] += 1
-    if calls[0] > 12:  # the micro-batches after step 6 (2 per step)
-        time.sleep(0.5)
-    return forward(self, **batch)
-loss.TokenLossModel.forward = slowed
-sys.exit(run.main())
-"""
-
-
 def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tiny_model_dir, tmp_path) -> None:
     """Six-step logging windows and a SIGTERM after the first: the checkpoint is taken inside the second
     window, and the resumed run logs that window (loss, padding ratio, tokens, every exact field) as the
@@ -315,12 +304,9 @@ def test_resume_inside_a_logging_window_logs_what_the_uninterrupted_run_logs(tin
     base = tmp_path / "base"
     run_layout("single", finetune_args(tiny_model_dir, base, "single") + args)
     out = tmp_path / "resumed"
-    # Steps 7-12 of this tiny model take less time than the signal's way in: the interrupted run's later
-    # micro-batches are slowed (a sleep, nothing numeric) so that the SIGTERM surely lands inside the window.
-    script = tmp_path / "slow_finetune.py"
-    script.write_text(SLOWED_AFTER_FIRST_WINDOW)
+    # the micro-batches after step 6 (2 a step) slowed by 0.5 s: the SIGTERM surely lands inside steps 7-12
     interrupt("single", finetune_args(tiny_model_dir, out, "single") + args, out, 1, signal.SIGTERM,
-              tmp_path / "term.log", command=[*launch_command(1, None)[:-1], str(script)])
+              tmp_path / "term.log", env={"SLOW_AFTER_CALLS": "12", "SLOW_FORWARD_S": "0.5"})
     saved = complete_steps(out)
     assert len(saved) == 1 and 6 < saved[0] < 12, saved  # inside the window of steps 7-12
     run_layout("single", finetune_args(tiny_model_dir, out, "single") + args)
