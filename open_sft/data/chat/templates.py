@@ -118,8 +118,7 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
     if missing:
         tokenizer.add_tokens(missing, special_tokens=True)
         remember_new_tokens(tokenizer, tokenizer.convert_tokens_to_ids(missing))
-        logger.info("chat template %s: added the special tokens %s (their embedding rows start at the mean row)",
-                    name, ", ".join(missing))
+        logger.info("chat template %s: added the special tokens %s to the tokenizer", name, ", ".join(missing))
     tokenizer.chat_template = template.source
     return missing
 
