@@ -21,10 +21,12 @@ if ! python -c "import torch" 2>/dev/null && ! command -v nvidia-smi >/dev/null 
     pip install --quiet ${OPEN_SFT_TORCH_SPEC:-torch==2.13.0} 2> >(grep -v "is ignored: it is neither" >&2)
 fi
 
-# Reinstall only when the dependency list changed (a stamp of setup.cfg + extras).
+# Reinstall only when the dependency list changed (a stamp of setup.cfg + extras). An install with extras
+# (test.sh's) also serves a request without (demo.sh's): the demo after the tests does not reinstall.
 STAMP="$VENV/.open_sft_install"
 WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+HAVE="$(cat "$STAMP" 2>/dev/null || true)"
+if [ "$HAVE" != "$WANT" ] && { [ -n "$EXTRAS" ] || [ "${HAVE%%-*}-" != "$WANT" ]; }; then
     echo "[setup] installing open_sft${EXTRAS:+[$EXTRAS]} into $VENV"
     # (the grep drops pip's notices about this machine's local index mirrors, which are noise here)
     pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}" 2> >(grep -v "is ignored: it is neither" >&2)
