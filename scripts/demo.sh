@@ -19,6 +19,8 @@ echo "[demo] building the embedded model and its tokenizer (trained on the demo'
 # machine, 5x slower scoring measured).
 OMP_NUM_THREADS=1 python -m open_sft.embedded.demo_tasks base "$WORK/base" >/dev/null
 
+# A rerun trains again (--overwrite_output_dir); the earlier run's TensorBoard events would show beside its own.
+rm -rf "$WORK/output/tensorboard"
 echo "[demo] fine-tuning it on $TRAIN (configs/examples/demo.yaml) with 2 processes under DeepSpeed ZeRO-2"
 accelerate launch --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
     --use_deepspeed --deepspeed_config_file configs/ds/zero2.json \
