@@ -2,13 +2,14 @@
 under ZeRO-2, as scripts/demo.sh launches it) take the held-out tasks from no exact answer to nearly all of them.
 
 A change that breaks learning (the loss, the labels, the optimizer, the schedule, the export, the chat template at
-generation) fails here. About 45 s on 2 cores: 300 optimizer steps of 32 examples and two scorings of 40 tasks.
+generation) fails here. About 35 s on 2 busy cores: 300 optimizer steps of 32 examples, two scorings of 40 tasks.
 """
 
 from __future__ import annotations
 
 import json
 
+import torch
 from conftest import ROOT, read_metrics, run_finetune
 
 from open_sft.embedded.demo_tasks import DEMO_HELD_OUT, build_demo_base
@@ -19,8 +20,14 @@ DEMO_YAML = ROOT / "configs" / "examples" / "demo.yaml"
 
 
 def _score(directory, rows):
-    loaded = load_run_model(directory)
-    return score_tasks(loaded.model, loaded.tokenizer, rows)
+    """score_tasks on one thread, as demo.sh scores (the tiny model: a second thread only waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loaded = load_run_model(directory)
+        return score_tasks(loaded.model, loaded.tokenizer, rows)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_demo_run_takes_held_out_tasks_from_none_to_nearly_all(tmp_path) -> None:
