@@ -81,7 +81,7 @@ def test_compare_command_scores_both_models_and_writes_every_answer(tiny_model_d
 
 
 def test_compare_command_errors(tiny_model_dir, tmp_path, capsys) -> None:
-    assert compare.main([str(tiny_model_dir), str(tmp_path / "nope"), "--tasks", str(DEMO_HELD_OUT)]) == 2
+    assert compare.main([str(tmp_path / "nope"), str(tiny_model_dir), "--tasks", str(DEMO_HELD_OUT)]) == 2
     assert "nope does not exist" in capsys.readouterr().err
     assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tmp_path / "x.jsonl")]) == 2
     assert "x.jsonl" in capsys.readouterr().err
