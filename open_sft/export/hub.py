@@ -34,8 +34,8 @@ PUSH_FAILED_EXIT_CODE = 3
 #: Exports bigger than this go through upload_large_folder (resumable, many commits).
 LARGE_FOLDER_BYTES = 20 * 2**30
 #: Never uploaded with the export: training state, staging leftovers, test aids.
-EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", ".export.tmp/**", "*.tmp", "data_order.rank*.json",
-                 ".cache/**", ".open_sft.lock", "RUN_COMPLETE"]
+EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.previous-*/**", ".export.tmp/**", "*.tmp",
+                 "data_order.rank*.json", ".cache/**", ".open_sft.lock", "RUN_COMPLETE"]
 T = TypeVar("T")
 
 

@@ -52,11 +52,21 @@ def scalars_of(record: dict[str, Any]) -> dict[str, float]:
 
 class TensorBoardTracker:
     """Event files under `<output_dir>/tensorboard/` via torch's SummaryWriter. Resumed from step N, the events
-    a killed launch wrote after step N are purged (SummaryWriter's purge_step), so no step appears twice."""
+    a killed launch wrote after step N are purged (SummaryWriter's purge_step), so no step appears twice. A run
+    that starts over (--overwrite_output_dir, --resume_from_checkpoint none) moves an earlier run's events to
+    tensorboard.previous-N, as its checkpoints go to checkpoints.previous-N: TensorBoard shows two runs, not one
+    curve drawn twice."""
 
     def __init__(self, log_dir: Path, resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
+        if not resume_step and log_dir.is_dir() and any(log_dir.iterdir()):
+            k = 1
+            while log_dir.with_name(f"{log_dir.name}.previous-{k}").exists():
+                k += 1
+            log_dir.rename(log_dir.with_name(f"{log_dir.name}.previous-{k}"))
+            logger.warning("starting over: the earlier run's TensorBoard events were moved to %s.previous-%d",
+                           log_dir, k)
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, scalars: dict[str, float], step: int) -> None:

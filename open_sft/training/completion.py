@@ -30,8 +30,8 @@ from open_sft.errors import UserError
 
 MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
-NOT_EXPORT = ("checkpoints", "checkpoints.previous-", ".open_sft.lock", "data_order.rank", "activations.rank",
-              MARKER)
+NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
+              "activations.rank", MARKER)
 
 
 def checks_completion(config: Any) -> bool:

@@ -55,6 +55,22 @@ def test_per_source_plot_only_for_two_or_more_sources(tmp_path) -> None:
         assert ("loss_by_source.png" in (report / "summary.md").read_text()) == drawn
 
 
+def test_a_fresh_start_moves_the_earlier_runs_events_aside(tmp_path) -> None:
+    """Starting over (resume step 0) in a directory with events moves them to tensorboard.previous-N; a resumed
+    run (step > 0) writes beside its own earlier events."""
+    from open_sft.monitor.tracking import TensorBoardTracker
+
+    log_dir = tmp_path / "tensorboard"
+    for resume_step in (0, 0, 3, 0):
+        tracker = TensorBoardTracker(log_dir, resume_step)
+        tracker.log({"train/loss": 1.0}, step=resume_step + 1)
+        tracker.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tensorboard", "tensorboard.previous-1",
+                                                          "tensorboard.previous-2"]
+    assert len(list((tmp_path / "tensorboard.previous-2").iterdir())) == 2  # the run and its resumed launch
+    assert len(list(log_dir.iterdir())) == 1
+
+
 def test_tracker_names_and_scalars() -> None:
     assert trackers_for("all") == ("tensorboard", "wandb")
     assert trackers_for("none") == ()
