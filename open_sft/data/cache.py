@@ -45,6 +45,34 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# A local source's sha256 enters the cache key: hashing an 8 GB corpus took ~10 s of every launch, on every rank.
+# Files of MEMO_BYTES or more have their hash remembered under <cache_dir>/file_hashes/, keyed by what changes when
+# the file does (real path, device, inode, size, modification time in ns): the bet git's index makes.
+MEMO_BYTES = 64 << 20
+
+
+def content_hash(path: Path, cache_dir: Optional[Path]) -> str:
+    """sha256 of the file's bytes; remembered for a large file while its stat says it is unchanged."""
+    stat = path.stat()
+    if cache_dir is None or stat.st_size < MEMO_BYTES:
+        return sha256_file(path)
+    stamp = f"{path.resolve()}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = cache_dir / "file_hashes" / hashlib.sha256(stamp.encode()).hexdigest()
+    try:
+        remembered = memo.read_text().strip()
+        if len(remembered) == 64:
+            return remembered
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    if path.stat().st_mtime_ns == stat.st_mtime_ns:  # not written to while it was read
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        staged = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+        staged.write_text(digest)
+        os.replace(staged, memo)
+    return digest
+
+
 # Keys transformers writes into tokenizer_config.json that describe how the tokenizer was loaded, not
 # what it does (HF_HUB_OFFLINE sets local_files_only): they must not change the cache key.
 _LOAD_ONLY_KEYS = ("local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision", "token")

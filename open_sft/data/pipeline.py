@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
 from open_sft.data.mixer import select_rows, source_names
-from open_sft.data.cache import tokenizer_fingerprint
+from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
@@ -356,11 +356,12 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
                              config_name=args.dataset_config_name)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
+    memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
     return {
         **later,
-        "sources": [{"name": s.name, "identity": source_identity(s), "amount": s.amount,
+        "sources": [{"name": s.name, "identity": source_identity(s, memo), "amount": s.amount,
                      "is_fraction": s.is_fraction, "split": s.split,
                      **({"config": s.config_name} if s.config_name else {})} for s in specs],
         "seed": seed,

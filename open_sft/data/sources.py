@@ -82,18 +82,19 @@ def _local_path(spec: SourceSpec) -> Path:
     return path
 
 
-def source_identity(spec: SourceSpec) -> str:
-    """What the cache key records for a source: the content hash of a local file or directory,
-    else the dataset id and split (the loaded dataset's fingerprint is added by the pipeline)."""
-    from open_sft.data.cache import sha256_file
+def source_identity(spec: SourceSpec, cache_dir: Optional[Path] = None) -> str:
+    """What the cache key records for a source: the content hash of a local file or directory (a large file's
+    remembered in `cache_dir`, open_sft.data.cache.content_hash), else the dataset id and split (the loaded
+    dataset's fingerprint is added by the pipeline)."""
+    from open_sft.data.cache import content_hash
 
     path = _local_path(spec)
     if path.is_file():
-        return "file:" + sha256_file(path)
+        return "file:" + content_hash(path, cache_dir)
     if path.is_dir():
         digest = hashlib.sha256()
         for item in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest.update(str(item.relative_to(path)).encode() + b"\0" + sha256_file(item).encode())
+            digest.update(str(item.relative_to(path)).encode() + b"\0" + content_hash(item, cache_dir).encode())
         return "dir:" + digest.hexdigest()
     return f"hub:{spec.name}:{spec.split}:{_load_hub(spec, spec.name)._fingerprint}"
 

@@ -154,3 +154,30 @@ def test_a_large_entry_is_checked_by_sizes_and_edges_on_a_hit(tokenizer, data_fi
     arrow.write_bytes(arrow.read_bytes()[:-100])
     assert not prepare_data(args, tokenizer, 1).cache_hit
     assert "is damaged (size " in caplog.text
+
+
+def test_a_large_files_hash_is_remembered_while_its_stat_is_unchanged(tmp_path, monkeypatch) -> None:
+    """The key's sha256 of a large source is read back from <cache>/file_hashes/ on the next launch (no byte of
+    the file read); new contents (a new mtime, the same size) are hashed again; small files are always hashed."""
+    import os
+
+    from open_sft.data import cache
+
+    monkeypatch.setattr(cache, "MEMO_BYTES", 100)
+    corpus, small = tmp_path / "corpus.jsonl", tmp_path / "small.jsonl"
+    corpus.write_bytes(b"a" * 200)
+    small.write_bytes(b"b" * 50)
+    expected = cache.sha256_file(corpus)
+    assert cache.content_hash(corpus, tmp_path / "c") == expected
+    assert len(list((tmp_path / "c" / "file_hashes").iterdir())) == 1
+    real = cache.sha256_file
+    monkeypatch.setattr(cache, "sha256_file", lambda path: (_ for _ in ()).throw(AssertionError(f"read {path}")))
+    assert cache.content_hash(corpus, tmp_path / "c") == expected  # remembered
+    with pytest.raises(AssertionError, match="read"):
+        cache.content_hash(small, tmp_path / "c")  # below MEMO_BYTES: always hashed
+    monkeypatch.setattr(cache, "sha256_file", real)
+    corpus.write_bytes(b"c" * 200)
+    stat = corpus.stat()
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert cache.content_hash(corpus, tmp_path / "c") == cache.sha256_file(corpus) != expected
+    assert cache.content_hash(corpus, None) == cache.sha256_file(corpus)  # --dataset_skip_cache: no memo
