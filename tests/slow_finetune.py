@@ -5,10 +5,10 @@ time than the signal's way in on a busy machine (seen in CI: all 12 steps done b
 6). Nothing numeric changes: the sleep is outside the computation."""
 
 import os
-import sys
 import time
 
 from open_sft import run
+from open_sft.errors import exit_rank, record_exit_code
 from open_sft.model import loss
 
 SLEEP_S = float(os.environ.get("SLOW_FORWARD_S", "0"))
@@ -24,4 +24,4 @@ def slowed(self, **batch):
 
 
 loss.TokenLossModel.forward = slowed
-sys.exit(run.main())
+exit_rank(record_exit_code(run.main()))
