@@ -43,12 +43,14 @@ def record_exit_code(code: Optional[int]) -> int:
 
 
 def exit_rank(code: int) -> None:
-    """Ends the process with `code`. A rank started by a launcher (WORLD_SIZE > 1) runs Python's exit handlers
-    (logging's flush among them) and then leaves without tearing the interpreter down: at that teardown a thread
-    of the collectives' C++ libraries was sometimes destroyed while still joinable ('terminate called without an
-    active exception', SIGABRT) after the run had finished and written everything, and the launcher then
-    reported the finished run as failed (seen under ZeRO-3 and FSDP2 on gloo). Any other process: sys.exit."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """Ends the process with `code`. A rank started by a launcher (WORLD_SIZE > 1) that finished (code 0) runs
+    Python's exit handlers (logging's flush among them) and then leaves without tearing the interpreter down: at
+    that teardown a thread of the collectives' C++ libraries was sometimes destroyed while still joinable
+    ('terminate called without an active exception', SIGABRT) after the run had finished and written everything,
+    and the launcher then reported the finished run as failed (seen under ZeRO-3 and FSDP2 on gloo). A rank that
+    stops on an error leaves as before (sys.exit): a faster exit there would let the launcher stop the main
+    process before it printed the error. Any other process: sys.exit."""
+    if code != 0 or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)
     import atexit
 
