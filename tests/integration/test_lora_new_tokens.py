@@ -50,7 +50,10 @@ def test_added_token_rows_train_and_are_exported(chatml_lora, tiny_model_dir) ->
     # the trained rows in the merged export are the adapter's
     embed_delta = next(v for k, v in deltas.items() if "embed_tokens" in k)
     torch.testing.assert_close(embed[ids], embed_delta.float())
-    assert read_metrics(chatml_lora)[-1]["loss"] < read_metrics(chatml_lora)[0]["loss"]
+    # training moved the loss down: the last half of the 8 steps against the first (one step's loss against
+    # another's was noise at this learning rate: a fresh-clone suite saw 7.95 after 6.99)
+    losses = [r["loss"] for r in read_metrics(chatml_lora)]
+    assert sum(losses[4:]) < sum(losses[:4]), losses
 
 
 def test_adapter_loads_with_plain_peft_and_equals_the_merged_model(chatml_lora, tiny_model_dir) -> None:
