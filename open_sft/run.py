@@ -94,6 +94,14 @@ def plan_launch(config: FinetuneConfig) -> Job:
         from open_sft.distributed.fsdp import refuse_what_fsdp_cannot_do
 
         refuse_what_fsdp_cannot_do(plan.train, config.lora, plan.dtype)
+    if config.train.pipeline_parallel_size > 1:
+        from open_sft.distributed.pipeline import pipeline_problems
+        from open_sft.distributed.tensor_parallel import requested_tp_size
+
+        problems = pipeline_problems(config, int(os.environ.get("WORLD_SIZE", "1")), plan.deepspeed_config is not None,
+                                     plan.fsdp is not None, requested_tp_size())
+        if problems:
+            raise UserError("\n  ".join(["pipeline parallelism cannot run as asked:", *problems]))
     torch.manual_seed(plan.train.seed)
     return Job(dataclasses.replace(config, train=plan.train), plan)
 
@@ -247,7 +255,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         write_run_files(job, trainer)
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
-                                           uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process))
+                                           uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
+                                           state_io=_pipeline_state(trainer))
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
@@ -274,7 +283,13 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.training.completion import mark_complete
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    state_dict = gather_full_state_dict(acc, trainer.model)  # collective
+    pipeline = getattr(trainer, "pipeline", None)
+    if pipeline is not None:
+        from open_sft.training.pipeline_step import gather_state_dict
+
+        state_dict = gather_state_dict(pipeline, trainer.model)  # collective
+    else:
+        state_dict = gather_full_state_dict(acc, trainer.model)  # collective
     if acc.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         trained_model = acc.unwrap_model(trainer.model).model
@@ -390,10 +405,31 @@ def _build_trainer(job: Job, metrics: Any) -> Any:
                              liger=job.config.model.use_liger_kernel)
     if t.sequence_parallel_size > 1:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
+    pipeline = None
+    if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
+        from open_sft.training.pipeline_step import PipelineTrainer, describe, start_pipeline
+
+        pipeline = start_pipeline(wrapped, t, job.accelerator.device)
+        logger.info("%s", describe(pipeline))
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
                                 eight_bit=t.use_8bit_optimizer)
-    wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
+    if pipeline is None:
+        wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
     peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)
-    return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
-                   FlopCounter(model.config, backbone_params), peak, metrics,
-                   reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
+    args = (job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
+            FlopCounter(model.config, backbone_params), peak, metrics)
+    kwargs = dict(reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
+    if pipeline is None:
+        return Trainer(*args, **kwargs)
+    trainer = PipelineTrainer(*args, pipeline=pipeline, **kwargs)
+    for stage in pipeline.stages:
+        stage.autocast = trainer.precision.autocast
+    return trainer
+
+
+def _pipeline_state(trainer: Any) -> Any:
+    if getattr(trainer, "pipeline", None) is None:
+        return None
+    from open_sft.training.pipeline_step import PipelineState
+
+    return PipelineState(trainer.pipeline, trainer.model, trainer.optimizer)

@@ -228,6 +228,19 @@ class TrainingArguments:
     sequence_parallel_size: int = _help(
         "DeepSpeed Ulysses sequence parallelism: N ranks compute each micro-batch together, each holding 1/N of "
         "every sequence (N divides the number of processes; needs DeepSpeed ZeRO-2/3).", default=1)
+    pipeline_parallel_size: int = _help(
+        "Pipeline parallelism: the decoder layers are split into N stages on N ranks (embeddings on the first, "
+        "the LM head and loss on the last) run by torch.distributed.pipelining; N divides the number of "
+        "processes, the rest is data parallelism. Not with DeepSpeed, FSDP2, SP, TP or QLoRA.", default=1)
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved_1f1b"] = _help(
+        "Pipeline schedule: 1f1b (one forward, one backward: the least activation memory), gpipe (all forwards, "
+        "then all backwards), interleaved_1f1b (--pipeline_virtual_stages stages per rank: a smaller bubble).",
+        default="1f1b")
+    pipeline_virtual_stages: int = _help(
+        "Stages per rank under --pipeline_schedule interleaved_1f1b (rank r holds stages r, r+N, ...).", default=1)
+    pipeline_layers: Optional[str] = _help(
+        "Where the stages start, as the index of each stage's first decoder layer after the first stage's, e.g. "
+        "'10,20,30' for 4 stages of a 40-layer model; default: layers spread evenly.", default=None)
     with_tracking: bool = _help("Write tracker logs (see --report_to) in addition to metrics.jsonl.", default=False)
     dry_run: bool = _help(
         "Build the data, print the data report, a few examples with trained tokens marked and the preflight "

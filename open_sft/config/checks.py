@@ -14,6 +14,7 @@ import yaml
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
 from open_sft.config.launch import uses_deepspeed
+from open_sft.distributed.pipeline import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems
 from open_sft.errors import ConfigError
 from open_sft.file_modes import unreadable
@@ -210,6 +211,7 @@ def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
         problems.append(f"--timeout must be at least 1 second, got {t.timeout}")
     if t.sequence_parallel_size < 1:
         problems.append(f"--sequence_parallel_size must be at least 1, got {t.sequence_parallel_size}")
+    problems += pipeline_flag_problems(t)
     if t.use_8bit_optimizer and importlib.util.find_spec("bitsandbytes") is None:
         problems.append("--use_8bit_optimizer needs bitsandbytes>=0.50 (it runs on CPU too): "
                         "pip install 'open_sft[qlora]'")

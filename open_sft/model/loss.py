@@ -59,7 +59,21 @@ class TokenLossModel(nn.Module):
         routed = self.router is not None and self.training
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False, **({"output_router_logits": True} if routed else {}))
-        hidden = out.last_hidden_state
+        loss, trained_count = self.head_loss(out.last_hidden_state, labels, shift_labels)
+        if routed:
+            router = self.router
+            aux = router.function(out.router_logits, router.experts, router.top_k, attention_mask).float()
+            # token-weighted like the language-model loss: after the trainer divides the step's sum by its trained
+            # tokens, a single micro-batch's loss is the model's own, mean cross-entropy + coefficient × aux
+            self.aux_sum = (aux * trained_count).detach()
+            loss = loss + router.coefficient * aux * trained_count
+        return loss
+
+    def head_loss(self, hidden: torch.Tensor, labels: Optional[torch.Tensor],
+                  shift_labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+        """The LM head and the loss on the backbone's last hidden states: (sum of the trained positions' token
+        losses, their count). A pipeline's last stage calls it on the hidden states the stages computed."""
+        causal_lm = self.causal_lm()
         targets, inputs = (shift_labels, hidden) if shift_labels is not None else (labels[:, 1:], hidden[:, :-1])
         trained = targets != IGNORE_INDEX
         selected = inputs[trained]
@@ -78,14 +92,7 @@ class TokenLossModel(nn.Module):
             if kept is not None:
                 kept.copy_(F.cross_entropy(logits.detach(), targets[trained], reduction="none"))
         self.token_losses = kept
-        if routed:
-            router = self.router
-            aux = router.function(out.router_logits, router.experts, router.top_k, attention_mask).float()
-            # token-weighted like the language-model loss: after the trainer divides the step's sum by its trained
-            # tokens, a single micro-batch's loss is the model's own, mean cross-entropy + coefficient × aux
-            self.aux_sum = (aux * selected.shape[0]).detach()
-            loss = loss + router.coefficient * aux * selected.shape[0]
-        return loss
+        return loss, selected.shape[0]
 
     def _liger_applies(self, lm_head: nn.Module, hidden: torch.Tensor, per_position: bool) -> bool:
         reason = liger_loss.why_not(lm_head, hidden, per_position, self.training)

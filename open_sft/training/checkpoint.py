@@ -55,10 +55,12 @@ IDENTITY_FLAGS = {
     "engine": "the training engine (DeepSpeed, FSDP2, or neither: each writes its own checkpoint format)",
     "sequence_parallel_size": "--sequence_parallel_size (it sets DeepSpeed's data-parallel partitioning)",
     "tensor_parallel_size": "accelerate's --parallelism_config_tp_size (it sets how each parameter is sharded)",
+    "pipeline_parallel_size": "--pipeline_parallel_size and its stages (each writes its own part)",
 }
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
-IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1}
+IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1,
+                            "pipeline_parallel_size": 1}
 ENGINES = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}  # accelerate's distributed type → checkpoint format; else torch
 
 
@@ -285,9 +287,11 @@ class Checkpointer:
 
     def __init__(self, accelerator, trainer, output_dir: Path, args: Any, identity: dict[str, Any],
                  config: dict[str, Any], reduce_sum: Callable[[torch.Tensor], torch.Tensor], stop: StopRequest,
-                 uploader: Any = None):
+                 uploader: Any = None, state_io: Any = None):
         """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed);
-        `uploader`: an export.hub_checkpoints.CheckpointUploader on the main process with --push_checkpoints.
+        `uploader`: an export.hub_checkpoints.CheckpointUploader on the main process with --push_checkpoints;
+        `state_io`: what saves and loads model, optimizer and RNG states (`save(dir)`, `load(dir)`) where
+        accelerate's save_state does not (pipeline stages: training.pipeline_step.PipelineState).
         Installs the SIGTERM/SIGINT/SIGUSR1 handlers of this process."""
         self.accelerator = accelerator
         self.trainer = trainer
@@ -300,12 +304,13 @@ class Checkpointer:
         self.stop = stop  # installed by the caller: constructing a checkpointer touches no signal handler
         self.reduce_sum, self.uploader = reduce_sum, uploader
         self.preempted_at: Optional[int] = None
+        self.state_io = state_io or _AccelerateState(accelerator)
 
     def restore(self, resume: Optional[ResumePoint]) -> int:
         """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
         if resume is None:
             return 0
-        self.accelerator.load_state(str(resume.path))
+        self.state_io.load(str(resume.path))
         self.trainer.load_state_dict(resume.state)
         return resume.step
 
@@ -371,7 +376,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
+        self.state_io.save(str(tmp))
         if acc.is_main_process:
             (tmp / STATE_FILE).write_text(json.dumps(self._state(step, preempted), indent=1,
                                                      default=str) + "\n")
@@ -388,12 +393,20 @@ class Checkpointer:
         return final
 
 
+class _AccelerateState:
+    def __init__(self, accelerator):
+        self.save, self.load = accelerator.save_state, accelerator.load_state
+
+
 def run_identity(config: Any, cache_key: str, world_size: int, distributed_type: str = "NO",
                  tensor_parallel: int = 1) -> dict[str, Any]:
     """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); `distributed_type`:
     accelerate's name for it, which decides the checkpoint format (ENGINES)."""
     t = config.train
-    return {"engine": ENGINES.get(distributed_type, "torch"), "dataset_cache_key": cache_key,
+    pipeline = t.pipeline_parallel_size > 1
+    return {"engine": "pipeline" if pipeline else ENGINES.get(distributed_type, "torch"),
+            "pipeline_parallel_size": f"{t.pipeline_parallel_size} ({t.pipeline_virtual_stages} per rank, "
+                                      f"layers {t.pipeline_layers or 'even'})" if pipeline else 1, "dataset_cache_key": cache_key,
             "micro_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps":
             t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed, "packing": t.packing,
             "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),

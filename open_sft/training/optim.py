@@ -12,10 +12,11 @@ from open_sft.model.load import param_shape
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only: never on biases or norm scales (1-D parameters)."""
+    """Weight decay on weight matrices only: never on biases or norm scales (1-D parameters). A parameter on the
+    meta device is another pipeline stage's (open_sft.distributed.pipeline): not this rank's to step."""
     decay, no_decay = [], []
     for _, param in model.named_parameters():
-        if param.requires_grad:
+        if param.requires_grad and not param.is_meta:
             (decay if len(param_shape(param)) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 

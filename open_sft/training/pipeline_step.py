@@ -1,0 +1,357 @@
+"""The optimizer step under pipeline parallelism (open_sft.distributed.pipeline has the layout and the stages).
+
+A replica of N stage ranks computes its members' micro-batches of the step plan together (as a TP group does),
+slot by slot: N × accumulation micro-batches go through torch's schedule per step, each padded to the step's
+largest (rows, width) — a schedule exchanges one activation shape per step, and a new schedule is made for each
+step, so shapes may change between steps. Micro-batch m's loss is its token-loss sum × scale[m] (the target
+passed to the schedule is each row's micro-batch index, so the scale is applied as the same Python float as in
+the other engines). After the schedule: gradients summed over the replicas, and between the first and the last
+stage for tied embeddings; the global gradient norm is summed over the stages; one optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from open_sft.data.batching import count_trained_batch, to_device, trained_sources
+from open_sft.data.token_rows import IGNORE_INDEX
+from open_sft.distributed.pipeline import (PipelineLayout, StageModule, make_schedule, owned_parameters)
+from open_sft.training.trainer import Trainer
+
+MODEL_KEYS = ("attention_mask", "position_ids", "labels")
+
+
+@dataclass
+class Pipeline:
+    layout: PipelineLayout
+    stages: list[StageModule]  # this rank's, in stage order
+    pipeline_stages: list[Any]  # torch's PipelineStage of each
+    schedule: str
+    tied: bool  # the unsplit model ties its input embeddings and LM head
+
+    def last(self) -> Optional[StageModule]:
+        return next((stage for stage in self.stages if stage.last), None)
+
+    def first(self) -> Optional[StageModule]:
+        return next((stage for stage in self.stages if stage.first), None)
+
+
+def fit_shape(batch: dict[str, torch.Tensor], rows: int, width: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A collated micro-batch grown to (rows, width): padding with no loss. A padded row attends its own first
+    position (an all-masked row of attention is NaN, and NaN × 0 is NaN in the weight gradients); a packed row's
+    added columns are a block of their own."""
+    have_rows, have_width = batch["input_ids"].shape
+    if (have_rows, have_width) == (rows, width):
+        return batch
+    grown = {}
+    fills = {"input_ids": pad_token_id, "labels": IGNORE_INDEX, "attention_mask": 0, "sources": 0}
+    for key, value in batch.items():
+        if key == "position_ids":
+            out = torch.arange(width, dtype=value.dtype).repeat(rows, 1)
+            out[:have_rows, have_width:] = torch.arange(width - have_width, dtype=value.dtype)
+        else:
+            out = torch.full((rows, width), fills[key], dtype=value.dtype)
+            if key == "attention_mask":
+                out[have_rows:, 0] = 1
+        out[:have_rows, :have_width] = value
+        grown[key] = out
+    return grown
+
+
+class PipelineTrainer(Trainer):
+    """Trainer whose forward and backward passes are a pipeline schedule (model: the TokenLossModel, whole on
+    every rank with the parts other ranks own on the meta device; optimizer: this rank's parameters)."""
+
+    def __init__(self, *args: Any, pipeline: Pipeline, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.pipeline = pipeline
+        self.params = [p for _, p in owned_parameters(self.model) if p.requires_grad]
+
+    # ---------------------------------------------------------------------------------------------------------
+    def _group_micro_batches(self, step: int, own: list) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
+        """The replica's micro-batches, slot by slot and member by member (every member collates the others'
+        from the plan, a pure function: no collective)."""
+        me = self.accelerator.process_index
+        members = [own if rank == me else self._micro_batches(step, rank) for rank in self.pipeline.layout.replica_ranks()]
+        return [passes[slot] for slot in range(len(own)) for passes in members]
+
+    def _scales(self, batches: list[dict[str, torch.Tensor]], trained_global: float) -> list[float]:
+        """Each micro-batch's loss multiplier (--loss_normalization); the gradients are summed, not averaged,
+        over the replicas, so nothing is undone here."""
+        norm = self.args.loss_normalization
+        if norm == "token":
+            return [1.0 / max(trained_global, 1.0)] * len(batches)
+        if norm == "sum":
+            return [1.0] * len(batches)
+        micro_batches = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size
+        return [1.0 / (max(count_trained_batch(b["labels"]), 1.0) * micro_batches) for b in batches]
+
+    def _run_schedule(self, batches: list[dict[str, torch.Tensor]], scales: Optional[list[float]]) -> None:
+        """One schedule over the batches (step: with backward, `scales` given; eval: forward only)."""
+        rows = max(b["input_ids"].shape[0] for b in batches)
+        width = max(b["input_ids"].shape[1] for b in batches)
+        fitted = [fit_shape({k: v for k, v in b.items() if k in ("input_ids", *MODEL_KEYS)}, rows, width,
+                            self.pad_token_id)
+                  for b in batches]
+        whole = to_device({k: torch.cat([b[k] for b in fitted]) for k in fitted[0]}, self.accelerator.device)
+        # each row carries its micro-batch's index: the loss function looks its scale up
+        index = torch.arange(len(batches), device=whole["input_ids"].device).repeat_interleave(rows)
+        loss_fn = (lambda out, target: out[0] * scales[int(target[0])]) if scales is not None else None
+        p = self.pipeline
+        for stage in p.stages:
+            stage.sums.clear()
+            stage.kept.clear()
+        schedule = make_schedule(p.stages, p.pipeline_stages, len(batches), p.schedule if scales is not None
+                                 else "gpipe", loss_fn if loss_fn is not None else (lambda out, target: out[0]))
+        inputs = [whole["input_ids"]] if p.first() is not None else []
+        kwargs = {k: whole[k] for k in MODEL_KEYS if k in whole}
+        if scales is None:
+            schedule.eval(*inputs, target=index, return_outputs=False, **kwargs)
+        else:
+            schedule.step(*inputs, target=index, return_outputs=False, **kwargs)
+        for stage in p.stages:  # a new schedule first runs the stage on placeholder inputs (shape inference)
+            del stage.sums[: -len(batches)], stage.kept[: -len(batches)]
+
+    def _sync_gradients(self) -> None:
+        """Sum over the replicas (one flat buffer per dtype), then over the tied embedding's two stages."""
+        layout, dist = self.pipeline.layout, torch.distributed
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if layout.replicas > 1 and grads:
+            for dtype in {g.dtype for g in grads}:
+                same = [g for g in grads if g.dtype == dtype]
+                flat = torch.cat([g.reshape(-1) for g in same])
+                dist.all_reduce(flat, group=layout.replica_group)
+                offset = 0
+                for g in same:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+        tied = self._tied_weight()
+        if tied is not None and tied.grad is not None:
+            dist.all_reduce(tied.grad, group=layout.tied_group)
+
+    def _tied_weight(self) -> Optional[torch.nn.Parameter]:
+        """The tied embedding's copy on this rank (first stage: the input embedding; last: the LM head)."""
+        if not self.pipeline.tied:
+            return None
+        first, last = self.pipeline.first(), self.pipeline.last()
+        module = first.embed if first is not None else (last.head if last is not None else None)
+        return module.weight if module is not None else None
+
+    def _clip_and_norm(self) -> float:
+        """The global gradient norm over the stages (the tied weight counted once: on its first stage), clipped."""
+        last = self.pipeline.last()
+        skip = self._tied_weight() if (self.pipeline.tied and last is not None) else None
+        grads = [p.grad for p in self.params if p.grad is not None and p is not skip]
+        squares = sum((g.detach().double().pow(2).sum() for g in grads),
+                      torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
+        squares = squares.reshape(1).cpu() if torch.distributed.get_backend() == "gloo" else squares.reshape(1)
+        torch.distributed.all_reduce(squares, group=self.pipeline.layout.pipe_group)
+        norm = float(squares.sqrt())
+        if self.args.clip_grad_norm > 0 and math.isfinite(norm) and norm > self.args.clip_grad_norm:
+            coefficient = self.args.clip_grad_norm / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+        return norm
+
+    def train_step(self, step: int) -> dict:
+        own = self._micro_batches(step)
+        n_sources = len(self.source_names)
+        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in own]
+        own_positions = [trained_sources(batch) for batch, _ in own]
+        (trained_global, tokens_global, squares_global, slots_global, busiest_rank_slots,
+         source_tokens) = self._step_counts(own, local_counts, own_positions, n_sources)
+        self.seen_example_ids.extend(i for _, indices in own for i in indices)
+        group = [batch for batch, _ in self._group_micro_batches(step, own)]
+        positions = [trained_sources(batch) for batch in group]
+        lr = self._set_lr(step)
+        self.model.train()
+        self._run_schedule(group, self._scales(group, trained_global))
+        device = self.accelerator.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        source_loss = torch.zeros(n_sources, dtype=torch.float64, device=device)
+        last = self.pipeline.last()
+        if last is not None:  # the replica's losses: on its last stage only (0 elsewhere in the sums)
+            for m, (value, kept) in enumerate(zip(last.sums, last.kept)):
+                loss_sum += value.double()
+                if kept is not None:
+                    source_loss.index_add_(0, positions[m].to(device), kept.double())
+                else:
+                    source_loss[0] += value.double()
+        self._sync_gradients()
+        grad_norm = self._clip_and_norm()
+        skipped = self._nonfinite(loss_sum, grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        summed = self.reduce_sum(torch.cat([loss_sum.reshape(1), source_loss])).tolist()
+        loss_global, source_loss_global = float(summed[0]), summed[1:]
+        self._count_nonfinite(step, skipped or not math.isfinite(loss_global))
+        if skipped or not math.isfinite(loss_global):
+            loss_global, trained_global = 0.0, 0
+            source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
+        flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
+        return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
+                "padded_slots": int(slots_global), "busiest_rank_slots": busiest_rank_slots,
+                "source_loss": source_loss_global, "source_tokens": source_tokens, "aux_sum": 0.0,
+                "lr": lr, "grad_norm": grad_norm, "flops": flops}
+
+    # ---------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, done: int) -> dict:
+        """The held-out loss through the pipeline: the replicas share the examples (replica r takes examples r,
+        r + replicas, ...), each batch one forward-only schedule; the last stage counts."""
+        from open_sft.data.batching import collate
+        from open_sft.monitor.metrics import per_source
+
+        layout, data = self.pipeline.layout, self.eval_data
+        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        kept_before, self.loss_model.keep_token_losses = self.loss_model.keep_token_losses, True
+        n_sources = len(data.source_names)
+        totals = torch.zeros(2 + 2 * n_sources, dtype=torch.float64)
+        mine = list(range(layout.replica, len(data), layout.replicas))
+        last = self.pipeline.last()
+        self.model.eval()
+        for start in range(0, len(mine), batch_size):
+            indices = mine[start : start + batch_size]
+            batch = collate([data.example(i) for i in indices], self.pad_token_id,
+                            sources=[data.source(i) for i in indices])
+            self._run_schedule([batch], None)
+            if last is not None:
+                sources = trained_sources(batch)
+                totals[0] += float(last.sums[0])
+                totals[1] += count_trained_batch(batch["labels"])
+                totals[2 : 2 + n_sources].index_add_(0, sources, last.kept[0].double().cpu())
+                totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
+        self.model.train()
+        self.loss_model.keep_token_losses = kept_before
+        summed = self.reduce_sum(totals).tolist()
+        loss_sum, tokens = summed[:2]
+        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4),
+                  "eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),
+                  **per_source(data.source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}
+        if self.accelerator.is_main_process:
+            import logging
+
+            logging.getLogger("open_sft.training.trainer").info(
+                "step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps, record["eval_loss"],
+                record["eval_tokens"])
+            if self.metrics is not None:
+                self.metrics.write(record)
+        return record
+
+
+# -------------------------------------------------------------------------------------------------------------
+# Building, checkpoints and the export
+# -------------------------------------------------------------------------------------------------------------
+def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device) -> Pipeline:
+    """Split the TokenLossModel into this rank's stages (collective: the process groups)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from open_sft.distributed.pipeline import (build_layout, check_stage_entry, parse_layers, split_model,
+                                               stage_ranges, _backbone)
+    from open_sft.errors import UserError
+
+    backbone = _backbone(loss_model)
+    flag = f"--pipeline_parallel_size {train.pipeline_parallel_size}"
+    problem = check_stage_entry(loss_model, backbone.layers[0])
+    if problem is not None:
+        raise UserError(f"{flag}: {problem}; train this model without pipeline parallelism")
+    head = loss_model.causal_lm().get_output_embeddings()
+    tied = head is not None and head.weight is backbone.embed_tokens.weight
+    size, virtual = train.pipeline_parallel_size, train.pipeline_virtual_stages
+    try:
+        ranges = stage_ranges(len(backbone.layers), size * virtual, parse_layers(train.pipeline_layers))
+    except ValueError as exc:
+        raise UserError(f"{flag}: {exc}")
+    layout = build_layout(size, virtual, tied)
+    stages = split_model(loss_model, layout, ranges, device)
+    pipeline_stages = [PipelineStage(stage, index, layout.stages, device, group=layout.pipe_group)
+                       for stage, index in zip(stages, layout.stage_ids())]
+    return Pipeline(layout, stages, pipeline_stages, train.pipeline_schedule, tied)
+
+
+def describe(pipeline: Pipeline) -> str:
+    ranges = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in
+                       ((s.stage_index, m.layer_range) for s, m in zip(pipeline.pipeline_stages, pipeline.stages)))
+    layout = pipeline.layout
+    return (f"pipeline parallel {layout.size} × {layout.replicas} data-parallel replica(s), schedule "
+            f"{pipeline.schedule}, {layout.stages} stages; this rank: {ranges}")
+
+
+def gather_state_dict(pipeline: Pipeline, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the main process (each stage's from the first replica), {} elsewhere."""
+    from open_sft.distributed.pipeline import owned_state_dict
+
+    layout, dist = pipeline.layout, torch.distributed
+    if layout.replica != 0:
+        return {}
+    mine = {k: v.detach().cpu().clone() for k, v in owned_state_dict(model).items()}
+    parts = [None] * layout.size if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=layout.pipe_group)
+    if dist.get_rank() != 0:
+        return {}
+    whole: dict[str, torch.Tensor] = {}
+    for part in parts:
+        whole.update(part)
+    return whole
+
+
+class PipelineState:
+    """A checkpoint's model and optimizer under PP: each stage position's first replica writes
+    pipeline_stage_<position>.pt (its parameters by their names in the whole model, and its optimizer's state);
+    every rank writes its RNG states. A resume loads its position's file (the replicas are equal)."""
+
+    def __init__(self, pipeline: Pipeline, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.pipeline, self.model, self.optimizer = pipeline, model, optimizer
+
+    def _file(self, directory: str) -> str:
+        return f"{directory}/pipeline_stage_{self.pipeline.layout.position}.pt"
+
+    def save(self, directory: str) -> None:
+        from open_sft.distributed.pipeline import owned_state_dict
+
+        rank = torch.distributed.get_rank()
+        if self.pipeline.layout.replica == 0:
+            torch.save({"model": owned_state_dict(self.model), "optimizer": self.optimizer.state_dict()},
+                       self._file(directory))
+        torch.save(_rng_states(), f"{directory}/random_states_{rank}.pt")
+
+    def load(self, directory: str) -> None:
+        state = torch.load(self._file(directory), map_location="cpu", weights_only=False)
+        missing = set(self.model.load_state_dict(state["model"], strict=False).missing_keys)
+        from open_sft.distributed.pipeline import owned_state_dict
+
+        not_loaded = missing & set(owned_state_dict(self.model))
+        if not_loaded:
+            raise RuntimeError(f"the checkpoint lacks this stage's {sorted(not_loaded)[:3]}...")
+        self.optimizer.load_state_dict(state["optimizer"])
+        rank = torch.distributed.get_rank()
+        _set_rng_states(torch.load(f"{directory}/random_states_{rank}.pt", weights_only=False))
+
+
+def _rng_states() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
