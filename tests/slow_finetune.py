@@ -8,6 +8,7 @@ import os
 import time
 
 from open_sft import run
+from open_sft.distributed import pipeline
 from open_sft.errors import exit_rank, record_exit_code
 from open_sft.model import loss
 
@@ -24,4 +25,15 @@ def slowed(self, **batch):
 
 
 loss.TokenLossModel.forward = slowed
+stage_forward = pipeline.StageModule.forward  # under --pipeline_parallel_size: each stage's micro-batch pass
+
+
+def slowed_stage(self, *args, **batch):
+    calls[0] += 1
+    if calls[0] > AFTER:
+        time.sleep(SLEEP_S)
+    return stage_forward(self, *args, **batch)
+
+
+pipeline.StageModule.forward = slowed_stage
 exit_rank(record_exit_code(run.main()))

@@ -322,9 +322,11 @@ def make_schedule(stages: list[StageModule], pipeline_stages: list[Any], microba
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
     """torch's schedule over this rank's stages; scale_grads=False: the loss of each micro-batch is already
     scaled for the global batch (torch would also divide by the micro-batch count)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
     if kind == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(pipeline_stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(pipeline_stages) > 1:  # several stages a rank, all forwards first (evaluation)
+        return ScheduleLoopedBFS(pipeline_stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[kind]
     return schedule(pipeline_stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -1,0 +1,150 @@
+"""Pipeline parallelism through finetune.py on real gloo ranks (torch.distributed.pipelining).
+
+A 4-layer model split into 2 stages (2 layers each) must train what one process trains on the same global batch
+(fp32): the same per-step losses and evaluation, and final weights equal within what Adam makes of reordered
+fp32 sums; so must 2 data-parallel replicas of 2 stages (4 ranks, GPipe). Packed rows under the interleaved
+schedule (2 ranks × 2 virtual stages) train what plain data parallelism trains on the same 2 ranks (packing
+depends on the world size). A kill -9 and relaunch continues exactly from the per-stage checkpoint; the export
+is the whole model and reloads in a fresh process; LoRA under PP trains what LoRA trains in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, child_env, read_metrics, run_finetune
+from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
+from integration.test_fsdp import LORA, STEPS, args_for, fsdp_command, losses
+from integration.test_lora import lora_pairs
+
+PP = ["--pipeline_parallel_size", "2"]
+DDP = ["--multi_gpu"]  # accelerate's plain data-parallel launch (gloo on CPU)
+
+
+def run_launch(args: list[str], processes: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(fsdp_command(DDP, processes=processes) + args, cwd=ROOT, env=child_env(),
+                            capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    from open_sft.embedded.factory import build_embedded_default
+
+    return build_embedded_default(tmp_path_factory.mktemp("model4"), vocab_size=1024, hidden_size=64, num_layers=4,
+                                  seed=0)
+
+
+@pytest.fixture(scope="module")
+def runs(model4, tmp_path_factory) -> dict:
+    """One process: micro-batch 4 × accumulation 2; 2 ranks of PP: micro-batch 2 × 2 × 2; 4 ranks (2 replicas of
+    2 stages): micro-batch 1 × 2 × 4 — the same global batches."""
+    out = {name: tmp_path_factory.mktemp(name) for name in
+           ("one", "pp", "killed", "dp_pp", "packed_ddp", "packed_pp", "lora_one", "lora_pp")}
+    run_finetune(args_for(model4, out["one"], 4))
+    result = run_launch(args_for(model4, out["pp"], 2, *PP))
+    killed_args = args_for(model4, out["killed"], 2, *PP)
+    kill_code = interrupt("zero2", killed_args, out["killed"], 3, signal.SIGKILL, out["killed"] / "killed.log",
+                          command=fsdp_command(DDP))
+    relaunch = run_launch(killed_args)
+    run_launch(args_for(model4, out["dp_pp"], 1, *PP, "--pipeline_schedule", "gpipe"), processes=4)
+    packed = ("--packing",)
+    run_launch(args_for(model4, out["packed_ddp"], 2, *packed))
+    run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule", "interleaved_1f1b",
+                        "--pipeline_virtual_stages", "2"))
+    run_finetune(args_for(model4, out["lora_one"], 4, *LORA))
+    run_launch(args_for(model4, out["lora_pp"], 2, *LORA, *PP, "--merge_lora_on_save"))
+    return {**out, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr}
+
+
+def test_two_stages_train_what_one_process_trains(runs) -> None:
+    reference = losses(runs["one"])
+    assert len(reference) == STEPS
+    assert losses(runs["pp"]) == pytest.approx(reference, rel=1e-5)  # measured: 3e-8 relative
+    one, pp = load_weights(runs["one"]), load_weights(runs["pp"])
+    assert one.keys() == pp.keys() and len(one) > 10  # the export is the whole model, gathered from the stages
+    for name, tensor in one.items():
+        torch.testing.assert_close(pp[name], tensor, rtol=0, atol=1e-4, msg=name)  # measured: 1e-5
+
+
+def test_two_replicas_of_two_stages_train_what_one_process_trains(runs) -> None:
+    assert losses(runs["dp_pp"]) == pytest.approx(losses(runs["one"]), rel=1e-5)
+    one, dp_pp = load_weights(runs["one"]), load_weights(runs["dp_pp"])
+    for name, tensor in one.items():
+        torch.testing.assert_close(dp_pp[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_evaluation_under_pipeline_parallelism_equals_one_process(runs) -> None:
+    def evals(output_dir) -> list[tuple[float, int]]:
+        return [(m["eval_loss"], m["eval_tokens"]) for m in read_metrics(output_dir) if "eval_loss" in m]
+
+    (reference, reference_tokens), = evals(runs["one"])
+    for name in ("pp", "dp_pp"):
+        (loss, tokens), = evals(runs[name])
+        assert tokens == reference_tokens  # each example counted once
+        assert loss == pytest.approx(reference, rel=1e-5)
+
+
+def test_packed_rows_under_the_interleaved_schedule_train_what_data_parallelism_trains(runs) -> None:
+    assert losses(runs["packed_pp"]) == pytest.approx(losses(runs["packed_ddp"]), rel=1e-5)
+
+
+def test_the_run_says_its_layout_and_checkpoints_hold_each_stage(runs) -> None:
+    assert "pipeline parallel 2 × 1 data-parallel replica(s), schedule 1f1b, 2 stages; this rank: stage 0: " \
+           "layers 0-1" in runs["stdout"]
+    step = runs["pp"] / "checkpoints" / f"step_{STEPS}"
+    assert sorted(p.name for p in step.glob("pipeline_stage_*.pt")) == ["pipeline_stage_0.pt", "pipeline_stage_1.pt"]
+    stage0 = torch.load(step / "pipeline_stage_0.pt", weights_only=False)["model"]
+    stage1 = torch.load(step / "pipeline_stage_1.pt", weights_only=False)["model"]
+    assert any(".layers.0." in k for k in stage0) and not any(".layers.2." in k for k in stage0)
+    assert any(".layers.3." in k for k in stage1) and not any(".layers.1." in k for k in stage1)
+    identity = json.loads((step / "trainer_state.json").read_text())["identity"]
+    assert identity["engine"] == "pipeline" and identity["pipeline_parallel_size"].startswith("2 ")
+
+
+def test_kill_9_and_relaunch_continues_exactly(runs) -> None:
+    assert runs["kill_code"] != 0
+    assert "resuming from" in runs["relaunch"]
+    view = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["killed"]) if "loss" in r]
+    base = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["pp"]) if "loss" in r]
+    assert [r["step"] for r in view] == list(range(1, STEPS + 1))
+    assert view == base  # measured: bitwise
+    killed, uninterrupted = load_weights(runs["killed"]), load_weights(runs["pp"])
+    assert all(torch.equal(killed[name], tensor) for name, tensor in uninterrupted.items())
+
+
+def test_the_export_reloads_in_a_fresh_process(runs) -> None:
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
+            "m, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
+            "ids = torch.tensor([[1, 5, 9, 40, 7]])\n"
+            "print(sum(len(v) for v in info.values()), float(m(ids, labels=ids).loss))")
+    found = []
+    for name in ("pp", "one"):
+        result = subprocess.run([sys.executable, "-c", code, str(runs[name])], capture_output=True, text=True,
+                                env=child_env(), timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        problems, loss = result.stdout.split()[-2:]
+        assert problems == "0"
+        found.append(float(loss))
+    assert found[0] == pytest.approx(found[1], rel=1e-4)
+
+
+def test_lora_under_pipeline_parallelism_trains_what_lora_trains_in_one_process(runs) -> None:
+    assert losses(runs["lora_pp"]) == pytest.approx(losses(runs["lora_one"]), rel=1e-5)
+    one = lora_pairs(load_file(runs["lora_one"] / "adapter_model.safetensors"))
+    pp = lora_pairs(load_file(runs["lora_pp"] / "adapter_model.safetensors"))
+    assert one.keys() == pp.keys() and len(one) >= 8  # every stage's adapters are in the export
+    for module, (a, b) in one.items():
+        torch.testing.assert_close(pp[module][0], a, rtol=0, atol=1e-4)
+        torch.testing.assert_close(pp[module][1], b, rtol=0, atol=1e-4)
+    assert (runs["lora_pp"] / "merged" / "config.json").is_file()
