@@ -209,7 +209,9 @@ def probe_only(job: Job) -> dict:
     nothing."""
     from open_sft.preflight.timing import StepTimer, TimeProbe, format_seconds
 
-    trainer = _build_trainer(job, metrics=None)
+    from open_sft.training.build import build_trainer
+
+    trainer = build_trainer(job, metrics=None)
     probe = TimeProbe(job.steps.total_steps, job.preflight.step_slots)
     timer = StepTimer(probe, 0)
     trainer.train(0, after_step=[timer, lambda done, seconds: probe.done])
@@ -236,6 +238,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
     from open_sft.training.completion import clear_marker, resume_setting
+    from open_sft.training.build import build_trainer, checkpoint_state_io
     from open_sft.training.preemption import StopRequest
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
@@ -250,13 +253,13 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
     logger.info("schedule: %s", job.steps.describe())
     metrics = MetricsWriter.for_job(job, resume.step if resume else 0) if acc.is_main_process else None
-    trainer = _build_trainer(job, metrics)
+    trainer = build_trainer(job, metrics)
     if acc.is_main_process:
         write_run_files(job, trainer)
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=_pipeline_state(trainer))
+                                           state_io=checkpoint_state_io(trainer))
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
@@ -384,52 +387,3 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
 
     job.accelerator, job.ds_config = start_accelerator(job.config, job.launch, job.dtype, model_config, zero3_init)
     lifeline.watch_ranks()  # collective: from here on a peer that disappears stops this rank
-
-
-def _build_trainer(job: Job, metrics: Any) -> Any:
-    """The loss-wrapped model and the optimizer, prepared by the Accelerator, in a Trainer."""
-    from open_sft.distributed.collectives import all_reduce_sum
-    from open_sft.distributed.tensor_parallel import tp_size_of
-    from open_sft.model.load import param_numel
-    from open_sft.model.loss import TokenLossModel
-    from open_sft.monitor.metrics import FlopCounter, device_peak_flops
-    from open_sft.training.optim import build_optimizer
-    from open_sft.training.trainer import Trainer
-
-    t, model = job.config.train, job.model
-    head = model.get_output_embeddings().weight
-    backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
-    # under TP the LM head's columns are sharded: its gathered logits feed the plain loss (the fused one reads
-    # the whole weight)
-    wrapped = TokenLossModel(model, fused_loss=tp_size_of(job.accelerator) == 1, load_balancing=t.load_balancing_loss,
-                             liger=job.config.model.use_liger_kernel)
-    if t.sequence_parallel_size > 1:
-        wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
-    pipeline = None
-    if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
-        from open_sft.training.pipeline_step import PipelineTrainer, describe, start_pipeline
-
-        pipeline = start_pipeline(wrapped, t, job.accelerator.device)
-        logger.info("%s", describe(pipeline))
-    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
-                                eight_bit=t.use_8bit_optimizer)
-    if pipeline is None:
-        wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
-    peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)
-    args = (job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
-            FlopCounter(model.config, backbone_params), peak, metrics)
-    kwargs = dict(reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
-    if pipeline is None:
-        return Trainer(*args, **kwargs)
-    trainer = PipelineTrainer(*args, pipeline=pipeline, **kwargs)
-    for stage in pipeline.stages:
-        stage.autocast = trainer.precision.autocast
-    return trainer
-
-
-def _pipeline_state(trainer: Any) -> Any:
-    if getattr(trainer, "pipeline", None) is None:
-        return None
-    from open_sft.training.pipeline_step import PipelineState
-
-    return PipelineState(trainer.pipeline, trainer.model, trainer.optimizer)

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from open_sft.data.token_rows import TokenRows, row_bounds
+from open_sft.durable import write_json
 
 PIECE_TOKENS = 1 << 18  # tokens gathered from a spill (and written) at a time, in whole rows
 
@@ -102,9 +103,7 @@ class Spill:
         self.chunks, self.rows = self.chunks + 1, rows
         state = {"tag": self.tag, "chunks": self.chunks, "rows": rows,
                  "sizes": {kind: handle.tell() for kind, handle in self.files.items()}}
-        staged = self.state_path.with_suffix(".tmp")
-        staged.write_text(json.dumps(state))
-        os.replace(staged, self.state_path)
+        write_json(self.state_path, state, indent=None)
 
     def close(self) -> "SpilledRows":
         for handle in self.files.values():

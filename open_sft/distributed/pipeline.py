@@ -285,11 +285,12 @@ def owned_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: t for name, t in model.state_dict().items() if not t.is_meta}
 
 
-def check_stage_entry(loss_model: nn.Module, first_layer: nn.Module) -> Optional[str]:
+def check_stage_entry(loss_model: nn.Module) -> Optional[str]:
     """Why this model family cannot be split (its backbone changes `inputs_embeds` before the first decoder
     layer, which a later stage's hidden states must not undergo), or None. Runs the backbone on 2 positions and
     stops it at the first layer's input (cheap)."""
     backbone = _backbone(loss_model)
+    first_layer = backbone.layers[0]
     hidden = getattr(backbone.config, "hidden_size", None)
     if hidden is None:
         return f"model type {backbone.config.model_type!r} has no hidden_size"

@@ -15,7 +15,6 @@ and never pruned.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from typing import Any, Callable, Collection, Optional
 
 import torch
 
+from open_sft.durable import fsync_path, fsync_tree, write_json
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 from open_sft.training.steps import balances
@@ -219,21 +219,6 @@ def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
 # ----------------------------------------------------------------------------------------------
 # Writing checkpoints
 # ----------------------------------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    for directory, _, files in os.walk(root):
-        for path in [Path(directory) / name for name in files] + [Path(directory)]:
-            with contextlib.suppress(FileNotFoundError):  # another rank's temporary file, renamed since listed
-                _fsync_path(path)  # (each rank fsyncs the tree after its own writes)
-
-
 def _manifest(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
@@ -244,15 +229,8 @@ def publish(tmp: Path, final: Path, step: int) -> None:
         shutil.rmtree(final)
     share_as_umask(tmp)  # safetensors writes 0600 whatever the umask
     os.rename(tmp, final)
-    _fsync_path(final.parent)
-    manifest = {"step": step, "files": _manifest(final), "format": FORMAT_VERSION}
-    marker = final / f"{COMPLETE}.tmp"
-    with marker.open("w") as handle:
-        json.dump(manifest, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.rename(marker, final / COMPLETE)
-    _fsync_path(final)
+    fsync_path(final.parent)
+    write_json(final / COMPLETE, {"step": step, "files": _manifest(final), "format": FORMAT_VERSION})
 
 
 def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:

@@ -21,11 +21,11 @@ then holds a run in progress, which a relaunch resumes (a launch refused before 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from open_sft.durable import write_json
 from open_sft.errors import UserError
 
 MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
@@ -89,12 +89,7 @@ def mark_complete(output_dir: Path, step: int, elapsed_s: float) -> None:
     """Written last by the main process: the record, fsynced and renamed into place."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir)}
-    tmp = output_dir / f"{MARKER}.tmp"
-    with tmp.open("w") as handle:
-        json.dump(record, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, output_dir / MARKER)
+    write_json(output_dir / MARKER, record)
 
 
 def clear_marker(output_dir: Path) -> None:

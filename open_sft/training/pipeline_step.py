@@ -258,7 +258,7 @@ def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device
 
     backbone = _backbone(loss_model)
     flag = f"--pipeline_parallel_size {train.pipeline_parallel_size}"
-    problem = check_stage_entry(loss_model, backbone.layers[0])
+    problem = check_stage_entry(loss_model)
     if problem is not None:
         raise UserError(f"{flag}: {problem}; train this model without pipeline parallelism")
     head = loss_model.causal_lm().get_output_embeddings()

@@ -59,9 +59,19 @@ def test_fused_adamw_matches_the_reference_loop() -> None:
             assert float((ours - theirs).norm() / theirs.norm()) < 1e-5, (name, key)
 
 
-def test_foreach_where_fused_is_not_built() -> None:
-    """The meta device has no fused kernel: the probe says so and AdamW falls back to foreach."""
+def test_foreach_where_fused_is_not_built(monkeypatch) -> None:
+    """The meta device has no fused kernel: the probe says so, and where it says so AdamW falls back to foreach."""
+    from open_sft.training import optim
+
     assert fused_adamw_supported([torch.zeros(2)]) and not fused_adamw_supported([torch.zeros(2, device="meta")])
+    monkeypatch.setattr(optim, "fused_adamw_supported", lambda params: False)
+    assert optimizer_impl(build_optimizer(torch.nn.Linear(4, 4), 1e-3, 0.0))["implementation"] == "foreach"
+
+
+def test_parameters_on_the_meta_device_are_not_stepped() -> None:
+    """Another pipeline stage's parameters (open_sft.distributed.pipeline) are not this rank's to step."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with torch.device("meta"):
-        model = torch.nn.Linear(4, 4)
-    assert optimizer_impl(build_optimizer(model, 1e-3, 0.0))["implementation"] == "foreach"
+        model[1] = torch.nn.Linear(4, 4)
+    stepped = [p for group in build_optimizer(model, 1e-3, 0.1).param_groups for p in group["params"]]
+    assert len(stepped) == 2 and all(not p.is_meta for p in stepped)

@@ -1,0 +1,60 @@
+"""The loss-wrapped model, its optimizer and the Trainer of a run: prepared by the Accelerator, or under
+--pipeline_parallel_size split into this rank's stages (open_sft.distributed.pipeline) and trained by the
+PipelineTrainer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("open_sft")
+
+
+def build_trainer(job: Any, metrics: Any) -> Any:
+    """The loss-wrapped model and the optimizer, prepared by the Accelerator, in a Trainer."""
+    from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.distributed.tensor_parallel import tp_size_of
+    from open_sft.model.load import param_numel
+    from open_sft.model.loss import TokenLossModel
+    from open_sft.monitor.metrics import FlopCounter, device_peak_flops
+    from open_sft.training.optim import build_optimizer
+    from open_sft.training.trainer import Trainer
+
+    t, model = job.config.train, job.model
+    head = model.get_output_embeddings().weight
+    backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
+    # under TP the LM head's columns are sharded: its gathered logits feed the plain loss (the fused one reads
+    # the whole weight)
+    wrapped = TokenLossModel(model, fused_loss=tp_size_of(job.accelerator) == 1, load_balancing=t.load_balancing_loss,
+                             liger=job.config.model.use_liger_kernel)
+    if t.sequence_parallel_size > 1:
+        wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
+    pipeline = None
+    if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
+        from open_sft.training.pipeline_step import PipelineTrainer, describe, start_pipeline
+
+        pipeline = start_pipeline(wrapped, t, job.accelerator.device)
+        logger.info("%s", describe(pipeline))
+    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
+                                eight_bit=t.use_8bit_optimizer)
+    if pipeline is None:
+        wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
+    peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)
+    args = (job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
+            FlopCounter(model.config, backbone_params), peak, metrics)
+    kwargs = dict(reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
+    if pipeline is None:
+        return Trainer(*args, **kwargs)
+    trainer = PipelineTrainer(*args, pipeline=pipeline, **kwargs)
+    for stage in pipeline.stages:
+        stage.autocast = trainer.precision.autocast
+    return trainer
+
+
+def checkpoint_state_io(trainer: Any) -> Any:
+    """What saves and loads a pipeline run's model and optimizer in its checkpoints (None: accelerate's save_state)."""
+    if getattr(trainer, "pipeline", None) is None:
+        return None
+    from open_sft.training.pipeline_step import PipelineState
+
+    return PipelineState(trainer.pipeline, trainer.model, trainer.optimizer)

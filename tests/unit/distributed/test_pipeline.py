@@ -1,0 +1,158 @@
+"""Pipeline parallelism's pieces in one process: the stage split (stages chained by hand give the unsplit
+model's loss and gradients, for several families), layer ranges, the flags' checks and the refusals, the
+micro-batch shape fitting. The multi-rank runs are tests/integration/test_pipeline.py."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from open_sft.distributed.pipeline import (PipelineLayout, check_stage_entry, owned_parameters, parse_layers,
+                                           pipeline_flag_problems, pipeline_problems, split_model, stage_ranges)
+from open_sft.model.loss import TokenLossModel
+from open_sft.training.pipeline_step import fit_shape
+
+VOCAB = 96
+
+
+def tiny(family: str) -> torch.nn.Module:
+    from transformers import (GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    if family == "qwen3_sliding":  # the layer types differ by stage: a stage must see its own slice of them
+        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=8, use_sliding_window=True, sliding_window=4,
+                                            tie_word_embeddings=False,
+                                            layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2))
+    if family == "granite":  # multiplies the embeddings in the backbone's forward
+        return GraniteForCausalLM(GraniteConfig(**shape, embedding_multiplier=12.0))
+    return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=family == "llama_tied"))
+
+
+def layout(position: int, size: int = 2, virtual: int = 1) -> PipelineLayout:
+    return PipelineLayout(size, virtual, 1, position, 0, None, None, None)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen3_sliding"])
+@pytest.mark.parametrize("size,virtual", [(2, 1), (2, 2)])
+def test_stages_chained_by_hand_give_the_unsplit_loss_and_gradients(family, size, virtual) -> None:
+    whole = TokenLossModel(tiny(family))
+    b = batch()
+    reference = whole(**b)
+    reference.backward()
+    ranks = [TokenLossModel(copy.deepcopy(tiny(family))) for _ in range(size)]
+    ranges = stage_ranges(4, size * virtual)
+    modules = {}
+    for position, model in enumerate(ranks):  # each "rank" its own copy, holding its stages only
+        where = layout(position, size, virtual)
+        modules.update(zip(where.stage_ids(), split_model(model, where, ranges, torch.device("cpu"))))
+    x = b["input_ids"]
+    kwargs = {"attention_mask": b["attention_mask"], "labels": b["labels"]}
+    for index in range(size * virtual):
+        x = modules[index](x, **kwargs)
+    assert torch.equal(x[0], reference)
+    x[0].backward()
+    grads = {name: p.grad for model in ranks for name, p in owned_parameters(model) if p.grad is not None}
+    if family == "llama_tied":  # one parameter in the unsplit model: its two copies' gradients add up
+        grads["model.model.embed_tokens.weight"] = grads["model.model.embed_tokens.weight"] + \
+            grads.pop("model.lm_head.weight")
+    expected = {name: p.grad for name, p in whole.named_parameters()}
+    assert grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_a_rank_holds_only_its_stage_and_keeps_the_whole_models_names() -> None:
+    model = TokenLossModel(tiny("llama"))
+    names = [name for name, _ in model.named_parameters()]
+    split_model(model, layout(1), stage_ranges(4, 2), torch.device("cpu"))
+    owned = [name for name, _ in owned_parameters(model)]
+    assert [name for name, _ in model.named_parameters()] == names  # the tree stays whole
+    assert owned and all(".layers.2." in n or ".layers.3." in n or n.endswith(("norm.weight", "lm_head.weight"))
+                         for n in owned)
+    assert "model.model.norm.weight" in owned and "model.lm_head.weight" in owned
+    assert not any("embed_tokens" in n or ".layers.0." in n for n in owned)
+
+
+def test_a_family_whose_forward_changes_the_embeddings_is_refused() -> None:
+    assert check_stage_entry(TokenLossModel(tiny("llama"))) is None
+    assert check_stage_entry(TokenLossModel(tiny("qwen3_sliding"))) is None
+    problem = check_stage_entry(TokenLossModel(tiny("granite")))
+    assert problem is not None and "'granite' changes the embeddings" in problem
+
+
+def test_stage_ranges() -> None:
+    assert stage_ranges(8, 2) == [range(0, 4), range(4, 8)]
+    assert stage_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]  # the earlier stages take the extra
+    assert stage_ranges(8, 3, [2, 6]) == [range(0, 2), range(2, 6), range(6, 8)]
+    with pytest.raises(ValueError, match="need at least one of the model's 2 decoder layers"):
+        stage_ranges(2, 4)
+    with pytest.raises(ValueError):
+        stage_ranges(8, 2, [9])
+
+
+def flags(**changes) -> SimpleNamespace:
+    base = dict(pipeline_parallel_size=2, pipeline_virtual_stages=1, pipeline_schedule="1f1b", pipeline_layers=None)
+    return SimpleNamespace(**{**base, **changes})
+
+
+def test_flag_problems_name_the_flag_and_the_fix() -> None:
+    assert pipeline_flag_problems(flags()) == []
+    assert pipeline_flag_problems(flags(pipeline_layers="2")) == []
+    assert parse_layers(" 3, 6 ") == [3, 6]
+    assert "needs --pipeline_virtual_stages 2 or more" in pipeline_flag_problems(
+        flags(pipeline_schedule="interleaved_1f1b"))[0]
+    assert "needs --pipeline_schedule interleaved_1f1b" in pipeline_flag_problems(flags(pipeline_virtual_stages=2))[0]
+    assert "gives 3 stages, the pipeline has 2" in pipeline_flag_problems(flags(pipeline_layers="2,3"))[0]
+    assert "must increase" in pipeline_flag_problems(flags(pipeline_layers="3,2"))[0]
+    assert "comma-separated layer indices" in pipeline_flag_problems(flags(pipeline_layers="a"))[0]
+    assert "at least 1" in pipeline_flag_problems(flags(pipeline_parallel_size=0))[0]
+
+
+def test_what_does_not_compose_is_refused_up_front() -> None:
+    def config(**train) -> SimpleNamespace:
+        t = dict(pipeline_parallel_size=2, sequence_parallel_size=1, load_balancing_loss=False,
+                 auto_micro_batch_size=False)
+        return SimpleNamespace(train=SimpleNamespace(**{**t, **train}), lora=SimpleNamespace(use_qlora=False),
+                               model=SimpleNamespace(torch_dtype="float32"))
+
+    assert pipeline_problems(config(), 4, False, False, 1) == []
+    assert pipeline_problems(config(pipeline_parallel_size=1), 3, True, True, 2) == []
+    assert "must divide the number of processes (3)" in pipeline_problems(config(), 3, False, False, 1)[0]
+    assert "not under DeepSpeed" in pipeline_problems(config(), 2, True, False, 1)[0]
+    assert "without --use_fsdp" in pipeline_problems(config(), 2, False, True, 1)[0]
+    assert "tensor parallelism" in pipeline_problems(config(), 2, False, False, 2)[0]
+    assert "Ulysses" in pipeline_problems(config(sequence_parallel_size=2), 2, False, False, 1)[0]
+    assert "--auto_micro_batch_size" in pipeline_problems(config(auto_micro_batch_size=True), 2, False, False, 1)[0]
+    qlora = config()
+    qlora.lora.use_qlora = True
+    assert "use --use_lora" in pipeline_problems(qlora, 2, False, False, 1)[0]
+
+
+def test_fit_shape_pads_without_loss_or_nan() -> None:
+    padded = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[-100, 6, 7]]),
+              "attention_mask": torch.tensor([[1, 1, 1]])}
+    grown = fit_shape(padded, 2, 5, pad_token_id=0)
+    assert grown["input_ids"].tolist() == [[5, 6, 7, 0, 0], [0, 0, 0, 0, 0]]
+    assert grown["labels"].tolist() == [[-100, 6, 7, -100, -100], [-100] * 5]
+    assert grown["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]  # no row attends nothing
+    packed = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[-100, 6, -100]]),
+              "position_ids": torch.tensor([[0, 1, 0]])}
+    grown = fit_shape(packed, 2, 5, pad_token_id=0)
+    assert grown["position_ids"].tolist() == [[0, 1, 0, 0, 1], [0, 1, 2, 3, 4]]
+    assert fit_shape(packed, 1, 3, 0) is packed
