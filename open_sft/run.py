@@ -288,7 +288,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     pipeline = getattr(trainer, "pipeline", None)
     if pipeline is not None:
-        from open_sft.training.pipeline_step import gather_state_dict
+        from open_sft.training.pipeline_state import gather_state_dict
 
         state_dict = gather_state_dict(pipeline, trainer.model)  # collective
     else:

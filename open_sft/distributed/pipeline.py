@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -113,20 +114,55 @@ def pipeline_problems(config: Any, world: int, deepspeed: bool, fsdp: bool, tp: 
     return problems
 
 
-def stage_ranges(num_layers: int, stages: int, starts: Optional[list[int]] = None) -> list[range]:
-    """The decoder layers of each stage: from --pipeline_layers, else as even as the count allows (the earlier
-    stages get the extra layer: the last stage also holds the LM head)."""
+def stage_ranges(layer_params: list[int], stages: int, starts: Optional[list[int]] = None, first_extra: int = 0,
+                 last_extra: int = 0) -> list[range]:
+    """The decoder layers of each stage: from --pipeline_layers, else balanced by parameter count — contiguous
+    ranges of at least one layer whose largest stage, counting the embeddings on the first and the final norm
+    and LM head on the last (`first_extra`, `last_extra`), is as small as it can be (the earliest such split on
+    ties, so equal layers spread evenly with the extra layers on the earlier stages)."""
+    count = len(layer_params)
+    if stages > count:
+        raise ValueError(f"{stages} pipeline stages need at least one of the model's {count} decoder layers "
+                         "each: use fewer stages")
     if starts is None:
-        base, extra = divmod(num_layers, stages)
-        starts, at = [], 0
-        for s in range(stages - 1):
-            at += base + (1 if s < extra else 0)
-            starts.append(at)
-    bounds = [0, *starts, num_layers]
+        starts = _balanced_starts(layer_params, stages, first_extra, last_extra)
+    bounds = [0, *starts, count]
     if len(bounds) != stages + 1 or any(b <= a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"{stages} pipeline stages need at least one of the model's {num_layers} decoder layers "
+        raise ValueError(f"{stages} pipeline stages need at least one of the model's {count} decoder layers "
                          f"each (stage starts {starts}): use fewer stages or other --pipeline_layers")
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _balanced_starts(layer_params: list[int], stages: int, first_extra: int, last_extra: int) -> list[int]:
+    """Two dynamic programmes over (stages used, layers covered): the smallest possible largest stage, then among
+    the splits within it the most even one (least sum of squares)."""
+    count = len(layer_params)
+    prefix = [0]
+    for value in layer_params:
+        prefix.append(prefix[-1] + value)
+
+    def cost(a: int, b: int, stage: int) -> int:
+        return prefix[b] - prefix[a] + (first_extra if stage == 0 else 0) + (last_extra if stage == stages - 1 else 0)
+
+    def solve(combine: Callable[[float, int], float], limit: float) -> tuple[float, list[int]]:
+        best = [[math.inf] * (count + 1) for _ in range(stages + 1)]  # best[s][i]: layers [0, i) in s stages
+        cut = [[0] * (count + 1) for _ in range(stages + 1)]
+        best[0][0] = 0
+        for s in range(1, stages + 1):
+            for i in range(s, count - (stages - s) + 1):
+                for j in range(i - 1, s - 2, -1):  # later cuts first: on ties the earlier stages keep more
+                    c = cost(j, i, s - 1)
+                    value = combine(best[s - 1][j], c) if c <= limit else math.inf
+                    if value < best[s][i]:
+                        best[s][i], cut[s][i] = value, j
+        starts, i = [], count
+        for s in range(stages, 1, -1):
+            i = cut[s][i]
+            starts.append(i)
+        return best[stages][count], starts[::-1]
+
+    largest, _ = solve(max, math.inf)
+    return solve(lambda before, c: before + c * c, largest)[1]
 
 
 # --------------------------------------------------------------------------------------------------------------

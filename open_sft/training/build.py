@@ -55,6 +55,6 @@ def checkpoint_state_io(trainer: Any) -> Any:
     """What saves and loads a pipeline run's model and optimizer in its checkpoints (None: accelerate's save_state)."""
     if getattr(trainer, "pipeline", None) is None:
         return None
-    from open_sft.training.pipeline_step import PipelineState
+    from open_sft.training.pipeline_state import PipelineState
 
     return PipelineState(trainer.pipeline, trainer.model, trainer.optimizer)

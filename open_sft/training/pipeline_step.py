@@ -11,7 +11,9 @@ stage for tied embeddings; the global gradient norm is summed over the stages; o
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +25,7 @@ from open_sft.distributed.pipeline import (PipelineLayout, StageModule, make_sch
 from open_sft.training.trainer import Trainer
 
 MODEL_KEYS = ("attention_mask", "position_ids", "labels")
+logger = logging.getLogger("open_sft.training.trainer")
 
 
 @dataclass
@@ -70,6 +73,35 @@ class PipelineTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.pipeline = pipeline
         self.params = [p for _, p in owned_parameters(self.model) if p.requires_grad]
+        # seconds this rank computed inside the schedules (its stages' forward and backward passes) and seconds
+        # the schedules took: the rest is the pipeline bubble and the waits for neighbouring stages
+        self.busy_s, self.schedule_s = 0.0, 0.0
+        for stage in pipeline.pipeline_stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - started
+        return timed
+
+    def train(self, *args: Any, **kwargs: Any) -> list[dict]:
+        """The loop; at its end each rank's idle share of the schedules' time is logged (collective)."""
+        records = super().train(*args, **kwargs)
+        world = self.accelerator.num_processes
+        times = torch.zeros(2 * world, dtype=torch.float64)
+        times[self.accelerator.process_index] = self.busy_s
+        times[world + self.accelerator.process_index] = self.schedule_s
+        times = self.reduce_sum(times).tolist()
+        self.idle = [round(1 - busy / wall, 3) if wall else 0.0 for busy, wall in zip(times[:world], times[world:])]
+        if self.accelerator.is_main_process:
+            logger.info("pipeline: each rank's idle share of the schedules' time (the bubble and the waits for "
+                        "its neighbours): %s", self.idle)
+        return records
 
     # ---------------------------------------------------------------------------------------------------------
     def _group_micro_batches(self, step: int, own: list) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
@@ -110,9 +142,13 @@ class PipelineTrainer(Trainer):
         inputs = [whole["input_ids"]] if p.first() is not None else []
         kwargs = {k: whole[k] for k in MODEL_KEYS if k in whole}
         if scales is None:
+            busy = self.busy_s
             schedule.eval(*inputs, target=index, return_outputs=False, **kwargs)
+            self.busy_s = busy  # the idle share is the training schedules'
         else:
+            started = time.perf_counter()
             schedule.step(*inputs, target=index, return_outputs=False, **kwargs)
+            self.schedule_s += time.perf_counter() - started
         for stage in p.stages:  # a new schedule first runs the stage on placeholder inputs (shape inference)
             del stage.sums[: -len(batches)], stage.kept[: -len(batches)]
 
@@ -235,9 +271,7 @@ class PipelineTrainer(Trainer):
                   "eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),
                   **per_source(data.source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}
         if self.accelerator.is_main_process:
-            import logging
-
-            logging.getLogger("open_sft.training.trainer").info(
+            logger.info(
                 "step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps, record["eval_loss"],
                 record["eval_tokens"])
             if self.metrics is not None:
@@ -264,8 +298,13 @@ def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device
     head = loss_model.causal_lm().get_output_embeddings()
     tied = head is not None and head.weight is backbone.embed_tokens.weight
     size, virtual = train.pipeline_parallel_size, train.pipeline_virtual_stages
+    def params(module: Optional[torch.nn.Module]) -> int:
+        return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
     try:
-        ranges = stage_ranges(len(backbone.layers), size * virtual, parse_layers(train.pipeline_layers))
+        ranges = stage_ranges([params(layer) for layer in backbone.layers], size * virtual,
+                              parse_layers(train.pipeline_layers), first_extra=params(backbone.embed_tokens),
+                              last_extra=params(backbone.norm) + params(head))
     except ValueError as exc:
         raise UserError(f"{flag}: {exc}")
     layout = build_layout(size, virtual, tied)
@@ -281,77 +320,3 @@ def describe(pipeline: Pipeline) -> str:
     layout = pipeline.layout
     return (f"pipeline parallel {layout.size} × {layout.replicas} data-parallel replica(s), schedule "
             f"{pipeline.schedule}, {layout.stages} stages; this rank: {ranges}")
-
-
-def gather_state_dict(pipeline: Pipeline, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on the main process (each stage's from the first replica), {} elsewhere."""
-    from open_sft.distributed.pipeline import owned_state_dict
-
-    layout, dist = pipeline.layout, torch.distributed
-    if layout.replica != 0:
-        return {}
-    mine = {k: v.detach().cpu().clone() for k, v in owned_state_dict(model).items()}
-    parts = [None] * layout.size if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0, group=layout.pipe_group)
-    if dist.get_rank() != 0:
-        return {}
-    whole: dict[str, torch.Tensor] = {}
-    for part in parts:
-        whole.update(part)
-    return whole
-
-
-class PipelineState:
-    """A checkpoint's model and optimizer under PP: each stage position's first replica writes
-    pipeline_stage_<position>.pt (its parameters by their names in the whole model, and its optimizer's state);
-    every rank writes its RNG states. A resume loads its position's file (the replicas are equal)."""
-
-    def __init__(self, pipeline: Pipeline, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.pipeline, self.model, self.optimizer = pipeline, model, optimizer
-
-    def _file(self, directory: str) -> str:
-        return f"{directory}/pipeline_stage_{self.pipeline.layout.position}.pt"
-
-    def save(self, directory: str) -> None:
-        from open_sft.distributed.pipeline import owned_state_dict
-
-        rank = torch.distributed.get_rank()
-        if self.pipeline.layout.replica == 0:
-            torch.save({"model": owned_state_dict(self.model), "optimizer": self.optimizer.state_dict()},
-                       self._file(directory))
-        torch.save(_rng_states(), f"{directory}/random_states_{rank}.pt")
-
-    def load(self, directory: str) -> None:
-        state = torch.load(self._file(directory), map_location="cpu", weights_only=False)
-        missing = set(self.model.load_state_dict(state["model"], strict=False).missing_keys)
-        from open_sft.distributed.pipeline import owned_state_dict
-
-        not_loaded = missing & set(owned_state_dict(self.model))
-        if not_loaded:
-            raise RuntimeError(f"the checkpoint lacks this stage's {sorted(not_loaded)[:3]}...")
-        self.optimizer.load_state_dict(state["optimizer"])
-        rank = torch.distributed.get_rank()
-        _set_rng_states(torch.load(f"{directory}/random_states_{rank}.pt", weights_only=False))
-
-
-def _rng_states() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])

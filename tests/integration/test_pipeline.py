@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, child_env, read_metrics, run_finetune
+from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
 from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
 from integration.test_fsdp import LORA, STEPS, args_for, fsdp_command, losses
 from integration.test_lora import lora_pairs
@@ -148,3 +148,51 @@ def test_lora_under_pipeline_parallelism_trains_what_lora_trains_in_one_process(
         torch.testing.assert_close(pp[module][0], a, rtol=0, atol=1e-4)
         torch.testing.assert_close(pp[module][1], b, rtol=0, atol=1e-4)
     assert (runs["lora_pp"] / "merged" / "config.json").is_file()
+
+
+def tied_sliding_model(base, out):
+    """A tiny Qwen3 whose embeddings and LM head are one weight (its two stage copies' gradients must add up)
+    and whose layers alternate attention types by stage (full, then sliding windows of 8 tokens)."""
+    import shutil
+
+    from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
+
+    config = AutoConfig.from_pretrained(base)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=config.vocab_size, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, tie_word_embeddings=True,
+        use_sliding_window=True, sliding_window=8, layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2))
+    model.save_pretrained(out)
+    for path in base.iterdir():
+        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
+            shutil.copy(path, out)
+    return out
+
+
+def test_tied_embeddings_and_per_stage_attention_types_train_what_one_process_trains(model4, tmp_path) -> None:
+    model = tied_sliding_model(model4, tmp_path / "model")
+
+    def args(out, micro_batch: int, *extra: str) -> list[str]:
+        return ["--model_name_or_path", str(model), "--dataset_mixer_list", str(SAMPLE), "1.0", "--output_dir",
+                str(out), "--max_train_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size",
+                str(micro_batch), "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--seed", "1",
+                "--torch_dtype", "float32", "--max_seq_length", "256", *extra]
+
+    run_finetune(args(tmp_path / "one", 4))
+    run_launch(args(tmp_path / "pp", 2, *PP))
+    one, pp = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "pp")
+    assert [m["loss"] for m in pp] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert pp[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-5)  # the tied weight counted once
+    one_weights, pp_weights = load_weights(tmp_path / "one"), load_weights(tmp_path / "pp")
+    assert one_weights.keys() == pp_weights.keys()
+    for name, tensor in one_weights.items():
+        torch.testing.assert_close(pp_weights[name], tensor, rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_layout_that_cannot_run_is_refused_before_loading(model4, tmp_path) -> None:
+    result = run_finetune(args_for(model4, tmp_path / "out", 4, *PP), check=False)
+    assert result.returncode == 2
+    assert "--pipeline_parallel_size 2 must divide the number of processes (1)" in result.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()

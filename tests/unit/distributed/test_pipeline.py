@@ -56,7 +56,7 @@ def test_stages_chained_by_hand_give_the_unsplit_loss_and_gradients(family, size
     reference = whole(**b)
     reference.backward()
     ranks = [TokenLossModel(copy.deepcopy(tiny(family))) for _ in range(size)]
-    ranges = stage_ranges(4, size * virtual)
+    ranges = stage_ranges([1] * 4, size * virtual)
     modules = {}
     for position, model in enumerate(ranks):  # each "rank" its own copy, holding its stages only
         where = layout(position, size, virtual)
@@ -80,7 +80,7 @@ def test_stages_chained_by_hand_give_the_unsplit_loss_and_gradients(family, size
 def test_a_rank_holds_only_its_stage_and_keeps_the_whole_models_names() -> None:
     model = TokenLossModel(tiny("llama"))
     names = [name for name, _ in model.named_parameters()]
-    split_model(model, layout(1), stage_ranges(4, 2), torch.device("cpu"))
+    split_model(model, layout(1), stage_ranges([1] * 4, 2), torch.device("cpu"))
     owned = [name for name, _ in owned_parameters(model)]
     assert [name for name, _ in model.named_parameters()] == names  # the tree stays whole
     assert owned and all(".layers.2." in n or ".layers.3." in n or n.endswith(("norm.weight", "lm_head.weight"))
@@ -96,14 +96,19 @@ def test_a_family_whose_forward_changes_the_embeddings_is_refused() -> None:
     assert problem is not None and "'granite' changes the embeddings" in problem
 
 
-def test_stage_ranges() -> None:
-    assert stage_ranges(8, 2) == [range(0, 4), range(4, 8)]
-    assert stage_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]  # the earlier stages take the extra
-    assert stage_ranges(8, 3, [2, 6]) == [range(0, 2), range(2, 6), range(6, 8)]
+def test_stage_ranges_balance_parameters() -> None:
+    assert stage_ranges([1] * 8, 2) == [range(0, 4), range(4, 8)]
+    assert stage_ranges([1] * 7, 3) == [range(0, 3), range(3, 5), range(5, 7)]  # even; the earlier take the extra
+    # embeddings on the first stage and the LM head on the last weigh like 3 layers each: fewer layers there
+    assert stage_ranges([10] * 16, 4, first_extra=30, last_extra=30) == [range(0, 3), range(3, 9), range(9, 14),
+                                                                         range(14, 16)]
+    assert stage_ranges([10] * 4, 2, last_extra=25) == [range(0, 3), range(3, 4)]
+    assert stage_ranges([5, 1, 1, 1, 1, 1], 2) == [range(0, 1), range(1, 6)]  # a heavy layer (MoE) alone
+    assert stage_ranges([1] * 8, 3, [2, 6]) == [range(0, 2), range(2, 6), range(6, 8)]  # --pipeline_layers
     with pytest.raises(ValueError, match="need at least one of the model's 2 decoder layers"):
-        stage_ranges(2, 4)
+        stage_ranges([1, 1], 4)
     with pytest.raises(ValueError):
-        stage_ranges(8, 2, [9])
+        stage_ranges([1] * 8, 2, [9])
 
 
 def flags(**changes) -> SimpleNamespace:

@@ -1,0 +1,79 @@
+"""A pipeline run's checkpoints and export: each stage's weights and optimizer state by their names in the whole
+model (open_sft.distributed.pipeline keeps those names), written by the stage position's first replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from open_sft.distributed.pipeline import owned_state_dict
+from open_sft.training.pipeline_step import Pipeline
+
+
+def gather_state_dict(pipeline: Pipeline, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on the main process (each stage's from the first replica), {} elsewhere."""
+    layout, dist = pipeline.layout, torch.distributed
+    if layout.replica != 0:
+        return {}
+    mine = {k: v.detach().cpu().clone() for k, v in owned_state_dict(model).items()}
+    parts = [None] * layout.size if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0, group=layout.pipe_group)
+    if dist.get_rank() != 0:
+        return {}
+    whole: dict[str, torch.Tensor] = {}
+    for part in parts:
+        whole.update(part)
+    return whole
+
+
+class PipelineState:
+    """A checkpoint's model and optimizer under PP: each stage position's first replica writes
+    pipeline_stage_<position>.pt (its parameters by their names in the whole model, and its optimizer's state);
+    every rank writes its RNG states. A resume loads its position's file (the replicas are equal)."""
+
+    def __init__(self, pipeline: Pipeline, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.pipeline, self.model, self.optimizer = pipeline, model, optimizer
+
+    def _file(self, directory: str) -> str:
+        return f"{directory}/pipeline_stage_{self.pipeline.layout.position}.pt"
+
+    def save(self, directory: str) -> None:
+        rank = torch.distributed.get_rank()
+        if self.pipeline.layout.replica == 0:
+            torch.save({"model": owned_state_dict(self.model), "optimizer": self.optimizer.state_dict()},
+                       self._file(directory))
+        torch.save(_rng_states(), f"{directory}/random_states_{rank}.pt")
+
+    def load(self, directory: str) -> None:
+        state = torch.load(self._file(directory), map_location="cpu", weights_only=False)
+        missing = set(self.model.load_state_dict(state["model"], strict=False).missing_keys)
+        not_loaded = missing & set(owned_state_dict(self.model))
+        if not_loaded:
+            raise RuntimeError(f"the checkpoint lacks this stage's {sorted(not_loaded)[:3]}...")
+        self.optimizer.load_state_dict(state["optimizer"])
+        rank = torch.distributed.get_rank()
+        _set_rng_states(torch.load(f"{directory}/random_states_{rank}.pt", weights_only=False))
+
+
+def _rng_states() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
