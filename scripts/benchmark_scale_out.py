@@ -5,6 +5,7 @@ and the longest sequence that trains under a per-rank memory cap with and withou
     python scripts/benchmark_scale_out.py engines            # ZeRO-2, ZeRO-3 and FSDP2 on the same model and data
     python scripts/benchmark_scale_out.py tensor             # 4 ranks: FSDP2 4 shards vs 2 shards × TP 2
     python scripts/benchmark_scale_out.py longest --cap_gib 1.6 --lengths 2048 4096 8192 16384
+    python scripts/benchmark_scale_out.py pipeline --layers 8  # 2 and 4 ranks: pipeline stages vs FSDP2
 
 `engines`: finetune.py under `accelerate launch --num_processes 2` with configs/ds/zero2.json, zero3.json and
 configs/accelerate/fsdp2.yaml, one after the other on a generated chat mix; prints tokens/s over the steady
@@ -13,6 +14,12 @@ engines train the same steps, so the losses agree).
 
 `tensor`: the same on 4 ranks, FSDP2 over all 4 against FSDP2 over 2 × tensor parallel 2
 (configs/accelerate/fsdp2_tp.yaml): both train the same global batch, so the losses agree.
+
+`pipeline`: on 2 and then 4 ranks, FSDP2 over all ranks against pipeline parallelism over all ranks (and on 4,
+2 stages × 2 replicas), the same global batch (16 examples a step, packed: a pipeline pads a step's
+micro-batches to one shape, which packed rows nearly have already): tokens/s, each rank's peak resident memory,
+and the pipeline's bubble — each rank's measured idle share of the schedules' time (logged by the run) beside
+1F1B's (N - 1) / (M + N - 1) for N stages and M micro-batches.
 
 `longest`: documents spliced into blocks of exactly L tokens (text format: every token trained), one block per
 rank and step, under ZeRO-3 with and without `--sequence_parallel_size 2`. Per length: the ranks' peak resident
@@ -45,7 +52,8 @@ ENGINES = {"zero2": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "c
            "zero3": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "configs" / "ds" / "zero3.json")],
            "fsdp2": ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")],
            "fsdp2_tp2": ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2_tp.yaml"),
-                         "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"]}
+                         "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"],
+           "pipeline": ["--multi_gpu"]}  # accelerate's data-parallel launch; the stages are finetune.py's flag
 
 
 def documents(path: Path, rows: int, words: int, seed: int) -> None:
@@ -80,6 +88,7 @@ def launch(args, engine: str, finetune: list[str], out: Path, processes: int = 2
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     steady = [r for r in records if "loss" in r][args.warmup_steps:]
+    idle = [line for line in (out.parent / f"{out.name}.log").read_text().splitlines() if "idle share" in line]
     result = {"ok": proc.returncode == 0 and len(steady) >= 2,
               "peak_rss_gib_per_rank": [round(peaks[rank] / GIB, 3) for rank in sorted(peaks)]}
     if result["ok"]:
@@ -89,6 +98,8 @@ def launch(args, engine: str, finetune: list[str], out: Path, processes: int = 2
         result["tokens_per_second"] = round((steady[-1]["total_tokens"] - steady[0]["total_tokens"])
                                             / (steady[-1]["elapsed_s"] - steady[0]["elapsed_s"]), 1)
         result["final_loss"] = round(steady[-1]["loss"], 5)
+        if idle:
+            result["idle_share_per_rank"] = json.loads(idle[-1].rsplit(": ", 1)[1])
     return result
 
 
@@ -103,6 +114,26 @@ def engines(args, model: str, tmp: Path) -> None:
                                        "--max_seq_length", "1024", "--learning_rate", "1e-4"], tmp / engine,
                         processes=4 if tensor else 2)
         print(json.dumps({"engine": engine, "processes": 4 if tensor else 2, **result}), flush=True)
+
+
+def pipeline(args, model: str, tmp: Path) -> None:
+    data = tmp / "mix.jsonl"
+    long_tailed_mix(data, args.rows, seed=0)
+    for processes in (2, 4):
+        batch = ["--per_device_train_batch_size", str(8 // processes), "--gradient_accumulation_steps", "2"]
+        layouts = [("fsdp2", [])] + [("pipeline", ["--pipeline_parallel_size", str(n)])
+                                     for n in sorted({processes, 2}, reverse=True)]
+        for engine, extra in layouts:
+            stages = int(extra[1]) if extra else 1
+            name = f"{engine}_{processes}" + (f"_pp{stages}" if extra else "")
+            result = launch(args, engine, ["--model_name_or_path", model, "--dataset_mixer_list", str(data), "1.0",
+                                           "--max_train_steps", str(args.steps), *batch, "--max_seq_length", "1024",
+                                           "--learning_rate", "1e-4", "--packing", *extra], tmp / name,
+                            processes=processes)
+            if extra:  # 1F1B's share of idle time: N - 1 of the M + N - 1 slots a stage goes through
+                micro_batches = stages * 2
+                result["bubble_1f1b_theory"] = round((stages - 1) / (micro_batches + stages - 1), 3)
+            print(json.dumps({"layout": name, "processes": processes, **result}), flush=True)
 
 
 def longest(args, model: str, tmp: Path) -> None:
@@ -125,7 +156,7 @@ def longest(args, model: str, tmp: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("engines", "tensor", "longest"))
+    parser.add_argument("what", choices=("engines", "tensor", "longest", "pipeline"))
     parser.add_argument("--model_name_or_path", default=None, help="default: the embedded default at --hidden")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -145,7 +176,7 @@ def main() -> int:
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers,
                                                num_heads=4))
-        (longest if args.what == "longest" else engines)(args, model, Path(tmp))
+        {"longest": longest, "pipeline": pipeline}.get(args.what, engines)(args, model, Path(tmp))
     return 0
 
 

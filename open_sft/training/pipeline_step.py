@@ -25,6 +25,7 @@ from open_sft.distributed.pipeline import (PipelineLayout, StageModule, make_sch
 from open_sft.training.trainer import Trainer
 
 MODEL_KEYS = ("attention_mask", "position_ids", "labels")
+WIDTH_MULTIPLE = 64  # a step's micro-batches are padded to a multiple of this: fewer distinct shapes
 logger = logging.getLogger("open_sft.training.trainer")
 
 
@@ -76,6 +77,7 @@ class PipelineTrainer(Trainer):
         # seconds this rank computed inside the schedules (its stages' forward and backward passes) and seconds
         # the schedules took: the rest is the pipeline bubble and the waits for neighbouring stages
         self.busy_s, self.schedule_s = 0.0, 0.0
+        self.schedule, self.schedule_key, self.scales = None, None, []
         for stage in pipeline.pipeline_stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, name, self._timed(getattr(stage, name)))
@@ -125,20 +127,26 @@ class PipelineTrainer(Trainer):
     def _run_schedule(self, batches: list[dict[str, torch.Tensor]], scales: Optional[list[float]]) -> None:
         """One schedule over the batches (step: with backward, `scales` given; eval: forward only)."""
         rows = max(b["input_ids"].shape[0] for b in batches)
-        width = max(b["input_ids"].shape[1] for b in batches)
+        width = -(-max(b["input_ids"].shape[1] for b in batches) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
         fitted = [fit_shape({k: v for k, v in b.items() if k in ("input_ids", *MODEL_KEYS)}, rows, width,
                             self.pad_token_id)
                   for b in batches]
         whole = to_device({k: torch.cat([b[k] for b in fitted]) for k in fitted[0]}, self.accelerator.device)
         # each row carries its micro-batch's index: the loss function looks its scale up
         index = torch.arange(len(batches), device=whole["input_ids"].device).repeat_interleave(rows)
-        loss_fn = (lambda out, target: out[0] * scales[int(target[0])]) if scales is not None else None
+        self.scales = scales or []
         p = self.pipeline
         for stage in p.stages:
             stage.sums.clear()
             stage.kept.clear()
-        schedule = make_schedule(p.stages, p.pipeline_stages, len(batches), p.schedule if scales is not None
-                                 else "gpipe", loss_fn if loss_fn is not None else (lambda out, target: out[0]))
+        # a schedule infers the activations' shapes on its first run (a placeholder pass and an exchange of
+        # metadata): it is kept while the shapes stay, and replaced when they change
+        key = (rows, width, len(batches), scales is not None)
+        if key != self.schedule_key:
+            self.schedule_key = key
+            self.schedule = make_schedule(p.stages, p.pipeline_stages, len(batches),
+                                          p.schedule if scales is not None else "gpipe", self._loss)
+        schedule = self.schedule
         inputs = [whole["input_ids"]] if p.first() is not None else []
         kwargs = {k: whole[k] for k in MODEL_KEYS if k in whole}
         if scales is None:
@@ -151,6 +159,10 @@ class PipelineTrainer(Trainer):
             self.schedule_s += time.perf_counter() - started
         for stage in p.stages:  # a new schedule first runs the stage on placeholder inputs (shape inference)
             del stage.sums[: -len(batches)], stage.kept[: -len(batches)]
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss for the backward: its token-loss sum × its scale (`target`: its index)."""
+        return output[0] * self.scales[int(target[0])] if self.scales else output[0]
 
     def _sync_gradients(self) -> None:
         """Sum over the replicas (one flat buffer per dtype), then over the tied embedding's two stages."""
