@@ -131,6 +131,7 @@ def pipeline(args, model: str, tmp: Path) -> None:
                                            "--learning_rate", "1e-4", "--packing", *extra], tmp / name,
                             processes=processes)
             if extra:  # 1F1B's share of idle time: N - 1 of the M + N - 1 slots a stage goes through
+                result.pop("saved_activations_gib_per_rank", None)  # measured around the unsplit forward only
                 micro_batches = stages * 2
                 result["bubble_1f1b_theory"] = round((stages - 1) / (micro_batches + stages - 1), 3)
             print(json.dumps({"layout": name, "processes": processes, **result}), flush=True)

@@ -16,6 +16,8 @@ of every run. The memory model is analytic so that it can warn before an out-of-
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -322,6 +324,8 @@ class Preflight:
     sequence_parallel: int = 1  # --sequence_parallel_size: each rank holds 1/N of every sequence
     world_size: int = 1
     fsdp: Optional[dict] = None  # FSDP2's layout (open_sft.distributed.fsdp.fsdp_layout)
+    pipeline: Optional[str] = None  # --pipeline_parallel_size: the stages' line (open_sft.preflight.pipeline_memory)
+    pipeline_size: int = 1
 
     def describe(self, steps: Any, data: Any) -> str:
         layout = steps.layout
@@ -336,6 +340,8 @@ class Preflight:
             lines.insert(2, f"  parallel layout: data parallel {layout.world_size // self.sequence_parallel} × "
                             f"sequence parallel {self.sequence_parallel} (each rank holds 1/{self.sequence_parallel} "
                             "of every sequence; the estimate is per rank)")
+        if self.pipeline is not None:
+            lines.insert(2, self.pipeline)
         if self.fsdp is not None:
             replicas = f" × {self.fsdp['replicas']} replicas (HSDP)" if self.fsdp["replicas"] > 1 else ""
             tp = self.fsdp.get("tensor_parallel", 1)
@@ -349,8 +355,8 @@ class Preflight:
 
     def to_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.to_dict(), "device_bytes": self.device_bytes, "device": self.device_name,
-                "parallel": {"data": self.world_size // self.sequence_parallel, "sequence": self.sequence_parallel,
-                             "tensor": (self.fsdp or {}).get("tensor_parallel", 1),
+                "parallel": {"data": self.world_size // self.sequence_parallel // self.pipeline_size, "sequence": self.sequence_parallel,
+                             "tensor": (self.fsdp or {}).get("tensor_parallel", 1), "pipeline": self.pipeline_size,
                              **({"fsdp": self.fsdp} if self.fsdp is not None else {})}}
 
 
@@ -372,6 +378,18 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
                      checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None,
                      tensor_parallel=(fsdp or {}).get("tensor_parallel", 1), on_gpu=torch.cuda.is_available(),
                      liger=config.model.use_liger_kernel)
-    memory = estimate_memory(ModelShape.of(model), shape, baseline)
+    model_shape, pipeline = ModelShape.of(model), None
+    if config.train.pipeline_parallel_size > 1:  # one stage a rank, several micro-batches in flight
+        from open_sft.preflight.pipeline_memory import stage_view
+
+        view = stage_view(model, config.train)
+        model_shape = dataclasses.replace(model_shape, layers=view.layers, **{
+            name: int(getattr(model_shape, name) * view.fraction)
+            for name in ("params", "trainable", "param_bytes", "matmul_params")})
+        shape = dataclasses.replace(shape, micro_batch_tokens=per_rank * view.in_flight)
+        pipeline = view.describe(steps.layout.world_size // config.train.pipeline_parallel_size,
+                                 config.train.pipeline_schedule)
+    memory = estimate_memory(model_shape, shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
-    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp)
+    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp, pipeline,
+                     config.train.pipeline_parallel_size)

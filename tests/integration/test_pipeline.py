@@ -102,6 +102,10 @@ def test_packed_rows_under_the_interleaved_schedule_train_what_data_parallelism_
 def test_the_run_says_its_layout_and_checkpoints_hold_each_stage(runs) -> None:
     assert "pipeline parallel 2 × 1 data-parallel replica(s), schedule 1f1b, 2 stages; this rank: stage 0: " \
            "layers 0-1" in runs["stdout"]
+    assert "parallel layout: pipeline parallel 2 stages × 1 data-parallel replica(s), schedule 1f1b" in runs["stdout"]
+    assert "pipeline: each rank's idle share of the schedules' time" in runs["stdout"]
+    run = json.loads((runs["pp"] / "run.json").read_text())
+    assert run["preflight"]["parallel"]["pipeline"] == 2 and run["preflight"]["parallel"]["data"] == 1
     step = runs["pp"] / "checkpoints" / f"step_{STEPS}"
     assert sorted(p.name for p in step.glob("pipeline_stage_*.pt")) == ["pipeline_stage_0.pt", "pipeline_stage_1.pt"]
     stage0 = torch.load(step / "pipeline_stage_0.pt", weights_only=False)["model"]

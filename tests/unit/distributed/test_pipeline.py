@@ -161,3 +161,16 @@ def test_fit_shape_pads_without_loss_or_nan() -> None:
     grown = fit_shape(packed, 2, 5, pad_token_id=0)
     assert grown["position_ids"].tolist() == [[0, 1, 0, 0, 1], [0, 1, 2, 3, 4]]
     assert fit_shape(packed, 1, 3, 0) is packed
+
+
+def test_the_preflight_counts_the_heaviest_stage_and_the_micro_batches_in_flight() -> None:
+    from open_sft.preflight.pipeline_memory import stage_view
+
+    model = tiny("llama")
+    one_f_one_b = stage_view(model, SimpleNamespace(**vars(flags()), gradient_accumulation_steps=4))
+    assert one_f_one_b.stages == 2 and one_f_one_b.layers == 2
+    assert 0.5 <= one_f_one_b.fraction < 0.6  # two of four equal layers plus the embeddings (or the LM head)
+    assert one_f_one_b.in_flight == 2  # 1F1B: the first stage holds one micro-batch per stage at most
+    gpipe = stage_view(model, SimpleNamespace(**vars(flags(pipeline_schedule="gpipe")), gradient_accumulation_steps=4))
+    assert gpipe.in_flight == 8  # GPipe: all the replica's micro-batches (2 ranks × 4)
+    assert "pipeline parallel 2 stages × 3 data-parallel replica(s)" in gpipe.describe(3, "gpipe")
