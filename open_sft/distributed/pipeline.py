@@ -93,8 +93,6 @@ def pipeline_problems(config: Any, world: int, deepspeed: bool, fsdp: bool, tp: 
     if deepspeed:
         problems.append(f"{flag} runs on torch's pipelining, not under DeepSpeed: launch without --use_deepspeed "
                         "(the stages' replicas are data parallel among themselves)")
-    if fsdp:
-        problems.append(f"{flag} does not run under FSDP2 here: launch without --use_fsdp")
     if tp > 1:
         problems.append(f"{flag} with tensor parallelism: pick one")
     if t.sequence_parallel_size > 1:

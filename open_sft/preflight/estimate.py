@@ -374,6 +374,9 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
         offload = fsdp["cpu_offload"]
     checkpointing = config.model.gradient_checkpointing or bool(fsdp and fsdp["activation_checkpointing"])
     sharded_over = fsdp["shards"] if fsdp is not None else steps.layout.world_size  # HSDP: replicas hold copies
+    pp = config.train.pipeline_parallel_size
+    if pp > 1:  # a stage's parameters are sharded over its replicas (FSDP2) or held whole by each
+        sharded_over = steps.layout.world_size // pp
     shape = RunShape(sharded_over, stage, offload, bf16_activations, per_rank, per_rank,
                      checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None,
                      tensor_parallel=(fsdp or {}).get("tensor_parallel", 1), on_gpu=torch.cuda.is_available(),
@@ -387,8 +390,9 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
             name: int(getattr(model_shape, name) * view.fraction)
             for name in ("params", "trainable", "param_bytes", "matmul_params")})
         shape = dataclasses.replace(shape, micro_batch_tokens=per_rank * view.in_flight)
-        pipeline = view.describe(steps.layout.world_size // config.train.pipeline_parallel_size,
-                                 config.train.pipeline_schedule)
+        pipeline = view.describe(steps.layout.world_size // pp, config.train.pipeline_schedule,
+                                 sharded=fsdp is not None)
+        fsdp = None  # the pipeline's line says how the stages are sharded
     memory = estimate_memory(model_shape, shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
     return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp, pipeline,

@@ -18,8 +18,9 @@ class StageView:
     layers: int  # decoder layers of the heaviest stage
     in_flight: int  # micro-batches whose activations the first stage holds at once
 
-    def describe(self, replicas: int, schedule: str) -> str:
-        return (f"  parallel layout: pipeline parallel {self.stages} stages × {replicas} data-parallel replica(s), "
+    def describe(self, replicas: int, schedule: str, sharded: bool = False) -> str:
+        how = " (each stage FSDP2-sharded over them)" if sharded else ""
+        return (f"  parallel layout: pipeline parallel {self.stages} stages × {replicas} data-parallel replica(s){how}, "
                 f"schedule {schedule}: the heaviest stage holds {self.fraction:.0%} of the parameters "
                 f"({self.layers} decoder layers), the first keeps {self.in_flight} micro-batch(es) in flight; the "
                 "estimate is per rank")

@@ -33,7 +33,7 @@ def build_trainer(job: Any, metrics: Any) -> Any:
     if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
         from open_sft.training.pipeline_step import PipelineTrainer, describe, start_pipeline
 
-        pipeline = start_pipeline(wrapped, t, job.accelerator.device)
+        pipeline = start_pipeline(wrapped, t, job.accelerator.device, shard=job.launch.fsdp is not None)
         logger.info("%s", describe(pipeline))
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
                                 eight_bit=t.use_8bit_optimizer)

@@ -383,8 +383,9 @@ def run_identity(config: Any, cache_key: str, world_size: int, distributed_type:
     t = config.train
     pipeline = t.pipeline_parallel_size > 1
     return {"engine": "pipeline" if pipeline else ENGINES.get(distributed_type, "torch"),
-            "pipeline_parallel_size": f"{t.pipeline_parallel_size} ({t.pipeline_virtual_stages} per rank, "
-                                      f"layers {t.pipeline_layers or 'even'})" if pipeline else 1, "dataset_cache_key": cache_key,
+            "pipeline_parallel_size": f"{t.pipeline_parallel_size} ({t.pipeline_virtual_stages} per rank, layers "
+                                      f"{t.pipeline_layers or 'balanced'}{', FSDP2' * (distributed_type == 'FSDP')})"
+                                      if pipeline else 1, "dataset_cache_key": cache_key,
             "micro_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps":
             t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed, "packing": t.packing,
             "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),

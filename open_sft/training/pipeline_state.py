@@ -1,5 +1,6 @@
 """A pipeline run's checkpoints and export: each stage's weights and optimizer state by their names in the whole
-model (open_sft.distributed.pipeline keeps those names), written by the stage position's first replica."""
+model (open_sft.distributed.pipeline keeps those names), written by the stage position's first replica; under
+FSDP2 every rank's shards through torch.distributed.checkpoint."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import torch
 from open_sft.distributed.pipeline import owned_state_dict
 from open_sft.training.pipeline_step import Pipeline
 
+SHARDED = "pipeline_sharded"  # torch.distributed.checkpoint's directory of an FSDP2-sharded pipeline
+
 
 def gather_state_dict(pipeline: Pipeline, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights on the main process (each stage's from the first replica), {} elsewhere."""
     layout, dist = pipeline.layout, torch.distributed
+    # an FSDP2-sharded stage is gathered over its replicas first (collective: every replica takes part)
+    mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+            for k, v in owned_state_dict(model).items()}
     if layout.replica != 0:
         return {}
-    mine = {k: v.detach().cpu().clone() for k, v in owned_state_dict(model).items()}
     parts = [None] * layout.size if dist.get_rank() == 0 else None
     dist.gather_object(mine, parts, dst=0, group=layout.pipe_group)
     if dist.get_rank() != 0:
@@ -38,21 +43,45 @@ class PipelineState:
     def _file(self, directory: str) -> str:
         return f"{directory}/pipeline_stage_{self.pipeline.layout.position}.pt"
 
+    def _sharded(self) -> tuple[dict[str, Any], Any]:
+        """An FSDP2-sharded run's model and optimizer state for torch.distributed.checkpoint: each rank's shards,
+        named within its stage modules (a resume has the same layout)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)  # the nested form loses lr/betas on load
+        modules = torch.nn.ModuleList(self.pipeline.stages)
+        model, optim = get_state_dict(modules, self.optimizer, options=options)
+        return {"model": model, "optim": optim}, (modules, options)
+
     def save(self, directory: str) -> None:
         rank = torch.distributed.get_rank()
-        if self.pipeline.layout.replica == 0:
+        if self.pipeline.sharded:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(self._sharded()[0], checkpoint_id=f"{directory}/{SHARDED}")
+        elif self.pipeline.layout.replica == 0:
             torch.save({"model": owned_state_dict(self.model), "optimizer": self.optimizer.state_dict()},
                        self._file(directory))
         torch.save(_rng_states(), f"{directory}/random_states_{rank}.pt")
 
     def load(self, directory: str) -> None:
+        rank = torch.distributed.get_rank()
+        if self.pipeline.sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            state, (modules, options) = self._sharded()
+            dcp.load(state, checkpoint_id=f"{directory}/{SHARDED}")
+            set_state_dict(modules, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=options)
+            _set_rng_states(torch.load(f"{directory}/random_states_{rank}.pt", weights_only=False))
+            return
         state = torch.load(self._file(directory), map_location="cpu", weights_only=False)
         missing = set(self.model.load_state_dict(state["model"], strict=False).missing_keys)
         not_loaded = missing & set(owned_state_dict(self.model))
         if not_loaded:
             raise RuntimeError(f"the checkpoint lacks this stage's {sorted(not_loaded)[:3]}...")
         self.optimizer.load_state_dict(state["optimizer"])
-        rank = torch.distributed.get_rank()
         _set_rng_states(torch.load(f"{directory}/random_states_{rank}.pt", weights_only=False))
 
 

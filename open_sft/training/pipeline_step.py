@@ -36,6 +36,7 @@ class Pipeline:
     pipeline_stages: list[Any]  # torch's PipelineStage of each
     schedule: str
     tied: bool  # the unsplit model ties its input embeddings and LM head
+    sharded: bool = False  # FSDP2 shards each stage over its replicas (else every replica holds it whole)
 
     def last(self) -> Optional[StageModule]:
         return next((stage for stage in self.stages if stage.last), None)
@@ -64,6 +65,11 @@ def fit_shape(batch: dict[str, torch.Tensor], rows: int, width: int, pad_token_i
         out[:have_rows, :have_width] = value
         grown[key] = out
     return grown
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly FSDP2-sharded DTensor) tensor, in place."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class PipelineTrainer(Trainer):
@@ -116,6 +122,11 @@ class PipelineTrainer(Trainer):
     def _scales(self, batches: list[dict[str, torch.Tensor]], trained_global: float) -> list[float]:
         """Each micro-batch's loss multiplier (--loss_normalization); the gradients are summed, not averaged,
         over the replicas, so nothing is undone here."""
+        if self.pipeline.sharded:  # FSDP2's reduce-scatter averages over the replicas: undo it, so they add up
+            return [scale * self.pipeline.layout.replicas for scale in self._plain_scales(batches, trained_global)]
+        return self._plain_scales(batches, trained_global)
+
+    def _plain_scales(self, batches: list[dict[str, torch.Tensor]], trained_global: float) -> list[float]:
         norm = self.args.loss_normalization
         if norm == "token":
             return [1.0 / max(trained_global, 1.0)] * len(batches)
@@ -168,7 +179,7 @@ class PipelineTrainer(Trainer):
         """Sum over the replicas (one flat buffer per dtype), then over the tied embedding's two stages."""
         layout, dist = self.pipeline.layout, torch.distributed
         grads = [p.grad for p in self.params if p.grad is not None]
-        if layout.replicas > 1 and grads:
+        if layout.replicas > 1 and grads and not self.pipeline.sharded:  # (FSDP2 reduce-scatters its own)
             for dtype in {g.dtype for g in grads}:
                 same = [g for g in grads if g.dtype == dtype]
                 flat = torch.cat([g.reshape(-1) for g in same])
@@ -178,8 +189,8 @@ class PipelineTrainer(Trainer):
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
         tied = self._tied_weight()
-        if tied is not None and tied.grad is not None:
-            dist.all_reduce(tied.grad, group=layout.tied_group)
+        if tied is not None and tied.grad is not None:  # both copies sharded alike under FSDP2: shard by shard
+            dist.all_reduce(_local(tied.grad), group=layout.tied_group)
 
     def _tied_weight(self) -> Optional[torch.nn.Parameter]:
         """The tied embedding's copy on this rank (first stage: the input embedding; last: the LM head)."""
@@ -194,9 +205,11 @@ class PipelineTrainer(Trainer):
         last = self.pipeline.last()
         skip = self._tied_weight() if (self.pipeline.tied and last is not None) else None
         grads = [p.grad for p in self.params if p.grad is not None and p is not skip]
-        squares = sum((g.detach().double().pow(2).sum() for g in grads),
+        squares = sum((_local(g).detach().double().pow(2).sum() for g in grads),
                       torch.zeros((), dtype=torch.float64, device=self.accelerator.device))
         squares = squares.reshape(1).cpu() if torch.distributed.get_backend() == "gloo" else squares.reshape(1)
+        if self.pipeline.sharded:  # each replica holds a shard of the stage's gradients
+            torch.distributed.all_reduce(squares, group=self.pipeline.layout.replica_group)
         torch.distributed.all_reduce(squares, group=self.pipeline.layout.pipe_group)
         norm = float(squares.sqrt())
         if self.args.clip_grad_norm > 0 and math.isfinite(norm) and norm > self.args.clip_grad_norm:
@@ -294,8 +307,10 @@ class PipelineTrainer(Trainer):
 # -------------------------------------------------------------------------------------------------------------
 # Building, checkpoints and the export
 # -------------------------------------------------------------------------------------------------------------
-def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device) -> Pipeline:
-    """Split the TokenLossModel into this rank's stages (collective: the process groups)."""
+def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device, shard: bool = False) -> Pipeline:
+    """Split the TokenLossModel into this rank's stages (collective: the process groups). `shard` (an FSDP2
+    launch): each stage's layers, and the rest of it, are FSDP2 units sharded over the stage's replicas, as
+    torchtitan composes them; kept gathered through a step's micro-batches (reshard_after_forward=False)."""
     from torch.distributed.pipelining import PipelineStage
 
     from open_sft.distributed.pipeline import (build_layout, check_stage_entry, parse_layers, split_model,
@@ -321,14 +336,25 @@ def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device
         raise UserError(f"{flag}: {exc}")
     layout = build_layout(size, virtual, tied)
     stages = split_model(loss_model, layout, ranges, device)
+    sharded = shard and layout.replicas > 1
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (layout.replicas, size), mesh_dim_names=("replica", "stage"))["replica"]
+        for stage in stages:
+            for layer in stage.owned:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+            fully_shard(stage, mesh=mesh, reshard_after_forward=False)
     pipeline_stages = [PipelineStage(stage, index, layout.stages, device, group=layout.pipe_group)
                        for stage, index in zip(stages, layout.stage_ids())]
-    return Pipeline(layout, stages, pipeline_stages, train.pipeline_schedule, tied)
+    return Pipeline(layout, stages, pipeline_stages, train.pipeline_schedule, tied, sharded)
 
 
 def describe(pipeline: Pipeline) -> str:
     ranges = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in
                        ((s.stage_index, m.layer_range) for s, m in zip(pipeline.pipeline_stages, pipeline.stages)))
     layout = pipeline.layout
-    return (f"pipeline parallel {layout.size} × {layout.replicas} data-parallel replica(s), schedule "
+    sharded = ", each stage FSDP2-sharded over them" if pipeline.sharded else ""
+    return (f"pipeline parallel {layout.size} × {layout.replicas} data-parallel replica(s){sharded}, schedule "
             f"{pipeline.schedule}, {layout.stages} stages; this rank: {ranges}")

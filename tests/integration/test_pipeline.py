@@ -2,9 +2,11 @@
 
 A 4-layer model split into 2 stages (2 layers each) must train what one process trains on the same global batch
 (fp32): the same per-step losses and evaluation, and final weights equal within what Adam makes of reordered
-fp32 sums; so must 2 data-parallel replicas of 2 stages (4 ranks, GPipe). Packed rows under the interleaved
+fp32 sums; so must 2 data-parallel replicas of 2 stages (4 ranks, GPipe), and the same with each stage
+FSDP2-sharded over its replicas. Packed rows under the interleaved
 schedule (2 ranks × 2 virtual stages) train what plain data parallelism trains on the same 2 ranks (packing
-depends on the world size). A kill -9 and relaunch continues exactly from the per-stage checkpoint; the export
+depends on the world size). A kill -9 and relaunch continues exactly from the per-stage checkpoint (whole or
+sharded); the export
 is the whole model and reloads in a fresh process; LoRA under PP trains what LoRA trains in one process.
 """
 
@@ -26,6 +28,7 @@ from integration.test_lora import lora_pairs
 
 PP = ["--pipeline_parallel_size", "2"]
 DDP = ["--multi_gpu"]  # accelerate's plain data-parallel launch (gloo on CPU)
+FSDP_YAML = ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")]
 
 
 def run_launch(args: list[str], processes: int = 2, check: bool = True) -> subprocess.CompletedProcess:
@@ -50,7 +53,8 @@ def runs(model4, tmp_path_factory) -> dict:
     """One process: micro-batch 4 × accumulation 2; 2 ranks of PP: micro-batch 2 × 2 × 2; 4 ranks (2 replicas of
     2 stages): micro-batch 1 × 2 × 4 — the same global batches."""
     out = {name: tmp_path_factory.mktemp(name) for name in
-           ("one", "pp", "killed", "dp_pp", "packed_ddp", "packed_pp", "lora_one", "lora_pp")}
+           ("one", "pp", "killed", "dp_pp", "fsdp_pp", "fsdp_killed", "packed_ddp", "packed_pp", "lora_one",
+            "lora_pp")}
     run_finetune(args_for(model4, out["one"], 4))
     result = run_launch(args_for(model4, out["pp"], 2, *PP))
     killed_args = args_for(model4, out["killed"], 2, *PP)
@@ -58,13 +62,22 @@ def runs(model4, tmp_path_factory) -> dict:
                           command=fsdp_command(DDP))
     relaunch = run_launch(killed_args)
     run_launch(args_for(model4, out["dp_pp"], 1, *PP, "--pipeline_schedule", "gpipe"), processes=4)
+    # 2 stages × 2 replicas with each stage FSDP2-sharded over its replicas; killed and relaunched too
+    fsdp = fsdp_command(FSDP_YAML, processes=4)
+    subprocess.run(fsdp + args_for(model4, out["fsdp_pp"], 1, *PP), cwd=ROOT, env=child_env(), check=True,
+                   capture_output=True, timeout=600)
+    fsdp_killed_args = args_for(model4, out["fsdp_killed"], 1, *PP)
+    fsdp_kill_code = interrupt("zero2", fsdp_killed_args, out["fsdp_killed"], 3, signal.SIGKILL,
+                               out["fsdp_killed"] / "killed.log", command=fsdp)
+    subprocess.run(fsdp + fsdp_killed_args, cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=600)
     packed = ("--packing",)
     run_launch(args_for(model4, out["packed_ddp"], 2, *packed))
     run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule", "interleaved_1f1b",
                         "--pipeline_virtual_stages", "2"))
     run_finetune(args_for(model4, out["lora_one"], 4, *LORA))
     run_launch(args_for(model4, out["lora_pp"], 2, *LORA, *PP, "--merge_lora_on_save"))
-    return {**out, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr}
+    return {**out, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr,
+            "fsdp_kill_code": fsdp_kill_code}
 
 
 def test_two_stages_train_what_one_process_trains(runs) -> None:
@@ -84,12 +97,31 @@ def test_two_replicas_of_two_stages_train_what_one_process_trains(runs) -> None:
         torch.testing.assert_close(dp_pp[name], tensor, rtol=0, atol=1e-4, msg=name)
 
 
+def test_stages_sharded_by_fsdp2_over_their_replicas_train_what_one_process_trains(runs) -> None:
+    assert losses(runs["fsdp_pp"]) == pytest.approx(losses(runs["one"]), rel=1e-5)  # measured: 6e-8 relative
+    one, sharded = load_weights(runs["one"]), load_weights(runs["fsdp_pp"])
+    assert one.keys() == sharded.keys()
+    for name, tensor in one.items():
+        torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-4, msg=name)
+    step = runs["fsdp_pp"] / "checkpoints" / f"step_{STEPS}" / "pipeline_sharded"
+    assert sorted(p.name for p in step.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_kill_9_and_relaunch_of_fsdp2_sharded_stages_continues_exactly(runs) -> None:
+    assert runs["fsdp_kill_code"] != 0
+    view = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["fsdp_killed"]) if "loss" in r]
+    base = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["fsdp_pp"]) if "loss" in r]
+    assert [r["step"] for r in view] == list(range(1, STEPS + 1)) and view == base
+    killed, uninterrupted = load_weights(runs["fsdp_killed"]), load_weights(runs["fsdp_pp"])
+    assert all(torch.equal(killed[name], tensor) for name, tensor in uninterrupted.items())
+
+
 def test_evaluation_under_pipeline_parallelism_equals_one_process(runs) -> None:
     def evals(output_dir) -> list[tuple[float, int]]:
         return [(m["eval_loss"], m["eval_tokens"]) for m in read_metrics(output_dir) if "eval_loss" in m]
 
     (reference, reference_tokens), = evals(runs["one"])
-    for name in ("pp", "dp_pp"):
+    for name in ("pp", "dp_pp", "fsdp_pp"):
         (loss, tokens), = evals(runs[name])
         assert tokens == reference_tokens  # each example counted once
         assert loss == pytest.approx(reference, rel=1e-5)

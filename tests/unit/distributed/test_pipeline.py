@@ -140,7 +140,7 @@ def test_what_does_not_compose_is_refused_up_front() -> None:
     assert pipeline_problems(config(pipeline_parallel_size=1), 3, True, True, 2) == []
     assert "must divide the number of processes (3)" in pipeline_problems(config(), 3, False, False, 1)[0]
     assert "not under DeepSpeed" in pipeline_problems(config(), 2, True, False, 1)[0]
-    assert "without --use_fsdp" in pipeline_problems(config(), 2, False, True, 1)[0]
+    assert pipeline_problems(config(), 4, False, True, 1) == []  # FSDP2 shards each stage over its replicas
     assert "tensor parallelism" in pipeline_problems(config(), 2, False, False, 2)[0]
     assert "Ulysses" in pipeline_problems(config(sequence_parallel_size=2), 2, False, False, 1)[0]
     assert "--auto_micro_batch_size" in pipeline_problems(config(auto_micro_batch_size=True), 2, False, False, 1)[0]
