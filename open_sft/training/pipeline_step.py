@@ -99,16 +99,19 @@ class PipelineTrainer(Trainer):
 
     def train(self, *args: Any, **kwargs: Any) -> list[dict]:
         """The loop; at its end each rank's idle share of the schedules' time is logged (collective)."""
+        from open_sft.monitor.metrics import peak_memory_gib
+
         records = super().train(*args, **kwargs)
-        world = self.accelerator.num_processes
-        times = torch.zeros(2 * world, dtype=torch.float64)
-        times[self.accelerator.process_index] = self.busy_s
-        times[world + self.accelerator.process_index] = self.schedule_s
-        times = self.reduce_sum(times).tolist()
-        self.idle = [round(1 - busy / wall, 3) if wall else 0.0 for busy, wall in zip(times[:world], times[world:])]
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        values = torch.zeros(3 * world, dtype=torch.float64)
+        values[rank], values[world + rank], values[2 * world + rank] = self.busy_s, self.schedule_s, peak_memory_gib()
+        values = self.reduce_sum(values).tolist()
+        self.idle = [round(1 - busy / wall, 3) if wall else 0.0 for busy, wall in zip(values[:world],
+                                                                                      values[world:2 * world])]
         if self.accelerator.is_main_process:
             logger.info("pipeline: each rank's idle share of the schedules' time (the bubble and the waits for "
                         "its neighbours): %s", self.idle)
+            logger.info("pipeline: each rank's peak memory (GiB): %s", [round(v, 2) for v in values[2 * world:]])
         return records
 
     # ---------------------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ A 4-layer model split into 2 stages (2 layers each) must train what one process 
 (fp32): the same per-step losses and evaluation, and final weights equal within what Adam makes of reordered
 fp32 sums; so must 2 data-parallel replicas of 2 stages (4 ranks, GPipe), and the same with each stage
 FSDP2-sharded over its replicas. Packed rows under the interleaved
-schedule (2 ranks × 2 virtual stages) train what plain data parallelism trains on the same 2 ranks (packing
-depends on the world size). A kill -9 and relaunch continues exactly from the per-stage checkpoint (whole or
+schedule (2 ranks × 2 virtual stages), in bf16 with activation checkpointing, train what plain data parallelism
+trains on the same 2 ranks (packing depends on the world size). A kill -9 and relaunch continues exactly from the per-stage checkpoint (whole or
 sharded); the export
 is the whole model and reloads in a fresh process; LoRA under PP trains what LoRA trains in one process.
 """
@@ -70,10 +70,10 @@ def runs(model4, tmp_path_factory) -> dict:
     fsdp_kill_code = interrupt("zero2", fsdp_killed_args, out["fsdp_killed"], 3, signal.SIGKILL,
                                out["fsdp_killed"] / "killed.log", command=fsdp)
     subprocess.run(fsdp + fsdp_killed_args, cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=600)
-    packed = ("--packing",)
+    packed = ("--packing", "--torch_dtype", "bfloat16")  # bf16 autocast on fp32 masters
     run_launch(args_for(model4, out["packed_ddp"], 2, *packed))
     run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule", "interleaved_1f1b",
-                        "--pipeline_virtual_stages", "2"))
+                        "--pipeline_virtual_stages", "2", "--gradient_checkpointing"))
     run_finetune(args_for(model4, out["lora_one"], 4, *LORA))
     run_launch(args_for(model4, out["lora_pp"], 2, *LORA, *PP, "--merge_lora_on_save"))
     return {**out, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr,
@@ -127,8 +127,9 @@ def test_evaluation_under_pipeline_parallelism_equals_one_process(runs) -> None:
         assert loss == pytest.approx(reference, rel=1e-5)
 
 
-def test_packed_rows_under_the_interleaved_schedule_train_what_data_parallelism_trains(runs) -> None:
-    assert losses(runs["packed_pp"]) == pytest.approx(losses(runs["packed_ddp"]), rel=1e-5)
+def test_packed_bf16_rows_under_the_interleaved_schedule_with_checkpointing_train_what_ddp_trains(runs) -> None:
+    # measured: 5e-6 relative (in fp32 without checkpointing: 3e-8)
+    assert losses(runs["packed_pp"]) == pytest.approx(losses(runs["packed_ddp"]), rel=5e-4)
 
 
 def test_the_run_says_its_layout_and_checkpoints_hold_each_stage(runs) -> None:
@@ -136,6 +137,7 @@ def test_the_run_says_its_layout_and_checkpoints_hold_each_stage(runs) -> None:
            "layers 0-1" in runs["stdout"]
     assert "parallel layout: pipeline parallel 2 stages × 1 data-parallel replica(s), schedule 1f1b" in runs["stdout"]
     assert "pipeline: each rank's idle share of the schedules' time" in runs["stdout"]
+    assert "pipeline: each rank's peak memory (GiB): [" in runs["stdout"]
     run = json.loads((runs["pp"] / "run.json").read_text())
     assert run["preflight"]["parallel"]["pipeline"] == 2 and run["preflight"]["parallel"]["data"] == 1
     step = runs["pp"] / "checkpoints" / f"step_{STEPS}"
