@@ -223,12 +223,9 @@ class PipelineTrainer(Trainer):
         return norm
 
     def train_step(self, step: int) -> dict:
-        own = self._micro_batches(step)
         n_sources = len(self.source_names)
-        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in own]
-        own_positions = [trained_sources(batch) for batch, _ in own]
-        (trained_global, tokens_global, squares_global, slots_global, busiest_rank_slots,
-         source_tokens) = self._step_counts(own, local_counts, own_positions, n_sources)
+        own, _, _, (trained_global, tokens_global, squares_global, slots_global, busiest_rank_slots,
+                    source_tokens) = self._begin_step(step)
         self.seen_example_ids.extend(i for _, indices in own for i in indices)
         group = [batch for batch, _ in self._group_micro_batches(step, own)]
         positions = [trained_sources(batch) for batch in group]

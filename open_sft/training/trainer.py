@@ -222,15 +222,21 @@ class Trainer:
         reduced = self.reduce_sum(torch.cat([local, rank_slots, source_counts])).tolist()
         return (*reduced[:4], int(max(reduced[4:4 + world])), [int(t) for t in reduced[4 + world:]])
 
+    def _begin_step(self, step: int) -> tuple:
+        """This rank's micro-batches of the step, their trained tokens, each trained position's source, and the
+        step's global counts (`_step_counts`, collective)."""
+        batches = self._micro_batches(step)
+        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
+        positions = [trained_sources(batch) for batch, _ in batches]
+        return batches, local_counts, positions, self._step_counts(batches, local_counts, positions,
+                                                                   len(self.source_names))
+
     def train_step(self, step: int) -> dict:
         """One optimizer step. The per-source token counts and loss sums ride in the two all-reduces the step
         makes anyway (counts before the first micro-batch, loss sums after the last): no extra collective."""
-        batches = self._micro_batches(step)
         n_sources = len(self.source_names)
-        local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
-        positions = [trained_sources(batch) for batch, _ in batches]
-        (trained_global, tokens_global, squares_global, slots_global, busiest_rank_slots,
-         source_tokens) = self._step_counts(batches, local_counts, positions, n_sources)
+        batches, local_counts, positions, (trained_global, tokens_global, squares_global, slots_global,
+                                           busiest_rank_slots, source_tokens) = self._begin_step(step)
         device = self.accelerator.device  # the step's sums stay there: no wait on the device per micro-batch
         source_loss = torch.zeros(n_sources, dtype=torch.float64, device=device)
         lr = self._set_lr(step)

@@ -118,6 +118,32 @@ def load_weights(output_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def assert_continues_exactly(killed: Path, uninterrupted: Path, steps: int) -> None:
+    """A killed and relaunched run logged every step once, as the uninterrupted run did, bitwise, and exported the
+    same weights."""
+    view = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(killed) if "loss" in r]
+    base = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(uninterrupted) if "loss" in r]
+    assert [r["step"] for r in view] == list(range(1, steps + 1))
+    assert view == base  # measured: bitwise
+    resumed, reference = load_weights(killed), load_weights(uninterrupted)
+    assert all(torch.equal(resumed[name], tensor) for name, tensor in reference.items())
+
+
+def reloaded_loss(output_dir: Path) -> float:
+    """The export loaded by transformers in a fresh process, with nothing missing or unexpected: its loss on a
+    fixed sequence."""
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
+            "m, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
+            "ids = torch.tensor([[1, 5, 9, 40, 7]])\n"
+            "print(sum(len(v) for v in info.values()), float(m(ids, labels=ids).loss))")
+    result = subprocess.run([sys.executable, "-c", code, str(output_dir)], capture_output=True, text=True,
+                            env=child_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    problems, loss = result.stdout.split()[-2:]
+    assert problems == "0"
+    return float(loss)
+
+
 def exact_view(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in EXACT_FIELDS} for r in records]
 

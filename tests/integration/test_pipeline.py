@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
-from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
+from integration.test_checkpoint import assert_continues_exactly, interrupt, load_weights, reloaded_loss
 from integration.test_fsdp import LORA, STEPS, args_for, fsdp_command, losses
 from integration.test_lora import lora_pairs
 
@@ -109,11 +108,7 @@ def test_stages_sharded_by_fsdp2_over_their_replicas_train_what_one_process_trai
 
 def test_kill_9_and_relaunch_of_fsdp2_sharded_stages_continues_exactly(runs) -> None:
     assert runs["fsdp_kill_code"] != 0
-    view = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["fsdp_killed"]) if "loss" in r]
-    base = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["fsdp_pp"]) if "loss" in r]
-    assert [r["step"] for r in view] == list(range(1, STEPS + 1)) and view == base
-    killed, uninterrupted = load_weights(runs["fsdp_killed"]), load_weights(runs["fsdp_pp"])
-    assert all(torch.equal(killed[name], tensor) for name, tensor in uninterrupted.items())
+    assert_continues_exactly(runs["fsdp_killed"], runs["fsdp_pp"], STEPS)
 
 
 def test_evaluation_under_pipeline_parallelism_equals_one_process(runs) -> None:
@@ -153,28 +148,11 @@ def test_the_run_says_its_layout_and_checkpoints_hold_each_stage(runs) -> None:
 def test_kill_9_and_relaunch_continues_exactly(runs) -> None:
     assert runs["kill_code"] != 0
     assert "resuming from" in runs["relaunch"]
-    view = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["killed"]) if "loss" in r]
-    base = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["pp"]) if "loss" in r]
-    assert [r["step"] for r in view] == list(range(1, STEPS + 1))
-    assert view == base  # measured: bitwise
-    killed, uninterrupted = load_weights(runs["killed"]), load_weights(runs["pp"])
-    assert all(torch.equal(killed[name], tensor) for name, tensor in uninterrupted.items())
+    assert_continues_exactly(runs["killed"], runs["pp"], STEPS)
 
 
 def test_the_export_reloads_in_a_fresh_process(runs) -> None:
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
-            "m, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
-            "ids = torch.tensor([[1, 5, 9, 40, 7]])\n"
-            "print(sum(len(v) for v in info.values()), float(m(ids, labels=ids).loss))")
-    found = []
-    for name in ("pp", "one"):
-        result = subprocess.run([sys.executable, "-c", code, str(runs[name])], capture_output=True, text=True,
-                                env=child_env(), timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        problems, loss = result.stdout.split()[-2:]
-        assert problems == "0"
-        found.append(float(loss))
-    assert found[0] == pytest.approx(found[1], rel=1e-4)
+    assert reloaded_loss(runs["pp"]) == pytest.approx(reloaded_loss(runs["one"]), rel=1e-4)
 
 
 def test_lora_under_pipeline_parallelism_trains_what_lora_trains_in_one_process(runs) -> None:

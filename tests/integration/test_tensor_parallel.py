@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from safetensors.torch import load_file as load_weights_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
-from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
+from integration.test_checkpoint import assert_continues_exactly, interrupt, load_weights, reloaded_loss
 from integration.test_fsdp import FLAGS, LORA, STEPS, args_for, fsdp_command, losses
 from integration.test_lora import lora_pairs
 
@@ -109,28 +108,11 @@ def test_checkpoints_hold_the_2d_shards(runs) -> None:
 def test_kill_9_and_relaunch_from_the_yaml_continues_exactly(runs) -> None:
     assert runs["kill_code"] != 0
     assert "resuming from" in runs["relaunch"]
-    view = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["killed"]) if "loss" in r]
-    base = [{k: r[k] for k in EXACT_FIELDS} for r in read_metrics(runs["tp"]) if "loss" in r]
-    assert [r["step"] for r in view] == list(range(1, STEPS + 1))
-    assert view == base  # measured: bitwise
-    killed, uninterrupted = load_weights(runs["killed"]), load_weights(runs["tp"])
-    assert all(torch.equal(killed[name], tensor) for name, tensor in uninterrupted.items())
+    assert_continues_exactly(runs["killed"], runs["tp"], STEPS)
 
 
 def test_the_export_reloads_in_a_fresh_process(runs) -> None:
-    code = ("import sys, torch; from transformers import AutoModelForCausalLM\n"
-            "m, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)\n"
-            "ids = torch.tensor([[1, 5, 9, 40, 7]])\n"
-            "print(sum(len(v) for v in info.values()), float(m(ids, labels=ids).loss))")
-    losses_by_dir = []
-    for name in ("tp", "one"):
-        result = subprocess.run([sys.executable, "-c", code, str(runs[name])], capture_output=True, text=True,
-                                env=child_env(), timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        problems, loss = result.stdout.split()[-2:]
-        assert problems == "0"
-        losses_by_dir.append(float(loss))
-    assert losses_by_dir[0] == pytest.approx(losses_by_dir[1], rel=1e-4)
+    assert reloaded_loss(runs["tp"]) == pytest.approx(reloaded_loss(runs["one"]), rel=1e-4)
 
 
 def test_packed_bf16_with_checkpointing_under_tensor_parallel_equals_fsdp2_alone(runs) -> None:
