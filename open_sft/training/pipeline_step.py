@@ -2,8 +2,8 @@
 
 A replica of N stage ranks computes its members' micro-batches of the step plan together (as a TP group does),
 slot by slot: N × accumulation micro-batches go through torch's schedule per step, each padded to the step's
-largest (rows, width) — a schedule exchanges one activation shape per step, and a new schedule is made for each
-step, so shapes may change between steps. Micro-batch m's loss is its token-loss sum × scale[m] (the target
+largest (rows, width) — a schedule exchanges one activation shape; it is kept while the shape stays and replaced
+when it changes, so shapes may differ between steps. Micro-batch m's loss is its token-loss sum × scale[m] (the target
 passed to the schedule is each row's micro-batch index, so the scale is applied as the same Python float as in
 the other engines). After the schedule: gradients summed over the replicas, and between the first and the last
 stage for tied embeddings; the global gradient norm is summed over the stages; one optimizer step.

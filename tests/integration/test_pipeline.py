@@ -52,8 +52,8 @@ def runs(model4, tmp_path_factory) -> dict:
     """One process: micro-batch 4 × accumulation 2; 2 ranks of PP: micro-batch 2 × 2 × 2; 4 ranks (2 replicas of
     2 stages): micro-batch 1 × 2 × 4 — the same global batches."""
     out = {name: tmp_path_factory.mktemp(name) for name in
-           ("one", "pp", "killed", "dp_pp", "fsdp_pp", "fsdp_killed", "packed_ddp", "packed_pp", "lora_one",
-            "lora_pp")}
+           ("one", "pp", "killed", "dp_pp", "fsdp_pp", "fsdp_killed", "packed_ddp_fp32", "packed_pp_fp32",
+            "packed_ddp", "packed_pp", "lora_one", "lora_pp")}
     run_finetune(args_for(model4, out["one"], 4))
     result = run_launch(args_for(model4, out["pp"], 2, *PP))
     killed_args = args_for(model4, out["killed"], 2, *PP)
@@ -69,6 +69,8 @@ def runs(model4, tmp_path_factory) -> dict:
     fsdp_kill_code = interrupt("zero2", fsdp_killed_args, out["fsdp_killed"], 3, signal.SIGKILL,
                                out["fsdp_killed"] / "killed.log", command=fsdp)
     subprocess.run(fsdp + fsdp_killed_args, cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=600)
+    run_launch(args_for(model4, out["packed_ddp_fp32"], 2, "--packing"))
+    run_launch(args_for(model4, out["packed_pp_fp32"], 2, "--packing", *PP))
     packed = ("--packing", "--torch_dtype", "bfloat16")  # bf16 autocast on fp32 masters
     run_launch(args_for(model4, out["packed_ddp"], 2, *packed))
     run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule", "interleaved_1f1b",
@@ -120,6 +122,12 @@ def test_evaluation_under_pipeline_parallelism_equals_one_process(runs) -> None:
         (loss, tokens), = evals(runs[name])
         assert tokens == reference_tokens  # each example counted once
         assert loss == pytest.approx(reference, rel=1e-5)
+
+
+def test_packed_rows_in_two_stages_train_what_data_parallelism_trains(runs) -> None:
+    """Packed micro-batches are rows of a token budget per rank, so one process packs other steps: the reference
+    is plain data parallelism on the same 2 ranks (which trains what one process trains on the same batches)."""
+    assert losses(runs["packed_pp_fp32"]) == pytest.approx(losses(runs["packed_ddp_fp32"]), rel=1e-5)
 
 
 def test_packed_bf16_rows_under_the_interleaved_schedule_with_checkpointing_train_what_ddp_trains(runs) -> None:
