@@ -72,9 +72,12 @@ def test_refused_without_deepspeed(tiny_model_dir, tmp_path) -> None:
 
 
 def test_preflight_and_run_json_show_the_layout(losses) -> None:
-    assert losses["sp2_dp2_zero2_padded_run"]["preflight"]["parallel"] == {"data": 2, "sequence": 2, "tensor": 1}
-    assert losses["sp2_zero3_padded_run"]["preflight"]["parallel"] == {"data": 1, "sequence": 2, "tensor": 1}
-    assert losses["one_padded_run"]["preflight"]["parallel"] == {"data": 1, "sequence": 1, "tensor": 1}
+    assert losses["sp2_dp2_zero2_padded_run"]["preflight"]["parallel"] == {"data": 2, "sequence": 2, "tensor": 1,
+                                                                             "pipeline": 1}
+    assert losses["sp2_zero3_padded_run"]["preflight"]["parallel"] == {"data": 1, "sequence": 2, "tensor": 1,
+                                                                       "pipeline": 1}
+    assert losses["one_padded_run"]["preflight"]["parallel"] == {"data": 1, "sequence": 1, "tensor": 1,
+                                                                 "pipeline": 1}
     assert "parallel layout: data parallel 2 × sequence parallel 2" in losses["sp2_dp2_zero2_padded_stdout"]
     assert losses["sp2_zero3_padded_run"]["args"]["train"]["sequence_parallel_size"] == 2
 
