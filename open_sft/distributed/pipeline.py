@@ -36,9 +36,6 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
-
-
 # --------------------------------------------------------------------------------------------------------------
 # What the flags ask, checked up front
 # --------------------------------------------------------------------------------------------------------------
@@ -161,6 +158,38 @@ def _balanced_starts(layer_params: list[int], stages: int, first_extra: int, las
 
     largest, _ = solve(max, math.inf)
     return solve(lambda before, c: before + c * c, largest)[1]
+
+
+@dataclass(frozen=True)
+class StageSizes:
+    """Parameter counts the split balances: each decoder layer's, and what the end stages hold besides."""
+
+    layers: list[int]
+    first: int  # the input embeddings (first stage)
+    last: int  # the final norm and the LM head (last stage)
+
+
+def plan_stages(model: nn.Module, train: Any) -> tuple[list[range], StageSizes]:
+    """The split the run makes of `model` (a transformers causal LM, or a peft model around one): each stage's
+    decoder layers, from --pipeline_layers or balanced by parameter count, and the sizes it balanced; a
+    UserError naming the flag when the model cannot be split so."""
+    from open_sft.errors import UserError
+    from open_sft.model.load import param_numel
+
+    causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+
+    def params(module: Optional[nn.Module]) -> int:
+        return sum(param_numel(p) for p in module.parameters()) if module is not None else 0
+
+    sizes = StageSizes([params(layer) for layer in backbone.layers], params(backbone.embed_tokens),
+                       params(backbone.norm) + params(causal_lm.get_output_embeddings()))
+    try:
+        ranges = stage_ranges(sizes.layers, train.pipeline_parallel_size * train.pipeline_virtual_stages,
+                              parse_layers(train.pipeline_layers), sizes.first, sizes.last)
+    except ValueError as exc:
+        raise UserError(f"--pipeline_parallel_size {train.pipeline_parallel_size}: {exc}")
+    return ranges, sizes
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -306,7 +335,8 @@ def split_model(loss_model: nn.Module, layout: PipelineLayout, ranges: list[rang
         _drop(loss_model.causal_lm().get_output_embeddings())
     for stage in stages:
         stage.to(device)
-    backbone.rotary_emb.to(device) if hasattr(backbone, "rotary_emb") else None
+    if hasattr(backbone, "rotary_emb"):
+        backbone.rotary_emb.to(device)
     return stages
 
 

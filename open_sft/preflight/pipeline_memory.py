@@ -28,18 +28,11 @@ class StageView:
 
 def stage_view(model: torch.nn.Module, train: Any) -> StageView:
     """Where the stages would split this model (the split the run makes) and what its heaviest stage holds."""
-    from open_sft.distributed.pipeline import parse_layers, stage_ranges
+    from open_sft.distributed.pipeline import plan_stages
 
-    causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    backbone = getattr(causal_lm, causal_lm.base_model_prefix)
-
-    def params(module: Any) -> int:
-        return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-    layers = [params(layer) for layer in backbone.layers]
-    first, last = params(backbone.embed_tokens), params(backbone.norm) + params(causal_lm.get_output_embeddings())
+    ranges, sizes = plan_stages(model, train)
+    layers, first, last = sizes.layers, sizes.first, sizes.last
     size, virtual = train.pipeline_parallel_size, train.pipeline_virtual_stages
-    ranges = stage_ranges(layers, size * virtual, parse_layers(train.pipeline_layers), first, last)
     per_rank = [0] * size
     layers_per_rank = [0] * size
     for index, span in enumerate(ranges):

@@ -313,27 +313,18 @@ def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device
     torchtitan composes them; kept gathered through a step's micro-batches (reshard_after_forward=False)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from open_sft.distributed.pipeline import (build_layout, check_stage_entry, parse_layers, split_model,
-                                               stage_ranges, _backbone)
+    from open_sft.distributed.pipeline import _backbone, build_layout, check_stage_entry, plan_stages, split_model
     from open_sft.errors import UserError
 
     backbone = _backbone(loss_model)
-    flag = f"--pipeline_parallel_size {train.pipeline_parallel_size}"
     problem = check_stage_entry(loss_model)
     if problem is not None:
-        raise UserError(f"{flag}: {problem}; train this model without pipeline parallelism")
+        raise UserError(f"--pipeline_parallel_size {train.pipeline_parallel_size}: {problem}; train this model "
+                        "without pipeline parallelism")
     head = loss_model.causal_lm().get_output_embeddings()
     tied = head is not None and head.weight is backbone.embed_tokens.weight
     size, virtual = train.pipeline_parallel_size, train.pipeline_virtual_stages
-    def params(module: Optional[torch.nn.Module]) -> int:
-        return sum(p.numel() for p in module.parameters()) if module is not None else 0
-
-    try:
-        ranges = stage_ranges([params(layer) for layer in backbone.layers], size * virtual,
-                              parse_layers(train.pipeline_layers), first_extra=params(backbone.embed_tokens),
-                              last_extra=params(backbone.norm) + params(head))
-    except ValueError as exc:
-        raise UserError(f"{flag}: {exc}")
+    ranges, _ = plan_stages(loss_model.causal_lm(), train)
     layout = build_layout(size, virtual, tied)
     stages = split_model(loss_model, layout, ranges, device)
     sharded = shard and layout.replicas > 1

@@ -174,3 +174,16 @@ def test_the_preflight_counts_the_heaviest_stage_and_the_micro_batches_in_flight
     gpipe = stage_view(model, SimpleNamespace(**vars(flags(pipeline_schedule="gpipe")), gradient_accumulation_steps=4))
     assert gpipe.in_flight == 8  # GPipe: all the replica's micro-batches (2 ranks × 4)
     assert "pipeline parallel 2 stages × 3 data-parallel replica(s)" in gpipe.describe(3, "gpipe")
+
+
+def test_a_split_the_model_cannot_take_is_a_user_error_before_training() -> None:
+    """The preflight plans the split before the stages are built: --pipeline_layers past the model's last layer is
+    the user's error there, naming the flag, not a traceback."""
+    from open_sft.distributed.pipeline import plan_stages
+    from open_sft.errors import UserError
+    from open_sft.preflight.pipeline_memory import stage_view
+
+    ranges, sizes = plan_stages(tiny("llama"), flags())
+    assert ranges == [range(0, 2), range(2, 4)] and len(sizes.layers) == 4 and sizes.first == sizes.last - 32
+    with pytest.raises(UserError, match="--pipeline_parallel_size 2: 2 pipeline stages need at least one"):
+        stage_view(tiny("llama"), SimpleNamespace(**vars(flags(pipeline_layers="9")), gradient_accumulation_steps=1))
