@@ -99,7 +99,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
         from open_sft.distributed.tensor_parallel import requested_tp_size
 
         problems = pipeline_problems(config, int(os.environ.get("WORLD_SIZE", "1")), plan.deepspeed_config is not None,
-                                     plan.fsdp is not None, requested_tp_size())
+                                     requested_tp_size())
         if problems:
             raise UserError("\n  ".join(["pipeline parallelism cannot run as asked:", *problems]))
     torch.manual_seed(plan.train.seed)

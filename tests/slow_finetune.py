@@ -14,26 +14,19 @@ from open_sft.model import loss
 
 SLEEP_S = float(os.environ.get("SLOW_FORWARD_S", "0"))
 AFTER = int(os.environ.get("SLOW_AFTER_CALLS", "0"))
-forward, calls = loss.TokenLossModel.forward, [0]
+calls = [0]
 
 
-def slowed(self, **batch):
-    calls[0] += 1
-    if calls[0] > AFTER:
-        time.sleep(SLEEP_S)
-    return forward(self, **batch)
+def slowed(forward):
+    """`forward`, each call after the first AFTER slept SLEEP_S first."""
+    def slow(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > AFTER:
+            time.sleep(SLEEP_S)
+        return forward(*args, **kwargs)
+    return slow
 
 
-loss.TokenLossModel.forward = slowed
-stage_forward = pipeline.StageModule.forward  # under --pipeline_parallel_size: each stage's micro-batch pass
-
-
-def slowed_stage(self, *args, **batch):
-    calls[0] += 1
-    if calls[0] > AFTER:
-        time.sleep(SLEEP_S)
-    return stage_forward(self, *args, **batch)
-
-
-pipeline.StageModule.forward = slowed_stage
+loss.TokenLossModel.forward = slowed(loss.TokenLossModel.forward)
+pipeline.StageModule.forward = slowed(pipeline.StageModule.forward)  # under --pipeline_parallel_size
 exit_rank(record_exit_code(run.main()))

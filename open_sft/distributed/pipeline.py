@@ -78,8 +78,9 @@ def pipeline_flag_problems(t: Any) -> list[str]:
     return problems
 
 
-def pipeline_problems(config: Any, world: int, deepspeed: bool, fsdp: bool, tp: int) -> list[str]:
-    """What --pipeline_parallel_size N cannot run with, each with its fix (checked before any model is loaded)."""
+def pipeline_problems(config: Any, world: int, deepspeed: bool, tp: int) -> list[str]:
+    """What --pipeline_parallel_size N cannot run with, each with its fix (checked before any model is loaded).
+    FSDP2 composes: it shards each stage over its replicas."""
     t, n = config.train, config.train.pipeline_parallel_size
     if n == 1:
         return []

@@ -136,17 +136,16 @@ def test_what_does_not_compose_is_refused_up_front() -> None:
         return SimpleNamespace(train=SimpleNamespace(**{**t, **train}), lora=SimpleNamespace(use_qlora=False),
                                model=SimpleNamespace(torch_dtype="float32"))
 
-    assert pipeline_problems(config(), 4, False, False, 1) == []
-    assert pipeline_problems(config(pipeline_parallel_size=1), 3, True, True, 2) == []
-    assert "must divide the number of processes (3)" in pipeline_problems(config(), 3, False, False, 1)[0]
-    assert "not under DeepSpeed" in pipeline_problems(config(), 2, True, False, 1)[0]
-    assert pipeline_problems(config(), 4, False, True, 1) == []  # FSDP2 shards each stage over its replicas
-    assert "tensor parallelism" in pipeline_problems(config(), 2, False, False, 2)[0]
-    assert "Ulysses" in pipeline_problems(config(sequence_parallel_size=2), 2, False, False, 1)[0]
-    assert "--auto_micro_batch_size" in pipeline_problems(config(auto_micro_batch_size=True), 2, False, False, 1)[0]
+    assert pipeline_problems(config(), 4, False, 1) == []
+    assert pipeline_problems(config(pipeline_parallel_size=1), 3, True, 2) == []
+    assert "must divide the number of processes (3)" in pipeline_problems(config(), 3, False, 1)[0]
+    assert "not under DeepSpeed" in pipeline_problems(config(), 2, True, 1)[0]
+    assert "tensor parallelism" in pipeline_problems(config(), 2, False, 2)[0]
+    assert "Ulysses" in pipeline_problems(config(sequence_parallel_size=2), 2, False, 1)[0]
+    assert "--auto_micro_batch_size" in pipeline_problems(config(auto_micro_batch_size=True), 2, False, 1)[0]
     qlora = config()
     qlora.lora.use_qlora = True
-    assert "use --use_lora" in pipeline_problems(qlora, 2, False, False, 1)[0]
+    assert "use --use_lora" in pipeline_problems(qlora, 2, False, 1)[0]
 
 
 def test_fit_shape_pads_without_loss_or_nan() -> None:
