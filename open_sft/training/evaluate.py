@@ -42,13 +42,26 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         batch.pop("sources")
         with (autocast or accelerator.autocast)():
             loss_sum = model(**to_device(batch, accelerator.device))
-        totals[0] += float(loss_sum)
-        totals[1] += count_trained_batch(batch["labels"])
-        totals[2 : 2 + n_sources].index_add_(0, sources, loss_model.token_losses.double().cpu())
-        totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
+        tally(totals, float(loss_sum), batch["labels"], sources, loss_model.token_losses)
     model.train()
     loss_model.keep_token_losses = kept_before
-    summed = reduce_sum(totals if counted else torch.zeros_like(totals)).tolist()
+    return summarize(reduce_sum(totals if counted else torch.zeros_like(totals)).tolist(), data.source_names)
+
+
+def tally(totals: torch.Tensor, loss_sum: float, labels: torch.Tensor, sources: torch.Tensor,
+          token_losses: torch.Tensor) -> None:
+    """Add one evaluated batch to a rank's sums: [loss, trained tokens, each source's loss, each source's
+    tokens] (`sources`: each trained position's source; `token_losses`: each trained position's loss)."""
+    n_sources = (len(totals) - 2) // 2
+    totals[0] += loss_sum
+    totals[1] += count_trained_batch(labels)
+    totals[2 : 2 + n_sources].index_add_(0, sources, token_losses.double().cpu())
+    totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
+
+
+def summarize(summed: list[float], source_names: Sequence[str]) -> dict[str, float]:
+    """The sums of every rank (`tally`'s, all-reduced) as the eval record's fields."""
+    n_sources = len(source_names)
     loss_sum, tokens = summed[:2]
     return {"eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),
-            **per_source(data.source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}
+            **per_source(source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}

@@ -123,20 +123,14 @@ class PipelineTrainer(Trainer):
         return [passes[slot] for slot in range(len(own)) for passes in members]
 
     def _scales(self, batches: list[dict[str, torch.Tensor]], trained_global: float) -> list[float]:
-        """Each micro-batch's loss multiplier (--loss_normalization); the gradients are summed, not averaged,
-        over the replicas, so nothing is undone here."""
-        if self.pipeline.sharded:  # FSDP2's reduce-scatter averages over the replicas: undo it, so they add up
-            return [scale * self.pipeline.layout.replicas for scale in self._plain_scales(batches, trained_global)]
-        return self._plain_scales(batches, trained_global)
-
-    def _plain_scales(self, batches: list[dict[str, torch.Tensor]], trained_global: float) -> list[float]:
-        norm = self.args.loss_normalization
-        if norm == "token":
-            return [1.0 / max(trained_global, 1.0)] * len(batches)
-        if norm == "sum":
-            return [1.0] * len(batches)
-        micro_batches = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size
-        return [1.0 / (max(count_trained_batch(b["labels"]), 1.0) * micro_batches) for b in batches]
+        """Each micro-batch's loss multiplier: the other engines' (Trainer._loss_scale, one place for
+        --loss_normalization) without the accumulation × ranks it multiplies in for those engines to divide out
+        (the pipeline sums its micro-batches and its replicas' gradients), × the replicas under FSDP2, whose
+        reduce-scatter averages over them."""
+        undone = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size  # (no SP under PP)
+        averaged = self.pipeline.layout.replicas if self.pipeline.sharded else 1
+        return [self._loss_scale(trained_global, count_trained_batch(b["labels"])) * averaged / undone
+                for b in batches]
 
     def _run_schedule(self, batches: list[dict[str, torch.Tensor]], scales: Optional[list[float]]) -> None:
         """One schedule over the batches (step: with backward, `scales` given; eval: forward only)."""
@@ -263,17 +257,16 @@ class PipelineTrainer(Trainer):
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, done: int) -> dict:
+    def _eval_result(self) -> dict:
         """The held-out loss through the pipeline: the replicas share the examples (replica r takes examples r,
         r + replicas, ...), each batch one forward-only schedule; the last stage counts."""
         from open_sft.data.batching import collate
-        from open_sft.monitor.metrics import per_source
+        from open_sft.training.evaluate import summarize, tally
 
         layout, data = self.pipeline.layout, self.eval_data
         batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
         kept_before, self.loss_model.keep_token_losses = self.loss_model.keep_token_losses, True
-        n_sources = len(data.source_names)
-        totals = torch.zeros(2 + 2 * n_sources, dtype=torch.float64)
+        totals = torch.zeros(2 + 2 * len(data.source_names), dtype=torch.float64)
         mine = list(range(layout.replica, len(data), layout.replicas))
         last = self.pipeline.last()
         self.model.eval()
@@ -283,25 +276,10 @@ class PipelineTrainer(Trainer):
                             sources=[data.source(i) for i in indices])
             self._run_schedule([batch], None)
             if last is not None:
-                sources = trained_sources(batch)
-                totals[0] += float(last.sums[0])
-                totals[1] += count_trained_batch(batch["labels"])
-                totals[2 : 2 + n_sources].index_add_(0, sources, last.kept[0].double().cpu())
-                totals[2 + n_sources :] += torch.bincount(sources, minlength=n_sources).double()
+                tally(totals, float(last.sums[0]), batch["labels"], trained_sources(batch), last.kept[0])
         self.model.train()
         self.loss_model.keep_token_losses = kept_before
-        summed = self.reduce_sum(totals).tolist()
-        loss_sum, tokens = summed[:2]
-        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4),
-                  "eval_loss": loss_sum / max(tokens, 1.0), "eval_tokens": int(tokens),
-                  **per_source(data.source_names, summed[2 : 2 + n_sources], summed[2 + n_sources :], prefix="eval_")}
-        if self.accelerator.is_main_process:
-            logger.info(
-                "step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps, record["eval_loss"],
-                record["eval_tokens"])
-            if self.metrics is not None:
-                self.metrics.write(record)
-        return record
+        return summarize(self.reduce_sum(totals).tolist(), data.source_names)
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -363,16 +363,19 @@ class Trainer:
 
     def evaluate(self, done: int) -> dict:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
-        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
-        result = evaluate(self.accelerator, self.model, self.eval_data, batch_size,
-                          self.pad_token_id, self.reduce_sum, self.precision.autocast, tp_ranks=self.tp_ranks)
-        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **result}
+        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **self._eval_result()}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
                         record["eval_loss"], record["eval_tokens"])
             if self.metrics is not None:
                 self.metrics.write(record)
         return record
+
+    def _eval_result(self) -> dict:
+        """eval_loss, eval_tokens and the per-source fields over the held-out set (collective)."""
+        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
+        return evaluate(self.accelerator, self.model, self.eval_data, batch_size, self.pad_token_id,
+                        self.reduce_sum, self.precision.autocast, tp_ranks=self.tp_ranks)
 
     def _log(self, record: dict) -> None:
         if not self.accelerator.is_main_process:
