@@ -2,7 +2,8 @@
 
 One way for every marker and record open_sft writes (a checkpoint's COMPLETE manifest, RUN_COMPLETE, the
 tokenization spill's state): write a temporary file beside it, flush and fsync it, rename it into place, and
-fsync the directory so the rename itself is on disk.
+fsync the directory so the rename itself is on disk. And one way to keep an earlier run's directory when a run
+starts over (`set_aside`): renamed whole, never mixed with the new run's files.
 """
 
 from __future__ import annotations
@@ -39,3 +40,16 @@ def write_json(path: Path, value: Any, indent: int | None = 1) -> None:
         os.fsync(handle.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def set_aside(directory: Path) -> Path | None:
+    """An earlier run's non-empty `directory` renamed to NAME.previous-N (the first N free), returned; None when
+    there is nothing to keep."""
+    if not directory.is_dir() or not any(directory.iterdir()):
+        return None
+    k = 1
+    while directory.with_name(f"{directory.name}.previous-{k}").exists():
+        k += 1
+    target = directory.with_name(f"{directory.name}.previous-{k}")
+    directory.rename(target)
+    return target

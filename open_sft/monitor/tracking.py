@@ -60,13 +60,11 @@ class TensorBoardTracker:
     def __init__(self, log_dir: Path, resume_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        if not resume_step and log_dir.is_dir() and any(log_dir.iterdir()):
-            k = 1
-            while log_dir.with_name(f"{log_dir.name}.previous-{k}").exists():
-                k += 1
-            log_dir.rename(log_dir.with_name(f"{log_dir.name}.previous-{k}"))
-            logger.warning("starting over: the earlier run's TensorBoard events were moved to %s.previous-%d",
-                           log_dir, k)
+        from open_sft.durable import set_aside
+
+        earlier = None if resume_step else set_aside(log_dir)
+        if earlier is not None:
+            logger.warning("starting over: the earlier run's TensorBoard events were moved to %s", earlier)
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, scalars: dict[str, float], step: int) -> None:

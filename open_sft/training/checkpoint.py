@@ -27,7 +27,7 @@ from typing import Any, Callable, Collection, Optional
 
 import torch
 
-from open_sft.durable import fsync_path, fsync_tree, write_json
+from open_sft.durable import fsync_path, fsync_tree, set_aside, write_json
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 from open_sft.training.steps import balances
@@ -187,14 +187,9 @@ def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_
 
 def _move_aside(root: Path) -> None:
     """A fresh start must not mix its checkpoints with an earlier run's: move those out of the way."""
-    if not root.is_dir() or not any(root.iterdir()):
-        return
-    k = 1
-    while root.with_name(f"{CHECKPOINTS}.previous-{k}").exists():
-        k += 1
-    target = root.with_name(f"{CHECKPOINTS}.previous-{k}")
-    root.rename(target)
-    logger.warning("starting over: the earlier checkpoints were moved to %s", target)
+    target = set_aside(root)
+    if target is not None:
+        logger.warning("starting over: the earlier checkpoints were moved to %s", target)
 
 
 def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
