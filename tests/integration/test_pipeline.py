@@ -13,6 +13,7 @@ is the whole model and reloads in a fresh process; LoRA under PP trains what LoR
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 
@@ -37,6 +38,21 @@ def run_launch(args: list[str], processes: int = 2, check: bool = True) -> subpr
         raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-5000:]}")
     return result
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_cache(tmp_path_factory):
+    """This module's own tokenization cache: its comparisons need every run to read one build of the data. In a
+    fresh-clone suite the session's shared cache held an entry of these runs' key whose tokens differed from a
+    fresh build of the same inputs (step-1 losses 6.9694 and 6.9663 against 6.9410), so one process and the
+    pipeline did not see the same tokens; that entry's origin is not found yet (see issue 35's note)."""
+    saved = os.environ.get("OPEN_SFT_CACHE")
+    os.environ["OPEN_SFT_CACHE"] = str(tmp_path_factory.mktemp("pipeline_cache"))
+    yield
+    if saved is None:
+        os.environ.pop("OPEN_SFT_CACHE", None)
+    else:
+        os.environ["OPEN_SFT_CACHE"] = saved
 
 
 @pytest.fixture(scope="module")
