@@ -94,6 +94,10 @@ def plan_launch(config: FinetuneConfig) -> Job:
         from open_sft.distributed.fsdp import refuse_what_fsdp_cannot_do
 
         refuse_what_fsdp_cannot_do(plan.train, config.lora, plan.dtype)
+    if config.model.torch_compile:
+        from open_sft.model.compile import refuse_what_compile_cannot_do
+
+        refuse_what_compile_cannot_do(config, plan)
     if config.train.pipeline_parallel_size > 1:
         from open_sft.distributed.pipeline import pipeline_problems
         from open_sft.distributed.tensor_parallel import requested_tp_size
@@ -267,6 +271,10 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     with progress.around_training():
         records = trainer.train(start_step, after_step=[timer, progress, checkpointer.on_step_end])
     checkpointer.raise_if_preempted(metrics)
+    if config.model.torch_compile:
+        from open_sft.model.compile import log_summary
+
+        log_summary()
     write_audit_files(output_dir, acc.process_index, trainer)
     return trainer, checkpointer, records
 

@@ -20,8 +20,9 @@ and data (the same work per token).
 
 On a GPU the same runs go to CUDA: MFU is given against the datasheet's dense peak (open_sft's metric) and
 against the peak a large bf16 matmul measures on this GPU, peak memory is the GPU's (max allocated), and
-open_sft's preflight estimate of that peak is printed beside it. `--variants liger` adds open_sft with
---use_liger_kernel, `--trl_variants liger` TRL with use_liger_kernel; `--json_out` writes every figure.
+open_sft's preflight estimate of that peak is printed beside it. `--variants liger compile liger_compile` adds
+open_sft with --use_liger_kernel, --torch_compile or both, `--trl_variants liger` TRL with use_liger_kernel;
+`--json_out` writes every figure. Tokens/s and MFU are the median step's of the steady-state window.
 """
 
 from __future__ import annotations
@@ -40,6 +41,16 @@ sys.path.insert(0, str(ROOT))  # open_sft from this checkout, installed or not
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+VARIANT_FLAGS = {"plain": [], "liger": ["--use_liger_kernel"], "compile": ["--torch_compile"],
+                 "liger_compile": ["--use_liger_kernel", "--torch_compile"]}
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain") -> dict:
     cmd = [sys.executable, str(ROOT / "finetune.py"), "--model_name_or_path", model,
            "--dataset_mixer_list", args.data, "1.0", "--output_dir", str(out), "--max_train_steps", str(args.steps),
@@ -50,8 +61,7 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
         cmd += ["--chat_template_name", args.chat_template_name]
     if args.packing:
         cmd += ["--packing"]
-    if variant == "liger":
-        cmd += ["--use_liger_kernel"]
+    cmd += VARIANT_FLAGS[variant]
     started = time.perf_counter()
     log = out.parent / f"{out.name}.log"
     with log.open("w") as handle:
@@ -66,12 +76,18 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
     step_tokens = [b["total_tokens"] - a["total_tokens"] for a, b in zip(steady, steady[1:])]
     step_seconds = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steady, steady[1:])]
     trained = [b["train_tokens"] - a["train_tokens"] for a, b in zip(steady, steady[1:])]
-    seconds = sum(step_seconds)
+    # The median step: a step that recompiles (--torch_compile meeting a new shape, e.g. an epoch's short last
+    # batch) or holds a partial batch is an outlier that a sum over the window would fold in.
+    rates = [t / s for t, s in zip(step_tokens, step_seconds)]
+    typical = _median(rates)
     peak = max(r["peak_memory_gib"] for r in records)
-    return {"tool": "open_sft", "label": f"open_sft {dtype}" + (" + liger" if variant == "liger" else ""),
+    return {"tool": "open_sft", "label": f"open_sft {dtype}" + "".join(f" + {v}" for v in variant.split("_")
+                                                                       if v != "plain"),
             "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""),
-            "tokens_per_second": sum(step_tokens) / seconds, "trained_tokens_per_second": sum(trained) / seconds,
-            "mfu": sum(r["mfu"] for r in steady[1:]) / max(len(steady) - 1, 1),
+            "tokens_per_second": typical,
+            "trained_tokens_per_second": _median([t / s for t, s in zip(trained, step_seconds)]),
+            "mean_tokens_per_second": sum(step_tokens) / sum(step_seconds),
+            "mfu": _median([r["mfu"] for r in steady[1:]]),
             "peak_gib": peak, "peak_of": "GPU memory allocated" if _on_gpu() else "process RSS",
             "estimate_gib": run["preflight"]["memory"]["total_bytes"] / 2**30,
             "wall_s": time.perf_counter() - started}
@@ -113,7 +129,10 @@ trainer.compute_loss = counting
 trainer.train()
 t = clock.times
 peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print(json.dumps({"tokens_per_second": sum(tokens[warm + 1:]) / (t[-1] - t[warm]),
+rates = sorted(tokens[i] / (t[i] - t[i - 1]) for i in range(warm + 1, len(t)))  # the median step, as open_sft's
+n = len(rates)
+print(json.dumps({"tokens_per_second": rates[n // 2] if n % 2 else (rates[n // 2 - 1] + rates[n // 2]) / 2,
+                  "mean_tokens_per_second": sum(tokens[warm + 1:]) / (t[-1] - t[warm]),
                   "peak_gib": peak, "peak_of": "GPU memory allocated" if gpu else "process RSS"}))
 """
 
@@ -199,8 +218,8 @@ def main() -> int:
     parser.add_argument("--dtypes", nargs="+", default=["auto", "bfloat16", "float32"],
                         help="open_sft's --torch_dtype values to run (auto: its default)")
     parser.add_argument("--packing", action="store_true")
-    parser.add_argument("--variants", nargs="+", default=["plain"], choices=["plain", "liger"],
-                        help="open_sft's runs per dtype: plain, and with --use_liger_kernel")
+    parser.add_argument("--variants", nargs="+", default=["plain"], choices=list(VARIANT_FLAGS),
+                        help="open_sft's runs per dtype: plain, --use_liger_kernel, --torch_compile, or both")
     parser.add_argument("--trl_variants", nargs="+", default=["plain"], choices=["plain", "liger"])
     parser.add_argument("--json_out", default=None, help="write every run's figures to this JSON file")
     parser.add_argument("--compare", choices=["trl"], default=None)
@@ -218,8 +237,16 @@ def main() -> int:
             from open_sft.embedded.factory import build_embedded_default
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=256, num_layers=4, num_heads=4))
-        results = [run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}_{variant}", dtype, variant)
-                   for dtype in args.dtypes for variant in args.variants]
+        results = []
+        for dtype in args.dtypes:
+            for variant in args.variants:
+                try:
+                    results.append(run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}_{variant}", dtype,
+                                                variant))
+                except RuntimeError as exc:  # reported beside the others (the first run's failure is fatal)
+                    if not results:
+                        raise
+                    failed.append({"tool": "open_sft", "label": f"open_sft {dtype} {variant}", "error": str(exc)})
         if args.compare == "trl":
             for dtype in args.trl_dtypes:
                 for variant in args.trl_variants:

@@ -14,10 +14,12 @@ Parts (--parts picks some):
   attention this device installs), fused_ce (chunked LM-head loss = cross-entropy), attention (the
   candidates for packed rows, timed and checked for cross-example attention), kill_resume (kill -9 and
   relaunch = the uninterrupted run, held to the run-to-run spread of two uninterrupted runs);
-- features: dtype_auto, liger, qlora, zero2, zero3, fsdp2, gradient_checkpointing, auto_micro_batch_size
-  (each: finite and falling loss, the export reloads in a fresh process);
+- features: dtype_auto, liger, qlora, zero2, zero3, fsdp2, gradient_checkpointing, auto_micro_batch_size,
+  torch_compile (each: finite and falling loss, the export reloads in a fresh process; torch_compile's losses
+  also against the same run uncompiled);
 - speed: scripts/benchmark.py on a Llama-3.2-1B-shaped model (random init, the tokenizer given), rows packed
-  to 4,096: open_sft, open_sft + Liger, TRL's SFTTrainer (packing + padding-free) with and without Liger.
+  to 4,096: open_sft, + Liger, + torch.compile, + both, TRL's SFTTrainer (packing + padding-free) with and
+  without Liger; then scripts/profile_step.py on open_sft's default run.
 
 --smoke runs the parts a CPU can run on the project's tiny embedded model and data (GPU-only parts are
 reported as skipped): the test suite runs it, so the script's logic and report stay checked without a GPU.
@@ -43,7 +45,7 @@ from gpu_check_runs import Context, falling, finetune, reload_export  # noqa: E4
 ROOT = Path(__file__).resolve().parent.parent
 CORRECTNESS = ["batch_layouts", "packed", "fused_ce", "attention", "kill_resume"]
 FEATURES = ["dtype_auto", "liger", "qlora", "zero2", "zero3", "fsdp2", "gradient_checkpointing",
-            "auto_micro_batch_size"]
+            "auto_micro_batch_size", "torch_compile"]
 SPEED = ["speed"]
 GPU_ONLY = {"liger": "Liger's kernels are Triton (CUDA)", "qlora": "run on a GPU only here (bitsandbytes 4-bit)"}
 
@@ -123,7 +125,20 @@ def _micro_batch(ctx: Context, result) -> tuple[dict, bool]:
 
 
 def _liger_modules(ctx: Context, result) -> tuple[dict, bool]:
-    return runs.liger_replacements(ctx)
+    return runs.liger_replacements(ctx, result)
+
+
+def _same_as_eager(ctx: Context, result) -> tuple[dict, bool]:
+    """The compiled layers' losses against the same run uncompiled (inductor's fused kernels round bf16 once
+    where eager rounds after every op, so the bf16 tolerance is batch_layouts')."""
+    eager = finetune(ctx, "torch_compile_eager", [])
+    half = "bfloat16" in str(result.run.get("compute_dtype"))  # --torch_dtype auto: bf16 on GPUs and some CPUs
+    tolerance = dict(ctx.dtypes_with_tolerance()).get("bfloat16", 2e-2) if half else \
+        dict(ctx.dtypes_with_tolerance())["float32"]
+    diff = max(abs(a - b) / abs(a) for a, b in zip(eager.losses, result.losses))
+    return {"max_rel_diff_to_eager": diff, "tolerance": tolerance, "losses_eager": eager.losses,
+            "compiled": runs.log_lines(ctx, "torch_compile", "--torch_compile")}, \
+        len(eager.losses) == len(result.losses) and diff <= tolerance
 
 
 PARTS = {
@@ -141,6 +156,7 @@ PARTS = {
     "fsdp2": feature("fsdp2", [], launcher="fsdp2"),
     "gradient_checkpointing": feature("gradient_checkpointing", ["--gradient_checkpointing"]),
     "auto_micro_batch_size": feature("auto_micro_batch_size", ["--auto_micro_batch_size"], check=_micro_batch),
+    "torch_compile": feature("torch_compile", ["--torch_compile"], check=_same_as_eager),
     "speed": lambda ctx: runs.speed(ctx),
 }
 

@@ -324,16 +324,21 @@ print(json.dumps(names + (["liger rotary embedding"] if "liger" in getattr(rope,
 """
 
 
-def liger_replacements(ctx: Context) -> tuple[dict, bool]:
-    """Which modules Liger put in place; the LM head and loss stay open_sft's chunked loss (TokenLossModel runs
-    the backbone and lm_head itself, so Liger's fused linear cross-entropy, which lives in the model's own
-    forward, is not used)."""
+def log_lines(ctx: Context, name: str, marker: str) -> list[str]:
+    """The lines of a run's log that carry `marker` (what the run said it put in place), message part only."""
+    lines = _log(ctx, name).read_text().splitlines()
+    return sorted({line.split(": ", 1)[-1][:300] for line in lines if marker in line})
+
+
+def liger_replacements(ctx: Context, result: RunResult) -> tuple[dict, bool]:
+    """Which modules Liger put in place, and what the run said of its LM-head loss (Liger's fused linear
+    cross-entropy through open_sft.model.liger_loss on CUDA, or open_sft's chunked loss and why not)."""
     proc = subprocess.run([sys.executable, "-c", LIGER, str(ctx.small_model)], cwd=ROOT, env=ctx.env(),
                           capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         return {"liger_modules": proc.stderr.strip()[-500:]}, False
     modules = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"liger_modules": modules, "lm_head_loss": "open_sft fused_ce (Liger's fused linear CE bypassed)"}, \
+    return {"liger_modules": modules, "lm_head_loss": log_lines(ctx, "liger", "--use_liger_kernel")}, \
         bool(modules)
 
 
@@ -361,7 +366,8 @@ def speed(ctx: Context) -> dict:
            "--steps", str(ctx.speed_steps), "--json_out", str(out)]
     if ctx.gpu:
         cmd += ["--model_name_or_path", str(ctx.big_model), "--max_seq_length", "4096", "--batch_size", "4",
-                "--warmup_steps", "3", "--dtypes", "auto", "--variants", "plain", "liger"]
+                "--warmup_steps", "3", "--dtypes", "auto", "--variants", "plain", "liger", "compile",
+                "liger_compile"]
         if importable("trl") and ctx.compare_trl:
             cmd += ["--compare", "trl", "--trl_dtypes", "bfloat16", "--trl_variants", "plain", "liger"]
     else:
@@ -420,7 +426,8 @@ def _short(value: Any) -> str:
 
 KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "compute_dtype", "peak_memory_gib",
                "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
-               "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change")
+               "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change",
+               "lm_head_loss", "max_rel_diff_to_eager", "compiled")
 
 
 def markdown(report: dict) -> str:

@@ -52,6 +52,9 @@ class ModelArguments:
     )
     gradient_checkpointing: bool = _help("Recompute activations in the backward pass to save memory.", default=False)
     use_liger_kernel: bool = _help("Use Liger kernels (needs CUDA and Triton).", default=False)
+    torch_compile: bool = _help(
+        "Compile each decoder layer with torch.compile (fuses the norms, rotary, SiLU and residual adds around "
+        "the matmuls; attention stays eager). The first steps include the compilation.", default=False)
     neftune_noise_alpha: Optional[float] = _help(
         "NEFTune: add uniform noise of scale alpha/sqrt(seq_len*hidden) to the input embeddings during "
         "training (never in eval or generation). Typical values 5-15.", default=None

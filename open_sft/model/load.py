@@ -194,6 +194,10 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     model.config.use_cache = False
     if lora is not None and uses_lora(lora):
         model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []))
+    if args.torch_compile:
+        from open_sft.model.compile import compile_layers
+
+        compile_layers(model)
     return model
 
 

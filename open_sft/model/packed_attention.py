@@ -157,6 +157,9 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
             outputs.append(out[0, :n])  # [example, heads, head_dim]: transformers' functions return [b, t, h, d]
         return torch.cat(outputs).view(batch, length, query.shape[1], query.shape[3]), None
 
+    # under --torch_compile the lengths (a host list that changes every batch) would be baked into the layer's
+    # graph and recompiled for at every batch: the call stays eager between the layer's compiled halves
+    attention = torch.compiler.disable(attention, recursive=True)
     setattr(attention, FLAG, True)
     return attention
 

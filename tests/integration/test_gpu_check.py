@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 CPU_PARTS = ["batch_layouts", "packed", "fused_ce", "attention", "kill_resume", "dtype_auto", "zero2", "zero3",
-             "fsdp2", "gradient_checkpointing", "auto_micro_batch_size", "speed"]
+             "fsdp2", "gradient_checkpointing", "auto_micro_batch_size", "torch_compile", "speed"]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,13 @@ def test_smoke_parts_pass_with_their_figures(smoke) -> None:
     assert resume["killed_exit"] == -signal.SIGKILL and resume["bitwise"] is True  # CPU kernels: bit for bit
     assert parts["packed"]["fp32"]["loss_rel_error"] < 1e-5 and parts["packed"]["wrong_positions_loss_rel_change"] > 1e-4
     assert all(parts["attention"][c]["cross_example_change"] == 0.0 for c in ("sdpa_block_mask", "per_example_sdpa"))
-    for name in ("dtype_auto", "zero2", "zero3", "fsdp2", "gradient_checkpointing", "auto_micro_batch_size"):
+    for name in ("dtype_auto", "zero2", "zero3", "fsdp2", "gradient_checkpointing", "auto_micro_batch_size",
+                 "torch_compile"):
         assert parts[name]["export_reloads"] is True and parts[name]["falling"] is True, name
+    compiled = parts["torch_compile"]
+    # bf16 where this CPU has it (fused kernels round once where eager rounds per op: 5.7e-5 measured), else fp32
+    assert compiled["max_rel_diff_to_eager"] <= compiled["tolerance"] <= 2e-2 and len(compiled["losses_eager"]) == 8
+    assert any("decoder layers compiled" in line for line in compiled["compiled"])
     speed = parts["speed"]
     assert speed["runs"][0]["tokens_per_second"] > 0 and speed["runs"][0]["estimate_gib"] > 0
     assert sum(speed["profile"]["shares"].values()) == pytest.approx(1.0, abs=1e-3)

@@ -13,7 +13,6 @@ is the whole model and reloads in a fresh process; LoRA under PP trains what LoR
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 
@@ -50,21 +49,6 @@ def run_launch(args: list[str], processes: int = 2, check: bool = True) -> subpr
     return result
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_cache(tmp_path_factory):
-    """This module's own tokenization cache: its comparisons need every run to read one build of the data. In a
-    fresh-clone suite the session's shared cache held an entry of these runs' key whose tokens differed from a
-    fresh build of the same inputs (step-1 losses 6.9694 and 6.9663 against 6.9410), so one process and the
-    pipeline did not see the same tokens; that entry's origin is not found yet (see issue 35's note)."""
-    saved = os.environ.get("OPEN_SFT_CACHE")
-    os.environ["OPEN_SFT_CACHE"] = str(tmp_path_factory.mktemp("pipeline_cache"))
-    yield
-    if saved is None:
-        os.environ.pop("OPEN_SFT_CACHE", None)
-    else:
-        os.environ["OPEN_SFT_CACHE"] = saved
-
-
 @pytest.fixture(scope="module")
 def model4(tmp_path_factory):
     from open_sft.embedded.factory import build_embedded_default
@@ -77,7 +61,7 @@ def model4(tmp_path_factory):
 def runs(model4, tmp_path_factory) -> dict:
     """One process: micro-batch 4 × accumulation 2; 2 ranks of PP: micro-batch 2 × 2 × 2; 4 ranks (2 replicas of
     2 stages): micro-batch 1 × 2 × 4 — the same global batches."""
-    out = {name: tmp_path_factory.mktemp(name) for name in
+    out = {name: tmp_path_factory.mktemp(f"pipeline_{name}") for name in  # not test_fsdp's one0, one1, ...
            ("one", "pp", "killed", "dp_pp", "fsdp_pp", "fsdp_killed", "packed_ddp_fp32", "packed_pp_fp32",
             "packed_ddp", "packed_pp", "mean_ddp", "mean_pp", "lora_one", "lora_pp")}
     run_finetune(args_for(model4, out["one"], 4))

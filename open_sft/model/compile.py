@@ -1,0 +1,89 @@
+"""--torch_compile: each decoder layer compiled by torch.compile, one compiled code shared by all layers.
+
+On a GPU the 1B step's matmuls are fast and what is left is elementwise work around them: RMSNorm's
+several passes, the rotary embedding, SiLU times the up projection, residual adds and casts (a quarter of
+the step in scripts/gpu_check.py's profile). Inductor fuses those into a few kernels per layer. Compiling the
+layers rather than the whole model ("regional" compilation) keeps the embeddings, the LM head and open_sft's
+chunked loss as they are, and compiles one layer's code once for all layers (their parameters are inputs of
+the graph, not constants), so the first step pays seconds, not minutes.
+
+The attention call is not traced: open_sft's packed attention reads each batch's example lengths off the
+device into a host list, which a traced graph would take as constants and recompile for at every batch; it
+runs eagerly between the two compiled halves of each layer (one graph break per layer), as the kernel
+call it is. Shapes that change between batches (padded rows) get one recompile with dynamic shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a transformers causal LM (or a peft model around one)."""
+    causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"{type(causal_lm).__name__} has no decoder layers at "
+                         f"{causal_lm.base_model_prefix}.layers to compile")
+    return layers
+
+
+def compile_layers(model: nn.Module) -> int:
+    """Compile every decoder layer in place (nn.Module.compile: the module stays the same object, so its
+    parameter names, hooks, checkpointing and state dict are untouched); returns how many."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    logger.info("--torch_compile: %d decoder layers compiled (%s), attention left eager; the first steps "
+                "include the compilation", len(layers), type(layers[0]).__name__)
+    return len(layers)
+
+
+def refuse_what_compile_cannot_do(config: Any, plan: Any) -> None:
+    """A UserError before anything loads when --torch_compile meets what it does not run with."""
+    from open_sft.distributed.tensor_parallel import requested_tp_size
+    from open_sft.errors import UserError
+
+    zero = int(((plan.deepspeed_config or {}).get("zero_optimization") or {}).get("stage", 0))
+    problems = compile_problems(plan.train, config.lora, plan.fsdp is not None, zero, requested_tp_size())
+    if problems:
+        raise UserError("\n  ".join(["--torch_compile cannot run as asked:", *problems]))
+
+
+def compile_problems(train: Any, lora: Any, fsdp: bool, zero_stage: int, tp: int) -> list[str]:
+    """What --torch_compile does not run with, each with the fix."""
+    refused = []
+    if zero_stage == 3:
+        refused.append("DeepSpeed ZeRO-3 (its parameter gathering hooks run inside each layer's forward)")
+    if fsdp:
+        refused.append("FSDP (its per-layer gathering would have to be traced with the layer)")
+    if tp > 1:
+        refused.append("tensor parallelism (the layers' weights are DTensors)")
+    if getattr(train, "pipeline_parallel_size", 1) > 1:
+        refused.append("--pipeline_parallel_size (each stage swaps the backbone's layers)")
+    if getattr(train, "sequence_parallel_size", 1) > 1:
+        refused.append("--sequence_parallel_size (its attention exchanges heads across ranks)")
+    if getattr(lora, "use_qlora", False):
+        refused.append("--use_qlora (bitsandbytes' 4-bit layers are not traceable)")
+    return [f"--torch_compile does not run with {what}: drop --torch_compile or that setting"
+            for what in refused]
+
+
+def compile_summary() -> dict[str, int]:
+    """What torch.compile did in this process: distinct graphs compiled and graph breaks met while tracing."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
+def log_summary() -> None:
+    summary = compile_summary()
+    logger.info("--torch_compile: %d graphs compiled, %d graph breaks traced (the attention call of each traced "
+                "layer forward is one)", summary["graphs"], summary["graph_breaks"])
