@@ -22,7 +22,9 @@ On a GPU the same runs go to CUDA: MFU is given against the datasheet's dense pe
 against the peak a large bf16 matmul measures on this GPU, peak memory is the GPU's (max allocated), and
 open_sft's preflight estimate of that peak is printed beside it. `--variants liger compile liger_compile` adds
 open_sft with --use_liger_kernel, --torch_compile or both, `--trl_variants liger` TRL with use_liger_kernel;
-`--json_out` writes every figure. Tokens/s and MFU are the median step's of the steady-state window.
+`--json_out` writes every figure (after each run, so a stopped benchmark keeps what it measured); compiled
+variants run last. Tokens/s and MFU are the median step's of the steady-state window. `--deadline_unix` starts
+no run after that time, `--run_timeout_s` stops a run that takes longer, `--log_dir` keeps every run's log.
 """
 
 from __future__ import annotations
@@ -63,9 +65,15 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
         cmd += ["--packing"]
     cmd += VARIANT_FLAGS[variant]
     started = time.perf_counter()
-    log = out.parent / f"{out.name}.log"
+    log = Path(args.log_dir or out.parent) / f"{out.name}.log"
+    # a compiled run logs its recompilations (a shape that changes every step would show there)
+    env = {**OFFLINE, "TORCH_LOGS": "recompiles"} if "compile" in variant else OFFLINE
     with log.open("w") as handle:
-        code = subprocess.run(cmd, cwd=ROOT, env=OFFLINE, stdout=handle, stderr=subprocess.STDOUT).returncode
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                  timeout=args.run_timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"open_sft {dtype} {variant}: stopped after --run_timeout_s {args.run_timeout_s}")
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-20:])
         raise RuntimeError(f"open_sft {dtype} {variant}: exit {code}:\n{tail}")
@@ -140,11 +148,16 @@ print(json.dumps({"tokens_per_second": rates[n // 2] if n % 2 else (rates[n // 2
 def run_trl(args, model: str, dtype: str, variant: str = "plain") -> dict:
     import torch
 
-    out = subprocess.run([args.trl_python, "-c", TRL_SCRIPT, model, args.data, str(args.steps), str(args.batch_size),
-                          str(args.max_seq_length), "1" if args.packing else "0", str(args.warmup_steps),
-                          "1" if dtype == "bfloat16" else "0", str(torch.get_num_threads()),
-                          "1" if variant == "liger" else "0"],
-                         capture_output=True, text=True, env=OFFLINE)
+    try:
+        out = subprocess.run([args.trl_python, "-c", TRL_SCRIPT, model, args.data, str(args.steps),
+                              str(args.batch_size), str(args.max_seq_length), "1" if args.packing else "0",
+                              str(args.warmup_steps), "1" if dtype == "bfloat16" else "0", str(torch.get_num_threads()),
+                              "1" if variant == "liger" else "0"],
+                             capture_output=True, text=True, env=OFFLINE, timeout=args.run_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"TRL {dtype} {variant}: stopped after --run_timeout_s {args.run_timeout_s}")
+    if args.log_dir:
+        (Path(args.log_dir) / f"trl_{dtype}_{variant}.log").write_text(out.stdout + out.stderr)
     if out.returncode != 0:
         raise RuntimeError(f"TRL {dtype} {variant}: exit {out.returncode}: {out.stderr.strip()[-1500:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -227,34 +240,51 @@ def main() -> int:
                         help="TRL's runs (where a dtype is emulated and far slower, its run can be left out)")
     parser.add_argument("--trl_python", default=sys.executable,
                         help="python of an environment with trl installed (default: this one)")
+    parser.add_argument("--log_dir", default=None, help="keep each run's log here (default: dropped at the end)")
+    parser.add_argument("--run_timeout_s", type=float, default=None, help="stop a run that takes longer")
+    parser.add_argument("--deadline_unix", type=float, default=None,
+                        help="start no run after this time (seconds since the epoch); the runs left are listed")
     args = parser.parse_args()
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     gpu_peak = measure_gpu_peak() if _on_gpu() else None
     print(json.dumps(cpu_line()) if gpu_peak is None else json.dumps(gpu_line(gpu_peak)))
     failed: list[dict] = []
+    skipped: list[str] = []
+    results: list[dict] = []
+
+    def save() -> None:  # after every run: a benchmark stopped from outside keeps what it measured
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps({"runs": results, "failed": failed, "skipped": skipped,
+                                                       "measured_bf16_peak": gpu_peak}, indent=1))
+
+    def attempt(label: str, run) -> None:
+        if args.deadline_unix is not None and time.time() > args.deadline_unix and results:
+            skipped.append(label)  # past the deadline (the first run always runs: something is measured)
+        else:
+            try:
+                results.append(run())
+            except RuntimeError as exc:  # one configuration that fails is reported beside the others
+                if not results and label.startswith("open_sft"):
+                    raise
+                failed.append({"label": label, "error": str(exc)})
+        save()
+
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model_name_or_path
         if model is None:
             from open_sft.embedded.factory import build_embedded_default
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=256, num_layers=4, num_heads=4))
-        results = []
-        for dtype in args.dtypes:
-            for variant in args.variants:
-                try:
-                    results.append(run_open_sft(args, model, Path(tmp) / f"open_sft_{dtype}_{variant}", dtype,
-                                                variant))
-                except RuntimeError as exc:  # reported beside the others (the first run's failure is fatal)
-                    if not results:
-                        raise
-                    failed.append({"tool": "open_sft", "label": f"open_sft {dtype} {variant}", "error": str(exc)})
-        if args.compare == "trl":
-            for dtype in args.trl_dtypes:
-                for variant in args.trl_variants:
-                    try:
-                        results.append(run_trl(args, model, dtype, variant))
-                    except RuntimeError as exc:  # one configuration TRL cannot run is reported, not fatal
-                        failed.append({"tool": "trl SFTTrainer", "label": f"trl {dtype} {variant}",
-                                       "error": str(exc)})
+        ours = [(f"open_sft {d} {v}", lambda d=d, v=v: run_open_sft(args, model, Path(tmp) / f"open_sft_{d}_{v}",
+                                                                      d, v))
+                for d in args.dtypes for v in args.variants]
+        trl = [(f"trl {d} {v}", lambda d=d, v=v: run_trl(args, model, d, v))
+               for d in args.trl_dtypes for v in args.trl_variants] if args.compare == "trl" else []
+        # compiled variants last: they spend a compilation first, and a deadline should cut them rather than the
+        # side-by-side comparison
+        for label, run in [j for j in ours if "compile" not in j[0]] + trl + [j for j in ours if "compile" in j[0]]:
+            attempt(label, run)
     add_mfu(results, gpu_peak)
     trl = [r["tokens_per_second"] for r in results if r["tool"] != "open_sft"]
     for r in results:
@@ -263,9 +293,9 @@ def main() -> int:
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     for r in failed:
         print(json.dumps(r))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"runs": results, "failed": failed,
-                                                   "measured_bf16_peak": gpu_peak}, indent=1))
+    if skipped:
+        print(json.dumps({"not run (past --deadline_unix)": skipped}))
+    save()
     return 0
 
 

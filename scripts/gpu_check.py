@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -36,10 +37,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_check_runs as runs  # noqa: E402  (scripts/gpu_check_runs.py)
+from gpu_check_report import markdown, pack_logs  # noqa: E402  (scripts/gpu_check_report.py)
 from gpu_check_runs import Context, falling, finetune, reload_export  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,24 +183,55 @@ def run_part(ctx: Context, name: str, report: dict) -> None:
     elif time.monotonic() > ctx.deadline:
         entry = {"verdict": "not run", "why": "the check's time budget (--budget_s) ran out first"}
     else:
+        with ctx.lock:
+            ctx.running[name] = started
         try:
             figures = PARTS[name](ctx)
             entry = {"verdict": "pass" if figures.pop("pass") else "FAIL", **figures}
         except Exception as exc:  # reported, never hiding the other parts
             entry = {"verdict": "FAIL", "error": f"{type(exc).__name__}: {exc}"[-2000:]}
+        with ctx.lock:
+            ctx.running.pop(name, None)
     entry.update(group=group_of(name), seconds=round(time.monotonic() - started, 1))
     with ctx.lock:
         report["parts"][name] = entry
         write_report(ctx, report)
-        runs.pack_logs(ctx)
+        pack_logs(ctx.out, ctx.work)
     print(f"[gpu_check] {name}: {entry['verdict']} ({entry['seconds']} s)", flush=True)
+
+
+def stop_on_signal(ctx: Context, report: dict, keep_work: bool) -> None:
+    """On SIGTERM/SIGINT (a job's time limit, `timeout`, Ctrl-C): the parts in progress are reported as stopped
+    (the speed part with the runs it finished), the report and the logs are written, and the check exits 124,
+    so a check cut short still says what it found."""
+
+    def handler(signum, _frame) -> None:
+        with ctx.lock:
+            for name, started in ctx.running.items():
+                entry = {"verdict": "FAIL", "error": f"stopped by {signal.Signals(signum).name} while running "
+                         f"(the job's time limit?)", "group": group_of(name),
+                         "seconds": round(time.monotonic() - started, 1)}
+                if name == "speed" and ctx.speed_json.exists():
+                    entry.update(json.loads(ctx.speed_json.read_text()))
+                report["parts"][name] = entry
+            write_report(ctx, report)
+            pack_logs(ctx.out, ctx.work)
+        print(markdown(report), flush=True)
+        for child in psutil.Process().children(recursive=True):  # the runs in flight go with the check
+            child.kill()
+        if not keep_work:
+            shutil.rmtree(ctx.work, ignore_errors=True)
+        os._exit(124)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
 
 
 def write_report(ctx: Context, report: dict) -> None:
     verdicts = [p["verdict"] for p in report["parts"].values()]
     report["verdict"] = "FAIL" if "FAIL" in verdicts else "pass" if verdicts else "nothing run"
     (ctx.out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (ctx.out / "gpu_report.md").write_text(runs.markdown(report))
+    (ctx.out / "gpu_report.md").write_text(markdown(report))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -207,7 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parts", default="all", help="comma-separated part names, or all")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, the parts a CPU can run")
     parser.add_argument("--workers", type=int, default=None, help="parts run at once (the speed part runs alone)")
-    parser.add_argument("--budget_s", type=float, default=480.0, help="start no part after this many seconds")
+    parser.add_argument("--budget_s", type=float, default=480.0,
+                        help="start no part, and no run of the speed part, after this many seconds")
     parser.add_argument("--speed_steps", type=int, default=12)
     parser.add_argument("--speed_compare", choices=["trl", "none"], default="trl",
                         help="run TRL's SFTTrainer beside open_sft in the speed part (when trl is installed)")
@@ -227,6 +263,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = Context.create(args)
     report = {"header": runs.header(ctx), "parts": {}}
+    stop_on_signal(ctx, report, args.keep_work)
     print(json.dumps(report["header"]), flush=True)
     runs.prepare(ctx, need_big="speed" in args.names and not args.smoke)
     report["header"]["models"] = ctx.describe_models()
@@ -236,8 +273,8 @@ def main(argv=None) -> int:
     for name in [n for n in args.names if n in SPEED]:
         run_part(ctx, name, report)
     write_report(ctx, report)
-    runs.pack_logs(ctx)
-    print(runs.markdown(report), flush=True)
+    pack_logs(ctx.out, ctx.work)
+    print(markdown(report), flush=True)
     if args.keep_work:
         print(f"[gpu_check] models, runs and caches kept in {ctx.work}", flush=True)
     else:

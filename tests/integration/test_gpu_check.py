@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -84,3 +85,40 @@ def test_unknown_part_is_refused_with_the_choices() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "/tmp/x", "--parts", "fast"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown ['fast']" in proc.stderr and "batch_layouts" in proc.stderr
+
+
+def test_a_check_stopped_by_its_time_limit_reports_what_it_found(tmp_path) -> None:
+    """SIGTERM (a job's time limit) while a part runs: the finished part keeps its verdict, the running one is
+    reported as stopped, the logs are archived, and the check exits 124."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path), "--smoke",
+                             "--parts", "fused_ce,batch_layouts"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    report_file = tmp_path / "gpu_report.json"
+    deadline = time.monotonic() + 300
+    while not report_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # fused_ce (seconds) writes the first report while batch_layouts (minutes) still runs
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    report = json.loads(report_file.read_text())
+    assert proc.returncode == 124, output[-3000:]
+    assert report["parts"]["fused_ce"]["verdict"] == "pass"
+    stopped = report["parts"]["batch_layouts"]
+    assert stopped["verdict"] == "FAIL" and "stopped by SIGTERM" in stopped["error"] and report["verdict"] == "FAIL"
+    assert "| batch_layouts | correctness | FAIL |" in (tmp_path / "gpu_report.md").read_text()
+    assert (tmp_path / "gpu_check_logs.tar.gz").stat().st_size > 0
+
+
+def test_benchmark_starts_no_run_after_its_deadline_and_keeps_the_logs(tiny_model_dir, tmp_path) -> None:
+    """The first run always runs (something is measured); a run due after --deadline_unix is listed as not run;
+    each run's log stays in --log_dir and the JSON holds what was measured."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--model_name_or_path",
+                           str(tiny_model_dir), "--steps", "4", "--warmup_steps", "1", "--batch_size", "2",
+                           "--max_seq_length", "128", "--dtypes", "float32", "--variants", "plain", "compile",
+                           "--deadline_unix", str(time.time()), "--json_out", str(out), "--log_dir",
+                           str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["label"] for r in result["runs"]] == ["open_sft float32"] and result["runs"][0]["tokens_per_second"] > 0
+    assert result["skipped"] == ["open_sft float32 compile"] and result["failed"] == []
+    assert "step 4/4" in (tmp_path / "logs" / "open_sft_float32_plain.log").read_text()

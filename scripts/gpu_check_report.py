@@ -1,0 +1,53 @@
+"""The report of scripts/gpu_check.py: its Markdown table and the archive of every run's log."""
+
+from __future__ import annotations
+
+import tarfile
+from pathlib import Path
+from typing import Any
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_short(v)}" for k, v in value.items() if not isinstance(v, list)) + "}"
+    return str(value)
+
+
+KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "compute_dtype", "peak_memory_gib",
+               "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
+               "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change",
+               "lm_head_loss", "max_rel_diff_to_eager", "compiled", "skipped")
+
+
+def markdown(report: dict) -> str:
+    head = report["header"]
+    gpu = head["gpu"]
+    versions = ", ".join(f"{k} {v}" for k, v in head["versions"].items() if v)
+    lines = [f"# open_sft GPU check: {report.get('verdict', '')}", "",
+             f"- device: {gpu.get('name') or 'no GPU (' + head['mode'] + ')'}"
+             + (f", driver {gpu['driver']}, CUDA {gpu['cuda']}, {gpu['memory_gib']} GiB" if gpu.get("name") else ""),
+             f"- date: {head['date']}; commit: {head['commit']}", f"- versions: {versions}", "",
+             "| part | group | verdict | seconds | figures |", "|---|---|---|---|---|"]
+    for name, part in report["parts"].items():
+        figures = "; ".join(f"{k}: {_short(part[k])}" for k in KEY_FIGURES if k in part)
+        lines.append(f"| {name} | {part['group']} | {part['verdict']} | {part['seconds']} | {figures} |")
+    speed = report["parts"].get("speed", {})
+    if speed.get("runs"):
+        lines += ["", "| run | tokens/s | MFU (datasheet) | MFU (measured peak) | peak GiB | estimate GiB | x TRL best |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in speed["runs"]:
+            lines.append(f"| {r['label']} | {r['tokens_per_second']:,.0f} | {r.get('mfu', 0):.1%} | "
+                         f"{r.get('mfu_measured_peak', 0):.1%} | {r.get('peak_gib', 0):.2f} | "
+                         f"{_short(r.get('estimate_gib'))} | {_short(r.get('over_trl_best'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def pack_logs(out: Path, work: Path) -> Path:
+    """Every run's and probe's log (under work/logs) in one archive beside the report, in `out`."""
+    archive = out / "gpu_check_logs.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        if (work / "logs").exists():
+            tar.add(work / "logs", arcname="logs")
+    return archive
