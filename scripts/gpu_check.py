@@ -18,8 +18,11 @@ Parts (--parts picks some):
   torch_compile (each: finite and falling loss, the export reloads in a fresh process; torch_compile's losses
   also against the same run uncompiled);
 - speed: scripts/benchmark.py on a Llama-3.2-1B-shaped model (random init, the tokenizer given), rows packed
-  to 4,096: open_sft, + Liger, + torch.compile, + both, TRL's SFTTrainer (packing + padding-free) with and
-  without Liger; then scripts/profile_step.py on open_sft's default run.
+  to 4,096: open_sft, + Liger, TRL's SFTTrainer (packing + padding-free) with and without Liger, open_sft +
+  torch.compile; then scripts/profile_step.py on open_sft's default run.
+
+On a GPU the runs of one part (batch_layouts' four, kill_resume's three chains, torch_compile's two) run at the
+same time, 6 parts at once: an H100 takes ~5 minutes for the correctness and feature parts and ~5 for speed.
 
 --smoke runs the parts a CPU can run on the project's tiny embedded model and data (GPU-only parts are
 reported as skipped): the test suite runs it, so the script's logic and report stay checked without a GPU.
@@ -60,10 +63,13 @@ GPU_ONLY = {"liger": "Liger's kernels are Triton (CUDA)", "qlora": "run on a GPU
 def part_batch_layouts(ctx: Context) -> dict:
     """Per-step losses of one global batch of 8 as bs 8 x GA 1 and as bs 2 x GA 4."""
     figures, ok = {}, True
-    for dtype, tolerance in ctx.dtypes_with_tolerance():
-        one = finetune(ctx, f"layout_{dtype}_bs8", ["--torch_dtype", dtype])
-        four = finetune(ctx, f"layout_{dtype}_bs2ga4", ["--torch_dtype", dtype, "--per_device_train_batch_size",
-                                                         "2", "--gradient_accumulation_steps", "4"])
+    layouts = ctx.dtypes_with_tolerance()
+    shapes = {"bs8": [], "bs2ga4": ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "4"]}
+    jobs = [(dtype, shape) for dtype, _ in layouts for shape in shapes]
+    done = dict(zip(jobs, runs.together(ctx, *[
+        lambda d=d, s=s: finetune(ctx, f"layout_{d}_{s}", ["--torch_dtype", d, *shapes[s]]) for d, s in jobs])))
+    for dtype, tolerance in layouts:
+        one, four = done[dtype, "bs8"], done[dtype, "bs2ga4"]
         diff = max(abs(a - b) / abs(a) for a, b in zip(one.losses, four.losses))
         figures[dtype] = {"max_rel_diff": diff, "tolerance": tolerance, "steps": len(one.losses),
                           "losses_bs8": one.losses, "losses_bs2ga4": four.losses}
@@ -75,10 +81,16 @@ def part_kill_resume(ctx: Context) -> dict:
     """kill -9 at step 5 of 10 (checkpoints every 2 steps), relaunch; against the uninterrupted run, and two
     uninterrupted runs against each other (the device's run-to-run spread)."""
     extra = ["--max_train_steps", "10", "--checkpointing_steps", "2", "--torch_dtype", ctx.train_dtype]
-    base = finetune(ctx, "resume_base", extra)
-    repeat = finetune(ctx, "resume_repeat", extra) if not ctx.smoke else base
-    killed_code = runs.interrupt(ctx, "resume_killed", extra, at_line=5)
-    resumed = finetune(ctx, "resume_killed", extra, fresh=False)
+
+    def killed_and_resumed() -> tuple[int, runs.RunResult]:
+        code = runs.interrupt(ctx, "resume_killed", extra, at_line=5)
+        return code, finetune(ctx, "resume_killed", extra, fresh=False)
+
+    chains = [lambda: finetune(ctx, "resume_base", extra), killed_and_resumed]
+    if not ctx.smoke:
+        chains.append(lambda: finetune(ctx, "resume_repeat", extra))
+    base, (killed_code, resumed), *more = runs.together(ctx, *chains)
+    repeat = more[0] if more else base
     spread = max(abs(a - b) / abs(a) for a, b in zip(base.losses, repeat.losses))
     diff = max(abs(a - b) / abs(a) for a, b in zip(base.losses, resumed.losses))
     tolerance = max(2 * spread, 1e-6)
@@ -99,8 +111,13 @@ def part_probe(name: str):
 # ------------------------------------------------------------------------------------------------------------
 # features
 # ------------------------------------------------------------------------------------------------------------
-def feature(name: str, extra: list[str], launcher: str = "python", check=None):
+def feature(name: str, extra: list[str], launcher: str = "python", check=None, beside: list[str] = None):
+    """A feature's run; `beside`: the flags of a second run the check compares with (ctx.beside[name]), started
+    at the same time on a GPU."""
+
     def part(ctx: Context) -> dict:
+        if beside is not None:
+            ctx.beside[name] = runs.start(ctx, lambda: finetune(ctx, f"{name}_eager", beside))
         result = finetune(ctx, name, extra, launcher=launcher)
         figures = {"losses": result.losses, "compute_dtype": result.run.get("compute_dtype"),
                    "peak_memory_gib": result.peak_memory_gib, "falling": falling(result.losses)}
@@ -135,7 +152,7 @@ def _liger_modules(ctx: Context, result) -> tuple[dict, bool]:
 def _same_as_eager(ctx: Context, result) -> tuple[dict, bool]:
     """The compiled layers' losses against the same run uncompiled (inductor's fused kernels round bf16 once
     where eager rounds after every op, so the bf16 tolerance is batch_layouts')."""
-    eager = finetune(ctx, "torch_compile_eager", [])
+    eager = ctx.beside["torch_compile"].result()
     half = "bfloat16" in str(result.run.get("compute_dtype"))  # --torch_dtype auto: bf16 on GPUs and some CPUs
     tolerance = dict(ctx.dtypes_with_tolerance()).get("bfloat16", 2e-2) if half else \
         dict(ctx.dtypes_with_tolerance())["float32"]
@@ -160,7 +177,7 @@ PARTS = {
     "fsdp2": feature("fsdp2", [], launcher="fsdp2"),
     "gradient_checkpointing": feature("gradient_checkpointing", ["--gradient_checkpointing"]),
     "auto_micro_batch_size": feature("auto_micro_batch_size", ["--auto_micro_batch_size"], check=_micro_batch),
-    "torch_compile": feature("torch_compile", ["--torch_compile"], check=_same_as_eager),
+    "torch_compile": feature("torch_compile", ["--torch_compile"], check=_same_as_eager, beside=[]),
     "speed": lambda ctx: runs.speed(ctx),
 }
 

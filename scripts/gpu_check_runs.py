@@ -17,9 +17,10 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "open_sft" / "embedded" / "data" / "sample.jsonl"
@@ -61,6 +62,7 @@ class Context:
     steps: int = 8
     compare_trl: bool = True
     running: dict[str, float] = field(default_factory=dict)  # parts in progress: name -> start (monotonic)
+    beside: dict[str, Future] = field(default_factory=dict)  # a part's second run, started with its first
 
     @property
     def speed_json(self) -> Path:
@@ -292,6 +294,38 @@ def interrupt(ctx: Context, name: str, extra: list[str], at_line: int, timeout: 
         return proc.wait(timeout=60)
 
 
+class _Done:
+    """A value computed at once, with a Future's result() (the CPU smoke runs a part's runs one by one)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.value = fn()
+
+    def result(self) -> Any:
+        return self.value
+
+
+def start(ctx: Context, fn: Callable[[], Any]) -> Any:
+    """`fn` started beside the caller on a GPU (a thread: the runs are processes, the GPU has room for several
+    small ones), run at once on CPU; `.result()` gives its value."""
+    if not ctx.gpu:
+        return _Done(fn)
+    future: Future = Future()
+
+    def work() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # re-raised by result()
+            future.set_exception(exc)
+
+    threading.Thread(target=work, daemon=True).start()
+    return future
+
+
+def together(ctx: Context, *fns: Callable[[], Any]) -> list[Any]:
+    """The values of `fns`, run at the same time on a GPU (one after the other on CPU)."""
+    return [handle.result() for handle in [start(ctx, fn) for fn in fns]]
+
+
 def falling(losses: list[float]) -> bool:
     return (len(losses) >= 4 and all(math.isfinite(x) for x in losses)
             and sum(losses[-2:]) < sum(losses[:2]))
@@ -371,8 +405,7 @@ def speed(ctx: Context) -> dict:
            "--deadline_unix", str(time.time() + ctx.deadline - time.monotonic()), "--run_timeout_s", "240"]
     if ctx.gpu:
         cmd += ["--model_name_or_path", str(ctx.big_model), "--max_seq_length", "4096", "--batch_size", "4",
-                "--warmup_steps", "3", "--dtypes", "auto", "--variants", "plain", "liger", "compile",
-                "liger_compile"]
+                "--warmup_steps", "3", "--dtypes", "auto", "--variants", "plain", "liger", "compile"]
         if importable("trl") and ctx.compare_trl:
             cmd += ["--compare", "trl", "--trl_dtypes", "bfloat16", "--trl_variants", "plain", "liger"]
     else:

@@ -9,7 +9,9 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,3 +124,24 @@ def test_benchmark_starts_no_run_after_its_deadline_and_keeps_the_logs(tiny_mode
     assert [r["label"] for r in result["runs"]] == ["open_sft float32"] and result["runs"][0]["tokens_per_second"] > 0
     assert result["skipped"] == ["open_sft float32 compile"] and result["failed"] == []
     assert "step 4/4" in (tmp_path / "logs" / "open_sft_float32_plain.log").read_text()
+
+
+def test_a_parts_runs_go_together_on_a_gpu_and_one_by_one_on_cpu() -> None:
+    """runs.together: on a GPU the calls run at the same time (both reach a barrier of two), values in order,
+    a failure re-raised; on CPU one after the other."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_runs
+
+    barrier = threading.Barrier(2, timeout=30)
+
+    def meet(value):
+        barrier.wait()
+        return value
+
+    gpu, cpu = SimpleNamespace(gpu=True), SimpleNamespace(gpu=False)
+    assert gpu_check_runs.together(gpu, lambda: meet(1), lambda: meet(2)) == [1, 2]
+    order = []
+    assert gpu_check_runs.together(cpu, lambda: order.append("a") or 1, lambda: order.append("b") or 2) == [1, 2]
+    assert order == ["a", "b"]
+    with pytest.raises(ValueError, match="planted"):
+        gpu_check_runs.together(gpu, lambda: 1, lambda: (_ for _ in ()).throw(ValueError("planted")))
