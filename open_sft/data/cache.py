@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -89,6 +90,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, str]:
                 settings.pop(key, None)
             config.write_text(json.dumps(settings, sort_keys=True))
         return {p.name: sha256_file(p) for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
+# The libraries whose code turns the same files and template into tokens: an upgrade may change what they make
+# (a normalizer fix, the template's rendering), so an entry built by other versions is not reused.
+TOKENIZING_LIBRARIES = ("tokenizers", "transformers", "jinja2")
+
+
+def tokenizing_libraries() -> dict[str, str]:
+    return {name: importlib.metadata.version(name) for name in TOKENIZING_LIBRARIES}
 
 
 def cache_key(inputs: dict[str, Any]) -> str:

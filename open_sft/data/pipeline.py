@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
 from open_sft.data.mixer import select_rows, source_names
-from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint
+from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
@@ -374,6 +374,7 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         "tokenizer_files": tokenizer_fingerprint(tokenizer),
         "chat_template": tokenizer.chat_template,
         "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "libraries": tokenizing_libraries(),
     }
 
 

@@ -78,7 +78,12 @@ def test_key_stable_and_sensitive(tokenizer, data_file, tmp_path, monkeypatch) -
     changed["file_byte"] = key_of(args, tokenizer)
     monkeypatch.setattr(cache, "CACHE_FORMAT_VERSION", cache.CACHE_FORMAT_VERSION + 1)
     changed["version"] = key_of(args, tokenizer)
+    real_version = cache.importlib.metadata.version  # an upgraded tokenizer library may tokenize otherwise
+    monkeypatch.setattr(cache.importlib.metadata, "version",
+                        lambda name: "99.0" if name == "tokenizers" else real_version(name))
+    changed["tokenizers_library"] = key_of(args, tokenizer)
     assert len(set(changed.values()) | {base}) == len(changed) + 1, changed
+    assert set(key_inputs(args, tokenizer, 1)["libraries"]) == {"tokenizers", "transformers", "jinja2"}
 
 
 def test_hit_does_not_tokenize(tokenizer, data_file, tmp_path, monkeypatch) -> None:
