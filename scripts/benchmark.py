@@ -91,7 +91,7 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
     peak = max(r["peak_memory_gib"] for r in records)
     return {"tool": "open_sft", "label": f"open_sft {dtype}" + "".join(f" + {v}" for v in variant.split("_")
                                                                        if v != "plain"),
-            "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""),
+            "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""), "flags": VARIANT_FLAGS[variant],
             "tokens_per_second": typical,
             "trained_tokens_per_second": _median([t / s for t, s in zip(trained, step_seconds)]),
             "mean_tokens_per_second": sum(step_tokens) / sum(step_seconds),

@@ -18,7 +18,7 @@ def _short(value: Any) -> str:
 KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "compute_dtype", "peak_memory_gib",
                "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
                "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change",
-               "lm_head_loss", "max_rel_diff_to_eager", "compiled", "skipped")
+               "lm_head_loss", "max_rel_diff_to_eager", "compiled", "skipped", "profile_fastest")
 
 
 def markdown(report: dict) -> str:
