@@ -37,7 +37,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def compile_layers(model: nn.Module) -> int:
     """Compile every decoder layer in place (nn.Module.compile: the module stays the same object, so its
     parameter names, hooks, checkpointing and state dict are untouched); returns how many."""
-    layers = decoder_layers(model)
+    from open_sft.errors import UserError
+
+    try:
+        layers = decoder_layers(model)
+    except ValueError as exc:
+        raise UserError(f"--torch_compile: {exc}; drop --torch_compile for this model") from exc
     for layer in layers:
         layer.compile()
     logger.info("--torch_compile: %d decoder layers compiled (%s), attention left eager; the first steps "

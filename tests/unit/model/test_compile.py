@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from open_sft.errors import UserError
-from open_sft.model.compile import compile_problems, decoder_layers, refuse_what_compile_cannot_do
+from open_sft.model.compile import (compile_layers, compile_problems, decoder_layers,
+                                    refuse_what_compile_cannot_do)
 
 
 def test_a_model_without_decoder_layers_is_named() -> None:
@@ -17,6 +18,8 @@ def test_a_model_without_decoder_layers_is_named() -> None:
     model.base_model_prefix = "model"
     with pytest.raises(ValueError, match="no decoder layers at model.layers"):
         decoder_layers(model)
+    with pytest.raises(UserError, match="--torch_compile: Linear has no decoder layers.*drop --torch_compile"):
+        compile_layers(model)
 
 
 PLAIN = SimpleNamespace(pipeline_parallel_size=1, sequence_parallel_size=1)
