@@ -39,6 +39,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import psutil
 
@@ -111,20 +112,22 @@ def part_probe(name: str):
 # ------------------------------------------------------------------------------------------------------------
 # features
 # ------------------------------------------------------------------------------------------------------------
-def feature(name: str, extra: list[str], launcher: str = "python", check=None, beside: list[str] = None):
-    """A feature's run; `beside`: the flags of a second run the check compares with (ctx.beside[name]), started
-    at the same time on a GPU."""
+def feature(name: str, extra: list[str], launcher: str = "python", check=None, beside: Optional[list[str]] = None):
+    """A feature's run, held to `check(ctx, result, other)`; `other` is the run of the flags `beside` (made at
+    the same time on a GPU), or None."""
 
     def part(ctx: Context) -> dict:
-        if beside is not None:
-            ctx.beside[name] = runs.start(ctx, lambda: finetune(ctx, f"{name}_eager", beside))
-        result = finetune(ctx, name, extra, launcher=launcher)
+        def run():
+            return finetune(ctx, name, extra, launcher=launcher)
+
+        result, other = (run(), None) if beside is None else runs.together(
+            ctx, run, lambda: finetune(ctx, f"{name}_eager", beside))
         figures = {"losses": result.losses, "compute_dtype": result.run.get("compute_dtype"),
                    "peak_memory_gib": result.peak_memory_gib, "falling": falling(result.losses)}
         figures["export_reloads"] = reload_export(ctx, result.out)
         ok = figures["falling"] and figures["export_reloads"] is True
         if check is not None:
-            more, fine = check(ctx, result)
+            more, fine = check(ctx, result, other)
             figures.update(more)
             ok = ok and fine
         return {"pass": bool(ok), **figures}
@@ -133,29 +136,27 @@ def feature(name: str, extra: list[str], launcher: str = "python", check=None, b
     return part
 
 
-def _auto_dtype(ctx: Context, result) -> tuple[dict, bool]:
+def _auto_dtype(ctx: Context, result, _other) -> tuple[dict, bool]:
     want = "torch.bfloat16" if ctx.gpu else result.run.get("compute_dtype")
     return {"expected_dtype": want}, result.run.get("compute_dtype") == want
 
 
-def _micro_batch(ctx: Context, result) -> tuple[dict, bool]:
+def _micro_batch(ctx: Context, result, _other) -> tuple[dict, bool]:
     schedule = result.run.get("schedule", {})
     chosen = schedule.get("micro_batch_size")
     return {"micro_batch_chosen": f"{chosen} x GA {schedule.get('gradient_accumulation_steps')}"}, \
         isinstance(chosen, int) and chosen >= 1
 
 
-def _liger_modules(ctx: Context, result) -> tuple[dict, bool]:
+def _liger_modules(ctx: Context, result, _other) -> tuple[dict, bool]:
     return runs.liger_replacements(ctx, result)
 
 
-def _same_as_eager(ctx: Context, result) -> tuple[dict, bool]:
+def _same_as_eager(ctx: Context, result, eager) -> tuple[dict, bool]:
     """The compiled layers' losses against the same run uncompiled (inductor's fused kernels round bf16 once
     where eager rounds after every op, so the bf16 tolerance is batch_layouts')."""
-    eager = ctx.beside["torch_compile"].result()
     half = "bfloat16" in str(result.run.get("compute_dtype"))  # --torch_dtype auto: bf16 on GPUs and some CPUs
-    tolerance = dict(ctx.dtypes_with_tolerance()).get("bfloat16", 2e-2) if half else \
-        dict(ctx.dtypes_with_tolerance())["float32"]
+    tolerance = ctx.tolerance("bfloat16" if half else "float32")
     diff = max(abs(a - b) / abs(a) for a, b in zip(eager.losses, result.losses))
     return {"max_rel_diff_to_eager": diff, "tolerance": tolerance, "losses_eager": eager.losses,
             "compiled": runs.log_lines(ctx, "torch_compile", "--torch_compile")}, \

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -62,7 +62,6 @@ class Context:
     steps: int = 8
     compare_trl: bool = True
     running: dict[str, float] = field(default_factory=dict)  # parts in progress: name -> start (monotonic)
-    beside: dict[str, Future] = field(default_factory=dict)  # a part's second run, started with its first
 
     @property
     def speed_json(self) -> Path:
@@ -88,10 +87,14 @@ class Context:
     def train_dtype(self) -> str:
         return "bfloat16" if self.gpu else "float32"
 
+    def tolerance(self, dtype: str) -> float:
+        """How far two runs' losses that should be equal may be apart, relatively. bf16: their matmuls round
+        differently and the difference grows over the steps; fp32 on a GPU (no TF32) and on CPU only by
+        summation order."""
+        return 2e-2 if dtype == "bfloat16" else 1e-4 if self.gpu else 1e-5
+
     def dtypes_with_tolerance(self) -> list[tuple[str, float]]:
-        # bf16: the two layouts' matmuls round differently and the difference grows over the steps; fp32 on a
-        # GPU (no TF32) and on CPU only by summation order.
-        return [("bfloat16", 2e-2), ("float32", 1e-4)] if self.gpu else [("float32", 1e-5)]
+        return [(dtype, self.tolerance(dtype)) for dtype in (("bfloat16", "float32") if self.gpu else ("float32",))]
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -294,36 +297,13 @@ def interrupt(ctx: Context, name: str, extra: list[str], at_line: int, timeout: 
         return proc.wait(timeout=60)
 
 
-class _Done:
-    """A value computed at once, with a Future's result() (the CPU smoke runs a part's runs one by one)."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.value = fn()
-
-    def result(self) -> Any:
-        return self.value
-
-
-def start(ctx: Context, fn: Callable[[], Any]) -> Any:
-    """`fn` started beside the caller on a GPU (a thread: the runs are processes, the GPU has room for several
-    small ones), run at once on CPU; `.result()` gives its value."""
-    if not ctx.gpu:
-        return _Done(fn)
-    future: Future = Future()
-
-    def work() -> None:
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # re-raised by result()
-            future.set_exception(exc)
-
-    threading.Thread(target=work, daemon=True).start()
-    return future
-
-
 def together(ctx: Context, *fns: Callable[[], Any]) -> list[Any]:
-    """The values of `fns`, run at the same time on a GPU (one after the other on CPU)."""
-    return [handle.result() for handle in [start(ctx, fn) for fn in fns]]
+    """The values of `fns`: on a GPU called at the same time (threads; each run is a process of its own and the
+    GPU has room for several small ones), on CPU one after the other."""
+    if not ctx.gpu:
+        return [fn() for fn in fns]
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        return [future.result() for future in [pool.submit(fn) for fn in fns]]
 
 
 def falling(losses: list[float]) -> bool:

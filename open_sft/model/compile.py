@@ -70,11 +70,11 @@ def compile_problems(train: Any, lora: Any, fsdp: bool, zero_stage: int, tp: int
         refused.append("FSDP (its per-layer gathering would have to be traced with the layer)")
     if tp > 1:
         refused.append("tensor parallelism (the layers' weights are DTensors)")
-    if getattr(train, "pipeline_parallel_size", 1) > 1:
+    if train.pipeline_parallel_size > 1:
         refused.append("--pipeline_parallel_size (each stage swaps the backbone's layers)")
-    if getattr(train, "sequence_parallel_size", 1) > 1:
+    if train.sequence_parallel_size > 1:
         refused.append("--sequence_parallel_size (its attention exchanges heads across ranks)")
-    if getattr(lora, "use_qlora", False):
+    if lora.use_qlora:
         refused.append("--use_qlora (bitsandbytes' 4-bit layers are not traceable)")
     return [f"--torch_compile does not run with {what}: drop --torch_compile or that setting"
             for what in refused]
