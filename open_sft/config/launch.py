@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections
+from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections, zero_stage
 from open_sft.distributed.fsdp import fsdp_request
 from open_sft.errors import UserError
 from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
@@ -343,7 +343,7 @@ def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:
     """ZeRO-3 loads the model partitioned (deepspeed.zero.Init: each rank materialises only its share of
     the weights) unless accelerate's zero3_init_flag is false; accelerate and the HF Trainer default to
     it for stage 3 too."""
-    if cfg is None or str(cfg.get("zero_optimization", {}).get("stage", 0)) != "3":
+    if zero_stage(cfg) != 3:
         return False
     if settings.get("zero3_init_flag") is False:
         notes.append("zero3_init_flag false: the model is loaded whole on each rank and partitioned by ZeRO-3 "

@@ -40,6 +40,13 @@ DEEPSPEED_FP16_DEFAULTS = {"loss_scale": 0, "initial_scale_power": 16, "loss_sca
                            "hysteresis": 1, "min_loss_scale": 1}
 
 
+def zero_stage(config: Optional[dict]) -> int:
+    """The ZeRO stage of a DeepSpeed config dict (an int, or a string as JSON written by hand may hold); 0
+    without a config or without a zero_optimization section."""
+    zero = (config or {}).get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
 def _number_equal(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_number_equal(x, y) for x, y in zip(a, b))
@@ -266,7 +273,7 @@ def deepspeed_nonfinite_problems(config: dict) -> list[str]:
     when bf16.check_grad_overflow is on (default true). Without ZeRO, fp32 steps a plain torch optimizer.
     """
     zero = config.get("zero_optimization", {})
-    stage = int(zero.get("stage", 0))
+    stage = zero_stage(config)
     bf16 = config.get("bf16", {})
     fp16 = config.get("fp16", {}).get("enabled", False)  # fp16 checks overflow at every stage
     problems = []

@@ -52,11 +52,12 @@ def compile_layers(model: nn.Module) -> int:
 
 def refuse_what_compile_cannot_do(config: Any, plan: Any) -> None:
     """A UserError before anything loads when --torch_compile meets what it does not run with."""
+    from open_sft.distributed.deepspeed import zero_stage
     from open_sft.distributed.tensor_parallel import requested_tp_size
     from open_sft.errors import UserError
 
-    zero = int(((plan.deepspeed_config or {}).get("zero_optimization") or {}).get("stage", 0))
-    problems = compile_problems(plan.train, config.lora, plan.fsdp is not None, zero, requested_tp_size())
+    problems = compile_problems(plan.train, config.lora, plan.fsdp is not None, zero_stage(plan.deepspeed_config),
+                                requested_tp_size())
     if problems:
         raise UserError("\n  ".join(["--torch_compile cannot run as asked:", *problems]))
 

@@ -27,6 +27,7 @@ import torch
 
 from open_sft.data.batching import best_fit_decreasing, locate
 from open_sft.distributed import env
+from open_sft.distributed.deepspeed import zero_stage
 
 GIB = 2**30
 # Saved-for-backward elements per token, fp32, parameters excluded (see the module docstring): per decoder
@@ -310,7 +311,7 @@ def zero_settings(ds_config: Optional[dict]) -> tuple[int, bool, int]:
     offload = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in ("none", None)
                   for k in ("offload_optimizer", "offload_param"))
     bucket = zero.get("reduce_bucket_size", 0)
-    return int(zero.get("stage", 0)), offload, bucket if isinstance(bucket, int) else 0
+    return zero_stage(ds_config), offload, bucket if isinstance(bucket, int) else 0
 
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import DS_CONFIGS
-from open_sft.distributed.deepspeed import find_auto, resolve_deepspeed_config
+from open_sft.distributed.deepspeed import find_auto, resolve_deepspeed_config, zero_stage
 
 FLAGS = dict(micro_batch_size=2, gradient_accumulation_steps=3, world_size=4, bf16=True, clip_grad_norm=1.0)
 
@@ -67,3 +67,14 @@ def test_fp16_fills_dynamic_loss_scaling_and_keeps_the_users_settings() -> None:
                                      "fp16": {"enabled": "auto", "hysteresis": 2, "initial_scale_power": 12}}, **flags)
     assert (mine["fp16"]["hysteresis"], mine["fp16"]["initial_scale_power"], mine["fp16"]["min_loss_scale"]) == (2, 12, 1)
     assert "loss_scale" not in resolve_deepspeed_config({"zero_optimization": {"stage": 2}}, **FLAGS)["fp16"]
+
+
+@pytest.mark.parametrize("config, stage", [(None, 0), ({}, 0), ({"zero_optimization": {}}, 0),
+                                           ({"zero_optimization": {"stage": 2}}, 2),
+                                           ({"zero_optimization": {"stage": "3"}}, 3)])
+def test_zero_stage_reads_absent_and_hand_written_stages(config, stage) -> None:
+    assert zero_stage(config) == stage
+
+
+def test_the_shipped_configs_stages() -> None:
+    assert [zero_stage(json.loads((DS_CONFIGS / f"{n}.json").read_text())) for n in ("zero2", "zero3")] == [2, 3]
