@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_check_runs as runs  # noqa: E402  (scripts/gpu_check_runs.py)
+import gpu_check_speed  # noqa: E402  (scripts/gpu_check_speed.py)
 from gpu_check_report import markdown, pack_logs  # noqa: E402  (scripts/gpu_check_report.py)
 from gpu_check_runs import Context, falling, finetune, reload_export  # noqa: E402
 
@@ -179,7 +180,7 @@ PARTS = {
     "gradient_checkpointing": feature("gradient_checkpointing", ["--gradient_checkpointing"]),
     "auto_micro_batch_size": feature("auto_micro_batch_size", ["--auto_micro_batch_size"], check=_micro_batch),
     "torch_compile": feature("torch_compile", ["--torch_compile"], check=_same_as_eager, beside=[]),
-    "speed": lambda ctx: runs.speed(ctx),
+    "speed": gpu_check_speed.speed,
 }
 
 

@@ -245,7 +245,7 @@ def finetune_command(ctx: Context, name: str, extra: list[str], launcher: str = 
     return launch_prefix(launcher) + args + ["--dataset_mixer_list", ctx.data, ctx.data_amount] + rest
 
 
-def _log(ctx: Context, name: str) -> Path:
+def log_path(ctx: Context, name: str) -> Path:
     (ctx.work / "logs").mkdir(exist_ok=True)
     return ctx.work / "logs" / f"{name}.log"
 
@@ -268,7 +268,7 @@ def finetune(ctx: Context, name: str, extra: list[str], launcher: str = "python"
     out = ctx.work / "runs" / name
     if fresh and out.exists():
         shutil.rmtree(out)
-    log = _log(ctx, name if fresh else f"{name}_relaunch")
+    log = log_path(ctx, name if fresh else f"{name}_relaunch")
     with log.open("w") as handle:
         proc = subprocess.run(finetune_command(ctx, name, extra, launcher), cwd=ROOT, env=ctx.env(),
                               stdout=handle, stderr=subprocess.STDOUT, timeout=timeout)
@@ -282,7 +282,7 @@ def interrupt(ctx: Context, name: str, extra: list[str], at_line: int, timeout: 
     """Launch, wait for `at_line` lines of metrics.jsonl, kill -9 the run's whole process group."""
     out = ctx.work / "runs" / name
     shutil.rmtree(out, ignore_errors=True)
-    with _log(ctx, name).open("w") as handle:
+    with log_path(ctx, name).open("w") as handle:
         proc = subprocess.Popen(finetune_command(ctx, name, extra), cwd=ROOT, env=ctx.env(), stdout=handle,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -344,7 +344,7 @@ print(json.dumps(names + (["liger rotary embedding"] if "liger" in getattr(rope,
 
 def log_lines(ctx: Context, name: str, marker: str) -> list[str]:
     """The lines of a run's log that carry `marker` (what the run said it put in place), message part only."""
-    lines = _log(ctx, name).read_text().splitlines()
+    lines = log_path(ctx, name).read_text().splitlines()
     return sorted({line.split(": ", 1)[-1][:300] for line in lines if marker in line})
 
 
@@ -361,80 +361,10 @@ def liger_replacements(ctx: Context, result: RunResult) -> tuple[dict, bool]:
 
 
 def probe(ctx: Context, name: str, args: list[str], timeout: float = 300) -> dict:
-    log = _log(ctx, f"probe_{name}")
+    log = log_path(ctx, f"probe_{name}")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_probes.py"), name, *args], cwd=ROOT,
                           env=ctx.env(), capture_output=True, text=True, timeout=timeout)
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"probe {name}: exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-# ------------------------------------------------------------------------------------------------------------
-# speed
-# ------------------------------------------------------------------------------------------------------------
-TARGETS = {"mfu": 0.50, "over_trl_best": 1.5, "estimate_within": 0.15}
-
-
-def speed(ctx: Context) -> dict:
-    """scripts/benchmark.py, side by side in one invocation: on a GPU the 1B shape packed to 4,096 with and
-    without Liger, against TRL's SFTTrainer when it is installed; in --smoke the tiny model, open_sft only."""
-    out = ctx.speed_json
-    cmd = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--data", ctx.speed_data, "--packing",
-           "--steps", str(ctx.speed_steps), "--json_out", str(out), "--log_dir", str(ctx.work / "logs" / "speed"),
-           "--deadline_unix", str(time.time() + ctx.deadline - time.monotonic()), "--run_timeout_s", "240"]
-    if ctx.gpu:
-        cmd += ["--model_name_or_path", str(ctx.big_model), "--max_seq_length", "4096", "--batch_size", "4",
-                "--warmup_steps", "3", "--dtypes", "auto", "--variants", "plain", "liger", "compile"]
-        if importable("trl") and ctx.compare_trl:
-            cmd += ["--compare", "trl", "--trl_dtypes", "bfloat16", "--trl_variants", "plain", "liger"]
-    else:
-        cmd += ["--model_name_or_path", str(ctx.small_model), "--max_seq_length", "256", "--batch_size", "2",
-                "--warmup_steps", "1", "--dtypes", "float32"]
-    log = _log(ctx, "speed")
-    with log.open("w") as handle:
-        proc = subprocess.run(cmd, cwd=ROOT, env=ctx.env(), stdout=handle, stderr=subprocess.STDOUT, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark: exit {proc.returncode}: " + "\n".join(log.read_text().splitlines()[-25:]))
-    results = json.loads(out.read_text())
-    ours = [r for r in results["runs"] if r["tool"] == "open_sft"]
-    best = max(ours, key=lambda r: r["tokens_per_second"])
-    trl = [r for r in results["runs"] if r["tool"] != "open_sft"]
-    reached = {"runs_finished": not results.get("failed") and all(r["tokens_per_second"] > 0 for r in results["runs"])}
-    if ctx.gpu:
-        reached["mfu_datasheet>=0.50"] = best["mfu"] >= TARGETS["mfu"]
-        estimate = best.get("estimate_gib")
-        reached["estimate_within_15%"] = bool(estimate and abs(estimate - best["peak_gib"]) <= 0.15 * best["peak_gib"])
-        if trl:
-            fastest = max(trl, key=lambda r: r["tokens_per_second"])
-            reached[">=1.5x_trl_best"] = best["tokens_per_second"] >= TARGETS["over_trl_best"] * fastest[
-                "tokens_per_second"]
-            reached["peak_memory<=trl"] = best["peak_gib"] <= min(r["peak_gib"] for r in trl)
-    if results.get("skipped"):
-        reached["every_run_started_within_budget_s"] = False
-    late = {"not run": "the check's time budget (--budget_s) ran out first"}
-    profiled = profile(ctx) if time.monotonic() < ctx.deadline else late
-    figures = {"pass": all(reached.values()), "targets": reached, **results, "profile": profiled}
-    if best.get("flags"):  # where a variant is the fastest, where its step's time goes as well
-        figures["profile_fastest"] = {"run": best["label"], **(profile(ctx, best["flags"], "profile_fastest")
-                                                                if time.monotonic() < ctx.deadline else late)}
-    return figures
-
-
-def profile(ctx: Context, flags: Optional[list[str]] = None, name: str = "profile") -> dict:
-    """scripts/profile_step.py on open_sft's run of the speed model (default flags, or `flags`): where step 4's
-    time goes."""
-    model, width, batch = (ctx.big_model, "4096", "4") if ctx.gpu else (ctx.small_model, "256", "2")
-    cmd = [sys.executable, str(ROOT / "scripts" / "profile_step.py"), "--step", "4", "--top", "8", "--",
-           "--model_name_or_path", str(model), "--dataset_mixer_list", ctx.speed_data, "1.0",
-           "--output_dir", str(ctx.work / "runs" / name), "--max_train_steps", "6",
-           "--per_device_train_batch_size", batch, "--max_seq_length", width, "--packing", "--logging_steps", "1",
-           "--learning_rate", "1e-4", "--dataset_local_cache_dir", str(ctx.work / "cache"), *(flags or [])]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ctx.env(), capture_output=True, text=True, timeout=600)
-    _log(ctx, name).write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        return {"error": proc.stderr.strip()[-800:]}
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    kinds = {r["kind"]: r["share"] for r in lines if "kind" in r and "share" in r}
-    summary = next((r for r in lines if "mfu_ceiling_kernels" in r), {})
-    return {"shares": kinds, **{k: v for k, v in summary.items() if k != "step"}}
