@@ -56,6 +56,8 @@ IDENTITY_FLAGS = {
     "sequence_parallel_size": "--sequence_parallel_size (it sets DeepSpeed's data-parallel partitioning)",
     "tensor_parallel_size": "accelerate's --parallelism_config_tp_size (it sets how each parameter is sharded)",
     "pipeline_parallel_size": "--pipeline_parallel_size and its stages (each writes its own part)",
+    "adapters": "what trains: the full model, or LoRA adapters (--use_lora / --use_qlora, --lora_rank, "
+                "--lora_alpha, --lora_target_modules)",
 }
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
@@ -384,4 +386,14 @@ def run_identity(config: Any, cache_key: str, world_size: int, distributed_type:
             "micro_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps":
             t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed, "packing": t.packing,
             "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),
-            "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": tensor_parallel}
+            "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": tensor_parallel,
+            "adapters": adapters(config.lora)}
+
+
+def adapters(lora: Any) -> str:
+    """What a run trains, as its checkpoint records it: a checkpoint of adapters does not load into the full
+    model nor into adapters of another rank or other modules, and another alpha scales every update otherwise."""
+    if not (lora.use_lora or lora.use_qlora):
+        return "full model"
+    return (f"{'QLoRA' if lora.use_qlora else 'LoRA'} rank {lora.lora_rank}, alpha {lora.lora_alpha:g}, on "
+            f"{' '.join(sorted(lora.lora_target_modules))}")

@@ -91,3 +91,33 @@ def test_retry_policy() -> None:
     finally:
         del os.environ["OPEN_SFT_HUB_BACKOFF_S"]
     assert sleeps == [1.5, 3.0]  # exponential backoff
+
+
+def _identity(*flags: str) -> dict:
+    from open_sft.config.parse import parse_config
+    from open_sft.training.checkpoint import run_identity
+
+    return run_identity(parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0",
+                                      "--output_dir", "o", *flags]), "key", 1)
+
+
+@pytest.mark.parametrize("saved_flags, now_flags", [
+    ((), ("--use_lora",)), (("--use_lora",), ()), (("--use_lora", "--lora_rank", "8"), ("--use_lora",)),
+    (("--use_lora", "--lora_target_modules", "q_proj", "v_proj"), ("--use_lora",)),
+    (("--use_lora", "--lora_alpha", "32"), ("--use_lora",))])
+def test_a_checkpoint_of_other_adapters_is_refused_by_name(tmp_path, saved_flags, now_flags) -> None:
+    from open_sft.errors import UserError
+    from open_sft.training.checkpoint import check_compatible
+
+    with pytest.raises(UserError, match="--use_lora / --use_qlora, --lora_rank"):
+        check_compatible(tmp_path, _identity(*saved_flags), _identity(*now_flags))
+    check_compatible(tmp_path, _identity(*now_flags), _identity(*now_flags))
+    saved = _identity(*saved_flags)
+    del saved["adapters"]  # a checkpoint written before adapters were recorded resumes as before
+    check_compatible(tmp_path, saved, _identity(*now_flags))
+
+
+def test_adapter_identity_ignores_the_order_of_target_modules() -> None:
+    assert (_identity("--use_lora", "--lora_target_modules", "q_proj", "v_proj")["adapters"]
+            == _identity("--use_lora", "--lora_target_modules", "v_proj", "q_proj")["adapters"]
+            == "LoRA rank 64, alpha 16, on q_proj v_proj")
