@@ -48,6 +48,7 @@ class Job:
     steps: Any = None  # open_sft.training.steps.StepPlan
     preflight: Any = None  # open_sft.preflight.estimate.Preflight
     baseline_bytes: int = 0  # this process's memory before the model
+    given: Optional[FinetuneConfig] = None  # as parsed, before the plan: what the completion record keeps
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,7 +108,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
         if problems:
             raise UserError("\n  ".join(["pipeline parallelism cannot run as asked:", *problems]))
     torch.manual_seed(plan.train.seed)
-    return Job(dataclasses.replace(config, train=plan.train), plan)
+    return Job(dataclasses.replace(config, train=plan.train), plan, given=config)
 
 
 def prepare_data(job: Job) -> None:
@@ -322,7 +323,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
     if acc.is_main_process:  # last of all it writes here: a relaunch now says "already complete"
-        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed())
+        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given)
     if config.hub.push_to_hub and acc.is_main_process:
         push_output_dir(output_dir, config.hub)
 

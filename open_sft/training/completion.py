@@ -16,10 +16,16 @@ anew and the export overwritten at the end. A launch that trains for any reason 
 checkpoint) removes the record once its resume point is settled, under the output-directory lock: the directory
 then holds a run in progress, which a relaunch resumes (a launch refused before that leaves the record).
 `--dry_run` and `--cache_dataset_only` neither read nor write it.
+
+The record also holds the settings the run was launched with (every flag but those that do not change what is
+trained or exported: logging, trackers, checkpoint cadence, caches, the Hub). A relaunch with other settings (a
+new model, data or learning rate into the same directory) would otherwise exit 0 with the old model: it is
+refused, naming each difference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -32,6 +38,32 @@ MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpo
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
               "activations.rank", MARKER)
+
+
+# Flags that change neither the weights a run trains nor its export: a relaunch may differ in these.
+NOT_SETTINGS = frozenset({
+    "output_dir", "exp_name", "logging_steps", "report_to", "with_tracking", "wandb_project_name", "wandb_entity",
+    "timeout", "preprocessing_num_workers", "dataset_local_cache_dir", "dataset_skip_cache", "cache_dataset_only",
+    "dry_run", "eval_steps", "per_device_eval_batch_size", "checkpointing_steps", "keep_last_n_checkpoints",
+    "clean_checkpoints_at_end", "resume_from_checkpoint", "overwrite_output_dir", "max_shard_size"})
+
+
+def settings(config: Any) -> dict[str, Any]:
+    """The flags (as parsed, before the launch plan fills in what it decides) that define what a run trains and
+    exports, as JSON values."""
+    flat = {}
+    for section in (config.model, config.data, config.train, config.lora, config.checkpoint):
+        flat.update({k: v for k, v in dataclasses.asdict(section).items() if k not in NOT_SETTINGS})
+    return json.loads(json.dumps(flat, default=str))
+
+
+def _differences(record: dict[str, Any], config: Any) -> list[str]:
+    then = record.get("settings")
+    if not isinstance(then, dict):  # a record written before settings were kept
+        return []
+    now = settings(config)
+    return [f"--{name}: {then.get(name)!r} then, {now.get(name)!r} now"
+            for name in sorted(set(then) | set(now)) if name in then and name in now and then[name] != now[name]]
 
 
 def checks_completion(config: Any) -> bool:
@@ -59,6 +91,12 @@ def already_complete(config: Any) -> Optional[str]:
         raise UserError(f"--output_dir {output_dir}: the run there completed ({output_dir / MARKER}) but its export "
                         f"lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; restore the files, or "
                         "pass --overwrite_output_dir to train again from scratch")
+    differences = _differences(record, config)
+    if differences:
+        lines = "\n".join(f"  - {d}" for d in differences)
+        raise UserError(f"--output_dir {output_dir} holds a completed run launched with other settings:\n{lines}\n"
+                        "Pass --overwrite_output_dir to train again with these settings (the earlier checkpoints are "
+                        "moved aside and the export replaced), or choose another --output_dir")
     upload = (f"; to upload the export: python -m open_sft push {output_dir} --hub_model_id "
               f"{config.hub.hub_model_id}" if config.hub.push_to_hub else "")
     return (f"already complete: {output_dir} (trained to step {record.get('step')}, finished at "
@@ -85,10 +123,11 @@ def export_files(output_dir: Path) -> dict[str, int]:
     return files
 
 
-def mark_complete(output_dir: Path, step: int, elapsed_s: float) -> None:
-    """Written last by the main process: the record, fsynced and renamed into place."""
+def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optional[Any] = None) -> None:
+    """Written last by the main process: the record, fsynced and renamed into place; `launched`: the config as
+    parsed, whose settings a relaunch must share."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "files": export_files(output_dir)}
+              "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {})}
     write_json(output_dir / MARKER, record)
 
 

@@ -1,5 +1,6 @@
 """A finished run stays finished: relaunching a 2-rank run whose export is complete says `already complete` once,
-exits 0 on every rank without training and touches nothing (every file's bytes and times compared);
+exits 0 on every rank without training and touches nothing (every file's bytes and times compared); one with
+other settings is refused naming them;
 --overwrite_output_dir trains it again from step 0 (the same losses, the earlier checkpoints moved aside);
 --dry_run and --cache_dataset_only run as ever on a finished directory."""
 
@@ -38,8 +39,9 @@ def finished(tiny_model_dir, tmp_path_factory) -> dict:
     before = snapshot(out)
     again = run_finetune(args_for(tiny_model_dir, out), processes=2, check=False)
     after = snapshot(out)
+    other = run_finetune(args_for(tiny_model_dir, out, "--warmup_ratio", "0.5"), processes=1, check=False)
     return {"out": out, "first": first, "before": before, "again": again, "after": after,
-            "metrics": read_metrics(out)}
+            "metrics": read_metrics(out), "other": other, "after_other": snapshot(out)}
 
 
 def test_the_run_writes_its_completion_record_last(finished) -> None:
@@ -60,6 +62,14 @@ def test_a_relaunch_of_a_finished_run_exits_0_touching_nothing(finished) -> None
     for quiet in ("step 1/4", "resuming from", "loading", "world size", "Traceback"):
         assert quiet not in again.stdout + again.stderr, quiet
     assert finished["after"] == finished["before"]  # every byte and time, metrics.jsonl and the export included
+
+
+def test_a_relaunch_with_other_settings_is_refused_touching_nothing(finished) -> None:
+    other = finished["other"]
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "holds a completed run launched with other settings" in other.stderr
+    assert "--warmup_ratio: 0.03 then, 0.5 now" in other.stderr and "Traceback" not in other.stderr
+    assert finished["after_other"] == finished["before"]
 
 
 def test_overwrite_output_dir_trains_again_from_step_0(finished, tiny_model_dir) -> None:

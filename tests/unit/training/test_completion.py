@@ -80,3 +80,27 @@ def test_overwrite_output_dir_is_open_sfts_flag_and_refuses_a_named_checkpoint()
             "--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint out/checkpoints/step_4 "
             "continues that checkpoint; give one of the two")):
         parse_config(BASE + ["--overwrite_output_dir", "--resume_from_checkpoint", "out/checkpoints/step_4"])
+
+
+def test_a_relaunch_with_other_settings_is_refused_naming_each(tmp_path) -> None:
+    launched = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-5"])
+    finished_run(tmp_path)
+    completion.mark_complete(tmp_path, 4, 12.5, launched)
+    other = parse_config(["--model_name_or_path", "other", "--dataset_mixer_list", "d.jsonl", "1.0",
+                          "--output_dir", str(tmp_path), "--learning_rate", "1e-4"])
+    with pytest.raises(UserError) as refused:
+        completion.already_complete(other)
+    assert "--learning_rate: 1e-05 then, 0.0001 now" in str(refused.value)
+    assert "--model_name_or_path: 'm' then, 'other' now" in str(refused.value)
+    assert "--overwrite_output_dir" in str(refused.value) and "RUN_COMPLETE" not in str(refused.value)
+    # what changes neither the weights nor the export may differ: the relaunch stops at the finished run
+    same = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-5", "--logging_steps", "1",
+                                "--report_to", "none", "--checkpointing_steps", "2", "--preprocessing_num_workers",
+                                "1", "--dataset_local_cache_dir", str(tmp_path / "c")])
+    assert completion.already_complete(same).startswith(f"already complete: {tmp_path}")
+
+
+def test_a_record_written_before_settings_were_kept_stops_as_before(tmp_path) -> None:
+    finished_run(tmp_path)  # no settings in the record
+    relaunch = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-4"])
+    assert completion.already_complete(relaunch).startswith("already complete")
