@@ -18,7 +18,7 @@ from open_sft.distributed.pipeline import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems
 from open_sft.errors import ConfigError
 from open_sft.file_modes import unreadable
-from open_sft.monitor.tracking import REPORT_TO_CHOICES
+from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 
 
 def _choices(cls: type) -> dict[str, tuple[str, ...]]:
@@ -43,6 +43,7 @@ def validate(config: FinetuneConfig) -> None:
     problems += _lora_and_model_problems(config)
     problems += _checkpoint_problems(config.checkpoint) + _hub_problems(config.hub)
     problems += _environment_problems(config) + _unreadable_input_problems(config)
+    problems += _output_dir_problems(config) + _online_problems(config)
     if problems:
         raise ConfigError(problems)
 
@@ -181,6 +182,38 @@ def _checkpoint_problems(c: CheckpointArguments) -> list[str]:
     if c.overwrite_output_dir and c.resume_from_checkpoint not in ("auto", "none"):
         problems.append(f"--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint "
                         f"{c.resume_from_checkpoint} continues that checkpoint; give one of the two")
+    return problems
+
+
+def _output_dir_problems(config: FinetuneConfig) -> list[str]:
+    """--output_dir must be, or be creatable as, a directory this process can write (checked before the data is
+    tokenized and the model loaded, not when the first file is written)."""
+    if config.train.dry_run or config.data.cache_dataset_only:  # neither writes there
+        return []
+    given = config.train.output_dir
+    path = Path(given).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        return [f"--output_dir {given} {where}, not a directory; give a directory (it is created if missing)"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
+        return [f"--output_dir {given}: no permission to write there{what}; give a directory you can write"]
+    return []
+
+
+def _online_problems(config: FinetuneConfig) -> list[str]:
+    """Services the run will need at its end (the Hub) or its start (W&B), checked before any work."""
+    problems, t = [], config.train
+    if t.with_tracking and not t.dry_run and not config.data.cache_dataset_only and t.report_to and \
+            set(t.report_to) <= set(REPORT_TO_CHOICES) and "wandb" in trackers_for(t.report_to):
+        problem = wandb_login_problem()
+        if problem:
+            problems.append(problem)
+    if config.hub.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        problems.append("--push_to_hub cannot upload with HF_HUB_OFFLINE set: unset it for this run (a local model "
+                        "and local data load offline either way), or drop --push_to_hub and upload the export "
+                        "later with python -m open_sft push OUTPUT_DIR --hub_model_id ID")
     return problems
 
 

@@ -222,11 +222,25 @@ def _load_hub(spec: SourceSpec, where: str) -> Any:
         return datasets.load_dataset(where, name=spec.config_name, split=spec.split)
     except Exception as exc:  # datasets raises many types; the user needs the name and the cause
         config = f", config {spec.config_name!r}" if spec.config_name else ""
-        raise UserError(
-            f"dataset {spec.name!r} (split {spec.split!r}{config}) could not be loaded: {exc}. "
-            "If it is meant to be a local file, check the path; if a Hub dataset, check the id, the split "
-            "(--dataset_mixer_list_splits), the config (--dataset_config_name) and network access"
-        ) from exc
+        hint = ("Check the split (--dataset_mixer_list_splits) and the config (--dataset_config_name); a local "
+                "directory's data files must share one set of columns (one format)" if Path(where).is_dir() else
+                "If it is meant to be a local file, check the path; if a Hub dataset, check the id, the split "
+                "(--dataset_mixer_list_splits), the config (--dataset_config_name) and network access")
+        raise UserError(f"dataset {spec.name!r} (split {spec.split!r}{config}) could not be loaded: "
+                        f"{_with_causes(exc).rstrip('.')}. {hint}") from exc
+
+
+def _with_causes(exc: BaseException, limit: int = 600) -> str:
+    """An exception's message and those of the exceptions behind it: datasets wraps the one that says what is
+    wrong (a CastError naming the columns that differ) in a generic "error occurred while generating"."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = " ".join(str(exc).split())
+        if text and not any(text in p for p in parts):
+            parts.append(text if not parts else f"{type(exc).__name__}: {text}"[:limit])
+        exc = exc.__cause__ or exc.__context__
+    return " <- ".join(parts)
 
 
 def _saved_by_datasets(path: Path) -> bool:

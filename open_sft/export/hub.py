@@ -57,8 +57,10 @@ def resolve_token(explicit: Optional[str]) -> Optional[str]:
 def is_transient(exc: BaseException) -> bool:
     """Worth retrying: the server or the network failed, not the request."""
     import httpx2
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    if isinstance(exc, OfflineModeIsEnabled):  # a ConnectionError, but HF_HUB_OFFLINE will not change by waiting
+        return False
     if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else None
         return status is None or status == 429 or status >= 500

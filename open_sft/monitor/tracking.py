@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Any, Optional, Protocol, Sequence
 
 from open_sft.errors import UserError
@@ -20,6 +22,8 @@ logger = logging.getLogger(__name__)
 TRACKERS = ("tensorboard", "wandb")
 REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
 WANDB_INSTALL_HINT = "pip install 'open_sft[wandb]'"
+WANDB_LOGIN_HINT = ("run `wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline (`wandb sync` "
+                    "uploads later), or track with --report_to tensorboard")
 
 
 class Tracker(Protocol):
@@ -37,6 +41,34 @@ def trackers_for(report_to: str | Sequence[str]) -> tuple[str, ...]:
     if "all" in names:
         return TRACKERS
     return tuple(dict.fromkeys(name for name in names if name != "none"))
+
+
+def wandb_login_problem(environ: Optional[dict[str, str]] = None, interactive: Optional[bool] = None,
+                        home: Optional[Path] = None) -> Optional[str]:
+    """Why W&B would refuse to start this run, found before the data and the model load (wandb.init would raise
+    only when the trackers start); None where it may start. Looks where W&B looks for credentials: the
+    environment, the netrc file, W&B's settings file; an interactive terminal lets W&B prompt for a key.
+    (Read by hand: wandb's own lookup moves between releases and sits behind its private modules.)"""
+    env = os.environ if environ is None else environ
+    interactive = sys.stdin is not None and sys.stdin.isatty() if interactive is None else interactive
+    home = Path.home() if home is None else home
+    if env.get("WANDB_MODE", "online").lower() in ("offline", "dryrun", "disabled") or interactive:
+        return None
+    if env.get("WANDB_DISABLED", "").lower() in ("1", "true", "yes"):
+        return None
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    netrc = Path(env["NETRC"]) if env.get("NETRC") else home / ".netrc"
+    settings = Path(env.get("WANDB_CONFIG_DIR", home / ".config" / "wandb")) / "settings"
+    for path, needle in ((netrc, host), (settings, "api_key")):
+        try:
+            if needle in path.read_text(errors="replace"):
+                return None
+        except OSError:
+            continue
+    return (f"--report_to wandb: no W&B API key for {host} (none in WANDB_API_KEY, {netrc} or {settings}) and no "
+            f"terminal to ask for one; {WANDB_LOGIN_HINT}")
 
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
@@ -96,11 +128,15 @@ class WandbTracker:
         settings = wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)
         id_file = output_dir / WANDB_RUN_ID
         run_id = id_file.read_text().strip() if resume_step and id_file.exists() else None
-        self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT", "open_sft"),
-                              name=name or output_dir.name, entity=entity,
-                              dir=os.environ.get("WANDB_DIR", str(output_dir)),
-                              config=redact_secrets(run_config), settings=settings,
-                              **({"id": run_id, "resume": "allow"} if run_id else {}))
+        try:
+            self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT", "open_sft"),
+                                  name=name or output_dir.name, entity=entity,
+                                  dir=os.environ.get("WANDB_DIR", str(output_dir)),
+                                  config=redact_secrets(run_config), settings=settings,
+                                  **({"id": run_id, "resume": "allow"} if run_id else {}))
+        except wandb.errors.Error as exc:  # no login, a refused key, an unreachable server: the user's to fix
+            raise UserError(f"--report_to wandb: W&B did not start ({type(exc).__name__}: {exc}); "
+                            f"{WANDB_LOGIN_HINT}") from None
         id_file.write_text(self.run.id + "\n")
         if run_id:
             logger.info("W&B: continuing run %s from step %d", run_id, resume_step)
@@ -117,7 +153,7 @@ def build_trackers(report_to: str | Sequence[str], output_dir: Path, run_config:
     """The trackers --report_to asks for; call on the main process only. `resume_step`: the checkpoint step this
     launch resumes from (0: a new run). `wandb_options`: name, project, entity of the W&B run."""
     trackers: list[Tracker] = []
-    for name in trackers_for(report_to):
+    for name in sorted(trackers_for(report_to), key=lambda n: n != "wandb"):  # W&B may refuse: before any file
         if name == "tensorboard":
             trackers.append(TensorBoardTracker(output_dir / "tensorboard", resume_step))
         else:

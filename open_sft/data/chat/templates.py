@@ -87,10 +87,30 @@ def content_writing(template: Optional[str]) -> Optional[str]:
     return _CONTENT_WRITING.get(template) if template else None
 
 
+def jinja_syntax_problem(source: str) -> Optional[str]:
+    """Where a chat template is not valid Jinja ("line N: what"), else None: found once, up front, rather than
+    as every row's rendering error. Parsing only: filters and globals that transformers adds at render time
+    (tojson, raise_exception, ...) are not resolved here."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except TemplateSyntaxError as exc:
+        return f"line {exc.lineno}: {exc.message}"
+    return None
+
+
 def chat_template_problems(name: Optional[str], path: Optional[str]) -> list[str]:
     """What is wrong with --chat_template_name / --chat_template_path (config.checks reports it up front)."""
     if path:
-        return [] if Path(path).is_file() else [f"--chat_template_path {path}: no such file; give a Jinja template file"]
+        if not Path(path).is_file():
+            return [f"--chat_template_path {path}: no such file; give a Jinja template file"]
+        try:
+            problem = jinja_syntax_problem(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            return [f"--chat_template_path {path}: cannot be read as UTF-8 text ({exc})"]
+        return [f"--chat_template_path {path} {problem}; fix the template"] if problem else []
     if name is not None and name not in BUILTIN_TEMPLATES:
         return [f"--chat_template_name {name!r} is not a built-in template; choose one of "
                 f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path"]
@@ -108,9 +128,12 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
     if problems:
         raise UserError("; ".join(problems))
     if path:
+        if name is not None:
+            logger.warning("--chat_template_path %s overrides --chat_template_name %s (drop one of the two)", path, name)
         tokenizer.chat_template = Path(path).read_text()
         return []
     if name is None:
+        _check_own_template(tokenizer)
         return []
     template = BUILTIN_TEMPLATES[name]
     vocab = tokenizer.get_vocab()
@@ -121,6 +144,19 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
         logger.info("chat template %s: added the special tokens %s to the tokenizer", name, ", ".join(missing))
     tokenizer.chat_template = template.source
     return missing
+
+
+def _check_own_template(tokenizer) -> None:
+    """The tokenizer's own chat template (one, or several by name), parsed before any row is rendered."""
+    own = tokenizer.chat_template
+    named = own if isinstance(own, dict) else {"": own} if isinstance(own, str) else {}
+    for key, source in named.items():
+        problem = jinja_syntax_problem(source) if isinstance(source, str) else None
+        if problem:
+            which = f" {key!r}" if key else ""
+            raise UserError(f"the tokenizer's chat template{which} ({getattr(tokenizer, 'name_or_path', '')}) is not "
+                            f"valid Jinja: {problem}; fix it in the tokenizer's files, or choose a template with "
+                            "--chat_template_name or --chat_template_path")
 
 
 def remember_new_tokens(tokenizer, ids: list[int]) -> None:

@@ -85,6 +85,14 @@ def test_the_flag_list_is_open_instructs() -> None:
     assert len(FLAT_ARGUMENTS) == 73 and len(TOKENIZER_CONFIG) == 12 and len(OPEN_INSTRUCT_FLAGS) == 91
 
 
+@pytest.fixture(autouse=True)
+def online_services(monkeypatch) -> None:
+    """--push_to_hub and --report_to wandb parse as on a machine with the Hub in reach and a W&B login (without
+    them they are refused up front, which tests/unit/config/test_up_front_checks.py checks)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("WANDB_API_KEY", "test-key")
+
+
 @pytest.fixture
 def gpu_machine(monkeypatch) -> None:
     """A CUDA machine with flash-attn and liger-kernel installed (what --use_flash_attn and --use_liger_kernel need;

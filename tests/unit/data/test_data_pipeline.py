@@ -404,3 +404,11 @@ def test_read_lines_gives_the_files_non_blank_lines_and_their_numbers(tmp_path, 
         expected = [(number, line.rstrip("\n")) for number, line in enumerate(handle, start=1) if not line.isspace()]
     lines, numbers = read_lines(path)
     assert list(zip(numbers, lines)) == expected
+
+
+def test_a_tokenizers_own_template_that_is_not_valid_jinja_is_refused_before_any_row(tokenizer) -> None:
+    from open_sft.errors import UserError
+
+    tokenizer.chat_template = "{% if messages %}{{ messages[0].content }}"
+    with pytest.raises(UserError, match=r"the tokenizer's chat template .* is not valid Jinja: line 1: .*endif"):
+        apply_chat_template_choice(tokenizer, None, None)

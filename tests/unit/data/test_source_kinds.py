@@ -87,3 +87,16 @@ def test_dataset_config_name_enters_the_cache_key(sources, tiny_model_dir) -> No
         assert ("config" in inputs["sources"][0]) is (config is not None)
         keys[config] = cache_key(inputs)
     assert len(set(keys.values())) == 3
+
+
+def test_a_directory_whose_files_differ_in_columns_says_which(tmp_path) -> None:
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "a"}]}) + "\n")
+    (folder / "b.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "a"}]}) + "\n")
+    with pytest.raises(UserError) as refused:
+        rows_of(str(folder))
+    message = str(refused.value)
+    # datasets' own cause (behind its generic "error occurred while generating"), then the way out
+    assert "CastError" in message and "column names don't match" in message and "conversations" in message
+    assert "a local directory's data files must share one set of columns" in message

@@ -68,6 +68,9 @@ def test_retry_policy() -> None:
     assert is_transient(http_error(503)) and is_transient(http_error(429))
     assert is_transient(httpx2.RemoteProtocolError("dropped")) and is_transient(httpx2.ReadTimeout("slow"))
     assert not is_transient(http_error(403)) and not is_transient(ValueError("bad"))
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    assert not is_transient(OfflineModeIsEnabled("HF_HUB_OFFLINE is set"))  # waiting does not unset it
     calls, sleeps = [], []
 
     def forbidden():

@@ -35,7 +35,8 @@ def test_the_record_lists_the_export_not_the_bookkeeping(tmp_path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_a_relaunch_with_auto_stops_at_a_finished_run(tmp_path) -> None:
+def test_a_relaunch_with_auto_stops_at_a_finished_run(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # --push_to_hub is refused up front under HF_HUB_OFFLINE
     finished_run(tmp_path)
     message = completion.already_complete(parse_config(BASE + ["--output_dir", str(tmp_path)]))
     assert message.startswith(f"already complete: {tmp_path} (trained to step 4, finished at ")

@@ -1,0 +1,80 @@
+"""Problems found with the flags, before any data is tokenized or a model loaded: an --output_dir that cannot be
+a directory, W&B without credentials where nobody can be asked for them, a Hub push while HF_HUB_OFFLINE is set."""
+
+from __future__ import annotations
+
+import pytest
+
+from open_sft.config.parse import parse_config
+from open_sft.errors import ConfigError
+from open_sft.monitor.tracking import wandb_login_problem
+
+BASE = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]
+
+
+def test_an_output_dir_that_is_a_file_or_lies_under_one_is_refused(tmp_path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match=r"--output_dir .*afile is a file, not a directory; give a directory"):
+        parse_config(BASE + ["--output_dir", str(tmp_path / "afile")])
+    with pytest.raises(ConfigError, match=r"--output_dir .*afile/sub/run lies under .*afile, which is a file"):
+        parse_config(BASE + ["--output_dir", str(tmp_path / "afile" / "sub" / "run")])
+    assert parse_config(BASE + ["--output_dir", str(tmp_path / "new" / "run")])  # created when the run starts
+    assert not (tmp_path / "new").exists()
+    # --cache_dataset_only and --dry_run write nothing there
+    assert parse_config(BASE + ["--output_dir", str(tmp_path / "afile"), "--cache_dataset_only"])
+
+
+def test_wandb_without_credentials_and_no_terminal_is_refused_with_the_ways_out(tmp_path) -> None:
+    problem = wandb_login_problem({}, interactive=False, home=tmp_path)
+    assert "no W&B API key for api.wandb.ai" in problem
+    assert "wandb login" in problem and "WANDB_MODE=offline" in problem and "--report_to tensorboard" in problem
+    # each place W&B finds a key, an offline mode, or a terminal to prompt on lets it start
+    assert wandb_login_problem({"WANDB_API_KEY": "k"}, interactive=False, home=tmp_path) is None
+    assert wandb_login_problem({"WANDB_MODE": "offline"}, interactive=False, home=tmp_path) is None
+    assert wandb_login_problem({"WANDB_MODE": "disabled"}, interactive=False, home=tmp_path) is None
+    assert wandb_login_problem({}, interactive=True, home=tmp_path) is None
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    assert wandb_login_problem({}, interactive=False, home=tmp_path) is None
+    # a key for another W&B server is not one for this server
+    assert "no W&B API key for wandb.example.org" in wandb_login_problem(
+        {"WANDB_BASE_URL": "https://wandb.example.org"}, interactive=False, home=tmp_path)
+    settings = tmp_path / "cfg" / "settings"
+    settings.parent.mkdir()
+    settings.write_text("[default]\napi_key = k\n")
+    assert wandb_login_problem({"WANDB_BASE_URL": "https://wandb.example.org", "WANDB_CONFIG_DIR": str(settings.parent)},
+                               interactive=False, home=tmp_path) is None
+
+
+def test_the_flags_only_ask_for_w_and_b_credentials_when_w_and_b_tracks(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "NETRC", "WANDB_CONFIG_DIR", "WANDB_BASE_URL", "WANDB_DISABLED",
+                 "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    out = ["--output_dir", str(tmp_path / "o")]
+    for report_to in (["wandb"], ["all"], ["tensorboard", "wandb"]):
+        with pytest.raises(ConfigError, match="--report_to wandb: no W&B API key"):
+            parse_config(BASE + out + ["--with_tracking", "--report_to", *report_to])
+    assert parse_config(BASE + out + ["--with_tracking", "--report_to", "tensorboard"])
+    assert parse_config(BASE + out + ["--report_to", "wandb"])  # no --with_tracking: no tracker starts
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert parse_config(BASE + out + ["--with_tracking", "--report_to", "wandb"])
+
+
+def test_a_push_with_hf_hub_offline_set_is_refused_before_training(tmp_path, monkeypatch) -> None:
+    push = BASE + ["--output_dir", str(tmp_path / "o"), "--push_to_hub", "--hub_model_id", "me/m"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="--push_to_hub cannot upload with HF_HUB_OFFLINE set: unset it"):
+        parse_config(push)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert parse_config(push).hub.push_to_hub
+
+
+def test_a_chat_template_file_that_is_not_valid_jinja_is_refused_with_its_line(tmp_path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    with pytest.raises(ConfigError, match=r"--chat_template_path .*bad.jinja line 2: unexpected '}'; fix the template"):
+        parse_config(BASE + ["--output_dir", str(tmp_path / "o"), "--chat_template_path", str(bad)])
+    good = tmp_path / "good.jinja"  # transformers' own filters and globals are not needed to parse it
+    good.write_text("{% for m in messages %}{{ m | tojson }}{% if m.role == 'x' %}{{ raise_exception('no') }}"
+                    "{% endif %}{% endfor %}")
+    assert parse_config(BASE + ["--output_dir", str(tmp_path / "o"), "--chat_template_path", str(good)])
