@@ -20,7 +20,8 @@ On a GPU without the flash-attn package, transformers' "sdpa" gives packed rows 
 mask, which keeps torch off its flash kernel (a mask forces the memory-efficient or math kernel, over whole
 rows). There the examples of the whole micro-batch go to one call of torch's variable-length flash attention
 (`torch.nn.attention.varlen`, bf16/fp16, cumulative example lengths); other dtypes, softcapping or sliding
-windows take the per-example calls above. scripts/gpu_check.py measures these candidates against each other.
+windows take the per-example calls above (a sliding window as a banded causal mask of the example's own).
+scripts/gpu_check.py measures these candidates against each other.
 """
 
 from __future__ import annotations
@@ -147,13 +148,18 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         if kernel is not None and plain and dtype is not None:
             q, k, v = (t.to(dtype) for t in (query, key, value))
             return _varlen_call(kernel, q, k, v, lengths, kwargs.get("scaling")), None
+        window = kwargs.get("sliding_window")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value)]
         outputs = []
         for q, k, v in zip(*(t.split(lengths) for t in flat)):
             n = q.shape[0]
             padded = [_to_bucket(t.transpose(0, 1)[None], n) for t in (q, k, v)]
-            out, _ = inner(module, *padded, None, is_causal=True, **kwargs)
+            if window is not None and n > window:  # the layer's window, which sdpa reads only from a mask
+                out, _ = inner(module, *padded, window_mask(padded[0].shape[2], window, q.device), is_causal=False,
+                               **kwargs)
+            else:
+                out, _ = inner(module, *padded, None, is_causal=True, **kwargs)
             outputs.append(out[0, :n])  # [example, heads, head_dim]: transformers' functions return [b, t, h, d]
         return torch.cat(outputs).view(batch, length, query.shape[1], query.shape[3]), None
 
@@ -162,6 +168,16 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
     attention = torch.compiler.disable(attention, recursive=True)
     setattr(attention, FLAG, True)
     return attention
+
+
+def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, length, length] boolean mask of causal attention within a sliding window: query i sees keys j with
+    i - window < j <= i (transformers' sliding_window_overlay). Mistral, Qwen2, Gemma-3, Phi-3, OLMo-3 and other
+    families pass their sliding layers' window to the attention function, and sdpa applies it only through the
+    mask transformers builds for the whole row, which the per-example calls do not use."""
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return ((distance >= 0) & (distance < window))[None, None]
 
 
 def install(model: nn.Module, varlen: bool = False) -> bool:

@@ -1,0 +1,115 @@
+"""Every verified family keeps packed examples apart: a packed row through open_sft's per-example attention
+gives each example the loss and gradients the model's own forward gives it alone, with the family's sliding
+window where it has one (a window shorter than the examples, on some layers or all: Mistral, Mixtral, Qwen2/3,
+Gemma-3, Cohere-2, Phi-3, Starcoder-2). Without the window in the per-example calls the windowed families'
+losses were those of full attention (found by a family sweep; the test holds the window to matter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from open_sft.model import packed_attention
+from open_sft.model.logits import VERIFIED
+from open_sft.model.loss import TokenLossModel
+
+WINDOW = 5
+LENGTHS = [13, 9, 4]  # two examples longer than the window, one inside it
+SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "attention_dropout": 0.0}
+EXPERTS = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+def config_of(family: str, window: bool):
+    config = AutoConfig.for_model(family, **{**SMALL, **EXPERTS.get(family, {})})
+    if window and hasattr(config, "sliding_window"):
+        config.sliding_window = WINDOW
+        if hasattr(config, "use_sliding_window"):
+            config.use_sliding_window = True
+        if getattr(config, "layer_types", None) is not None:  # one sliding layer and one full one
+            config.layer_types = ["sliding_attention", "full_attention"]
+    elif hasattr(config, "sliding_window"):  # a window longer than any example: full attention
+        config.sliding_window = 4096
+    return config
+
+
+def sdpa_families() -> list[str]:
+    return sorted(f for f in VERIFIED
+                  if AutoModelForCausalLM._model_mapping[type(config_of(f, False))]._supports_sdpa)
+
+
+def build(family: str, window: bool, state: dict | None = None) -> TokenLossModel:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(family, window), dtype=torch.float32,
+                                             attn_implementation="sdpa").eval()
+    with torch.no_grad():  # attention that matters at these sizes
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() == 2 else None
+    if state is not None:
+        model.load_state_dict(state)
+    return TokenLossModel(model)
+
+
+def examples(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (1, n), generator=g) for n in LENGTHS]
+
+
+def alone(model: TokenLossModel, ids: list[torch.Tensor]):
+    """Each example through the model's own attention (its mask, with the window), losses summed."""
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(input_ids=x, labels=x) for x in ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def packed(model: TokenLossModel, ids: list[torch.Tensor]):
+    row = torch.cat(ids, dim=1)
+    labels = row.clone()
+    position_ids = torch.cat([torch.arange(x.shape[1]) for x in ids])[None]
+    starts = torch.tensor([0] + LENGTHS[:-1]).cumsum(0)
+    labels[0, starts] = -100  # an example's first token is not predicted from the example before it
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=row, labels=labels, position_ids=position_ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture
+def sdpa_entry():
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    yield
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+
+
+@pytest.mark.parametrize("family", sdpa_families())
+def test_packed_examples_train_as_they_would_alone(family, sdpa_entry) -> None:
+    windowed = hasattr(config_of(family, True), "sliding_window")
+    model = build(family, window=True)
+    ids = examples(SMALL["vocab_size"])
+    reference, reference_grads = alone(model, ids)
+    assert packed_attention.install(model.model)
+    loss, grads = packed(model, ids)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+    assert grads.keys() == reference_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference_grads[name], rtol=1e-4, atol=1e-5)
+    if windowed:  # the window matters here: full attention over each example gives another loss
+        full = build(family, window=False, state=model.model.state_dict())
+        full_loss, _ = alone(full, ids)
+        assert abs(float(full_loss - reference)) > 1e-4 * float(reference), family
+
+
+def test_the_window_mask_is_transformers_sliding_window() -> None:
+    mask = packed_attention.window_mask(6, 3, torch.device("cpu"))[0, 0]
+    assert mask.tolist()[5] == [False, False, False, True, True, True]  # i - 3 < j <= i
+    assert mask.tolist()[1] == [True, True, False, False, False, False]
