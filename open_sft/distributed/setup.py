@@ -133,7 +133,8 @@ def start_accelerator(config: Any, launch: Any, dtype: torch.dtype, model_config
     from open_sft.training.amp import accelerate_mixed_precision
 
     t, deepspeed, world = config.train, launch.deepspeed_config is not None, int(os.environ.get("WORLD_SIZE", "1"))
-    sp, batch = sequence_parallel_launch(config, world, deepspeed, model_config, attn_implementation(config.model))
+    sp, batch = sequence_parallel_launch(config, world, deepspeed, model_config,
+                                         attn_implementation(config.model, model_config))
     tp = tensor_parallel_launch(config, world, launch.fsdp is not None, model_config)
     ds_config = None
     if deepspeed:

@@ -19,13 +19,32 @@ from open_sft.errors import UserError
 logger = logging.getLogger(__name__)
 
 
-def attn_implementation(args: ModelArguments) -> str:
-    """The kernel `auto` stands for here; an explicit choice was checked against the machine up front
-    (config.checks)."""
-    if args.attn_implementation == "auto":
-        has_flash = importlib.util.find_spec("flash_attn") is not None
-        return "flash_attention_2" if torch.cuda.is_available() and has_flash else "sdpa"
-    return args.attn_implementation
+def attn_implementation(args: ModelArguments, config: Any = None) -> str:
+    """The kernel `auto` stands for here: flash-attn on a GPU that has the package, else sdpa, for a model class
+    that supports it; a class that does not (Gemma-2, gpt-oss, Bloom, MPT, XGLM: transformers refuses sdpa for
+    them) gets eager attention, as transformers' own default gives it. An explicit choice was checked against the
+    machine up front (config.checks)."""
+    if args.attn_implementation != "auto":
+        return args.attn_implementation
+    model_class = _model_class(config)
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if torch.cuda.is_available() and has_flash and getattr(model_class, "_supports_flash_attn", True):
+        return "flash_attention_2"
+    if getattr(model_class, "_supports_sdpa", True):
+        return "sdpa"
+    logger.info("attention: eager (%s does not support sdpa)", model_class.__name__)
+    return "eager"
+
+
+def _model_class(config: Any) -> Optional[type]:
+    """The transformers class AutoModelForCausalLM builds for a config; None where it is not known here (no
+    config, remote code): those keep `auto`'s kernel and transformers says if it cannot run it."""
+    if config is None:
+        return None
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return None
 
 
 def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
@@ -158,7 +177,7 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
     try:
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, config=config, dtype=torch.float32,
-            attn_implementation=attn_implementation(args), **kwargs,
+            attn_implementation=attn_implementation(args, config), **kwargs,
         )
     except (OSError, ValueError) as exc:
         raise UserError(

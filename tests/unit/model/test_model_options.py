@@ -60,6 +60,23 @@ def test_eager_and_sdpa_attention_give_the_same_loss(tiny_model_dir) -> None:
     assert load_model(model_args(tiny_model_dir)).config._attn_implementation == "sdpa"  # auto on CPU
 
 
+@pytest.mark.parametrize("family", ["gemma2", "bloom", "xglm"])
+def test_auto_attention_is_eager_for_a_class_without_sdpa(family, tmp_path) -> None:
+    """transformers refuses sdpa for these classes: `auto` loads them with eager attention, as transformers' own
+    default would, rather than failing at load (a default Gemma-2 fine-tune on CPU used to)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    from open_sft.model.load import attn_implementation
+
+    config = AutoConfig.for_model(family, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_model(model_args(tmp_path))
+    assert model.config._attn_implementation == "eager"
+    assert attn_implementation(ModelArguments(model_name_or_path="m"), LlamaConfig()) == "sdpa"
+    assert attn_implementation(ModelArguments(model_name_or_path="m"), None) == "sdpa"  # class unknown: auto's kernel
+
+
 def test_cuda_only_kernels_on_cpu_are_refused_up_front_together(tiny_model_dir, tmp_path) -> None:
     """flash-attn and Liger need CUDA: refused with the flags, both at once, before any model loads."""
     from open_sft.config.parse import parse_config
