@@ -177,15 +177,10 @@ def build_model(job: Job) -> None:
         from open_sft.model import bf16_matmul
 
         logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(job.model))
-    if config.train.sequence_parallel_size == 1:
-        from open_sft.model import packed_attention
+    if config.train.sequence_parallel_size == 1:  # after bf16_matmul's: it wraps what that put in place
+        from open_sft.model.packing_check import route_packed_rows
 
-        on_gpu = torch.cuda.is_available()
-        # after bf16_matmul's: it wraps what that put in place
-        if packed_attention.install(job.model, varlen=on_gpu) and config.train.packing:
-            logger.info("packed rows attend one example at a time (%s)",
-                        "torch's variable-length flash attention" if on_gpu and packed_attention.varlen_kernel()
-                        else "sdpa has no variable-length kernel here")
+        route_packed_rows(job.model, config.train)
 
 
 def preflight(job: Job) -> None:

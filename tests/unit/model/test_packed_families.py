@@ -113,3 +113,72 @@ def test_the_window_mask_is_transformers_sliding_window() -> None:
     mask = packed_attention.window_mask(6, 3, torch.device("cpu"))[0, 0]
     assert mask.tolist()[5] == [False, False, False, True, True, True]  # i - 3 < j <= i
     assert mask.tolist()[1] == [True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("family", sorted(set(VERIFIED) - set(sdpa_families())))
+def test_eager_families_keep_packed_examples_apart(family) -> None:
+    """The verified families without sdpa (Gemma-2) load with eager attention, whose mask transformers builds from
+    the position ids: packed = alone there too."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(family, True), dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    wrapped = TokenLossModel(model)
+    ids = examples(SMALL["vocab_size"])
+    reference, _ = alone(wrapped, ids)
+    loss, _ = packed(wrapped, ids)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+
+
+def tiny_model(family: str, attn: str = "eager"):
+    kwargs = {k: v for k, v in SMALL.items() if k not in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kwargs), attn_implementation=attn)
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt", "xglm", "opt"])
+def test_a_family_whose_mask_ignores_position_ids_is_refused_for_packing(family) -> None:
+    """Unverified families whose eager mask is one causal mask over the whole row (their examples would attend to
+    the ones packed before them): the start-up check names the family and stops the run."""
+    from open_sft.errors import UserError
+    from open_sft.model.packing_check import check_packing, packing_leak
+
+    model = tiny_model(family)
+    assert family not in VERIFIED and packing_leak(model) > 1e-3
+    with pytest.raises(UserError, match=rf"--packing: model type '{family}' lets packed examples attend to each other"):
+        check_packing(model)
+
+
+@pytest.mark.parametrize("family, attn", [("olmo3", "sdpa"), ("exaone4", "sdpa"), ("ernie4_5", "eager"),
+                                          ("opt", "sdpa")])
+def test_an_unverified_family_that_keeps_examples_apart_passes_the_check(family, attn, sdpa_entry) -> None:
+    from open_sft.model.packing_check import check_packing
+
+    model = tiny_model(family, attn)
+    packed_attention.install(model)
+    assert family not in VERIFIED
+    assert "keeps packed examples apart" in check_packing(model)
+    assert check_packing(build("llama", window=False).model) is None  # verified: no check at start
+
+
+def test_a_packing_run_of_such_a_family_stops_before_any_step(tiny_model_dir, tmp_path, capsys, sdpa_entry) -> None:
+    """The check runs where a --packing run routes its attention: exit 2, the family named, no step, no export;
+    the same model trains without --packing."""
+    from transformers import AutoTokenizer
+
+    from conftest import SAMPLE
+    from open_sft.run import main
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model_dir = tmp_path / "bloom"
+    config = AutoConfig.for_model("bloom", vocab_size=len(tokenizer), hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    common = ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "16", "--max_train_steps",
+              "1", "--per_device_train_batch_size", "4", "--max_seq_length", "128", "--torch_dtype", "float32",
+              "--report_to", "none", "--dataset_local_cache_dir", str(tmp_path / "cache")]
+    assert main(common + ["--output_dir", str(tmp_path / "packed"), "--packing"]) == 2
+    err = capsys.readouterr().err
+    assert "--packing: model type 'bloom' lets packed examples attend to each other" in err
+    assert not (tmp_path / "packed" / "metrics.jsonl").exists() and not (tmp_path / "packed" / "config.json").exists()
+    assert main(common + ["--output_dir", str(tmp_path / "padded")]) == 0
