@@ -149,19 +149,20 @@ def build_model(job: Job) -> None:
     from open_sft.preflight.estimate import runtime_bytes
 
     config, launch = job.config, job.launch
+    given = "lora_dropout" in config.explicit  # else its default yields where peft needs no dropout (MoE experts)
     job.baseline_bytes = runtime_bytes(launch.deepspeed_config is not None, config.lora.use_lora, config.lora.use_qlora)
     whole = "--auto_micro_batch_size measures the whole model" if config.train.auto_micro_batch_size else (
         "--sequence_parallel_size: DeepSpeed's partitioned load does not know the SP groups"
         if config.train.sequence_parallel_size > 1 else None)
     if launch.zero3_init and not whole:
         _start_accelerator(job, load_model_config(config.model), zero3_init=True)
-        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype)
+        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given)
         logger.info("%s", partition_summary(job.model))
     else:
         if launch.zero3_init:
             logger.info("%s: the model is loaded whole on each rank and partitioned by ZeRO-3 when training starts",
                         whole)
-        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype)
+        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given)
         if config.train.auto_micro_batch_size:
             from open_sft.preflight.auto_batch import fit_micro_batch
 

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from huggingface_hub import save_torch_state_dict
 from peft import PeftModel
-from peft.tuners.lora import LoraLayer
+from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
 from open_sft.errors import UserError
@@ -51,6 +51,22 @@ def _lora_delta(layer: LoraLayer, name: str, state_dict: dict[str, torch.Tensor]
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
 
+def _parameter_delta(layer: ParamWrapper, name: str, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The delta of a LoRA on a parameter (peft's ParamWrapper: an MoE's fused expert weights, a router's weight),
+    computed by peft's own get_delta_weight (its layout of experts × rank) on the gathered factors, swapped in for
+    the call: under ZeRO-3 the live ones are shards."""
+    factors = (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight)
+    live = [f.data for f in factors]
+    try:
+        for factor, part in zip(factors, "AB"):
+            factor.data = state_dict[f"{name}.lora_{part}.{ADAPTER}.weight"].to(factor.device, torch.float32)
+        with torch.no_grad():
+            return layer.get_delta_weight(ADAPTER).float().cpu()
+    finally:
+        for factor, data in zip(factors, live):
+            factor.data = data
+
+
 def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base model's state dict (its own key names) with every adapter merged: W + (alpha/r)·B·A.
 
@@ -62,8 +78,12 @@ def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> 
     full = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor) and not k.startswith(quantized)}
     full.update(dequantized)
     dtypes = {k: (MERGED_QLORA_DTYPE if dequantized else v.dtype) for k, v in full.items()}
+    names = {id(module): name for name, module in model.named_modules()}
     for name, layer in model.named_modules():
-        if isinstance(layer, LoraLayer):
+        if isinstance(layer, ParamWrapper):  # the parameter sits on the module the wrapper (or wrappers) wrap
+            key = f"{names[id(layer.get_base_layer())]}.{layer.parameter_name}"
+            full[key] = full[key].float() + _parameter_delta(layer, name, state_dict).to(full[key].device)
+        elif isinstance(layer, LoraLayer):
             key = f"{name}.base_layer.weight"
             full[key] = full[key].float() + _lora_delta(layer, name, state_dict)
         elif isinstance(layer, TrainableTokensLayer):  # the trained rows of added tokens replace the base's
@@ -75,7 +95,9 @@ def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> 
     for key, tensor in full.items():
         if ".lora_" in key or ".trainable_tokens_delta." in key:
             continue
-        clean = key.removeprefix(PEFT_PREFIX).replace(".token_adapter.base_layer.", ".").replace(".base_layer.", ".")
+        clean = key.removeprefix(PEFT_PREFIX).replace(".token_adapter.base_layer.", ".")
+        while ".base_layer." in clean:  # nested wrappers (two parameters of one experts module) nest the name
+            clean = clean.replace(".base_layer.", ".")
         merged[clean] = tensor.to(dtypes[key]).contiguous()
     return merged
 

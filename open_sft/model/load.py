@@ -187,7 +187,8 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
 
 
 def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,
-               lora: Optional[LoraArguments] = None, compute_dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+               lora: Optional[LoraArguments] = None, compute_dtype: torch.dtype = torch.float32,
+               lora_dropout_given: bool = True) -> PreTrainedModel:
     """The model ready to train: fp32 parameters (master weights; `compute_dtype`, the run's resolved dtype,
     comes from autocast or DeepSpeed, and is QLoRA's 4-bit compute dtype when fp16), embeddings fitted to the
     tokenizer, NEFTune / gradient checkpointing / Liger applied, and with --use_lora / --use_qlora wrapped as a
@@ -212,7 +213,8 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     if lora is not None and uses_lora(lora):
-        model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []))
+        model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []),
+                           lora_dropout_given)
     if args.torch_compile:
         from open_sft.model.compile import compile_layers
 

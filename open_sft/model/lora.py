@@ -54,10 +54,12 @@ def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[Bit
                               bnb_4bit_compute_dtype=torch.float16 if fp16 else torch.bfloat16)
 
 
-def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None) -> LoraConfig:
+def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None,
+                dropout: Optional[float] = None) -> LoraConfig:
     targets = args.lora_target_modules
     return LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, bias="none",
+        r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout if dropout is None else dropout,
+        bias="none",
         target_modules="all-linear" if targets == ["all-linear"] else list(targets), task_type="CAUSAL_LM",
         trainable_token_indices=trainable_tokens or None,
     )
@@ -79,9 +81,10 @@ def trainable_token_rows(model: PreTrainedModel, new_ids: list[int]) -> dict[str
 
 
 def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointing: bool,
-               new_ids: Optional[list[int]] = None) -> PeftModel:
+               new_ids: Optional[list[int]] = None, dropout_given: bool = True) -> PeftModel:
     """Freeze the base model and inject LoRA adapters in place (and make the rows of `new_ids`, tokens the run
-    added, trainable); returns the PeftModel."""
+    added, trainable); returns the PeftModel. `dropout_given`: --lora_dropout was set by the user (else its
+    default yields to 0 where peft adapts MoE experts' fused weights, which it trains only without dropout)."""
     if args.use_qlora:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
@@ -89,7 +92,23 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
         )
     try:
         rows = trainable_token_rows(model, new_ids or [])
-        peft_model = get_peft_model(model, lora_config(args, rows))
+        dropout = None
+        if not dropout_given and args.lora_dropout and args.lora_target_modules == ["all-linear"] \
+                and _has_fused_experts(model):
+            logger.warning("LoRA dropout 0 for every adapter (not the default %g): all-linear includes this MoE "
+                           "model's experts, whose fused weights peft trains only without dropout (name the modules "
+                           "to adapt, e.g. --lora_target_modules q_proj k_proj v_proj o_proj, to leave the experts "
+                           "out)", args.lora_dropout)
+            dropout = 0.0
+        try:
+            peft_model = get_peft_model(model, lora_config(args, rows, dropout))
+        except ValueError as exc:
+            if not _experts_need_no_dropout(exc):
+                raise
+            raise UserError(f"--lora_target_modules {' '.join(args.lora_target_modules)} adapts this MoE model's "
+                            "experts, whose fused weights peft trains only without dropout: pass --lora_dropout 0, "
+                            "or name the modules to adapt (e.g. q_proj k_proj v_proj o_proj) to leave the experts "
+                            "out") from None
         if rows:
             logger.info("LoRA also trains the embedding rows of the %d added tokens (%s)", len(new_ids),
                         ", ".join(rows))
@@ -105,6 +124,18 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     logger.info("%s: %d trainable adapter parameters of %d (%.3f%%)", "QLoRA" if args.use_qlora else "LoRA",
                 trainable, total, 100 * trainable / max(total, 1))
     return peft_model
+
+
+def _has_fused_experts(model: torch.nn.Module) -> bool:
+    """MoE experts kept as fused 3-D weights (transformers 5's experts modules), which peft's all-linear adapts as
+    parameters (decided before peft is called: a get_peft_model that fails half-way leaves the model's weights
+    trainable)."""
+    return any(len(getattr(p, "ds_shape", p.shape)) == 3 for p in model.parameters())
+
+
+def _experts_need_no_dropout(exc: ValueError) -> bool:
+    """peft's refusal of dropout on parameters it wraps directly (ParamWrapper: MoE experts' fused 3-D weights)."""
+    return "ParamWrapper" in str(exc) and "dropout" in str(exc)
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:

@@ -84,3 +84,82 @@ def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
     x = torch.tensor([[1, 90, 91, 5]])
     peft_model(input_ids=x, labels=x).loss.backward()
     assert all(float(p.grad.norm()) > 0 for n, p in peft_model.named_parameters() if n in trained)
+
+
+MOE = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "intermediate_size": 64, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 16, "mlp_only_layers": [], "decoder_sparse_step": 1}
+
+
+def tiny_moe(vocab: int = 96):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", vocab_size=vocab, **MOE))
+
+
+def test_all_linear_on_moe_experts_takes_dropout_0_unless_the_user_set_one() -> None:
+    """peft adapts MoE experts' fused 3-D weights (ParamWrapper) only without dropout: the flag's default yields to
+    0 there (a warning says so); a dropout the user gave is refused with the two ways out."""
+    from open_sft.model.lora import apply_lora
+
+    lora = LoraArguments(use_lora=True, lora_rank=2)  # lora_dropout: its default, 0.1
+    peft_model = apply_lora(tiny_moe(), lora, False, dropout_given=False)
+    assert peft_model.peft_config["default"].lora_dropout == 0.0
+    assert {"gate_up_proj", "down_proj"} <= set(peft_model.peft_config["default"].target_parameters)
+    assert not [n for n, _ in peft_model.named_modules() if "base_layer.base_layer" in n and "self_attn" in n]
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)  # the base stays frozen
+    with pytest.raises(UserError, match="pass --lora_dropout 0, or name the modules to adapt"):
+        apply_lora(tiny_moe(), lora, False, dropout_given=True)
+
+
+def test_a_merge_of_adapters_on_moe_experts_is_the_adapted_model() -> None:
+    """--merge_lora_on_save with LoRA on fused expert weights (two wrappers nested on one experts module) and on the
+    router's weight: the merged model's logits are the adapted model's."""
+    from transformers import AutoModelForCausalLM
+
+    from open_sft.export.lora_merge import merged_state_dict
+    from open_sft.model.lora import apply_lora
+
+    peft_model = apply_lora(tiny_moe(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0), False)
+    with torch.no_grad():  # trained adapters: B is no longer 0
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
+    peft_model.eval()
+    adapted = peft_model(input_ids=ids).logits.detach()
+    merged = AutoModelForCausalLM.from_config(peft_model.get_base_model().config)
+    merged.load_state_dict(merged_state_dict(peft_model, dict(peft_model.state_dict())))
+    out = merged.eval()(input_ids=ids).logits.detach()
+    plain = tiny_moe().eval()(input_ids=ids).logits.detach()
+    assert float((plain - adapted).abs().max()) > 1e-2  # the adapters change the model
+    torch.testing.assert_close(out, adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_a_default_lora_run_of_an_moe_model_trains_and_merges(tiny_model_dir, tmp_path) -> None:
+    """`--use_lora --merge_lora_on_save` with the default flags on a Qwen3-MoE model: it trains (dropout 0, the
+    experts adapted), and the merged export's logits are the adapter export's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import SAMPLE
+    from open_sft.run import main
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model_dir, out = tmp_path / "moe", tmp_path / "out"
+    tiny_moe(len(tokenizer)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    assert main(["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "16",
+                 "--max_train_steps", "2", "--per_device_train_batch_size", "4", "--max_seq_length", "128",
+                 "--torch_dtype", "float32", "--learning_rate", "1e-2", "--report_to", "none", "--use_lora",
+                 "--lora_rank", "2", "--merge_lora_on_save", "--output_dir", str(out),
+                 "--dataset_local_cache_dir", str(tmp_path / "cache")]) == 0
+    ids = torch.randint(0, len(tokenizer), (1, 16), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    adapted = PeftModel.from_pretrained(base, str(out)).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    with torch.no_grad():
+        expected, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
