@@ -20,8 +20,9 @@ sat beside the adapter (the delta counted twice), so the merged model lives in i
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -101,7 +102,8 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
                            "out)", args.lora_dropout)
             dropout = 0.0
         try:
-            peft_model = get_peft_model(model, lora_config(args, rows, dropout))
+            with _trainable_tokens_off_cuda(model if rows else None):
+                peft_model = get_peft_model(model, lora_config(args, rows, dropout))
         except ValueError as exc:
             if not _experts_need_no_dropout(exc):
                 raise
@@ -124,6 +126,31 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     logger.info("%s: %d trainable adapter parameters of %d (%.3f%%)", "QLoRA" if args.use_qlora else "LoRA",
                 trainable, total, 100 * trainable / max(total, 1))
     return peft_model
+
+
+@contextlib.contextmanager
+def _trainable_tokens_off_cuda(model: Optional[torch.nn.Module]) -> Iterator[None]:
+    """peft sets up the trainable rows of added tokens on a ZeRO-3-partitioned embedding by gathering it and
+    broadcasting the rows from rank 0 into a buffer it places on CUDA ("only CUDA is implemented"), so a CPU run
+    under ZeRO-3 (gloo) stopped there. Where there is no CUDA, each rank takes the rows from the gathered weight
+    itself (every rank gathers the same whole weight), for the duration of get_peft_model."""
+    partitioned = model is not None and any(getattr(p, "ds_numel", None) is not None for p in model.parameters())
+    if not partitioned or torch.cuda.is_available():
+        yield
+        return
+    import deepspeed
+    from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
+
+    def rows_of_gathered(self, weight: torch.Tensor, rows: torch.Tensor, embed_dim: int) -> torch.Tensor:
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
+            return weight[rows].clone()
+
+    original = TrainableTokensLayer._collect_token_weights
+    TrainableTokensLayer._collect_token_weights = rows_of_gathered
+    try:
+        yield
+    finally:
+        TrainableTokensLayer._collect_token_weights = original
 
 
 def _has_fused_experts(model: torch.nn.Module) -> bool:
