@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 # 2: the rows' `tools` column reaches the chat template; 3: labels are int32; 4: each content is labelled
 # where the template wrote it (Qwen3's think block, Phi-3's final eos), rows may open with the assistant,
 # messages keep their tool_calls (trained as written) and other fields; 5: open-instruct's templates under
-# their names, a turn closed differently when another follows (OLMo's <|im_end|>) trains that closing
-CACHE_FORMAT_VERSION = 5
+# their names, a turn closed differently when another follows (OLMo's <|im_end|>) trains that closing; 6: an
+# alpaca row's `history` turns (LLaMA-Factory's format) come before its own, not dropped
+CACHE_FORMAT_VERSION = 6
 COMPLETE = "COMPLETE"
 
 

@@ -91,8 +91,25 @@ def _from_alpaca(row: dict[str, Any]) -> Messages:
     messages = []
     if isinstance(row.get("system"), str) and row["system"].strip():
         messages.append({"role": "system", "content": row["system"]})
+    messages += _alpaca_history(row.get("history"))
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
     return messages
+
+
+def _alpaca_history(history: Any) -> Messages:
+    """LLaMA-Factory's alpaca `history`: the earlier turns, [[instruction, response], ...], before the row's own."""
+    if history is None or history == []:
+        return []
+    if not isinstance(history, list):
+        raise RowError(f"alpaca 'history' must be a list of [instruction, response] pairs, got "
+                       f"{type(history).__name__}", "bad_history")
+    turns: Messages = []
+    for i, pair in enumerate(history, start=1):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise RowError(f"alpaca 'history' item {i} must be an [instruction, response] pair of strings",
+                           "bad_history")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return turns
 
 
 def _from_sharegpt(row: dict[str, Any]) -> Messages:
