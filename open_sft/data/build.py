@@ -22,7 +22,7 @@ from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
 from open_sft.data.mixer import select_row_array
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import Reader, chat_source, text_source
-from open_sft.data.summary import length_percentiles
+from open_sft.data.summary import length_percentiles, nothing_left_message
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[
     if not sum(r.examples for r in reports) and holdout and holdout[0] == "eval":
         raise UserError(f"--eval_split_ratio {holdout[1]} holds out no example; raise it")
     if not sum(r.examples for r in reports):
-        raise UserError("no training examples are left after mixing, truncation and filtering; see the data report")
+        raise UserError(nothing_left_message(reports, args.max_seq_length))
     return writer, reports
 
 

@@ -30,6 +30,7 @@ from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokeni
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
+from open_sft.data.summary import nothing_left_message
 from open_sft.data.token_rows import TokenRows, fit_rows
 from open_sft.data.labels import Example
 from open_sft.data.workers import Labelled, Numbered, label_rows
@@ -331,7 +332,7 @@ def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     if not len(rows) and holdout and holdout[0] == "eval":
         raise UserError(f"--eval_split_ratio {holdout[1]} holds out no example; raise it")
     if not len(rows):
-        raise UserError("no training examples are left after mixing, truncation and filtering; see the data report")
+        raise UserError(nothing_left_message(reports, args.max_seq_length))
     return rows, reports
 
 

@@ -23,6 +23,28 @@ def length_percentiles(lengths: Any) -> dict[str, int]:
     return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": int(ordered[-1])}
 
 
+# what each drop reason asks of the user, for the error of a mixture left with no example
+DROP_FIXES = {
+    "too_long": "raise --max_seq_length, or keep long rows cut with --truncation truncate",
+    "no_trained_tokens_after_truncation": "raise --max_seq_length: truncation cut every trained token of these rows",
+    "no_trained_tokens": "these rows have nothing to train under --train_on (an empty or missing assistant turn?)",
+    "empty_text": "these text rows are empty",
+}
+
+
+def nothing_left_message(reports: list[Any], max_seq_length: int) -> str:
+    """The error of a mixture that leaves no training example: each source's drops by reason, with the fix."""
+    lines, fixes = [], {}
+    for report in reports:
+        reasons = ", ".join(f"{reason} {count}" for reason, count in report.dropped.most_common() if count)
+        lines.append(f"  {report.name} ({report.format}): {report.rows_in} rows, {report.rows_selected} selected, "
+                     f"{report.examples} kept" + (f"; dropped: {reasons}" if reasons else ""))
+        fixes.update({r: DROP_FIXES[r] for r, count in report.dropped.items() if count and r in DROP_FIXES})
+    hint = "\n".join(f"  {reason}: {fix}" for reason, fix in fixes.items())
+    return (f"no training examples are left after mixing, truncation and filtering (--max_seq_length "
+            f"{max_seq_length}):\n" + "\n".join(lines) + (f"\n{hint}" if hint else ""))
+
+
 def format_data_report(report: dict[str, Any]) -> str:
     """The data report as a fixed-width table, one line per source plus the mixture total."""
     header = f"{'source':<40} {'format':<9} {'rows in':>8} {'kept':>8} {'dropped':>8} {'trunc':>6} {'examples':>9} " \

@@ -412,3 +412,24 @@ def test_a_tokenizers_own_template_that_is_not_valid_jinja_is_refused_before_any
     tokenizer.chat_template = "{% if messages %}{{ messages[0].content }}"
     with pytest.raises(UserError, match=r"the tokenizer's chat template .* is not valid Jinja: line 1: .*endif"):
         apply_chat_template_choice(tokenizer, None, None)
+
+
+def test_a_mixture_left_with_no_example_says_why_per_source(tokenizer, tmp_path) -> None:
+    """Every row too long for --max_seq_length 8 under --truncation drop, or cut to no trained token under truncate:
+    the error lists each source's drops by reason with the fix (it used to point at a data report it never
+    printed), from the streaming build and the in-memory one alike."""
+    long = write_jsonl(tmp_path / "long.jsonl", [{"messages": [
+        {"role": "user", "content": "a question of many words " * 4},
+        {"role": "assistant", "content": "an answer"}]}] * 3)
+    for truncation, reason, fix in (("drop", "too_long 3", "raise --max_seq_length, or keep long rows cut"),
+                                    ("truncate", "no_trained_tokens_after_truncation 3",
+                                     "truncation cut every trained token")):
+        args = DataArguments(dataset_mixer_list=[long, "1.0"], max_seq_length=8, truncation=truncation,
+                             dataset_skip_cache=True)
+        for build in (lambda: build_examples(args, tokenizer, 0), lambda: prepare_data(args, tokenizer, 0)):
+            with pytest.raises(UserError) as refused:
+                build()
+            message = str(refused.value)
+            assert "no training examples are left" in message and "(--max_seq_length 8)" in message
+            assert f"long.jsonl (messages): 3 rows, 3 selected, 0 kept; dropped: {reason}" in message, message
+            assert fix in message
