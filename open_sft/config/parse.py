@@ -36,6 +36,16 @@ class _Parser(HfArgumentParser):
     def option_names(self) -> list[str]:
         return [name for action in self._actions for name in action.option_strings if name.startswith("--")]
 
+    def _get_option_tuples(self, option_string: str) -> list:
+        """Prefix matches, one per flag: a flag's spellings (--learning_rate, --learning-rate) are one flag, so a
+        prefix of both (--learn) is not ambiguous. (argparse counts spellings; each tuple starts with the action.)"""
+        seen, unique = set(), []
+        for match in super()._get_option_tuples(option_string):
+            if id(match[0]) not in seen:
+                seen.add(id(match[0]))
+                unique.append(match)
+        return unique
+
 
 def _make_parser() -> _Parser:
     """HfArgumentParser turns each field's Literal type into argparse choices, so --help lists them; argparse
@@ -57,8 +67,33 @@ def _unknown_flag_error(parser: _Parser, leftover: list[str]) -> UserError:
     parts = []
     for flag in flags:
         close = difflib.get_close_matches(flag, parser.option_names(), n=1, cutoff=0.6)
-        parts.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        hint = FOREIGN_FLAGS.get(flag.replace("-", "_").lstrip("_"))
+        parts.append(f"{flag} ({hint})" if hint else f"{flag} (did you mean {close[0]}?)" if close else flag)
     return UserError(f"unknown flag {', '.join(parts)}; see python finetune.py --help")
+
+
+# Flags of HF's Trainer, TRL and axolotl that users bring, with open_sft's way to say the same (difflib's nearest
+# name is often another thing: --save_steps → --save_dtype, --deepspeed → --seed).
+_DEEPSPEED = ("DeepSpeed is the launcher's: accelerate launch --use_deepspeed --deepspeed_config_file "
+              "configs/ds/zero2.json finetune.py ...")
+FOREIGN_FLAGS = {
+    "deepspeed": _DEEPSPEED, "zero_stage": _DEEPSPEED,
+    "save_steps": "use --checkpointing_steps N", "save_strategy": "use --checkpointing_steps N or epoch",
+    "save_total_limit": "use --keep_last_n_checkpoints", "max_steps": "use --max_train_steps",
+    "num_epochs": "use --num_train_epochs", "max_grad_norm": "use --clip_grad_norm",
+    "bf16": "use --torch_dtype bfloat16 (auto picks it where it is fast)", "fp16": "use --torch_dtype float16",
+    "mixed_precision": "use --torch_dtype (bfloat16, float16, float32 or auto)",
+    "max_length": "use --max_seq_length", "max_seq_len": "use --max_seq_length", "sequence_len": "use --max_seq_length",
+    "micro_batch_size": "use --per_device_train_batch_size", "lr_scheduler": "use --lr_scheduler_type",
+    "evaluation_strategy": "use --eval_steps N", "eval_strategy": "use --eval_steps N",
+    "lora_r": "use --lora_rank", "lora_target_linear": "use --lora_target_modules all-linear",
+    "use_peft": "use --use_lora", "adapter": "use --use_lora or --use_qlora", "load_in_4bit": "use --use_qlora",
+    "base_model": "use --model_name_or_path", "padding_free": "--packing is padding-free already",
+    "assistant_only_loss": "use --train_on all_assistant (the default)",
+    "completion_only_loss": "use --train_on all_assistant (the default) or last_assistant",
+    "dataset_text_field": "text rows are detected (or force --dataset_format text)",
+    "logging_dir": "tracker logs go under --output_dir (tensorboard/)",
+}
 
 
 def _yaml_defaults(path: Path) -> dict[str, Any]:

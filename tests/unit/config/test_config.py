@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from open_sft.config.parse import parse_config
@@ -104,3 +106,24 @@ def test_eval_sources_have_their_own_splits_checked_up_front(tmp_path) -> None:
     assert info.value.problems == [
         "--eval_dataset_mixer_list_splits has 2 values; give one for all evaluation sources or one per source (3)",
         "--per_device_eval_batch_size must be at least 1, got 0"]
+
+
+@pytest.mark.parametrize("flag, hint", [
+    ("--deepspeed", "DeepSpeed is the launcher's: accelerate launch --use_deepspeed --deepspeed_config_file"),
+    ("--save_steps", "use --checkpointing_steps N"), ("--save_total_limit", "use --keep_last_n_checkpoints"),
+    ("--bf16", "use --torch_dtype bfloat16"), ("--mixed-precision", "use --torch_dtype"),
+    ("--sequence_len", "use --max_seq_length"), ("--micro_batch_size", "use --per_device_train_batch_size")])
+def test_flags_of_other_trainers_name_open_sfts_own(flag, hint) -> None:
+    """HF Trainer / TRL / axolotl flags get open_sft's way to say the same, not difflib's nearest name (--save_steps
+    used to suggest --save_dtype, --deepspeed --seed)."""
+    with pytest.raises(UserError, match=f"unknown flag {flag} \\({re.escape(hint)}"):
+        parse_config(BASE + [flag, "1"])
+
+
+def test_a_prefix_of_one_flags_two_spellings_is_that_flag() -> None:
+    """--learn is a prefix of --learning_rate and of its spelling --learning-rate: one flag, not an ambiguity."""
+    assert parse_config(BASE + ["--learn", "3e-4"]).train.learning_rate == 3e-4
+    with pytest.raises(UserError, match="ambiguous option: --lo"):  # --logging_steps, --lora_rank, ...: ambiguous
+        parse_config(BASE + ["--lo", "1"])
+    with pytest.raises(UserError, match=r"unknown flag --learning_rat3 \(did you mean --learning_rate\?\)"):
+        parse_config(BASE + ["--learning_rat3", "1"])
