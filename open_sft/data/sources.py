@@ -72,7 +72,7 @@ class LoadedSource:
     def where(self, index: int) -> str:
         if self.line_numbers is not None:
             return f"{self.spec.name} line {self.line_numbers[index]}"
-        return f"{self.spec.name} row {index}"
+        return f"{self.spec.name} row {index + 1}"  # 1-based, as a line is: row 1 is the first
 
 
 def _local_path(spec: SourceSpec) -> Path:
@@ -207,9 +207,9 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
         loaded = next(iter(loaded.values()))  # {"train": [...]} / {"data": [...]}
     if not isinstance(loaded, list):
         raise UserError(f"{path}: expected a JSON list of objects (or use .jsonl with one object per line)")
-    for index, row in enumerate(loaded):
+    for index, row in enumerate(loaded):  # item N: 1-based, the Nth element of the list
         if not isinstance(row, dict):
-            raise UserError(f"{path} item {index}: expected a JSON object, got {type(row).__name__}")
+            raise UserError(f"{path} item {index + 1}: expected a JSON object, got {type(row).__name__}")
     return loaded
 
 

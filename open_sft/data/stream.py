@@ -103,7 +103,8 @@ class Reader:
         return None, ""
 
     def where(self, index: int, numbers: Optional[list[int]], start: int) -> str:
-        return f"{self.spec.name} line {numbers[index - start]}" if numbers else f"{self.spec.name} row {index}"
+        # rows of a parquet or Arrow source are numbered from 1, as lines are
+        return f"{self.spec.name} line {numbers[index - start]}" if numbers else f"{self.spec.name} row {index + 1}"
 
 
 class Progress:
@@ -336,7 +337,7 @@ def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[li
             texts.append(to_text(item))
         except RowError as exc:
             if not drop:
-                where = f"line {numbers[k]}" if numbers else f"row {row}"
+                where = f"line {numbers[k]}" if numbers else f"row {row + 1}"
                 raise UserError(f"{spec.name} {where}: {exc}") from None
             report.dropped[exc.reason] += 1
             continue

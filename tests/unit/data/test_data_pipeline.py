@@ -433,3 +433,26 @@ def test_a_mixture_left_with_no_example_says_why_per_source(tokenizer, tmp_path)
             assert "no training examples are left" in message and "(--max_seq_length 8)" in message
             assert f"long.jsonl (messages): 3 rows, 3 selected, 0 kept; dropped: {reason}" in message, message
             assert fix in message
+
+
+def test_rows_of_json_lists_and_parquet_are_numbered_from_1(tokenizer, tmp_path) -> None:
+    """The second row of a JSON list or a parquet file is "row 2", as the second line of a .jsonl is "line 2"."""
+    import json as json_module
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    bad = {"messages": [{"role": "gpt", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    listed = tmp_path / "rows.json"
+    listed.write_text(json_module.dumps([good, bad, good]))
+    table = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([good, bad, good]), table)
+    for path in (listed, table):
+        args = DataArguments(dataset_mixer_list=[str(path), "1.0"], dataset_skip_cache=True)
+        for build in (lambda: build_examples(args, tokenizer, 0), lambda: prepare_data(args, tokenizer, 0)):
+            with pytest.raises(UserError, match=f"{path.name} row 2: message 1 has role 'gpt'"):
+                build()
+    (tmp_path / "items.json").write_text(json_module.dumps([good, "not an object"]))
+    with pytest.raises(UserError, match="items.json item 2: expected a JSON object, got str"):
+        build_examples(DataArguments(dataset_mixer_list=[str(tmp_path / "items.json"), "1.0"]), tokenizer, 0)
