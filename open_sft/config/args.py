@@ -107,9 +107,10 @@ class DataArguments:
         "What AMOUNTs count: rows, or tokens (a fraction is then a share of the source's tokens, "
         "a count a number of tokens).", default="rows"
     )
-    dataset_format: Literal["auto", "messages", "alpaca", "sharegpt", "text"] = _help(
+    dataset_format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "text"] = _help(
         "Row format of every source: auto (detected per source from its columns), messages, alpaca, "
-        "sharegpt, text (raw documents for continual pretraining, spliced into --max_seq_length blocks).",
+        "sharegpt, prompt_completion (TRL's prompt/completion columns), text (raw documents for continual "
+        "pretraining, spliced into --max_seq_length blocks).",
         default="auto",
     )
     chat_template_name: Optional[str] = _aliased("--chat_template",

@@ -129,10 +129,26 @@ def _from_sharegpt(row: dict[str, Any]) -> Messages:
     return out
 
 
+def _from_prompt_completion(row: dict[str, Any]) -> Messages:
+    """TRL's prompt-completion rows: two strings (a user turn and the assistant's answer, through the chat
+    template), or two lists of role/content messages (conversational: the prompt's turns, then the completion's
+    assistant turn(s), which are what trains under --train_on all_assistant, as TRL trains the completion)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list) and completion:
+        if any(not isinstance(m, dict) or m.get("role") != "assistant" for m in completion):
+            raise RowError("'completion' must hold assistant messages (role/content) only", "bad_message")
+        return _from_messages({"messages": prompt + completion})
+    raise RowError("a prompt-completion row needs 'prompt' and 'completion' both strings, or both lists of "
+                   "role/content messages (the completion's non-empty)", "missing_field")
+
+
 CONVERTERS: dict[str, Callable[[dict[str, Any]], Messages]] = {
     "messages": _from_messages,
     "alpaca": _from_alpaca,
     "sharegpt": _from_sharegpt,
+    "prompt_completion": _from_prompt_completion,
 }
 
 
@@ -144,13 +160,16 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         return "sharegpt"
     if "instruction" in row and "output" in row:
         return "alpaca"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
     if "text" in row:
         return "text"
     raise UserError(
         f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
-        "of from/value), text (a 'text' column of raw documents). Rename the columns, convert the file, or "
-        "force a format with --dataset_format"
+        "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
+        "documents). Rename the columns or convert the file (a messages column of another name: "
+        "--sft_messages_key)"
     )
 
 

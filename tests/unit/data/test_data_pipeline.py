@@ -154,6 +154,29 @@ def test_formats_detected_and_converted(tokenizer, tmp_path) -> None:
     assert [r.strip() for r in trained_runs(tokenizer, examples[1].input_ids, examples[1].labels)] == ["Hello" + eos]
 
 
+def test_trls_prompt_completion_rows_train_the_completion(tokenizer, tmp_path) -> None:
+    """TRL's prompt-completion rows, as strings and as conversational lists, in a file each: detected, rendered
+    through the chat template, and what trains is the completion (streaming and in-memory builds alike)."""
+    plain = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Add 2 and 2.", "completion": "4"}])
+    chat = write_jsonl(tmp_path / "pcc.jsonl", [{
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        "completion": [{"role": "assistant", "content": "Hi"}]}])
+    args = DataArguments(dataset_mixer_list=[plain, "1.0", chat, "1.0"])
+    examples, reports = build_examples(args, tokenizer, 0)
+    assert [r.format for r in reports] == ["prompt_completion", "prompt_completion"]
+    eos = tokenizer.eos_token
+    assert [r.strip() for r in trained_runs(tokenizer, examples[0].input_ids, examples[0].labels)] == ["4" + eos]
+    assert [r.strip() for r in trained_runs(tokenizer, examples[1].input_ids, examples[1].labels)] == ["Hi" + eos]
+    assert "Be brief." in tokenizer.decode(examples[1].input_ids)
+    streamed = prepare_data(DataArguments(dataset_mixer_list=[plain, "1.0", chat, "1.0"], dataset_skip_cache=True),
+                            tokenizer, 0)
+    assert sorted(len(x) for x in streamed.dataset["input_ids"]) == sorted(len(e.input_ids) for e in examples)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"role": "user", "content": "q"}],
+                                                "completion": [{"role": "user", "content": "not an answer"}]}])
+    with pytest.raises(UserError, match="bad.jsonl line 1: 'completion' must hold assistant messages"):
+        build_examples(DataArguments(dataset_mixer_list=[bad, "1.0"]), tokenizer, 0)
+
+
 def test_text_format_blocks(tokenizer, tmp_path) -> None:
     docs = [{"text": "alpha beta gamma " * 20}, {"text": "delta epsilon " * 30}]
     data = write_jsonl(tmp_path / "t.jsonl", docs)
