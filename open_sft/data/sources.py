@@ -55,6 +55,11 @@ def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--datase
         if amount <= 0:
             raise UserError(f"{flag}: amount {raw} for {name} must be positive")
         split = splits[0] if len(splits) == 1 else splits[i // 2]
+        if split != "train" and name.endswith(LOCAL_SUFFIXES) and Path(name).expanduser().is_file():
+            if len(splits) > 1:  # asked for this file by name
+                raise UserError(f"{flag}_splits: split {split!r} for {name}: a local file is one split, its rows are "
+                                "all read; give train for it (or a dataset directory with split files)")
+            logger.warning("%s_splits %s: %s is a local file, one split: all its rows are read", flag, split, name)
         specs.append(SourceSpec(name=name, amount=amount, is_fraction=is_fraction, split=split,
                                 config_name=config_name))
     return specs

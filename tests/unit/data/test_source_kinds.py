@@ -100,3 +100,16 @@ def test_a_directory_whose_files_differ_in_columns_says_which(tmp_path) -> None:
     # datasets' own cause (behind its generic "error occurred while generating"), then the way out
     assert "CastError" in message and "column names don't match" in message and "conversations" in message
     assert "a local directory's data files must share one set of columns" in message
+
+
+def test_a_split_asked_of_a_single_local_file(tmp_path, caplog) -> None:
+    """A local file is one split: a split named for it alone is refused; one split for every source (a Hub
+    dataset's test split, say) reads the file whole and says so."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(TRAIN[0]) + "\n")
+    with pytest.raises(UserError, match=r"--dataset_mixer_list_splits: split 'test' for .*d.jsonl: a local file is one"):
+        parse_mixer_list([str(data), "1.0", "org/ds", "1.0"], ["test", "test"])
+    caplog.set_level("WARNING", logger="open_sft.data.sources")
+    spec, = parse_mixer_list([str(data), "1.0"], ["test"])
+    assert "d.jsonl is a local file, one split: all its rows are read" in caplog.text
+    assert parse_mixer_list([str(data), "1.0"], ["train"])[0].split == "train"
