@@ -368,6 +368,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _stop(f"error: {exc}", 2)
     except StopRun as exc:  # preempted (checkpoint saved) or the Hub upload failed (export intact)
         return _stop(f"open_sft: {exc}", exc.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (whose stop is graceful): loading, export
+        return _stop("open_sft: interrupted (Ctrl-C); the same command resumes from the newest complete "
+                     "checkpoint and writes the export again", 130)
     except Exception:
         lifeline.explain_failure()  # a collective failed because a peer or the launcher is gone: say that instead
         raise

@@ -76,3 +76,17 @@ def test_data_file_that_is_not_utf8(tmp_path, capsys, tiny_model_dir) -> None:
     err = run_main(capsys, str(tiny_model_dir), str(data), tmp_path / "out")
     assert "latin1.jsonl line 2: not UTF-8 (byte 0xe9 at column" in err
     assert "iconv -f latin1 -t utf-8" in err
+
+
+def test_ctrl_c_outside_the_training_loop_is_a_message_not_a_traceback(monkeypatch, capsys) -> None:
+    """Ctrl-C while the model loads or the export is written (the training loop's own stop is graceful): exit 130
+    and a line saying the same command resumes, not a KeyboardInterrupt traceback."""
+    import open_sft.run as run_module
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_module, "run", interrupted)
+    assert main(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0"]) == 130
+    err = capsys.readouterr().err
+    assert "open_sft: interrupted (Ctrl-C); the same command resumes" in err and "Traceback" not in err
