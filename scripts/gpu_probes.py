@@ -9,7 +9,8 @@
   reference, fp32 and bf16 autocast, loss and gradients; the time and peak memory of each path.
 - packed: a packed micro-batch gives the padded batch's loss and gradients with the attention the run really
   installs on this device (open_sft.run installs open_sft.model.packed_attention), and positions that do not
-  restart do not (so the check can fail).
+  restart do not (so the check can fail); with a sliding window shorter than the examples (a Mistral of the
+  same shape), packed rows give each example's own loss.
 - attention: the candidates for packed rows on this device (sdpa with the block-diagonal mask transformers
   gives it, per-example sdpa, torch's variable-length flash attention, flex_attention with a document mask):
   time of forward + backward, error against a float64 per-example reference, and whether changing one
@@ -210,13 +211,56 @@ def probe_packed(model_dir: str) -> dict:
     wrong_loss, _ = _model_loss(model, wrong, bf16=False)
     result["wrong_positions_loss_rel_change"] = abs(wrong_loss - fp32_loss) / fp32_loss
     pad = result["bf16_padded"]
+    result["sliding_window"] = _sliding_window(causal_lm.config)
     result["tolerance"] = ("fp32 packed vs padded: loss < 1e-5, gradients < 1e-4 relative; bf16 packed no further "
                            "from fp32 than bf16 padded is (2x + 1e-3); positions that do not restart move the loss "
-                           "> 1e-4")
+                           "> 1e-4; a sliding window shorter than the examples: packed = each example alone (fp32 "
+                           "1e-5 / 1e-4, bf16 within 2e-2) and the window moves the loss > 1e-4")
     result["pass"] = bool(result["fp32"]["loss_rel_error"] < 1e-5 and result["fp32"]["grad_rel_error"] < 1e-4
                           and result["bf16"]["loss_rel_error"] <= 2 * pad["loss_rel_error"] + 1e-3
                           and result["bf16"]["grad_rel_error"] <= 2 * pad["grad_rel_error"] + 1e-3
-                          and result["wrong_positions_loss_rel_change"] > 1e-4)
+                          and result["wrong_positions_loss_rel_change"] > 1e-4 and result["sliding_window"]["pass"])
+    return result
+
+
+def _sliding_window(config, window: int = 64) -> dict:
+    """A Mistral of the packed model's shape with a sliding window shorter than most examples, its packed rows
+    through the attention installed above (a window takes per-example calls with a banded mask, on GPU too),
+    against each example alone through the model's own masked attention."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from open_sft.data.batching import collate, collate_packed
+    from open_sft.model.loss import TokenLossModel
+
+    def mistral(sliding_window):
+        torch.manual_seed(0)
+        return TokenLossModel(MistralForCausalLM(MistralConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads, sliding_window=sliding_window,
+            attn_implementation="sdpa")).to(DEVICE)).train()
+
+    examples = _examples(config.vocab_size, [37, 300, 5, 180, 130], seed=1)
+    packed = collate_packed(examples, pad_token_id=0, row_capacity=400)
+
+    def alone(model, bf16):
+        total, grads = 0.0, {}
+        for example in examples:
+            loss, g = _model_loss(model, collate([example], pad_token_id=0), bf16)
+            total += loss
+            grads = {n: grads.get(n, 0) + t for n, t in g.items()}
+        return total, grads
+
+    model = mistral(window)
+    ref_loss, ref_grads = alone(model, bf16=False)
+    result = {"window": window, "lengths": [len(e.input_ids) for e in examples]}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        loss, grads = _model_loss(model, packed, bf16)
+        result[name] = {"loss_rel_error": abs(loss - ref_loss) / ref_loss, "grad_rel_error": _grad_error(grads, ref_grads)}
+    full_loss, _ = alone(mistral(None), bf16=False)
+    result["window_moves_loss"] = abs(full_loss - ref_loss) / ref_loss
+    result["pass"] = bool(result["fp32"]["loss_rel_error"] < 1e-5 and result["fp32"]["grad_rel_error"] < 1e-4
+                          and result["bf16"]["loss_rel_error"] < 2e-2 and result["window_moves_loss"] > 1e-4)
     return result
 
 
