@@ -129,8 +129,54 @@ def _varlen_dtype(query: torch.Tensor) -> Optional[torch.dtype]:
     return None
 
 
+class _MaskKinds:
+    """Whether each attention mask of the forward pass in progress is the plain block-diagonal causal mask of its
+    packed rows (one per kind of layer: full and sliding layers get different masks), judged once per mask
+    tensor (weak references: a new batch is a new mask)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref, bool]] = {}
+
+    def plain(self, allowed: torch.Tensor, lengths: list[int]) -> bool:
+        entry = self._seen.get(id(allowed))
+        if entry is not None and entry[0]() is allowed:
+            return entry[1]
+        self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
+        plain = bool((allowed == block_causal(lengths, allowed.shape[0], allowed.shape[-1],
+                                              allowed.device)[:, None]).all())
+        self._seen[id(allowed)] = (weakref.ref(allowed), plain)
+        return plain
+
+
+def block_causal(lengths: list[int], batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """[batch, length, length]: causal attention within each packed example, none across."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      torch.tensor(lengths, device=device)).view(batch, length)
+    position = torch.arange(length, device=device)
+    return (segment[:, :, None] == segment[:, None, :]) & (position[:, None] >= position[None, :])
+
+
+def _allowed(attention_mask: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
+    """The [batch, heads or 1, query, key] mask transformers built for these rows as booleans (True: attended),
+    or None where it passed none."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    mask = attention_mask[..., :length]
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _example_mask(allowed: torch.Tensor, row: int, start: int, n: int, size: int) -> torch.Tensor:
+    """An example's own block of the row's mask, [1, heads or 1, size, size] at the bucketed size: the padding
+    keys hidden from its queries, the padding queries causal (their outputs are dropped; a query that sees no key
+    would give NaN, and NaN times their zero gradient is still NaN in the keys' gradients)."""
+    block = torch.ones(allowed.shape[1], size, size, dtype=torch.bool, device=allowed.device).tril_()
+    block[:, :n, :] = False
+    block[:, :n, :n] = allowed[row, :, start:start + n, start:start + n]
+    return block[None]
+
+
 def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable:
-    segments = _Segments()
+    segments, kinds = _Segments(), _MaskKinds()
 
     def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Optional[torch.Tensor], **kwargs: Any):
@@ -142,8 +188,12 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         lengths = segments(position_ids) if usable else None
         if lengths is None:
             return inner(module, query, key, value, attention_mask, **kwargs)
+        # The mask transformers built for the packed rows, where it is more than causal attention within each
+        # example: a sliding window or chunks that some families (Phi-MoE, Qwen2-MoE, Llama-4) put only there
+        allowed = _allowed(attention_mask, length)
+        masked = allowed is not None and not kinds.plain(allowed, lengths)
         plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None
-                 and kwargs.get("sliding_window") is None)
+                 and kwargs.get("sliding_window") is None and not masked)
         dtype = _varlen_dtype(query)
         if kernel is not None and plain and dtype is not None:
             q, k, v = (t.to(dtype) for t in (query, key, value))
@@ -151,16 +201,20 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         window = kwargs.get("sliding_window")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value)]
-        outputs = []
+        outputs, offset = [], 0
         for q, k, v in zip(*(t.split(lengths) for t in flat)):
             n = q.shape[0]
             padded = [_to_bucket(t.transpose(0, 1)[None], n) for t in (q, k, v)]
-            if window is not None and n > window:  # the layer's window, which sdpa reads only from a mask
-                out, _ = inner(module, *padded, window_mask(padded[0].shape[2], window, q.device), is_causal=False,
-                               **kwargs)
+            size = padded[0].shape[2]
+            if masked:  # the example's own block of transformers' mask
+                mask = _example_mask(allowed, offset // length, offset % length, n, size)
+                out, _ = inner(module, *padded, mask, is_causal=False, **kwargs)
+            elif window is not None and n > window:  # the layer's window, which sdpa reads only from a mask
+                out, _ = inner(module, *padded, window_mask(size, window, q.device), is_causal=False, **kwargs)
             else:
                 out, _ = inner(module, *padded, None, is_causal=True, **kwargs)
             outputs.append(out[0, :n])  # [example, heads, head_dim]: transformers' functions return [b, t, h, d]
+            offset += n
         return torch.cat(outputs).view(batch, length, query.shape[1], query.shape[3]), None
 
     # under --torch_compile the lengths (a host list that changes every batch) would be baked into the layer's

@@ -110,11 +110,24 @@ def test_rows_of_one_example_take_the_masked_path(sdpa_entry) -> None:
     calls.clear()
     wrapped(None, q[:, :, :1], q, q, None, position_ids=torch.tensor([[5], [5]]))
     assert len(calls) == 1 and calls[0][0] == (2, 4, 1, 8)
-    # Packed rows: one call per example, each without a mask, causal, its length padded up to the bucket.
+    # Packed rows with transformers' block-diagonal causal mask: one call per example, each without a mask,
+    # causal, its length padded up to the bucket.
     calls.clear()
-    out, _ = wrapped(None, q, q, q, mask, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]]))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+    block = packed_attention.block_causal([3, 3, 2, 4], 2, 6, torch.device("cpu"))[:, None]
+    out, _ = wrapped(None, q, q, q, block, position_ids=positions)
     assert [c[0][2] for c in calls] == [packed_attention.BUCKET] * 4 and all(c[1] is None for c in calls)
     torch.testing.assert_close(out, q.transpose(1, 2))  # the padding's outputs are dropped
+    # A mask that is more than that (a window only the mask holds): each example gets its own block of it, the
+    # padding keys hidden from its queries
+    calls.clear()
+    windowed = block & ~packed_attention.block_causal([6, 6], 2, 6, torch.device("cpu")).tril(-2)[:, None]
+    wrapped(None, q, q, q, windowed, position_ids=positions)
+    assert len(calls) == 4 and all(c[1] is not None for c in calls)
+    first = calls[3][1][0, 0]  # the second row's second example: 4 tokens, window 2
+    assert first[:4, :4].tolist() == [[True, False, False, False], [True, True, False, False],
+                                      [False, True, True, False], [False, False, True, True]]
+    assert not first[:4, 4:].any() and first[4:].any(dim=1).all()  # no query without a key
     long = torch.randn(1, 4, packed_attention.BUCKET + 3, 8)
     calls.clear()
     out, _ = wrapped(None, long, long, long, None, position_ids=torch.cat([torch.arange(2), torch.arange(33)])[None])

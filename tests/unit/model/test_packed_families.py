@@ -26,6 +26,9 @@ EXPERTS = {
                   "mlp_only_layers": []},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 
 
@@ -182,3 +185,21 @@ def test_a_packing_run_of_such_a_family_stops_before_any_step(tiny_model_dir, tm
     assert "--packing: model type 'bloom' lets packed examples attend to each other" in err
     assert not (tmp_path / "packed" / "metrics.jsonl").exists() and not (tmp_path / "packed" / "config.json").exists()
     assert main(common + ["--output_dir", str(tmp_path / "padded")]) == 0
+
+
+@pytest.mark.parametrize("family", ["phimoe", "qwen2_moe"])
+def test_a_window_only_the_mask_holds_is_kept(family, sdpa_entry) -> None:
+    """Phi-MoE and Qwen2-MoE put their sliding window only in the mask transformers builds (their attention gets
+    no sliding_window argument): the per-example calls take each example's block of that mask, so packed rows
+    still train each example alone with the window (a re-sweep found them trained without it)."""
+    assert family not in VERIFIED
+    model = build(family, window=True)
+    ids = examples(SMALL["vocab_size"])
+    reference, reference_grads = alone(model, ids)
+    full = build(family, window=False, state=model.model.state_dict())
+    assert abs(float(alone(full, ids)[0] - reference)) > 5e-6 * float(reference)  # the window matters (fp32: 1e-7)
+    assert packed_attention.install(model.model)
+    loss, grads = packed(model, ids)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference_grads[name], rtol=1e-4, atol=1e-5)
