@@ -176,9 +176,10 @@ def plan_stages(model: nn.Module, train: Any) -> tuple[list[range], StageSizes]:
     UserError naming the flag when the model cannot be split so."""
     from open_sft.errors import UserError
     from open_sft.model.load import param_numel
+    from open_sft.model.loss import backbone_of
 
     causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+    backbone = backbone_of(causal_lm)
 
     def params(module: Optional[nn.Module]) -> int:
         return sum(param_numel(p) for p in module.parameters()) if module is not None else 0
@@ -301,8 +302,9 @@ class StageModule(nn.Module):
 
 
 def _backbone(loss_model: nn.Module) -> nn.Module:
-    causal_lm = loss_model.causal_lm()
-    return getattr(causal_lm, causal_lm.base_model_prefix)
+    from open_sft.model.loss import backbone_of
+
+    return backbone_of(loss_model.causal_lm())
 
 
 def _drop(module: nn.Module) -> None:

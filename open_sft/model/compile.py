@@ -26,7 +26,12 @@ logger = logging.getLogger(__name__)
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (or a peft model around one)."""
     causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
+    from open_sft.model.loss import backbone_of
+
+    try:
+        backbone = backbone_of(causal_lm)
+    except ValueError:
+        backbone = None
     layers = getattr(backbone, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ValueError(f"{type(causal_lm).__name__} has no decoder layers at "

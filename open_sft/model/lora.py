@@ -115,10 +115,11 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
             logger.info("LoRA also trains the embedding rows of the %d added tokens (%s)", len(new_ids),
                         ", ".join(rows))
     except ValueError as exc:
-        raise UserError(
-            f"--lora_target_modules {' '.join(args.lora_target_modules)}: {exc}; name linear layers of the model "
-            "(e.g. q_proj v_proj) or use all-linear"
-        ) from exc
+        fix = ("peft cannot adapt every linear layer of this model (a Mamba block's in/out projections, say): name "
+               "the modules to adapt, e.g. --lora_target_modules q_proj k_proj v_proj o_proj"
+               if args.lora_target_modules == ["all-linear"] else
+               "name linear layers of the model (e.g. q_proj v_proj) or use all-linear")
+        raise UserError(f"--lora_target_modules {' '.join(args.lora_target_modules)}: {exc}; {fix}") from exc
     from open_sft.model.load import param_numel
 
     trainable = sum(param_numel(p) for p in peft_model.parameters() if p.requires_grad)
@@ -157,7 +158,8 @@ def _has_fused_experts(model: torch.nn.Module) -> bool:
     """MoE experts kept as fused 3-D weights (transformers 5's experts modules), which peft's all-linear adapts as
     parameters (decided before peft is called: a get_peft_model that fails half-way leaves the model's weights
     trainable)."""
-    return any(len(getattr(p, "ds_shape", p.shape)) == 3 for p in model.parameters())
+    return any(len(getattr(p, "ds_shape", p.shape)) == 3 and "expert" in name.lower()
+               for name, p in model.named_parameters())  # not a Mamba or short-conv layer's 3-D conv1d weight
 
 
 def _experts_need_no_dropout(exc: ValueError) -> bool:

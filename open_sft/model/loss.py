@@ -23,6 +23,17 @@ from open_sft.model.liger_loss import liger_loss_sum
 from open_sft.model.logits import logit_transform
 
 
+def backbone_of(causal_lm: nn.Module) -> nn.Module:
+    """The decoder a causal LM's head sits on: the attribute its base_model_prefix names, or `model` where the
+    class names another (Llama4ForCausalLM's prefix is language_model, its decoder `model`)."""
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
+    if backbone is None or backbone is causal_lm:
+        backbone = getattr(causal_lm, "model", None)
+    if not isinstance(backbone, nn.Module):
+        raise ValueError(f"{type(causal_lm).__name__} has no decoder at .{causal_lm.base_model_prefix} or .model")
+    return backbone
+
+
 class TokenLossModel(nn.Module):
     """Wraps a causal LM so that DeepSpeed/DDP see one module whose forward returns the loss sum."""
 
@@ -53,7 +64,7 @@ class TokenLossModel(nn.Module):
         """Packed micro-batches pass position_ids (restarting per example) and no attention_mask. A sequence-
         parallel slice passes `shift_labels` (each position's target, shifted before the sequence was cut)."""
         causal_lm = self.causal_lm()
-        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        backbone = backbone_of(causal_lm)
         # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
         # position_ids only when no KV cache is passed.
         routed = self.router is not None and self.training

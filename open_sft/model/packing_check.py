@@ -20,6 +20,7 @@ from torch import nn
 
 from open_sft.errors import UserError
 from open_sft.model.logits import VERIFIED
+from open_sft.model.loss import backbone_of
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # of the hidden states' scale
 def _backbone(model: nn.Module) -> nn.Module:
     get_base_model = getattr(model, "get_base_model", None)
     causal_lm = get_base_model() if callable(get_base_model) else model
-    return getattr(causal_lm, causal_lm.base_model_prefix)
+    return backbone_of(causal_lm)
 
 
 def _partitioned(model: nn.Module) -> bool:
@@ -60,6 +61,37 @@ def packing_leak(model: nn.Module) -> float:
     return float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-12))
 
 
+def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
+    """Whether a packed row laid out as training lays it out (two examples, then the rest of the row as a block of
+    pad tokens with positions of its own) back-propagates finite gradients. Gemma-3n's text model does not: a
+    block of one repeated token gives NaN gradients (its padded batches are fine), so every packed step of it
+    would be skipped as non-finite. Checked on the first decoder layer's trainable parameters (or the first few
+    trainable ones): NaN reaches them from wherever it starts."""
+    backbone = _backbone(model)
+    layers = getattr(backbone, "layers", None)
+    first = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else backbone
+    targets = [p for p in first.parameters() if p.requires_grad] or [
+        p for p in backbone.parameters() if p.requires_grad and p.numel() < 2**24][:4]
+    if not targets:
+        return True
+    config = model.config
+    device = next(model.parameters()).device
+    pad = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=generator),
+                     torch.full((1, padding), pad)], dim=1).to(device)
+    positions = torch.cat([torch.arange(FIRST), torch.arange(SECOND), torch.arange(padding)])[None].to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+            grads = torch.autograd.grad(hidden.float().pow(2).mean(), targets, allow_unused=True)
+    finally:
+        model.train(was_training)
+    return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+
+
 def check_packing(model: nn.Module) -> Optional[str]:
     """For a --packing run of a family outside VERIFIED: raises UserError when packed examples see each other;
     returns a log line (None for verified families)."""
@@ -83,6 +115,10 @@ def check_packing(model: nn.Module) -> Optional[str]:
             f"moved by {leak:.2e} (relative) when another was packed before it, because its attention mask is not "
             "built from position_ids. Train without --packing (padded batches keep examples apart); please report "
             "the model type")
+    if not packed_gradients_finite(model):
+        raise UserError(f"--packing: model type {family!r} gives non-finite gradients on a packed row (its block of pad "
+                        "tokens), so every packed step would be skipped; train without --packing (padded batches are "
+                        "fine); please report the model type")
     return f"--packing: model type {family!r} keeps packed examples apart (checked at start: {leak:.1e})"
 
 

@@ -80,9 +80,16 @@ class ModelShape:
             largest_param=max(param_numel(p) for p in params),
             matmul_params=sum(param_numel(p) for p in params if p.requires_grad and len(param_shape(p)) == 2),
             hidden=hidden, layers=config.num_hidden_layers,
-            intermediate=getattr(config, "intermediate_size", None) or 4 * hidden, vocab=config.vocab_size,
+            intermediate=_widest(getattr(config, "intermediate_size", None)) or 4 * hidden, vocab=config.vocab_size,
             heads=getattr(config, "num_attention_heads", 1), lora_dropout_inputs=_lora_dropout_inputs(model),
         )
+
+
+def _widest(intermediate: Any) -> Optional[int]:
+    """The MLP width the activations peak at: Gemma-3n's configs give one per layer."""
+    if isinstance(intermediate, (list, tuple)):
+        return max((int(x) for x in intermediate), default=None)
+    return intermediate
 
 
 def _lora_dropout_inputs(model: torch.nn.Module) -> int:

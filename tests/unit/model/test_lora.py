@@ -163,3 +163,18 @@ def test_a_default_lora_run_of_an_moe_model_trains_and_merges(tiny_model_dir, tm
     with torch.no_grad():
         expected, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_short_conv_models_3d_weights_are_not_taken_for_experts() -> None:
+    """LFM2's short-conv layers hold 3-D conv1d weights: not MoE experts, so the default dropout stays (a re-sweep
+    found every such model warned about experts and trained without dropout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from open_sft.model.lora import apply_lora
+
+    config = AutoConfig.for_model("lfm2", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config)
+    assert any(p.dim() == 3 for p in model.parameters())
+    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
+    assert peft_model.peft_config["default"].lora_dropout == 0.1

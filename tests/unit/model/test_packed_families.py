@@ -203,3 +203,43 @@ def test_a_window_only_the_mask_holds_is_kept(family, sdpa_entry) -> None:
     torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
     for name in grads:
         torch.testing.assert_close(grads[name], reference_grads[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_family_with_non_finite_gradients_on_packed_rows_is_refused() -> None:
+    """Gemma-3n's text model: packed examples stay apart, but a row's block of pad tokens gives NaN gradients
+    (every packed step would be skipped); the start-up check back-propagates such a row and refuses --packing."""
+    from open_sft.errors import UserError
+    from open_sft.model.packing_check import check_packing, packed_gradients_finite, packing_leak
+
+    config = AutoConfig.for_model(
+        "gemma3n_text", vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64, hidden_size_per_layer_input=16,
+        intermediate_size=[128, 128], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        laurel_rank=8, activation_sparsity_pattern=[0.95, 0.0], layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16, num_kv_shared_layers=0, pad_token_id=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert packing_leak(model) < 1e-5 and not packed_gradients_finite(model)
+    with pytest.raises(UserError, match="--packing: model type 'gemma3n_text' gives non-finite gradients on a packed"):
+        check_packing(model)
+    assert packed_gradients_finite(tiny_model("olmo3", "sdpa"))
+
+
+def test_a_causal_lm_whose_prefix_is_not_its_decoder_trains(sdpa_entry) -> None:
+    """Llama4ForCausalLM's base_model_prefix is language_model, its decoder `model`: open_sft's loss (it runs the
+    decoder itself) is the model's own, and the packing check runs (every Llama-4 text run stopped with an
+    AttributeError; found by a re-sweep)."""
+    from open_sft.model.loss import backbone_of
+    from open_sft.model.packing_check import check_packing
+
+    config = AutoConfig.for_model("llama4_text", vocab_size=96, hidden_size=32, intermediate_size=64,
+                                  intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, num_local_experts=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert model.base_model_prefix == "language_model" and backbone_of(model) is model.model
+    ids = examples(96)[0]
+    theirs = model(input_ids=ids, labels=ids).loss
+    ours = TokenLossModel(model)(input_ids=ids, labels=ids) / (ids.shape[1] - 1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    packed_attention.install(model)
+    assert "keeps packed examples apart" in check_packing(model)
