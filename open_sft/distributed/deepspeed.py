@@ -47,6 +47,17 @@ def zero_stage(config: Optional[dict]) -> int:
     return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
 
+def zero_settings(ds_config: Optional[dict]) -> tuple[int, bool, int]:
+    """(ZeRO stage, offload, reduce bucket elements) of a DeepSpeed config; (0, False, 0) without one."""
+    if not ds_config:
+        return 0, False, 0
+    zero = ds_config.get("zero_optimization", {})
+    offload = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in ("none", None)
+                  for k in ("offload_optimizer", "offload_param"))
+    bucket = zero.get("reduce_bucket_size", 0)
+    return zero_stage(ds_config), offload, bucket if isinstance(bucket, int) else 0
+
+
 def _number_equal(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_number_equal(x, y) for x, y in zip(a, b))

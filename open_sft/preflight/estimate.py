@@ -27,7 +27,7 @@ import torch
 
 from open_sft.data.batching import best_fit_decreasing, locate
 from open_sft.distributed import env
-from open_sft.distributed.deepspeed import zero_stage
+from open_sft.distributed.deepspeed import zero_settings
 
 GIB = 2**30
 # Saved-for-backward elements per token, fp32, parameters excluded (see the module docstring): per decoder
@@ -308,19 +308,6 @@ def runtime_bytes(uses_deepspeed: bool, uses_lora: bool, uses_qlora: bool) -> in
         if used:
             importlib.import_module(name)
     return process_bytes()
-
-
-def zero_settings(ds_config: Optional[dict]) -> tuple[int, bool, int]:
-    """(ZeRO stage, offload, reduce bucket elements) of a DeepSpeed config; (0, False, 0) without one."""
-    if not ds_config:
-        return 0, False, 0
-    zero = ds_config.get("zero_optimization", {})
-    offload = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") not in ("none", None)
-                  for k in ("offload_optimizer", "offload_param"))
-    bucket = zero.get("reduce_bucket_size", 0)
-    return zero_stage(ds_config), offload, bucket if isinstance(bucket, int) else 0
-
-
 
 
 @dataclass
