@@ -23,7 +23,7 @@ from open_sft.data.batching import (collate, collate_packed, count_trained_batch
                                     trained_sources)
 from open_sft.data.pipeline import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
+from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems, zero_stage
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
 from open_sft.distributed.tensor_parallel import group_ranks, tp_size_of
 from open_sft.errors import UserError
@@ -62,6 +62,11 @@ class Trainer:
         self.precision = Precision(dtype, accelerator, optimizer, self.is_deepspeed)
         # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel)
         self.sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
+        # DeepSpeed 0.19's reduction of an SP group's gradients: ZeRO-3 leaves them 1/N of the group's sum, ZeRO-1/2
+        # the whole sum (measured: the same run's gradient norm under ZeRO-2 was exactly N times one process's and
+        # ZeRO-3's; clipping then cut twice as hard), so only ZeRO-3's loss is scaled back up by N
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed else None
+        self.sp_scale = self.sp_size if zero_stage(ds_config) == 3 else 1
         self.example_lengths = data.lengths() if self.sp_size > 1 else []  # the plan's, for SP group widths
         # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
         self.tp_ranks = group_ranks(accelerator) if tp_size_of(accelerator) > 1 else []
@@ -146,8 +151,7 @@ class Trainer:
 
     def _loss_scale(self, trained_global: float, trained_local: float) -> float:
         """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
-        # × sp_size: under SP DeepSpeed accumulates over N passes per micro-batch
-        undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size * self.sp_size
+        undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size * self.sp_scale
         if self.args.loss_normalization == "token":
             return undo / max(trained_global, 1.0)
         if self.args.loss_normalization == "sum":

@@ -50,6 +50,7 @@ def losses(tiny_model_dir, tmp_path_factory) -> dict:
         result = run_finetune(args_for(tiny_model_dir, output_dir, micro, accumulation, *extra), processes=processes,
                               deepspeed_config=ds_config)
         out[name] = [m["loss"] for m in read_metrics(output_dir) if "loss" in m]
+        out[name + "_grad_norm"] = [m["grad_norm"] for m in read_metrics(output_dir) if "grad_norm" in m]
         out[name + "_eval"] = [m["eval_loss"] for m in read_metrics(output_dir) if "eval_loss" in m]
         out[name + "_run"] = json.loads((output_dir / "run.json").read_text())
         out[name + "_stdout"] = result.stdout
@@ -62,6 +63,10 @@ def test_sequence_parallel_losses_equal_one_process(losses, name) -> None:
     assert len(losses[name]) == STEPS
     # Measured: equal to 6 decimals (the slices' attention and the all-to-all reorder fp32 sums only).
     assert losses[name] == pytest.approx(reference, rel=1e-5)
+    # and the gradient: under ZeRO-2 it was N times one process's (clipped twice as hard), which Adam and a
+    # clipping threshold below both norms hid from the losses
+    one = "one_packed" if name.endswith("packed") else "one_padded"
+    assert losses[name + "_grad_norm"] == pytest.approx(losses[one + "_grad_norm"], rel=1e-4)
 
 
 def test_refused_without_deepspeed(tiny_model_dir, tmp_path) -> None:
@@ -85,6 +90,7 @@ def test_preflight_and_run_json_show_the_layout(losses) -> None:
 def test_sequence_parallel_with_evaluation(losses) -> None:
     """The same held-out split in both runs: training and eval losses equal one process's."""
     assert losses["sp2_zero2_padded"] == pytest.approx(losses["one_padded_with_eval"], rel=1e-5)
+    assert losses["sp2_zero2_padded_grad_norm"] == pytest.approx(losses["one_padded_with_eval_grad_norm"], rel=1e-4)
     assert len(losses["one_padded_with_eval_eval"]) == 1
     assert losses["sp2_zero2_padded_eval"] == pytest.approx(losses["one_padded_with_eval_eval"], rel=1e-5)
 
