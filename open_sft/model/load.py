@@ -73,6 +73,29 @@ def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool) -> 
     return ids
 
 
+# What a bare tokenizer.json (no tokenizer_config.json naming its special tokens) most likely means by them
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+PAD_CANDIDATES = ("<|padding|>", "<pad>", "[PAD]", "<|pad|>")
+
+
+def _fill_special_tokens(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
+    """A pad token (padding never gets a loss), and an eos token where the tokenizer names none: a directory holding
+    only a tokenizer.json (GPT-NeoX/OLMo's, say) loads with neither, and chat templates end turns with eos."""
+    vocab = tokenizer.get_vocab()
+    if tokenizer.eos_token_id is None:
+        found = next((t for t in EOS_CANDIDATES if t in vocab), None)
+        if found is None:
+            raise UserError(f"{where}: the tokenizer names no eos token and has none of {', '.join(EOS_CANDIDATES)}; "
+                            "give a tokenizer directory whose tokenizer_config.json names eos_token (and pad_token)")
+        logger.warning("tokenizer names no eos token; using %r, which it has (name eos_token in its "
+                       "tokenizer_config.json to choose another)", found)
+        tokenizer.eos_token = found
+    if tokenizer.pad_token_id is None:
+        pad = next((t for t in PAD_CANDIDATES if t in vocab), None) or tokenizer.eos_token
+        logger.warning("tokenizer has no pad token; using %r for padding (padding never gets a loss)", pad)
+        tokenizer.pad_token = pad
+
+
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     name = args.tokenizer_name_or_path or args.model_name_or_path
     flag = "--tokenizer_name_or_path" if args.tokenizer_name_or_path else "--model_name_or_path"
@@ -81,10 +104,7 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(name, **{**_hub_kwargs(args), "revision": revision})
     except (OSError, ValueError) as exc:
         raise UserError(f"{flag} {name}: could not load a tokenizer ({exc}); check the path or Hub id") from exc
-    if tokenizer.pad_token_id is None:
-        logger.warning("tokenizer has no pad token; using eos %r for padding (padding never gets a loss)",
-                       tokenizer.eos_token)
-        tokenizer.pad_token = tokenizer.eos_token
+    _fill_special_tokens(tokenizer, f"{flag} {name}")
     if args.add_tokens:
         add_tokens(tokenizer, args.add_tokens, special=False)
     if args.add_special_tokens:

@@ -223,3 +223,27 @@ def test_added_tokens_on_spare_rows_start_at_the_mean_of_the_trained_rows(tiny_m
     assert lines == [f"added tokens <|im_start|> (1024), <|im_end|> (1025): their {rows} rows start at the mean of "
                      "the 1024 trained rows"]
     assert tokenizer.open_sft_new_ids == ids  # what LoRA makes trainable (open_sft.model.lora)
+
+
+def test_a_bare_tokenizer_json_gets_its_eos_and_pad_tokens(tiny_model_dir, tmp_path) -> None:
+    """A directory holding only a tokenizer.json (no tokenizer_config.json naming its special tokens) loads with no
+    eos and no pad token; the run's first collate failed on a None pad id. The tokens it has are taken."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from open_sft.errors import UserError
+    from open_sft.model.load import load_tokenizer
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_model_dir / "tokenizer.json", bare / "tokenizer.json")
+    tokenizer = load_tokenizer(model_args(tiny_model_dir, tokenizer_name_or_path=str(bare)))
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|endoftext|>", "<|pad|>")
+    assert isinstance(tokenizer.pad_token_id, int) and isinstance(tokenizer.eos_token_id, int)
+    plain = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    plain.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "plain").mkdir()
+    plain.save(str(tmp_path / "plain" / "tokenizer.json"))
+    with pytest.raises(UserError, match="names no eos token and has none of <|endoftext|>".replace("|", r"\|")):
+        load_tokenizer(model_args(tiny_model_dir, tokenizer_name_or_path=str(tmp_path / "plain")))
