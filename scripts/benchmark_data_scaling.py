@@ -152,6 +152,8 @@ def main() -> int:
     text = Path(args.data).read_text()
     rows = json.loads(text) if args.data.endswith(".json") else [json.loads(line) for line in text.splitlines()]
     results = []
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for size_mb in (int(s) for s in args.sizes_mb.split(",")):
             corpus = Path(tmp) / f"corpus_{size_mb}mb.jsonl"

@@ -156,14 +156,16 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
                         "has no CUDA device. Drop --use_liger_kernel: open_sft's own loss path already avoids full "
                         "logits on CPU")
     elif m.use_liger_kernel and not _installed("liger_kernel"):
-        problems.append("--use_liger_kernel needs the liger-kernel package: pip install 'open_sft[liger]'")
+        problems.append("--use_liger_kernel needs the liger-kernel package: pip install -e '.[liger]' in the open_sft "
+                        "checkout")
     if lora.use_qlora and uses_deepspeed():
         problems.append("--use_qlora does not work under DeepSpeed: ZeRO flattens and partitions parameters, and "
                         "bitsandbytes' packed 4-bit weights (with their quantization state) cannot be partitioned or "
                         "cast. Run QLoRA in one process (python finetune.py ...) or with DDP (accelerate launch "
                         "--multi_gpu --num_processes N finetune.py ...), or use --use_lora under DeepSpeed")
     elif lora.use_qlora and not _installed("bitsandbytes"):
-        problems.append("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install 'open_sft[qlora]'")
+        problems.append("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install -e '.[qlora]' in the "
+                        "open_sft checkout")
     return problems + chat_template_problems(config.data.chat_template_name, config.data.chat_template_path)
 
 
@@ -247,7 +249,7 @@ def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
     problems += pipeline_flag_problems(t)
     if t.use_8bit_optimizer and importlib.util.find_spec("bitsandbytes") is None:
         problems.append("--use_8bit_optimizer needs bitsandbytes>=0.50 (it runs on CPU too): "
-                        "pip install 'open_sft[qlora]'")
+                        "pip install -e '.[qlora]' in the open_sft checkout")
     if config.model.additional_model_arguments:
         try:
             overrides = yaml.safe_load(config.model.additional_model_arguments)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "wandb")
 REPORT_TO_CHOICES = (*TRACKERS, "all", "none")
-WANDB_INSTALL_HINT = "pip install 'open_sft[wandb]'"
+WANDB_INSTALL_HINT = "pip install -e '.[wandb]' in the open_sft checkout"
 WANDB_LOGIN_HINT = ("run `wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline (`wandb sync` "
                     "uploads later), or track with --report_to tensorboard")
 

@@ -94,5 +94,5 @@ def test_secrets_redacted_from_tracker_config() -> None:
 
 def test_wandb_missing_names_the_extra(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
-    with pytest.raises(UserError, match=r"pip install 'open_sft\[wandb\]'"):
+    with pytest.raises(UserError, match=r"pip install -e '\.\[wandb\]' in the open_sft checkout"):
         build_trackers("wandb", tmp_path)
