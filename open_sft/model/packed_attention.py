@@ -172,6 +172,9 @@ def _example_mask(allowed: torch.Tensor, row: int, start: int, n: int, size: int
     block = torch.ones(allowed.shape[1], size, size, dtype=torch.bool, device=allowed.device).tril_()
     block[:, :n, :] = False
     block[:, :n, :n] = allowed[row, :, start:start + n, start:start + n]
+    blind = ~block.any(dim=-1)  # a query the mask gives no key (none in causal or windowed masks): its own
+    if blind.any():
+        block |= torch.diag_embed(blind)
     return block[None]
 
 

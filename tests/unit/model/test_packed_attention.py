@@ -196,3 +196,12 @@ def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
                                   scaling=0.3)
     assert len(calls) == 3 and out_autocast.dtype == torch.bfloat16
     torch.testing.assert_close(out_autocast, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_a_query_the_mask_gives_no_key_sees_itself() -> None:
+    """sdpa gives NaN for a query with no key, and NaN times a zero gradient is NaN in the keys' gradients: such a
+    query (none in causal or windowed masks) gets its own key in an example's block."""
+    allowed = packed_attention.block_causal([4], 1, 4, torch.device("cpu"))[:, None].clone()
+    allowed[0, 0, 2] = False
+    block = packed_attention._example_mask(allowed, 0, 0, 4, packed_attention.BUCKET)[0, 0]
+    assert block[2].tolist()[:4] == [False, False, True, False] and block.any(dim=-1).all()
