@@ -205,3 +205,21 @@ def test_a_query_the_mask_gives_no_key_sees_itself() -> None:
     allowed[0, 0, 2] = False
     block = packed_attention._example_mask(allowed, 0, 0, 4, packed_attention.BUCKET)[0, 0]
     assert block[2].tolist()[:4] == [False, False, True, False] and block.any(dim=-1).all()
+
+
+def test_a_plain_familys_packed_mask_is_judged_plain(tiny_model_dir, sdpa_entry, monkeypatch) -> None:
+    """Llama's mask for packed rows (padding block included) is the block-diagonal causal one: judged plain, so the
+    examples keep the unmasked calls here and torch's variable-length flash attention on a GPU."""
+    verdicts = []
+    judge = packed_attention._MaskKinds.plain
+
+    def recording(self, allowed, lengths):
+        verdicts.append(judge(self, allowed, lengths))
+        return verdicts[-1]
+
+    monkeypatch.setattr(packed_attention._MaskKinds, "plain", recording)
+    model = tiny_sdpa_model(tiny_model_dir)
+    packed_attention.install(model.model)
+    batch = packed_batch([[7, 1, 20, 5], [33], [2, 2, 2, 10]], model.model.config.vocab_size)
+    model(**batch)
+    assert verdicts and all(verdicts)
