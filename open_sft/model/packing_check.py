@@ -112,9 +112,9 @@ def check_packing(model: nn.Module) -> Optional[str]:
     if leak > RTOL.get(dtype, 2e-2):
         raise UserError(
             f"--packing: model type {family!r} lets packed examples attend to each other: an example's hidden states "
-            f"moved by {leak:.2e} (relative) when another was packed before it, because its attention mask is not "
-            "built from position_ids. Train without --packing (padded batches keep examples apart); please report "
-            "the model type")
+            f"moved by {leak:.2e} (relative) when another was packed before it (its attention mask is not built "
+            "from position_ids, or a recurrent layer carries its state across examples). Train without --packing "
+            "(padded batches keep examples apart); please report the model type")
     if not packed_gradients_finite(model):
         raise UserError(f"--packing: model type {family!r} gives non-finite gradients on a packed row (its block of pad "
                         "tokens), so every packed step would be skipped; train without --packing (padded batches are "
