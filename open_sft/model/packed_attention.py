@@ -20,7 +20,9 @@ On a GPU without the flash-attn package, transformers' "sdpa" gives packed rows 
 mask, which keeps torch off its flash kernel (a mask forces the memory-efficient or math kernel, over whole
 rows). There the examples of the whole micro-batch go to one call of torch's variable-length flash attention
 (`torch.nn.attention.varlen`, bf16/fp16, cumulative example lengths); other dtypes, softcapping or sliding
-windows take the per-example calls above (a sliding window as a banded causal mask of the example's own).
+windows take the per-example calls above. Where the mask transformers built for the packed rows is more than
+causal attention within each example (a sliding window, Llama-4's chunks), each example's call gets its own block
+of that mask; a window passed as an argument with no mask, a banded causal mask of the example's own.
 scripts/gpu_check.py measures these candidates against each other.
 """
 
@@ -230,8 +232,8 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
 def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
     """[1, 1, length, length] boolean mask of causal attention within a sliding window: query i sees keys j with
     i - window < j <= i (transformers' sliding_window_overlay). Mistral, Qwen2, Gemma-3, Phi-3, OLMo-3 and other
-    families pass their sliding layers' window to the attention function, and sdpa applies it only through the
-    mask transformers builds for the whole row, which the per-example calls do not use."""
+    families pass their sliding layers' window to the attention function, and sdpa applies it only through a
+    mask: this one where transformers passed none for the row."""
     i = torch.arange(length, device=device)
     distance = i[:, None] - i[None, :]
     return ((distance >= 0) & (distance < window))[None, None]
