@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hub reads HF_HUB_OFFLINE
 
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
@@ -212,7 +213,7 @@ def _online_problems(config: FinetuneConfig) -> list[str]:
         problem = wandb_login_problem()
         if problem:
             problems.append(problem)
-    if config.hub.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+    if config.hub.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ENV_VARS_TRUE_VALUES:
         problems.append("--push_to_hub cannot upload with HF_HUB_OFFLINE set: unset it for this run (a local model "
                         "and local data load offline either way), or drop --push_to_hub and upload the export "
                         "later with python -m open_sft push OUTPUT_DIR --hub_model_id ID")

@@ -176,9 +176,9 @@ def plan_stages(model: nn.Module, train: Any) -> tuple[list[range], StageSizes]:
     UserError naming the flag when the model cannot be split so."""
     from open_sft.errors import UserError
     from open_sft.model.load import param_numel
-    from open_sft.model.loss import backbone_of
+    from open_sft.model.loss import backbone_of, causal_lm_of
 
-    causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    causal_lm = causal_lm_of(model)
     backbone = backbone_of(causal_lm)
 
     def params(module: Optional[nn.Module]) -> int:

@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (or a peft model around one)."""
-    causal_lm = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    from open_sft.model.loss import backbone_of
+    from open_sft.model.loss import backbone_of, causal_lm_of
 
+    causal_lm = causal_lm_of(model)
     try:
         backbone = backbone_of(causal_lm)
     except ValueError:

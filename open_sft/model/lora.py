@@ -101,25 +101,22 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
                            "to adapt, e.g. --lora_target_modules q_proj k_proj v_proj o_proj, to leave the experts "
                            "out)", args.lora_dropout)
             dropout = 0.0
-        try:
-            with _trainable_tokens_off_cuda(model if rows else None):
-                peft_model = get_peft_model(model, lora_config(args, rows, dropout))
-        except ValueError as exc:
-            if not _experts_need_no_dropout(exc):
-                raise
-            raise UserError(f"--lora_target_modules {' '.join(args.lora_target_modules)} adapts this MoE model's "
-                            "experts, whose fused weights peft trains only without dropout: pass --lora_dropout 0, "
-                            "or name the modules to adapt (e.g. q_proj k_proj v_proj o_proj) to leave the experts "
-                            "out") from None
+        with _trainable_tokens_off_cuda(model if rows else None):
+            peft_model = get_peft_model(model, lora_config(args, rows, dropout))
         if rows:
             logger.info("LoRA also trains the embedding rows of the %d added tokens (%s)", len(new_ids),
                         ", ".join(rows))
     except ValueError as exc:
+        targets = " ".join(args.lora_target_modules)
+        if _experts_need_no_dropout(exc):
+            raise UserError(f"--lora_target_modules {targets} adapts this MoE model's experts, whose fused weights "
+                            "peft trains only without dropout: pass --lora_dropout 0, or name the modules to adapt "
+                            "(e.g. q_proj k_proj v_proj o_proj) to leave the experts out") from None
         fix = ("peft cannot adapt every linear layer of this model (a Mamba block's in/out projections, say): name "
                "the modules to adapt, e.g. --lora_target_modules q_proj k_proj v_proj o_proj"
                if args.lora_target_modules == ["all-linear"] else
                "name linear layers of the model (e.g. q_proj v_proj) or use all-linear")
-        raise UserError(f"--lora_target_modules {' '.join(args.lora_target_modules)}: {exc}; {fix}") from exc
+        raise UserError(f"--lora_target_modules {targets}: {exc}; {fix}") from exc
     from open_sft.model.load import param_numel
 
     trainable = sum(param_numel(p) for p in peft_model.parameters() if p.requires_grad)

@@ -23,6 +23,12 @@ from open_sft.model.liger_loss import liger_loss_sum
 from open_sft.model.logits import logit_transform
 
 
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers model of a model or of a peft model around it (peft injects its adapters in place)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
 def backbone_of(causal_lm: nn.Module) -> nn.Module:
     """The decoder a causal LM's head sits on: the attribute its base_model_prefix names, or `model` where the
     class names another (Llama4ForCausalLM's prefix is language_model, its decoder `model`)."""
@@ -55,8 +61,7 @@ class TokenLossModel(nn.Module):
 
     def causal_lm(self) -> nn.Module:
         """The transformers model; a peft model injects its adapters into it in place."""
-        get_base_model = getattr(self.model, "get_base_model", None)
-        return get_base_model() if callable(get_base_model) else self.model
+        return causal_lm_of(self.model)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,

@@ -12,15 +12,16 @@ named, before any step is taken.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from open_sft.errors import UserError
 from open_sft.model.logits import VERIFIED
-from open_sft.model.loss import backbone_of
+from open_sft.model.loss import backbone_of, causal_lm_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +30,18 @@ RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # of the hidden states' scale
 
 
 def _backbone(model: nn.Module) -> nn.Module:
-    get_base_model = getattr(model, "get_base_model", None)
-    causal_lm = get_base_model() if callable(get_base_model) else model
-    return backbone_of(causal_lm)
+    return backbone_of(causal_lm_of(model))
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode (no dropout, no router noise) for a probe, back in its own mode after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _partitioned(model: nn.Module) -> bool:
@@ -51,13 +61,9 @@ def packing_leak(model: nn.Module) -> float:
     ids = torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=generator).to(device)
     positions = torch.cat([torch.arange(FIRST), torch.arange(SECOND)])[None].to(device)
     backbone = _backbone(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with _evaluating(model):
         alone = backbone(input_ids=ids[:, FIRST:], use_cache=False).last_hidden_state.float()
         packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, FIRST:].float()
-    finally:
-        model.train(was_training)
     return float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-12))
 
 
@@ -81,14 +87,9 @@ def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
     ids = torch.cat([torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=generator),
                      torch.full((1, padding), pad)], dim=1).to(device)
     positions = torch.cat([torch.arange(FIRST), torch.arange(SECOND), torch.arange(padding)])[None].to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.enable_grad():
-            hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-            grads = torch.autograd.grad(hidden.float().pow(2).mean(), targets, allow_unused=True)
-    finally:
-        model.train(was_training)
+    with _evaluating(model), torch.enable_grad():
+        hidden = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+        grads = torch.autograd.grad(hidden.float().pow(2).mean(), targets, allow_unused=True)
     return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
 
 

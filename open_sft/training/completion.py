@@ -62,8 +62,8 @@ def _differences(record: dict[str, Any], config: Any) -> list[str]:
     if not isinstance(then, dict):  # a record written before settings were kept
         return []
     now = settings(config)
-    return [f"--{name}: {then.get(name)!r} then, {now.get(name)!r} now"
-            for name in sorted(set(then) | set(now)) if name in then and name in now and then[name] != now[name]]
+    return [f"--{name}: {then[name]!r} then, {now[name]!r} now"
+            for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
 
 
 def checks_completion(config: Any) -> bool:

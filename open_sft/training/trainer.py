@@ -71,7 +71,7 @@ class Trainer:
         # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
         self.tp_ranks = group_ranks(accelerator) if tp_size_of(accelerator) > 1 else []
         if self.is_deepspeed:
-            problems = deepspeed_nonfinite_problems(accelerator.state.deepspeed_plugin.deepspeed_config)
+            problems = deepspeed_nonfinite_problems(ds_config)
             if problems:
                 raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
                                 "skipping them: " + "; ".join(problems))
