@@ -55,6 +55,17 @@ def why_not(lm_head: nn.Module, hidden: torch.Tensor, per_position: bool, traini
     return None
 
 
+def peak_bytes(vocab_size: int, hidden_size: int, rows: int, compute_bytes: int) -> int:
+    """Liger's fused loss's own peak memory, as liger-kernel 0.8 allocates it: the fp32 weight gradient, the weight
+    cast to the compute dtype (liger_loss_sum's cast), the hidden states' gradient, and one chunk's logits in the
+    compute dtype and fp32. Liger sizes a chunk so that chunk × vocab is about rows × hidden: the next power of
+    two of rows / ceil(vocab / hidden)."""
+    per_chunk = -(-rows // max(-(-vocab_size // max(hidden_size, 1)), 1))
+    chunk = min(1 << max(per_chunk - 1, 0).bit_length(), max(rows, 1))
+    return ((4 + compute_bytes) * vocab_size * hidden_size + compute_bytes * rows * hidden_size
+            + (4 + compute_bytes) * chunk * vocab_size)
+
+
 def say_once(reason: str) -> None:
     if reason not in _said:
         _said.add(reason)

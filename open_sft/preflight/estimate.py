@@ -25,9 +25,9 @@ from typing import Any, Optional
 import psutil
 import torch
 
-from open_sft.data.batching import best_fit_decreasing, locate
 from open_sft.distributed import env
 from open_sft.distributed.deepspeed import zero_settings
+from open_sft.preflight.positions import step_slots
 
 GIB = 2**30
 # Saved-for-backward elements per token, fp32, parameters excluded (see the module docstring): per decoder
@@ -50,6 +50,10 @@ RECOMPUTED_LAYER_FACTOR = 2.0
 # Liger's SwiGLU recomputes its activation in backward instead of keeping two intermediate-wide tensors in the
 # compute dtype (measured on that H200 run: 8.1 GiB less, 4 bytes per token, layer and intermediate unit).
 LIGER_SAVED_BYTES_PER_INTERMEDIATE = 4
+# --torch_compile (GPU): Inductor's partitioner keeps fewer tensors for backward and recomputes the cheap
+# elementwise ones: the same H200 run (commit d7433b0) peaked at 40.17 GiB compiled against 52.16 eager, the
+# decoder's saved bytes down to 0.59 of eager's. Not measured on CPU, where the estimate stays eager's.
+COMPILED_SAVED_FACTOR = 0.6
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,8 @@ class RunShape:
     tensor_parallel: int = 1  # FSDP2 + TP: a gathered block holds 1/tp of its attention and MLP weights
     on_gpu: bool = False  # CUDA: the allocator's peak, the fused loss's GPU chunks
     liger: bool = False  # --use_liger_kernel (Liger's SwiGLU keeps less)
+    liger_loss: bool = False  # Liger's fused linear cross-entropy is the LM-head loss (open_sft.model.liger_loss)
+    compiled: bool = False  # --torch_compile
 
 
 @dataclass
@@ -201,18 +207,23 @@ def saved_activation_bytes(model: ModelShape, run: RunShape) -> int:
     if run.gradient_checkpointing:  # layer inputs (the fp32 residual stream) + one layer at a time
         saved = tokens * (4 * model.hidden * model.layers + 4 * factor * (RECOMPUTED_LAYER_FACTOR * per_layer + outside))
     else:
-        saved = tokens * 4 * factor * (model.layers * per_layer + outside)
+        eager = tokens * 4 * factor * (model.layers * per_layer + outside)
+        saved = eager
         if run.liger:
             saved -= tokens * model.layers * LIGER_SAVED_BYTES_PER_INTERMEDIATE * model.intermediate
+        if run.compiled and run.on_gpu:  # with Liger too, the larger of the two (that pairing was not measured)
+            saved = max(saved, COMPILED_SAVED_FACTOR * eager) if run.liger else COMPILED_SAVED_FACTOR * eager
     return int(saved + tokens * 5 * model.lora_dropout_inputs)  # LoRA: fp32 dropout output + its bool mask
 
 
 def activation_bytes(model: ModelShape, run: RunShape) -> int:
     """Peak activation memory of one micro-batch's forward and backward, the fused LM-head loss included
     (its fp32 weight gradient and the logits of one chunk of rows; see open_sft/model/fused_ce.py)."""
-    from open_sft.model.fused_ce import peak_bytes
+    from open_sft.model import fused_ce, liger_loss
 
-    loss = peak_bytes(model.vocab, model.hidden, run.trained_tokens, 2 if run.bf16 else 4, on_gpu=run.on_gpu)
+    compute_bytes = 2 if run.bf16 else 4
+    loss = liger_loss.peak_bytes(model.vocab, model.hidden, run.trained_tokens, compute_bytes) if run.liger_loss \
+        else fused_ce.peak_bytes(model.vocab, model.hidden, run.trained_tokens, compute_bytes, on_gpu=run.on_gpu)
     factor = GPU_ACTIVATION_PEAK_FACTOR if run.on_gpu else ACTIVATION_PEAK_FACTOR[run.bf16]
     return int(factor * saved_activation_bytes(model, run) + loss)
 
@@ -239,39 +250,6 @@ def device_memory_bytes(local_world_size: int, limit_gib: Optional[float] = None
         return props.total_memory, props.name
     total = psutil.virtual_memory().total
     return total // max(local_world_size, 1), f"RAM ÷ {local_world_size} local ranks"
-
-
-# ----------------------------------------------------------------------------------------------
-# Token positions per step (what the time probe scales by, and the largest micro-batch)
-# ----------------------------------------------------------------------------------------------
-def micro_batch_positions(sizes: list[int], packing: bool, row_capacity: int) -> int:
-    """Token positions a micro-batch computes as it will be collated: unpacked ones pad to their longest
-    example; packed ones lay examples into rows (best-fit-decreasing) padded to the fullest row."""
-    if not packing:
-        return len(sizes) * max(sizes)
-    rows, _ = best_fit_decreasing(dict(enumerate(sizes)), row_capacity)
-    rows = [row for row in rows if row]
-    return len(rows) * max(sum(sizes[i] for i in row) for row in rows)
-
-
-def step_slots(steps: Any, lengths: list[int], packing: bool) -> tuple[list[int], int, int]:
-    """Token positions computed at every optimizer step of the run (all ranks); those of the largest
-    micro-batch any rank computes (what activations scale with) and its width if it needs a padding mask."""
-    plan, slots, largest, width = steps.plan, [], 0, 0
-    for step in range(steps.total_steps):
-        epoch, in_epoch = locate(plan, step)
-        total = 0
-        for rank in range(steps.layout.world_size):
-            for indices in plan.micro_batches(epoch, in_epoch, rank):
-                if indices:
-                    sizes = [lengths[i] for i in indices]
-                    positions = micro_batch_positions(sizes, packing, steps.max_seq_length)
-                    total += positions
-                    if positions > largest:
-                        largest = positions
-                        width = max(sizes) if not packing and min(sizes) != max(sizes) else 0
-        slots.append(total)
-    return slots, largest, width
 
 
 def format_memory(estimate: MemoryEstimate, device_bytes: int, device_name: str) -> str:
@@ -355,6 +333,13 @@ class Preflight:
                              **({"fsdp": self.fsdp} if self.fsdp is not None else {})}}
 
 
+def _liger_loss_applies(config: Any, data: Any) -> bool:
+    """Where Liger's fused loss will be the LM-head loss for sure (open_sft.model.liger_loss.why_not): on CUDA, a
+    plain head (no LoRA, no 4-bit), one source (several log a loss per source); elsewhere our chunked loss."""
+    return (config.model.use_liger_kernel and torch.cuda.is_available() and not config.lora.use_lora
+            and not config.lora.use_qlora and len(getattr(data, "source_names", [None, None])) == 1)
+
+
 def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_config: Optional[dict],
                    bf16: bool, baseline: int, fsdp: Optional[dict] = None) -> Preflight:
     """`fsdp`: open_sft.distributed.fsdp.fsdp_layout's layout of an FSDP2 run, else None."""
@@ -375,7 +360,8 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
     shape = RunShape(sharded_over, stage, offload, bf16_activations, per_rank, per_rank,
                      checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None,
                      tensor_parallel=(fsdp or {}).get("tensor_parallel", 1), on_gpu=torch.cuda.is_available(),
-                     liger=config.model.use_liger_kernel)
+                     liger=config.model.use_liger_kernel, compiled=config.model.torch_compile,
+                     liger_loss=_liger_loss_applies(config, data))
     model_shape, pipeline = ModelShape.of(model), None
     if config.train.pipeline_parallel_size > 1:  # one stage a rank, several micro-batches in flight
         from open_sft.preflight.pipeline_memory import stage_view

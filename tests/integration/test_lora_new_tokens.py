@@ -118,8 +118,12 @@ def test_the_same_run_on_2_ranks_under_zero3_trains_the_same(chatml_lora, tiny_m
                  processes=2, deepspeed_config="zero3.json")
     one, two = read_metrics(chatml_lora), read_metrics(out)
     assert [r["step"] for r in two] == [r["step"] for r in one]
-    for a, b in zip(one, two):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+    # step 1 is one forward of the same weights: equal up to the reduction order. Later steps follow 1-7 Adam
+    # steps at lr 5e-2, where the order's ulps grow (a clean-clone CI saw 3.5e-4 at step 6): 2e-3 there, still
+    # far below what a wrong gradient (a 2x scale, a row left out) moves at this rate
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], rel=1e-5), (one[0]["loss"], two[0]["loss"])
+    for a, b in zip(one[1:], two[1:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3), (a["step"], a["loss"], b["loss"])
     deltas = {k: v for k, v in load_file(out / "adapter_model.safetensors").items() if "trainable_tokens_delta" in k}
     reference = load_file(chatml_lora / "adapter_model.safetensors")
     assert deltas.keys() and all(torch.allclose(v, reference[k], rtol=1e-3, atol=1e-4) for k, v in deltas.items())

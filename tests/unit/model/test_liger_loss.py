@@ -116,3 +116,32 @@ def test_the_reasons_liger_is_not_used() -> None:
         assert "LoraLinear" in liger_loss.why_not(LoraLinear(4, 8), hidden, per_position=False, training=True)
     finally:
         liger_loss.on_cuda = on_gpu
+
+
+def test_peak_bytes_follows_liger_kernels_chunking() -> None:
+    """The preflight's figure for Liger's fused loss: the 1B benchmark's 16,384 rows of a 50,304 × 2,048 head take
+    1,024-row chunks (Liger: next power of two of 16,384 / ceil(50,304 / 2,048) = 656); fp32 weight gradient,
+    bf16 weight, bf16 hidden-state gradient, one chunk's logits in bf16 and fp32."""
+    from open_sft.model.liger_loss import peak_bytes
+
+    vocab, hidden = 50304, 2048
+    assert peak_bytes(vocab, hidden, 16384, 2) == 6 * vocab * hidden + 2 * 16384 * hidden + 6 * 1024 * vocab
+    assert peak_bytes(vocab, hidden, 3, 2) == 6 * vocab * hidden + 2 * 3 * hidden + 6 * 1 * vocab  # one small chunk
+
+
+def test_the_preflight_counts_liger_loss_only_where_it_surely_runs(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from open_sft.preflight.estimate import _liger_loss_applies
+
+    def config(liger=True, lora=False, qlora=False):
+        return SimpleNamespace(model=SimpleNamespace(use_liger_kernel=liger),
+                               lora=SimpleNamespace(use_lora=lora, use_qlora=qlora))
+
+    one, two = SimpleNamespace(source_names=["a"]), SimpleNamespace(source_names=["a", "b"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert _liger_loss_applies(config(), one)
+    assert not any(_liger_loss_applies(c, d) for c, d in [(config(), two), (config(liger=False), one),
+                                                          (config(lora=True), one), (config(qlora=True), one)])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert not _liger_loss_applies(config(), one)
