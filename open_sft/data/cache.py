@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 # where the template wrote it (Qwen3's think block, Phi-3's final eos), rows may open with the assistant,
 # messages keep their tool_calls (trained as written) and other fields; 5: open-instruct's templates under
 # their names, a turn closed differently when another follows (OLMo's <|im_end|>) trains that closing; 6: an
-# alpaca row's `history` turns (LLaMA-Factory's format) come before its own, not dropped
-CACHE_FORMAT_VERSION = 6
+# alpaca row's `history` turns (LLaMA-Factory's format) come before its own, not dropped; 7: assistant turns
+# in a TRL prompt-completion row's prompt are context, not trained
+CACHE_FORMAT_VERSION = 7
 COMPLETE = "COMPLETE"
 
 

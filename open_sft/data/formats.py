@@ -31,6 +31,9 @@ class Conversation(list):
     so it goes wherever messages go; slices are plain lists, so read `tools` before slicing."""
 
     tools: Optional[list] = None
+    # messages before this index never train (a TRL prompt-completion row's prompt: few-shot assistant turns
+    # there are context, as TRL trains the completion only)
+    first_trained: int = 0
 
 
 class RowError(ValueError):
@@ -132,7 +135,8 @@ def _from_sharegpt(row: dict[str, Any]) -> Messages:
 def _from_prompt_completion(row: dict[str, Any]) -> Messages:
     """TRL's prompt-completion rows: two strings (a user turn and the assistant's answer, through the chat
     template), or two lists of role/content messages (conversational: the prompt's turns, then the completion's
-    assistant turn(s), which are what trains under --train_on all_assistant, as TRL trains the completion)."""
+    assistant turn(s), which are what trains under --train_on all_assistant, as TRL trains the completion; an
+    assistant turn in the prompt, a few-shot example, is context: to_messages marks where the completion starts)."""
     prompt, completion = row.get("prompt"), row.get("completion")
     if isinstance(prompt, str) and isinstance(completion, str):
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
@@ -215,6 +219,8 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
     messages.tools = _tools(row)
+    if fmt == "prompt_completion" and isinstance(row.get("prompt"), list):
+        messages.first_trained = len(messages) - len(row["completion"])
     return messages
 
 

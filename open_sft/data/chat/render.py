@@ -271,6 +271,7 @@ def trained_spans(
         assistant_indices = list(known_ends)
     else:
         assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assistant_indices = [i for i in assistant_indices if i >= getattr(messages, "first_trained", 0)]
     if train_on == "last_assistant":
         assistant_indices = assistant_indices[-1:]
     spans = []

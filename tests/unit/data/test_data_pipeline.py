@@ -171,6 +171,23 @@ def test_trls_prompt_completion_rows_train_the_completion(tokenizer, tmp_path) -
     streamed = prepare_data(DataArguments(dataset_mixer_list=[plain, "1.0", chat, "1.0"], dataset_skip_cache=True),
                             tokenizer, 0)
     assert sorted(len(x) for x in streamed.dataset["input_ids"]) == sorted(len(e.input_ids) for e in examples)
+    # a few-shot prompt: its assistant turn is context, the completion trains (TRL's completion-only loss),
+    # under last_assistant too; --train_on all trains the whole text
+    shots = write_jsonl(tmp_path / "shots.jsonl", [{
+        "prompt": [{"role": "user", "content": "Say one."}, {"role": "assistant", "content": "One"},
+                   {"role": "user", "content": "Say two."}],
+        "completion": [{"role": "assistant", "content": "Two"}]}])
+    for train_on in ("all_assistant", "last_assistant"):
+        few, _ = build_examples(DataArguments(dataset_mixer_list=[shots, "1.0"], train_on=train_on), tokenizer, 0)
+        assert [r.strip() for r in trained_runs(tokenizer, few[0].input_ids, few[0].labels)] == ["Two" + eos]
+        assert "One" in tokenizer.decode(few[0].input_ids)
+    every, _ = build_examples(DataArguments(dataset_mixer_list=[shots, "1.0"], train_on="all"), tokenizer, 0)
+    assert every[0].labels == every[0].input_ids
+    as_messages = write_jsonl(tmp_path / "msgs.jsonl", [{"messages": [
+        {"role": "user", "content": "Say one."}, {"role": "assistant", "content": "One"},
+        {"role": "user", "content": "Say two."}, {"role": "assistant", "content": "Two"}]}])
+    both, _ = build_examples(DataArguments(dataset_mixer_list=[as_messages, "1.0"]), tokenizer, 0)
+    assert len(trained_runs(tokenizer, both[0].input_ids, both[0].labels)) == 2  # a messages row trains both
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"role": "user", "content": "q"}],
                                                 "completion": [{"role": "user", "content": "not an answer"}]}])
     with pytest.raises(UserError, match="bad.jsonl line 1: 'completion' must hold assistant messages"):
