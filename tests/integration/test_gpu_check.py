@@ -93,17 +93,17 @@ def test_a_check_stopped_by_its_time_limit_reports_what_it_found(tmp_path) -> No
     """SIGTERM (a job's time limit) while a part runs: the finished part keeps its verdict, the running one is
     reported as stopped, the logs are archived, and the check exits 124."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), str(tmp_path), "--smoke",
-                             "--parts", "fused_ce,batch_layouts"], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--parts", "packed,batch_layouts"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     report_file = tmp_path / "gpu_report.json"
     deadline = time.monotonic() + 300
     while not report_file.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)  # fused_ce (seconds) writes the first report while batch_layouts (minutes) still runs
+        time.sleep(0.2)  # packed (seconds) writes the first report while batch_layouts (minutes) still runs
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
     report = json.loads(report_file.read_text())
     assert proc.returncode == 124, output[-3000:]
-    assert report["parts"]["fused_ce"]["verdict"] == "pass"
+    assert report["parts"]["packed"]["verdict"] == "pass"
     stopped = report["parts"]["batch_layouts"]
     assert stopped["verdict"] == "FAIL" and "stopped by SIGTERM" in stopped["error"] and report["verdict"] == "FAIL"
     assert "| batch_layouts | correctness | FAIL |" in (tmp_path / "gpu_report.md").read_text()
