@@ -139,14 +139,17 @@ class _MaskKinds:
     def __init__(self) -> None:
         self._seen: dict[int, tuple[weakref.ref, bool]] = {}
 
-    def plain(self, allowed: torch.Tensor, lengths: list[int]) -> bool:
-        entry = self._seen.get(id(allowed))
-        if entry is not None and entry[0]() is allowed:
+    def plain(self, mask: torch.Tensor, allowed: torch.Tensor, lengths: list[int]) -> bool:
+        """`mask`: the tensor transformers passed (the same object to every layer of its kind in a forward, so
+        the key); `allowed`: its booleans (a new tensor at every call: keyed by it, every layer judged it again,
+        a device synchronisation each)."""
+        entry = self._seen.get(id(mask))
+        if entry is not None and entry[0]() is mask:
             return entry[1]
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
         plain = bool((allowed == block_causal(lengths, allowed.shape[0], allowed.shape[-1],
                                               allowed.device)[:, None]).all())
-        self._seen[id(allowed)] = (weakref.ref(allowed), plain)
+        self._seen[id(mask)] = (weakref.ref(mask), plain)
         return plain
 
 
@@ -196,7 +199,7 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         # The mask transformers built for the packed rows, where it is more than causal attention within each
         # example: a sliding window or chunks that some families (Phi-MoE, Qwen2-MoE, Llama-4) put only there
         allowed = _allowed(attention_mask, length)
-        masked = allowed is not None and not kinds.plain(allowed, lengths)
+        masked = allowed is not None and not kinds.plain(attention_mask, allowed, lengths)
         plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None
                  and kwargs.get("sliding_window") is None and not masked)
         dtype = _varlen_dtype(query)

@@ -213,8 +213,8 @@ def test_a_plain_familys_packed_mask_is_judged_plain(tiny_model_dir, sdpa_entry,
     verdicts = []
     judge = packed_attention._MaskKinds.plain
 
-    def recording(self, allowed, lengths):
-        verdicts.append(judge(self, allowed, lengths))
+    def recording(self, mask, allowed, lengths):
+        verdicts.append(judge(self, mask, allowed, lengths))
         return verdicts[-1]
 
     monkeypatch.setattr(packed_attention._MaskKinds, "plain", recording)
@@ -223,3 +223,33 @@ def test_a_plain_familys_packed_mask_is_judged_plain(tiny_model_dir, sdpa_entry,
     batch = packed_batch([[7, 1, 20, 5], [33], [2, 2, 2, 10]], model.model.config.vocab_size)
     model(**batch)
     assert verdicts and all(verdicts)
+
+
+def test_each_mask_is_judged_once_per_forward_not_at_every_layer(monkeypatch) -> None:
+    """Judging a mask builds the rows' block-diagonal mask and reads the comparison off the device (a
+    synchronisation on a GPU): once per mask transformers passes in a forward, not once per layer (keyed by the
+    booleans made at each call, a windowed Mistral judged its mask at all 4 layers)."""
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+                                        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    calls, build = [], packed_attention.block_causal
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(packed_attention, "block_causal", counting)
+    ids = torch.randint(0, 64, (2, 20))
+    positions = torch.cat([torch.arange(8), torch.arange(12)])[None].repeat(2, 1)
+    assert packed_attention.install(model)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions).logits
+        model(input_ids=ids, position_ids=positions)
+        assert len(calls) == 2  # one judgement per forward, 4 layers each
+        alone = [model(input_ids=ids[:, :8]).logits, model(input_ids=ids[:, 8:]).logits]
+    torch.testing.assert_close(packed, torch.cat(alone, dim=1), rtol=1e-5, atol=1e-5)
+
