@@ -75,4 +75,6 @@ def profile(ctx: Context, flags: Optional[list[str]] = None, name: str = "profil
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     kinds = {r["kind"]: r["share"] for r in lines if "kind" in r and "share" in r}
     summary = next((r for r in lines if "mfu_ceiling_kernels" in r), {})
-    return {"shares": kinds, **{k: v for k, v in summary.items() if k != "step"}}
+    waits = {r["device_waited_before"]: r["seconds"] for r in lines if "device_waited_before" in r}
+    return {"shares": kinds, **{k: v for k, v in summary.items() if k != "step"},
+            **({"device_waited_before": waits} if waits else {})}

@@ -15,8 +15,9 @@ line per kind of work: its share of the step's operator time and the seconds it 
   casts_copies        copies and dtype casts of activations
   elementwise_other   everything else: norms, rotary, SiLU, residual adds, reductions, collation
 
-then a summary: the step's model FLOPs (the trainer's own count), the peak it measures MFU against, the step's
-MFU under the profiler, and `mfu_ceiling_kernels`: the MFU the step would reach if only its matmul and attention
+on a GPU, where the device waited on the host (`device_waited_before`: the host op that launched the work
+ending each idle gap, summed), then a summary: the step's model FLOPs (the trainer's own count), the peak it
+measures MFU against, the step's MFU under the profiler, and `mfu_ceiling_kernels`: the MFU the step would reach if only its matmul and attention
 kernels took time, at the speed they ran here. That ceiling is what no change outside those kernels can
 beat. torch.profiler has no grouping by kind of work (its tables group by op name and shape), hence this file.
 The profiler adds a little time to every op: shares are sound, absolute seconds a little high. A figure holds for
@@ -101,6 +102,48 @@ def op_seconds(events, gpu: bool) -> list[tuple[str, list, float]]:
     return [(e.key, e.input_shapes or [], took(e) / 1e6) for e in chosen]
 
 
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCHES = ("cuda_runtime", "cuda_driver")
+
+
+def idle_gaps(events: list[dict], top: int = 8) -> dict:
+    """Where a GPU step's device waited on the host, from a Chrome trace of it (torch.profiler's export): the
+    device's idle time between the first and the last kernel (the union of kernel, copy and set intervals),
+    each gap put on the host op that launched the work ending it: the innermost CPU op around that launch (a
+    kernel and its launch share a correlation id); and the host's time from the step's first op to its first
+    kernel. Pure (unit-tested on a synthetic trace); trace times are µs."""
+    work = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
+                  for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_WORK)
+    if not work:
+        return {}
+    launched = {e.get("args", {}).get("correlation"): e["ts"] for e in events
+                if e.get("ph") == "X" and e.get("cat") in LAUNCHES}
+    ops = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                 if e.get("ph") == "X" and e.get("cat") == "cpu_op")
+
+    def launcher(correlation) -> str:
+        at = launched.get(correlation)
+        around = [op for op in ops if at is not None and op[0] <= at <= op[1]]
+        return min(around, key=lambda op: op[1] - op[0])[2] if around else "(not found)"
+
+    waited: Counter = Counter()
+    gaps: Counter = Counter()
+    reach = work[0][1]
+    for start, end, correlation in work[1:]:
+        if start > reach:
+            name = launcher(correlation)
+            waited[name] += (start - reach) / 1e6
+            gaps[name] += 1
+        reach = max(reach, end)
+    span = (reach - work[0][0]) / 1e6
+    idle = sum(waited.values())
+    lead = (work[0][0] - ops[0][0]) / 1e6 if ops and ops[0][0] < work[0][0] else 0.0
+    return {"device_span_seconds": round(span, 6), "device_idle_seconds": round(idle, 6),
+            "host_before_first_kernel_seconds": round(lead, 6),  # the step's start: collation, counts
+            "idle_before": [{"op": name, "seconds": round(seconds, 6), "gaps": gaps[name]}
+                            for name, seconds in waited.most_common(top)]}
+
+
 class StepProfiler:
     """Wraps Trainer.train_step: step `at` runs under torch.profiler; the others as they are."""
 
@@ -174,6 +217,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps({"kind": kind, "share": round(seconds[kind] / total, 4), "seconds": round(seconds[kind], 4)}))
     for op, shapes, took in sorted(ops, key=lambda o: -o[2])[: args.top]:
         print(json.dumps({"op": op, "shapes": shapes, "seconds": round(took, 4), "kind": kind_of(op, shapes, vocab)}))
+    if gpu:  # where the device waited on the host, from the step's trace
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            profiler.profile.export_chrome_trace(str(trace))
+            waits = idle_gaps(json.loads(trace.read_text()).get("traceEvents", []), args.top)
+        for wait in waits.pop("idle_before", []):
+            print(json.dumps({"device_waited_before": wait["op"], "seconds": wait["seconds"], "gaps": wait["gaps"]}))
     flops, peak = profiler.record["flops"], trainer.peak_flops
     print(json.dumps({"step": args.step, "model_flops": flops, "peak_flops": peak, "op_seconds": round(total, 4),
                       "mfu_profiled": round(flops / (peak * total), 4),
@@ -181,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                       "step_wall_seconds": round(profiler.wall, 4),
                       # on a GPU: the share of the step's wall time the device was computing (the rest it waited
                       # for the host: launches, synchronisations, collation)
-                      **({"device_busy": round(total / profiler.wall, 4)} if gpu and profiler.wall else {})}))
+                      **({"device_busy": round(total / profiler.wall, 4)} if gpu and profiler.wall else {}),
+                      **(waits if gpu else {})}))
     return 0
 
 

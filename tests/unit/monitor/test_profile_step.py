@@ -75,3 +75,30 @@ def test_gpu_device_time_is_read_off_the_op_events_alone() -> None:
     # that counted it summed 0.425 s of device time
     assert profile_step.op_seconds(events, gpu=True) == [("aten::mm", [[4, 8]], 300e-6), ("aten::add", [[4, 8]], 20e-6)]
     assert [name for name, _, _ in profile_step.op_seconds(events, gpu=False)] == [e.key for e in events]
+
+
+def test_idle_gaps_put_each_wait_of_the_device_on_the_host_op_that_ended_it() -> None:
+    """A synthetic Chrome trace of a GPU step (µs): the host collates for 40 before the first kernel; kernels
+    1-2 overlap, then the device idles 30 until aten::item's sync lets the host launch kernel 3 (from
+    aten::add, inside the optimizer's op), and 5 more before a copy launched by aten::copy_ through the driver."""
+    def op(name, ts, dur):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur}
+
+    def launch(ts, correlation, cat="cuda_runtime"):
+        return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "args": {"correlation": correlation}}
+
+    def work(ts, dur, correlation, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": f"k{correlation}", "ts": ts, "dur": dur, "args": {"correlation": correlation}}
+
+    events = [op("collate", 0, 40), op("aten::mm", 40, 10), launch(42, 1), work(45, 50, 1),
+              launch(48, 2), work(60, 50, 2),  # overlaps the first: no gap
+              op("aten::item", 60, 75), op("Optimizer.step", 136, 20), op("aten::add", 138, 5), launch(139, 3),
+              work(140, 10, 3), op("aten::copy_", 152, 6), launch(153, 4, "cuda_driver"),
+              work(155, 5, 4, "gpu_memcpy"), {"ph": "i", "cat": "kernel", "ts": 0}]
+    waits = profile_step.idle_gaps(events)
+    assert waits["device_span_seconds"] == pytest.approx(115e-6)
+    assert waits["device_idle_seconds"] == pytest.approx(35e-6)
+    assert waits["host_before_first_kernel_seconds"] == pytest.approx(45e-6)
+    assert waits["idle_before"] == [{"op": "aten::add", "seconds": 3e-05, "gaps": 1},
+                                    {"op": "aten::copy_", "seconds": 5e-06, "gaps": 1}]
+    assert profile_step.idle_gaps([op("aten::mm", 0, 5)]) == {}  # a CPU profile: no device work
