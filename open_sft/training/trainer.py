@@ -33,7 +33,7 @@ from open_sft.training.amp import Precision
 from open_sft.training.evaluate import evaluate
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
 from open_sft.training.steps import StepPlan
-from open_sft.training.window import Window
+from open_sft.training.window import TrainingClock, Window
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Trainer:
         # training seconds of the launches before this one (a checkpoint's), and when this launch's loop started:
         # elapsed_s, tokens/s and the ETA count training time across resumes, never the downtime between them
         self.elapsed_before = 0.0
-        self.loop_started: Optional[float] = None
+        self.clock = TrainingClock()  # this launch's training seconds (evaluation and checkpoints left out)
         self.source_names = data.source_names
         self.loss_model = accelerator.unwrap_model(model)  # the TokenLossModel: per-position losses
         # each trained position's loss, for the per-source losses of a run of several sources (one source's loss is
@@ -290,10 +290,8 @@ class Trainer:
                 "source_loss": source_loss_global, "source_tokens": source_tokens, "aux_sum": aux_global,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
-    def elapsed(self) -> float:
-        """Training seconds of the run so far: earlier launches' (from the checkpoint) and this launch's loop."""
-        running = time.perf_counter() - self.loop_started if self.loop_started is not None else 0.0
-        return self.elapsed_before + running
+    def elapsed(self) -> float:  # training seconds so far: earlier launches' (the checkpoint's) and this one's
+        return self.elapsed_before + self.clock.seconds()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs of the loop besides model, optimizer and RNG: the run's counters, its training
@@ -321,9 +319,9 @@ class Trainer:
         and the seconds the step took; the loop stops early when any of them returns True.
         """
         records = []
-        self.loop_started = time.perf_counter()
+        self.clock.start(self.window)
         for step in range(start_step, self.steps.total_steps):
-            step_started = time.perf_counter()
+            step_started = self.clock.seconds()
             window = self.window
             result = self.train_step(step)
             window.add(result, len(self.source_names))
@@ -357,11 +355,14 @@ class Trainer:
                 records.append(record)
                 self._log(record)
                 self.window = Window(started=time.perf_counter())
-            if self.eval_data is not None and (
-                    done == self.steps.total_steps or (self.args.eval_steps and done % self.args.eval_steps == 0)):
-                records.append(self.evaluate(done))
-            seconds = time.perf_counter() - step_started
-            if any([hook(done, seconds) for hook in after_step]):  # a list: every hook runs
+            with self.clock.pause(self.window):
+                if self.eval_data is not None and (done == self.steps.total_steps or (
+                        self.args.eval_steps and done % self.args.eval_steps == 0)):
+                    records.append(self.evaluate(done))
+            seconds = self.clock.seconds() - step_started
+            with self.clock.pause(self.window):
+                stop = any([hook(done, seconds) for hook in after_step])  # a list: every hook runs
+            if stop:
                 break
         return records
 

@@ -165,3 +165,40 @@ def test_batches_reach_the_model_on_the_accelerators_device(setup, tiny_model_di
     assert trainer.model.calls > 2 and moved == [setup[2].device] * trainer.model.calls
     meta = batching.to_device({"input_ids": torch.ones(2, 3, dtype=torch.long)}, torch.device("meta"))
     assert meta["input_ids"].device.type == "meta" and meta["input_ids"].dtype == torch.long
+
+
+def test_evaluation_and_checkpoint_saves_are_not_training_time(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """A real run whose every evaluation and checkpoint save takes 1,000 s (the clock moved while they run): its
+    elapsed_s and every window's tokens/s and MFU count training alone (they counted both: a window with an
+    evaluation in it logged 10 tokens/s against 6,000 in training)."""
+    import json
+    import time
+
+    from open_sft.run import main
+    from open_sft.training.checkpoint import Checkpointer
+
+    real, offset = time.perf_counter, [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
+
+    def slow(method):
+        def wrapped(*args, **kwargs):
+            result = method(*args, **kwargs)
+            offset[0] += 1000.0
+            return result
+        return wrapped
+
+    monkeypatch.setattr(Trainer, "evaluate", slow(Trainer.evaluate))
+    monkeypatch.setattr(Checkpointer, "save", slow(Checkpointer.save))
+    out = tmp_path / "out"
+    assert main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "24",
+                 "--eval_dataset_mixer_list", str(SAMPLE), "8", "--eval_steps", "2", "--checkpointing_steps", "3",
+                 "--max_train_steps", "6", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+                 "--max_seq_length", "128", "--torch_dtype", "float32", "--report_to", "none",
+                 "--output_dir", str(out), "--dataset_local_cache_dir", str(tmp_path / "cache")]) == 0
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if "loss" in r]
+    assert len(train) == 6 and sum("eval_loss" in r for r in lines) == 3 and offset[0] >= 5000.0
+    assert train[-1]["elapsed_s"] < 500.0  # 3 evaluations and 2 saves took 5,000 s of the clock
+    assert all(r["tokens_per_second"] > 1.0 for r in train)  # ~1,000 here; 0.1-0.4 with a pause counted
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert summary["elapsed_s"] == train[-1]["elapsed_s"] and summary["tokens_per_second"] > 1.0
