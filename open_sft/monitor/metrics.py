@@ -125,7 +125,12 @@ class MetricsWriter:
     @classmethod
     def for_job(cls, job: Any, resume_step: int) -> "MetricsWriter":
         """A run's writer (an open_sft.run.Job); resuming from step N, the trackers continue the run after step N."""
+        from open_sft.monitor.tracking import ignored_trackers
+
         t = job.config.train
+        warning = ignored_trackers(t.with_tracking, t.report_to, job.config.explicit)
+        if warning:
+            logger.warning("%s", warning)
         return cls.for_run(job.output_dir, t.with_tracking, t.report_to, job.config.to_dict(), resume_step=resume_step,
                            name=t.exp_name, project=t.wandb_project_name, entity=t.wandb_entity)
 

@@ -160,3 +160,14 @@ def build_trackers(report_to: str | Sequence[str], output_dir: Path, run_config:
             trackers.append(WandbTracker(output_dir, run_config or {}, resume_step=resume_step, **wandb_options))
     logger.info("tracking with %s", ", ".join(trackers_for(report_to)) or "no tracker")
     return trackers
+
+
+def ignored_trackers(with_tracking: bool, report_to: str | Sequence[str], explicit: frozenset[str]) -> Optional[str]:
+    """The warning for trackers asked for with --report_to but not written, as open-instruct gates them too:
+    without --with_tracking (a run that had asked for W&B exited 0 with no W&B run and no word of why)."""
+    asked = trackers_for(report_to)
+    if with_tracking or "report_to" not in explicit or not asked:
+        return None
+    return (f"--report_to {' '.join(asked)}: no tracker is written without --with_tracking (as in open-instruct); "
+            "metrics.jsonl has every logged value. Add --with_tracking to write them")
+

@@ -101,4 +101,6 @@ def schedule_floor(kind: str, learning_rate: float, final_lr_ratio: float | None
 
 
 def warmup_steps_for(warmup_ratio: float, total_steps: int) -> int:
-    return math.ceil(warmup_ratio * total_steps)
+    """ceil(ratio × steps), of the product rounded first: 0.07 × 100 is 7.000000000000001 in floating point, and
+    7 warmup steps are meant, not 8."""
+    return math.ceil(round(warmup_ratio * total_steps, 9))

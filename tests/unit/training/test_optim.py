@@ -25,6 +25,8 @@ def test_schedules_follow_the_formula(kind, step, expected) -> None:
 
 def test_warmup_steps_and_decay_groups() -> None:
     assert warmup_steps_for(0.03, 100) == 3 and warmup_steps_for(0.0, 100) == 0
+    # the product rounded before the ceiling: 0.07 × 100 is 7.000000000000001 in floating point
+    assert warmup_steps_for(0.07, 100) == 7 and warmup_steps_for(0.03, 50) == 2 and warmup_steps_for(0.1, 13) == 2
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     decay, no_decay = param_groups(model, 0.1)
     assert decay["weight_decay"] == 0.1 and [p.shape for p in decay["params"]] == [torch.Size([4, 4])]
