@@ -302,11 +302,16 @@ class Preflight:
 
     def describe(self, steps: Any, data: Any) -> str:
         layout = steps.layout
+        tokens = getattr(getattr(steps, "plan", None), "max_tokens", None)  # --packing: a budget of tokens
+        per_step = (f"up to {tokens * layout.gradient_accumulation_steps * layout.world_size} tokens per step, "
+                    f"~{len(data) / max(steps.steps_per_epoch, 1):.0f} examples on average") if tokens else \
+            f"{layout.global_batch_size} examples per step"
         lines = [
             f"preflight: {len(data)} training examples, {steps.steps_per_epoch} optimizer steps per epoch, "
             f"{steps.total_steps} steps in all ({steps.num_epochs} epoch(s))",
-            f"  global batch: {layout.micro_batch_size} per micro-batch × {layout.gradient_accumulation_steps} "
-            f"accumulation × {layout.world_size} rank(s) = {layout.global_batch_size} examples per step",
+            f"  global batch: {f'up to {tokens} packed tokens' if tokens else layout.micro_batch_size} per "
+            f"micro-batch × {layout.gradient_accumulation_steps} accumulation × {layout.world_size} rank(s) = "
+            f"{per_step}",
             format_memory(self.memory, self.device_bytes, self.device_name),
         ]
         if self.sequence_parallel > 1:

@@ -161,3 +161,21 @@ def test_gpu_estimate_is_within_15_percent_of_the_h200_measurement() -> None:
     cpu = RunShape(world_size=1, zero_stage=0, offload=False, bf16=True, micro_batch_tokens=4 * 4096,
                    trained_tokens=4 * 4096, gradient_checkpointing=False)
     assert estimate_memory(model, cpu, runtime=0).total / 2**30 > 80  # the CPU allocator's factor stays
+
+
+def test_the_global_batch_line_of_a_packed_run_counts_tokens_not_examples() -> None:
+    """Under --packing a micro-batch is a budget of tokens: the line said "8 per micro-batch × 2 × 1 = 16 examples
+    per step" where 188 examples ran in 6 steps."""
+    from types import SimpleNamespace
+
+    from open_sft.preflight.estimate import MemoryEstimate, Preflight
+
+    layout = SimpleNamespace(micro_batch_size=8, gradient_accumulation_steps=2, world_size=1, global_batch_size=16)
+    preflight = Preflight(MemoryEstimate(0, 1, 1, 1, 1), 2**30, "cpu", [1])
+    packed = SimpleNamespace(steps_per_epoch=6, total_steps=6, num_epochs=1, layout=layout,
+                             plan=SimpleNamespace(max_tokens=512))
+    assert ("global batch: up to 512 packed tokens per micro-batch × 2 accumulation × 1 rank(s) = up to 1024 tokens "
+            "per step, ~31 examples on average") in preflight.describe(packed, [0] * 188)
+    padded = SimpleNamespace(steps_per_epoch=12, total_steps=12, num_epochs=1, layout=layout, plan=SimpleNamespace())
+    assert "global batch: 8 per micro-batch × 2 accumulation × 1 rank(s) = 16 examples per step" in preflight.describe(
+        padded, [0] * 188)
