@@ -53,8 +53,12 @@ def write_run_files(job: Any, trainer: Any) -> None:
         "dataset_cache_key": job.data.cache_key, "dataset_cache_path": str(job.data.cache_path),
         "git_revision": git_revision(), "deepspeed_config": job.ds_config, "threads_per_rank": torch.get_num_threads(),
         "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
-        "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer)})
-    write_json(job.output_dir / "data_report.json", job.data.report)
+        "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer),
+        **({"eval_dataset_cache_key": job.eval_data.cache_key} if job.eval_data is not None else {})})
+    # the evaluation mixture's report beside the training one's (its rows in, kept and dropped per source; under
+    # --eval_split_ratio the rows held out): only the build log and the cache had it
+    eval_report = {"eval": job.eval_data.report} if job.eval_data is not None else {}
+    write_json(job.output_dir / "data_report.json", {**job.data.report, **eval_report})
 
 
 def write_audit_files(output_dir: Path, rank: int, trainer: Any) -> None:

@@ -6,6 +6,8 @@ the 1-process run (their training losses agree by the token-normalised loss, so 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import SAMPLE, read_metrics, run_finetune
@@ -33,7 +35,8 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
         run_finetune(_args(tiny_model_dir, output_dir, micro, accumulation, *extra), processes=processes,
                      deepspeed_config=ds_config)
         metrics = read_metrics(output_dir)
-        out[name] = {"train": [m for m in metrics if "loss" in m], "eval": [m for m in metrics if "eval_loss" in m]}
+        out[name] = {"train": [m for m in metrics if "loss" in m], "eval": [m for m in metrics if "eval_loss" in m],
+                     "dir": output_dir}
     return out
 
 
@@ -56,3 +59,17 @@ def test_two_ranks_under_zero3_evaluate_what_one_process_does(runs) -> None:
 def test_held_out_split_is_evaluated_at_the_end(runs) -> None:
     evals = runs["split"]["eval"]
     assert [e["step"] for e in evals] == [STEPS] and evals[0]["eval_tokens"] > 0
+
+
+def test_the_evaluation_mixture_is_reported_beside_the_training_one(runs) -> None:
+    """data_report.json has the eval mixture's own report (rows in, selected, kept, dropped per source; under
+    --eval_split_ratio the rows held out: 10 % of the sample's 2,000) and run.json its cache key."""
+    for name, held, trained in (("list_single", 61, 100), ("split", 200, 90)):
+        report = json.loads((runs[name]["dir"] / "data_report.json").read_text())
+        (source,) = report["eval"]["sources"]
+        assert source["rows_selected"] == held and source["examples"] + sum(source["rows_dropped"].values()) == held
+        # the training side as before: 0.05 of the 2,000 rows, of the 1,800 not held out under the split
+        assert report["sources"][0]["rows_selected"] == trained
+        key = json.loads((runs[name]["dir"] / "run.json").read_text())["eval_dataset_cache_key"]
+        assert len(key) == 64 and key != json.loads((runs[name]["dir"] / "run.json").read_text())["dataset_cache_key"]
+
