@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 # messages keep their tool_calls (trained as written) and other fields; 5: open-instruct's templates under
 # their names, a turn closed differently when another follows (OLMo's <|im_end|>) trains that closing; 6: an
 # alpaca row's `history` turns (LLaMA-Factory's format) come before its own, not dropped; 7: assistant turns
-# in a TRL prompt-completion row's prompt are context, not trained
-CACHE_FORMAT_VERSION = 7
+# in a TRL prompt-completion row's prompt are context, not trained; 8: --dataset_mixer_unit tokens counts the
+# tokens a row keeps after --max_seq_length
+CACHE_FORMAT_VERSION = 8
 COMPLETE = "COMPLETE"
 
 

@@ -31,7 +31,7 @@ from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
 from open_sft.data.summary import nothing_left_message
-from open_sft.data.token_rows import TokenRows, fit_rows
+from open_sft.data.token_rows import TokenRows, fit_rows, fitted_lengths
 from open_sft.data.labels import Example
 from open_sft.data.workers import Labelled, Numbered, label_rows
 from open_sft.errors import UserError
@@ -161,8 +161,10 @@ def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[l
     for i, error in labelled.errors:
         sink.reject(i, error)
     position = labelled.position
-    if picked is None:
-        lengths = labelled.rows.lengths()
+    if picked is None:  # by tokens: as the rows will be kept (cut to --max_seq_length, or dropped)
+        rows = labelled.rows
+        lengths = fitted_lengths(rows.lengths(), rows.trained_counts(args.max_seq_length), args.max_seq_length,
+                                 args.truncation)
         picked = _select(spec, args, sorted(position), {i: int(lengths[p]) for i, p in position.items()}, seed)
     found = np.fromiter(map(position.get, picked, repeat(-1)), dtype=np.int64, count=len(picked))
     found = found[found >= 0]  # the selected rows that were labelled, in selection order

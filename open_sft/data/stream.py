@@ -29,7 +29,7 @@ import numpy as np
 from open_sft.data.formats import RowError, to_messages, to_text
 from open_sft.data.sources import line_chunks, open_dataset, parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
-from open_sft.data.token_rows import TokenRows, fit_order
+from open_sft.data.token_rows import TokenRows, fit_order, fitted_lengths
 from open_sft.data.workers import label_rows
 from open_sft.errors import UserError
 
@@ -160,7 +160,7 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
         if error.reason != "invalid_json":
             report.dropped[error.reason] += 1
     if picked is None:
-        picked = _select_labelled(spilled, invalid, line_of, n, by_rows, drop, select)
+        picked = _select_labelled(spilled, invalid, line_of, n, by_rows, drop, select, args)
         if line_of is not None:
             picked = line_of[picked]
     del line_of
@@ -184,7 +184,7 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
 
 
 def _select_labelled(spilled: Any, invalid: list, line_of: Optional[np.ndarray], n: int, by_rows: bool,
-                     drop: bool, select: Callable) -> np.ndarray:
+                     drop: bool, select: Callable, args: Any) -> np.ndarray:
     """The selection, in rows (lines that parse), drawn once labelling has said which rows are valid: by tokens,
     or by rows where some rows failed (or the speculative draw asked for more rows than there are)."""
     lines = np.arange(n, dtype=np.int64) if line_of is None else line_of
@@ -193,8 +193,9 @@ def _select_labelled(spilled: Any, invalid: list, line_of: Optional[np.ndarray],
         if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
             valid = np.arange(n)
         return select(range(len(valid)) if len(valid) == len(lines) else valid, None)
-    labelled_rows = np.searchsorted(lines, spilled.index)
-    return select(labelled_rows, _Lengths(labelled_rows, spilled.lengths()))
+    labelled_rows = np.searchsorted(lines, spilled.index)  # by tokens: as the rows will be kept
+    fitted = fitted_lengths(spilled.lengths(), spilled.trained, args.max_seq_length, args.truncation)
+    return select(labelled_rows, _Lengths(labelled_rows, fitted))
 
 
 def _distinct(rows: np.ndarray, n: int) -> int:

@@ -147,6 +147,17 @@ def fit_rows(rows: TokenRows, order: np.ndarray, max_length: int, truncation: st
     return rows.take(kept, max_length), dropped, truncated
 
 
+def fitted_lengths(lengths: np.ndarray, trained: np.ndarray, max_length: int, truncation: str) -> np.ndarray:
+    """Each row's tokens as fit_order will keep it: cut to max_length, 0 where it is dropped (too long under
+    truncation=drop, or no trained token within max_length). What --dataset_mixer_unit tokens counts: counted
+    before the fit, a source of long rows delivered 21-57 % of the tokens asked for."""
+    fitted = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+    fitted[np.asarray(trained) == 0] = 0
+    if truncation == "drop":
+        fitted[np.asarray(lengths) > max_length] = 0
+    return fitted
+
+
 def fit_order(lengths: np.ndarray, trained: np.ndarray, order: np.ndarray, max_length: int,
               truncation: str) -> tuple[np.ndarray, Counter, int]:
     """`fit_rows` on the rows' lengths and trained counts (within max_length) alone: the kept rows of `order`,

@@ -292,6 +292,24 @@ def test_token_unit_balances_tokens_not_rows(tokenizer, tmp_path) -> None:
     assert all(300 <= r.tokens for r in reports)
 
 
+@pytest.mark.parametrize("truncation", ["truncate", "drop"])
+def test_token_unit_counts_the_tokens_the_rows_keep(tokenizer, tmp_path, truncation) -> None:
+    """By tokens, a row counts what it keeps after --max_seq_length: cut rows their cut length, dropped rows
+    nothing. Counted before the fit, a source of long rows delivered a fraction of the tokens asked for."""
+    rows = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * n}]}
+            for n in [2, 80] * 60]
+    data = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    args = DataArguments(dataset_mixer_list=[data, "600"], dataset_mixer_unit="tokens", max_seq_length=32,
+                         truncation=truncation)
+    examples, (report,) = build_examples(args, tokenizer, 0)
+    assert 600 <= report.tokens < 600 + 32  # the last row drawn tips it over by less than a row
+    assert report.tokens == sum(len(e.input_ids) for e in examples)
+    if truncation == "drop":
+        assert report.dropped["too_long"] > 0 and report.truncated == 0
+    else:
+        assert report.truncated > 0
+
+
 def test_parallel_workers_give_identical_data(tokenizer, caplog, monkeypatch) -> None:
     """One process, two, and the default (one per usable core) give the same data."""
     from conftest import SAMPLE
