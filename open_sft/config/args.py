@@ -123,7 +123,8 @@ class DataArguments:
                                               default=None)
     add_bos: bool = _help(
         "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
-        "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token).", default=False)
+        "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token), and every text "
+        "document (which has it anyway where the tokenizer's encoding begins a text with it).", default=False)
     sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
                                   default="messages")
     on_bad_row: Literal["error", "drop"] = _help(

@@ -231,3 +231,13 @@ def to_text(row: dict[str, Any]) -> str:
     if not text.strip():
         raise RowError("'text' is empty", "empty_text")
     return text
+
+
+def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int]]:
+    """The tokens before and after each document of a text source: bos first where the tokenizer's own encoding
+    begins a text with it (Llama-3, Gemma: what the model sees first at inference; documents had none) or
+    --add_bos asks for it, and eos after it (the document separator of continual pretraining)."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    opens = bos is not None and (add_bos or (tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
+                                             and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [bos]))
+    return ([bos] if opens else []), ([eos] if eos is not None else [])

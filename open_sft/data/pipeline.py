@@ -24,7 +24,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
-from open_sft.data.formats import RowError, detect_format, messages_format, to_messages, to_text
+from open_sft.data.formats import (RowError, detect_format, document_markers, messages_format, to_messages,
+                                   to_text)
 from open_sft.data.mixer import select_rows, source_names
 from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
@@ -247,11 +248,11 @@ def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], n
     return _chat_rows(spec, args, renumbered, picked, sink, report, seed)
 
 
-def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int]) -> dict[int, list[int]]:
-    """Each document's tokens followed by eos (the document separator of continual pretraining)."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int], add_bos: bool) -> dict[int, list[int]]:
+    """Each document's tokens between document_markers."""
+    before, after = document_markers(tokenizer, add_bos)
     encoded = tokenizer([items[i] for i in indices], add_special_tokens=False)["input_ids"]
-    return {i: ids + eos for i, ids in zip(indices, encoded)}
+    return {i: before + ids + after for i, ids in zip(indices, encoded)}
 
 
 def _blocks(token_lists: list[list[int]], block: int) -> TokenRows:
@@ -294,7 +295,8 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     valid = sorted(items)
     by_tokens = args.dataset_mixer_unit == "tokens"
     if fmt == "text":
-        tokenized = _tokenize_text(tokenizer, items, valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed))))
+        chosen = valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed)))
+        tokenized = _tokenize_text(tokenizer, items, chosen, args.add_bos)
         selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \
             else _select(spec, args, valid, None, seed)
         report.rows_selected = report.rows_kept = len(selected)
@@ -359,6 +361,8 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
                              config_name=args.dataset_config_name)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
+    if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
+        later["add_bos"] = True
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from open_sft.data.formats import RowError, to_messages, to_text
+from open_sft.data.formats import RowError, document_markers, to_messages, to_text
 from open_sft.data.sources import line_chunks, open_dataset, parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
 from open_sft.data.token_rows import TokenRows, fit_order, fitted_lengths
@@ -288,7 +288,7 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     """Documents (+ eos) spliced into --max_seq_length blocks, every token trained: `_blocks` of the in-memory
     build over the selected documents in selection order, cut across chunk boundaries."""
     drop = args.on_bad_row == "drop"
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    before, after = document_markers(tokenizer, args.add_bos)
     spill = Spill(tmp, "text", keep_labels=False, tag=reader.chunking())
     rows_seen = 0  # rows are the lines that parse
     for note in spill.notes():  # a resumed build's chunks
@@ -299,8 +299,8 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
         parsed, dropped = rows_seen, dict(report.dropped)
         indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop)
         encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        ids = np.fromiter((t for doc in encoded for t in doc + eos), dtype=np.int32)
-        lengths = np.array([len(doc) + len(eos) for doc in encoded], dtype=np.int64)
+        ids = np.fromiter((t for doc in encoded for t in before + doc + after), dtype=np.int32)
+        lengths = np.array([len(before) + len(doc) + len(after) for doc in encoded], dtype=np.int64)
         spill.append(np.array(indices, dtype=np.int64), TokenRows.from_lengths(ids, ids, lengths))
         spill.commit(start + len(items), {"rows": rows_seen - parsed,
                                           "dropped": {k: v - dropped.get(k, 0) for k, v in report.dropped.items()}})

@@ -209,6 +209,33 @@ def test_text_format_blocks(tokenizer, tmp_path) -> None:
     assert reports[0].format == "text"
 
 
+def test_text_documents_open_with_bos_where_the_tokenizer_begins_a_text_with_it(tokenizer, tmp_path) -> None:
+    """Continual pretraining: a tokenizer whose encoding begins a text with bos (Llama-3, Gemma) has each document
+    as bos + document + eos (it had no bos: the model never saw the token it always sees first at inference), in
+    the in-memory and the streamed build alike; one that does not keeps document + eos, unless --add_bos."""
+    from tokenizers.processors import TemplateProcessing
+
+    docs = [{"text": "alpha beta gamma " * 5}, {"text": "delta epsilon " * 7}]
+    data = write_jsonl(tmp_path / "t.jsonl", docs)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    plain = [tokenizer(d["text"], add_special_tokens=False)["input_ids"] for d in docs]
+
+    def streams(tok, **flags):
+        args = DataArguments(dataset_mixer_list=[data, "1.0"], max_seq_length=4096, **flags)
+        in_memory = [t for e in build_examples(args, tok, 0)[0] for t in e.input_ids]
+        streamed = prepare_data(DataArguments(dataset_mixer_list=[data, "1.0"], max_seq_length=4096,
+                                              dataset_skip_cache=True, **flags), tok, 0)
+        assert [t for row in streamed.dataset["input_ids"] for t in row] == in_memory
+        return in_memory
+
+    assert streams(tokenizer) == plain[0] + [eos] + plain[1] + [eos]  # the embedded tokenizer adds nothing
+    assert streams(tokenizer, add_bos=True) == [bos] + plain[0] + [eos, bos] + plain[1] + [eos]
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, bos)])
+    assert tokenizer("x")["input_ids"][0] == bos  # now a Llama-3-like tokenizer
+    assert streams(tokenizer) == [bos] + plain[0] + [eos, bos] + plain[1] + [eos]
+
+
 def test_on_bad_row_drop_counts_reasons(tokenizer, tmp_path) -> None:
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     path = tmp_path / "mixed.jsonl"
