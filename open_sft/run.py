@@ -29,6 +29,7 @@ from open_sft.monitor.quiet import quiet_third_parties
 from open_sft.training.amp import HALF
 from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
+from open_sft.training.preemption import stop_outside_training
 
 logger = logging.getLogger("open_sft")
 
@@ -238,7 +239,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.monitor.run_info import write_audit_files, write_run_files
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
-    from open_sft.training.completion import clear_marker, resume_setting
+    from open_sft.training.completion import clear_marker, refuse_past_schedule, resume_setting
     from open_sft.training.build import build_trainer, checkpoint_state_io
     from open_sft.training.preemption import StopRequest
 
@@ -246,6 +247,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name,
                                        tp_size_of(acc))
     resume = checkpoint.resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
+    refuse_past_schedule(resume, job.steps.total_steps)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
@@ -316,10 +318,10 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     lifeline.release()  # the last collective: ranks may now finish one after another
     acc.end_training()
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
+    if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
+        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given)
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
-    if acc.is_main_process:  # last of all it writes here: a relaunch now says "already complete"
-        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given)
     if config.hub.push_to_hub and acc.is_main_process:
         push_output_dir(output_dir, config.hub)
 
@@ -361,6 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     _setup_logging()
     argv = sys.argv[1:] if argv is None else argv
     lifeline.install()  # a rank started by a launcher stops when the launcher or a peer on its host is gone
+    restore_signals = stop_outside_training()
     try:
         setup_cpu_environment()  # before anything imports deepspeed: it picks its accelerator at import
         run(parse_config(argv))
@@ -369,11 +372,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except StopRun as exc:  # preempted (checkpoint saved) or the Hub upload failed (export intact)
         return _stop(f"open_sft: {exc}", exc.exit_code)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (whose stop is graceful): loading, export
-        return _stop("open_sft: interrupted (Ctrl-C); the same command resumes from the newest complete "
-                     "checkpoint and writes the export again", 130)
+        return _stop("open_sft: interrupted (Ctrl-C); the same command starts again from where it can: a cache "
+                     "build from its last complete chunk, training from the newest complete checkpoint", 130)
     except Exception:
         lifeline.explain_failure()  # a collective failed because a peer or the launcher is gone: say that instead
         raise
+    finally:
+        restore_signals()
     return 0
 
 
@@ -387,9 +392,7 @@ def _stop(message: str, code: int) -> int:
     return code
 
 
-# --------------------------------------------------------------------------------------------------------------
-# Helpers of the phases
-# --------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------- Helpers of the phases -----------------------------------------
 def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) -> None:
     from open_sft.distributed.setup import start_accelerator
 

@@ -135,3 +135,13 @@ def clear_marker(output_dir: Path) -> None:
     """Training starts (main process, under the output-directory lock, once the resume point is settled): the
     directory holds a run in progress from here on."""
     (output_dir / MARKER).unlink(missing_ok=True)
+
+
+def refuse_past_schedule(resume: Any, total_steps: int) -> None:
+    """A checkpoint past the end of this run's schedule (--max_train_steps lowered since) would be exported as it
+    is, under this schedule's step count: refused, with the ways on."""
+    if resume is not None and resume.step > total_steps:
+        raise UserError(f"the checkpoint to resume from, {resume.path}, is at step {resume.step}, past the end of this "
+                        f"run's schedule ({total_steps} optimizer steps): raise --max_train_steps to {resume.step} or "
+                        "more, or train anew with --resume_from_checkpoint none (or --overwrite_output_dir)")
+

@@ -35,6 +35,28 @@ class Preempted(StopRun):
     exit_code = PREEMPTED_EXIT_CODE
 
 
+def stop_outside_training() -> Callable[[], None]:
+    """SIGTERM and SIGUSR1 outside the training loop (loading data or the model, building the cache, the export),
+    where there is no step to finish: the process stops at once with PREEMPTED_EXIT_CODE, a scheduler's "retry",
+    and says what the same command does (they ended it with 143 and no word). StopRequest takes them over inside
+    the loop and hands them back after it. Returns what puts the previous handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handle(signum: int, frame: Optional[FrameType]) -> None:
+        raise Preempted(f"stopped by {signal.Signals(signum).name} outside the training loop (loading, tokenizing "
+                        "or exporting); the same command starts again from where it can: a cache build from its "
+                        "last complete chunk, training from the newest complete checkpoint, then the export")
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
 class StopRequest:
     """Set by a signal handler in this process; `agreed` makes all ranks see the same answer."""
 

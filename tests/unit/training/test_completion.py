@@ -105,3 +105,55 @@ def test_a_record_written_before_settings_were_kept_stops_as_before(tmp_path) ->
     finished_run(tmp_path)  # no settings in the record
     relaunch = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-4"])
     assert completion.already_complete(relaunch).startswith("already complete")
+
+
+def test_a_checkpoint_past_the_schedule_is_refused_with_the_ways_on(tmp_path) -> None:
+    """Resumed from step 12 under --max_train_steps 9, the step-12 model was exported as a 9-step run."""
+    from open_sft.training.checkpoint import ResumePoint
+
+    past = ResumePoint(tmp_path / "checkpoints" / "step_12", {"step": 12})
+    with pytest.raises(UserError, match=r"is at step 12, past the end of this run's schedule \(9 optimizer steps\): "
+                                        r"raise --max_train_steps to 12"):
+        completion.refuse_past_schedule(past, 9)
+    completion.refuse_past_schedule(past, 12)  # at the end: resumed there, exported
+    completion.refuse_past_schedule(None, 9)
+
+
+def test_the_record_is_written_before_the_checkpoints_are_cleaned(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """A stop while --clean_checkpoints_at_end deletes (minutes for a large model) left no record and no checkpoint:
+    the same command trained the run again from step 0. The record comes first now (the clean-up fails here)."""
+    from conftest import SAMPLE
+    from open_sft import run
+
+    def interrupted(output_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("open_sft.training.checkpoint.remove_all", interrupted)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "8",
+            "--max_train_steps", "2", "--checkpointing_steps", "1", "--clean_checkpoints_at_end",
+            "--per_device_train_batch_size", "4", "--max_seq_length", "128", "--report_to", "none",
+            "--output_dir", str(out), "--dataset_local_cache_dir", str(tmp_path / "cache")]
+    assert run.main(argv) == 130
+    assert json.loads((out / "RUN_COMPLETE").read_text())["step"] == 2
+    assert run.main(argv) == 0 and not (out / "metrics.jsonl").read_text().count('"step": 3')
+
+
+def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(monkeypatch, capsys) -> None:
+    """Loading data or the model, or exporting, a SIGTERM ended the process with 143 and no word: a scheduler that
+    requeues on 75 did not requeue. The handler is put back when main returns."""
+    import os
+    import signal
+
+    from open_sft import run
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def loading(config):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the signal stops the run before this line")
+
+    monkeypatch.setattr(run, "run", loading)
+    assert run.main(BASE) == 75
+    assert "stopped by SIGTERM outside the training loop" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
