@@ -115,6 +115,8 @@ def _data_problems(d: DataArguments) -> list[str]:
         problems.append("give --eval_dataset_mixer_list or --eval_split_ratio, not both")
     if d.max_seq_length < 2:
         problems.append(f"--max_seq_length must be at least 2, got {d.max_seq_length}")
+    if d.cache_dataset_only and d.dataset_skip_cache:  # it tokenized, kept nothing and printed "None"
+        problems.append("--cache_dataset_only builds the cache, which --dataset_skip_cache skips: drop one of them")
     return problems
 
 

@@ -66,6 +66,15 @@ def test_all_problems_reported_at_once(tmp_path) -> None:
     assert len(info.value.problems) == 6
 
 
+def test_cache_dataset_only_with_dataset_skip_cache_is_refused(tmp_path) -> None:
+    """The pair tokenized, kept nothing, printed "None" as the cache path (the contract's last line) and exited 0."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match="--cache_dataset_only builds the cache, which --dataset_skip_cache skips"):
+        parse_config(["--model_name_or_path", str(tmp_path), "--dataset_mixer_list", str(data), "1.0",
+                      "--cache_dataset_only", "--dataset_skip_cache"])
+
+
 def test_example_configs_parse(tmp_path) -> None:
     """Every shipped example YAML is valid (paths overridden, since they point at built artefacts)."""
     from conftest import ROOT

@@ -89,4 +89,4 @@ def test_ctrl_c_outside_the_training_loop_is_a_message_not_a_traceback(monkeypat
     monkeypatch.setattr(run_module, "run", interrupted)
     assert main(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0"]) == 130
     err = capsys.readouterr().err
-    assert "open_sft: interrupted (Ctrl-C); the same command resumes" in err and "Traceback" not in err
+    assert "open_sft: interrupted (Ctrl-C); the same command starts again from where it can" in err and "Traceback" not in err
