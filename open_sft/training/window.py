@@ -27,7 +27,8 @@ class Window:
 
     def to_state(self) -> dict:
         """Every accumulator, and the training seconds it has run, for a checkpoint."""
-        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("started", "carried")}
+        state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name not in ("started", "carried")}
         return {**state, "seconds": time.perf_counter() - self.started}
 
     @classmethod

@@ -132,6 +132,7 @@ def test_the_record_is_written_before_the_checkpoints_are_cleaned(tiny_model_dir
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "8",
             "--max_train_steps", "2", "--checkpointing_steps", "1", "--clean_checkpoints_at_end",
+            "--torch_dtype", "float32",
             "--per_device_train_batch_size", "4", "--max_seq_length", "128", "--report_to", "none",
             "--output_dir", str(out), "--dataset_local_cache_dir", str(tmp_path / "cache")]
     assert run.main(argv) == 130
