@@ -20,6 +20,7 @@ import numpy as np
 from open_sft.data import pipeline as memory
 from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
 from open_sft.data.mixer import select_row_array
+from open_sft.data.sources import parse_mixer_list
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import Reader, chat_source, text_source
 from open_sft.data.summary import length_percentiles, nothing_left_message
@@ -116,4 +117,8 @@ def prepare(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[str, f
     with memory._gc_paused():
         dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
     logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
+    # an entry is found by the sources' contents: built from other paths, its report names them as this run does
+    names = [spec.name for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                                                    config_name=args.dataset_config_name)]
+    report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
     return memory.PreparedData(dataset, report, key, entry, hit)

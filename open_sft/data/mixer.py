@@ -38,7 +38,7 @@ def select_index_array(spec: SourceSpec, n_rows: int, seed: int) -> np.ndarray:
 
 def _draw(spec: SourceSpec, n_rows: int, seed: int) -> tuple[int, list[int]]:
     """(whole copies of every row, the seeded sample of the rest, sorted) of select_indices."""
-    rng = random.Random(f"{seed}:{spec.name}:{spec.split}")
+    rng = random.Random(f"{seed}:{spec.draw_key}:{spec.split}")
     if spec.is_fraction:
         whole = math.floor(spec.amount)
         rest = round((spec.amount - whole) * n_rows)
@@ -62,7 +62,7 @@ def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[in
     (above T: whole copies first, as for row counts).
     """
     total = sum(lengths)
-    rng = random.Random(f"{seed}:{spec.name}:{spec.split}:tokens")
+    rng = random.Random(f"{seed}:{spec.draw_key}:{spec.split}:tokens")
     order = list(range(len(lengths)))
     rng.shuffle(order)
     if spec.is_fraction:
@@ -102,14 +102,14 @@ def source_names(entries: list[str]) -> list[str]:
     return names
 
 
-def held_out_rows(valid: list[int], ratio: float, seed: int, name: str) -> list[int]:
+def held_out_rows(valid: list[int], ratio: float, seed: int, spec: SourceSpec) -> list[int]:
     """The rows of a source that --eval_split_ratio holds out for evaluation, drawn from its distinct valid rows
     before the mixture takes its amount: an upsampled row and all its copies land on one side of the split.
-    Seeded by the source's name, so an entry listed twice holds out the same rows of it."""
+    Seeded by the source (its content, for a local one), so an entry listed twice holds out the same rows of it."""
     count = round(ratio * len(valid))
     if valid and count >= len(valid):
-        raise UserError(f"--eval_split_ratio {ratio} holds out all {len(valid)} rows of {name}; lower it")
-    return sorted(random.Random(f"{seed}:eval_split:{name}").sample(valid, count))
+        raise UserError(f"--eval_split_ratio {ratio} holds out all {len(valid)} rows of {spec.name}; lower it")
+    return sorted(random.Random(f"{seed}:eval_split:{spec.draw_key}:{spec.split}").sample(valid, count))
 
 
 def select_row_array(spec: SourceSpec, unit: str, valid: Sequence[int], lengths: Any, seed: int) -> np.ndarray:
@@ -129,7 +129,7 @@ def select_rows(spec: SourceSpec, unit: str, valid: Sequence[int], lengths: Any,
     out, the evaluation side takes the held-out rows once each."""
     if spec.holdout is not None:
         side, ratio = spec.holdout
-        held = held_out_rows(valid, ratio, seed, f"{spec.name}:{spec.split}")
+        held = held_out_rows(valid, ratio, seed, spec)
         if side == "eval":
             return held
         held_set = set(held)

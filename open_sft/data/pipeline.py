@@ -316,9 +316,12 @@ def _counts(rows: TokenRows) -> tuple[int, int, int]:
 
 
 def _specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
+    """The mixture's sources as the build draws from them: a local one seeded by its content, not its path."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
                              config_name=args.dataset_config_name)
-    return [dataclasses.replace(spec, holdout=holdout) for spec in specs] if holdout else specs
+    memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)
+    return [dataclasses.replace(spec, holdout=holdout or spec.holdout,
+                                seed_key=source_identity(spec, memo) if spec.is_local else None) for spec in specs]
 
 
 def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
@@ -368,8 +371,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
     return {
         **later,
-        "sources": [{"name": s.name, "identity": source_identity(s, memo), "amount": s.amount,
-                     "is_fraction": s.is_fraction, "split": s.split,
+        # a local source by its content alone: the same file by another path (another node's mount) is a hit
+        "sources": [{**({} if s.is_local else {"name": s.name}), "identity": source_identity(s, memo),
+                     "amount": s.amount, "is_fraction": s.is_fraction, "split": s.split,
                      **({"config": s.config_name} if s.config_name else {})} for s in specs],
         "seed": seed,
         "max_seq_length": args.max_seq_length,

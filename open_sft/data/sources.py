@@ -33,10 +33,17 @@ class SourceSpec:
     # --eval_split_ratio: ("train", r) takes the amount from the rows not held out, ("eval", r) the held-out rows
     holdout: Optional[tuple[str, float]] = None
     config_name: Optional[str] = None  # --dataset_config_name: the configuration of a Hub dataset (or its layout)
+    # a local source's content identity (source_identity): what its seeded draws follow, so that the same file
+    # reached by another path (another node's mount) gives the same rows; None: the name
+    seed_key: Optional[str] = None
 
     @property
     def is_local(self) -> bool:
         return self.name.endswith(LOCAL_SUFFIXES) or Path(self.name).exists()
+
+    @property
+    def draw_key(self) -> str:
+        return self.seed_key or self.name
 
 
 def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--dataset_mixer_list",

@@ -86,6 +86,31 @@ def test_key_stable_and_sensitive(tokenizer, data_file, tmp_path, monkeypatch) -
     assert set(key_inputs(args, tokenizer, 1)["libraries"]) == {"tokenizers", "transformers", "jinja2"}
 
 
+def test_the_same_file_by_another_path_is_the_same_entry_and_the_same_rows(tokenizer, data_file, tmp_path,
+                                                                            monkeypatch) -> None:
+    """A corpus reached by another path (relative, another mount: here a copy elsewhere) gives the same key and,
+    for a fraction, the same rows (the draws are seeded by the content, not the spelling); built ahead from one
+    path and found from the other, the report names the source as the run that found it does."""
+    other = tmp_path / "mount" / "corpus.jsonl"
+    other.parent.mkdir()
+    shutil.copy(data_file, other)
+    monkeypatch.chdir(tmp_path)
+    cache_dir = tmp_path / "cache"
+    spellings = [str(data_file), "data.jsonl", str(other)]
+    assert len({key_of(args_for(path, cache_dir), tokenizer) for path in spellings}) == 1
+    built = prepare_data(args_for(spellings[0], cache_dir), tokenizer, 1)
+    found = prepare_data(args_for(spellings[2], cache_dir), tokenizer, 1)
+    assert found.cache_hit and not built.cache_hit
+    from open_sft.data.mixer import source_names
+
+    assert found.report["sources"][0]["name"] == str(other) and found.source_names == source_names([str(other)])
+    assert built.source_names == source_names([str(data_file)]) != found.source_names  # loss/<source> as named here
+    streamed = prepare_data(args_for("data.jsonl", cache_dir, dataset_skip_cache=True), tokenizer, 1)
+    assert list(streamed.dataset["input_ids"]) == list(built.dataset["input_ids"])  # built anew: the same rows
+    assert key_of(args_for(str(data_file), cache_dir, dataset_mixer_list=[str(data_file), "0.2"]), tokenizer) != \
+        key_of(args_for(str(other), cache_dir), tokenizer)
+
+
 def test_hit_does_not_tokenize(tokenizer, data_file, tmp_path, monkeypatch) -> None:
     args = args_for(data_file, tmp_path / "cache")
     built = prepare_data(args, tokenizer, 1)

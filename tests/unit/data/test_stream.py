@@ -125,11 +125,11 @@ def test_the_cases_meet_what_they_are_named_for(corpora, tokenizer) -> None:
                for case in ("bad_rows_dropped", "render_errors_dropped", "text_bad_rows_dropped")}
     assert reports["bad_rows_dropped"]["invalid_json"] == 1 and reports["bad_rows_dropped"]["tool_calls_not_rendered"]
     # the render file's tool-call rows (the bad file's 25, 60, 61, 90, 115 less the three lines it leaves out) that
-    # the seeded 40 % sample takes: which they are follows the file's path (the mixer seeds with the source name),
-    # so the count is computed, not assumed (1-4 of 5 held on most paths; none on ~8 % of pytest's tmp paths)
+    # the seeded 40 % sample takes: which they are follows the file's content (the mixer seeds a local source with
+    # it), so the count is computed, not assumed
     from open_sft.data.mixer import select_indices
 
-    spec, = sources.parse_mixer_list([corpora["render"], "0.4"], ["train"])
+    spec, = pipeline._specs(DataArguments(dataset_mixer_list=[corpora["render"], "0.4"], dataset_skip_cache=True))
     taken = set(select_indices(spec, len(LINES) - 3, 3)) & {23, 57, 58, 87, 112}
     assert reports["render_errors_dropped"].get("tool_calls_not_rendered", 0) == len(taken)
     assert reports["text_bad_rows_dropped"] == {"invalid_json": 1, "empty_text": 1}
