@@ -239,7 +239,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.monitor.run_info import write_audit_files, write_run_files
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
-    from open_sft.training.completion import clear_marker, refuse_past_schedule, resume_setting
+    from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer, checkpoint_state_io
     from open_sft.training.preemption import StopRequest
 
@@ -247,7 +247,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name,
                                        tp_size_of(acc))
     resume = checkpoint.resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
-    refuse_past_schedule(resume, job.steps.total_steps)
+    check_resume_point(resume, job.steps.total_steps, config.to_dict(), acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)

@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.durable import write_json
 from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
@@ -144,4 +147,30 @@ def refuse_past_schedule(resume: Any, total_steps: int) -> None:
         raise UserError(f"the checkpoint to resume from, {resume.path}, is at step {resume.step}, past the end of this "
                         f"run's schedule ({total_steps} optimizer steps): raise --max_train_steps to {resume.step} or "
                         "more, or train anew with --resume_from_checkpoint none (or --overwrite_output_dir)")
+
+
+# What a resume may change (the checkpoint's identity settings it may not): each change is said, as the steps
+# before it ran otherwise and run.json records only this launch's values.
+RESUMABLE_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "final_lr_ratio",
+                     "weight_decay", "max_train_steps", "num_train_epochs", "clip_grad_norm", "loss_normalization")
+
+
+def changed_on_resume(saved: Optional[dict[str, Any]], current: dict[str, Any], step: int) -> Optional[str]:
+    """The warning for training settings this launch changes from the checkpoint's (a relaunch with another
+    --learning_rate went on at the new rate without a word), or None."""
+    before, now = (saved or {}).get("train", {}), current.get("train", {})
+    changes = [f"--{key} {before[key]} → {now[key]}" for key in RESUMABLE_CHANGES
+               if key in before and key in now and before[key] != now[key]]
+    if not changes:
+        return None
+    return (f"resuming at step {step} with changed settings: {', '.join(changes)}; the steps from here use the new "
+            "values, the steps before used the old ones (run.json records this launch's)")
+
+
+def check_resume_point(resume: Any, total_steps: int, config: dict[str, Any], is_main: bool) -> None:
+    """refuse_past_schedule, then the warning of changed_on_resume (main process)."""
+    refuse_past_schedule(resume, total_steps)
+    changed = changed_on_resume(resume.state.get("config"), config, resume.step) if resume is not None else None
+    if changed and is_main:
+        logger.warning("%s", changed)
 

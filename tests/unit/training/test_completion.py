@@ -158,3 +158,22 @@ def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(mon
     assert run.main(BASE) == 75
     assert "stopped by SIGTERM outside the training loop" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_resume_with_changed_training_settings_says_which(tmp_path, caplog) -> None:
+    """Relaunched with another --learning_rate, a run went on at the new rate without a word, and run.json then
+    recorded only the new one: the resume names each change; the identity settings stay refused elsewhere."""
+    import logging
+
+    from open_sft.training.checkpoint import ResumePoint
+
+    saved = {"train": {"learning_rate": 1e-3, "max_train_steps": 12, "seed": 7}}
+    now = {"train": {"learning_rate": 5e-4, "max_train_steps": 12, "seed": 7}}
+    assert completion.changed_on_resume(saved, now, 6) == (
+        "resuming at step 6 with changed settings: --learning_rate 0.001 → 0.0005; the steps from here use the new "
+        "values, the steps before used the old ones (run.json records this launch's)")
+    assert completion.changed_on_resume(saved, saved, 6) is None and completion.changed_on_resume(None, now, 6) is None
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.completion"):
+        completion.check_resume_point(ResumePoint(tmp_path, {"step": 6, "config": saved}), 12, now, is_main=True)
+        completion.check_resume_point(ResumePoint(tmp_path, {"step": 6, "config": saved}), 12, now, is_main=False)
+    assert [r.getMessage() for r in caplog.records].count(completion.changed_on_resume(saved, now, 6)) == 1
