@@ -238,6 +238,12 @@ def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int
     begins a text with it (Llama-3, Gemma: what the model sees first at inference; documents had none) or
     --add_bos asks for it, and eos after it (the document separator of continual pretraining)."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    opens = bos is not None and (add_bos or (tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
-                                             and tokenizer("a", add_special_tokens=False)["input_ids"][:1] != [bos]))
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # its post-processor is what adds special tokens
+
+    def first(special: bool) -> list[int]:
+        ids = backend.encode("a", add_special_tokens=special).ids if backend is not None else tokenizer.encode(
+            "a", add_special_tokens=special)
+        return list(ids[:1])
+
+    opens = bos is not None and (add_bos or (first(True) == [bos] and first(False) != [bos]))
     return ([bos] if opens else []), ([eos] if eos is not None else [])
