@@ -176,6 +176,23 @@ def _single_threaded_tokenizers():
             os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
+def _die_with_parent(parent: int) -> None:
+    """A render worker ends when the process that forked it does: a build killed with -9 left its workers waiting
+    on the task queue for good, each holding a tokenizer and the build's open files (Linux's parent-death
+    signal; multiprocessing has no such option)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the kernel was asked
+        os._exit(1)
+
+
 def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any]], train_on: str,
                workers: Optional[int], convert: Optional[Callable[[Any], Any]] = None,
                wanted: Optional[set[int]] = None) -> Labelled:
@@ -195,7 +212,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
             import multiprocessing
 
             with _single_threaded_tokenizers():
-                pool = multiprocessing.get_context("fork").Pool(workers)
+                pool = multiprocessing.get_context("fork").Pool(workers, _die_with_parent, (os.getpid(),))
             with pool:
                 # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end
                 parts = pool.map(_chunk, _chunks(len(work), workers), chunksize=1)

@@ -123,3 +123,40 @@ def test_a_build_stopped_by_bad_data_leaves_nothing_to_resume(tiny_model_dir, tm
     with pytest.raises(UserError, match=f"{corpus} line 2"):
         prepare_data(args, AutoTokenizer.from_pretrained(tiny_model_dir), 0)
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+POOL = r"""
+import sys, time
+from transformers import AutoTokenizer
+from open_sft.data import workers
+from open_sft.data.formats import to_messages
+
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+def slow(item):
+    time.sleep(0.5)  # the build goes slowly: it is killed while its workers render
+    return to_messages(item, "messages")
+workers.label_rows(tokenizer, [(i, row) for i in range(4000)], "all_assistant", 2, convert=slow)
+"""
+
+
+def test_a_killed_builds_render_workers_end_with_it(tiny_model_dir) -> None:
+    """kill -9 of a build while its render workers (a fork pool) run: they end with it (they waited on the task
+    queue for good, each holding a tokenizer and the build's files)."""
+    import psutil
+
+    # no pipes: a worker left alive would hold them open
+    process = subprocess.Popen([sys.executable, "-c", POOL, str(tiny_model_dir)], cwd=ROOT, env=child_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = psutil.Process(process.pid)
+    deadline = time.monotonic() + 120
+    while len(parent.children()) < 2 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = parent.children()
+    assert len(children) == 2 and process.poll() is None, process.returncode
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=60)
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    for child in alive:  # not to outlive the test
+        child.kill()
+    assert not alive, [c.pid for c in alive]
