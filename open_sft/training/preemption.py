@@ -13,6 +13,7 @@ inside that grace period; SIGUSR1 reaches the launcher only if listed in TORCHEL
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from types import FrameType
@@ -42,12 +43,16 @@ def stop_outside_training() -> Callable[[], None]:
     the loop and hands them back after it. Returns what puts the previous handlers back."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    owner = os.getpid()
 
     def handle(signum: int, frame: Optional[FrameType]) -> None:
+        if not _in_owner(owner, signum):
+            return
         raise Preempted(f"stopped by {signal.Signals(signum).name} outside the training loop (loading, tokenizing "
                         "or exporting); the same command starts again from where it can: a cache build from its "
                         "last complete chunk, training from the newest complete checkpoint, then the export")
 
+    _OURS.append(handle)
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def restore() -> None:
@@ -57,17 +62,42 @@ def stop_outside_training() -> Callable[[], None]:
     return restore
 
 
+_OURS: list = []  # the handlers installed here, which a forked child puts back to the default at once
+
+
+def _default_in_child() -> None:
+    for sig in SIGNALS:
+        if signal.getsignal(sig) in _OURS:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_in_child)
+
+
+def _in_owner(owner: int, signum: int) -> bool:
+    """Whether a handler runs in the process that installed it. A process forked from it (the cache build's render
+    workers) inherits the handler: there the signal takes its default action, as multiprocessing's Pool.terminate
+    expects (the inherited handler raised in idle workers, which printed tracebacks or held a queue lock)."""
+    if os.getpid() == owner:
+        return True
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return False
+
+
 class StopRequest:
     """Set by a signal handler in this process; `agreed` makes all ranks see the same answer."""
 
     def __init__(self) -> None:
         self.signal_name: Optional[str] = None
         self._previous: dict[int, object] = {}
+        self._owner = os.getpid()
 
     def install(self) -> "StopRequest":
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not on the main thread: SIGTERM/SIGINT/SIGUSR1 will not stop training gracefully")
             return self
+        _OURS.append(self._handle)
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -78,6 +108,8 @@ class StopRequest:
         self._previous = {}
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if not _in_owner(self._owner, signum):
+            return
         if self.signal_name is None:  # only a flag: I/O inside a handler can hit a reentrant write
             self.signal_name = signal.Signals(signum).name
 

@@ -177,3 +177,34 @@ def test_a_resume_with_changed_training_settings_says_which(tmp_path, caplog) ->
         completion.check_resume_point(ResumePoint(tmp_path, {"step": 6, "config": saved}), 12, now, is_main=True)
         completion.check_resume_point(ResumePoint(tmp_path, {"step": 6, "config": saved}), 12, now, is_main=False)
     assert [r.getMessage() for r in caplog.records].count(completion.changed_on_resume(saved, now, 6)) == 1
+
+
+def _sleep(started) -> None:
+    import time
+
+    started.set()
+    time.sleep(30)
+
+
+def test_a_forked_process_takes_sigterm_as_its_default(tmp_path) -> None:
+    """The handlers of the launch's process are inherited by what it forks (the cache build's render workers):
+    there SIGTERM ends the process as by default, which multiprocessing's Pool.terminate expects (the inherited
+    handler raised in idle workers: a traceback each, or a queue lock held)."""
+    import multiprocessing
+    import signal
+
+    from open_sft.training.preemption import StopRequest, stop_outside_training
+
+    for install in (stop_outside_training, lambda: StopRequest().install().uninstall):
+        restore = install()
+        try:
+            fork = multiprocessing.get_context("fork")
+            started = fork.Event()
+            child = fork.Process(target=_sleep, args=(started,))
+            child.start()
+            assert started.wait(timeout=20)  # running (a signal before Python's fork hooks is dropped by CPython)
+            child.terminate()
+            child.join(timeout=20)
+        finally:
+            restore()
+        assert child.exitcode == -signal.SIGTERM
