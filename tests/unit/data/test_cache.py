@@ -27,6 +27,13 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Each test its own cache: entries are keyed by the data's content, so the session's shared cache holds other
+    tests' builds of the same sample (OPEN_SFT_CACHE overrides --dataset_local_cache_dir)."""
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture()
 def data_file(tmp_path):
     path = tmp_path / "data.jsonl"
