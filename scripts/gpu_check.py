@@ -266,7 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--parts", default="all", help="comma-separated part names, or all")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny model, the parts a CPU can run")
     parser.add_argument("--workers", type=int, default=None, help="parts run at once (fused_ce, attention and speed, which time kernels, run alone)")
-    parser.add_argument("--budget_s", type=float, default=480.0,
+    parser.add_argument("--budget_s", type=float, default=600.0,
                         help="start no part, and no run of the speed part, after this many seconds")
     parser.add_argument("--speed_steps", type=int, default=12)
     parser.add_argument("--speed_compare", choices=["trl", "none"], default="trl",
