@@ -180,15 +180,11 @@ def _die_with_parent(parent: int) -> None:
     """A render worker ends when the process that forked it does: a build killed with -9 left its workers waiting
     on the task queue for good, each holding a tokenizer and the build's open files (Linux's parent-death
     signal; multiprocessing has no such option)."""
-    import ctypes
     import signal
-    import sys
 
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    from open_sft.distributed.lifeline import parent_death_signal
+
+    parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # it died before the kernel was asked
         os._exit(1)
 

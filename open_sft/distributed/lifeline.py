@@ -38,6 +38,19 @@ POLL_S = 0.5
 # error on each, a preemption) leave one after another, and each stops watching as it starts to leave.
 GRACE_S = 2.0
 PR_SET_PDEATHSIG = 1
+
+
+def parent_death_signal(signum: int) -> bool:
+    """Ask Linux to send `signum` to this process when the thread that started it ends (prctl PR_SET_PDEATHSIG);
+    False where it cannot (another OS, no libc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "ACCELERATE_MIXED_PRECISION", "LOCAL_RANK")
 
 
@@ -80,13 +93,7 @@ class Lifeline:
     def _ask_kernel(self) -> None:
         """SIGUSR2 when the parent dies; its handler exits as the watchdog would (when the main thread is in
         Python; inside a collective the watchdog thread does it)."""
-        if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGUSR2), 0, 0, 0) != 0:
-                return
-        except (OSError, AttributeError):
+        if threading.current_thread() is not threading.main_thread() or not parent_death_signal(signal.SIGUSR2):
             return
         signal.signal(signal.SIGUSR2, self._parent_died)
 

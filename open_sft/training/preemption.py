@@ -36,6 +36,30 @@ class Preempted(StopRun):
     exit_code = PREEMPTED_EXIT_CODE
 
 
+MARK = "_open_sft_signal_handler"  # on the handlers installed here, which a forked child puts back to the default
+
+
+def _default_in_child() -> None:
+    for sig in SIGNALS:
+        if getattr(signal.getsignal(sig), MARK, False):
+            signal.signal(sig, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_in_child)
+
+
+def _in_owner(owner: int, signum: int) -> bool:
+    """Whether a handler runs in the process that installed it. A process forked from it (the cache build's render
+    workers) inherits the handler: there the signal takes its default action, as multiprocessing's Pool.terminate
+    expects (the inherited handler raised in idle workers, which printed tracebacks or held a queue lock).
+    _default_in_child puts the default back at the fork; this covers a signal that arrives before that hook."""
+    if os.getpid() == owner:
+        return True
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return False
+
+
 def stop_outside_training() -> Callable[[], None]:
     """SIGTERM and SIGUSR1 outside the training loop (loading data or the model, building the cache, the export),
     where there is no step to finish: the process stops at once with PREEMPTED_EXIT_CODE, a scheduler's "retry",
@@ -52,7 +76,7 @@ def stop_outside_training() -> Callable[[], None]:
                         "or exporting); the same command starts again from where it can: a cache build from its "
                         "last complete chunk, training from the newest complete checkpoint, then the export")
 
-    _OURS.append(handle)
+    setattr(handle, MARK, True)
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def restore() -> None:
@@ -60,29 +84,6 @@ def stop_outside_training() -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
-
-
-_OURS: list = []  # the handlers installed here, which a forked child puts back to the default at once
-
-
-def _default_in_child() -> None:
-    for sig in SIGNALS:
-        if signal.getsignal(sig) in _OURS:
-            signal.signal(sig, signal.SIG_DFL)
-
-
-os.register_at_fork(after_in_child=_default_in_child)
-
-
-def _in_owner(owner: int, signum: int) -> bool:
-    """Whether a handler runs in the process that installed it. A process forked from it (the cache build's render
-    workers) inherits the handler: there the signal takes its default action, as multiprocessing's Pool.terminate
-    expects (the inherited handler raised in idle workers, which printed tracebacks or held a queue lock)."""
-    if os.getpid() == owner:
-        return True
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    return False
 
 
 class StopRequest:
@@ -97,7 +98,6 @@ class StopRequest:
         if threading.current_thread() is not threading.main_thread():
             logger.warning("not on the main thread: SIGTERM/SIGINT/SIGUSR1 will not stop training gracefully")
             return self
-        _OURS.append(self._handle)
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -112,6 +112,8 @@ class StopRequest:
             return
         if self.signal_name is None:  # only a flag: I/O inside a handler can hit a reentrant write
             self.signal_name = signal.Signals(signum).name
+
+    setattr(_handle, MARK, True)
 
     @property
     def requested(self) -> bool:
