@@ -121,6 +121,13 @@ class DataArguments:
     )
     chat_template_path: Optional[str] = _help("A Jinja chat template file (overrides --chat_template_name).",
                                               default=None)
+    chat_template_kwargs: Optional[str] = _help(
+        "A JSON object of variables passed to every render of the chat template, as apply_chat_template passes "
+        "its keyword arguments, e.g. '{\"enable_thinking\": false}' (a mapping in a YAML config).", default=None)
+    reasoning_loss: Literal["train", "mask"] = _help(
+        "An assistant turn's reasoning trace (reasoning_content, reasoning or thinking) as the template writes it: "
+        "train it, or mask it (it stays in the context; the answer, tool calls and the tags around it train).",
+        default="train")
     add_bos: bool = _help(
         "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
         "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token), and every text "

@@ -16,7 +16,7 @@ from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneCo
                                   TrainingArguments)
 from open_sft.config.launch import uses_deepspeed
 from open_sft.distributed.pipeline import pipeline_flag_problems
-from open_sft.data.chat.templates import chat_template_problems
+from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
 from open_sft.file_modes import unreadable
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
@@ -117,6 +117,7 @@ def _data_problems(d: DataArguments) -> list[str]:
         problems.append(f"--max_seq_length must be at least 2, got {d.max_seq_length}")
     if d.cache_dataset_only and d.dataset_skip_cache:  # it tokenized, kept nothing and printed "None"
         problems.append("--cache_dataset_only builds the cache, which --dataset_skip_cache skips: drop one of them")
+    problems += template_kwargs_problems(d.chat_template_kwargs)
     return problems
 
 

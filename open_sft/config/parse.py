@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -117,6 +118,8 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
     for key in ("dataset_mixer", "additional_model_arguments"):  # mappings in YAML, JSON strings on the CLI
         if isinstance(loaded.get(key), dict):
             loaded[key] = yaml.safe_dump(loaded[key])
+    if isinstance(loaded.get("chat_template_kwargs"), dict):
+        loaded["chat_template_kwargs"] = json.dumps(loaded["chat_template_kwargs"])
     return loaded
 
 

@@ -23,7 +23,7 @@ from open_sft.data.mixer import select_row_array
 from open_sft.data.sources import parse_mixer_list
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import Reader, chat_source, text_source
-from open_sft.data.summary import length_percentiles, nothing_left_message
+from open_sft.data.summary import SourceReport, length_percentiles, nothing_left_message
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     if fmt != "text":
         memory._check_chat_template(tokenizer)
     tmp.mkdir(parents=True, exist_ok=True)
-    report = memory.SourceReport(name=spec.name, format=fmt, rows_in=0)
+    report = SourceReport(name=spec.name, format=fmt, rows_in=0)
 
     def select(valid: Any, lengths: Any) -> np.ndarray:
         return select_row_array(spec, args.dataset_mixer_unit, valid, lengths, seed)

@@ -36,8 +36,10 @@ logger = logging.getLogger(__name__)
 # their names, a turn closed differently when another follows (OLMo's <|im_end|>) trains that closing; 6: an
 # alpaca row's `history` turns (LLaMA-Factory's format) come before its own, not dropped; 7: assistant turns
 # in a TRL prompt-completion row's prompt are context, not trained; 8: --dataset_mixer_unit tokens counts the
-# tokens a row keeps after --max_seq_length, and text documents open with bos where the tokenizer's encoding does
-CACHE_FORMAT_VERSION = 8
+# tokens a row keeps after --max_seq_length, and text documents open with bos where the tokenizer's encoding does;
+# 9: every assistant turn trains as the model generates it (after the context its template gives it, through the
+# token that ends it: a conversation may make several examples), reasoning is handed over under the template's name
+CACHE_FORMAT_VERSION = 9
 COMPLETE = "COMPLETE"
 
 

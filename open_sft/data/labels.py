@@ -20,7 +20,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.byte_level import byte_table, label_byte_level
-from open_sft.data.chat.render import render, special_markers, trained_spans  # noqa: F401 (the data step's API)
+from open_sft.data.chat.examples import trained_spans  # noqa: F401 (the data step's API)
+from open_sft.data.chat.render import render, special_markers  # noqa: F401 (the data step's API)
 from open_sft.data.token_rows import IGNORE_INDEX, Example, TokenRows, row_bounds, run_bounds
 
 Spans = list[tuple[int, int]]

@@ -14,7 +14,6 @@ import functools
 import gc
 import logging
 import tempfile
-from collections import Counter
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 from pathlib import Path
@@ -28,40 +27,18 @@ from open_sft.data.formats import (RowError, detect_format, document_markers, me
                                    to_text)
 from open_sft.data.mixer import select_rows, source_names
 from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
+from open_sft.data.chat.render import DEFAULT_OPTIONS, chat_options
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
-from open_sft.data.summary import nothing_left_message
-from open_sft.data.token_rows import TokenRows, fit_rows, fitted_lengths
+from open_sft.data.summary import SourceReport, nothing_left_message
+from open_sft.data.token_rows import (TokenRows, expand_groups, fit_rows, fitted_lengths, group_totals,
+                                     rows_keeping_an_example, split_costs)
 from open_sft.data.labels import Example
 from open_sft.data.workers import Labelled, Numbered, label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SourceReport:
-    name: str
-    format: str
-    rows_in: int
-    rows_selected: int = 0
-    rows_kept: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    truncated: int = 0
-    tokens: int = 0
-    trained_tokens: int = 0
-    examples: int = 0  # training examples made (text sources: blocks)
-    upsample_factor: float = 1.0  # times each selected row is taken, on average (> 1: the amount upsamples)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name, "format": self.format, "rows_in": self.rows_in,
-            "rows_selected": self.rows_selected, "rows_kept": self.rows_kept,
-            "rows_dropped": dict(self.dropped), "truncated": self.truncated,
-            "examples": self.examples, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
-            "upsample_factor": self.upsample_factor,
-        }
 
 
 @dataclass
@@ -161,19 +138,27 @@ def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[l
     (drawn here from the labelled rows' lengths)."""
     for i, error in labelled.errors:
         sink.reject(i, error)
-    position = labelled.position
+    position, sizes = labelled.position, labelled.sizes
+    report.reasoning_not_rendered += labelled.notes["reasoning_not_rendered"]
     if picked is None:  # by tokens: as the rows will be kept (cut to --max_seq_length, or dropped)
         rows = labelled.rows
         lengths = fitted_lengths(rows.lengths(), rows.trained_counts(args.max_seq_length), args.max_seq_length,
                                  args.truncation)
-        picked = _select(spec, args, sorted(position), {i: int(lengths[p]) for i, p in position.items()}, seed)
+        labelled_rows = sorted(position)
+        totals = group_totals(lengths, np.fromiter(map(position.get, labelled_rows), np.int64, len(labelled_rows)),
+                              sizes)
+        picked = _select(spec, args, labelled_rows, dict(zip(labelled_rows, totals.tolist())), seed)
     found = np.fromiter(map(position.get, picked, repeat(-1)), dtype=np.int64, count=len(picked))
     found = found[found >= 0]  # the selected rows that were labelled, in selection order
     report.rows_selected = len(found)
     report.upsample_factor = _upsample_factor(picked)
-    rows, dropped, report.truncated = fit_rows(labelled.rows, found, args.max_seq_length, args.truncation)
+    report.rows_split, report.split_extra_tokens = split_costs(labelled.rows.lengths(), found, sizes)
+    examples = expand_groups(found, sizes)
+    rows, dropped, report.truncated = fit_rows(labelled.rows, examples, args.max_seq_length, args.truncation)
     report.dropped.update(dropped)
-    report.rows_kept = len(rows)
+    report.rows_kept = len(rows) if sizes is None else rows_keeping_an_example(
+        labelled.rows.lengths(), labelled.rows.trained_counts(args.max_seq_length), found, sizes, args.max_seq_length,
+        args.truncation)
     return rows
 
 
@@ -206,7 +191,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         return None
     convert = functools.partial(_parse_and_convert, fmt=fmt)
     labelled = label_rows(tokenizer, Numbered(lines), args.train_on, args.preprocessing_num_workers,
-                          convert=convert, wanted=None if picked is None else set(picked))
+                          convert=convert, wanted=None if picked is None else set(picked), options=chat_options(args))
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(lines))
     if not labelled.invalid:
         sink = _RowSink(lambda i: f"{spec.name} line {numbers[i]}", report, drop=args.on_bad_row == "drop")
@@ -241,10 +226,12 @@ def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], n
         missing = sorted({line_of[row] for row in picked} - set(labelled.position) - {i for i, _ in labelled.errors})
         if missing:
             labelled = labelled.then(label_rows(tokenizer, [(i, lines[i]) for i in missing], args.train_on,
-                                                args.preprocessing_num_workers, convert=convert))
+                                                args.preprocessing_num_workers, convert=convert,
+                                                options=chat_options(args)))
         keep = set(picked)
     renumbered = Labelled(labelled.rows, {row_of[i]: p for i, p in labelled.position.items()},
-                          [(row_of[i], e) for i, e in labelled.errors if keep is None or row_of[i] in keep], [])
+                          [(row_of[i], e) for i, e in labelled.errors if keep is None or row_of[i] in keep], [],
+                          labelled.sizes, labelled.notes)
     return _chat_rows(spec, args, renumbered, picked, sink, report, seed)
 
 
@@ -305,7 +292,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     else:
         picked = None if by_tokens else _select(spec, args, valid, None, seed)
         labelled = label_rows(tokenizer, [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))],
-                              args.train_on, args.preprocessing_num_workers)
+                              args.train_on, args.preprocessing_num_workers, options=chat_options(args))
         rows = _chat_rows(spec, args, labelled, picked, sink, report, seed)
     return rows, report
 
@@ -366,6 +353,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
     if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
         later["add_bos"] = True
+    options = chat_options(args)
+    if options != DEFAULT_OPTIONS:
+        later["chat_options"] = {"template_kwargs": options.template_kwargs, "reasoning_loss": options.reasoning_loss}
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}

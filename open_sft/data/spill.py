@@ -122,6 +122,7 @@ class SpilledRows:
     def __init__(self, ids: Path, labels: Optional[Path], bounds: np.ndarray, index: np.ndarray,
                  trained: Optional[np.ndarray]):
         self.files, self.bounds, self.index, self.trained = (ids, labels), bounds, index, trained
+        self.distinct = bool(np.all(np.diff(index) > 0))  # one spilled row per source row
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.bounds)
@@ -134,10 +135,21 @@ class SpilledRows:
         taken = TokenRows(ids, labels, self.bounds).take(positions, max_length)
         return TokenRows(np.array(taken.ids), np.array(taken.labels), taken.bounds)  # copies: the maps go
 
+    def group_sizes(self) -> Optional[np.ndarray]:
+        """Where a source row made several examples (spilled one after another under its index): at each row's
+        first spilled row, how many; 0 at the others. None when every row made one."""
+        if self.distinct:
+            return None
+        firsts = np.flatnonzero(np.diff(self.index, prepend=-1) != 0)
+        sizes = np.zeros(len(self.index), dtype=np.int64)
+        sizes[firsts] = np.diff(np.append(firsts, len(self.index)))
+        return sizes
+
     def positions(self, source_rows: np.ndarray) -> np.ndarray:
-        """The spilled row of each source row, -1 where it was not spilled (dropped, failed)."""
+        """The (first) spilled row of each source row, -1 where it was not spilled (dropped, failed)."""
         source_rows = np.asarray(source_rows, dtype=np.int64)
-        if len(self.index) and self.index[-1] == len(self.index) - 1 and source_rows.max(initial=-1) < len(self.index):
+        if len(self.index) and self.distinct and self.index[-1] == len(self.index) - 1 \
+                and source_rows.max(initial=-1) < len(self.index):
             return source_rows  # rows 0..k all spilled (ascending, distinct): each row is its own position
         at = np.searchsorted(self.index, source_rows)
         found = at < len(self.index)

@@ -21,15 +21,18 @@ import gc
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from open_sft.data.chat.render import chat_options
 from open_sft.data.formats import RowError, document_markers, to_messages, to_text
 from open_sft.data.sources import line_chunks, open_dataset, parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
-from open_sft.data.token_rows import TokenRows, fit_order, fitted_lengths
+from open_sft.data.token_rows import (TokenRows, expand_groups, fit_order, fitted_lengths, group_totals,
+                                     rows_keeping_an_example, split_costs)
 from open_sft.data.workers import label_rows
 from open_sft.errors import UserError
 
@@ -148,7 +151,8 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
             picked = select(range(n), None)
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
-    spilled, errors, invalid = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
+    spilled, errors, invalid, notes = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
+    report.reasoning_not_rendered += notes.get("reasoning_not_rendered", 0)
     # The row numbering the in-memory build selects in: rows are the lines that parse (all of them, mostly: then
     # no array maps one to the other). Arrays of a number per row are made only where needed and let go early:
     # at 10 M rows each costs 80 MB.
@@ -174,11 +178,14 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
     if len(found) and found.min() < 0:
         found = found[found >= 0]
     report.rows_selected = len(found)
-    lengths = spilled.lengths()
-    kept, dropped, report.truncated = fit_order(lengths, spilled.trained, found, args.max_seq_length, args.truncation)
-    del found
+    lengths, sizes = spilled.lengths(), spilled.group_sizes()
+    report.rows_split, report.split_extra_tokens = split_costs(lengths, found, sizes)
+    kept, dropped, report.truncated = fit_order(lengths, spilled.trained, expand_groups(found, sizes),
+                                                args.max_seq_length, args.truncation)
     report.dropped.update(dropped)
-    report.rows_kept = len(kept)
+    report.rows_kept = len(kept) if sizes is None else rows_keeping_an_example(
+        lengths, spilled.trained, found, sizes, args.max_seq_length, args.truncation)
+    del found
     for a, b in pieces(np.minimum(lengths[kept], args.max_seq_length)):
         _add_counts(report, writer.write(spilled.take(kept[a:b], args.max_seq_length)))
 
@@ -193,9 +200,14 @@ def _select_labelled(spilled: Any, invalid: list, line_of: Optional[np.ndarray],
         if not invalid and not drop:  # the speculative selection failed: as many rows as there are, too few
             valid = np.arange(n)
         return select(range(len(valid)) if len(valid) == len(lines) else valid, None)
-    labelled_rows = np.searchsorted(lines, spilled.index)  # by tokens: as the rows will be kept
     fitted = fitted_lengths(spilled.lengths(), spilled.trained, args.max_seq_length, args.truncation)
-    return select(labelled_rows, _Lengths(labelled_rows, fitted))
+    sizes = spilled.group_sizes()
+    if sizes is None:
+        labelled_rows = np.searchsorted(lines, spilled.index)  # by tokens: as the rows will be kept
+        return select(labelled_rows, _Lengths(labelled_rows, fitted))
+    firsts = np.flatnonzero(sizes)  # a row's tokens: those of all its examples
+    labelled_rows = np.searchsorted(lines, spilled.index[firsts])
+    return select(labelled_rows, _Lengths(labelled_rows, group_totals(fitted, firsts, sizes)))
 
 
 def _distinct(rows: np.ndarray, n: int) -> int:
@@ -205,7 +217,7 @@ def _distinct(rows: np.ndarray, n: int) -> int:
 
 
 def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, tmp: Path, n: int,
-                  picked: Optional[np.ndarray]) -> tuple[Any, list, list]:
+                  picked: Optional[np.ndarray]) -> tuple[Any, list, list, dict]:
     """Every chunk converted, rendered, labelled (only the `picked` rows, when given) and spilled; the rows that
     failed (row index, RowError) to render or label, and those that did not parse or convert. Under
     --on_bad_row error the first bad row stops it."""
@@ -214,23 +226,28 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         wanted[picked] = True
     convert = functools.partial(_convert_line, fmt=fmt) if reader.lines else functools.partial(to_messages, fmt=fmt)
     spill = Spill(tmp, "chat", tag=reader.chunking())
-    errors, invalid = [], []
+    errors, invalid, counts = [], [], Counter()
     for note in spill.notes():  # a resumed build's rows that failed
         errors += [(row, RowError(message, reason)) for row, message, reason in note["errors"]]
         invalid += [(row, RowError(message, reason)) for row, message, reason in note["invalid"]]
+        counts.update(note.get("counts", {}))
     progress = Progress(spec.name, n, spill.rows)
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
         labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
-                              args.preprocessing_num_workers, convert=convert, wanted=here)
+                              args.preprocessing_num_workers, convert=convert, wanted=here,
+                              options=chat_options(args))
         if args.on_bad_row != "drop" and (labelled.invalid or labelled.errors):
             _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
         done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
-        spill.append(done[:, 0], labelled.rows.take(done[:, 1]), args.max_seq_length)
-        spill.commit(start + len(items), {"errors": _dumped(labelled.errors),
-                                          "invalid": _dumped(labelled.invalid)})
+        # a row's examples one after another, each under the row's index
+        spill.append(np.repeat(done[:, 0], labelled.group_sizes()[done[:, 1]]),
+                     labelled.rows.take(expand_groups(done[:, 1], labelled.sizes)), args.max_seq_length)
+        spill.commit(start + len(items), {"errors": _dumped(labelled.errors), "invalid": _dumped(labelled.invalid),
+                                          "counts": dict(labelled.notes)})
         errors += labelled.errors
         invalid += labelled.invalid
+        counts += labelled.notes
         progress.update(len(items), int(labelled.rows.bounds[-1]))
         del labelled, items
         # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
@@ -239,7 +256,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         gc.collect(1)
     progress.done()
     _release_heap()
-    return spill.close(), errors, invalid
+    return spill.close(), errors, invalid, counts
 
 
 def _release_heap() -> None:

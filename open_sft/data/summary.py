@@ -1,7 +1,10 @@
-"""Human-readable views of the data: the data report table and examples with trained tokens marked."""
+"""The data report: what happened to each source's rows (SourceReport), its table, and examples with trained tokens
+marked."""
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -9,6 +12,36 @@ import numpy as np
 from open_sft.data.labels import IGNORE_INDEX
 
 BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
+
+
+@dataclass
+class SourceReport:
+    name: str
+    format: str
+    rows_in: int
+    rows_selected: int = 0
+    rows_kept: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    examples: int = 0  # training examples made (text sources: blocks)
+    upsample_factor: float = 1.0  # times each selected row is taken, on average (> 1: the amount upsamples)
+    # conversations a template that rewrites earlier turns made into several examples (chat/turn_render.py),
+    # and the tokens their earlier examples add (the context they repeat)
+    rows_split: int = 0
+    split_extra_tokens: int = 0
+    reasoning_not_rendered: int = 0  # rows whose reasoning the template does not write (chat/reasoning.py)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "format": self.format, "rows_in": self.rows_in,
+            "rows_selected": self.rows_selected, "rows_kept": self.rows_kept,
+            "rows_dropped": dict(self.dropped), "truncated": self.truncated,
+            "examples": self.examples, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+            "upsample_factor": self.upsample_factor, "rows_split": self.rows_split,
+            "split_extra_tokens": self.split_extra_tokens, "reasoning_not_rendered": self.reasoning_not_rendered,
+        }
 
 
 def length_percentiles(lengths: Any) -> dict[str, int]:

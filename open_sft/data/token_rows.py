@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -136,6 +136,48 @@ class TokenRows:
                                            pa.array(values[self.bounds[a] : self.bounds[b]], value_type))
                   for a, b in zip(cuts, cuts[1:])]
         return pa.chunked_array(chunks, pa.list_(value_type))
+
+
+def expand_groups(firsts: np.ndarray, sizes: Optional[np.ndarray]) -> np.ndarray:
+    """Each position of `firsts` followed by the rest of its group: p, p + 1, ..., p + sizes[p] - 1, in order
+    (a conversation that made several examples: data/chat/turn_render.py). `sizes` None: groups of one."""
+    firsts = np.asarray(firsts, dtype=np.int64)
+    if sizes is None:
+        return firsts
+    counts = sizes[firsts]
+    return np.repeat(firsts - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()), dtype=np.int64)
+
+
+def group_totals(values: np.ndarray, firsts: np.ndarray, sizes: Optional[np.ndarray]) -> np.ndarray:
+    """Per position of `firsts`, the sum of `values` over its group (the value itself for groups of one)."""
+    firsts = np.asarray(firsts, dtype=np.int64)
+    if sizes is None or not len(firsts):
+        return np.asarray(values)[firsts]
+    expanded = expand_groups(firsts, sizes)
+    counts = sizes[firsts]
+    return np.add.reduceat(np.asarray(values, dtype=np.int64)[expanded], np.cumsum(counts) - counts)
+
+
+def split_costs(lengths: np.ndarray, firsts: np.ndarray, sizes: Optional[np.ndarray]) -> tuple[int, int]:
+    """Of the rows whose first examples are at `firsts`: how many made more than one example, and the tokens
+    their earlier examples add to one rendering of the conversation (its last example holds it all: the
+    examples before it repeat its context)."""
+    firsts = np.asarray(firsts, dtype=np.int64)
+    if sizes is None or not len(firsts):
+        return 0, 0
+    counts = sizes[firsts]
+    split = firsts[counts > 1]
+    if not len(split):
+        return 0, 0
+    totals = group_totals(lengths, split, sizes)
+    return len(split), int((totals - np.asarray(lengths)[split + sizes[split] - 1]).sum())
+
+
+def rows_keeping_an_example(lengths: np.ndarray, trained: np.ndarray, firsts: np.ndarray, sizes: np.ndarray,
+                            max_length: int, truncation: str) -> int:
+    """How many of the rows whose first examples are at `firsts` keep at least one example after the fit."""
+    kept = fitted_lengths(lengths, trained, max_length, truncation) > 0
+    return int((group_totals(kept.astype(np.int64), firsts, sizes) > 0).sum())
 
 
 def fit_rows(rows: TokenRows, order: np.ndarray, max_length: int, truncation: str) -> tuple[TokenRows, Counter, int]:

@@ -16,7 +16,8 @@ import gc
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -24,7 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
-from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.chat.examples import row_examples
+from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
 from open_sft.distributed.env import usable_cpus
@@ -35,7 +37,7 @@ _STATE: dict[str, Any] = {}  # set before forking; the children read it (copy-on
 _MIN_ROWS_PER_WORKER = 1000  # below this, starting processes costs more than it saves
 _MIN_ROWS_PER_CHUNK = 128
 _IN_PROCESS_CHUNK = 1024  # rows encoded at a time in one process: enough for the tokenizer's threads
-_Part = tuple[list[int], LabelledBatch, list[tuple[int, RowError]], list[tuple[int, RowError]]]
+_Part = tuple["_Rendered", LabelledBatch]
 
 
 class Numbered:
@@ -55,21 +57,32 @@ class Numbered:
 
 @dataclass(frozen=True)
 class Labelled:
-    """The labelled rows (`position`: row index → its row in `rows`), the rows that failed to render or
-    label, and (when the items are raw rows to convert) the rows that could not be converted."""
+    """The labelled examples and where each row's are (`position`: row index → its first example in `rows`;
+    `sizes[p]`: how many examples the row whose first is p made, in order from p: one, unless its template
+    rewrites earlier turns; 0 at the others), the rows that failed to render or label, (when the items are
+    raw rows to convert) the rows that could not be converted, and counts of the labelled rows for the data
+    report (`reasoning_not_rendered`)."""
 
     rows: TokenRows
     position: dict[int, int]
     errors: list[tuple[int, RowError]]  # in row-index order
     invalid: list[tuple[int, RowError]]  # in row-index order
+    sizes: Optional[np.ndarray] = None  # None: one example a row
+    notes: Counter = field(default_factory=Counter)
+
+    def group_sizes(self) -> np.ndarray:
+        return np.ones(len(self.rows), dtype=np.int64) if self.sizes is None else self.sizes
 
     def then(self, other: "Labelled") -> "Labelled":
         """These rows and `other`'s (labelled from other row indices)."""
         offset = len(self.rows)
+        sizes = None if self.sizes is None and other.sizes is None else np.concatenate(
+            [self.group_sizes(), other.group_sizes()])
         return Labelled(TokenRows.concat([self.rows, other.rows]),
                         {**self.position, **{i: offset + p for i, p in other.position.items()}},
                         sorted(self.errors + other.errors, key=lambda error: error[0]),
-                        sorted(self.invalid + other.invalid, key=lambda error: error[0]))
+                        sorted(self.invalid + other.invalid, key=lambda error: error[0]),
+                        sizes, self.notes + other.notes)
 
 
 def _label_mismatch() -> RowError:
@@ -92,20 +105,23 @@ def _chunks(rows: int, workers: int) -> list[tuple[int, int]]:
 
 @dataclass
 class _Rendered:
-    """A chunk's work items rendered: the row indices and their (text, trained spans), and the (row
-    index, RowError) of the items that could not be rendered, and of those that could not be converted."""
+    """A chunk's work items rendered: the row indices, how many examples each made and the examples' (text,
+    trained spans), the (row index, RowError) of the items that could not be rendered, and of those that could
+    not be converted, and counts for the data report."""
 
     indices: list[int]
+    counts: list[int]
     texts_and_spans: list[tuple[str, list[tuple[int, int]]]]
     errors: list[tuple[int, RowError]]
     invalid: list[tuple[int, RowError]]
+    notes: Counter = field(default_factory=Counter)
 
 
 def _render(bounds: tuple[int, int]) -> _Rendered:
     """Convert (when the items are raw rows) and render the work items in [start, stop)."""
-    tokenizer, train_on, markers, work, convert, wanted = (
-        _STATE[k] for k in ("tokenizer", "train_on", "markers", "work", "convert", "wanted"))
-    done = _Rendered([], [], [], [])
+    tokenizer, train_on, markers, work, convert, wanted, options = (
+        _STATE[k] for k in ("tokenizer", "train_on", "markers", "work", "convert", "wanted", "options"))
+    done = _Rendered([], [], [], [], [])
     for n, (i, messages) in enumerate(work[bounds[0] : bounds[1]], start=1):
         if n % 4096 == 0:
             gc.collect(0)  # only objects made since the last call: cheap, and frees any cycles a template made
@@ -118,18 +134,22 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
             if wanted is not None and i not in wanted:
                 continue
         try:
-            done.texts_and_spans.append(trained_spans(tokenizer, messages, train_on, markers))
+            rendered = row_examples(tokenizer, messages, train_on, markers, options)
         except RowError as exc:
             done.errors.append((i, exc))
             continue
+        done.texts_and_spans += rendered.examples
         done.indices.append(i)
+        done.counts.append(len(rendered.examples))
+        if rendered.reasoning_not_rendered:
+            done.notes["reasoning_not_rendered"] += 1
     return done
 
 
 def _label(rendered: _Rendered, encoded: Optional[Encoded] = None) -> _Part:
     batch = label_batch(_STATE["tokenizer"], rendered.texts_and_spans, check=_STATE["train_on"] != "all",
                         encoded=encoded)
-    return rendered.indices, batch, rendered.errors, rendered.invalid
+    return rendered, batch
 
 
 def _chunk(bounds: tuple[int, int]) -> _Part:
@@ -191,7 +211,7 @@ def _die_with_parent(parent: int) -> None:
 
 def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any]], train_on: str,
                workers: Optional[int], convert: Optional[Callable[[Any], Any]] = None,
-               wanted: Optional[set[int]] = None) -> Labelled:
+               wanted: Optional[set[int]] = None, options: ChatOptions = DEFAULT_OPTIONS) -> Labelled:
     """Render, tokenize and label each (row index, messages); a row that cannot be rendered or whose
     labels fail the check is an error instead. With `convert`, the items are raw rows (a JSON line,
     say) that the workers turn into messages, so reading scales with the workers too: every item is
@@ -199,7 +219,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     workers=None: one process per usable core (this process for fewer rows than two workers' worth)."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,
-                  convert=convert, wanted=wanted)
+                  convert=convert, wanted=wanted, options=options)
     try:
         workers = max(1, min(usable_cpus() if workers is None else workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
@@ -215,14 +235,33 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()
+    return _collected(parts)
+
+
+def _collected(parts: list[_Part]) -> Labelled:
+    """The chunks' parts as one Labelled: a row whose examples do not all pass the label check is an error."""
     position: dict[int, int] = {}
-    errors, invalid, offset = [], [], 0
-    for indices, batch, failed, unconverted in parts:
-        errors += failed
-        invalid += unconverted
-        errors += [(indices[k], _label_mismatch()) for k in np.flatnonzero(~batch.right).tolist()]
-        right = np.flatnonzero(batch.right)  # dict.update of two lists: no Python step per row
-        position.update(zip(np.asarray(indices, dtype=np.int64)[right].tolist(), (right + offset).tolist()))
-        offset += len(indices)
+    errors, invalid, notes, offset = [], [], Counter(), 0
+    split = any(count != 1 for rendered, _ in parts for count in rendered.counts)
+    sizes = []
+    for rendered, batch in parts:
+        errors += rendered.errors
+        invalid += rendered.invalid
+        notes += rendered.notes
+        indices = np.asarray(rendered.indices, dtype=np.int64)
+        counts = np.asarray(rendered.counts, dtype=np.int64)
+        firsts = np.cumsum(counts) - counts
+        if split:
+            right = np.logical_and.reduceat(batch.right, firsts) if len(firsts) else np.zeros(0, dtype=bool)
+            here = np.zeros(len(batch.right), dtype=np.int64)
+            here[firsts] = counts
+            sizes.append(here)
+        else:
+            right = batch.right
+        errors += [(int(indices[k]), _label_mismatch()) for k in np.flatnonzero(~right).tolist()]
+        good = np.flatnonzero(right)  # dict.update of two lists: no Python step per row
+        position.update(zip(indices[good].tolist(), (firsts[good] + offset).tolist()))
+        offset += len(batch.right)
     errors.sort(key=lambda error: error[0])
-    return Labelled(TokenRows.concat([part[1].rows for part in parts]), position, errors, invalid)
+    return Labelled(TokenRows.concat([part[1].rows for part in parts]), position, errors, invalid,
+                    np.concatenate(sizes) if split else None, notes)

@@ -1,20 +1,13 @@
-"""Chat template rendering and the character spans of the assistant turns.
+"""Chat template rendering: the fastest renderer that matches apply_chat_template, per tokenizer, template and
+--chat_template_kwargs, and the shape renders that place contents without rendering prefixes.
 
-The trained character spans are found by rendering prefixes of the conversation: for assistant
-message i, `render(messages[:i], add_generation_prompt=True)` ends where its content starts, and
-`render(messages[:i+1])` ends after its end-of-turn marker. Both must be prefixes of the full
-rendering (the template is prefix-stable for this row) and the content must occur once between their
-ends; where not, the content is located by rendering the row with a marker in its place
-(`_marked_place`), else the row is rejected. Rows of a shape with a shape render (shape_render.py) know where each
-content was written. Working in
-characters (not token counts of prefixes) keeps the labels exact when BPE merges across a turn
-boundary; the label step (data/labels.py) turns the spans into labels.
+How a rendered conversation becomes training examples (which characters train) is data/chat/examples.py.
 """
 
 from __future__ import annotations
 
+import json
 import operator
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -25,7 +18,8 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing
-from open_sft.data.chat.turns import last_marker_end, middle_closing, prefix_renders, whole_turn_span
+from open_sft.data.chat.reasoning import template_reasoning_key
+from open_sft.data.chat.turn_render import TurnEnders
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -39,14 +33,16 @@ _PROBE_TOOLS = [{"type": "function", "function": {
 _RENDERERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _public_renderer(tokenizer: PreTrainedTokenizerBase) -> Renderer:
+def _public_renderer(tokenizer: PreTrainedTokenizerBase, kwargs: Optional[dict] = None) -> Renderer:
+    extra = dict(kwargs or {})
+
     def public(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             tools=tools)
+                                             tools=tools, **extra)
     return public
 
 
-def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
+def _direct_renderer(tokenizer: PreTrainedTokenizerBase, kwargs: Optional[dict] = None) -> Optional[Renderer]:
     """Render with the compiled Jinja template and a context built from a dict prepared once.
 
     apply_chat_template's per-call argument handling, and Jinja's own `Template.render` (which merges
@@ -59,14 +55,14 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
 
         compiled = _compile_jinja_template(tokenizer.chat_template)
         environment = compiled.environment
-        base = {**compiled.globals, **tokenizer.special_tokens_map, "documents": None}
+        base = {**compiled.globals, **tokenizer.special_tokens_map, "documents": None, **(kwargs or {})}
 
         def direct(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
             variables = {**base, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools}
             context = new_context(environment, compiled.name, compiled.blocks, variables, shared=True)
             return environment.concat(compiled.root_render_func(context))
 
-        public = _public_renderer(tokenizer)
+        public = _public_renderer(tokenizer, kwargs)
         for tools in (None, _PROBE_TOOLS):
             for k in range(1, len(_PROBE) + 1):
                 for generation_prompt in (False, True):
@@ -78,7 +74,7 @@ def _direct_renderer(tokenizer: PreTrainedTokenizerBase) -> Optional[Renderer]:
 
 
 @dataclass
-class _Template:
+class TemplateState:
     """What rendering a tokenizer's current template needs: the renderer, the shape renders of the shapes seen,
     and (for a template open_sft ships) how it writes contents, so rows are filled into shape renders."""
 
@@ -88,8 +84,9 @@ class _Template:
     contents: Optional[str] = None  # "as_is" / "trimmed": templates.content_writing
     markers: tuple[str, ...] = ()  # the markers `end_of_turn` remembers lengths for
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
-    closers: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict)  # turns.py
     middle_closings: dict[tuple[str, ...], str] = field(default_factory=dict)  # turns.py
+    enders: dict[tuple[str, ...], TurnEnders] = field(default_factory=dict)  # turn_render.py, per marker set
+    reasoning_key: Optional[str] = None  # the field it reads a reasoning trace from (reasoning.py)
 
 
 def _guarded(draw: Renderer) -> Renderer:
@@ -107,30 +104,58 @@ def _guarded(draw: Renderer) -> Renderer:
     return guarded
 
 
-def _state(tokenizer: PreTrainedTokenizerBase) -> _Template:
-    """The tokenizer's template state, made again when its template changes."""
-    cached = _RENDERERS.get(tokenizer)
-    if cached is None or cached.source != tokenizer.chat_template:
-        cached = _Template(tokenizer.chat_template,
-                           _guarded(_direct_renderer(tokenizer) or _public_renderer(tokenizer)))
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a source's conversations are rendered and trained, besides the template: `template_kwargs`
+    (--chat_template_kwargs, as sorted JSON: passed to every render, `enable_thinking` say) and
+    `reasoning_loss` ("train", or "mask": the reasoning text is context, not trained)."""
+
+    template_kwargs: str = "{}"
+    reasoning_loss: str = "train"
+
+    def kwargs(self) -> dict:
+        return json.loads(self.template_kwargs)
+
+
+DEFAULT_OPTIONS = ChatOptions()
+
+
+def chat_options(args) -> ChatOptions:
+    """The options of DataArguments' --chat_template_kwargs (validated up front: config.checks) and
+    --reasoning_loss."""
+    kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    return ChatOptions(json.dumps(kwargs, sort_keys=True), args.reasoning_loss)
+
+
+def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DEFAULT_OPTIONS) -> TemplateState:
+    """The tokenizer's template state for these options, made again when its template changes."""
+    by_options = _RENDERERS.get(tokenizer)
+    if by_options is None or by_options.get("source") != tokenizer.chat_template:
+        by_options = {"source": tokenizer.chat_template}
+        _RENDERERS[tokenizer] = by_options
+    cached = by_options.get(options.template_kwargs)
+    if cached is None:
+        kwargs = options.kwargs()
+        cached = TemplateState(tokenizer.chat_template, _guarded(_direct_renderer(tokenizer, kwargs)
+                                                             or _public_renderer(tokenizer, kwargs)))
         contents = content_writing(tokenizer.chat_template)
-        if contents is not None and _fill_agrees(cached, contents):
+        if contents is not None and not kwargs and _fill_agrees(cached, contents):
             cached.contents = contents
-        _RENDERERS[tokenizer] = cached
+        cached.reasoning_key = template_reasoning_key(tokenizer.chat_template)
+        by_options[options.template_kwargs] = cached
     return cached
 
 
-def renderer_for(tokenizer: PreTrainedTokenizerBase) -> Renderer:
+def renderer_for(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DEFAULT_OPTIONS) -> Renderer:
     """The fastest renderer that matches apply_chat_template, checked once per tokenizer and template."""
-    return _state(tokenizer).draw
+    return template_state(tokenizer, options).draw
 
 
 _MAX_SHAPE_RENDERS = 4096  # distinct role sequences remembered per tokenizer (a few dozen in real data)
-_MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
 _ROLE, _CONTENT = operator.itemgetter("role"), operator.itemgetter("content")
 
 
-def _shape_render(state: _Template, roles: tuple[str, ...]) -> Optional[ShapeRender]:
+def _shape_render(state: TemplateState, roles: tuple[str, ...]) -> Optional[ShapeRender]:
     if roles in state.shape_renders:
         return state.shape_renders[roles]
     shape = render_shape(state.draw, roles)
@@ -139,7 +164,7 @@ def _shape_render(state: _Template, roles: tuple[str, ...]) -> Optional[ShapeRen
     return shape
 
 
-def _text_and_ends(state: _Template, messages: Messages) -> tuple[str, Optional[dict]]:
+def text_and_ends(state: TemplateState, messages: Messages) -> tuple[str, Optional[dict]]:
     """The row's text and, when its shape render (shape_render.py) gives them, the prompt and turn ends of
     each assistant message; else None, and the row renders its prefixes (rows with tools: their
     schemas are part of the text). A template open_sft ships is not rendered at all: its shape render is
@@ -158,7 +183,7 @@ def _text_and_ends(state: _Template, messages: Messages) -> tuple[str, Optional[
     return text, shape.prefix_ends(contents, text)
 
 
-def _fill_agrees(state: _Template, contents: str) -> bool:
+def _fill_agrees(state: TemplateState, contents: str) -> bool:
     """Filling shape renders gives the renderer's text and prefix ends on the probe conversations (a guard:
     the special tokens or Jinja could make a shipped template render differently than assumed)."""
     for k in range(2, len(_PROBE) + 1):
@@ -175,9 +200,9 @@ def _fill_agrees(state: _Template, contents: str) -> bool:
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
-           tools: Optional[list] = None) -> str:
+           tools: Optional[list] = None, options: ChatOptions = DEFAULT_OPTIONS) -> str:
     """The chat template's text for `messages` (and the row's tool schemas, if any)."""
-    return renderer_for(tokenizer)(messages, add_generation_prompt, tools)
+    return renderer_for(tokenizer, options)(messages, add_generation_prompt, tools)
 
 
 def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
@@ -186,124 +211,3 @@ def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     tokens = set(tokenizer.all_special_tokens)
     tokens |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
     return tuple(sorted(tokens, key=len, reverse=True))
-
-
-def _end_of_turn_length(state: _Template, suffix: str, markers: tuple[str, ...]) -> int:
-    """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
-    everything up to and including the last special-token marker, nothing after it. Remembered per
-    template state (keyed by the suffix alone while the markers are the same object: hashing Llama 3's
-    256 markers for every row would cost more than the lookup saves); a few suffixes recur in every row."""
-    if state.markers is not markers:
-        state.markers, state.end_of_turn = markers, {}
-    end = state.end_of_turn.get(suffix)
-    if end is None:
-        end = last_marker_end(suffix, markers)
-        if len(state.end_of_turn) < _MAX_SUFFIXES:
-            state.end_of_turn[suffix] = end
-    return end
-
-
-_MARK = "\x00assistant content\x00"  # a string no template writes by itself
-
-
-def _marked_place(state: _Template, messages: Messages, tools: Optional[list], text: str, i: int,
-                  markers: tuple[str, ...]) -> Optional[tuple[int, int, int]]:
-    """Where what the template writes of assistant message i's content, stripped, starts and ends in
-    `text`, and where the text its turn closes with ends; for rows the prefix renderings cannot place (a
-    template that is not prefix-stable, one writing the system prompt into the last user turn, say; a
-    content that also occurs in the text the template writes before it). Its place: the row rendered
-    with that content replaced by a marker must be `text` with, in the marker's place, the content (as
-    is, or stripped) or only its end (templates that keep only the answer after a `</think>`). Its
-    closing: what the template writes after the content when it is the last message, as far as `text`
-    has the same there (Phi-3 closes only the final turn with eos after <|end|>), or else when another
-    message follows (OLMo's template: <|im_end|> there, eos at the end). None when the template reads
-    the content otherwise."""
-    marked = [dict(m, content=_MARK) if k == i else m for k, m in enumerate(messages)]
-    before, *after = state.draw(marked, False, tools).split(_MARK)
-    if len(after) != 1 or not (text.startswith(before) and text.endswith(after[0])) \
-            or len(before) + len(after[0]) > len(text):
-        return None
-    inserted_end = len(text) - len(after[0])
-    inserted = text[len(before): inserted_end]
-    content = messages[i]["content"]
-    if not (inserted in (content, content.strip()) or (inserted.strip() and content.strip().endswith(inserted.strip()))):
-        return None
-    _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
-    if len(closing) != 1:
-        return None
-    closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
-    if not last_marker_end(closed, markers):  # a turn the template closes differently when another follows
-        middle = middle_closing(state, markers)
-        if middle and text.startswith(middle, inserted_end):
-            closed = middle
-    start = len(before) + len(inserted) - len(inserted.lstrip())
-    return start, start + len(inserted.strip()), inserted_end + len(closed)
-
-
-def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], text: str, i: int
-                  ) -> Optional[tuple[int, int, int]]:
-    """Where assistant message i's content, stripped, starts and ends in `text`, and where its turn ends:
-    from the renderings of the messages before it (with the generation prompt) and through it, which
-    must be prefixes of `text`, when the content occurs just once between their ends. None otherwise (a
-    first message has no prefix to render: apply_chat_template refuses an empty conversation)."""
-    prompt, through = prefix_renders(draw, messages, tools, text, i)
-    if prompt is None or not (text.startswith(prompt) and text.startswith(through)):
-        return None
-    content = messages[i]["content"].strip()
-    start = text.find(content, len(prompt), len(through))
-    if start < 0 or text.find(content, start + 1, len(through)) >= 0:
-        return None
-    return start, start + len(content), len(through)
-
-
-def trained_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...]
-) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the [start, end) character spans that carry a loss. The row's tools
-    (if any) are rendered in every prefix too, so the prefixes stay prefixes of the full text. A
-    template that fails on the row makes it a bad row (`_guarded`), reported with its place or dropped."""
-    state = _state(tokenizer)
-    draw, tools = state.draw, getattr(messages, "tools", None)
-    text, known_ends = _text_and_ends(state, messages)
-    if train_on == "all":
-        return text, [(0, len(text))]
-    if known_ends is not None:  # its keys: the assistant messages, in order
-        assistant_indices = list(known_ends)
-    else:
-        assistant_indices = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    assistant_indices = [i for i in assistant_indices if i >= getattr(messages, "first_trained", 0)]
-    if train_on == "last_assistant":
-        assistant_indices = assistant_indices[-1:]
-    spans = []
-    for i in assistant_indices:
-        if len(messages[i]) > 2:  # tool calls, a reasoning trace: all the turn writes is trained
-            spans.append(whole_turn_span(state, messages, tools, text, i, markers))
-            continue
-        content = messages[i]["content"].strip()
-        if known_ends is not None:  # the shape render knows where the content was written (as is, or stripped)
-            _, written_at, through_length = known_ends[i]
-            raw = messages[i]["content"]
-            start = written_at + (len(raw) - len(raw.lstrip()) if text.startswith(raw, written_at) else 0)
-            content_end = start + len(content)
-        else:
-            place = _prefix_place(draw, messages, tools, text, i) or _marked_place(state, messages, tools, text, i, markers)
-            if place is None:
-                raise RowError(
-                    f"message {i + 1} (assistant): the chat template is not prefix-stable for this conversation "
-                    "(or writes this content more than once) and its rendering changes with the assistant's "
-                    "content, so the turn cannot be located; choose another template")
-            start, content_end, through_length = place
-        spans.append((start, content_end + _end_of_turn_length(state, text[content_end:through_length], markers)))
-    return text, _joined(spans)
-
-
-def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Spans that touch made one (assistant_message_only writes the turns back to back): one run of
-    trained tokens, which a token holding the end of one and the start of the next may straddle."""
-    out: list[tuple[int, int]] = []
-    for start, end in spans:
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(end, out[-1][1]))
-        else:
-            out.append((start, end))
-    return out

@@ -75,7 +75,13 @@ BUILTIN_TEMPLATES = {
     "chatml": BuiltinTemplate(CHATML, CHATML_TOKENS, "as_is"),
     "llama3": BuiltinTemplate(LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "trimmed"),
 }
+_BUILTIN_SOURCES = {t.source for t in BUILTIN_TEMPLATES.values()} | {EMBEDDED}
 _CONTENT_WRITING = {**{t.source: t.contents for t in BUILTIN_TEMPLATES.values() if t.contents}, EMBEDDED: "as_is"}
+
+
+def is_builtin_template(template: Optional[str]) -> bool:
+    """Whether the template is one open_sft ships (open-instruct's names, chatml, llama3, the embedded model's)."""
+    return isinstance(template, str) and template in _BUILTIN_SOURCES
 
 
 def content_writing(template: Optional[str]) -> Optional[str]:
@@ -114,6 +120,33 @@ def chat_template_problems(name: Optional[str], path: Optional[str]) -> list[str
     if name is not None and name not in BUILTIN_TEMPLATES:
         return [f"--chat_template_name {name!r} is not a built-in template; choose one of "
                 f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path"]
+    return []
+
+
+# apply_chat_template's own arguments, and what every render is given: not template variables to set
+_RESERVED_KWARGS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                    "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask", "padding",
+                    "truncation", "max_length", "return_tensors", "tokenizer_kwargs"}
+
+
+def template_kwargs_problems(value: Optional[str]) -> list[str]:
+    """What is wrong with --chat_template_kwargs (a JSON object of template variables)."""
+    if value is None:
+        return []
+    import json
+
+    try:
+        kwargs = json.loads(value)
+    except ValueError as exc:
+        return [f"--chat_template_kwargs {value!r} is not JSON ({exc}); give an object such as "
+                "'{\"enable_thinking\": false}'"]
+    if not isinstance(kwargs, dict):
+        return [f"--chat_template_kwargs {value!r}: give a JSON object of template variables, such as "
+                "'{\"enable_thinking\": false}'"]
+    reserved = sorted(set(kwargs) & _RESERVED_KWARGS)
+    if reserved:
+        return [f"--chat_template_kwargs sets {', '.join(reserved)}, which open_sft passes itself (the row's "
+                "messages and tools, the generation prompt); remove them"]
     return []
 
 

@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from open_sft.data.byte_level import byte_table, label_byte_level
-from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.chat.examples import trained_spans
+from open_sft.data.chat.render import special_markers
 from open_sft.data.labels import _label_by_offsets, encode_batch, label_batch, label_tokens
 
 

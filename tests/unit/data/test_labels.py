@@ -8,7 +8,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from open_sft.data.formats import RowError
-from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.chat.examples import row_examples, trained_spans
+from open_sft.data.chat.render import special_markers
 from open_sft.data.labels import (IGNORE_INDEX, Example, count_trained, label_and_check, label_tokens,
                                    tokenize_conversations, trained_token_runs, truncate_example)
 
@@ -219,14 +220,14 @@ def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -
          {"role": "user", "content": "<|assistant|>\n"}, {"role": "assistant", "content": "\n<|user|>\nno\n"}],
     ]
     markers = special_markers(tokenizer)
-    state = render_module._state(tokenizer)
+    state = render_module.template_state(tokenizer)
     assert (state.contents is not None) == (template != "reading")  # shipped templates are filled, not rendered
-    text_and_ends = render_module._text_and_ends
+    text_and_ends = render_module.text_and_ends
     used = []
-    monkeypatch.setattr(render_module, "_text_and_ends", lambda *a: used.append(text_and_ends(*a)) or used[-1])
+    monkeypatch.setattr(render_module, "text_and_ends", lambda *a: used.append(text_and_ends(*a)) or used[-1])
     def spans(row, train_on):
         try:
-            return trained_spans(tokenizer, row, train_on, markers)
+            return row_examples(tokenizer, row, train_on, markers).examples
         except RowError as error:
             return f"rejected: {error}"
 
@@ -237,14 +238,15 @@ def test_layout_spans_equal_prefix_rendering(tokenizer, template, monkeypatch) -
         with monkeypatch.context() as patch:
             patch.setattr(state, "contents", None)  # render with Jinja, check against the layout
             rendered = [spans(r, train_on) for r in rows]
-            patch.setattr(render_module, "_text_and_ends", lambda state, m: (state.draw(m, False, None), None))
+            patch.setattr(render_module, "text_and_ends", lambda state, m: (state.draw(m, False, None), None))
             slow = [spans(r, train_on) for r in rows]
         assert fast == rendered == slow
-        # The reading template writes a content naming "tool" twice: which one is the answer cannot be told
-        # (the first could be text the template writes before it), so such a row is rejected, not guessed.
-        rejected = [isinstance(result, str) and "writes this content more than once" in result for result in fast]
-        expected = {"all_assistant": naming_tool, "last_assistant": last_naming_tool, "all": [False] * len(rows)}
-        assert rejected == [n and template == "reading" for n in expected[train_on]]
+        # The reading template writes a content naming "tool" twice: the turn is all it writes (what the model
+        # generates), so no row is rejected
+        assert not any(isinstance(result, str) for result in fast)
+        if template == "reading" and train_on != "all":
+            assert all(text[a:b].count("tool") >= 2 for r, result, named in zip(rows, fast, naming_tool) if named
+                       for text, trained in result[-1:] for a, b in trained[-1:] if "tool" in r[-1]["content"])
     draw = state.draw
     for row in rows:  # the text is the template's, and the ends are the prefix renderings' lengths
         text, ends = text_and_ends(state, row)
@@ -276,13 +278,12 @@ SYSTEM_IN_LAST_USER_TURN = (
 )
 
 
-def test_a_template_that_is_not_prefix_stable_falls_back_to_locating_the_turns(tokenizer) -> None:
-    """Multi-turn rows with a system prompt under a template that moves it into the last user turn:
-    each assistant content is located by rendering the row with a marker in its place, and exactly the
-    contents and their end of turn are trained (labels checked by decoding). A template that also
-    changes with the assistant's content cannot be located: the row is rejected with the reason."""
-    from open_sft.data.formats import RowError
-
+def test_a_template_that_is_not_prefix_stable_trains_each_turn_after_its_own_context(tokenizer) -> None:
+    """Multi-turn rows with a system prompt under a template that moves it into the last user turn: when
+    turn k is generated, the system prompt sits before the user message it answers, so each assistant turn
+    makes its own example, its context exactly the template's rendering of the messages before it with the
+    generation prompt (labels checked by decoding). Under open-instruct's templates (for parity) and where the
+    one rendering serves every turn (rows[1]), a row stays one example."""
     tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
     tokenizer.chat_template = SYSTEM_IN_LAST_USER_TURN
     rows = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse cat."},
@@ -293,18 +294,22 @@ def test_a_template_that_is_not_prefix_stable_falls_back_to_locating_the_turns(t
     markers = special_markers(tokenizer)
     text = tokenizer.apply_chat_template(rows[0], tokenize=False)
     assert not text.startswith(tokenizer.apply_chat_template(rows[0][:3], tokenize=False))  # not prefix-stable
-    examples, right = label_and_check(tokenizer, [trained_spans(tokenizer, r, "all_assistant", markers) for r in rows])
+    rendered = [row_examples(tokenizer, r, "all_assistant", markers).examples for r in rows]
+    assert [len(r) for r in rendered] == [3, 1]
+    examples, right = label_and_check(tokenizer, rendered[0] + rendered[1])
     eos = tokenizer.eos_token
-    assert right == [True, True]
-    # (the content's trailing newline lies between it and its end of turn: trained with it, as on any template)
-    assert [run.strip() for run in trained_runs(tokenizer, examples[0])] == ["tac" + eos, "TAC\n" + eos,
-                                                                           "TACTAC" + eos]
-    assert [run.strip() for run in trained_runs(tokenizer, examples[1])] == ["tac" + eos, "TAC" + eos]
-    untrained = tokenizer.decode([t for t, l in zip(examples[0].input_ids, examples[0].labels) if l == IGNORE_INDEX])
-    assert "Be brief." in untrained and "Uppercase it." in untrained and "TAC" not in untrained
+    assert right == [True] * 4
+    for k, (example, (example_text, _)) in enumerate(zip(examples[:3], rendered[0])):
+        answer = 2 * k + 2
+        assert example_text == tokenizer.apply_chat_template(rows[0][: answer + 1], tokenize=False)
+        context = tokenizer.apply_chat_template(rows[0][:answer], tokenize=False, add_generation_prompt=True)
+        assert example_text.startswith(context)
+        assert [run.strip() for run in trained_runs(tokenizer, example)][-1] == (rows[0][answer]["content"] + eos).strip()
+    assert [run.strip() for run in trained_runs(tokenizer, examples[3])] == ["tac" + eos, "TAC" + eos]
 
     tokenizer.chat_template = SYSTEM_IN_LAST_USER_TURN.replace(  # writes more after short answers
         "{{- ' ' + m['content'] + eos_token }}",
         "{{- ' ' + m['content'] + (' (short)' if m['content'] | length < 4 else '') + eos_token }}")
-    with pytest.raises(RowError, match="not prefix-stable .* changes with the assistant's content"):
-        trained_spans(tokenizer, rows[0], "all_assistant", markers)
+    runs = [trained_runs(tokenizer, e)[-1].strip() for e in
+            label_and_check(tokenizer, row_examples(tokenizer, rows[0], "all_assistant", markers).examples)[0]]
+    assert runs == ["tac (short)" + eos, "TAC\n" + eos, "TACTAC" + eos]

@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import Conversation, RowError
 from open_sft.data.pipeline import build_examples
-from open_sft.data.chat.render import special_markers, trained_spans
+from open_sft.data.chat.examples import row_examples, trained_spans
+from open_sft.data.chat.render import special_markers
 from open_sft.data.labels import IGNORE_INDEX, label_and_check, trained_token_runs
 from open_sft.errors import UserError
 
@@ -48,13 +49,20 @@ def tokenizer(tiny_model_dir):
 
 
 def trained(tokenizer, rows: list, train_on: str = "all_assistant") -> list[list[str]]:
-    """Per row, its decoded runs of trained tokens; the rows' labels must pass open_sft's own check."""
+    """Per row, the decoded runs of trained tokens of its examples, in order; the labels must pass open_sft's
+    own check."""
     markers = special_markers(tokenizer)
-    examples, right = label_and_check(tokenizer, [trained_spans(tokenizer, r, train_on, markers) for r in rows])
+    rendered = [row_examples(tokenizer, r, train_on, markers).examples for r in rows]
+    examples, right = label_and_check(tokenizer, [example for row in rendered for example in row])
     assert all(right)
     for example in examples:
         assert all(label in (IGNORE_INDEX, token) for token, label in zip(example.input_ids, example.labels))
-    return [[tokenizer.decode(run) for run in trained_token_runs(e.input_ids, e.labels)] for e in examples]
+    runs = iter([tokenizer.decode(run) for run in trained_token_runs(e.input_ids, e.labels)] for e in examples)
+    return [[run for _ in row for run in next(runs)] for row in rendered]
+
+
+def example_count(tokenizer, row: list, train_on: str = "all_assistant") -> int:
+    return len(row_examples(tokenizer, row, train_on, special_markers(tokenizer)).examples)
 
 
 def with_tools(messages: list) -> Conversation:
@@ -71,20 +79,24 @@ def chat(*turns: str, system: str | None = None) -> list[dict]:
 
 
 @pytest.mark.parametrize("answer", ["think", "n", "k", "<think>", "4", "thinking about it"])
-def test_a_final_answer_after_an_empty_think_block_is_located_where_the_template_wrote_it(tokenizer,
+def test_an_empty_think_block_the_template_writes_before_a_final_answer_is_trained_with_it(tokenizer,
                                                                                           answer) -> None:
-    """The answer is found at its own place, not in the think block before it (a search from the end of
-    the generation prompt would find "think", "n" or "k" there and train the block)."""
+    """Qwen3's template writes an empty think block before the answer after the last user message, and none
+    before earlier answers: the model generates that block after the generation prompt, so it trains with the
+    answer, and a two-turn conversation makes two examples, each answer after the context the template gives
+    it at that point (the earlier one without the block before it in history)."""
     tokenizer.chat_template = THINK_LAST
     rows = [chat("Say it.", answer), chat("Say it.", answer, "Again.", answer)]
-    expected = [[answer + "<|im_end|>"], [answer + "<|im_end|>", answer + "<|im_end|>"]]
+    block = "<think>\n\n</think>\n\n"
+    expected = [[block + answer + "<|im_end|>"], [block + answer + "<|im_end|>", block + answer + "<|im_end|>"]]
     assert trained(tokenizer, rows) == expected  # layout path
     assert trained(tokenizer, [with_tools(r) for r in rows]) == expected  # per-row path
     assert trained(tokenizer, [with_tools(r) for r in rows], "last_assistant") == [[e[-1]] for e in expected]
-    example = label_and_check(tokenizer, [trained_spans(tokenizer, rows[0], "all_assistant",
-                                                        special_markers(tokenizer))])[0][0]
-    untrained = tokenizer.decode([t for t, label in zip(example.input_ids, example.labels) if label == IGNORE_INDEX])
-    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in untrained
+    assert [example_count(tokenizer, r) for r in rows] == [1, 2]
+    (first, _), (second, _) = row_examples(tokenizer, rows[1], "all_assistant", special_markers(tokenizer)).examples
+    assert first == tokenizer.apply_chat_template(rows[1][:2], tokenize=False)
+    assert second == tokenizer.apply_chat_template(rows[1], tokenize=False)  # the first answer as in history
+    assert "<|im_start|>assistant\n" + answer + "<|im_end|>" in second
 
 
 def test_eos_written_only_after_the_final_turn(tokenizer) -> None:
@@ -111,9 +123,9 @@ def test_a_conversation_may_open_with_the_assistant(tokenizer, template, monkeyp
            {"role": "assistant", "content": "4"}]
     runs = trained(tokenizer, [row])[0]
     assert [run.startswith(content) for run, content in zip(runs, ["Hello, how can I help?", "4"])] == [True, True]
-    state = render_module._state(tokenizer)
+    state = render_module.template_state(tokenizer)
     monkeypatch.setattr(state, "draw", render_module._guarded(render_module._public_renderer(tokenizer)))
-    monkeypatch.setattr(render_module, "_text_and_ends", lambda state, m: (state.draw(m, False, None), None))
+    monkeypatch.setattr(render_module, "text_and_ends", lambda state, m: (state.draw(m, False, None), None))
     assert trained(tokenizer, [row]) == [runs]
 
 
@@ -133,14 +145,12 @@ def test_a_template_that_fails_on_a_row_makes_it_a_bad_row(tokenizer, tmp_path) 
     assert len(examples) == 2 and dict(reports[0].dropped) == {"template_error": 1}
 
 
-def test_a_content_written_twice_by_a_content_reading_template_is_rejected(tokenizer) -> None:
-    """Which of two copies is the answer cannot be told when the template reads the content: the row is
-    rejected with the reason rather than a guess trained."""
+def test_a_content_written_twice_by_a_content_reading_template_trains_all_it_writes(tokenizer) -> None:
+    """A template that reads the content and writes more for some (here, the content twice): the turn is
+    everything the template writes after the generation prompt, which is what the model will generate."""
     tokenizer.chat_template = EOS_AT_THE_END.replace("m.content + '<|end|>", "m.content + (' / ' + m.content "
                                                      "if m.content == 'twice' else '') + '<|end|>")
-    with pytest.raises(RowError, match="writes this content more than once"):
-        trained_spans(tokenizer, with_tools(chat("Say it twice.", "twice")), "all_assistant",
-                      special_markers(tokenizer))
+    assert trained(tokenizer, [with_tools(chat("Say it twice.", "twice"))]) == [[f"twice / twice<|end|>\n{tokenizer.eos_token}"]]
 
 
 # Qwen-style tool calls (and a reasoning trace) written from the message's own fields, not its content.
@@ -175,14 +185,15 @@ def test_tool_calls_are_trained_as_the_template_writes_them(tokenizer, think) ->
     messages = to_messages(CALLING_ROW, "messages")
     assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
     assert messages[2]["tool_call_id"] == "call_1"
-    assert trained(tokenizer, [messages]) == [[call_text, "It is -3 °C in Oslo.<|im_end|>"]]
+    block = "<think>\n\n</think>\n\n" if think else ""  # written before the turn after the last user message
+    # (the template's newline before a call: the model writes it too)
+    assert trained(tokenizer, [messages]) == [[block + "\n" + call_text, block + "It is -3 °C in Oslo.<|im_end|>"]]
+    assert example_count(tokenizer, messages) == (2 if think else 1)
     last_call = to_messages({"messages": CALLING_ROW["messages"][:2]}, "messages")  # a row may end with a call
-    final = ("<think>\n\n</think>\n\n\n" if think else "") + call_text  # (the template's newline before a call)
-    assert trained(tokenizer, [last_call]) == [[final]]
+    assert trained(tokenizer, [last_call]) == [[block + "\n" + call_text]]
     reasoning = to_messages({"messages": [{"role": "user", "content": "2+2?"}, {
         "role": "assistant", "content": "4", "reasoning_content": "Two and two make four."}]}, "messages")
-    assert trained(tokenizer, [reasoning]) == [[("<think>\n\n</think>\n\n" if think else "")
-                                                + "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>"]]
+    assert trained(tokenizer, [reasoning]) == [[block + "<think>\nTwo and two make four.\n</think>\n\n4<|im_end|>"]]
 
 
 def test_null_message_fields_are_left_out(tokenizer) -> None:

@@ -1,0 +1,242 @@
+"""A conversation → its training examples: texts and the [start, end) character spans that carry a loss.
+
+Every assistant turn trains as the model will generate it: after the context its template gives it at that
+point, everything the template writes for it, through the token that ends it (turn_render.py, which may make a
+conversation several examples). Most rows of role/content messages need none of that machinery: their one
+rendering serves every turn so, and the turns are located in it cheaply: for assistant message i,
+`render(messages[:i], add_generation_prompt=True)` ends where its content starts, and `render(messages[:i+1])`
+ends after its end-of-turn marker; both must be prefixes of the full rendering and the content must occur once
+between their ends (or a shape render knows where it was written, shape_render.py). Under open-instruct's
+templates such rows are located in their one rendering as open-instruct trains them, also by rendering the row
+with a marker in a content's place (`_marked_place`). Working in characters (not token counts of prefixes)
+keeps the labels exact when BPE merges across a turn boundary; the label step (data/labels.py) turns the spans
+into labels.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from transformers import PreTrainedTokenizerBase
+
+from open_sft.data.chat import render
+from open_sft.data.chat.reasoning import masked, reasoning_of, with_template_key
+from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
+from open_sft.data.chat.templates import is_builtin_template
+from open_sft.data.chat.turn_render import TurnEnders, group_turns, turn_enders
+from open_sft.data.chat.turns import call_names, last_marker_end, middle_closing, prefix_renders
+from open_sft.data.formats import Messages, RowError
+
+_MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
+
+
+def _end_of_turn_length(state: TemplateState, suffix: str, markers: tuple[str, ...]) -> int:
+    """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
+    everything up to and including the last special-token marker, nothing after it. Remembered per
+    template state (keyed by the suffix alone while the markers are the same object: hashing Llama 3's
+    256 markers for every row would cost more than the lookup saves); a few suffixes recur in every row."""
+    if state.markers is not markers:
+        state.markers, state.end_of_turn = markers, {}
+    end = state.end_of_turn.get(suffix)
+    if end is None:
+        end = last_marker_end(suffix, markers)
+        if len(state.end_of_turn) < _MAX_SUFFIXES:
+            state.end_of_turn[suffix] = end
+    return end
+
+
+_MARK = "\x00assistant content\x00"  # a string no template writes by itself
+
+
+def _marked_place(state: TemplateState, messages: Messages, tools: Optional[list], text: str, i: int,
+                  markers: tuple[str, ...]) -> Optional[tuple[int, int, int]]:
+    """Where what the template writes of assistant message i's content, stripped, starts and ends in
+    `text`, and where the text its turn closes with ends; for rows the prefix renderings cannot place (a
+    template that is not prefix-stable, one writing the system prompt into the last user turn, say; a
+    content that also occurs in the text the template writes before it). Its place: the row rendered
+    with that content replaced by a marker must be `text` with, in the marker's place, the content (as
+    is, or stripped) or only its end (templates that keep only the answer after a `</think>`). Its
+    closing: what the template writes after the content when it is the last message, as far as `text`
+    has the same there (Phi-3 closes only the final turn with eos after <|end|>), or else when another
+    message follows (OLMo's template: <|im_end|> there, eos at the end). None when the template reads
+    the content otherwise."""
+    marked = [dict(m, content=_MARK) if k == i else m for k, m in enumerate(messages)]
+    before, *after = state.draw(marked, False, tools).split(_MARK)
+    if len(after) != 1 or not (text.startswith(before) and text.endswith(after[0])) \
+            or len(before) + len(after[0]) > len(text):
+        return None
+    inserted_end = len(text) - len(after[0])
+    inserted = text[len(before): inserted_end]
+    content = messages[i]["content"]
+    if not (inserted in (content, content.strip()) or (inserted.strip() and content.strip().endswith(inserted.strip()))):
+        return None
+    _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
+    if len(closing) != 1:
+        return None
+    closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
+    if not last_marker_end(closed, markers):  # a turn the template closes differently when another follows
+        middle = middle_closing(state, markers)
+        if middle and text.startswith(middle, inserted_end):
+            closed = middle
+    start = len(before) + len(inserted) - len(inserted.lstrip())
+    return start, start + len(inserted.strip()), inserted_end + len(closed)
+
+
+def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], text: str, i: int
+                  ) -> Optional[tuple[int, int, int, int]]:
+    """Where assistant message i's generation prompt ends, where its content, stripped, starts and ends in
+    `text`, and where its turn ends: from the renderings of the messages before it (with the generation
+    prompt) and through it, which must be prefixes of `text`, when the content occurs just once between
+    their ends. None otherwise (a first message has no prefix to render: apply_chat_template refuses an
+    empty conversation)."""
+    prompt, through = prefix_renders(draw, messages, tools, text, i)
+    if prompt is None or not (text.startswith(prompt) and text.startswith(through)):
+        return None
+    content = messages[i]["content"].strip()
+    start = text.find(content, len(prompt), len(through))
+    if start < 0 or text.find(content, start + 1, len(through)) >= 0:
+        return None
+    return len(prompt), start, start + len(content), len(through)
+
+
+@dataclass(frozen=True)
+class RowRender:
+    """A conversation's training examples, each (text, [start, end) character spans that carry a loss), in
+    conversation order (one, unless its template rewrites earlier turns: turn_render.py), and whether a
+    reasoning trace of a trained turn is missing from what its template writes."""
+
+    examples: list[tuple[str, list[tuple[int, int]]]]
+    reasoning_not_rendered: bool = False
+
+
+def _trained_indices(messages: Messages, train_on: str) -> list[int]:
+    indices = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= getattr(messages, "first_trained", 0)]
+    return indices[-1:] if train_on == "last_assistant" else indices
+
+
+def _enders(state: TemplateState, tokenizer: PreTrainedTokenizerBase, markers: tuple[str, ...]) -> TurnEnders:
+    if markers not in state.enders:
+        state.enders[markers] = turn_enders(state.draw, markers, tokenizer.eos_token)
+    return state.enders[markers]
+
+
+def _one_rendering(state: TemplateState, messages: Messages, indices: list[int], markers: tuple[str, ...],
+                   text: str, known_ends: Optional[dict], faithful: bool, enders: TurnEnders = TurnEnders(())
+                   ) -> Optional[list[tuple[int, int]]]:
+    """The trained spans of a row of role/content messages read off its one rendering `text`: each content,
+    stripped, and its end of turn. `faithful`: only where that is the turn as the model generates it (the
+    generation prompt is a prefix of the text and the template writes nothing but whitespace between it and
+    the content, and closes the turn with an end-of-turn token where it has any); else None. Not faithful
+    (open-instruct's templates, for parity): a content may also be located by a marked rendering."""
+    draw, tools = state.draw, getattr(messages, "tools", None)
+    spans = []
+    for i in indices:
+        content = messages[i]["content"].strip()
+        if known_ends is not None:  # the shape render knows where the content was written (as is, or stripped)
+            prompt_end, written_at, through_length = known_ends[i]
+            raw = messages[i]["content"]
+            start = written_at + (len(raw) - len(raw.lstrip()) if text.startswith(raw, written_at) else 0)
+            content_end = start + len(content)
+        else:
+            place = _prefix_place(draw, messages, tools, text, i)
+            if place is None:  # the content occurs more than once, or the template is not prefix-stable
+                marked = _marked_place(state, messages, tools, text, i, markers)
+                prompt = draw(messages[:i], True, tools) if i and faithful else ""
+                if marked is not None and text.startswith(prompt):
+                    place = (len(prompt) if faithful else marked[0], *marked)
+            if place is None:
+                if faithful:
+                    return None
+                raise RowError(
+                    f"message {i + 1} (assistant): the chat template is not prefix-stable for this conversation "
+                    "(or writes this content more than once) and its rendering changes with the assistant's "
+                    "content, so the turn cannot be located; choose another template")
+            prompt_end, start, content_end, through_length = place
+        end = _end_of_turn_length(state, text[content_end:through_length], markers)
+        if faithful and (text[prompt_end:start].strip() or not end and enders.tokens):
+            return None
+        spans.append((start, content_end + end))
+    return spans
+
+
+def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],
+                 options: ChatOptions = DEFAULT_OPTIONS) -> RowRender:
+    """The conversation's training examples: every trained assistant turn after the context its template
+    gives it at that point, through the token that ends it (turn_render.py). A row of role/content messages
+    whose one rendering serves every turn so (most rows, under most templates) is that rendering, its turns
+    located cheaply (a shape render, or prefix renders); under open-instruct's templates such rows are
+    located in their one rendering as open-instruct trains them. The row's tools (if any) are rendered in
+    every prefix too. A template that fails on the row makes it a bad row (`_guarded`)."""
+    state = render.template_state(tokenizer, options)
+    messages = with_template_key(messages, state.reasoning_key)
+    tools = getattr(messages, "tools", None)
+    plain = tools is None and max(map(len, messages)) == 2
+    if train_on == "all" or plain:
+        text, known_ends = render.text_and_ends(state, messages)
+        if train_on == "all":
+            return RowRender([(text, [(0, len(text))])])
+        indices = _trained_indices(messages, train_on)
+        if known_ends is not None:
+            indices = [i for i in indices if i in known_ends]
+        builtin = is_builtin_template(tokenizer.chat_template)
+        spans = _one_rendering(state, messages, indices, markers, text, known_ends, faithful=not builtin,
+                               enders=_enders(state, tokenizer, markers))
+        if spans is not None:
+            return RowRender([(text, _joined(spans))])
+        try:
+            return _per_turn(state, tokenizer, messages, indices, markers, options)
+        except RowError:  # a first assistant turn, say: located in the one rendering as before
+            return RowRender([(text, _joined(_one_rendering(state, messages, indices, markers, text, known_ends,
+                                                           faithful=False)))])
+    return _per_turn(state, tokenizer, messages, _trained_indices(messages, train_on), markers, options)
+
+
+def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages, indices: list[int],
+              markers: tuple[str, ...], options: ChatOptions) -> RowRender:
+    tools = getattr(messages, "tools", None)
+    examples, turns = group_turns(state.draw, messages, tools, indices, _enders(state, tokenizer, markers))
+    unwritten = False
+    for i, turn in turns.items():
+        message = messages[i]
+        where = f"message {i + 1} (assistant, with {'tool calls' if message.get('tool_calls') else 'more than a content'})"
+        missing = [name for name in call_names(message) if name not in turn.target]
+        if missing:
+            raise RowError(f"{where}: the chat template does not write its tool calls ({', '.join(missing)}); use a "
+                           "template that renders tool_calls (the model's own, or --chat_template_path FILE)",
+                           "tool_calls_not_rendered")
+        if not turn.target.strip():
+            raise RowError(f"message {i + 1} (assistant): the chat template writes nothing for this turn; choose "
+                           "another template")
+        reasoning = reasoning_of(message)
+        unwritten |= bool(reasoning) and reasoning.strip() not in turn.target
+    out = []
+    for example in examples:
+        spans: list[tuple[int, int]] = []
+        for i, span in example.turns:
+            spans += masked(span, example.text, reasoning_of(messages[i])) if options.reasoning_loss == "mask" \
+                else [span]
+        out.append((example.text, _joined(spans)))
+    return RowRender(out, unwritten)
+
+
+def trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],
+                  options: ChatOptions = DEFAULT_OPTIONS) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and its trained spans, for a row that makes one example (row_examples)."""
+    rendered = row_examples(tokenizer, messages, train_on, markers, options)
+    if len(rendered.examples) != 1:
+        raise ValueError(f"this conversation makes {len(rendered.examples)} examples; use row_examples")
+    return rendered.examples[0]
+
+
+def _joined(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Spans that touch made one (assistant_message_only writes the turns back to back): one run of
+    trained tokens, which a token holding the end of one and the start of the next may straddle."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out

@@ -1,0 +1,235 @@
+"""Every assistant turn trained as the model will generate it, under any chat template.
+
+For assistant turn i the context is what the template renders for the messages before it with the
+generation prompt (`prompt_i`), and the trained text is what the template writes for turn i after that
+context (`draw(messages[:i+1])` past `prompt_i`) through the token that ends the turn. One rendering of
+the whole conversation serves every turn only when the template never rewrites what it wrote: Qwen3's and
+GLM-4.5's drop the reasoning of turns before the last user message, gpt-oss's drops the analysis of a
+tool call once a final answer follows and writes `<|end|>` in history where the model generated
+`<|return|>`. So a conversation becomes as few examples as needed (`group_turns`): the latest turn not yet
+trained gives an example, the text through that turn as the template writes it last; every earlier turn
+whose context and whole turn that text carries exactly, followed by its end-of-turn token, trains there
+too; the rest go to the next example, made the same way.
+
+The end of a turn is what the template writes to end it (`TurnEnders`): an end-of-turn token
+(`<|im_end|>`, `<|eot_id|>`), a token that ends a tool-call turn (`<|call|>`), or, where a template
+writes none (GLM's), the tag of the turn that follows (`<|user|>`, `<|observation|>`), which is what the
+model generates to stop. Which special tokens play that part is read off the template by rendering a
+few probe conversations (`turn_enders`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from open_sft.data.formats import Messages, RowError
+
+Draw = Callable[[Messages, bool, Optional[list]], str]
+_XML_TAG = re.compile(r"</?[A-Za-z_][\w-]*>")  # <think>, </tool_call>: text a turn writes, not its end
+_PROBE_USER = {"role": "user", "content": "Hi"}
+_PROBE_ANSWER = {"role": "assistant", "content": "Hello there"}
+_PROBE_NEXT = {"role": "user", "content": "Bye now"}
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+_PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "probe_add", "arguments": {"a": 17, "b": 25}}}]}
+_PROBE_RESULT = {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "probe_add"}
+
+
+@dataclass(frozen=True)
+class TurnEnders:
+    """The special tokens that end an assistant turn under a template, longest first (empty: the template
+    writes none that this could find, as plain-text templates such as `simple_chat`)."""
+
+    tokens: tuple[str, ...]
+    # what the template writes first after a turn that it closes with no end-of-turn token (GLM's): when a
+    # user message follows (also what a final answer stops with), and when a tool's result follows a call
+    after_answer: str = ""
+    after_call: str = ""
+
+    def last_end(self, text: str) -> int:
+        """Where the last end-of-turn token in `text` ends (0: none)."""
+        return max((text.rfind(token) + len(token) for token in self.tokens if token in text), default=0)
+
+    def leading(self, text: str, at: int) -> int:
+        """The end of the end-of-turn token that `text` has at `at`, after whitespace; 0 if none."""
+        start = at + len(text[at:]) - len(text[at:].lstrip())
+        for token in self.tokens:
+            if text.startswith(token, start):
+                return start + len(token)
+        return 0
+
+    def stripped(self, text: str) -> str:
+        """`text` without the end-of-turn tokens and whitespace it ends with."""
+        while True:
+            before = text
+            text = text.rstrip()
+            for token in self.tokens:
+                if text.endswith(token):
+                    text = text[: -len(token)]
+                    break
+            if text == before:
+                return text
+
+
+def _candidates(markers: tuple[str, ...], eos: Optional[str]) -> tuple[str, ...]:
+    """Special tokens that may end a turn: not the XML-like tags of what a turn writes (a tokenizer may
+    mark `<think>` or `</tool_call>` special), eos always."""
+    return tuple(m for m in markers if m == eos or not _XML_TAG.fullmatch(m))
+
+
+def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:
+    found = [(text.find(token), -len(token), token) for token in tokens if token in text]
+    return min(found)[2] if found else None
+
+
+def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str]) -> TurnEnders:
+    """The tokens this template ends assistant turns with, from probe conversations: those it writes after
+    an answer that is the last message; the first it writes after an answer that a user message follows,
+    and after a tool call (the last message, or before the tool's result). A probe the template refuses
+    (a template without tool calls) tells nothing."""
+    candidates = _candidates(markers, eos)
+    found: list[str] = [eos] if eos else []
+    follows = {}
+
+    def add(token: Optional[str]) -> None:
+        if token and token not in found:
+            found.append(token)
+
+    for kind, last, followed, after in (
+            ("answer", [_PROBE_USER, _PROBE_ANSWER], [_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], None),
+            ("call", [_PROBE_USER, _PROBE_CALL], [_PROBE_USER, _PROBE_CALL, _PROBE_RESULT], _PROBE_TOOLS)):
+        try:
+            alone, then = draw(last, False, after), draw(followed, False, after)
+        except Exception:  # noqa: BLE001 (a template without that kind of turn)
+            continue
+        anchor = "Hello there" if kind == "answer" else "25"
+        written = alone.rfind(anchor)
+        if written < 0:
+            continue
+        written += len(anchor)
+        closing = [token for token in candidates if token in alone[written:]]
+        for token in closing:  # what it closes the turn with as the last message
+            add(token)
+        if then.startswith(alone[:written]):  # what it closes it with (or opens next) when another follows
+            first = _first(then[written:], candidates)
+            add(first)
+            if first and not closing:
+                follows[kind] = first
+    return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""))
+
+
+def _common_prefix(a: str, b: str) -> str:
+    return os.path.commonprefix([a, b])
+
+
+@dataclass
+class Turn:
+    """Assistant message `index` rendered as the last message: its context (`prompt`), what the template
+    writes for it after that context (`target`), and where in `target` the turn ends (0: no end-of-turn
+    token written; `core` is `target` without its closing tokens)."""
+
+    index: int
+    prompt: str
+    target: str
+    end: int
+    core: str
+
+
+def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> Turn:
+    where = f"message {i + 1} (assistant)"
+    if i == 0:
+        raise RowError(f"{where}: the conversation opens with this assistant turn, which has no context to "
+                       "render; start the row with the user (or system) message it answers", "no_context")
+    prompt, through = draw(messages[:i], True, tools), draw(messages[: i + 1], False, tools)
+    if through.startswith(prompt):
+        target = through[len(prompt):]
+    else:
+        prompt, target = _turn_after_rewritten_history(prompt, through, draw(messages[:i], False, tools))
+        if target is None:
+            raise RowError(f"{where}: what the template writes for this turn does not follow the generation "
+                           "prompt it renders for the messages before it, so the turn cannot be located; choose "
+                           "another template")
+    end = enders.last_end(target)
+    core = enders.stripped(target[:end]) if end else target.rstrip()
+    return Turn(i, prompt, target, end, core)
+
+
+def _turn_after_rewritten_history(prompt: str, through: str, bare: str) -> tuple[str, Optional[str]]:
+    """The context and what the template writes for a turn whose rendering as the last message is not its
+    generation prompt's continuation; (prompt, None) where it cannot be told.
+
+    - A generation prompt that opens more than the turn writes (a thinker's "<think>", which the turn writes
+      from its content): the context is as much of the prompt as the turn's rendering shares.
+    - A template that rewrites earlier turns once this one follows them (gpt-oss drops the analysis of a tool
+      call once a final answer follows): the turn is what follows, in `through`, the end of the messages
+      before it (the longest end of their rendering that `through` has) and the generation prompt."""
+    if not prompt.startswith(bare):
+        return prompt, None
+    opening = prompt[len(bare):]
+    if through.startswith(bare):
+        shared = os.path.commonprefix([prompt, through])
+        return shared, through[len(shared):]
+    low, high = 0, len(bare)  # the longest end of `bare` that occurs in `through` (shorter ends occur too)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if through.find(bare[len(bare) - middle:]) >= 0:
+            low = middle
+        else:
+            high = middle - 1
+    if low == 0 or not opening:
+        return prompt, None
+    at = through.rfind(bare[len(bare) - low:]) + low
+    return prompt, (through[at + len(opening):] if through.startswith(opening, at) else None)
+
+
+def _follow_tag(messages: Messages, turn: Turn, enders: TurnEnders) -> str:
+    """For a template that writes no end-of-turn token (GLM's): the tag of the turn after this one, which the
+    model generates to stop: a tool result's after a call, else a user's ("" when the probes found none)."""
+    following = messages[turn.index + 1]["role"] if turn.index + 1 < len(messages) else "user"
+    return enders.after_call if following == "tool" and enders.after_call else enders.after_answer
+
+
+@dataclass(frozen=True)
+class TurnExample:
+    """One example of a conversation: its text and the assistant turns it trains, each as
+    (message index, [start, end) of the turn's text in it)."""
+
+    text: str
+    turns: tuple[tuple[int, tuple[int, int]], ...]
+
+
+def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: list[int],
+                enders: TurnEnders) -> tuple[list[TurnExample], dict[int, Turn]]:
+    """The conversation's examples (in conversation order) training the assistant turns `indices`, each turn
+    in exactly one, after the context the template gives it, and each turn's rendering as the last message."""
+    turns = {i: render_turn(draw, messages, tools, i, enders) for i in indices}
+    examples: list[TurnExample] = []
+    left = sorted(indices)
+    while left:
+        last = turns[left.pop()]
+        text = last.prompt + last.target
+        end = len(last.prompt) + last.end
+        if not last.end and enders.tokens:
+            tag = _follow_tag(messages, last, enders)
+            text = last.prompt + last.core + tag
+            end = len(text) if tag else len(last.prompt) + len(last.core)
+        trained = [(last.index, (len(last.prompt), end))]
+        for i in reversed(left[:]):
+            turn = turns[i]
+            start = len(turn.prompt)
+            if not text.startswith(turn.prompt) or not text.startswith(turn.core, start):
+                continue
+            core_end = start + len(turn.core)
+            closed = enders.leading(text, core_end) if enders.tokens else core_end
+            if not closed:
+                continue
+            trained.append((i, (start, closed)))
+            left.remove(i)
+        examples.append(TurnExample(text, tuple(sorted(trained))))
+    return examples[::-1], turns
