@@ -139,7 +139,7 @@ def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[l
     for i, error in labelled.errors:
         sink.reject(i, error)
     position, sizes = labelled.position, labelled.sizes
-    report.reasoning_not_rendered += labelled.notes["reasoning_not_rendered"]
+    report.add_notes(labelled.notes, labelled.flagged, sink.where)
     if picked is None:  # by tokens: as the rows will be kept (cut to --max_seq_length, or dropped)
         rows = labelled.rows
         lengths = fitted_lengths(rows.lengths(), rows.trained_counts(args.max_seq_length), args.max_seq_length,
@@ -231,7 +231,8 @@ def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], n
         keep = set(picked)
     renumbered = Labelled(labelled.rows, {row_of[i]: p for i, p in labelled.position.items()},
                           [(row_of[i], e) for i, e in labelled.errors if keep is None or row_of[i] in keep], [],
-                          labelled.sizes, labelled.notes)
+                          labelled.sizes, labelled.notes,
+                          {note: [row_of[i] for i in rows if i in row_of] for note, rows in labelled.flagged.items()})
     return _chat_rows(spec, args, renumbered, picked, sink, report, seed)
 
 

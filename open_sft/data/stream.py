@@ -151,8 +151,8 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
             picked = select(range(n), None)
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
-    spilled, errors, invalid, notes = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
-    report.reasoning_not_rendered += notes.get("reasoning_not_rendered", 0)
+    spilled, errors, invalid, notes, flagged = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
+    report.add_notes(notes, flagged, lambda row: f"{spec.name} row {row + 1}")
     # The row numbering the in-memory build selects in: rows are the lines that parse (all of them, mostly: then
     # no array maps one to the other). Arrays of a number per row are made only where needed and let go early:
     # at 10 M rows each costs 80 MB.
@@ -217,7 +217,7 @@ def _distinct(rows: np.ndarray, n: int) -> int:
 
 
 def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, tmp: Path, n: int,
-                  picked: Optional[np.ndarray]) -> tuple[Any, list, list, dict]:
+                  picked: Optional[np.ndarray]) -> tuple[Any, list, list, Counter, dict]:
     """Every chunk converted, rendered, labelled (only the `picked` rows, when given) and spilled; the rows that
     failed (row index, RowError) to render or label, and those that did not parse or convert. Under
     --on_bad_row error the first bad row stops it."""
@@ -226,11 +226,13 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         wanted[picked] = True
     convert = functools.partial(_convert_line, fmt=fmt) if reader.lines else functools.partial(to_messages, fmt=fmt)
     spill = Spill(tmp, "chat", tag=reader.chunking())
-    errors, invalid, counts = [], [], Counter()
+    errors, invalid, counts, flagged = [], [], Counter(), {}
     for note in spill.notes():  # a resumed build's rows that failed
         errors += [(row, RowError(message, reason)) for row, message, reason in note["errors"]]
         invalid += [(row, RowError(message, reason)) for row, message, reason in note["invalid"]]
         counts.update(note.get("counts", {}))
+        for name, rows in note.get("flagged", {}).items():
+            flagged.setdefault(name, rows)
     progress = Progress(spec.name, n, spill.rows)
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
@@ -244,10 +246,12 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         spill.append(np.repeat(done[:, 0], labelled.group_sizes()[done[:, 1]]),
                      labelled.rows.take(expand_groups(done[:, 1], labelled.sizes)), args.max_seq_length)
         spill.commit(start + len(items), {"errors": _dumped(labelled.errors), "invalid": _dumped(labelled.invalid),
-                                          "counts": dict(labelled.notes)})
+                                          "counts": dict(labelled.notes), "flagged": labelled.flagged})
         errors += labelled.errors
         invalid += labelled.invalid
         counts += labelled.notes
+        for name, rows in labelled.flagged.items():
+            flagged.setdefault(name, rows)
         progress.update(len(items), int(labelled.rows.bounds[-1]))
         del labelled, items
         # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
@@ -256,7 +260,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         gc.collect(1)
     progress.done()
     _release_heap()
-    return spill.close(), errors, invalid, counts
+    return spill.close(), errors, invalid, counts, flagged
 
 
 def _release_heap() -> None:

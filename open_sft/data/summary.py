@@ -5,13 +5,25 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+import logging
 from typing import Any
 
 import numpy as np
 
 from open_sft.data.labels import IGNORE_INDEX
 
+logger = logging.getLogger(__name__)
 BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
+
+
+_NOTES = {
+    "reasoning_not_rendered": "carry reasoning (reasoning_content, thinking or reasoning) that the chat template "
+                              "does not write, so it is not trained; choose a template that writes it (the model's "
+                              "own, or --chat_template_path FILE)",
+    "generation_tags_disagree": "are labelled otherwise than the chat template's {% generation %} tags mark (the "
+                                "labels are each assistant turn as the template writes it after its generation "
+                                "prompt; check the tags, or the template)",
+}
 
 
 @dataclass
@@ -32,6 +44,7 @@ class SourceReport:
     rows_split: int = 0
     split_extra_tokens: int = 0
     reasoning_not_rendered: int = 0  # rows whose reasoning the template does not write (chat/reasoning.py)
+    generation_tags_disagree: int = 0  # rows whose labels are not what the template's {% generation %} marks
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,7 +54,16 @@ class SourceReport:
             "examples": self.examples, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
             "upsample_factor": self.upsample_factor, "rows_split": self.rows_split,
             "split_extra_tokens": self.split_extra_tokens, "reasoning_not_rendered": self.reasoning_not_rendered,
+            "generation_tags_disagree": self.generation_tags_disagree,
         }
+
+    def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:
+        """Count the rows the render step noted, and warn once for each kind, naming the first rows."""
+        for note, what in _NOTES.items():
+            if notes.get(note):
+                setattr(self, note, getattr(self, note) + notes[note])
+                rows = "; ".join(where(row) for row in flagged.get(note, []))
+                logger.warning("%s: %d row(s) %s (first: %s)", self.name, notes[note], what, rows)
 
 
 def length_percentiles(lengths: Any) -> dict[str, int]:

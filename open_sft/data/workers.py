@@ -69,6 +69,7 @@ class Labelled:
     invalid: list[tuple[int, RowError]]  # in row-index order
     sizes: Optional[np.ndarray] = None  # None: one example a row
     notes: Counter = field(default_factory=Counter)
+    flagged: dict[str, list[int]] = field(default_factory=dict)  # note → the first rows it counts (row indices)
 
     def group_sizes(self) -> np.ndarray:
         return np.ones(len(self.rows), dtype=np.int64) if self.sizes is None else self.sizes
@@ -82,7 +83,7 @@ class Labelled:
                         {**self.position, **{i: offset + p for i, p in other.position.items()}},
                         sorted(self.errors + other.errors, key=lambda error: error[0]),
                         sorted(self.invalid + other.invalid, key=lambda error: error[0]),
-                        sizes, self.notes + other.notes)
+                        sizes, self.notes + other.notes, _first_flagged(self.flagged, other.flagged))
 
 
 def _label_mismatch() -> RowError:
@@ -115,6 +116,7 @@ class _Rendered:
     errors: list[tuple[int, RowError]]
     invalid: list[tuple[int, RowError]]
     notes: Counter = field(default_factory=Counter)
+    flagged: list[tuple[str, int]] = field(default_factory=list)  # (note, row index) of the rows counted in notes
 
 
 def _render(bounds: tuple[int, int]) -> _Rendered:
@@ -141,8 +143,10 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
         done.texts_and_spans += rendered.examples
         done.indices.append(i)
         done.counts.append(len(rendered.examples))
-        if rendered.reasoning_not_rendered:
-            done.notes["reasoning_not_rendered"] += 1
+        for note in ("reasoning_not_rendered", "generation_tags_disagree"):
+            if getattr(rendered, note):
+                done.notes[note] += 1
+                done.flagged.append((note, i))
     return done
 
 
@@ -241,13 +245,15 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
 def _collected(parts: list[_Part]) -> Labelled:
     """The chunks' parts as one Labelled: a row whose examples do not all pass the label check is an error."""
     position: dict[int, int] = {}
-    errors, invalid, notes, offset = [], [], Counter(), 0
+    errors, invalid, notes, offset, flagged = [], [], Counter(), 0, {}
     split = any(count != 1 for rendered, _ in parts for count in rendered.counts)
     sizes = []
     for rendered, batch in parts:
         errors += rendered.errors
         invalid += rendered.invalid
         notes += rendered.notes
+        for note, row in rendered.flagged:
+            flagged = _first_flagged(flagged, {note: [row]})
         indices = np.asarray(rendered.indices, dtype=np.int64)
         counts = np.asarray(rendered.counts, dtype=np.int64)
         firsts = np.cumsum(counts) - counts
@@ -264,4 +270,11 @@ def _collected(parts: list[_Part]) -> Labelled:
         offset += len(batch.right)
     errors.sort(key=lambda error: error[0])
     return Labelled(TokenRows.concat([part[1].rows for part in parts]), position, errors, invalid,
-                    np.concatenate(sizes) if split else None, notes)
+                    np.concatenate(sizes) if split else None, notes, flagged)
+
+
+_FLAGGED_SHOWN = 3  # rows named per note in the data report's warning
+
+
+def _first_flagged(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {note: sorted(set(a.get(note, [])) | set(b.get(note, [])))[:_FLAGGED_SHOWN] for note in {*a, *b}}

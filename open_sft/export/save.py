@@ -22,7 +22,8 @@ import torch
 from peft import PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from open_sft.data.labels import special_markers
+from open_sft.data.chat.render import renderer_for, special_markers
+from open_sft.data.chat.turn_render import turn_enders
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.file_modes import share_as_umask
 
@@ -37,19 +38,16 @@ LEFTOVERS = ("model*.safetensors*", "config.json", "adapter_config.json", "adapt
 
 
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Token ids that end an assistant turn in the chat template: eos plus template markers it renders."""
+    """Token ids generation stops at under the chat template: eos, what the template closes an assistant turn
+    with (<|im_end|>, <|eot_id|>, gpt-oss's <|return|> and <|call|>), and, for a template that closes none
+    (GLM's), the tag of the turn that follows (<|user|>, <|observation|>), as training taught the model."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    try:
-        rendered = tokenizer.apply_chat_template(probe, tokenize=False)
-    except Exception:  # a template that cannot render the probe still exports; eos alone ends turns
+    if not getattr(tokenizer, "chat_template", None):
         return ids
-    tail = rendered[rendered.rfind("y") + 1 :]
-    for token in special_markers(tokenizer):
-        if token in tail:
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if token_id not in ids:
-                ids.append(token_id)
+    for token in turn_enders(renderer_for(tokenizer), special_markers(tokenizer), tokenizer.eos_token).stops:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id not in ids:
+            ids.append(token_id)
     return ids
 
 

@@ -15,6 +15,7 @@ into labels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -22,11 +23,11 @@ from typing import Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
-from open_sft.data.chat.reasoning import masked, reasoning_of, with_template_key
+from open_sft.data.chat.reasoning import masked, reasoning_of, with_reasoning_aliases
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
-from open_sft.data.chat.templates import is_builtin_template
+from open_sft.data.chat.templates import has_generation_tags, is_builtin_template
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, turn_enders
-from open_sft.data.chat.turns import call_names, last_marker_end, middle_closing, prefix_renders
+from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.formats import Messages, RowError
 
 _MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
@@ -109,6 +110,8 @@ class RowRender:
 
     examples: list[tuple[str, list[tuple[int, int]]]]
     reasoning_not_rendered: bool = False
+    generation_tags_disagree: bool = False  # the template's {% generation %} spans mark other text
+    ends: tuple[int, ...] = ()  # the message each example ends with (empty: the last, for one example)
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -169,8 +172,17 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     located cheaply (a shape render, or prefix renders); under open-instruct's templates such rows are
     located in their one rendering as open-instruct trains them. The row's tools (if any) are rendered in
     every prefix too. A template that fails on the row makes it a bad row (`_guarded`)."""
+    rendered = _examples(tokenizer, messages, train_on, markers, options)
+    if train_on != "all" and has_generation_tags(tokenizer.chat_template):
+        rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
+            tokenizer, with_reasoning_aliases(messages), rendered, options))
+    return rendered
+
+
+def _examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],
+              options: ChatOptions) -> RowRender:
     state = render.template_state(tokenizer, options)
-    messages = with_template_key(messages, state.reasoning_key)
+    messages = with_reasoning_aliases(messages)
     tools = getattr(messages, "tools", None)
     plain = tools is None and max(map(len, messages)) == 2
     if train_on == "all" or plain:
@@ -201,11 +213,12 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     for i, turn in turns.items():
         message = messages[i]
         where = f"message {i + 1} (assistant, with {'tool calls' if message.get('tool_calls') else 'more than a content'})"
-        missing = [name for name in call_names(message) if name not in turn.target]
+        missing = call_written(message, turn.target)
         if missing:
-            raise RowError(f"{where}: the chat template does not write its tool calls ({', '.join(missing)}); use a "
-                           "template that renders tool_calls (the model's own, or --chat_template_path FILE)",
-                           "tool_calls_not_rendered")
+            raise RowError(f"{where}: the chat template does not write its tool calls ({', '.join(missing)}: some or "
+                           "all of them, or their arguments); use a template that renders them (the model's own, or "
+                           "--chat_template_path FILE); a template that writes one call a turn (gpt-oss's) needs "
+                           "parallel calls split into turns", "tool_calls_not_rendered")
         if not turn.target.strip():
             raise RowError(f"message {i + 1} (assistant): the chat template writes nothing for this turn; choose "
                            "another template")
@@ -218,7 +231,28 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
             spans += masked(span, example.text, reasoning_of(messages[i])) if options.reasoning_loss == "mask" \
                 else [span]
         out.append((example.text, _joined(spans)))
-    return RowRender(out, unwritten)
+    return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples))
+
+
+def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,
+                   options: ChatOptions) -> bool:
+    """Whether a trained span is not what the template marks with `{% generation %}` (a second opinion on the
+    labels, from transformers' own tracking): each example's trained texts, stripped, must each be the text of
+    a generation block of the template's rendering of the conversation through that example's last turn."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    assistant = any(m["role"] == "assistant" for m in messages)
+    for (text, spans), last in zip(rendered.examples, rendered.ends or [len(messages) - 1]):
+        try:
+            (whole,), (blocks,) = render_jinja_template(
+                [messages[: last + 1]], tools=getattr(messages, "tools", None), chat_template=tokenizer.chat_template,
+                return_assistant_tokens_mask=True, **tokenizer.special_tokens_map, **options.kwargs())
+        except Exception:  # noqa: BLE001 (the row rendered above; nothing to compare otherwise)
+            return True
+        marked = {whole[a:b].strip() for a, b in blocks}
+        if any(text[a:b].strip() not in marked for a, b in spans) or (not spans and assistant):
+            return True
+    return False
 
 
 def trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],

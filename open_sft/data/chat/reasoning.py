@@ -1,33 +1,19 @@
-"""Reasoning traces in assistant messages: the field a template reads, whether it wrote them, masking them.
+"""Reasoning traces in assistant messages: the names a template reads them by, whether it wrote them, masking.
 
-Datasets and templates name the trace differently: `reasoning_content` (Qwen3, GLM, DeepSeek, most
-reasoning datasets), `reasoning` (vLLM's and OpenRouter's newer name), `thinking` (gpt-oss's harmony
-template). A trace is handed to the template under the name it reads as well as its own, so a dataset of
-one convention trains under a template of another instead of losing its reasoning without a word. A
-template that reads none of them (an instruct-only one) leaves the trace out of the text: such rows are
-counted per source (`reasoning_not_rendered`) and warned about once.
+Datasets and templates name the trace differently: `reasoning_content` (Qwen3, GLM, DeepSeek, most reasoning
+datasets), `thinking` (gpt-oss's harmony template), `reasoning` (vLLM's and OpenRouter's newer name). As
+transformers' apply_chat_template does (5.x), a trace is handed to the template as `thinking` and as
+`reasoning_content` too (`with_reasoning_aliases`), so a dataset of one convention trains under a template of
+another instead of losing its reasoning without a word, and the text is exactly apply_chat_template's. A
+template that reads none of them (an instruct-only one) leaves the trace out: such rows are counted per source
+(`reasoning_not_rendered`) and warned about.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Optional
-
 from open_sft.data.formats import Messages
 
-REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
-# how a template reads a message field: message.key, message['key'], 'key' in message
-_READS = {key: re.compile(rf"\.{key}(?!\w)|\[\s*['\"]{key}['\"]\s*\]|['\"]{key}['\"]\s+in\b") for key in REASONING_KEYS}
-
-
-def template_reasoning_key(template: Optional[str]) -> Optional[str]:
-    """The message field the template reads the trace from (the first of REASONING_KEYS it names), or None."""
-    if not template:
-        return None
-    for key in REASONING_KEYS:
-        if _READS[key].search(template):
-            return key
-    return None
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' order
 
 
 def reasoning_of(message: dict) -> str:
@@ -39,13 +25,17 @@ def reasoning_of(message: dict) -> str:
     return ""
 
 
-def with_template_key(messages: Messages, key: Optional[str]) -> Messages:
-    """The messages with each trace also under `key`, the field the template reads (the same list when no
-    message needs it: most rows)."""
-    if key is None or not any(m.get("role") == "assistant" and key not in m and reasoning_of(m) for m in messages):
+def with_reasoning_aliases(messages: Messages) -> Messages:
+    """The messages with each trace also as `thinking` (unless the message has its own) and as
+    `reasoning_content`, as apply_chat_template hands them to the template; the same list when no message has a
+    trace (most rows)."""
+    def aliased(message: dict) -> dict:
+        reasoning = next((message[key] for key in REASONING_KEYS if message.get(key) is not None), None)
+        return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+    if not any(key in m for m in messages for key in REASONING_KEYS):
         return messages
-    out = [dict(m, **{key: reasoning_of(m)}) if m.get("role") == "assistant" and key not in m and reasoning_of(m)
-           else m for m in messages]
+    out = [aliased(m) for m in messages]
     if hasattr(messages, "tools"):  # keep a Conversation's attributes
         copy = type(messages)(out)
         copy.__dict__.update(messages.__dict__)

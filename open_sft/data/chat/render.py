@@ -18,7 +18,6 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing
-from open_sft.data.chat.reasoning import template_reasoning_key
 from open_sft.data.chat.turn_render import TurnEnders
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
@@ -86,7 +85,6 @@ class TemplateState:
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
     middle_closings: dict[tuple[str, ...], str] = field(default_factory=dict)  # turns.py
     enders: dict[tuple[str, ...], TurnEnders] = field(default_factory=dict)  # turn_render.py, per marker set
-    reasoning_key: Optional[str] = None  # the field it reads a reasoning trace from (reasoning.py)
 
 
 def _guarded(draw: Renderer) -> Renderer:
@@ -141,7 +139,6 @@ def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DE
         contents = content_writing(tokenizer.chat_template)
         if contents is not None and not kwargs and _fill_agrees(cached, contents):
             cached.contents = contents
-        cached.reasoning_key = template_reasoning_key(tokenizer.chat_template)
         by_options[options.template_kwargs] = cached
     return cached
 

@@ -11,6 +11,7 @@ embeddings are resized to match.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -93,15 +94,36 @@ def content_writing(template: Optional[str]) -> Optional[str]:
     return _CONTENT_WRITING.get(template) if template else None
 
 
+def _generation_tags() -> type:
+    """A Jinja extension that parses transformers' `{% generation %} ... {% endgeneration %}` (the marks of
+    what the assistant generates, which apply_chat_template accepts) as a plain block: for the syntax check."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTags(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):  # type: ignore[no-untyped-def]
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body).set_lineno(lineno)
+
+    return GenerationTags
+
+
+def has_generation_tags(template: Optional[str]) -> bool:
+    return isinstance(template, str) and re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
 def jinja_syntax_problem(source: str) -> Optional[str]:
     """Where a chat template is not valid Jinja ("line N: what"), else None: found once, up front, rather than
     as every row's rendering error. Parsing only: filters and globals that transformers adds at render time
-    (tojson, raise_exception, ...) are not resolved here."""
+    (tojson, raise_exception, ...) are not resolved here; its `{% generation %}` tags are accepted."""
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     try:
-        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols", _generation_tags()]).parse(source)
     except TemplateSyntaxError as exc:
         return f"line {exc.lineno}: {exc.message}"
     return None

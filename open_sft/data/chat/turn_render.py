@@ -51,6 +51,9 @@ class TurnEnders:
     # user message follows (also what a final answer stops with), and when a tool's result follows a call
     after_answer: str = ""
     after_call: str = ""
+    # what generation stops at: what closes a turn that is the last message (not what closes one in history:
+    # gpt-oss's <|end|> also ends an analysis the model goes on after), and the tags above; eos first
+    stops: tuple[str, ...] = ()
 
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
@@ -95,6 +98,7 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str]) -> Tur
     (a template without tool calls) tells nothing."""
     candidates = _candidates(markers, eos)
     found: list[str] = [eos] if eos else []
+    stops: list[str] = list(found)
     follows = {}
 
     def add(token: Optional[str]) -> None:
@@ -116,12 +120,15 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str]) -> Tur
         closing = [token for token in candidates if token in alone[written:]]
         for token in closing:  # what it closes the turn with as the last message
             add(token)
+            stops.append(token)
         if then.startswith(alone[:written]):  # what it closes it with (or opens next) when another follows
             first = _first(then[written:], candidates)
             add(first)
             if first and not closing:
                 follows[kind] = first
-    return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""))
+                stops.append(first)
+    return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
+                      tuple(dict.fromkeys(stops)))
 
 
 def _common_prefix(a: str, b: str) -> str:

@@ -3,6 +3,7 @@ template writes between an answer and the message after it, prefix renders, the 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from open_sft.data.formats import Messages, RowError
@@ -43,6 +44,29 @@ def prefix_renders(draw: Any, messages: Messages, tools: Optional[list], text: s
     row's `text` itself when it is the last)."""
     prompt = draw(messages[:i], True, tools) if i else None
     return prompt, text if i == len(messages) - 1 else draw(messages[: i + 1], False, tools)
+
+
+def call_written(message: dict, text: str) -> list[str]:
+    """The tool calls of `message` that `text` does not write: named by function, each with its arguments'
+    top-level values (strings as they are or JSON-escaped, other values as JSON), so that of two parallel calls
+    of one function, a template that writes only the first (gpt-oss's) is caught."""
+    missing = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            continue
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = {"": arguments}
+        values = arguments.values() if isinstance(arguments, dict) else []
+        forms = [(value, json.dumps(value, ensure_ascii=False)[1:-1]) if isinstance(value, str)
+                 else (json.dumps(value, ensure_ascii=False),) for value in values]
+        if function["name"] not in text or not all(any(form in text for form in pair) for pair in forms):
+            missing.append(function["name"])
+    return missing
 
 
 def call_names(message: dict) -> list[str]:

@@ -217,7 +217,8 @@ def test_tool_calls_a_template_does_not_write_are_not_silently_lost(tokenizer, t
     args = dict(dataset_mixer_list=[str(data), "1.0"])
     for lines, message in [
         (rows[:2], r"calls.jsonl line 1: message 2 \(assistant, with tool calls\): the chat template does not write "
-                   r"its tool calls \(get_weather\); use a template that renders tool_calls"),
+                   r"its tool calls \(get_weather: some or all of them, or their arguments\); use a template "
+                   r"that renders them"),
         (rows[1:], r"calls.jsonl line 2: message 1 \(user\) has tool_calls of type list; only assistant messages "
                    r"have tool_calls, a list of"),
         (rows[3:], r"calls.jsonl line 1: message 2 \(assistant\) has tool_calls of type str")]:
