@@ -152,7 +152,7 @@ def chat_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str, 
         except UserError:  # more rows asked for than there are: label all, and the selection says so below
             picked = None
     spilled, errors, invalid, notes, flagged = _label_chunks(spec, args, tokenizer, reader, fmt, tmp, n, picked)
-    report.add_notes(notes, flagged, lambda row: f"{spec.name} row {row + 1}")
+    report.add_notes(notes, flagged, str)  # (flagged rows named where they were read)
     # The row numbering the in-memory build selects in: rows are the lines that parse (all of them, mostly: then
     # no array maps one to the other). Arrays of a number per row are made only where needed and let go early:
     # at 10 M rows each costs 80 MB.
@@ -251,7 +251,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         invalid += labelled.invalid
         counts += labelled.notes
         for name, rows in labelled.flagged.items():
-            flagged.setdefault(name, rows)
+            flagged.setdefault(name, [reader.where(row, numbers, start) for row in rows])
         progress.update(len(items), int(labelled.rows.bounds[-1]))
         del labelled, items
         # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
