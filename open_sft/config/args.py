@@ -128,6 +128,11 @@ class DataArguments:
         "An assistant turn's reasoning trace (reasoning_content, reasoning or thinking) as the template writes it: "
         "train it, or mask it (it stays in the context; the answer, tool calls and the tags around it train).",
         default="train")
+    reasoning_history: Literal["template", "keep"] = _help(
+        "The context of an assistant turn under a template that rewrites earlier turns (Qwen3's and GLM's drop the "
+        "reasoning of turns before the last user message): 'template', what the template renders at that point "
+        "(a conversation may make several examples), or 'keep', earlier turns as they were generated, their "
+        "reasoning kept (one example a conversation, fewer tokens).", default="template")
     add_bos: bool = _help(
         "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
         "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token), and every text "

@@ -356,7 +356,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         later["add_bos"] = True
     options = chat_options(args)
     if options != DEFAULT_OPTIONS:
-        later["chat_options"] = {"template_kwargs": options.template_kwargs, "reasoning_loss": options.reasoning_loss}
+        later["chat_options"] = {"template_kwargs": options.template_kwargs, "reasoning_loss": options.reasoning_loss,
+                                 **({"reasoning_history": options.reasoning_history}
+                                    if options.reasoning_history != "template" else {})}
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}

@@ -23,6 +23,9 @@ _NOTES = {
     "generation_tags_disagree": "are labelled otherwise than the chat template's {% generation %} tags mark (the "
                                 "labels are each assistant turn as the template writes it after its generation "
                                 "prompt; check the tags, or the template)",
+    "reasoning_history_not_kept": "could not be made one example under --reasoning_history keep (where an earlier "
+                                  "turn ends in the template's history was not found) and make the template's "
+                                  "examples instead",
 }
 
 
@@ -45,6 +48,7 @@ class SourceReport:
     split_extra_tokens: int = 0
     reasoning_not_rendered: int = 0  # rows whose reasoning the template does not write (chat/reasoning.py)
     generation_tags_disagree: int = 0  # rows whose labels are not what the template's {% generation %} marks
+    reasoning_history_not_kept: int = 0  # --reasoning_history keep rows left as the template's examples
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +59,7 @@ class SourceReport:
             "upsample_factor": self.upsample_factor, "rows_split": self.rows_split,
             "split_extra_tokens": self.split_extra_tokens, "reasoning_not_rendered": self.reasoning_not_rendered,
             "generation_tags_disagree": self.generation_tags_disagree,
+            "reasoning_history_not_kept": self.reasoning_history_not_kept,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

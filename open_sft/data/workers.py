@@ -143,7 +143,7 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
         done.texts_and_spans += rendered.examples
         done.indices.append(i)
         done.counts.append(len(rendered.examples))
-        for note in ("reasoning_not_rendered", "generation_tags_disagree"):
+        for note in ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept"):
             if getattr(rendered, note):
                 done.notes[note] += 1
                 done.flagged.append((note, i))

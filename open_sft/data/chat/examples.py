@@ -26,7 +26,7 @@ from open_sft.data.chat import render
 from open_sft.data.chat.reasoning import masked, reasoning_of, with_reasoning_aliases
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.templates import has_generation_tags, is_builtin_template
-from open_sft.data.chat.turn_render import TurnEnders, group_turns, turn_enders
+from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.formats import Messages, RowError
 
@@ -112,6 +112,7 @@ class RowRender:
     reasoning_not_rendered: bool = False
     generation_tags_disagree: bool = False  # the template's {% generation %} spans mark other text
     ends: tuple[int, ...] = ()  # the message each example ends with (empty: the last, for one example)
+    reasoning_history_not_kept: bool = False  # --reasoning_history keep could not join its examples
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -208,7 +209,12 @@ def _examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: 
 def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages, indices: list[int],
               markers: tuple[str, ...], options: ChatOptions) -> RowRender:
     tools = getattr(messages, "tools", None)
-    examples, turns = group_turns(state.draw, messages, tools, indices, _enders(state, tokenizer, markers))
+    enders = _enders(state, tokenizer, markers)
+    examples, turns = group_turns(state.draw, messages, tools, indices, enders)
+    not_kept = False
+    if options.reasoning_history == "keep" and len(examples) > 1:
+        joined = kept_history(state.draw, messages, tools, examples, enders)
+        examples, not_kept = ([joined], False) if joined is not None else (examples, True)
     unwritten = False
     for i, turn in turns.items():
         message = messages[i]
@@ -231,7 +237,8 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
             spans += masked(span, example.text, reasoning_of(messages[i])) if options.reasoning_loss == "mask" \
                 else [span]
         out.append((example.text, _joined(spans)))
-    return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples))
+    return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
+                     reasoning_history_not_kept=not_kept)
 
 
 def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,

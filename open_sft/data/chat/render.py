@@ -105,11 +105,13 @@ def _guarded(draw: Renderer) -> Renderer:
 @dataclass(frozen=True)
 class ChatOptions:
     """How a source's conversations are rendered and trained, besides the template: `template_kwargs`
-    (--chat_template_kwargs, as sorted JSON: passed to every render, `enable_thinking` say) and
-    `reasoning_loss` ("train", or "mask": the reasoning text is context, not trained)."""
+    (--chat_template_kwargs, as sorted JSON: passed to every render, `enable_thinking` say), `reasoning_loss`
+    ("train", or "mask": the reasoning text is context, not trained) and `reasoning_history` ("template": the
+    context of a turn is what the template renders, or "keep": earlier turns as generated, one example)."""
 
     template_kwargs: str = "{}"
     reasoning_loss: str = "train"
+    reasoning_history: str = "template"  # or "keep": one example a conversation (turn_render.kept_history)
 
     def kwargs(self) -> dict:
         return json.loads(self.template_kwargs)
@@ -119,10 +121,10 @@ DEFAULT_OPTIONS = ChatOptions()
 
 
 def chat_options(args) -> ChatOptions:
-    """The options of DataArguments' --chat_template_kwargs (validated up front: config.checks) and
-    --reasoning_loss."""
+    """The options of DataArguments' --chat_template_kwargs (validated up front: config.checks),
+    --reasoning_loss and --reasoning_history."""
     kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
-    return ChatOptions(json.dumps(kwargs, sort_keys=True), args.reasoning_loss)
+    return ChatOptions(json.dumps(kwargs, sort_keys=True), args.reasoning_loss, args.reasoning_history)
 
 
 def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DEFAULT_OPTIONS) -> TemplateState:

@@ -240,3 +240,31 @@ def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: 
             left.remove(i)
         examples.append(TurnExample(text, tuple(sorted(trained))))
     return examples[::-1], turns
+
+
+def kept_history(draw: Draw, messages: Messages, tools: Optional[list], examples: list[TurnExample],
+                 enders: TurnEnders) -> Optional[TurnExample]:
+    """--reasoning_history keep: a conversation's examples joined into one, each turn as the model generates it
+    and earlier turns kept as they were generated (their reasoning in the context of later ones, as TRL's
+    training templates keep it), rather than as the template rewrites history. Example b goes on from where
+    the last turn of example a ends: the end of that turn as the template writes it in history (found by
+    rendering the conversation through it and a placeholder user message; example b must start with that
+    text). None where the examples cannot be joined so (the caller keeps them apart)."""
+    text, spans = examples[0].text, dict(examples[0].turns)
+    for previous, example in zip(examples, examples[1:]):
+        j = max(i for i, _ in previous.turns)
+        content = messages[j]["content"].strip()
+        if not content:
+            return None
+        try:
+            history = draw(messages[: j + 1] + [{"role": "user", "content": "\x00"}], False, tools)
+        except RowError:
+            return None
+        at = history.rfind(content)
+        closed = enders.leading(history, at + len(content)) if at >= 0 else 0
+        if not closed or not example.text.startswith(history[:closed]) or min(a for _, (a, _) in example.turns) < closed:
+            return None
+        cut = spans[j][1]
+        text = text[:cut] + example.text[closed:]
+        spans.update({i: (a + cut - closed, b + cut - closed) for i, (a, b) in example.turns})
+    return TurnExample(text, tuple(sorted(spans.items())))

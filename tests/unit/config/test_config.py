@@ -136,3 +136,25 @@ def test_a_prefix_of_one_flags_two_spellings_is_that_flag() -> None:
         parse_config(BASE + ["--lo", "1"])
     with pytest.raises(UserError, match=r"unknown flag --learning_rat3 \(did you mean --learning_rate\?\)"):
         parse_config(BASE + ["--learning_rat3", "1"])
+
+
+def test_chat_template_kwargs_from_a_flag_or_a_yaml_mapping_and_bad_ones_named(tmp_path) -> None:
+    """--chat_template_kwargs is a JSON object on the command line and a mapping in YAML; it reaches the render
+    step as sorted JSON with --reasoning_loss, and anything else is an error that says what to give."""
+    from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, chat_options
+
+    config = parse_config(BASE + ["--chat_template_kwargs", '{"enable_thinking": false, "a": 1}',
+                                  "--reasoning_loss", "mask"])
+    assert chat_options(config.data) == ChatOptions('{"a": 1, "enable_thinking": false}', "mask")
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name_or_path: org/model\ndataset_mixer_list: [a.jsonl, '1.0']\n"
+                    "chat_template_kwargs:\n  enable_thinking: false\n")
+    assert chat_options(parse_config([str(path)]).data) == ChatOptions('{"enable_thinking": false}', "train")
+    assert chat_options(parse_config(BASE).data) == DEFAULT_OPTIONS
+    for value, message in [("{enable_thinking: false}", "--chat_template_kwargs '{enable_thinking: false}' is not JSON"),
+                           ("[1]", "--chat_template_kwargs '[1]': give a JSON object of template variables"),
+                           ('{"tools": []}', "--chat_template_kwargs sets tools, which open_sft passes itself")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(BASE + ["--chat_template_kwargs", value])
+    with pytest.raises(ConfigError, match="reasoning_loss"):
+        parse_config(BASE + ["--reasoning_loss", "skip"])

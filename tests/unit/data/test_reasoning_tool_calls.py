@@ -286,3 +286,23 @@ def test_exported_generation_config_stops_where_training_ended_turns(tiny_model_
     stops = {"qwen3": ["<|im_end|>"], "glm": ["<|endoftext|>", "<|user|>", "<|observation|>"],
              "gpt_oss": ["<|return|>", "<|call|>"]}[family]
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(stops)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm", "gpt_oss"])
+def test_reasoning_history_keep_makes_one_example_a_conversation(tiny_model_dir, tmp_path, family) -> None:
+    """--reasoning_history keep: each conversation is one example; every turn trains exactly as under the
+    template's own history (the same runs), and the turns of the first example keep their exact context; later
+    turns see the earlier ones as generated (their reasoning kept), and the whole costs fewer tokens."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    rows = [SEVERAL_USERS, MIXED]
+    default, (split,) = build(tokenizer, tmp_path, rows)
+    kept, (report,) = build(tokenizer, tmp_path, rows, reasoning_history="keep")
+    assert len(kept) == len(rows) and report.rows_split == 0 and report.reasoning_history_not_kept == 0
+    assert sorted(run for _, run in trained_runs(tokenizer, kept)) == sorted(run for _, run in trained_runs(tokenizer, default))
+    assert report.tokens < split.tokens
+    text = tokenizer.decode(kept[0].input_ids)
+    first_turn = SEVERAL_USERS["messages"][2]
+    assert text.startswith(expected_turns(tokenizer, family, SEVERAL_USERS)[0][0])  # its context, as rendered
+    # the earlier segment's reasoning stays in the context of the later turns
+    assert first_turn["reasoning_content"] in text and text.index(first_turn["reasoning_content"]) < text.index(
+        "And in Fahrenheit?")
