@@ -129,9 +129,7 @@ def prepare_data(job: Job) -> None:
     if d.cache_dataset_only:
         return
     if d.eval_dataset_mixer_list:
-        eval_args = dataclasses.replace(d, dataset_mixer_list=d.eval_dataset_mixer_list,
-                                        dataset_mixer_list_splits=d.eval_dataset_mixer_list_splits)
-        job.eval_data = build(eval_args, job.tokenizer, seed)
+        job.eval_data = build(d.evaluation_sources(), job.tokenizer, seed)
     elif ratio:
         job.eval_data = build(d, job.tokenizer, seed, holdout=("eval", ratio))
     if _is_main_rank():

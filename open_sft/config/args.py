@@ -124,6 +124,11 @@ class DataArguments:
     chat_template_kwargs: Optional[str] = _help(
         "A JSON object of variables passed to every render of the chat template, as apply_chat_template passes "
         "its keyword arguments, e.g. '{\"enable_thinking\": false}' (a mapping in a YAML config).", default=None)
+    dataset_mixer_list_chat_template_kwargs: list[str] = _help(
+        "Per source, a JSON object of chat template variables over --chat_template_kwargs (one for all sources or one "
+        "per source; '{}' for none): a mixture of thinking and non-thinking data for a hybrid model. In a YAML "
+        "config, a dataset_mixer_list entry may be a mapping {name, amount, chat_template_kwargs}.",
+        default_factory=list)
     reasoning_loss: Literal["train", "mask"] = _help(
         "An assistant turn's reasoning trace (reasoning_content, reasoning or thinking) as the template writes it: "
         "train it, or mask it (it stays in the context; the answer, tool calls and the tags around it train).",
@@ -176,6 +181,13 @@ class DataArguments:
     cache_dataset_only: bool = _help(
         "Build the tokenization cache, print its path on the last line, and exit without training.", default=False
     )
+
+    def evaluation_sources(self) -> "DataArguments":
+        """These settings with --eval_dataset_mixer_list as the sources (and their splits; no per-source template
+        variables: --chat_template_kwargs applies)."""
+        return dataclasses.replace(self, dataset_mixer_list=self.eval_dataset_mixer_list,
+                                   dataset_mixer_list_splits=self.eval_dataset_mixer_list_splits,
+                                   dataset_mixer_list_chat_template_kwargs=[])
 
 
 @dataclass

@@ -118,6 +118,13 @@ def _data_problems(d: DataArguments) -> list[str]:
     if d.cache_dataset_only and d.dataset_skip_cache:  # it tokenized, kept nothing and printed "None"
         problems.append("--cache_dataset_only builds the cache, which --dataset_skip_cache skips: drop one of them")
     problems += template_kwargs_problems(d.chat_template_kwargs)
+    per_source = d.dataset_mixer_list_chat_template_kwargs
+    if per_source and len(per_source) not in (1, n_sources):
+        problems.append(f"--dataset_mixer_list_chat_template_kwargs has {len(per_source)} values; give one for all "
+                        f"sources or one per source ({n_sources})")
+    for value in per_source:
+        problems += [p.replace("--chat_template_kwargs", "--dataset_mixer_list_chat_template_kwargs", 1)
+                     for p in template_kwargs_problems(value)]
     return problems
 
 

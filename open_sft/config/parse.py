@@ -120,7 +120,35 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
             loaded[key] = yaml.safe_dump(loaded[key])
     if isinstance(loaded.get("chat_template_kwargs"), dict):
         loaded["chat_template_kwargs"] = json.dumps(loaded["chat_template_kwargs"])
+    if isinstance(loaded.get("dataset_mixer_list"), list) and any(isinstance(e, dict) for e in loaded["dataset_mixer_list"]):
+        loaded.update(_mixer_entries(path, loaded["dataset_mixer_list"]))
     return loaded
+
+
+def _mixer_entries(path: Path, entries: list) -> dict[str, list[str]]:
+    """A YAML dataset_mixer_list whose entries may be mappings {name, amount, chat_template_kwargs} (or NAME,
+    AMOUNT items, as on the command line) → the flat NAME AMOUNT list and one JSON object of template variables
+    per source (dataset_mixer_list_chat_template_kwargs)."""
+    flat, kwargs, pending = [], [], []
+    for entry in entries:
+        if isinstance(entry, dict):
+            unknown = sorted(set(entry) - {"name", "amount", "chat_template_kwargs"})
+            if pending or "name" not in entry or "amount" not in entry or unknown:
+                raise UserError(f"{path}: dataset_mixer_list entry {entry!r}: give a mapping of name, amount and "
+                                "(optionally) chat_template_kwargs, after whole NAME AMOUNT pairs")
+            variables = entry.get("chat_template_kwargs") or {}
+            if not isinstance(variables, dict):
+                raise UserError(f"{path}: dataset_mixer_list entry {entry['name']}: chat_template_kwargs must be a "
+                                "mapping of template variables, such as {enable_thinking: false}")
+            flat += [str(entry["name"]), str(entry["amount"])]
+            kwargs.append(json.dumps(variables))
+        else:
+            pending.append(str(entry))
+            if len(pending) == 2:
+                flat += pending
+                kwargs.append("{}")
+                pending = []
+    return {"dataset_mixer_list": flat + pending, "dataset_mixer_list_chat_template_kwargs": kwargs}
 
 
 def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, Any]:

@@ -191,7 +191,8 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         return None
     convert = functools.partial(_parse_and_convert, fmt=fmt)
     labelled = label_rows(tokenizer, Numbered(lines), args.train_on, args.preprocessing_num_workers,
-                          convert=convert, wanted=None if picked is None else set(picked), options=chat_options(args))
+                          convert=convert, wanted=None if picked is None else set(picked),
+                          options=chat_options(args, spec))
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(lines))
     if not labelled.invalid:
         sink = _RowSink(lambda i: f"{spec.name} line {numbers[i]}", report, drop=args.on_bad_row == "drop")
@@ -227,7 +228,7 @@ def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], n
         if missing:
             labelled = labelled.then(label_rows(tokenizer, [(i, lines[i]) for i in missing], args.train_on,
                                                 args.preprocessing_num_workers, convert=convert,
-                                                options=chat_options(args)))
+                                                options=chat_options(args, spec)))
         keep = set(picked)
     renumbered = Labelled(labelled.rows, {row_of[i]: p for i, p in labelled.position.items()},
                           [(row_of[i], e) for i, e in labelled.errors if keep is None or row_of[i] in keep], [],
@@ -293,7 +294,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     else:
         picked = None if by_tokens else _select(spec, args, valid, None, seed)
         labelled = label_rows(tokenizer, [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))],
-                              args.train_on, args.preprocessing_num_workers, options=chat_options(args))
+                              args.train_on, args.preprocessing_num_workers, options=chat_options(args, spec))
         rows = _chat_rows(spec, args, labelled, picked, sink, report, seed)
     return rows, report
 
@@ -306,7 +307,8 @@ def _counts(rows: TokenRows) -> tuple[int, int, int]:
 def _specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
     """The mixture's sources as the build draws from them: a local one seeded by its content, not its path."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                             config_name=args.dataset_config_name)
+                             config_name=args.dataset_config_name,
+                             template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)
     return [dataclasses.replace(spec, holdout=holdout or spec.holdout,
                                 seed_key=source_identity(spec, memo) if spec.is_local else None) for spec in specs]
@@ -349,7 +351,8 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
                holdout: Optional[tuple[str, float]] = None) -> dict[str, Any]:
     """Everything that changes the tokenized output, for the cache key (and key.json)."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                             config_name=args.dataset_config_name)
+                             config_name=args.dataset_config_name,
+                             template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
     if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
@@ -367,7 +370,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         # a local source by its content alone: the same file by another path (another node's mount) is a hit
         "sources": [{**({} if s.is_local else {"name": s.name}), "identity": source_identity(s, memo),
                      "amount": s.amount, "is_fraction": s.is_fraction, "split": s.split,
-                     **({"config": s.config_name} if s.config_name else {})} for s in specs],
+                     **({"config": s.config_name} if s.config_name else {}),
+                     **({"chat_template_kwargs": s.chat_template_kwargs} if s.chat_template_kwargs else {})}
+                    for s in specs],
         "seed": seed,
         "max_seq_length": args.max_seq_length,
         "truncation": args.truncation,

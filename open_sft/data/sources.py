@@ -36,6 +36,9 @@ class SourceSpec:
     # a local source's content identity (source_identity): what its seeded draws follow, so that the same file
     # reached by another path (another node's mount) gives the same rows; None: the name
     seed_key: Optional[str] = None
+    # its own chat template variables over --chat_template_kwargs (--dataset_mixer_list_chat_template_kwargs),
+    # sorted JSON; None: none
+    chat_template_kwargs: Optional[str] = None
 
     @property
     def is_local(self) -> bool:
@@ -47,7 +50,8 @@ class SourceSpec:
 
 
 def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--dataset_mixer_list",
-                     config_name: Optional[str] = None) -> list[SourceSpec]:
+                     config_name: Optional[str] = None, template_kwargs: Optional[list[str]] = None
+                     ) -> list[SourceSpec]:
     """`["a.jsonl", "0.5", "b.jsonl", "100"]` → specs. An amount with a '.' is a fraction, else a row count."""
     specs = []
     for i in range(0, len(values), 2):
@@ -67,8 +71,11 @@ def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--datase
                 raise UserError(f"{flag}_splits: split {split!r} for {name}: a local file is one split, its rows are "
                                 "all read; give train for it (or a dataset directory with split files)")
             logger.warning("%s_splits %s: %s is a local file, one split: all its rows are read", flag, split, name)
+        variables = (template_kwargs[0] if len(template_kwargs) == 1 else template_kwargs[i // 2]) \
+            if template_kwargs else None
+        variables = json.dumps(json.loads(variables), sort_keys=True) if variables else None
         specs.append(SourceSpec(name=name, amount=amount, is_fraction=is_fraction, split=split,
-                                config_name=config_name))
+                                config_name=config_name, chat_template_kwargs=None if variables == "{}" else variables))
     return specs
 
 

@@ -238,7 +238,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
         labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
                               args.preprocessing_num_workers, convert=convert, wanted=here,
-                              options=chat_options(args))
+                              options=chat_options(args, spec))
         if args.on_bad_row != "drop" and (labelled.invalid or labelled.errors):
             _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
         done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)

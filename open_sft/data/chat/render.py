@@ -120,10 +120,12 @@ class ChatOptions:
 DEFAULT_OPTIONS = ChatOptions()
 
 
-def chat_options(args) -> ChatOptions:
-    """The options of DataArguments' --chat_template_kwargs (validated up front: config.checks),
-    --reasoning_loss and --reasoning_history."""
+def chat_options(args, spec=None) -> ChatOptions:
+    """The options of DataArguments' --chat_template_kwargs (validated up front: config.checks), with a source's
+    own variables over them (`spec`, a SourceSpec), --reasoning_loss and --reasoning_history."""
     kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    if spec is not None and spec.chat_template_kwargs:
+        kwargs.update(json.loads(spec.chat_template_kwargs))
     return ChatOptions(json.dumps(kwargs, sort_keys=True), args.reasoning_loss, args.reasoning_history)
 
 

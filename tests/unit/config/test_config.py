@@ -158,3 +158,25 @@ def test_chat_template_kwargs_from_a_flag_or_a_yaml_mapping_and_bad_ones_named(t
             parse_config(BASE + ["--chat_template_kwargs", value])
     with pytest.raises(ConfigError, match="reasoning_loss"):
         parse_config(BASE + ["--reasoning_loss", "skip"])
+
+
+def test_per_source_chat_template_kwargs_are_counted_and_checked(tmp_path) -> None:
+    """--dataset_mixer_list_chat_template_kwargs: one for all sources or one per source, each a JSON object; the
+    YAML mixer's mapping entries fill it, and a malformed entry is named."""
+    two = ["--model_name_or_path", "m", "--dataset_mixer_list", "a.jsonl", "1.0", "b.jsonl", "1.0"]
+    assert parse_config(two + ["--dataset_mixer_list_chat_template_kwargs", "{}", '{"enable_thinking": false}']
+                        ).data.dataset_mixer_list_chat_template_kwargs == ["{}", '{"enable_thinking": false}']
+    with pytest.raises(ConfigError, match=re.escape("--dataset_mixer_list_chat_template_kwargs has 3 values; give one "
+                                                    "for all sources or one per source (2)")):
+        parse_config(two + ["--dataset_mixer_list_chat_template_kwargs", "{}", "{}", "{}"])
+    with pytest.raises(ConfigError, match=re.escape("--dataset_mixer_list_chat_template_kwargs '[]': give a JSON")):
+        parse_config(two + ["--dataset_mixer_list_chat_template_kwargs", "[]"])
+    path = tmp_path / "mix.yaml"
+    path.write_text("model_name_or_path: m\ndataset_mixer_list:\n  - a.jsonl\n  - 0.5\n"
+                    "  - {name: b.jsonl, amount: 100, chat_template_kwargs: {enable_thinking: false}}\n")
+    data = parse_config([str(path)]).data
+    assert (data.dataset_mixer_list, data.dataset_mixer_list_chat_template_kwargs) == (
+        ["a.jsonl", "0.5", "b.jsonl", "100"], ["{}", '{"enable_thinking": false}'])
+    path.write_text("model_name_or_path: m\ndataset_mixer_list:\n  - {name: b.jsonl, weight: 1}\n")
+    with pytest.raises(UserError, match="dataset_mixer_list entry .*: give a mapping of name, amount and"):
+        parse_config([str(path)])

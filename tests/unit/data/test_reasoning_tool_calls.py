@@ -306,3 +306,29 @@ def test_reasoning_history_keep_makes_one_example_a_conversation(tiny_model_dir,
     # the earlier segment's reasoning stays in the context of the later turns
     assert first_turn["reasoning_content"] in text and text.index(first_turn["reasoning_content"]) < text.index(
         "And in Fahrenheit?")
+
+
+def test_chat_template_kwargs_per_source_for_a_hybrid_mixture(tiny_model_dir, tmp_path) -> None:
+    """A YAML mixer entry may carry its own chat_template_kwargs: thinking and non-thinking sources in one mixture,
+    each rendered as the template renders it (Qwen3 with enable_thinking false: the empty think block is in the
+    generation prompt, context); the variables enter the cache key per source."""
+    from open_sft.config.parse import parse_config
+    from open_sft.data.pipeline import key_inputs
+
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    thinking, plain = tmp_path / "thinking.jsonl", tmp_path / "plain.jsonl"
+    thinking.write_text(json.dumps(MIXED) + "\n")
+    plain.write_text(json.dumps(NO_REASONING) + "\n")
+    config = tmp_path / "mix.yaml"
+    config.write_text(f"model_name_or_path: {tiny_model_dir}\nmax_seq_length: 4096\ndataset_mixer_list:\n"
+                      f"  - {{name: {thinking}, amount: 1.0}}\n"
+                      f"  - {{name: {plain}, amount: 1.0, chat_template_kwargs: {{enable_thinking: false}}}}\n")
+    data = parse_config([str(config)]).data
+    assert data.dataset_mixer_list == [str(thinking), "1.0", str(plain), "1.0"]
+    examples, reports = build_examples(data, tokenizer, 0)
+    runs = trained_runs(tokenizer, examples)
+    assert [report.examples for report in reports] == [2, 1]
+    assert runs[-1][1] == "Hello!<|im_end|>" and runs[-1][0].endswith("assistant\n<think>\n\n</think>\n\n")
+    assert runs[0][1].startswith("<think>\nSix sevens")  # the thinking source as the template's default renders it
+    sources = key_inputs(data, tokenizer, 0)["sources"]
+    assert [s.get("chat_template_kwargs") for s in sources] == [None, '{"enable_thinking": false}']
