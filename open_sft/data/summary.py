@@ -118,6 +118,12 @@ def format_data_report(report: dict[str, Any]) -> str:
                      f"{source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} {share:>7.1%}")
         if source.get("upsample_factor", 1.0) > 1.0:
             lines.append(f"{'':<4}upsampled ×{source['upsample_factor']:.2f} (rows repeated to reach the amount)")
+        if source.get("rows_split"):
+            lines.append(f"{'':<4}{source['rows_split']} conversation(s) made several examples (the template rewrites "
+                         f"earlier turns): +{source['split_extra_tokens']} tokens of repeated context")
+        for note in ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept"):
+            if source.get(note):
+                lines.append(f"{'':<4}{note}: {source[note]} row(s)")
         for reason, count in sorted(source["rows_dropped"].items()):
             lines.append(f"{'':<4}dropped {count} row(s): {reason}")
     share = report["trained_tokens"] / max(report["tokens"], 1)

@@ -2,7 +2,11 @@
 exits 0 on every rank without training and touches nothing (every file's bytes and times compared); one with
 other settings is refused naming them;
 --overwrite_output_dir trains it again from step 0 (the same losses, the earlier checkpoints moved aside);
---dry_run and --cache_dataset_only run as ever on a finished directory."""
+--dry_run and --cache_dataset_only run as ever on a finished directory.
+
+The run's mixture holds multi-turn reasoning conversations under a template that drops earlier reasoning (each
+makes two examples): on 2 ranks they are examples like any other, counted in the data report, dealt to the
+ranks disjointly."""
 
 from __future__ import annotations
 
@@ -12,13 +16,30 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SAMPLE, read_metrics, run_finetune
+from conftest import SAMPLE, TESTS, read_metrics, run_finetune
 
 EXACT = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
+TEMPLATE = TESTS / "data" / "chat_templates" / "tiny_drops_earlier_reasoning.jinja"
+CONVERSATIONS = 16
+
+
+def reasoning_rows(model_dir: Path) -> Path:
+    """Two-question conversations with reasoning (written once beside the model)."""
+    path = model_dir.parent / "reasoning_conversations.jsonl"
+    if not path.is_file():
+        rows = [{"messages": [
+            {"role": "user", "content": f"What is {n} plus {n}?"},
+            {"role": "assistant", "content": str(2 * n), "reasoning_content": f"{n} and {n} make {2 * n}."},
+            {"role": "user", "content": "And times two?"},
+            {"role": "assistant", "content": str(4 * n), "reasoning_content": f"Twice {2 * n} is {4 * n}."}]}
+            for n in range(CONVERSATIONS)]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 def args_for(model_dir: Path, output_dir: Path, *extra: str) -> list[str]:
-    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "64",
+    return ["--model_name_or_path", str(model_dir), "--dataset_mixer_list", str(SAMPLE), "48",
+            str(reasoning_rows(model_dir)), "1.0", "--chat_template_path", str(TEMPLATE),
             "--output_dir", str(output_dir), "--max_train_steps", "4", "--checkpointing_steps", "2",
             "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--logging_steps", "1", "--seed", "1",
             "--torch_dtype", "float32", "--max_seq_length", "128", *extra]
@@ -94,3 +115,14 @@ def test_dry_run_and_cache_only_are_unaffected_by_a_finished_run(finished, tiny_
     assert "already complete" not in cache.stdout
     assert os.path.isdir(cache.stdout.strip().splitlines()[-1])  # the cache path, on the last line
     assert snapshot(out) == before
+
+
+def test_split_conversations_are_examples_like_any_other_on_2_ranks(finished) -> None:
+    out = finished["out"]
+    sample, reasoning = json.loads((out / "data_report.json").read_text())["sources"]
+    assert (reasoning["rows_kept"], reasoning["rows_split"], reasoning["examples"]) == (16, 16, 32)
+    assert reasoning["split_extra_tokens"] > 0 and sample["rows_split"] == 0 and sample["examples"] == 48
+    ranks = [json.loads((out / f"data_order.rank{r}.json").read_text())["example_indices"] for r in (0, 1)]
+    assert not set(ranks[0]) & set(ranks[1]) and len(ranks[0]) == len(ranks[1]) == 4 * 2
+    assert all(0 <= i < 48 + 32 for rank in ranks for i in rank)
+    assert any(i >= 48 for rank in ranks for i in rank)  # split examples were trained beside the others

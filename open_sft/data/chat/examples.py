@@ -210,9 +210,11 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
               markers: tuple[str, ...], options: ChatOptions) -> RowRender:
     tools = getattr(messages, "tools", None)
     enders = _enders(state, tokenizer, markers)
-    examples, turns = group_turns(state.draw, messages, tools, indices, enders)
+    keep = options.reasoning_history == "keep"
+    examples, turns = group_turns(state.draw, messages, tools, indices, enders,
+                                  strict=not is_builtin_template(tokenizer.chat_template), contiguous=keep)
     not_kept = False
-    if options.reasoning_history == "keep" and len(examples) > 1:
+    if keep and len(examples) > 1:
         joined = kept_history(state.draw, messages, tools, examples, enders)
         examples, not_kept = ([joined], False) if joined is not None else (examples, True)
     unwritten = False

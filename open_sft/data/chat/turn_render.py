@@ -195,6 +195,16 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str) -> tuple
     return prompt, (through[at + len(opening):] if through.startswith(opening, at) else None)
 
 
+def _closer(messages: Messages, turn: Turn, enders: TurnEnders) -> str:
+    """The token the model generates to end this turn: the first end-of-turn token after what it writes, or,
+    for a template that writes none, the tag of the turn after it."""
+    if not turn.end:
+        return _follow_tag(messages, turn, enders)
+    rest = turn.target[len(turn.core): turn.end]
+    at = enders.leading(rest, 0)
+    return rest[:at].strip()
+
+
 def _follow_tag(messages: Messages, turn: Turn, enders: TurnEnders) -> str:
     """For a template that writes no end-of-turn token (GLM's): the tag of the turn after this one, which the
     model generates to stop: a tool result's after a call, else a user's ("" when the probes found none)."""
@@ -212,9 +222,14 @@ class TurnExample:
 
 
 def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: list[int],
-                enders: TurnEnders) -> tuple[list[TurnExample], dict[int, Turn]]:
+                enders: TurnEnders, strict: bool = True, contiguous: bool = False
+                ) -> tuple[list[TurnExample], dict[int, Turn]]:
     """The conversation's examples (in conversation order) training the assistant turns `indices`, each turn
-    in exactly one, after the context the template gives it, and each turn's rendering as the last message."""
+    in exactly one, after the context the template gives it, and each turn's rendering as the last message.
+    `strict`: an earlier turn trains in a later example only where it is closed there by the token that closes
+    it as the last message (not so under open-instruct's templates, for parity: OLMo's closes the final turn
+    with eos and earlier ones with <|im_end|>, which open-instruct trains). `contiguous`: an example trains a run
+    of consecutive turns (what kept_history joins), not also an earlier one beyond a turn it cannot train."""
     turns = {i: render_turn(draw, messages, tools, i, enders) for i in indices}
     examples: list[TurnExample] = []
     left = sorted(indices)
@@ -231,10 +246,16 @@ def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: 
             turn = turns[i]
             start = len(turn.prompt)
             if not text.startswith(turn.prompt) or not text.startswith(turn.core, start):
+                if contiguous:
+                    break
                 continue
             core_end = start + len(turn.core)
             closed = enders.leading(text, core_end) if enders.tokens else core_end
-            if not closed:
+            # closed by what the model generates to end it: gpt-oss writes <|end|> after an answer in history,
+            # where the model generated <|return|> (that answer makes an example of its own)
+            if not closed or strict and enders.tokens and text[core_end:closed].strip() != _closer(messages, turn, enders):
+                if contiguous:
+                    break
                 continue
             trained.append((i, (start, closed)))
             left.remove(i)
@@ -242,28 +263,46 @@ def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: 
     return examples[::-1], turns
 
 
+def _history_end(draw: Draw, messages: Messages, tools: Optional[list], j: int, enders: TurnEnders) -> Optional[str]:
+    """The text of the conversation through assistant turn j as the template writes it once the next message
+    follows (in history), through the token that closes the turn there; None where it is not found. The turn's
+    last writing is found by what it ends with: its content, else its last tool call's name."""
+    calls = messages[j].get("tool_calls") or []
+    anchor = messages[j]["content"].strip() or (calls and (calls[-1].get("function") or calls[-1]).get("name"))
+    if not isinstance(anchor, str) or not anchor or j + 1 >= len(messages):
+        return None
+    try:
+        history = draw(messages[: j + 2], False, tools)
+    except RowError:
+        return None
+    following = messages[j + 1].get("content")
+    limit = history.rfind(following) if isinstance(following, str) and following.strip() else len(history)
+    at = history.rfind(anchor, 0, max(limit, 0))
+    if at < 0:
+        return None
+    ends = [(history.find(token, at + len(anchor)), token) for token in enders.tokens]
+    ends = [(where, token) for where, token in ends if 0 <= where < limit]
+    if not ends:
+        return None
+    where, token = min(ends)
+    return history[: where + len(token)]
+
+
 def kept_history(draw: Draw, messages: Messages, tools: Optional[list], examples: list[TurnExample],
                  enders: TurnEnders) -> Optional[TurnExample]:
     """--reasoning_history keep: a conversation's examples joined into one, each turn as the model generates it
     and earlier turns kept as they were generated (their reasoning in the context of later ones, as TRL's
     training templates keep it), rather than as the template rewrites history. Example b goes on from where
-    the last turn of example a ends: the end of that turn as the template writes it in history (found by
-    rendering the conversation through it and a placeholder user message; example b must start with that
-    text). None where the examples cannot be joined so (the caller keeps them apart)."""
+    the last turn of example a ends: the end of that turn as the template writes it in history (`_history_end`;
+    example b must start with that text). None where the examples cannot be joined so (the caller keeps them
+    apart)."""
     text, spans = examples[0].text, dict(examples[0].turns)
     for previous, example in zip(examples, examples[1:]):
         j = max(i for i, _ in previous.turns)
-        content = messages[j]["content"].strip()
-        if not content:
+        closed = _history_end(draw, messages, tools, j, enders)
+        if not closed or not example.text.startswith(closed) or min(a for _, (a, _) in example.turns) < len(closed):
             return None
-        try:
-            history = draw(messages[: j + 1] + [{"role": "user", "content": "\x00"}], False, tools)
-        except RowError:
-            return None
-        at = history.rfind(content)
-        closed = enders.leading(history, at + len(content)) if at >= 0 else 0
-        if not closed or not example.text.startswith(history[:closed]) or min(a for _, (a, _) in example.turns) < closed:
-            return None
+        closed = len(closed)
         cut = spans[j][1]
         text = text[:cut] + example.text[closed:]
         spans.update({i: (a + cut - closed, b + cut - closed) for i, (a, b) in example.turns})

@@ -76,7 +76,11 @@ PARALLEL = {"tools": TOOLS, "messages": [  # two calls of one function in one tu
      "tool_calls": [call("get_weather", {"city": "Paris"}, 4), call("get_weather", {"city": "Lyon"}, 5)]},
     tool('{"temp_c": 12}', 4), tool('{"temp_c": 15}', 5),
     {"role": "assistant", "content": "Paris 12, Lyon 15.", "reasoning_content": "Both answered."}]}
-ROWS = [SEVERAL_USERS, NO_REASONING, MIXED, CALL_WITHOUT_CONTENT, PARALLEL]
+PLAIN_THEN_REASONING = {"messages": [  # an earlier answer without reasoning: gpt-oss writes <|end|> after it in
+    {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},  # history, the model
+    {"role": "user", "content": "Another?"},  # generated <|return|>
+    {"role": "assistant", "content": "Green.", "reasoning_content": "Not blue again."}]}
+ROWS = [SEVERAL_USERS, NO_REASONING, MIXED, CALL_WITHOUT_CONTENT, PLAIN_THEN_REASONING, PARALLEL]
 
 
 def family_tokenizer(tiny_model_dir, family: str):
@@ -170,7 +174,7 @@ def test_every_assistant_turn_trains_as_the_model_generates_it(tiny_model_dir, t
     # Qwen3 and GLM drop the reasoning of turns before the last user message: one example per user message
     # with assistant turns after it (and Qwen3 writes a think block before a last turn only); gpt-oss drops a
     # call's analysis once a final answer follows, so each answer after calls makes an example of its own
-    expected = {"qwen3": [2, 1, 2, 2, 1], "glm": [2, 1, 2, 1, 1], "gpt_oss": [2, 1, 2, 1]}[family]
+    expected = {"qwen3": [2, 1, 2, 2, 2, 1], "glm": [2, 1, 2, 1, 1, 1], "gpt_oss": [2, 1, 2, 1, 2]}[family]
     assert report.examples == sum(expected)
     assert report.rows_split == sum(count > 1 for count in expected)
     # what the split costs: the tokens of the examples before each split conversation's last (the context they
@@ -190,11 +194,11 @@ def test_parallel_calls_a_template_writes_only_the_first_of_are_a_named_bad_row(
     """gpt-oss's template writes the first of a turn's tool calls only: such a row is refused with its line
     and reason, or dropped and counted; the others train."""
     tokenizer = family_tokenizer(tiny_model_dir, "gpt_oss")
-    with pytest.raises(UserError, match=r"conversations.jsonl line 5: message 2 \(assistant, with tool calls\): the "
+    with pytest.raises(UserError, match=r"conversations.jsonl line 6: message 2 \(assistant, with tool calls\): the "
                                         r"chat template does not write its tool calls \(get_weather"):
         build(tokenizer, tmp_path, ROWS)
     examples, (report,) = build(tokenizer, tmp_path, ROWS, on_bad_row="drop")
-    assert dict(report.dropped) == {"tool_calls_not_rendered": 1} and report.rows_kept == 4
+    assert dict(report.dropped) == {"tool_calls_not_rendered": 1} and report.rows_kept == 5
     assert_trained_as_generated(tokenizer, "gpt_oss", ROWS[:-1], trained_runs(tokenizer, examples))
 
 
