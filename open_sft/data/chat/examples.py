@@ -131,9 +131,10 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
                    ) -> Optional[list[tuple[int, int]]]:
     """The trained spans of a row of role/content messages read off its one rendering `text`: each content,
     stripped, and its end of turn. `faithful`: only where that is the turn as the model generates it (the
-    generation prompt is a prefix of the text and the template writes nothing but whitespace between it and
-    the content, and closes the turn with an end-of-turn token where it has any); else None. Not faithful
-    (open-instruct's templates, for parity): a content may also be located by a marked rendering."""
+    generation prompt is a prefix of the text, and the template closes the turn with an end-of-turn token where
+    it has any), from the end of the generation prompt where the template writes more than whitespace before
+    the content; else None. Not faithful (open-instruct's templates, for parity): a content may also be located
+    by a marked rendering."""
     draw, tools = state.draw, getattr(messages, "tools", None)
     spans = []
     for i in indices:
@@ -147,9 +148,9 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
             place = _prefix_place(draw, messages, tools, text, i)
             if place is None:  # the content occurs more than once, or the template is not prefix-stable
                 marked = _marked_place(state, messages, tools, text, i, markers)
-                prompt = draw(messages[:i], True, tools) if i and faithful else ""
-                if marked is not None and text.startswith(prompt):
-                    place = (len(prompt) if faithful else marked[0], *marked)
+                prompt, through = prefix_renders(draw, messages, tools, text, i) if i and faithful else ("", "")
+                if marked is not None and text.startswith(prompt or "") and text.startswith(through):
+                    place = (len(prompt) if faithful and i else marked[0], *marked)
             if place is None:
                 if faithful:
                     return None
@@ -159,8 +160,10 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
                     "content, so the turn cannot be located; choose another template")
             prompt_end, start, content_end, through_length = place
         end = _end_of_turn_length(state, text[content_end:through_length], markers)
-        if faithful and (text[prompt_end:start].strip() or not end and enders.tokens):
+        if faithful and not end and enders.tokens:
             return None
+        if faithful and text[prompt_end:start].strip():  # what the template writes before the content (Qwen3's
+            start = prompt_end  # empty think block after the last user message): the model writes it too
         spans.append((start, content_end + end))
     return spans
 

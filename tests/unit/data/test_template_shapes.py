@@ -122,7 +122,8 @@ def test_a_conversation_may_open_with_the_assistant(tokenizer, template, monkeyp
     row = [{"role": "assistant", "content": "Hello, how can I help?"}, {"role": "user", "content": "2+2?"},
            {"role": "assistant", "content": "4"}]
     runs = trained(tokenizer, [row])[0]
-    assert [run.startswith(content) for run, content in zip(runs, ["Hello, how can I help?", "4"])] == [True, True]
+    answer = "<think>\n\n</think>\n\n4" if template == "think_last" else "4"  # the block the model writes too
+    assert [run.startswith(content) for run, content in zip(runs, ["Hello, how can I help?", answer])] == [True, True]
     state = render_module.template_state(tokenizer)
     monkeypatch.setattr(state, "draw", render_module._guarded(render_module._public_renderer(tokenizer)))
     monkeypatch.setattr(render_module, "text_and_ends", lambda state, m: (state.draw(m, False, None), None))
