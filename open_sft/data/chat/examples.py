@@ -25,7 +25,6 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.chat import render
 from open_sft.data.chat.reasoning import masked, reasoning_of, with_reasoning_aliases
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
-from open_sft.data.chat.templates import has_generation_tags, is_builtin_template
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.formats import Messages, RowError
@@ -177,7 +176,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     located in their one rendering as open-instruct trains them. The row's tools (if any) are rendered in
     every prefix too. A template that fails on the row makes it a bad row (`_guarded`)."""
     rendered = _examples(tokenizer, messages, train_on, markers, options)
-    if train_on != "all" and has_generation_tags(tokenizer.chat_template):
+    if train_on != "all" and render.template_state(tokenizer, options).generation_tags:
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
             tokenizer, with_reasoning_aliases(messages), rendered, options))
     return rendered
@@ -196,7 +195,7 @@ def _examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: 
         indices = _trained_indices(messages, train_on)
         if known_ends is not None:
             indices = [i for i in indices if i in known_ends]
-        builtin = is_builtin_template(tokenizer.chat_template)
+        builtin = state.builtin
         spans = _one_rendering(state, messages, indices, markers, text, known_ends, faithful=not builtin,
                                enders=_enders(state, tokenizer, markers))
         if spans is not None:
@@ -215,7 +214,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     enders = _enders(state, tokenizer, markers)
     keep = options.reasoning_history == "keep"
     examples, turns = group_turns(state.draw, messages, tools, indices, enders,
-                                  strict=not is_builtin_template(tokenizer.chat_template), contiguous=keep)
+                                  strict=not state.builtin, contiguous=keep)
     not_kept = False
     if keep and len(examples) > 1:
         joined = kept_history(state.draw, messages, tools, examples, enders)

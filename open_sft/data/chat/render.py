@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
-from open_sft.data.chat.templates import content_writing
+from open_sft.data.chat.templates import content_writing, has_generation_tags, is_builtin_template
 from open_sft.data.chat.turn_render import TurnEnders
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
@@ -85,6 +85,8 @@ class TemplateState:
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
     middle_closings: dict[tuple[str, ...], str] = field(default_factory=dict)  # turns.py
     enders: dict[tuple[str, ...], TurnEnders] = field(default_factory=dict)  # turn_render.py, per marker set
+    builtin: bool = False  # a template open_sft ships (templates.is_builtin_template)
+    generation_tags: bool = False  # it marks what the assistant writes with {% generation %}
 
 
 def _guarded(draw: Renderer) -> Renderer:
@@ -140,6 +142,8 @@ def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DE
         kwargs = options.kwargs()
         cached = TemplateState(tokenizer.chat_template, _guarded(_direct_renderer(tokenizer, kwargs)
                                                              or _public_renderer(tokenizer, kwargs)))
+        cached.builtin = is_builtin_template(tokenizer.chat_template)
+        cached.generation_tags = has_generation_tags(tokenizer.chat_template)
         contents = content_writing(tokenizer.chat_template)
         if contents is not None and not kwargs and _fill_agrees(cached, contents):
             cached.contents = contents
