@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from open_sft.errors import UserError
 
@@ -119,10 +120,12 @@ def _route_sdpa(model: nn.Module) -> None:
 
 def install(model: nn.Module) -> int:
     """Route every plain nn.Linear of `model` (LoRA adapters included; quantized layers, which are
-    subclasses, keep their own kernels) through the fp32-kernel bf16 path; returns how many."""
+    subclasses, keep their own kernels) through the fp32-kernel bf16 path; returns how many. Not a
+    tensor-parallel layer (a DTensor weight): TP wraps its forward to turn inputs into DTensors, which
+    replacing the forward would undo (it keeps torch's bf16 kernels)."""
     count = 0
     for module in model.modules():
-        if type(module) is nn.Linear and not getattr(module, FLAG, False):
+        if type(module) is nn.Linear and not getattr(module, FLAG, False) and not isinstance(module.weight, DTensor):
             module.forward = types.MethodType(_forward, module)  # a bound method: deepcopy rebinds it
             setattr(module, FLAG, True)
             count += 1

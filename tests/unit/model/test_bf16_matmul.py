@@ -131,3 +131,29 @@ def test_sdpa_attention_runs_in_fp32_and_matches_native_bf16(tiny_model_dir) -> 
             assert torch.equal(emulated(input_ids=ids).logits, native(input_ids=ids).logits)
     finally:
         ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+
+
+def test_tensor_parallel_layers_keep_their_forward() -> None:
+    """A layer tensor parallelism sharded (a DTensor weight, a forward TP wrapped to make its inputs DTensors)
+    is left alone: replacing its forward failed every TP run in bf16 on CPUs without native bf16 ("mixed
+    torch.Tensor and DTensor"). One gloo process, a mesh of one."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from open_sft.model import bf16_matmul
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        x = torch.randn(3, 8)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = model(x).float()
+        parallelize_module(model, init_device_mesh("cpu", (1,)), {"1": ColwiseParallel()})
+        assert bf16_matmul.install(model) == 1 and bf16_matmul.installed(model[0]) and not bf16_matmul.installed(model[1])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        torch.testing.assert_close(out.float(), expected, rtol=0, atol=2e-2)
+    finally:
+        dist.destroy_process_group()
