@@ -175,17 +175,18 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     located cheaply (a shape render, or prefix renders); under open-instruct's templates such rows are
     located in their one rendering as open-instruct trains them. The row's tools (if any) are rendered in
     every prefix too. A template that fails on the row makes it a bad row (`_guarded`)."""
-    rendered = _examples(tokenizer, messages, train_on, markers, options)
-    if train_on != "all" and render.template_state(tokenizer, options).generation_tags:
+    state = render.template_state(tokenizer, options)
+    messages = with_reasoning_aliases(messages)
+    rendered = _examples(state, tokenizer, messages, train_on, markers, options)
+    if train_on != "all" and state.generation_tags:
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
-            tokenizer, with_reasoning_aliases(messages), rendered, options))
+            tokenizer, messages, rendered, options))
     return rendered
 
 
-def _examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],
-              options: ChatOptions) -> RowRender:
-    state = render.template_state(tokenizer, options)
-    messages = with_reasoning_aliases(messages)
+def _examples(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str,
+              markers: tuple[str, ...], options: ChatOptions) -> RowRender:
+    """row_examples for messages with their reasoning aliased."""
     tools = getattr(messages, "tools", None)
     plain = tools is None and max(map(len, messages)) == 2
     if train_on == "all" or plain:
@@ -195,8 +196,7 @@ def _examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: 
         indices = _trained_indices(messages, train_on)
         if known_ends is not None:
             indices = [i for i in indices if i in known_ends]
-        builtin = state.builtin
-        spans = _one_rendering(state, messages, indices, markers, text, known_ends, faithful=not builtin,
+        spans = _one_rendering(state, messages, indices, markers, text, known_ends, faithful=not state.builtin,
                                enders=_enders(state, tokenizer, markers))
         if spans is not None:
             return RowRender([(text, _joined(spans))])

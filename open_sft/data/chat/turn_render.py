@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages, RowError
 
 Draw = Callable[[Messages, bool, Optional[list]], str]
@@ -57,7 +58,7 @@ class TurnEnders:
 
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
-        return max((text.rfind(token) + len(token) for token in self.tokens if token in text), default=0)
+        return last_marker_end(text, self.tokens)
 
     def leading(self, text: str, at: int) -> int:
         """The end of the end-of-turn token that `text` has at `at`, after whitespace; 0 if none."""
@@ -129,10 +130,6 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str]) -> Tur
                 stops.append(first)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
                       tuple(dict.fromkeys(stops)))
-
-
-def _common_prefix(a: str, b: str) -> str:
-    return os.path.commonprefix([a, b])
 
 
 @dataclass

@@ -67,12 +67,3 @@ def call_written(message: dict, text: str) -> list[str]:
         if function["name"] not in text or not all(any(form in text for form in pair) for pair in forms):
             missing.append(function["name"])
     return missing
-
-
-def call_names(message: dict) -> list[str]:
-    names = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", call)
-        if isinstance(function, dict) and isinstance(function.get("name"), str):
-            names.append(function["name"])
-    return names
