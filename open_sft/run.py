@@ -238,7 +238,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
     from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
-    from open_sft.training.build import build_trainer, checkpoint_state_io
+    from open_sft.training.build import build_trainer
     from open_sft.training.preemption import StopRequest
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
@@ -260,7 +260,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=checkpoint_state_io(trainer))
+                                           state_io=trainer.engine.checkpoint_io())
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
@@ -279,7 +279,6 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
 def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     """The model in Hugging Face layout (full, or LoRA with its optional merge), the report and the model card;
     then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export pushed if asked."""
-    from open_sft.distributed.collectives import gather_full_state_dict
     from open_sft.export.hub import push_output_dir
     from open_sft.export.model_card import write_model_card
     from open_sft.export.save import save_dtype, save_lora, save_model
@@ -291,13 +290,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.training.completion import mark_complete
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    pipeline = getattr(trainer, "pipeline", None)
-    if pipeline is not None:
-        from open_sft.training.pipeline_state import gather_state_dict
-
-        state_dict = gather_state_dict(pipeline, trainer.model)  # collective
-    else:
-        state_dict = gather_full_state_dict(acc, trainer.model)  # collective
+    state_dict = trainer.engine.full_state_dict()  # collective
     if acc.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         trained_model = acc.unwrap_model(trainer.model).model

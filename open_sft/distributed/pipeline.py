@@ -18,7 +18,7 @@ The model object stays whole on every rank: the layers, embeddings and head a ra
 the meta device (no memory), so parameter names, the optimizer's and the checkpoint's keys are the unsplit
 model's, and the export saves the gathered weights through the ordinary path.
 
-The math (open_sft.training.pipeline_step): the schedule's micro-batches are the replica's micro-batches of the
+The math (open_sft.training.pipeline_engine): the schedule's micro-batches are the replica's micro-batches of the
 plan; the loss of each is its token-loss sum × the scale --loss_normalization gives it (torch's own division
 by the micro-batch count is off: scale_grads=False); gradients are summed over the replicas and, for tied
 embeddings, between the first and the last stage. A PP run's step therefore equals one process's on the same
@@ -98,15 +98,9 @@ def pipeline_problems(config: Any, world: int, deepspeed: bool, tp: int) -> list
     if config.lora.use_qlora:
         problems.append(f"{flag} with --use_qlora: 4-bit weights cannot move between devices by stage; use "
                         "--use_lora")
-    if t.load_balancing_loss:
-        problems.append(f"{flag} with --load_balancing_loss: the router losses of every stage would have to reach "
-                        "the last; drop the flag")
     if t.auto_micro_batch_size:
         problems.append(f"{flag} with --auto_micro_batch_size: it measures the whole model on one rank; give "
                         "--per_device_train_batch_size")
-    if config.model.torch_dtype == "float16":
-        problems.append(f"{flag} with --torch_dtype float16: fp16 loss scaling is not wired into the pipeline's "
-                        "backward; use bfloat16")
     return problems
 
 
@@ -269,25 +263,50 @@ class StageModule(nn.Module):
         if getattr(self.config, "layer_types", None) is not None:
             self.config.layer_types = [backbone.config.layer_types[i] for i in layers]
         self.autocast = autocast
+        self.routed = loss_model.router is not None  # --load_balancing_loss: router logits travel to the last stage
         self.sums: list[torch.Tensor] = []  # last stage: each micro-batch's loss sum, detached, in order
+        self.aux: list[Optional[torch.Tensor]] = []  # and its router loss × trained tokens (None: no router loss)
         self.kept: list[Optional[torch.Tensor]] = []  # and its trained positions' losses (per-source losses)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routed: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, router_mask: Optional[torch.Tensor] = None) -> Any:
+        """`routed`: the router logits of the earlier stages' layers (training with --load_balancing_loss), handed
+        on with this stage's appended; the last stage adds the router loss of them all, as the unsplit model's
+        forward does (open_sft.model.loss.TokenLossModel), counting the positions of `router_mask`."""
         loss_model = self.loss_model[0]
         backbone = _backbone(loss_model)
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        routing = self.routed and loss_model.training
         with self.autocast(), self.as_backbone(backbone):
-            hidden = backbone(**inputs, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+            out = backbone(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                           **({"output_router_logits": True} if routing else {}))
+            hidden = out.last_hidden_state
+            if routing:
+                routed = torch.cat([*([routed] if routed is not None else []), *out.router_logits])
             if not self.last:
-                return hidden
+                return (hidden, routed) if routing else hidden
             loss, trained = loss_model.head_loss(hidden, labels)
             if not trained:  # an empty slot: its loss must still reach the hidden states (zero gradients)
                 loss = loss + hidden.sum() * 0.0
+            aux = None
+            if routing:
+                router = loss_model.router
+                layers = routed.split(hidden.shape[0] * hidden.shape[1])  # each layer's, as the unsplit model hands them
+                aux = router.function(layers, router.experts, router.top_k, router_mask).float() * trained
         self.sums.append(loss.detach())
+        self.aux.append(aux.detach() if aux is not None else None)
         self.kept.append(loss_model.token_losses)
-        return loss.reshape(1)
+        return (loss + router.coefficient * aux if aux is not None else loss).reshape(1)
+
+    def clear(self) -> None:
+        for records in (self.sums, self.aux, self.kept):
+            records.clear()
+
+    def keep_last(self, count: int) -> None:
+        """Keep the last `count` micro-batches' records (a new schedule first runs on placeholder inputs)."""
+        for records in (self.sums, self.aux, self.kept):
+            del records[:-count]
 
     @contextlib.contextmanager
     def as_backbone(self, backbone: nn.Module) -> Iterator[None]:

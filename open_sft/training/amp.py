@@ -8,7 +8,9 @@ overflow (that step is skipped) and doubles after a run of clean steps.
 - Under DeepSpeed, its fp16 section does all of it (module in fp16, fp32 master weights in the ZeRO
   optimizer, dynamic scale, skipped overflow steps); we read the scale for the logs.
 - Outside DeepSpeed, parameters stay fp32 (master weights), the forward runs under
-  `torch.autocast(fp16)` and torch's `GradScaler` scales. We do this ourselves rather than through
+  `torch.autocast(fp16)` and torch's `GradScaler` scales. Under pipeline parallelism each rank holds other
+  parameters, so an overflow one stage finds must skip the step and halve the scale on every rank: torch's
+  `ShardedGradScaler` (made for FSDP's shards, the same problem) all-reduces what each rank found. We do this ourselves rather than through
   `Accelerator(mixed_precision="fp16")`: accelerate 1.15 silently does neither autocast nor scaling
   on CPU, so that path would train fp32 while saying fp16, and one path for CPU and GPU is the one
   the CPU tests prove.
@@ -46,14 +48,26 @@ class Precision:
     """What the trainer asks of the compute dtype: a forward context, the loss to backpropagate, the
     gradients unscaled before clipping, the scale updated after the step, and the scale's state."""
 
-    def __init__(self, dtype: torch.dtype, accelerator: Any, optimizer: Any, deepspeed: bool):
+    def __init__(self, dtype: torch.dtype, accelerator: Any, optimizer: Any, deepspeed: bool,
+                 scaler_group: Any = None):
+        """`scaler_group`: the process group whose ranks hold different parameters (a pipeline's): the scaler
+        agrees with them on each step's overflow."""
         self.dtype, self.accelerator, self.optimizer, self.deepspeed = dtype, accelerator, optimizer, deepspeed
         self.fp16 = dtype == torch.float16
         own = self.fp16 and not deepspeed
         self.device_type = accelerator.device.type
         # growth_interval as DeepSpeed's loss_scale_window: the two paths grow the scale alike.
-        self.scaler = (torch.amp.GradScaler(self.device_type, init_scale=2.0 ** 16, growth_interval=1000)
-                       if own else None)
+        settings = dict(init_scale=2.0 ** 16, growth_interval=1000)
+        if not own:
+            self.scaler = None
+        elif scaler_group is not None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(self.device_type, process_group=scaler_group, **settings)
+            # the scale comes to be at its first use: on every rank now, as only the last stage scales a loss
+            self.scaler.scale(torch.zeros((), device=accelerator.device))
+        else:
+            self.scaler = torch.amp.GradScaler(self.device_type, **settings)
 
     def autocast(self):
         if self.scaler is not None:

@@ -1,11 +1,13 @@
 """The loss-wrapped model, its optimizer and the Trainer of a run: prepared by the Accelerator, or under
 --pipeline_parallel_size split into this rank's stages (open_sft.distributed.pipeline) and trained by the
-PipelineTrainer."""
+pipeline engine."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import torch
 
 logger = logging.getLogger("open_sft")
 
@@ -31,7 +33,7 @@ def build_trainer(job: Any, metrics: Any) -> Any:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
     pipeline = None
     if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
-        from open_sft.training.pipeline_step import PipelineTrainer, describe, start_pipeline
+        from open_sft.training.pipeline_engine import describe, start_pipeline
 
         pipeline = start_pipeline(wrapped, t, job.accelerator.device, shard=job.launch.fsdp is not None)
         logger.info("%s", describe(pipeline))
@@ -45,16 +47,7 @@ def build_trainer(job: Any, metrics: Any) -> Any:
     kwargs = dict(reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
     if pipeline is None:
         return Trainer(*args, **kwargs)
-    trainer = PipelineTrainer(*args, pipeline=pipeline, **kwargs)
-    for stage in pipeline.stages:
-        stage.autocast = trainer.precision.autocast
-    return trainer
+    from open_sft.training.pipeline_engine import PipelineEngine
 
-
-def checkpoint_state_io(trainer: Any) -> Any:
-    """What saves and loads a pipeline run's model and optimizer in its checkpoints (None: accelerate's save_state)."""
-    if getattr(trainer, "pipeline", None) is None:
-        return None
-    from open_sft.training.pipeline_state import PipelineState
-
-    return PipelineState(trainer.pipeline, trainer.model, trainer.optimizer)
+    return Trainer(*args, **kwargs, engine=lambda trainer: PipelineEngine(trainer, pipeline),
+                   scaler_group=torch.distributed.group.WORLD)

@@ -266,7 +266,7 @@ class Checkpointer:
         """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed);
         `uploader`: an export.hub_checkpoints.CheckpointUploader on the main process with --push_checkpoints;
         `state_io`: what saves and loads model, optimizer and RNG states (`save(dir)`, `load(dir)`) where
-        accelerate's save_state does not (pipeline stages: training.pipeline_step.PipelineState).
+        accelerate's save_state does not (pipeline stages: training.pipeline_state.PipelineState).
         Installs the SIGTERM/SIGINT/SIGUSR1 handlers of this process."""
         self.accelerator = accelerator
         self.trainer = trainer

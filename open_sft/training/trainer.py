@@ -10,7 +10,6 @@ multiply by accumulation × world size to undo both.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -19,18 +18,16 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from open_sft.config.args import TrainingArguments
-from open_sft.data.batching import (collate, collate_packed, count_trained_batch, locate, to_device,
-                                    trained_sources)
+from open_sft.data.batching import count_trained_batch, trained_sources
 from open_sft.data.pipeline import PreparedData
-from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems, zero_stage
-from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
+from open_sft.distributed.deepspeed import zero_stage
 from open_sft.distributed.tensor_parallel import group_ranks, tp_size_of
-from open_sft.errors import UserError
 from open_sft.monitor.activations import SavedActivations
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
 from open_sft.training.amp import Precision
-from open_sft.training.evaluate import evaluate
+from open_sft.training.engine import (AccelerateEngine, DeepSpeedEngine, NonFiniteError, StepLosses, StepWork,
+                                      default_engine)
+from open_sft.training.micro_batches import StepBatches
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
 from open_sft.training.steps import StepPlan
 from open_sft.training.window import TrainingClock, Window
@@ -38,15 +35,17 @@ from open_sft.training.window import TrainingClock, Window
 logger = logging.getLogger(__name__)
 
 StepHook = Callable[[int, float], bool]  # (optimizer steps done, seconds the last one took) -> stop now
-# a forward pass: inputs, each trained position's source (None: a TP group member's pass), trained tokens
-Pass = tuple[dict[str, torch.Tensor], Optional[torch.Tensor], int]
 
 
 class Trainer:
+    """The loop and the step every engine shares (`train_step`); `engine` (open_sft.training.engine) supplies the
+    forward and backward passes, the clipping and the optimizer step of the way the run is spread."""
+
     def __init__(self, accelerator, model, optimizer, args: TrainingArguments, steps: StepPlan,
                  data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
                  metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
-                 eval_data: Optional[PreparedData] = None, dtype: torch.dtype = torch.float32):
+                 eval_data: Optional[PreparedData] = None, dtype: torch.dtype = torch.float32,
+                 engine: Optional[Callable[["Trainer"], AccelerateEngine]] = None, scaler_group: Any = None):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
@@ -58,23 +57,19 @@ class Trainer:
         self.peak_flops = peak_flops
         self.metrics = metrics
         self.reduce_sum = reduce_sum
-        self.is_deepspeed = accelerator.distributed_type.name == "DEEPSPEED"
-        self.precision = Precision(dtype, accelerator, optimizer, self.is_deepspeed)
+        engine = engine or default_engine(accelerator)
+        deepspeed = isinstance(engine, type) and issubclass(engine, DeepSpeedEngine)
+        self.precision = Precision(dtype, accelerator, optimizer, deepspeed, scaler_group)
         # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel)
-        self.sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
+        sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
         # DeepSpeed 0.19's reduction of an SP group's gradients: ZeRO-3 leaves them 1/N of the group's sum, ZeRO-1/2
         # the whole sum (measured: the same run's gradient norm under ZeRO-2 was exactly N times one process's and
         # ZeRO-3's; clipping then cut twice as hard), so only ZeRO-3's loss is scaled back up by N
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed else None
-        self.sp_scale = self.sp_size if zero_stage(ds_config) == 3 else 1
-        self.example_lengths = data.lengths() if self.sp_size > 1 else []  # the plan's, for SP group widths
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if deepspeed else None
+        self.sp_scale = sp_size if zero_stage(ds_config) == 3 else 1
         # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
-        self.tp_ranks = group_ranks(accelerator) if tp_size_of(accelerator) > 1 else []
-        if self.is_deepspeed:
-            problems = deepspeed_nonfinite_problems(ds_config)
-            if problems:
-                raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
-                                "skipping them: " + "; ".join(problems))
+        self.batches = StepBatches(data, steps, args, pad_token_id, accelerator.process_index, sp_size,
+                                   group_ranks(accelerator) if tp_size_of(accelerator) > 1 else [])
         if accelerator.is_main_process:
             logger.info("optimizer: %s", optimizer_impl(optimizer))
         self.train_tokens = 0
@@ -94,63 +89,11 @@ class Trainer:
         self.loss_model.keep_token_losses = len(self.source_names) > 1
         self.seen_example_ids: list[int] = []  # this rank's examples, in order (tests check sharding)
         self.saved_activations = SavedActivations.if_requested()  # audit aid: measured activation bytes
+        self.engine = engine(self)
 
-    def _collate(self, indices: list[int], loss_free: bool = False, width: int = 0) -> dict[str, torch.Tensor]:
-        examples, sources = [self.data.example(i) for i in indices], [self.data.source(i) for i in indices]
-        if self.args.packing:
-            # Under SP a packed micro-batch is one row of the whole budget (Ulysses wants fixed rows).
-            capacity = self.steps.max_seq_length if self.sp_size == 1 else self.steps.plan.max_tokens
-            batch = collate_packed(examples, self.pad_token_id, capacity, sources)
-            if loss_free:
-                batch["labels"].fill_(IGNORE_INDEX)
-        else:
-            batch = collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
-        if self.sp_size > 1:
-            rows = 1 if self.args.packing else self.steps.layout.micro_batch_size
-            batch = fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width)
-        return batch
-
-    def _passes(self, step: int, batches: list[dict[str, torch.Tensor]], positions: list[torch.Tensor],
-                counts: list[int]) -> list[Pass]:
-        """(inputs, source of each trained position, trained tokens) of each forward pass of the step: the
-        micro-batches, under SP this rank's slices of its group's micro-batches, under TP its group's micro-
-        batches (another member's pass has no sources: its loss is counted on its own rank)."""
-        if self.sp_size == 1:
-            own = [({k: v for k, v in b.items() if k != "sources"}, p, c)
-                   for b, p, c in zip(batches, positions, counts)]
-            return self._group_passes(step, own) if self.tp_ranks else own
-        slices = shard(self.accelerator, self.model, batches)
-        return [({k: v for k, v in s.items() if k != "sources"}, trained_shard_sources(s),
-                 int((s["shift_labels"] != IGNORE_INDEX).sum())) for s in slices]
-
-    def _group_passes(self, step: int, own: list[Pass]) -> list[Pass]:
-        """Under TP, the passes of the whole TP group, micro-batch slot by slot and member by member: every
-        member collates the others' micro-batches from the plan (a pure function), so no collective is needed."""
-        def others(rank: int) -> list[Pass]:
-            batches = [batch for batch, _ in self._micro_batches(step, rank)]
-            return [({k: v for k, v in b.items() if k not in ("sources", "lengths")}, None,
-                     count_trained_batch(b["labels"])) for b in batches]
-
-        me = self.accelerator.process_index
-        members = [own if rank == me else others(rank) for rank in self.tp_ranks]
-        return [passes[slot] for slot in range(len(own)) for passes in members]
-
-    def _micro_batches(self, step: int, rank: Optional[int] = None) -> list[tuple[dict[str, torch.Tensor], list[int]]]:
-        epoch, step_in_epoch = locate(self.steps.plan, step)
-        rank = self.accelerator.process_index if rank is None else rank
-        micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, rank)
-        widths = [0] * len(micro_batches) if self.sp_size == 1 else group_widths(
-            self.steps.plan, epoch, step_in_epoch, self.example_lengths, self.args.packing)
-        batches = []
-        for indices, width in zip(micro_batches, widths):
-            if indices:
-                batches.append((self._collate(indices, width=width), indices))
-            else:  # an empty slot (end of an epoch): same compute on every rank, no loss
-                batches.append((self._collate([0], loss_free=True, width=width), []))
-        return batches
-
-    def _loss_scale(self, trained_global: float, trained_local: float) -> float:
-        """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization."""
+    def loss_scale(self, trained_global: float, trained_local: float) -> float:
+        """Multiplier on a micro-batch's loss sum so the step's gradient follows --loss_normalization, for an
+        engine that divides the step's summed gradients by accumulation × ranks (DDP, FSDP2, DeepSpeed)."""
         undo = self.steps.layout.gradient_accumulation_steps * self.steps.layout.world_size * self.sp_scale
         if self.args.loss_normalization == "token":
             return undo / max(trained_global, 1.0)
@@ -167,28 +110,12 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _clip_and_norm(self) -> float:
-        if self.is_deepspeed:
-            return float("nan")  # DeepSpeed clips inside its step; the norm is read after it
-        max_norm = self.args.clip_grad_norm if self.args.clip_grad_norm > 0 else float("inf")
-        return float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
-
     def _nonfinite(self, loss_sum: torch.Tensor, grad_norm: float) -> bool:
-        """Whether any rank saw a non-finite loss or gradient this step (all ranks agree); it is skipped.
-
-        Outside DeepSpeed we skip the optimizer step ourselves. DeepSpeed steps inside the last backward
-        and skips by itself when the gradient norm is not finite (under the settings
-        deepspeed_nonfinite_problems allows), leaving weights and optimizer state untouched: we read its
-        verdict, so a gradient that is non-finite under a finite loss is counted too."""
-        bad = not (math.isfinite(float(loss_sum)) and (self.is_deepspeed or math.isfinite(grad_norm)))
+        """Whether the step is skipped: any rank saw a non-finite loss or gradient norm (all ranks agree), as the
+        engine judges it (DeepSpeed has stepped already, or skipped by itself: its verdict)."""
+        bad = not (math.isfinite(float(loss_sum)) and (not self.engine.norm_before_step or math.isfinite(grad_norm)))
         bad = bool(self.reduce_sum(torch.tensor([float(bad)], dtype=torch.float64))[0] > 0)
-        if not self.is_deepspeed:
-            return bad
-        skipped = bool(self.optimizer.step_was_skipped)
-        if bad and not skipped:
-            raise NonFiniteError("DeepSpeed applied an optimizer step with a non-finite loss; the weights can no "
-                                 "longer be trusted. Use ZeRO stage 1-3 with the gradient-norm check enabled")
-        return skipped
+        return self.engine.skipped(bad)
 
     def _count_nonfinite(self, step: int, bad: bool, overflow: bool = False) -> None:
         """Count a skipped step. An fp16 overflow (finite loss, gradients past fp16's range) is how dynamic loss
@@ -226,67 +153,44 @@ class Trainer:
         reduced = self.reduce_sum(torch.cat([local, rank_slots, source_counts])).tolist()
         return (*reduced[:4], int(max(reduced[4:4 + world])), [int(t) for t in reduced[4 + world:]])
 
-    def _begin_step(self, step: int) -> tuple:
+    def _begin_step(self, step: int) -> StepWork:
         """This rank's micro-batches of the step, their trained tokens, each trained position's source, and the
         step's global counts (`_step_counts`, collective)."""
-        batches = self._micro_batches(step)
+        batches = self.batches.for_rank(step)
         local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
         positions = [trained_sources(batch) for batch, _ in batches]
-        return batches, local_counts, positions, self._step_counts(batches, local_counts, positions,
-                                                                   len(self.source_names))
+        self.seen_example_ids.extend(i for _, indices in batches for i in indices)
+        return StepWork(step, batches, local_counts, positions,
+                        *self._step_counts(batches, local_counts, positions, len(self.source_names)))
 
     def train_step(self, step: int) -> dict:
-        """One optimizer step. The per-source token counts and loss sums ride in the two all-reduces the step
-        makes anyway (counts before the first micro-batch, loss sums after the last): no extra collective."""
-        n_sources = len(self.source_names)
-        batches, local_counts, positions, (trained_global, tokens_global, squares_global, slots_global,
-                                           busiest_rank_slots, source_tokens) = self._begin_step(step)
-        device = self.accelerator.device  # the step's sums stay there: no wait on the device per micro-batch
-        source_loss = torch.zeros(n_sources, dtype=torch.float64, device=device)
+        """One optimizer step: begin → the engine's forward and backward passes → its clipping and norm → the
+        non-finite verdict → its optimizer step → finish. The per-source token counts and loss sums ride in the
+        two all-reduces the step makes anyway (counts before the first micro-batch, loss sums after the last)."""
+        work = self._begin_step(step)
         lr = self._set_lr(step)
         self.model.train()
-        loss_sum, aux_sum = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
-        grad_norm, skipped = float("nan"), False
-        self.seen_example_ids.extend(i for _, indices in batches for i in indices)
-        passes = self._passes(step, [batch for batch, _ in batches], positions, local_counts)
-        for a, (batch, trained_positions, trained_local) in enumerate(passes):
-            with self.accelerator.accumulate(self.model):
-                with self.precision.autocast(), (self.saved_activations.measure() if self.saved_activations
-                                                 else contextlib.nullcontext()):
-                    token_loss_sum = self.model(**to_device(batch, device))
-                if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
-                    aux = self.loss_model.aux_sum if self.loss_model.router else None
-                    aux_sum += aux.double() if aux is not None else 0.0
-                    lm_loss = token_loss_sum.detach().double() - (  # the logged loss: the language model's
-                        self.loss_model.router.coefficient * aux.double() if aux is not None else 0.0)
-                    loss_sum += lm_loss
-                    kept = self.loss_model.token_losses
-                    if kept is not None:
-                        source_loss.index_add_(0, trained_positions.to(device), kept.double())
-                    else:  # one source: its loss is the language model's
-                        source_loss[0] += lm_loss
-                self.accelerator.backward(
-                    self.precision.scale(token_loss_sum * self._loss_scale(trained_global, trained_local)))
-                if a == len(passes) - 1:
-                    self.precision.unscale()
-                    grad_norm = self._clip_and_norm()
-                    skipped = self._nonfinite(loss_sum, grad_norm)
-                if not skipped:
-                    self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-        self.precision.update()
-        if self.is_deepspeed:
-            grad_norm = float(self.model.get_global_grad_norm() or float("nan"))
-        summed = self.reduce_sum(torch.cat([loss_sum.reshape(1), aux_sum.reshape(1), source_loss])).tolist()
+        losses = self.engine.forward_backward(work)
+        grad_norm = self.engine.clip_and_norm()
+        skipped = self._nonfinite(losses.loss_sum, grad_norm)
+        self.engine.optimizer_step(skipped)
+        return self._finish_step(work, losses, lr, self.engine.grad_norm(grad_norm), skipped)
+
+    def _finish_step(self, work: StepWork, losses: StepLosses, lr: float, grad_norm: float, skipped: bool) -> dict:
+        """The step's global loss sums (collective), the non-finite count, and the step's record."""
+        n_sources = len(self.source_names)
+        summed = self.reduce_sum(torch.cat([losses.loss_sum.reshape(1), losses.aux_sum.reshape(1),
+                                            losses.source_loss])).tolist()
         loss_global, aux_global, source_loss_global = float(summed[0]), float(summed[1]), summed[2:]
-        self._count_nonfinite(step, skipped or not math.isfinite(loss_global),
+        trained_global, source_tokens = work.trained_global, work.source_tokens
+        self._count_nonfinite(work.step, skipped or not math.isfinite(loss_global),
                               overflow=self.precision.fp16 and math.isfinite(loss_global))
         if skipped or not math.isfinite(loss_global):  # the step taught nothing: keep it out of the loss
             loss_global, trained_global, aux_global = 0.0, 0, 0.0
             source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
-        flops = self.flop_counter.step_flops(int(tokens_global), int(trained_global), int(squares_global))
-        return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(tokens_global),
-                "padded_slots": int(slots_global), "busiest_rank_slots": busiest_rank_slots,
+        flops = self.flop_counter.step_flops(int(work.tokens_global), int(trained_global), int(work.squares_global))
+        return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(work.tokens_global),
+                "padded_slots": int(work.slots_global), "busiest_rank_slots": work.busiest_rank_slots,
                 "source_loss": source_loss_global, "source_tokens": source_tokens, "aux_sum": aux_global,
                 "lr": lr, "grad_norm": grad_norm, "flops": flops}
 
@@ -364,11 +268,12 @@ class Trainer:
                 stop = any([hook(done, seconds) for hook in after_step])  # a list: every hook runs
             if stop:
                 break
+        self.engine.after_training()
         return records
 
     def evaluate(self, done: int) -> dict:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
-        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **self._eval_result()}
+        record = {"step": done, "epoch": round(self.steps.epochs_done(done), 4), **self.engine.evaluate()}
         if self.accelerator.is_main_process:
             logger.info("step %d/%d | eval_loss %.4f over %d tokens", done, self.steps.total_steps,
                         record["eval_loss"], record["eval_tokens"])
@@ -376,11 +281,6 @@ class Trainer:
                 self.metrics.write(record)
         return record
 
-    def _eval_result(self) -> dict:
-        """eval_loss, eval_tokens and the per-source fields over the held-out set (collective)."""
-        batch_size = self.args.per_device_eval_batch_size or self.args.per_device_train_batch_size
-        return evaluate(self.accelerator, self.model, self.eval_data, batch_size, self.pad_token_id,
-                        self.reduce_sum, self.precision.autocast, tp_ranks=self.tp_ranks)
 
     def _log(self, record: dict) -> None:
         if not self.accelerator.is_main_process:
@@ -394,7 +294,3 @@ class Trainer:
         )
         if self.metrics is not None:
             self.metrics.write(record)
-
-
-class NonFiniteError(UserError):
-    """Training diverged: too many non-finite steps in a row."""

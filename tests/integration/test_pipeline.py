@@ -25,6 +25,7 @@ from integration.test_checkpoint import assert_continues_exactly, interrupt, loa
 from integration.test_fsdp import LORA, STEPS, fsdp_command, losses
 from integration.test_fsdp import args_for as absolute_args_for
 from integration.test_lora import lora_pairs
+from integration.test_moe import moe_model  # noqa: F401 (a fixture)
 
 PP = ["--pipeline_parallel_size", "2"]
 DDP = ["--multi_gpu"]  # accelerate's plain data-parallel launch (gloo on CPU)
@@ -242,3 +243,25 @@ def test_a_layout_that_cannot_run_is_refused_before_loading(model4, tmp_path) ->
     assert result.returncode == 2
     assert "--pipeline_parallel_size 2 must divide the number of processes (1)" in result.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_fp16_and_the_router_loss_of_an_moe_in_two_stages_train_what_data_parallelism_trains(moe_model,
+                                                                                              tmp_path) -> None:
+    """fp16 loss scaling and --load_balancing_loss under PP: the router logits of stage 1's layers travel with its
+    hidden states, so the last stage's router loss is the unsplit model's; every rank unscales by one scale. The
+    reference is DDP on the same 2 ranks (the router loss is per micro-batch, so the micro-batches must be the
+    same ones)."""
+    def args(out, *extra: str) -> list[str]:
+        return ["--model_name_or_path", str(moe_model), "--dataset_mixer_list", SAMPLE_NAME, "96", "--output_dir",
+                str(out), "--max_train_steps", "3", "--logging_steps", "1", "--per_device_train_batch_size", "2",
+                "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3", "--seed", "1", "--torch_dtype",
+                "float16", "--max_seq_length", "128", "--load_balancing_loss", *extra]
+
+    run_launch(args(tmp_path / "ddp"))
+    run_launch(args(tmp_path / "pp", *PP))
+    ddp, pp = read_metrics(tmp_path / "ddp"), read_metrics(tmp_path / "pp")
+    assert len(pp) == len(ddp) == 3 and all(m["aux_loss"] > 0 and m["loss_scale"] == 2.0 ** 16 for m in pp)
+    # measured: 9e-6 relative (loss), 3e-5 (aux_loss), 8e-5 (grad_norm) at step 3; without stage 1's router logits
+    # the aux loss would be about half
+    for key, rel in (("loss", 1e-4), ("aux_loss", 1e-4), ("grad_norm", 5e-4)):
+        assert [m[key] for m in pp] == pytest.approx([m[key] for m in ddp], rel=rel), key

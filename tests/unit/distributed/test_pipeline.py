@@ -13,7 +13,7 @@ import torch
 from open_sft.distributed.pipeline import (PipelineLayout, check_stage_entry, owned_parameters, parse_layers,
                                            pipeline_flag_problems, pipeline_problems, split_model, stage_ranges)
 from open_sft.model.loss import TokenLossModel
-from open_sft.training.pipeline_step import fit_shape
+from open_sft.training.pipeline_engine import fit_shape
 
 VOCAB = 96
 

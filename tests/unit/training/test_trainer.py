@@ -22,7 +22,8 @@ from open_sft.model.loss import TokenLossModel
 from open_sft.monitor.metrics import FlopCounter
 from open_sft.training.optim import build_optimizer
 from open_sft.training.steps import plan_steps
-from open_sft.training.trainer import NonFiniteError, Trainer, deepspeed_nonfinite_problems
+from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
+from open_sft.training.trainer import NonFiniteError, Trainer
 
 
 class Poisoned(TokenLossModel):
@@ -124,14 +125,14 @@ def test_deepspeed_settings_that_would_apply_a_nan_step() -> None:
 @pytest.mark.parametrize("eval_batch, expected", [(None, 4), (13, 13)])
 def test_evaluation_batches_by_the_eval_batch_size(setup, tiny_model_dir, monkeypatch, eval_batch, expected) -> None:
     """--per_device_eval_batch_size sets the evaluation batch (default: the training micro-batch, 4 here)."""
-    from open_sft.training import trainer as trainer_module
+    from open_sft.training import engine as engine_module
 
     tokenizer, data, _ = setup
     trainer, _ = make_trainer(setup, tiny_model_dir, poison=set(), per_device_eval_batch_size=eval_batch)
     trainer.eval_data = data
     seen = []
-    real = trainer_module.evaluate
-    monkeypatch.setattr(trainer_module, "evaluate", lambda acc, model, d, batch_size, *rest, **kw:
+    real = engine_module.evaluate
+    monkeypatch.setattr(engine_module, "evaluate", lambda acc, model, d, batch_size, *rest, **kw:
                         seen.append(batch_size) or real(acc, model, d, batch_size, *rest))
     record = trainer.evaluate(1)
     assert seen == [expected] and record["eval_tokens"] == sum(example_trained(data, i) for i in range(len(data)))
@@ -147,8 +148,8 @@ def test_batches_reach_the_model_on_the_accelerators_device(setup, tiny_model_di
     """Batches are collated on the host: every forward pass, training and evaluation, gets them through
     to_device(batch, accelerator.device) (the first GPU run failed here: 'index is on cpu')."""
     from open_sft.data import batching
+    from open_sft.training import engine as engine_module
     from open_sft.training import evaluate as evaluate_module
-    from open_sft.training import trainer as trainer_module
 
     moved = []
 
@@ -156,7 +157,7 @@ def test_batches_reach_the_model_on_the_accelerators_device(setup, tiny_model_di
         moved.append(device)
         return batching.to_device(batch, device)
 
-    monkeypatch.setattr(trainer_module, "to_device", recording)
+    monkeypatch.setattr(engine_module, "to_device", recording)
     monkeypatch.setattr(evaluate_module, "to_device", recording)
     trainer, _ = make_trainer(setup, tiny_model_dir, poison=set(), gradient_accumulation_steps=2)
     trainer.train_step(0)

@@ -1,0 +1,183 @@
+"""The engines of the training step. A step is the same everywhere (open_sft.training.trainer.Trainer.train_step):
+begin (the micro-batches and the step's global counts) → the engine's forward and backward over the step's
+micro-batches → the engine's unscale, clip and gradient norm → the non-finite verdict → the engine's optimizer
+step → finish (the loss sums, the schedule, the records). What differs between the ways a run is spread lives
+here, in the parts an engine supplies:
+
+- `AccelerateEngine`: one process, DDP, FSDP2, tensor and Ulysses sequence parallelism — micro-batches under
+  accelerate's `accumulate` (DDP's gradient sync on the last), accelerate's clipping, the optimizer stepped once.
+- `DeepSpeedEngine`: the same passes; DeepSpeed clips and steps inside the last backward, skipping a step whose
+  gradient is not finite by itself, so its verdict and its gradient norm are read afterwards.
+- `open_sft.training.pipeline_engine.PipelineEngine`: the micro-batches of a pipeline replica through torch's
+  schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from open_sft.data.batching import to_device
+from open_sft.distributed.collectives import gather_full_state_dict
+from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
+from open_sft.errors import UserError
+from open_sft.training.evaluate import evaluate
+
+if TYPE_CHECKING:
+    from open_sft.training.trainer import Trainer
+
+
+class NonFiniteError(UserError):
+    """Training diverged: too many non-finite steps in a row (or DeepSpeed applied a non-finite step)."""
+
+
+@dataclass
+class StepWork:
+    """What the step's beginning hands the engine: this rank's micro-batches of the step (with their example
+    indices), each one's trained tokens and the source of each trained position, and the global counts."""
+
+    step: int
+    batches: list[tuple[dict[str, torch.Tensor], list[int]]]
+    counts: list[int]
+    positions: list[torch.Tensor]
+    trained_global: float
+    tokens_global: float
+    squares_global: float  # the sum of squared example lengths (attention FLOPs)
+    slots_global: float  # positions computed
+    busiest_rank_slots: int
+    source_tokens: list[int]
+
+
+@dataclass
+class StepLosses:
+    """This rank's sums over the step's passes, kept on the device: the language model's loss, the router's
+    auxiliary loss (× trained tokens) and the loss per source."""
+
+    loss_sum: torch.Tensor
+    aux_sum: torch.Tensor
+    source_loss: torch.Tensor
+
+    @classmethod
+    def zeros(cls, sources: int, device: torch.device) -> "StepLosses":
+        zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
+        return cls(zero(), zero(), torch.zeros(sources, dtype=torch.float64, device=device))
+
+    def add(self, lm_loss: torch.Tensor, aux: Optional[torch.Tensor], kept: Optional[torch.Tensor],
+            positions: torch.Tensor) -> None:
+        """One pass: its language-model loss sum, its aux sum (None: no router loss), each trained position's
+        loss (None: one source, whose loss is the language model's) and each trained position's source."""
+        lm_loss = lm_loss.detach().double()
+        self.loss_sum += lm_loss
+        if aux is not None:
+            self.aux_sum += aux.double()
+        if kept is not None:
+            self.source_loss.index_add_(0, positions.to(self.source_loss.device), kept.double())
+        else:
+            self.source_loss[0] += lm_loss
+
+
+class AccelerateEngine:
+    """One process, DDP, FSDP2, TP or Ulysses SP: the model and optimizer as the Accelerator prepared them."""
+
+    norm_before_step = True  # the gradient norm is known before the optimizer step (the non-finite check reads it)
+
+    def __init__(self, trainer: "Trainer"):
+        self.trainer = trainer
+
+    def forward_backward(self, work: StepWork) -> StepLosses:
+        """Every forward pass of the step, each followed by its backward (gradients synced on the last)."""
+        t = self.trainer
+        device, loss_model = t.accelerator.device, t.loss_model
+        losses = StepLosses.zeros(len(t.source_names), device)
+        passes = t.batches.passes(work.step, [batch for batch, _ in work.batches], work.positions, work.counts,
+                                  t.accelerator, t.model)
+        for batch, trained_positions, trained_local in passes:
+            with t.accelerator.accumulate(t.model):
+                with t.precision.autocast(), (t.saved_activations.measure() if t.saved_activations
+                                              else contextlib.nullcontext()):
+                    token_loss_sum = t.model(**to_device(batch, device))
+                if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
+                    aux = loss_model.aux_sum if loss_model.router else None
+                    lm_loss = token_loss_sum.detach().double() - (  # the logged loss: the language model's
+                        loss_model.router.coefficient * aux.double() if aux is not None else 0.0)
+                    losses.add(lm_loss, aux, loss_model.token_losses, trained_positions)
+                t.accelerator.backward(
+                    t.precision.scale(token_loss_sum * t.loss_scale(work.trained_global, trained_local)))
+        return losses
+
+    def clip_and_norm(self) -> float:
+        """The gradients unscaled (fp16) and clipped to --clip_grad_norm; their global norm before clipping."""
+        t = self.trainer
+        t.precision.unscale()
+        max_norm = t.args.clip_grad_norm if t.args.clip_grad_norm > 0 else float("inf")
+        return float(t.accelerator.clip_grad_norm_(t.model.parameters(), max_norm))
+
+    def skipped(self, bad: bool) -> bool:
+        """Whether the step is skipped, given whether any rank saw a non-finite loss or norm."""
+        return bad
+
+    def optimizer_step(self, skipped: bool) -> None:
+        t = self.trainer
+        if not skipped:
+            t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        t.precision.update()
+
+    def grad_norm(self, measured: float) -> float:
+        """The step's gradient norm for the records."""
+        return measured
+
+    def evaluate(self) -> dict:
+        """eval_loss, eval_tokens and the per-source fields over the held-out set (collective)."""
+        t = self.trainer
+        batch_size = t.args.per_device_eval_batch_size or t.args.per_device_train_batch_size
+        return evaluate(t.accelerator, t.model, t.eval_data, batch_size, t.pad_token_id, t.reduce_sum,
+                        t.precision.autocast, tp_ranks=t.batches.tp_ranks)
+
+    def after_training(self) -> None:
+        """At the end of the loop (every rank)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the main process, for the export (collective)."""
+        return gather_full_state_dict(self.trainer.accelerator, self.trainer.model)
+
+    def checkpoint_io(self) -> Any:
+        """What saves and loads the model and optimizer in a checkpoint (None: accelerate's save_state)."""
+        return None
+
+
+class DeepSpeedEngine(AccelerateEngine):
+    """ZeRO stage 1-3: DeepSpeed clips, checks the gradient norm and steps inside the last backward."""
+
+    norm_before_step = False
+
+    def __init__(self, trainer: "Trainer"):
+        super().__init__(trainer)
+        problems = deepspeed_nonfinite_problems(trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
+        if problems:
+            raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
+                            "skipping them: " + "; ".join(problems))
+
+    def clip_and_norm(self) -> float:
+        return float("nan")  # DeepSpeed clips inside its step; the norm is read after it
+
+    def skipped(self, bad: bool) -> bool:
+        """DeepSpeed skips by itself when the gradient norm is not finite (under the settings
+        deepspeed_nonfinite_problems allows), leaving weights and optimizer state untouched: its verdict counts,
+        so a gradient that is non-finite under a finite loss is counted too."""
+        skipped = bool(self.trainer.optimizer.step_was_skipped)
+        if bad and not skipped:
+            raise NonFiniteError("DeepSpeed applied an optimizer step with a non-finite loss; the weights can no "
+                                 "longer be trusted. Use ZeRO stage 1-3 with the gradient-norm check enabled")
+        return skipped
+
+    def grad_norm(self, measured: float) -> float:
+        return float(self.trainer.model.get_global_grad_norm() or float("nan"))
+
+
+def default_engine(accelerator: Any) -> type[AccelerateEngine]:
+    """The engine of a run the Accelerator prepared: DeepSpeed's under a DeepSpeed launch."""
+    return DeepSpeedEngine if accelerator.distributed_type.name == "DEEPSPEED" else AccelerateEngine

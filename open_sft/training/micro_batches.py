@@ -1,0 +1,84 @@
+"""The micro-batches of an optimizer step, as each rank computes them: collated from the step plan (a pure
+function of the step and the rank, so any rank can collate another's), under Ulysses SP cut into this rank's
+slices of its group's micro-batches, under TP or PP joined with the other members' of the group."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate
+from open_sft.data.token_rows import IGNORE_INDEX
+from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
+
+Batch = dict[str, torch.Tensor]
+# a forward pass: inputs, each trained position's source (None: a TP group member's pass), trained tokens
+Pass = tuple[Batch, Optional[torch.Tensor], int]
+
+
+class StepBatches:
+    """Collates the plan's micro-batches for a rank (`for_rank`), and the forward passes this rank runs
+    (`passes`); `sp_size` > 1: Ulysses sequence parallelism, `tp_ranks`: this rank's TP group."""
+
+    def __init__(self, data: Any, steps: Any, args: Any, pad_token_id: int, process_index: int, sp_size: int = 1,
+                 tp_ranks: Optional[list[int]] = None):
+        self.data, self.steps, self.args, self.pad_token_id = data, steps, args, pad_token_id
+        self.process_index, self.sp_size, self.tp_ranks = process_index, sp_size, tp_ranks or []
+        self.example_lengths = data.lengths() if sp_size > 1 else []  # the plan's, for SP group widths
+
+    def collate(self, indices: list[int], loss_free: bool = False, width: int = 0) -> Batch:
+        examples, sources = [self.data.example(i) for i in indices], [self.data.source(i) for i in indices]
+        if self.args.packing:
+            # Under SP a packed micro-batch is one row of the whole budget (Ulysses wants fixed rows).
+            capacity = self.steps.max_seq_length if self.sp_size == 1 else self.steps.plan.max_tokens
+            batch = collate_packed(examples, self.pad_token_id, capacity, sources)
+            if loss_free:
+                batch["labels"].fill_(IGNORE_INDEX)
+        else:
+            batch = collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
+        if self.sp_size > 1:
+            rows = 1 if self.args.packing else self.steps.layout.micro_batch_size
+            batch = fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width)
+        return batch
+
+    def for_rank(self, step: int, rank: Optional[int] = None) -> list[tuple[Batch, list[int]]]:
+        """(collated micro-batch, its example indices) of each micro-batch slot of the step on `rank` (this one
+        by default); an empty slot (end of an epoch) is a loss-free micro-batch: same compute on every rank."""
+        epoch, step_in_epoch = locate(self.steps.plan, step)
+        rank = self.process_index if rank is None else rank
+        micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, rank)
+        widths = [0] * len(micro_batches) if self.sp_size == 1 else group_widths(
+            self.steps.plan, epoch, step_in_epoch, self.example_lengths, self.args.packing)
+        batches = []
+        for indices, width in zip(micro_batches, widths):
+            if indices:
+                batches.append((self.collate(indices, width=width), indices))
+            else:
+                batches.append((self.collate([0], loss_free=True, width=width), []))
+        return batches
+
+    def group(self, step: int, own: list, ranks: list[int]) -> list:
+        """The micro-batches of a group of ranks (a TP group, a pipeline replica), slot by slot and member by
+        member: every member collates the others' from the plan, so no collective is needed."""
+        members = [own if rank == self.process_index else self.for_rank(step, rank) for rank in ranks]
+        return [batches[slot] for slot in range(len(own)) for batches in members]
+
+    def passes(self, step: int, batches: list[Batch], positions: list[torch.Tensor], counts: list[int],
+               accelerator: Any = None, model: Any = None) -> list[Pass]:
+        """(inputs, source of each trained position, trained tokens) of each forward pass of the step: the
+        micro-batches, under SP this rank's slices of its group's micro-batches (collective: `accelerator` and
+        `model` name the group), under TP its group's micro-batches (another member's pass has no sources: its
+        loss is counted on its own rank)."""
+        if self.sp_size > 1:
+            slices = shard(accelerator, model, batches)
+            return [({k: v for k, v in s.items() if k != "sources"}, trained_shard_sources(s),
+                     int((s["shift_labels"] != IGNORE_INDEX).sum())) for s in slices]
+        own = [({k: v for k, v in b.items() if k != "sources"}, p, c) for b, p, c in zip(batches, positions, counts)]
+        if not self.tp_ranks:
+            return own
+        members = {rank: [({k: v for k, v in b.items() if k not in ("sources", "lengths")}, None,
+                           count_trained_batch(b["labels"])) for b, _ in self.for_rank(step, rank)]
+                   for rank in self.tp_ranks if rank != self.process_index}
+        members[self.process_index] = own
+        return [members[rank][slot] for slot in range(len(own)) for rank in self.tp_ranks]
