@@ -41,7 +41,7 @@ class Job:
     config: FinetuneConfig
     launch: Any  # open_sft.config.launch.LaunchPlan
     tokenizer: Any = None
-    data: Any = None  # open_sft.data.pipeline.PreparedData
+    data: Any = None  # open_sft.data.prepare.PreparedData
     eval_data: Any = None
     model: Any = None
     accelerator: Any = None
@@ -115,7 +115,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
 def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
-    from open_sft.data.pipeline import prepare_data as build
+    from open_sft.data.prepare import prepare_data as build
     from open_sft.data.summary import format_data_report, print_examples
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 

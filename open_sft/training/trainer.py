@@ -21,7 +21,7 @@ import torch
 from open_sft.config.args import TrainingArguments
 from open_sft.data.batching import (collate, collate_packed, count_trained_batch, locate, to_device,
                                     trained_sources)
-from open_sft.data.pipeline import PreparedData
+from open_sft.data.prepare import PreparedData
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems, zero_stage
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
