@@ -102,7 +102,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
         refuse_what_compile_cannot_do(config, plan)
     if config.train.pipeline_parallel_size > 1:
         from open_sft.distributed.pipeline import pipeline_problems
-        from open_sft.distributed.tensor_parallel import requested_tp_size
+        from open_sft.distributed.env import requested_tp_size
 
         problems = pipeline_problems(config, int(os.environ.get("WORLD_SIZE", "1")), plan.deepspeed_config is not None,
                                      requested_tp_size())
@@ -285,7 +285,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.export.save import save_dtype, save_lora, save_model
     from open_sft.model.load import load_model_config
     from open_sft.file_modes import share_as_umask
-    from open_sft.model.lora import is_peft_model
+    from open_sft.model.anatomy import is_peft_model
     from open_sft.monitor.report import write_run_report
     from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete

@@ -175,8 +175,7 @@ def plan_stages(model: nn.Module, train: Any) -> tuple[list[range], StageSizes]:
     decoder layers, from --pipeline_layers or balanced by parameter count, and the sizes it balanced; a
     UserError naming the flag when the model cannot be split so."""
     from open_sft.errors import UserError
-    from open_sft.model.load import param_numel
-    from open_sft.model.loss import backbone_of, causal_lm_of
+    from open_sft.model.anatomy import backbone_of, causal_lm_of, param_numel
 
     causal_lm = causal_lm_of(model)
     backbone = backbone_of(causal_lm)
@@ -302,7 +301,7 @@ class StageModule(nn.Module):
 
 
 def _backbone(loss_model: nn.Module) -> nn.Module:
-    from open_sft.model.loss import backbone_of
+    from open_sft.model.anatomy import backbone_of
 
     return backbone_of(loss_model.causal_lm())
 
