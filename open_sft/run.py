@@ -240,16 +240,16 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer, checkpoint_state_io
     from open_sft.training.preemption import StopRequest
+    from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name,
-                                       tp_size_of(acc))
-    resume = checkpoint.resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
+    identity = run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name, tp_size_of(acc))
+    resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
     check_resume_point(resume, job.steps.total_steps, config.to_dict(), acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
-        checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
+        prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
     logger.info("schedule: %s", job.steps.describe())

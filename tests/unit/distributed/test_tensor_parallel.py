@@ -13,7 +13,7 @@ from open_sft.distributed import fsdp, tensor_parallel
 from open_sft.distributed.env import requested_tp_size
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import ModelShape, Preflight, RunShape, estimate_memory
-from open_sft.training.checkpoint import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
+from open_sft.training.resume import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
 
 LAYOUT = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
           "PARALLELISM_CONFIG_TP_SIZE": "2"}
