@@ -101,7 +101,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
 
         refuse_what_compile_cannot_do(config, plan)
     if config.train.pipeline_parallel_size > 1:
-        from open_sft.distributed.pipeline import pipeline_problems
+        from open_sft.distributed.pipeline_plan import pipeline_problems
         from open_sft.distributed.env import requested_tp_size
 
         problems = pipeline_problems(config, int(os.environ.get("WORLD_SIZE", "1")), plan.deepspeed_config is not None,

@@ -21,7 +21,8 @@ import torch
 
 from open_sft.data.batching import count_trained_batch, to_device, trained_sources
 from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.distributed.pipeline import (PipelineLayout, StageModule, make_schedule, owned_parameters)
+from open_sft.distributed.pipeline import StageModule, make_schedule, owned_parameters
+from open_sft.distributed.pipeline_plan import PipelineLayout
 from open_sft.training.trainer import Trainer
 
 MODEL_KEYS = ("attention_mask", "position_ids", "labels")
@@ -291,7 +292,8 @@ def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device
     torchtitan composes them; kept gathered through a step's micro-batches (reshard_after_forward=False)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from open_sft.distributed.pipeline import _backbone, build_layout, check_stage_entry, plan_stages, split_model
+    from open_sft.distributed.pipeline import _backbone, check_stage_entry, split_model
+    from open_sft.distributed.pipeline_plan import build_layout, plan_stages
     from open_sft.errors import UserError
 
     backbone = _backbone(loss_model)
