@@ -41,7 +41,7 @@ class Job:
     config: FinetuneConfig
     launch: Any  # open_sft.config.launch.LaunchPlan
     tokenizer: Any = None
-    data: Any = None  # open_sft.data.pipeline.PreparedData
+    data: Any = None  # open_sft.data.prepare.PreparedData
     eval_data: Any = None
     model: Any = None
     accelerator: Any = None
@@ -101,8 +101,8 @@ def plan_launch(config: FinetuneConfig) -> Job:
 
         refuse_what_compile_cannot_do(config, plan)
     if config.train.pipeline_parallel_size > 1:
-        from open_sft.distributed.pipeline import pipeline_problems
-        from open_sft.distributed.tensor_parallel import requested_tp_size
+        from open_sft.distributed.pipeline_plan import pipeline_problems
+        from open_sft.distributed.env import requested_tp_size
 
         problems = pipeline_problems(config, int(os.environ.get("WORLD_SIZE", "1")), plan.deepspeed_config is not None,
                                      requested_tp_size())
@@ -115,7 +115,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
 def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
-    from open_sft.data.pipeline import prepare_data as build
+    from open_sft.data.prepare import prepare_data as build
     from open_sft.data.summary import format_data_report, print_examples
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 
@@ -240,16 +240,16 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
     from open_sft.training.preemption import StopRequest
+    from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = checkpoint.run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name,
-                                       tp_size_of(acc))
-    resume = checkpoint.resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
+    identity = run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name, tp_size_of(acc))
+    resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
     check_resume_point(resume, job.steps.total_steps, config.to_dict(), acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
-        checkpoint.prepare_metrics_file(output_dir / "metrics.jsonl", resume)
+        prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
                 acc.distributed_type.name, job.dtype, torch.get_num_threads())
     logger.info("schedule: %s", job.steps.describe())
@@ -284,7 +284,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.export.save import save_dtype, save_lora, save_model
     from open_sft.model.load import load_model_config
     from open_sft.file_modes import share_as_umask
-    from open_sft.model.lora import is_peft_model
+    from open_sft.model.anatomy import is_peft_model
     from open_sft.monitor.report import write_run_report
     from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Data pipeline speed: tokenization-cache build (rows/s, tokens/s) against the raw tokenizer's batch
+"""Data preparation speed: tokenization-cache build (rows/s, tokens/s) against the raw tokenizer's batch
 encode of the same rendered text, and the cache-hit load time.
 
     python scripts/benchmark_data.py                              # 100k generated rows, the embedded tokenizer
@@ -41,7 +41,7 @@ def main() -> int:
 
     from open_sft.config.args import DataArguments
     from open_sft.data.formats import detect_format, to_messages, to_text
-    from open_sft.data.pipeline import prepare_data
+    from open_sft.data.prepare import prepare_data
     from open_sft.data.chat.render import render
     from open_sft.data.sources import parse_mixer_list, read_source
     from open_sft.data.chat.templates import apply_chat_template_choice

@@ -46,7 +46,7 @@ def sample():  # the heap and arrays; RSS also counts the pages of memory-mapped
 threading.Thread(target=sample, daemon=True).start()
 from scripts.benchmark_data_scaling import load_tokenizer
 from open_sft.config.args import DataArguments
-from open_sft.data.pipeline import prepare_data
+from open_sft.data.prepare import prepare_data
 tokenizer = load_tokenizer(sys.argv[2], sys.argv[3])
 args = DataArguments(dataset_mixer_list=[sys.argv[4], "1.0"], max_seq_length=int(sys.argv[5]),
                      dataset_local_cache_dir=sys.argv[6])

@@ -15,7 +15,7 @@ from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hu
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
 from open_sft.config.launch import uses_deepspeed
-from open_sft.distributed.pipeline import pipeline_flag_problems
+from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
 from open_sft.file_modes import unreadable

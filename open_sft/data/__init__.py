@@ -1,1 +1,1 @@
-"""Data pipeline: read sources, validate rows, mix, apply the chat template, label, batch."""
+"""Data preparation: read sources, validate rows, mix, apply the chat template, label, batch."""

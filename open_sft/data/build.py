@@ -2,25 +2,24 @@
 it can.
 
 Every source but a JSON list file streams (open_sft.data.stream); a JSON list file is one JSON document, read
-whole by the in-memory build (open_sft.data.pipeline.build_rows), whose examples are written the same way.
+whole by the in-memory build (open_sft.data.in_memory), whose examples are written the same way.
 The result is a `datasets` directory (save_to_disk's layout, written in place) and the data report.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
-from open_sft.data import pipeline as memory
-from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
+from open_sft.config.args import DataArguments
+from open_sft.data.in_memory import check_chat_template, mixture_specs, source_format, source_rows
+from open_sft.data.labels import Example
 from open_sft.data.mixer import select_row_array
-from open_sft.data.sources import parse_mixer_list
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import Reader, chat_source, text_source
 from open_sft.data.summary import SourceReport, length_percentiles, nothing_left_message
@@ -36,10 +35,10 @@ def build_sources(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[
     out.mkdir(parents=True, exist_ok=True)
     writer = ExampleWriter(out)
     reports = []
-    for number, spec in enumerate(memory._specs(args, holdout)):
+    for number, spec in enumerate(mixture_specs(args, holdout)):
         report = _stream_source(spec, args, tokenizer, seed, writer, tmp / f"source{number}")
         if report is None:  # read whole: a JSON list file, or a first row that does not say the format
-            rows, report = memory._source_rows(spec, args, tokenizer, seed)
+            rows, report = source_rows(spec, args, tokenizer, seed)
             writer.write(rows)
         reports.append(report)  # its spill stays until the build ends: a killed build resumes after this source
         logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
@@ -70,9 +69,9 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     first, where = reader.first()
     if first is None:  # no row, or a first line that is not JSON: the in-memory build names the problem
         return None
-    fmt = memory._format(args, first, where)
+    fmt = source_format(args, first, where)
     if fmt != "text":
-        memory._check_chat_template(tokenizer)
+        check_chat_template(tokenizer)
     tmp.mkdir(parents=True, exist_ok=True)
     report = SourceReport(name=spec.name, format=fmt, rows_in=0)
 
@@ -86,39 +85,14 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     return report
 
 
-def prepare(args: Any, tokenizer: Any, seed: int, holdout: Optional[tuple[str, float]]) -> Any:
-    """open_sft.data.pipeline.prepare_data: the cache entry, built on a miss (once, under its lock)."""
+def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
+                   seed: int) -> tuple[list[Example], list[SourceReport]]:
+    """The mixture's examples as the cache gets them (streamed), and a report per source."""
     import datasets
 
-    inputs = memory.key_inputs(args, tokenizer, seed, holdout)
-    key = cache_key(inputs)
-    if args.dataset_skip_cache:  # the examples' files live as long as this process
-        tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
-        atexit.register(shutil.rmtree, tmp, True)
-        with memory._gc_paused():
-            report = build_dataset(args, tokenizer, seed, key, holdout, tmp / "spill", tmp / "data")
-        shutil.rmtree(tmp / "spill", ignore_errors=True)
-        return memory.PreparedData(datasets.load_from_disk(str(tmp / "data")), report, key, None, False)
-    cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
-    # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
-    # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
-    # chunk they hold. Bad data (a UserError) leaves nothing to resume.
-    partial = cache_dir / f"{key}.partial"
+    with tempfile.TemporaryDirectory() as tmp:
+        writer, reports = build_sources(args, tokenizer, seed, None, Path(tmp) / "data", Path(tmp) / "spill")
+        writer.finish("")
+        rows = datasets.load_from_disk(str(Path(tmp) / "data"))
+        return [Example(row["input_ids"], row["labels"]) for row in rows], reports
 
-    def build(staging: Path) -> dict[str, Any]:
-        try:
-            report = build_dataset(args, tokenizer, seed, key, holdout, partial, staging)
-        except UserError:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
-        shutil.rmtree(partial, ignore_errors=True)
-        return report
-
-    with memory._gc_paused():
-        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
-    logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
-    # an entry is found by the sources' contents: built from other paths, its report names them as this run does
-    names = [spec.name for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                                                    config_name=args.dataset_config_name)]
-    report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
-    return memory.PreparedData(dataset, report, key, entry, hit)

@@ -104,7 +104,7 @@ def _local_path(spec: SourceSpec) -> Path:
 def source_identity(spec: SourceSpec, cache_dir: Optional[Path] = None) -> str:
     """What the cache key records for a source: the content hash of a local file or directory (a large file's
     remembered in `cache_dir`, open_sft.data.cache.content_hash), else the dataset id and split (the loaded
-    dataset's fingerprint is added by the pipeline)."""
+    dataset's fingerprint is added by the data preparation)."""
     from open_sft.data.cache import content_hash
 
     path = _local_path(spec)

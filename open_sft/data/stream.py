@@ -7,7 +7,7 @@ labelled and tokenized by the workers (open_sft.data.workers) and its rows are s
 counts the rows where the amount needs them), truncation and the no-trained-token rule are applied from
 per-row numbers, and the examples are written out a piece at a time: chat rows in selection order, documents
 spliced into --max_seq_length blocks across chunk boundaries. The examples are those of the in-memory build
-(open_sft.data.pipeline.build_rows), bit for bit (tests/unit/data/test_stream.py).
+(open_sft.data.in_memory.build_rows), bit for bit (tests/unit/data/test_stream.py).
 
 A bad row stops a streaming build at the end of the chunk that has it (the in-memory build reads everything
 first): with several bad rows the one named may be another than the in-memory build names.
@@ -254,7 +254,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
             flagged.setdefault(name, [reader.where(row, numbers, start) for row in rows])
         progress.update(len(items), int(labelled.rows.bounds[-1]))
         del labelled, items
-        # the chunk's cycles (a template's). The build runs with the collector paused (pipeline._gc_paused) and
+        # the chunk's cycles (a template's). The build runs with the collector paused (prepare._gc_paused) and
         # the render loop collects only the youngest generation: what survived it is collected here, a chunk's
         # worth of objects (a full collection would walk every object of the process, torch's included)
         gc.collect(1)

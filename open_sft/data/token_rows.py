@@ -183,7 +183,7 @@ def rows_keeping_an_example(lengths: np.ndarray, trained: np.ndarray, firsts: np
 def fit_rows(rows: TokenRows, order: np.ndarray, max_length: int, truncation: str) -> tuple[TokenRows, Counter, int]:
     """The rows in `order` that fit --max_seq_length (cut to it with truncation=truncate), without those
     left with no trained token; why the others were dropped; how many kept rows were cut. Row for row:
-    labels.truncate_example followed by the pipeline's no-trained-tokens rule."""
+    labels.truncate_example followed by the build's no-trained-tokens rule."""
     kept, dropped, truncated = fit_order(rows.lengths(), rows.trained_counts(max_length), order, max_length,
                                          truncation)
     return rows.take(kept, max_length), dropped, truncated

@@ -1,5 +1,6 @@
 """This process's place on the machine: usable CPUs (affinity and cgroup quota), ranks on this machine,
-who launched it, and how many threads it computes with. One rule each; everything else asks here.
+who launched it, the parallelism sizes the launch gave (accelerate's ParallelismConfig), and how many threads
+it computes with. One rule each; everything else asks here.
 
 Thread rule (see :func:`setup_cpu_environment`): ``OPEN_SFT_NUM_THREADS`` wins; otherwise an
 ``OMP_NUM_THREADS`` the *user* set is respected; otherwise a launched rank (torchrun /
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Mapping
 
 import torch
 
@@ -18,6 +20,7 @@ from open_sft.errors import UserError
 #: Explicit per-rank thread count; overrides everything else (also use it to force 1 thread).
 NUM_THREADS_ENV = "OPEN_SFT_NUM_THREADS"
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>", or "max <period>" for none
+ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # accelerate launch --use_parallelism_config
 
 
 def usable_cpus() -> int:
@@ -134,3 +137,17 @@ def setup_cpu_environment() -> None:
         # Keep the env consistent for anything spawned later / reading it (e.g. accelerate's
         # MULTI_CPU setup, which only sets threads itself when OMP_NUM_THREADS is unset).
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def parallelism_size(name: str, env: Mapping[str, str] = os.environ) -> int:
+    """The size the launch gave one dimension of accelerate's ParallelismConfig (`--parallelism_config_<name>_size`,
+    passed as PARALLELISM_CONFIG_<NAME>_SIZE): 1 when unset or without `--use_parallelism_config`."""
+    if env.get(ENV_PARALLELISM, "false").lower() != "true":
+        return 1
+    return int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1)
+
+
+def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
+    """The launch's tensor-parallel size (1 without `--use_parallelism_config`)."""
+    return parallelism_size("tp", env)
+

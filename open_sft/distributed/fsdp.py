@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from open_sft.distributed.tensor_parallel import ENV_PARALLELISM, parallelism_size, requested_tp_size
+from open_sft.distributed.env import ENV_PARALLELISM, parallelism_size, requested_tp_size
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)

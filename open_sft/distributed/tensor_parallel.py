@@ -30,25 +30,13 @@ from typing import Any, Mapping
 
 import torch
 
-ENV_PARALLELISM = "ACCELERATE_USE_PARALLELISM_CONFIG"  # accelerate launch --use_parallelism_config
+from open_sft.distributed.env import parallelism_size, requested_tp_size
+
 # transformers' style for a norm applied per attention head between a colwise and a rowwise layer (Qwen3's and
 # Gemma 3's q_norm/k_norm): its parameter is whole on every rank, its input holds this rank's heads only
 PER_HEAD = "replicated_with_grad_allreduce"
 # the styles whose training under FSDP2 + TP the tests compare with one process (Llama, Qwen3 and OLMo2 plans)
 VERIFIED_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", PER_HEAD}
-
-
-def parallelism_size(name: str, env: Mapping[str, str] = os.environ) -> int:
-    """The size the launch gave one dimension of accelerate's ParallelismConfig (`--parallelism_config_<name>_size`,
-    passed as PARALLELISM_CONFIG_<NAME>_SIZE): 1 when unset or without `--use_parallelism_config`."""
-    if env.get(ENV_PARALLELISM, "false").lower() != "true":
-        return 1
-    return int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1)
-
-
-def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
-    """The launch's tensor-parallel size (1 without `--use_parallelism_config`)."""
-    return parallelism_size("tp", env)
 
 
 def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: Any, model_config: Any,
@@ -94,7 +82,7 @@ def apply(model: torch.nn.Module, tp_mesh: Any) -> list[str]:
     from transformers.distributed import DistributedConfig
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    from open_sft.model.lora import is_peft_model
+    from open_sft.model.anatomy import is_peft_model
 
     causal_lm = model.get_base_model() if is_peft_model(model) else model
     tp_plan, _, _ = causal_lm._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))

@@ -20,23 +20,9 @@ from typing import Any
 
 from torch import nn
 
+from open_sft.model.anatomy import decoder_layers
+
 logger = logging.getLogger(__name__)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a transformers causal LM (or a peft model around one)."""
-    from open_sft.model.loss import backbone_of, causal_lm_of
-
-    causal_lm = causal_lm_of(model)
-    try:
-        backbone = backbone_of(causal_lm)
-    except ValueError:
-        backbone = None
-    layers = getattr(backbone, "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise ValueError(f"{type(causal_lm).__name__} has no decoder layers at "
-                         f"{causal_lm.base_model_prefix}.layers to compile")
-    return layers
 
 
 def compile_layers(model: nn.Module) -> int:
@@ -58,7 +44,7 @@ def compile_layers(model: nn.Module) -> int:
 def refuse_what_compile_cannot_do(config: Any, plan: Any) -> None:
     """A UserError before anything loads when --torch_compile meets what it does not run with."""
     from open_sft.distributed.deepspeed import zero_stage
-    from open_sft.distributed.tensor_parallel import requested_tp_size
+    from open_sft.distributed.env import requested_tp_size
     from open_sft.errors import UserError
 
     problems = compile_problems(plan.train, config.lora, plan.fsdp is not None, zero_stage(plan.deepspeed_config),

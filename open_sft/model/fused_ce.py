@@ -21,6 +21,7 @@ from torch import nn
 
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.model import bf16_matmul
+from open_sft.model.lm_head import call_in_head, compute_dtype_for, supports_fused
 from open_sft.model.logits import LogitTransform
 
 # The logits of one chunk of rows are the largest tensor: at most this many bytes (e.g. 1,334 rows of a 50k
@@ -58,14 +59,6 @@ def peak_bytes(vocab_size: int, hidden_size: int, rows: int, compute_bytes: int,
     weights = (4 + 2 * compute_bytes) * vocab_size * hidden_size
     softmax = 4 * chunk * vocab_size if on_gpu else 8 * SOFTMAX_ELEMENTS
     return weights + chunk * vocab_size * compute_bytes + softmax
-
-
-def compute_dtype_for(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The matmul dtype nn.Linear would use here: the autocast dtype if autocast is on, else the weight's."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return weight.dtype
 
 
 def _pieces(stop: int, step: int):
@@ -253,11 +246,6 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
     return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, rows, dtype, via_fp32, token_losses, transform)
 
 
-def supports_fused(lm_head: nn.Module) -> bool:
-    """Only a plain nn.Linear: peft's LoRA layers and bitsandbytes' (an nn.Linear subclass) keep the plain path."""
-    return type(lm_head) is nn.Linear
-
-
 def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
                      chunk_rows: Optional[int] = None, token_losses: Optional[torch.Tensor] = None,
                      transform: Optional[LogitTransform] = None) -> torch.Tensor:
@@ -271,17 +259,3 @@ def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Te
                                         transform=transform)
 
     return call_in_head(lm_head, fused_forward, hidden, targets)
-
-
-def call_in_head(lm_head: nn.Module, forward, *args: torch.Tensor) -> torch.Tensor:
-    """`forward(*args)` run as lm_head's forward, through lm_head's own `__call__`, so that module hooks (ZeRO-3
-    gathering its weight for forward and again for backward) fire as for lm_head(x)."""
-    own_forward = lm_head.__dict__.get("forward")
-    lm_head.forward = forward
-    try:
-        return lm_head(*args)
-    finally:
-        if own_forward is None:
-            del lm_head.forward
-        else:
-            lm_head.forward = own_forward

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.model.fused_ce import call_in_head, compute_dtype_for, supports_fused
+from open_sft.model.lm_head import call_in_head, compute_dtype_for, supports_fused
 from open_sft.model.logits import LogitTransform
 
 logger = logging.getLogger(__name__)

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from open_sft.config.args import LoraArguments, ModelArguments
 from open_sft.data.chat.templates import remember_new_tokens
 from open_sft.errors import UserError
+from open_sft.model.anatomy import param_shape
 
 logger = logging.getLogger(__name__)
 
@@ -137,15 +138,6 @@ def _config_overrides(args: ModelArguments) -> dict[str, Any]:
     return dict(yaml.safe_load(args.additional_model_arguments))
 
 
-def param_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's full shape, also when ZeRO-3 has partitioned it (its own tensor is then empty)."""
-    return getattr(param, "ds_shape", param.shape)
-
-
-def param_numel(param: torch.Tensor) -> int:
-    return getattr(param, "ds_numel", None) or param.numel()
-
-
 def partition_summary(model: torch.nn.Module) -> str:
     """What this rank holds of a model loaded under deepspeed.zero.Init. Parameters made after loading
     are whole until training starts: transformers builds resized embeddings without ZeRO-3 init."""
@@ -244,8 +236,9 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
 
 def _check_family_loss(model: PreTrainedModel) -> None:
     """The family's logit transform, logged; a family open_sft has not verified is checked against its own loss
-    (open_sft.model.logits), before anything changes its forward (Liger, NEFTune, LoRA)."""
-    from open_sft.model.logits import check_loss_parity, logit_transform
+    (open_sft.model.loss_parity), before anything changes its forward (Liger, NEFTune, LoRA)."""
+    from open_sft.model.logits import logit_transform
+    from open_sft.model.loss_parity import check_loss_parity
 
     transform = logit_transform(model.config)
     if not transform.identity:

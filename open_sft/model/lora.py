@@ -35,6 +35,7 @@ from transformers import BitsAndBytesConfig, PreTrainedModel  # noqa: E402
 
 from open_sft.config.args import LoraArguments  # noqa: E402
 from open_sft.errors import UserError  # noqa: E402
+from open_sft.model.anatomy import param_numel  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +118,6 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
                if args.lora_target_modules == ["all-linear"] else
                "name linear layers of the model (e.g. q_proj v_proj) or use all-linear")
         raise UserError(f"--lora_target_modules {targets}: {exc}; {fix}") from exc
-    from open_sft.model.load import param_numel
-
     trainable = sum(param_numel(p) for p in peft_model.parameters() if p.requires_grad)
     total = sum(param_numel(p) for p in peft_model.parameters())
     logger.info("%s: %d trainable adapter parameters of %d (%.3f%%)", "QLoRA" if args.use_qlora else "LoRA",
@@ -162,7 +161,3 @@ def _has_fused_experts(model: torch.nn.Module) -> bool:
 def _experts_need_no_dropout(exc: ValueError) -> bool:
     """peft's refusal of dropout on parameters it wraps directly (ParamWrapper: MoE experts' fused 3-D weights)."""
     return "ParamWrapper" in str(exc) and "dropout" in str(exc)
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    return isinstance(model, PeftModel)

@@ -18,26 +18,11 @@ from torch import nn
 
 from open_sft.data.labels import IGNORE_INDEX
 from open_sft.model import liger_loss
-from open_sft.model.fused_ce import lm_head_loss_sum, supports_fused
+from open_sft.model.anatomy import backbone_of, causal_lm_of
+from open_sft.model.fused_ce import lm_head_loss_sum
 from open_sft.model.liger_loss import liger_loss_sum
+from open_sft.model.lm_head import supports_fused
 from open_sft.model.logits import logit_transform
-
-
-def causal_lm_of(model: nn.Module) -> nn.Module:
-    """The transformers model of a model or of a peft model around it (peft injects its adapters in place)."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
-
-
-def backbone_of(causal_lm: nn.Module) -> nn.Module:
-    """The decoder a causal LM's head sits on: the attribute its base_model_prefix names, or `model` where the
-    class names another (Llama4ForCausalLM's prefix is language_model, its decoder `model`)."""
-    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
-    if backbone is None or backbone is causal_lm:
-        backbone = getattr(causal_lm, "model", None)
-    if not isinstance(backbone, nn.Module):
-        raise ValueError(f"{type(causal_lm).__name__} has no decoder at .{causal_lm.base_model_prefix} or .model")
-    return backbone
 
 
 class TokenLossModel(nn.Module):

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from open_sft.errors import UserError
-from open_sft.model.logits import VERIFIED
-from open_sft.model.loss import backbone_of, causal_lm_of
+from open_sft.model.anatomy import backbone_of, causal_lm_of
+from open_sft.model.loss_parity import VERIFIED
 
 logger = logging.getLogger(__name__)
 

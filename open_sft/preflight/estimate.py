@@ -73,7 +73,7 @@ class ModelShape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         config = model.config
-        from open_sft.model.load import param_numel, param_shape
+        from open_sft.model.anatomy import param_numel, param_shape
 
         params = list(model.parameters())  # full sizes, also of a model loaded partitioned (ZeRO-3 init)
         hidden = config.hidden_size

@@ -28,7 +28,7 @@ class StageView:
 
 def stage_view(model: torch.nn.Module, train: Any) -> StageView:
     """Where the stages would split this model (the split the run makes) and what its heaviest stage holds."""
-    from open_sft.distributed.pipeline import plan_stages
+    from open_sft.distributed.pipeline_plan import plan_stages
 
     ranges, sizes = plan_stages(model, train)
     layers, first, last = sizes.layers, sizes.first, sizes.last

@@ -16,7 +16,7 @@ def build_trainer(job: Any, metrics: Any) -> Any:
     """The loss-wrapped model and the optimizer, prepared by the Accelerator, in a Trainer."""
     from open_sft.distributed.collectives import all_reduce_sum
     from open_sft.distributed.tensor_parallel import tp_size_of
-    from open_sft.model.load import param_numel
+    from open_sft.model.anatomy import param_numel
     from open_sft.model.loss import TokenLossModel
     from open_sft.monitor.metrics import FlopCounter, device_peak_flops
     from open_sft.training.optim import build_optimizer

@@ -1,4 +1,5 @@
-"""Resumable training state: atomic checkpoints, choosing one to resume from, pruning.
+"""Resumable training state: atomic checkpoints, which are usable, pruning (choosing one to resume from and
+what it must share with the run: open_sft.training.resume).
 
 Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
     accelerate's save_state: model + optimizer (DeepSpeed's own per-rank files under ZeRO, else
@@ -27,10 +28,8 @@ from typing import Any, Callable, Collection, Optional
 
 import torch
 
-from open_sft.durable import fsync_path, fsync_tree, set_aside, write_json
-from open_sft.errors import UserError
+from open_sft.durable import fsync_path, fsync_tree, write_json
 from open_sft.file_modes import share_as_umask
-from open_sft.training.steps import balances
 from open_sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 
 logger = logging.getLogger(__name__)
@@ -41,29 +40,6 @@ STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
-#: What a resumed run must share with the checkpoint, and the flag that sets each.
-IDENTITY_FLAGS = {
-    "dataset_cache_key": "the tokenized data (cache key of --dataset_mixer_list, tokenizer, chat template, "
-                         "--max_seq_length, ...)",
-    "micro_batch_size": "--per_device_train_batch_size",
-    "gradient_accumulation_steps": "--gradient_accumulation_steps",
-    "world_size": "the number of processes (world size)",
-    "seed": "--seed",
-    "packing": "--packing",
-    "max_tokens_per_batch": "--max_tokens_per_batch",
-    "balanced": "--balance_micro_batches (its default is off under --loss_normalization mean)",
-    "engine": "the training engine (DeepSpeed, FSDP2, or neither: each writes its own checkpoint format)",
-    "sequence_parallel_size": "--sequence_parallel_size (it sets DeepSpeed's data-parallel partitioning)",
-    "tensor_parallel_size": "accelerate's --parallelism_config_tp_size (it sets how each parameter is sharded)",
-    "pipeline_parallel_size": "--pipeline_parallel_size and its stages (each writes its own part)",
-    "adapters": "what trains: the full model, or LoRA adapters (--use_lora / --use_qlora, --lora_rank, "
-                "--lora_alpha, --lora_target_modules)",
-}
-# What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
-# the same version, are not compared with such a checkpoint).
-IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1,
-                            "pipeline_parallel_size": 1}
-ENGINES = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}  # accelerate's distributed type → checkpoint format; else torch
 
 
 @dataclass(frozen=True)
@@ -111,106 +87,6 @@ def problem_with(path: Path) -> Optional[str]:
         return f"{STATE_FILE} is unreadable"
     return None
 
-
-def newest_complete(root: Path) -> Optional[Path]:
-    """The newest usable checkpoint; every newer unusable one is skipped with a warning naming it.
-    A step_N.tmp left by a crash is deleted: only this run writes into its output dir, and no save is
-    under way before it starts (left in place, nothing would ever remove one past the last step)."""
-    for partial in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
-        logger.warning("removing partial checkpoint %s (interrupted while being written)", partial)
-        shutil.rmtree(partial, ignore_errors=True)
-    for _, path in step_dirs(root):
-        problem = problem_with(path)
-        if problem is None:
-            return path
-        logger.warning("skipping checkpoint %s: %s", path, problem)
-    return None
-
-
-def _choose(setting: str, output_dir: Path) -> Optional[Path]:
-    if setting == "none":
-        return None
-    if setting == "auto":
-        return newest_complete(output_dir / CHECKPOINTS)
-    path = Path(setting).expanduser()
-    problem = problem_with(path)
-    if problem is not None:
-        raise UserError(f"--resume_from_checkpoint {setting}: not a usable checkpoint ({problem}); pass a "
-                        f"complete checkpoint directory (checkpoints/step_N), auto, or none")
-    return path
-
-
-def _broadcast(value: Any) -> Any:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
-    saved = {**IDENTITY_BEFORE_RECORDED, **saved}
-    differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
-                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key]]
-    if differences:
-        lines = "\n".join(f"  - {d}" for d in differences)
-        raise UserError(
-            f"cannot resume from {path}: it was written with different settings:\n{lines}\n"
-            "Relaunch with the checkpoint's settings to continue that run, or start over with "
-            "--resume_from_checkpoint none (earlier checkpoints are moved aside) or another --output_dir."
-        )
-
-
-def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_main: bool) -> Optional[ResumePoint]:
-    """Pick the checkpoint to resume from (main rank decides, every rank gets the same answer) and check
-    it matches this run. Collective when distributed. Raises UserError on a mismatch."""
-    chosen = None
-    error = None
-    if is_main:
-        try:
-            chosen = _choose(setting, output_dir)
-        except UserError as exc:
-            error = str(exc)
-    chosen, error = _broadcast((str(chosen) if chosen else None, error))
-    if error:
-        raise UserError(error)
-    if chosen is None:
-        if is_main:
-            _move_aside(output_dir / CHECKPOINTS)
-        return None
-    path = Path(chosen)
-    state = json.loads((path / STATE_FILE).read_text())
-    check_compatible(path, state.get("identity", {}), identity)
-    logger.info("resuming from %s (step %d)", path, state["step"])
-    return ResumePoint(path, state)
-
-
-def _move_aside(root: Path) -> None:
-    """A fresh start must not mix its checkpoints with an earlier run's: move those out of the way."""
-    target = set_aside(root)
-    if target is not None:
-        logger.warning("starting over: the earlier checkpoints were moved to %s", target)
-
-
-def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
-    """Fresh run: no metrics.jsonl. Resumed: keep the lines up to the checkpoint's step, drop later ones
-    (they are logged again) and any line a kill cut short."""
-    if resume is None or not path.exists():
-        path.unlink(missing_ok=True)
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("step", 0) <= resume.step:
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,29 +247,3 @@ class Checkpointer:
 class _AccelerateState:
     def __init__(self, accelerator):
         self.save, self.load = accelerator.save_state, accelerator.load_state
-
-
-def run_identity(config: Any, cache_key: str, world_size: int, distributed_type: str = "NO",
-                 tensor_parallel: int = 1) -> dict[str, Any]:
-    """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); `distributed_type`:
-    accelerate's name for it, which decides the checkpoint format (ENGINES)."""
-    t = config.train
-    pipeline = t.pipeline_parallel_size > 1
-    return {"engine": "pipeline" if pipeline else ENGINES.get(distributed_type, "torch"),
-            "pipeline_parallel_size": f"{t.pipeline_parallel_size} ({t.pipeline_virtual_stages} per rank, layers "
-                                      f"{t.pipeline_layers or 'balanced'}{', FSDP2' * (distributed_type == 'FSDP')})"
-                                      if pipeline else 1, "dataset_cache_key": cache_key,
-            "micro_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps":
-            t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed, "packing": t.packing,
-            "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),
-            "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": tensor_parallel,
-            "adapters": adapters(config.lora)}
-
-
-def adapters(lora: Any) -> str:
-    """What a run trains, as its checkpoint records it: a checkpoint of adapters does not load into the full
-    model nor into adapters of another rank or other modules, and another alpha scales every update otherwise."""
-    if not (lora.use_lora or lora.use_qlora):
-        return "full model"
-    return (f"{'QLoRA' if lora.use_qlora else 'LoRA'} rank {lora.lora_rank}, alpha {lora.lora_alpha:g}, on "
-            f"{' '.join(sorted(lora.lora_target_modules))}")

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from open_sft.model.load import param_shape
+from open_sft.model.anatomy import param_shape
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

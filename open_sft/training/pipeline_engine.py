@@ -1,4 +1,4 @@
-"""The trainer's engine under pipeline parallelism (open_sft.distributed.pipeline has the layout and the stages).
+"""The trainer's engine under pipeline parallelism (open_sft.distributed.pipeline_plan has the layout, open_sft.distributed.pipeline the stages).
 
 A replica of N stage ranks computes its members' micro-batches of the step plan together (as a TP group does),
 slot by slot: N × accumulation micro-batches go through torch's schedule per step, each padded to the step's
@@ -23,7 +23,8 @@ import torch
 
 from open_sft.data.batching import count_trained_batch, to_device, trained_sources
 from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.distributed.pipeline import PipelineLayout, StageModule, make_schedule, owned_parameters
+from open_sft.distributed.pipeline import StageModule, make_schedule, owned_parameters
+from open_sft.distributed.pipeline_plan import PipelineLayout
 from open_sft.training.engine import AccelerateEngine, StepLosses, StepWork
 
 MODEL_KEYS = ("attention_mask", "position_ids", "labels")
@@ -287,10 +288,12 @@ def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device
     torchtitan composes them; kept gathered through a step's micro-batches (reshard_after_forward=False)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from open_sft.distributed.pipeline import _backbone, build_layout, check_stage_entry, plan_stages, split_model
+    from open_sft.distributed.pipeline import check_stage_entry, split_model
+    from open_sft.distributed.pipeline_plan import build_layout, plan_stages
     from open_sft.errors import UserError
+    from open_sft.model.anatomy import backbone_of
 
-    backbone = _backbone(loss_model)
+    backbone = backbone_of(loss_model.causal_lm())
     problem = check_stage_entry(loss_model)
     if problem is not None:
         raise UserError(f"--pipeline_parallel_size {train.pipeline_parallel_size}: {problem}; train this model "

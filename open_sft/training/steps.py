@@ -8,7 +8,7 @@ from typing import Any
 
 from open_sft.config.args import TrainingArguments
 from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, locate
-from open_sft.data.pipeline import PreparedData
+from open_sft.data.prepare import PreparedData
 from open_sft.training.optim import warmup_steps_for
 
 

@@ -19,7 +19,7 @@ import torch
 
 from open_sft.config.args import TrainingArguments
 from open_sft.data.batching import count_trained_batch, trained_sources
-from open_sft.data.pipeline import PreparedData
+from open_sft.data.prepare import PreparedData
 from open_sft.distributed.deepspeed import zero_stage
 from open_sft.distributed.tensor_parallel import group_ranks, tp_size_of
 from open_sft.monitor.activations import SavedActivations

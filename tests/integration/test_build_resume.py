@@ -24,7 +24,7 @@ BUILD = r"""
 import json, logging, sys, time
 from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
-from open_sft.data import pipeline, stream
+from open_sft.data import prepare, stream
 
 logging.basicConfig(level=logging.INFO)
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
@@ -42,7 +42,7 @@ text = DataArguments(dataset_mixer_list=[corpus, "1.0"], max_seq_length=64,
 if corpus.endswith("text.jsonl"):  # documents: count the chunks tokenized through the tokenizer's call
     tokenizer_call = type(tokenizer).__call__
     type(tokenizer).__call__ = lambda self, *a, **k: counted(None, tokenizer_call)(self, *a, **k)
-data = pipeline.prepare_data(text, tokenizer, 0)
+data = prepare.prepare_data(text, tokenizer, 0)
 print(json.dumps({"calls": calls[0], "hit": data.cache_hit, "entry": str(data.cache_path)}))
 """
 
@@ -113,7 +113,7 @@ def test_a_build_stopped_by_bad_data_leaves_nothing_to_resume(tiny_model_dir, tm
     from transformers import AutoTokenizer
 
     from open_sft.config.args import DataArguments
-    from open_sft.data.pipeline import prepare_data
+    from open_sft.data.prepare import prepare_data
     from open_sft.errors import UserError
 
     corpus = tmp_path / "bad.jsonl"

@@ -29,7 +29,7 @@ RACE = """
 import json, sys
 from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
-from open_sft.data.pipeline import prepare_data
+from open_sft.data.prepare import prepare_data
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 data = prepare_data(DataArguments(dataset_mixer_list=[sys.argv[2], "0.5"], dataset_local_cache_dir=sys.argv[3]), tok, 3)
 print(json.dumps({"hit": data.cache_hit, "path": str(data.cache_path),

@@ -18,7 +18,7 @@ import json, sys, tempfile, threading, time
 from pathlib import Path
 from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
-from open_sft.data import pipeline, sources, spill, stream
+from open_sft.data import in_memory, prepare, sources, spill, stream
 from open_sft.data.build import build_sources
 
 def anon():
@@ -59,12 +59,12 @@ def corpus(rows):
     return DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=4096, preprocessing_num_workers=1)
 
 def build(args):
-    with pipeline._gc_paused():  # as prepare_data builds
+    with prepare._gc_paused():  # as prepare_data builds
         if mode == "stream":
             tmp = Path(tempfile.mkdtemp())
             build_sources(args, tokenizer, 0, None, tmp / "data", tmp / "spill")[0].finish("")
         else:
-            pipeline.build_rows(args, tokenizer, 0)
+            in_memory.build_rows(args, tokenizer, 0)
 
 build(corpus(400))  # one-time allocations (the tokenizer's tables, the template, imports) before the baseline
 args = corpus(rows)

@@ -14,7 +14,8 @@ from torch._dynamo.utils import counters
 from conftest import SAMPLE, read_metrics, run_finetune
 from open_sft.config.args import ModelArguments
 from open_sft.model import packed_attention
-from open_sft.model.compile import compile_layers, decoder_layers
+from open_sft.model.anatomy import decoder_layers
+from open_sft.model.compile import compile_layers
 from open_sft.model.load import load_model
 from open_sft.model.loss import TokenLossModel
 

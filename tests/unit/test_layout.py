@@ -43,3 +43,67 @@ def test_no_module_over_400_lines_no_function_over_60() -> None:
                 too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
                                 f"{node.end_lineno - node.lineno + 1} lines")
     assert not too_long, "split these: " + "; ".join(too_long)
+
+
+def _module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, modules: set[str]) -> set[str]:
+    """The open_sft modules one import statement reaches: `from X import Y` reaches X.Y when that is a module."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    if node.level:
+        here = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    reached = {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return reached & modules
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Every import of open_sft's modules, at module level and inside functions alike."""
+    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        statements = [node for node in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(node, (ast.Import, ast.ImportFrom))]
+        graph[module] = set().union(*(_imported(module, path.name == "__init__.py", node, set(paths))
+                                      for node in statements)) - {module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles() -> None:
+    circles = _circles(_import_graph())
+    assert not circles, "import circles (one concept in two rooms: give it its own module): " + \
+        "; ".join("{" + ", ".join(circle) + "}" for circle in circles)

@@ -177,7 +177,7 @@ def apply_chat_template_choice(tokenizer, name: Optional[str], path: Optional[st
 
     Precedence: --chat_template_path, then --chat_template_name, then the tokenizer's own template. A
     tokenizer without one (a base model's) is fine for text documents; a chat source is refused with
-    a clear message when the pipeline reaches it.
+    a clear message when the build reaches it.
     """
     problems = chat_template_problems(name, path)
     if problems:

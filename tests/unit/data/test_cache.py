@@ -16,7 +16,8 @@ import open_sft.data.workers as workers
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
 from open_sft.data import cache
-from open_sft.data.pipeline import key_inputs, prepare_data
+from open_sft.data.cache_inputs import key_inputs
+from open_sft.data.prepare import prepare_data
 
 
 GOLDEN_SAMPLE_SHA256 = "7dff9af9c58691a65e73901f866a413e931e950a7e464170757a021fb6aadf20"

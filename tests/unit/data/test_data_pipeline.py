@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 
 from open_sft.config.args import DataArguments
 from open_sft.data.mixer import select_by_tokens, select_indices
-from open_sft.data.pipeline import build_examples, prepare_data
+from open_sft.data.build import build_examples
+from open_sft.data.prepare import prepare_data
 from open_sft.data.sources import SourceSpec, parse_mixer_list
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES, apply_chat_template_choice
 from open_sft.data.labels import trained_token_runs
@@ -372,7 +373,7 @@ def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, m
     are numbered and drawn from the valid ones) and rows whose prompt fills the window. One process and
     two give the same too (in one, the rows are encoded 300 at a time, overlapped with the labelling)."""
     from conftest import SAMPLE
-    from open_sft.data import pipeline
+    from open_sft.data import in_memory
     from open_sft.data import workers as worker_pool
 
     monkeypatch.setattr(worker_pool, "_IN_PROCESS_CHUNK", 300)
@@ -385,14 +386,14 @@ def test_jsonl_read_in_the_workers_equals_the_serial_read(tokenizer, tmp_path, m
             lines[7 + 211 * k] = bad
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(lines) + "\n")
-    read_by_workers, by_workers = pipeline._jsonl_chat_rows, {}
+    read_by_workers, by_workers = in_memory._jsonl_chat_rows, {}
     for workers in (1, 2):
         built = []
         for path in (read_by_workers, lambda *args: None):
-            monkeypatch.setattr(pipeline, "_jsonl_chat_rows", path)
+            monkeypatch.setattr(in_memory, "_jsonl_chat_rows", path)
             args = DataArguments(dataset_mixer_list=[str(data), amount], dataset_mixer_unit=unit, max_seq_length=24,
                                  preprocessing_num_workers=workers, on_bad_row="drop" if dirty else "error")
-            token_rows, reports = pipeline.build_rows(args, tokenizer, 3)
+            token_rows, reports = in_memory.build_rows(args, tokenizer, 3)
             built.append((token_rows.ids.tolist(), token_rows.labels.tolist(), token_rows.bounds.tolist(),
                           reports[0].to_dict()))
         assert built[0] == built[1]
@@ -410,7 +411,7 @@ def test_counts_above_the_valid_rows_upsample_alike_in_workers_and_serially(toke
     copies plus a seeded sample of the rest, the same rows whether the workers or the parent read the file,
     and the data report shows the factor."""
     from conftest import SAMPLE
-    from open_sft.data import pipeline
+    from open_sft.data import in_memory
     from open_sft.data.summary import format_data_report
 
     lines = SAMPLE.read_text().splitlines()[:1999]
@@ -419,9 +420,9 @@ def test_counts_above_the_valid_rows_upsample_alike_in_workers_and_serially(toke
     data.write_text("\n".join(lines) + "\n")
     args = DataArguments(dataset_mixer_list=[str(data), count], on_bad_row="drop")
     built = []
-    for path in (pipeline._jsonl_chat_rows, lambda *args: None):
-        monkeypatch.setattr(pipeline, "_jsonl_chat_rows", path)
-        rows, reports = pipeline.build_rows(args, tokenizer, 0)
+    for path in (in_memory._jsonl_chat_rows, lambda *args: None):
+        monkeypatch.setattr(in_memory, "_jsonl_chat_rows", path)
+        rows, reports = in_memory.build_rows(args, tokenizer, 0)
         built.append((rows.bounds.tolist(), rows.ids.tolist(), reports[0].to_dict()))
     assert built[0] == built[1]
     report = built[0][2]
@@ -437,11 +438,11 @@ def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monke
     """With two workers the parent splits the file into lines and parses only the first (for the format):
     every other row is parsed in the worker processes (whose calls the parent does not see)."""
     from conftest import SAMPLE
-    from open_sft.data import pipeline, sources, stream
+    from open_sft.data import in_memory, sources, stream
 
     calls = []
     original = sources.parse_json_line
-    for module in (pipeline, sources, stream):
+    for module in (in_memory, sources, stream):
         monkeypatch.setattr(module, "parse_json_line", lambda line: calls.append(line) or original(line))
     built = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
                                        preprocessing_num_workers=2), tokenizer, 0)

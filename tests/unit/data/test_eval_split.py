@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from open_sft.config.args import DataArguments
-from open_sft.data.pipeline import prepare_data
+from open_sft.data.prepare import prepare_data
 from open_sft.errors import UserError
 
 

@@ -65,7 +65,7 @@ def test_trained_tokens_are_what_each_assistant_turn_writes(tiny_model_dir, tmp_
     from transformers import AutoTokenizer
 
     from open_sft.config.args import DataArguments
-    from open_sft.data.pipeline import build_examples
+    from open_sft.data.build import build_examples
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.labels import trained_token_runs
 

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import to_messages
 from open_sft.data.labels import IGNORE_INDEX, trained_token_runs
-from open_sft.data.pipeline import build_examples
+from open_sft.data.build import build_examples
 from open_sft.errors import UserError
 
 TEMPLATES = Path(__file__).parents[2] / "data" / "chat_templates"
@@ -317,7 +317,7 @@ def test_chat_template_kwargs_per_source_for_a_hybrid_mixture(tiny_model_dir, tm
     each rendered as the template renders it (Qwen3 with enable_thinking false: the empty think block is in the
     generation prompt, context); the variables enter the cache key per source."""
     from open_sft.config.parse import parse_config
-    from open_sft.data.pipeline import key_inputs
+    from open_sft.data.cache_inputs import key_inputs
 
     tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
     thinking, plain = tmp_path / "thinking.jsonl", tmp_path / "plain.jsonl"

@@ -77,7 +77,7 @@ def test_dataset_config_name_enters_the_cache_key(sources, tiny_model_dir) -> No
 
     from open_sft.config.args import DataArguments
     from open_sft.data.cache import cache_key
-    from open_sft.data.pipeline import key_inputs
+    from open_sft.data.cache_inputs import key_inputs
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     keys = {}

@@ -10,7 +10,7 @@ import torch
 from open_sft.data.batching import collate, collate_packed, count_trained_batch, trained_sources
 from open_sft.data.labels import IGNORE_INDEX, Example
 from open_sft.data.mixer import source_names
-from open_sft.data.pipeline import PreparedData
+from open_sft.data.prepare import PreparedData
 
 
 def test_source_names_are_unique_and_safe_as_file_and_tag_names() -> None:

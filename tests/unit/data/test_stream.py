@@ -1,6 +1,6 @@
 """The streaming build gives the in-memory build's examples bit for bit, and its reports.
 
-open_sft.data.pipeline.build_rows (every source read whole) is the reference; open_sft.data.build streams the same
+open_sft.data.in_memory.build_rows (every source read whole) is the reference; open_sft.data.build streams the same
 sources a few rows at a time (chunks of 7 rows, blocks of 300 bytes, pieces of 400 tokens, shards of 2 kB), so every step meets chunk
 boundaries: selection (fractions, counts, upsampling above 1.0, --dataset_mixer_unit tokens, --eval_split_ratio),
 bad rows under --on_bad_row drop, truncation, and documents spliced into blocks across chunks."""
@@ -19,8 +19,9 @@ from transformers import AutoTokenizer
 
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
-from open_sft.data import pipeline, sources, spill, stream
+from open_sft.data import sources, spill, stream
 from open_sft.data.build import build_sources
+from open_sft.data.in_memory import build_rows, mixture_specs
 from open_sft.errors import UserError
 
 LINES = SAMPLE.read_text().splitlines()[:120]
@@ -113,7 +114,7 @@ def streamed(args, tokenizer, tmp_path, holdout=None):
 
 
 def in_memory(args, tokenizer, holdout=None):
-    rows, reports = pipeline.build_rows(args, tokenizer, 3, holdout)
+    rows, reports = build_rows(args, tokenizer, 3, holdout)
     ids = [rows.ids[rows.bounds[r]: rows.bounds[r + 1]] for r in range(len(rows))]
     labels = [rows.labels[rows.bounds[r]: rows.bounds[r + 1]] for r in range(len(rows))]
     return ids, labels, [r.to_dict() for r in reports]
@@ -129,7 +130,7 @@ def test_the_cases_meet_what_they_are_named_for(corpora, tokenizer) -> None:
     # it), so the count is computed, not assumed
     from open_sft.data.mixer import select_indices
 
-    spec, = pipeline._specs(DataArguments(dataset_mixer_list=[corpora["render"], "0.4"], dataset_skip_cache=True))
+    spec, = mixture_specs(DataArguments(dataset_mixer_list=[corpora["render"], "0.4"], dataset_skip_cache=True))
     taken = set(select_indices(spec, len(LINES) - 3, 3)) & {23, 57, 58, 87, 112}
     assert reports["render_errors_dropped"].get("tool_calls_not_rendered", 0) == len(taken)
     assert reports["text_bad_rows_dropped"] == {"invalid_json": 1, "empty_text": 1}
@@ -165,7 +166,7 @@ def test_a_bad_row_stops_the_streaming_build_naming_its_line(file, message, corp
     with pytest.raises(UserError, match=message):
         build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     with pytest.raises(UserError, match=message):
-        pipeline.build_rows(args, tokenizer, 3)
+        build_rows(args, tokenizer, 3)
 
 
 def test_a_chunk_of_rows_is_all_a_build_holds(corpora, tokenizer, tmp_path, monkeypatch, small_chunks) -> None:

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from open_sft.distributed.pipeline import (PipelineLayout, check_stage_entry, owned_parameters, parse_layers,
-                                           pipeline_flag_problems, pipeline_problems, split_model, stage_ranges)
+from open_sft.distributed.pipeline import check_stage_entry, owned_parameters, split_model
+from open_sft.distributed.pipeline_plan import (PipelineLayout, parse_layers, pipeline_flag_problems, pipeline_problems,
+                                                stage_ranges)
 from open_sft.model.loss import TokenLossModel
 from open_sft.training.pipeline_engine import fit_shape
 
@@ -178,7 +179,7 @@ def test_the_preflight_counts_the_heaviest_stage_and_the_micro_batches_in_flight
 def test_a_split_the_model_cannot_take_is_a_user_error_before_training() -> None:
     """The preflight plans the split before the stages are built: --pipeline_layers past the model's last layer is
     the user's error there, naming the flag, not a traceback."""
-    from open_sft.distributed.pipeline import plan_stages
+    from open_sft.distributed.pipeline_plan import plan_stages
     from open_sft.errors import UserError
     from open_sft.preflight.pipeline_memory import stage_view
 

@@ -10,9 +10,10 @@ from transformers import GPT2Config, LlamaConfig
 
 from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp, tensor_parallel
+from open_sft.distributed.env import requested_tp_size
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import ModelShape, Preflight, RunShape, estimate_memory
-from open_sft.training.checkpoint import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
+from open_sft.training.resume import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
 
 LAYOUT = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
           "PARALLELISM_CONFIG_TP_SIZE": "2"}
@@ -29,9 +30,9 @@ def problems(tp: int = 2, world: int = 4, fsdp_on: bool = True, *flags: str, mod
 
 
 def test_the_size_is_accelerates_parallelism_config() -> None:
-    assert tensor_parallel.requested_tp_size({}) == 1
-    assert tensor_parallel.requested_tp_size({"PARALLELISM_CONFIG_TP_SIZE": "2"}) == 1  # no --use_parallelism_config
-    assert tensor_parallel.requested_tp_size(LAYOUT) == 2
+    assert requested_tp_size({}) == 1
+    assert requested_tp_size({"PARALLELISM_CONFIG_TP_SIZE": "2"}) == 1  # no --use_parallelism_config
+    assert requested_tp_size(LAYOUT) == 2
 
 
 def test_a_llama_under_fsdp2_with_room_to_shard_is_accepted() -> None:

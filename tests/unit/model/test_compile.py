@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from open_sft.errors import UserError
-from open_sft.model.compile import (compile_layers, compile_problems, decoder_layers,
-                                    refuse_what_compile_cannot_do)
+from open_sft.model.anatomy import decoder_layers
+from open_sft.model.compile import compile_layers, compile_problems, refuse_what_compile_cannot_do
 
 
 def test_a_model_without_decoder_layers_is_named() -> None:

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from open_sft.model.fused_ce import lm_head_loss_sum, linear_cross_entropy_sum, supports_fused
+from open_sft.model.fused_ce import lm_head_loss_sum, linear_cross_entropy_sum
+from open_sft.model.lm_head import supports_fused
 from open_sft.model.loss import TokenLossModel
 
 N, D, V = 50, 16, 300

@@ -10,8 +10,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from open_sft.errors import UserError
 from open_sft.model.fused_ce import gpu_layout  # noqa: F401  (the GPU layout is patched in below)
-from open_sft.model.logits import VERIFIED, LogitTransform, check_loss_parity, logit_transform
+from open_sft.model.logits import LogitTransform, logit_transform
 from open_sft.model.loss import TokenLossModel
+from open_sft.model.loss_parity import VERIFIED, check_loss_parity
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
@@ -126,7 +127,7 @@ def test_load_model_refuses_a_family_whose_transform_it_does_not_know(tmp_path, 
 
     tiny("granite").save_pretrained(tmp_path)
     assert load_model(ModelArguments(model_name_or_path=str(tmp_path))).config.model_type == "granite"
-    monkeypatch.setattr("open_sft.model.logits.VERIFIED", VERIFIED - {"granite"})
+    monkeypatch.setattr("open_sft.model.loss_parity.VERIFIED", VERIFIED - {"granite"})
     monkeypatch.setattr("open_sft.model.loss.logit_transform", lambda config: LogitTransform())
     with pytest.raises(UserError, match="model type 'granite'.*differs"):
         load_model(ModelArguments(model_name_or_path=str(tmp_path)))

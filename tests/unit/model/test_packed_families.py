@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from open_sft.model import packed_attention
-from open_sft.model.logits import VERIFIED
+from open_sft.model.loss_parity import VERIFIED
 from open_sft.model.loss import TokenLossModel
 
 WINDOW = 5
@@ -228,7 +228,7 @@ def test_a_causal_lm_whose_prefix_is_not_its_decoder_trains(sdpa_entry) -> None:
     """Llama4ForCausalLM's base_model_prefix is language_model, its decoder `model`: open_sft's loss (it runs the
     decoder itself) is the model's own, and the packing check runs (every Llama-4 text run stopped with an
     AttributeError; found by a re-sweep)."""
-    from open_sft.model.loss import backbone_of
+    from open_sft.model.anatomy import backbone_of
     from open_sft.model.packing_check import check_packing
 
     config = AutoConfig.for_model("llama4_text", vocab_size=96, hidden_size=32, intermediate_size=64,

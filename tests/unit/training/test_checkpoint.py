@@ -34,7 +34,8 @@ def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
 
 
 def test_damaged_checkpoint_is_detected(tmp_path) -> None:
-    from open_sft.training.checkpoint import newest_complete, publish
+    from open_sft.training.checkpoint import publish
+    from open_sft.training.resume import newest_complete
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):
@@ -48,7 +49,7 @@ def test_damaged_checkpoint_is_detected(tmp_path) -> None:
 
 
 def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
-    from open_sft.training.checkpoint import resolve_resume
+    from open_sft.training.resume import resolve_resume
 
     (tmp_path / "checkpoints" / "step_2").mkdir(parents=True)
     assert resolve_resume("none", tmp_path, {}, is_main=True) is None
@@ -98,7 +99,7 @@ def test_retry_policy() -> None:
 
 def _identity(*flags: str) -> dict:
     from open_sft.config.parse import parse_config
-    from open_sft.training.checkpoint import run_identity
+    from open_sft.training.resume import run_identity
 
     return run_identity(parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0",
                                       "--output_dir", "o", *flags]), "key", 1)
@@ -110,7 +111,7 @@ def _identity(*flags: str) -> dict:
     (("--use_lora", "--lora_alpha", "32"), ("--use_lora",))])
 def test_a_checkpoint_of_other_adapters_is_refused_by_name(tmp_path, saved_flags, now_flags) -> None:
     from open_sft.errors import UserError
-    from open_sft.training.checkpoint import check_compatible
+    from open_sft.training.resume import check_compatible
 
     with pytest.raises(UserError, match="--use_lora / --use_qlora, --lora_rank"):
         check_compatible(tmp_path, _identity(*saved_flags), _identity(*now_flags))

@@ -16,7 +16,7 @@ from conftest import SAMPLE
 from open_sft.distributed.collectives import all_reduce_sum
 from open_sft.distributed.setup import build_accelerator
 from open_sft.config.args import DataArguments, TrainingArguments
-from open_sft.data.pipeline import prepare_data
+from open_sft.data.prepare import prepare_data
 from open_sft.training.evaluate import evaluate
 from open_sft.model.loss import TokenLossModel
 from open_sft.monitor.metrics import FlopCounter

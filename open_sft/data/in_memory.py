@@ -1,20 +1,18 @@
-"""From --dataset_mixer_list to tokenized, labelled training examples and a data report.
+"""A mixture's training examples with every source read whole, in memory, and a report per source.
 
 read → convert/validate → mix → render + label → truncate; each step is a function of its own
 module, this one only wires them together and counts what happened to the rows. A local JSON Lines
 chat source is read, converted, rendered and labelled in one pass by the workers (the parent only
 splits its lines); it gives what the serial read of every other source gives (tested), bad rows too.
+The streaming build (open_sft.data.build) reads a JSON list file here, and takes the mixture's sources,
+a source's format and the template check from here; build_rows is the reference it equals, bit for bit.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import logging
-import tempfile
-from dataclasses import dataclass, field
 from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,87 +23,35 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.config.args import DataArguments
 from open_sft.data.formats import (RowError, detect_format, document_markers, messages_format, to_messages,
                                    to_text)
-from open_sft.data.mixer import select_rows, source_names
-from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
-from open_sft.data.chat.render import DEFAULT_OPTIONS, chat_options
+from open_sft.data.mixer import select_rows
+from open_sft.data.cache import resolve_cache_dir
+from open_sft.data.chat.render import chat_options
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
 from open_sft.data.summary import SourceReport, nothing_left_message
 from open_sft.data.token_rows import (TokenRows, expand_groups, fit_rows, fitted_lengths, group_totals,
                                      rows_keeping_an_example, split_costs)
-from open_sft.data.labels import Example
 from open_sft.data.workers import Labelled, Numbered, label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class PreparedData:
-    """The tokenized training set (memory-mapped `datasets.Dataset`) and how it was made.
-
-    `sources[i]` is the mixer entry example i came from (an index into `source_names`). Examples are stored in
-    mixture order, source after source, so the report's per-source example counts give it without a column in
-    the cache."""
-
-    dataset: Any
-    report: dict[str, Any]
-    cache_key: str
-    cache_path: Optional[Path]
-    cache_hit: bool
-    sources: np.ndarray = field(init=False)
-    source_names: list[str] = field(init=False)
-
-    def __post_init__(self) -> None:
-        counts = [int(entry["examples"]) for entry in self.report["sources"]]
-        if sum(counts) != len(self.dataset):
-            raise ValueError(f"the report counts {sum(counts)} examples for a dataset of {len(self.dataset)}")
-        self.sources = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-        self.source_names = source_names([entry["name"] for entry in self.report["sources"]])
-
-    def source(self, index: int) -> int:
-        return int(self.sources[index])
-
-    def example(self, index: int) -> Example:
-        row = self.dataset[index]
-        return Example(row["input_ids"], row["labels"])
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def lengths(self) -> list[int]:
-        return list(self.dataset["length"])
-
-
-def _format(args: DataArguments, first_row: dict, where: str) -> str:
+def source_format(args: DataArguments, first_row: dict, where: str) -> str:
     """--dataset_format, or the format detected from a source's first row; messages rows read their
     conversation from --sft_messages_key."""
-    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(first_row, where, args.sft_messages_key)
+    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(first_row, where,
+                                                                                  args.sft_messages_key)
     return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
 
 
-def _check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             f"the tokenizer {tokenizer.name_or_path!r} has no chat template, and chat rows need one; choose one "
             f"with --chat_template_name ({', '.join(BUILTIN_TEMPLATES)}) or --chat_template_path FILE"
         )
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector for a build. It allocates millions of small objects that
-    cannot form cycles (parsed JSON rows, messages, token id lists) and keeps them alive to the end,
-    so the collector's full passes over them find nothing and cost about a third of the build. The
-    render loop, whose template may make cycles, collects its own young garbage (workers.py)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class _RowSink:
@@ -179,7 +125,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         return None
     lines, numbers = read_lines(path)
     try:
-        fmt = _format(args, parse_json_line(lines[0]), f"{spec.name} line {numbers[0]}")
+        fmt = source_format(args, parse_json_line(lines[0]), f"{spec.name} line {numbers[0]}")
     except (IndexError, RowError, UserError):
         return None
     if fmt == "text":
@@ -262,7 +208,7 @@ def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int]
     return select_rows(spec, args.dataset_mixer_unit, valid, lengths, seed)
 
 
-def _source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
+def source_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[TokenRows, SourceReport]:
     """A source's training examples and its report: read by the workers when they can, else serially."""
     rows, report = _jsonl_chat_rows(spec, args, tokenizer, seed) or _serial_rows(spec, args, tokenizer, seed)
     report.tokens, report.trained_tokens, report.examples = _counts(rows)
@@ -273,9 +219,9 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     """Any source, read and converted in this process; chat rows are then rendered and labelled by the
     workers, documents tokenized here."""
     source = read_source(spec, drop_bad=args.on_bad_row == "drop")
-    fmt = _format(args, source.rows[0], source.where(0))
+    fmt = source_format(args, source.rows[0], source.where(0))
     if fmt != "text":
-        _check_chat_template(tokenizer)
+        check_chat_template(tokenizer)
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable)
     if source.unreadable:
         report.dropped["invalid_json"] += source.unreadable
@@ -304,7 +250,7 @@ def _counts(rows: TokenRows) -> tuple[int, int, int]:
     return int(rows.bounds[-1]), int(rows.trained_counts().sum()), len(rows)
 
 
-def _specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
+def mixture_specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
     """The mixture's sources as the build draws from them: a local one seeded by its content, not its path."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
                              config_name=args.dataset_config_name,
@@ -319,8 +265,8 @@ def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     """All training examples of the mixture (or with `holdout`, one side of --eval_split_ratio), in mixture
     order, and a report per source."""
     parts, reports = [], []
-    for spec in _specs(args, holdout):
-        rows, report = _source_rows(spec, args, tokenizer, seed)
+    for spec in mixture_specs(args, holdout):
+        rows, report = source_rows(spec, args, tokenizer, seed)
         parts.append(rows)
         reports.append(report)
         logger.info("source %s (%s): %d rows, %d selected, %d kept, %d dropped", spec.name, report.format,
@@ -332,65 +278,3 @@ def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         raise UserError(nothing_left_message(reports, args.max_seq_length))
     return rows, reports
 
-
-def build_examples(args: DataArguments, tokenizer: PreTrainedTokenizerBase,
-                   seed: int) -> tuple[list[Example], list[SourceReport]]:
-    """The mixture's examples as the cache gets them (streamed, open_sft.data.build), and a report per source."""
-    import datasets
-
-    from open_sft.data.build import build_sources
-
-    with tempfile.TemporaryDirectory() as tmp:
-        writer, reports = build_sources(args, tokenizer, seed, None, Path(tmp) / "data", Path(tmp) / "spill")
-        writer.finish("")
-        rows = datasets.load_from_disk(str(Path(tmp) / "data"))
-        return [Example(row["input_ids"], row["labels"]) for row in rows], reports
-
-
-def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-               holdout: Optional[tuple[str, float]] = None) -> dict[str, Any]:
-    """Everything that changes the tokenized output, for the cache key (and key.json)."""
-    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                             config_name=args.dataset_config_name,
-                             template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
-    # Settings added later enter the key only when set, so the keys of existing caches stay valid.
-    later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
-    if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
-        later["add_bos"] = True
-    options = chat_options(args)
-    if options != DEFAULT_OPTIONS:
-        later["chat_options"] = {"template_kwargs": options.template_kwargs, "reasoning_loss": options.reasoning_loss,
-                                 **({"reasoning_history": options.reasoning_history}
-                                    if options.reasoning_history != "template" else {})}
-    memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
-    if holdout:
-        later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
-    return {
-        **later,
-        # a local source by its content alone: the same file by another path (another node's mount) is a hit
-        "sources": [{**({} if s.is_local else {"name": s.name}), "identity": source_identity(s, memo),
-                     "amount": s.amount, "is_fraction": s.is_fraction, "split": s.split,
-                     **({"config": s.config_name} if s.config_name else {}),
-                     **({"chat_template_kwargs": s.chat_template_kwargs} if s.chat_template_kwargs else {})}
-                    for s in specs],
-        "seed": seed,
-        "max_seq_length": args.max_seq_length,
-        "truncation": args.truncation,
-        "train_on": args.train_on,
-        "dataset_format": args.dataset_format,
-        "dataset_mixer_unit": args.dataset_mixer_unit,
-        "on_bad_row": args.on_bad_row,
-        "tokenizer_files": tokenizer_fingerprint(tokenizer),
-        "chat_template": tokenizer.chat_template,
-        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-        "libraries": tokenizing_libraries(),
-    }
-
-
-def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-                 holdout: Optional[tuple[str, float]] = None) -> PreparedData:
-    """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
-    "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry."""
-    from open_sft.data.build import prepare  # streaming, source by source (it builds on this module)
-
-    return prepare(args, tokenizer, seed, holdout)

@@ -1,0 +1,54 @@
+"""Everything that changes the tokenized output of a build: the inputs of its cache key (open_sft.data.cache's
+cache_key), written beside the entry as key.json."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from transformers import PreTrainedTokenizerBase
+
+from open_sft.config.args import DataArguments
+from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
+from open_sft.data.chat.render import DEFAULT_OPTIONS, chat_options
+from open_sft.data.sources import parse_mixer_list, source_identity
+
+
+def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
+               holdout: Optional[tuple[str, float]] = None) -> dict[str, Any]:
+    """Everything that changes the tokenized output, for the cache key (and key.json)."""
+    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                             config_name=args.dataset_config_name,
+                             template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
+    # Settings added later enter the key only when set, so the keys of existing caches stay valid.
+    later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
+    if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
+        later["add_bos"] = True
+    options = chat_options(args)
+    if options != DEFAULT_OPTIONS:
+        later["chat_options"] = {"template_kwargs": options.template_kwargs, "reasoning_loss": options.reasoning_loss,
+                                 **({"reasoning_history": options.reasoning_history}
+                                    if options.reasoning_history != "template" else {})}
+    memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
+    if holdout:
+        later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
+    return {
+        **later,
+        # a local source by its content alone: the same file by another path (another node's mount) is a hit
+        "sources": [{**({} if s.is_local else {"name": s.name}), "identity": source_identity(s, memo),
+                     "amount": s.amount, "is_fraction": s.is_fraction, "split": s.split,
+                     **({"config": s.config_name} if s.config_name else {}),
+                     **({"chat_template_kwargs": s.chat_template_kwargs} if s.chat_template_kwargs else {})}
+                    for s in specs],
+        "seed": seed,
+        "max_seq_length": args.max_seq_length,
+        "truncation": args.truncation,
+        "train_on": args.train_on,
+        "dataset_format": args.dataset_format,
+        "dataset_mixer_unit": args.dataset_mixer_unit,
+        "on_bad_row": args.on_bad_row,
+        "tokenizer_files": tokenizer_fingerprint(tokenizer),
+        "chat_template": tokenizer.chat_template,
+        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "libraries": tokenizing_libraries(),
+    }
+

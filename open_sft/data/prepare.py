@@ -1,0 +1,121 @@
+"""Data preparation's public face: from --dataset_mixer_list to the tokenized, labelled training examples
+(PreparedData) and the data report, loaded from the cache or built on a miss (open_sft.data.build)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from open_sft.config.args import DataArguments
+from open_sft.data.build import build_dataset
+from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
+from open_sft.data.cache_inputs import key_inputs
+from open_sft.data.labels import Example
+from open_sft.data.mixer import source_names
+from open_sft.data.sources import parse_mixer_list
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedData:
+    """The tokenized training set (memory-mapped `datasets.Dataset`) and how it was made.
+
+    `sources[i]` is the mixer entry example i came from (an index into `source_names`). Examples are stored in
+    mixture order, source after source, so the report's per-source example counts give it without a column in
+    the cache."""
+
+    dataset: Any
+    report: dict[str, Any]
+    cache_key: str
+    cache_path: Optional[Path]
+    cache_hit: bool
+    sources: np.ndarray = field(init=False)
+    source_names: list[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        counts = [int(entry["examples"]) for entry in self.report["sources"]]
+        if sum(counts) != len(self.dataset):
+            raise ValueError(f"the report counts {sum(counts)} examples for a dataset of {len(self.dataset)}")
+        self.sources = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self.source_names = source_names([entry["name"] for entry in self.report["sources"]])
+
+    def source(self, index: int) -> int:
+        return int(self.sources[index])
+
+    def example(self, index: int) -> Example:
+        row = self.dataset[index]
+        return Example(row["input_ids"], row["labels"])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def lengths(self) -> list[int]:
+        return list(self.dataset["length"])
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector for a build. It allocates millions of small objects that
+    cannot form cycles (parsed JSON rows, messages, token id lists) and keeps them alive to the end,
+    so the collector's full passes over them find nothing and cost about a third of the build. The
+    render loop, whose template may make cycles, collects its own young garbage (workers.py)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
+                 holdout: Optional[tuple[str, float]] = None) -> PreparedData:
+    """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
+    "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry."""
+    import datasets
+
+    inputs = key_inputs(args, tokenizer, seed, holdout)
+    key = cache_key(inputs)
+    if args.dataset_skip_cache:  # the examples' files live as long as this process
+        tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
+        atexit.register(shutil.rmtree, tmp, True)
+        with _gc_paused():
+            report = build_dataset(args, tokenizer, seed, key, holdout, tmp / "spill", tmp / "data")
+        shutil.rmtree(tmp / "spill", ignore_errors=True)
+        return PreparedData(datasets.load_from_disk(str(tmp / "data")), report, key, None, False)
+    cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
+    # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
+    # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
+    # chunk they hold. Bad data (a UserError) leaves nothing to resume.
+    partial = cache_dir / f"{key}.partial"
+
+    def build(staging: Path) -> dict[str, Any]:
+        try:
+            report = build_dataset(args, tokenizer, seed, key, holdout, partial, staging)
+        except UserError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        return report
+
+    with _gc_paused():
+        dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
+    logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
+    # an entry is found by the sources' contents: built from other paths, its report names them as this run does
+    names = [spec.name for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                                                    config_name=args.dataset_config_name)]
+    report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
+    return PreparedData(dataset, report, key, entry, hit)
+

@@ -1,0 +1,63 @@
+"""The start-up check that open_sft's loss is the model's own, for a family not verified ahead.
+
+A family not in VERIFIED (the families tests/unit/model/test_logits.py holds to the model's own loss) is
+checked when it is loaded: our loss against `model(input_ids, labels=...)` on a short sequence; a difference
+stops the run with the family named, instead of training a loss the model was not trained with.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from open_sft.errors import UserError
+from open_sft.model.loss import TokenLossModel
+
+# model_type of each family whose loss, with its logit transform, equals the model's own loss and gradients
+# (tests/unit/model/test_logits.py, tiny random configs of each).
+VERIFIED = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
+    "olmo", "olmo2", "olmoe", "granite", "granitemoe", "cohere", "cohere2", "gpt_neox", "starcoder2", "smollm3",
+})
+PARITY_TOKENS = 24
+PARITY_RTOL = 1e-4
+
+
+def _probe_ids(vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (1, PARITY_TOKENS), generator=generator)
+
+
+@torch.no_grad()
+def check_loss_parity(model: torch.nn.Module) -> Optional[str]:
+    """For a family outside VERIFIED: our loss against the model's own on a short sequence (a no-op for verified
+    families). Returns a log line, or raises UserError when the two differ."""
+    config = model.config
+    family = getattr(config, "model_type", type(model).__name__)
+    if family in VERIFIED:
+        return None
+    if any(getattr(p, "ds_numel", None) is not None for p in model.parameters()):
+        raise UserError(
+            f"model type {family!r} is not among the families open_sft has verified its loss for "
+            f"({', '.join(sorted(VERIFIED))}), and its start-up check needs the whole model on each rank, but "
+            "ZeRO-3 loaded it partitioned: set zero3_init_flag: false in the accelerate config (the model is then "
+            "loaded whole and partitioned when training starts)")
+    device = next(model.parameters()).device
+    ids = _probe_ids(config.vocab_size).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        router = {"output_router_logits": False} if hasattr(config, "output_router_logits") else {}  # no aux loss
+        theirs = float(model(input_ids=ids, labels=ids, use_cache=False, **router).loss)
+        ours = float(TokenLossModel(model)(input_ids=ids, labels=ids)) / (PARITY_TOKENS - 1)
+    finally:
+        model.train(was_training)
+    if not abs(ours - theirs) <= PARITY_RTOL * abs(theirs):
+        raise UserError(
+            f"model type {family!r}: open_sft's loss ({ours:.6f}) differs from the model's own ({theirs:.6f}) on a "
+            f"{PARITY_TOKENS}-token check: its causal-LM forward changes the logits in a way open_sft does not "
+            "know (verified families: " + ", ".join(sorted(VERIFIED)) + "); training would optimise another loss "
+            "than the model's. Please report the model type.")
+    return f"model type {family!r}: open_sft's loss equals the model's own on a {PARITY_TOKENS}-token check"
+
