@@ -33,7 +33,7 @@ def build_trainer(job: Any, metrics: Any) -> Any:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
     pipeline = None
     if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
-        from open_sft.training.pipeline_engine import describe, start_pipeline
+        from open_sft.distributed.pipeline import describe, start_pipeline
 
         pipeline = start_pipeline(wrapped, t, job.accelerator.device, shard=job.launch.fsdp is not None)
         logger.info("%s", describe(pipeline))

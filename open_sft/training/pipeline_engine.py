@@ -16,37 +16,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from open_sft.data.batching import count_trained_batch, to_device, trained_sources
 from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.distributed.pipeline import StageModule, make_schedule, owned_parameters
-from open_sft.distributed.pipeline_plan import PipelineLayout
+from open_sft.distributed.pipeline import Pipeline, make_schedule, owned_parameters
 from open_sft.training.engine import AccelerateEngine, StepLosses, StepWork
 
 MODEL_KEYS = ("attention_mask", "position_ids", "labels")
 WIDTH_MULTIPLE = 64  # a step's micro-batches are padded to a multiple of this: fewer distinct shapes
 logger = logging.getLogger("open_sft.training.trainer")
-
-
-@dataclass
-class Pipeline:
-    layout: PipelineLayout
-    stages: list[StageModule]  # this rank's, in stage order
-    pipeline_stages: list[Any]  # torch's PipelineStage of each
-    schedule: str
-    tied: bool  # the unsplit model ties its input embeddings and LM head
-    sharded: bool = False  # FSDP2 shards each stage over its replicas (else every replica holds it whole)
-    routed: bool = False  # --load_balancing_loss: the router logits travel with the hidden states
-
-    def last(self) -> Optional[StageModule]:
-        return next((stage for stage in self.stages if stage.last), None)
-
-    def first(self) -> Optional[StageModule]:
-        return next((stage for stage in self.stages if stage.first), None)
 
 
 def fit_shape(batch: dict[str, torch.Tensor], rows: int, width: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -277,53 +258,3 @@ def router_mask(batch: dict[str, torch.Tensor], rows: int, width: int) -> torch.
     mask = torch.zeros((rows, width), dtype=torch.long)
     mask[:have_rows, :have_width] = batch["attention_mask"] if "attention_mask" in batch else 1
     return mask
-
-
-# -------------------------------------------------------------------------------------------------------------
-# Building, checkpoints and the export
-# -------------------------------------------------------------------------------------------------------------
-def start_pipeline(loss_model: torch.nn.Module, train: Any, device: torch.device, shard: bool = False) -> Pipeline:
-    """Split the TokenLossModel into this rank's stages (collective: the process groups). `shard` (an FSDP2
-    launch): each stage's layers, and the rest of it, are FSDP2 units sharded over the stage's replicas, as
-    torchtitan composes them; kept gathered through a step's micro-batches (reshard_after_forward=False)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from open_sft.distributed.pipeline import check_stage_entry, split_model
-    from open_sft.distributed.pipeline_plan import build_layout, plan_stages
-    from open_sft.errors import UserError
-    from open_sft.model.anatomy import backbone_of
-
-    backbone = backbone_of(loss_model.causal_lm())
-    problem = check_stage_entry(loss_model)
-    if problem is not None:
-        raise UserError(f"--pipeline_parallel_size {train.pipeline_parallel_size}: {problem}; train this model "
-                        "without pipeline parallelism")
-    head = loss_model.causal_lm().get_output_embeddings()
-    tied = head is not None and head.weight is backbone.embed_tokens.weight
-    size, virtual = train.pipeline_parallel_size, train.pipeline_virtual_stages
-    ranges, _ = plan_stages(loss_model.causal_lm(), train)
-    layout = build_layout(size, virtual, tied)
-    stages = split_model(loss_model, layout, ranges, device)
-    sharded = shard and layout.replicas > 1
-    if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (layout.replicas, size), mesh_dim_names=("replica", "stage"))["replica"]
-        for stage in stages:
-            for layer in stage.owned:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-            fully_shard(stage, mesh=mesh, reshard_after_forward=False)
-    pipeline_stages = [PipelineStage(stage, index, layout.stages, device, group=layout.pipe_group)
-                       for stage, index in zip(stages, layout.stage_ids())]
-    return Pipeline(layout, stages, pipeline_stages, train.pipeline_schedule, tied, sharded,
-                    routed=loss_model.router is not None)
-
-
-def describe(pipeline: Pipeline) -> str:
-    ranges = ", ".join(f"stage {i}: layers {r.start}-{r.stop - 1}" for i, r in
-                       ((s.stage_index, m.layer_range) for s, m in zip(pipeline.pipeline_stages, pipeline.stages)))
-    layout = pipeline.layout
-    sharded = ", each stage FSDP2-sharded over them" if pipeline.sharded else ""
-    return (f"pipeline parallel {layout.size} × {layout.replicas} data-parallel replica(s){sharded}, schedule "
-            f"{pipeline.schedule}, {layout.stages} stages; this rank: {ranges}")

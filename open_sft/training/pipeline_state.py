@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from open_sft.distributed.pipeline import owned_state_dict
-from open_sft.training.pipeline_engine import Pipeline
+from open_sft.distributed.pipeline import Pipeline, owned_state_dict
 
 SHARDED = "pipeline_sharded"  # torch.distributed.checkpoint's directory of an FSDP2-sharded pipeline
 

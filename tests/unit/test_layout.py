@@ -63,13 +63,21 @@ def _imported(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, 
     return reached & modules
 
 
+def _typing_only(tree: ast.AST) -> set[ast.AST]:
+    """The imports under `if TYPE_CHECKING:`: for annotations, never run."""
+    blocks = [node for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+    return {inner for block in blocks for statement in block.body for inner in ast.walk(statement)}
+
+
 def _import_graph() -> dict[str, set[str]]:
-    """Every import of open_sft's modules, at module level and inside functions alike."""
+    """Every import of open_sft's modules that runs, at module level and inside functions alike."""
     paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for module, path in paths.items():
-        statements = [node for node in ast.walk(ast.parse(path.read_text()))
-                      if isinstance(node, (ast.Import, ast.ImportFrom))]
+        tree = ast.parse(path.read_text())
+        typing_only = _typing_only(tree)
+        statements = [node for node in ast.walk(tree)
+                      if isinstance(node, (ast.Import, ast.ImportFrom)) and node not in typing_only]
         graph[module] = set().union(*(_imported(module, path.name == "__init__.py", node, set(paths))
                                       for node in statements)) - {module}
     return graph
