@@ -34,6 +34,11 @@ def record(figures: dict) -> dict:
     return figures
 
 
+def short(tolerance: float) -> str:
+    """A tolerance as the report writes it: 1e-5, 4e-3."""
+    return f"{tolerance:.0e}".replace("e-0", "e-")
+
+
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()

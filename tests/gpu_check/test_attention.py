@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu_check import attention
-from tests.gpu_check.measure import record, smoke
+from tests.gpu_check.measure import record, short, smoke
 
 REL_ERROR = 2e-2  # a candidate's output against the fp32 per-example result, relative (bf16 on GPUs)
 
@@ -17,8 +17,8 @@ def figures() -> dict:
     correct = {name: r for name, r in _candidates(measured).items()
                if r["cross_example_change"] == 0.0 and r["rel_error"] < REL_ERROR}
     measured["fastest_correct"] = min(correct, key=lambda n: correct[n]["ms_forward_backward"]) if correct else None
-    measured["tolerance"] = (f"relative error < {REL_ERROR:g} of the fp32 per-example result; other examples' "
-                             f"outputs unchanged")
+    measured["tolerance"] = (f"relative error < {short(REL_ERROR)} of the fp32 per-example result; other "
+                             f"examples' outputs unchanged")
     return record(measured)
 
 

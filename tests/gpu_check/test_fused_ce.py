@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.gpu_check import fused_ce
-from tests.gpu_check.measure import record, smoke
+from tests.gpu_check.measure import record, short, smoke
 
 FP32 = 1e-4  # relative error of the loss and both gradients to the float64 reference: fp32 rounding
 BF16_TIMES, BF16_FLOOR = 2, 4e-3  # bf16: within 2x the plain bf16 path's error, plus bf16's own rounding
@@ -17,9 +17,9 @@ ERRORS = ("loss", "grad_hidden", "grad_weight")
 @pytest.fixture(scope="module")
 def figures() -> dict:
     measured = fused_ce.measure(smoke())
-    measured["tolerance"] = (f"fp32: relative error < {FP32:g}; bf16: each candidate's error <= {BF16_TIMES} x plain "
-                             f"bf16 error + {BF16_FLOOR:g}; Liger with a cap and a scale within {CAPPED:g} of the "
-                             f"fused loss (fp32)")
+    measured["tolerance"] = (
+        f"fp32: relative error < {short(FP32)}; bf16: each candidate's error <= {BF16_TIMES} x plain bf16 error + "
+        f"{short(BF16_FLOOR)}; Liger with a cap and a scale within {short(CAPPED)} of the fused loss (fp32)")
     return record(measured)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.gpu_check import packed
 from tests.gpu_check.context import MODEL
-from tests.gpu_check.measure import record
+from tests.gpu_check.measure import record, short
 
 FP32_LOSS, FP32_GRADS = 1e-5, 1e-4  # packed against padded (or each example alone), relative
 BF16_TIMES, BF16_FLOOR = 2, 1e-3  # bf16 packed no further from fp32 than bf16 padded is: 2x, + this
@@ -22,10 +22,11 @@ def figures(request) -> dict:
     model_dir = os.environ.get(MODEL) or request.getfixturevalue("tiny_model_dir")
     measured = packed.measure(str(model_dir))
     measured["tolerance"] = (
-        f"fp32 packed vs padded: loss < {FP32_LOSS:g}, gradients < {FP32_GRADS:g} relative; bf16 packed no further "
-        f"from fp32 than bf16 padded is ({BF16_TIMES}x + {BF16_FLOOR:g}); positions that do not restart move the "
-        f"loss > {MOVES:g}; a sliding window shorter than the examples: packed = each example alone (fp32 "
-        f"{FP32_LOSS:g} / {FP32_GRADS:g}, bf16 within {WINDOW_BF16:g}) and the window moves the loss > {MOVES:g}")
+        f"fp32 packed vs padded: loss < {short(FP32_LOSS)}, gradients < {short(FP32_GRADS)} relative; bf16 packed "
+        f"no further from fp32 than bf16 padded is ({BF16_TIMES}x + {short(BF16_FLOOR)}); positions that do not "
+        f"restart move the loss > {short(MOVES)}; a sliding window shorter than the examples: packed = each example "
+        f"alone (fp32 {short(FP32_LOSS)} / {short(FP32_GRADS)}, bf16 within {short(WINDOW_BF16)}) and the window "
+        f"moves the loss > {short(MOVES)}")
     return record(measured)
 
 
