@@ -100,12 +100,13 @@ def stop_on_signal(ctx: Context, report: dict, keep_work: bool) -> None:
                 report["parts"][name] = entry
             write_report(ctx, report)
             pack_logs(ctx.out, ctx.work)
-        print(markdown(report), flush=True)
-        for child in psutil.Process().children(recursive=True):  # the runs in flight go with the check
-            child.kill()
-        if not keep_work:
-            shutil.rmtree(ctx.work, ignore_errors=True)
-        os._exit(124)
+            # still holding the lock: a part whose run dies below must not write its own verdict over "stopped"
+            print(markdown(report), flush=True)
+            for child in psutil.Process().children(recursive=True):  # the runs in flight go with the check
+                child.kill()
+            if not keep_work:
+                shutil.rmtree(ctx.work, ignore_errors=True)
+            os._exit(124)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, handler)
