@@ -32,6 +32,15 @@ def pytest_collection_modifyitems(items) -> None:
             item.add_marker(pytest.mark.integration)
 
 
+def pytest_runtest_setup(item) -> None:
+    """A test marked gpu runs where CUDA is, and is skipped, saying why, where it is not."""
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def tokenization_cache(tmp_path_factory) -> Path:
     """One tokenization cache for the session (runs in subprocesses inherit it through the environment)."""

@@ -8,6 +8,7 @@ import re
 from conftest import ROOT, TESTS
 
 PACKAGE = ROOT / "open_sft"
+GPU_CHECK = TESTS / "gpu_check"  # the GPU check's runner and probes: code too, held to the same sizes
 
 
 def _layout_block() -> str:
@@ -34,7 +35,7 @@ def test_unit_tests_mirror_the_rooms() -> None:
 
 def test_no_module_over_400_lines_no_function_over_60() -> None:
     too_long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted([*PACKAGE.rglob("*.py"), *GPU_CHECK.rglob("*.py")]):
         source = path.read_text()
         if len(source.splitlines()) > 400:
             too_long.append(f"{path.relative_to(ROOT)}: {len(source.splitlines())} lines")
@@ -115,3 +116,9 @@ def test_no_import_circles() -> None:
     circles = _circles(_import_graph())
     assert not circles, "import circles (one concept in two rooms: give it its own module): " + \
         "; ".join("{" + ", ".join(circle) + "}" for circle in circles)
+
+
+def test_the_gpu_check_is_a_package_not_scripts_glued_by_sys_path() -> None:
+    files = [*GPU_CHECK.rglob("*.py"), *(ROOT / "scripts").glob("gpu_check*.py")]
+    glued = [str(p.relative_to(ROOT)) for p in files if "sys.path" in p.read_text()]
+    assert not glued, f"{glued}: import the package (tests.gpu_check), don't edit sys.path"

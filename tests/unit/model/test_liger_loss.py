@@ -4,8 +4,8 @@ loss, with each family's cap and scale mapped onto Liger's arguments.
 Liger's kernel is Triton and runs on CUDA only: here a reference of its documented semantics (logits = input @
 weightᵀ + bias in the operands' dtype, capped by `softcap`, cross-entropy summed over targets other than
 ignore_index, gradients accumulated in `accum_dtype`) stands in for it, so what is tested is open_sft's mapping
-— the same families' losses and gradients as the model's own. scripts/gpu_probes.py fused_ce holds the real
-kernel to the same reference on a GPU (issue 31's device check)."""
+— the same families' losses and gradients as the model's own. tests/gpu_check/test_fused_ce.py holds the
+real kernel to the same reference on a GPU (issue 31's device check)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.gpu_check.context import Context
 
 
 def _short(value: Any) -> str:
@@ -51,3 +55,10 @@ def pack_logs(out: Path, work: Path) -> Path:
         if (work / "logs").exists():
             tar.add(work / "logs", arcname="logs")
     return archive
+
+
+def write_report(ctx: Context, report: dict) -> None:
+    verdicts = [p["verdict"] for p in report["parts"].values()]
+    report["verdict"] = "FAIL" if "FAIL" in verdicts else "pass" if verdicts else "nothing run"
+    (ctx.out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (ctx.out / "gpu_report.md").write_text(markdown(report))

@@ -1,4 +1,4 @@
-"""gpu_check's speed part: scripts/benchmark.py side by side in one invocation, then scripts/profile_step.py on
+"""The GPU check's speed part: scripts/benchmark.py side by side in one invocation, then scripts/profile_step.py on
 open_sft's run (where the step's time goes), held to the issue's targets."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import sys
 import time
 from typing import Optional
 
-from gpu_check_runs import ROOT, Context, importable, log_path  # scripts/gpu_check_runs.py
+from tests.gpu_check.context import ROOT, Context, importable
+from tests.gpu_check.runs import log_path
 
 TARGETS = {"mfu": 0.50, "over_trl_best": 1.5, "estimate_within": 0.15}
 
