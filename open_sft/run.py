@@ -15,7 +15,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -31,6 +31,9 @@ from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
 from open_sft.training.preemption import stop_outside_training
 
+if TYPE_CHECKING:
+    from open_sft.config.launch import LaunchPlan
+
 logger = logging.getLogger("open_sft")
 
 
@@ -39,7 +42,7 @@ class Job:
     """What the phases hand on. `config` is final once the model phase has fitted the micro-batch."""
 
     config: FinetuneConfig
-    launch: Any  # open_sft.config.launch.LaunchPlan
+    launch: LaunchPlan  # with how the run is spread: launch.parallelism
     tokenizer: Any = None
     data: Any = None  # open_sft.data.prepare.PreparedData
     eval_data: Any = None
@@ -78,8 +81,10 @@ def _setup_logging() -> None:
 # --------------------------------------------------------------------------------------------------------------
 def plan_launch(config: FinetuneConfig) -> Job:
     """The flags reconciled with what `accelerate launch` was given (its YAML or flags, a DeepSpeed JSON) and the
-    compute dtype chosen; each decision that is not the plain flag is logged once."""
+    compute dtype chosen; each decision that is not the plain flag is logged once. Every problem of the launch
+    is reported here, at once, before anything is loaded."""
     from open_sft.config.launch import plan_launch as reconcile
+    from open_sft.config.launch_check import check_launch
     from open_sft.model.precision import choose_dtype
 
     plan = reconcile(config.train, config.model, config.explicit,
@@ -92,24 +97,11 @@ def plan_launch(config: FinetuneConfig) -> Job:
         for note in plan.notes:
             logger.info("launch config: %s", note)
         logger.info("compute dtype %s: %s", plan.dtype_choice.dtype, plan.dtype_choice.reason)
-    if plan.fsdp is not None:
-        from open_sft.distributed.fsdp import refuse_what_fsdp_cannot_do
-
-        refuse_what_fsdp_cannot_do(plan.train, config.lora, plan.dtype)
-    if config.model.torch_compile:
-        from open_sft.model.compile import refuse_what_compile_cannot_do
-
-        refuse_what_compile_cannot_do(config, plan)
-    if config.train.pipeline_parallel_size > 1:
-        from open_sft.distributed.pipeline_plan import pipeline_problems
-        from open_sft.distributed.env import requested_tp_size
-
-        problems = pipeline_problems(config, int(os.environ.get("WORLD_SIZE", "1")), plan.deepspeed_config is not None,
-                                     requested_tp_size())
-        if problems:
-            raise UserError("\n  ".join(["pipeline parallelism cannot run as asked:", *problems]))
+        logger.info("parallelism: %s", plan.parallelism.describe())
+    job = Job(dataclasses.replace(config, train=plan.train), plan, given=config)
+    check_launch(job.config, plan)
     torch.manual_seed(plan.train.seed)
-    return Job(dataclasses.replace(config, train=plan.train), plan, given=config)
+    return job
 
 
 def prepare_data(job: Job) -> None:
@@ -143,16 +135,16 @@ def build_model(job: Job) -> None:
     partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
     from open_sft.distributed.collectives import check_ranks_agree_on_dtype
     from open_sft.distributed.fsdp import adopt_model
-    from open_sft.distributed.tensor_parallel import shard_model, tp_size_of
+    from open_sft.distributed.tensor_parallel import shard_model
     from open_sft.model.load import load_model, load_model_config, partition_summary
     from open_sft.preflight.estimate import runtime_bytes
 
-    config, launch = job.config, job.launch
+    config, launch, spread = job.config, job.launch, job.launch.parallelism
     given = "lora_dropout" in config.explicit  # else its default yields where peft needs no dropout (MoE experts)
-    job.baseline_bytes = runtime_bytes(launch.deepspeed_config is not None, config.lora.use_lora, config.lora.use_qlora)
+    job.baseline_bytes = runtime_bytes(spread.deepspeed, config.lora.use_lora, config.lora.use_qlora)
     whole = "--auto_micro_batch_size measures the whole model" if config.train.auto_micro_batch_size else (
         "--sequence_parallel_size: DeepSpeed's partitioned load does not know the SP groups"
-        if config.train.sequence_parallel_size > 1 else None)
+        if spread.sp_enabled else None)
     if launch.zero3_init and not whole:
         _start_accelerator(job, load_model_config(config.model), zero3_init=True)
         job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given)
@@ -166,21 +158,21 @@ def build_model(job: Job) -> None:
             from open_sft.preflight.auto_batch import fit_micro_batch
 
             job.config = fit_micro_batch(config, job.model, job.data, launch.deepspeed_config,
-                                         job.dtype in HALF, job.baseline_bytes)
+                                         job.dtype in HALF, job.baseline_bytes, spread)
         _start_accelerator(job, job.model.config)
-    if launch.fsdp is not None:
+    if spread.fsdp:
         adopt_model(job.accelerator.state.fsdp_plugin, job.model)
-    if tp_size_of(job.accelerator) > 1:
-        logger.info("%s", shard_model(job.accelerator, job.model))
+    if spread.tp_enabled:
+        logger.info("%s", shard_model(job.accelerator, job.model, spread.tp))
     check_ranks_agree_on_dtype(job.accelerator, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
         from open_sft.model import bf16_matmul
 
         logger.info("bf16 matmuls of %d linear layers run on fp32 kernels", bf16_matmul.install(job.model))
-    if config.train.sequence_parallel_size == 1:  # after bf16_matmul's: it wraps what that put in place
+    if not spread.sp_enabled:  # after bf16_matmul's: it wraps what that put in place
         from open_sft.model.packing_check import route_packed_rows
 
-        route_packed_rows(job.model, config.train)
+        route_packed_rows(job.model, config.train, spread)
 
 
 def preflight(job: Job) -> None:
@@ -193,7 +185,8 @@ def preflight(job: Job) -> None:
     config, data = job.config, job.data
     job.steps = plan_steps(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
     job.preflight = estimate_run(config, job.model, job.steps, data, job.ds_config, job.dtype in HALF,
-                                 job.baseline_bytes, fsdp_layout(job.accelerator))
+                                 job.baseline_bytes, job.launch.parallelism,
+                                 fsdp_layout(job.accelerator, job.launch.parallelism))
     if job.accelerator.is_main_process:
         context = context_warning(job.model.config, max(data.lengths(), default=0))
         if context:
@@ -230,7 +223,6 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     """Resume if there is something to resume, train to the end (or to a stop signal: checkpoint, then
     Preempted); returns the trainer, the checkpointer and the logged records."""
     from open_sft.distributed.collectives import all_reduce_sum
-    from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.export.hub_checkpoints import CheckpointUploader
     from open_sft.monitor.metrics import MetricsWriter
     from open_sft.monitor.progress import ProgressBar
@@ -243,15 +235,15 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = run_identity(config, job.data.cache_key, acc.num_processes, acc.distributed_type.name, tp_size_of(acc))
+    identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
     resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
     check_resume_point(resume, job.steps.total_steps, config.to_dict(), acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
         prepare_metrics_file(output_dir / "metrics.jsonl", resume)
-    logger.info("world size %d (%s), compute dtype %s, %d threads per rank", acc.num_processes,
-                acc.distributed_type.name, job.dtype, torch.get_num_threads())
+    logger.info("%s, compute dtype %s, %d threads per rank", job.launch.parallelism.describe(), job.dtype,
+                torch.get_num_threads())
     logger.info("schedule: %s", job.steps.describe())
     metrics = MetricsWriter.for_job(job, resume.step if resume else 0) if acc.is_main_process else None
     trainer = build_trainer(job, metrics)

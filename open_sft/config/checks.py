@@ -14,7 +14,6 @@ from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hu
 
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
-from open_sft.config.launch import uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
@@ -155,7 +154,8 @@ def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
 
 
 def _environment_problems(config: FinetuneConfig) -> list[str]:
-    """What this machine and launch cannot do: found here, with the flags, not when the model loads."""
+    """What this machine cannot do: found here, with the flags, not when the model loads (what the launch cannot do:
+    open_sft.config.launch_check)."""
     m, lora, problems = config.model, config.lora, []
     cuda, flash = torch.cuda.is_available(), _installed("flash_attn")
     if m.attn_implementation == "flash_attention_2" and not (cuda and flash):
@@ -169,12 +169,7 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
     elif m.use_liger_kernel and not _installed("liger_kernel"):
         problems.append("--use_liger_kernel needs the liger-kernel package: pip install -e '.[liger]' in the open_sft "
                         "checkout")
-    if lora.use_qlora and uses_deepspeed():
-        problems.append("--use_qlora does not work under DeepSpeed: ZeRO flattens and partitions parameters, and "
-                        "bitsandbytes' packed 4-bit weights (with their quantization state) cannot be partitioned or "
-                        "cast. Run QLoRA in one process (python finetune.py ...) or with DDP (accelerate launch "
-                        "--multi_gpu --num_processes N finetune.py ...), or use --use_lora under DeepSpeed")
-    elif lora.use_qlora and not _installed("bitsandbytes"):
+    if lora.use_qlora and not _installed("bitsandbytes"):  # QLoRA under DeepSpeed: open_sft.config.launch_check
         problems.append("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install -e '.[qlora]' in the "
                         "open_sft checkout")
     return problems + chat_template_problems(config.data.chat_template_name, config.data.chat_template_path)

@@ -23,14 +23,18 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
+from open_sft.distributed.parallelism import Parallelism, resolve as resolve_parallelism
 from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections, zero_stage
 from open_sft.distributed.fsdp import fsdp_request
 from open_sft.errors import UserError
 from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
+
+if TYPE_CHECKING:
+    from open_sft.config.args import ModelArguments, TrainingArguments
 
 # accelerate 1.15 (utils/launch.py prepare_deepspeed_cmd_env): DeepSpeed settings → worker environment.
 ENV_USE_DEEPSPEED = "ACCELERATE_USE_DEEPSPEED"
@@ -177,11 +181,12 @@ def deepspeed_request(env: Mapping[str, str] = os.environ) -> tuple[Optional[dic
 @dataclass
 class LaunchPlan:
     """The decisions: flags as resolved, the compute dtype, the DeepSpeed config still holding "auto"
-    where the flags fill it, and one line per decision that was not the plain flag."""
+    where the flags fill it, how the run is spread, and one line per decision that was not the plain flag."""
 
-    train: Any
+    train: TrainingArguments
     dtype: torch.dtype
     deepspeed_config: Optional[dict[str, Any]]
+    parallelism: Parallelism  # the engine and every degree, resolved once (open_sft.distributed.parallelism)
     notes: list[str] = field(default_factory=list)
     record: dict[str, Any] = field(default_factory=dict)
     dtype_choice: Optional[DtypeChoice] = None
@@ -281,7 +286,7 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
         raise UserError(f"accelerate passed {name}={raw!r}, not a number; fix the accelerate config") from exc
 
 
-def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
+def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: frozenset[str],
                 choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ) -> LaunchPlan:
     """Decide the run's accumulation, clipping, micro-batch, optimizer and schedule settings and dtype from
     the flags and the launch config; the returned DeepSpeed config keeps "auto" for what the flags fill."""
@@ -318,8 +323,9 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
     problem = deepspeed_fp16_problem() if cfg is not None and choice.dtype == torch.float16 else None
     if problem:
         raise UserError(f"{problem} (compute dtype float16: {choice.reason})")
+    spread = resolve_parallelism(train, cfg, fsdp, env)
     if cfg is not None:
-        _check_global_batch(cfg, path, train)
+        _check_global_batch(cfg, path, train, spread.world_size)
         # Every value decided above now lives in the flags; the config takes them at resolve time.
         for key in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
                     "train_batch_size"):
@@ -334,9 +340,10 @@ def plan_launch(train: Any, model_args: Any, explicit: frozenset[str],
         os.environ.pop(ENV_FIELDS_FROM_YAML, None)
     zero3_init = _zero3_init(cfg, settings, decider.notes)
     record = {"deepspeed_config_file": path, "accelerate_deepspeed_settings": settings,
-              "decisions": list(decider.notes), "zero3_init": zero3_init, "fsdp_settings": fsdp}
-    return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, notes=decider.notes, record=record,
-                      dtype_choice=choice, zero3_init=zero3_init, fsdp=fsdp)
+              "decisions": list(decider.notes), "zero3_init": zero3_init, "fsdp_settings": fsdp,
+              "parallelism": spread.to_dict()}
+    return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, parallelism=spread, notes=decider.notes,
+                      record=record, dtype_choice=choice, zero3_init=zero3_init, fsdp=fsdp)
 
 
 def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:
@@ -353,11 +360,10 @@ def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:
     return True
 
 
-def _check_global_batch(cfg: dict, path: Optional[str], train: Any) -> None:
+def _check_global_batch(cfg: dict, path: Optional[str], train: TrainingArguments, world: int) -> None:
     total = cfg.get("train_batch_size")
     if total in (None, "auto"):
         return
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     wanted = train.per_device_train_batch_size * train.gradient_accumulation_steps * world
     if int(total) != wanted:
         raise UserError(f"DeepSpeed config {path}: train_batch_size={total} is not micro-batch "

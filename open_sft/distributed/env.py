@@ -145,9 +145,3 @@ def parallelism_size(name: str, env: Mapping[str, str] = os.environ) -> int:
     if env.get(ENV_PARALLELISM, "false").lower() != "true":
         return 1
     return int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1)
-
-
-def requested_tp_size(env: Mapping[str, str] = os.environ) -> int:
-    """The launch's tensor-parallel size (1 without `--use_parallelism_config`)."""
-    return parallelism_size("tp", env)
-

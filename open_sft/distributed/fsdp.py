@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 
-from open_sft.distributed.env import ENV_PARALLELISM, parallelism_size, requested_tp_size
+from open_sft.distributed.env import ENV_PARALLELISM, parallelism_size
 from open_sft.errors import UserError
+
+if TYPE_CHECKING:
+    from open_sft.distributed.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +75,10 @@ def fsdp_problems(train: Any, lora: Any, dtype: torch.dtype) -> list[str]:
     return problems
 
 
-def refuse_what_fsdp_cannot_do(train: Any, lora: Any, dtype: torch.dtype) -> None:
-    problems = fsdp_problems(train, lora, dtype)
-    if problems:
-        raise UserError("FSDP2: " + "; ".join(problems))
-
-
-def build_plugin(mixed_precision: str) -> Any:
+def build_plugin(mixed_precision: str, tp: int) -> Any:
     """accelerate's FSDP plugin from the launch's FSDP_* settings, with open_sft's defaults where the launch is
     silent: transformer blocks as sharding units (named once the model is loaded: `adopt_model`), sharded
-    checkpoints."""
+    checkpoints. `tp`: the launch's tensor-parallel degree."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     os.environ.setdefault(ENV_VERSION, "2")
@@ -89,7 +86,7 @@ def build_plugin(mixed_precision: str) -> Any:
         os.environ[ENV_WRAP] = "TRANSFORMER_BASED_WRAP"
     os.environ[ENV_PREFIX + "STATE_DICT_TYPE"] = "SHARDED_STATE_DICT"
     plugin = FullyShardedDataParallelPlugin()
-    if requested_tp_size() > 1 and plugin.cpu_ram_efficient_loading:
+    if tp > 1 and plugin.cpu_ram_efficient_loading:
         # accelerate 1.15's broadcast of rank 0's weights (fsdp2_load_full_state_dict) sends a TP-sharded weight's
         # local slice as if it were the whole tensor; under TP every rank loads the model and keeps its slice
         plugin.cpu_ram_efficient_loading = False
@@ -168,17 +165,15 @@ def parallelism_problems(env: Mapping[str, str] = os.environ) -> list[str]:
             "HSDP) and tensor parallelism (tp) only; drop it" for name, size in sizes.items() if size > 1]
 
 
-def fsdp_layout(accelerator: Any) -> Optional[dict[str, Any]]:
+def fsdp_layout(accelerator: Any, parallelism: Parallelism) -> Optional[dict[str, Any]]:
     """The FSDP2 layout for the preflight and run.json; None when the run is not on FSDP."""
-    if accelerator.distributed_type.name != "FSDP":
+    if not parallelism.fsdp:
         return None
-    plugin, config = accelerator.state.fsdp_plugin, accelerator.parallelism_config
-    replicas = config.dp_replicate_size if config is not None else 1
-    tp = config.tp_size if config is not None else 1
+    plugin, replicas = accelerator.state.fsdp_plugin, parallelism.dp_replicate
     policy = plugin.mixed_precision_policy
     # shards: the pieces of each parameter, FSDP2's dp_shard × TP's tp
-    return {"engine": "fsdp2", "shards": accelerator.num_processes // replicas, "replicas": replicas,
-            "tensor_parallel": tp,
+    return {"engine": "fsdp2", "shards": parallelism.world_size // replicas, "replicas": replicas,
+            "tensor_parallel": parallelism.tp,
             "reshard_after_forward": plugin.reshard_after_forward,
             "wrap": ", ".join(plugin.transformer_cls_names_to_wrap or []) or "whole model",
             "cpu_offload": offloads(plugin),

@@ -23,11 +23,14 @@ memory for that mask; flash_attention_2 on GPU needs none).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from open_sft.data.labels import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from open_sft.distributed.parallelism import Parallelism
 
 
 def sequence_parallel_problems(size: int, world: int, deepspeed: bool, args: Any, model_config: Any,
@@ -154,21 +157,16 @@ def _document_mask(position_ids: Optional[torch.Tensor], length: int) -> Optiona
     return (same & causal)[:, None]
 
 
-def sequence_parallel_launch(config: Any, world: int, deepspeed: bool, model_config: Any,
+def sequence_parallel_launch(config: Any, parallelism: Parallelism,
                              attn: str) -> tuple[Optional[Any], dict[str, int]]:
-    """(accelerate's ParallelismConfig or None, the DeepSpeed config's batch numbers) for this run; refuses
-    what SP cannot do. Under SP DeepSpeed sees world/N data-parallel ranks, each accumulating N passes per
-    micro-batch, of `rows` rows: the same global batch."""
-    from open_sft.errors import UserError
-
-    t, size = config.train, config.train.sequence_parallel_size
+    """(accelerate's ParallelismConfig or None, the DeepSpeed config's batch numbers) for this run (what SP cannot
+    do was refused up front: open_sft.config.launch_check). Under SP DeepSpeed sees world/N data-parallel ranks,
+    each accumulating N passes per micro-batch, of `rows` rows: the same global batch."""
+    t, size, world = config.train, parallelism.sp, parallelism.world_size
     batch = {"micro_batch_size": t.per_device_train_batch_size,
              "gradient_accumulation_steps": t.gradient_accumulation_steps, "world_size": world}
     if size == 1:
         return None, batch
-    problems = sequence_parallel_problems(size, world, deepspeed, config, model_config, attn)
-    if problems:
-        raise UserError("; ".join(problems))
     if t.packing:
         install_document_sdpa()
     rows = 1 if t.packing else t.per_device_train_batch_size

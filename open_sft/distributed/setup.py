@@ -38,6 +38,9 @@ from open_sft.distributed.env import multi_rank_launch
 if TYPE_CHECKING:  # pragma: no cover - import only for type checkers
     from accelerate import Accelerator
 
+    from open_sft.config.args import FinetuneConfig
+    from open_sft.config.launch import LaunchPlan
+
 
 def build_accelerator(
     *,
@@ -121,31 +124,28 @@ def _deepspeed_plugin(deepspeed_config: dict[str, Any], mixed_precision: str, ze
     )
 
 
-def start_accelerator(config: Any, launch: Any, dtype: torch.dtype, model_config: Any,
+def start_accelerator(config: FinetuneConfig, launch: LaunchPlan, dtype: torch.dtype, model_config: Any,
                       zero3_init: bool = False) -> tuple[Accelerator, dict[str, Any] | None]:
     """The Accelerator for the run, and the launch's DeepSpeed config resolved from the flags (its "auto" values
-    filled; None without DeepSpeed). Sequence and tensor parallelism refuse here what they cannot do."""
+    filled; None without DeepSpeed). What the launch cannot do was refused up front (open_sft.config.launch_check)."""
     from open_sft.distributed.deepspeed import resolve_deepspeed_config
     from open_sft.distributed.fsdp import build_plugin
     from open_sft.distributed.sequence_parallel import sequence_parallel_launch
-    from open_sft.distributed.tensor_parallel import tensor_parallel_launch
     from open_sft.model.load import attn_implementation
     from open_sft.training.amp import accelerate_mixed_precision
 
-    t, deepspeed, world = config.train, launch.deepspeed_config is not None, int(os.environ.get("WORLD_SIZE", "1"))
-    sp, batch = sequence_parallel_launch(config, world, deepspeed, model_config,
-                                         attn_implementation(config.model, model_config))
-    tp = tensor_parallel_launch(config, world, launch.fsdp is not None, model_config)
+    t, spread = config.train, launch.parallelism
+    sp, batch = sequence_parallel_launch(config, spread, attn_implementation(config.model, model_config))
     ds_config = None
-    if deepspeed:
+    if spread.deepspeed:
         ds_config = resolve_deepspeed_config(
             launch.deepspeed_config, **batch, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
             clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
-    mixed_precision = accelerate_mixed_precision(dtype, deepspeed)
-    fsdp = build_plugin(mixed_precision) if launch.fsdp is not None else None
+    mixed_precision = accelerate_mixed_precision(dtype, spread.deepspeed)
+    fsdp = build_plugin(mixed_precision, spread.tp) if spread.fsdp else None
     accelerator = build_accelerator(
         # under TP a group computes its tp members' micro-batches one after the other: tp passes per micro-batch
-        gradient_accumulation_steps=batch["gradient_accumulation_steps"] * tp, mixed_precision=mixed_precision,
+        gradient_accumulation_steps=batch["gradient_accumulation_steps"] * spread.tp, mixed_precision=mixed_precision,
         deepspeed_config=ds_config, timeout_s=t.timeout, zero3_init=zero3_init, parallelism_config=sp,
         fsdp_plugin=fsdp)
     return accelerator, ds_config

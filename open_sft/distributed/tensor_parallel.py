@@ -25,12 +25,12 @@ its loss and tokens.
 
 from __future__ import annotations
 
-import os
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from open_sft.distributed.env import parallelism_size, requested_tp_size
+if TYPE_CHECKING:
+    from open_sft.distributed.parallelism import Parallelism
 
 # transformers' style for a norm applied per attention head between a colwise and a rowwise layer (Qwen3's and
 # Gemma 3's q_norm/k_norm): its parameter is whole on every rank, its input holds this rank's heads only
@@ -39,21 +39,20 @@ PER_HEAD = "replicated_with_grad_allreduce"
 VERIFIED_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", PER_HEAD}
 
 
-def tensor_parallel_problems(tp: int, world: int, fsdp: bool, train: Any, lora: Any, model_config: Any,
-                             env: Mapping[str, str] = os.environ) -> list[str]:
+def tensor_parallel_problems(parallelism: Parallelism, train: Any, lora: Any, model_config: Any) -> list[str]:
     """What `--parallelism_config_tp_size tp` cannot do with this run, each with its fix."""
+    tp, world = parallelism.tp, parallelism.world_size
     if tp == 1:
         return []
     flag = f"--parallelism_config_tp_size {tp}"
     problems = []
-    if not fsdp:
+    if not parallelism.fsdp:
         problems.append(f"{flag} runs combined with FSDP2: launch with `--use_fsdp --fsdp_version 2` "
                         "(configs/accelerate/fsdp2_tp.yaml)")
-    dp_shard = parallelism_size("dp_shard", env)
     if world % tp:
         problems.append(f"{flag} must divide the number of processes ({world})")
-    elif dp_shard < 2:
-        replicas = parallelism_size("dp_replicate", env)
+    elif parallelism.fsdp and parallelism.dp_shard < 2:
+        replicas = parallelism.dp_replicate
         shards = world // (tp * replicas)
         fix = (f"pass --parallelism_config_dp_shard_size {shards} (dp_replicate × dp_shard × tp = {world} processes)"
                if shards >= 2 else f"launch at least {2 * tp * replicas} processes with dp_shard 2 or more")
@@ -189,21 +188,10 @@ def tp_size_of(accelerator: Any) -> int:
     return int(getattr(config, "tp_size", 1) or 1) if config is not None else 1
 
 
-def tensor_parallel_launch(config: Any, world: int, fsdp: bool, model_config: Any) -> int:
-    """The launch's TP size, after refusing what TP cannot do with this run (a UserError naming the fixes)."""
-    from open_sft.errors import UserError
-
-    tp = requested_tp_size()
-    problems = tensor_parallel_problems(tp, world, fsdp, config.train, config.lora, model_config)
-    if problems:
-        raise UserError("tensor parallelism: " + "; ".join(problems))
-    return tp
-
-
-def shard_model(accelerator: Any, model: torch.nn.Module) -> str:
-    """Apply the model's tp_plan on the accelerator's "tp" mesh dimension; the log line saying what was sharded."""
+def shard_model(accelerator: Any, model: torch.nn.Module, tp: int) -> str:
+    """Apply the model's tp_plan on the accelerator's "tp" mesh dimension (of `tp` ranks); the log line saying what
+    was sharded."""
     names = apply(model, accelerator.torch_device_mesh["tp"])
     provide_replicate_parallel()
-    tp = tp_size_of(accelerator)
     return (f"tensor parallel {tp}: {len(names)} weights sharded by the model's tp_plan (this rank holds 1/{tp} of "
             f"each); TP group ranks {group_ranks(accelerator)}")

@@ -16,11 +16,15 @@ call it is. Shapes that change between batches (padded rows) get one recompile w
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from open_sft.model.anatomy import decoder_layers
+
+if TYPE_CHECKING:
+    from open_sft.config.args import LoraArguments
+    from open_sft.distributed.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -41,30 +45,19 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
-def refuse_what_compile_cannot_do(config: Any, plan: Any) -> None:
-    """A UserError before anything loads when --torch_compile meets what it does not run with."""
-    from open_sft.distributed.deepspeed import zero_stage
-    from open_sft.distributed.env import requested_tp_size
-    from open_sft.errors import UserError
-
-    problems = compile_problems(plan.train, config.lora, plan.fsdp is not None, zero_stage(plan.deepspeed_config),
-                                requested_tp_size())
-    if problems:
-        raise UserError("\n  ".join(["--torch_compile cannot run as asked:", *problems]))
-
-
-def compile_problems(train: Any, lora: Any, fsdp: bool, zero_stage: int, tp: int) -> list[str]:
-    """What --torch_compile does not run with, each with the fix."""
+def compile_problems(lora: LoraArguments, parallelism: Parallelism) -> list[str]:
+    """What --torch_compile does not run with, each with the fix (open_sft.config.launch_check asks before
+    anything loads)."""
     refused = []
-    if zero_stage == 3:
+    if parallelism.zero_stage == 3:
         refused.append("DeepSpeed ZeRO-3 (its parameter gathering hooks run inside each layer's forward)")
-    if fsdp:
+    if parallelism.fsdp:
         refused.append("FSDP (its per-layer gathering would have to be traced with the layer)")
-    if tp > 1:
+    if parallelism.tp_enabled:
         refused.append("tensor parallelism (the layers' weights are DTensors)")
-    if train.pipeline_parallel_size > 1:
+    if parallelism.pp_enabled:
         refused.append("--pipeline_parallel_size (each stage swaps the backbone's layers)")
-    if train.sequence_parallel_size > 1:
+    if parallelism.sp_enabled:
         refused.append("--sequence_parallel_size (its attention exchanges heads across ranks)")
     if lora.use_qlora:
         refused.append("--use_qlora (bitsandbytes' 4-bit layers are not traceable)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
@@ -22,6 +22,10 @@ from torch import nn
 from open_sft.errors import UserError
 from open_sft.model.anatomy import backbone_of, causal_lm_of
 from open_sft.model.loss_parity import VERIFIED
+
+if TYPE_CHECKING:
+    from open_sft.config.args import TrainingArguments
+    from open_sft.distributed.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +127,10 @@ def check_packing(model: nn.Module) -> Optional[str]:
     return f"--packing: model type {family!r} keeps packed examples apart (checked at start: {leak:.1e})"
 
 
-def route_packed_rows(model: nn.Module, train) -> None:
+def route_packed_rows(model: nn.Module, train: TrainingArguments, parallelism: Parallelism) -> None:
     """Packed rows' attention for the run (open_sft.model.packed_attention: per example, or torch's variable-length
-    flash attention on a GPU), then, for --packing, the family checked to keep packed examples apart."""
+    flash attention on a GPU), then, for --packing, the family checked to keep packed examples apart (on the whole
+    model: not under pipeline parallelism, whose stages hold a part of it)."""
     from open_sft.model import packed_attention
 
     on_gpu = torch.cuda.is_available()
@@ -133,7 +138,7 @@ def route_packed_rows(model: nn.Module, train) -> None:
         logger.info("packed rows attend one example at a time (%s)",
                     "torch's variable-length flash attention" if on_gpu and packed_attention.varlen_kernel()
                     else "sdpa has no variable-length kernel here")
-    if train.packing and train.pipeline_parallel_size == 1:
+    if train.packing and not parallelism.pp_enabled:
         note = check_packing(model)
         if note:
             logger.info("%s", note)

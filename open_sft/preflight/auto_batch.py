@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import GIB, estimate_run
+
+if TYPE_CHECKING:
+    from open_sft.distributed.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 # Leave room for what the estimate does not see (fragmentation, other processes' page cache pressure).
@@ -27,43 +29,43 @@ def divisors_descending(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def _agree(fits: list[bool]) -> list[bool]:
+def _agree(fits: list[bool], parallelism: Parallelism) -> list[bool]:
     """Whether each candidate fits on every rank. Each rank measured its own process memory, so near the
     budget they could disagree; choosing different micro-batches would split the data inconsistently.
     The process group is started here (as the Accelerator would start it; it reuses this state)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if not parallelism.distributed:
         return fits
     import torch
     from accelerate import PartialState
 
     from open_sft.distributed.collectives import all_reduce_sum
-    from open_sft.config.launch import uses_deepspeed
 
     on_cpu = not torch.cuda.is_available()
-    PartialState(cpu=on_cpu and not uses_deepspeed(), **({"backend": "gloo"} if on_cpu else {}))
+    PartialState(cpu=on_cpu and not parallelism.deepspeed, **({"backend": "gloo"} if on_cpu else {}))
     counts = all_reduce_sum(torch.tensor([int(f) for f in fits], dtype=torch.int64))
-    return [int(c) == int(os.environ["WORLD_SIZE"]) for c in counts.tolist()]
+    return [int(c) == parallelism.world_size for c in counts.tolist()]
 
 
-def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bool, baseline: int) -> Any:
+def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bool, baseline: int,
+                    parallelism: Parallelism) -> Any:
     """The config with per_device_train_batch_size / gradient_accumulation_steps replaced by the largest
     split of the same per-rank batch that fits on every rank. Raises UserError when even 1 does not fit."""
     from open_sft.training.steps import plan_steps
 
     t = config.train
     per_rank = t.per_device_train_batch_size * t.gradient_accumulation_steps
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = parallelism.world_size
     candidates, fits, tried = [], [], []
     for micro in divisors_descending(per_rank):
         train = dataclasses.replace(t, per_device_train_batch_size=micro, gradient_accumulation_steps=per_rank // micro)
         candidate = dataclasses.replace(config, train=train)
         steps = plan_steps(train, data, world_size, config.data.max_seq_length)
-        estimate = estimate_run(candidate, model, steps, data, ds_config, bf16, baseline)
+        estimate = estimate_run(candidate, model, steps, data, ds_config, bf16, baseline, parallelism)
         budget = SAFETY_FRACTION * estimate.device_bytes
         candidates.append(candidate)
         fits.append(estimate.memory.total <= budget)
         tried.append(f"{micro} × {per_rank // micro}: {estimate.memory.total / GIB:.2f} GiB")
-    for candidate, fit in zip(candidates, _agree(fits)):
+    for candidate, fit in zip(candidates, _agree(fits, parallelism)):
         if fit:
             logger.info("--auto_micro_batch_size: micro-batch %d × accumulation %d per rank (estimates: %s; "
                         "budget %.2f GiB = %.0f%% of %s)", candidate.train.per_device_train_batch_size,

@@ -20,7 +20,7 @@ import dataclasses
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import psutil
 import torch
@@ -28,6 +28,9 @@ import torch
 from open_sft.distributed import env
 from open_sft.distributed.deepspeed import zero_settings
 from open_sft.preflight.positions import step_slots
+
+if TYPE_CHECKING:
+    from open_sft.distributed.parallelism import Parallelism
 
 GIB = 2**30
 # Saved-for-backward elements per token, fp32, parameters excluded (see the module docstring): per decoder
@@ -346,21 +349,21 @@ def _liger_loss_applies(config: Any, data: Any) -> bool:
 
 
 def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_config: Optional[dict],
-                   bf16: bool, baseline: int, fsdp: Optional[dict] = None) -> Preflight:
+                 bf16: bool, baseline: int, parallelism: Parallelism, fsdp: Optional[dict] = None) -> Preflight:
     """`fsdp`: open_sft.distributed.fsdp.fsdp_layout's layout of an FSDP2 run, else None."""
     slots, largest, width = step_slots(steps, data.lengths(), config.train.packing)
     stage, offload, bucket = zero_settings(ds_config)
     # every position of the largest micro-batch counted as trained: an upper bound for the LM-head loss term
     # bitsandbytes' 4-bit layers keep fp32-sized activations on CPU (measured with bitsandbytes 0.50)
     bf16_activations = bf16 and not (config.lora.use_qlora and not torch.cuda.is_available())
-    sp = config.train.sequence_parallel_size  # a rank computes 1/sp of each micro-batch's positions, unmasked
+    sp = parallelism.sp  # a rank computes 1/sp of each micro-batch's positions, unmasked
     per_rank = -(-largest // sp)
     if fsdp is not None:
         offload = fsdp["cpu_offload"]
     checkpointing = config.model.gradient_checkpointing or bool(fsdp and fsdp["activation_checkpointing"])
     sharded_over = fsdp["shards"] if fsdp is not None else steps.layout.world_size  # HSDP: replicas hold copies
-    pp = config.train.pipeline_parallel_size
-    if pp > 1:  # a stage's parameters are sharded over its replicas (FSDP2) or held whole by each
+    pp = parallelism.pp
+    if parallelism.pp_enabled:  # a stage's parameters are sharded over its replicas (FSDP2) or held whole by each
         sharded_over = steps.layout.world_size // pp
     shape = RunShape(sharded_over, stage, offload, bf16_activations, per_rank, per_rank,
                      checkpointing, bucket, width if sp == 1 else 0, fsdp=fsdp is not None,
@@ -368,7 +371,7 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
                      liger=config.model.use_liger_kernel, compiled=config.model.torch_compile,
                      liger_loss=_liger_loss_applies(config, data))
     model_shape, pipeline = ModelShape.of(model), None
-    if config.train.pipeline_parallel_size > 1:  # one stage a rank, several micro-batches in flight
+    if parallelism.pp_enabled:  # one stage a rank, several micro-batches in flight
         from open_sft.preflight.pipeline_memory import stage_view
 
         view = stage_view(model, config.train)
@@ -381,5 +384,4 @@ def estimate_run(config: Any, model: torch.nn.Module, steps: Any, data: Any, ds_
         fsdp = None  # the pipeline's line says how the stages are sharded
     memory = estimate_memory(model_shape, shape, baseline)
     device_bytes, device_name = device_memory_bytes(env.local_world_size(), config.train.max_memory_per_rank_gib)
-    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp, pipeline,
-                     config.train.pipeline_parallel_size)
+    return Preflight(memory, device_bytes, device_name, slots, sp, steps.layout.world_size, fsdp, pipeline, pp)

@@ -32,6 +32,7 @@ from open_sft.durable import fsync_path, fsync_tree, write_json
 from open_sft.file_modes import share_as_umask
 from open_sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"

@@ -9,7 +9,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -17,6 +17,9 @@ from open_sft.durable import set_aside
 from open_sft.errors import UserError
 from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
 from open_sft.training.steps import balances
+
+if TYPE_CHECKING:
+    from open_sft.distributed.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ IDENTITY_FLAGS = {
 # the same version, are not compared with such a checkpoint).
 IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1,
                             "pipeline_parallel_size": 1}
-ENGINES = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp2"}  # accelerate's distributed type → checkpoint format; else torch
+ENGINES = {"deepspeed": "deepspeed", "fsdp2": "fsdp2"}  # the run's engine → checkpoint format; else torch
 
 
 def newest_complete(root: Path) -> Optional[Path]:
@@ -146,20 +149,18 @@ def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
     os.replace(tmp, path)
 
 
-def run_identity(config: Any, cache_key: str, world_size: int, distributed_type: str = "NO",
-                 tensor_parallel: int = 1) -> dict[str, Any]:
-    """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); `distributed_type`:
-    accelerate's name for it, which decides the checkpoint format (ENGINES)."""
-    t = config.train
-    pipeline = t.pipeline_parallel_size > 1
-    return {"engine": "pipeline" if pipeline else ENGINES.get(distributed_type, "torch"),
+def run_identity(config: Any, cache_key: str, parallelism: Parallelism) -> dict[str, Any]:
+    """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); the run's engine decides
+    the checkpoint format (ENGINES)."""
+    t, pipeline = config.train, parallelism.pp_enabled
+    return {"engine": "pipeline" if pipeline else ENGINES.get(parallelism.engine, "torch"),
             "pipeline_parallel_size": f"{t.pipeline_parallel_size} ({t.pipeline_virtual_stages} per rank, layers "
-                                      f"{t.pipeline_layers or 'balanced'}{', FSDP2' * (distributed_type == 'FSDP')})"
+                                      f"{t.pipeline_layers or 'balanced'}{', FSDP2' * parallelism.fsdp})"
                                       if pipeline else 1, "dataset_cache_key": cache_key,
             "micro_batch_size": t.per_device_train_batch_size, "gradient_accumulation_steps":
-            t.gradient_accumulation_steps, "world_size": world_size, "seed": t.seed, "packing": t.packing,
+            t.gradient_accumulation_steps, "world_size": parallelism.world_size, "seed": t.seed, "packing": t.packing,
             "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),
-            "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": tensor_parallel,
+            "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": parallelism.tp,
             "adapters": adapters(config.lora)}
 
 

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp
+from open_sft.distributed.parallelism import Parallelism
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory
 from open_sft.training.resume import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
@@ -58,8 +59,6 @@ def test_what_fsdp2_cannot_do_is_named_with_its_fix() -> None:
         problems = fsdp.fsdp_problems(c.train, c.lora, torch.float32)
         assert len(problems) == 1 and phrase in problems[0], (flags, problems)
     assert "bfloat16 or float32" in fsdp.fsdp_problems(plain.train, plain.lora, torch.float16)[0]
-    with pytest.raises(UserError, match="^FSDP2: --use_qlora"):
-        fsdp.refuse_what_fsdp_cannot_do(config("--use_qlora").train, config("--use_qlora").lora, torch.float32)
 
 
 @pytest.fixture
@@ -79,7 +78,7 @@ def launch_env(monkeypatch):
 
 def test_plugin_shards_transformer_blocks_and_checkpoints_sharded(llama, launch_env) -> None:
     launch_env.setenv("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT")
-    plugin = fsdp.build_plugin("no")
+    plugin = fsdp.build_plugin("no", 1)
     fsdp.adopt_model(plugin, llama)
     assert plugin.fsdp_version == 2
     assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]  # accelerate's default: one unit
@@ -91,23 +90,24 @@ def test_plugin_shards_transformer_blocks_and_checkpoints_sharded(llama, launch_
 def test_plugin_keeps_the_launchs_own_units(llama, launch_env) -> None:
     launch_env.setenv("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     launch_env.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaMLP")
-    plugin = fsdp.build_plugin("no")
+    plugin = fsdp.build_plugin("no", 1)
     fsdp.adopt_model(plugin, llama)
     assert plugin.transformer_cls_names_to_wrap == ["LlamaMLP"]
 
 
 def test_bf16_computes_on_fp32_masters_and_reduces_in_fp32(launch_env) -> None:
-    policy = fsdp.build_plugin("bf16").mixed_precision_policy
+    policy = fsdp.build_plugin("bf16", 1).mixed_precision_policy
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
 
 
 def test_offload_is_kept_on_gpus_and_dropped_on_cpu_ranks(launch_env) -> None:
     launch_env.setenv("FSDP_OFFLOAD_PARAMS", "true")
-    assert fsdp.offloads(fsdp.build_plugin("no")) is torch.cuda.is_available()
+    assert fsdp.offloads(fsdp.build_plugin("no", 1)) is torch.cuda.is_available()
 
 
 def test_a_checkpoint_of_another_engine_is_not_resumed(tmp_path) -> None:
-    engines = [run_identity(config(), "key", 2, kind)["engine"] for kind in ("DEEPSPEED", "FSDP", "MULTI_CPU", "NO")]
+    engines = [run_identity(config(), "key", Parallelism(kind, 2))["engine"]
+               for kind in ("deepspeed", "fsdp2", "ddp", "single")]
     assert engines == ["deepspeed", "fsdp2", "torch", "torch"]
     with pytest.raises(UserError, match="training engine .*checkpoint 'fsdp2', now 'deepspeed'"):
         check_compatible(tmp_path, {"engine": "fsdp2"}, {"engine": "deepspeed", **BEFORE})

@@ -10,7 +10,7 @@ from transformers import GPT2Config, LlamaConfig
 
 from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp, tensor_parallel
-from open_sft.distributed.env import requested_tp_size
+from open_sft.distributed.parallelism import Parallelism, resolve
 from open_sft.errors import UserError
 from open_sft.preflight.estimate import ModelShape, Preflight, RunShape, estimate_memory
 from open_sft.training.resume import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
@@ -26,13 +26,16 @@ def config(*flags: str):
 
 def problems(tp: int = 2, world: int = 4, fsdp_on: bool = True, *flags: str, model=LLAMA, env=LAYOUT) -> list[str]:
     c = config(*flags)
-    return tensor_parallel.tensor_parallel_problems(tp, world, fsdp_on, c.train, c.lora, model, env)
+    spread = resolve(c.train, None, {"version": "2"} if fsdp_on else None,
+                     {**env, "WORLD_SIZE": str(world), "PARALLELISM_CONFIG_TP_SIZE": str(tp)})
+    return tensor_parallel.tensor_parallel_problems(spread, c.train, c.lora, model)
 
 
 def test_the_size_is_accelerates_parallelism_config() -> None:
-    assert requested_tp_size({}) == 1
-    assert requested_tp_size({"PARALLELISM_CONFIG_TP_SIZE": "2"}) == 1  # no --use_parallelism_config
-    assert requested_tp_size(LAYOUT) == 2
+    train = config().train
+    assert resolve(train, None, None, {}).tp == 1
+    assert resolve(train, None, None, {"PARALLELISM_CONFIG_TP_SIZE": "2"}).tp == 1  # no --use_parallelism_config
+    assert resolve(train, None, None, {**LAYOUT, "WORLD_SIZE": "2"}).tp == 2
 
 
 def test_a_llama_under_fsdp2_with_room_to_shard_is_accepted() -> None:
@@ -64,14 +67,6 @@ def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
     no_plan = problems(model=GPT2Config(n_head=4))
     assert no_plan == ["--parallelism_config_tp_size 2: the model (gpt2) has no tensor-parallel plan in transformers "
                        "(base_model_tp_plan); drop TP and shard with FSDP2 alone"]
-
-
-def test_the_launch_refuses_before_anything_is_built(monkeypatch) -> None:
-    for name, value in LAYOUT.items():
-        monkeypatch.setenv(name, value)
-    with pytest.raises(UserError, match=r"^tensor parallelism: .*--use_qlora"):
-        tensor_parallel.tensor_parallel_launch(config("--use_qlora"), 4, True, LLAMA)
-    assert tensor_parallel.tensor_parallel_launch(config(), 4, True, LLAMA) == 2
 
 
 def test_lora_layers_keep_the_style_on_their_base_and_slice_one_adapter() -> None:
@@ -127,15 +122,13 @@ def test_fsdp2_loads_on_every_rank_under_tensor_parallel(monkeypatch) -> None:
         monkeypatch.delenv(name)
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
-    assert fsdp.build_plugin("no").cpu_ram_efficient_loading is True
-    for name, value in LAYOUT.items():
-        monkeypatch.setenv(name, value)
-    assert fsdp.build_plugin("no").cpu_ram_efficient_loading is False
+    assert fsdp.build_plugin("no", 1).cpu_ram_efficient_loading is True
+    assert fsdp.build_plugin("no", 2).cpu_ram_efficient_loading is False
 
 
 def test_a_checkpoint_of_another_tensor_parallel_size_is_not_resumed(tmp_path) -> None:
-    assert run_identity(config(), "key", 4, "FSDP", 2)["tensor_parallel_size"] == 2
-    assert run_identity(config(), "key", 4, "FSDP")["tensor_parallel_size"] == 1
+    assert run_identity(config(), "key", Parallelism("fsdp2", 4, dp_shard=2, tp=2))["tensor_parallel_size"] == 2
+    assert run_identity(config(), "key", Parallelism("fsdp2", 4, dp_shard=4))["tensor_parallel_size"] == 1
     with pytest.raises(UserError, match=r"--parallelism_config_tp_size .*checkpoint 1, now 2"):
         check_compatible(tmp_path, {}, {**BEFORE, "tensor_parallel_size": 2})  # before TP was recorded: TP 1
 

@@ -53,16 +53,6 @@ def test_only_adapter_weights_train(tiny_model_dir) -> None:
             assert torch.equal(param, before[name]), name
 
 
-def test_qlora_refuses_deepspeed(tiny_model_dir, monkeypatch) -> None:
-    from conftest import DS_CONFIGS
-
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(DS_CONFIGS / "zero3.json"))
-    with pytest.raises(UserError, match=r"--use_qlora does not work under DeepSpeed.*accelerate launch --multi_gpu"):
-        parse_config(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", "d.jsonl", "1.0",
-                      "--use_qlora"])
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
     """The rows of tokens the run added train under LoRA: the embedding's and an untied head's by name, a tied

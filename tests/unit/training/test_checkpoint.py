@@ -99,10 +99,11 @@ def test_retry_policy() -> None:
 
 def _identity(*flags: str) -> dict:
     from open_sft.config.parse import parse_config
+    from open_sft.distributed.parallelism import Parallelism
     from open_sft.training.resume import run_identity
 
     return run_identity(parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0",
-                                      "--output_dir", "o", *flags]), "key", 1)
+                                      "--output_dir", "o", *flags]), "key", Parallelism("single"))
 
 
 @pytest.mark.parametrize("saved_flags, now_flags", [
