@@ -79,7 +79,7 @@ def deepspeed_problems(config: FinetuneConfig, launch: LaunchPlan) -> list[str]:
 
 def spread_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Optional[Any]) -> list[str]:
     """What tensor, sequence and pipeline parallelism cannot do with this launch, flags and model."""
-    from open_sft.distributed.pipeline import pipeline_problems
+    from open_sft.distributed.pipeline_plan import pipeline_problems
     from open_sft.distributed.sequence_parallel import sequence_parallel_problems
     from open_sft.distributed.tensor_parallel import tensor_parallel_problems
 
@@ -100,7 +100,7 @@ def spread_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
 
 def stage_problems(train: Any, model_config: Optional[Any]) -> list[str]:
     """Whether the model has a decoder layer for each pipeline stage (and --pipeline_layers fits its layers)."""
-    from open_sft.distributed.pipeline import parse_layers, stage_ranges
+    from open_sft.distributed.pipeline_plan import parse_layers, stage_ranges
 
     layers = getattr(model_config, "num_hidden_layers", None)
     if not isinstance(layers, int):
