@@ -183,11 +183,6 @@ def group_ranks(accelerator: Any) -> list[int]:
     return torch.distributed.get_process_group_ranks(accelerator.torch_device_mesh["tp"].get_group())
 
 
-def tp_size_of(accelerator: Any) -> int:
-    config = getattr(accelerator, "parallelism_config", None)
-    return int(getattr(config, "tp_size", 1) or 1) if config is not None else 1
-
-
 def shard_model(accelerator: Any, model: torch.nn.Module, tp: int) -> str:
     """Apply the model's tp_plan on the accelerator's "tp" mesh dimension (of `tp` ranks); the log line saying what
     was sharded."""

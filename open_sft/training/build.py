@@ -5,49 +5,50 @@ pipeline engine."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Optional
 
-import torch
+if TYPE_CHECKING:
+    from open_sft.monitor.metrics import MetricsWriter
+    from open_sft.run import Job
+    from open_sft.training.trainer import Trainer
 
 logger = logging.getLogger("open_sft")
 
 
-def build_trainer(job: Any, metrics: Any) -> Any:
-    """The loss-wrapped model and the optimizer, prepared by the Accelerator, in a Trainer."""
+def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
+    """The loss-wrapped model and the optimizer, prepared by the Accelerator (or split into this rank's pipeline
+    stages), in a Trainer with the engine of the run's parallelism."""
     from open_sft.distributed.collectives import all_reduce_sum
-    from open_sft.distributed.tensor_parallel import tp_size_of
     from open_sft.model.anatomy import param_numel
     from open_sft.model.loss import TokenLossModel
     from open_sft.monitor.metrics import FlopCounter, device_peak_flops
+    from open_sft.training.engine import AccelerateEngine, DeepSpeedEngine
     from open_sft.training.optim import build_optimizer
     from open_sft.training.trainer import Trainer
 
-    t, model = job.config.train, job.model
+    t, model, spread = job.config.train, job.model, job.launch.parallelism
     head = model.get_output_embeddings().weight
     backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
     # under TP the LM head's columns are sharded: its gathered logits feed the plain loss (the fused one reads
     # the whole weight)
-    wrapped = TokenLossModel(model, fused_loss=tp_size_of(job.accelerator) == 1, load_balancing=t.load_balancing_loss,
+    wrapped = TokenLossModel(model, fused_loss=not spread.tp_enabled, load_balancing=t.load_balancing_loss,
                              liger=job.config.model.use_liger_kernel)
-    if t.sequence_parallel_size > 1:
+    if spread.sp_enabled:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
-    pipeline = None
-    if t.pipeline_parallel_size > 1:  # this rank's stages; the rest of the model goes to the meta device
+    engine: Callable[[Trainer], AccelerateEngine] = DeepSpeedEngine if spread.deepspeed else AccelerateEngine
+    if spread.pp_enabled:  # this rank's stages; the rest of the model goes to the meta device
         from open_sft.distributed.pipeline import describe, start_pipeline
+        from open_sft.training.pipeline_engine import PipelineEngine
 
-        pipeline = start_pipeline(wrapped, t, job.accelerator.device, shard=job.launch.fsdp is not None)
+        pipeline = start_pipeline(wrapped, t, job.accelerator.device, shard=spread.fsdp)
         logger.info("%s", describe(pipeline))
+        engine = partial(PipelineEngine, pipeline=pipeline)
     optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
                                 eight_bit=t.use_8bit_optimizer)
-    if pipeline is None:
+    if not spread.pp_enabled:
         wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
     peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)
-    args = (job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
-            FlopCounter(model.config, backbone_params), peak, metrics)
-    kwargs = dict(reduce_sum=all_reduce_sum, eval_data=job.eval_data, dtype=job.dtype)
-    if pipeline is None:
-        return Trainer(*args, **kwargs)
-    from open_sft.training.pipeline_engine import PipelineEngine
-
-    return Trainer(*args, **kwargs, engine=lambda trainer: PipelineEngine(trainer, pipeline),
-                   scaler_group=torch.distributed.group.WORLD)
+    return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
+                   FlopCounter(model.config, backbone_params), peak, metrics, reduce_sum=all_reduce_sum,
+                   eval_data=job.eval_data, dtype=job.dtype, parallelism=spread, engine=engine)

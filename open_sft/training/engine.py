@@ -22,7 +22,6 @@ import torch
 
 from open_sft.data.batching import to_device
 from open_sft.distributed.collectives import gather_full_state_dict
-from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
 from open_sft.errors import UserError
 from open_sft.training.evaluate import evaluate
 
@@ -154,12 +153,7 @@ class DeepSpeedEngine(AccelerateEngine):
 
     norm_before_step = False
 
-    def __init__(self, trainer: "Trainer"):
-        super().__init__(trainer)
-        problems = deepspeed_nonfinite_problems(trainer.accelerator.state.deepspeed_plugin.deepspeed_config)
-        if problems:
-            raise UserError("the DeepSpeed config would apply steps with a non-finite gradient instead of "
-                            "skipping them: " + "; ".join(problems))
+    # (DeepSpeed settings that would apply a non-finite step are refused by open_sft.config.launch_check)
 
     def clip_and_norm(self) -> float:
         return float("nan")  # DeepSpeed clips inside its step; the norm is read after it
@@ -176,8 +170,3 @@ class DeepSpeedEngine(AccelerateEngine):
 
     def grad_norm(self, measured: float) -> float:
         return float(self.trainer.model.get_global_grad_norm() or float("nan"))
-
-
-def default_engine(accelerator: Any) -> type[AccelerateEngine]:
-    """The engine of a run the Accelerator prepared: DeepSpeed's under a DeepSpeed launch."""
-    return DeepSpeedEngine if accelerator.distributed_type.name == "DEEPSPEED" else AccelerateEngine

@@ -20,13 +20,12 @@ import torch
 from open_sft.config.args import TrainingArguments
 from open_sft.data.batching import count_trained_batch, trained_sources
 from open_sft.data.prepare import PreparedData
-from open_sft.distributed.deepspeed import zero_stage
-from open_sft.distributed.tensor_parallel import group_ranks, tp_size_of
+from open_sft.distributed.tensor_parallel import group_ranks
 from open_sft.monitor.activations import SavedActivations
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
 from open_sft.training.amp import Precision
-from open_sft.training.engine import (AccelerateEngine, DeepSpeedEngine, NonFiniteError, StepLosses, StepWork,
-                                      default_engine)
+from open_sft.distributed.parallelism import Parallelism
+from open_sft.training.engine import AccelerateEngine, NonFiniteError, StepLosses, StepWork
 from open_sft.training.micro_batches import StepBatches
 from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
 from open_sft.training.steps import StepPlan
@@ -45,7 +44,8 @@ class Trainer:
                  data: PreparedData, pad_token_id: int, flop_counter: FlopCounter, peak_flops: float,
                  metrics: Optional[MetricsWriter], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                  eval_data: Optional[PreparedData] = None, dtype: torch.dtype = torch.float32,
-                 engine: Optional[Callable[["Trainer"], AccelerateEngine]] = None, scaler_group: Any = None):
+                 parallelism: Parallelism = Parallelism("single"),
+                 engine: Callable[["Trainer"], AccelerateEngine] = AccelerateEngine):
         self.accelerator = accelerator
         self.model = model
         self.optimizer = optimizer
@@ -57,19 +57,18 @@ class Trainer:
         self.peak_flops = peak_flops
         self.metrics = metrics
         self.reduce_sum = reduce_sum
-        engine = engine or default_engine(accelerator)
-        deepspeed = isinstance(engine, type) and issubclass(engine, DeepSpeedEngine)
-        self.precision = Precision(dtype, accelerator, optimizer, deepspeed, scaler_group)
-        # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel)
-        sp_size = int(getattr(accelerator.parallelism_config, "sp_size", 1) or 1)
+        self.parallelism = parallelism
+        # a pipeline's ranks hold different parameters: its fp16 loss scaler agrees on overflows over all of them
+        self.precision = Precision(dtype, accelerator, optimizer, parallelism.deepspeed,
+                                   torch.distributed.group.WORLD if parallelism.pp_enabled else None)
         # DeepSpeed 0.19's reduction of an SP group's gradients: ZeRO-3 leaves them 1/N of the group's sum, ZeRO-1/2
         # the whole sum (measured: the same run's gradient norm under ZeRO-2 was exactly N times one process's and
         # ZeRO-3's; clipping then cut twice as hard), so only ZeRO-3's loss is scaled back up by N
-        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config if deepspeed else None
-        self.sp_scale = sp_size if zero_stage(ds_config) == 3 else 1
+        self.sp_scale = parallelism.sp if parallelism.zero_stage == 3 else 1
+        # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel);
         # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
-        self.batches = StepBatches(data, steps, args, pad_token_id, accelerator.process_index, sp_size,
-                                   group_ranks(accelerator) if tp_size_of(accelerator) > 1 else [])
+        self.batches = StepBatches(data, steps, args, pad_token_id, accelerator.process_index, parallelism.sp,
+                                   group_ranks(accelerator) if parallelism.tp_enabled else [])
         if accelerator.is_main_process:
             logger.info("optimizer: %s", optimizer_impl(optimizer))
         self.train_tokens = 0
