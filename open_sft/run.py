@@ -31,8 +31,14 @@ from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
 from open_sft.training.preemption import stop_outside_training
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the heavy modules load inside the phases (see above)
+    from accelerate import Accelerator
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from open_sft.config.launch import LaunchPlan
+    from open_sft.data.prepare import PreparedData
+    from open_sft.preflight.estimate import Preflight
+    from open_sft.training.steps import StepPlan
 
 logger = logging.getLogger("open_sft")
 
@@ -42,15 +48,15 @@ class Job:
     """What the phases hand on. `config` is final once the model phase has fitted the micro-batch."""
 
     config: FinetuneConfig
-    launch: LaunchPlan  # with how the run is spread: launch.parallelism
-    tokenizer: Any = None
-    data: Any = None  # open_sft.data.prepare.PreparedData
-    eval_data: Any = None
-    model: Any = None
-    accelerator: Any = None
+    launch: LaunchPlan
+    tokenizer: Optional[PreTrainedTokenizerBase] = None
+    data: Optional[PreparedData] = None
+    eval_data: Optional[PreparedData] = None
+    model: Optional[PreTrainedModel] = None
+    accelerator: Optional[Accelerator] = None
     ds_config: Optional[dict] = None  # resolved: no "auto" left
-    steps: Any = None  # open_sft.training.steps.StepPlan
-    preflight: Any = None  # open_sft.preflight.estimate.Preflight
+    steps: Optional[StepPlan] = None
+    preflight: Optional[Preflight] = None
     baseline_bytes: int = 0  # this process's memory before the model
     given: Optional[FinetuneConfig] = None  # as parsed, before the plan: what the completion record keeps
 
