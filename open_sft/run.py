@@ -139,9 +139,7 @@ def prepare_data(job: Job) -> None:
 def build_model(job: Job) -> None:
     """The model and the Accelerator. Under ZeRO-3 init the Accelerator comes first, so that from_pretrained loads
     partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
-    from open_sft.distributed.collectives import check_ranks_agree_on_dtype
-    from open_sft.distributed.fsdp import adopt_model
-    from open_sft.distributed.tensor_parallel import shard_model
+    from open_sft.distributed.parallelize import parallelize
     from open_sft.model.load import load_model, load_model_config, partition_summary
     from open_sft.preflight.estimate import runtime_bytes
 
@@ -166,11 +164,7 @@ def build_model(job: Job) -> None:
             job.config = fit_micro_batch(config, job.model, job.data, launch.deepspeed_config,
                                          job.dtype in HALF, job.baseline_bytes, spread)
         _start_accelerator(job, job.model.config)
-    if spread.fsdp:
-        adopt_model(job.accelerator.state.fsdp_plugin, job.model)
-    if spread.tp_enabled:
-        logger.info("%s", shard_model(job.accelerator, job.model, spread.tp))
-    check_ranks_agree_on_dtype(job.accelerator, job.dtype)
+    parallelize(job.accelerator, job.model, spread, job.dtype)
     if launch.dtype_choice.bf16_via_fp32:
         from open_sft.model import bf16_matmul
 
