@@ -2,7 +2,7 @@
 
 The launch asks in three places: `accelerate launch` hands its settings to every worker as environment
 variables (WORLD_SIZE; ACCELERATE_USE_DEEPSPEED and the ZeRO stage, read into a DeepSpeed config by
-open_sft.config.launch; ACCELERATE_USE_FSDP and FSDP_*, read by open_sft.distributed.fsdp; the
+open_sft.config.deepspeed_request; ACCELERATE_USE_FSDP and FSDP_*, read by open_sft.distributed.fsdp; the
 ParallelismConfig sizes of `--use_parallelism_config --parallelism_config_<dim>_size`), and finetune.py's own
 flags ask for sequence parallelism (--sequence_parallel_size) and pipeline parallelism
 (--pipeline_parallel_size, --pipeline_virtual_stages). `resolve` reads them all, once, in

@@ -11,7 +11,7 @@ Supported launches (all verified on a CPU-only machine, see the docs of each hel
   on a machine without GPUs: accelerate's "simple launcher" ignores ``--num_processes``.)
 * ``accelerate launch --num_processes N --use_deepspeed --deepspeed_config_file CFG finetune.py ...``
   (or ``--config_file ACCELERATE.yaml``, or ``--use_deepspeed --zero_stage N ...``: see
-  :mod:`open_sft.config.launch`)                              -> DeepSpeed ZeRO; on CPU over gloo
+  :mod:`open_sft.config.deepspeed_request`)                   -> DeepSpeed ZeRO; on CPU over gloo
 
 Loss normalisation: in every mode supported here the gradient that reaches the optimizer is
 ``mean over ranks of (sum over micro-batches of grad(loss_micro)) / gradient_accumulation_steps``
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from open_sft.config.launch import ENV_USE_DEEPSPEED
+from open_sft.config.deepspeed_request import ENV_USE_DEEPSPEED
 from open_sft.distributed.deepspeed import find_auto
 from open_sft.distributed.env import multi_rank_launch
 

@@ -197,7 +197,7 @@ def test_zero_section_spellings_and_bad_keys(tmp_path) -> None:
     spelling is kept, so the gather-on-save setting open_sft fills is not written twice (DeepSpeed
     then rejects the file); a key DeepSpeed does not know, or both spellings disagreeing, is an error
     naming the file."""
-    from open_sft.config.launch import load_json
+    from open_sft.config.deepspeed_request import load_json
 
     def write(zero: dict):
         path = tmp_path / "ds.json"
