@@ -17,11 +17,12 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
+from open_sft.data.chunks import Reader
 from open_sft.data.in_memory import check_chat_template, mixture_specs, source_format, source_rows
 from open_sft.data.labels import Example
 from open_sft.data.mixer import select_row_array
 from open_sft.data.spill import ExampleWriter
-from open_sft.data.stream import Reader, chat_source, text_source
+from open_sft.data.stream import chat_source, text_source
 from open_sft.data.summary import SourceReport, length_percentiles, nothing_left_message
 from open_sft.errors import UserError
 

@@ -18,7 +18,7 @@ import json, sys, tempfile, threading, time
 from pathlib import Path
 from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
-from open_sft.data import in_memory, prepare, sources, spill, stream
+from open_sft.data import chunks, in_memory, prepare, sources, spill
 from open_sft.data.build import build_sources
 
 def anon():
@@ -41,7 +41,7 @@ def peak(fn):
         thread.join()
     return max(best) - start
 
-stream.CHUNK_ROWS = 200
+chunks.CHUNK_ROWS = 200
 sources.READ_BYTES = 1 << 16  # blocks read far smaller than the corpus, as for a corpus of many GB
 spill.BATCH_TOKENS = 1 << 12  # Arrow batches written far smaller than the corpus (4 M tokens: a bounded ~130 MB)
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])

@@ -438,11 +438,11 @@ def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monke
     """With two workers the parent splits the file into lines and parses only the first (for the format):
     every other row is parsed in the worker processes (whose calls the parent does not see)."""
     from conftest import SAMPLE
-    from open_sft.data import in_memory, sources, stream
+    from open_sft.data import chunks, in_memory, sources, stream
 
     calls = []
     original = sources.parse_json_line
-    for module in (in_memory, sources, stream):
+    for module in (chunks, in_memory, sources, stream):
         monkeypatch.setattr(module, "parse_json_line", lambda line: calls.append(line) or original(line))
     built = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
                                        preprocessing_num_workers=2), tokenizer, 0)

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
-from open_sft.data import sources, spill, stream
+from open_sft.data import chunks, sources, spill, stream
 from open_sft.data.build import build_sources
 from open_sft.data.in_memory import build_rows, mixture_specs
 from open_sft.errors import UserError
@@ -98,7 +98,7 @@ def args_for(corpora, case: str, **more) -> DataArguments:
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(stream, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 7)
     monkeypatch.setattr(spill, "PIECE_TOKENS", 400)
     monkeypatch.setattr(sources, "READ_BYTES", 300)
     monkeypatch.setattr(spill, "SHARD_BYTES", 2000)  # several Arrow shards, as save_to_disk splits big datasets
@@ -182,7 +182,7 @@ def test_a_chunk_of_rows_is_all_a_build_holds(corpora, tokenizer, tmp_path, monk
 
 def test_the_building_rank_says_how_fast_and_how_long(corpora, tokenizer, tmp_path, monkeypatch, caplog,
                                                       small_chunks) -> None:
-    monkeypatch.setattr(stream, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(chunks, "PROGRESS_EVERY_S", 0.0)
     with caplog.at_level(logging.INFO, logger="open_sft.data.build_progress"):
         build_sources(args_for(corpora, "text_blocks"), tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     lines = [r.getMessage() for r in caplog.records if r.name == "open_sft.data.build_progress"]

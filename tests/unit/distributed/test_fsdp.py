@@ -11,7 +11,7 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp
 from open_sft.distributed.parallelism import Parallelism
 from open_sft.errors import UserError
-from open_sft.preflight.estimate import ModelShape, RunShape, estimate_memory
+from open_sft.preflight.memory import ModelShape, RunShape, estimate_memory
 from open_sft.training.resume import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
 
 

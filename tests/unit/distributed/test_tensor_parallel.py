@@ -12,7 +12,8 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import fsdp, tensor_parallel
 from open_sft.distributed.parallelism import Parallelism, resolve
 from open_sft.errors import UserError
-from open_sft.preflight.estimate import ModelShape, Preflight, RunShape, estimate_memory
+from open_sft.preflight.estimate import Preflight
+from open_sft.preflight.memory import ModelShape, RunShape, estimate_memory
 from open_sft.training.resume import IDENTITY_BEFORE_RECORDED as BEFORE, check_compatible, run_identity
 
 LAYOUT = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",

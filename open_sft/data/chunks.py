@@ -1,0 +1,120 @@
+"""A source read a chunk at a time for the streaming build (open_sft.data.stream), and the building rank's
+progress lines.
+
+A chunk is CHUNK_ROWS rows (JSON Lines: a block of whole lines, at most CHUNK_BYTES; every other kind but a JSON
+list file: slices of its memory-mapped `datasets.Dataset`); a build killed part way is resumed after the chunks
+its spill already holds, when they were cut the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from open_sft.data.formats import RowError
+from open_sft.data.sources import line_chunks, open_dataset, parse_json_line
+
+if TYPE_CHECKING:
+    from open_sft.data.spill import Spill
+
+logger = logging.getLogger(__name__)
+# Progress lines come from whichever rank builds (the first to take the cache's lock), and open_sft logs INFO on
+# rank 0 only: this logger says INFO on every rank
+progress_logger = logging.getLogger("open_sft.data.build_progress")
+progress_logger.setLevel(logging.INFO)
+
+CHUNK_ROWS = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_ROWS", "100000"))
+CHUNK_BYTES = int(os.environ.get("OPEN_SFT_BUILD_CHUNK_MB", "64")) << 20  # long documents make shorter chunks
+PROGRESS_EVERY_S = 10.0
+
+
+class Reader:
+    """A source a chunk at a time: (first row index, raw rows, their line numbers or None)."""
+
+    def __init__(self, spec: Any, dataset: Any = None):
+        self.spec, self.dataset = spec, dataset
+        self.path = Path(spec.name).expanduser()
+
+    @classmethod
+    def open(cls, spec: Any) -> Optional["Reader"]:
+        """None for a JSON list file (one JSON document: read whole, by the in-memory build)."""
+        path = Path(spec.name).expanduser()
+        if path.suffix in (".json", ".jsonl") and path.is_file():
+            return cls(spec) if path.suffix == ".jsonl" else None
+        return cls(spec, open_dataset(spec))
+
+    @property
+    def lines(self) -> bool:
+        return self.dataset is None
+
+    def chunks(self, rows: int = 0, skip: int = 0) -> Iterator[tuple[int, list[Any], Optional[list[int]]]]:
+        """The chunks after the first `skip` (those of a build resumed from: JSON Lines are still read past)."""
+        start = 0
+        if self.lines:
+            for number, (lines, numbers) in enumerate(line_chunks(self.path, rows or CHUNK_ROWS, CHUNK_BYTES)):
+                if number >= skip:
+                    yield start, lines, numbers
+                start += len(lines)
+            return
+        row_bytes = self.dataset.data.nbytes / max(1, len(self.dataset))
+        rows = rows or max(1, min(CHUNK_ROWS, int(CHUNK_BYTES / max(row_bytes, 1.0))))
+        for start in range(skip * rows, len(self.dataset), rows):
+            yield start, self.dataset.select(range(start, min(len(self.dataset), start + rows))).to_list(), None
+
+    def chunking(self) -> list[Any]:
+        """What decides where chunks end: a build is resumed only from a spill chunked the same way."""
+        return ["lines" if self.lines else "rows", CHUNK_ROWS, CHUNK_BYTES]
+
+    def resuming(self, spill: Spill) -> int:
+        """The chunks already in `spill` (of a killed build of this entry), said in the log when there are any."""
+        if spill.chunks:
+            logger.info("resuming the build of %s: %d rows already tokenized (%d chunks), by the build that was "
+                        "interrupted", self.spec.name, spill.rows, spill.chunks)
+        return spill.chunks
+
+    def count(self) -> int:
+        return sum(len(items) for _, items, _ in self.chunks()) if self.lines else len(self.dataset)
+
+    def first(self) -> tuple[Optional[dict], str]:
+        """The first row (None when it is not a JSON object) and where it is."""
+        for _, items, numbers in self.chunks(1):
+            if not self.lines:
+                return items[0], f"{self.spec.name} row 0"
+            try:
+                return parse_json_line(items[0]), f"{self.spec.name} line {numbers[0]}"
+            except RowError:
+                return None, ""
+        return None, ""
+
+    def where(self, index: int, numbers: Optional[list[int]], start: int) -> str:
+        # rows of a parquet or Arrow source are numbered from 1, as lines are
+        return f"{self.spec.name} line {numbers[index - start]}" if numbers else f"{self.spec.name} row {index + 1}"
+
+
+class Progress:
+    """A log line every PROGRESS_EVERY_S seconds on the building rank (rows/s, tokens/s, ETA), and one at the end."""
+
+    def __init__(self, name: str, total: int, done: int = 0):
+        self.name, self.total, self.started, self.said = name, total, time.monotonic(), time.monotonic()
+        self.rows, self.resumed, self.tokens = done, done, 0  # `done`: rows of a resumed build, not timed here
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.rows, self.tokens = self.rows + rows, self.tokens + tokens
+        now = time.monotonic()
+        if now - self.said >= PROGRESS_EVERY_S:
+            self.said = now
+            self._say(f", eta {(self.total - self.rows) * self._seconds() / max(self.rows - self.resumed, 1):.0f}s")
+
+    def done(self) -> None:
+        self._say(f" in {self._seconds():.1f}s")
+
+    def _seconds(self) -> float:
+        return max(time.monotonic() - self.started, 1e-9)
+
+    def _say(self, tail: str) -> None:
+        seconds = self._seconds()
+        progress_logger.info("building %s: %d/%d rows, %.0f rows/s, %.0f tokens/s%s", self.name, self.rows,
+                             self.total, (self.rows - self.resumed) / seconds, self.tokens / seconds, tail)
