@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """Fine-tune a causal LM: `accelerate launch finetune.py [run.yaml] --flag value ...` (or `python finetune.py ...`)."""
 
-from open_sft.errors import exit_rank, record_exit_code
-from open_sft.run import main
-
 if __name__ == "__main__":
+    from open_sft.distributed import lifeline
+
+    lifeline.install()  # first, torch-free: a launcher killed while this rank imports torch is noticed (below)
+    from open_sft.errors import exit_rank, record_exit_code
+    from open_sft.run import main
+
     exit_rank(record_exit_code(main()))

@@ -190,6 +190,10 @@ def _checkpoint_problems(c: CheckpointArguments) -> list[str]:
     if c.overwrite_output_dir and c.resume_from_checkpoint not in ("auto", "none"):
         problems.append(f"--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint "
                         f"{c.resume_from_checkpoint} continues that checkpoint; give one of the two")
+    elif c.resume_from_checkpoint not in ("auto", "none") and not Path(c.resume_from_checkpoint).expanduser().is_dir():
+        problems.append(f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such directory; pass a complete "
+                        "checkpoint directory (OUTPUT_DIR/checkpoints/step_N), auto (the newest in --output_dir), or "
+                        "none (start over)")
     return problems
 
 

@@ -16,6 +16,12 @@ thread may be blocked inside a collective, where no Python runs) and without wri
 be torn between two steps; the relaunch resumes from the last complete checkpoint. Peers on other hosts are
 bounded by the process-group timeout (--timeout), after which the failed collective is reported the same way.
 
+finetune.py installs it in its first lines, before anything imports torch (seconds): a launcher killed while its
+ranks still import would otherwise leave them adopted before they record their parent, watching the adopter. A
+launcher that is gone before a rank starts watching (whatever its pid was) is noticed too: the rank's parent is
+then already init (pid 1) or a known adopter (a "child subreaper": systemd --user, tini, ...; the kernel keeps no
+record of the original parent), and the rank stops at once the same way.
+
 A process started by hand (`python finetune.py`, also under nohup) follows nobody: its parent is a shell.
 OPEN_SFT_FOLLOW_LAUNCHER=0 turns the parent check off (=1 turns it on without a launcher).
 """
@@ -38,6 +44,8 @@ POLL_S = 0.5
 # error on each, a preemption) leave one after another, and each stops watching as it starts to leave.
 GRACE_S = 2.0
 PR_SET_PDEATHSIG = 1
+#: Programs that adopt orphans (child subreapers, inits): a launched rank whose parent runs one lost its launcher.
+ADOPTERS = ("systemd", "init", "tini", "dumb-init", "docker-init", "catatonit")
 
 
 def parent_death_signal(signum: int) -> bool:
@@ -72,6 +80,19 @@ def process_start(pid: int) -> Optional[str]:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+def adopted(parent: int) -> Optional[str]:
+    """Who adopted this process, when `parent` (its parent now) cannot be the launcher that started it: init
+    (pid 1) or a process running one of ADOPTERS."""
+    if parent == 1:
+        return "init (pid 1)"
+    try:
+        with open(f"/proc/{parent}/comm") as handle:
+            name = handle.read().strip()
+    except OSError:
+        return None
+    return f"{name} (pid {parent})" if name in ADOPTERS else None
+
+
 class Lifeline:
     """The watchdog of this rank (one per process: `install()`)."""
 
@@ -87,6 +108,9 @@ class Lifeline:
         if self.follow:
             self._ask_kernel()
             self._parent_died()  # it may have died before we asked
+            adopter = adopted(self.parent)
+            if adopter is not None:  # it died before this rank started watching: whatever its pid was
+                self.exit_lost(f"its launcher is gone: this rank was adopted by {adopter} before it started watching")
         threading.Thread(target=self._watch, name="open_sft-lifeline", daemon=True).start()
         return self
 

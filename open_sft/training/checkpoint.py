@@ -9,9 +9,10 @@ Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
         window, the settings a resume must share (cache key, batch layout, seed), the resolved config
     COMPLETE: written last; a manifest of every file with its size
 
-A checkpoint is written to step_N.tmp/, fsynced, renamed to step_N/, then COMPLETE is written and
-fsynced. A directory without COMPLETE, or whose files do not match the manifest, is never resumed from
-and never pruned.
+A checkpoint is written to step_N.tmp/, fsynced, renamed to step_N/, then metrics.jsonl (whose lines up to
+step N a resume keeps) is fsynced, then COMPLETE is written and fsynced. A directory without COMPLETE, or whose
+files do not match the manifest, is never resumed from and never pruned. Pruning follows COMPLETE; a kill between
+the two leaves one checkpoint too many, which the next start deletes (`Checkpointer.restore`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+METRICS_FILE = "metrics.jsonl"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -97,13 +99,17 @@ def _manifest(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def publish(tmp: Path, final: Path, step: int) -> None:
-    """step_N.tmp → step_N, then COMPLETE (the manifest) written, flushed and renamed into place."""
+def publish(tmp: Path, final: Path, step: int, covers: Collection[Path] = ()) -> None:
+    """step_N.tmp → step_N, then the files it `covers` (metrics.jsonl up to step N) on disk, then COMPLETE (the
+    manifest) written, flushed and renamed into place."""
     if final.exists():  # an unusable leftover of an earlier attempt at this step
         shutil.rmtree(final)
     share_as_umask(tmp)  # safetensors writes 0600 whatever the umask
     os.rename(tmp, final)
     fsync_path(final.parent)
+    for path in covers:
+        if path.is_file():
+            fsync_path(path)
     write_json(final / COMPLETE, {"step": step, "files": _manifest(final), "format": FORMAT_VERSION})
 
 
@@ -164,7 +170,19 @@ class Checkpointer:
             return 0
         self.state_io.load(str(resume.path))
         self.trainer.load_state_dict(resume.state)
+        if self.accelerator.is_main_process:
+            self._finish_pruning(resume.path)
         return resume.step
+
+    def _finish_pruning(self, resumed: Path) -> None:
+        """The pruning a kill between a checkpoint's COMPLETE and its pruning left undone: when resuming from the
+        newest checkpoint of this run (a named older one is left as it is, and so are the newer ones)."""
+        newest = step_dirs(self.root)[:1]
+        if not newest or newest[0][1].resolve() != resumed.resolve():
+            return
+        for path in prune(self.root, self.keep):
+            logger.info("deleted old checkpoint %s (--keep_last_n_checkpoints %d): the pruning the last run was "
+                        "stopped before", path, self.keep)
 
     def finish_uploads(self) -> None:
         """Main process, after the other ranks are released: wait (bounded) for the checkpoint uploads,
@@ -235,7 +253,7 @@ class Checkpointer:
         fsync_tree(tmp)
         acc.wait_for_everyone()
         if acc.is_main_process:
-            publish(tmp, final, step)
+            publish(tmp, final, step, covers=(self.output_dir / METRICS_FILE,))
             for path in prune(self.root, self.keep, self.uploader.pending() if self.uploader else ()):
                 logger.info("deleted old checkpoint %s", path)
             logger.info("saved checkpoint %s (%.1fs)", final, time.perf_counter() - started)

@@ -12,7 +12,11 @@ The tests of this subject that launch real processes are in tests/integration/te
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -126,3 +130,74 @@ def test_adapter_identity_ignores_the_order_of_target_modules() -> None:
     assert (_identity("--use_lora", "--lora_target_modules", "q_proj", "v_proj")["adapters"]
             == _identity("--use_lora", "--lora_target_modules", "v_proj", "q_proj")["adapters"]
             == "LoRA rank 64, alpha 16, on q_proj v_proj")
+
+
+class _Accelerator:
+    is_main_process = True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+class _StateIO:
+    def save(self, directory: str) -> None:
+        (Path(directory) / "model.safetensors").write_bytes(b"weights")
+
+    def load(self, directory: str) -> None:
+        pass
+
+
+def _checkpointer(output_dir: Path, keep: int):
+    from open_sft.training.checkpoint import Checkpointer
+
+    steps = SimpleNamespace(position=lambda step: (0, step), epochs_done=lambda step: 0.0, to_dict=dict)
+    trainer = SimpleNamespace(steps=steps, state_dict=dict, load_state_dict=lambda state: None)
+    args = SimpleNamespace(checkpointing_steps="2", keep_last_n_checkpoints=keep)
+    return Checkpointer(_Accelerator(), trainer, output_dir, args, identity={"seed": 1}, config={},
+                        reduce_sum=None, stop=None, state_io=_StateIO())
+
+
+def test_metrics_are_on_disk_before_the_checkpoint_that_covers_them_is_complete(tmp_path, monkeypatch) -> None:
+    """A resume keeps metrics.jsonl's lines up to its step: they are fsynced before COMPLETE is."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+    synced: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd)))
+    final = _checkpointer(tmp_path, keep=2).save(2)
+    metrics, complete = str(tmp_path / "metrics.jsonl"), str(final / "COMPLETE.tmp")
+    assert metrics in synced and complete in synced
+    assert synced.index(metrics) < synced.index(complete)
+
+
+def test_a_resume_completes_the_pruning_a_kill_left_undone(tmp_path, caplog) -> None:
+    """Killed between step 6's COMPLETE and its pruning (--keep_last_n_checkpoints 2): three checkpoints. The next
+    start resuming step 6 deletes step 2, with a line; one resuming the named step 4 deletes nothing."""
+    from open_sft.training.checkpoint import ResumePoint, publish
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        tmp = root / f"step_{step}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        publish(tmp, root / f"step_{step}", step)
+    _checkpointer(tmp_path, keep=2).restore(ResumePoint(root / "step_4", {"step": 4}))
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
+    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpoint"):
+        assert _checkpointer(tmp_path, keep=2).restore(ResumePoint(root / "step_6", {"step": 6})) == 6
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
+    assert f"deleted old checkpoint {root / 'step_2'} (--keep_last_n_checkpoints 2): the pruning the last run was " \
+           "stopped before" in caplog.text
+
+
+def test_a_missing_resume_path_is_refused_before_anything_loads(tmp_path) -> None:
+    from open_sft.config.parse import parse_config
+    from open_sft.errors import ConfigError
+
+    missing = tmp_path / "checkpoints" / "step_8"
+    args = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(tmp_path)]
+    with pytest.raises(ConfigError, match=re.escape(f"--resume_from_checkpoint {missing}: no such directory; pass a "
+                                                    "complete checkpoint directory")):
+        parse_config([*args, "--resume_from_checkpoint", str(missing)])
+    missing.mkdir(parents=True)
+    assert parse_config([*args, "--resume_from_checkpoint", str(missing)]).checkpoint.resume_from_checkpoint == \
+        str(missing)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -48,8 +49,10 @@ def test_a_relaunch_with_auto_stops_at_a_finished_run(tmp_path, monkeypatch) -> 
 
 @pytest.mark.parametrize("extra", [["--overwrite_output_dir"], ["--resume_from_checkpoint", "none"],
                                    ["--resume_from_checkpoint", "ckpt"], ["--dry_run"], ["--cache_dataset_only"]])
-def test_launches_that_train_on_purpose_or_write_nothing_do_not_stop(tmp_path, extra) -> None:
+def test_launches_that_train_on_purpose_or_write_nothing_do_not_stop(tmp_path, extra, monkeypatch) -> None:
     finished_run(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    Path("ckpt").mkdir()  # a named checkpoint must exist (refused with the other settings otherwise)
     config = parse_config(BASE + ["--output_dir", str(tmp_path), *extra])
     assert completion.already_complete(config) is None
     assert completion.resume_setting(config) == ("none" if extra == ["--overwrite_output_dir"] else
