@@ -73,7 +73,9 @@ def test_refused_without_deepspeed(tiny_model_dir, tmp_path) -> None:
     result = run_finetune(args_for(tiny_model_dir, tmp_path / "out", 2, 1, "--sequence_parallel_size", "2"),
                           processes=2, check=False)
     assert result.returncode != 0
-    assert "error: --sequence_parallel_size 2 runs on DeepSpeed Ulysses" in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "error: the launch cannot run as asked" in output  # the launch check: every problem at once
+    assert "\n  --sequence_parallel_size 2 runs on DeepSpeed Ulysses" in output
 
 
 def test_preflight_and_run_json_show_the_layout(losses) -> None:
