@@ -7,6 +7,7 @@ prefix, bad value, unknown YAML key) is a UserError naming the flag and the fix,
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -57,7 +58,19 @@ def _make_parser() -> _Parser:
         if action.choices:
             action.metavar = "{" + ",".join(map(str, action.choices)) + "}"
             action.choices = None
+        _say_what_the_negation_does(action)
     return parser
+
+
+def _say_what_the_negation_does(action: argparse.Action) -> None:
+    """HfArgumentParser gives a flag that defaults to on a `--no_X` spelling carrying X's own help and "(default:
+    False)", so `--no_hub_private` read "Create the Hub repository as private." Its help says what it does."""
+    names = [name for name in action.option_strings if name.startswith("--no_")]
+    if not names or not isinstance(action, argparse._StoreFalseAction) or action.help in (None, argparse.SUPPRESS):
+        return
+    flag = "--" + names[0].removeprefix("--no_")
+    action.help = f"Turn {flag} off (it is on by default): {flag} means: {action.help}"
+    action.default = argparse.SUPPRESS  # (the parse takes the default from the flag itself)
 
 
 def _unknown_flag_error(parser: _Parser, leftover: list[str]) -> UserError:

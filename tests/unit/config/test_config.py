@@ -97,6 +97,23 @@ def test_help_lists_the_choices_written_once_on_the_fields() -> None:
         assert f"--{name} {{{','.join(values)}}}" in text, name
 
 
+def test_a_negated_flag_says_what_it_does_and_still_turns_its_flag_off() -> None:
+    """--no_hub_private's help read "Create the Hub repository as private. (default: False)"."""
+    from open_sft.config.parse import _make_parser
+
+    text = " ".join(_make_parser().format_help().split())
+    for flag, says in (("hub_private", "Create the Hub repository as private."),
+                       ("fused_optimizer", "Use the fused AdamW kernel")):
+        spelled = f"--no_{flag}, --no-{flag.replace('_', '-')} "
+        after = text[text.index(spelled) + len(spelled):]
+        assert after.startswith(f"Turn --{flag} off (it is on by default): --{flag} means: {says}"), after[:200]
+        assert "(default: False)" not in after[:after.index(" --")]
+    base = ["--model_name_or_path", "m", "--dataset_mixer_list", "a.jsonl", "1.0"]
+    assert parse_config(base).hub.hub_private is True and parse_config(base).train.fused_optimizer is True
+    assert parse_config(base + ["--no_hub_private", "--no_fused_optimizer"]).hub.hub_private is False
+    assert parse_config(base + ["--no_fused_optimizer"]).train.fused_optimizer is False
+
+
 def test_eval_sources_have_their_own_splits_checked_up_front(tmp_path) -> None:
     """Three eval sources beside two training ones with a split each once ended in an IndexError mid-run."""
     from open_sft.data.sources import parse_mixer_list
