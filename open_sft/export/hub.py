@@ -20,6 +20,7 @@ import argparse
 import logging
 import os
 import shlex
+import socket
 import sys
 import time
 from pathlib import Path
@@ -54,12 +55,30 @@ def resolve_token(explicit: Optional[str]) -> Optional[str]:
     return explicit or os.environ.get("HF_TOKEN") or None
 
 
+def name_not_resolved(exc: BaseException) -> bool:
+    """The Hub's host name did not resolve (no network or no DNS here): somewhere in the error's causes."""
+    while exc is not None:
+        if isinstance(exc, socket.gaierror):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def has_token(explicit: Optional[str]) -> bool:
+    """A token to upload with: --hub_token, HF_TOKEN, or the one huggingface_hub stored at login."""
+    from huggingface_hub import get_token
+
+    return bool(resolve_token(explicit) or get_token())
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: the server or the network failed, not the request."""
+    """Worth retrying: the server or the network failed, not the request. A host name that does not resolve is
+    not: a machine without DNS stays so, and six tries with backoff kept a push without network silent for a
+    minute before it said why."""
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    if isinstance(exc, OfflineModeIsEnabled):  # a ConnectionError, but HF_HUB_OFFLINE will not change by waiting
+    if isinstance(exc, OfflineModeIsEnabled) or name_not_resolved(exc):  # waiting changes neither
         return False
     if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else None
@@ -177,6 +196,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
     parser.add_argument("--no_hub_private", dest="hub_private", action="store_false")
     parser.add_argument("--hub_token", default=None, help="default: HF_TOKEN")
     args = parser.parse_args(argv)
+    if not has_token(args.hub_token):  # before any network wait: without a token nothing can be uploaded
+        print("error: no Hugging Face token: pass --hub_token, set HF_TOKEN, or log in once with `hf auth login`",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     if (args.output_dir / "COMPLETE").is_file():  # a checkpoint (checkpoint.COMPLETE)
