@@ -6,14 +6,13 @@ import importlib.util
 import logging
 import math
 import os
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from open_sft.config.args import LoraArguments, ModelArguments
-from open_sft.data.chat.templates import remember_new_tokens
+from open_sft.model.added_tokens import add_tokens
 from open_sft.errors import UserError
 from open_sft.model.anatomy import param_shape
 
@@ -52,28 +51,6 @@ def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
     return {"revision": args.model_revision, "trust_remote_code": args.trust_remote_code}
 
 
-def read_token_file(path: str) -> list[str]:
-    """Tokens of an --add_tokens file: one per line, blank lines and repeats skipped."""
-    tokens: list[str] = []
-    for line in Path(path).expanduser().read_text(encoding="utf-8").splitlines():
-        token = line.strip()
-        if token and token not in tokens:
-            tokens.append(token)
-    return tokens
-
-
-def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool) -> list[int]:
-    """Add a file's tokens that the tokenizer lacks; returns their ids (remembered for the embedding init)."""
-    known = tokenizer.get_vocab()
-    new = [t for t in read_token_file(path) if t not in known]
-    tokenizer.add_tokens(new, special_tokens=special)
-    ids = tokenizer.convert_tokens_to_ids(new)
-    remember_new_tokens(tokenizer, ids)
-    logger.info("added %d %stokens from %s (%d were already known)", len(new), "special " if special else "",
-                path, len(read_token_file(path)) - len(new))
-    return ids
-
-
 # What a bare tokenizer.json (no tokenizer_config.json naming its special tokens) most likely means by them
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
 PAD_CANDIDATES = ("<|padding|>", "<pad>", "[PAD]", "<|pad|>")
@@ -109,7 +86,7 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     if args.add_tokens:
         add_tokens(tokenizer, args.add_tokens, special=False)
     if args.add_special_tokens:
-        add_tokens(tokenizer, args.add_special_tokens, special=True)
+        add_tokens(tokenizer, args.add_special_tokens, special=True, flag="--add_special_tokens")
     return tokenizer
 
 
