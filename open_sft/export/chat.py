@@ -6,7 +6,8 @@ it stopped. `/reset` starts the conversation over (a --system message stays), `/
 quits. On a terminal the turns are read with line editing after a `you> ` prompt; from a pipe
 (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout holds only the
 replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
-directory, as for `open_sft generate`.
+directory, as for `open_sft generate`. A model without a chat template (trained on plain text), or --raw: each
+line, with its newline, is appended to the text so far and the model continues it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from typing import Callable, Optional, TextIO
 
 from open_sft.export.generate import (CONTEXT_FULL, END_OF_TURN, Generation, add_model_arguments, context_length,
-                                      generate_reply, load_or_exit)
+                                      generate_reply, load_or_exit, plain_continuation)
 
 EXIT, RESET = ("/exit", "/quit"), "/reset"
 PROMPT = "you> "
@@ -29,6 +30,8 @@ def _tokens(n: int) -> str:
 def stop_line(reply: Generation, max_new_tokens: int, context: int) -> str:
     """Why the reply stopped, in words, with its length and the conversation's (which grows turn by turn)."""
     size = f"{_tokens(reply.new_tokens)}; conversation {reply.prompt_tokens + reply.new_tokens} of {context} tokens"
+    if reply.text and not reply.text.strip():
+        size += f"; only whitespace ({len(reply.text)} characters)"
     if reply.stop_reason == END_OF_TURN:
         return f"[end of turn ({reply.stop_token}): {size}]"
     if reply.stop_reason == CONTEXT_FULL:
@@ -62,9 +65,9 @@ def line_reader(stdin: TextIO, stdout: TextIO) -> Callable[[], Optional[str]]:
 
 
 def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, system: Optional[str] = None,
-         max_new_tokens: int = 256) -> int:
-    """The loop: read a turn, reply from the conversation so far, until /exit or end of input. Returns the
-    number of replies."""
+         max_new_tokens: int = 256, raw: bool = False) -> int:
+    """The loop: read a turn, reply from the conversation so far, until /exit or end of input (`raw`: plain text
+    continued, each line appended with its newline). Returns the number of replies."""
     start = [{"role": "system", "content": system}] if system else []
     messages, replies, context = list(start), 0, context_length(model)
     while (line := read()) is not None:
@@ -82,8 +85,8 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
             out.write(f"[unknown command {text}: {RESET} clears the conversation, {EXIT[0]} quits]\n")
             out.flush()
             continue
-        messages.append({"role": "user", "content": text})
-        reply = generate_reply(model, tokenizer, messages, max_new_tokens)
+        messages.append({"role": "user", "content": text + "\n" if raw else text})
+        reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw)
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
         else:
@@ -105,9 +108,14 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
         return 2
     print(f"chatting with {loaded.description}; {RESET} clears the conversation, {EXIT[0]} or Ctrl-D quits",
           file=sys.stderr, flush=True)
+    raw = plain_continuation(args, loaded.tokenizer)
+    if raw and args.system:
+        print("error: --system needs a chat template; plain continuation (--raw, or a tokenizer without one) "
+              "continues the text typed", file=sys.stderr)
+        return 2
     try:
         chat(loaded.model, loaded.tokenizer, line_reader(sys.stdin, sys.stdout), sys.stdout, args.system,
-             args.max_new_tokens)
+             args.max_new_tokens, raw)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

@@ -2,6 +2,11 @@
 
     open_sft generate OUTPUT_DIR --prompt "What is 7 plus 5?"
     open_sft generate OUTPUT_DIR --score_sample 50     # exact-answer accuracy on sample rows
+    open_sft generate OUTPUT_DIR --raw --prompt "def read_file(path):"   # continue plain text
+
+A model trained on plain text (continual pretraining) has no chat template: its prompts are continued as plain
+text, as --raw asks for any model. The generation is printed as generated, whitespace included
+(`only_whitespace` says when that is all it is).
 
 OUTPUT_DIR is what the run wrote, whatever it holds: a full export, a LoRA/QLoRA adapter (its base model is
 the one adapter_config.json names, or --base_model), or a LoRA run's merged/ directory. Each generation says
@@ -50,10 +55,14 @@ def context_length(model) -> int:
     return getattr(model.config, "max_position_embeddings", None) or sys.maxsize
 
 
-def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32) -> Generation:
-    """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True).to(model.device)
+def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False) -> Generation:
+    """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped; `raw`: the
+    continuation of their contents joined as they are (plain text, no template)."""
+    if raw:
+        encoded = tokenizer("".join(m["content"] for m in messages), return_tensors="pt").to(model.device)
+    else:
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                return_dict=True).to(model.device)
     prompt_tokens = encoded["input_ids"].shape[1]
     room = context_length(model) - prompt_tokens
     if room <= 0:
@@ -64,7 +73,7 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
                              eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id
                              if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     new = out[0, prompt_tokens:].tolist()
-    text = tokenizer.decode(new, skip_special_tokens=True).strip()
+    text = tokenizer.decode(new, skip_special_tokens=True)  # as generated: whitespace is part of it
     if new and new[-1] in stops:
         return Generation(text, END_OF_TURN, prompt_tokens, len(new), tokenizer.convert_ids_to_tokens(new[-1]))
     return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new))
@@ -92,6 +101,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) ->
                              "base_model_name_or_path of its adapter_config.json)")
     parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens,
                         help="the most tokens one reply may have; a reply cut there says so")
+    parser.add_argument("--raw", action="store_true",
+                        help="plain continuation: the text typed is continued as it is, without the chat template "
+                             "(a model trained on plain text); the default when the tokenizer has no chat template")
+
+
+def plain_continuation(args: argparse.Namespace, tokenizer) -> bool:
+    """Whether to continue plain text (--raw, or a tokenizer without a chat template: said on stderr)."""
+    if not args.raw and not tokenizer.chat_template:
+        print(f"{args.model_dir}: its tokenizer has no chat template (a model trained on plain text): the text is "
+              "continued as it is (--raw)", file=sys.stderr, flush=True)
+    return args.raw or not tokenizer.chat_template
 
 
 def load_or_exit(args: argparse.Namespace):
@@ -127,12 +147,19 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     if loaded is None:
         return 2
     model, tokenizer = loaded.model, loaded.tokenizer
+    raw = plain_continuation(args, tokenizer)
+    if raw and (args.system or args.score_sample):
+        print(f"error: {'--system' if args.system else '--score_sample'} needs a chat template; plain continuation "
+              "(--raw, or a tokenizer without one) continues --prompt alone", file=sys.stderr)
+        return 2
     for prompt in args.prompt:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        reply = generate_reply(model, tokenizer, messages, args.max_new_tokens)
+        reply = generate_reply(model, tokenizer, messages, args.max_new_tokens, raw=raw)
         print(json.dumps({"prompt": prompt, "generation": reply.text, "stop_reason": reply.stop_reason,
-                          "new_tokens": reply.new_tokens, "stop_token": reply.stop_token}), flush=True)
+                          "new_tokens": reply.new_tokens, "stop_token": reply.stop_token,
+                          **({"only_whitespace": True} if reply.text and not reply.text.strip() else {})}),
+              flush=True)
     if args.score_sample:
         from open_sft.embedded.sample_data import generate_examples
 

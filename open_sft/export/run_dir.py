@@ -85,10 +85,7 @@ def _load_tokenizer(directory: Path) -> Any:
     except (OSError, ValueError) as exc:
         raise UserError(f"{directory} has no loadable tokenizer ({exc}); the export writes one: relaunch the run "
                         "to export it again") from exc
-    if not tokenizer.chat_template:
-        raise UserError(f"{directory}: its tokenizer has no chat template; export it again with a run of this "
-                        "version (the export saves the run's template)")
-    return tokenizer
+    return tokenizer  # without a chat template (a model trained on plain text): generate and chat continue text
 
 
 def _base_loading(directory: Path) -> dict[str, Any]:

@@ -89,7 +89,7 @@ def test_full_export_replies_say_why_they_stopped(full_run) -> None:
     assert [row["prompt"] for row in rows] == PROMPTS
     for row in rows:  # each reply is what plain transformers generates, and says why it ended
         ids = greedy(full_run, [{"role": "user", "content": row["prompt"]}], 40)
-        assert row["generation"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+        assert row["generation"] == tokenizer.decode(ids, skip_special_tokens=True)  # as generated, not stripped
         assert row["new_tokens"] == len(ids)
         if ids[-1] == tokenizer.eos_token_id:
             assert (row["stop_reason"], row["stop_token"]) == ("end_of_turn", tokenizer.eos_token)
@@ -103,7 +103,7 @@ def test_full_export_replies_say_why_they_stopped(full_run) -> None:
     [cut] = generations(str(full_run), "--prompt", row["prompt"], "--max_new_tokens", str(limit))
     assert (cut["stop_reason"], cut["new_tokens"], cut["stop_token"]) == ("max_new_tokens", limit, None)
     ids = greedy(full_run, [{"role": "user", "content": row["prompt"]}], limit)
-    assert cut["generation"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+    assert cut["generation"] == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_lora_run_directory_and_its_merged_model_generate_alike(lora_run, full_run) -> None:
@@ -224,8 +224,9 @@ def test_chat_from_a_pipe_keeps_the_conversation_and_resets(full_run) -> None:
     assert [("reset" if "reset" in e else "reply") for e in events] == ["reply", "reply", "reset", "reply"]
     one, two, _, three = events
     tokenizer = AutoTokenizer.from_pretrained(full_run)
+    said = tokenizer.decode(greedy(full_run, [{"role": "user", "content": first}], 24), skip_special_tokens=True)
     conversations = [[{"role": "user", "content": first}],
-                     [{"role": "user", "content": first}, {"role": "assistant", "content": one["reply"]},
+                     [{"role": "user", "content": first}, {"role": "assistant", "content": said},
                       {"role": "user", "content": second}],
                      [{"role": "user", "content": second}]]
     for event, messages in zip((one, two, three), conversations):
@@ -236,6 +237,38 @@ def test_chat_from_a_pipe_keeps_the_conversation_and_resets(full_run) -> None:
         ended = ids[-1] == tokenizer.eos_token_id
         assert event["why"].startswith("end of turn" if ended else "cut off at --max_new_tokens 24")
     assert two["conversation"] > one["conversation"] > 0 and three["conversation"] < two["conversation"]
+
+
+def test_a_model_without_a_chat_template_continues_plain_text(full_run, tmp_path) -> None:
+    """Continual pretraining leaves a model without a chat template: generate and chat continue the text as it is
+    (they refused it, saying to export again), and --raw asks the same of any model."""
+    plain = tmp_path / "plain"
+    shutil.copytree(full_run, plain, ignore=shutil.ignore_patterns("checkpoints", "chat_template.jinja"))
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(plain)
+    assert not tokenizer.chat_template
+    model = AutoModelForCausalLM.from_pretrained(plain).eval()
+
+    def continued(text: str, limit: int) -> str:
+        encoded = tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**encoded, max_new_tokens=limit, do_sample=False)
+        return tokenizer.decode(out[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    result = open_sft("generate", str(plain), "--prompt", "Add 3 to", "--max_new_tokens", "12")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "its tokenizer has no chat template (a model trained on plain text)" in result.stderr
+    [row] = [json.loads(line) for line in result.stdout.splitlines()]
+    assert row["generation"] == continued("Add 3 to", 12) and row["new_tokens"] > 0
+    assert generations(str(full_run), "--raw", "--prompt", "Add 3 to", "--max_new_tokens", "12") == [row]
+    chatted = open_sft("chat", str(plain), "--max_new_tokens", "8", stdin="Add 3 to\n")
+    assert chatted.returncode == 0, chatted.stderr[-3000:]
+    [event] = parse_chat(chatted.stdout)
+    assert event["reply"] == continued("Add 3 to\n", 8).strip()  # each line continued with its newline
+    refused = open_sft("generate", str(plain), "--system", "Be brief.", "--prompt", "Hi")
+    assert refused.returncode == 2 and "--system needs a chat template" in refused.stderr
 
 
 def test_chat_system_message_starts_every_conversation(full_run) -> None:
