@@ -9,6 +9,7 @@ import gc
 import logging
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -18,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
 from open_sft.data.build import build_dataset
-from open_sft.data.cache import cache_key, load_or_build, resolve_cache_dir
+from open_sft.data.cache import COMPLETE, cache_key, load_or_build, resolve_cache_dir
 from open_sft.data.cache_inputs import key_inputs
 from open_sft.data.labels import Example
 from open_sft.data.mixer import source_names
@@ -80,6 +81,16 @@ def _gc_paused():
             gc.enable()
 
 
+def how_found(hit: bool, entry: Path, started: float) -> str:
+    """How this process came by a cache entry: built it, found it built while it waited for the entry's lock (by
+    another rank of the same launch: "loaded from cache" read as if an old entry had been reused), or loaded it."""
+    if not hit:
+        return "built"
+    if (entry / COMPLETE).stat().st_mtime >= started:
+        return "built by another process while this one waited"
+    return "loaded from cache"
+
+
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
                  holdout: Optional[tuple[str, float]] = None) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
@@ -110,9 +121,10 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
         shutil.rmtree(partial, ignore_errors=True)
         return report
 
+    started = time.time()
     with _gc_paused():
         dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
-    logger.info("tokenized data %s: %s (%d examples)", "loaded from cache" if hit else "built", entry, len(dataset))
+    logger.info("tokenized data %s: %s (%d examples)", how_found(hit, entry, started), entry, len(dataset))
     # an entry is found by the sources' contents: built from other paths, its report names them as this run does
     names = [spec.name for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
                                                     config_name=args.dataset_config_name)]

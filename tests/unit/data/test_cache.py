@@ -219,3 +219,18 @@ def test_a_large_files_hash_is_remembered_while_its_stat_is_unchanged(tmp_path, 
     os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
     assert cache.content_hash(corpus, tmp_path / "c") == cache.sha256_file(corpus) != expected
     assert cache.content_hash(corpus, None) == cache.sha256_file(corpus)  # --dataset_skip_cache: no memo
+
+
+def test_an_entry_another_rank_built_while_this_one_waited_is_not_called_loaded_from_cache(tmp_path) -> None:
+    """A 2-rank launch logged "tokenized data loaded from cache" for the entry its other rank had just built."""
+    import os
+
+    from open_sft.data.prepare import how_found
+
+    entry = tmp_path / "entry"
+    entry.mkdir()
+    (entry / "COMPLETE").write_text("{}")
+    os.utime(entry / "COMPLETE", (1000.0, 1000.0))
+    assert how_found(False, entry, 2000.0) == "built"
+    assert how_found(True, entry, 2000.0) == "loaded from cache"  # finished before this process asked
+    assert how_found(True, entry, 500.0) == "built by another process while this one waited"
