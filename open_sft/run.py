@@ -114,7 +114,7 @@ def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.prepare import prepare_data as build
-    from open_sft.data.summary import format_data_report, print_examples
+    from open_sft.data.summary import format_data_report, print_examples, shares_note
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
@@ -132,6 +132,8 @@ def prepare_data(job: Job) -> None:
         job.eval_data = build(d, job.tokenizer, seed, holdout=("eval", ratio))
     if _is_main_rank():
         print(format_data_report(job.data.report), flush=True)
+        if note := shares_note(job.data.report, d):
+            logger.warning("%s", note)
         if job.config.train.dry_run:
             print_examples(job.data, job.tokenizer, color=sys.stdout.isatty())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 import logging
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -105,17 +105,44 @@ def nothing_left_message(reports: list[Any], max_seq_length: int) -> str:
             f"{max_seq_length}):\n" + "\n".join(lines) + (f"\n{hint}" if hint else ""))
 
 
+def mixture_shares(report: dict[str, Any], source: dict[str, Any]) -> tuple[float, float]:
+    """A source's share of the mixture's examples and of its tokens."""
+    return source["examples"] / max(report["examples"], 1), source["tokens"] / max(report["tokens"], 1)
+
+
+def shares_note(report: dict[str, Any], data: Any) -> Optional[str]:
+    """One line when the --dataset_mixer_list amounts (of `data`, the DataArguments) look like shares of the mixture
+    (fractions of two or more sources summing to about 1): they are fractions of each source's rows (open-instruct's
+    meaning), so 0.7 and 0.3 of two sources of unequal size are not a 70/30 mixture. Says what the mixture holds and
+    how to ask for shares."""
+    from open_sft.data.sources import parse_mixer_list
+
+    specs = parse_mixer_list(data.dataset_mixer_list, data.dataset_mixer_list_splits,
+                             config_name=data.dataset_config_name)
+    if len(specs) < 2 or not all(s.is_fraction for s in specs) or not 0.9 <= sum(s.amount for s in specs) <= 1.1:
+        return None
+    got = ", ".join(f"{source['name']} {source['examples']} examples ({ex:.0%} of them, {tok:.0%} of the tokens)"
+                    for source in report["sources"] for ex, tok in [mixture_shares(report, source)])
+    amounts = " and ".join(f"{s.amount:g}" for s in specs)
+    unit = "tokens" if data.dataset_mixer_unit == "tokens" else "rows"
+    return (f"--dataset_mixer_list amounts {amounts} are fractions of each source's {unit} (open-instruct's meaning), "
+            f"not shares of the mixture: it holds {got}. For shares, give each source a count: rows (e.g. 700 and 300 "
+            "for 70/30 by examples), or tokens with --dataset_mixer_unit tokens (70/30 by tokens)")
+
+
 def format_data_report(report: dict[str, Any]) -> str:
     """The data report as a fixed-width table, one line per source plus the mixture total."""
     header = f"{'source':<40} {'format':<9} {'rows in':>8} {'kept':>8} {'dropped':>8} {'trunc':>6} {'examples':>9} " \
-             f"{'tokens':>11} {'trained':>7}"
+             f"{'tokens':>11} {'trained':>7} {'% ex':>6} {'% tok':>6}"
     lines = ["data report", header, "-" * len(header)]
     for source in report["sources"]:
         name = source["name"] if len(source["name"]) <= 40 else "…" + source["name"][-39:]
         dropped = sum(source["rows_dropped"].values())
         share = source["trained_tokens"] / max(source["tokens"], 1)
+        of_examples, of_tokens = mixture_shares(report, source)  # the source's share of the mixture
         lines.append(f"{name:<40} {source['format']:<9} {source['rows_in']:>8} {source['rows_kept']:>8} {dropped:>8} "
-                     f"{source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} {share:>7.1%}")
+                     f"{source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} {share:>7.1%} "
+                     f"{of_examples:>6.1%} {of_tokens:>6.1%}")
         if source.get("upsample_factor", 1.0) > 1.0:
             lines.append(f"{'':<4}upsampled ×{source['upsample_factor']:.2f} (rows repeated to reach the amount)")
         if source.get("rows_split"):
@@ -129,7 +156,7 @@ def format_data_report(report: dict[str, Any]) -> str:
     share = report["trained_tokens"] / max(report["tokens"], 1)
     lines.append("-" * len(header))
     lines.append(f"{'mixture':<40} {'':<9} {'':>8} {'':>8} {'':>8} {'':>6} {report['examples']:>9} "
-                 f"{report['tokens']:>11} {share:>7.1%}")
+                 f"{report['tokens']:>11} {share:>7.1%} {1:>6.1%} {1:>6.1%}")
     if report.get("length_percentiles"):
         percentiles = report["length_percentiles"]
         lines.append("example length (tokens): " + ", ".join(f"{k} {percentiles[k]}" for k in ("p50", "p90", "p99", "max")))

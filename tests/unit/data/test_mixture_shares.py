@@ -1,0 +1,34 @@
+"""The data report says each source's share of the mixture, and amounts that look like shares (0.7 and 0.3) get
+one line saying what they mean: `alpaca.json 0.7 sample.jsonl 0.3` gave 699 and 600 rows, ~95/5 by tokens, silently."""
+
+from __future__ import annotations
+
+from open_sft.config.args import DataArguments
+from open_sft.data.summary import format_data_report, shares_note
+
+
+def source(name: str, examples: int, tokens: int) -> dict:
+    return {"name": name, "format": "messages", "rows_in": examples, "rows_kept": examples, "rows_dropped": {},
+            "truncated": 0, "examples": examples, "tokens": tokens, "trained_tokens": tokens // 2}
+
+
+REPORT = {"sources": [source("alpaca.json", 699, 190_000), source("sample.jsonl", 600, 10_000)], "examples": 1299,
+          "tokens": 200_000, "trained_tokens": 100_000}
+
+
+def test_each_source_says_its_share_of_the_mixtures_examples_and_tokens() -> None:
+    lines = format_data_report(REPORT).splitlines()
+    assert lines[1].split()[-5:] == ["trained", "%", "ex", "%", "tok"]
+    assert lines[3].split()[-2:] == ["53.8%", "95.0%"] and lines[4].split()[-2:] == ["46.2%", "5.0%"]
+    assert lines[-1].split()[-2:] == ["100.0%", "100.0%"]
+
+
+def test_fractions_that_look_like_shares_are_explained() -> None:
+    def note(*mixer: str):
+        return shares_note(REPORT, DataArguments(dataset_mixer_list=list(mixer)))
+
+    said = note("alpaca.json", "0.7", "sample.jsonl", "0.3")
+    assert said.startswith("--dataset_mixer_list amounts 0.7 and 0.3 are fractions of each source's rows")
+    assert "alpaca.json 699 examples (54% of them, 95% of the tokens)" in said and "give each source a count: rows" in said
+    assert note("alpaca.json", "700", "sample.jsonl", "300") is None  # row counts: the shares asked for
+    assert note("alpaca.json", "1.0") is None and note("alpaca.json", "0.5", "sample.jsonl", "1.0") is None
