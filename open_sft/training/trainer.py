@@ -57,7 +57,6 @@ class Trainer:
         self.peak_flops = peak_flops
         self.metrics = metrics
         self.reduce_sum = reduce_sum
-        self.parallelism = parallelism
         # a pipeline's ranks hold different parameters: its fp16 loss scaler agrees on overflows over all of them
         self.precision = Precision(dtype, accelerator, optimizer, parallelism.deepspeed,
                                    torch.distributed.group.WORLD if parallelism.pp_enabled else None)

@@ -21,15 +21,22 @@ from types import SimpleNamespace
 import pytest
 
 
-def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
-    from open_sft.training.checkpoint import publish, prune
+def _publish_steps(root, steps) -> None:
+    """Complete checkpoints of these steps under root, written as a run writes them (tmp, then publish)."""
+    from open_sft.training.checkpoint import publish
 
-    root = tmp_path / "checkpoints"
-    for step in (2, 4, 6):
+    for step in steps:
         tmp = root / f"step_{step}.tmp"
         tmp.mkdir(parents=True)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
         publish(tmp, root / f"step_{step}", step)
+
+
+def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
+    from open_sft.training.checkpoint import prune
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4, 6))
     (root / "step_8").mkdir()  # being written (renamed, COMPLETE not yet)
     (root / "step_10.tmp").mkdir()
     removed = prune(root, keep=1)
@@ -172,14 +179,10 @@ def test_metrics_are_on_disk_before_the_checkpoint_that_covers_them_is_complete(
 def test_a_resume_completes_the_pruning_a_kill_left_undone(tmp_path, caplog) -> None:
     """Killed between step 6's COMPLETE and its pruning (--keep_last_n_checkpoints 2): three checkpoints. The next
     start resuming step 6 deletes step 2, with a line; one resuming the named step 4 deletes nothing."""
-    from open_sft.training.checkpoint import ResumePoint, publish
+    from open_sft.training.checkpoint import ResumePoint
 
     root = tmp_path / "checkpoints"
-    for step in (2, 4, 6):
-        tmp = root / f"step_{step}.tmp"
-        tmp.mkdir(parents=True)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        publish(tmp, root / f"step_{step}", step)
+    _publish_steps(root, (2, 4, 6))
     _checkpointer(tmp_path, keep=2).restore(ResumePoint(root / "step_4", {"step": 4}))
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
     with caplog.at_level(logging.INFO, logger="open_sft.training.checkpoint"):
