@@ -15,6 +15,7 @@ COMMANDS = {
     "generate": ("open_sft.export.generate", "generate from a run's model (full, LoRA adapter, merged/); score sample tasks"),
     "chat": ("open_sft.export.chat", "talk with a run's model, turn by turn, with its chat template"),
     "compare": ("open_sft.export.compare", "score two models (before/after) on held-out tasks, side by side"),
+    "export": ("open_sft.export.from_checkpoint", "write a step checkpoint (any engine) as a Hugging Face model"),
     "push": ("open_sft.export.hub", "upload an export or a checkpoint to the Hugging Face Hub"),
     "merge-lora": ("open_sft.export.lora_merge", "merge a saved LoRA adapter into its base model"),
     "report": ("open_sft.monitor.report", "(re)draw the report/ plots and summary from a run's metrics.jsonl"),

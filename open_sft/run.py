@@ -254,7 +254,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=trainer.engine.checkpoint_io())
+                                           state_io=trainer.engine.checkpoint_io(),
+                                           model_files=_model_files_writer(job, trainer))
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
@@ -268,6 +269,18 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         log_summary()
     write_audit_files(output_dir, acc.process_index, trainer)
     return trainer, checkpointer, records
+
+
+def _model_files_writer(job: Job, trainer: Any) -> Any:
+    """What each checkpoint keeps of the export but its weights (open_sft.export.save.write_model_files), in the
+    dtype the end export writes."""
+    from open_sft.export.save import save_dtype, write_model_files
+    from open_sft.model.load import load_model_config
+
+    config = job.config
+    dtype = save_dtype(config.checkpoint.save_dtype, load_model_config(config.model))
+    return lambda directory: write_model_files(job.accelerator.unwrap_model(trainer.model).model, job.tokenizer,
+                                               directory, dtype)
 
 
 def export(job: Job, trainer: Any, checkpointer: Any) -> None:

@@ -1,7 +1,7 @@
 """The model card (README.md of the export): base model, data sources and proportions,
 hyperparameters, the epochs actually trained, final metrics and how the model was trained, built from the files
 the run wrote (run.json, data_report.json, metrics.jsonl, adapter_config.json) so it can be regenerated:
-`open_sft model-card DIR`.
+`open_sft model-card DIR`. The export of a step checkpoint (`open_sft export`) says which step it holds.
 
 A LoRA/QLoRA run's card describes its adapter (base model, rank, alpha, dropout, target modules, from
 adapter_config.json), and its merged/ directory (--merge_lora_on_save) gets a card of its own. The front
@@ -33,6 +33,7 @@ HYPERPARAMETERS = (
 )
 FINAL_METRICS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
 MERGED_DIR = "merged"  # open_sft.export.save.MERGED_DIR (not imported: that module pulls in torch and peft)
+EXPORT_RECORD = "export.json"  # open_sft.export.from_checkpoint's record of the checkpoint it exported
 HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<id>[^/]+)/snapshots/[^/]+/?$")  # the cache writes ORG/NAME as ORG--NAME
 
 
@@ -137,8 +138,13 @@ def _what(base_model: str, adapter: dict[str, Any], merged: bool, has_merged: bo
             + (", or use `merged/`, the full model with the adapter merged in." if has_merged else "."))
 
 
-def _intro(name: str, what: str, base_model: str, epochs: Optional[float], steps: Optional[int]) -> list[str]:
+def _intro(name: str, what: str, base_model: str, epochs: Optional[float], steps: Optional[int],
+           exported: dict[str, Any]) -> list[str]:
     lines = [f"# {name}", "", what, ""]
+    if exported:  # open_sft export of a step checkpoint (open_sft.export.from_checkpoint's record)
+        total = f" of {exported['total_steps']}" if exported.get("total_steps") else ""
+        lines += [f"Exported from the checkpoint of step {exported['step']}{total} (`{exported['checkpoint']}`, "
+                  f"written by {exported['engine']}) with `open_sft export`.", ""]
     if epochs is not None:
         lines += [f"Trained for {epochs:g} epochs" + (f" ({steps} optimizer steps)." if steps else "."), ""]
     if not hub_id(base_model):
@@ -198,7 +204,8 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
     name = args.get("hub", {}).get("hub_model_id") or output_dir.name
     epochs, steps = epochs_trained(output_dir, info)
     what = _what(base_model, adapter, merged, (output_dir / MERGED_DIR / "config.json").is_file())
-    body = _intro(f"{name}/{MERGED_DIR}" if merged else name, what, base_model, epochs, steps)
+    body = _intro(f"{name}/{MERGED_DIR}" if merged else name, what, base_model, epochs, steps,
+                  _read_json(output_dir / EXPORT_RECORD))
     if adapter:
         body += _adapter_section(adapter, bool(args.get("lora", {}).get("use_qlora")), base_model)
     body += _data_section(_read_json(output_dir / "data_report.json"))

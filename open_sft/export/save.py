@@ -26,6 +26,7 @@ from open_sft.data.chat.render import renderer_for, special_markers
 from open_sft.data.chat.turn_render import turn_enders
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.file_modes import share_as_umask
+from open_sft.model.lora import ADAPTER
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,24 @@ def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], toke
         tokenizer.save_pretrained(staging)
         write_generation_config(model.generation_config, tokenizer, staging)
     logger.info("saved model to %s", output_dir)
+
+
+def write_model_files(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedTokenizerBase, directory: Path,
+                      dtype: torch.dtype) -> None:
+    """Everything of an export but its weights, as the run's end export writes it: config.json (of the base model
+    under LoRA, then also adapter_config.json), the tokenizer and the generation config. A checkpoint keeps these
+    (checkpoint.MODEL_FILES) so that `open_sft export` turns it into a model without the run's process."""
+    directory.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    config = copy.deepcopy(base.config)
+    config.use_cache, config.dtype = True, dtype
+    config.save_pretrained(directory)
+    if isinstance(model, PeftModel):
+        adapter = copy.deepcopy(model.peft_config[ADAPTER])
+        adapter.inference_mode = True  # as PeftModel.save_pretrained writes it
+        adapter.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    write_generation_config(base.generation_config, tokenizer, directory)
 
 
 def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,

@@ -4,6 +4,8 @@ what it must share with the run: open_sft.training.resume).
 Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
     accelerate's save_state: model + optimizer (DeepSpeed's own per-rank files under ZeRO, else
         model.safetensors + optimizer.bin) and random_states_<rank>.pkl (python, numpy, torch RNGs per rank)
+    model/: everything of the run's export but its weights (config.json, tokenizer, generation config; under LoRA
+        adapter_config.json too), so that `open_sft export` makes a model of the checkpoint alone
     trainer_state.json: the step (our data order is a pure function of (seed, epoch, step), and so is the
         learning rate, so the step *is* the exact data and schedule position), token counters, the open logging
         window, the settings a resume must share (cache key, batch layout, seed), the resolved config
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
+MODEL_FILES = "model"
 METRICS_FILE = "metrics.jsonl"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -145,12 +148,14 @@ class Checkpointer:
 
     def __init__(self, accelerator, trainer, output_dir: Path, args: Any, identity: dict[str, Any],
                  config: dict[str, Any], reduce_sum: Callable[[torch.Tensor], torch.Tensor], stop: StopRequest,
-                 uploader: Any = None, state_io: Any = None):
+                 uploader: Any = None, state_io: Any = None,
+                 model_files: Optional[Callable[[Path], None]] = None):
         """`args`: the CheckpointArguments; `config`: the resolved config (token already scrubbed);
         `uploader`: an export.hub_checkpoints.CheckpointUploader on the main process with --push_checkpoints;
         `state_io`: what saves and loads model, optimizer and RNG states (`save(dir)`, `load(dir)`) where
         accelerate's save_state does not (pipeline stages: training.pipeline_state.PipelineState).
-        Installs the SIGTERM/SIGINT/SIGUSR1 handlers of this process."""
+        `model_files(directory)` writes the export's files but its weights (main process).
+        Constructing a checkpointer touches no signal handler: `stop` is installed by the caller."""
         self.accelerator = accelerator
         self.trainer = trainer
         self.output_dir = output_dir
@@ -163,6 +168,7 @@ class Checkpointer:
         self.reduce_sum, self.uploader = reduce_sum, uploader
         self.preempted_at: Optional[int] = None
         self.state_io = state_io or _AccelerateState(accelerator)
+        self.model_files = model_files
 
     def restore(self, resume: Optional[ResumePoint]) -> int:
         """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
@@ -250,6 +256,8 @@ class Checkpointer:
         if acc.is_main_process:
             (tmp / STATE_FILE).write_text(json.dumps(self._state(step, preempted), indent=1,
                                                      default=str) + "\n")
+            if self.model_files is not None:
+                self.model_files(tmp / MODEL_FILES)
         fsync_tree(tmp)
         acc.wait_for_everyone()
         if acc.is_main_process:

@@ -23,8 +23,11 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import FINETUNE, ROOT, SAMPLE, TESTS, child_env, launch_command, read_metrics
+from export_check import assert_export_is_the_runs, weights_of
+from open_sft.export.from_checkpoint import export_checkpoint
 from hub_server import FakeHub
 
 
@@ -502,3 +505,42 @@ def test_token_never_written_or_logged(single, zero2, zero3, hub, logs) -> None:
     run_json = json.loads((zero3["out"] / "run.json").read_text())
     assert run_json["args"]["hub"]["hub_token"] == "<redacted>"
     assert scanned > 20
+
+
+@pytest.mark.parametrize("layout", ["single", "zero2", "zero3"])
+def test_export_of_a_step_checkpoint_is_the_runs_own_export(layout, single, zero2, zero3, tmp_path) -> None:
+    """`open_sft export` of the last checkpoint of a one-process run, of DeepSpeed ZeRO-2's (the module in rank 0's
+    model states) and of ZeRO-3's (each rank's partition of the fp32 masters): the run's own export, bitwise."""
+    run = {"single": single, "zero2": zero2, "zero3": zero3}[layout]
+    out = assert_export_is_the_runs(run["base"], STEPS, tmp_path / "export")
+    record = json.loads((out / "export.json").read_text())
+    assert record["step"] == STEPS and record["total_steps"] == STEPS
+    assert ("ZeRO-3" in record["engine"]) == (layout == "zero3")
+    assert f"Exported from the checkpoint of step {STEPS} of {STEPS}" in (out / "README.md").read_text()
+    assert len(list(out.glob("model-*.safetensors"))) > 1  # the run's --max_shard_size 300KB, as the run's export
+
+
+def test_export_of_a_bf16_zero3_checkpoint_in_a_fresh_process_gives_the_runs_loss(tiny_model_dir, tmp_path) -> None:
+    """ZeRO-3 under bf16 keeps fp32 masters; the module held them cast to bf16, so the export (the CLI) casts them
+    the same way: the run's end export bitwise and the same loss when loaded with transformers; an earlier step's
+    checkpoint gives that step's weights."""
+    run = tmp_path / "run"
+    args = finetune_args(tiny_model_dir, run, "zero3", "--save_dtype", "bfloat16")
+    for flag, value in (("--torch_dtype", "bfloat16"), ("--max_train_steps", "4")):
+        args[args.index(flag) + 1] = value
+    run_layout("zero3", args)
+    result = subprocess.run([sys.executable, "-m", "open_sft", "export", str(run / "checkpoints" / "step_4"),
+                             str(tmp_path / "step4")], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == str(tmp_path / "step4")
+    export_checkpoint(run / "checkpoints" / "step_2", tmp_path / "step2")
+    ours, theirs = weights_of(tmp_path / "step4"), weights_of(run)
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert {t.dtype for t in ours.values()} == {torch.bfloat16}
+    assert any(not torch.equal(weights_of(tmp_path / "step2")[k], theirs[k]) for k in theirs)  # step 2 is not 4
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "step4")
+    ids = tokenizer("hello world", return_tensors="pt").input_ids
+    exported, own = (float(AutoModelForCausalLM.from_pretrained(d)(ids, labels=ids).loss)
+                     for d in (tmp_path / "step4", run))
+    assert exported == own and 0 < own < 20

@@ -21,6 +21,7 @@ from safetensors.torch import load_file as load_weights_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import FINETUNE, ROOT, SAMPLE, child_env, free_port, read_metrics, run_finetune
+from export_check import assert_export_is_the_runs
 from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
 from integration.test_lora import lora_pairs
 
@@ -196,3 +197,12 @@ def test_fsdp1_is_refused_with_the_fix(tiny_model_dir, tmp_path) -> None:
     assert "error: FSDP version 1 was asked for" in result.stderr
     assert "--fsdp_version 2" in result.stderr
     assert not (tmp_path / "out" / "run.json").exists()
+
+
+@pytest.mark.parametrize("name", ["fsdp", "bf16_fsdp", "lora_fsdp"])
+def test_export_of_a_sharded_checkpoint_is_the_runs_own_export(runs, name, tmp_path) -> None:
+    """`open_sft export` reads FSDP2's torch distributed checkpoint without a process group: the full model (fp32
+    masters, also of the bf16 run), and the LoRA run's adapter and merged model, bitwise the run's own export."""
+    out = assert_export_is_the_runs(runs[name], STEPS, tmp_path / "export")
+    assert "FSDP2" in json.loads((out / "export.json").read_text())["engine"]
+    assert (out / "merged" / "config.json").is_file() == (name == "lora_fsdp")

@@ -14,6 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SAMPLE, read_metrics, run_finetune
+from export_check import assert_export_is_the_runs
+from open_sft.errors import UserError
+from open_sft.export.from_checkpoint import export_checkpoint
 from open_sft.config.args import LoraArguments
 from unit.model.test_model_options import make_batch
 
@@ -54,7 +57,7 @@ def lora_runs(tiny_model_dir, tmp_path_factory) -> dict:
         output_dir = tmp_path_factory.mktemp(f"lora_{name}")
         flags = lora_flags(tiny_model_dir, output_dir, STEPS, RANK, "1e-2") + [
             "--use_lora", "--torch_dtype", "float32", "--per_device_train_batch_size", str(micro_batch),
-            "--gradient_accumulation_steps", str(accumulation)]
+            "--gradient_accumulation_steps", str(accumulation), "--checkpointing_steps", str(STEPS)]
         result = run_finetune(flags, processes=processes, deepspeed_config=ds_config)
         out[name], out[f"{name}_log"] = output_dir, result.stdout + result.stderr
     return out
@@ -64,7 +67,8 @@ def lora_runs(tiny_model_dir, tmp_path_factory) -> dict:
 def qlora_run(tiny_model_dir, tmp_path_factory):
     output_dir = tmp_path_factory.mktemp("qlora")
     run_finetune(lora_flags(tiny_model_dir, output_dir, QLORA_STEPS, 16, "1e-2")
-                 + ["--use_qlora", "--per_device_train_batch_size", "8", "--lora_target_modules", *QLORA_TARGETS])
+                 + ["--use_qlora", "--per_device_train_batch_size", "8", "--lora_target_modules", *QLORA_TARGETS,
+                    "--checkpointing_steps", str(QLORA_STEPS)])
     return output_dir
 
 
@@ -241,3 +245,22 @@ def test_qlora_under_ddp_matches_one_process(tiny_model_dir, tmp_path) -> None:
         assert (out / "adapter_model.safetensors").exists()
     # bf16 compute: the two layouts' matmuls round differently
     assert losses["ddp"] == pytest.approx(losses["one"], rel=2e-3), losses
+
+
+@pytest.mark.parametrize("name", list(LORA_RUNS))
+def test_export_of_a_lora_checkpoint_is_the_runs_own_adapter_and_merge(lora_runs, name, tmp_path) -> None:
+    """The adapter and the merged model from the last checkpoint, bitwise the run's own (ZeRO-3: the frozen base
+    weights from each rank's fragments)."""
+    assert_export_is_the_runs(lora_runs[name], STEPS, tmp_path / "export")
+
+
+def test_export_of_a_qlora_checkpoint_gives_its_adapter_and_refuses_the_merge_naming_the_way(qlora_run,
+                                                                                           tmp_path) -> None:
+    checkpoint = qlora_run / "checkpoints" / f"step_{QLORA_STEPS}"
+    out = export_checkpoint(checkpoint, tmp_path / "adapter", merge=False)
+    ours, theirs = load_file(out / "adapter_model.safetensors"), load_file(qlora_run / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 16
+    with pytest.raises(UserError, match="--no_merge_lora.*open_sft merge-lora"):
+        export_checkpoint(checkpoint, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()

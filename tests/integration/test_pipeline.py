@@ -21,6 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
+from export_check import assert_export_is_the_runs
+from open_sft.errors import UserError
+from open_sft.export.from_checkpoint import export_checkpoint
 from integration.test_checkpoint import assert_continues_exactly, interrupt, load_weights, reloaded_loss
 from integration.test_fsdp import LORA, STEPS, fsdp_command, losses
 from integration.test_fsdp import args_for as absolute_args_for
@@ -265,3 +268,17 @@ def test_fp16_and_the_router_loss_of_an_moe_in_two_stages_train_what_data_parall
     # the aux loss would be about half
     for key, rel in (("loss", 1e-4), ("aux_loss", 1e-4), ("grad_norm", 5e-4)):
         assert [m[key] for m in pp] == pytest.approx([m[key] for m in ddp], rel=rel), key
+
+
+@pytest.mark.parametrize("name", ["pp", "lora_pp"])
+def test_export_of_a_checkpoint_of_stages_is_the_runs_own_export(runs, name, tmp_path) -> None:
+    """Each stage's file holds its parameters by their names in the whole model: `open_sft export` joins them
+    into the run's own export (and the LoRA run's merged model), bitwise."""
+    out = assert_export_is_the_runs(runs[name], STEPS, tmp_path / "export")
+    assert json.loads((out / "export.json").read_text())["engine"] == "pipeline stages"
+
+
+def test_export_of_fsdp2_sharded_stages_is_refused_with_the_way_on(runs, tmp_path) -> None:
+    with pytest.raises(UserError, match="pipeline stages sharded by FSDP2.*the run's own export"):
+        export_checkpoint(runs["fsdp_pp"] / "checkpoints" / f"step_{STEPS}", tmp_path / "export")
+    assert not (tmp_path / "export").exists()

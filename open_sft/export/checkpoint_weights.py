@@ -1,0 +1,163 @@
+"""The model weights of a step checkpoint, whatever engine wrote it, read one group of tensors at a time.
+
+Each engine leaves the weights in its own format (open_sft.training.checkpoint): accelerate's model.safetensors
+(one process, DDP, TP), DeepSpeed's per-rank files (ZeRO-2 keeps the whole module in rank 0's model states, ZeRO-3
+only each rank's partition of the fp32 master weights), FSDP2's torch.distributed.checkpoint directory, the
+pipeline's per-stage files. A reader gives every weight's name (as in the run's model: TokenLossModel's `model.`
+prefix stripped, so the names are the trained PreTrainedModel's or PeftModel's), its shape and training dtype,
+and loads the tensors asked for. Files are memory-mapped or read piecewise: an export holds one output shard and
+the tensors being converted, never the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from open_sft.errors import UserError
+
+WRAPPER = "model."  # open_sft.model.loss.TokenLossModel holds the trained model as `.model`
+SAFETENSORS = "model.safetensors"  # accelerate's save_state
+FSDP_DIR = "pytorch_model_fsdp_0"  # accelerate's save_state under FSDP2 (sharded state dict)
+PIPELINE_SHARDED = "pipeline_sharded"  # open_sft.training.pipeline_state.SHARDED
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class Weight:
+    shape: torch.Size
+    dtype: torch.dtype  # as trained: the module's dtype (bf16 under DeepSpeed bf16), not the fp32 master copy's
+
+
+class CheckpointWeights:
+    """`engine` (words for messages), `weights` (name → Weight, in the model's order) and `load(names)`."""
+
+    engine = ""
+
+    def __init__(self, weights: dict[str, Weight], load: Callable[[list[str]], dict[str, torch.Tensor]]):
+        self.weights, self._load = weights, load
+
+    def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, in their training dtype, on the CPU."""
+        names = list(names)
+        loaded = self._load(names)
+        return {name: loaded[name].to(self.weights[name].dtype).contiguous() for name in names}
+
+
+def _unwrapped(name: str) -> str:
+    return name.removeprefix(WRAPPER)
+
+
+def _safetensors(directory: Path) -> CheckpointWeights:
+    from safetensors import safe_open
+
+    path = directory / SAFETENSORS
+    weights, keys = {}, {}
+    with safe_open(str(path), "pt") as file:
+        for key in file.keys():
+            piece = file.get_slice(key)
+            weights[_unwrapped(key)] = Weight(torch.Size(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()])
+            keys[_unwrapped(key)] = key
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        with safe_open(str(path), "pt") as file:
+            return {name: file.get_tensor(keys[name]) for name in names}
+
+    reader = CheckpointWeights(weights, load)
+    reader.engine = "one process or DDP (accelerate's model.safetensors)"
+    return reader
+
+
+def _deepspeed(directory: Path) -> CheckpointWeights:
+    """ZeRO-1/2: rank 0's model states hold the whole module in its training dtype. ZeRO-3: they hold empty
+    placeholders (with that dtype); the weights are the fp32 master partitions of every rank's optimizer states,
+    joined by DeepSpeed's own reader in its lazy mode (each tensor gathered when asked for), then cast to the
+    module's dtype, which is what the module held (DeepSpeed copies the masters into it after each step)."""
+    tag = (directory / "latest").read_text().strip()
+    ds_dir = directory / tag
+    whole = ds_dir / "mp_rank_00_model_states.pt"
+    if whole.is_file():
+        module = torch.load(whole, map_location="cpu", mmap=True, weights_only=False)["module"]
+        weights = {_unwrapped(k): Weight(v.shape, v.dtype) for k, v in module.items()}
+        reader = CheckpointWeights(weights, lambda names: {n: module[WRAPPER + n] for n in names})
+        reader.engine = "DeepSpeed ZeRO-1/2"
+        return reader
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    states = torch.load(ds_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", mmap=True,
+                        weights_only=False)
+    dtypes = {k: v.dtype for k, v in states["module"].items()}
+    shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
+    shapes.update(states.get("frozen_param_shapes") or {})
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag, lazy_mode=True)
+    weights = {_unwrapped(k): Weight(torch.Size(shapes.get(k, lazy[k].shape)), dtypes.get(k, torch.float32))
+               for k in lazy}
+    reader = CheckpointWeights(weights, lambda names: {n: lazy[WRAPPER + n].contiguous() for n in names})
+    reader.engine = "DeepSpeed ZeRO-3"
+    return reader
+
+
+def _distributed_checkpoint(path: Path, prefix: str, rename: Callable[[str], str] = _unwrapped) -> CheckpointWeights:
+    """A torch.distributed.checkpoint directory, read without a process group: each asked-for tensor assembled
+    from the ranks' shards into a whole one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    keys = {rename(k.removeprefix(prefix)): k for k, v in metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
+    weights = {name: Weight(metadata[key].size, metadata[key].properties.dtype) for name, key in keys.items()}
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        state = {keys[n]: torch.empty(weights[n].shape, dtype=weights[n].dtype) for n in names}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        return {n: state[keys[n]] for n in names}
+
+    return CheckpointWeights(weights, load)
+
+
+def _pipeline(directory: Path) -> CheckpointWeights:
+    """Each stage position's file holds its parameters by their names in the whole model."""
+    parts = {}
+    for file in sorted(directory.glob("pipeline_stage_*.pt")):
+        parts.update(torch.load(file, map_location="cpu", mmap=True, weights_only=False)["model"])
+    weights = {_unwrapped(k): Weight(v.shape, v.dtype) for k, v in parts.items()}
+    reader = CheckpointWeights(weights, lambda names: {n: parts[WRAPPER + n] for n in names})
+    reader.engine = "pipeline stages"
+    return reader
+
+
+def open_weights(directory: Path) -> CheckpointWeights:
+    """The weights of the step checkpoint `directory`, by the format its engine wrote."""
+    if (directory / SAFETENSORS).is_file():
+        return _safetensors(directory)
+    if (directory / "latest").is_file():
+        return _deepspeed(directory)
+    if (directory / FSDP_DIR).is_dir():
+        reader = _distributed_checkpoint(directory / FSDP_DIR, prefix="model.")
+        reader.engine = "FSDP2 (torch distributed checkpoint)"
+        return reader
+    if list(directory.glob("pipeline_stage_*.pt")):
+        return _pipeline(directory)
+    if (directory / PIPELINE_SHARDED).is_dir():
+        raise UserError(f"{directory} holds pipeline stages sharded by FSDP2 ({PIPELINE_SHARDED}/), which "
+                        "`open_sft export` does not read yet; the run's own export at its end holds the same model, "
+                        "or resume the run and let it finish")
+    found = ", ".join(sorted(p.name for p in directory.iterdir())) or "nothing"
+    raise UserError(f"{directory}: no model weights of a known format (found {found}); pass a step checkpoint "
+                    "written by finetune.py (OUTPUT_DIR/checkpoints/step_N)")
+
+
+def describe(weights: CheckpointWeights) -> str:
+    count = sum(w.shape.numel() for w in weights.weights.values())
+    dtypes = sorted({str(w.dtype).removeprefix("torch.") for w in weights.weights.values()})
+    return f"{len(weights.weights)} tensors, {count:,} values ({', '.join(dtypes)}), written by {weights.engine}"
+

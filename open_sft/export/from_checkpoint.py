@@ -1,0 +1,248 @@
+"""`open_sft export CHECKPOINT_DIR OUT`: any complete step checkpoint as a Hugging Face model directory, on one
+CPU process, while the run may still be going.
+
+The run's own end export writes the model it holds in memory; this command writes the same files from a
+checkpoint alone: the weights from the engine's files (open_sft.export.checkpoint_weights), everything else from
+the checkpoint's model/ directory (config, tokenizer, generation config, adapter config: written by the run at
+each checkpoint, open_sft.export.save.write_model_files). A full model is written shard by shard, each output shard
+loaded, converted and written before the next (transformers' own save_pretrained needs the whole state dict in
+memory, which is what this command must not need); its key names, tied weights and weight-format conversions
+follow save_pretrained's (the same transformers helpers, run on an empty model). A LoRA run gives its adapter and,
+with --merge_lora, the merged model (held whole while merging, as the run's own merge does).
+
+The run's directory is only read: OUT is written through a staging directory inside OUT, so a failed export leaves
+OUT as it was, and OUT may not be the run's output directory nor inside its checkpoints. Beside the model OUT gets
+the run's run.json and data_report.json, metrics.jsonl up to the checkpoint's step, export.json (which checkpoint,
+which step, the engine that wrote it) and a model card that names the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from open_sft.errors import UserError
+from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open_weights
+from open_sft.export.model_card import EXPORT_RECORD
+
+logger = logging.getLogger(__name__)
+
+RUN_FILES = ("run.json", "data_report.json")
+# what each checkpoint's model/ directory holds that is not the model's configuration
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _checkpoint_of(path: Path) -> tuple[Path, dict[str, Any]]:
+    from open_sft.training.checkpoint import MODEL_FILES, STATE_FILE, problem_with
+
+    problem = problem_with(path)
+    if problem is not None:
+        raise UserError(f"{path}: not a usable checkpoint ({problem}); pass a complete step checkpoint "
+                        "(OUTPUT_DIR/checkpoints/step_N)")
+    if not (path / MODEL_FILES / "config.json").is_file():
+        raise UserError(f"{path} has no {MODEL_FILES}/config.json: it was written by an earlier open_sft, before "
+                        "checkpoints kept their model's files; resume the run with this version (its next checkpoint "
+                        "can be exported) or use the export the run writes at its end")
+    return path / MODEL_FILES, json.loads((path / STATE_FILE).read_text())
+
+
+def _refuse_run_paths(checkpoint: Path, out: Path) -> None:
+    run_dir = checkpoint.resolve().parent.parent
+    target = out.resolve()
+    if target == run_dir:
+        raise UserError(f"{out} is the run's own --output_dir: its export would be overwritten; pass another "
+                        "directory for the checkpoint's model")
+    if target.is_relative_to(checkpoint.resolve().parent):
+        raise UserError(f"{out} is inside the run's checkpoints ({checkpoint.parent}), which the run prunes; pass "
+                        "a directory outside them")
+
+
+def _out_dtype(flag: str, config: Any) -> torch.dtype:
+    from open_sft.export.save import save_dtype
+
+    return save_dtype(flag, config)
+
+
+def write_full_weights(weights: CheckpointWeights, config: Any, directory: Path, dtype: torch.dtype,
+                       max_shard_size: str | int) -> None:
+    """The model's safetensors shards (and index) in `dtype`, one shard in memory at a time, with
+    save_pretrained's key names: tied and ignored keys left out, weight conversions reverted."""
+    from accelerate import init_empty_weights
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    with init_empty_weights():
+        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton.tie_weights()  # what from_config does outside init_empty_weights: the tied head is then found and left out
+    order = {name: i for i, name in enumerate(skeleton.state_dict())}  # the model's order, so its shards are too
+    meta = {name: torch.empty(w.shape, dtype=dtype if w.dtype.is_floating_point else w.dtype, device="meta")
+            for name, w in sorted(weights.weights.items(), key=lambda item: order.get(item[0], len(order)))}
+    for key in skeleton._keys_to_ignore_on_save or ():
+        meta.pop(key, None)
+    meta = remove_tied_weights_from_state_dict(meta, skeleton)
+    split = split_torch_state_dict_into_shards(meta, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=max_shard_size)
+    weight_map = {}
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: t.to(dtype) if t.is_floating_point() else t for name, t in weights.load(names).items()}
+        shard = {name: t.contiguous() for name, t in revert_weight_conversion(skeleton, shard).items()}
+        save_file(shard, str(directory / filename), metadata={"format": "pt"})
+        weight_map.update({name: filename for name in shard})
+        del shard
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": skeleton.num_parameters(), **split.metadata},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _peft_skeleton(files: Path) -> Any:
+    """The run's PeftModel without weights: the base from its config on the meta device, its LoRA layers from the
+    adapter config; what peft's and our merge's code read (module types, scaling) without any tensor."""
+    from accelerate import init_empty_weights
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(files)
+    if hasattr(config, "quantization_config"):  # QLoRA's: the skeleton holds no weights to quantize
+        del config.quantization_config
+    with init_empty_weights():
+        base = AutoModelForCausalLM.from_config(config)
+    return get_peft_model(base, LoraConfig.from_pretrained(files))
+
+
+def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: bool,
+               dtype: Optional[torch.dtype], max_shard_size: str | int) -> None:
+    """The adapter as the run's end export writes it (peft's own save, from the checkpoint's tensors but the
+    wrapped base layers'), and with `merge` the merged model in merged/."""
+    from open_sft.export.lora_merge import merged_state_dict, write_merged_model
+    from open_sft.export.save import MERGED_DIR, cast_floating
+
+    model = _peft_skeleton(files)
+    adapter = weights.load(n for n in weights.weights if ".base_layer." not in n)
+    model.save_pretrained(directory, state_dict=adapter, safe_serialization=True)
+    (directory / "README.md").unlink(missing_ok=True)  # peft's stub card; ours is written after
+    shutil.copy2(files / ADAPTER_CONFIG, directory / ADAPTER_CONFIG)  # the run's, naming its base
+    if merge:
+        merged = merged_state_dict(model, {**adapter, **weights.load(n for n in weights.weights if n not in adapter)})
+        write_merged_model(model, cast_floating(merged, dtype) if dtype else merged, directory / MERGED_DIR,
+                           max_shard_size)
+
+
+def _copy_model_files(files: Path, directory: Path, dtype: Optional[torch.dtype], adapter: bool) -> None:
+    """Tokenizer, generation config and (a full model) config.json with its dtype as exported."""
+    for item in files.iterdir():
+        if item.name in ("config.json", ADAPTER_CONFIG):
+            continue
+        shutil.copy2(item, directory / item.name)
+    if not adapter:
+        config = json.loads((files / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _copy_run_files(run_dir: Path, directory: Path, step: int) -> None:
+    """run.json, data_report.json and metrics.jsonl up to `step` (the model card reads them)."""
+    for name in RUN_FILES:
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, directory / name)
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        kept = []
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line the run is writing now
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line + "\n")
+        (directory / "metrics.jsonl").write_text("".join(kept))
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
+                      max_shard_size: Optional[str | int] = None, merge: Optional[bool] = None) -> Path:
+    """Write the model of `checkpoint` to `out` (see the module's docstring); returns `out`. `max_shard_size` and
+    `merge` (merge a LoRA adapter): None is what the run's --max_shard_size and --merge_lora_on_save said."""
+    from transformers import AutoConfig
+
+    from open_sft.export.model_card import write_model_card
+    from open_sft.export.save import staged_export
+
+    files, state = _checkpoint_of(checkpoint)
+    _refuse_run_paths(checkpoint, out)
+    weights = open_weights(checkpoint)
+    logger.info("checkpoint %s (step %d): %s", checkpoint, state["step"], describe(weights))
+    config = AutoConfig.from_pretrained(files)
+    dtype = _out_dtype(dtype_flag, config)
+    adapter = (files / ADAPTER_CONFIG).is_file()
+    lora_flags = state.get("config", {}).get("lora", {})
+    if max_shard_size is None:
+        max_shard_size = state.get("config", {}).get("checkpoint", {}).get("max_shard_size") or "5GB"
+    merge = bool(lora_flags.get("merge_lora_on_save")) if merge is None else merge
+    qlora = bool(lora_flags.get("use_qlora"))
+    if adapter and merge and qlora:
+        raise UserError(f"{checkpoint}: a QLoRA checkpoint's base weights are 4-bit and are not dequantized here "
+                        "(the run's --merge_lora_on_save did it from its live modules); export the adapter with "
+                        "--no_merge_lora, then merge it into the base in bf16 with `open_sft merge-lora OUT MERGED`")
+    created = not out.exists()
+    try:
+        with staged_export(out) as staging:
+            if adapter:
+                write_lora(weights, files, staging, merge, dtype, max_shard_size)
+            else:
+                write_full_weights(weights, config, staging, dtype, max_shard_size)
+            _copy_model_files(files, staging, dtype, adapter)
+            if adapter and merge:
+                _copy_model_files(files, staging / "merged", None, adapter=True)
+            _copy_run_files(checkpoint.resolve().parent.parent, staging, int(state["step"]))
+            record = {"checkpoint": str(checkpoint.resolve()), "step": int(state["step"]),
+                      "total_steps": state.get("schedule", {}).get("total_steps"), "engine": weights.engine,
+                      "dtype": str(dtype).removeprefix("torch."), "lora": adapter, "merged": adapter and merge}
+            (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    except BaseException as exc:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, FileNotFoundError) and not checkpoint.is_dir():
+            raise UserError(f"{checkpoint} was deleted while it was being exported (the run prunes old checkpoints: "
+                            "--keep_last_n_checkpoints); export a newer one") from exc
+        raise
+    write_model_card(out)
+    return out
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft export") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="write a step checkpoint of a run (any engine: one "
+                                     "process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2, pipeline stages; full or LoRA) as "
+                                     "a Hugging Face model directory, on one CPU process; the run may be going on")
+    parser.add_argument("checkpoint", type=Path, help="a complete checkpoint: OUTPUT_DIR/checkpoints/step_N")
+    parser.add_argument("output_dir", type=Path, help="where the model goes (not the run's --output_dir)")
+    parser.add_argument("--save_dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="dtype of the exported weights; auto: the run's (its --save_dtype, else the base model's)")
+    parser.add_argument("--max_shard_size", default=None, help="largest safetensors file, e.g. 5GB or 500MB "
+                        "(default: the run's --max_shard_size)")
+    parser.add_argument("--merge_lora", action=argparse.BooleanOptionalAction, default=None,
+                        help="LoRA checkpoints: also write the merged model in merged/ (default: as the run's "
+                             "--merge_lora_on_save)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    try:
+        out = export_checkpoint(args.checkpoint, args.output_dir, args.save_dtype, args.max_shard_size,
+                                args.merge_lora)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

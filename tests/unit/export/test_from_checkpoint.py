@@ -1,0 +1,164 @@
+"""`open_sft export CHECKPOINT OUT` in one process: checkpoints written here in the formats the engines write
+(accelerate's model.safetensors, torch distributed checkpoint), exported and compared with what transformers'
+save_pretrained writes of the same model; memory one output shard at a time; every refusal before anything is
+written. The export of checkpoints written by real runs of each engine is tested in the integration tests of
+that engine (tests/export_check.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from open_sft.errors import UserError
+from open_sft.export import checkpoint_weights
+from open_sft.export.from_checkpoint import export_checkpoint, main
+from open_sft.export.save import write_model_files
+from open_sft.training.checkpoint import publish
+
+
+class _Wrapper(torch.nn.Module):  # what a run checkpoints: open_sft.model.loss.TokenLossModel holds `.model`
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+
+def _model(tiny_model_dir: Path, tied: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _checkpoint(tiny_model_dir: Path, run_dir: Path, step: int, tied: bool = False, fmt: str = "safetensors",
+                metrics: int = 0) -> tuple[Path, torch.nn.Module]:
+    """run_dir/checkpoints/step_<step>, as a run writes it: the weights under the wrapper's names in `fmt`,
+    trainer_state.json, model/ and COMPLETE; metrics.jsonl with `metrics` steps in run_dir."""
+    from accelerate.utils import save
+    from transformers import AutoTokenizer
+
+    model = _model(tiny_model_dir, tied)
+    tmp = run_dir / "checkpoints" / f"step_{step}.tmp"
+    tmp.mkdir(parents=True)
+    state = _Wrapper(model).state_dict()
+    if fmt == "safetensors":
+        save(state, tmp / "model.safetensors", safe_serialization=True)  # accelerate's save_state
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": state}, checkpoint_id=str(tmp / checkpoint_weights.FSDP_DIR), no_dist=True)
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "schedule": {"total_steps": 10},
+                                                        "config": {"checkpoint": {"max_shard_size": "5GB"}}}))
+    write_model_files(model, AutoTokenizer.from_pretrained(tiny_model_dir), tmp / "model", torch.float32)
+    publish(tmp, run_dir / "checkpoints" / f"step_{step}", step)
+    (run_dir / "run.json").write_text(json.dumps({"args": {"model": {"model_name_or_path": "org/base"}}}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "epoch": s / 10, "loss": 1.0 / s}) + "\n"
+                                                   for s in range(1, metrics + 1)) + '{"step": 9, "lo')
+    return run_dir / "checkpoints" / f"step_{step}", model
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("fmt", ["safetensors", "distributed"])
+def test_export_writes_what_save_pretrained_writes(tiny_model_dir, tmp_path, tied, fmt) -> None:
+    """Same names (a tied head left out, as save_pretrained does), same shards and index, the same tensors bitwise
+    in the asked dtype, from accelerate's file and from a torch distributed checkpoint (FSDP2's)."""
+    checkpoint, model = _checkpoint(tiny_model_dir, tmp_path / "run", 4, tied=tied, fmt=fmt)
+    out = export_checkpoint(checkpoint, tmp_path / "out", dtype_flag="bfloat16", max_shard_size="100KB")
+    reference = tmp_path / "reference"
+    model.to(torch.bfloat16).save_pretrained(reference, max_shard_size="100KB")
+    ours, theirs = _weights(out), _weights(reference)
+    assert sorted(ours) == sorted(theirs) and ("lm_head.weight" in ours) != tied
+    assert all(ours[k].dtype == torch.bfloat16 and torch.equal(ours[k], theirs[k]) for k in theirs)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == json.loads((reference / "model.safetensors.index.json").read_text())["weight_map"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(reloaded.get_input_embeddings().weight, theirs["model.embed_tokens.weight"])
+
+
+def test_export_holds_one_output_shard_at_a_time(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
+    loads: list[int] = []
+    real = checkpoint_weights.CheckpointWeights.load
+
+    def counted(self, names):
+        tensors = real(self, names)
+        loads.append(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return tensors
+
+    monkeypatch.setattr(checkpoint_weights.CheckpointWeights, "load", counted)
+    out = export_checkpoint(checkpoint, tmp_path / "out", max_shard_size="100KB")
+    shards = list(out.glob("model-*.safetensors"))
+    assert len(loads) == len(shards) > 3
+    largest = max(t.numel() * 4 for t in _weights(out).values())
+    assert max(loads) <= max(100_000, largest)
+
+
+def test_export_copies_the_run_files_up_to_the_step_and_the_card_names_it(tiny_model_dir, tmp_path) -> None:
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4, metrics=6)
+    out = export_checkpoint(checkpoint, tmp_path / "out")
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    record = json.loads((out / "export.json").read_text())
+    assert record["step"] == 4 and record["total_steps"] == 10 and record["checkpoint"] == str(checkpoint.resolve())
+    card = (out / "README.md").read_text()
+    assert "Exported from the checkpoint of step 4 of 10" in card and "(4 optimizer steps)" in card
+    for name in ("tokenizer.json", "generation_config.json", "run.json"):
+        assert (out / name).is_file()
+
+
+def test_a_second_export_into_the_same_directory_replaces_the_first(tiny_model_dir, tmp_path) -> None:
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
+    out = export_checkpoint(checkpoint, tmp_path / "out", max_shard_size="100KB")
+    export_checkpoint(checkpoint, out)
+    assert sorted(p.name for p in out.glob("model*.safetensors*")) == ["model.safetensors"]
+
+
+def test_refusals_name_the_problem_and_write_nothing(tiny_model_dir, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    checkpoint, _ = _checkpoint(tiny_model_dir, run, 4)
+    cases = {run: "is the run's own --output_dir", run / "checkpoints" / "exported": "inside the run's checkpoints"}
+    for out, message in cases.items():
+        with pytest.raises(UserError, match=message):
+            export_checkpoint(checkpoint, out)
+    assert not (run / "checkpoints" / "exported").exists() and not (run / "config.json").exists()
+    (run / "checkpoints" / "step_2").mkdir()
+    assert main([str(run / "checkpoints" / "step_2"), str(tmp_path / "out")]) == 2
+    assert "not a usable checkpoint (no COMPLETE marker" in capsys.readouterr().err
+    older = tmp_path / "older" / "checkpoints" / "step_4.tmp"
+    older.mkdir(parents=True)
+    (older / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    publish(older, older.with_name("step_4"), 4)
+    with pytest.raises(UserError, match="earlier open_sft, before checkpoints kept their model's files"):
+        export_checkpoint(older.with_name("step_4"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_export_leaves_the_earlier_one(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
+    out = export_checkpoint(checkpoint, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(self, names):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_weights.CheckpointWeights, "load", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_checkpoint(checkpoint, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(OSError):
+        export_checkpoint(checkpoint, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
