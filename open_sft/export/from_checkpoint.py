@@ -127,8 +127,13 @@ def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: 
     from open_sft.export.lora_merge import merged_state_dict, write_merged_model
     from open_sft.export.save import MERGED_DIR, cast_floating
 
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
     model = _peft_skeleton(files)
-    adapter = weights.load(n for n in weights.weights if ".base_layer." not in n)
+    # peft saves the adapter's own tensors and, when an embedding layer is a LoRA target or was resized, that
+    # layer's weights: all but the wrapped layers' base weights (the bulk of the model, and 4-bit under QLoRA)
+    adapter = weights.load(n for n in weights.weights if ".base_layer." not in n
+                           or any(f".{layer}." in f".{n}" for layer in EMBEDDING_LAYER_NAMES))
     model.save_pretrained(directory, state_dict=adapter, safe_serialization=True)
     (directory / "README.md").unlink(missing_ok=True)  # peft's stub card; ours is written after
     shutil.copy2(files / ADAPTER_CONFIG, directory / ADAPTER_CONFIG)  # the run's, naming its base
@@ -229,9 +234,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft export") -> int
                         help="dtype of the exported weights; auto: the run's (its --save_dtype, else the base model's)")
     parser.add_argument("--max_shard_size", default=None, help="largest safetensors file, e.g. 5GB or 500MB "
                         "(default: the run's --max_shard_size)")
-    parser.add_argument("--merge_lora", action=argparse.BooleanOptionalAction, default=None,
+    parser.add_argument("--merge_lora", action="store_true", default=None,
                         help="LoRA checkpoints: also write the merged model in merged/ (default: as the run's "
                              "--merge_lora_on_save)")
+    parser.add_argument("--no_merge_lora", dest="merge_lora", action="store_false",
+                        help="LoRA checkpoints: the adapter alone, whatever the run's --merge_lora_on_save said")
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
