@@ -58,6 +58,9 @@ class Job:
     steps: Optional[StepPlan] = None
     preflight: Optional[Preflight] = None
     baseline_bytes: int = 0  # this process's memory before the model
+    # the settings each step range trained with (open_sft.training.run_settings): more than one range only after a
+    # resume with --allow_changed_settings
+    settings_history: list = dataclasses.field(default_factory=list)
     given: Optional[FinetuneConfig] = None  # as parsed, before the plan: what the completion record keeps
 
     @property
@@ -231,7 +234,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.monitor.run_info import write_audit_files, write_run_files
     from open_sft.preflight.timing import StepTimer, TimeProbe
     from open_sft.training import checkpoint
-    from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
+    from open_sft.training.completion import SETTINGS_KEY, check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
     from open_sft.training.preemption import StopRequest
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
@@ -239,7 +242,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
     resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
-    check_resume_point(resume, job.steps.total_steps, config.to_dict(), acc.is_main_process)
+    job.settings_history = check_resume_point(resume, job.steps.total_steps, job.given or config, config.to_dict(),
+                                              acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
@@ -251,7 +255,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     trainer = build_trainer(job, metrics)
     if acc.is_main_process:
         write_run_files(job, trainer)
-    checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
+    saved_config = {**config.to_dict(), SETTINGS_KEY: job.settings_history}  # each checkpoint carries the history
+    checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
                                            state_io=trainer.engine.checkpoint_io(),
@@ -295,6 +300,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.monitor.report import write_run_report
     from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete
+    from open_sft.training.run_settings import by_steps
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     state_dict = trainer.engine.full_state_dict()  # collective
@@ -317,7 +323,8 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     acc.end_training()
     checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
     if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
-        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given)
+        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
+                      by_steps(job.settings_history, job.steps.total_steps))
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
     if config.hub.push_to_hub and acc.is_main_process:

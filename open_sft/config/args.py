@@ -310,6 +310,12 @@ class CheckpointArguments:
         "checkpoints (moved aside to checkpoints.previous-N, as with --resume_from_checkpoint none); the export is "
         "overwritten at the end. Leave it out of a command a scheduler requeues: each relaunch would start over.",
         default=False)
+    allow_changed_settings: bool = _help(
+        "Resume with settings that differ from the checkpoint's in flags that alter the trained model (a new "
+        "--learning_rate from here, say); without it such a resume is refused, naming each difference. The steps "
+        "each set of settings trained are recorded (run.json, RUN_COMPLETE's settings_by_steps, the model card), and "
+        "a relaunch of any of the recorded commands after the run completes is answered 'already complete'.",
+        default=False)
     max_shard_size: str = _help("Largest safetensors file of the exported model, e.g. 5GB or 500MB.",
                                 default="5GB")
     save_dtype: Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"] = _help(

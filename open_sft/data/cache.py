@@ -116,6 +116,11 @@ def resolve_cache_dir(flag_value: str) -> Path:
     return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
 
 
+def lock_path(cache_dir: Path, key: str) -> Path:
+    """The lock a build of `key` holds from before it reads its partial rows until its entry is in place."""
+    return cache_dir / f"{key}.lock"
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +204,7 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
     into the staging directory it is given and returns a JSON-able report.
     """
     entry = cache_dir / key
-    with _locked(cache_dir / f"{key}.lock"):
+    with _locked(lock_path(cache_dir, key)):
         if entry.exists():
             problem = _verify(entry)
             if problem is None:

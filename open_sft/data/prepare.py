@@ -23,6 +23,7 @@ from open_sft.data.cache import COMPLETE, cache_key, load_or_build, resolve_cach
 from open_sft.data.cache_inputs import key_inputs
 from open_sft.data.labels import Example
 from open_sft.data.mixer import source_names
+from open_sft.data.partials import partial_dir, record_sources, remove_abandoned
 from open_sft.data.sources import parse_mixer_list
 from open_sft.errors import UserError
 
@@ -109,10 +110,15 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
     # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
-    # chunk they hold. Bad data (a UserError) leaves nothing to resume.
-    partial = cache_dir / f"{key}.partial"
+    # chunk they hold. Bad data (a UserError) leaves nothing to resume. The abandoned partials of other keys (the
+    # data changed, or nobody relaunched them) go when a build starts (open_sft.data.partials).
+    partial = partial_dir(cache_dir, key)
+    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                             config_name=args.dataset_config_name)
 
     def build(staging: Path) -> dict[str, Any]:
+        remove_abandoned(cache_dir, building=key)  # we hold this key's lock: a build has started
+        record_sources(partial, [Path(spec.name).expanduser() for spec in specs if spec.is_local])
         try:
             report = build_dataset(args, tokenizer, seed, key, holdout, partial, staging)
         except UserError:
@@ -126,8 +132,7 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
         dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
     logger.info("tokenized data %s: %s (%d examples)", how_found(hit, entry, started), entry, len(dataset))
     # an entry is found by the sources' contents: built from other paths, its report names them as this run does
-    names = [spec.name for spec in parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                                                    config_name=args.dataset_config_name)]
+    names = [spec.name for spec in specs]
     report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
     return PreparedData(dataset, report, key, entry, hit)
 

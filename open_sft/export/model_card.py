@@ -169,6 +169,19 @@ def _hyperparameter_section(args: dict[str, Any], epochs: Optional[float]) -> li
     return lines + [""]
 
 
+def _settings_by_steps_section(ranges: list[dict[str, Any]]) -> list[str]:
+    """A run resumed with --allow_changed_settings: the steps each set of settings trained (run.json)."""
+    if not ranges:
+        return []
+    names = list(ranges[0]["changed"])
+    lines = ["## Settings by steps", "", "The run was resumed with changed settings (--allow_changed_settings); the "
+             "hyperparameters above are the last range's.", "",
+             "| steps | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    lines += [f"| {r['steps'][0]}-{r['steps'][1]} | " + " | ".join(str(r["changed"][n]) for n in names) + " |"
+              for r in ranges]
+    return lines + [""]
+
+
 def _training_section(info: dict[str, Any]) -> list[str]:
     schedule = info.get("schedule", {})
     stage = (info.get("deepspeed_config") or {}).get("zero_optimization", {}).get("stage")
@@ -210,6 +223,7 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
         body += _adapter_section(adapter, bool(args.get("lora", {}).get("use_qlora")), base_model)
     body += _data_section(_read_json(output_dir / "data_report.json"))
     body += _hyperparameter_section(args, epochs)
+    body += _settings_by_steps_section(info.get("settings_by_steps") or [])
     body += _metrics_section(_last_train_record(output_dir / "metrics.jsonl"))
     body += _training_section(info)
     library = "peft" if adapter and not merged else "transformers"

@@ -44,6 +44,7 @@ def write_run_files(job: Any, trainer: Any) -> None:
     import torch
 
     from open_sft.training.optim import optimizer_impl
+    from open_sft.training.run_settings import by_steps
 
     acc, launch = job.accelerator, job.launch
     write_json(job.output_dir / "run.json", {
@@ -54,7 +55,9 @@ def write_run_files(job: Any, trainer: Any) -> None:
         "git_revision": git_revision(), "deepspeed_config": job.ds_config, "threads_per_rank": torch.get_num_threads(),
         "compute_dtype_choice": launch.dtype_choice.to_dict(), "launch": launch.record,
         "preflight": job.preflight.to_dict(), "optimizer": optimizer_impl(trainer.optimizer),
-        **({"eval_dataset_cache_key": job.eval_data.cache_key} if job.eval_data is not None else {})})
+        **({"eval_dataset_cache_key": job.eval_data.cache_key} if job.eval_data is not None else {}),
+        **({"settings_by_steps": changed} if (changed := by_steps(job.settings_history, job.steps.total_steps))
+           else {})})
     # the evaluation mixture's report beside the training one's (its rows in, kept and dropped per source; under
     # --eval_split_ratio the rows held out): only the build log and the cache had it
     eval_report = {"eval": job.eval_data.report} if job.eval_data is not None else {}

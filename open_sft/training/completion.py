@@ -18,14 +18,14 @@ then holds a run in progress, which a relaunch resumes (a launch refused before 
 `--dry_run` and `--cache_dataset_only` neither read nor write it.
 
 The record also holds the settings the run was launched with (every flag but those that do not change what is
-trained or exported: logging, trackers, checkpoint cadence, caches, the Hub). A relaunch with other settings (a
-new model, data or learning rate into the same directory) would otherwise exit 0 with the old model: it is
-refused, naming each difference.
+trained or exported: logging, trackers, checkpoint cadence, caches, the Hub; open_sft.training.run_settings),
+and, for a run resumed with --allow_changed_settings, the step ranges each set of them trained. A relaunch with
+settings that match none of them (a new model, data or learning rate into the same directory) would otherwise
+exit 0 with the old model: it is refused, naming each difference from the last range's.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 from open_sft.durable import write_json
 from open_sft.errors import UserError
+from open_sft.training.run_settings import (NOT_SETTINGS, SETTINGS_KEY, differences, history_on_resume,  # noqa: F401
+                                            matching, recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
@@ -43,30 +45,15 @@ NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", "
               "activations.rank", MARKER)
 
 
-# Flags that change neither the weights a run trains nor its export: a relaunch may differ in these.
-NOT_SETTINGS = frozenset({
-    "output_dir", "exp_name", "logging_steps", "report_to", "with_tracking", "wandb_project_name", "wandb_entity",
-    "timeout", "preprocessing_num_workers", "dataset_local_cache_dir", "dataset_skip_cache", "cache_dataset_only",
-    "dry_run", "eval_steps", "per_device_eval_batch_size", "checkpointing_steps", "keep_last_n_checkpoints",
-    "clean_checkpoints_at_end", "resume_from_checkpoint", "overwrite_output_dir", "max_shard_size"})
-
-
-def settings(config: Any) -> dict[str, Any]:
-    """The flags (as parsed, before the launch plan fills in what it decides) that define what a run trains and
-    exports, as JSON values."""
-    flat = {}
-    for section in (config.model, config.data, config.train, config.lora, config.checkpoint):
-        flat.update({k: v for k, v in dataclasses.asdict(section).items() if k not in NOT_SETTINGS})
-    return json.loads(json.dumps(flat, default=str))
-
-
 def _differences(record: dict[str, Any], config: Any) -> list[str]:
-    then = record.get("settings")
-    if not isinstance(then, dict):  # a record written before settings were kept
-        return []
+    """Nothing when this launch's settings match those of any step range the run recorded (the command that
+    trained its first steps, before a resume with --allow_changed_settings, is as much its command as the last);
+    else the differences from the last range's."""
+    recorded = recorded_settings(record)
     now = settings(config)
-    return [f"--{name}: {then[name]!r} then, {now[name]!r} now"
-            for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
+    if not recorded or matching(recorded, now) is not None:
+        return []
+    return differences(recorded[-1], now)
 
 
 def checks_completion(config: Any) -> bool:
@@ -126,11 +113,14 @@ def export_files(output_dir: Path) -> dict[str, int]:
     return files
 
 
-def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optional[Any] = None) -> None:
+def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optional[Any] = None,
+                  by_steps: Optional[list[dict[str, Any]]] = None) -> None:
     """Written last by the main process: the record, fsynced and renamed into place; `launched`: the config as
-    parsed, whose settings a relaunch must share."""
+    parsed, whose settings a relaunch must share; `by_steps`: the step ranges of a run resumed with changed
+    settings (open_sft.training.run_settings.by_steps), any of whose settings a relaunch may share."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {})}
+              "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
+              **({SETTINGS_KEY: by_steps} if by_steps else {})}
     write_json(output_dir / MARKER, record)
 
 
@@ -146,31 +136,13 @@ def refuse_past_schedule(resume: Any, total_steps: int) -> None:
     if resume is not None and resume.step > total_steps:
         raise UserError(f"the checkpoint to resume from, {resume.path}, is at step {resume.step}, past the end of this "
                         f"run's schedule ({total_steps} optimizer steps): raise --max_train_steps to {resume.step} or "
-                        "more, or train anew with --resume_from_checkpoint none (or --overwrite_output_dir)")
+                        "more (a changed setting: with --allow_changed_settings), or train anew with --resume_from_checkpoint none (or --overwrite_output_dir)")
 
 
-# What a resume may change (the checkpoint's identity settings it may not): each change is said, as the steps
-# before it ran otherwise and run.json records only this launch's values.
-RESUMABLE_CHANGES = ("learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "final_lr_ratio",
-                     "weight_decay", "max_train_steps", "num_train_epochs", "clip_grad_norm", "loss_normalization")
-
-
-def changed_on_resume(saved: Optional[dict[str, Any]], current: dict[str, Any], step: int) -> Optional[str]:
-    """The warning for training settings this launch changes from the checkpoint's (a relaunch with another
-    --learning_rate went on at the new rate without a word), or None."""
-    before, now = (saved or {}).get("train", {}), current.get("train", {})
-    changes = [f"--{key} {before[key]} → {now[key]}" for key in RESUMABLE_CHANGES
-               if key in before and key in now and before[key] != now[key]]
-    if not changes:
-        return None
-    return (f"resuming at step {step} with changed settings: {', '.join(changes)}; the steps from here use the new "
-            "values, the steps before used the old ones (run.json records this launch's)")
-
-
-def check_resume_point(resume: Any, total_steps: int, config: dict[str, Any], is_main: bool) -> None:
-    """refuse_past_schedule, then the warning of changed_on_resume (main process)."""
+def check_resume_point(resume: Any, total_steps: int, launched: Any, resolved: dict[str, Any],
+                       is_main: bool) -> list[dict[str, Any]]:
+    """refuse_past_schedule, then the settings rule (open_sft.training.run_settings): returns this launch's
+    settings history. `launched`: the config as parsed; `resolved`: the config this launch trains with."""
     refuse_past_schedule(resume, total_steps)
-    changed = changed_on_resume(resume.state.get("config"), config, resume.step) if resume is not None else None
-    if changed and is_main:
-        logger.warning("%s", changed)
-
+    return history_on_resume(resume, settings(launched), resolved, launched.checkpoint.allow_changed_settings,
+                             is_main)

@@ -1,6 +1,8 @@
 """A finished run stays finished: relaunching a 2-rank run whose export is complete says `already complete` once,
 exits 0 on every rank without training and touches nothing (every file's bytes and times compared); one with
-other settings is refused naming them;
+other settings is refused naming them; a resume with changed settings is refused (every line of the refusal
+last in the launcher's summary) unless --allow_changed_settings, whose step ranges the record and the model card
+keep, and after which the original command is answered `already complete`;
 --overwrite_output_dir trains it again from step 0 (the same losses, the earlier checkpoints moved aside);
 --dry_run and --cache_dataset_only run as ever on a finished directory.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,6 +94,33 @@ def test_a_relaunch_with_other_settings_is_refused_touching_nothing(finished) ->
     assert "holds a completed run launched with other settings" in other.stderr
     assert "--warmup_ratio: 0.03 then, 0.5 now" in other.stderr and "Traceback" not in other.stderr
     assert finished["after_other"] == finished["before"]
+
+
+def test_a_resume_with_changed_settings_is_refused_unless_allowed_and_then_recorded(finished, tiny_model_dir,
+                                                                                    tmp_path) -> None:
+    """Resumed at step 2 with another --learning_rate, a run warned one line and trained on; relaunched, its
+    original command was then refused as a completed run 'launched with other settings', though steps 1-2 used
+    it. A copy of the finished run, resumed from its step-2 checkpoint by name."""
+    out = tmp_path / "copy"
+    shutil.copytree(finished["out"], out)
+    step_2 = ["--resume_from_checkpoint", str(out / "checkpoints" / "step_2")]
+    refused = run_finetune(args_for(tiny_model_dir, out, "--learning_rate", "1e-3", *step_2), processes=2,
+                           check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr.split("ChildFailedError")[-1]
+    summary = refused.stderr[refused.stderr.rindex("Root Cause (first observed failure):"):]
+    assert "exitcode  : 2" in summary and "with settings other than it was trained with:" in summary
+    assert "- --learning_rate: 0.003 in the checkpoint, 0.001 now" in summary  # every line, in the last words
+    assert "--allow_changed_settings" in summary
+    allowed = run_finetune(args_for(tiny_model_dir, out, "--learning_rate", "1e-3", "--allow_changed_settings",
+                                    *step_2), processes=2)
+    assert "resuming at step 2 with changed settings (--allow_changed_settings)" in allowed.stdout + allowed.stderr
+    ranges = [{"steps": [1, 2], "changed": {"learning_rate": 0.003}},
+              {"steps": [3, 4], "changed": {"learning_rate": 0.001}}]
+    assert json.loads((out / "RUN_COMPLETE").read_text())["settings_by_steps"] == ranges
+    assert json.loads((out / "run.json").read_text())["settings_by_steps"] == ranges
+    assert "| 1-2 | 0.003 |\n| 3-4 | 0.001 |" in (out / "README.md").read_text()
+    original = run_finetune(args_for(tiny_model_dir, out))
+    assert f"already complete: {out} (trained to step 4" in original.stdout
 
 
 def test_overwrite_output_dir_trains_again_from_step_0(finished, tiny_model_dir) -> None:

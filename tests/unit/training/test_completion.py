@@ -163,23 +163,109 @@ def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(mon
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_a_resume_with_changed_training_settings_says_which(tmp_path, caplog) -> None:
-    """Relaunched with another --learning_rate, a run went on at the new rate without a word, and run.json then
-    recorded only the new one: the resume names each change; the identity settings stay refused elsewhere."""
-    import logging
-
+def resume_point(tmp_path, step: int, history=None, config=None):
     from open_sft.training.checkpoint import ResumePoint
 
-    saved = {"train": {"learning_rate": 1e-3, "max_train_steps": 12, "seed": 7}}
-    now = {"train": {"learning_rate": 5e-4, "max_train_steps": 12, "seed": 7}}
-    assert completion.changed_on_resume(saved, now, 6) == (
-        "resuming at step 6 with changed settings: --learning_rate 0.001 → 0.0005; the steps from here use the new "
-        "values, the steps before used the old ones (run.json records this launch's)")
-    assert completion.changed_on_resume(saved, saved, 6) is None and completion.changed_on_resume(None, now, 6) is None
-    with caplog.at_level(logging.WARNING, logger="open_sft.training.completion"):
-        completion.check_resume_point(ResumePoint(tmp_path, {"step": 6, "config": saved}), 12, now, is_main=True)
-        completion.check_resume_point(ResumePoint(tmp_path, {"step": 6, "config": saved}), 12, now, is_main=False)
-    assert [r.getMessage() for r in caplog.records].count(completion.changed_on_resume(saved, now, 6)) == 1
+    saved = {**(config or {}), **({completion.SETTINGS_KEY: history} if history is not None else {})}
+    return ResumePoint(tmp_path / "checkpoints" / f"step_{step}", {"step": step, "config": saved})
+
+
+def launch(tmp_path, *flags: str):
+    return parse_config(BASE + ["--output_dir", str(tmp_path), "--max_train_steps", "60", *flags])
+
+
+def test_a_resume_with_changed_settings_is_refused_naming_each_and_the_ways_on(tmp_path) -> None:
+    """Relaunched with another --learning_rate after a stop at step 29, a run warned one line and trained on."""
+    first = launch(tmp_path, "--learning_rate", "3e-3")
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), is_main=True)
+    assert history == [{"from_step": 1, "settings": completion.settings(first)}]
+    other = launch(tmp_path, "--learning_rate", "1e-3", "--warmup_ratio", "0.1")
+    with pytest.raises(UserError) as refused:
+        completion.check_resume_point(resume_point(tmp_path, 29, history), 60, other, other.to_dict(), True)
+    message = str(refused.value)
+    assert f"cannot resume from {tmp_path / 'checkpoints' / 'step_29'} (step 29) with settings other" in message
+    assert "  - --learning_rate: 0.003 in the checkpoint, 0.001 now\n  - --warmup_ratio: 0.03 in the checkpoint, " \
+           "0.1 now\n" in message
+    assert "--allow_changed_settings" in message and "--resume_from_checkpoint none" in message
+    # what alters neither the weights nor the export is free to change, the flag itself included
+    free = launch(tmp_path, "--learning_rate", "3e-3", "--logging_steps", "1", "--checkpointing_steps", "5",
+                  "--allow_changed_settings")
+    assert completion.check_resume_point(resume_point(tmp_path, 29, history), 60, free, free.to_dict(), True) \
+        == history
+
+
+def test_allowed_changes_are_recorded_per_step_range(tmp_path, caplog) -> None:
+    import logging
+
+    from open_sft.training.run_settings import by_steps
+
+    first = launch(tmp_path, "--learning_rate", "3e-3")
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), True)
+    second = launch(tmp_path, "--learning_rate", "1e-3", "--allow_changed_settings")
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.run_settings"):
+        history = completion.check_resume_point(resume_point(tmp_path, 29, history), 60, second, second.to_dict(),
+                                                True)
+    assert "resuming at step 29 with changed settings (--allow_changed_settings)" in caplog.text
+    assert "--learning_rate: 0.003 in the checkpoint, 0.001 now" in caplog.text
+    assert [h["from_step"] for h in history] == [1, 30]
+    third = launch(tmp_path, "--learning_rate", "1e-3", "--weight_decay", "0.1", "--allow_changed_settings")
+    history = completion.check_resume_point(resume_point(tmp_path, 45, history), 60, third, third.to_dict(), True)
+    assert by_steps(history, 60) == [
+        {"steps": [1, 29], "changed": {"learning_rate": 0.003, "weight_decay": 0.0}},
+        {"steps": [30, 45], "changed": {"learning_rate": 0.001, "weight_decay": 0.0}},
+        {"steps": [46, 60], "changed": {"learning_rate": 0.001, "weight_decay": 0.1}}]
+    # resumed from an earlier checkpoint (by name): the ranges after it are dropped
+    again = completion.check_resume_point(resume_point(tmp_path, 20, history), 60, first, first.to_dict(), True)
+    assert again == history[:1] and by_steps(again, 60) == []
+
+
+def test_a_checkpoint_written_before_histories_compares_its_resolved_config(tmp_path) -> None:
+    old = launch(tmp_path, "--learning_rate", "3e-3")
+    now = launch(tmp_path, "--learning_rate", "1e-3")
+    point = resume_point(tmp_path, 29, config=old.to_dict())
+    with pytest.raises(UserError, match="--learning_rate: 0.003 in the checkpoint, 0.001 now"):
+        completion.check_resume_point(point, 60, now, now.to_dict(), True)
+    allowed = launch(tmp_path, "--learning_rate", "1e-3", "--allow_changed_settings")
+    history = completion.check_resume_point(point, 60, allowed, allowed.to_dict(), False)
+    assert [(h["from_step"], h["settings"]["learning_rate"]) for h in history] == [(1, 0.003), (30, 0.001)]
+
+
+def test_a_completed_run_with_step_ranges_accepts_the_command_of_any_range(tmp_path) -> None:
+    """The original command of a run resumed at step 29 with another learning rate was refused as 'a completed run
+    launched with other settings: --learning_rate: 0.001 then, 0.003 now', though steps 1-29 used 0.003."""
+    from open_sft.training.run_settings import by_steps
+
+    original = launch(tmp_path, "--learning_rate", "3e-3")
+    history = completion.check_resume_point(None, 60, original, original.to_dict(), True)
+    resumed = launch(tmp_path, "--learning_rate", "1e-3", "--allow_changed_settings")
+    history = completion.check_resume_point(resume_point(tmp_path, 29, history), 60, resumed, resumed.to_dict(), True)
+    finished_run(tmp_path)
+    completion.mark_complete(tmp_path, 60, 1.0, resumed, by_steps(history, 60))
+    record = json.loads((tmp_path / "RUN_COMPLETE").read_text())
+    assert record["settings_by_steps"] == [{"steps": [1, 29], "changed": {"learning_rate": 0.003}},
+                                           {"steps": [30, 60], "changed": {"learning_rate": 0.001}}]
+    assert completion.already_complete(original).startswith(f"already complete: {tmp_path}")
+    assert completion.already_complete(launch(tmp_path, "--learning_rate", "1e-3")).startswith("already complete")
+    with pytest.raises(UserError) as refused:
+        completion.already_complete(launch(tmp_path, "--learning_rate", "2e-3"))
+    assert "--learning_rate: 0.001 then, 0.002 now" in str(refused.value)  # against the last range
+    mixed = launch(tmp_path, "--learning_rate", "3e-3", "--seed", "5")  # matches no range as a whole
+    with pytest.raises(UserError, match="--seed: 42 then, 5 now"):
+        completion.already_complete(mixed)
+
+
+def test_the_model_card_lists_the_step_ranges_and_their_settings(tmp_path) -> None:
+    from open_sft.export.model_card import render_model_card
+
+    ranges = [{"steps": [1, 29], "changed": {"learning_rate": 0.003}},
+              {"steps": [30, 60], "changed": {"learning_rate": 0.001}}]
+    (tmp_path / "run.json").write_text(json.dumps({"args": {"train": {"learning_rate": 0.001}},
+                                                   "settings_by_steps": ranges}))
+    card = render_model_card(tmp_path)
+    assert "## Settings by steps" in card
+    assert "| steps | learning_rate |\n| --- | --- |\n| 1-29 | 0.003 |\n| 30-60 | 0.001 |" in card
+    (tmp_path / "run.json").write_text(json.dumps({"args": {"train": {"learning_rate": 0.001}}}))
+    assert "Settings by steps" not in render_model_card(tmp_path)
 
 
 def _sleep(started) -> None:

@@ -1,0 +1,117 @@
+"""The settings a run trains with, and the steps each set of them trained.
+
+The settings are every flag (as parsed, before the launch plan fills in what it decides) but those that change
+neither the weights a run trains nor its export (NOT_SETTINGS: logging, trackers, checkpoint cadence, caches, the
+Hub, how to resume).
+
+One rule for a resume: a resume whose settings differ from the checkpoint's is refused, naming each difference
+and the ways on, unless `--allow_changed_settings` is given. With it the change is recorded: the history of the
+run's settings, a list of {"from_step": first step, "settings": {...}}, travels in every checkpoint (under
+SETTINGS_KEY of the config it saves) and is written to run.json, RUN_COMPLETE and the model card as
+`settings_by_steps`: [{"steps": [first, last], "changed": {flag: value}}, ...], where `changed` holds, for
+each range, its values of the flags that differ between ranges. A relaunch of a completed run is answered
+"already complete" when its settings match those of any recorded range (the command that trained steps 1-29 is
+as much the run's command as the one that finished it), and refused otherwise, naming the differences from the
+last range's (open_sft.training.completion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any, Optional
+
+from open_sft.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+# Flags that change neither the weights a run trains nor its export: a relaunch may differ in these.
+NOT_SETTINGS = frozenset({
+    "output_dir", "exp_name", "logging_steps", "report_to", "with_tracking", "wandb_project_name", "wandb_entity",
+    "timeout", "preprocessing_num_workers", "dataset_local_cache_dir", "dataset_skip_cache", "cache_dataset_only",
+    "dry_run", "eval_steps", "per_device_eval_batch_size", "checkpointing_steps", "keep_last_n_checkpoints",
+    "clean_checkpoints_at_end", "resume_from_checkpoint", "overwrite_output_dir", "max_shard_size",
+    "allow_changed_settings"})
+SECTIONS = ("model", "data", "train", "lora", "checkpoint")
+SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the history (see above)
+
+
+def settings(config: Any) -> dict[str, Any]:
+    """The flags that define what a run trains and exports, as JSON values."""
+    return _flat({name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS})
+
+
+def _flat(sections: dict[str, Any]) -> dict[str, Any]:
+    flat = {}
+    for name in SECTIONS:
+        flat.update({k: v for k, v in (sections.get(name) or {}).items() if k not in NOT_SETTINGS})
+    return json.loads(json.dumps(flat, default=str))
+
+
+def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then") -> list[str]:
+    """`--flag: old {before}, new now` for each flag both hold with another value."""
+    return [f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
+            for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
+
+
+def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any], allow: bool,
+                      is_main: bool) -> list[dict[str, Any]]:
+    """The settings history of this launch: the checkpoint's, up to its step, and this launch's settings `now`
+    from the step after it when they differ (refused without `allow`). `resolved`: this launch's resolved config,
+    compared with the resolved config a checkpoint written before histories were kept saved instead."""
+    if resume is None:
+        return [{"from_step": 1, "settings": now}]
+    saved = resume.state.get("config") or {}
+    history = [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= resume.step]
+    if history:
+        changed = differences(history[-1]["settings"], now, "in the checkpoint")
+    else:  # an older checkpoint: its resolved config against this launch's
+        then, current = _flat(saved), _flat(resolved)
+        changed = differences(then, current, "in the checkpoint")
+        history = [{"from_step": 1, "settings": {**now, **{k: then[k] for k in then.keys() & current.keys()
+                                                            if then[k] != current[k]}}}]
+    if not changed:
+        return history
+    lines = "\n".join(f"  - {line}" for line in changed)
+    if not allow:
+        raise UserError(
+            f"cannot resume from {resume.path} (step {resume.step}) with settings other than it was trained with:\n"
+            f"{lines}\nRelaunch with the checkpoint's settings; or pass --allow_changed_settings to train the steps "
+            f"after {resume.step} with these (each step range and its settings are recorded in run.json, "
+            "RUN_COMPLETE and the model card); or start over with --resume_from_checkpoint none (or another "
+            "--output_dir)")
+    if is_main:
+        logger.warning("resuming at step %d with changed settings (--allow_changed_settings); steps 1-%d were "
+                       "trained with the checkpoint's, the steps from here use these (recorded as settings_by_steps "
+                       "in run.json, RUN_COMPLETE and the model card):\n%s", resume.step, resume.step, lines)
+    return history + [{"from_step": resume.step + 1, "settings": now}]
+
+
+def by_steps(history: list[dict[str, Any]], last_step: int) -> list[dict[str, Any]]:
+    """The history as recorded: each step range with its values of the flags that differ between ranges; [] for a
+    run that never changed its settings."""
+    if len(history) < 2:
+        return []
+    names = set().union(*(h["settings"].keys() for h in history))
+    varying = sorted(n for n in names if len({json.dumps(h["settings"].get(n)) for h in history}) > 1)
+    ends = [h["from_step"] - 1 for h in history[1:]] + [last_step]
+    return [{"steps": [h["from_step"], end], "changed": {n: h["settings"].get(n) for n in varying}}
+            for h, end in zip(history, ends)]
+
+
+def recorded_settings(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The settings of each step range a completion record holds (the last one's alone where it has no ranges);
+    [] for a record written before settings were kept."""
+    last = record.get("settings")
+    if not isinstance(last, dict):
+        return []
+    return [{**last, **segment.get("changed", {})} for segment in record.get(SETTINGS_KEY) or []] or [last]
+
+
+def matching(recorded: list[dict[str, Any]], now: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The first recorded settings `now` matches (on the flags both know), or None."""
+    for then in recorded:
+        if not differences(then, now):
+            return then
+    return None
