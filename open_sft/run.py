@@ -229,6 +229,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     Preempted); returns the trainer, the checkpointer and the logged records."""
     from open_sft.distributed.collectives import all_reduce_sum
     from open_sft.export.hub_checkpoints import CheckpointUploader
+    from open_sft.export.save import model_files_writer
     from open_sft.monitor.metrics import MetricsWriter
     from open_sft.monitor.progress import ProgressBar
     from open_sft.monitor.run_info import write_audit_files, write_run_files
@@ -260,7 +261,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
                                            state_io=trainer.engine.checkpoint_io(),
-                                           model_files=_model_files_writer(job, trainer))
+                                           model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
@@ -274,18 +275,6 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         log_summary()
     write_audit_files(output_dir, acc.process_index, trainer)
     return trainer, checkpointer, records
-
-
-def _model_files_writer(job: Job, trainer: Any) -> Any:
-    """What each checkpoint keeps of the export but its weights (open_sft.export.save.write_model_files), in the
-    dtype the end export writes."""
-    from open_sft.export.save import save_dtype, write_model_files
-    from open_sft.model.load import load_model_config
-
-    config = job.config
-    dtype = save_dtype(config.checkpoint.save_dtype, load_model_config(config.model))
-    return lambda directory: write_model_files(job.accelerator.unwrap_model(trainer.model).model, job.tokenizer,
-                                               directory, dtype)
 
 
 def export(job: Job, trainer: Any, checkpointer: Any) -> None:

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from peft import PeftModel
@@ -141,6 +141,17 @@ def write_model_files(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedT
         adapter.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     write_generation_config(base.generation_config, tokenizer, directory)
+
+
+def model_files_writer(config: Any, accelerator: Any, trainer: Any,
+                       tokenizer: PreTrainedTokenizerBase) -> Callable[[Path], None]:
+    """What each checkpoint of the run keeps of its export but the weights (`write_model_files(directory)` of the
+    trained model), in the dtype the end export writes."""
+    from open_sft.model.load import load_model_config
+
+    dtype = save_dtype(config.checkpoint.save_dtype, load_model_config(config.model))
+    return lambda directory: write_model_files(accelerator.unwrap_model(trainer.model).model, tokenizer, directory,
+                                               dtype)
 
 
 def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
