@@ -138,6 +138,9 @@ def start_accelerator(config: FinetuneConfig, launch: LaunchPlan, dtype: torch.d
     sp, batch = sequence_parallel_launch(config, spread, attn_implementation(config.model, model_config))
     ds_config = None
     if spread.deepspeed:
+        from open_sft.distributed.cpu_comm_op import announce
+
+        announce(is_main=os.environ.get("RANK", "0") == "0")  # before DeepSpeed's silent minute, if it compiles
         ds_config = resolve_deepspeed_config(
             launch.deepspeed_config, **batch, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
             clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
