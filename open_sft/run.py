@@ -205,18 +205,17 @@ def preflight(job: Job) -> None:
 def probe_only(job: Job) -> dict:
     """--dry_run: train the probe steps on this throwaway copy of the model, print the time estimate, write
     nothing."""
-    from open_sft.preflight.timing import StepTimer, TimeProbe, format_seconds
-
+    from open_sft.preflight.timing import run_timer
     from open_sft.training.build import build_trainer
 
     trainer = build_trainer(job, metrics=None)
-    probe = TimeProbe(job.steps.total_steps, job.preflight.step_slots)
-    timer = StepTimer(probe, 0)
+    timer = run_timer(job, trainer, 0)
+    probe = timer.probe
     trainer.train(0, after_step=[timer, lambda done, seconds: probe.done])
-    # a run shorter than the probe was measured whole, not estimated
-    estimate = timer.estimate if timer.estimate is not None else timer.elapsed
+    # a run shorter than the probe was measured whole, not estimated; evaluations and saves at their cadence
+    estimate, words = timer.describe(timer.training if timer.training is not None else timer.elapsed)
     if job.accelerator.is_main_process:
-        print(f"time estimate: {format_seconds(estimate)} for {job.steps.total_steps} optimizer steps "
+        print(f"time estimate: {words} for {job.steps.total_steps} optimizer steps "
               f"(from a probe of {len(probe.seconds)} step(s) after {probe.warmup} warm-up step)", flush=True)
     job.accelerator.wait_for_everyone()
     lifeline.release()
@@ -233,7 +232,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.monitor.metrics import MetricsWriter
     from open_sft.monitor.progress import ProgressBar
     from open_sft.monitor.run_info import write_audit_files, write_run_files
-    from open_sft.preflight.timing import StepTimer, TimeProbe
+    from open_sft.preflight.timing import run_timer
     from open_sft.training import checkpoint
     from open_sft.training.completion import SETTINGS_KEY, check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
@@ -264,10 +263,10 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                                            model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
-    timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
-                      log=logger.info if acc.is_main_process else None)
-    with progress.around_training():
-        records = trainer.train(start_step, after_step=[timer, progress, checkpointer.on_step_end])
+    timer = run_timer(job, trainer, start_step, logger.info if acc.is_main_process else None,
+                      checkpointer.save_seconds)
+    with progress.around_training():  # the timer after the checkpointer: it reads the step's save time
+        records = trainer.train(start_step, after_step=[progress, checkpointer.on_step_end, timer])
     checkpointer.raise_if_preempted(metrics)
     if config.model.torch_compile:
         from open_sft.model.compile import log_summary

@@ -92,7 +92,8 @@ class LoraArguments:
 @dataclass
 class DataArguments:
     dataset_mixer_list: list[str] = _help(
-        "Pairs NAME AMOUNT: NAME a local .jsonl/.json/.parquet file or a dataset id; AMOUNT with a '.' "
+        "Pairs NAME AMOUNT: NAME a local .jsonl/.json/.parquet/.txt file (.txt: plain text, one document per "
+        "blank-line-separated block) or a dataset id; AMOUNT with a '.' "
         "is a fraction of that source (may exceed 1.0 to upsample), without a '.' a row count.",
         default_factory=list,
     )

@@ -1,8 +1,9 @@
 """A source read a chunk at a time for the streaming build (open_sft.data.stream), and the building rank's
 progress lines.
 
-A chunk is CHUNK_ROWS rows (JSON Lines: a block of whole lines, at most CHUNK_BYTES; every other kind but a JSON
-list file: slices of its memory-mapped `datasets.Dataset`); a build killed part way is resumed after the chunks
+A chunk is CHUNK_ROWS rows (JSON Lines: a block of whole lines, at most CHUNK_BYTES; a .txt file: as many of its
+documents, blocks of lines between blank lines; every other kind but a JSON list file: slices of its memory-mapped
+`datasets.Dataset`); a build killed part way is resumed after the chunks
 its spill already holds, when they were cut the same way.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from open_sft.data.formats import RowError
-from open_sft.data.sources import line_chunks, open_dataset, parse_json_line
+from open_sft.data.sources import TEXT_SUFFIX, line_chunks, open_dataset, parse_json_line, text_blocks
 
 if TYPE_CHECKING:
     from open_sft.data.spill import Spill
@@ -37,22 +38,30 @@ class Reader:
     def __init__(self, spec: Any, dataset: Any = None):
         self.spec, self.dataset = spec, dataset
         self.path = Path(spec.name).expanduser()
+        self.blocks = dataset is None and self.path.suffix == TEXT_SUFFIX  # a .txt file: {"text": block} rows
 
     @classmethod
     def open(cls, spec: Any) -> Optional["Reader"]:
         """None for a JSON list file (one JSON document: read whole, by the in-memory build)."""
         path = Path(spec.name).expanduser()
-        if path.suffix in (".json", ".jsonl") and path.is_file():
-            return cls(spec) if path.suffix == ".jsonl" else None
+        if path.suffix in (".json", ".jsonl", TEXT_SUFFIX) and path.is_file():
+            return cls(spec) if path.suffix != ".json" else None
         return cls(spec, open_dataset(spec))
 
     @property
     def lines(self) -> bool:
-        return self.dataset is None
+        """Whether the chunks are JSON Lines to parse (else rows: a dataset's, or a .txt file's documents)."""
+        return self.dataset is None and not self.blocks
 
     def chunks(self, rows: int = 0, skip: int = 0) -> Iterator[tuple[int, list[Any], Optional[list[int]]]]:
         """The chunks after the first `skip` (those of a build resumed from: JSON Lines are still read past)."""
         start = 0
+        if self.blocks:
+            for number, (texts, numbers) in enumerate(text_blocks(self.path, rows or CHUNK_ROWS, CHUNK_BYTES)):
+                if number >= skip:
+                    yield start, [{"text": text} for text in texts], numbers
+                start += len(texts)
+            return
         if self.lines:
             for number, (lines, numbers) in enumerate(line_chunks(self.path, rows or CHUNK_ROWS, CHUNK_BYTES)):
                 if number >= skip:
@@ -66,7 +75,7 @@ class Reader:
 
     def chunking(self) -> list[Any]:
         """What decides where chunks end: a build is resumed only from a spill chunked the same way."""
-        return ["lines" if self.lines else "rows", CHUNK_ROWS, CHUNK_BYTES]
+        return ["blocks" if self.blocks else "lines" if self.lines else "rows", CHUNK_ROWS, CHUNK_BYTES]
 
     def resuming(self, spill: Spill) -> int:
         """The chunks already in `spill` (of a killed build of this entry), said in the log when there are any."""
@@ -76,11 +85,13 @@ class Reader:
         return spill.chunks
 
     def count(self) -> int:
-        return sum(len(items) for _, items, _ in self.chunks()) if self.lines else len(self.dataset)
+        return len(self.dataset) if self.dataset is not None else sum(len(items) for _, items, _ in self.chunks())
 
     def first(self) -> tuple[Optional[dict], str]:
         """The first row (None when it is not a JSON object) and where it is."""
         for _, items, numbers in self.chunks(1):
+            if self.blocks:
+                return items[0], f"{self.spec.name} line {numbers[0]}"
             if not self.lines:
                 return items[0], f"{self.spec.name} row 0"
             try:

@@ -1,7 +1,9 @@
 """Reading the sources named in --dataset_mixer_list into plain row dicts.
 
 Local JSON Lines are read by hand (not with `datasets`) so that a malformed line is reported with
-its file and line number; `datasets`' JSON loader only says that parsing failed somewhere.
+its file and line number; `datasets`' JSON loader only says that parsing failed somewhere. A plain text file
+(.txt) is text rows, `{"text": ...}`, one document per block of lines between blank lines: what corpus dumps
+one document per paragraph look like, and what can be read a chunk at a time (one document per file could not be).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,7 +22,8 @@ from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+TEXT_SUFFIX = ".txt"  # plain text for continual pretraining: one document per blank-line-separated block
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", TEXT_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -148,16 +152,14 @@ def _decode(path: Path, data: bytes, lines_before: int) -> str:
         ) from None
 
 
+NO_TEXT = " (a .txt file's documents are its blocks of non-blank lines)"
 READ_BYTES = 1 << 22  # a JSON Lines file is read this much at a time (whole lines)
 
 
-def line_chunks(path: Path, rows: int, chars: int = 1 << 62) -> Iterator[tuple[list[str], list[int]]]:
-    """`read_lines` a chunk at a time, reading the file a block at a time: the same lines and line numbers,
-    without the whole file in memory. A chunk ends at `rows` lines, or at the line that reaches `chars`
-    characters (long documents)."""
-    pending: list[str] = []
-    numbers: list[int] = []
-    number = raw_lines = size = 0
+def _lines_blockwise(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """The file's lines (without their newline; universal newlines, as in read_lines), READ_BYTES of whole lines
+    at a time: (the number of the block's first line, from 1; its lines)."""
+    number = raw_lines = 0
     carry = b""
     with path.open("rb") as handle:
         while True:
@@ -167,24 +169,62 @@ def line_chunks(path: Path, rows: int, chars: int = 1 << 62) -> Iterator[tuple[l
             data, carry = data[:cut], data[cut:]
             text = _decode(path, data, raw_lines)
             raw_lines += data.count(b"\n")
-            if "\r" in text:  # universal newlines, as in read_lines (a block ends after a "\n": no pair is cut)
+            if "\r" in text:  # a block ends after a "\n": no "\r\n" pair is cut
                 text = text.replace("\r\n", "\n").replace("\r", "\n")
             lines = text.split("\n")
             if lines[-1] == "":
                 lines.pop()
-            for line in lines:
-                number += 1
-                if line and not line.isspace():
-                    pending.append(line)
-                    numbers.append(number)
-                    size += len(line)
-                    if len(pending) >= rows or size >= chars:
-                        yield pending, numbers
-                        pending, numbers, size = [], [], 0
+            yield number + 1, lines
+            number += len(lines)
             if not block:
-                if pending:
-                    yield pending, numbers
                 return
+
+
+def line_chunks(path: Path, rows: int, chars: int = 1 << 62) -> Iterator[tuple[list[str], list[int]]]:
+    """`read_lines` a chunk at a time, reading the file a block at a time: the same lines and line numbers,
+    without the whole file in memory. A chunk ends at `rows` lines, or at the line that reaches `chars`
+    characters (long documents)."""
+    pending: list[str] = []
+    numbers: list[int] = []
+    size = 0
+    for number, lines in _lines_blockwise(path):
+        for number, line in enumerate(lines, start=number):
+            if line and not line.isspace():
+                pending.append(line)
+                numbers.append(number)
+                size += len(line)
+                if len(pending) >= rows or size >= chars:
+                    yield pending, numbers
+                    pending, numbers, size = [], [], 0
+    if pending:
+        yield pending, numbers
+
+
+def text_blocks(path: Path, rows: int = 1 << 62, chars: int = 1 << 62) -> Iterator[tuple[list[str], list[int]]]:
+    """The documents of a plain text file (TEXT_SUFFIX) a chunk at a time: (their texts, the line each begins on).
+    A document is a block of lines between blank lines (a line of only whitespace is blank), its lines joined
+    by "\n" as written. A chunk ends at `rows` documents, or at the one that reaches `chars` characters."""
+    pending: list[str] = []
+    numbers: list[int] = []
+    block: list[str] = []
+    size = first = 0
+    for number, lines in chain(_lines_blockwise(path), [(0, [""])]):  # a blank line after the last
+        for number, line in enumerate(lines, start=number):
+            if line and not line.isspace():
+                first = first if block else number
+                block.append(line)
+                continue
+            if not block:
+                continue
+            pending.append("\n".join(block))
+            numbers.append(first)
+            size += len(pending[-1])
+            block = []
+            if len(pending) >= rows or size >= chars:
+                yield pending, numbers
+                pending, numbers, size = [], [], 0
+    if pending:
+        yield pending, numbers
 
 
 def read_lines(path: Path) -> tuple[list[str], Sequence[int]]:
@@ -268,9 +308,9 @@ def _saved_by_datasets(path: Path) -> bool:
 
 
 def open_dataset(spec: SourceSpec) -> Any:
-    """The `datasets.Dataset` (memory-mapped Arrow) of a source that is not a local JSON or JSON Lines file:
-    a parquet file, a `save_to_disk` directory, a directory laid out as a Hub dataset, a Hub id. None for
-    JSON and JSON Lines files, which are read as text."""
+    """The `datasets.Dataset` (memory-mapped Arrow) of a source that is not a local JSON, JSON Lines or plain
+    text file: a parquet file, a `save_to_disk` directory, a directory laid out as a Hub dataset, a Hub id. None
+    for JSON, JSON Lines and plain text files, which are read as text."""
     import datasets
 
     path = _local_path(spec)
@@ -285,10 +325,11 @@ def open_dataset(spec: SourceSpec) -> Any:
             loaded = loaded[spec.split]
         return loaded
     if path.is_file():
-        if path.suffix in (".jsonl", ".json"):
+        if path.suffix in (".jsonl", ".json", TEXT_SUFFIX):
             return None
         if path.suffix != ".parquet":
-            raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)}")
+            raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)} "
+                            f"({TEXT_SUFFIX}: plain text, one document per blank-line-separated block)")
         loaded = datasets.Dataset.from_parquet(str(path))
         if not len(loaded):
             raise UserError(f"{path}: the file has no rows")
@@ -305,8 +346,13 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     line_numbers, unreadable = None, 0
     if path.suffix == ".jsonl":
         rows, line_numbers, unreadable = _read_jsonl(path, drop_bad)
+    elif path.suffix == TEXT_SUFFIX:
+        rows, line_numbers = [], []
+        for texts, numbers in text_blocks(path):
+            rows += [{"text": text} for text in texts]
+            line_numbers += numbers
     else:
         rows = _read_json(path)
     if not rows:
-        raise UserError(f"{path}: the file has no rows")
+        raise UserError(f"{path}: the file has no rows" + NO_TEXT * (path.suffix == TEXT_SUFFIX))
     return LoadedSource(spec, rows, line_numbers, unreadable)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from open_sft.data.chat.templates import EMBEDDED
+from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 
 logger = logging.getLogger(__name__)
@@ -180,14 +182,15 @@ def build_model(
 
 def iter_message_texts(rows: Iterable[dict]) -> Iterator[str]:
     """Yield every message content of every row (the tokenizer training corpus)."""
-    for row in rows:
+    for number, row in enumerate(rows, start=1):
         messages = row.get("messages") if isinstance(row, dict) else None
         if not isinstance(messages, list):
-            raise ValueError(f"row has no 'messages' list: {row!r}")
+            columns = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise ValueError(f"row {number} has no 'messages' list (it has {columns})")
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             if not isinstance(content, str):
-                raise ValueError(f"message has no string 'content': {message!r}")
+                raise ValueError(f"row {number}: a message has no string 'content'")
             yield content
 
 
@@ -200,17 +203,41 @@ def load_rows(path: str | Path) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+def training_texts(path: str | Path) -> list[str]:
+    """What the tokenizer is trained on from a data file open_sft trains on (.jsonl, .json, .parquet, .txt): every
+    message's content of chat rows (any row format; the bundled sample gives `iter_message_texts`' texts), every
+    document of text rows. A file or row that cannot give them is a UserError naming it and the fix."""
+    from open_sft.data.formats import RowError, detect_format, to_messages, to_text
+    from open_sft.data.sources import LOCAL_SUFFIXES, parse_mixer_list, read_source
+
+    if not Path(path).expanduser().is_file():
+        raise UserError(f"--data_path {path}: no such file; give a {'/'.join(LOCAL_SUFFIXES)} file of chat or text "
+                        "rows (the tokenizer is trained on their text)")
+    spec, = parse_mixer_list([str(path), "1.0"], ["train"], flag="--data_path")
+    source = read_source(spec)
+    fmt = detect_format(source.rows[0], source.where(0))
+    texts = []
+    for index, row in enumerate(source.rows):
+        try:
+            texts += [to_text(row)] if fmt == "text" else [m["content"] for m in to_messages(row, fmt)]
+        except RowError as exc:
+            raise UserError(f"{source.where(index)}: {exc} (--data_path: every row gives the tokenizer its text; "
+                            "fix or remove the row)") from None
+    return texts
+
+
 def build_embedded_default(
     out_dir: str | Path, *, data_path: str | Path | None = None, vocab_size: int = 2048, **model_shape: Any
 ) -> Path:
-    """Train the tokenizer on ``data_path`` (default: bundled sample), build the model (``model_shape``: the
+    """Train the tokenizer on ``data_path``'s text (chat or text rows, `training_texts`; default: the bundled
+    sample), build the model (``model_shape``: the
     keyword arguments of :func:`build_model`, its defaults otherwise), save both.
 
     Writes ``config.json``, ``generation_config.json``, ``model.safetensors`` and the
     tokenizer files into ``out_dir`` and returns it as a ``Path``.
     """
-    rows = load_rows(DEFAULT_DATA_PATH if data_path is None else data_path)
-    tokenizer = build_tokenizer(iter_message_texts(rows), vocab_size=vocab_size)
+    tokenizer = build_tokenizer(training_texts(DEFAULT_DATA_PATH if data_path is None else data_path),
+                                vocab_size=vocab_size)
     model = build_model(tokenizer, **model_shape)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -227,7 +254,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> 
         description="Build the offline embedded default tokenizer + tiny Llama model.",
     )
     parser.add_argument("out_dir", help="directory to write the model and tokenizer into")
-    parser.add_argument("--data_path", default=None, help="JSONL rows (default: bundled sample)")
+    parser.add_argument("--data_path", default=None,
+                        help="the rows the tokenizer is trained on: a .jsonl/.json/.parquet file of chat rows (their "
+                             "messages' text) or text rows, or a .txt file (its documents); default: the bundled "
+                             "sample")
     parser.add_argument("--vocab_size", type=int, default=2048)
     parser.add_argument("--hidden_size", type=int, default=64)
     parser.add_argument("--num_layers", type=int, default=2)
@@ -237,7 +267,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> 
     parser.add_argument("--max_position_embeddings", type=int, default=MODEL_MAX_LENGTH)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = build_embedded_default(
+    try:
+        path = _build(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _build(args: argparse.Namespace) -> Path:
+    return build_embedded_default(
         args.out_dir,
         data_path=args.data_path,
         vocab_size=args.vocab_size,
@@ -249,8 +289,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> 
         max_position_embeddings=args.max_position_embeddings,
         seed=args.seed,
     )
-    print(path)
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 - Progress bars (transformers' "Loading weights", "Writing model shards", datasets', huggingface_hub's) are
   drawn only on a terminal: in a redirected log they are carriage-return noise between the log lines.
-- bitsandbytes warns at import that its optional `kernels` package is missing for a 4-bit CPU kernel; peft
-  imports bitsandbytes on every LoRA run, so the warning is kept for --use_qlora runs only, where it applies.
+- bitsandbytes warns at import that its optional `kernels` package is missing for a 4-bit CPU kernel (with the
+  exception's text, once per process: every rank); peft imports bitsandbytes on every LoRA run. The warning is
+  silenced, and a --use_qlora run without `kernels` says once, in our own line, what it means and the fix.
 - transformers' FutureWarning about `is_gradient_checkpointing` is raised by peft's own call, not by anything a
   user wrote or can change; peft's warning that it saves the embedding layers of a resized vocabulary says what
   open_sft meant it to do (added tokens' rows are trained and saved; the log says which tokens).
@@ -11,9 +12,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import warnings
+
+
+logger = logging.getLogger(__name__)
+
+NO_KERNELS = ("--use_qlora: the optional `kernels` package is not installed, so on a CPU bitsandbytes computes its "
+              "4-bit layers with its own (slower) kernel instead of the kernels-community one; pip install "
+              "'kernels>=0.11.1' for it (it is fetched from the Hub once, then cached). A GPU does not use it")
 
 
 def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
@@ -26,7 +35,8 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
         hf_logging.disable_progress_bar()
         datasets.disable_progress_bars()
         huggingface_hub.utils.disable_progress_bars()
-    if not qlora:
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    if qlora and importlib.util.find_spec("kernels") is None:
+        logger.info(NO_KERNELS)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"Setting `save_embedding_layers` to `True`", category=UserWarning)

@@ -169,6 +169,7 @@ class Checkpointer:
         self.preempted_at: Optional[int] = None
         self.state_io = state_io or _AccelerateState(accelerator)
         self.model_files = model_files
+        self.save_seconds: list[float] = []  # each save's of this launch (the time estimate's)
 
     def restore(self, resume: Optional[ResumePoint]) -> int:
         """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
@@ -268,6 +269,7 @@ class Checkpointer:
             if self.uploader is not None:
                 self.uploader.submit(final)
         acc.wait_for_everyone()
+        self.save_seconds.append(time.perf_counter() - started)
         return final
 
 

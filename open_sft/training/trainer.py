@@ -73,6 +73,7 @@ class Trainer:
         self.train_tokens = 0
         self.total_tokens = 0
         self.eval_data = eval_data
+        self.eval_seconds: list[float] = []  # each evaluation's of this launch (the time estimate's)
         self.nonfinite_steps = 0
         self.nonfinite_in_a_row = 0
         self.window = Window(started=time.perf_counter())  # the logging window open now
@@ -260,7 +261,9 @@ class Trainer:
             with self.clock.pause(self.window):
                 if self.eval_data is not None and (done == self.steps.total_steps or (
                         self.args.eval_steps and done % self.args.eval_steps == 0)):
+                    began = time.perf_counter()
                     records.append(self.evaluate(done))
+                    self.eval_seconds.append(time.perf_counter() - began)
             seconds = self.clock.seconds() - step_started
             with self.clock.pause(self.window):
                 stop = any([hook(done, seconds) for hook in after_step])  # a list: every hook runs

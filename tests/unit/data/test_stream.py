@@ -55,6 +55,15 @@ def corpora(tmp_path_factory) -> dict[str, str]:
     bad_text = [json.dumps(t) for t in texts[:60]]
     bad_text[5], bad_text[22] = "{oops", json.dumps({"text": "   "})
     files["bad_text"].write_text("\n".join(bad_text) + "\n")
+    # a .txt file's documents are its blocks of non-blank lines: the same documents as text rows, blocks between
+    # blank lines and lines of spaces, the file begun with blank lines and ended without a newline
+    documents = ["\n".join(line for line in t["text"].split("\n") if line.strip()) for t in texts]
+    documents = [d.replace(". ", ".\n", k % 3) for k, d in enumerate(documents)]  # documents of several lines
+    files["txt"] = root / "corpus.txt"
+    files["txt"].write_text("\n\n" + "".join(d + ("\n\n" if k % 4 else "\n  \n\n") for k, d in enumerate(documents))
+                            .rstrip("\n"))
+    files["txt_as_jsonl"] = root / "corpus.jsonl"
+    files["txt_as_jsonl"].write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
     datasets.Dataset.from_list(rows).to_parquet(str(root / "chat.parquet"))
     datasets.Dataset.from_list(texts).to_parquet(str(root / "text.parquet"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:70])}).save_to_disk(str(root / "saved"))
@@ -83,6 +92,10 @@ CASES = {
     "text_upsampled": (["text", "1.5"], {"max_seq_length": 64}),
     "text_tokens": (["text", "2000"], {"max_seq_length": 50, "dataset_mixer_unit": "tokens"}),
     "text_bad_rows_dropped": (["bad_text", "1.0"], {"max_seq_length": 50, "on_bad_row": "drop"}),
+    "txt_blocks": (["txt", "1.0"], {"max_seq_length": 50}),
+    "txt_upsampled": (["txt", "1.5"], {"max_seq_length": 64}),
+    "txt_tokens": (["txt", "2000"], {"max_seq_length": 50, "dataset_mixer_unit": "tokens"}),
+    "txt_as_jsonl": (["txt_as_jsonl", "1.0"], {"max_seq_length": 50}),
     "parquet_chat": (["chat_parquet", "0.5"], {}),
     "parquet_text": (["text_parquet", "1.0"], {"max_seq_length": 50}),
     "saved_to_disk": (["saved", "40"], {}),
@@ -147,6 +160,40 @@ def assert_same(a, b) -> None:
 def test_streaming_equals_the_in_memory_build(case, corpora, tokenizer, tmp_path, small_chunks) -> None:
     args = args_for(corpora, case)
     assert_same(streamed(args, tokenizer, tmp_path), in_memory(args, tokenizer))
+
+
+def test_a_txt_file_is_its_documents_as_text_rows(corpora, tokenizer, tmp_path, small_chunks) -> None:
+    """A .txt file's blocks between blank lines are the documents of the equivalent {"text": ...} rows: the same
+    examples, streamed (its blocks read 300 bytes at a time, 7 documents a chunk) or read whole."""
+    txt, jsonl = in_memory(args_for(corpora, "txt_blocks"), tokenizer), in_memory(args_for(corpora, "txt_as_jsonl"),
+                                                                                 tokenizer)
+    assert_same(txt[:2] + ([{**r, "name": "corpus"} for r in txt[2]],), jsonl[:2] + (
+        [{**r, "name": "corpus"} for r in jsonl[2]],))
+    assert txt[2][0]["format"] == "text" and txt[2][0]["rows_in"] == len(LINES)
+    assert_same(streamed(args_for(corpora, "txt_blocks"), tokenizer, tmp_path), txt)
+
+
+def test_text_blocks_splits_at_blank_lines(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "docs.txt"
+    path.write_bytes(b"\n \nfirst line\r\n  indented second\r\n\r\n\n\t\nnext doc\n\nlast\n  ")
+    whole = list(sources.text_blocks(path))
+    assert whole == [(["first line\n  indented second", "next doc", "last"], [3, 8, 10])]
+    monkeypatch.setattr(sources, "READ_BYTES", 5)  # blocks, and \r\n pairs, across reads
+    assert list(sources.text_blocks(path, rows=2)) == [(["first line\n  indented second", "next doc"], [3, 8]),
+                                                       (["last"], [10])]
+
+
+def test_a_txt_file_without_text_and_an_unknown_suffix_say_what_is_read(tmp_path, tokenizer) -> None:
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    with pytest.raises(UserError, match=r"blank\.txt: the file has no rows \(a \.txt file's documents are its "
+                                        r"blocks of non-blank lines\)"):
+        build_sources(DataArguments(dataset_mixer_list=[str(tmp_path / "blank.txt"), "1.0"]), tokenizer, 3, None,
+                      tmp_path / "data", tmp_path / "spill")
+    (tmp_path / "rows.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match=r"unsupported file type '\.csv'; use one of \.jsonl, \.json, \.parquet, \.txt "
+                                        r"\(\.txt: plain text, one document per blank-line-separated block\)"):
+        build_sources(DataArguments(dataset_mixer_list=[str(tmp_path / "rows.csv"), "1.0"]), tokenizer, 3, None,
+                      tmp_path / "data", tmp_path / "spill")
 
 
 @pytest.mark.parametrize("side", ["train", "eval"])

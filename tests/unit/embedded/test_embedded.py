@@ -295,3 +295,37 @@ def test_save_reload_round_trip(factory, tmp_path: Path, capsys: pytest.CaptureF
         out = re_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert out.shape[0] == 1 and ids.shape[1] < out.shape[1] <= ids.shape[1] + 4
     assert torch.equal(out[0, : ids.shape[1]], ids[0])
+
+
+def test_data_path_of_text_rows_trains_the_tokenizer_on_their_documents(factory, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`open_sft embedded OUT --data_path` takes text rows (a .jsonl of {"text"} or a .txt file) as it takes chat
+    rows: the tokenizer learns their words; the bundled sample still gives the message texts it always gave."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    documents = [f"zorblax quintessa number {i}\nsecond line of zorblax" for i in range(40)]
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    (tmp_path / "corpus.txt").write_text("\n\n".join(documents) + "\n")
+    assert factory.training_texts(tmp_path / "corpus.jsonl") == factory.training_texts(tmp_path / "corpus.txt") \
+        == documents
+    assert factory.training_texts(factory.DEFAULT_DATA_PATH) == list(
+        factory.iter_message_texts(factory.load_rows(factory.DEFAULT_DATA_PATH)))
+    cli = ["--vocab_size", str(SMALL_VOCAB), *[f"--{k}={v}" for k, v in SMALL_MODEL.items()]]
+    assert factory.main([str(tmp_path / "out"), "--data_path", str(tmp_path / "corpus.txt"), *cli]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").tokenize(" zorblax") == ["Ġzorblax"]
+
+
+def test_data_path_without_chat_or_text_rows_says_so_in_one_line(factory, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    (tmp_path / "body.jsonl").write_text(json.dumps({"body": "A WHOLE DOCUMENT " * 200}) + "\n")
+    assert factory.main([str(tmp_path / "out"), "--data_path", str(tmp_path / "body.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'body.jsonl'} line 1: cannot tell the data format from the columns "
+                          "['body']") and err.count("\n") == 1
+    assert "WHOLE DOCUMENT" not in err and "Traceback" not in err
+    assert factory.main([str(tmp_path / "out"), "--data_path", str(tmp_path / "missing.jsonl")]) == 2
+    assert "--data_path" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -54,6 +54,48 @@ def test_step_timer_estimate_is_warmup_plus_probed_rate() -> None:
     assert resumed.estimate == pytest.approx(1.0 + 0.001 * sum(slots[3:]))
 
 
+@pytest.mark.parametrize("first, eval_steps, evaluates, every, expected", [
+    (0, 10, True, "25", (10, 4)),  # evals at 10..100 (the one at the end is step 100's), saves at 25, 50, 75, 100
+    (0, 30, True, 40, (4, 2)),  # evals at 30, 60, 90 and the end (100); saves at 40, 80 (none at the end)
+    (0, None, True, None, (1, 0)),  # eval data and no --eval_steps: the one at the end
+    (0, 10, False, "25", (0, 4)),  # --eval_steps without eval data evaluates nothing
+    (37, 10, True, "25", (7, 3)),  # resumed after step 37: evals at 40..100, saves at 50, 75, 100
+    (0, 10, True, "epoch", (10, 3)),  # epochs of 34 steps end at 34, 68, 100
+])
+def test_cadence_counts_the_evaluations_and_saves_of_the_launch(first, eval_steps, evaluates, every,
+                                                                  expected) -> None:
+    from open_sft.preflight.timing import Cadence
+
+    cadence = Cadence.of(first, 100, eval_steps, evaluates, every, lambda step: step in (34, 68, 100))
+    assert (cadence.evals, cadence.saves) == expected
+
+
+def test_the_estimate_adds_evaluations_and_saves_timed_on_the_first_of_each() -> None:
+    """100 steps at 0.1 s (after a 2 s warm-up), 10 evaluations and 4 saves: before either has happened the
+    estimate says so; the first evaluation (3 s) and the first save (1.5 s) each refine it, once."""
+    from open_sft.preflight.timing import Cadence, StepTimer, TimeProbe
+
+    evals, saves, logged = [], [], []
+    timer = StepTimer(TimeProbe(100, [10] * 100), 0, logged.append, Cadence(evals=10, saves=4), evals, saves)
+    for done in range(1, 101):
+        if done % 10 == 0:
+            evals.append(3.0 if done == 10 else 9.0)  # only the first is read
+        if done % 25 == 0:
+            saves.append(1.5)
+        timer(done, 2.0 if done == 1 else 0.1)
+    training = 2.0 + 0.1 * 99
+    assert logged == [
+        "time estimate: 0m12s (training 0m12s + 10 evaluations, not yet measured + 4 checkpoint saves, not yet "
+        "measured) for steps 1-100 (measured on steps 2-4)",
+        "time estimate: 0m42s (training 0m12s + 10 evaluations × 3.0s + 4 checkpoint saves, not yet measured) "
+        "for steps 1-100 (refined)",
+        "time estimate: 0m48s (training 0m12s + 10 evaluations × 3.0s + 4 checkpoint saves × 1.5s) for steps "
+        "1-100 (refined)"]
+    assert timer.estimate == pytest.approx(training + 10 * 3.0 + 4 * 1.5)
+    quiet = StepTimer(TimeProbe(6, [1] * 6), 0, logged.append, Cadence(evals=1))  # the eval at the end
+    assert quiet.describe(4.0) == (4.0, "0m04s (training 0m04s + 1 evaluation, not yet measured)")
+
+
 def _saved_bytes(model, tokens: torch.Tensor, mask: torch.Tensor, autocast: bool) -> int:
     """Bytes of the distinct storages autograd saves for backward in the decoder, parameters excluded."""
     seen, total = set(), [0]

@@ -1,0 +1,34 @@
+"""Third-party noise a run's log does not need: bitsandbytes' warning that `kernels` is missing is silenced, and a
+QLoRA run without `kernels` says once, in its own line, what that means and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+
+from open_sft.monitor import quiet
+
+
+@pytest.mark.parametrize("qlora", [True, False])
+def test_bitsandbytes_kernels_warning_is_replaced_by_one_line_of_ours(qlora, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else object())
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    monkeypatch.setattr(bnb, "level", logging.NOTSET)
+    with caplog.at_level(logging.INFO):
+        caplog.set_level(logging.INFO, logger="open_sft")
+        quiet.quiet_third_parties(qlora, terminal=True)
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
+                    "Please make sure you already `pip install kernels` and the kernels >= 0.11.1")
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any("Failed to load CPU gemm_4bit_forward" in m for m in messages)
+    assert messages == ([quiet.NO_KERNELS] if qlora else [])
+    assert "pip install 'kernels>=0.11.1'" in quiet.NO_KERNELS
+
+
+def test_with_kernels_installed_a_qlora_run_says_nothing(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    with caplog.at_level(logging.INFO):
+        quiet.quiet_third_parties(True, terminal=True)
+    assert quiet.NO_KERNELS not in [r.getMessage() for r in caplog.records]
