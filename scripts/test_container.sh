@@ -9,7 +9,7 @@
 #   scripts/test_container.sh [BASE_IMAGE]        BASE_IMAGE: any image with python, pip and torch
 #                                                 (default: the Dockerfile's CUDA PyTorch image)
 #   CONTAINER=docker            the engine command; `build ...` and `run ...` are passed as docker spells them,
-#                               e.g. CONTAINER=../shared/tools/container.sh (podman on the development machines)
+#                               e.g. CONTAINER=podman
 #   OPEN_SFT_EXTRAS=...         the build's extras (default: the Dockerfile's)
 #   KEEP=1                      keep the work directory (data, outputs, logs) and print where it is
 #
