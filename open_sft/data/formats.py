@@ -209,6 +209,14 @@ def messages_format(key: str) -> str:
     return "messages" if key == "messages" else f"messages:{key}"
 
 
+def source_format(args: Any, first_row: dict, where: str) -> str:
+    """--dataset_format (of `args`, the DataArguments), or the format detected from a source's first row; messages
+    rows read their conversation from --sft_messages_key."""
+    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(first_row, where,
+                                                                                  args.sft_messages_key)
+    return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
+
+
 def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     """Convert and validate one row (RowError says what is wrong)."""
     if fmt.startswith("messages:"):  # --sft_messages_key: the conversation is in another column

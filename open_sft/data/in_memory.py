@@ -21,8 +21,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
-from open_sft.data.formats import (RowError, detect_format, document_markers, messages_format, to_messages,
-                                   to_text)
+from open_sft.data.formats import RowError, document_markers, source_format, to_messages, to_text
 from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
@@ -36,14 +35,6 @@ from open_sft.data.workers import Labelled, Numbered, label_rows
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-
-def source_format(args: DataArguments, first_row: dict, where: str) -> str:
-    """--dataset_format, or the format detected from a source's first row; messages rows read their
-    conversation from --sft_messages_key."""
-    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(first_row, where,
-                                                                                  args.sft_messages_key)
-    return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
 
 
 def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
