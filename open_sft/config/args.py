@@ -104,9 +104,12 @@ class DataArguments:
     dataset_config_name: Optional[str] = _help(
         "The configuration of Hub datasets (and of local directories laid out as a Hub dataset repository), as "
         "datasets.load_dataset(name=...) takes it.", default=None)
-    dataset_mixer_unit: Literal["rows", "tokens"] = _help(
-        "What AMOUNTs count: rows, or tokens (a fraction is then a share of the source's tokens, "
-        "a count a number of tokens).", default="rows"
+    dataset_mixer_unit: Literal["rows", "tokens", "share"] = _help(
+        "What AMOUNTs count: rows; tokens (a fraction is then a share of the source's tokens, a count a number of "
+        "tokens); or share: the AMOUNTs are the mixture's shares of examples (positive; normalised to sum 1, said "
+        "in the log when they do not), and the mixture is the largest that holds them without repeating a row of "
+        "any source: N = min over sources of rows / share, each source giving round(share × N) distinct rows "
+        "(rows: those it has, less those --eval_split_ratio holds out).", default="rows"
     )
     dataset_format: Literal["auto", "messages", "alpaca", "sharegpt", "prompt_completion", "text"] = _help(
         "Row format of every source: auto (detected per source from its columns), messages, alpaca, "

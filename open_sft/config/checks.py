@@ -4,6 +4,7 @@ named and the fix (config.parse parses, this module judges)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import typing
 from pathlib import Path
@@ -84,6 +85,24 @@ def _unreadable_input_problems(config: FinetuneConfig) -> list[str]:
     return problems
 
 
+def _share_problems(d: DataArguments) -> list[str]:
+    """--dataset_mixer_unit share: every amount a share above 0 (an amount that is not a number is named by the
+    mixer list's own parse)."""
+    if d.dataset_mixer_unit != "share":
+        return []
+    problems = []
+    for name, raw in zip(d.dataset_mixer_list[0::2], d.dataset_mixer_list[1::2]):
+        try:
+            share = float(raw)
+        except ValueError:
+            continue
+        if not (math.isfinite(share) and share > 0):
+            problems.append(f"--dataset_mixer_list: share {raw} for {name} must be a number above 0 under "
+                            "--dataset_mixer_unit share (shares are normalised to sum 1, e.g. a.jsonl 0.7 b.jsonl 0.3); "
+                            "leave out a source you want none of")
+    return problems
+
+
 def _data_problems(d: DataArguments) -> list[str]:
     problems = []
     if not d.dataset_mixer_list:
@@ -93,6 +112,7 @@ def _data_problems(d: DataArguments) -> list[str]:
             f"--dataset_mixer_list takes NAME AMOUNT pairs; got {len(d.dataset_mixer_list)} values "
             f"({' '.join(d.dataset_mixer_list)})"
         )
+    problems += _share_problems(d)
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         problems.append(f"--preprocessing_num_workers {d.preprocessing_num_workers}: give 1 or more processes, "
                         "or leave it unset for one per usable core")

@@ -26,6 +26,7 @@ from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
+from open_sft.data.shares import resolve_shares
 from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
                                   source_identity)
 from open_sft.data.summary import SourceReport, nothing_left_message
@@ -242,13 +243,17 @@ def _counts(rows: TokenRows) -> tuple[int, int, int]:
 
 
 def mixture_specs(args: DataArguments, holdout: Optional[tuple[str, float]] = None) -> list:
-    """The mixture's sources as the build draws from them: a local one seeded by its content, not its path."""
+    """The mixture's sources as the build draws from them: a local one seeded by its content, not its path; under
+    --dataset_mixer_unit share each share made the row count it gives (open_sft.data.shares)."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
                              config_name=args.dataset_config_name,
                              template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)
-    return [dataclasses.replace(spec, holdout=holdout or spec.holdout,
-                                seed_key=source_identity(spec, memo) if spec.is_local else None) for spec in specs]
+    specs = [dataclasses.replace(spec, holdout=holdout or spec.holdout,
+                                 seed_key=source_identity(spec, memo) if spec.is_local else None) for spec in specs]
+    if args.dataset_mixer_unit == "share" and not (holdout and holdout[0] == "eval"):  # eval: the held-out rows
+        specs = resolve_shares(specs, args, holdout)
+    return specs
 
 
 def build_rows(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,

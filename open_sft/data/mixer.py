@@ -106,10 +106,16 @@ def held_out_rows(valid: list[int], ratio: float, seed: int, spec: SourceSpec) -
     """The rows of a source that --eval_split_ratio holds out for evaluation, drawn from its distinct valid rows
     before the mixture takes its amount: an upsampled row and all its copies land on one side of the split.
     Seeded by the source (its content, for a local one), so an entry listed twice holds out the same rows of it."""
-    count = round(ratio * len(valid))
-    if valid and count >= len(valid):
-        raise UserError(f"--eval_split_ratio {ratio} holds out all {len(valid)} rows of {spec.name}; lower it")
+    count = held_out_count(len(valid), ratio, spec)
     return sorted(random.Random(f"{seed}:eval_split:{spec.draw_key}:{spec.split}").sample(valid, count))
+
+
+def held_out_count(n_rows: int, ratio: float, spec: SourceSpec) -> int:
+    """How many of a source's n_rows valid rows --eval_split_ratio holds out: round(ratio × n_rows), fewer than all."""
+    count = round(ratio * n_rows)
+    if n_rows and count >= n_rows:
+        raise UserError(f"--eval_split_ratio {ratio} holds out all {n_rows} rows of {spec.name}; lower it")
+    return count
 
 
 def select_row_array(spec: SourceSpec, unit: str, valid: Sequence[int], lengths: Any, seed: int) -> np.ndarray:

@@ -117,6 +117,8 @@ def shares_note(report: dict[str, Any], data: Any) -> Optional[str]:
     how to ask for shares."""
     from open_sft.data.sources import parse_mixer_list
 
+    if data.dataset_mixer_unit == "share":  # the amounts are the shares
+        return None
     specs = parse_mixer_list(data.dataset_mixer_list, data.dataset_mixer_list_splits,
                              config_name=data.dataset_config_name)
     if len(specs) < 2 or not all(s.is_fraction for s in specs) or not 0.9 <= sum(s.amount for s in specs) <= 1.1:
@@ -126,8 +128,9 @@ def shares_note(report: dict[str, Any], data: Any) -> Optional[str]:
     amounts = " and ".join(f"{s.amount:g}" for s in specs)
     unit = "tokens" if data.dataset_mixer_unit == "tokens" else "rows"
     return (f"--dataset_mixer_list amounts {amounts} are fractions of each source's {unit} (open-instruct's meaning), "
-            f"not shares of the mixture: it holds {got}. For shares, give each source a count: rows (e.g. 700 and 300 "
-            "for 70/30 by examples), or tokens with --dataset_mixer_unit tokens (70/30 by tokens)")
+            f"not shares of the mixture: it holds {got}. For shares of the mixture's examples, give --dataset_mixer_unit "
+            "share (the amounts are then shares: 0.7 and 0.3 is 70/30 by examples); for shares of its tokens, give "
+            "each source a count of tokens with --dataset_mixer_unit tokens (e.g. 700000 and 300000)")
 
 
 def format_data_report(report: dict[str, Any]) -> str:

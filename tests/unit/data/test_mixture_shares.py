@@ -29,6 +29,10 @@ def test_fractions_that_look_like_shares_are_explained() -> None:
 
     said = note("alpaca.json", "0.7", "sample.jsonl", "0.3")
     assert said.startswith("--dataset_mixer_list amounts 0.7 and 0.3 are fractions of each source's rows")
-    assert "alpaca.json 699 examples (54% of them, 95% of the tokens)" in said and "give each source a count: rows" in said
+    assert "alpaca.json 699 examples (54% of them, 95% of the tokens)" in said
+    assert "For shares of the mixture's examples, give --dataset_mixer_unit share" in said
+    assert "count of tokens with --dataset_mixer_unit tokens" in said
+    assert shares_note(REPORT, DataArguments(dataset_mixer_list=["alpaca.json", "0.7", "sample.jsonl", "0.3"],
+                                             dataset_mixer_unit="share")) is None  # they are the shares asked for
     assert note("alpaca.json", "700", "sample.jsonl", "300") is None  # row counts: the shares asked for
     assert note("alpaca.json", "1.0") is None and note("alpaca.json", "0.5", "sample.jsonl", "1.0") is None

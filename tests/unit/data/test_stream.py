@@ -100,6 +100,10 @@ CASES = {
     "parquet_text": (["text_parquet", "1.0"], {"max_seq_length": 50}),
     "saved_to_disk": (["saved", "40"], {}),
     "mixture": (["chat", "0.5", "text", "1.0", "chat_parquet", "20"], {"max_seq_length": 64}),
+    "share": (["chat", "0.25", "saved", "0.75"], {"dataset_mixer_unit": "share"}),
+    "share_bad_rows_dropped": (["bad", "3", "crlf", "1"], {"dataset_mixer_unit": "share", "on_bad_row": "drop"}),
+    "share_text": (["text", "0.6", "bad_text", "0.4"], {"dataset_mixer_unit": "share", "on_bad_row": "drop",
+                                                        "max_seq_length": 50}),
 }
 
 
@@ -147,6 +151,12 @@ def test_the_cases_meet_what_they_are_named_for(corpora, tokenizer) -> None:
     taken = set(select_indices(spec, len(LINES) - 3, 3)) & {23, 57, 58, 87, 112}
     assert reports["render_errors_dropped"].get("tool_calls_not_rendered", 0) == len(taken)
     assert reports["text_bad_rows_dropped"] == {"invalid_json": 1, "empty_text": 1}
+    # --dataset_mixer_unit share: round(share × N) rows of each, N = min(usable rows / share): chat 120 and saved 70
+    # rows, N = 93.3; the bad file's 117 rows that parse and convert (its 5 that fail to render are selected, then
+    # dropped) and crlf's 50, N = 156; text's 120 and bad_text's 58, N = 145
+    selected = {case: [r["rows_selected"] for r in in_memory(args_for(corpora, case), tokenizer)[2]]
+                for case in ("share", "share_bad_rows_dropped", "share_text")}
+    assert selected == {"share": [23, 70], "share_bad_rows_dropped": [117 - 5, 39], "share_text": [87, 58]}
 
 
 def assert_same(a, b) -> None:
@@ -197,8 +207,9 @@ def test_a_txt_file_without_text_and_an_unknown_suffix_say_what_is_read(tmp_path
 
 
 @pytest.mark.parametrize("side", ["train", "eval"])
-def test_streaming_holds_out_the_same_rows(side, corpora, tokenizer, tmp_path, small_chunks) -> None:
-    args = args_for(corpora, "mixture")
+@pytest.mark.parametrize("case", ["mixture", "share"])
+def test_streaming_holds_out_the_same_rows(side, case, corpora, tokenizer, tmp_path, small_chunks) -> None:
+    args = args_for(corpora, case)
     holdout = (side, 0.2)
     assert_same(streamed(args, tokenizer, tmp_path, holdout), in_memory(args, tokenizer, holdout))
 
