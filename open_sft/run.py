@@ -117,7 +117,7 @@ def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.prepare import prepare_data as build
-    from open_sft.data.summary import format_data_report, print_examples, shares_note
+    from open_sft.data.summary import eval_split_note, format_data_report, print_examples, shares_note
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
@@ -137,6 +137,8 @@ def prepare_data(job: Job) -> None:
         print(format_data_report(job.data.report), flush=True)
         if note := shares_note(job.data.report, d):
             logger.warning("%s", note)
+        if ratio and (note := eval_split_note(job.data.report, job.eval_data.report, ratio)):
+            logger.info("%s", note)
         if job.config.train.dry_run:
             print_examples(job.data, job.tokenizer, color=sys.stdout.isatty())
 

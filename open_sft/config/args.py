@@ -161,7 +161,9 @@ class DataArguments:
         default_factory=lambda: ["train"],
     )
     eval_split_ratio: float = _help(
-        "Hold out this fraction of each source's rows (seeded, before upsampling) for evaluation instead.",
+        "Hold out this fraction of each source's rows (seeded, before upsampling) for evaluation instead. Each "
+        "held-out row is evaluated once, so the evaluation mixture's shares follow the sources' sizes, not the "
+        "amounts: the log gives both mixtures' shares.",
         default=0.0
     )
     preprocessing_num_workers: Optional[int] = _help(

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from open_sft.data.labels import IGNORE_INDEX
+from open_sft.data.mixer import source_names
 
 logger = logging.getLogger(__name__)
 BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
@@ -131,6 +132,22 @@ def shares_note(report: dict[str, Any], data: Any) -> Optional[str]:
             f"not shares of the mixture: it holds {got}. For shares of the mixture's examples, give --dataset_mixer_unit "
             "share (the amounts are then shares: 0.7 and 0.3 is 70/30 by examples); for shares of its tokens, give "
             "each source a count of tokens with --dataset_mixer_unit tokens (e.g. 700000 and 300000)")
+
+
+def eval_split_note(train: dict[str, Any], held_out: dict[str, Any], ratio: float) -> Optional[str]:
+    """One line comparing the --eval_split_ratio evaluation mixture's shares of examples with the training
+    mixture's (reports of the two sides): each held-out row is evaluated once, so the evaluation mixture follows the
+    sources' sizes, not the amounts. None for one source."""
+    if len(train["sources"]) < 2:
+        return None
+    names = source_names([source["name"] for source in train["sources"]])
+
+    def shares(report: dict[str, Any]) -> str:
+        return ", ".join(f"{name} {mixture_shares(report, source)[0]:.1%}" for name, source in
+                         zip(names, report["sources"]))
+
+    return (f"eval split (--eval_split_ratio {ratio:g} of each source's rows, each evaluated once): {shares(held_out)} "
+            f"of examples; the training mixture: {shares(train)}")
 
 
 def format_data_report(report: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """--dataset_mixer_unit share: the amounts are the mixture's shares of examples, and the mixture is the largest that
 holds them without repeating a row: N = min_i rows_i / share_i, source i gives round(share_i × N) rows. Both builds
-(every source read whole, and streamed a few rows at a time) select the same rows."""
+(every source read whole, and streamed a few rows at a time) select the same rows. And --eval_split_ratio's
+evaluation mixture, whose shares follow the sources' sizes, is said beside the training mixture's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from open_sft.config.parse import parse_config
 from open_sft.data import chunks
 from open_sft.data.build import build_sources
 from open_sft.data.in_memory import build_rows
+from open_sft.data.prepare import prepare_data
+from open_sft.data.summary import eval_split_note
 from open_sft.errors import ConfigError, UserError
 
 
@@ -127,3 +130,16 @@ def test_the_training_side_of_an_eval_split_shares_the_rows_left(two, tokenizer,
     assert held == streamed_held and [r["rows_selected"] for r in held[1]] == [10, 8]
     assert not set(map(tuple, whole[0])) & set(map(tuple, held[0]))
 
+
+def test_the_eval_split_line_gives_both_mixtures_shares(two, tokenizer) -> None:
+    args = DataArguments(dataset_mixer_list=[two[0], "0.7", two[1], "0.3"], dataset_mixer_unit="share",
+                         dataset_skip_cache=True)
+    train = prepare_data(args, tokenizer, 3, holdout=("train", 0.25))
+    held = prepare_data(args, tokenizer, 3, holdout=("eval", 0.25))
+    assert eval_split_note(train.report, held.report, 0.25) == (
+        "eval split (--eval_split_ratio 0.25 of each source's rows, each evaluated once): a 55.6%, b 44.4% of "
+        "examples; the training mixture: a 69.8%, b 30.2%")
+    assert train.cache_key != prepare_data(DataArguments(**{**args.__dict__, "dataset_mixer_unit": "rows"}),
+                                           tokenizer, 3, holdout=("train", 0.25)).cache_key
+    one = DataArguments(dataset_mixer_list=[two[0], "1.0"], dataset_skip_cache=True)
+    assert eval_split_note(prepare_data(one, tokenizer, 3).report, prepare_data(one, tokenizer, 3).report, 0.1) is None
