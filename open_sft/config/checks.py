@@ -98,8 +98,8 @@ def _share_problems(d: DataArguments) -> list[str]:
             continue
         if not (math.isfinite(share) and share > 0):
             problems.append(f"--dataset_mixer_list: share {raw} for {name} must be a number above 0 under "
-                            "--dataset_mixer_unit share (shares are normalised to sum 1, e.g. a.jsonl 0.7 b.jsonl 0.3); "
-                            "leave out a source you want none of")
+                            "--dataset_mixer_unit share (shares are normalised to sum 1, e.g. a.jsonl 0.7 "
+                            "b.jsonl 0.3); leave out a source you want none of")
     return problems
 
 

@@ -129,9 +129,9 @@ def shares_note(report: dict[str, Any], data: Any) -> Optional[str]:
     amounts = " and ".join(f"{s.amount:g}" for s in specs)
     unit = "tokens" if data.dataset_mixer_unit == "tokens" else "rows"
     return (f"--dataset_mixer_list amounts {amounts} are fractions of each source's {unit} (open-instruct's meaning), "
-            f"not shares of the mixture: it holds {got}. For shares of the mixture's examples, give --dataset_mixer_unit "
-            "share (the amounts are then shares: 0.7 and 0.3 is 70/30 by examples); for shares of its tokens, give "
-            "each source a count of tokens with --dataset_mixer_unit tokens (e.g. 700000 and 300000)")
+            f"not shares of the mixture: it holds {got}. For shares of the mixture's examples, give "
+            "--dataset_mixer_unit share (the amounts are then shares: 0.7 and 0.3 is 70/30 by examples); for shares of "
+            "its tokens, give each source a count of tokens with --dataset_mixer_unit tokens (e.g. 700000 and 300000)")
 
 
 def eval_split_note(train: dict[str, Any], held_out: dict[str, Any], ratio: float) -> Optional[str]:
