@@ -138,6 +138,20 @@ def prepare_data(job: Job) -> None:
             print_examples(job.data, job.tokenizer, color=sys.stdout.isatty())
 
 
+def fit_to_checkpoint(job: Job) -> None:
+    """A checkpoint of another number of ranks: the accumulation that keeps its global batch, settled before the
+    Accelerator (and DeepSpeed's batch config) is built from it, or a refusal with the reason
+    (open_sft.training.elastic)."""
+    from open_sft.training.completion import resume_setting
+    from open_sft.training.elastic import fit_to_checkpoint as fit, peek
+    from open_sft.training.resume import run_identity
+
+    config = job.config
+    saved = peek(resume_setting(config), job.output_dir)
+    identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
+    job.config = fit(config, identity, saved, _is_main_rank())
+
+
 def build_model(job: Job) -> None:
     """The model and the Accelerator. Under ZeRO-3 init the Accelerator comes first, so that from_pretrained loads
     partitioned; --auto_micro_batch_size measures the whole model first and settles the config's micro-batch."""
@@ -233,6 +247,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training import checkpoint
     from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
+    from open_sft.training.elastic import reseed_new_ranks
     from open_sft.training.preemption import StopRequest
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
@@ -256,6 +271,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
                                            state_io=trainer.engine.checkpoint_io())
     start_step = checkpointer.restore(resume)
+    reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = StepTimer(TimeProbe(job.steps.total_steps, job.preflight.step_slots), start_step,
                       log=logger.info if acc.is_main_process else None)
@@ -334,6 +350,7 @@ def _phases(job: Job) -> dict:
             print(format_data_report(job.data.report), flush=True)
             print(job.data.cache_path)
         return {"cache_path": str(job.data.cache_path)}
+    fit_to_checkpoint(job)
     build_model(job)
     preflight(job)
     if job.config.train.dry_run:
