@@ -150,7 +150,7 @@ def rescalable(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     global batch, in a format that loads on any number of ranks (fit_to_checkpoint has fitted the accumulation,
     or refused with the reason, before the model was built)."""
     keys = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
-    return (all(key in saved for key in keys) and saved["micro_batch_size"] == now["micro_batch_size"]
+    return (all(key in saved and key in now for key in keys) and saved["micro_batch_size"] == now["micro_batch_size"]
             and global_batch(saved) == global_batch(now) and _refusal(saved, now, "token") is None)
 
 

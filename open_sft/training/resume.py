@@ -91,7 +91,7 @@ def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any])
     saved = {**IDENTITY_BEFORE_RECORDED, **saved}
     # another number of ranks goes on when the global batch is kept (open_sft.training.elastic fitted the
     # accumulation, or refused, before the model was built)
-    rescaled = saved.get("world_size") != current["world_size"] and rescalable(saved, current)
+    rescaled = saved.get("world_size") != current.get("world_size") and rescalable(saved, current)
     differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
                    for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key]
                    and not (rescaled and key in ("world_size", "gradient_accumulation_steps"))]
