@@ -248,6 +248,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
     from open_sft.training.elastic import reseed_new_ranks
+    from open_sft.training.universal import resume_io
     from open_sft.training.preemption import StopRequest
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
@@ -269,7 +270,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=trainer.engine.checkpoint_io())
+                                           state_io=trainer.engine.checkpoint_io()
+                                           or resume_io(resume, acc, trainer.model))
     start_step = checkpointer.restore(resume)
     reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)

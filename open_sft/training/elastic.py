@@ -12,13 +12,11 @@ What stays refused, and why:
   - a global batch that M ranks cannot hold in whole micro-batches (2 ranks × accumulation 1 → 4 ranks);
   - --loss_normalization mean with token-balanced micro-batches: balancing groups a step's examples into
     micro-batches by the number of ranks, and under mean each micro-batch's own mean counts;
-  - DeepSpeed ZeRO: each rank's file holds its partition of the flat optimizer state, cut for the checkpoint's
-    number of ranks; DeepSpeed's universal checkpoint (deepspeed.checkpoint.ds_to_universal, then
-    "checkpoint": {"load_universal": true}) is the way to another number of ranks, not wired here yet;
   - pipeline, tensor and sequence parallelism: their groups, not only the data-parallel degree, would change.
 
 Plain and DDP checkpoints hold the whole model and optimizer (accelerate's save_state on the main process); FSDP2
-checkpoints are torch.distributed.checkpoint's, which reshards on load. Random states are per rank: a rank the
+checkpoints are torch.distributed.checkpoint's, which reshards on load; a DeepSpeed ZeRO checkpoint is converted
+to DeepSpeed's universal format first (open_sft.training.universal). Random states are per rank: a rank the
 checkpoint had keeps its own; a rank it did not have gets one derived from (seed, step, rank).
 """
 
@@ -39,18 +37,13 @@ from open_sft.training.checkpoint import STATE_FILE, ResumePoint, problem_with, 
 
 if TYPE_CHECKING:
     from open_sft.config.args import FinetuneConfig
-    from open_sft.distributed.parallelism import Parallelism
 
 logger = logging.getLogger(__name__)
 
 #: Checkpoint formats (the identity's "engine") that load on any number of ranks.
-RESHARDABLE = ("torch", "fsdp2")
+RESHARDABLE = ("torch", "fsdp2", "deepspeed")
 _GROUPS = {"sequence_parallel_size": "--sequence_parallel_size", "tensor_parallel_size": "tensor parallelism",
            "pipeline_parallel_size": "--pipeline_parallel_size"}
-_DEEPSPEED_WAY_ON = (
-    "DeepSpeed ZeRO partitions the optimizer state per rank and cannot resume on another number of ranks here; "
-    "relaunch on {saved} process(es), or convert the checkpoint to DeepSpeed's universal format "
-    "(python -m deepspeed.checkpoint.ds_to_universal) and load it outside open_sft")
 
 
 def global_batch(identity: dict[str, Any]) -> int:
@@ -63,8 +56,8 @@ def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str
     """Why the checkpoint's steps cannot be trained on this run's number of ranks, whatever the accumulation;
     None when they can."""
     engine = saved.get("engine", "torch")
-    if engine == "deepspeed" or now.get("engine") == "deepspeed":
-        return _DEEPSPEED_WAY_ON.format(saved=saved["world_size"])
+    if engine != now.get("engine", engine):
+        return None  # the check names the other engine
     if engine not in RESHARDABLE:
         return (f"a {engine} checkpoint is written per stage and rank and resumes only on its own "
                 f"{saved['world_size']} process(es)")

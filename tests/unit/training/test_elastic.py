@@ -1,7 +1,8 @@
 """Resuming on another number of ranks (open_sft.training.elastic): the accumulation fitted to keep the global
 batch, the refusals with their reasons, why the steps stay the same (the plans), and the random states of ranks a
-checkpoint did not have. The real launches are in tests/integration/test_checkpoint.py (DDP 1 → 2 ranks) and
-tests/integration/test_fsdp.py (FSDP2 2 → 1)."""
+checkpoint did not have, the ZeRO checkpoint through DeepSpeed's universal format. The real launches are in
+tests/integration/test_fsdp.py (FSDP2 2 → 1, one process's on 2 DDP ranks) and tests/integration/test_checkpoint.py
+(ZeRO-3 2 → 1)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ def test_a_global_batch_the_new_ranks_cannot_hold_is_refused_naming_the_fix() ->
 
 
 @pytest.mark.parametrize("saved_extra, now_extra, normalization, reason", [
-    ({"engine": "deepspeed"}, {"engine": "deepspeed"}, "token", "ds_to_universal"),
-    ({"engine": "pipeline", "pipeline_parallel_size": "2"}, {}, "token", "resumes only on its own 2 process"),
+    ({"engine": "pipeline", "pipeline_parallel_size": "2"}, {"engine": "pipeline", "pipeline_parallel_size": "2"},
+     "token", "resumes only on its own 2 process"),
     ({"sequence_parallel_size": 2}, {"sequence_parallel_size": 2}, "token", "--sequence_parallel_size groups"),
     ({"tensor_parallel_size": 2}, {}, "token", "tensor parallelism groups"),
     ({}, {"balanced": True}, "mean", "--loss_normalization mean with --balance_micro_batches"),
@@ -70,6 +71,33 @@ def test_mean_loss_resumes_on_other_ranks_when_micro_batches_are_not_balanced() 
     assert fitted_accumulation(identity(2, 2, balanced=False), identity(1, 2, balanced=False), "mean") == 4
 
 
+def test_zero_checkpoints_resume_on_other_ranks_through_the_universal_format() -> None:
+    from open_sft.training.universal import UniversalResume, resume_io
+
+    assert fitted_accumulation(identity(2, 2, engine="deepspeed"), identity(1, 2, engine="deepspeed"), "token") == 4
+    acc = SimpleNamespace(num_processes=1)
+    zero = ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2, engine="deepspeed")})
+    assert isinstance(resume_io(zero, acc, engine=None), UniversalResume)
+    assert resume_io(zero, SimpleNamespace(num_processes=2), engine=None) is None  # same ranks: accelerate's own
+    assert resume_io(ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2)}), acc, engine=None) is None
+    assert resume_io(None, acc, engine=None) is None
+
+
+def test_each_adam_state_gets_its_own_step_after_a_universal_load() -> None:
+    from open_sft.training.universal import _unshare_steps
+
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+    adam = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}])
+    step = torch.tensor(2.0)
+    for p in params:  # as DeepSpeed 0.19's ZeRO-3 universal load leaves them: one tensor for every group
+        adam.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    _unshare_steps(SimpleNamespace(optimizer=adam))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam.step()
+    assert [float(adam.state[p]["step"]) for p in params] == [3.0, 3.0]  # one shared tensor: advanced twice, 4
+
+
 def test_the_one_log_line() -> None:
     assert describe(identity(2, 2), 4, 1, packed=False) == (
         "resuming a 2-rank checkpoint on 1 rank: gradient accumulation 2 -> 4 keeps the global batch of 8 sequences")
@@ -83,8 +111,10 @@ def test_the_check_accepts_another_number_of_ranks_only_with_the_same_global_bat
     check_compatible(tmp_path, identity(1, 4), identity(4, 1))
     with pytest.raises(UserError, match=r"the number of processes \(world size\): checkpoint 2, now 1"):
         check_compatible(tmp_path, identity(2, 2), identity(1, 2))
-    with pytest.raises(UserError, match="the number of processes"):  # ZeRO partitions: not another world size
-        check_compatible(tmp_path, identity(2, 2, engine="deepspeed"), identity(1, 4, engine="deepspeed"))
+    check_compatible(tmp_path, identity(2, 2, engine="deepspeed"), identity(1, 4, engine="deepspeed"))
+    with pytest.raises(UserError, match="the number of processes"):  # a pipeline's stages: not another world size
+        check_compatible(tmp_path, identity(2, 2, engine="pipeline", pipeline_parallel_size="2"),
+                         identity(1, 4, engine="pipeline", pipeline_parallel_size="2"))
 
 
 def _config(accumulation: int, normalization: str = "token"):
