@@ -1,5 +1,5 @@
-"""One fine-tuning run, as named phases over one Job: parse → launch plan → data → model → preflight → train
-→ export. `finetune.py` calls `main`.
+"""One fine-tuning run, as named phases over one Job: parse → launch plan → data → fit to the checkpoint (of
+another number of ranks) → model → preflight → train → export. `finetune.py` calls `main`.
 
 The phases import the heavy modules (torch's distributed stack, transformers, DeepSpeed) inside their bodies:
 `main` first sets up this process (`setup_cpu_environment`), and DeepSpeed picks its accelerator when it is

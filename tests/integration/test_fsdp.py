@@ -12,7 +12,6 @@ another number of ranks (2 FSDP2 ranks on 1, one process's on 2 DDP ranks) withi
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +22,8 @@ from safetensors.torch import load_file as load_weights_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import FINETUNE, ROOT, SAMPLE, child_env, free_port, launch_command, read_metrics, run_finetune
-from integration.test_checkpoint import EXACT_FIELDS, interrupt, load_weights
+from integration.test_checkpoint import (EXACT_FIELDS, assert_continues_within, interrupt, load_weights,
+                                         resume_elsewhere)
 from integration.test_lora import lora_pairs
 
 STEPS = 6
@@ -200,35 +200,6 @@ def test_fsdp1_is_refused_with_the_fix(tiny_model_dir, tmp_path) -> None:
     assert not (tmp_path / "out" / "run.json").exists()
 
 
-def resume_elsewhere(run, step: int, output_dir, command: list[str], args: list[str]) -> str:
-    """Relaunch `run` from its checkpoint at `step` on another number of ranks (`command`), with the run's own flags
-    (the same command, as a requeued job relaunches it): its checkpoint and metrics.jsonl copied into `output_dir`,
-    as a kill right after that checkpoint leaves them. Returns the relaunch's stdout and stderr."""
-    (output_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(run / "checkpoints" / f"step_{step}", output_dir / "checkpoints" / f"step_{step}")
-    shutil.copy(run / "metrics.jsonl", output_dir / "metrics.jsonl")
-    result = subprocess.run(command + args, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result.stdout + result.stderr
-
-
-def assert_continues_within(resumed, uninterrupted, atol: float) -> None:
-    """Every step logged once; the losses and eval loss within 1e-6 relative of the uninterrupted run's, the gradient
-    norms (an fp32 norm of fp32 sums) within 1e-5; token counts and learning rates equal (the same examples and
-    schedule); the exported weights within `atol`."""
-    view, base = read_metrics(resumed), read_metrics(uninterrupted)
-    assert [r["step"] for r in view if "loss" in r] == list(range(1, STEPS + 1))
-    for field, rel in (("loss", 1e-6), ("eval_loss", 1e-6), ("grad_norm", 1e-5)):
-        expected = [r[field] for r in base if field in r]
-        assert expected and [r[field] for r in view if field in r] == pytest.approx(expected, rel=rel)
-    for field in ("train_tokens", "total_tokens", "learning_rate", "epoch"):
-        assert [r[field] for r in view if "loss" in r] == [r[field] for r in base if "loss" in r]
-    weights, reference = load_weights(resumed), load_weights(uninterrupted)
-    assert weights.keys() == reference.keys() and len(reference) > 10
-    for name, tensor in reference.items():
-        torch.testing.assert_close(weights[name], tensor, rtol=0, atol=atol, msg=name)
-
-
 def test_a_two_rank_fsdp2_checkpoint_resumes_on_one_process(runs, tiny_model_dir, tmp_path) -> None:
     """torch.distributed.checkpoint reshards the 2 ranks' shards onto 1 process; accumulation 2 → 4 keeps the
     global batch of 8, so steps 3-6 train what the 2 ranks trained."""
@@ -237,7 +208,7 @@ def test_a_two_rank_fsdp2_checkpoint_resumes_on_one_process(runs, tiny_model_dir
     assert ("resuming a 2-rank checkpoint on 1 rank: gradient accumulation 2 -> 4 keeps the global batch of 8 "
             "sequences") in log
     # measured: losses 1.1e-8 relative, gradient norms 3.5e-6, weights 7.6e-7 apart (the same sums, another order)
-    assert_continues_within(out, runs["fsdp"], atol=1e-5)
+    assert_continues_within(out, runs["fsdp"], STEPS, atol=1e-5)
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ddp_ranks(runs, tiny_model_dir, tmp_path) -> None:
@@ -249,6 +220,6 @@ def test_a_one_process_checkpoint_resumes_on_two_ddp_ranks(runs, tiny_model_dir,
             "sequences") in log
     assert "has no random state for rank(s) 1: theirs are derived from --seed, the step and the rank" in log
     # measured: losses equal, eval loss 5e-9 relative, gradient norms 7e-8, weights 1.4e-6 apart
-    assert_continues_within(out, runs["one"], atol=1e-5)
+    assert_continues_within(out, runs["one"], STEPS, atol=1e-5)
     assert json.loads((out / "checkpoints" / f"step_{STEPS}" / "trainer_state.json").read_text())["identity"][
         "world_size"] == 2
