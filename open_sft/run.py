@@ -1,5 +1,5 @@
-"""One fine-tuning run, as named phases over one Job: parse → launch plan → data → fit to the checkpoint (of
-another number of ranks) → model → preflight → train → export. `finetune.py` calls `main`.
+"""One fine-tuning run, as named phases over one Job: parse → launch plan → fit to the checkpoint (of another
+number of ranks) → data → model → preflight → train → export. `finetune.py` calls `main`.
 
 The phases import the heavy modules (torch's distributed stack, transformers, DeepSpeed) inside their bodies:
 `main` first sets up this process (`setup_cpu_environment`), and DeepSpeed picks its accelerator when it is
@@ -110,6 +110,22 @@ def plan_launch(config: FinetuneConfig) -> Job:
     return job
 
 
+def fit_to_checkpoint(job: Job) -> None:
+    """A checkpoint of another number of ranks: the accumulation that keeps its global batch, settled before the
+    Accelerator (and DeepSpeed's batch config) is built from it, or a refusal with the reason
+    (open_sft.training.elastic)."""
+    from open_sft.training.completion import resume_setting
+    from open_sft.training.elastic import fit_to_checkpoint as fit, peek
+    from open_sft.training.resume import run_identity
+
+    config = job.config
+    saved = peek(resume_setting(config), job.output_dir)
+    # before the data: a refusal comes before any tokenizing; the fit reads only the batch layout, and the resume
+    # compares the data's cache key later
+    identity = run_identity(config, "", job.launch.parallelism)
+    job.config = fit(config, identity, saved, _is_main_rank())
+
+
 def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
@@ -136,20 +152,6 @@ def prepare_data(job: Job) -> None:
             logger.warning("%s", note)
         if job.config.train.dry_run:
             print_examples(job.data, job.tokenizer, color=sys.stdout.isatty())
-
-
-def fit_to_checkpoint(job: Job) -> None:
-    """A checkpoint of another number of ranks: the accumulation that keeps its global batch, settled before the
-    Accelerator (and DeepSpeed's batch config) is built from it, or a refusal with the reason
-    (open_sft.training.elastic)."""
-    from open_sft.training.completion import resume_setting
-    from open_sft.training.elastic import fit_to_checkpoint as fit, peek
-    from open_sft.training.resume import run_identity
-
-    config = job.config
-    saved = peek(resume_setting(config), job.output_dir)
-    identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
-    job.config = fit(config, identity, saved, _is_main_rank())
 
 
 def build_model(job: Job) -> None:
@@ -344,6 +346,8 @@ def run(config: FinetuneConfig) -> dict:
 
 
 def _phases(job: Job) -> dict:
+    if not job.config.data.cache_dataset_only:
+        fit_to_checkpoint(job)
     prepare_data(job)
     if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
         if _is_main_rank():
@@ -352,7 +356,6 @@ def _phases(job: Job) -> dict:
             print(format_data_report(job.data.report), flush=True)
             print(job.data.cache_path)
         return {"cache_path": str(job.data.cache_path)}
-    fit_to_checkpoint(job)
     build_model(job)
     preflight(job)
     if job.config.train.dry_run:

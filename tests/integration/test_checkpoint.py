@@ -1,7 +1,8 @@
 """Checkpoints that survive anything: kill -9 / SIGTERM and relaunch equals the uninterrupted run
-(bitwise in one process, 1e-6 relative with 2 ranks under ZeRO-2 and ZeRO-3; a ZeRO-3 checkpoint of 2 ranks resumes
-on 1 within 1e-6), partial checkpoints are ignored, pruning keeps the newest complete one, resume refuses a changed data/batch layout, the sharded
-export reloads, and the Hub upload retries, fails cleanly and never leaks the token.
+(bitwise in one process, 1e-6 relative with 2 ranks under ZeRO-2 and ZeRO-3; a ZeRO-3 checkpoint of 2 ranks
+resumes on 1 within 1e-6), partial checkpoints are ignored, pruning keeps the newest complete one, resume refuses a
+changed data/batch layout, the sharded export reloads, and the Hub upload retries, fails cleanly and never leaks
+the token.
 
 Runs are shared through module fixtures (one run serves several assertions). The whole launch is
 interrupted: the launcher and its workers (torchrun starts workers in their own sessions).
