@@ -111,19 +111,14 @@ def plan_launch(config: FinetuneConfig) -> Job:
 
 
 def fit_to_checkpoint(job: Job) -> None:
-    """A checkpoint of another number of ranks: the accumulation that keeps its global batch, settled before the
-    Accelerator (and DeepSpeed's batch config) is built from it, or a refusal with the reason
-    (open_sft.training.elastic)."""
-    from open_sft.training.completion import resume_setting
+    """A checkpoint of another number of ranks: the accumulation keeping its global batch, before the Accelerator is
+    built from it and before the data (it reads only the batch layout), or a refusal naming why (training.elastic)."""
     from open_sft.training.elastic import fit_to_checkpoint as fit, peek
     from open_sft.training.resume import run_identity
 
-    config = job.config
-    saved = peek(resume_setting(config), job.output_dir)
-    # before the data: a refusal comes before any tokenizing; the fit reads only the batch layout, and the resume
-    # compares the data's cache key later
-    identity = run_identity(config, "", job.launch.parallelism)
-    job.config = fit(config, identity, saved, _is_main_rank())
+    if not job.config.data.cache_dataset_only:
+        identity = run_identity(job.config, "", job.launch.parallelism)
+        job.config = fit(job.config, identity, peek(job.config), _is_main_rank())
 
 
 def prepare_data(job: Job) -> None:
@@ -250,7 +245,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.completion import check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
     from open_sft.training.elastic import reseed_new_ranks
-    from open_sft.training.universal import resume_io
+    from open_sft.training.universal import checkpoint_io
     from open_sft.training.preemption import StopRequest
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
@@ -272,8 +267,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, config.to_dict(),
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=trainer.engine.checkpoint_io()
-                                           or resume_io(resume, acc, trainer.model))
+                                           state_io=checkpoint_io(resume, trainer))
     start_step = checkpointer.restore(resume)
     reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
@@ -346,8 +340,7 @@ def run(config: FinetuneConfig) -> dict:
 
 
 def _phases(job: Job) -> dict:
-    if not job.config.data.cache_dataset_only:
-        fit_to_checkpoint(job)
+    fit_to_checkpoint(job)
     prepare_data(job)
     if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
         if _is_main_rank():

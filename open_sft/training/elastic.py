@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import STATE_FILE, ResumePoint, problem_with, step_dirs
+from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
+from open_sft.training.completion import resume_setting
 
 if TYPE_CHECKING:
     from open_sft.config.args import FinetuneConfig
@@ -67,7 +68,8 @@ def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str
     if loss_normalization == "mean" and now.get("balanced"):
         return ("--loss_normalization mean with --balance_micro_batches: balancing groups a step's examples into "
                 "micro-batches by the number of ranks, and under mean each micro-batch's mean counts; relaunch on "
-                f"{saved['world_size']} process(es) or with --balance_micro_batches false from the start")
+                f"{saved['world_size']} process(es) (a run that may change its ranks: --balance_micro_batches false "
+                "from its first step)")
     return None
 
 
@@ -107,14 +109,16 @@ def describe(saved: dict[str, Any], accumulation: int, world: int, packed: bool)
             f"{size} {unit}")
 
 
-def peek(setting: str, output_dir: Path) -> Optional[dict[str, Any]]:
-    """The identity of the checkpoint a resume would read (open_sft.training.resume chooses it again later,
+def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
+    """The identity of the checkpoint the run's resume would read (open_sft.training.resume chooses it again later,
     collectively), read by every rank on its own before the process group exists; None for a fresh start or a
     checkpoint that is not usable (the resume says why)."""
+    setting = resume_setting(config)
     if setting == "none":
         return None
     if setting == "auto":
-        path = next((p for _, p in step_dirs(output_dir / "checkpoints") if problem_with(p) is None), None)
+        root = Path(config.train.output_dir) / CHECKPOINTS
+        path = next((p for _, p in step_dirs(root) if problem_with(p) is None), None)
     else:
         path = Path(setting).expanduser()
         path = path if problem_with(path) is None else None

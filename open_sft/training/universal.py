@@ -87,11 +87,11 @@ def _unshare_steps(optimizer: Any) -> None:
             state["step"] = state["step"].clone()
 
 
-def resume_io(resume: Optional[ResumePoint], accelerator: Any, engine: Any) -> Optional[UniversalResume]:
-    """UniversalResume when `resume` is a ZeRO checkpoint of another number of ranks, else None (the engine's own
-    way: accelerate's save_state and load_state)."""
+def checkpoint_io(resume: Optional[ResumePoint], trainer: Any) -> Any:
+    """What the run's Checkpointer saves and loads with: UniversalResume when `resume` is a ZeRO checkpoint of
+    another number of ranks, else the engine's own (None: accelerate's save_state and load_state)."""
     identity = resume.state.get("identity", {}) if resume is not None else {}
-    if identity.get("engine") != "deepspeed" or identity.get("world_size", accelerator.num_processes) == (
-            accelerator.num_processes):
-        return None
-    return UniversalResume(accelerator, engine, int(identity["world_size"]))
+    world = trainer.accelerator.num_processes
+    if identity.get("engine") != "deepspeed" or identity.get("world_size", world) == world:
+        return trainer.engine.checkpoint_io()
+    return UniversalResume(trainer.accelerator, trainer.model, int(identity["world_size"]))

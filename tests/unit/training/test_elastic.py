@@ -72,15 +72,20 @@ def test_mean_loss_resumes_on_other_ranks_when_micro_batches_are_not_balanced() 
 
 
 def test_zero_checkpoints_resume_on_other_ranks_through_the_universal_format() -> None:
-    from open_sft.training.universal import UniversalResume, resume_io
+    from open_sft.training.universal import UniversalResume, checkpoint_io
 
     assert fitted_accumulation(identity(2, 2, engine="deepspeed"), identity(1, 2, engine="deepspeed"), "token") == 4
-    acc = SimpleNamespace(num_processes=1)
+
+    def trainer(world: int):
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=world), model=None,
+                               engine=SimpleNamespace(checkpoint_io=lambda: "the engine's own"))
+
     zero = ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2, engine="deepspeed")})
-    assert isinstance(resume_io(zero, acc, engine=None), UniversalResume)
-    assert resume_io(zero, SimpleNamespace(num_processes=2), engine=None) is None  # same ranks: accelerate's own
-    assert resume_io(ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2)}), acc, engine=None) is None
-    assert resume_io(None, acc, engine=None) is None
+    assert isinstance(checkpoint_io(zero, trainer(1)), UniversalResume)
+    assert checkpoint_io(zero, trainer(2)) == "the engine's own"  # the same ranks: DeepSpeed's own files
+    assert checkpoint_io(ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2)}), trainer(1)) == (
+        "the engine's own")  # a plain checkpoint loads on any number of ranks as it is
+    assert checkpoint_io(None, trainer(1)) == "the engine's own"
 
 
 def test_each_adam_state_gets_its_own_step_after_a_universal_load() -> None:
@@ -146,9 +151,15 @@ def test_peek_reads_the_identity_of_the_checkpoint_a_resume_would_read(tmp_path)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "identity": identity(world, 2)}))
         publish(tmp, root / f"step_{step}", step)
     (root / "step_6").mkdir()  # no COMPLETE: never resumed from
-    assert peek("auto", tmp_path)["world_size"] == 1
-    assert peek(str(root / "step_2"), tmp_path)["world_size"] == 2
-    assert peek("none", tmp_path) is None and peek(str(root / "step_6"), tmp_path) is None
+
+    def config(setting: str, overwrite: bool = False):
+        return SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)), checkpoint=SimpleNamespace(
+            resume_from_checkpoint=setting, overwrite_output_dir=overwrite))
+
+    assert peek(config("auto"))["world_size"] == 1
+    assert peek(config(str(root / "step_2")))["world_size"] == 2
+    assert peek(config("none")) is None and peek(config(str(root / "step_6"))) is None
+    assert peek(config("auto", overwrite=True)) is None  # --overwrite_output_dir starts over
 
 
 def test_a_rank_the_checkpoint_lacked_gets_random_states_from_seed_step_and_rank(tmp_path, caplog) -> None:
