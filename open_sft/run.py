@@ -1,5 +1,5 @@
-"""One fine-tuning run, as named phases over one Job: parse → launch plan → data → model → preflight → train
-→ export. `finetune.py` calls `main`.
+"""One fine-tuning run, as named phases over one Job: parse → launch plan → fit to the checkpoint (of another
+number of ranks) → data → model → preflight → train → export. `finetune.py` calls `main`.
 
 The phases import the heavy modules (torch's distributed stack, transformers, DeepSpeed) inside their bodies:
 `main` first sets up this process (`setup_cpu_environment`), and DeepSpeed picks its accelerator when it is
@@ -103,21 +103,29 @@ def plan_launch(config: FinetuneConfig) -> Job:
             logger.info("%s", note)
         for warning in config.warnings:
             logger.warning("%s", warning)
-        for note in plan.notes:
-            logger.info("launch config: %s", note)
-        logger.info("compute dtype %s: %s", plan.dtype_choice.dtype, plan.dtype_choice.reason)
-        logger.info("parallelism: %s", plan.parallelism.describe())
+        plan.log()
     job = Job(dataclasses.replace(config, train=plan.train), plan, given=config)
     check_launch(job.config, plan)
     torch.manual_seed(plan.train.seed)
     return job
 
 
+def fit_to_checkpoint(job: Job) -> None:
+    """A checkpoint of another number of ranks: the accumulation keeping its global batch, before the Accelerator is
+    built from it and before the data (it reads only the batch layout), or a refusal naming why (training.elastic)."""
+    from open_sft.training.elastic import fit_to_checkpoint as fit, peek
+    from open_sft.training.resume import run_identity
+
+    if not job.config.data.cache_dataset_only:
+        job.config = fit(job.config, run_identity(job.config, "", job.launch.parallelism), peek(job.config),
+                         _is_main_rank())
+
+
 def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.prepare import prepare_data as build
-    from open_sft.data.summary import eval_split_note, format_data_report, print_examples, shares_note
+    from open_sft.data.summary import report_data
     from open_sft.model.load import add_bos_to_template, load_tokenizer
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
@@ -134,13 +142,7 @@ def prepare_data(job: Job) -> None:
     elif ratio:
         job.eval_data = build(d, job.tokenizer, seed, holdout=("eval", ratio))
     if _is_main_rank():
-        print(format_data_report(job.data.report), flush=True)
-        if note := shares_note(job.data.report, d):
-            logger.warning("%s", note)
-        if ratio and (note := eval_split_note(job.data.report, job.eval_data.report, ratio)):
-            logger.info("%s", note)
-        if job.config.train.dry_run:
-            print_examples(job.data, job.tokenizer, color=sys.stdout.isatty())
+        report_data(job.data, job.eval_data, d, job.tokenizer, examples=job.config.train.dry_run)
 
 
 def build_model(job: Job) -> None:
@@ -238,6 +240,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training import checkpoint
     from open_sft.training.completion import SETTINGS_KEY, check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
+    from open_sft.training.elastic import reseed_new_ranks
+    from open_sft.training.universal import checkpoint_io
     from open_sft.training.preemption import StopRequest
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
@@ -261,9 +265,10 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=trainer.engine.checkpoint_io(),
+                                           state_io=checkpoint_io(resume, trainer),
                                            model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
+    reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = run_timer(job, trainer, start_step, logger.info if acc.is_main_process else None,
                       checkpointer.save_seconds)
@@ -284,9 +289,9 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.export.hub import push_output_dir
     from open_sft.export.model_card import write_model_card
     from open_sft.export.save import save_dtype, save_lora, save_model
-    from open_sft.model.load import load_model_config
     from open_sft.file_modes import share_as_umask
     from open_sft.model.anatomy import is_peft_model
+    from open_sft.model.load import load_model_config
     from open_sft.monitor.report import write_run_report
     from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete
@@ -336,13 +341,13 @@ def run(config: FinetuneConfig) -> dict:
 
 
 def _phases(job: Job) -> dict:
+    fit_to_checkpoint(job)
     prepare_data(job)
     if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
         if _is_main_rank():
             from open_sft.data.summary import format_data_report
 
-            print(format_data_report(job.data.report), flush=True)
-            print(job.data.cache_path)
+            print(format_data_report(job.data.report), job.data.cache_path, sep="\n", flush=True)
         return {"cache_path": str(job.data.cache_path)}
     build_model(job)
     preflight(job)

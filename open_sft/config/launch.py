@@ -16,6 +16,7 @@ more than one place can set is decided, once:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
@@ -29,6 +30,8 @@ from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_train
 from open_sft.distributed.fsdp import fsdp_request
 from open_sft.errors import UserError
 from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
+
+logger = logging.getLogger("open_sft")  # the run's own lines, as run.py logs them
 
 if TYPE_CHECKING:
     from open_sft.config.args import ModelArguments, TrainingArguments
@@ -53,6 +56,14 @@ class LaunchPlan:
     dtype_choice: Optional[DtypeChoice] = None
     zero3_init: bool = False  # load the model partitioned, under deepspeed.zero.Init (ZeRO-3)
     fsdp: Optional[dict[str, str]] = None  # FSDP2: the launch's FSDP_* settings (open_sft.distributed.fsdp)
+
+    def log(self) -> None:
+        """The decisions, a line each (main process)."""
+        for note in self.notes:
+            logger.info("launch config: %s", note)
+        if self.dtype_choice is not None:
+            logger.info("compute dtype %s: %s", self.dtype_choice.dtype, self.dtype_choice.reason)
+        logger.info("parallelism: %s", self.parallelism.describe())
 
 
 class _Decider:

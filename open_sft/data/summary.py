@@ -207,3 +207,18 @@ def print_examples(data: Any, tokenizer: Any, color: bool, count: int = 3) -> No
         example = data.example(index)
         print(f"\n--- example {index} ({len(example.input_ids)} tokens; trained tokens marked) ---")
         print(mark_trained(tokenizer, example.input_ids, example.labels, color))
+
+
+def report_data(data: Any, eval_data: Any, args: Any, tokenizer: Any, examples: bool = False) -> None:
+    """What the main process says of the prepared data (`data`, `eval_data`: PreparedData; `args`: DataArguments):
+    the data report, the mixture-shares and eval-split notes, and (`examples`: --dry_run) the examples as trained."""
+    import sys
+
+    print(format_data_report(data.report), flush=True)
+    if note := shares_note(data.report, args):
+        logger.warning("%s", note)
+    ratio = args.eval_split_ratio
+    if ratio and eval_data is not None and (note := eval_split_note(data.report, eval_data.report, ratio)):
+        logger.info("%s", note)
+    if examples:
+        print_examples(data, tokenizer, color=sys.stdout.isatty())

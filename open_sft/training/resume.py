@@ -16,6 +16,7 @@ import torch
 from open_sft.durable import set_aside
 from open_sft.errors import UserError
 from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
+from open_sft.training.elastic import rescalable
 from open_sft.training.steps import balances
 
 if TYPE_CHECKING:
@@ -88,8 +89,12 @@ def _broadcast(value: Any) -> Any:
 def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
     saved = {**IDENTITY_BEFORE_RECORDED, **saved}
+    # another number of ranks goes on when the global batch is kept (open_sft.training.elastic fitted the
+    # accumulation, or refused, before the model was built)
+    rescaled = saved.get("world_size") != current.get("world_size") and rescalable(saved, current)
     differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
-                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key]]
+                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key]
+                   and not (rescaled and key in ("world_size", "gradient_accumulation_steps"))]
     if differences:
         lines = "\n".join(f"  - {d}" for d in differences)
         raise UserError(

@@ -1,0 +1,173 @@
+"""Resuming a checkpoint on another number of ranks: a preempted job is often requeued on fewer or more GPUs.
+
+What makes it possible is that a step's examples depend on the global batch, never on how it is spread
+(open_sft.data.batching): unpacked, a step takes the next micro-batch × accumulation × ranks examples of the
+epoch's shuffle, and micro-batch slot k (accumulation index × ranks + rank) always holds the same ones; packed,
+a step fills accumulation × ranks micro-batches of the token budget. So a run that keeps micro-batch ×
+accumulation × ranks trains on the same examples at every step, in the same micro-batches, and its loss, summed
+over the global batch and normalised once, is the same sum taken in another order: equal within rounding
+(the tests measure it), not bitwise.
+
+What stays refused, and why:
+  - a global batch that M ranks cannot hold in whole micro-batches (2 ranks × accumulation 1 → 4 ranks);
+  - --loss_normalization mean with token-balanced micro-batches: balancing groups a step's examples into
+    micro-batches by the number of ranks, and under mean each micro-batch's own mean counts;
+  - pipeline, tensor and sequence parallelism: their groups, not only the data-parallel degree, would change.
+
+Plain and DDP checkpoints hold the whole model and optimizer (accelerate's save_state on the main process); FSDP2
+checkpoints are torch.distributed.checkpoint's, which reshards on load; a DeepSpeed ZeRO checkpoint is converted
+to DeepSpeed's universal format first (open_sft.training.universal). Random states are per rank: a rank the
+checkpoint had keeps its own; a rank it did not have gets one derived from (seed, step, rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from open_sft.errors import UserError
+from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
+from open_sft.training.completion import resume_setting
+
+if TYPE_CHECKING:
+    from open_sft.config.args import FinetuneConfig
+
+logger = logging.getLogger(__name__)
+
+#: Checkpoint formats (the identity's "engine") that load on any number of ranks.
+RESHARDABLE = ("torch", "fsdp2", "deepspeed")
+_GROUPS = {"sequence_parallel_size": "--sequence_parallel_size", "tensor_parallel_size": "tensor parallelism",
+           "pipeline_parallel_size": "--pipeline_parallel_size"}
+
+
+def global_batch(identity: dict[str, Any]) -> int:
+    """Micro-batches of a step across all ranks (packed: token budgets) × examples per micro-batch (unpacked)."""
+    return int(identity["micro_batch_size"]) * int(identity["gradient_accumulation_steps"]) * int(
+        identity["world_size"])
+
+
+def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> Optional[str]:
+    """Why the checkpoint's steps cannot be trained on this run's number of ranks, whatever the accumulation;
+    None when they can."""
+    engine = saved.get("engine", "torch")
+    if engine != now.get("engine", engine):
+        return None  # the check names the other engine
+    if engine not in RESHARDABLE:
+        return (f"a {engine} checkpoint is written per stage and rank and resumes only on its own "
+                f"{saved['world_size']} process(es)")
+    for key, flag in _GROUPS.items():
+        if saved.get(key, 1) not in (1, None) or now.get(key, 1) not in (1, None):
+            return f"{flag} groups ranks within the data-parallel degree: resume on {saved['world_size']} process(es)"
+    if loss_normalization == "mean" and now.get("balanced"):
+        return ("--loss_normalization mean with --balance_micro_batches: balancing groups a step's examples into "
+                "micro-batches by the number of ranks, and under mean each micro-batch's mean counts; relaunch on "
+                f"{saved['world_size']} process(es) (a run that may change its ranks: --balance_micro_batches false "
+                "from its first step)")
+    return None
+
+
+def fitted_accumulation(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> int:
+    """The accumulation that keeps the checkpoint's global batch on this run's number of ranks. `now['
+    gradient_accumulation_steps']` is the launch's: the checkpoint's (the same command relaunched) is fitted, any
+    other must keep the global batch itself. Raises UserError naming the reason and the fix."""
+    world, micro = int(now["world_size"]), int(now["micro_batch_size"])
+    was = f"the {saved['world_size']}-rank checkpoint"
+    refusal = _refusal(saved, now, loss_normalization)
+    if refusal:
+        raise UserError(f"cannot resume {was} on {world} process(es): {refusal}")
+    total = global_batch(saved)
+    given = int(now["gradient_accumulation_steps"])
+    if given != int(saved["gradient_accumulation_steps"]):
+        if micro * given * world == total:
+            return given
+        raise UserError(
+            f"cannot resume {was} on {world} process(es) with --gradient_accumulation_steps {given}: micro-batch "
+            f"{micro} × {given} × {world} ranks is not its global batch of {total}; pass the checkpoint's "
+            f"--gradient_accumulation_steps {saved['gradient_accumulation_steps']} (it is fitted to the ranks)")
+    if total % (micro * world):
+        raise UserError(
+            f"cannot resume {was} on {world} process(es): its global batch of {total} (micro-batch {micro} × "
+            f"accumulation {saved['gradient_accumulation_steps']} × {saved['world_size']} ranks) is not a whole "
+            f"number of micro-batches of {micro} on each of {world} ranks; launch a number of processes that "
+            f"divides {total // micro}, or start over with --resume_from_checkpoint none")
+    return total // (micro * world)
+
+
+def describe(saved: dict[str, Any], accumulation: int, world: int, packed: bool) -> str:
+    """The one log line of a resume on another number of ranks."""
+    size = global_batch(saved) // (int(saved["micro_batch_size"]) if packed else 1)
+    unit = "packed micro-batches" if packed else "sequences"
+    return (f"resuming a {saved['world_size']}-rank checkpoint on {world} rank{'s' * (world != 1)}: gradient "
+            f"accumulation {saved['gradient_accumulation_steps']} -> {accumulation} keeps the global batch of "
+            f"{size} {unit}")
+
+
+def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
+    """The identity of the checkpoint the run's resume would read (open_sft.training.resume chooses it again later,
+    collectively), read by every rank on its own before the process group exists; None for a fresh start or a
+    checkpoint that is not usable (the resume says why)."""
+    setting = resume_setting(config)
+    if setting == "none":
+        return None
+    if setting == "auto":
+        root = Path(config.train.output_dir) / CHECKPOINTS
+        path = next((p for _, p in step_dirs(root) if problem_with(p) is None), None)
+    else:
+        path = Path(setting).expanduser()
+        path = path if problem_with(path) is None else None
+    if path is None:
+        return None
+    return json.loads((path / STATE_FILE).read_text()).get("identity")
+
+
+def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], saved: Optional[dict[str, Any]],
+                      is_main: bool) -> FinetuneConfig:
+    """The config with the accumulation that trains the checkpoint's global batch on this run's ranks (logged
+    in one line), or unchanged: no checkpoint, the same number of ranks, or another micro-batch (the resume
+    refuses that with the other differences)."""
+    if not saved or "world_size" not in saved or saved["world_size"] == identity["world_size"] or (
+            saved.get("micro_batch_size") != identity["micro_batch_size"]):
+        return config
+    t = config.train
+    accumulation = fitted_accumulation(saved, identity, t.loss_normalization)
+    if is_main:
+        logger.info("%s", describe(saved, accumulation, identity["world_size"], t.packing))
+    return dataclasses.replace(config, train=dataclasses.replace(t, gradient_accumulation_steps=accumulation))
+
+
+def rescalable(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a checkpoint of another number of ranks goes on with this run's layout: the same micro-batch and
+    global batch, in a format that loads on any number of ranks (fit_to_checkpoint has fitted the accumulation,
+    or refused with the reason, before the model was built)."""
+    keys = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
+    return (all(key in saved and key in now for key in keys) and saved["micro_batch_size"] == now["micro_batch_size"]
+            and global_batch(saved) == global_batch(now) and _refusal(saved, now, "token") is None)
+
+
+def rng_seed(seed: int, step: int, rank: int) -> int:
+    """The random seed of a rank the checkpoint did not have, from what every launch knows."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: int, seed: int) -> None:
+    """A rank whose random state the checkpoint lacks (it had fewer ranks): python, numpy and torch seeded from
+    (seed, step, rank), said once by the main process. accelerate's load_state skipped such a rank quietly."""
+    saved = int((resume.state.get("identity") or {}).get("world_size", world)) if resume else world
+    if resume is None or saved >= world:
+        return
+    if process_index == 0:
+        logger.info("the %d-rank checkpoint has no random state for rank(s) %s: theirs are derived from --seed, "
+                    "the step and the rank", saved, ", ".join(str(r) for r in range(saved, world)))
+    if (resume.path / f"random_states_{process_index}.pkl").is_file():
+        return
+    derived = rng_seed(seed, resume.step, process_index)
+    random.seed(derived)
+    np.random.seed(derived % 2**32)
+    torch.manual_seed(derived)

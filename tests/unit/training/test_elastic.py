@@ -1,0 +1,211 @@
+"""Resuming on another number of ranks (open_sft.training.elastic): the accumulation fitted to keep the global
+batch, the refusals with their reasons, why the steps stay the same (the plans), and the random states of ranks a
+checkpoint did not have, the ZeRO checkpoint through DeepSpeed's universal format. The real launches are in
+tests/integration/test_fsdp.py (FSDP2 2 → 1, one process's on 2 DDP ranks) and tests/integration/test_checkpoint.py
+(ZeRO-3 2 → 1)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan
+from open_sft.errors import UserError
+from open_sft.training.checkpoint import ResumePoint
+from open_sft.training.elastic import (describe, fit_to_checkpoint, fitted_accumulation, peek, reseed_new_ranks,
+                                       rng_seed)
+from open_sft.training.resume import IDENTITY_BEFORE_RECORDED, check_compatible
+
+
+def identity(world: int, accumulation: int, micro: int = 2, **extra) -> dict:
+    return {**IDENTITY_BEFORE_RECORDED, "engine": "torch", "dataset_cache_key": "k", "micro_batch_size": micro,
+            "gradient_accumulation_steps": accumulation, "world_size": world, "seed": 1, "packing": False,
+            "max_tokens_per_batch": None, "balanced": True, "adapters": "full model", **extra}
+
+
+@pytest.mark.parametrize("saved, world, expected", [((2, 2), 1, 4), ((1, 4), 2, 2), ((2, 2), 4, 1), ((4, 1), 2, 2),
+                                                    ((2, 3), 3, 2), ((3, 2), 2, 3)])
+def test_the_relaunched_command_gets_the_accumulation_that_keeps_the_global_batch(saved, world, expected) -> None:
+    # the same command relaunched: --gradient_accumulation_steps is the checkpoint's
+    now = identity(world, saved[1])
+    assert fitted_accumulation(identity(*saved), now, "token") == expected
+
+
+def test_an_accumulation_given_for_the_new_ranks_is_kept_when_it_keeps_the_global_batch() -> None:
+    assert fitted_accumulation(identity(2, 2), identity(1, 4), "token") == 4
+    with pytest.raises(UserError, match=r"--gradient_accumulation_steps 3: micro-batch 2 × 3 × 1 ranks is not its "
+                                        r"global batch of 8; pass the checkpoint's --gradient_accumulation_steps 2"):
+        fitted_accumulation(identity(2, 2), identity(1, 3), "token")
+
+
+def test_a_global_batch_the_new_ranks_cannot_hold_is_refused_naming_the_fix() -> None:
+    with pytest.raises(UserError) as error:
+        fitted_accumulation(identity(2, 1), identity(4, 1), "token")
+    assert str(error.value) == (
+        "cannot resume the 2-rank checkpoint on 4 process(es): its global batch of 4 (micro-batch 2 × accumulation "
+        "1 × 2 ranks) is not a whole number of micro-batches of 2 on each of 4 ranks; launch a number of processes "
+        "that divides 2, or start over with --resume_from_checkpoint none")
+
+
+@pytest.mark.parametrize("saved_extra, now_extra, normalization, reason", [
+    ({"engine": "pipeline", "pipeline_parallel_size": "2"}, {"engine": "pipeline", "pipeline_parallel_size": "2"},
+     "token", "resumes only on its own 2 process"),
+    ({"sequence_parallel_size": 2}, {"sequence_parallel_size": 2}, "token", "--sequence_parallel_size groups"),
+    ({"tensor_parallel_size": 2}, {}, "token", "tensor parallelism groups"),
+    ({}, {"balanced": True}, "mean", "--loss_normalization mean with --balance_micro_batches"),
+])
+def test_what_cannot_change_its_ranks_is_refused_with_the_reason(saved_extra, now_extra, normalization,
+                                                                  reason) -> None:
+    with pytest.raises(UserError, match="cannot resume the 2-rank checkpoint on 1 process") as error:
+        fitted_accumulation(identity(2, 2, **saved_extra), identity(1, 2, **now_extra), normalization)
+    assert reason in str(error.value)
+
+
+def test_mean_loss_resumes_on_other_ranks_when_micro_batches_are_not_balanced() -> None:
+    assert fitted_accumulation(identity(2, 2, balanced=False), identity(1, 2, balanced=False), "mean") == 4
+
+
+def test_zero_checkpoints_resume_on_other_ranks_through_the_universal_format() -> None:
+    from open_sft.training.universal import UniversalResume, checkpoint_io
+
+    assert fitted_accumulation(identity(2, 2, engine="deepspeed"), identity(1, 2, engine="deepspeed"), "token") == 4
+
+    def trainer(world: int):
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=world), model=None,
+                               engine=SimpleNamespace(checkpoint_io=lambda: "the engine's own"))
+
+    zero = ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2, engine="deepspeed")})
+    assert isinstance(checkpoint_io(zero, trainer(1)), UniversalResume)
+    assert checkpoint_io(zero, trainer(2)) == "the engine's own"  # the same ranks: DeepSpeed's own files
+    assert checkpoint_io(ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2)}), trainer(1)) == (
+        "the engine's own")  # a plain checkpoint loads on any number of ranks as it is
+    assert checkpoint_io(None, trainer(1)) == "the engine's own"
+
+
+def test_each_adam_state_gets_its_own_step_after_a_universal_load() -> None:
+    from open_sft.training.universal import _unshare_steps
+
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+    adam = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}])
+    step = torch.tensor(2.0)
+    for p in params:  # as DeepSpeed 0.19's ZeRO-3 universal load leaves them: one tensor for every group
+        adam.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    _unshare_steps(SimpleNamespace(optimizer=adam))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    adam.step()
+    assert [float(adam.state[p]["step"]) for p in params] == [3.0, 3.0]  # one shared tensor: advanced twice, 4
+
+
+def test_the_one_log_line() -> None:
+    assert describe(identity(2, 2), 4, 1, packed=False) == (
+        "resuming a 2-rank checkpoint on 1 rank: gradient accumulation 2 -> 4 keeps the global batch of 8 sequences")
+    assert describe(identity(1, 4), 2, 2, packed=True) == (
+        "resuming a 1-rank checkpoint on 2 ranks: gradient accumulation 4 -> 2 keeps the global batch of 4 packed "
+        "micro-batches")
+
+
+def test_the_check_accepts_another_number_of_ranks_only_with_the_same_global_batch(tmp_path) -> None:
+    check_compatible(tmp_path, identity(2, 2), identity(1, 4))  # refused before: world size 2, now 1
+    check_compatible(tmp_path, identity(1, 4), identity(4, 1))
+    with pytest.raises(UserError, match=r"the number of processes \(world size\): checkpoint 2, now 1"):
+        check_compatible(tmp_path, identity(2, 2), identity(1, 2))
+    check_compatible(tmp_path, identity(2, 2, engine="deepspeed"), identity(1, 4, engine="deepspeed"))
+    with pytest.raises(UserError, match="the number of processes"):  # a pipeline's stages: not another world size
+        check_compatible(tmp_path, identity(2, 2, engine="pipeline", pipeline_parallel_size="2"),
+                         identity(1, 4, engine="pipeline", pipeline_parallel_size="2"))
+
+
+def _config(accumulation: int, normalization: str = "token"):
+    train = SimpleNamespace(gradient_accumulation_steps=accumulation, loss_normalization=normalization, packing=False)
+    return SimpleNamespace(train=train)
+
+
+def test_fit_to_checkpoint_changes_only_the_accumulation_and_says_so_once(caplog, monkeypatch) -> None:
+    import dataclasses
+
+    monkeypatch.setattr(dataclasses, "replace", lambda obj, **kw: SimpleNamespace(**{**vars(obj), **kw}))
+    caplog.set_level(logging.INFO, logger="open_sft.training.elastic")
+    fitted = fit_to_checkpoint(_config(2), identity(1, 2), identity(2, 2), is_main=True)
+    assert fitted.train.gradient_accumulation_steps == 4 and fitted.train.loss_normalization == "token"
+    assert [r.getMessage() for r in caplog.records] == [describe(identity(2, 2), 4, 1, packed=False)]
+    config = _config(2)
+    assert fit_to_checkpoint(config, identity(2, 2), identity(2, 2), is_main=True) is config  # same ranks
+    assert fit_to_checkpoint(config, identity(1, 2), None, is_main=True) is config  # fresh start
+    assert fit_to_checkpoint(config, identity(1, 2, micro=4), identity(2, 2), True) is config  # the check refuses
+
+
+def test_peek_reads_the_identity_of_the_checkpoint_a_resume_would_read(tmp_path) -> None:
+    from open_sft.training.checkpoint import publish
+
+    root = tmp_path / "checkpoints"
+    for step, world in ((2, 2), (4, 1)):
+        tmp = root / f"step_{step}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "identity": identity(world, 2)}))
+        publish(tmp, root / f"step_{step}", step)
+    (root / "step_6").mkdir()  # no COMPLETE: never resumed from
+
+    def config(setting: str, overwrite: bool = False):
+        return SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)), checkpoint=SimpleNamespace(
+            resume_from_checkpoint=setting, overwrite_output_dir=overwrite))
+
+    assert peek(config("auto"))["world_size"] == 1
+    assert peek(config(str(root / "step_2")))["world_size"] == 2
+    assert peek(config("none")) is None and peek(config(str(root / "step_6"))) is None
+    assert peek(config("auto", overwrite=True)) is None  # --overwrite_output_dir starts over
+
+
+def test_a_rank_the_checkpoint_lacked_gets_random_states_from_seed_step_and_rank(tmp_path, caplog) -> None:
+    (tmp_path / "random_states_0.pkl").write_bytes(b"")
+    resume = ResumePoint(tmp_path, {"step": 6, "identity": identity(1, 4)})
+    caplog.set_level(logging.INFO, logger="open_sft.training.elastic")
+    draws = []
+    for _ in range(2):
+        reseed_new_ranks(resume, process_index=1, world=2, seed=1)
+        draws.append((random.random(), float(torch.rand(1))))
+    assert draws[0] == draws[1]  # deterministic
+    torch.manual_seed(rng_seed(1, 6, 1))
+    assert draws[0][1] == float(torch.rand(1))
+    assert rng_seed(1, 6, 1) != rng_seed(1, 6, 2) != rng_seed(1, 7, 1)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    reseed_new_ranks(resume, process_index=0, world=2, seed=1)  # rank 0 keeps what load_state gave it
+    assert torch.equal(torch.get_rng_state(), before)
+    assert caplog.records[-1].getMessage() == ("the 1-rank checkpoint has no random state for rank(s) 1: theirs "
+                                               "are derived from --seed, the step and the rank")
+
+
+def _steps(plan, world: int, steps: int) -> list[tuple[list[int], list[list[int]]]]:
+    """Each step's examples (sorted) and its micro-batches (each sorted, as a sorted list) over all ranks."""
+    out = []
+    for step in range(steps):
+        micro = [sorted(m) for rank in range(world) for m in plan.micro_batches(0, step, rank)]
+        out.append((sorted(i for m in micro for i in m), sorted(micro)))
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("balanced", [False, True])
+def test_the_same_global_batch_on_other_ranks_trains_the_same_examples_at_every_step(packed, balanced) -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 300) for _ in range(200)]
+
+    def plan(accumulation: int, world: int):
+        layout = BatchLayout(2, accumulation, world)
+        if packed:
+            return PackedPlan(lengths, layout, seed=3, max_tokens=512, balance=balanced)
+        return UnpackedPlan(len(lengths), layout, seed=3, lengths=lengths if balanced else None)
+
+    layouts = [_steps(plan(a, w), w, 10) for a, w in ((4, 1), (2, 2), (1, 4))]
+    assert [examples for examples, _ in layouts[0]] == [examples for examples, _ in layouts[1]] \
+        == [examples for examples, _ in layouts[2]]
+    assert sum(len(examples) for examples, _ in layouts[0]) >= 70  # real steps, not empty ones
+    if not balanced:  # slot k holds the same examples whatever the ranks: so do the micro-batches (mean loss)
+        assert [m for _, m in layouts[0]] == [m for _, m in layouts[1]] == [m for _, m in layouts[2]]
