@@ -34,6 +34,10 @@ NOT_SETTINGS = frozenset({
     "clean_checkpoints_at_end", "resume_from_checkpoint", "overwrite_output_dir", "max_shard_size",
     "allow_changed_settings"})
 SECTIONS = ("model", "data", "train", "lora", "checkpoint")
+# What a resume's identity check decides (open_sft.training.resume.check_compatible): another accumulation is
+# accepted there where it keeps the global batch (a checkpoint resumed on another number of ranks), so it is no
+# changed setting of a resume. A completed run's relaunch still compares it.
+CHECKED_BY_IDENTITY = frozenset({"gradient_accumulation_steps"})
 SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the history (see above)
 
 
@@ -55,6 +59,10 @@ def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then")
             for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
 
 
+def _compared(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in CHECKED_BY_IDENTITY}
+
+
 def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any], allow: bool,
                       is_main: bool) -> list[dict[str, Any]]:
     """The settings history of this launch: the checkpoint's, up to its step, and this launch's settings `now`
@@ -65,10 +73,10 @@ def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any]
     saved = resume.state.get("config") or {}
     history = [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= resume.step]
     if history:
-        changed = differences(history[-1]["settings"], now, "in the checkpoint")
+        changed = differences(history[-1]["settings"], _compared(now), "in the checkpoint")
     else:  # an older checkpoint: its resolved config against this launch's
         then, current = _flat(saved), _flat(resolved)
-        changed = differences(then, current, "in the checkpoint")
+        changed = differences(then, _compared(current), "in the checkpoint")
         history = [{"from_step": 1, "settings": {**now, **{k: then[k] for k in then.keys() & current.keys()
                                                             if then[k] != current[k]}}}]
     if not changed:

@@ -230,6 +230,22 @@ def test_a_checkpoint_written_before_histories_compares_its_resolved_config(tmp_
     assert [(h["from_step"], h["settings"]["learning_rate"]) for h in history] == [(1, 0.003), (30, 0.001)]
 
 
+def test_an_accumulation_the_identity_check_accepted_is_no_changed_setting(tmp_path) -> None:
+    """A checkpoint of 2 ranks resumed on 1 with --gradient_accumulation_steps doubled keeps the global batch
+    (open_sft.training.elastic; check_compatible accepts it): no refusal, as for the same command relaunched, which
+    the fit gives the doubled accumulation in its resolved config."""
+    first = launch(tmp_path, "--gradient_accumulation_steps", "2")
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), True)
+    doubled = launch(tmp_path, "--gradient_accumulation_steps", "4")
+    assert completion.check_resume_point(resume_point(tmp_path, 29, history), 60, doubled, doubled.to_dict(),
+                                         True) == history
+    older = resume_point(tmp_path, 29, config=first.to_dict())  # written before histories: resolved configs
+    assert len(completion.check_resume_point(older, 60, first, doubled.to_dict(), True)) == 1
+    with pytest.raises(UserError, match="--learning_rate"):  # what else changed is still named
+        other = launch(tmp_path, "--gradient_accumulation_steps", "4", "--learning_rate", "1e-3")
+        completion.check_resume_point(resume_point(tmp_path, 29, history), 60, other, other.to_dict(), True)
+
+
 def test_a_completed_run_with_step_ranges_accepts_the_command_of_any_range(tmp_path) -> None:
     """The original command of a run resumed at step 29 with another learning rate was refused as 'a completed run
     launched with other settings: --learning_rate: 0.001 then, 0.003 now', though steps 1-29 used 0.003."""
