@@ -91,7 +91,7 @@ def _span_tokens(encoding: Any, text_length: int, token_count: int, spans: Spans
     return ranges
 
 
-def _plain_backend(tokenizer: PreTrainedTokenizerBase) -> Any:
+def plain_backend(tokenizer: PreTrainedTokenizerBase) -> Any:
     """The Rust tokenizer when calling it is exactly what `tokenizer(texts, add_special_tokens=False)`
     does (a fast tokenizer without truncation or padding configured), else None."""
     backend = getattr(tokenizer, "_tokenizer", None)
@@ -105,7 +105,7 @@ def _encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[Any]:
     """The `tokenizers.Encoding` of each text, no special tokens added; from the Rust backend directly
     when possible: transformers' conversion of the result into dicts of lists takes as long as the
     encoding itself."""
-    backend = _plain_backend(tokenizer)
+    backend = plain_backend(tokenizer)
     if backend is not None:
         return backend.encode_batch(texts, add_special_tokens=False)
     return tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True).encodings
@@ -131,7 +131,7 @@ class Encoded:
 
 def encode_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> Encoded:
     """Encode the rendered texts as `label_batch` needs them, no special tokens added."""
-    backend = _plain_backend(tokenizer)
+    backend = plain_backend(tokenizer)
     if backend is not None and byte_table(tokenizer) is not None:
         encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
         return Encoded(id_rows=[encoding.ids for encoding in encodings])

@@ -19,20 +19,27 @@ import ctypes
 import functools
 import gc
 from collections import Counter
+from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chunks import Progress, Reader
 from open_sft.data.formats import RowError, document_markers, to_messages, to_text
+from open_sft.data.labels import plain_backend
 from open_sft.data.sources import parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
-from open_sft.data.token_rows import (TokenRows, expand_groups, fit_order, fitted_lengths, group_totals,
+from open_sft.data.token_rows import (TokenRows, expand_groups, fit_order, fitted_lengths, group_totals, row_bounds,
                                      rows_keeping_an_example, split_costs)
 from open_sft.data.workers import label_rows
 from open_sft.errors import UserError
+
+# Documents tokenized at once (a chunk's in batches): the Rust encodings of a 64 MB chunk of text, and its ids as
+# Python lists, took ~2 GB; a batch's are a few tens of MB
+TEXT_BATCH_ROWS = 1024
+TEXT_BATCH_CHARS = 1 << 22
 
 
 def _convert_line(line: str, fmt: str) -> Any:
@@ -218,13 +225,14 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         parsed, dropped = rows_seen, dict(report.dropped)
         indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop)
-        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        ids = np.fromiter((t for doc in encoded for t in before + doc + after), dtype=np.int32)
-        lengths = np.array([len(before) + len(doc) + len(after) for doc in encoded], dtype=np.int64)
-        spill.append(np.array(indices, dtype=np.int64), TokenRows.from_lengths(ids, ids, lengths))
+        tokens = 0
+        for a, b in _text_batches(texts):  # a batch's tokens at a time, as arrays: not the chunk's as lists
+            rows = _document_rows(tokenizer, texts[a:b], before, after)
+            spill.append(np.array(indices[a:b], dtype=np.int64), rows)
+            tokens += len(rows.ids)
         spill.commit(start + len(items), {"rows": rows_seen - parsed,
                                           "dropped": {k: v - dropped.get(k, 0) for k, v in report.dropped.items()}})
-        progress.update(len(items), len(ids))
+        progress.update(len(items), tokens)
     progress.done()
     report.rows_in = rows_seen + report.dropped["invalid_json"]
     if rows_seen == 0:
@@ -264,6 +272,35 @@ def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[li
             continue
         indices.append(row)
     return indices, texts, rows_seen
+
+
+def _text_batches(texts: list[str]) -> Iterator[tuple[int, int]]:
+    """[start, stop) of runs of at most TEXT_BATCH_ROWS documents and about TEXT_BATCH_CHARS characters (at least
+    one document each): what is tokenized at once."""
+    for a, b in pieces(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), TEXT_BATCH_CHARS):
+        for start in range(a, b, TEXT_BATCH_ROWS):
+            yield start, min(b, start + TEXT_BATCH_ROWS)
+
+
+def _document_rows(tokenizer: Any, texts: list[str], before: list[int], after: list[int]) -> TokenRows:
+    """Each document's tokens between document_markers, a row each (ids and labels the same array)."""
+    backend = plain_backend(tokenizer)
+    if backend is not None:  # the Rust tokenizer's ids alone: no offsets, no dicts of lists
+        encoded = [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    else:
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    sizes = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    body = np.fromiter(chain.from_iterable(encoded), dtype=np.int32, count=int(sizes.sum()))
+    del encoded
+    bounds = row_bounds(sizes + len(before) + len(after))
+    ids = np.empty(int(bounds[-1]), dtype=np.int32)
+    marker = np.zeros(len(ids), dtype=bool)
+    for k, token in enumerate(before):
+        ids[bounds[:-1] + k], marker[bounds[:-1] + k] = token, True
+    for k, token in enumerate(after):
+        ids[bounds[1:] - len(after) + k], marker[bounds[1:] - len(after) + k] = token, True
+    ids[~marker] = body
+    return TokenRows(ids, ids, bounds)
 
 
 def _write_blocks(spilled: Any, positions: np.ndarray, lengths: np.ndarray, block: int, writer: ExampleWriter,

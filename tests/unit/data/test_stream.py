@@ -120,6 +120,8 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(sources, "READ_BYTES", 300)
     monkeypatch.setattr(spill, "SHARD_BYTES", 2000)  # several Arrow shards, as save_to_disk splits big datasets
     monkeypatch.setattr(spill, "BATCH_TOKENS", 900)  # several record batches in each
+    monkeypatch.setattr(stream, "TEXT_BATCH_ROWS", 3)  # documents tokenized a few at a time within a chunk
+    monkeypatch.setattr(stream, "TEXT_BATCH_CHARS", 1500)
 
 
 def streamed(args, tokenizer, tmp_path, holdout=None):
@@ -236,6 +238,26 @@ def test_a_chunk_of_rows_is_all_a_build_holds(corpora, tokenizer, tmp_path, monk
     build_sources(args_for(corpora, "all"), tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     assert max(sizes) == 7 and sum(sizes) == len(LINES)
 
+
+
+def test_a_text_chunk_is_tokenized_a_batch_at_a_time(corpora, tokenizer, tmp_path, monkeypatch) -> None:
+    """A chunk of documents is tokenized and spilled TEXT_BATCH_ROWS documents (about TEXT_BATCH_CHARS characters)
+    at a time, as arrays: the whole chunk's tokens as Python lists were ~2 GB at 64 MB of text."""
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 50)
+    monkeypatch.setattr(stream, "TEXT_BATCH_ROWS", 8)
+    monkeypatch.setattr(stream, "TEXT_BATCH_CHARS", 800)
+    appended = []
+    original = spill.Spill.append
+    monkeypatch.setattr(spill.Spill, "append", lambda self, index, rows, *a: appended.append(rows) or original(
+        self, index, rows, *a))
+    build_sources(args_for(corpora, "text_blocks"), tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+    texts = [json.loads(line)["text"] for line in open(corpora["text"])]
+    assert sum(len(rows) for rows in appended) == len(texts) and max(len(rows) for rows in appended) == 8
+    assert all(isinstance(rows.ids, np.ndarray) and rows.ids.dtype == np.int32 for rows in appended)
+    # a batch of several documents holds about TEXT_BATCH_CHARS characters' tokens (the tiny tokenizer: at most a
+    # token a character, and the document's bos and eos)
+    assert all(len(rows.ids) <= 800 + max(len(t) for t in texts) + 2 * len(rows) for rows in appended if len(rows) > 1)
+    assert len(appended) > len(texts) / 8 + 2  # the characters cut some batches short
 
 
 def test_the_building_rank_says_how_fast_and_how_long(corpora, tokenizer, tmp_path, monkeypatch, caplog,
