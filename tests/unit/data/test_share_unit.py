@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import logging
 
-import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from open_sft.config.args import DataArguments
 from open_sft.config.parse import parse_config
@@ -20,19 +18,9 @@ from open_sft.data.in_memory import build_rows
 from open_sft.data.prepare import prepare_data
 from open_sft.data.summary import eval_split_note
 from open_sft.errors import ConfigError, UserError
+from unit.data.test_eval_split import _source, tokenizer  # noqa: F401 (a fixture): chat rows "<prefix> question i"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-def _source(path, prefix: str, rows: int) -> str:
-    with path.open("w") as handle:
-        for i in range(rows):
-            handle.write(json.dumps({"messages": [{"role": "user", "content": f"{prefix} question {i}"},
-                                                  {"role": "assistant", "content": f"{prefix} answer {i}"}]}) + "\n")
-    return str(path)
 
 
 @pytest.fixture
