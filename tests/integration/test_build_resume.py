@@ -39,9 +39,8 @@ def counted(label, tokenize):
 stream.label_rows = counted(stream.label_rows, None)
 text = DataArguments(dataset_mixer_list=[corpus, "1.0"], max_seq_length=64,
                      on_bad_row="drop", preprocessing_num_workers=1)
-if corpus.endswith("text.jsonl"):  # documents: count the chunks tokenized through the tokenizer's call
-    tokenizer_call = type(tokenizer).__call__
-    type(tokenizer).__call__ = lambda self, *a, **k: counted(None, tokenizer_call)(self, *a, **k)
+if corpus.endswith("text.jsonl"):  # documents: count the batches tokenized (a chunk of 100 documents is one)
+    stream._document_rows = counted(stream._document_rows, None)
 data = prepare.prepare_data(text, tokenizer, 0)
 print(json.dumps({"calls": calls[0], "hit": data.cache_hit, "entry": str(data.cache_path)}))
 """
