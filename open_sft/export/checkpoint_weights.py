@@ -39,10 +39,9 @@ class Weight:
 class CheckpointWeights:
     """`engine` (words for messages), `weights` (name → Weight, in the model's order) and `load(names)`."""
 
-    engine = ""
-
-    def __init__(self, weights: dict[str, Weight], load: Callable[[list[str]], dict[str, torch.Tensor]]):
-        self.weights, self._load = weights, load
+    def __init__(self, engine: str, weights: dict[str, Weight],
+                 load: Callable[[list[str]], dict[str, torch.Tensor]]):
+        self.engine, self.weights, self._load = engine, weights, load
 
     def load(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The named tensors, in their training dtype, on the CPU."""
@@ -70,9 +69,7 @@ def _safetensors(directory: Path) -> CheckpointWeights:
         with safe_open(str(path), "pt") as file:
             return {name: file.get_tensor(keys[name]) for name in names}
 
-    reader = CheckpointWeights(weights, load)
-    reader.engine = "one process or DDP (accelerate's model.safetensors)"
-    return reader
+    return CheckpointWeights("one process or DDP (accelerate's model.safetensors)", weights, load)
 
 
 def _deepspeed(directory: Path) -> CheckpointWeights:
@@ -86,9 +83,7 @@ def _deepspeed(directory: Path) -> CheckpointWeights:
     if whole.is_file():
         module = torch.load(whole, map_location="cpu", mmap=True, weights_only=False)["module"]
         weights = {_unwrapped(k): Weight(v.shape, v.dtype) for k, v in module.items()}
-        reader = CheckpointWeights(weights, lambda names: {n: module[WRAPPER + n] for n in names})
-        reader.engine = "DeepSpeed ZeRO-1/2"
-        return reader
+        return CheckpointWeights("DeepSpeed ZeRO-1/2", weights, lambda names: {n: module[WRAPPER + n] for n in names})
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     states = torch.load(ds_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", mmap=True,
@@ -100,19 +95,18 @@ def _deepspeed(directory: Path) -> CheckpointWeights:
         lazy = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag, lazy_mode=True)
     weights = {_unwrapped(k): Weight(torch.Size(shapes.get(k, lazy[k].shape)), dtypes.get(k, torch.float32))
                for k in lazy}
-    reader = CheckpointWeights(weights, lambda names: {n: lazy[WRAPPER + n].contiguous() for n in names})
-    reader.engine = "DeepSpeed ZeRO-3"
-    return reader
+    return CheckpointWeights("DeepSpeed ZeRO-3", weights,
+                             lambda names: {n: lazy[WRAPPER + n].contiguous() for n in names})
 
 
-def _distributed_checkpoint(path: Path, prefix: str, rename: Callable[[str], str] = _unwrapped) -> CheckpointWeights:
-    """A torch.distributed.checkpoint directory, read without a process group: each asked-for tensor assembled
-    from the ranks' shards into a whole one."""
+def _fsdp2(path: Path, prefix: str = "model.") -> CheckpointWeights:
+    """accelerate's torch.distributed.checkpoint directory of FSDP2 (the weights under `prefix`), read without a
+    process group: each asked-for tensor assembled from the ranks' shards into a whole one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    keys = {rename(k.removeprefix(prefix)): k for k, v in metadata.items()
+    keys = {_unwrapped(k.removeprefix(prefix)): k for k, v in metadata.items()
             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
     weights = {name: Weight(metadata[key].size, metadata[key].properties.dtype) for name, key in keys.items()}
 
@@ -121,7 +115,7 @@ def _distributed_checkpoint(path: Path, prefix: str, rename: Callable[[str], str
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
         return {n: state[keys[n]] for n in names}
 
-    return CheckpointWeights(weights, load)
+    return CheckpointWeights("FSDP2 (torch distributed checkpoint)", weights, load)
 
 
 def _pipeline(directory: Path) -> CheckpointWeights:
@@ -130,9 +124,7 @@ def _pipeline(directory: Path) -> CheckpointWeights:
     for file in sorted(directory.glob("pipeline_stage_*.pt")):
         parts.update(torch.load(file, map_location="cpu", mmap=True, weights_only=False)["model"])
     weights = {_unwrapped(k): Weight(v.shape, v.dtype) for k, v in parts.items()}
-    reader = CheckpointWeights(weights, lambda names: {n: parts[WRAPPER + n] for n in names})
-    reader.engine = "pipeline stages"
-    return reader
+    return CheckpointWeights("pipeline stages", weights, lambda names: {n: parts[WRAPPER + n] for n in names})
 
 
 def open_weights(directory: Path) -> CheckpointWeights:
@@ -142,9 +134,7 @@ def open_weights(directory: Path) -> CheckpointWeights:
     if (directory / "latest").is_file():
         return _deepspeed(directory)
     if (directory / FSDP_DIR).is_dir():
-        reader = _distributed_checkpoint(directory / FSDP_DIR, prefix="model.")
-        reader.engine = "FSDP2 (torch distributed checkpoint)"
-        return reader
+        return _fsdp2(directory / FSDP_DIR)
     if list(directory.glob("pipeline_stage_*.pt")):
         return _pipeline(directory)
     if (directory / PIPELINE_SHARDED).is_dir():

@@ -64,12 +64,6 @@ def _refuse_run_paths(checkpoint: Path, out: Path) -> None:
                         "a directory outside them")
 
 
-def _out_dtype(flag: str, config: Any) -> torch.dtype:
-    from open_sft.export.save import save_dtype
-
-    return save_dtype(flag, config)
-
-
 def write_full_weights(weights: CheckpointWeights, config: Any, directory: Path, dtype: torch.dtype,
                        max_shard_size: str | int) -> None:
     """The model's safetensors shards (and index) in `dtype`, one shard in memory at a time, with
@@ -124,10 +118,10 @@ def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: 
                dtype: Optional[torch.dtype], max_shard_size: str | int) -> None:
     """The adapter as the run's end export writes it (peft's own save, from the checkpoint's tensors but the
     wrapped base layers'), and with `merge` the merged model in merged/."""
+    from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
     from open_sft.export.lora_merge import merged_state_dict, write_merged_model
     from open_sft.export.save import MERGED_DIR, cast_floating
-
-    from peft.utils.constants import EMBEDDING_LAYER_NAMES
 
     model = _peft_skeleton(files)
     # peft saves the adapter's own tensors and, when an embedding layer is a LoRA target or was resized, that
@@ -157,20 +151,13 @@ def _copy_model_files(files: Path, directory: Path, dtype: Optional[torch.dtype]
 
 def _copy_run_files(run_dir: Path, directory: Path, step: int) -> None:
     """run.json, data_report.json and metrics.jsonl up to `step` (the model card reads them)."""
+    from open_sft.training.resume import metrics_up_to
+
     for name in RUN_FILES:
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, directory / name)
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        kept = []
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line the run is writing now
-                continue
-            if isinstance(record, dict) and record.get("step", 0) <= step:
-                kept.append(line + "\n")
-        (directory / "metrics.jsonl").write_text("".join(kept))
+    if (run_dir / "metrics.jsonl").is_file():
+        (directory / "metrics.jsonl").write_text(metrics_up_to(run_dir / "metrics.jsonl", step))
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
@@ -180,14 +167,14 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
     from transformers import AutoConfig
 
     from open_sft.export.model_card import write_model_card
-    from open_sft.export.save import staged_export
+    from open_sft.export.save import save_dtype, staged_export
 
     files, state = _checkpoint_of(checkpoint)
     _refuse_run_paths(checkpoint, out)
     weights = open_weights(checkpoint)
     logger.info("checkpoint %s (step %d): %s", checkpoint, state["step"], describe(weights))
     config = AutoConfig.from_pretrained(files)
-    dtype = _out_dtype(dtype_flag, config)
+    dtype = save_dtype(dtype_flag, config)
     adapter = (files / ADAPTER_CONFIG).is_file()
     lora_flags = state.get("config", {}).get("lora", {})
     if max_shard_size is None:

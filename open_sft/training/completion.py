@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 from open_sft.durable import write_json
 from open_sft.errors import UserError
-from open_sft.training.run_settings import (NOT_SETTINGS, SETTINGS_KEY, differences, history_on_resume,  # noqa: F401
-                                            matching, recorded_settings, settings)
+from open_sft.training.run_settings import (SETTINGS_KEY, differences, history_on_resume, matching,
+                                            recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ def refuse_past_schedule(resume: Any, total_steps: int) -> None:
     if resume is not None and resume.step > total_steps:
         raise UserError(f"the checkpoint to resume from, {resume.path}, is at step {resume.step}, past the end of this "
                         f"run's schedule ({total_steps} optimizer steps): raise --max_train_steps to {resume.step} or "
-                        "more (a changed setting: with --allow_changed_settings), or train anew with --resume_from_checkpoint none (or --overwrite_output_dir)")
+                        "more (a changed setting: with --allow_changed_settings), or train anew with "
+                        "--resume_from_checkpoint none (or --overwrite_output_dir)")
 
 
 def check_resume_point(resume: Any, total_steps: int, launched: Any, resolved: dict[str, Any],

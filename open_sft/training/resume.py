@@ -135,22 +135,28 @@ def _move_aside(root: Path) -> None:
         logger.warning("starting over: the earlier checkpoints were moved to %s", target)
 
 
-def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
-    """Fresh run: no metrics.jsonl. Resumed: keep the lines up to the checkpoint's step, drop later ones
-    (they are logged again) and any line a kill cut short."""
-    if resume is None or not path.exists():
-        path.unlink(missing_ok=True)
-        return
+def metrics_up_to(path: Path, step: int) -> str:
+    """metrics.jsonl's lines of the steps up to `step`, each ending in a newline; a line cut short (by a kill, or
+    being written by a live run) is left out."""
     kept = []
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and record.get("step", 0) <= resume.step:
-            kept.append(line)
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    return "".join(kept)
+
+
+def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
+    """Fresh run: no metrics.jsonl. Resumed: keep the lines up to the checkpoint's step, drop later ones
+    (they are logged again) and any line a kill cut short."""
+    if resume is None or not path.exists():
+        path.unlink(missing_ok=True)
+        return
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text(metrics_up_to(path, resume.step))
     os.replace(tmp, path)
 
 
