@@ -118,7 +118,7 @@ def fit_to_checkpoint(job: Job) -> None:
 
     if not job.config.data.cache_dataset_only:
         job.config = fit(job.config, run_identity(job.config, "", job.launch.parallelism), peek(job.config),
-                         _is_main_rank())
+                         _is_main_rank(), job.dtype)
 
 
 def prepare_data(job: Job) -> None:
@@ -241,7 +241,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.completion import SETTINGS_KEY, check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
     from open_sft.training.elastic import reseed_new_ranks
-    from open_sft.training.universal import checkpoint_io
+    from open_sft.training.portable import checkpoint_io
     from open_sft.training.preemption import StopRequest
     from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
 
@@ -265,7 +265,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=checkpoint_io(resume, trainer),
+                                           state_io=checkpoint_io(resume, trainer, identity),
                                            model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
     reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed)

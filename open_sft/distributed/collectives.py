@@ -1,4 +1,5 @@
-"""Collectives every rank calls: sums over ranks, and the full weights gathered onto the main process."""
+"""Collectives every rank calls: sums over ranks, the main process's answer sent to all, and the full weights
+gathered onto the main process."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
         tensor = tensor.to(device)
     return tensor
+
+
+def broadcast_object(value: Any) -> Any:
+    """The main process's `value` on every rank (picklable; as it is without a process group or with one rank)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:

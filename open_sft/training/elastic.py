@@ -57,7 +57,7 @@ def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str
     """Why the checkpoint's steps cannot be trained on this run's number of ranks, whatever the accumulation;
     None when they can."""
     engine = saved.get("engine", "torch")
-    if engine != now.get("engine", engine):
+    if engine != now.get("engine", engine) and not convertible(saved, now):
         return None  # the check names the other engine
     if engine not in RESHARDABLE:
         return (f"a {engine} checkpoint is written per stage and rank and resumes only on its own "
@@ -71,6 +71,12 @@ def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str
                 f"{saved['world_size']} process(es) (a run that may change its ranks: --balance_micro_batches false "
                 "from its first step)")
     return None
+
+
+def convertible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether a checkpoint of another engine goes on under this run's (open_sft.training.portable converts it):
+    both engines are in RESHARDABLE; what else may refuse it is portable.refusal's."""
+    return saved.get("engine", "torch") in RESHARDABLE and now.get("engine", "torch") in RESHARDABLE
 
 
 def fitted_accumulation(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> int:
@@ -110,9 +116,9 @@ def describe(saved: dict[str, Any], accumulation: int, world: int, packed: bool)
 
 
 def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
-    """The identity of the checkpoint the run's resume would read (open_sft.training.resume chooses it again later,
-    collectively), read by every rank on its own before the process group exists; None for a fresh start or a
-    checkpoint that is not usable (the resume says why)."""
+    """The trainer state (identity, resolved config, ...) of the checkpoint the run's resume would read
+    (open_sft.training.resume chooses it again later, collectively), read by every rank on its own before the
+    process group exists; None for a fresh start or a checkpoint that is not usable (the resume says why)."""
     setting = resume_setting(config)
     if setting == "none":
         return None
@@ -124,14 +130,23 @@ def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
         path = path if problem_with(path) is None else None
     if path is None:
         return None
-    return json.loads((path / STATE_FILE).read_text()).get("identity")
+    return json.loads((path / STATE_FILE).read_text())
 
 
-def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], saved: Optional[dict[str, Any]],
-                      is_main: bool) -> FinetuneConfig:
+def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], state: Optional[dict[str, Any]],
+                      is_main: bool, dtype: Optional[torch.dtype] = None) -> FinetuneConfig:
     """The config with the accumulation that trains the checkpoint's global batch on this run's ranks (logged
     in one line), or unchanged: no checkpoint, the same number of ranks, or another micro-batch (the resume
-    refuses that with the other differences)."""
+    refuses that with the other differences). A checkpoint of another engine is refused here, before anything
+    loads, when it cannot be converted (open_sft.training.portable.refusal); `dtype`: this run's compute dtype."""
+    saved = (state or {}).get("identity")
+    if saved and saved.get("engine", "torch") != identity["engine"] and convertible(saved, identity):
+        from open_sft.training.portable import ENGINE_WORDS, refusal
+
+        reason = refusal(state, config.to_dict(), dtype)
+        if reason:
+            raise UserError(f"cannot resume the {ENGINE_WORDS[saved.get('engine', 'torch')]} checkpoint under "
+                            f"{ENGINE_WORDS[identity['engine']]}: {reason}")
     if not saved or "world_size" not in saved or saved["world_size"] == identity["world_size"] or (
             saved.get("micro_batch_size") != identity["micro_batch_size"]):
         return config

@@ -11,14 +11,24 @@ from torch import nn
 from open_sft.model.anatomy import param_shape
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only: never on biases or norm scales (1-D parameters). A parameter on the
-    meta device is another pipeline stage's (open_sft.distributed.pipeline): not this rank's to step."""
+def param_group_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The names of the trained parameters with weight decay (matrices) and without (biases, norm scales: 1-D), in
+    the optimizer's order: its state's index k is the k-th name of the two lists joined (what reads another engine's
+    checkpoint by name: open_sft.training.portable). A parameter on the meta device is another pipeline stage's
+    (open_sft.distributed.pipeline): not this rank's to step."""
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad and not param.is_meta:
-            (decay if len(param_shape(param)) >= 2 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            (decay if len(param_shape(param)) >= 2 else no_decay).append(name)
+    return decay, no_decay
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weight matrices only: never on biases or norm scales (1-D parameters)."""
+    params = dict(model.named_parameters())
+    decay, no_decay = param_group_names(model)
+    return [{"params": [params[n] for n in decay], "weight_decay": weight_decay},
+            {"params": [params[n] for n in no_decay], "weight_decay": 0.0}]
 
 
 def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float, fused: bool = True,

@@ -11,12 +11,12 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 
+from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import set_aside
 from open_sft.errors import UserError
 from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
-from open_sft.training.elastic import rescalable
+from open_sft.training.elastic import convertible, rescalable
 from open_sft.training.steps import balances
 
 if TYPE_CHECKING:
@@ -77,24 +77,18 @@ def _choose(setting: str, output_dir: Path) -> Optional[Path]:
     return path
 
 
-def _broadcast(value: Any) -> Any:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
     saved = {**IDENTITY_BEFORE_RECORDED, **saved}
     # another number of ranks goes on when the global batch is kept (open_sft.training.elastic fitted the
     # accumulation, or refused, before the model was built)
     rescaled = saved.get("world_size") != current.get("world_size") and rescalable(saved, current)
+    # another engine goes on when both engines' formats convert (open_sft.training.portable; what it refuses was
+    # refused with the reason before the model was built: elastic.fit_to_checkpoint)
+    allowed = ({"world_size", "gradient_accumulation_steps"} if rescaled else set()) | (
+        {"engine"} if convertible(saved, current) else set())
     differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
-                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key]
-                   and not (rescaled and key in ("world_size", "gradient_accumulation_steps"))]
+                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key] and key not in allowed]
     if differences:
         lines = "\n".join(f"  - {d}" for d in differences)
         raise UserError(
@@ -114,7 +108,7 @@ def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_
             chosen = _choose(setting, output_dir)
         except UserError as exc:
             error = str(exc)
-    chosen, error = _broadcast((str(chosen) if chosen else None, error))
+    chosen, error = broadcast_object((str(chosen) if chosen else None, error))
     if error:
         raise UserError(error)
     if chosen is None:

@@ -16,11 +16,9 @@ import io
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
-
-from open_sft.training.checkpoint import ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +60,23 @@ class UniversalResume:
             logger.info("converted the %d-rank ZeRO checkpoint %s to DeepSpeed's universal format, to load on %d "
                         "rank(s)", self.saved_world, checkpoint, acc.num_processes)
         acc.wait_for_everyone()
-        # DeepSpeed reads the choice when it loads, not when it starts: the engine's own record of it, set for this
-        # load only (the run's later checkpoints are ordinary ZeRO ones, for its own number of ranks)
-        config = self.engine._config
-        config.load_universal_checkpoint = True
-        try:
-            acc.load_state(str(scratch))
-        finally:
-            config.load_universal_checkpoint = False
-        _unshare_steps(self.engine.optimizer)
+        load_universal(acc, self.engine, scratch)
         acc.wait_for_everyone()
         if acc.is_main_process:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def load_universal(accelerator: Any, engine: Any, folder: Path) -> None:
+    """Collective: accelerate's load_state of `folder`, a checkpoint in DeepSpeed's universal format (the RNG states
+    beside it). DeepSpeed reads the choice of format when it loads, not when it starts: the engine's own record of
+    it is set for this load only (the run's later checkpoints are ordinary ZeRO ones, for its own number of ranks)."""
+    config = engine._config
+    config.load_universal_checkpoint = True
+    try:
+        accelerator.load_state(str(folder))
+    finally:
+        config.load_universal_checkpoint = False
+    _unshare_steps(engine.optimizer)
 
 
 def _unshare_steps(optimizer: Any) -> None:
@@ -85,13 +88,3 @@ def _unshare_steps(optimizer: Any) -> None:
     for state in inner.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
-
-
-def checkpoint_io(resume: Optional[ResumePoint], trainer: Any) -> Any:
-    """What the run's Checkpointer saves and loads with: UniversalResume when `resume` is a ZeRO checkpoint of
-    another number of ranks, else the engine's own (None: accelerate's save_state and load_state)."""
-    identity = resume.state.get("identity", {}) if resume is not None else {}
-    world = trainer.accelerator.num_processes
-    if identity.get("engine") != "deepspeed" or identity.get("world_size", world) == world:
-        return trainer.engine.checkpoint_io()
-    return UniversalResume(trainer.accelerator, trainer.model, int(identity["world_size"]))

@@ -72,7 +72,8 @@ def test_mean_loss_resumes_on_other_ranks_when_micro_batches_are_not_balanced() 
 
 
 def test_zero_checkpoints_resume_on_other_ranks_through_the_universal_format() -> None:
-    from open_sft.training.universal import UniversalResume, checkpoint_io
+    from open_sft.training.portable import checkpoint_io
+    from open_sft.training.universal import UniversalResume
 
     assert fitted_accumulation(identity(2, 2, engine="deepspeed"), identity(1, 2, engine="deepspeed"), "token") == 4
 
@@ -81,11 +82,12 @@ def test_zero_checkpoints_resume_on_other_ranks_through_the_universal_format() -
                                engine=SimpleNamespace(checkpoint_io=lambda: "the engine's own"))
 
     zero = ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2, engine="deepspeed")})
-    assert isinstance(checkpoint_io(zero, trainer(1)), UniversalResume)
-    assert checkpoint_io(zero, trainer(2)) == "the engine's own"  # the same ranks: DeepSpeed's own files
-    assert checkpoint_io(ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2)}), trainer(1)) == (
-        "the engine's own")  # a plain checkpoint loads on any number of ranks as it is
-    assert checkpoint_io(None, trainer(1)) == "the engine's own"
+    now = {"engine": "deepspeed"}
+    assert isinstance(checkpoint_io(zero, trainer(1), now), UniversalResume)
+    assert checkpoint_io(zero, trainer(2), now) == "the engine's own"  # the same ranks: DeepSpeed's own files
+    assert checkpoint_io(ResumePoint(Path("c"), {"step": 2, "identity": identity(2, 2)}), trainer(1),
+                         {"engine": "torch"}) == "the engine's own"  # a plain checkpoint loads on any ranks as it is
+    assert checkpoint_io(None, trainer(1), now) == "the engine's own"
 
 
 def test_each_adam_state_gets_its_own_step_after_a_universal_load() -> None:
@@ -132,13 +134,14 @@ def test_fit_to_checkpoint_changes_only_the_accumulation_and_says_so_once(caplog
 
     monkeypatch.setattr(dataclasses, "replace", lambda obj, **kw: SimpleNamespace(**{**vars(obj), **kw}))
     caplog.set_level(logging.INFO, logger="open_sft.training.elastic")
-    fitted = fit_to_checkpoint(_config(2), identity(1, 2), identity(2, 2), is_main=True)
+    fitted = fit_to_checkpoint(_config(2), identity(1, 2), {"identity": identity(2, 2)}, is_main=True)
     assert fitted.train.gradient_accumulation_steps == 4 and fitted.train.loss_normalization == "token"
     assert [r.getMessage() for r in caplog.records] == [describe(identity(2, 2), 4, 1, packed=False)]
     config = _config(2)
-    assert fit_to_checkpoint(config, identity(2, 2), identity(2, 2), is_main=True) is config  # same ranks
+    assert fit_to_checkpoint(config, identity(2, 2), {"identity": identity(2, 2)}, is_main=True) is config  # same ranks
     assert fit_to_checkpoint(config, identity(1, 2), None, is_main=True) is config  # fresh start
-    assert fit_to_checkpoint(config, identity(1, 2, micro=4), identity(2, 2), True) is config  # the check refuses
+    assert fit_to_checkpoint(config, identity(1, 2, micro=4), {"identity": identity(2, 2)}, True) is config  # the
+    # check refuses
 
 
 def test_peek_reads_the_identity_of_the_checkpoint_a_resume_would_read(tmp_path) -> None:
@@ -156,8 +159,8 @@ def test_peek_reads_the_identity_of_the_checkpoint_a_resume_would_read(tmp_path)
         return SimpleNamespace(train=SimpleNamespace(output_dir=str(tmp_path)), checkpoint=SimpleNamespace(
             resume_from_checkpoint=setting, overwrite_output_dir=overwrite))
 
-    assert peek(config("auto"))["world_size"] == 1
-    assert peek(config(str(root / "step_2")))["world_size"] == 2
+    assert peek(config("auto"))["identity"]["world_size"] == 1
+    assert peek(config(str(root / "step_2")))["identity"]["world_size"] == 2
     assert peek(config("none")) is None and peek(config(str(root / "step_6"))) is None
     assert peek(config("auto", overwrite=True)) is None  # --overwrite_output_dir starts over
 
