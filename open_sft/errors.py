@@ -9,7 +9,8 @@
 Anything else is a bug and keeps its traceback.
 
 `accelerate launch` (torchrun) exits 1 whatever its workers' codes were. A launcher that wants them (scripts/
-launch_multinode.sh, and so the container) sets OPEN_SFT_EXIT_CODE_DIR: each rank leaves its code there.
+launch_multinode.sh, and so the container) sets OPEN_SFT_EXIT_CODE_DIR: each rank leaves its code there, and its
+closing message beside it (`rankR.message`), which the script prints after torchrun's summary, last.
 
 Under torchrun (and so `accelerate launch`) the launcher prints, last, a summary of the failed ranks whose "Root
 Cause" is read from each rank's error file (TORCHELASTIC_ERROR_FILE, torch elastic's mechanism): every rank that
@@ -33,13 +34,18 @@ def record_exit_code(code: Optional[int]) -> int:
     """Leave this rank's exit code where the launcher looks (when it asked for it); returns the code (None, as
     torch elastic's `record` returns for `--help`'s exit 0, is 0)."""
     code = code or 0
+    _leave_for_launch_script("", f"{code}\n")
+    return code
+
+
+def _leave_for_launch_script(suffix: str, text: str) -> None:
+    """`text` as this rank's file in OPEN_SFT_EXIT_CODE_DIR (`rankR` + suffix); nothing when no launcher asked."""
     directory = os.environ.get(EXIT_CODE_DIR_ENV)
     if directory:
         try:
-            (Path(directory) / f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
-        except OSError:  # the launcher's directory is gone: it exits with torchrun's code then
+            (Path(directory) / f"rank{os.environ.get('RANK', '0')}{suffix}").write_text(text)
+        except OSError:  # the launcher's directory is gone: it exits with torchrun's code and output then
             pass
-    return code
 
 
 def exit_rank(code: int) -> None:
@@ -62,7 +68,8 @@ def exit_rank(code: int) -> None:
 
 def report_to_launcher(message: str) -> None:
     """This rank's closing message as its torch elastic error file, in the layout the launcher's summary reads (it
-    shows `py_callstack`); nothing without a launcher that asked for one."""
+    shows `py_callstack`), and beside its exit code for a launch script; nothing without a launcher that asked."""
+    _leave_for_launch_script(".message", f"{message}\n")
     path = os.environ.get(ERROR_FILE_ENV)
     if not path:
         return

@@ -23,6 +23,10 @@
 # which checkpoint and exit (finetune.py: code 75). The launcher ignores SIGUSR1, so a SLURM
 # `--signal=USR1@N` warning cannot kill it before the workers have saved. If the run ends non-zero
 # after such a signal, this script exits 75 too: "preempted, resume from the newest checkpoint".
+#
+# Output: the run's own closing line (an error, the stop after a signal) comes last, after torchrun's summary.
+# Without OMP_NUM_THREADS set, each process's share of this node's cores is exported as it (what open_sft would
+# give each rank anyway), so torchrun does not set 1 and say so in a banner.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/_proc.sh
@@ -98,6 +102,11 @@ if [ "$print_only" = 1 ]; then
     exit 0
 fi
 echo "[launch_multinode] machine $machine_rank/$num_machines, $per_machine process(es) here, main $main_ip:$main_port" >&2
+if [ -z "${OMP_NUM_THREADS:-}" ] && [ "$per_machine" -gt 1 ]; then
+    # shellcheck disable=SC2015  # a failed look-up leaves it unset: torchrun's default and banner, as before
+    OMP_NUM_THREADS="$(cd "$ROOT" && python -c "from open_sft.distributed.env import threads_per_rank
+print(threads_per_rank($per_machine))")" && export OMP_NUM_THREADS || unset OMP_NUM_THREADS
+fi
 
 PREEMPTED_EXIT_CODE=75
 stop_requested=0
@@ -124,13 +133,17 @@ while true; do
     wait "$launcher" && status=0 || status=$?
     kill -0 "$launcher" 2>/dev/null || break  # a trapped signal interrupted `wait`: keep waiting
 done
-rank_code="$(cat "$OPEN_SFT_EXIT_CODE_DIR"/rank* 2>/dev/null | grep -v '^0$' | sort -n | tail -1 || true)"
+rank_code="$(cat "$OPEN_SFT_EXIT_CODE_DIR"/rank*[0-9] 2>/dev/null | grep -v '^0$' | sort -n | tail -1 || true)"
+closing=""  # a rank's closing line (rankR.message; ranks say the same, or each names the peer it lost)
+for file in "$OPEN_SFT_EXIT_CODE_DIR"/rank*.message; do
+    [ -f "$file" ] && closing="$(cat "$file")" && break
+done
 rm -rf "$OPEN_SFT_EXIT_CODE_DIR"
 if [ "$status" != 0 ] && [ "$stop_requested" = 1 ]; then
     echo "[launch_multinode] stopped on a signal (launcher exit $status): exiting $PREEMPTED_EXIT_CODE" >&2
-    exit "$PREEMPTED_EXIT_CODE"
+    status="$PREEMPTED_EXIT_CODE"
+elif [ "$status" != 0 ] && [ -n "$rank_code" ]; then
+    status="$rank_code"  # the workers' own code (the highest, when ranks differ), not torchrun's 1
 fi
-if [ "$status" != 0 ] && [ -n "$rank_code" ]; then
-    exit "$rank_code"  # the workers' own code (the highest, when ranks differ), not torchrun's 1
-fi
+[ "$status" = 0 ] || [ -z "$closing" ] || echo "$closing" >&2  # after torchrun's summary: what the run said, last
 exit "$status"

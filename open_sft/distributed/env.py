@@ -13,8 +13,6 @@ import os
 import warnings
 from typing import Mapping
 
-import torch
-
 from open_sft.errors import UserError
 
 #: Explicit per-rank thread count; overrides everything else (also use it to force 1 thread).
@@ -38,6 +36,12 @@ def usable_cpus() -> int:
     except (OSError, ValueError):  # no cgroup v2 limit to read
         pass
     return cpus
+
+
+def threads_per_rank(local_ranks: int) -> int:
+    """A launched rank's share of this machine's usable CPUs. scripts/launch_multinode.sh exports it as
+    OMP_NUM_THREADS before torchrun starts (torch-free, this module: torch is imported where threads are set)."""
+    return max(1, usable_cpus() // local_ranks)
 
 
 def local_world_size() -> int:
@@ -112,6 +116,8 @@ def setup_cpu_environment() -> None:
            ``max(1, usable_cpus // local_world_size)``;
         4. otherwise (plain ``python``) -> torch's default (all usable cores).
     """
+    import torch
+
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # DeepSpeed 0.19 calls torch.distributed.{all_gather_into_tensor,reduce_scatter_tensor},
@@ -130,7 +136,7 @@ def setup_cpu_environment() -> None:
         if threads < 1:
             raise UserError(f"{NUM_THREADS_ENV} must be a positive integer, got {override!r}")
     elif _threads_forced_by_launcher():
-        threads = max(1, usable_cpus() // local_world_size())
+        threads = threads_per_rank(local_world_size())
 
     if threads is not None:
         torch.set_num_threads(threads)

@@ -81,7 +81,8 @@ def test_under_accelerate_launch_our_error_is_the_root_cause_printed_last(tmp_pa
     root = lines[max(i for i, line in enumerate(lines) if line == "Root Cause (first observed failure):"):]
     assert "exitcode  : 2 (pid:" in " ".join(root) and "To enable traceback" not in result.stdout
     assert sum(line.startswith(message) for line in lines) == 1  # printed once, by the main process
-    # rank 0's code is 2; rank 1 left 2 too unless the launcher stopped it first (torchrun ends the others)
-    assert (codes / "rank0").read_text().strip() == "2"
-    assert {p.read_text().strip() for p in codes.iterdir()} == {"2"}
+    # rank 0's code is 2; rank 1 left 2 too unless the launcher stopped it first (torchrun ends the others); the
+    # message beside each code is what scripts/launch_multinode.sh prints last
+    assert (codes / "rank0").read_text().strip() == "2" and (codes / "rank0.message").read_text().startswith(message)
+    assert {p.read_text().strip() for p in codes.iterdir() if not p.suffix} == {"2"}
     assert not (tmp_path / "out").exists()

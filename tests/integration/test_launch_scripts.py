@@ -29,7 +29,7 @@ SLURM_VARS = ("SLURM_NNODES", "SLURM_NODEID", "SLURM_GPUS_ON_NODE", "SLURM_JOB_N
 def script_env(**extra: str) -> dict[str, str]:
     """The child environment without any launch variables of the machine running the tests."""
     env = child_env(OPEN_SFT_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    for name in SLURM_VARS:
+    for name in (*SLURM_VARS, "OMP_NUM_THREADS"):  # the script's own OMP_NUM_THREADS is tested
         env.pop(name, None)
     env.update(extra)
     return env
@@ -120,13 +120,18 @@ def test_num_processes_counts_all_machines_and_no_gpu_means_one_process() -> Non
 
 
 def test_the_workers_exit_code_comes_through_torchrun(tiny_model_dir, tmp_path) -> None:
-    """torchrun exits 1 whatever its workers' codes: the launcher hands on finetune.py's own 2 for bad input."""
+    """torchrun exits 1 whatever its workers' codes: the launcher hands on finetune.py's own 2 for bad input, and
+    ends its output with the run's own error line, after torchrun's summary. Two processes and no OMP_NUM_THREADS:
+    the script exports each one's share of the cores, so torchrun has no banner to print (nor accelerate its block
+    of defaults: the script passes them)."""
     args = finetune_args(tiny_model_dir, tmp_path / "out")
     args[args.index(str(SAMPLE))] = str(tmp_path / "missing.jsonl")
     process = launch(["--processes_per_machine", "2", "--main_process_port", str(free_port())], args)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 2, output[-3000:]
-    assert "missing.jsonl does not exist" in output
+    lines = output.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "missing.jsonl does not exist" in lines[-1], "\n".join(lines[-8:])
+    assert "Setting OMP_NUM_THREADS" not in output and "were not passed to `accelerate launch`" not in output
 
 
 def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tiny_model_dir, tmp_path) -> None:
@@ -145,6 +150,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tiny_model_dir, tmp_pa
     output, _ = process.communicate(timeout=240)
     assert process.returncode == 75, output[-3000:]
     assert "got SIGTERM, forwarding to" in output and "no workers yet" not in output
+    last = output.strip().splitlines()[-1]  # the run's own stop line, after torchrun's summary
+    assert last.startswith("open_sft: stopped on a signal after step ") and "relaunch the same command" in last, last
     steps = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()]
     assert steps and 3 <= max(steps) < 400
 

@@ -29,3 +29,14 @@ def test_without_a_launcher_nothing_is_written_and_none_is_exit_0(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv("OPEN_SFT_EXIT_CODE_DIR", str(tmp_path))
     assert record_exit_code(None) == 0 and (tmp_path / "rank0").read_text() == "0\n"
+
+
+def test_a_launch_script_finds_the_message_beside_the_code(tmp_path, monkeypatch) -> None:
+    """scripts/launch_multinode.sh prints rankR.message after torchrun's summary, so the run's own line ends it."""
+    monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
+    monkeypatch.setenv("OPEN_SFT_EXIT_CODE_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    report_to_launcher("open_sft: stopped on a signal after step 3")
+    assert record_exit_code(75) == 75
+    assert (tmp_path / "rank1").read_text() == "75\n"
+    assert (tmp_path / "rank1.message").read_text() == "open_sft: stopped on a signal after step 3\n"
