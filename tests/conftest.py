@@ -86,6 +86,14 @@ def launch_command(processes: int, deepspeed_config: str | None) -> list[str]:
     return cmd + [str(FINETUNE)]
 
 
+def fsdp_command(launch: list[str] | None = None, processes: int = 2) -> list[str]:
+    """`accelerate launch` of FSDP2 ranks: `launch` (default: configs/accelerate/fsdp2.yaml) on `processes`."""
+    launch = ["--config_file", str(ROOT / "configs" / "accelerate" / "fsdp2.yaml")] if launch is None else launch
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), *launch, str(FINETUNE)]
+
+
 def run_finetune(args: list[str], processes: int = 1, deepspeed_config: str | None = None,
                  timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(launch_command(processes, deepspeed_config) + args, cwd=ROOT, env=child_env(),

@@ -202,9 +202,11 @@ class Checkpointer:
         self.uploader = None
 
     def raise_if_preempted(self, metrics: Any) -> None:
-        """After a stop on a signal: release everything and raise Preempted (exit PREEMPTED_EXIT_CODE)."""
-        self.stop.uninstall()
+        """After a stop on a signal: release everything and raise Preempted (exit PREEMPTED_EXIT_CODE). The stop's
+        handler, which only notes a signal, stays until the process exits: a repeat (a launcher forwarding the
+        Ctrl-C the terminal already sent) must not turn the saved stop into an interruption."""
         if self.preempted_at is None:
+            self.stop.uninstall()
             return
         if metrics is not None:
             metrics.close()

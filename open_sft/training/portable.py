@@ -309,8 +309,8 @@ class CrossEngineResume:
                 states = open_states(checkpoint, engine, order, scratch / "source", tied_names(module))
                 _check_names(states, order, checkpoint)
                 logger.info("resuming a %s checkpoint of %d rank(s) under %s: its fp32 weights and Adam moments "
-                            "(%d trained tensors) read by name", ENGINE_WORDS.get(engine, engine), world,
-                            ENGINE_WORDS[self.now_engine], len(order))
+                            "(%d trained tensors) read by name", _words(engine, checkpoint), world,
+                            _words(self.now_engine, engine=self.trainer.model), len(order))
                 if self.now_engine == "deepspeed":
                     write_universal(states, scratch / "target", self.trainer.model, acc.num_processes,
                                     self.resume.step)
@@ -338,11 +338,34 @@ def checkpoint_io(resume: Optional[ResumePoint], trainer: Any, identity: dict[st
     ranks, else the engine's own (None: accelerate's save_state and load_state)."""
     saved = resume.state.get("identity", {}) if resume is not None else {}
     world = trainer.accelerator.num_processes
-    if resume is not None and saved.get("engine", "torch") != identity["engine"]:
+    if resume is not None and (saved.get("engine", "torch") != identity["engine"] or (
+            saved.get("engine") == "deepspeed" and _other_zero_stage(resume.path, trainer.model))):
         return CrossEngineResume(trainer.accelerator, trainer, resume, identity["engine"])
     if saved.get("engine") != "deepspeed" or saved.get("world_size", world) == world:
         return trainer.engine.checkpoint_io()
     return UniversalResume(trainer.accelerator, trainer.model, int(saved["world_size"]))
+
+
+def _other_zero_stage(checkpoint: Path, engine: Any) -> bool:
+    """Whether a ZeRO checkpoint's weights are partitioned (stage 3) and this run's are not, or the other way round:
+    DeepSpeed's own load reads only its own stage's files, and the two universal layouts keep the step and the
+    global state in other places, so the checkpoint is converted as another engine's is."""
+    live = getattr(engine, "zero_optimization_partition_weights", None)
+    if live is None:
+        return False
+    return (checkpoint / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file() != bool(live())
+
+
+def _words(name: str, checkpoint: Optional[Path] = None, engine: Any = None) -> str:
+    """An engine in a log line; DeepSpeed's with its stage (a checkpoint's: partitioned weights or not)."""
+    if name != "deepspeed":
+        return ENGINE_WORDS.get(name, name)
+    if engine is not None and hasattr(engine, "zero_optimization_stage"):
+        return f"DeepSpeed ZeRO-{engine.zero_optimization_stage()}"
+    if checkpoint is not None:
+        stage3 = (checkpoint / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
+        return "DeepSpeed ZeRO-3" if stage3 else "DeepSpeed ZeRO-1/2"
+    return ENGINE_WORDS[name]
 
 
 def _check_names(states: CheckpointStates, order: list[str], checkpoint: Path) -> None:

@@ -1,6 +1,6 @@
 """Checkpoints that survive anything: kill -9 / SIGTERM and relaunch equals the uninterrupted run
 (bitwise in one process, 1e-6 relative with 2 ranks under ZeRO-2 and ZeRO-3; a ZeRO-3 checkpoint of 2 ranks
-resumes on 1 within 1e-6), partial checkpoints are ignored, pruning keeps the newest complete one, resume refuses a
+resumes on 1, under ZeRO-3 and as one plain process, and a ZeRO-2 one under FSDP2, within 1e-6), partial checkpoints are ignored, pruning keeps the newest complete one, resume refuses a
 changed data/batch layout, the sharded export reloads, and the Hub upload retries, fails cleanly and never leaks
 the token.
 
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import FINETUNE, ROOT, SAMPLE, TESTS, child_env, launch_command, read_metrics
+from conftest import FINETUNE, ROOT, SAMPLE, TESTS, child_env, fsdp_command, launch_command, read_metrics
 from export_check import assert_export_is_the_runs, weights_of
 from open_sft.export.from_checkpoint import export_checkpoint
 from hub_server import FakeHub
@@ -589,4 +589,30 @@ def test_a_two_rank_zero3_checkpoint_resumes_on_one_process(zero3, tiny_model_di
     assert not list((out / "checkpoints").glob("*.universal.tmp"))  # the conversion is removed once loaded
     # measured: losses 2.4e-8 relative, gradient norms 8e-9, weights 5.6e-7 apart; before each Adam state had its
     # own step (open_sft.training.universal), weights were 6e-5 apart two steps on
+    assert_continues_within(out, zero3["base"], STEPS, atol=1e-5)
+
+
+def test_a_zero2_checkpoint_resumes_under_fsdp2(zero2, tiny_model_dir, tmp_path) -> None:
+    """The 2 ranks' ZeRO-2 partitions made whole per parameter (DeepSpeed's universal format) and sent to FSDP2's
+    2 ranks by name through torch's state-dict API: steps 7-8 train what ZeRO-2 trained."""
+    out = tmp_path / "out"
+    log = resume_elsewhere(zero2["base"], STEPS - 2, out, fsdp_command(),
+                           finetune_args(tiny_model_dir, out, "zero2"))
+    assert "resuming a DeepSpeed ZeRO-1/2 checkpoint of 2 rank(s) under FSDP2" in log
+    assert not list((out / "checkpoints").glob("*.tmp"))
+    # measured (6 steps, resumed at 2): losses 2.4e-8 relative, gradient norms 3.5e-6, weights 1.6e-7 apart
+    assert_continues_within(out, zero2["base"], STEPS, atol=1e-5)
+
+
+def test_a_two_rank_zero3_checkpoint_resumes_as_one_plain_process(zero3, tiny_model_dir, tmp_path) -> None:
+    """Another engine and another number of ranks at once: ZeRO-3's flat universal files reshaped to the model's
+    parameters, loaded into one process's torch AdamW; accumulation 2 -> 4 keeps the global batch of 8."""
+    out = tmp_path / "out"
+    log = resume_elsewhere(zero3["base"], STEPS - 2, out, launch_command(1, None),
+                           finetune_args(tiny_model_dir, out, "zero3"))
+    assert ("resuming a 2-rank checkpoint on 1 rank: gradient accumulation 2 -> 4 keeps the global batch of 8 "
+            "sequences") in log
+    assert "resuming a DeepSpeed ZeRO-3 checkpoint of 2 rank(s) under one process or DDP" in log
+    # measured (6 steps, resumed at 4): losses equal, gradient norms 7.7e-6 relative, weights 1.6e-7 apart (before
+    # each parameter had its own Adam step tensor: losses 6e-4 off one step on)
     assert_continues_within(out, zero3["base"], STEPS, atol=1e-5)

@@ -204,3 +204,24 @@ def test_a_missing_resume_path_is_refused_before_anything_loads(tmp_path) -> Non
     missing.mkdir(parents=True)
     assert parse_config([*args, "--resume_from_checkpoint", str(missing)]).checkpoint.resume_from_checkpoint == \
         str(missing)
+
+
+def test_a_repeated_signal_after_the_stop_checkpoint_changes_nothing(tmp_path) -> None:
+    """Ctrl-C reaches a rank twice (the terminal, then the launcher forwarding it): after the stop's checkpoint the
+    second one is noted, not raised as KeyboardInterrupt, and the run ends as stopped (Preempted, exit 75)."""
+    import signal
+
+    from open_sft.training.preemption import Preempted, StopRequest
+
+    checkpointer = _checkpointer(tmp_path, keep=2)
+    checkpointer.stop = StopRequest().install()
+    checkpointer.accelerator.end_training = lambda: None
+    checkpointer.preempted_at = 4
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(Preempted, match="stopped on a signal after step 4"):
+            checkpointer.raise_if_preempted(metrics=None)
+        signal.raise_signal(signal.SIGINT)  # the second Ctrl-C: no KeyboardInterrupt
+        assert checkpointer.stop.signal_name == "SIGINT"
+    finally:
+        signal.signal(signal.SIGINT, previous)

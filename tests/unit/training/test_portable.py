@@ -191,9 +191,19 @@ def test_a_full_model_in_bf16_or_fp32_changes_engine() -> None:
                    {"train": {"use_8bit_optimizer": False}}, torch.bfloat16) is None
 
 
-def test_a_checkpoint_of_another_engine_is_loaded_by_conversion() -> None:
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=2), model=None,
-                              engine=SimpleNamespace(checkpoint_io=lambda: "the engine's own"))
-    zero = ResumePoint(Path("c"), {"step": 2, "identity": identity("deepspeed")})
-    assert isinstance(checkpoint_io(zero, trainer, identity("fsdp2")), CrossEngineResume)
-    assert checkpoint_io(zero, trainer, identity("deepspeed")) == "the engine's own"
+@pytest.mark.parametrize("saved_stage3", [False, True])
+def test_a_checkpoint_of_another_engine_or_zero_stage_is_loaded_by_conversion(tmp_path, saved_stage3) -> None:
+    """DeepSpeed's own load reads only its own stage's files: ZeRO-1/2 ↔ 3 converts as another engine does."""
+    files = tmp_path / "pytorch_model"
+    files.mkdir()
+    (files / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage3 else "mp_rank_00_model_states.pt")).touch()
+    zero = ResumePoint(tmp_path, {"step": 2, "identity": identity("deepspeed")})
+
+    def trainer(stage3: bool):
+        engine = SimpleNamespace(zero_optimization_partition_weights=lambda: stage3)
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=2), model=engine,
+                               engine=SimpleNamespace(checkpoint_io=lambda: "the engine's own"))
+
+    assert isinstance(checkpoint_io(zero, trainer(False), identity("fsdp2")), CrossEngineResume)
+    assert checkpoint_io(zero, trainer(saved_stage3), identity("deepspeed")) == "the engine's own"
+    assert isinstance(checkpoint_io(zero, trainer(not saved_stage3), identity("deepspeed")), CrossEngineResume)
