@@ -1,6 +1,6 @@
 """Checkpoints that survive anything: kill -9 / SIGTERM and relaunch equals the uninterrupted run
 (bitwise in one process, 1e-6 relative with 2 ranks under ZeRO-2 and ZeRO-3; a ZeRO-3 checkpoint of 2 ranks
-resumes on 1, under ZeRO-3 and as one plain process, and a ZeRO-2 one under FSDP2, within 1e-6), partial checkpoints are ignored, pruning keeps the newest complete one, resume refuses a
+resumes on 1, under ZeRO-3 and as one plain process, and a ZeRO-2 one under FSDP2 on 4 ranks, within 1e-6), partial checkpoints are ignored, pruning keeps the newest complete one, resume refuses a
 changed data/batch layout, the sharded export reloads, and the Hub upload retries, fails cleanly and never leaks
 the token.
 
@@ -592,15 +592,17 @@ def test_a_two_rank_zero3_checkpoint_resumes_on_one_process(zero3, tiny_model_di
     assert_continues_within(out, zero3["base"], STEPS, atol=1e-5)
 
 
-def test_a_zero2_checkpoint_resumes_under_fsdp2(zero2, tiny_model_dir, tmp_path) -> None:
+def test_a_zero2_checkpoint_resumes_under_fsdp2_on_four_ranks(zero2, tiny_model_dir, tmp_path) -> None:
     """The 2 ranks' ZeRO-2 partitions made whole per parameter (DeepSpeed's universal format) and sent to FSDP2's
-    2 ranks by name through torch's state-dict API: steps 7-8 train what ZeRO-2 trained."""
+    4 ranks by name through torch's state-dict API (accumulation 2 -> 1): steps 7-8 train what ZeRO-2 trained."""
     out = tmp_path / "out"
-    log = resume_elsewhere(zero2["base"], STEPS - 2, out, fsdp_command(),
+    log = resume_elsewhere(zero2["base"], STEPS - 2, out, fsdp_command(processes=4),
                            finetune_args(tiny_model_dir, out, "zero2"))
+    assert "resuming a 2-rank checkpoint on 4 ranks: gradient accumulation 2 -> 1" in log
     assert "resuming a DeepSpeed ZeRO-1/2 checkpoint of 2 rank(s) under FSDP2" in log
     assert not list((out / "checkpoints").glob("*.tmp"))
-    # measured (6 steps, resumed at 2): losses 2.4e-8 relative, gradient norms 3.5e-6, weights 1.6e-7 apart
+    # measured by hand (6 steps, resumed at 2 on 4 ranks): losses 4.8e-8 relative, gradient norms 1.8e-6, weights
+    # 1.8e-7 apart
     assert_continues_within(out, zero2["base"], STEPS, atol=1e-5)
 
 

@@ -6,8 +6,8 @@ optimizer is data parallelism's, so 2 ranks must train what one process trains o
 the same per-step losses and the same final weights. A kill -9 and relaunch continues exactly from the sharded
 (torch.distributed.checkpoint) checkpoint; the export is the full model, which reloads in a fresh process; LoRA
 under FSDP2 keeps optimizer state for the adapters only and trains what one process trains. A checkpoint resumes on
-another number of ranks (2 FSDP2 ranks on 1, one process's on 2 DDP ranks) and under another engine (FSDP2's under
-ZeRO-3, one process's under ZeRO-2 on 2 ranks) within 1e-6 of the uninterrupted run.
+another number of ranks (2 FSDP2 ranks on 1, one process's on 2 DDP ranks) and under another engine (FSDP2's 2 ranks
+under ZeRO-3 on 4, one process's under ZeRO-2 on 2 ranks) within 1e-6 of the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -230,15 +230,18 @@ def test_a_one_process_checkpoint_resumes_on_two_ddp_ranks(runs, tiny_model_dir,
         "world_size"] == 2
 
 
-def test_an_fsdp2_checkpoint_resumes_under_zero3(runs, tiny_model_dir, tmp_path) -> None:
+def test_an_fsdp2_checkpoint_resumes_under_zero3_on_four_ranks(runs, tiny_model_dir, tmp_path) -> None:
     """The 2 FSDP2 ranks' distributed checkpoint read by name and written in DeepSpeed's universal layout; ZeRO-3 on
-    2 ranks trains steps 3-6 as FSDP2 did."""
+    4 ranks (accumulation 2 → 1 keeps the global batch of 8) trains steps 3-6 as FSDP2 did."""
     out = tmp_path / "out"
-    log = resume_elsewhere(runs["fsdp"], 2, out, launch_command(2, "zero3.json"), args_for(tiny_model_dir, out, 2))
+    log = resume_elsewhere(runs["fsdp"], 2, out, launch_command(4, "zero3.json"), args_for(tiny_model_dir, out, 2))
+    assert ("resuming a 2-rank checkpoint on 4 ranks: gradient accumulation 2 -> 1 keeps the global batch of 8 "
+            "sequences") in log
     assert ("resuming a FSDP2 checkpoint of 2 rank(s) under DeepSpeed ZeRO-3: its fp32 weights and Adam moments "
             "(21 trained tensors) read by name") in log
+    assert "has no random state for rank(s) 2, 3" in log
     assert not list((out / "checkpoints").glob("*.tmp"))  # the conversion is removed once loaded
-    # measured: losses 2.4e-8 relative, gradient norms 3.6e-6, weights 2.4e-7 apart
+    # measured on 2 ranks: losses 2.4e-8 relative, gradient norms 3.6e-6, weights 2.4e-7 apart
     assert_continues_within(out, runs["fsdp"], STEPS, atol=1e-5)
     state = json.loads((out / "checkpoints" / f"step_{STEPS}" / "trainer_state.json").read_text())
     assert state["identity"]["engine"] == "deepspeed"  # and its own checkpoints from then on
