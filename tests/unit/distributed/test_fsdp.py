@@ -105,12 +105,13 @@ def test_offload_is_kept_on_gpus_and_dropped_on_cpu_ranks(launch_env) -> None:
     assert fsdp.offloads(fsdp.build_plugin("no", 1)) is torch.cuda.is_available()
 
 
-def test_a_checkpoint_of_another_engine_is_not_resumed(tmp_path) -> None:
+def test_each_engine_records_its_checkpoint_format_and_only_the_portable_ones_change(tmp_path) -> None:
     engines = [run_identity(config(), "key", Parallelism(kind, 2))["engine"]
                for kind in ("deepspeed", "fsdp2", "ddp", "single")]
     assert engines == ["deepspeed", "fsdp2", "torch", "torch"]
-    with pytest.raises(UserError, match="training engine .*checkpoint 'fsdp2', now 'deepspeed'"):
-        check_compatible(tmp_path, {"engine": "fsdp2"}, {"engine": "deepspeed", **BEFORE})
+    check_compatible(tmp_path, {"engine": "fsdp2"}, {"engine": "deepspeed", **BEFORE})  # converted by name
+    with pytest.raises(UserError, match="training engine .*checkpoint 'pipeline', now 'deepspeed'"):
+        check_compatible(tmp_path, {"engine": "pipeline"}, {"engine": "deepspeed", **BEFORE})
     check_compatible(tmp_path, {}, {"engine": "deepspeed", **BEFORE})  # written before the engine was recorded
     with pytest.raises(UserError, match="--sequence_parallel_size .*checkpoint 1, now 2"):
         check_compatible(tmp_path, {}, {**BEFORE, "sequence_parallel_size": 2})  # before SP was recorded: SP 1
