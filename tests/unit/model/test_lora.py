@@ -168,20 +168,3 @@ def test_a_short_conv_models_3d_weights_are_not_taken_for_experts() -> None:
     assert any(p.dim() == 3 for p in model.parameters())
     peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
     assert peft_model.peft_config["default"].lora_dropout == 0.1
-
-
-def test_a_run_without_lora_does_not_import_peft() -> None:
-    """What every run imports (the model loader, the export, the LoRA module's uses_lora) leaves peft out:
-    `import peft` imports bitsandbytes, which sets up torch.compile, seconds of CPU per rank at each start;
-    a LoRA run imports it where it calls it. Without peft no PeftModel exists, which is_peft_model says."""
-    import subprocess
-    import sys
-
-    code = ("import sys, torch\n"
-            "import open_sft.run, open_sft.model.load, open_sft.model.lora, open_sft.export.save\n"
-            "from open_sft.model.anatomy import is_peft_model\n"
-            "assert not is_peft_model(torch.nn.Linear(2, 2))\n"
-            "print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "[]"
