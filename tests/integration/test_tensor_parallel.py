@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file as load_weights_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune, side_by_side
+from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
 from integration.test_checkpoint import assert_continues_exactly, interrupt, load_weights, reloaded_loss
 from integration.test_fsdp import FLAGS, LORA, STEPS, args_for, fsdp_command, losses
 from integration.test_lora import lora_pairs
@@ -45,27 +45,17 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
     out = {name: tmp_path_factory.mktemp(name) for name in
            ("one", "tp", "killed", "packed_fsdp", "packed_tp", "lora_one", "lora_tp")}
     run_finetune(args_for(tiny_model_dir, out["one"], 4))
-    run_finetune(args_for(tiny_model_dir, out["lora_one"], 4, *LORA))
+    result = run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["tp"], 1))
     killed_args = args_for(tiny_model_dir, out["killed"], 1)
-
-    def killed_and_relaunched() -> tuple:
-        kill_code = interrupt("zero2", killed_args, out["killed"], 3, signal.SIGKILL, out["killed"] / "killed.log",
-                              command=fsdp_command(YAML, processes=4))
-        return kill_code, run_tp(YAML, killed_args)
-
+    kill_code = interrupt("zero2", killed_args, out["killed"], 3, signal.SIGKILL, out["killed"] / "killed.log",
+                          command=fsdp_command(YAML, processes=4))
+    relaunch = run_tp(YAML, killed_args)
     # packed steps depend on the world size (a micro-batch is a row of the token budget): compared on 4 ranks
     packed = ("--torch_dtype", "bfloat16", "--packing")
-    # launches of 4 ranks of one thread each, two at a time (see conftest.side_by_side)
-    done = side_by_side({
-        "tp": lambda: run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["tp"], 1)),
-        "killed": killed_and_relaunched,
-        "packed_fsdp": lambda: run_tp(FLAGS, args_for(tiny_model_dir, out["packed_fsdp"], 1, *packed)),
-        "packed_tp": lambda: run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["packed_tp"], 1, *packed,
-                                                            "--gradient_checkpointing")),
-        "lora_tp": lambda: run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["lora_tp"], 1, *LORA,
-                                                          "--merge_lora_on_save")),
-    }, processes=4)
-    result, (kill_code, relaunch) = done["tp"], done["killed"]
+    run_tp(FLAGS, args_for(tiny_model_dir, out["packed_fsdp"], 1, *packed))
+    run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["packed_tp"], 1, *packed, "--gradient_checkpointing"))
+    run_finetune(args_for(tiny_model_dir, out["lora_one"], 4, *LORA))
+    run_tp([*FLAGS, *TP], args_for(tiny_model_dir, out["lora_tp"], 1, *LORA, "--merge_lora_on_save"))
     return {**out, "base": tiny_model_dir, "stdout": result.stdout, "kill_code": kill_code,
             "relaunch": relaunch.stdout + relaunch.stderr}
 
