@@ -7,7 +7,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -58,10 +60,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_embedded_default(out, vocab_size=1024, hidden_size=64, num_layers=2, seed=0)
 
 
+_PORTS_GIVEN: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port no launch of this session was given before (launches may run side by side: see side_by_side)."""
+    with _PORTS_LOCK:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _PORTS_GIVEN:
+                _PORTS_GIVEN.add(port)
+                return port
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -101,6 +113,36 @@ def run_finetune(args: list[str], processes: int = 1, deepspeed_config: str | No
     if check and result.returncode != 0:
         raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+GIB_PER_RANK = 1.0  # what side_by_side keeps free per rank of the two launches (a tiny-model rank peaks ~0.6 GiB)
+
+
+def one_thread_per_rank(processes: int) -> bool:
+    """Whether each rank of a launch of `processes` runs on one thread (open_sft gives a launched rank its share
+    of the usable cores, at least one): then the rank's numbers do not depend on what else runs beside it."""
+    from open_sft.distributed.env import usable_cpus
+
+    return processes > 1 and usable_cpus() // processes <= 1
+
+
+def side_by_side(launches: dict[str, Callable[[], Any]], processes: int) -> dict[str, Any]:
+    """name -> launch() for independent launches of `processes` ranks each: two at a time where every rank runs on
+    one thread anyway (2 ranks on the suite's 2 cores), else one after the other. Each rank computes what it
+    computes alone (the same threads, data and seeds: only the timings change); side by side, one launch's start-up (the
+    launcher's and the ranks' imports, single-threaded) fills the cores the other leaves idle. Never with
+    single-process launches: those use every core, and two of them spun against each other; nor where memory
+    is short for both (GIB_PER_RANK)."""
+    import psutil
+
+    room = psutil.virtual_memory().available >= 2 * processes * GIB_PER_RANK * 2**30
+    if not (one_thread_per_rank(processes) and room):
+        return {name: launch() for name, launch in launches.items()}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(launch) for name, launch in launches.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

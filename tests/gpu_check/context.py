@@ -59,6 +59,7 @@ class Context:
     steps: int = 8
     compare_trl: bool = True
     running: dict[str, float] = field(default_factory=dict)  # parts in progress: name -> start (monotonic)
+    threads: Optional[int] = None  # CPU threads each process may use, while parts share the cores (cli.main)
 
     @property
     def speed_json(self) -> Path:
@@ -99,6 +100,8 @@ class Context:
         if not self.gpu:
             env["DS_ACCELERATOR"] = "cpu"
             env["CUDA_VISIBLE_DEVICES"] = ""
+        if self.threads:  # finetune.py takes OPEN_SFT_NUM_THREADS over any launcher's; the rest take OMP's
+            env["OPEN_SFT_NUM_THREADS"] = env["OMP_NUM_THREADS"] = str(self.threads)
         return env
 
     def describe_models(self) -> dict:

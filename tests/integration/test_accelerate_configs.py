@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-from conftest import DS_CONFIGS, FINETUNE, ROOT, SAMPLE, TRAINER_JSON, child_env, free_port, read_metrics
+from conftest import (DS_CONFIGS, FINETUNE, ROOT, SAMPLE, TRAINER_JSON, child_env, free_port, read_metrics,
+                      side_by_side)
 
 
 ACCELERATE_CONFIGS = ROOT / "configs" / "accelerate"
@@ -39,8 +40,8 @@ STYLES = {  # name: accelerate launch arguments
 def style_runs(tiny_model_dir, tmp_path_factory) -> dict:
     trainer_json = tmp_path_factory.mktemp("trainer") / "ds_trainer.json"
     trainer_json.write_text(json.dumps(TRAINER_JSON))
-    out = {}
-    for name, launch_args in STYLES.items():
+
+    def launch(name: str, launch_args: list[str]) -> dict:
         output_dir = tmp_path_factory.mktemp(name)
         launch_args = [str(trainer_json) if a == "TRAINER_JSON" else a for a in launch_args]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_processes", "2",
@@ -51,9 +52,10 @@ def style_runs(tiny_model_dir, tmp_path_factory) -> dict:
                "3e-3", "--logging_steps", "1", "--seed", "1", "--torch_dtype", "float32", "--max_seq_length", "256"]
         result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{name}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-        out[name] = {"stdout": result.stdout, "metrics": read_metrics(output_dir),
-                     "run": json.loads((output_dir / "run.json").read_text())}
-    return out
+        return {"stdout": result.stdout, "metrics": read_metrics(output_dir),
+                "run": json.loads((output_dir / "run.json").read_text())}
+
+    return side_by_side({name: lambda n=name, a=args: launch(n, a) for name, args in STYLES.items()}, processes=2)
 
 
 @pytest.mark.parametrize("name", [n for n in STYLES if n != "json_zero2"])
@@ -86,8 +88,8 @@ def test_zero3_init_loads_partitioned_and_trains_the_same(tiny_model_dir, tmp_pa
     it) and without (loaded whole, partitioned at prepare): the same losses and bit-identical saved
     weights, with a template whose special tokens grow the embeddings (resized and mean-initialised while
     partitioned)."""
-    runs = {}
-    for init in ("true", "false"):
+
+    def launch(init: str) -> tuple:
         output_dir = tmp_path / init
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
                "--zero3_init_flag", init, "--mixed_precision", "no", "--num_processes", "2", "--num_machines", "1",
@@ -98,7 +100,9 @@ def test_zero3_init_loads_partitioned_and_trains_the_same(tiny_model_dir, tmp_pa
                "--max_seq_length", "256", "--chat_template_name", "chatml"]
         result = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{init}:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-        runs[init] = (result.stdout + result.stderr, read_metrics(output_dir), output_dir)
+        return result.stdout + result.stderr, read_metrics(output_dir), output_dir
+
+    runs = side_by_side({init: lambda i=init: launch(i) for init in ("true", "false")}, processes=2)
     import re
 
     from safetensors.torch import load_file

@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from conftest import read_metrics, run_finetune
+from conftest import read_metrics, run_finetune, side_by_side
 
 STEPS = 6
 WORDS = ("the model reads each token of the answer and learns how the sentence goes on from there with "
@@ -46,12 +46,13 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
     variants = {"balanced": (), "shuffled": ("--balance_micro_batches", "false"),
                 "packed_balanced": ("--packing", "--max_tokens_per_batch", "2048"),
                 "packed_shuffled": ("--packing", "--max_tokens_per_batch", "2048", "--balance_micro_batches", "false")}
-    out = {}
-    for name, extra in variants.items():
+
+    def launch(name: str, extra: tuple[str, ...]) -> dict:
         output_dir = tmp_path_factory.mktemp(name)
         run_finetune(_args(tiny_model_dir, data, output_dir, *extra), processes=2, deepspeed_config="zero2.json")
-        out[name] = {"dir": output_dir, "metrics": read_metrics(output_dir)}
-    return out
+        return {"dir": output_dir, "metrics": read_metrics(output_dir)}
+
+    return side_by_side({name: lambda n=name, e=extra: launch(n, e) for name, extra in variants.items()}, processes=2)
 
 
 def _imbalance(run: dict) -> float:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
+from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune, side_by_side
 
 STEPS = 24
 METRIC_FIELDS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens",
@@ -39,13 +39,16 @@ def common_args(model_dir, output_dir, micro_batch: int, accumulation: int) -> l
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory) -> dict:
-    out = {}
-    for name, (processes, ds_config, micro_batch, accumulation) in LAYOUTS.items():
+    def launch(name: str) -> dict:
+        processes, ds_config, micro_batch, accumulation = LAYOUTS[name]
         output_dir = tmp_path_factory.mktemp(name)
         result = run_finetune(common_args(tiny_model_dir, output_dir, micro_batch, accumulation),
                               processes=processes, deepspeed_config=ds_config)
-        out[name] = {"dir": output_dir, "stdout": result.stdout, "metrics": read_metrics(output_dir)}
-    return out
+        return {"dir": output_dir, "stdout": result.stdout, "metrics": read_metrics(output_dir)}
+
+    out = {name: launch(name) for name, layout in LAYOUTS.items() if layout[0] == 1}
+    return {**out, **side_by_side({name: lambda n=name: launch(n) for name, layout in LAYOUTS.items()
+                                   if layout[0] == 2}, processes=2)}
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SAMPLE, read_metrics, run_finetune
+from conftest import SAMPLE, read_metrics, run_finetune, side_by_side
 from export_check import assert_export_is_the_runs
 from open_sft.errors import UserError
 from open_sft.export.from_checkpoint import export_checkpoint
@@ -52,14 +52,21 @@ def lora_flags(model_dir, output_dir, steps: int, rank: int, lr: str) -> list[st
 
 @pytest.fixture(scope="module")
 def lora_runs(tiny_model_dir, tmp_path_factory) -> dict:
-    out = {}
-    for name, (processes, ds_config, micro_batch, accumulation) in LORA_RUNS.items():
+    def launch(name: str) -> tuple:
+        processes, ds_config, micro_batch, accumulation = LORA_RUNS[name]
         output_dir = tmp_path_factory.mktemp(f"lora_{name}")
         flags = lora_flags(tiny_model_dir, output_dir, STEPS, RANK, "1e-2") + [
             "--use_lora", "--torch_dtype", "float32", "--per_device_train_batch_size", str(micro_batch),
             "--gradient_accumulation_steps", str(accumulation), "--checkpointing_steps", str(STEPS)]
         result = run_finetune(flags, processes=processes, deepspeed_config=ds_config)
-        out[name], out[f"{name}_log"] = output_dir, result.stdout + result.stderr
+        return output_dir, result.stdout + result.stderr
+
+    done = {name: launch(name) for name, run in LORA_RUNS.items() if run[0] == 1}
+    done.update(side_by_side({name: lambda n=name: launch(n) for name, run in LORA_RUNS.items() if run[0] == 2},
+                             processes=2))
+    out = {}
+    for name in LORA_RUNS:
+        out[name], out[f"{name}_log"] = done[name]
     return out
 
 
@@ -264,3 +271,4 @@ def test_export_of_a_qlora_checkpoint_gives_its_adapter_and_refuses_the_merge_na
     with pytest.raises(UserError, match="--no_merge_lora.*open_sft merge-lora"):
         export_checkpoint(checkpoint, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+

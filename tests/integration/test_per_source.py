@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from conftest import SAMPLE, assert_png, read_metrics, run_finetune
+from conftest import SAMPLE, assert_png, read_metrics, run_finetune, side_by_side
 
 STEPS = 24
 NAMES = ("usual", "sample")
@@ -50,15 +50,19 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
                # packed: 4 micro-batches of 512 tokens per step in both layouts, so the plans are the same
                "slow_packed_single": (1, None, 4, 4, "1e-3", ("--packing", "--max_tokens_per_batch", "512")),
                "slow_packed_zero2": (2, "zero2.json", 2, 2, "1e-3", ("--packing", "--max_tokens_per_batch", "512"))}
-    out = {}
-    for name, (processes, ds_config, micro, accumulation, lr, extra) in layouts.items():
+
+    def launch(name: str) -> dict:
+        processes, ds_config, micro, accumulation, lr, extra = layouts[name]
         output_dir = tmp_path_factory.mktemp(name)
         run_finetune(_args(tiny_model_dir, easy, output_dir, micro, accumulation, lr, *extra), processes=processes,
                      deepspeed_config=ds_config)
         metrics = read_metrics(output_dir)
-        out[name] = {"dir": output_dir, "train": [m for m in metrics if "loss" in m],
-                     "eval": [m for m in metrics if "eval_loss" in m]}
-    return out
+        return {"dir": output_dir, "train": [m for m in metrics if "loss" in m],
+                "eval": [m for m in metrics if "eval_loss" in m]}
+
+    out = {name: launch(name) for name, layout in layouts.items() if layout[0] == 1}
+    return {**out, **side_by_side({name: lambda n=name: launch(n) for name, layout in layouts.items()
+                                   if layout[0] == 2}, processes=2)}
 
 
 @pytest.mark.parametrize("name", ["single", "packed_single"])

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune
+from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune, side_by_side
 from export_check import assert_export_is_the_runs
 from open_sft.errors import UserError
 from open_sft.export.from_checkpoint import export_checkpoint
@@ -69,31 +69,50 @@ def runs(model4, tmp_path_factory) -> dict:
            ("one", "pp", "killed", "dp_pp", "fsdp_pp", "fsdp_killed", "packed_ddp_fp32", "packed_pp_fp32",
             "packed_ddp", "packed_pp", "mean_ddp", "mean_pp", "lora_one", "lora_pp")}
     run_finetune(args_for(model4, out["one"], 4))
-    result = run_launch(args_for(model4, out["pp"], 2, *PP))
-    killed_args = args_for(model4, out["killed"], 2, *PP)
-    kill_code = interrupt("zero2", killed_args, out["killed"], 3, signal.SIGKILL, out["killed"] / "killed.log",
-                          command=fsdp_command(DDP))
-    relaunch = run_launch(killed_args)
-    run_launch(args_for(model4, out["dp_pp"], 1, *PP, "--pipeline_schedule", "gpipe"), processes=4)
-    # 2 stages × 2 replicas with each stage FSDP2-sharded over its replicas; killed and relaunched too
-    fsdp = fsdp_command(FSDP_YAML, processes=4)
-    subprocess.run(fsdp + args_for(model4, out["fsdp_pp"], 1, *PP), cwd=ROOT, env=child_env(), check=True,
-                   capture_output=True, timeout=600)
-    fsdp_killed_args = args_for(model4, out["fsdp_killed"], 1, *PP)
-    fsdp_kill_code = interrupt("zero2", fsdp_killed_args, out["fsdp_killed"], 3, signal.SIGKILL,
-                               out["fsdp_killed"] / "killed.log", command=fsdp)
-    subprocess.run(fsdp + fsdp_killed_args, cwd=ROOT, env=child_env(), check=True, capture_output=True, timeout=600)
-    run_launch(args_for(model4, out["packed_ddp_fp32"], 2, "--packing"))
-    run_launch(args_for(model4, out["packed_pp_fp32"], 2, "--packing", *PP))
-    packed = ("--packing", "--torch_dtype", "bfloat16")  # bf16 autocast on fp32 masters
-    run_launch(args_for(model4, out["packed_ddp"], 2, *packed))
-    run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule", "interleaved_1f1b",
-                        "--pipeline_virtual_stages", "2", "--gradient_checkpointing"))
-    mean = ("--loss_normalization", "mean")
-    run_launch(args_for(model4, out["mean_ddp"], 2, *mean))
-    run_launch(args_for(model4, out["mean_pp"], 2, *mean, *PP))
     run_finetune(args_for(model4, out["lora_one"], 4, *LORA))
-    run_launch(args_for(model4, out["lora_pp"], 2, *LORA, *PP, "--merge_lora_on_save"))
+    def fsdp() -> list[str]:  # a port of its own for each launch: launches run side by side
+        return fsdp_command(FSDP_YAML, processes=4)
+
+    killed_args = args_for(model4, out["killed"], 2, *PP)
+    fsdp_killed_args = args_for(model4, out["fsdp_killed"], 1, *PP)
+    packed = ("--packing", "--torch_dtype", "bfloat16")  # bf16 autocast on fp32 masters
+    mean = ("--loss_normalization", "mean")
+
+    def killed_and_relaunched() -> tuple:
+        kill_code = interrupt("zero2", killed_args, out["killed"], 3, signal.SIGKILL, out["killed"] / "killed.log",
+                              command=fsdp_command(DDP))
+        return kill_code, run_launch(killed_args)
+
+    def fsdp_killed_and_relaunched() -> int:
+        fsdp_kill_code = interrupt("zero2", fsdp_killed_args, out["fsdp_killed"], 3, signal.SIGKILL,
+                                   out["fsdp_killed"] / "killed.log", command=fsdp())
+        subprocess.run(fsdp() + fsdp_killed_args, cwd=ROOT, env=child_env(), check=True, capture_output=True,
+                       timeout=600)
+        return fsdp_kill_code
+
+    # launches of 4 ranks, then of 2, one thread each: two at a time (see conftest.side_by_side)
+    done = side_by_side({
+        "dp_pp": lambda: run_launch(args_for(model4, out["dp_pp"], 1, *PP, "--pipeline_schedule", "gpipe"),
+                                    processes=4),
+        # 2 stages × 2 replicas with each stage FSDP2-sharded over its replicas; killed and relaunched too
+        "fsdp_pp": lambda: subprocess.run(fsdp() + args_for(model4, out["fsdp_pp"], 1, *PP), cwd=ROOT,
+                                          env=child_env(), check=True, capture_output=True, timeout=600),
+        "fsdp_killed": fsdp_killed_and_relaunched,
+    }, processes=4)
+    done.update(side_by_side({
+        "pp": lambda: run_launch(args_for(model4, out["pp"], 2, *PP)),
+        "killed": killed_and_relaunched,
+        "packed_ddp_fp32": lambda: run_launch(args_for(model4, out["packed_ddp_fp32"], 2, "--packing")),
+        "packed_pp_fp32": lambda: run_launch(args_for(model4, out["packed_pp_fp32"], 2, "--packing", *PP)),
+        "packed_ddp": lambda: run_launch(args_for(model4, out["packed_ddp"], 2, *packed)),
+        "packed_pp": lambda: run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule",
+                                                 "interleaved_1f1b", "--pipeline_virtual_stages", "2",
+                                                 "--gradient_checkpointing")),
+        "mean_ddp": lambda: run_launch(args_for(model4, out["mean_ddp"], 2, *mean)),
+        "mean_pp": lambda: run_launch(args_for(model4, out["mean_pp"], 2, *mean, *PP)),
+        "lora_pp": lambda: run_launch(args_for(model4, out["lora_pp"], 2, *LORA, *PP, "--merge_lora_on_save")),
+    }, processes=2))
+    result, (kill_code, relaunch), fsdp_kill_code = done["pp"], done["killed"], done["fsdp_killed"]
     return {**out, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr,
             "fsdp_kill_code": fsdp_kill_code}
 

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from conftest import SAMPLE, read_metrics, run_finetune
+from conftest import SAMPLE, read_metrics, run_finetune, side_by_side
 from integration.test_checkpoint import interrupt
 
 STEPS = 3
@@ -44,11 +44,21 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def losses(tiny_model_dir, tmp_path_factory) -> dict:
-    out = {}
-    for name, (processes, ds_config, micro, accumulation, extra) in RUNS.items():
+    def launch(name: str) -> tuple:
+        processes, ds_config, micro, accumulation, extra = RUNS[name]
         output_dir = tmp_path_factory.mktemp(name)
         result = run_finetune(args_for(tiny_model_dir, output_dir, micro, accumulation, *extra), processes=processes,
                               deepspeed_config=ds_config)
+        return output_dir, result
+
+    done = {name: launch(name) for name, run in RUNS.items() if run[0] == 1}
+    # the launches of 2 ranks, then of 4 (one thread each), two at a time: see conftest.side_by_side
+    for processes in (2, 4):
+        done.update(side_by_side({name: lambda n=name: launch(n) for name, run in RUNS.items()
+                                  if run[0] == processes}, processes=processes))
+    out = {}
+    for name in RUNS:
+        output_dir, result = done[name]
         out[name] = [m["loss"] for m in read_metrics(output_dir) if "loss" in m]
         out[name + "_grad_norm"] = [m["grad_norm"] for m in read_metrics(output_dir) if "grad_norm" in m]
         out[name + "_eval"] = [m["eval_loss"] for m in read_metrics(output_dir) if "eval_loss" in m]
