@@ -20,10 +20,11 @@ from typing import Callable, Iterable
 import torch
 
 from open_sft.errors import UserError
+from open_sft.training.universal import MODEL_STATES, PARTITIONED_MODEL_STATES
 
 WRAPPER = "model."  # open_sft.model.loss.TokenLossModel holds the trained model as `.model`
 SAFETENSORS = "model.safetensors"  # accelerate's save_state
-FSDP_DIR = "pytorch_model_fsdp_0"  # accelerate's save_state under FSDP2 (sharded state dict)
+FSDP_DIR, FSDP_OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"  # accelerate's save_state under FSDP2
 PIPELINE_SHARDED = "pipeline_sharded"  # open_sft.training.pipeline_state.SHARDED
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
                        "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8,
@@ -79,14 +80,14 @@ def _deepspeed(directory: Path) -> CheckpointWeights:
     module's dtype, which is what the module held (DeepSpeed copies the masters into it after each step)."""
     tag = (directory / "latest").read_text().strip()
     ds_dir = directory / tag
-    whole = ds_dir / "mp_rank_00_model_states.pt"
+    whole = ds_dir / MODEL_STATES
     if whole.is_file():
         module = torch.load(whole, map_location="cpu", mmap=True, weights_only=False)["module"]
         weights = {_unwrapped(k): Weight(v.shape, v.dtype) for k, v in module.items()}
         return CheckpointWeights("DeepSpeed ZeRO-1/2", weights, lambda names: {n: module[WRAPPER + n] for n in names})
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    states = torch.load(ds_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu", mmap=True,
+    states = torch.load(ds_dir / PARTITIONED_MODEL_STATES, map_location="cpu", mmap=True,
                         weights_only=False)
     dtypes = {k: v.dtype for k, v in states["module"].items()}
     shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
@@ -99,9 +100,10 @@ def _deepspeed(directory: Path) -> CheckpointWeights:
                              lambda names: {n: lazy[WRAPPER + n].contiguous() for n in names})
 
 
-def _fsdp2(path: Path, prefix: str = "model.") -> CheckpointWeights:
-    """accelerate's torch.distributed.checkpoint directory of FSDP2 (the weights under `prefix`), read without a
-    process group: each asked-for tensor assembled from the ranks' shards into a whole one."""
+def distributed_checkpoint(path: Path, prefix: str = "model.") -> CheckpointWeights:
+    """accelerate's torch.distributed.checkpoint directory of FSDP2 (the tensors under `prefix`: the model's weights,
+    or the optimizer's states under `optimizer.state.`), read without a process group: each asked-for tensor
+    assembled from the ranks' shards into a whole one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -134,7 +136,7 @@ def open_weights(directory: Path) -> CheckpointWeights:
     if (directory / "latest").is_file():
         return _deepspeed(directory)
     if (directory / FSDP_DIR).is_dir():
-        return _fsdp2(directory / FSDP_DIR)
+        return distributed_checkpoint(directory / FSDP_DIR)
     if list(directory.glob("pipeline_stage_*.pt")):
         return _pipeline(directory)
     if (directory / PIPELINE_SHARDED).is_dir():

@@ -35,6 +35,7 @@ import torch
 from open_sft.errors import UserError
 from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
 from open_sft.training.completion import resume_setting
+from open_sft.training.portable import ENGINE_WORDS, refusal
 
 if TYPE_CHECKING:
     from open_sft.config.args import FinetuneConfig
@@ -141,8 +142,6 @@ def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], state: O
     loads, when it cannot be converted (open_sft.training.portable.refusal); `dtype`: this run's compute dtype."""
     saved = (state or {}).get("identity")
     if saved and saved.get("engine", "torch") != identity["engine"] and convertible(saved, identity):
-        from open_sft.training.portable import ENGINE_WORDS, refusal
-
         reason = refusal(state, config.to_dict(), dtype)
         if reason:
             raise UserError(f"cannot resume the {ENGINE_WORDS[saved.get('engine', 'torch')]} checkpoint under "

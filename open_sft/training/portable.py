@@ -33,16 +33,16 @@ import torch
 
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.errors import UserError
+from open_sft.export.checkpoint_weights import FSDP_DIR, FSDP_OPTIMIZER_DIR, WRAPPER, distributed_checkpoint
 from open_sft.training.checkpoint import ResumePoint
 from open_sft.training.optim import param_group_names
-from open_sft.training.universal import TAG, UniversalResume, convert, load_universal
+from open_sft.training.universal import (MODEL_STATES, PARTITIONED_MODEL_STATES, TAG, UniversalResume, convert,
+                                         load_universal, partitioned)
 
 logger = logging.getLogger(__name__)
 
 ENGINE_WORDS = {"torch": "one process or DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO"}
 STATES = ("exp_avg", "exp_avg_sq")
-FSDP_MODEL, FSDP_OPTIMIZER = "pytorch_model_fsdp_0", "optimizer_0"  # accelerate's save_state under FSDP2
-_OPTIMIZER_KEY = "optimizer.state."
 
 
 @dataclass
@@ -60,7 +60,6 @@ class CheckpointStates:
     """The trained parameters of a checkpoint: `names` (the run's parameter names, TokenLossModel's `model.`
     included) and `load(names)`."""
 
-    engine: str
     names: list[str]
     load: Callable[[list[str]], dict[str, Trained]]
 
@@ -126,37 +125,25 @@ def _torch_states(directory: Path, order: list[str], aliases: Optional[dict[str,
                 out[name] = Trained(weight, *(state[k].float() for k in STATES), _step_tensor(state["step"]))
         return out
 
-    return CheckpointStates("torch", list(order), load)
+    return CheckpointStates(list(order), load)
 
 
 def _fsdp2_states(directory: Path) -> CheckpointStates:
-    """FSDP2's torch distributed checkpoint, read without a process group: each tensor asked for assembled whole
-    from the ranks' shards (the model under `model.`, the optimizer's states under `optimizer.state.<name>.`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    model_dir, optimizer_dir = directory / FSDP_MODEL, directory / FSDP_OPTIMIZER
-    model_meta = dcp.FileSystemReader(str(model_dir)).read_metadata().state_dict_metadata
-    optimizer_meta = dcp.FileSystemReader(str(optimizer_dir)).read_metadata().state_dict_metadata
-    names = list(dict.fromkeys(k[len(_OPTIMIZER_KEY):].rsplit(".", 1)[0] for k in optimizer_meta
-                               if k.startswith(_OPTIMIZER_KEY) and k.endswith(".exp_avg")))
-
-    def empty(meta: Any, key: str) -> torch.Tensor:
-        entry = meta[key]
-        if not isinstance(entry, TensorStorageMetadata):
-            raise UserError(f"{directory}: {key} is not a tensor in its torch distributed checkpoint")
-        return torch.empty(entry.size, dtype=entry.properties.dtype)
+    """FSDP2's torch distributed checkpoint, read without a process group by the export's reader: the model's
+    weights and the optimizer's states (under `optimizer.state.<name>.`), each assembled whole from the ranks'
+    shards. That reader names tensors without TokenLossModel's `model.`; these names keep it."""
+    weights = distributed_checkpoint(directory / FSDP_DIR)
+    states = distributed_checkpoint(directory / FSDP_OPTIMIZER_DIR, prefix="optimizer.state.")
+    names = [WRAPPER + key.removesuffix(".exp_avg") for key in states.weights if key.endswith(".exp_avg")]
 
     def load(wanted: list[str]) -> dict[str, Trained]:
-        weights = {f"model.{n}": empty(model_meta, f"model.{n}") for n in wanted}
-        states = {f"{_OPTIMIZER_KEY}{n}.{k}": empty(optimizer_meta, f"{_OPTIMIZER_KEY}{n}.{k}")
-                  for n in wanted for k in (*STATES, "step")}
-        dcp.load(weights, storage_reader=dcp.FileSystemReader(str(model_dir)), no_dist=True)
-        dcp.load(states, storage_reader=dcp.FileSystemReader(str(optimizer_dir)), no_dist=True)
-        return {n: Trained(weights[f"model.{n}"].float(), *(states[f"{_OPTIMIZER_KEY}{n}.{k}"].float() for k in STATES),
-                           _step_tensor(states[f"{_OPTIMIZER_KEY}{n}.step"])) for n in wanted}
+        bare = [n.removeprefix(WRAPPER) for n in wanted]
+        weight = weights.load(bare)
+        state = states.load(f"{n}.{k}" for n in bare for k in (*STATES, "step"))
+        return {name: Trained(weight[n].float(), *(state[f"{n}.{k}"].float() for k in STATES),
+                              _step_tensor(state[f"{n}.step"])) for name, n in zip(wanted, bare)}
 
-    return CheckpointStates("fsdp2", names, load)
+    return CheckpointStates(names, load)
 
 
 def universal_states(folder: Path) -> CheckpointStates:
@@ -178,7 +165,7 @@ def universal_states(folder: Path) -> CheckpointStates:
                            _step_tensor(shared if shared is not None else read(zero / n / "step.pt")))
                 for n in wanted}
 
-    return CheckpointStates("deepspeed", names, load)
+    return CheckpointStates(names, load)
 
 
 def open_states(checkpoint: Path, engine: str, order: list[str], scratch: Path,
@@ -227,51 +214,45 @@ def write_universal(states: CheckpointStates, target: Path, engine: Any, world: 
     torch.save({"ds_version": deepspeed.__version__, "param_groups": groups,
                 "optimizer_state_dict": {"state": {0: {"step": step_tensor}}, "param_groups": groups}},
                zero / "optimizer_state.pt")
-    stage3 = engine.zero_optimization_partition_weights()
-    model_states = "zero_pp_rank_0_mp_rank_00_model_states.pt" if stage3 else "mp_rank_00_model_states.pt"
+    model_states = PARTITIONED_MODEL_STATES if engine.zero_optimization_partition_weights() else MODEL_STATES
     torch.save({"module": {}, "buffer_names": [], "optimizer": None, "lr_scheduler": None, "skipped_steps": 0,
                 "global_steps": step, "global_samples": step * engine.train_batch_size(), "dp_world_size": world,
                 "mp_world_size": 1, "ds_version": deepspeed.__version__}, target / TAG / model_states)
 
 
 def _full_state_dicts(states: CheckpointStates, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      order: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                      groups: tuple[list[str], list[str]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The name-keyed full state dicts torch's set_state_dict takes: the model's (its own buffers kept) and the
-    optimizer's (its own hyperparameters kept), filled from `states`."""
+    optimizer's (its own hyperparameters kept, `groups`: its groups' parameter names), filled from `states`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    loaded = states.load(order)
+    loaded = states.load([name for names in groups for name in names])
     model_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     for name, trained in loaded.items():  # ZeRO-3's universal files hold each parameter flat
         shape = model_sd[name].shape
         trained.weight, trained.exp_avg, trained.exp_avg_sq = (t.reshape(shape) for t in (
             trained.weight, trained.exp_avg, trained.exp_avg_sq))
         model_sd[name] = trained.weight.to(model_sd[name].dtype)
-    decay, no_decay = param_group_names(_unwrapped(model))
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
-              for group, names in zip(optimizer.param_groups, (decay, no_decay))]
+    param_groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
+                    for group, names in zip(optimizer.param_groups, groups)]
     # a step tensor per parameter: torch's load keeps the tensor it is given, and Adam advances each one in place
     optim_sd = {"state": {n: {"step": t.step.clone(), "exp_avg": t.exp_avg, "exp_avg_sq": t.exp_avg_sq}
-                          for n, t in loaded.items()}, "param_groups": groups}
+                          for n, t in loaded.items()}, "param_groups": param_groups}
     return model_sd, optim_sd
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)  # DDP's wrapper; FSDP2 shards in place
-
-
 def load_torch(states: Optional[CheckpointStates], model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               order: list[str]) -> None:
+               groups: tuple[list[str], list[str]]) -> None:
     """Collective: `states` (read on the main process; None elsewhere) into a one-process, DDP or FSDP2 model
-    and its torch optimizer, through torch's state-dict API (the main process's full state dicts sent to the
-    other ranks, which keep their part)."""
+    and its torch optimizer (`groups`: optim.param_group_names of the model), through torch's state-dict API (the
+    main process's full state dicts sent to the other ranks, which keep their part)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() and (
         torch.distributed.get_world_size() > 1)
     if states is not None:
-        model_sd, optim_sd = _full_state_dicts(states, model, optimizer, order)
+        model_sd, optim_sd = _full_state_dicts(states, model, optimizer, groups)
     else:  # the template's gather is collective under FSDP2; what other ranks pass is ignored
         get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         model_sd, optim_sd = {}, {}
@@ -300,8 +281,8 @@ class CrossEngineResume:
         engine, world = identity.get("engine", "torch"), int(identity.get("world_size", 1))
         scratch = checkpoint.with_name(checkpoint.name + ".portable.tmp")
         module = acc.unwrap_model(self.trainer.model)
-        decay, no_decay = param_group_names(module)
-        order = decay + no_decay
+        groups = param_group_names(module)
+        order = groups[0] + groups[1]
         states, error = None, None
         if acc.is_main_process:
             try:
@@ -325,7 +306,7 @@ class CrossEngineResume:
             load_universal(acc, self.trainer.model, scratch / "target")
         else:
             load_torch(states, self.trainer.model, getattr(self.trainer.optimizer, "optimizer",
-                                                           self.trainer.optimizer), order)
+                                                           self.trainer.optimizer), groups)
             load_accelerator_state(str(checkpoint), [], [], [], [], acc.process_index)  # the random states
         acc.wait_for_everyone()
         if acc.is_main_process:
@@ -351,9 +332,7 @@ def _other_zero_stage(checkpoint: Path, engine: Any) -> bool:
     DeepSpeed's own load reads only its own stage's files, and the two universal layouts keep the step and the
     global state in other places, so the checkpoint is converted as another engine's is."""
     live = getattr(engine, "zero_optimization_partition_weights", None)
-    if live is None:
-        return False
-    return (checkpoint / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file() != bool(live())
+    return live is not None and partitioned(checkpoint) != bool(live())
 
 
 def _words(name: str, checkpoint: Optional[Path] = None, engine: Any = None) -> str:
@@ -363,8 +342,7 @@ def _words(name: str, checkpoint: Optional[Path] = None, engine: Any = None) -> 
     if engine is not None and hasattr(engine, "zero_optimization_stage"):
         return f"DeepSpeed ZeRO-{engine.zero_optimization_stage()}"
     if checkpoint is not None:
-        stage3 = (checkpoint / TAG / "zero_pp_rank_0_mp_rank_00_model_states.pt").is_file()
-        return "DeepSpeed ZeRO-3" if stage3 else "DeepSpeed ZeRO-1/2"
+        return "DeepSpeed ZeRO-3" if partitioned(checkpoint) else "DeepSpeed ZeRO-1/2"
     return ENGINE_WORDS[name]
 
 

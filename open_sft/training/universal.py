@@ -23,6 +23,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 TAG = "pytorch_model"  # the folder accelerate's save_state gives the (only) DeepSpeed engine's files
+# The module's states: ZeRO-1/2 write one file (the whole module), ZeRO-3 one per rank (partitioned weights); the
+# universal load reads rank 0's of its own stage.
+MODEL_STATES, PARTITIONED_MODEL_STATES = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+def partitioned(checkpoint: Path) -> bool:
+    """Whether a ZeRO checkpoint (step_N, or a universal folder) was written by ZeRO-3."""
+    return (checkpoint / TAG / PARTITIONED_MODEL_STATES).is_file()
 
 
 def convert(checkpoint: Path, target: Path) -> None:

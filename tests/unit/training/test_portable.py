@@ -141,7 +141,7 @@ def test_loaded_into_another_torch_optimizer_it_steps_as_the_original_bitwise(tm
         zero3_like(tmp_path / "u", model, optimizer)
         states = universal_states(tmp_path / "u")
     fresh, fresh_optimizer = trained(tied=False, seed=5, steps=0)
-    load_torch(states, fresh, fresh_optimizer, order_of(fresh))
+    load_torch(states, fresh, fresh_optimizer, param_group_names(fresh))
     steps = [s["step"] for s in fresh_optimizer.state.values()]
     assert len({id(s) for s in steps}) == len(steps) == len(order_of(model))
     for seed in (11, 12):
