@@ -92,6 +92,7 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
             model, use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
+        _keep_4bit_layout_for_training(model)
     try:
         rows = trainable_token_rows(model, new_ids or [])
         dropout = None
@@ -123,6 +124,20 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     logger.info("%s: %d trainable adapter parameters of %d (%.3f%%)", "QLoRA" if args.use_qlora else "LoRA",
                 trainable, total, 100 * trainable / max(total, 1))
     return peft_model
+
+
+def _keep_4bit_layout_for_training(model: torch.nn.Module) -> None:
+    """bitsandbytes (0.48 on) repacks a 4-bit layer's weight for its AVX512-BF16 inference kernel the first time
+    the layer runs in eval mode without grad on a CPU that has AVX512-BF16 (a QLoRA run's first evaluation), and
+    keeps it so: every later forward, training included, then goes through that kernel, which has no backward,
+    so the gradient through every frozen 4-bit layer to the adapters below it would be silently dropped (torch
+    warns "an autograd kernel was not registered ... may lead to silently incorrect behavior"). A training run
+    keeps the layout the backward needs; generation (open_sft generate/chat) loads its own model and keeps it."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 @contextlib.contextmanager

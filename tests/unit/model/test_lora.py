@@ -53,6 +53,34 @@ def test_only_adapter_weights_train(tiny_model_dir) -> None:
             assert torch.equal(param, before[name]), name
 
 
+def test_qlora_trains_through_its_4bit_layers_after_an_evaluation(tiny_model_dir, monkeypatch) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes repacked a 4-bit weight for its inference kernel (no backward) at
+    the first forward in eval mode without grad, for good: after a run's first evaluation, training lost the
+    gradient through every frozen 4-bit layer. Here bitsandbytes is told this CPU has AVX512-BF16: the gradients
+    after an evaluation are those before it."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+    model = load_model(model_args(tiny_model_dir), lora=LoraArguments(use_qlora=True, lora_rank=4, lora_dropout=0.0))
+    wrapped, batch = TokenLossModel(model), make_batch()
+
+    def gradients() -> dict[str, torch.Tensor]:
+        wrapped.train()
+        wrapped(**batch).backward()
+        grads = {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
+        model.zero_grad()
+        return grads
+
+    before = gradients()
+    wrapped.eval()
+    with torch.no_grad():
+        wrapped(**batch)
+    after = gradients()
+    assert before.keys() == after.keys() and len(before) == 2 * 7 * 2
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
     """The rows of tokens the run added train under LoRA: the embedding's and an untied head's by name, a tied
