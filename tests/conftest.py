@@ -18,6 +18,16 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Under pytest-xdist (scripts/test.sh runs the suite on one worker per core), this worker is one of
+# WORKER_COUNT sharing the machine's cores: it and the processes it starts use its share of them, as a
+# launched rank uses its share (a user's own OMP_NUM_THREADS is kept).
+WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKER_COUNT > 1 and "OMP_NUM_THREADS" not in os.environ:
+    from open_sft.distributed.env import usable_cpus
+
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cpus() // WORKER_COUNT))
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 SAMPLE = ROOT / "open_sft" / "embedded" / "data" / "sample.jsonl"
@@ -60,20 +70,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_embedded_default(out, vocab_size=1024, hidden_size=64, num_layers=2, seed=0)
 
 
-_PORTS_GIVEN: set[int] = set()
 _PORTS_LOCK = threading.Lock()
+_PORTS_BELOW = 32768  # Linux's default ephemeral range starts here: gloo's own sockets and bind(0) take ports above
+_PORTS_FROM = 20000
+_next_port = _PORTS_FROM + WORKER * ((_PORTS_BELOW - _PORTS_FROM) // WORKER_COUNT)
 
 
 def free_port() -> int:
-    """A free port no launch of this session was given before (launches may run side by side: see side_by_side)."""
+    """A free port for a launch's rendezvous that no launch of this session was given before (launches may run
+    side by side: see side_by_side), and that no other xdist worker can give: each worker scans its own block of
+    the ports below the kernel's ephemeral range, so no socket the kernel numbers (a rank's gloo pair) takes it."""
+    global _next_port
     with _PORTS_LOCK:
         while True:
+            port, _next_port = _next_port, _next_port + 1
             with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            if port not in _PORTS_GIVEN:
-                _PORTS_GIVEN.add(port)
-                return port
+                try:
+                    sock.bind(("", port))
+                except OSError:
+                    continue
+            return port
 
 
 def child_env(**extra: str) -> dict[str, str]:
