@@ -16,17 +16,21 @@ import shutil
 from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from peft import PeftModel
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from open_sft.data.chat.render import renderer_for, special_markers
 from open_sft.data.chat.turn_render import turn_enders
-from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.file_modes import share_as_umask
+from open_sft.model.anatomy import is_peft_model
 from open_sft.model.lora import ADAPTER
+
+# peft (and open_sft.export.lora_merge, which needs it) is imported by the LoRA paths only: every run imports this
+# module, and `import peft` imports bitsandbytes, seconds of CPU per rank for a run without LoRA.
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +135,12 @@ def write_model_files(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedT
     under LoRA, then also adapter_config.json), the tokenizer and the generation config. A checkpoint keeps these
     (checkpoint.MODEL_FILES) so that `open_sft export` turns it into a model without the run's process."""
     directory.mkdir(parents=True, exist_ok=True)
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
     config = copy.deepcopy(base.config)
     config.use_cache, config.dtype = True, dtype
     config.save_pretrained(directory)
-    if isinstance(model, PeftModel):
+    if peft:
         adapter = copy.deepcopy(model.peft_config[ADAPTER])
         adapter.inference_mode = True  # as PeftModel.save_pretrained writes it
         adapter.save_pretrained(directory)
@@ -159,6 +164,8 @@ def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: 
               dtype: Optional[torch.dtype] = None) -> None:
     """Adapter (+ the merged full model in merged/ with `merge`, in `dtype` when given), tokenizer and generation
     config; main process only. The top level has no config.json (see open_sft.model.lora)."""
+    from open_sft.export.lora_merge import merged_state_dict, write_merged_model
+
     with staged_export(output_dir) as staging:
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
         (staging / "README.md").unlink(missing_ok=True)  # peft's stub card; open_sft.export.model_card writes ours

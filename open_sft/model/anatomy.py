@@ -4,6 +4,8 @@ loading, LoRA, the loss and every parallelism can ask it."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -40,9 +42,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
+    # Without peft imported no PeftModel exists, and importing peft only to say so (it imports bitsandbytes, which
+    # sets up torch.compile) would cost every run without LoRA seconds of CPU per rank at its end.
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def param_shape(param: torch.Tensor) -> torch.Size:

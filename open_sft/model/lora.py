@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -30,12 +30,17 @@ import torch
 # Hub (`kernels` package); training falls back to its built-in CPU kernels, so keep the log quiet.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
 from transformers import BitsAndBytesConfig, PreTrainedModel  # noqa: E402
 
 from open_sft.config.args import LoraArguments  # noqa: E402
 from open_sft.errors import UserError  # noqa: E402
 from open_sft.model.anatomy import param_numel  # noqa: E402
+
+# peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
+# uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds
+# of CPU per rank at every start for runs that never touch an adapter.
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,8 @@ def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[Bit
 
 def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None,
                 dropout: Optional[float] = None) -> LoraConfig:
+    from peft import LoraConfig
+
     targets = args.lora_target_modules
     return LoraConfig(
         r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout if dropout is None else dropout,
@@ -87,6 +94,8 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     """Freeze the base model and inject LoRA adapters in place (and make the rows of `new_ids`, tokens the run
     added, trainable); returns the PeftModel. `dropout_given`: --lora_dropout was set by the user (else its
     default yields to 0 where peft adapts MoE experts' fused weights, which it trains only without dropout)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
     if args.use_qlora:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SAMPLE, read_metrics, run_finetune, side_by_side
+from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune, side_by_side
 from export_check import assert_export_is_the_runs
 from open_sft.errors import UserError
 from open_sft.export.from_checkpoint import export_checkpoint
@@ -272,3 +274,17 @@ def test_export_of_a_qlora_checkpoint_gives_its_adapter_and_refuses_the_merge_na
         export_checkpoint(checkpoint, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
 
+
+def test_a_run_without_lora_does_not_import_peft() -> None:
+    """What every run imports (the model loader, the export, the LoRA module's uses_lora) leaves peft out:
+    `import peft` imports bitsandbytes, which sets up torch.compile, seconds of CPU per rank at each start;
+    a LoRA run imports it where it calls it. Without peft no PeftModel exists, which is_peft_model says."""
+    code = ("import sys, torch\n"
+            "import open_sft.run, open_sft.model.load, open_sft.model.lora, open_sft.export.save\n"
+            "from open_sft.model.anatomy import is_peft_model\n"
+            "assert not is_peft_model(torch.nn.Linear(2, 2))\n"
+            "print(sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
