@@ -26,8 +26,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from open_sft.data.chat.templates import EMBEDDED
+from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
+from open_sft.monitor.quiet import quiet_third_parties
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,13 @@ def _require_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_vocab_size(vocab_size: int) -> None:
+    _require_positive("vocab_size", vocab_size)
+    min_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size must be >= {min_size} (bytes + special tokens), got {vocab_size}")
+
+
 def build_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """Train a deterministic byte-level BPE on ``texts`` and wrap it for transformers.
 
@@ -63,10 +72,7 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 2048) -> PreTrainedT
     project chat template, and no automatic BOS insertion (the template adds BOS).
     ``vocab_size`` is an upper bound: training stops early when no merges remain.
     """
-    _require_positive("vocab_size", vocab_size)
-    min_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
-    if vocab_size < min_size:
-        raise ValueError(f"vocab_size must be >= {min_size} (bytes + special tokens), got {vocab_size}")
+    _check_vocab_size(vocab_size)
     corpus = [t for t in texts]
     for text in corpus:
         if not isinstance(text, str):
@@ -268,12 +274,32 @@ def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> 
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        _check_flags(args)
+        setup_cpu_environment()  # (DeepSpeed, which transformers imports to save, says nothing of its accelerator)
+        quiet_third_parties(qlora=False)
         path = _build(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(path)
     return 0
+
+
+SHAPE_FLAGS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+               "max_position_embeddings")
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The size flags checked before anything is built or written, as one error naming the flags to change
+    (build_tokenizer and build_model check the same for callers in Python, as ValueErrors)."""
+    try:
+        _check_vocab_size(args.vocab_size)
+        _check_shape(args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,
+                     1 if args.intermediate_size is None else args.intermediate_size, args.max_position_embeddings)
+    except ValueError as exc:
+        message = str(exc)
+        named = [f"--{name}" for name in SHAPE_FLAGS if name in message] or ["--hidden_size", "--num_heads"]
+        raise UserError(f"{message}: change {' / '.join(named)}") from None
 
 
 def _build(args: argparse.Namespace) -> Path:

@@ -57,7 +57,10 @@ def read_tasks(path: Path) -> list[dict]:
         for number, line in enumerate(fh, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path} line {number}: not JSON ({exc}); each line is one task") from None
             messages = row.get("messages") if isinstance(row, dict) else None
             if (not isinstance(messages, list) or len(messages) < 2 or not isinstance(row.get("answer"), str)
                     or messages[-1].get("role") != "assistant"):
@@ -132,8 +135,12 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         parser.error("--max_new_tokens must be at least 1 and --show at least 0")
     try:
         rows = read_tasks(args.tasks)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: --tasks {args.tasks}: {exc.strerror or exc}; give a JSON-lines file of held-out tasks "
+              "(each line 'messages' ending with the assistant's reply, and 'answer')", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: --tasks {exc}", file=sys.stderr)
         return 2
     from transformers.utils import logging as hf_logging
 

@@ -264,6 +264,20 @@ def test_build_model_rejects_bad_shapes(factory, tokenizer, kwargs: dict) -> Non
         factory.build_model(tokenizer, **kwargs)
 
 
+@pytest.mark.parametrize("args, named", [
+    (["--hidden_size", "65"], "hidden_size (65) must be divisible by num_heads (4): change --hidden_size / --num_heads"),
+    (["--vocab_size", "10"], "vocab_size must be >= 262 (bytes + special tokens), got 10: change --vocab_size"),
+    (["--num_kv_heads", "3"], "change --num_heads / --num_kv_heads"),
+])
+def test_the_command_names_the_flags_of_a_shape_it_cannot_build(factory, tmp_path: Path, capsys, args, named) -> None:
+    """A shape the model cannot take is one error line naming the flags to change, before anything is written
+    (it was a traceback)."""
+    assert factory.main([str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and named in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_reload_round_trip(factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -84,7 +84,11 @@ def test_compare_command_errors(tiny_model_dir, tmp_path, capsys) -> None:
     assert compare.main([str(tmp_path / "nope"), str(tiny_model_dir), "--tasks", str(DEMO_HELD_OUT)]) == 2
     assert "nope does not exist" in capsys.readouterr().err
     assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tmp_path / "x.jsonl")]) == 2
-    assert "x.jsonl" in capsys.readouterr().err
+    assert f"error: --tasks {tmp_path / 'x.jsonl'}: No such file or directory; give a JSON-lines file of held-out " \
+           "tasks" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tmp_path / "bad.jsonl")]) == 2
+    assert f"error: --tasks {tmp_path / 'bad.jsonl'} line 2: not JSON (" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(DEMO_HELD_OUT),
                       "--max_new_tokens", "0"])
