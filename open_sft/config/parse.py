@@ -73,10 +73,14 @@ def _say_what_the_negation_does(action: argparse.Action) -> None:
     action.default = argparse.SUPPRESS  # (the parse takes the default from the flag itself)
 
 
-def _unknown_flag_error(parser: _Parser, leftover: list[str]) -> UserError:
+def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -> UserError:
     flags = [arg.split("=", 1)[0] for arg in leftover if arg.startswith("-")]
     if not flags:
-        return UserError(f"unexpected argument(s) {' '.join(leftover)}: every value follows a --flag "
+        after = _flag_before(argv, leftover[0])
+        action = next((a for a in parser._actions if after in a.option_strings), None) if after else None
+        counts = {None: "one value", "?": "at most one value", 0: "no value"}
+        takes = f" (after {after}, which takes {counts[action.nargs]})" if action and action.nargs in counts else ""
+        return UserError(f"unexpected argument(s) {' '.join(leftover)}{takes}: every value follows a --flag "
                          "(see python finetune.py --help)")
     parts = []
     for flag in flags:
@@ -84,6 +88,14 @@ def _unknown_flag_error(parser: _Parser, leftover: list[str]) -> UserError:
         hint = FOREIGN_FLAGS.get(flag.replace("-", "_").lstrip("_"))
         parts.append(f"{flag} ({hint})" if hint else f"{flag} (did you mean {close[0]}?)" if close else flag)
     return UserError(f"unknown flag {', '.join(parts)}; see python finetune.py --help")
+
+
+def _flag_before(argv: list[str], value: str) -> str | None:
+    """The --flag whose values `value` came after in `argv`, if any (`--add_tokens def self return`: self)."""
+    if value not in argv:
+        return None
+    flags = [arg for arg in argv[:argv.index(value)] if arg.startswith("--")]
+    return flags[-1].split("=", 1)[0] if flags else None
 
 
 # Flags of HF's Trainer, TRL and axolotl that users bring, with open_sft's way to say the same (difflib's nearest
@@ -207,7 +219,7 @@ def parse_config(argv: list[str]) -> FinetuneConfig:
     *parsed, leftover = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
                                                            return_remaining_strings=True)
     if leftover:
-        raise _unknown_flag_error(parser, leftover)
+        raise _unknown_flag_error(parser, leftover, argv)
     model, data, train, lora, checkpoint, hub, open_instruct = parsed
     explicit |= _given_on_command_line(argv)
     config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,

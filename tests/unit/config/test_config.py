@@ -155,6 +155,16 @@ def test_a_prefix_of_one_flags_two_spellings_is_that_flag() -> None:
         parse_config(BASE + ["--learning_rat3", "1"])
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--add_tokens", "def", "self", "return"], "self return (after --add_tokens, which takes one value)"),
+    (["--gradient_checkpointing", "true", "false"], "false (after --gradient_checkpointing, which takes at most one"),
+])
+def test_stray_values_name_the_flag_they_followed(args, said) -> None:
+    """`--add_tokens def self return` (the flag takes a file) said only that values must follow a flag."""
+    with pytest.raises(UserError, match=re.escape(f"unexpected argument(s) {said}")):
+        parse_config(BASE + args)
+
+
 def test_chat_template_kwargs_from_a_flag_or_a_yaml_mapping_and_bad_ones_named(tmp_path) -> None:
     """--chat_template_kwargs is a JSON object on the command line and a mapping in YAML; it reaches the render
     step as sorted JSON with --reasoning_loss, and anything else is an error that says what to give."""
