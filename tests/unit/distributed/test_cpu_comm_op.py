@@ -29,11 +29,19 @@ def test_a_machine_without_the_op_is_told_it_compiles_and_where(extensions, capl
     assert not caplog.records  # the other ranks say nothing
 
 
-def test_a_cached_op_is_not_announced(extensions) -> None:
+def test_a_cached_op_is_not_announced_unless_another_environment_built_it(extensions) -> None:
+    """torch's loader rewrites build.ninja with this environment's paths and ninja compiles again when another
+    venv's torch built the cached library (the silent minute a second checkout's run met)."""
+    from torch.utils.cpp_extension import include_paths
+
     built = extensions / "deepspeed_shm_comm"
     built.mkdir()
     (built / "deepspeed_shm_comm.so").write_bytes(b"\x7fELF")
+    (built / "build.ninja").write_text(f"cflags = -isystem {include_paths()[0]} -fPIC\n")
     assert cpu_comm_op.announce(is_main=True) is None
+    (built / "build.ninja").write_text("cflags = -isystem /elsewhere/.venv/lib/python3.11/site-packages/torch/include\n")
+    line = cpu_comm_op.announce(is_main=True)
+    assert line is not None and "the build there is another Python environment’s" in line
 
 
 def test_deepspeeds_per_rank_print_is_dropped(extensions, capsys) -> None:
