@@ -76,7 +76,7 @@ def _say_what_the_negation_does(action: argparse.Action) -> None:
 def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -> UserError:
     flags = [arg.split("=", 1)[0] for arg in leftover if arg.startswith("-")]
     if not flags:
-        after = _flag_before(argv, leftover[0])
+        after = _flag_before(argv, leftover)
         action = next((a for a in parser._actions if after in a.option_strings), None) if after else None
         counts = {None: "one value", "?": "at most one value", 0: "no value"}
         takes = f" (after {after}, which takes {counts[action.nargs]})" if action and action.nargs in counts else ""
@@ -90,11 +90,11 @@ def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -
     return UserError(f"unknown flag {', '.join(parts)}; see python finetune.py --help")
 
 
-def _flag_before(argv: list[str], value: str) -> str | None:
-    """The --flag whose values `value` came after in `argv`, if any (`--add_tokens def self return`: self)."""
-    if value not in argv:
-        return None
-    flags = [arg for arg in argv[:argv.index(value)] if arg.startswith("--")]
+def _flag_before(argv: list[str], leftover: list[str]) -> str | None:
+    """The --flag the stray values `leftover` came after in `argv` (`--add_tokens def self return`: --add_tokens),
+    found where they stand together, the last such place (a value like 1.0 may also be an earlier flag's)."""
+    starts = [i for i in range(len(argv) - len(leftover), -1, -1) if argv[i:i + len(leftover)] == leftover]
+    flags = [arg for arg in argv[:starts[0]] if arg.startswith("--")] if starts else []
     return flags[-1].split("=", 1)[0] if flags else None
 
 

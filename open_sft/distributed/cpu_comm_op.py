@@ -4,9 +4,10 @@ DeepSpeed on CPU (DS_ACCELERATOR=cpu, gloo) builds its shared-memory collective 
 loader the first time it starts on a machine: about a minute on 2 cores, then cached in torch's extensions
 directory (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions/<python>_<device>/), so it is compiled once per
 machine (and Python/torch build) and loaded in a second by every later run; a second virtual environment sharing
-that directory compiles it again (torch's loader rebuilds for another environment's paths), which is said too. DeepSpeed says nothing while it
-compiles and then prints "... built successfully" on every rank. `announce` says before it, on the main process
-only, whether it compiles now (and where it goes) and drops DeepSpeed's per-rank print.
+that directory compiles it again (torch's loader rebuilds for another environment's paths), which is said too.
+DeepSpeed says nothing while it compiles and then prints "... built successfully" on every rank. `announce` says
+before it, on the main process only, whether it compiles now (and where it goes) and drops DeepSpeed's per-rank
+print.
 """
 
 from __future__ import annotations
@@ -35,17 +36,22 @@ def build_directory(name: str) -> Optional[Path]:
         return None
 
 
+def is_built(name: str) -> bool:
+    """Whether a library of `name` is in its build directory (built by this environment or another)."""
+    directory = build_directory(name)
+    return directory is not None and (directory / f"{name}.so").is_file()
+
+
 def is_cached(name: str) -> bool:
     """Whether torch's loader will load `name` as built: the library is there and its build.ninja names this
     torch's headers. The loader rewrites build.ninja with this environment's paths, so a build another Python
     environment made (another venv's torch, sharing the extensions directory) is compiled again."""
     from torch.utils.cpp_extension import include_paths
 
-    directory = build_directory(name)
-    if directory is None or not (directory / f"{name}.so").is_file():
+    if not is_built(name):
         return False
     try:
-        ninja = (directory / "build.ninja").read_text()
+        ninja = (build_directory(name) / "build.ninja").read_text()
     except OSError:
         return False
     return include_paths()[0] in ninja
@@ -70,10 +76,9 @@ def announce(is_main: bool) -> Optional[str]:
     if builder is None or installed_ops.get(builder.NAME) or is_cached(builder.name):
         return None
     where = build_directory(builder.name)
-    again = where is not None and (where / f"{builder.name}.so").is_file()
     line = (f"compiling DeepSpeed's CPU communication op ({builder.name}): about a minute, once per machine "
             f"(cached in {where or 'the torch extensions directory'}"
-            f"{'; the build there is another Python environment’s' if again else ''})")
+            f"{'; the build there is another Python environment’s' if is_built(builder.name) else ''})")
     if is_main:
         logger.info("%s", line)
     return line
