@@ -18,6 +18,17 @@ from open_sft.data.balance import balance_packed, balance_unpacked
 from open_sft.data.labels import IGNORE_INDEX, Example
 
 
+# What a collated micro-batch carries for the step's counts, not for the model: each example's length (tokens, the
+# strict attention count) and each row's real tokens (the PaLM attention count); taken out before the forward.
+COUNT_KEYS = ("lengths", "row_lengths")
+
+
+def pop_counts(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(example lengths, row lengths) of a collated micro-batch, removed from it."""
+    lengths, rows = (batch.pop(key) for key in COUNT_KEYS)
+    return lengths, rows
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     micro_batch_size: int
@@ -77,8 +88,9 @@ def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
         if not loss_free:
             labels[row, :n] = torch.tensor(example.labels)
         attention_mask[row, :n] = 1
+    lengths = torch.tensor([len(e.input_ids) for e in examples])
     batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
-             "lengths": torch.tensor([len(e.input_ids) for e in examples])}
+             "lengths": lengths, "row_lengths": lengths.clone()}
     if sources is not None:
         batch["sources"] = torch.tensor(sources, dtype=torch.long)[:, None].expand(-1, length).contiguous()
     return batch
@@ -190,7 +202,7 @@ def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int
     labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     source_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    lengths = []
+    lengths, row_lengths = [], []
     for r, row in enumerate(rows):
         cursor = 0
         for i in sorted(row):
@@ -202,9 +214,10 @@ def collate_packed(examples: list[Example], pad_token_id: int, row_capacity: int
                 source_ids[r, cursor : cursor + n] = sources[i]
             lengths.append(n)
             cursor += n
+        row_lengths.append(cursor)
         position_ids[r, cursor:] = torch.arange(width - cursor)  # padding: a block of its own, no loss
     batch = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-             "lengths": torch.tensor(lengths)}
+             "lengths": torch.tensor(lengths), "row_lengths": torch.tensor(row_lengths)}
     if sources is not None:
         batch["sources"] = source_ids
     return batch

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from open_sft.data.batching import COUNT_KEYS
 from open_sft.data.labels import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -96,9 +97,9 @@ def fit_for_ulysses(batch: dict[str, torch.Tensor], size: int, rows: int, pad_to
                     width: int = 0) -> dict[str, torch.Tensor]:
     """The micro-batch with `rows` rows (extra rows loss-free padding) and at least `width` positions, a multiple
     of `size`, without the attention mask (right padding needs none: no real token attends a later position).
-    `lengths` (per example, not per position) passes through."""
-    out = {"lengths": batch["lengths"]} if "lengths" in batch else {}
-    batch = {k: v for k, v in batch.items() if k not in ("attention_mask", "lengths")}
+    The counts (`lengths` per example, `row_lengths` per row; not per position) pass through."""
+    out = {k: batch[k] for k in COUNT_KEYS if k in batch}
+    batch = {k: v for k, v in batch.items() if k not in ("attention_mask", *COUNT_KEYS)}
     if "position_ids" not in batch:
         batch["position_ids"] = torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]).clone()
     n, length = batch["input_ids"].shape

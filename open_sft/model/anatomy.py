@@ -54,5 +54,25 @@ def param_shape(param: torch.Tensor) -> torch.Size:
 
 
 def param_numel(param: torch.Tensor) -> int:
+    """The elements a parameter stores (a 4-bit one's packed bytes; a ZeRO-3 partitioned one's whole count)."""
     return getattr(param, "ds_numel", None) or param.numel()
 
+
+def weight_numel(param: torch.Tensor) -> int:
+    """The elements of the weight a parameter stands for: a bitsandbytes 4-bit weight stores two per byte in a
+    [n / 2, 1] tensor, and its quant_state keeps the layer's shape (the matmul's FLOPs are of that shape)."""
+    quant_state = getattr(param, "quant_state", None)
+    shape = getattr(quant_state, "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else param_numel(param)
+
+
+def matmul_params(model: nn.Module) -> tuple[int, int]:
+    """(the decoder's matmul weights, the LM head's) in elements: every weight of two or more dimensions (a linear
+    layer's, an expert bank's, a 4-bit packed one) but the embedding tables, whose lookups compute nothing; the LM
+    head's counted also when it is tied to the input embedding (its matmul runs either way)."""
+    head = model.get_output_embeddings().weight
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    backbone = sum(weight_numel(p) for p in model.parameters()
+                   if p is not head and id(p) not in tables
+                   and (len(param_shape(p)) >= 2 or getattr(p, "quant_state", None) is not None))
+    return backbone, weight_numel(head)

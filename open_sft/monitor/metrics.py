@@ -21,21 +21,47 @@ GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12,
                  "L4": 121e12, "B200": 2250e12, "MI300X": 1307e12, "V100": 125e12, "T4": 65e12}
 
 
-class FlopCounter:
-    """Model FLOPs of training (forward + backward = 3 × forward), counting what we really compute:
-    the backbone's matmuls on every token, attention scores per sequence, the LM head on trained tokens."""
+def attention_width(config: Any) -> int:
+    """Query heads × head size: the width of the attention scores' matmuls (the hidden size in most models;
+    Qwen3's and Gemma's head size makes it another)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim
 
-    def __init__(self, config: Any, backbone_params: int):
+
+class FlopCounter:
+    """Model FLOPs of a training step (forward + backward = 3 × forward), in two counts.
+
+    `step_flops`, open_sft's strict count (`mfu`): what the step computes and no more: the decoder's matmuls on
+    every token, attention scores per example and causal (half the square), the LM head on trained tokens only
+    (the fused loss computes no other logits).
+
+    `palm_flops`, the count of PaLM's MFU definition (Chowdhery et al. 2022, appendix B), which torchtitan,
+    OLMo-core and nanochat report (`mfu_palm`): 6 × every matmul parameter (LM head included) on every token, and
+    12 · layers · attention width · T per token for attention over the whole row of T tokens, non-causal. It is
+    the count published MFU figures use, so a figure of ours can stand beside theirs; on a packed row of several
+    examples it counts the attention the examples do not compute, so it reads higher than the strict one.
+    Tokens are real tokens in both (padding excluded); LoRA's frozen weights count 6 per parameter as in peers'
+    counts (their weight gradients are not computed: 4 would be strict)."""
+
+    def __init__(self, config: Any, backbone_params: int, head_params: Optional[int] = None):
         self.hidden = config.hidden_size
         self.layers = config.num_hidden_layers
         self.vocab = config.vocab_size
+        self.attention = attention_width(config)
         self.backbone_params = backbone_params
+        self.head_params = self.vocab * self.hidden if head_params is None else head_params
 
     def step_flops(self, tokens: int, trained_tokens: int, sum_squared_lengths: int) -> float:
         dense = 6 * self.backbone_params * tokens
-        attention = 12 * self.layers * self.hidden * sum_squared_lengths / 2  # causal: half the scores
-        head = 6 * self.vocab * self.hidden * trained_tokens
+        attention = 12 * self.layers * self.attention * sum_squared_lengths / 2  # causal: half the scores
+        head = 6 * self.head_params * trained_tokens
         return float(dense + attention + head)
+
+    def palm_flops(self, tokens: int, sum_squared_row_lengths: int) -> float:
+        """Σ over tokens of 6N + 12·L·A·T, T the length of the token's row: Σ rows of 12·L·A·T²."""
+        dense = 6 * (self.backbone_params + self.head_params) * tokens
+        return float(dense + 12 * self.layers * self.attention * sum_squared_row_lengths)
 
 
 def _cache_dir() -> Path:
@@ -93,10 +119,18 @@ def device_peak_flops(dtype: torch.dtype, on_fp32_kernels: bool = False) -> floa
 
 
 def peak_memory_gib() -> float:
-    """Peak device memory on CUDA; peak resident set size of this process on CPU."""
+    """Peak device memory on CUDA (allocated); peak resident set size of this process on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+
+
+def reserved_memory() -> dict[str, float]:
+    """On CUDA, `peak_memory_reserved_gib`: the caching allocator's peak, what the device really held (allocated
+    plus its cached blocks; what another process on the GPU could not have). Nothing on CPU."""
+    if torch.cuda.is_available():
+        return {"peak_memory_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+    return {}
 
 
 class MetricsWriter:

@@ -34,6 +34,7 @@ class Summary:
     total_tokens: int  # cumulative tokens without padding, last record
     tokens_per_second: float  # total_tokens / elapsed_s
     mfu: float  # per-window MFU averaged with the windows' durations (elapsed_s deltas) as weights
+    mfu_palm: Optional[float]  # the same of mfu_palm (PaLM's count, published figures'); None: metrics without it
     peak_memory_gib: float  # max over records
     final_loss: Optional[float]  # loss of the last train record
     final_eval_loss: Optional[float]  # eval_loss of the last eval record, if any
@@ -47,11 +48,11 @@ def eval_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "eval_loss" in r]
 
 
-def _time_weighted_mfu(train: list[dict[str, Any]]) -> float:
+def _time_weighted_mfu(train: list[dict[str, Any]], key: str = "mfu") -> float:
     weighted, seconds, previous = 0.0, 0.0, 0.0
     for record in train:
         window = max(record["elapsed_s"] - previous, 0.0)
-        weighted += record["mfu"] * window
+        weighted += record[key] * window
         seconds += window
         previous = record["elapsed_s"]
     return weighted / seconds if seconds > 0 else 0.0
@@ -68,7 +69,9 @@ def summarize(records: list[dict[str, Any]]) -> Summary:
         steps=int(last["step"]), elapsed_s=elapsed, train_tokens=int(last["train_tokens"]),
         total_tokens=int(last["total_tokens"]),
         tokens_per_second=last["total_tokens"] / elapsed if elapsed > 0 else 0.0,
-        mfu=_time_weighted_mfu(train), peak_memory_gib=max(float(r["peak_memory_gib"]) for r in train),
+        mfu=_time_weighted_mfu(train),
+        mfu_palm=_time_weighted_mfu(train, "mfu_palm") if all("mfu_palm" in r for r in train) else None,
+        peak_memory_gib=max(float(r["peak_memory_gib"]) for r in train),
         final_loss=float(last["loss"]), final_eval_loss=float(evals[-1]["eval_loss"]) if evals else None,
     )
 
@@ -108,7 +111,9 @@ def summary_markdown(summary: Summary, title: str, per_source_plot: bool = False
         ("Trained tokens (with a label)", f"{summary.train_tokens:,}"),
         ("Tokens (padding excluded)", f"{summary.total_tokens:,}"),
         ("Throughput", f"{summary.tokens_per_second:.1f} tokens/s"),
-        ("MFU (time-weighted)", f"{100 * summary.mfu:.2f} %"),
+        ("MFU (time-weighted; open_sft's strict count)", f"{100 * summary.mfu:.2f} %"),
+        ("MFU, PaLM's count (torchtitan, OLMo-core, nanochat)",
+         "n/a" if summary.mfu_palm is None else f"{100 * summary.mfu_palm:.2f} %"),
         ("Peak memory (rank 0)", f"{summary.peak_memory_gib:.3f} GiB"),
         ("Final train loss", _fmt(summary.final_loss, ".4f")),
         ("Final eval loss", _fmt(summary.final_eval_loss, ".4f")),

@@ -20,7 +20,7 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
     """The loss-wrapped model and the optimizer, prepared by the Accelerator (or split into this rank's pipeline
     stages), in a Trainer with the engine of the run's parallelism."""
     from open_sft.distributed.collectives import all_reduce_sum
-    from open_sft.model.anatomy import param_numel
+    from open_sft.model.anatomy import matmul_params
     from open_sft.model.loss import TokenLossModel
     from open_sft.monitor.metrics import FlopCounter, device_peak_flops
     from open_sft.training.engine import AccelerateEngine, DeepSpeedEngine
@@ -28,8 +28,7 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
     from open_sft.training.trainer import Trainer
 
     t, model, spread = job.config.train, job.model, job.launch.parallelism
-    head = model.get_output_embeddings().weight
-    backbone_params = sum(param_numel(p) for n, p in model.named_parameters() if "embed" not in n and p is not head)
+    backbone_params, head_params = matmul_params(model)
     # under TP the LM head's columns are sharded: its gathered logits feed the plain loss (the fused one reads
     # the whole weight)
     wrapped = TokenLossModel(model, fused_loss=not spread.tp_enabled, load_balancing=t.load_balancing_loss,
@@ -50,5 +49,5 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
         wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
     peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)
     return Trainer(job.accelerator, wrapped, optimizer, t, job.steps, job.data, job.tokenizer.pad_token_id,
-                   FlopCounter(model.config, backbone_params), peak, metrics, reduce_sum=all_reduce_sum,
+                   FlopCounter(model.config, backbone_params, head_params), peak, metrics, reduce_sum=all_reduce_sum,
                    eval_data=job.eval_data, dtype=job.dtype, parallelism=spread, engine=engine)

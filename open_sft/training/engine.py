@@ -44,7 +44,8 @@ class StepWork:
     positions: list[torch.Tensor]
     trained_global: float
     tokens_global: float
-    squares_global: float  # the sum of squared example lengths (attention FLOPs)
+    squares_global: float  # the sum of squared example lengths (the strict count's attention FLOPs)
+    row_squares_global: float  # the sum of squared row lengths, real tokens (the PaLM count's)
     slots_global: float  # positions computed
     busiest_rank_slots: int
     source_tokens: list[int]

@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from open_sft.data.batching import collate, count_trained_batch, to_device, trained_sources
+from open_sft.data.batching import collate, count_trained_batch, pop_counts, to_device, trained_sources
 from open_sft.monitor.metrics import per_source
 
 
@@ -37,7 +37,7 @@ def evaluate(accelerator, model, data, batch_size: int, pad_token_id: int,
         loss_free, indices = not indices, indices or [0]
         batch = collate([data.example(i) for i in indices], pad_token_id, loss_free=loss_free,
                         sources=[data.source(i) for i in indices])
-        batch.pop("lengths")
+        pop_counts(batch)
         sources = trained_sources(batch)
         batch.pop("sources")
         with (autocast or accelerator.autocast)():

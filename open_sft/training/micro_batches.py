@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from open_sft.data.batching import collate, collate_packed, count_trained_batch, locate
+from open_sft.data.batching import COUNT_KEYS, collate, collate_packed, count_trained_batch, locate
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
 
@@ -77,7 +77,7 @@ class StepBatches:
         own = [({k: v for k, v in b.items() if k != "sources"}, p, c) for b, p, c in zip(batches, positions, counts)]
         if not self.tp_ranks:
             return own
-        members = {rank: [({k: v for k, v in b.items() if k not in ("sources", "lengths")}, None,
+        members = {rank: [({k: v for k, v in b.items() if k not in ("sources", *COUNT_KEYS)}, None,
                            count_trained_batch(b["labels"])) for b, _ in self.for_rank(step, rank)]
                    for rank in self.tp_ranks if rank != self.process_index}
         members[self.process_index] = own

@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from open_sft.config.args import TrainingArguments
-from open_sft.data.batching import count_trained_batch, trained_sources
+from open_sft.data.batching import count_trained_batch, pop_counts, trained_sources
 from open_sft.data.prepare import PreparedData
 from open_sft.distributed.tensor_parallel import group_ranks
 from open_sft.monitor.activations import SavedActivations
-from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source
+from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source, reserved_memory
 from open_sft.training.amp import Precision
 from open_sft.distributed.parallelism import Parallelism
 from open_sft.training.engine import AccelerateEngine, NonFiniteError, StepLosses, StepWork
@@ -138,19 +138,21 @@ class Trainer:
 
     def _step_counts(self, batches: list, local_counts: list[int], positions: list[torch.Tensor],
                      n_sources: int) -> tuple:
-        """The step's global counts in one all-reduce: trained tokens, tokens, the sum of squared example
-        lengths (attention FLOPs), positions computed, the busiest rank's positions, trained tokens per source."""
-        lengths = [batch.pop("lengths") for batch, _ in batches]
+        """The step's global counts in one all-reduce: trained tokens, tokens, the sums of squared example and row
+        lengths (the two counts' attention FLOPs), positions computed, the busiest rank's positions, trained tokens
+        per source."""
+        lengths, row_lengths = zip(*(pop_counts(batch) for batch, _ in batches))
         slots_local = sum(batch["input_ids"].numel() for batch, _ in batches)
-        local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths),
-                              sum(int((l.double() ** 2).sum()) for l in lengths), slots_local], dtype=torch.float64)
+        squares = lambda tensors: sum(int((t.double() ** 2).sum()) for t in tensors)  # noqa: E731
+        local = torch.tensor([sum(local_counts), sum(int(l.sum()) for l in lengths), squares(lengths),
+                              squares(row_lengths), slots_local], dtype=torch.float64)
         source_counts = sum((torch.bincount(p, minlength=n_sources) for p in positions),
                             torch.zeros(n_sources, dtype=torch.float64))
         world = self.steps.layout.world_size
         rank_slots = torch.zeros(world, dtype=torch.float64)  # each rank's positions, gathered by the sum
         rank_slots[self.accelerator.process_index] = slots_local
         reduced = self.reduce_sum(torch.cat([local, rank_slots, source_counts])).tolist()
-        return (*reduced[:4], int(max(reduced[4:4 + world])), [int(t) for t in reduced[4 + world:]])
+        return (*reduced[:5], int(max(reduced[5:5 + world])), [int(t) for t in reduced[5 + world:]])
 
     def _begin_step(self, step: int) -> StepWork:
         """This rank's micro-batches of the step, their trained tokens, each trained position's source, and the
@@ -188,10 +190,11 @@ class Trainer:
             loss_global, trained_global, aux_global = 0.0, 0, 0.0
             source_loss_global, source_tokens = [0.0] * n_sources, [0] * n_sources
         flops = self.flop_counter.step_flops(int(work.tokens_global), int(trained_global), int(work.squares_global))
+        flops_palm = self.flop_counter.palm_flops(int(work.tokens_global), int(work.row_squares_global))
         return {"loss_sum": loss_global, "trained_tokens": int(trained_global), "tokens": int(work.tokens_global),
                 "padded_slots": int(work.slots_global), "busiest_rank_slots": work.busiest_rank_slots,
                 "source_loss": source_loss_global, "source_tokens": source_tokens, "aux_sum": aux_global,
-                "lr": lr, "grad_norm": grad_norm, "flops": flops}
+                "lr": lr, "grad_norm": grad_norm, "flops": flops, "flops_palm": flops_palm}
 
     def elapsed(self) -> float:  # training seconds so far: earlier launches' (the checkpoint's) and this one's
         return self.elapsed_before + self.clock.seconds()
@@ -244,7 +247,9 @@ class Trainer:
                     "total_tokens": self.total_tokens,
                     "tokens_per_second": window.tokens / seconds,
                     "mfu": window.flops / seconds / (self.peak_flops * self.steps.layout.world_size),
+                    "mfu_palm": window.flops_palm / seconds / (self.peak_flops * self.steps.layout.world_size),
                     "peak_memory_gib": peak_memory_gib(),
+                    **reserved_memory(),
                     "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
                     # 1.0 when ranks computed equal shares; 1.5: each step waited for a rank with 1.5× the mean.
                     "rank_tokens_max_over_mean": self.steps.layout.world_size * window.busiest_rank_slots
@@ -289,9 +294,11 @@ class Trainer:
         total = self.steps.total_steps
         remaining = record["elapsed_s"] / record["step"] * (total - record["step"])
         logger.info(
-            "step %d/%d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tok/s | mfu %.1f%% | mem %.2f GiB | eta %.0fs",
+            "step %d/%d | loss %.4f | lr %.3g | grad_norm %.3f | %.0f tok/s | mfu %.1f%% (PaLM count %.1f%%) | "
+            "mem %.2f GiB | eta %.0fs",
             record["step"], total, record["loss"], record["learning_rate"], record["grad_norm"],
-            record["tokens_per_second"], 100 * record["mfu"], record["peak_memory_gib"], remaining,
+            record["tokens_per_second"], 100 * record["mfu"], 100 * record["mfu_palm"], record["peak_memory_gib"],
+            remaining,
         )
         if self.metrics is not None:
             self.metrics.write(record)

@@ -16,7 +16,8 @@ class Window:
     loss_sum: float = 0.0
     trained_tokens: int = 0
     tokens: int = 0
-    flops: float = 0.0
+    flops: float = 0.0  # the strict count's (mfu)
+    flops_palm: float = 0.0  # the PaLM count's (mfu_palm); 0 in a window saved before it was counted
     padded_slots: int = 0  # token positions computed, padding included
     busiest_rank_slots: int = 0  # per step, the positions the busiest rank computed; summed over steps
     source_loss: list[float] = field(default_factory=list)  # per source of the mixture: loss sum
@@ -43,8 +44,8 @@ class Window:
 
     def add(self, result: dict, n_sources: int) -> None:
         """One optimizer step's sums (Trainer.train_step's result)."""
-        for name in ("loss_sum", "trained_tokens", "tokens", "flops", "padded_slots", "busiest_rank_slots",
-                     "aux_sum"):
+        for name in ("loss_sum", "trained_tokens", "tokens", "flops", "flops_palm", "padded_slots",
+                     "busiest_rank_slots", "aux_sum"):
             setattr(self, name, getattr(self, name) + result[name])
         self.source_loss = [a + b for a, b in zip(self.source_loss or [0.0] * n_sources, result["source_loss"])]
         self.source_tokens = [a + b for a, b in zip(self.source_tokens or [0] * n_sources, result["source_tokens"])]

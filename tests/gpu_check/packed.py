@@ -25,8 +25,10 @@ def _examples(vocab: int, lengths: list[int], seed: int = 0):
 
 
 def _model_loss(model, batch: dict, bf16: bool):
+    from open_sft.data.batching import COUNT_KEYS
+
     model.zero_grad(set_to_none=True)
-    batch = {k: v.to(DEVICE) for k, v in batch.items() if k != "lengths"}
+    batch = {k: v.to(DEVICE) for k, v in batch.items() if k not in COUNT_KEYS}
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=bf16):
         loss = model(**batch)
     loss.backward()

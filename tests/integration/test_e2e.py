@@ -19,7 +19,7 @@ from conftest import ROOT, SAMPLE, child_env, read_metrics, run_finetune, side_b
 
 STEPS = 24
 METRIC_FIELDS = {"step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens",
-                 "tokens_per_second", "mfu", "peak_memory_gib", "elapsed_s"}
+                 "tokens_per_second", "mfu", "mfu_palm", "peak_memory_gib", "elapsed_s"}
 LAYOUTS = {  # name: (processes, deepspeed config, micro-batch, accumulation)
     "single": (1, None, 4, 2),
     "bs8": (1, None, 8, 1),
@@ -66,6 +66,8 @@ def test_learns_and_logs_contract_metrics(runs, name) -> None:
     assert all(m["total_tokens"] > m["train_tokens"] for m in metrics)
     assert metrics[-1]["epoch"] == pytest.approx(STEPS * 8 / 2000, abs=1e-3)
     assert all(0 < m["mfu"] < 1 for m in metrics)  # a fraction of the measured peak, never above it
+    # PaLM's count adds the LM head on untrained tokens and the masked half of attention: always the larger
+    assert all(m["mfu_palm"] > m["mfu"] for m in metrics)
 
 
 @pytest.mark.parametrize("name", ["bs8", "bs2_ga4", "zero2", "zero3"])

@@ -105,6 +105,7 @@ def expected_summary(metrics: list[dict]) -> dict:
     return {"steps": last["step"], "elapsed_s": last["elapsed_s"], "train_tokens": last["train_tokens"],
             "total_tokens": last["total_tokens"], "tokens_per_second": last["total_tokens"] / last["elapsed_s"],
             "mfu": sum(m["mfu"] * w for m, w in zip(metrics, windows)) / sum(windows),
+            "mfu_palm": sum(m["mfu_palm"] * w for m, w in zip(metrics, windows)) / sum(windows),
             "peak_memory_gib": max(m["peak_memory_gib"] for m in metrics), "final_loss": last["loss"],
             "final_eval_loss": None}
 
@@ -121,7 +122,7 @@ def test_report_written_at_end_of_run(tracked_run) -> None:
     assert got["steps"] == STEPS and got["final_loss"] == metrics[-1]["loss"]
     markdown = (report / "summary.md").read_text()
     for text in (f"{want['tokens_per_second']:.1f} tokens/s", f"{want['final_loss']:.4f}",
-                 f"{100 * want['mfu']:.2f} %", f"{want['peak_memory_gib']:.3f} GiB", f"{want['train_tokens']:,}",
+                 f"{100 * want['mfu']:.2f} %", f"{100 * want['mfu_palm']:.2f} %", f"{want['peak_memory_gib']:.3f} GiB", f"{want['train_tokens']:,}",
                  "](loss.png)", "](learning_rate.png)"):
         assert text in markdown, text
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from open_sft.data.batching import BatchLayout, PackedPlan, best_fit_decreasing, collate, collate_packed
+from open_sft.data.batching import COUNT_KEYS, BatchLayout, PackedPlan, best_fit_decreasing, collate, collate_packed
 from open_sft.data.labels import IGNORE_INDEX, Example
 from open_sft.model.loss import TokenLossModel
 
@@ -58,7 +58,7 @@ def model(tiny_model_dir):
 
 def loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    batch = {k: v for k, v in batch.items() if k != "lengths"}
+    batch = {k: v for k, v in batch.items() if k not in COUNT_KEYS}
     loss = model(**batch)
     loss.backward()
     return float(loss), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

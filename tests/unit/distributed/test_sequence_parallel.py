@@ -20,10 +20,11 @@ def config(*flags: str):
 def test_padded_micro_batch_gets_fixed_rows_and_a_divisible_length() -> None:
     batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "labels": torch.tensor([[-100, 6, 7], [-100, 9, -100]]),
              "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "sources": torch.tensor([[1, 1, 1], [0, 0, 0]]),
-             "lengths": torch.tensor([3, 2])}
+             "lengths": torch.tensor([3, 2]), "row_lengths": torch.tensor([3, 2])}
     out = fit_for_ulysses(batch, size=2, rows=3, pad_token_id=0, width=5)
-    assert set(out) == {"input_ids", "labels", "sources", "position_ids", "lengths"}  # no mask: right padding
-    assert out["lengths"].tolist() == [3, 2]  # per example: passed through, not padded
+    # no mask: right padding
+    assert set(out) == {"input_ids", "labels", "sources", "position_ids", "lengths", "row_lengths"}
+    assert out["lengths"].tolist() == out["row_lengths"].tolist() == [3, 2]  # counts: passed through, not padded
     assert out["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0], [0] * 6]  # 5 → 6, divisible by 2
     assert out["labels"].tolist() == [[-100, 6, 7, -100, -100, -100], [-100, 9, -100, -100, -100, -100], [-100] * 6]
     assert out["position_ids"].tolist() == [list(range(6))] * 3

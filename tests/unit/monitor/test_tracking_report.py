@@ -26,16 +26,22 @@ SECRET = "hf_TESTSECRETdoNotLog0123456789"
 
 def test_report_with_eval_lines(tmp_path) -> None:
     records = [{"step": s, "loss": 3.0 - 0.1 * s, "learning_rate": 1e-3 * s, "train_tokens": 100 * s,
-                "total_tokens": 150 * s, "mfu": 0.1 * s, "peak_memory_gib": 1.0 + s / 10, "elapsed_s": 2.0 * s}
+                "total_tokens": 150 * s, "mfu": 0.1 * s, "mfu_palm": 0.15 * s, "peak_memory_gib": 1.0 + s / 10,
+                "elapsed_s": 2.0 * s}
                for s in range(1, 5)]
     records.insert(2, {"step": 2, "eval_loss": 2.5})
     records.append({"step": 4, "eval_loss": 2.25})
     summary = write_report(records, tmp_path / "report")
     assert summary.final_eval_loss == 2.25 and summary.final_loss == pytest.approx(2.6)
     assert summary.mfu == pytest.approx(0.25)  # equal 2 s windows: plain mean of 0.1..0.4
+    assert summary.mfu_palm == pytest.approx(0.375)
     assert summary.tokens_per_second == pytest.approx(600 / 8)
     assert summary.peak_memory_gib == pytest.approx(1.4)
-    assert "| Final eval loss | 2.2500 |" in (tmp_path / "report" / "summary.md").read_text()
+    markdown = (tmp_path / "report" / "summary.md").read_text()
+    assert "| Final eval loss | 2.2500 |" in markdown
+    assert "| MFU, PaLM's count (torchtitan, OLMo-core, nanochat) | 37.50 % |" in markdown
+    older = summarize([{k: v for k, v in r.items() if k != "mfu_palm"} for r in records])  # metrics before it
+    assert older.mfu_palm is None and older.mfu == pytest.approx(0.25)
     assert_png(tmp_path / "report" / "loss.png")
     with pytest.raises(ValueError, match="no training records"):
         summarize([{"step": 1, "eval_loss": 1.0}])

@@ -1,0 +1,93 @@
+"""The two FLOP counts MFU is reported in, held to torch's own FLOP counter on real models: PaLM's count
+(`mfu_palm`) is what a plain forward and backward computes; open_sft's strict count (`mfu`) is what its fused loss
+computes with the varlen kernels' causal attention per example."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils.flop_counter import FlopCounterMode
+
+from open_sft.data.batching import collate, collate_packed, pop_counts
+from open_sft.data.labels import IGNORE_INDEX, Example
+from open_sft.model.anatomy import matmul_params, weight_numel
+from open_sft.model.loss import TokenLossModel
+from open_sft.monitor.metrics import FlopCounter, attention_width
+
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, vocab_size=300)
+
+
+def _model(config_class, **extra):
+    torch.manual_seed(0)
+    config = config_class(**SHAPE, **extra)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"), config
+
+
+def _addmm_inplace(self_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]  # the fused loss's weight gradient; torch counts addmm only
+
+
+def _measured(model, batch: dict) -> int:
+    """FLOPs torch counts in one forward and backward of `model` on `batch` (eager attention: full scores)."""
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: _addmm_inplace}) as counter:
+        out = model(**batch)
+        (out if isinstance(out, torch.Tensor) else out.loss).backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("config_class, extra", [
+    (transformers.LlamaConfig, {"tie_word_embeddings": False}),
+    (transformers.LlamaConfig, {"tie_word_embeddings": True}),  # a tied head's matmul counts as well
+    (transformers.Qwen3Config, {"head_dim": 32}),  # heads × head size (128) is not the hidden size (64)
+])
+def test_palm_count_is_what_a_forward_and_backward_computes(config_class, extra) -> None:
+    model, config = _model(config_class, **extra)
+    tokens = 37
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, tokens))
+    counter = FlopCounter(config, *matmul_params(model))
+    assert counter.palm_flops(tokens, tokens**2) == _measured(model, {"input_ids": ids, "labels": ids})
+
+
+def test_palm_count_of_two_rows_sums_each_rows_square() -> None:
+    """Two padded rows of 30 and 11 tokens: each token attends its own row's length (the padding is left out)."""
+    model, config = _model(transformers.LlamaConfig)
+    examples = [Example(list(range(10, 10 + n)), list(range(10, 10 + n))) for n in (30, 11)]
+    batch = collate(examples, pad_token_id=0)
+    lengths, rows = pop_counts(batch)
+    assert rows.tolist() == [30, 11] and lengths.tolist() == [30, 11]
+    counter = FlopCounter(config, *matmul_params(model))
+    one_by_one = sum(_measured(model, {"input_ids": torch.tensor([e.input_ids]), "labels": torch.tensor([e.labels])})
+                     for e in examples)
+    assert counter.palm_flops(41, int((rows**2).sum())) == one_by_one
+
+
+def test_strict_count_is_what_the_fused_loss_and_per_example_causal_attention_compute() -> None:
+    """A packed row of two examples with half their tokens trained, through open_sft's loss model: torch counts the
+    LM head on the trained positions only (the fused loss) and, with eager attention, the whole row's scores; the
+    strict count's attention is each example's causal half (what the varlen kernels compute)."""
+    model, config = _model(transformers.LlamaConfig, tie_word_embeddings=True)
+    examples = [Example(list(range(10, 10 + n)), [IGNORE_INDEX] * (n // 2) + list(range(10 + n // 2, 10 + n)))
+                for n in (20, 13)]
+    batch = collate_packed(examples, pad_token_id=0, row_capacity=64)
+    lengths, rows = pop_counts(batch)
+    assert rows.tolist() == [33] and sorted(lengths.tolist()) == [13, 20]
+    trained = int((batch["labels"] != IGNORE_INDEX).sum())
+    assert trained == 17
+    counter = FlopCounter(config, *matmul_params(model))
+    squares, row_squares = int((lengths**2).sum()), int((rows**2).sum())
+    attention = 12 * config.num_hidden_layers * attention_width(config)
+    eager_extra = attention * row_squares - attention * squares / 2  # the whole row's scores, not each causal half
+    assert counter.step_flops(33, trained, squares) + eager_extra == _measured(TokenLossModel(model), batch)
+    # the PaLM count is the larger: the head on every token, attention over the whole row, both directions
+    assert counter.palm_flops(33, row_squares) > counter.step_flops(33, trained, squares)
+
+
+def test_a_4bit_weight_counts_the_layer_it_stands_for() -> None:
+    """bitsandbytes keeps a 4-bit weight as [n / 2, 1] bytes; its FLOPs are those of the layer's [out, in]."""
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear4bit(64, 128, bias=False, quant_type="nf4").to("cpu")
+    assert layer.weight.numel() == 64 * 128 // 2
+    assert weight_numel(layer.weight) == 64 * 128
