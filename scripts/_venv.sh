@@ -32,3 +32,12 @@ if [ "$HAVE" != "$WANT" ] && { [ -n "$EXTRAS" ] || [ "${HAVE%%-*}-" != "$WANT" ]
     pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}" 2> >(grep -v "is ignored: it is neither" >&2)
     echo "$WANT" > "$STAMP"
 fi
+
+# The suite's --fp8 tests need torchao, but not in the venv: transformers imports an installed torchao while loading
+# any model (1.1 s and its C++ kernels' load warnings in every process of every test). It goes to a folder of its
+# own, which only the FP8 tests put on their processes' PYTHONPATH (tests/conftest.py FP8_SITE).
+FP8_SITE="$VENV/fp8-site"
+if [ "$EXTRAS" = "test" ] && [ ! -d "$FP8_SITE/torchao" ]; then
+    echo "[setup] installing torchao into $FP8_SITE (the FP8 tests')"
+    pip install --quiet --no-deps --target "$FP8_SITE" "torchao==0.18.0" 2> >(grep -v "is ignored: it is neither" >&2)
+fi

@@ -92,6 +92,19 @@ def free_port() -> int:
             return port
 
 
+# torchao for the --fp8 tests: scripts/_venv.sh installs it beside the venv, not in it (transformers would import it
+# in every process); only the processes of the FP8 tests see it, with the CPU stand-in of FP8 matmuls allowed.
+FP8_SITE = Path(sys.prefix) / "fp8-site"
+
+
+def fp8_env(**extra: str) -> dict[str, str]:
+    """child_env for a process that trains with --fp8 on this CPU (torchao on its path, the stand-in allowed)."""
+    if not (FP8_SITE / "torchao").is_dir():
+        pytest.fail(f"torchao is not in {FP8_SITE}: ./scripts/test.sh installs it there (the FP8 tests need it)")
+    path = os.pathsep.join(filter(None, [str(FP8_SITE), str(ROOT), os.environ.get("PYTHONPATH")]))
+    return child_env(PYTHONPATH=path, OPEN_SFT_FP8_ON_CPU="1", **extra)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
@@ -123,8 +136,11 @@ def fsdp_command(launch: list[str] | None = None, processes: int = 2) -> list[st
 
 
 def run_finetune(args: list[str], processes: int = 1, deepspeed_config: str | None = None,
-                 timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(launch_command(processes, deepspeed_config) + args, cwd=ROOT, env=child_env(),
+                 timeout: int = 600, check: bool = True, env: dict[str, str] | None = None,
+                 launch: list[str] | None = None) -> subprocess.CompletedProcess:
+    """finetune.py with `args`, launched by launch_command(processes, deepspeed_config) or `launch`."""
+    command = launch_command(processes, deepspeed_config) if launch is None else launch
+    result = subprocess.run(command + args, cwd=ROOT, env=child_env() if env is None else env,
                             capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"finetune failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")

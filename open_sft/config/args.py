@@ -55,6 +55,18 @@ class ModelArguments:
     torch_compile: bool = _help(
         "Compile each decoder layer with torch.compile (fuses the norms, rotary, SiLU and residual adds around "
         "the matmuls; attention stays eager). The first steps include the compilation.", default=False)
+    fp8: bool = _help(
+        "Train the decoder's large linear layers with FP8 matmuls (torchao's float8 training; the LM head and "
+        "the rest stay in bf16, the weights and optimizer as without it). Needs an NVIDIA GPU of compute "
+        "capability 8.9+ (Ada, Hopper, Blackwell), --torch_dtype bfloat16, and torchao (pip install "
+        "'open_sft[fp8]'); not with LoRA/QLoRA, ZeRO-3, TP, PP or SP.", default=False)
+    fp8_recipe: Literal["tensorwise", "rowwise"] = _help(
+        "--fp8's scaling: tensorwise (one scale per tensor; the fastest) or rowwise (one per row; closer to "
+        "bf16's loss).", default="tensorwise")
+    fp8_layers: Literal["auto", "all"] = _help(
+        "--fp8's layers: auto (those torchao measured to gain on an H100 for the recipe: large enough that the "
+        "casts cost less than the faster matmul saves) or all (every decoder linear layer with dimensions "
+        "divisible by 16).", default="auto")
     neftune_noise_alpha: Optional[float] = _help(
         "NEFTune: add uniform noise of scale alpha/sqrt(seq_len*hidden) to the input embeddings during "
         "training (never in eval or generation). Typical values 5-15.", default=None

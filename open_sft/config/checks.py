@@ -189,6 +189,12 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
     elif m.use_liger_kernel and not _installed("liger_kernel"):
         problems.append("--use_liger_kernel needs the liger-kernel package: pip install -e '.[liger]' in the open_sft "
                         "checkout")
+    if m.fp8 and not _installed("torchao"):  # the hardware and what --fp8 runs with: open_sft.model.fp8
+        problems.append("--fp8 needs torchao>=0.18 (its float8 training): pip install -e '.[fp8]' in the open_sft "
+                        "checkout")
+    if not m.fp8 and {"fp8_recipe", "fp8_layers"} & config.explicit:
+        given = " and ".join(f"--{f}" for f in ("fp8_recipe", "fp8_layers") if f in config.explicit)
+        problems.append(f"{given} choose how --fp8 trains, and --fp8 is not given: add --fp8 or drop {given}")
     if lora.use_qlora and not _installed("bitsandbytes"):  # QLoRA under DeepSpeed: open_sft.config.launch_check
         problems.append("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install -e '.[qlora]' in the "
                         "open_sft checkout")

@@ -4,7 +4,7 @@ UserError (config.checks judges the flags on their own, before the launch is kno
 
 Each engine and each kind of parallelism keeps its own list of what it cannot run with, next to its code
 (distributed.fsdp, distributed.pipeline, distributed.tensor_parallel, distributed.sequence_parallel,
-distributed.deepspeed, model.compile); this module asks each of them, for this launch."""
+distributed.deepspeed, model.compile, model.fp8); this module asks each of them, for this launch."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def launch_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
     """Every problem of the launch, each with its fix; `model_config` may be None when no model is split."""
     from open_sft.distributed.fsdp import fsdp_problems
     from open_sft.model.compile import compile_problems
+    from open_sft.model.fp8 import fp8_problems
 
     p, train = launch.parallelism, launch.train
     problems = []
@@ -60,6 +61,7 @@ def launch_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
         problems += [f"FSDP2: {problem}" for problem in fsdp_problems(train, config.lora, launch.dtype)]
     if config.model.torch_compile:
         problems += compile_problems(config.lora, p)
+    problems += fp8_problems(config, launch)
     return problems + spread_problems(config, launch, model_config)
 
 

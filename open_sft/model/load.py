@@ -204,6 +204,10 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     if lora is not None and uses_lora(lora):
         model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []),
                            lora_dropout_given)
+    if args.fp8:  # before compiling: the compiled layers trace torchao's FP8 layers
+        from open_sft.model.fp8 import apply_fp8
+
+        apply_fp8(model, args.fp8_recipe, args.fp8_layers)
     if args.torch_compile:
         from open_sft.model.compile import compile_layers
 

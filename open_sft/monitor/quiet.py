@@ -8,6 +8,10 @@
 - transformers' FutureWarning about `is_gradient_checkpointing` is raised by peft's own call, not by anything a
   user wrote or can change; peft's warning that it saves the embedding layers of a resized vocabulary says what
   open_sft meant it to do (added tokens' rows are trained and saved; the log says which tokens).
+- torchao (--fp8's; transformers imports it while loading any model when it is installed) warns at import that its
+  C++ kernels for other formats failed to load against this torch build and that Triton is missing (on a CPU), and
+  torch's pytree that torchao registers enums it no longer needs to: none of it touches FP8 training, whose matmul
+  is torch's own. Those lines, and only those, are dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ NO_KERNELS = ("--use_qlora: the optional `kernels` package is not installed, so 
               "'kernels>=0.11.1' for it (it is fetched from the Hub once, then cached). A GPU does not use it")
 
 
+class _DropLines(logging.Filter):
+    """Drops a logger's records whose message contains one of `texts`."""
+
+    def __init__(self, *texts: str):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not any(text in message for text in self.texts)
+
+
+IMPORT_NOISE = {"torchao": _DropLines("Failed to load "),
+                "torchao.kernel.intmm": _DropLines("Detected no triton"),
+                "torch.utils._pytree": _DropLines("is an Enum subclass and is now natively supported")}
+
+
 def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
     """Silence what does not apply to this run; `terminal` defaults to whether stderr is one."""
     if not (sys.stderr.isatty() if terminal is None else terminal):
@@ -36,6 +57,9 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
         datasets.disable_progress_bars()
         huggingface_hub.utils.disable_progress_bars()
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    for name, drop in IMPORT_NOISE.items():
+        if drop not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(drop)
     if qlora and importlib.util.find_spec("kernels") is None:
         logger.info(NO_KERNELS)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
