@@ -160,13 +160,13 @@ def build_model(job: Job) -> None:
         if spread.sp_enabled else None)
     if launch.zero3_init and not whole:
         _start_accelerator(job, load_model_config(config.model), zero3_init=True)
-        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given)
+        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given, spread)
         logger.info("%s", partition_summary(job.model))
     else:
         if launch.zero3_init:
             logger.info("%s: the model is loaded whole on each rank and partitioned by ZeRO-3 when training starts",
                         whole)
-        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given)
+        job.model = load_model(config.model, job.tokenizer, config.lora, job.dtype, given, spread)
         if config.train.auto_micro_batch_size:
             from open_sft.preflight.auto_batch import fit_micro_batch
 

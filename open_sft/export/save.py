@@ -98,14 +98,9 @@ def save_dtype(flag: str, source_config: Any) -> torch.dtype:
     """--save_dtype: an explicit dtype, or (auto) the one the source checkpoint's config names (`dtype`, or the
     older `torch_dtype`), float32 where it names none: a bf16 checkpoint is exported in bf16, as HF's Trainer
     does for a model loaded in bf16, not at twice its size."""
-    from open_sft.model.precision import FLAG_DTYPES  # --save_dtype takes --torch_dtype's names
+    from open_sft.model.precision import FLAG_DTYPES, stored_dtype  # --save_dtype takes --torch_dtype's names
 
-    if flag != "auto":
-        return FLAG_DTYPES[flag]
-    named = getattr(source_config, "dtype", None) or getattr(source_config, "torch_dtype", None)
-    if isinstance(named, str):
-        named = FLAG_DTYPES.get(named.removeprefix("torch."))
-    return named if named in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    return FLAG_DTYPES[flag] if flag != "auto" else stored_dtype(source_config)
 
 
 def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

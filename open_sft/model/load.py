@@ -177,12 +177,13 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
 
 def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,
                lora: Optional[LoraArguments] = None, compute_dtype: torch.dtype = torch.float32,
-               lora_dropout_given: bool = True) -> PreTrainedModel:
+               lora_dropout_given: bool = True, parallelism: Any = None) -> PreTrainedModel:
     """The model ready to train: fp32 parameters (master weights; `compute_dtype`, the run's resolved dtype,
     comes from autocast or DeepSpeed, and is QLoRA's 4-bit compute dtype when fp16), embeddings fitted to the
     tokenizer, NEFTune / gradient checkpointing / Liger applied, and with --use_lora / --use_qlora wrapped as a
-    peft model whose only trainable weights are adapters."""
-    from open_sft.model.lora import apply_lora, uses_lora
+    peft model whose only trainable weights are adapters (under LoRA in one process or DDP, `parallelism`, the
+    decoder's frozen base weights in bf16 where the checkpoint stores them so: lora.frozen_base_in_compute_dtype)."""
+    from open_sft.model.lora import apply_lora, frozen_base_in_compute_dtype, uses_lora
 
     model = _from_pretrained(args, lora, compute_dtype)
     if tokenizer is not None:
@@ -204,6 +205,8 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     if lora is not None and uses_lora(lora):
         model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []),
                            lora_dropout_given)
+        if parallelism is not None and not lora.use_qlora:
+            frozen_base_in_compute_dtype(model, compute_dtype, load_model_config(args), parallelism)
     if args.fp8:  # before compiling: the compiled layers trace torchao's FP8 layers
         from open_sft.model.fp8 import apply_fp8
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
+from torch import nn
 
 # bitsandbytes' CPU backend warns on import that an optional fused kernel could not be fetched from the
 # Hub (`kernels` package); training falls back to its built-in CPU kernels, so keep the log quiet.
@@ -34,7 +35,7 @@ from transformers import BitsAndBytesConfig, PreTrainedModel  # noqa: E402
 
 from open_sft.config.args import LoraArguments  # noqa: E402
 from open_sft.errors import UserError  # noqa: E402
-from open_sft.model.anatomy import param_numel  # noqa: E402
+from open_sft.model.anatomy import decoder_layers, param_numel  # noqa: E402
 
 # peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
 # uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds
@@ -185,3 +186,38 @@ def _has_fused_experts(model: torch.nn.Module) -> bool:
 def _experts_need_no_dropout(exc: ValueError) -> bool:
     """peft's refusal of dropout on parameters it wraps directly (ParamWrapper: MoE experts' fused 3-D weights)."""
     return "ParamWrapper" in str(exc) and "dropout" in str(exc)
+
+
+def frozen_base_in_compute_dtype(model: nn.Module, compute_dtype: torch.dtype, source_config: Any,
+                                 parallelism: Any) -> int:
+    """LoRA's frozen base weights of the decoder layers kept in the compute dtype (bf16) instead of fp32, where the
+    checkpoint (`source_config`) stored them in it, in one process or under DDP; returns the bytes saved.
+
+    A frozen weight is never updated, so it needs no fp32 master copy: held in fp32, autocast casts it to bf16 at
+    every forward (and, requiring no gradient, keeps no cached copy between passes), which on an 8B model is 16 GB
+    more memory and a full read and write of the weights per micro-batch. Where the checkpoint holds bf16, the fp32
+    copy is that bf16 value exactly, so the bf16 weight is the same number: the matmuls autocast runs see the same
+    operands, and the losses and the adapters' gradients are bitwise those of the fp32 base (tested). Only the
+    decoder layers' linear weights: the LM head, norms and embeddings keep their dtype (their outputs feed fp32
+    work: the residual stream, the loss). Not under FSDP2 (it shards a layer's parameters as one dtype), DeepSpeed
+    (it casts the whole model itself), TP, PP or SP."""
+    from open_sft.model.precision import stored_dtype
+
+    spread = parallelism
+    if (compute_dtype != torch.bfloat16 or stored_dtype(source_config) != torch.bfloat16
+            or spread.engine not in ("single", "ddp") or spread.tp_enabled or spread.pp_enabled or spread.sp_enabled):
+        return 0
+    saved = 0
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            if type(module) is not nn.Linear:
+                continue
+            for param in module.parameters(recurse=False):
+                if not param.requires_grad and param.dtype == torch.float32:
+                    param.data = param.data.to(compute_dtype)
+                    saved += 2 * param.numel()
+    if saved:
+        logger.info("LoRA: the decoder layers' frozen base weights stay bf16, as the checkpoint stores them (no fp32 "
+                    "master copy for weights that never change: %s less, no cast per forward)",
+                    f"{saved / 2**30:.2f} GiB" if saved >= 2**30 else f"{saved / 2**20:.1f} MiB")
+    return saved

@@ -224,6 +224,15 @@ FLAG_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": to
                "float32": torch.float32, "fp32": torch.float32}
 
 
+def stored_dtype(config: Any) -> torch.dtype:
+    """The dtype a checkpoint's config says its weights are stored in (`dtype`, or the older `torch_dtype`);
+    float32 where it names none."""
+    named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(named, str):
+        named = FLAG_DTYPES.get(named.removeprefix("torch."))
+    return named if named in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+
+
 def choose_dtype(args: Any, qlora: bool = False,
                  measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> DtypeChoice:
     """--torch_dtype resolved, with the reason (and the probe's numbers on a CPU)."""

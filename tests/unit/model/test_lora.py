@@ -81,6 +81,53 @@ def test_qlora_trains_through_its_4bit_layers_after_an_evaluation(tiny_model_dir
         assert torch.equal(before[name], after[name]), name
 
 
+def test_a_bf16_checkpoints_frozen_base_stays_bf16_with_the_same_numbers(tiny_model_dir, tmp_path) -> None:
+    """LoRA in bf16 on a checkpoint stored in bf16: the decoder layers' frozen linear weights stay bf16 (half the
+    bytes, no cast per forward), the LM head, norms and embeddings as before; the loss and every adapter's gradient
+    are bitwise those of the fp32-held base, over two optimizer steps. Nothing changes for an fp32 checkpoint, an
+    fp32 run, or FSDP2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from open_sft.distributed.parallelism import Parallelism
+
+    bf16_dir = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(torch.bfloat16).save_pretrained(bf16_dir)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(bf16_dir)
+    lora = LoraArguments(use_lora=True, lora_rank=4, lora_dropout=0.0)
+
+    def trained(spread) -> tuple:
+        torch.manual_seed(0)
+        model = load_model(model_args(bf16_dir), lora=lora, compute_dtype=torch.bfloat16, parallelism=spread)
+        wrapped = TokenLossModel(model).train()
+        optimizer = build_optimizer(wrapped, 1e-2, 0.0)
+        losses, grads = [], {}
+        for step in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = wrapped(**make_batch(seed=step))
+            loss.backward()
+            losses.append(float(loss.detach()))
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+            optimizer.step()
+            optimizer.zero_grad()
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        return losses, grads, dtypes
+
+    losses, grads, dtypes = trained(Parallelism("single"))
+    held_losses, held_grads, held_dtypes = trained(None)  # no parallelism given: the fp32-held base, as before
+    assert losses == held_losses and grads.keys() == held_grads.keys() and len(grads) == 2 * 7 * 2
+    assert all(torch.equal(grads[n], held_grads[n]) for n in grads)
+    frozen_linear = [n for n in dtypes if ".layers." in n and "base_layer.weight" in n]
+    assert len(frozen_linear) == 2 * 7 and all(dtypes[n] == torch.bfloat16 for n in frozen_linear)
+    assert all(held_dtypes[n] == torch.float32 for n in frozen_linear)
+    others = [n for n in dtypes if n not in frozen_linear]  # adapters, LM head, norms, embeddings
+    assert others and all(dtypes[n] == torch.float32 for n in others)
+    for spread, model_dir, dtype in ((Parallelism("fsdp2", 2), bf16_dir, torch.bfloat16),
+                                     (Parallelism("single"), tiny_model_dir, torch.bfloat16),
+                                     (Parallelism("single"), bf16_dir, torch.float32)):
+        model = load_model(model_args(model_dir), lora=lora, compute_dtype=dtype, parallelism=spread)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}, (spread, model_dir, dtype)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
     """The rows of tokens the run added train under LoRA: the embedding's and an untied head's by name, a tied
