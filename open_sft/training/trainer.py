@@ -67,7 +67,8 @@ class Trainer:
         # --sequence_parallel_size: an SP group computes each micro-batch in N slices (distributed.sequence_parallel);
         # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
         self.batches = StepBatches(data, steps, args, pad_token_id, accelerator.process_index, parallelism.sp,
-                                   group_ranks(accelerator) if parallelism.tp_enabled else [])
+                                   group_ranks(accelerator) if parallelism.tp_enabled else [],
+                                   ahead=accelerator.device.type == "cuda")
         if accelerator.is_main_process:
             logger.info("optimizer: %s", optimizer_impl(optimizer))
         self.train_tokens = 0
@@ -157,7 +158,7 @@ class Trainer:
     def _begin_step(self, step: int) -> StepWork:
         """This rank's micro-batches of the step, their trained tokens, each trained position's source, and the
         step's global counts (`_step_counts`, collective)."""
-        batches = self.batches.for_rank(step)
+        batches = self.batches.for_step(step, step + 1 if step + 1 < self.steps.total_steps else None)
         local_counts = [count_trained_batch(batch["labels"]) for batch, _ in batches]
         positions = [trained_sources(batch) for batch, _ in batches]
         self.seen_example_ids.extend(i for _, indices in batches for i in indices)
@@ -274,6 +275,7 @@ class Trainer:
                 stop = any([hook(done, seconds) for hook in after_step])  # a list: every hook runs
             if stop:
                 break
+        self.batches.close()
         self.engine.after_training()
         return records
 

@@ -203,3 +203,38 @@ def test_evaluation_and_checkpoint_saves_are_not_training_time(tiny_model_dir, t
     assert all(r["tokens_per_second"] > 1.0 for r in train)  # ~1,000 here; 0.1-0.4 with a pause counted
     summary = json.loads((out / "report" / "summary.json").read_text())
     assert summary["elapsed_s"] == train[-1]["elapsed_s"] and summary["tokens_per_second"] > 1.0
+
+
+def test_collating_ahead_gives_each_step_the_batches_it_would_collate(setup, tiny_model_dir, monkeypatch) -> None:
+    """On a GPU the next step's micro-batches are collated in a background thread while the device computes: the
+    same batches, pinned, in the same order as collating each step when it starts (a step asked out of turn, as a
+    resume does, is collated then); the loop's losses are those without it."""
+    import threading
+
+    from open_sft.training.micro_batches import StepBatches
+
+    trainer, _ = make_trainer(setup, tiny_model_dir, poison=set())
+    plain = trainer.batches
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())  # no CUDA here: pinning is a copy
+    threads = []
+    collate_for = StepBatches.for_rank
+
+    def recording(self, step, rank=None):
+        threads.append((step, threading.current_thread().name))
+        return collate_for(self, step, rank)
+
+    ahead = StepBatches(trainer.data, trainer.steps, trainer.args, plain.pad_token_id, 0, ahead=True)
+    monkeypatch.setattr(StepBatches, "for_rank", recording)
+    for step, next_step in ((0, 1), (1, 2), (2, 3), (4, 5), (5, None)):  # step 3 skipped: 4 comes out of turn
+        got, want = ahead.for_step(step, next_step), collate_for(plain, step)
+        assert [indices for _, indices in got] == [indices for _, indices in want]
+        for (a, _), (b, _) in zip(got, want):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ahead.close()
+    background = {step for step, name in threads if name.startswith("open_sft-collate")}
+    assert {1, 2, 3, 5} <= background and 0 in {step for step, name in threads if name == "MainThread"}
+    assert (4, "MainThread") in threads  # collated ahead was step 3's; step 4 is collated when asked
+    losses_plain = [r["loss"] for r in make_trainer(setup, tiny_model_dir, poison=set())[0].train()]
+    trainer_ahead, _ = make_trainer(setup, tiny_model_dir, poison=set())
+    trainer_ahead.batches = StepBatches(trainer.data, trainer.steps, trainer.args, plain.pad_token_id, 0, ahead=True)
+    assert [r["loss"] for r in trainer_ahead.train()] == losses_plain
