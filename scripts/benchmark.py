@@ -43,14 +43,25 @@ sys.path.insert(0, str(ROOT))  # open_sft from this checkout, installed or not
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
+LORA = ["--lora_alpha", "32", "--lora_dropout", "0"]  # rank: --lora_rank; every linear layer (all-linear)
 VARIANT_FLAGS = {"plain": [], "liger": ["--use_liger_kernel"], "compile": ["--torch_compile"],
-                 "liger_compile": ["--use_liger_kernel", "--torch_compile"]}
+                 "liger_compile": ["--use_liger_kernel", "--torch_compile"], "fp8": ["--fp8"],
+                 "fp8_compile": ["--fp8", "--torch_compile"], "lora": ["--use_lora", *LORA],
+                 "qlora": ["--use_qlora", *LORA], "lora_compile": ["--use_lora", *LORA, "--torch_compile"]}
 
 
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def variant_flags(args, variant: str) -> list[str]:
+    """open_sft's flags of a variant, with the trained tokens, LoRA rank and checkpointing the benchmark asks for."""
+    flags = [*VARIANT_FLAGS[variant], "--train_on", args.train_on]
+    if "lora" in variant:
+        flags += ["--lora_rank", str(args.lora_rank)]
+    return flags + (["--gradient_checkpointing"] if args.gradient_checkpointing else [])
 
 
 def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain") -> dict:
@@ -63,7 +74,7 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
         cmd += ["--chat_template_name", args.chat_template_name]
     if args.packing:
         cmd += ["--packing"]
-    cmd += VARIANT_FLAGS[variant]
+    cmd += variant_flags(args, variant)
     started = time.perf_counter()
     log = Path(args.log_dir or out.parent) / f"{out.name}.log"
     # a compiled run logs its recompilations (a shape that changes every step would show there)
@@ -91,12 +102,16 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
     peak = max(r["peak_memory_gib"] for r in records)
     return {"tool": "open_sft", "label": f"open_sft {dtype}" + "".join(f" + {v}" for v in variant.split("_")
                                                                        if v != "plain"),
-            "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""), "flags": VARIANT_FLAGS[variant],
+            "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""), "variant": variant,
+            "flags": variant_flags(args, variant), "losses": [r["loss"] for r in records if "loss" in r],
             "tokens_per_second": typical,
             "trained_tokens_per_second": _median([t / s for t, s in zip(trained, step_seconds)]),
             "mean_tokens_per_second": sum(step_tokens) / sum(step_seconds),
             "mfu": _median([r["mfu"] for r in steady[1:]]),
+            "mfu_palm": _median([r.get("mfu_palm", 0.0) for r in steady[1:]]),
             "peak_gib": peak, "peak_of": "GPU memory allocated" if _on_gpu() else "process RSS",
+            **({"peak_reserved_gib": max(r["peak_memory_reserved_gib"] for r in records if "loss" in r)}
+               if _on_gpu() else {}),
             "estimate_gib": run["preflight"]["memory"]["total_bytes"] / 2**30,
             "wall_s": time.perf_counter() - started}
 
@@ -107,62 +122,73 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-TRL_SCRIPT = r"""
-import json, sys, time, resource, torch
-from datasets import load_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-from trl import SFTConfig, SFTTrainer
-model_dir, data, steps, bs, seq, packing, warm, bf16 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1", int(sys.argv[7]), sys.argv[8] == "1"
-torch.set_num_threads(int(sys.argv[9]))
-liger, gpu = sys.argv[10] == "1", torch.cuda.is_available()
-tok = AutoTokenizer.from_pretrained(model_dir)
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-ds = load_dataset("json", data_files=data, split="train").select_columns(["messages"])
-class Clock(TrainerCallback):
-    def __init__(self): self.times = []
-    def on_step_end(self, args, state, control, **kw): self.times.append(time.perf_counter())
-clock = Clock()
-cfg = SFTConfig(output_dir="/tmp/trl_bench", max_steps=steps, per_device_train_batch_size=bs, max_length=seq,
-                packing=packing, padding_free=packing, bf16=bf16, logging_steps=1, save_strategy="no", report_to=[],
-                assistant_only_loss=False, dataloader_num_workers=0, use_cpu=not gpu, gradient_checkpointing=False,
-                use_liger_kernel=liger)
-trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[clock])
-tokens = []
-orig = trainer.compute_loss
-def counting(model, inputs, *a, **k):
-    mask = inputs.get("attention_mask")
-    tokens.append(int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel()))
-    return orig(model, inputs, *a, **k)
-trainer.compute_loss = counting
-trainer.train()
-t = clock.times
-peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-rates = sorted(tokens[i] / (t[i] - t[i - 1]) for i in range(warm + 1, len(t)))  # the median step, as open_sft's
-n = len(rates)
-print(json.dumps({"tokens_per_second": rates[n // 2] if n % 2 else (rates[n // 2 - 1] + rates[n // 2]) / 2,
-                  "mean_tokens_per_second": sum(tokens[warm + 1:]) / (t[-1] - t[warm]),
-                  "peak_gib": peak, "peak_of": "GPU memory allocated" if gpu else "process RSS"}))
-"""
-
-
-def run_trl(args, model: str, dtype: str, variant: str = "plain") -> dict:
+def run_trl(args, model: str, dtype: str, variant: str = "plain", attention: str = "sdpa",
+            compiled: bool = False) -> dict:
+    """TRL's SFTTrainer (scripts/benchmark_trl.py in --trl_python's environment) on the same model and rows."""
     import torch
 
+    settings = {"model": model, "data": args.data, "steps": args.steps, "batch_size": args.batch_size,
+                "max_length": args.max_seq_length, "packing": args.packing, "warmup": args.warmup_steps,
+                "bf16": dtype == "bfloat16", "threads": torch.get_num_threads(), "liger": variant == "liger",
+                "peft": variant if variant in ("lora", "qlora") else None, "lora_rank": args.lora_rank,
+                "attention": attention, "compile": compiled, "assistant_only": args.train_on != "all",
+                "gradient_checkpointing": args.gradient_checkpointing, "root": str(ROOT)}
+    label = (f"trl SFTTrainer {dtype}" + {"liger": " + liger", "lora": " + PEFT LoRA", "qlora": " + PEFT QLoRA"}.get(
+        variant, "") + f" {attention}" + (" compiled" if compiled else ""))
     try:
-        out = subprocess.run([args.trl_python, "-c", TRL_SCRIPT, model, args.data, str(args.steps),
-                              str(args.batch_size), str(args.max_seq_length), "1" if args.packing else "0",
-                              str(args.warmup_steps), "1" if dtype == "bfloat16" else "0", str(torch.get_num_threads()),
-                              "1" if variant == "liger" else "0"],
+        out = subprocess.run([args.trl_python, str(ROOT / "scripts" / "benchmark_trl.py"), json.dumps(settings)],
                              capture_output=True, text=True, env=OFFLINE, timeout=args.run_timeout_s)
     except subprocess.TimeoutExpired:
-        raise RuntimeError(f"TRL {dtype} {variant}: stopped after --run_timeout_s {args.run_timeout_s}")
+        raise RuntimeError(f"{label}: stopped after --run_timeout_s {args.run_timeout_s}")
     if args.log_dir:
-        (Path(args.log_dir) / f"trl_{dtype}_{variant}.log").write_text(out.stdout + out.stderr)
+        (Path(args.log_dir) / (label.replace(" ", "_").replace("+", "") + ".log")).write_text(out.stdout + out.stderr)
     if out.returncode != 0:
-        raise RuntimeError(f"TRL {dtype} {variant}: exit {out.returncode}: {out.stderr.strip()[-1500:]}")
+        raise RuntimeError(f"{label}: exit {out.returncode}: {out.stderr.strip()[-1500:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    label = f"trl SFTTrainer {dtype}" + (" + liger" if variant == "liger" else "")
-    return {"tool": "trl SFTTrainer", "label": label, "asked": dtype, "dtype": dtype, **result}
+    return {"tool": "trl SFTTrainer", "label": label, "asked": dtype, "dtype": dtype, "variant": variant,
+            "attention": attention, "compiled": compiled, **result}
+
+
+def aggregate(results: list[dict]) -> list[dict]:
+    """One row per configuration (its label): with repeats, the median of their median steps, the spread (max - min
+    over the median) and each repeat's figure; peak memory the highest of them."""
+    rows: dict[str, dict] = {}
+    for r in results:
+        row = rows.setdefault(r["label"], {**r, "repeats": []})
+        row["repeats"].append(r["tokens_per_second"])
+        for key in ("peak_gib", "peak_reserved_gib"):
+            if key in r:
+                row[key] = max(row[key], r[key])
+    for row in rows.values():
+        rates = row["repeats"]
+        row["tokens_per_second"] = _median(rates)
+        row["spread"] = (max(rates) - min(rates)) / row["tokens_per_second"] if row["tokens_per_second"] else 0.0
+        for key in ("mfu", "mfu_palm", "trained_tokens_per_second", "mean_tokens_per_second"):
+            if key in row:  # the typical repeat's, scaled to the median
+                row[key] = row[key] * row["tokens_per_second"] / rates[0]
+    return list(rows.values())
+
+
+def kind(r: dict) -> str:
+    """What a run trains: the full model, LoRA or QLoRA adapters (the rows compared with each other)."""
+    variant = r.get("variant", "")
+    return "qlora" if "qlora" in variant else "lora" if "lora" in variant else "full"
+
+
+def compare_with_trl(results: list[dict]) -> None:
+    """Each open_sft row's tokens/s over TRL's fastest row of the same kind (`over_trl_best`) and of the same kind
+    and mode, eager or compiled (`over_trl_same_mode`)."""
+    def compiled(r: dict) -> bool:
+        return r.get("compiled", False) if r["tool"] != "open_sft" else "--torch_compile" in r["flags"]
+
+    trl = [r for r in results if r["tool"] != "open_sft"]
+    for r in results:
+        same = [t["tokens_per_second"] for t in trl if kind(t) == kind(r)]
+        mode = [t["tokens_per_second"] for t in trl if kind(t) == kind(r) and compiled(t) == compiled(r)]
+        if same:
+            r["over_trl_best"] = r["tokens_per_second"] / max(same)
+        if mode:
+            r["over_trl_same_mode"] = r["tokens_per_second"] / max(mode)
 
 
 def gpu_line(measured_bf16_peak: float) -> dict:
@@ -201,8 +227,9 @@ def measure_gpu_peak(size: int = 8192, repeat: int = 10) -> float:
 
 
 def add_mfu(results: list[dict], measured_bf16_peak: float | None = None) -> None:
-    """MFU of the TRL runs from the FLOPs per token open_sft measured (the same model and data); on a GPU, every
-    run's MFU against the measured bf16 peak as well."""
+    """MFU of the TRL runs from the FLOPs per token open_sft counted (the same model and data), in both counts
+    (open_sft's strict `mfu`, PaLM's `mfu_palm`); on a GPU, every run's strict MFU against the measured bf16 peak
+    as well."""
     import torch
 
     from open_sft.monitor.metrics import device_peak_flops
@@ -212,9 +239,11 @@ def add_mfu(results: list[dict], measured_bf16_peak: float | None = None) -> Non
         return
     peaks = {name: device_peak_flops(getattr(torch, name)) for name in ("float32", "bfloat16")}
     flops_per_token = ours[0]["mfu"] * peaks[ours[0]["dtype"]] / ours[0]["tokens_per_second"]
+    palm_per_token = ours[0].get("mfu_palm", 0.0) * peaks[ours[0]["dtype"]] / ours[0]["tokens_per_second"]
     for r in results:
         if r["tool"] != "open_sft":
             r["mfu"] = r["tokens_per_second"] * flops_per_token / peaks[r["dtype"]]
+            r["mfu_palm"] = r["tokens_per_second"] * palm_per_token / peaks[r["dtype"]]
         if measured_bf16_peak and r["dtype"] == "bfloat16":
             r["mfu_measured_peak"] = r["tokens_per_second"] * flops_per_token / measured_bf16_peak
 
@@ -233,7 +262,20 @@ def main() -> int:
     parser.add_argument("--packing", action="store_true")
     parser.add_argument("--variants", nargs="+", default=["plain"], choices=list(VARIANT_FLAGS),
                         help="open_sft's runs per dtype: plain, --use_liger_kernel, --torch_compile, or both")
-    parser.add_argument("--trl_variants", nargs="+", default=["plain"], choices=["plain", "liger"])
+    parser.add_argument("--trl_variants", nargs="+", default=["plain"], choices=["plain", "liger", "lora", "qlora"],
+                        help="TRL's runs: plain, use_liger_kernel, TRL + PEFT LoRA or QLoRA")
+    parser.add_argument("--trl_attention", nargs="+", default=["sdpa"], choices=["sdpa", "flex_attention", "varlen"],
+                        help="TRL's attention of padding-free rows: sdpa (a dense block-diagonal mask), "
+                             "flex_attention, varlen (torch's variable-length flash attention, open_sft's kernel)")
+    parser.add_argument("--trl_modes", nargs="+", default=["eager"], choices=["eager", "compiled"],
+                        help="TRL eager and/or with torch_compile (rows of their own)")
+    parser.add_argument("--train_on", default="all", choices=["all", "all_assistant"],
+                        help="the tokens with a loss on both sides: all (TRL's default) or the assistant turns "
+                             "(TRL's assistant_only_loss)")
+    parser.add_argument("--lora_rank", type=int, default=16, help="LoRA rank of the lora/qlora variants")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="on both sides")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every configuration this many times, alternating; median and spread reported")
     parser.add_argument("--json_out", default=None, help="write every run's figures to this JSON file")
     parser.add_argument("--compare", choices=["trl"], default=None)
     parser.add_argument("--trl_dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"],
@@ -276,20 +318,27 @@ def main() -> int:
             from open_sft.embedded.factory import build_embedded_default
 
             model = str(build_embedded_default(Path(tmp) / "model", hidden_size=256, num_layers=4, num_heads=4))
-        ours = [(f"open_sft {d} {v}", lambda d=d, v=v: run_open_sft(args, model, Path(tmp) / f"open_sft_{d}_{v}",
-                                                                      d, v))
+        # each job takes the repeat's number (a repeat of open_sft trains in an output directory of its own: the
+        # first's would be a finished run)
+        ours = [(f"open_sft {d} {v}", lambda k, d=d, v=v: run_open_sft(
+                    args, model, Path(tmp) / (f"open_sft_{d}_{v}" + (f"_repeat{k + 1}" if k else "")), d, v))
                 for d in args.dtypes for v in args.variants]
-        trl = [(f"trl {d} {v}", lambda d=d, v=v: run_trl(args, model, d, v))
-               for d in args.trl_dtypes for v in args.trl_variants] if args.compare == "trl" else []
+        trl = [(f"trl {d} {v} {a} {m}", lambda k, d=d, v=v, a=a, m=m: run_trl(args, model, d, v, a, m == "compiled"))
+               for d in args.trl_dtypes for v in args.trl_variants for a in args.trl_attention
+               for m in args.trl_modes] if args.compare == "trl" else []
         # compiled variants last: they spend a compilation first, and a deadline should cut them rather than the
-        # side-by-side comparison
-        for label, run in [j for j in ours if "compile" not in j[0]] + trl + [j for j in ours if "compile" in j[0]]:
-            attempt(label, run)
+        # side-by-side comparison; repeats alternate (every configuration once, then again), so a drift of the
+        # machine's speed spreads over all of them
+        order = [j for j in ours if "compile" not in j[0]] + [j for j in trl if "compiled" not in j[0]] + [
+            j for j in ours + trl if "compile" in j[0]]
+        for repeat in range(args.repeats):
+            for label, run in order:
+                attempt(label if args.repeats == 1 else f"{label} (repeat {repeat + 1})",
+                        lambda run=run, repeat=repeat: run(repeat))
+    results[:] = aggregate(results)
     add_mfu(results, gpu_peak)
-    trl = [r["tokens_per_second"] for r in results if r["tool"] != "open_sft"]
+    compare_with_trl(results)
     for r in results:
-        if trl:
-            r["over_trl_best"] = r["tokens_per_second"] / max(trl)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}))
     for r in failed:
         print(json.dumps(r))

@@ -255,3 +255,13 @@ def install(model: nn.Module, varlen: bool = False) -> bool:
     if not getattr(current, FLAG, False):
         ALL_ATTENTION_FUNCTIONS["sdpa"] = _per_example(current, varlen_kernel() if varlen else None)
     return True
+
+
+def packed_sdpa(varlen: bool = True) -> Callable:
+    """transformers' sdpa attention function with packed rows attended one example at a time (with `varlen`, in one
+    call of torch's variable-length flash attention where it applies): a function to register under a name of its
+    own with transformers' AttentionInterface, for a trainer that is not open_sft (scripts/benchmark_trl.py gives TRL
+    the kernel open_sft's packed rows use on a GPU this way)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return _per_example(sdpa_attention_forward, varlen_kernel() if varlen else None)

@@ -18,8 +18,15 @@ Parts (--parts picks some):
   torch_compile (each: finite and falling loss, the export reloads in a fresh process; torch_compile's losses
   also against the same run uncompiled);
 - speed: scripts/benchmark.py on a Llama-3.2-1B-shaped model (random init, the tokenizer given), rows packed
-  to 4,096: open_sft, + Liger, TRL's SFTTrainer (packing + padding-free) with and without Liger, open_sft +
-  torch.compile; then scripts/profile_step.py on open_sft's default run.
+  to 4,096, every token trained on both sides: open_sft eager, + Liger, + torch.compile, against TRL's
+  SFTTrainer (packing + padding-free) with torch's varlen flash attention (open_sft's kernel, registered with
+  transformers' AttentionInterface), flex_attention and the dense-mask sdpa, eager and compiled, each
+  --speed_repeats times alternating; then scripts/profile_step.py on open_sft's default run;
+- fp8: the 1B shape in bf16 and with --fp8, 120 steps each: tokens/s and the loss step by step (plotted in
+  OUT_DIR/fp8_loss.png), held to FP8_TOLERANCE;
+- speed_8b: a Llama-3.1-8B-shaped model, LoRA and QLoRA r 16 on every projection, rows packed to 4,096, against
+  TRL + PEFT's LoRA and QLoRA (varlen and flex attention): tokens/s, both MFU counts, peak memory allocated and
+  reserved.
 
 On a GPU the runs of one part (batch_layouts' four, kill_resume's three chains, torch_compile's two) run at the
 same time, 6 parts at once, then the parts that time kernels (fused_ce, attention, speed) one at a time: an H200
@@ -50,7 +57,9 @@ from tests.gpu_check.report import markdown, pack_logs, write_report
 # beside 5 other parts on an H200, the attention part timed torch's varlen flash kernel at 9.2 ms against 2.8 ms
 # alone, and named the block-mask sdpa fastest
 ALONE = ["fused_ce", "attention", *SPEED]
-GPU_ONLY = {"liger": "Liger's kernels are Triton (CUDA)", "qlora": "run on a GPU only here (bitsandbytes 4-bit)"}
+GPU_ONLY = {"liger": "Liger's kernels are Triton (CUDA)", "qlora": "run on a GPU only here (bitsandbytes 4-bit)",
+            "fp8": "FP8 matmuls need a GPU of compute capability 8.9+ (the suite trains --fp8 on CPU: test_fp8.py)",
+            "speed_8b": "an 8B model's LoRA and QLoRA speed is a GPU's figure"}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -95,8 +104,9 @@ def stop_on_signal(ctx: Context, report: dict, keep_work: bool) -> None:
                 entry = {"verdict": "FAIL", "error": f"stopped by {signal.Signals(signum).name} while running "
                          f"(the job's time limit?)", "group": group_of(name),
                          "seconds": round(time.monotonic() - started, 1)}
-                if name == "speed" and ctx.speed_json.exists():
-                    entry.update(json.loads(ctx.speed_json.read_text()))
+                finished = ctx.work / f"{name}.json"  # a speed part's runs so far (scripts/benchmark.py's)
+                if name in SPEED and finished.exists():
+                    entry.update(json.loads(finished.read_text()))
                 report["parts"][name] = entry
             write_report(ctx, report)
             pack_logs(ctx.out, ctx.work)
@@ -124,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget_s", type=float, default=600.0,
                         help="start no part, and no run of the speed part, after this many seconds")
     parser.add_argument("--speed_steps", type=int, default=12)
+    parser.add_argument("--speed_repeats", type=int, default=1,
+                        help="runs of each speed configuration, alternating (median and spread; the issue asks 3)")
     parser.add_argument("--speed_compare", choices=["trl", "none"], default="trl",
                         help="run TRL's SFTTrainer beside open_sft in the speed part (when trl is installed)")
     parser.add_argument("--commit", default=None, help="default: $OPEN_SFT_COMMIT, else git rev-parse HEAD")
@@ -144,7 +156,8 @@ def main(argv=None) -> int:
     report = {"header": header(ctx), "parts": {}}
     stop_on_signal(ctx, report, args.keep_work)
     print(json.dumps(report["header"]), flush=True)
-    prepare(ctx, need_big="speed" in args.names and not args.smoke)
+    prepare(ctx, need_big={"speed", "fp8"} & set(args.names) and not args.smoke,
+            need_huge="speed_8b" in args.names and ctx.gpu)
     report["header"]["models"] = ctx.describe_models()
     # the longest parts first (three runs each), so that no long part is left running alone at the end
     pooled = sorted((n for n in args.names if n not in ALONE), key=lambda n: n not in ("kill_resume", "torch_compile"))

@@ -18,7 +18,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "open_sft" / "embedded" / "data" / "sample.jsonl"
 PACKAGES = ["torch", "transformers", "accelerate", "deepspeed", "peft", "datasets", "pyarrow", "bitsandbytes",
-            "liger-kernel", "trl", "triton", "tokenizers", "huggingface-hub"]
+            "liger-kernel", "trl", "triton", "tokenizers", "huggingface-hub", "torchao"]
 SMALL_GPU = {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2}
 SMALL_CPU = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 # what the check tells a probe (tests/gpu_check/test_*.py, a pytest process of its own): see measure.py
@@ -28,6 +28,9 @@ MODEL = "OPEN_SFT_GPU_CHECK_MODEL"  # the model directory the packed probe loads
 # Llama-3.2-1B's backbone (untied head, the given tokenizer's vocabulary)
 BIG = {"hidden_size": 2048, "num_layers": 16, "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 8192,
        "max_position_embeddings": 4096}
+# Llama-3.1-8B's (the LoRA and QLoRA shape users run most on one GPU; random init, the given tokenizer's vocabulary)
+HUGE = {"hidden_size": 4096, "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 14336,
+        "max_position_embeddings": 8192}
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Context:
     deadline: float
     speed_steps: int
     commit: str
+    speed_repeats: int = 1  # each speed configuration's runs, alternating (median and spread reported)
     lock: threading.RLock = field(default_factory=threading.RLock)  # RLock: the signal handler takes it too
     data: str = ""
     data_amount: str = "1.0"
@@ -56,14 +60,11 @@ class Context:
     tokenizer_file: Optional[str] = None
     small_model: Optional[Path] = None
     big_model: Optional[Path] = None
+    huge_model: Optional[Path] = None
     steps: int = 8
     compare_trl: bool = True
     running: dict[str, float] = field(default_factory=dict)  # parts in progress: name -> start (monotonic)
     threads: Optional[int] = None  # CPU threads each process may use, while parts share the cores (cli.main)
-
-    @property
-    def speed_json(self) -> Path:
-        return self.work / "speed.json"
 
     @classmethod
     def create(cls, args) -> "Context":
@@ -74,7 +75,7 @@ class Context:
         gpu = torch.cuda.is_available() and not args.smoke
         ctx = cls(out=out, work=Path(tempfile.mkdtemp(prefix="gpu_check_")), smoke=args.smoke, gpu=gpu,
                   workers=args.workers or (6 if gpu else 2), deadline=time.monotonic() + args.budget_s,
-                  speed_steps=args.speed_steps, commit=args.commit or _commit())
+                  speed_steps=args.speed_steps, commit=args.commit or _commit(), speed_repeats=args.speed_repeats)
         ctx.data = args.data or str(SAMPLE)
         ctx.data_amount = "256" if args.data else "1.0"
         ctx.tokenizer_file = args.tokenizer
@@ -106,7 +107,8 @@ class Context:
 
     def describe_models(self) -> dict:
         return {"small": {**(SMALL_GPU if self.gpu else SMALL_CPU), "tokenizer": self.tokenizer_file or "embedded"},
-                **({"speed": {**BIG, "tokenizer": self.tokenizer_file or "embedded"}} if self.big_model else {})}
+                **({"speed": {**BIG, "tokenizer": self.tokenizer_file or "embedded"}} if self.big_model else {}),
+                **({"speed_8b": {**HUGE, "tokenizer": self.tokenizer_file or "embedded"}} if self.huge_model else {})}
 
 
 def _commit() -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.gpu_check.context import BIG, SMALL_CPU, SMALL_GPU, Context
+from tests.gpu_check.context import BIG, HUGE, SMALL_CPU, SMALL_GPU, Context
 
 
 def _real_tokenizer(path: str):
@@ -31,7 +31,7 @@ def _save(model, tokenizer, out: Path) -> Path:
     return out
 
 
-def prepare(ctx: Context, need_big: bool) -> None:
+def prepare(ctx: Context, need_big: bool, need_huge: bool = False) -> None:
     from open_sft.embedded.factory import build_embedded_default, build_model
 
     if ctx.tokenizer_file:
@@ -49,6 +49,14 @@ def prepare(ctx: Context, need_big: bool) -> None:
 
         model = build_model(tokenizer, **BIG).to(torch.bfloat16)  # bf16 on disk: half the bytes to load
         ctx.big_model = _save(model, tokenizer, ctx.work / "big_model")
+    if need_huge:  # 8B: initialised on the GPU (a minute less than on the host), saved in bf16 (16 GB)
+        import torch
+
+        with torch.device("cuda"):
+            model = build_model(tokenizer, **HUGE).to(torch.bfloat16)
+        ctx.huge_model = _save(model, tokenizer, ctx.work / "huge_model")
+        del model
+        torch.cuda.empty_cache()
 
 
 def _messages_file(data: str, out: Path) -> Path:

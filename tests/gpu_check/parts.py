@@ -14,7 +14,7 @@ from tests.gpu_check.runs import falling, finetune, reload_export
 CORRECTNESS = ["batch_layouts", "packed", "fused_ce", "attention", "kill_resume"]
 FEATURES = ["dtype_auto", "liger", "qlora", "zero2", "zero3", "fsdp2", "gradient_checkpointing",
             "auto_micro_batch_size", "torch_compile"]
-SPEED = ["speed"]
+SPEED = ["speed", "fp8", "speed_8b"]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -139,6 +139,8 @@ PARTS = {
     "auto_micro_batch_size": feature("auto_micro_batch_size", ["--auto_micro_batch_size"], check=_micro_batch),
     "torch_compile": feature("torch_compile", ["--torch_compile"], check=_same_as_eager, beside=[]),
     "speed": speed.speed,
+    "fp8": speed.fp8,
+    "speed_8b": speed.speed_8b,
 }
 
 

@@ -22,7 +22,23 @@ def _short(value: Any) -> str:
 KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "compute_dtype", "peak_memory_gib",
                "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
                "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change",
-               "lm_head_loss", "max_rel_diff_to_eager", "compiled", "skipped", "profile_fastest")
+               "lm_head_loss", "max_rel_diff_to_eager", "compiled", "skipped", "profile_fastest", "fp8_over_bf16",
+               "fp8_over_bf16_compiled", "loss", "plot")
+
+
+def runs_table(runs: list[dict]) -> list[str]:
+    """A speed part's runs: tokens/s (the median of the repeats' median steps, and their spread), MFU in both counts
+    against the datasheet, peak memory allocated and reserved, the estimate, the ratio to TRL's fastest run of the
+    same kind (full, LoRA, QLoRA) and of the same mode (eager or compiled)."""
+    lines = ["| run | tokens/s | spread | repeats | MFU | MFU, PaLM count | peak GiB | reserved GiB | estimate GiB | "
+             "x TRL best | x TRL same mode |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['label']} | {r['tokens_per_second']:,.0f} | {r.get('spread', 0):.1%} | "
+                     f"{len(r.get('repeats', [1]))} | {r.get('mfu', 0):.1%} | {r.get('mfu_palm', 0):.1%} | "
+                     f"{r.get('peak_gib', 0):.2f} | {_short(r.get('peak_reserved_gib'))} | "
+                     f"{_short(r.get('estimate_gib'))} | {_short(r.get('over_trl_best'))} | "
+                     f"{_short(r.get('over_trl_same_mode'))} |")
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -37,14 +53,10 @@ def markdown(report: dict) -> str:
     for name, part in report["parts"].items():
         figures = "; ".join(f"{k}: {_short(part[k])}" for k in KEY_FIGURES if k in part)
         lines.append(f"| {name} | {part['group']} | {part['verdict']} | {part['seconds']} | {figures} |")
-    speed = report["parts"].get("speed", {})
-    if speed.get("runs"):
-        lines += ["", "| run | tokens/s | MFU (datasheet) | MFU (measured peak) | peak GiB | estimate GiB | x TRL best |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in speed["runs"]:
-            lines.append(f"| {r['label']} | {r['tokens_per_second']:,.0f} | {r.get('mfu', 0):.1%} | "
-                         f"{r.get('mfu_measured_peak', 0):.1%} | {r.get('peak_gib', 0):.2f} | "
-                         f"{_short(r.get('estimate_gib'))} | {_short(r.get('over_trl_best'))} |")
+    for name in ("speed", "fp8", "speed_8b"):
+        runs = report["parts"].get(name, {}).get("runs")
+        if runs:
+            lines += ["", f"{name}:", ""] + runs_table(runs)
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,7 @@ def test_smoke_parts_pass_with_their_figures(smoke) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {name: parts[name]["verdict"] for name in CPU_PARTS} == {name: "pass" for name in CPU_PARTS}
     assert parts["liger"]["verdict"] == parts["qlora"]["verdict"] == "skip" and parts["liger"]["why"]
+    assert parts["fp8"]["verdict"] == parts["speed_8b"]["verdict"] == "skip" and "8.9" in parts["fp8"]["why"]
     assert report["verdict"] == "pass" and report["header"]["commit"] == "abc123"
     assert report["header"]["mode"] == "smoke (CPU)" and report["header"]["versions"]["torch"]
     # the numbers behind the verdicts
@@ -54,6 +55,7 @@ def test_smoke_parts_pass_with_their_figures(smoke) -> None:
     assert any("decoder layers compiled" in line for line in compiled["compiled"])
     speed = parts["speed"]
     assert speed["runs"][0]["tokens_per_second"] > 0 and speed["runs"][0]["estimate_gib"] > 0
+    assert speed["runs"][0]["mfu_palm"] > speed["runs"][0]["mfu"] > 0 and speed["runs"][0]["repeats"]
     assert sum(speed["profile"]["shares"].values()) == pytest.approx(1.0, abs=1e-3)
 
 
