@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-RECIPES = ("tensorwise", "rowwise")
-LAYER_CHOICES = ("auto", "all")
 CPU_STAND_IN = "OPEN_SFT_FP8_ON_CPU"
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")  # MoE routers: the last part of the module's name
 

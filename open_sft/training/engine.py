@@ -88,25 +88,33 @@ class AccelerateEngine:
         self.trainer = trainer
 
     def forward_backward(self, work: StepWork) -> StepLosses:
-        """Every forward pass of the step, each followed by its backward (gradients synced on the last)."""
+        """Every forward pass of the step, each followed by its backward (gradients synced on the last); the
+        weights cast to the compute dtype once for all of them (Precision.step_casts)."""
         t = self.trainer
-        device, loss_model = t.accelerator.device, t.loss_model
-        losses = StepLosses.zeros(len(t.source_names), device)
+        losses = StepLosses.zeros(len(t.source_names), t.accelerator.device)
         passes = t.batches.passes(work.step, [batch for batch, _ in work.batches], work.positions, work.counts,
                                   t.accelerator, t.model)
-        for batch, trained_positions, trained_local in passes:
-            with t.accelerator.accumulate(t.model):
-                with t.precision.autocast(), (t.saved_activations.measure() if t.saved_activations
-                                              else contextlib.nullcontext()):
-                    token_loss_sum = t.model(**to_device(batch, device))
-                if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
-                    aux = loss_model.aux_sum if loss_model.router else None
-                    lm_loss = token_loss_sum.detach().double() - (  # the logged loss: the language model's
-                        loss_model.router.coefficient * aux.double() if aux is not None else 0.0)
-                    losses.add(lm_loss, aux, loss_model.token_losses, trained_positions)
-                t.accelerator.backward(
-                    t.precision.scale(token_loss_sum * t.loss_scale(work.trained_global, trained_local)))
+        with t.precision.step_casts():
+            for batch, trained_positions, trained_local in passes:
+                self._pass(batch, trained_positions, trained_local, work, losses)
         return losses
+
+    def _pass(self, batch: dict, trained_positions: Optional[torch.Tensor], trained_local: int, work: StepWork,
+              losses: StepLosses) -> None:
+        """One forward pass and its backward; its losses added to the step's."""
+        t = self.trainer
+        loss_model = t.loss_model
+        with t.accelerator.accumulate(t.model):
+            with t.precision.autocast(), (t.saved_activations.measure() if t.saved_activations
+                                          else contextlib.nullcontext()):
+                token_loss_sum = t.model(**to_device(batch, t.accelerator.device))
+            if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
+                aux = loss_model.aux_sum if loss_model.router else None
+                lm_loss = token_loss_sum.detach().double() - (  # the logged loss: the language model's
+                    loss_model.router.coefficient * aux.double() if aux is not None else 0.0)
+                losses.add(lm_loss, aux, loss_model.token_losses, trained_positions)
+            t.accelerator.backward(
+                t.precision.scale(token_loss_sum * t.loss_scale(work.trained_global, trained_local)))
 
     def clip_and_norm(self) -> float:
         """The gradients unscaled (fp16) and clipped to --clip_grad_norm; their global norm before clipping."""

@@ -238,3 +238,40 @@ def test_collating_ahead_gives_each_step_the_batches_it_would_collate(setup, tin
     trainer_ahead, _ = make_trainer(setup, tiny_model_dir, poison=set())
     trainer_ahead.batches = StepBatches(trainer.data, trainer.steps, trainer.args, plain.pad_token_id, 0, ahead=True)
     assert [r["loss"] for r in trainer_ahead.train()] == losses_plain
+
+
+def test_a_steps_micro_batches_share_one_cast_of_each_weight(setup, tiny_model_dir) -> None:
+    """bf16 autocast over 4 micro-batches a step: each fp32 weight is cast once a step, not once a pass (autocast's
+    cache kept for the step's passes: Precision.step_casts), and the step's weights after the optimizer are bitwise
+    those of casting at every pass."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, weights):
+            super().__init__()
+            self.weights, self.count = {id(w) for w in weights}, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16 \
+                    and id(args[0]) in self.weights:
+                self.count += 1
+            return func(*args, **kwargs)
+
+    def one_step(cast_once: bool):
+        trainer, base = make_trainer(setup, tiny_model_dir, poison=set(), gradient_accumulation_steps=4)
+        trainer.precision.autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+        if not cast_once:
+            trainer.precision.step_casts = contextlib.nullcontext
+        # the decoder's weights (the fused LM-head loss casts the head itself, with autocast off, at each pass)
+        weights = [p for n, p in base.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
+        with WeightCasts(weights) as casts:
+            trainer.train_step(0)
+        return casts.count, len(weights), {n: p.detach().clone() for n, p in base.named_parameters()}
+
+    once, n_weights, after_once = one_step(cast_once=True)
+    every_pass, _, after_every_pass = one_step(cast_once=False)
+    assert n_weights == 2 * 7 and once == n_weights and every_pass == 4 * n_weights
+    assert all(torch.equal(after_once[n], after_every_pass[n]) for n in after_once)
