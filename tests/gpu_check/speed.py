@@ -121,8 +121,10 @@ def fp8(ctx: Context) -> dict:
     compiled = rows.get("compile"), rows.get("fp8_compile")
     reached = {"fp8_loss_within_tolerance": loss["within"], "fp8>=1.15x_bf16": ratio >= TARGETS["fp8_over_bf16"]}
     figures = {"fp8_over_bf16": ratio, "loss": loss, "plot": "fp8_loss.png"}
-    if all(compiled):
+    if all(compiled):  # FP8 under torch.compile, held to the compiled bf16 run (on a CPU it gave NaN gradients)
         figures["fp8_over_bf16_compiled"] = compiled[1]["tokens_per_second"] / compiled[0]["tokens_per_second"]
+        figures["loss_compiled"] = fp8_against_bf16(compiled[0]["losses"], compiled[1]["losses"])
+        reached["fp8_compiled_loss_within_tolerance"] = figures["loss_compiled"]["within"]
     return {"pass": all(reached.values()), "targets": reached, **figures, **results}
 
 
