@@ -103,7 +103,7 @@ def run_open_sft(args, model: str, out: Path, dtype: str, variant: str = "plain"
     return {"tool": "open_sft", "label": f"open_sft {dtype}" + "".join(f" + {v}" for v in variant.split("_")
                                                                        if v != "plain"),
             "asked": dtype, "dtype": run["compute_dtype"].replace("torch.", ""), "variant": variant,
-            "flags": variant_flags(args, variant), "losses": [r["loss"] for r in records if "loss" in r],
+            "compiled": "compile" in variant, "flags": variant_flags(args, variant), "losses": [r["loss"] for r in records if "loss" in r],
             "tokens_per_second": typical,
             "trained_tokens_per_second": _median([t / s for t, s in zip(trained, step_seconds)]),
             "mean_tokens_per_second": sum(step_tokens) / sum(step_seconds),
@@ -178,13 +178,10 @@ def kind(r: dict) -> str:
 def compare_with_trl(results: list[dict]) -> None:
     """Each open_sft row's tokens/s over TRL's fastest row of the same kind (`over_trl_best`) and of the same kind
     and mode, eager or compiled (`over_trl_same_mode`)."""
-    def compiled(r: dict) -> bool:
-        return r.get("compiled", False) if r["tool"] != "open_sft" else "--torch_compile" in r["flags"]
-
     trl = [r for r in results if r["tool"] != "open_sft"]
     for r in results:
         same = [t["tokens_per_second"] for t in trl if kind(t) == kind(r)]
-        mode = [t["tokens_per_second"] for t in trl if kind(t) == kind(r) and compiled(t) == compiled(r)]
+        mode = [t["tokens_per_second"] for t in trl if kind(t) == kind(r) and t["compiled"] == r["compiled"]]
         if same:
             r["over_trl_best"] = r["tokens_per_second"] / max(same)
         if mode:

@@ -29,8 +29,7 @@ NONFINITE = "the DeepSpeed config would apply steps with a non-finite gradient i
 
 def needs_model_config(launch: LaunchPlan) -> bool:
     """Whether judging this launch needs the model's config (heads and layers to split across ranks)."""
-    p = launch.parallelism
-    return p.tp_enabled or p.sp_enabled or p.pp_enabled
+    return launch.parallelism.splits_model
 
 
 def check_launch(config: FinetuneConfig, launch: LaunchPlan) -> None:

@@ -81,6 +81,11 @@ class Parallelism:
         return self.pp > 1
 
     @property
+    def splits_model(self) -> bool:
+        """Whether the ranks of a group share one model copy's work: tensor, sequence or pipeline parallelism."""
+        return self.tp_enabled or self.sp_enabled or self.pp_enabled
+
+    @property
     def dp_replicas(self) -> int:
         """The data-parallel degree: the groups of ranks that each train on their own data as one model copy (TP,
         SP and the pipeline's stages work inside such a group)."""

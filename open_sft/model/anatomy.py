@@ -68,11 +68,11 @@ def weight_numel(param: torch.Tensor) -> int:
 
 def matmul_params(model: nn.Module) -> tuple[int, int]:
     """(the decoder's matmul weights, the LM head's) in elements: every weight of two or more dimensions (a linear
-    layer's, an expert bank's, a 4-bit packed one) but the embedding tables, whose lookups compute nothing; the LM
-    head's counted also when it is tied to the input embedding (its matmul runs either way)."""
+    layer's, an expert bank's, a 4-bit one's [n / 2, 1] bytes, counted at its layer's shape) but the embedding
+    tables, whose lookups compute nothing; the LM head's counted also when it is tied to the input embedding (its
+    matmul runs either way)."""
     head = model.get_output_embeddings().weight
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     backbone = sum(weight_numel(p) for p in model.parameters()
-                   if p is not head and id(p) not in tables
-                   and (len(param_shape(p)) >= 2 or getattr(p, "quant_state", None) is not None))
+                   if p is not head and id(p) not in tables and len(param_shape(p)) >= 2)
     return backbone, weight_numel(head)

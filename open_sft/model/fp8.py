@@ -24,6 +24,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ ROUTER_NAMES = ("gate", "router", "shared_expert_gate")  # MoE routers: the last
 
 def hardware_problem() -> str | None:
     """Why this machine cannot run FP8 matmuls (None: it can)."""
-    import torch
-
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) >= (8, 9):
@@ -54,8 +53,6 @@ def hardware_problem() -> str | None:
 
 def fp8_problems(config: FinetuneConfig, launch: LaunchPlan) -> list[str]:
     """What --fp8 does not run with, each with the fix (open_sft.config.launch_check asks before anything loads)."""
-    import torch
-
     if not config.model.fp8:
         return []
     hardware = hardware_problem()

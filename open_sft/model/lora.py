@@ -203,9 +203,8 @@ def frozen_base_in_compute_dtype(model: nn.Module, compute_dtype: torch.dtype, s
     (it casts the whole model itself), TP, PP or SP."""
     from open_sft.model.precision import stored_dtype
 
-    spread = parallelism
     if (compute_dtype != torch.bfloat16 or stored_dtype(source_config) != torch.bfloat16
-            or spread.engine not in ("single", "ddp") or spread.tp_enabled or spread.pp_enabled or spread.sp_enabled):
+            or parallelism.engine not in ("single", "ddp") or parallelism.splits_model):
         return 0
     saved = 0
     for layer in decoder_layers(model):
