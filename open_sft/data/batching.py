@@ -238,6 +238,15 @@ def count_trained_batch(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def trained_index(labels: torch.Tensor) -> torch.Tensor:
+    """The flat index, into a [rows × length] batch's positions, of each position that predicts a trained label
+    (position t of row b predicts labels[b, t + 1]), in the loss's order (row-major, as count_trained_batch counts
+    them). Found on the host, where the collated labels are, and handed to the loss with the batch: selecting the
+    trained positions on a GPU by a boolean mask would make the host wait for the device to count them."""
+    rows, columns = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    return rows * labels.shape[1] + columns
+
+
 def trained_sources(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The source of each trained position of a collated batch, in the order the loss visits them (row-major
     over labels[:, 1:] != IGNORE_INDEX, as count_trained_batch counts them)."""

@@ -215,20 +215,21 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                              targets: torch.Tensor, chunk_rows: Optional[int] = None,
                              bf16_via_fp32: bool = False, token_losses: Optional[torch.Tensor] = None,
-                             transform: Optional[LogitTransform] = None) -> torch.Tensor:
+                             transform: Optional[LogitTransform] = None, all_trained: bool = False) -> torch.Tensor:
     """Sum of cross-entropies of `hidden @ weight.T + bias` ([N, d] rows) against `targets` ([N]) in fp32.
 
     `token_losses` (fp32, one value per target that is not IGNORE_INDEX), when given, receives each position's loss
     (no gradient flows through it; the sum returned is computed as without it).
-    Positions whose target is IGNORE_INDEX are skipped (they add nothing, as in F.cross_entropy). Matmuls run in
+    Positions whose target is IGNORE_INDEX are skipped (they add nothing, as in F.cross_entropy); `all_trained`: the
+    caller selected the trained positions already, so no check (on a GPU, one that waits on the device). Matmuls run in
     the autocast dtype when autocast is on, else the weight's dtype; the softmax always in fp32. With
     `bf16_via_fp32`, bf16 matmuls run as fp32 matmuls of bf16-rounded operands (open_sft.model.bf16_matmul)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1)
     if hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"{hidden.shape[0]} hidden rows but {targets.shape[0]} targets")
-    keep = targets != IGNORE_INDEX
-    if not bool(keep.all()):
+    keep = None if all_trained else targets != IGNORE_INDEX
+    if keep is not None and not bool(keep.all()):
         hidden, targets = hidden[keep], targets[keep]
     if not torch.is_grad_enabled():  # evaluation: a Function sees requires_grad even under no_grad
         hidden, weight = hidden.detach(), weight.detach()
@@ -248,7 +249,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: O
 
 def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
                      chunk_rows: Optional[int] = None, token_losses: Optional[torch.Tensor] = None,
-                     transform: Optional[LogitTransform] = None) -> torch.Tensor:
+                     transform: Optional[LogitTransform] = None, all_trained: bool = False) -> torch.Tensor:
     """`linear_cross_entropy_sum` with lm_head's parameters, run inside a call to lm_head itself (`call_in_head`)."""
     if not supports_fused(lm_head):
         raise TypeError(f"the fused loss needs a plain nn.Linear LM head, got {type(lm_head).__name__}")
@@ -256,6 +257,6 @@ def lm_head_loss_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Te
     def fused_forward(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, t, chunk_rows,
                                         bf16_via_fp32=bf16_matmul.installed(lm_head), token_losses=token_losses,
-                                        transform=transform)
+                                        transform=transform, all_trained=all_trained)
 
     return call_in_head(lm_head, fused_forward, hidden, targets)

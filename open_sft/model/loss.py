@@ -50,9 +50,12 @@ class TokenLossModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
-                shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                shift_labels: Optional[torch.Tensor] = None,
+                trained_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Packed micro-batches pass position_ids (restarting per example) and no attention_mask. A sequence-
-        parallel slice passes `shift_labels` (each position's target, shifted before the sequence was cut)."""
+        parallel slice passes `shift_labels` (each position's target, shifted before the sequence was cut). The
+        trainer passes `trained_index` (open_sft.data.batching.trained_index: the trained positions, found on the
+        host) with `labels`."""
         causal_lm = self.causal_lm()
         backbone = backbone_of(causal_lm)
         # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
@@ -60,7 +63,7 @@ class TokenLossModel(nn.Module):
         routed = self.router is not None and self.training
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                        use_cache=False, **({"output_router_logits": True} if routed else {}))
-        loss, trained_count = self.head_loss(out.last_hidden_state, labels, shift_labels)
+        loss, trained_count = self.head_loss(out.last_hidden_state, labels, shift_labels, trained_index)
         if routed:
             router = self.router
             aux = router.function(out.router_logits, router.experts, router.top_k, attention_mask).float()
@@ -71,27 +74,35 @@ class TokenLossModel(nn.Module):
         return loss
 
     def head_loss(self, hidden: torch.Tensor, labels: Optional[torch.Tensor],
-                  shift_labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
+                  shift_labels: Optional[torch.Tensor] = None,
+                  trained_index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, int]:
         """The LM head and the loss on the backbone's last hidden states: (sum of the trained positions' token
-        losses, their count). A pipeline's last stage calls it on the hidden states the stages computed."""
+        losses, their count). A pipeline's last stage calls it on the hidden states the stages computed.
+        `trained_index` (with `labels`): the trained positions as the host found them, selected by index (the
+        same rows in the same order as the mask selects, without the device's count the mask waits for)."""
         causal_lm = self.causal_lm()
-        targets, inputs = (shift_labels, hidden) if shift_labels is not None else (labels[:, 1:], hidden[:, :-1])
-        trained = targets != IGNORE_INDEX
-        selected = inputs[trained]
+        if trained_index is not None and shift_labels is None:
+            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, trained_index)
+            targets = labels.reshape(-1).index_select(0, trained_index + 1)  # each position's next label
+        else:
+            shifted, inputs = (shift_labels, hidden) if shift_labels is not None else (labels[:, 1:], hidden[:, :-1])
+            trained = shifted != IGNORE_INDEX
+            selected, targets = inputs[trained], shifted[trained]
         lm_head = causal_lm.get_output_embeddings()
         kept = torch.empty(selected.shape[0], dtype=torch.float32, device=selected.device) \
             if self.keep_token_losses else None
         liger = self.fused_loss and self.liger and self._liger_applies(lm_head, selected, kept is not None)
         if liger:
-            loss = liger_loss_sum(lm_head, selected, targets[trained], self.transform)
+            loss = liger_loss_sum(lm_head, selected, targets, self.transform)
         elif self.fused_loss and supports_fused(lm_head):
-            loss = lm_head_loss_sum(lm_head, selected, targets[trained], token_losses=kept, transform=self.transform)
+            loss = lm_head_loss_sum(lm_head, selected, targets, token_losses=kept, transform=self.transform,
+                                    all_trained=True)
         else:
             logits = lm_head(selected).float()
             logits = logits if self.transform.identity else self.transform.apply(logits)
-            loss = F.cross_entropy(logits, targets[trained], reduction="sum")
+            loss = F.cross_entropy(logits, targets, reduction="sum")
             if kept is not None:
-                kept.copy_(F.cross_entropy(logits.detach(), targets[trained], reduction="none"))
+                kept.copy_(F.cross_entropy(logits.detach(), targets, reduction="none"))
         self.token_losses = kept
         return loss, selected.shape[0]
 

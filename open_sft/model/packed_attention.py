@@ -74,9 +74,26 @@ def varlen_kernel() -> Optional[Callable]:
     return varlen_attn
 
 
+# The example lengths of the position ids a forward pass is about to get, found on the host before the batch went to
+# the device (`known_segments`): (a weak reference to the device tensor, its lengths)
+_known: tuple[Optional[weakref.ref], Optional[list[int]]] = (None, None)
+
+
+def known_segments(position_ids: Optional[torch.Tensor], host_position_ids: Optional[torch.Tensor]) -> None:
+    """Before a forward pass: `position_ids` (the tensor the model gets, on the device) hold the values of
+    `host_position_ids` (the collated batch's, on the host), so their example lengths are read from those. On a GPU
+    reading them off the device would wait for it, at the first layer of every forward pass."""
+    global _known
+    if position_ids is None or host_position_ids is None or host_position_ids.device.type != "cpu":
+        _known = (None, None)
+        return
+    _known = (weakref.ref(position_ids), segment_lengths(host_position_ids))
+
+
 class _Segments:
     """The example lengths of the position ids of the forward pass in progress: every layer passes the same
-    tensor, so it is read off the device once (a weak reference: a new batch is a new tensor)."""
+    tensor, so they are found once (a weak reference: a new batch is a new tensor) — from the host's copy where the
+    trainer said which tensor that is (`known_segments`), else read off the device."""
 
     def __init__(self) -> None:
         self._of: Optional[weakref.ref] = None
@@ -84,7 +101,8 @@ class _Segments:
 
     def __call__(self, position_ids: torch.Tensor) -> Optional[list[int]]:
         if self._of is None or self._of() is not position_ids:
-            self._lengths = segment_lengths(position_ids)
+            known, lengths = _known
+            self._lengths = lengths if known is not None and known() is position_ids else segment_lengths(position_ids)
             self._of = weakref.ref(position_ids)
         return self._lengths
 

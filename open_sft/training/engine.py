@@ -6,6 +6,10 @@ here, in the parts an engine supplies:
 
 - `AccelerateEngine`: one process, DDP, FSDP2, tensor and Ulysses sequence parallelism — micro-batches under
   accelerate's `accumulate` (DDP's gradient sync on the last), accelerate's clipping, the optimizer stepped once.
+  Where the optimizer is torch's fused AdamW on plain (unsharded) parameters in bf16 or fp32 (one process, DDP:
+  `skips_on_device`), the non-finite verdict stays on the device: the optimizer skips the update itself, so the
+  host reads nothing of the step before the optimizer step is queued (on a GPU the host no longer waits for the
+  backward to end there; the step's values are read once, after it).
 - `DeepSpeedEngine`: the same passes; DeepSpeed clips and steps inside the last backward, skipping a step whose
   gradient is not finite by itself, so its verdict and its gradient norm are read afterwards.
 - `open_sft.training.pipeline_engine.PipelineEngine`: the micro-batches of a pipeline replica through torch's
@@ -20,9 +24,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from open_sft.data.batching import to_device
+from open_sft.data.batching import to_device, trained_index
 from open_sft.distributed.collectives import gather_full_state_dict
 from open_sft.errors import UserError
+from open_sft.model.packed_attention import known_segments
 from open_sft.training.evaluate import evaluate
 
 if TYPE_CHECKING:
@@ -79,6 +84,12 @@ class StepLosses:
             self.source_loss[0] += lm_loss
 
 
+def fused_adamw(optimizer: Any) -> Optional[torch.optim.AdamW]:
+    """The torch AdamW with the fused kernel inside accelerate's wrapper, if that is what steps the weights."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if isinstance(inner, torch.optim.AdamW) and inner.defaults.get("fused") else None
+
+
 class AccelerateEngine:
     """One process, DDP, FSDP2, TP or Ulysses SP: the model and optimizer as the Accelerator prepared them."""
 
@@ -86,6 +97,17 @@ class AccelerateEngine:
 
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
+        self.skips_on_device = self._can_skip_on_device()
+
+    def _can_skip_on_device(self) -> bool:
+        """Whether the step's non-finite verdict can stay a device tensor the optimizer reads (`optimizer_step`):
+        torch's fused AdamW skips the whole update (weights, moments, weight decay, its step count) when its
+        `found_inf` tensor is 1 — the argument torch's GradScaler hands it — so the host need not know the verdict
+        before the step. Not under fp16 (GradScaler sets that argument itself) nor on DTensor parameters (FSDP2, TP:
+        the fused kernel's DTensor rule takes no plain tensor beside them); the others decide on the host."""
+        t = self.trainer
+        return (fused_adamw(t.optimizer) is not None and not t.precision.fp16
+                and not any(hasattr(p, "to_local") for p in t.model.parameters()))
 
     def forward_backward(self, work: StepWork) -> StepLosses:
         """Every forward pass of the step, each followed by its backward (gradients synced on the last); the
@@ -104,10 +126,16 @@ class AccelerateEngine:
         """One forward pass and its backward; its losses added to the step's."""
         t = self.trainer
         loss_model = t.loss_model
+        inputs = to_device(batch, t.accelerator.device)
+        # what the host knows of the batch, so the device need not be asked: the trained positions and the example
+        # lengths of packed rows (on a GPU, finding either from the device's copy waits for the device)
+        if "labels" in batch and "shift_labels" not in batch:
+            inputs["trained_index"] = trained_index(batch["labels"]).to(t.accelerator.device, non_blocking=True)
+        known_segments(inputs.get("position_ids"), batch.get("position_ids"))
         with t.accelerator.accumulate(t.model):
             with t.precision.autocast(), (t.saved_activations.measure() if t.saved_activations
                                           else contextlib.nullcontext()):
-                token_loss_sum = t.model(**to_device(batch, t.accelerator.device))
+                token_loss_sum = t.model(**inputs)
             if trained_positions is not None:  # None: a TP group member's pass, counted on its own rank
                 aux = loss_model.aux_sum if loss_model.router else None
                 lm_loss = token_loss_sum.detach().double() - (  # the logged loss: the language model's
@@ -116,20 +144,31 @@ class AccelerateEngine:
             t.accelerator.backward(
                 t.precision.scale(token_loss_sum * t.loss_scale(work.trained_global, trained_local)))
 
-    def clip_and_norm(self) -> float:
-        """The gradients unscaled (fp16) and clipped to --clip_grad_norm; their global norm before clipping."""
+    def clip_and_norm(self) -> torch.Tensor | float:
+        """The gradients unscaled (fp16) and clipped to --clip_grad_norm; their global norm before clipping (a
+        device tensor where the verdict stays on the device: not read before the optimizer step)."""
         t = self.trainer
         t.precision.unscale()
         max_norm = t.args.clip_grad_norm if t.args.clip_grad_norm > 0 else float("inf")
-        return float(t.accelerator.clip_grad_norm_(t.model.parameters(), max_norm))
+        norm = t.accelerator.clip_grad_norm_(t.model.parameters(), max_norm)
+        return norm.detach() if self.skips_on_device else float(norm)
 
     def skipped(self, bad: bool) -> bool:
         """Whether the step is skipped, given whether any rank saw a non-finite loss or norm."""
         return bad
 
-    def optimizer_step(self, skipped: bool) -> None:
+    def optimizer_step(self, skipped: bool | torch.Tensor) -> None:
+        """The update, unless `skipped`: a bool the host decided, or (`skips_on_device`) a device tensor, 1.0 to
+        skip, which the fused kernel reads on the device."""
         t = self.trainer
-        if not skipped:
+        if isinstance(skipped, torch.Tensor):
+            adamw = fused_adamw(t.optimizer)
+            adamw.found_inf = skipped
+            try:
+                t.optimizer.step()
+            finally:
+                del adamw.found_inf  # never left to a step that did not set it
+        elif not skipped:
             t.optimizer.step()
         t.optimizer.zero_grad(set_to_none=True)
         t.precision.update()
@@ -161,6 +200,9 @@ class DeepSpeedEngine(AccelerateEngine):
     """ZeRO stage 1-3: DeepSpeed clips, checks the gradient norm and steps inside the last backward."""
 
     norm_before_step = False
+
+    def _can_skip_on_device(self) -> bool:
+        return False  # DeepSpeed steps (or skips) inside the last backward, on its own verdict
 
     # (DeepSpeed settings that would apply a non-finite step are refused by open_sft.config.launch_check)
 

@@ -75,6 +75,9 @@ class PipelineEngine(AccelerateEngine):
         for stage in pipeline.stages:
             stage.autocast = trainer.precision.autocast
 
+    def _can_skip_on_device(self) -> bool:
+        return False  # the stages' norm is read to clip (clip_and_norm): the verdict is the host's anyway
+
     def _timed(self, method: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()

@@ -110,9 +110,16 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def _nonfinite(self, loss_sum: torch.Tensor, grad_norm: float) -> bool:
+    def _nonfinite(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor | float) -> bool | torch.Tensor:
         """Whether the step is skipped: any rank saw a non-finite loss or gradient norm (all ranks agree), as the
-        engine judges it (DeepSpeed has stepped already, or skipped by itself: its verdict)."""
+        engine judges it (DeepSpeed has stepped already, or skipped by itself: its verdict). Where the engine
+        `skips_on_device`, the verdict is a device tensor (1.0: skip), agreed by an all-reduce on the device and
+        read by the host only after the optimizer step (`_finish_step`)."""
+        if self.engine.skips_on_device:
+            bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).to(torch.float32).reshape(1)
+            if self.steps.layout.world_size > 1:
+                bad = (self.reduce_sum(bad) > 0).to(torch.float32)
+            return bad.reshape(())
         bad = not (math.isfinite(float(loss_sum)) and (not self.engine.norm_before_step or math.isfinite(grad_norm)))
         bad = bool(self.reduce_sum(torch.tensor([float(bad)], dtype=torch.float64))[0] > 0)
         return self.engine.skipped(bad)
@@ -176,13 +183,17 @@ class Trainer:
         grad_norm = self.engine.clip_and_norm()
         skipped = self._nonfinite(losses.loss_sum, grad_norm)
         self.engine.optimizer_step(skipped)
-        return self._finish_step(work, losses, lr, self.engine.grad_norm(grad_norm), skipped)
+        return self._finish_step(work, losses, lr, grad_norm, skipped)
 
-    def _finish_step(self, work: StepWork, losses: StepLosses, lr: float, grad_norm: float, skipped: bool) -> dict:
-        """The step's global loss sums (collective), the non-finite count, and the step's record."""
+    def _finish_step(self, work: StepWork, losses: StepLosses, lr: float, grad_norm: torch.Tensor | float,
+                     skipped: bool | torch.Tensor) -> dict:
+        """The step's global loss sums (collective), the non-finite count, and the step's record. The first place
+        the host reads the step's device values (the verdict and norm, if still on the device, are read after the
+        sums: by then the step is done)."""
         n_sources = len(self.source_names)
         summed = self.reduce_sum(torch.cat([losses.loss_sum.reshape(1), losses.aux_sum.reshape(1),
                                             losses.source_loss])).tolist()
+        skipped, grad_norm = bool(skipped), self.engine.grad_norm(float(grad_norm))
         loss_global, aux_global, source_loss_global = float(summed[0]), float(summed[1]), summed[2:]
         trained_global, source_tokens = work.trained_global, work.source_tokens
         self._count_nonfinite(work.step, skipped or not math.isfinite(loss_global),

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from open_sft.model.fused_ce import lm_head_loss_sum, linear_cross_entropy_sum
 from open_sft.model.lm_head import supports_fused
+from open_sft.data.batching import trained_index
 from open_sft.model.loss import TokenLossModel
 
 N, D, V = 50, 16, 300
@@ -249,6 +250,30 @@ def test_token_loss_model_keeps_token_losses_on_both_paths(tiny_model_dir) -> No
         assert float(wrapped.token_losses.sum()) == pytest.approx(value(loss), rel=1e-5)
         kept.append(wrapped.token_losses)
     torch.testing.assert_close(kept[1], kept[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_trained_positions_found_on_the_host_select_what_the_mask_selects(tiny_model_dir, fused) -> None:
+    """The trainer hands the loss the trained positions as the host found them (batching.trained_index), so a GPU
+    need not count a boolean mask: the same rows in the same order, so the loss, every gradient and each position's
+    loss are bitwise those of the mask (a row without labels, and the last position trained, included)."""
+    model, input_ids, labels = tiny_batch(tiny_model_dir, 2, 3, 30, 10)
+    labels[1] = -100
+    labels[2, 20:25] = -100
+    index = trained_index(labels)
+    assert index.tolist() == [p for r in range(3) for p in range(r * 30, r * 30 + 29) if labels[r, p % 30 + 1] != -100]
+    results = []
+    for given in (None, index):
+        wrapped = TokenLossModel(model, fused_loss=fused)
+        wrapped.keep_token_losses = True
+        model.zero_grad(set_to_none=True)
+        loss = wrapped(input_ids=input_ids, labels=labels, trained_index=given)
+        loss.backward()
+        results.append((loss.detach(), wrapped.token_losses, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_a, kept_a, grads_a), (loss_b, kept_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and torch.equal(kept_a, kept_b) and kept_a.shape == (2 * 20 - 5,)
+    for name, grad in grads_a.items():
+        assert torch.equal(grads_b[name], grad), name
 
 
 @pytest.mark.parametrize("gap", [50.0, 120.0, 1000.0])

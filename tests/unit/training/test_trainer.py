@@ -275,3 +275,76 @@ def test_a_steps_micro_batches_share_one_cast_of_each_weight(setup, tiny_model_d
     every_pass, _, after_every_pass = one_step(cast_once=False)
     assert n_weights == 2 * 7 and once == n_weights and every_pass == 4 * n_weights
     assert all(torch.equal(after_once[n], after_every_pass[n]) for n in after_once)
+
+
+def test_nothing_in_the_step_waits_on_the_device_before_the_optimizer_step(setup, tiny_model_dir, monkeypatch) -> None:
+    """In the GPU's layout (packed rows, packed attention, the fused loss's GPU chunks), from the first forward pass
+    to the optimizer step no op reads a value off the device or makes a shape of its values (each one, on a GPU, a
+    wait of the host for the device): the trained positions and the example lengths come from the host's batch, the
+    non-finite verdict stays on the device (the fused AdamW skips by it). Left: transformers' own check of packed
+    position ids and the packed attention's check of the mask transformers then builds, at most once per forward
+    pass each. The poisoned step is skipped all the same."""
+    import os
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from open_sft.model import fused_ce, packed_attention
+    from open_sft.training import engine as engine_module
+
+    class DeviceReads(TorchDispatchMode):
+        """The ops that wait on a GPU: a value read (.item(), bool(), int(), float()), a data-dependent shape."""
+
+        WAITING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_consecutive"}
+
+        def __init__(self):
+            super().__init__()
+            self.reads, self.host_work = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            by_mask = name == "index" and any(getattr(i, "dtype", None) == torch.bool for i in args[1] if i is not None)
+            if self.host_work == 0 and (name in self.WAITING or by_mask):
+                caller = [f for f in traceback.extract_stack() if "/open_sft/" in f.filename or "transformers" in f.filename]
+                self.reads.append(f"{os.path.basename(caller[-1].filename)}:{caller[-1].name}")
+            return func(*args, **(kwargs or {}))
+
+    spy = DeviceReads()
+
+    def on_host(function):  # the host's own work on the collated batch (on a GPU: host tensors, no wait)
+        def host(*args, **kwargs):
+            spy.host_work += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spy.host_work -= 1
+        return host
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    monkeypatch.setattr(fused_ce, "gpu_layout", lambda t: True)
+    monkeypatch.setattr(engine_module, "trained_index", on_host(engine_module.trained_index))
+    monkeypatch.setattr(engine_module, "known_segments", on_host(engine_module.known_segments))
+    try:
+        trainer, base = make_trainer(setup, tiny_model_dir, poison={2}, packing=True, gradient_accumulation_steps=2)
+        assert packed_attention.install(base) and trainer.engine.skips_on_device
+        adamw = trainer.optimizer.optimizer
+        step = adamw.step
+
+        def stepping(*args, **kwargs):
+            spy.__exit__(None, None, None)
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(adamw, "step", stepping)
+        forward_backward = trainer.engine.forward_backward
+        monkeypatch.setattr(trainer.engine, "forward_backward", lambda work: (spy.__enter__(), forward_backward(work))[1])
+        trainer.train_step(0)
+        left = ["masking_utils.py:find_packed_sequence_indices", "packed_attention.py:plain"]
+        assert spy.reads == left * 2  # the step's two forward passes
+        spy.reads.clear()
+        after_first = {n: p.detach().clone() for n, p in base.named_parameters()}
+        assert trainer.train_step(1)["trained_tokens"] == 0 and trainer.nonfinite_steps == 1  # calls 2 (poisoned), 3
+        assert all(torch.equal(p, after_first[n]) for n, p in base.named_parameters())
+        assert set(spy.reads) <= set(left) and len(spy.reads) <= 2 * len(left)
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = before
