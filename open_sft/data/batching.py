@@ -74,6 +74,15 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor the host made during a step, on `device` without the host waiting for the device: CUDA copies from
+    pageable memory only once the work queued before them is done (it stages them), from pinned memory
+    asynchronously (the batches collated ahead are pinned already: open_sft.training.micro_batches)."""
+    if device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()  # torch's caching host allocator: no new pinned allocation at every step
+    return tensor.to(device, non_blocking=True)
+
+
 def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
             sources: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example in the micro-batch (not to max_seq_length). With `sources` (the source

@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from open_sft.data.batching import host_to_device
+
 FLAG = "_open_sft_packed_attention"
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -113,6 +115,25 @@ def _parameters(kernel: Callable) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
 
 
+_last_cumulative: tuple[Optional[list[int]], Optional[torch.device], Optional[torch.Tensor]] = (None, None, None)
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """The cumulative lengths the kernel takes, on `device`: made once for the layers of a forward pass (they get
+    the same `lengths` list, kept here so it is not another list at its address), copied from pinned memory (a
+    tensor built on the device from a host list waits for the device's queued work, at every layer)."""
+    global _last_cumulative
+    known, on, cu = _last_cumulative
+    if known is lengths and on == device:
+        return cu
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
+    _last_cumulative = (lengths, device, cu)
+    return cu
+
+
 def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  lengths: list[int], scaling: Optional[float]) -> torch.Tensor:
     """One causal variable-length attention over the examples of a [batch, heads, row, head_dim] micro-batch;
@@ -122,10 +143,7 @@ def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value
     if key.shape[1] != heads and "enable_gqa" not in params:
         key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
     flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], dim) for t in (query, key, value)]
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+    cu = _cumulative(lengths, query.device)
     options: dict[str, Any] = {"scale": scaling}
     if "enable_gqa" in params:
         options["enable_gqa"] = key.shape[1] != heads

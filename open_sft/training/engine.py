@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from open_sft.data.batching import to_device, trained_index
+from open_sft.data.batching import host_to_device, to_device, trained_index
 from open_sft.distributed.collectives import gather_full_state_dict
 from open_sft.errors import UserError
 from open_sft.model.packed_attention import known_segments
@@ -79,7 +79,7 @@ class StepLosses:
         if aux is not None:
             self.aux_sum += aux.double()
         if kept is not None:
-            self.source_loss.index_add_(0, positions.to(self.source_loss.device), kept.double())
+            self.source_loss.index_add_(0, host_to_device(positions, self.source_loss.device), kept.double())
         else:
             self.source_loss[0] += lm_loss
 
@@ -130,7 +130,7 @@ class AccelerateEngine:
         # what the host knows of the batch, so the device need not be asked: the trained positions and the example
         # lengths of packed rows (on a GPU, finding either from the device's copy waits for the device)
         if "labels" in batch and "shift_labels" not in batch:
-            inputs["trained_index"] = trained_index(batch["labels"]).to(t.accelerator.device, non_blocking=True)
+            inputs["trained_index"] = host_to_device(trained_index(batch["labels"]), t.accelerator.device)
         known_segments(inputs.get("position_ids"), batch.get("position_ids"))
         with t.accelerator.accumulate(t.model):
             with t.precision.autocast(), (t.saved_activations.measure() if t.saved_activations

@@ -175,8 +175,11 @@ def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
     expected, _ = sdpa_attention_forward(module, q, k, v, mask[:, None], scaling=0.3)
     calls = []
 
+    cumulative = []
+
     def kernel(*args, **kwargs):
         calls.append(args[3].tolist())
+        cumulative.append(args[3])
         return reference_varlen(*args, **kwargs)
 
     wrapped = packed_attention._per_example(sdpa_attention_forward, kernel)
@@ -185,7 +188,7 @@ def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
     # the layers of one forward pass share the position ids: their lengths are read once
     wrapped(module, q, k, v, mask[:, None], position_ids=position_ids, scaling=0.3)
-    assert calls[-1] == calls[0]
+    assert calls[-1] == calls[0] and cumulative[-1] is cumulative[0]  # and their cumulative lengths copied once
     out32, _ = wrapped(module, q.float(), k.float(), v.float(), mask[:, None], position_ids=position_ids,
                        scaling=0.3)
     assert len(calls) == 2  # fp32 is not the kernel's: per-example sdpa
