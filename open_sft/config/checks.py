@@ -15,6 +15,7 @@ from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hu
 
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
+from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hint, uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
@@ -82,7 +83,20 @@ def _unreadable_input_problems(config: FinetuneConfig) -> list[str]:
         why = unreadable(Path(value)) if value and _is_local_path(value) else None
         if why:
             problems.append(f"--{flag} {value}: {why}")
-    return problems
+    return problems + _deepspeed_file_problems()
+
+
+def _deepspeed_file_problems(env: typing.Mapping[str, str] = os.environ) -> list[str]:
+    """`accelerate launch --deepspeed_config_file PATH` (or a YAML's deepspeed_config_file) naming no file this user
+    can read, said with the flags' problems (the file is read when the launch is planned, after them): open-instruct's
+    command lines name its configs/ds_configs/ files, so the one of ours that does the same is named."""
+    path = env.get(ENV_CONFIG_FILE) if uses_deepspeed(env) else None
+    if not path:
+        return []
+    if not os.path.isfile(path):
+        return [f"--deepspeed_config_file {path}: no such file{missing_config_hint(path)}"]
+    why = unreadable(Path(path))
+    return [f"--deepspeed_config_file {path}: {why}"] if why else []
 
 
 def _share_problems(d: DataArguments) -> list[str]:

@@ -68,13 +68,41 @@ def _setting_value(name: str, raw: str) -> Any:
     return raw.lower() if name.endswith("_device") else raw
 
 
+# open_sft's DeepSpeed configs (configs/ds/ of the checkout), and the one that does what each of open-instruct's
+# configs/ds_configs/ files does, named in the error for a path that is not there (its command lines name those)
+OUR_CONFIGS = ("zero2.json", "zero3.json", "zero3_offload.json")
+
+
+def equivalent_config(path: str) -> Optional[str]:
+    """Which of OUR_CONFIGS does what open-instruct's config named like `path` does (None: not one of its names)."""
+    name = os.path.basename(path)
+    if not name.startswith("stage") or not name.endswith((".conf", ".json")):
+        return None
+    if name.startswith("stage3"):
+        return "zero3.json" if "no_offloading" in name else "zero3_offload.json" if "offloading" in name else None
+    return "zero2.json" if name.startswith(("stage2", "stage1")) else None
+
+
+def missing_config_hint(path: str) -> str:
+    """What to pass instead of a DeepSpeed config path that cannot be read."""
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "ds")
+    where = here if os.path.isdir(here) else "configs/ds"
+    equivalent = equivalent_config(path)
+    if equivalent is not None:
+        return (f"; open_sft's config for what {os.path.basename(path)} does in open-instruct is "
+                f"{os.path.join(where, equivalent)}")
+    if os.path.basename(path).startswith("stage0"):
+        return "; ZeRO stage 0 is plain data parallelism: launch without --use_deepspeed (DDP)"
+    return f"; open_sft's configs are {', '.join(os.path.join(where, c) for c in OUR_CONFIGS)}"
+
+
 def load_json(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as fh:
             cfg = json.load(fh)
     except OSError as exc:
         raise UserError(f"DeepSpeed config {path}: cannot read it ({exc.strerror}); check "
-                        "--deepspeed_config_file") from exc
+                        f"--deepspeed_config_file{missing_config_hint(path)}") from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"DeepSpeed config {path}: not valid JSON ({exc}); fix the file") from exc
     if not isinstance(cfg, dict):

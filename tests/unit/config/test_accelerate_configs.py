@@ -10,6 +10,8 @@ The tests of this subject that launch real processes are in tests/integration/te
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 import torch
@@ -161,6 +163,24 @@ def test_json_bf16_and_batch_values_are_checked(tmp_path) -> None:
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UserError, match=r"bad.json: not valid JSON"):
         plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "bad.json")})
+
+
+@pytest.mark.parametrize("given, named", [
+    ("configs/ds_configs/stage3_no_offloading_accelerate.conf", "for what stage3_no_offloading_accelerate.conf does "
+     "in open-instruct is .*configs/ds/zero3.json"),
+    ("configs/ds_configs/stage3_offloading_accelerate.conf", r"configs/ds/zero3_offload\.json"),
+    ("configs/ds_configs/stage2_no_offloading_accelerate.conf", r"configs/ds/zero2\.json"),
+    ("configs/ds_configs/stage0_no_offloading_accelerate.conf", "launch without --use_deepspeed"),
+    ("ds/my_zero.json", r"open_sft's configs are .*configs/ds/zero2\.json, .*zero3\.json, .*zero3_offload\.json"),
+])
+def test_a_deepspeed_config_that_is_not_there_names_ours(given, named) -> None:
+    """open-instruct's command lines name its configs/ds_configs/ files: the error names the one of ours that does
+    the same (they exist), or all of ours."""
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": given}
+    with pytest.raises(UserError, match=f"{given}: cannot read it .*check --deepspeed_config_file; .*{named}") as err:
+        plan([], env)
+    for path in re.findall(r"(\S*configs/ds/\S+?\.json)", str(err.value)):
+        assert os.path.isfile(path), path
 
 
 def test_trainer_sections_become_our_optimizer_and_schedule(tmp_path) -> None:

@@ -66,6 +66,24 @@ def test_all_problems_reported_at_once(tmp_path) -> None:
     assert len(info.value.problems) == 6
 
 
+def test_a_missing_deepspeed_config_is_said_with_the_flags_problems(tmp_path, monkeypatch) -> None:
+    """open-instruct's command line, its DeepSpeed config path and all: the missing file is one of the problems
+    said at once (it was said alone, after the flags' were fixed), naming our config that does the same."""
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/ds_configs/stage3_no_offloading_accelerate.conf")
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--model_name_or_path", str(tmp_path / "missing"), "--dataset_mixer_list", "a.jsonl", "1.0",
+                      "--learning_rate", "-1"])
+    assert len(info.value.problems) == 3 and "--learning_rate must be positive" in str(info.value)
+    assert ("--deepspeed_config_file configs/ds_configs/stage3_no_offloading_accelerate.conf: no such file; "
+            "open_sft's config for what stage3_no_offloading_accelerate.conf does in open-instruct is ") in str(info.value)
+    assert str(info.value).split("does in open-instruct is ")[1].split()[0].endswith("configs/ds/zero3.json")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # the variable left from another launch: not read
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--model_name_or_path", str(tmp_path / "missing"), "--dataset_mixer_list", "a.jsonl", "1.0"])
+    assert len(info.value.problems) == 1
+
+
 def test_cache_dataset_only_with_dataset_skip_cache_is_refused(tmp_path) -> None:
     """The pair tokenized, kept nothing, printed "None" as the cache path (the contract's last line) and exited 0."""
     data = tmp_path / "d.jsonl"
