@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -25,7 +24,7 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import lifeline
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError, report_to_launcher
-from open_sft.monitor.quiet import quiet_third_parties
+from open_sft.monitor.quiet import quiet_third_parties, setup_logging
 from open_sft.training.amp import HALF
 from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
@@ -74,15 +73,6 @@ class Job:
 
 def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
-
-
-def _setup_logging() -> None:
-    """open_sft logs INFO on rank 0 and warnings elsewhere; other libraries only warnings."""
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
-                        level=logging.WARNING, stream=sys.stdout, force=True)
-    logging.getLogger("open_sft").setLevel(logging.INFO if _is_main_rank() else logging.WARNING)
-    # torch.distributed's own deprecation notices, emitted from inside DeepSpeed's collectives.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -360,7 +350,7 @@ def _phases(job: Job) -> dict:
 
 @record  # a bug's traceback becomes the root cause in torchrun's summary (our own ends write theirs: _stop)
 def main(argv: Optional[list[str]] = None) -> int:
-    _setup_logging()
+    setup_logging(_is_main_rank())
     argv = sys.argv[1:] if argv is None else argv
     lifeline.install()  # a rank started by a launcher stops when the launcher or a peer on its host is gone
     restore_signals = stop_outside_training()

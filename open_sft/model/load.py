@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from open_sft.config.args import LoraArguments, ModelArguments
 from open_sft.model.added_tokens import add_tokens
 from open_sft.errors import UserError
+from open_sft.monitor.quiet import SAID_ALIKE_BY_EVERY_RANK
 from open_sft.model.anatomy import param_shape
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,12 @@ def _fill_special_tokens(tokenizer: PreTrainedTokenizerBase, where: str) -> None
             raise UserError(f"{where}: the tokenizer names no eos token and has none of {', '.join(EOS_CANDIDATES)}; "
                             "give a tokenizer directory whose tokenizer_config.json names eos_token (and pad_token)")
         logger.warning("tokenizer names no eos token; using %r, which it has (name eos_token in its "
-                       "tokenizer_config.json to choose another)", found)
+                       "tokenizer_config.json to choose another)", found, **SAID_ALIKE_BY_EVERY_RANK)
         tokenizer.eos_token = found
     if tokenizer.pad_token_id is None:
         pad = next((t for t in PAD_CANDIDATES if t in vocab), None) or tokenizer.eos_token
-        logger.warning("tokenizer has no pad token; using %r for padding (padding never gets a loss)", pad)
+        logger.warning("tokenizer has no pad token; using %r for padding (padding never gets a loss)", pad,
+                       **SAID_ALIKE_BY_EVERY_RANK)
         tokenizer.pad_token = pad
 
 

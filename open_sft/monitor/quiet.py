@@ -24,6 +24,31 @@ import warnings
 
 logger = logging.getLogger(__name__)
 
+# `logger.warning(..., **SAID_ALIKE_BY_EVERY_RANK)`: a warning every rank of a launch would say alike (about the
+# flags, the tokenizer, a step all ranks skip), said by rank 0 only (`RankZeroSaysIt`); a rank's own trouble is not
+# marked and is said by the rank that has it
+SAID_ALIKE_BY_EVERY_RANK = {"extra": {"alike_on_every_rank": True}}
+
+
+class RankZeroSaysIt(logging.Filter):
+    """On the other ranks: drops the warnings marked SAID_ALIKE_BY_EVERY_RANK."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "alike_on_every_rank", False)
+
+
+def setup_logging(main_rank: bool) -> None:
+    """open_sft logs INFO on rank 0 and warnings elsewhere (but those every rank says alike); other libraries only
+    warnings."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        level=logging.WARNING, stream=sys.stdout, force=True)
+    logging.getLogger("open_sft").setLevel(logging.INFO if main_rank else logging.WARNING)
+    if not main_rank:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(RankZeroSaysIt())
+    # torch.distributed's own deprecation notices, emitted from inside DeepSpeed's collectives.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
 NO_KERNELS = ("--use_qlora: the optional `kernels` package is not installed, so on a CPU bitsandbytes computes its "
               "4-bit layers with its own (slower) kernel instead of the kernels-community one; pip install "
               "'kernels>=0.11.1' for it (it is fetched from the Hub once, then cached). A GPU does not use it")

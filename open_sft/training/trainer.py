@@ -23,6 +23,7 @@ from open_sft.data.prepare import PreparedData
 from open_sft.distributed.tensor_parallel import group_ranks
 from open_sft.monitor.activations import SavedActivations
 from open_sft.monitor.metrics import FlopCounter, MetricsWriter, peak_memory_gib, per_source, reserved_memory
+from open_sft.monitor.quiet import SAID_ALIKE_BY_EVERY_RANK
 from open_sft.training.amp import Precision
 from open_sft.distributed.parallelism import Parallelism
 from open_sft.training.engine import AccelerateEngine, NonFiniteError, StepLosses, StepWork
@@ -134,11 +135,11 @@ class Trainer:
         scale = self.precision.loss_scale
         if overflow and scale is not None and scale >= 1:
             logger.warning("step %d: fp16 gradient overflow; the update was skipped and the loss scale is now %g",
-                           step + 1, scale)
+                           step + 1, scale, **SAID_ALIKE_BY_EVERY_RANK)
             return
         self.nonfinite_in_a_row += 1
         logger.warning("step %d: non-finite loss or gradient; the update was skipped (%d so far, %d in a row)",
-                       step + 1, self.nonfinite_steps, self.nonfinite_in_a_row)
+                       step + 1, self.nonfinite_steps, self.nonfinite_in_a_row, **SAID_ALIKE_BY_EVERY_RANK)
         if self.nonfinite_in_a_row >= self.args.max_nonfinite_steps:
             raise NonFiniteError(
                 f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient (last at "

@@ -32,3 +32,24 @@ def test_with_kernels_installed_a_qlora_run_says_nothing(monkeypatch, caplog) ->
     with caplog.at_level(logging.INFO):
         quiet.quiet_third_parties(True, terminal=True)
     assert quiet.NO_KERNELS not in [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_warning_every_rank_says_alike_is_said_by_rank_zero(rank, monkeypatch, capsys) -> None:
+    """A warning about what every rank shares (the tokenizer, a step all ranks skip) is said once, by rank 0; a
+    warning that is not marked is said by every rank that has it."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        quiet.setup_logging(main_rank=rank == "0")
+        log = logging.getLogger("open_sft.test")
+        log.warning("every rank alike", **quiet.SAID_ALIKE_BY_EVERY_RANK)
+        log.warning("this rank's own")
+        out = capsys.readouterr().out
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+    assert ("every rank alike" in out) == (rank == "0") and "this rank's own" in out
