@@ -76,6 +76,16 @@ _PORTS_FROM = 20000
 _next_port = _PORTS_FROM + WORKER * ((_PORTS_BELOW - _PORTS_FROM) // WORKER_COUNT)
 
 
+def load_script(name: str) -> Any:
+    """scripts/<name>.py as a module (the scripts are not a package): its functions, for the tests of them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     """A free port for a launch's rendezvous that no launch of this session was given before (launches may run
     side by side: see side_by_side), and that no other xdist worker can give: each worker scans its own block of

@@ -4,7 +4,6 @@ report is written as JSON and Markdown, and a part that fails is reported withou
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -15,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 
 CPU_PARTS = ["batch_layouts", "packed", "fused_ce", "attention", "kill_resume", "dtype_auto", "zero2", "zero3",
              "fsdp2", "gradient_checkpointing", "auto_micro_batch_size", "torch_compile", "speed"]
@@ -70,9 +69,7 @@ def test_smoke_report_markdown_and_logs(smoke) -> None:
 
 
 def test_a_failing_part_is_reported_without_hiding_the_others(tmp_path, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_script("gpu_check")
 
     def broken(ctx):
         raise RuntimeError("planted failure")

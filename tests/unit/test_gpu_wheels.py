@@ -3,20 +3,16 @@ own metadata for the machine (CPython 3.12, Linux x86-64), the image's packages 
 
 from __future__ import annotations
 
-import importlib.util
 import zipfile
 
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def wheels():
-    spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_wheels")
 
 
 def make_wheel(directory, name: str, version: str, requires: list[str]):

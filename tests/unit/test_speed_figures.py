@@ -3,21 +3,17 @@ each open_sft row over TRL's fastest of the same kind and mode, FP8's loss again
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 from tests.gpu_check.report import runs_table
 from tests.gpu_check.speed import FP8_TOLERANCE, fp8_against_bf16
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark")
 
 
 def _ours(variant: str, rate: float) -> dict:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 
-from conftest import ROOT
+from conftest import load_script
 
-spec = importlib.util.spec_from_file_location("profile_step", ROOT / "scripts" / "profile_step.py")
-profile_step = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(profile_step)
+profile_step = load_script("profile_step")
 
 V = 50304
 
