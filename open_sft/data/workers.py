@@ -203,11 +203,15 @@ def _single_threaded_tokenizers():
 def _die_with_parent(parent: int) -> None:
     """A render worker ends when the process that forked it does: a build killed with -9 left its workers waiting
     on the task queue for good, each holding a tokenizer and the build's open files (Linux's parent-death
-    signal; multiprocessing has no such option)."""
+    signal; multiprocessing has no such option). And it ends at the SIGTERM the pool's exit sends it, whatever
+    handler the parent had installed (a program that calls open_sft with a SIGTERM handler of its own — the
+    test suite after the GPU check's in-process run — hung there: its idle workers ran the handler and waited on
+    the task queue for good; open_sft's own handlers are reset at the fork by open_sft.training.preemption)."""
     import signal
 
     from open_sft.distributed.lifeline import parent_death_signal
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # it died before the kernel was asked
         os._exit(1)

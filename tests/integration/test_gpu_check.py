@@ -75,7 +75,13 @@ def test_a_failing_part_is_reported_without_hiding_the_others(tmp_path, monkeypa
         raise RuntimeError("planted failure")
 
     monkeypatch.setitem(gpu_check.PARTS, "fused_ce", broken)
-    code = gpu_check.main([str(tmp_path), "--smoke", "--parts", "fused_ce,attention"])
+    # the check installs its SIGTERM/SIGINT handlers (a stopped check still reports): this worker's are put back
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = gpu_check.main([str(tmp_path), "--smoke", "--parts", "fused_ce,attention"])
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     report = json.loads((tmp_path / "gpu_report.json").read_text())
     assert code == 1 and report["verdict"] == "FAIL"
     assert report["parts"]["fused_ce"]["verdict"] == "FAIL" and "planted failure" in report["parts"]["fused_ce"]["error"]
