@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from open_sft.data.formats import RowError
-from open_sft.data.sources import TEXT_SUFFIX, line_chunks, open_dataset, parse_json_line, text_blocks
+from open_sft.data.sources import (TEXT_SUFFIX, holds_json_lines, line_chunks, open_dataset, parse_json_line,
+                                   text_blocks)
 
 if TYPE_CHECKING:
     from open_sft.data.spill import Spill
@@ -42,10 +43,10 @@ class Reader:
 
     @classmethod
     def open(cls, spec: Any) -> Optional["Reader"]:
-        """None for a JSON list file (one JSON document: read whole, by the in-memory build)."""
+        """None for a JSON document file (a list of objects: read whole, by the in-memory build)."""
         path = Path(spec.name).expanduser()
         if path.suffix in (".json", ".jsonl", TEXT_SUFFIX) and path.is_file():
-            return cls(spec) if path.suffix != ".json" else None
+            return cls(spec) if path.suffix == TEXT_SUFFIX or holds_json_lines(path) else None
         return cls(spec, open_dataset(spec))
 
     @property

@@ -27,8 +27,8 @@ from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.shares import resolve_shares
-from open_sft.data.sources import (LoadedSource, parse_json_line, parse_mixer_list, read_lines, read_source,
-                                  source_identity)
+from open_sft.data.sources import (LoadedSource, holds_json_lines, parse_json_line, parse_mixer_list, read_lines,
+                                  read_source, source_identity)
 from open_sft.data.summary import SourceReport, nothing_left_message
 from open_sft.data.token_rows import (TokenRows, expand_groups, fit_rows, fitted_lengths, group_totals,
                                      rows_keeping_an_example, split_costs)
@@ -113,7 +113,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     line that does not say the format, and a tokenizer without a chat template (the serial read reports
     what comes first)."""
     path = Path(spec.name).expanduser()
-    if path.suffix != ".jsonl" or not path.is_file() or not getattr(tokenizer, "chat_template", None):
+    if not path.is_file() or not getattr(tokenizer, "chat_template", None) or not holds_json_lines(path):
         return None
     lines, numbers = read_lines(path)
     try:

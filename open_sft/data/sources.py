@@ -243,6 +243,30 @@ def read_lines(path: Path) -> tuple[list[str], Sequence[int]]:
     return [line for _, line in numbered], [number for number, _ in numbered]
 
 
+def holds_json_lines(path: Path) -> bool:
+    """Whether a file is JSON Lines: a .jsonl file, or a .json file whose first non-blank line is a whole JSON
+    object and which has another non-blank line after it. `datasets.load_dataset("json")` (open-instruct's,
+    TRL's and LLaMA-Factory's reader) takes JSON Lines in a .json file, and many datasets are published that way;
+    a JSON document (a list, or one object holding it) begins with a line that is not a whole object, or is the
+    file's only line. Reads the file only up to its second non-blank line."""
+    if path.suffix == ".jsonl":
+        return True
+    if path.suffix != ".json":
+        return False
+    first = None
+    for _, lines in _lines_blockwise(path):
+        for line in lines:
+            if not line or line.isspace():
+                continue
+            if first is not None:
+                try:
+                    return isinstance(json.loads(first), dict)
+                except json.JSONDecodeError:
+                    return False
+            first = line
+    return False
+
+
 def _read_jsonl(path: Path, drop_bad: bool) -> tuple[list[dict[str, Any]], list[int], int]:
     rows, line_numbers, unreadable = [], [], 0
     for line, lineno in zip(*read_lines(path)):
@@ -261,7 +285,8 @@ def _read_json(path: Path) -> list[dict[str, Any]]:
     try:
         loaded = json.loads(read_utf8(path))
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg}); expected a list of objects") from None
+        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg}); expected a list of objects, or JSON "
+                        f"Lines (one object per line, the first line a whole object)") from None
     if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list):
         loaded = next(iter(loaded.values()))  # {"train": [...]} / {"data": [...]}
     if not isinstance(loaded, list):
@@ -344,7 +369,7 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
         return LoadedSource(spec, dataset.to_list())
     path = _local_path(spec)
     line_numbers, unreadable = None, 0
-    if path.suffix == ".jsonl":
+    if holds_json_lines(path):
         rows, line_numbers, unreadable = _read_jsonl(path, drop_bad)
     elif path.suffix == TEXT_SUFFIX:
         rows, line_numbers = [], []

@@ -1,4 +1,5 @@
-"""Every kind of source --dataset_mixer_list takes is loaded, with its split and config: a .jsonl, a .json, a
+"""Every kind of source --dataset_mixer_list takes is loaded, with its split and config: a .jsonl, a .json (a list,
+one object holding the list, or JSON Lines as `datasets.load_dataset("json")` takes them), a
 .parquet, a directory `Dataset.save_to_disk` wrote, one `DatasetDict.save_to_disk` wrote (split by
 --dataset_mixer_list_splits), and a directory laid out as a Hub dataset repository, read offline by
 `datasets.load_dataset` (data/<split>-*.parquet; and a README whose YAML names two configs, chosen by
@@ -30,6 +31,8 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
     (root / "rows.json").write_text(json.dumps(TRAIN))
+    (root / "pretty.json").write_text(json.dumps({"train": TRAIN}, indent=2))
+    (root / "lines.json").write_text("".join(json.dumps(r) + "\r\n" * (1 + (i == 2)) for i, r in enumerate(TRAIN)))
     datasets.Dataset.from_list(TRAIN).to_parquet(str(root / "rows.parquet"))
     datasets.Dataset.from_list(TRAIN).save_to_disk(str(root / "saved"))
     datasets.DatasetDict({"train": datasets.Dataset.from_list(TRAIN),
@@ -48,7 +51,8 @@ def sources(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "rows.parquet", "saved", "saved_dict", "hub_repo"])
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "pretty.json", "lines.json", "rows.parquet", "saved",
+                                  "saved_dict", "hub_repo"])
 def test_each_kind_loads_its_train_rows(sources, name) -> None:
     assert rows_of(str(sources / name)) == TRAIN
 

@@ -51,6 +51,10 @@ def corpora(tmp_path_factory) -> dict[str, str]:
                 "name": "get_weather", "arguments": {"city": "Oslo"}}}]}]})
     files["bad"].write_text("\n".join(bad[:10]) + "\n\n  \n" + "\n".join(bad[10:]) + "\n")
     files["crlf"].write_text("\r\n".join(LINES[:50]) + "\r\n")
+    # JSON Lines in files named .json, as datasets.load_dataset("json") reads them (many datasets ship so)
+    files["chat_json"], files["bad_json"] = root / "chat.json", root / "bad.json"
+    files["chat_json"].write_text(files["chat"].read_text())
+    files["bad_json"].write_text(files["bad"].read_text())
     files["render"].write_text("\n".join(line for k, line in enumerate(bad) if k not in (3, 17, 40)) + "\n")
     bad_text = [json.dumps(t) for t in texts[:60]]
     bad_text[5], bad_text[22] = "{oops", json.dumps({"text": "   "})
@@ -88,6 +92,8 @@ CASES = {
     "bad_rows_dropped_by_tokens": (["bad", "0.6"], {"on_bad_row": "drop", "dataset_mixer_unit": "tokens"}),
     "render_errors_dropped": (["render", "0.4"], {"on_bad_row": "drop"}),
     "crlf": (["crlf", "1.0"], {}),
+    "json_lines_named_json": (["chat_json", "0.5"], {}),
+    "json_lines_named_json_bad_rows_dropped": (["bad_json", "0.6"], {"on_bad_row": "drop"}),
     "text_blocks": (["text", "1.0"], {"max_seq_length": 50}),
     "text_upsampled": (["text", "1.5"], {"max_seq_length": 64}),
     "text_tokens": (["text", "2000"], {"max_seq_length": 50, "dataset_mixer_unit": "tokens"}),
@@ -174,6 +180,16 @@ def test_streaming_equals_the_in_memory_build(case, corpora, tokenizer, tmp_path
     assert_same(streamed(args, tokenizer, tmp_path), in_memory(args, tokenizer))
 
 
+@pytest.mark.parametrize("case, same_as", [("json_lines_named_json", "fraction"),
+                                           ("json_lines_named_json_bad_rows_dropped", "bad_rows_dropped")])
+def test_json_lines_in_a_json_file_are_read_as_the_jsonl_file(case, same_as, corpora, tokenizer) -> None:
+    """A .json file holding JSON Lines gives what the same lines in a .jsonl file give (its report but for the
+    name): the rows, the seeded selection, the bad lines dropped and counted."""
+    named, jsonl = in_memory(args_for(corpora, case), tokenizer), in_memory(args_for(corpora, same_as), tokenizer)
+    assert_same(named[:2] + ([{**r, "name": "x"} for r in named[2]],),
+                jsonl[:2] + ([{**r, "name": "x"} for r in jsonl[2]],))
+
+
 def test_a_txt_file_is_its_documents_as_text_rows(corpora, tokenizer, tmp_path, small_chunks) -> None:
     """A .txt file's blocks between blank lines are the documents of the equivalent {"text": ...} rows: the same
     examples, streamed (its blocks read 300 bytes at a time, 7 documents a chunk) or read whole."""
@@ -219,6 +235,7 @@ def test_streaming_holds_out_the_same_rows(side, case, corpora, tokenizer, tmp_p
 @pytest.mark.parametrize("file, message", [
     ("bad", r"bad\.jsonl line 4: not valid JSON"),
     ("bad_text", r"bad_text\.jsonl line 6: not valid JSON"),
+    ("bad_json", r"bad\.json line 4: not valid JSON"),
 ])
 def test_a_bad_row_stops_the_streaming_build_naming_its_line(file, message, corpora, tokenizer, tmp_path,
                                                              small_chunks) -> None:
