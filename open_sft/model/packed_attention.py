@@ -84,9 +84,11 @@ _known: tuple[Optional[weakref.ref], Optional[list[int]]] = (None, None)
 def known_segments(position_ids: Optional[torch.Tensor], host_position_ids: Optional[torch.Tensor]) -> None:
     """Before a forward pass: `position_ids` (the tensor the model gets, on the device) hold the values of
     `host_position_ids` (the collated batch's, on the host), so their example lengths are read from those. On a GPU
-    reading them off the device would wait for it, at the first layer of every forward pass."""
+    reading them off the device would wait for it, at the first layer of every forward pass. Nothing is found where
+    the packed attention is not installed (flash-attn's kernel, another attention): none of it would ask."""
     global _known
-    if position_ids is None or host_position_ids is None or host_position_ids.device.type != "cpu":
+    if (position_ids is None or host_position_ids is None or host_position_ids.device.type != "cpu"
+            or not installed()):
         _known = (None, None)
         return
     _known = (weakref.ref(position_ids), segment_lengths(host_position_ids))
@@ -276,6 +278,13 @@ def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
     i = torch.arange(length, device=device)
     distance = i[:, None] - i[None, :]
     return ((distance >= 0) & (distance < window))[None, None]
+
+
+def installed() -> bool:
+    """Whether transformers' "sdpa" entry routes packed rows through this module (`install`)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return getattr(ALL_ATTENTION_FUNCTIONS.get("sdpa"), FLAG, False)
 
 
 def install(model: nn.Module, varlen: bool = False) -> bool:

@@ -135,6 +135,27 @@ def test_rows_of_one_example_take_the_masked_path(sdpa_entry) -> None:
     torch.testing.assert_close(out, long.transpose(1, 2))
 
 
+def test_the_host_finds_example_lengths_only_where_the_packed_attention_will_ask(sdpa_entry, monkeypatch) -> None:
+    """The trainer hands each pass's host position ids (`known_segments`); their lengths are found on the host only
+    where the "sdpa" entry is routed here, and then the layers take them instead of reading the device's copy."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward  # as a run without the packed attention has it
+    found = []
+    monkeypatch.setattr(packed_attention, "segment_lengths",
+                        lambda ids, real=packed_attention.segment_lengths: found.append(ids) or real(ids))
+    host = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    device = host.clone()
+    packed_attention.known_segments(device, host)
+    assert found == [] and packed_attention._known == (None, None)  # not installed: no host work
+    tiny = type("Tiny", (), {"config": type("C", (), {"_attn_implementation": "sdpa"})()})()
+    assert packed_attention.install(tiny) and packed_attention.installed()
+    packed_attention.known_segments(device, host)
+    assert found == [host] and packed_attention._known[1] == [3, 2, 4]
+    assert packed_attention._Segments()(device) == [3, 2, 4] and len(found) == 1  # the device copy is not read
+    assert packed_attention._Segments()(host.clone()) == [3, 2, 4] and len(found) == 2  # another tensor is
+
+
 def test_only_sdpa_models_are_routed(tiny_model_dir, sdpa_entry) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
