@@ -38,8 +38,10 @@ logger = logging.getLogger(__name__)
 # in a TRL prompt-completion row's prompt are context, not trained; 8: --dataset_mixer_unit tokens counts the
 # tokens a row keeps after --max_seq_length, and text documents open with bos where the tokenizer's encoding does;
 # 9: every assistant turn trains as the model generates it (after the context its template gives it, through the
-# token that ends it: a conversation may make several examples), reasoning is handed over under the template's name
-CACHE_FORMAT_VERSION = 9
+# token that ends it: a conversation may make several examples), reasoning is handed over under the template's name;
+# 10: tool calls read through Arrow lose its filled-in nulls, JSON-string arguments are objects, content parts,
+# a row's system column, turns after the last answer left out, sharegpt function_call turns are tool calls
+CACHE_FORMAT_VERSION = 10
 COMPLETE = "COMPLETE"
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from open_sft.data.formats import RowError
+from open_sft.data.formats import RowError, without_arrow_fill
 from open_sft.data.sources import (TEXT_SUFFIX, holds_json_lines, line_chunks, open_dataset, parse_json_line,
                                    text_blocks)
 
@@ -72,7 +72,8 @@ class Reader:
         row_bytes = self.dataset.data.nbytes / max(1, len(self.dataset))
         rows = rows or max(1, min(CHUNK_ROWS, int(CHUNK_BYTES / max(row_bytes, 1.0))))
         for start in range(skip * rows, len(self.dataset), rows):
-            yield start, self.dataset.select(range(start, min(len(self.dataset), start + rows))).to_list(), None
+            chunk = self.dataset.select(range(start, min(len(self.dataset), start + rows))).to_list()
+            yield start, [without_arrow_fill(row) for row in chunk], None
 
     def chunking(self) -> list[Any]:
         """What decides where chunks end: a build is resumed only from a spill chunked the same way."""

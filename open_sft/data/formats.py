@@ -70,8 +70,11 @@ def _from_messages(row: dict[str, Any]) -> Messages:
                            "bad_tool_calls")
         if content is None and (calls or message.get("function_calls")):  # a turn that only calls tools
             content = ""
+        if isinstance(content, list):
+            content = _text_of_parts(content, f"message {i} ({role})")
         if not isinstance(content, str):
-            raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string", "bad_content_type")
+            raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string "
+                           "(or a list of text parts)", "bad_content_type")
         # A message of exactly these two keys is used as it is (messages are never changed): a copy per
         # message costs a tenth of the conversion on short rows. Other keys (tool_calls, tool_call_id, name,
         # reasoning_content) go to the chat template as they are, but for empty ones (a column read with
@@ -81,7 +84,53 @@ def _from_messages(row: dict[str, Any]) -> Messages:
         else:
             out.append({**{key: value for key, value in message.items() if value is not None and value != []},
                         "role": role, "content": content})
+            if out[-1].get("tool_calls"):
+                out[-1]["tool_calls"] = [_with_object_arguments(call) for call in out[-1]["tool_calls"]]
     return out
+
+
+def _text_of_parts(parts: list, where: str) -> str:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the texts joined by a newline
+    (as vLLM gives a text-only model such content). Other parts (images, audio) are not text a causal LM trains
+    on: the row's error."""
+    texts = []
+    for k, part in enumerate(parts, start=1):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise RowError(f"{where} content part {k} is {kind!r}; only text parts ({{\"type\": \"text\", "
+                           "\"text\": ...}) can be trained on", "bad_content_type")
+    return "\n".join(texts)
+
+
+def _with_object_arguments(call: Any) -> Any:
+    """A tool call whose `function.arguments` is a JSON string of an object, with that object instead: most chat
+    templates write the arguments with `tojson` (gpt-oss, Llama 3.1), which would train a JSON string of the
+    JSON (`"{\\"city\\": ...}"`); the templates that take either (Qwen) write the object alike."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call  # not JSON: left as written (the tool-call check says if the template drops it)
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
+def _from_messages_with_system(row: dict[str, Any]) -> Messages:
+    """Messages rows; a row's own `system` column (as sharegpt and alpaca rows have it) opens the conversation when
+    its messages have no system turn of their own."""
+    messages = _from_messages(row)
+    system = row.get("system")
+    if isinstance(system, str) and system.strip() and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
 
 
 def _from_alpaca(row: dict[str, Any]) -> Messages:
@@ -126,10 +175,27 @@ def _from_sharegpt(row: dict[str, Any]) -> Messages:
             raise RowError(f"turn {i} has from={speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}", "unknown_role")
         if not isinstance(turn.get("value"), str):
             raise RowError(f"turn {i} ({speaker}) has a non-string value", "bad_content_type")
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+        calls = _sharegpt_calls(turn["value"]) if speaker == "function_call" else None
+        out.append({"role": "assistant", "content": "", "tool_calls": calls} if calls else
+                   {"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
     if isinstance(row.get("system"), str) and row["system"].strip() and out[0]["role"] != "system":
         out.insert(0, {"role": "system", "content": row["system"]})
     return out
+
+
+def _sharegpt_calls(value: str) -> Optional[list]:
+    """LLaMA-Factory's sharegpt `function_call` turn: a JSON object {name, arguments} (or a list of them, parallel
+    calls) that the model's template writes as its tool call, as OpenAI `tool_calls` are written. None where the
+    value is not that (the turn is then the assistant's text, as written)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return None
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        return None
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+            for c in (_with_object_arguments({"function": c})["function"] for c in calls)]
 
 
 def _from_prompt_completion(row: dict[str, Any]) -> Messages:
@@ -149,7 +215,7 @@ def _from_prompt_completion(row: dict[str, Any]) -> Messages:
 
 
 CONVERTERS: dict[str, Callable[[dict[str, Any]], Messages]] = {
-    "messages": _from_messages,
+    "messages": _from_messages_with_system,
     "alpaca": _from_alpaca,
     "sharegpt": _from_sharegpt,
     "prompt_completion": _from_prompt_completion,
@@ -160,8 +226,10 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
     """The format of a source, from the columns of its first row."""
     if messages_key in row:
         return messages_format(messages_key)
-    if "conversations" in row:
-        return "sharegpt"
+    if "conversations" in row:  # sharegpt's from/value turns, or role/content messages under that name
+        turns = row["conversations"]
+        first = turns[0] if isinstance(turns, list) and turns else None
+        return messages_format("conversations") if isinstance(first, dict) and "role" in first else "sharegpt"
     if "instruction" in row and "output" in row:
         return "alpaca"
     if "prompt" in row and "completion" in row:
@@ -178,10 +246,14 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
 
 
 def check_trainable(messages: Messages) -> None:
-    """A training conversation needs at least one non-empty assistant turn and must end with one."""
-    if messages[-1]["role"] != "assistant":
-        raise RowError(f"the conversation ends with a {messages[-1]['role']} turn; it must end with an assistant turn",
-                       "no_final_assistant")
+    """A training conversation needs an assistant turn, and none of them empty. Turns after the last assistant turn
+    (a user's follow-up without its answer, a tool's result) are left out: they train nothing, and no token before
+    them sees them (open-instruct keeps them, untrained: the same loss)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise RowError(f"the conversation has no assistant turn (it ends with a {messages[-1]['role']} turn); a "
+                       "training conversation needs one", "no_final_assistant")
+    del messages[last + 1:]
     for i, message in enumerate(messages, start=1):
         if message["role"] == "assistant" and not message["content"].strip() and not (
                 message.get("tool_calls") or message.get("function_calls")):
@@ -202,6 +274,32 @@ def _tools(row: dict[str, Any]) -> Optional[list]:
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise RowError("'tools' must be a list of tool schemas (JSON objects)", "bad_tools")
     return tools
+
+
+def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:
+    """A row read from an Arrow table (parquet, `save_to_disk`, a Hub dataset) without the nulls Arrow filled in:
+    a column of objects is one struct type over all rows, so each tool call's arguments and each tool schema got
+    every key any row's had, null where the row had none (`{"city": "Oslo", "query": null, "limit": null}`), and
+    the template would write them and the model learn them. Nulls inside tool calls and tool schemas are removed
+    (a null a row really held there cannot be told apart from the fill); messages' own null keys are dropped by
+    `_from_messages` whatever the source."""
+    tools = row.get("tools")
+    if isinstance(tools, list):
+        row["tools"] = _without_nulls(tools)
+    for value in row.values():
+        if isinstance(value, list):
+            for message in value:
+                if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+                    message["tool_calls"] = _without_nulls(message["tool_calls"])
+    return row
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]  # a list's own items are not filled: kept as they are
+    return value
 
 
 def messages_format(key: str) -> str:

@@ -17,7 +17,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Optional
 
-from open_sft.data.formats import RowError
+from open_sft.data.formats import RowError, without_arrow_fill
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -366,7 +366,7 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     """All rows of one source, in file order."""
     dataset = open_dataset(spec)
     if dataset is not None:
-        return LoadedSource(spec, dataset.to_list())
+        return LoadedSource(spec, [without_arrow_fill(row) for row in dataset.to_list()])
     path = _local_path(spec)
     line_numbers, unreadable = None, 0
     if holds_json_lines(path):

@@ -39,7 +39,7 @@ def run_main(capsys, model: str, data: str, output_dir) -> str:
         ([json.dumps({"messages": [{"role": "gpt", "content": "x"}]})],
          "bad.jsonl line 1: message 1 has role 'gpt'; expected one of system, user, assistant, tool"),
         ([json.dumps(GOOD), json.dumps({"messages": [{"role": "user", "content": "only a question"}]})],
-         "bad.jsonl line 2: the conversation ends with a user turn; it must end with an assistant turn"),
+         "bad.jsonl line 2: the conversation has no assistant turn (it ends with a user turn)"),
         ([json.dumps({"messages": "hello"})], "bad.jsonl line 1: 'messages' must be a non-empty list"),
         (["[1, 2]"], "bad.jsonl line 1: expected a JSON object, got list"),
         ([json.dumps(GOOD), json.dumps({"messages": [{"role": "gpt", "content": "x"}]}), json.dumps(GOOD), "{oops",

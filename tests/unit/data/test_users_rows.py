@@ -1,0 +1,157 @@
+"""Rows as users' datasets hold them train as their plain equivalents do: tool calls read from parquet (Arrow's
+filled-in nulls removed), arguments given as JSON strings, OpenAI content parts, role/content messages under
+`conversations`, a row's own `system` column, turns after the last answer, LLaMA-Factory's sharegpt
+function_call/observation turns, and decomposed Unicode under a tokenizer that composes it.
+
+Each case builds the row and its plain form through the real data build (the chat templates the model
+repositories ship, tests/data/chat_templates) and compares the examples token for token."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+
+import datasets
+import pytest
+from tokenizers import normalizers
+
+from open_sft.config.args import DataArguments
+from open_sft.data.build import build_examples
+from open_sft.data.chunks import Reader
+from open_sft.data.formats import RowError, to_messages
+from open_sft.data.labels import trained_token_runs
+from open_sft.data.sources import parse_mixer_list, read_source
+from open_sft.errors import UserError
+from tests.unit.data.test_reasoning_tool_calls import TOOLS, call, family_tokenizer, tool
+
+WEATHER = {"tools": TOOLS, "messages": [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"}, 1)]},
+    tool('{"temp_c": -3}', 1), {"role": "assistant", "content": "It is -3 in Oslo."}]}
+SEARCH_TOOL = {"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+    "required": ["query"]}}}
+SEARCH = {"tools": [SEARCH_TOOL], "messages": [
+    {"role": "user", "content": "News on the weather?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("search", {"query": "weather news", "limit": 3}, 2)]},
+    tool('["storm ahead"]', 2), {"role": "assistant", "content": "A storm is coming."}]}
+
+
+def examples_of(tokenizer, tmp_path: Path, rows: list[dict], name: str = "rows.jsonl", **flags) -> list:
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=4096, **flags)
+    return [(e.input_ids, e.labels) for e in build_examples(args, tokenizer, 0)[0]]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dir):
+    return family_tokenizer(tiny_model_dir, "qwen3")
+
+
+def test_tool_calls_read_from_parquet_lose_the_nulls_arrow_filled_in(qwen3, tmp_path) -> None:
+    """Two rows whose calls (and tool schemas) have other keys: Arrow's struct gives each the other's keys as
+    null; read whole and streamed, the rows are back as written, and they train as the JSON Lines rows do."""
+    path = tmp_path / "tools.parquet"
+    datasets.Dataset.from_list([WEATHER, SEARCH]).to_parquet(str(path))
+    filled = datasets.Dataset.from_parquet(str(path))[0]["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert filled == {"city": "Oslo", "query": None, "limit": None}  # what the fix is for
+    spec, = parse_mixer_list([str(path), "1.0"], ["train"])
+    streamed = [row for _, rows, _ in Reader.open(spec).chunks() for row in rows]
+    for rows in (read_source(spec).rows, streamed):
+        assert [list(to_messages(row, "messages")) for row in rows] == [WEATHER["messages"], SEARCH["messages"]]
+        assert [row["tools"] for row in rows] == [TOOLS, [SEARCH_TOOL]]
+    assert examples_of(qwen3, tmp_path, [WEATHER, SEARCH], "tools.parquet") == examples_of(qwen3, tmp_path,
+                                                                                          [WEATHER, SEARCH])
+
+
+def as_string_arguments(row: dict) -> dict:
+    messages = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.dumps(
+        c["function"]["arguments"], separators=(",", ":"))}} for c in m["tool_calls"]]} if m.get("tool_calls")
+        else m for m in row["messages"]]
+    return {**row, "messages": messages}
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
+def test_arguments_as_a_json_string_train_as_the_object(family, tiny_model_dir, tmp_path) -> None:
+    """gpt-oss writes arguments with `tojson`: a JSON string of them trained a string of JSON, `"{\\"city\\"..."`."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    assert (examples_of(tokenizer, tmp_path, [as_string_arguments(WEATHER), as_string_arguments(SEARCH)])
+            == examples_of(tokenizer, tmp_path, [WEATHER, SEARCH]))
+    runs = [tokenizer.decode(run) for e in examples_of(tokenizer, tmp_path, [as_string_arguments(WEATHER)])
+            for run in trained_token_runs(*e)]
+    assert any('{"city": "Oslo"}' in run for run in runs) and not any('\\"' in run for run in runs)
+
+
+def test_openai_content_parts_are_their_texts(qwen3, tmp_path) -> None:
+    parts = {"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Two lines:"}, {"type": "text", "text": "a and b"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}]}
+    plain = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two lines:\na and b"},
+                          {"role": "assistant", "content": "Done."}]}
+    assert examples_of(qwen3, tmp_path, [parts]) == examples_of(qwen3, tmp_path, [plain])
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                          {"role": "assistant", "content": "A cat."}]}
+    with pytest.raises(RowError, match=r"message 1 \(user\) content part 1 is 'image_url'; only text parts"):
+        to_messages(image, "messages")
+
+
+def test_conversations_of_role_and_content_are_messages(qwen3, tmp_path) -> None:
+    as_conversations = {"conversations": WEATHER["messages"], "tools": TOOLS}
+    assert examples_of(qwen3, tmp_path, [as_conversations]) == examples_of(qwen3, tmp_path, [WEATHER])
+
+
+def test_a_rows_system_column_opens_its_messages(qwen3, tmp_path) -> None:
+    system = {"role": "system", "content": "You are a pirate."}
+    row = {"system": system["content"], "messages": WEATHER["messages"], "tools": TOOLS}
+    with_turn = {"messages": [system] + WEATHER["messages"], "tools": TOOLS}
+    assert examples_of(qwen3, tmp_path, [row]) == examples_of(qwen3, tmp_path, [with_turn])
+    assert examples_of(qwen3, tmp_path, [{**with_turn, "system": "Another."}]) == examples_of(qwen3, tmp_path,
+                                                                                           [with_turn])
+
+
+def test_turns_after_the_last_answer_are_left_out(qwen3, tmp_path) -> None:
+    """They train nothing and nothing before them sees them; a row with no answer at all is still refused."""
+    follow_up = {**WEATHER, "messages": WEATHER["messages"] + [{"role": "user", "content": "And Rome?"}]}
+    after_call = {**WEATHER, "messages": WEATHER["messages"][:3]}  # ends with the tool's result
+    assert examples_of(qwen3, tmp_path, [follow_up]) == examples_of(qwen3, tmp_path, [WEATHER])
+    assert examples_of(qwen3, tmp_path, [after_call]) == examples_of(qwen3, tmp_path, [
+        {**WEATHER, "messages": WEATHER["messages"][:2]}])
+    with pytest.raises(RowError, match="the conversation has no assistant turn \\(it ends with a user turn\\)"):
+        to_messages({"messages": [{"role": "user", "content": "Hi"}]}, "messages")
+
+
+def test_llama_factory_sharegpt_function_calls_train_as_tool_calls(qwen3, tmp_path) -> None:
+    """LLaMA-Factory's sharegpt tool rows: a function_call turn ({name, arguments} JSON) is the assistant's tool
+    call and an observation the tool's result, written by the template as OpenAI tool_calls and tool turns are."""
+    sharegpt = {"tools": json.dumps(TOOLS), "conversations": [
+        {"from": "human", "value": "Weather in Oslo?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})},
+        {"from": "observation", "value": '{"temp_c": -3}'}, {"from": "gpt", "value": "It is -3 in Oslo."}]}
+    openai = {"tools": TOOLS, "messages": [
+        WEATHER["messages"][0],
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": '{"temp_c": -3}'}, WEATHER["messages"][3]]}
+    assert examples_of(qwen3, tmp_path, [sharegpt]) == examples_of(qwen3, tmp_path, [openai])
+    runs = [qwen3.decode(run) for e in examples_of(qwen3, tmp_path, [sharegpt]) for run in trained_token_runs(*e)]
+    assert "<tool_call>" in runs[0] and '"arguments": {"city": "Oslo"}' in runs[0]
+    prose = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": "not JSON"}]}
+    assert to_messages(prose, "sharegpt")[1] == {"role": "assistant", "content": "not JSON"}
+
+
+def test_decomposed_unicode_trains_under_a_tokenizer_that_composes_it(tiny_model_dir, tmp_path) -> None:
+    """GPT-NeoX's and OLMo's tokenizers normalise to NFC: the trained tokens decode to the composed text, which
+    the label check took for a turn boundary crossed (the row refused)."""
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    tokenizer.backend_tokenizer.normalizer = normalizers.NFC()
+    answer = unicodedata.normalize("NFD", "Café déjà vu, 한국어 답변입니다")
+    row = {"messages": [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": answer}]}
+    (ids, labels), = examples_of(tokenizer, tmp_path, [row])
+    run, = [tokenizer.decode(run) for run in trained_token_runs(ids, labels)]
+    assert run.endswith(unicodedata.normalize("NFC", answer) + "<|im_end|>")
