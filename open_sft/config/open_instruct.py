@@ -26,8 +26,8 @@ def _help(text: str, **kwargs: Any) -> Any:
 class OpenInstructArguments:
     """Flags of allenai/open-instruct's finetune.py (and older versions of it) that map onto ours."""
 
-    use_flash_attn: bool = _help("open-instruct: true = --attn_implementation flash_attention_2.",
-                                           default=False)
+    use_flash_attn: bool = _help("open-instruct: true = --attn_implementation flash_attention_2; false (its eager "
+                                 "attention) = --attn_implementation sdpa.", default=False)
     reduce_loss: Optional[str] = _help(
         "open-instruct: mean = --loss_normalization mean (mean of micro-batch means); sum = --loss_normalization "
         "sum (sum of token losses of a micro-batch, as open-instruct's sum; open_sft's default 'token' divides "
@@ -141,6 +141,12 @@ def translate(config: Any, oi: OpenInstructArguments) -> Any:
     t = _Translation(config)
     if oi.use_flash_attn:
         t.set("model", "attn_implementation", "flash_attention_2", "--use_flash_attn")
+    elif t.given("use_flash_attn"):  # false: open-instruct then ran eager attention; sdpa computes the same, faster
+        if config.model.attn_implementation == "flash_attention_2":
+            raise UserError("--use_flash_attn false contradicts --attn_implementation flash_attention_2; give one of "
+                            "the two")
+        if not t.given("attn_implementation"):
+            t.set("model", "attn_implementation", "sdpa", "--use_flash_attn false")
     if oi.reduce_loss is not None:
         if oi.reduce_loss not in ("mean", "sum"):
             raise UserError(f"--reduce_loss {oi.reduce_loss!r}: expected mean or sum")

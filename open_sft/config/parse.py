@@ -54,12 +54,26 @@ def _make_parser() -> _Parser:
     would then refuse a bad value alone, before the other flags are read. The choices stay in the help and are
     judged in open_sft.config.checks with every other problem, all reported at once."""
     parser = _Parser(DATACLASSES)
-    for action in parser._actions:
+    for action in list(parser._actions):
         if action.choices:
             action.metavar = "{" + ",".join(map(str, action.choices)) + "}"
             action.choices = None
         _say_what_the_negation_does(action)
+        _add_negation(parser, action)
     return parser
+
+
+def _add_negation(parser: _Parser, action: argparse.Action) -> None:
+    """`--no_X` for an on/off flag X that is off by default, as HfArgumentParser gives open-instruct's flags that
+    are on by default: its `--no_clean_checkpoints_at_end`, older `--no_use_flash_attn`, `--no_verbose` (ours are
+    off by default, so the parser made none). Kept out of --help (`--X false` says the same)."""
+    flag = next((name for name in action.option_strings if name.startswith("--")), None)
+    if flag is None or action.nargs != "?" or action.const is not True or action.default is not False:
+        return
+    negation = "--no_" + flag[2:]
+    if negation not in parser._option_string_actions:
+        parser.add_argument(negation, action="store_false", dest=action.dest, default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
 
 
 def _say_what_the_negation_does(action: argparse.Action) -> None:
@@ -132,6 +146,9 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise UserError(f"{path}: expected a mapping of flag names to values, got {type(loaded).__name__}")
     loaded = {compat.YAML_ALIASES.get(key, key): value for key, value in loaded.items()}
+    # open-instruct's dumped arguments write its unset settings as null (max_seq_length, logging_steps, report_to,
+    # resume_from_checkpoint): a null is "the default", so the key is left to ours
+    loaded = {key: value for key, value in loaded.items() if value is not None}
     known = {f.name for cls in DATACLASSES for f in dataclasses.fields(cls)}
     unknown = sorted(set(loaded) - known)
     if unknown:

@@ -93,9 +93,17 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
 
 
 def add_bos_to_template(tokenizer: PreTrainedTokenizerBase) -> None:
-    """--add_bos: the chat template writes the bos token first, as open-instruct's does; a tokenizer without a
-    bos token (GPT-NeoX/OLMo) uses its eos token, as open-instruct does."""
+    """--add_bos: the chat template writes the bos token first, as open-instruct's does; a GPT-NeoX tokenizer (OLMo's
+    first models) without a bos token uses its eos token, as open-instruct does. Any other tokenizer without one
+    (Qwen's) gets nothing: open-instruct's `{{ bos_token }}` renders empty there, and an eos token before every
+    example would be a token the model never sees opening a prompt."""
+    from transformers import GPTNeoXTokenizer
+
     if tokenizer.bos_token is None:
+        if not isinstance(tokenizer, GPTNeoXTokenizer):
+            logger.warning("--add_bos: the tokenizer has no bos token; nothing to add (open-instruct stands its eos "
+                           "token in only for GPT-NeoX tokenizers)")
+            return
         logger.info("--add_bos: the tokenizer has no bos token; using its eos token %r", tokenizer.eos_token)
         tokenizer.bos_token = tokenizer.eos_token
     template = tokenizer.chat_template

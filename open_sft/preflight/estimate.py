@@ -98,9 +98,13 @@ class Preflight:
     def describe(self, steps: Any, data: Any) -> str:
         layout = steps.layout
         tokens = getattr(getattr(steps, "plan", None), "max_tokens", None)  # --packing: a budget of tokens
+        # open-instruct's --packing joins per_device_train_batch_size examples into a row: its steps hold a fixed
+        # number of examples, ours a budget of tokens; said here, so a recipe brought over sees its steps change
         per_step = (f"up to {tokens * layout.gradient_accumulation_steps * layout.world_size} tokens per step, "
-                    f"~{len(data) / max(steps.steps_per_epoch, 1):.0f} examples on average") if tokens else \
-            f"{layout.global_batch_size} examples per step"
+                    f"~{len(data) / max(steps.steps_per_epoch, 1):.0f} examples on average (open-instruct's "
+                    f"--packing: {layout.global_batch_size} examples per step, "
+                    f"{-(-len(data) // max(layout.global_batch_size, 1))} steps per epoch; --max_tokens_per_batch "
+                    f"sets the budget)") if tokens else f"{layout.global_batch_size} examples per step"
         lines = [
             f"preflight: {len(data)} training examples, {steps.steps_per_epoch} optimizer steps per epoch, "
             f"{steps.total_steps} steps in all ({steps.num_epochs} epoch(s))",

@@ -126,6 +126,16 @@ def test_every_open_instruct_flag_parses(name, gpu_machine) -> None:
     (["--exp_name", "run7", "--push_to_hub", "--hub_model_id", "o/m"], lambda c: c.hub.hub_revision == "run7"),
     (["--exp_name", "run7"], lambda c: c.hub.hub_revision == "main" and c.train.output_dir == "output/"),
     (["--no_push_to_hub"], lambda c: c.hub.push_to_hub is False),
+    # HfArgumentParser's --no_X of open-instruct's flags that are on by default there (off here)
+    (["--clean_checkpoints_at_end", "--no_clean_checkpoints_at_end"],
+     lambda c: c.checkpoint.clean_checkpoints_at_end is False and "clean_checkpoints_at_end" in c.explicit),
+    (["--no_gradient_checkpointing"], lambda c: c.model.gradient_checkpointing is False),
+    (["--no_verbose", "--no_add_seed_and_date_to_exp_name"], lambda c: "--verbose" in c.notes[0]),
+    # false was open-instruct's eager attention: sdpa computes it; an explicit choice stays
+    (["--use_flash_attn", "false"], lambda c: c.model.attn_implementation == "sdpa"),
+    (["--no_use_flash_attn"], lambda c: c.model.attn_implementation == "sdpa"),
+    (["--use_flash_attn", "False", "--attn_implementation", "eager"], lambda c: c.model.attn_implementation == "eager"),
+    ([], lambda c: c.model.attn_implementation == "auto"),
     (["--dataset_transform_fn", "last_turn_tulu_tokenize_and_truncate_v1", "sft_tulu_filter_v1"],
      lambda c: c.data.train_on == "last_assistant"),
     (["--dataset_transform_fn", "sft_tokenize_v1"], lambda c: c.data.train_on == "all"),
@@ -142,6 +152,12 @@ def test_every_open_instruct_flag_parses(name, gpu_machine) -> None:
 ])
 def test_open_instruct_flags_mean_what_they_mean(args, check, gpu_machine) -> None:
     assert check(parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *args]))
+
+
+def test_flash_attention_off_and_on_at_once_is_refused() -> None:
+    with pytest.raises(UserError, match="--use_flash_attn false contradicts --attn_implementation flash_attention_2"):
+        parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--use_flash_attn",
+                      "false", "--attn_implementation", "flash_attention_2"])
 
 
 def test_data_flags_of_open_instruct() -> None:
@@ -185,6 +201,21 @@ def test_a_train_config_of_open_instruct_loads(tmp_path) -> None:
     assert config.model.tokenizer_name_or_path == "org/model" and config.train.report_to == ["wandb"]
     assert config.train.learning_rate == 1e-5 and config.data.add_bos and config.train.loss_normalization == "sum"
     assert "--dataset_mix_dir" in config.notes[0] and "--use_slow_tokenizer" in config.notes[0]
+
+
+def test_nulls_of_open_instructs_dumped_arguments_are_the_defaults(tmp_path) -> None:
+    """open-instruct writes its unset settings as null in a dump of its arguments: each is left to our default (it
+    was a traceback: '<' not supported between NoneType and int)."""
+    path = tmp_path / "dumped.yaml"
+    path.write_text("model_name_or_path: m\ndataset_mixer_list: [a.jsonl, 1.0]\nmax_seq_length: null\n"
+                    "logging_steps: null\nresume_from_checkpoint: null\nreport_to: null\nhf_entity: null\n"
+                    "dataset_mixer: null\nlearning_rate: 2.0e-05\n")
+    config = parse_config([str(path)])
+    defaults = parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "a.jsonl", "1.0"])
+    assert (config.data.max_seq_length, config.train.logging_steps, config.checkpoint.resume_from_checkpoint,
+            config.train.report_to) == (defaults.data.max_seq_length, defaults.train.logging_steps,
+                                        defaults.checkpoint.resume_from_checkpoint, defaults.train.report_to)
+    assert "max_seq_length" not in config.explicit and "learning_rate" in config.explicit
 
 
 def test_yaml_values_are_read_as_the_flags_types(tmp_path) -> None:

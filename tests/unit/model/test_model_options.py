@@ -247,3 +247,23 @@ def test_a_bare_tokenizer_json_gets_its_eos_and_pad_tokens(tiny_model_dir, tmp_p
     plain.save(str(tmp_path / "plain" / "tokenizer.json"))
     with pytest.raises(UserError, match="names no eos token and has none of <|endoftext|>".replace("|", r"\|")):
         load_tokenizer(model_args(tiny_model_dir, tokenizer_name_or_path=str(tmp_path / "plain")))
+
+
+def test_add_bos_stands_eos_in_only_for_a_gpt_neox_tokenizer_without_bos(tiny_model_dir, caplog) -> None:
+    """open-instruct's --add_bos: a GPT-NeoX tokenizer without bos (OLMo 1) opens every example with its eos token; any
+    other tokenizer without one (Qwen's) gets nothing, as open-instruct's `{{ bos_token }}` renders empty there."""
+    from transformers import AutoTokenizer, GPTNeoXTokenizer
+
+    from open_sft.model.load import add_bos_to_template
+
+    chat = [{"role": "user", "content": "hi"}]
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    neox = GPTNeoXTokenizer(tokenizer_object=plain.backend_tokenizer, eos_token=plain.eos_token)
+    for tokenizer in (plain, neox):
+        tokenizer.bos_token, tokenizer.chat_template = None, plain.chat_template or "{{ messages[0]['content'] }}"
+    before = plain.apply_chat_template(chat, tokenize=False)
+    add_bos_to_template(plain)
+    assert plain.bos_token is None and plain.apply_chat_template(chat, tokenize=False) == before
+    assert "--add_bos: the tokenizer has no bos token; nothing to add" in caplog.text
+    add_bos_to_template(neox)
+    assert neox.bos_token == neox.eos_token and neox.apply_chat_template(chat, tokenize=False) == neox.eos_token + before

@@ -218,7 +218,8 @@ def test_the_global_batch_line_of_a_packed_run_counts_tokens_not_examples() -> N
     packed = SimpleNamespace(steps_per_epoch=6, total_steps=6, num_epochs=1, layout=layout,
                              plan=SimpleNamespace(max_tokens=512))
     assert ("global batch: up to 512 packed tokens per micro-batch × 2 accumulation × 1 rank(s) = up to 1024 tokens "
-            "per step, ~31 examples on average") in preflight.describe(packed, [0] * 188)
+            "per step, ~31 examples on average (open-instruct's --packing: 16 examples per step, 12 steps per "
+            "epoch; --max_tokens_per_batch sets the budget)") in preflight.describe(packed, [0] * 188)
     padded = SimpleNamespace(steps_per_epoch=12, total_steps=12, num_epochs=1, layout=layout, plan=SimpleNamespace())
     assert "global batch: 8 per micro-batch × 2 accumulation × 1 rank(s) = 16 examples per step" in preflight.describe(
         padded, [0] * 188)
