@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
 from open_sft.data.chunks import Reader
+from open_sft.data.formats import needs_chat_template
 from open_sft.data.in_memory import check_chat_template, mixture_specs, source_format, source_rows
 from open_sft.data.labels import Example
 from open_sft.data.mixer import select_row_array
@@ -71,7 +72,7 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     if first is None:  # no row, or a first line that is not JSON: the in-memory build names the problem
         return None
     fmt = source_format(args, first, where)
-    if fmt != "text":
+    if needs_chat_template(fmt, first):
         check_chat_template(tokenizer)
     tmp.mkdir(parents=True, exist_ok=True)
     report = SourceReport(name=spec.name, format=fmt, rows_in=0)

@@ -34,6 +34,9 @@ class Conversation(list):
     # messages before this index never train (a TRL prompt-completion row's prompt: few-shot assistant turns
     # there are context, as TRL trains the completion only)
     first_trained: int = 0
+    # a TRL prompt-completion row of two strings: raw text, no chat template (its user turn is the prompt, its
+    # assistant turn the completion; open_sft.data.chat.examples.raw_completion)
+    raw_text: bool = False
 
 
 class RowError(ValueError):
@@ -199,8 +202,8 @@ def _sharegpt_calls(value: str) -> Optional[list]:
 
 
 def _from_prompt_completion(row: dict[str, Any]) -> Messages:
-    """TRL's prompt-completion rows: two strings (a user turn and the assistant's answer, through the chat
-    template), or two lists of role/content messages (conversational: the prompt's turns, then the completion's
+    """TRL's prompt-completion rows: two strings (raw text, trained as TRL's SFTTrainer trains them: prompt +
+    completion + eos, no chat template, the completion's tokens trained; `to_messages` marks the row), or two lists of role/content messages (conversational: the prompt's turns, then the completion's
     assistant turn(s), which are what trains under --train_on all_assistant, as TRL trains the completion; an
     assistant turn in the prompt, a few-shot example, is context: to_messages marks where the completion starts)."""
     prompt, completion = row.get("prompt"), row.get("completion")
@@ -327,7 +330,14 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     messages.tools = _tools(row)
     if fmt == "prompt_completion" and isinstance(row.get("prompt"), list):
         messages.first_trained = len(messages) - len(row["completion"])
+    messages.raw_text = fmt == "prompt_completion" and isinstance(row.get("prompt"), str)
     return messages
+
+
+def needs_chat_template(fmt: str, first_row: dict[str, Any]) -> bool:
+    """Whether a source of this format (its first row shown) is rendered with a chat template: not text
+    documents, nor TRL's prompt-completion strings (raw text, as TRL trains them)."""
+    return fmt != "text" and not (fmt == "prompt_completion" and isinstance(first_row.get("prompt"), str))
 
 
 def to_text(row: dict[str, Any]) -> str:

@@ -21,7 +21,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
-from open_sft.data.formats import RowError, document_markers, source_format, to_messages, to_text
+from open_sft.data.formats import (RowError, document_markers, needs_chat_template, source_format, to_messages,
+                                  to_text)
 from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
@@ -212,7 +213,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     workers, documents tokenized here."""
     source = read_source(spec, drop_bad=args.on_bad_row == "drop")
     fmt = source_format(args, source.rows[0], source.where(0))
-    if fmt != "text":
+    if needs_chat_template(fmt, source.rows[0]):
         check_chat_template(tokenizer)
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable)
     if source.unreadable:

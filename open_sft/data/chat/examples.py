@@ -175,6 +175,8 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     located cheaply (a shape render, or prefix renders); under open-instruct's templates such rows are
     located in their one rendering as open-instruct trains them. The row's tools (if any) are rendered in
     every prefix too. A template that fails on the row makes it a bad row (`_guarded`)."""
+    if getattr(messages, "raw_text", False):
+        return RowRender([raw_completion(tokenizer, messages[0]["content"], messages[-1]["content"], train_on)])
     state = render.template_state(tokenizer, options)
     messages = with_reasoning_aliases(messages)
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
@@ -182,6 +184,20 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
             tokenizer, messages, rendered, options))
     return rendered
+
+
+def raw_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, train_on: str
+                   ) -> tuple[str, list[tuple[int, int]]]:
+    """TRL's prompt-completion row of two strings as TRL's SFTTrainer trains it: the text prompt + completion, eos
+    after it (unless the completion ends with it), opened by bos where the tokenizer's own encoding opens a text
+    with it (Llama-3's and Gemma's: TRL tokenizes with the special tokens); the completion's characters train
+    (all of them under --train_on all, as TRL's completion_only_loss=False). No chat template."""
+    from open_sft.data.formats import document_markers
+
+    bos = tokenizer.bos_token if document_markers(tokenizer, False)[0] else ""
+    eos = tokenizer.eos_token or ""
+    text = bos + prompt + completion + ("" if completion.endswith(eos) else eos)
+    return text, [(0 if train_on == "all" else len(bos + prompt), len(text))]
 
 
 def _examples(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str,

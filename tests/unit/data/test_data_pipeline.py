@@ -156,8 +156,9 @@ def test_formats_detected_and_converted(tokenizer, tmp_path) -> None:
 
 
 def test_trls_prompt_completion_rows_train_the_completion(tokenizer, tmp_path) -> None:
-    """TRL's prompt-completion rows, as strings and as conversational lists, in a file each: detected, rendered
-    through the chat template, and what trains is the completion (streaming and in-memory builds alike)."""
+    """TRL's prompt-completion rows, as strings (raw text, as TRL trains them) and as conversational lists (through
+    the chat template), in a file each: detected, and what trains is the completion (streaming and in-memory builds
+    alike)."""
     plain = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Add 2 and 2.", "completion": "4"}])
     chat = write_jsonl(tmp_path / "pcc.jsonl", [{
         "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
@@ -169,6 +170,7 @@ def test_trls_prompt_completion_rows_train_the_completion(tokenizer, tmp_path) -
     assert [r.strip() for r in trained_runs(tokenizer, examples[0].input_ids, examples[0].labels)] == ["4" + eos]
     assert [r.strip() for r in trained_runs(tokenizer, examples[1].input_ids, examples[1].labels)] == ["Hi" + eos]
     assert "Be brief." in tokenizer.decode(examples[1].input_ids)
+    assert tokenizer.decode(examples[0].input_ids) == "Add 2 and 2.4" + eos  # no chat template around it
     streamed = prepare_data(DataArguments(dataset_mixer_list=[plain, "1.0", chat, "1.0"], dataset_skip_cache=True),
                             tokenizer, 0)
     assert sorted(len(x) for x in streamed.dataset["input_ids"]) == sorted(len(e.input_ids) for e in examples)

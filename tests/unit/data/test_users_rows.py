@@ -155,3 +155,32 @@ def test_decomposed_unicode_trains_under_a_tokenizer_that_composes_it(tiny_model
     (ids, labels), = examples_of(tokenizer, tmp_path, [row])
     run, = [tokenizer.decode(run) for run in trained_token_runs(ids, labels)]
     assert run.endswith(unicodedata.normalize("NFC", answer) + "<|im_end|>")
+
+
+def trl_prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """TRL 1.x SFTTrainer on a standard (string) prompt-completion row: eos added to the completion, the prompt and
+    prompt + completion tokenized with the special tokens, the tokens after the prompt's trained."""
+    completion += "" if completion.endswith(tokenizer.eos_token) else tokenizer.eos_token
+    prompt_ids = tokenizer(text=prompt)["input_ids"]
+    ids = tokenizer(text=prompt + completion)["input_ids"]
+    return ids, [-100] * len(prompt_ids) + ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("opens_with_bos", [False, True])
+def test_trl_string_prompt_completion_rows_train_as_trl_trains_them(tiny_model_dir, tmp_path, opens_with_bos) -> None:
+    """Raw text, no chat template (a base model's tokenizer without one will do): the tokens and the trained ones
+    are TRL's (with a tokenizer that opens every text with bos, as Llama-3's, too)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
+    if opens_with_bos:
+        tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+            single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    rows = [{"prompt": "### Instruction:\nAdd 7 and 5.\n\n### Response:\n", "completion": "12"},
+            {"prompt": "The capital of France is", "completion": " Paris." + tokenizer.eos_token}]
+    built = examples_of(tokenizer, tmp_path, rows, dataset_format="prompt_completion")
+    assert built == [trl_prompt_completion(tokenizer, r["prompt"], r["completion"]) for r in rows]
+    assert tokenizer.decode([t for t, l in zip(*built[0]) if l != -100]) == "12" + tokenizer.eos_token
+    assert (built[0][0][0] == tokenizer.bos_token_id) is opens_with_bos
