@@ -146,7 +146,8 @@ class DataArguments:
         "config, a dataset_mixer_list entry may be a mapping {name, amount, chat_template_kwargs}.",
         default_factory=list)
     reasoning_loss: Literal["train", "mask"] = _help(
-        "An assistant turn's reasoning trace (reasoning_content, reasoning or thinking) as the template writes it: "
+        "An assistant turn's reasoning trace (reasoning_content, reasoning or thinking, or <think>...</think> at the "
+        "start of its content) as the template writes it: "
         "train it, or mask it (it stays in the context; the answer, tool calls and the tags around it train).",
         default="train")
     reasoning_history: Literal["template", "keep"] = _help(

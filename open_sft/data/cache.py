@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 # 9: every assistant turn trains as the model generates it (after the context its template gives it, through the
 # token that ends it: a conversation may make several examples), reasoning is handed over under the template's name;
 # 10: tool calls read through Arrow lose its filled-in nulls, JSON-string arguments are objects, content parts,
-# a row's system column, turns after the last answer left out, sharegpt function_call turns are tool calls
+# a row's system column, turns after the last answer left out, sharegpt function_call turns are tool calls, TRL's
+# string prompt-completion rows raw text, --reasoning_loss mask masks inline <think> traces
 CACHE_FORMAT_VERSION = 10
 COMPLETE = "COMPLETE"
 

@@ -23,7 +23,8 @@ from typing import Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
-from open_sft.data.chat.reasoning import masked, reasoning_of, with_reasoning_aliases
+from open_sft.data.chat.reasoning import (inline_reasoning, masked, reasoning_of, trace_of,
+                                         with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
@@ -204,7 +205,8 @@ def _examples(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
               markers: tuple[str, ...], options: ChatOptions) -> RowRender:
     """row_examples for messages with their reasoning aliased."""
     tools = getattr(messages, "tools", None)
-    plain = tools is None and max(map(len, messages)) == 2
+    plain = tools is None and max(map(len, messages)) == 2 and not (  # an inline trace to mask: turn by turn
+        options.reasoning_loss == "mask" and any(m["role"] == "assistant" and inline_reasoning(m) for m in messages))
     if train_on == "all" or plain:
         text, known_ends = render.text_and_ends(state, messages)
         if train_on == "all":
@@ -254,7 +256,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     for example in examples:
         spans: list[tuple[int, int]] = []
         for i, span in example.turns:
-            spans += masked(span, example.text, reasoning_of(messages[i])) if options.reasoning_loss == "mask" \
+            spans += masked(span, example.text, trace_of(messages[i])) if options.reasoning_loss == "mask" \
                 else [span]
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),

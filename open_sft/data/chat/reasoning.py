@@ -25,6 +25,24 @@ def reasoning_of(message: dict) -> str:
     return ""
 
 
+def inline_reasoning(message: dict) -> str:
+    """A trace written in the content itself, as DeepSeek-R1 distills' and many reasoning datasets' rows carry it:
+    `<think>trace</think>answer` (or `trace</think>answer`, the open tag in R1's generation prompt); "" if none."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return ""
+    end = content.find("</think>")
+    if end < 0:
+        return ""
+    start = content.find("<think>", 0, end)
+    return content[start + len("<think>") if start >= 0 else 0:end]
+
+
+def trace_of(message: dict) -> str:
+    """The trace --reasoning_loss mask leaves untrained: the message's reasoning field, else the one inline."""
+    return reasoning_of(message) or inline_reasoning(message)
+
+
 def with_reasoning_aliases(messages: Messages) -> Messages:
     """The messages with each trace also as `thinking` (unless the message has its own) and as
     `reasoning_content`, as apply_chat_template hands them to the template; the same list when no message has a

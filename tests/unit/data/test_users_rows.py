@@ -184,3 +184,20 @@ def test_trl_string_prompt_completion_rows_train_as_trl_trains_them(tiny_model_d
     assert built == [trl_prompt_completion(tokenizer, r["prompt"], r["completion"]) for r in rows]
     assert tokenizer.decode([t for t, l in zip(*built[0]) if l != -100]) == "12" + tokenizer.eos_token
     assert (built[0][0][0] == tokenizer.bos_token_id) is opens_with_bos
+
+
+@pytest.mark.parametrize("written", ["<think>\n{trace}\n</think>\n\n{answer}", "{trace}\n</think>\n\n{answer}"])
+def test_reasoning_loss_mask_masks_a_trace_written_in_the_content(qwen3, tmp_path, written) -> None:
+    """R1-distill rows carry the trace inline: under --reasoning_loss mask it is context, as a reasoning_content
+    field's is (Qwen3's template writes both alike: the same examples)."""
+    trace, answer = "Two plus two is four.", "The answer is 4."
+    inline = {"messages": [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": written.format(trace=trace, answer=answer)}]}
+    field = {"messages": [{"role": "user", "content": "2+2?"},
+                          {"role": "assistant", "content": answer, "reasoning_content": trace}]}
+    masked = examples_of(qwen3, tmp_path, [inline], reasoning_loss="mask")
+    assert masked == examples_of(qwen3, tmp_path, [field], reasoning_loss="mask")
+    runs = "".join(qwen3.decode(run) for e in masked for run in trained_token_runs(*e))
+    assert trace not in runs and answer in runs
+    assert trace in "".join(qwen3.decode(run) for e in examples_of(qwen3, tmp_path, [inline])
+                            for run in trained_token_runs(*e))  # trained without the flag
