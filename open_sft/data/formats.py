@@ -248,15 +248,28 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
     )
 
 
+def trains(message: dict) -> bool:
+    """Whether an assistant message trains: all do but those OpenAI's fine-tuning format weighs 0 (`"weight": 0`:
+    an answer kept as context, not to be learned)."""
+    return message.get("weight") != 0
+
+
 def check_trainable(messages: Messages) -> None:
-    """A training conversation needs an assistant turn, and none of them empty. Turns after the last assistant turn
-    (a user's follow-up without its answer, a tool's result) are left out: they train nothing, and no token before
-    them sees them (open-instruct keeps them, untrained: the same loss)."""
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last is None:
+    """A training conversation needs an assistant turn that trains, and none of them empty. Turns after the last
+    trained assistant turn (a user's follow-up without its answer, a tool's result) are left out: they train
+    nothing, and no token before them sees them (open-instruct keeps them, untrained: the same loss)."""
+    assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistants:
         raise RowError(f"the conversation has no assistant turn (it ends with a {messages[-1]['role']} turn); a "
                        "training conversation needs one", "no_final_assistant")
-    del messages[last + 1:]
+    for i in assistants:
+        if messages[i].get("weight") not in (None, 0, 1):
+            raise RowError(f"message {i + 1} (assistant) has weight {messages[i]['weight']!r}; OpenAI's weight is 0 "
+                           "(context, not trained) or 1", "bad_weight")
+    trained = [i for i in assistants if trains(messages[i])]
+    if not trained:
+        raise RowError("every assistant turn has weight 0: the conversation trains nothing", "no_trained_turn")
+    del messages[trained[-1] + 1:]
     for i, message in enumerate(messages, start=1):
         if message["role"] == "assistant" and not message["content"].strip() and not (
                 message.get("tool_calls") or message.get("function_calls")):

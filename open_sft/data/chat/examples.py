@@ -28,7 +28,7 @@ from open_sft.data.chat.reasoning import (inline_reasoning, masked, reasoning_of
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
-from open_sft.data.formats import Messages, RowError
+from open_sft.data.formats import Messages, RowError, trains
 
 _MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
 
@@ -116,7 +116,8 @@ class RowRender:
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
-    indices = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= getattr(messages, "first_trained", 0)]
+    indices = [i for i, m in enumerate(messages)
+               if m["role"] == "assistant" and i >= getattr(messages, "first_trained", 0) and trains(m)]
     return indices[-1:] if train_on == "last_assistant" else indices
 
 

@@ -201,3 +201,21 @@ def test_reasoning_loss_mask_masks_a_trace_written_in_the_content(qwen3, tmp_pat
     assert trace not in runs and answer in runs
     assert trace in "".join(qwen3.decode(run) for e in examples_of(qwen3, tmp_path, [inline])
                             for run in trained_token_runs(*e))  # trained without the flag
+
+
+def test_openai_weight_0_keeps_an_answer_as_context(qwen3, tmp_path) -> None:
+    """OpenAI's fine-tuning rows: `"weight": 0` on an assistant message keeps it in the context, untrained (it
+    trained); 1 or none trains; another value or every answer at 0 is the row's error."""
+    bad, good = {"role": "assistant", "content": "BAD ANSWER", "weight": 0}, {"role": "assistant", "content": "Good."}
+    row = {"messages": [{"role": "user", "content": "Hi"}, bad, {"role": "user", "content": "Again"},
+                        {**good, "weight": 1}]}
+    (ids, labels), = examples_of(qwen3, tmp_path, [row])
+    runs = [qwen3.decode(run) for run in trained_token_runs(ids, labels)]
+    assert len(runs) == 1 and "Good." in runs[0] and "BAD ANSWER" in qwen3.decode(ids)
+    unweighted = examples_of(qwen3, tmp_path, [{"messages": [{k: v for k, v in m.items() if k != "weight"}
+                                                             for m in row["messages"]]}])
+    assert len([r for e in unweighted for r in trained_token_runs(*e)]) == 2  # both trained without weights
+    with pytest.raises(RowError, match="message 2 \\(assistant\\) has weight 0.5; OpenAI's weight is 0"):
+        to_messages({"messages": [row["messages"][0], {**bad, "weight": 0.5}]}, "messages")
+    with pytest.raises(RowError, match="every assistant turn has weight 0"):
+        to_messages({"messages": [row["messages"][0], bad]}, "messages")
