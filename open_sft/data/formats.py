@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional
 
 from open_sft.errors import UserError
 
-ROLES = ("system", "user", "assistant", "tool", "environment")  # environment: OLMo's tool results
+# environment: OLMo's tool results; developer: OpenAI's newer name of the system turn (gpt-oss's template has both)
+ROLES = ("system", "developer", "user", "assistant", "tool", "environment")
 SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",

@@ -180,12 +180,22 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     if getattr(messages, "raw_text", False):
         return RowRender([raw_completion(tokenizer, messages[0]["content"], messages[-1]["content"], train_on)])
     state = render.template_state(tokenizer, options)
-    messages = with_reasoning_aliases(messages)
+    messages = with_reasoning_aliases(_developer_turns(messages, state.source))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
     if train_on != "all" and state.generation_tags:
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
             tokenizer, messages, rendered, options))
     return rendered
+
+
+def _developer_turns(messages: Messages, template: str) -> Messages:
+    """OpenAI's `developer` turns as the template's own where it has that role (gpt-oss's), else as system turns,
+    the role they replace (a template without it would refuse the row, or leave the turn out)."""
+    if "developer" in template or not any(m["role"] == "developer" for m in messages):
+        return messages
+    copy = type(messages)({**m, "role": "system"} if m["role"] == "developer" else m for m in messages)
+    copy.__dict__.update(getattr(messages, "__dict__", {}))
+    return copy
 
 
 def raw_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, train_on: str

@@ -37,7 +37,7 @@ def run_main(capsys, model: str, data: str, output_dir) -> str:
          "bad.jsonl line 3: row has no 'messages' (columns: ['text'])"),
         ([json.dumps({"body": "hello"})], "bad.jsonl line 1: cannot tell the data format from the columns ['body']"),
         ([json.dumps({"messages": [{"role": "gpt", "content": "x"}]})],
-         "bad.jsonl line 1: message 1 has role 'gpt'; expected one of system, user, assistant, tool"),
+         "bad.jsonl line 1: message 1 has role 'gpt'; expected one of system, developer, user, assistant, tool"),
         ([json.dumps(GOOD), json.dumps({"messages": [{"role": "user", "content": "only a question"}]})],
          "bad.jsonl line 2: the conversation has no assistant turn (it ends with a user turn)"),
         ([json.dumps({"messages": "hello"})], "bad.jsonl line 1: 'messages' must be a non-empty list"),

@@ -219,3 +219,16 @@ def test_openai_weight_0_keeps_an_answer_as_context(qwen3, tmp_path) -> None:
         to_messages({"messages": [row["messages"][0], {**bad, "weight": 0.5}]}, "messages")
     with pytest.raises(RowError, match="every assistant turn has weight 0"):
         to_messages({"messages": [row["messages"][0], bad]}, "messages")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_openai_developer_turns(family, tiny_model_dir, tmp_path) -> None:
+    """`developer` (OpenAI's newer system role; it was refused) is the template's own where it has it (gpt-oss), else a
+    system turn."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    rows = lambda role: [{"messages": [{"role": role, "content": "Answer in French."},  # noqa: E731
+                                       *WEATHER["messages"][:1], {"role": "assistant", "content": "Il fait froid."}]}]
+    developer, system = examples_of(tokenizer, tmp_path, rows("developer")), examples_of(tokenizer, tmp_path,
+                                                                                       rows("system"))
+    assert developer == system  # Qwen3: a system turn; gpt-oss's template writes either as its developer message
+    assert "Answer in French." in tokenizer.decode(developer[0][0])
