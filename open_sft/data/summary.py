@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from open_sft.data.chat.examples import RENDER_NOTES
 from open_sft.data.labels import IGNORE_INDEX
 from open_sft.data.mixer import source_names
 
@@ -27,6 +28,9 @@ _NOTES = {
     "reasoning_history_not_kept": "could not be made one example under --reasoning_history keep (where an earlier "
                                   "turn ends in the template's history was not found) and make the template's "
                                   "examples instead",
+    "tools_not_rendered": "have tool schemas (a tools column) that the chat template does not write, so they train "
+                          "without them in the context; choose a template that writes tools (the model's own, or "
+                          "--chat_template_path FILE)",
 }
 
 
@@ -50,6 +54,7 @@ class SourceReport:
     reasoning_not_rendered: int = 0  # rows whose reasoning the template does not write (chat/reasoning.py)
     generation_tags_disagree: int = 0  # rows whose labels are not what the template's {% generation %} marks
     reasoning_history_not_kept: int = 0  # --reasoning_history keep rows left as the template's examples
+    tools_not_rendered: int = 0  # rows whose tool schemas the template does not write
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +66,7 @@ class SourceReport:
             "split_extra_tokens": self.split_extra_tokens, "reasoning_not_rendered": self.reasoning_not_rendered,
             "generation_tags_disagree": self.generation_tags_disagree,
             "reasoning_history_not_kept": self.reasoning_history_not_kept,
+            "tools_not_rendered": self.tools_not_rendered,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:
@@ -168,7 +174,7 @@ def format_data_report(report: dict[str, Any]) -> str:
         if source.get("rows_split"):
             lines.append(f"{'':<4}{source['rows_split']} conversation(s) made several examples (the template rewrites "
                          f"earlier turns): +{source['split_extra_tokens']} tokens of repeated context")
-        for note in ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept"):
+        for note in RENDER_NOTES:
             if source.get(note):
                 lines.append(f"{'':<4}{note}: {source[note]} row(s)")
         for reason, count in sorted(source["rows_dropped"].items()):

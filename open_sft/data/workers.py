@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
-from open_sft.data.chat.examples import row_examples
+from open_sft.data.chat.examples import RENDER_NOTES, row_examples
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
@@ -143,7 +143,7 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
         done.texts_and_spans += rendered.examples
         done.indices.append(i)
         done.counts.append(len(rendered.examples))
-        for note in ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept"):
+        for note in RENDER_NOTES:
             if getattr(rendered, note):
                 done.notes[note] += 1
                 done.flagged.append((note, i))

@@ -113,6 +113,12 @@ class RowRender:
     generation_tags_disagree: bool = False  # the template's {% generation %} spans mark other text
     ends: tuple[int, ...] = ()  # the message each example ends with (empty: the last, for one example)
     reasoning_history_not_kept: bool = False  # --reasoning_history keep could not join its examples
+    tools_not_rendered: bool = False  # the row's tool schemas are not in what the template writes
+
+
+# RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
+RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
+                "tools_not_rendered")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -185,7 +191,17 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     if train_on != "all" and state.generation_tags:
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
             tokenizer, messages, rendered, options))
+    tools = getattr(messages, "tools", None)
+    if tools and not _tools_written(tools, rendered.examples[0][0]):
+        rendered = dataclasses.replace(rendered, tools_not_rendered=True)
     return rendered
+
+
+def _tools_written(tools: list, text: str) -> bool:
+    """Whether the rendering holds the row's tool schemas (each tool's name, as every tool-writing template
+    writes it): a template without tools (chatml, tulu) trains the row with no schemas in its context."""
+    names = [(tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name") for tool in tools]
+    return all(name in text for name in names if isinstance(name, str) and name)
 
 
 def _developer_turns(messages: Messages, template: str) -> Messages:

@@ -232,3 +232,27 @@ def test_openai_developer_turns(family, tiny_model_dir, tmp_path) -> None:
                                                                                        rows("system"))
     assert developer == system  # Qwen3: a system turn; gpt-oss's template writes either as its developer message
     assert "Answer in French." in tokenizer.decode(developer[0][0])
+
+
+def test_tools_a_template_does_not_write_are_counted_and_named(tiny_model_dir, tmp_path, caplog) -> None:
+    """A template without tools (chatml) trains a row with a tools column but no calls without the schemas in its
+    context: counted per source and warned about once, as reasoning a template leaves out is; the model's own
+    template writes them (nothing counted)."""
+    from transformers import AutoTokenizer
+
+    from open_sft.data.chat.templates import apply_chat_template_choice
+
+    rows = [{"tools": TOOLS, "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=4096)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    apply_chat_template_choice(tokenizer, "chatml", None)
+    with caplog.at_level("WARNING"):
+        _, (report,) = build_examples(args, tokenizer, 0)
+    assert report.to_dict()["tools_not_rendered"] == 1
+    warned = [r.getMessage() for r in caplog.records if "tool schemas" in r.getMessage()]
+    assert len(warned) == 1 and "1 row(s)" in warned[0] and "line 1" in warned[0]
+    _, (report,) = build_examples(args, family_tokenizer(tiny_model_dir, "qwen3"), 0)
+    assert report.tools_not_rendered == 0
