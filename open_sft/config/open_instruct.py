@@ -30,8 +30,9 @@ class OpenInstructArguments:
                                  "attention) = --attn_implementation sdpa.", default=False)
     reduce_loss: Optional[str] = _help(
         "open-instruct: mean = --loss_normalization mean (mean of micro-batch means); sum = --loss_normalization "
-        "sum (sum of token losses of a micro-batch, as open-instruct's sum; open_sft's default 'token' divides "
-        "that sum by the global batch's trained tokens, which is the same direction at a fixed scale).",
+        "sum (the step's sum of token losses; open-instruct's sum is that divided by accumulation × ranks: the same "
+        "direction, so the same Adam update but for --clip_grad_norm and epsilon; open_sft's default 'token' "
+        "divides the sum by the global batch's trained tokens).",
         default=None)
     run_name: Optional[str] = _help("Older open-instruct: = --exp_name.", default=None)
     train_file: Optional[str] = _help("Older open-instruct: = --dataset_mixer_list FILE 1.0.", default=None)
