@@ -22,7 +22,6 @@ from open_sft.data.chunks import Reader
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import trained_token_runs
 from open_sft.data.sources import parse_mixer_list, read_source
-from open_sft.errors import UserError
 from tests.unit.data.test_reasoning_tool_calls import TOOLS, call, family_tokenizer, tool
 
 WEATHER = {"tools": TOOLS, "messages": [
