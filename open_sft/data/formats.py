@@ -132,7 +132,7 @@ def _from_messages_with_system(row: dict[str, Any]) -> Messages:
     its messages have no system turn of their own."""
     messages = _from_messages(row)
     system = row.get("system")
-    if isinstance(system, str) and system.strip() and messages[0]["role"] != "system":
+    if isinstance(system, str) and system.strip() and messages[0]["role"] not in ("system", "developer"):
         messages.insert(0, {"role": "system", "content": system})
     return messages
 
@@ -290,7 +290,11 @@ def _tools(row: dict[str, Any]) -> Optional[list]:
         return None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise RowError("'tools' must be a list of tool schemas (JSON objects)", "bad_tools")
-    return tools
+    # a bare schema {name, description, parameters} (LLaMA-Factory's sharegpt tools, OpenAI's older `functions`)
+    # in the {type: function, function: ...} form templates read (gpt-oss's refuses a bare one), as LLaMA-Factory
+    # wraps it
+    return [tool if "function" in tool or "name" not in tool else {"type": "function", "function": tool}
+            for tool in tools]
 
 
 def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:

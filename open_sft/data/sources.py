@@ -281,20 +281,46 @@ def _read_jsonl(path: Path, drop_bad: bool) -> tuple[list[dict[str, Any]], list[
     return rows, line_numbers, unreadable
 
 
+# the columns of a row: an object holding one of them is a row, not a mapping of a split name to the rows
+ROW_COLUMNS = frozenset({"messages", "conversations", "prompt", "completion", "text", "instruction", "output"})
+
+
 def _read_json(path: Path) -> list[dict[str, Any]]:
+    """A JSON document's rows: a list of objects, one object holding that list ({"train": [...]}), one object that
+    is a row, or objects written one after another (pretty-printed JSON Lines), as `datasets.load_dataset("json")`
+    reads them."""
     try:
-        loaded = json.loads(read_utf8(path))
+        values = _json_values(read_utf8(path))
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg}); expected a list of objects, or JSON "
                         f"Lines (one object per line, the first line a whole object)") from None
-    if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list):
+    loaded = values[0] if len(values) == 1 else values
+    if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list) \
+            and not set(loaded) & ROW_COLUMNS:
         loaded = next(iter(loaded.values()))  # {"train": [...]} / {"data": [...]}
+    if isinstance(loaded, dict):
+        loaded = [loaded]  # one row
     if not isinstance(loaded, list):
         raise UserError(f"{path}: expected a JSON list of objects (or use .jsonl with one object per line)")
     for index, row in enumerate(loaded):  # item N: 1-based, the Nth element of the list
         if not isinstance(row, dict):
             raise UserError(f"{path} item {index + 1}: expected a JSON object, got {type(row).__name__}")
     return loaded
+
+
+def _json_values(text: str) -> list[Any]:
+    """The JSON values of `text`, one after another (one for a JSON document); json.JSONDecodeError names the line
+    of the first that does not parse."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at] in " \t\r\n\ufeff":
+            at += 1
+        if at == len(text):
+            if not values:
+                raise json.JSONDecodeError("the file has no JSON value", text, at)
+            return values
+        value, at = decoder.raw_decode(text, at)
+        values.append(value)
 
 
 def _load_hub(spec: SourceSpec, where: str) -> Any:

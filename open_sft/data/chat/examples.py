@@ -185,6 +185,9 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     every prefix too. A template that fails on the row makes it a bad row (`_guarded`)."""
     if getattr(messages, "raw_text", False):
         return RowRender([raw_completion(tokenizer, messages[0]["content"], messages[-1]["content"], train_on)])
+    if not tokenizer.chat_template:  # a source of raw rows (checked by its first) may hold a row of messages
+        raise RowError("a row of messages needs a chat template and the tokenizer has none; choose one with "
+                       "--chat_template_name or --chat_template_path FILE", "template_error")
     state = render.template_state(tokenizer, options)
     messages = with_reasoning_aliases(_developer_turns(messages, state.source))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)

@@ -32,6 +32,8 @@ def sources(tmp_path_factory):
     (root / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
     (root / "rows.json").write_text(json.dumps(TRAIN))
     (root / "pretty.json").write_text(json.dumps({"train": TRAIN}, indent=2))
+    (root / "one_row.json").write_text(json.dumps(TRAIN[0], indent=1))  # an object that is a row
+    (root / "pretty_lines.json").write_text("\n".join(json.dumps(r, indent=2) for r in TRAIN))  # objects in turn
     (root / "lines.json").write_text("".join(json.dumps(r) + "\r\n" * (1 + (i == 2)) for i, r in enumerate(TRAIN)))
     datasets.Dataset.from_list(TRAIN).to_parquet(str(root / "rows.parquet"))
     datasets.Dataset.from_list(TRAIN).save_to_disk(str(root / "saved"))
@@ -51,10 +53,15 @@ def sources(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "pretty.json", "lines.json", "rows.parquet", "saved",
-                                  "saved_dict", "hub_repo"])
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.json", "pretty.json", "lines.json", "pretty_lines.json",
+                                  "rows.parquet", "saved", "saved_dict", "hub_repo"])
 def test_each_kind_loads_its_train_rows(sources, name) -> None:
     assert rows_of(str(sources / name)) == TRAIN
+
+
+def test_a_json_object_that_is_a_row_is_one_row(sources) -> None:
+    """{"messages": [...]} is a row (its one key a row's column), not a mapping of a split to its rows."""
+    assert rows_of(str(sources / "one_row.json")) == TRAIN[:1]
 
 
 def test_splits_of_a_dataset_dict_and_a_hub_layout(sources) -> None:

@@ -255,3 +255,36 @@ def test_tools_a_template_does_not_write_are_counted_and_named(tiny_model_dir, t
     assert len(warned) == 1 and "1 row(s)" in warned[0] and "line 1" in warned[0]
     _, (report,) = build_examples(args, family_tokenizer(tiny_model_dir, "qwen3"), 0)
     assert report.tools_not_rendered == 0
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
+def test_bare_tool_schemas_are_wrapped_as_templates_read_them(family, tiny_model_dir, tmp_path) -> None:
+    """LLaMA-Factory's sharegpt tools (and OpenAI's older functions) are bare {name, parameters} schemas: handed over
+    as {type: function, function: ...}, as LLaMA-Factory wraps them (gpt-oss's template refused a bare one)."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    bare = {**WEATHER, "tools": json.dumps([t["function"] for t in TOOLS])}
+    assert examples_of(tokenizer, tmp_path, [bare]) == examples_of(tokenizer, tmp_path, [WEATHER])
+
+
+def test_a_rows_system_column_gives_way_to_a_developer_turn(qwen3, tmp_path) -> None:
+    developer = {"messages": [{"role": "developer", "content": "DEV"}, *WEATHER["messages"][:1],
+                              {"role": "assistant", "content": "Hello"}]}
+    assert examples_of(qwen3, tmp_path, [{**developer, "system": "ROWSYS"}]) == examples_of(qwen3, tmp_path,
+                                                                                          [developer])
+
+
+def test_a_row_of_messages_among_raw_prompt_completion_rows_needs_a_template(tiny_model_dir, tmp_path) -> None:
+    """The template check is made on a source's first row: a later row of messages without a template is that
+    row's error, named (it was a TypeError)."""
+    from transformers import AutoTokenizer
+
+    from open_sft.errors import UserError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = None
+    rows = [{"prompt": "Add 1 and 1.", "completion": "2"},
+            {"prompt": [{"role": "user", "content": "Add 2 and 2."}], "completion": [{"role": "assistant",
+                                                                                  "content": "4"}]}]
+    with pytest.raises(UserError, match="line 2: a row of messages needs a chat template and the tokenizer has none"):
+        examples_of(tokenizer, tmp_path, rows)
+    assert len(examples_of(tokenizer, tmp_path, rows, on_bad_row="drop")) == 1
