@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from open_sft.data.formats import RowError, without_arrow_fill
-from open_sft.data.sources import (TEXT_SUFFIX, holds_json_lines, line_chunks, open_dataset, parse_json_line,
-                                   text_blocks)
+from open_sft.data.local_files import holds_json_lines, line_chunks, parse_json_line, text_blocks
+from open_sft.data.sources import TEXT_SUFFIX, open_dataset
 
 if TYPE_CHECKING:
     from open_sft.data.spill import Spill

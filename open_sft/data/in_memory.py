@@ -28,8 +28,8 @@ from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.shares import resolve_shares
-from open_sft.data.sources import (LoadedSource, holds_json_lines, parse_json_line, parse_mixer_list, read_lines,
-                                  read_source, source_identity)
+from open_sft.data.local_files import holds_json_lines, parse_json_line, read_lines
+from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
 from open_sft.data.summary import SourceReport, nothing_left_message
 from open_sft.data.token_rows import (TokenRows, expand_groups, fit_rows, fitted_lengths, group_totals,
                                      rows_keeping_an_example, split_costs)

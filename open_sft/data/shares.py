@@ -17,7 +17,8 @@ from typing import Any, Optional
 from open_sft.data.chunks import Reader
 from open_sft.data.formats import RowError, source_format, to_messages, to_text
 from open_sft.data.mixer import held_out_count
-from open_sft.data.sources import SourceSpec, parse_json_line, read_source
+from open_sft.data.local_files import parse_json_line
+from open_sft.data.sources import SourceSpec, read_source
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from open_sft.data.chat.render import chat_options
 from open_sft.data.chunks import Progress, Reader
 from open_sft.data.formats import RowError, document_markers, to_messages, to_text
 from open_sft.data.labels import plain_backend
-from open_sft.data.sources import parse_json_line
+from open_sft.data.local_files import parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
 from open_sft.data.token_rows import (TokenRows, expand_groups, fit_order, fitted_lengths, group_totals, row_bounds,
                                      rows_keeping_an_example, split_costs)

@@ -18,7 +18,7 @@ import json, sys, tempfile, threading, time
 from pathlib import Path
 from transformers import AutoTokenizer
 from open_sft.config.args import DataArguments
-from open_sft.data import chunks, in_memory, prepare, sources, spill
+from open_sft.data import chunks, in_memory, local_files, prepare, spill
 from open_sft.data.build import build_sources
 
 def anon():
@@ -42,7 +42,7 @@ def peak(fn):
     return max(best) - start
 
 chunks.CHUNK_ROWS = 200
-sources.READ_BYTES = 1 << 16  # blocks read far smaller than the corpus, as for a corpus of many GB
+local_files.READ_BYTES = 1 << 16  # blocks read far smaller than the corpus, as for a corpus of many GB
 spill.BATCH_TOKENS = 1 << 12  # Arrow batches written far smaller than the corpus (4 M tokens: a bounded ~130 MB)
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 row = json.loads(open(sys.argv[2]).readline())

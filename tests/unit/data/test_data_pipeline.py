@@ -440,11 +440,11 @@ def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monke
     """With two workers the parent splits the file into lines and parses only the first (for the format):
     every other row is parsed in the worker processes (whose calls the parent does not see)."""
     from conftest import SAMPLE
-    from open_sft.data import chunks, in_memory, sources, stream
+    from open_sft.data import chunks, in_memory, local_files, stream
 
     calls = []
-    original = sources.parse_json_line
-    for module in (chunks, in_memory, sources, stream):
+    original = local_files.parse_json_line
+    for module in (chunks, in_memory, local_files, stream):
         monkeypatch.setattr(module, "parse_json_line", lambda line: calls.append(line) or original(line))
     built = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
                                        preprocessing_num_workers=2), tokenizer, 0)
@@ -484,7 +484,7 @@ def test_bad_row_reason_survives_a_worker_process() -> None:
 def test_read_lines_gives_the_files_non_blank_lines_and_their_numbers(tmp_path, content) -> None:
     """As iterating the file (universal newlines) and skipping whitespace-only lines would, whatever the
     line endings, blank lines, a missing final newline, or characters str.splitlines would split at."""
-    from open_sft.data.sources import read_lines
+    from open_sft.data.local_files import read_lines
 
     path = tmp_path / "rows.jsonl"
     path.write_bytes(content.encode())

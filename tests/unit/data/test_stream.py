@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
-from open_sft.data import chunks, sources, spill, stream
+from open_sft.data import chunks, local_files, spill, stream
 from open_sft.data.build import build_sources
 from open_sft.data.in_memory import build_rows, mixture_specs
 from open_sft.errors import UserError
@@ -123,7 +123,7 @@ def args_for(corpora, case: str, **more) -> DataArguments:
 def small_chunks(monkeypatch):
     monkeypatch.setattr(chunks, "CHUNK_ROWS", 7)
     monkeypatch.setattr(spill, "PIECE_TOKENS", 400)
-    monkeypatch.setattr(sources, "READ_BYTES", 300)
+    monkeypatch.setattr(local_files, "READ_BYTES", 300)
     monkeypatch.setattr(spill, "SHARD_BYTES", 2000)  # several Arrow shards, as save_to_disk splits big datasets
     monkeypatch.setattr(spill, "BATCH_TOKENS", 900)  # several record batches in each
     monkeypatch.setattr(stream, "TEXT_BATCH_ROWS", 3)  # documents tokenized a few at a time within a chunk
@@ -204,10 +204,10 @@ def test_a_txt_file_is_its_documents_as_text_rows(corpora, tokenizer, tmp_path, 
 def test_text_blocks_splits_at_blank_lines(tmp_path, monkeypatch) -> None:
     path = tmp_path / "docs.txt"
     path.write_bytes(b"\n \nfirst line\r\n  indented second\r\n\r\n\n\t\nnext doc\n\nlast\n  ")
-    whole = list(sources.text_blocks(path))
+    whole = list(local_files.text_blocks(path))
     assert whole == [(["first line\n  indented second", "next doc", "last"], [3, 8, 10])]
-    monkeypatch.setattr(sources, "READ_BYTES", 5)  # blocks, and \r\n pairs, across reads
-    assert list(sources.text_blocks(path, rows=2)) == [(["first line\n  indented second", "next doc"], [3, 8]),
+    monkeypatch.setattr(local_files, "READ_BYTES", 5)  # blocks, and \r\n pairs, across reads
+    assert list(local_files.text_blocks(path, rows=2)) == [(["first line\n  indented second", "next doc"], [3, 8]),
                                                        (["last"], [10])]
 
 
