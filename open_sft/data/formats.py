@@ -93,15 +93,18 @@ def _from_messages(row: dict[str, Any]) -> Messages:
     return out
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' part, the Responses API's two
+
+
 def _text_of_parts(parts: list, where: str) -> str:
-    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the texts joined by a newline
-    (as vLLM gives a text-only model such content). Other parts (images, audio) are not text a causal LM trains
-    on: the row's error."""
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]; the Responses API's input_text/output_text) as
+    one string, the texts joined by a newline (as vLLM gives a text-only model such content). Other parts (images,
+    audio) are not text a causal LM trains on: the row's error."""
     texts = []
     for k, part in enumerate(parts, start=1):
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+        elif isinstance(part, dict) and part.get("type", "text") in TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__

@@ -90,7 +90,7 @@ def test_openai_content_parts_are_their_texts(qwen3, tmp_path) -> None:
     parts = {"messages": [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
         {"role": "user", "content": [{"type": "text", "text": "Two lines:"}, {"type": "text", "text": "a and b"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Done."}]}]}
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}]}  # the Responses API's
     plain = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Two lines:\na and b"},
                           {"role": "assistant", "content": "Done."}]}
     assert examples_of(qwen3, tmp_path, [parts]) == examples_of(qwen3, tmp_path, [plain])
