@@ -82,6 +82,9 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
         datasets.disable_progress_bars()
         huggingface_hub.utils.disable_progress_bars()
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # and `kernels` (transformers 5.25's requirement), which bitsandbytes asks for that kernel, says offline that it
+    # skipped the publisher's trust check
+    logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
     for name, drop in IMPORT_NOISE.items():
         if drop not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop)

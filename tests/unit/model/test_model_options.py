@@ -267,3 +267,15 @@ def test_add_bos_stands_eos_in_only_for_a_gpt_neox_tokenizer_without_bos(tiny_mo
     assert "--add_bos: the tokenizer has no bos token; nothing to add" in caplog.text
     add_bos_to_template(neox)
     assert neox.bos_token == neox.eos_token and neox.apply_chat_template(chat, tokenize=False) == neox.eos_token + before
+
+
+def test_models_load_without_the_hubs_kernels(tiny_model_dir) -> None:
+    """transformers 5.25 kernelizes every model it loads (and again at each model.train()) with kernels from the Hub
+    unless USE_HUB_KERNELS says no: open_sft's processes say no (the package sets the default), so the layers are the
+    torch ones its numbers are proven on, and a pipeline stage's meta layers are not kernelized (it raised)."""
+    import os
+
+    assert os.environ.get("USE_HUB_KERNELS") == "NO"
+    model = load_model(model_args(tiny_model_dir))
+    model.train()
+    assert not getattr(model, "use_kernels", False) and getattr(model, "kernels_mode", None) is None
