@@ -40,6 +40,25 @@ class Conversation(list):
     raw_text: bool = False
 
 
+def same_kind(messages: Messages, items: Any) -> Messages:
+    """`items` (changed messages) as what `messages` was: a Conversation keeps its tools and marks, a list stays a
+    list."""
+    if not isinstance(messages, Conversation):
+        return list(items)
+    copy = Conversation(items)
+    copy.__dict__.update(messages.__dict__)
+    return copy
+
+
+def _with_row_system(row: dict[str, Any], messages: Messages) -> Messages:
+    """A row's own `system` column (sharegpt's, and beside `messages`) opens the conversation when it has no system
+    (or developer) turn of its own."""
+    system = row.get("system")
+    if isinstance(system, str) and system.strip() and messages[0]["role"] not in ("system", "developer"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
 class RowError(ValueError):
     """What is wrong with one row; the caller adds the file and line. `reason` is the short code
     counted in the data report when --on_bad_row drop skips the row."""
@@ -131,13 +150,8 @@ def _with_object_arguments(call: Any) -> Any:
 
 
 def _from_messages_with_system(row: dict[str, Any]) -> Messages:
-    """Messages rows; a row's own `system` column (as sharegpt and alpaca rows have it) opens the conversation when
-    its messages have no system turn of their own."""
-    messages = _from_messages(row)
-    system = row.get("system")
-    if isinstance(system, str) and system.strip() and messages[0]["role"] not in ("system", "developer"):
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
+    """Messages rows, opened by the row's own `system` column where it has one (`_with_row_system`)."""
+    return _with_row_system(row, _from_messages(row))
 
 
 def _from_alpaca(row: dict[str, Any]) -> Messages:
@@ -185,9 +199,7 @@ def _from_sharegpt(row: dict[str, Any]) -> Messages:
         calls = _sharegpt_calls(turn["value"]) if speaker == "function_call" else None
         out.append({"role": "assistant", "content": "", "tool_calls": calls} if calls else
                    {"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
-    if isinstance(row.get("system"), str) and row["system"].strip() and out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": row["system"]})
-    return out
+    return _with_row_system(row, out)
 
 
 def _sharegpt_calls(value: str) -> Optional[list]:
@@ -201,8 +213,9 @@ def _sharegpt_calls(value: str) -> Optional[list]:
     calls = parsed if isinstance(parsed, list) else [parsed]
     if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         return None
-    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
-            for c in (_with_object_arguments({"function": c})["function"] for c in calls)]
+    return [_with_object_arguments({"type": "function", "function": {"name": c["name"],
+                                                                      "arguments": c.get("arguments", {})}})
+            for c in calls]
 
 
 def _from_prompt_completion(row: dict[str, Any]) -> Messages:

@@ -28,7 +28,7 @@ from open_sft.data.chat.reasoning import (inline_reasoning, masked, reasoning_of
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
-from open_sft.data.formats import Messages, RowError, trains
+from open_sft.data.formats import Messages, RowError, document_markers, same_kind, trains
 
 _MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
 
@@ -212,9 +212,7 @@ def _developer_turns(messages: Messages, template: str) -> Messages:
     the role they replace (a template without it would refuse the row, or leave the turn out)."""
     if "developer" in template or not any(m["role"] == "developer" for m in messages):
         return messages
-    copy = type(messages)({**m, "role": "system"} if m["role"] == "developer" else m for m in messages)
-    copy.__dict__.update(getattr(messages, "__dict__", {}))
-    return copy
+    return same_kind(messages, ({**m, "role": "system"} if m["role"] == "developer" else m for m in messages))
 
 
 def raw_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, train_on: str
@@ -223,8 +221,6 @@ def raw_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: 
     after it (unless the completion ends with it), opened by bos where the tokenizer's own encoding opens a text
     with it (Llama-3's and Gemma's: TRL tokenizes with the special tokens); the completion's characters train
     (all of them under --train_on all, as TRL's completion_only_loss=False). No chat template."""
-    from open_sft.data.formats import document_markers
-
     bos = tokenizer.bos_token if document_markers(tokenizer, False)[0] else ""
     eos = tokenizer.eos_token or ""
     text = bos + prompt + completion + ("" if completion.endswith(eos) else eos)

@@ -11,7 +11,7 @@ template that reads none of them (an instruct-only one) leaves the trace out: su
 
 from __future__ import annotations
 
-from open_sft.data.formats import Messages
+from open_sft.data.formats import Messages, same_kind
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' order
 
@@ -53,12 +53,7 @@ def with_reasoning_aliases(messages: Messages) -> Messages:
 
     if not any(key in m for m in messages for key in REASONING_KEYS):
         return messages
-    out = [aliased(m) for m in messages]
-    if hasattr(messages, "tools"):  # keep a Conversation's attributes
-        copy = type(messages)(out)
-        copy.__dict__.update(messages.__dict__)
-        return copy
-    return out
+    return same_kind(messages, (aliased(m) for m in messages))  # a Conversation keeps its attributes
 
 
 def masked(span: tuple[int, int], text: str, reasoning: str) -> list[tuple[int, int]]:
