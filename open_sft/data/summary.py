@@ -31,6 +31,9 @@ _NOTES = {
     "tools_not_rendered": "have tool schemas (a tools column) that the chat template does not write, so they train "
                           "without them in the context; choose a template that writes tools (the model's own, or "
                           "--chat_template_path FILE)",
+    "tool_arguments_not_json": "have tool calls whose arguments are a string that is not a JSON object (a Python "
+                               "dict's repr, cut-off JSON), trained as written, so the model learns to call tools "
+                               "so; fix the arguments, or drop the rows",
 }
 
 
@@ -55,6 +58,7 @@ class SourceReport:
     generation_tags_disagree: int = 0  # rows whose labels are not what the template's {% generation %} marks
     reasoning_history_not_kept: int = 0  # --reasoning_history keep rows left as the template's examples
     tools_not_rendered: int = 0  # rows whose tool schemas the template does not write
+    tool_arguments_not_json: int = 0  # rows with a tool call whose arguments are not a JSON object
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +71,7 @@ class SourceReport:
             "generation_tags_disagree": self.generation_tags_disagree,
             "reasoning_history_not_kept": self.reasoning_history_not_kept,
             "tools_not_rendered": self.tools_not_rendered,
+            "tool_arguments_not_json": self.tool_arguments_not_json,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -114,11 +114,12 @@ class RowRender:
     ends: tuple[int, ...] = ()  # the message each example ends with (empty: the last, for one example)
     reasoning_history_not_kept: bool = False  # --reasoning_history keep could not join its examples
     tools_not_rendered: bool = False  # the row's tool schemas are not in what the template writes
+    tool_arguments_not_json: bool = False  # a tool call's arguments are a string that is not a JSON object
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
-                "tools_not_rendered")
+                "tools_not_rendered", "tool_arguments_not_json")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -197,7 +198,18 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     tools = getattr(messages, "tools", None)
     if tools and not _tools_written(tools, rendered.examples[0][0]):
         rendered = dataclasses.replace(rendered, tools_not_rendered=True)
+    if _string_arguments(messages):
+        rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
     return rendered
+
+
+def _string_arguments(messages: Messages) -> bool:
+    """Whether a tool call's arguments are still a string: the conversion (formats._with_object_arguments) made
+    every JSON object string an object, so what is left is not JSON (a Python dict's repr, cut-off JSON) and the
+    model learns to call tools with it."""
+    return any(isinstance(call, dict) and isinstance(call.get("function"), dict)
+               and isinstance(call["function"].get("arguments"), str)
+               for message in messages for call in message.get("tool_calls") or ())
 
 
 def _tools_written(tools: list, text: str) -> bool:

@@ -257,6 +257,26 @@ def test_tools_a_template_does_not_write_are_counted_and_named(tiny_model_dir, t
     assert report.tools_not_rendered == 0
 
 
+def test_tool_arguments_that_are_not_a_json_object_are_counted_and_named(qwen3, tmp_path, caplog) -> None:
+    """Arguments as a Python dict's repr, cut-off JSON or a JSON list train as written (the model would learn to
+    call tools so): counted per source and warned about once, naming the first rows; a JSON object string or an
+    object is not counted."""
+    def with_arguments(arguments) -> dict:
+        return {**WEATHER, "messages": [WEATHER["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            *WEATHER["messages"][2:]]}
+
+    rows = [with_arguments({"city": "Oslo"}), with_arguments("{'city': 'Oslo'}"), with_arguments('{"city": "Os'),
+            with_arguments('{"city": "Oslo"}'), with_arguments('["Oslo"]')]
+    path = tmp_path / "calls.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level("WARNING"):
+        _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), qwen3, 0)
+    assert report.rows_kept == 5 and report.to_dict()["tool_arguments_not_json"] == 3
+    warned = [r.getMessage() for r in caplog.records if "not a JSON object" in r.getMessage()]
+    assert len(warned) == 1 and "3 row(s)" in warned[0] and "line 2" in warned[0] and "line 5" in warned[0]
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "qwen3"])
 def test_bare_tool_schemas_are_wrapped_as_templates_read_them(family, tiny_model_dir, tmp_path) -> None:
     """LLaMA-Factory's sharegpt tools (and OpenAI's older functions) are bare {name, parameters} schemas: handed over
