@@ -212,6 +212,22 @@ def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, An
     return out
 
 
+def _split_comma_lists(parser: _Parser, argv: list[str]) -> list[str]:
+    """After a YAML config, open-instruct's parser (alignment-handbook's) reads a list flag's `--name=a,b` as the
+    list [a, b] (it takes only `--name=value` forms there); argparse would read one value "a,b". Split so, for
+    list flags only, so a recipe's `--dataset_mixer_list_splits=train,test` or `--report_to=tensorboard,wandb`
+    means what it meant there."""
+    out = []
+    for arg in argv:
+        name, equals, value = arg.partition("=")
+        action = parser._option_string_actions.get(name) if equals and name.startswith("--") else None
+        if action is not None and action.nargs in ("+", "*") and "," in value:
+            out += [name, *value.split(",")]
+        else:
+            out.append(arg)
+    return out
+
+
 def _given_on_command_line(argv: list[str]) -> set[str]:
     """The fields the command line sets: parsed once more with every default replaced by a marker
     (argparse resolves prefixes, aliases and `--no_x` forms itself, so this agrees with the real parse)."""
@@ -232,7 +248,7 @@ def parse_config(argv: list[str]) -> FinetuneConfig:
         defaults = _coerce(parser, path, _yaml_defaults(path))
         parser.set_defaults(**defaults)
         explicit |= set(defaults)
-        argv = argv[1:]
+        argv = _split_comma_lists(parser, argv[1:])
     *parsed, leftover = parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
                                                            return_remaining_strings=True)
     if leftover:

@@ -218,6 +218,18 @@ def test_nulls_of_open_instructs_dumped_arguments_are_the_defaults(tmp_path) -> 
     assert "max_seq_length" not in config.explicit and "learning_rate" in config.explicit
 
 
+def test_after_a_yaml_config_a_list_flags_comma_value_is_the_list_as_open_instruct_reads_it(tmp_path) -> None:
+    """open-instruct's parser reads `--name=a,b` after a YAML config as [a, b] for list flags (one value "a,b" to
+    argparse); other flags' commas and the spaced form stay as written."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model_name_or_path: m\ndataset_mixer_list: [a.jsonl, 1.0, b.jsonl, 1.0]\n")
+    config = parse_config([str(path), "--dataset_mixer_list_splits=train,test", "--report_to=tensorboard,wandb",
+                           "--exp_name=a,b", "--lora_target_modules", "q_proj,v_proj"])
+    assert config.data.dataset_mixer_list_splits == ["train", "test"]
+    assert config.train.report_to == ["tensorboard", "wandb"]
+    assert config.train.exp_name == "a,b" and config.lora.lora_target_modules == ["q_proj,v_proj"]
+
+
 def test_yaml_values_are_read_as_the_flags_types(tmp_path) -> None:
     """YAML reads `checkpointing_steps: 1000` as an int and `learning_rate: 5e-06` (no dot) as a string."""
     path = tmp_path / "run.yaml"
