@@ -113,7 +113,19 @@ def _mixer_pairs(value: Any) -> list[str]:
                             "'{\"data.jsonl\": 1.0}' ({exc})") from exc
     if not isinstance(value, dict) or not value:
         raise UserError(f"--dataset_mixer: expected a mapping of dataset to amount, got {value!r}")
-    return [str(x) for name, amount in value.items() for x in (name, amount)]
+    return [x for name, amount in value.items() for x in (str(name), _mapping_amount(name, amount))]
+
+
+def _mapping_amount(name: Any, amount: Any) -> str:
+    """An amount of open-instruct's `dataset_mixer` mapping as --dataset_mixer_list writes it: there a number
+    above 1 is a count of rows (int(), so 2.5 is 2 rows) and one up to 1 a fraction (so `1` is every row, not one
+    row as `1` is in --dataset_mixer_list)."""
+    try:
+        number = float(amount)
+    except (TypeError, ValueError):
+        raise UserError(f"--dataset_mixer: the amount of {name} is {amount!r}; give a fraction up to 1 or a row "
+                        "count, e.g. {\"data.jsonl\": 1.0}") from None
+    return str(int(number)) if number > 1 else repr(number)
 
 
 class _Translation:

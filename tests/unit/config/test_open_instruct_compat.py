@@ -167,6 +167,11 @@ def test_data_flags_of_open_instruct() -> None:
         ["a.jsonl", "1.0"]
     mixed = parse_config(["--model_name_or_path", "m", "--dataset_mixer", '{"a.jsonl": 0.5, "b.jsonl": 300}'])
     assert mixed.data.dataset_mixer_list == ["a.jsonl", "0.5", "b.jsonl", "300"]
+    # as open-instruct read the mapping: up to 1 a fraction (an integer 1 is every row), above 1 int() rows
+    mixed = parse_config(["--model_name_or_path", "m", "--dataset_mixer", '{"a.jsonl": 1, "b.jsonl": 2.5, "c": 1e3}'])
+    assert mixed.data.dataset_mixer_list == ["a.jsonl", "1.0", "b.jsonl", "2", "c", "1000"]
+    with pytest.raises(UserError, match="--dataset_mixer: the amount of a.jsonl is 'all'"):
+        parse_config(["--model_name_or_path", "m", "--dataset_mixer", '{"a.jsonl": "all"}'])
     with pytest.raises(UserError, match="--dataset_name and --dataset_mixer_list both name the training data"):
         parse_config(["--model_name_or_path", "m", "--dataset_name", "x", "--dataset_mixer_list", "a.jsonl", "1.0"])
 
