@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 # token that ends it: a conversation may make several examples), reasoning is handed over under the template's name;
 # 10: tool calls read through Arrow lose its filled-in nulls, JSON-string arguments are objects, content parts,
 # a row's system column, turns after the last answer left out, sharegpt function_call turns are tool calls, TRL's
-# string prompt-completion rows raw text, --reasoning_loss mask masks inline <think> traces, OpenAI's weight 0
-CACHE_FORMAT_VERSION = 10
+# string prompt-completion rows raw text, --reasoning_loss mask masks inline <think> traces, OpenAI's weight 0;
+# 11: --dataset_mixer_unit tokens orders its picks as rows does (an upsampled document's copies a pass apart)
+CACHE_FORMAT_VERSION = 11
 COMPLETE = "COMPLETE"
 
 

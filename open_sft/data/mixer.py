@@ -55,7 +55,8 @@ def _draw(spec: SourceSpec, n_rows: int, seed: int) -> tuple[int, list[int]]:
 
 
 def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[int]:
-    """--dataset_mixer_unit tokens: indices whose token total reaches the amount.
+    """--dataset_mixer_unit tokens: indices whose token total reaches the amount, ordered as select_indices orders
+    them (whole passes first, then the sampled rest in row order).
 
     A fraction f of a source with T tokens takes floor(f) whole copies plus rows in a seeded order
     until (f - floor(f)) * T more tokens are reached; a count takes rows until that many tokens
@@ -68,19 +69,19 @@ def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[in
     if spec.is_fraction:
         whole = math.floor(spec.amount)
         target = (spec.amount - whole) * total
-        indices = list(range(len(lengths))) * whole
     else:
         whole, target = divmod(int(spec.amount), max(total, 1))
-        indices = list(range(len(lengths))) * whole
-    taken = 0
+    rest, taken = [], 0
     for index in order:
         if taken >= target:
             break
-        indices.append(index)
+        rest.append(index)
         taken += lengths[index]
-    if not indices:
+    if not (whole and lengths) and not rest:
         raise UserError(f"--dataset_mixer_list: {spec.amount} of {spec.name} selects no tokens; raise the amount")
-    return sorted(indices)
+    # Whole passes, then the sampled rest in row order (as select_indices): a document's copies lie a pass apart,
+    # never side by side in a text source's stream of blocks.
+    return list(range(len(lengths))) * whole + sorted(rest)
 
 
 def source_names(entries: list[str]) -> list[str]:

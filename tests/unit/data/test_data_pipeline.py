@@ -307,6 +307,20 @@ def test_mixer_token_unit() -> None:
     assert all(count >= 2 for count in Counter(above).values())
 
 
+def test_mixer_token_unit_keeps_copies_a_pass_apart() -> None:
+    """Upsampling by tokens orders its picks as by rows: whole passes, then the sampled rest in row order. A text
+    source's documents are spliced into blocks in that order, so no document sits right after its own copy."""
+    lengths = [7, 3, 12, 5, 9, 4, 11, 6] * 5  # 40 documents, 228 tokens
+    for amount, fraction in ((2.0, True), (2.6, True), (3, True), (500, False)):
+        picked = select_by_tokens(SourceSpec("c4.jsonl", amount, fraction, "train"), lengths, seed=0)
+        whole = int(amount) if fraction else int(amount) // sum(lengths)
+        assert picked[: whole * len(lengths)] == list(range(len(lengths))) * whole, amount
+        rest = picked[whole * len(lengths):]
+        assert rest == sorted(set(rest)), amount
+        assert all(a != b for a, b in zip(picked, picked[1:])), amount
+        assert sum(lengths[i] for i in picked) >= (amount if not fraction else amount * sum(lengths)), amount
+
+
 def test_token_unit_balances_tokens_not_rows(tokenizer, tmp_path) -> None:
     short = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}] * 40
     long = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 60}]}] * 40
