@@ -125,13 +125,11 @@ def prepare_data(job: Job) -> None:
         add_bos_to_template(job.tokenizer)
     ratio = d.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)
     job.data = build(d, job.tokenizer, seed, holdout=("train", ratio) if ratio else None)
-    if d.cache_dataset_only:
-        return
-    if d.eval_dataset_mixer_list:
+    if d.eval_dataset_mixer_list:  # built under --cache_dataset_only too: the training job then only loads it
         job.eval_data = build(d.evaluation_sources(), job.tokenizer, seed)
     elif ratio:
         job.eval_data = build(d, job.tokenizer, seed, holdout=("eval", ratio))
-    if _is_main_rank():
+    if _is_main_rank() and not d.cache_dataset_only:
         report_data(job.data, job.eval_data, d, job.tokenizer, examples=job.config.train.dry_run)
 
 
@@ -337,8 +335,12 @@ def _phases(job: Job) -> dict:
         if _is_main_rank():
             from open_sft.data.summary import format_data_report
 
-            print(format_data_report(job.data.report), job.data.cache_path, sep="\n", flush=True)
-        return {"cache_path": str(job.data.cache_path)}
+            lines = [format_data_report(job.data.report)]
+            if job.eval_data is not None:
+                lines.append(f"evaluation cache: {job.eval_data.cache_path}")
+            print(*lines, job.data.cache_path, sep="\n", flush=True)  # the training cache's path on the last line
+        return {"cache_path": str(job.data.cache_path),
+                "eval_cache_path": str(job.eval_data.cache_path) if job.eval_data is not None else None}
     build_model(job)
     preflight(job)
     if job.config.train.dry_run:

@@ -7,7 +7,7 @@
 #
 # Uses the same flags as finetune.py (the cache key comes from the tokenizer, data and data flags, so
 # pass exactly those of the training run). OPEN_SFT_CACHE / --dataset_local_cache_dir choose the cache
-# directory. The last line printed is the cache path.
+# directory. The evaluation set is cached too. The last line printed is the training cache's path.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }

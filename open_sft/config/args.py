@@ -198,7 +198,8 @@ class DataArguments:
     )
     dataset_skip_cache: bool = _help("Tokenize without reading or writing the cache.", default=False)
     cache_dataset_only: bool = _help(
-        "Build the tokenization cache, print its path on the last line, and exit without training.", default=False
+        ("Build the tokenization cache (and the evaluation set's), print the training entry's path on the last line, "
+         "and exit without training."), default=False
     )
 
     def evaluation_sources(self) -> "DataArguments":

@@ -234,3 +234,21 @@ def test_an_entry_another_rank_built_while_this_one_waited_is_not_called_loaded_
     assert how_found(False, entry, 2000.0) == "built"
     assert how_found(True, entry, 2000.0) == "loaded from cache"  # finished before this process asked
     assert how_found(True, entry, 500.0) == "built by another process while this one waited"
+
+
+def test_cache_dataset_only_builds_the_evaluation_set_too(tiny_model_dir, data_file, tmp_path, capsys) -> None:
+    """--cache_dataset_only (scripts/prepare_data.sh) builds the evaluation entry as well (here --eval_split_ratio's
+    held-out rows), names it, and keeps the training entry's path on the last line: the training job only loads."""
+    from open_sft.run import main
+
+    code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(data_file), "0.1",
+                 "--eval_split_ratio", "0.1", "--cache_dataset_only", "--output_dir", str(tmp_path / "out")])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("evaluation cache: ")
+    train, held = lines[-1], lines[-2].removeprefix("evaluation cache: ")
+    assert train != held
+    for path, rows in ((train, 180), (held, 200)):
+        assert (tmp_path / "cache" / path.split("/")[-1] / cache.COMPLETE).exists()
+        assert json.loads((tmp_path / "cache" / path.split("/")[-1] / "report.json").read_text())[
+            "sources"][0]["rows_kept"] == rows
