@@ -7,6 +7,11 @@ loads). Each task is a row of a JSON-lines file in the bundled sample's format: 
 is the assistant's expected reply, and `answer`, that reply. Each model answers the messages before the last
 (greedy, with its own chat template) and scores a hit when its reply equals `answer` exactly, up to runs of
 whitespace (:func:`exact_match`): no partial credit, case and punctuation count.
+
+A model without a chat template (a base model, or one trained on plain text) is asked with the other model's
+template, so that both answer the same prompts and only the weights differ (a base model fine-tuned with
+--chat_template_name against its fine-tune); where neither has one, each task's prompt is continued as plain text,
+its messages' contents one per line, as `open_sft generate --raw` continues a prompt. Either is said on stderr.
 """
 
 from __future__ import annotations
@@ -42,12 +47,35 @@ class TaskScore:
         return self.hits / len(self.correct) if self.correct else 0.0
 
 
-def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = 16) -> TaskScore:
-    """Greedy replies of `model` to each row's messages but the last, scored with exact_match against `answer`."""
+def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, raw: bool = False) -> TaskScore:
+    """Greedy replies of `model` to each row's messages but the last, scored with exact_match against `answer`;
+    `raw`: to those messages' contents, one per line, continued as plain text (no chat template)."""
     from open_sft.export.generate import generate
 
-    answers = [generate(model, tokenizer, row["messages"][:-1], max_new_tokens) for row in rows]
+    answers = [generate(model, tokenizer, _plain(row["messages"][:-1]) if raw else row["messages"][:-1],
+                        max_new_tokens, raw=raw) for row in rows]
     return TaskScore(answers, [exact_match(row["answer"], answer) for row, answer in zip(rows, answers)])
+
+
+def _plain(messages: list[dict]) -> list[dict]:
+    return [{"role": "user", "content": "\n".join(str(m.get("content") or "") for m in messages)}]
+
+
+def prompt_formats(directories: tuple[Path, Path], templates: tuple[str | None, str | None]) -> list[str | None]:
+    """The chat template each model is asked with: its own; the other's where it has none (both then answer the same
+    prompts); None (plain text) where neither has one. Each borrowing or plain continuation is said on stderr."""
+    if not any(templates):
+        print("neither model has a chat template: each task's prompt is continued as plain text (its messages' "
+              "contents, one per line), as `open_sft generate --raw` does", file=sys.stderr, flush=True)
+        return [None, None]
+    formats = []
+    for i, (directory, template) in enumerate(zip(directories, templates)):
+        if not template:
+            other = directories[1 - i]
+            print(f"{directory}: its tokenizer has no chat template: it is asked with {other}'s, so that both models "
+                  "answer the same prompts", file=sys.stderr, flush=True)
+        formats.append(template or templates[1 - i])
+    return formats
 
 
 def read_tasks(path: Path) -> list[dict]:
@@ -108,12 +136,16 @@ def write_scores(path: Path, rows: list[dict], dirs: tuple[Path, Path], before: 
                                indent=1) + "\n")
 
 
-def _load(directory: Path):
-    """(model, tokenizer) of a model directory or a run's output, or None after printing the error."""
+def _load(directory: Path, tokenizer_only: bool = False):
+    """(model, tokenizer) of a model directory or a run's output (`tokenizer_only`: its tokenizer), or None after
+    printing the error."""
     from open_sft.errors import UserError
-    from open_sft.export.run_dir import load_run_model
+    from open_sft.export.run_dir import load_run_model, load_saved_tokenizer, model_kind
 
     try:
+        if tokenizer_only:
+            model_kind(directory)  # a directory with no model is named as such, before its tokenizer is looked for
+            return load_saved_tokenizer(directory)
         loaded = load_run_model(directory)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -145,12 +177,20 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    directories = (args.before, args.after)
+    tokenizers = [_load(directory, tokenizer_only=True) for directory in directories]  # the models one at a time
+    if None in tokenizers:
+        return 2
+    formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
     scores = []
-    for directory in (args.before, args.after):
+    for directory, template in zip(directories, formats):
         loaded = _load(directory)
         if loaded is None:
             return 2
-        scores.append(score_tasks(*loaded, rows, args.max_new_tokens))
+        model, tokenizer = loaded
+        if template is not None:
+            tokenizer.chat_template = template
+        scores.append(score_tasks(model, tokenizer, rows, args.max_new_tokens, raw=template is None))
     print(format_table(rows, *scores, args.show))
     print(accuracy_line(*scores), flush=True)
     if args.json is not None:

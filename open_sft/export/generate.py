@@ -79,9 +79,9 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new))
 
 
-def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 32) -> str:
+def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False) -> str:
     """The reply's text alone (see generate_reply)."""
-    return generate_reply(model, tokenizer, messages, max_new_tokens).text
+    return generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw).text
 
 
 def score_sample(model, tokenizer, rows: list[dict]) -> float:

@@ -77,7 +77,8 @@ def adapter_base(directory: Path, base_model: Optional[str] = None) -> str:
     return base
 
 
-def _load_tokenizer(directory: Path) -> Any:
+def load_saved_tokenizer(directory: Path) -> Any:
+    """The tokenizer saved in a model directory or a run's output (its chat template, if any, with it)."""
     from transformers import AutoTokenizer
 
     try:
@@ -145,7 +146,7 @@ def load_run_model(directory: Path, base_model: Optional[str] = None) -> RunMode
     if base_model and kind == FULL:
         raise UserError(f"--base_model is for a LoRA/QLoRA adapter directory; {directory} holds a full model: "
                         "leave --base_model out")
-    tokenizer = _load_tokenizer(directory)
+    tokenizer = load_saved_tokenizer(directory)
     if kind == ADAPTER_DIR:
         model, base = _load_adapter(directory, tokenizer, base_model)
         inner = model.get_base_model()

@@ -30,7 +30,7 @@ def test_exact_match_counts_case_punctuation_and_words(expected, generated, hit)
 def test_score_tasks_asks_each_prompt_without_its_answer(monkeypatch) -> None:
     seen = []
 
-    def fake_generate(model, tokenizer, messages, max_new_tokens):
+    def fake_generate(model, tokenizer, messages, max_new_tokens, raw=False):
         seen.append((messages, max_new_tokens))
         return {"Ann": "cat", "Tra": "chien rouge.", "Tom": "Oslo"}[messages[-1]["content"][:3]]
 
@@ -94,3 +94,30 @@ def test_compare_command_errors(tiny_model_dir, tmp_path, capsys) -> None:
                       "--max_new_tokens", "0"])
     assert "--max_new_tokens must be at least 1" in capsys.readouterr().err
 
+
+
+def test_a_model_without_a_chat_template_is_asked_with_the_others_or_plain_text(tiny_model_dir, tmp_path,
+                                                                                  capsys) -> None:
+    """A base model without a template (the fine-tune's came from --chat_template_name) answers the same prompts
+    as the model that has one, through that template: the same weights then give the same answers. Where neither
+    has one, each prompt is continued as plain text, as `generate --raw` would. Both are said on stderr."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    (base / "chat_template.jinja").unlink()
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    out = tmp_path / "scores.json"
+    assert open_sft_main(["compare", str(base), str(tiny_model_dir), "--tasks", str(tasks),
+                          "--max_new_tokens", "3", "--json", str(out)]) == 0
+    assert f"{base}: its tokenizer has no chat template: it is asked with {tiny_model_dir}'s" in capsys.readouterr().err
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["before"] for r in rows] == [r["after"] for r in rows]
+    assert open_sft_main(["compare", str(base), str(base), "--tasks", str(tasks), "--max_new_tokens", "3",
+                          "--json", str(out)]) == 0
+    assert "neither model has a chat template: each task's prompt is continued as plain text" in capsys.readouterr().err
+    assert len(json.loads(out.read_text())["rows"]) == 3
