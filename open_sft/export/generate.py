@@ -59,7 +59,11 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped; `raw`: the
     continuation of their contents joined as they are (plain text, no template)."""
     if raw:
-        encoded = tokenizer("".join(m["content"] for m in messages), return_tensors="pt").to(model.device)
+        encoded = tokenizer("".join(m["content"] for m in messages), return_tensors="pt")
+        if encoded["input_ids"].shape[1] == 0:  # an empty prompt, and a tokenizer that adds no bos
+            start = _start_token(tokenizer)
+            encoded = {"input_ids": torch.tensor([[start]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+        encoded = {name: tensor.to(model.device) for name, tensor in encoded.items()}
     else:
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True).to(model.device)
@@ -77,6 +81,17 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     if new and new[-1] in stops:
         return Generation(text, END_OF_TURN, prompt_tokens, len(new), tokenizer.convert_ids_to_tokens(new[-1]))
     return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new))
+
+
+def _start_token(tokenizer) -> int:
+    """What an empty plain-text prompt starts from: bos, else eos (GPT-2's and GPT-NeoX's unconditional start)."""
+    from open_sft.errors import UserError
+
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise UserError("an empty prompt has nothing to continue, and the tokenizer has neither a bos nor an eos token "
+                        "to start from: give --prompt some text")
+    return start
 
 
 def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False) -> str:
@@ -134,6 +149,8 @@ def load_or_exit(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
+    from open_sft.errors import UserError
+
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, max_new_tokens=32)
@@ -155,7 +172,11 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     for prompt in args.prompt:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
-        reply = generate_reply(model, tokenizer, messages, args.max_new_tokens, raw=raw)
+        try:
+            reply = generate_reply(model, tokenizer, messages, args.max_new_tokens, raw=raw)
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         print(json.dumps({"prompt": prompt, "generation": reply.text, "stop_reason": reply.stop_reason,
                           "new_tokens": reply.new_tokens, "stop_token": reply.stop_token,
                           **({"only_whitespace": True} if reply.text and not reply.text.strip() else {})}),
