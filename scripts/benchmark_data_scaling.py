@@ -65,7 +65,8 @@ import json, gc, sys, time
 sys.path.insert(0, sys.argv[1])
 from scripts.benchmark_data_scaling import load_tokenizer
 from open_sft.data.chat.render import render
-from open_sft.data.formats import detect_format, to_messages, to_text
+from open_sft.data.documents import to_text
+from open_sft.data.formats import detect_format, to_messages
 tokenizer = load_tokenizer(sys.argv[2], sys.argv[3])
 rows = []
 with open(sys.argv[4]) as handle:

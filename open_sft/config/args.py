@@ -161,6 +161,9 @@ class DataArguments:
         "document (which has it anyway where the tokenizer's encoding begins a text with it).", default=False)
     sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
                                   default="messages")
+    dataset_text_field: str = _help(
+        "The column holding the document in text-format rows (TRL's dataset_text_field); a source with that column "
+        "is text, and a row without it is read from 'text' (a .txt file's documents).", default="text")
     on_bad_row: Literal["error", "drop"] = _help(
         "A row that fails validation: 'error' stops with its file, line and problem; 'drop' skips it "
         "and counts the reason in the data report.", default="error"

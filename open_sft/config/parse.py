@@ -131,7 +131,6 @@ FOREIGN_FLAGS = {
     "base_model": "use --model_name_or_path", "padding_free": "--packing is padding-free already",
     "assistant_only_loss": "use --train_on all_assistant (the default)",
     "completion_only_loss": "use --train_on all_assistant (the default) or last_assistant",
-    "dataset_text_field": "text rows are detected (or force --dataset_format text)",
     "logging_dir": "tracker logs go under --output_dir (tensorboard/)",
 }
 

@@ -21,6 +21,8 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
                              template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
+    if args.dataset_text_field != "text":
+        later["dataset_text_field"] = args.dataset_text_field
     if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
         later["add_bos"] = True
     options = chat_options(args)

@@ -242,8 +242,10 @@ CONVERTERS: dict[str, Callable[[dict[str, Any]], Messages]] = {
 }
 
 
-def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages") -> str:
-    """The format of a source, from the columns of its first row."""
+def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages", text_field: str = "text") -> str:
+    """The format of a source, from the columns of its first row (a --dataset_text_field column named: text)."""
+    if text_field != "text" and text_field in row:
+        return "text"
     if messages_key in row:
         return messages_format(messages_key)
     if "conversations" in row:  # sharegpt's from/value turns, or role/content messages under that name
@@ -261,7 +263,7 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
         "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
         "documents). Rename the columns or convert the file (a messages column of another name: "
-        "--sft_messages_key)"
+        "--sft_messages_key; a text column of another name: --dataset_text_field NAME)"
     )
 
 
@@ -347,8 +349,8 @@ def messages_format(key: str) -> str:
 def source_format(args: Any, first_row: dict, where: str) -> str:
     """--dataset_format (of `args`, the DataArguments), or the format detected from a source's first row; messages
     rows read their conversation from --sft_messages_key."""
-    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(first_row, where,
-                                                                                  args.sft_messages_key)
+    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(
+        first_row, where, args.sft_messages_key, args.dataset_text_field)
     return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
 
 
@@ -372,28 +374,3 @@ def needs_chat_template(fmt: str, first_row: dict[str, Any]) -> bool:
     """Whether a source of this format (its first row shown) is rendered with a chat template: not text
     documents, nor TRL's prompt-completion strings (raw text, as TRL trains them)."""
     return fmt != "text" and not (fmt == "prompt_completion" and isinstance(first_row.get("prompt"), str))
-
-
-def to_text(row: dict[str, Any]) -> str:
-    text = row.get("text")
-    if not isinstance(text, str):
-        raise RowError(f"text row needs a string 'text' (columns: {sorted(row)})", "missing_text")
-    if not text.strip():
-        raise RowError("'text' is empty", "empty_text")
-    return text
-
-
-def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int]]:
-    """The tokens before and after each document of a text source: bos first where the tokenizer's own encoding
-    begins a text with it (Llama-3, Gemma: what the model sees first at inference; documents had none) or
-    --add_bos asks for it, and eos after it (the document separator of continual pretraining)."""
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # its post-processor is what adds special tokens
-
-    def first(special: bool) -> list[int]:
-        ids = backend.encode("a", add_special_tokens=special).ids if backend is not None else tokenizer.encode(
-            "a", add_special_tokens=special)
-        return list(ids[:1])
-
-    opens = bos is not None and (add_bos or (first(True) == [bos] and first(False) != [bos]))
-    return ([bos] if opens else []), ([eos] if eos is not None else [])

@@ -21,8 +21,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
-from open_sft.data.formats import (RowError, document_markers, needs_chat_template, source_format, to_messages,
-                                  to_text)
+from open_sft.data.documents import document_markers, to_text
+from open_sft.data.formats import RowError, needs_chat_template, source_format, to_messages
 from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
@@ -59,12 +59,12 @@ class _RowSink:
         self.report.dropped[error.reason] += 1
 
 
-def _convert(source: LoadedSource, fmt: str, sink: _RowSink) -> dict[int, Any]:
-    """Row index → messages (or text for the text format), for every valid row."""
+def _convert(source: LoadedSource, fmt: str, sink: _RowSink, text_field: str) -> dict[int, Any]:
+    """Row index → messages (or text for the text format: its --dataset_text_field), for every valid row."""
     items = {}
     for i, row in enumerate(source.rows):
         try:
-            items[i] = to_text(row) if fmt == "text" else to_messages(row, fmt)
+            items[i] = to_text(row, text_field) if fmt == "text" else to_messages(row, fmt)
         except RowError as exc:
             sink.reject(i, exc)
     return items
@@ -219,7 +219,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     if source.unreadable:
         report.dropped["invalid_json"] += source.unreadable
     sink = _RowSink(source.where, report, drop=args.on_bad_row == "drop")
-    items = _convert(source, fmt, sink)
+    items = _convert(source, fmt, sink, args.dataset_text_field)
     valid = sorted(items)
     by_tokens = args.dataset_mixer_unit == "tokens"
     if fmt == "text":

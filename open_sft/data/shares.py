@@ -15,7 +15,8 @@ import logging
 from typing import Any, Optional
 
 from open_sft.data.chunks import Reader
-from open_sft.data.formats import RowError, source_format, to_messages, to_text
+from open_sft.data.documents import to_text
+from open_sft.data.formats import RowError, source_format, to_messages
 from open_sft.data.mixer import held_out_count
 from open_sft.data.local_files import parse_json_line
 from open_sft.data.sources import SourceSpec, read_source
@@ -73,7 +74,7 @@ def usable_rows(spec: SourceSpec, args: Any) -> int:
         if not drop or not source.rows:
             return len(source.rows)
         fmt = source_format(args, source.rows[0], source.where(0))
-        return sum(_converts(row, fmt) for row in source.rows)
+        return sum(_converts(row, fmt, args.dataset_text_field) for row in source.rows)
     if not drop:
         return reader.count()
     fmt = source_format(args, first, where)
@@ -81,15 +82,15 @@ def usable_rows(spec: SourceSpec, args: Any) -> int:
     for _, items, _ in reader.chunks():
         for item in items:
             try:
-                count += _converts(parse_json_line(item) if reader.lines else item, fmt)
+                count += _converts(parse_json_line(item) if reader.lines else item, fmt, args.dataset_text_field)
             except RowError:
                 pass
     return count
 
 
-def _converts(row: Any, fmt: str) -> bool:
+def _converts(row: Any, fmt: str, text_field: str) -> bool:
     try:
-        to_text(row) if fmt == "text" else to_messages(row, fmt)
+        to_text(row, text_field) if fmt == "text" else to_messages(row, fmt)
     except RowError:
         return False
     return True

@@ -27,7 +27,8 @@ import numpy as np
 
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chunks import Progress, Reader
-from open_sft.data.formats import RowError, document_markers, to_messages, to_text
+from open_sft.data.documents import document_markers, to_text
+from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import plain_backend
 from open_sft.data.local_files import parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
@@ -224,7 +225,8 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     progress = Progress(spec.name, reader.count(), spill.rows)
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         parsed, dropped = rows_seen, dict(report.dropped)
-        indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop)
+        indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop,
+                                               args.dataset_text_field)
         tokens = 0
         for a, b in _text_batches(texts):  # a batch's tokens at a time, as arrays: not the chunk's as lists
             rows = _document_rows(tokenizer, texts[a:b], before, after)
@@ -248,7 +250,7 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
 
 
 def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[list[int]], rows_seen: int,
-               report: Any, drop: bool) -> tuple[list[int], list[str], int]:
+               report: Any, drop: bool, text_field: str) -> tuple[list[int], list[str], int]:
     """A chunk's documents: (their row indices, their texts, rows seen after them); rows are the lines that
     parse. Bad rows are counted in `report` (--on_bad_row drop) or stop the build."""
     indices, texts = [], []
@@ -263,7 +265,7 @@ def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[li
                 continue
         row, rows_seen = rows_seen, rows_seen + 1
         try:
-            texts.append(to_text(item))
+            texts.append(to_text(item, text_field))
         except RowError as exc:
             if not drop:
                 where = f"line {numbers[k]}" if numbers else f"row {row + 1}"

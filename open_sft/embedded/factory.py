@@ -213,7 +213,8 @@ def training_texts(path: str | Path) -> list[str]:
     """What the tokenizer is trained on from a data file open_sft trains on (.jsonl, .json, .parquet, .txt): every
     message's content of chat rows (any row format; the bundled sample gives `iter_message_texts`' texts), every
     document of text rows. A file or row that cannot give them is a UserError naming it and the fix."""
-    from open_sft.data.formats import RowError, detect_format, to_messages, to_text
+    from open_sft.data.documents import to_text
+    from open_sft.data.formats import RowError, detect_format, to_messages
     from open_sft.data.sources import LOCAL_SUFFIXES, parse_mixer_list, read_source
 
     if not Path(path).expanduser().is_file():

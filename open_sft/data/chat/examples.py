@@ -28,7 +28,8 @@ from open_sft.data.chat.reasoning import (inline_reasoning, masked, reasoning_of
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
-from open_sft.data.formats import Messages, RowError, document_markers, same_kind, trains
+from open_sft.data.documents import document_markers
+from open_sft.data.formats import Messages, RowError, same_kind, trains
 
 _MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
 

@@ -212,6 +212,35 @@ def test_text_format_blocks(tokenizer, tmp_path) -> None:
     assert reports[0].format == "text"
 
 
+def test_dataset_text_field_reads_the_documents_of_another_column(tokenizer, tmp_path) -> None:
+    """--dataset_text_field NAME (TRL's): a source with that column is text and its documents are read from it, in
+    the streamed (JSON Lines) and the read-whole (JSON list) build alike, as the same documents under 'text' are; a
+    .txt file's rows (or any row without the column) still read 'text'. The field enters the cache key; without it
+    such a source names the flag."""
+    from open_sft.data.cache import cache_key
+    from open_sft.data.cache_inputs import key_inputs
+
+    docs = ["alpha beta gamma " * 5, "delta epsilon " * 7]
+    as_text = write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in docs])
+    expected = [t for e in build_examples(DataArguments(dataset_mixer_list=[as_text, "1.0"]), tokenizer, 0)[0]
+                for t in e.input_ids]
+    lines = write_jsonl(tmp_path / "c.jsonl", [{"content": d, "id": i} for i, d in enumerate(docs)])
+    listed = tmp_path / "c.json"
+    listed.write_text(json.dumps([{"content": d, "id": i} for i, d in enumerate(docs)]))
+    for source in (lines, str(listed), as_text):
+        args = DataArguments(dataset_mixer_list=[source, "1.0"], dataset_text_field="content")
+        examples, reports = build_examples(args, tokenizer, 0)
+        assert [t for e in examples for t in e.input_ids] == expected and reports[0].format == "text", source
+    plain = DataArguments(dataset_mixer_list=[lines, "1.0"])
+    named = DataArguments(dataset_mixer_list=[lines, "1.0"], dataset_text_field="content", dataset_skip_cache=True)
+    assert cache_key(key_inputs(plain, tokenizer, 0)) != cache_key(key_inputs(named, tokenizer, 0))
+    with pytest.raises(UserError, match="a text column of another name: --dataset_text_field NAME"):
+        build_examples(plain, tokenizer, 0)
+    with pytest.raises(UserError, match="text row needs a string 'body' \\(--dataset_text_field; columns"):
+        build_examples(DataArguments(dataset_mixer_list=[lines, "1.0"], dataset_format="text",
+                                     dataset_text_field="body"), tokenizer, 0)
+
+
 def test_text_documents_open_with_bos_where_the_tokenizer_begins_a_text_with_it(tokenizer, tmp_path) -> None:
     """Continual pretraining: a tokenizer whose encoding begins a text with bos (Llama-3, Gemma) has each document
     as bos + document + eos (it had no bos: the model never saw the token it always sees first at inference), in

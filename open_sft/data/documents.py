@@ -1,0 +1,36 @@
+"""Text rows (continual pretraining): a row's document, and the tokens that open and close each document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from open_sft.data.formats import RowError
+
+
+def to_text(row: dict[str, Any], field: str = "text") -> str:
+    """A text row's document: its `field` column (--dataset_text_field), else its 'text' (a .txt file's rows)."""
+    name = field if field in row or "text" not in row else "text"
+    text = row.get(name)
+    if not isinstance(text, str):
+        hint = ("--dataset_text_field; " if field != "text"
+                else "a text column of another name: --dataset_text_field NAME; ")
+        raise RowError(f"text row needs a string {field!r} ({hint}columns: {sorted(row)})", "missing_text")
+    if not text.strip():
+        raise RowError(f"{name!r} is empty", "empty_text")
+    return text
+
+
+def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int]]:
+    """The tokens before and after each document of a text source: bos first where the tokenizer's own encoding
+    begins a text with it (Llama-3, Gemma: what the model sees first at inference; documents had none) or
+    --add_bos asks for it, and eos after it (the document separator of continual pretraining)."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # its post-processor is what adds special tokens
+
+    def first(special: bool) -> list[int]:
+        ids = backend.encode("a", add_special_tokens=special).ids if backend is not None else tokenizer.encode(
+            "a", add_special_tokens=special)
+        return list(ids[:1])
+
+    opens = bos is not None and (add_bos or (first(True) == [bos] and first(False) != [bos]))
+    return ([bos] if opens else []), ([eos] if eos is not None else [])
