@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 # 10: tool calls read through Arrow lose its filled-in nulls, JSON-string arguments are objects, content parts,
 # a row's system column, turns after the last answer left out, sharegpt function_call turns are tool calls, TRL's
 # string prompt-completion rows raw text, --reasoning_loss mask masks inline <think> traces, OpenAI's weight 0;
-# 11: --dataset_mixer_unit tokens orders its picks as rows does (an upsampled document's copies a pass apart)
+# 11: --dataset_mixer_unit tokens orders its picks as rows does (an upsampled document's copies a pass apart), a
+# UTF-8 BOM opening a .txt file is not the first document's text
 CACHE_FORMAT_VERSION = 11
 COMPLETE = "COMPLETE"
 

@@ -6,6 +6,7 @@ reported with its file and line number; `datasets`' JSON loader only says that p
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterator, Sequence
 from itertools import chain
@@ -34,7 +35,10 @@ def read_utf8(path: Path) -> str:
 
 
 def _decode(path: Path, data: bytes, lines_before: int) -> str:
-    """`data` (whole lines of `path`, after `lines_before` lines) as text, or a UserError naming the line."""
+    """`data` (whole lines of `path`, after `lines_before` lines) as text, or a UserError naming the line. A UTF-8
+    byte order mark opening the file is not text (Python's utf-8-sig): JSON, JSON Lines and .txt files alike."""
+    if not lines_before and data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

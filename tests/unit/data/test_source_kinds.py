@@ -124,3 +124,21 @@ def test_a_split_asked_of_a_single_local_file(tmp_path, caplog) -> None:
     spec, = parse_mixer_list([str(data), "1.0"], ["test"])
     assert "d.jsonl is a local file, one split: all its rows are read" in caplog.text
     assert parse_mixer_list([str(data), "1.0"], ["train"])[0].split == "train"
+
+
+def test_a_utf8_byte_order_mark_opening_a_file_is_not_text(tmp_path) -> None:
+    """A BOM at a file's start (Windows editors write one) is read as utf-8-sig: a .txt file's first document did
+    start with U+FEFF (trained as a token) while a .jsonl file was refused (Unexpected UTF-8 BOM). Whole reads and
+    the streamed chunks alike; a U+FEFF inside the text is kept."""
+    from open_sft.data.local_files import line_chunks, text_blocks
+
+    bom = "\ufeff".encode()
+    lines = "".join(json.dumps(row) + "\n" for row in TRAIN)
+    for name, body, expected in (("a.jsonl", lines, TRAIN), ("b.json", json.dumps(TRAIN), TRAIN),
+                                 ("c.txt", "first doc\n\nsecond \ufeff doc\n", [{"text": "first doc"},
+                                                                                 {"text": "second \ufeff doc"}])):
+        path = tmp_path / name
+        path.write_bytes(bom + body.encode())
+        assert rows_of(str(path)) == expected, name
+    assert [json.loads(line) for chunk, _ in line_chunks(tmp_path / "a.jsonl", rows=2) for line in chunk] == TRAIN
+    assert [text for chunk, _ in text_blocks(tmp_path / "c.txt", rows=1) for text in chunk][0] == "first doc"
