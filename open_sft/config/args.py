@@ -158,7 +158,8 @@ class DataArguments:
     add_bos: bool = _help(
         "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
         "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token), and every text "
-        "document (which has it anyway where the tokenizer's encoding begins a text with it).", default=False)
+        "document (which has it anyway where the tokenizer's encoding begins a text with it; where bos is eos, "
+        "it is the one eos between documents).", default=False)
     sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
                                   default="messages")
     dataset_text_field: str = _help(

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 # a row's system column, turns after the last answer left out, sharegpt function_call turns are tool calls, TRL's
 # string prompt-completion rows raw text, --reasoning_loss mask masks inline <think> traces, OpenAI's weight 0;
 # 11: --dataset_mixer_unit tokens orders its picks as rows does (an upsampled document's copies a pass apart), a
-# UTF-8 BOM opening a .txt file is not the first document's text
+# UTF-8 BOM opening a .txt file is not the first document's text, --add_bos where bos is eos puts one eos between
+# documents (not two)
 CACHE_FORMAT_VERSION = 11
 COMPLETE = "COMPLETE"
 

@@ -23,7 +23,9 @@ def to_text(row: dict[str, Any], field: str = "text") -> str:
 def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int]]:
     """The tokens before and after each document of a text source: bos first where the tokenizer's own encoding
     begins a text with it (Llama-3, Gemma: what the model sees first at inference; documents had none) or
-    --add_bos asks for it, and eos after it (the document separator of continual pretraining)."""
+    --add_bos asks for it, and eos after it (the document separator of continual pretraining). Where bos is eos
+    (GPT-NeoX, OLMo) a document that opens with it has none after: the next one's opening closes it, one eos between
+    documents, not `eos eos`."""
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)  # its post-processor is what adds special tokens
 
@@ -33,4 +35,4 @@ def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int
         return list(ids[:1])
 
     opens = bos is not None and (add_bos or (first(True) == [bos] and first(False) != [bos]))
-    return ([bos] if opens else []), ([eos] if eos is not None else [])
+    return ([bos] if opens else []), ([eos] if eos is not None and not (opens and bos == eos) else [])

@@ -268,6 +268,24 @@ def test_text_documents_open_with_bos_where_the_tokenizer_begins_a_text_with_it(
     assert streams(tokenizer) == [bos] + plain[0] + [eos, bos] + plain[1] + [eos]
 
 
+def test_add_bos_where_bos_is_eos_puts_one_eos_between_documents(tiny_model_dir, tmp_path) -> None:
+    """--add_bos with a tokenizer whose bos is its eos (GPT-NeoX, OLMo: open-instruct's add_bos prepends eos
+    there) opened each document with eos after the last one's closing eos: `eos eos` between documents, the model
+    taught that eos follows eos. The opening eos is the separator: eos + document, one eos between documents."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.bos_token = tokenizer.eos_token
+    eos = tokenizer.eos_token_id
+    docs = ["alpha beta gamma " * 5, "delta epsilon " * 7]
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": d} for d in docs])
+    plain = [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+    args = DataArguments(dataset_mixer_list=[data, "1.0"], max_seq_length=4096, add_bos=True)
+    one_eos_between = [eos] + plain[0] + [eos] + plain[1]
+    assert [t for e in build_examples(args, tokenizer, 0)[0] for t in e.input_ids] == one_eos_between
+    streamed = prepare_data(DataArguments(dataset_mixer_list=[data, "1.0"], max_seq_length=4096, add_bos=True,
+                                          dataset_skip_cache=True), tokenizer, 0)
+    assert [t for row in streamed.dataset["input_ids"] for t in row] == one_eos_between
+
+
 def test_on_bad_row_drop_counts_reasons(tokenizer, tmp_path) -> None:
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     path = tmp_path / "mixed.jsonl"
