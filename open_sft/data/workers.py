@@ -86,7 +86,12 @@ class Labelled:
                         sizes, self.notes + other.notes, _first_flagged(self.flagged, other.flagged))
 
 
-def _label_mismatch() -> RowError:
+def _label_mismatch(raw: bool = False) -> RowError:
+    if raw:  # TRL's prompt-completion strings: no template, the prompt's end and the completion's start merged
+        return RowError("the completion's first token merges with the end of the prompt (a raw prompt + completion, "
+                        "no chat template): its trained tokens do not decode to the completion; start the completion "
+                        "with a space (' Paris.', as TRL's examples write it) or end the prompt with a newline",
+                        "label_mismatch")
     return RowError("the trained tokens do not decode to the assistant turns (the tokenizer merges across a turn "
                     "boundary); try another chat template", "label_mismatch")
 
@@ -117,6 +122,7 @@ class _Rendered:
     invalid: list[tuple[int, RowError]]
     notes: Counter = field(default_factory=Counter)
     flagged: list[tuple[str, int]] = field(default_factory=list)  # (note, row index) of the rows counted in notes
+    raw: set[int] = field(default_factory=set)  # the rows of raw prompt + completion text (no chat template)
 
 
 def _render(bounds: tuple[int, int]) -> _Rendered:
@@ -143,6 +149,8 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
         done.texts_and_spans += rendered.examples
         done.indices.append(i)
         done.counts.append(len(rendered.examples))
+        if getattr(messages, "raw_text", False):
+            done.raw.add(i)
         for note in RENDER_NOTES:
             if getattr(rendered, note):
                 done.notes[note] += 1
@@ -268,7 +276,8 @@ def _collected(parts: list[_Part]) -> Labelled:
             sizes.append(here)
         else:
             right = batch.right
-        errors += [(int(indices[k]), _label_mismatch()) for k in np.flatnonzero(~right).tolist()]
+        errors += [(int(indices[k]), _label_mismatch(int(indices[k]) in rendered.raw))
+                   for k in np.flatnonzero(~right).tolist()]
         good = np.flatnonzero(right)  # dict.update of two lists: no Python step per row
         position.update(zip(indices[good].tolist(), (firsts[good] + offset).tolist()))
         offset += len(batch.right)

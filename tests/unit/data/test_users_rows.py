@@ -308,3 +308,19 @@ def test_a_row_of_messages_among_raw_prompt_completion_rows_needs_a_template(tin
     with pytest.raises(UserError, match="line 2: a row of messages needs a chat template and the tokenizer has none"):
         examples_of(tokenizer, tmp_path, rows)
     assert len(examples_of(tokenizer, tmp_path, rows, on_bad_row="drop")) == 1
+
+
+def test_a_raw_prompt_completion_merged_at_its_boundary_says_so(tiny_model_dir, tmp_path) -> None:
+    """A raw prompt + completion (no template) whose boundary the tokenizer merges into one token was refused as a
+    chat row is: "assistant turns ... try another chat template", though no template is involved. The message says
+    what is wrong for such a row and how to fix it; a row of messages keeps the template's message."""
+    from transformers import AutoTokenizer
+
+    from open_sft.errors import UserError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(UserError, match=r"line 1: the completion's first token merges with the end of the prompt "
+                                        r"\(a raw prompt \+ completion, no chat template\).*start the completion "
+                                        "with a space"):
+        examples_of(tokenizer, tmp_path, [{"prompt": "Say hel", "completion": "lo world"}])
+    assert len(examples_of(tokenizer, tmp_path, [{"prompt": "Say hel", "completion": " lo world"}])) == 1
