@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,13 +31,15 @@ END_OF_TURN, TOKEN_LIMIT, CONTEXT_FULL = "end_of_turn", "max_new_tokens", "max_l
 @dataclass
 class Generation:
     """One reply: its text, why it stopped (END_OF_TURN, TOKEN_LIMIT or CONTEXT_FULL), the tokens of the prompt it
-    answered and its new tokens and, when the model ended its turn, the token that ended it."""
+    answered and its new tokens, when the model ended its turn the token that ended it, and the special tokens it
+    generated before that (the text leaves them out)."""
 
     text: str
     stop_reason: str
     prompt_tokens: int
     new_tokens: int
     stop_token: str | None = None
+    special_tokens: list[str] = field(default_factory=list)
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -78,9 +80,13 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
                              if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     new = out[0, prompt_tokens:].tolist()
     text = tokenizer.decode(new, skip_special_tokens=True)  # as generated: whitespace is part of it
-    if new and new[-1] in stops:
-        return Generation(text, END_OF_TURN, prompt_tokens, len(new), tokenizer.convert_ids_to_tokens(new[-1]))
-    return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new))
+    ended = bool(new) and new[-1] in stops
+    special = set(tokenizer.all_special_ids)
+    hidden = tokenizer.convert_ids_to_tokens([t for t in (new[:-1] if ended else new) if t in special])
+    if ended:
+        return Generation(text, END_OF_TURN, prompt_tokens, len(new), tokenizer.convert_ids_to_tokens(new[-1]), hidden)
+    return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new),
+                      special_tokens=hidden)
 
 
 def _start_token(tokenizer) -> int:
@@ -179,6 +185,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
             return 2
         print(json.dumps({"prompt": prompt, "generation": reply.text, "stop_reason": reply.stop_reason,
                           "new_tokens": reply.new_tokens, "stop_token": reply.stop_token,
+                          **({"special_tokens": reply.special_tokens} if reply.special_tokens else {}),
                           **({"only_whitespace": True} if reply.text and not reply.text.strip() else {})}),
               flush=True)
     if args.score_sample:

@@ -28,3 +28,29 @@ def test_an_empty_plain_prompt_starts_from_bos_else_eos(loaded) -> None:
     tokenizer.eos_token = None
     with pytest.raises(UserError, match="neither a bos nor an eos token to start from: give --prompt some text"):
         generate_reply(model, tokenizer, empty, 3, raw=True)
+
+
+def test_special_tokens_generated_before_the_end_are_reported(loaded, monkeypatch, capsys) -> None:
+    """A model that generates a special token (here pad) and then eos printed "generation": "" with new_tokens 2
+    and no word of the first: the JSON line names the special tokens the text leaves out."""
+    import json
+
+    import torch
+
+    from open_sft.export import generate
+
+    model, tokenizer = loaded
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def emits_pad_then_eos(**kwargs):
+        return torch.cat([kwargs["input_ids"], torch.tensor([[pad, eos]])], dim=1)
+
+    monkeypatch.setattr(model, "generate", emits_pad_then_eos)
+    reply = generate_reply(model, tokenizer, [{"role": "user", "content": "hi"}], 3)
+    assert (reply.text, reply.new_tokens, reply.stop_token) == ("", 2, tokenizer.eos_token)
+    assert reply.special_tokens == [tokenizer.pad_token]
+    monkeypatch.setattr(generate, "load_or_exit", lambda args: type("Loaded", (), {"model": model,
+                                                                                    "tokenizer": tokenizer}))
+    assert generate.main(["somewhere", "--prompt", "hi"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["generation"] == "" and line["special_tokens"] == [tokenizer.pad_token]
