@@ -66,13 +66,24 @@ def weight_numel(param: torch.Tensor) -> int:
     return int(torch.Size(shape).numel()) if shape is not None else param_numel(param)
 
 
+def _head_weight(model: nn.Module) -> torch.Tensor:
+    """The LM head's weight parameter. peft's trainable-tokens wrapper (added tokens under LoRA) computes its
+    `.weight` as the base merged with the trained rows, which fails on a ZeRO-3 partitioned (empty) base and is no
+    parameter of the model: its base layer holds the parameter."""
+    head = model.get_output_embeddings()
+    token_adapter = getattr(head, "token_adapter", None)
+    return (token_adapter.get_base_layer() if token_adapter is not None else head).weight
+
+
 def matmul_params(model: nn.Module) -> tuple[int, int]:
     """(the decoder's matmul weights, the LM head's) in elements: every weight of two or more dimensions (a linear
     layer's, an expert bank's, a 4-bit one's [n / 2, 1] bytes, counted at its layer's shape) but the embedding
     tables, whose lookups compute nothing; the LM head's counted also when it is tied to the input embedding (its
-    matmul runs either way)."""
-    head = model.get_output_embeddings().weight
+    matmul runs either way). peft's trained rows of added tokens are table rows too."""
+    head = _head_weight(model)
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tables |= {id(p) for m in model.modules() if hasattr(m, "trainable_tokens_delta")  # peft's trained rows
+               for p in m.trainable_tokens_delta.parameters()}
     backbone = sum(weight_numel(p) for p in model.parameters()
                    if p is not head and id(p) not in tables and len(param_shape(p)) >= 2)
     return backbone, weight_numel(head)

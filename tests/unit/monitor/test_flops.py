@@ -91,3 +91,23 @@ def test_a_4bit_weight_counts_the_layer_it_stands_for() -> None:
     layer = bnb.nn.Linear4bit(64, 128, bias=False, quant_type="nf4").to("cpu")
     assert layer.weight.numel() == 64 * 128 // 2
     assert weight_numel(layer.weight) == 64 * 128
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_counts_of_a_lora_model_with_trainable_token_rows_under_zero3_partitioning(tied) -> None:
+    """Added tokens under LoRA: peft wraps the embedding (and an untied head) in its trainable-tokens wrapper, whose
+    `.weight` merges the trained rows into the base. Under ZeRO-3 the base is an empty partition (its shape in
+    ds_shape) and that merge failed before step 1; the counts are the plain model's, read from the base layers."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = _model(transformers.LlamaConfig, tie_word_embeddings=tied)
+    expected = matmul_params(model)
+    rows = {"embed_tokens": [297, 298, 299]} | ({} if tied else {"lm_head": [297, 298, 299]})
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=rows))
+    backbone, head = matmul_params(peft_model)
+    assert head == expected[1] and backbone == expected[0] + sum(
+        p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    for param in peft_model.parameters():  # what ZeRO-3's partitioning leaves on a rank: an empty tensor
+        param.ds_shape, param.ds_numel = param.shape, param.numel()
+        param.data = torch.empty(0, dtype=param.dtype)
+    assert matmul_params(peft_model) == (backbone, head)
