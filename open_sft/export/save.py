@@ -22,6 +22,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from open_sft.data.chat.render import renderer_for, special_markers
+from open_sft.data.chat.templates import is_builtin_template
 from open_sft.data.chat.turn_render import turn_enders
 from open_sft.file_modes import share_as_umask
 from open_sft.model.anatomy import is_peft_model
@@ -49,7 +50,9 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if not getattr(tokenizer, "chat_template", None):
         return ids
-    for token in turn_enders(renderer_for(tokenizer), special_markers(tokenizer), tokenizer.eos_token).stops:
+    history_trains = is_builtin_template(tokenizer.chat_template)  # what group_turns trains (strict=False)
+    for token in turn_enders(renderer_for(tokenizer), special_markers(tokenizer), tokenizer.eos_token,
+                             history_trains).stops:
         token_id = tokenizer.convert_tokens_to_ids(token)
         if isinstance(token_id, int) and token_id not in ids:
             ids.append(token_id)

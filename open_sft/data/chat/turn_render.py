@@ -92,11 +92,14 @@ def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:
     return min(found)[2] if found else None
 
 
-def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str]) -> TurnEnders:
+def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
+                history_trains: bool = False) -> TurnEnders:
     """The tokens this template ends assistant turns with, from probe conversations: those it writes after
     an answer that is the last message; the first it writes after an answer that a user message follows,
     and after a tool call (the last message, or before the tool's result). A probe the template refuses
-    (a template without tool calls) tells nothing."""
+    (a template without tool calls) tells nothing. `history_trains`: turns in history train with the token
+    that closes them there (open_sft's own templates, group_turns' strict=False: OLMo's <|im_end|>, where
+    the last turn ends with eos), so that token is a stop too."""
     candidates = _candidates(markers, eos)
     found: list[str] = [eos] if eos else []
     stops: list[str] = list(found)
@@ -127,6 +130,7 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str]) -> Tur
             add(first)
             if first and not closing:
                 follows[kind] = first
+            if first and (not closing or history_trains):
                 stops.append(first)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
                       tuple(dict.fromkeys(stops)))

@@ -68,6 +68,7 @@ def test_trained_tokens_are_what_each_assistant_turn_writes(tiny_model_dir, tmp_
     from open_sft.data.build import build_examples
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.labels import trained_token_runs
+    from open_sft.export.save import end_of_turn_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     apply_chat_template_choice(tokenizer, name, None)
@@ -76,3 +77,8 @@ def test_trained_tokens_are_what_each_assistant_turn_writes(tiny_model_dir, tmp_
     examples, _ = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), tokenizer, 0)
     runs = [tokenizer.decode(run).strip() for run in trained_token_runs(examples[0].input_ids, examples[0].labels)]
     assert runs == [text.replace("eos", tokenizer.eos_token) for text in expected]
+    # generation stops at every token a trained turn ends with (OLMo's <|im_end|> too, not eos alone)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    ends = {next(i for i in reversed(run) if i in special)
+            for run in trained_token_runs(examples[0].input_ids, examples[0].labels) if special & set(run)}
+    assert ends <= set(end_of_turn_ids(tokenizer)) and (ends or name.endswith("simple_chat"))
