@@ -17,7 +17,7 @@ COMMANDS = {
     "compare": ("open_sft.export.compare", "score two models (before/after) on held-out tasks, side by side"),
     "export": ("open_sft.export.from_checkpoint", "write a step checkpoint (any engine) as a Hugging Face model"),
     "push": ("open_sft.export.hub", "upload an export or a checkpoint to the Hugging Face Hub"),
-    "merge-lora": ("open_sft.export.lora_merge", "merge a saved LoRA adapter into its base model"),
+    "merge-lora": ("open_sft.export.merge_adapter", "merge a saved LoRA adapter into its base model"),
     "report": ("open_sft.monitor.report", "(re)draw the report/ plots and summary from a run's metrics.jsonl"),
     "model-card": ("open_sft.export.model_card", "(re)write the model card README.md of an export"),
     "embedded": ("open_sft.embedded.factory", "build the offline embedded tokenizer and tiny model"),

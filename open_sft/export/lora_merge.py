@@ -1,5 +1,5 @@
 """A LoRA adapter merged into its base: W + (alpha/r)·B·A, from a run's gathered state dict (`--merge_lora_on_save`)
-or offline from a saved adapter directory (`open_sft merge-lora ADAPTER OUT`).
+or offline from a saved adapter directory (`open_sft merge-lora ADAPTER OUT`, open_sft.export.merge_adapter).
 
 The in-run merge works from the gathered full state dict, never from the live modules, because under ZeRO-3
 those hold only shards. The one exception is QLoRA's 4-bit base weights, which are dequantized from their
@@ -8,13 +8,9 @@ modules: QLoRA never runs under DeepSpeed, so they are whole.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
-import json
-import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -22,8 +18,6 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer, ParamWrapper
 from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 
-from open_sft.errors import UserError
-from open_sft.file_modes import share_as_umask
 from open_sft.model.lora import ADAPTER, PEFT_PREFIX
 
 MERGED_QLORA_DTYPE = torch.bfloat16
@@ -111,45 +105,3 @@ def write_merged_model(model: PeftModel, merged: dict[str, torch.Tensor], direct
     config.dtype = next(iter(merged.values())).dtype
     config.save_pretrained(directory)
     save_torch_state_dict(merged, directory, max_shard_size=max_shard_size)
-
-
-def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "bfloat16",
-                      base_model: Optional[str] = None) -> Path:
-    """Offline merge of a saved adapter into its base: `open_sft merge-lora ADAPTER OUT`.
-    Uses peft's merge_and_unload (the live modules are whole here: no DeepSpeed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    config_file = adapter_dir / "adapter_config.json"
-    if not config_file.exists():
-        raise UserError(f"{config_file} not found; pass the --output_dir of a --use_lora/--use_qlora run")
-    base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise UserError(f"{config_file} names no base model; pass --base_model")
-    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch_dtype)
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(output_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(output_dir)
-    share_as_umask(output_dir)  # safetensors writes 0600 whatever the umask
-    return output_dir
-
-
-def main(argv: Optional[list[str]] = None, prog: str = "open_sft merge-lora") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="merge a LoRA adapter into its base model and save the "
-                                     "full model")
-    parser.add_argument("adapter_dir", type=Path)
-    parser.add_argument("output_dir", type=Path)
-    parser.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
-    parser.add_argument("--base_model", default=None, help="default: base_model_name_or_path of adapter_config.json")
-    args = parser.parse_args(argv)
-    try:
-        print(merge_adapter_dir(args.adapter_dir, args.output_dir, args.dtype, args.base_model))
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

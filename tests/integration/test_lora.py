@@ -229,7 +229,7 @@ def test_qlora_merge_dequantizes_to_bf16(qlora_run, tiny_model_dir) -> None:
 
 def test_offline_merge_cli_equals_merge_on_save(lora_runs, tmp_path) -> None:
     """`python -m open_sft merge-lora` (what scripts/merge_lora.sh runs) gives the merge the run wrote."""
-    from open_sft.export.lora_merge import main as merge_main
+    from open_sft.export.merge_adapter import main as merge_main
 
     out = lora_runs["single"]
     assert merge_main([str(out), str(tmp_path / "m"), "--dtype", "float32"]) == 0

@@ -6,8 +6,11 @@ The tests of this subject that launch real processes are in tests/integration/te
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from open_sft.config.parse import parse_config
 from open_sft.config.args import LoraArguments
@@ -243,3 +246,42 @@ def test_a_short_conv_models_3d_weights_are_not_taken_for_experts() -> None:
     assert any(p.dim() == 3 for p in model.parameters())
     peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
     assert peft_model.peft_config["default"].lora_dropout == 0.1
+
+
+def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tmp_path) -> None:
+    """`open_sft merge-lora` of an adapter whose run added a token (embeddings resized past the base's rows, a
+    multiple of 64) writes merged/'s files: the same tensors bitwise, config, generation config (the run's stop
+    tokens, not the base's), tokenizer and model card, in the base's dtype by default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from open_sft.config.args import LoraArguments
+    from open_sft.export.merge_adapter import main as merge_main
+    from open_sft.export.model_card import write_model_card
+    from open_sft.export.save import save_dtype, save_lora
+    from open_sft.model.lora import apply_lora
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|turn_end|>"]})
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|turn_end|>{% endfor %}"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rows = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+    assert model.get_input_embeddings().weight.shape[0] > rows
+    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, [len(tokenizer) - 1])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)
+    run = tmp_path / "run"
+    save_lora(peft_model, peft_model.state_dict(), tokenizer, run, merge=True,
+              dtype=save_dtype("auto", peft_model.get_base_model().config))
+    write_model_card(run)
+    assert merge_main([str(run), str(tmp_path / "offline")]) == 0
+    on_save, offline = run / "merged", tmp_path / "offline"
+    assert sorted(p.name for p in offline.iterdir()) == sorted(p.name for p in on_save.iterdir())
+    for name in ("config.json", "generation_config.json", "README.md", "tokenizer_config.json", "tokenizer.json"):
+        assert (offline / name).read_text() == (on_save / name).read_text(), name
+    ours, theirs = load_file(offline / "model.safetensors"), load_file(on_save / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert json.loads((offline / "generation_config.json").read_text())["eos_token_id"][-1] == len(tokenizer) - 1

@@ -1,0 +1,88 @@
+"""`open_sft merge-lora ADAPTER OUT`: a saved LoRA adapter merged into its base offline, written as
+--merge_lora_on_save writes merged/ (open_sft.export.lora_merge's merge, open_sft.export.save's files)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from peft import PeftModel
+
+from open_sft.errors import UserError
+from open_sft.export.lora_merge import merged_state_dict, write_merged_model
+from open_sft.export.save import cast_floating, save_dtype, write_generation_config
+from open_sft.file_modes import share_as_umask
+
+
+def _saved_embedding_rows(adapter_dir: Path, model: torch.nn.Module) -> Optional[int]:
+    """Rows of `model`'s input embedding that the adapter file holds whole (peft saves it when the run resized the
+    embeddings); None where it holds none."""
+    from safetensors import safe_open
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    if not weights.is_file():
+        return None
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            if f".{embedding}." in key and key.endswith(".weight") and ".lora_" not in key:
+                return f.get_slice(key).get_shape()[0]
+    return None
+
+
+def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
+                      base_model: Optional[str] = None, max_shard_size: str | int = "5GB") -> Path:
+    """Offline merge of a saved adapter into its base: `open_sft merge-lora ADAPTER OUT`. The merge, files and card
+    are --merge_lora_on_save's (merged_state_dict, write_merged_model, the run's generation config and tokenizer),
+    in `dtype` (auto: the base's stored dtype, as the run's export); a base the run resized (added tokens) is
+    resized to the adapter's rows first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from open_sft.export.model_card import render_model_card
+
+    config_file = adapter_dir / "adapter_config.json"
+    if not config_file.exists():
+        raise UserError(f"{config_file} not found; pass the --output_dir of a --use_lora/--use_qlora run")
+    base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise UserError(f"{config_file} names no base model; pass --base_model")
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    torch_dtype = save_dtype(dtype, model.config)
+    rows = _saved_embedding_rows(adapter_dir, model)
+    if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(rows, mean_resizing=False)  # the saved rows replace these
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    merged = merged_state_dict(peft_model, peft_model.state_dict())
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_merged_model(peft_model, cast_floating(merged, torch_dtype), output_dir, max_shard_size)
+    tokenizer.save_pretrained(output_dir)
+    write_generation_config(peft_model.get_base_model().generation_config, tokenizer, output_dir)
+    (output_dir / "README.md").write_text(render_model_card(adapter_dir, merged=True))
+    share_as_umask(output_dir)  # safetensors writes 0600 whatever the umask
+    return output_dir
+
+
+def main(argv: Optional[list[str]] = None, prog: str = "open_sft merge-lora") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="merge a LoRA adapter into its base model and save the "
+                                     "full model")
+    parser.add_argument("adapter_dir", type=Path)
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",
+                        help="auto (default): the base checkpoint's stored dtype, as --merge_lora_on_save writes it")
+    parser.add_argument("--base_model", default=None, help="default: base_model_name_or_path of adapter_config.json")
+    args = parser.parse_args(argv)
+    try:
+        print(merge_adapter_dir(args.adapter_dir, args.output_dir, args.dtype, args.base_model))
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
