@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -70,8 +71,17 @@ def epochs_trained(output_dir: Path, info: dict[str, Any]) -> tuple[Optional[flo
     return (round(steps / per_epoch, 4) if steps and per_epoch else None), steps
 
 
+def base_model_record(name: str) -> str:
+    """What a run records as its base (run.json's base_model, adapter_config.json's base_model_name_or_path):
+    a local directory as its absolute path, decided where the run loaded it (a relative path named from another
+    directory loads nothing, and would read as a Hub id), a Hub id as given."""
+    path = os.path.expanduser(name)
+    return os.path.abspath(path) if name and os.path.isdir(path) else name  # symlinks kept as given
+
+
 def _looks_like_hub_id(name: str) -> bool:
-    return bool(name) and not name.startswith((".", "/", "~")) and not Path(name).exists() and name.count("/") <= 1
+    # a run records a local base as its absolute path (base_model_record); nothing here asks the current directory
+    return bool(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1
 
 
 def hub_id(name: str) -> Optional[str]:
@@ -212,8 +222,8 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
     info = _read_json(output_dir / "run.json")
     args = info.get("args", {})
     adapter = _read_json(output_dir / "adapter_config.json")
-    base_model = (adapter.get("base_model_name_or_path") or args.get("model", {}).get("model_name_or_path")
-                  or "unknown")
+    base_model = (adapter.get("base_model_name_or_path") or info.get("base_model")
+                  or args.get("model", {}).get("model_name_or_path") or "unknown")
     name = args.get("hub", {}).get("hub_model_id") or output_dir.name
     epochs, steps = epochs_trained(output_dir, info)
     what = _what(base_model, adapter, merged, (output_dir / MERGED_DIR / "config.json").is_file())

@@ -97,6 +97,8 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     default yields to 0 where peft adapts MoE experts' fused weights, which it trains only without dropout)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
+    from open_sft.export.model_card import base_model_record
+
     if args.use_qlora:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
@@ -115,6 +117,8 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
             dropout = 0.0
         with _trainable_tokens_off_cuda(model if rows else None):
             peft_model = get_peft_model(model, lora_config(args, rows, dropout))
+        peft_config = peft_model.peft_config[ADAPTER]  # a local base by its absolute path, loadable from anywhere
+        peft_config.base_model_name_or_path = base_model_record(peft_config.base_model_name_or_path or "") or None
         if rows:
             logger.info("LoRA also trains the embedding rows of the %d added tokens (%s)", len(new_ids),
                         ", ".join(rows))

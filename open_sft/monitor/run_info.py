@@ -43,12 +43,14 @@ def write_run_files(job: Any, trainer: Any) -> None:
     """run.json (what ran, where, with what) and data_report.json, before the first step."""
     import torch
 
+    from open_sft.export.model_card import base_model_record
     from open_sft.training.optim import optimizer_impl
     from open_sft.training.run_settings import by_steps
 
     acc, launch = job.accelerator, job.launch
     write_json(job.output_dir / "run.json", {
-        "args": job.config.to_dict(), "versions": library_versions(), "world_size": acc.num_processes,
+        "args": job.config.to_dict(), "base_model": base_model_record(job.config.model.model_name_or_path),
+        "versions": library_versions(), "world_size": acc.num_processes,
         "distributed_type": acc.distributed_type.name, "compute_dtype": str(job.dtype),
         "loss_normalization": job.config.train.loss_normalization, "schedule": job.steps.to_dict(),
         "dataset_cache_key": job.data.cache_key, "dataset_cache_path": str(job.data.cache_path),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from open_sft.export.model_card import hub_id, target_modules
@@ -25,3 +27,22 @@ def test_target_modules_in_a_line() -> None:
     assert target_modules({"target_modules": ["v_proj", "q_proj"]}) == "q_proj, v_proj"
     assert target_modules({"target_modules": ".*proj"}) == ".*proj"
     assert target_modules({}) == "none"
+
+
+def test_a_local_base_is_recorded_by_its_absolute_path_and_the_card_does_not_ask_the_cwd(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """A base given as a relative directory is recorded (run.json's base_model, the adapter config) by its absolute
+    path where the run loaded it; a Hub id as given. The card rendered from any directory says the same."""
+    from open_sft.export.model_card import base_model_record, render_model_card
+
+    (tmp_path / "r" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert base_model_record("r/base") == str(tmp_path.resolve() / "r" / "base")
+    assert base_model_record("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"args": {"model": {"model_name_or_path": "r/base"}},
+                                              "base_model": base_model_record("r/base")}))
+    here = render_model_card(run)
+    monkeypatch.chdir(tmp_path / "r")
+    assert render_model_card(run) == here and "\nbase_model:" not in here and str(tmp_path / "r" / "base") in here

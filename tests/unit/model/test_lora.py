@@ -146,7 +146,9 @@ def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
     expected = {"embed_tokens": [90, 91]} if tied else {"embed_tokens": [90, 91], "lm_head": [90, 91]}
     assert trainable_token_rows(model, [90, 91]) == expected
     assert trainable_token_rows(model, []) == {}
+    model.name_or_path = "Org/name"  # what from_pretrained was given: a Hub id is recorded as given
     peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, [90, 91])
+    assert peft_model.peft_config["default"].base_model_name_or_path == "Org/name"
     trained = [n for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
     assert len(trained) == (1 if tied else 2) and all("trainable_tokens_delta" in n for n in trained)
     x = torch.tensor([[1, 90, 91, 5]])
@@ -248,7 +250,7 @@ def test_a_short_conv_models_3d_weights_are_not_taken_for_experts() -> None:
     assert peft_model.peft_config["default"].lora_dropout == 0.1
 
 
-def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tmp_path) -> None:
+def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tmp_path, monkeypatch) -> None:
     """`open_sft merge-lora` of an adapter whose run added a token (embeddings resized past the base's rows, a
     multiple of 64) writes merged/'s files: the same tensors bitwise, config, generation config (the run's stop
     tokens, not the base's), tokenizer and model card, in the base's dtype by default."""
@@ -263,7 +265,8 @@ def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tm
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|turn_end|>"]})
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|turn_end|>{% endfor %}"
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    monkeypatch.chdir(tiny_model_dir.parent)  # the base by a relative path: recorded by its absolute one
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir.name)
     rows = model.get_input_embeddings().weight.shape[0]
     model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
     assert model.get_input_embeddings().weight.shape[0] > rows
@@ -277,6 +280,9 @@ def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tm
     save_lora(peft_model, peft_model.state_dict(), tokenizer, run, merge=True,
               dtype=save_dtype("auto", peft_model.get_base_model().config))
     write_model_card(run)
+    assert json.loads((run / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        tiny_model_dir.resolve())
+    monkeypatch.chdir(tmp_path)
     assert merge_main([str(run), str(tmp_path / "offline")]) == 0
     on_save, offline = run / "merged", tmp_path / "offline"
     assert sorted(p.name for p in offline.iterdir()) == sorted(p.name for p in on_save.iterdir())
