@@ -118,6 +118,11 @@ def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], toke
     (open_sft.export.hub) follow either export."""
     model.config.use_cache = True
     state_dict = cast_floating(state_dict, dtype)
+    # a tied head is its embedding: save_pretrained finds it by shared storage, which the cast (from fp32 masters)
+    # and a gather copy apart; it would then store a second copy that loaders tie over anyway
+    for tied, source in getattr(model, "all_tied_weights_keys", {}).items():
+        if source in state_dict:
+            state_dict.pop(tied, None)
     with staged_export(output_dir) as staging:
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
         model.config.dtype = dtype  # save_pretrained wrote the live (fp32 master) parameters' dtype

@@ -63,3 +63,32 @@ def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path) -> None:
             (staging / "config.json").write_text("half")
             raise RuntimeError("disk full")
     assert _files(out) == before and not (out / STAGING).exists()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_export_of_a_tied_model_stores_its_head_once(tmp_path, tied) -> None:
+    """fp32 masters exported in bf16: the cast copies the tied head apart from the embedding; the export stores
+    save_pretrained's tensors of the model (the tied head left out) and loads back tied."""
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from open_sft.export.save import save_model
+
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=_word_level(), eos_token="</s>")
+    save_model(model, model.state_dict(), tokenizer, tmp_path / "out", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "plain")
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert saved.keys() == load_file(tmp_path / "plain" / "model.safetensors").keys()
+    assert ("lm_head.weight" in saved) != tied
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight.to(torch.bfloat16).float())
+
+
+def _word_level():
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"</s>": 0, "a": 1}, unk_token="</s>"))
