@@ -113,6 +113,7 @@ def fit_to_checkpoint(job: Job) -> None:
 
 def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
+    from open_sft.data.chat.render import warn_split_turn_closers
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.prepare import prepare_data as build
     from open_sft.data.summary import report_data
@@ -121,6 +122,7 @@ def prepare_data(job: Job) -> None:
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
     job.tokenizer = load_tokenizer(m)
     apply_chat_template_choice(job.tokenizer, d.chat_template_name, d.chat_template_path)
+    warn_split_turn_closers(job.tokenizer)
     if d.add_bos:
         add_bos_to_template(job.tokenizer)
     ratio = d.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)

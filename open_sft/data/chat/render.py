@@ -7,6 +7,7 @@ How a rendered conversation becomes training examples (which characters train) i
 from __future__ import annotations
 
 import json
+import logging
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing, has_generation_tags, is_builtin_template
-from open_sft.data.chat.turn_render import TurnEnders
+from open_sft.data.chat.turn_render import TurnEnders, split_turn_closers
+
+logger = logging.getLogger(__name__)
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
@@ -216,3 +219,17 @@ def special_markers(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     tokens = set(tokenizer.all_special_tokens)
     tokens |= {token.content for token in tokenizer.added_tokens_decoder.values() if token.special}
     return tuple(sorted(tokens, key=len, reverse=True))
+
+
+def warn_split_turn_closers(tokenizer) -> None:
+    """Warn once where the chat template closes an answer with a marker that is not one token of the tokenizer
+    (a tokenizer's own chatml template without <|im_end|> in its vocabulary): it trains as several pieces and
+    generation_config.json cannot list it, so the model never stops."""
+    if not isinstance(getattr(tokenizer, "chat_template", None), str):
+        return
+    for marker, pieces in split_turn_closers(renderer_for(tokenizer), tokenizer.tokenize):
+        logger.warning("the chat template closes an assistant turn with %s, which the tokenizer splits into %d "
+                       "pieces (%s): it trains as text and generation cannot stop at it; choose a template with "
+                       "--chat_template_name (which adds its tokens, e.g. chatml), or add it with "
+                       "--add_special_tokens FILE (a file with the line %s)", marker, len(pieces), " ".join(pieces),
+                       marker)

@@ -308,3 +308,23 @@ def kept_history(draw: Draw, messages: Messages, tools: Optional[list], examples
         text = text[:cut] + example.text[closed:]
         spans.update({i: (a + cut - closed, b + cut - closed) for i, (a, b) in example.turns})
     return TurnExample(text, tuple(sorted(spans.items())))
+
+
+_MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?s>|\[/?[A-Z_]+\]")  # <|im_end|>, </s>, [/INST]: what reads as one token
+
+
+def split_turn_closers(draw: Draw, tokenize: Callable[[str], list[str]]) -> list[tuple[str, list[str]]]:
+    """The markers the template writes to close an answer (as the last message, and when a user message follows)
+    that the tokenizer splits into several pieces, with the pieces: a template whose tokens are not in the
+    vocabulary trains them as text, and generation cannot stop at one id."""
+    try:
+        alone = draw([_PROBE_USER, _PROBE_ANSWER], False, None)
+        then = draw([_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], False, None)
+    except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
+        return []
+    anchor = _PROBE_ANSWER["content"]
+    closers = _MARKER.findall(alone[alone.rfind(anchor) + len(anchor):]) if anchor in alone else []
+    at = then.find(anchor)
+    following = _MARKER.search(then, at + len(anchor)) if at >= 0 else None
+    closers += [following.group()] if following else []
+    return [(m, pieces) for m in dict.fromkeys(closers) if len(pieces := tokenize(m)) > 1]

@@ -230,3 +230,28 @@ def test_tool_calls_a_template_does_not_write_are_not_silently_lost(tokenizer, t
     examples, reports = build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
     assert len(examples) == 1
     assert dict(reports[0].dropped) == {"tool_calls_not_rendered": 1, "bad_tool_calls": 2}
+
+
+def test_a_turn_closer_that_is_not_one_token_is_warned_about_with_the_fix(tiny_model_dir, caplog) -> None:
+    """A tokenizer's own chatml-like template whose <|turn_over|> is not in the vocabulary: it trains as pieces and
+    generation cannot stop at it, so a warning names it, its pieces and the flags that fix it; none once the token
+    is added, nor for a template that adds its tokens (chatml)."""
+    from open_sft.data.chat.render import warn_split_turn_closers
+    from open_sft.data.chat.templates import apply_chat_template_choice
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|turn_over|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with caplog.at_level("WARNING"):
+        warn_split_turn_closers(tokenizer)
+    warned = [r.getMessage() for r in caplog.records if "<|turn_over|>" in r.getMessage()]
+    pieces = " ".join(tokenizer.tokenize("<|turn_over|>"))
+    assert len(warned) == 1 and pieces in warned[0] and "--chat_template_name" in warned[0] \
+        and "--add_special_tokens" in warned[0]
+    caplog.clear()
+    tokenizer.add_tokens(["<|turn_over|>"], special_tokens=True)
+    with caplog.at_level("WARNING"):
+        warn_split_turn_closers(tokenizer)
+        apply_chat_template_choice(tokenizer, "chatml", None)
+        warn_split_turn_closers(tokenizer)
+    assert not [r for r in caplog.records if "splits into" in r.getMessage()]
