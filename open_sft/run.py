@@ -288,12 +288,12 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.training.run_settings import by_steps
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    state_dict = trainer.engine.full_state_dict()  # collective
+    shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
+    dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
+    state_dict = trainer.engine.full_state_dict(fp32=dtype == torch.float32)  # collective
     if acc.is_main_process:
         state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
         trained_model = acc.unwrap_model(trainer.model).model
-        shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
-        dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
         if is_peft_model(trained_model):  # a QLoRA merge is bf16 unless the flag says (its base was 4-bit)
             save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard,
                       dtype=None if config.lora.use_qlora and flag == "auto" else dtype)

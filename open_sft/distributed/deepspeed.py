@@ -295,3 +295,23 @@ def deepspeed_nonfinite_problems(config: dict) -> list[str]:
     if stage in (1, 2) and not bf16.get("enabled", False) and not fp16 and zero.get("compute_grad_norm", True) is False:
         problems.append("zero_optimization.compute_grad_norm is false; remove it or set it to true")
     return problems
+
+
+def fp32_master_weights(engine: Any, main: bool) -> dict[str, torch.Tensor]:
+    """DeepSpeed's fp32 master weights of the trained parameters of `engine.module` by state-dict name (every name
+    of a tied one), CPU copies on the main process, {} elsewhere. Collective (ZeRO-1/2 all-reduce each one's
+    fragments, ZeRO-3 all-gather its partitions): every rank calls it. Frozen parameters have no master."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from open_sft.model.anatomy import param_shape
+
+    names: dict[int, list[str]] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    masters = {}
+    for param in [p for p in engine.module.parameters() if p.requires_grad]:
+        full = safe_get_full_fp32_param(param)
+        if full is not None and main:
+            full = full.detach().reshape(param_shape(param)).to("cpu", copy=True)
+            masters.update({name: full for name in names[id(param)]})
+    return masters

@@ -15,7 +15,7 @@ import contextlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -73,27 +73,44 @@ def _safetensors(directory: Path) -> CheckpointWeights:
     return CheckpointWeights("one process or DDP (accelerate's model.safetensors)", weights, load)
 
 
-def _deepspeed(directory: Path) -> CheckpointWeights:
+def _fp32_masters(directory: Path, tag: str) -> dict[str, Any]:
+    """Every rank's fp32 master partitions joined by DeepSpeed's own reader in its lazy mode (each tensor gathered
+    when asked for; frozen parameters as the module held them)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        return get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag, lazy_mode=True)
+
+
+def _deepspeed(directory: Path, masters: bool = False) -> CheckpointWeights:
     """ZeRO-1/2: rank 0's model states hold the whole module in its training dtype. ZeRO-3: they hold empty
     placeholders (with that dtype); the weights are the fp32 master partitions of every rank's optimizer states,
-    joined by DeepSpeed's own reader in its lazy mode (each tensor gathered when asked for), then cast to the
-    module's dtype, which is what the module held (DeepSpeed copies the masters into it after each step)."""
+    joined by DeepSpeed's own reader (_fp32_masters), then cast to the module's dtype, which is what the module held
+    (DeepSpeed copies the masters into it after each step). `masters` (an fp32 export, which the run writes from
+    the masters): the trained parameters are the fp32 masters at either stage, uncast."""
     tag = (directory / "latest").read_text().strip()
     ds_dir = directory / tag
     whole = ds_dir / MODEL_STATES
     if whole.is_file():
-        module = torch.load(whole, map_location="cpu", mmap=True, weights_only=False)["module"]
+        states = torch.load(whole, map_location="cpu", mmap=True, weights_only=False)
+        module = states["module"]
         weights = {_unwrapped(k): Weight(v.shape, v.dtype) for k, v in module.items()}
-        return CheckpointWeights("DeepSpeed ZeRO-1/2", weights, lambda names: {n: module[WRAPPER + n] for n in names})
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
+        if not masters:
+            return CheckpointWeights("DeepSpeed ZeRO-1/2", weights,
+                                     lambda names: {n: module[WRAPPER + n] for n in names})
+        trained = {k for group in states["param_shapes"] for k in group}
+        lazy = _fp32_masters(directory, tag)
+        weights.update({_unwrapped(k): Weight(module[k].shape, torch.float32) for k in trained})
+        return CheckpointWeights("DeepSpeed ZeRO-1/2 (fp32 masters)", weights, lambda names: {
+            n: lazy[WRAPPER + n].contiguous() if WRAPPER + n in trained else module[WRAPPER + n] for n in names})
     states = torch.load(ds_dir / PARTITIONED_MODEL_STATES, map_location="cpu", mmap=True,
                         weights_only=False)
     dtypes = {k: v.dtype for k, v in states["module"].items()}
     shapes = {k: v for group in states["param_shapes"] for k, v in group.items()}
+    if masters:
+        dtypes.update({k: torch.float32 for k in shapes})
     shapes.update(states.get("frozen_param_shapes") or {})
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # its progress bars
-        lazy = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=tag, lazy_mode=True)
+    lazy = _fp32_masters(directory, tag)
     weights = {_unwrapped(k): Weight(torch.Size(shapes.get(k, lazy[k].shape)), dtypes.get(k, torch.float32))
                for k in lazy}
     return CheckpointWeights("DeepSpeed ZeRO-3", weights,
@@ -129,12 +146,13 @@ def _pipeline(directory: Path) -> CheckpointWeights:
     return CheckpointWeights("pipeline stages", weights, lambda names: {n: parts[WRAPPER + n] for n in names})
 
 
-def open_weights(directory: Path) -> CheckpointWeights:
-    """The weights of the step checkpoint `directory`, by the format its engine wrote."""
+def open_weights(directory: Path, fp32: bool = False) -> CheckpointWeights:
+    """The weights of the step checkpoint `directory`, by the format its engine wrote; `fp32`: for an fp32 export
+    (DeepSpeed's trained parameters are then its fp32 masters, as the run's own export takes them)."""
     if (directory / SAFETENSORS).is_file():
         return _safetensors(directory)
     if (directory / "latest").is_file():
-        return _deepspeed(directory)
+        return _deepspeed(directory, masters=fp32)
     if (directory / FSDP_DIR).is_dir():
         return distributed_checkpoint(directory / FSDP_DIR)
     if list(directory.glob("pipeline_stage_*.pt")):

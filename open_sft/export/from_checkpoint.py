@@ -171,10 +171,10 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
 
     files, state = _checkpoint_of(checkpoint)
     _refuse_run_paths(checkpoint, out)
-    weights = open_weights(checkpoint)
-    logger.info("checkpoint %s (step %d): %s", checkpoint, state["step"], describe(weights))
     config = AutoConfig.from_pretrained(files)
     dtype = save_dtype(dtype_flag, config)
+    weights = open_weights(checkpoint, fp32=dtype == torch.float32)
+    logger.info("checkpoint %s (step %d): %s", checkpoint, state["step"], describe(weights))
     adapter = (files / ADAPTER_CONFIG).is_file()
     lora_flags = state.get("config", {}).get("lora", {})
     if max_shard_size is None:

@@ -187,8 +187,9 @@ class AccelerateEngine:
     def after_training(self) -> None:
         """At the end of the loop (every rank)."""
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on the main process, for the export (collective)."""
+    def full_state_dict(self, fp32: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's weights on the main process, for the export (collective); `fp32`: the export is fp32
+        (the parameters here are the fp32 ones trained)."""
         return gather_full_state_dict(self.trainer.accelerator, self.trainer.model)
 
     def checkpoint_io(self) -> Any:
@@ -221,3 +222,14 @@ class DeepSpeedEngine(AccelerateEngine):
 
     def grad_norm(self, measured: float) -> float:
         return float(self.trainer.model.get_global_grad_norm() or float("nan"))
+
+    def full_state_dict(self, fp32: bool = False) -> dict[str, torch.Tensor]:
+        """The module's 16-bit weights gathered; with `fp32` the trained parameters are DeepSpeed's fp32 master
+        weights instead (its bf16/fp16 module holds them rounded), as one process and FSDP2 export them."""
+        from open_sft.distributed.deepspeed import fp32_master_weights
+
+        state_dict = super().full_state_dict()
+        if fp32:
+            masters = fp32_master_weights(self.trainer.model, self.trainer.accelerator.is_main_process)
+            state_dict.update({name: master for name, master in masters.items() if name in state_dict})
+        return state_dict

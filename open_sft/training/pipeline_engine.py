@@ -243,7 +243,7 @@ class PipelineEngine(AccelerateEngine):
         t.loss_model.keep_token_losses = kept_before
         return summarize(t.reduce_sum(totals).tolist(), data.source_names)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, fp32: bool = False) -> dict[str, torch.Tensor]:
         from open_sft.training.pipeline_state import gather_state_dict
 
         return gather_state_dict(self.pipeline, self.trainer.model)  # collective

@@ -552,11 +552,14 @@ def test_export_of_a_step_checkpoint_is_the_runs_own_export(layout, single, zero
 
 
 def test_export_of_a_bf16_zero3_checkpoint_in_a_fresh_process_gives_the_runs_loss(tiny_model_dir, tmp_path) -> None:
-    """ZeRO-3 under bf16 keeps fp32 masters; the module held them cast to bf16, so the export (the CLI) casts them
-    the same way: the run's end export bitwise and the same loss when loaded with transformers; an earlier step's
-    checkpoint gives that step's weights."""
+    """ZeRO-3 under bf16 keeps fp32 masters, which an fp32 export holds (the run's and the CLI's, bitwise: the
+    module holds them rounded to bf16, which one process and FSDP2 never export); a bf16 export is the masters
+    cast, what the module held. The same loss when loaded with transformers; an earlier step's checkpoint gives
+    that step's weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     run = tmp_path / "run"
-    args = finetune_args(tiny_model_dir, run, "zero3", "--save_dtype", "bfloat16")
+    args = finetune_args(tiny_model_dir, run, "zero3", "--save_dtype", "float32")
     for flag, value in (("--torch_dtype", "bfloat16"), ("--max_train_steps", "4")):
         args[args.index(flag) + 1] = value
     run_layout("zero3", args)
@@ -568,7 +571,12 @@ def test_export_of_a_bf16_zero3_checkpoint_in_a_fresh_process_gives_the_runs_los
     export_checkpoint(run / "checkpoints" / "step_2", tmp_path / "step2")
     ours, theirs = weights_of(tmp_path / "step4"), weights_of(run)
     assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in theirs)
-    assert {t.dtype for t in ours.values()} == {torch.bfloat16}
+    assert {t.dtype for t in ours.values()} == {torch.float32}
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(run / "checkpoints" / "step_4"), tag="pytorch_model")
+    assert all(torch.equal(theirs[k], masters[f"model.{k}"]) for k in theirs)  # not their bf16 rounding
+    assert not all(torch.equal(t, t.bfloat16().float()) for t in theirs.values())
+    bf16 = weights_of(export_checkpoint(run / "checkpoints" / "step_4", tmp_path / "bf16", "bfloat16"))
+    assert all(torch.equal(bf16[k], theirs[k].bfloat16()) for k in theirs)
     assert any(not torch.equal(weights_of(tmp_path / "step2")[k], theirs[k]) for k in theirs)  # step 2 is not 4
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "step4")
     ids = tokenizer("hello world", return_tensors="pt").input_ids
