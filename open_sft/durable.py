@@ -47,9 +47,14 @@ def set_aside(directory: Path) -> Path | None:
     there is nothing to keep."""
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
+    target = next_previous(directory)
+    directory.rename(target)
+    return target
+
+
+def next_previous(directory: Path) -> Path:
+    """NAME.previous-N beside `directory`, the first N free."""
     k = 1
     while directory.with_name(f"{directory.name}.previous-{k}").exists():
         k += 1
-    target = directory.with_name(f"{directory.name}.previous-{k}")
-    directory.rename(target)
-    return target
+    return directory.with_name(f"{directory.name}.previous-{k}")

@@ -233,7 +233,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.elastic import reseed_new_ranks
     from open_sft.training.portable import checkpoint_io
     from open_sft.training.preemption import StopRequest
-    from open_sft.training.resume import prepare_metrics_file, resolve_resume, run_identity
+    from open_sft.training.resume import (prepare_metrics_file, resolve_resume, run_identity,
+                                          set_aside_other_timeline)
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
@@ -243,6 +244,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)
+        set_aside_other_timeline(resume, output_dir)
         prepare_metrics_file(output_dir / "metrics.jsonl", resume)
     logger.info("%s, compute dtype %s, %d threads per rank", job.launch.parallelism.describe(), job.dtype,
                 torch.get_num_threads())

@@ -43,7 +43,7 @@ def validate(config: FinetuneConfig) -> None:
     problems += _training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
-    problems += _checkpoint_problems(config.checkpoint) + _hub_problems(config.hub)
+    problems += _checkpoint_problems(config.checkpoint, config.train.output_dir) + _hub_problems(config.hub)
     problems += _environment_problems(config) + _unreadable_input_problems(config)
     problems += _output_dir_problems(config) + _online_problems(config)
     if problems:
@@ -219,7 +219,9 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def _checkpoint_problems(c: CheckpointArguments) -> list[str]:
+def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
+    from open_sft.training.resume import continued
+
     problems = []
     steps = c.checkpointing_steps
     if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
@@ -230,7 +232,8 @@ def _checkpoint_problems(c: CheckpointArguments) -> list[str]:
     if c.overwrite_output_dir and c.resume_from_checkpoint not in ("auto", "none"):
         problems.append(f"--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint "
                         f"{c.resume_from_checkpoint} continues that checkpoint; give one of the two")
-    elif c.resume_from_checkpoint not in ("auto", "none") and not Path(c.resume_from_checkpoint).expanduser().is_dir():
+    elif (c.resume_from_checkpoint not in ("auto", "none") and not Path(c.resume_from_checkpoint).expanduser().is_dir()
+          and continued(c.resume_from_checkpoint, Path(output_dir)) is None):  # a requeue goes on where it was
         problems.append(f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such directory; pass a complete "
                         "checkpoint directory (OUTPUT_DIR/checkpoints/step_N), auto (the newest in --output_dir), or "
                         "none (start over)")

@@ -44,6 +44,7 @@ STATE_FILE = "trainer_state.json"
 MODEL_FILES = "model"
 METRICS_FILE = "metrics.jsonl"
 FORMAT_VERSION = 1
+TIMELINE_KEY = "timeline_from"  # in trainer_state.json: open_sft.training.resume.timeline_of
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -52,6 +53,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 class ResumePoint:
     path: Path
     state: dict[str, Any]
+    timeline: Optional[str] = None  # the named checkpoint the run continues from (resume.timeline_of)
 
     @property
     def step(self) -> int:
@@ -170,11 +172,14 @@ class Checkpointer:
         self.state_io = state_io or _AccelerateState(accelerator)
         self.model_files = model_files
         self.save_seconds: list[float] = []  # each save's of this launch (the time estimate's)
+        self.timeline: Optional[str] = None  # the resume point's, recorded in each checkpoint
+
 
     def restore(self, resume: Optional[ResumePoint]) -> int:
         """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
         if resume is None:
             return 0
+        self.timeline = resume.timeline
         self.state_io.load(str(resume.path))
         self.trainer.load_state_dict(resume.state)
         if self.accelerator.is_main_process:
@@ -183,7 +188,7 @@ class Checkpointer:
 
     def _finish_pruning(self, resumed: Path) -> None:
         """The pruning a kill between a checkpoint's COMPLETE and its pruning left undone: when resuming from the
-        newest checkpoint of this run (a named older one is left as it is, and so are the newer ones)."""
+        newest checkpoint of this run (a named older one had the newer ones moved aside: resume._choose)."""
         newest = step_dirs(self.root)[:1]
         if not newest or newest[0][1].resolve() != resumed.resolve():
             return
@@ -243,6 +248,7 @@ class Checkpointer:
             "data_position": {"epoch": epoch, "step_in_epoch": step_in_epoch, "seed": self.identity["seed"]},
             "preempted": preempted, **self.trainer.state_dict(),
             "identity": self.identity, "schedule": steps.to_dict(), "config": self.config,
+            TIMELINE_KEY: self.timeline,
             "saved_at": time.time(),
         }
 

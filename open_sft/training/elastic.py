@@ -127,7 +127,9 @@ def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
         root = Path(config.train.output_dir) / CHECKPOINTS
         path = next((p for _, p in step_dirs(root) if problem_with(p) is None), None)
     else:
-        path = Path(setting).expanduser()
+        from open_sft.training.resume import continued  # (resume imports this module)
+
+        path = continued(setting, Path(config.train.output_dir)) or Path(setting).expanduser()
         path = path if problem_with(path) is None else None
     if path is None:
         return None

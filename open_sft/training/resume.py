@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 
 from open_sft.distributed.collectives import broadcast_object
-from open_sft.durable import set_aside
+from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
+from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, TIMELINE_KEY, ResumePoint, problem_with, step_dirs
 from open_sft.training.elastic import convertible, rescalable
 from open_sft.training.steps import balances
 
@@ -64,17 +64,63 @@ def newest_complete(root: Path) -> Optional[Path]:
     return None
 
 
-def _choose(setting: str, output_dir: Path) -> Optional[Path]:
+def _choose(setting: str, output_dir: Path) -> tuple[Optional[Path], Optional[str]]:
+    """The checkpoint to resume from and the timeline it continues (see `timeline_of`)."""
     if setting == "none":
-        return None
+        return None, None
+    root = output_dir / CHECKPOINTS
     if setting == "auto":
-        return newest_complete(output_dir / CHECKPOINTS)
+        newest = newest_complete(root)
+        return newest, timeline_of(newest)
     path = Path(setting).expanduser()
+    named, own = str(path.resolve()), continued(setting, output_dir)
+    if own is not None:  # a requeue: this timeline's own checkpoint wins
+        if own.resolve() != path.resolve():
+            logger.info("--resume_from_checkpoint %s: resuming from %s instead, the newest checkpoint this command "
+                        "wrote after it (as open-instruct, the output dir's newest checkpoint wins)", setting, own)
+        return own, named
     problem = problem_with(path)
     if problem is not None:
         raise UserError(f"--resume_from_checkpoint {setting}: not a usable checkpoint ({problem}); pass a "
                         f"complete checkpoint directory (checkpoints/step_N), auto, or none")
-    return path
+    return path, named
+
+
+def continued(setting: str, output_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of OUTPUT_DIR when a run resumed from the named checkpoint `setting` wrote
+    it (a requeue of that command resumes there, as open-instruct's: the output dir's newest checkpoint wins;
+    the named one may have been pruned since), else None. Reads only."""
+    named = str(Path(setting).expanduser().resolve())
+    newest = next((path for _, path in step_dirs(output_dir / CHECKPOINTS) if problem_with(path) is None), None)
+    return newest if newest is not None and timeline_of(newest) == named else None
+
+
+def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:
+    """The named checkpoint (resolved path) the run that wrote `checkpoint` started from, None for a run trained
+    from step 0 or one whose checkpoints predate the record: checkpoints of one timeline carry the same one."""
+    if checkpoint is None:
+        return None
+    return json.loads((checkpoint / STATE_FILE).read_text()).get(TIMELINE_KEY)
+
+
+def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) -> None:
+    """A run restarted from a named checkpoint must not mix its checkpoints with another timeline's (pruning would
+    count them, auto would resume from them): the newer checkpoints of its output dir when the named one is
+    there (a rewind), else all of them (a warm start from another run), move to checkpoints.previous-K. Main
+    process, once the resume is accepted (a refused launch changes nothing)."""
+    if resume is None or resume.timeline is None or resume.path.resolve() != Path(resume.timeline):
+        return  # a fresh start, an auto resume, or a requeue resuming this timeline's own checkpoint
+    root = output_dir / CHECKPOINTS
+    inside = resume.path.resolve().parent == root.resolve()
+    other = [path for number, path in step_dirs(root) if not inside or number > resume.step]
+    if not other:
+        return
+    target = next_previous(root)
+    target.mkdir()
+    for path in other:
+        path.rename(target / path.name)
+    logger.warning("resuming from %s: the checkpoints of another timeline (%s) were moved to %s", resume.path,
+                   ", ".join(path.name for path in reversed(other)), target)
 
 
 def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
@@ -101,14 +147,13 @@ def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any])
 def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_main: bool) -> Optional[ResumePoint]:
     """Pick the checkpoint to resume from (main rank decides, every rank gets the same answer) and check
     it matches this run. Collective when distributed. Raises UserError on a mismatch."""
-    chosen = None
-    error = None
+    chosen = timeline = error = None
     if is_main:
         try:
-            chosen = _choose(setting, output_dir)
+            chosen, timeline = _choose(setting, output_dir)
         except UserError as exc:
             error = str(exc)
-    chosen, error = broadcast_object((str(chosen) if chosen else None, error))
+    chosen, timeline, error = broadcast_object((str(chosen) if chosen else None, timeline, error))
     if error:
         raise UserError(error)
     if chosen is None:
@@ -119,7 +164,7 @@ def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_
     state = json.loads((path / STATE_FILE).read_text())
     check_compatible(path, state.get("identity", {}), identity)
     logger.info("resuming from %s (step %d)", path, state["step"])
-    return ResumePoint(path, state)
+    return ResumePoint(path, state, timeline)
 
 
 def _move_aside(root: Path) -> None:

@@ -114,6 +114,9 @@ def test_a_resume_with_changed_settings_is_refused_unless_allowed_and_then_recor
     allowed = run_finetune(args_for(tiny_model_dir, out, "--learning_rate", "1e-3", "--allow_changed_settings",
                                     *step_2), processes=2)
     assert "resuming at step 2 with changed settings (--allow_changed_settings)" in allowed.stdout + allowed.stderr
+    # the rewind's abandoned step_4 moved aside: pruning and a later auto resume see only the new timeline
+    assert f"the checkpoints of another timeline (step_4) were moved to {out / 'checkpoints.previous-1'}" in (
+        allowed.stdout + allowed.stderr)
     ranges = [{"steps": [1, 2], "changed": {"learning_rate": 0.003}},
               {"steps": [3, 4], "changed": {"learning_rate": 0.001}}]
     assert json.loads((out / "RUN_COMPLETE").read_text())["settings_by_steps"] == ranges

@@ -21,14 +21,15 @@ from types import SimpleNamespace
 import pytest
 
 
-def _publish_steps(root, steps) -> None:
-    """Complete checkpoints of these steps under root, written as a run writes them (tmp, then publish)."""
+def _publish_steps(root, steps, timeline=None) -> None:
+    """Complete checkpoints of these steps under root, written as a run writes them (tmp, then publish); by a run
+    resumed from the named checkpoint `timeline` (a resolved path) if given."""
     from open_sft.training.checkpoint import publish
 
     for step in steps:
         tmp = root / f"step_{step}.tmp"
         tmp.mkdir(parents=True)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "timeline_from": timeline}))
         publish(tmp, root / f"step_{step}", step)
 
 
@@ -66,6 +67,53 @@ def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
     assert resolve_resume("none", tmp_path, {}, is_main=True) is None
     assert (tmp_path / "checkpoints.previous-1" / "step_2").is_dir()
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_rewind_moves_the_abandoned_checkpoints_aside_and_its_requeue_resumes_its_own(tmp_path, caplog) -> None:
+    """--resume_from_checkpoint OUT/checkpoints/step_20 on a run with 20, 25, 30: 25 and 30 (another timeline)
+    move aside, so pruning and auto see only the new one; the same command requeued after the new timeline saved
+    step_25 (and pruned step_20) resumes from that, not from the named path."""
+    from open_sft.config.args import CheckpointArguments
+    from open_sft.config.checks import _checkpoint_problems
+    from open_sft.training.checkpoint import prune
+    from open_sft.training.resume import IDENTITY_BEFORE_RECORDED, resolve_resume, set_aside_other_timeline
+
+    root, identity = tmp_path / "checkpoints", dict(IDENTITY_BEFORE_RECORDED)
+    _publish_steps(root, (20, 25, 30))
+    named = str(root / "step_20")
+    resume = resolve_resume(named, tmp_path, identity, is_main=True)
+    assert len(list(root.iterdir())) == 3  # moved once the resume is accepted (a refused one changes nothing)
+    with caplog.at_level(logging.WARNING):
+        set_aside_other_timeline(resume, tmp_path)
+    assert (resume.path, resume.timeline) == (root / "step_20", str((root / "step_20").resolve()))
+    assert sorted(p.name for p in (tmp_path / "checkpoints.previous-1").iterdir()) == ["step_25", "step_30"]
+    assert "step_25, step_30 were moved to" in caplog.text.replace("(", "").replace(")", "")
+    _publish_steps(root, (25,), resume.timeline)
+    assert prune(root, keep=1) == [root / "step_20"]
+    assert _checkpoint_problems(CheckpointArguments(resume_from_checkpoint=named), str(tmp_path)) == []
+    requeued = resolve_resume(named, tmp_path, identity, is_main=True)
+    assert (requeued.path, requeued.timeline) == (root / "step_25", resume.timeline)
+    set_aside_other_timeline(requeued, tmp_path)
+    assert [p.name for p in root.iterdir()] == ["step_25"]
+    assert resolve_resume("auto", tmp_path, identity, is_main=True).path == root / "step_25"
+
+
+def test_warm_start_from_another_run_is_requeued_from_its_own_checkpoints(tmp_path) -> None:
+    """open-instruct: --resume_from_checkpoint OTHER_RUN/... counts until the output dir has a checkpoint of its
+    own; an unrelated earlier run's checkpoints there are moved aside."""
+    from open_sft.training.resume import IDENTITY_BEFORE_RECORDED, resolve_resume, set_aside_other_timeline
+
+    identity, root = dict(IDENTITY_BEFORE_RECORDED), tmp_path / "out" / "checkpoints"
+    _publish_steps(tmp_path / "other" / "checkpoints", (20,))
+    _publish_steps(root, (5,))
+    named = str(tmp_path / "other" / "checkpoints" / "step_20")
+    resume = resolve_resume(named, tmp_path / "out", identity, is_main=True)
+    set_aside_other_timeline(resume, tmp_path / "out")
+    assert resume.path == Path(named) and (tmp_path / "out" / "checkpoints.previous-1" / "step_5").is_dir()
+    _publish_steps(root, (25,), resume.timeline)
+    assert resolve_resume(named, tmp_path / "out", identity, is_main=True).path == root / "step_25"
+    _publish_steps(root, (30,))  # not of this timeline (as if written before the record): the named path wins
+    assert resolve_resume(named, tmp_path / "out", identity, is_main=True).path == Path(named)
 
 
 def test_retry_policy() -> None:
