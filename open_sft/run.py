@@ -84,10 +84,13 @@ def plan_launch(config: FinetuneConfig) -> Job:
     is reported here, at once, before anything is loaded."""
     from open_sft.config.launch import plan_launch as reconcile
     from open_sft.config.launch_check import check_launch
-    from open_sft.model.precision import choose_dtype
+    from open_sft.model.precision import choose_dtype, resumed_choice
+    from open_sft.training.elastic import peek
 
+    auto = config.model.torch_dtype == "auto" and not config.data.cache_dataset_only
+    resumed = resumed_choice(peek(config)) if auto else None  # a resume keeps the dtype its run resolved
     plan = reconcile(config.train, config.model, config.explicit,
-                     lambda: choose_dtype(config.model, config.lora.use_qlora))
+                     lambda: resumed or choose_dtype(config.model, config.lora.use_qlora))
     if _is_main_rank():
         for note in config.notes:
             logger.info("%s", note)
@@ -225,6 +228,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.export.save import model_files_writer
     from open_sft.monitor.metrics import MetricsWriter
     from open_sft.monitor.progress import ProgressBar
+    from open_sft.model.precision import COMPUTE_DTYPE_KEY
     from open_sft.monitor.run_info import write_audit_files, write_run_files
     from open_sft.preflight.timing import run_timer
     from open_sft.training import checkpoint
@@ -253,7 +257,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     trainer = build_trainer(job, metrics)
     if acc.is_main_process:
         write_run_files(job, trainer)
-    saved_config = {**config.to_dict(), SETTINGS_KEY: job.settings_history}  # each checkpoint carries the history
+    saved_config = {**config.to_dict(), SETTINGS_KEY: job.settings_history,  # each checkpoint carries the history
+                    COMPUTE_DTYPE_KEY: str(job.dtype).removeprefix("torch.")}  # and the dtype a resume keeps
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),

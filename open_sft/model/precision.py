@@ -233,6 +233,20 @@ def stored_dtype(config: Any) -> torch.dtype:
     return named if named in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
 
 
+COMPUTE_DTYPE_KEY = "compute_dtype"  # in the config a checkpoint saves: the dtype the run resolved
+
+
+def resumed_choice(state: Optional[dict[str, Any]]) -> Optional[DtypeChoice]:
+    """--torch_dtype auto on a resume: the compute dtype the checkpoint's run resolved (the probe, rerun on
+    another node or with other threads per rank, could pick another one mid-run); None for a fresh start or a
+    checkpoint that predates the record."""
+    saved = ((state or {}).get("config") or {}).get(COMPUTE_DTYPE_KEY)
+    if saved not in FLAG_DTYPES:
+        return None
+    return DtypeChoice(FLAG_DTYPES[saved], f"auto: {saved}, as the run resumed here resolved it (its checkpoint "
+                                           "records it; a run keeps its compute dtype)")
+
+
 def choose_dtype(args: Any, qlora: bool = False,
                  measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> DtypeChoice:
     """--torch_dtype resolved, with the reason (and the probe's numbers on a CPU)."""

@@ -116,3 +116,28 @@ def test_a_burst_of_load_on_one_dtype_does_not_decide(monkeypatch) -> None:
     choice = choose_dtype(args(), measure=measure)
     assert choice.dtype == torch.float32
     assert (choice.measured["bf16_gflops"], choice.measured["fp32_gflops"]) == (200.0, 190.0)
+
+
+def test_a_resume_keeps_the_dtype_auto_resolved_for_its_checkpoint(monkeypatch, tmp_path, tiny_model_dir) -> None:
+    """The probe of a requeue (another node, or other threads per rank) said float32 where the checkpoint's run
+    trained in bfloat16: auto keeps bfloat16, said in the launch's line; an explicit --torch_dtype is the flag's
+    (a changed setting, which the resume refuses unless --allow_changed_settings)."""
+    from open_sft.config.parse import parse_config
+    from open_sft.run import plan_launch
+    from open_sft.training.checkpoint import publish
+
+    monkeypatch.setattr(precision, "choose_dtype", lambda model, qlora=False: precision.DtypeChoice(
+        precision.FLAG_DTYPES.get(model.torch_dtype, torch.float32), "the probe"))
+    tmp = tmp_path / "out" / "checkpoints" / "step_2.tmp"
+    tmp.mkdir(parents=True)
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": 2, "config": {"compute_dtype": "bfloat16"}}))
+    publish(tmp, tmp.with_name("step_2"), 2)
+
+    def launch(*flags):
+        return plan_launch(parse_config(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list",
+                                         "d.jsonl", "1.0", "--output_dir", str(tmp_path / "out"), *flags])).launch
+
+    resumed = launch().dtype_choice
+    assert resumed.dtype == torch.bfloat16 and "as the run resumed here resolved it" in resumed.reason
+    assert launch("--torch_dtype", "float32").dtype == torch.float32
+    assert launch("--resume_from_checkpoint", "none").dtype == torch.float32
