@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 from typing import Any, Optional
 
 from open_sft.errors import UserError
@@ -39,6 +40,11 @@ SECTIONS = ("model", "data", "train", "lora", "checkpoint")
 # changed setting of a resume. A completed run's relaunch still compares it.
 CHECKED_BY_IDENTITY = frozenset({"gradient_accumulation_steps"})
 SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the history (see above)
+# Flags that name local files or directories (or Hub ids): an existing path is recorded and compared in its
+# resolved form, so that the same file spelled otherwise (a trailing slash, relative from another working directory,
+# through a symlink) is the same setting; anything else (a Hub id, an amount) as written.
+PATH_FLAGS = frozenset({"model_name_or_path", "tokenizer_name_or_path", "config_name", "chat_template_path",
+                        "dataset_mixer_list", "eval_dataset_mixer_list"})
 
 
 def settings(config: Any) -> dict[str, Any]:
@@ -49,14 +55,26 @@ def settings(config: Any) -> dict[str, Any]:
 def _flat(sections: dict[str, Any]) -> dict[str, Any]:
     flat = {}
     for name in SECTIONS:
-        flat.update({k: v for k, v in (sections.get(name) or {}).items() if k not in NOT_SETTINGS})
+        flat.update({k: _resolved(k, v) for k, v in (sections.get(name) or {}).items() if k not in NOT_SETTINGS})
     return json.loads(json.dumps(flat, default=str))
 
 
+def _resolved(name: str, value: Any) -> Any:
+    """A PATH_FLAGS value with each existing local path in its resolved form; others as they are."""
+    if name not in PATH_FLAGS:
+        return value
+    if isinstance(value, list):
+        return [_resolved(name, item) for item in value]
+    if isinstance(value, str) and value and os.path.exists(os.path.expanduser(value)):
+        return os.path.realpath(os.path.expanduser(value))
+    return value
+
+
 def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then") -> list[str]:
-    """`--flag: old {before}, new now` for each flag both hold with another value."""
+    """`--flag: old {before}, new now` for each flag both hold with another value (paths compared resolved: a
+    record written before they were recorded so)."""
     return [f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
-            for name in sorted(then.keys() & now.keys()) if then[name] != now[name]]
+            for name in sorted(then.keys() & now.keys()) if _resolved(name, then[name]) != _resolved(name, now[name])]
 
 
 def _compared(settings: dict[str, Any]) -> dict[str, Any]:

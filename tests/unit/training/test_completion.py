@@ -313,3 +313,26 @@ def test_a_forked_process_takes_sigterm_as_its_default(tmp_path) -> None:
         finally:
             restore()
         assert child.exitcode == -signal.SIGTERM
+
+
+def test_the_same_paths_spelled_otherwise_are_the_same_settings(tmp_path, monkeypatch) -> None:
+    """A trailing slash on the model directory, a data file relative from another working directory: neither a
+    changed setting of a resume nor of a finished run's relaunch. A Hub id stays as written."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text("{}\n")
+    out = tmp_path / "out"
+    first = parse_config(["--model_name_or_path", str(tmp_path / "model"), "--dataset_mixer_list",
+                          str(tmp_path / "data" / "d.jsonl"), "1.0", "--output_dir", str(out)])
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), is_main=True)
+    monkeypatch.chdir(tmp_path / "data")
+    again = parse_config(["--model_name_or_path", f"{tmp_path / 'model'}/", "--dataset_mixer_list", "d.jsonl", "1.0",
+                          "--output_dir", str(out)])
+    assert completion.check_resume_point(resume_point(tmp_path, 29, history), 60, again, again.to_dict(),
+                                         True) == history
+    out.mkdir()
+    finished_run(out)
+    completion.mark_complete(out, 4, 12.5, first)
+    assert completion.already_complete(again).startswith("already complete")
+    hub = parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_list", "d.jsonl", "1.0"])
+    assert completion.settings(hub)["model_name_or_path"] == "org/model"
