@@ -28,7 +28,7 @@ from open_sft.monitor.quiet import quiet_third_parties, setup_logging
 from open_sft.training.amp import HALF
 from open_sft.training.completion import already_complete
 from open_sft.training.output_lock import lock_output_dir
-from open_sft.training.preemption import stop_outside_training
+from open_sft.training.preemption import finish_first, stop_outside_training
 
 if TYPE_CHECKING:  # the heavy modules load inside the phases (see above)
     from accelerate import Accelerator
@@ -295,28 +295,29 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.training.run_settings import by_steps
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
-    dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
-    state_dict = trainer.engine.full_state_dict(fp32=dtype == torch.float32)  # collective
-    if acc.is_main_process:
-        state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
-        trained_model = acc.unwrap_model(trainer.model).model
-        if is_peft_model(trained_model):  # a QLoRA merge is bf16 unless the flag says (its base was 4-bit)
-            save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard,
-                      dtype=None if config.lora.use_qlora and flag == "auto" else dtype)
-        else:
-            save_model(trained_model, state_dict, job.tokenizer, output_dir, max_shard_size=shard, dtype=dtype)
-        trainer.metrics.close()
-        write_run_report(output_dir)
-        write_model_card(output_dir)
-        share_as_umask(output_dir)  # everything the run wrote, as the umask says (safetensors writes 0600)
-    acc.wait_for_everyone()
-    lifeline.release()  # the last collective: ranks may now finish one after another
-    acc.end_training()
-    checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
-    if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
-        mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
-                      by_steps(job.settings_history, job.steps.total_steps))
+    with finish_first("the export"):  # a stop there promised a checkpoint the run may not have
+        shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
+        dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
+        state_dict = trainer.engine.full_state_dict(fp32=dtype == torch.float32)  # collective
+        if acc.is_main_process:
+            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
+            trained_model = acc.unwrap_model(trainer.model).model
+            if is_peft_model(trained_model):  # a QLoRA merge is bf16 unless the flag says (its base was 4-bit)
+                save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard,
+                          dtype=None if config.lora.use_qlora and flag == "auto" else dtype)
+            else:
+                save_model(trained_model, state_dict, job.tokenizer, output_dir, max_shard_size=shard, dtype=dtype)
+            trainer.metrics.close()
+            write_run_report(output_dir)
+            write_model_card(output_dir)
+            share_as_umask(output_dir)  # everything the run wrote, as the umask says (safetensors writes 0600)
+        acc.wait_for_everyone()
+        lifeline.release()  # the last collective: ranks may now finish one after another
+        acc.end_training()
+        checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
+        if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
+            mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
+                          by_steps(job.settings_history, job.steps.total_steps))
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
     if config.hub.push_to_hub and acc.is_main_process:

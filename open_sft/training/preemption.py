@@ -12,12 +12,13 @@ inside that grace period; SIGUSR1 reaches the launcher only if listed in TORCHEL
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 from types import FrameType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -84,6 +85,34 @@ def stop_outside_training() -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+@contextlib.contextmanager
+def finish_first(what: str) -> Iterator[None]:
+    """SIGTERM and SIGUSR1 while `what` is written after the last step (the export, whose trained model is only in
+    memory): noted, not raised; `what` is finished first, then a line says so. Stopping there promised a resume
+    from a checkpoint the run may not have (without --checkpointing_steps its relaunch trained again from step 0);
+    a checkpoint of the last step (weights, optimizer state) takes longer to write than the export."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[str] = []
+    owner = os.getpid()
+
+    def note(signum: int, frame: Optional[FrameType]) -> None:
+        if _in_owner(owner, signum):
+            noted.append(signal.Signals(signum).name)
+
+    setattr(note, MARK, True)
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if noted:
+        logger.warning("%s received after the last step: finished %s first (the trained model was only in memory), "
+                       "so the run is complete", noted[0], what)
 
 
 class StopRequest:

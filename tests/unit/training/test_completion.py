@@ -143,6 +143,34 @@ def test_the_record_is_written_before_the_checkpoints_are_cleaned(tiny_model_dir
     assert run.main(argv) == 0 and not (out / "metrics.jsonl").read_text().count('"step": 3')
 
 
+def test_sigterm_while_exporting_finishes_the_export_first(tiny_model_dir, tmp_path, monkeypatch, capfd) -> None:
+    """SIGTERM after the last step, while the export was written, exited 75 promising a resume 'from the newest
+    complete checkpoint': without --checkpointing_steps there was none, and the relaunch trained from step 1. The
+    export (the trained model is only in memory) is finished first now: the run completes, and says so."""
+    import os
+    import signal
+
+    from conftest import SAMPLE
+    from open_sft import run
+    from open_sft.export import model_card
+
+    written = model_card.write_model_card
+
+    def signalled(output_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return written(output_dir)
+
+    monkeypatch.setattr(model_card, "write_model_card", signalled)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "8",
+            "--max_train_steps", "2", "--torch_dtype", "float32", "--per_device_train_batch_size", "4",
+            "--max_seq_length", "128", "--report_to", "none", "--output_dir", str(out), "--dataset_local_cache_dir",
+            str(tmp_path / "cache")]
+    assert run.main(argv) == 0
+    assert "SIGTERM received after the last step: finished the export first" in "".join(capfd.readouterr())
+    assert json.loads((out / "RUN_COMPLETE").read_text())["step"] == 2 and (out / "README.md").is_file()
+
+
 def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(monkeypatch, capsys) -> None:
     """Loading data or the model, or exporting, a SIGTERM ended the process with 143 and no word: a scheduler that
     requeues on 75 did not requeue. The handler is put back when main returns."""
