@@ -13,7 +13,8 @@ Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
 
 A checkpoint is written to step_N.tmp/, fsynced, renamed to step_N/, then metrics.jsonl (whose lines up to
 step N a resume keeps) is fsynced, then COMPLETE is written and fsynced. A directory without COMPLETE, or whose
-files do not match the manifest, is never resumed from and never pruned. Pruning follows COMPLETE; a kill between
+files do not match the manifest (or whose tensor files' headers do not read: damage_in), is never resumed from and
+never pruned. Pruning follows COMPLETE; a kill between
 the two leaves one checkpoint too many, which the next start deletes (`Checkpointer.restore`).
 """
 
@@ -25,6 +26,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Optional
@@ -93,6 +95,31 @@ def problem_with(path: Path) -> Optional[str]:
         json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError):
         return f"{STATE_FILE} is unreadable"
+    return damage_in(path, files)
+
+
+DAMAGED = "is damaged"  # in what problem_with says of a checkpoint whose files have the right sizes but not contents
+_TENSOR_FILES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def damage_in(path: Path, files: Collection[str]) -> Optional[str]:
+    """A tensor file of the checkpoint whose header does not read (a safetensors header, a torch.save zip's
+    member headers: reading them costs a few bytes each, where hashing every byte would take minutes), or None.
+    Damage inside the tensor data itself is not seen."""
+    from safetensors import safe_open
+
+    for name in files:
+        file = path / name
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(str(file), "pt"):
+                    pass
+            elif name.endswith(_TENSOR_FILES) and zipfile.is_zipfile(file):
+                with zipfile.ZipFile(file) as archive:
+                    for member in archive.infolist():
+                        archive.open(member).close()
+        except Exception as exc:  # safetensors' own error, zipfile's, OSError: each says the file does not read
+            return f"{name} {DAMAGED} ({type(exc).__name__}: {exc})"
     return None
 
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, TIMELINE_KEY, ResumePoint, problem_with, step_dirs
+from open_sft.training.checkpoint import (CHECKPOINTS, DAMAGED, STATE_FILE, TIMELINE_KEY, ResumePoint, problem_with,
+                                         step_dirs)
 from open_sft.training.elastic import convertible, rescalable
 from open_sft.training.steps import balances
 
@@ -60,8 +61,22 @@ def newest_complete(root: Path) -> Optional[Path]:
         problem = problem_with(path)
         if problem is None:
             return path
+        if DAMAGED in problem:  # moved aside, kept: never resumed from nor pruned, and said once
+            target = next_damaged(path)
+            path.rename(target)
+            logger.warning("checkpoint %s: %s; moved to %s, resuming from an older one", path, problem, target.name)
+            continue
         logger.warning("skipping checkpoint %s: %s", path, problem)
     return None
+
+
+def next_damaged(path: Path) -> Path:
+    """step_N.damaged beside `path` (step_N.damaged-K when taken)."""
+    target, k = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists():
+        k += 1
+        target = path.with_name(f"{path.name}.damaged-{k}")
+    return target
 
 
 def _choose(setting: str, output_dir: Path) -> tuple[Optional[Path], Optional[str]]:

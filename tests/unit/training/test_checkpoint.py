@@ -54,10 +54,45 @@ def test_damaged_checkpoint_is_detected(tmp_path) -> None:
         tmp = root / f"step_{step}.tmp"
         tmp.mkdir(parents=True)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        (tmp / "model.safetensors").write_bytes(b"x" * 100)
+        (tmp / "optimizer.bin").write_bytes(b"x" * 100)
         publish(tmp, root / f"step_{step}", step)
-    (root / "step_4" / "model.safetensors").write_bytes(b"x" * 10)  # truncated after the fact
+    (root / "step_4" / "optimizer.bin").write_bytes(b"x" * 10)  # truncated after the fact
     assert newest_complete(root) == root / "step_2"
+
+
+def test_a_checkpoint_whose_tensor_files_do_not_read_is_moved_aside_or_named(tmp_path, caplog) -> None:
+    """Zeros over the start of the newest checkpoint's model.safetensors (sizes unchanged, so the manifest passed):
+    every relaunch crashed on safetensors' traceback. Now auto moves it to step_4.damaged with a line and resumes
+    from the one before; a named damaged checkpoint is refused naming the file."""
+    import torch
+    from safetensors.torch import save_file
+
+    from open_sft.errors import UserError
+    from open_sft.training.checkpoint import publish
+    from open_sft.training.resume import IDENTITY_BEFORE_RECORDED, newest_complete, resolve_resume
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        tmp = root / f"step_{step}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        save_file({"w": torch.ones(64)}, str(tmp / "model.safetensors"))
+        torch.save({"state": {0: torch.ones(64)}}, tmp / "optimizer.bin")
+        publish(tmp, root / f"step_{step}", step)
+
+    def zero_start(file) -> None:
+        data = bytearray(file.read_bytes())
+        data[:64] = bytes(64)
+        file.write_bytes(bytes(data))
+
+    zero_start(root / "step_4" / "model.safetensors")
+    with caplog.at_level(logging.WARNING):
+        assert newest_complete(root) == root / "step_2"
+    assert (root / "step_4.damaged").is_dir() and not (root / "step_4").exists()
+    assert "model.safetensors is damaged" in caplog.text and "moved to step_4.damaged" in caplog.text
+    zero_start(root / "step_2" / "optimizer.bin")
+    with pytest.raises(UserError, match=r"step_2: not a usable checkpoint \(optimizer.bin is damaged"):
+        resolve_resume(str(root / "step_2"), tmp_path, dict(IDENTITY_BEFORE_RECORDED), is_main=True)
 
 
 def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
