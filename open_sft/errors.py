@@ -21,10 +21,11 @@ it instead of "To enable traceback see ...", with the rank's exit code beside it
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 EXIT_CODE_DIR_ENV = "OPEN_SFT_EXIT_CODE_DIR"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
@@ -99,3 +100,24 @@ class StopRun(Exception):
     (preemption, Hub upload). The entrypoint prints the message and exits with `exit_code`."""
 
     exit_code = 1
+
+
+def stop_while_starting() -> Callable[[], None]:
+    """SIGTERM and SIGUSR1 while the entrypoint imports (torch, transformers, DeepSpeed: seconds), before `main`
+    installs its own handlers (open_sft.training.preemption): exit 75 with a line, as outside the training loop,
+    not 143 and no word. Torch-free. Returns what puts the previous handlers back."""
+    def handle(signum: int, frame: object) -> None:
+        message = (f"open_sft: stopped by {signal.Signals(signum).name} while starting (importing); nothing was "
+                   "written: the same command starts the run again")
+        if os.environ.get("RANK", "0") == "0":
+            print(message, file=sys.stderr, flush=True)
+        report_to_launcher(message)
+        raise SystemExit(record_exit_code(75))
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore

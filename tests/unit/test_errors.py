@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from open_sft.errors import ERROR_FILE_ENV, record_exit_code, report_to_launcher
@@ -40,3 +42,23 @@ def test_a_launch_script_finds_the_message_beside_the_code(tmp_path, monkeypatch
     assert record_exit_code(75) == 75
     assert (tmp_path / "rank1").read_text() == "75\n"
     assert (tmp_path / "rank1.message").read_text() == "open_sft: stopped on a signal after step 3\n"
+
+
+def test_sigterm_while_the_entrypoint_imports_exits_75_with_a_line(capsys) -> None:
+    """SIGTERM in finetune.py's first seconds (importing torch, before main's handlers) ended the process with 143
+    and no word; a scheduler that requeues on 75 did not requeue. The handler is put back after."""
+    import os
+    import signal
+
+    from open_sft.errors import stop_while_starting
+
+    before = signal.getsignal(signal.SIGTERM)
+    restore = stop_while_starting()
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        restore()
+    assert stopped.value.code == 75
+    assert "stopped by SIGTERM while starting (importing)" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
