@@ -21,6 +21,7 @@ from open_sft.data.chat.templates import chat_template_problems, template_kwargs
 from open_sft.errors import ConfigError
 from open_sft.file_modes import unreadable
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
+from open_sft.training.checkpoint import continued
 
 
 def _choices(cls: type) -> dict[str, tuple[str, ...]]:
@@ -220,8 +221,6 @@ def _installed(package: str) -> bool:
 
 
 def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
-    from open_sft.training.resume import continued
-
     problems = []
     steps = c.checkpointing_steps
     if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):

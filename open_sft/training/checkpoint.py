@@ -14,8 +14,8 @@ Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
 A checkpoint is written to step_N.tmp/, fsynced, renamed to step_N/, then metrics.jsonl (whose lines up to
 step N a resume keeps) is fsynced, then COMPLETE is written and fsynced. A directory without COMPLETE, or whose
 files do not match the manifest (or whose tensor files' headers do not read: damage_in), is never resumed from and
-never pruned. Pruning follows COMPLETE; a kill between
-the two leaves one checkpoint too many, which the next start deletes (`Checkpointer.restore`).
+never pruned. Pruning follows COMPLETE; a kill between the two leaves one checkpoint too many, which the next start
+deletes (`Checkpointer.restore`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ STATE_FILE = "trainer_state.json"
 MODEL_FILES = "model"
 METRICS_FILE = "metrics.jsonl"
 FORMAT_VERSION = 1
-TIMELINE_KEY = "timeline_from"  # in trainer_state.json: open_sft.training.resume.timeline_of
+TIMELINE_KEY = "timeline_from"  # in trainer_state.json: timeline_of
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -55,7 +55,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 class ResumePoint:
     path: Path
     state: dict[str, Any]
-    timeline: Optional[str] = None  # the named checkpoint the run continues from (resume.timeline_of)
+    timeline: Optional[str] = None  # the named checkpoint the run continues from (timeline_of)
 
     @property
     def step(self) -> int:
@@ -122,6 +122,22 @@ def damage_in(path: Path, files: Collection[str]) -> Optional[str]:
             return f"{name} {DAMAGED} ({type(exc).__name__}: {exc})"
     return None
 
+
+def continued(setting: str, output_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of OUTPUT_DIR when a run resumed from the named checkpoint `setting` wrote
+    it (a requeue of that command resumes there, as open-instruct's: the output dir's newest checkpoint wins;
+    the named one may have been pruned since), else None. Reads only."""
+    named = str(Path(setting).expanduser().resolve())
+    newest = next((path for _, path in step_dirs(output_dir / CHECKPOINTS) if problem_with(path) is None), None)
+    return newest if newest is not None and timeline_of(newest) == named else None
+
+
+def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:
+    """The named checkpoint (resolved path) the run that wrote `checkpoint` started from, None for a run trained
+    from step 0 or one whose checkpoints predate the record: checkpoints of one timeline carry the same one."""
+    if checkpoint is None:
+        return None
+    return json.loads((checkpoint / STATE_FILE).read_text()).get(TIMELINE_KEY)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +217,6 @@ class Checkpointer:
         self.save_seconds: list[float] = []  # each save's of this launch (the time estimate's)
         self.timeline: Optional[str] = None  # the resume point's, recorded in each checkpoint
 
-
     def restore(self, resume: Optional[ResumePoint]) -> int:
         """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
         if resume is None:
@@ -215,7 +230,8 @@ class Checkpointer:
 
     def _finish_pruning(self, resumed: Path) -> None:
         """The pruning a kill between a checkpoint's COMPLETE and its pruning left undone: when resuming from the
-        newest checkpoint of this run (a named older one had the newer ones moved aside: resume._choose)."""
+        newest checkpoint of this run (a named older one had the newer ones moved aside:
+        resume.set_aside_other_timeline)."""
         newest = step_dirs(self.root)[:1]
         if not newest or newest[0][1].resolve() != resumed.resolve():
             return

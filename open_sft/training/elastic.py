@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, problem_with, step_dirs
+from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, continued, problem_with, step_dirs
 from open_sft.training.completion import resume_setting
 from open_sft.training.portable import ENGINE_WORDS, refusal
 
@@ -127,8 +127,6 @@ def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
         root = Path(config.train.output_dir) / CHECKPOINTS
         path = next((p for _, p in step_dirs(root) if problem_with(p) is None), None)
     else:
-        from open_sft.training.resume import continued  # (resume imports this module)
-
         path = continued(setting, Path(config.train.output_dir)) or Path(setting).expanduser()
         path = path if problem_with(path) is None else None
     if path is None:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import (CHECKPOINTS, DAMAGED, STATE_FILE, TIMELINE_KEY, ResumePoint, problem_with,
-                                         step_dirs)
+from open_sft.training.checkpoint import (CHECKPOINTS, DAMAGED, STATE_FILE, ResumePoint, continued, problem_with,
+                                         step_dirs, timeline_of)
 from open_sft.training.elastic import convertible, rescalable
 from open_sft.training.steps import balances
 
@@ -99,23 +99,6 @@ def _choose(setting: str, output_dir: Path) -> tuple[Optional[Path], Optional[st
         raise UserError(f"--resume_from_checkpoint {setting}: not a usable checkpoint ({problem}); pass a "
                         f"complete checkpoint directory (checkpoints/step_N), auto, or none")
     return path, named
-
-
-def continued(setting: str, output_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint of OUTPUT_DIR when a run resumed from the named checkpoint `setting` wrote
-    it (a requeue of that command resumes there, as open-instruct's: the output dir's newest checkpoint wins;
-    the named one may have been pruned since), else None. Reads only."""
-    named = str(Path(setting).expanduser().resolve())
-    newest = next((path for _, path in step_dirs(output_dir / CHECKPOINTS) if problem_with(path) is None), None)
-    return newest if newest is not None and timeline_of(newest) == named else None
-
-
-def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:
-    """The named checkpoint (resolved path) the run that wrote `checkpoint` started from, None for a run trained
-    from step 0 or one whose checkpoints predate the record: checkpoints of one timeline carry the same one."""
-    if checkpoint is None:
-        return None
-    return json.loads((checkpoint / STATE_FILE).read_text()).get(TIMELINE_KEY)
 
 
 def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) -> None:
