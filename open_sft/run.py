@@ -343,12 +343,9 @@ def _phases(job: Job) -> dict:
     prepare_data(job)
     if job.config.data.cache_dataset_only:  # nothing is written but the cache (its report.json holds the report)
         if _is_main_rank():
-            from open_sft.data.summary import format_data_report
+            from open_sft.data.summary import cache_only_summary
 
-            lines = [format_data_report(job.data.report)]
-            if job.eval_data is not None:
-                lines.append(f"evaluation cache: {job.eval_data.cache_path}")
-            print(*lines, job.data.cache_path, sep="\n", flush=True)  # the training cache's path on the last line
+            print(cache_only_summary(job.data, job.eval_data), flush=True)
         return {"cache_path": str(job.data.cache_path),
                 "eval_cache_path": str(job.eval_data.cache_path) if job.eval_data is not None else None}
     build_model(job)

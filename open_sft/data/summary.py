@@ -233,3 +233,12 @@ def report_data(data: Any, eval_data: Any, args: Any, tokenizer: Any, examples: 
         logger.info("%s", note)
     if examples:
         print_examples(data, tokenizer, color=sys.stdout.isatty())
+
+
+def cache_only_summary(data: Any, eval_data: Any) -> str:
+    """What --cache_dataset_only prints: the data report, the evaluation entry's path (where there is one), and
+    the training entry's path on the last line (scripts/prepare_data.sh and the contract read it there)."""
+    lines = [format_data_report(data.report)]
+    if eval_data is not None:
+        lines.append(f"evaluation cache: {eval_data.cache_path}")
+    return "\n".join([*lines, str(data.cache_path)])
