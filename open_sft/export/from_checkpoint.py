@@ -118,18 +118,14 @@ def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: 
                dtype: Optional[torch.dtype], max_shard_size: str | int) -> None:
     """The adapter as the run's end export writes it (peft's own save, from the checkpoint's tensors but the
     wrapped base layers'), and with `merge` the merged model in merged/."""
-    from peft.utils.constants import EMBEDDING_LAYER_NAMES
-
     from open_sft.export.lora_merge import merged_state_dict, write_merged_model
-    from open_sft.export.save import MERGED_DIR, cast_floating
+    from open_sft.export.save import MERGED_DIR, cast_floating, write_adapter
 
     model = _peft_skeleton(files)
-    # peft saves the adapter's own tensors and, when an embedding layer is a LoRA target or was resized, that
-    # layer's weights: all but the wrapped layers' base weights (the bulk of the model, and 4-bit under QLoRA)
-    adapter = weights.load(n for n in weights.weights if ".base_layer." not in n
-                           or any(f".{layer}." in f".{n}" for layer in EMBEDDING_LAYER_NAMES))
-    model.save_pretrained(directory, state_dict=adapter, safe_serialization=True)
-    (directory / "README.md").unlink(missing_ok=True)  # peft's stub card; ours is written after
+    # the adapter's own tensors (LoRA factors, added tokens' rows): all but the wrapped layers' base weights (the
+    # bulk of the model, and 4-bit under QLoRA), which the adapter leaves out (write_adapter)
+    adapter = weights.load(n for n in weights.weights if ".base_layer." not in n)
+    write_adapter(model, adapter, directory)
     shutil.copy2(files / ADAPTER_CONFIG, directory / ADAPTER_CONFIG)  # the run's, naming its base
     if merge:
         merged = merged_state_dict(model, {**adapter, **weights.load(n for n in weights.weights if n not in adapter)})

@@ -9,29 +9,13 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import torch
 from peft import PeftModel
 
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
+from open_sft.export.run_dir import fit_base_to_adapter
 from open_sft.export.save import cast_floating, save_dtype, write_generation_config
 from open_sft.file_modes import share_as_umask
-
-
-def _saved_embedding_rows(adapter_dir: Path, model: torch.nn.Module) -> Optional[int]:
-    """Rows of `model`'s input embedding that the adapter file holds whole (peft saves it when the run resized the
-    embeddings); None where it holds none."""
-    from safetensors import safe_open
-
-    weights = adapter_dir / "adapter_model.safetensors"
-    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
-    if not weights.is_file():
-        return None
-    with safe_open(str(weights), "pt") as f:
-        for key in f.keys():
-            if f".{embedding}." in key and key.endswith(".weight") and ".lora_" not in key:
-                return f.get_slice(key).get_shape()[0]
-    return None
 
 
 def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
@@ -39,7 +23,7 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     """Offline merge of a saved adapter into its base: `open_sft merge-lora ADAPTER OUT`. The merge, files and card
     are --merge_lora_on_save's (merged_state_dict, write_merged_model, the run's generation config and tokenizer),
     in `dtype` (auto: the base's stored dtype, as the run's export); a base the run resized (added tokens) is
-    resized to the adapter's rows first."""
+    resized to the adapter's tokenizer first (open_sft.export.run_dir.fit_base_to_adapter)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from open_sft.export.model_card import render_model_card
@@ -52,10 +36,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
         raise UserError(f"{config_file} names no base model; pass --base_model")
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     torch_dtype = save_dtype(dtype, model.config)
-    rows = _saved_embedding_rows(adapter_dir, model)
-    if rows is not None and rows != model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(rows, mean_resizing=False)  # the saved rows replace these
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    fit_base_to_adapter(model, adapter_dir, tokenizer)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     merged = merged_state_dict(peft_model, peft_model.state_dict())
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -112,6 +112,32 @@ def _read_run_json(directory: Path) -> dict[str, Any]:
         return {}
 
 
+def fit_base_to_adapter(model: Any, directory: Path, tokenizer: Any) -> None:
+    """The base resized for the adapter in `directory` where the run added tokens: to len(tokenizer), as
+    AutoPeftModelForCausalLM does (the added tokens' rows are the adapter's trainable tokens; the LoRA run grew
+    no spare rows); an adapter written before that, which holds the whole resized embedding, to its rows."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    wanted = _saved_embedding_rows(directory, model) or (len(tokenizer) if len(tokenizer) > rows else rows)
+    if wanted != rows:
+        model.resize_token_embeddings(wanted, mean_resizing=False)  # trainable tokens (or saved rows) fill them
+
+
+def _saved_embedding_rows(adapter_dir: Path, model: Any) -> Optional[int]:
+    """Rows of `model`'s input embedding that the adapter file holds whole (what peft saved of a resized embedding
+    before open_sft left it out); None where it holds none."""
+    from safetensors import safe_open
+
+    weights = adapter_dir / "adapter_model.safetensors"
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    if not weights.is_file():
+        return None
+    with safe_open(str(weights), "pt") as f:
+        for key in f.keys():
+            if f".{embedding}." in key and key.endswith(".weight") and ".lora_" not in key:
+                return f.get_slice(key).get_shape()[0]
+    return None
+
+
 def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
     import open_sft.model.lora  # noqa: F401  (before peft: keeps bitsandbytes' CPU-kernel warning out of the log)
     from peft import PeftModel
@@ -124,9 +150,7 @@ def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) ->
         raise UserError(f"{directory} is a LoRA adapter on {base}, which cannot be loaded here "
                         f"({str(exc).splitlines()[0]}); pass "
                         "--base_model PATH_OR_ID with the base model the run trained from") from exc
-    rows = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > rows:  # the run added tokens (a chat template's): grown as training grew it
-        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+    fit_base_to_adapter(model, directory, tokenizer)
     try:
         with warnings.catch_warnings():  # peft asks transformers' deprecated name; nothing the user can change
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

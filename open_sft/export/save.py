@@ -162,6 +162,16 @@ def model_files_writer(config: Any, accelerator: Any, trainer: Any,
                                                dtype)
 
 
+def write_adapter(model: PeftModel, state_dict: dict[str, torch.Tensor], directory: Path) -> None:
+    """adapter_config.json + adapter_model.safetensors: the adapters and the trained rows of added tokens (peft's
+    trainable tokens), never the frozen embedding and LM head. peft would save those whole ("auto") because the run
+    resized them: on an 8B model gigabytes of the base's own rows in an "adapter", which then loaded only onto a
+    base resized to their exact row count. Every row the run set is a trainable token (open_sft.model.load), so the
+    adapter loads onto the base resized to len(tokenizer), as peft's AutoPeftModelForCausalLM resizes it."""
+    model.save_pretrained(directory, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
+    (directory / "README.md").unlink(missing_ok=True)  # peft's stub card; open_sft.export.model_card writes ours
+
+
 def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase,
               output_dir: Path, merge: bool, max_shard_size: str | int = "5GB",
               dtype: Optional[torch.dtype] = None) -> None:
@@ -170,8 +180,7 @@ def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: 
     from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 
     with staged_export(output_dir) as staging:
-        model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
-        (staging / "README.md").unlink(missing_ok=True)  # peft's stub card; open_sft.export.model_card writes ours
+        write_adapter(model, state_dict, staging)
         directories = [staging]
         if merge:
             merged = merged_state_dict(model, state_dict)

@@ -18,6 +18,7 @@ from open_sft.monitor.quiet import SAID_ALIKE_BY_EVERY_RANK
 from open_sft.model.anatomy import param_shape
 
 logger = logging.getLogger(__name__)
+EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
 
 
 def attn_implementation(args: ModelArguments, config: Any = None) -> str:
@@ -196,8 +197,11 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     from open_sft.model.lora import apply_lora, frozen_base_in_compute_dtype, uses_lora
 
     model = _from_pretrained(args, lora, compute_dtype)
-    if tokenizer is not None:
-        fit_embeddings_to_tokenizer(model, tokenizer)
+    adapted = lora is not None and uses_lora(lora)
+    initialised = []
+    if tokenizer is not None:  # under LoRA no spare rows (see fit_embeddings_to_tokenizer), unless TP splits them
+        multiple = (parallelism.tp if parallelism is not None else 1) if adapted else EMBEDDING_MULTIPLE
+        initialised = fit_embeddings_to_tokenizer(model, tokenizer, multiple)
     _check_family_loss(model)
     if args.use_liger_kernel:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -212,9 +216,9 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    if lora is not None and uses_lora(lora):
-        model = apply_lora(model, lora, args.gradient_checkpointing, getattr(tokenizer, "open_sft_new_ids", []),
-                           lora_dropout_given)
+    if adapted:  # every row the run set is a trainable token: the adapter saves it, the frozen base stays out
+        new_ids = sorted(set(getattr(tokenizer, "open_sft_new_ids", [])) | set(initialised))
+        model = apply_lora(model, lora, args.gradient_checkpointing, new_ids, lora_dropout_given)
         if parallelism is not None and not lora.use_qlora:
             frozen_base_in_compute_dtype(model, compute_dtype, load_model_config(args), parallelism)
     if args.fp8:  # before compiling: the compiled layers trace torchao's FP8 layers
@@ -254,19 +258,26 @@ def context_warning(config: Any, longest: int) -> Optional[str]:
             "(e.g. rope_scaling through --additional_model_arguments)")
 
 
-def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+                                multiple: int = EMBEDDING_MULTIPLE) -> list[int]:
     """Give the tokens the run added (a chat template's special tokens, --add_tokens) rows that start at the mean
     of the trained rows, in the input embeddings and the LM head (once when tied): the matrix grows to a multiple
-    of 64 rows when the tokenizer no longer fits, and an added token whose id falls on a spare row of a padded
-    matrix (GPT-NeoX/OLMo/Qwen: 50,304 rows for 50,280 tokens) gets the mean too, never that untrained row. The
-    trained rows are those of the tokens the tokenizer had before the run added any; rows grown for padding get
-    the mean as well. A no-op once the added rows are initialised."""
+    of `multiple` rows when the tokenizer no longer fits, and an added token whose id falls on a spare row of a
+    padded matrix (GPT-NeoX/OLMo/Qwen: 50,304 rows for 50,280 tokens) gets the mean too, never that untrained row.
+    The trained rows are those of the tokens the tokenizer had before the run added any; rows grown for padding
+    get the mean as well. Returns the ids below len(tokenizer) whose rows it set (LoRA makes them trainable
+    tokens, so the adapter holds them); a no-op, returning [], once the added rows are initialised.
+
+    A full model is saved with its rows, so 64 keeps the matrix aligned for the GPU. A LoRA run passes 1 (its TP
+    degree under TP): its adapter is loaded onto the base resized to len(tokenizer) (peft's
+    AutoPeftModelForCausalLM does that, as does open_sft), and grown rows past the tokenizer would be in no file."""
     rows = param_shape(model.get_input_embeddings().weight)[0]
     pending = sorted(getattr(tokenizer, "open_sft_added_ids", []))
     if len(tokenizer) <= rows and not pending:
-        return
+        return []
     if len(tokenizer) > rows:
-        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+        model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=multiple if multiple > 1 else None,
+                                      mean_resizing=False)
         logger.info("resized embeddings from %d to %d rows for %d tokens", rows,
                     param_shape(model.get_input_embeddings().weight)[0], len(tokenizer))
     # the trained rows: those of the tokens the tokenizer had before the run added any (spare padding rows
@@ -283,6 +294,7 @@ def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTok
         logger.info("added tokens %s: their %s rows start at the mean of the %d trained rows", named,
                     "embedding" if len(weights) == 1 else "input-embedding and LM-head", limit - len(added))
     tokenizer.open_sft_added_ids = []  # initialised; a second call must not reset trained rows
+    return sorted(set(range(rows, len(tokenizer))) | set(pending))
 
 
 @torch.no_grad()

@@ -15,7 +15,9 @@ Output directory of a LoRA / QLoRA run:
                                                      dequantized and the merge saved in bf16
 The top level has no config.json: `AutoModelForCausalLM.from_pretrained(output_dir)` loads the base
 named in adapter_config.json and applies the adapter, and it would do so on top of a merged model that
-sat beside the adapter (the delta counted twice), so the merged model lives in its own directory.
+sat beside the adapter (the delta counted twice), so the merged model lives in its own directory. A run that
+added tokens grew the embeddings to len(tokenizer) and its adapter holds their rows (trainable tokens), not the
+frozen embedding: it loads onto the base resized to len(tokenizer) (peft's AutoPeftModelForCausalLM does so).
 """
 
 from __future__ import annotations

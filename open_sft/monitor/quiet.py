@@ -91,4 +91,3 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
     if qlora and importlib.util.find_spec("kernels") is None:
         logger.info(NO_KERNELS)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r"Setting `save_embedding_layers` to `True`", category=UserWarning)

@@ -171,9 +171,8 @@ def test_qlora_trains_on_cpu(qlora_run, tiny_model_dir) -> None:
     info = json.loads((qlora_run / "run.json").read_text())
     assert info["compute_dtype"] == "torch.bfloat16"
     adapter = load_file(qlora_run / "adapter_model.safetensors")
-    # peft also stores the (frozen) base weight of a targeted output layer in the adapter: it is unchanged.
-    head = adapter.pop("base_model.model.lm_head.base_layer.weight")
-    assert torch.equal(head, load_file(tiny_model_dir / "model.safetensors")["lm_head.weight"])
+    # the adapters alone: not the frozen base weight of the targeted LM head, which peft would save whole
+    assert not [key for key in adapter if ".base_layer." in key]
     assert len(adapter) == 2 * 7 * 2 + 2 and all(t.dtype == torch.float32 for t in adapter.values())
     merged_config = json.loads((qlora_run / "merged" / "config.json").read_text())
     assert merged_config["dtype"] == "bfloat16" and "quantization_config" not in merged_config

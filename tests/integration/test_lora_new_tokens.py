@@ -1,6 +1,7 @@
 """LoRA trains what the template added: chatml on a tokenizer without <|im_start|>/<|im_end|> adds them, and
 under --use_lora their embedding and LM-head rows train (peft's trainable tokens), are saved in the adapter,
-are in the merged export, and the adapter loads with plain peft onto the base and gives the merged model's
+are in the merged export, and the adapter (no copy of the frozen embedding or LM head in it) loads with plain
+peft onto the base resized to the tokenizer, and with AutoPeftModelForCausalLM, and gives the merged model's
 logits."""
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def test_added_token_rows_train_and_are_exported(chatml_lora, tiny_model_dir) ->
     assert all(v.shape == (len(ids), base.config.hidden_size) for v in deltas.values())
     merged = AutoModelForCausalLM.from_pretrained(chatml_lora / "merged", dtype=torch.float32)
     embed, head = merged.get_input_embeddings().weight.detach(), merged.get_output_embeddings().weight.detach()
-    assert embed.shape[0] > base_rows  # resized for the new tokens
+    assert embed.shape[0] == len(tokenizer) > base_rows  # resized for the new tokens, no spare rows under LoRA
+    assert not [k for k in adapter if ".base_layer." in k]  # the frozen embedding and LM head stay out
     # the mean row they started from (fit_embeddings_to_tokenizer), and where training took them
     start = base.get_input_embeddings().weight.detach().mean(0)
     for i in ids:
@@ -57,19 +59,22 @@ def test_added_token_rows_train_and_are_exported(chatml_lora, tiny_model_dir) ->
 
 
 def test_adapter_loads_with_plain_peft_and_equals_the_merged_model(chatml_lora, tiny_model_dir) -> None:
-    from peft import PeftModel
+    from peft import AutoPeftModelForCausalLM, PeftModel
 
     tokenizer = AutoTokenizer.from_pretrained(chatml_lora)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    base.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+    base.resize_token_embeddings(len(tokenizer))
     model = PeftModel.from_pretrained(base, str(chatml_lora)).eval()
+    auto = AutoPeftModelForCausalLM.from_pretrained(chatml_lora, dtype=torch.float32).eval()  # resizes it so itself
     merged = AutoModelForCausalLM.from_pretrained(chatml_lora / "merged", dtype=torch.float32).eval()
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"},
                                           {"role": "assistant", "content": "5"}], tokenize=False)
     ids = tokenizer(text, return_tensors="pt").input_ids
     assert set(tokenizer.convert_tokens_to_ids(CHATML)) <= set(ids[0].tolist())
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        expected = merged(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(auto(input_ids=ids).logits, expected, rtol=1e-4, atol=1e-4)
     config = json.loads((chatml_lora / "adapter_config.json").read_text())
     assert config["trainable_token_indices"]
 

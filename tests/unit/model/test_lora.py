@@ -251,8 +251,8 @@ def test_a_short_conv_models_3d_weights_are_not_taken_for_experts() -> None:
 
 
 def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """`open_sft merge-lora` of an adapter whose run added a token (embeddings resized past the base's rows, a
-    multiple of 64) writes merged/'s files: the same tensors bitwise, config, generation config (the run's stop
+    """`open_sft merge-lora` of an adapter whose run added a token (embeddings resized past the base's rows, to the
+    tokenizer's length as a LoRA run resizes them) writes merged/'s files: the same tensors bitwise, config, generation config (the run's stop
     tokens, not the base's), tokenizer and model card, in the base's dtype by default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -268,7 +268,7 @@ def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tm
     monkeypatch.chdir(tiny_model_dir.parent)  # the base by a relative path: recorded by its absolute one
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir.name)
     rows = model.get_input_embeddings().weight.shape[0]
-    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     assert model.get_input_embeddings().weight.shape[0] > rows
     peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, [len(tokenizer) - 1])
     torch.manual_seed(0)
