@@ -61,6 +61,7 @@ class Job:
     # resume with --allow_changed_settings
     settings_history: list = dataclasses.field(default_factory=list)
     given: Optional[FinetuneConfig] = None  # as parsed, before the plan: what the completion record keeps
+    resuming: Optional[dict] = None  # the trainer state of the checkpoint a resume would read (elastic.peek)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,8 +88,8 @@ def plan_launch(config: FinetuneConfig) -> Job:
     from open_sft.model.precision import choose_dtype, resumed_choice
     from open_sft.training.elastic import peek
 
-    auto = config.model.torch_dtype == "auto" and not config.data.cache_dataset_only
-    resumed = resumed_choice(peek(config)) if auto else None  # a resume keeps the dtype its run resolved
+    resuming = None if config.data.cache_dataset_only else peek(config)  # read once: fit_to_checkpoint's too
+    resumed = resumed_choice(resuming) if config.model.torch_dtype == "auto" else None  # a resume keeps its dtype
     plan = reconcile(config.train, config.model, config.explicit,
                      lambda: resumed or choose_dtype(config.model, config.lora.use_qlora))
     if _is_main_rank():
@@ -97,7 +98,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
         for warning in config.warnings:
             logger.warning("%s", warning)
         plan.log()
-    job = Job(dataclasses.replace(config, train=plan.train), plan, given=config)
+    job = Job(dataclasses.replace(config, train=plan.train), plan, given=config, resuming=resuming)
     check_launch(job.config, plan)
     torch.manual_seed(plan.train.seed)
     return job
@@ -106,11 +107,11 @@ def plan_launch(config: FinetuneConfig) -> Job:
 def fit_to_checkpoint(job: Job) -> None:
     """A checkpoint of another number of ranks: the accumulation keeping its global batch, before the Accelerator is
     built from it and before the data (it reads only the batch layout), or a refusal naming why (training.elastic)."""
-    from open_sft.training.elastic import fit_to_checkpoint as fit, peek
+    from open_sft.training.elastic import fit_to_checkpoint as fit
     from open_sft.training.resume import run_identity
 
     if not job.config.data.cache_dataset_only:
-        job.config = fit(job.config, run_identity(job.config, "", job.launch.parallelism), peek(job.config),
+        job.config = fit(job.config, run_identity(job.config, "", job.launch.parallelism), job.resuming,
                          _is_main_rank(), job.dtype)
 
 

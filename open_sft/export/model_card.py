@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -71,16 +70,9 @@ def epochs_trained(output_dir: Path, info: dict[str, Any]) -> tuple[Optional[flo
     return (round(steps / per_epoch, 4) if steps and per_epoch else None), steps
 
 
-def base_model_record(name: str) -> str:
-    """What a run records as its base (run.json's base_model, adapter_config.json's base_model_name_or_path):
-    a local directory as its absolute path, decided where the run loaded it (a relative path named from another
-    directory loads nothing, and would read as a Hub id), a Hub id as given."""
-    path = os.path.expanduser(name)
-    return os.path.abspath(path) if name and os.path.isdir(path) else name  # symlinks kept as given
-
-
 def _looks_like_hub_id(name: str) -> bool:
-    # a run records a local base as its absolute path (base_model_record); nothing here asks the current directory
+    # a run records a local base as its absolute path (open_sft.model.base_record); nothing here asks
+    # the current directory
     return bool(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1
 
 

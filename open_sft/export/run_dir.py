@@ -128,9 +128,9 @@ def _saved_embedding_rows(adapter_dir: Path, model: Any) -> Optional[int]:
     from safetensors import safe_open
 
     weights = adapter_dir / "adapter_model.safetensors"
-    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     if not weights.is_file():
         return None
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
     with safe_open(str(weights), "pt") as f:
         for key in f.keys():
             if f".{embedding}." in key and key.endswith(".weight") and ".lora_" not in key:

@@ -99,7 +99,7 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     default yields to 0 where peft adapts MoE experts' fused weights, which it trains only without dropout)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    from open_sft.export.model_card import base_model_record
+    from open_sft.model.base_record import base_model_record
 
     if args.use_qlora:
         model = prepare_model_for_kbit_training(

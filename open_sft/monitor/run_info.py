@@ -43,7 +43,7 @@ def write_run_files(job: Any, trainer: Any) -> None:
     """run.json (what ran, where, with what) and data_report.json, before the first step."""
     import torch
 
-    from open_sft.export.model_card import base_model_record
+    from open_sft.model.base_record import base_model_record
     from open_sft.training.optim import optimizer_impl
     from open_sft.training.run_settings import by_steps
 

@@ -128,8 +128,14 @@ def continued(setting: str, output_dir: Path) -> Optional[Path]:
     it (a requeue of that command resumes there, as open-instruct's: the output dir's newest checkpoint wins;
     the named one may have been pruned since), else None. Reads only."""
     named = str(Path(setting).expanduser().resolve())
-    newest = next((path for _, path in step_dirs(output_dir / CHECKPOINTS) if problem_with(path) is None), None)
+    newest = newest_usable(output_dir / CHECKPOINTS)
     return newest if newest is not None and timeline_of(newest) == named else None
+
+
+def newest_usable(root: Path) -> Optional[Path]:
+    """The newest checkpoint under `root` that problem_with finds nothing wrong with, or None. Reads only (a resume
+    moves a damaged one aside: open_sft.training.resume.newest_complete)."""
+    return next((path for _, path in step_dirs(root) if problem_with(path) is None), None)
 
 
 def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, continued, problem_with, step_dirs
+from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, continued, newest_usable, problem_with
 from open_sft.training.completion import resume_setting
 from open_sft.training.portable import ENGINE_WORDS, refusal
 
@@ -124,8 +124,7 @@ def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
     if setting == "none":
         return None
     if setting == "auto":
-        root = Path(config.train.output_dir) / CHECKPOINTS
-        path = next((p for _, p in step_dirs(root) if problem_with(p) is None), None)
+        path = newest_usable(Path(config.train.output_dir) / CHECKPOINTS)
     else:
         path = continued(setting, Path(config.train.output_dir)) or Path(setting).expanduser()
         path = path if problem_with(path) is None else None

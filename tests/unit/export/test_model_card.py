@@ -33,7 +33,8 @@ def test_a_local_base_is_recorded_by_its_absolute_path_and_the_card_does_not_ask
                                                                                           monkeypatch) -> None:
     """A base given as a relative directory is recorded (run.json's base_model, the adapter config) by its absolute
     path where the run loaded it; a Hub id as given. The card rendered from any directory says the same."""
-    from open_sft.export.model_card import base_model_record, render_model_card
+    from open_sft.export.model_card import render_model_card
+    from open_sft.model.base_record import base_model_record
 
     (tmp_path / "r" / "base").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
