@@ -318,7 +318,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
         if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
             mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
-                          by_steps(job.settings_history, job.steps.total_steps))
+                          by_steps(job.settings_history, job.steps.total_steps), job.dtype)
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
     if config.hub.push_to_hub and acc.is_main_process:

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from open_sft.durable import write_json
 from open_sft.errors import UserError
+from open_sft.model.precision import COMPUTE_DTYPE_KEY
 from open_sft.training.run_settings import (SETTINGS_KEY, differences, history_on_resume, matching,
                                             recorded_settings, settings)
 
@@ -51,9 +52,10 @@ def _differences(record: dict[str, Any], config: Any) -> list[str]:
     else the differences from the last range's."""
     recorded = recorded_settings(record)
     now = settings(config)
-    if not recorded or matching(recorded, now) is not None:
+    computed = record.get(COMPUTE_DTYPE_KEY)
+    if not recorded or matching(recorded, now, computed) is not None:
         return []
-    return differences(recorded[-1], now)
+    return differences(recorded[-1], now, computed=computed)
 
 
 def checks_completion(config: Any) -> bool:
@@ -114,13 +116,14 @@ def export_files(output_dir: Path) -> dict[str, int]:
 
 
 def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optional[Any] = None,
-                  by_steps: Optional[list[dict[str, Any]]] = None) -> None:
+                  by_steps: Optional[list[dict[str, Any]]] = None, computed: Any = None) -> None:
     """Written last by the main process: the record, fsynced and renamed into place; `launched`: the config as
     parsed, whose settings a relaunch must share; `by_steps`: the step ranges of a run resumed with changed
-    settings (open_sft.training.run_settings.by_steps), any of whose settings a relaunch may share."""
+    settings (open_sft.training.run_settings.by_steps), any of whose settings a relaunch may share; `computed`: the
+    compute dtype (torch.dtype) the run trained in (a relaunch's --torch_dtype is compared by it)."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
-              **({SETTINGS_KEY: by_steps} if by_steps else {})}
+              **({SETTINGS_KEY: by_steps} if by_steps else {}), **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {})}
     write_json(output_dir / MARKER, record)
 
 

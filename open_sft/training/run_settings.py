@@ -24,6 +24,7 @@ import os
 from typing import Any, Optional
 
 from open_sft.errors import UserError
+from open_sft.model.precision import COMPUTE_DTYPE_KEY, FLAG_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,27 @@ def _resolved(name: str, value: Any) -> Any:
     return value
 
 
-def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then") -> list[str]:
+def _dtype_as_computed(value: Any, computed: Optional[str]) -> Any:
+    """--torch_dtype as the dtype it trains in: an alias by its dtype's name (bf16 is bfloat16), and auto by the
+    dtype the recorded run resolved it to, where known (a resume's auto keeps that dtype: model.precision)."""
+    if value == "auto" and computed in FLAG_DTYPES:
+        value = computed
+    return str(FLAG_DTYPES[value]).removeprefix("torch.") if value in FLAG_DTYPES else value
+
+
+def _same(name: str, then: Any, now: Any, computed: Optional[str]) -> bool:
+    if name == "torch_dtype":
+        return _dtype_as_computed(then, computed) == _dtype_as_computed(now, computed)
+    return _resolved(name, then) == _resolved(name, now)
+
+
+def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then",
+                computed: Optional[str] = None) -> list[str]:
     """`--flag: old {before}, new now` for each flag both hold with another value (paths compared resolved: a
-    record written before they were recorded so)."""
+    record written before they were recorded so; --torch_dtype by the dtype it trains in, `computed` being the
+    dtype the recorded run computed in, so that an explicit dtype equal to what its auto resolved is the same)."""
     return [f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
-            for name in sorted(then.keys() & now.keys()) if _resolved(name, then[name]) != _resolved(name, now[name])]
+            for name in sorted(then.keys() & now.keys()) if not _same(name, then[name], now[name], computed)]
 
 
 def _compared(settings: dict[str, Any]) -> dict[str, Any]:
@@ -89,12 +106,13 @@ def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any]
     if resume is None:
         return [{"from_step": 1, "settings": now}]
     saved = resume.state.get("config") or {}
+    computed = saved.get(COMPUTE_DTYPE_KEY)
     history = [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= resume.step]
     if history:
-        changed = differences(history[-1]["settings"], _compared(now), "in the checkpoint")
+        changed = differences(history[-1]["settings"], _compared(now), "in the checkpoint", computed)
     else:  # an older checkpoint: its resolved config against this launch's
         then, current = _flat(saved), _flat(resolved)
-        changed = differences(then, _compared(current), "in the checkpoint")
+        changed = differences(then, _compared(current), "in the checkpoint", computed)
         history = [{"from_step": 1, "settings": {**now, **{k: then[k] for k in then.keys() & current.keys()
                                                             if then[k] != current[k]}}}]
     if not changed:
@@ -135,9 +153,10 @@ def recorded_settings(record: dict[str, Any]) -> list[dict[str, Any]]:
     return [{**last, **segment.get("changed", {})} for segment in record.get(SETTINGS_KEY) or []] or [last]
 
 
-def matching(recorded: list[dict[str, Any]], now: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The first recorded settings `now` matches (on the flags both know), or None."""
+def matching(recorded: list[dict[str, Any]], now: dict[str, Any],
+             computed: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """The first recorded settings `now` matches (on the flags both know; `computed`: see differences), or None."""
     for then in recorded:
-        if not differences(then, now):
+        if not differences(then, now, computed=computed):
             return then
     return None

@@ -364,3 +364,36 @@ def test_the_same_paths_spelled_otherwise_are_the_same_settings(tmp_path, monkey
     assert completion.already_complete(again).startswith("already complete")
     hub = parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_list", "d.jsonl", "1.0"])
     assert completion.settings(hub)["model_name_or_path"] == "org/model"
+
+
+def test_torch_dtype_is_compared_by_the_dtype_the_run_trained_in(tmp_path) -> None:
+    """A run launched with auto (which resolved to bfloat16) resumes with `--torch_dtype bf16` or `bfloat16`
+    spelled out, and stops at its finished record, as the same setting; an explicit other dtype is a change."""
+    import torch
+
+    from open_sft.model.precision import COMPUTE_DTYPE_KEY
+
+    first = launch(tmp_path)
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), is_main=True)
+    point = resume_point(tmp_path, 29, history, config={COMPUTE_DTYPE_KEY: "bfloat16"})
+    for spelled in ("bf16", "bfloat16", "auto"):
+        now = launch(tmp_path, "--torch_dtype", spelled)
+        assert completion.check_resume_point(point, 60, now, now.to_dict(), True) == history
+    fp32 = launch(tmp_path, "--torch_dtype", "fp32")
+    with pytest.raises(UserError, match="--torch_dtype: 'auto' in the checkpoint, 'fp32' now"):
+        completion.check_resume_point(point, 60, fp32, fp32.to_dict(), True)
+    # the other way: an explicit dtype then, auto now (which keeps the checkpoint's dtype)
+    explicit = launch(tmp_path, "--torch_dtype", "fp32")
+    history = completion.check_resume_point(None, 60, explicit, explicit.to_dict(), is_main=True)
+    point = resume_point(tmp_path, 29, history, config={COMPUTE_DTYPE_KEY: "float32"})
+    assert completion.check_resume_point(point, 60, first, first.to_dict(), True) == history
+    # a finished run's relaunch: its record keeps the dtype it trained in
+    out = tmp_path / "out"
+    out.mkdir()
+    finished_run(out)
+    completion.mark_complete(out, 4, 12.5, parse_config(BASE + ["--output_dir", str(out)]),
+                             computed=torch.bfloat16)
+    again = parse_config(BASE + ["--output_dir", str(out), "--torch_dtype", "bf16"])
+    assert completion.already_complete(again).startswith("already complete")
+    with pytest.raises(UserError, match="--torch_dtype: 'auto' then, 'float16' now"):
+        completion.already_complete(parse_config(BASE + ["--output_dir", str(out), "--torch_dtype", "float16"]))
