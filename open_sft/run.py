@@ -230,7 +230,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.monitor.metrics import MetricsWriter
     from open_sft.monitor.progress import ProgressBar
     from open_sft.model.precision import COMPUTE_DTYPE_KEY
-    from open_sft.monitor.run_info import write_audit_files, write_run_files
+    from open_sft.monitor.run_info import write_run_files
     from open_sft.preflight.timing import run_timer
     from open_sft.training import checkpoint
     from open_sft.training.completion import SETTINGS_KEY, check_resume_point, clear_marker, resume_setting
@@ -273,11 +273,6 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     with progress.around_training():  # the timer after the checkpointer: it reads the step's save time
         records = trainer.train(start_step, after_step=[progress, checkpointer.on_step_end, timer])
     checkpointer.raise_if_preempted(metrics)
-    if config.model.torch_compile:
-        from open_sft.model.compile import log_summary
-
-        log_summary()
-    write_audit_files(output_dir, acc.process_index, trainer)
     return trainer, checkpointer, records
 
 
@@ -289,14 +284,19 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.export.save import save_dtype, save_lora, save_model
     from open_sft.file_modes import share_as_umask
     from open_sft.model.anatomy import is_peft_model
+    from open_sft.model.compile import log_summary
     from open_sft.model.load import load_model_config
     from open_sft.monitor.report import write_run_report
+    from open_sft.monitor.run_info import write_audit_files
     from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete
     from open_sft.training.run_settings import by_steps
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     with finish_first("the export"):  # a stop there promised a checkpoint the run may not have
+        if config.model.torch_compile:
+            log_summary()
+        write_audit_files(output_dir, acc.process_index, trainer)
         shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
         dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
         state_dict = trainer.engine.full_state_dict(fp32=dtype == torch.float32)  # collective

@@ -143,24 +143,29 @@ def test_the_record_is_written_before_the_checkpoints_are_cleaned(tiny_model_dir
     assert run.main(argv) == 0 and not (out / "metrics.jsonl").read_text().count('"step": 3')
 
 
-def test_sigterm_while_exporting_finishes_the_export_first(tiny_model_dir, tmp_path, monkeypatch, capfd) -> None:
+@pytest.mark.parametrize("module, function", [("open_sft.export.model_card", "write_model_card"),
+                                              ("open_sft.monitor.run_info", "write_audit_files")])
+def test_sigterm_while_exporting_finishes_the_export_first(tiny_model_dir, tmp_path, monkeypatch, capfd, module,
+                                                           function) -> None:
     """SIGTERM after the last step, while the export was written, exited 75 promising a resume 'from the newest
     complete checkpoint': without --checkpointing_steps there was none, and the relaunch trained from step 1. The
-    export (the trained model is only in memory) is finished first now: the run completes, and says so."""
+    export (the trained model is only in memory) is finished first now: the run completes, and says so. So is a
+    SIGTERM between the loop's end and the export (the audit files written there)."""
+    import importlib
     import os
     import signal
 
     from conftest import SAMPLE
     from open_sft import run
-    from open_sft.export import model_card
 
-    written = model_card.write_model_card
+    where = importlib.import_module(module)
+    written = getattr(where, function)
 
-    def signalled(output_dir):
+    def signalled(*args):
         os.kill(os.getpid(), signal.SIGTERM)
-        return written(output_dir)
+        return written(*args)
 
-    monkeypatch.setattr(model_card, "write_model_card", signalled)
+    monkeypatch.setattr(where, function, signalled)
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "8",
             "--max_train_steps", "2", "--torch_dtype", "float32", "--per_device_train_batch_size", "4",
