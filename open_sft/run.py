@@ -24,6 +24,7 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import lifeline
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError, report_to_launcher
+from open_sft.export.hub import upload_pending
 from open_sft.monitor.quiet import quiet_third_parties, setup_logging
 from open_sft.training.amp import HALF
 from open_sft.training.completion import already_complete
@@ -57,8 +58,7 @@ class Job:
     steps: Optional[StepPlan] = None
     preflight: Optional[Preflight] = None
     baseline_bytes: int = 0  # this process's memory before the model
-    # the settings each step range trained with (open_sft.training.run_settings): more than one range only after a
-    # resume with --allow_changed_settings
+    # each step range's settings (training.run_settings): several only after --allow_changed_settings
     settings_history: list = dataclasses.field(default_factory=list)
     given: Optional[FinetuneConfig] = None  # as parsed, before the plan: what the completion record keeps
     resuming: Optional[dict] = None  # the trainer state of the checkpoint a resume would read (elastic.peek)
@@ -326,12 +326,12 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
 
 
 def run(config: FinetuneConfig) -> dict:
-    """Train and export; returns a summary. Raises UserError for problems the user can fix. A completed run in
-    --output_dir is left as it is (every rank reads its record: open_sft.training.completion)."""
+    """Train and export; returns a summary (UserError: a problem the user can fix); a completed run stays as it is."""
     done = already_complete(config)
     if done is not None:
         if _is_main_rank():
             print(done, flush=True)
+            upload_pending(config)  # an upload of the export that failed or was stopped: this relaunch does it
         return {"already_complete": config.train.output_dir}
     quiet_third_parties(config.lora.use_qlora)
     job = plan_launch(config)

@@ -164,6 +164,8 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
     try:
         url = push_folder(output_dir, repo_id, revision, private, token, ignore_patterns=EXPORT_IGNORE,
                           message=f"open_sft export of {output_dir.name}")
+    except StopRun:  # a signal (open_sft.training.preemption), not a failed upload
+        raise
     except Exception as exc:
         command = retry_command(output_dir, repo_id, revision, private)
         raise PushFailed(
@@ -183,8 +185,32 @@ def push_checkpoint(checkpoint: Path, repo_id: str, revision: str = "main", priv
 
 
 def push_output_dir(output_dir: Path, hub: Any) -> str:
-    """finetune.py --push_to_hub: `hub` is the HubArguments."""
-    return push_export(output_dir, hub.hub_model_id, hub.hub_revision, hub.hub_private, hub.hub_token)
+    """finetune.py --push_to_hub (`hub`: the HubArguments), after the run's completion record: the upload is noted
+    in it, so that a relaunch of the same command uploads an export whose upload failed or was stopped (a requeued
+    job), and only such a one. A signal during the upload stops the process with the preemption's exit code."""
+    from open_sft.training.completion import mark_pushed
+    from open_sft.training.preemption import Preempted
+
+    try:
+        url = push_export(output_dir, hub.hub_model_id, hub.hub_revision, hub.hub_private, hub.hub_token)
+    except Preempted as stop:
+        command = retry_command(output_dir, hub.hub_model_id, hub.hub_revision, hub.hub_private)
+        raise Preempted(f"stopped by {stop.signal_name} during the upload to the Hub; the export in {output_dir} is "
+                        "complete: the same command uploads it (it does not train again), or upload just it "
+                        f"with:\n  {command}") from None
+    mark_pushed(output_dir, hub.hub_model_id, hub.hub_revision, url)
+    return url
+
+
+def upload_pending(config: Any) -> None:
+    """A relaunch stopped at a completed run (open_sft.training.completion.already_complete) whose --push_to_hub
+    upload never succeeded (it failed, or the job was stopped during it) uploads it."""
+    from open_sft.training.completion import pushed, read_marker
+
+    output_dir, hub = Path(config.train.output_dir), config.hub
+    record = read_marker(output_dir)
+    if hub.push_to_hub and record is not None and not pushed(record, hub.hub_model_id, hub.hub_revision):
+        push_output_dir(output_dir, hub)
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:

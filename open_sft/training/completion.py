@@ -41,6 +41,7 @@ from open_sft.training.run_settings import (SETTINGS_KEY, differences, history_o
 logger = logging.getLogger(__name__)
 
 MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
+PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded (--push_to_hub)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
               "activations.rank", MARKER)
@@ -89,11 +90,35 @@ def already_complete(config: Any) -> Optional[str]:
         raise UserError(f"--output_dir {output_dir} holds a completed run launched with other settings:\n{lines}\n"
                         "Pass --overwrite_output_dir to train again with these settings (the earlier checkpoints are "
                         "moved aside and the export replaced), or choose another --output_dir")
-    upload = (f"; to upload the export: python -m open_sft push {output_dir} --hub_model_id "
-              f"{config.hub.hub_model_id}" if config.hub.push_to_hub else "")
+    hub = config.hub
+    upload = ""
+    if hub.push_to_hub:
+        done = pushed(record, hub.hub_model_id, hub.hub_revision)
+        upload = (f"; its export was uploaded to {done}" if done else
+                  f"; its export is not on the Hub at {hub.hub_model_id} ({hub.hub_revision}) yet: uploading it")
     return (f"already complete: {output_dir} (trained to step {record.get('step')}, finished at "
-            f"{record.get('finished_at')}); nothing to do{upload}. To train again from scratch pass "
+            f"{record.get('finished_at')}); nothing to train{upload}. To train again from scratch pass "
             "--overwrite_output_dir (the earlier checkpoints are moved aside), or choose another --output_dir")
+
+
+def pushed(record: dict[str, Any], repo_id: str, revision: str) -> Optional[str]:
+    """The URL of the record's upload to `repo_id` at `revision`, or None."""
+    for upload in record.get(PUSHED_KEY) or []:
+        if upload.get("hub_model_id") == repo_id and upload.get("hub_revision") == revision:
+            return upload.get("url") or repo_id
+    return None
+
+
+def mark_pushed(output_dir: Path, repo_id: str, revision: str, url: str) -> None:
+    """Note a successful upload of the export in the completion record (written whole, as mark_complete)."""
+    record = read_marker(output_dir)
+    if record is None:
+        return
+    uploads = [u for u in record.get(PUSHED_KEY) or [] if (u.get("hub_model_id"), u.get("hub_revision"))
+               != (repo_id, revision)]
+    record[PUSHED_KEY] = uploads + [{"hub_model_id": repo_id, "hub_revision": revision, "url": url,
+                                     "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+    write_json(output_dir / MARKER, record)
 
 
 def read_marker(output_dir: Path) -> Optional[dict[str, Any]]:
@@ -123,7 +148,8 @@ def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optio
     compute dtype (torch.dtype) the run trained in (a relaunch's --torch_dtype is compared by it)."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
-              **({SETTINGS_KEY: by_steps} if by_steps else {}), **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {})}
+              **({SETTINGS_KEY: by_steps} if by_steps else {}),
+              **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {})}
     write_json(output_dir / MARKER, record)
 
 

@@ -35,6 +35,7 @@ class Preempted(StopRun):
     """Raised after the preemption checkpoint is saved; `finetune.py` exits with PREEMPTED_EXIT_CODE."""
 
     exit_code = PREEMPTED_EXIT_CODE
+    signal_name = "a signal"  # the one that stopped the run, where known
 
 
 MARK = "_open_sft_signal_handler"  # on the handlers installed here, which a forked child puts back to the default
@@ -73,9 +74,11 @@ def stop_outside_training() -> Callable[[], None]:
     def handle(signum: int, frame: Optional[FrameType]) -> None:
         if not _in_owner(owner, signum):
             return
-        raise Preempted(f"stopped by {signal.Signals(signum).name} outside the training loop (loading, tokenizing "
-                        "or exporting); the same command starts again from where it can: a cache build from its "
-                        "last complete chunk, training from the newest complete checkpoint, then the export")
+        stop = Preempted(f"stopped by {signal.Signals(signum).name} outside the training loop (loading, tokenizing "
+                         "or exporting); the same command starts again from where it can: a cache build from its "
+                         "last complete chunk, training from the newest complete checkpoint, then the export")
+        stop.signal_name = signal.Signals(signum).name
+        raise stop
 
     setattr(handle, MARK, True)
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}

@@ -48,3 +48,69 @@ def test_a_host_name_that_does_not_resolve_is_not_retried() -> None:
     with pytest.raises(httpx2.ConnectError):
         hub.with_retries("create repo", call, sleep=sleeps.append)
     assert calls == [1] and sleeps == []
+
+
+TOKEN = "hf_TESTtoken_unit_1234"
+
+
+@pytest.fixture
+def loopback_hub(monkeypatch):
+    """The loopback Hub (tests/hub_server.py) in this process, huggingface_hub pointed at it and online."""
+    from huggingface_hub import constants
+    from hub_server import FakeHub
+
+    server = FakeHub(TOKEN).start()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_path, loopback_hub, monkeypatch,
+                                                                          capsys) -> None:
+    """SIGTERM during the --push_to_hub upload (a preempted job) exited 3 with 'upload failed: stopped by SIGTERM
+    ... training from the newest complete checkpoint, then the export'; the requeued command then printed
+    `already complete` and an `open_sft push` command, and exited 0 with nothing on the Hub. Now: exit 75 saying
+    the export is complete, and the same command uploads it (training nothing), notes the upload in RUN_COMPLETE,
+    and a further relaunch uploads nothing."""
+    import json
+    import os
+    import signal
+
+    from open_sft import run
+    from open_sft.config.parse import parse_config
+    from open_sft.training import completion
+
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}.items():
+        (out / name).write_text(text)
+    argv = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(out),
+            "--push_to_hub", "--hub_model_id", "org/m", "--hub_token", TOKEN]
+    completion.mark_complete(out, 4, 1.0, parse_config(argv))
+    pushed = hub.push_folder
+
+    def stopped(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler run.main installs raises here
+        return pushed(*args, **kwargs)
+
+    monkeypatch.setattr(hub, "push_folder", stopped)
+    assert run.main(argv) == 75
+    err = capsys.readouterr().err
+    assert f"stopped by SIGTERM during the upload to the Hub; the export in {out} is complete: the same command " \
+           "uploads it (it does not train again)" in err and "python -m open_sft push" in err
+    assert "upload to the Hub failed" not in err and "pushed" not in json.loads((out / "RUN_COMPLETE").read_text())
+    assert loopback_hub.count("commit") == 0
+    monkeypatch.setattr(hub, "push_folder", pushed)
+    assert run.main(argv) == 0  # the requeue: nothing trained, the export uploaded
+    said = capsys.readouterr().out
+    assert f"already complete: {out}" in said and "not on the Hub at org/m (main) yet: uploading it" in said
+    assert loopback_hub.count("commit") == 1
+    assert set(loopback_hub.repos["org/m"]["branches"]["main"]) == {"config.json", "model.safetensors", "README.md"}
+    record = json.loads((out / "RUN_COMPLETE").read_text())
+    assert [(u["hub_model_id"], u["hub_revision"]) for u in record["pushed"]] == [("org/m", "main")]
+    assert run.main(argv) == 0  # once uploaded, a relaunch says where and uploads nothing
+    assert "its export was uploaded to " in capsys.readouterr().out and loopback_hub.count("commit") == 1
+    # another revision is another upload
+    assert run.main(argv + ["--hub_revision", "v2"]) == 0 and loopback_hub.count("commit") == 2

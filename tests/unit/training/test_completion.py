@@ -43,8 +43,10 @@ def test_a_relaunch_with_auto_stops_at_a_finished_run(tmp_path, monkeypatch) -> 
     assert message.startswith(f"already complete: {tmp_path} (trained to step 4, finished at ")
     assert "pass --overwrite_output_dir" in message and "open_sft push" not in message
     pushing = parse_config(BASE + ["--output_dir", str(tmp_path), "--push_to_hub", "--hub_model_id", "o/m"])
-    assert f"to upload the export: python -m open_sft push {tmp_path} --hub_model_id o/m" in \
+    assert "nothing to train; its export is not on the Hub at o/m (main) yet: uploading it" in \
         completion.already_complete(pushing)
+    completion.mark_pushed(tmp_path, "o/m", "main", "http://hub/o/m/commit/1")
+    assert "its export was uploaded to http://hub/o/m/commit/1" in completion.already_complete(pushing)
 
 
 @pytest.mark.parametrize("extra", [["--overwrite_output_dir"], ["--resume_from_checkpoint", "none"],
