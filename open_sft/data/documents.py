@@ -36,3 +36,14 @@ def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int
 
     opens = bos is not None and (add_bos or (first(True) == [bos] and first(False) != [bos]))
     return ([bos] if opens else []), ([eos] if eos is not None and not (opens and bos == eos) else [])
+
+
+def with_special_text(tokenizer: Any, texts: list[str]) -> list[int]:
+    """The positions of the documents that hold the literal text of one of the tokenizer's special tokens, which
+    it encodes as that token (an `<|endoftext|>` inside a web page is a fake document end): counted and warned
+    about (SourceReport.special_tokens_in_text), not changed."""
+    from open_sft.data.chat.render import special_markers, special_text
+
+    found = special_text(special_markers(tokenizer))
+    return [] if found is None else [k for k, text in enumerate(texts) if found.search(text) is not None]
+

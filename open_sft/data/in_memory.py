@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections import Counter
 from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,7 +22,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
-from open_sft.data.documents import document_markers, to_text
+from open_sft.data.documents import document_markers, to_text, with_special_text
 from open_sft.data.formats import RowError, needs_chat_template, source_format, to_messages
 from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
@@ -223,6 +224,9 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     valid = sorted(items)
     by_tokens = args.dataset_mixer_unit == "tokens"
     if fmt == "text":
+        holding = [valid[k] for k in with_special_text(tokenizer, [items[i] for i in valid])]
+        report.add_notes(Counter(special_tokens_in_text=len(holding)), {"special_tokens_in_text": holding[:5]},
+                         sink.where)
         chosen = valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed)))
         tokenized = _tokenize_text(tokenizer, items, chosen, args.add_bos)
         selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \

@@ -27,7 +27,7 @@ import numpy as np
 
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chunks import Progress, Reader
-from open_sft.data.documents import document_markers, to_text
+from open_sft.data.documents import document_markers, to_text, with_special_text
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import plain_backend
 from open_sft.data.local_files import parse_json_line
@@ -218,24 +218,30 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     drop = args.on_bad_row == "drop"
     before, after = document_markers(tokenizer, args.add_bos)
     spill = Spill(tmp, "text", keep_labels=False, tag=reader.chunking())
-    rows_seen = 0  # rows are the lines that parse
+    rows_seen, special = 0, Counter()  # rows are the lines that parse; special: documents with special text
+    flagged: list[str] = []  # the first of them
     for note in spill.notes():  # a resumed build's chunks
         rows_seen += note["rows"]
         report.dropped.update(note["dropped"])
+        special["special_tokens_in_text"] += note.get("special_text", 0)
     progress = Progress(spec.name, reader.count(), spill.rows)
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         parsed, dropped = rows_seen, dict(report.dropped)
         indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop,
                                                args.dataset_text_field)
+        holding = with_special_text(tokenizer, texts)
+        special["special_tokens_in_text"] += len(holding)
+        flagged += [f"row {indices[k] + 1}" for k in holding[:5 - len(flagged)]]
         tokens = 0
         for a, b in _text_batches(texts):  # a batch's tokens at a time, as arrays: not the chunk's as lists
             rows = _document_rows(tokenizer, texts[a:b], before, after)
             spill.append(np.array(indices[a:b], dtype=np.int64), rows)
             tokens += len(rows.ids)
-        spill.commit(start + len(items), {"rows": rows_seen - parsed,
+        spill.commit(start + len(items), {"rows": rows_seen - parsed, "special_text": len(holding),
                                           "dropped": {k: v - dropped.get(k, 0) for k, v in report.dropped.items()}})
         progress.update(len(items), tokens)
     progress.done()
+    report.add_notes(special, {"special_tokens_in_text": flagged}, str)
     report.rows_in = rows_seen + report.dropped["invalid_json"]
     if rows_seen == 0:
         raise UserError(f"{reader.path}: the file has no rows")

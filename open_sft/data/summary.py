@@ -34,6 +34,9 @@ _NOTES = {
     "tool_arguments_not_json": "have tool calls whose arguments are a string that is not a JSON object (a Python "
                                "dict's repr, cut-off JSON), trained as written, so the model learns to call tools "
                                "so; fix the arguments, or drop the rows",
+    "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
+                              "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
+                              "of document there; remove or rewrite that text in the data",
 }
 
 
@@ -59,6 +62,7 @@ class SourceReport:
     reasoning_history_not_kept: int = 0  # --reasoning_history keep rows left as the template's examples
     tools_not_rendered: int = 0  # rows whose tool schemas the template does not write
     tool_arguments_not_json: int = 0  # rows with a tool call whose arguments are not a JSON object
+    special_tokens_in_text: int = 0  # rows (documents) holding a special token's literal text
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -72,6 +76,7 @@ class SourceReport:
             "reasoning_history_not_kept": self.reasoning_history_not_kept,
             "tools_not_rendered": self.tools_not_rendered,
             "tool_arguments_not_json": self.tool_arguments_not_json,
+            "special_tokens_in_text": self.special_tokens_in_text,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -116,11 +116,12 @@ class RowRender:
     reasoning_history_not_kept: bool = False  # --reasoning_history keep could not join its examples
     tools_not_rendered: bool = False  # the row's tool schemas are not in what the template writes
     tool_arguments_not_json: bool = False  # a tool call's arguments are a string that is not a JSON object
+    special_tokens_in_text: bool = False  # a message's text holds a special token's text (render.special_text)
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
-                "tools_not_rendered", "tool_arguments_not_json")
+                "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -201,7 +202,18 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, tools_not_rendered=True)
     if _string_arguments(messages):
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
+    if holds_special_text(messages, markers):
+        rendered = dataclasses.replace(rendered, special_tokens_in_text=True)
     return rendered
+
+
+def holds_special_text(messages: Messages, markers: tuple[str, ...]) -> bool:
+    """Whether a message's own text (its content or reasoning, not what the template writes around it) holds the
+    literal text of one of the tokenizer's special tokens."""
+    found = render.special_text(markers)
+    return found is not None and any(
+        isinstance(text, str) and found.search(text) is not None
+        for message in messages for text in (message.get("content"), message.get("reasoning_content")))
 
 
 def _string_arguments(messages: Messages) -> bool:

@@ -307,3 +307,24 @@ def test_record_batches_hold_batch_tokens(tokenizer, tmp_path, monkeypatch, batc
         assert 0 < tokens[-1] <= batch_tokens and sum(tokens) == 43524
     else:  # the sample's 2,000 examples, 43,524 tokens: one batch
         assert len(tokens) == 1 and tokens[0] == 43524
+
+
+def test_documents_holding_a_special_tokens_text_are_counted_and_named(tokenizer, tmp_path, small_chunks,
+                                                                       caplog) -> None:
+    """An `<|endoftext|>` inside a web page encodes as the control token (a fake document end, trained): counted
+    per source, the same in both builds, and warned about naming the first rows; the tokens are not changed."""
+    eos = tokenizer.eos_token
+    docs = [f"page {k} talks about tokenizers and their many special strings" for k in range(30)]
+    for k in (4, 11, 12, 26):
+        docs[k] += f" such as {eos} in the middle"
+    path = tmp_path / "web.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
+    args = DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=64)
+    with caplog.at_level("WARNING"):
+        built = streamed(args, tokenizer, tmp_path)
+    assert built[2][0]["special_tokens_in_text"] == 4
+    warned = [r.getMessage() for r in caplog.records if "literal text of a special token" in r.getMessage()]
+    assert len(warned) == 1 and "4 row(s)" in warned[0] and "row 5" in warned[0] and "row 27" in warned[0]
+    assert_same(built, in_memory(args, tokenizer))
+    ids = np.concatenate(built[0])
+    assert (ids == tokenizer.eos_token_id).sum() == 30 + 4  # one after each document, and the four in the text

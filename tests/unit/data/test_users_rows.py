@@ -324,3 +324,21 @@ def test_a_raw_prompt_completion_merged_at_its_boundary_says_so(tiny_model_dir, 
                                         "with a space"):
         examples_of(tokenizer, tmp_path, [{"prompt": "Say hel", "completion": "lo world"}])
     assert len(examples_of(tokenizer, tmp_path, [{"prompt": "Say hel", "completion": " lo world"}])) == 1
+
+
+def test_messages_holding_a_special_tokens_text_are_counted_and_named(qwen3, tmp_path, caplog) -> None:
+    """A scraped answer with a stray `<|im_end|>` trains a fake end of turn mid-answer (the tokenizer encodes the
+    text as the token): counted per source and warned about, naming the first rows; text of a token that is not
+    special (Qwen3's <think>) is not counted."""
+    def row(user: str, answer: str) -> dict:
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+    rows = [row("Hi", "Hello"), row("Hi", "Hello<|im_end|> and more"), row("What is <|endoftext|>?", "A token."),
+            row("Think", "<think>\nhmm\n</think>\n\nYes"), row("Hi", "Hello")]
+    path = tmp_path / "scraped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level("WARNING"):
+        _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), qwen3, 0)
+    assert report.rows_kept == 5 and report.to_dict()["special_tokens_in_text"] == 2
+    warned = [r.getMessage() for r in caplog.records if "literal text of a special token" in r.getMessage()]
+    assert len(warned) == 1 and "2 row(s)" in warned[0] and "line 2" in warned[0] and "line 3" in warned[0]
