@@ -216,7 +216,8 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     fmt = source_format(args, source.rows[0], source.where(0))
     if needs_chat_template(fmt, source.rows[0]):
         check_chat_template(tokenizer)
-    report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable)
+    report = SourceReport(name=spec.name, format=fmt, rows_in=len(source.rows) + source.unreadable,
+                          hub_dataset=not spec.is_local)
     if source.unreadable:
         report.dropped["invalid_json"] += source.unreadable
     sink = _RowSink(source.where, report, drop=args.on_bad_row == "drop")

@@ -63,6 +63,7 @@ class SourceReport:
     tools_not_rendered: int = 0  # rows whose tool schemas the template does not write
     tool_arguments_not_json: int = 0  # rows with a tool call whose arguments are not a JSON object
     special_tokens_in_text: int = 0  # rows (documents) holding a special token's literal text
+    hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,7 +77,7 @@ class SourceReport:
             "reasoning_history_not_kept": self.reasoning_history_not_kept,
             "tools_not_rendered": self.tools_not_rendered,
             "tool_arguments_not_json": self.tool_arguments_not_json,
-            "special_tokens_in_text": self.special_tokens_in_text,
+            "special_tokens_in_text": self.special_tokens_in_text, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -85,10 +85,15 @@ def hub_id(name: str) -> Optional[str]:
     return match["id"].replace("--", "/") if match else None
 
 
-def _front_matter(base_model: str, library: str = "transformers", lora: bool = False) -> str:
+def _front_matter(base_model: str, library: str = "transformers", lora: bool = False,
+                  datasets: tuple[str, ...] = ()) -> str:
+    """The card's metadata: `datasets` are the Hub datasets the run read (the Hub links the model to them;
+    local files are named in the card's text only)."""
     lines = ["---", f"library_name: {library}", "tags:", "- open_sft", "- sft"] + (["- lora"] if lora else [])
     if hub_id(base_model):
         lines.append(f"base_model: {hub_id(base_model)}")
+    if datasets:
+        lines += ["datasets:"] + [f"- {name}" for name in dict.fromkeys(datasets)]
     return "\n".join(lines + ["---", ""])
 
 
@@ -223,13 +228,15 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
                   _read_json(output_dir / EXPORT_RECORD))
     if adapter:
         body += _adapter_section(adapter, bool(args.get("lora", {}).get("use_qlora")), base_model)
-    body += _data_section(_read_json(output_dir / "data_report.json"))
+    report = _read_json(output_dir / "data_report.json")
+    body += _data_section(report)
     body += _hyperparameter_section(args, epochs)
     body += _settings_by_steps_section(info.get("settings_by_steps") or [])
     body += _metrics_section(_last_train_record(output_dir / "metrics.jsonl"))
     body += _training_section(info)
     library = "peft" if adapter and not merged else "transformers"
-    return _front_matter(base_model, library, lora=bool(adapter)) + "\n".join(body)
+    datasets = tuple(s["name"] for s in report.get("sources", []) if s.get("hub_dataset") and s.get("name"))
+    return _front_matter(base_model, library, lora=bool(adapter), datasets=datasets) + "\n".join(body)
 
 
 def _write(path: Path, text: str) -> Path:

@@ -47,3 +47,29 @@ def test_a_local_base_is_recorded_by_its_absolute_path_and_the_card_does_not_ask
     here = render_model_card(run)
     monkeypatch.chdir(tmp_path / "r")
     assert render_model_card(run) == here and "\nbase_model:" not in here and str(tmp_path / "r" / "base") in here
+
+
+def test_the_front_matter_names_the_hub_datasets_the_run_read(tmp_path) -> None:
+    """TRL's cards list the Hub datasets in `datasets:` (the Hub links the model to them); local files stay in
+    the card's text only. A source is a Hub dataset where its name is not a local file or directory."""
+    from open_sft.data.sources import SourceSpec
+    from open_sft.data.summary import SourceReport
+    from open_sft.export.model_card import render_model_card
+
+    local = tmp_path / "mine.jsonl"
+    local.write_text("{}\n")
+    names = ["allenai/tulu-3-sft-mixture", str(local), "allenai/tulu-3-sft-mixture", "HuggingFaceH4/no_robots"]
+    sources = [SourceReport(name=n, format="messages", rows_in=1,
+                            hub_dataset=not SourceSpec(n, 1.0, True, "train").is_local).to_dict() for n in names]
+    assert [s["hub_dataset"] for s in sources] == [True, False, True, True]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"args": {"model": {"model_name_or_path": "Qwen/Qwen2.5-0.5B"}}}))
+    (run / "data_report.json").write_text(json.dumps({"sources": sources}))
+    card = render_model_card(run)
+    front = card.split("---\n")[1]
+    assert front.endswith("base_model: Qwen/Qwen2.5-0.5B\ndatasets:\n- allenai/tulu-3-sft-mixture\n"
+                          "- HuggingFaceH4/no_robots\n")
+    assert str(local) in card  # the data section names it
+    (run / "data_report.json").write_text(json.dumps({"sources": sources[1:2]}))
+    assert "datasets:" not in render_model_card(run)
