@@ -111,7 +111,9 @@ def _peft_skeleton(files: Path) -> Any:
         del config.quantization_config
     with init_empty_weights():
         base = AutoModelForCausalLM.from_config(config)
-    return get_peft_model(base, LoraConfig.from_pretrained(files))
+    adapter = LoraConfig.from_pretrained(files)
+    base.name_or_path = adapter.base_model_name_or_path or ""  # the base it names (peft warned of a rename)
+    return get_peft_model(base, adapter)
 
 
 def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: bool,

@@ -162,3 +162,25 @@ def test_a_failed_export_leaves_the_earlier_one(tiny_model_dir, tmp_path, monkey
     with pytest.raises(OSError):
         export_checkpoint(checkpoint, tmp_path / "fresh")
     assert not (tmp_path / "fresh").exists()
+
+
+def test_a_lora_checkpoints_skeleton_keeps_its_base_without_peft_warning_of_a_rename(tiny_model_dir,
+                                                                                    tmp_path) -> None:
+    """`open_sft export` of a LoRA step checkpoint printed peft's "base_model_name_or_path was renamed from
+    '/path/base' to the checkpoint's directory (the skeleton is built from the config there): it keeps the
+    adapter's base."""
+    import shutil
+    import warnings
+
+    from peft import LoraConfig
+
+    from open_sft.export.from_checkpoint import _peft_skeleton
+
+    files = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, files)
+    LoraConfig(r=4, target_modules=["q_proj"], base_model_name_or_path="/models/base").save_pretrained(files)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        skeleton = _peft_skeleton(files)
+    assert not [w for w in caught if "renamed" in str(w.message)]
+    assert skeleton.peft_config["default"].base_model_name_or_path == "/models/base"
