@@ -158,7 +158,8 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
     if through.startswith(prompt):
         target = through[len(prompt):]
     else:
-        prompt, target = _turn_after_rewritten_history(prompt, through, draw(messages[:i], False, tools))
+        prompt, target = _turn_after_rewritten_history(prompt, through, draw(messages[:i], False, tools),
+                                                       messages[i - 1].get("content"))
         if target is None:
             raise RowError(f"{where}: what the template writes for this turn does not follow the generation "
                            "prompt it renders for the messages before it, so the turn cannot be located; choose "
@@ -168,15 +169,19 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
     return Turn(i, prompt, target, end, core)
 
 
-def _turn_after_rewritten_history(prompt: str, through: str, bare: str) -> tuple[str, Optional[str]]:
+def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous: object = None
+                                  ) -> tuple[str, Optional[str]]:
     """The context and what the template writes for a turn whose rendering as the last message is not its
     generation prompt's continuation; (prompt, None) where it cannot be told.
 
     - A generation prompt that opens more than the turn writes (a thinker's "<think>", which the turn writes
       from its content): the context is as much of the prompt as the turn's rendering shares.
     - A template that rewrites earlier turns once this one follows them (gpt-oss drops the analysis of a tool
-      call once a final answer follows): the turn is what follows, in `through`, the end of the messages
-      before it (the longest end of their rendering that `through` has) and the generation prompt."""
+      call once a final answer follows; Mistral v0.3's and Nemo's write the system prompt into the last user
+      turn only while it is the last message): the turn is what follows, in `through`, the end of the messages
+      before it (the longest end of their rendering that `through` has) and the generation prompt. Where the
+      generation prompt opens nothing (Mistral's), that end must reach into the text of the message before the
+      turn (`previous`, its content), not only the tags the template closes it with."""
     if not prompt.startswith(bare):
         return prompt, None
     opening = prompt[len(bare):]
@@ -190,10 +195,18 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str) -> tuple
             low = middle
         else:
             high = middle - 1
-    if low == 0 or not opening:
+    if low == 0 or not opening and not _reaches_into(bare, low, previous):
         return prompt, None
     at = through.rfind(bare[len(bare) - low:]) + low
     return prompt, (through[at + len(opening):] if through.startswith(opening, at) else None)
+
+
+def _reaches_into(bare: str, length: int, previous: object) -> bool:
+    """Whether the last `length` characters of `bare` (the messages before a turn) hold some of the text of
+    the message before the turn (`previous`, its content), not only what the template writes after it."""
+    text = previous.strip() if isinstance(previous, str) else ""
+    at = bare.rfind(text) if text else -1
+    return at >= 0 and length > len(bare) - at - len(text)
 
 
 def _closer(messages: Messages, turn: Turn, enders: TurnEnders) -> str:

@@ -313,3 +313,24 @@ def test_a_template_that_is_not_prefix_stable_trains_each_turn_after_its_own_con
     runs = [trained_runs(tokenizer, e)[-1].strip() for e in
             label_and_check(tokenizer, row_examples(tokenizer, rows[0], "all_assistant", markers).examples)[0]]
     assert runs == ["tac (short)" + eos, "TAC\n" + eos, "TACTAC" + eos]
+
+
+def test_a_system_prompt_written_only_into_a_last_user_message_is_in_every_turns_context(tokenizer) -> None:
+    """Mistral v0.3's and Nemo's templates write the system prompt into the last user turn only while it is the last
+    message: the whole conversation renders without it, yet every turn is generated after it. Each turn trains after
+    its own generation context (its own example, the system prompt in it), a one-turn row too."""
+    tokenizer = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
+    tokenizer.chat_template = SYSTEM_IN_LAST_USER_TURN.replace("loop.index0 == last_user.index", "loop.last")
+    row = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Reverse cat."},
+           {"role": "assistant", "content": "tac"}, {"role": "user", "content": "Uppercase it."},
+           {"role": "assistant", "content": "TAC"}]
+    assert "Be brief." not in tokenizer.apply_chat_template(row, tokenize=False)
+    markers, eos = special_markers(tokenizer), tokenizer.eos_token
+    for conversation, answers in ((row, [2, 4]), (row[:3], [2])):
+        rendered = row_examples(tokenizer, conversation, "all_assistant", markers).examples
+        examples, right = label_and_check(tokenizer, rendered)
+        assert right == [True] * len(answers)
+        for answer, (text, _), example in zip(answers, rendered, examples):
+            context = tokenizer.apply_chat_template(conversation[:answer], tokenize=False, add_generation_prompt=True)
+            assert "Be brief." in context and text == context + " " + conversation[answer]["content"] + eos
+            assert [run.strip() for run in trained_runs(tokenizer, example)] == [conversation[answer]["content"] + eos]
