@@ -19,7 +19,8 @@ BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
 
 
 _NOTES = {
-    "reasoning_not_rendered": "carry reasoning (reasoning_content, thinking or reasoning) that the chat template "
+    "reasoning_not_rendered": "carry reasoning (reasoning_content, thinking or reasoning, or <think>…</think> in "
+                              "the content) that the chat template "
                               "does not write, so it is not trained; choose a template that writes it (the model's "
                               "own, or --chat_template_path FILE)",
     "generation_tags_disagree": "are labelled otherwise than the chat template's {% generation %} tags mark (the "

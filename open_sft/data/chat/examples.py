@@ -23,7 +23,7 @@ from typing import Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
-from open_sft.data.chat.reasoning import (inline_reasoning, masked, reasoning_of, trace_of,
+from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, trace_of,
                                          with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
@@ -194,6 +194,9 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     state = render.template_state(tokenizer, options)
     messages = with_reasoning_aliases(_developer_turns(messages, state.source))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
+    if not rendered.reasoning_not_rendered and inline_unwritten(
+            messages, _trained_indices(messages, train_on), [text for text, _ in rendered.examples]):
+        rendered = dataclasses.replace(rendered, reasoning_not_rendered=True)
     if train_on != "all" and state.generation_tags:
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
             tokenizer, messages, rendered, options))

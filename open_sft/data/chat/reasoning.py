@@ -5,8 +5,9 @@ datasets), `thinking` (gpt-oss's harmony template), `reasoning` (vLLM's and Open
 transformers' apply_chat_template does (5.x), a trace is handed to the template as `thinking` and as
 `reasoning_content` too (`with_reasoning_aliases`), so a dataset of one convention trains under a template of
 another instead of losing its reasoning without a word, and the text is exactly apply_chat_template's. A
-template that reads none of them (an instruct-only one) leaves the trace out: such rows are counted per source
-(`reasoning_not_rendered`) and warned about.
+template that reads none of them (an instruct-only one) leaves the trace out, as DeepSeek-R1 distills' own does with
+a trace written in the content (`<think>trace</think>answer`, kept only after `</think>`): such rows are counted per
+source (`reasoning_not_rendered`) and warned about.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def inline_reasoning(message: dict) -> str:
         return ""
     start = content.find("<think>", 0, end)
     return content[start + len("<think>") if start >= 0 else 0:end]
+
+
+def inline_unwritten(messages: Messages, indices: list[int], texts: list[str]) -> bool:
+    """Whether a trained turn's trace written in its content (inline_reasoning) is in none of `texts`, the
+    conversation's examples: DeepSeek-R1 distills' own template keeps only what follows `</think>` in every turn,
+    the last one too, so such a row trains no reasoning."""
+    traces = (inline_reasoning(messages[i]).strip() for i in indices)
+    return any(trace and not any(trace in text for text in texts) for trace in traces)
 
 
 def trace_of(message: dict) -> str:

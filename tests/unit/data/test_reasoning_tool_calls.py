@@ -247,6 +247,33 @@ def test_reasoning_a_template_does_not_write_is_counted_and_named(tiny_model_dir
     assert "Six sevens" not in "".join(tokenizer.decode(e.input_ids) for e in examples)
 
 
+# DeepSeek-R1 distills' construct (written here): every assistant content is kept only after its `</think>`
+R1_STYLE = ("{{- bos_token }}{%- for m in messages %}{%- if m.role == 'user' %}{{- '<|user|>' + m.content }}"
+            "{%- elif m.role == 'assistant' %}{%- set content = m.content %}{%- if '</think>' in content %}"
+            "{%- set content = content.split('</think>')[-1] %}{%- endif %}{{- '<|assistant|>' + content + eos_token }}"
+            "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|><think>\\n' }}{%- endif %}")
+
+
+def test_reasoning_in_the_content_that_the_template_drops_is_counted(tiny_model_dir, tmp_path, caplog) -> None:
+    """A trace written in the content (`<think>trace</think>answer`, as R1 distills' data carries it) under a template
+    that keeps only the answer after `</think>` (R1 distills' own): counted and warned about as reasoning the
+    template does not write (the last turn's too); under one that writes it (chatml), not."""
+    from open_sft.data.chat.templates import apply_chat_template_choice
+
+    inline = {"messages": [{"role": "user", "content": "What is 6 times 7?"},
+                           {"role": "assistant", "content": "<think>\nSix sevens are forty-two.\n</think>\n\n42."}]}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = R1_STYLE
+    with caplog.at_level("WARNING"):
+        examples, (report,) = build(tokenizer, tmp_path, [NO_REASONING, inline, inline])
+    assert report.reasoning_not_rendered == 2
+    assert "Six sevens" not in "".join(tokenizer.decode(e.input_ids) for e in examples)
+    assert sum("line 2; " in r.getMessage() and "<think>" in r.getMessage() for r in caplog.records) == 1
+    apply_chat_template_choice(tokenizer, "chatml", None)
+    _, (report,) = build(tokenizer, tmp_path, [NO_REASONING, inline])
+    assert report.reasoning_not_rendered == 0
+
+
 # A training template in TRL's manner: Qwen3's turns with every turn's reasoning kept and `{% generation %}`
 # around what the assistant writes (written here).
 GENERATION_TAGS = (
