@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 # 11: --dataset_mixer_unit tokens orders its picks as rows does (an upsampled document's copies a pass apart), a
 # UTF-8 BOM opening a .txt file is not the first document's text, --add_bos where bos is eos puts one eos between
 # documents (not two); 12: a template writing the system prompt into the last user turn only while it is the
-# last message (Mistral v0.3's, Nemo's) trains each turn after its generation context, the system prompt in it
-CACHE_FORMAT_VERSION = 12
+# last message (Mistral v0.3's, Nemo's) trains each turn after its generation context, the system prompt in it;
+# 13: a turn with reasoning whose generation prompt closes an empty think block (enable_thinking false) trains its
+# answer after that prompt
+CACHE_FORMAT_VERSION = 13
 COMPLETE = "COMPLETE"
 
 

@@ -35,6 +35,11 @@ _NOTES = {
     "tool_arguments_not_json": "have tool calls whose arguments are a string that is not a JSON object (a Python "
                                "dict's repr, cut-off JSON), trained as written, so the model learns to call tools "
                                "so; fix the arguments, or drop the rows",
+    "reasoning_closed_by_prompt": "carry reasoning on turns whose generation prompt already closes an empty think "
+                                  "block (--chat_template_kwargs '{\"enable_thinking\": false}'), so the model "
+                                  "generates no reasoning there: those turns train their answer after that block, "
+                                  "without the reasoning; to train it, leave enable_thinking false out for this "
+                                  "source (a source's own chat_template_kwargs)",
     "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -64,6 +69,7 @@ class SourceReport:
     tools_not_rendered: int = 0  # rows whose tool schemas the template does not write
     tool_arguments_not_json: int = 0  # rows with a tool call whose arguments are not a JSON object
     special_tokens_in_text: int = 0  # rows (documents) holding a special token's literal text
+    reasoning_closed_by_prompt: int = 0  # rows with reasoning on a turn whose generation prompt closes it empty
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,7 +84,8 @@ class SourceReport:
             "reasoning_history_not_kept": self.reasoning_history_not_kept,
             "tools_not_rendered": self.tools_not_rendered,
             "tool_arguments_not_json": self.tool_arguments_not_json,
-            "special_tokens_in_text": self.special_tokens_in_text, "hub_dataset": self.hub_dataset,
+            "special_tokens_in_text": self.special_tokens_in_text,
+            "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

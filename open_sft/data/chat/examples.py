@@ -117,11 +117,13 @@ class RowRender:
     tools_not_rendered: bool = False  # the row's tool schemas are not in what the template writes
     tool_arguments_not_json: bool = False  # a tool call's arguments are a string that is not a JSON object
     special_tokens_in_text: bool = False  # a message's text holds a special token's text (render.special_text)
+    reasoning_closed_by_prompt: bool = False  # a trained turn's generation prompt closes its think block empty
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
-                "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text")
+                "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
+                "reasoning_closed_by_prompt")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -194,7 +196,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     state = render.template_state(tokenizer, options)
     messages = with_reasoning_aliases(_developer_turns(messages, state.source))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
-    if not rendered.reasoning_not_rendered and inline_unwritten(
+    if not (rendered.reasoning_not_rendered or rendered.reasoning_closed_by_prompt) and inline_unwritten(
             messages, _trained_indices(messages, train_on), [text for text, _ in rendered.examples]):
         rendered = dataclasses.replace(rendered, reasoning_not_rendered=True)
     if train_on != "all" and state.generation_tags:
@@ -291,7 +293,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     if keep and len(examples) > 1:
         joined = kept_history(state.draw, messages, tools, examples, enders)
         examples, not_kept = ([joined], False) if joined is not None else (examples, True)
-    unwritten = False
+    unwritten = closed = False
     for i, turn in turns.items():
         message = messages[i]
         where = f"message {i + 1} (assistant, with {'tool calls' if message.get('tool_calls') else 'more than a content'})"
@@ -305,7 +307,8 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
             raise RowError(f"message {i + 1} (assistant): the chat template writes nothing for this turn; choose "
                            "another template")
         reasoning = reasoning_of(message)
-        unwritten |= bool(reasoning) and reasoning.strip() not in turn.target
+        closed |= turn.reasoning_closed
+        unwritten |= bool(reasoning) and not turn.reasoning_closed and reasoning.strip() not in turn.target
     out = []
     for example in examples:
         spans: list[tuple[int, int]] = []
@@ -314,7 +317,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
                 else [span]
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
-                     reasoning_history_not_kept=not_kept)
+                     reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed)
 
 
 def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,

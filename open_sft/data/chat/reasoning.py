@@ -47,6 +47,15 @@ def inline_unwritten(messages: Messages, indices: list[int], texts: list[str]) -
     return any(trace and not any(trace in text for text in texts) for trace in traces)
 
 
+def without_reasoning(message: dict) -> dict:
+    """The message as it would be without its trace: no reasoning field, and a content with a trace written in it
+    (inline_reasoning) only what follows its `</think>`."""
+    content = message.get("content")
+    if inline_reasoning(message):
+        content = content[content.find("</think>") + len("</think>"):].lstrip()
+    return {**{key: value for key, value in message.items() if key not in REASONING_KEYS}, "content": content}
+
+
 def trace_of(message: dict) -> str:
     """The trace --reasoning_loss mask leaves untrained: the message's reasoning field, else the one inline."""
     return reasoning_of(message) or inline_reasoning(message)

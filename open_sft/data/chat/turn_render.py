@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from open_sft.data.chat.reasoning import trace_of, without_reasoning
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages, RowError
 
@@ -140,13 +141,16 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
 class Turn:
     """Assistant message `index` rendered as the last message: its context (`prompt`), what the template
     writes for it after that context (`target`), and where in `target` the turn ends (0: no end-of-turn
-    token written; `core` is `target` without its closing tokens)."""
+    token written; `core` is `target` without its closing tokens). `reasoning_closed`: the generation prompt
+    holds what the template writes for the turn without reasoning (the empty think block of Qwen3's
+    enable_thinking false), so the model generates none there: `target` is the turn without its trace."""
 
     index: int
     prompt: str
     target: str
     end: int
     core: str
+    reasoning_closed: bool = False
 
 
 def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> Turn:
@@ -155,6 +159,11 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
         raise RowError(f"{where}: the conversation opens with this assistant turn, which has no context to "
                        "render; start the row with the user (or system) message it answers", "no_context")
     prompt, through = draw(messages[:i], True, tools), draw(messages[: i + 1], False, tools)
+    closed = False
+    if not through.startswith(prompt) and trace_of(messages[i]):
+        bare_turn = draw([*messages[:i], without_reasoning(messages[i])], False, tools)
+        if bare_turn.startswith(prompt):  # the generation prompt closes the think block before the turn
+            through, closed = bare_turn, True
     if through.startswith(prompt):
         target = through[len(prompt):]
     else:
@@ -166,7 +175,7 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
                            "another template")
     end = enders.last_end(target)
     core = enders.stripped(target[:end]) if end else target.rstrip()
-    return Turn(i, prompt, target, end, core)
+    return Turn(i, prompt, target, end, core, closed)
 
 
 def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous: object = None

@@ -232,6 +232,30 @@ def test_enable_thinking_false_puts_the_empty_think_block_in_the_context(tiny_mo
                                                    tokenize=False, enable_thinking=False)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "glm"])
+def test_reasoning_on_a_turn_whose_generation_prompt_closes_the_think_block(tiny_model_dir, tmp_path, caplog,
+                                                                             family) -> None:
+    """enable_thinking false puts an empty think block into the generation prompt (Qwen3's, GLM-4.5's templates), yet
+    the templates write a row's reasoning: trained after the part of that prompt they share, it had a context the
+    model never sees. The turn trains as the model generates it there, its answer after that very prompt, and such
+    rows are counted and warned about (not as reasoning the template does not write)."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    row = {"messages": MIXED["messages"][:2]}
+    with caplog.at_level("WARNING"):
+        examples, (report,) = build(tokenizer, tmp_path, [NO_REASONING, row],
+                                    chat_template_kwargs='{"enable_thinking": false}')
+    (_, (before, run)) = trained_runs(tokenizer, examples)
+    assert before == tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False,
+                                                   enable_thinking=False)
+    assert run.strip() == "42." + stop_of(family, row["messages"], 1)
+    assert report.reasoning_closed_by_prompt == 1 and report.reasoning_not_rendered == 0
+    assert "Six sevens" not in "".join(tokenizer.decode(e.input_ids) for e in examples)
+    warned = [r.getMessage() for r in caplog.records if "empty think block" in r.getMessage()]
+    assert len(warned) == 1 and "1 row(s)" in warned[0] and "line 2" in warned[0]
+    _, (report,) = build(tokenizer, tmp_path, [row])  # the template's default: the reasoning trains
+    assert report.reasoning_closed_by_prompt == 0 and report.reasoning_not_rendered == 0
+
+
 def test_reasoning_a_template_does_not_write_is_counted_and_named(tiny_model_dir, tmp_path, caplog) -> None:
     """An instruct-only template (chatml) writes no reasoning: the rows train without it, counted per source
     in the data report and warned about once with the first rows named, never dropped without a word."""
