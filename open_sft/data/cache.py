@@ -47,8 +47,9 @@ logger = logging.getLogger(__name__)
 # documents (not two); 12: a template writing the system prompt into the last user turn only while it is the
 # last message (Mistral v0.3's, Nemo's) trains each turn after its generation context, the system prompt in it;
 # 13: a turn with reasoning whose generation prompt closes an empty think block (enable_thinking false) trains its
-# answer after that prompt
-CACHE_FORMAT_VERSION = 13
+# answer after that prompt; 14: a turn closer spelled like a tag (Gemma's <end_of_turn>) ends turns trained turn
+# by turn
+CACHE_FORMAT_VERSION = 14
 COMPLETE = "COMPLETE"
 
 

@@ -12,8 +12,8 @@ whose context and whole turn that text carries exactly, followed by its end-of-t
 too; the rest go to the next example, made the same way.
 
 The end of a turn is what the template writes to end it (`TurnEnders`): an end-of-turn token
-(`<|im_end|>`, `<|eot_id|>`), a token that ends a tool-call turn (`<|call|>`), or, where a template
-writes none (GLM's), the tag of the turn that follows (`<|user|>`, `<|observation|>`), which is what the
+(`<|im_end|>`, `<|eot_id|>`, Gemma's `<end_of_turn>`), a token that ends a tool-call turn (`<|call|>`), or,
+where a template writes none (GLM's), the tag of the turn that follows (`<|user|>`, `<|observation|>`), which is what the
 model generates to stop. Which special tokens play that part is read off the template by rendering a
 few probe conversations (`turn_enders`).
 """
@@ -30,7 +30,7 @@ from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages, RowError
 
 Draw = Callable[[Messages, bool, Optional[list]], str]
-_XML_TAG = re.compile(r"</?[A-Za-z_][\w-]*>")  # <think>, </tool_call>: text a turn writes, not its end
+_TAG = re.compile(r"<(/?)([A-Za-z_][\w-]*)>")  # XML-like: <think>, </tool_call>, Gemma's <end_of_turn>
 _PROBE_USER = {"role": "user", "content": "Hi"}
 _PROBE_ANSWER = {"role": "assistant", "content": "Hello there"}
 _PROBE_NEXT = {"role": "user", "content": "Bye now"}
@@ -82,10 +82,22 @@ class TurnEnders:
                 return text
 
 
-def _candidates(markers: tuple[str, ...], eos: Optional[str]) -> tuple[str, ...]:
-    """Special tokens that may end a turn: not the XML-like tags of what a turn writes (a tokenizer may
-    mark `<think>` or `</tool_call>` special), eos always."""
-    return tuple(m for m in markers if m == eos or not _XML_TAG.fullmatch(m))
+def _opened(text: str) -> set[str]:
+    """The XML-like elements `text` opens and leaves open (a call's `<tool_call>` before its arguments)."""
+    depth: dict[str, int] = {}
+    for closing, name in _TAG.findall(text):
+        depth[name] = depth.get(name, 0) + (-1 if closing else 1)
+    return {name for name, count in depth.items() if count > 0}
+
+
+def _candidates(markers: tuple[str, ...], eos: Optional[str], turn: str) -> tuple[str, ...]:
+    """Special tokens that may end a turn whose own text (after its generation prompt) is `turn`: any, whatever
+    its spelling (Gemma's `<end_of_turn>` too), but a tag closing an element the turn opened (`</tool_call>`
+    after `<tool_call>`, GLM's `</arg_value>`: a tokenizer may mark them special), which is the turn's text;
+    eos always."""
+    opened = _opened(turn)
+    return tuple(m for m in markers if m == eos
+                 or not ((tag := _TAG.fullmatch(m)) and tag.group(1) and tag.group(2) in opened))
 
 
 def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:
@@ -101,7 +113,6 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
     (a template without tool calls) tells nothing. `history_trains`: turns in history train with the token
     that closes them there (open_sft's own templates, group_turns' strict=False: OLMo's <|im_end|>, where
     the last turn ends with eos), so that token is a stop too."""
-    candidates = _candidates(markers, eos)
     found: list[str] = [eos] if eos else []
     stops: list[str] = list(found)
     follows = {}
@@ -115,6 +126,7 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
             ("call", [_PROBE_USER, _PROBE_CALL], [_PROBE_USER, _PROBE_CALL, _PROBE_RESULT], _PROBE_TOOLS)):
         try:
             alone, then = draw(last, False, after), draw(followed, False, after)
+            prompt = draw(last[:-1], True, after)
         except Exception:  # noqa: BLE001 (a template without that kind of turn)
             continue
         anchor = "Hello there" if kind == "answer" else "25"
@@ -122,6 +134,8 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
         if written < 0:
             continue
         written += len(anchor)
+        turn = alone[len(os.path.commonprefix([prompt, alone])): written]
+        candidates = _candidates(markers, eos, turn)
         closing = [token for token in candidates if token in alone[written:]]
         for token in closing:  # what it closes the turn with as the last message
             add(token)
