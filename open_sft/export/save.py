@@ -85,12 +85,22 @@ def staged_export(output_dir: Path) -> Iterator[Path]:
     staging.rmdir()
 
 
+def stop_ids(configured: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The eos ids of an export: the model's own (its generation config's `eos_token_id`, those still in the
+    tokenizer's vocabulary: Llama-3.1's <|end_of_text|>, <|eom_id|> after a tool call, <|eot_id|>), then the chat
+    template's end-of-turn ids it lacks (end_of_turn_ids)."""
+    own = configured if isinstance(configured, list) else [] if configured is None else [configured]
+    own = [i for i in own if isinstance(i, int) and 0 <= i < len(tokenizer)]
+    return list(dict.fromkeys(own + end_of_turn_ids(tokenizer)))
+
+
 def write_generation_config(generation: GenerationConfig, tokenizer: PreTrainedTokenizerBase,
                             directory: Path) -> None:
-    """The model's generation config (a copy) with the tokenizer's end-of-turn ids as eos, its pad and bos."""
+    """The model's generation config (a copy) with its eos ids and the template's end-of-turn ids as eos
+    (stop_ids), the tokenizer's pad and bos."""
     generation = copy.deepcopy(generation)
-    eot = end_of_turn_ids(tokenizer)
-    generation.eos_token_id = eot[0] if len(eot) == 1 else eot
+    eos = stop_ids(generation.eos_token_id, tokenizer)
+    generation.eos_token_id = eos[0] if len(eos) == 1 else eos
     generation.pad_token_id = tokenizer.pad_token_id
     if tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id

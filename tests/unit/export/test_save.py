@@ -92,3 +92,25 @@ def _word_level():
     from tokenizers import Tokenizer, models
 
     return Tokenizer(models.WordLevel({"</s>": 0, "a": 1}, unk_token="</s>"))
+
+
+def test_the_exported_eos_ids_keep_the_models_own_and_add_the_templates(tiny_model_dir, tmp_path) -> None:
+    """A Llama-3.1 base stops at [<|end_of_text|>, <|eom_id|>, <|eot_id|>]; the export wrote the template's
+    <|eot_id|> alone, so a model calling a built-in tool (<|eom_id|>) ran on. The model's ids still in the
+    vocabulary come first, then the template's it lacks; every export writes this (the run's, a checkpoint's
+    model files for `open_sft export`, merge-lora: tests/unit/model/test_lora.py compares the last)."""
+    import json
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from open_sft.export.save import write_generation_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eom|>", "<|eot|>"]})
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|eot|>' }}{% endfor %}"
+                               "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    eos, eom, eot = tokenizer.convert_tokens_to_ids([tokenizer.eos_token, "<|eom|>", "<|eot|>"])
+    for own, expected in (([eos, eom, len(tokenizer) + 5], [eos, eom, eot]), ([eot, eom], [eot, eom, eos]),
+                          (eom, [eom, eos, eot]), (None, [eos, eot])):
+        write_generation_config(GenerationConfig(eos_token_id=own), tokenizer, tmp_path)
+        assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == expected, own
