@@ -14,7 +14,7 @@ from peft import PeftModel
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.export.run_dir import fit_base_to_adapter
-from open_sft.export.save import cast_floating, save_dtype, write_generation_config
+from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, write_generation_config
 from open_sft.file_modes import share_as_umask
 
 
@@ -42,7 +42,7 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     merged = merged_state_dict(peft_model, peft_model.state_dict())
     output_dir.mkdir(parents=True, exist_ok=True)
     write_merged_model(peft_model, cast_floating(merged, torch_dtype), output_dir, max_shard_size)
-    tokenizer.save_pretrained(output_dir)
+    save_tokenizer(tokenizer, output_dir)
     write_generation_config(peft_model.get_base_model().generation_config, tokenizer, output_dir)
     (output_dir / "README.md").write_text(render_model_card(adapter_dir, merged=True))
     share_as_umask(output_dir)  # safetensors writes 0600 whatever the umask

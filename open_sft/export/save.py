@@ -94,14 +94,32 @@ def stop_ids(configured: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return list(dict.fromkeys(own + end_of_turn_ids(tokenizer)))
 
 
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
+    """The tokenizer's files, its chat template with them. A pad token the run borrowed from eos (the tokenizer had
+    none, nor a reserved one: open_sft.model.load) is left out, as the tokenizer had it: with eos as the pad,
+    collators that mask labels equal to the pad id (transformers' DataCollatorForLanguageModeling) would never
+    train the end of a turn on the exported model."""
+    if not getattr(tokenizer, "open_sft_pad_from_eos", False):
+        tokenizer.save_pretrained(directory)
+        return
+    pad = tokenizer.pad_token
+    tokenizer.pad_token = None
+    try:
+        tokenizer.save_pretrained(directory)
+    finally:
+        tokenizer.pad_token = pad
+
+
 def write_generation_config(generation: GenerationConfig, tokenizer: PreTrainedTokenizerBase,
                             directory: Path) -> None:
     """The model's generation config (a copy) with its eos ids and the template's end-of-turn ids as eos
-    (stop_ids), the tokenizer's pad and bos."""
+    (stop_ids), the tokenizer's bos and pad (the model's own where the tokenizer's is borrowed from eos, see
+    save_tokenizer, or where it names none: merge-lora's tokenizer, read from such an export)."""
     generation = copy.deepcopy(generation)
     eos = stop_ids(generation.eos_token_id, tokenizer)
     generation.eos_token_id = eos[0] if len(eos) == 1 else eos
-    generation.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.pad_token_id is not None and not getattr(tokenizer, "open_sft_pad_from_eos", False):
+        generation.pad_token_id = tokenizer.pad_token_id
     if tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id
     generation.save_pretrained(directory)
@@ -137,7 +155,7 @@ def save_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], toke
         model.save_pretrained(staging, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
         model.config.dtype = dtype  # save_pretrained wrote the live (fp32 master) parameters' dtype
         model.config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        save_tokenizer(tokenizer, staging)
         write_generation_config(model.generation_config, tokenizer, staging)
     logger.info("saved model to %s", output_dir)
 
@@ -157,7 +175,7 @@ def write_model_files(model: PreTrainedModel | PeftModel, tokenizer: PreTrainedT
         adapter = copy.deepcopy(model.peft_config[ADAPTER])
         adapter.inference_mode = True  # as PeftModel.save_pretrained writes it
         adapter.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    save_tokenizer(tokenizer, directory)
     write_generation_config(base.generation_config, tokenizer, directory)
 
 
@@ -198,6 +216,6 @@ def save_lora(model: PeftModel, state_dict: dict[str, torch.Tensor], tokenizer: 
                                max_shard_size)
             directories.append(staging / MERGED_DIR)
         for directory in directories:
-            tokenizer.save_pretrained(directory)
+            save_tokenizer(tokenizer, directory)
             write_generation_config(model.get_base_model().generation_config, tokenizer, directory)
     logger.info("saved the LoRA adapter%s to %s", " and the merged model" if merge else "", output_dir)

@@ -55,7 +55,11 @@ def _hub_kwargs(args: ModelArguments) -> dict[str, Any]:
 
 # What a bare tokenizer.json (no tokenizer_config.json naming its special tokens) most likely means by them
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
-PAD_CANDIDATES = ("<|padding|>", "<pad>", "[PAD]", "<|pad|>")
+# Padding tokens families reserve, never trained: GPT-NeoX's, Gemma's and Mistral's (Tekken), BERT's, OLMo-2's,
+# Cohere's, Llama-3.1's and Llama-4's, DeepSeek-V3's. Not Qwen's <|endoftext|> (its tokenizer_config.json names it):
+# elsewhere it is the eos or a token templates write (Phi-3's last), trained.
+PAD_CANDIDATES = ("<|padding|>", "<pad>", "[PAD]", "<|pad|>", "<PAD>", "<|finetune_right_pad_id|>",
+                  "<|finetune_right_pad|>", "<｜▁pad▁｜>")
 
 
 def _fill_special_tokens(tokenizer: PreTrainedTokenizerBase, where: str) -> None:
@@ -71,10 +75,14 @@ def _fill_special_tokens(tokenizer: PreTrainedTokenizerBase, where: str) -> None
                        "tokenizer_config.json to choose another)", found, **SAID_ALIKE_BY_EVERY_RANK)
         tokenizer.eos_token = found
     if tokenizer.pad_token_id is None:
-        pad = next((t for t in PAD_CANDIDATES if t in vocab), None) or tokenizer.eos_token
-        logger.warning("tokenizer has no pad token; using %r for padding (padding never gets a loss)", pad,
+        pad = next((t for t in PAD_CANDIDATES if t in vocab and t != tokenizer.eos_token), None)
+        # eos pads the batches only: the export names no pad token (open_sft.export.save.save_tokenizer)
+        tokenizer.open_sft_pad_from_eos = pad is None
+        logger.warning("tokenizer has no pad token; using %r for padding (padding never gets a loss%s)",
+                       pad or tokenizer.eos_token,
+                       "; the export names no pad, as the tokenizer had none" if pad is None else "",
                        **SAID_ALIKE_BY_EVERY_RANK)
-        tokenizer.pad_token = pad
+        tokenizer.pad_token = pad or tokenizer.eos_token
 
 
 def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:

@@ -114,3 +114,33 @@ def test_the_exported_eos_ids_keep_the_models_own_and_add_the_templates(tiny_mod
                           (eom, [eom, eos, eot]), (None, [eos, eot])):
         write_generation_config(GenerationConfig(eos_token_id=own), tokenizer, tmp_path)
         assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == expected, own
+
+
+@pytest.mark.parametrize("reserved", ["<|finetune_right_pad_id|>", None])
+def test_a_tokenizer_without_pad_is_exported_without_eos_as_its_pad(tmp_path, reserved) -> None:
+    """Llama-3.1's tokenizer names no pad; open_sft padded with <|eot_id|> and exported it as the pad token, so
+    collators that mask labels equal to the pad id never trained the end of a turn on the exported model. Its
+    reserved <|finetune_right_pad_id|> is the pad now (exported: never trained); with no reserved one eos pads
+    the batches but the export names no pad, as the tokenizer had none."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    from open_sft.config.args import ModelArguments
+    from open_sft.export.save import save_tokenizer, write_generation_config
+    from open_sft.model.load import load_tokenizer
+
+    vocab = ["<|begin_of_text|>", "<|eot_id|>", "hi"] + ([reserved] if reserved else [])
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="hi"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                            additional_special_tokens=vocab[3:]).save_pretrained(tmp_path / "base")
+    tokenizer = load_tokenizer(ModelArguments(model_name_or_path=str(tmp_path / "base")))
+    assert tokenizer.pad_token == (reserved or "<|eot_id|>")  # what the batches are padded with
+    save_tokenizer(tokenizer, tmp_path / "out")
+    write_generation_config(GenerationConfig(eos_token_id=1), tokenizer, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()).get("pad_token")
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (exported, generation.get("pad_token_id")) == ((reserved, 3) if reserved else (None, None))
+    assert tokenizer.pad_token == (reserved or "<|eot_id|>")  # the run's tokenizer is left as it was
