@@ -157,9 +157,10 @@ class DataArguments:
         "reasoning kept (one example a conversation, fewer tokens).", default="template")
     add_bos: bool = _help(
         "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
-        "open-instruct does; a tokenizer without one, such as GPT-NeoX/OLMo's, uses its eos token), and every text "
-        "document (which has it anyway where the tokenizer's encoding begins a text with it; where bos is eos, "
-        "it is the one eos between documents).", default=False)
+        "open-instruct does, unless the template's rendering already opens with it; a tokenizer without one, "
+        "such as GPT-NeoX/OLMo's, uses its eos token), and every text document (which has it anyway where the "
+        "tokenizer's encoding begins a text with it; where bos is eos, it is the one eos between documents).",
+        default=False)
     sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
                                   default="messages")
     dataset_text_field: str = _help(

@@ -119,10 +119,34 @@ def add_bos_to_template(tokenizer: PreTrainedTokenizerBase) -> None:
     if not template:  # raw text documents: no template to begin with bos
         logger.info("--add_bos: the tokenizer has no chat template; nothing to add")
         return
-    if template.lstrip().startswith("{{ bos_token }}") or template.startswith(tokenizer.bos_token):
-        logger.info("--add_bos: the chat template already begins with the bos token; nothing to add")
+    if _renders_bos_first(tokenizer):
+        logger.info("--add_bos: the chat template already writes the bos token %r first; nothing to add",
+                    tokenizer.bos_token)
         return
     tokenizer.chat_template = "{{ bos_token }}" + template
+
+
+# Conversations the template is asked to render to see whether it writes bos itself: with a system message first,
+# then without (templates that reject a system role: Gemma's), then a user turn alone (strictly alternating ones)
+_BOS_PROBES = ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}],
+               [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+               [{"role": "user", "content": "Hi"}])
+
+
+def _renders_bos_first(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template's rendering of a small conversation already opens with the bos text, however the
+    template writes it (`{{- bos_token }}` after a set block: Llama-3.1's, Mistral v0.3's; `bos_token + ...` per
+    turn: Llama-2's; the literal text). A template that renders none of the probes is judged by its text."""
+    for probe in _BOS_PROBES:
+        try:
+            text = tokenizer.apply_chat_template(probe, tokenize=False)
+        except Exception:  # the template rejects this shape (raise_exception): the next probe
+            continue
+        return isinstance(text, str) and text.lstrip().startswith(tokenizer.bos_token)
+    template = tokenizer.chat_template
+    return template.lstrip().startswith(("{{ bos_token }}", "{{- bos_token }}")) or template.startswith(
+        tokenizer.bos_token)
 
 
 def _config_overrides(args: ModelArguments) -> dict[str, Any]:

@@ -279,3 +279,31 @@ def test_models_load_without_the_hubs_kernels(tiny_model_dir) -> None:
     model = load_model(model_args(tiny_model_dir))
     model.train()
     assert not getattr(model, "use_kernels", False) and getattr(model, "kernels_mode", None) is None
+
+
+@pytest.mark.parametrize("template", [
+    "{%- set loop_messages = messages %}\n{{- bos_token }}{% for m in loop_messages %}[{{ m['content'] }}]{% endfor %}",
+    "{% for m in messages %}{% if loop.first %}{{ bos_token + '[INST] ' }}{% endif %}{{ m['content'] }}{% endfor %}",
+    "{{- bos_token }}\n{% for m in messages %}{{ m['content'] }}{% endfor %}"], ids=["after_set", "per_turn", "dash"])
+def test_add_bos_adds_nothing_where_the_template_already_renders_bos_first(tiny_model_dir, template, caplog) -> None:
+    """--add_bos on a template that writes bos itself in a way its text does not begin with (Llama-3.1's
+    `{{- bos_token }}`, Mistral v0.3's after a set block, Llama-2's `bos_token + '[INST]'`) doubled it: every example
+    opened with two. Decided by rendering: one bos, and a log line says so; a template without one gets it."""
+    from transformers import AutoTokenizer
+
+    from open_sft.model.load import add_bos_to_template
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.bos_token = tokenizer.bos_token or "<|endoftext|>"
+    tokenizer.chat_template = template
+    before = tokenizer.apply_chat_template(chat, tokenize=False)
+    with caplog.at_level("INFO", logger="open_sft.model.load"):
+        add_bos_to_template(tokenizer)
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == before
+    assert before.startswith(tokenizer.bos_token) and not before[len(tokenizer.bos_token):].lstrip().startswith(
+        tokenizer.bos_token)
+    assert "already writes the bos token" in caplog.text
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    add_bos_to_template(tokenizer)
+    assert tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.bos_token + "hiyo"
