@@ -44,12 +44,13 @@ logger = logging.getLogger(__name__)
 # string prompt-completion rows raw text, --reasoning_loss mask masks inline <think> traces, OpenAI's weight 0;
 # 11: --dataset_mixer_unit tokens orders its picks as rows does (an upsampled document's copies a pass apart), a
 # UTF-8 BOM opening a .txt file is not the first document's text, --add_bos where bos is eos puts one eos between
-# documents (not two); 12: a template writing the system prompt into the last user turn only while it is the
-# last message (Mistral v0.3's, Nemo's) trains each turn after its generation context, the system prompt in it;
-# 13: a turn with reasoning whose generation prompt closes an empty think block (enable_thinking false) trains its
-# answer after that prompt; 14: a turn closer spelled like a tag (Gemma's <end_of_turn>) ends turns trained turn
-# by turn
-CACHE_FORMAT_VERSION = 14
+# documents (not two); 12: a template writing the system prompt into the last user turn only while it is the last
+# message (Mistral v0.3's, Nemo's) trains each turn after its generation context, the system prompt in it; 13: a
+# turn with reasoning whose generation prompt closes an empty think block (enable_thinking false) trains its answer
+# after that prompt; 14: a turn closer spelled like a tag (Gemma's <end_of_turn>) ends turns trained turn by turn;
+# 15: a TRL string prompt-completion row's bos is the token the tokenizer's encoding opens a text with, not text
+# before the prompt (sentencepiece tokenizers lost the prompt's first "▁")
+CACHE_FORMAT_VERSION = 15
 COMPLETE = "COMPLETE"
 
 

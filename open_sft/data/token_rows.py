@@ -88,6 +88,22 @@ class TokenRows:
         source = np.repeat(self.bounds[rows] - bounds[:-1], lengths) + np.arange(bounds[-1])
         return TokenRows(self.ids[source], self.labels[source], bounds)
 
+    def opened(self, rows: np.ndarray, token: int, trained: bool) -> "TokenRows":
+        """These rows with `token` put before each of `rows` (its label the token where `trained`, else
+        IGNORE_INDEX): the bos a raw prompt + completion opens with as the tokenizer's encoding adds it."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not len(rows):
+            return self
+        added = np.zeros(len(self), dtype=np.int64)
+        added[rows] = 1
+        lengths = self.lengths()
+        bounds = row_bounds(lengths + added)
+        kept = np.arange(len(self.ids)) + np.repeat(np.cumsum(added), lengths)
+        ids, labels = (np.empty(bounds[-1], dtype=np.int32) for _ in range(2))
+        ids[kept], labels[kept] = self.ids, self.labels
+        ids[bounds[rows]], labels[bounds[rows]] = token, token if trained else IGNORE_INDEX
+        return TokenRows(ids, labels, bounds)
+
     def trained_counts(self, max_length: int | None = None) -> np.ndarray:
         """Per row, the tokens that get a loss among its first `max_length`. Labels are shifted by one
         inside the model, so a row's first position never does (labels.count_trained, per row)."""

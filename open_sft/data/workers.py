@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
-from open_sft.data.chat.examples import RENDER_NOTES, row_examples
+from open_sft.data.chat.examples import RENDER_NOTES, raw_opening, row_examples
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
@@ -161,6 +161,11 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
 def _label(rendered: _Rendered, encoded: Optional[Encoded] = None) -> _Part:
     batch = label_batch(_STATE["tokenizer"], rendered.texts_and_spans, check=_STATE["train_on"] != "all",
                         encoded=encoded)
+    if rendered.raw and _STATE["opening"]:  # a raw prompt + completion's bos, as the tokenizer's encoding adds it
+        firsts = np.cumsum(rendered.counts) - np.asarray(rendered.counts, dtype=np.int64)
+        raw = [first for i, first in zip(rendered.indices, firsts.tolist()) if i in rendered.raw]
+        batch = LabelledBatch(batch.rows.opened(np.asarray(raw, dtype=np.int64), _STATE["opening"][0],
+                                                trained=_STATE["train_on"] == "all"), batch.right)
     return rendered, batch
 
 
@@ -235,7 +240,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     workers=None: one process per usable core (this process for fewer rows than two workers' worth)."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,
-                  convert=convert, wanted=wanted, options=options)
+                  convert=convert, wanted=wanted, options=options, opening=raw_opening(tokenizer))
     try:
         workers = max(1, min(usable_cpus() if workers is None else workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:

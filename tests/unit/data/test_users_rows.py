@@ -165,24 +165,34 @@ def trl_prompt_completion(tokenizer, prompt: str, completion: str) -> tuple[list
     return ids, [-100] * len(prompt_ids) + ids[len(prompt_ids):]
 
 
-@pytest.mark.parametrize("opens_with_bos", [False, True])
-def test_trl_string_prompt_completion_rows_train_as_trl_trains_them(tiny_model_dir, tmp_path, opens_with_bos) -> None:
+@pytest.mark.parametrize("kind", ["byte_level", "byte_level_bos", "metaspace_bos", "llama2_bos"])
+def test_trl_string_prompt_completion_rows_train_as_trl_trains_them(tiny_model_dir, tmp_path, kind) -> None:
     """Raw text, no chat template (a base model's tokenizer without one will do): the tokens and the trained ones
-    are TRL's (with a tokenizer that opens every text with bos, as Llama-3's, too)."""
+    are TRL's, with a tokenizer that opens every text with bos too (Llama-3's; Mistral's and Llama 2's
+    sentencepiece-style ones, whose prompt lost its first "▁" when bos was written as text before it)."""
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    from tokenizer_kinds import sentencepiece_like
+
+    rows = [{"prompt": "### Instruction:\nAdd 7 and 5.\n\n### Response:\n", "completion": "12"},
+            {"prompt": "Capital of France?", "completion": " Paris.</s>"}]
+    if kind.startswith("byte_level"):
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        rows[1]["completion"] = " Paris." + tokenizer.eos_token
+    else:
+        corpus = ["Capital of France? Paris is the capital.", "Add 7 and 5. The answer is 12."] * 50
+        tokenizer = sentencepiece_like(corpus, kind.removesuffix("_bos"), vocab_size=300)
     tokenizer.chat_template = None
-    if opens_with_bos:
+    if kind.endswith("_bos"):
         tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
             single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
-    rows = [{"prompt": "### Instruction:\nAdd 7 and 5.\n\n### Response:\n", "completion": "12"},
-            {"prompt": "The capital of France is", "completion": " Paris." + tokenizer.eos_token}]
     built = examples_of(tokenizer, tmp_path, rows, dataset_format="prompt_completion")
     assert built == [trl_prompt_completion(tokenizer, r["prompt"], r["completion"]) for r in rows]
     assert tokenizer.decode([t for t, l in zip(*built[0]) if l != -100]) == "12" + tokenizer.eos_token
-    assert (built[0][0][0] == tokenizer.bos_token_id) is opens_with_bos
+    assert (built[0][0][0] == tokenizer.bos_token_id) is kind.endswith("_bos")
+    every = examples_of(tokenizer, tmp_path, rows, dataset_format="prompt_completion", train_on="all")
+    assert [ids for ids, _ in every] == [ids for ids, _ in built] and all(ids == labels for ids, labels in every)
 
 
 @pytest.mark.parametrize("written", ["<think>\n{trace}\n</think>\n\n{answer}", "{trace}\n</think>\n\n{answer}"])
