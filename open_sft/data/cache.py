@@ -49,8 +49,11 @@ logger = logging.getLogger(__name__)
 # turn with reasoning whose generation prompt closes an empty think block (enable_thinking false) trains its answer
 # after that prompt; 14: a turn closer spelled like a tag (Gemma's <end_of_turn>) ends turns trained turn by turn;
 # 15: a TRL string prompt-completion row's bos is the token the tokenizer's encoding opens a text with, not text
-# before the prompt (sentencepiece tokenizers lost the prompt's first "▁")
-CACHE_FORMAT_VERSION = 15
+# before the prompt (sentencepiece tokenizers lost the prompt's first "▁"); 16: a TRL string prompt-completion row's
+# bos is the token the tokenizer's encoding opens a text with, not text before the prompt (sentencepiece tokenizers
+# lost the prompt's first "▁"); 13: a template that concatenates tool-call arguments (DeepSeek-R1's) gets them as
+# strings (its tool-call rows were refused)
+CACHE_FORMAT_VERSION = 16
 COMPLETE = "COMPLETE"
 
 

@@ -132,6 +132,14 @@ def _text_of_parts(parts: list, where: str) -> str:
     return "\n".join(texts)
 
 
+class JsonArguments(dict):
+    """Tool-call arguments the row gave as a JSON string of an object: the object, and the string as the row
+    wrote it (`text`) for a template that writes arguments by string concatenation (DeepSeek-R1's and V3's:
+    data/chat/tool_arguments.py)."""
+
+    text: str = ""
+
+
 def _with_object_arguments(call: Any) -> Any:
     """A tool call whose `function.arguments` is a JSON string of an object, with that object instead: most chat
     templates write the arguments with `tojson` (gpt-oss, Llama 3.1), which would train a JSON string of the
@@ -146,6 +154,8 @@ def _with_object_arguments(call: Any) -> Any:
         return call  # not JSON: left as written (the tool-call check says if the template drops it)
     if not isinstance(parsed, dict):
         return call
+    parsed = JsonArguments(parsed)
+    parsed.text = arguments
     return {**call, "function": {**function, "arguments": parsed}}
 
 

@@ -26,7 +26,8 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
 from open_sft.data.chat.examples import RENDER_NOTES, raw_opening, row_examples
-from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers
+from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers, template_state
+from open_sft.data.chat.tool_arguments import takes_string_arguments
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
 from open_sft.distributed.env import usable_cpus
@@ -239,6 +240,8 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     converted (a RowError makes it invalid) and, if `wanted` is given, only those rows are labelled.
     workers=None: one process per usable core (this process for fewer rows than two workers' worth)."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
+    if isinstance(tokenizer.chat_template, str):  # asked once here too (and said once), not in every worker
+        takes_string_arguments(template_state(tokenizer, options))
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,
                   convert=convert, wanted=wanted, options=options, opening=raw_opening(tokenizer))
     try:

@@ -26,6 +26,7 @@ from open_sft.data.chat import render
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, trace_of,
                                          with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
+from open_sft.data.chat.tool_arguments import as_template_takes
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.documents import document_markers
@@ -194,7 +195,8 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         raise RowError("a row of messages needs a chat template and the tokenizer has none; choose one with "
                        "--chat_template_name or --chat_template_path FILE", "template_error")
     state = render.template_state(tokenizer, options)
-    messages = with_reasoning_aliases(_developer_turns(messages, state.source))
+    strings = _string_arguments(messages)  # before the template's own form: what the row gave
+    messages = as_template_takes(state, with_reasoning_aliases(_developer_turns(messages, state.source)))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
     if not (rendered.reasoning_not_rendered or rendered.reasoning_closed_by_prompt) and inline_unwritten(
             messages, _trained_indices(messages, train_on), [text for text, _ in rendered.examples]):
@@ -205,7 +207,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     tools = getattr(messages, "tools", None)
     if tools and not _tools_written(tools, rendered.examples[0][0]):
         rendered = dataclasses.replace(rendered, tools_not_rendered=True)
-    if _string_arguments(messages):
+    if strings:
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
     if holds_special_text(messages, markers):
         rendered = dataclasses.replace(rendered, special_tokens_in_text=True)

@@ -92,6 +92,7 @@ class TemplateState:
     enders: dict[tuple[str, ...], TurnEnders] = field(default_factory=dict)  # turn_render.py, per marker set
     builtin: bool = False  # a template open_sft ships (templates.is_builtin_template)
     generation_tags: bool = False  # it marks what the assistant writes with {% generation %}
+    string_arguments: Optional[bool] = None  # it takes tool-call arguments as strings only (tool_arguments.py)
 
 
 def _guarded(draw: Renderer) -> Renderer:

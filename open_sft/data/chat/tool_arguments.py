@@ -1,0 +1,64 @@
+"""Tool-call arguments in the form the chat template takes. A row's JSON-string arguments are handed over as the
+object (formats._with_object_arguments: most templates write them with `tojson`); a template that writes them by
+string concatenation (DeepSeek-R1's distills and V3's: '```json\\n' + arguments) fails on the object, and gets the
+arguments as a string, as the row gave it (objects given as objects: their JSON). Decided once per template."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from open_sft.data.chat.render import TemplateState
+from open_sft.data.formats import JsonArguments, Messages, RowError, same_kind
+
+logger = logging.getLogger(__name__)
+
+_TOOLS = [{"type": "function", "function": {
+    "name": "probe_add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+
+
+def _probe(arguments) -> Messages:
+    return [{"role": "user", "content": "Add 17 and 25."}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "probe_add", "arguments": arguments}}]}]
+
+
+_SAID: set[str] = set()  # the templates the log has named so (once each, not once per worker or source)
+
+
+def takes_string_arguments(state: TemplateState) -> bool:
+    """Whether the template renders a tool call whose arguments are a string and fails on the same as an object
+    (asked once per template state; workers.label_rows asks before forking, so the workers inherit the answer)."""
+    if state.string_arguments is None:
+        state.string_arguments = not _renders(state, {"a": 17, "b": 25}) and _renders(state, '{"a": 17, "b": 25}')
+        if state.string_arguments and state.source not in _SAID:
+            _SAID.add(state.source)
+            logger.info("the chat template writes tool-call arguments by string concatenation (it fails on an "
+                        "object): they are handed to it as strings, as each row gave them")
+    return state.string_arguments
+
+
+def _renders(state: TemplateState, arguments) -> bool:
+    try:
+        state.draw(_probe(arguments), False, _TOOLS)
+    except RowError:
+        return False
+    return True
+
+
+def as_template_takes(state: TemplateState, messages: Messages) -> Messages:
+    """The messages with their tool calls' arguments as the template takes them: unchanged, or as strings."""
+    if not any(m.get("tool_calls") for m in messages) or not takes_string_arguments(state):
+        return messages
+    return same_kind(messages, ({**m, "tool_calls": [_with_string_arguments(c) for c in m["tool_calls"]]}
+                                if m.get("tool_calls") else m for m in messages))
+
+
+def _with_string_arguments(call):
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, dict):
+        return call
+    text = arguments.text if isinstance(arguments, JsonArguments) else json.dumps(arguments, ensure_ascii=False)
+    return {**call, "function": {**function, "arguments": text}}

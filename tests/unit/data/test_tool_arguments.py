@@ -1,0 +1,71 @@
+"""Tool-call arguments in the form the chat template takes: the object (JSON-string arguments are handed over as
+the object, for templates that write them with `tojson`), or, under a template that writes them by string
+concatenation (DeepSeek-R1's and V3's '```json\\n' + arguments), the string as the row gave it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from open_sft.config.args import DataArguments
+from open_sft.data.build import build_examples
+from open_sft.data.chat.examples import row_examples
+from open_sft.data.chat.render import special_markers
+from open_sft.data.formats import to_messages
+from open_sft.data.labels import trained_token_runs
+from tests.unit.data.test_reasoning_tool_calls import call, family_tokenizer, tool
+
+# DeepSeek-R1's way of writing a call, on chatml turns: string concatenation, which fails on an object
+CONCATENATING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "{{ '<tool_call>' + c.function.name + '\\n```json\\n' + c.function.arguments + '\\n```</tool_call>' }}"
+    "{% endfor %}{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def weather(arguments) -> dict:
+    return {"messages": [
+        {"role": "user", "content": "How cold is Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", arguments, 1)]},
+        tool('{"temp_c": -3}', 1), {"role": "assistant", "content": "It is -3 in Oslo."}]}
+
+
+@pytest.fixture
+def concatenating(tiny_model_dir):
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    tokenizer.chat_template = CONCATENATING
+    return tokenizer
+
+
+@pytest.mark.parametrize("arguments, written", [('{"city":"Oslo"}', '{"city":"Oslo"}'),
+                                                ({"city": "Oslo"}, '{"city": "Oslo"}')])
+def test_a_template_that_concatenates_arguments_gets_them_as_a_string(concatenating, tmp_path, caplog, monkeypatch,
+                                                                      arguments, written) -> None:
+    """The row was refused ("can only concatenate str (not "dict") to str ... fix the row"; under --on_bad_row
+    drop every tool-call row was dropped): the call trains with the arguments as the row wrote them (an object
+    given as an object: its JSON), said once in the log; no note that the arguments are not JSON."""
+    from open_sft.data.chat import tool_arguments
+
+    monkeypatch.setattr(tool_arguments, "_SAID", set())  # said once a process: this test's own line
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(weather(arguments)) + "\n")
+    with caplog.at_level("INFO", logger="open_sft.data.chat.tool_arguments"):
+        examples, _ = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), concatenating, 0)
+    runs = [concatenating.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)]
+    assert runs[0] == f"<tool_call>get_weather\n```json\n{written}\n```</tool_call><|im_end|>"
+    assert runs[1] == "It is -3 in Oslo.<|im_end|>"
+    assert "writes tool-call arguments by string concatenation" in caplog.text
+    rendered = row_examples(concatenating, to_messages(weather(arguments), "messages"), "all_assistant",
+                            special_markers(concatenating))
+    assert not rendered.tool_arguments_not_json
+
+
+def test_a_tojson_template_still_gets_the_object(tiny_model_dir) -> None:
+    """Qwen3's template writes arguments with tojson: a JSON string is handed over as the object, as before."""
+    qwen3 = family_tokenizer(tiny_model_dir, "qwen3")
+    as_string = row_examples(qwen3, to_messages(weather('{"city": "Oslo"}'), "messages"), "all_assistant",
+                             special_markers(qwen3))
+    as_object = row_examples(qwen3, to_messages(weather({"city": "Oslo"}), "messages"), "all_assistant",
+                             special_markers(qwen3))
+    assert as_string.examples == as_object.examples and '"arguments": {"city": "Oslo"}' in as_string.examples[0][0]
