@@ -198,7 +198,8 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
     generation prompt's continuation; (prompt, None) where it cannot be told.
 
     - A generation prompt that opens more than the turn writes (a thinker's "<think>", which the turn writes
-      from its content): the context is as much of the prompt as the turn's rendering shares.
+      from its content): the context is as much of the prompt as the turn's rendering shares, in whole tags or
+      lines (R1's "<think>\n" before a turn that writes a tool call: none of it, not the "<" both open with).
     - A template that rewrites earlier turns once this one follows them (gpt-oss drops the analysis of a tool
       call once a final answer follows; Mistral v0.3's and Nemo's write the system prompt into the last user
       turn only while it is the last message): the turn is what follows, in `through`, the end of the messages
@@ -209,8 +210,10 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
         return prompt, None
     opening = prompt[len(bare):]
     if through.startswith(bare):
-        shared = os.path.commonprefix([prompt, through])
-        return shared, through[len(shared):]
+        shared = len(os.path.commonprefix([opening, through[len(bare):]]))
+        while 0 < shared < len(opening) and not (opening[shared - 1] == ">" or opening[shared - 1].isspace()):
+            shared -= 1  # a whole tag or line of the opening, not the "<" that R1's "<think>" and a tool call share
+        return prompt[: len(bare) + shared], through[len(bare) + shared:]
     low, high = 0, len(bare)  # the longest end of `bare` that occurs in `through` (shorter ends occur too)
     while low < high:
         middle = (low + high + 1) // 2

@@ -69,3 +69,17 @@ def test_a_tojson_template_still_gets_the_object(tiny_model_dir) -> None:
     as_object = row_examples(qwen3, to_messages(weather({"city": "Oslo"}), "messages"), "all_assistant",
                              special_markers(qwen3))
     assert as_string.examples == as_object.examples and '"arguments": {"city": "Oslo"}' in as_string.examples[0][0]
+
+
+def test_a_turn_that_shares_only_a_character_with_the_generation_prompt(concatenating, tmp_path) -> None:
+    """R1's generation prompt opens "<think>\\n", which a tool-call turn does not write: the context was the common
+    prefix in characters, "<" included, so the call's span began inside its first token and the row failed the
+    label check ("the tokenizer merges across a turn boundary"). The context now ends at a whole tag or line."""
+    concatenating.chat_template = CONCATENATING.replace("assistant\n{% endif %}", "assistant\n<think>\n{% endif %}")
+    assert concatenating.chat_template != CONCATENATING
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(weather('{"city": "Oslo"}')) + "\n")
+    examples, _ = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), concatenating, 0)
+    runs = [concatenating.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)]
+    assert runs[0] == '<tool_call>get_weather\n```json\n{"city": "Oslo"}\n```</tool_call><|im_end|>'
+    assert concatenating.decode(examples[0].input_ids).count("<|im_start|>assistant\n<tool_call>") == 1
