@@ -130,7 +130,7 @@ def prepare_data(job: Job) -> None:
     if d.add_bos:
         add_bos_to_template(job.tokenizer)
     ratio = d.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)
-    job.data = build(d, job.tokenizer, seed, holdout=("train", ratio) if ratio else None)
+    job.data = build(d, job.tokenizer, seed, holdout=("train", ratio) if ratio else None, resuming=job.resuming)
     if d.eval_dataset_mixer_list:  # built under --cache_dataset_only too: the training job then only loads it
         job.eval_data = build(d.evaluation_sources(), job.tokenizer, seed)
     elif ratio:

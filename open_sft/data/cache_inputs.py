@@ -11,6 +11,7 @@ from open_sft.config.args import DataArguments
 from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
 from open_sft.data.chat.render import DEFAULT_OPTIONS, chat_options
 from open_sft.data.sources import parse_mixer_list, source_identity
+from open_sft.data.template_date import template_dates
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
@@ -33,6 +34,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
+    dates = template_dates(tokenizer.chat_template)
+    if dates:  # Llama 3.1's "Today Date: ...": another day's examples are other tokens
+        later["template_date"] = dates
     return {
         **later,
         # a local source by its content alone: the same file by another path (another node's mount) is a hit

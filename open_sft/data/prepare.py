@@ -25,6 +25,7 @@ from open_sft.data.labels import Example
 from open_sft.data.mixer import source_names
 from open_sft.data.partials import partial_dir, record_sources, remove_abandoned
 from open_sft.data.sources import parse_mixer_list
+from open_sft.data.template_date import recorded_dates, remember
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -93,20 +94,23 @@ def how_found(hit: bool, entry: Path, started: float) -> str:
 
 
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-                 holdout: Optional[tuple[str, float]] = None) -> PreparedData:
+                 holdout: Optional[tuple[str, float]] = None, resuming: Optional[dict] = None) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
-    "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry."""
+    "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry. `resuming`: the
+    trainer state of the checkpoint a resume reads (its data are kept where only the template's date differs)."""
     import datasets
 
     inputs = key_inputs(args, tokenizer, seed, holdout)
     key = cache_key(inputs)
+    inputs, key, identity_key = _resumed_dates(args, inputs, key, resuming)
+    remember(identity_key, inputs.get("template_date"))
     if args.dataset_skip_cache:  # the examples' files live as long as this process
         tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
         atexit.register(shutil.rmtree, tmp, True)
         with _gc_paused():
             report = build_dataset(args, tokenizer, seed, key, holdout, tmp / "spill", tmp / "data")
         shutil.rmtree(tmp / "spill", ignore_errors=True)
-        return PreparedData(datasets.load_from_disk(str(tmp / "data")), report, key, None, False)
+        return PreparedData(datasets.load_from_disk(str(tmp / "data")), report, identity_key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
     # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
@@ -134,5 +138,29 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     # an entry is found by the sources' contents: built from other paths, its report names them as this run does
     names = [spec.name for spec in specs]
     report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
-    return PreparedData(dataset, report, key, entry, hit)
+    return PreparedData(dataset, report, identity_key, entry, hit)
+
+
+def _resumed_dates(args: DataArguments, inputs: dict[str, Any], key: str, resuming: Optional[dict]
+                   ) -> tuple[dict[str, Any], str, str]:
+    """The key inputs, the key to load or build and the key the run is known by. A resumed run whose template
+    writes today's date (template_date), on another day: its checkpoint's data differ from today's in that date
+    alone (the recorded key is these inputs with the recorded date). They are reused where the cache has them;
+    else today's are built and the resume goes on under the run's key (the examples' date is today's): the resume
+    is not refused for the date."""
+    recorded, dates = recorded_dates(resuming)
+    if not dates or not recorded or recorded == key or "template_date" not in inputs:
+        return inputs, key, key
+    theirs = {**inputs, "template_date": dates}
+    if cache_key(theirs) != recorded:  # something else differs: the resume's own check says what
+        return inputs, key, key
+    day, today = ", ".join(sorted(set(dates.values()))), ", ".join(sorted(set(inputs["template_date"].values())))
+    if not args.dataset_skip_cache and (resolve_cache_dir(args.dataset_local_cache_dir) / recorded / COMPLETE).exists():
+        logger.info("resuming a run whose chat template writes the date: its tokenized data (dated %s) are reused, "
+                    "not rebuilt with today's date (%s)", day, today)
+        return theirs, recorded, recorded
+    logger.warning("resuming a run whose chat template writes the date: its tokenized data (dated %s) are not in "
+                   "this cache, so they are built again with today's date (%s), which the examples now carry; the "
+                   "resume goes on", day, today)
+    return inputs, key, recorded
 

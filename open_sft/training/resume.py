@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 
+from open_sft.data.template_date import dates_of
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
@@ -209,7 +210,8 @@ def run_identity(config: Any, cache_key: str, parallelism: Parallelism) -> dict[
             t.gradient_accumulation_steps, "world_size": parallelism.world_size, "seed": t.seed, "packing": t.packing,
             "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),
             "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": parallelism.tp,
-            "adapters": adapters(config.lora)}
+            "adapters": adapters(config.lora),
+            **({"template_date": dated} if (dated := dates_of(cache_key)) else {})}  # not compared: data/prepare.py
 
 
 def adapters(lora: Any) -> str:

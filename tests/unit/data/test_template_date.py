@@ -1,0 +1,104 @@
+"""A chat template that writes today's date (Llama 3.1/3.2's "Today Date: 06 Dec 2026", transformers'
+strftime_now) makes other tokens every day: the cache key holds the date it writes, and a resume on another day
+keeps its own data (reused from the cache, or built again and the resume goes on), not refused for the date."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+from transformers import AutoTokenizer
+from transformers.utils import chat_template_utils
+
+from open_sft.config.args import DataArguments
+from open_sft.data import cache
+from open_sft.data.cache_inputs import key_inputs
+from open_sft.data.prepare import prepare_data
+from open_sft.data.template_date import dates_of
+
+DATED = ("{{ bos_token }}{% set today = strftime_now('%d %b %Y') %}"
+         "{% for m in messages %}<|{{ m.role }}|>Today Date: {{ today }}\n{{ m.content }}{{ eos_token }}{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>Today Date: {{ today }}\n{% endif %}")
+
+
+def on_day(monkeypatch, day: int) -> None:
+    """transformers' strftime_now reads its module's datetime.now(): that day of December 2026."""
+    class Day(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 12, day, 9, 0, 0)
+    monkeypatch.setattr(chat_template_utils, "datetime", Day)
+
+
+@pytest.fixture()
+def dated(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = DATED
+    return tokenizer
+
+
+@pytest.fixture()
+def args(tmp_path, monkeypatch) -> DataArguments:
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return DataArguments(dataset_mixer_list=[str(data), "1.0"], dataset_local_cache_dir=str(tmp_path / "cache"))
+
+
+def test_the_cache_key_holds_the_date_the_template_writes(dated, tiny_model_dir, args, monkeypatch, caplog) -> None:
+    """The key ignored the date: a rebuild on day 2 (a requeue onto a node-local cache) made other tokens under
+    day 1's key, and a shared cache served day 1's tokens on day 2. A template without a clock: the key as before."""
+    keys = []
+    for day in (6, 6, 7):
+        on_day(monkeypatch, day)
+        with caplog.at_level("INFO", logger="open_sft.data.template_date"):
+            inputs = key_inputs(args, dated, 0)
+        keys.append(cache.cache_key(inputs))
+    assert inputs["template_date"] == {"%d %b %Y": "07 Dec 2026"}
+    assert keys[0] == keys[1] != keys[2]
+    assert "the chat template writes today's date into every example" in caplog.text
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain.chat_template = DATED.replace("strftime_now('%d %b %Y')", "'26 Jul 2024'")
+    assert "template_date" not in key_inputs(args, plain, 0)
+
+
+def test_a_resume_on_another_day_keeps_its_data(dated, args, monkeypatch, caplog) -> None:
+    """Day 1 builds; the checkpoint records the key and the date (run_identity, from dates_of). Day 2's resume: the
+    entry is reused (day 1's tokens, the run's key); without it in the cache, today's are built and the resume goes
+    on under the run's key, with a warning. Another change (max_seq_length) is not taken for the date."""
+    on_day(monkeypatch, 6)
+    first = prepare_data(args, dated, 0)
+    assert "06 Dec 2026" in dated.decode(first.dataset[0]["input_ids"])
+    resuming = {"identity": {"dataset_cache_key": first.cache_key, "template_date": dates_of(first.cache_key)}}
+    on_day(monkeypatch, 7)
+    assert prepare_data(args, dated, 0).cache_key != first.cache_key  # a fresh run: today's entry
+    with caplog.at_level("INFO", logger="open_sft.data.prepare"):
+        resumed = prepare_data(args, dated, 0, resuming=resuming)
+    assert (resumed.cache_key, resumed.cache_path, resumed.cache_hit) == (first.cache_key, first.cache_path, True)
+    assert "06 Dec 2026" in dated.decode(resumed.dataset[0]["input_ids"]) and "are reused" in caplog.text
+    import shutil
+
+    shutil.rmtree(first.cache_path)
+    rebuilt = prepare_data(args, dated, 0, resuming=resuming)
+    assert rebuilt.cache_key == first.cache_key and rebuilt.cache_path != first.cache_path
+    assert "07 Dec 2026" in dated.decode(rebuilt.dataset[0]["input_ids"]) and "the resume goes on" in caplog.text
+    other = prepare_data(DataArguments(**{**vars(args), "max_seq_length": 100}), dated, 0, resuming=resuming)
+    assert other.cache_key != first.cache_key
+
+
+def test_the_checkpoint_records_the_date_and_a_resume_does_not_compare_it(dated, args, monkeypatch) -> None:
+    """run_identity carries the dates of the run's own key (what the resume above reads), and check_compatible
+    does not compare them: the key alone says whether the data are the run's."""
+    from open_sft.config.parse import parse_config
+    from open_sft.distributed.parallelism import Parallelism
+    from open_sft.training.resume import check_compatible, run_identity
+
+    on_day(monkeypatch, 6)
+    key = prepare_data(args, dated, 0).cache_key
+    config = parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", "o"])
+    identity = run_identity(config, key, Parallelism("single"))
+    assert identity["template_date"] == {"%d %b %Y": "06 Dec 2026"}
+    assert "template_date" not in run_identity(config, "another key", Parallelism("single"))
+    check_compatible(args.dataset_local_cache_dir, {**identity, "template_date": {"%d %b %Y": "05 Dec 2026"}}, identity)
