@@ -49,14 +49,9 @@ logger = logging.getLogger(__name__)
 # turn with reasoning whose generation prompt closes an empty think block (enable_thinking false) trains its answer
 # after that prompt; 14: a turn closer spelled like a tag (Gemma's <end_of_turn>) ends turns trained turn by turn;
 # 15: a TRL string prompt-completion row's bos is the token the tokenizer's encoding opens a text with, not text
-# before the prompt (sentencepiece tokenizers lost the prompt's first "▁"); 16: a TRL string prompt-completion row's
-# bos is the token the tokenizer's encoding opens a text with, not text before the prompt (sentencepiece tokenizers
-# lost the prompt's first "▁"); 13: a template that concatenates tool-call arguments (DeepSeek-R1's) gets them as
-# strings (its tool-call rows were refused); 17: a TRL string prompt-completion row's bos is the token the
-# tokenizer's encoding opens a text with, not text before the prompt (sentencepiece tokenizers lost the prompt's
-# first "▁"); 13: a template that concatenates tool-call arguments (DeepSeek-R1's) gets them as strings (its tool-
-# call rows were refused); 14: the context of a turn that writes only part of its generation prompt's opening ends
-# at a whole tag or line
+# before the prompt (sentencepiece tokenizers lost the prompt's first "▁"); 16: a template that concatenates
+# tool-call arguments (DeepSeek-R1's) gets them as strings (its tool-call rows were refused); 17: the context of a
+# turn that writes only part of its generation prompt's opening ends at a whole tag or line
 CACHE_FORMAT_VERSION = 17
 COMPLETE = "COMPLETE"
 
