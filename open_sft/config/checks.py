@@ -15,6 +15,7 @@ from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hu
 
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
+from open_sft.config.ranges import numeric_problems
 from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hint, uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
@@ -41,6 +42,7 @@ def _is_local_path(name: str) -> bool:
 def validate(config: FinetuneConfig) -> None:
     """Collect every problem in the configuration and raise them together."""
     problems = _choice_problems(config) + _model_problems(config.model) + _data_problems(config.data)
+    problems += numeric_problems(config)
     problems += _training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
@@ -143,12 +145,8 @@ def _data_problems(d: DataArguments) -> list[str]:
     if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list_splits) not in (1, n_eval):
         problems.append(f"--eval_dataset_mixer_list_splits has {len(d.eval_dataset_mixer_list_splits)} values; give "
                         f"one for all evaluation sources or one per source ({n_eval})")
-    if not 0.0 <= d.eval_split_ratio < 1.0:
-        problems.append(f"--eval_split_ratio must be in [0, 1), got {d.eval_split_ratio}")
     if d.eval_split_ratio and d.eval_dataset_mixer_list:
         problems.append("give --eval_dataset_mixer_list or --eval_split_ratio, not both")
-    if d.max_seq_length < 2:
-        problems.append(f"--max_seq_length must be at least 2, got {d.max_seq_length}")
     if d.cache_dataset_only and d.dataset_skip_cache:  # it tokenized, kept nothing and printed "None"
         problems.append("--cache_dataset_only builds the cache, which --dataset_skip_cache skips: drop one of them")
     problems += template_kwargs_problems(d.chat_template_kwargs)
@@ -164,27 +162,12 @@ def _data_problems(d: DataArguments) -> list[str]:
 
 def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
     problems = []
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs", "logging_steps"):
-        if getattr(t, flag) < 1:
-            problems.append(f"--{flag} must be at least 1, got {getattr(t, flag)}")
-    if t.per_device_eval_batch_size is not None and t.per_device_eval_batch_size < 1:
-        problems.append(f"--per_device_eval_batch_size must be at least 1, got {t.per_device_eval_batch_size}")
-    if t.max_train_steps is not None and t.max_train_steps < 1:
-        problems.append(f"--max_train_steps must be at least 1, got {t.max_train_steps}")
     if t.max_tokens_per_batch is not None and t.max_tokens_per_batch < d.max_seq_length:
         problems.append(f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_seq_length "
                         f"{d.max_seq_length}; every example must fit a micro-batch, raise it")
     if t.auto_micro_batch_size and t.packing:
         problems.append("--auto_micro_batch_size cannot keep the packing of --packing runs; set "
                         "--max_tokens_per_batch (the packed micro-batch's token budget) instead")
-    if t.max_memory_per_rank_gib is not None and t.max_memory_per_rank_gib <= 0:
-        problems.append(f"--max_memory_per_rank_gib must be positive, got {t.max_memory_per_rank_gib}")
-    if t.learning_rate <= 0:
-        problems.append(f"--learning_rate must be positive, got {t.learning_rate}")
-    if not 0.0 <= t.warmup_ratio < 1.0:
-        problems.append(f"--warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
-    if t.weight_decay < 0:
-        problems.append(f"--weight_decay must be non-negative, got {t.weight_decay}")
     return problems
 
 
@@ -225,9 +208,6 @@ def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
     steps = c.checkpointing_steps
     if steps is not None and steps != "epoch" and not (steps.isdigit() and int(steps) > 0):
         problems.append(f"--checkpointing_steps {steps!r} must be a positive number of steps or 'epoch'")
-    if c.keep_last_n_checkpoints < 1 and c.keep_last_n_checkpoints != -1:
-        problems.append(f"--keep_last_n_checkpoints must be at least 1, or -1 to keep all, got "
-                        f"{c.keep_last_n_checkpoints}")
     if c.overwrite_output_dir and c.resume_from_checkpoint not in ("auto", "none"):
         problems.append(f"--overwrite_output_dir starts over from step 0 but --resume_from_checkpoint "
                         f"{c.resume_from_checkpoint} continues that checkpoint; give one of the two")
@@ -288,16 +268,9 @@ def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
         problems.append(f"--report_to {' '.join(t.report_to)}: give one or more of tensorboard, wandb, or all, none")
     elif len(t.report_to) > 1 and {"all", "none"} & set(t.report_to):
         problems.append(f"--report_to {' '.join(t.report_to)}: 'all' and 'none' stand alone")
-    if t.final_lr_ratio is not None:
-        if not 0.0 <= t.final_lr_ratio <= 1.0:
-            problems.append(f"--final_lr_ratio must be in [0, 1], got {t.final_lr_ratio}")
-        if t.lr_scheduler_type != "linear":
-            problems.append(f"--final_lr_ratio applies to --lr_scheduler_type linear, not {t.lr_scheduler_type} "
-                            "(as in open-instruct)")
-    if t.timeout < 1:
-        problems.append(f"--timeout must be at least 1 second, got {t.timeout}")
-    if t.sequence_parallel_size < 1:
-        problems.append(f"--sequence_parallel_size must be at least 1, got {t.sequence_parallel_size}")
+    if t.final_lr_ratio is not None and t.lr_scheduler_type != "linear":
+        problems.append(f"--final_lr_ratio applies to --lr_scheduler_type linear, not {t.lr_scheduler_type} "
+                        "(as in open-instruct)")
     problems += pipeline_flag_problems(t)
     if t.use_8bit_optimizer and importlib.util.find_spec("bitsandbytes") is None:
         problems.append("--use_8bit_optimizer needs bitsandbytes>=0.50 (it runs on CPU too): "
@@ -316,18 +289,10 @@ def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
 def _lora_and_model_problems(config: FinetuneConfig) -> list[str]:
     m, lora = config.model, config.lora
     problems = []
-    if m.neftune_noise_alpha is not None and m.neftune_noise_alpha <= 0:
-        problems.append(f"--neftune_noise_alpha must be positive, got {m.neftune_noise_alpha}")
     for flag in ("add_tokens", "add_special_tokens"):
         value = getattr(m, flag)
         if value and not Path(value).expanduser().is_file():
             problems.append(f"--{flag} {value}: no such file; give a text file with one token per line")
-    if lora.lora_rank < 1:
-        problems.append(f"--lora_rank must be at least 1, got {lora.lora_rank}")
-    if lora.lora_alpha <= 0:
-        problems.append(f"--lora_alpha must be positive, got {lora.lora_alpha}")
-    if not 0.0 <= lora.lora_dropout < 1.0:
-        problems.append(f"--lora_dropout must be in [0, 1), got {lora.lora_dropout}")
     if not lora.lora_target_modules:
         problems.append("--lora_target_modules needs at least one module name, or all-linear")
     if lora.merge_lora_on_save and not (lora.use_lora or lora.use_qlora):
