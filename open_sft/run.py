@@ -281,7 +281,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export pushed if asked."""
     from open_sft.export.hub import push_output_dir
     from open_sft.export.model_card import write_model_card
-    from open_sft.export.save import save_dtype, save_lora, save_model
+    from open_sft.export.save import finite_state_dict, save_dtype, save_lora, save_model
     from open_sft.file_modes import share_as_umask
     from open_sft.model.anatomy import is_peft_model
     from open_sft.model.compile import log_summary
@@ -299,7 +299,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         write_audit_files(output_dir, acc.process_index, trainer)
         shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
         dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
-        state_dict = trainer.engine.full_state_dict(fp32=dtype == torch.float32)  # collective
+        state_dict = finite_state_dict(trainer.engine, dtype == torch.float32, acc.is_main_process)  # collective
         if acc.is_main_process:
             state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
             trained_model = acc.unwrap_model(trainer.model).model

@@ -134,6 +134,27 @@ def save_dtype(flag: str, source_config: Any) -> torch.dtype:
     return FLAG_DTYPES[flag] if flag != "auto" else stored_dtype(source_config)
 
 
+def finite_state_dict(engine: Any, fp32: bool, is_main: bool) -> dict[str, torch.Tensor]:
+    """The engine's full state dict (a collective; the main process holds it), refused on every rank when a weight
+    is NaN or inf: the loss-and-gradient guard cannot see an update that broke the weights in a run's last steps
+    (`--learning_rate inf` exported a model of NaNs and marked the run complete). The main process's count is
+    summed over the ranks, so each stops, before anything is exported or the run is marked complete."""
+    from open_sft.distributed.collectives import all_reduce_sum
+    from open_sft.errors import UserError
+
+    state_dict = engine.full_state_dict(fp32=fp32)
+    broken = [name for name, tensor in state_dict.items() if isinstance(tensor, torch.Tensor)
+              and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())] if is_main else []
+    if int(all_reduce_sum(len(broken))):
+        named = f"{len(broken)} of {len(state_dict)} weight tensors ({', '.join(broken[:3])}" \
+                f"{', ...' if len(broken) > 3 else ''})" if is_main else "weights"
+        raise UserError(f"the trained model's {named} hold NaN or inf: nothing was exported and the run is not "
+                        "marked complete. Lower --learning_rate (or --weight_decay) or check the data; the "
+                        "checkpoints in OUTPUT_DIR/checkpoints are kept: resume one saved before the weights broke "
+                        "with --resume_from_checkpoint, or start over with --overwrite_output_dir")
+    return state_dict
+
+
 def cast_floating(state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             for k, v in state_dict.items()}
