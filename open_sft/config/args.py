@@ -38,7 +38,8 @@ class ModelArguments:
     model_revision: Optional[str] = _help("Hub revision (branch, tag or commit) of the model.", default=None)
     trust_remote_code: bool = _help("Allow custom modelling code from the model repository.", default=False)
     additional_model_arguments: Optional[str] = _help(
-        "Model config overrides: a JSON object (or YAML mapping), e.g. '{\"rope_theta\": 500000}'.", default=None)
+        "Model config overrides: a JSON object (or YAML mapping) of settings the model's config has (another key "
+        "is refused), e.g. '{\"max_position_embeddings\": 8192}'.", default=None)
     torch_dtype: Literal["auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32"] = _help(
         "Compute dtype: auto (bf16 where it is fast; fp16 on GPUs without bf16), bfloat16, float16 or float32. "
         "Parameters and optimizer states stay in fp32 (autocast, or DeepSpeed's bf16/fp16 mode with fp32 "

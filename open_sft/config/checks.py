@@ -15,6 +15,7 @@ from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hu
 
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
+from open_sft.config.companions import companion_problems
 from open_sft.config.ranges import numeric_problems
 from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hint, uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
@@ -42,7 +43,7 @@ def _is_local_path(name: str) -> bool:
 def validate(config: FinetuneConfig) -> None:
     """Collect every problem in the configuration and raise them together."""
     problems = _choice_problems(config) + _model_problems(config.model) + _data_problems(config.data)
-    problems += numeric_problems(config)
+    problems += numeric_problems(config) + companion_problems(config)
     problems += _training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
@@ -282,7 +283,7 @@ def _open_instruct_problems(config: FinetuneConfig) -> list[str]:
             overrides = None
         if not isinstance(overrides, dict):
             problems.append(f"--additional_model_arguments {config.model.additional_model_arguments!r}: give a JSON "
-                            "object of model config settings, e.g. '{\"rope_theta\": 500000}'")
+                            "object of model config settings, e.g. '{\"max_position_embeddings\": 8192}'")
     return problems
 
 

@@ -21,6 +21,7 @@ from open_sft.config import open_instruct as compat
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
+from open_sft.config.companions import companion_warnings
 from open_sft.errors import UserError
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
@@ -258,4 +259,4 @@ def parse_config(argv: list[str]) -> FinetuneConfig:
                             explicit=frozenset(explicit))
     config = compat.translate(config, open_instruct)
     validate(config)
-    return config
+    return dataclasses.replace(config, warnings=config.warnings + tuple(companion_warnings(config)))

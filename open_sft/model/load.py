@@ -184,15 +184,39 @@ def _gathered(weights: list[torch.Tensor]):
 
 
 def load_model_config(args: ModelArguments):
-    """The model's config with --additional_model_arguments applied."""
+    """The model's config with --additional_model_arguments applied; a key the config has no attribute for is
+    refused: transformers drops it without a word (a misspelled rope_thetta, or transformers 5's rope_theta, which
+    lives in rope_parameters now, changed nothing)."""
     try:
-        return AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args),
-                                          **_config_overrides(args))
+        config, unused = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args),
+                                                    **_config_overrides(args), return_unused_kwargs=True)
     except (OSError, ValueError) as exc:
         raise UserError(
             f"--model_name_or_path {args.model_name_or_path}: could not load the model config ({exc}); "
             "check the path (a directory with config.json and weights) or the Hub id"
         ) from exc
+    if unused:
+        raise UserError(f"--additional_model_arguments: {'; '.join(_unknown_key(config, key) for key in unused)}; "
+                        "transformers would ignore it, so nothing would change")
+    return config
+
+
+def _unknown_key(config: Any, key: str) -> str:
+    """An override key the model config lacks, with the setting it may have meant: a key of one of its mapping
+    settings (rope_theta in rope_parameters), or the nearest attribute's name."""
+    import difflib
+
+    settings = config.to_dict()
+    inner = {name: holder for holder, value in settings.items() if isinstance(value, dict)
+             for name in value if isinstance(name, str)}
+    close = difflib.get_close_matches(key, [*settings, *inner], n=1)
+    meant = key if key in inner else close[0] if close else None
+    if meant in inner and meant not in settings:
+        holder = inner[meant]
+        guess = "" if meant == key else f"did you mean {meant!r}? "
+        return (f"{key!r} is not a {type(config).__name__} setting; {guess}it is part of {holder}: give "
+                f"'{{\"{holder}\": {{..., \"{meant}\": VALUE}}}}' with the rest of {holder} ({settings[holder]})")
+    return f"{key!r} is not a {type(config).__name__} setting" + (f" (did you mean {meant!r}?)" if meant else "")
 
 
 def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],

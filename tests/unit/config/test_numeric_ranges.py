@@ -51,7 +51,7 @@ def test_every_numeric_flag_has_a_range() -> None:
     ("--clip_grad_norm", "0", "--clip_grad_norm must be positive, or -1 to disable clipping, got 0.0"),
     ("--clip_grad_norm", "-5", "--clip_grad_norm must be positive, or -1 to disable clipping, got -5.0"),
     ("--max_nonfinite_steps", "0", "--max_nonfinite_steps must be at least 1, got 0"),
-    ("--eval_steps", "0", "--eval_steps must be at least 1, got 0"),
+    ("--logging_steps", "0", "--logging_steps must be at least 1, got 0"),
     ("--seed", "99999999999999999999", "--seed must be in [0, 4294967295], got 99999999999999999999"),
     ("--seed", "-1", "--seed must be in [0, 4294967295], got -1"),
     ("--lora_dropout", "nan", "--lora_dropout must be in [0, 1), got nan"),

@@ -227,7 +227,7 @@ def test_after_a_yaml_config_a_list_flags_comma_value_is_the_list_as_open_instru
     """open-instruct's parser reads `--name=a,b` after a YAML config as [a, b] for list flags (one value "a,b" to
     argparse); other flags' commas and the spaced form stay as written."""
     path = tmp_path / "run.yaml"
-    path.write_text("model_name_or_path: m\ndataset_mixer_list: [a.jsonl, 1.0, b.jsonl, 1.0]\n")
+    path.write_text("model_name_or_path: m\ndataset_mixer_list: [a.jsonl, 1.0, b.jsonl, 1.0]\nuse_lora: true\n")
     config = parse_config([str(path), "--dataset_mixer_list_splits=train,test", "--report_to=tensorboard,wandb",
                            "--exp_name=a,b", "--lora_target_modules", "q_proj,v_proj"])
     assert config.data.dataset_mixer_list_splits == ["train", "test"]

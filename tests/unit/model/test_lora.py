@@ -26,7 +26,7 @@ def test_lora_flags_defaults_and_validation() -> None:
     lora = parse_config(base + ["--use_lora"]).lora
     assert (lora.lora_rank, lora.lora_alpha, lora.lora_dropout) == (64, 16, 0.1)
     assert lora.lora_target_modules == ["all-linear"]
-    targets = parse_config(base + ["--lora_target_modules", "q_proj", "v_proj"]).lora.lora_target_modules
+    targets = parse_config(base + ["--use_lora", "--lora_target_modules", "q_proj", "v_proj"]).lora.lora_target_modules
     assert targets == ["q_proj", "v_proj"]
     with pytest.raises(ConfigError) as info:
         parse_config(base + ["--merge_lora_on_save", "--lora_rank", "0", "--lora_dropout", "1.5"])
