@@ -18,6 +18,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from open_sft.config import open_instruct as compat
+from open_sft.config.argv import refuse_repeated_lists
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
@@ -240,6 +241,12 @@ def _given_on_command_line(argv: list[str]) -> set[str]:
 def parse_config(argv: list[str]) -> FinetuneConfig:
     """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig."""
     parser = _make_parser()
+    refuse_repeated_lists(parser, argv)
+    return _parse(parser, argv)
+
+
+def _parse(parser: _Parser, argv: list[str]) -> FinetuneConfig:
+    """The parse itself: the YAML config's settings as defaults, the flags over them, validated."""
     explicit: set[str] = set()
     if argv and argv[0].endswith((".yaml", ".yml")):
         path = Path(argv[0])
