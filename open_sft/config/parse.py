@@ -18,7 +18,7 @@ import yaml
 from transformers import HfArgumentParser
 
 from open_sft.config import open_instruct as compat
-from open_sft.config.argv import refuse_repeated_lists
+from open_sft.config.argv import abbreviations, explain_abbreviations, refuse_repeated_lists
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
@@ -91,6 +91,10 @@ def _say_what_the_negation_does(action: argparse.Action) -> None:
 
 def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -> UserError:
     flags = [arg.split("=", 1)[0] for arg in leftover if arg.startswith("-")]
+    if not flags and argv and leftover[0] == argv[0] and "." in Path(argv[0]).name:  # a run config, not YAML
+        return UserError(f"{argv[0]}: a run config is a YAML file (.yaml or .yml), given first; "
+                         f"{Path(argv[0]).suffix or 'this'} files are not read (a JSON object is YAML: rename it to "
+                         f"{Path(argv[0]).stem}.yaml), or pass the settings as flags")
     if not flags:
         after = _flag_before(argv, leftover)
         action = next((a for a in parser._actions if after in a.option_strings), None) if after else None
@@ -134,6 +138,7 @@ FOREIGN_FLAGS = {
     "assistant_only_loss": "use --train_on all_assistant (the default)",
     "completion_only_loss": "use --train_on all_assistant (the default) or last_assistant",
     "logging_dir": "tracker logs go under --output_dir (tensorboard/)",
+    "lr": "for the learning rate, use --learning_rate",
 }
 
 
@@ -242,7 +247,10 @@ def parse_config(argv: list[str]) -> FinetuneConfig:
     """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig."""
     parser = _make_parser()
     refuse_repeated_lists(parser, argv)
-    return _parse(parser, argv)
+    try:
+        return _parse(parser, argv)
+    except UserError as exc:
+        raise explain_abbreviations(exc, abbreviations(parser, argv), FOREIGN_FLAGS) from None
 
 
 def _parse(parser: _Parser, argv: list[str]) -> FinetuneConfig:
