@@ -129,16 +129,41 @@ def jinja_syntax_problem(source: str) -> Optional[str]:
     return None
 
 
+_PROBE = [{"role": "user", "content": "probeQuestion7431"}, {"role": "assistant", "content": "probeAnswer2958"}]
+
+
+def conversation_render_problem(source: str) -> Optional[str]:
+    """Why a template that parses is no chat template, else None: it must render a user message and an assistant
+    reply (with transformers' filters and globals, as every row is rendered) and write the reply, which is what is
+    trained (open-instruct's assistant_message_only writes only that). Any file without Jinja tags parses (a .jsonl
+    given by mistake rendered as itself, and the error blamed the first conversation's template as 'not
+    prefix-stable')."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        (rendered,), _ = render_jinja_template([_PROBE], chat_template=source, bos_token="", eos_token="")
+    except Exception as exc:  # noqa: BLE001 (any error of the template's own code: said with the flag)
+        return f"cannot render a conversation of a user message and an assistant reply ({type(exc).__name__}: {exc})"
+    if _PROBE[-1]["content"] not in rendered:
+        begins = " ".join(source.split())[:60]
+        return f"not a chat template: it does not write a conversation's assistant reply (the file begins {begins!r})"
+    return None
+
+
 def chat_template_problems(name: Optional[str], path: Optional[str]) -> list[str]:
     """What is wrong with --chat_template_name / --chat_template_path (config.checks reports it up front)."""
     if path:
         if not Path(path).is_file():
             return [f"--chat_template_path {path}: no such file; give a Jinja template file"]
         try:
-            problem = jinja_syntax_problem(Path(path).read_text(encoding="utf-8"))
+            source = Path(path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             return [f"--chat_template_path {path}: cannot be read as UTF-8 text ({exc})"]
-        return [f"--chat_template_path {path} {problem}; fix the template"] if problem else []
+        problem = jinja_syntax_problem(source)
+        if problem:
+            return [f"--chat_template_path {path} {problem}; fix the template"]
+        problem = conversation_render_problem(source)
+        return [f"--chat_template_path {path}: {problem}; give a Jinja chat template file"] if problem else []
     if name is not None and name not in BUILTIN_TEMPLATES:
         return [f"--chat_template_name {name!r} is not a built-in template; choose one of "
                 f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path"]

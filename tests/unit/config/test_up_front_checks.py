@@ -78,3 +78,23 @@ def test_a_chat_template_file_that_is_not_valid_jinja_is_refused_with_its_line(t
     good.write_text("{% for m in messages %}{{ m | tojson }}{% if m.role == 'x' %}{{ raise_exception('no') }}"
                     "{% endif %}{% endfor %}")
     assert parse_config(BASE + ["--output_dir", str(tmp_path / "o"), "--chat_template_path", str(good)])
+
+
+def test_a_chat_template_file_that_renders_no_conversation_is_refused_up_front(tmp_path) -> None:
+    """A data file given as --chat_template_path parses as Jinja (no tags) and rendered as itself: the error came
+    from the first conversation, as a template that is 'not prefix-stable'."""
+    from open_sft.data.chat.templates import BUILTIN_TEMPLATES, conversation_render_problem
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ConfigError) as refused:
+        parse_config(BASE + ["--output_dir", str(tmp_path / "o"), "--chat_template_path", str(data)])
+    assert refused.value.problems == [
+        f"--chat_template_path {data}: not a chat template: it does not write a conversation's assistant reply (the "
+        "file begins '{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'); give a Jinja chat template file"]
+    failing = tmp_path / "failing.jinja"
+    failing.write_text("{{ raise_exception('only system messages') }}")
+    with pytest.raises(ConfigError, match=r"failing.jinja: cannot render a conversation of a user message and an "
+                                          r"assistant reply \(TemplateError: only system messages\)"):
+        parse_config(BASE + ["--output_dir", str(tmp_path / "o"), "--chat_template_path", str(failing)])
+    assert not [name for name, template in BUILTIN_TEMPLATES.items() if conversation_render_problem(template.source)]
