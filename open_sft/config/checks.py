@@ -21,6 +21,7 @@ from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hi
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
+from open_sft.export.hub import repo_id_problem
 from open_sft.file_modes import unreadable
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 from open_sft.training.checkpoint import continued
@@ -256,6 +257,8 @@ def _hub_problems(h: HubArguments) -> list[str]:
     problems = []
     if h.push_to_hub and not h.hub_model_id:
         problems.append("--push_to_hub needs --hub_model_id (e.g. my-org/my-model)")
+    elif h.push_to_hub and repo_id_problem(h.hub_model_id):
+        problems.append(repo_id_problem(h.hub_model_id))
     if h.push_checkpoints and not h.push_to_hub:
         problems.append("--push_checkpoints needs --push_to_hub (and --hub_model_id)")
     return problems

@@ -213,6 +213,31 @@ def upload_pending(config: Any) -> None:
         push_output_dir(output_dir, hub)
 
 
+def repo_id_problem(repo_id: str) -> Optional[str]:
+    """Why `repo_id` cannot name a Hub repository (huggingface_hub's own rule), else None."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as exc:
+        return f"--hub_model_id {repo_id!r} is not a Hub repository id ({exc}); give NAME or ORG/NAME"
+    return None
+
+
+def _push_input_problems(output_dir: Path, repo_id: str) -> list[str]:
+    """The directory and the id, checked before the token and any network wait (a missing directory and a bad id
+    were said as 'no Hugging Face token')."""
+    problems = []
+    if not output_dir.is_dir():
+        problems.append(f"{output_dir}: no such directory; pass the --output_dir of a finished run or "
+                        "OUTPUT_DIR/checkpoints/step_N")
+    elif not (output_dir / "COMPLETE").is_file() and not any((output_dir / name).is_file()
+                                                              for name in ("config.json", "adapter_config.json")):
+        problems.append(f"{output_dir} has no exported model (config.json) and is not a complete checkpoint "
+                        "(COMPLETE); pass the --output_dir of a finished run or OUTPUT_DIR/checkpoints/step_N")
+    return problems + [p for p in [repo_id_problem(repo_id)] if p]
+
+
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="the --output_dir of a finished run, or a complete checkpoint")
@@ -222,9 +247,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
     parser.add_argument("--no_hub_private", dest="hub_private", action="store_false")
     parser.add_argument("--hub_token", default=None, help="default: HF_TOKEN")
     args = parser.parse_args(argv)
+    problems = _push_input_problems(args.output_dir, args.hub_model_id)  # what the user can fix here, first
     if not has_token(args.hub_token):  # before any network wait: without a token nothing can be uploaded
-        print("error: no Hugging Face token: pass --hub_token, set HF_TOKEN, or log in once with `hf auth login`",
-              file=sys.stderr)
+        problems.append("no Hugging Face token: pass --hub_token, set HF_TOKEN, or log in once with `hf auth login`")
+    if problems:
+        print("error: " + "\n  ".join(problems), file=sys.stderr)
         return 2
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
@@ -237,10 +264,6 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
                   file=sys.stderr)
             return PUSH_FAILED_EXIT_CODE
         return 0
-    if not any((args.output_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
-        print(f"error: {args.output_dir} has no exported model (config.json) and is not a complete checkpoint "
-              "(COMPLETE); pass the --output_dir of a finished run or OUTPUT_DIR/checkpoints/step_N", file=sys.stderr)
-        return 2
     try:
         print(push_export(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private, args.hub_token))
     except PushFailed as exc:

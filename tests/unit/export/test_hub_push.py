@@ -28,6 +28,35 @@ def test_no_token_is_an_error_before_any_network_wait(tmp_path, monkeypatch, cap
     assert hub.has_token(None) and hub.has_token("hf_given")
 
 
+def test_the_directory_and_the_id_are_checked_before_the_token(tmp_path, monkeypatch, capsys) -> None:
+    """`open_sft push /nonexist --hub_model_id "bad id"` said only 'no Hugging Face token'."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    assert hub.main([str(tmp_path / "nonexist"), "--hub_model_id", "bad id"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'nonexist'}: no such directory; pass the --output_dir of a finished run")
+    assert "\n  --hub_model_id 'bad id' is not a Hub repository id (" in err and "give NAME or ORG/NAME" in err
+    assert "\n  no Hugging Face token" in err
+    (tmp_path / "dataset").mkdir()
+    monkeypatch.setenv("HF_TOKEN", "hf_given")
+    assert hub.main([str(tmp_path / "dataset"), "--hub_model_id", "org/model"]) == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'dataset'} has no exported model (config.json) and is not "
+                                       "a complete checkpoint (COMPLETE); pass the --output_dir of a finished run or "
+                                       "OUTPUT_DIR/checkpoints/step_N\n")
+
+
+def test_a_run_pushing_to_a_bad_hub_id_is_refused_with_the_flags(monkeypatch) -> None:
+    from open_sft.config.parse import parse_config
+    from open_sft.errors import ConfigError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ConfigError, match=r"--hub_model_id 'org/my model' is not a Hub repository id"):
+        parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "a.jsonl", "1.0", "--push_to_hub",
+                      "--hub_model_id", "org/my model"])
+
+
 def test_a_host_name_that_does_not_resolve_is_not_retried() -> None:
     def unresolved() -> httpx2.ConnectError:
         try:
