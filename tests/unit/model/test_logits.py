@@ -12,7 +12,7 @@ from open_sft.errors import UserError
 from open_sft.model.fused_ce import gpu_layout  # noqa: F401  (the GPU layout is patched in below)
 from open_sft.model.logits import LogitTransform, logit_transform
 from open_sft.model.loss import TokenLossModel
-from open_sft.model.loss_parity import VERIFIED, check_loss_parity
+from open_sft.model.loss_parity import LOSS_VERIFIED, VERIFIED, check_loss_parity
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
@@ -23,6 +23,11 @@ FAMILY = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
                   "mlp_only_layers": []},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
+    "olmo3": {"sliding_window": 8},
     "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2, "logits_scaling": 4.0},
     "gemma2": {"final_logit_softcapping": 0.5},
     "gemma3_text": {"final_logit_softcapping": 0.5},
@@ -71,7 +76,7 @@ def batch():
     return ids, labels
 
 
-@pytest.mark.parametrize("family", sorted(VERIFIED))
+@pytest.mark.parametrize("family", sorted(LOSS_VERIFIED))
 @pytest.mark.parametrize("layout", ["cpu", "gpu"])
 def test_our_loss_is_the_models_own(family, layout, monkeypatch) -> None:
     if layout == "gpu":  # the GPU's chunk layout (log-sum-exp, whole chunks), run here
@@ -116,6 +121,22 @@ def test_a_planted_unknown_transform_is_caught_at_load(monkeypatch) -> None:
         check_loss_parity(model)
     model.config.model_type = "llama"
     assert check_loss_parity(model) is None  # verified families are not re-checked
+    model.config.model_type = "gpt_oss"  # nor those whose loss alone is verified (packing is checked on its own)
+    assert check_loss_parity(model) is None and "gpt_oss" not in VERIFIED
+
+
+def test_an_unverified_family_partitioned_by_zero3_is_refused_with_both_forms_of_the_fix() -> None:
+    """Under ZeRO-3's partitioned loading the check cannot run: the refusal gives the fix as accelerate's command-
+    line flag (the README's ZeRO-3 command has no YAML to edit) and as the YAML key."""
+    model = tiny("llama")
+    model.config.model_type = "mystery_lm"
+    for param in model.parameters():  # what deepspeed.zero.Init leaves on each parameter
+        param.ds_numel = param.numel()
+    with pytest.raises(UserError) as refused:
+        check_loss_parity(model)
+    message = str(refused.value)
+    assert "model type 'mystery_lm'" in message and "olmo3" in message
+    assert "accelerate launch --zero3_init_flag false" in message and "zero3_init_flag: false" in message
 
 
 def test_load_model_refuses_a_family_whose_transform_it_does_not_know(tmp_path, monkeypatch) -> None:
@@ -127,7 +148,7 @@ def test_load_model_refuses_a_family_whose_transform_it_does_not_know(tmp_path, 
 
     tiny("granite").save_pretrained(tmp_path)
     assert load_model(ModelArguments(model_name_or_path=str(tmp_path))).config.model_type == "granite"
-    monkeypatch.setattr("open_sft.model.loss_parity.VERIFIED", VERIFIED - {"granite"})
+    monkeypatch.setattr("open_sft.model.loss_parity.LOSS_VERIFIED", LOSS_VERIFIED - {"granite"})
     monkeypatch.setattr("open_sft.model.loss.logit_transform", lambda config: LogitTransform())
     with pytest.raises(UserError, match="model type 'granite'.*differs"):
         load_model(ModelArguments(model_name_or_path=str(tmp_path)))
