@@ -151,6 +151,23 @@ def test_a_family_whose_mask_ignores_position_ids_is_refused_for_packing(family)
         check_packing(model)
 
 
+def test_a_family_known_to_leak_is_refused_also_when_partitioned() -> None:
+    """gpt-oss's loss is verified (no start-up loss check, so ZeRO-3 loads it partitioned), but its eager mask ignores
+    position_ids: LEAKS names it, held here to its leak, and --packing is refused also where its parameters are
+    partitioned and the check cannot run (it would otherwise only warn)."""
+    from open_sft.errors import UserError
+    from open_sft.model.loss_parity import LOSS_VERIFIED
+    from open_sft.model.packing_check import LEAKS, check_packing, packing_leak
+
+    model = tiny_model("gpt_oss")
+    assert "gpt_oss" in LEAKS and "gpt_oss" in LOSS_VERIFIED and packing_leak(model) > 1e-3
+    assert not LEAKS & VERIFIED
+    for param in model.parameters():  # what deepspeed.zero.Init leaves on each parameter
+        param.ds_numel = param.numel()
+    with pytest.raises(UserError, match="--packing: model type 'gpt_oss' lets packed examples attend to each other"):
+        check_packing(model)
+
+
 @pytest.mark.parametrize("family, attn", [("olmo3", "sdpa"), ("exaone4", "sdpa"), ("ernie4_5", "eager"),
                                           ("opt", "sdpa")])
 def test_an_unverified_family_that_keeps_examples_apart_passes_the_check(family, attn, sdpa_entry) -> None:
