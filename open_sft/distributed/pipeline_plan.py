@@ -149,6 +149,11 @@ def plan_stages(model: nn.Module, train: Any) -> tuple[list[range], StageSizes]:
 
     causal_lm = causal_lm_of(model)
     backbone = backbone_of(causal_lm)
+    if not isinstance(getattr(backbone, "layers", None), nn.ModuleList):  # Gemma-3 4B-27B: vision + language model
+        raise UserError(f"--pipeline_parallel_size: model type {causal_lm.config.model_type!r} "
+                        f"({type(causal_lm).__name__}) keeps its decoder layers inside a multimodal model, which "
+                        "open_sft does not split into pipeline stages; train it without --pipeline_parallel_size "
+                        "(ZeRO-3 or FSDP2 shard it)")
 
     def params(module: Optional[nn.Module]) -> int:
         return sum(param_numel(p) for p in module.parameters()) if module is not None else 0

@@ -131,6 +131,7 @@ def start_accelerator(config: FinetuneConfig, launch: LaunchPlan, dtype: torch.d
     from open_sft.distributed.deepspeed import resolve_deepspeed_config
     from open_sft.distributed.fsdp import build_plugin
     from open_sft.distributed.sequence_parallel import sequence_parallel_launch
+    from open_sft.model.anatomy import text_config
     from open_sft.model.load import attn_implementation
     from open_sft.training.amp import accelerate_mixed_precision
 
@@ -143,7 +144,7 @@ def start_accelerator(config: FinetuneConfig, launch: LaunchPlan, dtype: torch.d
         announce(is_main=os.environ.get("RANK", "0") == "0")  # before DeepSpeed's silent minute, if it compiles
         ds_config = resolve_deepspeed_config(
             launch.deepspeed_config, **batch, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(model_config, "hidden_size", None))
+            clip_grad_norm=t.clip_grad_norm, hidden_size=getattr(text_config(model_config), "hidden_size", None))
     mixed_precision = accelerate_mixed_precision(dtype, spread.deepspeed)
     fsdp = build_plugin(mixed_precision, spread.tp) if spread.fsdp else None
     accelerator = build_accelerator(

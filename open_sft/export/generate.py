@@ -54,7 +54,9 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 def context_length(model) -> int:
     """The positions the model was trained for (max_position_embeddings), or no limit where it names none."""
-    return getattr(model.config, "max_position_embeddings", None) or sys.maxsize
+    from open_sft.model.anatomy import text_config
+
+    return getattr(text_config(model.config), "max_position_embeddings", None) or sys.maxsize
 
 
 def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False) -> Generation:

@@ -27,11 +27,38 @@ def backbone_of(causal_lm: nn.Module) -> nn.Module:
     return backbone
 
 
+def text_config(config):
+    """The config of the text model: a causal LM's own; a multimodal model's text_config (Gemma-3 4B-27B,
+    Gemma3ForConditionalGeneration, keep their sizes, vocabulary and positions there, none at the top)."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config(decoder=True) if callable(get_text_config) else config
+
+
+def text_decoder_of(causal_lm: nn.Module) -> nn.Module:
+    """The decoder text runs through: the backbone, or a multimodal backbone's language_model (Gemma3Model holds
+    the vision tower, the projector and the language model; on text alone only the last runs)."""
+    backbone = backbone_of(causal_lm)
+    language_model = getattr(backbone, "language_model", None)
+    return language_model if isinstance(language_model, nn.Module) else backbone
+
+
+def outside_text_path(model: nn.Module) -> dict[str, nn.Module]:
+    """The backbone's parts a text-only forward does not run, by name (a multimodal model's vision tower and
+    projector; none for a causal LM)."""
+    causal_lm = causal_lm_of(model)
+    try:
+        backbone, decoder = backbone_of(causal_lm), text_decoder_of(causal_lm)
+    except ValueError:
+        return {}
+    return {} if decoder is backbone else {name: child for name, child in backbone.named_children()
+                                           if child is not decoder}
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a transformers causal LM (or a peft model around one)."""
     causal_lm = causal_lm_of(model)
     try:
-        backbone = backbone_of(causal_lm)
+        backbone = text_decoder_of(causal_lm)
     except ValueError:
         backbone = None
     layers = getattr(backbone, "layers", None)
@@ -79,9 +106,11 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
     """(the decoder's matmul weights, the LM head's) in elements: every weight of two or more dimensions (a linear
     layer's, an expert bank's, a 4-bit one's [n / 2, 1] bytes, counted at its layer's shape) but the embedding
     tables, whose lookups compute nothing; the LM head's counted also when it is tied to the input embedding (its
-    matmul runs either way). peft's trained rows of added tokens are table rows too."""
+    matmul runs either way). peft's trained rows of added tokens are table rows too; a multimodal model's vision
+    tower and projector compute nothing on text."""
     head = _head_weight(model)
-    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    unused = {id(p) for part in outside_text_path(model).values() for p in part.parameters()}  # no FLOPs on text
+    tables = unused | {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     tables |= {id(p) for m in model.modules() if hasattr(m, "trainable_tokens_delta")  # peft's trained rows
                for p in m.trainable_tokens_delta.parameters()}
     backbone = sum(weight_numel(p) for p in model.parameters()

@@ -15,7 +15,7 @@ from open_sft.config.args import LoraArguments, ModelArguments
 from open_sft.model.added_tokens import add_tokens
 from open_sft.errors import UserError
 from open_sft.monitor.quiet import SAID_ALIKE_BY_EVERY_RANK
-from open_sft.model.anatomy import param_shape
+from open_sft.model.anatomy import outside_text_path, param_numel, param_shape, text_config
 
 logger = logging.getLogger(__name__)
 EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
@@ -258,6 +258,7 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     if tokenizer is not None:  # under LoRA no spare rows (see fit_embeddings_to_tokenizer), unless TP splits them
         multiple = (parallelism.tp if parallelism is not None else 1) if adapted else EMBEDDING_MULTIPLE
         initialised = fit_embeddings_to_tokenizer(model, tokenizer, multiple)
+    _freeze_outside_text(model)
     _check_family_loss(model)
     if args.use_liger_kernel:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -288,6 +289,18 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     return model
 
 
+def _freeze_outside_text(model: PreTrainedModel) -> None:
+    """A multimodal checkpoint trained on text (Gemma-3 4B-27B): its vision tower and projector never run, so get
+    no gradient; frozen, they keep no optimizer state, and no weight decay moves them: exported as loaded."""
+    parts = outside_text_path(model)
+    for part in parts.values():
+        part.requires_grad_(False)
+    if parts:
+        frozen = sum(param_numel(p) for part in parts.values() for p in part.parameters())
+        logger.info("%s trains on text through its language model: %s frozen as loaded (%d parameters)",
+                    type(model).__name__, ", ".join(parts), frozen)
+
+
 def _check_family_loss(model: PreTrainedModel) -> None:
     """The family's logit transform, logged; a family open_sft has not verified is checked against its own loss
     (open_sft.model.loss_parity), before anything changes its forward (Liger, NEFTune, LoRA)."""
@@ -306,7 +319,7 @@ def _check_family_loss(model: PreTrainedModel) -> None:
 def context_warning(config: Any, longest: int) -> Optional[str]:
     """A warning when the data's longest example is longer than the positions the model was trained for
     (packed examples keep their own positions): a RoPE model runs past them, but its attention degrades."""
-    positions = getattr(config, "max_position_embeddings", None)
+    positions = getattr(text_config(config), "max_position_embeddings", None)
     if not positions or longest <= positions:
         return None
     return (f"examples up to {longest} tokens are longer than the model's {positions} positions "

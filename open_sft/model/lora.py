@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
@@ -37,7 +38,7 @@ from transformers import BitsAndBytesConfig, PreTrainedModel  # noqa: E402
 
 from open_sft.config.args import LoraArguments  # noqa: E402
 from open_sft.errors import UserError  # noqa: E402
-from open_sft.model.anatomy import decoder_layers, param_numel  # noqa: E402
+from open_sft.model.anatomy import decoder_layers, outside_text_path, param_numel  # noqa: E402
 
 # peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
 # uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds
@@ -65,7 +66,7 @@ def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[Bit
 
 
 def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None,
-                dropout: Optional[float] = None) -> LoraConfig:
+                dropout: Optional[float] = None, exclude: Optional[str] = None) -> LoraConfig:
     from peft import LoraConfig
 
     targets = args.lora_target_modules
@@ -73,8 +74,16 @@ def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[i
         r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout if dropout is None else dropout,
         bias="none",
         target_modules="all-linear" if targets == ["all-linear"] else list(targets), task_type="CAUSAL_LM",
-        trainable_token_indices=trainable_tokens or None,
+        trainable_token_indices=trainable_tokens or None, exclude_modules=exclude,
     )
+
+
+def outside_text_modules(model: PreTrainedModel) -> Optional[str]:
+    """A regex (peft's exclude_modules) of the modules text never runs, a multimodal model's vision tower and
+    projector: adapters there would get no gradient (their q_proj and fc1 match all-linear and named targets)."""
+    parts = {id(part) for part in outside_text_path(model).values()}
+    names = [re.escape(name) for name, module in model.named_modules() if id(module) in parts]
+    return rf"({'|'.join(names)})(\..*)?" if names else None
 
 
 def trainable_token_rows(model: PreTrainedModel, new_ids: list[int]) -> dict[str, list[int]]:
@@ -118,7 +127,7 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
                            "out)", args.lora_dropout)
             dropout = 0.0
         with _trainable_tokens_off_cuda(model if rows else None):
-            peft_model = get_peft_model(model, lora_config(args, rows, dropout))
+            peft_model = get_peft_model(model, lora_config(args, rows, dropout, outside_text_modules(model)))
         peft_config = peft_model.peft_config[ADAPTER]  # a local base by its absolute path, loadable from anywhere
         peft_config.base_model_name_or_path = base_model_record(peft_config.base_model_name_or_path or "") or None
         if rows:

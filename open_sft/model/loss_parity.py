@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from open_sft.errors import UserError
+from open_sft.model.anatomy import text_config
 from open_sft.model.loss import TokenLossModel
 
 # model_type of each family whose loss, with its logit transform, equals the model's own loss and gradients
@@ -22,9 +23,10 @@ VERIFIED = frozenset({
     "olmo", "olmo2", "olmoe", "granite", "granitemoe", "cohere", "cohere2", "gpt_neox", "starcoder2", "smollm3",
 })
 # ... and those whose loss alone is held to the model's own by the same test: a --packing run still checks them at
-# load (open_sft.model.packing_check; gpt-oss's eager mask ignores position_ids and is refused there).
+# load (open_sft.model.packing_check; gpt-oss's eager mask ignores position_ids and is refused there). gemma3 is
+# Gemma-3 4B-27B's multimodal Gemma3ForConditionalGeneration, trained on text (its forward applies no logit cap).
 LOSS_VERIFIED = VERIFIED | frozenset({
-    "olmo3", "gpt_oss", "qwen2_moe", "phimoe", "glm", "glm4", "ministral", "exaone4", "seed_oss", "helium",
+    "gemma3", "olmo3", "gpt_oss", "qwen2_moe", "phimoe", "glm", "glm4", "ministral", "exaone4", "seed_oss", "helium",
     "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
 })
 PARITY_TOKENS = 24
@@ -52,7 +54,7 @@ def check_loss_parity(model: torch.nn.Module) -> Optional[str]:
             "`zero3_init_flag: false` under deepspeed_config in an accelerate config YAML); the model is then "
             "loaded whole on each rank and partitioned when training starts")
     device = next(model.parameters()).device
-    ids = _probe_ids(config.vocab_size).to(device)
+    ids = _probe_ids(text_config(config).vocab_size).to(device)
     was_training = model.training
     model.eval()
     try:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from open_sft.errors import UserError
-from open_sft.model.anatomy import backbone_of, causal_lm_of
+from open_sft.model.anatomy import backbone_of, causal_lm_of, text_config, text_decoder_of
 from open_sft.model.loss_parity import VERIFIED
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def _partitioned(model: nn.Module) -> bool:
 def packing_leak(model: nn.Module) -> float:
     """How far the second of two packed examples' hidden states move from those it has alone, relative to their
     largest magnitude (0 for a model that keeps packed examples apart)."""
-    config = model.config
+    config = text_config(model.config)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=generator).to(device)
@@ -81,13 +81,13 @@ def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
     would be skipped as non-finite. Checked on the first decoder layer's trainable parameters (or the first few
     trainable ones): NaN reaches them from wherever it starts."""
     backbone = _backbone(model)
-    layers = getattr(backbone, "layers", None)
+    layers = getattr(text_decoder_of(causal_lm_of(model)), "layers", None)
     first = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else backbone
     targets = [p for p in first.parameters() if p.requires_grad] or [
         p for p in backbone.parameters() if p.requires_grad and p.numel() < 2**24][:4]
     if not targets:
         return True
-    config = model.config
+    config = text_config(model.config)
     device = next(model.parameters()).device
     pad = config.pad_token_id if isinstance(getattr(config, "pad_token_id", None), int) else 0
     generator = torch.Generator().manual_seed(1)

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from open_sft.model.anatomy import text_config
+
 logger = logging.getLogger(__name__)
 
 # Dense 16-bit tensor-core peaks (FLOP/s) of common training GPUs, from the vendors' data sheets: bf16 (= fp16 on
@@ -45,6 +47,7 @@ class FlopCounter:
     counts (their weight gradients are not computed: 4 would be strict)."""
 
     def __init__(self, config: Any, backbone_params: int, head_params: Optional[int] = None):
+        config = text_config(config)  # a multimodal model's sizes are its text model's
         self.hidden = config.hidden_size
         self.layers = config.num_hidden_layers
         self.vocab = config.vocab_size

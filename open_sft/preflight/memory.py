@@ -64,8 +64,9 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
-        config = model.config
-        from open_sft.model.anatomy import param_numel, param_shape
+        from open_sft.model.anatomy import param_numel, param_shape, text_config
+
+        config = text_config(model.config)  # a multimodal model's sizes are its text model's
 
         params = list(model.parameters())  # full sizes, also of a model loaded partitioned (ZeRO-3 init)
         hidden = config.hidden_size

@@ -40,8 +40,21 @@ FAMILY = {
 TRANSFORMED = {"gemma2", "gemma3_text", "granite", "granitemoe", "cohere", "cohere2"}
 
 
+def gemma3_multimodal_config(**text):
+    """Gemma-3 4B-27B's layout (model_type gemma3: Gemma3ForConditionalGeneration, its sizes and final_logit_softcapping
+    in text_config), with a tiny vision tower."""
+    from transformers import Gemma3Config
+
+    tokens = {k: SMALL[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    return Gemma3Config(text_config={**SMALL, "final_logit_softcapping": 0.5, **text},
+                        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+                        mm_tokens_per_image=4, image_token_index=95, boi_token_index=93, eoi_token_index=94, **tokens)
+
+
 def tiny(family: str) -> torch.nn.Module:
-    config = AutoConfig.for_model(family, **{**SMALL, **FAMILY.get(family, {})})
+    config = gemma3_multimodal_config() if family == "gemma3" else \
+        AutoConfig.for_model(family, **{**SMALL, **FAMILY.get(family, {})})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():  # logits of a few units, so a cap at 0.5 or a scale of 4 changes the loss
