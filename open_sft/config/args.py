@@ -248,10 +248,12 @@ class TrainingArguments:
         "Abort after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped).",
         default=3,
     )
-    load_balancing_loss: bool = _help(
-        "MoE models (Mixtral, Qwen-MoE, OLMoE, GraniteMoE): add the router's load-balancing loss the way the model "
-        "defines it (its router_aux_loss_coef × aux loss of each forward pass), token-weighted like the language-"
-        "model loss; logged as aux_loss.", default=False)
+    load_balancing_loss: Optional[bool] = _help(
+        "MoE models (Mixtral, Qwen-MoE, OLMoE, GraniteMoE, gpt-oss): add the router's load-balancing loss the way "
+        "the model defines it (its router_aux_loss_coef × aux loss of each forward pass), token-weighted like the "
+        "language-model loss; logged as aux_loss. Default: on where the model's config asks for it "
+        "(output_router_logits: true, as transformers' forward and HF's Trainer do), else off; "
+        "--no_load_balancing_loss turns it off.", default=None)
     packing: bool = _help(
         "Pack examples into micro-batches of at most --max_tokens_per_batch tokens (best-fit-decreasing), "
         "positions restarting per example and no attention across examples; removes padding.", default=False

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import yaml
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from open_sft.config import open_instruct as compat
 from open_sft.config.argv import abbreviations, explain_abbreviations, refuse_repeated_lists
@@ -68,9 +69,13 @@ def _make_parser() -> _Parser:
 def _add_negation(parser: _Parser, action: argparse.Action) -> None:
     """`--no_X` for an on/off flag X that is off by default, as HfArgumentParser gives open-instruct's flags that
     are on by default: its `--no_clean_checkpoints_at_end`, older `--no_use_flash_attn`, `--no_verbose` (ours are
-    off by default, so the parser made none). Kept out of --help (`--X false` says the same)."""
+    off by default, so the parser made none). Kept out of --help (`--X false` says the same). A flag whose default
+    is decided later (Optional[bool], None: --load_balancing_loss, --balance_micro_batches) gets one too, and
+    `--X` alone means true, as for the others (HfArgumentParser asks such a flag for a value)."""
     flag = next((name for name in action.option_strings if name.startswith("--")), None)
-    if flag is None or action.nargs != "?" or action.const is not True or action.default is not False:
+    if flag is not None and action.type is string_to_bool and action.default is None and action.nargs is None:
+        action.nargs, action.const = "?", True
+    if flag is None or action.nargs != "?" or action.const is not True or action.default not in (False, None):
         return
     negation = "--no_" + flag[2:]
     if negation not in parser._option_string_actions:

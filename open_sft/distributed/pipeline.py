@@ -92,7 +92,7 @@ class StageModule(nn.Module):
         routing = self.routed and loss_model.training
         with self.autocast(), self.as_backbone(backbone):
             out = backbone(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                           **({"output_router_logits": True} if routing else {}))
+                           **({"output_router_logits": routing} if loss_model.router_switch or routing else {}))
             hidden = out.last_hidden_state
             if routing:
                 routed = torch.cat([*([routed] if routed is not None else []), *out.router_logits])

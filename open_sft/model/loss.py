@@ -10,7 +10,7 @@ of those positions (`open_sft.model.fused_ce`), so their [tokens, vocab] logits 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,13 @@ from open_sft.model.fused_ce import lm_head_loss_sum
 from open_sft.model.liger_loss import liger_loss_sum
 from open_sft.model.lm_head import supports_fused
 from open_sft.model.logits import logit_transform
+from open_sft.model.router_loss import router_loss, router_loss_choice
 
 
 class TokenLossModel(nn.Module):
     """Wraps a causal LM so that DeepSpeed/DDP see one module whose forward returns the loss sum."""
 
-    def __init__(self, model: nn.Module, fused_loss: bool = True, load_balancing: bool = False,
+    def __init__(self, model: nn.Module, fused_loss: bool = True, load_balancing: Optional[bool] = False,
                  liger: bool = False):
         super().__init__()
         self.model = model
@@ -40,8 +41,13 @@ class TokenLossModel(nn.Module):
         self.token_losses: Optional[torch.Tensor] = None
         # what the model's own forward does to its logits before the loss (Gemma's cap, Granite's and Cohere's scale)
         self.transform = logit_transform(self.causal_lm().config)
-        # --load_balancing_loss: the MoE router's auxiliary loss, as the model's own forward computes it
-        self.router = router_loss(self.causal_lm()) if load_balancing else None
+        # the MoE router's auxiliary loss, as the model's own forward computes it, where --load_balancing_loss
+        # (`load_balancing`) says so or, the flag not given (None), the model's config asks for it
+        config = self.causal_lm().config
+        on, self.router_choice = router_loss_choice(load_balancing, config)  # router_choice: the log line
+        self.router = router_loss(self.causal_lm(), from_config=load_balancing is None) if on else None
+        # a config asking for router logits makes the forward compute them unless told not to: told where unused
+        self.router_switch = hasattr(config, "output_router_logits")
         self.aux_sum: Optional[torch.Tensor] = None  # the last training pass's aux loss × its trained tokens
 
     def causal_lm(self) -> nn.Module:
@@ -62,7 +68,7 @@ class TokenLossModel(nn.Module):
         # position_ids only when no KV cache is passed.
         routed = self.router is not None and self.training
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False, **({"output_router_logits": True} if routed else {}))
+                       use_cache=False, **({"output_router_logits": routed} if self.router_switch or routed else {}))
         loss, trained_count = self.head_loss(out.last_hidden_state, labels, shift_labels, trained_index)
         if routed:
             router = self.router
@@ -112,26 +118,3 @@ class TokenLossModel(nn.Module):
             liger_loss.say_once(reason)
         return reason is None
 
-
-class RouterLoss(NamedTuple):
-    function: Callable  # the modeling module's load_balancing_loss_func
-    experts: int
-    top_k: int
-    coefficient: float  # router_aux_loss_coef
-
-
-def router_loss(causal_lm: nn.Module) -> RouterLoss:
-    """(load_balancing_loss_func, experts, experts per token, coefficient) of an MoE model, read where its own
-    forward reads them (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE: the function in its modeling module, the counts
-    and router_aux_loss_coef on the ForCausalLM); a UserError for a model without a router loss."""
-    import sys
-
-    from open_sft.errors import UserError
-
-    function = getattr(sys.modules.get(type(causal_lm).__module__), "load_balancing_loss_func", None)
-    parts = [getattr(causal_lm, name, None) for name in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
-    if function is None or None in parts:
-        family = getattr(causal_lm.config, "model_type", type(causal_lm).__name__)
-        raise UserError(f"--load_balancing_loss: model type {family!r} has no router load-balancing loss (it is not "
-                        "a mixture-of-experts model transformers trains with one); drop the flag")
-    return RouterLoss(function, *parts)

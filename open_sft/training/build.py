@@ -33,6 +33,8 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
     # the whole weight)
     wrapped = TokenLossModel(model, fused_loss=not spread.tp_enabled, load_balancing=t.load_balancing_loss,
                              liger=job.config.model.use_liger_kernel)
+    if wrapped.router_choice:
+        logger.info("%s", wrapped.router_choice)
     if spread.sp_enabled:
         wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
     engine: Callable[[Trainer], AccelerateEngine] = DeepSpeedEngine if spread.deepspeed else AccelerateEngine

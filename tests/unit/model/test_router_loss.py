@@ -1,0 +1,98 @@
+"""The MoE router's aux loss where the model's config asks for it (output_router_logits: true): transformers'
+forward, HF's Trainer and open-instruct's finetune.py train it without a flag, and so does open_sft;
+--no_load_balancing_loss turns it off. A model that asks for it and has no router loss is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from open_sft.config.parse import parse_config
+from open_sft.errors import UserError
+from open_sft.model.loss import TokenLossModel
+from open_sft.model.router_loss import router_loss_choice
+
+SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+             "mlp_only_layers": [], "router_aux_loss_coef": 0.5}
+
+
+def tiny(family: str, **extra) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **{**SMALL, **extra})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize(("flag", "asks", "on", "says"), [
+    (None, False, False, None),
+    (None, True, True, "the model's config asks for it"),
+    (True, False, True, "(--load_balancing_loss)"),
+    (True, True, True, "(--load_balancing_loss)"),
+    (False, True, False, "off (--no_load_balancing_loss), though the model's config asks"),
+    (False, False, False, None),
+])
+def test_the_flag_decides_where_given_else_the_models_config(flag, asks, on, says) -> None:
+    config = SimpleNamespace(output_router_logits=asks, router_aux_loss_coef=0.5)
+    got_on, line = router_loss_choice(flag, config)
+    assert got_on is on
+    assert (line is None) if says is None else (says in line and ("0.5" in line) is on), line
+
+
+def test_the_flag_parses_on_off_and_not_given() -> None:
+    base = ["--model_name_or_path", "m", "--dataset_mixer_list", "a.jsonl", "1.0"]
+    assert parse_config(base).train.load_balancing_loss is None
+    assert parse_config(base + ["--load_balancing_loss"]).train.load_balancing_loss is True
+    assert parse_config(base + ["--no_load_balancing_loss"]).train.load_balancing_loss is False
+    assert parse_config(base + ["--load_balancing_loss", "false"]).train.load_balancing_loss is False
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_config_asking_for_router_logits_trains_the_models_own_loss() -> None:
+    """Not given the flag, our loss and gradients are the model's own forward's (which reads the config), aux
+    included; --no_load_balancing_loss gives the language-model loss alone, as output_router_logits=False does."""
+    model = tiny("qwen3_moe", **QWEN3_MOE, output_router_logits=True).train()
+    ids, labels = batch()
+    trained = int((labels[:, 1:] != -100).sum())
+    for flag, theirs in ((None, {}), (False, {"output_router_logits": False})):
+        model.zero_grad(set_to_none=True)
+        own = model(input_ids=ids, labels=labels, use_cache=False, **theirs)
+        own.loss.backward()
+        expected = _grads(model)
+        wrapped = TokenLossModel(model, load_balancing=flag).train()
+        assert (wrapped.router is not None) is (flag is None)
+        model.zero_grad(set_to_none=True)
+        ours = wrapped(input_ids=ids, labels=labels) / trained
+        ours.backward()
+        assert float(ours.detach()) == pytest.approx(float(own.loss.detach()), rel=1e-5), flag
+        for name, grad in expected.items():
+            got = dict(model.named_parameters())[name].grad
+            assert float((got - grad).norm() / grad.norm().clamp_min(1e-12)) < 1e-5, (flag, name)
+    with torch.no_grad():
+        with_aux = model(input_ids=ids, labels=labels, use_cache=False)
+    assert float(with_aux.aux_loss) * 0.5 > 1e-3 * float(with_aux.loss)  # the router term is really in there
+    wrapped = TokenLossModel(model, load_balancing=None).train()
+    wrapped(input_ids=ids, labels=labels)
+    assert float(wrapped.aux_sum) / trained == pytest.approx(float(with_aux.aux_loss), rel=1e-5)  # as aux_loss
+
+
+def test_a_config_asking_for_a_router_loss_the_model_has_not_is_refused_with_the_fix() -> None:
+    model = tiny("llama")
+    model.config.output_router_logits = True
+    with pytest.raises(UserError, match="its config asks for the router's aux loss.*output_router_logits"):
+        TokenLossModel(model, load_balancing=None)
+    assert TokenLossModel(model, load_balancing=False).router is None
