@@ -5,6 +5,7 @@ loading, LoRA, the loss and every parallelism can ask it."""
 from __future__ import annotations
 
 import sys
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -102,17 +103,57 @@ def _head_weight(model: nn.Module) -> torch.Tensor:
     return (token_adapter.get_base_layer() if token_adapter is not None else head).weight
 
 
+# what each MoE family's config calls its experts per token and its routed experts (transformers' attribute maps
+# answer the first name for most: Ernie's moe_k, Hunyuan's moe_topk; DBRX keeps them in its ffn_config)
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_top_k", "top_k_experts", "moe_k", "num_experts_per_token")
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _first_int(configs: list[Any], keys: tuple[str, ...]) -> Optional[int]:
+    for config in configs:
+        for key in keys:
+            value = getattr(config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def active_experts(config: Any) -> Optional[tuple[int, int]]:
+    """(experts each token is routed to, routed experts) of an MoE model's config; None for a dense one."""
+    configs = [config, *(getattr(config, name) for name in ("text_config", "ffn_config")
+                         if getattr(config, name, None) is not None)]
+    top_k, experts = _first_int(configs, TOP_K_KEYS), _first_int(configs, EXPERTS_KEYS)
+    return (top_k, experts) if top_k and experts and top_k < experts else None
+
+
+def is_routed_expert(name: str, module: nn.Module) -> bool:
+    """An MoE's bank of routed experts (transformers' fused `experts` modules, GraniteMoE's and JetMoE's
+    ParallelExperts, an older ModuleList named experts), not a shared expert that every token runs."""
+    leaf = name.rsplit(".", 1)[-1]
+    kind = type(module).__name__
+    return leaf == "experts" or (kind.endswith("Experts") and "Shared" not in kind and "shared" not in leaf)
+
+
 def matmul_params(model: nn.Module) -> tuple[int, int]:
-    """(the decoder's matmul weights, the LM head's) in elements: every weight of two or more dimensions (a linear
-    layer's, an expert bank's, a 4-bit one's [n / 2, 1] bytes, counted at its layer's shape) but the embedding
-    tables, whose lookups compute nothing; the LM head's counted also when it is tied to the input embedding (its
-    matmul runs either way). peft's trained rows of added tokens are table rows too; a multimodal model's vision
-    tower and projector compute nothing on text."""
+    """(the decoder's matmul weights one token computes with, the LM head's) in elements: every weight of two or
+    more dimensions (a linear layer's, a router's, a 4-bit one's [n / 2, 1] bytes, counted at its layer's shape)
+    but the embedding tables, whose lookups compute nothing; of an MoE's routed experts only the share a token
+    is sent to (top-k of the experts: Qwen3-30B-A3B's 8 of 128); the LM head's counted also when it is tied to
+    the input embedding (its matmul runs either way). peft's trained rows of added tokens are table rows too; a
+    multimodal model's vision tower and projector compute nothing on text."""
     head = _head_weight(model)
     unused = {id(p) for part in outside_text_path(model).values() for p in part.parameters()}  # no FLOPs on text
     tables = unused | {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     tables |= {id(p) for m in model.modules() if hasattr(m, "trainable_tokens_delta")  # peft's trained rows
                for p in m.trainable_tokens_delta.parameters()}
-    backbone = sum(weight_numel(p) for p in model.parameters()
-                   if p is not head and id(p) not in tables and len(param_shape(p)) >= 2)
-    return backbone, weight_numel(head)
+    routing = active_experts(causal_lm_of(model).config)
+    routed = {id(p) for name, m in model.named_modules() if routing and is_routed_expert(name, m)
+              for p in m.parameters()}
+    dense = experts = 0
+    for name, p in model.named_parameters():  # (gpt-oss's experts keep their biases in [experts, out] tensors)
+        if p is not head and id(p) not in tables and len(param_shape(p)) >= 2 and not name.endswith("bias"):
+            if id(p) in routed:
+                experts += weight_numel(p)
+            else:
+                dense += weight_numel(p)
+    return dense + (experts * routing[0] // routing[1] if routing else 0), weight_numel(head)

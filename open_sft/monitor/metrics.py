@@ -44,7 +44,8 @@ class FlopCounter:
     the count published MFU figures use, so a figure of ours can stand beside theirs; on a packed row of several
     examples it counts the attention the examples do not compute, so it reads higher than the strict one.
     Tokens are real tokens in both (padding excluded); LoRA's frozen weights count 6 per parameter as in peers'
-    counts (their weight gradients are not computed: 4 would be strict)."""
+    counts (their weight gradients are not computed: 4 would be strict). An MoE's routed experts count in both as
+    the top-k a token runs (`backbone_params` from open_sft.model.anatomy.matmul_params), as torchtitan counts."""
 
     def __init__(self, config: Any, backbone_params: int, head_params: Optional[int] = None):
         config = text_config(config)  # a multimodal model's sizes are its text model's

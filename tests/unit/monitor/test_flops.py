@@ -111,3 +111,48 @@ def test_counts_of_a_lora_model_with_trainable_token_rows_under_zero3_partitioni
         param.ds_shape, param.ds_numel = param.shape, param.numel()
         param.data = torch.empty(0, dtype=param.dtype)
     assert matmul_params(peft_model) == (backbone, head)
+
+
+MOE = {  # each family's expert and top-k fields, as its config names them
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": []},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,  # + a shared expert
+                  "shared_expert_intermediate_size": 48, "mlp_only_layers": []},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16},  # experts' biases: no matmul
+    "granitemoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_an_moe_counts_the_experts_each_token_is_routed_to(family) -> None:
+    """Of an MoE's routed experts a token runs top-k (Qwen3-30B-A3B: 8 of 128, 2.7B of its 29.9B decoder matmul
+    weights): torch counts, with transformers' eager experts (each expert's matmuls on the tokens routed to it),
+    exactly the PaLM count, the router and a shared expert on every token."""
+    config = transformers.AutoConfig.for_model(family, **SHAPE, **MOE[family])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager").train()
+    tokens = 37
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, tokens))
+    backbone, head = matmul_params(model)
+    every_expert = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith("bias")
+                       and p is not model.get_output_embeddings().weight and "embed" not in n)
+    assert backbone < every_expert  # half the experts (2 of 4) left out
+    counter = FlopCounter(config, backbone, head)
+    assert counter.palm_flops(tokens, tokens**2) == _measured(model, {"input_ids": ids, "labels": ids,
+                                                                       "use_cache": False})
+
+
+@pytest.mark.parametrize("family, fields, expected", [
+    ("llama", {}, None),
+    ("qwen3_moe", {"num_experts": 128, "num_experts_per_tok": 8}, (8, 128)),
+    ("deepseek_v3", {"n_routed_experts": 256, "num_experts_per_tok": 8}, (8, 256)),
+    ("ernie4_5_moe", {"moe_num_experts": 64, "moe_k": 6}, (6, 64)),
+    ("hunyuan_v1_moe", {"num_experts": 16, "moe_topk": 2}, (2, 16)),
+    ("dbrx", {"ffn_config": {"moe_num_experts": 16, "moe_top_k": 4}}, (4, 16)),
+])
+def test_each_families_expert_fields_are_read(family, fields, expected) -> None:
+    from open_sft.model.anatomy import active_experts
+
+    assert active_experts(transformers.AutoConfig.for_model(family, **fields)) == expected
