@@ -93,7 +93,9 @@ class LoraArguments:
     lora_alpha: float = _help("LoRA alpha; the adapter update is scaled by alpha / rank.", default=16)
     lora_dropout: float = _help("Dropout on the LoRA input during training.", default=0.1)
     lora_target_modules: list[str] = _help(
-        "Module names to adapt (e.g. q_proj v_proj), or all-linear: every linear layer but the LM head.",
+        "Module names to adapt (e.g. q_proj v_proj), or all-linear: every linear layer but the LM head, an MoE's "
+        "fused expert and plain router weights included (peft target_parameters, no dropout); name those by "
+        "parameter (gate_up_proj, experts.down_proj) or module (experts, router).",
         default_factory=lambda: ["all-linear"],
     )
     merge_lora_on_save: bool = _help(

@@ -39,6 +39,7 @@ from transformers import BitsAndBytesConfig, PreTrainedModel  # noqa: E402
 from open_sft.config.args import LoraArguments  # noqa: E402
 from open_sft.errors import UserError  # noqa: E402
 from open_sft.model.anatomy import decoder_layers, outside_text_path, param_numel  # noqa: E402
+from open_sft.model.lora_targets import describe, parameter_targets, split_targets  # noqa: E402
 
 # peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
 # uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds
@@ -66,14 +67,18 @@ def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[Bit
 
 
 def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None,
-                dropout: Optional[float] = None, exclude: Optional[str] = None) -> LoraConfig:
+                dropout: Optional[float] = None, targets: Optional[tuple[Any, list[str]]] = None,
+                exclude: Optional[str] = None) -> LoraConfig:
+    """`targets`: (target_modules, target_parameters) as open_sft.model.lora_targets.split_targets resolves
+    --lora_target_modules on the model; by default the flag's names as modules. `exclude`: modules peft leaves
+    alone (a multimodal model's vision tower: outside_text_modules)."""
     from peft import LoraConfig
 
-    targets = args.lora_target_modules
+    names = args.lora_target_modules
+    modules, parameters = targets or ("all-linear" if names == ["all-linear"] else list(names), [])
     return LoraConfig(
         r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout if dropout is None else dropout,
-        bias="none",
-        target_modules="all-linear" if targets == ["all-linear"] else list(targets), task_type="CAUSAL_LM",
+        bias="none", target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM",
         trainable_token_indices=trainable_tokens or None, exclude_modules=exclude,
     )
 
@@ -116,18 +121,23 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
         _keep_4bit_layout_for_training(model)
+    held = parameter_targets(model)  # an MoE's fused experts and plain router weights: peft target_parameters
+    targets = split_targets(model, list(args.lora_target_modules))
     try:
         rows = trainable_token_rows(model, new_ids or [])
         dropout = None
-        if not dropout_given and args.lora_dropout and args.lora_target_modules == ["all-linear"] \
-                and _has_fused_experts(model):
-            logger.warning("LoRA dropout 0 for every adapter (not the default %g): all-linear includes this MoE "
-                           "model's experts, whose fused weights peft trains only without dropout (name the modules "
-                           "to adapt, e.g. --lora_target_modules q_proj k_proj v_proj o_proj, to leave the experts "
-                           "out)", args.lora_dropout)
+        if not dropout_given and args.lora_dropout and targets[1]:
+            logger.warning("LoRA dropout 0 for every adapter (not the default %g): --lora_target_modules %s adapts "
+                           "this MoE model's %s, weights held as parameters, which peft trains only without dropout "
+                           "(name the modules to adapt, e.g. --lora_target_modules q_proj k_proj v_proj o_proj, to "
+                           "leave them out)", args.lora_dropout, " ".join(args.lora_target_modules),
+                           ", ".join(targets[1]))
             dropout = 0.0
         with _trainable_tokens_off_cuda(model if rows else None):
-            peft_model = get_peft_model(model, lora_config(args, rows, dropout, outside_text_modules(model)))
+            peft_model = get_peft_model(model, lora_config(args, rows, dropout, targets, outside_text_modules(model)))
+        said = describe(peft_model, held)
+        if said:
+            logger.info("%s", said)
         peft_config = peft_model.peft_config[ADAPTER]  # a local base by its absolute path, loadable from anywhere
         peft_config.base_model_name_or_path = base_model_record(peft_config.base_model_name_or_path or "") or None
         if rows:
@@ -188,14 +198,6 @@ def _trainable_tokens_off_cuda(model: Optional[torch.nn.Module]) -> Iterator[Non
         yield
     finally:
         TrainableTokensLayer._collect_token_weights = original
-
-
-def _has_fused_experts(model: torch.nn.Module) -> bool:
-    """MoE experts kept as fused 3-D weights (transformers 5's experts modules), which peft's all-linear adapts as
-    parameters (decided before peft is called: a get_peft_model that fails half-way leaves the model's weights
-    trainable)."""
-    return any(len(getattr(p, "ds_shape", p.shape)) == 3 and "expert" in name.lower()
-               for name, p in model.named_parameters())  # not a Mamba or short-conv layer's 3-D conv1d weight
 
 
 def _experts_need_no_dropout(exc: ValueError) -> bool:

@@ -1,0 +1,95 @@
+"""What LoRA adapts: --lora_target_modules as peft's target_modules and target_parameters.
+
+An MoE keeps its experts as fused weights of an experts module (transformers 5: Mixtral's, Qwen3-MoE's, OLMoE's and
+gpt-oss's `experts.gate_up_proj` / `experts.down_proj`, [experts, ...] tensors) and often its router as a plain
+weight (gpt-oss's `router.weight`): linear maps that are no nn.Linear, so peft's all-linear finds them only where
+its own v4-to-v5 conversion knows the family (Mixtral, the Qwen2-MoE kin), and never gpt-oss's, which left ~97 % of
+gpt-oss's decoder weights without an adapter. peft adapts such a weight as a parameter (`target_parameters`, its
+ParamWrapper, as OpenAI's gpt-oss LoRA recipe does), without dropout. Here all-linear names them too, and a user may
+name them (or their module: `experts`, `router`) in --lora_target_modules."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from torch import nn
+
+from open_sft.model.anatomy import is_routed_expert, param_shape
+
+# the module types peft's LoRA adapts as modules (its supported layers)
+_PEFT_LAYER_TYPES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention", "Linear4bit",
+                     "Linear8bitLt")
+
+
+def parameter_targets(model: nn.Module) -> dict[str, str]:
+    """Full parameter name → owning module's name, of the linear maps held as plain parameters: the routed
+    experts' fused weights (three dimensions, floating point; not their [experts, out] biases, nor a quantized
+    bank's blocks and scales) and the weight of a router beside them that is no nn.Linear ([experts, hidden])."""
+    found: dict[str, str] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if not is_routed_expert(name, module) or type(module).__name__ == "ParamWrapper":
+            continue
+        banks = {f"{name}.{p}": name for p, t in module.named_parameters(recurse=False)  # not MXFP4's uint8 blocks
+                 if len(param_shape(t)) == 3 and t.dtype.is_floating_point}
+        if not banks:
+            continue
+        found.update(banks)
+        experts = param_shape(module.get_parameter(next(iter(banks)).rsplit(".", 1)[-1]))[0]
+        parent = name.rpartition(".")[0]
+        for sibling_name, sibling in modules.items():
+            weight = getattr(sibling, "weight", None)
+            if (sibling_name.rpartition(".")[0] == parent and sibling_name != name
+                    and isinstance(weight, nn.Parameter) and type(sibling).__name__ not in _PEFT_LAYER_TYPES
+                    and len(param_shape(weight)) == 2 and param_shape(weight)[0] == experts):
+                found[f"{sibling_name}.weight"] = sibling_name
+    return found
+
+
+def _ends_with(full: str, name: str) -> bool:
+    return full == name or full.endswith("." + name)
+
+
+def split_targets(model: nn.Module, names: list[str]) -> tuple[Union[str, list[str]], list[str]]:
+    """(peft's target_modules, its target_parameters) for --lora_target_modules `names`. all-linear: every linear
+    layer but the LM head and every parameter_targets weight (as `experts.gate_up_proj`: module leaf and parameter).
+    A name matching such a weight (`gate_up_proj`, `experts.down_proj`) or its module (`experts`, `mlp.router`) is a
+    parameter target; a name matching a layer peft adapts stays a module target (it may be both)."""
+    targets = parameter_targets(model)
+    if names == ["all-linear"]:
+        short = dict.fromkeys(".".join(full.split(".")[-2:]) for full in targets)
+        return "all-linear", list(short)
+    layers = [n for n, m in model.named_modules() if type(m).__name__ in _PEFT_LAYER_TYPES]
+    modules, parameters = [], []
+    for name in names:
+        weights = [full for full, owner in targets.items() if _ends_with(full, name) or _ends_with(owner, name)]
+        if weights:
+            parameters += [name] if any(_ends_with(w, name) for w in weights) else \
+                [f"{name}.{w.rsplit('.', 1)[-1]}" for w in dict.fromkeys(weights)]
+        if not weights or any(_ends_with(layer, name) for layer in layers):
+            modules.append(name)
+    return modules, list(dict.fromkeys(parameters))
+
+
+def adapted_parameters(peft_model: nn.Module) -> list[str]:
+    """The parameters peft adapted as parameters (its ParamWrapper), by name without the wrappers' base_layer."""
+    names = []
+    for name, module in peft_model.named_modules():
+        if type(module).__name__ == "ParamWrapper":
+            names.append(f"{name.replace('.base_layer', '')}.{module.parameter_name}")
+    return sorted(set(names))
+
+
+def describe(peft_model: nn.Module, before: dict[str, str]) -> Optional[str]:
+    """One log line: which fused expert / router weights LoRA adapts (by their names in a layer), and which it
+    leaves frozen; None for a model without such weights."""
+    if not before:
+        return None
+    adapted = {full.removeprefix("base_model.model.") for full in adapted_parameters(peft_model)}
+
+    def kinds(names) -> str:
+        return ", ".join(dict.fromkeys(".".join(n.split(".")[-2:]) for n in sorted(names))) or "none"
+
+    left = [full for full in before if full not in adapted]
+    return (f"LoRA on this MoE's weights held as parameters (peft target_parameters, no dropout): adapted "
+            f"{kinds(adapted)} ({len(adapted)} tensors); without an adapter {kinds(left)} ({len(left)} tensors)")
