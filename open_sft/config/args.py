@@ -248,8 +248,7 @@ class TrainingArguments:
     max_train_steps: Optional[int] = _help("Total optimizer steps; overrides --num_train_epochs.", default=None)
     max_nonfinite_steps: int = _help(
         "Abort after this many optimizer steps in a row with a non-finite loss or gradient (each is skipped).",
-        default=3,
-    )
+        default=3)
     load_balancing_loss: Optional[bool] = _help(
         "MoE models (Mixtral, Qwen-MoE, OLMoE, GraniteMoE, gpt-oss): add the router's load-balancing loss the way "
         "the model defines it (its router_aux_loss_coef × aux loss of each forward pass), token-weighted like the "
@@ -258,8 +257,7 @@ class TrainingArguments:
         "--no_load_balancing_loss turns it off.", default=None)
     packing: bool = _help(
         "Pack examples into micro-batches of at most --max_tokens_per_batch tokens (best-fit-decreasing), "
-        "positions restarting per example and no attention across examples; removes padding.", default=False
-    )
+        "positions restarting per example and no attention across examples; removes padding.", default=False)
     max_tokens_per_batch: Optional[int] = _help(
         "Token budget of a packed micro-batch; default per_device_train_batch_size × max_seq_length.", default=None
     )
