@@ -16,6 +16,7 @@ from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hu
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
 from open_sft.config.companions import companion_problems
+from open_sft.config.output_dir import output_dir_problems
 from open_sft.config.ranges import numeric_problems
 from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hint, uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
@@ -50,7 +51,7 @@ def validate(config: FinetuneConfig) -> None:
     problems += _lora_and_model_problems(config)
     problems += _checkpoint_problems(config.checkpoint, config.train.output_dir) + _hub_problems(config.hub)
     problems += _environment_problems(config) + _unreadable_input_problems(config)
-    problems += _output_dir_problems(config) + _online_problems(config)
+    problems += output_dir_problems(config) + _online_problems(config)
     if problems:
         raise ConfigError(problems)
 
@@ -219,23 +220,6 @@ def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
                         "checkpoint directory (OUTPUT_DIR/checkpoints/step_N), auto (the newest in --output_dir), or "
                         "none (start over)")
     return problems
-
-
-def _output_dir_problems(config: FinetuneConfig) -> list[str]:
-    """--output_dir must be, or be creatable as, a directory this process can write (checked before the data is
-    tokenized and the model loaded, not when the first file is written)."""
-    if config.train.dry_run or config.data.cache_dataset_only:  # neither writes there
-        return []
-    given = config.train.output_dir
-    path = Path(given).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is a file" if existing == path else f"lies under {existing}, which is a file"
-        return [f"--output_dir {given} {where}, not a directory; give a directory (it is created if missing)"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
-        return [f"--output_dir {given}: no permission to write there{what}; give a directory you can write"]
-    return []
 
 
 def _online_problems(config: FinetuneConfig) -> list[str]:

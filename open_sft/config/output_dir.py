@@ -1,0 +1,70 @@
+"""What --output_dir may be, checked up front (before the data is tokenized and the model loaded): a directory
+this process can write; none of the run's inputs (the export writes config.json, the weights, the tokenizer and
+README.md there and removes an earlier export's weights, and a dataset directory would read the run's files as
+data). `--dry_run` and `--cache_dataset_only` write nothing there and are not checked."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from open_sft.data.cache import resolve_cache_dir
+
+if TYPE_CHECKING:
+    from open_sft.config.args import FinetuneConfig
+
+INPUT_FLAGS = ("model_name_or_path", "tokenizer_name_or_path", "config_name", "add_tokens", "add_special_tokens")
+
+
+def output_dir_problems(config: FinetuneConfig) -> list[str]:
+    """Every problem with --output_dir, each with its fix."""
+    given = config.train.output_dir
+    if config.train.dry_run or config.data.cache_dataset_only:  # neither writes there
+        return []
+    path = Path(given).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under {existing}, which is a file"
+        return [f"--output_dir {given} {where}, not a directory; give a directory (it is created if missing)"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
+        return [f"--output_dir {given}: no permission to write there{what}; give a directory you can write"]
+    return _input_problems(config, path.resolve())
+
+
+def _local_inputs(config: FinetuneConfig) -> list[tuple[str, str, bool]]:
+    """(flag, value, is a dataset) of each input given as a local path that exists."""
+    m, d = config.model, config.data
+    named = [(flag, getattr(m, flag), False) for flag in INPUT_FLAGS]
+    named.append(("chat_template_path", d.chat_template_path, False))
+    named += [("dataset_mixer_list", name, True) for name in d.dataset_mixer_list[0::2]]
+    named += [("eval_dataset_mixer_list", name, True) for name in d.eval_dataset_mixer_list[0::2]]
+    return [(flag, value, dataset) for flag, value, dataset in named
+            if value and isinstance(value, str) and Path(value).expanduser().exists()]
+
+
+def _input_problems(config: FinetuneConfig, out: Path) -> list[str]:
+    """--output_dir that is an input, holds one, or lies inside a dataset directory or the tokenization cache."""
+    problems = []
+    given = config.train.output_dir
+    for flag, value, dataset in _local_inputs(config):
+        source = Path(value).expanduser().resolve()
+        if source == out or out in source.parents:
+            what = "is" if source == out else "holds"
+            problems.append(f"--output_dir {given} {what} --{flag} {value}: the run writes its model there "
+                            "(config.json, model*.safetensors, the tokenizer, README.md) and removes an earlier "
+                            f"export's weights, which would destroy that input; give another --output_dir (a new "
+                            "directory of its own)")
+        elif dataset and source.is_dir() and source in out.parents:
+            problems.append(f"--output_dir {given} lies inside the dataset directory --{flag} {value}: the run's "
+                            "files there (metrics.jsonl, run.json, ...) would be read as data by the next run; give "
+                            "an --output_dir outside it")
+    cache = resolve_cache_dir(config.data.dataset_local_cache_dir).resolve()
+    if not config.data.dataset_skip_cache and (cache == out or cache in out.parents):
+        flag = "OPEN_SFT_CACHE" if os.environ.get("OPEN_SFT_CACHE") else "--dataset_local_cache_dir"
+        problems.append(f"--output_dir {given} {'is' if cache == out else 'lies inside'} the tokenization cache "
+                        f"({flag} {cache}), whose entries the run's files would be mixed with; give an --output_dir "
+                        "outside it")
+    return problems
+

@@ -1,0 +1,67 @@
+"""--output_dir checked up front against what the run would write over: its own inputs (the base model, the
+tokenizer, a dataset, the tokenization cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+from open_sft.config.parse import parse_config
+from open_sft.errors import ConfigError
+
+
+def _model_dir(path):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def test_an_output_dir_that_is_or_holds_an_input_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    base = _model_dir(tmp_path / "base")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": []}\n')
+    flags = ["--model_name_or_path", str(base), "--dataset_mixer_list", str(data), "1.0"]
+    for out in (str(base), str(base) + "/", str(tmp_path / "base" / ".." / "base")):
+        with pytest.raises(ConfigError, match=r"--output_dir .*base/? is --model_name_or_path .*base: the run writes "
+                                              r"its model there .* give another --output_dir"):
+            parse_config(flags + ["--output_dir", out])
+    tokenizer = _model_dir(tmp_path / "runs" / "tok")
+    with pytest.raises(ConfigError, match=r"--output_dir .*runs holds --tokenizer_name_or_path .*tok"):
+        parse_config(flags + ["--tokenizer_name_or_path", str(tokenizer), "--output_dir", str(tmp_path / "runs")])
+    with pytest.raises(ConfigError, match=r"is --config_name"):
+        parse_config(flags + ["--config_name", str(tokenizer), "--output_dir", str(tokenizer)])
+    # --overwrite_output_dir does not make an input writable
+    with pytest.raises(ConfigError, match=r"is --model_name_or_path"):
+        parse_config(flags + ["--output_dir", str(base), "--overwrite_output_dir"])
+    # a base model's directory may hold the run's (nothing of the base is written over)
+    assert parse_config(flags + ["--output_dir", str(base / "sft")])
+
+
+def test_an_output_dir_at_a_dataset_or_the_cache_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    dataset = tmp_path / "ds"
+    dataset.mkdir()
+    (dataset / "train.jsonl").write_text('{"messages": []}\n')
+    flags = ["--model_name_or_path", "org/model", "--dataset_mixer_list", str(dataset), "1.0"]
+    with pytest.raises(ConfigError, match=r"--output_dir .*ds is --dataset_mixer_list .*ds"):
+        parse_config(flags + ["--output_dir", str(dataset)])
+    with pytest.raises(ConfigError, match=r"--output_dir .*ds/out lies inside the dataset directory "
+                                          r"--dataset_mixer_list .*ds: the run's files there .* read as data"):
+        parse_config(flags + ["--output_dir", str(dataset / "out")])
+    with pytest.raises(ConfigError, match=r"--output_dir .* holds --eval_dataset_mixer_list .*eval.jsonl"):
+        (tmp_path / "o").mkdir()
+        (tmp_path / "o" / "eval.jsonl").write_text('{"messages": []}\n')
+        parse_config(flags + ["--eval_dataset_mixer_list", str(tmp_path / "o" / "eval.jsonl"), "1.0",
+                              "--output_dir", str(tmp_path / "o"), "--overwrite_output_dir"])
+    for out in (tmp_path / "cache", tmp_path / "cache" / "run"):
+        with pytest.raises(ConfigError, match=r"the tokenization cache \(OPEN_SFT_CACHE .*cache\)"):
+            parse_config(flags + ["--output_dir", str(out)])
+    monkeypatch.delenv("OPEN_SFT_CACHE")
+    with pytest.raises(ConfigError, match=r"--output_dir .*c2 is the tokenization cache \(--dataset_local_cache_dir"):
+        parse_config(flags + ["--dataset_local_cache_dir", str(tmp_path / "c2"), "--output_dir", str(tmp_path / "c2")])
+    assert parse_config(flags + ["--dataset_local_cache_dir", str(tmp_path / "c2"), "--output_dir",
+                                 str(tmp_path / "c2"), "--dataset_skip_cache"])  # no cache is written
+    # --dry_run and --cache_dataset_only write nothing there
+    assert parse_config(flags + ["--output_dir", str(dataset), "--dry_run"])
+    assert parse_config(flags + ["--output_dir", str(tmp_path / "run")])
