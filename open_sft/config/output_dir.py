@@ -1,7 +1,8 @@
 """What --output_dir may be, checked up front (before the data is tokenized and the model loaded): a directory
 this process can write; none of the run's inputs (the export writes config.json, the weights, the tokenizer and
 README.md there and removes an earlier export's weights, and a dataset directory would read the run's files as
-data). `--dry_run` and `--cache_dataset_only` write nothing there and are not checked."""
+data); and new, empty, or an open_sft run's own, unless --overwrite_output_dir says to write over what is there.
+`--dry_run` and `--cache_dataset_only` write nothing there and are not checked."""
 
 from __future__ import annotations
 
@@ -10,11 +11,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from open_sft.data.cache import resolve_cache_dir
+from open_sft.training.checkpoint import CHECKPOINTS, METRICS_FILE
+from open_sft.training.completion import MARKER
+from open_sft.training.output_lock import LOCK_NAME
 
 if TYPE_CHECKING:
     from open_sft.config.args import FinetuneConfig
 
+# What marks a directory as an open_sft run's, in the order a run writes them: the lock (taken before anything
+# else is written: a run killed while loading leaves it, and the relaunch must go on), metrics.jsonl, run.json,
+# checkpoints/ (checkpoints.previous-N/ after a start over), RUN_COMPLETE. `open_sft export` copies run.json too.
+RUN_MARKERS = (LOCK_NAME, METRICS_FILE, "run.json", CHECKPOINTS, MARKER)
+# what a freshly made filesystem holds at its root (a volume mounted as --output_dir)
+NOT_CONTENT = ("lost+found",)
 INPUT_FLAGS = ("model_name_or_path", "tokenizer_name_or_path", "config_name", "add_tokens", "add_special_tokens")
+
+
+def holds_run(directory: Path) -> bool:
+    """Whether `directory` holds an open_sft run (finished, in progress, or killed after taking its lock)."""
+    return any((directory / name).exists() for name in RUN_MARKERS) or \
+        any(directory.glob(f"{CHECKPOINTS}.previous-*"))
 
 
 def output_dir_problems(config: FinetuneConfig) -> list[str]:
@@ -30,7 +46,10 @@ def output_dir_problems(config: FinetuneConfig) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
         return [f"--output_dir {given}: no permission to write there{what}; give a directory you can write"]
-    return _input_problems(config, path.resolve())
+    problems = _input_problems(config, path.resolve())
+    if not problems and path.is_dir() and not config.checkpoint.overwrite_output_dir:
+        problems += _foreign_content_problems(given, path)
+    return problems
 
 
 def _local_inputs(config: FinetuneConfig) -> list[tuple[str, str, bool]]:
@@ -68,3 +87,14 @@ def _input_problems(config: FinetuneConfig, out: Path) -> list[str]:
                         "outside it")
     return problems
 
+
+def _foreign_content_problems(given: str, path: Path) -> list[str]:
+    """A directory that holds files but no open_sft run: the export would write over (config.json, README.md) or
+    beside them, and a loader then reads a mix."""
+    content = sorted(p.name for p in path.iterdir() if p.name not in NOT_CONTENT)
+    if not content or holds_run(path):
+        return []
+    shown = ", ".join(content[:5]) + (f" (+{len(content) - 5} more)" if len(content) > 5 else "")
+    return [f"--output_dir {given} already exists and is not empty ({shown}) but holds no open_sft run (no run.json, "
+            "checkpoints/ or RUN_COMPLETE): the run's export would write over files there (config.json, README.md, "
+            "the weights); give a new or empty directory, or pass --overwrite_output_dir to write into it anyway"]

@@ -36,7 +36,7 @@ PUSH_FAILED_EXIT_CODE = 3
 LARGE_FOLDER_BYTES = 20 * 2**30
 #: Never uploaded with the export: training state, staging leftovers, test aids.
 EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.previous-*/**", ".export.tmp/**", "*.tmp",
-                 "data_order.rank*.json", ".cache/**", ".open_sft.lock", "RUN_COMPLETE"]
+                 "data_order.rank*.json", ".cache/**", ".open_sft.lock", ".open_sft_export.json", "RUN_COMPLETE"]
 T = TypeVar("T")
 
 

@@ -4,12 +4,14 @@ merge (`save_lora`).
 Both write into one staging helper (`staged_export`): a hidden directory inside --output_dir whose files
 are moved into place when all of them exist, so a crash during export never leaves a config.json without
 its weights, and an earlier export's leftovers (weights of another sharding, a stale merged/) are removed
-so loaders never mix two exports.
+so loaders never mix two exports. Only an earlier export's: each export records the names it put in place
+(EXPORT_FILES), and a file or directory no export wrote (a user's config.json, merged/) is never removed.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import shutil
@@ -24,6 +26,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from open_sft.data.chat.render import renderer_for, special_markers
 from open_sft.data.chat.templates import is_builtin_template
 from open_sft.data.chat.turn_render import turn_enders
+from open_sft.durable import write_json
 from open_sft.file_modes import share_as_umask
 from open_sft.model.anatomy import is_peft_model
 from open_sft.model.lora import ADAPTER
@@ -41,6 +44,9 @@ MERGED_DIR = "merged"  # --merge_lora_on_save writes the full model here, inside
 # full model's config.json beside an adapter (loaders would apply the adapter to it), an adapter beside a full
 # model, a stale merge.
 LEFTOVERS = ("model*.safetensors*", "config.json", "adapter_config.json", "adapter_model.safetensors", MERGED_DIR)
+# what the last export through staged_export put in place: {"written_by": the command, "files": [top-level names]};
+# what the next export may remove, and whose export a directory holds
+EXPORT_FILES = ".open_sft_export.json"
 
 
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -60,10 +66,12 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 
 @contextmanager
-def staged_export(output_dir: Path) -> Iterator[Path]:
+def staged_export(output_dir: Path, written_by: str = "finetune.py") -> Iterator[Path]:
     """A fresh staging directory inside output_dir; when the block ends without error its files replace the
-    export in output_dir. What an earlier export left that the new one does not have (LEFTOVERS) is
-    removed first. On an error the staging directory is removed and output_dir is left as it was."""
+    export in output_dir. What an earlier export (one through here: EXPORT_FILES names what it wrote) left that
+    the new one does not have (LEFTOVERS) is removed first; such files that no export wrote are kept, and named.
+    On an error the staging directory is removed and output_dir is left as it was. `written_by` (the command)
+    is recorded with the names."""
     staging = output_dir / STAGING
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -74,15 +82,34 @@ def staged_export(output_dir: Path) -> Iterator[Path]:
         raise
     share_as_umask(staging)  # safetensors writes 0600 whatever the umask
     fresh = {item.name for item in staging.iterdir()}
-    for old in (old for pattern in LEFTOVERS for old in output_dir.glob(pattern)):
-        if old.name not in fresh:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    earlier = set(export_record(output_dir).get("files", ()))
+    record = {"written_by": written_by, "files": sorted(earlier | fresh)}
+    write_json(output_dir / EXPORT_FILES, record)  # a kill while moving leaves both removable
+    stale = sorted({old for pattern in LEFTOVERS for old in output_dir.glob(pattern)} - {output_dir / n for n in fresh})
+    kept = [old.name for old in stale if old.name not in earlier]
+    for old in (old for old in stale if old.name in earlier):
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if kept:
+        logger.warning("%s: kept %s beside the export: no open_sft export wrote them; a loader may mix them with it, "
+                       "remove them if they are not yours", output_dir, ", ".join(kept))
     for item in staging.iterdir():
         target = output_dir / item.name
         if target.is_dir() and item.is_dir():
             shutil.rmtree(target)
         os.replace(item, target)
     staging.rmdir()
+    write_json(output_dir / EXPORT_FILES, {**record, "files": sorted(fresh)})
+
+
+def export_record(output_dir: Path) -> dict[str, Any]:
+    """What the last export through staged_export wrote in `output_dir` (EXPORT_FILES), {} where none did."""
+    try:
+        record = json.loads((output_dir / EXPORT_FILES).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict) or not isinstance(record.get("files"), list):
+        return {}
+    return {**record, "files": [name for name in record["files"] if isinstance(name, str)]}
 
 
 def stop_ids(configured: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:

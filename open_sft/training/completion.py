@@ -44,7 +44,7 @@ MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpo
 PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded (--push_to_hub)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
-              "activations.rank", MARKER)
+              "activations.rank", ".open_sft_export.json", MARKER)
 
 
 def _differences(record: dict[str, Any], config: Any) -> list[str]:

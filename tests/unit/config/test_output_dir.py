@@ -65,3 +65,31 @@ def test_an_output_dir_at_a_dataset_or_the_cache_is_refused(tmp_path, monkeypatc
     # --dry_run and --cache_dataset_only write nothing there
     assert parse_config(flags + ["--output_dir", str(dataset), "--dry_run"])
     assert parse_config(flags + ["--output_dir", str(tmp_path / "run")])
+
+
+def test_a_directory_with_files_but_no_open_sft_run_needs_overwrite_output_dir(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    flags = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]
+    theirs = tmp_path / "project"
+    (theirs / "merged").mkdir(parents=True)
+    for name in ("README.md", "config.json", "notes.txt"):
+        (theirs / name).write_text("mine")
+    with pytest.raises(ConfigError, match=r"--output_dir .*project already exists and is not empty \(README.md, "
+                                          r"config.json, merged, notes.txt\) but holds no open_sft run .* pass "
+                                          r"--overwrite_output_dir to write into it anyway"):
+        parse_config(flags + ["--output_dir", str(theirs)])
+    assert parse_config(flags + ["--output_dir", str(theirs), "--overwrite_output_dir"])
+    for writes_nothing_there in ("--dry_run", "--cache_dataset_only"):
+        assert parse_config(flags + ["--output_dir", str(theirs), writes_nothing_there])
+    # new, empty (a fresh volume's lost+found aside), or an open_sft run's: each written first by some run
+    empty = tmp_path / "empty"
+    (empty / "lost+found").mkdir(parents=True)
+    assert parse_config(flags + ["--output_dir", str(empty)])
+    assert parse_config(flags + ["--output_dir", str(tmp_path / "new")])
+    for marker in (".open_sft.lock", "metrics.jsonl", "run.json", "RUN_COMPLETE", "checkpoints/",
+                   "checkpoints.previous-1/"):
+        run = tmp_path / marker.strip("/").replace(".", "_")
+        run.mkdir()
+        (run / "notes.txt").write_text("a user's note beside a run")
+        (run / marker).mkdir() if marker.endswith("/") else (run / marker).write_text("{}")
+        assert parse_config(flags + ["--output_dir", str(run)]), marker

@@ -113,11 +113,12 @@ def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_pa
 
     out = tmp_path / "out"
     out.mkdir()
-    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}.items():
-        (out / name).write_text(text)
     argv = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(out),
             "--push_to_hub", "--hub_model_id", "org/m", "--hub_token", TOKEN]
-    completion.mark_complete(out, 4, 1.0, parse_config(argv))
+    config = parse_config(argv)  # as the run parsed it, before it wrote its export
+    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}.items():
+        (out / name).write_text(text)
+    completion.mark_complete(out, 4, 1.0, config)
     pushed = hub.push_folder
 
     def stopped(*args, **kwargs):

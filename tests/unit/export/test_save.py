@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from open_sft.export.save import MERGED_DIR, STAGING, staged_export
+from open_sft.export.save import EXPORT_FILES, MERGED_DIR, STAGING, staged_export
 
 
 def _files(directory) -> dict[str, str]:
-    return {str(p.relative_to(directory)): p.read_text() for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(directory)): p.read_text() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != EXPORT_FILES}
 
 
 def _earlier_full_export(out) -> None:
     out.mkdir()
-    for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                 "model.safetensors.index.json", "tokenizer.json", "metrics.jsonl"):
-        (out / name).write_text(f"old {name}")
+    (out / "metrics.jsonl").write_text("old metrics.jsonl")  # the run's, not the export's
+    with staged_export(out) as staging:
+        for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json", "tokenizer.json"):
+            (staging / name).write_text(f"old {name}")
 
 
 def test_lora_export_over_a_full_export_leaves_no_full_model_beside_the_adapter(tmp_path) -> None:
@@ -33,11 +36,11 @@ def test_lora_export_over_a_full_export_leaves_no_full_model_beside_the_adapter(
 
 def test_full_export_over_a_lora_export_removes_the_adapter_and_its_merge(tmp_path) -> None:
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "adapter_config.json").write_text("old")
-    (out / "adapter_model.safetensors").write_text("old")
-    (out / MERGED_DIR).mkdir()
-    (out / MERGED_DIR / "model.safetensors").write_text("old merge")
+    with staged_export(out) as staging:
+        (staging / "adapter_config.json").write_text("old")
+        (staging / "adapter_model.safetensors").write_text("old")
+        (staging / MERGED_DIR).mkdir()
+        (staging / MERGED_DIR / "model.safetensors").write_text("old merge")
     with staged_export(out) as staging:
         (staging / "config.json").write_text("new config")
         (staging / "model.safetensors").write_text("new weights")
@@ -52,6 +55,27 @@ def test_a_new_merge_replaces_the_old_one_whole(tmp_path) -> None:
         (staging / MERGED_DIR).mkdir()
         (staging / MERGED_DIR / "model.safetensors").write_text("new merge")
     assert _files(out) == {f"{MERGED_DIR}/model.safetensors": "new merge"}
+
+
+def test_files_no_export_wrote_are_never_removed(tmp_path, caplog) -> None:
+    """A user's model files in the directory (--overwrite_output_dir into theirs) are not an earlier export's: the
+    export writes its own names over theirs, and removes nothing else."""
+    out = tmp_path / "out"
+    (out / MERGED_DIR).mkdir(parents=True)
+    mine = {"config.json": "my config", "model.safetensors": "my weights", "notes.txt": "mine",
+            f"{MERGED_DIR}/model.safetensors": "my merge"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    with staged_export(out) as staging:
+        (staging / "adapter_config.json").write_text("new adapter config")
+        (staging / "adapter_model.safetensors").write_text("new adapter")
+    assert _files(out) == {**mine, "adapter_config.json": "new adapter config",
+                           "adapter_model.safetensors": "new adapter"}
+    assert "kept config.json, merged, model.safetensors beside the export: no open_sft export wrote them" in caplog.text
+    # the next export removes what this one wrote and still nothing of the user's
+    with staged_export(out) as staging:
+        (staging / "config.json").write_text("new config")
+    assert _files(out) == {**mine, "config.json": "new config"}
 
 
 def test_a_failed_export_leaves_the_earlier_one_untouched(tmp_path) -> None:
