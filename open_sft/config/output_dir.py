@@ -2,7 +2,8 @@
 this process can write; none of the run's inputs (the export writes config.json, the weights, the tokenizer and
 README.md there and removes an earlier export's weights, and a dataset directory would read the run's files as
 data); and new, empty, or an open_sft run's own, unless --overwrite_output_dir says to write over what is there.
-`--dry_run` and `--cache_dataset_only` write nothing there and are not checked."""
+`--dry_run` and `--cache_dataset_only` write nothing there and are not checked, but for an empty --output_dir, which
+names no directory (the current one, in effect) and is refused whatever the run does."""
 
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ def holds_run(directory: Path) -> bool:
 def output_dir_problems(config: FinetuneConfig) -> list[str]:
     """Every problem with --output_dir, each with its fix."""
     given = config.train.output_dir
+    if not (given or "").strip():
+        return ["--output_dir is empty: it would be the current directory, whose files the run's model card, "
+                "config.json and weights would be written over; give a directory of its own (it is created if "
+                "missing), e.g. --output_dir output/my-run"]
     if config.train.dry_run or config.data.cache_dataset_only:  # neither writes there
         return []
     path = Path(given).expanduser().absolute()

@@ -93,3 +93,15 @@ def test_a_directory_with_files_but_no_open_sft_run_needs_overwrite_output_dir(t
         (run / "notes.txt").write_text("a user's note beside a run")
         (run / marker).mkdir() if marker.endswith("/") else (run / marker).write_text("{}")
         assert parse_config(flags + ["--output_dir", str(run)]), marker
+
+
+def test_an_empty_output_dir_is_refused(tmp_path, monkeypatch) -> None:
+    """`--output_dir ""` wrote the run into the current directory (a project's README.md became the model card)."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0"]
+    for empty in ("", " "):
+        for extra in ([], ["--overwrite_output_dir"], ["--dry_run"]):
+            with pytest.raises(ConfigError, match=r"--output_dir is empty: it would be the current directory.* give "
+                                                  r"a directory of its own"):
+                parse_config(flags + ["--output_dir", empty, *extra])
+    assert parse_config(flags + ["--output_dir", "run"])
