@@ -11,7 +11,8 @@ follow save_pretrained's (the same transformers helpers, run on an empty model).
 with --merge_lora, the merged model (held whole while merging, as the run's own merge does).
 
 The run's directory is only read: OUT is written through a staging directory inside OUT, so a failed export leaves
-OUT as it was, and OUT may not be the run's output directory nor inside its checkpoints. Beside the model OUT gets
+OUT as it was, and OUT may not be the run's output directory nor inside its checkpoints, nor a directory of files
+these commands did not write (open_sft.export.target). Beside the model OUT gets
 the run's run.json and data_report.json, metrics.jsonl up to the checkpoint's step, export.json (which checkpoint,
 which step, the engine that wrote it) and a model card that names the step.
 """
@@ -31,6 +32,7 @@ import torch
 from open_sft.errors import UserError
 from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open_weights
 from open_sft.export.model_card import EXPORT_RECORD
+from open_sft.export.target import check_target
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +171,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
 
     files, state = _checkpoint_of(checkpoint)
     _refuse_run_paths(checkpoint, out)
+    check_target(out, "open_sft export", {})
     config = AutoConfig.from_pretrained(files)
     dtype = save_dtype(dtype_flag, config)
     weights = open_weights(checkpoint, fp32=dtype == torch.float32)
@@ -185,7 +188,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
                         "--no_merge_lora, then merge it into the base in bf16 with `open_sft merge-lora OUT MERGED`")
     created = not out.exists()
     try:
-        with staged_export(out) as staging:
+        with staged_export(out, written_by="open_sft export") as staging:
             if adapter:
                 write_lora(weights, files, staging, merge, dtype, max_shard_size)
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,8 +15,11 @@ from peft import PeftModel
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.export.run_dir import fit_base_to_adapter
-from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, write_generation_config
+from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, staged_export, write_generation_config
+from open_sft.export.target import check_target
 from open_sft.file_modes import share_as_umask
+
+COMMAND = "open_sft merge-lora"
 
 
 def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
@@ -23,7 +27,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     """Offline merge of a saved adapter into its base: `open_sft merge-lora ADAPTER OUT`. The merge, files and card
     are --merge_lora_on_save's (merged_state_dict, write_merged_model, the run's generation config and tokenizer),
     in `dtype` (auto: the base's stored dtype, as the run's export); a base the run resized (added tokens) is
-    resized to the adapter's tokenizer first (open_sft.export.run_dir.fit_base_to_adapter)."""
+    resized to the adapter's tokenizer first (open_sft.export.run_dir.fit_base_to_adapter). `output_dir` is new, empty
+    or an earlier output of these commands (open_sft.export.target), written through a staging directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from open_sft.export.model_card import render_model_card
@@ -34,17 +39,24 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
     if not base:
         raise UserError(f"{config_file} names no base model; pass --base_model")
+    check_target(output_dir, COMMAND, {"the adapter's directory": str(adapter_dir), "the base model": base})
     model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
     torch_dtype = save_dtype(dtype, model.config)
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     fit_base_to_adapter(model, adapter_dir, tokenizer)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     merged = merged_state_dict(peft_model, peft_model.state_dict())
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_merged_model(peft_model, cast_floating(merged, torch_dtype), output_dir, max_shard_size)
-    save_tokenizer(tokenizer, output_dir)
-    write_generation_config(peft_model.get_base_model().generation_config, tokenizer, output_dir)
-    (output_dir / "README.md").write_text(render_model_card(adapter_dir, merged=True))
+    created = not output_dir.exists()
+    try:
+        with staged_export(output_dir, written_by=COMMAND) as staging:  # a failed merge leaves OUT as it was
+            write_merged_model(peft_model, cast_floating(merged, torch_dtype), staging, max_shard_size)
+            save_tokenizer(tokenizer, staging)
+            write_generation_config(peft_model.get_base_model().generation_config, tokenizer, staging)
+            (staging / "README.md").write_text(render_model_card(adapter_dir, merged=True))
+    except BaseException:
+        if created:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
     share_as_umask(output_dir)  # safetensors writes 0600 whatever the umask
     return output_dir
 

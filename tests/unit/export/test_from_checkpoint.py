@@ -135,6 +135,15 @@ def test_refusals_name_the_problem_and_write_nothing(tiny_model_dir, tmp_path, c
         with pytest.raises(UserError, match=message):
             export_checkpoint(checkpoint, out)
     assert not (run / "checkpoints" / "exported").exists() and not (run / "config.json").exists()
+    base = tmp_path / "base_copy"  # a model that is not this command's: written over, or mixed with the export
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(UserError, match=r"base_copy already holds files that open_sft export or open_sft merge-lora "
+                                        r"did not write \(config.json, model.safetensors\)"):
+        export_checkpoint(checkpoint, base)
+    assert sorted(p.name for p in base.iterdir()) == ["config.json", "model.safetensors"]
+    assert (base / "model.safetensors").read_bytes() == b"weights"
     (run / "checkpoints" / "step_2").mkdir()
     assert main([str(run / "checkpoints" / "step_2"), str(tmp_path / "out")]) == 2
     assert "not a usable checkpoint (no COMPLETE marker" in capsys.readouterr().err

@@ -259,7 +259,7 @@ def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tm
     from open_sft.config.args import LoraArguments
     from open_sft.export.merge_adapter import main as merge_main
     from open_sft.export.model_card import write_model_card
-    from open_sft.export.save import save_dtype, save_lora
+    from open_sft.export.save import EXPORT_FILES, save_dtype, save_lora
     from open_sft.model.lora import apply_lora
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -285,7 +285,7 @@ def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tm
     monkeypatch.chdir(tmp_path)
     assert merge_main([str(run), str(tmp_path / "offline")]) == 0
     on_save, offline = run / "merged", tmp_path / "offline"
-    assert sorted(p.name for p in offline.iterdir()) == sorted(p.name for p in on_save.iterdir())
+    assert sorted(p.name for p in offline.iterdir()) == sorted([EXPORT_FILES, *(p.name for p in on_save.iterdir())])
     for name in ("config.json", "generation_config.json", "README.md", "tokenizer_config.json", "tokenizer.json"):
         assert (offline / name).read_text() == (on_save / name).read_text(), name
     ours, theirs = load_file(offline / "model.safetensors"), load_file(on_save / "model.safetensors")
