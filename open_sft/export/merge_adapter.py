@@ -17,7 +17,6 @@ from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.export.run_dir import fit_base_to_adapter
 from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, staged_export, write_generation_config
 from open_sft.export.target import check_target
-from open_sft.file_modes import share_as_umask
 
 COMMAND = "open_sft merge-lora"
 
@@ -57,7 +56,6 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
         if created:
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
-    share_as_umask(output_dir)  # safetensors writes 0600 whatever the umask
     return output_dir
 
 
