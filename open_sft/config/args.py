@@ -330,15 +330,13 @@ class CheckpointArguments:
         "unless asked).", default=False)
     resume_from_checkpoint: str = _help(
         "auto: resume from the newest complete checkpoint in OUTPUT_DIR/checkpoints if there is one; "
-        "a checkpoint directory; or none to start over (earlier checkpoints are moved aside).", default="auto"
-    )
+        "a checkpoint directory; or none to start over (earlier checkpoints are moved aside).", default="auto")
     overwrite_output_dir: bool = _help(
         "Start over in --output_dir on purpose: train from step 0 even if a run there finished (OUTPUT_DIR/"
         "RUN_COMPLETE; without this flag a relaunch of a finished run says 'already complete' and exits 0) or left "
         "checkpoints (moved aside to checkpoints.previous-N, as with --resume_from_checkpoint none); the export is "
-        "overwritten at the end; also lets a run write into a non-empty directory that holds no open_sft run (refused "
-        "without it). Leave it out of a command a scheduler requeues: each relaunch would start over.",
-        default=False)
+        "overwritten at the end; also allows a non-empty directory holding no open_sft run. Leave it out of a "
+        "command a scheduler requeues: each relaunch would start over.", default=False)
     allow_changed_settings: bool = _help(
         "Resume with settings that differ from the checkpoint's in flags that alter the trained model (a new "
         "--learning_rate from here, say); without it such a resume is refused, naming each difference. The steps "
