@@ -111,19 +111,25 @@ def _mixer_pairs(value: Any) -> list[str]:
         except (json.JSONDecodeError, yaml.YAMLError) as exc:
             raise UserError(f"--dataset_mixer {value!r}: expected a mapping of dataset to amount, e.g. "
                             "'{\"data.jsonl\": 1.0}' ({exc})") from exc
+    return mapping_pairs("--dataset_mixer", value)
+
+
+def mapping_pairs(where: str, value: Any) -> list[str]:
+    """open-instruct's `dataset_mixer` mapping {dataset: amount} (`where` names it in errors) → the NAME AMOUNT
+    list of --dataset_mixer_list; a YAML dataset_mixer_list written as such a mapping is read the same way."""
     if not isinstance(value, dict) or not value:
-        raise UserError(f"--dataset_mixer: expected a mapping of dataset to amount, got {value!r}")
-    return [x for name, amount in value.items() for x in (str(name), _mapping_amount(name, amount))]
+        raise UserError(f"{where}: expected a mapping of dataset to amount, got {value!r}")
+    return [x for name, amount in value.items() for x in (str(name), _mapping_amount(where, name, amount))]
 
 
-def _mapping_amount(name: Any, amount: Any) -> str:
+def _mapping_amount(where: str, name: Any, amount: Any) -> str:
     """An amount of open-instruct's `dataset_mixer` mapping as --dataset_mixer_list writes it: there a number
     above 1 is a count of rows (int(), so 2.5 is 2 rows) and one up to 1 a fraction (so `1` is every row, not one
     row as `1` is in --dataset_mixer_list)."""
     try:
         number = float(amount)
     except (TypeError, ValueError):
-        raise UserError(f"--dataset_mixer: the amount of {name} is {amount!r}; give a fraction up to 1 or a row "
+        raise UserError(f"{where}: the amount of {name} is {amount!r}; give a fraction up to 1 or a row "
                         "count, e.g. {\"data.jsonl\": 1.0}") from None
     return str(int(number)) if number > 1 else repr(number)
 

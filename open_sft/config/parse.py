@@ -24,7 +24,7 @@ from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneCo
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
 from open_sft.config.companions import companion_warnings
-from open_sft.errors import UserError
+from open_sft.errors import ConfigError, UserError
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
                HubArguments, compat.OpenInstructArguments)
@@ -173,6 +173,9 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
             loaded[key] = yaml.safe_dump(loaded[key])
     if isinstance(loaded.get("chat_template_kwargs"), dict):
         loaded["chat_template_kwargs"] = json.dumps(loaded["chat_template_kwargs"])
+    for key in ("dataset_mixer_list", "eval_dataset_mixer_list"):  # open-instruct's dataset_mixer form
+        if isinstance(loaded.get(key), dict):
+            loaded[key] = compat.mapping_pairs(f"{path}: {key}", loaded[key])
     if isinstance(loaded.get("dataset_mixer_list"), list) and any(isinstance(e, dict) for e in loaded["dataset_mixer_list"]):
         loaded.update(_mixer_entries(path, loaded["dataset_mixer_list"]))
     return loaded
@@ -206,21 +209,68 @@ def _mixer_entries(path: Path, entries: list) -> dict[str, list[str]]:
 
 def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, Any]:
     """YAML values as the flag's type would read them: `checkpointing_steps: 1000` is an int to YAML and a
-    string to us, and YAML 1.1 reads `learning_rate: 5e-06` (no dot) as a string."""
+    string to us, and YAML 1.1 reads `learning_rate: 5e-06` (no dot) as a string. A value of the wrong shape (a
+    string where the flag takes a list, a list or mapping where it takes one value) is a problem, all of them
+    reported at once (a string kept where a list belongs was read character by character: one was '/')."""
     actions = {action.dest: action for action in parser._actions}
-    out = {}
+    out, problems = {}, []
     for name, value in values.items():
-        convert = actions[name].type if name in actions and callable(actions[name].type) else None
+        action = actions.get(name)
+        convert = action.type if action is not None and callable(action.type) else None
+        shape = _shape_problem(name, value, action is not None and action.nargs in ("+", "*"))
+        if shape:
+            problems.append(f"{path}: {shape}")
+            continue
         try:
             if convert is None or value is None:
                 out[name] = value
-            elif isinstance(value, list):
-                out[name] = [convert(v if convert is not str else str(v)) for v in value]
+            elif isinstance(value, list) or (action is not None and action.nargs in ("+", "*")):
+                out[name] = [convert(v if convert is not str else str(v)) for v in _as_list(value)]
             else:
                 out[name] = convert(str(value) if not isinstance(value, bool) or convert is str else value)
         except (TypeError, ValueError) as exc:
-            raise UserError(f"{path}: {name}: {value!r} is not a valid value ({exc})") from None
+            problems.append(f"{path}: {name}: {value!r} is not a valid value ({exc})")
+    if problems:
+        raise ConfigError(problems)
     return out
+
+
+PAIR_LISTS = ("dataset_mixer_list", "eval_dataset_mixer_list")
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def _shape_problem(name: str, value: Any, takes_list: bool) -> str | None:
+    """What is wrong with the shape of YAML `value` for flag `name` (None when nothing): a list flag takes a YAML
+    list of plain values (one word may stand alone: `report_to: tensorboard`); any other flag one plain value."""
+    if not takes_list:
+        if isinstance(value, (list, dict)):
+            return (f"{name} takes one value, got a {'list' if isinstance(value, list) else 'mapping'} {value!r}; "
+                    f"write it as `{name}: VALUE`")
+        return None
+    if isinstance(value, list):
+        nested = [item for item in value if isinstance(item, (list, dict))]
+        return (f"{name}: the item {nested[0]!r} is not a plain value; write a flat list, such as "
+                f"`{name}: [a, b]`") if nested else None
+    words = str(value).replace(",", " ").split()
+    if name in PAIR_LISTS:
+        example = ", ".join(f'"{w}"' if _is_number(w) else w for w in words) if len(words) > 1 else 'data.jsonl, "1.0"'
+        return (f"{name} is the {type(value).__name__} {value!r}, not a list; write the NAME AMOUNT pairs as a YAML "
+                f"list, `{name}: [{example}]`, or as a mapping, `{name}: {{data.jsonl: 1.0}}`")
+    if isinstance(value, dict) or len(words) > 1:
+        return (f"{name} is the {type(value).__name__} {value!r}, not a list; write a YAML list, "
+                f"`{name}: [{', '.join(words) if len(words) > 1 and not isinstance(value, dict) else 'a, b'}]`")
+    return None
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def _split_comma_lists(parser: _Parser, argv: list[str]) -> list[str]:
