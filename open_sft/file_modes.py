@@ -61,25 +61,47 @@ def share_as_umask(root: Path, umask: int | None = None) -> int:
     return changed
 
 
-def unreadable(path: Path) -> str | None:
-    """Why this process cannot read `path` (a file, or a directory with everything under it), or None.
+def unreadable(path: Path, recursive: bool = True) -> str | None:
+    """Why this process cannot read `path` (a file, or a directory with the files a load of it reads), or None.
 
     Checked up front because the libraries report it badly: transformers says "No such file or directory" for a
-    weights file it may not open, and a data file fails deep inside tokenization with a traceback."""
+    weights file it may not open, and a data file fails deep inside tokenization with a traceback.
+
+    What is checked is what a load reads: with `recursive` (a dataset directory: its load and its cache key read
+    every file under it) everything under the directory; without (a model or tokenizer directory: from_pretrained
+    reads the files in it, not its subdirectories, which may hold anything: old checkpoints, a .git) the directory
+    and the files in it. A symlink to a file counts as its target (a Hub snapshot's files are such links); a
+    symlinked directory below `path` is not entered (pathlib's rglob, the data load's walk, does not either, and a
+    link to `.` or `/` would walk forever or the whole filesystem), nor a broken link (no load reads it). A
+    directory that cannot be listed is named, not a traceback."""
     path = Path(path).expanduser()
     if not path.exists():
         return None  # a missing path has its own message
     todo = [path]
     while todo:
         item = todo.pop()
-        is_dir = item.is_dir()
+        below = item != path
+        try:
+            is_dir = item.is_dir()
+            if below and is_dir and item.is_symlink():
+                continue
+        except OSError:  # gone meanwhile, or a link loop: nothing a load reads
+            continue
+        if below and is_dir and not recursive:
+            continue
         if not os.access(item, os.R_OK | (os.X_OK if is_dir else 0), effective_ids=_EFFECTIVE_IDS):
-            info = item.stat()
+            try:
+                info = item.stat()
+            except OSError:  # a broken link (not read by a load) or removed meanwhile
+                continue
             return (f"{item} cannot be read by this user (uid {os.geteuid()}): it is mode "
                     f"{stat.filemode(info.st_mode)} owned by uid {info.st_uid}; make it readable (chmod -R a+rX) "
                     "or run as its owner")
-        if is_dir:
-            todo.extend(sorted(item.iterdir(), reverse=True))
+        if is_dir and (recursive or not below):
+            try:
+                todo.extend(sorted(item.iterdir(), reverse=True))
+            except OSError as exc:
+                return f"{item} cannot be listed ({exc.strerror or exc}); check the directory"
     return None
 
 

@@ -85,8 +85,9 @@ def _unreadable_input_problems(config: FinetuneConfig) -> list[str]:
     named += [("eval_dataset_mixer_list", name) for name in d.eval_dataset_mixer_list[0::2]]
     named.append(("chat_template_path", d.chat_template_path))
     problems = []
-    for flag, value in named:
-        why = unreadable(Path(value)) if value and _is_local_path(value) else None
+    for flag, value in named:  # a model's directory: its own files (what from_pretrained reads); data: all
+        why = (unreadable(Path(value), recursive="dataset_mixer" in flag) if value and _is_local_path(value)
+               else None)
         if why:
             problems.append(f"--{flag} {value}: {why}")
     return problems + _deepspeed_file_problems()

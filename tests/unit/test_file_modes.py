@@ -146,3 +146,43 @@ def test_finetune_flags_name_the_input_they_cannot_read(open_dir, tiny_model_dir
         parse_config(_flags(model, data, open_dir / "out"))
     assert f"--dataset_mixer_list {data}: {data} cannot be read by this user" in str(raised.value)
     assert not (open_dir / "out").exists()
+
+
+def test_the_walk_enters_no_symlinked_directory_and_names_a_subdirectory_it_cannot_read(open_dir) -> None:
+    data = open_dir / "data"
+    (data / "part").mkdir(parents=True)
+    (data / "part" / "a.jsonl").write_text("{}\n")
+    (data / "self").symlink_to(".")  # followed, a loop (ELOOP traceback); `/` would walk the whole filesystem
+    (data / "root").symlink_to("/")
+    (data / "gone.jsonl").symlink_to(open_dir / "absent.jsonl")  # a broken link: no load reads it
+    elsewhere = open_dir / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.jsonl").write_text("{}\n")
+    (data / "linked").symlink_to(elsewhere)
+    for path in (open_dir, data, data / "part", elsewhere):
+        path.chmod(0o755)
+    for path in (data / "part" / "a.jsonl", elsewhere / "secret.jsonl"):
+        path.chmod(0o644)
+    assert unreadable(data) is None
+    with denied(elsewhere / "secret.jsonl"):
+        assert unreadable(data) is None  # behind a symlinked directory: not entered
+        assert unreadable(data / "linked").startswith(str(data / "linked" / "secret.jsonl"))  # the input itself is one
+    with denied(data / "part"):
+        why = unreadable(data)
+    assert why is not None and why.startswith(f"{data / 'part'} cannot be read by this user")
+
+
+def test_a_model_directory_is_checked_for_its_own_files_not_its_subdirectories(open_dir) -> None:
+    model = open_dir / "model"
+    (model / "old_checkpoints").mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"w")
+    (model / "old_checkpoints" / "optimizer.pt").write_bytes(b"o")
+    for path in (model, model / "old_checkpoints"):
+        path.chmod(0o755)
+    for path in (model / "model.safetensors", model / "old_checkpoints" / "optimizer.pt"):
+        path.chmod(0o644)
+    with denied(model / "old_checkpoints" / "optimizer.pt"):
+        assert unreadable(model, recursive=False) is None  # from_pretrained reads none of it
+        assert unreadable(model) is not None
+    with denied(model / "model.safetensors"):
+        assert unreadable(model, recursive=False).startswith(str(model / "model.safetensors"))
