@@ -22,7 +22,7 @@ from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hi
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
-from open_sft.export.hub import repo_id_problem
+from open_sft.export.shard_size import shard_size_problem
 from open_sft.file_modes import unreadable
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 from open_sft.training.checkpoint import continued
@@ -52,6 +52,7 @@ def validate(config: FinetuneConfig) -> None:
     problems += _checkpoint_problems(config.checkpoint, config.train.output_dir) + _hub_problems(config.hub)
     problems += _environment_problems(config) + _unreadable_input_problems(config)
     problems += output_dir_problems(config) + _online_problems(config)
+    problems += _shard_size_problems(config.checkpoint)
     if problems:
         raise ConfigError(problems)
 
@@ -221,6 +222,12 @@ def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
                         "checkpoint directory (OUTPUT_DIR/checkpoints/step_N), auto (the newest in --output_dir), or "
                         "none (start over)")
     return problems
+
+
+def _shard_size_problems(c: CheckpointArguments) -> list[str]:
+    """--max_shard_size is read when the model is written, after all the training: judged here instead."""
+    why = shard_size_problem(c.max_shard_size)
+    return [f"--max_shard_size {why}"] if why else []
 
 
 def _online_problems(config: FinetuneConfig) -> list[str]:

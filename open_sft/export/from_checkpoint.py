@@ -32,6 +32,7 @@ import torch
 from open_sft.errors import UserError
 from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open_weights
 from open_sft.export.model_card import EXPORT_RECORD
+from open_sft.export.shard_size import shard_size_problem
 from open_sft.export.target import check_target
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,8 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
     lora_flags = state.get("config", {}).get("lora", {})
     if max_shard_size is None:
         max_shard_size = state.get("config", {}).get("checkpoint", {}).get("max_shard_size") or "5GB"
+        if shard_size_problem(max_shard_size):
+            raise UserError(f"the run's --max_shard_size {shard_size_problem(max_shard_size)} (pass --max_shard_size)")
     merge = bool(lora_flags.get("merge_lora_on_save")) if merge is None else merge
     qlora = bool(lora_flags.get("use_qlora"))
     if adapter and merge and qlora:
@@ -230,6 +233,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft export") -> int
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     try:
+        if args.max_shard_size is not None and shard_size_problem(args.max_shard_size):
+            raise UserError(f"--max_shard_size {shard_size_problem(args.max_shard_size)}")
         out = export_checkpoint(args.checkpoint, args.output_dir, args.save_dtype, args.max_shard_size,
                                 args.merge_lora)
     except UserError as exc:

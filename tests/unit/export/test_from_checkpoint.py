@@ -156,6 +156,20 @@ def test_refusals_name_the_problem_and_write_nothing(tiny_model_dir, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bad_max_shard_size_is_refused_before_anything_is_written(tiny_model_dir, tmp_path, capsys) -> None:
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 2)
+    assert main([str(checkpoint), str(tmp_path / "out"), "--max_shard_size", "bogus"]) == 2
+    assert "error: --max_shard_size 'bogus' is not a size; give a number and a unit" in capsys.readouterr().err
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["config"]["checkpoint"]["max_shard_size"] = "5XB"  # recorded before the flag was checked (the manifest's
+    # byte count kept: the same length)
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match=r"the run's --max_shard_size '5XB' is not a size.*pass --max_shard_size"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert export_checkpoint(checkpoint, tmp_path / "out", max_shard_size="5GB").is_dir()
+
+
 def test_a_failed_export_leaves_the_earlier_one(tiny_model_dir, tmp_path, monkeypatch) -> None:
     checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
     out = export_checkpoint(checkpoint, tmp_path / "out")
