@@ -20,8 +20,10 @@ from open_sft.config.output_dir import output_dir_problems
 from open_sft.config.ranges import numeric_problems
 from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hint, uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
+from open_sft.data.cache import cache_dir_flag, resolve_cache_dir
 from open_sft.data.chat.templates import chat_template_problems, template_kwargs_problems
 from open_sft.errors import ConfigError
+from open_sft.export.hub import repo_id_problem
 from open_sft.export.shard_size import shard_size_problem
 from open_sft.file_modes import unreadable
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
@@ -52,7 +54,7 @@ def validate(config: FinetuneConfig) -> None:
     problems += _checkpoint_problems(config.checkpoint, config.train.output_dir) + _hub_problems(config.hub)
     problems += _environment_problems(config) + _unreadable_input_problems(config)
     problems += output_dir_problems(config) + _online_problems(config)
-    problems += _shard_size_problems(config.checkpoint)
+    problems += _shard_size_problems(config.checkpoint) + _cache_dir_problems(config.data)
     if problems:
         raise ConfigError(problems)
 
@@ -222,6 +224,31 @@ def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
                         "checkpoint directory (OUTPUT_DIR/checkpoints/step_N), auto (the newest in --output_dir), or "
                         "none (start over)")
     return problems
+
+
+def _cache_dir_problems(d: DataArguments) -> list[str]:
+    """The tokenization cache's directory must be, or be creatable as, a directory this process can write (a hit
+    too takes the entry's lock file there): said before the model loads, not as an OSError from the cache."""
+    if d.dataset_skip_cache:
+        return []
+    where = cache_dir_flag()
+    why = writable_dir_problem(resolve_cache_dir(d.dataset_local_cache_dir))
+    return [f"{where}: {why}; give a directory you can write, or --dataset_skip_cache to tokenize without a "
+            "cache"] if why else []
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why `path` is not, and cannot be made, a directory this process writes into (None when it can)."""
+    path = path.expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{'it is' if existing == path else f'it lies under {existing}, which is'} a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
+        return f"no permission to write there{what}"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only filesystem"
+    return None
 
 
 def _shard_size_problems(c: CheckpointArguments) -> list[str]:

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 
 logger = logging.getLogger(__name__)
@@ -85,10 +86,13 @@ def content_hash(path: Path, cache_dir: Optional[Path]) -> str:
         pass
     digest = sha256_file(path)
     if path.stat().st_mtime_ns == stat.st_mtime_ns:  # not written to while it was read
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        staged = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
-        staged.write_text(digest)
-        os.replace(staged, memo)
+        try:  # a memo: a cache that cannot be written is named where its entry is locked
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            staged = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")
+            staged.write_text(digest)
+            os.replace(staged, memo)
+        except OSError:
+            pass
     return digest
 
 
@@ -129,6 +133,12 @@ def resolve_cache_dir(flag_value: str) -> Path:
     return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
 
 
+def cache_dir_flag() -> str:
+    """How the user named the cache directory, for a message: the variable when set, else the flag."""
+    cache = os.environ.get("OPEN_SFT_CACHE")
+    return f"OPEN_SFT_CACHE={cache} (it overrides --dataset_local_cache_dir)" if cache else "--dataset_local_cache_dir"
+
+
 def lock_path(cache_dir: Path, key: str) -> Path:
     """The lock a build of `key` holds from before it reads its partial rows until its entry is in place."""
     return cache_dir / f"{key}.lock"
@@ -136,8 +146,14 @@ def lock_path(cache_dir: Path, key: str) -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a")
+    except OSError as exc:  # read-only, under a file, no permission: checked up front, unless it changed since
+        raise UserError(f"{cache_dir_flag()}: the tokenization cache {path.parent} cannot be written "
+                        f"({exc.strerror or exc}); give a directory you can write, or --dataset_skip_cache to "
+                        "tokenize without a cache") from exc
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

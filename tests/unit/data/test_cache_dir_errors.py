@@ -1,0 +1,57 @@
+"""A tokenization cache directory that cannot be written (a read-only mount, a path under a file, no permission) is
+named up front with --output_dir's checks, and the cache's own failure (it changed since) is an error, not an OSError."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from open_sft.config.parse import parse_config
+from open_sft.data import cache
+from open_sft.errors import ConfigError, UserError
+
+
+def _flags(tmp_path, *more: str) -> list[str]:
+    return ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0",
+            "--output_dir", str(tmp_path / "out"), *more]
+
+
+def test_a_cache_dir_under_a_file_is_named_up_front(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("OPEN_SFT_CACHE")
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError) as info:
+        parse_config(_flags(tmp_path, "--dataset_local_cache_dir", str(tmp_path / "data.jsonl" / "cache")))
+    assert (f"--dataset_local_cache_dir: it lies under {tmp_path / 'data.jsonl'}, which is a file, not a directory; "
+            "give a directory you can write, or --dataset_skip_cache") in str(info.value)
+    parse_config(_flags(tmp_path, "--dataset_local_cache_dir", str(tmp_path / "data.jsonl" / "cache"),
+                        "--dataset_skip_cache"))  # no cache: nothing to write there
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "data.jsonl"))
+    with pytest.raises(ConfigError, match=r"OPEN_SFT_CACHE=\S+data.jsonl \(it overrides --dataset_local_cache_dir\)"
+                                          r": it is a file, not a directory"):
+        parse_config(_flags(tmp_path))
+
+
+def test_a_read_only_cache_dir_is_named_up_front(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "ro" / "cache"))
+    (tmp_path / "ro").mkdir()
+    real = os.statvfs
+
+    class ReadOnly:  # a read-only mount, as `mount -o ro` reports it to root, who may write any mode
+        def __init__(self, path):
+            self.f_flag = real(path).f_flag | (os.ST_RDONLY if str(path) == str(tmp_path / "ro") else 0)
+
+    monkeypatch.setattr(os, "statvfs", ReadOnly)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'ro'} is on a read-only filesystem"):
+        parse_config(_flags(tmp_path))
+
+
+def test_the_caches_own_failure_names_the_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("OPEN_SFT_CACHE")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UserError) as info:
+        cache.load_or_build(tmp_path / "file" / "cache", "k" * 64, {}, lambda staging: {})
+    message = str(info.value)
+    assert message.startswith(f"--dataset_local_cache_dir: the tokenization cache {tmp_path / 'file' / 'cache'} "
+                              "cannot be written (Not a directory)")
+    assert "--dataset_skip_cache" in message
