@@ -9,10 +9,12 @@ starts over (`set_aside`): renamed whole, never mixed with the new run's files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 def fsync_path(path: Path) -> None:
@@ -58,3 +60,44 @@ def next_previous(directory: Path) -> Path:
     while directory.with_name(f"{directory.name}.previous-{k}").exists():
         k += 1
     return directory.with_name(f"{directory.name}.previous-{k}")
+
+
+#: torch.save's zip writer reports a write the disk refused as a RuntimeError without the errno ("[enforce fail at
+#: inline_container.cc:672] . unexpected pos ...", "PytorchStreamWriter failed writing file ..."): read as a full
+#: disk when the disk has (next to) nothing free then.
+TORCH_WRITE_FAILED = ("inline_container.cc", "PytorchStreamWriter failed")
+NEARLY_FULL = 64 << 20
+
+
+def out_of_space(exc: BaseException, path: Path) -> Optional[str]:
+    """'the disk holding PATH is full (N free)' when `exc`, or an exception behind it, is a write the disk refused
+    for want of space (ENOSPC, a quota: EDQUOT, torch's zip writer's failure on a full disk), else None."""
+    seen, free = set(), free_bytes(path)
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            what = "your disk quota there is used up" if exc.errno == errno.EDQUOT else "the disk is full"
+            return f"{path}: {what} ({human_size(free)} free)"
+        if (isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in TORCH_WRITE_FAILED)
+                and free is not None and free < NEARLY_FULL):
+            return f"{path}: the disk is full ({human_size(free)} free)"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def free_bytes(path: Path) -> Optional[int]:
+    """Bytes free to this user on the filesystem of `path` (its nearest existing parent), None if unknown."""
+    path = Path(path).absolute()
+    try:
+        return shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    except OSError:
+        return None
+
+
+def human_size(size: Optional[int]) -> str:  # type: ignore[return]
+    if size is None:
+        return "unknown"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024

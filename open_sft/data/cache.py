@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from open_sft.durable import out_of_space
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 
@@ -232,6 +233,20 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
     Returns (dataset, report, entry path, hit). `build` writes a `datasets` directory (save_to_disk's layout)
     into the staging directory it is given and returns a JSON-able report.
     """
+    try:
+        return _load_or_build(cache_dir, key, key_inputs, build)
+    except (OSError, RuntimeError) as exc:
+        full = out_of_space(exc, cache_dir)
+        if full is None:
+            raise
+        raise UserError(f"{full} while writing the tokenization cache; free space there, or move the cache "
+                        f"({cache_dir_flag()}) to a disk with room, and rerun the same command: the build resumes "
+                        "from its last complete chunk (nothing partial is used: an entry counts once COMPLETE is "
+                        "written)") from exc
+
+
+def _load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
+                   build: Callable[[Path], dict]) -> tuple[Any, dict, Path, bool]:
     entry = cache_dir / key
     with _locked(lock_path(cache_dir, key)):
         if entry.exists():

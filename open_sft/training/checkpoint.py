@@ -33,7 +33,8 @@ from typing import Any, Callable, Collection, Optional
 
 import torch
 
-from open_sft.durable import fsync_path, fsync_tree, write_json
+from open_sft.durable import fsync_path, fsync_tree, human_size, out_of_space, write_json
+from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 from open_sft.training.preemption import PREEMPTED_EXIT_CODE, Preempted, StopRequest
 
@@ -151,6 +152,10 @@ def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:
 # ----------------------------------------------------------------------------------------------
 def _manifest(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _size(root: Path) -> int:
+    return sum(_manifest(root).values())
 
 
 def publish(tmp: Path, final: Path, step: int, covers: Collection[Path] = ()) -> None:
@@ -302,7 +307,23 @@ class Checkpointer:
         }
 
     def save(self, step: int, preempted: bool = False) -> Path:
-        """Collective: every rank writes its part into step_N.tmp; the main rank publishes it."""
+        """Collective: every rank writes its part into step_N.tmp; the main rank publishes it. A disk that is full
+        is a UserError on the rank that found it (saying where the rerun resumes); its exit stops the others
+        (the launcher ends the run, a peer's lifeline notices), none waits at a barrier."""
+        try:
+            return self._save(step, preempted)
+        except (OSError, RuntimeError) as exc:
+            full = out_of_space(exc, self.root)
+            if full is None:
+                raise
+            newest = newest_usable(self.root)
+            where = (f"from the newest complete checkpoint, {newest.name} ({human_size(_size(newest))}: about what "
+                     "one more needs)" if newest is not None else "from step 0 (no complete checkpoint yet)")
+            raise UserError(f"{full}: checkpoint step_{step} could not be written (its unfinished step_{step}.tmp is "
+                            "never resumed from); free space there (fewer --keep_last_n_checkpoints keeps less) and "
+                            f"rerun the same command: it resumes {where}") from exc
+
+    def _save(self, step: int, preempted: bool) -> Path:
         acc = self.accelerator
         tmp, final = self.root / f"step_{step}.tmp", self.root / f"step_{step}"
         started = time.perf_counter()

@@ -55,3 +55,24 @@ def test_the_caches_own_failure_names_the_directory(tmp_path, monkeypatch) -> No
     assert message.startswith(f"--dataset_local_cache_dir: the tokenization cache {tmp_path / 'file' / 'cache'} "
                               "cannot be written (Not a directory)")
     assert "--dataset_skip_cache" in message
+
+
+def test_a_full_disk_while_the_cache_is_written_says_so_and_that_the_rerun_resumes(tmp_path, monkeypatch) -> None:
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    monkeypatch.delenv("OPEN_SFT_CACHE")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("Usage", "total used free")(10, 10, 0))
+
+    def build(staging):
+        (staging / "data-00000-of-00001.arrow").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError) as info:
+        cache.load_or_build(tmp_path / "cache", "k" * 64, {}, build)
+    assert str(info.value) == (f"{tmp_path / 'cache'}: the disk is full (0 bytes free) while writing the tokenization "
+                               "cache; free space there, or move the cache (--dataset_local_cache_dir) to a disk with "
+                               "room, and rerun the same command: the build resumes from its last complete chunk "
+                               "(nothing partial is used: an entry counts once COMPLETE is written)")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["k" * 64 + ".lock"]  # the staging removed
