@@ -182,11 +182,26 @@ def open_dataset(spec: SourceSpec) -> Any:
         if path.suffix != ".parquet":
             raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)} "
                             f"({TEXT_SUFFIX}: plain text, one document per blank-line-separated block)")
-        loaded = datasets.Dataset.from_parquet(str(path))
+        loaded = _read_parquet(path)
         if not len(loaded):
             raise UserError(f"{path}: the file has no rows")
         return loaded
     return _load_hub(spec, spec.name)
+
+
+def _read_parquet(path: Path) -> Any:
+    """A .parquet file as a Dataset; one that is not parquet (damaged, cut short, another format renamed) is named."""
+    import datasets
+    import pyarrow
+
+    try:
+        return datasets.Dataset.from_parquet(str(path))
+    except (pyarrow.ArrowException, OSError) as exc:  # ArrowInvalid: "Parquet magic bytes not found in footer"
+        if isinstance(exc, OSError) and not isinstance(exc, pyarrow.ArrowException) and exc.errno is not None:
+            raise  # the system's own failure (a full disk, no permission): not the file's content
+        raise UserError(f"{path}: not a readable parquet file ({' '.join(str(exc).split())}); check the file (a "
+                        "damaged or cut-short copy, or another format named .parquet: JSON Lines is read as "
+                        ".jsonl)") from exc
 
 
 def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:

@@ -142,3 +142,14 @@ def test_a_utf8_byte_order_mark_opening_a_file_is_not_text(tmp_path) -> None:
         assert rows_of(str(path)) == expected, name
     assert [json.loads(line) for chunk, _ in line_chunks(tmp_path / "a.jsonl", rows=2) for line in chunk] == TRAIN
     assert [text for chunk, _ in text_blocks(tmp_path / "c.txt", rows=1) for text in chunk][0] == "first doc"
+
+
+@pytest.mark.parametrize("damage", ["json_lines", "cut_short"])
+def test_a_parquet_file_that_does_not_read_is_named(sources, tmp_path, damage) -> None:
+    """A .parquet that is not one (JSON Lines renamed, a copy cut short): an error naming the file, not pyarrow's
+    ArrowInvalid traceback."""
+    good = (sources / "rows.parquet").read_bytes()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b'{"messages": []}\n' if damage == "json_lines" else good[:len(good) // 2])
+    with pytest.raises(UserError, match=f"^{bad}: not a readable parquet file \\(Parquet magic bytes not found"):
+        rows_of(str(bad))
