@@ -240,6 +240,39 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
             f"--model_name_or_path {args.model_name_or_path}: could not load the model ({exc}); "
             "check the path (a directory with config.json and weights) or the Hub id"
         ) from exc
+    except RuntimeError as exc:  # transformers: "You set `ignore_mismatched_sizes` to `False`, ..." (its report logged)
+        if "ignore_mismatched_sizes" not in str(exc) or not _config_overrides(args):
+            raise
+        raise UserError(_reshaping_overrides(args)) from exc
+
+
+def _reshaping_overrides(args: ModelArguments) -> str:
+    """What to say when --additional_model_arguments changed the shape of weights the checkpoint holds: the keys
+    that do (each tried alone on a weightless model, against the checkpoint's config), else all of them."""
+    overrides = _config_overrides(args)
+    saved = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **_hub_kwargs(args))
+    reshaping = [key for key in overrides if _shapes(saved, {key: overrides[key]}) != _shapes(saved, {})]
+    named = ", ".join(f"{key}: {overrides[key]!r} (the checkpoint's: {getattr(saved, key, None)!r})"
+                      for key in reshaping or overrides)
+    return (f"--additional_model_arguments {named}: changes the shapes of the checkpoint's weights "
+            f"({args.model_name_or_path}; the log above lists them), which a pretrained model's cannot be; drop "
+            f"{'it' if len(reshaping or overrides) == 1 else 'them'}. Settings that keep the shapes (dropout, "
+            "rope_scaling, rope_theta, attention options) can be overridden")
+
+
+def _shapes(config: Any, overrides: dict[str, Any]) -> Optional[dict[str, tuple]]:
+    """The parameter shapes of `config`'s model with `overrides` (built on the meta device: no memory), or None."""
+    import copy
+
+    changed = copy.deepcopy(config)
+    try:
+        for key, value in overrides.items():
+            setattr(changed, key, value)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(changed)
+    except Exception:  # an override the model class refuses: it is not the shapes' cause we can name
+        return None
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase] = None,

@@ -307,3 +307,18 @@ def test_add_bos_adds_nothing_where_the_template_already_renders_bos_first(tiny_
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     add_bos_to_template(tokenizer)
     assert tokenizer.apply_chat_template(chat, tokenize=False) == tokenizer.bos_token + "hiyo"
+
+
+def test_an_override_that_changes_the_weights_shapes_is_named(tiny_model_dir) -> None:
+    """--additional_model_arguments '{"hidden_size": 48}': transformers' 'ignore_mismatched_sizes' RuntimeError
+    becomes an error naming the key, its value and the checkpoint's."""
+    from open_sft.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        load_model(model_args(tiny_model_dir, additional_model_arguments='{"hidden_size": 48, "attention_dropout": 0.1}'))
+    message = str(info.value)
+    assert message.startswith("--additional_model_arguments hidden_size: 48 (the checkpoint's: 64): changes the "
+                              f"shapes of the checkpoint's weights ({tiny_model_dir}; ")
+    assert "attention_dropout" not in message and "drop it" in message
+    assert load_model(model_args(tiny_model_dir, additional_model_arguments='{"attention_dropout": 0.1}')) \
+        .config.attention_dropout == 0.1
