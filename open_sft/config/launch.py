@@ -26,7 +26,8 @@ import torch
 from open_sft.config.deepspeed_request import (ENV_FIELDS_FROM_YAML, ENV_GRADIENT_ACCUMULATION, ENV_GRADIENT_CLIPPING,
                                                ENV_MIXED_PRECISION, ZERO_SETTINGS, deepspeed_request)
 from open_sft.distributed.parallelism import Parallelism, resolve as resolve_parallelism
-from open_sft.distributed.deepspeed import deepspeed_fp16_problem, replace_trainer_sections, zero_stage
+from open_sft.distributed.deepspeed import (FILLED_AUTO, STAGE3_AUTO, deepspeed_fp16_problem, replace_trainer_sections,
+                                           unfilled_auto, zero_stage)
 from open_sft.distributed.fsdp import fsdp_request
 from open_sft.errors import UserError
 from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
@@ -207,6 +208,7 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
             if not isinstance(section, dict):
                 raise UserError(f"DeepSpeed config {path}: {name} must be an object, e.g. {{\"enabled\": \"auto\"}}")
             section["enabled"] = "auto"
+        _refuse_unfilled_auto(cfg, path)
         for var in _MERGED_ENV:  # merged above: accelerate would refuse them beside our own config
             os.environ.pop(var, None)
         os.environ.pop(ENV_FIELDS_FROM_YAML, None)
@@ -216,6 +218,17 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
               "parallelism": spread.to_dict()}
     return LaunchPlan(train=train, dtype=choice.dtype, deepspeed_config=cfg, parallelism=spread, notes=decider.notes,
                       record=record, dtype_choice=choice, zero3_init=zero3_init, fsdp=fsdp)
+
+
+def _refuse_unfilled_auto(cfg: dict, path: Optional[str]) -> None:
+    """An "auto" open_sft does not fill (`"steps_per_print": "auto"`) is named with the file before anything loads
+    (DeepSpeed would read the string as a number and fail inside its engine)."""
+    leftover = unfilled_auto(cfg)
+    if leftover:
+        raise UserError(f"DeepSpeed config {path or '(the accelerate config)'}: \"auto\" is not a value open_sft "
+                        f"fills for {', '.join(leftover)}; give {'it' if len(leftover) == 1 else 'each'} a value, "
+                        "or remove the key for DeepSpeed's default. \"auto\" is filled for "
+                        f"{', '.join(FILLED_AUTO)} (and, under ZeRO-3, {STAGE3_AUTO})")
 
 
 def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:

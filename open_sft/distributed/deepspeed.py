@@ -158,6 +158,20 @@ def _check_or_fill(node: dict[str, Any], key: str, value: Any) -> None:
         )
 
 
+#: The "auto" values resolve_deepspeed_config fills from the flags and the model (those HF's integration fills,
+#: but the optimizer's and scheduler's, which open_sft's own replace); stage 3 also fills the save-time gather.
+FILLED_AUTO = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+               "gradient_clipping", "bf16.enabled", "fp16.enabled", "zero_optimization.reduce_bucket_size",
+               "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold")
+STAGE3_AUTO = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
+
+
+def unfilled_auto(cfg: dict[str, Any]) -> list[str]:
+    """The keys of `cfg` set to "auto" that nothing fills (`"steps_per_print": "auto"`): refused up front."""
+    filled = FILLED_AUTO + ((STAGE3_AUTO,) if zero_stage(cfg) == 3 else ())
+    return [key for key in find_auto(cfg) if key not in filled]
+
+
 def find_auto(node: Any, prefix: str = "") -> list[str]:
     found: list[str] = []
     if isinstance(node, dict):

@@ -234,3 +234,18 @@ def test_zero_section_spellings_and_bad_keys(tmp_path) -> None:
     with pytest.raises(UserError, match="ds.json: zero_optimization sets both max_reuse_distance=0 and "
                                         "stage3_max_reuse_distance=5; keep one"):
         load_json(write({"max_reuse_distance": 0, "stage3_max_reuse_distance": 5}))
+
+
+def test_an_auto_that_nothing_fills_is_named_with_the_file(tmp_path) -> None:
+    """`"steps_per_print": "auto"` (HF's integration fills no such key either): refused with the file and the key
+    when the launch is planned, not as a ValueError when the accelerator starts."""
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 2, "stage3_gather_16bit_weights_on_model_save": "auto"},
+                                 "steps_per_print": "auto", "train_batch_size": "auto", "bf16": {"enabled": "auto"}})
+    with pytest.raises(UserError) as info:
+        plan([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+    assert str(info.value).startswith(f'DeepSpeed config {path}: "auto" is not a value open_sft fills for '
+                                      "zero_optimization.stage3_gather_16bit_weights_on_model_save, steps_per_print; "
+                                      "give each a value, or remove the key")
+    stage3 = write_json(tmp_path, {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save":
+                                                         "auto", "reduce_bucket_size": "auto"}})
+    plan([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": stage3})  # all filled
