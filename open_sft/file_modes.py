@@ -105,4 +105,29 @@ def unreadable(path: Path, recursive: bool = True) -> str | None:
     return None
 
 
+def writable_dir_problem(path: Path) -> str | None:
+    """Why `path` is not, and cannot be made, a directory this process writes into (None when it can): a file
+    there or above it, no permission, a read-only filesystem. For a message "PATH: <this>; give ..."."""
+    path = Path(path).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{'it is' if existing == path else f'it lies under {existing}, which is'} a file, not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
+        return f"no permission to write there{what}"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        return f"{existing} is on a read-only filesystem"
+    return None
+
+
+def output_file_problem(path: Path) -> str | None:
+    """Why a file cannot be written at `path` (None when it can): it is a directory, or its directory cannot be
+    made or written (writable_dir_problem)."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        return "it is a directory; give the path of a file"
+    why = writable_dir_problem(path.parent)
+    return f"its directory {path.parent}: {why}" if why else None
+
+
 _EFFECTIVE_IDS = os.access in os.supports_effective_ids

@@ -25,7 +25,7 @@ from open_sft.data.chat.templates import chat_template_problems, template_kwargs
 from open_sft.errors import ConfigError
 from open_sft.export.hub import repo_id_problem
 from open_sft.export.shard_size import shard_size_problem
-from open_sft.file_modes import unreadable
+from open_sft.file_modes import unreadable, writable_dir_problem
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 from open_sft.training.checkpoint import continued
 
@@ -235,20 +235,6 @@ def _cache_dir_problems(d: DataArguments) -> list[str]:
     why = writable_dir_problem(resolve_cache_dir(d.dataset_local_cache_dir))
     return [f"{where}: {why}; give a directory you can write, or --dataset_skip_cache to tokenize without a "
             "cache"] if why else []
-
-
-def writable_dir_problem(path: Path) -> str | None:
-    """Why `path` is not, and cannot be made, a directory this process writes into (None when it can)."""
-    path = path.expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"{'it is' if existing == path else f'it lies under {existing}, which is'} a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
-        return f"no permission to write there{what}"
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        return f"{existing} is on a read-only filesystem"
-    return None
 
 
 def _shard_size_problems(c: CheckpointArguments) -> list[str]:

@@ -28,7 +28,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from open_sft.data.chat.templates import EMBEDDED
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import UserError
-from open_sft.file_modes import share_as_umask
+from open_sft.file_modes import share_as_umask, writable_dir_problem
 from open_sft.monitor.quiet import quiet_third_parties
 
 logger = logging.getLogger(__name__)
@@ -292,7 +292,10 @@ SHAPE_FLAGS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_h
 
 def _check_flags(args: argparse.Namespace) -> None:
     """The size flags checked before anything is built or written, as one error naming the flags to change
-    (build_tokenizer and build_model check the same for callers in Python, as ValueErrors)."""
+    (build_tokenizer and build_model check the same for callers in Python, as ValueErrors), and the directory."""
+    why = writable_dir_problem(Path(args.out_dir))
+    if why:
+        raise UserError(f"{args.out_dir}: {why}; give a directory for the model and tokenizer (created if missing)")
     try:
         _check_vocab_size(args.vocab_size)
         _check_shape(args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads,

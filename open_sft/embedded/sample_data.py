@@ -27,8 +27,11 @@ import json
 import logging
 import random
 import re
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+from open_sft.file_modes import output_file_problem
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +353,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "open_sft sample-data") 
     args = parser.parse_args(argv)
     if args.n < 0:
         parser.error("--n must be >= 0")
+    why = output_file_problem(Path(args.out))
+    if why:
+        print(f"error: {args.out}: {why} (the .jsonl to write)", file=sys.stderr)
+        return 2
     path = write_jsonl(generate_examples(args.n, args.seed), args.out)
     print(path)
     return 0

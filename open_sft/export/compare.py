@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from open_sft.file_modes import output_file_problem
+
 CELL = 26  # characters of a table cell; longer answers end in "…"
 
 
@@ -165,6 +167,10 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.show < 0:
         parser.error("--max_new_tokens must be at least 1 and --show at least 0")
+    why = output_file_problem(args.json) if args.json is not None else None
+    if why:  # said before the models load and score, not after
+        print(f"error: --json {args.json}: {why}", file=sys.stderr)
+        return 2
     try:
         rows = read_tasks(args.tasks)
     except OSError as exc:

@@ -34,6 +34,7 @@ from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open
 from open_sft.export.model_card import EXPORT_RECORD
 from open_sft.export.shard_size import shard_size_problem
 from open_sft.export.target import check_target
+from open_sft.file_modes import writable_dir_problem
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ def _refuse_run_paths(checkpoint: Path, out: Path) -> None:
     if target.is_relative_to(checkpoint.resolve().parent):
         raise UserError(f"{out} is inside the run's checkpoints ({checkpoint.parent}), which the run prunes; pass "
                         "a directory outside them")
+    why = writable_dir_problem(out)
+    if why:
+        raise UserError(f"{out}: {why}; pass a directory for the checkpoint's model (it is created if missing)")
 
 
 def write_full_weights(weights: CheckpointWeights, config: Any, directory: Path, dtype: torch.dtype,

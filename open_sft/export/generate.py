@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
                         help="score exact answers on this many freshly generated sample tasks (held out: "
                              "a seed the bundled training sample does not use)")
     args = parser.parse_args(argv)
+    if args.score_sample < 0:
+        parser.error(f"--score_sample must be 0 or more (a number of sample tasks), got {args.score_sample}")
     loaded = load_or_exit(args)
     if loaded is None:
         return 2

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -14,9 +13,10 @@ from peft import PeftModel
 
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
-from open_sft.export.run_dir import fit_base_to_adapter
+from open_sft.export.run_dir import adapter_base, fit_base_to_adapter, load_adapter_base
 from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, staged_export, write_generation_config
 from open_sft.export.target import check_target
+from open_sft.file_modes import writable_dir_problem
 
 COMMAND = "open_sft merge-lora"
 
@@ -28,18 +28,19 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     in `dtype` (auto: the base's stored dtype, as the run's export); a base the run resized (added tokens) is
     resized to the adapter's tokenizer first (open_sft.export.run_dir.fit_base_to_adapter). `output_dir` is new, empty
     or an earlier output of these commands (open_sft.export.target), written through a staging directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from open_sft.export.model_card import render_model_card
 
     config_file = adapter_dir / "adapter_config.json"
     if not config_file.exists():
         raise UserError(f"{config_file} not found; pass the --output_dir of a --use_lora/--use_qlora run")
-    base = base_model or json.loads(config_file.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise UserError(f"{config_file} names no base model; pass --base_model")
-    check_target(output_dir, COMMAND, {"the adapter's directory": str(adapter_dir), "the base model": base})
-    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    why = writable_dir_problem(output_dir)
+    if why:
+        raise UserError(f"{output_dir}: {why}; pass a directory for the merged model (it is created if missing)")
+    check_target(output_dir, COMMAND, {"the adapter's directory": str(adapter_dir),
+                                       "the base model": adapter_base(adapter_dir, base_model)})
+    model, _ = load_adapter_base(adapter_dir, base_model, dtype="auto")
     torch_dtype = save_dtype(dtype, model.config)
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     fit_base_to_adapter(model, adapter_dir, tokenizer)

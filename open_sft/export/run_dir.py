@@ -138,18 +138,27 @@ def _saved_embedding_rows(adapter_dir: Path, model: Any) -> Optional[int]:
     return None
 
 
-def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
-    import open_sft.model.lora  # noqa: F401  (before peft: keeps bitsandbytes' CPU-kernel warning out of the log)
-    from peft import PeftModel
+def load_adapter_base(directory: Path, base_model: Optional[str], **loading: Any) -> tuple[Any, str]:
+    """The base model of the adapter in `directory` (--base_model, else the one its adapter_config.json names) and
+    its name; one that does not load (a path that does not exist, a Hub id out of reach) is a UserError."""
     from transformers import AutoModelForCausalLM
 
     base = adapter_base(directory, base_model)
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, **_base_loading(directory))
-    except OSError as exc:
-        raise UserError(f"{directory} is a LoRA adapter on {base}, which cannot be loaded here "
-                        f"({str(exc).splitlines()[0]}); pass "
+        return AutoModelForCausalLM.from_pretrained(base, **loading), base
+    except (OSError, ValueError) as exc:  # a missing path reads as a bad Hub id: "Repo id must be in the form ..."
+        which = f"--base_model {base}" if base_model else f"{directory} is a LoRA adapter on {base}, which"
+        local = base.startswith(("/", ".", "~")) and not Path(base).expanduser().exists()
+        why = "no such directory" if local else str(exc).splitlines()[0]
+        raise UserError(f"{which} cannot be loaded here ({why}); pass "
                         "--base_model PATH_OR_ID with the base model the run trained from") from exc
+
+
+def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
+    import open_sft.model.lora  # noqa: F401  (before peft: keeps bitsandbytes' CPU-kernel warning out of the log)
+    from peft import PeftModel
+
+    model, base = load_adapter_base(directory, base_model, **_base_loading(directory))
     fit_base_to_adapter(model, directory, tokenizer)
     try:
         with warnings.catch_warnings():  # peft asks transformers' deprecated name; nothing the user can change

@@ -50,3 +50,53 @@ def test_old_module_paths_forward_to_the_command(old, command, monkeypatch) -> N
         entry.forward(command, drop="merge" if old == "lora" else None)
     assert exit_info.value.code == 0 and seen == [[command, "a", "b"]]
     assert f"open_sft {command}" in module.__doc__
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("{}\n")
+    return path
+
+
+def _adapter(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "/nonexistent/base"}')
+    return adapter
+
+
+def test_output_paths_that_cannot_be_written_are_named_before_any_work(tmp_path, a_file, capsys) -> None:
+    """A file where a directory goes, a path under a file, a directory where a file goes: one error: line, exit 2,
+    before a model loads (FileExistsError, NotADirectoryError, IsADirectoryError tracebacks before)."""
+    cases = {
+        ("merge-lora", str(_adapter(tmp_path)), str(a_file)):
+            f"error: {a_file}: it is a file, not a directory; pass a directory for the merged model",
+        ("compare", "before", "after", "--tasks", str(a_file), "--json", str(a_file / "x.json")):
+            f"error: --json {a_file / 'x.json'}: its directory {a_file}: it is a file, not a directory",
+        ("sample-data", str(a_file / "x.jsonl")):
+            f"error: {a_file / 'x.jsonl'}: its directory {a_file}: it is a file, not a directory",
+        ("sample-data", str(tmp_path)): f"error: {tmp_path}: it is a directory; give the path of a file",
+        ("embedded", str(a_file)): f"error: {a_file}: it is a file, not a directory; give a directory for the model",
+    }
+    for argv, message in cases.items():
+        assert main(list(argv)) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert a_file.read_text() == "{}\n"
+
+
+def test_merge_lora_names_a_base_model_that_does_not_load(tmp_path, capsys) -> None:
+    adapter = _adapter(tmp_path)
+    assert main(["merge-lora", str(adapter), str(tmp_path / "out"), "--base_model", str(tmp_path / "nonexist")]) == 2
+    assert (f"error: --base_model {tmp_path / 'nonexist'} cannot be loaded here (no such directory); pass "
+            "--base_model PATH_OR_ID") in capsys.readouterr().err
+    assert main(["merge-lora", str(adapter), str(tmp_path / "out")]) == 2  # the adapter's own base: named so
+    assert f"{adapter} is a LoRA adapter on /nonexistent/base, which cannot be loaded here" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_generate_refuses_a_negative_score_sample_before_loading(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tmp_path / "no_model"), "--score_sample", "-1"])
+    assert exit_info.value.code == 2
+    assert "error: --score_sample must be 0 or more (a number of sample tasks), got -1" in capsys.readouterr().err

@@ -156,6 +156,16 @@ def test_refusals_name_the_problem_and_write_nothing(tiny_model_dir, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_is_read(tiny_model_dir, tmp_path, capsys) -> None:
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 2)
+    (tmp_path / "file").write_text("x")
+    under = (tmp_path / "file" / "m", f"it lies under {tmp_path / 'file'}")
+    for out, why in ((tmp_path / "file", "it is a file"), under):
+        assert main([str(checkpoint), str(out)]) == 2
+        assert f"error: {out}: {why}" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_a_bad_max_shard_size_is_refused_before_anything_is_written(tiny_model_dir, tmp_path, capsys) -> None:
     checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 2)
     assert main([str(checkpoint), str(tmp_path / "out"), "--max_shard_size", "bogus"]) == 2
