@@ -109,7 +109,14 @@ def writable_dir_problem(path: Path) -> str | None:
     """Why `path` is not, and cannot be made, a directory this process writes into (None when it can): a file
     there or above it, no permission, a read-only filesystem. For a message "PATH: <this>; give ..."."""
     path = Path(path).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
+    for existing in (path, *path.parents):
+        try:
+            existing.stat()
+            break
+        except (FileNotFoundError, NotADirectoryError):  # not there yet, or under a file (said below)
+            continue
+        except OSError as exc:  # a parent this user may not enter (EACCES), a link loop
+            return f"it cannot be reached ({exc.strerror or exc}: {existing})"
     if not existing.is_dir():
         return f"{'it is' if existing == path else f'it lies under {existing}, which is'} a file, not a directory"
     if not os.access(existing, os.W_OK | os.X_OK):

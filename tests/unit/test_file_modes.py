@@ -186,3 +186,17 @@ def test_a_model_directory_is_checked_for_its_own_files_not_its_subdirectories(o
         assert unreadable(model) is not None
     with denied(model / "model.safetensors"):
         assert unreadable(model, recursive=False).startswith(str(model / "model.safetensors"))
+
+
+def test_a_directory_to_write_is_judged_without_raising(open_dir, tmp_path) -> None:
+    from open_sft.file_modes import output_file_problem, writable_dir_problem
+
+    (open_dir / "file").write_text("x")
+    assert writable_dir_problem(open_dir / "new" / "dir") is None
+    assert writable_dir_problem(open_dir / "file") == "it is a file, not a directory"
+    assert writable_dir_problem(open_dir / "file" / "a" / "b").startswith(f"it lies under {open_dir / 'file'}")
+    assert output_file_problem(open_dir) == "it is a directory; give the path of a file"
+    private = open_dir / "private"
+    private.mkdir(mode=0o700)
+    with denied(private):  # a parent this user may not enter: os.stat raises EACCES
+        assert writable_dir_problem(private / "cache").startswith("it cannot be reached (Permission denied")
