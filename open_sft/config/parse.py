@@ -217,12 +217,13 @@ def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, An
     for name, value in values.items():
         action = actions.get(name)
         convert = action.type if action is not None and callable(action.type) else None
-        shape = _shape_problem(name, value, action is not None and action.nargs in ("+", "*"))
+        ignored = action is not None and (action.help or "").startswith("Ignored")  # open-instruct's, unread
+        shape = None if ignored else _shape_problem(name, value, action is not None and action.nargs in ("+", "*"))
         if shape:
             problems.append(f"{path}: {shape}")
             continue
         try:
-            if convert is None or value is None:
+            if convert is None or value is None or ignored:
                 out[name] = value
             elif isinstance(value, list) or (action is not None and action.nargs in ("+", "*")):
                 out[name] = [convert(v if convert is not str else str(v)) for v in _as_list(value)]

@@ -58,3 +58,10 @@ def test_one_word_for_a_list_flag_is_a_list_of_one(tmp_path) -> None:
                                  "dataset_mixer_list_splits: train\n")
     assert config.lora.lora_target_modules == ["all-linear"]
     assert config.data.dataset_mixer_list_splits == ["train"]
+
+
+def test_open_instructs_ignored_settings_are_not_judged(tmp_path) -> None:
+    """A setting open_sft ignores (oe_eval_tasks: AI2's evaluation jobs) keeps whatever shape its YAML gave it."""
+    _, config = _parse(tmp_path, "dataset_mixer_list: [a.jsonl, '1.0']\noe_eval_tasks: mmlu:mc::tulu,gsm8k::tulu\n"
+                                 "oe_eval_max_length: [4096]\n")
+    assert config.data.dataset_mixer_list == ["a.jsonl", "1.0"]
