@@ -121,7 +121,7 @@ def prepare_data(job: Job) -> None:
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.prepare import prepare_data as build
     from open_sft.data.summary import report_data
-    from open_sft.model.load import add_bos_to_template, load_tokenizer
+    from open_sft.model.tokenizer import add_bos_to_template, load_tokenizer
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
     job.tokenizer = load_tokenizer(m)

@@ -123,7 +123,7 @@ def stop_ids(configured: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: Path) -> None:
     """The tokenizer's files, its chat template with them. A pad token the run borrowed from eos (the tokenizer had
-    none, nor a reserved one: open_sft.model.load) is left out, as the tokenizer had it: with eos as the pad,
+    none, nor a reserved one: open_sft.model.tokenizer) is left out, as the tokenizer had it: with eos as the pad,
     collators that mask labels equal to the pad id (transformers' DataCollatorForLanguageModeling) would never
     train the end of a turn on the exported model."""
     if not getattr(tokenizer, "open_sft_pad_from_eos", False):

@@ -29,12 +29,12 @@ def nothing_loads(monkeypatch):
     import transformers
 
     from open_sft import run
-    from open_sft.model import load
+    from open_sft.model import load, tokenizer
 
     def loaded(*args, **kwargs):
         raise AssertionError("something was loaded before the launch was checked")
 
-    for owner, name in ((load, "load_model"), (load, "load_tokenizer"), (run, "prepare_data"), (run, "build_model"),
+    for owner, name in ((load, "load_model"), (tokenizer, "load_tokenizer"), (run, "prepare_data"), (run, "build_model"),
                         (transformers.AutoModelForCausalLM, "from_pretrained")):
         monkeypatch.setattr(owner, name, loaded)
     return monkeypatch

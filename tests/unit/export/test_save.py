@@ -153,7 +153,7 @@ def test_a_tokenizer_without_pad_is_exported_without_eos_as_its_pad(tmp_path, re
 
     from open_sft.config.args import ModelArguments
     from open_sft.export.save import save_tokenizer, write_generation_config
-    from open_sft.model.load import load_tokenizer
+    from open_sft.model.tokenizer import load_tokenizer
 
     vocab = ["<|begin_of_text|>", "<|eot_id|>", "hi"] + ([reserved] if reserved else [])
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="hi"))

@@ -7,7 +7,7 @@ import logging
 
 from open_sft.config.args import ModelArguments
 from open_sft.model.added_tokens import words_split_by
-from open_sft.model.load import load_tokenizer
+from open_sft.model.tokenizer import load_tokenizer
 
 
 def test_the_words_an_added_token_would_split_come_from_the_vocabulary_commonest_first() -> None:

@@ -10,7 +10,8 @@ import torch
 
 from open_sft.config.args import ModelArguments
 from open_sft.model.loss import TokenLossModel
-from open_sft.model.load import load_model, load_tokenizer
+from open_sft.model.load import load_model
+from open_sft.model.tokenizer import load_tokenizer
 
 
 def model_args(model_dir, **overrides) -> ModelArguments:
@@ -233,7 +234,7 @@ def test_a_bare_tokenizer_json_gets_its_eos_and_pad_tokens(tiny_model_dir, tmp_p
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from open_sft.errors import UserError
-    from open_sft.model.load import load_tokenizer
+    from open_sft.model.tokenizer import load_tokenizer
 
     bare = tmp_path / "bare"
     bare.mkdir()
@@ -254,7 +255,7 @@ def test_add_bos_stands_eos_in_only_for_a_gpt_neox_tokenizer_without_bos(tiny_mo
     other tokenizer without one (Qwen's) gets nothing, as open-instruct's `{{ bos_token }}` renders empty there."""
     from transformers import AutoTokenizer, GPTNeoXTokenizer
 
-    from open_sft.model.load import add_bos_to_template
+    from open_sft.model.tokenizer import add_bos_to_template
 
     chat = [{"role": "user", "content": "hi"}]
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -291,14 +292,14 @@ def test_add_bos_adds_nothing_where_the_template_already_renders_bos_first(tiny_
     opened with two. Decided by rendering: one bos, and a log line says so; a template without one gets it."""
     from transformers import AutoTokenizer
 
-    from open_sft.model.load import add_bos_to_template
+    from open_sft.model.tokenizer import add_bos_to_template
 
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.bos_token = tokenizer.bos_token or "<|endoftext|>"
     tokenizer.chat_template = template
     before = tokenizer.apply_chat_template(chat, tokenize=False)
-    with caplog.at_level("INFO", logger="open_sft.model.load"):
+    with caplog.at_level("INFO", logger="open_sft.model.tokenizer"):
         add_bos_to_template(tokenizer)
     assert tokenizer.apply_chat_template(chat, tokenize=False) == before
     assert before.startswith(tokenizer.bos_token) and not before[len(tokenizer.bos_token):].lstrip().startswith(
