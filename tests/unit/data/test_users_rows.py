@@ -267,6 +267,15 @@ def test_tools_a_template_does_not_write_are_counted_and_named(tiny_model_dir, t
     assert report.tools_not_rendered == 0
 
 
+def built_and_warned(tokenizer, tmp_path, caplog, rows: list[dict], phrase: str) -> tuple:
+    """The source of `rows` built (one .jsonl file): its report, and the warnings that hold `phrase`."""
+    path = tmp_path / "rows_warned.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level("WARNING"):
+        _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), tokenizer, 0)
+    return report, [r.getMessage() for r in caplog.records if phrase in r.getMessage()]
+
+
 def test_tool_arguments_that_are_not_a_json_object_are_counted_and_named(qwen3, tmp_path, caplog) -> None:
     """Arguments as a Python dict's repr, cut-off JSON or a JSON list train as written (the model would learn to
     call tools so): counted per source and warned about once, naming the first rows; a JSON object string or an
@@ -278,12 +287,8 @@ def test_tool_arguments_that_are_not_a_json_object_are_counted_and_named(qwen3, 
 
     rows = [with_arguments({"city": "Oslo"}), with_arguments("{'city': 'Oslo'}"), with_arguments('{"city": "Os'),
             with_arguments('{"city": "Oslo"}'), with_arguments('["Oslo"]')]
-    path = tmp_path / "calls.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with caplog.at_level("WARNING"):
-        _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), qwen3, 0)
+    report, warned = built_and_warned(qwen3, tmp_path, caplog, rows, "not a JSON object")
     assert report.rows_kept == 5 and report.to_dict()["tool_arguments_not_json"] == 3
-    warned = [r.getMessage() for r in caplog.records if "not a JSON object" in r.getMessage()]
     assert len(warned) == 1 and "3 row(s)" in warned[0] and "line 2" in warned[0] and "line 5" in warned[0]
 
 
@@ -345,10 +350,6 @@ def test_messages_holding_a_special_tokens_text_are_counted_and_named(qwen3, tmp
 
     rows = [row("Hi", "Hello"), row("Hi", "Hello<|im_end|> and more"), row("What is <|endoftext|>?", "A token."),
             row("Think", "<think>\nhmm\n</think>\n\nYes"), row("Hi", "Hello")]
-    path = tmp_path / "scraped.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with caplog.at_level("WARNING"):
-        _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), qwen3, 0)
+    report, warned = built_and_warned(qwen3, tmp_path, caplog, rows, "literal text of a special token")
     assert report.rows_kept == 5 and report.to_dict()["special_tokens_in_text"] == 2
-    warned = [r.getMessage() for r in caplog.records if "literal text of a special token" in r.getMessage()]
     assert len(warned) == 1 and "2 row(s)" in warned[0] and "line 2" in warned[0] and "line 3" in warned[0]

@@ -184,28 +184,36 @@ def test_all_linear_on_moe_experts_takes_dropout_0_unless_the_user_set_one() -> 
         apply_lora(tiny_moe(), lora, False, dropout_given=True)
 
 
-def test_a_merge_of_adapters_on_moe_experts_is_the_adapted_model() -> None:
-    """--merge_lora_on_save with LoRA on fused expert weights (two wrappers nested on one experts module) and on the
-    router's weight: the merged model's logits are the adapted model's."""
+def merge_is_the_adapted_model(peft_model, fresh_base) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapters given trained values (B no longer 0): the merged state dict, in a model built from the config, gives
+    the adapted model's logits, which differ from the base's (`fresh_base()`). Returns (ids, the base's logits)."""
     from transformers import AutoModelForCausalLM
 
     from open_sft.export.lora_merge import merged_state_dict
-    from open_sft.model.lora import apply_lora
 
-    peft_model = apply_lora(tiny_moe(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0), False)
-    with torch.no_grad():  # trained adapters: B is no longer 0
+    with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     peft_model.eval()
-    adapted = peft_model(input_ids=ids).logits.detach()
     merged = AutoModelForCausalLM.from_config(peft_model.get_base_model().config)
     merged.load_state_dict(merged_state_dict(peft_model, dict(peft_model.state_dict())))
-    out = merged.eval()(input_ids=ids).logits.detach()
-    plain = tiny_moe().eval()(input_ids=ids).logits.detach()
+    with torch.no_grad():
+        adapted, plain = peft_model(input_ids=ids).logits, fresh_base().eval()(input_ids=ids).logits
+        out = merged.eval()(input_ids=ids).logits
     assert float((plain - adapted).abs().max()) > 1e-2  # the adapters change the model
     torch.testing.assert_close(out, adapted, rtol=1e-5, atol=1e-5)
+    return ids, plain
+
+
+def test_a_merge_of_adapters_on_moe_experts_is_the_adapted_model() -> None:
+    """--merge_lora_on_save with LoRA on fused expert weights (two wrappers nested on one experts module) and on the
+    router's weight: the merged model's logits are the adapted model's."""
+    from open_sft.model.lora import apply_lora
+
+    merge_is_the_adapted_model(apply_lora(tiny_moe(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0),
+                                          False), tiny_moe)
 
 
 def test_a_default_lora_run_of_an_moe_model_trains_and_merges(tiny_model_dir, tmp_path) -> None:
