@@ -94,12 +94,27 @@ def _input_problems(config: FinetuneConfig, out: Path) -> list[str]:
 
 
 def _foreign_content_problems(given: str, path: Path) -> list[str]:
-    """A directory that holds files but no open_sft run: the export would write over (config.json, README.md) or
-    beside them, and a loader then reads a mix."""
-    content = sorted(p.name for p in path.iterdir() if p.name not in NOT_CONTENT)
-    if not content or holds_run(path):
+    """A directory that holds, but no open_sft run, files of the names a run writes (config.json, README.md, the
+    weights, the tokenizer, merged/): the export would write over them, or beside them and a loader then reads a
+    mix. Other files (the job's own log, redirected there before the run starts: `> OUT/train.log`, SLURM's
+    --output) are left alone by the export, so they are no reason to refuse."""
+    if holds_run(path):
         return []
-    shown = ", ".join(content[:5]) + (f" (+{len(content) - 5} more)" if len(content) > 5 else "")
-    return [f"--output_dir {given} already exists and is not empty ({shown}) but holds no open_sft run (no run.json, "
-            "checkpoints/ or RUN_COMPLETE): the run's export would write over files there (config.json, README.md, "
-            "the weights); give a new or empty directory, or pass --overwrite_output_dir to write into it anyway"]
+    clashing = sorted(p.name for p in path.iterdir() if p.name not in NOT_CONTENT and _run_writes(p.name))
+    if not clashing:
+        return []
+    shown = ", ".join(clashing[:5]) + (f" (+{len(clashing) - 5} more)" if len(clashing) > 5 else "")
+    return [f"--output_dir {given} already exists and holds files a run writes ({shown}) but no open_sft run (no "
+            "run.json, checkpoints/ or RUN_COMPLETE): the run's export would write over them; give a new or empty "
+            "directory, or pass --overwrite_output_dir to write into it anyway"]
+
+
+# The names a run (its export, report and bookkeeping) writes at the top of --output_dir
+RUN_WRITES = frozenset({"config.json", "generation_config.json", "README.md", "data_report.json", "report", "merged",
+                        "tensorboard", "chat_template.jinja", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "tokenizer.model"})
+RUN_WRITES_PREFIXES = ("model.", "model-", "pytorch_model", "adapter_", "data_order.", "activations.")
+
+
+def _run_writes(name: str) -> bool:
+    return name in RUN_WRITES or name.startswith(RUN_WRITES_PREFIXES)

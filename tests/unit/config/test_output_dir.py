@@ -74,10 +74,16 @@ def test_a_directory_with_files_but_no_open_sft_run_needs_overwrite_output_dir(t
     (theirs / "merged").mkdir(parents=True)
     for name in ("README.md", "config.json", "notes.txt"):
         (theirs / name).write_text("mine")
-    with pytest.raises(ConfigError, match=r"--output_dir .*project already exists and is not empty \(README.md, "
-                                          r"config.json, merged, notes.txt\) but holds no open_sft run .* pass "
+    with pytest.raises(ConfigError, match=r"--output_dir .*project already exists and holds files a run writes "
+                                          r"\(README.md, config.json, merged\) but no open_sft run .* pass "
                                           r"--overwrite_output_dir to write into it anyway"):
         parse_config(flags + ["--output_dir", str(theirs)])
+    # the job's own log, redirected there before the run starts (`> OUT/train.log`, SLURM's --output): no clash
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    (logged / "train.log").write_text("starting\n")
+    (logged / "slurm-123.out").write_text("")
+    assert parse_config(flags + ["--output_dir", str(logged)])
     assert parse_config(flags + ["--output_dir", str(theirs), "--overwrite_output_dir"])
     for writes_nothing_there in ("--dry_run", "--cache_dataset_only"):
         assert parse_config(flags + ["--output_dir", str(theirs), writes_nothing_there])
