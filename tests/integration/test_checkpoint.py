@@ -508,7 +508,7 @@ def test_push_retries_transient_failures_and_uploads_the_export(single, hub, log
     files = repo["branches"]["v1"]
     local = {str(p.relative_to(single["out"])) for p in single["out"].rglob("*") if p.is_file()}
     expected = {name for name in local if not name.startswith("checkpoints") and not name.startswith("data_order")
-                and name not in (".open_sft.lock", "RUN_COMPLETE")}
+                and name not in (".open_sft.lock", "RUN_COMPLETE", ".open_sft_export.json")}  # (the export's record)
     assert set(files) == expected
     for name in ("model.safetensors.index.json", "README.md", "run.json"):
         assert files[name] == (single["out"] / name).read_bytes()
