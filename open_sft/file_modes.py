@@ -89,7 +89,7 @@ def unreadable(path: Path, recursive: bool = True) -> str | None:
             continue
         if below and is_dir and not recursive:
             continue
-        if not os.access(item, os.R_OK | (os.X_OK if is_dir else 0), effective_ids=_EFFECTIVE_IDS):
+        if not permitted(item, os.R_OK | (os.X_OK if is_dir else 0)):
             try:
                 info = item.stat()
             except OSError:  # a broken link (not read by a load) or removed meanwhile
@@ -119,7 +119,7 @@ def writable_dir_problem(path: Path) -> str | None:
             return f"it cannot be reached ({exc.strerror or exc}: {existing})"
     if not existing.is_dir():
         return f"{'it is' if existing == path else f'it lies under {existing}, which is'} a file, not a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not permitted(existing, os.W_OK | os.X_OK):
         what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
         return f"no permission to write there{what}"
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
@@ -135,6 +135,12 @@ def output_file_problem(path: Path) -> str | None:
         return "it is a directory; give the path of a file"
     why = writable_dir_problem(path.parent)
     return f"its directory {path.parent}: {why}" if why else None
+
+
+
+def permitted(path: Path, mode: int) -> bool:
+    """os.access for this process as it runs (its effective ids: a setuid launcher, a test acting as another user)."""
+    return os.access(path, mode, effective_ids=_EFFECTIVE_IDS)
 
 
 _EFFECTIVE_IDS = os.access in os.supports_effective_ids

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from open_sft.data.cache import resolve_cache_dir
+from open_sft.file_modes import permitted, writable_dir_problem
 from open_sft.training.checkpoint import CHECKPOINTS, METRICS_FILE
 from open_sft.training.completion import MARKER
 from open_sft.training.output_lock import LOCK_NAME
@@ -44,13 +45,11 @@ def output_dir_problems(config: FinetuneConfig) -> list[str]:
     if config.train.dry_run or config.data.cache_dataset_only:  # neither writes there
         return []
     path = Path(given).expanduser().absolute()
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        where = "is a file" if existing == path else f"lies under {existing}, which is a file"
-        return [f"--output_dir {given} {where}, not a directory; give a directory (it is created if missing)"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
-        return [f"--output_dir {given}: no permission to write there{what}; give a directory you can write"]
+    why = writable_dir_problem(path)
+    if why is None and path.is_dir() and not permitted(path, os.R_OK):  # write-only: its content cannot be listed
+        why = "no permission to read it (a run lists what it holds before writing there)"
+    if why:
+        return [f"--output_dir {given}: {why}; give a directory you can read and write (it is created if missing)"]
     problems = _input_problems(config, path.resolve())
     if not problems and path.is_dir() and not config.checkpoint.overwrite_output_dir:
         problems += _foreign_content_problems(given, path)

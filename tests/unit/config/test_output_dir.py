@@ -111,3 +111,36 @@ def test_an_empty_output_dir_is_refused(tmp_path, monkeypatch) -> None:
                                                   r"a directory of its own"):
                 parse_config(flags + ["--output_dir", empty, *extra])
     assert parse_config(flags + ["--output_dir", "run"])
+
+
+def test_an_output_dir_this_process_may_write_but_not_read_is_refused_not_crashed(tmp_path, monkeypatch) -> None:
+    """A write-only directory (mode 0333: `ls` is denied) made the emptiness check crash with a PermissionError
+    traceback; a read-only filesystem went on to fail at the first write. Both are one line naming the flag."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from open_sft.config.output_dir import output_dir_problems
+
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    shared = Path(tempfile.mkdtemp(prefix="open_sft_outdir_"))  # pytest's tmp_path is 0700: another user stops there
+    try:
+        shared.chmod(0o755)
+        out = shared / "run"
+        config = parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0", "--output_dir", str(out)])
+        out.mkdir(mode=0o333)
+        out.chmod(0o333)
+        as_nobody = os.geteuid() == 0  # root reads every directory: judge it as another user
+        if as_nobody:
+            os.chown(out, 65534, 65534)
+            os.seteuid(65534)
+        try:
+            problems = output_dir_problems(config)
+        finally:
+            if as_nobody:
+                os.seteuid(0)
+        assert problems == [f"--output_dir {out}: no permission to read it (a run lists what it holds before "
+                            "writing there); give a directory you can read and write (it is created if missing)"]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -14,9 +14,9 @@ BASE = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", 
 
 def test_an_output_dir_that_is_a_file_or_lies_under_one_is_refused(tmp_path) -> None:
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ConfigError, match=r"--output_dir .*afile is a file, not a directory; give a directory"):
+    with pytest.raises(ConfigError, match=r"--output_dir .*afile: it is a file, not a directory; give a directory"):
         parse_config(BASE + ["--output_dir", str(tmp_path / "afile")])
-    with pytest.raises(ConfigError, match=r"--output_dir .*afile/sub/run lies under .*afile, which is a file"):
+    with pytest.raises(ConfigError, match=r"--output_dir .*afile/sub/run: it lies under .*afile, which is a file"):
         parse_config(BASE + ["--output_dir", str(tmp_path / "afile" / "sub" / "run")])
     assert parse_config(BASE + ["--output_dir", str(tmp_path / "new" / "run")])  # created when the run starts
     assert not (tmp_path / "new").exists()
