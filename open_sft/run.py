@@ -277,16 +277,13 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
 
 
 def export(job: Job, trainer: Any, checkpointer: Any) -> None:
-    """The model in Hugging Face layout (full, or LoRA with its optional merge), the report and the model card;
-    then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export pushed if asked."""
+    """The model in Hugging Face layout (full, or LoRA with its optional merge), the report and the model card
+    (open_sft.export.final); then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export pushed if asked."""
     from open_sft.export.hub import push_output_dir
-    from open_sft.export.model_card import write_model_card
-    from open_sft.export.save import finite_state_dict, save_dtype, save_lora, save_model
-    from open_sft.file_modes import share_as_umask
-    from open_sft.model.anatomy import is_peft_model
+    from open_sft.export.final import write_export
+    from open_sft.export.save import finite_state_dict, save_dtype
     from open_sft.model.compile import log_summary
     from open_sft.model.load import load_model_config
-    from open_sft.monitor.report import write_run_report
     from open_sft.monitor.run_info import write_audit_files
     from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete
@@ -297,21 +294,11 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         if config.model.torch_compile:
             log_summary()
         write_audit_files(output_dir, acc.process_index, trainer)
-        shard, flag = config.checkpoint.max_shard_size, config.checkpoint.save_dtype
-        dtype = save_dtype(flag, load_model_config(config.model))  # the checkpoint's own, unless the flag says
+        dtype = save_dtype(config.checkpoint.save_dtype, load_model_config(config.model))  # the checkpoint's own
         state_dict = finite_state_dict(trainer.engine, dtype == torch.float32, acc.is_main_process)  # collective
         if acc.is_main_process:
-            state_dict = {k.removeprefix("model."): v for k, v in state_dict.items()}
-            trained_model = acc.unwrap_model(trainer.model).model
-            if is_peft_model(trained_model):  # a QLoRA merge is bf16 unless the flag says (its base was 4-bit)
-                save_lora(trained_model, state_dict, job.tokenizer, output_dir, config.lora.merge_lora_on_save, shard,
-                          dtype=None if config.lora.use_qlora and flag == "auto" else dtype)
-            else:
-                save_model(trained_model, state_dict, job.tokenizer, output_dir, max_shard_size=shard, dtype=dtype)
-            trainer.metrics.close()
-            write_run_report(output_dir)
-            write_model_card(output_dir)
-            share_as_umask(output_dir)  # everything the run wrote, as the umask says (safetensors writes 0600)
+            write_export(config, acc.unwrap_model(trainer.model).model, trainer, job.tokenizer, output_dir,
+                         state_dict, dtype)
         acc.wait_for_everyone()
         lifeline.release()  # the last collective: ranks may now finish one after another
         acc.end_training()

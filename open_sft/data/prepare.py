@@ -26,6 +26,7 @@ from open_sft.data.mixer import source_names
 from open_sft.data.partials import partial_dir, record_sources, remove_abandoned
 from open_sft.data.sources import parse_mixer_list
 from open_sft.data.template_date import recorded_dates, remember
+from open_sft.durable import out_of_space
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -93,24 +94,40 @@ def how_found(hit: bool, entry: Path, started: float) -> str:
     return "loaded from cache"
 
 
+def _build_uncached(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int, key: str,
+                    holdout: Optional[tuple[str, float]]) -> tuple[Any, dict]:
+    """--dataset_skip_cache: the dataset built in a temporary directory (TMPDIR) that lives as long as this process
+    (the examples' files are read from there); a disk that fills says so, and how to give the build room."""
+    import datasets
+
+    tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
+    atexit.register(shutil.rmtree, tmp, True)
+    try:
+        with _gc_paused():
+            report = build_dataset(args, tokenizer, seed, key, holdout, tmp / "spill", tmp / "data")
+    except (OSError, RuntimeError) as exc:
+        full = out_of_space(exc, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is None:
+            raise
+        raise UserError(f"{full} while tokenizing (--dataset_skip_cache builds in the temporary directory); set "
+                        "TMPDIR to a directory on a disk with room, or drop --dataset_skip_cache and give the cache "
+                        "room (--dataset_local_cache_dir)") from exc
+    shutil.rmtree(tmp / "spill", ignore_errors=True)
+    return datasets.load_from_disk(str(tmp / "data")), report
+
+
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
                  holdout: Optional[tuple[str, float]] = None, resuming: Optional[dict] = None) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
     "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry. `resuming`: the
     trainer state of the checkpoint a resume reads (its data are kept where only the template's date differs)."""
-    import datasets
-
     inputs = key_inputs(args, tokenizer, seed, holdout)
     key = cache_key(inputs)
     inputs, key, identity_key = _resumed_dates(args, inputs, key, resuming)
     remember(identity_key, inputs.get("template_date"))
-    if args.dataset_skip_cache:  # the examples' files live as long as this process
-        tmp = Path(tempfile.mkdtemp(prefix="open_sft_build_"))
-        atexit.register(shutil.rmtree, tmp, True)
-        with _gc_paused():
-            report = build_dataset(args, tokenizer, seed, key, holdout, tmp / "spill", tmp / "data")
-        shutil.rmtree(tmp / "spill", ignore_errors=True)
-        return PreparedData(datasets.load_from_disk(str(tmp / "data")), report, identity_key, None, False)
+    if args.dataset_skip_cache:
+        return PreparedData(*_build_uncached(args, tokenizer, seed, key, holdout), identity_key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
     # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last

@@ -27,9 +27,10 @@ import re
 import shutil
 import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Optional
+from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
@@ -137,6 +138,24 @@ def newest_usable(root: Path) -> Optional[Path]:
     """The newest checkpoint under `root` that problem_with finds nothing wrong with, or None. Reads only (a resume
     moves a damaged one aside: open_sft.training.resume.newest_complete)."""
     return next((path for _, path in step_dirs(root) if problem_with(path) is None), None)
+
+
+@contextmanager
+def rerun_after_full_disk(disk: Path, root: Path, what: str, room: str = "") -> Iterator[None]:
+    """A write under the block that the disk holding `disk` refuses for want of space becomes a UserError saying
+    `what` failed, to free space (`room`: a way to need less) and where the rerun of the same command resumes: the
+    newest complete checkpoint under `root` (the run's checkpoints/). Other errors pass through."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        full = out_of_space(exc, disk)
+        if full is None:
+            raise
+        newest = newest_usable(root)
+        where = (f"from the newest complete checkpoint, {newest.name} ({human_size(_size(newest))}: about what "
+                 "one more needs)" if newest is not None else "from step 0 (no complete checkpoint yet)")
+        raise UserError(f"{full}: {what}; free space there{f' ({room})' if room else ''} and rerun the same "
+                        f"command: it resumes {where}") from exc
 
 
 def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:
@@ -310,18 +329,9 @@ class Checkpointer:
         """Collective: every rank writes its part into step_N.tmp; the main rank publishes it. A disk that is full
         is a UserError on the rank that found it (saying where the rerun resumes); its exit stops the others
         (the launcher ends the run, a peer's lifeline notices), none waits at a barrier."""
-        try:
+        what = f"checkpoint step_{step} could not be written (its unfinished step_{step}.tmp is never resumed from)"
+        with rerun_after_full_disk(self.root, self.root, what, "fewer --keep_last_n_checkpoints keeps less"):
             return self._save(step, preempted)
-        except (OSError, RuntimeError) as exc:
-            full = out_of_space(exc, self.root)
-            if full is None:
-                raise
-            newest = newest_usable(self.root)
-            where = (f"from the newest complete checkpoint, {newest.name} ({human_size(_size(newest))}: about what "
-                     "one more needs)" if newest is not None else "from step 0 (no complete checkpoint yet)")
-            raise UserError(f"{full}: checkpoint step_{step} could not be written (its unfinished step_{step}.tmp is "
-                            "never resumed from); free space there (fewer --keep_last_n_checkpoints keeps less) and "
-                            f"rerun the same command: it resumes {where}") from exc
 
     def _save(self, step: int, preempted: bool) -> Path:
         acc = self.accelerator

@@ -76,3 +76,39 @@ def test_a_full_disk_while_the_cache_is_written_says_so_and_that_the_rerun_resum
                                "room, and rerun the same command: the build resumes from its last complete chunk "
                                "(nothing partial is used: an entry counts once COMPLETE is written)")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["k" * 64 + ".lock"]  # the staging removed
+
+
+def test_a_full_disk_under_dataset_skip_cache_names_the_temporary_directory_and_the_way_out(
+        tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """--dataset_skip_cache builds in TMPDIR: a full one ended in a traceback; now one error, and nothing left there."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from transformers import AutoTokenizer
+
+    from open_sft.config.args import DataArguments
+    from open_sft.data import build, prepare
+    from conftest import SAMPLE
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(prepare.tempfile, "tempdir", None)  # tempfile reads TMPDIR once: read it again
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("Usage", "total used free")(10, 10, 0))
+    build_dataset = build.build_dataset
+
+    def fills_the_disk(*args, **kwargs):
+        build_dataset(*args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare, "build_dataset", fills_the_disk)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(UserError) as info:
+        prepare.prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "0.02"], dataset_skip_cache=True),
+                             tokenizer, 0)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'tmp'}/open_sft_build_") and message.endswith(
+        ": the disk is full (0 bytes free) while tokenizing (--dataset_skip_cache builds in the temporary "
+        "directory); set TMPDIR to a directory on a disk with room, or drop --dataset_skip_cache and give the cache "
+        "room (--dataset_local_cache_dir)")
+    assert list((tmp_path / "tmp").iterdir()) == []  # the half-built data removed at once

@@ -145,7 +145,7 @@ def test_the_record_is_written_before_the_checkpoints_are_cleaned(tiny_model_dir
     assert run.main(argv) == 0 and not (out / "metrics.jsonl").read_text().count('"step": 3')
 
 
-@pytest.mark.parametrize("module, function", [("open_sft.export.model_card", "write_model_card"),
+@pytest.mark.parametrize("module, function", [("open_sft.export.final", "write_model_card"),
                                               ("open_sft.monitor.run_info", "write_audit_files")])
 def test_sigterm_while_exporting_finishes_the_export_first(tiny_model_dir, tmp_path, monkeypatch, capfd, module,
                                                            function) -> None:
