@@ -34,9 +34,10 @@ def needs_model_config(launch: LaunchPlan) -> bool:
 
 def check_launch(config: FinetuneConfig, launch: LaunchPlan) -> None:
     """Raise one UserError naming every problem of this launch; the model's config.json is read when the launch
-    splits the model (no weights are loaded)."""
+    splits the model (no weights are loaded), and when --additional_model_arguments are given: a key the config
+    lacks is refused there, before the data is tokenized (it was found when the model loaded, after it)."""
     model_config = None
-    if needs_model_config(launch):
+    if needs_model_config(launch) or config.model.additional_model_arguments:
         from open_sft.model.load import load_model_config
 
         model_config = load_model_config(config.model)

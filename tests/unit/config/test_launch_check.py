@@ -122,3 +122,15 @@ def test_a_launch_that_can_run_reads_no_model_config(monkeypatch) -> None:
     monkeypatch.setattr(load, "load_model_config", lambda *a: pytest.fail("config.json read for a plain launch"))
     check_launch(config("m", "--torch_compile"), plan(Parallelism("ddp", 2, dp_replicate=2)))
     check_launch(config("m"), plan(Parallelism("fsdp2", 2, dp_shard=2), torch.bfloat16))
+
+
+def test_an_additional_model_argument_the_config_lacks_is_refused_before_the_data(tiny_model_dir,
+                                                                                   nothing_loads) -> None:
+    """A misspelled --additional_model_arguments key was refused when the model loaded: after the tokenization
+    (hours on a large mixture). The launch check reads config.json for it, before anything loads."""
+    from open_sft.run import plan_launch
+
+    given = config(str(tiny_model_dir), "--additional_model_arguments", '{"rope_thetta": 20000.0}')
+    with pytest.raises(UserError, match=r"--additional_model_arguments: 'rope_thetta' is not a \w+Config setting"):
+        plan_launch(given)
+    assert plan_launch(config(str(tiny_model_dir), "--additional_model_arguments", '{"attention_dropout": 0.1}'))
