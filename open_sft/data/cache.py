@@ -53,8 +53,10 @@ logger = logging.getLogger(__name__)
 # 15: a TRL string prompt-completion row's bos is the token the tokenizer's encoding opens a text with, not text
 # before the prompt (sentencepiece tokenizers lost the prompt's first "▁"); 16: a template that concatenates
 # tool-call arguments (DeepSeek-R1's) gets them as strings (its tool-call rows were refused); 17: the context of a
-# turn that writes only part of its generation prompt's opening ends at a whole tag or line
-CACHE_FORMAT_VERSION = 17
+# turn that writes only part of its generation prompt's opening ends at a whole tag or line; 18: a turn trains
+# through the first stop token the template writes for it where only tags follow (DeepSeek-R1's extra
+# <｜Assistant｜><｜end▁of▁sentence｜> after a call's empty content is context)
+CACHE_FORMAT_VERSION = 18
 COMPLETE = "COMPLETE"
 
 

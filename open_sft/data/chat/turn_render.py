@@ -31,6 +31,7 @@ from open_sft.data.formats import Messages, RowError
 
 Draw = Callable[[Messages, bool, Optional[list]], str]
 _TAG = re.compile(r"<(/?)([A-Za-z_][\w-]*)>")  # XML-like: <think>, </tool_call>, Gemma's <end_of_turn>
+_TAGS = re.compile(r"<[^<>\s]+>")  # any tag-shaped token: <|im_end|>, <｜Assistant｜>, </s>
 _PROBE_USER = {"role": "user", "content": "Hi"}
 _PROBE_ANSWER = {"role": "assistant", "content": "Hello there"}
 _PROBE_NEXT = {"role": "user", "content": "Bye now"}
@@ -60,6 +61,19 @@ class TurnEnders:
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
         return last_marker_end(text, self.tokens)
+
+    def turn_end(self, target: str) -> int:
+        """Where the turn the template writes after its generation prompt (`target`) ends: after its last
+        end-of-turn token, or after the first stop token where what follows it opens another turn and writes no
+        text, which the model never generates, having stopped (DeepSeek-R1's template writes
+        `<｜Assistant｜><｜end▁of▁sentence｜>` once more after a call's `<｜end▁of▁sentence｜>`, for the call's empty
+        content; Phi-3's `<|end|>` then eos closes one turn: it trains both); 0: none."""
+        end = self.last_end(target)
+        firsts = [at + len(token) for token in self.stops if 0 <= (at := target.find(token)) and at + len(token) < end]
+        rest = target[min(firsts):] if firsts else ""
+        if not _TAGS.sub("", rest).strip() and set(_TAGS.findall(rest)) - set(self.tokens):
+            return min(firsts)
+        return end
 
     def leading(self, text: str, at: int) -> int:
         """The end of the end-of-turn token that `text` has at `at`, after whitespace; 0 if none."""
@@ -187,7 +201,7 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
             raise RowError(f"{where}: what the template writes for this turn does not follow the generation "
                            "prompt it renders for the messages before it, so the turn cannot be located; choose "
                            "another template")
-    end = enders.last_end(target)
+    end = enders.turn_end(target)
     core = enders.stripped(target[:end]) if end else target.rstrip()
     return Turn(i, prompt, target, end, core, closed)
 

@@ -83,3 +83,49 @@ def test_a_turn_that_shares_only_a_character_with_the_generation_prompt(concaten
     runs = [concatenating.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)]
     assert runs[0] == '<tool_call>get_weather\n```json\n{"city": "Oslo"}\n```</tool_call><|im_end|>'
     assert concatenating.decode(examples[0].input_ids).count("<|im_start|>assistant\n<tool_call>") == 1
+
+
+R1_SPECIALS = ["<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+               "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+               "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+
+
+@pytest.fixture
+def deepseek_r1(tiny_model_dir):
+    """A tokenizer of DeepSeek-R1-Distill's special tokens, with the template its repositories ship."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
+                                  "additional_special_tokens": R1_SPECIALS})
+    tokenizer.chat_template = (TEMPLATES / "deepseek_r1_distill.jinja").read_text()
+    return tokenizer
+
+
+def test_r1_trains_a_call_turn_through_the_token_it_stops_at(deepseek_r1, tmp_path) -> None:
+    """R1's template writes `<｜Assistant｜>` + content + `<｜end▁of▁sentence｜>` for any content that is not None:
+    after a call turn's null content (made "") it writes `<｜Assistant｜><｜end▁of▁sentence｜>` once more, past the
+    `<｜end▁of▁sentence｜>` the model stops at. That pair was trained as part of the call; it is context now. Token by
+    token: the example is apply_chat_template's rendering, and the trained tokens are the call through its first
+    end of sentence and the answer through its own."""
+    row = weather('{"city": "Rome"}')
+    row["messages"][1]["content"] = None
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    (example,), _ = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), deepseek_r1, 0)
+    messages = [{**m, "content": m["content"] or ""} for m in row["messages"]]
+    text = deepseek_r1.apply_chat_template(messages, tokenize=False)
+    call_turn = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                 '{"city": "Rome"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+    answer = "It is -3 in Oslo.<｜end▁of▁sentence｜>"
+    context = deepseek_r1.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert context.endswith("<｜Assistant｜><think>\n")  # the model writes a call, not the think block, after this
+    pieces = [(context[: -len("<think>\n")], False), (call_turn, True),
+              ("<｜Assistant｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>"
+               '{"temp_c": -3}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>', False), (answer, True)]
+    assert "".join(piece for piece, _ in pieces) == text
+    ids = [deepseek_r1(piece, add_special_tokens=False)["input_ids"] for piece, _ in pieces]
+    assert example.input_ids == deepseek_r1(text, add_special_tokens=False)["input_ids"] == sum(ids, [])
+    assert example.labels == [token if trained else -100 for (_, trained), part in zip(pieces, ids) for token in part]
