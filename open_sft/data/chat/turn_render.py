@@ -363,13 +363,16 @@ def kept_history(draw: Draw, messages: Messages, tools: Optional[list], examples
     return TurnExample(text, tuple(sorted(spans.items())))
 
 
-_MARKER = re.compile(r"<\|[^<>|\s]+\|>|</?s>|\[/?[A-Z_]+\]")  # <|im_end|>, </s>, [/INST]: what reads as one token
+# what reads as one token: <|im_end|>, DeepSeek's <｜end▁of▁sentence｜>, </s>, Gemma's <end_of_turn>, [/INST]; not a
+# tag closing an element (</answer>), which a template may write as text
+_MARKER = re.compile(r"<\|[^<>|\s]+\|>|<｜[^<>｜\s]+｜>|</s>|<[A-Za-z_][\w-]*>|\[/?[A-Z_]+\]")
 
 
 def split_turn_closers(draw: Draw, tokenize: Callable[[str], list[str]]) -> list[tuple[str, list[str]]]:
-    """The markers the template writes to close an answer (as the last message, and when a user message follows)
-    that the tokenizer splits into several pieces, with the pieces: a template whose tokens are not in the
-    vocabulary trains them as text, and generation cannot stop at one id."""
+    """The markers the template writes to close an answer (as the last message, and right after it when a user
+    message follows), `<|im_end|>`-like or tag-shaped (Gemma's `<end_of_turn>`), that the tokenizer splits into
+    several pieces, with the pieces: a template whose tokens are not in the vocabulary trains them as text, and
+    generation cannot stop at one id."""
     try:
         alone = draw([_PROBE_USER, _PROBE_ANSWER], False, None)
         then = draw([_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], False, None)
@@ -377,7 +380,7 @@ def split_turn_closers(draw: Draw, tokenize: Callable[[str], list[str]]) -> list
         return []
     anchor = _PROBE_ANSWER["content"]
     closers = _MARKER.findall(alone[alone.rfind(anchor) + len(anchor):]) if anchor in alone else []
-    at = then.find(anchor)
-    following = _MARKER.search(then, at + len(anchor)) if at >= 0 else None
+    at = then.find(anchor) + len(anchor)  # what follows the answer at once (not a tag in the next user turn's text)
+    following = _MARKER.match(then, at + len(then[at:]) - len(then[at:].lstrip())) if at >= len(anchor) else None
     closers += [following.group()] if following else []
     return [(m, pieces) for m in dict.fromkeys(closers) if len(pieces := tokenize(m)) > 1]

@@ -4,6 +4,7 @@ generation stops at it. A tag closing an element the turn itself opened (</tool_
 
 from __future__ import annotations
 
+import pytest
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
@@ -47,3 +48,41 @@ def test_a_tag_closing_what_the_turn_opened_is_not_its_end(tiny_model_dir) -> No
     tokenizer = _tokenizer(tiny_model_dir, TAGGED_CALLS, ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"])
     enders = turn_enders(renderer_for(tokenizer), special_markers(tokenizer), tokenizer.eos_token)
     assert enders.tokens == ("<|endoftext|>", "<|im_end|>") and enders.stops == ("<|endoftext|>", "<|im_end|>")
+
+
+@pytest.mark.parametrize("template, closer, specials", [
+    (GEMMA_LIKE, "<end_of_turn>", ["<start_of_turn>"]),
+    ("deepseek_r1_distill.jinja", "<｜end▁of▁sentence｜>", ["<｜User｜>", "<｜Assistant｜>"])])
+def test_a_tag_shaped_closer_that_is_not_one_token_is_warned_about(tiny_model_dir, caplog, template, closer,
+                                                                    specials) -> None:
+    """Gemma's <end_of_turn> or DeepSeek-R1's <｜end▁of▁sentence｜>, under a tokenizer that lacks it, trains as pieces
+    and generation cannot stop at it: warned about with the fix, as <|im_end|>-like closers are (tag-shaped ones
+    were not looked at); silent once it is one token of the tokenizer."""
+    from open_sft.data.chat.render import warn_split_turn_closers
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES
+
+    text = (TEMPLATES / template).read_text() if template.endswith(".jinja") else template
+    tokenizer = _tokenizer(tiny_model_dir, text, specials)
+    assert len(tokenizer.tokenize(closer)) > 1
+    with caplog.at_level("WARNING"):
+        warn_split_turn_closers(tokenizer)
+    warned = [r.getMessage() for r in caplog.records if "splits into" in r.getMessage()]
+    assert len(warned) == 1 and closer in warned[0] and f"a file with the line {closer}" in warned[0]
+    caplog.clear()
+    tokenizer.add_tokens([AddedToken(closer, special=True, normalized=False)], special_tokens=True)
+    with caplog.at_level("WARNING"):
+        warn_split_turn_closers(tokenizer)
+    assert not [r for r in caplog.records if "splits into" in r.getMessage()]
+
+
+def test_a_tag_in_the_text_after_an_answer_is_not_a_closer(tiny_model_dir, caplog) -> None:
+    """open-instruct's orz-style template writes no closer, and its next user turn quotes <answer> tags: no warning
+    (the marker that counts follows the answer at once)."""
+    from open_sft.data.chat.render import warn_split_turn_closers
+    from open_sft.data.chat.templates import apply_chat_template_choice
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    apply_chat_template_choice(tokenizer, "r1_simple_chat_postpend_think_orz_style", None)
+    with caplog.at_level("WARNING"):
+        warn_split_turn_closers(tokenizer)
+    assert not [r for r in caplog.records if "splits into" in r.getMessage()]
