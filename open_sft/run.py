@@ -119,7 +119,7 @@ def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.render import warn_split_turn_closers
     from open_sft.data.chat.templates import apply_chat_template_choice
-    from open_sft.data.prepare import prepare_data as build
+    from open_sft.data.prepare import prepare_run_data
     from open_sft.data.summary import report_data
     from open_sft.model.tokenizer import add_bos_to_template, load_tokenizer
 
@@ -129,12 +129,7 @@ def prepare_data(job: Job) -> None:
     warn_split_turn_closers(job.tokenizer)
     if d.add_bos:
         add_bos_to_template(job.tokenizer)
-    ratio = d.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)
-    job.data = build(d, job.tokenizer, seed, holdout=("train", ratio) if ratio else None, resuming=job.resuming)
-    if d.eval_dataset_mixer_list:  # built under --cache_dataset_only too: the training job then only loads it
-        job.eval_data = build(d.evaluation_sources(), job.tokenizer, seed)
-    elif ratio:
-        job.eval_data = build(d, job.tokenizer, seed, holdout=("eval", ratio))
+    job.data, job.eval_data = prepare_run_data(d, job.tokenizer, seed, job.resuming)
     if _is_main_rank() and not d.cache_dataset_only:
         report_data(job.data, job.eval_data, d, job.tokenizer, examples=job.config.train.dry_run)
 

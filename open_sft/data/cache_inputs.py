@@ -3,6 +3,7 @@ cache_key), written beside the entry as key.json."""
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
@@ -15,8 +16,9 @@ from open_sft.data.template_date import template_dates
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-               holdout: Optional[tuple[str, float]] = None) -> dict[str, Any]:
-    """Everything that changes the tokenized output, for the cache key (and key.json)."""
+               holdout: Optional[tuple[str, float]] = None, clock: Optional[datetime.datetime] = None) -> dict[str, Any]:
+    """Everything that changes the tokenized output, for the cache key (and key.json); `clock`: the moment the
+    build renders the template's clock at (template_date.clock_at; None: now)."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
                              config_name=args.dataset_config_name,
                              template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
@@ -34,7 +36,7 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
-    dates = template_dates(tokenizer.chat_template)
+    dates = template_dates(tokenizer.chat_template, clock)
     if dates:  # Llama 3.1's "Today Date: ...": another day's examples are other tokens
         later["template_date"] = dates
     return {

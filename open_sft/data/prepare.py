@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
 import gc
 import logging
 import shutil
@@ -25,7 +26,7 @@ from open_sft.data.labels import Example
 from open_sft.data.mixer import source_names
 from open_sft.data.partials import partial_dir, record_sources, remove_abandoned
 from open_sft.data.sources import parse_mixer_list
-from open_sft.data.template_date import recorded_dates, remember
+from open_sft.data.template_date import clock_at, read_clock, recorded_dates, remember
 from open_sft.durable import out_of_space
 from open_sft.errors import UserError
 
@@ -118,16 +119,22 @@ def _build_uncached(args: DataArguments, tokenizer: PreTrainedTokenizerBase, see
 
 
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-                 holdout: Optional[tuple[str, float]] = None, resuming: Optional[dict] = None) -> PreparedData:
+                 holdout: Optional[tuple[str, float]] = None, resuming: Optional[dict] = None,
+                 clock: Optional[datetime.datetime] = None) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
     "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry. `resuming`: the
-    trainer state of the checkpoint a resume reads (its data are kept where only the template's date differs)."""
-    inputs = key_inputs(args, tokenizer, seed, holdout)
+    trainer state of the checkpoint a resume reads (its data are kept where only the template's date differs).
+    `clock`: the run's moment for a template that writes the date (template_date.read_clock, read once per run;
+    read here where not given): the key holds its date and every render of the build writes it."""
+    clock = clock or read_clock(tokenizer.chat_template)
+    inputs = key_inputs(args, tokenizer, seed, holdout, clock)
     key = cache_key(inputs)
     inputs, key, identity_key = _resumed_dates(args, inputs, key, resuming)
     remember(identity_key, inputs.get("template_date"))
     if args.dataset_skip_cache:
-        return PreparedData(*_build_uncached(args, tokenizer, seed, key, holdout), identity_key, None, False)
+        with clock_at(clock):
+            built = _build_uncached(args, tokenizer, seed, key, holdout)
+        return PreparedData(*built, identity_key, None, False)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
     # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
@@ -149,13 +156,25 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
         return report
 
     started = time.time()
-    with _gc_paused():
+    with _gc_paused(), clock_at(clock):
         dataset, report, entry, hit = load_or_build(cache_dir, key, inputs, build)
     logger.info("tokenized data %s: %s (%d examples)", how_found(hit, entry, started), entry, len(dataset))
     # an entry is found by the sources' contents: built from other paths, its report names them as this run does
     names = [spec.name for spec in specs]
     report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
     return PreparedData(dataset, report, identity_key, entry, hit)
+
+
+def prepare_run_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
+                     resuming: Optional[dict] = None) -> tuple[PreparedData, Optional[PreparedData]]:
+    """A run's training examples and its evaluation examples (--eval_dataset_mixer_list, or the side
+    --eval_split_ratio holds out; None without either), under one reading of the template's clock."""
+    clock = read_clock(tokenizer.chat_template)  # a template that writes the date: one date for all the run's data
+    ratio = args.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)
+    data = prepare_data(args, tokenizer, seed, ("train", ratio) if ratio else None, resuming, clock)
+    if args.eval_dataset_mixer_list:  # built under --cache_dataset_only too: the training job then only loads it
+        return data, prepare_data(args.evaluation_sources(), tokenizer, seed, clock=clock)
+    return data, prepare_data(args, tokenizer, seed, ("eval", ratio), clock=clock) if ratio else None
 
 
 def _resumed_dates(args: DataArguments, inputs: dict[str, Any], key: str, resuming: Optional[dict]

@@ -102,3 +102,29 @@ def test_the_checkpoint_records_the_date_and_a_resume_does_not_compare_it(dated,
     assert identity["template_date"] == {"%d %b %Y": "06 Dec 2026"}
     assert "template_date" not in run_identity(config, "another key", Parallelism("single"))
     check_compatible(args.dataset_local_cache_dir, {**identity, "template_date": {"%d %b %Y": "05 Dec 2026"}}, identity)
+
+
+def test_a_run_whose_data_build_crosses_midnight_writes_one_date(dated, args, monkeypatch) -> None:
+    """The clock was read for the key and again by every render: a build crossing midnight wrote the next day into
+    examples whose key (and checkpoint record) held the day before, and an evaluation side built after midnight
+    another date than the training side. The run reads the clock once: its key, its training and its evaluation
+    examples hold that one date."""
+    from open_sft.data.prepare import prepare_run_data
+
+    reads = iter(range(10**6))
+
+    class Midnight(datetime.datetime):  # the first reading is the last second of 6 December, the rest the 7th
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 12, 6, 23, 59, 59) if next(reads) == 0 else datetime.datetime(2026, 12, 7)
+    monkeypatch.setattr(chat_template_utils, "datetime", Midnight)
+    rows = [{"messages": [{"role": "user", "content": f"Hi {n}"}, {"role": "assistant", "content": "Hello"}]}
+            for n in range(20)]
+    data = args.dataset_mixer_list[0]
+    with open(data, "w") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in rows))
+    train, evaluation = prepare_run_data(DataArguments(**{**vars(args), "eval_split_ratio": 0.25}), dated, 0)
+    texts = [dated.decode(ids) for prepared in (train, evaluation) for ids in prepared.dataset["input_ids"]]
+    assert len(texts) == 20 and all("06 Dec 2026" in text and "07 Dec" not in text for text in texts)
+    assert dates_of(train.cache_key) == dates_of(evaluation.cache_key) == {"%d %b %Y": "06 Dec 2026"}
+    assert chat_template_utils.datetime is Midnight  # the live clock is back after the builds
