@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 # tool-call arguments (DeepSeek-R1's) gets them as strings (its tool-call rows were refused); 17: the context of a
 # turn that writes only part of its generation prompt's opening ends at a whole tag or line; 18: a turn trains
 # through the first stop token the template writes for it where only tags follow (DeepSeek-R1's extra
-# <｜Assistant｜><｜end▁of▁sentence｜> after a call's empty content is context)
-CACHE_FORMAT_VERSION = 18
+# <｜Assistant｜><｜end▁of▁sentence｜> after a call's empty content is context); 19: a turn that cannot be located after
+# its own context trains alone in the one rendering, the row's other turns after theirs (Mistral v0.3's system prompt)
+CACHE_FORMAT_VERSION = 19
 COMPLETE = "COMPLETE"
 
 

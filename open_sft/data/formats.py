@@ -36,7 +36,7 @@ class Conversation(list):
     # there are context, as TRL trains the completion only)
     first_trained: int = 0
     # a TRL prompt-completion row of two strings: raw text, no chat template (its user turn is the prompt, its
-    # assistant turn the completion; open_sft.data.chat.examples.raw_completion)
+    # assistant turn the completion; open_sft.data.chat.raw_rows.raw_completion)
     raw_text: bool = False
 
 

@@ -25,7 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
-from open_sft.data.chat.examples import RENDER_NOTES, raw_opening, row_examples
+from open_sft.data.chat.examples import RENDER_NOTES, row_examples
+from open_sft.data.chat.raw_rows import raw_opening
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers, template_state
 from open_sft.data.chat.tool_arguments import takes_string_arguments
 from open_sft.data.token_rows import TokenRows

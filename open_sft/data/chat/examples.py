@@ -23,13 +23,13 @@ from typing import Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
+from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, trace_of,
                                          with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.tool_arguments import as_template_takes
-from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, turn_enders
+from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, render_turn, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
-from open_sft.data.documents import document_markers
 from open_sft.data.formats import Messages, RowError, same_kind, trains
 
 _MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
@@ -247,26 +247,6 @@ def _developer_turns(messages: Messages, template: str) -> Messages:
     return same_kind(messages, ({**m, "role": "system"} if m["role"] == "developer" else m for m in messages))
 
 
-def raw_completion(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str, train_on: str
-                   ) -> tuple[str, list[tuple[int, int]]]:
-    """TRL's prompt-completion row of two strings as TRL's SFTTrainer trains it: the text prompt + completion, eos
-    after it (unless the completion ends with it); the completion's characters train (all of them under
-    --train_on all, as TRL's completion_only_loss=False). No chat template. The bos the tokenizer's own encoding
-    opens a text with (Llama's, Mistral's, Gemma's: TRL tokenizes with the special tokens) is not written here:
-    it is put before the text's tokens (workers.py, `raw_opening`), as the tokenizer adds it. Written as text,
-    a sentencepiece tokenizer (Metaspace, prepend_scheme "first": Mistral's, Llama 2's) took the prompt for a
-    section after a special token and lost its first word's "▁"."""
-    eos = tokenizer.eos_token or ""
-    text = prompt + completion + ("" if completion.endswith(eos) else eos)
-    return text, [(0 if train_on == "all" else len(prompt), len(text))]
-
-
-def raw_opening(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The tokens before a raw prompt + completion's text (raw_completion): the bos where the tokenizer's own
-    encoding opens a text with it, else none."""
-    return document_markers(tokenizer, False)[0]
-
-
 def _examples(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str,
               markers: tuple[str, ...], options: ChatOptions) -> RowRender:
     """row_examples for messages with their reasoning aliased."""
@@ -286,10 +266,46 @@ def _examples(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
             return RowRender([(text, _joined(spans))])
         try:
             return _per_turn(state, tokenizer, messages, indices, markers, options)
-        except RowError:  # a first assistant turn, say: located in the one rendering as before
-            return RowRender([(text, _joined(_one_rendering(state, messages, indices, markers, text, known_ends,
-                                                           faithful=False)))])
+        except RowError:  # a turn that cannot be located after its own context: it alone trains in the one rendering
+            return _partly_per_turn(state, tokenizer, messages, indices, markers, options, text, known_ends)
     return _per_turn(state, tokenizer, messages, _trained_indices(messages, train_on), markers, options)
+
+
+def _partly_per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages,
+                     indices: list[int], markers: tuple[str, ...], options: ChatOptions, text: str,
+                     known_ends: Optional[dict]) -> RowRender:
+    """The turns that are located after their own context train there (_per_turn); those that are not (a turn
+    opening the conversation; under Mistral v0.3's template, one answering an empty user message, which its
+    system prompt then precedes) train in the row's one rendering `text`, as open-instruct trains them: in the
+    per-turn example that is that text, or in one of their own. (The whole row trained so: every turn lost the
+    system prompt Mistral's template gives it.)"""
+    enders, tools = _enders(state, tokenizer, markers), getattr(messages, "tools", None)
+    located = [i for i in indices if _locates(state, messages, tools, i, enders)]
+    alone = _joined(_one_rendering(state, messages, [i for i in indices if i not in located], markers, text,
+                                   known_ends, faithful=False))
+    try:
+        rendered = _per_turn(state, tokenizer, messages, located, markers, options) if located else None
+    except RowError:
+        rendered = None
+    if rendered is None:
+        return RowRender([(text, _joined(_one_rendering(state, messages, indices, markers, text, known_ends,
+                                                        faithful=False)))])
+    examples, ends = list(rendered.examples), list(rendered.ends)
+    same = [k for k, (example, _) in enumerate(examples) if example == text]
+    if same:
+        examples[same[0]] = (text, _joined(sorted(examples[same[0]][1] + alone)))
+    else:
+        examples.append((text, alone))
+        ends.append(len(messages) - 1)
+    return dataclasses.replace(rendered, examples=examples, ends=tuple(ends))
+
+
+def _locates(state: TemplateState, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> bool:
+    try:
+        render_turn(state.draw, messages, tools, i, enders)
+        return True
+    except RowError:
+        return False
 
 
 def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages: Messages, indices: list[int],

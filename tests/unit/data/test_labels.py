@@ -334,3 +334,30 @@ def test_a_system_prompt_written_only_into_a_last_user_message_is_in_every_turns
             context = tokenizer.apply_chat_template(conversation[:answer], tokenize=False, add_generation_prompt=True)
             assert "Be brief." in context and text == context + " " + conversation[answer]["content"] + eos
             assert [run.strip() for run in trained_runs(tokenizer, example)] == [conversation[answer]["content"] + eos]
+
+
+def test_mistral_v0_3_a_turn_that_cannot_be_located_leaves_the_others_their_system_prompt(tokenizer) -> None:
+    """Mistral v0.3's own template (tests/data/chat_templates): a turn answering an empty user message cannot be
+    located after its own context, and the whole row fell back to its one rendering, which has no system prompt:
+    every turn of it trained without "Be brief.". Now only that turn does (in the one rendering, as before); the
+    first trains after its generation context, the system prompt in it, token by token."""
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES
+
+    mistral = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
+    mistral.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": ["[INST]", "[/INST]"]})
+    mistral.chat_template = (TEMPLATES / "mistral_v0_3.jinja").read_text()
+    row = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+           {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": ""},
+           {"role": "assistant", "content": "Yes?"}]
+    rendered = row_examples(mistral, row, "all_assistant", special_markers(mistral)).examples
+    first = mistral.apply_chat_template(row[:2], tokenize=False, add_generation_prompt=True)
+    assert first == "<s>[INST] Be brief.\n\nHi[/INST]"
+    whole = mistral.apply_chat_template(row, tokenize=False)
+    assert [text for text, _ in rendered] == [first + " Hello!</s>", whole] and "Be brief." not in whole
+    examples, right = label_and_check(mistral, rendered)
+    assert right == [True, True]
+    for example, (text, _) in zip(examples, rendered):
+        assert example.input_ids == mistral(text, add_special_tokens=False)["input_ids"]
+    assert [run.strip() for example in examples for run in trained_runs(mistral, example)] == ["Hello!</s>", "Yes?</s>"]
+    context = examples[0].labels.index(next(label for label in examples[0].labels if label != IGNORE_INDEX))
+    assert mistral.decode(examples[0].input_ids[:context]) == first
