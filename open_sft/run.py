@@ -175,11 +175,15 @@ def build_model(job: Job) -> None:
 
 def preflight(job: Job) -> None:
     """The step plan, and the memory and time the run will need, printed before anything is trained."""
+    from open_sft.data.prepare import on_main_clock
     from open_sft.distributed.fsdp import fsdp_layout
     from open_sft.model.load import context_warning
     from open_sft.preflight.estimate import over_budget_warning, estimate_run
     from open_sft.training.steps import plan_steps
 
+    # the first phase with a process group: every rank takes the data of the main rank's date (data/prepare.py)
+    job.data, job.eval_data = on_main_clock(job.config.data, job.tokenizer, job.config.train.seed, job.resuming,
+                                            job.data, job.eval_data)
     config, data = job.config, job.data
     job.steps = plan_steps(config.train, data, job.accelerator.num_processes, config.data.max_seq_length)
     job.preflight = estimate_run(config, job.model, job.steps, data, job.ds_config, job.dtype in HALF,

@@ -26,7 +26,7 @@ from open_sft.data.labels import Example
 from open_sft.data.mixer import source_names
 from open_sft.data.partials import partial_dir, record_sources, remove_abandoned
 from open_sft.data.sources import parse_mixer_list
-from open_sft.data.template_date import clock_at, read_clock, recorded_dates, remember
+from open_sft.data.template_date import clock_at, read_clock, recorded_dates, remember, template_dates
 from open_sft.durable import out_of_space
 from open_sft.errors import UserError
 
@@ -46,6 +46,7 @@ class PreparedData:
     cache_key: str
     cache_path: Optional[Path]
     cache_hit: bool
+    clock: Optional[datetime.datetime] = None  # the moment its template's clock was read at (template_date)
     sources: np.ndarray = field(init=False)
     source_names: list[str] = field(init=False)
 
@@ -134,7 +135,7 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     if args.dataset_skip_cache:
         with clock_at(clock):
             built = _build_uncached(args, tokenizer, seed, key, holdout)
-        return PreparedData(*built, identity_key, None, False)
+        return PreparedData(*built, identity_key, None, False, clock)
     cache_dir = resolve_cache_dir(args.dataset_local_cache_dir)
     # A build's tokenized rows are spilled to <key>.partial, chunk by chunk (open_sft.data.spill): a build that is
     # killed leaves them, and the next build of the entry (it holds the entry's lock) resumes after the last
@@ -162,19 +163,37 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     # an entry is found by the sources' contents: built from other paths, its report names them as this run does
     names = [spec.name for spec in specs]
     report = {**report, "sources": [{**source, "name": name} for source, name in zip(report["sources"], names)]}
-    return PreparedData(dataset, report, identity_key, entry, hit)
+    return PreparedData(dataset, report, identity_key, entry, hit, clock)
 
 
 def prepare_run_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-                     resuming: Optional[dict] = None) -> tuple[PreparedData, Optional[PreparedData]]:
+                     resuming: Optional[dict] = None, clock: Optional[datetime.datetime] = None
+                     ) -> tuple[PreparedData, Optional[PreparedData]]:
     """A run's training examples and its evaluation examples (--eval_dataset_mixer_list, or the side
-    --eval_split_ratio holds out; None without either), under one reading of the template's clock."""
-    clock = read_clock(tokenizer.chat_template)  # a template that writes the date: one date for all the run's data
+    --eval_split_ratio holds out; None without either), under one reading of the template's clock (`clock`, else
+    read now)."""
+    clock = clock or read_clock(tokenizer.chat_template)  # a template that writes the date: one date for the run
     ratio = args.eval_split_ratio  # held out of each source before its amount is taken (split before upsampling)
     data = prepare_data(args, tokenizer, seed, ("train", ratio) if ratio else None, resuming, clock)
     if args.eval_dataset_mixer_list:  # built under --cache_dataset_only too: the training job then only loads it
         return data, prepare_data(args.evaluation_sources(), tokenizer, seed, clock=clock)
     return data, prepare_data(args, tokenizer, seed, ("eval", ratio), clock=clock) if ratio else None
+
+
+def on_main_clock(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int, resuming: Optional[dict],
+                  data: PreparedData, eval_data: Optional[PreparedData]) -> tuple[PreparedData, Optional[PreparedData]]:
+    """The run's data (prepare_run_data's) as the main rank made them. Collective: every rank calls it, once there is
+    a process group. Each rank read the template's clock at the data phase, before ranks could talk: ranks started
+    on either side of midnight made data of two dates. A rank whose date is not the main rank's takes the main
+    rank's data (its cache entry; else built under its moment); the others keep theirs."""
+    from open_sft.distributed.collectives import broadcast_object
+
+    main, template = broadcast_object(data.clock), tokenizer.chat_template
+    if data.clock is None or template_dates(template, main) == template_dates(template, data.clock):
+        return data, eval_data
+    logger.warning("this rank read the date the chat template writes (%s) on another day than the main rank (%s): "
+                   "it takes the main rank's data", data.clock.date(), main.date())
+    return prepare_run_data(args, tokenizer, seed, resuming, main)
 
 
 def _resumed_dates(args: DataArguments, inputs: dict[str, Any], key: str, resuming: Optional[dict]

@@ -128,3 +128,26 @@ def test_a_run_whose_data_build_crosses_midnight_writes_one_date(dated, args, mo
     assert len(texts) == 20 and all("06 Dec 2026" in text and "07 Dec" not in text for text in texts)
     assert dates_of(train.cache_key) == dates_of(evaluation.cache_key) == {"%d %b %Y": "06 Dec 2026"}
     assert chat_template_utils.datetime is Midnight  # the live clock is back after the builds
+
+
+def test_a_rank_that_read_the_next_day_takes_the_main_ranks_data(dated, args, monkeypatch, caplog) -> None:
+    """Ranks read the clock at the data phase, before they can talk: a rank started just after midnight made data
+    of the 7th while the main rank's were of the 6th. Once there is a process group (the main rank's clock
+    broadcast), that rank takes the main rank's data: its cache entry, the same key; a rank of the same day keeps
+    its own."""
+    from open_sft.data import prepare
+    from open_sft.distributed import collectives
+
+    main = datetime.datetime(2026, 12, 6, 23, 59, 59)
+    on_day(monkeypatch, 6)
+    main_data, _ = prepare.prepare_run_data(args, dated, 0, clock=main)  # the main rank's build
+    on_day(monkeypatch, 7)
+    late, _ = prepare.prepare_run_data(args, dated, 0)
+    assert late.cache_key != main_data.cache_key
+    monkeypatch.setattr(collectives, "broadcast_object", lambda value: main)  # what rank 0 sends
+    with caplog.at_level("WARNING", logger="open_sft.data.prepare"):
+        taken, _ = prepare.on_main_clock(args, dated, 0, None, late, None)
+    assert (taken.cache_key, taken.cache_hit) == (main_data.cache_key, True) and "main rank's data" in caplog.text
+    assert "06 Dec 2026" in dated.decode(taken.dataset[0]["input_ids"])
+    same_day = prepare.prepare_run_data(args, dated, 0, clock=datetime.datetime(2026, 12, 6, 23, 59, 58))[0]
+    assert prepare.on_main_clock(args, dated, 0, None, same_day, None)[0] is same_day
