@@ -174,7 +174,8 @@ class DataArguments:
         "and counts the reason in the data report.", default="error"
     )
     eval_dataset_mixer_list: list[str] = _help(
-        "Evaluation sources, NAME AMOUNT pairs like --dataset_mixer_list (same formats and template).",
+        "Evaluation sources, NAME AMOUNT pairs like --dataset_mixer_list (same formats and template; AMOUNTs count "
+        "rows, a fraction or a row count, whatever --dataset_mixer_unit says).",
         default_factory=list,
     )
     eval_dataset_mixer_list_splits: list[str] = _help(
@@ -211,11 +212,11 @@ class DataArguments:
     )
 
     def evaluation_sources(self) -> "DataArguments":
-        """These settings with --eval_dataset_mixer_list as the sources (and their splits; no per-source template
-        variables: --chat_template_kwargs applies)."""
+        """These settings with --eval_dataset_mixer_list as the sources (its splits; --chat_template_kwargs, not
+        per-source ones; AMOUNTs of rows: the training mixture's unit, tokens or shares, would cut the eval set)."""
         return dataclasses.replace(self, dataset_mixer_list=self.eval_dataset_mixer_list,
                                    dataset_mixer_list_splits=self.eval_dataset_mixer_list_splits,
-                                   dataset_mixer_list_chat_template_kwargs=[])
+                                   dataset_mixer_list_chat_template_kwargs=[], dataset_mixer_unit="rows")
 
 
 @dataclass

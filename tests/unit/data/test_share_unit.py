@@ -131,3 +131,13 @@ def test_the_eval_split_line_gives_both_mixtures_shares(two, tokenizer) -> None:
                                            tokenizer, 3, holdout=("train", 0.25)).cache_key
     one = DataArguments(dataset_mixer_list=[two[0], "1.0"], dataset_skip_cache=True)
     assert eval_split_note(prepare_data(one, tokenizer, 3).report, prepare_data(one, tokenizer, 3).report, 0.1) is None
+
+
+@pytest.mark.parametrize("unit", ["share", "tokens"])
+def test_the_eval_list_counts_rows_whatever_the_training_unit(unit, two, tokenizer) -> None:
+    """--eval_dataset_mixer_list a 1.0 b 1.0 under --dataset_mixer_unit share was cut to the shares' mixture (a: 30 of
+    its 40 rows), and `a 12` under tokens was 12 tokens (one row): the training mixture's unit decided the eval set."""
+    args = DataArguments(dataset_mixer_list=[two[0], "1", two[1], "1"], dataset_mixer_unit=unit,
+                         eval_dataset_mixer_list=[two[0], "1.0", two[1], "12"], dataset_skip_cache=True)
+    _, reports = build_rows(args.evaluation_sources(), tokenizer, 3)
+    assert [r.to_dict()["examples"] for r in reports] == [40, 12]
