@@ -162,7 +162,8 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
     token = resolve_token(token)
     logger.info("uploading %s to %s (revision %s)", output_dir, repo_id, revision)
     try:
-        url = push_folder(output_dir, repo_id, revision, private, token, ignore_patterns=EXPORT_IGNORE,
+        url = push_folder(output_dir, repo_id, revision, private, token,
+                          ignore_patterns=EXPORT_IGNORE + caches_inside(output_dir),
                           message=f"open_sft export of {output_dir.name}")
     except StopRun:  # a signal (open_sft.training.preemption), not a failed upload
         raise
@@ -174,6 +175,20 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
         ) from None
     logger.info("uploaded to %s", url)
     return url
+
+
+def caches_inside(output_dir: Path) -> list[str]:
+    """Upload patterns of the tokenization caches inside output_dir (a --dataset_local_cache_dir placed there): a
+    folder holding a build's lock, <64 hex digits>.lock. The tokenized training data is no part of the model, may be
+    private, and can be many times its size: never uploaded with the export (said in the log)."""
+    import re
+
+    key_lock = re.compile(r"[0-9a-f]{64}\.lock")
+    found = sorted({lock.parent for lock in output_dir.rglob("*.lock") if key_lock.fullmatch(lock.name)
+                    and lock.parent != output_dir})
+    for cache in found:
+        logger.info("%s holds a tokenization cache (%s): it is not uploaded", output_dir, cache.relative_to(output_dir))
+    return [f"{cache.relative_to(output_dir).as_posix()}/**" for cache in found]
 
 
 def push_checkpoint(checkpoint: Path, repo_id: str, revision: str = "main", private: bool = True,

@@ -144,3 +144,22 @@ def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_pa
     assert "its export was uploaded to " in capsys.readouterr().out and loopback_hub.count("commit") == 1
     # another revision is another upload
     assert run.main(argv + ["--hub_revision", "v2"]) == 0 and loopback_hub.count("commit") == 2
+
+
+def test_a_tokenization_cache_inside_the_output_dir_is_not_uploaded(tmp_path, loopback_hub, caplog) -> None:
+    """--dataset_local_cache_dir OUT/cache (or OPEN_SFT_CACHE there) put the tokenized training data, which may be
+    private and is often larger than the model, into the upload of the export. It is left out, with a line."""
+    import logging
+
+    out = tmp_path / "out"
+    key = "ab" * 32
+    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n",
+                       f"cache/{key}.lock": "", f"cache/{key}/data-00000-of-00001.arrow": "private rows",
+                       f"cache/{key}/COMPLETE": "", "notes/a.lock": "a lock of another name is uploaded"}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    with caplog.at_level(logging.INFO, logger="open_sft.export.hub"):
+        hub.push_export(out, "org/m", token=TOKEN)
+    assert set(loopback_hub.repos["org/m"]["branches"]["main"]) == {"config.json", "model.safetensors", "README.md",
+                                                                     "notes/a.lock"}
+    assert f"{out} holds a tokenization cache (cache): it is not uploaded" in caplog.text
