@@ -41,7 +41,8 @@ def main() -> int:
 
     from open_sft.config.args import DataArguments
     from open_sft.data.documents import to_text
-    from open_sft.data.formats import detect_format, to_messages
+    from open_sft.data.format_detect import detect_format
+    from open_sft.data.formats import to_messages
     from open_sft.data.prepare import prepare_data
     from open_sft.data.chat.render import render
     from open_sft.data.sources import parse_mixer_list, read_source

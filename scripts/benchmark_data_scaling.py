@@ -66,7 +66,8 @@ sys.path.insert(0, sys.argv[1])
 from scripts.benchmark_data_scaling import load_tokenizer
 from open_sft.data.chat.render import render
 from open_sft.data.documents import to_text
-from open_sft.data.formats import detect_format, to_messages
+from open_sft.data.format_detect import detect_format
+from open_sft.data.formats import to_messages
 tokenizer = load_tokenizer(sys.argv[2], sys.argv[3])
 rows = []
 with open(sys.argv[4]) as handle:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
-from open_sft.errors import UserError
 
 # environment: OLMo's tool results; developer: OpenAI's newer name of the system turn (gpt-oss's template has both)
 ROLES = ("system", "developer", "user", "assistant", "tool", "environment")
@@ -252,31 +251,6 @@ CONVERTERS: dict[str, Callable[[dict[str, Any]], Messages]] = {
 }
 
 
-def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages", text_field: str = "text") -> str:
-    """The format of a source, from the columns of its first row (a --dataset_text_field column named: text)."""
-    if text_field != "text" and text_field in row:
-        return "text"
-    if messages_key in row:
-        return messages_format(messages_key)
-    if "conversations" in row:  # sharegpt's from/value turns, or role/content messages under that name
-        turns = row["conversations"]
-        first = turns[0] if isinstance(turns, list) and turns else None
-        return messages_format("conversations") if isinstance(first, dict) and "role" in first else "sharegpt"
-    if "instruction" in row and "output" in row:
-        return "alpaca"
-    if "prompt" in row and "completion" in row:
-        return "prompt_completion"
-    if "text" in row:
-        return "text"
-    raise UserError(
-        f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
-        "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
-        "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
-        "documents). Rename the columns or convert the file (a messages column of another name: "
-        "--sft_messages_key; a text column of another name: --dataset_text_field NAME)"
-    )
-
-
 def trains(message: dict) -> bool:
     """Whether an assistant message trains: all do but those OpenAI's fine-tuning format weighs 0 (`"weight": 0`:
     an answer kept as context, not to be learned)."""
@@ -351,19 +325,6 @@ def _without_nulls(value: Any) -> Any:
     return value
 
 
-def messages_format(key: str) -> str:
-    """The format name of messages rows whose conversation is in column `key` (--sft_messages_key)."""
-    return "messages" if key == "messages" else f"messages:{key}"
-
-
-def source_format(args: Any, first_row: dict, where: str) -> str:
-    """--dataset_format (of `args`, the DataArguments), or the format detected from a source's first row; messages
-    rows read their conversation from --sft_messages_key."""
-    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(
-        first_row, where, args.sft_messages_key, args.dataset_text_field)
-    return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
-
-
 def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     """Convert and validate one row (RowError says what is wrong)."""
     if fmt.startswith("messages:"):  # --sft_messages_key: the conversation is in another column
@@ -371,6 +332,12 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
         if key not in row:
             raise RowError(f"row has no {key!r} (--sft_messages_key; columns: {sorted(row)})", "missing_messages")
         row, fmt = {**row, "messages": row[key]}, "messages"
+    elif fmt.startswith("sharegpt:"):  # ShareGPT's from/value turns in another column (often 'messages')
+        key = fmt.split(":", 1)[1]
+        if key not in row:
+            raise RowError(f"row has no {key!r} (the column of this source's from/value turns; columns: "
+                           f"{sorted(row)})", "missing_messages")
+        row, fmt = {**row, "conversations": row[key]}, "sharegpt"
     messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
     messages.tools = _tools(row)

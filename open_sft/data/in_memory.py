@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
 from open_sft.data.documents import document_markers, to_text, with_special_text
-from open_sft.data.formats import RowError, needs_chat_template, source_format, to_messages
+from open_sft.data.format_detect import source_format
+from open_sft.data.formats import RowError, needs_chat_template, to_messages
 from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options

@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from open_sft.data.chunks import Reader
 from open_sft.data.documents import to_text
-from open_sft.data.formats import RowError, source_format, to_messages
+from open_sft.data.format_detect import source_format
+from open_sft.data.formats import RowError, to_messages
 from open_sft.data.mixer import held_out_count
 from open_sft.data.local_files import parse_json_line
 from open_sft.data.sources import SourceSpec, read_source

@@ -214,7 +214,8 @@ def training_texts(path: str | Path) -> list[str]:
     message's content of chat rows (any row format; the bundled sample gives `iter_message_texts`' texts), every
     document of text rows. A file or row that cannot give them is a UserError naming it and the fix."""
     from open_sft.data.documents import to_text
-    from open_sft.data.formats import RowError, detect_format, to_messages
+    from open_sft.data.format_detect import detect_format
+    from open_sft.data.formats import RowError, to_messages
     from open_sft.data.sources import LOCAL_SUFFIXES, parse_mixer_list, read_source
 
     if not Path(path).expanduser().is_file():

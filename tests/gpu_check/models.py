@@ -61,7 +61,8 @@ def prepare(ctx: Context, need_big: bool, need_huge: bool = False) -> None:
 
 def _messages_file(data: str, out: Path) -> Path:
     """The rows as `messages` JSON Lines, the format both open_sft and TRL's SFTTrainer read."""
-    from open_sft.data.formats import detect_format, to_messages
+    from open_sft.data.format_detect import detect_format
+    from open_sft.data.formats import to_messages
 
     path = Path(data)
     rows = json.loads(path.read_text()) if path.suffix == ".json" else [

@@ -155,6 +155,30 @@ def test_formats_detected_and_converted(tokenizer, tmp_path) -> None:
     assert [r.strip() for r in trained_runs(tokenizer, examples[1].input_ids, examples[1].labels)] == ["Hello" + eos]
 
 
+def test_sharegpt_turns_under_a_messages_column_are_read_as_sharegpt(tokenizer, tmp_path) -> None:
+    """ShareGPT's from/value turns under a `messages` column (a common shape) were read as role/content messages:
+    'message 1 has role None', and --dataset_format sharegpt looked for 'conversations' only. Detected from the first
+    turn, under 'messages' or --sft_messages_key's column, and read the same with --dataset_format sharegpt."""
+    turns = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+             {"from": "gpt", "value": "Hello"}]
+    under_messages = write_jsonl(tmp_path / "m.jsonl", [{"messages": turns}])
+    under_dialog = write_jsonl(tmp_path / "d.jsonl", [{"dialog": turns}])
+    plain = write_jsonl(tmp_path / "s.jsonl", [{"conversations": turns}])
+    expected, _ = build_examples(DataArguments(dataset_mixer_list=[plain, "1.0"]), tokenizer, 0)
+    for flags, formats in (({"dataset_mixer_list": [under_messages, "1.0"]}, ["sharegpt:messages"]),
+                           ({"dataset_mixer_list": [under_messages, "1.0"], "dataset_format": "sharegpt"},
+                            ["sharegpt:messages"]),
+                           ({"dataset_mixer_list": [under_dialog, "1.0"], "sft_messages_key": "dialog"},
+                            ["sharegpt:dialog"])):
+        examples, reports = build_examples(DataArguments(**flags), tokenizer, 0)
+        assert [r.format for r in reports] == formats
+        assert examples[0].input_ids == expected[0].input_ids and examples[0].labels == expected[0].labels
+    role_content = write_jsonl(tmp_path / "r.jsonl", [{"conversations": [{"role": "user", "content": "Hi"},
+                                                                         {"role": "assistant", "content": "Yo"}]}])
+    assert [r.format for r in build_examples(DataArguments(dataset_mixer_list=[role_content, "1.0"]),
+                                             tokenizer, 0)[1]] == ["messages:conversations"]
+
+
 def test_trls_prompt_completion_rows_train_the_completion(tokenizer, tmp_path) -> None:
     """TRL's prompt-completion rows, as strings (raw text, as TRL trains them) and as conversational lists (through
     the chat template), in a file each: detected, and what trains is the completion (streaming and in-memory builds

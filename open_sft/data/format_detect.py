@@ -1,0 +1,57 @@
+"""Which row format a source is in (--dataset_format auto): read from the columns of its first row, the
+conversation column named by --sft_messages_key (role/content messages, or ShareGPT's from/value turns under any
+name), as the format names open_sft.data.formats.to_messages converts ("messages:KEY", "sharegpt:KEY")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from open_sft.errors import UserError
+
+
+def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages", text_field: str = "text") -> str:
+    """The format of a source, from the columns of its first row (a --dataset_text_field column named: text)."""
+    if text_field != "text" and text_field in row:
+        return "text"
+    for key in dict.fromkeys((messages_key, "conversations")):  # either holds role/content or from/value turns
+        if key in row:
+            return sharegpt_format(key) if _sharegpt_turns(row[key]) else messages_format(key)
+    if "instruction" in row and "output" in row:
+        return "alpaca"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
+    if "text" in row:
+        return "text"
+    raise UserError(
+        f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
+        "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
+        "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
+        "documents). Rename the columns or convert the file (a messages column of another name: "
+        "--sft_messages_key; a text column of another name: --dataset_text_field NAME)"
+    )
+
+
+def _sharegpt_turns(turns: Any) -> bool:
+    """Whether a conversation column holds ShareGPT's from/value turns (its first turn says), not role/content."""
+    first = turns[0] if isinstance(turns, list) and turns else None
+    return isinstance(first, dict) and "from" in first and "role" not in first
+
+
+def sharegpt_format(key: str) -> str:
+    """The format name of sharegpt rows whose from/value turns are in column `key` ('conversations', its own)."""
+    return "sharegpt" if key == "conversations" else f"sharegpt:{key}"
+
+
+def messages_format(key: str) -> str:
+    """The format name of messages rows whose conversation is in column `key` (--sft_messages_key)."""
+    return "messages" if key == "messages" else f"messages:{key}"
+
+
+def source_format(args: Any, first_row: dict, where: str) -> str:
+    """--dataset_format (of `args`, the DataArguments), or the format detected from a source's first row; messages
+    rows read their conversation from --sft_messages_key."""
+    fmt = args.dataset_format if args.dataset_format != "auto" else detect_format(
+        first_row, where, args.sft_messages_key, args.dataset_text_field)
+    if fmt == "sharegpt" and "conversations" not in first_row and args.sft_messages_key in first_row:
+        return sharegpt_format(args.sft_messages_key)  # from/value turns under --sft_messages_key (or 'messages')
+    return messages_format(args.sft_messages_key) if fmt == "messages" else fmt
