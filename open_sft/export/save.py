@@ -150,6 +150,28 @@ def write_generation_config(generation: GenerationConfig, tokenizer: PreTrainedT
     if tokenizer.bos_token_id is not None:
         generation.bos_token_id = tokenizer.bos_token_id
     generation.save_pretrained(directory)
+    _align_config_ids(generation, directory)
+
+
+def _align_config_ids(generation: GenerationConfig, directory: Path) -> None:
+    """config.json (where `directory` has one) names the generation config's pad and bos, the tokenizer's: the
+    model's own ids were kept there, which under another vocabulary (a tokenizer not the base's, a pad the run
+    chose) named other tokens than the generation config and the tokenizer (a loader reading config.pad_token_id
+    padded with the wrong token)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    ids = {key: getattr(generation, key) for key in ("pad_token_id", "bos_token_id")
+           if isinstance(getattr(generation, key), int)}
+    holders = [config] + [config[key] for key in ("text_config",) if isinstance(config.get(key), dict)]
+    changed = False
+    for holder in holders:
+        for key, value in ids.items():
+            if (holder is config or key in holder) and holder.get(key) != value:
+                holder[key], changed = value, True
+    if changed:
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def save_dtype(flag: str, source_config: Any) -> torch.dtype:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from open_sft.export.save import EXPORT_FILES, MERGED_DIR, STAGING, staged_export
+from open_sft.export.save import EXPORT_FILES, MERGED_DIR, STAGING, save_model, staged_export
 
 
 def _files(directory) -> dict[str, str]:
@@ -168,3 +168,28 @@ def test_a_tokenizer_without_pad_is_exported_without_eos_as_its_pad(tmp_path, re
     generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert (exported, generation.get("pad_token_id")) == ((reserved, 3) if reserved else (None, None))
     assert tokenizer.pad_token == (reserved or "<|eot_id|>")  # the run's tokenizer is left as it was
+
+
+def test_config_json_names_the_tokenizers_pad_and_bos_as_the_generation_config_does(tmp_path) -> None:
+    """A tokenizer that is not the base's own (or a pad the run chose) left config.json with the model's pad and bos
+    ids while generation_config.json named the tokenizer's: the export's two files disagreed (the hunter's OLMo
+    tokenizer on a tiny base: config pad 2, the tokenizer's pad 1)."""
+    import json
+
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    config = transformers.LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, bos_token_id=5, pad_token_id=6,
+                                      eos_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    vocab = {"</s>": 0, "<s>": 1, "<pad>": 2, "a": 3}
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a")),
+                                                     eos_token="</s>", bos_token="<s>", pad_token="<pad>")
+    save_model(model, model.state_dict(), tokenizer, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert (written["pad_token_id"], written["bos_token_id"]) == (2, 1)
+    assert (generation["pad_token_id"], generation["bos_token_id"]) == (2, 1)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (2, 1, 0)
