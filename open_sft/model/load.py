@@ -280,6 +280,7 @@ def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTok
     if len(tokenizer) <= rows and not pending:
         return []
     if len(tokenizer) > rows:
+        _warn_foreign_tokens(tokenizer, rows)
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=multiple if multiple > 1 else None,
                                       mean_resizing=False)
         logger.info("resized embeddings from %d to %d rows for %d tokens", rows,
@@ -299,6 +300,20 @@ def fit_embeddings_to_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTok
                     "embedding" if len(weights) == 1 else "input-embedding and LM-head", limit - len(added))
     tokenizer.open_sft_added_ids = []  # initialised; a second call must not reset trained rows
     return sorted(set(range(rows, len(tokenizer))) | set(pending))
+
+
+def _warn_foreign_tokens(tokenizer: PreTrainedTokenizerBase, rows: int) -> None:
+    """A tokenizer with tokens past the model's embedding rows that this run did not add (a chat template's, --add_
+    tokens): likely another model's tokenizer (--tokenizer_name_or_path of another family), whose ids below `rows`
+    would train on embeddings the model learned for other tokens; said once, with what to check."""
+    own = [i for i in range(rows, len(tokenizer)) if i not in set(getattr(tokenizer, "open_sft_new_ids", []))]
+    if own:
+        logger.warning("the tokenizer (%s, %d tokens) has %d tokens the model's embeddings (%d rows) have no row for, "
+                       "which this run did not add: is it another model's tokenizer? Its ids below %d would use the "
+                       "rows the model learned for its own tokens. Give the model's own tokenizer (--tokenizer_name_"
+                       "or_path, or none: the model's); where the vocabulary was extended on purpose, their rows "
+                       "start at the mean of the trained ones", getattr(tokenizer, "name_or_path", "") or "given",
+                       len(tokenizer), len(own), rows, rows)
 
 
 @torch.no_grad()

@@ -31,3 +31,33 @@ def test_add_tokens_names_the_words_it_will_split(tiny_model_dir, tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="open_sft.model.added_tokens"):
         load_tokenizer(ModelArguments(model_name_or_path=str(tiny_model_dir), add_special_tokens=str(tokens)))
     assert not [r for r in caplog.records if "inside words" in r.getMessage()]
+
+
+def test_another_models_tokenizer_is_warned_about_and_tokens_the_run_added_are_not(tiny_model_dir, caplog) -> None:
+    """--tokenizer_name_or_path of another model (the hunter's 50,280-token OLMo tokenizer on a 1,536-row model)
+    resized the embeddings with an INFO line only: ids below the model's rows trained on embeddings learned for
+    other tokens. Tokens past the rows that the run did not add are warned about; the run's own additions are not."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    from open_sft.data.chat.templates import remember_new_tokens
+    from open_sft.model.load import fit_embeddings_to_tokenizer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rows = model.get_input_embeddings().weight.shape[0]
+    vocab = {f"w{i}": i for i in range(rows + 40)}
+    foreign = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")), eos_token="w1", name_or_path="other/tok")
+    with caplog.at_level(logging.WARNING, logger="open_sft.model.load"):
+        fit_embeddings_to_tokenizer(model, foreign, multiple=1)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"the tokenizer (other/tok, {rows + 40} tokens) has 40 tokens the model's embeddings ({rows} rows) have " \
+           "no row for, which this run did not add: is it another model's tokenizer?" in said
+    caplog.clear()
+    own = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    added = own.add_special_tokens({"additional_special_tokens": [f"<t{i}>" for i in range(rows - len(own) + 3)]})
+    remember_new_tokens(own, list(range(len(own) - added, len(own))))
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with caplog.at_level(logging.WARNING, logger="open_sft.model.load"):
+        fit_embeddings_to_tokenizer(model, own, multiple=1)
+    assert len(own) > rows and not [r for r in caplog.records if "another model's tokenizer" in r.getMessage()]
