@@ -86,7 +86,8 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
             sources: Optional[list[int]] = None) -> dict[str, torch.Tensor]:
     """Right-pad to the longest example in the micro-batch (not to max_seq_length). With `sources` (the source
-    index of each example), "sources" gives each position's source, for per-source losses."""
+    index of each example), "sources" gives each position's source, for per-source losses; `loss_free`: a filler
+    (`as_filler`)."""
     length = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), length), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
@@ -102,6 +103,18 @@ def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
              "lengths": lengths, "row_lengths": lengths.clone()}
     if sources is not None:
         batch["sources"] = torch.tensor(sources, dtype=torch.long)[:, None].expand(-1, length).contiguous()
+    return as_filler(batch) if loss_free else batch
+
+
+def as_filler(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A collated micro-batch made a filler: what an empty micro-batch slot computes (the last step of an epoch),
+    so that every rank runs the same passes. It is not data: it trains no label and its counts are zero, so its
+    tokens count nowhere (total_tokens, tokens/s, the model FLOPs of MFU); its positions are computed, so they
+    count as padding (padding_ratio). MFU leaves them out as it leaves padding out: it measures the model FLOPs
+    of the data, and the device's time on a filler or on padding is what lowers it."""
+    batch["labels"].fill_(IGNORE_INDEX)
+    for key in COUNT_KEYS:
+        batch[key] = torch.zeros_like(batch[key])
     return batch
 
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from open_sft.data.batching import COUNT_KEYS, collate, collate_packed, count_trained_batch, locate
+from open_sft.data.batching import COUNT_KEYS, as_filler, collate, collate_packed, count_trained_batch, locate
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
 
@@ -62,7 +62,7 @@ class StepBatches:
             capacity = self.steps.max_seq_length if self.sp_size == 1 else self.steps.plan.max_tokens
             batch = collate_packed(examples, self.pad_token_id, capacity, sources)
             if loss_free:
-                batch["labels"].fill_(IGNORE_INDEX)
+                batch = as_filler(batch)
         else:
             batch = collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
         if self.sp_size > 1:
@@ -72,7 +72,8 @@ class StepBatches:
 
     def for_rank(self, step: int, rank: Optional[int] = None) -> list[tuple[Batch, list[int]]]:
         """(collated micro-batch, its example indices) of each micro-batch slot of the step on `rank` (this one
-        by default); an empty slot (end of an epoch) is a loss-free micro-batch: same compute on every rank."""
+        by default); an empty slot (end of an epoch) is a filler, a loss-free micro-batch: same compute on every rank,
+        no tokens counted (batching.as_filler)."""
         epoch, step_in_epoch = locate(self.steps.plan, step)
         rank = self.process_index if rank is None else rank
         micro_batches = self.steps.plan.micro_batches(epoch, step_in_epoch, rank)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from open_sft.data.batching import COUNT_KEYS, BatchLayout, PackedPlan, best_fit_decreasing, collate, collate_packed
+from open_sft.data.batching import (COUNT_KEYS, BatchLayout, PackedPlan, as_filler, best_fit_decreasing, collate,
+                                    collate_packed)
 from open_sft.data.labels import IGNORE_INDEX, Example
 from open_sft.model.loss import TokenLossModel
 
@@ -85,3 +86,13 @@ def test_packed_equals_padded_and_a_wrong_mask_does_not(model) -> None:
     assert abs(wrong_loss - padded_loss) / padded_loss > 1e-4  # 10× the tolerance the right mask meets
     drift = max(float((wrong_grads[n] - g).norm() / g.norm()) for n, g in padded_grads.items() if g.norm() > 0)
     assert drift > 1e-2
+
+
+def test_a_filler_computes_its_tokens_but_counts_none() -> None:
+    """A filler (an empty micro-batch slot's loss-free copy of an example) keeps its inputs, the positions the
+    device computes, but trains no label and reports no tokens: not the data's (total_tokens, MFU's FLOPs)."""
+    examples = random_examples(3, vocab=100)
+    for real, filler in ((collate(examples, 0), collate(examples, 0, loss_free=True)),
+                         (collate_packed(examples, 0, 128), as_filler(collate_packed(examples, 0, 128)))):
+        assert torch.equal(real["input_ids"], filler["input_ids"]) and (filler["labels"] == IGNORE_INDEX).all()
+        assert all(int(real[key].sum()) > 0 and int(filler[key].sum()) == 0 for key in COUNT_KEYS)

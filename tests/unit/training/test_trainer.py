@@ -50,8 +50,8 @@ def setup(tiny_model_dir):
 
 def make_trainer(setup, tiny_model_dir, poison: set[int], **train_kwargs):
     tokenizer, data, accelerator = setup
-    args = TrainingArguments(per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1, seed=0,
-                             max_train_steps=6, **train_kwargs)
+    args = TrainingArguments(**{"per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1,
+                                "seed": 0, "max_train_steps": 6, **train_kwargs})
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     model = Poisoned(base, poison)
     optimizer = build_optimizer(model, args.learning_rate, 0.0)
@@ -90,6 +90,31 @@ def test_too_many_nonfinite_steps_abort(setup, tiny_model_dir) -> None:
     trainer, _ = make_trainer(setup, tiny_model_dir, poison={1, 2}, max_nonfinite_steps=2)
     with pytest.raises(NonFiniteError, match="2 optimizer steps in a row had a non-finite loss"):
         trainer.train()
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_filler_micro_batch_is_not_data(setup, tiny_model_dir, packing) -> None:
+    """The last step of an epoch with fewer examples than the global batch fills each empty micro-batch slot with
+    a loss-free copy of example 0 (every rank runs the same passes): computed, but not data. The steps' tokens
+    (total_tokens, tokens/s, the FLOPs of MFU) are the data's in every layout of the global batch: 2 epochs of
+    4 × 2 and of 1 × 8 count each example's tokens twice; the filler's positions count as padding."""
+    lengths = setup[1].lengths()
+    assert len(lengths) % 8, "the data must leave the last step of an epoch partial"
+    counts = []
+    for micro, accumulation in ((4, 2), (1, 8)):
+        trainer, _ = make_trainer(setup, tiny_model_dir, set(), per_device_train_batch_size=micro,
+                                  gradient_accumulation_steps=accumulation, max_train_steps=None,
+                                  num_train_epochs=2, packing=packing)
+        works = [trainer._begin_step(step) for step in range(trainer.steps.total_steps)]
+        fillers = [batch for w in works for batch, indices in w.batches if not indices]
+        assert fillers or (micro == 4 and not packing)  # 1 × 8: 100 examples leave 4 of the last step's 8 empty
+        counts.append((sum(w.tokens_global for w in works), sum(w.squares_global for w in works),
+                       sum(w.row_squares_global for w in works) if not packing else None))
+        assert sum(w.slots_global for w in works) >= sum(w.tokens_global for w in works) + sum(
+            b["input_ids"].numel() for b in fillers)
+    squares = sum(n * n for n in lengths)
+    assert counts[0][:2] == counts[1][:2] == (2 * sum(lengths), 2 * squares)
+    assert packing or counts[0][2] == counts[1][2] == 2 * squares  # unpacked: a row is an example
 
 
 def test_eval_loss_is_token_weighted(setup, tiny_model_dir) -> None:
