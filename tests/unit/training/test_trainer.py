@@ -373,3 +373,30 @@ def test_nothing_in_the_step_waits_on_the_device_before_the_optimizer_step(setup
         assert set(spy.reads) <= set(left) and len(spy.reads) <= 2 * len(left)
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+
+
+def test_total_tokens_do_not_depend_on_the_batch_layout(tiny_model_dir, tmp_path) -> None:
+    """A run's total_tokens are its data's tokens, padding and fillers excluded: 42 rows, 2 epochs of global
+    batch 8 (each epoch's last step has 2 examples: 4 × 2 leaves no slot empty, 1 × 8 leaves 6) log the same
+    total_tokens, losses and train_tokens; the report's summary says the same."""
+    import json
+
+    from open_sft.run import main
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:42]))
+    runs = {}
+    for micro, accumulation in ((4, 2), (1, 8)):
+        out = tmp_path / f"{micro}x{accumulation}"
+        assert main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(rows), "1.0",
+                     "--num_train_epochs", "2", "--per_device_train_batch_size", str(micro),
+                     "--gradient_accumulation_steps", str(accumulation), "--logging_steps", "1", "--seed", "1",
+                     "--max_seq_length", "128", "--torch_dtype", "float32", "--report_to", "none",
+                     "--output_dir", str(out), "--dataset_local_cache_dir", str(tmp_path / "cache")]) == 0
+        lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((out / "report" / "summary.json").read_text())
+        runs[micro] = ([(r["total_tokens"], r["train_tokens"]) for r in lines], [r["loss"] for r in lines])
+        assert summary["total_tokens"] == lines[-1]["total_tokens"]
+    tokens = json.loads((tmp_path / "4x2" / "data_report.json").read_text())["tokens"]
+    assert runs[1][0] == runs[4][0] and runs[1][0][5][0] == tokens and runs[1][0][-1][0] == 2 * tokens
+    assert runs[1][1] == pytest.approx(runs[4][1], rel=1e-5)
