@@ -19,7 +19,8 @@ def micro_batch_positions(sizes: list[int], packing: bool, row_capacity: int) ->
 
 
 def step_slots(steps: Any, lengths: list[int], packing: bool) -> tuple[list[int], int, int]:
-    """Token positions computed at every optimizer step of the run (all ranks); those of the largest
+    """Token positions computed at every optimizer step of the run (all ranks, a filler's too: the last step of an
+    epoch computes example 0 in each empty micro-batch slot, open_sft.data.batching.as_filler); those of the largest
     micro-batch any rank computes (what activations scale with) and its width if it needs a padding mask."""
     plan, slots, largest, width = steps.plan, [], 0, 0
     for step in range(steps.total_steps):
@@ -27,12 +28,11 @@ def step_slots(steps: Any, lengths: list[int], packing: bool) -> tuple[list[int]
         total = 0
         for rank in range(steps.layout.world_size):
             for indices in plan.micro_batches(epoch, in_epoch, rank):
-                if indices:
-                    sizes = [lengths[i] for i in indices]
-                    positions = micro_batch_positions(sizes, packing, steps.max_seq_length)
-                    total += positions
-                    if positions > largest:
-                        largest = positions
-                        width = max(sizes) if not packing and min(sizes) != max(sizes) else 0
+                sizes = [lengths[i] for i in indices or [0]]  # an empty slot computes a filler: example 0
+                positions = micro_batch_positions(sizes, packing, steps.max_seq_length)
+                total += positions
+                if positions > largest:
+                    largest = positions
+                    width = max(sizes) if not packing and min(sizes) != max(sizes) else 0
         slots.append(total)
     return slots, largest, width

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from open_sft.preflight.memory import ModelShape, RunShape, estimate_memory, saved_activation_bytes
-from open_sft.preflight.positions import micro_batch_positions
+from open_sft.preflight.positions import micro_batch_positions, step_slots
 from open_sft.preflight.timing import format_seconds
 
 
@@ -170,6 +170,20 @@ def test_packed_micro_batch_positions_count_the_rows_as_collated() -> None:
     assert micro_batch_positions([100, 30, 7], packing=False, row_capacity=512) == 300
     # 300 + 300 + 200 do not fit one 512 row: rows [300, 200] and [300] → 2 rows of width 500
     assert micro_batch_positions([300, 300, 200], packing=True, row_capacity=512) == 1000
+
+
+def test_step_positions_count_the_fillers_computed() -> None:
+    """The time estimate scales with the positions computed: the last step of an epoch of 10 examples at 1 × 8
+    computes its 2 examples and, in each of its 6 empty micro-batch slots, a filler (example 0)."""
+    from types import SimpleNamespace
+
+    from open_sft.data.batching import BatchLayout, UnpackedPlan
+
+    lengths = [5, 9, 3, 7, 4, 6, 8, 2, 11, 10]
+    plan = UnpackedPlan(len(lengths), BatchLayout(1, 8, 1), seed=0)
+    slots, _, _ = step_slots(SimpleNamespace(plan=plan, layout=plan.layout, total_steps=2, max_seq_length=0), lengths, False)
+    last = [i for indices in plan.micro_batches(0, 1, 0) for i in indices]
+    assert slots == [sum(lengths) - sum(lengths[i] for i in last), sum(lengths[i] for i in last) + 6 * lengths[0]]
 
 
 def test_format_seconds() -> None:
