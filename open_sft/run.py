@@ -262,7 +262,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
                                            reduce_sum=all_reduce_sum, stop=StopRequest().install(),
                                            uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=checkpoint_io(resume, trainer, identity),
+                                           state_io=checkpoint_io(resume, trainer, identity, config.lora.use_qlora),
                                            model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
     reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed)

@@ -132,7 +132,7 @@ def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: 
 
     model = _peft_skeleton(files)
     # the adapter's own tensors (LoRA factors, added tokens' rows): all but the wrapped layers' base weights (the
-    # bulk of the model, and 4-bit under QLoRA), which the adapter leaves out (write_adapter)
+    # bulk of the model; a QLoRA checkpoint holds none: training.trained_state), which the adapter leaves out
     adapter = weights.load(n for n in weights.weights if ".base_layer." not in n)
     write_adapter(model, adapter, directory)
     shutil.copy2(files / ADAPTER_CONFIG, directory / ADAPTER_CONFIG)  # the run's, naming its base
@@ -190,8 +190,9 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
     merge = bool(lora_flags.get("merge_lora_on_save")) if merge is None else merge
     qlora = bool(lora_flags.get("use_qlora"))
     if adapter and merge and qlora:
-        raise UserError(f"{checkpoint}: a QLoRA checkpoint's base weights are 4-bit and are not dequantized here "
-                        "(the run's --merge_lora_on_save did it from its live modules); export the adapter with "
+        raise UserError(f"{checkpoint}: a QLoRA checkpoint holds the adapter, not the base it trained on (4-bit, "
+                        "made again from the base model at each start: open_sft.training.trained_state; the run's "
+                        "--merge_lora_on_save merged from its live modules); export the adapter with "
                         "--no_merge_lora, then merge it into the base in bf16 with `open_sft merge-lora OUT MERGED`")
     created = not out.exists()
     try:

@@ -3,7 +3,8 @@ what it must share with the run: open_sft.training.resume).
 
 Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
     accelerate's save_state: model + optimizer (DeepSpeed's own per-rank files under ZeRO, else
-        model.safetensors + optimizer.bin) and random_states_<rank>.pkl (python, numpy, torch RNGs per rank)
+        model.safetensors + optimizer.bin; under QLoRA model.safetensors holds the trained weights only, not the
+        4-bit base: open_sft.training.trained_state) and random_states_<rank>.pkl (python, numpy, torch RNGs per rank)
     model/: everything of the run's export but its weights (config.json, tokenizer, generation config; under LoRA
         adapter_config.json too), so that `open_sft export` makes a model of the checkpoint alone
     trainer_state.json: the step (our data order is a pure function of (seed, epoch, step), and so is the

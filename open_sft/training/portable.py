@@ -36,6 +36,7 @@ from open_sft.errors import UserError
 from open_sft.export.checkpoint_weights import FSDP_DIR, FSDP_OPTIMIZER_DIR, WRAPPER, distributed_checkpoint
 from open_sft.training.checkpoint import ResumePoint
 from open_sft.training.optim import param_group_names
+from open_sft.training.trained_state import TrainedWeightsState
 from open_sft.training.universal import (MODEL_STATES, PARTITIONED_MODEL_STATES, TAG, UniversalResume, convert,
                                          load_universal, partitioned)
 
@@ -313,15 +314,19 @@ class CrossEngineResume:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def checkpoint_io(resume: Optional[ResumePoint], trainer: Any, identity: dict[str, Any]) -> Any:
+def checkpoint_io(resume: Optional[ResumePoint], trainer: Any, identity: dict[str, Any],
+                  quantized_base: bool = False) -> Any:
     """What the run's Checkpointer saves and loads with: CrossEngineResume when `resume` was written by another
     engine than this run's (`identity['engine']`), UniversalResume when it is a ZeRO checkpoint of another number of
-    ranks, else the engine's own (None: accelerate's save_state and load_state)."""
+    ranks, TrainedWeightsState for a run on a frozen 4-bit base (`quantized_base`: QLoRA, one process or DDP), else
+    the engine's own (None: accelerate's save_state and load_state)."""
     saved = resume.state.get("identity", {}) if resume is not None else {}
     world = trainer.accelerator.num_processes
     if resume is not None and (saved.get("engine", "torch") != identity["engine"] or (
             saved.get("engine") == "deepspeed" and _other_zero_stage(resume.path, trainer.model))):
         return CrossEngineResume(trainer.accelerator, trainer, resume, identity["engine"])
+    if quantized_base:
+        return TrainedWeightsState(trainer.accelerator)
     if saved.get("engine") != "deepspeed" or saved.get("world_size", world) == world:
         return trainer.engine.checkpoint_io()
     return UniversalResume(trainer.accelerator, trainer.model, int(saved["world_size"]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -240,17 +241,30 @@ def test_offline_merge_cli_equals_merge_on_save(lora_runs, tmp_path) -> None:
     assert merge_main([str(tmp_path), str(tmp_path / "n")]) == 2  # not a LoRA run: clear error
 
 
-def test_qlora_under_ddp_matches_one_process(tiny_model_dir, tmp_path) -> None:
+def test_qlora_under_ddp_matches_one_process_and_resumes_exactly(tiny_model_dir, tmp_path) -> None:
     """QLoRA under plain multi-process DDP (`accelerate launch --multi_gpu`, 2 gloo ranks, micro-batch 4 each)
     trains the same per-step losses as one process with micro-batch 8: the README's advice for QLoRA beyond one
-    process (DeepSpeed and FSDP2 refuse it)."""
+    process (DeepSpeed and FSDP2 refuse it). The DDP run, relaunched after a kill right after its step-2 checkpoint
+    (the same command, as a requeue), continues to the straight run's losses and adapter, bitwise: the checkpoint
+    holds the trained weights, not the 4-bit base (training.trained_state), whose quantization state the strict load
+    refused before. (One process goes through the same load: tests/unit/training/test_trained_state.py.)"""
     losses = {}
-    for name, processes, micro_batch in (("one", 1, "8"), ("ddp", 2, "4")):
+    for name, processes, micro_batch in (("one", 1, "8"), ("ddp", 2, "4"), ("ddp_resumed", 2, "4")):
         out = tmp_path / name
-        run_finetune(lora_flags(tiny_model_dir, out, 4, 8, "1e-2") + [
-            "--use_qlora", "--per_device_train_batch_size", micro_batch], processes=processes)
+        if name == "ddp_resumed":  # what a kill right after step_2 leaves
+            shutil.copytree(tmp_path / "ddp" / "checkpoints" / "step_2", out / "checkpoints" / "step_2")
+            shutil.copy(tmp_path / "ddp" / "metrics.jsonl", out / "metrics.jsonl")
+        result = run_finetune(lora_flags(tiny_model_dir, out, 4, 8, "1e-2") + [
+            "--use_qlora", "--per_device_train_batch_size", micro_batch, "--checkpointing_steps", "2"],
+            processes=processes)
         losses[name] = [m["loss"] for m in read_metrics(out) if "loss" in m]
         assert (out / "adapter_model.safetensors").exists()
+    assert "resuming from" in result.stdout + result.stderr and len(losses["ddp"]) == 4
+    assert losses["ddp_resumed"] == losses["ddp"]
+    straight, resumed = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("ddp", "ddp_resumed"))
+    assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
+    stored = load_file(tmp_path / "ddp" / "checkpoints" / "step_2" / "model.safetensors")
+    assert len(stored) == len(straight) and all(".lora_" in k for k in stored)  # the trained weights alone
     # bf16 compute: the two layouts' matmuls round differently
     assert losses["ddp"] == pytest.approx(losses["one"], rel=2e-3), losses
 
