@@ -26,6 +26,7 @@ from open_sft.errors import ConfigError
 from open_sft.export.hub import repo_id_problem
 from open_sft.export.shard_size import shard_size_problem
 from open_sft.file_modes import unreadable, writable_dir_problem
+from open_sft.model.source import missing_problem, model_file_problem, tokenizer_problem
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 from open_sft.training.checkpoint import continued
 
@@ -74,9 +75,16 @@ def _model_problems(m: ModelArguments) -> list[str]:
         problems.append("--model_name_or_path is required (a local model directory or a Hub id)")
     for flag in ("model_name_or_path", "tokenizer_name_or_path", "config_name"):
         value = getattr(m, flag)
-        if value and _is_local_path(value) and not Path(value).expanduser().exists():
-            problems.append(f"--{flag} {value}: no such file or directory; check the path")
-    return problems
+        problem = value and missing_problem(f"--{flag}", value)
+        if problem:
+            problems.append(problem)
+    if problems or not m.model_name_or_path:
+        return problems
+    # files only: what a directory holds is judged when the tokenizer loads (open_sft.model.tokenizer)
+    model_problem = model_file_problem(m.model_name_or_path)
+    tokens = m.tokenizer_name_or_path and Path(m.tokenizer_name_or_path).expanduser().is_file() and \
+        tokenizer_problem("--tokenizer_name_or_path", m.tokenizer_name_or_path)
+    return [problem for problem in (model_problem, tokens) if problem]
 
 
 def _unreadable_input_problems(config: FinetuneConfig) -> list[str]:

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from open_sft.config.args import LoraArguments, ModelArguments
 from open_sft.errors import UserError
 from open_sft.model.anatomy import outside_text_path, param_numel, param_shape, text_config
+from open_sft.model.source import unreachable_problem
 
 logger = logging.getLogger(__name__)
 EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
@@ -93,9 +94,11 @@ def load_model_config(args: ModelArguments):
         config, unused = AutoConfig.from_pretrained(args.config_name or args.model_name_or_path, **hub_kwargs(args),
                                                     **_config_overrides(args), return_unused_kwargs=True)
     except (OSError, ValueError) as exc:
-        raise UserError(
-            f"--model_name_or_path {args.model_name_or_path}: could not load the model config ({exc}); "
-            "check the path (a directory with config.json and weights) or the Hub id"
+        flag, name = ("--config_name", args.config_name) if args.config_name else ("--model_name_or_path",
+                                                                                    args.model_name_or_path)
+        raise UserError(unreachable_problem(flag, name, args.model_revision) or (
+            f"{flag} {name}: could not load the model config ({exc}); "
+            "check the path (a directory with config.json and weights) or the Hub id")
         ) from exc
     if unused:
         raise UserError(f"--additional_model_arguments: {'; '.join(_unknown_key(config, key) for key in unused)}; "

@@ -11,6 +11,7 @@ from open_sft.config.args import ModelArguments
 from open_sft.errors import UserError
 from open_sft.model.added_tokens import add_tokens
 from open_sft.model.load import hub_kwargs
+from open_sft.model.source import tokenizer_problem, unreachable_problem
 from open_sft.monitor.quiet import SAID_ALIKE_BY_EVERY_RANK
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,10 @@ def load_tokenizer(args: ModelArguments) -> PreTrainedTokenizerBase:
     try:
         revision = args.tokenizer_revision or args.model_revision
         tokenizer = AutoTokenizer.from_pretrained(name, **{**hub_kwargs(args), "revision": revision})
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{flag} {name}: could not load a tokenizer ({exc}); check the path or Hub id") from exc
+    except (OSError, ValueError) as exc:  # transformers' reason misleads for a missing path, a file, no tokenizer
+        problem = unreachable_problem(flag, name, revision) or tokenizer_problem(flag, name)
+        raise UserError(problem or f"{flag} {name}: could not load a tokenizer ({exc}); check the path or Hub "
+                        "id") from exc
     _fill_special_tokens(tokenizer, f"{flag} {name}")
     if args.add_tokens:
         add_tokens(tokenizer, args.add_tokens, special=False)

@@ -57,7 +57,7 @@ def test_all_problems_reported_at_once(tmp_path) -> None:
                       "--learning_rate", "-1", "--truncation", "cut", "--per_device_train_batch_size", "0",
                       "--preprocessing_num_workers", "0"])
     text = str(info.value)
-    assert "missing: no such file or directory" in text
+    assert "missing: no such directory; check the path" in text
     assert "NAME AMOUNT pairs" in text
     assert "--learning_rate must be positive" in text
     assert "--truncation 'cut' is not one of truncate, drop" in text

@@ -66,7 +66,7 @@ def test_missing_data_file(tmp_path, capsys, tiny_model_dir) -> None:
 def test_missing_model_path(tmp_path, capsys) -> None:
     data = write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)])
     err = run_main(capsys, str(tmp_path / "no_model"), data, tmp_path / "out")
-    assert "--model_name_or_path" in err and "no_model: no such file or directory" in err
+    assert "--model_name_or_path" in err and "no_model: no such directory; check the path" in err
 
 
 def test_data_file_that_is_not_utf8(tmp_path, capsys, tiny_model_dir) -> None:

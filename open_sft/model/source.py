@@ -1,0 +1,97 @@
+"""Where a model or a tokenizer comes from (a local directory or a Hub id), and why one given cannot be used, said
+before anything loads. transformers answers these mistakes misleadingly: a local path that does not exist reads as
+a malformed Hub id ("Repo id must be in the form ..."), a directory without tokenizer files as a missing
+sentencepiece, a tokenizer.json file as a bad repo id."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+# Files a tokenizer loads from: the fast tokenizer, its config, and the vocabularies slow tokenizers read
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                   "vocab.txt", "tiktoken.model")
+_TOKENIZER_NAMES = "tokenizer.json, tokenizer_config.json or vocabulary files such as tokenizer.model or vocab.json"
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the form of a Hub repository id (NAME or ORG/NAME), as huggingface_hub judges it."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith((".", "/", "~")):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_offline() -> bool:
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
+
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ENV_VARS_TRUE_VALUES
+
+
+def in_hub_cache(repo_id: str, revision: Optional[str] = None) -> bool:
+    """Whether the local Hugging Face cache holds any file of `repo_id` a model or tokenizer loads from."""
+    from huggingface_hub import try_to_load_from_cache
+
+    names = ("config.json", "adapter_config.json", *TOKENIZER_FILES)
+    return any(isinstance(try_to_load_from_cache(repo_id, name, revision=revision), str) for name in names)
+
+
+def missing_problem(flag: str, name: str) -> Optional[str]:
+    """Why `name`, given to `flag`, names nothing: a local path that does not exist and is no Hub id either (checked
+    up front); None where it may load."""
+    if Path(name).expanduser().exists() or is_hub_id(name):
+        return None
+    hub = "" if name.startswith((".", "/", "~")) else " (nor a Hub id, which reads ORG/NAME)"
+    return f"{flag} {name}: no such directory{hub}; check the path"
+
+
+def unreachable_problem(flag: str, name: str, revision: Optional[str] = None) -> Optional[str]:
+    """Why `name`, given to `flag`, did not load where transformers' own reason misleads: a missing local path, or
+    a Hub id offline that the local cache lacks (asked after a load failed: the cache is not searched up front)."""
+    problem = missing_problem(flag, name)
+    if problem or Path(name).expanduser().exists() or not hub_offline() or in_hub_cache(name, revision):
+        return problem
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (f"{flag} {name}: no such local directory, and as a Hub id it is not in the local Hugging Face cache "
+            f"({HF_HUB_CACHE}) while HF_HUB_OFFLINE is set; give the path of a local copy, or unset HF_HUB_OFFLINE "
+            "to download it")
+
+
+def tokenizer_problem(flag: str, name: str) -> Optional[str]:
+    """Why the local `name`, given to `flag` as where the tokenizer comes from, holds no tokenizer; None where it
+    does or is not local. A bare tokenizer.json file is refused, not loaded: it names no eos or pad token and no
+    tokenizer class (which --add_bos asks), and a tokenizer_config.json beside it is where those are written."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return (f"{flag} {name} is a file; {flag} takes the directory holding tokenizer.json, with a "
+                "tokenizer_config.json naming eos_token and pad_token beside it (e.g. mkdir tok && cp "
+                f"{name} tok/tokenizer.json, then pass tok)")
+    if not path.is_dir() or any((path / file).is_file() for file in TOKENIZER_FILES):
+        return None
+    if flag == "--model_name_or_path" and _is_empty_of_models(path):
+        return (f"{flag} {name} holds no model files (config.json, weights) and no tokenizer files "
+                f"({_TOKENIZER_NAMES}); pass the directory of a downloaded or exported model")
+    if flag == "--model_name_or_path":
+        return (f"{flag} {name} holds no tokenizer files ({_TOKENIZER_NAMES}); pass the model's tokenizer "
+                "directory with --tokenizer_name_or_path")
+    return f"{flag} {name} holds no tokenizer files ({_TOKENIZER_NAMES}); pass the directory that holds them"
+
+
+def model_file_problem(name: str) -> Optional[str]:
+    """Why the local `name` given to --model_name_or_path is no model directory: a file; None otherwise."""
+    if Path(name).expanduser().is_file():
+        return (f"--model_name_or_path {name} is a file; pass the directory holding the model's config.json and "
+                "weights")
+    return None
+
+
+def _is_empty_of_models(path: Path) -> bool:
+    return not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file()

@@ -1,0 +1,67 @@
+"""Where the model and the tokenizer come from: a missing path, an empty or weights-only directory, a tokenizer.json
+file and a Hub id offline are each named for what they are (transformers says "Repo id must be in the form ...",
+"install sentencepiece" or "couldn't connect"): up front where the path alone tells, when the tokenizer loads
+where a directory's contents do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from open_sft.config.args import ModelArguments
+from open_sft.config.parse import parse_config
+from open_sft.errors import ConfigError, UserError
+from open_sft.model.tokenizer import load_tokenizer
+
+
+def problems(tmp_path, *flags: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config([*flags, "--dataset_mixer_list", "a.jsonl", "1.0", "--output_dir", str(tmp_path / "out")])
+    return str(info.value)
+
+
+def tokenizer_error(model: str) -> str:
+    with pytest.raises(UserError) as info:
+        load_tokenizer(ModelArguments(model_name_or_path=model))
+    return str(info.value)
+
+
+def test_a_missing_path_that_is_no_hub_id_is_a_missing_directory(tmp_path) -> None:
+    text = problems(tmp_path, "--model_name_or_path", "path/to/model")
+    assert "--model_name_or_path path/to/model: no such directory (nor a Hub id, which reads ORG/NAME)" in text
+    assert "Repo id" not in text
+
+
+def test_an_empty_directory_holds_no_model_and_no_tokenizer(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    text = tokenizer_error(str(tmp_path / "empty"))
+    assert f"{tmp_path / 'empty'} holds no model files (config.json, weights) and no tokenizer files" in text
+    assert "sentencepiece" not in text
+
+
+def test_a_weights_only_directory_names_the_tokenizer_flag(tmp_path) -> None:
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    text = tokenizer_error(str(tmp_path / "weights"))
+    assert "weights holds no tokenizer files (tokenizer.json, tokenizer_config.json" in text
+    assert "with --tokenizer_name_or_path" in text and "sentencepiece" not in text
+
+
+def test_a_tokenizer_json_file_is_refused_for_its_directory(tmp_path, tiny_model_dir) -> None:
+    text = problems(tmp_path, "--model_name_or_path", str(tiny_model_dir), "--tokenizer_name_or_path",
+                    str(tiny_model_dir / "tokenizer.json"))
+    assert (f"--tokenizer_name_or_path {tiny_model_dir / 'tokenizer.json'} is a file; --tokenizer_name_or_path "
+            "takes the directory holding tokenizer.json, with a tokenizer_config.json naming eos_token") in text
+
+
+def test_a_model_file_is_refused_once(tmp_path, tiny_model_dir) -> None:
+    text = problems(tmp_path, "--model_name_or_path", str(tiny_model_dir / "config.json"))
+    assert "config.json is a file; pass the directory holding the model's config.json and weights" in text
+    assert text.count("is a file") == 1
+
+
+def test_a_hub_id_offline_outside_the_cache_says_so() -> None:  # HF_HUB_OFFLINE=1 in tests/conftest.py
+    text = tokenizer_error("open-sft-nobody/no-such-model")
+    assert ("--model_name_or_path open-sft-nobody/no-such-model: no such local directory, and as a Hub id it is not "
+            "in the local Hugging Face cache") in text and "HF_HUB_OFFLINE is set" in text
