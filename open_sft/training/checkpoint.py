@@ -82,7 +82,7 @@ def problem_with(path: Path) -> Optional[str]:
         return "no such directory"
     complete = path / COMPLETE
     if not complete.is_file():
-        return "no COMPLETE marker (interrupted while being written)"
+        return what_else(path) or "no COMPLETE marker (interrupted while being written)"
     try:
         manifest = json.loads(complete.read_text())
         files = manifest["files"]
@@ -99,6 +99,19 @@ def problem_with(path: Path) -> Optional[str]:
     except (OSError, ValueError):
         return f"{STATE_FILE} is unreadable"
     return damage_in(path, files)
+
+
+def what_else(path: Path) -> Optional[str]:
+    """What `path`, a directory with no COMPLETE marker, is when it is no interrupted checkpoint: a run's output
+    directory or its checkpoints/ (with the newest complete checkpoint to pass instead), or no step_N at all."""
+    root = path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
+    newest = newest_usable(root)
+    pass_newest = f"pass its newest complete checkpoint, {newest}" if newest else "it holds no complete checkpoint"
+    if root != path or (path / "run.json").is_file():
+        return f"it is a run's output directory, not a checkpoint; {pass_newest}"
+    if step_dirs(path):
+        return f"it is a run's {CHECKPOINTS}/ directory, not a checkpoint; {pass_newest}"
+    return None if _STEP_DIR.match(path.name) else "no COMPLETE marker and not named step_N: no checkpoint"
 
 
 DAMAGED = "is damaged"  # in what problem_with says of a checkpoint whose files have the right sizes but not contents

@@ -308,3 +308,19 @@ def test_a_repeated_signal_after_the_stop_checkpoint_changes_nothing(tmp_path) -
         assert checkpointer.stop.signal_name == "SIGINT"
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_run_directory_given_for_a_checkpoint_names_its_newest_complete_one(tmp_path, capsys) -> None:
+    """`open_sft export RUN_DIR OUT` said "no COMPLETE marker (interrupted while being written)": nothing was."""
+    from open_sft.export.from_checkpoint import main
+
+    run = tmp_path / "run"
+    _publish_steps(run / "checkpoints", (2, 4))
+    (run / "checkpoints" / "step_6").mkdir()  # being written: not the one to pass
+    (run / "run.json").write_text("{}")
+    for given, what in ((run, "output directory"), (run / "checkpoints", "checkpoints/ directory")):
+        assert main([str(given), str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert (f"{given}: not a usable checkpoint (it is a run's {what}, not a checkpoint; pass its newest "
+                f"complete checkpoint, {run / 'checkpoints' / 'step_4'})") in err
+        assert "interrupted" not in err
