@@ -10,3 +10,10 @@ import os as _os
 # layers), and kernelizing a pipeline stage fails on its meta-device layers. Off unless the user asks for them
 # (USE_HUB_KERNELS=YES); Liger (--use_liger_kernel) is open_sft's kernel choice.
 _os.environ.setdefault("USE_HUB_KERNELS", "NO")
+
+# bitsandbytes' CPU backend (imported by peft, so by every LoRA run and the side commands that load an adapter)
+# asks `kernels` at import for a 4-bit kernel from the Hub and warns when it cannot have it; quiet here, the one
+# place every entry point passes before peft (open_sft.monitor.quiet says why)
+from open_sft.monitor.quiet import quiet_kernel_fetch as _quiet_kernel_fetch  # noqa: E402
+
+_quiet_kernel_fetch()

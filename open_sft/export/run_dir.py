@@ -157,7 +157,6 @@ def load_adapter_base(directory: Path, base_model: Optional[str], **loading: Any
 
 
 def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
-    import open_sft.model.lora  # noqa: F401  (before peft: keeps bitsandbytes' CPU-kernel warning out of the log)
     from peft import PeftModel
 
     model, base = load_adapter_base(directory, base_model, **_base_loading(directory))

@@ -29,17 +29,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch import nn
+from transformers import BitsAndBytesConfig, PreTrainedModel
 
-# bitsandbytes' CPU backend warns on import that an optional fused kernel could not be fetched from the
-# Hub (`kernels` package); training falls back to its built-in CPU kernels, so keep the log quiet.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-
-from transformers import BitsAndBytesConfig, PreTrainedModel  # noqa: E402
-
-from open_sft.config.args import LoraArguments  # noqa: E402
-from open_sft.errors import UserError  # noqa: E402
-from open_sft.model.anatomy import decoder_layers, outside_text_path, param_numel  # noqa: E402
-from open_sft.model.lora_targets import describe, parameter_targets, split_targets  # noqa: E402
+from open_sft.config.args import LoraArguments
+from open_sft.errors import UserError
+from open_sft.model.anatomy import decoder_layers, outside_text_path, param_numel
+from open_sft.model.lora_targets import describe, parameter_targets, split_targets
 
 # peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
 # uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds

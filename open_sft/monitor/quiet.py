@@ -71,6 +71,16 @@ IMPORT_NOISE = {"torchao": _DropLines("Failed to load "),
                 "torch.utils._pytree": _DropLines("is an Enum subclass and is now natively supported")}
 
 
+def quiet_kernel_fetch() -> None:
+    """bitsandbytes' CPU backend, on a CPU with AVX512-BF16, calls kernels.get_kernel("kernels-community/
+    quantization-bitsandbytes") when it is imported and warns, with the exception's text, when that fails (offline,
+    or `kernels` missing): the CPU falls back to bitsandbytes' own kernel. `kernels` (transformers 5.25's
+    requirement) says offline that it skipped the publisher's trust check. Neither applies to what the user asked;
+    called by open_sft/__init__.py, before any entry point imports peft."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
+
+
 def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
     """Silence what does not apply to this run; `terminal` defaults to whether stderr is one."""
     if not (sys.stderr.isatty() if terminal is None else terminal):
@@ -81,10 +91,7 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
         hf_logging.disable_progress_bar()
         datasets.disable_progress_bars()
         huggingface_hub.utils.disable_progress_bars()
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    # and `kernels` (transformers 5.25's requirement), which bitsandbytes asks for that kernel, says offline that it
-    # skipped the publisher's trust check
-    logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
+    quiet_kernel_fetch()
     for name, drop in IMPORT_NOISE.items():
         if drop not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop)

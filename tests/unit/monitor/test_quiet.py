@@ -53,3 +53,18 @@ def test_a_warning_every_rank_says_alike_is_said_by_rank_zero(rank, monkeypatch,
             root.addHandler(handler)
         root.setLevel(level)
     assert ("every rank alike" in out) == (rank == "0") and "this rank's own" in out
+
+
+def test_importing_open_sft_quiets_the_kernel_fetch_before_any_entry_point_imports_peft(monkeypatch) -> None:
+    """`open_sft merge-lora` and `generate` of an adapter imported peft (so bitsandbytes) before anything quieted
+    it: 'Failed to load CPU gemm_4bit_forward from kernels-community ...' and 'Skipping publisher trust check for
+    kernels-community/quantization-bitsandbytes' came before the tool's own output. The package does it."""
+    import importlib
+
+    import open_sft
+
+    loggers = [logging.getLogger(name) for name in ("bitsandbytes.backends.cpu.ops", "kernels._internals.hf_hub")]
+    for logger in loggers:
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
+    importlib.reload(open_sft)
+    assert [logger.level for logger in loggers] == [logging.ERROR, logging.ERROR]
