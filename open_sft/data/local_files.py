@@ -17,12 +17,17 @@ from open_sft.data.formats import RowError
 from open_sft.errors import UserError
 
 
+def json_error(exc: json.JSONDecodeError) -> str:
+    """What is wrong and its column, once: json's own text of an unterminated string ends "starting at"."""
+    return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
+
+
 def parse_json_line(line: str) -> dict[str, Any]:
     """One JSON Lines row; RowError (reason invalid_json) says what is wrong, the caller adds where."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise RowError(f"not valid JSON ({exc.msg} at column {exc.colno}); each line must be one JSON object",
+        raise RowError(f"not valid JSON ({json_error(exc)}); each line must be one JSON object",
                        "invalid_json") from None
     if not isinstance(row, dict):
         raise RowError(f"expected a JSON object, got {type(row).__name__}", "invalid_json")
@@ -189,7 +194,7 @@ def read_json(path: Path) -> list[dict[str, Any]]:
     try:
         values = _json_values(read_utf8(path))
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg}); expected a list of objects, or JSON "
+        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({json_error(exc)}); expected a list of objects, or JSON "
                         f"Lines (one object per line, the first line a whole object)") from None
     loaded = values[0] if len(values) == 1 else values
     if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list) \

@@ -153,3 +153,17 @@ def test_a_parquet_file_that_does_not_read_is_named(sources, tmp_path, damage) -
     bad.write_bytes(b'{"messages": []}\n' if damage == "json_lines" else good[:len(good) // 2])
     with pytest.raises(UserError, match=f"^{bad}: not a readable parquet file \\(Parquet magic bytes not found"):
         rows_of(str(bad))
+
+
+def test_a_json_syntax_error_says_its_line_and_column_once(tmp_path) -> None:
+    """json's "Unterminated string starting at" read "... starting at at column 118"; a .json file gave no column."""
+    from open_sft.data.formats import RowError
+    from open_sft.data.local_files import parse_json_line, read_json
+
+    with pytest.raises(RowError) as info:
+        parse_json_line('{"text": "abc')
+    assert str(info.value).startswith("not valid JSON (Unterminated string starting at column 10); ")
+    (tmp_path / "cut.json").write_text('[\n  {"text": "abc\n')
+    with pytest.raises(UserError) as error:
+        read_json(tmp_path / "cut.json")
+    assert f"{tmp_path / 'cut.json'} line 2: not valid JSON (Invalid control character at column 16)" in str(error.value)
