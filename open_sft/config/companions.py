@@ -14,6 +14,7 @@ from open_sft.config.args import FinetuneConfig, LoraArguments
 OPEN_INSTRUCT_LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout")  # open-instruct's flags
 OWN_LORA_SETTINGS = ("lora_target_modules",)
 HUB_SETTINGS = ("hub_model_id", "hub_revision", "hub_private")
+OPEN_INSTRUCT_HUB_NAMING = ("hf_entity", "hf_repo_id")  # open-instruct's flags that make --hub_model_id
 
 
 def _default(cls: type, name: str) -> Any:
@@ -54,9 +55,12 @@ def companion_warnings(config: FinetuneConfig) -> list[str]:
         warnings.append(f"{', '.join(given)} set up LoRA, but neither --use_lora nor --use_qlora is given: this run "
                         f"fine-tunes the whole model and ignores {flags}. Add --use_lora (or --use_qlora) to train "
                         "LoRA adapters")
-    named = [name for name in HUB_SETTINGS if name in config.explicit or (name == "hub_model_id" and hub.hub_model_id)]
+    named = [f"--{name}" for name in HUB_SETTINGS if name in config.explicit]
+    if hub.hub_model_id and "hub_model_id" not in config.explicit:  # open-instruct's flags named it: say those
+        given = [f"--{name}" for name in OPEN_INSTRUCT_HUB_NAMING if name in config.explicit]
+        named.insert(0, f"{'/'.join(given)} (naming --hub_model_id {hub.hub_model_id})" if given else "--hub_model_id")
     if named and not hub.push_to_hub and "no_push_to_hub" not in config.explicit:  # open-instruct's explicit "don't"
-        warnings.append(f"{', '.join('--' + name for name in named)} without --push_to_hub: nothing is uploaded (the "
+        warnings.append(f"{', '.join(named)} without --push_to_hub: nothing is uploaded (the "
                         "id names the model card). Add --push_to_hub to upload at the end, or upload the export later "
                         f"with python -m open_sft push OUTPUT_DIR --hub_model_id {hub.hub_model_id or 'ID'}")
     return warnings

@@ -40,6 +40,9 @@ def test_hub_settings_without_a_push_are_warned_about(monkeypatch) -> None:
     assert "python -m open_sft push OUTPUT_DIR --hub_model_id o/m" in warnings[0]
     assert "--hub_model_id o/m" in parse_config(BASE + ["--hf_entity", "o", "--hf_repo_id", "m"]).warnings[0]
     assert parse_config(BASE + ["--hub_model_id", "o/m", "--push_to_hub"]).warnings == ()
+    # open-instruct's --hf_entity named --hub_model_id: the warning names the flag the user gave
+    entity = parse_config(BASE + ["--hf_entity", "allenai"]).warnings[0]
+    assert entity.startswith("--hf_entity (naming --hub_model_id allenai/open_sft) without --push_to_hub")
     assert parse_config(BASE + ["--hub_model_id", "o/m", "--no_push_to_hub"]).warnings == ()
 
 
