@@ -144,6 +144,9 @@ FOREIGN_FLAGS = {
     "completion_only_loss": "use --train_on all_assistant (the default) or last_assistant",
     "logging_dir": "tracker logs go under --output_dir (tensorboard/)",
     "lr": "for the learning rate, use --learning_rate",
+    "dataset_train_split": "use --dataset_mixer_list_splits, one split per source (e.g. train)",
+    "dataset_test_split": "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits (e.g. "
+                          "test)",
 }
 
 
@@ -163,8 +166,8 @@ def _yaml_defaults(path: Path) -> dict[str, Any]:
     known = {f.name for cls in DATACLASSES for f in dataclasses.fields(cls)}
     unknown = sorted(set(loaded) - known)
     if unknown:
-        hints = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, n=1))
-                 else name for name in unknown]
+        hints = [f"{name} ({FOREIGN_FLAGS[name]})" if name in FOREIGN_FLAGS else f"{name} (did you mean {close[0]}?)"
+                 if (close := difflib.get_close_matches(name, known, n=1)) else name for name in unknown]
         raise UserError(f"{path}: unknown setting(s) {', '.join(hints)}; see `python finetune.py --help`")
     if isinstance(loaded.get("report_to"), str):
         loaded["report_to"] = [loaded["report_to"]]

@@ -156,12 +156,19 @@ def test_eval_sources_have_their_own_splits_checked_up_front(tmp_path) -> None:
     ("--deepspeed", "DeepSpeed is the launcher's: accelerate launch --use_deepspeed --deepspeed_config_file"),
     ("--save_steps", "use --checkpointing_steps N"), ("--save_total_limit", "use --keep_last_n_checkpoints"),
     ("--bf16", "use --torch_dtype bfloat16"), ("--mixed-precision", "use --torch_dtype"),
-    ("--sequence_len", "use --max_seq_length"), ("--micro_batch_size", "use --per_device_train_batch_size")])
-def test_flags_of_other_trainers_name_open_sfts_own(flag, hint) -> None:
+    ("--sequence_len", "use --max_seq_length"), ("--micro_batch_size", "use --per_device_train_batch_size"),
+    ("--dataset_train_split", "use --dataset_mixer_list_splits"),
+    ("--dataset_test_split", "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits")])
+def test_flags_of_other_trainers_name_open_sfts_own(flag, hint, tmp_path) -> None:
     """HF Trainer / TRL / axolotl flags get open_sft's way to say the same, not difflib's nearest name (--save_steps
-    used to suggest --save_dtype, --deepspeed --seed)."""
+    used to suggest --save_dtype, --deepspeed --seed, TRL's --dataset_train_split --dataset_mixer_list), as flags
+    and as run-YAML keys."""
     with pytest.raises(UserError, match=f"unknown flag {flag} \\({re.escape(hint)}"):
         parse_config(BASE + [flag, "1"])
+    key = flag.lstrip("-").replace("-", "_")
+    (tmp_path / "run.yaml").write_text(f"{key}: 1\n")
+    with pytest.raises(UserError, match=f"unknown setting\\(s\\) {key} \\({re.escape(hint)}"):
+        parse_config([str(tmp_path / "run.yaml")] + BASE)
 
 
 def test_a_prefix_of_one_flags_two_spellings_is_that_flag() -> None:
