@@ -223,15 +223,27 @@ def training_texts(path: str | Path) -> list[str]:
                         "rows (the tokenizer is trained on their text)")
     spec, = parse_mixer_list([str(path), "1.0"], ["train"], flag="--data_path")
     source = read_source(spec)
-    fmt = detect_format(source.rows[0], source.where(0))
+    try:
+        fmt = detect_format(source.rows[0], source.where(0))
+    except UserError:  # its fix names finetune.py's column flags, which `embedded` has not
+        raise UserError(f"{source.where(0)}: cannot tell the data format from the columns {sorted(source.rows[0])}; "
+                        f"--data_path {EMBEDDED_COLUMNS}") from None
     texts = []
     for index, row in enumerate(source.rows):
         try:
             texts += [to_text(row)] if fmt == "text" else [m["content"] for m in to_messages(row, fmt)]
         except RowError as exc:
-            raise UserError(f"{source.where(index)}: {exc} (--data_path: every row gives the tokenizer its text; "
-                            "fix or remove the row)") from None
+            why = (f"text row needs a string 'text' (columns: {sorted(row)}); --data_path {EMBEDDED_COLUMNS}"
+                   if exc.reason == "missing_text" else f"{exc} (--data_path: every row gives the tokenizer its "
+                   "text; fix or remove the row)")
+            raise UserError(f"{source.where(index)}: {why}") from None
     return texts
+
+
+# what `embedded --data_path` reads: the standard columns only (it has no --sft_messages_key, --dataset_text_field)
+EMBEDDED_COLUMNS = ("reads the standard columns only: 'messages' (role/content), alpaca's instruction/input/output, "
+                    "sharegpt's 'conversations', 'prompt'/'completion', or a 'text' column; `open_sft embedded` has "
+                    "no --sft_messages_key or --dataset_text_field: rename the columns")
 
 
 def build_embedded_default(

@@ -341,5 +341,12 @@ def test_data_path_without_chat_or_text_rows_says_so_in_one_line(factory, tmp_pa
     assert err.startswith(f"error: {tmp_path / 'body.jsonl'} line 1: cannot tell the data format from the columns "
                           "['body']") and err.count("\n") == 1
     assert "WHOLE DOCUMENT" not in err and "Traceback" not in err
+    # the fix names what `embedded` reads, not finetune.py's column flags, which it does not take
+    assert "--data_path reads the standard columns only" in err and "has no --sft_messages_key" in err
+    assert "--dataset_text_field NAME" not in err
+    (tmp_path / "number.jsonl").write_text(json.dumps({"text": 3}) + "\n")
+    assert factory.main([str(tmp_path / "out"), "--data_path", str(tmp_path / "number.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: text row needs a string 'text'" in err and "--dataset_text_field NAME" not in err
     assert factory.main([str(tmp_path / "out"), "--data_path", str(tmp_path / "missing.jsonl")]) == 2
     assert "--data_path" in capsys.readouterr().err and not (tmp_path / "out").exists()
