@@ -102,6 +102,9 @@ def read_tasks(path: Path) -> list[dict]:
     return rows
 
 
+EXPECTED_CELL = 60  # the expected answer's column, last: wider than the answers', still one line
+
+
 def _cell(text: str, width: int = CELL) -> str:
     flat = " ".join(text.split()) or "(nothing)"
     return flat if len(flat) <= width else flat[:width - 1] + "…"
@@ -116,7 +119,7 @@ def format_table(rows: list[dict], before: TaskScore, after: TaskScore, show: in
         marks = ["✓" if score.correct[i] else "✗" for score in (before, after)]
         lines.append(f"{_cell(row['messages'][-2]['content'], 48):<{prompt_width}}  "
                      f"{marks[0]} {_cell(before.answers[i]):<{CELL}}  {marks[1]} {_cell(after.answers[i]):<{CELL}}  "
-                     f"{row['answer']}")
+                     f"{_cell(row['answer'], EXPECTED_CELL)}")  # one line: a multi-line answer broke the table
     return "\n".join(lines)
 
 

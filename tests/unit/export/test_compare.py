@@ -53,6 +53,12 @@ def test_table_marks_each_answer_and_cuts_long_ones() -> None:
         "exact-answer accuracy on 3 held-out tasks: before 0.33 (1/3) -> after 1.00 (3/3)")
 
 
+def test_a_multi_line_expected_answer_keeps_the_table_one_line_per_task() -> None:
+    rows = [dict(ROWS[0], answer="def f():\n    return 1\n" + "x = 2\n" * 30)]
+    lines = format_table(rows, TaskScore(["no"], [False]), TaskScore(["def f():"], [False]), show=1).splitlines()
+    assert len(lines) == 2 and lines[1].endswith("def f(): return 1 x = 2 x = 2 x = 2 x = 2 x = 2 x = 2 x = 2…")
+
+
 def test_a_file_that_is_not_tasks_is_named_with_its_line(tmp_path) -> None:
     path = tmp_path / "tasks.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n\n" + json.dumps({"messages": ROWS[0]["messages"]}) + "\n")
