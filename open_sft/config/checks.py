@@ -252,9 +252,10 @@ def _shard_size_problems(c: CheckpointArguments) -> list[str]:
 
 
 def _online_problems(config: FinetuneConfig) -> list[str]:
-    """Services the run will need at its end (the Hub) or its start (W&B), checked before any work."""
+    """Services the run will need at its end (the Hub) or its start (W&B), checked before any work; --dry_run is
+    refused alike (it shows what the run would refuse), --cache_dataset_only starts no tracker."""
     problems, t = [], config.train
-    if t.with_tracking and not t.dry_run and not config.data.cache_dataset_only and t.report_to and \
+    if t.with_tracking and not config.data.cache_dataset_only and t.report_to and \
             set(t.report_to) <= set(REPORT_TO_CHOICES) and "wandb" in trackers_for(t.report_to):
         problem = wandb_login_problem()
         if problem:

@@ -56,6 +56,9 @@ def test_the_flags_only_ask_for_w_and_b_credentials_when_w_and_b_tracks(tmp_path
             parse_config(BASE + out + ["--with_tracking", "--report_to", *report_to])
     assert parse_config(BASE + out + ["--with_tracking", "--report_to", "tensorboard"])
     assert parse_config(BASE + out + ["--report_to", "wandb"])  # no --with_tracking: no tracker starts
+    with pytest.raises(ConfigError, match="--report_to wandb: no W&B API key"):  # a dry run shows the refusal
+        parse_config(BASE + out + ["--with_tracking", "--report_to", "wandb", "--dry_run"])
+    assert parse_config(BASE + out + ["--with_tracking", "--report_to", "wandb", "--cache_dataset_only"])
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert parse_config(BASE + out + ["--with_tracking", "--report_to", "wandb"])
 
