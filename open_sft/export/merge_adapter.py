@@ -13,7 +13,7 @@ from peft import PeftModel
 
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
-from open_sft.export.run_dir import adapter_base, fit_base_to_adapter, load_adapter_base
+from open_sft.export.run_dir import adapter_base, fit_base_to_adapter, load_adapter_base, load_saved_tokenizer
 from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, staged_export, write_generation_config
 from open_sft.export.target import check_target
 from open_sft.file_modes import writable_dir_problem
@@ -28,13 +28,14 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     in `dtype` (auto: the base's stored dtype, as the run's export); a base the run resized (added tokens) is
     resized to the adapter's tokenizer first (open_sft.export.run_dir.fit_base_to_adapter). `output_dir` is new, empty
     or an earlier output of these commands (open_sft.export.target), written through a staging directory."""
-    from transformers import AutoTokenizer
-
     from open_sft.export.model_card import render_model_card
 
     config_file = adapter_dir / "adapter_config.json"
     if not config_file.exists():
-        raise UserError(f"{config_file} not found; pass the --output_dir of a --use_lora/--use_qlora run")
+        what = ("does not exist" if not adapter_dir.exists() else "is a file" if not adapter_dir.is_dir() else
+                "holds a full model (config.json), not a LoRA adapter: nothing to merge" if
+                (adapter_dir / "config.json").is_file() else "holds no adapter_config.json")
+        raise UserError(f"{adapter_dir} {what}; pass the --output_dir of a --use_lora/--use_qlora run")
     why = writable_dir_problem(output_dir)
     if why:
         raise UserError(f"{output_dir}: {why}; pass a directory for the merged model (it is created if missing)")
@@ -42,7 +43,7 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
                                        "the base model": adapter_base(adapter_dir, base_model)})
     model, _ = load_adapter_base(adapter_dir, base_model, dtype="auto")
     torch_dtype = save_dtype(dtype, model.config)
-    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    tokenizer = load_saved_tokenizer(adapter_dir)
     fit_base_to_adapter(model, adapter_dir, tokenizer)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     merged = merged_state_dict(peft_model, peft_model.state_dict())

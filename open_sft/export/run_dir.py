@@ -81,6 +81,11 @@ def load_saved_tokenizer(directory: Path) -> Any:
     """The tokenizer saved in a model directory or a run's output (its chat template, if any, with it)."""
     from transformers import AutoTokenizer
 
+    from open_sft.model.source import TOKENIZER_FILES, has_tokenizer_files
+
+    if not has_tokenizer_files(directory):  # transformers: "install sentencepiece or tiktoken"
+        raise UserError(f"{directory} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); the export writes "
+                        "them: relaunch the run to export it again, or copy its base model's tokenizer files in")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as exc:

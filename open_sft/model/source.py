@@ -15,6 +15,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _TOKENIZER_NAMES = "tokenizer.json, tokenizer_config.json or vocabulary files such as tokenizer.model or vocab.json"
 
 
+def has_tokenizer_files(path: Path) -> bool:
+    return any((path / file).is_file() for file in TOKENIZER_FILES)
+
+
 def is_hub_id(name: str) -> bool:
     """Whether `name` has the form of a Hub repository id (NAME or ORG/NAME), as huggingface_hub judges it."""
     from huggingface_hub.errors import HFValidationError
@@ -74,7 +78,7 @@ def tokenizer_problem(flag: str, name: str) -> Optional[str]:
         return (f"{flag} {name} is a file; {flag} takes the directory holding tokenizer.json, with a "
                 "tokenizer_config.json naming eos_token and pad_token beside it (e.g. mkdir tok && cp "
                 f"{name} tok/tokenizer.json, then pass tok)")
-    if not path.is_dir() or any((path / file).is_file() for file in TOKENIZER_FILES):
+    if not path.is_dir() or has_tokenizer_files(path):
         return None
     if flag == "--model_name_or_path" and _is_empty_of_models(path):
         return (f"{flag} {name} holds no model files (config.json, weights) and no tokenizer files "

@@ -100,3 +100,20 @@ def test_generate_refuses_a_negative_score_sample_before_loading(tmp_path, capsy
         main(["generate", str(tmp_path / "no_model"), "--score_sample", "-1"])
     assert exit_info.value.code == 2
     assert "error: --score_sample must be 0 or more (a number of sample tasks), got -1" in capsys.readouterr().err
+
+
+def test_side_commands_name_a_path_that_holds_no_adapter_or_no_tokenizer(tmp_path, capsys) -> None:
+    """merge-lora of a path that does not exist, or of a full model, said 'ADAPTER/adapter_config.json not found';
+    generate of a directory without tokenizer files said transformers' 'install sentencepiece or tiktoken'."""
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text('{"model_type": "llama"}')
+    (full / "model.safetensors").write_bytes(b"")
+    assert main(["merge-lora", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert f"error: {tmp_path / 'nope'} does not exist; pass the --output_dir of a" in capsys.readouterr().err
+    assert main(["merge-lora", str(full), str(tmp_path / "out")]) == 2
+    assert f"{full} holds a full model (config.json), not a LoRA adapter: nothing to merge" in capsys.readouterr().err
+    assert main(["generate", str(full), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {full} holds no tokenizer files (tokenizer.json, tokenizer_config.json" in err
+    assert "sentencepiece" not in err
