@@ -352,7 +352,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     restore_signals = stop_outside_training()
     try:
         setup_cpu_environment()  # before anything imports deepspeed: it picks its accelerator at import
-        run(parse_config(argv))
+        run(parse_config(argv, check_data_files=True))
     except UserError as exc:
         return _stop(f"error: {exc}", 2)
     except StopRun as exc:  # preempted (checkpoint saved) or the Hub upload failed (export intact)

@@ -45,9 +45,11 @@ def _is_local_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or os.path.exists(name)
 
 
-def validate(config: FinetuneConfig) -> None:
-    """Collect every problem in the configuration and raise them together."""
+def validate(config: FinetuneConfig, check_data_files: bool = False) -> None:
+    """Collect every problem in the configuration and raise them together; `check_data_files`: with the local
+    data files named that do not exist (the data phase would stop at the first, after these were fixed)."""
     problems = _choice_problems(config) + _model_problems(config.model) + _data_problems(config.data)
+    problems += _missing_data_files(config.data) if check_data_files else []
     problems += numeric_problems(config) + companion_problems(config)
     problems += _training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
@@ -133,6 +135,15 @@ def _share_problems(d: DataArguments) -> list[str]:
                             "--dataset_mixer_unit share (shares are normalised to sum 1, e.g. a.jsonl 0.7 "
                             "b.jsonl 0.3); leave out a source you want none of")
     return problems
+
+
+def _missing_data_files(d: DataArguments) -> list[str]:
+    """Local data files (by their suffix, as open_sft.data.sources reads them) that do not exist."""
+    from open_sft.data.sources import LOCAL_SUFFIXES
+
+    return [f"--{flag}: data file {name} does not exist; check the path"
+            for flag in ("dataset_mixer_list", "eval_dataset_mixer_list") for name in getattr(d, flag)[0::2]
+            if name.endswith(LOCAL_SUFFIXES) and not Path(name).expanduser().exists()]
 
 
 def _data_problems(d: DataArguments) -> list[str]:

@@ -302,17 +302,18 @@ def _given_on_command_line(argv: list[str]) -> set[str]:
     return {name for name, value in vars(namespace).items() if value is not unset}
 
 
-def parse_config(argv: list[str]) -> FinetuneConfig:
-    """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig."""
+def parse_config(argv: list[str], check_data_files: bool = False) -> FinetuneConfig:
+    """Parse `[config.yaml] --flag value ...` into a validated FinetuneConfig; `check_data_files` (the command
+    line's parse) names a local data file that does not exist with the other problems."""
     parser = _make_parser()
     refuse_repeated_lists(parser, argv)
     try:
-        return _parse(parser, argv)
+        return _parse(parser, argv, check_data_files)
     except UserError as exc:
         raise explain_abbreviations(exc, abbreviations(parser, argv), FOREIGN_FLAGS) from None
 
 
-def _parse(parser: _Parser, argv: list[str]) -> FinetuneConfig:
+def _parse(parser: _Parser, argv: list[str], check_data_files: bool = False) -> FinetuneConfig:
     """The parse itself: the YAML config's settings as defaults, the flags over them, validated."""
     explicit: set[str] = set()
     if argv and argv[0].endswith((".yaml", ".yml")):
@@ -332,5 +333,5 @@ def _parse(parser: _Parser, argv: list[str]) -> FinetuneConfig:
     config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,
                             explicit=frozenset(explicit))
     config = compat.translate(config, open_instruct)
-    validate(config)
+    validate(config, check_data_files)
     return dataclasses.replace(config, warnings=config.warnings + tuple(companion_warnings(config)))

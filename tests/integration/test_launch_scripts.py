@@ -130,7 +130,8 @@ def test_the_workers_exit_code_comes_through_torchrun(tiny_model_dir, tmp_path) 
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 2, output[-3000:]
     lines = output.strip().splitlines()
-    assert lines[-1].startswith("error: ") and "missing.jsonl does not exist" in lines[-1], "\n".join(lines[-8:])
+    # the error block last: "error: invalid configuration (1 problem(s)):", then the problem
+    assert lines[-2].startswith("error: ") and "missing.jsonl does not exist" in lines[-1], "\n".join(lines[-8:])
     assert "Setting OMP_NUM_THREADS" not in output and "were not passed to `accelerate launch`" not in output
 
 

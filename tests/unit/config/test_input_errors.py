@@ -63,6 +63,17 @@ def test_missing_data_file(tmp_path, capsys, tiny_model_dir) -> None:
     assert "data file" in err and "nope.jsonl does not exist" in err
 
 
+def test_a_missing_data_file_is_said_with_the_flags_problems(tmp_path, capsys, tiny_model_dir) -> None:
+    """A missing data file was said only after the other flags' problems were fixed (with a Hub problem: only it)."""
+    code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(tmp_path / "nope.jsonl"),
+                 "1.0", "--eval_dataset_mixer_list", str(tmp_path / "gone.json"), "10", "--push_to_hub",
+                 "--output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--push_to_hub" in err  # the hub's problems, and the files with them
+    assert f"--dataset_mixer_list: data file {tmp_path / 'nope.jsonl'} does not exist; check the path" in err
+    assert f"--eval_dataset_mixer_list: data file {tmp_path / 'gone.json'} does not exist" in err
+
+
 def test_missing_model_path(tmp_path, capsys) -> None:
     data = write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)])
     err = run_main(capsys, str(tmp_path / "no_model"), data, tmp_path / "out")
@@ -78,7 +89,7 @@ def test_data_file_that_is_not_utf8(tmp_path, capsys, tiny_model_dir) -> None:
     assert "iconv -f latin1 -t utf-8" in err
 
 
-def test_ctrl_c_outside_the_training_loop_is_a_message_not_a_traceback(monkeypatch, capsys) -> None:
+def test_ctrl_c_outside_the_training_loop_is_a_message_not_a_traceback(tmp_path, monkeypatch, capsys) -> None:
     """Ctrl-C while the model loads or the export is written (the training loop's own stop is graceful): exit 130
     and a line saying the same command resumes, not a KeyboardInterrupt traceback."""
     import open_sft.run as run_module
@@ -87,6 +98,7 @@ def test_ctrl_c_outside_the_training_loop_is_a_message_not_a_traceback(monkeypat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run_module, "run", interrupted)
-    assert main(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0"]) == 130
+    data = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD)])
+    assert main(["--model_name_or_path", "m", "--dataset_mixer_list", data, "1.0"]) == 130
     err = capsys.readouterr().err
     assert "open_sft: interrupted (Ctrl-C); the same command starts again from where it can" in err and "Traceback" not in err

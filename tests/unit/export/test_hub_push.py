@@ -113,6 +113,8 @@ def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_pa
 
     out = tmp_path / "out"
     out.mkdir()
+    monkeypatch.chdir(tmp_path)  # d.jsonl: the command line's parse names a missing data file
+    (tmp_path / "d.jsonl").write_text("{}\n")
     argv = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(out),
             "--push_to_hub", "--hub_model_id", "org/m", "--hub_token", TOKEN]
     config = parse_config(argv)  # as the run parsed it, before it wrote its export

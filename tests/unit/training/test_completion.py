@@ -178,7 +178,7 @@ def test_sigterm_while_exporting_finishes_the_export_first(tiny_model_dir, tmp_p
     assert json.loads((out / "RUN_COMPLETE").read_text())["step"] == 2 and (out / "README.md").is_file()
 
 
-def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(monkeypatch, capsys) -> None:
+def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(tmp_path, monkeypatch, capsys) -> None:
     """Loading data or the model, or exporting, a SIGTERM ended the process with 143 and no word: a scheduler that
     requeues on 75 did not requeue. The handler is put back when main returns."""
     import os
@@ -193,6 +193,8 @@ def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(mon
         raise AssertionError("the signal stops the run before this line")
 
     monkeypatch.setattr(run, "run", loading)
+    monkeypatch.chdir(tmp_path)  # BASE's data file: the command line's parse names a missing one
+    (tmp_path / "d.jsonl").write_text("{}\n")
     assert run.main(BASE) == 75
     assert "stopped by SIGTERM outside the training loop" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
