@@ -144,9 +144,8 @@ FOREIGN_FLAGS = {
     "completion_only_loss": "use --train_on all_assistant (the default) or last_assistant",
     "logging_dir": "tracker logs go under --output_dir (tensorboard/)",
     "lr": "for the learning rate, use --learning_rate",
-    "dataset_train_split": "use --dataset_mixer_list_splits, one split per source (e.g. train)",
-    "dataset_test_split": "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits (e.g. "
-                          "test)",
+    "dataset_train_split": "use --dataset_mixer_list_splits: one split per source, e.g. train",
+    "dataset_test_split": "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits: e.g. test",
 }
 
 
