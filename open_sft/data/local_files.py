@@ -194,8 +194,8 @@ def read_json(path: Path) -> list[dict[str, Any]]:
     try:
         values = _json_values(read_utf8(path))
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({json_error(exc)}); expected a list of objects, or JSON "
-                        f"Lines (one object per line, the first line a whole object)") from None
+        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({json_error(exc)}); expected a list of objects, "
+                        "or JSON Lines (one object per line, the first line a whole object)") from None
     loaded = values[0] if len(values) == 1 else values
     if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list) \
             and not set(loaded) & ROW_COLUMNS:

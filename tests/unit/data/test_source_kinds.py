@@ -166,4 +166,5 @@ def test_a_json_syntax_error_says_its_line_and_column_once(tmp_path) -> None:
     (tmp_path / "cut.json").write_text('[\n  {"text": "abc\n')
     with pytest.raises(UserError) as error:
         read_json(tmp_path / "cut.json")
-    assert f"{tmp_path / 'cut.json'} line 2: not valid JSON (Invalid control character at column 16)" in str(error.value)
+    assert f"{tmp_path / 'cut.json'} line 2: not valid JSON (Invalid control character at column 16)" in str(
+        error.value)
