@@ -49,7 +49,7 @@ def validate(config: FinetuneConfig, check_data_files: bool = False) -> None:
     """Collect every problem in the configuration and raise them together; `check_data_files`: with the local
     data files named that do not exist (the data phase would stop at the first, after these were fixed)."""
     problems = _choice_problems(config) + _model_problems(config.model) + _data_problems(config.data)
-    problems += _missing_data_files(config.data) if check_data_files else []
+    problems += _missing_data_files(config.data) if check_data_files and not _finished(config) else []
     problems += numeric_problems(config) + companion_problems(config)
     problems += _training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
@@ -135,6 +135,13 @@ def _share_problems(d: DataArguments) -> list[str]:
                             "--dataset_mixer_unit share (shares are normalised to sum 1, e.g. a.jsonl 0.7 "
                             "b.jsonl 0.3); leave out a source you want none of")
     return problems
+
+
+def _finished(config: FinetuneConfig) -> bool:
+    """The output directory holds the run, completed: a relaunch reads no data (it says so, or uploads the export)."""
+    from open_sft.training.completion import MARKER
+
+    return not config.checkpoint.overwrite_output_dir and (Path(config.train.output_dir or ".") / MARKER).is_file()
 
 
 def _missing_data_files(d: DataArguments) -> list[str]:

@@ -74,6 +74,22 @@ def test_a_missing_data_file_is_said_with_the_flags_problems(tmp_path, capsys, t
     assert f"--eval_dataset_mixer_list: data file {tmp_path / 'gone.json'} does not exist" in err
 
 
+def test_a_finished_run_is_relaunched_without_its_data_files(tmp_path, capsys, tiny_model_dir) -> None:
+    """A requeue of a completed run reads no data: its data files gone (node-local scratch wiped) it still says
+    'already complete' and exits 0, rather than stopping on the missing files."""
+    from open_sft.config.parse import parse_config
+    from open_sft.training import completion
+
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(tmp_path / "gone.jsonl"), "1.0",
+            "--output_dir", str(out)]
+    out.mkdir()
+    completion.mark_complete(out, 4, 1.0, parse_config(argv))
+    assert main(argv) == 0 and f"already complete: {out}" in capsys.readouterr().out
+    assert main(argv + ["--overwrite_output_dir"]) == 2  # training again needs them
+    assert "gone.jsonl does not exist" in capsys.readouterr().err
+
+
 def test_missing_model_path(tmp_path, capsys) -> None:
     data = write_lines(tmp_path / "ok.jsonl", [json.dumps(GOOD)])
     err = run_main(capsys, str(tmp_path / "no_model"), data, tmp_path / "out")
