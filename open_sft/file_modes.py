@@ -137,7 +137,6 @@ def output_file_problem(path: Path) -> str | None:
     return f"its directory {path.parent}: {why}" if why else None
 
 
-
 def permitted(path: Path, mode: int) -> bool:
     """os.access for this process as it runs (its effective ids: a setuid launcher, a test acting as another user)."""
     return os.access(path, mode, effective_ids=_EFFECTIVE_IDS)

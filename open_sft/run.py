@@ -277,7 +277,8 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
 
 def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     """The model in Hugging Face layout (full, or LoRA with its optional merge), the report and the model card
-    (open_sft.export.final); then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export pushed if asked."""
+    (open_sft.export.final); then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export
+    pushed if asked."""
     from open_sft.export.hub import push_output_dir
     from open_sft.export.final import write_export
     from open_sft.export.save import finite_state_dict, save_dtype

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 import yaml
-from huggingface_hub.constants import ENV_VARS_TRUE_VALUES  # how huggingface_hub reads HF_HUB_OFFLINE
 
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, ModelArguments,
                                   TrainingArguments)
@@ -26,7 +25,7 @@ from open_sft.errors import ConfigError
 from open_sft.export.hub import repo_id_problem
 from open_sft.export.shard_size import shard_size_problem
 from open_sft.file_modes import unreadable, writable_dir_problem
-from open_sft.model.source import missing_problem, model_file_problem, tokenizer_problem
+from open_sft.model.source import hub_offline, missing_problem, model_file_problem, tokenizer_problem
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 from open_sft.training.checkpoint import continued
 
@@ -278,7 +277,7 @@ def _online_problems(config: FinetuneConfig) -> list[str]:
         problem = wandb_login_problem()
         if problem:
             problems.append(problem)
-    if config.hub.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ENV_VARS_TRUE_VALUES:
+    if config.hub.push_to_hub and hub_offline():
         problems.append("--push_to_hub cannot upload with HF_HUB_OFFLINE set: unset it for this run (a local model "
                         "and local data load offline either way), or drop --push_to_hub and upload the export "
                         "later with python -m open_sft push OUTPUT_DIR --hub_model_id ID")

@@ -16,7 +16,8 @@ from open_sft.data.template_date import template_dates
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
-               holdout: Optional[tuple[str, float]] = None, clock: Optional[datetime.datetime] = None) -> dict[str, Any]:
+               holdout: Optional[tuple[str, float]] = None,
+               clock: Optional[datetime.datetime] = None) -> dict[str, Any]:
     """Everything that changes the tokenized output, for the cache key (and key.json); `clock`: the moment the
     build renders the template's clock at (template_date.clock_at; None: now)."""
     specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,

@@ -148,15 +148,14 @@ def load_adapter_base(directory: Path, base_model: Optional[str], **loading: Any
     its name; one that does not load (a path that does not exist, a Hub id out of reach) is a UserError."""
     from transformers import AutoModelForCausalLM
 
-    from open_sft.model.source import unreachable_problem
+    from open_sft.model.source import unreachable_reason
 
     base = adapter_base(directory, base_model)
     try:
         return AutoModelForCausalLM.from_pretrained(base, **loading), base
     except (OSError, ValueError) as exc:  # a missing path reads as a bad Hub id: "Repo id must be in the form ..."
         which = f"--base_model {base}" if base_model else f"{directory} is a LoRA adapter on {base}, which"
-        missing = unreachable_problem("--base_model", base)
-        why = missing.split(": ", 1)[1].split(";")[0] if missing else str(exc).splitlines()[0]
+        why = unreachable_reason(base) or str(exc).splitlines()[0]
         raise UserError(f"{which} cannot be loaded here ({why}); pass "
                         "--base_model PATH_OR_ID with the base model the run trained from") from exc
 

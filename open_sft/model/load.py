@@ -309,7 +309,8 @@ def _warn_foreign_tokens(tokenizer: PreTrainedTokenizerBase, rows: int) -> None:
     """A tokenizer with tokens past the model's embedding rows that this run did not add (a chat template's, --add_
     tokens): likely another model's tokenizer (--tokenizer_name_or_path of another family), whose ids below `rows`
     would train on embeddings the model learned for other tokens; said once, with what to check."""
-    own = [i for i in range(rows, len(tokenizer)) if i not in set(getattr(tokenizer, "open_sft_new_ids", []))]
+    added = set(getattr(tokenizer, "open_sft_new_ids", []))
+    own = [i for i in range(rows, len(tokenizer)) if i not in added]
     if own:
         logger.warning("the tokenizer (%s, %d tokens) has %d tokens the model's embeddings (%d rows) have no row for, "
                        "which this run did not add: is it another model's tokenizer? Its ids below %d would use the "

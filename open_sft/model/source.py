@@ -34,6 +34,7 @@ def is_hub_id(name: str) -> bool:
 
 
 def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE is set, read as huggingface_hub reads it (now: a test or a caller may set it late)."""
     from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
 
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ENV_VARS_TRUE_VALUES
@@ -47,26 +48,40 @@ def in_hub_cache(repo_id: str, revision: Optional[str] = None) -> bool:
     return any(isinstance(try_to_load_from_cache(repo_id, name, revision=revision), str) for name in names)
 
 
+def _missing(name: str) -> Optional[str]:
+    """Why `name` names nothing (no local path and no Hub id either), without the fix; None where it may load."""
+    if Path(name).expanduser().exists() or is_hub_id(name):
+        return None
+    return "no such directory" + ("" if name.startswith((".", "/", "~")) else " (nor a Hub id, which reads ORG/NAME)")
+
+
 def missing_problem(flag: str, name: str) -> Optional[str]:
     """Why `name`, given to `flag`, names nothing: a local path that does not exist and is no Hub id either (checked
     up front); None where it may load."""
-    if Path(name).expanduser().exists() or is_hub_id(name):
-        return None
-    hub = "" if name.startswith((".", "/", "~")) else " (nor a Hub id, which reads ORG/NAME)"
-    return f"{flag} {name}: no such directory{hub}; check the path"
+    why = _missing(name)
+    return f"{flag} {name}: {why}; check the path" if why else None
+
+
+def unreachable_reason(name: str, revision: Optional[str] = None) -> Optional[str]:
+    """Why `name` did not load where transformers' own reason misleads, without the fix: a missing local path, or
+    a Hub id offline that the local cache lacks (asked after a load failed: the cache is not searched up front)."""
+    why = _missing(name)
+    if why or Path(name).expanduser().exists() or not hub_offline() or in_hub_cache(name, revision):
+        return why
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (f"no such local directory, and as a Hub id it is not in the local Hugging Face cache ({HF_HUB_CACHE}) "
+            "while HF_HUB_OFFLINE is set")
 
 
 def unreachable_problem(flag: str, name: str, revision: Optional[str] = None) -> Optional[str]:
-    """Why `name`, given to `flag`, did not load where transformers' own reason misleads: a missing local path, or
-    a Hub id offline that the local cache lacks (asked after a load failed: the cache is not searched up front)."""
-    problem = missing_problem(flag, name)
-    if problem or Path(name).expanduser().exists() or not hub_offline() or in_hub_cache(name, revision):
-        return problem
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    return (f"{flag} {name}: no such local directory, and as a Hub id it is not in the local Hugging Face cache "
-            f"({HF_HUB_CACHE}) while HF_HUB_OFFLINE is set; give the path of a local copy, or unset HF_HUB_OFFLINE "
-            "to download it")
+    """unreachable_reason, said of `flag` with its fix."""
+    why = unreachable_reason(name, revision)
+    if why is None:
+        return None
+    fix = "check the path" if why.startswith("no such directory") else \
+        "give the path of a local copy, or unset HF_HUB_OFFLINE to download it"
+    return f"{flag} {name}: {why}; {fix}"
 
 
 def tokenizer_problem(flag: str, name: str) -> Optional[str]:

@@ -128,7 +128,8 @@ def test_an_output_dir_this_process_may_write_but_not_read_is_refused_not_crashe
     try:
         shared.chmod(0o755)
         out = shared / "run"
-        config = parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0", "--output_dir", str(out)])
+        config = parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0",
+                               "--output_dir", str(out)])
         out.mkdir(mode=0o333)
         out.chmod(0o333)
         as_nobody = os.geteuid() == 0  # root reads every directory: judge it as another user

@@ -344,7 +344,8 @@ def test_mistral_v0_3_a_turn_that_cannot_be_located_leaves_the_others_their_syst
     from tests.unit.data.test_reasoning_tool_calls import TEMPLATES
 
     mistral = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # a copy: the template changes
-    mistral.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": ["[INST]", "[/INST]"]})
+    mistral.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>",
+                                "additional_special_tokens": ["[INST]", "[/INST]"]})
     mistral.chat_template = (TEMPLATES / "mistral_v0_3.jinja").read_text()
     row = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": ""},
