@@ -36,7 +36,8 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags / Arm "Feat
 MARGIN = 1.15
 PROBE_TOKENS = 128
 MAX_DIM = 2048  # shapes are capped so the probe stays well under a second even where bf16 is emulated
-PROBE_VERSION = 2  # 2: alternating rounds (entries of single measurements may hold a burst of load)
+PROBE_VERSION = 3  # 2: alternating rounds (entries of single measurements may hold a burst of load); 3: only
+#                     steady probes are cached (version 2 entries may hold a load that slowed every round of a dtype)
 
 
 @dataclass(frozen=True)
@@ -119,18 +120,38 @@ def measure_gflops(shapes: list[tuple[int, int]], dtype: torch.dtype) -> float:
 
 
 PROBE_ROUNDS = 2
+PROBE_MAX_ROUNDS = 5
+STEADY_RATIO = 1.25
+
+
+def _rate(gflops: float) -> str:
+    """A probe rate for a message: whole GFLOP/s, a decimal below 10 (a tiny model's shapes, emulated bf16)."""
+    return f"{gflops:.0f}" if gflops >= 10 else f"{gflops:.1f}"
+
+
+def _steady(rates: list[float]) -> bool:
+    """Two measurements of a dtype that agree: load only ever slows a measurement, so the best two within
+    STEADY_RATIO of each other are this CPU's rate, not one lucky gap in someone else's work."""
+    best, second = sorted(rates, reverse=True)[:2]
+    return best <= STEADY_RATIO * max(second, 1e-9)
 
 
 def _interleaved(measure: Callable[[list[tuple[int, int]], torch.dtype], float],
-                 shapes: list[tuple[int, int]]) -> tuple[float, float]:
-    """The best bf16 and fp32 rates of PROBE_ROUNDS alternating measurements: a burst of load from another
-    process (a shared node, a data-loading worker) slows whichever dtype it lands on, and the result is cached,
-    so one dtype measured under it and the other not would decide the run's dtype on the load, not the CPU."""
-    rates: dict[torch.dtype, float] = {torch.bfloat16: 0.0, torch.float32: 0.0}
-    for _ in range(PROBE_ROUNDS):
-        for dtype in rates:
-            rates[dtype] = max(rates[dtype], measure(shapes, dtype))
-    return rates[torch.bfloat16], rates[torch.float32]
+                 shapes: list[tuple[int, int]]) -> tuple[float, float, bool]:
+    """The best bf16 and fp32 rates of alternating measurements, and whether they were steady: a burst of load
+    from another process (a shared node, a data-loading worker, two OpenMP threads on a core another process
+    holds: rates fall 100x) slows whichever dtype it lands on, and the result is cached, so one dtype measured
+    under it and the other not would decide the run's dtype on the load, not the CPU. PROBE_ROUNDS rounds, more
+    (up to PROBE_MAX_ROUNDS) until each dtype's best two agree."""
+    rates: dict[torch.dtype, list[float]] = {torch.bfloat16: [], torch.float32: []}
+    steady = False
+    for done in range(PROBE_MAX_ROUNDS):
+        for dtype, seen in rates.items():
+            seen.append(measure(shapes, dtype))
+        steady = done + 1 >= PROBE_ROUNDS and all(_steady(seen) for seen in rates.values())
+        if steady:
+            break
+    return max(rates[torch.bfloat16]), max(rates[torch.float32]), steady
 
 
 def _cache_path() -> Path:
@@ -176,10 +197,16 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
         if isinstance(entries.get(key), dict) and {"bf16_gflops", "fp32_gflops"} <= set(entries[key]):
             return {**entries[key], "cached": True}
         started = time.perf_counter()
-        bf16, fp32 = _interleaved(measure, shapes)
+        bf16, fp32, steady = _interleaved(measure, shapes)
         result = {"bf16_gflops": round(bf16, 1), "fp32_gflops": round(fp32, 1),
                   "shapes": [list(s) for s in shapes], "threads": torch.get_num_threads(), "cpu": cpu}
         result["probe_seconds"] = round(time.perf_counter() - started, 3)
+        if not steady:
+            logger.warning("the bf16/fp32 probe was disturbed by other load on this machine (its %d rounds "
+                           "disagree): this start decides on the best rates measured (bf16 %.1f, fp32 %.1f "
+                           "GFLOP/s); they are not cached, the next start measures again", PROBE_MAX_ROUNDS,
+                           bf16, fp32)
+            return {**result, "cached": False, "steady": False}
         entries[key] = result
         if cached:
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -197,13 +224,14 @@ def _requested_bf16(args: Any, cpu: str, flags: set[str],
     bf16, fp32 = measured["bf16_gflops"], measured["fp32_gflops"]
     via_fp32 = mode == "fp32" or (mode == "auto" and fp32 > bf16)
     if fp32 > bf16:
-        logger.warning("--torch_dtype bfloat16: this CPU's bf16 matmul kernels measured %.1f× slower than fp32 (%.0f vs "
-                       "%.0f GFLOP/s on the model's shapes)%s; --torch_dtype auto would train in float32",
-                       fp32 / max(bf16, 1e-9),
-                       bf16, fp32, "; they run as fp32 matmuls of bf16-rounded values (the same bf16 numerics)"
-                       if via_fp32 else f" and {bf16_matmul.ENV}=native keeps them")
+        logger.warning("--torch_dtype bfloat16: this CPU's bf16 matmul kernels measured %.1f× slower than fp32 (%s vs "
+                       "%s GFLOP/s on the model's shapes)%s; --torch_dtype auto would train in float32",
+                       fp32 / max(bf16, 1e-9), _rate(bf16), _rate(fp32),
+                       "; they run as fp32 matmuls of bf16-rounded values (the same bf16 numerics)" if via_fp32
+                       else f" and {bf16_matmul.ENV}=native keeps them")
     how = "bf16 matmuls on fp32 kernels" if via_fp32 else "native bf16 matmuls"
-    why = f"{bf16_matmul.ENV}={mode}" if mode != "auto" else f"probe: bf16 {bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s"
+    probed = f"probe: bf16 {_rate(bf16)} vs fp32 {_rate(fp32)} GFLOP/s"
+    why = f"{bf16_matmul.ENV}={mode}" if mode != "auto" else probed
     return DtypeChoice(torch.bfloat16, f"requested by --torch_dtype; {how} ({why})", measured, via_fp32)
 
 
@@ -276,4 +304,4 @@ def choose_dtype(args: Any, qlora: bool = False,
     faster = bf16 >= MARGIN * fp32
     return DtypeChoice(torch.bfloat16 if faster else torch.float32,
                        f"auto: {'bfloat16' if faster else 'float32'} — probe of the model's matmul shapes: bf16 "
-                       f"{bf16:.0f} vs fp32 {fp32:.0f} GFLOP/s (bf16 chosen at ≥ {MARGIN}× fp32)", measured)
+                       f"{_rate(bf16)} vs fp32 {_rate(fp32)} GFLOP/s (bf16 chosen at ≥ {MARGIN}× fp32)", measured)
