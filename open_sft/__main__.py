@@ -23,6 +23,7 @@ COMMANDS = {
     "embedded": ("open_sft.embedded.factory", "build the offline embedded tokenizer and tiny model"),
     "sample-data": ("open_sft.embedded.sample_data", "write deterministic, checkable instruction data"),
 }
+LOADS_A_MODEL = {"generate", "chat", "compare", "export", "merge-lora"}
 
 
 def _usage() -> str:
@@ -42,6 +43,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}\n\n{_usage()}",
               file=sys.stderr)
         return 2
+    if command in LOADS_A_MODEL and not {"-h", "--help"} & set(rest):
+        from open_sft.monitor.quiet import quiet_third_parties
+
+        quiet_third_parties(qlora=False)  # as a run does: no progress bars in a redirected log, no peft notices
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(rest, prog=f"open_sft {command}")
 

@@ -117,3 +117,27 @@ def test_side_commands_name_a_path_that_holds_no_adapter_or_no_tokenizer(tmp_pat
     err = capsys.readouterr().err
     assert f"error: {full} holds no tokenizer files (tokenizer.json, tokenizer_config.json" in err
     assert "sentencepiece" not in err
+
+
+def test_merge_lora_says_only_its_own_lines(tiny_model_dir, tmp_path, capfd) -> None:
+    """A redirected `open_sft merge-lora` printed transformers' 'Loading weights' progress bar and the FutureWarning
+    about `is_gradient_checkpointing` that peft's own call raises: the model commands quiet them as a run does."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    adapter = tmp_path / "adapter"
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config).save_pretrained(adapter)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (adapter / name).write_bytes((tiny_model_dir / name).read_bytes())
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["merge-lora", str(adapter), str(tmp_path / "merged"), "--dtype", "float32"]) == 0
+    out, err = capfd.readouterr()
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert "Loading weights" not in out + err and "is_gradient_checkpointing" not in out + err
+    assert not [w for w in seen if "is_gradient_checkpointing" in str(w.message)]
+    assert out.strip().splitlines()[-1].endswith("merged")
