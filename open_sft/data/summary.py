@@ -40,6 +40,11 @@ _NOTES = {
                                   "generates no reasoning there: those turns train their answer after that block, "
                                   "without the reasoning; to train it, leave enable_thinking false out for this "
                                   "source (a source's own chat_template_kwargs)",
+    "turns_in_one_rendering": "have assistant turns the chat template does not write after their own context (under "
+                              "Mistral v0.3's template, a turn answering an empty user message, which the system "
+                              "prompt then precedes), trained where the whole conversation's rendering writes them, "
+                              "as open-instruct trains them: the model sees them there without what the template "
+                              "gives a generated turn (Mistral's system prompt); fill or drop the empty user turns",
     "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -70,6 +75,7 @@ class SourceReport:
     tool_arguments_not_json: int = 0  # rows with a tool call whose arguments are not a JSON object
     special_tokens_in_text: int = 0  # rows (documents) holding a special token's literal text
     reasoning_closed_by_prompt: int = 0  # rows with reasoning on a turn whose generation prompt closes it empty
+    turns_in_one_rendering: int = 0  # rows with a turn trained in the one rendering (chat/examples._partly_per_turn)
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -85,7 +91,8 @@ class SourceReport:
             "tools_not_rendered": self.tools_not_rendered,
             "tool_arguments_not_json": self.tool_arguments_not_json,
             "special_tokens_in_text": self.special_tokens_in_text,
-            "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt, "hub_dataset": self.hub_dataset,
+            "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt,
+            "turns_in_one_rendering": self.turns_in_one_rendering, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -119,12 +119,13 @@ class RowRender:
     tool_arguments_not_json: bool = False  # a tool call's arguments are a string that is not a JSON object
     special_tokens_in_text: bool = False  # a message's text holds a special token's text (render.special_text)
     reasoning_closed_by_prompt: bool = False  # a trained turn's generation prompt closes its think block empty
+    turns_in_one_rendering: bool = False  # a trained turn not located after its own context (_partly_per_turn)
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
-                "reasoning_closed_by_prompt")
+                "reasoning_closed_by_prompt", "turns_in_one_rendering")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -287,9 +288,10 @@ def _partly_per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, m
         rendered = _per_turn(state, tokenizer, messages, located, markers, options) if located else None
     except RowError:
         rendered = None
-    if rendered is None:
+    answered = any(m["role"] == "user" for m in messages[:max((i for i in indices if i not in located), default=0)])
+    if rendered is None:  # (a conversation's opening turn has no context to lose: not noted)
         return RowRender([(text, _joined(_one_rendering(state, messages, indices, markers, text, known_ends,
-                                                        faithful=False)))])
+                                                        faithful=False)))], turns_in_one_rendering=answered)
     examples, ends = list(rendered.examples), list(rendered.ends)
     same = [k for k, (example, _) in enumerate(examples) if example == text]
     if same:
@@ -297,7 +299,7 @@ def _partly_per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, m
     else:
         examples.append((text, alone))
         ends.append(len(messages) - 1)
-    return dataclasses.replace(rendered, examples=examples, ends=tuple(ends))
+    return dataclasses.replace(rendered, examples=examples, ends=tuple(ends), turns_in_one_rendering=answered)
 
 
 def _locates(state: TemplateState, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> bool:

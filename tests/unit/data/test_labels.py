@@ -350,7 +350,10 @@ def test_mistral_v0_3_a_turn_that_cannot_be_located_leaves_the_others_their_syst
     row = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": ""},
            {"role": "assistant", "content": "Yes?"}]
-    rendered = row_examples(mistral, row, "all_assistant", special_markers(mistral)).examples
+    whole_render = row_examples(mistral, row, "all_assistant", special_markers(mistral))
+    rendered = whole_render.examples
+    assert whole_render.turns_in_one_rendering  # counted per source and warned (summary._NOTES)
+    assert not row_examples(mistral, row[:3], "all_assistant", special_markers(mistral)).turns_in_one_rendering
     first = mistral.apply_chat_template(row[:2], tokenize=False, add_generation_prompt=True)
     assert first == "<s>[INST] Be brief.\n\nHi[/INST]"
     whole = mistral.apply_chat_template(row, tokenize=False)
@@ -362,3 +365,23 @@ def test_mistral_v0_3_a_turn_that_cannot_be_located_leaves_the_others_their_syst
     assert [run.strip() for example in examples for run in trained_runs(mistral, example)] == ["Hello!</s>", "Yes?</s>"]
     context = examples[0].labels.index(next(label for label in examples[0].labels if label != IGNORE_INDEX))
     assert mistral.decode(examples[0].input_ids[:context]) == first
+
+
+def test_turns_trained_in_the_one_rendering_are_counted_per_source_and_warned(tokenizer, tmp_path, caplog) -> None:
+    """The Mistral v0.3 turns above that train without the system prompt the template gives a generated turn are
+    counted in the source's report (data_report.json) and said once, naming the first row; rows whose turns all
+    train after their own context are not."""
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES, build
+
+    mistral = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    mistral.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>",
+                                "additional_special_tokens": ["[INST]", "[/INST]"]})
+    mistral.chat_template = (TEMPLATES / "mistral_v0_3.jinja").read_text()
+    whole = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello!"}]
+    empty = whole + [{"role": "user", "content": ""}, {"role": "assistant", "content": "Yes?"}]
+    with caplog.at_level("WARNING"):
+        _, (report,) = build(mistral, tmp_path, [{"messages": whole}, {"messages": empty}, {"messages": empty}])
+    assert report.turns_in_one_rendering == 2 and report.to_dict()["turns_in_one_rendering"] == 2
+    warned = [r.getMessage() for r in caplog.records if "without what the template" in r.getMessage()]
+    assert len(warned) == 1 and "2 row(s)" in warned[0] and "line 2" in warned[0], warned
