@@ -179,6 +179,15 @@ def _locked(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def _launch() -> Optional[str]:
+    """This multi-process launch on this node (the launcher that started its ranks, its rendezvous port): its ranks
+    share a probe that other load disturbed (each measuring alone could choose another dtype, which the ranks'
+    check refuses); None for one process, which decides alone."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    return f"{os.getppid()}:{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+
+
 def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
           measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> dict[str, Any]:
     """The bf16 and fp32 throughput of the shapes on this machine, from the cache or measured once."""
@@ -194,8 +203,10 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
                 raise ValueError("not a mapping")
         except (OSError, ValueError):  # absent, unreadable or damaged: measure again
             entries = {}
-        if isinstance(entries.get(key), dict) and {"bf16_gflops", "fp32_gflops"} <= set(entries[key]):
-            return {**entries[key], "cached": True}
+        entry, launch = entries.get(key), _launch()
+        if isinstance(entry, dict) and {"bf16_gflops", "fp32_gflops"} <= set(entry) and (
+                entry.get("steady", True) or (launch is not None and entry.get("launch") == launch)):
+            return {**entry, "cached": True}
         started = time.perf_counter()
         bf16, fp32, steady = _interleaved(measure, shapes)
         result = {"bf16_gflops": round(bf16, 1), "fp32_gflops": round(fp32, 1),
@@ -203,12 +214,13 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
         result["probe_seconds"] = round(time.perf_counter() - started, 3)
         if not steady:
             logger.warning("the bf16/fp32 probe was disturbed by other load on this machine (its %d rounds "
-                           "disagree): this start decides on the best rates measured (bf16 %.1f, fp32 %.1f "
-                           "GFLOP/s); they are not cached, the next start measures again", PROBE_MAX_ROUNDS,
-                           bf16, fp32)
-            return {**result, "cached": False, "steady": False}
+                           "disagree): this %s decides on the best rates measured (bf16 %.1f, fp32 %.1f GFLOP/s); "
+                           "%s", PROBE_MAX_ROUNDS, "start" if launch is None else "launch", bf16, fp32,
+                           "they are not cached, the next start measures again" if launch is None else
+                           "they are kept for this launch's ranks only, the next launch measures again")
+            result.update(steady=False, launch=launch)
         entries[key] = result
-        if cached:
+        if cached and (steady or launch is not None):
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(entries, indent=1))
             os.replace(tmp, path)

@@ -140,6 +140,24 @@ def test_a_load_on_every_round_of_one_dtype_decides_one_start_only(monkeypatch, 
     assert not probe_cache.exists() or json.loads(probe_cache.read_text()) == {}
     second = choose_dtype(args(), measure=fake_measure(160.0, 84.0))
     assert second.dtype == torch.bfloat16 and second.measured["cached"] is False
+
+
+def test_the_ranks_of_a_launch_share_a_disturbed_probe(monkeypatch, probe_cache) -> None:
+    """Measuring alone, each rank of a launch would decide on its own disturbed rates, and ranks that chose apart
+    stop the run (collectives.check_ranks_agree_on_dtype): a disturbed probe is kept for its launch's ranks (the
+    same launcher process and rendezvous), and measured again by the next launch."""
+    on_cpu(monkeypatch, {"avx2", "avx512_bf16"})
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    disturbed = {torch.bfloat16: [0.9, 30.0, 0.8, 2.0, 0.9], torch.float32: [84.1] * 5}
+    first = choose_dtype(args(), measure=lambda shapes, dtype: disturbed[dtype].pop(0))
+    rank_1 = choose_dtype(args(), measure=fake_measure(160.0, 84.0))  # steady now: it would choose bf16
+    assert (first.dtype, rank_1.dtype) == (torch.float32, torch.float32) and rank_1.measured["cached"] is True
+    monkeypatch.setenv("MASTER_PORT", "29501")  # the next launch
+    again = choose_dtype(args(), measure=fake_measure(160.0, 84.0))
+    assert again.dtype == torch.bfloat16 and again.measured["cached"] is False
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert choose_dtype(args(), measure=fake_measure(1.0, 84.0)).dtype == torch.bfloat16  # steady: cached for all
     assert (precision._rate(0.94), precision._rate(84.1)) == ("0.9", "84")  # "bf16 1 vs fp32 0" said nothing
 
 
