@@ -37,7 +37,8 @@ MARGIN = 1.15
 PROBE_TOKENS = 128
 MAX_DIM = 2048  # shapes are capped so the probe stays well under a second even where bf16 is emulated
 PROBE_VERSION = 3  # 2: alternating rounds (entries of single measurements may hold a burst of load); 3: only
-#                     steady probes are cached (version 2 entries may hold a load that slowed every round of a dtype)
+#                     steady probes, measured on one thread, are cached (version 2 entries may hold a load that
+#                     slowed every round of a dtype)
 
 
 @dataclass(frozen=True)
@@ -142,15 +143,21 @@ def _interleaved(measure: Callable[[list[tuple[int, int]], torch.dtype], float],
     from another process (a shared node, a data-loading worker, two OpenMP threads on a core another process
     holds: rates fall 100x) slows whichever dtype it lands on, and the result is cached, so one dtype measured
     under it and the other not would decide the run's dtype on the load, not the CPU. PROBE_ROUNDS rounds, more
-    (up to PROBE_MAX_ROUNDS) until each dtype's best two agree."""
+    (up to PROBE_MAX_ROUNDS) until each dtype's best two agree. On one thread: the ratio of the two is the
+    core's (its instructions), and OpenMP threads that wait for each other at every small matmul while another
+    process holds a core measured the load instead (bf16 6 vs fp32 3 GFLOP/s where an idle core gives 180 vs 80)."""
     rates: dict[torch.dtype, list[float]] = {torch.bfloat16: [], torch.float32: []}
-    steady = False
-    for done in range(PROBE_MAX_ROUNDS):
-        for dtype, seen in rates.items():
-            seen.append(measure(shapes, dtype))
-        steady = done + 1 >= PROBE_ROUNDS and all(_steady(seen) for seen in rates.values())
-        if steady:
-            break
+    steady, threads = False, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for done in range(PROBE_MAX_ROUNDS):
+            for dtype, seen in rates.items():
+                seen.append(measure(shapes, dtype))
+            steady = done + 1 >= PROBE_ROUNDS and all(_steady(seen) for seen in rates.values())
+            if steady:
+                break
+    finally:
+        torch.set_num_threads(threads)
     return max(rates[torch.bfloat16]), max(rates[torch.float32]), steady
 
 
@@ -192,7 +199,7 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
           measure: Callable[[list[tuple[int, int]], torch.dtype], float] = measure_gflops) -> dict[str, Any]:
     """The bf16 and fp32 throughput of the shapes on this machine, from the cache or measured once."""
     limits = kernel_limits()
-    key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, torch.get_num_threads(), shapes,
+    key_text = json.dumps([PROBE_VERSION, cpu, sorted(flags), torch.__version__, shapes,
                            *([limits] if limits else [])])  # without limits, the keys entries already have
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = _cache_path()
@@ -210,7 +217,7 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
         started = time.perf_counter()
         bf16, fp32, steady = _interleaved(measure, shapes)
         result = {"bf16_gflops": round(bf16, 1), "fp32_gflops": round(fp32, 1),
-                  "shapes": [list(s) for s in shapes], "threads": torch.get_num_threads(), "cpu": cpu}
+                  "shapes": [list(s) for s in shapes], "threads": 1, "cpu": cpu}
         result["probe_seconds"] = round(time.perf_counter() - started, 3)
         if not steady:
             logger.warning("the bf16/fp32 probe was disturbed by other load on this machine (its %d rounds "

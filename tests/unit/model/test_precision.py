@@ -184,3 +184,23 @@ def test_a_resume_keeps_the_dtype_auto_resolved_for_its_checkpoint(monkeypatch, 
     assert resumed.dtype == torch.bfloat16 and "as the run resumed here resolved it" in resumed.reason
     assert launch("--torch_dtype", "float32").dtype == torch.float32
     assert launch("--resume_from_checkpoint", "none").dtype == torch.float32
+
+
+def test_the_probe_measures_one_thread_and_gives_the_threads_back(monkeypatch) -> None:
+    """Two OpenMP threads that wait for each other at every small matmul measured the load of a shared machine
+    (bf16 6 vs fp32 3 GFLOP/s, then 11 vs 34, on a core idle at 180 vs 80): the ratio is the core's, on one thread;
+    the run keeps its own thread count."""
+    on_cpu(monkeypatch, {"avx512_bf16"})
+    threads = torch.get_num_threads()
+    seen: list[int] = []
+
+    def measure(shapes, dtype):
+        seen.append(torch.get_num_threads())
+        return 180.0 if dtype == torch.bfloat16 else 80.0
+
+    torch.set_num_threads(2)
+    try:
+        assert choose_dtype(args(), measure=measure).dtype == torch.bfloat16
+        assert seen == [1] * 2 * precision.PROBE_ROUNDS and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
