@@ -22,6 +22,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
+from open_sft.data.chunks import Progress
 from open_sft.data.documents import document_markers, to_text, with_special_text
 from open_sft.data.format_detect import source_format
 from open_sft.data.formats import RowError, needs_chat_template, to_messages
@@ -32,6 +33,7 @@ from open_sft.data.chat.templates import BUILTIN_TEMPLATES
 from open_sft.data.shares import resolve_shares
 from open_sft.data.local_files import holds_json_lines, parse_json_line, read_lines
 from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
+from open_sft.data.stream import text_batches
 from open_sft.data.summary import SourceReport, nothing_left_message
 from open_sft.data.token_rows import (TokenRows, expand_groups, fit_rows, fitted_lengths, group_totals,
                                      rows_keeping_an_example, split_costs)
@@ -131,9 +133,11 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     except UserError:  # more rows asked for than there are lines: the serial read says how many are valid
         return None
     convert = functools.partial(_parse_and_convert, fmt=fmt)
+    progress = Progress(spec.name, len(lines))
     labelled = label_rows(tokenizer, Numbered(lines), args.train_on, args.preprocessing_num_workers,
                           convert=convert, wanted=None if picked is None else set(picked),
-                          options=chat_options(args, spec))
+                          options=chat_options(args, spec), progress=progress)
+    progress.done()
     report = SourceReport(name=spec.name, format=fmt, rows_in=len(lines))
     if not labelled.invalid:
         sink = _RowSink(lambda i: f"{spec.name} line {numbers[i]}", report, drop=args.on_bad_row == "drop")
@@ -178,11 +182,18 @@ def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], n
     return _chat_rows(spec, args, renumbered, picked, sink, report, seed)
 
 
-def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int], add_bos: bool) -> dict[int, list[int]]:
-    """Each document's tokens between document_markers."""
+def _tokenize_text(tokenizer, items: dict[int, Any], indices: list[int], add_bos: bool,
+                   name: str) -> dict[int, list[int]]:
+    """Each document's tokens between document_markers, a batch at a time (the building rank's progress line)."""
     before, after = document_markers(tokenizer, add_bos)
-    encoded = tokenizer([items[i] for i in indices], add_special_tokens=False)["input_ids"]
-    return {i: before + ids + after for i, ids in zip(indices, encoded)}
+    texts, tokenized = [items[i] for i in indices], {}
+    progress = Progress(name, len(texts))
+    for a, b in text_batches(texts):
+        encoded = tokenizer(texts[a:b], add_special_tokens=False)["input_ids"]
+        tokenized.update((i, before + ids + after) for i, ids in zip(indices[a:b], encoded))
+        progress.update(b - a, sum(map(len, encoded)) + (b - a) * (len(before) + len(after)))
+    progress.done()
+    return tokenized
 
 
 def _blocks(token_lists: list[list[int]], block: int) -> TokenRows:
@@ -230,7 +241,7 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
         report.add_notes(Counter(special_tokens_in_text=len(holding)), {"special_tokens_in_text": holding[:5]},
                          sink.where)
         chosen = valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed)))
-        tokenized = _tokenize_text(tokenizer, items, chosen, args.add_bos)
+        tokenized = _tokenize_text(tokenizer, items, chosen, args.add_bos, spec.name)
         selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \
             else _select(spec, args, valid, None, seed)
         report.rows_selected = report.rows_kept = len(selected)
@@ -238,8 +249,11 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
         rows = _blocks([tokenized[i] for i in selected], args.max_seq_length)
     else:
         picked = None if by_tokens else _select(spec, args, valid, None, seed)
-        labelled = label_rows(tokenizer, [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))],
-                              args.train_on, args.preprocessing_num_workers, options=chat_options(args, spec))
+        work = [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))]
+        progress = Progress(spec.name, len(work))
+        labelled = label_rows(tokenizer, work, args.train_on, args.preprocessing_num_workers,
+                              options=chat_options(args, spec), progress=progress)
+        progress.done()
         rows = _chat_rows(spec, args, labelled, picked, sink, report, seed)
     return rows, report
 

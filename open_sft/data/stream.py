@@ -145,7 +145,7 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         here = None if wanted is None else set((np.flatnonzero(wanted[start : start + len(items)]) + start).tolist())
         labelled = label_rows(tokenizer, list(zip(range(start, start + len(items)), items)), args.train_on,
                               args.preprocessing_num_workers, convert=convert, wanted=here,
-                              options=chat_options(args, spec))
+                              options=chat_options(args, spec), progress=progress)
         if args.on_bad_row != "drop" and (labelled.invalid or labelled.errors):
             _raise_first(reader, labelled.invalid, labelled.errors, numbers, start)
         done = np.array(sorted(labelled.position.items()), dtype=np.int64).reshape(-1, 2)
@@ -159,7 +159,6 @@ def _label_chunks(spec: Any, args: Any, tokenizer: Any, reader: Reader, fmt: str
         counts += labelled.notes
         for name, rows in labelled.flagged.items():
             flagged.setdefault(name, [reader.where(row, numbers, start) for row in rows])
-        progress.update(len(items), int(labelled.rows.bounds[-1]))
         del labelled, items
         # the chunk's cycles (a template's). The build runs with the collector paused (prepare._gc_paused) and
         # the render loop collects only the youngest generation: what survived it is collected here, a chunk's
@@ -232,14 +231,16 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
         holding = with_special_text(tokenizer, texts)
         special["special_tokens_in_text"] += len(holding)
         flagged += [f"row {indices[k] + 1}" for k in holding[:5 - len(flagged)]]
-        tokens = 0
-        for a, b in _text_batches(texts):  # a batch's tokens at a time, as arrays: not the chunk's as lists
+        left = len(items) - len(texts)  # rows that are not documents (dropped), told with the first batch
+        for a, b in text_batches(texts):  # a batch's tokens at a time, as arrays: not the chunk's as lists
             rows = _document_rows(tokenizer, texts[a:b], before, after)
             spill.append(np.array(indices[a:b], dtype=np.int64), rows)
-            tokens += len(rows.ids)
+            progress.update(b - a + left, len(rows.ids))
+            left = 0
+        if left:
+            progress.update(left, 0)
         spill.commit(start + len(items), {"rows": rows_seen - parsed, "special_text": len(holding),
                                           "dropped": {k: v - dropped.get(k, 0) for k, v in report.dropped.items()}})
-        progress.update(len(items), tokens)
     progress.done()
     report.add_notes(special, {"special_tokens_in_text": flagged}, str)
     report.rows_in = rows_seen + report.dropped["invalid_json"]
@@ -282,7 +283,7 @@ def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[li
     return indices, texts, rows_seen
 
 
-def _text_batches(texts: list[str]) -> Iterator[tuple[int, int]]:
+def text_batches(texts: list[str]) -> Iterator[tuple[int, int]]:
     """[start, stop) of runs of at most TEXT_BATCH_ROWS documents and about TEXT_BATCH_CHARS characters (at least
     one document each): what is tokenized at once."""
     for a, b in pieces(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)), TEXT_BATCH_CHARS):

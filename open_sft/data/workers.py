@@ -176,7 +176,7 @@ def _chunk(bounds: tuple[int, int]) -> _Part:
     return _label(_render(bounds))
 
 
-def _in_process(rows: int) -> list[_Part]:
+def _in_process(rows: int, progress: Any) -> list[_Part]:
     """All chunks in this process, overlapped: a thread has the Rust tokenizer encode one chunk (on
     its own threads, without the GIL) while this one renders the next and labels the one before, so
     the Python steps do not add their time to the encode's."""
@@ -188,11 +188,18 @@ def _in_process(rows: int) -> list[_Part]:
             rendered = _render(bounds)
             encoding = encoder.submit(encode_batch, tokenizer, [text for text, _ in rendered.texts_and_spans])
             if pending is not None:
-                parts.append(_label(pending[0], pending[1].result()))
-            pending = (rendered, encoding)
+                parts.append(_counted(_label(pending[0], pending[1].result()), pending[2], progress))
+            pending = (rendered, encoding, bounds)
         if pending is not None:
-            parts.append(_label(pending[0], pending[1].result()))
+            parts.append(_counted(_label(pending[0], pending[1].result()), pending[2], progress))
     return parts
+
+
+def _counted(part: _Part, bounds: tuple[int, int], progress: Any) -> _Part:
+    """`part`, the work items in `bounds`, told to `progress` (open_sft.data.chunks.Progress) when there is one."""
+    if progress is not None:
+        progress.update(bounds[1] - bounds[0], int(part[1].rows.bounds[-1]))
+    return part
 
 
 def _even_chunks(rows: int) -> list[tuple[int, int]]:
@@ -234,12 +241,14 @@ def _die_with_parent(parent: int) -> None:
 
 def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any]], train_on: str,
                workers: Optional[int], convert: Optional[Callable[[Any], Any]] = None,
-               wanted: Optional[set[int]] = None, options: ChatOptions = DEFAULT_OPTIONS) -> Labelled:
+               wanted: Optional[set[int]] = None, options: ChatOptions = DEFAULT_OPTIONS,
+               progress: Any = None) -> Labelled:
     """Render, tokenize and label each (row index, messages); a row that cannot be rendered or whose
     labels fail the check is an error instead. With `convert`, the items are raw rows (a JSON line,
     say) that the workers turn into messages, so reading scales with the workers too: every item is
     converted (a RowError makes it invalid) and, if `wanted` is given, only those rows are labelled.
-    workers=None: one process per usable core (this process for fewer rows than two workers' worth)."""
+    workers=None: one process per usable core (this process for fewer rows than two workers' worth).
+    `progress` (open_sft.data.chunks.Progress) is told of each part as it is done: its line every few seconds."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
     if isinstance(tokenizer.chat_template, str):  # asked once here too (and said once), not in every worker
         takes_string_arguments(template_state(tokenizer, options))
@@ -248,15 +257,18 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     try:
         workers = max(1, min(usable_cpus() if workers is None else workers, len(work) // _MIN_ROWS_PER_WORKER))
         if workers == 1:
-            parts = _in_process(len(work))
+            parts = _in_process(len(work), progress)
         else:
             import multiprocessing
 
             with _single_threaded_tokenizers():
                 pool = multiprocessing.get_context("fork").Pool(workers, _die_with_parent, (os.getpid(),))
             with pool:
-                # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end
-                parts = pool.map(_chunk, _chunks(len(work), workers), chunksize=1)
+                # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end;
+                # imap (in order, as map) gives each part as it comes, for the progress line
+                bounds = _chunks(len(work), workers)
+                parts = [_counted(part, where, progress)
+                         for where, part in zip(bounds, pool.imap(_chunk, bounds, chunksize=1))]
         logger.info("rendered, tokenized and checked %d rows in %d process(es)", len(work), workers)
     finally:
         _STATE.clear()

@@ -283,9 +283,37 @@ def test_the_building_rank_says_how_fast_and_how_long(corpora, tokenizer, tmp_pa
     with caplog.at_level(logging.INFO, logger="open_sft.data.build_progress"):
         build_sources(args_for(corpora, "text_blocks"), tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     lines = [r.getMessage() for r in caplog.records if r.name == "open_sft.data.build_progress"]
-    assert re.fullmatch(r"building .*text\.jsonl: 7/120 rows, \d+ rows/s, \d+ tokens/s, eta \d+s", lines[0])
+    # a line a batch of documents (3 of a chunk's 7), not only a chunk's end: a 64 MB chunk took minutes
+    assert re.fullmatch(r"building .*text\.jsonl: 3/120 rows, \d+ rows/s, \d+ tokens/s, eta \d+s", lines[0])
     assert re.fullmatch(r"building .*text\.jsonl: 120/120 rows, \d+ rows/s, \d+ tokens/s in [\d.]+s", lines[-1])
-    assert len(lines) == 120 // 7 + 2
+    assert len(lines) >= 120 // 3 + 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_file_read_whole_says_its_progress_too(workers, corpora, tokenizer, tmp_path, monkeypatch, caplog) -> None:
+    """A JSON list file (read whole: the in-memory build) logs the streaming build's progress lines as its parts
+    are labelled (a part of the workers', or of one process's) and its documents tokenized a batch at a time:
+    100k rows of one were silent for 5 minutes. A streaming chunk's parts are told as they come too."""
+    from open_sft.data import workers as worker_pool
+
+    monkeypatch.setattr(chunks, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(worker_pool, "_IN_PROCESS_CHUNK", 16)
+    monkeypatch.setattr(worker_pool, "_MIN_ROWS_PER_WORKER", 10)
+    monkeypatch.setattr(worker_pool, "_MIN_ROWS_PER_CHUNK", 8)
+    monkeypatch.setattr(stream, "TEXT_BATCH_ROWS", 25)
+    (tmp_path / "chat_list.json").write_text(json.dumps([json.loads(line) for line in LINES], indent=1))
+    (tmp_path / "text_list.json").write_text(json.dumps([json.loads(line) for line in open(corpora["text"])]))
+    mixer = [str(tmp_path / "chat_list.json"), "1.0", str(tmp_path / "text_list.json"), "1.0", corpora["chat"], "1.0"]
+    args = DataArguments(dataset_mixer_list=mixer, max_seq_length=64, preprocessing_num_workers=workers)
+    with caplog.at_level(logging.INFO, logger="open_sft.data.build_progress"):
+        build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+    said = [r.getMessage() for r in caplog.records if r.name == "open_sft.data.build_progress"]
+    for name in ("chat_list.json", "text_list.json", "chat.jsonl"):
+        lines = [line for line in said if f"{name}: " in line]
+        rows = [int(re.search(r": (\d+)/120 rows", line).group(1)) for line in lines]
+        assert len(lines) >= 4 and rows == sorted(rows) and rows[0] < rows[-2] == rows[-1] == 120, (name, lines)
+        assert re.fullmatch(r"building .*: \d+/120 rows, \d+ rows/s, \d+ tokens/s, eta \d+s", lines[0])
+        assert re.fullmatch(r"building .*: 120/120 rows, \d+ rows/s, \d+ tokens/s in [\d.]+s", lines[-1])
 
 
 @pytest.mark.parametrize("batch_tokens", [900, None])
