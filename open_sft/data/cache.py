@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 from open_sft.durable import out_of_space
 from open_sft.errors import UserError
@@ -148,17 +148,41 @@ def lock_path(cache_dir: Path, key: str) -> Path:
     return cache_dir / f"{key}.lock"
 
 
+def open_lock(path: Path, wait: bool = True) -> Optional[IO]:
+    """The lock file at `path`, open and locked (`flock`), or None when another process holds it and not `wait`.
+
+    A key's lock file is removed by the process that holds it when the key is left without an entry (a failed
+    build, an abandoned partial removed): a process that waited on that file then holds a file no longer at `path`
+    and another may have made a new one and locked it, so each one taken is checked to be the one at `path`, and
+    taken again from the path if not."""
+    while True:
+        handle = path.open("a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            here = os.stat(path)
+        except (BlockingIOError, FileNotFoundError) as exc:
+            handle.close()
+            if isinstance(exc, BlockingIOError):
+                return None
+            continue
+        except BaseException:
+            handle.close()
+            raise
+        if os.path.samestat(os.fstat(handle.fileno()), here):
+            return handle
+        handle.close()  # (which lets go of its lock)
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle = path.open("a")
+        handle = open_lock(path)
     except OSError as exc:  # read-only, under a file, no permission: checked up front, unless it changed since
         raise UserError(f"{cache_dir_flag()}: the tokenization cache {path.parent} cannot be written "
                         f"({exc.strerror or exc}); give a directory you can write, or --dataset_skip_cache to "
                         "tokenize without a cache") from exc
     with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -250,8 +274,8 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
 
 def _load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
                    build: Callable[[Path], dict]) -> tuple[Any, dict, Path, bool]:
-    entry = cache_dir / key
-    with _locked(lock_path(cache_dir, key)):
+    entry, lock = cache_dir / key, lock_path(cache_dir, key)
+    with _locked(lock):
         if entry.exists():
             problem = _verify(entry)
             if problem is None:
@@ -268,6 +292,7 @@ def _load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
             report = build(staging)
         except BaseException:  # bad data, an interrupt: no half-written entry is left (a kill leaves it to the next)
             shutil.rmtree(staging, ignore_errors=True)
+            lock.unlink(missing_ok=True)  # a key without an entry keeps no lock file (held: see open_lock)
             raise
         (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
         (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")

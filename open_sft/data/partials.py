@@ -25,12 +25,13 @@ import contextlib
 import fcntl
 import json
 import logging
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from open_sft.data.cache import lock_path
+from open_sft.data.cache import lock_path, open_lock
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,11 @@ def record_sources(partial: Path, files: Iterable[Path]) -> None:
 @contextlib.contextmanager
 def _lock_if_free(path: Path) -> Iterator[bool]:
     """Holds the lock at `path` while the block runs when it can be taken without waiting; yields whether it was."""
-    with path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
+    handle = open_lock(path, wait=False)
+    if handle is None:
+        yield False
+        return
+    with handle:
         try:
             yield True
         finally:
@@ -119,3 +119,18 @@ def remove_abandoned(cache_dir: Path, building: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
             logger.info("removed the abandoned partial build %s (%s; %s): no process was building it", path,
                         _gib(size), why)
+    _remove_idle_locks(cache_dir, building)
+
+
+def _remove_idle_locks(cache_dir: Path, building: str) -> None:
+    """Removes the lock files of other keys that have no entry, partial or staging directory and that no process
+    holds (taken without waiting, and removed holding them: open_sft.data.cache.open_lock): a failed build's, a
+    killed one's, an abandoned partial's."""
+    for lock in sorted(cache_dir.glob("*.lock")):
+        key = lock.name[: -len(".lock")]
+        if key == building or not re.fullmatch("[0-9a-f]{64}", key) or \
+                any(path.name != lock.name for path in cache_dir.glob(f"{key}*")):
+            continue
+        with contextlib.suppress(OSError), _lock_if_free(lock) as free:
+            if free:
+                lock.unlink(missing_ok=True)

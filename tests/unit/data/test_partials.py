@@ -18,7 +18,8 @@ import open_sft.data.prepare as prepare
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
 from open_sft.data import partials
-from open_sft.data.cache import lock_path
+from open_sft.data.cache import load_or_build, lock_path, open_lock
+from open_sft.errors import UserError
 
 OTHER = "a" * 64
 
@@ -141,3 +142,71 @@ def test_a_build_of_changed_data_removes_the_partial_of_the_killed_build_before(
     prepare.prepare_data(args, tokenizer, 1)
     assert not left.exists()
     assert not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_a_failed_build_leaves_no_lock_file_and_a_build_removes_the_idle_ones_of_other_keys(tmp_path) -> None:
+    """Each failed build left a 0-byte `<key>.lock` behind for good (hunt: one per bad-data run)."""
+    cache_dir = tmp_path / "cache"
+
+    def bad_data(staging):
+        raise UserError("data.jsonl line 2: not valid JSON")
+
+    with pytest.raises(UserError):
+        load_or_build(cache_dir, OTHER, {}, bad_data)
+    assert list(cache_dir.iterdir()) == []
+    # left by a killed build, or by a version that kept them: removed when no process holds them and the key has
+    # nothing else in the cache; kept beside an entry, a partial, the key being built, and while a process holds it
+    idle, entry, partial, own, held, other = (lock_path(cache_dir, key * 64) for key in "abcdef")
+    for lock in (idle, entry, partial, own, held, other):
+        lock.touch()
+    (cache_dir / ("b" * 64)).mkdir()
+    (cache_dir / ("c" * 64 + ".partial")).mkdir()
+    (cache_dir / "dtype_probe.lock").touch()
+    builder = holding_lock(held)
+    try:
+        partials.remove_abandoned(cache_dir, building="d" * 64)
+    finally:
+        ended(builder)
+    assert sorted(p.name for p in cache_dir.glob("*.lock")) == sorted(
+        p.name for p in (entry, partial, own, held, cache_dir / "dtype_probe.lock"))
+
+
+def test_a_process_that_waited_on_a_removed_lock_file_takes_the_lock_again(tmp_path) -> None:
+    """A lock file is removed by the process holding it: one that waited on that file must not then count as
+    holding the key's lock while another holds the new file at the same path (flock locks the file, not the
+    path)."""
+    path = tmp_path / "k.lock"
+    first = open_lock(path)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the waiter: takes the lock, says so, holds it until killed
+        try:
+            first.close()  # (the forked copy of the parent's: it holds the parent's lock too)
+            held = open_lock(path)
+            os.write(write_end, b"1")
+            time.sleep(600)
+            held.close()
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        deadline = time.monotonic() + 30
+        while f" {os.stat(path).st_ino} " not in " ".join(
+                line.replace(":", " ") for line in open("/proc/locks") if "->" in line):
+            assert time.monotonic() < deadline, "the waiter never waited on the lock"
+            time.sleep(0.05)  # (the waiter's blocked flock is listed with '->')
+        path.unlink()
+        second = open_lock(path, wait=False)  # the new file at the path: free
+        assert second is not None
+        first.close()  # the waiter gets the old file's lock, which is no longer the key's
+        os.set_blocking(read_end, False)
+        time.sleep(0.5)
+        with pytest.raises(BlockingIOError):
+            os.read(read_end, 1)
+        second.close()
+        os.set_blocking(read_end, True)
+        assert os.read(read_end, 1) == b"1"  # then it holds the new file's
+        assert open_lock(path, wait=False) is None
+    finally:
+        ended(pid)
+        os.close(read_end)
