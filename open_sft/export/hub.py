@@ -179,13 +179,14 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
 
 def caches_inside(output_dir: Path) -> list[str]:
     """Upload patterns of the tokenization caches inside output_dir (a --dataset_local_cache_dir placed there): a
-    folder holding a build's lock, <64 hex digits>.lock. The tokenized training data is no part of the model, may be
-    private, and can be many times its size: never uploaded with the export (said in the log)."""
+    folder holding a build's lock, <64 hex digits>.lock, or a build's partial rows, <64 hex digits>.partial (a failed
+    build leaves no lock: data.cache). The tokenized training data is no part of the model, may be private, and can
+    be many times its size: never uploaded with the export (said in the log)."""
     import re
 
-    key_lock = re.compile(r"[0-9a-f]{64}\.lock")
-    found = sorted({lock.parent for lock in output_dir.rglob("*.lock") if key_lock.fullmatch(lock.name)
-                    and lock.parent != output_dir})
+    key_file = re.compile(r"[0-9a-f]{64}\.(lock|partial)")
+    found = sorted({path.parent for path in output_dir.rglob("*.*") if key_file.fullmatch(path.name)
+                    and path.parent != output_dir})
     for cache in found:
         logger.info("%s holds a tokenization cache (%s): it is not uploaded", output_dir, cache.relative_to(output_dir))
     return [f"{cache.relative_to(output_dir).as_posix()}/**" for cache in found]

@@ -157,7 +157,8 @@ def test_a_tokenization_cache_inside_the_output_dir_is_not_uploaded(tmp_path, lo
     key = "ab" * 32
     for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n",
                        f"cache/{key}.lock": "", f"cache/{key}/data-00000-of-00001.arrow": "private rows",
-                       f"cache/{key}/COMPLETE": "", "notes/a.lock": "a lock of another name is uploaded"}.items():
+                       f"cache/{key}/COMPLETE": "", "notes/a.lock": "a lock of another name is uploaded",
+                       f"failed/{key}.partial/rows-0.arrow": "a failed build's rows: no lock left"}.items():
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text(text)
     with caplog.at_level(logging.INFO, logger="open_sft.export.hub"):
@@ -165,3 +166,4 @@ def test_a_tokenization_cache_inside_the_output_dir_is_not_uploaded(tmp_path, lo
     assert set(loopback_hub.repos["org/m"]["branches"]["main"]) == {"config.json", "model.safetensors", "README.md",
                                                                      "notes/a.lock"}
     assert f"{out} holds a tokenization cache (cache): it is not uploaded" in caplog.text
+    assert f"{out} holds a tokenization cache (failed): it is not uploaded" in caplog.text
