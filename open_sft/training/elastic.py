@@ -90,20 +90,27 @@ def fitted_accumulation(saved: dict[str, Any], now: dict[str, Any], loss_normali
     if refusal:
         raise UserError(f"cannot resume {was} on {world} process(es): {refusal}")
     total = global_batch(saved)
-    given = int(now["gradient_accumulation_steps"])
-    if given != int(saved["gradient_accumulation_steps"]):
+    given, accumulation = int(now["gradient_accumulation_steps"]), saved["gradient_accumulation_steps"]
+    # packed, a micro-batch is one token budget, whatever its examples: the global batch is counted in them
+    packed = bool(saved.get("packing"))
+    if given != int(accumulation):
         if micro * given * world == total:
             return given
+        mine, its = ((f"accumulation {given} × {world} ranks = {given * world} packed micro-batches", total // micro)
+                     if packed else (f"micro-batch {micro} × {given} × {world} ranks", total))
         raise UserError(
-            f"cannot resume {was} on {world} process(es) with --gradient_accumulation_steps {given}: micro-batch "
-            f"{micro} × {given} × {world} ranks is not its global batch of {total}; pass the checkpoint's "
-            f"--gradient_accumulation_steps {saved['gradient_accumulation_steps']} (it is fitted to the ranks)")
+            f"cannot resume {was} on {world} process(es) with --gradient_accumulation_steps {given}: {mine} is not "
+            f"its global batch of {its}; pass the checkpoint's --gradient_accumulation_steps {accumulation} (it is "
+            "fitted to the ranks)")
     if total % (micro * world):
+        its, each = ((f"{total // micro} packed micro-batches (accumulation {accumulation} × {saved['world_size']} "
+                      "ranks)", "packed micro-batches") if packed else
+                     (f"{total} (micro-batch {micro} × accumulation {accumulation} × {saved['world_size']} ranks)",
+                      f"micro-batches of {micro}"))
         raise UserError(
-            f"cannot resume {was} on {world} process(es): its global batch of {total} (micro-batch {micro} × "
-            f"accumulation {saved['gradient_accumulation_steps']} × {saved['world_size']} ranks) is not a whole "
-            f"number of micro-batches of {micro} on each of {world} ranks; launch a number of processes that "
-            f"divides {total // micro}, or start over with --resume_from_checkpoint none")
+            f"cannot resume {was} on {world} process(es): its global batch of {its} is not a whole number of "
+            f"{each} on each of {world} ranks; launch a number of processes that divides {total // micro}, or "
+            "start over with --resume_from_checkpoint none")
     return total // (micro * world)
 
 

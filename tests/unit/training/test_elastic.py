@@ -53,6 +53,22 @@ def test_a_global_batch_the_new_ranks_cannot_hold_is_refused_naming_the_fix() ->
         "that divides 2, or start over with --resume_from_checkpoint none")
 
 
+def test_a_packed_global_batch_is_counted_in_packed_micro_batches_when_refused() -> None:
+    """Packed, a micro-batch is a token budget: the global batch of micro-batch 2 × 2 × 2 ranks is 4 packed
+    micro-batches (the allowed path's words), not 8 of anything."""
+    with pytest.raises(UserError) as error:
+        fitted_accumulation(identity(2, 2, packing=True), identity(3, 2, packing=True), "token")
+    assert str(error.value) == (
+        "cannot resume the 2-rank checkpoint on 3 process(es): its global batch of 4 packed micro-batches "
+        "(accumulation 2 × 2 ranks) is not a whole number of packed micro-batches on each of 3 ranks; launch a "
+        "number of processes that divides 4, or start over with --resume_from_checkpoint none")
+    with pytest.raises(UserError, match=r"--gradient_accumulation_steps 3: accumulation 3 × 1 ranks = 3 packed "
+                                        r"micro-batches is not its global batch of 4; pass the checkpoint's "
+                                        r"--gradient_accumulation_steps 2"):
+        fitted_accumulation(identity(2, 2, packing=True), identity(1, 3, packing=True), "token")
+    assert "keeps the global batch of 4 packed micro-batches" in describe(identity(2, 2, packing=True), 1, 4, True)
+
+
 @pytest.mark.parametrize("saved_extra, now_extra, normalization, reason", [
     ({"engine": "pipeline", "pipeline_parallel_size": "2"}, {"engine": "pipeline", "pipeline_parallel_size": "2"},
      "token", "resumes only on its own 2 process"),
