@@ -37,7 +37,8 @@ IDENTITY_FLAGS = {
     "packing": "--packing",
     "max_tokens_per_batch": "--max_tokens_per_batch",
     "balanced": "--balance_micro_batches (its default is off under --loss_normalization mean)",
-    "engine": "the training engine (DeepSpeed, FSDP2, or neither: each writes its own checkpoint format)",
+    "engine": "the training engine (DeepSpeed, FSDP2 and neither resume each other's checkpoints; pipeline stages "
+              "only under pipeline parallelism)",
     "sequence_parallel_size": "--sequence_parallel_size (it sets DeepSpeed's data-parallel partitioning)",
     "tensor_parallel_size": "accelerate's --parallelism_config_tp_size (it sets how each parameter is sharded)",
     "pipeline_parallel_size": "--pipeline_parallel_size and its stages (each writes its own part)",
@@ -132,6 +133,8 @@ def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any])
     # refused with the reason before the model was built: elastic.fit_to_checkpoint)
     allowed = ({"world_size", "gradient_accumulation_steps"} if rescaled else set()) | (
         {"engine"} if convertible(saved, current) else set())
+    if saved.get("pipeline_parallel_size") != current.get("pipeline_parallel_size"):
+        allowed.add("engine")  # the pipeline's own line names the reason (stages, not another engine's format)
     differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
                    for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key] and key not in allowed]
     if differences:

@@ -166,6 +166,17 @@ def test_the_check_lets_a_checkpoint_change_engine_between_zero_fsdp2_and_plain(
         check_compatible(tmp_path, identity("pipeline"), identity("torch"))
 
 
+def test_pipeline_stages_relaunched_without_them_are_refused_for_the_stages_not_the_engine(tmp_path) -> None:
+    """A checkpoint of pipeline stages under DDP without --pipeline_parallel_size: the reason is the stages (the
+    engine line read as if engines never resumed each other's checkpoints, which ZeRO, FSDP2 and DDP do)."""
+    stages = identity("pipeline", pipeline_parallel_size="2 (1 per rank, layers balanced)")
+    for saved, now in ((stages, identity("torch")), (identity("fsdp2"), {**stages, "world_size": 2})):
+        with pytest.raises(UserError) as error:
+            check_compatible(tmp_path, saved, now)
+        lines = [line for line in str(error.value).splitlines() if line.startswith("  - ")]
+        assert len(lines) == 1 and lines[0].startswith("  - --pipeline_parallel_size and its stages"), lines
+
+
 @pytest.mark.parametrize("state, config, dtype, reason", [
     ({"identity": identity("deepspeed", adapters="LoRA rank 8, alpha 16, on q_proj")}, {}, torch.float32,
      "LoRA and QLoRA checkpoints resume under the engine that wrote them"),
