@@ -1,14 +1,15 @@
 """The trainer's engine under pipeline parallelism (open_sft.distributed.pipeline_plan has the layout, open_sft.distributed.pipeline the stages).
 
-A replica of N stage ranks computes its members' micro-batches of the step plan together (as a TP group does),
-slot by slot: N × accumulation micro-batches go through torch's schedule per step, each padded to the step's
-largest (rows, width) — a schedule exchanges one activation shape; it is kept while the shape stays and replaced
-when it changes, so shapes may differ between steps. Micro-batch m's loss is its token-loss sum × scale[m] (the target
-passed to the schedule is each row's micro-batch index, so the scale is applied as the same Python float as in
-the other engines). After the schedule: gradients summed over the replicas, and between the first and the last
-stage for tied embeddings; unscaled (fp16: every rank agrees on an overflow); the global gradient norm is summed
-over the stages; one optimizer step. With --load_balancing_loss the router logits travel with the hidden states, so
-the last stage adds the router loss of every layer, as the unsplit model does.
+A replica of N stage ranks computes its members' micro-batches of the step plan together (as a TP group does), slot
+by slot: N × accumulation micro-batches go through torch's schedule per step, each padded to the step's largest
+(rows, width) (FSDP2-sharded stages: the largest over the replicas) — a schedule exchanges one activation shape; it
+is kept while the shape stays and replaced when it changes, so shapes may differ between steps. Micro-batch m's
+loss is its token-loss sum × scale[m] (the target passed to the schedule is each row's micro-batch index, so the
+scale is applied as the same Python float as in the other engines). After the schedule: gradients summed over the
+replicas, and between the first and the last stage for tied embeddings; unscaled (fp16: every rank agrees on an
+overflow); the global gradient norm is summed over the stages; one optimizer step. With --load_balancing_loss the
+router logits travel with the hidden states, so the last stage adds the router loss of every layer, as the unsplit
+model does.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ def fit_shape(batch: dict[str, torch.Tensor], rows: int, width: int, pad_token_i
         out[:have_rows, :have_width] = value
         grown[key] = out
     return grown
+
+
+def schedule_shape(batches: list[dict[str, torch.Tensor]], agree: Optional[Any] = None) -> tuple[int, int]:
+    """The (rows, width) a schedule's micro-batches are padded to: the largest of them, the width rounded up to
+    WIDTH_MULTIPLE; with `agree` (a training step of FSDP2-sharded stages: the max over the stage's replicas), the
+    same on every replica. A new shape builds a new schedule, whose first run is a placeholder forward through
+    the stage: under FSDP2 that forward all-gathers the stage's shards over its replicas, so a replica whose
+    packed micro-batches had other rows than the others' decided alone and waited for them forever."""
+    rows = max(b["input_ids"].shape[0] for b in batches)
+    width = -(-max(b["input_ids"].shape[1] for b in batches) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+    if agree is not None:
+        rows, width = agree([rows, width])
+    return rows, width
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,8 +143,7 @@ class PipelineEngine(AccelerateEngine):
 
     def _run_schedule(self, batches: list[dict[str, torch.Tensor]], scales: Optional[list[float]]) -> None:
         """One schedule over the batches (step: with backward, `scales` given; eval: forward only)."""
-        rows = max(b["input_ids"].shape[0] for b in batches)
-        width = -(-max(b["input_ids"].shape[1] for b in batches) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
+        rows, width = schedule_shape(batches, self._replicas_max if scales is not None else None)
         fitted = [fit_shape({k: v for k, v in b.items() if k in ("input_ids", *MODEL_KEYS)}, rows, width,
                             self.trainer.pad_token_id)
                   for b in batches]
@@ -162,6 +175,17 @@ class PipelineEngine(AccelerateEngine):
             self.schedule_s += time.perf_counter() - started
         for stage in p.stages:  # a new schedule first runs the stage on placeholder inputs (shape inference)
             stage.keep_last(len(batches))
+
+    def _replicas_max(self, values: list[int]) -> list[int]:
+        """The largest of each value over the stage's replicas, where FSDP2 shards the stage over them (collective
+        over the replica group; `values` unchanged otherwise)."""
+        if not self.pipeline.sharded:
+            return values
+        gloo = torch.distributed.get_backend() == "gloo"
+        agreed = torch.tensor(values, dtype=torch.long, device="cpu" if gloo else self.trainer.accelerator.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.pipeline.layout.replica_group)
+        return agreed.tolist()
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss for the backward: its loss sum × its scale (`target`: its index), × the fp16 loss

@@ -14,7 +14,7 @@ from open_sft.distributed.pipeline import check_stage_entry, owned_parameters, s
 from open_sft.distributed.pipeline_plan import (PipelineLayout, parse_layers, pipeline_flag_problems, pipeline_problems,
                                                 stage_ranges)
 from open_sft.model.loss import TokenLossModel
-from open_sft.training.pipeline_engine import fit_shape
+from open_sft.training.pipeline_engine import fit_shape, schedule_shape
 
 VOCAB = 96
 
@@ -161,6 +161,30 @@ def test_fit_shape_pads_without_loss_or_nan() -> None:
     grown = fit_shape(packed, 2, 5, pad_token_id=0)
     assert grown["position_ids"].tolist() == [[0, 1, 0, 0, 1], [0, 1, 2, 3, 4]]
     assert fit_shape(packed, 1, 3, 0) is packed
+
+
+def test_the_replicas_of_sharded_stages_agree_on_one_schedule_shape() -> None:
+    """Packed micro-batches of two replicas with other rows and widths: alone each would pick its own shape (and
+    one replica alone would build a new schedule, whose placeholder forward all-gathers the FSDP2 shards the other
+    replica never joins); with `agree` (the max over the replicas) both pad to one shape, and the padding trains
+    no token."""
+    def packed(rows: int, width: int) -> dict[str, torch.Tensor]:
+        labels = torch.arange(rows * width).reshape(rows, width) % 7
+        return {"input_ids": labels + 1, "labels": labels, "position_ids": torch.arange(width).repeat(rows, 1)}
+
+    replicas = [[packed(3, 100), packed(2, 90)], [packed(4, 70), packed(1, 130)]]
+    alone = [schedule_shape(batches) for batches in replicas]
+    assert alone == [(3, 128), (4, 192)]
+
+    def replicas_max(values: list[int]) -> list[int]:  # what the all-reduce (max) over the replica group gives
+        return [max(mine) for mine in zip(*alone)]
+
+    agreed = [schedule_shape(batches, replicas_max) for batches in replicas]
+    assert agreed == [(4, 192), (4, 192)]
+    for batch in (b for batches in replicas for b in batches):
+        grown = fit_shape(batch, 4, 192, pad_token_id=0)
+        assert grown["labels"].shape == (4, 192)
+        assert (grown["labels"] != -100).sum() == (batch["labels"] != -100).sum()
 
 
 def test_the_preflight_counts_the_heaviest_stage_and_the_micro_batches_in_flight() -> None:
