@@ -55,10 +55,11 @@ def fit_shape(batch: dict[str, torch.Tensor], rows: int, width: int, pad_token_i
 
 def schedule_shape(batches: list[dict[str, torch.Tensor]], agree: Optional[Any] = None) -> tuple[int, int]:
     """The (rows, width) a schedule's micro-batches are padded to: the largest of them, the width rounded up to
-    WIDTH_MULTIPLE; with `agree` (a training step of FSDP2-sharded stages: the max over the stage's replicas), the
-    same on every replica. A new shape builds a new schedule, whose first run is a placeholder forward through
-    the stage: under FSDP2 that forward all-gathers the stage's shards over its replicas, so a replica whose
-    packed micro-batches had other rows than the others' decided alone and waited for them forever."""
+    WIDTH_MULTIPLE; with `agree` (FSDP2-sharded stages: the max over the stage's replicas, which run as many
+    schedules, in training and in evaluation), the same on every replica. A new shape builds a new schedule, whose
+    first run is a placeholder forward through the stage: under FSDP2 that forward all-gathers the stage's shards
+    over its replicas, so a replica whose packed micro-batches had other rows than the others' decided alone and
+    waited for them forever."""
     rows = max(b["input_ids"].shape[0] for b in batches)
     width = -(-max(b["input_ids"].shape[1] for b in batches) // WIDTH_MULTIPLE) * WIDTH_MULTIPLE
     if agree is not None:
@@ -143,7 +144,7 @@ class PipelineEngine(AccelerateEngine):
 
     def _run_schedule(self, batches: list[dict[str, torch.Tensor]], scales: Optional[list[float]]) -> None:
         """One schedule over the batches (step: with backward, `scales` given; eval: forward only)."""
-        rows, width = schedule_shape(batches, self._replicas_max if scales is not None else None)
+        rows, width = schedule_shape(batches, self._replicas_max)
         fitted = [fit_shape({k: v for k, v in b.items() if k in ("input_ids", *MODEL_KEYS)}, rows, width,
                             self.trainer.pad_token_id)
                   for b in batches]
@@ -244,7 +245,9 @@ class PipelineEngine(AccelerateEngine):
     @torch.no_grad()
     def evaluate(self) -> dict:
         """The held-out loss through the pipeline: the replicas share the examples (replica r takes examples r,
-        r + replicas, ...), each batch one forward-only schedule; the last stage counts."""
+        r + replicas, ...), each batch one forward-only schedule; the last stage counts. Every replica runs as
+        many schedules (FSDP2-sharded stages gather over the replicas): its last batches loss-free copies where
+        it has fewer examples, as open_sft.training.evaluate pads."""
         from open_sft.data.batching import collate
         from open_sft.training.evaluate import summarize, tally
 
@@ -254,14 +257,16 @@ class PipelineEngine(AccelerateEngine):
         kept_before, t.loss_model.keep_token_losses = t.loss_model.keep_token_losses, True
         totals = torch.zeros(2 + 2 * len(data.source_names), dtype=torch.float64)
         mine = list(range(layout.replica, len(data), layout.replicas))
+        batches = -(-len(range(0, len(data), layout.replicas)) // batch_size)  # those of the largest share
         last = self.pipeline.last()
         t.model.eval()
-        for start in range(0, len(mine), batch_size):
-            indices = mine[start : start + batch_size]
-            batch = collate([data.example(i) for i in indices], t.pad_token_id,
+        for b in range(batches):
+            indices = mine[b * batch_size : (b + 1) * batch_size]
+            loss_free, indices = not indices, indices or [0]
+            batch = collate([data.example(i) for i in indices], t.pad_token_id, loss_free=loss_free,
                             sources=[data.source(i) for i in indices])
             self._run_schedule([batch], None)
-            if last is not None:
+            if last is not None and not loss_free:
                 tally(totals, float(last.sums[0]), batch["labels"], trained_sources(batch), last.kept[0])
         t.model.train()
         t.loss_model.keep_token_losses = kept_before

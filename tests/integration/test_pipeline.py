@@ -68,7 +68,8 @@ def runs(model4, tmp_path_factory) -> dict:
     2 stages): micro-batch 1 × 2 × 4 — the same global batches. Packed in fp32: 2 ranks micro-batch 3 ×
     accumulation 2, and 4 ranks (FSDP2-sharded stages) 3 × 1 — the same 4 packed micro-batches of 768 tokens a
     step; at step 3 one replica's micro-batches have 3 rows and the other's 4 (before the replicas agreed on the
-    schedule's shape, that run hung there)."""
+    schedule's shape, that run hung there), and evaluated one example a schedule, one replica has 11 and the
+    other 10 (before the other ran a loss-free one, the evaluation hung)."""
     out = {name: tmp_path_factory.mktemp(f"pipeline_{name}") for name in  # not test_fsdp's one0, one1, ...
            ("one", "pp", "killed", "dp_pp", "fsdp_pp", "fsdp_killed", "packed_ddp_fp32", "packed_pp_fp32",
             "packed_ddp", "packed_pp", "mean_ddp", "mean_pp", "lora_one", "lora_pp")}
@@ -78,7 +79,9 @@ def runs(model4, tmp_path_factory) -> dict:
         return fsdp_command(FSDP_YAML, processes=4)
 
     killed_args = args_for(model4, out["killed"], 2, *PP)
-    packed_4 = ("--packing", "--gradient_accumulation_steps", "1")  # packed micro-batch 3 × 1 × 4 ranks
+    # packed fp32, 21 examples held out: 11 to one replica, 10 to the other
+    packed_fp32 = ("--packing", "--eval_split_ratio", "0.0105")
+    packed_4 = (*packed_fp32, "--gradient_accumulation_steps", "1", "--per_device_eval_batch_size", "1")
     fsdp_pp_args = args_for(model4, out["fsdp_pp"], 3, *PP, *packed_4)
     fsdp_killed_args = args_for(model4, out["fsdp_killed"], 3, *PP, *packed_4)
     packed = ("--packing", "--torch_dtype", "bfloat16")  # bf16 autocast on fp32 masters
@@ -109,8 +112,8 @@ def runs(model4, tmp_path_factory) -> dict:
     done.update(side_by_side({
         "pp": lambda: run_launch(args_for(model4, out["pp"], 2, *PP)),
         "killed": killed_and_relaunched,
-        "packed_ddp_fp32": lambda: run_launch(args_for(model4, out["packed_ddp_fp32"], 3, "--packing")),
-        "packed_pp_fp32": lambda: run_launch(args_for(model4, out["packed_pp_fp32"], 3, "--packing", *PP)),
+        "packed_ddp_fp32": lambda: run_launch(args_for(model4, out["packed_ddp_fp32"], 3, *packed_fp32)),
+        "packed_pp_fp32": lambda: run_launch(args_for(model4, out["packed_pp_fp32"], 3, *packed_fp32, *PP)),
         "packed_ddp": lambda: run_launch(args_for(model4, out["packed_ddp"], 2, *packed)),
         "packed_pp": lambda: run_launch(args_for(model4, out["packed_pp"], 2, *packed, *PP, "--pipeline_schedule",
                                                  "interleaved_1f1b", "--pipeline_virtual_stages", "2",
@@ -143,17 +146,19 @@ def test_two_replicas_of_two_stages_train_what_one_process_trains(runs) -> None:
 
 def test_packed_stages_sharded_by_fsdp2_over_their_replicas_train_what_data_parallelism_trains(runs) -> None:
     """4 ranks (2 FSDP2-sharded stages × 2 replicas), packed: what 2 ranks of plain data parallelism train on the
-    same packed micro-batches, past the step where the replicas' micro-batches first have other rows."""
+    same packed micro-batches, past the step where the replicas' micro-batches first have other rows; and the
+    same evaluation, although the replicas hold 11 and 10 of the held-out examples."""
     reference = losses(runs["packed_ddp_fp32"])
     assert len(reference) == STEPS
-    assert losses(runs["fsdp_pp"]) == pytest.approx(reference, rel=1e-5)  # measured: 5e-8 relative
+    assert losses(runs["fsdp_pp"]) == pytest.approx(reference, rel=1e-5)  # measured: 4e-8 relative
     ddp, sharded = load_weights(runs["packed_ddp_fp32"]), load_weights(runs["fsdp_pp"])
     assert ddp.keys() == sharded.keys()
     for name, tensor in ddp.items():
         torch.testing.assert_close(sharded[name], tensor, rtol=0, atol=1e-4, msg=name)
-    evals = {run: [m["eval_loss"] for m in read_metrics(runs[run]) if "eval_loss" in m]
+    evals = {run: [(m["eval_loss"], m["eval_tokens"]) for m in read_metrics(runs[run]) if "eval_loss" in m]
              for run in ("fsdp_pp", "packed_ddp_fp32")}
-    assert len(evals["fsdp_pp"]) == 1 and evals["fsdp_pp"] == pytest.approx(evals["packed_ddp_fp32"], rel=1e-5)
+    ((loss, tokens),), ((reference_loss, reference_tokens),) = evals["fsdp_pp"], evals["packed_ddp_fp32"]
+    assert tokens == reference_tokens and loss == pytest.approx(reference_loss, rel=1e-5)
     step = runs["fsdp_pp"] / "checkpoints" / f"step_{STEPS}" / "pipeline_sharded"
     assert sorted(p.name for p in step.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
