@@ -17,6 +17,16 @@ def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
     Must be called by every rank (collective).  Python ints are summed exactly as int64,
     floats as float64; the result is on the input tensor's device (CPU for Python numbers).
     """
+    return _all_reduce(value, torch.distributed.ReduceOp.SUM)
+
+
+def all_reduce_max(value: int | float | torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The largest of a scalar (or of each element of a tensor) over the ranks of `group` (all by default); as
+    all_reduce_sum otherwise. Every rank of the group calls it."""
+    return _all_reduce(value, torch.distributed.ReduceOp.MAX, group)
+
+
+def _all_reduce(value: int | float | torch.Tensor, op: Any, group: Any = None) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         tensor = value.detach().clone()
     elif isinstance(value, int):
@@ -31,7 +41,7 @@ def all_reduce_sum(value: int | float | torch.Tensor) -> torch.Tensor:
             tensor = tensor.cuda()
         elif backend == "gloo" and device.type != "cpu":
             tensor = tensor.cpu()
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+        torch.distributed.all_reduce(tensor, op=op, group=group)
         tensor = tensor.to(device)
     return tensor
 

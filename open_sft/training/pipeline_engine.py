@@ -23,6 +23,7 @@ import torch
 
 from open_sft.data.batching import count_trained_batch, to_device, trained_sources
 from open_sft.data.token_rows import IGNORE_INDEX
+from open_sft.distributed.collectives import all_reduce_max
 from open_sft.distributed.pipeline import Pipeline, make_schedule, owned_parameters
 from open_sft.training.engine import AccelerateEngine, StepLosses, StepWork
 
@@ -182,11 +183,7 @@ class PipelineEngine(AccelerateEngine):
         over the replica group; `values` unchanged otherwise)."""
         if not self.pipeline.sharded:
             return values
-        gloo = torch.distributed.get_backend() == "gloo"
-        agreed = torch.tensor(values, dtype=torch.long, device="cpu" if gloo else self.trainer.accelerator.device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.pipeline.layout.replica_group)
-        return agreed.tolist()
+        return all_reduce_max(torch.tensor(values, dtype=torch.long), self.pipeline.layout.replica_group).tolist()
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss for the backward: its loss sum × its scale (`target`: its index), × the fp16 loss
