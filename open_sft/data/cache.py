@@ -132,6 +132,12 @@ def cache_key(inputs: dict[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def is_key(name: str) -> bool:
+    """Whether `name` is a cache key (cache_key's sha256: 64 lowercase hex digits), as entries, locks and partial
+    builds are named by."""
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
 def resolve_cache_dir(flag_value: str) -> Path:
     """$OPEN_SFT_CACHE when set (it overrides --dataset_local_cache_dir, as CONTRACT.md says), else the flag."""
     return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()

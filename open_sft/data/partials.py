@@ -25,13 +25,12 @@ import contextlib
 import fcntl
 import json
 import logging
-import re
 import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from open_sft.data.cache import lock_path, open_lock
+from open_sft.data.cache import is_key, lock_path, open_lock
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ def _remove_idle_locks(cache_dir: Path, building: str) -> None:
     killed one's, an abandoned partial's."""
     for lock in sorted(cache_dir.glob("*.lock")):
         key = lock.name[: -len(".lock")]
-        if key == building or not re.fullmatch("[0-9a-f]{64}", key) or \
+        if key == building or not is_key(key) or \
                 any(path.name != lock.name for path in cache_dir.glob(f"{key}*")):
             continue
         with contextlib.suppress(OSError), _lock_if_free(lock) as free:

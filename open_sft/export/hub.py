@@ -182,11 +182,11 @@ def caches_inside(output_dir: Path) -> list[str]:
     folder holding a build's lock, <64 hex digits>.lock, or a build's partial rows, <64 hex digits>.partial (a failed
     build leaves no lock: data.cache). The tokenized training data is no part of the model, may be private, and can
     be many times its size: never uploaded with the export (said in the log)."""
-    import re
+    from open_sft.data.cache import is_key
+    from open_sft.data.partials import SUFFIX as PARTIAL
 
-    key_file = re.compile(r"[0-9a-f]{64}\.(lock|partial)")
-    found = sorted({path.parent for path in output_dir.rglob("*.*") if key_file.fullmatch(path.name)
-                    and path.parent != output_dir})
+    found = sorted({path.parent for path in output_dir.rglob("*.*") if path.suffix in (".lock", PARTIAL)
+                    and is_key(path.stem) and path.parent != output_dir})
     for cache in found:
         logger.info("%s holds a tokenization cache (%s): it is not uploaded", output_dir, cache.relative_to(output_dir))
     return [f"{cache.relative_to(output_dir).as_posix()}/**" for cache in found]
