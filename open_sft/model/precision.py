@@ -221,8 +221,8 @@ def probe(shapes: list[tuple[int, int]], cpu: str, flags: set[str],
         result["probe_seconds"] = round(time.perf_counter() - started, 3)
         if not steady:
             logger.warning("the bf16/fp32 probe was disturbed by other load on this machine (its %d rounds "
-                           "disagree): this %s decides on the best rates measured (bf16 %.1f, fp32 %.1f GFLOP/s); "
-                           "%s", PROBE_MAX_ROUNDS, "start" if launch is None else "launch", bf16, fp32,
+                           "disagree): this %s decides on the best rates measured (bf16 %s, fp32 %s GFLOP/s); "
+                           "%s", PROBE_MAX_ROUNDS, "start" if launch is None else "launch", _rate(bf16), _rate(fp32),
                            "they are not cached, the next start measures again" if launch is None else
                            "they are kept for this launch's ranks only, the next launch measures again")
             result.update(steady=False, launch=launch)

@@ -282,13 +282,13 @@ def _partly_per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, m
     system prompt Mistral's template gives it.)"""
     enders, tools = _enders(state, tokenizer, markers), getattr(messages, "tools", None)
     located = [i for i in indices if _locates(state, messages, tools, i, enders)]
-    alone = _joined(_one_rendering(state, messages, [i for i in indices if i not in located], markers, text,
-                                   known_ends, faithful=False))
+    unlocated = [i for i in indices if i not in located]
+    alone = _joined(_one_rendering(state, messages, unlocated, markers, text, known_ends, faithful=False))
     try:
         rendered = _per_turn(state, tokenizer, messages, located, markers, options) if located else None
     except RowError:
         rendered = None
-    answered = any(m["role"] == "user" for m in messages[:max((i for i in indices if i not in located), default=0)])
+    answered = any(m["role"] == "user" for m in messages[:max(unlocated, default=0)])
     if rendered is None:  # (a conversation's opening turn has no context to lose: not noted)
         return RowRender([(text, _joined(_one_rendering(state, messages, indices, markers, text, known_ends,
                                                         faithful=False)))], turns_in_one_rendering=answered)
