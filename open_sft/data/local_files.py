@@ -187,39 +187,97 @@ def read_jsonl(path: Path, drop_bad: bool) -> tuple[list[dict[str, Any]], list[i
 ROW_COLUMNS = frozenset({"messages", "conversations", "prompt", "completion", "text", "instruction", "output"})
 
 
-def read_json(path: Path) -> list[dict[str, Any]]:
-    """A JSON document's rows: a list of objects, one object holding that list ({"train": [...]}), one object that
-    is a row, or objects written one after another (pretty-printed JSON Lines), as `datasets.load_dataset("json")`
-    reads them."""
+def read_json(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """A JSON document's rows and the line each begins on: a list of objects, one object holding that list
+    ({"train": [...]}), one object that is a row, or objects written one after another (pretty-printed JSON Lines),
+    as `datasets.load_dataset("json")` reads them."""
+    text = read_utf8(path)
     try:
-        values = _json_values(read_utf8(path))
+        values, starts = _json_values(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"{path} line {exc.lineno}: not valid JSON ({json_error(exc)}); expected a list of objects, "
                         "or JSON Lines (one object per line, the first line a whole object)") from None
-    loaded = values[0] if len(values) == 1 else values
+    if len(values) == 1:
+        (begin, elements), = starts
+        loaded, starts = values[0], [begin] if elements is None else elements
+    else:
+        loaded, starts = values, [begin for begin, _ in starts]
     if isinstance(loaded, dict) and len(loaded) == 1 and isinstance(next(iter(loaded.values())), list) \
             and not set(loaded) & ROW_COLUMNS:
-        loaded = next(iter(loaded.values()))  # {"train": [...]} / {"data": [...]}
-    if isinstance(loaded, dict):
+        loaded, starts = next(iter(loaded.values())), _wrapped_list_starts(text, starts[0])  # {"train": [...]}
+    elif isinstance(loaded, dict):
         loaded = [loaded]  # one row
     if not isinstance(loaded, list):
         raise UserError(f"{path}: expected a JSON list of objects (or use .jsonl with one object per line)")
-    for index, row in enumerate(loaded):  # item N: 1-based, the Nth element of the list
+    lines = _line_numbers(text, starts)
+    for row, line in zip(loaded, lines):
         if not isinstance(row, dict):
-            raise UserError(f"{path} item {index + 1}: expected a JSON object, got {type(row).__name__}")
-    return loaded
+            raise UserError(f"{path} line {line}: expected a JSON object, got {type(row).__name__}")
+    return loaded, lines
 
 
-def _json_values(text: str) -> list[Any]:
-    """The JSON values of `text`, one after another (one for a JSON document); json.JSONDecodeError names the line
-    of the first that does not parse."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+# json decodes a document whole and keeps no positions, so a list is decoded an element at a time (each by json's
+# own C decoder) to know the line each row begins on: a bad row's error names that line, as a JSON Lines file's does.
+_BLANK = " \t\r\n\ufeff"
+
+
+def _skip_blank(text: str, at: int) -> int:
+    while at < len(text) and text[at] in _BLANK:
+        at += 1
+    return at
+
+
+def _decode_list(text: str, at: int) -> tuple[list[Any], list[int], int]:
+    """The JSON list that begins at text[at] ("["): its elements, the offset each begins at, and the offset after
+    it. Raises json.JSONDecodeError, at its place in `text`, as json.loads would."""
+    decoder, items, starts = json.JSONDecoder(), [], []
+    at = _skip_blank(text, at + 1)
+    if at < len(text) and text[at] == "]":
+        return items, starts, at + 1
     while True:
-        while at < len(text) and text[at] in " \t\r\n\ufeff":
-            at += 1
+        starts.append(at)
+        item, at = decoder.raw_decode(text, at)
+        items.append(item)
+        at = _skip_blank(text, at)
+        if at < len(text) and text[at] == "]":
+            return items, starts, at + 1
+        if at >= len(text) or text[at] != ",":
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+        at = _skip_blank(text, at + 1)
+
+
+def _wrapped_list_starts(text: str, at: int) -> list[int]:
+    """Where the elements of {"name": [...]} begin, the object at text[at] (already decoded whole)."""
+    _, at = json.JSONDecoder().raw_decode(text, _skip_blank(text, at + 1))  # the one key
+    at = _skip_blank(text, _skip_blank(text, at) + 1)  # past the colon
+    return _decode_list(text, at)[1]
+
+
+def _line_numbers(text: str, starts: Sequence[int]) -> list[int]:
+    """The 1-based line of each offset in `starts` (ascending)."""
+    lines, line, previous = [], 1, 0
+    for start in starts:
+        line += text.count("\n", previous, start)
+        lines.append(line)
+        previous = start
+    return lines
+
+
+def _json_values(text: str) -> tuple[list[Any], list[tuple[int, list[int] | None]]]:
+    """The JSON values of `text`, one after another (one for a JSON document), and where each begins: its offset,
+    with a list's the offsets of its elements. json.JSONDecodeError names the line of the first that does not
+    parse."""
+    decoder, values, starts, at = json.JSONDecoder(), [], [], 0
+    while True:
+        at = _skip_blank(text, at)
         if at == len(text):
             if not values:
                 raise json.JSONDecodeError("the file has no JSON value", text, at)
-            return values
-        value, at = decoder.raw_decode(text, at)
+            return values, starts
+        begin, elements = at, None
+        if text[at] == "[":
+            value, elements, at = _decode_list(text, at)
+        else:
+            value, at = decoder.raw_decode(text, at)
         values.append(value)
+        starts.append((begin, elements))

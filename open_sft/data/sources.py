@@ -219,7 +219,7 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
             rows += [{"text": text} for text in texts]
             line_numbers += numbers
     else:
-        rows = read_json(path)
+        rows, line_numbers = read_json(path)
     if not rows:
         raise UserError(f"{path}: the file has no rows" + NO_TEXT * (path.suffix == TEXT_SUFFIX))
     return LoadedSource(spec, rows, line_numbers, unreadable)

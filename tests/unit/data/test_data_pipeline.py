@@ -608,8 +608,9 @@ def test_a_mixture_left_with_no_example_says_why_per_source(tokenizer, tmp_path)
             assert fix in message
 
 
-def test_rows_of_json_lists_and_parquet_are_numbered_from_1(tokenizer, tmp_path) -> None:
-    """The second row of a JSON list or a parquet file is "row 2", as the second line of a .jsonl is "line 2"."""
+def test_rows_of_json_lists_are_named_by_line_and_parquet_rows_from_1(tokenizer, tmp_path) -> None:
+    """A JSON list's bad row is named by the line its object begins on, as a .jsonl file's is (a pretty-printed
+    list's row 150,000 said "row 150000", leaving the user to find it); a parquet file's second row is "row 2"."""
     import json as json_module
 
     import pyarrow as pa
@@ -618,14 +619,15 @@ def test_rows_of_json_lists_and_parquet_are_numbered_from_1(tokenizer, tmp_path)
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     bad = {"messages": [{"role": "gpt", "content": "x"}, {"role": "assistant", "content": "y"}]}
     listed = tmp_path / "rows.json"
-    listed.write_text(json_module.dumps([good, bad, good]))
+    listed.write_text(json_module.dumps([good, good, bad, good], indent=2))  # rows of 12 lines: the bad one on 26
+    assert listed.read_text().splitlines()[25] == "  {"
     table = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist([good, bad, good]), table)
-    for path in (listed, table):
+    for path, where in ((listed, "line 26"), (table, "row 2")):
         args = DataArguments(dataset_mixer_list=[str(path), "1.0"], dataset_skip_cache=True)
         for build in (lambda: build_examples(args, tokenizer, 0), lambda: prepare_data(args, tokenizer, 0)):
-            with pytest.raises(UserError, match=f"{path.name} row 2: message 1 has role 'gpt'"):
+            with pytest.raises(UserError, match=f"{path.name} {where}: message 1 has role 'gpt'"):
                 build()
-    (tmp_path / "items.json").write_text(json_module.dumps([good, "not an object"]))
-    with pytest.raises(UserError, match="items.json item 2: expected a JSON object, got str"):
+    (tmp_path / "items.json").write_text('{"train": [\n' + json_module.dumps(good) + ',\n\n  "not an object"]}')
+    with pytest.raises(UserError, match="items.json line 4: expected a JSON object, got str"):
         build_examples(DataArguments(dataset_mixer_list=[str(tmp_path / "items.json"), "1.0"]), tokenizer, 0)

@@ -168,3 +168,46 @@ def test_a_json_syntax_error_says_its_line_and_column_once(tmp_path) -> None:
         read_json(tmp_path / "cut.json")
     assert f"{tmp_path / 'cut.json'} line 2: not valid JSON (Invalid control character at column 16)" in str(
         error.value)
+
+
+@pytest.mark.parametrize("text, lines", [
+    ('[\n  {"a": 1},\n  {"a": 2,\n   "b": 3},\n\n  {"a": [1,\n 2]}\n]\n', [2, 3, 6]),  # a list
+    ('{\n "train": [\n  {"a": 1},\n  {"a": 2}\n ]\n}\n', [3, 4]),  # one object holding the list
+    ('{ "data"  :\n\n [ {"a": 1} , {"a": 2} ] }', [3, 3]),
+    ('\n\n{"a": 1, "b": [2]}\n', [3]),  # one object, a row
+    ('{"a": 1}\n{\n "a": 2\n}\n', [1, 2]),  # objects one after another
+])
+def test_a_json_documents_rows_know_the_line_they_begin_on(tmp_path, text, lines) -> None:
+    """read_json decodes a list an element at a time to learn where each row begins; the rows are json's own."""
+    from open_sft.data.local_files import read_json
+
+    (tmp_path / "rows.json").write_text(text)
+    rows, numbers = read_json(tmp_path / "rows.json")
+    assert numbers == lines
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        value, at = decoder.raw_decode(text, len(text[at:]) - len(text[at:].lstrip()) + at)
+        values.append(value)
+    whole = values[0] if len(values) == 1 else values
+    whole = whole.get("train", whole.get("data", whole)) if isinstance(whole, dict) else whole
+    assert rows == (whole if isinstance(whole, list) else [whole])
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[\n {"a": 1}\n {"a": 2}\n]', "line 3: not valid JSON (Expecting ',' delimiter at column 2)"),
+    ('[\n {"a": 1},\n]', "line 3: not valid JSON (Expecting value at column 1)"),
+    ('[\n {"a": 1},', "line 2: not valid JSON (Expecting value at column 11)"),
+    ('[\n {"a": 1},\n 5\n]', "line 3: expected a JSON object, got int"),
+])
+def test_a_json_lists_errors_name_the_line_json_names(tmp_path, text, error) -> None:
+    """Decoding a list an element at a time keeps json's own message and place (checked against json.loads)."""
+    from open_sft.data.local_files import read_json
+
+    (tmp_path / "rows.json").write_text(text)
+    with pytest.raises(UserError) as refused:
+        read_json(tmp_path / "rows.json")
+    assert str(refused.value).startswith(f"{tmp_path / 'rows.json'} {error}")
+    if "not valid JSON" in error:
+        with pytest.raises(json.JSONDecodeError) as raised:
+            json.loads(text)
+        assert f"line {raised.value.lineno}: " in error and f"column {raised.value.colno})" in error
