@@ -1,12 +1,13 @@
 """A loopback stand-in for the Hugging Face Hub: only the endpoints huggingface_hub's create_repo,
-create_branch and upload_folder call, plus injectable faults. Files are kept in memory.
+create_branch and upload_folder (with delete_patterns: the tree listing, a commit's deletions) call, plus injectable
+faults. Files are kept in memory.
 
 Run as a program (`python hub_server.py --port P --dump DIR`, the token from $HF_TOKEN) it serves until killed
 and also writes every committed file to DIR/<repo>/<branch>/<path>; scripts/test_container.sh runs it so.
 
 Faults: `server.faults[endpoint]` is a list consumed one request at a time ("500", "drop" = close the
 connection without answering, "hang" = answer after `hang_seconds`, "403"); `server.always[endpoint]`
-applies to every request. Endpoints: create, branch, validate, preupload, commit.
+applies to every request. Endpoints: create, branch, validate, preupload, commit, tree.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ROUTES = (
     ("validate", "POST", re.compile(r"^/api/validate-yaml$")),
     ("preupload", "POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/?]+)$")),
     ("commit", "POST", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/?]+)$")),
+    ("tree", "GET", re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/tree/(?P<rev>[^/?]+)$")),
 )
 
 
@@ -87,17 +89,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.log.append((endpoint, self.path, status))
 
     def do_GET(self) -> None:
-        self._reply("unknown", 404, {"error": f"not implemented: GET {self.path}"})
+        self._serve("GET")
 
     def do_POST(self) -> None:
+        self._serve("POST")
+
+    def _serve(self, method: str) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
         path = self.path.split("?")[0]
-        for endpoint, method, pattern in ROUTES:
+        for endpoint, route_method, pattern in ROUTES:
             match = pattern.match(path)
-            if match:
+            if match and route_method == method:
                 break
         else:
-            self._reply("unknown", 404, {"error": f"not implemented: POST {path}"})
+            self._reply("unknown", 404, {"error": f"not implemented: {method} {path}"})
             return
         if self.headers.get("Authorization") != f"Bearer {self.server.token}":
             self._reply(endpoint, 401, {"error": "Invalid credentials"})
@@ -143,10 +148,23 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(endpoint, 200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
                                                "oid": None} for f in files]})
 
+    def _tree(self, endpoint: str, body: bytes, groups: dict) -> None:
+        """The branch's files, all in one page (what list_repo_files reads; folders are not listed)."""
+        files = self.server.repos[groups["repo"]]["branches"].get(groups["rev"], {})
+        self._reply(endpoint, 200, [{"type": "file", "path": path, "size": len(data),
+                                     "oid": hashlib.sha1(data).hexdigest()} for path, data in sorted(files.items())])
+
     def _commit(self, endpoint: str, body: bytes, groups: dict) -> None:
         branch = self.server.repos[groups["repo"]]["branches"].setdefault(groups["rev"], {})
         for line in body.splitlines():
             item = json.loads(line)
+            if item["key"] in ("deletedFile", "deletedFolder"):
+                gone = item["value"]["path"]
+                inside = item["key"] == "deletedFolder"
+                for path in [p for p in branch if p == gone or inside and p.startswith(gone.rstrip("/") + "/")]:
+                    del branch[path]
+                    if self.server.dump_dir is not None:
+                        (self.server.dump_dir / groups["repo"] / groups["rev"] / path).unlink(missing_ok=True)
             if item["key"] == "file":
                 branch[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
                 if self.server.dump_dir is not None:

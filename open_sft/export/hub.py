@@ -37,6 +37,18 @@ LARGE_FOLDER_BYTES = 20 * 2**30
 #: Never uploaded with the export: training state, staging leftovers, test aids.
 EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.previous-*/**", ".export.tmp/**", "*.tmp",
                  "data_order.rank*.json", ".cache/**", ".open_sft.lock", ".open_sft_export.json", "RUN_COMPLETE"]
+#: What an open_sft export or run writes at the top of --output_dir (and so of the repo): a re-push deletes those that
+#: this export lacks, in its own commit, so that the repo holds this export only (an earlier push's model.safetensors
+#: beside new shards is what from_pretrained loads; a full model's config.json beside a new adapter gets the adapter
+#: applied to the old model). huggingface_hub's `*` crosses `/`: each pattern starts with a literal name, so none
+#: reaches into checkpoints/ (--push_checkpoints) or a user's folder. Other files (a user's own, .gitattributes,
+#: which huggingface_hub never deletes) stay; README.md is the export's model card, uploaded each time.
+HUB_STALE = ["model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+             "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json", "config.json", "generation_config.json",
+             "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
+             "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", "merged/*", "run.json",
+             "metrics.jsonl", "data_report.json", "export.json", "report/*", "tensorboard/*"]
 T = TypeVar("T")
 
 
@@ -130,8 +142,10 @@ def folder_bytes(folder: Path) -> int:
 
 def push_folder(folder: Path, repo_id: str, revision: str = "main", private: bool = True,
                 token: Optional[str] = None, path_in_repo: Optional[str] = None,
-                ignore_patterns: Optional[list[str]] = None, message: str = "Upload with open_sft") -> str:
-    """Create the repo and branch if needed and upload `folder`; returns the commit URL."""
+                ignore_patterns: Optional[list[str]] = None, message: str = "Upload with open_sft",
+                delete_patterns: Optional[list[str]] = None) -> str:
+    """Create the repo and branch if needed and upload `folder`, deleting in the same commit the repo's files that
+    match `delete_patterns` and are not in it; returns the commit URL."""
     from huggingface_hub import HfApi
 
     _use_timeouts()
@@ -146,7 +160,7 @@ def push_folder(folder: Path, repo_id: str, revision: str = "main", private: boo
         return f"{api.endpoint}/{repo_id}/tree/{revision}"
     info = with_retries("upload", lambda: api.upload_folder(
         repo_id=repo_id, folder_path=folder, path_in_repo=path_in_repo, revision=revision,
-        ignore_patterns=ignore_patterns, commit_message=message), token)
+        ignore_patterns=ignore_patterns, delete_patterns=delete_patterns, commit_message=message), token)
     return str(info.commit_url if hasattr(info, "commit_url") else info)
 
 
@@ -164,7 +178,7 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
     try:
         url = push_folder(output_dir, repo_id, revision, private, token,
                           ignore_patterns=EXPORT_IGNORE + caches_inside(output_dir),
-                          message=f"open_sft export of {output_dir.name}")
+                          message=f"open_sft export of {output_dir.name}", delete_patterns=HUB_STALE)
     except StopRun:  # a signal (open_sft.training.preemption), not a failed upload
         raise
     except Exception as exc:

@@ -167,3 +167,58 @@ def test_a_tokenization_cache_inside_the_output_dir_is_not_uploaded(tmp_path, lo
                                                                      "notes/a.lock"}
     assert f"{out} holds a tokenization cache (cache): it is not uploaded" in caplog.text
     assert f"{out} holds a tokenization cache (failed): it is not uploaded" in caplog.text
+
+
+def _full_export(directory, seed: int, max_shard_size: str = "1GB") -> dict:
+    """A tiny Llama saved as an export (README.md, run.json beside it); returns its state dict."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(directory, max_shard_size=max_shard_size)
+    (directory / "README.md").write_text(f"# seed {seed}\n")
+    (directory / "run.json").write_text("{}")
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+def _files(directory) -> set:
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_a_re_push_leaves_the_repo_holding_this_export_only(tmp_path, loopback_hub) -> None:
+    """A re-push kept every file of the earlier push: a run re-done with another sharding left the first run's
+    model.safetensors beside the new shards, and from_pretrained loaded the old model; a LoRA run of the same name
+    left a full model's config.json and weights, and peft applied the new adapter to the old model. Now the export's
+    kinds of file that this export lacks are deleted in its commit; the user's own files, .gitattributes and pushed
+    checkpoints stay."""
+    import torch
+    import transformers
+
+    first, second, lora = tmp_path / "first", tmp_path / "second", tmp_path / "lora"
+    _full_export(first, seed=1)
+    hub.push_export(first, "org/m", token=TOKEN)
+    repo = loopback_hub.repos["org/m"]["branches"]["main"]
+    kept = {".gitattributes": b"*.safetensors filter=lfs\n", "notes/eval.md": b"the user's own",
+            "checkpoints/step_3/model.safetensors": b"a pushed checkpoint", "LICENSE": b"MIT"}
+    repo.update(kept)
+    weights = _full_export(second, seed=2, max_shard_size="12KB")
+    assert {"model-00001-of-00003.safetensors", "model.safetensors.index.json"} <= _files(second)
+    hub.push_export(second, "org/m", token=TOKEN)
+    assert set(repo) == _files(second) | set(kept)
+    for path, data in repo.items():  # the repo as a download of it would be
+        (tmp_path / "repo" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "repo" / path).write_bytes(data)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "repo").state_dict()
+    assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
+    lora.mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json"):
+        (lora / name).write_text(name)
+    (lora / "merged").mkdir()
+    (lora / "merged" / "config.json").write_text("{}")
+    hub.push_export(lora, "org/m", token=TOKEN)
+    assert set(repo) == _files(lora) | set(kept)
+    for path in ("checkpoints/step_3/model.safetensors", "notes/eval.md", ".gitattributes"):
+        assert repo[path] == kept[path]
