@@ -32,8 +32,6 @@ from open_sft.redaction import scrub
 logger = logging.getLogger(__name__)
 
 PUSH_FAILED_EXIT_CODE = 3
-#: Exports bigger than this go through upload_large_folder (resumable, many commits).
-LARGE_FOLDER_BYTES = 20 * 2**30
 #: Never uploaded with the export: training state, staging leftovers, test aids.
 EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.previous-*/**", ".export.tmp/**", "*.tmp",
                  "data_order.rank*.json", ".cache/**", ".open_sft.lock", ".open_sft_export.json", "RUN_COMPLETE"]
@@ -136,10 +134,6 @@ def _use_timeouts() -> None:
     set_client_factory(factory)
 
 
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
 def push_folder(folder: Path, repo_id: str, revision: str = "main", private: bool = True,
                 token: Optional[str] = None, path_in_repo: Optional[str] = None,
                 ignore_patterns: Optional[list[str]] = None, message: str = "Upload with open_sft",
@@ -153,11 +147,8 @@ def push_folder(folder: Path, repo_id: str, revision: str = "main", private: boo
     with_retries("create repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True), token)
     if revision != "main":
         with_retries("create branch", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), token)
-    if path_in_repo is None and folder_bytes(folder) > LARGE_FOLDER_BYTES:
-        # resumable and retried inside huggingface_hub; a rerun continues where it stopped
-        api.upload_large_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
-                                private=private, ignore_patterns=ignore_patterns)
-        return f"{api.endpoint}/{repo_id}/tree/{revision}"
+    # huggingface_hub 2.x has no upload_large_folder: with hf_xet, upload_folder itself commits a large folder in
+    # batches and a rerun resumes it; without, it is one commit
     info = with_retries("upload", lambda: api.upload_folder(
         repo_id=repo_id, folder_path=folder, path_in_repo=path_in_repo, revision=revision,
         ignore_patterns=ignore_patterns, delete_patterns=delete_patterns, commit_message=message), token)

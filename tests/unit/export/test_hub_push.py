@@ -222,3 +222,17 @@ def test_a_re_push_leaves_the_repo_holding_this_export_only(tmp_path, loopback_h
     assert set(repo) == _files(lora) | set(kept)
     for path in ("checkpoints/step_3/model.safetensors", "notes/eval.md", ".gitattributes"):
         assert repo[path] == kept[path]
+
+
+
+def test_an_export_over_20_gb_is_uploaded_as_any_other(tmp_path, loopback_hub, monkeypatch) -> None:
+    """An export above 20 GB (hub.LARGE_FOLDER_BYTES) went through HfApi.upload_large_folder, which huggingface_hub
+    2.x (the version required) no longer has: every such push failed with AttributeError. upload_folder takes large
+    folders itself: no size makes a push take another way (a threshold of 0 here: every export is 'large')."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (out / name).write_text(name)
+    monkeypatch.setattr(hub, "LARGE_FOLDER_BYTES", 0, raising=False)
+    hub.push_export(out, "org/big", token=TOKEN)
+    assert set(loopback_hub.repos["org/big"]["branches"]["main"]) == {"config.json", "model.safetensors"}
