@@ -17,6 +17,8 @@ up to 60 s], OPEN_SFT_HUB_TIMEOUT_S [300, per request read timeout].
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import glob
 import logging
 import os
 import shlex
@@ -35,6 +37,9 @@ PUSH_FAILED_EXIT_CODE = 3
 #: Never uploaded with the export: training state, staging leftovers, test aids.
 EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.previous-*/**", ".export.tmp/**", "*.tmp",
                  "data_order.rank*.json", ".cache/**", ".open_sft.lock", ".open_sft_export.json", "RUN_COMPLETE"]
+#: A directory holding one of these is an open_sft run (its lock, completion record, resolved arguments) or export
+#: (open_sft.export.save.EXPORT_FILES) of its own.
+RUN_MARKERS = frozenset({".open_sft.lock", "RUN_COMPLETE", "run.json", ".open_sft_export.json"})
 #: What an open_sft export or run writes at the top of --output_dir (and so of the repo): a re-push deletes those that
 #: this export lacks, in its own commit, so that the repo holds this export only (an earlier push's model.safetensors
 #: beside new shards is what from_pretrained loads; a full model's config.json beside a new adapter gets the adapter
@@ -168,7 +173,7 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
     logger.info("uploading %s to %s (revision %s)", output_dir, repo_id, revision)
     try:
         url = push_folder(output_dir, repo_id, revision, private, token,
-                          ignore_patterns=EXPORT_IGNORE + caches_inside(output_dir),
+                          ignore_patterns=EXPORT_IGNORE + runs_inside(output_dir) + caches_inside(output_dir),
                           message=f"open_sft export of {output_dir.name}", delete_patterns=HUB_STALE)
     except StopRun:  # a signal (open_sft.training.preemption), not a failed upload
         raise
@@ -180,6 +185,25 @@ def push_export(output_dir: Path, repo_id: str, revision: str = "main", private:
         ) from None
     logger.info("uploaded to %s", url)
     return url
+
+
+def runs_inside(output_dir: Path) -> list[str]:
+    """Upload patterns of the open_sft runs and exports inside output_dir (RUN_MARKERS), such as a day-two run
+    `--model_name_or_path out --output_dir out/day2`, which README allows: another model, with its checkpoints
+    (optimizer states, many times the model's size) and its lock, which EXPORT_IGNORE's top-level patterns do not
+    reach. Never uploaded with the export (said in the log); push it on its own."""
+    skipped = [pattern[:-len("/**")] for pattern in EXPORT_IGNORE if pattern.endswith("/**")]
+    found = []
+    for root, dirs, files in os.walk(output_dir):
+        if Path(root) == output_dir:  # the export's own training state is left out by EXPORT_IGNORE already
+            dirs[:] = [name for name in dirs if not any(fnmatch.fnmatchcase(name, skip) for skip in skipped)]
+        elif not RUN_MARKERS.isdisjoint(files):
+            found.append(Path(root))
+            dirs[:] = []  # all of it is left out
+    for run in found:
+        logger.info("%s holds another open_sft run or export (%s): it is not uploaded; push it on its own",
+                    output_dir, run.relative_to(output_dir))
+    return [f"{glob.escape(run.relative_to(output_dir).as_posix())}/**" for run in found]
 
 
 def caches_inside(output_dir: Path) -> list[str]:

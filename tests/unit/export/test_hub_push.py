@@ -236,3 +236,28 @@ def test_an_export_over_20_gb_is_uploaded_as_any_other(tmp_path, loopback_hub, m
     monkeypatch.setattr(hub, "LARGE_FOLDER_BYTES", 0, raising=False)
     hub.push_export(out, "org/big", token=TOKEN)
     assert set(loopback_hub.repos["org/big"]["branches"]["main"]) == {"config.json", "model.safetensors"}
+
+
+def test_a_run_inside_the_pushed_one_is_not_uploaded(tmp_path, loopback_hub, caplog) -> None:
+    """A day-two run `--model_name_or_path out --output_dir out/day2` (README allows it) was uploaded with out's
+    export: its checkpoints (optimizer states), lock and completion record, as EXPORT_IGNORE's patterns are anchored
+    at the top. A directory holding an open_sft run or export is left out, with a line; other folders go up."""
+    import logging
+
+    out = tmp_path / "out"
+    for name in ("config.json", "model.safetensors", "README.md", "run.json", "RUN_COMPLETE", ".open_sft.lock",
+                 "notes/plan.md", "checkpoints/step_2/run.json",
+                 "day2/.open_sft.lock", "day2/run.json", "day2/RUN_COMPLETE", "day2/model.safetensors",
+                 "day2/checkpoints/step_3/optimizer.bin", "day2/deeper/run.json",
+                 "killed/.open_sft.lock",  # killed while loading: the lock is all it has
+                 "evals/step_30/.open_sft_export.json", "evals/step_30/model.safetensors"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    with caplog.at_level(logging.INFO, logger="open_sft.export.hub"):
+        hub.push_export(out, "org/m", token=TOKEN)
+    assert set(loopback_hub.repos["org/m"]["branches"]["main"]) == {"config.json", "model.safetensors", "README.md",
+                                                                     "run.json", "notes/plan.md"}
+    for inside in ("day2", "killed", "evals/step_30"):
+        assert f"{out} holds another open_sft run or export ({inside}): it is not uploaded; push it on its own" \
+            in caplog.text
+    assert "(checkpoints/step_2)" not in caplog.text and "(day2/deeper)" not in caplog.text
