@@ -298,6 +298,8 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
     if problems:
         print("error: " + "\n  ".join(problems), file=sys.stderr)
         return 2
+    from open_sft.training.completion import mark_pushed
+
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     if (args.output_dir / "COMPLETE").is_file():  # a checkpoint (checkpoint.COMPLETE)
@@ -310,10 +312,14 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
             return PUSH_FAILED_EXIT_CODE
         return 0
     try:
-        print(push_export(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private, args.hub_token))
+        url = push_export(args.output_dir, args.hub_model_id, args.hub_revision, args.hub_private, args.hub_token)
     except PushFailed as exc:
         print(f"open_sft: {exc}", file=sys.stderr)
         return exc.exit_code
+    # noted in a run's completion record as the run's own push notes it: this is the retry the failed push prints,
+    # and a relaunch (a requeue) of the training command must then upload nothing
+    mark_pushed(args.output_dir, args.hub_model_id, args.hub_revision, url)
+    print(url)
     return 0
 
 

@@ -261,3 +261,37 @@ def test_a_run_inside_the_pushed_one_is_not_uploaded(tmp_path, loopback_hub, cap
         assert f"{out} holds another open_sft run or export ({inside}): it is not uploaded; push it on its own" \
             in caplog.text
     assert "(checkpoints/step_2)" not in caplog.text and "(day2/deeper)" not in caplog.text
+
+
+def test_open_sft_push_notes_the_upload_so_a_relaunch_uploads_nothing(tmp_path, loopback_hub, monkeypatch,
+                                                                      capsys) -> None:
+    """`open_sft push`, the command a failed --push_to_hub prints, uploaded but did not note it in RUN_COMPLETE
+    (the run's own push does): the next relaunch of the training command (a requeue) uploaded the export again."""
+    import json
+
+    from open_sft import run
+    from open_sft.config.parse import parse_config
+    from open_sft.training import completion
+
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    argv = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(out),
+            "--push_to_hub", "--hub_model_id", "org/m", "--hub_token", TOKEN]
+    config = parse_config(argv)  # as the run parsed it, before it wrote its export
+    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}.items():
+        (out / name).write_text(text)
+    completion.mark_complete(out, 4, 1.0, config)
+    assert hub.main([str(out), "--hub_model_id", "org/m", "--hub_revision", "main", "--hub_token", TOKEN]) == 0
+    url = capsys.readouterr().out.strip().splitlines()[-1]
+    record = json.loads((out / "RUN_COMPLETE").read_text())
+    assert [(u["hub_model_id"], u["hub_revision"], u["url"]) for u in record["pushed"]] == [("org/m", "main", url)]
+    assert loopback_hub.count("commit") == 1
+    assert run.main(argv) == 0  # the requeued training command: says where, uploads nothing
+    assert f"its export was uploaded to {url}" in capsys.readouterr().out and loopback_hub.count("commit") == 1
+    exported = tmp_path / "exported"  # an `open_sft export` directory has no completion record: none is made
+    exported.mkdir()
+    (exported / "config.json").write_text("{}")
+    assert hub.main([str(exported), "--hub_model_id", "org/e", "--hub_token", TOKEN]) == 0
+    assert not (exported / "RUN_COMPLETE").exists()
