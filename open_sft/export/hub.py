@@ -5,13 +5,16 @@
 
 finetune.py --push_to_hub calls `push_output_dir` on the main process after every rank has finished and
 been released, so no rank waits on the network. Transient failures (HTTP 429/5xx, dropped connections,
-timeouts) are retried with exponential backoff; a final failure leaves the export untouched, prints this
-module's command to retry only the upload, and exits with PUSH_FAILED_EXIT_CODE.
+timeouts) are retried with exponential backoff, each request once over: creating the repo and branch (which
+huggingface_hub sends once) by with_retries here, the upload's requests by huggingface_hub itself (http_backoff:
+5 retries waiting 1, 2, 4, 8, 8 s; hf_xet retries its transfers); wrapping the upload too made 6 x 6 commit
+attempts of one. A final failure leaves the export untouched, prints this module's command to retry only the
+upload, and exits with PUSH_FAILED_EXIT_CODE.
 
 The token comes from --hub_token or HF_TOKEN. It is passed to huggingface_hub only: never logged, never
 in an error message we print (scrubbed), never written to disk (run.json holds "<redacted>").
-Environment: HF_ENDPOINT (another Hub), OPEN_SFT_HUB_RETRIES [6], OPEN_SFT_HUB_BACKOFF_S [2.0, doubling
-up to 60 s], OPEN_SFT_HUB_TIMEOUT_S [300, per request read timeout].
+Environment: HF_ENDPOINT (another Hub), OPEN_SFT_HUB_RETRIES [6, attempts at creating the repo or branch],
+OPEN_SFT_HUB_BACKOFF_S [2.0, doubling up to 60 s], OPEN_SFT_HUB_TIMEOUT_S [300, per request read timeout].
 """
 
 from __future__ import annotations
@@ -139,6 +142,18 @@ def _use_timeouts() -> None:
     set_client_factory(factory)
 
 
+def _hub_lines_once() -> None:
+    """huggingface_hub's logger writes its lines (a retry's 'HTTP Error 500 ... Retrying in 8s') through a handler of
+    its own and passes them on to the root logger, which open_sft's entry points configure: each came twice, once
+    bare. Where the root logger has a handler, the library's own default one (a plain StreamHandler) is dropped: its
+    lines come once, formatted as open_sft's."""
+    if not logging.getLogger().handlers:
+        return
+    library = logging.getLogger("huggingface_hub")
+    for handler in [h for h in library.handlers if type(h) is logging.StreamHandler]:
+        library.removeHandler(handler)
+
+
 def push_folder(folder: Path, repo_id: str, revision: str = "main", private: bool = True,
                 token: Optional[str] = None, path_in_repo: Optional[str] = None,
                 ignore_patterns: Optional[list[str]] = None, message: str = "Upload with open_sft",
@@ -148,15 +163,16 @@ def push_folder(folder: Path, repo_id: str, revision: str = "main", private: boo
     from huggingface_hub import HfApi
 
     _use_timeouts()
+    _hub_lines_once()
     api = HfApi(token=token)
     with_retries("create repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True), token)
     if revision != "main":
         with_retries("create branch", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True), token)
     # huggingface_hub 2.x has no upload_large_folder: with hf_xet, upload_folder itself commits a large folder in
-    # batches and a rerun resumes it; without, it is one commit
-    info = with_retries("upload", lambda: api.upload_folder(
-        repo_id=repo_id, folder_path=folder, path_in_repo=path_in_repo, revision=revision,
-        ignore_patterns=ignore_patterns, delete_patterns=delete_patterns, commit_message=message), token)
+    # batches and a rerun resumes it; without, it is one commit. Not in with_retries: huggingface_hub retries each
+    # of its requests (module docstring)
+    info = api.upload_folder(repo_id=repo_id, folder_path=folder, path_in_repo=path_in_repo, revision=revision,
+                             ignore_patterns=ignore_patterns, delete_patterns=delete_patterns, commit_message=message)
     return str(info.commit_url if hasattr(info, "commit_url") else info)
 
 

@@ -295,3 +295,60 @@ def test_open_sft_push_notes_the_upload_so_a_relaunch_uploads_nothing(tmp_path, 
     (exported / "config.json").write_text("{}")
     assert hub.main([str(exported), "--hub_model_id", "org/e", "--hub_token", TOKEN]) == 0
     assert not (exported / "RUN_COMPLETE").exists()
+
+
+def test_the_upload_is_retried_by_huggingface_hub_alone_and_each_retry_said_once(tmp_path, loopback_hub,
+                                                                                 monkeypatch) -> None:
+    """open_sft retried the whole upload OPEN_SFT_HUB_RETRIES times around huggingface_hub's own retries of each
+    request: with 3 and a commit that always fails, 18 commit attempts and 85 s; with the defaults about 36 and
+    200 s. And each of huggingface_hub's retry lines came twice (its own handler and the root's). Now the upload's
+    requests are retried by huggingface_hub only (1 + 5 tries, waits 1, 2, 4, 8, 8 s), and each line comes once,
+    through the root logger; creating the repo is still retried by open_sft (huggingface_hub sends it once)."""
+    import io
+    import logging
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    monkeypatch.setenv("OPEN_SFT_HUB_RETRIES", "3")
+    monkeypatch.setenv("OPEN_SFT_HUB_BACKOFF_S", "0.5")
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    own, root = io.StringIO(), io.StringIO()  # huggingface_hub's default handler, and what basicConfig sets up
+    monkeypatch.setattr(logging.getLogger("huggingface_hub"), "handlers", [logging.StreamHandler(own)])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler(root)])
+    loopback_hub.faults["create"] = ["500"]
+    loopback_hub.always["commit"] = "500"
+    with pytest.raises(hub.PushFailed, match="upload to the Hub failed: HfHubHTTPError"):
+        hub.push_export(out, "org/m", token=TOKEN)
+    assert loopback_hub.count("create") == 2 and loopback_hub.count("commit") == 6
+    assert sleeps == [1, 2, 4, 8, 8]  # huggingface_hub's (open_sft's 0.5 s before the second create: below)
+    said = own.getvalue() + root.getvalue()
+    assert said.count("Retrying in 8s [Retry 5/5]") == 1 and said.count("Retrying in 1s [Retry 1/5]") == 1
+    assert "create repo failed (HfHubHTTPError" in root.getvalue() and "retry 1/2 in 0.5s" in root.getvalue()
+    assert "upload failed" not in said
+
+
+def test_an_upload_failing_with_a_client_error_inside_hf_xet_is_tried_once(tmp_path, loopback_hub,
+                                                                          monkeypatch) -> None:
+    """hf_xet reports an HTTP 404 of its token request as a builtin ConnectionError, which is_transient takes for a
+    network failure: the upload was tried 6 times with backoff. The upload is not retried by open_sft at all now
+    (huggingface_hub and hf_xet retry their own requests), so it is tried once and fails at once."""
+    from huggingface_hub import HfApi
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    monkeypatch.setenv("OPEN_SFT_HUB_BACKOFF_S", "0")
+    calls = []
+
+    def xet_404(self, **kwargs):
+        calls.append(kwargs["repo_id"])
+        raise ConnectionError("Data processing error: HTTP status client error (404 Not Found) for url "
+                              f"({loopback_hub.url}/api/models/org/m/xet-write-token/main)")
+
+    monkeypatch.setattr(HfApi, "upload_folder", xet_404)
+    with pytest.raises(hub.PushFailed, match=r"ConnectionError: .*client error \(404 Not Found\)"):
+        hub.push_export(out, "org/m", token=TOKEN)
+    assert calls == ["org/m"]
