@@ -306,15 +306,17 @@ def test_the_upload_is_retried_by_huggingface_hub_alone_and_each_retry_said_once
     through the root logger; creating the repo is still retried by open_sft (huggingface_hub sends it once)."""
     import io
     import logging
-    import time
+    import types
+
+    from huggingface_hub.utils import _http
 
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text("{}")
     monkeypatch.setenv("OPEN_SFT_HUB_RETRIES", "3")
     monkeypatch.setenv("OPEN_SFT_HUB_BACKOFF_S", "0.5")
-    sleeps = []
-    monkeypatch.setattr(time, "sleep", sleeps.append)
+    sleeps = []  # huggingface_hub's backoff waits (its commits run on worker threads), recorded, not waited
+    monkeypatch.setattr(_http, "time", types.SimpleNamespace(sleep=sleeps.append))
     own, root = io.StringIO(), io.StringIO()  # huggingface_hub's default handler, and what basicConfig sets up
     monkeypatch.setattr(logging.getLogger("huggingface_hub"), "handlers", [logging.StreamHandler(own)])
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.StreamHandler(root)])
