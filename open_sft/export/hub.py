@@ -5,11 +5,11 @@
 
 finetune.py --push_to_hub calls `push_output_dir` on the main process after every rank has finished and
 been released, so no rank waits on the network. Transient failures (HTTP 429/5xx, dropped connections,
-timeouts) are retried with exponential backoff, each request once over: creating the repo and branch (which
-huggingface_hub sends once) by with_retries here, the upload's requests by huggingface_hub itself (http_backoff:
-5 retries waiting 1, 2, 4, 8, 8 s; hf_xet retries its transfers); wrapping the upload too made 6 x 6 commit
-attempts of one. A final failure leaves the export untouched, prints this module's command to retry only the
-upload, and exits with PUSH_FAILED_EXIT_CODE.
+timeouts) are retried with exponential backoff, each request by one party only: creating the repo and branch
+(which huggingface_hub sends once) by with_retries here, the upload's requests by huggingface_hub itself
+(http_backoff: 5 retries waiting 1, 2, 4, 8, 8 s; hf_xet retries its transfers); wrapping the upload in
+with_retries as well multiplied them (6 x 6 commit attempts). A final failure leaves the export untouched,
+prints this module's command to retry only the upload, and exits with PUSH_FAILED_EXIT_CODE.
 
 The token comes from --hub_token or HF_TOKEN. It is passed to huggingface_hub only: never logged, never
 in an error message we print (scrubbed), never written to disk (run.json holds "<redacted>").
@@ -44,11 +44,11 @@ EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.pre
 #: (open_sft.export.save.EXPORT_FILES) of its own.
 RUN_MARKERS = frozenset({".open_sft.lock", "RUN_COMPLETE", "run.json", ".open_sft_export.json"})
 #: What an open_sft export or run writes at the top of --output_dir (and so of the repo): a re-push deletes those that
-#: this export lacks, in its own commit, so that the repo holds this export only (an earlier push's model.safetensors
-#: beside new shards is what from_pretrained loads; a full model's config.json beside a new adapter gets the adapter
-#: applied to the old model). huggingface_hub's `*` crosses `/`: each pattern starts with a literal name, so none
-#: reaches into checkpoints/ (--push_checkpoints) or a user's folder. Other files (a user's own, .gitattributes,
-#: which huggingface_hub never deletes) stay; README.md is the export's model card, uploaded each time.
+#: this export lacks, in the upload's commit, so that the repo holds this export only (an earlier push's
+#: model.safetensors beside new shards is what from_pretrained loads; a full model's config.json beside a new adapter
+#: gets the adapter applied to the old model). huggingface_hub's `*` crosses `/`: each pattern starts with a literal
+#: name, so none reaches into checkpoints/ (--push_checkpoints) or a user's folder. Other files (a user's own,
+#: .gitattributes, which huggingface_hub never deletes) stay; README.md is the export's model card, uploaded each time.
 HUB_STALE = ["model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
              "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json", "config.json", "generation_config.json",
              "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "tokenizer.json",
