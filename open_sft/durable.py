@@ -12,9 +12,10 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 
 def fsync_path(path: Path) -> None:
@@ -36,11 +37,15 @@ def fsync_tree(root: Path) -> None:
 def write_json(path: Path, value: Any, indent: int | None = 1) -> None:
     """`value` as JSON at `path`, atomically and durably (tmp file, fsync, rename, fsync of the directory)."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as handle:
-        json.dump(value, handle, indent=indent)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w") as handle:
+            json.dump(value, handle, indent=indent)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no half-written NAME.tmp left beside it
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_path(path.parent)
 
 
@@ -67,22 +72,59 @@ def next_previous(directory: Path) -> Path:
 #: disk when the disk has (next to) nothing free then.
 TORCH_WRITE_FAILED = ("inline_container.cc", "PytorchStreamWriter failed")
 NEARLY_FULL = 64 << 20
+#: The Rust writers (safetensors' SafetensorError, the tokenizers library's bare Exception) carry the errno only in
+#: their message, as Rust's io::Error prints it: "No space left on device (os error 28)".
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 def out_of_space(exc: BaseException, path: Path) -> Optional[str]:
     """'the disk holding PATH is full (N free)' when `exc`, or an exception behind it, is a write the disk refused
-    for want of space (ENOSPC, a quota: EDQUOT, torch's zip writer's failure on a full disk), else None."""
-    seen, free = set(), free_bytes(path)
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            what = "your disk quota there is used up" if exc.errno == errno.EDQUOT else "the disk is full"
+    for want of space (ENOSPC, a quota: EDQUOT, torch's zip writer's failure on a full disk, a Rust writer's
+    'os error 28'/'122', any rank's failure inside torch.distributed.checkpoint's CheckpointException), else None."""
+    free = getattr(exc, FREE_BEFORE_CLEANUP, None)
+    free = free_bytes(path) if free is None else free
+    for each in _behind(exc):
+        code = each.errno if isinstance(each, OSError) else None
+        found = _RUST_OS_ERROR.search(str(each)) if code is None else None
+        code = int(found.group(1)) if found else code
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            what = "your disk quota there is used up" if code == errno.EDQUOT else "the disk is full"
             return f"{path}: {what} ({human_size(free)} free)"
-        if (isinstance(exc, RuntimeError) and any(mark in str(exc) for mark in TORCH_WRITE_FAILED)
+        if (isinstance(each, RuntimeError) and any(mark in str(each) for mark in TORCH_WRITE_FAILED)
                 and free is not None and free < NEARLY_FULL):
             return f"{path}: the disk is full ({human_size(free)} free)"
-        exc = exc.__cause__ or exc.__context__
     return None
+
+
+#: what free_before_cleanup notes on an exception: the space a failed write found, before its partial files went
+FREE_BEFORE_CLEANUP = "open_sft_free_before_cleanup"
+
+
+def free_before_cleanup(exc: BaseException, path: Path) -> None:
+    """Note on `exc` the space free at `path` now, before the failed write's partial files are removed: a message
+    that measured after the cleanup would call a full disk a roomy one (the export's staged megabytes freed)."""
+    if getattr(exc, FREE_BEFORE_CLEANUP, None) is None:
+        try:
+            setattr(exc, FREE_BEFORE_CLEANUP, free_bytes(path))
+        except AttributeError:  # an exception type without attributes: measured later, after the cleanup
+            pass
+
+
+def _behind(exc: Optional[BaseException]) -> Iterator[BaseException]:
+    """`exc` and every exception behind it: its causes and contexts, and the per-rank failures a
+    torch.distributed.checkpoint CheckpointException holds (rank -> (exception, traceback))."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        each = todo.pop()
+        if not isinstance(each, BaseException) or id(each) in seen:
+            continue
+        seen.add(id(each))
+        yield each
+        failures = getattr(each, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f else f for f in failures.values()]
+        todo += [each.__context__, each.__cause__]
 
 
 def free_bytes(path: Path) -> Optional[int]:

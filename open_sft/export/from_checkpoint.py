@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from open_sft.durable import out_of_space
 from open_sft.errors import UserError
 from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open_weights
 from open_sft.export.model_card import EXPORT_RECORD
@@ -172,7 +173,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
     from transformers import AutoConfig
 
     from open_sft.export.model_card import write_model_card
-    from open_sft.export.save import save_dtype, staged_export
+    from open_sft.export.save import PLACED, save_dtype, staged_export
 
     files, state = _checkpoint_of(checkpoint)
     _refuse_run_paths(checkpoint, out)
@@ -209,14 +210,20 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
                       "total_steps": state.get("schedule", {}).get("total_steps"), "engine": weights.engine,
                       "dtype": str(dtype).removeprefix("torch."), "lora": adapter, "merged": adapter and merge}
             (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        write_model_card(out)
     except BaseException as exc:
+        full = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else out_of_space(exc, out)
         if created:
             shutil.rmtree(out, ignore_errors=True)
         if isinstance(exc, FileNotFoundError) and not checkpoint.is_dir():
             raise UserError(f"{checkpoint} was deleted while it was being exported (the run prunes old checkpoints: "
                             "--keep_last_n_checkpoints); export a newer one") from exc
+        if full is not None:
+            left = ("it was removed again" if created else "it holds some of the new export's files: rerun before "
+                    "using it" if getattr(exc, PLACED, False) else "it holds what it held before")
+            raise UserError(f"{full}: {checkpoint} could not be exported to {out} ({left}); free space there and "
+                            "rerun the same command") from exc
         raise
-    write_model_card(out)
     return out
 
 

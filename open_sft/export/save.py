@@ -10,6 +10,7 @@ so loaders never mix two exports. Only an earlier export's: each export records 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -26,7 +27,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from open_sft.data.chat.render import renderer_for, special_markers
 from open_sft.data.chat.templates import is_builtin_template
 from open_sft.data.chat.turn_render import turn_enders
-from open_sft.durable import write_json
+from open_sft.durable import free_before_cleanup, write_json
 from open_sft.file_modes import share_as_umask
 from open_sft.model.anatomy import is_peft_model
 from open_sft.model.lora import ADAPTER
@@ -77,9 +78,22 @@ def staged_export(output_dir: Path, written_by: str = "finetune.py") -> Iterator
     staging.mkdir(parents=True)
     try:
         yield staging
-    except BaseException:
+    except BaseException as exc:
+        free_before_cleanup(exc, staging)
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    try:
+        _put_in_place(staging, output_dir, written_by)
+    except BaseException as exc:
+        free_before_cleanup(exc, output_dir)
+        raise
+
+
+#: noted on an exception that stopped staged_export once it had begun moving the new files into output_dir
+PLACED = "open_sft_export_placed"
+
+
+def _put_in_place(staging: Path, output_dir: Path, written_by: str) -> None:
     share_as_umask(staging)  # safetensors writes 0600 whatever the umask
     fresh = {item.name for item in staging.iterdir()}
     earlier = set(export_record(output_dir).get("files", ()))
@@ -92,13 +106,18 @@ def staged_export(output_dir: Path, written_by: str = "finetune.py") -> Iterator
     if kept:
         logger.warning("%s: kept %s beside the export: no open_sft export wrote them; a loader may mix them with it, "
                        "remove them if they are not yours", output_dir, ", ".join(kept))
-    for item in staging.iterdir():
-        target = output_dir / item.name
-        if target.is_dir() and item.is_dir():
-            shutil.rmtree(target)
-        os.replace(item, target)
-    staging.rmdir()
-    write_json(output_dir / EXPORT_FILES, {**record, "files": sorted(fresh)})
+    try:
+        for item in staging.iterdir():
+            target = output_dir / item.name
+            if target.is_dir() and item.is_dir():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        staging.rmdir()
+        write_json(output_dir / EXPORT_FILES, {**record, "files": sorted(fresh)})
+    except BaseException as exc:  # output_dir holds (some of) the new export's files now
+        with contextlib.suppress(AttributeError):
+            setattr(exc, PLACED, True)
+        raise
 
 
 def export_record(output_dir: Path) -> dict[str, Any]:

@@ -155,19 +155,24 @@ def newest_usable(root: Path) -> Optional[Path]:
 
 
 @contextmanager
-def rerun_after_full_disk(disk: Path, root: Path, what: str, room: str = "") -> Iterator[None]:
-    """A write under the block that the disk holding `disk` refuses for want of space becomes a UserError saying
-    `what` failed, to free space (`room`: a way to need less) and where the rerun of the same command resumes: the
-    newest complete checkpoint under `root` (the run's checkpoints/). Other errors pass through."""
+def rerun_after_full_disk(disk: Path, root: Path, what: str | Callable[[BaseException], str], room: str = "",
+                          needs: str = "") -> Iterator[None]:
+    """A write under the block that the disk holding `disk` refuses for want of space (durable.out_of_space: torch's
+    and the Rust writers' errors, a DCP CheckpointException's too, a BaseException) becomes a UserError saying `what`
+    failed (a callable: told the exception), to free space (`room`: a way to need less) and where the rerun of the
+    same command resumes: the newest complete checkpoint under `root` (the run's checkpoints/), and what the rerun
+    needs (`needs`; by default one more checkpoint: as much as the newest). Other errors pass through."""
     try:
         yield
-    except (OSError, RuntimeError) as exc:
-        full = out_of_space(exc, disk)
+    except BaseException as exc:
+        full = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else out_of_space(exc, disk)
         if full is None:
             raise
         newest = newest_usable(root)
-        where = (f"from the newest complete checkpoint, {newest.name} ({human_size(_size(newest))}: about what "
-                 "one more needs)" if newest is not None else "from step 0 (no complete checkpoint yet)")
+        size = needs or f"{human_size(_size(newest)) if newest else ''}: about what one more needs"
+        where = (f"from the newest complete checkpoint, {newest.name} ({size})" if newest is not None
+                 else f"from step 0 (no complete checkpoint yet{f'; {needs}' if needs else ''})")
+        what = what(exc) if callable(what) else what
         raise UserError(f"{full}: {what}; free space there{f' ({room})' if room else ''} and rerun the same "
                         f"command: it resumes {where}") from exc
 

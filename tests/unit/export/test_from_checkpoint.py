@@ -197,6 +197,34 @@ def test_a_failed_export_leaves_the_earlier_one(tiny_model_dir, tmp_path, monkey
     assert not (tmp_path / "fresh").exists()
 
 
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_full_disk_in_open_sft_export_is_the_error_line(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                            fresh) -> None:
+    """safetensors' error on a full OUT was a traceback (exit 1); now one error line (exit 2) saying what OUT
+    holds."""
+    import shutil
+    from collections import namedtuple
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
+    out = tmp_path / "out"
+    if not fresh:
+        export_checkpoint(checkpoint, out)
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: namedtuple("U", "total used free")(1, 1, 0))
+    assert main([str(checkpoint), str(out)]) == 2
+    left = "it was removed again" if fresh else "it holds what it held before"
+    assert capsys.readouterr().err == (f"error: {out}: the disk is full (0 bytes free): {checkpoint} could not be "
+                                       f"exported to {out} ({left}); free space there and rerun the same command\n")
+    assert out.exists() != fresh
+
+
 def test_a_lora_checkpoints_skeleton_keeps_its_base_without_peft_warning_of_a_rename(tiny_model_dir,
                                                                                     tmp_path) -> None:
     """`open_sft export` of a LoRA step checkpoint printed peft's "base_model_name_or_path was renamed from

@@ -88,3 +88,80 @@ def test_other_failures_of_a_save_keep_their_traceback(tmp_path) -> None:
     checkpointer.state_io = Broken()
     with pytest.raises(RuntimeError, match="a bug"):
         checkpointer.save(2)
+
+
+def _rust_full(quota: bool = False) -> Exception:
+    """What safetensors' writer raises on a full disk (a SafetensorError, an Exception and no OSError: the errno
+    is in its message only, as Rust prints an io::Error)."""
+    from safetensors import SafetensorError
+
+    reason = "Disk quota exceeded (os error 122)" if quota else "No space left on device (os error 28)"
+    return SafetensorError(f"Error while serializing: I/O error: {reason}")
+
+
+def _dcp_full() -> BaseException:
+    """torch.distributed.checkpoint's save on a full disk (FSDP2): a CheckpointException, a BaseException holding
+    each failed rank's exception with its traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as exc:
+        wrapped = _wrap_exception(exc)
+    return CheckpointException("save failed", {1: wrapped})
+
+
+def test_the_rust_writers_and_torch_distributed_checkpoints_full_disk_count(tmp_path, monkeypatch) -> None:
+    """safetensors' SafetensorError, the tokenizers library's bare Exception (its save of tokenizer.json), a quota
+    (os error 122) and a DCP CheckpointException were tracebacks (exit 1), not the full disk's error line."""
+    _free(monkeypatch, 0)
+    full = f"{tmp_path}: the disk is full (0 bytes free)"
+    assert durable.out_of_space(_rust_full(), tmp_path) == full
+    assert durable.out_of_space(Exception("No space left on device (os error 28)"), tmp_path) == full
+    assert durable.out_of_space(_rust_full(quota=True), tmp_path) == \
+        f"{tmp_path}: your disk quota there is used up (0 bytes free)"
+    assert durable.out_of_space(_dcp_full(), tmp_path) == full
+    assert durable.out_of_space(Exception("Permission denied (os error 13)"), tmp_path) is None
+
+
+@pytest.mark.parametrize("failure", ["safetensors", "tokenizer", "dcp"])
+def test_a_checkpoint_whose_weights_tokenizer_or_dcp_files_fill_the_disk_is_the_error_line(
+        tmp_path, monkeypatch, failure) -> None:
+    checkpointer = _checkpointer(tmp_path, keep=2)
+    root = tmp_path / "checkpoints"
+    raised = {"safetensors": _rust_full, "dcp": _dcp_full,
+              "tokenizer": lambda: Exception("No space left on device (os error 28)")}[failure]
+
+    class Fails:
+        def save(self, directory: str) -> None:
+            raise raised()
+
+    def tokenizer_fails(directory: Path) -> None:
+        raise raised()
+
+    if failure == "tokenizer":  # the model/ files (tokenizer.save_pretrained) follow the weights
+        checkpointer.model_files = tokenizer_fails
+    else:
+        checkpointer.state_io = Fails()
+    _free(monkeypatch, 0)
+    with pytest.raises(UserError) as info:
+        checkpointer.save(2)
+    assert str(info.value).startswith(f"{root}: the disk is full (0 bytes free): checkpoint step_2 could not be "
+                                      "written")
+    assert not (root / "step_2").exists()
+
+
+def test_an_interrupt_during_a_save_on_a_full_disk_stays_an_interrupt(tmp_path, monkeypatch) -> None:
+    checkpointer = _checkpointer(tmp_path, keep=2)
+
+    class Interrupted:
+        def save(self, directory: str) -> None:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            except OSError:
+                raise KeyboardInterrupt
+
+    checkpointer.state_io = Interrupted()
+    _free(monkeypatch, 0)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.save(2)
