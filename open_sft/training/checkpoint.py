@@ -115,13 +115,15 @@ def what_else(path: Path) -> Optional[str]:
 
 
 DAMAGED = "is damaged"  # in what problem_with says of a checkpoint whose files have the right sizes but not contents
-_TENSOR_FILES = (".safetensors", ".bin", ".pt", ".pth")
+_TORCH_FILES = (".bin", ".pt", ".pth", ".pkl")  # torch.save zip archives (accelerate's random_states_N.pkl too)
+READ_WHOLE = 16 << 20  # a torch archive up to this size is read whole: zipfile checks each member's CRC-32
 
 
 def damage_in(path: Path, files: Collection[str]) -> Optional[str]:
-    """A tensor file of the checkpoint whose header does not read (a safetensors header, a torch.save zip's
-    member headers: reading them costs a few bytes each, where hashing every byte would take minutes), or None.
-    Damage inside the tensor data itself is not seen."""
+    """A tensor file of the checkpoint that does not read (a safetensors header; a torch.save archive that is no
+    zip, a zeroed or cut tail losing its directory, or whose member headers do not read: reading them costs a few
+    bytes each, where hashing every byte would take minutes; small archives, the RNG states among them, are read
+    whole against their CRC-32s), or None. Damage inside a large file's tensor data is not seen."""
     from safetensors import safe_open
 
     for name in files:
@@ -130,10 +132,15 @@ def damage_in(path: Path, files: Collection[str]) -> Optional[str]:
             if name.endswith(".safetensors"):
                 with safe_open(str(file), "pt"):
                     pass
-            elif name.endswith(_TENSOR_FILES) and zipfile.is_zipfile(file):
+            elif name.endswith(_TORCH_FILES):
+                if not zipfile.is_zipfile(file):  # the manifest listed a torch.save archive: its end is gone
+                    raise zipfile.BadZipFile("not a zip archive, as torch.save writes (zeroed, or its end lost)")
+                whole = file.stat().st_size <= READ_WHOLE
                 with zipfile.ZipFile(file) as archive:
                     for member in archive.infolist():
-                        archive.open(member).close()
+                        with archive.open(member) as handle:
+                            while whole and handle.read(1 << 20):
+                                pass
         except Exception as exc:  # safetensors' own error, zipfile's, OSError: each says the file does not read
             return f"{name} {DAMAGED} ({type(exc).__name__}: {exc})"
     return None

@@ -46,6 +46,8 @@ def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
 
 
 def test_damaged_checkpoint_is_detected(tmp_path) -> None:
+    import torch
+
     from open_sft.training.checkpoint import publish
     from open_sft.training.resume import newest_complete
 
@@ -54,9 +56,10 @@ def test_damaged_checkpoint_is_detected(tmp_path) -> None:
         tmp = root / f"step_{step}.tmp"
         tmp.mkdir(parents=True)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-        (tmp / "optimizer.bin").write_bytes(b"x" * 100)
+        torch.save({"state": {}}, tmp / "optimizer.bin")
         publish(tmp, root / f"step_{step}", step)
-    (root / "step_4" / "optimizer.bin").write_bytes(b"x" * 10)  # truncated after the fact
+    optimizer = root / "step_4" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:10])  # truncated after the fact
     assert newest_complete(root) == root / "step_2"
 
 
@@ -93,6 +96,40 @@ def test_a_checkpoint_whose_tensor_files_do_not_read_is_moved_aside_or_named(tmp
     zero_start(root / "step_2" / "optimizer.bin")
     with pytest.raises(UserError, match=r"step_2: not a usable checkpoint \(optimizer.bin is damaged"):
         resolve_resume(str(root / "step_2"), tmp_path, dict(IDENTITY_BEFORE_RECORDED), is_main=True)
+
+
+@pytest.mark.parametrize("damage", ["optimizer tail zeroed", "optimizer zeroed", "rng zeroed", "rng byte flipped"])
+def test_torch_archives_that_are_no_zip_or_fail_their_crc_are_damage(tmp_path, caplog, damage) -> None:
+    """hunt C F2/F3: an optimizer.bin whose last 4 KiB were zeroed (a torn tail) or all of it passed as undamaged
+    (only zips were looked into): every relaunch crashed in torch.load; a zeroed random_states_0.pkl (accelerate's
+    torch.save archive, whose failed load it only logs at info) resumed with other RNG states, silently off the
+    uninterrupted run. Each now moves the checkpoint to step_4.damaged and resumes from step_2."""
+    import torch
+
+    from open_sft.training.checkpoint import publish
+    from open_sft.training.resume import newest_complete
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        tmp = root / f"step_{step}.tmp"
+        tmp.mkdir(parents=True)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
+        torch.save({"state": {0: torch.ones(4096)}}, tmp / "optimizer.bin")
+        torch.save({"torch": torch.get_rng_state(), "step": step}, tmp / "random_states_0.pkl")
+        publish(tmp, root / f"step_{step}", step)
+    file = root / "step_4" / ("optimizer.bin" if damage.startswith("optimizer") else "random_states_0.pkl")
+    data = bytearray(file.read_bytes())
+    if damage == "optimizer tail zeroed":
+        data[-4096:] = bytes(4096)
+    elif damage == "rng byte flipped":  # inside the RNG state's tensor data: its member's CRC-32 fails
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data[:] = bytes(len(data))
+    file.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert newest_complete(root) == root / "step_2"
+    assert (root / "step_4.damaged").is_dir()
+    assert f"{file.name} is damaged" in caplog.text
 
 
 def test_resume_none_moves_earlier_checkpoints_aside(tmp_path) -> None:
