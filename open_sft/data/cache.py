@@ -3,8 +3,9 @@
 Layout of an entry: a `datasets` directory (columns `input_ids`, `labels`; one row per training
 example before packing) loadable with `datasets.load_from_disk`, `key.json` (the inputs of the key,
 for humans), `report.json` (the data report of the build) and `COMPLETE` (written last; holds the
-sha256 of every data file, their sizes and the hash of their edges, so a damaged entry is detected: entries
-over FULL_CHECK_BYTES are checked on a hit by sizes and edges, smaller ones by every byte).
+sha256 of every data file, their sizes and the hash of their edges, and the sha256 of key.json and report.json,
+so a damaged entry is detected: entries over FULL_CHECK_BYTES are checked on a hit by sizes and edges, smaller
+ones by every byte).
 
 Builds happen in `<key>.tmp-<pid>/` and are renamed into place. Concurrent processes (ranks, or
 jobs sharing the directory) serialise on a `fcntl` lock: the first builds, the others wait and load.
@@ -195,8 +196,13 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+# the entry's JSON records beside its data: hashed apart from the data files ("records" in COMPLETE), so that
+# entries written before they were hashed keep matching their manifests; each must parse, hashed or not
+RECORDS = ("key.json", "report.json")
+
+
 def _data_files(entry: Path) -> list[Path]:
-    return sorted(p for p in entry.rglob("*") if p.is_file() and p.name not in (COMPLETE, "key.json", "report.json"))
+    return sorted(p for p in entry.rglob("*") if p.is_file() and p.name not in (COMPLETE, *RECORDS))
 
 
 # Above this many bytes an entry is checked on a hit by its files' sizes and the hash of each file's first and
@@ -221,7 +227,22 @@ def _manifest(entry: Path) -> dict[str, Any]:
     files = _data_files(entry)
     return {"files": {str(p.relative_to(entry)): sha256_file(p) for p in files},
             "sizes": {str(p.relative_to(entry)): p.stat().st_size for p in files},
-            "edges": {str(p.relative_to(entry)): _edges(p) for p in files}}
+            "edges": {str(p.relative_to(entry)): _edges(p) for p in files},
+            "records": {name: sha256_file(entry / name) for name in RECORDS}}
+
+
+def _record_problem(entry: Path, name: str, digest: Optional[str]) -> Optional[str]:
+    """What is wrong with the record `name` (a damaged report.json crashed every launch that hit the entry)."""
+    try:
+        if digest is not None and sha256_file(entry / name) != digest:
+            return f"{name} is damaged (sha256 mismatch)"
+        if not isinstance(json.loads((entry / name).read_bytes()), dict):
+            return f"{name} is damaged (not a JSON object)"
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except ValueError as exc:  # zeros, a cut: json's (and utf-8's) error
+        return f"{name} is damaged ({exc})"
+    return None
 
 
 def _verify(entry: Path) -> Optional[str]:
@@ -234,6 +255,10 @@ def _verify(entry: Path) -> Optional[str]:
         expected = manifest["files"]
     except (ValueError, KeyError):
         return "unreadable COMPLETE marker"
+    records = manifest.get("records") if isinstance(manifest.get("records"), dict) else {}
+    for name in RECORDS:
+        if problem := _record_problem(entry, name, records.get(name)):
+            return problem
     actual = {str(p.relative_to(entry)): p for p in _data_files(entry)}
     if set(actual) != set(expected):
         return f"files differ from the COMPLETE manifest ({sorted(set(actual) ^ set(expected))})"

@@ -163,6 +163,33 @@ def test_interrupted_and_damaged_entries_are_rebuilt(tokenizer, data_file, tmp_p
     assert "no COMPLETE marker" in caplog.text
 
 
+@pytest.mark.parametrize("record", ["report.json", "key.json"])
+@pytest.mark.parametrize("hashed", [True, False])
+def test_an_entry_whose_report_or_key_record_is_damaged_is_rebuilt(tokenizer, data_file, tmp_path, caplog, record,
+                                                                   hashed) -> None:
+    """hunt C F4: report.json zeroed (same size) passed _verify (the records were left out of the manifest) and
+    every launch crashed json-parsing it. Now its hash is in COMPLETE; an entry written before that (no
+    "records") is still checked that its records parse."""
+    args = args_for(data_file, tmp_path / "cache")
+    good = prepare_data(args, tokenizer, 1)
+    entry = good.cache_path
+    if not hashed:  # as an entry built by an earlier open_sft was
+        manifest = json.loads((entry / "COMPLETE").read_text())
+        del manifest["records"]
+        (entry / "COMPLETE").write_text(json.dumps(manifest))
+    size = (entry / record).stat().st_size
+    (entry / record).write_bytes(bytes(size))
+    again = prepare_data(args, tokenizer, 1)
+    assert not again.cache_hit
+    assert again.dataset["input_ids"] == good.dataset["input_ids"] and again.report == good.report
+    assert f"{record} is damaged" in caplog.text and "rebuilding it" in caplog.text
+    assert json.loads((entry / record).read_text())
+    if hashed:  # a change json still parses is damage too where the record is hashed
+        (entry / "key.json").write_text((entry / "key.json").read_text().replace("256", "257"))
+        assert not prepare_data(args, tokenizer, 1).cache_hit
+        assert "key.json is damaged (sha256 mismatch)" in caplog.text
+
+
 def test_key_ignores_how_the_tokenizer_was_loaded(tiny_model_dir, data_file, tmp_path) -> None:
     """HF_HUB_OFFLINE makes transformers record local_files_only in tokenizer_config.json; a relaunch
     with another environment must still hit the same cache (and resume)."""
@@ -180,7 +207,7 @@ def test_a_large_entry_is_checked_by_sizes_and_edges_on_a_hit(tokenizer, data_fi
     args = args_for(data_file, tmp_path / "cache")
     entry = prepare_data(args, tokenizer, 1).cache_path
     manifest = json.loads((entry / "COMPLETE").read_text())
-    assert set(manifest) == {"key", "files", "sizes", "edges"}
+    assert set(manifest) == {"key", "files", "sizes", "edges", "records"}
     assert prepare_data(args, tokenizer, 1).cache_hit
     arrow = next(entry.glob("*.arrow"))
     raw = bytearray(arrow.read_bytes())
