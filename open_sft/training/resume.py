@@ -16,8 +16,9 @@ from open_sft.data.template_date import dates_of
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import (CHECKPOINTS, DAMAGED, STATE_FILE, ResumePoint, continued, problem_with,
-                                         step_dirs, timeline_of)
+from open_sft.training.checkpoint import (CHECKPOINTS, STATE_FILE, ResumePoint, continued, problem_with, step_dirs,
+                                         timeline_of)
+from open_sft.training.damage import DAMAGED
 from open_sft.training.elastic import convertible, rescalable
 from open_sft.training.steps import balances
 
