@@ -15,7 +15,8 @@ Layout of OUTPUT_DIR/checkpoints/step_N/ (N = optimizer steps done):
 A checkpoint is written to step_N.tmp/, fsynced, renamed to step_N/, then metrics.jsonl (whose lines up to
 step N a resume keeps) is fsynced, then COMPLETE is written and fsynced. A directory without COMPLETE, or whose
 files do not match the manifest (or whose tensor files' headers do not read: damage_in), is never resumed from and
-never pruned. Pruning follows COMPLETE; a kill between the two leaves one checkpoint too many, which the next start
+never pruned (but one without COMPLETE older than a usable one: what a kill while pruning left). Pruning follows
+COMPLETE; a kill between the two leaves one checkpoint too many, which the next start
 deletes (`Checkpointer.restore`).
 """
 
@@ -186,19 +187,29 @@ def publish(tmp: Path, final: Path, step: int, covers: Collection[Path] = ()) ->
 
 
 def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep` usable ones; never an incomplete one, nor one
-    in `busy` (its upload is queued or running: a later prune deletes it). keep -1: keep all."""
+    """Delete complete checkpoints beyond the newest `keep` usable ones (COMPLETE first: a kill part-way leaves an
+    incomplete one, never resumed from), nor one in `busy` (its upload is queued or running: a later prune deletes
+    it). An incomplete one is never touched unless it is older than a usable one: then it can only be what a kill
+    during an earlier prune left (a kill while one is written leaves the newest), and it is deleted, with a line.
+    keep -1: keep all."""
     if keep < 0:
         return []
-    usable = 0
-    removed = []
+    usable, newest, removed = 0, None, []
     for _, path in step_dirs(root):
+        if not (path / COMPLETE).is_file():
+            if newest is not None:
+                shutil.rmtree(path)
+                logger.info("deleted %s: it has no COMPLETE and is older than %s, a usable checkpoint: what a kill "
+                            "while pruning it left", path, newest.name)
+            continue
         if usable < keep:
-            usable += problem_with(path) is None
+            if problem_with(path) is None:
+                usable, newest = usable + 1, newest or path
             continue
         if path in busy:
             logger.info("keeping old checkpoint %s until its upload ends", path)
-        elif (path / COMPLETE).is_file():
+        else:
+            (path / COMPLETE).unlink()
             shutil.rmtree(path)
             removed.append(path)
     return removed
@@ -249,19 +260,22 @@ class Checkpointer:
         self.state_io.load(str(resume.path))
         self.trainer.load_state_dict(resume.state)
         if self.accelerator.is_main_process:
-            self._finish_pruning(resume.path)
+            self._finish_pruning(resume)
         return resume.step
 
-    def _finish_pruning(self, resumed: Path) -> None:
-        """The pruning a kill between a checkpoint's COMPLETE and its pruning left undone: when resuming from the
-        newest checkpoint of this run (a named older one had the newer ones moved aside:
-        resume.set_aside_other_timeline)."""
+    def _finish_pruning(self, resumed: ResumePoint) -> None:
+        """The pruning a kill between a checkpoint's COMPLETE and its pruning left undone, or a lowered
+        --keep_last_n_checkpoints asks for: when resuming from the newest checkpoint of this run (a named older one
+        had the newer ones moved aside: resume.set_aside_other_timeline)."""
         newest = step_dirs(self.root)[:1]
-        if not newest or newest[0][1].resolve() != resumed.resolve():
+        if not newest or newest[0][1].resolve() != resumed.path.resolve():
             return
+        earlier = ((resumed.state.get("config") or {}).get("checkpoint") or {}).get("keep_last_n_checkpoints")
+        lowered = isinstance(earlier, int) and (earlier < 0 or earlier > self.keep >= 0)
+        why = (f"lowered from {earlier} since the checkpoints were written" if lowered
+               else "the pruning the last run was stopped before")
         for path in prune(self.root, self.keep):
-            logger.info("deleted old checkpoint %s (--keep_last_n_checkpoints %d): the pruning the last run was "
-                        "stopped before", path, self.keep)
+            logger.info("deleted old checkpoint %s (--keep_last_n_checkpoints %d): %s", path, self.keep, why)
 
     def finish_uploads(self) -> None:
         """Main process, after the other ranks are released: wait (bounded) for the checkpoint uploads,

@@ -45,6 +45,36 @@ def test_prune_never_touches_an_incomplete_checkpoint(tmp_path) -> None:
     assert sorted(p.name for p in root.iterdir()) == ["step_10.tmp", "step_6", "step_8"]
 
 
+def test_what_a_kill_while_pruning_leaves_is_deleted_by_the_next_pruning(tmp_path, monkeypatch, caplog) -> None:
+    """hunt C F5: rmtree unlinks in the filesystem's order (COMPLETE first on tmpfs), so a kill while pruning
+    step_2 left an incomplete step_2 that prune never touched: a leak of a whole checkpoint, forever. Pruning now
+    deletes COMPLETE first, and an incomplete checkpoint older than a usable one is deleted with a line."""
+    import shutil
+
+    from open_sft.training import checkpoint
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4, 6))
+    (root / "step_2" / "optimizer.bin").write_bytes(b"o" * 100)
+    real = shutil.rmtree
+
+    def killed(path, *args, **kwargs):  # the kill, part-way: what it has unlinked so far stays unlinked
+        (path / "trainer_state.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune(root, keep=2)
+    assert not (root / "step_2" / "COMPLETE").exists() and (root / "step_2" / "optimizer.bin").exists()
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    _publish_steps(root, (8,))
+    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpoint"):
+        assert [p.name for p in checkpoint.prune(root, keep=2)] == ["step_4"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
+    assert (f"deleted {root / 'step_2'}: it has no COMPLETE and is older than step_8, a usable checkpoint: what a "
+            "kill while pruning it left") in caplog.text
+
+
 def test_damaged_checkpoint_is_detected(tmp_path) -> None:
     import torch
 
@@ -310,6 +340,22 @@ def test_a_resume_completes_the_pruning_a_kill_left_undone(tmp_path, caplog) -> 
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
     assert f"deleted old checkpoint {root / 'step_2'} (--keep_last_n_checkpoints 2): the pruning the last run was " \
            "stopped before" in caplog.text
+
+
+def test_a_lowered_keep_says_so_when_the_resume_prunes(tmp_path, caplog) -> None:
+    """hunt C F9: a relaunch with --keep_last_n_checkpoints 1 over checkpoints kept under 3 said 'the pruning the
+    last run was stopped before'; the setting changed."""
+    from open_sft.training.checkpoint import ResumePoint
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4, 6))
+    state = {"step": 6, "config": {"checkpoint": {"keep_last_n_checkpoints": 3}}}
+    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpoint"):
+        _checkpointer(tmp_path, keep=1).restore(ResumePoint(root / "step_6", state))
+    assert sorted(p.name for p in root.iterdir()) == ["step_6"]
+    assert f"deleted old checkpoint {root / 'step_4'} (--keep_last_n_checkpoints 1): lowered from 3 since the " \
+           "checkpoints were written" in caplog.text
+    assert "stopped before" not in caplog.text
 
 
 def test_a_missing_resume_path_is_refused_before_anything_loads(tmp_path) -> None:
