@@ -96,6 +96,22 @@ def out_of_space(exc: BaseException, path: Path) -> Optional[str]:
     return None
 
 
+def refused_write(exc: BaseException, path: Path) -> Optional[tuple[str, str]]:
+    """(what, fix) when `exc` is a write the system refused: out_of_space's 'PATH: the disk is full (N free)' with
+    'free space there', or a read-only file system or a permission (the file named) with the way to make it
+    writable; else None (another failure: its traceback stays)."""
+    full = out_of_space(exc, path)
+    if full is not None:
+        return full, "free space there"
+    for each in _behind(exc):
+        if isinstance(each, OSError) and each.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            where = each.filename or path
+            if each.errno == errno.EROFS:
+                return f"{where}: the file system is read-only", "remount it read-write (or move the run's files)"
+            return f"{where}: this user may not write there", "give this user write permission there"
+    return None
+
+
 #: what free_before_cleanup notes on an exception: the space a failed write found, before its partial files went
 FREE_BEFORE_CLEANUP = "open_sft_free_before_cleanup"
 

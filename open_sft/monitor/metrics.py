@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from open_sft.durable import refused_write
+from open_sft.errors import UserError
 from open_sft.model.anatomy import text_config
 
 logger = logging.getLogger(__name__)
@@ -175,8 +177,16 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         from open_sft.monitor.tracking import scalars_of
 
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk, a mount gone read-only mid-run: the way out, not a traceback
+            refused = refused_write(exc, self.path)
+            if refused is None:
+                raise
+            raise UserError(f"{refused[0]}: the metrics of step {record.get('step')} could not be appended to "
+                            f"{self.path}; {refused[1]} and rerun the same command: it resumes from the newest "
+                            "complete checkpoint (or step 0), dropping the lines logged after it") from exc
         if self.trackers:
             scalars = scalars_of(record)
             for tracker in self.trackers:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
-from open_sft.durable import fsync_path, fsync_tree, human_size, out_of_space, write_json
+from open_sft.durable import fsync_path, fsync_tree, human_size, refused_write, write_json
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 from open_sft.training.damage import damage_in
@@ -134,23 +134,25 @@ def newest_usable(root: Path) -> Optional[Path]:
 def rerun_after_full_disk(disk: Path, root: Path, what: str | Callable[[BaseException], str], room: str = "",
                           needs: str = "") -> Iterator[None]:
     """A write under the block that the disk holding `disk` refuses for want of space (durable.out_of_space: torch's
-    and the Rust writers' errors, a DCP CheckpointException's too, a BaseException) becomes a UserError saying `what`
-    failed (a callable: told the exception), to free space (`room`: a way to need less) and where the rerun of the
-    same command resumes: the newest complete checkpoint under `root` (the run's checkpoints/), and what the rerun
-    needs (`needs`; by default one more checkpoint: as much as the newest). Other errors pass through."""
+    and the Rust writers' errors, a DCP CheckpointException's too, a BaseException), or as read-only or not this
+    user's (durable.refused_write), becomes a UserError saying `what` failed (a callable: told the exception), the
+    fix (`room`: a way to need less space) and where the rerun of the same command resumes: the newest complete
+    checkpoint under `root` (the run's checkpoints/), and what the rerun needs (`needs`; by default one more
+    checkpoint: as much as the newest). Other errors pass through."""
     try:
         yield
     except BaseException as exc:
-        full = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else out_of_space(exc, disk)
-        if full is None:
+        refused = None if isinstance(exc, (KeyboardInterrupt, SystemExit)) else refused_write(exc, disk)
+        if refused is None:
             raise
+        reason, fix = refused
         newest = newest_usable(root)
         size = needs or f"{human_size(_size(newest)) if newest else ''}: about what one more needs"
         where = (f"from the newest complete checkpoint, {newest.name} ({size})" if newest is not None
                  else f"from step 0 (no complete checkpoint yet{f'; {needs}' if needs else ''})")
         what = what(exc) if callable(what) else what
-        raise UserError(f"{full}: {what}; free space there{f' ({room})' if room else ''} and rerun the same "
-                        f"command: it resumes {where}") from exc
+        room = f" ({room})" if room and fix == "free space there" else ""
+        raise UserError(f"{reason}: {what}; {fix}{room} and rerun the same command: it resumes {where}") from exc
 
 
 def timeline_of(checkpoint: Optional[Path]) -> Optional[str]:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ContextManager, Optional
 
+from open_sft.durable import refused_write
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -72,8 +73,27 @@ class OutputDirLock:
 
     @classmethod
     def acquire(cls, output_dir: Path) -> "OutputDirLock":
+        """The lock, or a UserError: another run holds it, or the disk refuses its write (full, read-only: the
+        lock is the first thing a run writes there)."""
         path = output_dir / LOCK_NAME
         created = (not output_dir.exists(), not path.exists())
+        try:
+            return cls._acquire(output_dir, path, created)
+        except OSError as exc:
+            refused = refused_write(exc, output_dir)
+            if refused is None:
+                raise
+            with contextlib.suppress(OSError):  # a failed start leaves nothing behind, as release() does
+                if created[1]:
+                    path.unlink()
+                if created[0]:
+                    output_dir.rmdir()
+            raise UserError(f"{refused[0]}: --output_dir {output_dir} could not be written (its lock file "
+                            f"{LOCK_NAME}, the first thing a run writes there); {refused[1]} and rerun the same "
+                            "command") from exc
+
+    @classmethod
+    def _acquire(cls, output_dir: Path, path: Path, created: tuple[bool, bool]) -> "OutputDirLock":
         output_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -95,7 +115,11 @@ class OutputDirLock:
             logger.warning("--output_dir %s: taking over the lock of a run that is gone (%s)", output_dir,
                            previous.describe())
         lease = Lease(host, os.getpid(), time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.time())
-        _write(fd, lease)
+        try:
+            _write(fd, lease)
+        except OSError:
+            os.close(fd)
+            raise
         return cls(path, fd, lease, created)
 
     def _beat(self) -> None:
