@@ -147,11 +147,12 @@ def rerun_after_full_disk(disk: Path, root: Path, what: str | Callable[[BaseExce
             raise
         reason, fix = refused
         newest = newest_usable(root)
-        size = needs or f"{human_size(_size(newest)) if newest else ''}: about what one more needs"
-        where = (f"from the newest complete checkpoint, {newest.name} ({size})" if newest is not None
-                 else f"from step 0 (no complete checkpoint yet{f'; {needs}' if needs else ''})")
+        full = fix == "free space there"  # what the rerun needs and a way to need less: said of a full disk
+        size = f" ({needs or human_size(_size(newest)) + ': about what one more needs'})" if full and newest else ""
+        where = (f"from the newest complete checkpoint, {newest.name}{size}" if newest is not None
+                 else f"from step 0 (no complete checkpoint yet{f'; {needs}' if needs and full else ''})")
         what = what(exc) if callable(what) else what
-        room = f" ({room})" if room and fix == "free space there" else ""
+        room = f" ({room})" if room and full else ""
         raise UserError(f"{reason}: {what}; {fix}{room} and rerun the same command: it resumes {where}") from exc
 
 
