@@ -13,7 +13,8 @@ from peft import PeftModel
 
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
-from open_sft.export.run_dir import adapter_base, fit_base_to_adapter, load_adapter_base, load_saved_tokenizer
+from open_sft.export.run_dir import (adapter_base, base_loading, fit_base_to_adapter, load_adapter_base,
+                                     load_saved_tokenizer)
 from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, staged_export, write_generation_config
 from open_sft.export.target import check_target
 from open_sft.file_modes import writable_dir_problem
@@ -25,7 +26,9 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
                       base_model: Optional[str] = None, max_shard_size: str | int = "5GB") -> Path:
     """Offline merge of a saved adapter into its base: `open_sft merge-lora ADAPTER OUT`. The merge, files and card
     are --merge_lora_on_save's (merged_state_dict, write_merged_model, the run's generation config and tokenizer),
-    in `dtype` (auto: the base's stored dtype, as the run's export); a base the run resized (added tokens) is
+    in `dtype` (auto: the base's stored dtype, as the run's export); a QLoRA run's adapter (run.json says so) is
+    merged into the 4-bit NF4 base it trained against, dequantized, and is bf16 under auto, as its merged/: the
+    unquantized base would give another model than the one training saw; a base the run resized (added tokens) is
     resized to the adapter's tokenizer first (open_sft.export.run_dir.fit_base_to_adapter). `output_dir` is new, empty
     or an earlier output of these commands (open_sft.export.target), written through a staging directory."""
     from open_sft.export.model_card import render_model_card
@@ -41,8 +44,10 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
         raise UserError(f"{output_dir}: {why}; pass a directory for the merged model (it is created if missing)")
     check_target(output_dir, COMMAND, {"the adapter's directory": str(adapter_dir),
                                        "the base model": adapter_base(adapter_dir, base_model)})
-    model, _ = load_adapter_base(adapter_dir, base_model, dtype="auto")
-    torch_dtype = save_dtype(dtype, model.config)
+    loading = base_loading(adapter_dir)
+    model, _ = load_adapter_base(adapter_dir, base_model, **loading)
+    qlora_auto = "quantization_config" in loading and dtype == "auto"  # merged_state_dict's bf16, as the run's
+    torch_dtype = None if qlora_auto else save_dtype(dtype, model.config)
     tokenizer = load_saved_tokenizer(adapter_dir)
     fit_base_to_adapter(model, adapter_dir, tokenizer)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
@@ -50,7 +55,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     created = not output_dir.exists()
     try:
         with staged_export(output_dir, written_by=COMMAND) as staging:  # a failed merge leaves OUT as it was
-            write_merged_model(peft_model, cast_floating(merged, torch_dtype), staging, max_shard_size)
+            write_merged_model(peft_model, cast_floating(merged, torch_dtype) if torch_dtype else merged, staging,
+                               max_shard_size)
             save_tokenizer(tokenizer, staging)
             write_generation_config(peft_model.get_base_model().generation_config, tokenizer, staging)
             (staging / "README.md").write_text(render_model_card(adapter_dir, merged=True))

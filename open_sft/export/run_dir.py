@@ -94,9 +94,10 @@ def load_saved_tokenizer(directory: Path) -> Any:
     return tokenizer  # without a chat template (a model trained on plain text): generate and chat continue text
 
 
-def _base_loading(directory: Path) -> dict[str, Any]:
+def base_loading(directory: Path) -> dict[str, Any]:
     """from_pretrained's arguments for an adapter's base: its own dtype; for a QLoRA run (run.json says so) the
-    4-bit NF4 base it trained against, as training quantized it, on the GPU when there is one."""
+    4-bit NF4 base it trained against, as training quantized it, on the GPU when there is one (generate, chat and
+    open_sft merge-lora, which merges into that base dequantized, as the run's merged/ is)."""
     import torch
 
     info = _read_run_json(directory)
@@ -163,7 +164,7 @@ def load_adapter_base(directory: Path, base_model: Optional[str], **loading: Any
 def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
     from peft import PeftModel
 
-    model, base = load_adapter_base(directory, base_model, **_base_loading(directory))
+    model, base = load_adapter_base(directory, base_model, **base_loading(directory))
     fit_base_to_adapter(model, directory, tokenizer)
     try:
         with warnings.catch_warnings():  # peft asks transformers' deprecated name; nothing the user can change
