@@ -32,6 +32,7 @@ HYPERPARAMETERS = (
     ("lora", "lora_alpha"),
 )
 FINAL_METRICS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
+EVAL_METRICS = ("eval_loss", "eval_tokens")  # and eval_loss/<source>, from the last evaluation
 MERGED_DIR = "merged"  # open_sft.export.save.MERGED_DIR (not imported: that module pulls in torch and peft)
 EXPORT_RECORD = "export.json"  # open_sft.export.from_checkpoint's record of the checkpoint it exported
 HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<id>[^/]+)/snapshots/[^/]+/?$")  # the cache writes ORG/NAME as ORG--NAME
@@ -55,8 +56,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _last_train_record(path: Path) -> Optional[dict[str, Any]]:
-    return next((r for r in reversed(_records(path)) if "loss" in r), None)
+def _last_record(path: Path, key: str) -> Optional[dict[str, Any]]:
+    """The last metrics.jsonl line with `key`: "loss" for a training step, "eval_loss" for an evaluation."""
+    return next((r for r in reversed(_records(path)) if key in r), None)
 
 
 def epochs_trained(output_dir: Path, info: dict[str, Any]) -> tuple[Optional[float], Optional[int]]:
@@ -189,12 +191,26 @@ def _settings_by_steps_section(ranges: list[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def _how_spread(info: dict[str, Any]) -> str:
+    """The run's layout as its log said it ("2 processes: DeepSpeed ZeRO-3, dp_replicate 1 × dp_shard 2"), from
+    run.json's launch record; accelerate's DistributedType name ("NO") was all a card said before."""
+    recorded = info.get("launch", {}).get("parallelism")
+    if recorded:
+        from dataclasses import fields
+
+        from open_sft.distributed.parallelism import Parallelism
+
+        return Parallelism(**{f.name: recorded[f.name] for f in fields(Parallelism) if f.name in recorded}).describe()
+    world, stage = info.get("world_size", 1), (info.get("deepspeed_config") or {}).get("zero_optimization", {})
+    kind = info.get("distributed_type", "NO")
+    return (f"{world} process{'es' * (world != 1)}, {'not distributed' if kind == 'NO' else kind}"
+            + (f" (ZeRO stage {stage['stage']})" if "stage" in stage else ""))
+
+
 def _training_section(info: dict[str, Any]) -> list[str]:
     schedule = info.get("schedule", {})
-    stage = (info.get("deepspeed_config") or {}).get("zero_optimization", {}).get("stage")
     versions = info.get("versions", {})
-    how = [f"- {info.get('world_size', 1)} process(es), {info.get('distributed_type', 'NO')}"
-           + (f" (ZeRO stage {stage})" if stage is not None else "") + f", compute dtype {info.get('compute_dtype')}",
+    how = [f"- {_how_spread(info)}; compute dtype {info.get('compute_dtype')}",
            f"- global batch {schedule.get('global_batch_size')} examples, {schedule.get('total_steps')} optimizer "
            f"steps ({schedule.get('warmup_steps')} warmup)",
            f"- loss: {info.get('loss_normalization')}-normalised cross-entropy on the trained tokens",
@@ -204,12 +220,18 @@ def _training_section(info: dict[str, Any]) -> list[str]:
             ""] + how + [""]
 
 
-def _metrics_section(record: Optional[dict[str, Any]]) -> list[str]:
-    if record is None:
+def _metrics_section(record: Optional[dict[str, Any]], evaluation: Optional[dict[str, Any]]) -> list[str]:
+    """The last training step's metrics, then the last evaluation's (its step named where it is another)."""
+    if record is None and evaluation is None:
         return ["## Final metrics", "", "No metrics were logged.", ""]
+    rows = [(k, record[k]) for k in FINAL_METRICS if k in record] if record else []
+    if evaluation:
+        if not record or evaluation.get("step") != record.get("step"):
+            rows.append(("eval step", evaluation.get("step")))
+        rows += [(k, evaluation[k]) for k in EVAL_METRICS if k in evaluation]
+        rows += [(k, v) for k, v in evaluation.items() if k.startswith("eval_loss/")]
     lines = ["## Final metrics", "", "| metric | value |", "| --- | --- |"]
-    lines += [f"| {k} | {record[k]:.6g} |" if isinstance(record[k], float) else f"| {k} | {record[k]} |"
-              for k in FINAL_METRICS if k in record]
+    lines += [f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows]
     return lines + [""]
 
 
@@ -232,7 +254,8 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
     body += _data_section(report)
     body += _hyperparameter_section(args, epochs)
     body += _settings_by_steps_section(info.get("settings_by_steps") or [])
-    body += _metrics_section(_last_train_record(output_dir / "metrics.jsonl"))
+    metrics = output_dir / "metrics.jsonl"
+    body += _metrics_section(_last_record(metrics, "loss"), _last_record(metrics, "eval_loss"))
     body += _training_section(info)
     library = "peft" if adapter and not merged else "transformers"
     datasets = tuple(s["name"] for s in report.get("sources", []) if s.get("hub_dataset") and s.get("name"))

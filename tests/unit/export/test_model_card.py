@@ -73,3 +73,29 @@ def test_the_front_matter_names_the_hub_datasets_the_run_read(tmp_path) -> None:
     assert str(local) in card  # the data section names it
     (run / "data_report.json").write_text(json.dumps({"sources": sources[1:2]}))
     assert "datasets:" not in render_model_card(run)
+
+
+def test_final_metrics_hold_the_last_evaluation_and_the_layout_is_in_words(tmp_path) -> None:
+    """The card's Final metrics list the last training step's numbers and, when the run evaluated, its last
+    eval_loss, eval_tokens and eval_loss/<source> (the held-out loss a reader wants; only report/summary.md had
+    it), with the evaluation's step where it is another; the layout reads as the run's log line, not accelerate's
+    DistributedType name ("1 process(es), NO")."""
+    from open_sft.export.model_card import render_model_card
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"step": 9, "loss": 7.25, "train_tokens": 90}, {"step": 10, "loss": 7.0, "train_tokens": 100},
+             {"step": 10, "eval_loss": 6.65691234, "eval_tokens": 60, "eval_loss/chat": 6.5, "eval_loss/math": 7.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (run / "run.json").write_text(json.dumps({"world_size": 1, "distributed_type": "NO", "launch": {"parallelism": {
+        "engine": "single", "world_size": 1, "zero_stage": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "sp": 1,
+        "pp": 1, "virtual_stages": 1, "dp_replicas": 1}}}))
+    card = render_model_card(run)
+    metrics = card.split("## Final metrics\n\n")[1].split("\n\n")[0]
+    assert metrics.splitlines()[2:] == ["| step | 10 |", "| loss | 7 |", "| train_tokens | 100 |",
+                                        "| eval_loss | 6.65691 |", "| eval_tokens | 60 |", "| eval_loss/chat | 6.5 |",
+                                        "| eval_loss/math | 7 |"]
+    assert "- 1 process: plain torch, dp_replicate 1 × dp_shard 1; compute dtype" in card and ", NO" not in card
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[:1] + lines[2:]))
+    card = render_model_card(run)  # an evaluation after the last logged step: its step named
+    assert "| step | 9 |\n| loss | 7.25 |\n| train_tokens | 90 |\n| eval step | 10 |\n| eval_loss |" in card
