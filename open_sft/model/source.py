@@ -105,10 +105,20 @@ def tokenizer_problem(flag: str, name: str) -> Optional[str]:
 
 
 def model_file_problem(name: str) -> Optional[str]:
-    """Why the local `name` given to --model_name_or_path is no model directory: a file; None otherwise."""
-    if Path(name).expanduser().is_file():
+    """Why the local `name` given to --model_name_or_path is no model directory: a file, or a LoRA run's output
+    (an adapter without config.json, which transformers calls 'Unrecognized model ... Should have a model_type key
+    in its config.json' after the data is tokenized); None otherwise."""
+    path = Path(name).expanduser()
+    if path.is_file():
         return (f"--model_name_or_path {name} is a file; pass the directory holding the model's config.json and "
                 "weights")
+    if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        merged = path / "merged"
+        way = (f"pass its merged model, {merged} (--merge_lora_on_save wrote it)" if (merged / "config.json").is_file()
+               else f"merge it into its base first, `python -m open_sft merge-lora {name} {name.rstrip('/')}_merged`, "
+               "and pass that directory")
+        return (f"--model_name_or_path {name} is a LoRA adapter (adapter_config.json, no config.json), not a model "
+                f"to fine-tune from; {way}")
     return None
 
 

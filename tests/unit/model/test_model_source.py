@@ -65,3 +65,20 @@ def test_a_hub_id_offline_outside_the_cache_says_so() -> None:  # HF_HUB_OFFLINE
     text = tokenizer_error("open-sft-nobody/no-such-model")
     assert ("--model_name_or_path open-sft-nobody/no-such-model: no such local directory, and as a Hub id it is not "
             "in the local Hugging Face cache") in text and "HF_HUB_OFFLINE is set" in text
+
+
+def test_a_lora_runs_output_is_named_as_an_adapter_with_the_way_on(tmp_path) -> None:
+    """A LoRA run's output (adapter_config.json, no config.json) as the model to train from is refused up front,
+    before any data is tokenized, as an adapter with the way on: its merged/ where the run wrote one, else open_sft
+    merge-lora (it was 'could not load the model config (Unrecognized model ...)' after the data was tokenized)."""
+    adapter = tmp_path / "lora_run"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "base")}))
+    text = problems(tmp_path, "--model_name_or_path", str(adapter))
+    assert (f"--model_name_or_path {adapter} is a LoRA adapter (adapter_config.json, no config.json), not a model to "
+            f"fine-tune from; merge it into its base first, `python -m open_sft merge-lora {adapter} "
+            f"{adapter}_merged`, and pass that directory") in text
+    (adapter / "merged").mkdir()
+    (adapter / "merged" / "config.json").write_text("{}")
+    assert f"; pass its merged model, {adapter / 'merged'} (--merge_lora_on_save wrote it)" in problems(
+        tmp_path, "--model_name_or_path", str(adapter))
