@@ -119,9 +119,11 @@ def prepare_data(job: Job) -> None:
     """Tokenizer with its chat template; the training (and evaluation) examples, from the cache when it has them."""
     from open_sft.data.chat.render import warn_split_turn_closers
     from open_sft.data.chat.templates import apply_chat_template_choice
-    from open_sft.data.prepare import prepare_run_data
+    from open_sft.data.prepare import ResumedDataDiffer, prepare_run_data
     from open_sft.data.summary import report_data
     from open_sft.model.tokenizer import add_bos_to_template, load_tokenizer
+    from open_sft.training.resume import changed_data_refusal, run_identity
+    from open_sft.training.run_settings import settings
 
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
     job.tokenizer = load_tokenizer(m)
@@ -129,7 +131,13 @@ def prepare_data(job: Job) -> None:
     warn_split_turn_closers(job.tokenizer)
     if d.add_bos:
         add_bos_to_template(job.tokenizer)
-    job.data, job.eval_data = prepare_run_data(d, job.tokenizer, seed, job.resuming)
+    try:
+        job.data, job.eval_data = prepare_run_data(d, job.tokenizer, seed, job.resuming)
+    except ResumedDataDiffer as exc:  # before tokenizing: the flags that changed, not the two cache keys
+        current = run_identity(job.config, exc.key, job.launch.parallelism)
+        if job.config.train.auto_micro_batch_size:  # settled by build_model, later: not compared here
+            del current["micro_batch_size"], current["gradient_accumulation_steps"]
+        raise changed_data_refusal(job.resuming, settings(job.given or job.config), current) from None
     if _is_main_rank() and not d.cache_dataset_only:
         report_data(job.data, job.eval_data, d, job.tokenizer, examples=job.config.train.dry_run)
 

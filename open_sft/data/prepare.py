@@ -119,18 +119,32 @@ def _build_uncached(args: DataArguments, tokenizer: PreTrainedTokenizerBase, see
     return datasets.load_from_disk(str(tmp / "data")), report
 
 
+class ResumedDataDiffer(UserError):
+    """The tokenized data a resume would train on are not its checkpoint's (their cache keys differ), found before
+    they are tokenized; the run phase (open_sft.run) names the flags that changed in their place."""
+
+    def __init__(self, recorded: str, key: str):
+        super().__init__(f"cannot resume: the checkpoint's tokenized data are {recorded}, this run's {key}; relaunch "
+                         "with the checkpoint's data settings, or start over with --resume_from_checkpoint none")
+        self.recorded, self.key = recorded, key
+
+
 def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
                  holdout: Optional[tuple[str, float]] = None, resuming: Optional[dict] = None,
                  clock: Optional[datetime.datetime] = None) -> PreparedData:
     """Tokenized training data from the cache, building (once, under a lock) on a miss. `holdout` ("train" or
     "eval", ratio) builds one side of --eval_split_ratio, each side with its own cache entry. `resuming`: the
-    trainer state of the checkpoint a resume reads (its data are kept where only the template's date differs).
+    trainer state of the checkpoint a resume reads (its data are kept where only the template's date differs; other
+    data are refused here, ResumedDataDiffer).
     `clock`: the run's moment for a template that writes the date (template_date.read_clock, read once per run;
     read here where not given): the key holds its date and every render of the build writes it."""
     clock = clock or read_clock(tokenizer.chat_template)
     inputs = key_inputs(args, tokenizer, seed, holdout, clock)
     key = cache_key(inputs)
     inputs, key, identity_key = _resumed_dates(args, inputs, key, resuming)
+    recorded = ((resuming or {}).get("identity") or {}).get("dataset_cache_key")
+    if recorded and recorded != identity_key:  # the resume would refuse them, after tokenizing and the model
+        raise ResumedDataDiffer(recorded, identity_key)
     remember(identity_key, inputs.get("template_date"))
     if args.dataset_skip_cache:
         with clock_at(clock):

@@ -51,6 +51,7 @@ MODEL_FILES = "model"
 METRICS_FILE = "metrics.jsonl"
 FORMAT_VERSION = 1
 TIMELINE_KEY = "timeline_from"  # in trainer_state.json: timeline_of
+PEEKED_PATH = "peeked_from"  # added by elastic.peek to the trainer state it read (never written): which checkpoint
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

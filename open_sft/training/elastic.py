@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import CHECKPOINTS, STATE_FILE, ResumePoint, continued, newest_usable, problem_with
+from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, newest_usable,
+                                         problem_with)
 from open_sft.training.completion import resume_setting
 from open_sft.training.portable import ENGINE_WORDS, refusal
 
@@ -126,7 +127,8 @@ def describe(saved: dict[str, Any], accumulation: int, world: int, packed: bool)
 def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
     """The trainer state (identity, resolved config, ...) of the checkpoint the run's resume would read
     (open_sft.training.resume chooses it again later, collectively), read by every rank on its own before the
-    process group exists; None for a fresh start or a checkpoint that is not usable (the resume says why)."""
+    process group exists, with its path (PEEKED_PATH); None for a fresh start or a checkpoint that is not usable
+    (the resume says why)."""
     setting = resume_setting(config)
     if setting == "none":
         return None
@@ -137,7 +139,7 @@ def peek(config: FinetuneConfig) -> Optional[dict[str, Any]]:
         path = path if problem_with(path) is None else None
     if path is None:
         return None
-    return json.loads((path / STATE_FILE).read_text())
+    return {**json.loads((path / STATE_FILE).read_text()), PEEKED_PATH: str(path)}
 
 
 def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], state: Optional[dict[str, Any]],

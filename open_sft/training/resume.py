@@ -16,8 +16,8 @@ from open_sft.data.template_date import dates_of
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import (CHECKPOINTS, STATE_FILE, ResumePoint, continued, problem_with, step_dirs,
-                                         timeline_of)
+from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, problem_with,
+                                         step_dirs, timeline_of)
 from open_sft.training.damage import DAMAGED
 from open_sft.training.elastic import convertible, rescalable
 from open_sft.training.steps import balances
@@ -51,6 +51,14 @@ IDENTITY_FLAGS = {
 IDENTITY_BEFORE_RECORDED = {"balanced": False, "sequence_parallel_size": 1, "tensor_parallel_size": 1,
                             "pipeline_parallel_size": 1}
 ENGINES = {"deepspeed": "deepspeed", "fsdp2": "fsdp2"}  # the run's engine → checkpoint format; else torch
+# The flags that shape the tokenized data (open_sft.data.cache_inputs.key_inputs), by their names in the settings
+# a checkpoint records: the ones a resume's changed data are named by.
+DATA_FLAGS = frozenset({
+    "dataset_mixer_list", "dataset_mixer_list_splits", "dataset_config_name", "dataset_mixer_unit", "dataset_format",
+    "chat_template_name", "chat_template_path", "chat_template_kwargs", "dataset_mixer_list_chat_template_kwargs",
+    "reasoning_loss", "reasoning_history", "add_bos", "sft_messages_key", "dataset_text_field", "on_bad_row",
+    "eval_split_ratio", "max_seq_length", "truncation", "train_on", "model_name_or_path", "tokenizer_name_or_path",
+    "tokenizer_revision", "model_revision", "add_tokens", "add_special_tokens", "seed"})
 
 
 def newest_complete(root: Path) -> Optional[Path]:
@@ -124,8 +132,9 @@ def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) ->
                    ", ".join(path.name for path in reversed(other)), target)
 
 
-def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
+def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The identity settings a resume may not change, each as `what: checkpoint X, now Y` (of those `current`
+    holds)."""
     saved = {**IDENTITY_BEFORE_RECORDED, **saved}
     # another number of ranks goes on when the global batch is kept (open_sft.training.elastic fitted the
     # accumulation, or refused, before the model was built)
@@ -136,15 +145,47 @@ def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any])
         {"engine"} if convertible(saved, current) else set())
     if saved.get("pipeline_parallel_size") != current.get("pipeline_parallel_size"):
         allowed.add("engine")  # the pipeline's own line names the reason (stages, not another engine's format)
-    differences = [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
-                   for key in IDENTITY_FLAGS if key in saved and saved[key] != current[key] and key not in allowed]
+    return [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
+            for key in IDENTITY_FLAGS if key in saved and key in current and saved[key] != current[key]
+            and key not in allowed]
+
+
+def _refusal(path: Any, differences: list[str]) -> UserError:
+    lines = "\n".join(f"  - {d}" for d in differences)
+    return UserError(
+        f"cannot resume from {path}: it was written with different settings:\n{lines}\n"
+        "Relaunch with the checkpoint's settings to continue that run, or start over with "
+        "--resume_from_checkpoint none (earlier checkpoints are moved aside) or another --output_dir."
+    )
+
+
+def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
+    differences = _differences(saved, current)
     if differences:
-        lines = "\n".join(f"  - {d}" for d in differences)
-        raise UserError(
-            f"cannot resume from {path}: it was written with different settings:\n{lines}\n"
-            "Relaunch with the checkpoint's settings to continue that run, or start over with "
-            "--resume_from_checkpoint none (earlier checkpoints are moved aside) or another --output_dir."
-        )
+        raise _refusal(path, differences)
+
+
+def changed_data_refusal(state: dict[str, Any], now: dict[str, Any], current: dict[str, Any]) -> UserError:
+    """check_compatible's refusal of a resume whose tokenized data are not its checkpoint's, said before they are
+    tokenized and the model loaded (`state`: the checkpoint's trainer state as elastic.peek read it; `now`: this
+    launch's settings; `current`: its run_identity, with the data's key): the cache keys' line names in their place
+    each flag that shapes the data, with its value in the checkpoint and now, where one changed (else a source
+    file's contents, the tokenizer's files or the chat template did, and the keys stay)."""
+    from open_sft.training.run_settings import checkpoint_settings, differences
+
+    then = {k: v for k, v in checkpoint_settings(state).items() if k in DATA_FLAGS}
+    named = differences(then, now, "in the checkpoint")
+    lines, flags = [], {line.split(":")[0] for line in named}
+    for line in _differences(state.get("identity") or {}, current):
+        if line.split(":")[0] in flags:  # --seed: named once
+            continue
+        if line.startswith(IDENTITY_FLAGS["dataset_cache_key"]):
+            lines += named or [f"{line} (no flag that shapes them changed: a source file's contents, the tokenizer's "
+                               "files or the chat template did)"]
+        else:
+            lines.append(line)
+    return _refusal(state.get(PEEKED_PATH, "the checkpoint"), lines)
 
 
 def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_main: bool) -> Optional[ResumePoint]:

@@ -98,6 +98,14 @@ def _compared(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in CHECKED_BY_IDENTITY}
 
 
+def checkpoint_settings(state: dict[str, Any]) -> dict[str, Any]:
+    """The settings the checkpoint whose trainer state is `state` trained its last step with: its history's last
+    range up to its step, else (written before histories were kept) its resolved config's."""
+    saved = state.get("config") or {}
+    history = [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= state.get("step", 0)]
+    return history[-1]["settings"] if history else _flat(saved)
+
+
 def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any], allow: bool,
                       is_main: bool) -> list[dict[str, Any]]:
     """The settings history of this launch: the checkpoint's, up to its step, and this launch's settings `now`

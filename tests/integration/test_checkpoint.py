@@ -441,7 +441,7 @@ def test_resume_refused_on_changed_data_or_batch_layout(single, tiny_model_dir) 
     assert "cannot resume from" in message and f"step_{STEPS}" in message
     assert "--per_device_train_batch_size: checkpoint 4, now 2" in message
     assert "--gradient_accumulation_steps: checkpoint 2, now 4" in message
-    assert "the tokenized data (cache key" in message
+    assert "--max_seq_length: 256 in the checkpoint, 200 now" in message  # the data's flag, before tokenizing
     assert "--resume_from_checkpoint none" in message
     assert complete_steps(single["out"]) == [STEPS - 2, STEPS]  # nothing touched
     assert (single["out"] / "RUN_COMPLETE").is_file()  # refused before training: the run is still complete

@@ -14,7 +14,7 @@ from transformers.utils import chat_template_utils
 from open_sft.config.args import DataArguments
 from open_sft.data import cache
 from open_sft.data.cache_inputs import key_inputs
-from open_sft.data.prepare import prepare_data
+from open_sft.data.prepare import ResumedDataDiffer, prepare_data
 from open_sft.data.template_date import dates_of
 
 DATED = ("{{ bos_token }}{% set today = strftime_now('%d %b %Y') %}"
@@ -84,8 +84,9 @@ def test_a_resume_on_another_day_keeps_its_data(dated, args, monkeypatch, caplog
     rebuilt = prepare_data(args, dated, 0, resuming=resuming)
     assert rebuilt.cache_key == first.cache_key and rebuilt.cache_path != first.cache_path
     assert "07 Dec 2026" in dated.decode(rebuilt.dataset[0]["input_ids"]) and "the resume goes on" in caplog.text
-    other = prepare_data(DataArguments(**{**vars(args), "max_seq_length": 100}), dated, 0, resuming=resuming)
-    assert other.cache_key != first.cache_key
+    with pytest.raises(ResumedDataDiffer) as info:  # refused before tokenizing (open_sft.run names the flag)
+        prepare_data(DataArguments(**{**vars(args), "max_seq_length": 100}), dated, 0, resuming=resuming)
+    assert info.value.recorded == first.cache_key != info.value.key
 
 
 def test_the_checkpoint_records_the_date_and_a_resume_does_not_compare_it(dated, args, monkeypatch) -> None:
