@@ -107,15 +107,16 @@ class StepTimer:
         if self.training is None and self.probe.done:
             probed_from = self.start_step + self.probe.warmup
             self.training = self.warmup_seconds + self.probe.estimate_seconds(probed_from, probed_from)
-            self._say(f"(measured on steps {probed_from + 1}-{done})")
+            self._say(done, f"(measured on steps {probed_from + 1}-{done})")
         elif self.training is not None and self.said != (bool(self.eval_times), bool(self.save_times)):
-            self._say("(refined)")
+            self._say(done, "(refined)")
         return False
 
-    def _say(self, measured: str) -> None:
+    def _say(self, done: int, measured: str) -> None:
+        """Logs the estimate while steps remain: after the last one (a run as short as its probe) it tells nothing."""
         self.estimate, line = self.describe(self.training)
         self.said = (bool(self.eval_times), bool(self.save_times))
-        if self.log is not None:
+        if self.log is not None and done < self.probe.total_steps:
             self.log(f"time estimate: {line} for steps {self.start_step + 1}-{self.probe.total_steps} {measured}")
 
     def describe(self, training: float) -> tuple[float, str]:

@@ -52,6 +52,10 @@ def test_step_timer_estimate_is_warmup_plus_probed_rate() -> None:
     for done, seconds in zip(range(3, 7), [1.0, 0.3, 0.1, 0.4]):
         resumed(done, seconds)
     assert resumed.estimate == pytest.approx(1.0 + 0.001 * sum(slots[3:]))
+    short = preflight.StepTimer(preflight.TimeProbe(4, slots[:4]), 0, log=logged.append)  # probed to its end
+    for done, seconds in zip(range(1, 5), [3.0, 0.1, 0.2, 0.3]):
+        short(done, seconds)
+    assert short.estimate == pytest.approx(3.0 + 0.001 * sum(slots[1:4])) and len(logged) == 1  # not said after it
 
 
 @pytest.mark.parametrize("first, eval_steps, evaluates, every, expected", [
