@@ -12,6 +12,7 @@
   C++ kernels for other formats failed to load against this torch build and that Triton is missing (on a CPU), and
   torch's pytree that torchao registers enums it no longer needs to: none of it touches FP8 training, whose matmul
   is torch's own. Those lines, and only those, are dropped.
+- huggingface_hub's "Model weights successfully saved to" names an export's staging directory, gone after it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class _DropLines(logging.Filter):
 IMPORT_NOISE = {"torchao": _DropLines("Failed to load "),
                 "torchao.kernel.intmm": _DropLines("Detected no triton"),
                 "torch.utils._pytree": _DropLines("is an Enum subclass and is now natively supported")}
+# huggingface_hub's save_torch_state_dict says "Model weights successfully saved to OUT/.export.tmp/merged!" of the
+# staging directory an export writes through (open_sft.export.save.staged_export), which is renamed away after it:
+# the export's own line names where the model is
+STAGED_SAVE = _DropLines("Model weights successfully saved to ")
 
 
 def quiet_kernel_fetch() -> None:
@@ -92,7 +97,9 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
         datasets.disable_progress_bars()
         huggingface_hub.utils.disable_progress_bars()
     quiet_kernel_fetch()
-    for name, drop in IMPORT_NOISE.items():
+    import huggingface_hub.serialization._torch as hub_torch  # it logs by its file's path (getLogger(__file__))
+
+    for name, drop in {**IMPORT_NOISE, hub_torch.__file__: STAGED_SAVE}.items():
         if drop not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop)
     if qlora and importlib.util.find_spec("kernels") is None:

@@ -68,3 +68,17 @@ def test_importing_open_sft_quiets_the_kernel_fetch_before_any_entry_point_impor
         monkeypatch.setattr(logger, "level", logging.NOTSET)
     importlib.reload(open_sft)
     assert [logger.level for logger in loggers] == [logging.ERROR, logging.ERROR]
+
+
+def test_the_staging_directory_of_an_export_is_not_named_as_where_the_model_is(tmp_path, caplog) -> None:
+    """huggingface_hub's save_torch_state_dict (the merged model's writer) logged 'Model weights successfully saved
+    to OUT/.export.tmp/merged!' in `open_sft export` of a LoRA checkpoint: a directory renamed away after it."""
+    import torch
+    from huggingface_hub import save_torch_state_dict
+
+    quiet.quiet_third_parties(False, terminal=True)
+    (tmp_path / ".export.tmp").mkdir()
+    with caplog.at_level(logging.INFO):
+        save_torch_state_dict({"w": torch.zeros(2)}, tmp_path / ".export.tmp")
+    assert (tmp_path / ".export.tmp" / "model.safetensors").is_file()
+    assert not [r.getMessage() for r in caplog.records if ".export.tmp" in r.getMessage()]
