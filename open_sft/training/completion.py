@@ -86,10 +86,16 @@ def already_complete(config: Any) -> Optional[str]:
                         "pass --overwrite_output_dir to train again from scratch")
     differences = _differences(record, config)
     if differences:
+        from open_sft.training.checkpoint import CHECKPOINTS, newest_usable
+
         lines = "\n".join(f"  - {d}" for d in differences)
+        last = newest_usable(output_dir / CHECKPOINTS)  # none where --clean_checkpoints_at_end removed them
+        on = (f"; or, to train on from its last checkpoint with these settings (more epochs or steps, another "
+              f"learning rate: the steps after it train with them, recorded), --resume_from_checkpoint {last} "
+              "--allow_changed_settings") if last else ""
         raise UserError(f"--output_dir {output_dir} holds a completed run launched with other settings:\n{lines}\n"
                         "Pass --overwrite_output_dir to train again with these settings (the earlier checkpoints are "
-                        "moved aside and the export replaced), or choose another --output_dir")
+                        f"moved aside and the export replaced), or choose another --output_dir{on}")
     hub = config.hub
     upload = ""
     if hub.push_to_hub:

@@ -92,6 +92,9 @@ def test_a_relaunch_with_other_settings_is_refused_naming_each(tmp_path) -> None
     launched = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-5"])
     finished_run(tmp_path)
     completion.mark_complete(tmp_path, 4, 12.5, launched)
+    last = tmp_path / "checkpoints" / "step_4"  # a usable checkpoint: its manifest and trainer state
+    (last / "COMPLETE").write_text(json.dumps({"files": {}}))
+    (last / "trainer_state.json").write_text(json.dumps({"step": 4}))
     other = parse_config(["--model_name_or_path", "other", "--dataset_mixer_list", "d.jsonl", "1.0",
                           "--output_dir", str(tmp_path), "--learning_rate", "1e-4"])
     with pytest.raises(UserError) as refused:
@@ -99,6 +102,10 @@ def test_a_relaunch_with_other_settings_is_refused_naming_each(tmp_path) -> None
     assert "--learning_rate: 1e-05 then, 0.0001 now" in str(refused.value)
     assert "--model_name_or_path: 'm' then, 'other' now" in str(refused.value)
     assert "--overwrite_output_dir" in str(refused.value) and "RUN_COMPLETE" not in str(refused.value)
+    assert str(refused.value).endswith(  # the way to train on (hunt_b: more epochs were refused without it)
+        f"; or, to train on from its last checkpoint with these settings (more epochs or steps, another learning "
+        f"rate: the steps after it train with them, recorded), --resume_from_checkpoint {last} "
+        "--allow_changed_settings")
     # what changes neither the weights nor the export may differ: the relaunch stops at the finished run
     same = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-5", "--logging_steps", "1",
                                 "--report_to", "none", "--checkpointing_steps", "2", "--preprocessing_num_workers",
