@@ -51,7 +51,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     tokenizer = load_saved_tokenizer(adapter_dir)
     fit_base_to_adapter(model, adapter_dir, tokenizer)
     peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
-    merged = merged_state_dict(peft_model, peft_model.state_dict())
+    # on the CPU, as a run's gathered state dict is: a QLoRA base on the GPU (base_loading's) is dequantized to it
+    merged = merged_state_dict(peft_model, {k: v.cpu() for k, v in peft_model.state_dict().items()})
     created = not output_dir.exists()
     try:
         with staged_export(output_dir, written_by=COMMAND) as staging:  # a failed merge leaves OUT as it was
