@@ -12,6 +12,7 @@ type, and a number that contradicts a given flag is an error naming both.
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Optional
 
 import torch
@@ -26,11 +27,19 @@ PARAM_FLAGS = {
     "scheduler": {"warmup_max_lr": "learning_rate", "warmup_num_steps": "warmup_steps",
                   "total_num_steps": "max_train_steps"},
 }
+# Section params whose only value open_sft trains with: another changes the optimizer or the learning rates, so it is
+# refused rather than dropped (--final_lr_ratio, our one floor, is linear's alone, as in open-instruct).
 FIXED = {"betas": ([0.9, 0.999], "open_sft's AdamW uses betas (0.9, 0.999)"),
          "eps": (1e-8, "open_sft's AdamW uses eps 1e-8"),
          "warmup_min_lr": (0, "open_sft's schedules warm up from 0"),
+         "warmup_min_ratio": (0, "open_sft's schedules warm up from 0"),
+         "warmup_type": ("linear", "open_sft's warmup rises linearly"),
+         "cos_min_ratio": (0, "open_sft's cosine decays to 0"),
          "adam_w_mode": (True, "open_sft trains with AdamW (decoupled weight decay)")}
-IGNORED = ("torch_adam", "warmup_type", "warmup_min_ratio", "cos_min_ratio", "last_batch_iteration")
+IGNORED = ("torch_adam", "last_batch_iteration")  # how DeepSpeed runs or resumes, not what it computes
+# A flag that sets what a section param's flag would (the steps from the epochs, the warmup from a ratio): given, it
+# conflicts with the param as the param's own flag would.
+ALSO_SET_BY = {"max_train_steps": "num_train_epochs", "warmup_steps": "warmup_ratio"}
 
 
 # DeepSpeed's fp16 settings unless the user's JSON gives them: dynamic scale from 2^16 (torch's default too),
@@ -112,7 +121,7 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
                 fixed, why = FIXED[key]
                 if not _number_equal(value, fixed):
                     raise UserError(f"DeepSpeed config {path}: {where} cannot be honoured ({why}); set it to "
-                                    "\"auto\" or remove it")
+                                    f"{json.dumps(fixed)} or \"auto\", or remove it")
                 continue
             flag = PARAM_FLAGS[name].get(key)
             if flag is None:
@@ -127,6 +136,11 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
             if flag in explicit:
                 raise UserError(f"DeepSpeed config {path}: {where} conflicts with --{flag} {getattr(train, flag)}; "
                                 "set it to \"auto\" in the file or drop the flag")
+            other = ALSO_SET_BY.get(flag)
+            if other in explicit:
+                raise UserError(f"DeepSpeed config {path}: {where} would override --{other} {getattr(train, other)} "
+                                f"(it sets --{flag}); set it to \"auto\" in the file, or drop --{other} (or give "
+                                f"--{flag} {value} instead)")
             updates[flag] = type(current)(value) if current is not None else int(value)
     notes.append(f"the optimizer/scheduler sections of {path} are replaced by open_sft's AdamW and "
                  f"--lr_scheduler_type schedule" + (f" (from them: {_describe(updates)})" if updates else ""))

@@ -212,6 +212,50 @@ def test_trainer_sections_become_our_optimizer_and_schedule(tmp_path) -> None:
             plan([], env)
 
 
+def test_scheduler_steps_in_the_json_conflict_with_the_epochs_or_warmup_ratio_given(tmp_path) -> None:
+    """total_num_steps and warmup_num_steps set --max_train_steps and --warmup_steps, which override --num_train_epochs
+    and --warmup_ratio: given (command line or run YAML), those are refused beside them, not silently overridden."""
+    pinned = json.loads(json.dumps(TRAINER_JSON))
+    pinned["scheduler"]["params"].update(total_num_steps=8, warmup_num_steps=2)
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, pinned)}
+    result = plan([], env)  # neither flag given: the file's values, said in the one line
+    assert (result.train.max_train_steps, result.train.warmup_steps) == (8, 2)
+    assert any("--max_train_steps 8, --warmup_steps 2" in note for note in result.notes)
+    with pytest.raises(UserError, match=r"ds.json: scheduler.params.total_num_steps=8 would override --num_train_epochs"
+                                        r" 3 \(it sets --max_train_steps\); set it to \"auto\" in the file, or drop "
+                                        r"--num_train_epochs \(or give --max_train_steps 8 instead\)"):
+        plan(["--num_train_epochs", "3"], env)
+    with pytest.raises(UserError, match=r"scheduler.params.warmup_num_steps=2 would override --warmup_ratio 0.5"):
+        plan(["--warmup_ratio", "0.5", "--max_train_steps", "8"], env)
+    (tmp_path / "run.yaml").write_text("warmup_ratio: 0.1\nmax_train_steps: 8\n")
+    config = parse_config([str(tmp_path / "run.yaml"), "--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl",
+                           "1.0"])
+    with pytest.raises(UserError, match=r"warmup_num_steps=2 would override --warmup_ratio 0.1"):
+        plan_launch(config.train, config.model, config.explicit, lambda: DtypeChoice(torch.float32, "x"), env)
+    # the flag that the value sets, given equal, says the same thing: nothing is overridden
+    assert plan(["--num_train_epochs", "3", "--max_train_steps", "8", "--warmup_ratio", "0.5", "--warmup_steps", "2"],
+                env).train.max_train_steps == 8
+
+
+@pytest.mark.parametrize("key, ours, value, why", [
+    ("cos_min_ratio", 0, 0.5, "open_sft's cosine decays to 0"), ("warmup_type", "linear", "log", "rises linearly"),
+    ("warmup_min_ratio", 0.0, 0.1, "warm up from 0")])
+def test_scheduler_params_that_change_the_rates_are_refused_not_dropped(tmp_path, key, ours, value, why) -> None:
+    """DeepSpeed's WarmupCosineLR floor, log warmup and warmup start have no open_sft flag: another value than ours is
+    refused (it used to be dropped, training other rates than the file asks); ours, "auto" or none pass."""
+    env = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    for accepted in (ours, "auto"):
+        config = json.loads(json.dumps(TRAINER_JSON))
+        config["scheduler"] = {"type": "WarmupCosineLR", "params": {key: accepted, "warmup_num_steps": 2}}
+        env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, config)
+        assert plan([], env).train.lr_scheduler_type == "cosine"
+    config["scheduler"]["params"][key] = value
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, config)
+    with pytest.raises(UserError, match=rf"ds.json: scheduler.params.{key}={value!r} cannot be honoured \(.*{why}\); "
+                                        r"set it to .* or \"auto\", or remove it"):
+        plan([], env)
+
+
 def test_zero_section_spellings_and_bad_keys(tmp_path) -> None:
     """axolotl's configs write ZeRO-3 settings without the stage3_ prefix (DeepSpeed accepts both): one
     spelling is kept, so the gather-on-save setting open_sft fills is not written twice (DeepSpeed
