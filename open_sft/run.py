@@ -294,7 +294,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     from open_sft.model.load import load_model_config
     from open_sft.monitor.run_info import write_audit_files
     from open_sft.training.checkpoint import remove_all
-    from open_sft.training.completion import mark_complete
+    from open_sft.training.completion import mark_complete, trained_batch
     from open_sft.training.run_settings import by_steps
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
@@ -313,7 +313,8 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
         if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
             mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
-                          by_steps(job.settings_history, job.steps.total_steps), job.dtype)
+                          by_steps(job.settings_history, job.steps.total_steps), job.dtype,
+                          trained_batch(config.train, job.launch.parallelism.world_size))
     if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
         remove_all(output_dir)  # after the uploads: they read from these directories
     if config.hub.push_to_hub and acc.is_main_process:

@@ -28,31 +28,57 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from open_sft.durable import write_json
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY
-from open_sft.training.run_settings import (SETTINGS_KEY, differences, history_on_resume, matching,
-                                            recorded_settings, settings)
+from open_sft.training.run_settings import (CHECKED_BY_IDENTITY, SETTINGS_KEY, differences, history_on_resume,
+                                            matching, recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
 MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
 PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded (--push_to_hub)
+BATCH_KEY = "trained_batch"  # in the record: the layout of the global batch the last steps trained (trained_batch)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
               "activations.rank", ".open_sft_export.json", MARKER)
 
 
-def _differences(record: dict[str, Any], config: Any) -> list[str]:
+def trained_batch(train: Any, world_size: int) -> dict[str, int]:
+    """The record's BATCH_KEY: the micro-batch, accumulation and ranks the run's last steps trained with (the
+    accumulation as fitted to a checkpoint of another number of ranks: open_sft.training.elastic)."""
+    return {"micro_batch_size": int(train.per_device_train_batch_size),
+            "gradient_accumulation_steps": int(train.gradient_accumulation_steps), "world_size": int(world_size)}
+
+
+def _keeps_global_batch(record: dict[str, Any], now: dict[str, Any], env: Mapping[str, str]) -> bool:
+    """Whether this launch's --gradient_accumulation_steps on its WORLD_SIZE ranks trains the global batch the run
+    finished with: a run resumed on other ranks with an accumulation that keeps it was then launched with another,
+    and the original command, requeued, is as much its command (a resume compares it so: CHECKED_BY_IDENTITY)."""
+    batch = record.get(BATCH_KEY)
+    if not isinstance(batch, dict) or not isinstance(now.get("gradient_accumulation_steps"), int):
+        return False
+    world = int(env.get("WORLD_SIZE") or 1)
+    micro, world_then = int(batch["micro_batch_size"]), int(batch["world_size"])
+    return micro * now["gradient_accumulation_steps"] * world == (
+        micro * int(batch["gradient_accumulation_steps"]) * world_then)
+
+
+def _differences(record: dict[str, Any], config: Any, env: Mapping[str, str] = os.environ) -> list[str]:
     """Nothing when this launch's settings match those of any step range the run recorded (the command that
-    trained its first steps, before a resume with --allow_changed_settings, is as much its command as the last);
-    else the differences from the last range's."""
+    trained its first steps, before a resume with --allow_changed_settings, is as much its command as the last;
+    the accumulation counts by the global batch it trains on this launch's ranks); else the differences from the
+    last range's."""
     recorded = recorded_settings(record)
     now = settings(config)
+    if _keeps_global_batch(record, now, env):
+        recorded = [{k: v for k, v in then.items() if k not in CHECKED_BY_IDENTITY} for then in recorded]
+        now = {k: v for k, v in now.items() if k not in CHECKED_BY_IDENTITY}
     computed = record.get(COMPUTE_DTYPE_KEY)
     if not recorded or matching(recorded, now, computed) is not None:
         return []
@@ -147,14 +173,16 @@ def export_files(output_dir: Path) -> dict[str, int]:
 
 
 def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optional[Any] = None,
-                  by_steps: Optional[list[dict[str, Any]]] = None, computed: Any = None) -> None:
+                  by_steps: Optional[list[dict[str, Any]]] = None, computed: Any = None,
+                  batch: Optional[dict[str, int]] = None) -> None:
     """Written last by the main process: the record, fsynced and renamed into place; `launched`: the config as
     parsed, whose settings a relaunch must share; `by_steps`: the step ranges of a run resumed with changed
     settings (open_sft.training.run_settings.by_steps), any of whose settings a relaunch may share; `computed`: the
-    compute dtype (torch.dtype) the run trained in (a relaunch's --torch_dtype is compared by it)."""
+    compute dtype (torch.dtype) the run trained in (a relaunch's --torch_dtype is compared by it); `batch`: the
+    global batch's layout (trained_batch; a relaunch's accumulation is compared by the global batch it trains)."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
-              **({SETTINGS_KEY: by_steps} if by_steps else {}),
+              **({SETTINGS_KEY: by_steps} if by_steps else {}), **({BATCH_KEY: batch} if batch else {}),
               **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {})}
     write_json(output_dir / MARKER, record)
 

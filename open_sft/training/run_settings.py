@@ -38,7 +38,7 @@ NOT_SETTINGS = frozenset({
 SECTIONS = ("model", "data", "train", "lora", "checkpoint")
 # What a resume's identity check decides (open_sft.training.resume.check_compatible): another accumulation is
 # accepted there where it keeps the global batch (a checkpoint resumed on another number of ranks), so it is no
-# changed setting of a resume. A completed run's relaunch still compares it.
+# changed setting of a resume; a completed run's relaunch compares it by the global batch it trains (completion).
 CHECKED_BY_IDENTITY = frozenset({"gradient_accumulation_steps"})
 SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the history (see above)
 # Flags that name local files or directories (or Hub ids): an existing path is recorded and compared in its

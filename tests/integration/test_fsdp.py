@@ -218,9 +218,12 @@ def test_a_two_rank_fsdp2_checkpoint_resumes_on_one_process(runs, tiny_model_dir
 
 def test_a_one_process_checkpoint_resumes_on_two_ddp_ranks(runs, tiny_model_dir, tmp_path) -> None:
     """The plain one-process checkpoint (whole model and optimizer) on 2 DDP ranks: accumulation 2 → 1 keeps the
-    global batch of 8; rank 1, which the checkpoint had no random state for, says where its state comes from."""
+    global batch of 8 (given explicitly, as the world-size refusal asks); rank 1, which the checkpoint had no random
+    state for, says where its state comes from. The original one-process command, requeued on the finished run, is
+    answered `already complete` (it was refused: '--gradient_accumulation_steps: 1 then, 2 now')."""
     out = tmp_path / "out"
-    log = resume_elsewhere(runs["one"], 2, out, launch_command(2, None), args_for(tiny_model_dir, out, 4))
+    log = resume_elsewhere(runs["one"], 2, out, launch_command(2, None),
+                           args_for(tiny_model_dir, out, 4, "--gradient_accumulation_steps", "1"))
     assert ("resuming a 1-rank checkpoint on 2 ranks: gradient accumulation 2 -> 1 keeps the global batch of 8 "
             "sequences") in log
     assert "has no random state for rank(s) 1: theirs are derived from --seed, the step and the rank" in log
@@ -228,6 +231,9 @@ def test_a_one_process_checkpoint_resumes_on_two_ddp_ranks(runs, tiny_model_dir,
     assert_continues_within(out, runs["one"], STEPS, atol=1e-5)
     assert json.loads((out / "checkpoints" / f"step_{STEPS}" / "trainer_state.json").read_text())["identity"][
         "world_size"] == 2
+    requeued = subprocess.run(launch_command(1, None) + args_for(tiny_model_dir, out, 4), cwd=ROOT, env=child_env(),
+                              capture_output=True, text=True, timeout=300)
+    assert requeued.returncode == 0 and f"already complete: {out}" in requeued.stdout, requeued.stderr[-3000:]
 
 
 def test_an_fsdp2_checkpoint_resumes_under_zero3_on_four_ranks(runs, tiny_model_dir, tmp_path) -> None:

@@ -113,6 +113,28 @@ def test_a_relaunch_with_other_settings_is_refused_naming_each(tmp_path) -> None
     assert completion.already_complete(same).startswith(f"already complete: {tmp_path}")
 
 
+def test_a_requeue_on_other_ranks_is_complete_when_its_accumulation_keeps_the_global_batch(tmp_path,
+                                                                                            monkeypatch) -> None:
+    """Trained on 2 ranks × accumulation 2, resumed and finished on 1 rank with --gradient_accumulation_steps 4 (the
+    same global batch of micro-batch 2 × 8): the original 2-rank command, requeued, was refused ('4 then, 2 now');
+    it is the run's command (a resume compares the accumulation so too). Another global batch is still refused; the
+    recorded accumulation itself stops on any ranks (a resume would fit it to them)."""
+    def command(accumulation: str):
+        return parse_config(BASE + ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "2",
+                                    "--gradient_accumulation_steps", accumulation])
+
+    finished_run(tmp_path)
+    last_leg = command("4")
+    completion.mark_complete(tmp_path, 4, 12.5, last_leg, batch=completion.trained_batch(last_leg.train, 1))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert completion.already_complete(command("2")).startswith(f"already complete: {tmp_path}")
+    for world, accumulation in (("2", "3"), ("1", "2")):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        with pytest.raises(UserError, match=rf"--gradient_accumulation_steps: 4 then, {accumulation} now"):
+            completion.already_complete(command(accumulation))
+    assert completion.already_complete(command("4")).startswith("already complete")
+
+
 def test_a_record_written_before_settings_were_kept_stops_as_before(tmp_path) -> None:
     finished_run(tmp_path)  # no settings in the record
     relaunch = parse_config(BASE + ["--output_dir", str(tmp_path), "--learning_rate", "1e-4"])
