@@ -86,12 +86,12 @@ def plan_launch(config: FinetuneConfig) -> Job:
     from open_sft.config.launch import plan_launch as reconcile
     from open_sft.config.launch_check import check_launch
     from open_sft.model.precision import choose_dtype, resumed_choice
-    from open_sft.training.elastic import peek
+    from open_sft.training.elastic import batch_of, peek
 
     resuming = None if config.data.cache_dataset_only else peek(config)  # read once: fit_to_checkpoint's too
     resumed = resumed_choice(resuming) if config.model.torch_dtype == "auto" else None  # a resume keeps its dtype
     plan = reconcile(config.train, config.model, config.explicit,
-                     lambda: resumed or choose_dtype(config.model, config.lora.use_qlora))
+                     lambda: resumed or choose_dtype(config.model, config.lora.use_qlora), resumed=batch_of(resuming))
     if _is_main_rank():
         for note in config.notes:
             logger.info("%s", note)

@@ -160,9 +160,10 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
 
 
 def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: frozenset[str],
-                choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ) -> LaunchPlan:
-    """Decide the run's accumulation, clipping, micro-batch, optimizer and schedule settings and dtype from
-    the flags and the launch config; the returned DeepSpeed config keeps "auto" for what the flags fill."""
+                choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ,
+                resumed: Optional[tuple[int, int]] = None) -> LaunchPlan:
+    """Decide the run's accumulation, clipping, micro-batch, optimizer, schedule and dtype from the flags and the
+    launch config (its DeepSpeed config keeps "auto" where they fill it); `resumed`: elastic.batch_of's checkpoint."""
     cfg, path, settings = deepspeed_request(env)
     fsdp = fsdp_request(env)
     if cfg is not None and fsdp is not None:
@@ -198,7 +199,7 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
         raise UserError(f"{problem} (compute dtype float16: {choice.reason})")
     spread = resolve_parallelism(train, cfg, fsdp, env)
     if cfg is not None:
-        _check_global_batch(cfg, path, train, spread.world_size)
+        _check_global_batch(cfg, path, train, spread.world_size, resumed, decider.notes)
         # Every value decided above now lives in the flags; the config takes them at resolve time.
         for key in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu",
                     "train_batch_size"):
@@ -245,13 +246,30 @@ def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:
     return True
 
 
-def _check_global_batch(cfg: dict, path: Optional[str], train: TrainingArguments, world: int) -> None:
+def _check_global_batch(cfg: dict, path: Optional[str], train: TrainingArguments, world: int,
+                        resumed: Optional[tuple[int, int]], notes: list[str]) -> None:
+    """An explicit train_batch_size must be the global batch this launch trains. On a resume on other ranks that
+    is the checkpoint's (the accumulation is fitted to keep it, open_sft.training.elastic): a file pinning the
+    run's global batch goes on, said in a line. Otherwise the refusal names the accumulation that keeps it."""
     total = cfg.get("train_batch_size")
     if total in (None, "auto"):
         return
-    wanted = train.per_device_train_batch_size * train.gradient_accumulation_steps * world
-    if int(total) != wanted:
-        raise UserError(f"DeepSpeed config {path}: train_batch_size={total} is not micro-batch "
-                        f"{train.per_device_train_batch_size} × accumulation {train.gradient_accumulation_steps} "
-                        f"× {world} ranks = {wanted}; set it to \"auto\" or change --per_device_train_batch_size "
-                        "/ --gradient_accumulation_steps")
+    micro, accumulation = train.per_device_train_batch_size, train.gradient_accumulation_steps
+    wanted = micro * accumulation * world
+    if int(total) == wanted:
+        return
+    if resumed is not None and resumed[1] != world and int(total) == resumed[0]:
+        notes.append(f"train_batch_size={total} in {path} is the {resumed[1]}-rank checkpoint's global batch: on "
+                     f"{world} rank(s) the accumulation is fitted to keep it")
+        return
+    if int(total) % (micro * world):
+        way = f"{world} ranks cannot hold it in micro-batches of {micro}: launch a number of processes that divides "\
+              f"{int(total) // micro}" if int(total) % micro == 0 else f"it is no multiple of micro-batch {micro}"
+    else:
+        keep = int(total) // (micro * world)
+        pinned = cfg.get("gradient_accumulation_steps") not in (None, "auto")
+        way = (f"accumulation {keep} keeps it on {world} ranks: pass --gradient_accumulation_steps {keep}"
+               + (" and set gradient_accumulation_steps to \"auto\" in the file" if pinned else ""))
+    raise UserError(f"DeepSpeed config {path}: train_batch_size={total} is not micro-batch {micro} × accumulation "
+                    f"{accumulation} × {world} ranks = {wanted}; {way}; or set train_batch_size to \"auto\" (or "
+                    "change --per_device_train_batch_size)")

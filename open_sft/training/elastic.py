@@ -55,6 +55,14 @@ def global_batch(identity: dict[str, Any]) -> int:
         identity["world_size"])
 
 
+def batch_of(state: Optional[dict[str, Any]]) -> Optional[tuple[int, int]]:
+    """(global batch, ranks) of a checkpoint's trainer state (peek), or None (no checkpoint, or one without them)."""
+    saved = (state or {}).get("identity") or {}
+    if not {"micro_batch_size", "gradient_accumulation_steps", "world_size"} <= saved.keys():
+        return None
+    return global_batch(saved), int(saved["world_size"])
+
+
 def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> Optional[str]:
     """Why the checkpoint's steps cannot be trained on this run's number of ranks, whatever the accumulation;
     None when they can."""

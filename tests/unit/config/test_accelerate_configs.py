@@ -165,6 +165,37 @@ def test_json_bf16_and_batch_values_are_checked(tmp_path) -> None:
         plan([], {**env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "bad.json")})
 
 
+def test_a_pinned_train_batch_size_names_the_accumulation_and_goes_on_with_its_checkpoint(tmp_path) -> None:
+    """A Trainer-era JSON pinning micro-batch 2 × accumulation 2 and train_batch_size 8 (2 ranks), launched on 1 rank:
+    the refusal names the accumulation that keeps the global batch, and that the file's own must go; resuming the
+    2-rank checkpoint (global batch 8) on 1 rank goes on (the resume fits the accumulation: training.elastic)."""
+    pinned = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2,
+              "gradient_accumulation_steps": 2, "train_batch_size": 8}
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, pinned)}
+    assert plan([], {**env, "WORLD_SIZE": "2"}).train.gradient_accumulation_steps == 2
+    with pytest.raises(UserError, match=r"train_batch_size=8 is not micro-batch 2 × accumulation 2 × 1 ranks = 4; "
+                                        r"accumulation 4 keeps it on 1 ranks: pass --gradient_accumulation_steps 4 "
+                                        r"and set gradient_accumulation_steps to \"auto\" in the file"):
+        plan([], env)
+    config = parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0"])
+    result = plan_launch(config.train, config.model, config.explicit, lambda: DtypeChoice(torch.float32, "x"), env,
+                         resumed=(8, 2))
+    assert result.deepspeed_config["train_batch_size"] == "auto"  # filled from the fitted accumulation
+    assert any("train_batch_size=8 in" in note and "is the 2-rank checkpoint's global batch: on 1 rank(s) the "
+               "accumulation is fitted to keep it" in note for note in result.notes)
+    with pytest.raises(UserError, match=r"= 4; accumulation 4 keeps it"):  # another checkpoint's batch: refused
+        plan_launch(config.train, config.model, config.explicit, lambda: DtypeChoice(torch.float32, "x"), env,
+                    resumed=(16, 2))
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, {**pinned, "train_batch_size": 9})
+    with pytest.raises(UserError, match=r"train_batch_size=9 .*it is no multiple of micro-batch 2"):
+        plan([], env)
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, {**pinned, "train_batch_size": 6,
+                                                                    "gradient_accumulation_steps": "auto"})
+    with pytest.raises(UserError, match=r"2 ranks cannot hold it in micro-batches of 2: launch a number of processes "
+                                        r"that divides 3"):
+        plan([], {**env, "WORLD_SIZE": "2"})
+
+
 @pytest.mark.parametrize("given, named", [
     ("configs/ds_configs/stage3_no_offloading_accelerate.conf", "for what stage3_no_offloading_accelerate.conf does "
      "in open-instruct is .*configs/ds/zero3.json"),
