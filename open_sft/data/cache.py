@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Optional
 
@@ -180,11 +181,45 @@ def open_lock(path: Path, wait: bool = True) -> Optional[IO]:
         handle.close()  # (which lets go of its lock)
 
 
+WAIT_POLL_S = 0.2  # how often a waiting launch tries the lock again
+WAIT_SAY_S = 60.0  # how often it says it still waits
+
+
+def _holder(path: Path) -> str:
+    """Who holds a key's lock, as far as the cache shows: the build whose staging directory is there, else a process
+    loading or checking the entry."""
+    key = path.name.removesuffix(".lock")
+    builds = sorted(path.parent.glob(f"{key}.tmp-*"))
+    if builds:
+        return f"being built by process {builds[-1].name.rsplit('-', 1)[-1]} in {builds[-1]}"
+    return "held by another process (building, loading or checking it)"
+
+
+def wait_for_lock(path: Path, poll_s: float = WAIT_POLL_S, say_s: float = WAIT_SAY_S) -> IO:
+    """open_lock, saying so when another process holds the lock: one line when the wait starts (the entry, its
+    lock, and the build holding it) and one every `say_s` seconds while it lasts. A launch waiting silently on
+    another job's build of hours looked hung. flock cannot time out, so the wait tries it every `poll_s`."""
+    handle = open_lock(path, wait=False)
+    if handle is not None:
+        return handle
+    entry = path.with_suffix("")
+    logger.info("waiting for the tokenization cache entry %s, %s (lock %s); it is used once built", entry,
+                _holder(path), path)
+    started = said = time.monotonic()
+    while (handle := open_lock(path, wait=False)) is None:
+        time.sleep(poll_s)
+        if time.monotonic() - said >= say_s:
+            said = time.monotonic()
+            logger.info("still waiting for the tokenization cache entry %s (%.0f s so far), %s", entry,
+                        said - started, _holder(path))
+    return handle
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open_lock(path)
+        handle = wait_for_lock(path)
     except OSError as exc:  # read-only, under a file, no permission: checked up front, unless it changed since
         raise UserError(f"{cache_dir_flag()}: the tokenization cache {path.parent} cannot be written "
                         f"({exc.strerror or exc}); give a directory you can write, or --dataset_skip_cache to "

@@ -279,3 +279,41 @@ def test_cache_dataset_only_builds_the_evaluation_set_too(tiny_model_dir, data_f
         assert (tmp_path / "cache" / path.split("/")[-1] / cache.COMPLETE).exists()
         assert json.loads((tmp_path / "cache" / path.split("/")[-1] / "report.json").read_text())[
             "sources"][0]["rows_kept"] == rows
+
+
+def test_a_launch_waiting_on_another_build_of_its_entry_says_so_and_keeps_saying_it(tmp_path, caplog) -> None:
+    """A second job with the same data waited on the first one's build (hours for a large corpus) without a word,
+    looking hung: one line when the wait starts names the entry, its lock and the build holding it, and one line
+    every `say_s` seconds while it lasts; the lock is taken once the holder lets go."""
+    import fcntl
+    import logging
+    import threading
+    import time
+
+    key = "ab" * 32
+    lock = cache.lock_path(tmp_path, key)
+    (tmp_path / f"{key}.tmp-4242").mkdir()  # the other build's staging directory
+    other = cache.open_lock(lock)  # another open file: flock conflicts as with another process
+    got = []
+    with caplog.at_level(logging.INFO, logger="open_sft.data.cache"):
+        waiter = threading.Thread(target=lambda: got.append(cache.wait_for_lock(lock, poll_s=0.01, say_s=0.1)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while sum("still waiting" in r.getMessage() for r in caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not got  # still waiting
+        fcntl.flock(other, fcntl.LOCK_UN)
+        other.close()
+        waiter.join(timeout=10)
+    assert got and not waiter.is_alive()
+    got[0].close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (f"waiting for the tokenization cache entry {tmp_path / key}, being built by process 4242 in "
+                        f"{tmp_path / (key + '.tmp-4242')} (lock {lock}); it is used once built")
+    building = "being built by process 4242 in " + str(tmp_path / f"{key}.tmp-4242")
+    assert sum(line.startswith(f"still waiting for the tokenization cache entry {tmp_path / key} (")
+               and line.endswith(building) for line in lines) >= 2
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="open_sft.data.cache"):
+        cache.wait_for_lock(lock).close()  # free: taken at once, nothing said
+    assert not caplog.records
