@@ -135,6 +135,8 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
             logger.info("%s", said)
         peft_config = peft_model.peft_config[ADAPTER]  # a local base by its absolute path, loadable from anywhere
         peft_config.base_model_name_or_path = base_model_record(peft_config.base_model_name_or_path or "") or None
+        if isinstance(peft_config.target_modules, (set, frozenset)):  # peft writes a set (all-linear resolved) in
+            peft_config.target_modules = sorted(peft_config.target_modules)  # hash order: identical runs' differed
         if rows:
             logger.info("LoRA also trains the embedding rows of the %d added tokens (%s)", len(new_ids),
                         ", ".join(rows))

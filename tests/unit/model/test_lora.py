@@ -56,6 +56,16 @@ def test_only_adapter_weights_train(tiny_model_dir) -> None:
             assert torch.equal(param, before[name]), name
 
 
+def test_the_adapter_config_lists_its_target_modules_sorted(tiny_model_dir, tmp_path) -> None:
+    """peft resolves all-linear to a set of module names and writes it in the set's (hash) order: two identical runs'
+    adapter_config.json differed byte for byte (and a Hub push saw a change). Sorted, as a list, it is one file."""
+    model = load_model(model_args(tiny_model_dir), lora=LoraArguments(use_lora=True, lora_rank=4))
+    model.peft_config["default"].save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+    assert len(written) >= 7 and written == sorted(written)
+    assert "model.layers.0.mlp.gate_proj" in written and not any("lm_head" in name for name in written)
+
+
 def test_qlora_trains_through_its_4bit_layers_after_an_evaluation(tiny_model_dir, monkeypatch) -> None:
     """On a CPU with AVX512-BF16, bitsandbytes repacked a 4-bit weight for its inference kernel (no backward) at
     the first forward in eval mode without grad, for good: after a run's first evaluation, training lost the
