@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -131,7 +132,9 @@ def distributed_checkpoint(path: Path, prefix: str = "model.") -> CheckpointWeig
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         state = {keys[n]: torch.empty(weights[n].shape, dtype=weights[n].dtype) for n in names}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+        with warnings.catch_warnings():  # torch warns it assumes one process even where no_dist=True says so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
         return {n: state[keys[n]] for n in names}
 
     return CheckpointWeights("FSDP2 (torch distributed checkpoint)", weights, load)

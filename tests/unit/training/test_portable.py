@@ -93,6 +93,28 @@ def test_fsdp2s_distributed_checkpoint_read_by_name_is_the_optimizers_state(tmp_
     assert_same_states(states, model, optimizer)
 
 
+def test_an_fsdp2_checkpoint_is_read_without_torchs_warning_of_no_process_group(tmp_path) -> None:
+    """`open_sft export` of an FSDP2 checkpoint printed torch's 'UserWarning: torch.distributed is disabled,
+    unavailable or uninitialized, assuming the intent is to load in a single process' (dcp.load warns so even when
+    told no_dist=True): one process is what the reader means. The weights read are the saved ones."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from open_sft.export.checkpoint_weights import distributed_checkpoint
+
+    model, _ = trained(tied=False)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "pytorch_model_fsdp_0", no_dist=True)
+    reader = distributed_checkpoint(tmp_path / "pytorch_model_fsdp_0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        weights = reader.load(sorted(reader.weights))
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    saved = {name.removeprefix("model."): tensor for name, tensor in model.state_dict().items()}  # the wrapper's
+    assert weights.keys() == saved.keys() and len(saved) > 10
+    assert all(torch.equal(weights[name], tensor) for name, tensor in saved.items())
+
+
 def fake_zero_engine(optimizer, stage3: bool) -> SimpleNamespace:
     """What write_universal reads of a live DeepSpeed engine: the optimizer's groups, the stage, the batch."""
     return SimpleNamespace(optimizer=SimpleNamespace(optimizer=optimizer),
