@@ -96,18 +96,9 @@ def loopback_hub(monkeypatch):
     server.stop()
 
 
-def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_path, loopback_hub, monkeypatch,
-                                                                          capsys) -> None:
-    """SIGTERM during the --push_to_hub upload (a preempted job) exited 3 with 'upload failed: stopped by SIGTERM
-    ... training from the newest complete checkpoint, then the export'; the requeued command then printed
-    `already complete` and an `open_sft push` command, and exited 0 with nothing on the Hub. Now: exit 75 saying
-    the export is complete, and the same command uploads it (training nothing), notes the upload in RUN_COMPLETE,
-    and a further relaunch uploads nothing."""
-    import json
-    import os
-    import signal
-
-    from open_sft import run
+def _completed_run(tmp_path, monkeypatch) -> tuple:
+    """A finished run's output dir with a small export and its completion record, and the run's command line
+    (--push_to_hub to org/m)."""
     from open_sft.config.parse import parse_config
     from open_sft.training import completion
 
@@ -121,6 +112,23 @@ def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_pa
     for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}.items():
         (out / name).write_text(text)
     completion.mark_complete(out, 4, 1.0, config)
+    return out, argv
+
+
+def test_a_requeued_run_whose_upload_was_stopped_uploads_it_and_only_once(tmp_path, loopback_hub, monkeypatch,
+                                                                          capsys) -> None:
+    """SIGTERM during the --push_to_hub upload (a preempted job) exited 3 with 'upload failed: stopped by SIGTERM
+    ... training from the newest complete checkpoint, then the export'; the requeued command then printed
+    `already complete` and an `open_sft push` command, and exited 0 with nothing on the Hub. Now: exit 75 saying
+    the export is complete, and the same command uploads it (training nothing), notes the upload in RUN_COMPLETE,
+    and a further relaunch uploads nothing."""
+    import json
+    import os
+    import signal
+
+    from open_sft import run
+
+    out, argv = _completed_run(tmp_path, monkeypatch)
     pushed = hub.push_folder
 
     def stopped(*args, **kwargs):
@@ -224,20 +232,6 @@ def test_a_re_push_leaves_the_repo_holding_this_export_only(tmp_path, loopback_h
         assert repo[path] == kept[path]
 
 
-
-def test_an_export_over_20_gb_is_uploaded_as_any_other(tmp_path, loopback_hub, monkeypatch) -> None:
-    """An export above 20 GB (hub.LARGE_FOLDER_BYTES) went through HfApi.upload_large_folder, which huggingface_hub
-    2.x (the version required) no longer has: every such push failed with AttributeError. upload_folder takes large
-    folders itself: no size makes a push take another way (a threshold of 0 here: every export is 'large')."""
-    out = tmp_path / "out"
-    out.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (out / name).write_text(name)
-    monkeypatch.setattr(hub, "LARGE_FOLDER_BYTES", 0, raising=False)
-    hub.push_export(out, "org/big", token=TOKEN)
-    assert set(loopback_hub.repos["org/big"]["branches"]["main"]) == {"config.json", "model.safetensors"}
-
-
 def test_a_run_inside_the_pushed_one_is_not_uploaded(tmp_path, loopback_hub, caplog) -> None:
     """A day-two run `--model_name_or_path out --output_dir out/day2` (README allows it) was uploaded with out's
     export: its checkpoints (optimizer states), lock and completion record, as EXPORT_IGNORE's patterns are anchored
@@ -270,19 +264,8 @@ def test_open_sft_push_notes_the_upload_so_a_relaunch_uploads_nothing(tmp_path, 
     import json
 
     from open_sft import run
-    from open_sft.config.parse import parse_config
-    from open_sft.training import completion
 
-    out = tmp_path / "out"
-    out.mkdir()
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "d.jsonl").write_text("{}\n")
-    argv = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(out),
-            "--push_to_hub", "--hub_model_id", "org/m", "--hub_token", TOKEN]
-    config = parse_config(argv)  # as the run parsed it, before it wrote its export
-    for name, text in {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}.items():
-        (out / name).write_text(text)
-    completion.mark_complete(out, 4, 1.0, config)
+    out, argv = _completed_run(tmp_path, monkeypatch)
     assert hub.main([str(out), "--hub_model_id", "org/m", "--hub_revision", "main", "--hub_token", TOKEN]) == 0
     url = capsys.readouterr().out.strip().splitlines()[-1]
     record = json.loads((out / "RUN_COMPLETE").read_text())
