@@ -37,9 +37,12 @@ from open_sft.redaction import scrub
 logger = logging.getLogger(__name__)
 
 PUSH_FAILED_EXIT_CODE = 3
-#: Never uploaded with the export: training state, staging leftovers, test aids.
+#: Never uploaded with the export: training state, staging leftovers, test aids, W&B's run directory (the console log,
+#: the resolved config with local paths, the installed packages: open_sft.monitor's WandbTracker writes it into
+#: --output_dir unless WANDB_DIR is set) and the run id a resume continues.
 EXPORT_IGNORE = ["checkpoints/**", "checkpoints.previous-*/**", "tensorboard.previous-*/**", ".export.tmp/**", "*.tmp",
-                 "data_order.rank*.json", ".cache/**", ".open_sft.lock", ".open_sft_export.json", "RUN_COMPLETE"]
+                 "data_order.rank*.json", ".cache/**", ".open_sft.lock", ".open_sft_export.json", "RUN_COMPLETE",
+                 "wandb/**", "wandb_run_id"]
 #: A directory holding one of these is an open_sft run (its lock, completion record, resolved arguments) or export
 #: (open_sft.export.save.EXPORT_FILES) of its own.
 RUN_MARKERS = frozenset({".open_sft.lock", "RUN_COMPLETE", "run.json", ".open_sft_export.json"})
@@ -54,7 +57,8 @@ HUB_STALE = ["model.safetensors", "model-*-of-*.safetensors", "model.safetensors
              "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
              "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", "merged/*", "run.json",
-             "metrics.jsonl", "data_report.json", "export.json", "report/*", "tensorboard/*"]
+             "metrics.jsonl", "data_report.json", "export.json", "report/*", "tensorboard/*", "wandb/*",
+             "wandb_run_id"]  # the last two: what pushes before they were left out uploaded
 T = TypeVar("T")
 
 

@@ -46,7 +46,7 @@ PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded
 BATCH_KEY = "trained_batch"  # in the record: the layout of the global batch the last steps trained (trained_batch)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
-              "activations.rank", ".open_sft_export.json", MARKER)
+              "activations.rank", ".open_sft_export.json", MARKER, "wandb")  # wandb/ and wandb_run_id: the tracker's
 
 
 def trained_batch(train: Any, world_size: int) -> dict[str, int]:

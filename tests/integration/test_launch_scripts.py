@@ -158,7 +158,8 @@ def test_sigterm_to_the_launcher_checkpoints_and_exits_75(tiny_model_dir, tmp_pa
 
 
 FAKE_SLURM = """#!/usr/bin/env bash
-echo "$(basename "$0") $*" >> "$FAKE_SLURM_LOG"
+if [ "$(basename "$0")" = srun ]; then echo "srun $* (SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-})" >> "$FAKE_SLURM_LOG"
+else echo "$(basename "$0") $*" >> "$FAKE_SLURM_LOG"; fi
 if [ "$(basename "$0")" = scontrol ] && [ "$1" = show ]; then printf 'gpu-a1\\ngpu-a2\\n'; fi
 if [ "$(basename "$0")" = srun ]; then exit "$FAKE_SRUN_EXIT"; fi
 """
@@ -174,13 +175,14 @@ def test_sbatch_requeues_only_when_preempted(tmp_path, srun_exit, sbatch_exit, r
     log = tmp_path / "calls.log"
     env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
                      FAKE_SRUN_EXIT=str(srun_exit), SLURM_JOB_ID="4242", SLURM_NNODES="2",
-                     SLURM_JOB_NODELIST="gpu-a[1-2]", SLURM_SUBMIT_DIR=str(ROOT))
+                     SLURM_JOB_NODELIST="gpu-a[1-2]", SLURM_SUBMIT_DIR=str(ROOT), SLURM_CPUS_PER_TASK="32")
     result = subprocess.run(["bash", str(SBATCH), "--output_dir", "/shared/out"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == sbatch_exit, result.stderr
     calls = log.read_text().splitlines()
     srun = next(c for c in calls if c.startswith("srun "))
     assert "--ntasks-per-node=1" in srun and f"{ROOT}/scripts/launch_multinode.sh -- --output_dir /shared/out" in srun
+    assert srun.endswith("(SRUN_CPUS_PER_TASK=32)"), srun  # Slurm 22.05-23.02's srun drops the allocation's cores
     assert ("scontrol requeue 4242" in calls) is requeued
     assert "main gpu-a1:" in result.stdout
     header = SBATCH.read_text()

@@ -232,6 +232,30 @@ def test_a_re_push_leaves_the_repo_holding_this_export_only(tmp_path, loopback_h
         assert repo[path] == kept[path]
 
 
+def test_w_and_bs_run_directory_is_not_uploaded_and_an_earlier_pushs_is_deleted(tmp_path, loopback_hub) -> None:
+    """--report_to wandb writes W&B's run directory into --output_dir (the whole console log, the resolved config with
+    local paths, the installed packages) and the run id: --push_to_hub uploaded them with the export (public under
+    --no_hub_private), another offline-run-* folder each launch. They are left out, what an earlier push uploaded
+    is deleted, and they are no part of the export a relaunch checks."""
+    from open_sft.training.completion import export_files
+
+    out = tmp_path / "out"
+    export = {"config.json": "{}", "model.safetensors": "x" * 100, "README.md": "# m\n"}
+    tracker = {"wandb/offline-run-20261206_1-abc/files/output.log": "the console log",
+               "wandb/offline-run-20261206_1-abc/run-abc.wandb": "history", "wandb/debug.log": "debug",
+               "wandb_run_id": "abc"}
+    for name, text in {**export, **tracker}.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    hub.push_export(out, "org/m", token=TOKEN)
+    repo = loopback_hub.repos["org/m"]["branches"]["main"]
+    assert set(repo) == set(export)
+    repo.update({"wandb/offline-run-20261205_9-old/files/output.log": b"an earlier push's", "wandb_run_id": b"old"})
+    hub.push_export(out, "org/m", token=TOKEN)
+    assert set(repo) == set(export)
+    assert set(export_files(out)) == set(export)
+
+
 def test_a_run_inside_the_pushed_one_is_not_uploaded(tmp_path, loopback_hub, caplog) -> None:
     """A day-two run `--model_name_or_path out --output_dir out/day2` (README allows it) was uploaded with out's
     export: its checkpoints (optimizer states), lock and completion record, as EXPORT_IGNORE's patterns are anchored
