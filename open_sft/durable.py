@@ -96,13 +96,16 @@ def out_of_space(exc: BaseException, path: Path) -> Optional[str]:
     return None
 
 
+FREE_SPACE = "free space there"  # refused_write's fix for a full disk (a caller tells it from the others by it)
+
+
 def refused_write(exc: BaseException, path: Path) -> Optional[tuple[str, str]]:
     """(what, fix) when `exc` is a write the system refused: out_of_space's 'PATH: the disk is full (N free)' with
-    'free space there', or a read-only file system or a permission (the file named) with the way to make it
+    FREE_SPACE, or a read-only file system or a permission (the file named) with the way to make it
     writable; else None (another failure: its traceback stays)."""
     full = out_of_space(exc, path)
     if full is not None:
-        return full, "free space there"
+        return full, FREE_SPACE
     for each in _behind(exc):
         if isinstance(each, OSError) and each.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             where = each.filename or path

@@ -35,7 +35,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
-from open_sft.durable import fsync_path, fsync_tree, human_size, refused_write, write_json
+from open_sft.durable import FREE_SPACE, fsync_path, fsync_tree, human_size, refused_write, write_json
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
 from open_sft.training.damage import damage_in
@@ -148,7 +148,7 @@ def rerun_after_full_disk(disk: Path, root: Path, what: str | Callable[[BaseExce
             raise
         reason, fix = refused
         newest = newest_usable(root)
-        full = fix == "free space there"  # what the rerun needs and a way to need less: said of a full disk
+        full = fix == FREE_SPACE  # what the rerun needs and a way to need less: said of a full disk
         size = f" ({needs or human_size(_size(newest)) + ': about what one more needs'})" if full and newest else ""
         where = (f"from the newest complete checkpoint, {newest.name}{size}" if newest is not None
                  else f"from step 0 (no complete checkpoint yet{f'; {needs}' if needs and full else ''})")

@@ -36,8 +36,8 @@ from typing import Any, Mapping, Optional
 from open_sft.durable import write_json
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY
-from open_sft.training.run_settings import (CHECKED_BY_IDENTITY, SETTINGS_KEY, differences, history_on_resume,
-                                            matching, recorded_settings, settings)
+from open_sft.training.run_settings import (SETTINGS_KEY, compared, differences, history_on_resume, matching,
+                                            recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ def _differences(record: dict[str, Any], config: Any, env: Mapping[str, str] = o
     recorded = recorded_settings(record)
     now = settings(config)
     if _keeps_global_batch(record, now, env):
-        recorded = [{k: v for k, v in then.items() if k not in CHECKED_BY_IDENTITY} for then in recorded]
-        now = {k: v for k, v in now.items() if k not in CHECKED_BY_IDENTITY}
+        recorded, now = [compared(then) for then in recorded], compared(now)
     computed = record.get(COMPUTE_DTYPE_KEY)
     if not recorded or matching(recorded, now, computed) is not None:
         return []

@@ -94,15 +94,22 @@ def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then",
             for name in sorted(then.keys() & now.keys()) if not _same(name, then[name], now[name], computed)]
 
 
-def _compared(settings: dict[str, Any]) -> dict[str, Any]:
+def compared(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` without those a resume's identity check decides (CHECKED_BY_IDENTITY)."""
     return {k: v for k, v in settings.items() if k not in CHECKED_BY_IDENTITY}
+
+
+def _history_to(saved: dict[str, Any], step: int) -> list[dict[str, Any]]:
+    """The step ranges of a checkpoint's saved config (its settings history) that began by `step`; [] for a
+    checkpoint written before histories were kept."""
+    return [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= step]
 
 
 def checkpoint_settings(state: dict[str, Any]) -> dict[str, Any]:
     """The settings the checkpoint whose trainer state is `state` trained its last step with: its history's last
     range up to its step, else (written before histories were kept) its resolved config's."""
     saved = state.get("config") or {}
-    history = [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= state.get("step", 0)]
+    history = _history_to(saved, state.get("step", 0))
     return history[-1]["settings"] if history else _flat(saved)
 
 
@@ -115,12 +122,12 @@ def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any]
         return [{"from_step": 1, "settings": now}]
     saved = resume.state.get("config") or {}
     computed = saved.get(COMPUTE_DTYPE_KEY)
-    history = [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= resume.step]
+    history = _history_to(saved, resume.step)
     if history:
-        changed = differences(history[-1]["settings"], _compared(now), "in the checkpoint", computed)
+        changed = differences(history[-1]["settings"], compared(now), "in the checkpoint", computed)
     else:  # an older checkpoint: its resolved config against this launch's
         then, current = _flat(saved), _flat(resolved)
-        changed = differences(then, _compared(current), "in the checkpoint", computed)
+        changed = differences(then, compared(current), "in the checkpoint", computed)
         history = [{"from_step": 1, "settings": {**now, **{k: then[k] for k in then.keys() & current.keys()
                                                             if then[k] != current[k]}}}]
     if not changed:
