@@ -29,7 +29,7 @@ from open_sft.distributed.parallelism import Parallelism, resolve as resolve_par
 from open_sft.distributed.deepspeed import (FILLED_AUTO, STAGE3_AUTO, deepspeed_fp16_problem, replace_trainer_sections,
                                            unfilled_auto, zero_stage)
 from open_sft.distributed.fsdp import fsdp_request
-from open_sft.errors import UserError
+from open_sft.errors import ConfigError, UserError
 from open_sft.model.precision import FLAG_DTYPES, DtypeChoice
 
 logger = logging.getLogger("open_sft")  # the run's own lines, as run.py logs them
@@ -70,20 +70,23 @@ class LaunchPlan:
 class _Decider:
     """Picks each value from (given flag, DeepSpeed JSON, accelerate's config, flag default)."""
 
-    def __init__(self, explicit: frozenset[str], path: Optional[str]):
-        self.explicit, self.path, self.notes = explicit, path, []
+    def __init__(self, explicit: frozenset[str], path: Optional[str], problems: list[str]):
+        """`problems`: the conflicts found so far; each pick adds its own, refused together once all are picked."""
+        self.explicit, self.path, self.notes, self.problems = explicit, path, [], problems
 
     def pick(self, flag: str, flag_value: Any, json_key: Optional[str], json_value: Any,
              accelerate_name: Optional[str], accelerate_value: Any) -> Any:
         json_value = None if json_value == "auto" else json_value
         if json_value is not None and accelerate_value is not None and json_value != accelerate_value:
-            raise UserError(f"DeepSpeed config {self.path}: {json_key}={json_value!r} conflicts with accelerate's "
-                            f"{accelerate_name}={accelerate_value!r}; keep one of the two")
+            self.problems.append(f"DeepSpeed config {self.path}: {json_key}={json_value!r} conflicts with "
+                                 f"accelerate's {accelerate_name}={accelerate_value!r}; keep one of the two")
+            return flag_value
         given = flag in self.explicit
         if json_value is not None and json_value != flag_value:
             if given:
-                raise UserError(f"DeepSpeed config {self.path}: {json_key}={json_value!r} conflicts with "
-                                f"--{flag} {flag_value}; set it to \"auto\" in the file or drop the flag")
+                self.problems.append(f"DeepSpeed config {self.path}: {json_key}={json_value!r} conflicts with "
+                                     f"--{flag} {flag_value}; set it to \"auto\" in the file or drop the flag")
+                return flag_value
             self.notes.append(f"{flag} = {json_value} from {json_key} in {self.path} (no --{flag} given)")
             return json_value
         if accelerate_value is not None and accelerate_value != flag_value:
@@ -169,12 +172,14 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
     if cfg is not None and fsdp is not None:
         raise UserError("the launch asks for both DeepSpeed and FSDP; pick one engine (--use_deepspeed or --use_fsdp, "
                         "or one accelerate config file)")
-    decider = _Decider(explicit, path)
     updates: dict[str, Any] = {}
+    problems: list[str] = []
+    section_notes: list[str] = []
     if cfg is not None:
-        cfg, section_updates, section_notes = replace_trainer_sections(cfg, path, train, explicit)
+        cfg, section_updates, section_notes, problems = replace_trainer_sections(cfg, path, train, explicit)
         updates.update(section_updates)
-        decider.notes += section_notes
+    decider = _Decider(explicit, path, problems)
+    decider.notes += section_notes
     ds = cfg or {}
     if cfg is not None and train.use_8bit_optimizer:
         raise UserError("--use_8bit_optimizer does not work under DeepSpeed (ZeRO steps its flat fp32 partitions "
@@ -192,6 +197,10 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
     updates["per_device_train_batch_size"] = int(decider.pick(
         "per_device_train_batch_size", train.per_device_train_batch_size, "train_micro_batch_size_per_gpu",
         ds.get("train_micro_batch_size_per_gpu"), None, None))
+    if len(decider.problems) == 1:
+        raise UserError(decider.problems[0])
+    if decider.problems:  # every conflict between the flags and the launch config at once: one relaunch fixes them
+        raise ConfigError(decider.problems)
     train = dataclasses.replace(train, **updates)
     choice = _dtype(model_args.torch_dtype, decider, _precision_in_json(cfg, path), env, choose)
     problem = deepspeed_fp16_problem() if cfg is not None and choice.dtype == torch.float16 else None

@@ -87,14 +87,16 @@ def _section_type(section: dict, name: str, path: Optional[str]) -> str:
     return kind
 
 
-def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: Any,
-                             explicit: frozenset[str]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
-    """(the config without optimizer/scheduler, flag values they set, one note per decision)."""
+def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: Any, explicit: frozenset[str]
+                             ) -> tuple[dict[str, Any], dict[str, Any], list[str], list[str]]:
+    """(the config without optimizer/scheduler, flag values they set, one note per decision, every param that
+    conflicts with a flag or cannot be honoured: the caller refuses them all at once, so one relaunch fixes them)."""
     if "optimizer" not in cfg and "scheduler" not in cfg:
-        return cfg, {}, []
+        return cfg, {}, [], []
     cfg = copy.deepcopy(cfg)
     updates: dict[str, Any] = {}
     notes: list[str] = []
+    problems: list[str] = []
     for name in ("optimizer", "scheduler"):
         section = cfg.pop(name, None)
         if section is None:
@@ -116,35 +118,42 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
         for key, value in params.items():
             if value == "auto" or key in IGNORED:
                 continue
-            where = f"{name}.params.{key}={value!r}"
-            if key in FIXED:
-                fixed, why = FIXED[key]
-                if not _number_equal(value, fixed):
-                    raise UserError(f"DeepSpeed config {path}: {where} cannot be honoured ({why}); set it to "
-                                    f"{json.dumps(fixed)} or \"auto\", or remove it")
-                continue
-            flag = PARAM_FLAGS[name].get(key)
-            if flag is None:
-                raise UserError(f"DeepSpeed config {path}: {where} has no open_sft equivalent; set it to \"auto\" "
-                                "or remove it")
-            if flag in updates and not _number_equal(value, updates[flag]):
-                raise UserError(f"DeepSpeed config {path}: {where} disagrees with the file's other value for "
-                                f"--{flag} ({updates[flag]}); make them equal or \"auto\"")
-            current = updates.get(flag, getattr(train, flag))
-            if current is not None and _number_equal(value, current):
-                continue
-            if flag in explicit:
-                raise UserError(f"DeepSpeed config {path}: {where} conflicts with --{flag} {getattr(train, flag)}; "
-                                "set it to \"auto\" in the file or drop the flag")
-            other = ALSO_SET_BY.get(flag)
-            if other in explicit:
-                raise UserError(f"DeepSpeed config {path}: {where} would override --{other} {getattr(train, other)} "
-                                f"(it sets --{flag}); set it to \"auto\" in the file, or drop --{other} (or give "
-                                f"--{flag} {value} instead)")
-            updates[flag] = type(current)(value) if current is not None else int(value)
+            problem = _param_problem(name, key, value, train, explicit, updates)
+            if problem:
+                problems.append(f"DeepSpeed config {path}: {name}.params.{key}={value!r} {problem}")
+            elif PARAM_FLAGS[name].get(key) is not None:
+                flag = PARAM_FLAGS[name][key]
+                current = updates.get(flag, getattr(train, flag))
+                if current is None or not _number_equal(value, current):
+                    updates[flag] = type(current)(value) if current is not None else int(value)
     notes.append(f"the optimizer/scheduler sections of {path} are replaced by open_sft's AdamW and "
                  f"--lr_scheduler_type schedule" + (f" (from them: {_describe(updates)})" if updates else ""))
-    return cfg, updates, notes
+    return cfg, updates, notes, problems
+
+
+def _param_problem(name: str, key: str, value: Any, train: Any, explicit: frozenset[str],
+                   updates: dict[str, Any]) -> Optional[str]:
+    """Why a section param cannot stand (the rest of the refusal after `DeepSpeed config PATH: name.params.key=v`),
+    or None when it is honoured or agrees with the flags."""
+    if key in FIXED:
+        fixed, why = FIXED[key]
+        return None if _number_equal(value, fixed) else (
+            f"cannot be honoured ({why}); set it to {json.dumps(fixed)} or \"auto\", or remove it")
+    flag = PARAM_FLAGS[name].get(key)
+    if flag is None:
+        return "has no open_sft equivalent; set it to \"auto\" or remove it"
+    if flag in updates and not _number_equal(value, updates[flag]):
+        return f"disagrees with the file's other value for --{flag} ({updates[flag]}); make them equal or \"auto\""
+    current = updates.get(flag, getattr(train, flag))
+    if current is not None and _number_equal(value, current):
+        return None
+    if flag in explicit:
+        return f"conflicts with --{flag} {getattr(train, flag)}; set it to \"auto\" in the file or drop the flag"
+    other = ALSO_SET_BY.get(flag)
+    if other in explicit:
+        return (f"would override --{other} {getattr(train, other)} (it sets --{flag}); set it to \"auto\" in the "
+                f"file, or drop --{other} (or give --{flag} {value} instead)")
+    return None
 
 
 def _describe(updates: dict[str, Any]) -> str:

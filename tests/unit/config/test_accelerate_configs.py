@@ -18,7 +18,7 @@ import torch
 
 from conftest import TRAINER_JSON
 from open_sft.config.parse import parse_config
-from open_sft.errors import UserError
+from open_sft.errors import ConfigError, UserError
 from open_sft.config import launch
 from open_sft.config.launch import plan_launch
 from open_sft.model.precision import DtypeChoice
@@ -266,6 +266,30 @@ def test_scheduler_steps_in_the_json_conflict_with_the_epochs_or_warmup_ratio_gi
     # the flag that the value sets, given equal, says the same thing: nothing is overridden
     assert plan(["--num_train_epochs", "3", "--max_train_steps", "8", "--warmup_ratio", "0.5", "--warmup_steps", "2"],
                 env).train.max_train_steps == 8
+
+
+def test_every_conflict_of_the_json_with_the_flags_is_named_at_once(tmp_path) -> None:
+    """A DeepSpeed JSON at odds with the command line in several places is refused once, naming each place (it named
+    the first only: a user fixed one, relaunched and met the next); one conflict stays one line."""
+    config = json.loads(json.dumps(TRAINER_JSON))
+    config["optimizer"]["params"].update(lr=1e-4, betas=[0.9, 0.95])
+    config["scheduler"] = {"type": "WarmupCosineLR", "params": {"total_num_steps": 8, "cos_min_ratio": 0.1}}
+    config.update(gradient_accumulation_steps=4, gradient_clipping=0.3)
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, config)}
+    with pytest.raises(ConfigError) as refused:
+        plan(["--learning_rate", "1e-3", "--num_train_epochs", "2", "--gradient_accumulation_steps", "2",
+              "--clip_grad_norm", "1.0"], env)
+    where = [problem.split(": ", 1)[1].split(" ", 1)[0] for problem in refused.value.problems]
+    assert where == ["optimizer.params.lr=0.0001", "optimizer.params.betas=[0.9,", "scheduler.params.total_num_steps=8",
+                     "scheduler.params.cos_min_ratio=0.1", "gradient_accumulation_steps=4", "gradient_clipping=0.3"]
+    assert all(problem.startswith("DeepSpeed config ") and "ds.json" in problem for problem in refused.value.problems)
+    del config["optimizer"], config["scheduler"], config["gradient_clipping"]
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, config)
+    with pytest.raises(UserError) as one:
+        plan(["--gradient_accumulation_steps", "2"], env)
+    assert not isinstance(one.value, ConfigError)
+    assert str(one.value).startswith("DeepSpeed config ") and "gradient_accumulation_steps=4 conflicts with" in str(
+        one.value)
 
 
 @pytest.mark.parametrize("key, ours, value, why", [
