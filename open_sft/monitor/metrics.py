@@ -177,10 +177,12 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         from open_sft.monitor.tracking import scalars_of
 
+        whole = self.path.stat().st_size if self.path.exists() else 0
         try:
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
         except OSError as exc:  # a full disk, a mount gone read-only mid-run: the way out, not a traceback
+            _cut_to(self.path, whole)
             refused = refused_write(exc, self.path)
             if refused is None:
                 raise
@@ -196,6 +198,16 @@ class MetricsWriter:
         for tracker in self.trackers:
             tracker.close()
         self.trackers = []
+
+
+def _cut_to(path: Path, size: int) -> None:
+    """Drops what a failed append wrote (the disk filled within the line): a torn last line broke every reader of the
+    file (pandas, jq, `open_sft report`) until a resume rewrote it. Best effort: a read-only mount keeps it."""
+    try:
+        if path.exists() and path.stat().st_size > size:
+            os.truncate(path, size)
+    except OSError:
+        pass
 
 
 def per_source(names: list[str], loss_sums: list[float], tokens: list[int], prefix: str = "") -> dict[str, float]:

@@ -46,6 +46,45 @@ def test_a_metrics_append_the_disk_refuses_is_the_error_line(tmp_path, monkeypat
                                "dropping the lines logged after it")
 
 
+def test_a_metrics_line_the_disk_filled_within_is_dropped(tmp_path, monkeypatch) -> None:
+    """The disk fills within a line: the kernel wrote its first bytes, then ENOSPC. The torn line is cut off, so the
+    file stays JSON Lines for every reader (it kept `{"step": 9, "lo` until a resume rewrote the file)."""
+    from open_sft.monitor.metrics import MetricsWriter
+    from open_sft.monitor.report import read_records
+
+    path = tmp_path / "metrics.jsonl"
+    MetricsWriter(path).write({"step": 8, "loss": 2.0})
+    before = path.read_bytes()
+    real = pathlib.Path.open
+
+    def filling(self, *args, **kwargs):
+        handle = real(self, *args, **kwargs)
+        if self != path:
+            return handle
+
+        class Full:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                handle.close()
+
+            def write(self, text: str) -> None:
+                handle.write(text[:12])
+                handle.flush()
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        return Full()
+
+    monkeypatch.setattr(pathlib.Path, "open", filling)
+    monkeypatch.setattr(shutil, "disk_usage", lambda where: Usage(1 << 30, 1 << 30, 0))
+    with pytest.raises(UserError, match="the disk is full"):
+        MetricsWriter(path).write({"step": 9, "loss": 1.0})
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert [record["step"] for record in read_records(path)] == [8]
+
+
 def test_another_failure_of_a_metrics_append_keeps_its_traceback(tmp_path, monkeypatch) -> None:
     from open_sft.monitor.metrics import MetricsWriter
 
