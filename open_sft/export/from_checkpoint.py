@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-from open_sft.durable import out_of_space
+from open_sft.durable import human_size, out_of_space
 from open_sft.errors import UserError
 from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open_weights
 from open_sft.export.model_card import EXPORT_RECORD
@@ -221,10 +221,19 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
         if full is not None:
             left = ("it was removed again" if created else "it holds some of the new export's files: rerun before "
                     "using it" if getattr(exc, PLACED, False) else "it holds what it held before")
-            raise UserError(f"{full}: {checkpoint} could not be exported to {out} ({left}); free space there and "
-                            "rerun the same command") from exc
+            size = None if adapter and merge else human_size(_weight_bytes(weights, dtype))
+            needs = f" (the export needs about {size})" if size else ""
+            raise UserError(f"{full}: {checkpoint} could not be exported to {out} ({left}); free space there{needs} "
+                            "and rerun the same command") from exc
         raise
     return out
+
+
+def _weight_bytes(weights: CheckpointWeights, dtype: torch.dtype) -> int:
+    """About what the exported weights take on disk (a full disk's message says it): the checkpoint's tensors (a
+    LoRA checkpoint's: its adapter) in the export's dtype. With a merge, the base's size is not known here."""
+    return sum(w.shape.numel() * (dtype.itemsize if w.dtype.is_floating_point else w.dtype.itemsize)
+               for w in weights.weights.values())
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft export") -> int:

@@ -201,15 +201,22 @@ def test_a_failed_export_leaves_the_earlier_one(tiny_model_dir, tmp_path, monkey
 def test_a_full_disk_in_open_sft_export_is_the_error_line(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                             fresh) -> None:
     """safetensors' error on a full OUT was a traceback (exit 1); now one error line (exit 2) saying what OUT
-    holds."""
+    holds and about how much room the export needs."""
     import shutil
     from collections import namedtuple
 
     import safetensors.torch
     from safetensors import SafetensorError
 
+    from safetensors.torch import load_file
+
+    from open_sft.durable import human_size
+
     checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
     out = tmp_path / "out"
+    export_checkpoint(checkpoint, tmp_path / "whole")
+    needs = human_size(sum(t.numel() * t.element_size()
+                           for t in load_file(tmp_path / "whole" / "model.safetensors").values()))
     if not fresh:
         export_checkpoint(checkpoint, out)
 
@@ -222,7 +229,7 @@ def test_a_full_disk_in_open_sft_export_is_the_error_line(tiny_model_dir, tmp_pa
     left = "it was removed again" if fresh else "it holds what it held before"
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: {out}: the disk is full (0 bytes free): {checkpoint} could not be exported to {out} ({left}); free "
-        "space there and rerun the same command")
+        f"space there (the export needs about {needs}) and rerun the same command")
     assert out.exists() != fresh
 
 
