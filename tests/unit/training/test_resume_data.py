@@ -68,3 +68,32 @@ def test_other_data_are_refused_before_they_are_tokenized_naming_the_flag(tmp_pa
     assert refusal.count("--seed") == 1 and "--seed: 42 in the checkpoint, 7 now" in refusal and KEY_LINE not in refusal
     # the checkpoint's own data: no refusal, its cache entry
     assert prepare.prepare_run_data(then.data, tokenizer, 0, resuming=state)[0].cache_key == first.cache_key
+
+
+def test_every_flag_the_cache_key_reads_is_one_a_changed_data_refusal_names(tmp_path, tiny_model_dir,
+                                                                            monkeypatch) -> None:
+    """resume.DATA_FLAGS is kept beside cache_inputs.key_inputs by hand: a flag the key reads that it lacks would be
+    refused by two SHA-256 keys instead of by name. Every DataArguments field key_inputs reads (through the chat
+    options and the mixer list too) is in DATA_FLAGS, but where the cache lives."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from open_sft.data.cache_inputs import key_inputs
+    from open_sft.training.resume import DATA_FLAGS
+
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    args = DataArguments(dataset_mixer_list=[str(tmp_path / "chat.jsonl"), "1.0"])
+    read: set[str] = set()
+
+    class Reading:
+        def __getattr__(self, name: str):
+            read.add(name)
+            return getattr(args, name)
+
+    key_inputs(Reading(), AutoTokenizer.from_pretrained(tiny_model_dir), 0, holdout=("train", 0.1))
+    fields = {field.name for field in dataclasses.fields(DataArguments)}
+    where_the_cache_lives = {"dataset_skip_cache", "dataset_local_cache_dir"}
+    assert read & fields >= {"dataset_mixer_list", "max_seq_length", "train_on"}  # the probe sees the reads
+    assert (read & fields) - where_the_cache_lives <= DATA_FLAGS, sorted((read & fields) - DATA_FLAGS)
