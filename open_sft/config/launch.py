@@ -162,6 +162,32 @@ def _env_number(env: Mapping[str, str], name: str, kind: type) -> Any:
         raise UserError(f"accelerate passed {name}={raw!r}, not a number; fix the accelerate config") from exc
 
 
+def _picked(train: TrainingArguments, cfg: Optional[dict], env: Mapping[str, str], decider: _Decider
+            ) -> dict[str, Any]:
+    """Accumulation, clipping and micro-batch from the flags, the DeepSpeed JSON and accelerate's config; every
+    conflict found until now and here refused at once (one relaunch fixes them all), one conflict as one line."""
+    ds = cfg or {}
+    updates: dict[str, Any] = {}
+    updates["gradient_accumulation_steps"] = int(decider.pick(
+        "gradient_accumulation_steps", train.gradient_accumulation_steps, "gradient_accumulation_steps",
+        ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps",
+        _env_number(env, ENV_GRADIENT_ACCUMULATION, int) if cfg is not None else None))
+    clip = ds.get("gradient_clipping")
+    clip = None if clip == "auto" or clip is None else (float(clip) if float(clip) > 0 else -1.0)
+    acc_clip = _env_number(env, ENV_GRADIENT_CLIPPING, float) if cfg is not None else None
+    flag_clip = float(train.clip_grad_norm) if train.clip_grad_norm > 0 else -1.0
+    updates["clip_grad_norm"] = float(decider.pick("clip_grad_norm", flag_clip, "gradient_clipping", clip,
+                                                   "gradient_clipping", acc_clip))
+    updates["per_device_train_batch_size"] = int(decider.pick(
+        "per_device_train_batch_size", train.per_device_train_batch_size, "train_micro_batch_size_per_gpu",
+        ds.get("train_micro_batch_size_per_gpu"), None, None))
+    if len(decider.problems) == 1:
+        raise UserError(decider.problems[0])
+    if decider.problems:
+        raise ConfigError(decider.problems)
+    return updates
+
+
 def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: frozenset[str],
                 choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ,
                 resumed: Optional[tuple[int, int]] = None) -> LaunchPlan:
@@ -180,27 +206,10 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
         updates.update(section_updates)
     decider = _Decider(explicit, path, problems)
     decider.notes += section_notes
-    ds = cfg or {}
     if cfg is not None and train.use_8bit_optimizer:
         raise UserError("--use_8bit_optimizer does not work under DeepSpeed (ZeRO steps its flat fp32 partitions "
                         "with a torch optimizer); drop the flag, or train without DeepSpeed")
-    updates["gradient_accumulation_steps"] = int(decider.pick(
-        "gradient_accumulation_steps", train.gradient_accumulation_steps, "gradient_accumulation_steps",
-        ds.get("gradient_accumulation_steps"), "gradient_accumulation_steps",
-        _env_number(env, ENV_GRADIENT_ACCUMULATION, int) if cfg is not None else None))
-    clip = ds.get("gradient_clipping")
-    clip = None if clip == "auto" or clip is None else (float(clip) if float(clip) > 0 else -1.0)
-    acc_clip = _env_number(env, ENV_GRADIENT_CLIPPING, float) if cfg is not None else None
-    flag_clip = float(train.clip_grad_norm) if train.clip_grad_norm > 0 else -1.0
-    updates["clip_grad_norm"] = float(decider.pick("clip_grad_norm", flag_clip, "gradient_clipping", clip,
-                                                   "gradient_clipping", acc_clip))
-    updates["per_device_train_batch_size"] = int(decider.pick(
-        "per_device_train_batch_size", train.per_device_train_batch_size, "train_micro_batch_size_per_gpu",
-        ds.get("train_micro_batch_size_per_gpu"), None, None))
-    if len(decider.problems) == 1:
-        raise UserError(decider.problems[0])
-    if decider.problems:  # every conflict between the flags and the launch config at once: one relaunch fixes them
-        raise ConfigError(decider.problems)
+    updates.update(_picked(train, cfg, env, decider))
     train = dataclasses.replace(train, **updates)
     choice = _dtype(model_args.torch_dtype, decider, _precision_in_json(cfg, path), env, choose)
     problem = deepspeed_fp16_problem() if cfg is not None and choice.dtype == torch.float16 else None

@@ -219,14 +219,19 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
             raise UserError(f"{checkpoint} was deleted while it was being exported (the run prunes old checkpoints: "
                             "--keep_last_n_checkpoints); export a newer one") from exc
         if full is not None:
-            left = ("it was removed again" if created else "it holds some of the new export's files: rerun before "
-                    "using it" if getattr(exc, PLACED, False) else "it holds what it held before")
-            size = None if adapter and merge else human_size(_weight_bytes(weights, dtype))
-            needs = f" (the export needs about {size})" if size else ""
-            raise UserError(f"{full}: {checkpoint} could not be exported to {out} ({left}); free space there{needs} "
-                            "and rerun the same command") from exc
+            size = None if adapter and merge else _weight_bytes(weights, dtype)
+            raise UserError(_full_disk(full, checkpoint, out, created, getattr(exc, PLACED, False), size)) from exc
         raise
     return out
+
+
+def _full_disk(full: str, checkpoint: Path, out: Path, created: bool, placed: bool, size: Optional[int]) -> str:
+    """The error line of an export the disk filled: what OUT holds now and (`size`) about what the export needs."""
+    left = ("it was removed again" if created else "it holds some of the new export's files: rerun before using it"
+            if placed else "it holds what it held before")
+    needs = f" (the export needs about {human_size(size)})" if size is not None else ""
+    return (f"{full}: {checkpoint} could not be exported to {out} ({left}); free space there{needs} and rerun the "
+            "same command")
 
 
 def _weight_bytes(weights: CheckpointWeights, dtype: torch.dtype) -> int:
