@@ -76,6 +76,8 @@ def plan_steps(args: TrainingArguments, data: PreparedData, world_size: int, max
         total = sum(plan.steps_in_epoch(e) for e in range(args.num_train_epochs))
         epochs = args.num_train_epochs
     warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
+    if args.lr_scheduler_type == "constant":  # no warmup, as transformers' (constant_with_warmup has one): none said
+        warmup = 0
     return StepPlan(layout, per_epoch, total, warmup, epochs, plan, max_seq_length, balanced)
 
 

@@ -400,3 +400,14 @@ def test_total_tokens_do_not_depend_on_the_batch_layout(tiny_model_dir, tmp_path
     tokens = json.loads((tmp_path / "4x2" / "data_report.json").read_text())["tokens"]
     assert runs[1][0] == runs[4][0] and runs[1][0][5][0] == tokens and runs[1][0][-1][0] == 2 * tokens
     assert runs[1][1] == pytest.approx(runs[4][1], rel=1e-5)
+
+
+def test_a_constant_schedule_records_no_warmup(setup) -> None:
+    """constant has no warmup (transformers' neither; its lr is the peak from step 1): the plan, and so run.json, the
+    log line and the model card, said '2 warming up' from the default --warmup_ratio; constant_with_warmup keeps it."""
+    _, data, _ = setup
+    plans = {kind: plan_steps(TrainingArguments(per_device_train_batch_size=1, max_train_steps=40, warmup_ratio=0.1,
+                                                lr_scheduler_type=kind), data, 1, 256)
+             for kind in ("constant", "constant_with_warmup")}
+    assert (plans["constant"].warmup_steps, plans["constant_with_warmup"].warmup_steps) == (0, 4)
+    assert "0 warming up" in plans["constant"].describe() and plans["constant"].to_dict()["warmup_steps"] == 0
