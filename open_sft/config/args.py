@@ -240,8 +240,7 @@ class TrainingArguments:
     warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly.", default=0.03)
     warmup_steps: Optional[int] = _help("Warmup steps; overrides --warmup_ratio.", default=None)
     wsd_decay_ratio: float = _help("wsd: fraction of the steps, at the end, over which the LR decays linearly "
-                                   "(toward 0: its last step at peak / (decay steps + 1)).",
-                                   default=0.1)
+                                   "(toward 0: its last step at peak / (decay steps + 1)).", default=0.1)
     weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", default=0.0)
     use_8bit_optimizer: bool = _help("bitsandbytes 8-bit AdamW (runs on CPU too); not with DeepSpeed.", default=False)
     fused_optimizer: bool = _help("Use the fused AdamW kernel where this torch build has it (else foreach).",
