@@ -2,10 +2,12 @@
 
 Each line read is a user turn; the reply is generated (greedy) from the whole conversation so far, rendered
 with the run's chat template (the tokenizer saved in OUTPUT_DIR carries it), and followed by a line saying why
-it stopped. `/reset` starts the conversation over (a --system message stays), `/exit` (or end of input, Ctrl-D)
-quits. On a terminal the turns are read with line editing after a `you> ` prompt; from a pipe
-(`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout holds only the
-replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
+it stopped; a reasoning model's trace (a think block, gpt-oss's analysis channel) is shown apart, between
+`[reasoning]` and `[/reasoning]`, and kept in the conversation as the template reads it (open_sft.export.reply),
+so later turns render as training did. `/reset` starts the conversation over (a --system message stays),
+`/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line editing after a `you> `
+prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
+holds only the replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
 directory, as for `open_sft generate`. A model without a chat template (trained on plain text), or --raw: each
 line, with its newline, is appended to the text so far and the model continues it.
 """
@@ -25,6 +27,14 @@ PROMPT = "you> "
 
 def _tokens(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
+
+
+def _reasoning_block(reply: Generation) -> str:
+    """A reasoning model's trace, shown apart from the answer that follows it ("" when none was written)."""
+    if not reply.reasoning:
+        return ""
+    return f"[reasoning]\n{reply.reasoning}\n[/reasoning]\n" if reply.answered else \
+        f"[reasoning, stopped before any answer]\n{reply.reasoning}\n"
 
 
 def stop_line(reply: Generation, max_new_tokens: int, context: int) -> str:
@@ -90,9 +100,9 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
         else:
-            messages.append({"role": "assistant", "content": reply.text})
+            messages.append(reply.message())  # its reasoning as the template reads it, not flattened into the text
             replies += 1
-        out.write(f"{reply.text}\n{stop_line(reply, max_new_tokens, context)}\n")
+        out.write(f"{_reasoning_block(reply)}{reply.text}\n{stop_line(reply, max_new_tokens, context)}\n")
         out.flush()
     return replies
 

@@ -6,7 +6,11 @@ BEFORE_DIR is typically the base model and AFTER_DIR the run's --output_dir (any
 loads). Each task is a row of a JSON-lines file in the bundled sample's format: `messages` whose last message
 is the assistant's expected reply, and `answer`, that reply. Each model answers the messages before the last
 (greedy, with its own chat template) and scores a hit when its reply equals `answer` exactly, up to runs of
-whitespace (:func:`exact_match`): no partial credit, case and punctuation count.
+whitespace (:func:`exact_match`): no partial credit, case and punctuation count. A reasoning model's reply is
+scored by its answer alone, the reasoning its template writes before it set aside (Qwen3's and GLM's think block,
+gpt-oss's analysis channel: open_sft.export.reply), and such a model gets room for its reasoning
+(REASONING_MAX_NEW_TOKENS unless --max_new_tokens says otherwise); a reply cut off inside its reasoning, before
+any answer, scores a miss and is counted apart, with the fix.
 
 A model without a chat template (a base model, or one trained on plain text) is asked with the other model's
 template, so that both answer the same prompts and only the weights differ (a base model fine-tuned with
@@ -19,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from open_sft.file_modes import output_file_problem
 
 CELL = 26  # characters of a table cell; longer answers end in "…"
+MAX_NEW_TOKENS, REASONING_MAX_NEW_TOKENS = 16, 256  # a reasoning template's answer follows its trace
+CUT = "(stopped in its reasoning)"  # no answer came
 
 
 def exact_match(expected: str, generated: str) -> bool:
@@ -34,10 +40,15 @@ def exact_match(expected: str, generated: str) -> bool:
 
 @dataclass
 class TaskScore:
-    """One model's replies to a list of tasks and whether each is exactly the expected answer."""
+    """One model's replies to a list of tasks and whether each is exactly the expected answer; `reasoning`: the
+    trace set aside before each answer (None: the reply had no reasoning part), `cut`: whether the reply stopped
+    inside its reasoning, before an answer, and `limited` whether --max_new_tokens stopped it."""
 
     answers: list[str]
     correct: list[bool]
+    reasoning: list[str | None] = field(default_factory=list)
+    cut: list[bool] = field(default_factory=list)
+    limited: list[bool] = field(default_factory=list)
 
     @property
     def hits(self) -> int:
@@ -49,14 +60,35 @@ class TaskScore:
         return self.hits / len(self.correct) if self.correct else 0.0
 
 
-def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = 16, raw: bool = False) -> TaskScore:
-    """Greedy replies of `model` to each row's messages but the last, scored with exact_match against `answer`;
-    `raw`: to those messages' contents, one per line, continued as plain text (no chat template)."""
-    from open_sft.export.generate import generate
+def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = MAX_NEW_TOKENS,
+                raw: bool = False) -> TaskScore:
+    """Greedy replies of `model` to each row's messages but the last, their answers (a reasoning model's without
+    its reasoning) scored with exact_match against `answer`; `raw`: to those messages' contents, one per line,
+    continued as plain text (no chat template)."""
+    from open_sft.export.generate import TOKEN_LIMIT, generate_reply
 
-    answers = [generate(model, tokenizer, _plain(row["messages"][:-1]) if raw else row["messages"][:-1],
-                        max_new_tokens, raw=raw) for row in rows]
-    return TaskScore(answers, [exact_match(row["answer"], answer) for row, answer in zip(rows, answers)])
+    replies = [generate_reply(model, tokenizer, _plain(row["messages"][:-1]) if raw else row["messages"][:-1],
+                              max_new_tokens, raw=raw) for row in rows]
+    return TaskScore([reply.text for reply in replies],
+                     [reply.answered and exact_match(row["answer"], reply.text) for row, reply in zip(rows, replies)],
+                     [reply.reasoning for reply in replies], [not reply.answered for reply in replies],
+                     [reply.stop_reason == TOKEN_LIMIT for reply in replies])
+
+
+def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[str]:
+    """What the scores do not show: how many replies had their reasoning set aside, and how many were cut off
+    inside it (scored as misses, not as wrong answers)."""
+    n, lines = len(score.correct), []
+    set_aside = sum(reasoning is not None for reasoning in score.reasoning)
+    if set_aside:
+        lines.append(f"{name}: {set_aside} of {n} replies began with the reasoning their chat template writes (a think "
+                     "block, an analysis channel): it was set aside and the answer after it scored")
+    if cut := sum(score.cut):
+        limited = sum(c and limit for c, limit in zip(score.cut, score.limited))
+        lines.append(f"{name}: {cut} of {n} replies stopped inside their reasoning, before any answer (scored as "
+                     "misses)" + (f"; {limited} of them cut off at --max_new_tokens {max_new_tokens}: raise it"
+                                   if limited else ""))
+    return lines
 
 
 def _plain(messages: list[dict]) -> list[dict]:
@@ -117,8 +149,9 @@ def format_table(rows: list[dict], before: TaskScore, after: TaskScore, show: in
              f"{'after fine-tuning':<{CELL + 2}}  expected"]
     for i, row in enumerate(rows[:show]):
         marks = ["✓" if score.correct[i] else "✗" for score in (before, after)]
+        cells = [_cell(CUT if score.cut and score.cut[i] else score.answers[i]) for score in (before, after)]
         lines.append(f"{_cell(row['messages'][-2]['content'], 48):<{prompt_width}}  "
-                     f"{marks[0]} {_cell(before.answers[i]):<{CELL}}  {marks[1]} {_cell(after.answers[i]):<{CELL}}  "
+                     f"{marks[0]} {cells[0]:<{CELL}}  {marks[1]} {cells[1]:<{CELL}}  "
                      f"{_cell(row['answer'], EXPECTED_CELL)}")  # one line: a multi-line answer broke the table
     return "\n".join(lines)
 
@@ -133,8 +166,11 @@ def accuracy_line(before: TaskScore, after: TaskScore) -> str:
 def write_scores(path: Path, rows: list[dict], dirs: tuple[Path, Path], before: TaskScore, after: TaskScore) -> None:
     """Every task with both answers and both accuracies, as one JSON document."""
     tasks = [{"id": row.get("id"), "task": row.get("task"), "prompt": row["messages"][-2]["content"],
-              "expected": row["answer"], "before": b, "after": a, "before_correct": bc, "after_correct": ac}
-             for row, b, a, bc, ac in zip(rows, before.answers, after.answers, before.correct, after.correct)]
+              "expected": row["answer"], "before": b, "after": a, "before_correct": bc, "after_correct": ac,
+              **{f"{name}_reasoning": score.reasoning[i] for name, score in (("before", before), ("after", after))
+                 if score.reasoning and score.reasoning[i] is not None}}
+             for i, (row, b, a, bc, ac) in enumerate(zip(rows, before.answers, after.answers, before.correct,
+                                                          after.correct))]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"tasks": len(rows), "before": {"model": str(dirs[0]), "accuracy": before.accuracy},
                                 "after": {"model": str(dirs[1]), "accuracy": after.accuracy}, "rows": tasks},
@@ -158,6 +194,18 @@ def _load(directory: Path, tokenizer_only: bool = False):
     return loaded.model, loaded.tokenizer
 
 
+def _default_limit(directory: Path, tokenizer, template: str | None) -> int:
+    """MAX_NEW_TOKENS, or REASONING_MAX_NEW_TOKENS for a template that writes reasoning before the answer (said on
+    stderr): MAX_NEW_TOKENS ends most reasoning replies inside their trace."""
+    from open_sft.export.reply import reasoning_layout
+
+    if template is None or reasoning_layout(template, tokenizer) is None:
+        return MAX_NEW_TOKENS
+    print(f"{directory}: its chat template writes reasoning before the answer: each reply may have "
+          f"{REASONING_MAX_NEW_TOKENS} new tokens (--max_new_tokens)", file=sys.stderr, flush=True)
+    return REASONING_MAX_NEW_TOKENS
+
+
 def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,10 +213,12 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     parser.add_argument("after", type=Path, help="the model after: a run's --output_dir (or its merged/)")
     parser.add_argument("--tasks", type=Path, required=True, help="JSON-lines tasks (messages + answer)")
     parser.add_argument("--show", type=int, default=12, help="tasks shown in the table (all are scored)")
-    parser.add_argument("--max_new_tokens", type=int, default=16, help="the most tokens of one answer")
+    parser.add_argument("--max_new_tokens", type=int, default=None,
+                        help=f"the most tokens of one reply (default {MAX_NEW_TOKENS}; {REASONING_MAX_NEW_TOKENS} "
+                             "for a model whose chat template writes reasoning before the answer)")
     parser.add_argument("--json", type=Path, default=None, help="also write every answer and score here")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.show < 0:
+    if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.show < 0:
         parser.error("--max_new_tokens must be at least 1 and --show at least 0")
     why = output_file_problem(args.json) if args.json is not None else None
     if why:  # said before the models load and score, not after
@@ -191,17 +241,20 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     if None in tokenizers:
         return 2
     formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
-    scores = []
-    for directory, template in zip(directories, formats):
+    scores, notes = [], []
+    for name, directory, template in zip(("before", "after"), directories, formats):
         loaded = _load(directory)
         if loaded is None:
             return 2
         model, tokenizer = loaded
         if template is not None:
             tokenizer.chat_template = template
-        scores.append(score_tasks(model, tokenizer, rows, args.max_new_tokens, raw=template is None))
+        limit = args.max_new_tokens or _default_limit(directory, tokenizer, template)
+        scores.append(score_tasks(model, tokenizer, rows, limit, raw=template is None))
+        notes += reasoning_lines(f"{name} ({directory})", scores[-1], limit)
     print(format_table(rows, *scores, args.show))
     print(accuracy_line(*scores), flush=True)
+    print("".join(f"{note}\n" for note in notes), end="", flush=True)
     if args.json is not None:
         write_scores(args.json, rows, (args.before, args.after), *scores)
     return 0

@@ -6,7 +6,10 @@
 
 A model trained on plain text (continual pretraining) has no chat template: its prompts are continued as plain
 text, as --raw asks for any model. The generation is printed as generated, whitespace included
-(`only_whitespace` says when that is all it is).
+(`only_whitespace` says when that is all it is). A reasoning model's reply is split as its chat template writes
+it (open_sft.export.reply): `generation` is the answer and `reasoning` the trace before it (Qwen3's and GLM's
+think block, gpt-oss's analysis channel); `cut_before_answer` says the reply stopped inside its reasoning. The
+--score_sample scores the answer alone.
 
 OUTPUT_DIR is what the run wrote, whatever it holds: a full export, a LoRA/QLoRA adapter (its base model is
 the one adapter_config.json names, or --base_model), or a LoRA run's merged/ directory. Each generation says
@@ -32,7 +35,9 @@ END_OF_TURN, TOKEN_LIMIT, CONTEXT_FULL = "end_of_turn", "max_new_tokens", "max_l
 class Generation:
     """One reply: its text, why it stopped (END_OF_TURN, TOKEN_LIMIT or CONTEXT_FULL), the tokens of the prompt it
     answered and its new tokens, when the model ended its turn the token that ended it, and the special tokens it
-    generated before that (the text leaves them out)."""
+    generated before that (the text leaves them out). A reasoning model's text is its answer alone, and
+    `reasoning` the trace written before it (open_sft.export.reply; None: no reasoning part); `answered` is False
+    when the reply stopped inside its reasoning, before any answer."""
 
     text: str
     stop_reason: str
@@ -40,6 +45,14 @@ class Generation:
     new_tokens: int
     stop_token: str | None = None
     special_tokens: list[str] = field(default_factory=list)
+    reasoning: str | None = None
+    answered: bool = True
+
+    def message(self) -> dict:
+        """The reply as the assistant message a chat history keeps (its trace as the template reads it)."""
+        from open_sft.export.reply import ReplyParts
+
+        return ReplyParts(self.text, self.reasoning, self.answered).message()
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -62,6 +75,8 @@ def context_length(model) -> int:
 def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False) -> Generation:
     """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped; `raw`: the
     continuation of their contents joined as they are (plain text, no template)."""
+    from open_sft.export.reply import ReplyParts, parse_reply
+
     if raw:
         encoded = tokenizer("".join(m["content"] for m in messages), return_tensors="pt")
         if encoded["input_ids"].shape[1] == 0:  # an empty prompt, and a tokenizer that adds no bos
@@ -81,14 +96,18 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
                              eos_token_id=sorted(stops), pad_token_id=tokenizer.pad_token_id
                              if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     new = out[0, prompt_tokens:].tolist()
-    text = tokenizer.decode(new, skip_special_tokens=True)  # as generated: whitespace is part of it
     ended = bool(new) and new[-1] in stops
+    body = new[:-1] if ended else new
+    if raw:
+        parts = ReplyParts(tokenizer.decode(new, skip_special_tokens=True))  # as generated: whitespace is part of it
+    else:  # a reasoning model's trace apart from its answer, by the template's layout
+        parts = parse_reply(tokenizer, body, encoded["input_ids"][0].tolist())
     special = set(tokenizer.all_special_ids)
-    hidden = tokenizer.convert_ids_to_tokens([t for t in (new[:-1] if ended else new) if t in special])
-    if ended:
-        return Generation(text, END_OF_TURN, prompt_tokens, len(new), tokenizer.convert_ids_to_tokens(new[-1]), hidden)
-    return Generation(text, TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL, prompt_tokens, len(new),
-                      special_tokens=hidden)
+    hidden = tokenizer.convert_ids_to_tokens([t for t in body if t in special])
+    stop_reason = END_OF_TURN if ended else TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL
+    return Generation(parts.answer, stop_reason, prompt_tokens, len(new),
+                      tokenizer.convert_ids_to_tokens(new[-1]) if ended else None, hidden, parts.reasoning,
+                      parts.answered)
 
 
 def _start_token(tokenizer) -> int:
@@ -107,12 +126,20 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, r
     return generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw).text
 
 
-def score_sample(model, tokenizer, rows: list[dict]) -> float:
-    """Share of rows whose generated final answer equals the expected one (the last turn is held out)."""
+def score_sample(model, tokenizer, rows: list[dict], max_new_tokens: int = 32) -> dict:
+    """Share of rows whose generated final answer equals the expected one (the last turn is held out), a reasoning
+    model's answer without its reasoning; with how many replies had reasoning set aside, and how many were cut off
+    inside it (before an answer: misses), when any."""
     from open_sft.embedded.sample_data import score_answer
 
-    hits = sum(score_answer(row["answer"], generate(model, tokenizer, row["messages"][:-1])) for row in rows)
-    return hits / max(len(rows), 1)
+    replies = [generate_reply(model, tokenizer, row["messages"][:-1], max_new_tokens) for row in rows]
+    hits = sum(reply.answered and score_answer(row["answer"], reply.text) for row, reply in zip(rows, replies))
+    scored = {"held_out_tasks": len(rows), "exact_answer_accuracy": hits / max(len(rows), 1)}
+    if set_aside := sum(reply.reasoning is not None for reply in replies):
+        scored["reasoning_set_aside"] = set_aside
+    if cut := sum(not reply.answered for reply in replies):
+        scored["cut_before_answer"] = cut  # raise --max_new_tokens
+    return scored
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -187,8 +214,11 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
         except UserError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print(json.dumps({"prompt": prompt, "generation": reply.text, "stop_reason": reply.stop_reason,
-                          "new_tokens": reply.new_tokens, "stop_token": reply.stop_token,
+        print(json.dumps({"prompt": prompt, "generation": reply.text,
+                          **({"reasoning": reply.reasoning} if reply.reasoning is not None else {}),
+                          **({"cut_before_answer": True} if not reply.answered else {}),
+                          "stop_reason": reply.stop_reason, "new_tokens": reply.new_tokens,
+                          "stop_token": reply.stop_token,
                           **({"special_tokens": reply.special_tokens} if reply.special_tokens else {}),
                           **({"only_whitespace": True} if reply.text and not reply.text.strip() else {})}),
               flush=True)
@@ -196,7 +226,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
         from open_sft.embedded.sample_data import generate_examples
 
         rows = generate_examples(args.score_sample, seed=HELD_OUT_SEED)
-        print(json.dumps({"held_out_tasks": len(rows), "exact_answer_accuracy": score_sample(model, tokenizer, rows)}))
+        print(json.dumps(score_sample(model, tokenizer, rows, args.max_new_tokens)))
     return 0
 
 

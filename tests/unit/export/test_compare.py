@@ -11,6 +11,7 @@ from open_sft.__main__ import main as open_sft_main
 from open_sft.embedded.demo_tasks import DEMO_HELD_OUT
 from open_sft.export import compare
 from open_sft.export.compare import TaskScore, exact_match, format_table, read_tasks, score_tasks
+from open_sft.export.generate import END_OF_TURN, Generation
 
 ROWS = [{"id": f"t{i}", "task": "pet", "answer": answer,
          "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
@@ -32,9 +33,10 @@ def test_score_tasks_asks_each_prompt_without_its_answer(monkeypatch) -> None:
 
     def fake_generate(model, tokenizer, messages, max_new_tokens, raw=False):
         seen.append((messages, max_new_tokens))
-        return {"Ann": "cat", "Tra": "chien rouge.", "Tom": "Oslo"}[messages[-1]["content"][:3]]
+        return Generation({"Ann": "cat", "Tra": "chien rouge.", "Tom": "Oslo"}[messages[-1]["content"][:3]],
+                          END_OF_TURN, 5, 2)
 
-    monkeypatch.setattr("open_sft.export.generate.generate", fake_generate)
+    monkeypatch.setattr("open_sft.export.generate.generate_reply", fake_generate)
     score = score_tasks(None, None, ROWS, max_new_tokens=5)
     assert score.answers == ["cat", "chien rouge.", "Oslo"] and score.correct == [True, False, True]
     assert (score.hits, round(score.accuracy, 4)) == (2, 0.6667)

@@ -1,0 +1,138 @@
+"""A generated reply split as the chat template writes an assistant message: its reasoning apart from its answer.
+
+Reasoning models write a trace before the answer, in the form their template gives it: Qwen3's and GLM-4.5's
+`<think>TRACE</think>ANSWER` (Qwen3 writes `<think>\\n\\n</think>\\n\\n` before every answer, plain chat data
+too), gpt-oss's analysis channel before its final one (`<|channel|>analysis<|message|>TRACE<|end|><|start|>
+assistant<|channel|>final<|message|>ANSWER`). Scoring the whole reply marks a right answer wrong, and a chat
+history that holds the reply as flat content renders a context the model never saw (gpt-oss's markers are
+special tokens, so a decoded reply loses them: `analysisTRACEassistantfinalANSWER`).
+
+The split is the template's own: a tokenizer with a `response_template` parses the reply with transformers'
+parse_response; otherwise the template renders a probe message (`reasoning_content` TRACE, content ANSWER, which
+transformers also hands over as `thinking`) after the generation prompt, and the text it writes around the two
+names the reasoning's opening and the marker the answer follows (`</think>`, `<|channel|>final<|message|>`).
+A template that writes no reasoning field leaves the trace written in the content, DeepSeek-R1 distills' way
+(`trace</think>answer`, the open tag in the generation prompt): the answer is what follows its last `</think>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
+INLINE_CLOSE = "</think>"  # the trace written in the content (open_sft.data.chat.reasoning.inline_reasoning)
+
+
+@dataclass(frozen=True)
+class ReplyParts:
+    """A reply's `answer` (what is scored and kept as the message's content), its `reasoning` (None: the reply
+    has no reasoning part; "" an empty one, such as Qwen3's empty think block) and whether the answer began
+    (False: the reply stopped inside its reasoning, before any answer)."""
+
+    answer: str
+    reasoning: str | None = None
+    answered: bool = True
+
+    def message(self) -> dict:
+        """The reply as the assistant message the template renders back: the trace as `reasoning_content`
+        (transformers hands it to the template as `thinking` too), so the history renders as training did; an
+        empty trace is left out (gpt-oss's template would write an empty analysis message for it)."""
+        if not self.reasoning:
+            return {"role": "assistant", "content": self.answer}
+        return {"role": "assistant", "content": self.answer, "reasoning_content": self.reasoning}
+
+
+@dataclass(frozen=True)
+class ReasoningLayout:
+    """What the template writes before a trace (`opening`, e.g. `<think>`), between trace and answer
+    (`between`, e.g. `\\n</think>\\n\\n`) and where an answer without a trace starts (`answer_marker`, the part
+    of `between` it shares: `</think>`, gpt-oss's `<|channel|>final<|message|>`)."""
+
+    opening: str
+    between: str
+    answer_marker: str
+
+
+def _common_suffix(first: str, second: str) -> str:
+    n = 0
+    while n < min(len(first), len(second)) and first[-1 - n] == second[-1 - n]:
+        n += 1
+    return first[len(first) - n:]
+
+
+@lru_cache(maxsize=8)
+def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
+    """The template's reasoning layout, read from its rendering of a probe message after a user turn; None when
+    it writes no reasoning field after the generation prompt (an instruct template, or one that fails)."""
+    user = [{"role": "user", "content": "Q"}]
+    try:
+        prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": PROBE_ANSWER,
+                                                      "reasoning_content": PROBE_TRACE}], tokenize=False)
+        bare = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": PROBE_ANSWER}], tokenize=False)
+    except Exception:  # noqa: BLE001  (a template that cannot render the probe is read as having no layout)
+        return None
+    if not (full.startswith(prompt) and bare.startswith(prompt)):
+        return None
+    full, bare = full[len(prompt):], bare[len(prompt):]
+    trace, answer = full.find(PROBE_TRACE), full.find(PROBE_ANSWER)
+    if trace < 0 or answer < trace:
+        return None
+    between = full[trace + len(PROBE_TRACE):answer].strip()
+    marker = _common_suffix(between, bare[:max(bare.find(PROBE_ANSWER), 0)].strip()) or between
+    if not marker.strip():
+        return None
+    return ReasoningLayout(full[:trace].strip(), between, marker.strip())
+
+
+def _strip_specials(text: str, tokenizer) -> str:
+    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+        text = text.replace(token, "")
+    return text
+
+
+def split_reply(tokenizer, text: str, plain: str) -> ReplyParts:
+    """`text` (the reply decoded with its special tokens, less the token that ended it) split into reasoning and
+    answer by the template's layout (module docstring); `plain` (decoded without them, as generated, whitespace
+    included) when it has none."""
+    layout = reasoning_layout(tokenizer.chat_template, tokenizer) if isinstance(tokenizer.chat_template, str) \
+        else None
+    if layout is None:
+        if INLINE_CLOSE not in text:
+            return ReplyParts(plain)
+        head, _, answer = text.rpartition(INLINE_CLOSE)
+        return ReplyParts(_strip_specials(answer, tokenizer).strip(),
+                          _strip_specials(head.replace("<think>", "", 1), tokenizer).strip())
+    head, found, answer = text.rpartition(layout.answer_marker)
+    if not found:
+        start = text.lstrip()
+        if layout.opening and start.startswith(layout.opening):  # stopped inside the trace
+            return ReplyParts("", _strip_specials(start[len(layout.opening):], tokenizer).strip(), answered=False)
+        if start and (layout.opening.startswith(start) or layout.answer_marker.startswith(start)):
+            return ReplyParts("", "", answered=False)  # stopped inside the markup before the trace or the answer
+        return ReplyParts(plain)
+    head = head.strip()
+    if layout.opening and head.startswith(layout.opening):
+        head = head[len(layout.opening):]
+    rest = layout.between[:len(layout.between) - len(layout.answer_marker)].strip()  # gpt-oss: <|end|><|start|>...
+    if rest and head.rstrip().endswith(rest):
+        head = head.rstrip()[:-len(rest)]
+    return ReplyParts(_strip_specials(answer, tokenizer).strip(), _strip_specials(head, tokenizer).strip())
+
+
+def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int]) -> ReplyParts:
+    """The reply's parts: by the tokenizer's own `response_template` (transformers' parse_response) where it has
+    one, else by split_reply on the reply decoded with its special tokens."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        try:
+            parsed = tokenizer.parse_response(new_ids, prefix=prompt_ids)
+        except Exception:  # noqa: BLE001  (a parser that fails on this reply: the template's layout splits it)
+            parsed = None
+        if isinstance(parsed, dict):
+            reasoning = next((parsed[key] for key in ("reasoning_content", "thinking", "reasoning")
+                              if isinstance(parsed.get(key), str)), None)
+            answer = str(parsed.get("content") or "").strip()
+            return ReplyParts(answer, reasoning, answered=bool(answer) or not reasoning or "tool_calls" in parsed)
+    return split_reply(tokenizer, tokenizer.decode(new_ids, skip_special_tokens=False),
+                       tokenizer.decode(new_ids, skip_special_tokens=True))
