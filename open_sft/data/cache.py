@@ -58,8 +58,10 @@ logger = logging.getLogger(__name__)
 # turn that writes only part of its generation prompt's opening ends at a whole tag or line; 18: a turn trains
 # through the first stop token the template writes for it where only tags follow (DeepSeek-R1's extra
 # <｜Assistant｜><｜end▁of▁sentence｜> after a call's empty content is context); 19: a turn that cannot be located after
-# its own context trains alone in the one rendering, the row's other turns after theirs (Mistral v0.3's system prompt)
-CACHE_FORMAT_VERSION = 19
+# its own context trains alone in the one rendering, the row's other turns after theirs (Mistral v0.3's system prompt);
+# 20: whitespace a template writes after the generation prompt (a content's own leading "\n\n", Mistral's space after
+# [/INST]) trains in a row's one rendering too, as turn by turn
+CACHE_FORMAT_VERSION = 20
 COMPLETE = "COMPLETE"
 
 

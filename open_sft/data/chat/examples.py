@@ -146,9 +146,10 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
     """The trained spans of a row of role/content messages read off its one rendering `text`: each content,
     stripped, and its end of turn. `faithful`: only where that is the turn as the model generates it (the
     generation prompt is a prefix of the text, and the template closes the turn with an end-of-turn token where
-    it has any), from the end of the generation prompt where the template writes more than whitespace before
-    the content; else None. Not faithful (open-instruct's templates, for parity): a content may also be located
-    by a marked rendering."""
+    it has any), from the end of the generation prompt (whitespace there too: a content's leading "\n\n" that
+    ChatML or Mistral's template writes as it is, DeepSeek-V3.1's after `</think>`, the model generates); else
+    None. Not faithful (open-instruct's templates, for parity): a content may also be located by a marked
+    rendering."""
     draw, tools = state.draw, getattr(messages, "tools", None)
     spans = []
     for i in indices:
@@ -176,8 +177,8 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
         end = _end_of_turn_length(state, text[content_end:through_length], markers)
         if faithful and not end and enders.tokens:
             return None
-        if faithful and text[prompt_end:start].strip():  # what the template writes before the content (Qwen3's
-            start = prompt_end  # empty think block after the last user message): the model writes it too
+        if faithful:  # what the template writes before the content (Qwen3's empty think block after the last
+            start = prompt_end  # user message, a content's own leading whitespace): the model writes it too
         spans.append((start, content_end + end))
     return spans
 

@@ -111,6 +111,46 @@ def test_eos_written_only_after_the_final_turn(tokenizer) -> None:
     assert trained(tokenizer, rows, "last_assistant") == [[f"4<|end|>\n{eos}"], [f"Hello!<|end|>\n{eos}"]]
 
 
+# ChatML as Qwen2.5's and Hermes' templates write it: each content as it is, leading whitespace too.
+AS_IS = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# DeepSeek-V3.1's: the generation prompt closes the think block, and a turn keeps what follows the `</think>` of a
+# trace written in its content, as it is (R1-style data: the "\\n\\n" before the answer).
+AFTER_THINK = ("{% for m in messages %}{% if m.role == 'user' %}{{ '<|im_start|>' + m.content }}{% else %}"
+               "{% set c = m.content %}{% if '</think>' in c %}{% set c = c.split('</think>', 1)[1] %}{% endif %}"
+               "{{ '<|end|></think>' + c + '<|im_end|>' }}{% endif %}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|end|></think>' }}{% endif %}")
+
+
+@pytest.mark.parametrize(("template", "content", "written"), [
+    ("as_is", "\n\nHello there.", "\n\nHello there.<|im_end|>"),
+    ("as_is", " Hello there.", " Hello there.<|im_end|>"),
+    ("after_think", "<think>\nThree and three.\n</think>\n\n6.", "\n\n6.<|im_end|>"),
+    ("mistral_v0_3", "\n\nHello there.", " \n\nHello there.</s>"),  # its space after [/INST] too
+    ("mistral_v0_3", "Hello there.", " Hello there.</s>")])
+def test_whitespace_the_template_writes_after_the_generation_prompt_is_trained(tokenizer, template, content,
+                                                                               written) -> None:
+    """Everything the template writes after the generation prompt is what the model generates, whitespace
+    opening a content too (a scraped answer's leading newline, R1-style data's "\\n\\n" after `</think>`):
+    it trained as context in a row's one rendering (the model never learned to write it), though a turn
+    trained turn by turn had it. Now both paths train it, as apply_chat_template writes it."""
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES
+
+    if template == "mistral_v0_3":
+        tokenizer.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>",
+                                      "additional_special_tokens": ["[INST]", "[/INST]"]})
+    tokenizer.chat_template = {"as_is": AS_IS, "after_think": AFTER_THINK}.get(template) or (
+        TEMPLATES / "mistral_v0_3.jinja").read_text()
+    rows = [chat("Hi", content), chat("Hi", content, "Again.", content)]
+    for row in rows:  # the oracle: the text after the generation prompt, as transformers renders it
+        for k in range(1, len(row), 2):
+            prompt = tokenizer.apply_chat_template(row[:k], tokenize=False, add_generation_prompt=True)
+            through = tokenizer.apply_chat_template(row[: k + 1], tokenize=False)
+            assert through.startswith(prompt + written)
+    assert trained(tokenizer, rows) == [[written], [written, written]]  # one rendering
+    assert trained(tokenizer, [with_tools(row) for row in rows]) == [[written], [written, written]]  # turn by turn
+
+
 @pytest.mark.parametrize("template", ["embedded", "think_last", "eos_at_the_end"])
 def test_a_conversation_may_open_with_the_assistant(tokenizer, template, monkeypatch) -> None:
     """An assistant turn with nothing before it (a greeting) is located without rendering an empty
