@@ -60,8 +60,9 @@ logger = logging.getLogger(__name__)
 # <｜Assistant｜><｜end▁of▁sentence｜> after a call's empty content is context); 19: a turn that cannot be located after
 # its own context trains alone in the one rendering, the row's other turns after theirs (Mistral v0.3's system prompt);
 # 20: whitespace a template writes after the generation prompt (a content's own leading "\n\n", Mistral's space after
-# [/INST]) trains in a row's one rendering too, as turn by turn
-CACHE_FORMAT_VERSION = 20
+# [/INST]) trains in a row's one rendering too, as turn by turn; 21: a tool call that ends the row stops at the tag of
+# a tool's result under a template without end-of-turn tokens (GLM-4.5's <|observation|>, not <|user|>)
+CACHE_FORMAT_VERSION = 21
 COMPLETE = "COMPLETE"
 
 

@@ -261,9 +261,13 @@ def _closer(messages: Messages, turn: Turn, enders: TurnEnders) -> str:
 
 def _follow_tag(messages: Messages, turn: Turn, enders: TurnEnders) -> str:
     """For a template that writes no end-of-turn token (GLM's): the tag of the turn after this one, which the
-    model generates to stop: a tool result's after a call, else a user's ("" when the probes found none)."""
+    model generates to stop: a tool result's after a call (also where the call ends the row: a single-turn
+    function-calling row, or one whose result was left out after the last assistant turn), else a user's (""
+    when the probes found none)."""
+    message = messages[turn.index]
     following = messages[turn.index + 1]["role"] if turn.index + 1 < len(messages) else "user"
-    return enders.after_call if following == "tool" and enders.after_call else enders.after_answer
+    calls = message.get("tool_calls") or message.get("function_calls")
+    return enders.after_call if (calls or following == "tool") and enders.after_call else enders.after_answer
 
 
 @dataclass(frozen=True)

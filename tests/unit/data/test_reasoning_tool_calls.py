@@ -122,8 +122,8 @@ def stop_of(family: str, messages: list[dict], k: int) -> str:
         return "<|im_end|>"
     if family == "gpt_oss":
         return "<|call|>" if calls else "<|return|>"
-    following = messages[k + 1]["role"] if k + 1 < len(messages) else "user"  # GLM: the next turn's tag
-    return "<|observation|>" if following == "tool" else "<|user|>"
+    following = messages[k + 1]["role"] if k + 1 < len(messages) else "user"  # GLM: the next turn's tag, a tool
+    return "<|observation|>" if following == "tool" or calls else "<|user|>"  # result's after a call
 
 
 def expected_turns(tokenizer, family: str, row: dict) -> list[tuple[str, str, str, dict]]:
@@ -188,6 +188,26 @@ def test_every_assistant_turn_trains_as_the_model_generates_it(tiny_model_dir, t
                                           add_special_tokens=False)["input_ids"])
                             for m in map(to_messages, rows, repeat("messages")))
         assert report.split_extra_tokens == report.tokens - one_rendering - (len(rows) if family == "glm" else 0)
+
+
+def test_glm_a_tool_call_that_ends_the_row_stops_at_the_observation_tag(tiny_model_dir, tmp_path) -> None:
+    """GLM-4.5's template writes no end-of-turn token: a turn trains through the tag of the turn that follows, which
+    the model generates to stop, and after a tool call that is <|observation|>. A call that ends the row (single-turn
+    function-calling sets, truncated agent traces), or whose result is the row's last message (left out: it trains
+    nothing), trained <|user|> instead, and one dataset taught both after calls."""
+    tokenizer = family_tokenizer(tiny_model_dir, "glm")
+    def asked(city: str) -> list[dict]:
+        calling = [call("get_weather", {"city": city}, 6)]
+        return [{"role": "user", "content": f"Weather in {city}?"},
+                {"role": "assistant", "content": None, "tool_calls": calling}]
+
+    rows = [{"tools": TOOLS, "messages": asked("Bern")}, {"tools": TOOLS, "messages": asked("Chur") + [tool("5", 6)]},
+            {"tools": TOOLS, "messages": asked("Sion") + [tool("5", 6), {"role": "assistant", "content": "5 C."}]}]
+    examples, _ = build(tokenizer, tmp_path, rows)
+    runs = trained_runs(tokenizer, examples)
+    assert_trained_as_generated(tokenizer, "glm", rows, runs)
+    assert [run.endswith("</tool_call><|observation|>") for _, run in runs] == [True, True, True, False]
+    assert runs[3][1].endswith("5 C.<|user|>")
 
 
 def test_parallel_calls_a_template_writes_only_the_first_of_are_a_named_bad_row(tiny_model_dir, tmp_path) -> None:
