@@ -61,8 +61,9 @@ logger = logging.getLogger(__name__)
 # its own context trains alone in the one rendering, the row's other turns after theirs (Mistral v0.3's system prompt);
 # 20: whitespace a template writes after the generation prompt (a content's own leading "\n\n", Mistral's space after
 # [/INST]) trains in a row's one rendering too, as turn by turn; 21: a tool call that ends the row stops at the tag of
-# a tool's result under a template without end-of-turn tokens (GLM-4.5's <|observation|>, not <|user|>)
-CACHE_FORMAT_VERSION = 21
+# a tool's result under a template without end-of-turn tokens (GLM-4.5's <|observation|>, not <|user|>); 22: OpenAI's
+# legacy functions/function_call/function rows are tools, tool calls and tool results (the calls were dropped)
+CACHE_FORMAT_VERSION = 22
 COMPLETE = "COMPLETE"
 
 

@@ -81,6 +81,7 @@ def _from_messages(row: dict[str, Any]) -> Messages:
     for i, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
             raise RowError(f"message {i} is a {type(message).__name__}, expected an object with role and content", "bad_message")
+        message = _from_legacy_functions(message, i)
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise RowError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}", "unknown_role")
@@ -95,13 +96,15 @@ def _from_messages(row: dict[str, Any]) -> Messages:
         if isinstance(content, list):
             content = _text_of_parts(content, f"message {i} ({role})")
         if not isinstance(content, str):
+            beside = " (null only beside the turn's tool_calls, or OpenAI's legacy function_call)" \
+                if content is None and role == "assistant" else ""
             raise RowError(f"message {i} ({role}) has content of type {type(content).__name__}; expected a string "
-                           "(or a list of text parts)", "bad_content_type")
+                           f"(or a list of text parts){beside}", "bad_content_type")
         # A message of exactly these two keys is used as it is (messages are never changed): a copy per
         # message costs a tenth of the conversion on short rows. Other keys (tool_calls, tool_call_id, name,
         # reasoning_content) go to the chat template as they are, but for empty ones (a column read with
         # Arrow gives every message every key, most of them null).
-        if len(message) == 2 and content is message["content"]:
+        if len(message) == 2 and content is message.get("content"):
             out.append(message)
         else:
             out.append({**{key: value for key, value in message.items() if value is not None and value != []},
@@ -109,6 +112,28 @@ def _from_messages(row: dict[str, Any]) -> Messages:
             if out[-1].get("tool_calls"):
                 out[-1]["tool_calls"] = [_with_object_arguments(call) for call in out[-1]["tool_calls"]]
     return out
+
+
+def _from_legacy_functions(message: dict, i: int) -> dict:
+    """OpenAI's legacy function calling (its chat fine-tuning format before tools): an assistant message's
+    `function_call` {name, arguments} is the turn's tool call and a `function` message the call's result (a tool
+    message, its `name` kept), as `tool_calls` and `tool` messages reach the chat template; the row's `functions`
+    are its tools (`_tools`). Read, not dropped: the template would write neither, and the row would train the
+    turn's content alone, without its call."""
+    if message.get("role") == "function":
+        return {**message, "role": "tool"}
+    call = message.get("function_call")
+    if call is None:
+        return message
+    if message.get("role") != "assistant" or message.get("tool_calls") or not (
+            isinstance(call, dict) and isinstance(call.get("name"), str)):
+        raise RowError(f"message {i} ({message.get('role')}) has a function_call that is not OpenAI's legacy form: "
+                       "an object {name, arguments} on an assistant message without tool_calls (read as its tool "
+                       "call); give the calls as tool_calls, a list of {type, function: {name, arguments}} objects",
+                       "bad_tool_calls")
+    function = {"name": call["name"], "arguments": call.get("arguments", {})}
+    return {**{key: value for key, value in message.items() if key != "function_call"},
+            "tool_calls": [{"type": "function", "function": function}]}
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' part, the Responses API's two
@@ -280,23 +305,40 @@ def check_trainable(messages: Messages) -> None:
 
 
 def _tools(row: dict[str, Any]) -> Optional[list]:
-    """The `tools` column: a list of tool schemas (objects), or that list as a JSON string (as sharegpt
-    files and parquet columns often carry it); absent, null or empty means no tools."""
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except ValueError as exc:
-            raise RowError(f"'tools' is a string but not JSON ({exc}); give a list of tool schemas", "bad_tools")
-    if tools is None or tools == []:
+    """The `tools` column (and OpenAI's legacy `functions`, bare schemas): a list of tool schemas (objects), or
+    that list as a JSON string (as sharegpt files and parquet columns often carry it); absent, null or empty
+    means no tools."""
+    tools = _schemas(row, "tools") + _legacy_functions(row)
+    if not tools:
         return None
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise RowError("'tools' must be a list of tool schemas (JSON objects)", "bad_tools")
     # a bare schema {name, description, parameters} (LLaMA-Factory's sharegpt tools, OpenAI's older `functions`)
     # in the {type: function, function: ...} form templates read (gpt-oss's refuses a bare one), as LLaMA-Factory
     # wraps it
     return [tool if "function" in tool or "name" not in tool else {"type": "function", "function": tool}
             for tool in tools]
+
+
+def _schemas(row: dict[str, Any], column: str) -> list:
+    schemas = row.get(column)
+    if isinstance(schemas, str):
+        try:
+            schemas = json.loads(schemas) if schemas.strip() else None
+        except ValueError as exc:
+            raise RowError(f"{column!r} is a string but not JSON ({exc}); give a list of tool schemas", "bad_tools")
+    if schemas is None:
+        return []
+    if not isinstance(schemas, list) or not all(isinstance(schema, dict) for schema in schemas):
+        raise RowError(f"{column!r} must be a list of tool schemas (JSON objects)", "bad_tools")
+    return schemas
+
+
+def _legacy_functions(row: dict[str, Any]) -> list:
+    """OpenAI's legacy `functions` column, where it is that (a list of schema objects, or that list as JSON): a column
+    of that name in another shape is some other dataset's, not read (as before open_sft read this one)."""
+    try:
+        return _schemas(row, "functions")
+    except RowError:
+        return []
 
 
 def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:
@@ -306,9 +348,9 @@ def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:
     the template would write them and the model learn them. Nulls inside tool calls and tool schemas are removed
     (a null a row really held there cannot be told apart from the fill); messages' own null keys are dropped by
     `_from_messages` whatever the source."""
-    tools = row.get("tools")
-    if isinstance(tools, list):
-        row["tools"] = _without_nulls(tools)
+    for column in ("tools", "functions"):
+        if isinstance(row.get(column), list):
+            row[column] = _without_nulls(row[column])
     for value in row.values():
         if isinstance(value, list):
             for message in value:

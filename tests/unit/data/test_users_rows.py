@@ -1,7 +1,8 @@
 """Rows as users' datasets hold them train as their plain equivalents do: tool calls read from parquet (Arrow's
 filled-in nulls removed), arguments given as JSON strings, OpenAI content parts, role/content messages under
 `conversations`, a row's own `system` column, turns after the last answer, LLaMA-Factory's sharegpt
-function_call/observation turns, and decomposed Unicode under a tokenizer that composes it.
+function_call/observation turns, OpenAI's legacy functions/function_call rows, and decomposed Unicode under a
+tokenizer that composes it.
 
 Each case builds the row and its plain form through the real data build (the chat templates the model
 repositories ship, tests/data/chat_templates) and compares the examples token for token."""
@@ -142,6 +143,46 @@ def test_llama_factory_sharegpt_function_calls_train_as_tool_calls(qwen3, tmp_pa
     assert "<tool_call>" in runs[0] and '"arguments": {"city": "Oslo"}' in runs[0]
     prose = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": "not JSON"}]}
     assert to_messages(prose, "sharegpt")[1] == {"role": "assistant", "content": "not JSON"}
+
+
+def test_openai_legacy_function_calling_trains_as_tool_calls(qwen3, tmp_path) -> None:
+    """OpenAI's legacy function-calling fine-tuning rows: a `functions` column of bare schemas, an assistant
+    `function_call` {name, arguments as a JSON string} and a `function` message with its result train as the
+    tools/tool_calls/tool row does (read whole or from parquet). Neither was read: a call beside text trained the
+    text alone, with no schemas in the context, and one with a null content was refused as a null content."""
+    arguments = {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}
+    result = {"role": "function", "name": "get_weather", "content": '{"temp_c": -3}'}
+    legacy = {"functions": [tool["function"] for tool in TOOLS], "messages": [
+        WEATHER["messages"][0], {"role": "assistant", "content": None, "function_call": arguments}, result,
+        WEATHER["messages"][3]]}
+    openai = {"tools": TOOLS, "messages": [
+        WEATHER["messages"][0], {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {**result, "role": "tool"}, WEATHER["messages"][3]]}
+    expected = examples_of(qwen3, tmp_path, [openai])
+    assert examples_of(qwen3, tmp_path, [legacy]) == expected
+    assert examples_of(qwen3, tmp_path, [legacy], name="legacy.parquet") == expected
+    no_content = {**legacy, "messages": [legacy["messages"][0], {"role": "assistant", "function_call": arguments}]}
+    assert examples_of(qwen3, tmp_path, [no_content]) == examples_of(qwen3, tmp_path, [
+        {**openai, "messages": openai["messages"][:2]}])
+    calls = openai["messages"][1]["tool_calls"]  # no content key beside tool_calls either (a KeyError: 'content')
+    assert to_messages({"messages": [WEATHER["messages"][0], {"role": "assistant", "tool_calls": calls}]},
+                       "messages")[1] == {"role": "assistant", "content": "", "tool_calls": calls}
+    beside = {**legacy, "messages": [legacy["messages"][0], {"role": "assistant", "content": "Let me look that up.",
+                                                             "function_call": arguments}]}
+    (ids, labels), = examples_of(qwen3, tmp_path, [beside])
+    run, = [qwen3.decode(run) for run in trained_token_runs(ids, labels)]
+    assert run.endswith('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                        '\n</tool_call><|im_end|>')
+    assert '"name": "get_weather"' in qwen3.decode(ids[: labels.index(next(x for x in labels if x != -100))])
+    with pytest.raises(RowError, match=r"message 2 \(assistant\) has a function_call that is not OpenAI's legacy "
+                                       r"form: an object \{name, arguments\}"):
+        to_messages({"messages": [WEATHER["messages"][0],
+                                  {"role": "assistant", "content": "", "function_call": "auto"}]}, "messages")
+    with pytest.raises(RowError, match=r"message 2 \(assistant\) has content of type NoneType; expected a string "
+                                       r"\(or a list of text parts\) \(null only beside the turn's tool_calls, or "
+                                       r"OpenAI's legacy function_call\)"):
+        to_messages({"messages": [WEATHER["messages"][0], {"role": "assistant", "content": None}]}, "messages")
 
 
 def test_decomposed_unicode_trains_under_a_tokenizer_that_composes_it(tiny_model_dir, tmp_path) -> None:
