@@ -21,8 +21,10 @@ BOLD_GREEN, RESET = "\033[1;32m", "\033[0m"
 _NOTES = {
     "reasoning_not_rendered": "carry reasoning (reasoning_content, thinking or reasoning, or <think>…</think> in "
                               "the content) that the chat template "
-                              "does not write, so it is not trained; choose a template that writes it (the model's "
-                              "own, or --chat_template_path FILE)",
+                              "does not write, so it is not trained; choose a template that writes it: the model's "
+                              "own where it does, else --chat_template_path FILE (DeepSeek-R1 distills' and "
+                              "V3.1's own keep only what follows </think>, on every turn: only a training template "
+                              "with the trace trains it)",
     "generation_tags_disagree": "are labelled otherwise than the chat template's {% generation %} tags mark (the "
                                 "labels are each assistant turn as the template writes it after its generation "
                                 "prompt; check the tags, or the template)",
