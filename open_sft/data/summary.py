@@ -47,6 +47,10 @@ _NOTES = {
                               "prompt then precedes), trained where the whole conversation's rendering writes them, "
                               "as open-instruct trains them: the model sees them there without what the template "
                               "gives a generated turn (Mistral's system prompt); fill or drop the empty user turns",
+    "reasoning_tags_as_text": "carry a trace written in the content (<think>…</think>) that the chat template writes "
+                              "as the answer's text, tags and all, where it writes reasoning its own way (gpt-oss's "
+                              "analysis channel), so the model learns to write think tags in its answer; give the "
+                              "trace as reasoning_content (or thinking) and the answer alone as the content",
     "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -78,6 +82,7 @@ class SourceReport:
     special_tokens_in_text: int = 0  # rows (documents) holding a special token's literal text
     reasoning_closed_by_prompt: int = 0  # rows with reasoning on a turn whose generation prompt closes it empty
     turns_in_one_rendering: int = 0  # rows with a turn trained in the one rendering (chat/examples._partly_per_turn)
+    reasoning_tags_as_text: int = 0  # rows whose inline <think> trace a tagless template writes as the answer's text
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,7 +99,8 @@ class SourceReport:
             "tool_arguments_not_json": self.tool_arguments_not_json,
             "special_tokens_in_text": self.special_tokens_in_text,
             "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt,
-            "turns_in_one_rendering": self.turns_in_one_rendering, "hub_dataset": self.hub_dataset,
+            "turns_in_one_rendering": self.turns_in_one_rendering,
+            "reasoning_tags_as_text": self.reasoning_tags_as_text, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -12,7 +12,12 @@ source (`reasoning_not_rendered`) and warned about.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from open_sft.data.formats import Messages, same_kind
+
+if TYPE_CHECKING:
+    from open_sft.data.chat.render import TemplateState
 
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' order
 
@@ -45,6 +50,27 @@ def inline_unwritten(messages: Messages, indices: list[int], texts: list[str]) -
     the last one too, so such a row trains no reasoning."""
     traces = (inline_reasoning(messages[i]).strip() for i in indices)
     return any(trace and not any(trace in text for text in texts) for trace in traces)
+
+
+_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there",
+                                                "reasoning_content": "probe trace", "thinking": "probe trace"}]
+
+
+def tags_as_text(state: TemplateState, messages: Messages, indices: list[int], texts: list[str]) -> bool:
+    """Whether a trained turn's trace written in its content (inline_reasoning, the turn with no reasoning field) is
+    written as text, tags and all, by a template that writes reasoning its own way, without <think> tags (gpt-oss's
+    analysis channel): the model learns to write literal think tags in its answer. Found once per template by
+    rendering a turn with a reasoning field."""
+    traces = [inline_reasoning(messages[i]).strip() for i in indices if not reasoning_of(messages[i])]
+    if not any(traces):
+        return False
+    if state.tagless_reasoning is None:
+        try:
+            probe = state.draw(_PROBE, False, None)
+        except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
+            probe = ""
+        state.tagless_reasoning = "probe trace" in probe and "<think>" not in probe
+    return state.tagless_reasoning and any(trace and trace in text for trace in traces for text in texts)
 
 
 def without_reasoning(message: dict) -> dict:

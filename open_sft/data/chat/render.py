@@ -93,6 +93,7 @@ class TemplateState:
     builtin: bool = False  # a template open_sft ships (templates.is_builtin_template)
     generation_tags: bool = False  # it marks what the assistant writes with {% generation %}
     string_arguments: Optional[bool] = None  # it takes tool-call arguments as strings only (tool_arguments.py)
+    tagless_reasoning: Optional[bool] = None  # it writes a reasoning field without <think> tags (reasoning.py)
 
 
 def _guarded(draw: Renderer) -> Renderer:

@@ -321,6 +321,26 @@ def test_reasoning_in_the_content_that_the_template_drops_is_counted(tiny_model_
     assert report.reasoning_not_rendered == 0
 
 
+def test_think_tags_a_template_writes_as_the_answers_text_are_counted(tiny_model_dir, tmp_path, caplog) -> None:
+    """An R1-style row (`<think>trace</think>answer` in the content) under gpt-oss's template, which writes reasoning
+    in its analysis channel, not with think tags: the content trains as it is in the final channel, so the model
+    learns literal think tags in its answers. Counted per source and warned with the fix; not under Qwen3's (think
+    tags are its own), nor for the trace given as reasoning_content."""
+    inline = {"messages": [{"role": "user", "content": "What is 3+3?"},
+                           {"role": "assistant", "content": "<think>\nThree and three: six.\n</think>\n\n6."}]}
+    field = {"messages": [{"role": "user", "content": "What is 3+3?"},
+                          {"role": "assistant", "content": "6.", "reasoning_content": "Three and three: six."}]}
+    with caplog.at_level("WARNING"):
+        examples, (report,) = build(family_tokenizer(tiny_model_dir, "gpt_oss"), tmp_path, [field, inline, inline])
+    assert report.reasoning_tags_as_text == 2 and report.to_dict()["reasoning_tags_as_text"] == 2
+    assert report.reasoning_not_rendered == 0
+    warned = [r.getMessage() for r in caplog.records if "think tags in its answer" in r.getMessage()]
+    assert len(warned) == 1 and "2 row(s)" in warned[0] and "line 2; " in warned[0] \
+        and "give the trace as reasoning_content" in warned[0]
+    _, (report,) = build(family_tokenizer(tiny_model_dir, "qwen3"), tmp_path, [field, inline])
+    assert report.reasoning_tags_as_text == 0
+
+
 # A training template in TRL's manner: Qwen3's turns with every turn's reasoning kept and `{% generation %}`
 # around what the assistant writes (written here).
 GENERATION_TAGS = (
