@@ -51,6 +51,10 @@ _NOTES = {
                               "as the answer's text, tags and all, where it writes reasoning its own way (gpt-oss's "
                               "analysis channel), so the model learns to write think tags in its answer; give the "
                               "trace as reasoning_content (or thinking) and the answer alone as the content",
+    "tool_results_wrapped_twice": "have tool results that carry their own tags (<tool_response>…</tool_response>, as "
+                                  "Hermes-style rows give them) which the chat template writes around every tool "
+                                  "result again, so the context doubles them, as the model never sees it at "
+                                  "inference; remove those tags from the tool messages' content",
     "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -83,6 +87,7 @@ class SourceReport:
     reasoning_closed_by_prompt: int = 0  # rows with reasoning on a turn whose generation prompt closes it empty
     turns_in_one_rendering: int = 0  # rows with a turn trained in the one rendering (chat/examples._partly_per_turn)
     reasoning_tags_as_text: int = 0  # rows whose inline <think> trace a tagless template writes as the answer's text
+    tool_results_wrapped_twice: int = 0  # rows with a tool result whose own tags the template writes around it again
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +105,8 @@ class SourceReport:
             "special_tokens_in_text": self.special_tokens_in_text,
             "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt,
             "turns_in_one_rendering": self.turns_in_one_rendering,
-            "reasoning_tags_as_text": self.reasoning_tags_as_text, "hub_dataset": self.hub_dataset,
+            "reasoning_tags_as_text": self.reasoning_tags_as_text,
+            "tool_results_wrapped_twice": self.tool_results_wrapped_twice, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

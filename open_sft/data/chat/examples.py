@@ -27,7 +27,7 @@ from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
                                          trace_of, with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
-from open_sft.data.chat.tool_arguments import as_template_takes
+from open_sft.data.chat.tool_arguments import as_template_takes, wrapped_twice
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, render_turn, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.formats import Messages, RowError, same_kind, trains
@@ -121,12 +121,14 @@ class RowRender:
     reasoning_closed_by_prompt: bool = False  # a trained turn's generation prompt closes its think block empty
     turns_in_one_rendering: bool = False  # a trained turn not located after its own context (_partly_per_turn)
     reasoning_tags_as_text: bool = False  # an inline trace written as text by a tagless template (reasoning.py)
+    tool_results_wrapped_twice: bool = False  # a tool result's own tags written around it again (tool_arguments.py)
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
-                "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text")
+                "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
+                "tool_results_wrapped_twice")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -216,6 +218,8 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, special_tokens_in_text=True)
     if tags_as_text(state, messages, _trained_indices(messages, train_on), [text for text, _ in rendered.examples]):
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)
+    if wrapped_twice(messages, [text for text, _ in rendered.examples]):
+        rendered = dataclasses.replace(rendered, tool_results_wrapped_twice=True)
     return rendered
 
 

@@ -1,12 +1,14 @@
 """Tool-call arguments in the form the chat template takes. A row's JSON-string arguments are handed over as the
 object (formats._with_object_arguments: most templates write them with `tojson`); a template that writes them by
 string concatenation (DeepSeek-R1's distills and V3's: '```json\\n' + arguments) fails on the object, and gets the
-arguments as a string, as the row gave it (objects given as objects: their JSON). Decided once per template."""
+arguments as a string, as the row gave it (objects given as objects: their JSON). Decided once per template. And
+tool results that carry the tags the template writes around them (`wrapped_twice`)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 from open_sft.data.chat.render import TemplateState
 from open_sft.data.formats import JsonArguments, Messages, RowError, same_kind
@@ -62,3 +64,22 @@ def _with_string_arguments(call):
         return call
     text = arguments.text if isinstance(arguments, JsonArguments) else json.dumps(arguments, ensure_ascii=False)
     return {**call, "function": {**function, "arguments": text}}
+
+
+_OPENING = re.compile(r"<([A-Za-z_][\w-]*)>")
+
+
+def wrapped_twice(messages: Messages, texts: list[str]) -> bool:
+    """Whether a tool result that carries its own tags (Hermes-style rows: `<tool_response>\n{...}\n</tool_response>`)
+    is written inside the same tags again by the template (Qwen3's and GLM's wrap every tool message): a context
+    the model never sees at inference."""
+    for message in messages:
+        content = message.get("content")
+        if message["role"] != "tool" or not isinstance(content, str):
+            continue
+        content = content.strip()
+        tag = _OPENING.match(content)
+        if tag and content.endswith(f"</{tag.group(1)}>") and any(
+                text[:at].rstrip().endswith(tag.group()) for text in texts if (at := text.find(content)) >= 0):
+            return True
+    return False

@@ -185,6 +185,27 @@ def test_openai_legacy_function_calling_trains_as_tool_calls(qwen3, tmp_path) ->
         to_messages({"messages": [WEATHER["messages"][0], {"role": "assistant", "content": None}]}, "messages")
 
 
+def test_tool_results_that_carry_the_templates_own_tags_are_counted(qwen3, tmp_path, caplog) -> None:
+    """Hermes-style sharegpt rows (NousResearch/hermes-function-calling-v1) give a tool turn's value already inside
+    <tool_response> tags, which Qwen3's template writes around every tool message again: a doubled context the model
+    never sees at inference. Counted per source and warned with the fix; the same row without the tags is not."""
+    def hermes(result: str) -> dict:
+        return {"tools": json.dumps(TOOLS), "conversations": [
+            {"from": "human", "value": "Weather in Oslo?"},
+            {"from": "gpt", "value": "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+             + "\n</tool_call>"},
+            {"from": "tool", "value": result}, {"from": "gpt", "value": "It is -3 in Oslo."}]}
+
+    wrapped, plain = hermes('<tool_response>\n{"temp_c": -3}\n</tool_response>'), hermes('{"temp_c": -3}')
+    path = tmp_path / "hermes.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [plain, wrapped]))
+    with caplog.at_level("WARNING"):
+        _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), qwen3, 0)
+    assert report.tool_results_wrapped_twice == 1 and report.to_dict()["tool_results_wrapped_twice"] == 1
+    warned = [r.getMessage() for r in caplog.records if "writes around every tool result again" in r.getMessage()]
+    assert len(warned) == 1 and "line 2" in warned[0] and "remove those tags" in warned[0]
+
+
 def test_decomposed_unicode_trains_under_a_tokenizer_that_composes_it(tiny_model_dir, tmp_path) -> None:
     """GPT-NeoX's and OLMo's tokenizers normalise to NFC: the trained tokens decode to the composed text, which
     the label check took for a turn boundary crossed (the row refused)."""
