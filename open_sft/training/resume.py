@@ -19,7 +19,7 @@ from open_sft.errors import UserError
 from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, problem_with,
                                          step_dirs, timeline_of)
 from open_sft.training.damage import DAMAGED
-from open_sft.training.elastic import convertible, rescalable
+from open_sft.training.elastic import convertible, global_batch, ranks_refusal, rescalable
 from open_sft.training.steps import balances
 
 if TYPE_CHECKING:
@@ -143,6 +143,10 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     # refused with the reason before the model was built: elastic.fit_to_checkpoint)
     allowed = ({"world_size", "gradient_accumulation_steps"} if rescaled else set()) | (
         {"engine"} if convertible(saved, current) else set())
+    batch = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
+    if (all(key in saved and key in current for key in batch) and global_batch(saved) == global_batch(current)
+            and ranks_refusal(saved, current, "token") is None):
+        allowed.add("world_size")  # the ranks alone would resume (the same global batch): another line is refused
     if saved.get("pipeline_parallel_size") != current.get("pipeline_parallel_size"):
         allowed.add("engine")  # the pipeline's own line names the reason (stages, not another engine's format)
     return [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"

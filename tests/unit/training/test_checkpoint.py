@@ -407,3 +407,20 @@ def test_a_run_directory_given_for_a_checkpoint_names_its_newest_complete_one(tm
         assert (f"{given}: not a usable checkpoint (it is a run's {what}, not a checkpoint; pass its newest "
                 f"complete checkpoint, {run / 'checkpoints' / 'step_4'})") in err
         assert "interrupted" not in err
+
+
+def test_a_refused_resume_names_the_world_size_only_where_the_ranks_are_what_is_refused(tmp_path) -> None:
+    """A checkpoint of 2 ranks resumes on 1 (open_sft.training.elastic): refused for another micro-batch, the
+    refusal names the micro-batch alone (it listed the world size too, which made the ranks look like the reason)."""
+    from open_sft.errors import UserError
+    from open_sft.training.resume import check_compatible
+
+    saved = {**_identity("--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"), "world_size": 2}
+    now = _identity("--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2")
+    with pytest.raises(UserError) as refused:
+        check_compatible(tmp_path, saved, now)
+    lines = [line for line in str(refused.value).splitlines() if line.startswith("  - ")]
+    assert lines == ["  - --per_device_train_batch_size: checkpoint 2, now 4"]
+    staged = {**saved, "engine": "pipeline", "pipeline_parallel_size": 2}  # written per rank: the ranks are refused
+    with pytest.raises(UserError, match=r"the number of processes \(world size\): checkpoint 2, now 1"):
+        check_compatible(tmp_path, staged, {**now, "engine": "pipeline", "pipeline_parallel_size": 2})
