@@ -24,7 +24,7 @@ from open_sft.config.parse import parse_config
 from open_sft.distributed import lifeline
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import StopRun, UserError, report_to_launcher
-from open_sft.export.hub import upload_pending
+from open_sft.export.hub_checkpoints import upload_pending
 from open_sft.monitor.quiet import quiet_third_parties, setup_logging
 from open_sft.training.amp import HALF
 from open_sft.training.completion import already_complete
@@ -287,18 +287,17 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
     """The model in Hugging Face layout (full, or LoRA with its optional merge), the report and the model card
     (open_sft.export.final); then the checkpoint uploads are awaited, checkpoints cleaned if asked, and the export
     pushed if asked."""
-    from open_sft.export.hub import push_output_dir
     from open_sft.export.final import write_export
+    from open_sft.export.hub_checkpoints import end_of_run
     from open_sft.export.save import finite_state_dict, save_dtype
     from open_sft.model.compile import log_summary
     from open_sft.model.load import load_model_config
     from open_sft.monitor.run_info import write_audit_files
-    from open_sft.training.checkpoint import remove_all
     from open_sft.training.completion import mark_complete, trained_batch
     from open_sft.training.run_settings import by_steps
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    with finish_first("the export"):  # a stop there promised a checkpoint the run may not have
+    with finish_first("the export") as noted:  # a stop there promised a checkpoint the run may not have
         if config.model.torch_compile:
             log_summary()
         write_audit_files(output_dir, acc.process_index, trainer)
@@ -310,15 +309,12 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         acc.wait_for_everyone()
         lifeline.release()  # the last collective: ranks may now finish one after another
         acc.end_training()
-        checkpointer.finish_uploads()  # main process, bounded; other ranks are released already
-        if acc.is_main_process:  # "already complete" from here; before the clean-up (minutes: a stop in it retrained)
+        if acc.is_main_process:  # "already complete" from here: a relaunch does the uploads left, never trains again
             mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
                           by_steps(job.settings_history, job.steps.total_steps), job.dtype,
-                          trained_batch(config.train, job.launch.parallelism.world_size))
-    if config.checkpoint.clean_checkpoints_at_end and acc.is_main_process:
-        remove_all(output_dir)  # after the uploads: they read from these directories
-    if config.hub.push_to_hub and acc.is_main_process:
-        push_output_dir(output_dir, config.hub)
+                          trained_batch(config.train, job.launch.parallelism.world_size),
+                          uploads_left=checkpointer.uploader is not None)
+    end_of_run(checkpointer, output_dir, config, noted, acc.is_main_process)  # uploads, clean-up, push
 
 
 def run(config: FinetuneConfig) -> dict:

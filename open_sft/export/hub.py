@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import glob
+import json
 import logging
 import os
 import shlex
@@ -31,12 +32,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from open_sft.durable import write_json
 from open_sft.errors import StopRun
 from open_sft.redaction import scrub
 
 logger = logging.getLogger(__name__)
 
 PUSH_FAILED_EXIT_CODE = 3
+#: In OUTPUT_DIR/checkpoints/step_N/: the uploads of that checkpoint whose commit landed (repo, revision, URL), as
+#: RUN_COMPLETE's "pushed" notes the export's. Written after the commit: a checkpoint without it is not on the Hub.
+CHECKPOINT_PUSHED = "PUSHED"
 #: Never uploaded with the export: training state, staging leftovers, test aids, W&B's run directory (the console log,
 #: the resolved config with local paths, the installed packages: open_sft.monitor's WandbTracker writes it into
 #: --output_dir unless WANDB_DIR is set) and the run id a resume continues.
@@ -244,9 +249,35 @@ def caches_inside(output_dir: Path) -> list[str]:
 def push_checkpoint(checkpoint: Path, repo_id: str, revision: str = "main", private: bool = True,
                     token: Optional[str] = None) -> str:
     """Upload a complete checkpoint directory (COMPLETE included) to checkpoints/step_N/ in one commit;
-    retried like the export; raises the final error (callers add the retry command)."""
-    return push_folder(checkpoint, repo_id, revision, private, resolve_token(token),
-                       path_in_repo=f"checkpoints/{checkpoint.name}", message=f"open_sft checkpoint {checkpoint.name}")
+    retried like the export; raises the final error (callers add the retry command). Once the commit landed it is
+    noted in the checkpoint's CHECKPOINT_PUSHED record (never uploaded), which pruning and a relaunch read."""
+    url = push_folder(checkpoint, repo_id, revision, private, resolve_token(token),
+                      path_in_repo=f"checkpoints/{checkpoint.name}", message=f"open_sft checkpoint {checkpoint.name}",
+                      ignore_patterns=[CHECKPOINT_PUSHED])
+    record = _pushed_record(checkpoint)
+    uploads = [u for u in record.get("pushed") or [] if (u.get("hub_model_id"), u.get("hub_revision"))
+               != (repo_id, revision)]
+    record["pushed"] = uploads + [{"hub_model_id": repo_id, "hub_revision": revision, "url": url,
+                                   "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}]
+    write_json(checkpoint / CHECKPOINT_PUSHED, record)
+    return url
+
+
+def checkpoint_pushed(checkpoint: Path, repo_id: str, revision: str) -> Optional[str]:
+    """The URL of the checkpoint's upload to `repo_id` at `revision` whose commit landed, or None (never uploaded
+    there, its upload failed or was cut off, or it predates the record: all uploaded again, which the Hub makes
+    cheap for files it holds already)."""
+    from open_sft.training.completion import pushed
+
+    return pushed(_pushed_record(checkpoint), repo_id, revision)
+
+
+def _pushed_record(checkpoint: Path) -> dict[str, Any]:
+    try:
+        record = json.loads((checkpoint / CHECKPOINT_PUSHED).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def push_output_dir(output_dir: Path, hub: Any) -> str:
@@ -269,7 +300,8 @@ def push_output_dir(output_dir: Path, hub: Any) -> str:
 
 def upload_pending(config: Any) -> None:
     """A relaunch stopped at a completed run (open_sft.training.completion.already_complete) whose --push_to_hub
-    upload never succeeded (it failed, or the job was stopped during it) uploads it."""
+    upload never succeeded (it failed, or the job was stopped during it) uploads it (after the checkpoints:
+    hub_checkpoints.upload_pending)."""
     from open_sft.training.completion import pushed, read_marker
 
     output_dir, hub = Path(config.train.output_dir), config.hub

@@ -5,13 +5,16 @@ daemon thread uploads the submitted checkpoints in order, each as one commit to 
 the --hub_revision branch (so a checkpoint appears on the Hub whole, COMPLETE included, or not at all),
 with push.py's retry/backoff policy. Training never waits for it and other ranks never see it.
 
-Pruning and uploads: a checkpoint stays in `pending()` from submission until its upload ended, and
-checkpoint.prune skips pending ones (they are deleted by a later prune, or by `close`). Nothing is
-copied. Only the main thread submits and prunes, so a checkpoint that is not pending when pruning looks
-at it is never read by the uploader again.
+"Pushed" is durable: once a checkpoint's commit landed, step_N/PUSHED records it (hub.CHECKPOINT_PUSHED). A
+checkpoint without the record for this repo and revision is not on the Hub as far as the run knows: its upload is
+queued or running, failed, or was cut off by a kill or a stop (or it predates the record). Pruning never deletes
+such a one (`unpushed`), and a relaunch with --push_checkpoints submits each of them again, oldest first, before
+its new ones (`resubmit`); one the Hub holds already costs the hashing of its files and no transfer
+(huggingface_hub skips the files whose content the Hub has). Only the main thread submits and prunes.
 
 A failed upload logs a warning with the command that retries just that upload; training goes on.
-`close` waits at most OPEN_SFT_HUB_CHECKPOINT_WAIT_S [900] seconds for the uploads still queued.
+`close` waits at most OPEN_SFT_HUB_CHECKPOINT_WAIT_S [900] seconds for the uploads still queued at the end of the
+run, STOP_WAIT_S after a stop on a signal; what is left is named, and the relaunch uploads it.
 The Hub keeps every uploaded checkpoint: pruning is local only.
 """
 
@@ -25,14 +28,25 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from open_sft.export.hub import describe, push_checkpoint, resolve_token, retry_command
+from open_sft.export import hub as export_hub
+from open_sft.export.hub import checkpoint_pushed, describe, push_checkpoint, resolve_token, retry_command
 from open_sft.redaction import scrub
+from open_sft.training.checkpoint import CHECKPOINTS, problem_with, prune, remove_all, step_dirs
+from open_sft.training.preemption import Preempted
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a stop on a signal waits for the checkpoint uploads in flight: the preemption checkpoint is written
+#: already, and the grace left before a SIGKILL is short (docker stop 10 s, torchrun and SLURM's KillWait 30 s, both
+#: counted from the signal, before the checkpoint was saved). A commit about to land lands; the rest is the
+#: relaunch's (a cut-off upload commits nothing: the Hub holds the checkpoint whole or not at all).
+STOP_WAIT_S = 5.0
 
 
 class CheckpointUploader:
     """Background uploads of complete checkpoints (main process only). `hub`: the HubArguments."""
+
+    stop_wait_s = STOP_WAIT_S  # after a stop on a signal (Checkpointer.raise_if_preempted)
 
     @classmethod
     def for_run(cls, hub: Any, is_main_process: bool) -> "CheckpointUploader | None":
@@ -56,9 +70,26 @@ class CheckpointUploader:
         self.queue.put(checkpoint)
 
     def pending(self) -> frozenset[Path]:
-        """Checkpoints queued or being uploaded: pruning must not delete these."""
+        """Checkpoints queued or being uploaded."""
         with self.lock:
             return frozenset(self._pending)
+
+    def unpushed(self, root: Path) -> frozenset[Path]:
+        """The checkpoints under `root` that pruning must keep: none of them is recorded as uploaded here."""
+        return frozenset(path for _, path in step_dirs(root) if not checkpoint_pushed(path, self.repo_id,
+                                                                                      self.revision))
+
+    def resubmit(self, root: Path) -> list[Path]:
+        """A relaunch: submit, oldest first, each complete checkpoint under `root` that is not recorded as uploaded
+        (the run before was stopped or killed during its upload, or the upload failed)."""
+        left = [path for _, path in reversed(step_dirs(root)) if path not in self.pending()
+                and not checkpoint_pushed(path, self.repo_id, self.revision) and problem_with(path) is None]
+        if left:
+            logger.info("%d complete checkpoint(s) not recorded as uploaded to %s (%s): uploading them first: %s",
+                        len(left), self.repo_id, self.revision, ", ".join(path.name for path in left))
+        for path in left:
+            self.submit(path)
+        return left
 
     def retry_command(self, checkpoint: Path) -> str:
         return retry_command(checkpoint, self.repo_id, self.revision, self.private)
@@ -73,21 +104,93 @@ class CheckpointUploader:
                             time.perf_counter() - started)
             except Exception as exc:  # never fatal: the checkpoint is safe on disk
                 self.failed.append(checkpoint)
-                logger.warning("upload of checkpoint %s to %s failed: %s; training goes on. Retry it (token from "
-                               "HF_TOKEN or --hub_token) while it is on disk with:\n  %s", checkpoint,
-                               self.repo_id, scrub(describe(exc), self.token), self.retry_command(checkpoint))
+                logger.warning("upload of checkpoint %s to %s failed: %s; training goes on, and the checkpoint "
+                               "is kept on disk (never pruned) until it is uploaded: by a relaunch with "
+                               "--push_checkpoints, or now (token from HF_TOKEN or --hub_token) with:\n  %s",
+                               checkpoint, self.repo_id, scrub(describe(exc), self.token),
+                               self.retry_command(checkpoint))
             finally:
                 with self.lock:
                     self._pending.discard(checkpoint)
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Wait (bounded) for the queued uploads; what is left is named with its retry command."""
+    def close(self, timeout: Optional[float] = None) -> list[Path]:
+        """Wait (bounded) for the queued uploads; what is left is named with its retry command and returned (a
+        relaunch with --push_checkpoints uploads it)."""
         if timeout is None:
             timeout = float(os.environ.get("OPEN_SFT_HUB_CHECKPOINT_WAIT_S", 900))
         if self.pending():
             logger.info("waiting up to %.0fs for %d checkpoint upload(s)", timeout, len(self.pending()))
         self.queue.put(None)
         self.thread.join(timeout)
-        for checkpoint in sorted(self.pending()):
-            logger.warning("checkpoint %s was not uploaded within %.0fs; retry it with:\n  %s", checkpoint,
-                           timeout, self.retry_command(checkpoint))
+        left = sorted(self.pending(), key=lambda path: (len(path.name), path.name))  # step_10 after step_9
+        for checkpoint in left:
+            logger.warning("checkpoint %s was not uploaded within %.0fs; it is kept on disk, and a relaunch of the "
+                           "same command (with --push_checkpoints) uploads it; or upload it now with:\n  %s",
+                           checkpoint, timeout, self.retry_command(checkpoint))
+        return left
+
+
+def upload_pending(config: Any) -> None:
+    """A relaunch stopped at a completed run (open_sft.training.completion.already_complete): the checkpoints its
+    --push_checkpoints left (the end was stopped or killed while it waited for them: completion.UPLOADS_KEY), then
+    the export if its --push_to_hub upload never succeeded (hub.upload_pending)."""
+    from open_sft.training.completion import UPLOADS_KEY, note_uploads_left, read_marker
+
+    output_dir = Path(config.train.output_dir)
+    record = read_marker(output_dir)
+    if config.hub.push_checkpoints and record is not None and record.get(UPLOADS_KEY):
+        note_uploads_left(output_dir, not upload_left(output_dir, config))
+    export_hub.upload_pending(config)
+
+
+def upload_left(output_dir: Path, config: Any) -> bool:
+    """A relaunch of a completed run (open_sft.training.completion.already_complete) whose end was stopped or killed
+    while it waited for its checkpoint uploads: uploads the complete checkpoints not recorded as uploaded, then
+    prunes (or, with --clean_checkpoints_at_end, removes) them as the run's end would have. True when each
+    upload succeeded."""
+    root, keep = output_dir / CHECKPOINTS, config.checkpoint.keep_last_n_checkpoints
+    uploader = CheckpointUploader(config.hub)
+    uploader.resubmit(root)
+    done = not uploader.close() and not uploader.failed
+    unpushed = uploader.unpushed(root)
+    if config.checkpoint.clean_checkpoints_at_end and not unpushed:
+        remove_all(output_dir)
+    for path in prune(root, keep, unpushed):
+        logger.info("deleted old checkpoint %s", path)
+    return done
+
+
+def end_of_run(checkpointer: Any, output_dir: Path, config: Any, noted: list[str], is_main: bool) -> None:
+    """After the export and its RUN_COMPLETE (`noted`: the signals finish_first held during it): on the main process,
+    the checkpoint uploads awaited (bounded), the checkpoints cleaned if asked (only once every one is uploaded: the
+    uploads read them), the export pushed if asked. A stop noted during the export, or a SIGTERM or SIGUSR1 from
+    here on, exits with the preemption's code instead of waiting (up to the 900 s wait and the push, past a
+    scheduler's grace): the run is complete, and a relaunch of the same command does the uploads left without
+    training (completion.UPLOADS_KEY, RUN_COMPLETE's "pushed")."""
+    from open_sft.training.completion import note_uploads_left
+
+    if not is_main:
+        return
+    if noted and checkpointer.uploader is not None:
+        raise _stopped(noted[0], "after the last step", output_dir)
+    try:
+        done = checkpointer.finish_uploads()
+    except Preempted as stop:
+        raise _stopped(stop.signal_name, "while the checkpoint uploads were awaited", output_dir) from None
+    note_uploads_left(output_dir, not done)
+    if config.checkpoint.clean_checkpoints_at_end and done:
+        remove_all(output_dir)
+    elif config.checkpoint.clean_checkpoints_at_end:
+        logger.warning("--clean_checkpoints_at_end: the checkpoints are kept until each is uploaded (a relaunch of "
+                       "the same command uploads them, then deletes them)")
+    if noted and config.hub.push_to_hub:
+        raise _stopped(noted[0], "after the last step", output_dir)
+    if config.hub.push_to_hub:
+        export_hub.push_output_dir(output_dir, config.hub)
+
+
+def _stopped(signal_name: str, when: str, output_dir: Path) -> Preempted:
+    stop = Preempted(f"stopped by {signal_name} {when}; the run is complete (the export is in {output_dir}): the same "
+                     "command uploads what is not on the Hub yet (checkpoints, the export), without training again")
+    stop.signal_name = signal_name
+    return stop

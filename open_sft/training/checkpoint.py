@@ -35,6 +35,7 @@ from typing import Any, Callable, Collection, Iterator, Optional
 
 import torch
 
+from open_sft.distributed import lifeline
 from open_sft.durable import FREE_SPACE, fsync_path, fsync_tree, human_size, refused_write, write_json
 from open_sft.errors import UserError
 from open_sft.file_modes import share_as_umask
@@ -192,9 +193,10 @@ def publish(tmp: Path, final: Path, step: int, covers: Collection[Path] = ()) ->
 
 def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
     """Delete complete checkpoints beyond the newest `keep` usable ones (COMPLETE first: a kill part-way leaves an
-    incomplete one, never resumed from), nor one in `busy` (its upload is queued or running: a later prune deletes
-    it). An incomplete one is never touched unless it is older than a usable one: then it can only be what a kill
-    during an earlier prune left (a kill while one is written leaves the newest), and it is deleted, with a line.
+    incomplete one, never resumed from), nor one in `busy` (under --push_checkpoints: not recorded as uploaded; a
+    later prune deletes it). An incomplete one is never touched unless it is older than a usable one: then it can
+    only be what a kill during an earlier prune left (a kill while one is written leaves the newest), and it is
+    deleted, with a line.
     keep -1: keep all."""
     if keep < 0:
         return []
@@ -211,7 +213,7 @@ def prune(root: Path, keep: int, busy: Collection[Path] = ()) -> list[Path]:
                 usable, newest = usable + 1, newest or path
             continue
         if path in busy:
-            logger.info("keeping old checkpoint %s until its upload ends", path)
+            logger.info("keeping old checkpoint %s until it is uploaded", path)
         else:
             (path / COMPLETE).unlink()
             shutil.rmtree(path)
@@ -258,6 +260,8 @@ class Checkpointer:
 
     def restore(self, resume: Optional[ResumePoint]) -> int:
         """Load model, optimizer and RNG states, and the trainer's own; returns the step to start at."""
+        if self.uploader is not None:  # --push_checkpoints: what the last launch left un-uploaded goes first
+            self.uploader.resubmit(self.root)
         if resume is None:
             return 0
         self.timeline = resume.timeline
@@ -278,18 +282,24 @@ class Checkpointer:
         lowered = isinstance(earlier, int) and (earlier < 0 or earlier > self.keep >= 0)
         why = (f"lowered from {earlier} since the checkpoints were written" if lowered
                else "the pruning the last run was stopped before")
-        for path in prune(self.root, self.keep):
+        for path in prune(self.root, self.keep, self._unpushed()):
             logger.info("deleted old checkpoint %s (--keep_last_n_checkpoints %d): %s", path, self.keep, why)
 
-    def finish_uploads(self) -> None:
+    def _unpushed(self) -> Collection[Path]:
+        """What pruning keeps under --push_checkpoints: the checkpoints not recorded as uploaded."""
+        return self.uploader.unpushed(self.root) if self.uploader is not None else ()
+
+    def finish_uploads(self, timeout: Optional[float] = None) -> bool:
         """Main process, after the other ranks are released: wait (bounded) for the checkpoint uploads,
-        then prune what pruning skipped while they ran."""
+        then prune what pruning skipped while they ran. True when none is left un-uploaded."""
         if self.uploader is None:
-            return
-        self.uploader.close()
-        for path in prune(self.root, self.keep, self.uploader.pending()):
+            return True
+        self.uploader.close(timeout)
+        unpushed = self._unpushed()
+        for path in prune(self.root, self.keep, unpushed):
             logger.info("deleted old checkpoint %s", path)
         self.uploader = None
+        return not unpushed
 
     def raise_if_preempted(self, metrics: Any) -> None:
         """After a stop on a signal: release everything and raise Preempted (exit PREEMPTED_EXIT_CODE). The stop's
@@ -301,7 +311,9 @@ class Checkpointer:
         if metrics is not None:
             metrics.close()
         self.accelerator.end_training()
-        self.finish_uploads()
+        lifeline.release()  # the collectives are over: the other ranks exit while this one waits for its uploads
+        if self.uploader is not None:  # bounded by the grace a scheduler leaves; the relaunch uploads the rest
+            self.finish_uploads(self.uploader.stop_wait_s)
         raise Preempted(f"stopped on a signal after step {self.preempted_at}; checkpoint saved in "
                         f"{self.root / f'step_{self.preempted_at}'}; relaunch the same command to resume "
                         f"(exit code {PREEMPTED_EXIT_CODE})")
@@ -363,7 +375,7 @@ class Checkpointer:
         acc.wait_for_everyone()
         if acc.is_main_process:
             publish(tmp, final, step, covers=(self.output_dir / METRICS_FILE,))
-            for path in prune(self.root, self.keep, self.uploader.pending() if self.uploader else ()):
+            for path in prune(self.root, self.keep, self._unpushed()):
                 logger.info("deleted old checkpoint %s", path)
             logger.info("saved checkpoint %s (%.1fs)", final, time.perf_counter() - started)
             if self.uploader is not None:

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 MARKER = "RUN_COMPLETE"  # not COMPLETE: `open_sft push` reads that as a checkpoint directory
 PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded (--push_to_hub)
+#: In the record while the run's --push_checkpoints uploads are awaited (removed once none is left): a relaunch that
+#: finds it uploads the checkpoints not recorded as uploaded (the end was stopped or killed during the wait)
+UPLOADS_KEY = "checkpoint_uploads_left"
 BATCH_KEY = "trained_batch"  # in the record: the layout of the global batch the last steps trained (trained_batch)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
@@ -140,6 +143,14 @@ def pushed(record: dict[str, Any], repo_id: str, revision: str) -> Optional[str]
     return None
 
 
+def note_uploads_left(output_dir: Path, left: bool) -> None:
+    """Note in the completion record whether checkpoint uploads are left for a relaunch (UPLOADS_KEY)."""
+    record = read_marker(output_dir)
+    if record is not None and bool(record.get(UPLOADS_KEY)) != left:
+        record.pop(UPLOADS_KEY, None)
+        write_json(output_dir / MARKER, {**record, **({UPLOADS_KEY: True} if left else {})})
+
+
 def mark_pushed(output_dir: Path, repo_id: str, revision: str, url: str) -> None:
     """Note a successful upload of the export in the completion record (written whole, as mark_complete)."""
     record = read_marker(output_dir)
@@ -173,16 +184,18 @@ def export_files(output_dir: Path) -> dict[str, int]:
 
 def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optional[Any] = None,
                   by_steps: Optional[list[dict[str, Any]]] = None, computed: Any = None,
-                  batch: Optional[dict[str, int]] = None) -> None:
+                  batch: Optional[dict[str, int]] = None, uploads_left: bool = False) -> None:
     """Written last by the main process: the record, fsynced and renamed into place; `launched`: the config as
     parsed, whose settings a relaunch must share; `by_steps`: the step ranges of a run resumed with changed
     settings (open_sft.training.run_settings.by_steps), any of whose settings a relaunch may share; `computed`: the
     compute dtype (torch.dtype) the run trained in (a relaunch's --torch_dtype is compared by it); `batch`: the
-    global batch's layout (trained_batch; a relaunch's accumulation is compared by the global batch it trains)."""
+    global batch's layout (trained_batch; a relaunch's accumulation is compared by the global batch it trains);
+    `uploads_left`: --push_checkpoints uploads are still to be awaited (UPLOADS_KEY)."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
               **({SETTINGS_KEY: by_steps} if by_steps else {}), **({BATCH_KEY: batch} if batch else {}),
-              **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {})}
+              **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {}),
+              **({UPLOADS_KEY: True} if uploads_left else {})}
     write_json(output_dir / MARKER, record)
 
 

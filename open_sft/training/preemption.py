@@ -91,13 +91,14 @@ def stop_outside_training() -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def finish_first(what: str) -> Iterator[None]:
+def finish_first(what: str) -> Iterator[list[str]]:
     """SIGTERM and SIGUSR1 while `what` is written after the last step (the export, whose trained model is only in
     memory): noted, not raised; `what` is finished first, then a line says so. Stopping there promised a resume
     from a checkpoint the run may not have (without --checkpointing_steps its relaunch trained again from step 0);
-    a checkpoint of the last step (weights, optimizer state) takes longer to write than the export."""
+    a checkpoint of the last step (weights, optimizer state) takes longer to write than the export. Yields the
+    list of the signals noted (what comes after `what`, an upload, may then stop: hub_checkpoints.end_of_run)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield []
         return
     noted: list[str] = []
     owner = os.getpid()
@@ -109,7 +110,7 @@ def finish_first(what: str) -> Iterator[None]:
     setattr(note, MARK, True)
     previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        yield
+        yield noted
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

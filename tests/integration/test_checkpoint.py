@@ -241,23 +241,35 @@ def single(tiny_model_dir, tmp_path_factory, logs) -> dict:
 
 
 @pytest.fixture(scope="module")
-def zero2(tiny_model_dir, tmp_path_factory, logs) -> dict:
+def zero2(tiny_model_dir, tmp_path_factory, logs, hub) -> dict:
     """Uninterrupted; SIGTERM to rank 1 only at step 2; relaunch's launcher alone killed -9 at step 5; relaunch to
-    the end."""
+    the end. The interrupted runs push their checkpoints (--push_checkpoints, the loopback Hub, whose preupload
+    answers after hub.hang_seconds during the SIGTERM's run: uploads are in flight when it stops); each rank's exit
+    code is kept (OPEN_SFT_EXIT_CODE_DIR)."""
     base = tmp_path_factory.mktemp("zero2_base")
     run_layout("zero2", finetune_args(tiny_model_dir, base, "zero2"))
     out = tmp_path_factory.mktemp("zero2_interrupted")
-    args = finetune_args(tiny_model_dir, out, "zero2")
-    term_code = interrupt("zero2", args, out, 2, signal.SIGTERM, logs / "zero2_sigterm.log", only_rank=1)
+    codes = tmp_path_factory.mktemp("zero2_codes")
+    online = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
+    args = finetune_args(tiny_model_dir, out, "zero2", "--push_to_hub", "--hub_model_id", "org/zero2",
+                         "--push_checkpoints")
+    hub.always["preupload"] = "hang"
+    try:
+        term_code = interrupt("zero2", args, out, 2, signal.SIGTERM, logs / "zero2_sigterm.log", only_rank=1,
+                              env={**online, "SLOW_FORWARD_S": "0.1", "OPEN_SFT_EXIT_CODE_DIR": str(codes)})
+    finally:
+        hub.always.clear()
+    rank_codes = {path.name: path.read_text().strip() for path in codes.iterdir()}
     term_log = (logs / "zero2_sigterm.log").read_text()
     stop_step = read_metrics(out)[-1]["step"]
     after_term = {"complete": complete_steps(out), "metrics": read_metrics(out),
                   "state": json.loads((out / "checkpoints" / f"step_{stop_step}" / "trainer_state.json").read_text())}
     orphans: dict = {}  # only the launcher killed (the OOM killer's choice): its workers must follow it
     kill_code = interrupt("zero2", args, out, 5, signal.SIGKILL, logs / "zero2_killed.log", only_launcher=True,
-                          fate=orphans)
-    relaunch = run_layout("zero2", args)
+                          fate=orphans, env={**online, "SLOW_FORWARD_S": "0.1"})
+    relaunch = run_layout("zero2", args, **online)
     return {"base": base, "out": out, "term_code": term_code, "term_log": term_log, "after_term": after_term,
+            "rank_codes": rank_codes, "hub_files": dict(hub.repos["org/zero2"]["branches"]["main"]),
             "kill_code": kill_code, "orphans": orphans, "killed_log": (logs / "zero2_killed.log").read_text(),
             "relaunch_log": relaunch.stdout + relaunch.stderr}
 
@@ -417,6 +429,16 @@ def test_sigterm_saves_a_checkpoint_and_all_ranks_stop_at_the_same_step(zero2) -
     assert f"(signal received by another rank): saving a checkpoint at step {stop_step} and exiting" in log, log[-3000:]
     assert "exitcode: 75" in log, log[-3000:]  # PREEMPTED_EXIT_CODE, reported by the launcher
     assert zero2["term_code"] != 0
+    # hunt F F2: rank 0 waited for its checkpoint uploads while its lifeline watched rank 1, which had exited: exit 4,
+    # "rank 1 ... is gone; stopping this rank without writing a checkpoint". Every rank exits 75 with the true line
+    codes = zero2["rank_codes"]
+    assert (codes["rank0"], codes["rank1"]) == ("75", "75"), (codes, log[-3000:])
+    assert codes["rank0.message"].startswith(f"open_sft: stopped on a signal after step {stop_step}; checkpoint saved")
+    assert "is gone" not in log, log[-3000:]
+    # hunt F F1: the preemption checkpoint, whose upload the stop cut off, reached the Hub through the relaunch
+    files = zero2["hub_files"]
+    assert {f"checkpoints/step_{step}/COMPLETE" for step in (stop_step, STEPS)} <= set(files)
+    assert json.loads(files[f"checkpoints/step_{stop_step}/COMPLETE"])["step"] == stop_step
 
 
 def test_sigterm_single_process_exit_code(single) -> None:

@@ -8,8 +8,13 @@ The tests of this subject that launch real processes are in tests/integration/te
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
 
 from open_sft.training.checkpoint import prune
+from unit.export.test_hub_push import TOKEN, loopback_hub  # noqa: F401 (loopback_hub: a fixture)
+from unit.training.test_checkpoint import _checkpointer, _publish_steps
 
 
 def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
@@ -21,3 +26,157 @@ def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
     assert prune(root, 1, busy={root / "step_2"}) == [root / "step_4"]
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_6"]
     assert prune(root, 1) == [root / "step_2"]
+
+
+def _uploader(revision: str = "main"):
+    from open_sft.export.hub_checkpoints import CheckpointUploader
+
+    return CheckpointUploader(SimpleNamespace(hub_model_id="org/c", hub_revision=revision, hub_private=True,
+                                              hub_token=TOKEN))
+
+
+def _hub_files(hub) -> dict:
+    return hub.repos["org/c"]["branches"]["main"]
+
+
+def test_pushed_is_recorded_and_a_relaunch_uploads_the_rest_in_step_order(tmp_path, loopback_hub) -> None:
+    """hunt F F1: an upload cut off by a kill or a preemption was never redone (what had been uploaded lived in
+    memory only). A checkpoint's upload is recorded in it (PUSHED, never uploaded) once its commit landed; a relaunch
+    submits every complete checkpoint not recorded for its repo and revision, oldest first; pruning keeps those."""
+    from open_sft.export.hub import CHECKPOINT_PUSHED, checkpoint_pushed
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4, 6))
+    first = _uploader()
+    first.submit(root / "step_2")
+    assert first.close(timeout=60) == []
+    assert checkpoint_pushed(root / "step_2", "org/c", "main").startswith(loopback_hub.url)
+    assert "checkpoints/step_2/COMPLETE" in _hub_files(loopback_hub)
+    assert not any(path.endswith(CHECKPOINT_PUSHED) for path in _hub_files(loopback_hub))
+    relaunch = _uploader()  # the run was killed before step_4's and step_6's uploads
+    assert relaunch.unpushed(root) == {root / "step_4", root / "step_6"}
+    assert prune(root, 1, relaunch.unpushed(root)) == [root / "step_2"]  # uploaded: pruned; step_4 kept
+    assert relaunch.resubmit(root) == [root / "step_4", root / "step_6"]
+    assert relaunch.close(timeout=60) == []
+    commits = [path for name, path, status in loopback_hub.log if name == "commit" and status == 200]
+    assert len(commits) == 3
+    assert [json.loads(_hub_files(loopback_hub)[f"checkpoints/step_{s}/COMPLETE"])["step"] for s in (4, 6)] == [4, 6]
+    assert relaunch.unpushed(root) == set() and _uploader().resubmit(root) == []
+    other = _uploader("v2")  # recorded per repo and revision: another branch gets them all
+    assert other.resubmit(root) == [root / "step_4", root / "step_6"]
+    other.close(timeout=60)
+
+
+def test_a_relaunch_uploads_a_cut_off_checkpoint_before_pruning_it(tmp_path, loopback_hub, caplog) -> None:
+    """hunt F F1 (one process, kill -9 during step_2's upload, --keep_last_n_checkpoints 1): the relaunch resuming
+    step_4 deleted step_2, never uploaded. Now it submits step_2 and step_4 and keeps them until each is uploaded."""
+    import logging
+
+    from open_sft.training.checkpoint import ResumePoint
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4))
+    checkpointer = _checkpointer(tmp_path, keep=1)
+    checkpointer.uploader = _uploader()
+    loopback_hub.always["commit"] = "403"  # this launch's uploads fail: the checkpoints stay on disk
+    try:
+        with caplog.at_level(logging.INFO):
+            checkpointer.restore(ResumePoint(root / "step_4", {"step": 4}))
+            assert checkpointer.finish_uploads() is False
+    finally:
+        loopback_hub.always.clear()
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
+    assert "2 complete checkpoint(s) not recorded as uploaded to org/c (main): uploading them first: step_2, " \
+           "step_4" in caplog.text and "kept on disk (never pruned) until it is uploaded" in caplog.text
+    checkpointer = _checkpointer(tmp_path, keep=1)  # the next relaunch: uploaded, then pruned
+    checkpointer.uploader = _uploader()
+    checkpointer.restore(ResumePoint(root / "step_4", {"step": 4}))
+    assert checkpointer.finish_uploads() is True
+    assert sorted(p.name for p in root.iterdir()) == ["step_4"]
+    assert {f"checkpoints/step_{s}/COMPLETE" for s in (2, 4)} <= set(_hub_files(loopback_hub))
+
+
+def test_a_stop_waits_briefly_for_the_uploads_after_releasing_the_peers(tmp_path, loopback_hub, monkeypatch) -> None:
+    """hunt F F2: on a stop, rank 0 waited up to 900 s for its uploads while its lifeline still watched the other
+    ranks, which had exited: it died with exit 4, 'rank 1 is gone ... without writing a checkpoint'. The peers are
+    released first and the wait is STOP_WAIT_S; what is left is the relaunch's."""
+    import time
+
+    from open_sft.export import hub_checkpoints
+    from open_sft.training import checkpoint
+    from open_sft.training.preemption import Preempted
+
+    assert hub_checkpoints.STOP_WAIT_S <= 10  # inside docker stop's grace, let alone torchrun's and SLURM's 30 s
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2,))
+    events: list[str] = []
+    monkeypatch.setattr(checkpoint.lifeline, "release", lambda: events.append("release"))
+    checkpointer = _checkpointer(tmp_path, keep=1)
+    checkpointer.stop = SimpleNamespace(uninstall=lambda: None)
+    checkpointer.accelerator.end_training = lambda: None
+    checkpointer.preempted_at = 2
+    checkpointer.uploader = _uploader()
+    checkpointer.uploader.stop_wait_s = 0.5
+    close = checkpointer.uploader.close
+    checkpointer.uploader.close = lambda timeout=None: (events.append("wait"), close(timeout))[1]
+    loopback_hub.hang_seconds, loopback_hub.always["preupload"] = 4.0, "hang"
+    checkpointer.uploader.submit(root / "step_2")
+    started = time.monotonic()
+    with pytest.raises(Preempted, match="stopped on a signal after step 2"):
+        checkpointer.raise_if_preempted(metrics=None)
+    assert time.monotonic() - started < 2.5 and events == ["release", "wait"]
+    assert (root / "step_2").is_dir()  # not uploaded: kept for the relaunch
+
+
+def test_a_stop_while_the_end_waits_for_uploads_exits_75_and_the_relaunch_uploads_them(tmp_path, loopback_hub,
+                                                                                      monkeypatch, capsys) -> None:
+    """hunt F F3: a SIGTERM while the end of the run waited for its checkpoint uploads (up to 900 s) was held like
+    one during the export, and the export's push then started anyway, past a scheduler's grace (SIGKILLed, no 75).
+    Now the run is complete first (RUN_COMPLETE notes the uploads left), the stop exits 75, and the same command
+    uploads the checkpoints and the export without training; a stop held during the export skips the push too."""
+    import os
+    import signal
+    import threading
+
+    from open_sft import run
+    from open_sft.config.parse import parse_config
+    from open_sft.export import hub
+    from open_sft.export.hub_checkpoints import CheckpointUploader, end_of_run
+    from open_sft.training import completion
+    from open_sft.training.preemption import Preempted, stop_outside_training
+    from unit.export.test_hub_push import _completed_run
+
+    out, argv = _completed_run(tmp_path, monkeypatch)
+    argv = argv + ["--push_checkpoints", "--keep_last_n_checkpoints", "1"]
+    config = parse_config(argv)
+    _publish_steps(out / "checkpoints", (2, 4))
+    completion.mark_complete(out, 4, 1.0, config, uploads_left=True)
+    checkpointer = _checkpointer(out, keep=1)
+    checkpointer.uploader = CheckpointUploader(config.hub)
+    loopback_hub.hang_seconds, loopback_hub.always["preupload"] = 3.0, "hang"
+    checkpointer.uploader.resubmit(out / "checkpoints")
+    restore = stop_outside_training()  # as run.main has it
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    try:
+        with pytest.raises(Preempted, match=f"stopped by SIGTERM while the checkpoint uploads were awaited; the run is "
+                                            f"complete \\(the export is in {out}\\): the same command uploads"):
+            end_of_run(checkpointer, out, config, [], is_main=True)
+    finally:
+        restore()
+        loopback_hub.always.clear()
+    assert completion.read_marker(out)[completion.UPLOADS_KEY] is True
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert run.main(argv) == 0  # the requeue: nothing trained; the checkpoints, then the export uploaded
+    assert f"already complete: {out}" in capsys.readouterr().out
+    files = loopback_hub.repos["org/m"]["branches"]["main"]
+    assert {"checkpoints/step_2/COMPLETE", "checkpoints/step_4/COMPLETE", "config.json"} <= set(files)
+    record = completion.read_marker(out)
+    assert completion.UPLOADS_KEY not in record and completion.pushed(record, "org/m", "main")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_4"]  # pruned once uploaded
+    commits = loopback_hub.count("commit")
+    assert run.main(argv) == 0 and loopback_hub.count("commit") == commits  # nothing left: nothing uploaded
+    pushes = []
+    monkeypatch.setattr(hub, "push_folder", lambda *args, **kwargs: pushes.append(args))
+    with pytest.raises(Preempted, match="stopped by SIGUSR1 after the last step"):  # noted during the export
+        end_of_run(_checkpointer(out, keep=1), out, config, ["SIGUSR1"], is_main=True)
+    assert pushes == []

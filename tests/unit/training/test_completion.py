@@ -162,7 +162,7 @@ def test_the_record_is_written_before_the_checkpoints_are_cleaned(tiny_model_dir
     def interrupted(output_dir):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("open_sft.training.checkpoint.remove_all", interrupted)
+    monkeypatch.setattr("open_sft.export.hub_checkpoints.remove_all", interrupted)
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "8",
             "--max_train_steps", "2", "--checkpointing_steps", "1", "--clean_checkpoints_at_end",
