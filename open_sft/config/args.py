@@ -363,8 +363,8 @@ class HubArguments:
         "Hub token (default: the HF_TOKEN environment variable). Never logged or written to disk.", default=None
     )
     push_checkpoints: bool = _help(
-        "With --push_to_hub: upload each complete checkpoint in the background (main process) to "
-        "checkpoints/step_N/ on the --hub_revision branch; a failed upload warns and training goes on.",
+        "With --push_to_hub: upload each complete checkpoint in the background (main process) to checkpoints/step_N/"
+        " of --hub_revision; a failed one warns, training goes on; pruned once uploaded (a relaunch uploads the rest).",
         default=False
     )
 

@@ -3,9 +3,9 @@
 A SLURM requeue or a re-run script relaunches the same command. Without a mark of the end, the relaunch would
 resume from the newest checkpoint (step 17 of 30, say), train the steps after it again and overwrite the
 export. So, as each checkpoint has its COMPLETE, the run writes OUTPUT_DIR/RUN_COMPLETE after everything else
-it writes there (the export, the report and model card, the checkpoint clean-up; before the optional Hub push,
-whose failure says how to retry it alone): a JSON record of the last step and the export's files. The Hub upload
-leaves it out.
+it writes there (the export, the report and model card; before the wait for --push_checkpoints uploads, the
+checkpoint clean-up and the optional Hub push, which a relaunch does when they were cut off: UPLOADS_KEY, "pushed"):
+a JSON record of the last step and the export's files. The Hub upload leaves it out.
 
 A launch with --resume_from_checkpoint auto (the default) on a directory with that record prints
 `already complete: OUTPUT_DIR` on the main process and exits 0 on every rank before anything is loaded, locked

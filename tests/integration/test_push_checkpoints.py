@@ -44,7 +44,10 @@ def test_push_checkpoints_uploads_each_checkpoint_and_retries(tiny_model_dir, tm
     assert complete_steps(out) == [4]  # --keep_last_n_checkpoints 1
     newest = out / "checkpoints" / "step_4"
     assert all(files[f"checkpoints/step_4/{p.relative_to(newest)}"] == p.read_bytes()
-               for p in newest.rglob("*") if p.is_file())
+               for p in newest.rglob("*") if p.is_file() and p.name != "PUSHED")
+    record = json.loads((newest / "PUSHED").read_text())  # the upload, recorded once its commit landed; not uploaded
+    assert [(u["hub_model_id"], u["hub_revision"]) for u in record["pushed"]] == [(REPO, "main")]
+    assert "checkpoints/step_4/PUSHED" not in files
     assert "config.json" in files and "README.md" in files  # the final export still goes up
     assert TOKEN not in log
     assert all(TOKEN.encode() not in p.read_bytes() for p in out.rglob("*") if p.is_file())
