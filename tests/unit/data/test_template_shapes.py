@@ -12,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from open_sft.config.args import DataArguments
-from open_sft.data.formats import Conversation, RowError
+from open_sft.data.formats import Conversation
 from open_sft.data.build import build_examples
-from open_sft.data.chat.examples import row_examples, trained_spans
+from open_sft.data.chat.examples import row_examples
 from open_sft.data.chat.render import special_markers
 from open_sft.data.labels import IGNORE_INDEX, label_and_check, trained_token_runs
 from open_sft.errors import UserError

@@ -192,8 +192,8 @@ def test_tool_results_that_carry_the_templates_own_tags_are_counted(qwen3, tmp_p
     def hermes(result: str) -> dict:
         return {"tools": json.dumps(TOOLS), "conversations": [
             {"from": "human", "value": "Weather in Oslo?"},
-            {"from": "gpt", "value": "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
-             + "\n</tool_call>"},
+            {"from": "gpt", "value": "<tool_call>\n"
+             + json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}) + "\n</tool_call>"},
             {"from": "tool", "value": result}, {"from": "gpt", "value": "It is -3 in Oslo."}]}
 
     wrapped, plain = hermes('<tool_response>\n{"temp_c": -3}\n</tool_response>'), hermes('{"temp_c": -3}')
