@@ -197,9 +197,9 @@ def _load(directory: Path, tokenizer_only: bool = False):
 def _default_limit(directory: Path, tokenizer, template: str | None) -> int:
     """MAX_NEW_TOKENS, or REASONING_MAX_NEW_TOKENS for a template that writes reasoning before the answer (said on
     stderr): MAX_NEW_TOKENS ends most reasoning replies inside their trace."""
-    from open_sft.export.reply import reasoning_layout
+    from open_sft.export.reply import writes_reasoning
 
-    if template is None or reasoning_layout(template, tokenizer) is None:
+    if not writes_reasoning(template, tokenizer):
         return MAX_NEW_TOKENS
     print(f"{directory}: its chat template writes reasoning before the answer: each reply may have "
           f"{REASONING_MAX_NEW_TOKENS} new tokens (--max_new_tokens)", file=sys.stderr, flush=True)

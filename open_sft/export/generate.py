@@ -47,12 +47,13 @@ class Generation:
     special_tokens: list[str] = field(default_factory=list)
     reasoning: str | None = None
     answered: bool = True
+    verbatim: str | None = None  # the reply as written, where the template reads its trace from the content
 
     def message(self) -> dict:
         """The reply as the assistant message a chat history keeps (its trace as the template reads it)."""
         from open_sft.export.reply import ReplyParts
 
-        return ReplyParts(self.text, self.reasoning, self.answered).message()
+        return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim).message()
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -107,7 +108,7 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     stop_reason = END_OF_TURN if ended else TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL
     return Generation(parts.answer, stop_reason, prompt_tokens, len(new),
                       tokenizer.convert_ids_to_tokens(new[-1]) if ended else None, hidden, parts.reasoning,
-                      parts.answered)
+                      parts.answered, parts.verbatim)
 
 
 def _start_token(tokenizer) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
-INLINE_CLOSE = "</think>"  # the trace written in the content (open_sft.data.chat.reasoning.inline_reasoning)
+INLINE_OPEN, INLINE_CLOSE = "<think>", "</think>"  # a trace in the content (open_sft.data.chat.reasoning)
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,16 @@ class ReplyParts:
     answer: str
     reasoning: str | None = None
     answered: bool = True
+    verbatim: str | None = None
 
     def message(self) -> dict:
         """The reply as the assistant message the template renders back: the trace as `reasoning_content`
         (transformers hands it to the template as `thinking` too), so the history renders as training did; an
-        empty trace is left out (gpt-oss's template would write an empty analysis message for it)."""
+        empty trace is left out (gpt-oss's template would write an empty analysis message for it). A template
+        with no reasoning field (`verbatim`: the trace was written in the content) keeps the reply as written,
+        trace and tags in the content, as its training rows held it (reasoning_content would be dropped)."""
+        if self.verbatim is not None:
+            return {"role": "assistant", "content": self.verbatim}
         if not self.reasoning:
             return {"role": "assistant", "content": self.answer}
         return {"role": "assistant", "content": self.answer, "reasoning_content": self.reasoning}
@@ -92,18 +97,39 @@ def _strip_specials(text: str, tokenizer) -> str:
     return text
 
 
-def split_reply(tokenizer, text: str, plain: str) -> ReplyParts:
+def opens_reasoning(tokenizer) -> bool:
+    """Whether the template's generation prompt opens a trace the reply writes into (`<think>` last: DeepSeek-R1
+    distills, open-instruct's thinker and r1_simple_chat templates): the answer follows the reply's `</think>`."""
+    try:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
+                                               tokenize=False)
+    except Exception:  # noqa: BLE001  (a template that cannot render the probe opens nothing)
+        return False
+    return isinstance(prompt, str) and prompt.rstrip().endswith(INLINE_OPEN)
+
+
+def writes_reasoning(template: str | None, tokenizer) -> bool:
+    """Whether replies under the template begin with reasoning: a reasoning field it writes, or a trace its
+    generation prompt opens."""
+    return template is not None and (reasoning_layout(template, tokenizer) is not None or opens_reasoning(tokenizer))
+
+
+def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> ReplyParts:
     """`text` (the reply decoded with its special tokens, less the token that ended it) split into reasoning and
     answer by the template's layout (module docstring); `plain` (decoded without them, as generated, whitespace
-    included) when it has none."""
+    included) when it has none. `opened`: the prompt ended in an open `<think>` (opens_reasoning), which the reply
+    continues: a reply without `</think>` stopped inside its trace."""
     layout = reasoning_layout(tokenizer.chat_template, tokenizer) if isinstance(tokenizer.chat_template, str) \
         else None
     if layout is None:
+        verbatim = (INLINE_OPEN if opened and not plain.lstrip().startswith(INLINE_OPEN) else "") + plain
         if INLINE_CLOSE not in text:
+            if opened:
+                return ReplyParts("", _strip_specials(text, tokenizer).strip(), answered=False, verbatim=verbatim)
             return ReplyParts(plain)
         head, _, answer = text.rpartition(INLINE_CLOSE)
         return ReplyParts(_strip_specials(answer, tokenizer).strip(),
-                          _strip_specials(head.replace("<think>", "", 1), tokenizer).strip())
+                          _strip_specials(head.replace(INLINE_OPEN, "", 1), tokenizer).strip(), verbatim=verbatim)
     head, found, answer = text.rpartition(layout.answer_marker)
     if not found:
         start = text.lstrip()
@@ -134,5 +160,6 @@ def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int]) -> ReplyPa
                               if isinstance(parsed.get(key), str)), None)
             answer = str(parsed.get("content") or "").strip()
             return ReplyParts(answer, reasoning, answered=bool(answer) or not reasoning or "tool_calls" in parsed)
+    opened = tokenizer.decode(prompt_ids, skip_special_tokens=False).rstrip().endswith(INLINE_OPEN)
     return split_reply(tokenizer, tokenizer.decode(new_ids, skip_special_tokens=False),
-                       tokenizer.decode(new_ids, skip_special_tokens=True))
+                       tokenizer.decode(new_ids, skip_special_tokens=True), opened)

@@ -162,3 +162,37 @@ def test_a_tokenizer_with_a_response_template_parses_with_transformers(tiny_mode
     parts = parse_reply(tokenizer, ids, prompt)
     assert (parts.answer, parts.reasoning, parts.answered, len(calls)) == ("4.", "Two plus two is four.", True, 1)
     assert parse_reply(tokenizer, ids[:5], prompt).answered is False
+
+
+def test_a_trace_the_generation_prompt_opens_is_set_aside_and_kept_in_the_content(tiny_model_dir, model,
+                                                                                   monkeypatch) -> None:
+    """Templates with no reasoning field whose generation prompt opens `<think>` (open-instruct's thinker and
+    r1_simple_chat templates, DeepSeek-R1 distills): the reply continues the trace, and its answer follows
+    `</think>`. chat kept it as {content, reasoning_content}, which these templates drop: the next turn's history
+    lost the trace its training rows hold (`<think>trace</think>answer` in the content), and the model wrote
+    garbage there; a reply cut before `</think>` was scored as a wrong answer, at compare's 16 tokens."""
+    from open_sft.data.chat.templates import OPEN_INSTRUCT_TEMPLATES
+
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    tokenizer.chat_template = OPEN_INSTRUCT_TEMPLATES["olmo_thinker"][0]
+    assert tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False).endswith("<think>")
+    trained = {"role": "assistant", "content": "<think>Two plus two is four.</think>4."}  # as a training row holds it
+    generating(monkeypatch, model, tokenizer, ["Two plus two is four.</think>4.<|im_end|>"] * 2)
+    prompts = []
+    real = tokenizer.apply_chat_template
+
+    def recording(messages, **kwargs):
+        prompts.append(real(messages, add_generation_prompt=True, tokenize=False))
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    lines, out = iter(["What is 2+2?", "Again?"]), io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines, None), out, max_new_tokens=64) == 2
+    assert out.getvalue().startswith("[reasoning]\nTwo plus two is four.\n[/reasoning]\n4.\n[end of turn (")
+    assert prompts[-1] == real(QUESTION + [trained, {"role": "user", "content": "Again?"}],
+                               add_generation_prompt=True, tokenize=False)
+    monkeypatch.setattr(tokenizer, "apply_chat_template", real)
+    cut = parse_reply(tokenizer, tokenizer("Two plus two", add_special_tokens=False)["input_ids"],
+                      tokenizer(real(QUESTION, add_generation_prompt=True, tokenize=False))["input_ids"])
+    assert (cut.answer, cut.reasoning, cut.answered) == ("", "Two plus two", False)
+    assert compare._default_limit("out", tokenizer, tokenizer.chat_template) == compare.REASONING_MAX_NEW_TOKENS
