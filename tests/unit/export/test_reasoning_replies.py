@@ -48,6 +48,19 @@ def generating(monkeypatch, model, tokenizer, replies: list[str]):
     return model
 
 
+def recording_prompts(monkeypatch, tokenizer):
+    """(the prompts the tokenizer's template renders from here on, as text; its own apply_chat_template)."""
+    prompts = []
+    real = tokenizer.apply_chat_template
+
+    def recording(messages, **kwargs):
+        prompts.append(real(messages, add_generation_prompt=True, tokenize=False))
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    return prompts, real
+
+
 @pytest.mark.parametrize("family", sorted(REPLIES))
 def test_the_template_itself_writes_the_reply_that_is_split(tiny_model_dir, family) -> None:
     """The replies above are what the template renders for THOUGHT after the generation prompt: the split reads
@@ -131,14 +144,7 @@ def test_chat_shows_the_trace_apart_and_keeps_history_as_the_template_renders_it
     trace as the template reads them, so the second prompt is what the template renders for the conversation."""
     tokenizer = family_tokenizer(tiny_model_dir, family)
     generating(monkeypatch, model, tokenizer, [REPLIES[family] + STOP[family]] * 2)
-    prompts = []
-    real = tokenizer.apply_chat_template
-
-    def recording(messages, **kwargs):
-        prompts.append(real(messages, add_generation_prompt=True, tokenize=False))
-        return real(messages, **kwargs)
-
-    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    prompts, real = recording_prompts(monkeypatch, tokenizer)
     lines, out = iter(["What is 2+2?", "Again?"]), io.StringIO()
     assert chat(model, tokenizer, lambda: next(lines, None), out, max_new_tokens=64) == 2
     assert out.getvalue().startswith("[reasoning]\nTwo plus two is four.\n[/reasoning]\n4.\n[end of turn (")
@@ -178,14 +184,7 @@ def test_a_trace_the_generation_prompt_opens_is_set_aside_and_kept_in_the_conten
     assert tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False).endswith("<think>")
     trained = {"role": "assistant", "content": "<think>Two plus two is four.</think>4."}  # as a training row holds it
     generating(monkeypatch, model, tokenizer, ["Two plus two is four.</think>4.<|im_end|>"] * 2)
-    prompts = []
-    real = tokenizer.apply_chat_template
-
-    def recording(messages, **kwargs):
-        prompts.append(real(messages, add_generation_prompt=True, tokenize=False))
-        return real(messages, **kwargs)
-
-    monkeypatch.setattr(tokenizer, "apply_chat_template", recording)
+    prompts, real = recording_prompts(monkeypatch, tokenizer)
     lines, out = iter(["What is 2+2?", "Again?"]), io.StringIO()
     assert chat(model, tokenizer, lambda: next(lines, None), out, max_new_tokens=64) == 2
     assert out.getvalue().startswith("[reasoning]\nTwo plus two is four.\n[/reasoning]\n4.\n[end of turn (")
