@@ -63,7 +63,7 @@ def batch_of(state: Optional[dict[str, Any]]) -> Optional[tuple[int, int]]:
     return global_batch(saved), int(saved["world_size"])
 
 
-def ranks_refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> Optional[str]:
+def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> Optional[str]:
     """Why the checkpoint's steps cannot be trained on this run's number of ranks, whatever the accumulation;
     None when they can."""
     engine = saved.get("engine", "torch")
@@ -95,7 +95,7 @@ def fitted_accumulation(saved: dict[str, Any], now: dict[str, Any], loss_normali
     other must keep the global batch itself. Raises UserError naming the reason and the fix."""
     world, micro = int(now["world_size"]), int(now["micro_batch_size"])
     was = f"the {saved['world_size']}-rank checkpoint"
-    refusal = ranks_refusal(saved, now, loss_normalization)
+    refusal = _refusal(saved, now, loss_normalization)
     if refusal:
         raise UserError(f"cannot resume {was} on {world} process(es): {refusal}")
     total = global_batch(saved)
@@ -172,13 +172,19 @@ def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], state: O
     return dataclasses.replace(config, train=dataclasses.replace(t, gradient_accumulation_steps=accumulation))
 
 
+def keeps_global_batch(saved: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Whether this run's layout trains the checkpoint's global batch, in a format that loads on any number of
+    ranks: its number of ranks alone is then no reason to refuse the resume."""
+    keys = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
+    return (all(key in saved and key in now for key in keys) and global_batch(saved) == global_batch(now)
+            and _refusal(saved, now, "token") is None)
+
+
 def rescalable(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     """Whether a checkpoint of another number of ranks goes on with this run's layout: the same micro-batch and
     global batch, in a format that loads on any number of ranks (fit_to_checkpoint has fitted the accumulation,
     or refused with the reason, before the model was built)."""
-    keys = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
-    return (all(key in saved and key in now for key in keys) and saved["micro_batch_size"] == now["micro_batch_size"]
-            and global_batch(saved) == global_batch(now) and ranks_refusal(saved, now, "token") is None)
+    return keeps_global_batch(saved, now) and saved["micro_batch_size"] == now["micro_batch_size"]
 
 
 def rng_seed(seed: int, step: int, rank: int) -> int:

@@ -19,7 +19,7 @@ from open_sft.errors import UserError
 from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, problem_with,
                                          step_dirs, timeline_of)
 from open_sft.training.damage import DAMAGED
-from open_sft.training.elastic import convertible, global_batch, ranks_refusal, rescalable
+from open_sft.training.elastic import convertible, keeps_global_batch, rescalable
 from open_sft.training.steps import balances
 
 if TYPE_CHECKING:
@@ -141,11 +141,9 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     rescaled = saved.get("world_size") != current.get("world_size") and rescalable(saved, current)
     # another engine goes on when both engines' formats convert (open_sft.training.portable; what it refuses was
     # refused with the reason before the model was built: elastic.fit_to_checkpoint)
-    allowed = ({"world_size", "gradient_accumulation_steps"} if rescaled else set()) | (
+    allowed = ({"gradient_accumulation_steps"} if rescaled else set()) | (
         {"engine"} if convertible(saved, current) else set())
-    batch = ("micro_batch_size", "gradient_accumulation_steps", "world_size")
-    if (all(key in saved and key in current for key in batch) and global_batch(saved) == global_batch(current)
-            and ranks_refusal(saved, current, "token") is None):
+    if keeps_global_batch(saved, current):
         allowed.add("world_size")  # the ranks alone would resume (the same global batch): another line is refused
     if saved.get("pipeline_parallel_size") != current.get("pipeline_parallel_size"):
         allowed.add("engine")  # the pipeline's own line names the reason (stages, not another engine's format)

@@ -203,8 +203,9 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     strings = _string_arguments(messages)  # before the template's own form: what the row gave
     messages = as_template_takes(state, with_reasoning_aliases(_developer_turns(messages, state.source)))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
+    trained, texts = _trained_indices(messages, train_on), [text for text, _ in rendered.examples]
     if not (rendered.reasoning_not_rendered or rendered.reasoning_closed_by_prompt) and inline_unwritten(
-            messages, _trained_indices(messages, train_on), [text for text, _ in rendered.examples]):
+            messages, trained, texts):
         rendered = dataclasses.replace(rendered, reasoning_not_rendered=True)
     if train_on != "all" and state.generation_tags:
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
@@ -216,9 +217,9 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
     if holds_special_text(messages, markers):
         rendered = dataclasses.replace(rendered, special_tokens_in_text=True)
-    if tags_as_text(state, messages, _trained_indices(messages, train_on), [text for text, _ in rendered.examples]):
+    if tags_as_text(state, messages, trained, texts):
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)
-    if wrapped_twice(messages, [text for text, _ in rendered.examples]):
+    if wrapped_twice(messages, texts):
         rendered = dataclasses.replace(rendered, tool_results_wrapped_twice=True)
     return rendered
 
