@@ -27,7 +27,7 @@ from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
                                          trace_of, with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
-from open_sft.data.chat.tool_arguments import as_template_takes, wrapped_twice
+from open_sft.data.chat.tool_arguments import as_template_takes, string_arguments, tools_written, wrapped_twice
 from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, render_turn, turn_enders
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.formats import Messages, RowError, same_kind, trains
@@ -200,7 +200,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         raise RowError("a row of messages needs a chat template and the tokenizer has none; choose one with "
                        "--chat_template_name or --chat_template_path FILE", "template_error")
     state = render.template_state(tokenizer, options)
-    strings = _string_arguments(messages)  # before the template's own form: what the row gave
+    strings = string_arguments(messages)  # before the template's own form: what the row gave
     messages = as_template_takes(state, with_reasoning_aliases(_developer_turns(messages, state.source)))
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
     trained, texts = _trained_indices(messages, train_on), [text for text, _ in rendered.examples]
@@ -211,7 +211,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, generation_tags_disagree=_tags_disagree(
             tokenizer, messages, rendered, options))
     tools = getattr(messages, "tools", None)
-    if tools and not _tools_written(tools, rendered.examples[0][0]):
+    if tools and not tools_written(tools, rendered.examples[0][0]):
         rendered = dataclasses.replace(rendered, tools_not_rendered=True)
     if strings:
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
@@ -231,22 +231,6 @@ def holds_special_text(messages: Messages, markers: tuple[str, ...]) -> bool:
     return found is not None and any(
         isinstance(text, str) and found.search(text) is not None
         for message in messages for text in (message.get("content"), message.get("reasoning_content")))
-
-
-def _string_arguments(messages: Messages) -> bool:
-    """Whether a tool call's arguments are still a string: the conversion (formats._with_object_arguments) made
-    every JSON object string an object, so what is left is not JSON (a Python dict's repr, cut-off JSON) and the
-    model learns to call tools with it."""
-    return any(isinstance(call, dict) and isinstance(call.get("function"), dict)
-               and isinstance(call["function"].get("arguments"), str)
-               for message in messages for call in message.get("tool_calls") or ())
-
-
-def _tools_written(tools: list, text: str) -> bool:
-    """Whether the rendering holds the row's tool schemas (each tool's name, as every tool-writing template
-    writes it): a template without tools (chatml, tulu) trains the row with no schemas in its context."""
-    names = [(tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name") for tool in tools]
-    return all(name in text for name in names if isinstance(name, str) and name)
 
 
 def _developer_turns(messages: Messages, template: str) -> Messages:

@@ -83,3 +83,19 @@ def wrapped_twice(messages: Messages, texts: list[str]) -> bool:
                 text[:at].rstrip().endswith(tag.group()) for text in texts if (at := text.find(content)) >= 0):
             return True
     return False
+
+
+def string_arguments(messages: Messages) -> bool:
+    """Whether a tool call's arguments are still a string: the conversion (formats._with_object_arguments) made
+    every JSON object string an object, so what is left is not JSON (a Python dict's repr, cut-off JSON) and the
+    model learns to call tools with it."""
+    return any(isinstance(call, dict) and isinstance(call.get("function"), dict)
+               and isinstance(call["function"].get("arguments"), str)
+               for message in messages for call in message.get("tool_calls") or ())
+
+
+def tools_written(tools: list, text: str) -> bool:
+    """Whether the rendering holds the row's tool schemas (each tool's name, as every tool-writing template
+    writes it): a template without tools (chatml, tulu) trains the row with no schemas in its context."""
+    names = [(tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name") for tool in tools]
+    return all(name in text for name in names if isinstance(name, str) and name)
