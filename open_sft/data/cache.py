@@ -62,8 +62,10 @@ logger = logging.getLogger(__name__)
 # 20: whitespace a template writes after the generation prompt (a content's own leading "\n\n", Mistral's space after
 # [/INST]) trains in a row's one rendering too, as turn by turn; 21: a tool call that ends the row stops at the tag of
 # a tool's result under a template without end-of-turn tokens (GLM-4.5's <|observation|>, not <|user|>); 22: OpenAI's
-# legacy functions/function_call/function rows are tools, tool calls and tool results (the calls were dropped)
-CACHE_FORMAT_VERSION = 22
+# legacy functions/function_call/function rows are tools, tool calls and tool results (the calls were dropped); 23: a
+# turn whose generation prompt opens a think block the template leaves out (DeepSeek-R1 distills', QwQ's) trains its
+# trace, </think> and answer after that prompt (it trained the answer alone, after part of the prompt)
+CACHE_FORMAT_VERSION = 23
 COMPLETE = "COMPLETE"
 
 

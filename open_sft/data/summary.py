@@ -22,9 +22,7 @@ _NOTES = {
     "reasoning_not_rendered": "carry reasoning (reasoning_content, thinking or reasoning, or <think>…</think> in "
                               "the content) that the chat template "
                               "does not write, so it is not trained; choose a template that writes it: the model's "
-                              "own where it does, else --chat_template_path FILE (DeepSeek-R1 distills' and "
-                              "V3.1's own keep only what follows </think>, on every turn: only a training template "
-                              "with the trace trains it)",
+                              "own where it does, else --chat_template_path FILE",
     "generation_tags_disagree": "are labelled otherwise than the chat template's {% generation %} tags mark (the "
                                 "labels are each assistant turn as the template writes it after its generation "
                                 "prompt; check the tags, or the template)",
@@ -55,6 +53,12 @@ _NOTES = {
                                   "Hermes-style rows give them) which the chat template writes around every tool "
                                   "result again, so the context doubles them, as the model never sees it at "
                                   "inference; remove those tags from the tool messages' content",
+    "reasoning_opened_by_prompt": "have assistant turns whose generation prompt opens a think block (<think>) that "
+                                  "the chat template leaves out of what it writes for the turn (DeepSeek-R1 "
+                                  "distills', QwQ's): each trains what the model writes there, its trace (an empty "
+                                  "one where the row has none), </think>, the answer and the end of the turn, after "
+                                  "that prompt; the earlier turns stay in its context as the template writes history "
+                                  "(without their traces), as the model sees them at inference",
     "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -88,6 +92,7 @@ class SourceReport:
     turns_in_one_rendering: int = 0  # rows with a turn trained in the one rendering (chat/examples._partly_per_turn)
     reasoning_tags_as_text: int = 0  # rows whose inline <think> trace a tagless template writes as the answer's text
     tool_results_wrapped_twice: int = 0  # rows with a tool result whose own tags the template writes around it again
+    reasoning_opened_by_prompt: int = 0  # rows with a turn trained after a think block its prompt opens
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,7 +111,8 @@ class SourceReport:
             "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt,
             "turns_in_one_rendering": self.turns_in_one_rendering,
             "reasoning_tags_as_text": self.reasoning_tags_as_text,
-            "tool_results_wrapped_twice": self.tool_results_wrapped_twice, "hub_dataset": self.hub_dataset,
+            "tool_results_wrapped_twice": self.tool_results_wrapped_twice,
+            "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

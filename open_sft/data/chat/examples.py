@@ -122,13 +122,14 @@ class RowRender:
     turns_in_one_rendering: bool = False  # a trained turn not located after its own context (_partly_per_turn)
     reasoning_tags_as_text: bool = False  # an inline trace written as text by a tagless template (reasoning.py)
     tool_results_wrapped_twice: bool = False  # a tool result's own tags written around it again (tool_arguments.py)
+    reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
                 "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
-                "tool_results_wrapped_twice")
+                "tool_results_wrapped_twice", "reasoning_opened_by_prompt")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -297,7 +298,7 @@ def _partly_per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, m
 
 def _locates(state: TemplateState, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> bool:
     try:
-        render_turn(state.draw, messages, tools, i, enders)
+        render_turn(state.draw, messages, tools, i, enders, opens=not state.builtin)
         return True
     except RowError:
         return False
@@ -314,7 +315,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     if keep and len(examples) > 1:
         joined = kept_history(state.draw, messages, tools, examples, enders)
         examples, not_kept = ([joined], False) if joined is not None else (examples, True)
-    unwritten = closed = False
+    unwritten = closed = opened = False
     for i, turn in turns.items():
         message = messages[i]
         where = f"message {i + 1} (assistant, with {'tool calls' if message.get('tool_calls') else 'more than a content'})"
@@ -329,6 +330,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
                            "another template")
         reasoning = reasoning_of(message)
         closed |= turn.reasoning_closed
+        opened |= turn.reasoning_opened
         unwritten |= bool(reasoning) and not turn.reasoning_closed and reasoning.strip() not in turn.target
     out = []
     for example in examples:
@@ -338,7 +340,8 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
                 else [span]
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
-                     reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed)
+                     reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed,
+                     reasoning_opened_by_prompt=opened)
 
 
 def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,

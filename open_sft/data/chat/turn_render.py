@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from open_sft.data.chat.opened_trace import opened_turn, shared_opening
 from open_sft.data.chat.reasoning import trace_of, without_reasoning
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages, RowError
@@ -179,15 +180,20 @@ class Turn:
     end: int
     core: str
     reasoning_closed: bool = False
+    reasoning_opened: bool = False  # the prompt opens a think block the template leaves out (opened_trace.py)
 
 
-def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> Turn:
+def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders,
+                opens: bool = True) -> Turn:
+    """Assistant message i as the model generates it (Turn); `opens`: a generation prompt that opens a reasoning
+    block the turn's rendering leaves out trains the turn as written there (opened_trace.py; not under
+    open-instruct's templates, for parity)."""
     where = f"message {i + 1} (assistant)"
     if i == 0:
         raise RowError(f"{where}: the conversation opens with this assistant turn, which has no context to "
                        "render; start the row with the user (or system) message it answers", "no_context")
     prompt, through = draw(messages[:i], True, tools), draw(messages[: i + 1], False, tools)
-    closed = False
+    closed = opened = False
     if not through.startswith(prompt) and trace_of(messages[i]):
         bare_turn = draw([*messages[:i], without_reasoning(messages[i])], False, tools)
         if bare_turn.startswith(prompt):  # the generation prompt closes the think block before the turn
@@ -195,15 +201,18 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
     if through.startswith(prompt):
         target = through[len(prompt):]
     else:
-        prompt, target = _turn_after_rewritten_history(prompt, through, draw(messages[:i], False, tools),
-                                                       messages[i - 1].get("content"))
+        bare = draw(messages[:i], False, tools)
+        target = opened_turn(messages[i], prompt, bare, through) if opens else None
+        opened = target is not None
+        if not opened:
+            prompt, target = _turn_after_rewritten_history(prompt, through, bare, messages[i - 1].get("content"))
         if target is None:
             raise RowError(f"{where}: what the template writes for this turn does not follow the generation "
                            "prompt it renders for the messages before it, so the turn cannot be located; choose "
                            "another template")
     end = enders.turn_end(target)
     core = enders.stripped(target[:end]) if end else target.rstrip()
-    return Turn(i, prompt, target, end, core, closed)
+    return Turn(i, prompt, target, end, core, closed, opened)
 
 
 def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous: object = None
@@ -224,9 +233,7 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
         return prompt, None
     opening = prompt[len(bare):]
     if through.startswith(bare):
-        shared = len(os.path.commonprefix([opening, through[len(bare):]]))
-        while 0 < shared < len(opening) and not (opening[shared - 1] == ">" or opening[shared - 1].isspace()):
-            shared -= 1  # a whole tag or line of the opening, not the "<" that R1's "<think>" and a tool call share
+        shared = shared_opening(opening, through[len(bare):])
         return prompt[: len(bare) + shared], through[len(bare) + shared:]
     low, high = 0, len(bare)  # the longest end of `bare` that occurs in `through` (shorter ends occur too)
     while low < high:
@@ -286,9 +293,10 @@ def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: 
     in exactly one, after the context the template gives it, and each turn's rendering as the last message.
     `strict`: an earlier turn trains in a later example only where it is closed there by the token that closes
     it as the last message (not so under open-instruct's templates, for parity: OLMo's closes the final turn
-    with eos and earlier ones with <|im_end|>, which open-instruct trains). `contiguous`: an example trains a run
+    with eos and earlier ones with <|im_end|>, which open-instruct trains; nor does a turn after a generation prompt
+    opening a think block it leaves out train as written there: render_turn). `contiguous`: an example trains a run
     of consecutive turns (what kept_history joins), not also an earlier one beyond a turn it cannot train."""
-    turns = {i: render_turn(draw, messages, tools, i, enders) for i in indices}
+    turns = {i: render_turn(draw, messages, tools, i, enders, opens=strict) for i in indices}
     examples: list[TurnExample] = []
     left = sorted(indices)
     while left:

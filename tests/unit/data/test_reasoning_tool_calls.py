@@ -298,10 +298,13 @@ R1_STYLE = ("{{- bos_token }}{%- for m in messages %}{%- if m.role == 'user' %}{
             "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|><think>\\n' }}{%- endif %}")
 
 
-def test_reasoning_in_the_content_that_the_template_drops_is_counted(tiny_model_dir, tmp_path, caplog) -> None:
+def test_reasoning_in_the_content_that_the_template_drops_trains_after_the_opened_block(tiny_model_dir, tmp_path,
+                                                                                       caplog) -> None:
     """A trace written in the content (`<think>trace</think>answer`, as R1 distills' data carries it) under a template
-    that keeps only the answer after `</think>` (R1 distills' own): counted and warned about as reasoning the
-    template does not write (the last turn's too); under one that writes it (chatml), not."""
+    that keeps only the answer after `</think>` (R1 distills' own construct) and opens `<think>` in its generation
+    prompt: the turn trains its trace, `</think>` and the answer after that prompt (chat/opened_trace.py; it trained
+    the answer alone, and the rows were counted as reasoning the template does not write), counted and named as
+    such; under a template that writes it (chatml), neither."""
     from open_sft.data.chat.templates import apply_chat_template_choice
 
     inline = {"messages": [{"role": "user", "content": "What is 6 times 7?"},
@@ -310,15 +313,15 @@ def test_reasoning_in_the_content_that_the_template_drops_is_counted(tiny_model_
     tokenizer.chat_template = R1_STYLE
     with caplog.at_level("WARNING"):
         examples, (report,) = build(tokenizer, tmp_path, [NO_REASONING, inline, inline])
-    assert report.reasoning_not_rendered == 2
-    assert "Six sevens" not in "".join(tokenizer.decode(e.input_ids) for e in examples)
+    assert (report.reasoning_not_rendered, report.reasoning_opened_by_prompt) == (0, 3)
+    runs = trained_runs(tokenizer, examples)
+    assert runs[1] == (tokenizer.bos_token + "<|user|>What is 6 times 7?<|assistant|><think>\n",
+                       "Six sevens are forty-two.\n</think>\n\n42." + tokenizer.eos_token)
     warned = [r.getMessage() for r in caplog.records if "line 2; " in r.getMessage() and "<think>" in r.getMessage()]
-    # the fix it names: the model's own template is the one that drops it, so not "the model's own" alone
-    assert len(warned) == 1 and "else --chat_template_path FILE (DeepSeek-R1 distills' and V3.1's own keep only " \
-        "what follows </think>, on every turn" in warned[0]
+    assert len(warned) == 1 and "generation prompt opens a think block" in warned[0]
     apply_chat_template_choice(tokenizer, "chatml", None)
     _, (report,) = build(tokenizer, tmp_path, [NO_REASONING, inline])
-    assert report.reasoning_not_rendered == 0
+    assert (report.reasoning_not_rendered, report.reasoning_opened_by_prompt) == (0, 0)
 
 
 def test_think_tags_a_template_writes_as_the_answers_text_are_counted(tiny_model_dir, tmp_path, caplog) -> None:

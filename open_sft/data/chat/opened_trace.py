@@ -1,0 +1,95 @@
+"""Turns under a template whose generation prompt opens a reasoning block that its rendering of the turn leaves out.
+
+DeepSeek-R1 distills' template ends the generation prompt with `<｜Assistant｜><think>\\n` and writes every assistant
+content only after its `</think>`, the last turn's too; QwQ's does the same after `<|im_start|>assistant\\n<think>\\n`;
+DeepSeek-V3.1's in thinking mode opens `<think>` and writes a turn `</think>answer`. The model writes after that prompt
+its trace, the block's closer, the answer and the end of its turn; the template's own rendering of the turn holds
+neither the opening nor the trace. So the turn trains what the model writes there (`opened_turn`), after the
+generation prompt as it is at inference, the earlier turns in it as the template writes history (their traces
+dropped, as the model sees them):
+
+- The opening is what the generation prompt writes past the whole tags the turn's rendering shares with it (R1's
+  `<｜Assistant｜>`): one tag that it leaves open, and the whitespace after it (`<think>\\n`). The closer is that
+  tag's closing tag (`</think>`).
+- A trace written in the content (`<think>trace</think>answer`, or `trace</think>answer`) trains as the content has
+  it: from after its opening tag (less the whitespace the prompt already wrote) through the last closer and the
+  whitespace after it. A trace given as a field (`reasoning_content`), or none at all (an empty block: at inference
+  the model has to close the block the prompt opened), is closed as the prompt opened it: the opening's whitespace
+  before the closer and twice that after it (`\\n</think>\\n\\n` after R1's and QwQ's `<think>\\n`, the block as
+  DeepSeek and Qwen write it, and the template of a Qwen3 Thinking-2507 model for the turn it writes; `</think>`
+  right after V3.1's `<think>`, as its template writes history).
+- Then what the template writes for the turn, its leading whitespace (and a closer it writes itself: V3.1's) left
+  out: the answer and the end of the turn.
+
+The template's rendering of the conversation with the turn's content replaced by what the model wrote (the opening,
+then that text) is its rendering of the row: it writes the generated turn in history as it writes the data's (tested).
+Turns that write tool calls keep the context their rendering shares with the prompt (turn_render's
+`_turn_after_rewritten_history`), and open-instruct's templates (`tulu_thinker_r1_style`, which keeps only the answer)
+are left as open-instruct trains them: the caller asks only where neither holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+from open_sft.data.chat.reasoning import reasoning_of
+
+_OPENING = re.compile(r"<([A-Za-z_][\w-]*)>(\s*)")  # one tag opened, then whitespace: "<think>\n"
+
+
+def shared_opening(opening: str, turn: str) -> int:
+    """How much of the generation prompt's `opening` (what it writes after the messages before the turn) the turn's
+    own rendering `turn` writes too, in whole tags or lines (R1's `<｜Assistant｜>`, not the "<" of `<think>` that a
+    tool call's `<｜tool▁calls▁begin｜>` opens with too)."""
+    shared = len(os.path.commonprefix([opening, turn]))
+    while 0 < shared < len(opening) and not (opening[shared - 1] == ">" or opening[shared - 1].isspace()):
+        shared -= 1
+    return shared
+
+
+def opened_turn(message: dict, prompt: str, bare: str, through: str) -> Optional[str]:
+    """What the model writes after the generation prompt `prompt` for assistant `message` where that prompt opens a
+    reasoning block its rendering of the turn (`through`, the conversation through it; `bare`, the messages before it
+    without the generation prompt) does not write (module doc); None where that is not so (the caller locates the
+    turn as before)."""
+    if message.get("tool_calls") or not (prompt.startswith(bare) and through.startswith(bare)):
+        return None
+    opening, turn = prompt[len(bare):], through[len(bare):]
+    shared = shared_opening(opening, turn)
+    opened = _OPENING.fullmatch(opening[shared:])
+    if opened is None:
+        return None
+    tag, space = opened.group(1), opened.group(2)
+    start, closer = f"<{tag}>", f"</{tag}>"
+    written = turn[shared:]
+    trace = _inline(message.get("content"), start, closer, space) or _as_opened(reasoning_of(message), space, closer)
+    said = trace[: trace.rindex(closer)].strip()
+    if start in written or said and said in written:
+        return None  # the template writes a block, or the trace, itself: not this case
+    answer = written.lstrip()
+    if answer.startswith(closer):  # V3.1 writes the closer before a turn's answer itself
+        answer = answer[len(closer):].lstrip()
+    return trace + answer
+
+
+def _inline(content: object, start: str, closer: str, space: str) -> str:
+    """A trace written in the content as the model writes it after the prompt's opening: from after its opening
+    tag (or the content's start), less the opening's whitespace, through the last closer and the whitespace after it;
+    "" where the content has no closer."""
+    if not isinstance(content, str) or closer not in content:
+        return ""
+    end = content.rindex(closer) + len(closer)
+    at = content.find(start, 0, end)
+    text = content[at + len(start) if at >= 0 else 0:]
+    if space and text.startswith(space):
+        text = text[len(space):]
+    after = text[text.rindex(closer) + len(closer):]
+    return text[: len(text) - len(after)] + after[: len(after) - len(after.lstrip())]
+
+
+def _as_opened(trace: str, space: str, closer: str) -> str:
+    """A trace given apart from the content (or none), closed as the prompt opened its block: the opening's
+    whitespace before the closer, twice that after it."""
+    return trace.strip() + space + closer + space * 2
