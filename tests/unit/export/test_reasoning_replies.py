@@ -195,3 +195,30 @@ def test_a_trace_the_generation_prompt_opens_is_set_aside_and_kept_in_the_conten
                       tokenizer(real(QUESTION, add_generation_prompt=True, tokenize=False))["input_ids"])
     assert (cut.answer, cut.reasoning, cut.answered) == ("", "Two plus two", False)
     assert compare._default_limit("out", tokenizer, tokenizer.chat_template) == compare.REASONING_MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("family", ["r1", "qwq"])
+def test_a_reply_as_trained_under_a_prompt_that_opens_the_trace(tiny_model_dir, model, monkeypatch, tmp_path,
+                                                                family) -> None:
+    """DeepSeek-R1 distills' and QwQ's turns train the trace after the generation prompt's `<think>\\n`
+    (data/chat/opened_trace.py). The reply a model trained on a one-row R1-style set generates, its trained tokens,
+    is read back by generate and chat: the trace apart, the answer after `</think>`, the end of turn its stop; and
+    chat's next prompt writes it in history as the template writes the training row."""
+    from ..data.test_opened_traces import END, INLINE, QUESTION as ASKED, TRACE, build, family_tokenizer as opened
+    from open_sft.data.labels import trained_token_runs
+
+    tokenizer = opened(tiny_model_dir, family)
+    asked = [{"role": "user", "content": ASKED}]
+    (example,), _ = build(tokenizer, tmp_path, [asked + [INLINE]])
+    (run,) = trained_token_runs(example.input_ids, example.labels)
+    generated = tokenizer.decode(run)
+    generating(monkeypatch, model, tokenizer, [generated] * 3)
+    reply = generate_reply(model, tokenizer, asked, 64)
+    assert (reply.text, reply.reasoning, reply.answered, reply.stop_reason, reply.stop_token) == (
+        "42.", TRACE, True, END_OF_TURN, END[family])
+    prompts, real = recording_prompts(monkeypatch, tokenizer)
+    lines, out = iter([ASKED, "Again?"]), io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines, None), out, max_new_tokens=64) == 2
+    assert out.getvalue().startswith(f"[reasoning]\n{TRACE}\n[/reasoning]\n42.\n[end of turn (")
+    again = {"role": "user", "content": "Again?"}
+    assert prompts[-1] == real(asked + [INLINE, again], add_generation_prompt=True, tokenize=False)
