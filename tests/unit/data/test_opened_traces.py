@@ -166,3 +166,26 @@ def test_a_template_that_writes_the_last_trace_is_left_as_it_was(tiny_model_dir,
     runs = [tokenizer.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)]
     assert runs == [f"{TRACE}\n</think>\n\n{ANSWER}<|im_end|>"] * 2 + [f"\n</think>\n\n{ANSWER}<|im_end|>"]
     assert report.reasoning_opened_by_prompt == 0
+
+
+def test_deepseek_v3_1_in_thinking_mode_trains_its_trace_right_after_the_opened_tag(tiny_model_dir, tmp_path) -> None:
+    """DeepSeek-V3.1's template (tests/data/chat_templates/deepseek_v3_1.jinja) opens `<think>`, no newline, in its
+    thinking mode's generation prompt and writes a turn `</think>answer`: the turn trains the trace, `</think>` and
+    the answer right after `<think>` (a row without a trace: `</think>` and the answer), no whitespace added, as its
+    template writes the block. Without thinking its generation prompt closes the block (`</think>`) and the turns
+    train their answer after it, as before."""
+    tokenizer = family_tokenizer(tiny_model_dir, "r1")
+    tokenizer.chat_template = (TEMPLATES / "deepseek_v3_1.jinja").read_text()
+    inline = {"role": "assistant", "content": f"{TRACE}</think>{ANSWER}"}  # V3.1's own output's form
+    rows = [[{"role": "user", "content": QUESTION}, turn] for turn in (inline, FIELD, NO_TRACE)]
+    examples, (report,) = build(tokenizer, tmp_path, rows, chat_template_kwargs='{"thinking": true}')
+    prompt = tokenizer.apply_chat_template(rows[0][:1], add_generation_prompt=True, tokenize=False, thinking=True)
+    assert prompt.endswith("<｜Assistant｜><think>")
+    generated = [f"{TRACE}</think>{ANSWER}"] * 2 + [f"</think>{ANSWER}"]
+    assert [(e.input_ids, e.labels) for e in examples] == [
+        expected(tokenizer, [(prompt, False), (text + END["r1"], True)]) for text in generated]
+    assert (report.reasoning_opened_by_prompt, report.reasoning_not_rendered) == (3, 0)
+    examples, (report,) = build(tokenizer, tmp_path, rows)
+    assert [tokenizer.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)] == [
+        ANSWER + END["r1"]] * 3
+    assert report.reasoning_opened_by_prompt == 0
