@@ -118,7 +118,7 @@ def _from_legacy_functions(message: dict, i: int) -> dict:
     """OpenAI's legacy function calling (its chat fine-tuning format before tools): an assistant message's
     `function_call` {name, arguments} is the turn's tool call and a `function` message the call's result (a tool
     message, its `name` kept), as `tool_calls` and `tool` messages reach the chat template; the row's `functions`
-    are its tools (`_tools`). Read, not dropped: the template would write neither, and the row would train the
+    are its tools (`row_tools`). Read, not dropped: the template would write neither, and the row would train the
     turn's content alone, without its call."""
     if message.get("role") == "function":
         return {**message, "role": "tool"}
@@ -304,7 +304,7 @@ def check_trainable(messages: Messages) -> None:
             raise RowError(f"message {i} (assistant) is empty", "empty_assistant")
 
 
-def _tools(row: dict[str, Any]) -> Optional[list]:
+def row_tools(row: dict[str, Any]) -> Optional[list]:
     """The `tools` column (and OpenAI's legacy `functions`, bare schemas): a list of tool schemas (objects), or
     that list as a JSON string (as sharegpt files and parquet columns often carry it); absent, null or empty
     means no tools."""
@@ -382,7 +382,7 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
         row, fmt = {**row, "conversations": row[key]}, "sharegpt"
     messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
-    messages.tools = _tools(row)
+    messages.tools = row_tools(row)
     if fmt == "prompt_completion" and isinstance(row.get("prompt"), list):
         messages.first_trained = len(messages) - len(row["completion"])
     messages.raw_text = fmt == "prompt_completion" and isinstance(row.get("prompt"), str)

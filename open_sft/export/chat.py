@@ -4,8 +4,11 @@ Each line read is a user turn; the reply is generated (greedy) from the whole co
 with the run's chat template (the tokenizer saved in OUTPUT_DIR carries it), and followed by a line saying why
 it stopped; a reasoning model's trace (a think block, gpt-oss's analysis channel) is shown apart, between
 `[reasoning]` and `[/reasoning]`, and kept in the conversation as the template reads it (open_sft.export.reply),
-so later turns render as training did. `/reset` starts the conversation over (a --system message stays),
-`/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line editing after a `you> `
+so later turns render as training did. With --tools FILE the prompt holds the tool schemas (as a training row's
+`tools`), a reply that calls a tool shows each call as `[tool call] NAME {ARGUMENTS}` and is kept with its
+`tool_calls`, and `/tool TEXT` answers the next call with TEXT (a `tool` message) and has the model go on from
+the result. `/reset` starts the conversation over (a --system message stays), `/exit` (or end of input, Ctrl-D)
+quits. On a terminal the turns are read with line editing after a `you> `
 prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
 holds only the replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
 directory, as for `open_sft generate`. A model without a chat template (trained on plain text), or --raw: each
@@ -19,10 +22,11 @@ import sys
 from typing import Callable, Optional, TextIO
 
 from open_sft.export.generate import (CONTEXT_FULL, END_OF_TURN, Generation, add_model_arguments, context_length,
-                                      generate_reply, load_or_exit, plain_continuation)
+                                      generate_reply, load_or_exit, plain_continuation, tools_for)
 
-EXIT, RESET = ("/exit", "/quit"), "/reset"
+EXIT, RESET, TOOL = ("/exit", "/quit"), "/reset", "/tool"
 PROMPT = "you> "
+COMMANDS = f"{RESET} clears the conversation, {TOOL} TEXT answers a tool call, {EXIT[0]} quits"
 
 
 def _tokens(n: int) -> str:
@@ -35,6 +39,28 @@ def _reasoning_block(reply: Generation) -> str:
         return ""
     return f"[reasoning]\n{reply.reasoning}\n[/reasoning]\n" if reply.answered else \
         f"[reasoning, stopped before any answer]\n{reply.reasoning}\n"
+
+
+def _calls_block(reply: Generation) -> str:
+    from open_sft.export.tool_calls import call_line
+
+    return "".join(f"{call_line(call)}\n" for call in reply.tool_calls)
+
+
+def tool_result(messages: list[dict], text: str) -> dict | str:
+    """The tool message answering the next call of the last reply that called tools (its id, and its name, which
+    gpt-oss's template writes), or why there is none to answer."""
+    from open_sft.export.reply import call_id
+
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] != "tool"), None)
+    calls = messages[last].get("tool_calls") if last is not None else None
+    answered = len(messages) - 1 - last if last is not None else 0
+    if not calls or answered >= len(calls):
+        return f"[no tool call awaits a result: {TOOL} TEXT answers the calls of the model's last reply]"
+    if not text:
+        return f"[{TOOL} TEXT: give the result of {calls[answered]['function']['name']}]"
+    return {"role": "tool", "content": text, "tool_call_id": calls[answered].get("id") or call_id(answered + 1),
+            "name": calls[answered]["function"]["name"]}
 
 
 def stop_line(reply: Generation, max_new_tokens: int, context: int) -> str:
@@ -75,9 +101,9 @@ def line_reader(stdin: TextIO, stdout: TextIO) -> Callable[[], Optional[str]]:
 
 
 def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, system: Optional[str] = None,
-         max_new_tokens: int = 256, raw: bool = False) -> int:
-    """The loop: read a turn, reply from the conversation so far, until /exit or end of input (`raw`: plain text
-    continued, each line appended with its newline). Returns the number of replies."""
+         max_new_tokens: int = 256, raw: bool = False, tools: Optional[list[dict]] = None) -> int:
+    """The loop: read a turn, reply from the conversation so far (with `tools` in the prompt), until /exit or end
+    of input (`raw`: plain text continued, each line appended with its newline). Returns the number of replies."""
     start = [{"role": "system", "content": system}] if system else []
     messages, replies, context = list(start), 0, context_length(model)
     while (line := read()) is not None:
@@ -86,25 +112,36 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
             continue
         if text in EXIT:
             break
-        if text == RESET:
-            messages = list(start)
-            out.write("[conversation reset]\n")
+        turn = _turn(messages, text, raw)
+        if isinstance(turn, str):
+            if turn == RESET:
+                messages, turn = list(start), "[conversation reset]"
+            out.write(f"{turn}\n")
             out.flush()
             continue
-        if text.startswith("/") and " " not in text:
-            out.write(f"[unknown command {text}: {RESET} clears the conversation, {EXIT[0]} quits]\n")
-            out.flush()
-            continue
-        messages.append({"role": "user", "content": text + "\n" if raw else text})
-        reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw)
+        messages.append(turn)
+        reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw, tools=tools)
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
         else:
-            messages.append(reply.message())  # its reasoning as the template reads it, not flattened into the text
+            messages.append(reply.message())  # its reasoning and calls as the template reads them, not flattened
             replies += 1
-        out.write(f"{_reasoning_block(reply)}{reply.text}\n{stop_line(reply, max_new_tokens, context)}\n")
+        answer = f"{reply.text}\n" if reply.text or not reply.tool_calls else ""  # a bare call: its lines alone
+        out.write(f"{_reasoning_block(reply)}{answer}{_calls_block(reply)}{stop_line(reply, max_new_tokens, context)}\n")
         out.flush()
     return replies
+
+
+def _turn(messages: list[dict], text: str, raw: bool) -> dict | str:
+    """The message a line adds (a user turn, a /tool result), or RESET, or what to say instead of replying."""
+    if text == RESET:
+        return RESET
+    command, _, rest = text.partition(" ")
+    if command == TOOL and not raw:
+        return tool_result(messages, rest.strip())
+    if text.startswith("/") and " " not in text:
+        return f"[unknown command {text}: {COMMANDS}]"
+    return {"role": "user", "content": text + "\n" if raw else text}
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
@@ -116,16 +153,19 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
     loaded = load_or_exit(args)
     if loaded is None:
         return 2
-    print(f"chatting with {loaded.description}; {RESET} clears the conversation, {EXIT[0]} or Ctrl-D quits",
-          file=sys.stderr, flush=True)
+    print(f"chatting with {loaded.description}; {COMMANDS} (or Ctrl-D)", file=sys.stderr, flush=True)
     raw = plain_continuation(args, loaded.tokenizer)
     if raw and args.system:
         print("error: --system needs a chat template; plain continuation (--raw, or a tokenizer without one) "
               "continues the text typed", file=sys.stderr)
         return 2
+    tools, problem = tools_for(args, loaded.tokenizer, raw)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         chat(loaded.model, loaded.tokenizer, line_reader(sys.stdin, sys.stdout), sys.stdout, args.system,
-             args.max_new_tokens, raw)
+             args.max_new_tokens, raw, tools)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

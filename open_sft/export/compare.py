@@ -4,7 +4,10 @@
 
 BEFORE_DIR is typically the base model and AFTER_DIR the run's --output_dir (anything `open_sft generate`
 loads). Each task is a row of a JSON-lines file in the bundled sample's format: `messages` whose last message
-is the assistant's expected reply, and `answer`, that reply. Each model answers the messages before the last
+is the assistant's expected reply, and `answer`, that reply; a row's own `tools` (as training reads them, else
+--tools FILE's) are rendered in its prompt, and an expected reply that calls tools (`tool_calls`) is scored by
+its calls: a hit when the reply calls the same tools with the same arguments as JSON values (open_sft.export.
+tool_calls), whatever text comes with them. Each model answers the messages before the last
 (greedy, with its own chat template) and scores a hit when its reply equals `answer` exactly, up to runs of
 whitespace (:func:`exact_match`): no partial credit, case and punctuation count. A reasoning model's reply is
 scored by its answer alone, the reasoning its template writes before it set aside (Qwen3's and GLM's think block,
@@ -26,6 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from open_sft.export.tool_calls import scores_calls
+from open_sft.export.tool_schemas import add_tools_argument, tools_or_exit
 from open_sft.file_modes import output_file_problem
 
 CELL = 26  # characters of a table cell; longer answers end in "…"
@@ -61,16 +66,20 @@ class TaskScore:
 
 
 def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = MAX_NEW_TOKENS,
-                raw: bool = False) -> TaskScore:
-    """Greedy replies of `model` to each row's messages but the last, their answers (a reasoning model's without
-    its reasoning) scored with exact_match against `answer`; `raw`: to those messages' contents, one per line,
-    continued as plain text (no chat template)."""
+                raw: bool = False, tools: list[dict] | None = None) -> TaskScore:
+    """Greedy replies of `model` to each row's messages but the last (with the row's own `tools`, else `tools`, in
+    the prompt), their answers (a reasoning model's without its reasoning) scored with exact_match against
+    `answer`, an expected tool call by its name and arguments (tool_calls.same_calls); `raw`: to those messages'
+    contents, one per line, continued as plain text (no chat template)."""
     from open_sft.export.generate import TOKEN_LIMIT, generate_reply
+    from open_sft.export.tool_calls import call_line, task_tools, was_right
 
     replies = [generate_reply(model, tokenizer, _plain(row["messages"][:-1]) if raw else row["messages"][:-1],
-                              max_new_tokens, raw=raw) for row in rows]
-    return TaskScore([reply.text for reply in replies],
-                     [reply.answered and exact_match(row["answer"], reply.text) for row, reply in zip(rows, replies)],
+                              max_new_tokens, raw=raw, tools=None if raw else task_tools(row) or tools)
+               for row in rows]
+    return TaskScore([" ".join([reply.text] * bool(reply.text) + [call_line(call)[len("[tool call] "):]
+                                                                  for call in reply.tool_calls]) for reply in replies],
+                     [was_right(row, reply, exact_match) for row, reply in zip(rows, replies)],
                      [reply.reasoning for reply in replies], [not reply.answered for reply in replies],
                      [reply.stop_reason == TOKEN_LIMIT for reply in replies])
 
@@ -124,14 +133,33 @@ def read_tasks(path: Path) -> list[dict]:
             except ValueError as exc:
                 raise ValueError(f"{path} line {number}: not JSON ({exc}); each line is one task") from None
             messages = row.get("messages") if isinstance(row, dict) else None
-            if (not isinstance(messages, list) or len(messages) < 2 or not isinstance(row.get("answer"), str)
+            if (not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict)
                     or messages[-1].get("role") != "assistant"):
                 raise ValueError(f"{path} line {number}: a task needs 'messages' ending with the assistant's "
                                  "reply and 'answer', that reply")
-            rows.append(row)
+            rows.append(_task(row, f"{path} line {number}"))
     if not rows:
         raise ValueError(f"{path} holds no tasks")
     return rows
+
+
+def _task(row: dict, where: str) -> dict:
+    """A task row checked: its `answer` (a reply that calls tools is scored by its calls: the answer is optional,
+    shown as the calls), its `tools` readable as training reads them."""
+    from open_sft.data.formats import RowError
+    from open_sft.export.tool_calls import call_line, expected_calls, scores_calls, task_tools
+
+    try:
+        task_tools(row)
+    except RowError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if scores_calls(row) and not isinstance(row.get("answer"), str):
+        row = {**row, "answer": " ".join(call_line(call)[len("[tool call] "):]
+                                         for call in expected_calls(row["messages"][-1]))}
+    if not isinstance(row.get("answer"), str):
+        raise ValueError(f"{where}: a task needs 'messages' ending with the assistant's reply and 'answer', that "
+                         "reply (a reply that calls tools is scored by its calls)")
+    return row
 
 
 EXPECTED_CELL = 60  # the expected answer's column, last: wider than the answers', still one line
@@ -206,6 +234,24 @@ def _default_limit(directory: Path, tokenizer, template: str | None) -> int:
     return REASONING_MAX_NEW_TOKENS
 
 
+def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> list[dict] | None | int:
+    """--tools's schemas, checked against the template each model is asked with (before either model loads), or 2
+    after printing why they cannot be used."""
+    if path is None:
+        return None
+    if not any(formats):
+        print(f"error: --tools {path}: neither model has a chat template to write them", file=sys.stderr)
+        return 2
+    tools = None
+    for directory, tokenizer, template in zip(directories, tokenizers, formats):
+        tokenizer.chat_template = template
+        tools, problem = tools_or_exit(path, tokenizer, f"--tools {path} ({directory})")
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    return tools
+
+
 def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,6 +263,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
                         help=f"the most tokens of one reply (default {MAX_NEW_TOKENS}; {REASONING_MAX_NEW_TOKENS} "
                              "for a model whose chat template writes reasoning before the answer)")
     parser.add_argument("--json", type=Path, default=None, help="also write every answer and score here")
+    add_tools_argument(parser)
     args = parser.parse_args(argv)
     if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.show < 0:
         parser.error("--max_new_tokens must be at least 1 and --show at least 0")
@@ -241,6 +288,8 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     if None in tokenizers:
         return 2
     formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
+    if (tools := _tools_for_both(args.tools, directories, tokenizers, formats)) == 2:
+        return 2
     scores, notes = [], []
     for name, directory, template in zip(("before", "after"), directories, formats):
         loaded = _load(directory)
@@ -250,10 +299,13 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         if template is not None:
             tokenizer.chat_template = template
         limit = args.max_new_tokens or _default_limit(directory, tokenizer, template)
-        scores.append(score_tasks(model, tokenizer, rows, limit, raw=template is None))
+        scores.append(score_tasks(model, tokenizer, rows, limit, raw=template is None, tools=tools))
         notes += reasoning_lines(f"{name} ({directory})", scores[-1], limit)
     print(format_table(rows, *scores, args.show))
     print(accuracy_line(*scores), flush=True)
+    if calls := sum(scores_calls(row) for row in rows):
+        print(f"{calls} of {len(rows)} tasks expect a tool call: scored by the call (the same tool names and the same "
+              "arguments as JSON values, key order and spacing aside), not by its text", flush=True)
     print("".join(f"{note}\n" for note in notes), end="", flush=True)
     if args.json is not None:
         write_scores(args.json, rows, (args.before, args.after), *scores)

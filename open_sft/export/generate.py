@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from open_sft.export.tool_schemas import add_tools_argument
+
 HELD_OUT_SEED = 20261122  # the bundled sample is generated with seed 0
 END_OF_TURN, TOKEN_LIMIT, CONTEXT_FULL = "end_of_turn", "max_new_tokens", "max_length"
 
@@ -48,12 +50,14 @@ class Generation:
     reasoning: str | None = None
     answered: bool = True
     verbatim: str | None = None  # the reply as written, where the template reads its trace from the content
+    tool_calls: tuple[dict, ...] = ()  # each {name, arguments} (open_sft.export.tool_calls)
 
     def message(self) -> dict:
-        """The reply as the assistant message a chat history keeps (its trace as the template reads it)."""
+        """The reply as the assistant message a chat history keeps (its trace as the template reads it, its calls
+        as `tool_calls`)."""
         from open_sft.export.reply import ReplyParts
 
-        return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim).message()
+        return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim, self.tool_calls).message()
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -73,9 +77,11 @@ def context_length(model) -> int:
     return getattr(text_config(model.config), "max_position_embeddings", None) or sys.maxsize
 
 
-def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False) -> Generation:
-    """Greedy reply to `messages` rendered with the tokenizer's chat template, and why it stopped; `raw`: the
-    continuation of their contents joined as they are (plain text, no template)."""
+def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, raw: bool = False,
+                   tools: list[dict] | None = None) -> Generation:
+    """Greedy reply to `messages` rendered with the tokenizer's chat template (with `tools`, the schemas it writes
+    in the prompt), and why it stopped; `raw`: the continuation of their contents joined as they are (plain text,
+    no template)."""
     from open_sft.export.reply import ReplyParts, parse_reply
 
     if raw:
@@ -85,7 +91,7 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
             encoded = {"input_ids": torch.tensor([[start]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
         encoded = {name: tensor.to(model.device) for name, tensor in encoded.items()}
     else:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+        encoded = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True).to(model.device)
     prompt_tokens = encoded["input_ids"].shape[1]
     room = context_length(model) - prompt_tokens
@@ -102,13 +108,13 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     if raw:
         parts = ReplyParts(tokenizer.decode(new, skip_special_tokens=True))  # as generated: whitespace is part of it
     else:  # a reasoning model's trace apart from its answer, by the template's layout
-        parts = parse_reply(tokenizer, body, encoded["input_ids"][0].tolist())
+        parts = parse_reply(tokenizer, body, encoded["input_ids"][0].tolist(), tools)
     special = set(tokenizer.all_special_ids)
     hidden = tokenizer.convert_ids_to_tokens([t for t in body if t in special])
     stop_reason = END_OF_TURN if ended else TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL
     return Generation(parts.answer, stop_reason, prompt_tokens, len(new),
                       tokenizer.convert_ids_to_tokens(new[-1]) if ended else None, hidden, parts.reasoning,
-                      parts.answered, parts.verbatim)
+                      parts.answered, parts.verbatim, parts.tool_calls)
 
 
 def _start_token(tokenizer) -> int:
@@ -129,17 +135,22 @@ def generate(model, tokenizer, messages: list[dict], max_new_tokens: int = 32, r
 
 def score_sample(model, tokenizer, rows: list[dict], max_new_tokens: int = 32) -> dict:
     """Share of rows whose generated final answer equals the expected one (the last turn is held out), a reasoning
-    model's answer without its reasoning; with how many replies had reasoning set aside, and how many were cut off
-    inside it (before an answer: misses), when any."""
+    model's answer without its reasoning, an expected tool call by its name and arguments (a row's own `tools`
+    rendered in its prompt); with how many replies had reasoning set aside, how many were cut off inside it
+    (before an answer: misses) and how many rows were scored by their calls, when any."""
     from open_sft.embedded.sample_data import score_answer
+    from open_sft.export.tool_calls import scores_calls, task_tools, was_right
 
-    replies = [generate_reply(model, tokenizer, row["messages"][:-1], max_new_tokens) for row in rows]
-    hits = sum(reply.answered and score_answer(row["answer"], reply.text) for row, reply in zip(rows, replies))
+    replies = [generate_reply(model, tokenizer, row["messages"][:-1], max_new_tokens, tools=task_tools(row))
+               for row in rows]
+    hits = sum(was_right(row, reply, score_answer) for row, reply in zip(rows, replies))
     scored = {"held_out_tasks": len(rows), "exact_answer_accuracy": hits / max(len(rows), 1)}
     if set_aside := sum(reply.reasoning is not None for reply in replies):
         scored["reasoning_set_aside"] = set_aside
     if cut := sum(not reply.answered for reply in replies):
         scored["cut_before_answer"] = cut  # raise --max_new_tokens
+    if calls := sum(scores_calls(row) for row in rows):
+        scored["scored_as_tool_calls"] = calls  # the same name and the same arguments as JSON values
     return scored
 
 
@@ -155,6 +166,18 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) ->
     parser.add_argument("--raw", action="store_true",
                         help="plain continuation: the text typed is continued as it is, without the chat template "
                              "(a model trained on plain text); the default when the tokenizer has no chat template")
+    add_tools_argument(parser)
+
+
+def tools_for(args: argparse.Namespace, tokenizer, raw: bool) -> tuple[list[dict] | None, str | None]:
+    """(the --tools schemas, None), or (None, the error to print): a file that is not tool schemas, a template
+    that does not write them, or plain continuation (no template to write them)."""
+    from open_sft.export.tool_schemas import tools_or_exit
+
+    if args.tools is not None and raw:
+        return None, ("--tools needs a chat template that writes them; plain continuation (--raw, or a tokenizer "
+                      "without a chat template) continues the text alone")
+    return tools_or_exit(args.tools, tokenizer, f"--tools {args.tools}")
 
 
 def plain_continuation(args: argparse.Namespace, tokenizer) -> bool:
@@ -207,16 +230,21 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
         print(f"error: {'--system' if args.system else '--score_sample'} needs a chat template; plain continuation "
               "(--raw, or a tokenizer without one) continues --prompt alone", file=sys.stderr)
         return 2
+    tools, problem = tools_for(args, tokenizer, raw)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     for prompt in args.prompt:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": prompt})
         try:
-            reply = generate_reply(model, tokenizer, messages, args.max_new_tokens, raw=raw)
+            reply = generate_reply(model, tokenizer, messages, args.max_new_tokens, raw=raw, tools=tools)
         except UserError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         print(json.dumps({"prompt": prompt, "generation": reply.text,
                           **({"reasoning": reply.reasoning} if reply.reasoning is not None else {}),
+                          **({"tool_calls": list(reply.tool_calls)} if reply.tool_calls else {}),
                           **({"cut_before_answer": True} if not reply.answered else {}),
                           "stop_reason": reply.stop_reason, "new_tokens": reply.new_tokens,
                           "stop_token": reply.stop_token,

@@ -17,8 +17,9 @@ A template that writes no reasoning field leaves the trace written in the conten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Optional
 
 PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
 INLINE_OPEN, INLINE_CLOSE = "<think>", "</think>"  # a trace in the content (open_sft.data.chat.reasoning)
@@ -34,18 +35,30 @@ class ReplyParts:
     reasoning: str | None = None
     answered: bool = True
     verbatim: str | None = None
+    tool_calls: tuple[dict, ...] = ()  # each {name, arguments}: the calls the reply made (open_sft.export.tool_calls)
 
     def message(self) -> dict:
         """The reply as the assistant message the template renders back: the trace as `reasoning_content`
         (transformers hands it to the template as `thinking` too), so the history renders as training did; an
         empty trace is left out (gpt-oss's template would write an empty analysis message for it). A template
         with no reasoning field (`verbatim`: the trace was written in the content) keeps the reply as written,
-        trace and tags in the content, as its training rows held it (reasoning_content would be dropped)."""
-        if self.verbatim is not None:
+        trace and tags in the content, as its training rows held it (reasoning_content would be dropped). The calls
+        are the message's `tool_calls`, as a training row holds them (ids `call00001`...: Mistral's templates take
+        nine alphanumeric characters), so a tool result can follow and the history renders as the model wrote it."""
+        if self.verbatim is not None and not self.tool_calls:
             return {"role": "assistant", "content": self.verbatim}
-        if not self.reasoning:
-            return {"role": "assistant", "content": self.answer}
-        return {"role": "assistant", "content": self.answer, "reasoning_content": self.reasoning}
+        message = {"role": "assistant", "content": self.answer}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call_id(n), "type": "function", "function": dict(call)}
+                                     for n, call in enumerate(self.tool_calls, 1)]
+        return message
+
+
+def call_id(n: int) -> str:
+    """The id of a reply's n-th call (and of the tool message that answers it)."""
+    return f"call{n:05d}"
 
 
 @dataclass(frozen=True)
@@ -147,19 +160,28 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
     return ReplyParts(_strip_specials(answer, tokenizer).strip(), _strip_specials(head, tokenizer).strip())
 
 
-def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int]) -> ReplyParts:
+def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Optional[list] = None) -> ReplyParts:
     """The reply's parts: by the tokenizer's own `response_template` (transformers' parse_response) where it has
-    one, else by split_reply on the reply decoded with its special tokens."""
+    one, else by split_reply on the reply decoded with its special tokens, its tool calls read by the template's
+    layout of a call (open_sft.export.tool_calls; the text before the first call is the content and reasoning)."""
+    from open_sft.export.tool_calls import expected_calls, split_calls
+
     if getattr(tokenizer, "response_template", None) is not None:
         try:
-            parsed = tokenizer.parse_response(new_ids, prefix=prompt_ids)
+            parsed = tokenizer.parse_response(new_ids, prefix=prompt_ids, tools=tools)
         except Exception:  # noqa: BLE001  (a parser that fails on this reply: the template's layout splits it)
             parsed = None
         if isinstance(parsed, dict):
             reasoning = next((parsed[key] for key in ("reasoning_content", "thinking", "reasoning")
                               if isinstance(parsed.get(key), str)), None)
             answer = str(parsed.get("content") or "").strip()
-            return ReplyParts(answer, reasoning, answered=bool(answer) or not reasoning or "tool_calls" in parsed)
+            calls = tuple(expected_calls(parsed)) if isinstance(parsed.get("tool_calls"), list) else ()
+            return ReplyParts(answer, reasoning, answered=bool(answer) or not reasoning or bool(calls),
+                              tool_calls=calls)
     opened = tokenizer.decode(prompt_ids, skip_special_tokens=False).rstrip().endswith(INLINE_OPEN)
-    return split_reply(tokenizer, tokenizer.decode(new_ids, skip_special_tokens=False),
-                       tokenizer.decode(new_ids, skip_special_tokens=True), opened)
+    text = tokenizer.decode(new_ids, skip_special_tokens=False)
+    head, calls = split_calls(tokenizer, text, tools)
+    if calls:  # a reply that calls a tool has answered, whatever text came before the call
+        parts = split_reply(tokenizer, head, _strip_specials(head, tokenizer), opened)
+        return replace(parts, answer=parts.answer.strip(), answered=True, verbatim=None, tool_calls=tuple(calls))
+    return split_reply(tokenizer, text, tokenizer.decode(new_ids, skip_special_tokens=True), opened)

@@ -306,7 +306,8 @@ def test_a_full_context_is_said_and_its_turn_dropped(full_run, tmp_path) -> None
     first, full, unknown, reset, again = parse_chat(result.stdout)
     assert first["why"].startswith("end of turn" if row["stop_reason"] == "end_of_turn" else "stopped: the model's")
     assert full["why"].startswith("stopped: the model's context is full") and (full["new"], full["reply"]) == (0, "")
-    assert unknown == {"unknown": "[unknown command /foo: /reset clears the conversation, /exit quits]"}
+    assert unknown == {"unknown": "[unknown command /foo: /reset clears the conversation, /tool TEXT answers a tool "
+                                  "call, /exit quits]"}
     assert "reset" in reset and again == first  # the turn that did not fit was not kept
 
 

@@ -30,7 +30,7 @@ def test_exact_match_counts_case_punctuation_and_words(expected, generated, hit)
 def test_score_tasks_asks_each_prompt_without_its_answer(monkeypatch) -> None:
     seen = []
 
-    def fake_generate(model, tokenizer, messages, max_new_tokens, raw=False):
+    def fake_generate(model, tokenizer, messages, max_new_tokens, raw=False, tools=None):
         seen.append((messages, max_new_tokens))
         return Generation({"Ann": "cat", "Tra": "chien rouge.", "Tom": "Oslo"}[messages[-1]["content"][:3]],
                           END_OF_TURN, 5, 2)

@@ -1,0 +1,283 @@
+"""Tool calls in a generated reply, read by the chat template's own layout of a call.
+
+The template renders a probe assistant message that calls PROBE_NAME with PROBE_ARGUMENTS, and the text it
+writes says where a call's name and arguments sit; three layouts cover the templates models ship:
+
+- `json`: one JSON value holds the name and the arguments (Qwen3's and Hermes' `<tool_call>\\n{"name": ...,
+  "arguments": {...}}\\n</tool_call>`, Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, a list: each
+  item a call); the probe says under which keys.
+- `name_json`: the name written as text, the arguments as a JSON object after it (gpt-oss's commentary channel:
+  ` to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>`).
+- `pairs`: the name as text, each argument as a key and a value between the template's tags (GLM-4.5's
+  `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`); a value is read as JSON where it
+  is (a number, an object) unless the tool's schema says string.
+
+Each call starts at the template's call `marker`: what it writes right before the name (or the JSON value) both
+when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`).
+The text before the first call is the reply's content and reasoning (open_sft.export.reply), less what the
+template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`). A template whose probe
+renders no call (no tool-call support) has no layout: its replies are text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Optional
+
+PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
+PROBE_ARGUMENTS = {"probe_key_1": "probe value 9e4b", "probe_key_2": 7}
+PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {
+        "probe_key_1": {"type": "string"}, "probe_key_2": {"type": "integer"}}, "required": ["probe_key_1"]}}}]
+NAME = re.compile(r"\s*([A-Za-z0-9_.:\-]+)")  # OpenAI's function names, and namespaced ones
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Where a template writes a call (module docstring): `kind` (json, name_json or pairs), the `marker` a call
+    starts at, in `json` the key paths of the name and the arguments in a call object (`listed`: the calls are a
+    JSON list), in `pairs` the key's opening, the text between a key and its value and the value's closing;
+    `before_call`: what the template writes between a trace and a call."""
+
+    kind: str
+    marker: str
+    name_path: tuple = ()
+    arguments_path: tuple = ()
+    listed: bool = False
+    pair: tuple[str, str, str] = ("", "", "")
+    before_call: str = ""
+
+
+def _probe(content: str = "", reasoning: Optional[str] = None, arguments: Any = None) -> dict:
+    message = {"role": "assistant", "content": content, "tool_calls": [{
+        "id": PROBE_ID, "type": "function",
+        "function": {"name": PROBE_NAME, "arguments": PROBE_ARGUMENTS if arguments is None else arguments}}]}
+    return {**message, "reasoning_content": reasoning} if reasoning is not None else message
+
+
+def _rendered_reply(tokenizer, message: dict) -> Optional[str]:
+    """What the template writes for `message` after the generation prompt (None where it fails or differs)."""
+    question = [{"role": "user", "content": "Q"}]
+    try:
+        prompt = tokenizer.apply_chat_template(question, tools=PROBE_TOOLS, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(question + [message], tools=PROBE_TOOLS, tokenize=False)
+    except Exception:  # noqa: BLE001  (a template that cannot render the probe writes no calls we can read)
+        return None
+    return full[len(prompt):] if full.startswith(prompt) else None
+
+
+def _json_values(text: str) -> list[tuple[int, int, Any]]:
+    """(start, end, value) of every JSON object or list that starts in `text`."""
+    decoder, found = json.JSONDecoder(), []
+    for match in re.finditer(r"[{\[]", text):
+        try:
+            value, end = decoder.raw_decode(text, match.start())
+        except ValueError:
+            continue
+        found.append((match.start(), end, value))
+    return found
+
+
+def _as_arguments(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _path_to(value: Any, wanted: Any, path: tuple = ()) -> Optional[tuple]:
+    """The key path under which `value` holds `wanted` (arguments may be held as a JSON string)."""
+    if value == wanted or (wanted == PROBE_ARGUMENTS and _as_arguments(value) == wanted):
+        return path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if (found := _path_to(item, wanted, path + (key,))) is not None:
+                return found
+    return None
+
+
+def _common_suffix(first: str, second: str) -> str:
+    n = 0
+    while n < min(len(first), len(second)) and first[-1 - n] == second[-1 - n]:
+        n += 1
+    return first[len(first) - n:]
+
+
+def _common_prefix(first: str, second: str) -> str:
+    n = 0
+    while n < min(len(first), len(second)) and first[n] == second[n]:
+        n += 1
+    return first[:n]
+
+
+def literal(text: str) -> str:
+    """A regex matching `text` with any run of whitespace where it has one (a model's spacing may differ)."""
+    return r"\s*".join(re.escape(part) for part in text.split()) if text.strip() else ""
+
+
+def _anchor(text: str) -> Optional[tuple[int, dict]]:
+    """Where the probe's call starts in the rendered reply, and what the layout reads there."""
+    name_at = text.find(PROBE_NAME)
+    if name_at < 0:
+        return None
+    for start, end, value in _json_values(text):
+        call = value[0] if isinstance(value, list) and value else value
+        if start <= name_at < end and isinstance(call, dict):
+            name_path, arguments_path = _path_to(call, PROBE_NAME), _path_to(call, PROBE_ARGUMENTS)
+            if name_path is not None and arguments_path is not None:
+                return start, {"kind": "json", "name_path": name_path, "arguments_path": arguments_path,
+                               "listed": isinstance(value, list)}
+    after = name_at + len(PROBE_NAME)
+    if any(start >= after and _as_arguments(value) == PROBE_ARGUMENTS for start, _, value in _json_values(text)):
+        return name_at, {"kind": "name_json"}
+    pair = _pair_layout(text[after:])
+    return (name_at, {"kind": "pairs", "pair": pair}) if pair else None
+
+
+def _pair_layout(text: str) -> Optional[tuple[str, str, str]]:
+    """(key opening, key-to-value text, value closing) of arguments written as tagged pairs after the name."""
+    (key_1, value_1), (key_2, value_2) = ((key, str(value)) for key, value in PROBE_ARGUMENTS.items())
+    k1 = text.find(key_1)
+    v1 = text.find(value_1, k1 + len(key_1))
+    k2 = text.find(key_2, v1 + len(value_1))
+    v2 = text.find(value_2, k2 + len(key_2))
+    if min(k1, v1, k2, v2) < 0:
+        return None
+    after_first = text[v1 + len(value_1):k2]
+    opening = _common_suffix(text[:k1], after_first).strip()
+    closing = _common_prefix(after_first, text[v2 + len(value_2):])
+    closing = closing[:max(len(after_first) - len(opening), 0)].strip()
+    between = text[k1 + len(key_1):v1].strip()
+    return (opening, between, closing) if opening and between and closing else None
+
+
+@lru_cache(maxsize=8)
+def _layout(template: str, tokenizer) -> Optional[CallLayout]:
+    alone = _rendered_reply(tokenizer, _probe())
+    found = _anchor(alone) if alone is not None else None
+    if found is None:
+        return None
+    start, parts = found
+    after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
+    anchored = _anchor(after_content) if after_content is not None else None
+    marker = _common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
+    if not marker.strip():
+        return None
+    after_trace, before_call = _rendered_reply(tokenizer, _probe(reasoning=PROBE_TRACE)), ""
+    if after_trace is not None and PROBE_TRACE in after_trace:
+        rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
+        at = rest.find(marker.strip())
+        before_call = rest[:at].strip() if at >= 0 else ""
+    return CallLayout(marker=marker.strip(), before_call=before_call, **parts)
+
+
+def call_layout(tokenizer) -> Optional[CallLayout]:
+    """The template's call layout (module docstring), or None where its probe renders no call we can read."""
+    template = tokenizer.chat_template
+    return _layout(template, tokenizer) if isinstance(template, str) else None
+
+
+def _schema_types(tools: Optional[list], name: str) -> dict:
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+            return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
+    return {}
+
+
+def _pair_arguments(layout: CallLayout, text: str, types: dict) -> dict:
+    opening, between, closing = (literal(part) for part in layout.pair)
+    arguments = {}
+    for match in re.finditer(f"{opening}(.*?){between}(.*?){closing}", text, re.DOTALL):
+        key, value = match.group(1).strip(), match.group(2).strip()
+        arguments[key] = value if types.get(key) == "string" else _as_arguments(value)
+    return arguments
+
+
+def _get(value: Any, path: tuple) -> Any:
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> list[dict]:
+    """The calls one marker's segment holds: one, or a JSON list's (an unreadable one: a call named '')."""
+    if layout.kind == "json":
+        values = _json_values(segment)
+        value = values[0][2] if values else None
+        calls = value if layout.listed and isinstance(value, list) else [value]
+        return [{"name": str(_get(call, layout.name_path) or ""),
+                 "arguments": _as_arguments(_get(call, layout.arguments_path) or {})} for call in calls]
+    named = NAME.match(segment)
+    name = named.group(1) if named else ""
+    rest = segment[named.end() if named else 0:]
+    if layout.kind == "name_json":
+        values = [value for start, _, value in _json_values(rest) if start == rest.find("{")]
+        return [{"name": name, "arguments": values[0] if values else {}}]
+    return [{"name": name, "arguments": _pair_arguments(layout, rest, _schema_types(tools, name))}]
+
+
+def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str, list[dict]]:
+    """(the reply's text before its first call, less what the template writes between a trace and a call; the
+    calls, each {name, arguments}) of a reply decoded with its special tokens. No calls: (text, [])."""
+    layout = call_layout(tokenizer)
+    if layout is None:
+        return text, []
+    found = list(re.finditer(literal(layout.marker), text))
+    if not found:
+        return text, []
+    head = text[:found[0].start()]
+    if layout.before_call and head.rstrip().endswith(layout.before_call):
+        head = head.rstrip()[:-len(layout.before_call)]
+    calls = []
+    for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
+        calls += _calls_in(layout, text[match.end():end], tools)
+    return head, calls
+
+
+def call_line(call: dict) -> str:
+    """`[tool call] get_weather {"city": "Oslo"}`: how generate's and chat's output show a call."""
+    return f"[tool call] {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}"
+
+
+def expected_calls(message: dict) -> list[dict]:
+    """A data row's assistant message's calls as {name, arguments} (arguments given as JSON text read as JSON)."""
+    calls = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call.get("function"), dict) else call
+        calls.append({"name": function.get("name"), "arguments": _as_arguments(function.get("arguments") or {})})
+    return calls
+
+
+def same_calls(expected: list[dict], got: list[dict]) -> bool:
+    """Whether the calls are the same, in order: the same names and the same arguments as JSON values (key order
+    and spacing aside; 7 and 7.0 are one number)."""
+    return len(expected) == len(got) and all(
+        e["name"] == g["name"] and e["arguments"] == g["arguments"] for e, g in zip(expected, got))
+
+
+def task_tools(row: dict) -> Optional[list]:
+    """A task row's own `tools` (or legacy `functions`), as the data layer reads them for training."""
+    from open_sft.data.formats import row_tools
+
+    return row_tools(row)
+
+
+def scores_calls(row: dict) -> bool:
+    """Whether a task's expected reply (its last message) is a tool call: it is scored by its calls."""
+    return bool(row["messages"][-1].get("tool_calls"))
+
+
+def was_right(row: dict, reply, text_match) -> bool:
+    """A task's reply scored: an expected call by same_calls, an answer by `text_match(expected, got)` (a reply
+    cut inside its reasoning is a miss)."""
+    if scores_calls(row):
+        return same_calls(expected_calls(row["messages"][-1]), list(reply.tool_calls))
+    return reply.answered and text_match(row["answer"], reply.text)

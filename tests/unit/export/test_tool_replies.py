@@ -1,0 +1,240 @@
+"""Tool-calling models tried as they were trained (`--tools` for generate, chat and compare), under the templates
+their repositories ship (Qwen3, GLM-4.5, gpt-oss: tests/data/chat_templates) and a Mistral-layout stand-in: the
+prompt holds the tools block the template writes, a reply that calls a tool is read back as its calls, the chat
+history keeps them so a tool result renders after them, and an expected call is scored as a call. The reply a
+model generates is the template's own rendering of an assistant message (what a model trained on it writes)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from open_sft.errors import UserError
+from open_sft.export import generate as generate_cli
+from open_sft.export.chat import chat
+from open_sft.export.compare import read_tasks, score_tasks
+from open_sft.export.generate import generate_reply
+from open_sft.export.reply import reasoning_layout
+from open_sft.export.tool_calls import call_layout, split_calls
+from open_sft.export.tool_schemas import check_written, read_tools
+
+from ..data.test_reasoning_tool_calls import TEMPLATES, TOOLS, family_tokenizer
+
+QUESTION = [{"role": "user", "content": "How cold is Oslo?"}]
+# the token each family's model stops at after a call, and after an answer
+STOPS = {"qwen3": ("<|im_end|>", "<|im_end|>"), "glm": ("<|observation|>", "<|user|>"),
+         "gpt_oss": ("<|call|>", "<|return|>"), "mistral": ("</s>", "</s>")}
+# Mistral v0.3's tool layout ([AVAILABLE_TOOLS] schemas, [TOOL_CALLS] a JSON list of calls), written for the tests:
+# the template in tests/data is its form without tools
+MISTRAL_TOOLS = (
+    "{{- bos_token }}{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}[INST] {{ m.content }}[/INST]"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] [{%- for c in m.tool_calls %}"
+    "{\"name\": {{ c.function.name | tojson }}, \"arguments\": {{ c.function.arguments | tojson }}, "
+    "\"id\": {{ c.id | tojson }}}{%- if not loop.last %}, {% endif %}{%- endfor %}]{{ eos_token }}"
+    "{%- elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}"
+    "{%- elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": "
+    "{{ m.tool_call_id | tojson }}}[/TOOL_RESULTS]{%- endif %}{%- endfor %}")
+FAMILIES = sorted(STOPS)
+
+
+def call(name: str, arguments: dict, n: int = 1) -> dict:
+    return {"id": f"call{n:05d}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+OSLO = {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"})]}
+TRACED = {**OSLO, "reasoning_content": "I need the weather in Oslo."}
+TWO = {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Oslo"}),
+                                                          call("convert", {"celsius": -3.5}, 2)]}
+RESULT = {"role": "tool", "content": '{"temp_c": -3}', "tool_call_id": "call00001", "name": "get_weather"}
+
+
+def tokenizer_for(tiny_model_dir, family: str):
+    if family != "mistral":
+        return family_tokenizer(tiny_model_dir, family)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": [
+        "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+        "[/TOOL_RESULTS]"]})
+    tokenizer.chat_template = MISTRAL_TOOLS
+    return tokenizer
+
+
+def written(tokenizer, context: list[dict], message: dict, stop: str) -> str:
+    """What the template writes for `message` after `context`'s generation prompt, through the token the model
+    stops at (the reply a model trained on such rows generates)."""
+    prompt = tokenizer.apply_chat_template(context, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(context + [message], tools=TOOLS, tokenize=False)
+    assert full.startswith(prompt)
+    return full[len(prompt):].split(stop)[0] + stop
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+def generating(monkeypatch, model, tokenizer, replies: list[str], family: str):
+    """`model` made to generate `replies` in turn after any prompt, stopping at the family's stop tokens."""
+    queue = [tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies]
+    model.generation_config.eos_token_id = sorted({tokenizer.convert_tokens_to_ids(t) for t in STOPS[family]})
+
+    def generate(**kwargs):
+        return torch.cat([kwargs["input_ids"], torch.tensor([queue.pop(0)], dtype=torch.long)], dim=1)
+
+    monkeypatch.setattr(model, "generate", generate)
+
+
+def recording(monkeypatch, tokenizer) -> tuple[list[str], object]:
+    """(the prompts rendered from here on, as text, with the tools they were given; the real renderer). The
+    template's layouts are read first: their probes are not prompts."""
+    call_layout(tokenizer)
+    reasoning_layout(tokenizer.chat_template, tokenizer)
+    prompts, real = [], tokenizer.apply_chat_template
+
+    def record(messages, **kwargs):
+        prompts.append(real(messages, tools=kwargs.get("tools"), add_generation_prompt=True, tokenize=False))
+        return real(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", record)
+    return prompts, real
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_prompt_holds_the_tools_and_a_call_reads_back(tiny_model_dir, model, monkeypatch, family) -> None:
+    """The prompt is the template's own rendering with tools=; the call the template writes is read back with its
+    name and arguments (as JSON values) and kept as the same message (gpt-oss's was answer text before)."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    generating(monkeypatch, model, tokenizer, [written(tokenizer, QUESTION, OSLO, STOPS[family][0])], family)
+    prompts, real = recording(monkeypatch, tokenizer)
+    reply = generate_reply(model, tokenizer, QUESTION, 64, tools=TOOLS)
+    assert prompts == [real(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=False)]
+    assert "get_weather" in prompts[0] and "get_weather" not in real(QUESTION, add_generation_prompt=True,
+                                                                     tokenize=False)
+    assert (reply.text, reply.tool_calls, reply.stop_token) == (
+        "", ({"name": "get_weather", "arguments": {"city": "Oslo"}},), STOPS[family][0])
+    assert reply.message() == OSLO
+
+
+@pytest.mark.parametrize("family, message", [(f, m) for f in FAMILIES for m in ("traced", "two")
+                                              if (f, m) != ("gpt_oss", "two")])  # gpt-oss writes one call a turn
+def test_traces_and_parallel_calls_read_back(tiny_model_dir, family, message) -> None:
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    message = {"traced": TRACED, "two": TWO}[message]
+    head, calls = split_calls(tokenizer, written(tokenizer, QUESTION, message, STOPS[family][0]), TOOLS)
+    assert calls == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                     for c in message["tool_calls"]]
+    if "reasoning_content" in message and family != "mistral":  # Mistral writes no reasoning
+        assert "I need the weather in Oslo." in head and "get_weather" not in head
+
+
+def test_each_template_has_its_layout(tiny_model_dir) -> None:
+    layouts = {family: call_layout(tokenizer_for(tiny_model_dir, family)) for family in FAMILIES}
+    assert {family: (layout.kind, layout.marker) for family, layout in layouts.items()} == {
+        "qwen3": ("json", "<tool_call>"), "glm": ("pairs", "<tool_call>"), "gpt_oss": ("name_json", "to=functions."),
+        "mistral": ("json", "[TOOL_CALLS]")}
+    assert layouts["mistral"].listed and layouts["glm"].pair == ("<arg_key>", "</arg_key>\n<arg_value>",
+                                                                 "</arg_value>")
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)  # a template without tool calls: replies are text
+    assert call_layout(plain) is None and split_calls(plain, "<tool_call>x</tool_call>") == (
+        "<tool_call>x</tool_call>", [])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_keeps_the_call_and_renders_the_tool_result_after_it(tiny_model_dir, model, monkeypatch,
+                                                                   family) -> None:
+    """After a call and `/tool RESULT`, the prompt the follow-up answers is the template's own rendering of the
+    conversation with the call and the result (gpt-oss's template raised: no assistant message with a call)."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    call_stop, answer_stop = STOPS[family]
+    answer = {"role": "assistant", "content": "It is -3 degrees."}
+    traced = TRACED if family in ("gpt_oss", "qwen3") else OSLO
+    replies = [written(tokenizer, QUESTION, traced, call_stop),
+               written(tokenizer, QUESTION, answer, answer_stop)]
+    generating(monkeypatch, model, tokenizer, replies, family)
+    prompts, real = recording(monkeypatch, tokenizer)
+    lines, out = iter(["How cold is Oslo?", "/tool", '/tool {"temp_c": -3}', "/tool more", "/exit"]), io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64, tools=TOOLS) == 2
+    assert prompts[1] == real(QUESTION + [traced, RESULT], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    shown = [line.strip() for line in out.getvalue().splitlines()]
+    at = shown.index('[tool call] get_weather {"city": "Oslo"}')  # no empty answer line before it
+    assert shown[:at] == (["[reasoning]", "I need the weather in Oslo.", "[/reasoning]"] if traced is TRACED else [])
+    assert "It is -3 degrees." in shown
+    assert "[/tool TEXT: give the result of get_weather]" in shown
+    assert shown[-1].startswith("[no tool call awaits a result")
+
+
+def test_a_tools_file_reads_as_a_training_rows_tools(tmp_path) -> None:
+    bare = [tool["function"] for tool in TOOLS]
+    for n, data in enumerate([TOOLS, bare, {"tools": TOOLS}, {"functions": bare}, json.dumps(TOOLS)]):
+        path = tmp_path / f"tools{n}.json"
+        path.write_text(json.dumps(data))
+        assert read_tools(path) == TOOLS
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "No such file"), ("{not json", "not JSON"), ("[1, 2]", "must be a list of tool schemas"),
+    ('[{"description": "no name"}]', "tool 1 has no function name"), ("[]", "holds no tool schemas"),
+    ('{"city": "Oslo"}', "holds no tool schemas")])
+def test_a_bad_tools_file_is_named_with_what_it_should_hold(tmp_path, content, says) -> None:
+    path = tmp_path / "tools.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError) as error:
+        read_tools(path)
+    assert str(error.value).startswith(f"--tools {path}: ") and says in str(error.value)
+    assert "a JSON list of tool schemas" in str(error.value)
+
+
+def test_a_template_that_writes_no_tools_is_an_error(tiny_model_dir, tmp_path, capsys) -> None:
+    """Mistral v0.3's template without tools (and the tiny default) would ask without them: said, exit 2."""
+    mistral = AutoTokenizer.from_pretrained(tiny_model_dir)
+    mistral.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>"})
+    mistral.chat_template = (TEMPLATES / "mistral_v0_3.jinja").read_text()
+    with pytest.raises(UserError, match="does not write tool schemas"):
+        check_written(mistral, TOOLS, "--tools t.json")
+    check_written(family_tokenizer(tiny_model_dir, "qwen3"), TOOLS, "--tools t.json")
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS))
+    assert generate_cli.main([str(tiny_model_dir), "--tools", str(path), "--prompt", "Hi"]) == 2
+    assert f"error: --tools {path}: the chat template does not write tool schemas" in capsys.readouterr().err
+    assert generate_cli.main([str(tiny_model_dir), "--tools", str(tmp_path / "none.json"), "--prompt", "Hi"]) == 2
+    assert "none.json: No such file" in capsys.readouterr().err
+
+
+def test_compare_scores_an_expected_call_as_a_call(tiny_model_dir, model, monkeypatch, tmp_path) -> None:
+    """A task whose reply is a call (its row's own tools in the prompt) is a hit for the same name and arguments
+    as JSON values (JSON text or object, any key order), a miss for other arguments; `answer` may be left out."""
+    tokenizer = tokenizer_for(tiny_model_dir, "qwen3")
+    expected = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"messages": QUESTION + [expected], "tools": json.dumps(TOOLS)}) + "\n")
+    rows = read_tasks(tasks) * 3
+    right = written(tokenizer, QUESTION, OSLO, "<|im_end|>")
+    chatty = right.replace("\n\n<tool_call>", "\n\nLet me look.\n<tool_call>")
+    wrong = right.replace("Oslo", "Bergen")
+    generating(monkeypatch, model, tokenizer, [right, wrong, chatty], "qwen3")
+    prompts, real = recording(monkeypatch, tokenizer)
+    score = score_tasks(model, tokenizer, rows, max_new_tokens=64)
+    assert score.correct == [True, False, True] and rows[0]["answer"] == 'get_weather {"city": "Oslo"}'
+    assert score.answers[:2] == ['get_weather {"city": "Oslo"}', 'get_weather {"city": "Bergen"}']
+    assert prompts[0] == real(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+
+
+def test_generate_score_sample_scores_calls(tiny_model_dir, model, monkeypatch) -> None:
+    from open_sft.export.generate import score_sample
+
+    tokenizer = tokenizer_for(tiny_model_dir, "gpt_oss")
+    rows = [{"messages": QUESTION + [OSLO], "tools": TOOLS, "answer": ""},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+             "answer": "Hello."}]
+    generating(monkeypatch, model, tokenizer, [written(tokenizer, QUESTION, OSLO, "<|call|>"),
+                                               "<|channel|>final<|message|>Hello.<|return|>"], "gpt_oss")
+    assert score_sample(model, tokenizer, rows, 64) == {"held_out_tasks": 2, "exact_answer_accuracy": 1.0,
+                                                        "reasoning_set_aside": 1, "scored_as_tool_calls": 1}
