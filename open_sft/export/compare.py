@@ -35,6 +35,7 @@ from open_sft.file_modes import output_file_problem
 
 CELL = 26  # characters of a table cell; longer answers end in "…"
 MAX_NEW_TOKENS, REASONING_MAX_NEW_TOKENS = 16, 256  # a reasoning template's answer follows its trace
+CALL_MAX_NEW_TOKENS = 128  # a call's markup, name and JSON arguments: more than a short answer
 CUT = "(stopped in its reasoning)"  # no answer came
 
 
@@ -222,13 +223,14 @@ def _load(directory: Path, tokenizer_only: bool = False):
     return loaded.model, loaded.tokenizer
 
 
-def _default_limit(directory: Path, tokenizer, template: str | None) -> int:
-    """MAX_NEW_TOKENS, or REASONING_MAX_NEW_TOKENS for a template that writes reasoning before the answer (said on
-    stderr): MAX_NEW_TOKENS ends most reasoning replies inside their trace."""
+def _default_limit(directory: Path, tokenizer, template: str | None, calls: bool = False) -> int:
+    """MAX_NEW_TOKENS (CALL_MAX_NEW_TOKENS where a task expects a tool call), or REASONING_MAX_NEW_TOKENS for a
+    template that writes reasoning before the answer (said on stderr): MAX_NEW_TOKENS ends most reasoning replies
+    inside their trace, and most calls inside their arguments."""
     from open_sft.export.reply import writes_reasoning
 
     if not writes_reasoning(template, tokenizer):
-        return MAX_NEW_TOKENS
+        return CALL_MAX_NEW_TOKENS if calls else MAX_NEW_TOKENS
     print(f"{directory}: its chat template writes reasoning before the answer: each reply may have "
           f"{REASONING_MAX_NEW_TOKENS} new tokens (--max_new_tokens)", file=sys.stderr, flush=True)
     return REASONING_MAX_NEW_TOKENS
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     parser.add_argument("--tasks", type=Path, required=True, help="JSON-lines tasks (messages + answer)")
     parser.add_argument("--show", type=int, default=12, help="tasks shown in the table (all are scored)")
     parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help=f"the most tokens of one reply (default {MAX_NEW_TOKENS}; {REASONING_MAX_NEW_TOKENS} "
+                        help=f"the most tokens of one reply (default {MAX_NEW_TOKENS}, {CALL_MAX_NEW_TOKENS} where a "
+                             f"task expects a tool call; {REASONING_MAX_NEW_TOKENS} "
                              "for a model whose chat template writes reasoning before the answer)")
     parser.add_argument("--json", type=Path, default=None, help="also write every answer and score here")
     add_tools_argument(parser)
@@ -298,7 +301,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         model, tokenizer = loaded
         if template is not None:
             tokenizer.chat_template = template
-        limit = args.max_new_tokens or _default_limit(directory, tokenizer, template)
+        limit = args.max_new_tokens or _default_limit(directory, tokenizer, template, any(map(scores_calls, rows)))
         scores.append(score_tasks(model, tokenizer, rows, limit, raw=template is None, tools=tools))
         notes += reasoning_lines(f"{name} ({directory})", scores[-1], limit)
     print(format_table(rows, *scores, args.show))

@@ -238,3 +238,12 @@ def test_generate_score_sample_scores_calls(tiny_model_dir, model, monkeypatch) 
                                                "<|channel|>final<|message|>Hello.<|return|>"], "gpt_oss")
     assert score_sample(model, tokenizer, rows, 64) == {"held_out_tasks": 2, "exact_answer_accuracy": 1.0,
                                                         "reasoning_set_aside": 1, "scored_as_tool_calls": 1}
+
+
+def test_compare_gives_a_call_room_by_default(tiny_model_dir) -> None:
+    """16 new tokens (a short answer's room) cut a call inside its arguments: tasks that expect one get 128."""
+    from open_sft.export.compare import _default_limit
+
+    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert (_default_limit(Path("m"), plain, plain.chat_template), _default_limit(
+        Path("m"), plain, plain.chat_template, calls=True)) == (16, 128)
