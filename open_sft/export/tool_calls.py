@@ -192,10 +192,14 @@ def _schema_types(tools: Optional[list], name: str) -> dict:
     return {}
 
 
-def _pair_arguments(layout: CallLayout, text: str, types: dict) -> dict:
+def _pair_arguments(layout: CallLayout, text: str, types: dict) -> Optional[dict]:
+    """The arguments written as tagged pairs; None where a pair is cut off (an opening without its closing)."""
     opening, between, closing = (literal(part) for part in layout.pair)
     arguments = {}
-    for match in re.finditer(f"{opening}(.*?){between}(.*?){closing}", text, re.DOTALL):
+    pairs = list(re.finditer(f"{opening}(.*?){between}(.*?){closing}", text, re.DOTALL))
+    if len(pairs) != len(re.findall(opening, text)):
+        return None
+    for match in pairs:
         key, value = match.group(1).strip(), match.group(2).strip()
         arguments[key] = value if types.get(key) == "string" else _as_arguments(value)
     return arguments
@@ -207,26 +211,34 @@ def _get(value: Any, path: tuple) -> Any:
     return value
 
 
-def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> list[dict]:
-    """The calls one marker's segment holds: one, or a JSON list's (an unreadable one: a call named '')."""
+def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Optional[list[dict]]:
+    """The calls one marker's segment holds: one, or a JSON list's; None where it holds none that reads as a call
+    (a call cut off inside its JSON, a name missing)."""
     if layout.kind == "json":
         values = _json_values(segment)
-        value = values[0][2] if values else None
-        calls = value if layout.listed and isinstance(value, list) else [value]
-        return [{"name": str(_get(call, layout.name_path) or ""),
-                 "arguments": _as_arguments(_get(call, layout.arguments_path) or {})} for call in calls]
+        value = values[0][2] if values and not segment[:values[0][0]].strip() else None
+        calls = [{"name": _get(call, layout.name_path), "arguments": _as_arguments(_get(call, layout.arguments_path))}
+                 for call in (value if layout.listed and isinstance(value, list) else [value])]
+        readable = all(isinstance(c["name"], str) and c["name"] and isinstance(c["arguments"], (dict, type(None)))
+                       for c in calls)
+        return [{**c, "arguments": c["arguments"] or {}} for c in calls] if calls and readable else None
     named = NAME.match(segment)
-    name = named.group(1) if named else ""
-    rest = segment[named.end() if named else 0:]
+    if named is None:
+        return None
+    name, rest = named.group(1), segment[named.end():]
     if layout.kind == "name_json":
         values = [value for start, _, value in _json_values(rest) if start == rest.find("{")]
+        if "{" in rest and not values:  # arguments cut off, or not JSON
+            return None
         return [{"name": name, "arguments": values[0] if values else {}}]
-    return [{"name": name, "arguments": _pair_arguments(layout, rest, _schema_types(tools, name))}]
+    arguments = _pair_arguments(layout, rest, _schema_types(tools, name))
+    return None if arguments is None else [{"name": name, "arguments": arguments}]
 
 
 def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str, list[dict]]:
     """(the reply's text before its first call, less what the template writes between a trace and a call; the
-    calls, each {name, arguments}) of a reply decoded with its special tokens. No calls: (text, [])."""
+    calls, each {name, arguments}) of a reply decoded with its special tokens. No calls, or one that does not read
+    as a call (cut off inside its arguments, no name): (text, []), the reply is its text."""
     layout = call_layout(tokenizer)
     if layout is None:
         return text, []
@@ -238,7 +250,10 @@ def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str
         head = head.rstrip()[:-len(layout.before_call)]
     calls = []
     for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
-        calls += _calls_in(layout, text[match.end():end], tools)
+        read = _calls_in(layout, text[match.end():end], tools)
+        if read is None:  # a call that does not read as one: the reply is shown as written
+            return text, []
+        calls += read
     return head, calls
 
 

@@ -247,3 +247,14 @@ def test_compare_gives_a_call_room_by_default(tiny_model_dir) -> None:
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert (_default_limit(Path("m"), plain, plain.chat_template), _default_limit(
         Path("m"), plain, plain.chat_template, calls=True)) == (16, 128)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_call_cut_off_inside_its_arguments_is_text(tiny_model_dir, family) -> None:
+    """A reply cut at --max_new_tokens inside its call is not a call named '' with no arguments: it stays text."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    reply = written(tokenizer, QUESTION, OSLO, STOPS[family][0])
+    cut = reply[:reply.index("Oslo")]
+    assert split_calls(tokenizer, cut, TOOLS) == (cut, [])
+    name_cut = reply[:reply.index("get_weather")]
+    assert split_calls(tokenizer, name_cut, TOOLS) == (name_cut, [])
