@@ -258,3 +258,22 @@ def test_a_call_cut_off_inside_its_arguments_is_text(tiny_model_dir, family) -> 
     assert split_calls(tokenizer, cut, TOOLS) == (cut, [])
     name_cut = reply[:reply.index("get_weather")]
     assert split_calls(tokenizer, name_cut, TOOLS) == (name_cut, [])
+
+
+def test_a_response_template_reads_the_calls(tiny_model_dir) -> None:
+    """A tokenizer with a `response_template` (transformers' parse_response) reads the calls by it: the calls it
+    parses are the reply's, its trace the reasoning."""
+    from open_sft.export.reply import parse_reply
+
+    tokenizer = tokenizer_for(tiny_model_dir, "qwen3")
+    tokenizer.response_template = {"start_anchor": "<|im_start|>assistant\n", "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>"},
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json", "repeats": True,
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {}}}
+    prompt = tokenizer(tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]
+    reply = written(tokenizer, QUESTION, TWO | {"reasoning_content": "Two calls."}, "<|im_end|>")[:-len("<|im_end|>")]
+    parts = parse_reply(tokenizer, tokenizer(reply, add_special_tokens=False)["input_ids"], prompt, TOOLS)
+    assert (parts.reasoning, parts.answered, parts.tool_calls) == ("Two calls.", True, (
+        {"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "convert", "arguments": {"celsius": -3.5}}))
