@@ -13,7 +13,9 @@ writes says where a call's name and arguments sit; three layouts cover the templ
   is (a number, an object) unless the tool's schema says string.
 
 Each call starts at the template's call `marker`: what it writes right before the name (or the JSON value) both
-when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`).
+when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`); a
+template that writes a bare JSON call with nothing before it (Llama 3.1's `{"name": ..., "parameters": {...}}`)
+has no marker, and a reply is then a call when the whole of it is one.
 The text before the first call is the reply's content and reasoning (open_sft.export.reply), less what the
 template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`). A template whose probe
 renders no call (no tool-call support) has no layout: its replies are text.
@@ -167,12 +169,12 @@ def _layout(template: str, tokenizer) -> Optional[CallLayout]:
     after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
     anchored = _anchor(after_content) if after_content is not None else None
     marker = _common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
-    if not marker.strip():
-        return None
+    if not marker.strip() and (parts["kind"] != "json" or alone[:start].strip()):
+        return None  # a name written with nothing before it to find it by
     after_trace, before_call = _rendered_reply(tokenizer, _probe(reasoning=PROBE_TRACE)), ""
     if after_trace is not None and PROBE_TRACE in after_trace:
         rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
-        at = rest.find(marker.strip())
+        at = rest.find(marker.strip()) if marker.strip() else -1
         before_call = rest[:at].strip() if at >= 0 else ""
     return CallLayout(marker=marker.strip(), before_call=before_call, **parts)
 
@@ -242,6 +244,14 @@ def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str
     layout = call_layout(tokenizer)
     if layout is None:
         return text, []
+    if not layout.marker:  # the call is the whole reply, a bare JSON value (Llama 3.1's), special tokens aside
+        values, after = _json_values(text.strip()), ""
+        if values and values[0][0] == 0:
+            after = text.strip()[values[0][1]:]
+            for token in tokenizer.all_special_tokens:
+                after = after.replace(token, "")
+        read = _calls_in(layout, text.strip(), tools) if values and values[0][0] == 0 and not after.strip() else None
+        return ("", read) if read else (text, [])
     found = list(re.finditer(literal(layout.marker), text))
     if not found:
         return text, []

@@ -40,6 +40,14 @@ MISTRAL_TOOLS = (
     "{%- elif m.role == 'assistant' %} {{ m.content }}{{ eos_token }}"
     "{%- elif m.role == 'tool' %}[TOOL_RESULTS] {\"content\": {{ m.content | tojson }}, \"call_id\": "
     "{{ m.tool_call_id | tojson }}}[/TOOL_RESULTS]{%- endif %}{%- endfor %}")
+# Llama 3.1's layout: a bare JSON call, `parameters` its arguments, nothing before it (written for the tests)
+LLAMA_TOOLS = (
+    "{{- bos_token }}{%- for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if m.role == 'user' and loop.first and tools %}Tools: {{ tools | tojson }}\n\n{% endif %}"
+    "{% if m.tool_calls %}{{ {'name': m.tool_calls[0].function.name, 'parameters': "
+    "m.tool_calls[0].function.arguments} | tojson }}{% else %}{{ m.content }}{% endif %}<|eot_id|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+STOPS["llama"] = ("<|eot_id|>", "<|eot_id|>")
 FAMILIES = sorted(STOPS)
 
 
@@ -55,9 +63,14 @@ RESULT = {"role": "tool", "content": '{"temp_c": -3}', "tool_call_id": "call0000
 
 
 def tokenizer_for(tiny_model_dir, family: str):
-    if family != "mistral":
+    if family not in ("mistral", "llama"):
         return family_tokenizer(tiny_model_dir, family)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    if family == "llama":
+        tokenizer.add_special_tokens({"eos_token": "<|eot_id|>", "additional_special_tokens": [
+            "<|start_header_id|>", "<|end_header_id|>"]})
+        tokenizer.chat_template = LLAMA_TOOLS
+        return tokenizer
     tokenizer.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": [
         "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
         "[/TOOL_RESULTS]"]})
@@ -122,14 +135,14 @@ def test_the_prompt_holds_the_tools_and_a_call_reads_back(tiny_model_dir, model,
 
 
 @pytest.mark.parametrize("family, message", [(f, m) for f in FAMILIES for m in ("traced", "two")
-                                              if (f, m) != ("gpt_oss", "two")])  # gpt-oss writes one call a turn
+                                              if f not in ("gpt_oss", "llama") or m != "two"])  # one call a turn
 def test_traces_and_parallel_calls_read_back(tiny_model_dir, family, message) -> None:
     tokenizer = tokenizer_for(tiny_model_dir, family)
     message = {"traced": TRACED, "two": TWO}[message]
     head, calls = split_calls(tokenizer, written(tokenizer, QUESTION, message, STOPS[family][0]), TOOLS)
     assert calls == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                      for c in message["tool_calls"]]
-    if "reasoning_content" in message and family != "mistral":  # Mistral writes no reasoning
+    if "reasoning_content" in message and family not in ("mistral", "llama"):  # they write no reasoning
         assert "I need the weather in Oslo." in head and "get_weather" not in head
 
 
@@ -137,7 +150,7 @@ def test_each_template_has_its_layout(tiny_model_dir) -> None:
     layouts = {family: call_layout(tokenizer_for(tiny_model_dir, family)) for family in FAMILIES}
     assert {family: (layout.kind, layout.marker) for family, layout in layouts.items()} == {
         "qwen3": ("json", "<tool_call>"), "glm": ("pairs", "<tool_call>"), "gpt_oss": ("name_json", "to=functions."),
-        "mistral": ("json", "[TOOL_CALLS]")}
+        "mistral": ("json", "[TOOL_CALLS]"), "llama": ("json", "")}
     assert layouts["mistral"].listed and layouts["glm"].pair == ("<arg_key>", "</arg_key>\n<arg_value>",
                                                                  "</arg_value>")
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)  # a template without tool calls: replies are text
