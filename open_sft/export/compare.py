@@ -101,6 +101,14 @@ def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[st
     return lines
 
 
+def calls_lines(rows: list[dict]) -> list[str]:
+    """How many tasks were scored by their tool calls, and how, when any."""
+    if not (calls := sum(map(scores_calls, rows))):
+        return []
+    return [f"{calls} of {len(rows)} tasks expect a tool call: scored by the call (the same tool names and the same "
+            "arguments as JSON values, key order and spacing aside), not by its text"]
+
+
 def _plain(messages: list[dict]) -> list[dict]:
     return [{"role": "user", "content": "\n".join(str(m.get("content") or "") for m in messages)}]
 
@@ -236,22 +244,20 @@ def _default_limit(directory: Path, tokenizer, template: str | None, calls: bool
     return REASONING_MAX_NEW_TOKENS
 
 
-def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> list[dict] | None | int:
-    """--tools's schemas, checked against the template each model is asked with (before either model loads), or 2
-    after printing why they cannot be used."""
+def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> tuple[list[dict] | None, str | None]:
+    """(--tools's schemas, None), checked against the template each model is asked with before either model
+    loads, or (None, why they cannot be used)."""
     if path is None:
-        return None
+        return None, None
     if not any(formats):
-        print(f"error: --tools {path}: neither model has a chat template to write them", file=sys.stderr)
-        return 2
+        return None, f"--tools {path}: neither model has a chat template to write them"
     tools = None
     for directory, tokenizer, template in zip(directories, tokenizers, formats):
         tokenizer.chat_template = template
         tools, problem = tools_or_exit(path, tokenizer, f"--tools {path} ({directory})")
         if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
-    return tools
+            return None, problem
+    return tools, None
 
 
 def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
@@ -291,7 +297,9 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     if None in tokenizers:
         return 2
     formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
-    if (tools := _tools_for_both(args.tools, directories, tokenizers, formats)) == 2:
+    tools, problem = _tools_for_both(args.tools, directories, tokenizers, formats)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     scores, notes = [], []
     for name, directory, template in zip(("before", "after"), directories, formats):
@@ -306,10 +314,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         notes += reasoning_lines(f"{name} ({directory})", scores[-1], limit)
     print(format_table(rows, *scores, args.show))
     print(accuracy_line(*scores), flush=True)
-    if calls := sum(scores_calls(row) for row in rows):
-        print(f"{calls} of {len(rows)} tasks expect a tool call: scored by the call (the same tool names and the same "
-              "arguments as JSON values, key order and spacing aside), not by its text", flush=True)
-    print("".join(f"{note}\n" for note in notes), end="", flush=True)
+    print("".join(f"{note}\n" for note in calls_lines(rows) + notes), end="", flush=True)
     if args.json is not None:
         write_scores(args.json, rows, (args.before, args.after), *scores)
     return 0

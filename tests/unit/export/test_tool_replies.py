@@ -290,3 +290,12 @@ def test_a_response_template_reads_the_calls(tiny_model_dir) -> None:
     parts = parse_reply(tokenizer, tokenizer(reply, add_special_tokens=False)["input_ids"], prompt, TOOLS)
     assert (parts.reasoning, parts.answered, parts.tool_calls) == ("Two calls.", True, (
         {"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "convert", "arguments": {"celsius": -3.5}}))
+
+
+def test_compare_says_which_tasks_were_scored_by_their_calls() -> None:
+    from open_sft.export.compare import calls_lines
+
+    rows = [{"messages": QUESTION + [OSLO]}, {"messages": QUESTION + [{"role": "assistant", "content": "Cold."}]}]
+    assert calls_lines(rows) == ["1 of 2 tasks expect a tool call: scored by the call (the same tool names and the "
+                                 "same arguments as JSON values, key order and spacing aside), not by its text"]
+    assert calls_lines(rows[1:]) == []
