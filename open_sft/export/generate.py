@@ -9,7 +9,9 @@ text, as --raw asks for any model. The generation is printed as generated, white
 (`only_whitespace` says when that is all it is). A reasoning model's reply is split as its chat template writes
 it (open_sft.export.reply): `generation` is the answer and `reasoning` the trace before it (Qwen3's and GLM's
 think block, gpt-oss's analysis channel); `cut_before_answer` says the reply stopped inside its reasoning. The
---score_sample scores the answer alone.
+--score_sample scores the answer alone. With --tools FILE (open_sft.export.tool_schemas) the prompt holds the tool
+schemas the chat template writes, and a reply's calls are `tool_calls` ({name, arguments}: open_sft.export.
+tool_calls); a sample row that expects a call is scored by it.
 
 OUTPUT_DIR is what the run wrote, whatever it holds: a full export, a LoRA/QLoRA adapter (its base model is
 the one adapter_config.json names, or --base_model), or a LoRA run's merged/ directory. Each generation says
