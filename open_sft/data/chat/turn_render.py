@@ -332,9 +332,12 @@ def group_turns(draw: Draw, messages: Messages, tools: Optional[list], indices: 
 def _history_end(draw: Draw, messages: Messages, tools: Optional[list], j: int, enders: TurnEnders) -> Optional[str]:
     """The text of the conversation through assistant turn j as the template writes it once the next message
     follows (in history), through the token that closes the turn there; None where it is not found. The turn's
-    last writing is found by what it ends with: its content, else its last tool call's name."""
+    last writing is found by what it ends with: its content (what follows a trace written in it, `<think>trace
+    </think>answer`, which templates keep alone in history), else its last tool call's name."""
     calls = messages[j].get("tool_calls") or []
-    anchor = messages[j]["content"].strip() or (calls and (calls[-1].get("function") or calls[-1]).get("name"))
+    content = messages[j]["content"]
+    anchor = content[content.rfind("</think>") + len("</think>"):].strip() if "</think>" in content else content.strip()
+    anchor = anchor or (calls and (calls[-1].get("function") or calls[-1]).get("name"))
     if not isinstance(anchor, str) or not anchor or j + 1 >= len(messages):
         return None
     try:

@@ -409,6 +409,24 @@ def test_reasoning_history_keep_makes_one_example_a_conversation(tiny_model_dir,
         "And in Fahrenheit?")
 
 
+@pytest.mark.parametrize("family", ["qwen3", "glm"])
+def test_reasoning_history_keep_joins_turns_whose_trace_is_written_in_the_content(tiny_model_dir, tmp_path,
+                                                                                   family) -> None:
+    """--reasoning_history keep with traces written in the content (`<think>trace</think>answer`, as R1-style
+    datasets carry them), which the template reads as reasoning and keeps only the answer of in history: the
+    conversation is one example too (the earlier turn's end was looked for by its whole content, trace and all,
+    and the rows were counted reasoning_history_not_kept), training the same runs as the template's examples."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    inline = {"messages": [dict(message) for message in MIXED["messages"]]}
+    first = inline["messages"][1]
+    first["content"] = f"<think>\n{first.pop('reasoning_content')}\n</think>\n\n{first['content']}"
+    default, _ = build(tokenizer, tmp_path, [inline])
+    kept, (report,) = build(tokenizer, tmp_path, [inline], reasoning_history="keep")
+    assert report.reasoning_history_not_kept == 0 and len(default) == 2 and len(kept) == 1
+    assert sorted(run for _, run in trained_runs(tokenizer, kept)) == sorted(run for _, run in trained_runs(tokenizer, default))
+    assert "Six sevens are forty-two." in tokenizer.decode(kept[0].input_ids)
+
+
 def test_chat_template_kwargs_per_source_for_a_hybrid_mixture(tiny_model_dir, tmp_path) -> None:
     """A YAML mixer entry may carry its own chat_template_kwargs: thinking and non-thinking sources in one mixture,
     each rendered as the template renders it (Qwen3 with enable_thinking false: the empty think block is in the
