@@ -127,7 +127,8 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
             messages.append(reply.message())  # its reasoning and calls as the template reads them, not flattened
             replies += 1
         answer = f"{reply.text}\n" if reply.text or not reply.tool_calls else ""  # a bare call: its lines alone
-        out.write(f"{_reasoning_block(reply)}{answer}{_calls_block(reply)}{stop_line(reply, max_new_tokens, context)}\n")
+        stop = stop_line(reply, max_new_tokens, context)
+        out.write(f"{_reasoning_block(reply)}{answer}{_calls_block(reply)}{stop}\n")
         out.flush()
     return replies
 

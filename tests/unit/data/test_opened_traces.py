@@ -159,7 +159,8 @@ def test_a_template_that_writes_the_last_trace_is_left_as_it_was(tiny_model_dir,
     what an R1 turn now trains (the same `\\n</think>\\n\\n` block)."""
     tokenizer = family_tokenizer(tiny_model_dir, "qwq")
     qwen3 = (TEMPLATES / "qwen3.jinja").read_text()
-    tokenizer.chat_template = qwen3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    tokenizer.chat_template = qwen3.replace("{{- '<|im_start|>assistant\\n' }}",
+                                            "{{- '<|im_start|>assistant\\n<think>\\n' }}")
     assert tokenizer.chat_template != qwen3
     examples, (report,) = build(tokenizer, tmp_path, [[{"role": "user", "content": QUESTION}, t]
                                                       for t in (INLINE, FIELD, NO_TRACE)])

@@ -423,7 +423,8 @@ def test_reasoning_history_keep_joins_turns_whose_trace_is_written_in_the_conten
     default, _ = build(tokenizer, tmp_path, [inline])
     kept, (report,) = build(tokenizer, tmp_path, [inline], reasoning_history="keep")
     assert report.reasoning_history_not_kept == 0 and len(default) == 2 and len(kept) == 1
-    assert sorted(run for _, run in trained_runs(tokenizer, kept)) == sorted(run for _, run in trained_runs(tokenizer, default))
+    runs = (sorted(run for _, run in trained_runs(tokenizer, examples)) for examples in (kept, default))
+    assert next(runs) == next(runs)
     assert "Six sevens are forty-two." in tokenizer.decode(kept[0].input_ids)
 
 
