@@ -64,7 +64,8 @@ logger = logging.getLogger(__name__)
 # a tool's result under a template without end-of-turn tokens (GLM-4.5's <|observation|>, not <|user|>); 22: OpenAI's
 # legacy functions/function_call/function rows are tools, tool calls and tool results (the calls were dropped); 23: a
 # turn whose generation prompt opens a think block the template leaves out (DeepSeek-R1 distills', QwQ's) trains its
-# trace, </think> and answer after that prompt (it trained the answer alone, after part of the prompt)
+# trace, </think> and answer after that prompt (it trained the answer alone, after part of the prompt), the prompt and
+# what follows it tokenized apart (a "\n" ending the prompt no longer merges with the trained text's first "\n")
 CACHE_FORMAT_VERSION = 23
 COMPLETE = "COMPLETE"
 

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.byte_level import byte_table, label_byte_level
 from open_sft.data.chat.examples import trained_spans  # noqa: F401 (the data step's API)
 from open_sft.data.chat.render import render, special_markers  # noqa: F401 (the data step's API)
+from open_sft.data.cuts import Cuts, cutting, in_pieces, joined
 from open_sft.data.token_rows import IGNORE_INDEX, Example, TokenRows, row_bounds, run_bounds
 
 Spans = list[tuple[int, int]]
@@ -131,8 +132,10 @@ class Encoded:
     encodings: Optional[list[Any]] = None
 
 
-def encode_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> Encoded:
-    """Encode the rendered texts as `label_batch` needs them, no special tokens added."""
+def encode_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str], cuts: Optional[Cuts] = None) -> Encoded:
+    """Encode the rendered texts as `label_batch` needs them (with the same `cuts`), no special tokens added."""
+    if cutting(tokenizer, cuts):
+        texts = [text for text, _ in in_pieces([(text, []) for text in texts], cuts)[0]]
     backend = plain_backend(tokenizer)
     if backend is not None and byte_table(tokenizer) is not None:
         encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
@@ -149,14 +152,18 @@ class LabelledBatch:
 
 
 def label_batch(tokenizer: PreTrainedTokenizerBase, texts_and_spans: list[tuple[str, Spans]],
-                check: bool = True, encoded: Optional[Encoded] = None) -> LabelledBatch:
+                check: bool = True, encoded: Optional[Encoded] = None, cuts: Optional[Cuts] = None) -> LabelledBatch:
     """Tokenize and label rendered conversations, and say for each whether its labels are right: the
     decoded runs of trained tokens equal the trained character spans, run for span (modulo the
     whitespace a boundary token may carry). A tokenizer that merges across a turn boundary fails it.
     With check=False every row counts as right (train_on all: nothing to check). `encoded`: the
-    texts' `encode_batch`, when it was made beforehand."""
+    texts' `encode_batch`, when it was made beforehand. `cuts`: per text, where it is tokenized apart (cuts.py)."""
     if not texts_and_spans:
         return LabelledBatch(TokenRows.empty(), np.zeros(0, dtype=bool))
+    if cutting(tokenizer, cuts):
+        pieces, firsts = in_pieces(texts_and_spans, cuts)
+        batch = label_batch(tokenizer, pieces, check, encoded)
+        return LabelledBatch(*joined(batch.rows, batch.right, firsts))
     if encoded is None:
         encoded = encode_batch(tokenizer, [text for text, _ in texts_and_spans])
     if encoded.id_rows is None:

@@ -30,6 +30,7 @@ from open_sft.data.chat.raw_rows import raw_opening
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers, template_state
 from open_sft.data.chat.tool_arguments import takes_string_arguments
 from open_sft.data.token_rows import TokenRows
+from open_sft.data.cuts import splits_as_written
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
 from open_sft.distributed.env import usable_cpus
 
@@ -125,6 +126,7 @@ class _Rendered:
     notes: Counter = field(default_factory=Counter)
     flagged: list[tuple[str, int]] = field(default_factory=list)  # (note, row index) of the rows counted in notes
     raw: set[int] = field(default_factory=set)  # the rows of raw prompt + completion text (no chat template)
+    cuts: list[tuple[int, ...]] = field(default_factory=list)  # per example, where it is tokenized apart (cuts.py)
 
 
 def _render(bounds: tuple[int, int]) -> _Rendered:
@@ -149,6 +151,7 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
             done.errors.append((i, exc))
             continue
         done.texts_and_spans += rendered.examples
+        done.cuts += rendered.cuts or [()] * len(rendered.examples)
         done.indices.append(i)
         done.counts.append(len(rendered.examples))
         if getattr(messages, "raw_text", False):
@@ -162,7 +165,7 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
 
 def _label(rendered: _Rendered, encoded: Optional[Encoded] = None) -> _Part:
     batch = label_batch(_STATE["tokenizer"], rendered.texts_and_spans, check=_STATE["train_on"] != "all",
-                        encoded=encoded)
+                        encoded=encoded, cuts=rendered.cuts)
     if rendered.raw and _STATE["opening"]:  # a raw prompt + completion's bos, as the tokenizer's encoding adds it
         firsts = np.cumsum(rendered.counts) - np.asarray(rendered.counts, dtype=np.int64)
         raw = [first for i, first in zip(rendered.indices, firsts.tolist()) if i in rendered.raw]
@@ -186,7 +189,8 @@ def _in_process(rows: int, progress: Any) -> list[_Part]:
     with ThreadPoolExecutor(1) as encoder:
         for bounds in _even_chunks(rows):
             rendered = _render(bounds)
-            encoding = encoder.submit(encode_batch, tokenizer, [text for text, _ in rendered.texts_and_spans])
+            encoding = encoder.submit(encode_batch, tokenizer, [text for text, _ in rendered.texts_and_spans],
+                                     rendered.cuts)
             if pending is not None:
                 parts.append(_counted(_label(pending[0], pending[1].result()), pending[2], progress))
             pending = (rendered, encoding, bounds)
@@ -250,6 +254,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
     workers=None: one process per usable core (this process for fewer rows than two workers' worth).
     `progress` (open_sft.data.chunks.Progress) is told of each part as it is done: its line every few seconds."""
     byte_table(tokenizer)  # made once here, before the fork, rather than once in every worker
+    splits_as_written(tokenizer)  # the same (and not asked from two threads at once: _in_process's)
     if isinstance(tokenizer.chat_template, str):  # asked once here too (and said once), not in every worker
         takes_string_arguments(template_state(tokenizer, options))
     _STATE.update(tokenizer=tokenizer, train_on=train_on, markers=special_markers(tokenizer), work=work,

@@ -123,6 +123,8 @@ class RowRender:
     reasoning_tags_as_text: bool = False  # an inline trace written as text by a tagless template (reasoning.py)
     tool_results_wrapped_twice: bool = False  # a tool result's own tags written around it again (tool_arguments.py)
     reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
+    # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
+    cuts: tuple[tuple[int, ...], ...] = ()
 
 
 # RowRender's notes: what the data report counts per source and warns about (open_sft.data.summary)
@@ -293,7 +295,9 @@ def _partly_per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, m
     else:
         examples.append((text, alone))
         ends.append(len(messages) - 1)
-    return dataclasses.replace(rendered, examples=examples, ends=tuple(ends), turns_in_one_rendering=answered)
+    cuts = rendered.cuts + ((),) * (len(examples) - len(rendered.examples)) if rendered.cuts else ()
+    return dataclasses.replace(rendered, examples=examples, ends=tuple(ends), turns_in_one_rendering=answered,
+                               cuts=cuts)
 
 
 def _locates(state: TemplateState, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders) -> bool:
@@ -332,7 +336,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         closed |= turn.reasoning_closed
         opened |= turn.reasoning_opened
         unwritten |= bool(reasoning) and not turn.reasoning_closed and reasoning.strip() not in turn.target
-    out = []
+    out, cuts = [], tuple(tuple(a for i, (a, _) in example.turns if turns[i].reasoning_opened) for example in examples)
     for example in examples:
         spans: list[tuple[int, int]] = []
         for i, span in example.turns:
@@ -341,7 +345,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
                      reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed,
-                     reasoning_opened_by_prompt=opened)
+                     reasoning_opened_by_prompt=opened, cuts=cuts if opened else ())
 
 
 def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,
