@@ -1,8 +1,9 @@
 """Rendered conversations → tokens and exact assistant-only labels, each row's labels checked.
 
 render.py finds the [start, end) character spans that carry a loss; here the rendered texts are
-tokenized once and a token is trained when its characters overlap a trained span (`label_tokens`,
-the definition). Then the trained tokens are checked against the spans by decoding them run by run.
+tokenized once (an example with cuts, a turn after a prompt that opens a think block: in pieces, cuts.py)
+and a token is trained when its characters overlap a trained span (`label_tokens`, the definition).
+Then the trained tokens are checked against the spans by decoding them run by run.
 
 A batch is encoded in one call of the Rust tokenizer. The trained tokens of a span are found by
 asking the encoding which tokens hold the span's first and last characters (`_span_tokens`): a few
