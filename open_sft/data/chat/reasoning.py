@@ -44,6 +44,12 @@ def inline_reasoning(message: dict) -> str:
     return content[start + len("<think>") if start >= 0 else 0:end]
 
 
+def after_trace(content: str) -> str:
+    """What follows a trace written in the content (inline_reasoning), the answer templates keep alone in history;
+    the whole content where it holds none."""
+    return content[content.rfind("</think>") + len("</think>"):] if "</think>" in content else content
+
+
 def inline_unwritten(messages: Messages, indices: list[int], texts: list[str]) -> bool:
     """Whether a trained turn's trace written in its content (inline_reasoning) is in none of `texts`, the
     conversation's examples: DeepSeek-R1 distills' own template keeps only what follows `</think>` in every turn,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from open_sft.data.chat.opened_trace import opened_turn, shared_opening
-from open_sft.data.chat.reasoning import trace_of, without_reasoning
+from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages, RowError
 
@@ -335,9 +335,8 @@ def _history_end(draw: Draw, messages: Messages, tools: Optional[list], j: int, 
     last writing is found by what it ends with: its content (what follows a trace written in it, `<think>trace
     </think>answer`, which templates keep alone in history), else its last tool call's name."""
     calls = messages[j].get("tool_calls") or []
-    content = messages[j]["content"]
-    anchor = content[content.rfind("</think>") + len("</think>"):].strip() if "</think>" in content else content.strip()
-    anchor = anchor or (calls and (calls[-1].get("function") or calls[-1]).get("name"))
+    anchor = after_trace(messages[j]["content"]).strip() or (
+        calls and (calls[-1].get("function") or calls[-1]).get("name"))
     if not isinstance(anchor, str) or not anchor or j + 1 >= len(messages):
         return None
     try:
