@@ -33,6 +33,7 @@ from open_sft.data.token_rows import TokenRows
 from open_sft.data.cuts import splits_as_written
 from open_sft.data.labels import Encoded, LabelledBatch, encode_batch, label_batch
 from open_sft.distributed.env import usable_cpus
+from open_sft.training.preemption import raise_unraised
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +270,7 @@ def label_rows(tokenizer: PreTrainedTokenizerBase, work: Sequence[tuple[int, Any
             with _single_threaded_tokenizers():
                 pool = multiprocessing.get_context("fork").Pool(workers, _die_with_parent, (os.getpid(),))
             with pool:
+                raise_unraised()  # a stop signal during the fork ran its handler in the fork's hooks, which drop it
                 # chunksize=1: map's default hands each worker 4 chunks at a time, which brings back the idle end;
                 # imap (in order, as map) gives each part as it comes, for the progress line
                 bounds = _chunks(len(work), workers)

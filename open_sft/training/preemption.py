@@ -62,6 +62,19 @@ def _in_owner(owner: int, signum: int) -> bool:
     return False
 
 
+_unraised: list[Preempted] = []  # the stop outside the training loop, once its handler ran (see raise_unraised)
+
+
+def raise_unraised() -> None:
+    """Raise the stop whose handler ran but whose exception went nowhere. Python drops an exception raised where
+    nothing can catch it, printing "Exception ignored": in the hooks around a fork (logging's lock release after
+    it) a signal that arrived while the process forked runs its handler. A SIGTERM during the cache build, which
+    forks its render workers for each chunk, was so dropped one time in three: the build went on, and under
+    `accelerate launch` the rank was killed 30 s later. Called after such places: nothing when no stop came."""
+    if _unraised:
+        raise _unraised[0]
+
+
 def stop_outside_training() -> Callable[[], None]:
     """SIGTERM and SIGUSR1 outside the training loop (loading data or the model, building the cache, the export),
     where there is no step to finish: the process stops at once with PREEMPTED_EXIT_CODE, a scheduler's "retry",
@@ -78,6 +91,7 @@ def stop_outside_training() -> Callable[[], None]:
                          "or exporting); the same command starts again from where it can: a cache build from its "
                          "last complete chunk, training from the newest complete checkpoint, then the export")
         stop.signal_name = signal.Signals(signum).name
+        _unraised.append(stop)  # dropped where it is raised (a fork's hooks): raise_unraised raises it again
         raise stop
 
     setattr(handle, MARK, True)
