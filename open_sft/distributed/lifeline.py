@@ -11,7 +11,7 @@ Here each rank started by a launcher
   collectives are under way — that the other ranks on its host are alive (a peer SIGKILLed mid-step would
   otherwise leave this rank waiting in a collective until the process-group timeout, --timeout).
 
-On either it prints why and exits at once with LOST_EXIT_CODE, from the watchdog thread (`os._exit`: the main
+On either it prints why and exits with LOST_EXIT_CODE (GRACE_S after it first noticed), from the watchdog thread (`os._exit`: the main
 thread may be blocked inside a collective, where no Python runs) and without writing a checkpoint: its state may
 be torn between two steps; the relaunch resumes from the last complete checkpoint. Peers on other hosts are
 bounded by the process-group timeout (--timeout), after which the failed collective is reported the same way.
@@ -21,6 +21,10 @@ ranks still import would otherwise leave them adopted before they record their p
 launcher that is gone before a rank starts watching (whatever its pid was) is noticed too: the rank's parent is
 then already init (pid 1) or a known adopter (a "child subreaper": systemd --user, tini, ...; the kernel keeps no
 record of the original parent), and the rank stops at once the same way.
+
+A rank carrying out a stop on a signal (note_stop: SIGTERM, SIGINT, SIGUSR1) outlives its launcher: it writes the
+stop's checkpoint and exits 75 (its peers still watched). SLURM's `--signal=USR1@N` reaches every process of the job
+step, and torchrun, which does not handle SIGUSR1, dies of it: the ranks stopped without a checkpoint (exit 4).
 
 A process started by hand (`python finetune.py`, also under nohup) follows nobody: its parent is a shell.
 OPEN_SFT_FOLLOW_LAUNCHER=0 turns the parent check off (=1 turns it on without a launcher).
@@ -102,6 +106,9 @@ class Lifeline:
         self.host = socket.gethostname()
         self.peers: dict[int, tuple[int, str]] = {}  # rank -> (pid, start time), ranks on this host only
         self.follow = started_by_launcher()
+        self.stopping: Optional[str] = None  # the signal whose stop this rank carries out (note_stop)
+        self._said_stopping = False
+        self._wake = threading.Event()
         self._lock = threading.Lock()
 
     def start(self) -> "Lifeline":
@@ -115,11 +122,12 @@ class Lifeline:
         return self
 
     def _ask_kernel(self) -> None:
-        """SIGUSR2 when the parent dies; its handler exits as the watchdog would (when the main thread is in
-        Python; inside a collective the watchdog thread does it)."""
+        """SIGUSR2 when the parent dies; its handler wakes the watchdog, which decides after GRACE_S: the signal
+        that ended the launcher (SLURM's SIGUSR1) may reach this rank just after, and then the rank finishes its
+        stop (exiting at once here stopped it without its checkpoint)."""
         if threading.current_thread() is not threading.main_thread() or not parent_death_signal(signal.SIGUSR2):
             return
-        signal.signal(signal.SIGUSR2, self._parent_died)
+        signal.signal(signal.SIGUSR2, lambda *signal_args: self._wake.set())
 
     def _parent_gone(self) -> Optional[str]:
         # the kernel also signals when the *thread* that started this process exits: only a new parent counts
@@ -142,11 +150,23 @@ class Lifeline:
         with self._lock:
             self.peers = {}
 
+    def note_stop(self, signal_name: str) -> None:
+        """This rank stops on `signal_name` (after the step, with a checkpoint): its launcher's end no longer ends it.
+        Safe in a signal handler (a flag)."""
+        if self.stopping is None:
+            self.stopping = signal_name
+
     def gone(self) -> Optional[str]:
-        """What is gone, if anything: the launcher, or peers on this host."""
+        """What is gone, if anything: the launcher (unless this rank is stopping on a signal), or peers on this
+        host."""
         parent = self._parent_gone()
-        if parent is not None:
+        if parent is not None and self.stopping is None:
             return parent
+        if parent is not None and not self._said_stopping:
+            self._said_stopping = True
+            os.write(2, f"open_sft: rank {self.rank}: {parent} (torchrun ends on a SIGUSR1, which it does not handle); "
+                        f"this rank got {self.stopping} and finishes its stop: a checkpoint after the current step, "
+                        f"then exit 75\n".encode())
         with self._lock:
             lost = [f"rank {r} (pid {pid} on {self.host})" for r, (pid, start) in sorted(self.peers.items())
                     if process_start(pid) != start]
@@ -156,7 +176,8 @@ class Lifeline:
 
     def _watch(self) -> None:
         while True:
-            time.sleep(POLL_S)
+            self._wake.wait(POLL_S)
+            self._wake.clear()
             if self.gone() is not None:
                 time.sleep(GRACE_S)
                 why = self.gone()
@@ -200,6 +221,12 @@ def explain_failure() -> None:
     if why is not None:
         _installed.exit_lost(why)
     release()
+
+
+def note_stop(signal_name: str) -> None:
+    """This rank stops on a signal, with a checkpoint: it outlives its launcher until then (Lifeline.note_stop)."""
+    if _installed is not None:
+        _installed.note_stop(signal_name)
 
 
 def gone() -> Optional[str]:

@@ -331,6 +331,7 @@ class Checkpointer:
         if stop:
             where = f"{self.stop.signal_name} received here" if self.stop.requested else "signal received by another rank"
             logger.warning("stop requested (%s): saving a checkpoint at step %d and exiting", where, step)
+            lifeline.note_stop(self.stop.signal_name or "a signal another rank received")
         if stop or self._due(step):
             self.save(step, preempted=stop)
         if stop:

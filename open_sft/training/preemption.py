@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from open_sft.distributed import lifeline
 from open_sft.errors import StopRun
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def stop_outside_training() -> Callable[[], None]:
                          "or exporting); the same command starts again from where it can: a cache build from its "
                          "last complete chunk, training from the newest complete checkpoint, then the export")
         stop.signal_name = signal.Signals(signum).name
+        lifeline.note_stop(stop.signal_name)  # a launcher that the same signal ended does not end this rank first
         _unraised.append(stop)  # dropped where it is raised (a fork's hooks): raise_unraised raises it again
         raise stop
 
@@ -120,6 +122,7 @@ def finish_first(what: str) -> Iterator[list[str]]:
     def note(signum: int, frame: Optional[FrameType]) -> None:
         if _in_owner(owner, signum):
             noted.append(signal.Signals(signum).name)
+            lifeline.note_stop(noted[-1])
 
     setattr(note, MARK, True)
     previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGUSR1)}
@@ -159,6 +162,7 @@ class StopRequest:
             return
         if self.signal_name is None:  # only a flag: I/O inside a handler can hit a reentrant write
             self.signal_name = signal.Signals(signum).name
+            lifeline.note_stop(self.signal_name)  # its checkpoint is written even if the signal ended the launcher
 
     setattr(_handle, MARK, True)
 

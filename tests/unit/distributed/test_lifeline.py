@@ -46,3 +46,20 @@ def test_a_reused_pid_is_not_the_peer() -> None:
 def test_process_start_of_a_missing_process() -> None:
     assert process_start(os.getpid()) is not None
     assert process_start(2 ** 22 + 1) is None
+
+
+def test_a_rank_stopping_on_a_signal_outlives_its_launcher_but_not_its_peers(capfd) -> None:
+    """SIGUSR1 to every process (the launcher too: torchrun dies of it) left the ranks without their checkpoint
+    (exit 4): a rank carrying out a stop writes its checkpoint first, while its peers are still watched."""
+    peer = subprocess.Popen(["sleep", "60"])
+    me = Lifeline(rank=0)
+    me.follow, me.parent = True, os.getppid() + 1  # the launcher that started this rank is gone
+    me.watch_peers([lifeline.peer_entry(), (me.host, peer.pid, process_start(peer.pid))])
+    assert me.gone() == f"its launcher (pid {me.parent}) is gone"
+    me.note_stop("SIGUSR1")
+    assert me.gone() is None
+    assert "this rank got SIGUSR1 and finishes its stop: a checkpoint after the current step, then exit 75" \
+        in capfd.readouterr().err
+    peer.kill()
+    peer.wait()
+    assert me.gone() == f"rank 1 (pid {peer.pid} on {me.host}) is gone"
