@@ -216,8 +216,15 @@ def release() -> None:
 
 def explain_failure() -> None:
     """An exception is leaving this rank: if its launcher or a peer on its host is gone (a failed collective),
-    exit with that message instead of a traceback; else stop watching the peers and let it propagate."""
+    exit with that message instead of a traceback; else stop watching the peers and let it propagate. A peer is
+    asked after for GRACE_S: one that stops (a signal outside the training loop, an error of its own) closes its
+    connections as it exits, and the collective here failed while it still lived (a gloo traceback, "Connection
+    closed by peer", was printed instead of the line)."""
     why = gone()
+    deadline = time.monotonic() + GRACE_S
+    while why is None and _installed is not None and _installed.peers and time.monotonic() < deadline:
+        time.sleep(POLL_S / 5)
+        why = gone()
     if why is not None:
         _installed.exit_lost(why)
     release()

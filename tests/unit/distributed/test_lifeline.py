@@ -63,3 +63,18 @@ def test_a_rank_stopping_on_a_signal_outlives_its_launcher_but_not_its_peers(cap
     peer.kill()
     peer.wait()
     assert me.gone() == f"rank 1 (pid {peer.pid} on {me.host}) is gone"
+
+
+def test_a_failed_collective_names_the_peer_that_was_still_exiting(monkeypatch) -> None:
+    """Rank 0 stopped (SIGTERM while loading, exit 75) and closed its connections as it exited: rank 1's collective
+    failed while rank 0 still lived, and rank 1 printed gloo's traceback. The peer is asked after for a moment."""
+    peer = subprocess.Popen(["sleep", "0.5"])  # still alive when the failure is explained, gone 0.5 s later
+    me = Lifeline(rank=1)
+    me.follow = False
+    me.watch_peers([(me.host, peer.pid, process_start(peer.pid)), lifeline.peer_entry()])
+    stopped: list[str] = []
+    monkeypatch.setattr(me, "exit_lost", stopped.append)
+    monkeypatch.setattr(lifeline, "_installed", me)
+    lifeline.explain_failure()
+    assert stopped == [f"rank 0 (pid {peer.pid} on {me.host}) is gone"]
+    peer.wait()
