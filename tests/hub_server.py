@@ -6,7 +6,7 @@ Run as a program (`python hub_server.py --port P --dump DIR`, the token from $HF
 and also writes every committed file to DIR/<repo>/<branch>/<path>; scripts/test_container.sh runs it so.
 
 Faults: `server.faults[endpoint]` is a list consumed one request at a time ("500", "drop" = close the
-connection without answering, "hang" = answer after `hang_seconds`, "403"); `server.always[endpoint]`
+connection without answering, "hang" = answer after `hang_seconds`, "403", "404"); `server.always[endpoint]`
 applies to every request. Endpoints: create, branch, validate, preupload, commit, tree.
 """
 
@@ -115,7 +115,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if fault == "hang":
             time.sleep(self.server.hang_seconds)
-        elif fault in ("500", "403"):
+        elif fault in ("500", "403", "404"):
             self._reply(endpoint, int(fault), {"error": f"injected {fault}"})
             return
         getattr(self, f"_{endpoint}")(endpoint, body, match.groupdict())

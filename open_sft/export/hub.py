@@ -113,6 +113,15 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (httpx2.TransportError, ConnectionError, TimeoutError))
 
 
+def refusal(exc: BaseException) -> Optional[int]:
+    """The HTTP status when the Hub refused the request for its token (401, 403): the token cannot write there, which
+    no retry and no later upload of the same run changes."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    status = exc.response.status_code if isinstance(exc, HfHubHTTPError) and exc.response is not None else None
+    return status if status in (401, 403) else None
+
+
 def with_retries(what: str, call: Callable[[], T], token: Optional[str] = None,
                  sleep: Callable[[float], None] = time.sleep) -> T:
     attempts = max(1, int(_env_number("OPEN_SFT_HUB_RETRIES", 6)))

@@ -12,7 +12,10 @@ such a one (`unpushed`), and a relaunch with --push_checkpoints submits each of 
 its new ones (`resubmit`); one the Hub holds already costs the hashing of its files and no transfer
 (huggingface_hub skips the files whose content the Hub has). Only the main thread submits and prunes.
 
-A failed upload logs a warning with the command that retries just that upload; training goes on.
+A failed upload logs a warning with the command that retries just that upload; training goes on. A refused one
+(HTTP 401/403: the token cannot write to the repository) is said once, naming the repository and the fix; the
+launch uploads no more checkpoints and prunes them as without --push_checkpoints (each one kept un-uploaded filled
+the disk: 8 checkpoints kept under --keep_last_n_checkpoints 1 in 8 steps); the relaunch uploads those left.
 `close` waits at most OPEN_SFT_HUB_CHECKPOINT_WAIT_S [900] seconds for the uploads still queued at the end of the
 run, STOP_WAIT_S after a stop on a signal; what is left is named, and the relaunch uploads it.
 The Hub keeps every uploaded checkpoint: pruning is local only.
@@ -29,7 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.export import hub as export_hub
-from open_sft.export.hub import checkpoint_pushed, describe, push_checkpoint, resolve_token, retry_command
+from open_sft.export.hub import checkpoint_pushed, describe, push_checkpoint, refusal, resolve_token, retry_command
 from open_sft.redaction import scrub
 from open_sft.training.checkpoint import CHECKPOINTS, problem_with, prune, remove_all, step_dirs
 from open_sft.training.preemption import Preempted
@@ -61,6 +64,7 @@ class CheckpointUploader:
         self._pending: set[Path] = set()
         self.uploaded: list[Path] = []
         self.failed: list[Path] = []
+        self.refused: Optional[str] = None  # why the Hub refused this token (refusal): nothing more is uploaded
         self.thread = threading.Thread(target=self._work, name="open_sft-checkpoint-upload", daemon=True)
         self.thread.start()
 
@@ -73,6 +77,11 @@ class CheckpointUploader:
         """Checkpoints queued or being uploaded."""
         with self.lock:
             return frozenset(self._pending)
+
+    def kept(self, root: Path) -> frozenset[Path]:
+        """What pruning must keep: the checkpoints not recorded as uploaded, unless the Hub refused this launch's
+        token (none of them would go up in this launch, and kept they filled the disk)."""
+        return frozenset() if self.refused is not None else self.unpushed(root)
 
     def unpushed(self, root: Path) -> frozenset[Path]:
         """The checkpoints under `root` that pruning must keep: none of them is recorded as uploaded here."""
@@ -98,12 +107,18 @@ class CheckpointUploader:
         while (checkpoint := self.queue.get()) is not None:
             started = time.perf_counter()
             try:
+                if self.refused is not None:  # each would be refused too: said once, at the first
+                    self.failed.append(checkpoint)
+                    continue
                 url = push_checkpoint(checkpoint, self.repo_id, self.revision, self.private, self.token)
                 self.uploaded.append(checkpoint)
                 logger.info("uploaded checkpoint %s to %s (%.1fs)", checkpoint.name, url,
                             time.perf_counter() - started)
             except Exception as exc:  # never fatal: the checkpoint is safe on disk
                 self.failed.append(checkpoint)
+                if refusal(exc) is not None:
+                    self._refused(checkpoint, exc)
+                    continue
                 logger.warning("upload of checkpoint %s to %s failed: %s; training goes on, and the checkpoint "
                                "is kept on disk (never pruned) until it is uploaded: by a relaunch with "
                                "--push_checkpoints, or now (token from HF_TOKEN or --hub_token) with:\n  %s",
@@ -112,6 +127,16 @@ class CheckpointUploader:
             finally:
                 with self.lock:
                     self._pending.discard(checkpoint)
+
+    def _refused(self, checkpoint: Path, exc: BaseException) -> None:
+        self.refused = scrub(describe(exc), self.token)
+        logger.error("the Hub refused the upload of checkpoint %s to %s (%s): this token cannot write there, which "
+                     "retrying does not change. This launch uploads no more checkpoints and keeps the newest "
+                     "--keep_last_n_checkpoints as without --push_checkpoints. Fix: a token with write access to %s "
+                     "(HF_TOKEN or --hub_token; a fine-grained token needs write permission on it), or another "
+                     "--hub_model_id; then relaunch the same command (it uploads the checkpoints still on disk), or "
+                     "upload one now with:\n  %s", checkpoint.name, self.repo_id, self.refused, self.repo_id,
+                     self.retry_command(checkpoint))
 
     def close(self, timeout: Optional[float] = None) -> list[Path]:
         """Wait (bounded) for the queued uploads; what is left is named with its retry command and returned (a
@@ -152,10 +177,9 @@ def upload_left(output_dir: Path, config: Any) -> bool:
     uploader = CheckpointUploader(config.hub)
     uploader.resubmit(root)
     done = not uploader.close() and not uploader.failed
-    unpushed = uploader.unpushed(root)
-    if config.checkpoint.clean_checkpoints_at_end and not unpushed:
+    if config.checkpoint.clean_checkpoints_at_end and not uploader.unpushed(root):
         remove_all(output_dir)
-    for path in prune(root, keep, unpushed):
+    for path in prune(root, keep, uploader.kept(root)):
         logger.info("deleted old checkpoint %s", path)
     return done
 

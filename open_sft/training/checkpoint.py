@@ -286,8 +286,9 @@ class Checkpointer:
             logger.info("deleted old checkpoint %s (--keep_last_n_checkpoints %d): %s", path, self.keep, why)
 
     def _unpushed(self) -> Collection[Path]:
-        """What pruning keeps under --push_checkpoints: the checkpoints not recorded as uploaded."""
-        return self.uploader.unpushed(self.root) if self.uploader is not None else ()
+        """What pruning keeps under --push_checkpoints: the checkpoints not recorded as uploaded (none once the Hub
+        refused the token: CheckpointUploader.kept)."""
+        return self.uploader.kept(self.root) if self.uploader is not None else ()
 
     def finish_uploads(self, timeout: Optional[float] = None) -> bool:
         """Main process, after the other ranks are released: wait (bounded) for the checkpoint uploads,
@@ -295,11 +296,11 @@ class Checkpointer:
         if self.uploader is None:
             return True
         self.uploader.close(timeout)
-        unpushed = self._unpushed()
-        for path in prune(self.root, self.keep, unpushed):
+        for path in prune(self.root, self.keep, self._unpushed()):
             logger.info("deleted old checkpoint %s", path)
+        left = self.uploader.unpushed(self.root)
         self.uploader = None
-        return not unpushed
+        return not left
 
     def raise_if_preempted(self, metrics: Any) -> None:
         """After a stop on a signal: release everything and raise Preempted (exit PREEMPTED_EXIT_CODE). The stop's
@@ -331,7 +332,7 @@ class Checkpointer:
         if stop:
             where = f"{self.stop.signal_name} received here" if self.stop.requested else "signal received by another rank"
             logger.warning("stop requested (%s): saving a checkpoint at step %d and exiting", where, step)
-            lifeline.note_stop(self.stop.signal_name or "a signal another rank received")
+            lifeline.note_stop(self.stop.signal_name or "another rank's signal")
         if stop or self._due(step):
             self.save(step, preempted=stop)
         if stop:

@@ -78,7 +78,7 @@ def test_a_relaunch_uploads_a_cut_off_checkpoint_before_pruning_it(tmp_path, loo
     _publish_steps(root, (2, 4))
     checkpointer = _checkpointer(tmp_path, keep=1)
     checkpointer.uploader = _uploader()
-    loopback_hub.always["commit"] = "403"  # this launch's uploads fail: the checkpoints stay on disk
+    loopback_hub.always["commit"] = "404"  # this launch's uploads fail (not refused: 401/403): kept on disk
     try:
         with caplog.at_level(logging.INFO):
             checkpointer.restore(ResumePoint(root / "step_4", {"step": 4}))
@@ -177,3 +177,36 @@ def test_a_stop_while_the_end_waits_for_uploads_exits_75_and_the_relaunch_upload
     with pytest.raises(Preempted, match="stopped by SIGUSR1 after the last step"):  # noted during the export
         end_of_run(_checkpointer(out, keep=1), out, config, ["SIGUSR1"], is_main=True)
     assert pushes == []
+
+
+def test_a_hub_that_refuses_the_token_is_said_once_and_the_checkpoints_are_pruned(tmp_path, loopback_hub,
+                                                                                   caplog) -> None:
+    """A token that cannot write to the repository (403; 401 alike): each checkpoint was tried, refused, warned about
+    and kept on disk for good (measured: 8 checkpoints kept under --keep_last_n_checkpoints 1 in 8 steps, until the
+    disk fills). The first refusal is one error naming the repository and the fix; the launch tries no more uploads
+    and prunes as without --push_checkpoints; the checkpoints still on disk are left for the relaunch."""
+    import logging
+    import time
+
+    root = tmp_path / "checkpoints"
+    checkpointer = _checkpointer(tmp_path, keep=1)
+    checkpointer.uploader = uploader = _uploader()
+    loopback_hub.always["commit"] = "403"
+    try:
+        with caplog.at_level(logging.INFO):
+            for step in (2, 4, 6):  # as Checkpointer.save: published, pruned, submitted
+                _publish_steps(root, (step,))
+                prune(root, 1, checkpointer._unpushed())  # what save prunes with
+                uploader.submit(root / f"step_{step}")
+                while uploader.pending():  # each upload settled before the next save prunes
+                    time.sleep(0.05)
+            assert checkpointer.finish_uploads() is False  # step_6 is not on the Hub: the relaunch uploads it
+    finally:
+        loopback_hub.always.clear()
+    assert sorted(p.name for p in root.iterdir()) == ["step_6"]
+    assert loopback_hub.count("commit") == 1  # step_4's and step_6's uploads were not tried
+    refused = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(refused) == 1 and refused[0].startswith("the Hub refused the upload of checkpoint step_2 to org/c "
+                                                       "(HfHubHTTPError: 403")
+    assert "Fix: a token with write access to org/c" in refused[0] and TOKEN not in caplog.text
+    assert "python -m open_sft push " in refused[0]
