@@ -390,3 +390,4 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
 
     job.accelerator, job.ds_config = start_accelerator(job.config, job.launch, job.dtype, model_config, zero3_init)
     lifeline.watch_ranks()  # collective: from here on a peer that disappears stops this rank
+    lifeline.resume_from(job.output_dir)  # its lost line names the step the relaunch resumes from

@@ -39,6 +39,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 #: Exit code of a rank that stopped because its launcher or a peer rank is gone (no checkpoint written).
@@ -107,6 +108,7 @@ class Lifeline:
         self.peers: dict[int, tuple[int, str]] = {}  # rank -> (pid, start time), ranks on this host only
         self.follow = started_by_launcher()
         self.stopping: Optional[str] = None  # the signal whose stop this rank carries out (note_stop)
+        self.output_dir: Optional[Path] = None  # the run's, once known: the lost line names the step it resumes from
         self._said_stopping = False
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -184,10 +186,26 @@ class Lifeline:
                 if why is not None:
                     self.exit_lost(why)
 
+    def lost_message(self, why: str) -> str:
+        return (f"error: rank {self.rank}: {why}; stopping this rank without writing a checkpoint (exit "
+                f"{LOST_EXIT_CODE}). Relaunch the same command: it resumes from {self._resume_point()}\n")
+
+    def _resume_point(self) -> str:
+        """The newest checkpoint with its COMPLETE marker, as the relaunch's `auto` finds it (the surviving ranks'
+        line said only "the last complete checkpoint", where the launcher's summary says nothing of it)."""
+        if self.output_dir is None:
+            return "the last complete checkpoint in --output_dir"
+        try:
+            steps = [int(path.name[5:]) for path in (self.output_dir / "checkpoints").glob("step_*")
+                     if path.name[5:].isdigit() and (path / "COMPLETE").is_file()]
+        except OSError:
+            steps = []
+        if not steps:
+            return f"step 0 (no complete checkpoint in {self.output_dir / 'checkpoints'} yet)"
+        return f"step {max(steps)} ({self.output_dir / 'checkpoints' / f'step_{max(steps)}'})"
+
     def exit_lost(self, why: str) -> None:
-        message = (f"error: rank {self.rank}: {why}; stopping this rank without writing a checkpoint (exit "
-                   f"{LOST_EXIT_CODE}). Relaunch the run: it resumes from the last complete checkpoint in "
-                   "--output_dir\n")
+        message = self.lost_message(why)
         try:
             os.write(2, message.encode())
         finally:
@@ -228,6 +246,12 @@ def explain_failure() -> None:
     if why is not None:
         _installed.exit_lost(why)
     release()
+
+
+def resume_from(output_dir: Path) -> None:
+    """The run's output directory: a rank that loses its run names the checkpoint the relaunch resumes from."""
+    if _installed is not None:
+        _installed.output_dir = Path(output_dir)
 
 
 def note_stop(signal_name: str) -> None:

@@ -78,3 +78,21 @@ def test_a_failed_collective_names_the_peer_that_was_still_exiting(monkeypatch) 
     lifeline.explain_failure()
     assert stopped == [f"rank 0 (pid {peer.pid} on {me.host}) is gone"]
     peer.wait()
+
+
+def test_the_lost_line_names_the_step_the_relaunch_resumes_from(tmp_path) -> None:
+    """A SIGKILLed rank: the launch ended on torchrun's summary and the survivors' line, which said only "the last
+    complete checkpoint"; it names the step now (a checkpoint still being written, without COMPLETE, is not it)."""
+    me = Lifeline(rank=0)
+    why = "rank 1 (pid 7 on host) is gone"
+    assert me.lost_message(why).endswith("Relaunch the same command: it resumes from the last complete checkpoint "
+                                         "in --output_dir\n")
+    me.output_dir = tmp_path
+    assert "it resumes from step 0 (no complete checkpoint in" in me.lost_message(why)
+    for step, complete in ((2, True), (4, True), (6, False)):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        if complete:
+            (tmp_path / "checkpoints" / f"step_{step}" / "COMPLETE").write_text("{}")
+    assert me.lost_message(why) == (f"error: rank 0: {why}; stopping this rank without writing a checkpoint (exit 4). "
+                                    f"Relaunch the same command: it resumes from step 4 "
+                                    f"({tmp_path / 'checkpoints' / 'step_4'})\n")
