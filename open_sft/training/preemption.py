@@ -97,9 +97,11 @@ def stop_outside_training() -> Callable[[], None]:
         raise stop
 
     setattr(handle, MARK, True)
+    _unraised.clear()  # a stop of an earlier run in this process (open_sft called twice) is not this run's
     previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGTERM, signal.SIGUSR1)}
 
     def restore() -> None:
+        _unraised.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
