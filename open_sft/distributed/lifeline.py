@@ -11,7 +11,7 @@ Here each rank started by a launcher
   collectives are under way — that the other ranks on its host are alive (a peer SIGKILLed mid-step would
   otherwise leave this rank waiting in a collective until the process-group timeout, --timeout).
 
-On either it prints why and exits with LOST_EXIT_CODE (GRACE_S after it first noticed), from the watchdog thread (`os._exit`: the main
+On either it prints why and exits with LOST_EXIT_CODE (STOP_GRACE_S or GRACE_S after it first noticed), from the watchdog thread (`os._exit`: the main
 thread may be blocked inside a collective, where no Python runs) and without writing a checkpoint: its state may
 be torn between two steps; the relaunch resumes from the last complete checkpoint. Peers on other hosts are
 bounded by the process-group timeout (--timeout), after which the failed collective is reported the same way.
@@ -48,6 +48,10 @@ POLL_S = 0.5
 # A peer's exit is acted on only if it is still unexplained this long after: ranks that stop together (the same
 # error on each, a preemption) leave one after another, and each stops watching as it starts to leave.
 GRACE_S = 2.0
+# A launcher found gone is acted on this long after, unless a stop signal came meanwhile (note_stop): one sent to every
+# process (pkill, a job manager) ends torchrun, and may reach a rank just after its launcher's end. Short: the rank
+# trains on meanwhile while its main thread is not in Python (the watchdog's wait).
+STOP_GRACE_S = 0.5
 PR_SET_PDEATHSIG = 1
 #: Programs that adopt orphans (child subreapers, inits): a launched rank whose parent runs one lost its launcher.
 ADOPTERS = ("systemd", "init", "tini", "dumb-init", "docker-init", "catatonit")
@@ -124,12 +128,21 @@ class Lifeline:
         return self
 
     def _ask_kernel(self) -> None:
-        """SIGUSR2 when the parent dies; its handler wakes the watchdog, which decides after GRACE_S: the signal
-        that ended the launcher (SLURM's SIGUSR1) may reach this rank just after, and then the rank finishes its
-        stop (exiting at once here stopped it without its checkpoint)."""
+        """SIGUSR2 when the parent dies; its handler exits as the watchdog would (when the main thread is in
+        Python; inside a collective the watchdog thread does it)."""
         if threading.current_thread() is not threading.main_thread() or not parent_death_signal(signal.SIGUSR2):
             return
-        signal.signal(signal.SIGUSR2, lambda *signal_args: self._wake.set())
+        signal.signal(signal.SIGUSR2, self._parent_signal)
+
+    def _parent_signal(self, *signal_args: object) -> None:
+        """The launcher died: a stop signal sent with its end may land just after (a SIGUSR1 to every process ends
+        torchrun): waited for STOP_GRACE_S here, in the main thread, so the run does not go on meanwhile (a signal
+        interrupts the sleep and its handler runs); then the rank exits, unless it is stopping."""
+        if self.stopping is None:
+            time.sleep(STOP_GRACE_S)
+        if self.stopping is None:
+            self._parent_died()
+        self._wake.set()  # the watchdog says, once, that the rank finishes its stop
 
     def _parent_gone(self) -> Optional[str]:
         # the kernel also signals when the *thread* that started this process exits: only a new parent counts
@@ -181,7 +194,7 @@ class Lifeline:
             self._wake.wait(POLL_S)
             self._wake.clear()
             if self.gone() is not None:
-                time.sleep(GRACE_S)
+                time.sleep(STOP_GRACE_S if self._parent_gone() is not None else GRACE_S)
                 why = self.gone()
                 if why is not None:
                     self.exit_lost(why)

@@ -69,10 +69,12 @@ def run_layout(layout: str, args: list[str], check: bool = True, timeout: float 
 
 def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig: int, log: Path,
               only_rank: int | None = None, env: dict[str, str] | None = None,
-              command: list[str] | None = None, only_launcher: bool = False, fate: dict | None = None) -> int:
+              command: list[str] | None = None, only_launcher: bool = False, fate: dict | None = None,
+              launcher_first: bool = False) -> int:
     """Launch (the layout's launch command, or `command`; finetune.py as tests/slow_finetune.py, its micro-batches
     0.1 s slower unless `env` says otherwise), wait until metrics.jsonl has `at_line` lines, send
-    `sig` to the launcher and every worker (or only to the worker of `only_rank`, or only to the launcher).
+    `sig` to the launcher and every worker (or only to the worker of `only_rank`, or only to the launcher; the
+    launcher first with `launcher_first`, as Slurm and pkill may).
     `fate` receives how many seconds the last of the run's processes took to go (within 60 s, else None)."""
     processes, ds_config, _, _ = LAYOUTS[layout]
     command = command or launch_command(processes, ds_config)
@@ -90,7 +92,7 @@ def interrupt(layout: str, args: list[str], output_dir: Path, at_line: int, sig:
         assert proc.poll() is None, f"run ended before step {at_line}:\n{log.read_text()[-3000:]}"
         launcher = psutil.Process(proc.pid)
         workers = launcher.children(recursive=True)
-        targets = [launcher] if only_launcher else workers + [launcher]
+        targets = [launcher] if only_launcher else [launcher, *workers] if launcher_first else [*workers, launcher]
         if only_rank is not None:
             targets = [t for t in targets if t.environ().get("RANK") == str(only_rank)]
             assert len(targets) == 1, targets

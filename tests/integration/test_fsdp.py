@@ -4,7 +4,8 @@ and `--use_fsdp --fsdp_version 2`.
 Every parameter, gradient and optimizer state is sharded over the ranks, and the gradient that reaches the
 optimizer is data parallelism's, so 2 ranks must train what one process trains on the same global batch (fp32):
 the same per-step losses and the same final weights. A kill -9 and relaunch continues exactly from the sharded
-(torch.distributed.checkpoint) checkpoint; the export is the full model, which reloads in a fresh process; LoRA
+(torch.distributed.checkpoint) checkpoint, and so does the relaunch after a SIGUSR1 to every process; the export
+is the full model, which reloads in a fresh process; LoRA
 under FSDP2 keeps optimizer state for the adapters only and trains what one process trains. A checkpoint resumes on
 another number of ranks (2 FSDP2 ranks on 1, one process's on 2 DDP ranks) and under another engine (FSDP2's 2 ranks
 under ZeRO-3 on 4, one process's under ZeRO-2 on 2 ranks) within 1e-6 of the uninterrupted run.
@@ -66,13 +67,19 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict:
     killed_args = args_for(tiny_model_dir, out["killed"], 2)
     kill_code = interrupt("zero2", killed_args, out["killed"], 3, signal.SIGKILL, out["killed"] / "killed.log",
                           command=fsdp_command(YAML))
+    codes = tmp_path_factory.mktemp("usr1_codes")  # SIGUSR1 to the launcher, then each rank (pkill -USR1 -f ...)
+    usr1_code = interrupt("zero2", killed_args, out["killed"], 4, signal.SIGUSR1, out["killed"] / "usr1.log",
+                          command=fsdp_command(YAML), launcher_first=True, env={"OPEN_SFT_EXIT_CODE_DIR": str(codes)})
+    usr1 = {"code": usr1_code, "log": (out["killed"] / "usr1.log").read_text(),
+            "ranks": {path.name: path.read_text().strip() for path in codes.iterdir()}}
     relaunch = run_fsdp(YAML, killed_args)
     run_finetune(args_for(tiny_model_dir, out["lora_one"], 4, *LORA))
     run_fsdp(FLAGS, args_for(tiny_model_dir, out["lora_fsdp"], 2, *LORA, "--merge_lora_on_save"))
     run_finetune(args_for(tiny_model_dir, out["bf16_one"], 4, "--torch_dtype", "bfloat16"))
     run_fsdp(FLAGS, args_for(tiny_model_dir, out["bf16_fsdp"], 2, "--torch_dtype", "bfloat16",
                              "--gradient_checkpointing"))
-    return {**out, "base": tiny_model_dir, "stdout": result.stdout, "kill_code": kill_code, "relaunch": relaunch.stdout + relaunch.stderr}
+    return {**out, "base": tiny_model_dir, "stdout": result.stdout, "kill_code": kill_code, "usr1": usr1,
+            "relaunch": relaunch.stdout + relaunch.stderr}
 
 
 def test_two_ranks_train_what_one_process_trains(runs) -> None:
@@ -112,6 +119,17 @@ def test_checkpoints_are_sharded_with_torch_distributed_checkpoint(runs) -> None
         assert sorted(p.name for p in (step / part).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     state = json.loads((step / "trainer_state.json").read_text())
     assert state["identity"]["engine"] == "fsdp2"
+
+
+def test_sigusr1_to_every_process_saves_the_checkpoint_though_it_ends_the_launcher(runs) -> None:
+    """torchrun does not handle SIGUSR1 and dies of it: its ranks, signalled too, stopped without a checkpoint (exit
+    4, "its launcher is gone"). They now finish the stop (a checkpoint, exit 75), saying why the launcher went; the
+    relaunch through it continues exactly (test_kill_9_and_relaunch_continues_exactly)."""
+    usr1 = runs["usr1"]
+    assert usr1["code"] == -signal.SIGUSR1
+    assert (usr1["ranks"]["rank0"], usr1["ranks"]["rank1"]) == ("75", "75"), usr1["log"][-3000:]
+    assert usr1["ranks"]["rank0.message"].startswith("open_sft: stopped on a signal after step ")
+    assert "this rank got SIGUSR1 and finishes its stop" in usr1["log"]
 
 
 def test_kill_9_and_relaunch_continues_exactly(runs) -> None:
