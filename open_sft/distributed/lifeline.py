@@ -11,9 +11,10 @@ Here each rank started by a launcher
   collectives are under way — that the other ranks on its host are alive (a peer SIGKILLed mid-step would
   otherwise leave this rank waiting in a collective until the process-group timeout, --timeout).
 
-On either it prints why and exits with LOST_EXIT_CODE (STOP_GRACE_S or GRACE_S after it first noticed), from the watchdog thread (`os._exit`: the main
-thread may be blocked inside a collective, where no Python runs) and without writing a checkpoint: its state may
-be torn between two steps; the relaunch resumes from the last complete checkpoint. Peers on other hosts are
+On either it prints why and exits with LOST_EXIT_CODE (STOP_GRACE_S or GRACE_S after it first noticed), from the
+watchdog thread (`os._exit`: the main thread may be blocked inside a collective, where no Python runs) and without
+writing a checkpoint: its state may be torn between two steps; the relaunch resumes from the last complete
+checkpoint, which the line names. Peers on other hosts are
 bounded by the process-group timeout (--timeout), after which the failed collective is reported the same way.
 
 finetune.py installs it in its first lines, before anything imports torch (seconds): a launcher killed while its
@@ -128,8 +129,8 @@ class Lifeline:
         return self
 
     def _ask_kernel(self) -> None:
-        """SIGUSR2 when the parent dies; its handler exits as the watchdog would (when the main thread is in
-        Python; inside a collective the watchdog thread does it)."""
+        """SIGUSR2 when the parent dies; its handler (_parent_signal) exits as the watchdog would (when the main
+        thread is in Python; inside a collective the watchdog thread does it)."""
         if threading.current_thread() is not threading.main_thread() or not parent_death_signal(signal.SIGUSR2):
             return
         signal.signal(signal.SIGUSR2, self._parent_signal)
