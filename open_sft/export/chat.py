@@ -6,7 +6,8 @@ it stopped; a reasoning model's trace (a think block, gpt-oss's analysis channel
 `[reasoning]` and `[/reasoning]`, and kept in the conversation as the template reads it (open_sft.export.reply),
 so later turns render as training did. With --tools FILE the prompt holds the tool schemas (as a training row's
 `tools`), a reply that calls a tool shows each call as `[tool call] NAME {ARGUMENTS}` and is kept with its
-`tool_calls`, and `/tool TEXT` answers the next call with TEXT (a `tool` message) and has the model go on from
+`tool_calls` (a call that does not read as one, cut off or not JSON, is shown as `[tool call, unreadable]
+RAW` and the turn is not kept: no message renders it as written), and `/tool TEXT` answers the next call with TEXT (a `tool` message) and has the model go on from
 the result. `/reset` starts the conversation over (a --system message stays), `/exit` (or end of input, Ctrl-D)
 quits. On a terminal the turns are read with line editing after a `you> `
 prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
@@ -44,6 +45,8 @@ def _reasoning_block(reply: Generation) -> str:
 def _calls_block(reply: Generation) -> str:
     from open_sft.export.tool_calls import call_line
 
+    if reply.unreadable_call is not None:
+        return f"{reply.unreadable_line()}\n[the call does not read as one: this turn is not kept in the conversation]\n"
     return "".join(f"{call_line(call)}\n" for call in reply.tool_calls)
 
 
@@ -123,10 +126,14 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
         reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw, tools=tools)
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
+        elif reply.unreadable_call is not None:  # no message renders it as written: the turn is not kept
+            messages.pop()
+            replies += 1
         else:
             messages.append(reply.message())  # its reasoning and calls as the template reads them, not flattened
             replies += 1
-        answer = f"{reply.text}\n" if reply.text or not reply.tool_calls else ""  # a bare call: its lines alone
+        called = reply.tool_calls or reply.unreadable_call is not None
+        answer = f"{reply.text}\n" if reply.text or not called else ""  # a bare call: its lines alone
         stop = stop_line(reply, max_new_tokens, context)
         out.write(f"{_reasoning_block(reply)}{answer}{_calls_block(reply)}{stop}\n")
         out.flush()

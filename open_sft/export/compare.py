@@ -37,6 +37,7 @@ CELL = 26  # characters of a table cell; longer answers end in "…"
 MAX_NEW_TOKENS, REASONING_MAX_NEW_TOKENS = 16, 256  # a reasoning template's answer follows its trace
 CALL_MAX_NEW_TOKENS = 128  # a call's markup, name and JSON arguments: more than a short answer
 CUT = "(stopped in its reasoning)"  # no answer came
+UNREADABLE = "(unreadable tool call)"  # a call written that does not read as one (cut off, not JSON)
 
 
 def exact_match(expected: str, generated: str) -> bool:
@@ -55,6 +56,7 @@ class TaskScore:
     reasoning: list[str | None] = field(default_factory=list)
     cut: list[bool] = field(default_factory=list)
     limited: list[bool] = field(default_factory=list)
+    unreadable: list[bool] = field(default_factory=list)  # the reply wrote a call that does not read as one
 
     @property
     def hits(self) -> int:
@@ -79,10 +81,12 @@ def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = MAX_NE
                               max_new_tokens, raw=raw, tools=None if raw else task_tools(row) or tools)
                for row in rows]
     return TaskScore([" ".join([reply.text] * bool(reply.text) + [call_line(call)[len("[tool call] "):]
-                                                                  for call in reply.tool_calls]) for reply in replies],
+                                                                  for call in reply.tool_calls]
+                               + [UNREADABLE] * (reply.unreadable_call is not None)) for reply in replies],
                      [was_right(row, reply, exact_match) for row, reply in zip(rows, replies)],
                      [reply.reasoning for reply in replies], [not reply.answered for reply in replies],
-                     [reply.stop_reason == TOKEN_LIMIT for reply in replies])
+                     [reply.stop_reason == TOKEN_LIMIT for reply in replies],
+                     [reply.unreadable_call is not None for reply in replies])
 
 
 def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[str]:
@@ -98,6 +102,9 @@ def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[st
         lines.append(f"{name}: {cut} of {n} replies stopped inside their reasoning, before any answer (scored as "
                      "misses)" + (f"; {limited} of them cut off at --max_new_tokens {max_new_tokens}: raise it"
                                    if limited else ""))
+    if unreadable := sum(score.unreadable):
+        lines.append(f"{name}: {unreadable} of {n} replies wrote an unreadable tool call (cut off, not JSON, arguments "
+                     "not an object: scored as misses)")
     return lines
 
 

@@ -11,7 +11,8 @@ it (open_sft.export.reply): `generation` is the answer and `reasoning` the trace
 think block, gpt-oss's analysis channel); `cut_before_answer` says the reply stopped inside its reasoning. The
 --score_sample scores the answer alone. With --tools FILE (open_sft.export.tool_schemas) the prompt holds the tool
 schemas the chat template writes, and a reply's calls are `tool_calls` ({name, arguments}: open_sft.export.
-tool_calls); a sample row that expects a call is scored by it.
+tool_calls), read after its reasoning only; a call that does not read as one (cut off, not JSON, arguments not
+an object) is `unreadable_tool_call`, as written; a sample row that expects a call is scored by it.
 
 OUTPUT_DIR is what the run wrote, whatever it holds: a full export, a LoRA/QLoRA adapter (its base model is
 the one adapter_config.json names, or --base_model), or a LoRA run's merged/ directory. Each generation says
@@ -53,6 +54,7 @@ class Generation:
     answered: bool = True
     verbatim: str | None = None  # the reply as written, where the template reads its trace from the content
     tool_calls: tuple[dict, ...] = ()  # each {name, arguments} (open_sft.export.tool_calls)
+    unreadable_call: str | None = None  # a call written that does not read as one, as written (from its marker)
 
     def message(self) -> dict:
         """The reply as the assistant message a chat history keeps (its trace as the template reads it, its calls
@@ -60,6 +62,10 @@ class Generation:
         from open_sft.export.reply import ReplyParts
 
         return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim, self.tool_calls).message()
+
+    def unreadable_line(self) -> str:
+        """`[tool call, unreadable] to=functions.get_weather<|channel|>...{"city": "Oslo"` ("" when none)."""
+        return f"[tool call, unreadable] {self.unreadable_call}" if self.unreadable_call is not None else ""
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -116,7 +122,7 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     stop_reason = END_OF_TURN if ended else TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL
     return Generation(parts.answer, stop_reason, prompt_tokens, len(new),
                       tokenizer.convert_ids_to_tokens(new[-1]) if ended else None, hidden, parts.reasoning,
-                      parts.answered, parts.verbatim, parts.tool_calls)
+                      parts.answered, parts.verbatim, parts.tool_calls, parts.unreadable_call)
 
 
 def _start_token(tokenizer) -> int:
@@ -151,6 +157,8 @@ def score_sample(model, tokenizer, rows: list[dict], max_new_tokens: int = 32) -
         scored["reasoning_set_aside"] = set_aside
     if cut := sum(not reply.answered for reply in replies):
         scored["cut_before_answer"] = cut  # raise --max_new_tokens
+    if unreadable := sum(reply.unreadable_call is not None for reply in replies):
+        scored["unreadable_tool_calls"] = unreadable  # a call written that does not read as one: misses
     if calls := sum(scores_calls(row) for row in rows):
         scored["scored_as_tool_calls"] = calls  # the same name and the same arguments as JSON values
     return scored
@@ -247,6 +255,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
         print(json.dumps({"prompt": prompt, "generation": reply.text,
                           **({"reasoning": reply.reasoning} if reply.reasoning is not None else {}),
                           **({"tool_calls": list(reply.tool_calls)} if reply.tool_calls else {}),
+                          **({"unreadable_tool_call": reply.unreadable_call} if reply.unreadable_call else {}),
                           **({"cut_before_answer": True} if not reply.answered else {}),
                           "stop_reason": reply.stop_reason, "new_tokens": reply.new_tokens,
                           "stop_token": reply.stop_token,

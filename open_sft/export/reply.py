@@ -36,6 +36,7 @@ class ReplyParts:
     answered: bool = True
     verbatim: str | None = None
     tool_calls: tuple[dict, ...] = ()  # each {name, arguments}: the calls the reply made (open_sft.export.tool_calls)
+    unreadable_call: str | None = None  # the reply's call as written (from its marker on), where it does not read
 
     def message(self) -> dict:
         """The reply as the assistant message the template renders back: the trace as `reasoning_content`
@@ -160,11 +161,41 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
     return ReplyParts(_strip_specials(answer, tokenizer).strip(), _strip_specials(head, tokenizer).strip())
 
 
+def _answer_start(tokenizer, text: str, opened: bool) -> int | None:
+    """Where the part of `text` a call may be written in starts: past the reply's trace (Qwen3's `</think>`,
+    gpt-oss's `<|end|><|start|>assistant` after its analysis), 0 for a reply without one, None where the reply
+    stopped inside its trace. A call written inside the reasoning is part of the reasoning."""
+    from open_sft.export.tool_calls import call_layout
+
+    template = tokenizer.chat_template
+    layout = reasoning_layout(template, tokenizer) if isinstance(template, str) else None
+    if layout is None:
+        if not (opened or text.lstrip().startswith(INLINE_OPEN)):
+            return 0
+        return None if (at := text.find(INLINE_CLOSE)) < 0 else at
+    start = text.lstrip()
+    if not (layout.opening and start.startswith(layout.opening)):
+        return 0
+    calls = call_layout(tokenizer)
+    shared = _common_prefix(layout.between, calls.before_call).strip() if calls else ""
+    at = text.find(shared or layout.answer_marker, len(text) - len(start) + len(layout.opening))
+    return None if at < 0 else at
+
+
+def _common_prefix(first: str, second: str) -> str:
+    n = 0
+    while n < min(len(first), len(second)) and first[n] == second[n]:
+        n += 1
+    return first[:n]
+
+
 def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Optional[list] = None) -> ReplyParts:
     """The reply's parts: by the tokenizer's own `response_template` (transformers' parse_response) where it has
     one, else by split_reply on the reply decoded with its special tokens, its tool calls read by the template's
-    layout of a call (open_sft.export.tool_calls; the text before the first call is the content and reasoning)."""
-    from open_sft.export.tool_calls import expected_calls, split_calls
+    layout of a call (open_sft.export.tool_calls) in what follows its reasoning: the text before the first call is
+    the content and reasoning, text after the last call is kept after that content, and a call that does not read
+    (cut off, not JSON, arguments not an object) makes the reply an unreadable call (`unreadable_call`)."""
+    from open_sft.export.tool_calls import expected_calls, read_calls
 
     if getattr(tokenizer, "response_template", None) is not None:
         try:
@@ -180,8 +211,12 @@ def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Opt
                               tool_calls=calls)
     opened = tokenizer.decode(prompt_ids, skip_special_tokens=False).rstrip().endswith(INLINE_OPEN)
     text = tokenizer.decode(new_ids, skip_special_tokens=False)
-    head, calls = split_calls(tokenizer, text, tools)
-    if calls:  # a reply that calls a tool has answered, whatever text came before the call
+    start = _answer_start(tokenizer, text, opened)
+    read = read_calls(tokenizer, text[start:], tools) if start is not None else None
+    if read is not None and (read.calls or read.unreadable):  # a reply that calls a tool has answered
+        head = text[:start] + read.head
         parts = split_reply(tokenizer, head, _strip_specials(head, tokenizer), opened)
-        return replace(parts, answer=parts.answer.strip(), answered=True, verbatim=None, tool_calls=tuple(calls))
+        answer = "\n\n".join(part for part in (parts.answer.strip(), read.after) if part)
+        return replace(parts, answer=answer, answered=True, verbatim=None, tool_calls=read.calls,
+                       unreadable_call=read.unreadable)
     return split_reply(tokenizer, text, tokenizer.decode(new_ids, skip_special_tokens=True), opened)

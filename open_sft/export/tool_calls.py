@@ -52,6 +52,21 @@ class CallLayout:
     listed: bool = False
     pair: tuple[str, str, str] = ("", "", "")
     before_call: str = ""
+    closing: str = ""  # what the template writes after a call's arguments (`</tool_call>`), special tokens aside
+    arguments_after: str = ""  # name_json: the end of what it writes between name and arguments (`json<|message|>`)
+
+
+@dataclass(frozen=True)
+class ReadCalls:
+    """A reply's answer part read for calls: `head` the text before the first call, `calls` each {name,
+    arguments}, `after` text the reply wrote after its last call (past the template's closing of it: kept in the
+    answer, not dropped), `unreadable` the reply's text from its first call marker on where a call there does not
+    read as one (JSON cut off or not JSON, arguments not an object, no name): then `calls` is empty."""
+
+    head: str
+    calls: tuple[dict, ...] = ()
+    after: str = ""
+    unreadable: Optional[str] = None
 
 
 def _probe(content: str = "", reasoning: Optional[str] = None, arguments: Any = None) -> dict:
@@ -123,8 +138,9 @@ def literal(text: str) -> str:
     return r"\s*".join(re.escape(part) for part in text.split()) if text.strip() else ""
 
 
-def _anchor(text: str) -> Optional[tuple[int, dict]]:
-    """Where the probe's call starts in the rendered reply, and what the layout reads there."""
+def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
+    """Where the probe's call starts in the rendered reply, what the layout reads there, and where the call's
+    arguments end."""
     name_at = text.find(PROBE_NAME)
     if name_at < 0:
         return None
@@ -134,12 +150,16 @@ def _anchor(text: str) -> Optional[tuple[int, dict]]:
             name_path, arguments_path = _path_to(call, PROBE_NAME), _path_to(call, PROBE_ARGUMENTS)
             if name_path is not None and arguments_path is not None:
                 return start, {"kind": "json", "name_path": name_path, "arguments_path": arguments_path,
-                               "listed": isinstance(value, list)}
+                               "listed": isinstance(value, list)}, end
     after = name_at + len(PROBE_NAME)
-    if any(start >= after and _as_arguments(value) == PROBE_ARGUMENTS for start, _, value in _json_values(text)):
-        return name_at, {"kind": "name_json"}
+    for start, end, value in _json_values(text):
+        if start >= after and _as_arguments(value) == PROBE_ARGUMENTS:
+            header = text[after:start].split()
+            return name_at, {"kind": "name_json", "arguments_after": header[-1] if header else ""}, end
     pair = _pair_layout(text[after:])
-    return (name_at, {"kind": "pairs", "pair": pair}) if pair else None
+    if not pair:
+        return None
+    return name_at, {"kind": "pairs", "pair": pair}, text.rfind(pair[2]) + len(pair[2])
 
 
 def _pair_layout(text: str) -> Optional[tuple[str, str, str]]:
@@ -165,7 +185,8 @@ def _layout(template: str, tokenizer) -> Optional[CallLayout]:
     found = _anchor(alone) if alone is not None else None
     if found is None:
         return None
-    start, parts = found
+    start, parts, end = found
+    closing = _strip_specials(alone[end:], tokenizer).strip()
     after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
     anchored = _anchor(after_content) if after_content is not None else None
     marker = _common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
@@ -176,13 +197,19 @@ def _layout(template: str, tokenizer) -> Optional[CallLayout]:
         rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
         at = rest.find(marker.strip()) if marker.strip() else -1
         before_call = rest[:at].strip() if at >= 0 else ""
-    return CallLayout(marker=marker.strip(), before_call=before_call, **parts)
+    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing, **parts)
 
 
 def call_layout(tokenizer) -> Optional[CallLayout]:
     """The template's call layout (module docstring), or None where its probe renders no call we can read."""
     template = tokenizer.chat_template
     return _layout(template, tokenizer) if isinstance(template, str) else None
+
+
+def _strip_specials(text: str, tokenizer) -> str:
+    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+        text = text.replace(token, "")
+    return text
 
 
 def _schema_types(tools: Optional[list], name: str) -> dict:
@@ -213,58 +240,77 @@ def _get(value: Any, path: tuple) -> Any:
     return value
 
 
-def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Optional[list[dict]]:
-    """The calls one marker's segment holds: one, or a JSON list's; None where it holds none that reads as a call
-    (a call cut off inside its JSON, a name missing)."""
+def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Optional[tuple[list[dict], int]]:
+    """(the calls one marker's segment holds: one, or a JSON list's; where in the segment they end), or None where
+    it holds none that reads as a call (JSON cut off or not JSON, arguments not an object, a name missing)."""
     if layout.kind == "json":
         values = _json_values(segment)
-        value = values[0][2] if values and not segment[:values[0][0]].strip() else None
+        if not values or segment[:values[0][0]].strip():
+            return None
+        value = values[0][2]
         calls = [{"name": _get(call, layout.name_path), "arguments": _as_arguments(_get(call, layout.arguments_path))}
                  for call in (value if layout.listed and isinstance(value, list) else [value])]
         readable = all(isinstance(c["name"], str) and c["name"] and isinstance(c["arguments"], (dict, type(None)))
                        for c in calls)
-        return [{**c, "arguments": c["arguments"] or {}} for c in calls] if calls and readable else None
+        return ([{**c, "arguments": c["arguments"] or {}} for c in calls], values[0][1]) if calls and readable \
+            else None
     named = NAME.match(segment)
     if named is None:
         return None
     name, rest = named.group(1), segment[named.end():]
     if layout.kind == "name_json":
-        values = [value for start, _, value in _json_values(rest) if start == rest.find("{")]
-        if "{" in rest and not values:  # arguments cut off, or not JSON
+        header = re.search(literal(layout.arguments_after), rest) if layout.arguments_after else None
+        at = header.end() if header else 0
+        at += len(rest[at:]) - len(rest[at:].lstrip())
+        try:  # the arguments: a JSON object right after the header (a string, a list, cut-off JSON: no call)
+            arguments, end = json.JSONDecoder().raw_decode(rest, at)
+        except ValueError:
             return None
-        return [{"name": name, "arguments": values[0] if values else {}}]
-    arguments = _pair_arguments(layout, rest, _schema_types(tools, name))
-    return None if arguments is None else [{"name": name, "arguments": arguments}]
+        return ([{"name": name, "arguments": arguments}], named.end() + end) if isinstance(arguments, dict) \
+            and (header or not layout.arguments_after) else None
+    closed = rest.find(layout.closing) if layout.closing else -1
+    body, end = (rest[:closed], named.end() + closed + len(layout.closing)) if closed >= 0 else (rest, len(segment))
+    arguments = _pair_arguments(layout, body, _schema_types(tools, name))
+    return None if arguments is None else ([{"name": name, "arguments": arguments}], end)
+
+
+def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
+    """`text` (the answer part of a reply decoded with its special tokens: what follows its reasoning) read for
+    calls by the template's layout (ReadCalls). Text after the last call's closing, special tokens aside, is kept
+    as `after`; a marker whose call does not read makes the reply an unreadable call."""
+    layout = call_layout(tokenizer)
+    if layout is None:
+        return ReadCalls(text)
+    if not layout.marker:  # the call is the whole reply, a bare JSON value (Llama 3.1's), special tokens aside
+        values = _json_values(text.strip())
+        whole = bool(values) and values[0][0] == 0 and not _strip_specials(text.strip()[values[0][1]:],
+                                                                           tokenizer).strip()
+        read = _calls_in(layout, text.strip(), tools) if whole else None
+        return ReadCalls("", tuple(read[0])) if read else ReadCalls(text)
+    found = list(re.finditer(literal(layout.marker), text))
+    if not found:
+        return ReadCalls(text)
+    head = text[:found[0].start()]
+    if layout.before_call and head.rstrip().endswith(layout.before_call):
+        head = head.rstrip()[:-len(layout.before_call)]
+    calls, after = [], ""
+    for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
+        read = _calls_in(layout, text[match.end():end], tools)
+        if read is None:
+            return ReadCalls(head, unreadable=text[found[0].start():].strip())
+        calls += read[0]
+        after = text[match.end():end][read[1]:]
+    closing = re.match(r"\s*" + literal(layout.closing), after) if layout.closing else None
+    after = after[closing.end():] if closing else after
+    return ReadCalls(head, tuple(calls), _strip_specials(after, tokenizer).strip())
 
 
 def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str, list[dict]]:
     """(the reply's text before its first call, less what the template writes between a trace and a call; the
-    calls, each {name, arguments}) of a reply decoded with its special tokens. No calls, or one that does not read
-    as a call (cut off inside its arguments, no name): (text, []), the reply is its text."""
-    layout = call_layout(tokenizer)
-    if layout is None:
-        return text, []
-    if not layout.marker:  # the call is the whole reply, a bare JSON value (Llama 3.1's), special tokens aside
-        values, after = _json_values(text.strip()), ""
-        if values and values[0][0] == 0:
-            after = text.strip()[values[0][1]:]
-            for token in tokenizer.all_special_tokens:
-                after = after.replace(token, "")
-        read = _calls_in(layout, text.strip(), tools) if values and values[0][0] == 0 and not after.strip() else None
-        return ("", read) if read else (text, [])
-    found = list(re.finditer(literal(layout.marker), text))
-    if not found:
-        return text, []
-    head = text[:found[0].start()]
-    if layout.before_call and head.rstrip().endswith(layout.before_call):
-        head = head.rstrip()[:-len(layout.before_call)]
-    calls = []
-    for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
-        read = _calls_in(layout, text[match.end():end], tools)
-        if read is None:  # a call that does not read as one: the reply is shown as written
-            return text, []
-        calls += read
-    return head, calls
+    calls, each {name, arguments}) of a reply's answer part (read_calls). No calls, or one that does not read as a
+    call: (text, [])."""
+    read = read_calls(tokenizer, text, tools)
+    return (read.head, list(read.calls)) if read.calls else (text, [])
 
 
 def call_line(call: dict) -> str:
@@ -303,6 +349,8 @@ def scores_calls(row: dict) -> bool:
 def was_right(row: dict, reply, text_match) -> bool:
     """A task's reply scored: an expected call by same_calls, an answer by `text_match(expected, got)` (a reply
     cut inside its reasoning is a miss)."""
+    if getattr(reply, "unreadable_call", None) is not None:
+        return False  # a call that does not read as one is a miss, whatever text came before it
     if scores_calls(row):
         return same_calls(expected_calls(row["messages"][-1]), list(reply.tool_calls))
     return reply.answered and text_match(row["answer"], reply.text)

@@ -299,3 +299,67 @@ def test_compare_says_which_tasks_were_scored_by_their_calls() -> None:
     assert calls_lines(rows) == ["1 of 2 tasks expect a tool call: scored by the call (the same tool names and the "
                                  "same arguments as JSON values, key order and spacing aside), not by its text"]
     assert calls_lines(rows[1:]) == []
+
+
+def _reply(tiny_model_dir, model, monkeypatch, family: str, reply: str):
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    generating(monkeypatch, model, tokenizer, [reply], family)
+    return generate_reply(model, tokenizer, QUESTION, 128, tools=TOOLS)
+
+
+def test_a_call_written_inside_the_reasoning_is_reasoning(tiny_model_dir, model, monkeypatch) -> None:
+    """Calls are read where the template writes them, after the trace: one mused about inside the think block is
+    reasoning, and the answer after it is the reply's (it was read as the call, with the answer lost)."""
+    musing = '<tool_call>\n{"name": "convert", "arguments": {"celsius": 1}}\n</tool_call>'
+    reply = _reply(tiny_model_dir, model, monkeypatch, "qwen3",
+                   f"<think>\nI could call {musing} but no.\n</think>\n\nIt is cold.<|im_end|>")
+    assert (reply.text, reply.tool_calls, reply.reasoning) == ("It is cold.", (), f"I could call {musing} but no.")
+    assert reply.message()["content"] == "It is cold."
+
+
+def test_text_after_a_call_is_kept_in_the_answer(tiny_model_dir, model, monkeypatch) -> None:
+    """Text the model writes after its last call (past `</tool_call>`) is not dropped: it follows the text before."""
+    call_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    reply = _reply(tiny_model_dir, model, monkeypatch, "qwen3", f"Sure. {call_text} and more text<|im_end|>")
+    assert (reply.text, reply.tool_calls) == ("Sure.\n\nand more text",
+                                              ({"name": "get_weather", "arguments": {"city": "Oslo"}},))
+
+
+@pytest.mark.parametrize("family, arguments", [("gpt_oss", '"Oslo"'), ("gpt_oss", "[1, 2]"), ("gpt_oss", "{'c': 1}"),
+                                               ("gpt_oss", '{"city": "Oslo"'), ("qwen3", "{'city': 'Oslo'}"),
+                                               ("qwen3", '["Oslo"]')])
+def test_a_call_that_does_not_read_is_an_unreadable_call(tiny_model_dir, model, monkeypatch, family,
+                                                          arguments) -> None:
+    """A call whose arguments are not a JSON object (a string, a list, Python's dict, cut-off JSON) is no call named
+    get_weather with no arguments, nor a trace with the call's header glued in: the trace is split right and the
+    call shown as written, an unreadable call (answered; a miss when scored); chat does not keep the turn."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    good = written(tokenizer, QUESTION, TRACED, STOPS[family][0])
+    bad = good.replace('{"city": "Oslo"}', arguments)
+    assert bad != good
+    generating(monkeypatch, model, tokenizer, [bad, bad, written(tokenizer, QUESTION, {
+        "role": "assistant", "content": "Fine."}, STOPS[family][1])], family)
+    reply = generate_reply(model, tokenizer, QUESTION, 128, tools=TOOLS)
+    marker = call_layout(tokenizer).marker
+    assert (reply.reasoning, reply.tool_calls, reply.answered) == ("I need the weather in Oslo.", (), True)
+    assert reply.unreadable_call.startswith(marker) and arguments in reply.unreadable_call
+    assert reply.unreadable_line().startswith(f"[tool call, unreadable] {marker}")
+    prompts, real = recording(monkeypatch, tokenizer)
+    lines, out = iter(["How cold is Oslo?", "Again?", "/exit"]), io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64, tools=TOOLS) == 2
+    assert "[tool call, unreadable]" in out.getvalue() and "Fine." in out.getvalue()
+    assert prompts[1] == real([{"role": "user", "content": "Again?"}], tools=TOOLS, add_generation_prompt=True,
+                              tokenize=False)  # the unreadable turn is not kept
+
+
+def test_compare_counts_an_unreadable_call_as_a_miss(tiny_model_dir, model, monkeypatch) -> None:
+    from open_sft.export.compare import reasoning_lines
+
+    tokenizer = tokenizer_for(tiny_model_dir, "gpt_oss")
+    bad = written(tokenizer, QUESTION, TRACED, "<|call|>").replace('"Oslo"}', '"Oslo"')
+    generating(monkeypatch, model, tokenizer, [bad], "gpt_oss")
+    score = score_tasks(model, tokenizer, [{"messages": QUESTION + [OSLO], "answer": ""}], max_new_tokens=64)
+    assert (score.correct, score.answers, score.cut) == ([False], ["(unreadable tool call)"], [False])
+    assert reasoning_lines("after", score, 64)[-1] == (
+        "after: 1 of 1 replies wrote an unreadable tool call (cut off, not JSON, arguments not an object: scored as "
+        "misses)")
