@@ -23,7 +23,8 @@ import sys
 from typing import Callable, Optional, TextIO
 
 from open_sft.export.generate import (CONTEXT_FULL, END_OF_TURN, Generation, add_model_arguments, context_length,
-                                      generate_reply, load_or_exit, plain_continuation, tools_for)
+                                      generate_reply, load_or_exit, plain_continuation,
+                                      tools_before_loading)
 
 EXIT, RESET, TOOL = ("/exit", "/quit"), "/reset", "/tool"
 PROMPT = "you> "
@@ -158,6 +159,10 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
     add_model_arguments(parser, max_new_tokens=256)
     parser.add_argument("--system", default=None, help="a system message that starts every conversation")
     args = parser.parse_args(argv)
+    tools, problem = tools_before_loading(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     loaded = load_or_exit(args)
     if loaded is None:
         return 2
@@ -166,10 +171,6 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
     if raw and args.system:
         print("error: --system needs a chat template; plain continuation (--raw, or a tokenizer without one) "
               "continues the text typed", file=sys.stderr)
-        return 2
-    tools, problem = tools_for(args, loaded.tokenizer, raw)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         chat(loaded.model, loaded.tokenizer, line_reader(sys.stdin, sys.stdout), sys.stdout, args.system,

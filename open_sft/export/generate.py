@@ -190,6 +190,25 @@ def tools_for(args: argparse.Namespace, tokenizer, raw: bool) -> tuple[list[dict
     return tools_or_exit(args.tools, tokenizer, f"--tools {args.tools}")
 
 
+def tools_before_loading(args: argparse.Namespace) -> tuple[list[dict] | None, str | None]:
+    """tools_for with the directory's tokenizer alone, before any model loads: a --tools file that is missing, not
+    tool schemas, or not written by the template costs no model load. (None, None) without --tools."""
+    from open_sft.errors import UserError
+    from open_sft.export.run_dir import load_saved_tokenizer, model_kind
+
+    if args.tools is None:
+        return None, None
+    try:
+        from open_sft.export.tool_schemas import read_tools
+
+        read_tools(args.tools)  # the file first: it needs no tokenizer
+        model_kind(args.model_dir)  # a directory with no model is named as such, before its tokenizer
+        tokenizer = load_saved_tokenizer(args.model_dir)
+    except UserError as exc:
+        return None, str(exc)
+    return tools_for(args, tokenizer, args.raw or not tokenizer.chat_template)
+
+
 def plain_continuation(args: argparse.Namespace, tokenizer) -> bool:
     """Whether to continue plain text (--raw, or a tokenizer without a chat template: said on stderr)."""
     if not args.raw and not tokenizer.chat_template:
@@ -231,6 +250,10 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     args = parser.parse_args(argv)
     if args.score_sample < 0:
         parser.error(f"--score_sample must be 0 or more (a number of sample tasks), got {args.score_sample}")
+    tools, problem = tools_before_loading(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     loaded = load_or_exit(args)
     if loaded is None:
         return 2
@@ -239,10 +262,6 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     if raw and (args.system or args.score_sample):
         print(f"error: {'--system' if args.system else '--score_sample'} needs a chat template; plain continuation "
               "(--raw, or a tokenizer without one) continues --prompt alone", file=sys.stderr)
-        return 2
-    tools, problem = tools_for(args, tokenizer, raw)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
         return 2
     for prompt in args.prompt:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

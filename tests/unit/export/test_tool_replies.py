@@ -363,3 +363,24 @@ def test_compare_counts_an_unreadable_call_as_a_miss(tiny_model_dir, model, monk
     assert reasoning_lines("after", score, 64)[-1] == (
         "after: 1 of 1 replies wrote an unreadable tool call (cut off, not JSON, arguments not an object: scored as "
         "misses)")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_bad_tools_file_is_said_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                         command) -> None:
+    """A --tools typo, a file that is not tool schemas, or a template that writes none: said and exit 2 without
+    loading the model (the template check needs the tokenizer alone)."""
+    from open_sft.export import chat as chat_cli
+    from open_sft.export import run_dir
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before --tools was checked")
+
+    monkeypatch.setattr(run_dir, "load_run_model", no_load)
+    main = {"generate": generate_cli.main, "chat": chat_cli.main}[command]
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    for name, says in [("none.json", "No such file"), ("bad.json", "must be a list of tool schemas"),
+                       ("tools.json", "the chat template does not write tool schemas")]:
+        assert main([str(tiny_model_dir), "--tools", str(tmp_path / name)]) == 2
+        assert f"error: --tools {tmp_path / name}: " in (err := capsys.readouterr().err) and says in err
