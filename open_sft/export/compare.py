@@ -267,6 +267,31 @@ def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> tupl
     return tools, None
 
 
+def row_tools_problem(path: Path, rows: list[dict], directories, tokenizers, formats) -> str | None:
+    """Why a task row's own `tools` cannot be rendered in its prompt (a template that writes no tools or fails on
+    them, no template at all), naming the tasks file and line, as --tools FILE's are checked; None when they can."""
+    from open_sft.errors import UserError
+    from open_sft.export.tool_calls import task_tools
+    from open_sft.export.tool_schemas import check_written
+
+    lines = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    seen = set()
+    for number, row in zip(lines, rows):
+        if not (tools := task_tools(row)) or json.dumps(tools, sort_keys=True) in seen:
+            continue
+        seen.add(json.dumps(tools, sort_keys=True))
+        if not any(formats):
+            return f"--tasks {path} line {number}: the row's tools need a chat template to write them, and neither " \
+                   "model has one"
+        for directory, tokenizer, template in zip(directories, tokenizers, formats):
+            tokenizer.chat_template = template
+            try:
+                check_written(tokenizer, tools, f"--tasks {path} line {number}: the row's tools ({directory})")
+            except UserError as exc:
+                return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,6 +330,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         return 2
     formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
     tools, problem = _tools_for_both(args.tools, directories, tokenizers, formats)
+    problem = problem or row_tools_problem(args.tasks, rows, directories, tokenizers, formats)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -384,3 +384,19 @@ def test_a_bad_tools_file_is_said_before_the_model_loads(tiny_model_dir, tmp_pat
                        ("tools.json", "the chat template does not write tool schemas")]:
         assert main([str(tiny_model_dir), "--tools", str(tmp_path / name)]) == 2
         assert f"error: --tools {tmp_path / name}: " in (err := capsys.readouterr().err) and says in err
+
+
+def test_compare_says_a_task_rows_tools_the_template_does_not_write(tiny_model_dir, tmp_path, monkeypatch,
+                                                                     capsys) -> None:
+    """A task row's own tools under a template that writes none are the same error as --tools there (they were
+    left out of the prompt silently, rc 0): the tasks file and line named, exit 2, no model loaded."""
+    from open_sft.export import compare, run_dir
+
+    monkeypatch.setattr(run_dir, "load_run_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    tasks = tmp_path / "tasks.jsonl"
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+             "answer": "Hello."}
+    tasks.write_text(json.dumps(plain) + "\n\n" + json.dumps({"messages": QUESTION + [OSLO], "tools": TOOLS}) + "\n")
+    assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tasks)]) == 2
+    assert f"error: --tasks {tasks} line 3: the row's tools ({tiny_model_dir}): the chat template does not write " \
+           "tool schemas" in capsys.readouterr().err
