@@ -63,7 +63,10 @@ def check_written(tokenizer, tools: list[dict], where: str) -> None:
         with_tools = tokenizer.apply_chat_template(question, tools=tools, add_generation_prompt=True, tokenize=False)
         without = tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # noqa: BLE001  (a template error is the user's template or schema, said as such)
-        raise UserError(f"{where}: the chat template fails to render the tools ({type(exc).__name__}: {exc})") \
+        from open_sft.data.chat.render import schema_key_hint
+
+        hint = schema_key_hint(str(exc), tools)
+        raise UserError(f"{where}: the chat template fails to render the tools ({type(exc).__name__}: {exc}{hint})") \
             from None
     if with_tools == without:
         raise UserError(f"{where}: the chat template does not write tool schemas (its prompt is the same with and "

@@ -96,6 +96,22 @@ class TemplateState:
     tagless_reasoning: Optional[bool] = None  # it writes a reasoning field without <think> tags (reasoning.py)
 
 
+def schema_key_hint(problem: str, tools: Optional[list]) -> str:
+    """`; each tool schema needs 'description' under this template` where the template's error names a key some
+    tool schema lacks (gpt-oss's writes every schema's description: `'dict object' has no attribute
+    'description'`), else ""."""
+    missing = re.search(r"has no attribute '(\w+)'", problem)
+    if not missing or not tools:
+        return ""
+    key = missing.group(1)
+    schemas = [tool.get("function") if isinstance(tool.get("function"), dict) else tool for tool in tools]
+    lacking = [schema.get("name", "?") for schema in schemas if isinstance(schema, dict) and key not in schema
+               and key not in (schema.get("parameters") if isinstance(schema.get("parameters"), dict) else {})]
+    if not lacking:
+        return ""
+    return f"; each tool schema needs '{key}' under this template (without it: {', '.join(map(str, lacking))})"
+
+
 def _guarded(draw: Renderer) -> Renderer:
     """The renderer, with any failure of the template raised as the row's error (reason template_error)
     rather than a crash of the whole build: raise_exception on a role it has no turn for, turns that do
@@ -105,6 +121,7 @@ def _guarded(draw: Renderer) -> Renderer:
             return draw(messages, add_generation_prompt, tools)
         except Exception as exc:
             problem = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            problem += schema_key_hint(problem, tools)
             raise RowError(f"the chat template rejects this conversation ({problem}); fix the row, choose another "
                            "template with --chat_template_name or --chat_template_path, or skip such rows with "
                            "--on_bad_row drop", "template_error") from None

@@ -10,6 +10,7 @@ the model stops at."""
 from __future__ import annotations
 
 import json
+import re
 from itertools import repeat
 from pathlib import Path
 
@@ -452,3 +453,21 @@ def test_chat_template_kwargs_per_source_for_a_hybrid_mixture(tiny_model_dir, tm
     assert runs[0][1].startswith("<think>\nSix sevens")  # the thinking source as the template's default renders it
     sources = key_inputs(data, tokenizer, 0)["sources"]
     assert [s.get("chat_template_kwargs") for s in sources] == [None, '{"enable_thinking": false}']
+
+
+def test_a_tool_schema_without_the_key_the_template_writes_is_named(tiny_model_dir, tmp_path) -> None:
+    """gpt-oss's template writes each schema's description: a schema without one fails inside the template with
+    `'dict object' has no attribute 'description'`; the error says which key each schema needs, and which lack it."""
+    from open_sft.export.tool_schemas import check_written
+
+    tokenizer = family_tokenizer(tiny_model_dir, "gpt_oss")
+    bare = [{"type": "function", "function": {k: v for k, v in TOOLS[0]["function"].items() if k != "description"}}]
+    row = {"tools": bare, "messages": [{"role": "user", "content": "How cold is Oslo?"},
+                                       {"role": "assistant", "content": "Cold."}]}
+    hint = "each tool schema needs 'description' under this template (without it: get_weather)"
+    with pytest.raises(UserError, match=r"conversations.jsonl line 1: the chat template rejects this conversation "
+                                        r"\('dict object' has no attribute 'description'; " + re.escape(hint)):
+        build(tokenizer, tmp_path, [row])
+    with pytest.raises(UserError, match=re.escape(f"no attribute 'description'; {hint})")):
+        check_written(tokenizer, bare, "--tools t.json")
+    check_written(tokenizer, TOOLS, "--tools t.json")
