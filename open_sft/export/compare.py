@@ -37,6 +37,7 @@ CELL = 26  # characters of a table cell; longer answers end in "…"
 MAX_NEW_TOKENS, REASONING_MAX_NEW_TOKENS = 16, 256  # a reasoning template's answer follows its trace
 CALL_MAX_NEW_TOKENS = 128  # a call's markup, name and JSON arguments: more than a short answer
 CUT = "(stopped in its reasoning)"  # no answer came
+NO_ANSWER_NEEDED = "or no 'answer' where that reply has 'tool_calls': an expected call is scored by its calls"
 UNREADABLE = "(unreadable tool call)"  # a call written that does not read as one (cut off, not JSON)
 
 
@@ -57,6 +58,7 @@ class TaskScore:
     cut: list[bool] = field(default_factory=list)
     limited: list[bool] = field(default_factory=list)
     unreadable: list[bool] = field(default_factory=list)  # the reply wrote a call that does not read as one
+    calls: list[list[dict]] = field(default_factory=list)  # each reply's calls, {name, arguments}
 
     @property
     def hits(self) -> int:
@@ -86,7 +88,8 @@ def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = MAX_NE
                      [was_right(row, reply, exact_match) for row, reply in zip(rows, replies)],
                      [reply.reasoning for reply in replies], [not reply.answered for reply in replies],
                      [reply.stop_reason == TOKEN_LIMIT for reply in replies],
-                     [reply.unreadable_call is not None for reply in replies])
+                     [reply.unreadable_call is not None for reply in replies],
+                     [list(reply.tool_calls) for reply in replies])
 
 
 def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[str]:
@@ -152,7 +155,7 @@ def read_tasks(path: Path) -> list[dict]:
             if (not isinstance(messages, list) or len(messages) < 2 or not isinstance(messages[-1], dict)
                     or messages[-1].get("role") != "assistant"):
                 raise ValueError(f"{path} line {number}: a task needs 'messages' ending with the assistant's "
-                                 "reply and 'answer', that reply")
+                                 f"reply and 'answer', that reply ({NO_ANSWER_NEEDED})")
             rows.append(_task(row, f"{path} line {number}"))
     if not rows:
         raise ValueError(f"{path} holds no tasks")
@@ -174,7 +177,7 @@ def _task(row: dict, where: str) -> dict:
                                          for call in expected_calls(row["messages"][-1]))}
     if not isinstance(row.get("answer"), str):
         raise ValueError(f"{where}: a task needs 'messages' ending with the assistant's reply and 'answer', that "
-                         "reply (a reply that calls tools is scored by its calls)")
+                         f"reply ({NO_ANSWER_NEEDED})")
     return row
 
 
@@ -212,13 +215,26 @@ def write_scores(path: Path, rows: list[dict], dirs: tuple[Path, Path], before: 
     tasks = [{"id": row.get("id"), "task": row.get("task"), "prompt": row["messages"][-2]["content"],
               "expected": row["answer"], "before": b, "after": a, "before_correct": bc, "after_correct": ac,
               **{f"{name}_reasoning": score.reasoning[i] for name, score in (("before", before), ("after", after))
-                 if score.reasoning and score.reasoning[i] is not None}}
+                 if score.reasoning and score.reasoning[i] is not None},
+              **_calls_fields(row, i, before, after)}
              for i, (row, b, a, bc, ac) in enumerate(zip(rows, before.answers, after.answers, before.correct,
                                                           after.correct))]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"tasks": len(rows), "before": {"model": str(dirs[0]), "accuracy": before.accuracy},
                                 "after": {"model": str(dirs[1]), "accuracy": after.accuracy}, "rows": tasks},
                                indent=1) + "\n")
+
+
+def _calls_fields(row: dict, i: int, before: TaskScore, after: TaskScore) -> dict:
+    """A task's calls in --json, structured beside the display strings: `expected_tool_calls` and each model's
+    `before_tool_calls`/`after_tool_calls` ({name, arguments}), where the task expects a call or a reply made one."""
+    from open_sft.export.tool_calls import expected_calls
+
+    fields = {"expected_tool_calls": expected_calls(row["messages"][-1])} if scores_calls(row) else {}
+    for name, score in (("before", before), ("after", after)):
+        if (score.calls and score.calls[i]) or fields:
+            fields[f"{name}_tool_calls"] = score.calls[i] if score.calls else []
+    return fields
 
 
 def _load(directory: Path, tokenizer_only: bool = False):

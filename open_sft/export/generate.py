@@ -12,7 +12,8 @@ think block, gpt-oss's analysis channel); `cut_before_answer` says the reply sto
 --score_sample scores the answer alone. With --tools FILE (open_sft.export.tool_schemas) the prompt holds the tool
 schemas the chat template writes, and a reply's calls are `tool_calls` ({name, arguments}: open_sft.export.
 tool_calls), read after its reasoning only; a call that does not read as one (cut off, not JSON, arguments not
-an object) is `unreadable_tool_call`, as written; a sample row that expects a call is scored by it.
+an object) is `unreadable_tool_call`, as written. --tools is for the --prompt replies: --score_sample asks the
+bundled sample's tasks, which have no tools and expect no calls.
 
 OUTPUT_DIR is what the run wrote, whatever it holds: a full export, a LoRA/QLoRA adapter (its base model is
 the one adapter_config.json names, or --base_model), or a LoRA run's merged/ directory. Each generation says

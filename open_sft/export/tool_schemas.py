@@ -44,7 +44,7 @@ def read_tools(path: Path) -> list[dict]:
     try:
         tools = row_tools(row) if data is not None else None
     except RowError as exc:
-        raise UserError(f"--tools {path}: {exc}; give {EXPECTED}") from None
+        raise UserError(f"--tools {path}: {str(exc).split('; give ')[0]}; give {EXPECTED}") from None
     if not tools:
         raise UserError(f"--tools {path}: holds no tool schemas; give {EXPECTED}")
     for number, tool in enumerate(tools, 1):

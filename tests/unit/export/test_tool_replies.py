@@ -400,3 +400,26 @@ def test_compare_says_a_task_rows_tools_the_template_does_not_write(tiny_model_d
     assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tasks)]) == 2
     assert f"error: --tasks {tasks} line 3: the row's tools ({tiny_model_dir}): the chat template does not write " \
            "tool schemas" in capsys.readouterr().err
+
+
+def test_small_messages_and_the_json_calls(tmp_path) -> None:
+    """A task without an answer is told that an expected tool_calls reply needs none; a tools file's error says what
+    to give once; compare --json gives the calls structured beside their display strings."""
+    from open_sft.export.compare import TaskScore, write_scores
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"messages": QUESTION + [{"role": "assistant", "content": "Cold."}]}) + "\n")
+    with pytest.raises(ValueError, match="line 1: .*or no 'answer' where that reply has 'tool_calls'"):
+        read_tasks(tasks)
+    (tools := tmp_path / "tools.json").write_text('{"tools": "notalist"}')
+    with pytest.raises(UserError) as error:
+        read_tools(tools)
+    assert str(error.value).count("give") == 1
+    rows = [{"messages": QUESTION + [OSLO], "answer": 'get_weather {"city": "Oslo"}'}]
+    oslo = {"name": "get_weather", "arguments": {"city": "Oslo"}}
+    before = TaskScore(["Cold."], [False], calls=[[]])
+    after = TaskScore(['get_weather {"city": "Oslo"}'], [True], calls=[[oslo]])
+    write_scores(tmp_path / "s.json", rows, (Path("a"), Path("b")), before, after)
+    written_row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
+    assert (written_row["expected_tool_calls"], written_row["before_tool_calls"], written_row["after_tool_calls"]) == (
+        [oslo], [], [oslo])
