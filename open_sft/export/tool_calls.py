@@ -16,9 +16,13 @@ Each call starts at the template's call `marker`: what it writes right before th
 when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`); a
 template that writes a bare JSON call with nothing before it (Llama 3.1's `{"name": ..., "parameters": {...}}`)
 has no marker, and a reply is then a call when the whole of it is one.
-The text before the first call is the reply's content and reasoning (open_sft.export.reply), less what the
-template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`). A template whose probe
-renders no call (no tool-call support) has no layout: its replies are text.
+Calls are read in the reply's answer part only, past its reasoning (open_sft.export.reply): a call written inside
+a think block is reasoning. The text before the first call is the reply's content and reasoning, less what the
+template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`); text written after the last
+call's closing (the template's `</tool_call>`, special tokens aside) is kept after that content, not dropped. A
+marker whose call does not read (JSON cut off or not JSON, arguments not an object, no name) makes the reply an
+unreadable call, shown as written. A template whose probe renders no call (no tool-call support) has no layout:
+its replies are text.
 """
 
 from __future__ import annotations
