@@ -34,7 +34,7 @@ import os
 import re
 from typing import Optional
 
-from open_sft.data.chat.reasoning import reasoning_of
+from open_sft.data.chat.reasoning import after_trace, reasoning_of
 
 _OPENING = re.compile(r"<([A-Za-z_][\w-]*)>(\s*)")  # one tag opened, then whitespace: "<think>\n"
 
@@ -65,8 +65,10 @@ def opened_turn(message: dict, prompt: str, bare: str, through: str) -> Optional
     start, closer = f"<{tag}>", f"</{tag}>"
     written = turn[shared:]
     trace = _inline(message.get("content"), start, closer, space) or _as_opened(reasoning_of(message), space, closer)
-    said = trace[: trace.rindex(closer)].strip()
-    if start in written or said and said in written:
+    said, content = trace[: trace.rindex(closer)].strip(), message.get("content")
+    answer = after_trace(content).strip() if isinstance(content, str) else ""
+    beside = written.replace(answer, "", 1) if answer else written  # a trace may recur in the answer ("42")
+    if start in written or said and said in beside:
         return None  # the template writes a block, or the trace, itself: not this case
     answer = written.lstrip()
     if answer.startswith(closer):  # V3.1 writes the closer before a turn's answer itself

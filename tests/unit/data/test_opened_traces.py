@@ -190,3 +190,17 @@ def test_deepseek_v3_1_in_thinking_mode_trains_its_trace_right_after_the_opened_
     assert [tokenizer.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)] == [
         ANSWER + END["r1"]] * 3
     assert report.reasoning_opened_by_prompt == 0
+
+
+def test_a_trace_that_recurs_in_the_answer_still_trains(tiny_model_dir, tmp_path, family) -> None:
+    """A short trace that the answer repeats ("42", then "The answer is 42."): the turn trains the trace, the
+    closer and the answer after the opened block as any other (it fell back to the answer alone, uncounted, because
+    the trace was looked for in the whole of what the template writes for the turn, the answer included)."""
+    tokenizer = family_tokenizer(tiny_model_dir, family)
+    answer = "The answer is 42."
+    turns = ({"role": "assistant", "content": answer, "reasoning_content": "42"},
+             {"role": "assistant", "content": f"<think>\n42\n</think>\n\n{answer}"})
+    examples, (report,) = build(tokenizer, tmp_path, [[{"role": "user", "content": QUESTION}, t] for t in turns])
+    runs = [tokenizer.decode(run) for e in examples for run in trained_token_runs(e.input_ids, e.labels)]
+    assert [run.strip() for run in runs] == [f"42\n</think>\n\n{answer}{END[family]}"] * 2
+    assert report.reasoning_opened_by_prompt == 2
