@@ -15,7 +15,8 @@ writes says where a call's name and arguments sit; three layouts cover the templ
 Each call starts at the template's call `marker`: what it writes right before the name (or the JSON value) both
 when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`); a
 template that writes a bare JSON call with nothing before it (Llama 3.1's `{"name": ..., "parameters": {...}}`)
-has no marker, and a reply is then a call when the whole of it is one.
+has no marker, and a reply is then a call when the whole of it is one, with its arguments key, naming one of the
+tools the prompt was given (without tools such a reply is text: a JSON answer with a "name" key is no call).
 Calls are read in the reply's answer part only, past its reasoning (open_sft.export.reply): a call written inside
 a think block is reasoning. The text before the first call is the reply's content and reasoning, less what the
 template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`); text written after the last
@@ -244,6 +245,12 @@ def _get(value: Any, path: tuple) -> Any:
     return value
 
 
+def _has(value: Any, path: tuple) -> bool:
+    """Whether `value` holds the key path (its last key present, whatever its value)."""
+    parent = _get(value, path[:-1])
+    return bool(path) and isinstance(parent, dict) and path[-1] in parent
+
+
 def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Optional[tuple[list[dict], int]]:
     """(the calls one marker's segment holds: one, or a JSON list's; where in the segment they end), or None where
     it holds none that reads as a call (JSON cut off or not JSON, arguments not an object, a name missing)."""
@@ -285,12 +292,8 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
     layout = call_layout(tokenizer)
     if layout is None:
         return ReadCalls(text)
-    if not layout.marker:  # the call is the whole reply, a bare JSON value (Llama 3.1's), special tokens aside
-        values = _json_values(text.strip())
-        whole = bool(values) and values[0][0] == 0 and not _strip_specials(text.strip()[values[0][1]:],
-                                                                           tokenizer).strip()
-        read = _calls_in(layout, text.strip(), tools) if whole else None
-        return ReadCalls("", tuple(read[0])) if read else ReadCalls(text)
+    if not layout.marker:
+        return _bare_call(layout, tokenizer, text, tools)
     found = list(re.finditer(literal(layout.marker), text))
     if not found:
         return ReadCalls(text)
@@ -307,6 +310,32 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
     closing = re.match(r"\s*" + literal(layout.closing), after) if layout.closing else None
     after = after[closing.end():] if closing else after
     return ReadCalls(head, tuple(calls), _strip_specials(after, tokenizer).strip())
+
+
+def _bare_call(layout: CallLayout, tokenizer, text: str, tools: Optional[list]) -> ReadCalls:
+    """A template without a marker (Llama 3.1's bare JSON call): the reply is a call when the whole of it (special
+    tokens aside) is one JSON call object that has the arguments key and names one of `tools`. Without tools it is
+    text: any JSON answer with a "name" key (`{"name": "Alice", "age": 30}`) would otherwise read as a call."""
+    names = _tool_names(tools)
+    values = _json_values(text.strip())
+    if not names or not values or values[0][0] != 0 or _strip_specials(text.strip()[values[0][1]:], tokenizer).strip():
+        return ReadCalls(text)
+    objects = values[0][2] if layout.listed and isinstance(values[0][2], list) else [values[0][2]]
+    if not all(_has(value, layout.arguments_path) for value in objects):
+        return ReadCalls(text)  # no arguments key: a JSON answer, not a call
+    read = _calls_in(layout, text.strip(), tools)
+    return ReadCalls("", tuple(read[0])) if read and all(call["name"] in names for call in read[0]) \
+        else ReadCalls(text)
+
+
+def _tool_names(tools: Optional[list]) -> set[str]:
+    """The function names of tool schemas (OpenAI tool objects or bare function schemas)."""
+    names = set()
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.add(function["name"])
+    return names
 
 
 def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str, list[dict]]:

@@ -423,3 +423,20 @@ def test_small_messages_and_the_json_calls(tmp_path) -> None:
     written_row = json.loads((tmp_path / "s.json").read_text())["rows"][0]
     assert (written_row["expected_tool_calls"], written_row["before_tool_calls"], written_row["after_tool_calls"]) == (
         [oslo], [], [oslo])
+
+
+def test_a_json_answer_is_no_call_under_a_bare_json_layout(tiny_model_dir, model, monkeypatch) -> None:
+    """Under Llama 3.1's layout (no marker) a JSON answer with a "name" key read as a call named Alice with {} (and
+    chat kept it as one): a bare call needs its arguments key and the name of a tool given, and tools at all."""
+    tokenizer = tokenizer_for(tiny_model_dir, "llama")
+    alice = '{"name": "Alice", "age": 30}<|eot_id|>'
+    for text, tools in [(alice, None), (alice, TOOLS), ('{"name": "get_weather"}<|eot_id|>', TOOLS),
+                        ('{"name": "Alice", "parameters": {}}<|eot_id|>', TOOLS),
+                        ('{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>', None)]:
+        assert split_calls(tokenizer, text, tools) == (text, [])
+    call_text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eot_id|>'
+    assert split_calls(tokenizer, call_text, TOOLS)[1] == [{"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    generating(monkeypatch, model, tokenizer, [alice], "llama")
+    lines, out = iter(["Who?", "/exit"]), io.StringIO()
+    chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64)
+    assert out.getvalue().startswith('{"name": "Alice", "age": 30}\n') and "[tool call]" not in out.getvalue()
