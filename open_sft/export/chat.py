@@ -6,10 +6,12 @@ it stopped; a reasoning model's trace (a think block, gpt-oss's analysis channel
 `[reasoning]` and `[/reasoning]`, and kept in the conversation as the template reads it (open_sft.export.reply),
 so later turns render as training did. With --tools FILE the prompt holds the tool schemas (as a training row's
 `tools`), a reply that calls a tool shows each call as `[tool call] NAME {ARGUMENTS}` and is kept with its
-`tool_calls` (a call that does not read as one, cut off or not JSON, is shown as `[tool call, unreadable]
-RAW` and the turn is not kept: no message renders it as written), and `/tool TEXT` answers the next call with TEXT (a `tool` message) and has the model go on from
-the result. `/reset` starts the conversation over (a --system message stays), `/exit` (or end of input, Ctrl-D)
-quits. On a terminal the turns are read with line editing after a `you> `
+`tool_calls` (a call that does not read as one, cut off or not JSON, is shown as `[tool call, unreadable] RAW` and
+the turn is not kept: no message renders it as written), and `/tool TEXT` answers the next call with TEXT (a `tool`
+message); once every call of the reply has its result the model goes on from them (a reply that made two calls takes
+two /tool lines, the first answered by `[result kept; 1 more call awaits /tool]`). `/reset` starts the conversation
+over (a --system message stays), `/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line
+editing after a `you> `
 prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
 holds only the replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
 directory, as for `open_sft generate`. A model without a chat template (trained on plain text), or --raw: each
@@ -56,15 +58,27 @@ def tool_result(messages: list[dict], text: str) -> dict | str:
     gpt-oss's template writes), or why there is none to answer."""
     from open_sft.export.reply import call_id
 
-    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] != "tool"), None)
-    calls = messages[last].get("tool_calls") if last is not None else None
-    answered = len(messages) - 1 - last if last is not None else 0
-    if not calls or answered >= len(calls):
+    calls, answered = _open_calls(messages)
+    if answered >= len(calls):
         return f"[no tool call awaits a result: {TOOL} TEXT answers the calls of the model's last reply]"
     if not text:
         return f"[{TOOL} TEXT: give the result of {calls[answered]['function']['name']}]"
     return {"role": "tool", "content": text, "tool_call_id": calls[answered].get("id") or call_id(answered + 1),
             "name": calls[answered]["function"]["name"]}
+
+
+def _open_calls(messages: list[dict]) -> tuple[list[dict], int]:
+    """(the calls of the last reply that called tools, how many of them tool messages after it answer); ([], 0)
+    where the last message that is not a tool result made no calls."""
+    last = next((i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] != "tool"), None)
+    calls = (messages[last].get("tool_calls") or []) if last is not None else []
+    return calls, (len(messages) - 1 - last if calls else 0)
+
+
+def awaiting(messages: list[dict]) -> int:
+    """How many calls of the last reply that called tools have no result yet."""
+    calls, answered = _open_calls(messages)
+    return len(calls) - answered
 
 
 def stop_line(reply: Generation, max_new_tokens: int, context: int) -> str:
@@ -124,6 +138,10 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
             out.flush()
             continue
         messages.append(turn)
+        if turn["role"] == "tool" and (left := awaiting(messages)):  # the reply answers every call's result at once
+            out.write(f"[result kept; {left} more {'call awaits' if left == 1 else 'calls await'} {TOOL}]\n")
+            out.flush()
+            continue
         reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw, tools=tools)
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset

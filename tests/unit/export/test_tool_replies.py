@@ -440,3 +440,21 @@ def test_a_json_answer_is_no_call_under_a_bare_json_layout(tiny_model_dir, model
     lines, out = iter(["Who?", "/exit"]), io.StringIO()
     chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64)
     assert out.getvalue().startswith('{"name": "Alice", "age": 30}\n') and "[tool call]" not in out.getvalue()
+
+
+def test_chat_goes_on_after_every_result_of_parallel_calls(tiny_model_dir, model, monkeypatch) -> None:
+    """After a reply with two calls the first /tool result is kept and the model waits for the second (it answered
+    with one result missing, and the second call could never be answered); the follow-up sees both results."""
+    tokenizer = tokenizer_for(tiny_model_dir, "qwen3")
+    answer = {"role": "assistant", "content": "It is 26.6 F."}
+    generating(monkeypatch, model, tokenizer, [written(tokenizer, QUESTION, TWO, "<|im_end|>"),
+                                               written(tokenizer, QUESTION, answer, "<|im_end|>")], "qwen3")
+    prompts, real = recording(monkeypatch, tokenizer)
+    lines = iter(["How cold is Oslo?", '/tool {"temp_c": -3}', '/tool {"f": 26.6}', "/exit"])
+    out = io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64, tools=TOOLS) == 2
+    second = {"role": "tool", "content": '{"f": 26.6}', "tool_call_id": "call00002", "name": "convert"}
+    assert len(prompts) == 2 and prompts[1] == real(QUESTION + [TWO, RESULT, second], tools=TOOLS,
+                                                    add_generation_prompt=True, tokenize=False)
+    shown = out.getvalue().splitlines()
+    assert "[result kept; 1 more call awaits /tool]" in shown and "It is 26.6 F." in shown
