@@ -70,18 +70,19 @@ class TaskScore:
         return self.hits / len(self.correct) if self.correct else 0.0
 
 
-def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int = MAX_NEW_TOKENS,
+def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int | list[int] = MAX_NEW_TOKENS,
                 raw: bool = False, tools: list[dict] | None = None) -> TaskScore:
     """Greedy replies of `model` to each row's messages but the last (with the row's own `tools`, else `tools`, in
-    the prompt), their answers (a reasoning model's without its reasoning) scored with exact_match against
-    `answer`, an expected tool call by its name and arguments (tool_calls.same_calls); `raw`: to those messages'
-    contents, one per line, continued as plain text (no chat template)."""
+    the prompt; `max_new_tokens` one limit, or each row's), their answers (a reasoning model's without its
+    reasoning) scored with exact_match against `answer`, an expected tool call by its name and arguments
+    (tool_calls.same_calls); `raw`: to those messages' contents, one per line, continued as plain text."""
     from open_sft.export.generate import TOKEN_LIMIT, generate_reply
     from open_sft.export.tool_calls import call_line, task_tools, was_right
 
+    limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
     replies = [generate_reply(model, tokenizer, _plain(row["messages"][:-1]) if raw else row["messages"][:-1],
-                              max_new_tokens, raw=raw, tools=None if raw else task_tools(row) or tools)
-               for row in rows]
+                              limit, raw=raw, tools=None if raw else task_tools(row) or tools)
+               for row, limit in zip(rows, limits)]
     return TaskScore([" ".join([reply.text] * bool(reply.text) + [call_line(call)[len("[tool call] "):]
                                                                   for call in reply.tool_calls]
                                + [UNREADABLE] * (reply.unreadable_call is not None)) for reply in replies],
@@ -254,17 +255,18 @@ def _load(directory: Path, tokenizer_only: bool = False):
     return loaded.model, loaded.tokenizer
 
 
-def _default_limit(directory: Path, tokenizer, template: str | None, calls: bool = False) -> int:
-    """MAX_NEW_TOKENS (CALL_MAX_NEW_TOKENS where a task expects a tool call), or REASONING_MAX_NEW_TOKENS for a
-    template that writes reasoning before the answer (said on stderr): MAX_NEW_TOKENS ends most reasoning replies
-    inside their trace, and most calls inside their arguments."""
+def default_limits(directory: Path, tokenizer, template: str | None, rows: list[dict]) -> list[int]:
+    """Each task's new tokens without --max_new_tokens: MAX_NEW_TOKENS, CALL_MAX_NEW_TOKENS for a task that expects
+    a tool call, or REASONING_MAX_NEW_TOKENS for every task under a template that writes reasoning before the answer
+    (said on stderr): MAX_NEW_TOKENS ends most reasoning replies inside their trace, and most calls inside their
+    arguments."""
     from open_sft.export.reply import writes_reasoning
 
     if not writes_reasoning(template, tokenizer):
-        return CALL_MAX_NEW_TOKENS if calls else MAX_NEW_TOKENS
+        return [CALL_MAX_NEW_TOKENS if scores_calls(row) else MAX_NEW_TOKENS for row in rows]
     print(f"{directory}: its chat template writes reasoning before the answer: each reply may have "
           f"{REASONING_MAX_NEW_TOKENS} new tokens (--max_new_tokens)", file=sys.stderr, flush=True)
-    return REASONING_MAX_NEW_TOKENS
+    return [REASONING_MAX_NEW_TOKENS] * len(rows)
 
 
 def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> tuple[list[dict] | None, str | None]:
@@ -358,9 +360,10 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         model, tokenizer = loaded
         if template is not None:
             tokenizer.chat_template = template
-        limit = args.max_new_tokens or _default_limit(directory, tokenizer, template, any(map(scores_calls, rows)))
-        scores.append(score_tasks(model, tokenizer, rows, limit, raw=template is None, tools=tools))
-        notes += reasoning_lines(f"{name} ({directory})", scores[-1], limit)
+        limits = [args.max_new_tokens] * len(rows) if args.max_new_tokens else \
+            default_limits(directory, tokenizer, template, rows)  # a task that expects a call gets room for it
+        scores.append(score_tasks(model, tokenizer, rows, limits, raw=template is None, tools=tools))
+        notes += reasoning_lines(f"{name} ({directory})", scores[-1], max(limits))
     print(format_table(rows, *scores, args.show))
     print(accuracy_line(*scores), flush=True)
     print("".join(f"{note}\n" for note in calls_lines(rows) + notes), end="", flush=True)

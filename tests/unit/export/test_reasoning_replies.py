@@ -27,6 +27,7 @@ REPLIES = {"qwen3": "<think>\nTwo plus two is four.\n</think>\n\n4.",
                       "<|message|>4.",
            "glm": "\n<think>Two plus two is four.</think>\n4."}
 STOP = {"qwen3": "<|im_end|>", "gpt_oss": "<|return|>", "glm": "<|user|>"}
+FOUR = [{"messages": [{"role": "assistant", "content": "4"}]}]  # a task expecting an answer, not a call
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +123,10 @@ def test_compare_scores_the_answer_and_says_what_was_set_aside(tiny_model_dir, m
         "cut off at --max_new_tokens 9: raise it"]
     table = compare.format_table(rows, score, score, 2).splitlines()
     assert "✓ 4. " in table[1] and "✗ (stopped in its reasoning)" in table[2]
-    assert compare._default_limit("out", tokenizer, tokenizer.chat_template) == compare.REASONING_MAX_NEW_TOKENS
+    assert compare.default_limits("out", tokenizer, tokenizer.chat_template, FOUR) == [
+        compare.REASONING_MAX_NEW_TOKENS]
     plain = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert compare._default_limit("base", plain, plain.chat_template) == compare.MAX_NEW_TOKENS
+    assert compare.default_limits("base", plain, plain.chat_template, FOUR) == [compare.MAX_NEW_TOKENS]
 
 
 def test_score_sample_scores_the_answer(tiny_model_dir, model, monkeypatch) -> None:
@@ -194,7 +196,8 @@ def test_a_trace_the_generation_prompt_opens_is_set_aside_and_kept_in_the_conten
     cut = parse_reply(tokenizer, tokenizer("Two plus two", add_special_tokens=False)["input_ids"],
                       tokenizer(real(QUESTION, add_generation_prompt=True, tokenize=False))["input_ids"])
     assert (cut.answer, cut.reasoning, cut.answered) == ("", "Two plus two", False)
-    assert compare._default_limit("out", tokenizer, tokenizer.chat_template) == compare.REASONING_MAX_NEW_TOKENS
+    assert compare.default_limits("out", tokenizer, tokenizer.chat_template, FOUR) == [
+        compare.REASONING_MAX_NEW_TOKENS]
 
 
 @pytest.mark.parametrize("family", ["r1", "qwq"])

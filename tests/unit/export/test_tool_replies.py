@@ -253,13 +253,29 @@ def test_generate_score_sample_scores_calls(tiny_model_dir, model, monkeypatch) 
                                                         "reasoning_set_aside": 1, "scored_as_tool_calls": 1}
 
 
-def test_compare_gives_a_call_room_by_default(tiny_model_dir) -> None:
-    """16 new tokens (a short answer's room) cut a call inside its arguments: tasks that expect one get 128."""
-    from open_sft.export.compare import _default_limit
+def test_compare_gives_a_call_room_by_default(tiny_model_dir, monkeypatch, tmp_path) -> None:
+    """16 new tokens (a short answer's room) cut a call inside its arguments: a task that expects one gets 128, the
+    others keep 16 (every task got 128 once any expected a call); --max_new_tokens applies to every task."""
+    from open_sft.export import compare
+    from open_sft.export import generate as generate_module
 
-    plain = AutoTokenizer.from_pretrained(tiny_model_dir)
-    assert (_default_limit(Path("m"), plain, plain.chat_template), _default_limit(
-        Path("m"), plain, plain.chat_template, calls=True)) == (16, 128)
+    limits = []
+
+    def reply(model, tokenizer, messages, max_new_tokens, **kwargs):
+        limits.append(max_new_tokens)
+        return generate_module.Generation("Hello.", generate_module.END_OF_TURN, 1, 1)
+
+    monkeypatch.setattr(generate_module, "generate_reply", reply)
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}],
+             "answer": "Hello."}
+    (tasks := tmp_path / "tasks.jsonl").write_text(json.dumps(plain) + "\n" + json.dumps(
+        {"messages": QUESTION + [OSLO]}) + "\n")
+    assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tasks)]) == 0
+    assert limits == [16, 128] * 2
+    limits.clear()
+    assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tasks), "--max_new_tokens", "5"]) \
+        == 0
+    assert limits == [5, 5] * 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
