@@ -22,8 +22,9 @@ a think block is reasoning. The text before the first call is the reply's conten
 template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`); text written after the last
 call's closing (the template's `</tool_call>`, special tokens aside) is kept after that content, not dropped. A
 marker whose call does not read (JSON cut off or not JSON, arguments not an object, no name) makes the reply an
-unreadable call, shown as written. A template whose probe renders no call (no tool-call support) has no layout:
-its replies are text.
+unreadable call, shown as written, even after calls that read: a reply's calls are read all or none (chat could keep
+no message that renders the reply as the model wrote it, and compare scores the reply, not its first call). A
+template whose probe renders no call (no tool-call support) has no layout: its replies are text.
 """
 
 from __future__ import annotations

@@ -474,3 +474,17 @@ def test_chat_goes_on_after_every_result_of_parallel_calls(tiny_model_dir, model
                                                     add_generation_prompt=True, tokenize=False)
     shown = out.getvalue().splitlines()
     assert "[result kept; 1 more call awaits /tool]" in shown and "It is 26.6 F." in shown
+
+
+def test_a_marker_in_the_trace_or_a_second_call_that_does_not_read(tiny_model_dir, model, monkeypatch) -> None:
+    """A call marker left unfinished inside the think block does not stop the call after the trace from reading;
+    a readable call followed by one that does not read makes the reply an unreadable call, all or none (the first
+    call alone would be a turn chat keeps that the model did not write, and a compare hit on half a reply)."""
+    good = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    reply = _reply(tiny_model_dir, model, monkeypatch, "qwen3",
+                   f'<think>\nMaybe <tool_call>\n{{"name": "conv\n</think>\n\n{good}<|im_end|>')
+    assert (reply.tool_calls, reply.unreadable_call, reply.reasoning) == (
+        ({"name": "get_weather", "arguments": {"city": "Oslo"}},), None, 'Maybe <tool_call>\n{"name": "conv')
+    for second in ('<tool_call>\n{"name": "convert", "argu', "<tool_call>\nnot json\n</tool_call>"):
+        reply = _reply(tiny_model_dir, model, monkeypatch, "qwen3", f"{good}\n{second}<|im_end|>")
+        assert (reply.tool_calls, reply.unreadable_call) == ((), f"{good}\n{second}")
