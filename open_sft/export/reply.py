@@ -17,12 +17,13 @@ A template that writes no reasoning field leaves the trace written in the conten
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Optional
 
 PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
 INLINE_OPEN, INLINE_CLOSE = "<think>", "</think>"  # a trace in the content (open_sft.data.chat.reasoning)
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # reasoning_layout's, per tokenizer
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,17 @@ def _common_suffix(first: str, second: str) -> str:
     return first[len(first) - n:]
 
 
-@lru_cache(maxsize=8)
 def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
-    """The template's reasoning layout, read from its rendering of a probe message after a user turn; None when
-    it writes no reasoning field after the generation prompt (an instruct template, or one that fails)."""
+    """The reasoning layout of the tokenizer's template (`template`), read from its rendering of a probe message after
+    a user turn; None when it writes no reasoning field after the generation prompt (an instruct template, or one
+    that fails). Read once per tokenizer (not kept alive by it), again if its template or tokens change."""
+    key, cached = (template, len(tokenizer)), _LAYOUTS.get(tokenizer)
+    if cached is None or cached[0] != key:
+        cached = _LAYOUTS[tokenizer] = (key, _reasoning_layout(tokenizer))
+    return cached[1]
+
+
+def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
     user = [{"role": "user", "content": "Q"}]
     try:
         prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Optional
 
 PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
@@ -41,6 +41,7 @@ PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
 PROBE_TOOLS = [{"type": "function", "function": {
     "name": PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {
         "probe_key_1": {"type": "string"}, "probe_key_2": {"type": "integer"}}, "required": ["probe_key_1"]}}}]
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a layout per tokenizer, not keeping it alive
 NAME = re.compile(r"\s*([A-Za-z0-9_.:\-]+)")  # OpenAI's function names, and namespaced ones
 
 
@@ -185,8 +186,7 @@ def _pair_layout(text: str) -> Optional[tuple[str, str, str]]:
     return (opening, between, closing) if opening and between and closing else None
 
 
-@lru_cache(maxsize=8)
-def _layout(template: str, tokenizer) -> Optional[CallLayout]:
+def _layout(tokenizer) -> Optional[CallLayout]:
     alone = _rendered_reply(tokenizer, _probe())
     found = _anchor(alone) if alone is not None else None
     if found is None:
@@ -209,7 +209,12 @@ def _layout(template: str, tokenizer) -> Optional[CallLayout]:
 def call_layout(tokenizer) -> Optional[CallLayout]:
     """The template's call layout (module docstring), or None where its probe renders no call we can read."""
     template = tokenizer.chat_template
-    return _layout(template, tokenizer) if isinstance(template, str) else None
+    if not isinstance(template, str):
+        return None
+    key, cached = (template, len(tokenizer)), _LAYOUTS.get(tokenizer)
+    if cached is None or cached[0] != key:  # read once per tokenizer, again if its template or tokens change
+        cached = _LAYOUTS[tokenizer] = (key, _layout(tokenizer))
+    return cached[1]
 
 
 def _strip_specials(text: str, tokenizer) -> str:

@@ -488,3 +488,20 @@ def test_a_marker_in_the_trace_or_a_second_call_that_does_not_read(tiny_model_di
     for second in ('<tool_call>\n{"name": "convert", "argu', "<tool_call>\nnot json\n</tool_call>"):
         reply = _reply(tiny_model_dir, model, monkeypatch, "qwen3", f"{good}\n{second}<|im_end|>")
         assert (reply.tool_calls, reply.unreadable_call) == ((), f"{good}\n{second}")
+
+
+def test_the_layouts_do_not_keep_a_tokenizer_alive(tiny_model_dir) -> None:
+    """The call and reasoning layouts are read once per tokenizer (again when its template changes) and do not keep
+    it alive: an lru_cache keyed on the tokenizer held up to 8 of them after their last use."""
+    import gc
+    import weakref
+
+    tokenizer = tokenizer_for(tiny_model_dir, "qwen3")
+    assert call_layout(tokenizer).marker == "<tool_call>" and reasoning_layout(tokenizer.chat_template, tokenizer)
+    assert call_layout(tokenizer) is call_layout(tokenizer)
+    tokenizer.chat_template = LLAMA_TOOLS
+    assert call_layout(tokenizer).marker == "" and reasoning_layout(tokenizer.chat_template, tokenizer) is None
+    alive = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert alive() is None
