@@ -269,6 +269,17 @@ def default_limits(directory: Path, tokenizer, template: str | None, rows: list[
     return [REASONING_MAX_NEW_TOKENS] * len(rows)
 
 
+def checked_tools(args: argparse.Namespace, rows: list[dict], directories, tokenizers, formats) -> tuple[
+        list[dict] | None, str | None]:
+    """(--tools's schemas, None), or (None, why they or a task row's own tools cannot be used), checked against the
+    template each model is asked with. A model asked with the other's template (it has none) is named so: a
+    template that fails on its tokenizer (a `bos_token` it lacks) is then said to be the other model's."""
+    names = [str(directory) if tokenizer.chat_template else f"{directory}, asked with {directories[1 - i]}'s chat "
+             "template: it has none" for i, (directory, tokenizer) in enumerate(zip(directories, tokenizers))]
+    tools, problem = _tools_for_both(args.tools, names, tokenizers, formats)
+    return tools, problem or row_tools_problem(args.tasks, rows, names, tokenizers, formats)
+
+
 def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> tuple[list[dict] | None, str | None]:
     """(--tools's schemas, None), checked against the template each model is asked with before either model
     loads, or (None, why they cannot be used)."""
@@ -347,8 +358,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     if None in tokenizers:
         return 2
     formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
-    tools, problem = _tools_for_both(args.tools, directories, tokenizers, formats)
-    problem = problem or row_tools_problem(args.tasks, rows, directories, tokenizers, formats)
+    tools, problem = checked_tools(args, rows, directories, tokenizers, formats)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -505,3 +505,29 @@ def test_the_layouts_do_not_keep_a_tokenizer_alive(tiny_model_dir) -> None:
     del tokenizer
     gc.collect()
     assert alive() is None
+
+
+def test_compare_names_the_borrowed_template_a_tools_check_failed_on(tiny_model_dir, tmp_path, monkeypatch,
+                                                                      capsys) -> None:
+    """A model without a chat template is asked with the other's; where that template fails on its tokenizer (a
+    bos_token it lacks) the --tools error named the template-less model alone, as if its own template failed."""
+    from open_sft.export import compare
+
+    def load(directory, tokenizer_only=False):  # a fresh tokenizer each time, as from its directory
+        assert tokenizer_only, "a model was loaded"
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        if str(directory) == "before":
+            tokenizer.chat_template, tokenizer.bos_token = None, None
+        else:
+            tokenizer.chat_template = ("{{ bos_token + '' }}{% for m in messages %}{{ m.content }}{% endfor %}"
+                                       "{% if tools %}{{ tools | tojson }}{% endif %}")
+        return tokenizer
+
+    monkeypatch.setattr(compare, "_load", load)
+    (tools := tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    (tasks := tmp_path / "tasks.jsonl").write_text(json.dumps({"messages": QUESTION + [OSLO], "tools": TOOLS}) + "\n")
+    for flags, where in [(["--tools", str(tools)], f"--tools {tools}"),
+                         ([], f"--tasks {tasks} line 1: the row's tools")]:
+        assert compare.main(["before", "after", "--tasks", str(tasks), *flags]) == 2
+        assert f"error: {where} (before, asked with after's chat template: it has none): the chat template fails to " \
+               "render the tools" in capsys.readouterr().err
