@@ -14,8 +14,10 @@ its new ones (`resubmit`); one the Hub holds already costs the hashing of its fi
 
 A failed upload logs a warning with the command that retries just that upload; training goes on. A refused one
 (HTTP 401/403: the token cannot write to the repository) is said once, naming the repository and the fix; the
-launch uploads no more checkpoints and prunes them as without --push_checkpoints (each one kept un-uploaded filled
-the disk: 8 checkpoints kept under --keep_last_n_checkpoints 1 in 8 steps); the relaunch uploads those left.
+training launch uploads no more checkpoints and prunes them as without --push_checkpoints (each one kept un-uploaded
+filled the disk: 8 checkpoints kept under --keep_last_n_checkpoints 1 in 8 steps); the relaunch uploads those left.
+The relaunch of a completed run that only uploads (`upload_left`) writes no checkpoint: it never prunes one that is
+not uploaded.
 `close` waits at most OPEN_SFT_HUB_CHECKPOINT_WAIT_S [900] seconds for the uploads still queued at the end of the
 run, STOP_WAIT_S after a stop on a signal; what is left is named, and the relaunch uploads it.
 The Hub keeps every uploaded checkpoint: pruning is local only.
@@ -79,8 +81,8 @@ class CheckpointUploader:
             return frozenset(self._pending)
 
     def kept(self, root: Path) -> frozenset[Path]:
-        """What pruning must keep: the checkpoints not recorded as uploaded, unless the Hub refused this launch's
-        token (none of them would go up in this launch, and kept they filled the disk)."""
+        """What a training launch's pruning must keep: the checkpoints not recorded as uploaded, unless the Hub
+        refused this launch's token (none of them would go up in this launch, and kept they filled the disk)."""
         return frozenset() if self.refused is not None else self.unpushed(root)
 
     def unpushed(self, root: Path) -> frozenset[Path]:
@@ -172,14 +174,16 @@ def upload_left(output_dir: Path, config: Any) -> bool:
     """A relaunch of a completed run (open_sft.training.completion.already_complete) whose end was stopped or killed
     while it waited for its checkpoint uploads: uploads the complete checkpoints not recorded as uploaded, then
     prunes (or, with --clean_checkpoints_at_end, removes) them as the run's end would have. True when each
-    upload succeeded."""
+    upload succeeded. Nothing un-uploaded is pruned here, even when the Hub refuses the token (unlike `kept`, which
+    serves a training launch, whose new checkpoints would fill the disk): this launch writes none, and deleting one
+    would lose the very checkpoint it exists to upload."""
     root, keep = output_dir / CHECKPOINTS, config.checkpoint.keep_last_n_checkpoints
     uploader = CheckpointUploader(config.hub)
     uploader.resubmit(root)
     done = not uploader.close() and not uploader.failed
     if config.checkpoint.clean_checkpoints_at_end and not uploader.unpushed(root):
         remove_all(output_dir)
-    for path in prune(root, keep, uploader.kept(root)):
+    for path in prune(root, keep, uploader.unpushed(root)):
         logger.info("deleted old checkpoint %s", path)
     return done
 

@@ -210,3 +210,26 @@ def test_a_hub_that_refuses_the_token_is_said_once_and_the_checkpoints_are_prune
                                                        "(HfHubHTTPError: 403")
     assert "Fix: a token with write access to org/c" in refused[0] and TOKEN not in caplog.text
     assert "python -m open_sft push " in refused[0]
+
+
+def test_the_upload_only_relaunch_prunes_no_checkpoint_the_hub_refused(tmp_path, loopback_hub) -> None:
+    """The relaunch of a completed run whose checkpoint uploads were left (RUN_COMPLETE's uploads left) with a token
+    the Hub still refuses (403): it pruned as a refused training launch does and deleted step_2 and step_4 under
+    --keep_last_n_checkpoints 1, never uploaded: the checkpoints it exists to upload. It writes no checkpoint, so it
+    keeps every one not uploaded; the relaunch with a good token uploads the three, then prunes."""
+    from open_sft.export.hub_checkpoints import upload_left
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4, 6))
+    hub = SimpleNamespace(hub_model_id="org/c", hub_revision="main", hub_private=True, hub_token=TOKEN)
+    config = SimpleNamespace(hub=hub, checkpoint=SimpleNamespace(keep_last_n_checkpoints=1,
+                                                                 clean_checkpoints_at_end=False))
+    loopback_hub.always["commit"] = "403"
+    try:
+        assert upload_left(tmp_path, config) is False
+    finally:
+        loopback_hub.always.clear()
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
+    assert upload_left(tmp_path, config) is True  # a token that can write: the three go up, then pruning
+    assert sorted(p.name for p in root.iterdir()) == ["step_6"]
+    assert {f"checkpoints/step_{s}/COMPLETE" for s in (2, 4, 6)} <= set(_hub_files(loopback_hub))
