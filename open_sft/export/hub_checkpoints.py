@@ -131,14 +131,18 @@ class CheckpointUploader:
                     self._pending.discard(checkpoint)
 
     def _refused(self, checkpoint: Path, exc: BaseException) -> None:
+        """Said once. No retry command for `checkpoint` itself: under --keep_last_n_checkpoints the next save may
+        prune it (a refused launch prunes as without --push_checkpoints), so the command names step_N."""
         self.refused = scrub(describe(exc), self.token)
         logger.error("the Hub refused the upload of checkpoint %s to %s (%s): this token cannot write there, which "
-                     "retrying does not change. This launch uploads no more checkpoints and keeps the newest "
-                     "--keep_last_n_checkpoints as without --push_checkpoints. Fix: a token with write access to %s "
-                     "(HF_TOKEN or --hub_token; a fine-grained token needs write permission on it), or another "
-                     "--hub_model_id; then relaunch the same command (it uploads the checkpoints still on disk), or "
-                     "upload one now with:\n  %s", checkpoint.name, self.repo_id, self.refused, self.repo_id,
-                     self.retry_command(checkpoint))
+                     "retrying does not change. This launch uploads no more checkpoints and prunes them as without "
+                     "--push_checkpoints: only the newest --keep_last_n_checkpoints stay on disk, the older ones are "
+                     "deleted without being uploaded. Fix: a token with write access to %s (HF_TOKEN or --hub_token; "
+                     "a fine-grained token needs write permission on it), or another --hub_model_id; then relaunch "
+                     "the command: it uploads every complete checkpoint still in %s first (also once the run is "
+                     "complete: RUN_COMPLETE notes the uploads left). Or upload one that is still there (step_N) "
+                     "now with:\n  %s", checkpoint.name, self.repo_id, self.refused, self.repo_id, checkpoint.parent,
+                     self.retry_command(checkpoint.parent / "step_N"))
 
     def close(self, timeout: Optional[float] = None) -> list[Path]:
         """Wait (bounded) for the queued uploads; what is left is named with its retry command and returned (a

@@ -73,7 +73,7 @@ def test_failed_checkpoint_upload_warns_with_a_retry_command_that_works(tmp_path
     (checkpoint / "COMPLETE").write_text(json.dumps({"step": 3, "files": {"trainer_state.json": 11}}))
     env = child_env(HF_HUB_OFFLINE="0", HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, OPEN_SFT_HUB_RETRIES="2",
                     OPEN_SFT_HUB_BACKOFF_S="0.1")
-    hub.always["commit"] = "403"  # refused: huggingface_hub and push.py give up at once
+    hub.always["commit"] = "404"  # failed, not refused (401/403: the refusal's line names no one checkpoint)
     try:
         failed = subprocess.run([sys.executable, "-c", UPLOAD_FAILS, str(checkpoint)], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=60)

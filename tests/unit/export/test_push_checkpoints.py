@@ -209,7 +209,11 @@ def test_a_hub_that_refuses_the_token_is_said_once_and_the_checkpoints_are_prune
     assert len(refused) == 1 and refused[0].startswith("the Hub refused the upload of checkpoint step_2 to org/c "
                                                        "(HfHubHTTPError: 403")
     assert "Fix: a token with write access to org/c" in refused[0] and TOKEN not in caplog.text
-    assert "python -m open_sft push " in refused[0]
+    # step_2 was pruned at the next save: the line named a retry command for a checkpoint gone moments later
+    assert f"python -m open_sft push {root / 'step_2'}" not in refused[0]
+    assert f"relaunch the command: it uploads every complete checkpoint still in {root} first" in refused[0]
+    assert f"Or upload one that is still there (step_N) now with:\n  python -m open_sft push {root / 'step_N'} " \
+        "--hub_model_id org/c" in refused[0]
 
 
 def test_the_upload_only_relaunch_prunes_no_checkpoint_the_hub_refused(tmp_path, loopback_hub) -> None:
