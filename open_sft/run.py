@@ -390,4 +390,8 @@ def _start_accelerator(job: Job, model_config: Any, zero3_init: bool = False) ->
 
     job.accelerator, job.ds_config = start_accelerator(job.config, job.launch, job.dtype, model_config, zero3_init)
     lifeline.watch_ranks()  # collective: from here on a peer that disappears stops this rank
-    lifeline.resume_from(job.output_dir)  # its lost line names the step the relaunch resumes from
+    from open_sft.training.completion import resume_setting
+    from open_sft.training.resume import relaunch_point
+
+    # its lost line says where the relaunch starts: the step under auto, the named checkpoint, or step 0 under none
+    lifeline.resume_from(job.output_dir, resume_setting(job.config), relaunch_point)

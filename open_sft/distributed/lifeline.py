@@ -13,8 +13,8 @@ Here each rank started by a launcher
 
 On either it prints why and exits with LOST_EXIT_CODE (STOP_GRACE_S or GRACE_S after it first noticed), from the
 watchdog thread (`os._exit`: the main thread may be blocked inside a collective, where no Python runs) and without
-writing a checkpoint: its state may be torn between two steps; the relaunch resumes from the last complete
-checkpoint, which the line names. Peers on other hosts are
+writing a checkpoint: its state may be torn between two steps; the line says where the same command starts again
+(under --resume_from_checkpoint auto the step of the last complete checkpoint: `resume_from`). Peers on other hosts are
 bounded by the process-group timeout (--timeout), after which the failed collective is reported the same way.
 
 finetune.py installs it in its first lines, before anything imports torch (seconds): a launcher killed while its
@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 #: Exit code of a rank that stopped because its launcher or a peer rank is gone (no checkpoint written).
 LOST_EXIT_CODE = 4
@@ -113,7 +113,9 @@ class Lifeline:
         self.peers: dict[int, tuple[int, str]] = {}  # rank -> (pid, start time), ranks on this host only
         self.follow = started_by_launcher()
         self.stopping: Optional[str] = None  # the signal whose stop this rank carries out (note_stop)
-        self.output_dir: Optional[Path] = None  # the run's, once known: the lost line names the step it resumes from
+        self.output_dir: Optional[Path] = None  # the run's, once known (resume_from): the lost line says where the
+        self.resume_setting = "auto"  # relaunch starts, by the effective --resume_from_checkpoint and `_point`
+        self._point: Optional[Callable[[str, Path], Optional[Path]]] = None
         self._said_stopping = False
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -202,21 +204,29 @@ class Lifeline:
 
     def lost_message(self, why: str) -> str:
         return (f"error: rank {self.rank}: {why}; stopping this rank without writing a checkpoint (exit "
-                f"{LOST_EXIT_CODE}). Relaunch the same command: it resumes from {self._resume_point()}\n")
+                f"{LOST_EXIT_CODE}). {self._relaunch()}\n")
 
-    def _resume_point(self) -> str:
-        """The newest checkpoint with its COMPLETE marker, as the relaunch's `auto` finds it (the surviving ranks'
+    def _relaunch(self) -> str:
+        """What the same command does when relaunched, by the run's --resume_from_checkpoint (the surviving ranks'
         line said only "the last complete checkpoint", where the launcher's summary says nothing of it)."""
-        if self.output_dir is None:
-            return "the last complete checkpoint in --output_dir"
+        if self.output_dir is None or self._point is None:
+            return ("Relaunch the same command: under --resume_from_checkpoint auto (the default) it resumes from the "
+                    "last complete checkpoint in --output_dir")
+        if self.resume_setting == "none":
+            return ("A relaunch of the same command starts over from step 0 (--resume_from_checkpoint none or "
+                    "--overwrite_output_dir); to resume from the last complete checkpoint instead, relaunch with "
+                    "--resume_from_checkpoint auto and without --overwrite_output_dir")
+        root, auto = self.output_dir / "checkpoints", self.resume_setting == "auto"
         try:
-            steps = [int(path.name[5:]) for path in (self.output_dir / "checkpoints").glob("step_*")
-                     if path.name[5:].isdigit() and (path / "COMPLETE").is_file()]
-        except OSError:
-            steps = []
-        if not steps:
-            return f"step 0 (no complete checkpoint in {self.output_dir / 'checkpoints'} yet)"
-        return f"step {max(steps)} ({self.output_dir / 'checkpoints' / f'step_{max(steps)}'})"
+            point = self._point(self.resume_setting, self.output_dir)
+        except Exception:  # this rank is exiting: a checkpoint that does not read must not keep it alive
+            where = f"the last complete checkpoint in {root}" if auto else self.resume_setting
+            return f"Relaunch the same command: it resumes from {where}"
+        if not auto:  # a named checkpoint, or this run's newest continuation of it
+            return f"Relaunch the same command: it resumes from {point}"
+        if point is None:
+            return f"Relaunch the same command: it resumes from step 0 (no complete checkpoint in {root} yet)"
+        return f"Relaunch the same command: it resumes from step {point.name[5:]} ({point})"
 
     def exit_lost(self, why: str) -> None:
         message = self.lost_message(why)
@@ -262,10 +272,14 @@ def explain_failure() -> None:
     release()
 
 
-def resume_from(output_dir: Path) -> None:
-    """The run's output directory: a rank that loses its run names the checkpoint the relaunch resumes from."""
+def resume_from(output_dir: Path, setting: str, point: Callable[[str, Path], Optional[Path]]) -> None:
+    """The run's output directory, its --resume_from_checkpoint as applied (`none` under --overwrite_output_dir) and
+    the function that finds the checkpoint a relaunch resumes from (training.resume.relaunch_point: resume's own
+    reading, problem_with's checks of damage and format included): a rank that loses its run says where the same
+    command starts again. Passed in, not imported: this module loads before torch, and the checkpoint modules import
+    torch and this one (an import circle)."""
     if _installed is not None:
-        _installed.output_dir = Path(output_dir)
+        _installed.output_dir, _installed.resume_setting, _installed._point = Path(output_dir), setting, point
 
 
 def note_stop(signal_name: str) -> None:

@@ -16,8 +16,8 @@ from open_sft.data.template_date import dates_of
 from open_sft.distributed.collectives import broadcast_object
 from open_sft.durable import next_previous, set_aside
 from open_sft.errors import UserError
-from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, problem_with,
-                                         step_dirs, timeline_of)
+from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, newest_usable,
+                                         problem_with, step_dirs, timeline_of)
 from open_sft.training.damage import DAMAGED
 from open_sft.training.elastic import convertible, keeps_global_batch, rescalable
 from open_sft.training.steps import balances
@@ -110,6 +110,18 @@ def _choose(setting: str, output_dir: Path) -> tuple[Optional[Path], Optional[st
         raise UserError(f"--resume_from_checkpoint {setting}: not a usable checkpoint ({problem}); pass a "
                         f"complete checkpoint directory (checkpoints/step_N), auto, or none")
     return path, named
+
+
+def relaunch_point(setting: str, output_dir: Path) -> Optional[Path]:
+    """The checkpoint a relaunch under `setting` (as the run applies it: completion.resume_setting) resumes from, as
+    `_choose` picks it but reading only (a rank that lost its run names it as it exits: lifeline.resume_from):
+    None under none (a fresh start); under auto the newest checkpoint problem_with finds nothing wrong with (None:
+    step 0); a named one's newest continuation in OUTPUT_DIR (a requeue), else the named checkpoint."""
+    if setting == "none":
+        return None
+    if setting == "auto":
+        return newest_usable(output_dir / CHECKPOINTS)
+    return continued(setting, output_dir) or Path(setting).expanduser()
 
 
 def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) -> None:

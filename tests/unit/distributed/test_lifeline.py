@@ -82,17 +82,47 @@ def test_a_failed_collective_names_the_peer_that_was_still_exiting(monkeypatch) 
 
 def test_the_lost_line_names_the_step_the_relaunch_resumes_from(tmp_path) -> None:
     """A SIGKILLed rank: the launch ended on torchrun's summary and the survivors' line, which said only "the last
-    complete checkpoint"; it names the step now (a checkpoint still being written, without COMPLETE, is not it)."""
+    complete checkpoint"; it names the step now, as resume picks it: a checkpoint still being written (no COMPLETE)
+    and a damaged one (COMPLETE, its safetensors unreadable: resume moves it aside) are not it."""
+    from open_sft.training.checkpoint import publish
+    from open_sft.training.resume import relaunch_point
+    from unit.training.test_checkpoint import _publish_steps
+
     me = Lifeline(rank=0)
     why = "rank 1 (pid 7 on host) is gone"
-    assert me.lost_message(why).endswith("Relaunch the same command: it resumes from the last complete checkpoint "
-                                         "in --output_dir\n")
-    me.output_dir = tmp_path
-    assert "it resumes from step 0 (no complete checkpoint in" in me.lost_message(why)
-    for step, complete in ((2, True), (4, True), (6, False)):
-        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        if complete:
-            (tmp_path / "checkpoints" / f"step_{step}" / "COMPLETE").write_text("{}")
+    assert me.lost_message(why).endswith("Relaunch the same command: under --resume_from_checkpoint auto (the "
+                                         "default) it resumes from the last complete checkpoint in --output_dir\n")
+    me.output_dir, me._point = tmp_path, relaunch_point
+    root = tmp_path / "checkpoints"
+    assert f"it resumes from step 0 (no complete checkpoint in {root} yet)" in me.lost_message(why)
+    _publish_steps(root, (2, 4))
+    (root / "step_6.tmp").mkdir()
+    (root / "step_6.tmp" / "model.safetensors").write_bytes(b"\0" * 64)  # zeroed by a crash, size as listed
+    publish(root / "step_6.tmp", root / "step_6", 6)
+    (root / "step_8").mkdir()
     assert me.lost_message(why) == (f"error: rank 0: {why}; stopping this rank without writing a checkpoint (exit 4). "
-                                    f"Relaunch the same command: it resumes from step 4 "
-                                    f"({tmp_path / 'checkpoints' / 'step_4'})\n")
+                                    f"Relaunch the same command: it resumes from step 4 ({root / 'step_4'})\n")
+
+
+def test_the_lost_line_says_where_a_relaunch_starts_under_none_or_a_named_checkpoint(tmp_path, monkeypatch) -> None:
+    """"Relaunch the same command: it resumes from step N" was said whatever --resume_from_checkpoint was: under
+    none (or --overwrite_output_dir, which applies none) the relaunch starts over, and a named checkpoint resumes
+    from itself, or from this run's newest checkpoint once the run wrote one after it (a requeue)."""
+    from open_sft.training.resume import relaunch_point
+    from unit.training.test_checkpoint import _publish_steps
+
+    me = Lifeline(rank=1)
+    why = "its launcher (pid 7) is gone"
+    _publish_steps(tmp_path / "checkpoints", (2, 4))
+    monkeypatch.setattr(lifeline, "_installed", me)
+    lifeline.resume_from(tmp_path, "none", relaunch_point)
+    assert me.lost_message(why).endswith(
+        "A relaunch of the same command starts over from step 0 (--resume_from_checkpoint none or "
+        "--overwrite_output_dir); to resume from the last complete checkpoint instead, relaunch with "
+        "--resume_from_checkpoint auto and without --overwrite_output_dir\n")
+    named = tmp_path / "other_run" / "checkpoints" / "step_3"
+    _publish_steps(named.parent, (3,))
+    lifeline.resume_from(tmp_path, str(named), relaunch_point)
+    assert me.lost_message(why).endswith(f"Relaunch the same command: it resumes from {named}\n")
+    _publish_steps(tmp_path / "checkpoints", (5,), timeline=str(named.resolve()))  # this run's, after the named one
+    assert me.lost_message(why).endswith(f"it resumes from {tmp_path / 'checkpoints' / 'step_5'}\n")
