@@ -366,8 +366,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (whose stop is graceful): loading, export
         return _stop("open_sft: interrupted (Ctrl-C); the same command starts again from where it can: a cache "
                      "build from its last complete chunk, training from the newest complete checkpoint", 130)
-    except Exception:
-        lifeline.explain_failure()  # a collective failed because a peer or the launcher is gone: say that instead
+    except Exception as exc:
+        lifeline.explain_failure(exc)  # a collective failed because a peer or the launcher is gone: say that instead
         raise
     finally:
         restore_signals()

@@ -75,9 +75,43 @@ def test_a_failed_collective_names_the_peer_that_was_still_exiting(monkeypatch) 
     stopped: list[str] = []
     monkeypatch.setattr(me, "exit_lost", stopped.append)
     monkeypatch.setattr(lifeline, "_installed", me)
-    lifeline.explain_failure()
+    lifeline.explain_failure(RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                                          "[127.0.0.1]:15263: Connection reset by peer"))  # as torch 2.13 raises it
     assert stopped == [f"rank 0 (pid {peer.pid} on {me.host}) is gone"]
     peer.wait()
+
+
+def test_only_a_failed_collective_waits_for_a_peer_the_other_errors_are_checked_once(monkeypatch) -> None:
+    """explain_failure waited up to 2 s after any exception: every crash cost 2 s, and a peer that exited meanwhile
+    for its own reasons replaced this rank's real traceback with "rank 0 ... is gone (exit 4)". Here the peer is
+    gone from the second look on: only a collective that failed on a connection looks again."""
+    import torch.distributed as dist
+
+    me = Lifeline(rank=1)
+    me.follow, me.peers = False, {0: (7, "1")}
+    looks: list[int] = []
+
+    def gone_from_the_second_look() -> str | None:
+        looks.append(1)
+        return "rank 0 (pid 7 on host) is gone" if len(looks) > 1 else None
+
+    stopped: list[str] = []
+    monkeypatch.setattr(me, "gone", gone_from_the_second_look)
+    monkeypatch.setattr(me, "exit_lost", stopped.append)
+    monkeypatch.setattr(lifeline, "_installed", me)
+    for error in (ValueError("a bug of this rank"), RuntimeError("CUDA out of memory"), KeyError("labels")):
+        looks.clear()
+        me.peers = {0: (7, "1")}  # each explain_failure releases them
+        lifeline.explain_failure(error)
+        assert (stopped, len(looks)) == ([], 1)  # the traceback propagates
+    wrapped = RuntimeError("step failed")
+    wrapped.__cause__ = RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+    for error in (dist.DistBackendError("NCCL error: remote process exited"), wrapped):
+        looks.clear()
+        me.peers = {0: (7, "1")}
+        lifeline.explain_failure(error)
+        assert stopped.pop() == "rank 0 (pid 7 on host) is gone"
+    assert not lifeline.lost_connection(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 def test_the_lost_line_names_the_step_the_relaunch_resumes_from(tmp_path) -> None:
