@@ -152,6 +152,10 @@ class StopRequest:
             return self
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if _unraised and self.signal_name is None:  # a stop before the loop that Python dropped where it was raised
+            self.signal_name = _unraised[0].signal_name  # (a weakref callback, a __del__): the first step stops
+            logger.warning("%s came before training and was lost where it landed: the run stops after its first "
+                           "step, with its checkpoint", self.signal_name)
         return self
 
     def uninstall(self) -> None:

@@ -229,6 +229,42 @@ def test_sigterm_outside_the_training_loop_stops_with_75_and_says_what_to_do(tmp
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_stop_dropped_before_the_loop_is_taken_up_by_the_loop(caplog) -> None:
+    """A SIGTERM while loading whose handler ran inside a weakref callback (or a __del__): Python prints "Exception
+    ignored" and goes on, so the run trained to its end and exited 0, the scheduler's stop lost (seen on 2 ranks
+    under ZeRO-2: the raise landed in a WeakKeyDictionary's callback). The training loop's stop request now starts
+    requested, so the run stops after its first step with a checkpoint, every rank agreeing, and exits 75."""
+    import gc
+    import os
+    import signal
+    import weakref
+
+    from open_sft.training.preemption import StopRequest, stop_outside_training
+
+    restore = stop_outside_training()
+    try:
+        class Held:
+            pass
+
+        held = Held()
+        ref = weakref.ref(held, lambda _: os.kill(os.getpid(), signal.SIGTERM))  # the handler raises in here
+        del held
+        gc.collect()
+        assert ref() is None
+        stop = StopRequest().install()
+        try:
+            assert stop.requested and stop.signal_name == "SIGTERM"
+        finally:
+            stop.uninstall()
+    finally:
+        restore()
+    assert "SIGTERM came before training and was lost where it landed" in caplog.text
+    fresh = StopRequest().install()  # a later run in this process does not inherit it
+    fresh.uninstall()
+    assert not fresh.requested
+
+
 def resume_point(tmp_path, step: int, history=None, config=None):
     from open_sft.training.checkpoint import ResumePoint
 
