@@ -49,7 +49,8 @@ def _calls_block(reply: Generation) -> str:
     from open_sft.export.tool_calls import call_line
 
     if reply.unreadable_call is not None:
-        return f"{reply.unreadable_line()}\n[the call does not read as one: this turn is not kept in the conversation]\n"
+        return (f"{reply.unreadable_line()}\n"
+                "[the call does not read as one: this turn is not kept in the conversation]\n")
     return "".join(f"{call_line(call)}\n" for call in reply.tool_calls)
 
 
