@@ -21,15 +21,17 @@ Calls are read in the reply's answer part only, past its reasoning (open_sft.exp
 a think block is reasoning. The text before the first call is the reply's content and reasoning, less what the
 template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`); text written after the last
 call's closing (the template's `</tool_call>`, special tokens aside) is kept after that content, not dropped. A
-marker whose call does not read (JSON cut off or not JSON, arguments not an object, no name) makes the reply an
-unreadable call, shown as written, even after calls that read: a reply's calls are read all or none (chat could keep
-no message that renders the reply as the model wrote it, and compare scores the reply, not its first call). A
-template whose probe renders no call (no tool-call support) has no layout: its replies are text.
+marker whose call does not read (JSON cut off or not JSON, arguments not an object, no name, no closing where the
+template writes one: cut off at --max_new_tokens) makes the reply an unreadable call, shown as written, even after
+calls that read: a reply's calls are read all or none (chat could keep no message that renders the reply as the
+model wrote it, and compare scores the reply, not its first call). A template whose probe renders no call (no
+tool-call support) has no layout: its replies are text.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import weakref
 from dataclasses import dataclass
@@ -127,17 +129,11 @@ def _path_to(value: Any, wanted: Any, path: tuple = ()) -> Optional[tuple]:
 
 
 def _common_suffix(first: str, second: str) -> str:
-    n = 0
-    while n < min(len(first), len(second)) and first[-1 - n] == second[-1 - n]:
-        n += 1
-    return first[len(first) - n:]
+    return os.path.commonprefix([first[::-1], second[::-1]])[::-1]
 
 
 def _common_prefix(first: str, second: str) -> str:
-    n = 0
-    while n < min(len(first), len(second)) and first[n] == second[n]:
-        n += 1
-    return first[:n]
+    return os.path.commonprefix([first, second])
 
 
 def literal(text: str) -> str:
@@ -253,13 +249,13 @@ def _get(value: Any, path: tuple) -> Any:
 
 def _has(value: Any, path: tuple) -> bool:
     """Whether `value` holds the key path (its last key present, whatever its value)."""
-    parent = _get(value, path[:-1])
-    return bool(path) and isinstance(parent, dict) and path[-1] in parent
+    return bool(path) and isinstance(parent := _get(value, path[:-1]), dict) and path[-1] in parent
 
 
 def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Optional[tuple[list[dict], int]]:
-    """(the calls one marker's segment holds: one, or a JSON list's; where in the segment they end), or None where
-    it holds none that reads as a call (JSON cut off or not JSON, arguments not an object, a name missing)."""
+    """(the calls one marker's segment holds: one, or a JSON list's; where they end, past their closing), or None
+    where it holds none that reads as a call (JSON cut off or not JSON, arguments not an object, a name or the
+    template's closing missing)."""
     if layout.kind == "json":
         values = _json_values(segment)
         if not values or segment[:values[0][0]].strip():
@@ -269,8 +265,9 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
                  for call in (value if layout.listed and isinstance(value, list) else [value])]
         readable = all(isinstance(c["name"], str) and c["name"] and isinstance(c["arguments"], (dict, type(None)))
                        for c in calls)
-        return ([{**c, "arguments": c["arguments"] or {}} for c in calls], values[0][1]) if calls and readable \
-            else None
+        end = _closed(layout, segment, values[0][1])
+        return ([{**c, "arguments": c["arguments"] or {}} for c in calls], end) if calls and readable \
+            and end is not None else None
     named = NAME.match(segment)
     if named is None:
         return None
@@ -283,12 +280,21 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
             arguments, end = json.JSONDecoder().raw_decode(rest, at)
         except ValueError:
             return None
-        return ([{"name": name, "arguments": arguments}], named.end() + end) if isinstance(arguments, dict) \
-            and (header or not layout.arguments_after) else None
-    closed = rest.find(layout.closing) if layout.closing else -1
-    body, end = (rest[:closed], named.end() + closed + len(layout.closing)) if closed >= 0 else (rest, len(segment))
+        end = _closed(layout, segment, named.end() + end)
+        return ([{"name": name, "arguments": arguments}], end) if isinstance(arguments, dict) \
+            and (header or not layout.arguments_after) and end is not None else None
+    closed = rest.find(layout.closing) if layout.closing else len(rest)
+    if closed < 0:
+        return None  # cut off before its closing (--max_new_tokens): its last pair may be cut too
+    body, end = rest[:closed], named.end() + closed + len(layout.closing)
     arguments = _pair_arguments(layout, body, _schema_types(tools, name))
     return None if arguments is None else ([{"name": name, "arguments": arguments}], end)
+
+
+def _closed(layout: CallLayout, segment: str, end: int) -> Optional[int]:
+    """`end` moved past the template's closing of a call (`</tool_call>`, if any); None where the call lacks it."""
+    closing = re.match(r"\s*" + literal(layout.closing), segment[end:])
+    return end + closing.end() if closing else None
 
 
 def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
@@ -313,8 +319,6 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
             return ReadCalls(head, unreadable=text[found[0].start():].strip())
         calls += read[0]
         after = text[match.end():end][read[1]:]
-    closing = re.match(r"\s*" + literal(layout.closing), after) if layout.closing else None
-    after = after[closing.end():] if closing else after
     return ReadCalls(head, tuple(calls), _strip_specials(after, tokenizer).strip())
 
 

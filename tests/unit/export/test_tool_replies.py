@@ -289,6 +289,22 @@ def test_a_call_cut_off_inside_its_arguments_is_text(tiny_model_dir, family) -> 
     assert split_calls(tokenizer, name_cut, TOOLS) == (name_cut, [])
 
 
+@pytest.mark.parametrize("family", ["qwen3", "glm"])
+def test_a_call_cut_off_before_its_closing_is_an_unreadable_call(tiny_model_dir, model, monkeypatch, family) -> None:
+    """A call cut at --max_new_tokens after its arguments but before the template's `</tool_call>` (Qwen3's whole
+    JSON, GLM's last pair) is not a complete call: it read as get_weather {city: Oslo}, a compare hit."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    assert call_layout(tokenizer).closing == "</tool_call>"
+    whole = written(tokenizer, QUESTION, OSLO, STOPS[family][0])
+    cut = whole[:whole.index("</tool_call>")]
+    assert split_calls(tokenizer, cut, TOOLS) == (cut, [])
+    generating(monkeypatch, model, tokenizer, [cut, cut, whole], family)
+    reply = generate_reply(model, tokenizer, QUESTION, 128, tools=TOOLS)
+    assert (reply.tool_calls, reply.unreadable_call) == ((), cut[cut.index("<tool_call>"):].strip())
+    tasks = [{"messages": QUESTION + [OSLO], "answer": ""}]
+    assert [score_tasks(model, tokenizer, tasks, max_new_tokens=128).correct for _ in "ab"] == [[False], [True]]
+
+
 def test_a_response_template_reads_the_calls(tiny_model_dir) -> None:
     """A tokenizer with a `response_template` (transformers' parse_response) reads the calls by it: the calls it
     parses are the reply's, its trace the reasoning."""
