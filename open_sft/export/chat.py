@@ -7,11 +7,11 @@ it stopped; a reasoning model's trace (a think block, gpt-oss's analysis channel
 so later turns render as training did. With --tools FILE the prompt holds the tool schemas (as a training row's
 `tools`), a reply that calls a tool shows each call as `[tool call] NAME {ARGUMENTS}` and is kept with its
 `tool_calls` (a call that does not read as one, cut off or not JSON, is shown as `[tool call, unreadable] RAW` and
-the turn is not kept: no message renders it as written), and `/tool TEXT` answers the next call with TEXT (a `tool`
-message); once every call of the reply has its result the model goes on from them (a reply that made two calls takes
-two /tool lines, the first answered by `[result kept; 1 more call awaits /tool]`). `/reset` starts the conversation
-over (a --system message stays), `/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line
-editing after a `you> `
+neither it nor the message it answered is kept, since no message renders it as written: ask again, or send the
+/tool result again), and `/tool TEXT` answers the next call with TEXT (a `tool` message); once every call of the
+reply has its result the model goes on from them (a reply that made two calls takes two /tool lines, the first
+answered by `[result kept; 1 more call awaits /tool]`). `/reset` starts the conversation over (a --system message
+stays), `/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line editing after a `you> `
 prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
 holds only the replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
 directory, as for `open_sft generate`. A model without a chat template (trained on plain text), or --raw: each
@@ -45,12 +45,16 @@ def _reasoning_block(reply: Generation) -> str:
         f"[reasoning, stopped before any answer]\n{reply.reasoning}\n"
 
 
-def _calls_block(reply: Generation) -> str:
+def _calls_block(reply: Generation, turn: dict) -> str:
+    """The reply's calls, one a line; an unreadable call as written, with what was left out of the conversation
+    (`turn`, the message it answered, as well as the reply) and how to go on."""
     from open_sft.export.tool_calls import call_line
 
     if reply.unreadable_call is not None:
-        return (f"{reply.unreadable_line()}\n"
-                "[the call does not read as one: this turn is not kept in the conversation]\n")
+        left, again = ("the tool result", f"send it again with {TOOL}") if turn["role"] == "tool" else (
+            "your message", "ask again")
+        return (f"{reply.unreadable_line()}\n[the call does not read as one: {left} and this reply are both left "
+                f"out of the conversation; {again}]\n")
     return "".join(f"{call_line(call)}\n" for call in reply.tool_calls)
 
 
@@ -146,7 +150,7 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
         reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw, tools=tools)
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
-        elif reply.unreadable_call is not None:  # no message renders it as written: the turn is not kept
+        elif reply.unreadable_call is not None:  # no message renders it as written: neither it nor its turn kept
             messages.pop()
             replies += 1
         else:
@@ -155,7 +159,7 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
         called = reply.tool_calls or reply.unreadable_call is not None
         answer = f"{reply.text}\n" if reply.text or not called else ""  # a bare call: its lines alone
         stop = stop_line(reply, max_new_tokens, context)
-        out.write(f"{_reasoning_block(reply)}{answer}{_calls_block(reply)}{stop}\n")
+        out.write(f"{_reasoning_block(reply)}{answer}{_calls_block(reply, turn)}{stop}\n")
         out.flush()
     return replies
 

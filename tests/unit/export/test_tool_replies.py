@@ -380,8 +380,25 @@ def test_a_call_that_does_not_read_is_an_unreadable_call(tiny_model_dir, model, 
     lines, out = iter(["How cold is Oslo?", "Again?", "/exit"]), io.StringIO()
     assert chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64, tools=TOOLS) == 2
     assert "[tool call, unreadable]" in out.getvalue() and "Fine." in out.getvalue()
+    assert "[the call does not read as one: your message and this reply are both left out of the conversation; ask " \
+           "again]" in out.getvalue().splitlines()
     assert prompts[1] == real([{"role": "user", "content": "Again?"}], tools=TOOLS, add_generation_prompt=True,
                               tokenize=False)  # the unreadable turn is not kept
+
+
+def test_an_unreadable_call_after_a_tool_result_asks_for_the_result_again(tiny_model_dir, model, monkeypatch) -> None:
+    """An unreadable call that answered a /tool result leaves the result out too (the line said only that the turn
+    was not kept): the line says so and how to go on, and the result sent again is answered after the call."""
+    tokenizer = tokenizer_for(tiny_model_dir, "qwen3")
+    good = written(tokenizer, QUESTION, OSLO, "<|im_end|>")
+    answer = written(tokenizer, QUESTION, {"role": "assistant", "content": "Cold."}, "<|im_end|>")
+    generating(monkeypatch, model, tokenizer, [good, good.replace("</tool_call>", ""), answer], "qwen3")
+    prompts, real = recording(monkeypatch, tokenizer)
+    lines, out = iter(["How cold is Oslo?", '/tool {"temp_c": -3}', '/tool {"temp_c": -3}', "/exit"]), io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64, tools=TOOLS) == 3
+    assert "[the call does not read as one: the tool result and this reply are both left out of the conversation; " \
+           "send it again with /tool]" in out.getvalue().splitlines()
+    assert prompts[2] == real(QUESTION + [OSLO, RESULT], tools=TOOLS, add_generation_prompt=True, tokenize=False)
 
 
 def test_compare_counts_an_unreadable_call_as_a_miss(tiny_model_dir, model, monkeypatch) -> None:
