@@ -38,7 +38,7 @@ MAX_NEW_TOKENS, REASONING_MAX_NEW_TOKENS = 16, 256  # a reasoning template's ans
 CALL_MAX_NEW_TOKENS = 128  # a call's markup, name and JSON arguments: more than a short answer
 CUT = "(stopped in its reasoning)"  # no answer came
 NO_ANSWER_NEEDED = "or no 'answer' where that reply has 'tool_calls': an expected call is scored by its calls"
-UNREADABLE = "(unreadable tool call)"  # a call written that does not read as one (cut off, not JSON)
+UNREADABLE = "(unreadable)"  # before a call written that does not read as one (cut off, not JSON), as written
 
 
 def exact_match(expected: str, generated: str) -> bool:
@@ -57,7 +57,7 @@ class TaskScore:
     reasoning: list[str | None] = field(default_factory=list)
     cut: list[bool] = field(default_factory=list)
     limited: list[bool] = field(default_factory=list)
-    unreadable: list[bool] = field(default_factory=list)  # the reply wrote a call that does not read as one
+    unreadable: list[str | None] = field(default_factory=list)  # a call written that does not read, as written
     calls: list[list[dict]] = field(default_factory=list)  # each reply's calls, {name, arguments}
 
     @property
@@ -77,20 +77,27 @@ def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int | list[i
     reasoning) scored with exact_match against `answer`, an expected tool call by its name and arguments
     (tool_calls.same_calls); `raw`: to those messages' contents, one per line, continued as plain text."""
     from open_sft.export.generate import TOKEN_LIMIT, generate_reply
-    from open_sft.export.tool_calls import call_line, task_tools, was_right
+    from open_sft.export.tool_calls import task_tools, was_right
 
     limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(rows)
     replies = [generate_reply(model, tokenizer, _plain(row["messages"][:-1]) if raw else row["messages"][:-1],
                               limit, raw=raw, tools=None if raw else task_tools(row) or tools)
                for row, limit in zip(rows, limits)]
-    return TaskScore([" ".join([reply.text] * bool(reply.text) + [call_line(call)[len("[tool call] "):]
-                                                                  for call in reply.tool_calls]
-                               + [UNREADABLE] * (reply.unreadable_call is not None)) for reply in replies],
+    return TaskScore([_shown(reply) for reply in replies],
                      [was_right(row, reply, exact_match) for row, reply in zip(rows, replies)],
                      [reply.reasoning for reply in replies], [not reply.answered for reply in replies],
                      [reply.stop_reason == TOKEN_LIMIT for reply in replies],
-                     [reply.unreadable_call is not None for reply in replies],
+                     [reply.unreadable_call for reply in replies],
                      [list(reply.tool_calls) for reply in replies])
+
+
+def _shown(reply) -> str:
+    """A reply as the table (shortened) and --json show it: its text, its calls (`get_weather {"city": "Oslo"}`), a
+    call that does not read as written after UNREADABLE (its words, not a bare label)."""
+    from open_sft.export.tool_calls import call_line
+
+    shown = [reply.text] * bool(reply.text) + [call_line(call)[len("[tool call] "):] for call in reply.tool_calls]
+    return " ".join(shown + [f"{UNREADABLE} {reply.unreadable_call}"] * (reply.unreadable_call is not None))
 
 
 def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[str]:
@@ -106,7 +113,7 @@ def reasoning_lines(name: str, score: TaskScore, max_new_tokens: int) -> list[st
         lines.append(f"{name}: {cut} of {n} replies stopped inside their reasoning, before any answer (scored as "
                      "misses)" + (f"; {limited} of them cut off at --max_new_tokens {max_new_tokens}: raise it"
                                    if limited else ""))
-    if unreadable := sum(score.unreadable):
+    if unreadable := sum(call is not None for call in score.unreadable):
         lines.append(f"{name}: {unreadable} of {n} replies wrote an unreadable tool call (cut off, not JSON, arguments "
                      "not an object: scored as misses)")
     return lines
@@ -228,13 +235,16 @@ def write_scores(path: Path, rows: list[dict], dirs: tuple[Path, Path], before: 
 
 def _calls_fields(row: dict, i: int, before: TaskScore, after: TaskScore) -> dict:
     """A task's calls in --json, structured beside the display strings: `expected_tool_calls` and each model's
-    `before_tool_calls`/`after_tool_calls` ({name, arguments}), where the task expects a call or a reply made one."""
+    `before_tool_calls`/`after_tool_calls` ({name, arguments}), where the task expects a call or a reply made one,
+    and `before_unreadable_call`/`after_unreadable_call`: a call written that does not read, whole as written."""
     from open_sft.export.tool_calls import expected_calls
 
     fields = {"expected_tool_calls": expected_calls(row["messages"][-1])} if scores_calls(row) else {}
     for name, score in (("before", before), ("after", after)):
         if (score.calls and score.calls[i]) or fields:
             fields[f"{name}_tool_calls"] = score.calls[i] if score.calls else []
+        if score.unreadable and score.unreadable[i] is not None:
+            fields[f"{name}_unreadable_call"] = score.unreadable[i]
     return fields
 
 

@@ -401,14 +401,23 @@ def test_an_unreadable_call_after_a_tool_result_asks_for_the_result_again(tiny_m
     assert prompts[2] == real(QUESTION + [OSLO, RESULT], tools=TOOLS, add_generation_prompt=True, tokenize=False)
 
 
-def test_compare_counts_an_unreadable_call_as_a_miss(tiny_model_dir, model, monkeypatch) -> None:
-    from open_sft.export.compare import reasoning_lines
+def test_compare_counts_an_unreadable_call_as_a_miss(tiny_model_dir, model, monkeypatch, tmp_path) -> None:
+    """An unreadable call is a miss, shown as written (the table and --json said only "(unreadable tool call)"):
+    shortened in the table as other replies are, whole in --json's after_unreadable_call."""
+    from open_sft.export.compare import format_table, reasoning_lines, write_scores
 
     tokenizer = tokenizer_for(tiny_model_dir, "gpt_oss")
     bad = written(tokenizer, QUESTION, TRACED, "<|call|>").replace('"Oslo"}', '"Oslo"')
     generating(monkeypatch, model, tokenizer, [bad], "gpt_oss")
-    score = score_tasks(model, tokenizer, [{"messages": QUESTION + [OSLO], "answer": ""}], max_new_tokens=64)
-    assert (score.correct, score.answers, score.cut) == ([False], ["(unreadable tool call)"], [False])
+    rows = [{"messages": QUESTION + [OSLO], "answer": "get_weather"}]
+    score = score_tasks(model, tokenizer, rows, max_new_tokens=64)
+    raw = 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"'
+    assert (score.correct, score.answers, score.cut) == ([False], [f"(unreadable) {raw}"], [False])
+    assert "✗ (unreadable) to=functions…" in format_table(rows, score, score, 1).splitlines()[1]
+    write_scores(tmp_path / "scores.json", rows, (tmp_path, tmp_path), score, score)
+    shown = json.loads((tmp_path / "scores.json").read_text())["rows"][0]
+    assert (shown["after"], shown["before_unreadable_call"], shown["after_unreadable_call"]) == (
+        f"(unreadable) {raw}", raw, raw)
     assert reasoning_lines("after", score, 64)[-1] == (
         "after: 1 of 1 replies wrote an unreadable tool call (cut off, not JSON, arguments not an object: scored as "
         "misses)")
