@@ -7,7 +7,8 @@ writes says where a call's name and arguments sit; three layouts cover the templ
   "arguments": {...}}\\n</tool_call>`, Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, a list: each
   item a call); the probe says under which keys.
 - `name_json`: the name written as text, the arguments as a JSON object after it (gpt-oss's commentary channel:
-  ` to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>`).
+  ` to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>`; its model's own order, the recipient after
+  the channel, and a preamble on that channel read too: open_sft.export.call_headers).
 - `pairs`: the name as text, each argument as a key and a value between the template's tags (GLM-4.5's
   `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`); a value is read as JSON where it
   is (a number, an object) unless the tool's schema says string.
@@ -37,6 +38,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from open_sft.export.call_headers import split_head
+
 PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
 PROBE_ARGUMENTS = {"probe_key_1": "probe value 9e4b", "probe_key_2": 7}
 PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
@@ -63,14 +66,15 @@ class CallLayout:
     before_call: str = ""
     closing: str = ""  # what the template writes after a call's arguments (`</tool_call>`), special tokens aside
     arguments_after: str = ""  # name_json: the end of what it writes between name and arguments (`json<|message|>`)
+    channel: str = ""  # name_json: the rest of it (`<|channel|>commentary`): open_sft.export.call_headers
 
 
 @dataclass(frozen=True)
 class ReadCalls:
     """A reply's answer part read for calls: `head` the text before the first call, `calls` each {name,
-    arguments}, `after` text the reply wrote after its last call (past the template's closing of it: kept in the
-    answer, not dropped), `unreadable` the reply's text from its first call marker on where a call there does not
-    read as one (JSON cut off or not JSON, arguments not an object, no name): then `calls` is empty."""
+    arguments}, `after` text the reply wrote after its last call (past the template's closing of it) or as a
+    preamble before it (open_sft.export.call_headers), kept in the answer, `unreadable` the reply's text from its
+    first call marker on where a call there does not read as one (cut off, not JSON, no name): no `calls` then."""
 
     head: str
     calls: tuple[dict, ...] = ()
@@ -132,10 +136,6 @@ def _common_suffix(first: str, second: str) -> str:
     return os.path.commonprefix([first[::-1], second[::-1]])[::-1]
 
 
-def _common_prefix(first: str, second: str) -> str:
-    return os.path.commonprefix([first, second])
-
-
 def literal(text: str) -> str:
     """A regex matching `text` with any run of whitespace where it has one (a model's spacing may differ)."""
     return r"\s*".join(re.escape(part) for part in text.split()) if text.strip() else ""
@@ -157,8 +157,8 @@ def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
     after = name_at + len(PROBE_NAME)
     for start, end, value in _json_values(text):
         if start >= after and _as_arguments(value) == PROBE_ARGUMENTS:
-            header = text[after:start].split()
-            return name_at, {"kind": "name_json", "arguments_after": header[-1] if header else ""}, end
+            *channel, last = text[after:start].split() or [""]
+            return name_at, {"kind": "name_json", "arguments_after": last, "channel": " ".join(channel)}, end
     pair = _pair_layout(text[after:])
     if not pair:
         return None
@@ -176,7 +176,7 @@ def _pair_layout(text: str) -> Optional[tuple[str, str, str]]:
         return None
     after_first = text[v1 + len(value_1):k2]
     opening = _common_suffix(text[:k1], after_first).strip()
-    closing = _common_prefix(after_first, text[v2 + len(value_2):])
+    closing = os.path.commonprefix([after_first, text[v2 + len(value_2):]])
     closing = closing[:max(len(after_first) - len(opening), 0)].strip()
     between = text[k1 + len(key_1):v1].strip()
     return (opening, between, closing) if opening and between and closing else None
@@ -309,17 +309,16 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
     found = list(re.finditer(literal(layout.marker), text))
     if not found:
         return ReadCalls(text)
-    head = text[:found[0].start()]
-    if layout.before_call and head.rstrip().endswith(layout.before_call):
-        head = head.rstrip()[:-len(layout.before_call)]
+    head, preamble = split_head(text[:found[0].start()], layout.channel, layout.arguments_after, layout.before_call)
     calls, after = [], ""
     for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
         read = _calls_in(layout, text[match.end():end], tools)
         if read is None:
-            return ReadCalls(head, unreadable=text[found[0].start():].strip())
+            return ReadCalls(head, after=_strip_specials(preamble, tokenizer).strip(),
+                             unreadable=text[found[0].start():].strip())
         calls += read[0]
         after = text[match.end():end][read[1]:]
-    return ReadCalls(head, tuple(calls), _strip_specials(after, tokenizer).strip())
+    return ReadCalls(head, tuple(calls), _strip_specials(f"{preamble}\n\n{after}", tokenizer).strip())
 
 
 def _bare_call(layout: CallLayout, tokenizer, text: str, tools: Optional[list]) -> ReadCalls:

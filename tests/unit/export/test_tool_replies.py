@@ -532,6 +532,21 @@ def test_a_marker_in_the_trace_or_a_second_call_that_does_not_read(tiny_model_di
         assert (reply.tool_calls, reply.unreadable_call) == ((), f"{good}\n{second}")
 
 
+@pytest.mark.parametrize("trace", ["", "<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant"])
+@pytest.mark.parametrize("preamble", ["", "<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant"])
+@pytest.mark.parametrize("header", [" to=functions.get_weather<|channel|>commentary json<|message|>",
+                                    "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"])
+def test_gpt_oss_calls_in_the_models_own_order(tiny_model_dir, model, monkeypatch, trace, preamble, header) -> None:
+    """gpt-oss writes the recipient after the channel too, and may say a preamble on the commentary channel first:
+    the call reads either way, and the text and reasoning are clean (they were 'commentary' as text and 'Need
+    it.assistantcommentary' as reasoning)."""
+    written_reply = f'{trace}{preamble}{header}{{"city": "Oslo"}}<|call|>'
+    reply = _reply(tiny_model_dir, model, monkeypatch, "gpt_oss", written_reply)
+    assert (reply.text, reply.reasoning, reply.tool_calls) == (
+        "Let me check." if preamble else "", "Need it." if trace else None,
+        ({"name": "get_weather", "arguments": {"city": "Oslo"}},))
+
+
 def test_the_layouts_do_not_keep_a_tokenizer_alive(tiny_model_dir) -> None:
     """The call and reasoning layouts are read once per tokenizer (again when its template changes) and do not keep
     it alive: an lru_cache keyed on the tokenizer held up to 8 of them after their last use."""
