@@ -17,9 +17,12 @@ A template that writes no reasoning field leaves the trace written in the conten
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
+
+from open_sft.export.template_text import common_suffix, strip_specials
 
 PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
 INLINE_OPEN, INLINE_CLOSE = "<think>", "</think>"  # a trace in the content (open_sft.data.chat.reasoning)
@@ -74,13 +77,6 @@ class ReasoningLayout:
     answer_marker: str
 
 
-def _common_suffix(first: str, second: str) -> str:
-    n = 0
-    while n < min(len(first), len(second)) and first[-1 - n] == second[-1 - n]:
-        n += 1
-    return first[len(first) - n:]
-
-
 def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
     """The reasoning layout of the tokenizer's template (`template`), read from its rendering of a probe message after
     a user turn; None when it writes no reasoning field after the generation prompt (an instruct template, or one
@@ -107,16 +103,10 @@ def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
     if trace < 0 or answer < trace:
         return None
     between = full[trace + len(PROBE_TRACE):answer].strip()
-    marker = _common_suffix(between, bare[:max(bare.find(PROBE_ANSWER), 0)].strip()) or between
+    marker = common_suffix(between, bare[:max(bare.find(PROBE_ANSWER), 0)].strip()) or between
     if not marker.strip():
         return None
     return ReasoningLayout(full[:trace].strip(), between, marker.strip())
-
-
-def _strip_specials(text: str, tokenizer) -> str:
-    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
-        text = text.replace(token, "")
-    return text
 
 
 def opens_reasoning(tokenizer) -> bool:
@@ -147,16 +137,16 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
         verbatim = (INLINE_OPEN if opened and not plain.lstrip().startswith(INLINE_OPEN) else "") + plain
         if INLINE_CLOSE not in text:
             if opened:
-                return ReplyParts("", _strip_specials(text, tokenizer).strip(), answered=False, verbatim=verbatim)
+                return ReplyParts("", strip_specials(text, tokenizer).strip(), answered=False, verbatim=verbatim)
             return ReplyParts(plain)
         head, _, answer = text.rpartition(INLINE_CLOSE)
-        return ReplyParts(_strip_specials(answer, tokenizer).strip(),
-                          _strip_specials(head.replace(INLINE_OPEN, "", 1), tokenizer).strip(), verbatim=verbatim)
+        return ReplyParts(strip_specials(answer, tokenizer).strip(),
+                          strip_specials(head.replace(INLINE_OPEN, "", 1), tokenizer).strip(), verbatim=verbatim)
     head, found, answer = text.rpartition(layout.answer_marker)
     if not found:
         start = text.lstrip()
         if layout.opening and start.startswith(layout.opening):  # stopped inside the trace
-            return ReplyParts("", _strip_specials(start[len(layout.opening):], tokenizer).strip(), answered=False)
+            return ReplyParts("", strip_specials(start[len(layout.opening):], tokenizer).strip(), answered=False)
         if start and (layout.opening.startswith(start) or layout.answer_marker.startswith(start)):
             return ReplyParts("", "", answered=False)  # stopped inside the markup before the trace or the answer
         return ReplyParts(plain)
@@ -166,7 +156,7 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
     rest = layout.between[:len(layout.between) - len(layout.answer_marker)].strip()  # gpt-oss: <|end|><|start|>...
     if rest and head.rstrip().endswith(rest):
         head = head.rstrip()[:-len(rest)]
-    return ReplyParts(_strip_specials(answer, tokenizer).strip(), _strip_specials(head, tokenizer).strip())
+    return ReplyParts(strip_specials(answer, tokenizer).strip(), strip_specials(head, tokenizer).strip())
 
 
 def _answer_start(tokenizer, text: str, opened: bool) -> int | None:
@@ -185,16 +175,9 @@ def _answer_start(tokenizer, text: str, opened: bool) -> int | None:
     if not (layout.opening and start.startswith(layout.opening)):
         return 0
     calls = call_layout(tokenizer)
-    shared = _common_prefix(layout.between, calls.before_call).strip() if calls else ""
+    shared = os.path.commonprefix([layout.between, calls.before_call]).strip() if calls else ""
     at = text.find(shared or layout.answer_marker, len(text) - len(start) + len(layout.opening))
     return None if at < 0 else at
-
-
-def _common_prefix(first: str, second: str) -> str:
-    n = 0
-    while n < min(len(first), len(second)) and first[n] == second[n]:
-        n += 1
-    return first[:n]
 
 
 def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Optional[list] = None) -> ReplyParts:
@@ -223,7 +206,7 @@ def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Opt
     read = read_calls(tokenizer, text[start:], tools) if start is not None else None
     if read is not None and (read.calls or read.unreadable):  # a reply that calls a tool has answered
         head = text[:start] + read.head
-        parts = split_reply(tokenizer, head, _strip_specials(head, tokenizer), opened)
+        parts = split_reply(tokenizer, head, strip_specials(head, tokenizer), opened)
         answer = "\n\n".join(part for part in (parts.answer.strip(), read.after) if part)
         return replace(parts, answer=answer, answered=True, verbatim=None, tool_calls=read.calls,
                        unreadable_call=read.unreadable)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from open_sft.export.call_headers import split_head
+from open_sft.export.template_text import common_suffix, strip_specials
 
 PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
 PROBE_ARGUMENTS = {"probe_key_1": "probe value 9e4b", "probe_key_2": 7}
@@ -132,10 +133,6 @@ def _path_to(value: Any, wanted: Any, path: tuple = ()) -> Optional[tuple]:
     return None
 
 
-def _common_suffix(first: str, second: str) -> str:
-    return os.path.commonprefix([first[::-1], second[::-1]])[::-1]
-
-
 def literal(text: str) -> str:
     """A regex matching `text` with any run of whitespace where it has one (a model's spacing may differ)."""
     return r"\s*".join(re.escape(part) for part in text.split()) if text.strip() else ""
@@ -175,7 +172,7 @@ def _pair_layout(text: str) -> Optional[tuple[str, str, str]]:
     if min(k1, v1, k2, v2) < 0:
         return None
     after_first = text[v1 + len(value_1):k2]
-    opening = _common_suffix(text[:k1], after_first).strip()
+    opening = common_suffix(text[:k1], after_first).strip()
     closing = os.path.commonprefix([after_first, text[v2 + len(value_2):]])
     closing = closing[:max(len(after_first) - len(opening), 0)].strip()
     between = text[k1 + len(key_1):v1].strip()
@@ -188,10 +185,10 @@ def _layout(tokenizer) -> Optional[CallLayout]:
     if found is None:
         return None
     start, parts, end = found
-    closing = _strip_specials(alone[end:], tokenizer).strip()
+    closing = strip_specials(alone[end:], tokenizer).strip()
     after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
     anchored = _anchor(after_content) if after_content is not None else None
-    marker = _common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
+    marker = common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
     if not marker.strip() and (parts["kind"] != "json" or alone[:start].strip()):
         return None  # a name written with nothing before it to find it by
     after_trace, before_call = _rendered_reply(tokenizer, _probe(reasoning=PROBE_TRACE)), ""
@@ -211,12 +208,6 @@ def call_layout(tokenizer) -> Optional[CallLayout]:
     if cached is None or cached[0] != key:  # read once per tokenizer, again if its template or tokens change
         cached = _LAYOUTS[tokenizer] = (key, _layout(tokenizer))
     return cached[1]
-
-
-def _strip_specials(text: str, tokenizer) -> str:
-    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
-        text = text.replace(token, "")
-    return text
 
 
 def _schema_types(tools: Optional[list], name: str) -> dict:
@@ -314,11 +305,11 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
     for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
         read = _calls_in(layout, text[match.end():end], tools)
         if read is None:
-            return ReadCalls(head, after=_strip_specials(preamble, tokenizer).strip(),
+            return ReadCalls(head, after=strip_specials(preamble, tokenizer).strip(),
                              unreadable=text[found[0].start():].strip())
         calls += read[0]
         after = text[match.end():end][read[1]:]
-    return ReadCalls(head, tuple(calls), _strip_specials(f"{preamble}\n\n{after}", tokenizer).strip())
+    return ReadCalls(head, tuple(calls), strip_specials(f"{preamble}\n\n{after}", tokenizer).strip())
 
 
 def _bare_call(layout: CallLayout, tokenizer, text: str, tools: Optional[list]) -> ReadCalls:
@@ -327,7 +318,7 @@ def _bare_call(layout: CallLayout, tokenizer, text: str, tools: Optional[list]) 
     text: any JSON answer with a "name" key (`{"name": "Alice", "age": 30}`) would otherwise read as a call."""
     names = _tool_names(tools)
     values = _json_values(text.strip())
-    if not names or not values or values[0][0] != 0 or _strip_specials(text.strip()[values[0][1]:], tokenizer).strip():
+    if not names or not values or values[0][0] != 0 or strip_specials(text.strip()[values[0][1]:], tokenizer).strip():
         return ReadCalls(text)
     objects = values[0][2] if layout.listed and isinstance(values[0][2], list) else [values[0][2]]
     if not all(_has(value, layout.arguments_path) for value in objects):
