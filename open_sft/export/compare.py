@@ -29,8 +29,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from open_sft.export.compare_tools import checked_tools
 from open_sft.export.tool_calls import scores_calls
-from open_sft.export.tool_schemas import add_tools_argument, tools_or_exit
+from open_sft.export.tool_schemas import add_tools_argument
 from open_sft.file_modes import output_file_problem
 
 CELL = 26  # characters of a table cell; longer answers end in "…"
@@ -94,9 +95,9 @@ def score_tasks(model, tokenizer, rows: list[dict], max_new_tokens: int | list[i
 def _shown(reply) -> str:
     """A reply as the table (shortened) and --json show it: its text, its calls (`get_weather {"city": "Oslo"}`), a
     call that does not read as written after UNREADABLE (its words, not a bare label)."""
-    from open_sft.export.tool_calls import call_line
+    from open_sft.export.tool_calls import call_text
 
-    shown = [reply.text] * bool(reply.text) + [call_line(call)[len("[tool call] "):] for call in reply.tool_calls]
+    shown = [reply.text] * bool(reply.text) + [call_text(call) for call in reply.tool_calls]
     return " ".join(shown + [f"{UNREADABLE} {reply.unreadable_call}"] * (reply.unreadable_call is not None))
 
 
@@ -174,15 +175,14 @@ def _task(row: dict, where: str) -> dict:
     """A task row checked: its `answer` (a reply that calls tools is scored by its calls: the answer is optional,
     shown as the calls), its `tools` readable as training reads them."""
     from open_sft.data.formats import RowError
-    from open_sft.export.tool_calls import call_line, expected_calls, scores_calls, task_tools
+    from open_sft.export.tool_calls import call_text, expected_calls, scores_calls, task_tools
 
     try:
         task_tools(row)
     except RowError as exc:
         raise ValueError(f"{where}: {exc}") from None
     if scores_calls(row) and not isinstance(row.get("answer"), str):
-        row = {**row, "answer": " ".join(call_line(call)[len("[tool call] "):]
-                                         for call in expected_calls(row["messages"][-1]))}
+        row = {**row, "answer": " ".join(call_text(call) for call in expected_calls(row["messages"][-1]))}
     if not isinstance(row.get("answer"), str):
         raise ValueError(f"{where}: a task needs 'messages' ending with the assistant's reply and 'answer', that "
                          f"reply ({NO_ANSWER_NEEDED})")
@@ -277,58 +277,6 @@ def default_limits(directory: Path, tokenizer, template: str | None, rows: list[
     print(f"{directory}: its chat template writes reasoning before the answer: each reply may have "
           f"{REASONING_MAX_NEW_TOKENS} new tokens (--max_new_tokens)", file=sys.stderr, flush=True)
     return [REASONING_MAX_NEW_TOKENS] * len(rows)
-
-
-def checked_tools(args: argparse.Namespace, rows: list[dict], directories, tokenizers, formats) -> tuple[
-        list[dict] | None, str | None]:
-    """(--tools's schemas, None), or (None, why they or a task row's own tools cannot be used), checked against the
-    template each model is asked with. A model asked with the other's template (it has none) is named so: a
-    template that fails on its tokenizer (a `bos_token` it lacks) is then said to be the other model's."""
-    names = [str(directory) if tokenizer.chat_template else f"{directory}, asked with {directories[1 - i]}'s chat "
-             "template: it has none" for i, (directory, tokenizer) in enumerate(zip(directories, tokenizers))]
-    tools, problem = _tools_for_both(args.tools, names, tokenizers, formats)
-    return tools, problem or row_tools_problem(args.tasks, rows, names, tokenizers, formats)
-
-
-def _tools_for_both(path: Path | None, directories, tokenizers, formats) -> tuple[list[dict] | None, str | None]:
-    """(--tools's schemas, None), checked against the template each model is asked with before either model
-    loads, or (None, why they cannot be used)."""
-    if path is None:
-        return None, None
-    if not any(formats):
-        return None, f"--tools {path}: neither model has a chat template to write them"
-    tools = None
-    for directory, tokenizer, template in zip(directories, tokenizers, formats):
-        tokenizer.chat_template = template
-        tools, problem = tools_or_exit(path, tokenizer, f"--tools {path} ({directory})")
-        if problem:
-            return None, problem
-    return tools, None
-
-
-def row_tools_problem(path: Path, rows: list[dict], directories, tokenizers, formats) -> str | None:
-    """Why a task row's own `tools` cannot be rendered in its prompt (a template that writes no tools or fails on
-    them, no template at all), naming the tasks file and line, as --tools FILE's are checked; None when they can."""
-    from open_sft.errors import UserError
-    from open_sft.export.tool_calls import task_tools
-    from open_sft.export.tool_schemas import check_written
-
-    lines = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
-    seen = set()
-    for number, row in zip(lines, rows):
-        if not (tools := task_tools(row)) or json.dumps(tools, sort_keys=True) in seen:
-            continue
-        seen.add(json.dumps(tools, sort_keys=True))
-        if not any(formats):
-            return f"--tasks {path} line {number}: the row's tools need a chat template to write them, and neither " \
-                   "model has one"
-        for directory, tokenizer, template in zip(directories, tokenizers, formats):
-            tokenizer.chat_template = template
-            try:
-                check_written(tokenizer, tools, f"--tasks {path} line {number}: the row's tools ({directory})")
-            except UserError as exc:
-                return str(exc)
-    return None
 
 
 def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:

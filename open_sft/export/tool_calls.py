@@ -346,9 +346,14 @@ def split_calls(tokenizer, text: str, tools: Optional[list] = None) -> tuple[str
     return (read.head, list(read.calls)) if read.calls else (text, [])
 
 
+def call_text(call: dict) -> str:
+    """`get_weather {"city": "Oslo"}`: a call as compare's table and expected answers show it."""
+    return f"{call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}"
+
+
 def call_line(call: dict) -> str:
     """`[tool call] get_weather {"city": "Oslo"}`: how generate's and chat's output show a call."""
-    return f"[tool call] {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}"
+    return f"[tool call] {call_text(call)}"
 
 
 def expected_calls(message: dict) -> list[dict]:
