@@ -15,17 +15,17 @@ definition; tested equal). Every other row is left to labels.py's offset path.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any, Optional
 
 import numpy as np
 
+from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.data.token_rows import IGNORE_INDEX, TokenRows, row_bounds, run_bounds
 
 Spans = list[tuple[int, int]]
-_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TABLES = PerTokenizer()
 _PROBE = "Hello, World!  Two  spaces,\n\ta tab, café and 😀 at 42 %"
 
 
@@ -94,16 +94,14 @@ def byte_table(tokenizer: Any) -> Optional[ByteTable]:
     backend = getattr(tokenizer, "_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or backend is None or tokenizer.clean_up_tokenization_spaces:
         return None
-    size = backend.get_vocab_size(with_added_tokens=True)
-    cached = _TABLES.get(tokenizer)
-    if cached is None or cached[0] != size:
-        try:
-            table = _build_table(backend)
-        except Exception:  # an unexpected tokenizer layout: the offset path serves it
-            table = None
-        cached = (size, table)
-        _TABLES[tokenizer] = cached
-    return cached[1]
+    return _TABLES.get(tokenizer, backend.get_vocab_size(with_added_tokens=True), lambda: _checked_table(backend))
+
+
+def _checked_table(backend: Any) -> Optional[ByteTable]:
+    try:
+        return _build_table(backend)
+    except Exception:  # an unexpected tokenizer layout: the offset path serves it
+        return None
 
 
 def _spelled(table: ByteTable, id_rows: list[list[int]], encoded: list[bytes]) -> np.ndarray:

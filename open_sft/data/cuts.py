@@ -15,16 +15,16 @@ prepends "▁" to each text it encodes: the piece after the cut would gain a spa
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.data.token_rows import TokenRows
 
 Spans = list[tuple[int, int]]
 Cuts = Sequence[tuple[int, ...]]  # per example, the character offsets it is cut at (none: encoded whole)
-_SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SPLITS = PerTokenizer()
 _AS_IS = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
 _PROBE = ("Hi there, <think>\n", "\nHello,  world 42\n\n")  # a prompt's end, then what a model writes
 
@@ -38,13 +38,12 @@ def cutting(tokenizer: Any, cuts: Optional[Cuts]) -> bool:
 def splits_as_written(tokenizer: Any) -> bool:
     """Whether the tokenizer's decode of a probe's pieces encoded apart is its decode of the probe encoded whole
     (asked once per tokenizer, again if tokens are added)."""
-    size = len(tokenizer)
-    cached = _SPLITS.get(tokenizer)
-    if cached is None or cached[0] != size:
-        first, second, whole = tokenizer([*_PROBE, "".join(_PROBE)], add_special_tokens=False)["input_ids"]
-        cached = (size, tokenizer.decode(first + second, **_AS_IS) == tokenizer.decode(whole, **_AS_IS))
-        _SPLITS[tokenizer] = cached
-    return cached[1]
+    return _SPLITS.get(tokenizer, len(tokenizer), lambda: _splits_probe(tokenizer))
+
+
+def _splits_probe(tokenizer: Any) -> bool:
+    first, second, whole = tokenizer([*_PROBE, "".join(_PROBE)], add_special_tokens=False)["input_ids"]
+    return tokenizer.decode(first + second, **_AS_IS) == tokenizer.decode(whole, **_AS_IS)
 
 
 def in_pieces(texts_and_spans: list[tuple[str, Spans]], cuts: Cuts) -> tuple[list[tuple[str, Spans]], np.ndarray]:

@@ -18,15 +18,15 @@ A template that writes no reasoning field leaves the trace written in the conten
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.export.template_text import common_suffix, strip_specials
 
 PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
 INLINE_OPEN, INLINE_CLOSE = "<think>", "</think>"  # a trace in the content (open_sft.data.chat.reasoning)
-_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # reasoning_layout's, per tokenizer
+_LAYOUTS = PerTokenizer()  # reasoning_layout's
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,7 @@ def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
     """The reasoning layout of the tokenizer's template (`template`), read from its rendering of a probe message after
     a user turn; None when it writes no reasoning field after the generation prompt (an instruct template, or one
     that fails). Read once per tokenizer (not kept alive by it), again if its template or tokens change."""
-    key, cached = (template, len(tokenizer)), _LAYOUTS.get(tokenizer)
-    if cached is None or cached[0] != key:
-        cached = _LAYOUTS[tokenizer] = (key, _reasoning_layout(tokenizer))
-    return cached[1]
+    return _LAYOUTS.get(tokenizer, (template, len(tokenizer)), lambda: _reasoning_layout(tokenizer))
 
 
 def _reasoning_layout(tokenizer) -> ReasoningLayout | None:

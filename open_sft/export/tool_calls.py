@@ -34,10 +34,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.export.call_headers import split_head
 from open_sft.export.template_text import common_suffix, strip_specials
 
@@ -47,7 +47,7 @@ PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
 PROBE_TOOLS = [{"type": "function", "function": {
     "name": PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {
         "probe_key_1": {"type": "string"}, "probe_key_2": {"type": "integer"}}, "required": ["probe_key_1"]}}}]
-_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # a layout per tokenizer, not keeping it alive
+_LAYOUTS = PerTokenizer()  # read once per tokenizer, again if its template or tokens change
 NAME = re.compile(r"\s*([A-Za-z0-9_.:\-]+)")  # OpenAI's function names, and namespaced ones
 
 
@@ -204,10 +204,7 @@ def call_layout(tokenizer) -> Optional[CallLayout]:
     template = tokenizer.chat_template
     if not isinstance(template, str):
         return None
-    key, cached = (template, len(tokenizer)), _LAYOUTS.get(tokenizer)
-    if cached is None or cached[0] != key:  # read once per tokenizer, again if its template or tokens change
-        cached = _LAYOUTS[tokenizer] = (key, _layout(tokenizer))
-    return cached[1]
+    return _LAYOUTS.get(tokenizer, (template, len(tokenizer)), lambda: _layout(tokenizer))
 
 
 def _schema_types(tools: Optional[list], name: str) -> dict:
