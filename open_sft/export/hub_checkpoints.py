@@ -185,9 +185,10 @@ def upload_left(output_dir: Path, config: Any) -> bool:
     uploader = CheckpointUploader(config.hub)
     uploader.resubmit(root)
     done = not uploader.close() and not uploader.failed
-    if config.checkpoint.clean_checkpoints_at_end and not uploader.unpushed(root):
+    unpushed = uploader.unpushed(root)
+    if config.checkpoint.clean_checkpoints_at_end and not unpushed:
         remove_all(output_dir)
-    for path in prune(root, keep, uploader.unpushed(root)):
+    for path in prune(root, keep, unpushed):
         logger.info("deleted old checkpoint %s", path)
     return done
 
