@@ -65,8 +65,10 @@ logger = logging.getLogger(__name__)
 # legacy functions/function_call/function rows are tools, tool calls and tool results (the calls were dropped); 23: a
 # turn whose generation prompt opens a think block the template leaves out (DeepSeek-R1 distills', QwQ's) trains its
 # trace, </think> and answer after that prompt (it trained the answer alone, after part of the prompt), the prompt and
-# what follows it tokenized apart (a "\n" ending the prompt no longer merges with the trained text's first "\n")
-CACHE_FORMAT_VERSION = 23
+# what follows it tokenized apart (a "\n" ending the prompt no longer merges with the trained text's first "\n");
+# 24: a special token closing a start/end pair the turn opened (LFM2's <|tool_call_end|>) is no end of turn (call
+# turns in history trained without their <|im_end|>)
+CACHE_FORMAT_VERSION = 24
 COMPLETE = "COMPLETE"
 
 

@@ -26,7 +26,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from open_sft.data.chat.render import renderer_for, special_markers
 from open_sft.data.chat.templates import is_builtin_template
-from open_sft.data.chat.turn_render import turn_enders
+from open_sft.data.chat.turn_enders import turn_enders
 from open_sft.durable import free_before_cleanup, write_json
 from open_sft.file_modes import share_as_umask
 from open_sft.model.anatomy import is_peft_model

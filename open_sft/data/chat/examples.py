@@ -28,7 +28,8 @@ from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, ma
                                          trace_of, with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
 from open_sft.data.chat.tool_arguments import as_template_takes, string_arguments, tools_written, wrapped_twice
-from open_sft.data.chat.turn_render import TurnEnders, group_turns, kept_history, render_turn, turn_enders
+from open_sft.data.chat.turn_enders import TurnEnders, turn_enders
+from open_sft.data.chat.turn_render import group_turns, kept_history, render_turn
 from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
 from open_sft.data.formats import Messages, RowError, same_kind, trains
 

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing, has_generation_tags, is_builtin_template
-from open_sft.data.chat.turn_render import TurnEnders, split_turn_closers
+from open_sft.data.chat.turn_enders import TurnEnders, split_turn_closers
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class TemplateState:
     markers: tuple[str, ...] = ()  # the markers `end_of_turn` remembers lengths for
     end_of_turn: dict[str, int] = field(default_factory=dict)  # suffix → its end-of-turn length
     middle_closings: dict[tuple[str, ...], str] = field(default_factory=dict)  # turns.py
-    enders: dict[tuple[str, ...], TurnEnders] = field(default_factory=dict)  # turn_render.py, per marker set
+    enders: dict[tuple[str, ...], TurnEnders] = field(default_factory=dict)  # turn_enders.py, per marker set
     builtin: bool = False  # a template open_sft ships (templates.is_builtin_template)
     generation_tags: bool = False  # it marks what the assistant writes with {% generation %}
     string_arguments: Optional[bool] = None  # it takes tool-call arguments as strings only (tool_arguments.py)

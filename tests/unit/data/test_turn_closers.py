@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from open_sft.data.chat.examples import row_examples
 from open_sft.data.chat.render import renderer_for, special_markers
-from open_sft.data.chat.turn_render import turn_enders
+from open_sft.data.chat.turn_enders import turn_enders
 from open_sft.data.formats import to_messages
 from open_sft.export.save import end_of_turn_ids
 

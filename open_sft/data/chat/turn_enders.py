@@ -1,0 +1,184 @@
+"""Which special tokens end an assistant turn under a chat template, read off the template by rendering a few
+probe conversations (`turn_enders`): an end-of-turn token (`<|im_end|>`, `<|eot_id|>`, Gemma's `<end_of_turn>`), a
+token that ends a tool-call turn (`<|call|>`), or, where a template writes none (GLM's), the tag of the turn that
+follows (`<|user|>`, `<|observation|>`). A token closing what the turn opened (`</tool_call>`, LFM2's
+`<|tool_call_end|>` after `<|tool_call_start|>`) is the turn's text, not its end."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from open_sft.data.chat.turns import last_marker_end
+from open_sft.data.formats import Messages
+
+Draw = Callable[[Messages, bool, Optional[list]], str]
+_TAG = re.compile(r"<(/?)([A-Za-z_][\w-]*)>")  # XML-like: <think>, </tool_call>, Gemma's <end_of_turn>
+_TAGS = re.compile(r"<[^<>\s]+>")  # any tag-shaped token: <|im_end|>, <｜Assistant｜>, </s>
+_PAIR_END = re.compile(r"(?<![A-Za-z])(?:end|close)(?![A-Za-z])")  # the end of <|tool_call_end|>, <｜tool▁calls▁end｜>
+_PROBE_USER = {"role": "user", "content": "Hi"}
+_PROBE_ANSWER = {"role": "assistant", "content": "Hello there"}
+_PROBE_NEXT = {"role": "user", "content": "Bye now"}
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe_add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+_PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "probe_add", "arguments": {"a": 17, "b": 25}}}]}
+_PROBE_RESULT = {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "probe_add"}
+
+
+@dataclass(frozen=True)
+class TurnEnders:
+    """The special tokens that end an assistant turn under a template, longest first (empty: the template
+    writes none that this could find, as plain-text templates such as `simple_chat`)."""
+
+    tokens: tuple[str, ...]
+    # what the template writes first after a turn that it closes with no end-of-turn token (GLM's): when a
+    # user message follows (also what a final answer stops with), and when a tool's result follows a call
+    after_answer: str = ""
+    after_call: str = ""
+    # what generation stops at: what closes a turn that is the last message (not what closes one in history:
+    # gpt-oss's <|end|> also ends an analysis the model goes on after), and the tags above; eos first
+    stops: tuple[str, ...] = ()
+
+    def last_end(self, text: str) -> int:
+        """Where the last end-of-turn token in `text` ends (0: none)."""
+        return last_marker_end(text, self.tokens)
+
+    def turn_end(self, target: str) -> int:
+        """Where the turn the template writes after its generation prompt (`target`) ends: after its last
+        end-of-turn token, or after the first stop token where what follows it opens another turn and writes no
+        text, which the model never generates, having stopped (DeepSeek-R1's template writes
+        `<｜Assistant｜><｜end▁of▁sentence｜>` once more after a call's `<｜end▁of▁sentence｜>`, for the call's empty
+        content; Phi-3's `<|end|>` then eos closes one turn: it trains both); 0: none."""
+        end = self.last_end(target)
+        firsts = [at + len(token) for token in self.stops if 0 <= (at := target.find(token)) and at + len(token) < end]
+        rest = target[min(firsts):] if firsts else ""
+        if not _TAGS.sub("", rest).strip() and set(_TAGS.findall(rest)) - set(self.tokens):
+            return min(firsts)
+        return end
+
+    def leading(self, text: str, at: int) -> int:
+        """The end of the end-of-turn token that `text` has at `at`, after whitespace; 0 if none."""
+        start = at + len(text[at:]) - len(text[at:].lstrip())
+        for token in self.tokens:
+            if text.startswith(token, start):
+                return start + len(token)
+        return 0
+
+    def stripped(self, text: str) -> str:
+        """`text` without the end-of-turn tokens and whitespace it ends with."""
+        while True:
+            before = text
+            text = text.rstrip()
+            for token in self.tokens:
+                if text.endswith(token):
+                    text = text[: -len(token)]
+                    break
+            if text == before:
+                return text
+
+
+def _opened(text: str) -> set[str]:
+    """The XML-like elements `text` opens and leaves open (a call's `<tool_call>` before its arguments)."""
+    depth: dict[str, int] = {}
+    for closing, name in _TAG.findall(text):
+        depth[name] = depth.get(name, 0) + (-1 if closing else 1)
+    return {name for name, count in depth.items() if count > 0}
+
+
+def _closes_a_pair(marker: str, turn: str) -> bool:
+    """Whether `marker` is the end token of a start/end pair that `turn` opened and left open (LFM2's
+    `<|tool_call_end|>` after `<|tool_call_start|>`, DeepSeek's `<｜tool▁calls▁end｜>` after `<｜tool▁calls▁begin｜>`)."""
+    ends = list(_PAIR_END.finditer(marker))
+    if not ends:
+        return False
+    before, after = marker[: ends[-1].start()], marker[ends[-1].end():]
+    return any(turn.count(before + word + after) > turn.count(marker) for word in ("start", "begin", "open"))
+
+
+def _candidates(markers: tuple[str, ...], eos: Optional[str], turn: str) -> tuple[str, ...]:
+    """Special tokens that may end a turn whose own text (after its generation prompt) is `turn`: any, whatever
+    its spelling (Gemma's `<end_of_turn>` too), but a token closing what the turn opened (`</tool_call>` after
+    `<tool_call>`, GLM's `</arg_value>`, LFM2's `<|tool_call_end|>` after `<|tool_call_start|>`: a tokenizer may
+    mark them special), which is the turn's text; eos always."""
+    opened = _opened(turn)
+    return tuple(m for m in markers if m == eos
+                 or not ((tag := _TAG.fullmatch(m)) and tag.group(1) and tag.group(2) in opened)
+                 and not _closes_a_pair(m, turn))
+
+
+def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:
+    found = [(text.find(token), -len(token), token) for token in tokens if token in text]
+    return min(found)[2] if found else None
+
+
+def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
+                history_trains: bool = False) -> TurnEnders:
+    """The tokens this template ends assistant turns with, from probe conversations: those it writes after
+    an answer that is the last message; the first it writes after an answer that a user message follows,
+    and after a tool call (the last message, or before the tool's result). A probe the template refuses
+    (a template without tool calls) tells nothing. `history_trains`: turns in history train with the token
+    that closes them there (open_sft's own templates, group_turns' strict=False: OLMo's <|im_end|>, where
+    the last turn ends with eos), so that token is a stop too."""
+    found: list[str] = [eos] if eos else []
+    stops: list[str] = list(found)
+    follows = {}
+
+    def add(token: Optional[str]) -> None:
+        if token and token not in found:
+            found.append(token)
+
+    for kind, last, followed, after in (
+            ("answer", [_PROBE_USER, _PROBE_ANSWER], [_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], None),
+            ("call", [_PROBE_USER, _PROBE_CALL], [_PROBE_USER, _PROBE_CALL, _PROBE_RESULT], _PROBE_TOOLS)):
+        try:
+            alone, then = draw(last, False, after), draw(followed, False, after)
+            prompt = draw(last[:-1], True, after)
+        except Exception:  # noqa: BLE001 (a template without that kind of turn)
+            continue
+        anchor = "Hello there" if kind == "answer" else "25"
+        written = alone.rfind(anchor)
+        if written < 0:
+            continue
+        written += len(anchor)
+        turn = alone[len(os.path.commonprefix([prompt, alone])): written]
+        candidates = _candidates(markers, eos, turn)
+        closing = [token for token in candidates if token in alone[written:]]
+        for token in closing:  # what it closes the turn with as the last message
+            add(token)
+            stops.append(token)
+        if then.startswith(alone[:written]):  # what it closes it with (or opens next) when another follows
+            first = _first(then[written:], candidates)
+            add(first)
+            if first and not closing:
+                follows[kind] = first
+            if first and (not closing or history_trains):
+                stops.append(first)
+    return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
+                      tuple(dict.fromkeys(stops)))
+
+
+# tag closing an element (</answer>), which a template may write as text
+_MARKER = re.compile(r"<\|[^<>|\s]+\|>|<｜[^<>｜\s]+｜>|</s>|<[A-Za-z_][\w-]*>|\[/?[A-Z_]+\]")
+
+
+def split_turn_closers(draw: Draw, tokenize: Callable[[str], list[str]]) -> list[tuple[str, list[str]]]:
+    """The markers the template writes to close an answer (as the last message, and right after it when a user
+    message follows), `<|im_end|>`-like or tag-shaped (Gemma's `<end_of_turn>`), that the tokenizer splits into
+    several pieces, with the pieces: a template whose tokens are not in the vocabulary trains them as text, and
+    generation cannot stop at one id."""
+    try:
+        alone = draw([_PROBE_USER, _PROBE_ANSWER], False, None)
+        then = draw([_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], False, None)
+    except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
+        return []
+    anchor = _PROBE_ANSWER["content"]
+    closers = _MARKER.findall(alone[alone.rfind(anchor) + len(anchor):]) if anchor in alone else []
+    at = then.find(anchor) + len(anchor)  # what follows the answer at once (not a tag in the next user turn's text)
+    following = _MARKER.match(then, at + len(then[at:]) - len(then[at:].lstrip())) if at >= len(anchor) else None
+    closers += [following.group()] if following else []
+    return [(m, pieces) for m in dict.fromkeys(closers) if len(pieces := tokenize(m)) > 1]

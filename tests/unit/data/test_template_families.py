@@ -1,0 +1,54 @@
+"""Tool-calling conversations under more families' shipped chat templates (tests/data/chat_templates): every
+assistant turn trains after exactly the context apply_chat_template gives it with the generation prompt, through
+the token the model stops at, and the exported generation config stops there."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from open_sft.data.formats import to_messages
+from tests.unit.data.test_reasoning_tool_calls import TEMPLATES, build, call, tool, trained_runs
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# xLAM/glaive-style: no tool call ids, arguments as a JSON string; then a call with reasoning and a final answer
+LFM_ROW = {"tools": TOOLS, "messages": [
+    {"role": "user", "content": "Weather in Bern?"},
+    {"role": "assistant", "content": "Let me check.",
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bern"}'}}]},
+    {"role": "tool", "content": '{"temp_c": 5}'},
+    {"role": "assistant", "content": "", "reasoning_content": "Now Chur.",
+     "tool_calls": [call("get_weather", {"city": "Chur"}, 1)]},
+    tool('{"temp_c": 2}', 1),
+    {"role": "assistant", "content": "Bern 5, Chur 2.", "reasoning_content": "Both known."}]}
+
+
+def lfm_tokenizer(tiny_model_dir):
+    """LFM2's special tokens as its tokenizer marks them: <|tool_call_start|> and <|tool_call_end|> are special."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>", "additional_special_tokens": [
+        "<|im_start|>", "<|tool_call_start|>", "<|tool_call_end|>"]})
+    tokenizer.chat_template = (TEMPLATES / "lfm2_5.jinja").read_text()
+    return tokenizer
+
+
+def test_lfm2_a_call_turn_in_history_trains_through_im_end(tiny_model_dir, tmp_path) -> None:
+    """LFM2's template closes a call `<|tool_call_start|>[f(x='y')]<|tool_call_end|><|im_end|>`, both special tokens:
+    <|tool_call_end|> was taken for an end of turn, so every call turn a tool result followed trained without the
+    <|im_end|> the model stops at (a call ending the row trained it), and the exported generation config stopped at
+    <|tool_call_end|>. A token closing a start/end pair the turn opened is the turn's text now."""
+    from open_sft.export.save import end_of_turn_ids
+
+    tokenizer = lfm_tokenizer(tiny_model_dir)
+    examples, (report,) = build(tokenizer, tmp_path, [LFM_ROW])
+    runs = trained_runs(tokenizer, examples)
+    assert [run for _, run in runs] == [
+        "Let me check.<|tool_call_start|>[get_weather(city='Bern')]<|tool_call_end|><|im_end|>",
+        "<think>Now Chur.</think><|tool_call_start|>[get_weather(city='Chur')]<|tool_call_end|><|im_end|>",
+        "<think>Both known.</think>Bern 5, Chur 2.<|im_end|>"]
+    messages = to_messages(LFM_ROW, "messages")
+    contexts = [tokenizer.apply_chat_template(messages[:k], tools=messages.tools, add_generation_prompt=True,
+                                              tokenize=False) for k in (1, 3, 5)]
+    assert [before for before, _ in runs] == contexts
+    assert report.generation_tags_disagree == 0
+    assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<|im_end|>"])
