@@ -52,3 +52,14 @@ def test_lfm2_a_call_turn_in_history_trains_through_im_end(tiny_model_dir, tmp_p
     assert [before for before, _ in runs] == contexts
     assert report.generation_tags_disagree == 0
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<|im_end|>"])
+
+
+def test_lfm2_calls_written_as_python_stay_the_replys_text(tiny_model_dir) -> None:
+    """generate/chat --tools under LFM2's template: its calls are Python expressions, which none of the call layouts
+    reads; the reply is shown as the model wrote it, no call made up from it."""
+    from open_sft.export.tool_calls import call_layout, split_calls
+
+    tokenizer = lfm_tokenizer(tiny_model_dir)
+    reply = "Sure.<|tool_call_start|>[get_weather(city='Bern'), get_weather(city='Chur')]<|tool_call_end|>"
+    assert call_layout(tokenizer) is None
+    assert split_calls(tokenizer, reply, TOOLS) == (reply, [])
