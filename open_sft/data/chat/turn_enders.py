@@ -11,13 +11,12 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from open_sft.data.chat.elements import closes_one_of, opened
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages
 
 Draw = Callable[[Messages, bool, Optional[list]], str]
-_TAG = re.compile(r"<(/?)([A-Za-z_][\w-]*)>")  # XML-like: <think>, </tool_call>, Gemma's <end_of_turn>
 _TAGS = re.compile(r"<[^<>\s]+>")  # any tag-shaped token: <|im_end|>, <｜Assistant｜>, </s>
-_PAIR_END = re.compile(r"(?<![A-Za-z])(?:end|close)(?![A-Za-z])")  # the end of <|tool_call_end|>, <｜tool▁calls▁end｜>
 _PROBE_USER = {"role": "user", "content": "Hi"}
 _PROBE_ANSWER = {"role": "assistant", "content": "Hello there"}
 _PROBE_NEXT = {"role": "user", "content": "Bye now"}
@@ -82,33 +81,13 @@ class TurnEnders:
                 return text
 
 
-def _opened(text: str) -> set[str]:
-    """The XML-like elements `text` opens and leaves open (a call's `<tool_call>` before its arguments)."""
-    depth: dict[str, int] = {}
-    for closing, name in _TAG.findall(text):
-        depth[name] = depth.get(name, 0) + (-1 if closing else 1)
-    return {name for name, count in depth.items() if count > 0}
-
-
-def _closes_a_pair(marker: str, turn: str) -> bool:
-    """Whether `marker` is the end token of a start/end pair that `turn` opened and left open (LFM2's
-    `<|tool_call_end|>` after `<|tool_call_start|>`, DeepSeek's `<｜tool▁calls▁end｜>` after `<｜tool▁calls▁begin｜>`)."""
-    ends = list(_PAIR_END.finditer(marker))
-    if not ends:
-        return False
-    before, after = marker[: ends[-1].start()], marker[ends[-1].end():]
-    return any(turn.count(before + word + after) > turn.count(marker) for word in ("start", "begin", "open"))
-
-
 def _candidates(markers: tuple[str, ...], eos: Optional[str], turn: str) -> tuple[str, ...]:
     """Special tokens that may end a turn whose own text (after its generation prompt) is `turn`: any, whatever
     its spelling (Gemma's `<end_of_turn>` too), but a token closing what the turn opened (`</tool_call>` after
-    `<tool_call>`, GLM's `</arg_value>`, LFM2's `<|tool_call_end|>` after `<|tool_call_start|>`: a tokenizer may
-    mark them special), which is the turn's text; eos always."""
-    opened = _opened(turn)
-    return tuple(m for m in markers if m == eos
-                 or not ((tag := _TAG.fullmatch(m)) and tag.group(1) and tag.group(2) in opened)
-                 and not _closes_a_pair(m, turn))
+    `<tool_call>`, GLM's `</arg_value>`, LFM2's `<|tool_call_end|>` after `<|tool_call_start|>`, Phi-4-mini's
+    `<|/tool_call|>`: a tokenizer may mark them special; chat/elements.py), which is the turn's text; eos always."""
+    names = opened(turn)
+    return tuple(m for m in markers if m == eos or not closes_one_of(m, names))
 
 
 def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:

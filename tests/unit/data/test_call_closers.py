@@ -1,0 +1,85 @@
+"""Tool-call turns under templates whose calls are closed by a special token that is not the end of the turn:
+Phi-4-mini's `<|/tool_call|>`, Seed-OSS's `</seed:tool_call>`, MiniMax-M2's `</minimax:tool_call>`, Kimi-K2's
+`<|tool_call_end|>` and `<|tool_calls_section_end|>` (tests/data/chat_templates). Such a token closes what the turn
+opened: the turn trains through its real end of turn (in history too) and generation does not stop there (it
+stopped after a turn's first call)."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import AddedToken
+from transformers import AutoTokenizer
+
+from open_sft.export.save import end_of_turn_ids
+from tests.unit.data.test_reasoning_tool_calls import TEMPLATES, TOOLS, build, trained_runs
+
+# per family: the template, its special tokens, eos, what ends a turn (the stops generation_config gets)
+FAMILIES = {
+    "phi_4_mini": ("phi_4_mini.jinja", ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool|>", "<|/tool|>",
+                   "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>"], "<|endoftext|>",
+                   ["<|endoftext|>", "<|end|>"]),
+    "seed_oss": ("seed_oss.jinja", ["<seed:bos>", "<seed:eos>", "<seed:tool_call>", "</seed:tool_call>",
+                 "<seed:think>", "</seed:think>"], "<seed:eos>", ["<seed:eos>"]),
+    "minimax_m2": ("minimax_m2.jinja", ["]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>",
+                   "<think>", "</think>"], "[e~[", ["[e~["]),
+    "kimi_k2_thinking": ("kimi_k2_thinking.jinja", ["<|im_system|>", "<|im_user|>", "<|im_assistant|>",
+                         "<|im_middle|>", "<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                         "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"], "<|im_end|>",
+                         ["<|im_end|>"]),
+}
+
+
+def tokenizer_for(tiny_model_dir, family: str):
+    template, specials, eos, _ = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
+    tokenizer.eos_token, tokenizer.chat_template = eos, (TEMPLATES / template).read_text()
+    if family == "seed_oss":
+        tokenizer.bos_token = "<seed:bos>"
+    return tokenizer
+
+
+def _call(city: str, n: int) -> dict:  # Kimi-K2's own ids: functions.NAME:INDEX (its template writes the id alone)
+    return {"id": f"functions.get_weather:{n}", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+
+PARALLEL = {"tools": TOOLS, "messages": [  # two calls in one turn, their results, an answer
+    {"role": "user", "content": "Weather in Paris and Lyon?"},
+    {"role": "assistant", "content": "", "reasoning_content": "Two cities, two calls.",
+     "tool_calls": [_call("Paris", 0), _call("Lyon", 1)]},
+    {"role": "tool", "content": '{"temp_c": 12}', "tool_call_id": "functions.get_weather:0"},
+    {"role": "tool", "content": '{"temp_c": 15}', "tool_call_id": "functions.get_weather:1"},
+    {"role": "assistant", "content": "Paris 12, Lyon 15."}]}
+# what each template writes for the call turn after its context (MiniMax-M2's generation prompt opens <think>\n)
+CALL_TURN = {
+    "phi_4_mini": '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Paris"}}<|/tool_call|><|tool_call|>'
+                  '{"name": "get_weather", "arguments": {"city": "Lyon"}}<|/tool_call|><|end|>',
+    "seed_oss": "<seed:think>Two cities, two calls.</seed:think>\n<seed:tool_call>\n<function=get_weather>\n"
+                "<parameter=city>Paris</parameter>\n</function>\n</seed:tool_call>\n<seed:tool_call>\n"
+                "<function=get_weather>\n<parameter=city>Lyon</parameter>\n</function>\n</seed:tool_call><seed:eos>",
+    "minimax_m2": 'Two cities, two calls.\n</think>\n\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+                  '<parameter name="city">Paris</parameter>\n</invoke>\n<invoke name="get_weather">\n'
+                  '<parameter name="city">Lyon</parameter>\n</invoke>\n</minimax:tool_call>\n[e~[',
+    "kimi_k2_thinking": "<think>Two cities, two calls.</think><|tool_calls_section_begin|><|tool_call_begin|>"
+                        'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+                        '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Lyon"}'
+                        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_call_turn_trains_through_its_end_of_turn_not_its_calls_closer(tiny_model_dir, tmp_path, family) -> None:
+    """The call turn, in history before the answer, trained only up to its last call's closer (`<|/tool_call|>`,
+    `</seed:tool_call>`, `</minimax:tool_call>`, `<|tool_call_end|>`), never its end of turn, and the exported stops
+    held that closer, so generation ended after the first of parallel calls."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    examples, (report,) = build(tokenizer, tmp_path, [PARALLEL])
+    runs = trained_runs(tokenizer, examples)
+    messages = PARALLEL["messages"]
+    context = tokenizer.apply_chat_template(messages[:1], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert (context, CALL_TURN[family]) in runs
+    through = tokenizer.apply_chat_template(messages[:2], tools=TOOLS, tokenize=False)
+    assert CALL_TURN[family] in through  # the turn as the template writes it, its end of turn included
+    assert report.rows_kept == 1 and not report.dropped
+    assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(FAMILIES[family][3])
