@@ -117,7 +117,8 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     if raw:
         parts = ReplyParts(tokenizer.decode(new, skip_special_tokens=True))  # as generated: whitespace is part of it
     else:  # a reasoning model's trace apart from its answer, by the template's layout
-        parts = parse_reply(tokenizer, body, encoded["input_ids"][0].tolist(), tools)
+        parts = parse_reply(tokenizer, body, encoded["input_ids"][0].tolist(), tools,  # a call's closing may end it
+                            tokenizer.decode(new[len(body):], skip_special_tokens=False))
     special = set(tokenizer.all_special_ids)
     hidden = tokenizer.convert_ids_to_tokens([t for t in body if t in special])
     stop_reason = END_OF_TURN if ended else TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL

@@ -177,12 +177,14 @@ def _answer_start(tokenizer, text: str, opened: bool) -> int | None:
     return None if at < 0 else at
 
 
-def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Optional[list] = None) -> ReplyParts:
+def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Optional[list] = None,
+                ended_by: str = "") -> ReplyParts:
     """The reply's parts: by the tokenizer's own `response_template` (transformers' parse_response) where it has
     one, else by split_reply on the reply decoded with its special tokens, its tool calls read by the template's
     layout of a call (open_sft.export.tool_calls) in what follows its reasoning: the text before the first call is
     the content and reasoning, text after the last call is kept after that content, and a call that does not read
-    (cut off, not JSON, arguments not an object) makes the reply an unreadable call (`unreadable_call`)."""
+    (cut off, not JSON, arguments not an object, its closing missing: `ended_by`, the token that ended the reply
+    and not in `new_ids`, may be it) makes the reply an unreadable call (`unreadable_call`)."""
     from open_sft.export.tool_calls import expected_calls, read_calls
 
     if getattr(tokenizer, "response_template", None) is not None:
@@ -200,7 +202,7 @@ def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Opt
     opened = tokenizer.decode(prompt_ids, skip_special_tokens=False).rstrip().endswith(INLINE_OPEN)
     text = tokenizer.decode(new_ids, skip_special_tokens=False)
     start = _answer_start(tokenizer, text, opened)
-    read = read_calls(tokenizer, text[start:], tools) if start is not None else None
+    read = read_calls(tokenizer, text[start:], tools, ended_by) if start is not None else None
     if read is not None and (read.calls or read.unreadable):  # a reply that calls a tool has answered
         head = text[:start] + read.head
         parts = split_reply(tokenizer, head, strip_specials(head, tokenizer), opened)

@@ -4,6 +4,7 @@ layout, open_sft.export.tool_calls' call layout): the special tokens taken out, 
 from __future__ import annotations
 
 import os
+import re
 
 
 def strip_specials(text: str, tokenizer) -> str:
@@ -11,6 +12,18 @@ def strip_specials(text: str, tokenizer) -> str:
     for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
         text = text.replace(token, "")
     return text
+
+
+def without_shared_ending(text: str, other: str, tokenizer) -> str:
+    """`text` less the ending it shares with `other`, special tokens taken whole (`<|call|>` and `<|return|>` share
+    none) and text between them too (`\n</tool_call><|im_end|>` less `ANSWER<|im_end|>`'s: `\n</tool_call>`)."""
+    specials = "|".join(re.escape(token) for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True))
+    pieces = [[piece for piece in (re.split(f"({specials})", each) if specials else [each]) if piece]
+              for each in (text, other)]
+    shared = 0
+    while shared < min(map(len, pieces)) and pieces[0][-1 - shared] == pieces[1][-1 - shared]:
+        shared += 1
+    return "".join(pieces[0][:len(pieces[0]) - shared])
 
 
 def common_suffix(first: str, second: str) -> str:

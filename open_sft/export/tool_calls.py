@@ -23,7 +23,8 @@ a think block is reasoning. The text before the first call is the reply's conten
 template writes between a trace and a call (gpt-oss's `<|end|><|start|>assistant`); text written after the last
 call's closing (the template's `</tool_call>`, special tokens aside) is kept after that content, not dropped. A
 marker whose call does not read (JSON cut off or not JSON, arguments not an object, no name, no closing where the
-template writes one: cut off at --max_new_tokens) makes the reply an unreadable call, shown as written, even after
+template writes one after a call and not after an answer, `</tool_call>` or gpt-oss's `<|call|>`, the token its model
+stops at: cut off at --max_new_tokens) makes the reply an unreadable call, shown as written, even after
 calls that read: a reply's calls are read all or none (chat could keep no message that renders the reply as the
 model wrote it, and compare scores the reply, not its first call). A template whose probe renders no call (no
 tool-call support) has no layout: its replies are text.
@@ -39,7 +40,7 @@ from typing import Any, Optional
 
 from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.export.call_headers import split_head
-from open_sft.export.template_text import common_suffix, strip_specials
+from open_sft.export.template_text import common_suffix, strip_specials, without_shared_ending
 
 PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
 PROBE_ARGUMENTS = {"probe_key_1": "probe value 9e4b", "probe_key_2": 7}
@@ -65,7 +66,7 @@ class CallLayout:
     listed: bool = False
     pair: tuple[str, str, str] = ("", "", "")
     before_call: str = ""
-    closing: str = ""  # what the template writes after a call's arguments (`</tool_call>`), special tokens aside
+    closing: str = ""  # what it writes after a call's arguments and not after an answer (`</tool_call>`, `<|call|>`)
     arguments_after: str = ""  # name_json: the end of what it writes between name and arguments (`json<|message|>`)
     channel: str = ""  # name_json: the rest of it (`<|channel|>commentary`): open_sft.export.call_headers
 
@@ -185,7 +186,9 @@ def _layout(tokenizer) -> Optional[CallLayout]:
     if found is None:
         return None
     start, parts, end = found
-    closing = strip_specials(alone[end:], tokenizer).strip()
+    answer = _rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
+    closing = without_shared_ending(alone[end:], answer[answer.find(PROBE_CONTENT) + len(PROBE_CONTENT):], tokenizer) \
+        if answer and PROBE_CONTENT in answer else strip_specials(alone[end:], tokenizer)
     after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
     anchored = _anchor(after_content) if after_content is not None else None
     marker = common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
@@ -196,7 +199,7 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
         at = rest.find(marker.strip()) if marker.strip() else -1
         before_call = rest[:at].strip() if at >= 0 else ""
-    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing, **parts)
+    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), **parts)
 
 
 def call_layout(tokenizer) -> Optional[CallLayout]:
@@ -285,25 +288,27 @@ def _closed(layout: CallLayout, segment: str, end: int) -> Optional[int]:
     return end + closing.end() if closing else None
 
 
-def read_calls(tokenizer, text: str, tools: Optional[list] = None) -> ReadCalls:
+def read_calls(tokenizer, text: str, tools: Optional[list] = None, ended_by: str = "") -> ReadCalls:
     """`text` (the answer part of a reply decoded with its special tokens: what follows its reasoning) read for
-    calls by the template's layout (ReadCalls). Text after the last call's closing, special tokens aside, is kept
-    as `after`; a marker whose call does not read makes the reply an unreadable call."""
+    calls by the template's layout (ReadCalls), `ended_by` the token that ended the reply (a call's closing may be
+    it: gpt-oss's `<|call|>`; "" where --max_new_tokens cut it). Text after the last call's closing, special tokens
+    aside, is kept as `after`; a marker whose call does not read makes the reply an unreadable call."""
     layout = call_layout(tokenizer)
     if layout is None:
         return ReadCalls(text)
     if not layout.marker:
         return _bare_call(layout, tokenizer, text, tools)
+    text, written = text + ended_by, text
     found = list(re.finditer(literal(layout.marker), text))
     if not found:
-        return ReadCalls(text)
+        return ReadCalls(written)
     head, preamble = split_head(text[:found[0].start()], layout.channel, layout.arguments_after, layout.before_call)
     calls, after = [], ""
     for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
         read = _calls_in(layout, text[match.end():end], tools)
         if read is None:
             return ReadCalls(head, after=strip_specials(preamble, tokenizer).strip(),
-                             unreadable=text[found[0].start():].strip())
+                             unreadable=written[found[0].start():].strip())
         calls += read[0]
         after = text[match.end():end][read[1]:]
     return ReadCalls(head, tuple(calls), strip_specials(f"{preamble}\n\n{after}", tokenizer).strip())

@@ -305,6 +305,34 @@ def test_a_call_cut_off_before_its_closing_is_an_unreadable_call(tiny_model_dir,
     assert [score_tasks(model, tokenizer, tasks, max_new_tokens=128).correct for _ in "ab"] == [[False], [True]]
 
 
+# what each template writes after a call's arguments: its closing of the call, then the end of any message
+AFTER_ARGUMENTS = {"qwen3": "\n</tool_call>", "glm": "</tool_call>", "gpt_oss": "<|call|>", "mistral": "</s>",
+                   "llama": "<|eot_id|>"}
+CUT_CALLS = {"qwen3": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+             "glm": "<tool_call>get_weather<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>",
+             "gpt_oss": 'to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Oslo"}'}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_call_cut_off_right_after_its_arguments(tiny_model_dir, model, monkeypatch, family) -> None:
+    """A reply cut at --max_new_tokens right after its call's arguments lacks the closing the template writes after
+    a call (Qwen3's and GLM's `</tool_call>`, gpt-oss's `<|call|>`, the token its model stops at): an unreadable
+    call, shown as written (gpt-oss's read as get_weather {city: Oslo}); ended by that token, it is the call.
+    Mistral's and Llama's write nothing after a call but the end of any message (`</s>`, `<|eot_id|>`): their
+    complete JSON is the call, as an answer cut before its end of turn is the answer."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    whole = written(tokenizer, QUESTION, OSLO, STOPS[family][0])
+    cut = whole[:whole.rindex(AFTER_ARGUMENTS[family])]
+    generating(monkeypatch, model, tokenizer, [cut, whole], family)
+    limit = len(tokenizer(cut, add_special_tokens=False)["input_ids"])
+    cut_reply, reply = (generate_reply(model, tokenizer, QUESTION, n, tools=TOOLS) for n in (limit, 128))
+    oslo = ({"name": "get_weather", "arguments": {"city": "Oslo"}},)
+    assert (reply.stop_reason, reply.tool_calls, reply.unreadable_call) == ("end_of_turn", oslo, None)
+    assert (cut_reply.stop_reason, cut_reply.tool_calls, cut_reply.unreadable_call) == (
+        "max_new_tokens", () if family in CUT_CALLS else oslo, CUT_CALLS.get(family))
+    assert call_layout(tokenizer).closing == AFTER_ARGUMENTS[family].strip() * (family in CUT_CALLS)
+
+
 def test_a_response_template_reads_the_calls(tiny_model_dir) -> None:
     """A tokenizer with a `response_template` (transformers' parse_response) reads the calls by it: the calls it
     parses are the reply's, its trace the reasoning."""
