@@ -10,7 +10,8 @@ so later turns render as training did. With --tools FILE the prompt holds the to
 neither it nor the message it answered is kept, since no message renders it as written: ask again, or send the
 /tool result again), and `/tool TEXT` answers the next call with TEXT (a `tool` message); once every call of the
 reply has its result the model goes on from them (a reply that made two calls takes two /tool lines, the first
-answered by `[result kept; 1 more call awaits /tool]`). `/reset` starts the conversation over (a --system message
+answered by `[result kept; 1 more call awaits /tool]`), and a message typed before then is refused with a line
+naming the call that awaits its result (the calls stay; /reset drops them). `/reset` starts the conversation over (a --system message
 stays), `/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line editing after a `you> `
 prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
 holds only the replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
@@ -173,6 +174,11 @@ def _turn(messages: list[dict], text: str, raw: bool) -> dict | str:
         return tool_result(messages, rest.strip())
     if text.startswith("/") and " " not in text:
         return f"[unknown command {text}: {COMMANDS}]"
+    if left := awaiting(messages):  # a message after a call without its result: no template renders it as trained
+        calls, answered = _open_calls(messages)
+        return (f"[{'a tool call awaits its result' if left == 1 else f'{left} tool calls await their results'}: "
+                f"give {calls[answered]['function']['name']}'s with {TOOL} TEXT (an error message is a result too), "
+                f"or {RESET} to start over]")
     return {"role": "user", "content": text + "\n" if raw else text}
 
 

@@ -546,6 +546,33 @@ def test_chat_goes_on_after_every_result_of_parallel_calls(tiny_model_dir, model
     assert "[result kept; 1 more call awaits /tool]" in shown and "It is 26.6 F." in shown
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_refuses_a_message_while_calls_await_their_results(tiny_model_dir, model, monkeypatch, family) -> None:
+    """A message typed while the reply's calls await /tool results is refused with a line naming the next call (it
+    went to the model as a user turn after a call with no result, a conversation no training row holds, and the
+    calls were lost: `/tool` then said no call awaited a result); the calls stay, and their results are answered as
+    if the line had not been typed."""
+    tokenizer = tokenizer_for(tiny_model_dir, family)
+    two = family not in ("gpt_oss", "llama")  # one call a turn
+    reply = written(tokenizer, QUESTION, TWO if two else OSLO, STOPS[family][0])
+    answer = written(tokenizer, QUESTION, {"role": "assistant", "content": "Cold."}, STOPS[family][1])
+    generating(monkeypatch, model, tokenizer, [reply, answer], family)
+    prompts, real = recording(monkeypatch, tokenizer)
+    lines = iter(["How cold is Oslo?", "And Bergen?", '/tool {"temp_c": -3}'] + (
+        ["And Bergen?", '/tool {"f": 26.6}'] if two else []) + ["/exit"])
+    out = io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines), out, max_new_tokens=64, tools=TOOLS) == 2
+    second = {"role": "tool", "content": '{"f": 26.6}', "tool_call_id": "call00002", "name": "convert"}
+    assert prompts[1] == real(QUESTION + ([TWO, RESULT, second] if two else [OSLO, RESULT]), tools=TOOLS,
+                              add_generation_prompt=True, tokenize=False)
+    refusals = [line for line in out.getvalue().splitlines() if "await" in line]
+    first = "[2 tool calls await their results: give get_weather's" if two else \
+        "[a tool call awaits its result: give get_weather's"
+    assert refusals == [f"{first} with /tool TEXT (an error message is a result too), or /reset to start over]"] + (
+        ["[result kept; 1 more call awaits /tool]", "[a tool call awaits its result: give convert's with /tool TEXT "
+         "(an error message is a result too), or /reset to start over]"] if two else [])
+
+
 def test_a_marker_in_the_trace_or_a_second_call_that_does_not_read(tiny_model_dir, model, monkeypatch) -> None:
     """A call marker left unfinished inside the think block does not stop the call after the trace from reading;
     a readable call followed by one that does not read makes the reply an unreadable call, all or none (the first
