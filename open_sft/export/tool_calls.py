@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from open_sft.data.per_tokenizer import PerTokenizer
+from open_sft.data.tool_schemas import function_of
 from open_sft.export.call_headers import split_head
 from open_sft.export.template_text import common_suffix, strip_specials, without_shared_ending
 
@@ -212,7 +213,7 @@ def call_layout(tokenizer) -> Optional[CallLayout]:
 
 def _schema_types(tools: Optional[list], name: str) -> dict:
     for tool in tools or ():
-        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        function = function_of(tool)
         if function.get("name") == name:
             properties = (function.get("parameters") or {}).get("properties") or {}
             return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
@@ -334,7 +335,7 @@ def _tool_names(tools: Optional[list]) -> set[str]:
     """The function names of tool schemas (OpenAI tool objects or bare function schemas)."""
     names = set()
     for tool in tools or ():
-        function = tool.get("function") if isinstance(tool, dict) and isinstance(tool.get("function"), dict) else tool
+        function = function_of(tool)
         if isinstance(function, dict) and isinstance(function.get("name"), str):
             names.add(function["name"])
     return names
@@ -362,7 +363,7 @@ def expected_calls(message: dict) -> list[dict]:
     """A data row's assistant message's calls as {name, arguments} (arguments given as JSON text read as JSON)."""
     calls = []
     for call in message.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call.get("function"), dict) else call
+        function = function_of(call)
         calls.append({"name": function.get("name"), "arguments": _as_arguments(function.get("arguments") or {})})
     return calls
 

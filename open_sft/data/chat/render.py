@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
+from open_sft.data.tool_schemas import function_of
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing, has_generation_tags, is_builtin_template
 from open_sft.data.chat.turn_enders import TurnEnders, split_turn_closers
@@ -104,7 +105,7 @@ def schema_key_hint(problem: str, tools: Optional[list]) -> str:
     if not missing or not tools:
         return ""
     key = missing.group(1)
-    schemas = [tool.get("function") if isinstance(tool.get("function"), dict) else tool for tool in tools]
+    schemas = [function_of(tool) for tool in tools]
     lacking = [schema.get("name", "?") for schema in schemas if isinstance(schema, dict) and key not in schema
                and key not in (schema.get("parameters") if isinstance(schema.get("parameters"), dict) else {})]
     if not lacking:

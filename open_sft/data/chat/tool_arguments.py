@@ -12,6 +12,7 @@ import re
 
 from open_sft.data.chat.render import TemplateState
 from open_sft.data.formats import JsonArguments, Messages, RowError, same_kind
+from open_sft.data.tool_schemas import function_of
 
 logger = logging.getLogger(__name__)
 
@@ -97,5 +98,5 @@ def string_arguments(messages: Messages) -> bool:
 def tools_written(tools: list, text: str) -> bool:
     """Whether the rendering holds the row's tool schemas (each tool's name, as every tool-writing template
     writes it): a template without tools (chatml, tulu) trains the row with no schemas in its context."""
-    names = [(tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name") for tool in tools]
+    names = [function_of(tool).get("name") for tool in tools]
     return all(name in text for name in names if isinstance(name, str) and name)
