@@ -149,9 +149,17 @@ def prompt_formats(directories: tuple[Path, Path], templates: tuple[str | None, 
     return formats
 
 
-def read_tasks(path: Path) -> list[dict]:
+class Tasks(list):
+    """A tasks file's rows, with the line each was read from (`lines`, for messages about a row). A list, so it goes
+    wherever rows go; slices and copies are plain lists."""
+
+    lines: list[int]
+
+
+def read_tasks(path: Path) -> Tasks:
     """The rows of a tasks file; a ValueError naming the file and line of the first row that is not a task."""
-    rows = []
+    rows = Tasks()
+    rows.lines = []
     with path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
@@ -166,6 +174,7 @@ def read_tasks(path: Path) -> list[dict]:
                 raise ValueError(f"{path} line {number}: a task needs 'messages' ending with the assistant's "
                                  f"reply and 'answer', that reply ({NO_ANSWER_NEEDED})")
             rows.append(_task(row, f"{path} line {number}"))
+            rows.lines.append(number)
     if not rows:
         raise ValueError(f"{path} holds no tasks")
     return rows

@@ -7,9 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from open_sft.export.compare import Tasks
 
 
-def checked_tools(args: argparse.Namespace, rows: list[dict], directories, tokenizers, formats) -> tuple[
+def checked_tools(args: argparse.Namespace, rows: Tasks, directories, tokenizers, formats) -> tuple[
         list[dict] | None, str | None]:
     """(--tools's schemas, None), or (None, why they or a task row's own tools cannot be used), checked against the
     template each model is asked with. A model asked with the other's template (it has none) is named so: a
@@ -53,14 +57,14 @@ def _unwritten(tools: list, where: str, directories, tokenizers, formats) -> str
     return None
 
 
-def row_tools_problem(path: Path, rows: list[dict], directories, tokenizers, formats) -> str | None:
+def row_tools_problem(path: Path, rows: Tasks, directories, tokenizers, formats) -> str | None:
     """Why a task row's own `tools` cannot be rendered in its prompt (a template that writes no tools or fails on
-    them, no template at all), naming the tasks file and line, as --tools FILE's are checked; None when they can."""
+    them, no template at all), naming the tasks file and the row's line, as --tools FILE's are checked; None when
+    they can."""
     from open_sft.export.tool_calls import task_tools
 
-    lines = [n for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
     seen = set()
-    for number, row in zip(lines, rows):
+    for number, row in zip(rows.lines, rows):
         if not (tools := task_tools(row)) or json.dumps(tools, sort_keys=True) in seen:
             continue
         seen.add(json.dumps(tools, sort_keys=True))

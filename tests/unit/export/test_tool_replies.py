@@ -488,6 +488,23 @@ def test_compare_says_a_task_rows_tools_the_template_does_not_write(tiny_model_d
            "tool schemas" in capsys.readouterr().err
 
 
+def test_compare_names_the_line_a_task_was_read_from(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """A row's tools error names the line the row was read from: the file was read again to number the rows, split
+    at Unicode line breaks (a U+2028 JSON writes raw in a string with ensure_ascii=False) as reading it is not, and
+    named line 2 for the row on line 3 (and would misname any row of a file that changed between the reads)."""
+    from open_sft.export import compare, run_dir
+
+    monkeypatch.setattr(run_dir, "load_run_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    plain = {"messages": [{"role": "user", "content": "One\u2028two"}, {"role": "assistant", "content": "Three."}],
+             "answer": "Three."}
+    lines = [json.dumps(plain, ensure_ascii=False), "", json.dumps({"messages": QUESTION + [OSLO], "tools": TOOLS})]
+    (tasks := tmp_path / "tasks.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert "\u2028" in tasks.read_text(encoding="utf-8") and len(compare.read_tasks(tasks)) == 2
+    assert compare.main([str(tiny_model_dir), str(tiny_model_dir), "--tasks", str(tasks)]) == 2
+    assert f"error: --tasks {tasks} line 3: the row's tools ({tiny_model_dir}): the chat template does not write " \
+           "tool schemas" in capsys.readouterr().err
+
+
 def test_small_messages_and_the_json_calls(tmp_path) -> None:
     """A task without an answer is told that an expected tool_calls reply needs none; a tools file's error says what
     to give once; compare --json gives the calls structured beside their display strings."""
