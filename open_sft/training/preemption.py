@@ -7,7 +7,10 @@ stops after the same step even when the signal reached only some of them.
 Under `accelerate launch` (torchrun) the launcher also handles SIGTERM/SIGINT: it forwards the signal to
 the workers, gives them 30 s, and then exits non-zero itself (its own exit code, not ours). Send the
 signal to the workers too (e.g. the whole process group, or `srun --signal`) so the checkpoint is written
-inside that grace period; SIGUSR1 reaches the launcher only if listed in TORCHELASTIC_SIGNALS_TO_HANDLE.
+inside that grace period. It handles the signals of torchrun's --signals_to_handle, which `accelerate launch` does
+not pass: PET_SIGNALS_TO_HANDLE's, else SIGTERM,SIGINT,SIGHUP,SIGQUIT (TORCHELASTIC_SIGNALS_TO_HANDLE is what it
+writes from them, replaced if set by hand; open_sft sets and reads neither). A SIGUSR1 ends it; the ranks, signalled
+too, finish their stop without it (open_sft.distributed.lifeline.note_stop).
 """
 
 from __future__ import annotations
