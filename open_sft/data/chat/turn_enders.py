@@ -60,6 +60,16 @@ class TurnEnders:
             return min(firsts)
         return end
 
+    def generable(self, run: str) -> bool:
+        """Whether the model can write `run` (a turn through its end) in one go: no stop token in it with more than
+        end-of-turn tokens after it, where generation would have ended (Nemotron-Nano-v2's template writes a last
+        turn's content and its calls as two assistant turns, `Let me check.\n<SPECIAL_12>` and then the calls)."""
+        firsts = [at + len(token) for token in self.stops if 0 <= (at := run.find(token))]
+        rest = run[min(firsts):] if firsts else ""
+        for token in self.tokens:
+            rest = rest.replace(token, "")
+        return not rest.strip()
+
     def leading(self, text: str, at: int) -> int:
         """The end of the end-of-turn token that `text` has at `at`, after whitespace; 0 if none."""
         start = at + len(text[at:]) - len(text[at:].lstrip())

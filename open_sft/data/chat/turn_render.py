@@ -20,12 +20,14 @@ few probe conversations (turn_enders.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 from open_sft.data.chat.opened_trace import opened_turn, shared_opening
 from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
+from open_sft.data.chat.turns import call_written
 from open_sft.data.formats import Messages, RowError
 
 
@@ -70,12 +72,80 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
         if not opened:
             prompt, target = _turn_after_rewritten_history(prompt, through, bare, messages[i - 1].get("content"))
         if target is None:
-            raise RowError(f"{where}: what the template writes for this turn does not follow the generation "
-                           "prompt it renders for the messages before it, so the turn cannot be located; choose "
-                           "another template")
+            raise RowError(f"{where}: {_unlocated(draw, messages, tools, i)}", "turn_not_located")
     end = enders.turn_end(target)
+    if not enders.generable(target[:end] if end else target):
+        prompt, target = _as_in_history(draw, messages, tools, i, enders)
+        end = enders.turn_end(target)
     core = enders.stripped(target[:end]) if end else target.rstrip()
     return Turn(i, prompt, target, end, core, closed, opened)
+
+
+def _as_in_history(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders
+                   ) -> tuple[str, str]:
+    """The context and the text through its stop token of assistant turn i as the template writes it in history
+    (once a message follows it), for a turn whose rendering as the last message holds a stop token with more text
+    after it, which the model, having stopped there, never writes: Nemotron-Nano-v2's template writes a last turn
+    with content and calls as two assistant turns (`Let me check.\n<SPECIAL_12>\n\n<SPECIAL_11>Assistant\n
+    <TOOLCALL>[...]`), and in history as one (`Let me check.\n\n<TOOLCALL>[...]</TOOLCALL>\n<SPECIAL_12>`), as the
+    model generates it. The context is as much of the generation prompt as that turn writes (as for any turn whose
+    rendering does not follow the generation prompt: _turn_after_rewritten_history)."""
+    message = messages[i]
+    calls = message.get("tool_calls") or []
+    following = messages[i + 1: i + 2] or [_probe_follower(calls)]
+    prompt, bare = draw(messages[:i], True, tools), draw(messages[:i], False, tools)
+    try:
+        history = draw([*messages[: i + 1], *following], False, tools)
+    except RowError:
+        history = ""
+    if prompt.startswith(bare) and history.startswith(bare):
+        shared = shared_opening(prompt[len(bare):], history[len(bare):])
+        turn = history[len(bare) + shared:]
+        ends = [at + len(token) for token in enders.stops if 0 <= (at := turn.find(token))]
+        turn = turn[: min(ends)] if ends else ""
+        content = message.get("content")
+        said = after_trace(content).strip() if isinstance(content, str) else ""
+        if turn and said in turn and not call_written(message, turn):
+            return prompt[: len(bare) + shared], turn
+    raise RowError(f"message {i + 1} (assistant): the chat template writes this turn, as the last message, past a "
+                   "token that ends generation, so the model cannot write it as the template does (it stops there), "
+                   "and its history does not show the turn whole either; choose another template",
+                   "turn_not_generable")
+
+
+def _probe_follower(calls: list) -> dict:
+    """A message to follow a turn that ends the row, so that the template writes the turn as history."""
+    if not calls:
+        return {"role": "user", "content": "Thanks."}
+    first = calls[0] if isinstance(calls[0], dict) else {}
+    function = first.get("function") or first
+    return {"role": "tool", "content": "{}", **({"tool_call_id": first["id"]} if first.get("id") else {}),
+            **({"name": function["name"]} if isinstance(function, dict) and function.get("name") else {})}
+
+
+def _unlocated(draw: Draw, messages: Messages, tools: Optional[list], i: int) -> str:
+    """Why assistant turn i cannot be located after its generation prompt. A call turn after an earlier one that
+    the template writes without the opening it gives a row's first call turn (DeepSeek-R1 distills': its state,
+    ns.is_first, is never reset, so a second call turn lacks `<｜Assistant｜><｜tool▁calls▁begin｜>`) is said so."""
+    generic = ("what the template writes for this turn does not follow the generation prompt it renders for the "
+               "messages before it, so the turn cannot be located; choose another template")
+    start = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
+    if not messages[i].get("tool_calls") or not any(m.get("tool_calls") for m in messages[start:i]):
+        return generic
+    alone = [*messages[:start], messages[i]]  # the same call turn as the row's first
+    try:
+        first = draw(alone, False, tools)[len(draw(alone[:-1], False, tools)):]
+        bare, through = draw(messages[:i], False, tools), draw(messages[: i + 1], False, tools)
+    except RowError:
+        return generic
+    later = through[len(os.path.commonprefix([bare, through])):]
+    opening = first[: len(first) - len(os.path.commonprefix([first[::-1], later[::-1]]))]
+    if not opening.strip() or opening.strip() in later:
+        return generic
+    return (f"the template writes this call turn, after an earlier call turn, without the opening it writes for a "
+            f"row's first call turn ({opening.strip()!r}): it cannot render a conversation with more than one call "
+            "turn (its state carries over from the first). Keep one call turn a row under it, or choose another "
+            "template")
 
 
 def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous: object = None

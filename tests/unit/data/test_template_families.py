@@ -63,3 +63,44 @@ def test_lfm2_calls_written_as_python_stay_the_replys_text(tiny_model_dir) -> No
     reply = "Sure.<|tool_call_start|>[get_weather(city='Bern'), get_weather(city='Chur')]<|tool_call_end|>"
     assert call_layout(tokenizer) is None
     assert split_calls(tokenizer, reply, TOOLS) == (reply, [])
+
+
+def nemotron_tokenizer(tiny_model_dir):
+    """Nemotron-Nano-v2's turn tokens, special as its tokenizer marks them; <SPECIAL_12> ends a turn."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"eos_token": "<SPECIAL_12>", "additional_special_tokens": [
+        "<SPECIAL_10>", "<SPECIAL_11>"]})
+    tokenizer.add_tokens(["<think>", "</think>", "<TOOLCALL>", "</TOOLCALL>"])
+    tokenizer.chat_template = (TEMPLATES / "nemotron_nano_v2.jinja").read_text()
+    return tokenizer
+
+
+def test_nemotron_a_turn_with_content_and_calls_trains_as_one_turn(tiny_model_dir, tmp_path) -> None:
+    """Nemotron-Nano-v2's template writes a last assistant message with content and calls as two assistant turns
+    (`Let me check.\\n<SPECIAL_12>\\n\\n<SPECIAL_11>Assistant\\n<TOOLCALL>[...]`), in history as one. The two trained
+    as one run taught the model to stop after 'Let me check.' and never call. A run holding a stop token with more
+    text after it cannot be generated: the turn trains as history writes it, as the model generates it in one go."""
+    from open_sft.export.save import end_of_turn_ids
+
+    tokenizer = nemotron_tokenizer(tiny_model_dir)
+    ending = {"tools": TOOLS, "messages": LFM_ROW["messages"][:2]}  # the call turn ends the row
+    answered = {"tools": TOOLS, "messages": [*LFM_ROW["messages"][:3],
+                                             {"role": "assistant", "content": "Bern has 5 degrees."}]}
+    examples, (report,) = build(tokenizer, tmp_path, [ending, answered])
+    runs = trained_runs(tokenizer, examples)
+    call_turn = ('Let me check.\n\n<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Bern"}}]</TOOLCALL>\n'
+                 "<SPECIAL_12>")
+    assert [run for _, run in runs] == [call_turn, call_turn, "Bern has 5 degrees.\n<SPECIAL_12>"]
+    messages = to_messages(answered, "messages")
+    history = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    prompt = tokenizer.apply_chat_template(messages[:1], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<SPECIAL_11>Assistant\n<think>\n\n")  # context: as much of it as the turn writes
+    opening = prompt[: -len("<think>\n\n")]
+    assert [before for before, _ in runs[:2]] == [opening, opening]
+    assert history.startswith(opening + call_turn)
+    last = tokenizer.apply_chat_template(messages[:2], tools=TOOLS, tokenize=False)
+    assert last.startswith(opening + "<think>\n\nLet me check.\n<SPECIAL_12>\n\n<SPECIAL_11>Assistant\n<TOOLCALL>")
+    assert [before for before, _ in runs[2:]] == [
+        tokenizer.apply_chat_template(messages[:3], tools=TOOLS, add_generation_prompt=True, tokenize=False)]
+    assert report.examples == 2 and report.rows_kept == 2 and not report.dropped
+    assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<SPECIAL_12>"])

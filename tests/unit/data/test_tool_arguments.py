@@ -129,3 +129,33 @@ def test_r1_trains_a_call_turn_through_the_token_it_stops_at(deepseek_r1, tmp_pa
     ids = [deepseek_r1(piece, add_special_tokens=False)["input_ids"] for piece, _ in pieces]
     assert example.input_ids == deepseek_r1(text, add_special_tokens=False)["input_ids"] == sum(ids, [])
     assert example.labels == [token if trained else -100 for (_, trained), part in zip(pieces, ids) for token in part]
+
+
+def test_r1_a_second_call_turn_is_refused_saying_why(deepseek_r1, tmp_path) -> None:
+    """R1's template never resets its ns.is_first: a row's second call turn (call, result, call, result, answer) is
+    written as '\\n<｜tool▁call▁begin｜>...' right after the first result, without `<｜Assistant｜><｜tool▁calls▁begin｜>`.
+    The row was refused with a generic 'does not follow the generation prompt'; the error now says what the template
+    does and what to do."""
+    from open_sft.errors import UserError
+
+    row = weather('{"city": "Oslo"}')
+    row["messages"][3:3] = [{"role": "assistant", "content": "", "tool_calls": [call("get_weather", '{"city": "Bergen"}',
+                                                                                    2)]},
+                            tool('{"temp_c": 4}', 2)]
+    messages = [{**m, "content": m["content"] or ""} for m in row["messages"]]
+    through = deepseek_r1.apply_chat_template(messages[:4], tokenize=False)
+    assert through.endswith('{"temp_c": -3}<｜tool▁output▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n'
+                            '```json\n{"city": "Bergen"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>'
+                            "<｜Assistant｜><｜end▁of▁sentence｜>")  # the template's own writing of the second call turn
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(weather('{"city": "Oslo"}')) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(UserError) as raised:
+        build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), deepseek_r1, 0)
+    message = str(raised.value)
+    assert "rows.jsonl line 2: message 4 (assistant): the template writes this call turn, after an earlier call turn, " \
+           "without the opening it writes for a row's first call turn ('<｜Assistant｜><｜tool▁calls▁begin｜>')" in message
+    assert "cannot render a conversation with more than one call turn" in message
+    assert "Keep one call turn a row under it, or choose another template" in message
+    _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"], on_bad_row="drop"),
+                                  deepseek_r1, 0)
+    assert report.dropped == {"turn_not_located": 1} and report.rows_kept == 1
