@@ -68,8 +68,9 @@ logger = logging.getLogger(__name__)
 # what follows it tokenized apart (a "\n" ending the prompt no longer merges with the trained text's first "\n");
 # 24: a special token closing a start/end pair the turn opened (LFM2's <|tool_call_end|>) is no end of turn (call
 # turns in history trained without their <|im_end|>); 25: a turn whose rendering as the last message holds a stop token
-# with text after it (Nemotron-Nano-v2's content and calls as two turns) trains as the template writes it in history
-CACHE_FORMAT_VERSION = 25
+# with text after it (Nemotron-Nano-v2's content and calls as two turns) trains as the template writes it in history;
+# 26: a template writing an object's arguments as Python's repr (Apriel-1.5's |string) gets them as strings
+CACHE_FORMAT_VERSION = 26
 COMPLETE = "COMPLETE"
 
 

@@ -31,23 +31,28 @@ _SAID: set[str] = set()  # the templates the log has named so (once each, not on
 
 
 def takes_string_arguments(state: TemplateState) -> bool:
-    """Whether the template renders a tool call whose arguments are a string and fails on the same as an object
-    (asked once per template state; workers.label_rows asks before forking, so the workers inherit the answer)."""
+    """Whether the template renders a tool call whose arguments are a string and fails on the same as an object, or
+    writes the object as Python's repr (`arguments|string`, Apriel-1.5's: `{'a': 17, 'b': 25}`, no JSON) and the
+    string as given (asked once per template state; workers.label_rows asks before forking, so the workers inherit
+    the answer)."""
     if state.string_arguments is None:
-        state.string_arguments = not _renders(state, {"a": 17, "b": 25}) and _renders(state, '{"a": 17, "b": 25}')
+        arguments = {"a": 17, "b": 25}
+        as_object, as_string = _written(state, arguments), _written(state, json.dumps(arguments))
+        state.string_arguments = as_string is not None and json.dumps(arguments) in as_string and (
+            as_object is None or str(arguments) in as_object)
         if state.string_arguments and state.source not in _SAID:
             _SAID.add(state.source)
-            logger.info("the chat template writes tool-call arguments by string concatenation (it fails on an "
-                        "object): they are handed to it as strings, as each row gave them")
+            logger.info("the chat template writes tool-call arguments %s: they are handed to it as strings, as each "
+                        "row gave them", "by string concatenation (it fails on an object)" if as_object is None else
+                        "with |string (an object as Python's repr, not JSON)")
     return state.string_arguments
 
 
-def _renders(state: TemplateState, arguments) -> bool:
+def _written(state: TemplateState, arguments) -> str | None:
     try:
-        state.draw(_probe(arguments), False, _TOOLS)
+        return state.draw(_probe(arguments), False, _TOOLS)
     except RowError:
-        return False
-    return True
+        return None
 
 
 def as_template_takes(state: TemplateState, messages: Messages) -> Messages:

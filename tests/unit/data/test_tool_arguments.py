@@ -159,3 +159,27 @@ def test_r1_a_second_call_turn_is_refused_saying_why(deepseek_r1, tmp_path) -> N
     _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"], on_bad_row="drop"),
                                   deepseek_r1, 0)
     assert report.dropped == {"turn_not_located": 1} and report.rows_kept == 1
+
+
+def test_a_template_writing_an_object_as_pythons_repr_gets_the_string(tiny_model_dir, tmp_path) -> None:
+    """Apriel-1.5's template writes arguments with `|string`: an object comes out as Python's repr, `{'city':
+    'Bern'}`, the row's JSON string as given. JSON-string arguments were handed over as objects, so every call
+    trained the repr, which no tool parser reads; they are handed over as strings now (objects as their JSON), and
+    each call trains what apply_chat_template writes for the row as it is."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES, build, trained_runs
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>", "additional_special_tokens": [
+        "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool_result|>"]})
+    tokenizer.chat_template = (TEMPLATES / "apriel_1_5.jinja").read_text()
+    as_string = {"messages": [{"role": "user", "content": "Weather in Bern?"}, {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bern"}'}}]}]}
+    as_object = json.loads(json.dumps(as_string))
+    as_object["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"city": "Bern"}
+    examples, _ = build(tokenizer, tmp_path, [as_string, as_object])
+    call_turn = '\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Bern"}}]</tool_calls>\n<|end|>\n<|endoftext|>'
+    assert [run for _, run in trained_runs(tokenizer, examples)] == [call_turn, call_turn]
+    assert tokenizer.apply_chat_template(as_string["messages"], tokenize=False).endswith(call_turn)
+    assert "{'city': 'Bern'}" in tokenizer.apply_chat_template(as_object["messages"], tokenize=False)
