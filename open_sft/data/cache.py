@@ -69,8 +69,10 @@ logger = logging.getLogger(__name__)
 # 24: a special token closing a start/end pair the turn opened (LFM2's <|tool_call_end|>) is no end of turn (call
 # turns in history trained without their <|im_end|>); 25: a turn whose rendering as the last message holds a stop token
 # with text after it (Nemotron-Nano-v2's content and calls as two turns) trains as the template writes it in history;
-# 26: a template writing an object's arguments as Python's repr (Apriel-1.5's |string) gets them as strings
-CACHE_FORMAT_VERSION = 26
+# 26: a template writing an object's arguments as Python's repr (Apriel-1.5's |string) gets them as strings; 27: Gemma
+# 4's <tool_call|> closes the call the turn opened (no end of turn), and a generation prompt's empty thought channel
+# is context
+CACHE_FORMAT_VERSION = 27
 COMPLETE = "COMPLETE"
 
 

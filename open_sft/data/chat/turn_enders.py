@@ -134,7 +134,10 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
         if written < 0:
             continue
         written += len(anchor)
-        turn = alone[len(os.path.commonprefix([prompt, alone])): written]
+        start = len(os.path.commonprefix([prompt, alone]))
+        if alone.rfind("<", 0, start) > alone.rfind(">", 0, start):  # not from inside a tag both open with (Gemma
+            start = alone.rfind("<", 0, start)  # 4's prompt <|channel>, the call's <|tool_call>)
+        turn = alone[start: written]
         candidates = _candidates(markers, eos, turn)
         closing = [token for token in candidates if token in alone[written:]]
         for token in closing:  # what it closes the turn with as the last message

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from open_sft.data.chat.elements import closed_block
 from open_sft.data.chat.opened_trace import opened_turn, shared_opening
 from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
@@ -155,7 +156,9 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
 
     - A generation prompt that opens more than the turn writes (a thinker's "<think>", which the turn writes
       from its content): the context is as much of the prompt as the turn's rendering shares, in whole tags or
-      lines (R1's "<think>\n" before a turn that writes a tool call: none of it, not the "<" both open with).
+      lines (R1's "<think>\n" before a turn that writes a tool call: none of it, not the "<" both open with). One
+      that ends with a block it opens and closes, which the turn does not write (Gemma 4's empty thought channel,
+      `<|channel>thought\n<channel|>`): the whole prompt is the context, as at inference.
     - A template that rewrites earlier turns once this one follows them (gpt-oss drops the analysis of a tool
       call once a final answer follows; Mistral v0.3's and Nemo's write the system prompt into the last user
       turn only while it is the last message): the turn is what follows, in `through`, the end of the messages
@@ -167,6 +170,8 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
     opening = prompt[len(bare):]
     if through.startswith(bare):
         shared = shared_opening(opening, through[len(bare):])
+        if closed_block(opening[shared:]):  # an empty thought block the prompt closes: context, as at inference
+            return prompt, through[len(bare) + shared:]
         return prompt[: len(bare) + shared], through[len(bare) + shared:]
     low, high = 0, len(bare)  # the longest end of `bare` that occurs in `through` (shorter ends occur too)
     while low < high:

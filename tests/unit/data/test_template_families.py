@@ -104,3 +104,37 @@ def test_nemotron_a_turn_with_content_and_calls_trains_as_one_turn(tiny_model_di
         tokenizer.apply_chat_template(messages[:3], tools=TOOLS, add_generation_prompt=True, tokenize=False)]
     assert report.examples == 2 and report.rows_kept == 2 and not report.dropped
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<SPECIAL_12>"])
+
+
+def test_gemma4_call_turns_train_through_turn_end_after_the_whole_prompt(tiny_model_dir, tmp_path) -> None:
+    """Gemma 4 spells its call's tags as halves, `<|tool_call>` ... `<tool_call|>`, which were not read as an element
+    the turn opened: `<tool_call|>` was taken for an end of turn (a call turn trained without its `<turn|>`, the
+    exported generation config stopped at `<tool_call|>`, after the first of parallel calls, and such a turn could
+    not be generated). And its generation prompt ends with an empty thought channel the turn does not write
+    (`<|channel>thought\\n<channel|>`): every turn trained after the prompt cut before it, a context the model never
+    sees; the whole prompt is the context now."""
+    from open_sft.export.save import end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<bos>", "eos_token": "<turn|>", "additional_special_tokens": [
+        "<|turn>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>", '<|"|>']})
+    tokenizer.chat_template = (TEMPLATES / "gemma4.jinja").read_text()
+    parallel = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris and Lyon?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Paris"}, 4),
+                                                            call("get_weather", {"city": "Lyon"}, 5)]},
+        tool('{"temp_c": 12}', 4), tool('{"temp_c": 15}', 5), {"role": "assistant", "content": "Paris 12, Lyon 15."}]}
+    examples, (report,) = build(tokenizer, tmp_path, [parallel])
+    runs = trained_runs(tokenizer, examples)
+    assert [run for _, run in runs] == [
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_call>call:get_weather{city:<|"|>Lyon'
+        '<|"|>}<tool_call|><turn|>', "Paris 12, Lyon 15.<turn|>"]
+    messages = to_messages(parallel, "messages")
+    contexts = [tokenizer.apply_chat_template(messages[:k], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+                for k in (1, 4)]
+    assert all(context.endswith("<|turn>model\n<|channel>thought\n<channel|>") for context in contexts)
+    assert [before for before, _ in runs] == contexts
+    through = tokenizer.apply_chat_template(messages[:2], tools=TOOLS, tokenize=False)
+    assert through.endswith("<|turn>model\n" + runs[0][1] + "\n")  # the turn as the template writes it
+    assert report.rows_kept == 1 and not report.dropped
+    assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<turn|>"])
