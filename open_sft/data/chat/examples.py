@@ -23,6 +23,7 @@ from typing import Optional
 from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
+from open_sft.data.chat.call_ids import check_call_ids
 from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
                                          trace_of, with_reasoning_aliases)
@@ -206,6 +207,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     state = render.template_state(tokenizer, options)
     strings = string_arguments(messages)  # before the template's own form: what the row gave
     messages = as_template_takes(state, with_reasoning_aliases(_developer_turns(messages, state.source)))
+    check_call_ids(state, messages)
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
     trained, texts = _trained_indices(messages, train_on), [text for text, _ in rendered.examples]
     if not (rendered.reasoning_not_rendered or rendered.reasoning_closed_by_prompt) and inline_unwritten(

@@ -29,14 +29,19 @@ FAMILIES = {
 }
 
 
-def tokenizer_for(tiny_model_dir, family: str):
-    template, specials, eos, _ = FAMILIES[family]
+def template_tokenizer(tiny_model_dir, template: str, specials: list[str], eos: str, bos: str | None = None):
+    """The tiny tokenizer with a fixture template, its special tokens and its eos (and bos)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
     tokenizer.eos_token, tokenizer.chat_template = eos, (TEMPLATES / template).read_text()
-    if family == "seed_oss":
-        tokenizer.bos_token = "<seed:bos>"
+    if bos:
+        tokenizer.bos_token = bos
     return tokenizer
+
+
+def tokenizer_for(tiny_model_dir, family: str):
+    template, specials, eos, _ = FAMILIES[family]
+    return template_tokenizer(tiny_model_dir, template, specials, eos, "<seed:bos>" if family == "seed_oss" else None)
 
 
 def _call(city: str, n: int) -> dict:  # Kimi-K2's own ids: functions.NAME:INDEX (its template writes the id alone)
