@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 import re
 
+from open_sft.data.chat.render import special_markers
+
 
 def strip_specials(text: str, tokenizer) -> str:
-    """`text` without the tokenizer's special tokens (longest first: `<|im_end|>` before a token it holds)."""
-    for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True):
+    """`text` without the tokenizer's special tokens, added tokens flagged special included (Phi-4-mini's
+    `<|/tool_call|>`, `<|end|>`, which a tokenizer need not list among its additional special tokens), longest
+    first (`<|im_end|>` before a token it holds)."""
+    for token in special_markers(tokenizer):
         text = text.replace(token, "")
     return text
 
@@ -17,7 +21,7 @@ def strip_specials(text: str, tokenizer) -> str:
 def without_shared_ending(text: str, other: str, tokenizer) -> str:
     """`text` less the ending it shares with `other`, special tokens taken whole (`<|call|>` and `<|return|>` share
     none) and text between them too (`\n</tool_call><|im_end|>` less `ANSWER<|im_end|>`'s: `\n</tool_call>`)."""
-    specials = "|".join(re.escape(token) for token in sorted(tokenizer.all_special_tokens, key=len, reverse=True))
+    specials = "|".join(re.escape(token) for token in sorted(special_markers(tokenizer), key=len, reverse=True))
     pieces = [[piece for piece in (re.split(f"({specials})", each) if specials else [each]) if piece]
               for each in (text, other)]
     shared = 0

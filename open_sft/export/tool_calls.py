@@ -33,18 +33,19 @@ tool-call support) has no layout: its replies are text.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from open_sft.data.chat.opened_trace import shared_opening
 from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.data.tool_schemas import function_of
 from open_sft.export.call_headers import split_head
+from open_sft.export.call_pairs import (PROBE_ARGUMENTS, as_arguments, literal, pair_arguments, pair_layout,
+                                       schema_types)
 from open_sft.export.template_text import common_suffix, strip_specials, without_shared_ending
 
 PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
-PROBE_ARGUMENTS = {"probe_key_1": "probe value 9e4b", "probe_key_2": 7}
 PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
 PROBE_TOOLS = [{"type": "function", "function": {
     "name": PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {
@@ -70,6 +71,9 @@ class CallLayout:
     closing: str = ""  # what it writes after a call's arguments and not after an answer (`</tool_call>`, `<|call|>`)
     arguments_after: str = ""  # name_json: the end of what it writes between name and arguments (`json<|message|>`)
     channel: str = ""  # name_json: the rest of it (`<|channel|>commentary`): open_sft.export.call_headers
+    # where a turn's later calls start inside the block its first opens, if that is less than `marker` (MiniMax-M2's
+    # `<invoke name="` after `<minimax:tool_call>\n<invoke name="`): _next_marker
+    next_marker: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,14 +97,21 @@ def _probe(content: str = "", reasoning: Optional[str] = None, arguments: Any = 
 
 
 def _rendered_reply(tokenizer, message: dict) -> Optional[str]:
-    """What the template writes for `message` after the generation prompt (None where it fails or differs)."""
+    """What the template writes for `message` after the generation prompt (None where it fails or differs), or
+    after as much of it as the message's rendering shares where the prompt opens a think block that a call without
+    a trace leaves out (MiniMax-M2's `]~b]ai\n<think>\n`: the reply reads past its `</think>`)."""
     question = [{"role": "user", "content": "Q"}]
     try:
         prompt = tokenizer.apply_chat_template(question, tools=PROBE_TOOLS, add_generation_prompt=True, tokenize=False)
         full = tokenizer.apply_chat_template(question + [message], tools=PROBE_TOOLS, tokenize=False)
+        bare = tokenizer.apply_chat_template(question, tools=PROBE_TOOLS, tokenize=False)
     except Exception:  # noqa: BLE001  (a template that cannot render the probe writes no calls we can read)
         return None
-    return full[len(prompt):] if full.startswith(prompt) else None
+    if full.startswith(prompt):
+        return full[len(prompt):]
+    if not (prompt.startswith(bare) and full.startswith(bare)):
+        return None
+    return full[len(bare) + shared_opening(prompt[len(bare):], full[len(bare):]):]
 
 
 def _json_values(text: str) -> list[tuple[int, int, Any]]:
@@ -115,29 +126,15 @@ def _json_values(text: str) -> list[tuple[int, int, Any]]:
     return found
 
 
-def _as_arguments(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
-
-
 def _path_to(value: Any, wanted: Any, path: tuple = ()) -> Optional[tuple]:
     """The key path under which `value` holds `wanted` (arguments may be held as a JSON string)."""
-    if value == wanted or (wanted == PROBE_ARGUMENTS and _as_arguments(value) == wanted):
+    if value == wanted or (wanted == PROBE_ARGUMENTS and as_arguments(value) == wanted):
         return path
     if isinstance(value, dict):
         for key, item in value.items():
             if (found := _path_to(item, wanted, path + (key,))) is not None:
                 return found
     return None
-
-
-def literal(text: str) -> str:
-    """A regex matching `text` with any run of whitespace where it has one (a model's spacing may differ)."""
-    return r"\s*".join(re.escape(part) for part in text.split()) if text.strip() else ""
 
 
 def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
@@ -155,30 +152,13 @@ def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
                                "listed": isinstance(value, list)}, end
     after = name_at + len(PROBE_NAME)
     for start, end, value in _json_values(text):
-        if start >= after and _as_arguments(value) == PROBE_ARGUMENTS:
+        if start >= after and as_arguments(value) == PROBE_ARGUMENTS:
             *channel, last = text[after:start].split() or [""]
             return name_at, {"kind": "name_json", "arguments_after": last, "channel": " ".join(channel)}, end
-    pair = _pair_layout(text[after:])
+    pair = pair_layout(text[after:])
     if not pair:
         return None
     return name_at, {"kind": "pairs", "pair": pair}, text.rfind(pair[2]) + len(pair[2])
-
-
-def _pair_layout(text: str) -> Optional[tuple[str, str, str]]:
-    """(key opening, key-to-value text, value closing) of arguments written as tagged pairs after the name."""
-    (key_1, value_1), (key_2, value_2) = ((key, str(value)) for key, value in PROBE_ARGUMENTS.items())
-    k1 = text.find(key_1)
-    v1 = text.find(value_1, k1 + len(key_1))
-    k2 = text.find(key_2, v1 + len(value_1))
-    v2 = text.find(value_2, k2 + len(key_2))
-    if min(k1, v1, k2, v2) < 0:
-        return None
-    after_first = text[v1 + len(value_1):k2]
-    opening = common_suffix(text[:k1], after_first).strip()
-    closing = os.path.commonprefix([after_first, text[v2 + len(value_2):]])
-    closing = closing[:max(len(after_first) - len(opening), 0)].strip()
-    between = text[k1 + len(key_1):v1].strip()
-    return (opening, between, closing) if opening and between and closing else None
 
 
 def _layout(tokenizer) -> Optional[CallLayout]:
@@ -200,7 +180,28 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
         at = rest.find(marker.strip()) if marker.strip() else -1
         before_call = rest[:at].strip() if at >= 0 else ""
-    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), **parts)
+    two = _rendered_reply(tokenizer, {**_probe(), "tool_calls": _probe()["tool_calls"] * 2})
+    following = _next_marker(two, alone[:start]) if two and parts["kind"] != "json" else ""
+    following = following if following != marker.strip() and marker.strip().endswith(following) else ""
+    if following:  # a call inside the block closes with what the template writes before the next one too
+        between = two[two.find(PROBE_NAME):two.rfind(PROBE_NAME)]
+        while closing and closing not in between:
+            closing = closing[:-1]
+        closing = re.sub(r"[^>\s]*$", "", closing).strip()  # in whole tags
+    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), next_marker=following,
+                      **parts)
+
+
+
+def _next_marker(two: str, before_first: str) -> str:
+    """What the template writes right before the second of two calls in one turn (`two`), as far as it writes it
+    before a call alone too (`before_first`), in whole tags or lines: "" where it writes no second call."""
+    first = two.find(PROBE_NAME)
+    second = two.find(PROBE_NAME, first + len(PROBE_NAME)) if first >= 0 else -1
+    shared = common_suffix(two[first:second], before_first) if second >= 0 else ""
+    while shared and not (len(shared) == len(before_first) or before_first[-len(shared) - 1] in ">\n "):
+        shared = shared[1:]
+    return shared.strip()
 
 
 def call_layout(tokenizer) -> Optional[CallLayout]:
@@ -209,28 +210,6 @@ def call_layout(tokenizer) -> Optional[CallLayout]:
     if not isinstance(template, str):
         return None
     return _LAYOUTS.get(tokenizer, (template, len(tokenizer)), lambda: _layout(tokenizer))
-
-
-def _schema_types(tools: Optional[list], name: str) -> dict:
-    for tool in tools or ():
-        function = function_of(tool)
-        if function.get("name") == name:
-            properties = (function.get("parameters") or {}).get("properties") or {}
-            return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
-    return {}
-
-
-def _pair_arguments(layout: CallLayout, text: str, types: dict) -> Optional[dict]:
-    """The arguments written as tagged pairs; None where a pair is cut off (an opening without its closing)."""
-    opening, between, closing = (literal(part) for part in layout.pair)
-    arguments = {}
-    pairs = list(re.finditer(f"{opening}(.*?){between}(.*?){closing}", text, re.DOTALL))
-    if len(pairs) != len(re.findall(opening, text)):
-        return None
-    for match in pairs:
-        key, value = match.group(1).strip(), match.group(2).strip()
-        arguments[key] = value if types.get(key) == "string" else _as_arguments(value)
-    return arguments
 
 
 def _get(value: Any, path: tuple) -> Any:
@@ -253,7 +232,7 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
         if not values or segment[:values[0][0]].strip():
             return None
         value = values[0][2]
-        calls = [{"name": _get(call, layout.name_path), "arguments": _as_arguments(_get(call, layout.arguments_path))}
+        calls = [{"name": _get(call, layout.name_path), "arguments": as_arguments(_get(call, layout.arguments_path))}
                  for call in (value if layout.listed and isinstance(value, list) else [value])]
         readable = all(isinstance(c["name"], str) and c["name"] and isinstance(c["arguments"], (dict, type(None)))
                        for c in calls)
@@ -279,7 +258,7 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
     if closed < 0:
         return None  # cut off before its closing (--max_new_tokens): its last pair may be cut too
     body, end = rest[:closed], named.end() + closed + len(layout.closing)
-    arguments = _pair_arguments(layout, body, _schema_types(tools, name))
+    arguments = pair_arguments(layout.pair, body, schema_types(tools, name))
     return None if arguments is None else ([{"name": name, "arguments": arguments}], end)
 
 
@@ -300,7 +279,8 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None, ended_by: str
     if not layout.marker:
         return _bare_call(layout, tokenizer, text, tools)
     text, written = text + ended_by, text
-    found = list(re.finditer(literal(layout.marker), text))
+    markers = (layout.marker, layout.next_marker) if layout.next_marker else (layout.marker,)
+    found = list(re.finditer("|".join(f"(?:{literal(marker)})" for marker in markers), text))
     if not found:
         return ReadCalls(written)
     head, preamble = split_head(text[:found[0].start()], layout.channel, layout.arguments_after, layout.before_call)
@@ -364,7 +344,7 @@ def expected_calls(message: dict) -> list[dict]:
     calls = []
     for call in message.get("tool_calls") or ():
         function = function_of(call)
-        calls.append({"name": function.get("name"), "arguments": _as_arguments(function.get("arguments") or {})})
+        calls.append({"name": function.get("name"), "arguments": as_arguments(function.get("arguments") or {})})
     return calls
 
 
