@@ -83,6 +83,7 @@ def _from_messages(row: dict[str, Any]) -> Messages:
             raise RowError(f"message {i} is a {type(message).__name__}, expected an object with role and content", "bad_message")
         message = _from_legacy_functions(message, i)
         role, content = message.get("role"), message.get("content")
+        role = "tool" if role == "ipython" else role  # Llama 3.x's name of a tool result (its template reads both)
         if role not in ROLES:
             raise RowError(f"message {i} has role {role!r}; expected one of {', '.join(ROLES)}", "unknown_role")
         calls = message.get("tool_calls")
