@@ -100,6 +100,15 @@ def _candidates(markers: tuple[str, ...], eos: Optional[str], turn: str) -> tupl
     return tuple(m for m in markers if m == eos or not closes_one_of(m, names))
 
 
+def _closing_text(tail: str, followed: str, prompt: str) -> str:
+    """What the template writes after a turn that is the last message (`tail`), less a generation prompt it writes
+    after every conversation (Command R7B's `<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>`): the part that another message
+    (`followed`) does not also follow, where the generation prompt ends with it."""
+    shared = len(os.path.commonprefix([tail, followed]))
+    trailer = tail[shared:].strip()
+    return tail[:shared] if trailer and prompt.rstrip().endswith(trailer) else tail
+
+
 def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:
     found = [(text.find(token), -len(token), token) for token in tokens if token in text]
     return min(found)[2] if found else None
@@ -139,7 +148,7 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
             start = alone.rfind("<", 0, start)  # 4's prompt <|channel>, the call's <|tool_call>)
         turn = alone[start: written]
         candidates = _candidates(markers, eos, turn)
-        closing = [token for token in candidates if token in alone[written:]]
+        closing = [token for token in candidates if token in _closing_text(alone[written:], then[written:], prompt)]
         for token in closing:  # what it closes the turn with as the last message
             add(token)
             stops.append(token)

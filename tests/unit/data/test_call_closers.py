@@ -88,3 +88,27 @@ def test_a_call_turn_trains_through_its_end_of_turn_not_its_calls_closer(tiny_mo
     assert CALL_TURN[family] in through  # the turn as the template writes it, its end of turn included
     assert report.rows_kept == 1 and not report.dropped
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(FAMILIES[family][3])
+
+
+COMMAND_R7B = ["<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>",
+               "<|CHATBOT_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>",
+               "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]
+
+
+def test_command_r7b_turns_end_at_end_of_turn_not_its_response_closer_or_trailing_prompt(tiny_model_dir,
+                                                                                          tmp_path) -> None:
+    """Command R7B's template closes an answer with <|END_RESPONSE|><|END_OF_TURN_TOKEN|> and writes its generation
+    prompt, <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>, after every conversation: the last turn trained that prompt too
+    (a turn the model never writes), and turns in history stopped at <|END_RESPONSE|> / <|END_ACTION|>."""
+    tokenizer = template_tokenizer(tiny_model_dir, "command_r7b.jinja", COMMAND_R7B, "<|END_OF_TURN_TOKEN|>",
+                                   "<BOS_TOKEN>")
+    examples, (report,) = build(tokenizer, tmp_path, [PARALLEL])
+    assert [run for _, run in trained_runs(tokenizer, examples)] == [
+        '<|START_THINKING|>Two cities, two calls.<|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id": "0", '
+        '"tool_name": "get_weather", "parameters": {"city": "Paris"}},\n    {"tool_call_id": "1", "tool_name": '
+        '"get_weather", "parameters": {"city": "Lyon"}}\n]<|END_ACTION|><|END_OF_TURN_TOKEN|>',
+        "<|START_RESPONSE|>Paris 12, Lyon 15.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"]
+    assert report.rows_kept == 1 and report.examples == 1
+    stops = tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer))
+    assert stops[0] == "<|END_OF_TURN_TOKEN|>" and not {"<|END_RESPONSE|>", "<|END_ACTION|>",
+                                                         "<|CHATBOT_TOKEN|>"} & set(stops)
