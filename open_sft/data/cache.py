@@ -72,7 +72,8 @@ logger = logging.getLogger(__name__)
 # 26: a template writing an object's arguments as Python's repr (Apriel-1.5's |string) gets them as strings; 27: Gemma
 # 4's <tool_call|> closes the call the turn opened (no end of turn), and a generation prompt's empty thought channel
 # is context; 28: a tag closing a call the turn opened, in any spelling (<|/tool_call|>, </seed:tool_call>), is not an
-# end of turn, a row lacking the tool call ids its template writes is a bad row, Llama's ipython role is a tool message
+# end of turn, a row lacking the tool call ids its template writes is a bad row, Llama's ipython role is a tool message,
+# a generation prompt written after every conversation (Command R7B's) is not trained after the last turn
 CACHE_FORMAT_VERSION = 28
 COMPLETE = "COMPLETE"
 

@@ -173,9 +173,12 @@ def _layout(tokenizer) -> Optional[CallLayout]:
     after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
     anchored = _anchor(after_content) if after_content is not None else None
     marker = common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
+    after_trace, before_call = _rendered_reply(tokenizer, _probe(reasoning=PROBE_TRACE)), ""
+    traced = _anchor(after_trace) if after_trace is not None and PROBE_TRACE in after_trace else None
+    if traced and common_suffix(marker, after_trace[:traced[0]]).strip():  # not its empty plan (Command R7B's
+        marker = common_suffix(marker, after_trace[:traced[0]])  # <|START_THINKING|><|END_THINKING|>)
     if not marker.strip() and (parts["kind"] != "json" or alone[:start].strip()):
         return None  # a name written with nothing before it to find it by
-    after_trace, before_call = _rendered_reply(tokenizer, _probe(reasoning=PROBE_TRACE)), ""
     if after_trace is not None and PROBE_TRACE in after_trace:
         rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
         at = rest.find(marker.strip()) if marker.strip() else -1
