@@ -134,11 +134,11 @@ def _mapping_amount(where: str, name: Any, amount: Any) -> str:
     return str(int(number)) if number > 1 else repr(number)
 
 
-class _Translation:
-    """Collects the replacements per config section and one note per decision."""
+class Translation:
+    """Collects the replacements per config section and one note per decision (after the config's own)."""
 
     def __init__(self, config: Any):
-        self.config, self.notes, self.warnings = config, [], []
+        self.config, self.notes, self.warnings = config, list(config.notes), list(config.warnings)
         self.changes: dict[str, dict[str, Any]] = {}
 
     def given(self, name: str) -> bool:
@@ -157,7 +157,7 @@ class _Translation:
 
 def translate(config: Any, oi: OpenInstructArguments) -> Any:
     """The config with open-instruct's flags applied onto ours; `config.notes` names what was ignored."""
-    t = _Translation(config)
+    t = Translation(config)
     if oi.use_flash_attn:
         t.set("model", "attn_implementation", "flash_attention_2", "--use_flash_attn")
     elif t.given("use_flash_attn"):  # false: open-instruct then ran eager attention; sdpa computes the same, faster

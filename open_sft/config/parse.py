@@ -18,6 +18,7 @@ import yaml
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
+from open_sft.config import olmo_core
 from open_sft.config import open_instruct as compat
 from open_sft.config.argv import abbreviations, explain_abbreviations, refuse_repeated_lists
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
@@ -27,7 +28,7 @@ from open_sft.config.companions import companion_warnings
 from open_sft.errors import ConfigError, UserError
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
-               HubArguments, compat.OpenInstructArguments)
+               HubArguments, compat.OpenInstructArguments, olmo_core.OlmoCoreArguments)
 
 
 class _Parser(HfArgumentParser):
@@ -131,7 +132,6 @@ FOREIGN_FLAGS = {
     "deepspeed": _DEEPSPEED, "zero_stage": _DEEPSPEED,
     "save_steps": "use --checkpointing_steps N", "save_strategy": "use --checkpointing_steps N or epoch",
     "save_total_limit": "use --keep_last_n_checkpoints", "max_steps": "use --max_train_steps",
-    "num_epochs": "use --num_train_epochs", "max_grad_norm": "use --clip_grad_norm",
     "bf16": "use --torch_dtype bfloat16 (auto picks it where it is fast)", "fp16": "use --torch_dtype float16",
     "mixed_precision": "use --torch_dtype (bfloat16, float16, float32 or auto)",
     "max_length": "use --max_seq_length", "max_seq_len": "use --max_seq_length", "sequence_len": "use --max_seq_length",
@@ -327,10 +327,11 @@ def _parse(parser: _Parser, argv: list[str], check_data_files: bool = False) -> 
                                                            return_remaining_strings=True)
     if leftover:
         raise _unknown_flag_error(parser, leftover, argv)
-    model, data, train, lora, checkpoint, hub, open_instruct = parsed
+    model, data, train, lora, checkpoint, hub, open_instruct, oc = parsed
     explicit |= _given_on_command_line(argv)
     config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,
                             explicit=frozenset(explicit))
+    config, open_instruct = olmo_core.fold(config, oc, open_instruct)
     config = compat.translate(config, open_instruct)
     validate(config, check_data_files)
     return dataclasses.replace(config, warnings=config.warnings + tuple(companion_warnings(config)))
