@@ -166,7 +166,9 @@ def chat_template_problems(name: Optional[str], path: Optional[str]) -> list[str
         return [f"--chat_template_path {path}: {problem}; give a Jinja chat template file"] if problem else []
     if name is not None and name not in BUILTIN_TEMPLATES:
         return [f"--chat_template_name {name!r} is not a built-in template; choose one of "
-                f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path"]
+                f"{', '.join(BUILTIN_TEMPLATES)}, or pass a Jinja file with --chat_template_path, or leave the flag "
+                "out for the tokenizer's own template (which open-instruct trains with for a name it does not know, "
+                "as its OLMo 3 scripts' olmo123)"]
     return []
 
 
