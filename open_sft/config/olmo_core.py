@@ -107,6 +107,12 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any]:
         t.set("train", "timeout", round(oc.dist_timeout_hours * 3600), f"--dist_timeout_hours {oc.dist_timeout_hours}")
     if _checkpoints_activations(oc):
         t.set("model", "gradient_checkpointing", True, "--activation_checkpointing_mode/--activation_memory_budget")
+    packs = bool(given) and "packing" not in config.explicit
+    if packs:  # its per_device_train_batch_size counts max_seq_length sequences that examples are packed into
+        t.changes.setdefault("train", {})["packing"] = True
+        t.notes.append("OLMo-core SFT packs examples into --max_seq_length sequences, --per_device_train_batch_size "
+                       "of them a micro-batch: --packing (a micro-batch of at most --max_tokens_per_batch, default "
+                       "per_device_train_batch_size × max_seq_length, tokens)")
     if attention is not None:
         t.changes.setdefault("model", {})["attn_implementation"] = attention
         t.notes.append(f"--attn_implementation {config.model.attn_implementation} (OLMo-core's name) = {attention}")
@@ -116,6 +122,7 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any]:
     added = {RENAMES[name][1] for name in given if name in RENAMES}
     added |= {"timeout"} if oc.dist_timeout_hours is not None else set()
     added |= {"gradient_checkpointing"} if _checkpoints_activations(oc) else set()
+    added |= {"packing"} if packs else set()
     return dataclasses.replace(result, explicit=result.explicit | added), oi
 
 
@@ -168,6 +175,9 @@ def _explain(t: Translation, given: list[str]) -> None:
                                  for name in ignored))
     if not given:
         return
+    t.warnings.append("OLMo-core SFT's optimizer is AdamW with betas (0.9, 0.95) that skips a step whose loss or "
+                      "gradient norm spikes (SkipStepAdamW); open_sft's AdamW has betas (0.9, 0.999) and takes every "
+                      "step (--clip_grad_norm bounds a spike)")
     left = [(theirs, ours, value) for theirs, ours, value in DEFAULTS
             if theirs not in t.config.explicit and ours not in t.config.explicit]
     if left:

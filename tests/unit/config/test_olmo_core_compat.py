@@ -45,6 +45,14 @@ BOOLEANS = {"low_cpu_mem_usage", "compile_model", "fused_optimizer", "skip_cache
             "with_tracking", "save_async"}
 
 
+PACKING = ("OLMo-core SFT packs examples into --max_seq_length sequences, --per_device_train_batch_size of them a "
+           "micro-batch: --packing (a micro-batch of at most --max_tokens_per_batch, default "
+           "per_device_train_batch_size × max_seq_length, tokens)")
+OPTIMIZER = ("OLMo-core SFT's optimizer is AdamW with betas (0.9, 0.95) that skips a step whose loss or gradient norm "
+             "spikes (SkipStepAdamW); open_sft's AdamW has betas (0.9, 0.999) and takes every step (--clip_grad_norm "
+             "bounds a spike)")
+
+
 def parse(*args: str):
     return parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", *args])
 
@@ -71,10 +79,14 @@ def test_the_olmo_core_debug_script_means_the_same() -> None:
     assert (config.train.num_train_epochs, config.data.dataset_mixer_list, config.model.torch_compile) == \
         (2, ["d.jsonl", "100"], True)
     assert {"num_train_epochs", "dataset_mixer_list", "torch_compile"} <= config.explicit
-    assert config.notes == ("OLMo-core SFT flags accepted and ignored: --ephemeral_save_interval (checkpoints are "
-                            "--checkpointing_steps; a run resumes from the newest)",)
+    # its per_device_train_batch_size 1 is one packed 1024-token sequence, not one example
+    assert (config.train.packing, config.train.max_tokens_per_batch, config.train.per_device_train_batch_size) == \
+        (True, None, 1)  # None: per_device_train_batch_size × max_seq_length = 1024 tokens
+    assert config.notes == (PACKING, "OLMo-core SFT flags accepted and ignored: --ephemeral_save_interval (checkpoints "
+                                     "are --checkpointing_steps; a run resumes from the newest)")
     # olmo_core_finetune.py does not clip unless told; open_sft clips at 1.0: said, as the one default left out
     assert config.warnings == (
+        OPTIMIZER,
         "OLMo-core SFT flags (--num_epochs, --mixer_list, --compile_model, --ephemeral_save_interval) given, but not "
         "--max_grad_norm: olmo_core_finetune.py's defaults for those are none (no clipping); open_sft's are "
         "--clip_grad_norm 1.0. Give them to train as that command line did there",)
@@ -98,7 +110,8 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
             config.model.attn_implementation, config.model.torch_compile, config.data.dataset_local_cache_dir,
             config.checkpoint.checkpointing_steps, config.checkpoint.keep_last_n_checkpoints) == \
         (1.0, 1, True, "flash_attention_2", True, "/cache", "345", -1)
-    assert config.warnings == ()  # every default that differs was given
+    assert config.warnings == (OPTIMIZER,)  # every default that differs was given
+    assert config.train.packing and config.notes[0] == PACKING
     assert "--data_loader_seed (the data order follows --seed)" in config.notes[-1]
 
 
@@ -117,8 +130,9 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
     (["--activation_memory_budget", "1.0"], lambda c: c.model.gradient_checkpointing is False),
     (["--activation_memory_budget", "0.5"], lambda c: c.model.gradient_checkpointing is True),
     (["--num_epochs", "3", "--learning_rate", "8e-5", "--max_seq_length", "4096", "--max_grad_norm", "1"],
-     lambda c: c.warnings == () and c.notes == ()),
-    (["--cache_mode", "local"], lambda c: c.warnings == (
+     lambda c: c.warnings == (OPTIMIZER,) and c.notes == (PACKING,)),
+    (["--num_epochs", "1", "--packing", "false"], lambda c: c.train.packing is False and c.notes == ()),
+    (["--cache_mode", "local"], lambda c: c.warnings[1:] == (
         "OLMo-core SFT flags (--cache_mode) given, but not --num_epochs, --learning_rate, --max_seq_length, "
         "--max_grad_norm: olmo_core_finetune.py's defaults for those are 3, 8e-05, 4096, none (no clipping); "
         "open_sft's are --num_train_epochs 2, --learning_rate 2e-05, --max_seq_length 2048, --clip_grad_norm 1.0. "
