@@ -83,21 +83,14 @@ DEFAULTS = (("num_epochs", "num_train_epochs", "3"), ("learning_rate", "learning
             ("max_seq_length", "max_seq_length", "4096"), ("max_grad_norm", "clip_grad_norm", "none (no clipping)"))
 
 
-def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any]:
+def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[str]]:
     """The config with the OLMo-core flags given put onto ours (`explicit` grows by the flags they set), and
     open-instruct's arguments `oi` with --transform_fn/--target_columns as its --dataset_transform_fn/
     --dataset_target_columns; translated on by open_instruct.translate."""
     given = [f.name for f in dataclasses.fields(OlmoCoreArguments) if f.name in config.explicit]
     attention = ATTENTION.get(config.model.attn_implementation)
     if not given and attention is None:
-        return config, oi
-    _refuse_architecture_name(config, given)
-    rope = [name for name in ROPE if name in given]
-    if rope:
-        raise UserError(f"--{rope[0]}: open_sft does not apply OLMo-core's YaRN RoPE scaling; a transformers model "
-                        "takes it from its config, e.g. --additional_model_arguments '{\"rope_scaling\": "
-                        "{\"rope_type\": \"yarn\", \"factor\": 8.0, \"original_max_position_embeddings\": 8192}}' "
-                        "(check that the model supports it), or leave the flag out")
+        return config, oi, []
     t = Translation(config)
     for name in given:
         if name in RENAMES:
@@ -123,18 +116,27 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any]:
     added |= {"timeout"} if oc.dist_timeout_hours is not None else set()
     added |= {"gradient_checkpointing"} if _checkpoints_activations(oc) else set()
     added |= {"packing"} if packs else set()
-    return dataclasses.replace(result, explicit=result.explicit | added), oi
+    return dataclasses.replace(result, explicit=result.explicit | added), oi, refusals(config, given)
 
 
-def _refuse_architecture_name(config: Any, given: list[str]) -> None:
-    """In an OLMo-core command line --config_name names OLMo-core's architecture (olmo3_7B), which the model's
-    own config.json describes here; ours takes a config directory or Hub id, so such a name would fail late."""
+def refusals(config: Any, given: list[str]) -> list[str]:
+    """The OLMo-core flags given that open_sft cannot honour, each with what to do (reported with the other
+    problems of the configuration). In an OLMo-core command line --config_name names OLMo-core's architecture
+    (olmo3_7B), which the model's own config.json describes here; ours takes a config directory or Hub id."""
+    problems = []
     name = config.model.config_name
     if given and name and "/" not in name and not os.path.exists(name):
-        raise UserError(f"--config_name {name}: in olmo_core_finetune.py's command line this is OLMo-core's name for "
-                        "the architecture; open_sft reads it from the model's config.json (a transformers checkpoint "
-                        "in --model_name_or_path), so leave --config_name out (here it takes a config directory or "
-                        "Hub id)")
+        problems.append(f"--config_name {name}: in olmo_core_finetune.py's command line this is OLMo-core's name "
+                        "for the architecture; open_sft reads it from the model's config.json (a transformers "
+                        "checkpoint in --model_name_or_path), so leave --config_name out (here it takes a config "
+                        "directory or Hub id)")
+    rope = [flag for flag in ROPE if flag in given]
+    if rope:
+        problems.append(f"--{rope[0]}: open_sft does not apply OLMo-core's YaRN RoPE scaling; a transformers model "
+                        "takes it from its config, e.g. --additional_model_arguments '{\"rope_scaling\": "
+                        "{\"rope_type\": \"yarn\", \"factor\": 8.0, \"original_max_position_embeddings\": 8192}}' "
+                        "(check that the model supports it), or leave the flag out")
+    return problems
 
 
 def _renamed_value(name: str, value: Any) -> Any:

@@ -331,7 +331,12 @@ def _parse(parser: _Parser, argv: list[str], check_data_files: bool = False) -> 
     explicit |= _given_on_command_line(argv)
     config = FinetuneConfig(model=model, data=data, train=train, lora=lora, checkpoint=checkpoint, hub=hub,
                             explicit=frozenset(explicit))
-    config, open_instruct = olmo_core.fold(config, oc, open_instruct)
+    config, open_instruct, refused = olmo_core.fold(config, oc, open_instruct)
     config = compat.translate(config, open_instruct)
-    validate(config, check_data_files)
+    try:
+        validate(config, check_data_files)
+    except ConfigError as exc:
+        raise ConfigError(refused + exc.problems) from None
+    if refused:
+        raise ConfigError(refused)
     return dataclasses.replace(config, warnings=config.warnings + tuple(companion_warnings(config)))

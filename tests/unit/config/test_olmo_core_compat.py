@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from open_sft.config.parse import parse_config
-from open_sft.errors import UserError
+from open_sft.errors import ConfigError, UserError
 
 OLMO_CORE_FLAGS = (
     "exp_name run_name seed data_loader_seed model_name_or_path config_name attn_implementation loss_implementation "
@@ -158,6 +158,16 @@ def test_olmo_core_flags_mean_what_they_mean(args, check) -> None:
 def test_olmo_core_values_open_sft_cannot_honour_are_errors(args, message) -> None:
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         parse(*args)
+
+
+def test_what_the_olmo3_script_asks_and_open_sft_cannot_do_is_said_at_once() -> None:
+    """oc_sft_olmo3_7b_1node.sh's --config_name olmo3_7B, --rope_scaling_factor 8 and --chat_template_name olmo123:
+    three problems in one error, each with what to do."""
+    with pytest.raises(ConfigError) as refused:
+        parse("--config_name", "olmo3_7B", "--rope_scaling_factor", "8", "--chat_template_name", "olmo123",
+              "--num_epochs", "1")
+    assert [p.split(":")[0].split(";")[0] for p in refused.value.problems] == \
+        ["--config_name olmo3_7B", "--rope_scaling_factor", "--chat_template_name 'olmo123' is not a built-in template"]
 
 
 def test_a_command_line_without_olmo_core_flags_is_as_before() -> None:
