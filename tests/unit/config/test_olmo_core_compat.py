@@ -173,3 +173,13 @@ def test_what_the_olmo3_script_asks_and_open_sft_cannot_do_is_said_at_once() -> 
 def test_a_command_line_without_olmo_core_flags_is_as_before() -> None:
     config = parse("--num_train_epochs", "3", "--config_name", "gpt2")  # a Hub id without an org is still one
     assert config.notes == () and config.warnings == () and config.train.num_train_epochs == 3
+
+
+def test_olmo_core_keys_in_a_yaml_config(tmp_path) -> None:
+    path = tmp_path / "sft.yaml"
+    path.write_text("model_name_or_path: m\nmixer_list: [d.jsonl, '1.0']\nnum_epochs: 1\nmax_grad_norm: -1\n"
+                    "transform_fn: [sft_tulu_tokenize_and_truncate_v1, sft_tulu_filter_v1]\n")
+    config = parse_config([str(path), "--learning_rate", "8e-5", "--max_seq_length", "4096"])
+    assert (config.data.dataset_mixer_list, config.train.num_train_epochs, config.train.clip_grad_norm,
+            config.data.train_on, config.train.packing) == (["d.jsonl", "1.0"], 1, -1.0, "all_assistant", True)
+    assert config.warnings == (OPTIMIZER,)
