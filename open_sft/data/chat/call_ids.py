@@ -6,14 +6,15 @@ it (`"call_id"`, `## Return of …`). xLAM- and glaive-style rows carry no ids: 
 failed with `'dict object' has no attribute 'id'` (reported as a tool schema lacking 'id'), and Kimi-K2's wrote an
 empty id, which the model would learn to generate. The id's form is the model's own (Mistral's tokenizer makes 9
 letters and digits, Kimi's `functions.NAME:INDEX`), which the template does not say, so such a row is a bad row
-named with the fix rather than one trained with ids made up here."""
+named with the fix rather than one trained with ids made up here: a row whose rendering holds the ids it lacks
+(a template may write them in history only, as Apriel-1.5's does)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 from open_sft.data.chat.render import TemplateState
-from open_sft.data.formats import Messages, RowError
+from open_sft.data.formats import Messages, RowError, same_kind
 
 _TOOLS = [{"type": "function", "function": {
     "name": "probe_add", "description": "Add two numbers.",
@@ -44,8 +45,33 @@ def _id_of(value: object) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
+def _filled(messages: Messages, fill: str) -> Messages:
+    """The row with every missing call id and tool_call_id filled with `fill` and a number."""
+    count = iter(range(1_000_000))
+
+    def call(c):
+        return c if not isinstance(c, dict) or _id_of(c.get("id")) else {**c, "id": f"{fill}{next(count)}"}
+    return same_kind(messages, (
+        {**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if m["role"] == "assistant" and m.get("tool_calls")
+        else {**m, "tool_call_id": f"{fill}{next(count)}"} if m["role"] == "tool" and not _id_of(m.get("tool_call_id"))
+        else m for m in messages))
+
+
+def _writes_ids(state: TemplateState, messages: Messages) -> bool:
+    """Whether this row's rendering holds the ids it lacks: rendered with two fillings it differs (Apriel-1.5's
+    template writes ids in history only, so a row whose one call turn is its last needs none). A template that
+    fails on the filled row is left to the row's own rendering, which names that failure."""
+    tools = getattr(messages, "tools", None)
+    try:
+        first, second = (state.draw(_filled(messages, fill), False, tools)
+                         for fill in ("call0a1b2c3d", "call9z8y7x6w"))
+    except RowError:
+        return False
+    return first != second
+
+
 def check_call_ids(state: TemplateState, messages: Messages) -> None:
-    """A row whose tool calls (or tool results) lack the ids its template reads is a bad row, named with the fix."""
+    """A row whose tool calls (or tool results) lack the ids its template writes is a bad row, named with the fix."""
     calls = [(i, m) for i, m in enumerate(messages) if m["role"] == "assistant" and m.get("tool_calls")]
     if not calls:
         return
@@ -57,7 +83,7 @@ def check_call_ids(state: TemplateState, messages: Messages) -> None:
     if missing is None and needs_results:
         missing = next((f"message {i + 1} (tool): it has no 'tool_call_id'" for i, m in enumerate(messages)
                         if m["role"] == "tool" and not _id_of(m.get("tool_call_id"))), None)
-    if missing:
+    if missing and _writes_ids(state, messages):
         raise RowError(
             f"{missing}, and the chat template writes tool call ids (the model learns to generate a call's id, and "
             "a tool result names its call by it); xLAM- and glaive-style rows carry none: give every tool call an "

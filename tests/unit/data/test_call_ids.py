@@ -71,3 +71,25 @@ def test_a_template_that_writes_no_ids_trains_rows_without_them(tiny_model_dir, 
     tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
     examples, (report,) = build(tokenizer, tmp_path, [_without(_without(WITH_IDS, "id"), "tool_call_id")])
     assert report.rows_kept == 1 and len(trained_runs(tokenizer, examples)) == 2
+
+
+def test_ids_a_template_writes_in_history_only_are_asked_of_rows_that_have_history(tiny_model_dir, tmp_path) -> None:
+    """Apriel-1.5's template writes a call's id after its arguments in history, never in the last assistant turn
+    (the one the model generates): an xLAM row whose one call turn is its last trains without ids, as the template
+    writes it; a row with a call turn in history, which the template would write with an id the row lacks, is the
+    named bad row (the template-wide probe alone refused both)."""
+    from transformers import AutoTokenizer
+
+    from tests.unit.data.test_reasoning_tool_calls import TEMPLATES
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"eos_token": "<|endoftext|>", "additional_special_tokens": [
+        "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|tool_result|>"]})
+    tokenizer.chat_template = (TEMPLATES / "apriel_1_5.jinja").read_text()
+    no_ids = _without(WITH_IDS, "id")
+    no_ids = _without(no_ids, "tool_call_id")
+    last_call = {"tools": TOOLS, "messages": no_ids["messages"][:3]}
+    examples, (report,) = build(tokenizer, tmp_path, [last_call, no_ids], on_bad_row="drop")
+    assert dict(report.dropped) == {"tool_call_ids_missing": 1} and report.rows_kept == 1
+    assert [run for _, run in trained_runs(tokenizer, examples)] == [
+        '\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_calls>\n<|end|>\n<|endoftext|>']
