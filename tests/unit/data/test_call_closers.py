@@ -30,10 +30,12 @@ FAMILIES = {
 
 
 def template_tokenizer(tiny_model_dir, template: str, specials: list[str], eos: str, bos: str | None = None):
-    """The tiny tokenizer with a fixture template, its special tokens and its eos (and bos)."""
+    """The tiny tokenizer with a template (a fixture file's name, or a shape's own text), its special tokens and its
+    eos (and bos)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True)
-    tokenizer.eos_token, tokenizer.chat_template = eos, (TEMPLATES / template).read_text()
+    tokenizer.eos_token = eos
+    tokenizer.chat_template = template if "{" in template else (TEMPLATES / template).read_text()
     if bos:
         tokenizer.bos_token = bos
     return tokenizer
@@ -93,6 +95,39 @@ def test_a_call_turn_trains_through_its_end_of_turn_not_its_calls_closer(tiny_mo
 COMMAND_R7B = ["<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>",
                "<|CHATBOT_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>",
                "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]
+# The shape of Command R7B's tool-use template (CohereForAI/c4ai-command-r7b-12-2024, whose licence, CC-BY-NC-4.0, keeps
+# its text out of this repository), written here in a few lines: a system turn listing the tools; a call turn as
+# <|START_THINKING|>plan<|END_THINKING|><|START_ACTION|>[one JSON call a line, numbered through the conversation]
+# <|END_ACTION|>; an answer as <|START_RESPONSE|>...<|END_RESPONSE|>; the results of consecutive tool messages as
+# one system turn, each by its call's number; and the generation prompt after every conversation, asked for or not.
+COMMAND_R7B_SHAPE = (
+    "{{ bos_token }}{%- set ns = namespace(ids=[]) %}<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are Command."
+    "{%- if messages[0].role == 'system' %}{{ '\\n' + messages[0].content }}{% endif %}"
+    "{%- if tools %}{{ '\\n## Available Tools\\n' + tools | tojson }}{% endif %}<|END_OF_TURN_TOKEN|>"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and not loop.first %}"
+    "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>{{ m.content }}<|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'user' %}<|START_OF_TURN_TOKEN|><|USER_TOKEN|>{{ m.content }}<|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_THINKING|>"
+    "{{ m.reasoning_content }}<|END_THINKING|><|START_ACTION|>[{%- for c in m.tool_calls %}{{ ',' if not loop.first }}"
+    "{{ '\\n    ' }}{\"tool_call_id\": \"{{ ns.ids | length }}\", \"tool_name\": \"{{ c.function.name }}\", "
+    "\"parameters\": {{ c.function.arguments | tojson }}}{%- set ns.ids = ns.ids + [c.id] %}{% endfor %}"
+    "{{ '\\n' }}]<|END_ACTION|><|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'assistant' %}"
+    "<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|><|START_RESPONSE|>{{ m.content }}<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+    "{%- elif m.role == 'tool' %}{%- if loop.previtem is not defined or loop.previtem.role != 'tool' %}"
+    "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>[{% else %},{% endif %}{{ '\\n    ' }}"
+    "{\"tool_call_id\": \"{{ ns.ids.index(m.tool_call_id) if m.tool_call_id in ns.ids }}\", \"results\": "
+    "{\"0\": {{ m.content | tojson }}}, \"is_error\": null}"
+    "{%- if loop.nextitem is not defined or loop.nextitem.role != 'tool' %}"
+    "{{ '\\n' }}]<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>{% endif %}"
+    "{%- endif %}{%- endfor %}<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"
+)
+
+
+def command_r7b_tokenizer(tiny_model_dir):
+    """The tiny tokenizer with Command R7B's special tokens, its eos and bos, and its template's shape."""
+    return template_tokenizer(tiny_model_dir, COMMAND_R7B_SHAPE, COMMAND_R7B, "<|END_OF_TURN_TOKEN|>", "<BOS_TOKEN>")
 
 
 def test_command_r7b_turns_end_at_end_of_turn_not_its_response_closer_or_trailing_prompt(tiny_model_dir,
@@ -100,8 +135,7 @@ def test_command_r7b_turns_end_at_end_of_turn_not_its_response_closer_or_trailin
     """Command R7B's template closes an answer with <|END_RESPONSE|><|END_OF_TURN_TOKEN|> and writes its generation
     prompt, <|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>, after every conversation: the last turn trained that prompt too
     (a turn the model never writes), and turns in history stopped at <|END_RESPONSE|> / <|END_ACTION|>."""
-    tokenizer = template_tokenizer(tiny_model_dir, "command_r7b.jinja", COMMAND_R7B, "<|END_OF_TURN_TOKEN|>",
-                                   "<BOS_TOKEN>")
+    tokenizer = command_r7b_tokenizer(tiny_model_dir)
     examples, (report,) = build(tokenizer, tmp_path, [PARALLEL])
     assert [run for _, run in trained_runs(tokenizer, examples)] == [
         '<|START_THINKING|>Two cities, two calls.<|END_THINKING|><|START_ACTION|>[\n    {"tool_call_id": "0", '

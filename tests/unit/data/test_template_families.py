@@ -1,5 +1,5 @@
-"""Tool-calling conversations under more families' shipped chat templates (tests/data/chat_templates): every
-assistant turn trains after exactly the context apply_chat_template gives it with the generation prompt, through
+"""Tool-calling conversations under more families' shipped chat templates (tests/data/chat_templates; LFM2's in its
+shape, written here): every assistant turn trains after exactly the context apply_chat_template gives it with the generation prompt, through
 the token the model stops at, and the exported generation config stops there."""
 
 from __future__ import annotations
@@ -23,12 +23,39 @@ LFM_ROW = {"tools": TOOLS, "messages": [
     {"role": "assistant", "content": "Bern 5, Chur 2.", "reasoning_content": "Both known."}]}
 
 
+# The shape of LFM2's template (LiquidAI/LFM2.5-8B-A1B, whose LFM Open License limits commercial use, so its text is
+# not in this repository), written here in a few lines: ChatML turns, the tools as JSON in the system turn; an
+# assistant turn inside {% generation %}: its think block (kept after the last user turn only, dropped from the
+# content of earlier ones), its content, its calls as a Python list, <|tool_call_start|>[f(x='y')]<|tool_call_end|>
+# (string arguments quoted with ', objects as JSON), then <|im_end|>.
+LFM2_SHAPE = (
+    "{{- bos_token }}{%- set ns = namespace(system='', last_user=-1) %}"
+    "{%- if messages[0].role == 'system' %}{%- set ns.system = messages[0].content %}"
+    "{%- set messages = messages[1:] %}{%- endif %}"
+    "{%- if tools %}{%- set ns.system = ns.system + ('\\n\\n' if ns.system else '') + 'List of tools: '"
+    " + tools | tojson %}{%- endif %}{%- if ns.system %}{{- '<|im_start|>system\\n' + ns.system + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}{%- set content = m.content or '' %}"
+    "{%- if m.role == 'assistant' %}{%- generation %}{%- if loop.index0 > ns.last_user %}"
+    "{%- if m.thinking is defined %}{{- '<think>' + m.thinking + '</think>' }}{%- endif %}"
+    "{%- elif '</think>' in content %}{%- set content = content.split('</think>')[-1] | trim %}{%- endif %}"
+    "{{- content }}{%- if m.tool_calls %}{{- '<|tool_call_start|>[' }}{%- for c in m.tool_calls %}"
+    "{{- ', ' if not loop.first }}{{- c.function.name + '(' }}{%- for k, v in c.function.arguments.items() %}"
+    "{{- ', ' if not loop.first }}{{- k + '=' }}"
+    "{{- \"'\" + v + \"'\" if v is string else (v | tojson if v is mapping else v | string) }}{%- endfor %}"
+    "{{- ')' }}{%- endfor %}{{- ']<|tool_call_end|>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endgeneration %}"
+    "{%- else %}{{- content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
 def lfm_tokenizer(tiny_model_dir):
     """LFM2's special tokens as its tokenizer marks them: <|tool_call_start|> and <|tool_call_end|> are special."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_special_tokens({"bos_token": "<|startoftext|>", "eos_token": "<|im_end|>", "additional_special_tokens": [
         "<|im_start|>", "<|tool_call_start|>", "<|tool_call_end|>"]})
-    tokenizer.chat_template = (TEMPLATES / "lfm2_5.jinja").read_text()
+    tokenizer.chat_template = LFM2_SHAPE
     return tokenizer
 
 

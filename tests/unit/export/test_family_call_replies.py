@@ -67,10 +67,9 @@ def test_command_r7b_calls_read_after_a_plan_or_none(tiny_model_dir) -> None:
     """Command R7B writes `<|START_THINKING|>{plan}<|END_THINKING|><|START_ACTION|>[...]<|END_ACTION|>`: the marker was
     the empty plan and the action (`<|START_THINKING|><|END_THINKING|><|START_ACTION|>`), so a call after a plan was
     text; the marker is now what both write, the plan the reply's text."""
-    from ..data.test_call_closers import COMMAND_R7B
+    from ..data.test_call_closers import command_r7b_tokenizer
 
-    tokenizer = template_tokenizer(tiny_model_dir, "command_r7b.jinja", COMMAND_R7B, "<|END_OF_TURN_TOKEN|>",
-                                   "<BOS_TOKEN>")
+    tokenizer = command_r7b_tokenizer(tiny_model_dir)
     assert call_layout(tokenizer).marker == "<|END_THINKING|><|START_ACTION|>"
     for plan in ("", "I will check Paris and Lyon."):
         head, calls = split_calls(tokenizer, _written(tokenizer, {**TWO, "reasoning_content": plan}), TOOLS)
