@@ -73,8 +73,10 @@ logger = logging.getLogger(__name__)
 # 4's <tool_call|> closes the call the turn opened (no end of turn), and a generation prompt's empty thought channel
 # is context; 28: a tag closing a call the turn opened, in any spelling (<|/tool_call|>, </seed:tool_call>), is not an
 # end of turn, a row lacking the tool call ids its template writes is a bad row, Llama's ipython role is a tool message,
-# a generation prompt written after every conversation (Command R7B's) is not trained after the last turn
-CACHE_FORMAT_VERSION = 28
+# a generation prompt written after every conversation (Command R7B's) is not trained after the last turn; 29: a turn
+# whose think block the template writes empty though it writes traces elsewhere (Kimi-K2-Thinking's final answers)
+# trains its trace in that block
+CACHE_FORMAT_VERSION = 29
 COMPLETE = "COMPLETE"
 
 

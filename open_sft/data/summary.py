@@ -59,6 +59,10 @@ _NOTES = {
                                   "one where the row has none), </think>, the answer and the end of the turn, after "
                                   "that prompt; the earlier turns stay in its context as the template writes history "
                                   "(without their traces), as the model sees them at inference",
+    "reasoning_block_filled": "have assistant turns whose trace the chat template leaves out of the think block it "
+                              "writes for them as the last message, though it writes other turns' traces there "
+                              "(Kimi-K2-Thinking's final answers, <think></think>answer): each trains its trace in "
+                              "that block (<think>trace</think>answer), as the model writes it at inference",
     "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -93,6 +97,7 @@ class SourceReport:
     reasoning_tags_as_text: int = 0  # rows whose inline <think> trace a tagless template writes as the answer's text
     tool_results_wrapped_twice: int = 0  # rows with a tool result whose own tags the template writes around it again
     reasoning_opened_by_prompt: int = 0  # rows with a turn trained after a think block its prompt opens
+    reasoning_block_filled: int = 0  # rows with a turn's trace trained in a think block its template writes empty
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,7 +117,8 @@ class SourceReport:
             "turns_in_one_rendering": self.turns_in_one_rendering,
             "reasoning_tags_as_text": self.reasoning_tags_as_text,
             "tool_results_wrapped_twice": self.tool_results_wrapped_twice,
-            "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt, "hub_dataset": self.hub_dataset,
+            "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt,
+            "reasoning_block_filled": self.reasoning_block_filled, "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -125,6 +125,7 @@ class RowRender:
     reasoning_tags_as_text: bool = False  # an inline trace written as text by a tagless template (reasoning.py)
     tool_results_wrapped_twice: bool = False  # a tool result's own tags written around it again (tool_arguments.py)
     reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
+    reasoning_block_filled: bool = False  # a turn's trace trained in the think block its template writes empty
     # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
     cuts: tuple[tuple[int, ...], ...] = ()
 
@@ -133,7 +134,7 @@ class RowRender:
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
                 "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
-                "tool_results_wrapped_twice", "reasoning_opened_by_prompt")
+                "tool_results_wrapped_twice", "reasoning_opened_by_prompt", "reasoning_block_filled")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -322,7 +323,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     if keep and len(examples) > 1:
         joined = kept_history(state.draw, messages, tools, examples, enders)
         examples, not_kept = ([joined], False) if joined is not None else (examples, True)
-    unwritten = closed = opened = False
+    unwritten = closed = opened = filled = False
     for i, turn in turns.items():
         message = messages[i]
         where = f"message {i + 1} (assistant, with {'tool calls' if message.get('tool_calls') else 'more than a content'})"
@@ -338,6 +339,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         reasoning = reasoning_of(message)
         closed |= turn.reasoning_closed
         opened |= turn.reasoning_opened
+        filled |= turn.reasoning_filled
         unwritten |= bool(reasoning) and not turn.reasoning_closed and reasoning.strip() not in turn.target
     out, cuts = [], tuple(tuple(a for i, (a, _) in example.turns if turns[i].reasoning_opened) for example in examples)
     for example in examples:
@@ -348,7 +350,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
                      reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed,
-                     reasoning_opened_by_prompt=opened, cuts=cuts if opened else ())
+                     reasoning_opened_by_prompt=opened, cuts=cuts if opened else (), reasoning_block_filled=filled)
 
 
 def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,

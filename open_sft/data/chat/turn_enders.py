@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from open_sft.data.chat.elements import closes_one_of, opened
+from open_sft.data.chat.emptied_trace import trace_block
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages
 
@@ -42,6 +43,8 @@ class TurnEnders:
     # what generation stops at: what closes a turn that is the last message (not what closes one in history:
     # gpt-oss's <|end|> also ends an analysis the model goes on after), and the tags above; eos first
     stops: tuple[str, ...] = ()
+    # what the template writes before and after a trace where it writes one (emptied_trace.py); ("", ""): nowhere
+    trace_block: tuple[str, str] = ("", "")
 
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
@@ -160,7 +163,7 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
             if first and (not closing or history_trains):
                 stops.append(first)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
-                      tuple(dict.fromkeys(stops)))
+                      tuple(dict.fromkeys(stops)), trace_block(draw))
 
 
 # tag closing an element (</answer>), which a template may write as text

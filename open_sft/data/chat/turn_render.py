@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from open_sft.data.chat.elements import closed_block
+from open_sft.data.chat.emptied_trace import filled_turn
 from open_sft.data.chat.opened_trace import opened_turn, shared_opening
 from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
@@ -47,13 +48,15 @@ class Turn:
     core: str
     reasoning_closed: bool = False
     reasoning_opened: bool = False  # the prompt opens a think block the template leaves out (opened_trace.py)
+    reasoning_filled: bool = False  # the template writes the turn's think block empty (emptied_trace.py)
 
 
 def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders,
                 opens: bool = True) -> Turn:
     """Assistant message i as the model generates it (Turn); `opens`: a generation prompt that opens a reasoning
-    block the turn's rendering leaves out trains the turn as written there (opened_trace.py; not under
-    open-instruct's templates, for parity)."""
+    block the turn's rendering leaves out trains the turn as written there (opened_trace.py), and a think block the
+    template writes empty holds the turn's trace (emptied_trace.py; neither under open-instruct's templates, for
+    parity)."""
     where = f"message {i + 1} (assistant)"
     if i == 0:
         raise RowError(f"{where}: the conversation opens with this assistant turn, which has no context to "
@@ -74,12 +77,14 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
             prompt, target = _turn_after_rewritten_history(prompt, through, bare, messages[i - 1].get("content"))
         if target is None:
             raise RowError(f"{where}: {_unlocated(draw, messages, tools, i)}", "turn_not_located")
+    filled = None if closed or opened or not opens else filled_turn(messages[i], target, enders.trace_block)
+    target = filled or target
     end = enders.turn_end(target)
     if not enders.generable(target[:end] if end else target):
         prompt, target = _as_in_history(draw, messages, tools, i, enders)
         end = enders.turn_end(target)
     core = enders.stripped(target[:end]) if end else target.rstrip()
-    return Turn(i, prompt, target, end, core, closed, opened)
+    return Turn(i, prompt, target, end, core, closed, opened, filled is not None)
 
 
 def _as_in_history(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders
