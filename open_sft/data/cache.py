@@ -75,7 +75,8 @@ logger = logging.getLogger(__name__)
 # end of turn, a row lacking the tool call ids its template writes is a bad row, Llama's ipython role is a tool message,
 # a generation prompt written after every conversation (Command R7B's) is not trained after the last turn; 29: a turn
 # whose think block the template writes empty though it writes traces elsewhere (Kimi-K2-Thinking's final answers)
-# trains its trace in that block
+# trains its trace in that block, and a special token a turn writes before its content (Kimi-K3's <|close|>, <|sep|>)
+# is no end of turn
 CACHE_FORMAT_VERSION = 29
 COMPLETE = "COMPLETE"
 

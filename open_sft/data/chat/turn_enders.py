@@ -98,9 +98,11 @@ def _candidates(markers: tuple[str, ...], eos: Optional[str], turn: str) -> tupl
     """Special tokens that may end a turn whose own text (after its generation prompt) is `turn`: any, whatever
     its spelling (Gemma's `<end_of_turn>` too), but a token closing what the turn opened (`</tool_call>` after
     `<tool_call>`, GLM's `</arg_value>`, LFM2's `<|tool_call_end|>` after `<|tool_call_start|>`, Phi-4-mini's
-    `<|/tool_call|>`: a tokenizer may mark them special; chat/elements.py), which is the turn's text; eos always."""
+    `<|/tool_call|>`: a tokenizer may mark them special; chat/elements.py), which is the turn's text, and a token
+    the turn itself writes before its content (Kimi-K3's `<|close|>think<|sep|><|open|>response<|sep|>`: the model
+    writes it and goes on); eos always."""
     names = opened(turn)
-    return tuple(m for m in markers if m == eos or not closes_one_of(m, names))
+    return tuple(m for m in markers if m == eos or not (closes_one_of(m, names) or m in turn))
 
 
 def _closing_text(tail: str, followed: str, prompt: str) -> str:

@@ -146,3 +146,49 @@ def test_command_r7b_turns_end_at_end_of_turn_not_its_response_closer_or_trailin
     stops = tokenizer.convert_ids_to_tokens(end_of_turn_ids(tokenizer))
     assert stops[0] == "<|END_OF_TURN_TOKEN|>" and not {"<|END_RESPONSE|>", "<|END_ACTION|>",
                                                          "<|CHATBOT_TOKEN|>"} & set(stops)
+
+
+# Kimi-K3's shape (written here, not copied): every element opened `<|open|>x<|sep|>`, closed `<|close|>x<|sep|>`, a
+# message ended `<|end_of_msg|>`; the generation prompt opens the assistant message and its think element
+K3 = ("{%- macro o(t) %}{{ '<|open|>' + t + '<|sep|>' }}{% endmacro %}{%- macro c(t) %}{{ '<|close|>' + t + '<|sep|>' }}"
+      "{% endmacro %}{%- if tools %}{{ o('message role=\"system\" type=\"tool-declare\"') + (tools | tojson) }}"
+      "{{ c('message') + '<|end_of_msg|>' }}{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' %}"
+      "{{ o('message role=\"assistant\"') + o('think') + (m.reasoning_content or '') + c('think') + o('response') }}"
+      "{{ (m.content or '') + c('response') }}{%- if m.tool_calls %}{{ o('tools') }}{% for t in m.tool_calls %}"
+      "{{ o('call tool=\"' + t.function.name + '\" index=\"' + loop.index|string + '\"') }}"
+      "{%- for k, v in t.function.arguments.items() %}{{ o('argument key=\"' + k + '\" type=\"string\"') + v }}"
+      "{{ c('argument') }}{% endfor %}{{ c('call') }}{% endfor %}{{ c('tools') }}{% endif %}"
+      "{{ c('message') + '<|end_of_msg|>' }}{%- else %}{{ o('message role=\"' + m.role + '\"') + m.content }}"
+      "{{ c('message') + '<|end_of_msg|>' }}{% endif %}{% endfor %}"
+      "{%- if add_generation_prompt %}{{ o('message role=\"assistant\"') + o('think') }}{% endif %}")
+
+
+def test_kimi_k3_element_tags_inside_a_turn_are_no_stops(tiny_model_dir, tmp_path) -> None:
+    """Kimi-K3's `<|close|>` and `<|sep|>`, special tokens, close every element, also the message
+    (`<|close|>message<|sep|><|end_of_msg|>`): they were taken for ends of turn, every turn (which writes them after
+    its trace) was refused as turn_not_generable, and generation would stop after the trace. A token the turn
+    writes before its content is the turn's text; the turn ends at <|end_of_msg|>. A reply's calls in that format are
+    shown as text (no layout reads them), never a wrong call."""
+    from open_sft.export.tool_calls import split_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in [
+        "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]], special_tokens=True)
+    tokenizer.eos_token, tokenizer.chat_template = "<|end_of_msg|>", K3
+    row = {"tools": TOOLS, "messages": [
+        PARALLEL["messages"][0], {**PARALLEL["messages"][1], "tool_calls": [_call("Paris", 0)]},
+        PARALLEL["messages"][2], {"role": "assistant", "content": "Paris 12.", "reasoning_content": "It said 12."}]}
+    examples, (report,) = build(tokenizer, tmp_path, [row])
+    runs = trained_runs(tokenizer, examples)
+    assert [run for _, run in runs] == [
+        'Two cities, two calls.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+        '<|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city" type="string"<|sep|>Paris'
+        '<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>',
+        "It said 12.<|close|>think<|sep|><|open|>response<|sep|>Paris 12.<|close|>response<|sep|><|close|>message"
+        "<|sep|><|end_of_msg|>"]
+    assert [before for before, _ in runs] == [tokenizer.apply_chat_template(
+        row["messages"][:k], tools=TOOLS, add_generation_prompt=True, tokenize=False) for k in (1, 3)]
+    assert report.rows_kept == 1 and not report.dropped
+    assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<|end_of_msg|>"])
+    reply = runs[0][1].removesuffix("<|end_of_msg|>")
+    assert split_calls(tokenizer, reply, TOOLS) == (reply, [])
