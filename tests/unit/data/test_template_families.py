@@ -165,3 +165,49 @@ def test_gemma4_call_turns_train_through_turn_end_after_the_whole_prompt(tiny_mo
     assert through.endswith("<|turn>model\n" + runs[0][1] + "\n")  # the turn as the template writes it
     assert report.rows_kept == 1 and not report.dropped
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<turn|>"])
+
+
+# The shape of StepFun3.7-Flash's template (llama.cpp models/templates/StepFun3.7-Flash.jinja; Qwen3-Coder's call
+# layout): ChatML turns; an assistant turn after the last user turn writes `<think>\n{trace}\n</think>\n`, earlier
+# ones only their content; calls as `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>
+# \n</tool_call>` (arguments given as a JSON string are parsed); the generation prompt opens the think block.
+XML_CALLS_SHAPE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' + tools | tojson + '</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(last_user=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}{%- set content = m.content or '' %}{%- if m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if loop.index0 > ns.last_user %}"
+    "{{- '<think>\\n' + (m.reasoning_content or '') + '\\n</think>\\n' }}{%- endif %}{{- content }}"
+    "{%- for c in m.tool_calls or [] %}{{- '<tool_call>\\n<function=' + c.function.name + '>\\n' }}"
+    "{%- set arguments = c.function.arguments | fromjson if c.function.arguments is string else c.function.arguments %}"
+    "{%- for k, v in arguments | items %}{{- '<parameter=' + k + '>\\n' + v | string + '\\n</parameter>\\n' }}"
+    "{%- endfor %}{{- '</function>\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}{{- '<|im_start|>tool_response\\n<tool_response>' + content"
+    " + '</tool_response><|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+
+
+def test_xml_parameter_calls_train_after_the_opened_think_block_and_read_back(tiny_model_dir, tmp_path) -> None:
+    """StepFun3.7-Flash / Qwen3-Coder call layout: every turn (a call with a JSON-string argument and no call id, a
+    call with a trace, the answer) trains after exactly the generation prompt, which opens the think block, through
+    <|im_end|>; generate/chat --tools reads such a reply's parallel calls (values typed by the tool's schema)."""
+    from open_sft.export.tool_calls import split_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = XML_CALLS_SHAPE
+    examples, (report,) = build(tokenizer, tmp_path, [LFM_ROW])
+    runs = trained_runs(tokenizer, examples)
+    call = "<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n</function>\n</tool_call><|im_end|>"
+    assert [run for _, run in runs] == ["\n</think>\nLet me check." + call.format("Bern"),
+                                        "Now Chur.\n</think>\n" + call.format("Chur"),
+                                        "Both known.\n</think>\nBern 5, Chur 2.<|im_end|>"]
+    messages = to_messages(LFM_ROW, "messages")
+    assert [before for before, _ in runs] == [tokenizer.apply_chat_template(
+        messages[:k], tools=messages.tools, add_generation_prompt=True, tokenize=False) for k in (1, 3, 5)]
+    assert report.rows_kept == 1 and not report.dropped and not report.reasoning_not_rendered
+    reply = call.format("Bern")[: -len("<|im_end|>")] + call.format("Chur")[: -len("<|im_end|>")]
+    assert split_calls(tokenizer, "Sure." + reply, TOOLS) == ("Sure.", [
+        {"name": "get_weather", "arguments": {"city": "Bern"}}, {"name": "get_weather", "arguments": {"city": "Chur"}}])
