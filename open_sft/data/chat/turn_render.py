@@ -113,6 +113,9 @@ def _as_in_history(draw: Draw, messages: Messages, tools: Optional[list], i: int
         said = after_trace(content).strip() if isinstance(content, str) else ""
         if turn and said in turn and not call_written(message, turn):
             return prompt[: len(bare) + shared], turn
+    carried = _carried_call_state(draw, messages, tools, i)  # R1's second call turn with content lands here
+    if carried:
+        raise RowError(f"message {i + 1} (assistant): {carried}", "turn_not_located")
     raise RowError(f"message {i + 1} (assistant): the chat template writes this turn, as the last message, past a "
                    "token that ends generation, so the model cannot write it as the template does (it stops there), "
                    "and its history does not show the turn whole either; choose another template",
@@ -130,24 +133,29 @@ def _probe_follower(calls: list) -> dict:
 
 
 def _unlocated(draw: Draw, messages: Messages, tools: Optional[list], i: int) -> str:
-    """Why assistant turn i cannot be located after its generation prompt. A call turn after an earlier one that
-    the template writes without the opening it gives a row's first call turn (DeepSeek-R1 distills': its state,
-    ns.is_first, is never reset, so a second call turn lacks `<｜Assistant｜><｜tool▁calls▁begin｜>`) is said so."""
-    generic = ("what the template writes for this turn does not follow the generation prompt it renders for the "
-               "messages before it, so the turn cannot be located; choose another template")
+    """Why assistant turn i cannot be located after its generation prompt (_carried_call_state, else in general)."""
+    return _carried_call_state(draw, messages, tools, i) or (
+        "what the template writes for this turn does not follow the generation prompt it renders for the messages "
+        "before it, so the turn cannot be located; choose another template")
+
+
+def _carried_call_state(draw: Draw, messages: Messages, tools: Optional[list], i: int) -> Optional[str]:
+    """What is wrong, where assistant turn i is a call turn after an earlier one that the template writes without
+    the opening it gives a row's first call turn (DeepSeek-R1 distills': its state, ns.is_first, is never reset, so
+    a second call turn lacks `<｜Assistant｜><｜tool▁calls▁begin｜>`); None otherwise."""
     start = next(k for k, m in enumerate(messages) if m["role"] == "assistant")
     if not messages[i].get("tool_calls") or not any(m.get("tool_calls") for m in messages[start:i]):
-        return generic
+        return None
     alone = [*messages[:start], messages[i]]  # the same call turn as the row's first
     try:
         first = draw(alone, False, tools)[len(draw(alone[:-1], False, tools)):]
         bare, through = draw(messages[:i], False, tools), draw(messages[: i + 1], False, tools)
     except RowError:
-        return generic
+        return None
     later = through[len(os.path.commonprefix([bare, through])):]
     opening = first[: len(first) - len(os.path.commonprefix([first[::-1], later[::-1]]))]
     if not opening.strip() or opening.strip() in later:
-        return generic
+        return None
     return (f"the template writes this call turn, after an earlier call turn, without the opening it writes for a "
             f"row's first call turn ({opening.strip()!r}): it cannot render a conversation with more than one call "
             "turn (its state carries over from the first). Keep one call turn a row under it, or choose another "

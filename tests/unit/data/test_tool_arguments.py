@@ -183,3 +183,31 @@ def test_a_template_writing_an_object_as_pythons_repr_gets_the_string(tiny_model
     assert [run for _, run in trained_runs(tokenizer, examples)] == [call_turn, call_turn]
     assert tokenizer.apply_chat_template(as_string["messages"], tokenize=False).endswith(call_turn)
     assert "{'city': 'Bern'}" in tokenizer.apply_chat_template(as_object["messages"], tokenize=False)
+
+
+def test_r1_a_second_call_turn_with_content_in_a_later_user_turn_is_refused_saying_why(deepseek_r1, tmp_path) -> None:
+    """A second call turn with content, after the next user message (R1 writes it as '\\n<｜tool▁call▁begin｜>...'
+    after that message, then `<｜Assistant｜>Let me check.<｜end▁of▁sentence｜>`: the content after the call, past the
+    end of sentence the model stops at), was refused as turn_not_generable, 'choose another template', without the
+    cause or the fix (keep one call turn a row) that the same row with an empty content gets; it gets them now."""
+    from open_sft.errors import UserError
+
+    row = weather('{"city": "Oslo"}')
+    row["messages"] += [{"role": "user", "content": "And Bergen?"},
+                        {"role": "assistant", "content": "Let me check.",
+                         "tool_calls": [call("get_weather", '{"city": "Bergen"}', 2)]},
+                        tool('{"temp_c": 4}', 2), {"role": "assistant", "content": "It is 4 in Bergen."}]
+    through = deepseek_r1.apply_chat_template(row["messages"][:6], tokenize=False)
+    assert through.endswith('And Bergen?\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                            '{"city": "Bergen"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>'
+                            "<｜Assistant｜>Let me check.<｜end▁of▁sentence｜>")  # the template's own writing of it
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(weather('{"city": "Oslo"}')) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(UserError) as raised:
+        build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"]), deepseek_r1, 0)
+    assert "rows.jsonl line 2: message 6 (assistant): the template writes this call turn, after an earlier call " \
+           "turn, without the opening it writes for a row's first call turn" in str(raised.value)
+    assert "Keep one call turn a row under it, or choose another template" in str(raised.value)
+    _, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(data), "1.0"], on_bad_row="drop"),
+                                  deepseek_r1, 0)
+    assert report.dropped == {"turn_not_located": 1} and report.rows_kept == 1
