@@ -220,6 +220,34 @@ def test_a_template_that_writes_no_tools_is_an_error(tiny_model_dir, tmp_path, c
     assert "none.json: No such file" in capsys.readouterr().err
 
 
+def test_a_template_that_fails_only_without_tools_writes_them(tiny_model_dir, tmp_path, capsys) -> None:
+    """Phi-4-mini's template (as llama.cpp writes its calls) loops over `tools` whenever it is defined, and
+    apply_chat_template hands it tools=None without --tools: that rendering fails. `generate --tools` on a model
+    trained under it was refused, 'the chat template fails to render the tools (TypeError: 'NoneType' object is
+    not iterable)', though it renders them; the tools are written now and the reply comes."""
+    from tests.unit.data.test_call_closers import tokenizer_for as closer_tokenizer
+
+    tokenizer = closer_tokenizer(tiny_model_dir, "phi_4_mini")
+    with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+        tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert "<|tool|>" in tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
+                                                       tokenize=False)
+    check_written(tokenizer, TOOLS, "--tools t.json")
+    with pytest.raises(UserError, match="fails to render the tools"):  # a schema it cannot write is still said
+        check_written(tokenizer, [{"type": "function"}], "--tools t.json")
+    out = tmp_path / "phi"
+    phi = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    phi.resize_token_embeddings(len(tokenizer))  # the added special tokens
+    phi.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS))
+    code = generate_cli.main([str(out), "--tools", str(path), "--prompt", "Hi", "--max_new_tokens", "2"])
+    captured = capsys.readouterr()
+    assert (code, captured.err.count("error:")) == (0, 0), captured.err
+    assert json.loads(captured.out.splitlines()[-1])["prompt"] == "Hi"
+
+
 def test_compare_scores_an_expected_call_as_a_call(tiny_model_dir, model, monkeypatch, tmp_path) -> None:
     """A task whose reply is a call (its row's own tools in the prompt) is a hit for the same name and arguments
     as JSON values (JSON text or object, any key order), a miss for other arguments; `answer` may be left out."""
