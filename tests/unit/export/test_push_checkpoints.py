@@ -17,6 +17,27 @@ from unit.export.test_hub_push import TOKEN, loopback_hub  # noqa: F401 (loopbac
 from unit.training.test_checkpoint import _checkpointer, _publish_steps
 
 
+
+@pytest.fixture(autouse=True)
+def _uploaders_stopped(monkeypatch):
+    """Every uploader a test starts has its thread stopped when the test ends. One left running logged after pytest
+    had closed the test's capture stream ("Logging error ... Bad file descriptor"), and Python 3.11 prints that
+    error's traceback with ast.parse (its caret anchors): racing test_layout's ast.parse in the same worker process,
+    it failed that test with "SystemError: AST constructor recursion depth mismatch"."""
+    from open_sft.export.hub_checkpoints import CheckpointUploader
+
+    started, init = [], CheckpointUploader.__init__
+
+    def recorded(self, hub):
+        init(self, hub)
+        started.append(self)
+
+    monkeypatch.setattr(CheckpointUploader, "__init__", recorded)
+    yield
+    for uploader in started:
+        uploader.queue.put(None)
+        uploader.thread.join(30)
+
 def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
