@@ -167,7 +167,7 @@ def _answer_start(tokenizer, text: str, opened: bool) -> int | None:
     if layout is None:
         if not (opened or text.lstrip().startswith(INLINE_OPEN)):
             return 0
-        return None if (at := text.find(INLINE_CLOSE)) < 0 else at
+        return None if (at := text.find(INLINE_CLOSE)) < 0 else at + len(INLINE_CLOSE)
     start = text.lstrip()
     if not (layout.opening and start.startswith(layout.opening)):
         return 0

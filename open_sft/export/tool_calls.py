@@ -27,7 +27,9 @@ template writes one after a call and not after an answer, `</tool_call>` or gpt-
 stops at: cut off at --max_new_tokens) makes the reply an unreadable call, shown as written, even after
 calls that read: a reply's calls are read all or none (chat could keep no message that renders the reply as the
 model wrote it, and compare scores the reply, not its first call). A template whose probe renders no call (no
-tool-call support) has no layout: its replies are text.
+tool-call support) has no layout: its replies are text. The probe is given as the template takes it
+(open_sft.export.call_probe): arguments as JSON text (DeepSeek's templates concatenate them), and where the template
+writes the id in the name's place (Kimi-K2's), an id that carries the name, read back out of a reply's id.
 """
 
 from __future__ import annotations
@@ -37,21 +39,17 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from open_sft.data.chat.opened_trace import shared_opening
 from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.data.tool_schemas import function_of
 from open_sft.export.call_headers import split_head
 from open_sft.export.call_pairs import (PROBE_ARGUMENTS, as_arguments, literal, pair_arguments, pair_layout,
                                        schema_types)
+from open_sft.export.call_probe import NAME_CHARS, PROBE_NAME, name_in_id, probe_form, rendered_reply
 from open_sft.export.template_text import common_suffix, strip_specials, without_shared_ending
 
-PROBE_NAME, PROBE_ID = "probe_fn_3a7c", "a1b2c3d4e"  # Mistral's templates take 9-character alphanumeric ids
 PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
-PROBE_TOOLS = [{"type": "function", "function": {
-    "name": PROBE_NAME, "description": "A probe.", "parameters": {"type": "object", "properties": {
-        "probe_key_1": {"type": "string"}, "probe_key_2": {"type": "integer"}}, "required": ["probe_key_1"]}}}]
 _LAYOUTS = PerTokenizer()  # read once per tokenizer, again if its template or tokens change
-NAME = re.compile(r"\s*([A-Za-z0-9_.:\-]+)")  # OpenAI's function names, and namespaced ones
+NAME = re.compile(rf"\s*({NAME_CHARS}+)")
 
 
 @dataclass(frozen=True)
@@ -74,6 +72,7 @@ class CallLayout:
     # where a turn's later calls start inside the block its first opens, if that is less than `marker` (MiniMax-M2's
     # `<invoke name="` after `<minimax:tool_call>\n<invoke name="`): _next_marker
     next_marker: str = ""
+    id_name: str = ""  # a regex reading the name out of the id written in its place (open_sft.export.call_probe)
 
 
 @dataclass(frozen=True)
@@ -87,31 +86,6 @@ class ReadCalls:
     calls: tuple[dict, ...] = ()
     after: str = ""
     unreadable: Optional[str] = None
-
-
-def _probe(content: str = "", reasoning: Optional[str] = None, arguments: Any = None) -> dict:
-    message = {"role": "assistant", "content": content, "tool_calls": [{
-        "id": PROBE_ID, "type": "function",
-        "function": {"name": PROBE_NAME, "arguments": PROBE_ARGUMENTS if arguments is None else arguments}}]}
-    return {**message, "reasoning_content": reasoning} if reasoning is not None else message
-
-
-def _rendered_reply(tokenizer, message: dict) -> Optional[str]:
-    """What the template writes for `message` after the generation prompt (None where it fails or differs), or
-    after as much of it as the message's rendering shares where the prompt opens a think block that a call without
-    a trace leaves out (MiniMax-M2's `]~b]ai\n<think>\n`: the reply reads past its `</think>`)."""
-    question = [{"role": "user", "content": "Q"}]
-    try:
-        prompt = tokenizer.apply_chat_template(question, tools=PROBE_TOOLS, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(question + [message], tools=PROBE_TOOLS, tokenize=False)
-        bare = tokenizer.apply_chat_template(question, tools=PROBE_TOOLS, tokenize=False)
-    except Exception:  # noqa: BLE001  (a template that cannot render the probe writes no calls we can read)
-        return None
-    if full.startswith(prompt):
-        return full[len(prompt):]
-    if not (prompt.startswith(bare) and full.startswith(bare)):
-        return None
-    return full[len(bare) + shared_opening(prompt[len(bare):], full[len(bare):]):]
 
 
 def _json_values(text: str) -> list[tuple[int, int, Any]]:
@@ -162,18 +136,18 @@ def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
 
 
 def _layout(tokenizer) -> Optional[CallLayout]:
-    alone = _rendered_reply(tokenizer, _probe())
-    found = _anchor(alone) if alone is not None else None
-    if found is None:
+    form = probe_form(tokenizer, lambda text: _anchor(text) is not None)
+    if form is None:
         return None
-    start, parts, end = found
-    answer = _rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
+    alone = form.reply(tokenizer)
+    start, parts, end = _anchor(alone)
+    answer = rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
     closing = without_shared_ending(alone[end:], answer[answer.find(PROBE_CONTENT) + len(PROBE_CONTENT):], tokenizer) \
         if answer and PROBE_CONTENT in answer else strip_specials(alone[end:], tokenizer)
-    after_content = _rendered_reply(tokenizer, _probe(PROBE_CONTENT))
+    after_content = form.reply(tokenizer, PROBE_CONTENT)
     anchored = _anchor(after_content) if after_content is not None else None
     marker = common_suffix(alone[:start], after_content[:anchored[0]]) if anchored else alone[:start]
-    after_trace, before_call = _rendered_reply(tokenizer, _probe(reasoning=PROBE_TRACE)), ""
+    after_trace, before_call = form.reply(tokenizer, reasoning=PROBE_TRACE), ""
     traced = _anchor(after_trace) if after_trace is not None and PROBE_TRACE in after_trace else None
     if traced and common_suffix(marker, after_trace[:traced[0]]).strip():  # not its empty plan (Command R7B's
         marker = common_suffix(marker, after_trace[:traced[0]])  # <|START_THINKING|><|END_THINKING|>)
@@ -183,7 +157,7 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         rest = after_trace[after_trace.index(PROBE_TRACE) + len(PROBE_TRACE):]
         at = rest.find(marker.strip()) if marker.strip() else -1
         before_call = rest[:at].strip() if at >= 0 else ""
-    two = _rendered_reply(tokenizer, {**_probe(), "tool_calls": _probe()["tool_calls"] * 2})
+    two = form.reply(tokenizer, calls=2)
     following = _next_marker(two, alone[:start]) if two and parts["kind"] != "json" else ""
     following = following if following != marker.strip() and marker.strip().endswith(following) else ""
     if following:  # a call inside the block closes with what the template writes before the next one too
@@ -192,7 +166,7 @@ def _layout(tokenizer) -> Optional[CallLayout]:
             closing = closing[:-1]
         closing = re.sub(r"[^>\s]*$", "", closing).strip()  # in whole tags
     return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), next_marker=following,
-                      **parts)
+                      id_name=form.id_name, **parts)
 
 
 
@@ -243,9 +217,10 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
         return ([{**c, "arguments": c["arguments"] or {}} for c in calls], end) if calls and readable \
             and end is not None else None
     named = NAME.match(segment)
-    if named is None:
-        return None
-    name, rest = named.group(1), segment[named.end():]
+    name = name_in_id(layout.id_name, named.group(1)) if named else None
+    if name is None:
+        return None  # no name, or an id that carries none in the template's form
+    rest = segment[named.end():]
     if layout.kind == "name_json":
         header = re.search(literal(layout.arguments_after), rest) if layout.arguments_after else None
         at = header.end() if header else 0

@@ -1,7 +1,7 @@
 """Replies in the call format of model families whose templates tests/data/chat_templates holds (Phi-4-mini,
 Seed-OSS, MiniMax-M2, Mistral-Small-3.1, Kimi-K2-Thinking), read for `--tools` as the template writes them: every
-call of a turn with parallel calls read back, or (Kimi-K2's, whose template writes a call's id in place of its name)
-the reply left as text, never a wrong call."""
+call of a turn with parallel calls read back (Kimi-K2's name out of the id its template writes in the name's place:
+test_deepseek_kimi_calls)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _written(tokenizer, message: dict) -> str:
     return full[len(prompt):]
 
 
-@pytest.mark.parametrize("family", ["phi_4_mini", "seed_oss", "minimax_m2", "mistral_small"])
+@pytest.mark.parametrize("family", ["phi_4_mini", "seed_oss", "minimax_m2", "mistral_small", "kimi_k2_thinking"])
 def test_parallel_calls_in_the_familys_own_format_read_back(tiny_model_dir, family) -> None:
     """Phi-4-mini's reply read as an unreadable call (the call's closing was taken to be `<|/tool_call|><|end|>`,
     its special tokens not stripped: added tokens flagged special are not all `all_special_tokens`); MiniMax-M2's as
@@ -53,14 +53,6 @@ def test_minimax_reads_each_invoke_of_one_block(tiny_model_dir) -> None:
     layout = call_layout(tokenizer_for(tiny_model_dir, "minimax_m2"))
     assert (layout.kind, layout.marker, layout.next_marker) == ("pairs", '<minimax:tool_call>\n<invoke name="',
                                                                 '<invoke name="')
-
-
-def test_kimi_calls_named_by_their_id_stay_text(tiny_model_dir) -> None:
-    """Kimi-K2-Thinking's template writes `<|tool_call_begin|>{id}<|tool_call_argument_begin|>{arguments}`: the name
-    is only in the model's own id (functions.NAME:INDEX), which no layout reads; the reply is text, no call."""
-    tokenizer = tokenizer_for(tiny_model_dir, "kimi_k2_thinking")
-    reply = _written(tokenizer, TWO)
-    assert call_layout(tokenizer) is None and split_calls(tokenizer, reply, TOOLS) == (reply, [])
 
 
 def test_command_r7b_calls_read_after_a_plan_or_none(tiny_model_dir) -> None:
