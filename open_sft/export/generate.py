@@ -56,13 +56,16 @@ class Generation:
     verbatim: str | None = None  # the reply as written, where the template reads its trace from the content
     tool_calls: tuple[dict, ...] = ()  # each {name, arguments} (open_sft.export.tool_calls)
     unreadable_call: str | None = None  # a call written that does not read as one, as written (from its marker)
+    call_ids: tuple[str, ...] = ()  # ReplyParts': the ids the reply wrote, where its template writes them as names
+    text_arguments: bool = False  # ReplyParts': the template takes arguments as JSON text
 
     def message(self) -> dict:
         """The reply as the assistant message a chat history keeps (its trace as the template reads it, its calls
         as `tool_calls`)."""
         from open_sft.export.reply import ReplyParts
 
-        return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim, self.tool_calls).message()
+        return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim, self.tool_calls,
+                          call_ids=self.call_ids, text_arguments=self.text_arguments).message()
 
     def unreadable_line(self) -> str:
         """`[tool call, unreadable] to=functions.get_weather<|channel|>...{"city": "Oslo"` ("" when none)."""
@@ -124,7 +127,8 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     stop_reason = END_OF_TURN if ended else TOKEN_LIMIT if len(new) >= max_new_tokens else CONTEXT_FULL
     return Generation(parts.answer, stop_reason, prompt_tokens, len(new),
                       tokenizer.convert_ids_to_tokens(new[-1]) if ended else None, hidden, parts.reasoning,
-                      parts.answered, parts.verbatim, parts.tool_calls, parts.unreadable_call)
+                      parts.answered, parts.verbatim, parts.tool_calls, parts.unreadable_call, parts.call_ids,
+                      parts.text_arguments)
 
 
 def _start_token(tokenizer) -> int:

@@ -17,6 +17,7 @@ A template that writes no reasoning field leaves the trace written in the conten
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -41,6 +42,8 @@ class ReplyParts:
     verbatim: str | None = None
     tool_calls: tuple[dict, ...] = ()  # each {name, arguments}: the calls the reply made (open_sft.export.tool_calls)
     unreadable_call: str | None = None  # the reply's call as written (from its marker on), where it does not read
+    call_ids: tuple[str, ...] = ()  # the ids the reply wrote, where its template writes them as names (Kimi-K2's)
+    text_arguments: bool = False  # the template takes arguments as JSON text (DeepSeek's concatenate them)
 
     def message(self) -> dict:
         """The reply as the assistant message the template renders back: the trace as `reasoning_content`
@@ -49,15 +52,19 @@ class ReplyParts:
         with no reasoning field (`verbatim`: the trace was written in the content) keeps the reply as written,
         trace and tags in the content, as its training rows held it (reasoning_content would be dropped). The calls
         are the message's `tool_calls`, as a training row holds them (ids `call00001`...: Mistral's templates take
-        nine alphanumeric characters), so a tool result can follow and the history renders as the model wrote it."""
+        nine alphanumeric characters; the ids the reply wrote where its template writes them as names), their arguments
+        as JSON text where the template takes text, so a tool result can follow and the history renders as the model
+        wrote it."""
         if self.verbatim is not None and not self.tool_calls:
             return {"role": "assistant", "content": self.verbatim}
         message = {"role": "assistant", "content": self.answer}
         if self.reasoning:
             message["reasoning_content"] = self.reasoning
         if self.tool_calls:
-            message["tool_calls"] = [{"id": call_id(n), "type": "function", "function": dict(call)}
-                                     for n, call in enumerate(self.tool_calls, 1)]
+            message["tool_calls"] = [
+                {"id": self.call_ids[n - 1] if self.call_ids else call_id(n), "type": "function", "function": {
+                    **call, "arguments": json.dumps(call["arguments"], ensure_ascii=False) if self.text_arguments
+                    else call["arguments"]}} for n, call in enumerate(self.tool_calls, 1)]
         return message
 
 
@@ -208,5 +215,5 @@ def parse_reply(tokenizer, new_ids: list[int], prompt_ids: list[int], tools: Opt
         parts = split_reply(tokenizer, head, strip_specials(head, tokenizer), opened)
         answer = "\n\n".join(part for part in (parts.answer.strip(), read.after) if part)
         return replace(parts, answer=answer, answered=True, verbatim=None, tool_calls=read.calls,
-                       unreadable_call=read.unreadable)
+                       unreadable_call=read.unreadable, call_ids=read.ids, text_arguments=read.text_arguments)
     return split_reply(tokenizer, text, tokenizer.decode(new_ids, skip_special_tokens=True), opened)

@@ -73,6 +73,7 @@ class CallLayout:
     # `<invoke name="` after `<minimax:tool_call>\n<invoke name="`): _next_marker
     next_marker: str = ""
     id_name: str = ""  # a regex reading the name out of the id written in its place (open_sft.export.call_probe)
+    text_arguments: bool = False  # it takes a call's arguments as JSON text (open_sft.export.call_probe)
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class ReadCalls:
     calls: tuple[dict, ...] = ()
     after: str = ""
     unreadable: Optional[str] = None
+    ids: tuple[str, ...] = ()  # each call's id as written, where the template writes it as the name (Kimi-K2's)
+    text_arguments: bool = False  # the template takes arguments as JSON text: a history gives them back so
 
 
 def _json_values(text: str) -> list[tuple[int, int, Any]]:
@@ -166,7 +169,7 @@ def _layout(tokenizer) -> Optional[CallLayout]:
             closing = closing[:-1]
         closing = re.sub(r"[^>\s]*$", "", closing).strip()  # in whole tags
     return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), next_marker=following,
-                      id_name=form.id_name, **parts)
+                      id_name=form.id_name, text_arguments=isinstance(form.arguments, str), **parts)
 
 
 
@@ -262,7 +265,7 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None, ended_by: str
     if not found:
         return ReadCalls(written)
     head, preamble = split_head(text[:found[0].start()], layout.channel, layout.arguments_after, layout.before_call)
-    calls, after = [], ""
+    calls, after, ids = [], "", []
     for match, end in zip(found, [later.start() for later in found[1:]] + [len(text)]):
         read = _calls_in(layout, text[match.end():end], tools)
         if read is None:
@@ -270,7 +273,9 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None, ended_by: str
                              unreadable=written[found[0].start():].strip())
         calls += read[0]
         after = text[match.end():end][read[1]:]
-    return ReadCalls(head, tuple(calls), strip_specials(f"{preamble}\n\n{after}", tokenizer).strip())
+        ids += [NAME.match(text[match.end():end]).group(1)] if layout.id_name else []
+    return ReadCalls(head, tuple(calls), strip_specials(f"{preamble}\n\n{after}", tokenizer).strip(),
+                     ids=tuple(ids), text_arguments=layout.text_arguments)
 
 
 def _bare_call(layout: CallLayout, tokenizer, text: str, tools: Optional[list]) -> ReadCalls:

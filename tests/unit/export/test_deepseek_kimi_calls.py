@@ -152,3 +152,24 @@ def test_apriels_calls_read_back_as_its_prompt_asks_for_them(tiny_model_dir) -> 
         None)
     cut = reply[:reply.index("]</tool_calls>")]
     assert read_calls(tokenizer, cut, TOOLS).unreadable == cut.strip()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chats_history_renders_the_calls_as_the_reply_wrote_them(tiny_model_dir, family) -> None:
+    """chat keeps a reply's calls and sends each /tool result after them. Its history gave Kimi's calls the ids
+    `call00001`... (its template writes the id as the name: the next prompt held calls the model never wrote, and
+    `## Return of call00001`) and DeepSeek's calls object arguments (its templates raise a TypeError on them). The
+    next prompt now holds the calls exactly as the reply wrote them."""
+    from open_sft.export.chat import tool_result
+
+    tokenizer = _tokenizer(tiny_model_dir, family)
+    reply = _reply(tokenizer, family, ["Paris", "Lyon"])
+    messages = QUESTION + [_parsed(tokenizer, family, reply, END[family]).message()]
+    for text in ('{"temp_c": 12}', '{"temp_c": 15}'):
+        messages.append(tool_result(messages, text))
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False,
+                                           **OPTIONS[family])
+    assert reply[reply.index(call_layout(tokenizer).marker):] in prompt
+    if family == "kimi":
+        assert [m["tool_call_id"] for m in messages[2:]] == ["functions.get_weather:0", "functions.get_weather:1"]
+        assert '## Return of functions.get_weather:1\n{"temp_c": 15}' in prompt
