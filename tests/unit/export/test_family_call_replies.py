@@ -68,3 +68,19 @@ def test_command_r7b_calls_read_after_a_plan_or_none(tiny_model_dir) -> None:
         assert calls == [{"name": "get_weather", "arguments": {"city": "Paris"}},
                          {"name": "get_weather", "arguments": {"city": "Lyon"}}]
         assert head == f"<|START_THINKING|>{plan}"
+
+
+def test_nemotron_calls_read_back(tiny_model_dir) -> None:
+    """Nemotron-Nano-v2's `<TOOLCALL>[...]</TOOLCALL>` list (README said it read as text): each call of a parallel
+    reply read back; cut before its closing, the reply is no call."""
+    from ..data.test_template_families import nemotron_tokenizer
+
+    tokenizer = nemotron_tokenizer(tiny_model_dir)
+    full = tokenizer.apply_chat_template(QUESTION + [{"role": "assistant", "content": "", "tool_calls": CALLS}],
+                                         tools=TOOLS, tokenize=False)  # its prompt opens a think block: from the call
+    written = full[full.rindex("<TOOLCALL>"):]
+    assert written.startswith("<TOOLCALL>[") and "</TOOLCALL>" in written
+    head, calls = split_calls(tokenizer, written, TOOLS)
+    assert calls == [{"name": "get_weather", "arguments": {"city": "Paris"}},
+                     {"name": "get_weather", "arguments": {"city": "Lyon"}}] and "Paris" not in head
+    assert split_calls(tokenizer, written[:written.index("</TOOLCALL>")], TOOLS)[1] == []
