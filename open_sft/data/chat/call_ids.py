@@ -24,7 +24,8 @@ _TOOLS = [{"type": "function", "function": {
 def _probe(call_id: str, result_id: str) -> list[dict]:
     return [{"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "", "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": "probe_add", "arguments": {"a": 17, "b": 25}}}]},
+                {"id": call_id, "type": "function",
+                 "function": {"name": "probe_add", "arguments": {"a": 17, "b": 25}}}]},
             {"role": "tool", "content": "42", "tool_call_id": result_id}]
 
 
