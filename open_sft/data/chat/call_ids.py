@@ -11,22 +11,15 @@ named with the fix rather than one trained with ids made up here: a row whose re
 
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
+from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call, probe_result
 from open_sft.data.chat.render import TemplateState
 from open_sft.data.formats import Messages, RowError, same_kind
 
-_TOOLS = [{"type": "function", "function": {
-    "name": "probe_add", "description": "Add two numbers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
-
-
 def _probe(call_id: str, result_id: str) -> list[dict]:
-    return [{"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": call_id, "type": "function",
-                 "function": {"name": "probe_add", "arguments": {"a": 17, "b": 25}}}]},
-            {"role": "tool", "content": "42", "tool_call_id": result_id}]
+    return [PROBE_USER, probe_call(call_id=call_id), probe_result(result_id)]
 
 
 def reads_call_ids(state: TemplateState) -> tuple[bool, bool]:
@@ -34,7 +27,7 @@ def reads_call_ids(state: TemplateState) -> tuple[bool, bool]:
     probes rendered with other ids differ (asked once per template state; nothing where the probe fails)."""
     if state.call_ids is None:
         try:
-            first, calls, results = (state.draw(_probe(a, b), False, _TOOLS) for a, b in (
+            first, calls, results = (state.draw(_probe(a, b), False, PROBE_TOOLS) for a, b in (
                 ("call0a1b2c3d", "call0a1b2c3d"), ("call9z8y7x6w", "call0a1b2c3d"), ("call0a1b2c3d", "call9z8y7x6w")))
             state.call_ids = (first != calls, first != results)
         except RowError:
@@ -48,7 +41,7 @@ def _id_of(value: object) -> bool:
 
 def _filled(messages: Messages, fill: str) -> Messages:
     """The row with every missing call id and tool_call_id filled with `fill` and a number."""
-    count = iter(range(1_000_000))
+    count = itertools.count()
 
     def call(c):
         return c if not isinstance(c, dict) or _id_of(c.get("id")) else {**c, "id": f"{fill}{next(count)}"}

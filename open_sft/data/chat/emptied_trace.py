@@ -18,17 +18,15 @@ import re
 from typing import Callable, Optional
 
 from open_sft.data.chat.elements import element
+from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call
 from open_sft.data.chat.reasoning import reasoning_of
 
 _TRACE = "probe trace"
 _TAG = re.compile(r"<[^<>\s]+>\s*$")  # a tag at the end of a text, then whitespace
-_USER = {"role": "user", "content": "Hi"}
-_TOOLS = [{"type": "function", "function": {"name": "probe_add", "description": "Add two numbers.", "parameters": {
-    "type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}}}]
 _PROBES = (
-    ([_USER, {"role": "assistant", "content": "Hello there", "reasoning_content": _TRACE, "thinking": _TRACE}], None),
-    ([_USER, {"role": "assistant", "content": "", "reasoning_content": _TRACE, "thinking": _TRACE, "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "probe_add", "arguments": {"a": 17}}}]}], _TOOLS))
+    ([PROBE_USER, {"role": "assistant", "content": "Hello there", "reasoning_content": _TRACE, "thinking": _TRACE}],
+     None),
+    ([PROBE_USER, probe_call(reasoning_content=_TRACE, thinking=_TRACE)], PROBE_TOOLS))
 
 
 def trace_block(draw: Callable) -> tuple[str, str]:

@@ -10,22 +10,12 @@ import json
 import logging
 import re
 
+from open_sft.data.chat.probes import PROBE_ARGUMENTS, PROBE_TOOLS, PROBE_USER, probe_call
 from open_sft.data.chat.render import TemplateState
 from open_sft.data.formats import JsonArguments, Messages, RowError, same_kind
 from open_sft.data.tool_schemas import function_of
 
 logger = logging.getLogger(__name__)
-
-_TOOLS = [{"type": "function", "function": {
-    "name": "probe_add", "description": "Add two numbers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                   "required": ["a", "b"]}}}]
-
-
-def _probe(arguments) -> Messages:
-    return [{"role": "user", "content": "Add 17 and 25."}, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_0", "type": "function", "function": {"name": "probe_add", "arguments": arguments}}]}]
-
 
 _SAID: set[str] = set()  # the templates the log has named so (once each, not once per worker or source)
 
@@ -36,7 +26,7 @@ def takes_string_arguments(state: TemplateState) -> bool:
     string as given (asked once per template state; workers.label_rows asks before forking, so the workers inherit
     the answer)."""
     if state.string_arguments is None:
-        arguments = {"a": 17, "b": 25}
+        arguments = PROBE_ARGUMENTS
         as_object, as_string = _written(state, arguments), _written(state, json.dumps(arguments))
         state.string_arguments = as_string is not None and json.dumps(arguments) in as_string and (
             as_object is None or str(arguments) in as_object)
@@ -50,7 +40,7 @@ def takes_string_arguments(state: TemplateState) -> bool:
 
 def _written(state: TemplateState, arguments) -> str | None:
     try:
-        return state.draw(_probe(arguments), False, _TOOLS)
+        return state.draw([PROBE_USER, probe_call(arguments)], False, PROBE_TOOLS)
     except RowError:
         return None
 

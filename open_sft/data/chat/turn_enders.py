@@ -13,21 +13,15 @@ from typing import Callable, Optional
 
 from open_sft.data.chat.elements import closes_one_of, opened
 from open_sft.data.chat.emptied_trace import trace_block
+from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call, probe_result
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages
 
 Draw = Callable[[Messages, bool, Optional[list]], str]
 _TAGS = re.compile(r"<[^<>\s]+>")  # any tag-shaped token: <|im_end|>, <｜Assistant｜>, </s>
-_PROBE_USER = {"role": "user", "content": "Hi"}
 _PROBE_ANSWER = {"role": "assistant", "content": "Hello there"}
 _PROBE_NEXT = {"role": "user", "content": "Bye now"}
-_PROBE_TOOLS = [{"type": "function", "function": {
-    "name": "probe_add", "description": "Add two numbers.",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
-                   "required": ["a", "b"]}}}]
-_PROBE_CALL = {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "call_0", "type": "function", "function": {"name": "probe_add", "arguments": {"a": 17, "b": 25}}}]}
-_PROBE_RESULT = {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "probe_add"}
+_PROBE_CALL, _PROBE_RESULT = probe_call(), probe_result()
 
 
 @dataclass(frozen=True)
@@ -136,8 +130,8 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
             found.append(token)
 
     for kind, last, followed, after in (
-            ("answer", [_PROBE_USER, _PROBE_ANSWER], [_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], None),
-            ("call", [_PROBE_USER, _PROBE_CALL], [_PROBE_USER, _PROBE_CALL, _PROBE_RESULT], _PROBE_TOOLS)):
+            ("answer", [PROBE_USER, _PROBE_ANSWER], [PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], None),
+            ("call", [PROBE_USER, _PROBE_CALL], [PROBE_USER, _PROBE_CALL, _PROBE_RESULT], PROBE_TOOLS)):
         try:
             alone, then = draw(last, False, after), draw(followed, False, after)
             prompt = draw(last[:-1], True, after)
@@ -178,8 +172,8 @@ def split_turn_closers(draw: Draw, tokenize: Callable[[str], list[str]]) -> list
     several pieces, with the pieces: a template whose tokens are not in the vocabulary trains them as text, and
     generation cannot stop at one id."""
     try:
-        alone = draw([_PROBE_USER, _PROBE_ANSWER], False, None)
-        then = draw([_PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], False, None)
+        alone = draw([PROBE_USER, _PROBE_ANSWER], False, None)
+        then = draw([PROBE_USER, _PROBE_ANSWER, _PROBE_NEXT], False, None)
     except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
         return []
     anchor = _PROBE_ANSWER["content"]

@@ -31,6 +31,7 @@ from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasonin
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
 from open_sft.data.chat.turns import call_written
 from open_sft.data.formats import Messages, RowError
+from open_sft.data.tool_schemas import function_of
 
 
 @dataclass
@@ -127,7 +128,7 @@ def _probe_follower(calls: list) -> dict:
     if not calls:
         return {"role": "user", "content": "Thanks."}
     first = calls[0] if isinstance(calls[0], dict) else {}
-    function = first.get("function") or first
+    function = function_of(first)
     return {"role": "tool", "content": "{}", **({"tool_call_id": first["id"]} if first.get("id") else {}),
             **({"name": function["name"]} if isinstance(function, dict) and function.get("name") else {})}
 
