@@ -112,10 +112,7 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
     oi = _fold_transforms(config, oc, oi)
     _explain(t, given)
     result = t.result()
-    added = {RENAMES[name][1] for name in given if name in RENAMES}
-    added |= {"timeout"} if oc.dist_timeout_hours is not None else set()
-    added |= {"gradient_checkpointing"} if _checkpoints_activations(oc) else set()
-    added |= {"packing"} if packs else set()
+    added = {name for changes in t.changes.values() for name in changes}  # the flags the OLMo-core ones set
     return dataclasses.replace(result, explicit=result.explicit | added), oi, refusals(config, given)
 
 
