@@ -12,8 +12,8 @@ neither it nor the message it answered is kept, since no message renders it as w
 reply has its result the model goes on from them (a reply that made two calls takes two /tool lines, the first
 answered by `[result kept; 1 more call awaits /tool]`), and a message typed before then is refused with a line
 naming the call that awaits its result (the calls stay; /reset drops them). `/reset` starts the conversation over (a
---system message stays), `/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line editing after a `you> `
-prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
+--system message stays), `/exit` (or end of input, Ctrl-D) quits. On a terminal the turns are read with line
+editing after a `you> ` prompt; from a pipe (`printf 'Hi\\n/exit\\n' | open_sft chat DIR`) the lines are read as they come and stdout
 holds only the replies and their stop lines. OUTPUT_DIR may hold a full export, a LoRA/QLoRA adapter or be a merged/
 directory, as for `open_sft generate`. A model without a chat template (trained on plain text), or --raw: each
 line, with its newline, is appended to the text so far and the model continues it.

@@ -172,7 +172,6 @@ def _layout(tokenizer) -> Optional[CallLayout]:
                       id_name=form.id_name, text_arguments=isinstance(form.arguments, str), **parts)
 
 
-
 def _next_marker(two: str, before_first: str) -> str:
     """What the template writes right before the second of two calls in one turn (`two`), as far as it writes it
     before a call alone too (`before_first`), in whole tags or lines: "" where it writes no second call."""
