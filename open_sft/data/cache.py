@@ -76,8 +76,9 @@ logger = logging.getLogger(__name__)
 # a generation prompt written after every conversation (Command R7B's) is not trained after the last turn; 29: a turn
 # whose think block the template writes empty though it writes traces elsewhere (Kimi-K2-Thinking's final answers)
 # trains its trace in that block, and a special token a turn writes before its content (Kimi-K3's <|close|>, <|sep|>)
-# is no end of turn
-CACHE_FORMAT_VERSION = 29
+# is no end of turn; 30: a turn whose generation prompt leaves out the header the template writes before it (Gemma
+# 4's after tool_responses) trains without it
+CACHE_FORMAT_VERSION = 30
 COMPLETE = "COMPLETE"
 
 

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from open_sft.data.chat.elements import closes_one_of, opened
 from open_sft.data.chat.emptied_trace import trace_block
+from open_sft.data.chat.opened_trace import shared_opening
 from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call, probe_result
 from open_sft.data.chat.turns import last_marker_end
 from open_sft.data.formats import Messages
@@ -39,6 +40,9 @@ class TurnEnders:
     stops: tuple[str, ...] = ()
     # what the template writes before and after a trace where it writes one (emptied_trace.py); ("", ""): nowhere
     trace_block: tuple[str, str] = ("", "")
+    # what the generation prompt writes to open an assistant turn, which the template writes before the turn too
+    # (Gemma 4's `<|turn>model\n`; turn_header); "": none
+    header: str = ""
 
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
@@ -159,7 +163,24 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
             if first and (not closing or history_trains):
                 stops.append(first)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
-                      tuple(dict.fromkeys(stops)), trace_block(draw))
+                      tuple(dict.fromkeys(stops)), trace_block(draw), turn_header(draw))
+
+
+def turn_header(draw: Draw) -> str:
+    """What the template writes to open an assistant turn where its generation prompt opens one, read off a probe
+    answer: the whole tags or lines that the generation prompt after a user message and the answer's rendering share
+    (`<|im_start|>assistant\\n`, Gemma 4's `<|turn>model\\n`); "" where they share none (Mistral's prompt opens
+    nothing) or the probe is refused."""
+    try:
+        bare, prompt = draw([PROBE_USER], False, None), draw([PROBE_USER], True, None)
+        turn = draw([PROBE_USER, _PROBE_ANSWER], False, None)
+    except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
+        return ""
+    if not (prompt.startswith(bare) and turn.startswith(bare)):
+        return ""
+    opening = prompt[len(bare):]
+    header = opening[: shared_opening(opening, turn[len(bare):])]
+    return header if header.strip() else ""
 
 
 # tag closing an element (</answer>), which a template may write as text

@@ -57,7 +57,10 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
     """Assistant message i as the model generates it (Turn); `opens`: a generation prompt that opens a reasoning
     block the turn's rendering leaves out trains the turn as written there (opened_trace.py), and a think block the
     template writes empty holds the turn's trace (emptied_trace.py; neither under open-instruct's templates, for
-    parity)."""
+    parity). A turn whose rendering opens with the header a generation prompt writes elsewhere (`enders.header`)
+    where its own generation prompt leaves that header out (Gemma 4's after a tool response, `<tool_response|>`, ends
+    with no `<|turn>model\n`: the model goes on in the turn it called from) trains without it: the model never
+    writes it."""
     where = f"message {i + 1} (assistant)"
     if i == 0:
         raise RowError(f"{where}: the conversation opens with this assistant turn, which has no context to "
@@ -78,6 +81,8 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
             prompt, target = _turn_after_rewritten_history(prompt, through, bare, messages[i - 1].get("content"))
         if target is None:
             raise RowError(f"{where}: {_unlocated(draw, messages, tools, i)}", "turn_not_located")
+    if enders.header and target.startswith(enders.header):  # a header the generation prompt leaves out
+        target = target[len(enders.header):]
     filled = None if closed or opened or not opens else filled_turn(messages[i], target, enders.trace_block)
     target = filled or target
     end = enders.turn_end(target)

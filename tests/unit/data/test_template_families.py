@@ -4,9 +4,12 @@ the token the model stops at, and the exported generation config stops there."""
 
 from __future__ import annotations
 
+import json
+
 from transformers import AutoTokenizer
 
 from open_sft.data.formats import to_messages
+from open_sft.data.labels import IGNORE_INDEX
 from tests.unit.data.test_reasoning_tool_calls import TEMPLATES, build, call, tool, trained_runs
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -165,6 +168,55 @@ def test_gemma4_call_turns_train_through_turn_end_after_the_whole_prompt(tiny_mo
     assert through.endswith("<|turn>model\n" + runs[0][1] + "\n")  # the turn as the template writes it
     assert report.rows_kept == 1 and not report.dropped
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<turn|>"])
+
+
+def gemma4_tokenizer(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<bos>", "eos_token": "<turn|>", "additional_special_tokens": [
+        "<|turn>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>", '<|"|>',
+        "<|tool_response>", "<tool_response|>"]})
+    tokenizer.chat_template = (TEMPLATES / "gemma4.jinja").read_text()
+    return tokenizer
+
+
+def test_gemma4_a_turn_after_a_tool_response_trains_without_the_header_its_prompt_leaves_out(tiny_model_dir,
+                                                                                                tmp_path) -> None:
+    """Gemma 4's own form of a call's results: `tool_responses` on the call turn (llama.cpp turns OpenAI tool messages
+    into it). Its generation prompt after them opens no turn (`...<tool_response|>`, then the empty thought channel
+    unless enable_thinking): the model goes on in the turn it called from. The template writes the next turn in history
+    with a `<|turn>model\n` header, and every such turn trained that header, which the model never writes; it trains
+    from what follows the prompt now (also the call turn the interleaved form writes without a header)."""
+    tokenizer = gemma4_tokenizer(tiny_model_dir)
+    responses = [{"name": "get_weather", "response": {"temp_c": 5}}]
+    row = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Bern, then Chur?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Bern"}, 1)],
+         "tool_responses": responses},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Chur"}, 2)],
+         "tool_responses": [{"name": "get_weather", "response": {"temp_c": 2}}]},
+        {"role": "assistant", "content": "Bern 5, Chur 2."}]}
+    messages = to_messages(row, "messages")
+    for kwargs, opening in (({}, "<|channel>thought\n<channel|>"), ({"enable_thinking": True}, "")):
+        (tmp_path / str(bool(kwargs))).mkdir()
+        examples, (report,) = build(tokenizer, tmp_path / str(bool(kwargs)), [row],
+                                    chat_template_kwargs=json.dumps(kwargs))
+        runs = trained_runs(tokenizer, examples)
+        contexts = [tokenizer.apply_chat_template(messages[:k], tools=TOOLS, add_generation_prompt=True,
+                                                  tokenize=False, **kwargs) for k in (1, 2, 3)]
+        assert contexts[2].endswith("<|tool_response>response:get_weather{temp_c:2}<tool_response|>" + opening)
+        assert [before for before, _ in runs] == contexts
+        assert [run[:12] for _, run in runs[:2]] == ["<|tool_call>", "<|tool_call>"]  # not <|turn>model
+        assert runs[2][1] == "Bern 5, Chur 2.<turn|>"
+        history = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, **kwargs)
+        assert history.endswith("<tool_response|><|turn>model\nBern 5, Chur 2.<turn|>\n")  # what trained before
+        last = examples[-1]  # its labels: the answer's tokens right after the context's, nothing else
+        at = [k for k, label in enumerate(last.labels) if label != IGNORE_INDEX]
+        assert at == list(range(at[0], at[-1] + 1))
+        assert tokenizer.decode(last.input_ids[: at[0]]) == contexts[2]
+        assert [last.input_ids[k] for k in at] == [last.labels[k] for k in at]
+        assert tokenizer.decode([last.labels[k] for k in at]) == "Bern 5, Chur 2.<turn|>"
+        assert tokenizer.decode(last.input_ids[at[-1] + 1:]) == "\n"
+        assert report.rows_kept == 1 and not report.dropped
 
 
 # The shape of StepFun3.7-Flash's template (llama.cpp models/templates/StepFun3.7-Flash.jinja; Qwen3-Coder's call
