@@ -77,8 +77,9 @@ logger = logging.getLogger(__name__)
 # whose think block the template writes empty though it writes traces elsewhere (Kimi-K2-Thinking's final answers)
 # trains its trace in that block, and a special token a turn writes before its content (Kimi-K3's <|close|>, <|sep|>)
 # is no end of turn; 30: a turn whose generation prompt leaves out the header the template writes before it (Gemma
-# 4's after tool_responses) trains without it
-CACHE_FORMAT_VERSION = 30
+# 4's after tool_responses) trains without it; 31: a trace in the content in the template's own block, which it would
+# write after its own (Kimi-K2-Thinking's), is the turn's trace, written once
+CACHE_FORMAT_VERSION = 31
 COMPLETE = "COMPLETE"
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from open_sft.data.chat.elements import element
 from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call
 from open_sft.data.chat.reasoning import reasoning_of
+from open_sft.data.formats import RowError, same_kind
 
 _TRACE = "probe trace"
 _TAG = re.compile(r"<[^<>\s]+>\s*$")  # a tag at the end of a text, then whitespace
@@ -59,3 +60,42 @@ def filled_turn(message: dict, target: str, block: tuple[str, str]) -> Optional[
     if empty is None:
         return None
     return target[: empty.start()] + before + trace + after + target[empty.end():]
+
+
+def doubles_inline(draw: Callable, block: tuple[str, str]) -> bool:
+    """Whether the template, which writes traces in `block`, writes its own block before an answer whose content holds
+    its trace in that block (`<think>trace</think>answer`, as some datasets store it) and so the block twice
+    (Kimi-K2-Thinking's `<think></think><think>trace</think>answer`); Qwen3's takes the trace out of the content."""
+    before, after = block
+    if not before:
+        return False
+    answer = {"role": "assistant", "content": before + _TRACE + after + "Hello there"}
+    try:
+        text = draw([PROBE_USER, answer], False, None)
+    except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
+        return False
+    return text.count(before.strip()) > 1
+
+
+def inline_moved(messages: list, block: tuple[str, str]) -> list:
+    """The messages with a trace written at the start of an assistant content in the template's block (`block`) given
+    as the turn's `reasoning_content` instead, for a template that would write the block twice (doubles_inline): the
+    turn then holds one block, its trace written once, as the model writes it. A message whose reasoning field holds
+    another trace is the row's error."""
+    opening, closing = block[0].strip(), block[1].strip()
+    out = []
+    for i, message in enumerate(messages, start=1):
+        content = message.get("content")
+        if message["role"] != "assistant" or not isinstance(content, str) or not content.lstrip().startswith(
+                opening) or closing not in content:
+            out.append(message)
+            continue
+        start, end = content.find(opening) + len(opening), content.find(closing)
+        trace, field = content[start:end].strip(), reasoning_of(message).strip()
+        if field and field != trace:
+            raise RowError(f"message {i} (assistant) holds a trace in its content ({opening}…{closing}) and another "
+                           "in its reasoning field; the template would write both: give the turn's trace once",
+                           "two_traces")
+        out.append({**message, "content": content[end + len(closing):].lstrip(),
+                    **({} if field else {"reasoning_content": trace})})
+    return same_kind(messages, out)

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
 from open_sft.data.chat.call_ids import check_call_ids
+from open_sft.data.chat.emptied_trace import inline_moved
 from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
                                          trace_of, with_reasoning_aliases)
@@ -207,7 +208,10 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
                        "--chat_template_name or --chat_template_path FILE", "template_error")
     state = render.template_state(tokenizer, options)
     strings = string_arguments(messages)  # before the template's own form: what the row gave
-    messages = as_template_takes(state, with_reasoning_aliases(_developer_turns(messages, state.source)))
+    messages = _developer_turns(messages, state.source)
+    if _enders(state, tokenizer, markers).inline_doubled:  # one trace block, not the content's and the template's
+        messages = inline_moved(messages, _enders(state, tokenizer, markers).trace_block)
+    messages = as_template_takes(state, with_reasoning_aliases(messages))
     check_call_ids(state, messages)
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
     trained, texts = _trained_indices(messages, train_on), [text for text, _ in rendered.examples]

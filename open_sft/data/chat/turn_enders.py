@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from open_sft.data.chat.elements import closes_one_of, opened
-from open_sft.data.chat.emptied_trace import trace_block
+from open_sft.data.chat.emptied_trace import doubles_inline, trace_block
 from open_sft.data.chat.opened_trace import shared_opening
 from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call, probe_result
 from open_sft.data.chat.turns import last_marker_end
@@ -43,6 +43,8 @@ class TurnEnders:
     # what the generation prompt writes to open an assistant turn, which the template writes before the turn too
     # (Gemma 4's `<|turn>model\n`; turn_header); "": none
     header: str = ""
+    # the template writes its own block before a content holding a trace in it, so the block twice (doubles_inline)
+    inline_doubled: bool = False
 
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
@@ -162,8 +164,9 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
                 follows[kind] = first
             if first and (not closing or history_trains):
                 stops.append(first)
+    block = trace_block(draw)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
-                      tuple(dict.fromkeys(stops)), trace_block(draw), turn_header(draw))
+                      tuple(dict.fromkeys(stops)), block, turn_header(draw), doubles_inline(draw, block))
 
 
 def turn_header(draw: Draw) -> str:

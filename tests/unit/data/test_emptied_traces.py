@@ -57,3 +57,43 @@ def test_templates_writing_the_last_turns_trace_are_unchanged(tiny_model_dir, tm
     runs = [run for _, run in trained_runs(tokenizer, examples)]
     assert runs[-1] == "<think>\n12 is mild.\n</think>\n\nMild.<|im_end|>"
     assert report.reasoning_block_filled == 0
+
+
+def test_a_trace_in_the_content_trains_once_in_the_block(tiny_model_dir, tmp_path) -> None:
+    """A content holding its trace (`<think>trace</think>answer`, as some datasets store it), alone or beside the same
+    trace as reasoning_content: the template wrote its own block and the content's, `<think></think><think>trace
+    </think>answer` (a call turn with both: the trace twice), a turn the model never writes. One block now, as the
+    model writes it; a row whose two traces differ is refused."""
+    import pytest
+
+    from open_sft.errors import UserError
+
+    tokenizer = tokenizer_for(tiny_model_dir, "kimi_k2_thinking")
+    row = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "<think>I need the weather.</think>", "reasoning_content": "I need the weather.",
+         "tool_calls": [_call("Paris", 0)]},
+        {"role": "tool", "content": '{"temp_c": 12}', "tool_call_id": "functions.get_weather:0"},
+        {"role": "assistant", "content": "<think>\nThe tool said 12.\n</think>\n\nParis is at 12 degrees."}]}
+    messages = to_messages(row, "messages")
+    written = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+    call_turn = tokenizer.apply_chat_template(messages[:2], tools=TOOLS, tokenize=False)
+    assert "<think>I need the weather.</think><think>I need the weather.</think>" in call_turn  # the template's own
+    assert written.endswith("<think></think><think>\nThe tool said 12.\n</think>\n\nParis is at 12 degrees.<|im_end|>")
+    examples, (report,) = build(tokenizer, tmp_path, [row])
+    runs = trained_runs(tokenizer, examples)
+    assert [run for _, run in runs] == [
+        "<think>I need the weather.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        "<think>The tool said 12.</think>Paris is at 12 degrees.<|im_end|>"]
+    contexts = [tokenizer.apply_chat_template(messages[:k], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+                for k in (1, 3)]
+    assert runs[0][0] == contexts[0]
+    assert runs[1][0] == contexts[1].replace("<think>I need the weather.</think><think>I need the weather.</think>",
+                                             "<think>I need the weather.</think>")  # its history holds one trace too
+    assert (report.reasoning_block_filled, report.examples) == (1, 1)
+    two = {"messages": [{"role": "user", "content": "Hi"},
+                        {"role": "assistant", "content": "<think>Greet.</think>Hello.", "reasoning_content": "Wave."}]}
+    (tmp_path / "two").mkdir()
+    with pytest.raises(UserError, match="holds a trace in its content .* and another in its reasoning field"):
+        build(tokenizer, tmp_path / "two", [two])
