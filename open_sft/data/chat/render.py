@@ -124,10 +124,28 @@ def _guarded(draw: Renderer) -> Renderer:
         except Exception as exc:
             problem = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
             problem += schema_key_hint(problem, tools)
+            if not tools and _renders_with_tools(draw, messages, add_generation_prompt):
+                raise RowError(f"the chat template cannot render a conversation without tools ({problem}; it renders "
+                               "this one given a tools list): the row is fine, the template needs a tools list. Choose "
+                               "a form of the template that renders conversations without tools with "
+                               "--chat_template_name or --chat_template_path, or give such rows the 'tools' they "
+                               "may call",
+                               "template_needs_tools") from None
             raise RowError(f"the chat template rejects this conversation ({problem}); fix the row, choose another "
                            "template with --chat_template_name or --chat_template_path, or skip such rows with "
                            "--on_bad_row drop", "template_error") from None
     return guarded
+
+
+def _renders_with_tools(draw: Renderer, messages: Messages, add_generation_prompt: bool) -> bool:
+    """Whether the template renders `messages`, which it refused without tools, given an (empty) tools list: one
+    that iterates `tools` whenever it is defined (llama.cpp's form of Phi-4-mini's; apply_chat_template always
+    defines it, None for a row without tools)."""
+    try:
+        draw(messages, add_generation_prompt, [])
+    except Exception:  # noqa: BLE001 (it refuses the row for another reason)
+        return False
+    return True
 
 
 @dataclass(frozen=True)

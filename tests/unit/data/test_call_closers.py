@@ -192,3 +192,26 @@ def test_kimi_k3_element_tags_inside_a_turn_are_no_stops(tiny_model_dir, tmp_pat
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<|end_of_msg|>"])
     reply = runs[0][1].removesuffix("<|end_of_msg|>")
     assert split_calls(tokenizer, reply, TOOLS) == (reply, [])
+
+
+def test_a_template_that_needs_tools_says_so_for_a_row_without_them(tiny_model_dir, tmp_path) -> None:
+    """llama.cpp's form of Phi-4-mini's template iterates `tools` whenever it is defined, and apply_chat_template
+    defines it (None) for every row: a row without tools failed with "fix the row", though the row is fine. The
+    error names the cause and the fix; with --on_bad_row drop such rows are counted as template_needs_tools. Rows with tools train."""
+    from open_sft.errors import UserError
+
+    tokenizer = tokenizer_for(tiny_model_dir, "phi_4_mini")
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    with pytest.raises(TypeError, match="'NoneType' object is not iterable"):
+        tokenizer.apply_chat_template(plain["messages"], tokenize=False)
+    (tmp_path / "alone").mkdir()
+    with pytest.raises(UserError, match=r"line 1: the chat template cannot render a conversation without tools "
+                       r"\(TypeError: 'NoneType' object is not iterable; it renders this one given a tools list\): the "
+                       r"row is fine, the template needs a tools list\. Choose a form of the template") as raised:
+        build(tokenizer, tmp_path / "alone", [plain])
+    assert "fix the row" not in str(raised.value)
+    with_tools = {"tools": TOOLS, "messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello."}]}
+    examples, (report,) = build(tokenizer, tmp_path, [plain, with_tools], on_bad_row="drop")
+    assert dict(report.dropped) == {"template_needs_tools": 1} and report.rows_kept == 1
+    assert [run for _, run in trained_runs(tokenizer, examples)] == ["Hello.<|end|><|endoftext|>"]
