@@ -78,8 +78,10 @@ logger = logging.getLogger(__name__)
 # trains its trace in that block, and a special token a turn writes before its content (Kimi-K3's <|close|>, <|sep|>)
 # is no end of turn; 30: a turn whose generation prompt leaves out the header the template writes before it (Gemma
 # 4's after tool_responses) trains without it; 31: a trace in the content in the template's own block, which it would
-# write after its own (Kimi-K2-Thinking's), is the turn's trace, written once
-CACHE_FORMAT_VERSION = 31
+# write after its own (Kimi-K2-Thinking's), is the turn's trace, written once; 32: a template closing every message
+# with a separator that a call turn also writes before its call (GigaChat3's <|message_sep|>) has its turns end with
+# eos in the separator's place (its call turns were bad rows)
+CACHE_FORMAT_VERSION = 32
 COMPLETE = "COMPLETE"
 
 

@@ -160,6 +160,8 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
     ChatML or Mistral's template writes as it is, DeepSeek-V3.1's after `</think>`, the model generates); else
     None. Not faithful (open-instruct's templates, for parity): a content may also be located by a marked
     rendering."""
+    if faithful and enders.eos_in_place[0]:  # a last turn ends with eos where history closes it otherwise
+        return None
     draw, tools = state.draw, getattr(messages, "tools", None)
     spans = []
     for i in indices:

@@ -45,6 +45,16 @@ class TurnEnders:
     header: str = ""
     # the template writes its own block before a content holding a trace in it, so the block twice (doubles_inline)
     inline_doubled: bool = False
+    # (separator, eos): a token the template closes every message with that a call turn also writes before its call
+    # (GigaChat3's <|message_sep|>: `text<|message_sep|>\n\nfunction call<|role_sep|>\n{...}`), so the model goes
+    # on after it and stops with eos, which a turn written as the last message ends with in its place
+    eos_in_place: tuple[str, str] = ("", "")
+
+    def as_generated(self, target: str) -> str:
+        """`target` (a turn the template writes as the last message) as the model generates it: ending with eos
+        where the template closes it with a separator the model goes on after (`eos_in_place`)."""
+        separator, eos = self.eos_in_place
+        return target[: -len(separator)] + eos if separator and target.endswith(separator) else target
 
     def last_end(self, text: str) -> int:
         """Where the last end-of-turn token in `text` ends (0: none)."""
@@ -129,7 +139,7 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
     the last turn ends with eos), so that token is a stop too."""
     found: list[str] = [eos] if eos else []
     stops: list[str] = list(found)
-    follows = {}
+    follows, inside = {}, []
 
     def add(token: Optional[str]) -> None:
         if token and token not in found:
@@ -152,6 +162,8 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
         if alone.rfind("<", 0, start) > alone.rfind(">", 0, start):  # not from inside a tag both open with (Gemma
             start = alone.rfind("<", 0, start)  # 4's prompt <|channel>, the call's <|tool_call>)
         turn = alone[start: written]
+        if kind == "call":  # an answer's closer that the call turn writes before its call: the model goes on there
+            inside = [token for token in stops if token != eos and token in turn]
         candidates = _candidates(markers, eos, turn)
         closing = [token for token in candidates if token in _closing_text(alone[written:], then[written:], prompt)]
         for token in closing:  # what it closes the turn with as the last message
@@ -164,9 +176,12 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
                 follows[kind] = first
             if first and (not closing or history_trains):
                 stops.append(first)
+    if inside and eos:
+        stops = [token for token in stops if token not in inside]
     block = trace_block(draw)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
-                      tuple(dict.fromkeys(stops)), block, turn_header(draw), doubles_inline(draw, block))
+                      tuple(dict.fromkeys(stops)), block, turn_header(draw), doubles_inline(draw, block),
+                      (inside[0], eos) if inside and eos else ("", ""))
 
 
 def turn_header(draw: Draw) -> str:

@@ -84,7 +84,7 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
     if enders.header and target.startswith(enders.header):  # a header the generation prompt leaves out
         target = target[len(enders.header):]
     filled = None if closed or opened or not opens else filled_turn(messages[i], target, enders.trace_block)
-    target = filled or target
+    target = enders.as_generated(filled or target)
     end = enders.turn_end(target)
     if not enders.generable(target[:end] if end else target):
         prompt, target = _as_in_history(draw, messages, tools, i, enders)

@@ -263,3 +263,44 @@ def test_xml_parameter_calls_train_after_the_opened_think_block_and_read_back(ti
     reply = call.format("Bern")[: -len("<|im_end|>")] + call.format("Chur")[: -len("<|im_end|>")]
     assert split_calls(tokenizer, "Sure." + reply, TOOLS) == ("Sure.", [
         {"name": "get_weather", "arguments": {"city": "Bern"}}, {"name": "get_weather", "arguments": {"city": "Chur"}}])
+
+
+def gigachat3_tokenizer(tiny_model_dir):
+    """GigaChat3's separators are special tokens with their newlines, as its tokenizer has them; eos is </s>."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": [
+        "<|role_sep|>\n", "<|message_sep|>\n\n"]})
+    tokenizer.chat_template = (TEMPLATES / "gigachat3.jinja").read_text()
+    return tokenizer
+
+
+def test_gigachat3_call_turns_train_through_eos_and_read_back(tiny_model_dir, tmp_path) -> None:
+    """GigaChat3's template closes every message with <|message_sep|> and writes a call as a second message after
+    it (`text<|message_sep|>\\n\\nfunction call<|role_sep|>\\n{json}`): <|message_sep|> was taken for the stop, so
+    every call row was refused (turn_not_generable) and generation stopped before any call. The model goes on after
+    it; a turn ends with eos (</s>) in its place, as GigaChat3's parsers read the model's calls, and the export
+    stops at </s> alone. generate/chat --tools reads such a call."""
+    from open_sft.export.save import end_of_turn_ids
+    from open_sft.export.tool_calls import split_calls
+
+    tokenizer = gigachat3_tokenizer(tiny_model_dir)
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                          {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye!"}]}
+    examples, (report,) = build(tokenizer, tmp_path, [LFM_ROW, plain])
+    runs = trained_runs(tokenizer, examples)
+    call = '<|message_sep|>\n\nfunction call<|role_sep|>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}</s>'
+    assert [run for _, run in runs] == ["Let me check." + call.format("Bern"), call.format("Chur"),
+                                        "Bern 5, Chur 2.</s>", "Hello!</s>", "Bye!</s>"]
+    contexts = []
+    for row, ks in ((LFM_ROW, (1, 3, 5)), (plain, (1, 3))):
+        messages = to_messages(row, "messages")
+        contexts += [tokenizer.apply_chat_template(messages[:k], tools=messages.tools, add_generation_prompt=True,
+                                                   tokenize=False) for k in ks]
+    assert [before for before, _ in runs] == contexts
+    assert all(context.endswith("<|message_sep|>\n\nassistant<|role_sep|>\n") for context in contexts)
+    assert report.rows_kept == 2 and not report.dropped and report.examples == 5  # history closes a turn otherwise
+    assert end_of_turn_ids(tokenizer) == [tokenizer.eos_token_id]
+    reply = call.format("Bern")[: -len("</s>")]
+    assert split_calls(tokenizer, "Let me check." + reply, TOOLS) == (
+        "Let me check.", [{"name": "get_weather", "arguments": {"city": "Bern"}}])
+    assert split_calls(tokenizer, reply[:-3], TOOLS) == (reply[:-3], [])  # cut off: shown as written
