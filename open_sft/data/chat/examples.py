@@ -8,7 +8,7 @@ rendering serves every turn so, and the turns are located in it cheaply: for ass
 ends after its end-of-turn marker; both must be prefixes of the full rendering and the content must occur once
 between their ends (or a shape render knows where it was written, shape_render.py). Under open-instruct's
 templates such rows are located in their one rendering as open-instruct trains them, also by rendering the row
-with a marker in a content's place (`_marked_place`). Working in characters (not token counts of prefixes)
+with a marker in a content's place (`marked_place`). Working in characters (not token counts of prefixes)
 keeps the labels exact when BPE merges across a turn boundary; the label step (data/labels.py) turns the spans
 into labels.
 """
@@ -16,7 +16,6 @@ into labels.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,88 +23,17 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.chat import render
 from open_sft.data.chat.call_ids import check_call_ids
+from open_sft.data.chat.content_place import end_of_turn_length, marked_place, prefix_place
 from open_sft.data.chat.emptied_trace import inline_moved
 from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
                                          trace_of, with_reasoning_aliases)
-from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, Renderer, TemplateState
+from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, TemplateState
 from open_sft.data.chat.tool_arguments import as_template_takes, string_arguments, tools_written, wrapped_twice
 from open_sft.data.chat.turn_enders import TurnEnders, turn_enders
 from open_sft.data.chat.turn_render import group_turns, kept_history, render_turn
-from open_sft.data.chat.turns import call_written, last_marker_end, middle_closing, prefix_renders
+from open_sft.data.chat.turns import call_written, prefix_renders
 from open_sft.data.formats import Messages, RowError, same_kind, trains
-
-_MAX_SUFFIXES = 1 << 16  # distinct end-of-turn suffixes remembered per tokenizer
-
-
-def _end_of_turn_length(state: TemplateState, suffix: str, markers: tuple[str, ...]) -> int:
-    """Characters of `suffix` (text after an assistant's content) that belong to its end of turn:
-    everything up to and including the last special-token marker, nothing after it. Remembered per
-    template state (keyed by the suffix alone while the markers are the same object: hashing Llama 3's
-    256 markers for every row would cost more than the lookup saves); a few suffixes recur in every row."""
-    if state.markers is not markers:
-        state.markers, state.end_of_turn = markers, {}
-    end = state.end_of_turn.get(suffix)
-    if end is None:
-        end = last_marker_end(suffix, markers)
-        if len(state.end_of_turn) < _MAX_SUFFIXES:
-            state.end_of_turn[suffix] = end
-    return end
-
-
-_MARK = "\x00assistant content\x00"  # a string no template writes by itself
-
-
-def _marked_place(state: TemplateState, messages: Messages, tools: Optional[list], text: str, i: int,
-                  markers: tuple[str, ...]) -> Optional[tuple[int, int, int]]:
-    """Where what the template writes of assistant message i's content, stripped, starts and ends in
-    `text`, and where the text its turn closes with ends; for rows the prefix renderings cannot place (a
-    template that is not prefix-stable, one writing the system prompt into the last user turn, say; a
-    content that also occurs in the text the template writes before it). Its place: the row rendered
-    with that content replaced by a marker must be `text` with, in the marker's place, the content (as
-    is, or stripped) or only its end (templates that keep only the answer after a `</think>`). Its
-    closing: what the template writes after the content when it is the last message, as far as `text`
-    has the same there (Phi-3 closes only the final turn with eos after <|end|>), or else when another
-    message follows (OLMo's template: <|im_end|> there, eos at the end). None when the template reads
-    the content otherwise."""
-    marked = [dict(m, content=_MARK) if k == i else m for k, m in enumerate(messages)]
-    before, *after = state.draw(marked, False, tools).split(_MARK)
-    if len(after) != 1 or not (text.startswith(before) and text.endswith(after[0])) \
-            or len(before) + len(after[0]) > len(text):
-        return None
-    inserted_end = len(text) - len(after[0])
-    inserted = text[len(before): inserted_end]
-    content = messages[i]["content"]
-    if not (inserted in (content, content.strip()) or (inserted.strip() and content.strip().endswith(inserted.strip()))):
-        return None
-    _, *closing = state.draw(marked[: i + 1], False, tools).split(_MARK)
-    if len(closing) != 1:
-        return None
-    closed = os.path.commonprefix([closing[0], text[inserted_end : inserted_end + len(closing[0])]])
-    if not last_marker_end(closed, markers):  # a turn the template closes differently when another follows
-        middle = middle_closing(state, markers)
-        if middle and text.startswith(middle, inserted_end):
-            closed = middle
-    start = len(before) + len(inserted) - len(inserted.lstrip())
-    return start, start + len(inserted.strip()), inserted_end + len(closed)
-
-
-def _prefix_place(draw: Renderer, messages: Messages, tools: Optional[list], text: str, i: int
-                  ) -> Optional[tuple[int, int, int, int]]:
-    """Where assistant message i's generation prompt ends, where its content, stripped, starts and ends in
-    `text`, and where its turn ends: from the renderings of the messages before it (with the generation
-    prompt) and through it, which must be prefixes of `text`, when the content occurs just once between
-    their ends. None otherwise (a first message has no prefix to render: apply_chat_template refuses an
-    empty conversation)."""
-    prompt, through = prefix_renders(draw, messages, tools, text, i)
-    if prompt is None or not (text.startswith(prompt) and text.startswith(through)):
-        return None
-    content = messages[i]["content"].strip()
-    start = text.find(content, len(prompt), len(through))
-    if start < 0 or text.find(content, start + 1, len(through)) >= 0:
-        return None
-    return len(prompt), start, start + len(content), len(through)
-
 
 @dataclass(frozen=True)
 class RowRender:
@@ -172,9 +100,9 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
             start = written_at + (len(raw) - len(raw.lstrip()) if text.startswith(raw, written_at) else 0)
             content_end = start + len(content)
         else:
-            place = _prefix_place(draw, messages, tools, text, i)
+            place = prefix_place(draw, messages, tools, text, i)
             if place is None:  # the content occurs more than once, or the template is not prefix-stable
-                marked = _marked_place(state, messages, tools, text, i, markers)
+                marked = marked_place(state, messages, tools, text, i, markers)
                 prompt, through = prefix_renders(draw, messages, tools, text, i) if i and faithful else ("", "")
                 if marked is not None and text.startswith(prompt or "") and text.startswith(through):
                     place = (len(prompt) if faithful and i else marked[0], *marked)
@@ -186,7 +114,7 @@ def _one_rendering(state: TemplateState, messages: Messages, indices: list[int],
                     "(or writes this content more than once) and its rendering changes with the assistant's "
                     "content, so the turn cannot be located; choose another template")
             prompt_end, start, content_end, through_length = place
-        end = _end_of_turn_length(state, text[content_end:through_length], markers)
+        end = end_of_turn_length(state, text[content_end:through_length], markers)
         if faithful and not end and enders.tokens:
             return None
         if faithful:  # what the template writes before the content (Qwen3's empty think block after the last
