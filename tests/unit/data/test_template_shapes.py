@@ -172,18 +172,20 @@ def test_a_conversation_may_open_with_the_assistant(tokenizer, template, monkeyp
 
 def test_a_template_that_fails_on_a_row_makes_it_a_bad_row(tokenizer, tmp_path) -> None:
     """A template error that is not Jinja's own (a TypeError iterating tools the row does not have) stops
-    the run with the row's line and the template's message, or drops and counts the row: never a crash."""
+    the run with the row's line, the template's message and what the template needs (it renders the row given a
+    tools list: the row is fine), or drops and counts the row: never a crash."""
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in [
         {"messages": chat("Hi", "Hello!"), "tools": TOOLS}, {"messages": chat("Hi", "Hello!")},
         {"messages": chat("2+2?", "4"), "tools": TOOLS}]) + "\n")
     tokenizer.chat_template = NEEDS_TOOLS
     args = dict(dataset_mixer_list=[str(data), "1.0"])
-    with pytest.raises(UserError, match=r"rows.jsonl line 2: the chat template rejects this conversation "
-                                        r"\(TypeError: 'NoneType' object is not iterable\); fix the row"):
+    with pytest.raises(UserError, match=r"rows.jsonl line 2: the chat template cannot render a conversation without "
+                                        r"tools \(TypeError: 'NoneType' object is not iterable; .*the template "
+                                        r"needs a tools list"):
         build_examples(DataArguments(**args), tokenizer, 0)
     examples, reports = build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
-    assert len(examples) == 2 and dict(reports[0].dropped) == {"template_error": 1}
+    assert len(examples) == 2 and dict(reports[0].dropped) == {"template_needs_tools": 1}
 
 
 def test_a_content_written_twice_by_a_content_reading_template_trains_all_it_writes(tokenizer) -> None:
