@@ -9,7 +9,15 @@ told apart by position ids) with an attention that reads the position ids: `atte
 transformers' AttentionInterface: the kernel open_sft's packed rows use on a GPU, so both sides attend with the
 same kernel), or "sdpa" (a dense block-diagonal mask over the whole flattened row: TRL's default, kept for
 reference). `peft` "lora" / "qlora": TRL + PEFT with LoRA on every linear layer (QLoRA: the base in 4-bit NF4 with
-double quantization, bf16 compute), as open_sft's --use_lora / --use_qlora."""
+double quantization, bf16 compute), as open_sft's --use_lora / --use_qlora.
+
+`--compare_loss RUN_DIR [--trl_precision fp32|autocast|bf16_weights] [--out FILE]`: TRL's SFTTrainer trains what a
+finished one-process open_sft run (launched with OPEN_SFT_RECORD_DATA_ORDER=1 and --logging_steps 1, run from the
+directory its --model_name_or_path is relative to) trained: its tokenized cache (the same input_ids and labels), each
+step's examples as one batch (padding-free under --packing), the run's AdamW settings, schedule, clipping and seed,
+the model in fp32 (`fp32`), under bf16 autocast (`autocast`, TRL's bf16=True) or loaded in bf16 (`bf16_weights`).
+Prints each step's loss beside the run's and the largest relative difference. A full fine-tune only: LoRA's random A
+matrices are drawn from each side's generator state, so the two runs' adapters start apart."""
 
 from __future__ import annotations
 
@@ -108,5 +116,74 @@ def main() -> None:
                       **peaks}))
 
 
+def _step_examples(run_dir: str, rows) -> list[list[int]]:
+    """The examples of each of the run's steps: its recorded order cut where each step's trained tokens add up."""
+    order = json.load(open(f"{run_dir}/data_order.rank0.json"))["example_indices"]
+    totals = [m["train_tokens"] for m in map(json.loads, open(f"{run_dir}/metrics.jsonl")) if "loss" in m]
+    trained = [sum(label != -100 for label in labels[1:]) for labels in rows["labels"]]
+    steps, at, before = [], 0, 0
+    for total in totals:
+        step, got = [], 0
+        while got < total - before:
+            step.append(order[at])
+            got, at = got + trained[order[at]], at + 1
+        if got != total - before:
+            sys.exit(f"{run_dir}: the recorded order does not add up to step {len(steps) + 1}'s trained tokens "
+                     "(one process, --logging_steps 1 and OPEN_SFT_RECORD_DATA_ORDER=1 are needed)")
+        steps.append(step)
+        before = total
+    return steps
+
+
+def compare_loss(argv: list[str]) -> None:
+    import argparse
+
+    import datasets
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    parser = argparse.ArgumentParser("benchmark_trl.py --compare_loss")
+    parser.add_argument("--compare_loss", required=True, metavar="RUN_DIR")
+    parser.add_argument("--trl_precision", choices=("fp32", "autocast", "bf16_weights"), default="fp32")
+    parser.add_argument("--out", help="a JSON file for both sides' per-step losses and grad norms")
+    args = parser.parse_args(argv)
+    run = json.load(open(f"{args.compare_loss}/run.json"))
+    train, model_args = run["args"]["train"], run["args"]["model"]
+    if run["args"]["lora"]["use_lora"] or run["schedule"]["warmup_steps"] or run["world_size"] != 1:
+        sys.exit("--compare_loss takes a one-process full fine-tune without warmup (TRL's warmup starts at lr 0 by "
+                 "design, README \"Batching, schedules and the loss\")")
+    rows = datasets.load_from_disk(run["dataset_cache_path"]).select_columns(["input_ids", "labels"])
+    steps = _step_examples(args.compare_loss, rows)
+    dtype = torch.bfloat16 if args.trl_precision == "bf16_weights" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_args["model_name_or_path"], dtype=dtype)
+    config = SFTConfig(output_dir="/tmp/benchmark_trl_compare", report_to="none", save_strategy="no", use_cpu=True,
+                       bf16=args.trl_precision != "fp32", max_length=None, logging_steps=1, max_steps=len(steps),
+                       learning_rate=train["learning_rate"], lr_scheduler_type=train["lr_scheduler_type"],
+                       warmup_steps=0, weight_decay=train["weight_decay"], max_grad_norm=train["clip_grad_norm"] or 0.0,
+                       seed=train["seed"], padding_free=train["packing"], dataloader_num_workers=0)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=rows,
+                         processing_class=AutoTokenizer.from_pretrained(model_args["model_name_or_path"]))
+    trainer.get_train_dataloader = lambda: DataLoader(rows, batch_sampler=steps, collate_fn=trainer.data_collator)
+    trainer.train()
+    theirs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    ours = [m for m in map(json.loads, open(f"{args.compare_loss}/metrics.jsonl")) if "loss" in m]
+    print(f"{'step':>4} {'open_sft':>12} {'TRL ' + args.trl_precision:>14} {'relative':>10}")
+    worst = 0.0
+    for m, entry in zip(ours, theirs):
+        relative = abs(m["loss"] - entry["loss"]) / abs(entry["loss"])
+        worst = max(worst, relative)
+        print(f"{m['step']:4d} {m['loss']:12.6f} {entry['loss']:14.6f} {relative:10.2e}")
+    print(f"largest relative loss difference over {len(theirs)} steps: {worst:.2e}")
+    if args.out:
+        json.dump({"open_sft": {"loss": [m["loss"] for m in ours], "grad_norm": [m["grad_norm"] for m in ours]},
+                   "trl": {"loss": [e["loss"] for e in theirs], "grad_norm": [e["grad_norm"] for e in theirs]},
+                   "trl_precision": args.trl_precision}, open(args.out, "w"))
+
+
 if __name__ == "__main__":
-    main()
+    if "--compare_loss" in sys.argv:
+        compare_loss(sys.argv[1:])
+    else:
+        main()
