@@ -21,7 +21,8 @@
 #
 # Signals: SIGUSR1/SIGTERM/SIGINT sent to this script go to the training processes (torchrun's workers),
 # which checkpoint and exit (finetune.py: code 75). The launcher ignores SIGUSR1, so a SLURM
-# `--signal=USR1@N` warning cannot kill it before the workers have saved. If the run ends non-zero
+# `--signal=USR1@N` warning cannot kill it before the workers have saved (SIGUSR1 in PET_SIGNALS_TO_HANDLE, which
+# would have torchrun handle it and kill the workers 30 s later, is dropped from it with a line saying so). If the run ends non-zero
 # after such a signal, this script exits 75 too: "preempted, resume from the newest checkpoint".
 #
 # Output: the run's own closing line (an error, the stop after a signal) comes last, after torchrun's summary.
@@ -106,6 +107,22 @@ if [ -z "${OMP_NUM_THREADS:-}" ] && [ "$per_machine" -gt 1 ]; then
     # shellcheck disable=SC2015  # a failed look-up leaves it unset: torchrun's default and banner, as before
     OMP_NUM_THREADS="$(cd "$ROOT" && python -c "from open_sft.distributed.env import threads_per_rank
 print(threads_per_rank($per_machine))")" && export OMP_NUM_THREADS || unset OMP_NUM_THREADS
+fi
+
+# torchrun handles the signals of PET_SIGNALS_TO_HANDLE (accelerate launch passes no --signals_to_handle): with SIGUSR1
+# among them it would take SIGUSR1 back from the `trap ''` below, forward it and SIGKILL the workers 30 s later, in
+# the middle of their checkpoint. This script forwards SIGUSR1 itself, so it is dropped from that list.
+if [[ ",${PET_SIGNALS_TO_HANDLE:-}," =~ ,[[:space:]]*SIGUSR1[[:space:]]*, ]]; then
+    kept=""
+    IFS=, read -ra handled <<< "$PET_SIGNALS_TO_HANDLE"
+    for name in "${handled[@]}"; do
+        [[ "$name" =~ ^[[:space:]]*SIGUSR1[[:space:]]*$ ]] || kept="${kept:+$kept,}$name"
+    done
+    now="${kept:-unset: torchrun default}"
+    echo "[launch_multinode] PET_SIGNALS_TO_HANDLE=$PET_SIGNALS_TO_HANDLE: SIGUSR1 dropped (now $now); this script" \
+         "forwards SIGUSR1 to the workers itself, where torchrun would kill them 30 s after it, before their" \
+         "checkpoint is written" >&2
+    if [ -n "$kept" ]; then export PET_SIGNALS_TO_HANDLE="$kept"; else unset PET_SIGNALS_TO_HANDLE; fi
 fi
 
 PREEMPTED_EXIT_CODE=75

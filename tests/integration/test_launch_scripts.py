@@ -119,6 +119,27 @@ def test_num_processes_counts_all_machines_and_no_gpu_means_one_process() -> Non
     assert bad.returncode == 2 and "--num_processes 3 must be a positive multiple of --num_machines 2" in bad.stderr
 
 
+@pytest.mark.parametrize("given, handed_on", [("SIGTERM, SIGUSR1,SIGINT", "SIGTERM,SIGINT"), ("SIGUSR1", "unset"),
+                                               ("SIGTERM,SIGUSR10", "SIGTERM,SIGUSR10")])
+def test_sigusr1_is_dropped_from_the_users_pet_signals_to_handle(tmp_path, given, handed_on) -> None:
+    """torchrun handles PET_SIGNALS_TO_HANDLE's signals (tests/unit/distributed/test_launcher_signals.py): with SIGUSR1
+    there, it replaced the script's `trap ''` with its handler, forwarded SIGUSR1 and killed the workers 30 s later,
+    mid-checkpoint. The script drops it, saying so once (an `accelerate` on PATH prints what it was given)."""
+    (tmp_path / "accelerate").write_text('#!/bin/sh\necho "PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE-unset}"\n')
+    (tmp_path / "accelerate").chmod(0o755)
+    env = script_env(PET_SIGNALS_TO_HANDLE=given)
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    result = subprocess.run(["bash", str(LAUNCH), "--", "--seed", "3"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"PET_SIGNALS_TO_HANDLE={handed_on}"
+    dropped = [line for line in result.stderr.splitlines() if "SIGUSR1 dropped" in line]
+    assert dropped == ([f"[launch_multinode] PET_SIGNALS_TO_HANDLE={given}: SIGUSR1 dropped (now "
+                        f"{handed_on if handed_on != 'unset' else 'unset: torchrun default'}); this script forwards "
+                        "SIGUSR1 to the workers itself, where torchrun would kill them 30 s after it, before their "
+                        "checkpoint is written"] if handed_on != given else [])
+
+
 def test_the_workers_exit_code_comes_through_torchrun(tiny_model_dir, tmp_path) -> None:
     """torchrun exits 1 whatever its workers' codes: the launcher hands on finetune.py's own 2 for bad input, and
     ends its output with the run's own error line, after torchrun's summary. Two processes and no OMP_NUM_THREADS:
