@@ -1,8 +1,10 @@
 """`finetune.py [run.yaml] --flag value ...` → a validated FinetuneConfig.
 
-The YAML (open_sft's or an open-instruct train config) gives defaults and flags override them. Flags may
-be abbreviated to any unambiguous prefix, as in open-instruct. Every mistake (unknown flag, ambiguous
-prefix, bad value, unknown YAML key) is a UserError naming the flag and the fix, never a traceback.
+The YAML (open_sft's or an open-instruct train config) gives defaults and flags override them. Flags are read
+whole, never as a prefix of another (argparse's allow_abbrev): a prefix that named one flag would name another, or
+none, once a flag is added (the OLMo-core flags made --config and --loss ambiguous), and `--lr 1e-4` was read as
+--lr_scheduler_type; open-instruct's own command lines write every flag whole. Every mistake (unknown flag, bad
+value, unknown YAML key) is a UserError naming the flag and the fix, never a traceback.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transformers.hf_argparser import string_to_bool
 
 from open_sft.config import olmo_core
 from open_sft.config import open_instruct as compat
-from open_sft.config.argv import abbreviations, explain_abbreviations, refuse_repeated_lists
+from open_sft.config.argv import refuse_repeated_lists
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
@@ -35,29 +37,24 @@ class _Parser(HfArgumentParser):
     """argparse reports mistakes by printing usage and exiting; here they become one `error:` line."""
 
     def error(self, message: str) -> NoReturn:
-        if message.startswith("ambiguous option"):
-            message += "; write the whole flag name"
         raise UserError(f"{message} (see python finetune.py --help)")
 
     def option_names(self) -> list[str]:
         return [name for action in self._actions for name in action.option_strings if name.startswith("--")]
 
-    def _get_option_tuples(self, option_string: str) -> list:
-        """Prefix matches, one per flag: a flag's spellings (--learning_rate, --learning-rate) are one flag, so a
-        prefix of both (--learn) is not ambiguous. (argparse counts spellings; each tuple starts with the action.)"""
-        seen, unique = set(), []
-        for match in super()._get_option_tuples(option_string):
-            if id(match[0]) not in seen:
-                seen.add(id(match[0]))
-                unique.append(match)
-        return unique
+    def flags_beginning(self, prefix: str) -> list[str]:
+        """The flags `prefix` begins, one name each (a flag's spellings --learning_rate, --learning-rate are one),
+        those --help shows: what a flag given shortened may have meant."""
+        return [next(name for name in action.option_strings if name.startswith("--"))
+                for action in self._actions if action.help != argparse.SUPPRESS
+                and any(name.startswith(prefix) for name in action.option_strings)]
 
 
 def _make_parser() -> _Parser:
     """HfArgumentParser turns each field's Literal type into argparse choices, so --help lists them; argparse
     would then refuse a bad value alone, before the other flags are read. The choices stay in the help and are
     judged in open_sft.config.checks with every other problem, all reported at once."""
-    parser = _Parser(DATACLASSES)
+    parser = _Parser(DATACLASSES, allow_abbrev=False)
     for action in list(parser._actions):
         if action.choices:
             action.metavar = "{" + ",".join(map(str, action.choices)) + "}"
@@ -112,6 +109,10 @@ def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -
     for flag in flags:
         close = difflib.get_close_matches(flag, parser.option_names(), n=1, cutoff=0.6)
         hint = FOREIGN_FLAGS.get(flag.replace("-", "_").lstrip("_"))
+        whole = parser.flags_beginning(flag) if flag.startswith("--") and len(flag) > 3 else []
+        if whole:  # given shortened: flags are read whole
+            meant = " or ".join(whole[:6]) + (f" (or {len(whole) - 6} more)" if len(whole) > 6 else "")
+            hint = f"{hint + '; ' if hint else ''}flags are not shortened: did you mean {meant}?"
         parts.append(f"{flag} ({hint})" if hint else f"{flag} (did you mean {close[0]}?)" if close else flag)
     return UserError(f"unknown flag {', '.join(parts)}; see python finetune.py --help")
 
@@ -144,6 +145,7 @@ FOREIGN_FLAGS = {
     "completion_only_loss": "use --train_on all_assistant (the default) or last_assistant",
     "logging_dir": "tracker logs go under --output_dir (tensorboard/)",
     "lr": "for the learning rate, use --learning_rate",
+    "config": "a run config is a YAML file given first: python finetune.py run.yaml --flag value ...",
     "dataset_train_split": "use --dataset_mixer_list_splits: one split per source, e.g. train",
     "dataset_test_split": "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits: e.g. test",
 }
@@ -306,10 +308,7 @@ def parse_config(argv: list[str], check_data_files: bool = False) -> FinetuneCon
     line's parse) names a local data file that does not exist with the other problems."""
     parser = _make_parser()
     refuse_repeated_lists(parser, argv)
-    try:
-        return _parse(parser, argv, check_data_files)
-    except UserError as exc:
-        raise explain_abbreviations(exc, abbreviations(parser, argv), FOREIGN_FLAGS) from None
+    return _parse(parser, argv, check_data_files)
 
 
 def _parse(parser: _Parser, argv: list[str], check_data_files: bool = False) -> FinetuneConfig:

@@ -88,10 +88,10 @@ def test_given_flags_win_over_the_yaml_with_one_line_each() -> None:
     assert result.deepspeed_config["gradient_accumulation_steps"] == "auto"
 
 
-def test_flag_prefix_and_run_yaml_count_as_given(tmp_path) -> None:
+def test_flag_spelling_and_run_yaml_count_as_given(tmp_path) -> None:
     run_yaml = tmp_path / "run.yaml"
     run_yaml.write_text("model_name_or_path: m\ndataset_mixer_list: [d.jsonl, '1.0']\nclip_grad_norm: 2.0\n")
-    config = parse_config([str(run_yaml), "--gradient_accum", "3"])
+    config = parse_config([str(run_yaml), "--gradient-accumulation-steps", "3"])
     assert {"clip_grad_norm", "gradient_accumulation_steps"} <= config.explicit
     assert "learning_rate" not in config.explicit
     result = plan_launch(config.train, config.model, config.explicit, lambda: DtypeChoice(torch.float32, "x"),

@@ -171,13 +171,25 @@ def test_flags_of_other_trainers_name_open_sfts_own(flag, hint, tmp_path) -> Non
         parse_config([str(tmp_path / "run.yaml")] + BASE)
 
 
-def test_a_prefix_of_one_flags_two_spellings_is_that_flag() -> None:
-    """--learn is a prefix of --learning_rate and of its spelling --learning-rate: one flag, not an ambiguity."""
-    assert parse_config(BASE + ["--learn", "3e-4"]).train.learning_rate == 3e-4
-    with pytest.raises(UserError, match="ambiguous option: --lo"):  # --logging_steps, --lora_rank, ...: ambiguous
-        parse_config(BASE + ["--lo", "1"])
-    with pytest.raises(UserError, match=r"unknown flag --learning_rat3 \(did you mean --learning_rate\?\)"):
-        parse_config(BASE + ["--learning_rat3", "1"])
+@pytest.mark.parametrize("given, said", [
+    ("--learn", "--learn (flags are not shortened: did you mean --learning_rate?)"),  # either spelling: one flag
+    ("--learning-r", "--learning-r (flags are not shortened: did you mean --learning_rate?)"),
+    ("--loss", "--loss (flags are not shortened: did you mean --loss_normalization or --loss_implementation?)"),
+    ("--config", "--config (a run config is a YAML file given first: python finetune.py run.yaml --flag value ...; "
+                 "flags are not shortened: did you mean --config_name or --config_hash?)"),
+    ("--lr", "--lr (for the learning rate, use --learning_rate; flags are not shortened: did you mean "
+             "--lr_scheduler_type?)"),
+    ("--learning_rat3", "--learning_rat3 (did you mean --learning_rate?)"),
+])
+def test_a_flag_given_shortened_is_unknown_naming_the_flags_it_begins(given, said) -> None:
+    """Flags are read whole: a prefix named one flag until a flag was added (the OLMo-core flags made --config and
+    --loss ambiguous: argparse's "could match" error), or named another than meant (`--lr 1e-4` was read as
+    --lr_scheduler_type). Now one unknown-flag error naming the flags it begins; whole flags read as before."""
+    with pytest.raises(UserError) as refused:
+        parse_config(BASE + [given, "1"])
+    assert str(refused.value) == f"unknown flag {said}; see python finetune.py --help"
+    config = parse_config(BASE + ["--learning_rate", "3e-4", "--learning-rate=4e-4", "--config_name", "c"])
+    assert config.train.learning_rate == 4e-4 and config.model.config_name == "c"
 
 
 @pytest.mark.parametrize("args, said", [
