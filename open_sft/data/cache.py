@@ -80,8 +80,9 @@ logger = logging.getLogger(__name__)
 # 4's after tool_responses) trains without it; 31: a trace in the content in the template's own block, which it would
 # write after its own (Kimi-K2-Thinking's), is the turn's trace, written once; 32: a template closing every message
 # with a separator that a call turn also writes before its call (GigaChat3's <|message_sep|>) has its turns end with
-# eos in the separator's place (its call turns were bad rows)
-CACHE_FORMAT_VERSION = 32
+# eos in the separator's place (its call turns were bad rows); 33: text a template writes in an assistant message from
+# a field the model does not write (Gemma 4's tool_responses) is context past the token opening it, where the turn stops
+CACHE_FORMAT_VERSION = 33
 COMPLETE = "COMPLETE"
 
 

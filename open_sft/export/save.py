@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from open_sft.data.chat.foreign_fields import message_fields
 from open_sft.data.chat.render import renderer_for, special_markers
 from open_sft.data.chat.templates import is_builtin_template
 from open_sft.data.chat.turn_enders import turn_enders
@@ -59,7 +60,7 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
         return ids
     history_trains = is_builtin_template(tokenizer.chat_template)  # what group_turns trains (strict=False)
     for token in turn_enders(renderer_for(tokenizer), special_markers(tokenizer), tokenizer.eos_token,
-                             history_trains).stops:
+                             history_trains, message_fields(tokenizer.chat_template)).stops:
         token_id = tokenizer.convert_tokens_to_ids(token)
         if isinstance(token_id, int) and token_id not in ids:
             ids.append(token_id)

@@ -25,6 +25,7 @@ from open_sft.data.chat import render
 from open_sft.data.chat.call_ids import check_call_ids
 from open_sft.data.chat.content_place import end_of_turn_length, marked_place, prefix_place
 from open_sft.data.chat.emptied_trace import inline_moved
+from open_sft.data.chat.foreign_fields import around, message_fields
 from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
                                          trace_of, with_reasoning_aliases)
@@ -74,7 +75,8 @@ def _trained_indices(messages: Messages, train_on: str) -> list[int]:
 
 def _enders(state: TemplateState, tokenizer: PreTrainedTokenizerBase, markers: tuple[str, ...]) -> TurnEnders:
     if markers not in state.enders:
-        state.enders[markers] = turn_enders(state.draw, markers, tokenizer.eos_token)
+        state.enders[markers] = turn_enders(state.draw, markers, tokenizer.eos_token,
+                                            fields=message_fields(state.source))
     return state.enders[markers]
 
 
@@ -279,8 +281,9 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     for example in examples:
         spans: list[tuple[int, int]] = []
         for i, span in example.turns:
-            spans += masked(span, example.text, trace_of(messages[i])) if options.reasoning_loss == "mask" \
-                else [span]
+            for piece in around(span, turns[i].hole):  # a tool's output written in the turn is context
+                spans += masked(piece, example.text, trace_of(messages[i])) if options.reasoning_loss == "mask" \
+                    else [piece]
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
                      reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed,

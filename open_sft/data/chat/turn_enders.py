@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from open_sft.data.chat.elements import closes_one_of, opened
 from open_sft.data.chat.emptied_trace import doubles_inline, trace_block
+from open_sft.data.chat.foreign_fields import openers
 from open_sft.data.chat.opened_trace import shared_opening
 from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call, probe_result
 from open_sft.data.chat.turns import last_marker_end
@@ -49,6 +50,10 @@ class TurnEnders:
     # (GigaChat3's <|message_sep|>: `text<|message_sep|>\n\nfunction call<|role_sep|>\n{...}`), so the model goes
     # on after it and stops with eos, which a turn written as the last message ends with in its place
     eos_in_place: tuple[str, str] = ("", "")
+    # (fields, tokens): what the template reads off an assistant message that the model does not write (Gemma 4's
+    # tool_responses) and the token it opens that text with inside the turn (<|tool_response>), which the model stops
+    # at (foreign_fields.py); ((), ()): none
+    foreign: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
     def as_generated(self, target: str) -> str:
         """`target` (a turn the template writes as the last message) as the model generates it: ending with eos
@@ -130,13 +135,15 @@ def _first(text: str, tokens: tuple[str, ...]) -> Optional[str]:
 
 
 def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
-                history_trains: bool = False) -> TurnEnders:
+                history_trains: bool = False, fields: tuple[str, ...] = ()) -> TurnEnders:
     """The tokens this template ends assistant turns with, from probe conversations: those it writes after
     an answer that is the last message; the first it writes after an answer that a user message follows,
     and after a tool call (the last message, or before the tool's result). A probe the template refuses
     (a template without tool calls) tells nothing. `history_trains`: turns in history train with the token
     that closes them there (open_sft's own templates, group_turns' strict=False: OLMo's <|im_end|>, where
-    the last turn ends with eos), so that token is a stop too."""
+    the last turn ends with eos), so that token is a stop too. `fields`: what the template reads off a message that
+    the model does not write (foreign_fields.message_fields); the token it opens such text with in a call turn is a
+    stop too."""
     found: list[str] = [eos] if eos else []
     stops: list[str] = list(found)
     follows, inside = {}, []
@@ -178,10 +185,14 @@ def turn_enders(draw: Draw, markers: tuple[str, ...], eos: Optional[str],
                 stops.append(first)
     if inside and eos:
         stops = [token for token in stops if token not in inside]
+    opening = openers(draw, fields, markers, eos)
+    for token in opening:
+        add(token)
+        stops.append(token)
     block = trace_block(draw)
     return TurnEnders(tuple(sorted(found, key=len, reverse=True)), follows.get("answer", ""), follows.get("call", ""),
                       tuple(dict.fromkeys(stops)), block, turn_header(draw), doubles_inline(draw, block),
-                      (inside[0], eos) if inside and eos else ("", ""))
+                      (inside[0], eos) if inside and eos else ("", ""), (fields, opening) if opening else ((), ()))
 
 
 def turn_header(draw: Draw) -> str:

@@ -26,6 +26,7 @@ from typing import Optional
 
 from open_sft.data.chat.elements import closed_block
 from open_sft.data.chat.emptied_trace import filled_turn
+from open_sft.data.chat.foreign_fields import Span, context_hole
 from open_sft.data.chat.opened_trace import opened_turn, shared_opening
 from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
@@ -50,6 +51,7 @@ class Turn:
     reasoning_closed: bool = False
     reasoning_opened: bool = False  # the prompt opens a think block the template leaves out (opened_trace.py)
     reasoning_filled: bool = False  # the template writes the turn's think block empty (emptied_trace.py)
+    hole: Optional[Span] = None  # [start, end) in `target`: text of a field not the model's, context (foreign_fields)
 
 
 def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders,
@@ -60,7 +62,9 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
     parity). A turn whose rendering opens with the header a generation prompt writes elsewhere (`enders.header`)
     where its own generation prompt leaves that header out (Gemma 4's after a tool response, `<tool_response|>`, ends
     with no `<|turn>model\n`: the model goes on in the turn it called from) trains without it: the model never
-    writes it."""
+    writes it. Text the template writes in the turn from a field that is not the model's (Gemma 4's tool_responses)
+    is context past the token that opens it (`hole`): the turn ends at that token where nothing follows the text,
+    and what follows it trains as a run of its own (foreign_fields.py)."""
     where = f"message {i + 1} (assistant)"
     if i == 0:
         raise RowError(f"{where}: the conversation opens with this assistant turn, which has no context to "
@@ -85,12 +89,14 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
         target = target[len(enders.header):]
     filled = None if closed or opened or not opens else filled_turn(messages[i], target, enders.trace_block)
     target = enders.as_generated(filled or target)
-    end = enders.turn_end(target)
-    if not enders.generable(target[:end] if end else target):
+    hole = context_hole(draw, messages, tools, i, target, enders.foreign)
+    end = hole[0] if hole and not target[hole[1]:].strip() else enders.turn_end(target)
+    written = target[:end] if end else target
+    if not all(enders.generable(run) for run in ([written[: hole[0]], written[hole[1]:]] if hole else [written])):
         prompt, target = _as_in_history(draw, messages, tools, i, enders)
-        end = enders.turn_end(target)
+        end, hole = enders.turn_end(target), None
     core = enders.stripped(target[:end]) if end else target.rstrip()
-    return Turn(i, prompt, target, end, core, closed, opened, filled is not None)
+    return Turn(i, prompt, target, end, core, closed, opened, filled is not None, hole)
 
 
 def _as_in_history(draw: Draw, messages: Messages, tools: Optional[list], i: int, enders: TurnEnders

@@ -204,20 +204,69 @@ def test_gemma4_a_turn_after_a_tool_response_trains_without_the_header_its_promp
         contexts = [tokenizer.apply_chat_template(messages[:k], tools=TOOLS, add_generation_prompt=True,
                                                   tokenize=False, **kwargs) for k in (1, 2, 3)]
         assert contexts[2].endswith("<|tool_response>response:get_weather{temp_c:2}<tool_response|>" + opening)
-        assert [before for before, _ in runs] == contexts
+        assert sorted(before for before, _ in runs) == sorted(contexts)  # (in the examples' order)
         assert [run[:12] for _, run in runs[:2]] == ["<|tool_call>", "<|tool_call>"]  # not <|turn>model
-        assert runs[2][1] == "Bern 5, Chur 2.<turn|>"
+        assert runs[2] == (contexts[2], "Bern 5, Chur 2.<turn|>")
         history = tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False, **kwargs)
         assert history.endswith("<tool_response|><|turn>model\nBern 5, Chur 2.<turn|>\n")  # what trained before
         last = examples[-1]  # its labels: the answer's tokens right after the context's, nothing else
         at = [k for k, label in enumerate(last.labels) if label != IGNORE_INDEX]
-        assert at == list(range(at[0], at[-1] + 1))
+        at = at[next(n for n in range(len(at)) if at[n:] == list(range(at[n], at[-1] + 1))):]  # its last run
         assert tokenizer.decode(last.input_ids[: at[0]]) == contexts[2]
         assert [last.input_ids[k] for k in at] == [last.labels[k] for k in at]
         assert tokenizer.decode([last.labels[k] for k in at]) == "Bern 5, Chur 2.<turn|>"
         assert tokenizer.decode(last.input_ids[at[-1] + 1:]) == "\n"
         assert report.rows_kept == 1 and not report.dropped
 
+
+
+def test_gemma4_a_tool_response_in_the_calling_message_is_context_and_the_call_stops_at_its_opening(
+        tiny_model_dir, tmp_path) -> None:
+    """Gemma 4's own form writes a call's results (`tool_responses`, a field the model does not write) inside the
+    calling turn: `<|tool_call>…<tool_call|><|tool_response>response:get_weather{temp_c:5}<tool_response|>`. The model
+    writes its call and stops at `<|tool_response>` (in Gemma 4's generation_config eos ids); the engine writes the
+    response. The call turn trained the tool's output as the model's, and in the merged form (call, responses and
+    answer in one message) in the middle of the turn. Now the call trains through `<|tool_response>`, the response is
+    context, the answer after it a run of its own, and the exported stops hold `<|tool_response>`."""
+    from open_sft.export.save import end_of_turn_ids
+
+    tokenizer = gemma4_tokenizer(tiny_model_dir)
+    responses = [{"name": "get_weather", "response": {"temp_c": 5}}]
+    bern = call("get_weather", {"city": "Bern"}, 1)
+    split = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Bern?"},
+        {"role": "assistant", "content": "", "tool_calls": [bern], "tool_responses": responses},
+        {"role": "assistant", "content": "Bern 5."}]}
+    merged = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Bern?"},
+        {"role": "assistant", "content": "Bern 5.", "tool_calls": [bern], "tool_responses": responses}]}
+    the_call = '<|tool_call>call:get_weather{city:<|"|>Bern<|"|>}<tool_call|><|tool_response>'
+    response = "response:get_weather{temp_c:5}<tool_response|>"
+    for name, row in (("split", split), ("merged", merged)):
+        (tmp_path / name).mkdir()
+        examples, (report,) = build(tokenizer, tmp_path / name, [row])
+        runs = trained_runs(tokenizer, examples)
+        messages = to_messages(row, "messages")
+        prompt = tokenizer.apply_chat_template(messages[:1], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+        assert [run for _, run in runs] == [the_call, "Bern 5.<turn|>"]
+        assert runs[0][0] == prompt
+        if name == "split":  # the context of the answer: the call and its response as history writes them
+            after = tokenizer.apply_chat_template(messages[:2], tools=TOOLS, add_generation_prompt=True,
+                                                  tokenize=False)
+            assert after.endswith(the_call + response + "<|channel>thought\n<channel|>")
+        else:  # the turn as the template writes it after the call's context, the answer after the response
+            after = prompt + the_call + response
+            assert tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=False, tokenize=False
+                                                 ).endswith("<|turn>model\n" + the_call + response + "Bern 5.<turn|>\n")
+        assert runs[1][0] == after
+        first = examples[0]  # the call's example: the response in its text, not trained
+        ignored = [token for token, label in zip(first.input_ids, first.labels) if label == IGNORE_INDEX]
+        trained = [token for token, label in zip(first.input_ids, first.labels) if label != IGNORE_INDEX]
+        assert response in tokenizer.decode(first.input_ids) and response in tokenizer.decode(ignored)
+        assert tokenizer.decode(trained) == the_call + ("Bern 5.<turn|>" if name == "merged" else "")
+        assert len(examples) == (2 if name == "split" else 1)
+        assert report.rows_kept == 1 and not report.dropped
+    assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<turn|>", "<|tool_response>"])
 
 # The shape of StepFun3.7-Flash's template (llama.cpp models/templates/StepFun3.7-Flash.jinja; Qwen3-Coder's call
 # layout): ChatML turns; an assistant turn after the last user turn writes `<think>\n{trace}\n</think>\n`, earlier
