@@ -353,3 +353,17 @@ def test_gigachat3_call_turns_train_through_eos_and_read_back(tiny_model_dir, tm
     assert split_calls(tokenizer, "Let me check." + reply, TOOLS) == (
         "Let me check.", [{"name": "get_weather", "arguments": {"city": "Bern"}}])
     assert split_calls(tokenizer, reply[:-3], TOOLS) == (reply[:-3], [])  # cut off: shown as written
+
+
+def test_the_fields_a_template_reads_off_a_message_beside_the_models_own() -> None:
+    """What foreign_fields probes: the keys a template reads off a message other than role, content, calls, a trace
+    and a tool message's name and id (Gemma 4's tool_responses); none for Qwen3's, nor for a template that does not
+    parse; transformers' own {% generation %} tag does not stop the reading."""
+    from open_sft.data.chat.foreign_fields import message_fields
+
+    assert message_fields((TEMPLATES / "gemma4.jinja").read_text()) == ("tool_responses",)
+    assert message_fields((TEMPLATES / "qwen3.jinja").read_text()) == ()
+    assert message_fields("{% for m in messages %}{{ m['content'] }}{{ m.weight }}{% endfor %}") == ("weight",)
+    assert message_fields("{% for m in messages %}{% generation %}{{ m['extra'] }}{% endgeneration %}{% endfor %}"
+                          ) == ("extra",)
+    assert message_fields("{% if %}") == ()
