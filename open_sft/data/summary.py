@@ -53,10 +53,11 @@ _NOTES = {
                                   "Hermes-style rows give them) which the chat template writes around every tool "
                                   "result again, so the context doubles them, as the model never sees it at "
                                   "inference; remove those tags from the tool messages' content",
-    "reasoning_opened_by_prompt": "have assistant turns whose generation prompt opens a think block (<think>) that "
-                                  "the chat template leaves out of what it writes for the turn (DeepSeek-R1 "
-                                  "distills', QwQ's): each trains what the model writes there, its trace (an empty "
-                                  "one where the row has none), </think>, the answer and the end of the turn, after "
+    "reasoning_opened_by_prompt": "have assistant turns whose generation prompt opens a think block (<think>), or "
+                                  "the trace with words (Apriel-1.6's 'Here are my reasoning steps:'), that the chat "
+                                  "template leaves out of what it writes for the turn (DeepSeek-R1 distills', QwQ's): "
+                                  "each trains what the model writes there, its trace (an empty one where the row has "
+                                  "none), its closer (</think>), the answer and the end of the turn, after "
                                   "that prompt; the earlier turns stay in its context as the template writes history "
                                   "(without their traces), as the model sees them at inference",
     "reasoning_block_filled": "have assistant turns whose trace the chat template leaves out of the think block it "

@@ -26,17 +26,27 @@ then that text) is its rendering of the row: it writes the generated turn in his
 Turns that write tool calls keep the context their rendering shares with the prompt (turn_render's
 `_turn_after_rewritten_history`), and open-instruct's templates (`tulu_thinker_r1_style`, which keeps only the answer)
 are left as open-instruct trains them: the caller asks only where neither holds.
+
+A generation prompt may open the trace with words instead of a tag: Apriel-1.6's ends `<|begin_assistant|>\nHere are
+my reasoning steps:\n`, and its rendering of the turn writes the trace (then `\n[BEGIN FINAL RESPONSE]\n` and the
+answer) where those words stand, without them. Read off the template (`worded_turn`): the prompt's words past what
+the turn shares with it hold no tag, and the turn rendered with a trace writes it right there. The turn trains what
+the template writes for it there, after the whole prompt; a turn without a trace (an answer, a call) trains an empty
+one closed as the template closes a trace (`\n[BEGIN FINAL RESPONSE]\n`, read off the turn rendered with a probe
+trace), for the model has to close the trace the prompt opened.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from typing import Callable, Optional
 
-from open_sft.data.chat.reasoning import after_trace, reasoning_of
+from open_sft.data.chat.reasoning import REASONING_KEYS, after_trace, reasoning_of
 
 _OPENING = re.compile(r"<([A-Za-z_][\w-]*)>(\s*)")  # one tag opened, then whitespace: "<think>\n"
+_TAG = re.compile(r"<[^<>]*>|\[[^\[\]]*\]")  # a tag or a bracketed token: <think>, [THINK]
+_PROBE_TRACE = "probe trace"
 
 
 def shared_opening(opening: str, turn: str) -> int:
@@ -95,3 +105,30 @@ def _as_opened(trace: str, space: str, closer: str) -> str:
     """A trace given apart from the content (or none), closed as the prompt opened its block: the opening's
     whitespace before the closer, twice that after it."""
     return trace.strip() + space + closer + space * 2
+
+
+def worded_turn(draw: Callable, messages: list, tools: Optional[list], i: int, prompt: str, bare: str,
+                through: str) -> Optional[str]:
+    """What the model writes after the generation prompt `prompt` for assistant message i where that prompt opens the
+    trace with words the template's rendering of the turn leaves out (module doc: Apriel-1.6's `Here are my reasoning
+    steps:\n`): the turn as the template writes it past what it shares with the prompt, an empty trace closed first
+    where the message has none; None where that is not so."""
+    if not (prompt.startswith(bare) and through.startswith(bare)):
+        return None
+    opening, turn = prompt[len(bare):], through[len(bare):]
+    shared = shared_opening(opening, turn)
+    words, written = opening[shared:], turn[shared:]
+    if not words.strip() or _TAG.search(words) or written.startswith(words):
+        return None
+    message = messages[i]
+    trace = reasoning_of(message).strip()
+    probe = {**{k: v for k, v in message.items() if k not in REASONING_KEYS},
+             "reasoning_content": trace or _PROBE_TRACE, "thinking": trace or _PROBE_TRACE}
+    probed = draw([*messages[:i], probe], False, tools)
+    if not probed.startswith(bare + turn[:shared]) or not probed.startswith(trace or _PROBE_TRACE, len(bare) + shared):
+        return None  # the template writes no trace where the prompt's words stand
+    probed = probed[len(bare) + shared + len(trace or _PROBE_TRACE):]
+    if trace or not probed.endswith(written):
+        return written if trace else None
+    closer = probed[: len(probed) - len(written)]
+    return written if not closer.strip() or closer.strip() in written else closer + written

@@ -27,7 +27,7 @@ from typing import Optional
 from open_sft.data.chat.elements import closed_block
 from open_sft.data.chat.emptied_trace import filled_turn
 from open_sft.data.chat.foreign_fields import Span, context_hole
-from open_sft.data.chat.opened_trace import opened_turn, shared_opening
+from open_sft.data.chat.opened_trace import opened_turn, shared_opening, worded_turn
 from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
 from open_sft.data.chat.turns import call_written
@@ -49,7 +49,7 @@ class Turn:
     end: int
     core: str
     reasoning_closed: bool = False
-    reasoning_opened: bool = False  # the prompt opens a think block the template leaves out (opened_trace.py)
+    reasoning_opened: bool = False  # the prompt opens a trace (<think>, words) the template leaves out (opened_trace.py)
     reasoning_filled: bool = False  # the template writes the turn's think block empty (emptied_trace.py)
     hole: Optional[Span] = None  # [start, end) in `target`: text of a field not the model's, context (foreign_fields)
 
@@ -79,7 +79,8 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
         target = through[len(prompt):]
     else:
         bare = draw(messages[:i], False, tools)
-        target = opened_turn(messages[i], prompt, bare, through) if opens else None
+        target = (opened_turn(messages[i], prompt, bare, through)
+                  or worded_turn(draw, messages, tools, i, prompt, bare, through)) if opens else None
         opened = target is not None
         if not opened:
             prompt, target = _turn_after_rewritten_history(prompt, through, bare, messages[i - 1].get("content"))
