@@ -114,15 +114,26 @@ def schema_key_hint(problem: str, tools: Optional[list]) -> str:
     return f"; each tool schema needs '{key}' under this template (without it: {', '.join(map(str, lacking))})"
 
 
-def _guarded(draw: Renderer) -> Renderer:
+def _guarded(draw: Renderer, source: str = "") -> Renderer:
     """The renderer, with any failure of the template raised as the row's error (reason template_error)
     rather than a crash of the whole build: raise_exception on a role it has no turn for, turns that do
-    not alternate, a variable it assumes (a tool-use template iterating `tools` the row does not have)."""
+    not alternate, a variable it assumes (a tool-use template iterating `tools` the row does not have).
+    A template that assigns to a message's or tool's attribute (`source`, its text) is named so
+    (template_not_jinja2)."""
     def guarded(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
         try:
             return draw(messages, add_generation_prompt, tools)
         except Exception as exc:
             problem = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+            assigned = attribute_assignment(source) if "non-namespace object" in problem else ""
+            if assigned:
+                raise RowError(f"the chat template assigns to an attribute of an object that is no namespace "
+                               f"({assigned}), which llama.cpp's template engine allows and Jinja2, which "
+                               "transformers renders chat templates with (apply_chat_template, vLLM too), refuses "
+                               f"({problem}): the row is fine, this form of the template does not run under "
+                               "Jinja2. Give a form written for Jinja2 (the model repository's own, or one that keeps "
+                               "such values in a {% set ns = namespace(...) %}) with --chat_template_path",
+                               "template_not_jinja2") from None
             problem += schema_key_hint(problem, tools)
             if not tools and _renders_with_tools(draw, messages, add_generation_prompt):
                 raise RowError(f"the chat template cannot render a conversation without tools ({problem}; it renders "
@@ -135,6 +146,22 @@ def _guarded(draw: Renderer) -> Renderer:
                            "template with --chat_template_name or --chat_template_path, or skip such rows with "
                            "--on_bad_row drop", "template_error") from None
     return guarded
+
+
+_ATTRIBUTE_SET = re.compile(r"{%-?\s*set\s+(\w+)\.(\w+)\s*=")  # {% set message.tool_calls = ... %}
+
+
+def attribute_assignment(source: str) -> str:
+    """The first statement of template `source` that assigns to an attribute of a name it never makes a namespace,
+    with its line and how many more there are (`{% set tool.mt_visited = … %} (line 96; 6 more)`, as llama.cpp's form
+    of MiroThinker-v1's writes them), "" if none."""
+    found = [(f"{{% set {m.group(1)}.{m.group(2)} = … %}}", source.count("\n", 0, m.start()) + 1)
+             for m in _ATTRIBUTE_SET.finditer(source)
+             if not re.search(r"set\s+" + m.group(1) + r"\s*=\s*namespace\(", source)]
+    if not found:
+        return ""
+    (statement, line), more = found[0], len(found) - 1
+    return f"{statement} (line {line}{f'; {more} more' if more else ''})"
 
 
 def _renders_with_tools(draw: Renderer, messages: Messages, add_generation_prompt: bool) -> bool:
@@ -185,7 +212,8 @@ def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DE
     if cached is None:
         kwargs = options.kwargs()
         cached = TemplateState(tokenizer.chat_template, _guarded(_direct_renderer(tokenizer, kwargs)
-                                                             or _public_renderer(tokenizer, kwargs)))
+                                                             or _public_renderer(tokenizer, kwargs),
+                                                             tokenizer.chat_template))
         cached.builtin = is_builtin_template(tokenizer.chat_template)
         cached.generation_tags = has_generation_tags(tokenizer.chat_template)
         contents = content_writing(tokenizer.chat_template)

@@ -1,7 +1,7 @@
 """Labels under chat-template shapes found in real models' templates (each written here in a few lines,
 in the style of the original): a final turn written after an empty think block (Qwen3), eos only after
-the final turn (Phi-3), a conversation that opens with the assistant, and a tool-use template that
-assumes a `tools` list. Trained tokens are checked by decoding them, on the layout path (the row's
+the final turn (Phi-3), a conversation that opens with the assistant, a tool-use template that
+assumes a `tools` list, and one that assigns to a message's attribute (llama.cpp's MiroThinker-v1 form). Trained tokens are checked by decoding them, on the layout path (the row's
 shape rendered once with placeholders) and on the per-row path (a row with tools, which has no layout)."""
 
 from __future__ import annotations
@@ -186,6 +186,32 @@ def test_a_template_that_fails_on_a_row_makes_it_a_bad_row(tokenizer, tmp_path) 
         build_examples(DataArguments(**args), tokenizer, 0)
     examples, reports = build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
     assert len(examples) == 2 and dict(reports[0].dropped) == {"template_needs_tools": 1}
+
+
+ASSIGNS_ATTRIBUTE = (  # the shape of llama.cpp's MiroThinker-v1.jinja: it sets attributes of messages
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}\n{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}\n"
+    "{%- set ns = namespace(seen=0) %}{%- set ns.seen = 1 %}\n"
+    "{%- for message in messages %}{%- if message.role == 'assistant' %}{%- set message.tool_calls = [] %}"
+    "{%- endif %}{%- endfor %}")
+
+
+def test_a_template_that_assigns_to_a_message_attribute_names_the_statement(tokenizer, tmp_path) -> None:
+    """Jinja2 (transformers) refuses `{% set message.x = … %}`, which llama.cpp's engine runs: every row failed with
+    'fix the row'. The error names the statement and its line, says the row is fine and how to give a Jinja2 form;
+    under --on_bad_row drop such rows count as template_not_jinja2."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"messages": chat("Hi", "Hello!")}) + "\n")
+    tokenizer.chat_template = ASSIGNS_ATTRIBUTE
+    args = dict(dataset_mixer_list=[str(data), "1.0"])
+    with pytest.raises(UserError) as raised:
+        build_examples(DataArguments(**args), tokenizer, 0)
+    message = str(raised.value)
+    assert "rows.jsonl line 1: the chat template assigns to an attribute" in message
+    assert "{% set message.tool_calls = … %} (line 4)" in message and "the row is fine" in message
+    assert "ns.seen" not in message and "--chat_template_path" in message
+    with pytest.raises(UserError, match="template_not_jinja2 1"):
+        build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
 
 
 def test_a_content_written_twice_by_a_content_reading_template_trains_all_it_writes(tokenizer) -> None:
