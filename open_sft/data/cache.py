@@ -82,8 +82,8 @@ logger = logging.getLogger(__name__)
 # with a separator that a call turn also writes before its call (GigaChat3's <|message_sep|>) has its turns end with
 # eos in the separator's place (its call turns were bad rows); 33: text a template writes in an assistant message from
 # a field the model does not write (Gemma 4's tool_responses) is context past the token opening it, where the turn
-# stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the turn's
-# whole context, an empty trace closed where none
+# stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the
+# turn's whole context, an empty trace closed where none
 CACHE_FORMAT_VERSION = 34
 COMPLETE = "COMPLETE"
 
