@@ -13,6 +13,10 @@
   torch's pytree that torchao registers enums it no longer needs to: none of it touches FP8 training, whose matmul
   is torch's own. Those lines, and only those, are dropped.
 - huggingface_hub's "Model weights successfully saved to" names an export's staging directory, gone after it.
+- accelerate's "Removed shared tensor {'lm_head.weight'} while saving ... check by verifying that you don't receive
+  any warning while reloading", at every checkpoint of a model with tied embeddings (Qwen3 0.6B, Llama 3.2 1B,
+  Gemma 3, SmolLM3) under one process or DDP: safetensors stores a tied tensor once, and the resume and
+  `open_sft export` that read the checkpoint tie it again (resume after a kill tested bitwise on such a model).
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ IMPORT_NOISE = {"torchao": _DropLines("Failed to load "),
 # staging directory an export writes through (open_sft.export.save.staged_export), which is renamed away after it:
 # the export's own line names where the model is
 STAGED_SAVE = _DropLines("Model weights successfully saved to ")
+# accelerate's save_state drops the alias of a tied tensor (lm_head.weight of tied embeddings) and asks the user to
+# check the reload: open_sft's resume and export do the reload, and tie it again
+SAVE_NOISE = {"accelerate.utils.other": _DropLines("Removed shared tensor ")}
 
 
 def quiet_kernel_fetch() -> None:
@@ -99,7 +106,7 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
     quiet_kernel_fetch()
     import huggingface_hub.serialization._torch as hub_torch  # it logs by its file's path (getLogger(__file__))
 
-    for name, drop in {**IMPORT_NOISE, hub_torch.__file__: STAGED_SAVE}.items():
+    for name, drop in {**IMPORT_NOISE, **SAVE_NOISE, hub_torch.__file__: STAGED_SAVE}.items():
         if drop not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop)
     if qlora and importlib.util.find_spec("kernels") is None:

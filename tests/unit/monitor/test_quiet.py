@@ -82,3 +82,35 @@ def test_the_staging_directory_of_an_export_is_not_named_as_where_the_model_is(t
         save_torch_state_dict({"w": torch.zeros(2)}, tmp_path / ".export.tmp")
     assert (tmp_path / ".export.tmp" / "model.safetensors").is_file()
     assert not [r.getMessage() for r in caplog.records if ".export.tmp" in r.getMessage()]
+
+
+def test_a_tied_lm_head_dropped_at_a_checkpoint_is_not_reported_and_comes_back_on_reload(tmp_path, caplog) -> None:
+    """accelerate logged "Removed shared tensor {'lm_head.weight'} while saving. This should be OK, but check by
+    verifying that you don't receive any warning while reloading" at every checkpoint of a model with tied embeddings
+    (a SmolLM3 run, one process). The tensor is stored once and the reload ties it again, so the line goes; what is
+    saved does not change."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils.other import clean_state_dict_for_safetensors
+    from safetensors.torch import load_model, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    quiet.quiet_third_parties(False, terminal=True)
+    PartialState()  # accelerate's logger asks for it (one process: no process group)
+    try:
+        with caplog.at_level(logging.INFO):
+            state = clean_state_dict_for_safetensors(model.state_dict())
+    finally:
+        PartialState._reset_state()
+    assert "lm_head.weight" not in state and "model.embed_tokens.weight" in state
+    assert not [r.getMessage() for r in caplog.records if "shared tensor" in r.getMessage()]
+    save_file(state, tmp_path / "model.safetensors")
+    torch.manual_seed(1)
+    reloaded = LlamaForCausalLM(config)
+    load_model(reloaded, tmp_path / "model.safetensors")
+    assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
