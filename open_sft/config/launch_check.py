@@ -24,6 +24,10 @@ QLORA_UNDER_DEEPSPEED = (
     "4-bit weights (with their quantization state) cannot be partitioned or cast. Run QLoRA in one process (python "
     "finetune.py ...) or with DDP (accelerate launch --multi_gpu --num_processes N finetune.py ...), or use "
     "--use_lora under DeepSpeed")
+ONE_OF_MANY = ("accelerate launch was given --num_processes {asked} but started this one process: on a machine with "
+               "fewer than two GPUs (or with --cpu) it starts one unless --multi_gpu, --use_deepspeed or --use_fsdp "
+               "(or an accelerate config file naming one) asks for more; add --multi_gpu for plain DDP over {asked} "
+               "processes (CPUs too), or give --num_processes 1")
 NONFINITE = "the DeepSpeed config would apply steps with a non-finite gradient instead of skipping them: "
 
 
@@ -53,8 +57,11 @@ def launch_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
     from open_sft.model.compile import compile_problems
     from open_sft.model.fp8 import fp8_problems
 
+    from open_sft.distributed.env import processes_asked_of_one
+
     p, train = launch.parallelism, launch.train
-    problems = []
+    asked = processes_asked_of_one() if p.world_size == 1 else None
+    problems = [ONE_OF_MANY.format(asked=asked)] if asked else []
     if p.deepspeed:
         problems += deepspeed_problems(config, launch)
     if p.fsdp:

@@ -151,3 +151,35 @@ def parallelism_size(name: str, env: Mapping[str, str] = os.environ) -> int:
     if env.get(ENV_PARALLELISM, "false").lower() != "true":
         return 1
     return int(env.get(f"PARALLELISM_CONFIG_{name.upper()}_SIZE", "1") or 1)
+
+
+LAUNCH_COMMANDS = ("launch", "accelerate.commands.launch", "accelerate-launch")  # `accelerate launch`, -m, the script
+SCRIPT_STARTS = ("-m", "--module", "--no_python", "--no-python")  # accelerate's flags before the script that it runs
+
+
+def launcher_argv() -> list[str]:
+    """The command line of this process's parent (the launcher that started it); [] where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as fh:
+            return [part.decode(errors="replace") for part in fh.read().split(b"\0") if part]
+    except OSError:
+        return []
+
+
+def processes_asked_of_one(env: Mapping[str, str] = os.environ, argv: list[str] | None = None) -> int | None:
+    """The --num_processes above 1 of an `accelerate launch` that started this process alone (its simple launcher,
+    which it runs where it sees fewer than two GPUs, or with --cpu, unless --multi_gpu, --use_deepspeed or
+    --use_fsdp asks for another); None for any other launch. `argv`: the launcher's (default: read from /proc)."""
+    if "ACCELERATE_DYNAMO_BACKEND" not in env or "LOCAL_RANK" in env or env.get("WORLD_SIZE", "1") not in ("", "1"):
+        return None
+    argv = launcher_argv() if argv is None else argv
+    start = next((i + 1 for i, part in enumerate(argv) if os.path.basename(part) in LAUNCH_COMMANDS), len(argv))
+    asked = None
+    for i, part in enumerate(argv[start:], start):
+        if part.endswith(".py") or part in SCRIPT_STARTS:
+            break
+        name, _, value = part.partition("=")
+        if name in ("--num_processes", "--num-processes"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            asked = int(value) if value.isdigit() else asked
+    return asked if asked is not None and asked > 1 else None

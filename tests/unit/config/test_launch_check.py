@@ -134,3 +134,25 @@ def test_an_additional_model_argument_the_config_lacks_is_refused_before_the_dat
     with pytest.raises(UserError, match=r"--additional_model_arguments: 'rope_thetta' is not a \w+Config setting"):
         plan_launch(given)
     assert plan_launch(config(str(tiny_model_dir), "--additional_model_arguments", '{"attention_dropout": 0.1}'))
+
+
+def test_two_processes_asked_of_accelerate_but_one_started_is_refused_with_the_fix(tiny_model_dir, nothing_loads):
+    """On a machine without GPUs, `accelerate launch --num_processes 2 finetune.py` (no --multi_gpu) started one
+    process, which trained alone at half the global batch, saying only "parallelism: 1 process"."""
+    from open_sft.distributed import env
+    from open_sft.run import plan_launch
+
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        nothing_loads.delenv(name, raising=False)
+    nothing_loads.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    nothing_loads.setattr(env, "launcher_argv", lambda: ["python", "/venv/bin/accelerate", "launch", "--num_processes",
+                                                         "2", "finetune.py"])
+    with pytest.raises(UserError) as caught:
+        plan_launch(config(str(tiny_model_dir), "--torch_dtype", "float32"))
+    assert str(caught.value) == (
+        "the launch cannot run as asked (1 process: plain torch, dp_replicate 1 × dp_shard 1):\n  accelerate launch was "
+        "given --num_processes 2 but started this one process: on a machine with fewer than two GPUs (or with --cpu) "
+        "it starts one unless --multi_gpu, --use_deepspeed or --use_fsdp (or an accelerate config file naming one) "
+        "asks for more; add --multi_gpu for plain DDP over 2 processes (CPUs too), or give --num_processes 1")
+    nothing_loads.setattr(env, "launcher_argv", lambda: ["python", "/venv/bin/accelerate", "launch", "finetune.py"])
+    assert plan_launch(config(str(tiny_model_dir), "--torch_dtype", "float32")).launch.parallelism.world_size == 1

@@ -100,3 +100,28 @@ def test_usable_cpus_respect_a_cgroup_quota(cpu_max, cap, tmp_path, monkeypatch)
     monkeypatch.setattr(env, "CGROUP_CPU_MAX", str(path))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert env.usable_cpus() == (8 if cap is None else cap)
+
+
+SIMPLE = {"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_USE_CPU": "False"}  # what accelerate's simple launcher sets
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "finetune.py", "--seed", "1"], 2),
+    (["python", "-m", "accelerate.commands.launch", "--num_processes=4", "--cpu", "finetune.py"], 4),
+    (["python", "/venv/bin/accelerate-launch", "--num-processes", "2", "--mixed_precision", "no", "finetune.py"], 2),
+    (["python", "/venv/bin/accelerate", "launch", "--num_processes", "1", "finetune.py"], None),
+    (["python", "/venv/bin/accelerate", "launch", "finetune.py", "--num_processes", "2"], None),  # the script's own
+    (["python", "/venv/bin/accelerate", "launch", "-m", "open_sft.train", "--num_processes", "2"], None),
+    (["python", "train_wrapper.py", "--num_processes", "2"], None),  # not accelerate
+    ([], None),  # the launcher's command line could not be read
+])
+def test_the_processes_asked_of_accelerate_s_one_process_launch(argv, expected) -> None:
+    """`accelerate launch --num_processes 2 finetune.py` on a machine without GPUs started one process (accelerate's
+    simple launcher: DDP only with --multi_gpu), which trained alone; the number asked is read off its command line."""
+    assert env.processes_asked_of_one(SIMPLE, argv) == expected
+
+
+@pytest.mark.parametrize("variables", [{}, {**SIMPLE, "LOCAL_RANK": "0"}, {**SIMPLE, "WORLD_SIZE": "2"}])
+def test_a_launch_of_ranks_or_no_launcher_asks_nothing(variables) -> None:
+    argv = ["python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "finetune.py"]
+    assert env.processes_asked_of_one(variables, argv) is None
