@@ -78,6 +78,8 @@ IGNORED = ("cp_strategy", "activation_checkpointing_modules", "data_loader_seed"
 ROPE = ("rope_scaling_factor", "rope_scaling_beta_fast", "rope_scaling_beta_slow", "rope_scaling_old_context_len")
 ATTENTION = {"flash_2": "flash_attention_2", "flash": "flash_attention_2", "torch": "sdpa", "te": "sdpa",  # OLMo-core's
              "flash_3": "auto", "flash_4": "auto"}  # (the same attention; auto: FlashAttention 2 where installed)
+# open-instruct's docs/algorithms/finetune.md gives them as flash-2, flash-3 (its parser takes OLMo-core's flash_2)
+ATTENTION.update({name.replace("_", "-"): ours for name, ours in ATTENTION.items() if "_" in name})
 # olmo_core_finetune.py's defaults that change what is trained and differ from ours: (its flag, ours, its value)
 DEFAULTS = (("num_epochs", "num_train_epochs", "3"), ("learning_rate", "learning_rate", "8e-05"),
             ("max_seq_length", "max_seq_length", "4096"), ("max_grad_norm", "clip_grad_norm", "none (no clipping)"))

@@ -118,6 +118,7 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
 @pytest.mark.parametrize("args, check", [
     (["--attn_implementation", "torch"], lambda c: c.model.attn_implementation == "sdpa"),
     (["--attn_implementation", "flash_3"], lambda c: c.model.attn_implementation == "auto"),
+    (["--attn_implementation", "flash-3"], lambda c: c.model.attn_implementation == "auto"),  # open-instruct's docs
     (["--attn_implementation", "te"], lambda c: c.model.attn_implementation == "sdpa"),
     (["--dist_timeout_hours", "0.5"], lambda c: c.train.timeout == 1800),
     (["--max_grad_norm", "0.5"], lambda c: c.train.clip_grad_norm == 0.5),
