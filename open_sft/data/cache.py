@@ -83,8 +83,9 @@ logger = logging.getLogger(__name__)
 # eos in the separator's place (its call turns were bad rows); 33: text a template writes in an assistant message from
 # a field the model does not write (Gemma 4's tool_responses) is context past the token opening it, where the turn
 # stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the
-# turn's whole context, an empty trace closed where none
-CACHE_FORMAT_VERSION = 34
+# turn's whole context, an empty trace closed where none; 35: the report names the special tokens whose text the rows
+# hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted
+CACHE_FORMAT_VERSION = 35
 COMPLETE = "COMPLETE"
 
 

@@ -37,6 +37,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     memo = None if args.dataset_skip_cache else resolve_cache_dir(args.dataset_local_cache_dir)  # file hashes
     if holdout:
         later["eval_split"] = {"side": holdout[0], "ratio": holdout[1]}
+    user_tokens = getattr(tokenizer, "open_sft_user_tokens", ())
+    if user_tokens:  # --add_tokens / --add_special_tokens: their text in the data is no special text (the report)
+        later["user_tokens"] = list(user_tokens)
     dates = template_dates(tokenizer.chat_template, clock)
     if dates:  # Llama 3.1's "Today Date: ...": another day's examples are other tokens
         later["template_date"] = dates

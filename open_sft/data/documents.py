@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from open_sft.data.formats import RowError
@@ -38,12 +39,21 @@ def document_markers(tokenizer: Any, add_bos: bool) -> tuple[list[int], list[int
     return ([bos] if opens else []), ([eos] if eos is not None and not (opens and bos == eos) else [])
 
 
-def with_special_text(tokenizer: Any, texts: list[str]) -> list[int]:
+def with_special_text(tokenizer: Any, texts: list[str]) -> dict[int, tuple[str, ...]]:
     """The positions of the documents that hold the literal text of one of the tokenizer's special tokens, which
-    it encodes as that token (an `<|endoftext|>` inside a web page is a fake document end): counted and warned
-    about (SourceReport.special_tokens_in_text), not changed."""
-    from open_sft.data.chat.render import special_markers, special_text
+    it encodes as that token (an `<|endoftext|>` inside a web page is a fake document end), with those tokens (but
+    the ones the user added: render.special_text_in): counted and warned about (SourceReport.special_tokens_in_text),
+    not changed."""
+    from open_sft.data.chat.render import special_markers, special_text_in
 
-    found = special_text(special_markers(tokenizer))
-    return [] if found is None else [k for k, text in enumerate(texts) if found.search(text) is not None]
+    markers = special_markers(tokenizer)
+    found = {k: special_text_in(tokenizer, markers, (text,)) for k, text in enumerate(texts)}
+    return {k: tokens for k, tokens in found.items() if tokens}
 
+
+def special_text_notes(found: dict[int, tuple[str, ...]]) -> Counter:
+    """The data report's notes of with_special_text's documents: how many, and how many hold each token."""
+    from open_sft.data.chat.render import FOUND_NOTE
+
+    notes = Counter(FOUND_NOTE + token for tokens in found.values() for token in tokens)
+    return notes + Counter(special_tokens_in_text=len(found))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections import Counter
 from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -23,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.config.args import DataArguments
 from open_sft.data.chunks import Progress
-from open_sft.data.documents import document_markers, to_text, with_special_text
+from open_sft.data.documents import document_markers, special_text_notes, to_text, with_special_text
 from open_sft.data.format_detect import source_format
 from open_sft.data.formats import RowError, needs_chat_template, to_messages
 from open_sft.data.mixer import select_rows
@@ -237,8 +236,8 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
     valid = sorted(items)
     by_tokens = args.dataset_mixer_unit == "tokens"
     if fmt == "text":
-        holding = [valid[k] for k in with_special_text(tokenizer, [items[i] for i in valid])]
-        report.add_notes(Counter(special_tokens_in_text=len(holding)), {"special_tokens_in_text": holding[:5]},
+        holding = with_special_text(tokenizer, [items[i] for i in valid])
+        report.add_notes(special_text_notes(holding), {"special_tokens_in_text": [valid[k] for k in holding][:5]},
                          sink.where)
         chosen = valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed)))
         tokenized = _tokenize_text(tokenizer, items, chosen, args.add_bos, spec.name)

@@ -27,7 +27,7 @@ import numpy as np
 
 from open_sft.data.chat.render import chat_options
 from open_sft.data.chunks import Progress, Reader
-from open_sft.data.documents import document_markers, to_text, with_special_text
+from open_sft.data.documents import document_markers, special_text_notes, to_text, with_special_text
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import plain_backend
 from open_sft.data.local_files import parse_json_line
@@ -223,15 +223,15 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
     for note in spill.notes():  # a resumed build's chunks
         rows_seen += note["rows"]
         report.dropped.update(note["dropped"])
-        special["special_tokens_in_text"] += note.get("special_text", 0)
+        special.update(note.get("special_text", {}))
     progress = Progress(spec.name, reader.count(), spill.rows)
     for start, items, numbers in reader.chunks(skip=reader.resuming(spill)):
         parsed, dropped = rows_seen, dict(report.dropped)
         indices, texts, rows_seen = _documents(spec, reader, items, numbers, rows_seen, report, drop,
                                                args.dataset_text_field)
         holding = with_special_text(tokenizer, texts)
-        special["special_tokens_in_text"] += len(holding)
-        flagged += [f"row {indices[k] + 1}" for k in holding[:5 - len(flagged)]]
+        special.update(special_text_notes(holding))
+        flagged += [f"row {indices[k] + 1}" for k in list(holding)[:5 - len(flagged)]]
         left = len(items) - len(texts)  # rows that are not documents (dropped), told with the first batch
         for a, b in text_batches(texts):  # a batch's tokens at a time, as arrays: not the chunk's as lists
             rows = _document_rows(tokenizer, texts[a:b], before, after)
@@ -240,7 +240,7 @@ def text_source(spec: Any, args: Any, tokenizer: Any, reader: Reader, writer: Ex
             left = 0
         if left:
             progress.update(left, 0)
-        spill.commit(start + len(items), {"rows": rows_seen - parsed, "special_text": len(holding),
+        spill.commit(start + len(items), {"rows": rows_seen - parsed, "special_text": special_text_notes(holding),
                                           "dropped": {k: v - dropped.get(k, 0) for k, v in report.dropped.items()}})
     progress.done()
     report.add_notes(special, {"special_tokens_in_text": flagged}, str)

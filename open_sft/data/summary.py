@@ -11,6 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from open_sft.data.chat.examples import RENDER_NOTES
+from open_sft.data.chat.render import FOUND_NOTE
 from open_sft.data.labels import IGNORE_INDEX
 from open_sft.data.mixer import source_names
 
@@ -64,7 +65,7 @@ _NOTES = {
                               "writes for them as the last message, though it writes other turns' traces there "
                               "(Kimi-K2-Thinking's final answers, <think></think>answer): each trains its trace in "
                               "that block (<think>trace</think>answer), as the model writes it at inference",
-    "special_tokens_in_text": "hold the literal text of a special token (such as <|endoftext|> or <|im_end|>), which "
+    "special_tokens_in_text": "hold the literal text of a special token ({found}), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
 }
@@ -93,6 +94,7 @@ class SourceReport:
     tools_not_rendered: int = 0  # rows whose tool schemas the template does not write
     tool_arguments_not_json: int = 0  # rows with a tool call whose arguments are not a JSON object
     special_tokens_in_text: int = 0  # rows (documents) holding a special token's literal text
+    special_tokens_in_text_by_token: Counter = field(default_factory=Counter)  # token → the rows holding its text
     reasoning_closed_by_prompt: int = 0  # rows with reasoning on a turn whose generation prompt closes it empty
     turns_in_one_rendering: int = 0  # rows with a turn trained in the one rendering (chat/examples._partly_per_turn)
     reasoning_tags_as_text: int = 0  # rows whose inline <think> trace a tagless template writes as the answer's text
@@ -114,6 +116,7 @@ class SourceReport:
             "tools_not_rendered": self.tools_not_rendered,
             "tool_arguments_not_json": self.tool_arguments_not_json,
             "special_tokens_in_text": self.special_tokens_in_text,
+            "special_tokens_in_text_by_token": dict(commonest(self.special_tokens_in_text_by_token)),
             "reasoning_closed_by_prompt": self.reasoning_closed_by_prompt,
             "turns_in_one_rendering": self.turns_in_one_rendering,
             "reasoning_tags_as_text": self.reasoning_tags_as_text,
@@ -123,12 +126,28 @@ class SourceReport:
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:
-        """Count the rows the render step noted, and warn once for each kind, naming the first rows."""
+        """Count the rows the render step noted, and warn once for each kind, naming the first rows (and the
+        special tokens whose text they hold, FOUND_NOTE's keys)."""
+        found = Counter({key[len(FOUND_NOTE):]: n for key, n in notes.items() if key.startswith(FOUND_NOTE)})
+        self.special_tokens_in_text_by_token.update(found)
         for note, what in _NOTES.items():
             if notes.get(note):
                 setattr(self, note, getattr(self, note) + notes[note])
+                what = what.replace("{found}", found_tokens(found))
                 rows = "; ".join(where(row) for row in flagged.get(note, []))
                 logger.warning("%s: %d row(s) %s (first: %s)", self.name, notes[note], what, rows)
+
+
+def commonest(found: Counter) -> list[tuple[str, int]]:
+    """The tokens and their rows, the commonest first, ties by name (the same order however the rows were split)."""
+    return sorted(found.items(), key=lambda item: (-item[1], item[0]))
+
+
+def found_tokens(found: Counter, shown: int = 10) -> str:
+    """`<|im_end|> in 12 rows, <|endoftext|> in 3 rows`: the special tokens found in the rows' text, the commonest
+    first."""
+    named = [f"{token} in {n} row{'s' if n > 1 else ''}" for token, n in commonest(found)[:shown]]
+    return ", ".join(named) + (f", and {len(found) - shown} more" if len(found) > shown else "")
 
 
 def length_percentiles(lengths: Any) -> dict[str, int]:
@@ -229,7 +248,9 @@ def format_data_report(report: dict[str, Any]) -> str:
                          f"earlier turns): +{source['split_extra_tokens']} tokens of repeated context")
         for note in RENDER_NOTES:
             if source.get(note):
-                lines.append(f"{'':<4}{note}: {source[note]} row(s)")
+                found = source.get(f"{note}_by_token")  # special_tokens_in_text's tokens
+                lines.append(f"{'':<4}{note}: {source[note]} row(s)" + (
+                    f" ({found_tokens(Counter(found))})" if found else ""))
         for reason, count in sorted(source["rows_dropped"].items()):
             lines.append(f"{'':<4}dropped {count} row(s): {reason}")
     share = report["trained_tokens"] / max(report["tokens"], 1)

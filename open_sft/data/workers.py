@@ -27,7 +27,7 @@ from open_sft.data.byte_level import byte_table
 from open_sft.data.formats import RowError
 from open_sft.data.chat.examples import RENDER_NOTES, row_examples
 from open_sft.data.chat.raw_rows import raw_opening
-from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, special_markers, template_state
+from open_sft.data.chat.render import DEFAULT_OPTIONS, FOUND_NOTE, ChatOptions, special_markers, template_state
 from open_sft.data.chat.tool_arguments import takes_string_arguments
 from open_sft.data.token_rows import TokenRows
 from open_sft.data.cuts import splits_as_written
@@ -161,6 +161,7 @@ def _render(bounds: tuple[int, int]) -> _Rendered:
             if getattr(rendered, note):
                 done.notes[note] += 1
                 done.flagged.append((note, i))
+        done.notes.update(FOUND_NOTE + token for token in rendered.special_tokens_in_text)
     return done
 
 

@@ -29,8 +29,15 @@ def read_token_file(path: str) -> list[str]:
 
 
 def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool, flag: str = "--add_tokens") -> list[int]:
-    """Add a file's tokens that the tokenizer lacks; returns their ids (remembered for the embedding init)."""
+    """Add a file's tokens that the tokenizer lacks; returns their ids (remembered for the embedding init). The
+    file's tokens (but the tokenizer's own named ones: eos, bos, pad, its additional special tokens) are the user's
+    (`open_sft_user_tokens`): written in the data on purpose, their text there is not warned about as a special
+    token's (open_sft.data.chat.render.special_text_in), whether this run adds them or the tokenizer has them from
+    an earlier run's."""
     known = tokenizer.get_vocab()
+    named = set(tokenizer.all_special_tokens)
+    tokenizer.open_sft_user_tokens = tuple(sorted(set(getattr(tokenizer, "open_sft_user_tokens", ())) | {
+        token for token in read_token_file(path) if token not in named}))
     new = [t for t in read_token_file(path) if t not in known]
     splitting = words_split_by(new, known)
     if splitting:

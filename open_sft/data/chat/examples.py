@@ -49,7 +49,8 @@ class RowRender:
     reasoning_history_not_kept: bool = False  # --reasoning_history keep could not join its examples
     tools_not_rendered: bool = False  # the row's tool schemas are not in what the template writes
     tool_arguments_not_json: bool = False  # a tool call's arguments are a string that is not a JSON object
-    special_tokens_in_text: bool = False  # a message's text holds a special token's text (render.special_text)
+    # the special tokens whose text a message's own text (content, reasoning) holds (render.special_text_in)
+    special_tokens_in_text: tuple[str, ...] = ()
     reasoning_closed_by_prompt: bool = False  # a trained turn's generation prompt closes its think block empty
     turns_in_one_rendering: bool = False  # a trained turn not located after its own context (_partly_per_turn)
     reasoning_tags_as_text: bool = False  # an inline trace written as text by a tagless template (reasoning.py)
@@ -158,22 +159,14 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, tools_not_rendered=True)
     if strings:
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
-    if holds_special_text(messages, markers):
-        rendered = dataclasses.replace(rendered, special_tokens_in_text=True)
+    if found := render.special_text_in(tokenizer, markers, (
+            text for message in messages for text in (message.get("content"), message.get("reasoning_content")))):
+        rendered = dataclasses.replace(rendered, special_tokens_in_text=found)
     if tags_as_text(state, messages, trained, texts):
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)
     if wrapped_twice(messages, texts):
         rendered = dataclasses.replace(rendered, tool_results_wrapped_twice=True)
     return rendered
-
-
-def holds_special_text(messages: Messages, markers: tuple[str, ...]) -> bool:
-    """Whether a message's own text (its content or reasoning, not what the template writes around it) holds the
-    literal text of one of the tokenizer's special tokens."""
-    found = render.special_text(markers)
-    return found is not None and any(
-        isinstance(text, str) and found.search(text) is not None
-        for message in messages for text in (message.get("content"), message.get("reasoning_content")))
 
 
 def _developer_turns(messages: Messages, template: str) -> Messages:

@@ -13,7 +13,7 @@ import operator
 import re
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
@@ -298,6 +298,23 @@ def special_text(markers: tuple[str, ...]) -> Optional[re.Pattern]:
     None for a tokenizer without special tokens. (A literal alternation: the regex engine skips every position
     whose character opens no marker, GB/s on real text.)"""
     return re.compile("|".join(map(re.escape, markers))) if markers else None
+
+
+# the prefix of the notes' keys (workers, documents) that count the rows holding one special token's text: the
+# key `FOUND_NOTE + "<|im_end|>"` beside the note `special_tokens_in_text` (open_sft.data.summary)
+FOUND_NOTE = "special_tokens_in_text "
+
+
+def special_text_in(tokenizer: PreTrainedTokenizerBase, markers: tuple[str, ...], texts: Iterable[Any]
+                    ) -> tuple[str, ...]:
+    """The special tokens (of `markers`, special_markers) whose literal text the strings among `texts` hold, but
+    those the user added with --add_tokens or --add_special_tokens (`open_sft_user_tokens`): tool or role tokens
+    written in the data on purpose."""
+    found = special_text(markers)
+    if found is None:
+        return ()
+    hits = {hit for text in texts if isinstance(text, str) for hit in found.findall(text)}
+    return tuple(sorted(hits.difference(getattr(tokenizer, "open_sft_user_tokens", ())))) if hits else ()
 
 
 def warn_split_turn_closers(tokenizer) -> None:

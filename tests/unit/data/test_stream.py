@@ -353,9 +353,10 @@ def test_documents_holding_a_special_tokens_text_are_counted_and_named(tokenizer
     args = DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=64)
     with caplog.at_level("WARNING"):
         built = streamed(args, tokenizer, tmp_path)
-    assert built[2][0]["special_tokens_in_text"] == 4
+    assert built[2][0]["special_tokens_in_text"] == 4 and built[2][0]["special_tokens_in_text_by_token"] == {eos: 4}
     warned = [r.getMessage() for r in caplog.records if "literal text of a special token" in r.getMessage()]
     assert len(warned) == 1 and "4 row(s)" in warned[0] and "row 5" in warned[0] and "row 27" in warned[0]
+    assert f"({eos} in 4 rows)" in warned[0]
     assert_same(built, in_memory(args, tokenizer))
     ids = np.concatenate(built[0])
     assert (ids == tokenizer.eos_token_id).sum() == 30 + 4  # one after each document, and the four in the text

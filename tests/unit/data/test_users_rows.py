@@ -415,3 +415,4 @@ def test_messages_holding_a_special_tokens_text_are_counted_and_named(qwen3, tmp
     report, warned = built_and_warned(qwen3, tmp_path, caplog, rows, "literal text of a special token")
     assert report.rows_kept == 5 and report.to_dict()["special_tokens_in_text"] == 2
     assert len(warned) == 1 and "2 row(s)" in warned[0] and "line 2" in warned[0] and "line 3" in warned[0]
+    assert "(<|endoftext|> in 1 row, <|im_end|> in 1 row)" in warned[0]  # ties by name

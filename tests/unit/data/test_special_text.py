@@ -1,0 +1,103 @@
+"""The literal text of a special token in the data (special_tokens_in_text): the report and the warning name each
+token with the rows holding it, in both builds; tokens the user added with --add_special_tokens / --add_tokens are
+written in the data on purpose and are not counted (they still train as one token)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from open_sft.config.args import DataArguments
+from open_sft.data.build import build_examples
+from open_sft.data.cache_inputs import key_inputs
+from open_sft.data.summary import format_data_report
+from open_sft.model.added_tokens import add_tokens
+from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
+from tests.unit.data.test_stream import in_memory, small_chunks, streamed  # noqa: F401 (small_chunks: a fixture)
+
+WARNING = "literal text of a special token"
+
+
+@pytest.fixture
+def qwen3_with_tool_token(tiny_model_dir, tmp_path):
+    """Qwen3's template and special tokens, plus `<tool_x>` added by --add_special_tokens FILE."""
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    listed = tmp_path / "tokens.txt"
+    listed.write_text("<tool_x>\n<|im_end|>\n")  # the tokenizer's own <|im_end|> stays a special token's text
+    add_tokens(tokenizer, str(listed), special=True, flag="--add_special_tokens")
+    return tokenizer
+
+
+def row(user: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+
+def write(tmp_path, rows: list[dict]) -> DataArguments:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=256)
+
+
+def test_a_token_the_user_added_is_not_special_text_and_trains_as_one_token(qwen3_with_tool_token, tmp_path,
+                                                                             caplog) -> None:
+    """Rows calling the user's `<tool_x>` are not warned about (they were the reason to add it); the token is one
+    id, trained in the answer; a stray `<|im_end|>` in another answer is still counted and named."""
+    tokenizer = qwen3_with_tool_token
+    assert tokenizer.open_sft_user_tokens == ("<tool_x>",)
+    rows = [row("Weather?", "<tool_x>oslo</tool_x>"), row("Again?", "Sure <tool_x>bergen"), row("Hi", "Hello")]
+    with caplog.at_level("WARNING"):
+        (example, *_), (report,) = build_examples(write(tmp_path, rows), tokenizer, 0)
+    assert report.special_tokens_in_text == 0 and report.to_dict()["special_tokens_in_text_by_token"] == {}
+    assert not [r for r in caplog.records if WARNING in r.getMessage()]
+    tool_x = tokenizer.convert_tokens_to_ids("<tool_x>")
+    ids, labels = np.asarray(example.input_ids), np.asarray(example.labels)
+    assert tool_x >= 1024 and (ids == tool_x).sum() == 1 and labels[ids == tool_x].tolist() == [tool_x]
+    assert tokenizer.decode(ids[ids == tool_x]) == "<tool_x>"
+
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _, (report,) = build_examples(write(tmp_path, [*rows, row("Hi", "Done<|im_end|> really")]), tokenizer, 0)
+    assert report.to_dict()["special_tokens_in_text"] == 1
+    assert report.to_dict()["special_tokens_in_text_by_token"] == {"<|im_end|>": 1}
+    warned = [r.getMessage() for r in caplog.records if WARNING in r.getMessage()]
+    assert len(warned) == 1 and "(<|im_end|> in 1 row)" in warned[0] and "line 4" in warned[0]
+
+
+def test_the_warning_names_each_token_with_its_rows_in_both_builds(qwen3_with_tool_token, tmp_path, small_chunks,
+                                                                    caplog) -> None:
+    """Scraped answers with stray `<|im_end|>` (12 rows) and `<|endoftext|>` (3, one with both) among rows using the
+    user's token: each token with its rows in data_report.json, the warning and the printed report, the streaming
+    build's (several chunks) the same as the in-memory one's."""
+    tokenizer = qwen3_with_tool_token
+    rows = [row(f"Question {k}?", f"Answer {k} <tool_x>") for k in range(40)]
+    for k in range(12):
+        rows[3 * k] = row(f"Question {k}?", f"Answer {k}<|im_end|> more")
+    for k in (1, 4, 6):
+        rows[k] = row(f"What is <|endoftext|> {k}?", rows[k]["messages"][1]["content"])
+    args = write(tmp_path, rows)
+    with caplog.at_level("WARNING"):
+        built = streamed(args, tokenizer, tmp_path)
+    source = built[2][0]
+    assert source["special_tokens_in_text"] == 14
+    assert source["special_tokens_in_text_by_token"] == {"<|im_end|>": 12, "<|endoftext|>": 3}
+    warned = [r.getMessage() for r in caplog.records if WARNING in r.getMessage()]
+    assert len(warned) == 1 and "14 row(s)" in warned[0] and "(<|im_end|> in 12 rows, <|endoftext|> in 3 rows)" in \
+        warned[0]
+    memory = in_memory(args, tokenizer)
+    assert memory[2] == built[2]
+    assert all(np.array_equal(a, b) for a, b in zip(memory[0], built[0])) and len(memory[0]) == len(built[0]) == 40
+    table = format_data_report({"sources": [source], "examples": 40, "tokens": source["tokens"],
+                                "trained_tokens": source["trained_tokens"]})
+    assert "special_tokens_in_text: 14 row(s) (<|im_end|> in 12 rows, <|endoftext|> in 3 rows)" in table
+
+
+def test_the_users_tokens_enter_the_cache_key(qwen3_with_tool_token, tiny_model_dir, tmp_path) -> None:
+    """The same vocabulary with and without the file's tokens declared (a tokenizer saved by an earlier run that
+    added them) counts other rows: another cache entry."""
+    args = write(tmp_path, [row("Hi", "Hello")])
+    declared = key_inputs(args, qwen3_with_tool_token, 0)
+    assert declared["user_tokens"] == ["<tool_x>"]
+    del qwen3_with_tool_token.open_sft_user_tokens
+    assert "user_tokens" not in key_inputs(args, qwen3_with_tool_token, 0)
