@@ -1,7 +1,7 @@
 """Tool calls in a generated reply, read by the chat template's own layout of a call.
 
 The template renders a probe assistant message that calls PROBE_NAME with PROBE_ARGUMENTS, and the text it
-writes says where a call's name and arguments sit; three layouts cover the templates models ship:
+writes says where a call's name and arguments sit; four layouts cover the templates models ship:
 
 - `json`: one JSON value holds the name and the arguments (Qwen3's and Hermes' `<tool_call>\\n{"name": ...,
   "arguments": {...}}\\n</tool_call>`, Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, a list: each
@@ -12,6 +12,9 @@ writes says where a call's name and arguments sit; three layouts cover the templ
 - `pairs`: the name as text, each argument as a key and a value between the template's tags (GLM-4.5's
   `<tool_call>NAME<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>`); a value is read as JSON where it
   is (a number, an object) unless the tool's schema says string.
+- `object`: the name as text, the arguments as an object in the template's own notation (Gemma 4's
+  `<|tool_call>call:NAME{city:<|"|>Bern<|"|>,days:3}<tool_call|>`), read off the probe and checked on a probe of
+  every JSON kind (open_sft.export.call_objects).
 
 Each call starts at the template's call `marker`: what it writes right before the name (or the JSON value) both
 when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`); a
@@ -36,12 +39,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from open_sft.data.per_tokenizer import PerTokenizer
 from open_sft.data.tool_schemas import function_of
 from open_sft.export.call_headers import split_head
+from open_sft.export.call_objects import NOTATION_PROBE, Notation, checked_notation, probe_notation, read_object
 from open_sft.export.call_pairs import (PROBE_ARGUMENTS, as_arguments, literal, pair_arguments, pair_layout,
                                        schema_types)
 from open_sft.export.call_probe import NAME_CHARS, PROBE_NAME, name_in_id, probe_form, rendered_reply
@@ -74,6 +78,7 @@ class CallLayout:
     next_marker: str = ""
     id_name: str = ""  # a regex reading the name out of the id written in its place (open_sft.export.call_probe)
     text_arguments: bool = False  # it takes a call's arguments as JSON text (open_sft.export.call_probe)
+    notation: Optional[Notation] = None  # object: the template's notation of the arguments (call_objects)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
         if start >= after and as_arguments(value) == PROBE_ARGUMENTS:
             *channel, last = text[after:start].split() or [""]
             return name_at, {"kind": "name_json", "arguments_after": last, "channel": " ".join(channel)}, end
+    if (notation := probe_notation(text[after:])) is not None:
+        return name_at, {"kind": "object", "notation": notation[0]}, after + notation[1]
     pair = pair_layout(text[after:])
     if not pair:
         return None
@@ -144,6 +151,8 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         return None
     alone = form.reply(tokenizer)
     start, parts, end = _anchor(alone)
+    if parts["kind"] == "object" and (parts := _checked(tokenizer, form, parts)) is None:
+        return None
     answer = rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
     closing = without_shared_ending(alone[end:], answer[answer.find(PROBE_CONTENT) + len(PROBE_CONTENT):], tokenizer) \
         if answer and PROBE_CONTENT in answer else strip_specials(alone[end:], tokenizer)
@@ -170,6 +179,15 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         closing = re.sub(r"[^>\s]*$", "", closing).strip()  # in whole tags
     return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), next_marker=following,
                       id_name=form.id_name, text_arguments=isinstance(form.arguments, str), **parts)
+
+
+def _checked(tokenizer, form, parts: dict) -> Optional[dict]:
+    """An object layout's parts with the notation checked on the template's rendering of a probe call holding a
+    value of each JSON kind (open_sft.export.call_objects), None where that does not read back."""
+    rendered = replace(form, arguments=NOTATION_PROBE).reply(tokenizer) or ""
+    at = rendered.find(PROBE_NAME)
+    notation = checked_notation(parts["notation"], rendered[at + len(PROBE_NAME):]) if at >= 0 else None
+    return {**parts, "notation": notation} if notation else None
 
 
 def _next_marker(two: str, before_first: str) -> str:
@@ -234,6 +252,10 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
         end = _closed(layout, segment, named.end() + end)
         return ([{"name": name, "arguments": arguments}], end) if isinstance(arguments, dict) \
             and (header or not layout.arguments_after) and end is not None else None
+    if layout.kind == "object":  # the arguments right after the name, in the template's notation
+        read = read_object(layout.notation, rest, 0)
+        end = _closed(layout, segment, named.end() + read[1]) if read else None
+        return ([{"name": name, "arguments": read[0]}], end) if end is not None else None
     closed = rest.find(layout.closing) if layout.closing else len(rest)
     if closed < 0:
         return None  # cut off before its closing (--max_new_tokens): its last pair may be cut too
