@@ -8,7 +8,9 @@ so later turns render as training did. With --tools FILE the prompt holds the to
 `tools`), a reply that calls a tool shows each call as `[tool call] NAME {ARGUMENTS}` and is kept with its
 `tool_calls` (a call that does not read as one, cut off or not JSON, is shown as `[tool call, unreadable] RAW` and
 neither it nor the message it answered is kept, since no message renders it as written: ask again, or send the
-/tool result again), and `/tool TEXT` answers the next call with TEXT (a `tool` message); once every call of the
+/tool result again), and `/tool TEXT` answers the next call with TEXT (a `tool` message, or an entry of the
+field the template writes results in where the reply stopped at its opening: Gemma 4's `tool_responses`,
+open_sft.export.tool_results); once every call of the
 reply has its result the model goes on from them (a reply that made two calls takes two /tool lines, the first
 answered by `[result kept; 1 more call awaits /tool]`), and a message typed before then is refused with a line
 naming the call that awaits its result (the calls stay; /reset drops them). `/reset` starts the conversation over (a
@@ -128,8 +130,11 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
          max_new_tokens: int = 256, raw: bool = False, tools: Optional[list[dict]] = None) -> int:
     """The loop: read a turn, reply from the conversation so far (with `tools` in the prompt), until /exit or end
     of input (`raw`: plain text continued, each line appended with its newline). Returns the number of replies."""
+    from open_sft.export.tool_results import folded, result_field
+
     start = [{"role": "system", "content": system}] if system else []
     messages, replies, context = list(start), 0, context_length(model)
+    fields: dict[int, str] = {}  # a calling reply's index: the field its results go in (open_sft.export.tool_results)
     while (line := read()) is not None:
         text = line.strip()
         if not text:
@@ -139,7 +144,7 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
         turn = _turn(messages, text, raw)
         if isinstance(turn, str):
             if turn == RESET:
-                messages, turn = list(start), "[conversation reset]"
+                messages, turn, fields = list(start), "[conversation reset]", {}
             out.write(f"{turn}\n")
             out.flush()
             continue
@@ -148,7 +153,7 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
             out.write(f"[result kept; {left} more {'call awaits' if left == 1 else 'calls await'} {TOOL}]\n")
             out.flush()
             continue
-        reply = generate_reply(model, tokenizer, messages, max_new_tokens, raw=raw, tools=tools)
+        reply = generate_reply(model, tokenizer, folded(messages, fields), max_new_tokens, raw=raw, tools=tools)
         if reply.stop_reason == CONTEXT_FULL and reply.new_tokens == 0:
             messages.pop()  # the turn did not fit: not kept, so the next one can be tried after /reset
         elif reply.unreadable_call is not None:  # no message renders it as written: neither it nor its turn kept
@@ -157,6 +162,8 @@ def chat(model, tokenizer, read: Callable[[], Optional[str]], out: TextIO, syste
         else:
             messages.append(reply.message())  # its reasoning and calls as the template reads them, not flattened
             replies += 1
+            if reply.tool_calls and (field := result_field(tokenizer, reply.stop_token)):
+                fields[len(messages) - 1] = field
         called = reply.tool_calls or reply.unreadable_call is not None
         answer = f"{reply.text}\n" if reply.text or not called else ""  # a bare call: its lines alone
         stop = stop_line(reply, max_new_tokens, context)

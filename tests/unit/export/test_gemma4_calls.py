@@ -130,3 +130,57 @@ def test_chat_history_renders_the_call_as_written_and_compare_scores_it(tiny_mod
     other = _parsed(tokenizer, reply.replace("Bern", "Chur"))
     assert other.tool_calls[0]["arguments"]["city"] == "Chur, CH: {old town}]"
     assert not was_right(row, other, lambda expected, got: False)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+def _chat(monkeypatch, model, tokenizer, replies: list[str], lines: list[str]) -> tuple[list[str], str]:
+    """(the prompts chat rendered, its output) with `model` made to write `replies` in turn (each ending at one of
+    Gemma 4's stops, `<|tool_response>` or `<turn|>`) for `lines` typed."""
+    import io
+
+    import torch
+
+    from open_sft.export.chat import chat
+
+    queue = [tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies]
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids([STOP, "<turn|>"])
+    prompts, real = [], tokenizer.apply_chat_template
+    call_layout(tokenizer)
+
+    def generate(**kwargs):
+        prompts.append(tokenizer.decode(kwargs["input_ids"][0]))
+        return torch.cat([kwargs["input_ids"], torch.tensor([queue.pop(0)], dtype=torch.long)], dim=1)
+
+    monkeypatch.setattr(model, "generate", generate)
+    typed, out = iter(lines + ["/exit"]), io.StringIO()
+    chat(model, tokenizer, lambda: next(typed), out, max_new_tokens=64, tools=TOOLS)
+    return prompts, out.getvalue()
+
+
+def test_chat_gives_results_back_where_the_model_stopped_for_them(tiny_model_dir, model, monkeypatch) -> None:
+    """A reply that stops at `<|tool_response>` after its calls (Gemma 4's own form, a stop of its export) gets its
+    /tool results right there, as `tool_responses` of the calling message (a JSON object as an object, other text as
+    its `value`), and goes on in the same turn; a tool message (the prompt before) was a turn of its own,
+    `<turn|>\\n<|turn>tool\\n...`, after a turn the model never closed. A reply that ends its turn after the call
+    (`<turn|>`: a model trained on tool messages) gets a tool message as before."""
+    tokenizer = gemma4_tokenizer(tiny_model_dir)
+    two = _written(tokenizer, {"role": "assistant", "content": "", "tool_calls": [
+        call("get_weather", {"city": "Bern"}, 1), call("convert", {"celsius": 12}, 2)]})
+    prompts, out = _chat(monkeypatch, model, tokenizer, [two + STOP, "Bern: sunny, 53.6 F.<turn|>"],
+                         ["Weather in Bern?", '/tool {"temp_c": 12}', "/tool sunny"])
+    assert len(prompts) == 2 and prompts[1] == _prompt(tokenizer)[:-len("<|channel>thought\n<channel|>")] + two + (
+        "<|tool_response>response:get_weather{temp_c:12}<tool_response|>"
+        '<|tool_response>response:convert{value:<|"|>sunny<|"|>}<tool_response|><|channel>thought\n<channel|>')
+    assert '[tool call] get_weather {"city": "Bern"}' in out and "Bern: sunny, 53.6 F." in out
+    one = _written(tokenizer, {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {
+        "city": "Bern"}, 1)]})
+    prompts, _ = _chat(monkeypatch, model, tokenizer, [one + "<turn|>", "Bern: 12.<turn|>"],
+                       ["Weather in Bern?", '/tool {"temp_c": 12}'])
+    assert prompts[1].endswith(one + '<turn|>\n<|turn>tool\n{"temp_c": 12}<turn|>\n<|turn>model\n'
+                                     "<|channel>thought\n<channel|>")
