@@ -102,10 +102,10 @@ def _items(notation: Notation, text: str, at: int) -> Optional[tuple[Any, int]]:
         return found, at + 1
     while True:
         if is_object:
-            key = _value(notation, text, at) if text.startswith(notation.quote, at) else None
-            bare = _BARE_KEY.match(text, at) if key is None else None
-            key = key or ((bare.group(), bare.end()) if bare else None)
-            at = _skip(text, key[1]) if key and isinstance(key[0], str) else -1
+            quoted = text.startswith(notation.quote, at)
+            bare = None if quoted else _BARE_KEY.match(text, at)
+            key = _value(notation, text, at) if quoted else (bare.group(), bare.end()) if bare else None
+            at = _skip(text, key[1]) if key else -1
             if at < 0 or not text.startswith(":", at):
                 return None
             at += 1

@@ -102,6 +102,12 @@ def test_a_call_not_in_the_notation_is_unreadable(tiny_model_dir, written) -> No
     assert (read.calls, read.unreadable) == ((), written)
 
 
+def test_nesting_past_pythons_depth_is_unreadable_not_a_crash(tiny_model_dir) -> None:
+    written = "<|tool_call>call:get_weather{city:" + "[" * 5000 + "1" + "]" * 5000 + "}<tool_call|>"
+    read = read_calls(gemma4_tokenizer(tiny_model_dir), written, TOOLS, STOP)
+    assert (read.calls, read.unreadable) == ((), written)
+
+
 def test_a_template_whose_notation_does_not_read_back_keeps_replies_as_text(tiny_model_dir) -> None:
     """A nested object written `key=value` (not in the notation read off the top level's `key:value`): the check on a
     probe of every JSON kind fails, so no layout, and a call reads as text rather than as a call made up from it."""
