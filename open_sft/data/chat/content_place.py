@@ -52,7 +52,8 @@ def marked_place(state: TemplateState, messages: Messages, tools: Optional[list]
     inserted_end = len(text) - len(after[0])
     inserted = text[len(before): inserted_end]
     content = messages[i]["content"]
-    if not (inserted in (content, content.strip()) or (inserted.strip() and content.strip().endswith(inserted.strip()))):
+    if not (inserted in (content, content.strip())
+            or (inserted.strip() and content.strip().endswith(inserted.strip()))):
         return None
     _, *closing = state.draw(marked[: i + 1], False, tools).split(MARK)
     if len(closing) != 1:

@@ -49,7 +49,7 @@ class Turn:
     end: int
     core: str
     reasoning_closed: bool = False
-    reasoning_opened: bool = False  # the prompt opens a trace (<think>, words) the template leaves out (opened_trace.py)
+    reasoning_opened: bool = False  # the prompt opens a trace (<think>, words) the template leaves out (opened_trace)
     reasoning_filled: bool = False  # the template writes the turn's think block empty (emptied_trace.py)
     hole: Optional[Span] = None  # [start, end) in `target`: text of a field not the model's, context (foreign_fields)
 

@@ -197,7 +197,8 @@ def test_kimi_k3_element_tags_inside_a_turn_are_no_stops(tiny_model_dir, tmp_pat
 def test_a_template_that_needs_tools_says_so_for_a_row_without_them(tiny_model_dir, tmp_path) -> None:
     """llama.cpp's form of Phi-4-mini's template iterates `tools` whenever it is defined, and apply_chat_template
     defines it (None) for every row: a row without tools failed with "fix the row", though the row is fine. The
-    error names the cause and the fix; with --on_bad_row drop such rows are counted as template_needs_tools. Rows with tools train."""
+    error names the cause and the fix; with --on_bad_row drop such rows are counted as template_needs_tools. Rows
+    with tools train."""
     from open_sft.errors import UserError
 
     tokenizer = tokenizer_for(tiny_model_dir, "phi_4_mini")

@@ -71,8 +71,8 @@ def test_a_trace_in_the_content_trains_once_in_the_block(tiny_model_dir, tmp_pat
     tokenizer = tokenizer_for(tiny_model_dir, "kimi_k2_thinking")
     row = {"tools": TOOLS, "messages": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "<think>I need the weather.</think>", "reasoning_content": "I need the weather.",
-         "tool_calls": [_call("Paris", 0)]},
+        {"role": "assistant", "content": "<think>I need the weather.</think>",
+         "reasoning_content": "I need the weather.", "tool_calls": [_call("Paris", 0)]},
         {"role": "tool", "content": '{"temp_c": 12}', "tool_call_id": "functions.get_weather:0"},
         {"role": "assistant", "content": "<think>\nThe tool said 12.\n</think>\n\nParis is at 12 degrees."}]}
     messages = to_messages(row, "messages")

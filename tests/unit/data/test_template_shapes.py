@@ -1,8 +1,8 @@
 """Labels under chat-template shapes found in real models' templates (each written here in a few lines,
 in the style of the original): a final turn written after an empty think block (Qwen3), eos only after
 the final turn (Phi-3), a conversation that opens with the assistant, a tool-use template that
-assumes a `tools` list, and one that assigns to a message's attribute (llama.cpp's MiroThinker-v1 form). Trained tokens are checked by decoding them, on the layout path (the row's
-shape rendered once with placeholders) and on the per-row path (a row with tools, which has no layout)."""
+assumes a `tools` list, and one that assigns to a message's attribute (llama.cpp's MiroThinker-v1 form). Trained
+tokens are checked by decoding them, on the layout path (the row's shape rendered once with placeholders) and on the per-row path (a row with tools, which has no layout)."""
 
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def _chat(monkeypatch, model, tokenizer, replies: list[str], lines: list[str]) -
 
     queue = [tokenizer(reply, add_special_tokens=False)["input_ids"] for reply in replies]
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids([STOP, "<turn|>"])
-    prompts, real = [], tokenizer.apply_chat_template
+    prompts = []
     call_layout(tokenizer)
 
     def generate(**kwargs):
