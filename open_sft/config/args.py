@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from open_sft.config.optimizer_args import OptimizerArguments
 from open_sft.redaction import redact_secrets
 
 
@@ -220,7 +221,9 @@ class DataArguments:
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(OptimizerArguments):
+    """The run's training flags; the optimizer's and the schedule's are OptimizerArguments'."""
+
     output_dir: str = _help("Where the model, metrics.jsonl and run.json are written.", default="output/")
     exp_name: Optional[str] = _help(
         "Name of the run: the W&B run name and, with --push_to_hub, the default --hub_revision. The output "
@@ -230,21 +233,6 @@ class TrainingArguments:
         "Examples per evaluation batch on each process (no gradients are kept, so it can be larger than the "
         "training micro-batch); default --per_device_train_batch_size.", default=None)
     gradient_accumulation_steps: int = _help("Micro-batches per optimizer step on each process.", default=1)
-    learning_rate: float = _help("Peak learning rate.", default=2e-5)
-    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "wsd"] = _help(
-        "Learning-rate schedule: linear, cosine, cosine_with_restarts (one cycle: = cosine, as in open-instruct), "
-        "polynomial (power 1 to 1e-7, as transformers'), constant, constant_with_warmup, wsd (warmup-stable-decay).",
-        default="linear")
-    final_lr_ratio: Optional[float] = _help(
-        "linear: decay to this fraction of the peak learning rate at the last step instead of to ~0.", default=None)
-    warmup_ratio: float = _help("Fraction of the optimizer steps spent warming up linearly.", default=0.03)
-    warmup_steps: Optional[int] = _help("Warmup steps; overrides --warmup_ratio.", default=None)
-    wsd_decay_ratio: float = _help("wsd: fraction of the steps, at the end, over which the LR decays linearly "
-                                   "(toward 0: its last step at peak / (decay steps + 1)).", default=0.1)
-    weight_decay: float = _help("AdamW weight decay (not applied to biases and norm weights).", default=0.0)
-    use_8bit_optimizer: bool = _help("bitsandbytes 8-bit AdamW (runs on CPU too); not with DeepSpeed.", default=False)
-    fused_optimizer: bool = _help("Use the fused AdamW kernel where this torch build has it (else foreach).",
-                                  default=True)
     num_train_epochs: int = _help("Passes over the training data (ignored when --max_train_steps is set).", default=2)
     max_train_steps: Optional[int] = _help("Total optimizer steps; overrides --num_train_epochs.", default=None)
     max_nonfinite_steps: int = _help(

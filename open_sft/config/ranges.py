@@ -69,6 +69,7 @@ RANGES: dict[str, Range] = {
     "logging_steps": AT_LEAST_1, "eval_steps": AT_LEAST_1, "max_nonfinite_steps": AT_LEAST_1,
     "learning_rate": POSITIVE, "final_lr_ratio": Range(low=0, high=1), "warmup_ratio": FRACTION,
     "warmup_steps": NON_NEGATIVE, "wsd_decay_ratio": Range(low=0, high=1), "weight_decay": NON_NEGATIVE,
+    "adam_beta1": FRACTION, "adam_beta2": FRACTION, "adam_epsilon": POSITIVE,
     "clip_grad_norm": Range(low=0, low_open=True, also=(-1,), also_means="-1 to disable clipping"),
     "seed": Range(low=0, high=SEED_MAX), "timeout": AT_LEAST_1, "sequence_parallel_size": AT_LEAST_1,
     "max_memory_per_rank_gib": POSITIVE,

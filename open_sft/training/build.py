@@ -24,7 +24,7 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
     from open_sft.model.loss import TokenLossModel
     from open_sft.monitor.metrics import FlopCounter, device_peak_flops
     from open_sft.training.engine import AccelerateEngine, DeepSpeedEngine
-    from open_sft.training.optim import build_optimizer
+    from open_sft.training.optim import optimizer_for
     from open_sft.training.trainer import Trainer
 
     t, model, spread = job.config.train, job.model, job.launch.parallelism
@@ -45,8 +45,7 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
         pipeline = start_pipeline(wrapped, t, job.accelerator.device, shard=spread.fsdp)
         logger.info("%s", describe(pipeline))
         engine = partial(PipelineEngine, pipeline=pipeline)
-    optimizer = build_optimizer(wrapped, t.learning_rate, t.weight_decay, fused=t.fused_optimizer,
-                                eight_bit=t.use_8bit_optimizer)
+    optimizer = optimizer_for(wrapped, t)
     if not spread.pp_enabled:
         wrapped, optimizer = job.accelerator.prepare(wrapped, optimizer)
     peak = device_peak_flops(job.dtype, on_fp32_kernels=job.launch.dtype_choice.bf16_via_fp32)

@@ -4,11 +4,15 @@ as pure functions of the step."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from open_sft.model.anatomy import param_shape
+
+if TYPE_CHECKING:
+    from open_sft.config.optimizer_args import OptimizerArguments
 
 
 def param_group_names(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -32,20 +36,38 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, learning_rate: float, weight_decay: float, fused: bool = True,
-                    eight_bit: bool = False) -> torch.optim.Optimizer:
+                    eight_bit: bool = False, betas: tuple[float, float] = (0.9, 0.999),
+                    eps: float = 1e-8) -> torch.optim.Optimizer:
     """torch AdamW: the fused kernel (one kernel per parameter group) when `fused` and this torch build has it
     for every device and dtype of the trained parameters, else the multi-tensor (foreach) implementation.
     Under DeepSpeed ZeRO the same optimizer steps the flat fp32 partitions (see optimizer_impl).
     `eight_bit` (--use_8bit_optimizer): bitsandbytes' AdamW8bit, its moments stored in 8 bits (blockwise
-    quantized), same betas and eps; bitsandbytes runs it on CPU too."""
+    quantized), same betas and eps; bitsandbytes runs it on CPU too. `betas`, `eps`: --adam_beta1/--adam_beta2,
+    --adam_epsilon."""
     groups = param_groups(model, weight_decay)
     if eight_bit:
         import bitsandbytes as bnb
 
-        return bnb.optim.AdamW8bit(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8)
+        return bnb.optim.AdamW8bit(groups, lr=learning_rate, betas=betas, eps=eps)
     params = [p for group in groups for p in group["params"]]
     impl = {"fused": True} if fused and fused_adamw_supported(params) else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8, **impl)
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, **impl)
+
+
+def optimizer_for(model: nn.Module, args: OptimizerArguments) -> torch.optim.Optimizer:
+    """build_optimizer with the flags' settings (its learning rate the peak: the trainer sets each step's)."""
+    return build_optimizer(model, args.learning_rate, args.weight_decay, fused=args.fused_optimizer,
+                           eight_bit=args.use_8bit_optimizer, betas=(args.adam_beta1, args.adam_beta2),
+                           eps=args.adam_epsilon)
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, weight_decay: float, betas: tuple[float, float],
+                        eps: float) -> None:
+    """The flags' AdamW hyperparameters on the groups of param_groups (decay, then no decay) after a resume: torch's
+    load_state_dict puts the checkpoint's own back, so a setting --allow_changed_settings let change (a new
+    --adam_beta2, --weight_decay) would not take, where a new --learning_rate does (the trainer sets each step's)."""
+    for index, group in enumerate(optimizer.param_groups):
+        group.update(betas=tuple(betas), eps=eps, weight_decay=weight_decay if index == 0 else 0.0)
 
 
 def fused_adamw_supported(params: list[torch.Tensor]) -> bool:

@@ -28,7 +28,7 @@ from open_sft.training.amp import Precision
 from open_sft.distributed.parallelism import Parallelism
 from open_sft.training.engine import AccelerateEngine, NonFiniteError, StepLosses, StepWork
 from open_sft.training.micro_batches import StepBatches
-from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor
+from open_sft.training.optim import lr_multiplier, optimizer_impl, schedule_floor, set_hyperparameters
 from open_sft.training.steps import StepPlan
 from open_sft.training.window import TrainingClock, Window
 
@@ -221,7 +221,9 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()` (older checkpoints lack the non-finite counters and the elapsed
-        seconds: 0)."""
+        seconds: 0), with the optimizer's hyperparameters the flags' (the checkpoint's were loaded with its state)."""
+        args = self.args
+        set_hyperparameters(self.optimizer, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
         self.train_tokens = int(state["train_tokens"])
         self.elapsed_before = float(state.get("elapsed_s", 0.0))
         self.total_tokens = int(state["total_tokens"])

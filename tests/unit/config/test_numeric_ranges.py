@@ -57,6 +57,11 @@ def test_every_numeric_flag_has_a_range() -> None:
     ("--lora_dropout", "nan", "--lora_dropout must be in [0, 1), got nan"),
     ("--eval_split_ratio", "inf", "--eval_split_ratio must be in [0, 1), got inf"),
     ("--timeout", "0", "--timeout must be at least 1, got 0"),
+    ("--adam_beta1", "1", "--adam_beta1 must be in [0, 1), got 1.0"),
+    ("--adam_beta2", "-0.5", "--adam_beta2 must be in [0, 1), got -0.5"),
+    ("--adam_beta2", "nan", "--adam_beta2 must be in [0, 1), got nan"),
+    ("--adam_epsilon", "0", "--adam_epsilon must be positive, got 0.0"),
+    ("--adam_epsilon", "-0.001", "--adam_epsilon must be positive, got -0.001"),
 ])
 def test_a_value_out_of_range_is_named_with_the_flag(flag, value, message) -> None:
     with pytest.raises(ConfigError) as info:
@@ -76,6 +81,7 @@ def test_every_out_of_range_value_is_said_at_once() -> None:
     ["--seed", "0"], ["--seed", "4294967295"], ["--warmup_steps", "0"], ["--wsd_decay_ratio", "1"],
     ["--wsd_decay_ratio", "0"], ["--weight_decay", "0"], ["--lora_dropout", "0"], ["--final_lr_ratio", "1"],
     ["--max_nonfinite_steps", "1"], ["--neftune_noise_alpha", "5"], ["--max_memory_per_rank_gib", "0.5"],
+    ["--adam_beta1", "0"], ["--adam_beta2", "0.95"], ["--adam_epsilon", "1e-30"],
 ])
 def test_the_ends_of_each_range_are_accepted(args) -> None:
     assert parse_config(BASE + args)

@@ -77,3 +77,46 @@ def test_parameters_on_the_meta_device_are_not_stepped() -> None:
         model[1] = torch.nn.Linear(4, 4)
     stepped = [p for group in build_optimizer(model, 1e-3, 0.1).param_groups for p in group["params"]]
     assert len(stepped) == 2 and all(not p.is_meta for p in stepped)
+
+
+FLAGS = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--weight_decay", "0.1"]
+
+
+@pytest.mark.parametrize("eight_bit", [False, True])
+def test_the_adam_flags_reach_every_parameter_group(eight_bit) -> None:
+    """--adam_beta1/--adam_beta2/--adam_epsilon (TrainingArguments' names) are what AdamW steps with, torch's and
+    bitsandbytes' 8-bit one alike; left out, torch's defaults (0.9, 0.999) and 1e-8."""
+    from open_sft.config.parse import parse_config
+    from open_sft.training.optim import optimizer_for
+
+    if eight_bit:
+        pytest.importorskip("bitsandbytes")
+    extra = ["--use_8bit_optimizer"] if eight_bit else []
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    given = parse_config(FLAGS + extra + ["--adam_beta1", "0.8", "--adam_beta2", "0.95", "--adam_epsilon", "1e-6"])
+    groups = optimizer_for(model, given.train).param_groups
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in groups] == [((0.8, 0.95), 1e-6, 0.1),
+                                                                           ((0.8, 0.95), 1e-6, 0.0)]
+    default = optimizer_for(model, parse_config(FLAGS + extra).train)
+    assert [(g["betas"], g["eps"]) for g in default.param_groups] == [((0.9, 0.999), 1e-8)] * 2
+    assert type(default).__name__ == ("AdamW8bit" if eight_bit else "AdamW")
+
+
+def test_a_resume_steps_with_the_flags_hyperparameters_not_the_checkpoints() -> None:
+    """torch's load_state_dict puts the checkpoint's betas, eps and weight decay back: after it, set_hyperparameters
+    (Trainer.load_state_dict) makes them the flags' again, as --allow_changed_settings lets a new --learning_rate
+    take from the resumed step; the moments stay the checkpoint's."""
+    from open_sft.training.optim import set_hyperparameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    saved = build_optimizer(model, 1e-3, 0.0)
+    model(torch.ones(2, 4)).sum().backward()
+    saved.step()
+    resumed = build_optimizer(model, 1e-3, 0.1, betas=(0.9, 0.95), eps=1e-6)
+    resumed.load_state_dict(saved.state_dict())
+    assert [g["betas"] for g in resumed.param_groups] == [(0.9, 0.999)] * 2  # what the flags alone would lose
+    set_hyperparameters(resumed, 0.1, (0.9, 0.95), 1e-6)
+    assert [(g["betas"], g["eps"], g["weight_decay"]) for g in resumed.param_groups] == [((0.9, 0.95), 1e-6, 0.1),
+                                                                                          ((0.9, 0.95), 1e-6, 0.0)]
+    weight = model[0].weight
+    assert torch.equal(resumed.state[weight]["exp_avg"], saved.state[weight]["exp_avg"])
