@@ -17,21 +17,21 @@ from typing import Any, Optional
 
 import torch
 
+from open_sft.config.ranges import RANGES
 from open_sft.errors import UserError
 
 OPTIMIZERS = ("adamw", "adam")  # DeepSpeed's Adam is AdamW unless adam_w_mode is false
 SCHEDULERS = {"warmuplr": "constant_with_warmup", "warmupdecaylr": "linear", "warmupcosinelr": "cosine"}
 # section param → our flag
 PARAM_FLAGS = {
-    "optimizer": {"lr": "learning_rate", "weight_decay": "weight_decay"},
+    "optimizer": {"lr": "learning_rate", "weight_decay": "weight_decay", "eps": "adam_epsilon",
+                  "betas": ("adam_beta1", "adam_beta2")},  # a list: one flag per element
     "scheduler": {"warmup_max_lr": "learning_rate", "warmup_num_steps": "warmup_steps",
                   "total_num_steps": "max_train_steps"},
 }
 # Section params whose only value open_sft trains with: another changes the optimizer or the learning rates, so it is
 # refused rather than dropped (--final_lr_ratio, our one floor, is linear's alone, as in open-instruct).
-FIXED = {"betas": ([0.9, 0.999], "open_sft's AdamW uses betas (0.9, 0.999)"),
-         "eps": (1e-8, "open_sft's AdamW uses eps 1e-8"),
-         "warmup_min_lr": (0, "open_sft's schedules warm up from 0"),
+FIXED = {"warmup_min_lr": (0, "open_sft's schedules warm up from 0"),
          "warmup_min_ratio": (0, "open_sft's schedules warm up from 0"),
          "warmup_type": ("linear", "open_sft's warmup rises linearly"),
          "cos_min_ratio": (0, "open_sft's cosine decays to 0"),
@@ -121,11 +121,11 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
             problem = _param_problem(name, key, value, train, explicit, updates)
             if problem:
                 problems.append(f"DeepSpeed config {path}: {name}.params.{key}={value!r} {problem}")
-            elif PARAM_FLAGS[name].get(key) is not None:
-                flag = PARAM_FLAGS[name][key]
+                continue
+            for flag, number in _flag_values(name, key, value):
                 current = updates.get(flag, getattr(train, flag))
-                if current is None or not _number_equal(value, current):
-                    updates[flag] = type(current)(value) if current is not None else int(value)
+                if current is None or not _number_equal(number, current):
+                    updates[flag] = type(current)(number) if current is not None else int(number)
     notes.append(f"the optimizer/scheduler sections of {path} are replaced by open_sft's AdamW and "
                  f"--lr_scheduler_type schedule" + (f" (from them: {_describe(updates)})" if updates else ""))
     return cfg, updates, notes, problems
@@ -139,9 +139,35 @@ def _param_problem(name: str, key: str, value: Any, train: Any, explicit: frozen
         fixed, why = FIXED[key]
         return None if _number_equal(value, fixed) else (
             f"cannot be honoured ({why}); set it to {json.dumps(fixed)} or \"auto\", or remove it")
-    flag = PARAM_FLAGS[name].get(key)
-    if flag is None:
+    flags = PARAM_FLAGS[name].get(key)
+    if flags is None:
         return "has no open_sft equivalent; set it to \"auto\" or remove it"
+    if isinstance(flags, tuple) and (not isinstance(value, list) or len(value) != len(flags)):
+        return f"must be a list of {len(flags)} numbers ({', '.join(flags)}) or \"auto\""
+    for flag, number in _flag_values(name, key, value):
+        problem = _flag_problem(flag, number, train, explicit, updates)
+        if problem:
+            return problem
+    return None
+
+
+def _flag_values(name: str, key: str, value: Any) -> list[tuple[str, Any]]:
+    """(our flag, the value it takes) for a section param: betas [b1, b2] are --adam_beta1 b1, --adam_beta2 b2."""
+    flags = PARAM_FLAGS[name].get(key)
+    if flags is None:
+        return []
+    return list(zip(flags, value)) if isinstance(flags, tuple) else [(flags, value)]
+
+
+def _flag_problem(flag: str, value: Any, train: Any, explicit: frozenset[str], updates: dict[str, Any]
+                  ) -> Optional[str]:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return f"is not a number (it sets --{flag}); give one or \"auto\""
+    allowed = RANGES.get(flag)
+    if allowed is not None and not allowed.holds(number):
+        return f"cannot be --{flag} (it must be {allowed.describe()}); fix it or set it to \"auto\""
     if flag in updates and not _number_equal(value, updates[flag]):
         return f"disagrees with the file's other value for --{flag} ({updates[flag]}); make them equal or \"auto\""
     current = updates.get(flag, getattr(train, flag))

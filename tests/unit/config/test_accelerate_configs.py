@@ -234,11 +234,35 @@ def test_trainer_sections_become_our_optimizer_and_schedule(tmp_path) -> None:
 
     for section, change, message in (
             ("optimizer", {"type": "Lamb"}, r"optimizer.type='Lamb' is not one open_sft can train with"),
-            ("optimizer", {"params": {"betas": [0.9, 0.95]}}, r"betas=\[0.9, 0.95\] cannot be honoured"),
             ("scheduler", {"type": "OneCycle"}, r"scheduler.type='OneCycle'")):
         broken = json.loads(json.dumps(TRAINER_JSON))
         broken[section].update(change)
         env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, broken)
+        with pytest.raises(UserError, match=message):
+            plan([], env)
+
+
+def test_the_jsons_betas_and_eps_are_the_adam_flags(tmp_path) -> None:
+    """optimizer.params.betas/eps are --adam_beta1/--adam_beta2/--adam_epsilon (they were refused unless (0.9, 0.999)
+    and 1e-8): "auto" takes the flags, a number sets a flag left to its default, and contradicts a given one."""
+    config = json.loads(json.dumps(TRAINER_JSON))
+    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, config)}
+    auto = plan(["--adam_beta2", "0.95", "--adam_epsilon", "1e-6"], env).train
+    assert (auto.adam_beta1, auto.adam_beta2, auto.adam_epsilon) == (0.9, 0.95, 1e-6)
+    config["optimizer"]["params"].update(betas=[0.8, 0.95], eps=1e-6)
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, config)
+    result = plan([], env)
+    assert (result.train.adam_beta1, result.train.adam_beta2, result.train.adam_epsilon) == (0.8, 0.95, 1e-6)
+    assert any("(from them: --adam_beta1 0.8, --adam_beta2 0.95, --adam_epsilon 1e-06)" in n for n in result.notes)
+    assert plan(["--adam_beta1", "0.8", "--adam_beta2", "0.95"], env).train.adam_beta2 == 0.95  # equal: no conflict
+    with pytest.raises(UserError, match=r"ds.json: optimizer.params.betas=\[0.8, 0.95\] conflicts with --adam_beta2 "
+                                        r"0.98; set it to \"auto\" in the file or drop the flag"):
+        plan(["--adam_beta2", "0.98"], env)
+    for betas, message in (([0.9, 1.5], r"betas=\[0.9, 1.5\] cannot be --adam_beta2 \(it must be in \[0, 1\)\)"),
+                           (0.9, r"betas=0.9 must be a list of 2 numbers \(adam_beta1, adam_beta2\) or \"auto\""),
+                           ([0.9, "x"], r"betas=\[0.9, 'x'\] is not a number \(it sets --adam_beta2\)")):
+        config["optimizer"]["params"]["betas"] = betas
+        env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, config)
         with pytest.raises(UserError, match=message):
             plan([], env)
 
@@ -278,7 +302,7 @@ def test_every_conflict_of_the_json_with_the_flags_is_named_at_once(tmp_path) ->
     env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": write_json(tmp_path, config)}
     with pytest.raises(ConfigError) as refused:
         plan(["--learning_rate", "1e-3", "--num_train_epochs", "2", "--gradient_accumulation_steps", "2",
-              "--clip_grad_norm", "1.0"], env)
+              "--clip_grad_norm", "1.0", "--adam_beta2", "0.98"], env)
     where = [problem.split(": ", 1)[1].split(" ", 1)[0] for problem in refused.value.problems]
     assert where == ["optimizer.params.lr=0.0001", "optimizer.params.betas=[0.9,", "scheduler.params.total_num_steps=8",
                      "scheduler.params.cos_min_ratio=0.1", "gradient_accumulation_steps=4", "gradient_clipping=0.3"]
