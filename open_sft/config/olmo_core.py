@@ -80,6 +80,7 @@ ATTENTION = {"flash_2": "flash_attention_2", "flash": "flash_attention_2", "torc
              "flash_3": "auto", "flash_4": "auto"}  # (the same attention; auto: FlashAttention 2 where installed)
 # open-instruct's docs/algorithms/finetune.md gives them as flash-2, flash-3 (its parser takes OLMo-core's flash_2)
 ATTENTION.update({name.replace("_", "-"): ours for name, ours in ATTENTION.items() if "_" in name})
+OLMO_CORE_BETA2 = 0.95  # olmo_core_finetune.py's SkipStepAdamWConfig betas=(0.9, 0.95), hard-coded
 # olmo_core_finetune.py's defaults that change what is trained and differ from ours: (its flag, ours, its value)
 DEFAULTS = (("num_epochs", "num_train_epochs", "3"), ("learning_rate", "learning_rate", "8e-05"),
             ("max_seq_length", "max_seq_length", "4096"), ("max_grad_norm", "clip_grad_norm", "none (no clipping)"))
@@ -108,6 +109,9 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
         t.notes.append("OLMo-core SFT packs examples into --max_seq_length sequences, --per_device_train_batch_size "
                        "of them a micro-batch: --packing (a micro-batch of at most --max_tokens_per_batch, default "
                        "per_device_train_batch_size × max_seq_length, tokens)")
+    if given and "adam_beta2" not in config.explicit:  # its SkipStepAdamWConfig(betas=(0.9, 0.95)), no flag there
+        t.changes.setdefault("train", {})["adam_beta2"] = OLMO_CORE_BETA2
+        t.notes.append(f"OLMo-core SFT's AdamW has betas (0.9, {OLMO_CORE_BETA2}): --adam_beta2 {OLMO_CORE_BETA2}")
     if attention is not None:
         t.changes.setdefault("model", {})["attn_implementation"] = attention
         t.notes.append(f"--attn_implementation {config.model.attn_implementation} (OLMo-core's name) = {attention}")
@@ -176,9 +180,8 @@ def _explain(t: Translation, given: list[str]) -> None:
                                  for name in ignored))
     if not given:
         return
-    t.warnings.append("OLMo-core SFT's optimizer is AdamW with betas (0.9, 0.95) that skips a step whose loss or "
-                      "gradient norm spikes (SkipStepAdamW); open_sft's AdamW has betas (0.9, 0.999) and takes every "
-                      "step (--clip_grad_norm bounds a spike)")
+    t.warnings.append("OLMo-core SFT's AdamW skips a step whose loss or gradient norm spikes (SkipStepAdamW); "
+                      "open_sft's takes every step (--clip_grad_norm bounds a spike)")
     left = [(theirs, ours, value) for theirs, ours, value in DEFAULTS
             if theirs not in t.config.explicit and ours not in t.config.explicit]
     if left:

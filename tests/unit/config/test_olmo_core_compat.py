@@ -48,9 +48,9 @@ BOOLEANS = {"low_cpu_mem_usage", "compile_model", "fused_optimizer", "skip_cache
 PACKING = ("OLMo-core SFT packs examples into --max_seq_length sequences, --per_device_train_batch_size of them a "
            "micro-batch: --packing (a micro-batch of at most --max_tokens_per_batch, default "
            "per_device_train_batch_size × max_seq_length, tokens)")
-OPTIMIZER = ("OLMo-core SFT's optimizer is AdamW with betas (0.9, 0.95) that skips a step whose loss or gradient norm "
-             "spikes (SkipStepAdamW); open_sft's AdamW has betas (0.9, 0.999) and takes every step (--clip_grad_norm "
-             "bounds a spike)")
+BETAS = "OLMo-core SFT's AdamW has betas (0.9, 0.95): --adam_beta2 0.95"
+OPTIMIZER = ("OLMo-core SFT's AdamW skips a step whose loss or gradient norm spikes (SkipStepAdamW); open_sft's takes "
+             "every step (--clip_grad_norm bounds a spike)")
 
 
 def parse(*args: str):
@@ -82,8 +82,9 @@ def test_the_olmo_core_debug_script_means_the_same() -> None:
     # its per_device_train_batch_size 1 is one packed 1024-token sequence, not one example
     assert (config.train.packing, config.train.max_tokens_per_batch, config.train.per_device_train_batch_size) == \
         (True, None, 1)  # None: per_device_train_batch_size × max_seq_length = 1024 tokens
-    assert config.notes == (PACKING, "OLMo-core SFT flags accepted and ignored: --ephemeral_save_interval (checkpoints "
-                                     "are --checkpointing_steps; a run resumes from the newest)")
+    assert config.notes == (PACKING, BETAS, "OLMo-core SFT flags accepted and ignored: --ephemeral_save_interval "
+                                            "(checkpoints are --checkpointing_steps; a run resumes from the newest)")
+    assert (config.train.adam_beta1, config.train.adam_beta2, config.train.adam_epsilon) == (0.9, 0.95, 1e-8)
     # olmo_core_finetune.py does not clip unless told; open_sft clips at 1.0: said, as the one default left out
     assert config.warnings == (
         OPTIMIZER,
@@ -111,7 +112,7 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
             config.checkpoint.checkpointing_steps, config.checkpoint.keep_last_n_checkpoints) == \
         (1.0, 1, True, "flash_attention_2", True, "/cache", "345", -1)
     assert config.warnings == (OPTIMIZER,)  # every default that differs was given
-    assert config.train.packing and config.notes[0] == PACKING
+    assert config.train.packing and config.notes[:2] == (PACKING, BETAS) and config.train.adam_beta2 == 0.95
     assert "--data_loader_seed (the data order follows --seed)" in config.notes[-1]
 
 
@@ -131,8 +132,11 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
     (["--activation_memory_budget", "1.0"], lambda c: c.model.gradient_checkpointing is False),
     (["--activation_memory_budget", "0.5"], lambda c: c.model.gradient_checkpointing is True),
     (["--num_epochs", "3", "--learning_rate", "8e-5", "--max_seq_length", "4096", "--max_grad_norm", "1"],
-     lambda c: c.warnings == (OPTIMIZER,) and c.notes == (PACKING,)),
-    (["--num_epochs", "1", "--packing", "false"], lambda c: c.train.packing is False and c.notes == ()),
+     lambda c: c.warnings == (OPTIMIZER,) and c.notes == (PACKING, BETAS)),
+    (["--num_epochs", "1", "--packing", "false", "--adam_beta2", "0.98"],
+     lambda c: (c.train.packing, c.train.adam_beta2, c.notes) == (False, 0.98, ())),  # given flags win
+    (["--num_epochs", "1", "--adam_beta2", "0.999"], lambda c: c.train.adam_beta2 == 0.999 and BETAS not in c.notes),
+    (["--num_epochs", "1"], lambda c: c.train.adam_beta2 == 0.95 and "adam_beta2" in c.explicit),
     (["--cache_mode", "local"], lambda c: c.warnings[1:] == (
         "OLMo-core SFT flags (--cache_mode) given, but not --num_epochs, --learning_rate, --max_seq_length, "
         "--max_grad_norm: olmo_core_finetune.py's defaults for those are 3, 8e-05, 4096, none (no clipping); "
@@ -174,6 +178,8 @@ def test_what_the_olmo3_script_asks_and_open_sft_cannot_do_is_said_at_once() -> 
 def test_a_command_line_without_olmo_core_flags_is_as_before() -> None:
     config = parse("--num_train_epochs", "3", "--config_name", "gpt2")  # a Hub id without an org is still one
     assert config.notes == () and config.warnings == () and config.train.num_train_epochs == 3
+    assert (config.train.adam_beta1, config.train.adam_beta2) == (0.9, 0.999)  # finetune.py's: torch's defaults
+    assert parse("--attn_implementation", "torch").train.adam_beta2 == 0.999  # a name both read: no OLMo-core line
 
 
 def test_olmo_core_keys_in_a_yaml_config(tmp_path) -> None:
