@@ -40,6 +40,9 @@ SECTIONS = ("model", "data", "train", "lora", "checkpoint")
 # accepted there where it keeps the global batch (a checkpoint resumed on another number of ranks), so it is no
 # changed setting of a resume; a completed run's relaunch compares it by the global batch it trains (completion).
 CHECKED_BY_IDENTITY = frozenset({"gradient_accumulation_steps"})
+# Settings that became flags later, with the value every run trained with before (a record without them): a
+# checkpoint of such a run is compared with it (an OLMo-core command line now means --adam_beta2 0.95).
+BEFORE_THE_FLAG = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
 SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the history (see above)
 # Flags that name local files or directories (or Hub ids): an existing path is recorded and compared in its
 # resolved form, so that the same file spelled otherwise (a trailing slash, relative from another working directory,
@@ -89,7 +92,9 @@ def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then",
                 computed: Optional[str] = None) -> list[str]:
     """`--flag: old {before}, new now` for each flag both hold with another value (paths compared resolved: a
     record written before they were recorded so; --torch_dtype by the dtype it trains in, `computed` being the
-    dtype the recorded run computed in, so that an explicit dtype equal to what its auto resolved is the same)."""
+    dtype the recorded run computed in, so that an explicit dtype equal to what its auto resolved is the same; a
+    record without a BEFORE_THE_FLAG flag by the value it trained with)."""
+    then = {**BEFORE_THE_FLAG, **then}
     return [f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
             for name in sorted(then.keys() & now.keys()) if not _same(name, then[name], now[name], computed)]
 

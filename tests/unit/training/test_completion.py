@@ -332,6 +332,24 @@ def test_a_checkpoint_written_before_histories_compares_its_resolved_config(tmp_
     assert [(h["from_step"], h["settings"]["learning_rate"]) for h in history] == [(1, 0.003), (30, 0.001)]
 
 
+def test_changed_adam_betas_are_a_changed_setting_and_a_checkpoint_before_the_flags_had_torchs(tmp_path) -> None:
+    """--adam_beta2 is refused on a resume as --learning_rate is. A checkpoint written before the flags existed
+    (its settings without them) trained with (0.9, 0.999): an OLMo-core command line, which now means --adam_beta2
+    0.95, is refused on it instead of stepping its moments with other betas unsaid."""
+    first = launch(tmp_path)
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), True)
+    other = launch(tmp_path, "--adam_beta2", "0.95")
+    with pytest.raises(UserError, match=r"  - --adam_beta2: 0.999 in the checkpoint, 0.95 now\n"):
+        completion.check_resume_point(resume_point(tmp_path, 29, history), 60, other, other.to_dict(), True)
+    before = [{**h, "settings": {k: v for k, v in h["settings"].items() if not k.startswith("adam_")}}
+              for h in history]
+    olmo_core = launch(tmp_path, "--num_epochs", "1")
+    with pytest.raises(UserError, match=r"  - --adam_beta2: 0.999 in the checkpoint, 0.95 now\n"):
+        completion.check_resume_point(resume_point(tmp_path, 29, before), 60, olmo_core, olmo_core.to_dict(), True)
+    assert completion.check_resume_point(resume_point(tmp_path, 29, before), 60, first, first.to_dict(), True) \
+        == before  # the same run, relaunched by the same command
+
+
 def test_an_accumulation_the_identity_check_accepted_is_no_changed_setting(tmp_path) -> None:
     """A checkpoint of 2 ranks resumed on 1 with --gradient_accumulation_steps doubled keeps the global batch
     (open_sft.training.elastic; check_compatible accepts it): no refusal, as for the same command relaunched, which
