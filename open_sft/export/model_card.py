@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 HYPERPARAMETERS = (
     ("train", "learning_rate"), ("train", "lr_scheduler_type"), ("train", "warmup_ratio"),
-    ("train", "weight_decay"), ("train", "num_train_epochs"), ("train", "max_train_steps"),
+    ("train", "weight_decay"), ("train", "adam_beta1"), ("train", "adam_beta2"), ("train", "adam_epsilon"),
+    ("train", "num_train_epochs"), ("train", "max_train_steps"),
     ("train", "per_device_train_batch_size"), ("train", "gradient_accumulation_steps"),
     ("train", "clip_grad_norm"), ("train", "loss_normalization"), ("train", "seed"),
     ("data", "max_seq_length"), ("data", "train_on"), ("data", "truncation"),

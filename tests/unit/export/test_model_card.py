@@ -99,3 +99,20 @@ def test_final_metrics_hold_the_last_evaluation_and_the_layout_is_in_words(tmp_p
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines[:1] + lines[2:]))
     card = render_model_card(run)  # an evaluation after the last logged step: its step named
     assert "| step | 9 |\n| loss | 7.25 |\n| train_tokens | 90 |\n| eval step | 10 |\n| eval_loss |" in card
+
+
+def test_the_card_and_run_json_args_give_the_adam_settings(tmp_path) -> None:
+    """An OLMo-core command line's betas (0.9, 0.95) are in the config dump run.json holds (FinetuneConfig.to_dict)
+    and in the card's hyperparameter table."""
+    from open_sft.config.parse import parse_config
+    from open_sft.export.model_card import render_model_card
+
+    config = parse_config(["--model_name_or_path", "m", "--mixer_list", "d.jsonl", "1.0", "--adam_epsilon", "1e-6"])
+    args = config.to_dict()
+    assert {k: args["train"][k] for k in ("adam_beta1", "adam_beta2", "adam_epsilon")} == \
+        {"adam_beta1": 0.9, "adam_beta2": 0.95, "adam_epsilon": 1e-6}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"args": args}))
+    card = render_model_card(run)
+    assert "| weight_decay | 0.0 |\n| adam_beta1 | 0.9 |\n| adam_beta2 | 0.95 |\n| adam_epsilon | 1e-06 |\n" in card
