@@ -19,11 +19,17 @@ from unit.training.test_checkpoint import _checkpointer, _publish_steps
 
 
 @pytest.fixture(autouse=True)
-def _uploaders_stopped(monkeypatch):
+def _uploaders_stopped(request, monkeypatch):
     """Every uploader a test starts has its thread stopped when the test ends. One left running logged after pytest
     had closed the test's capture stream ("Logging error ... Bad file descriptor"), and Python 3.11 prints that
     error's traceback with ast.parse (its caret anchors): racing test_layout's ast.parse in the same worker process,
-    it failed that test with "SystemError: AST constructor recursion depth mismatch"."""
+    it failed that test with "SystemError: AST constructor recursion depth mismatch". The test's loopback Hub and
+    capture are set up before this fixture's end, so they are torn down after it: the uploads still queued finish
+    against the live server into the open capture (stopped first, the server left them retrying past the join, an
+    uploader thread alive into later tests). A thread still alive after the join fails the test that started it."""
+    for name in ("capsys", "loopback_hub"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name)
     from open_sft.export.hub_checkpoints import CheckpointUploader
 
     started, init = [], CheckpointUploader.__init__
@@ -36,7 +42,8 @@ def _uploaders_stopped(monkeypatch):
     yield
     for uploader in started:
         uploader.queue.put(None)
-        uploader.thread.join(30)
+        uploader.thread.join(60)
+    assert not any(uploader.thread.is_alive() for uploader in started), "an uploader thread outlived its test"
 
 def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
     root = tmp_path / "checkpoints"
