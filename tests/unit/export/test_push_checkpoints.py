@@ -8,6 +8,8 @@ The tests of this subject that launch real processes are in tests/integration/te
 from __future__ import annotations
 
 import json
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,7 +28,10 @@ def _uploaders_stopped(request, monkeypatch):
     it failed that test with "SystemError: AST constructor recursion depth mismatch". The test's loopback Hub and
     capture are set up before this fixture's end, so they are torn down after it: the uploads still queued finish
     against the live server into the open capture (stopped first, the server left them retrying past the join, an
-    uploader thread alive into later tests). A thread still alive after the join fails the test that started it."""
+    uploader thread alive into later tests). A thread still running after that fails the test that started it. Its
+    end is read off threading.enumerate(), not join()/is_alive(): Python 3.11's join, interrupted by a signal handler
+    that raises (a test's SIGTERM during close()'s join: Preempted), marks the still running thread stopped, so a
+    later join returned at once and the thread went on uploading into the following tests."""
     for name in ("capsys", "loopback_hub"):
         if name in request.fixturenames:
             request.getfixturevalue(name)
@@ -42,8 +47,10 @@ def _uploaders_stopped(request, monkeypatch):
     yield
     for uploader in started:
         uploader.queue.put(None)
-        uploader.thread.join(60)
-    assert not any(uploader.thread.is_alive() for uploader in started), "an uploader thread outlived its test"
+    deadline = time.monotonic() + 60
+    while any(uploader.thread in threading.enumerate() for uploader in started) and time.monotonic() < deadline:
+        time.sleep(0.05)  # not join/is_alive: see below
+    assert not any(uploader.thread in threading.enumerate() for uploader in started), "an uploader outlived its test"
 
 def test_prune_skips_checkpoints_whose_upload_is_pending(tmp_path) -> None:
     root = tmp_path / "checkpoints"
@@ -178,6 +185,10 @@ def test_a_stop_while_the_end_waits_for_uploads_exits_75_and_the_relaunch_upload
     completion.mark_complete(out, 4, 1.0, config, uploads_left=True)
     checkpointer = _checkpointer(out, keep=1)
     checkpointer.uploader = CheckpointUploader(config.hub)
+    # the stopped launch's uploader goes on in this process (a real launch exits 75): a request of its own that is
+    # left unanswered ends in seconds and is not retried, instead of keeping its thread for minutes into later tests
+    monkeypatch.setenv("OPEN_SFT_HUB_RETRIES", "1")
+    monkeypatch.setenv("OPEN_SFT_HUB_TIMEOUT_S", "5")
     loopback_hub.hang_seconds, loopback_hub.always["preupload"] = 3.0, "hang"
     checkpointer.uploader.resubmit(out / "checkpoints")
     restore = stop_outside_training()  # as run.main has it
