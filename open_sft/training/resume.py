@@ -189,7 +189,7 @@ def changed_data_refusal(state: dict[str, Any], now: dict[str, Any], current: di
     from open_sft.training.run_settings import checkpoint_settings, differences
 
     then = {k: v for k, v in checkpoint_settings(state).items() if k in DATA_FLAGS}
-    named = differences(then, now, "in the checkpoint")
+    named = differences(then, {k: v for k, v in now.items() if k in DATA_FLAGS}, "in the checkpoint")
     lines, flags = [], {line.split(":")[0] for line in named}
     for line in _differences(state.get("identity") or {}, current):
         if line.split(":")[0] in flags:  # --seed: named once

@@ -66,6 +66,13 @@ def test_other_data_are_refused_before_they_are_tokenized_naming_the_flag(tmp_pa
     seeded = config(chat, "1.0", "--seed", "7")
     refusal = str(changed_data_refusal(state, settings(seeded), run_identity(seeded, "666d", ONE)))
     assert refusal.count("--seed") == 1 and "--seed: 42 in the checkpoint, 7 now" in refusal and KEY_LINE not in refusal
+    # a run with betas of its own (an OLMo-core line's --adam_beta2 0.95) whose source changed: no flag named, the
+    # keys (the settings a refusal of data compares are the data's: the betas were named, the cause left out)
+    own = config(chat, "1.0", "--adam_beta2", "0.95")
+    beta_state = {**state, "config": {**own.to_dict(), "settings_by_steps": [{"from_step": 1,
+                                                                              "settings": settings(own)}]}}
+    refusal = str(changed_data_refusal(beta_state, settings(own), run_identity(own, "666d", ONE)))
+    assert "adam" not in refusal and "(no flag that shapes them changed: a source file's contents" in refusal
     # the checkpoint's own data: no refusal, its cache entry
     assert prepare.prepare_run_data(then.data, tokenizer, 0, resuming=state)[0].cache_key == first.cache_key
 
