@@ -154,6 +154,8 @@ def compare_loss(argv: list[str]) -> None:
     if run["args"]["lora"]["use_lora"] or run["schedule"]["warmup_steps"] or run["world_size"] != 1:
         sys.exit("--compare_loss takes a one-process full fine-tune without warmup (TRL's warmup starts at lr 0 by "
                  "design, README \"Batching, schedules and the loss\")")
+    if train.get("final_lr_ratio") is not None or train["lr_scheduler_type"] == "wsd":
+        sys.exit("--compare_loss takes the schedules TRL has: no --final_lr_ratio, no wsd")
     rows = datasets.load_from_disk(run["dataset_cache_path"]).select_columns(["input_ids", "labels"])
     steps = _step_examples(args.compare_loss, rows)
     dtype = torch.bfloat16 if args.trl_precision == "bf16_weights" else torch.float32
@@ -162,6 +164,8 @@ def compare_loss(argv: list[str]) -> None:
                        bf16=args.trl_precision != "fp32", max_length=None, logging_steps=1, max_steps=len(steps),
                        learning_rate=train["learning_rate"], lr_scheduler_type=train["lr_scheduler_type"],
                        warmup_steps=0, weight_decay=train["weight_decay"], max_grad_norm=train["clip_grad_norm"] or 0.0,
+                       adam_beta1=train.get("adam_beta1", 0.9), adam_beta2=train.get("adam_beta2", 0.999),
+                       adam_epsilon=train.get("adam_epsilon", 1e-8),
                        seed=train["seed"], padding_free=train["packing"], dataloader_num_workers=0)
     trainer = SFTTrainer(model=model, args=config, train_dataset=rows,
                          processing_class=AutoTokenizer.from_pretrained(model_args["model_name_or_path"]))
