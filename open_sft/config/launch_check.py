@@ -25,9 +25,12 @@ QLORA_UNDER_DEEPSPEED = (
     "finetune.py ...) or with DDP (accelerate launch --multi_gpu --num_processes N finetune.py ...), or use "
     "--use_lora under DeepSpeed")
 ONE_OF_MANY = ("accelerate launch was given --num_processes {asked} but started this one process: on a machine with "
-               "fewer than two GPUs (or with --cpu) it starts one unless --multi_gpu, --use_deepspeed or --use_fsdp "
-               "(or an accelerate config file naming one) asks for more; add --multi_gpu for plain DDP over {asked} "
-               "processes (CPUs too), or give --num_processes 1")
+               "fewer than two GPUs it starts one unless --multi_gpu, --use_deepspeed or --use_fsdp (or an accelerate "
+               "config file naming one) asks for more; add --multi_gpu for plain DDP over {asked} processes (CPUs "
+               "too), or give --num_processes 1")
+ONE_OF_MANY_CPU = ("accelerate launch was given --num_processes {asked} and --cpu, with which it starts this one process "
+                   "whatever else it is given; drop --cpu (on a machine without GPUs, --multi_gpu runs plain DDP over "
+                   "{asked} processes on the CPUs), or give --num_processes 1")
 NONFINITE = "the DeepSpeed config would apply steps with a non-finite gradient instead of skipping them: "
 
 
@@ -57,11 +60,12 @@ def launch_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
     from open_sft.model.compile import compile_problems
     from open_sft.model.fp8 import fp8_problems
 
-    from open_sft.distributed.env import processes_asked_of_one
+    from open_sft.distributed.env import launch_flags, processes_asked_of_one
 
     p, train = launch.parallelism, launch.train
     asked = processes_asked_of_one() if p.world_size == 1 else None
-    problems = [ONE_OF_MANY.format(asked=asked)] if asked else []
+    alone = ONE_OF_MANY_CPU if asked and "--cpu" in launch_flags() else ONE_OF_MANY
+    problems = [alone.format(asked=asked)] if asked else []
     if p.deepspeed:
         problems += deepspeed_problems(config, launch)
     if p.fsdp:

@@ -166,20 +166,25 @@ def launcher_argv() -> list[str]:
         return []
 
 
-def processes_asked_of_one(env: Mapping[str, str] = os.environ, argv: list[str] | None = None) -> int | None:
-    """The --num_processes above 1 of an `accelerate launch` that started this process alone (its simple launcher,
-    which it runs where it sees fewer than two GPUs, or with --cpu, unless --multi_gpu, --use_deepspeed or
-    --use_fsdp asks for another); None for any other launch. `argv`: the launcher's (default: read from /proc)."""
-    if "ACCELERATE_DYNAMO_BACKEND" not in env or "LOCAL_RANK" in env or env.get("WORLD_SIZE", "1") not in ("", "1"):
-        return None
+def launch_flags(argv: list[str] | None = None) -> list[str]:
+    """The flags `accelerate launch` was given before the script, from its command line `argv` (default: this
+    process's parent's, read from /proc); [] where the parent is no accelerate launch."""
     argv = launcher_argv() if argv is None else argv
     start = next((i + 1 for i, part in enumerate(argv) if os.path.basename(part) in LAUNCH_COMMANDS), len(argv))
-    asked = None
-    for i, part in enumerate(argv[start:], start):
-        if part.endswith(".py") or part in SCRIPT_STARTS:
-            break
+    end = next((i for i in range(start, len(argv)) if argv[i].endswith(".py") or argv[i] in SCRIPT_STARTS), len(argv))
+    return argv[start:end]
+
+
+def processes_asked_of_one(env: Mapping[str, str] = os.environ, argv: list[str] | None = None) -> int | None:
+    """The --num_processes above 1 of an `accelerate launch` that started this process alone (its simple launcher,
+    which it runs where it sees fewer than two GPUs unless --multi_gpu, --use_deepspeed or --use_fsdp asks for
+    another, and always with --cpu); None for any other launch. `argv`: the launcher's (default: read from /proc)."""
+    if "ACCELERATE_DYNAMO_BACKEND" not in env or "LOCAL_RANK" in env or env.get("WORLD_SIZE", "1") not in ("", "1"):
+        return None
+    flags, asked = launch_flags(argv), None
+    for i, part in enumerate(flags):
         name, _, value = part.partition("=")
         if name in ("--num_processes", "--num-processes"):
-            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            value = value or (flags[i + 1] if i + 1 < len(flags) else "")
             asked = int(value) if value.isdigit() else asked
     return asked if asked is not None and asked > 1 else None

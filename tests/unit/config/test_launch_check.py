@@ -151,8 +151,17 @@ def test_two_processes_asked_of_accelerate_but_one_started_is_refused_with_the_f
         plan_launch(config(str(tiny_model_dir), "--torch_dtype", "float32"))
     assert str(caught.value) == (
         "the launch cannot run as asked (1 process: plain torch, dp_replicate 1 × dp_shard 1):\n  accelerate launch "
-        "was given --num_processes 2 but started this one process: on a machine with fewer than two GPUs (or with --cpu) "
-        "it starts one unless --multi_gpu, --use_deepspeed or --use_fsdp (or an accelerate config file naming one) "
-        "asks for more; add --multi_gpu for plain DDP over 2 processes (CPUs too), or give --num_processes 1")
+        "was given --num_processes 2 but started this one process: on a machine with fewer than two GPUs it starts "
+        "one unless --multi_gpu, --use_deepspeed or --use_fsdp (or an accelerate config file naming one) asks for "
+        "more; add --multi_gpu for plain DDP over 2 processes (CPUs too), or give --num_processes 1")
+    # with --cpu, accelerate starts one process whatever else it is given (--multi_gpu too): the fix is without it
+    nothing_loads.setattr(env, "launcher_argv", lambda: ["python", "/venv/bin/accelerate", "launch", "--cpu",
+                                                         "--multi_gpu", "--num_processes=2", "finetune.py"])
+    with pytest.raises(UserError) as caught:
+        plan_launch(config(str(tiny_model_dir), "--torch_dtype", "float32"))
+    assert str(caught.value).splitlines()[1] == (
+        "  accelerate launch was given --num_processes 2 and --cpu, with which it starts this one process whatever "
+        "else it is given; drop --cpu (on a machine without GPUs, --multi_gpu runs plain DDP over 2 processes on the "
+        "CPUs), or give --num_processes 1")
     nothing_loads.setattr(env, "launcher_argv", lambda: ["python", "/venv/bin/accelerate", "launch", "finetune.py"])
     assert plan_launch(config(str(tiny_model_dir), "--torch_dtype", "float32")).launch.parallelism.world_size == 1
