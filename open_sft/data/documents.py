@@ -44,10 +44,10 @@ def with_special_text(tokenizer: Any, texts: list[str]) -> dict[int, tuple[str, 
     it encodes as that token (an `<|endoftext|>` inside a web page is a fake document end), with those tokens (but
     the ones the user added: render.special_text_in): counted and warned about (SourceReport.special_tokens_in_text),
     not changed."""
-    from open_sft.data.chat.render import special_markers, special_text_in
+    from open_sft.data.chat.render import special_markers, special_text_finder
 
-    markers = special_markers(tokenizer)
-    found = {k: special_text_in(tokenizer, markers, (text,)) for k, text in enumerate(texts)}
+    tokens_in = special_text_finder(tokenizer, special_markers(tokenizer))
+    found = {k: tokens_in(text) for k, text in enumerate(texts)}
     return {k: tokens for k, tokens in found.items() if tokens}
 
 
