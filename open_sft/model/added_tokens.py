@@ -32,13 +32,13 @@ def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool, fla
     """Add a file's tokens that the tokenizer lacks; returns their ids (remembered for the embedding init). The
     file's tokens (but the tokenizer's own named ones: eos, bos, pad, its additional special tokens) are the user's
     (`open_sft_user_tokens`): written in the data on purpose, their text there is not warned about as a special
-    token's (open_sft.data.chat.render.special_text_in), whether this run adds them or the tokenizer has them from
-    an earlier run's."""
-    known = tokenizer.get_vocab()
+    token's (open_sft.data.chat.render.special_text_in), whether this run adds them or a fast tokenizer has them from
+    an earlier run's (a slow one saves added special tokens among its named ones: warned about then)."""
+    known, listed = tokenizer.get_vocab(), read_token_file(path)
     named = set(tokenizer.all_special_tokens)
     tokenizer.open_sft_user_tokens = tuple(sorted(set(getattr(tokenizer, "open_sft_user_tokens", ())) | {
-        token for token in read_token_file(path) if token not in named}))
-    new = [t for t in read_token_file(path) if t not in known]
+        token for token in listed if token not in named}))
+    new = [t for t in listed if t not in known]
     splitting = words_split_by(new, known)
     if splitting:
         shown = "; ".join(f"{token!r} inside {', '.join(words)}" for token, words in list(splitting.items())[:5])
@@ -51,7 +51,7 @@ def add_tokens(tokenizer: PreTrainedTokenizerBase, path: str, special: bool, fla
     ids = tokenizer.convert_tokens_to_ids(new)
     remember_new_tokens(tokenizer, ids)
     logger.info("added %d %stokens from %s (%d were already known)", len(new), "special " if special else "",
-                path, len(read_token_file(path)) - len(new))
+                path, len(listed) - len(new))
     return ids
 
 
