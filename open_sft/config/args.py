@@ -10,12 +10,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from open_sft.config.fields import help_field as _help
 from open_sft.config.optimizer_args import OptimizerArguments
 from open_sft.redaction import redact_secrets
-
-
-def _help(text: str, **kwargs: Any) -> Any:
-    return field(metadata={"help": text}, **kwargs)
 
 
 def _aliased(alias: str, text: str, **kwargs: Any) -> Any:

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import yaml
 
+from open_sft.config.fields import help_field as _help
 from open_sft.errors import UserError
-
-
-def _help(text: str, **kwargs: Any) -> Any:
-    return field(metadata={"help": text}, **kwargs)
 
 
 @dataclass

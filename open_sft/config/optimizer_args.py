@@ -4,12 +4,10 @@ TRL/transformers users write them) and the schedule's. Part of TrainingArguments
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
 
-
-def _help(text: str, **kwargs: Any) -> Any:
-    return field(metadata={"help": text}, **kwargs)
+from open_sft.config.fields import help_field as _help
 
 
 @dataclass
