@@ -35,9 +35,11 @@ def _field_openers(tokenizer) -> dict[str, str]:
     a message that the model does not write (none: no probe rendered)."""
     from open_sft.data.chat.render import renderer_for, special_markers
 
-    found = {}
-    for name in message_fields(tokenizer.chat_template):
-        draw, markers = renderer_for(tokenizer), special_markers(tokenizer)
+    fields = message_fields(tokenizer.chat_template)
+    if not fields:
+        return {}
+    found, draw, markers = {}, renderer_for(tokenizer), special_markers(tokenizer)
+    for name in fields:
         found.update({token: name for token in openers(draw, (name,), markers, tokenizer.eos_token)})
     return found
 

@@ -142,8 +142,9 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     state = render.template_state(tokenizer, options)
     strings = string_arguments(messages)  # before the template's own form: what the row gave
     messages = _developer_turns(messages, state.source)
-    if _enders(state, tokenizer, markers).inline_doubled:  # one trace block, not the content's and the template's
-        messages = inline_moved(messages, _enders(state, tokenizer, markers).trace_block)
+    enders = _enders(state, tokenizer, markers)
+    if enders.inline_doubled:  # one trace block, not the content's and the template's
+        messages = inline_moved(messages, enders.trace_block)
     messages = as_template_takes(state, with_reasoning_aliases(messages))
     check_call_ids(state, messages)
     rendered = _examples(state, tokenizer, messages, train_on, markers, options)
