@@ -40,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # open_sft from this checkout, installed or not
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
+
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -246,7 +248,7 @@ def add_mfu(results: list[dict], measured_bf16_peak: float | None = None) -> Non
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=None, help="default: build the embedded default")
     parser.add_argument("--data", default=str(ROOT / "open_sft" / "embedded" / "data" / "sample.jsonl"))
     parser.add_argument("--chat_template_name", default=None)

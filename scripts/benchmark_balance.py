@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmark import cpu_line  # noqa: E402  (the CPU line every benchmark prints)
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were which this are be had first "
          "one their not also after new two its has but other been when there all during into school time may "
@@ -71,7 +72,7 @@ def run(args, model: str, data: str, out: Path, packing: bool, balance: bool) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", default=None, help="default: build the embedded default")
     parser.add_argument("--data", default=None, help="default: a generated long-tailed mix (--rows rows)")
     parser.add_argument("--rows", type=int, default=400)

@@ -23,9 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # open_sft from this checkout, installed or not
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
+
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the embedded one)")
     parser.add_argument("--data", default=None,
                         help="messages/alpaca/sharegpt/text JSONL or JSON (default: generated rows)")

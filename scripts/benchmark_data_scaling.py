@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # open_sft from this checkout, installed or not
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
 
 BUILD = r"""
 import json, resource, sys, threading, time
@@ -141,7 +143,7 @@ def run(code: str, *args: str) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes_mb", default="64,128,256", help="corpus sizes in MB (1 MB = 2^20 bytes)")
     parser.add_argument("--data", required=True, help="rows to repeat: JSON list or JSON Lines")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory or tokenizers JSON file")

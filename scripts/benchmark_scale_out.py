@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmark import cpu_line  # noqa: E402  (the CPU line every benchmark prints)
 from benchmark_balance import WORDS, long_tailed_mix  # noqa: E402
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
 
 GIB = 2**30
 ENGINES = {"zero2": ["--use_deepspeed", "--deepspeed_config_file", str(ROOT / "configs" / "ds" / "zero2.json")],
@@ -156,7 +157,7 @@ def longest(args, model: str, tmp: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("engines", "tensor", "longest", "pipeline"))
     parser.add_argument("--model_name_or_path", default=None, help="default: the embedded default at --hidden")
     parser.add_argument("--hidden", type=int, default=256)

@@ -25,6 +25,7 @@ import json
 import resource
 import sys
 import time
+from pathlib import Path
 
 
 def _attention(name: str, root: str) -> str:
@@ -136,15 +137,16 @@ def _step_examples(run_dir: str, rows) -> list[list[int]]:
 
 
 def compare_loss(argv: list[str]) -> None:
-    import argparse
-
     import datasets
     import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    parser = argparse.ArgumentParser("benchmark_trl.py --compare_loss")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # open_sft from this checkout
+    from open_sft.config.whole_flags import WholeFlagParser
+
+    parser = WholeFlagParser("benchmark_trl.py --compare_loss")
     parser.add_argument("--compare_loss", required=True, metavar="RUN_DIR")
     parser.add_argument("--trl_precision", choices=("fp32", "autocast", "bf16_weights"), default="fp32")
     parser.add_argument("--out", help="a JSON file for both sides' per-step losses and grad norms")

@@ -19,7 +19,6 @@ no wheel: one is built here without its CUDA ops (they are JIT-built there on fi
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import os
 import subprocess
@@ -32,6 +31,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # open_sft from this checkout, installed or not
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
+
 # The machine: CPython 3.12 on Linux x86-64 (the device tool's KINDS.md, nvidia-h200)
 PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
             "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux2014_x86_64"]
@@ -154,7 +156,7 @@ echo "installed into .gpu_site: run with PYTHONPATH=.gpu_site:$PWD"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = WholeFlagParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", type=Path, default=ROOT / ".gpu_wheels")
     out = parser.parse_args().out
     print(f"{out}/core:")

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmark import cpu_line  # noqa: E402  (the CPU line every benchmark prints)
+from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
 
 KINDS = ("lm_head_matmul", "lm_head_other", "backbone_matmul", "attention", "optimizer", "casts_copies",
          "elementwise_other")
@@ -188,7 +189,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("usage: profile_step.py [--step N] [--top K] -- <finetune.py arguments>", file=sys.stderr)
         return 2
     split = argv.index("--")
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--step", type=int, default=4, help="the step to profile (0-based; later ones are warm)")
     parser.add_argument("--top", type=int, default=12, help="also print the K ops that took longest")
     args = parser.parse_args(argv[:split])

@@ -1,9 +1,8 @@
 """`finetune.py [run.yaml] --flag value ...` → a validated FinetuneConfig.
 
 The YAML (open_sft's or an open-instruct train config) gives defaults and flags override them. Flags are read
-whole, never as a prefix of another (argparse's allow_abbrev): a prefix that named one flag would name another, or
-none, once a flag is added (the OLMo-core flags made --config and --loss ambiguous), and `--lr 1e-4` was read as
---lr_scheduler_type; open-instruct's own command lines write every flag whole. Every mistake (unknown flag, bad
+whole, never as a prefix of another (open_sft.config.whole_flags, as every command line of open_sft);
+open-instruct's own command lines write every flag whole. Every mistake (unknown flag, bad
 value, unknown YAML key) is a UserError naming the flag and the fix, never a traceback.
 """
 
@@ -27,34 +26,29 @@ from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneCo
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
 from open_sft.config.companions import companion_warnings
+from open_sft.config.whole_flags import WholeFlagParser, flag_hint
 from open_sft.errors import ConfigError, UserError
 
 DATACLASSES = (ModelArguments, DataArguments, TrainingArguments, LoraArguments, CheckpointArguments,
                HubArguments, compat.OpenInstructArguments, olmo_core.OlmoCoreArguments)
 
 
-class _Parser(HfArgumentParser):
-    """argparse reports mistakes by printing usage and exiting; here they become one `error:` line."""
+class _Parser(WholeFlagParser, HfArgumentParser):
+    """argparse reports mistakes by printing usage and exiting; here they become one `error:` line. Flags are read
+    whole (WholeFlagParser); an unknown one that another trainer has gets open_sft's way to say the same."""
 
     def error(self, message: str) -> NoReturn:
-        raise UserError(f"{message} (see python finetune.py --help)")
+        raise UserError(f"{message}; see python finetune.py --help")
 
-    def option_names(self) -> list[str]:
-        return [name for action in self._actions for name in action.option_strings if name.startswith("--")]
-
-    def flags_beginning(self, prefix: str) -> list[str]:
-        """The flags `prefix` begins, one name each (a flag's spellings --learning_rate, --learning-rate are one),
-        those --help shows: what a flag given shortened may have meant."""
-        return [next(name for name in action.option_strings if name.startswith("--"))
-                for action in self._actions if action.help != argparse.SUPPRESS
-                and any(name.startswith(prefix) for name in action.option_strings)]
+    def flag_hint(self, flag: str) -> str:
+        return flag_hint(self, flag, FOREIGN_FLAGS.get(flag.replace("-", "_").lstrip("_")))
 
 
 def _make_parser() -> _Parser:
     """HfArgumentParser turns each field's Literal type into argparse choices, so --help lists them; argparse
     would then refuse a bad value alone, before the other flags are read. The choices stay in the help and are
     judged in open_sft.config.checks with every other problem, all reported at once."""
-    parser = _Parser(DATACLASSES, allow_abbrev=False)
+    parser = _Parser(DATACLASSES)
     for action in list(parser._actions):
         if action.choices:
             action.metavar = "{" + ",".join(map(str, action.choices)) + "}"
@@ -105,16 +99,8 @@ def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -
         takes = f" (after {after}, which takes {counts[action.nargs]})" if action and action.nargs in counts else ""
         return UserError(f"unexpected argument(s) {' '.join(leftover)}{takes}: every value follows a --flag "
                          "(see python finetune.py --help)")
-    parts = []
-    for flag in flags:
-        close = difflib.get_close_matches(flag, parser.option_names(), n=1, cutoff=0.6)
-        hint = FOREIGN_FLAGS.get(flag.replace("-", "_").lstrip("_"))
-        whole = parser.flags_beginning(flag) if flag.startswith("--") and len(flag) > 3 else []
-        if whole:  # given shortened: flags are read whole
-            meant = " or ".join(whole[:6]) + (f" (or {len(whole) - 6} more)" if len(whole) > 6 else "")
-            hint = f"{hint + '; ' if hint else ''}flags are not shortened: did you mean {meant}?"
-        parts.append(f"{flag} ({hint})" if hint else f"{flag} (did you mean {close[0]}?)" if close else flag)
-    return UserError(f"unknown flag {', '.join(parts)}; see python finetune.py --help")
+    # (a --flag it lacks the parser refused before reading values: WholeFlagParser; here a -x one)
+    return UserError(f"unknown flag {', '.join(map(parser.flag_hint, flags))}; see python finetune.py --help")
 
 
 def _flag_before(argv: list[str], leftover: list[str]) -> str | None:
@@ -296,7 +282,7 @@ def _split_comma_lists(parser: _Parser, argv: list[str]) -> list[str]:
 
 def _given_on_command_line(argv: list[str]) -> set[str]:
     """The fields the command line sets: parsed once more with every default replaced by a marker
-    (argparse resolves prefixes, aliases and `--no_x` forms itself, so this agrees with the real parse)."""
+    (argparse resolves aliases and `--no_x` forms itself, so this agrees with the real parse)."""
     parser, unset = _make_parser(), object()
     parser.set_defaults(**{action.dest: unset for action in parser._actions if action.dest != "help"})
     namespace, _ = parser.parse_known_args(argv)

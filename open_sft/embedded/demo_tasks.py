@@ -24,12 +24,12 @@ built from them::
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.embedded.sample_data import write_jsonl
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -156,8 +156,8 @@ def build_demo_base(out_dir: str | Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m open_sft.embedded.demo_tasks",
-                                     description="The demo's tasks and model (scripts/demo.sh).")
+    parser = WholeFlagParser(prog="python -m open_sft.embedded.demo_tasks",
+                             description="The demo's tasks and model (scripts/demo.sh).")
     commands = parser.add_subparsers(dest="command", required=True)
     data = commands.add_parser("data", help="write the demo's training and held-out tasks")
     data.add_argument("out_dir", nargs="?", default=str(DATA_DIR), help="where (default: the bundled files)")

@@ -25,6 +25,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.data.chat.templates import EMBEDDED
 from open_sft.distributed.env import setup_cpu_environment
 from open_sft.errors import UserError
@@ -269,7 +270,7 @@ def build_embedded_default(
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> int:
-    parser = argparse.ArgumentParser(
+    parser = WholeFlagParser(
         prog=prog,
         description="Build the offline embedded default tokenizer + tiny Llama model.",
     )

@@ -22,7 +22,6 @@ Command line::
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -31,6 +30,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.file_modes import output_file_problem
 
 logger = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "open_sft sample-data") -> int:
-    parser = argparse.ArgumentParser(
+    parser = WholeFlagParser(
         prog=prog,
         description="Write deterministic, checkable instruction data as JSON lines.",
     )

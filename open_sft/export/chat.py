@@ -27,6 +27,7 @@ import argparse
 import sys
 from typing import Callable, Optional, TextIO
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.export.generate import (CONTEXT_FULL, END_OF_TURN, Generation, add_model_arguments, context_length,
                                       generate_reply, load_or_exit, plain_continuation,
                                       tools_before_loading)
@@ -190,8 +191,8 @@ def _turn(messages: list[dict], text: str, raw: bool) -> dict | str:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(prog=prog, description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, max_new_tokens=256)
     parser.add_argument("--system", default=None, help="a system message that starts every conversation")
     args = parser.parse_args(argv)

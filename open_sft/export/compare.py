@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.export.compare_tools import checked_tools
 from open_sft.export.tool_calls import scores_calls
 from open_sft.export.tool_schemas import add_tools_argument
@@ -289,8 +290,8 @@ def default_limits(directory: Path, tokenizer, template: str | None, rows: list[
 
 
 def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(prog=prog, description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before", type=Path, help="the model before fine-tuning (a model directory)")
     parser.add_argument("after", type=Path, help="the model after: a run's --output_dir (or its merged/)")
     parser.add_argument("--tasks", type=Path, required=True, help="JSON-lines tasks (messages + answer)")

@@ -19,7 +19,6 @@ which step, the engine that wrote it) and a model card that names the step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -29,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.durable import human_size, out_of_space
 from open_sft.errors import UserError
 from open_sft.export.checkpoint_weights import CheckpointWeights, describe, open_weights
@@ -242,9 +242,9 @@ def _weight_bytes(weights: CheckpointWeights, dtype: torch.dtype) -> int:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft export") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="write a step checkpoint of a run (any engine: one "
-                                     "process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2, pipeline stages; full or LoRA) as "
-                                     "a Hugging Face model directory, on one CPU process; the run may be going on")
+    parser = WholeFlagParser(prog=prog, description="write a step checkpoint of a run (any engine: one "
+                             "process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2, pipeline stages; full or LoRA) as "
+                             "a Hugging Face model directory, on one CPU process; the run may be going on")
     parser.add_argument("checkpoint", type=Path, help="a complete checkpoint: OUTPUT_DIR/checkpoints/step_N")
     parser.add_argument("output_dir", type=Path, help="where the model goes (not the run's --output_dir)")
     parser.add_argument("--save_dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.export.tool_schemas import add_tools_argument
 
 HELD_OUT_SEED = 20261122  # the bundled sample is generated with seed 0
@@ -245,8 +246,8 @@ def load_or_exit(args: argparse.Namespace):
 def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     from open_sft.errors import UserError
 
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(prog=prog, description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, max_new_tokens=32)
     parser.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
     parser.add_argument("--system", default=None, help="optional system message")

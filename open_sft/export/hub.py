@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.durable import write_json
 from open_sft.errors import StopRun
 from open_sft.redaction import scrub
@@ -345,7 +346,7 @@ def _push_input_problems(output_dir: Path, repo_id: str) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = WholeFlagParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="the --output_dir of a finished run, or a complete checkpoint")
     parser.add_argument("--hub_model_id", required=True)
     parser.add_argument("--hub_revision", default="main")

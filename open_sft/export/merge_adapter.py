@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Optional
 
 from peft import PeftModel
 
+from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.errors import UserError
 from open_sft.export.lora_merge import merged_state_dict, write_merged_model
 from open_sft.export.run_dir import (adapter_base, base_loading, fit_base_to_adapter, load_adapter_base,
@@ -69,8 +69,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft merge-lora") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="merge a LoRA adapter into its base model and save the "
-                                     "full model")
+    parser = WholeFlagParser(prog=prog, description="merge a LoRA adapter into its base model and save the "
+                             "full model")
     parser.add_argument("adapter_dir", type=Path)
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "float16"], default="auto",

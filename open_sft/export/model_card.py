@@ -15,12 +15,13 @@ an allow-list of them is printed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+from open_sft.config.whole_flags import WholeFlagParser
 
 HYPERPARAMETERS = (
     ("train", "learning_rate"), ("train", "lr_scheduler_type"), ("train", "warmup_ratio"),
@@ -278,7 +279,7 @@ def write_model_card(output_dir: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft model-card") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="(re)write README.md, the model card, of a run's export")
+    parser = WholeFlagParser(prog=prog, description="(re)write README.md, the model card, of a run's export")
     parser.add_argument("output_dir", type=Path, help="a run's --output_dir (holds run.json)")
     args = parser.parse_args(argv)
     if not (args.output_dir / "run.json").is_file():

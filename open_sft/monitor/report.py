@@ -6,13 +6,14 @@ markdown summary, computed from the metrics.jsonl records alone.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from open_sft.config.whole_flags import WholeFlagParser
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +165,7 @@ def write_run_report(output_dir: Path) -> Optional[Path]:
 
 
 def main(argv: Optional[list[str]] = None, prog: str = "open_sft report") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = WholeFlagParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path, help="a run's --output_dir (holds metrics.jsonl)")
     args = parser.parse_args(argv)
     metrics_path = args.output_dir / "metrics.jsonl"

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
+from open_sft.config.whole_flags import WholeFlagParser
 from tests.gpu_check.context import Context, header, importable
 from tests.gpu_check.models import prepare
 from tests.gpu_check.parts import PARTS, SPEED, group_of
@@ -123,8 +124,8 @@ def stop_on_signal(ctx: Context, report: dict, keep_work: bool) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = WholeFlagParser(prog="gpu_check.py", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--data", help="alpaca-style rows (.json/.jsonl); default: the embedded sample")
     parser.add_argument("--tokenizer", help="a tokenizers JSON file (real tokenizer); default: the embedded one")
