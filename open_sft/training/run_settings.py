@@ -40,8 +40,9 @@ SECTIONS = ("model", "data", "train", "lora", "checkpoint")
 # accepted there where it keeps the global batch (a checkpoint resumed on another number of ranks), so it is no
 # changed setting of a resume; a completed run's relaunch compares it by the global batch it trains (completion).
 CHECKED_BY_IDENTITY = frozenset({"gradient_accumulation_steps"})
-# Settings that became flags later, with the value every run trained with before (a record without them): a
-# checkpoint of such a run is compared with it (an OLMo-core command line now means --adam_beta2 0.95).
+# Settings that became flags later, with the value every run trained with before: a record without them (a
+# checkpoint's history, a completion record) is read with them (complete), so that every reader compares and
+# records what such a run trained with (an OLMo-core command line now means --adam_beta2 0.95).
 BEFORE_THE_FLAG = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
 SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the history (see above)
 # Flags that name local files or directories (or Hub ids): an existing path is recorded and compared in its
@@ -88,13 +89,18 @@ def _same(name: str, then: Any, now: Any, computed: Optional[str]) -> bool:
     return _resolved(name, then) == _resolved(name, now)
 
 
+def complete(recorded: dict[str, Any]) -> dict[str, Any]:
+    """Recorded settings as read: with the value it trained with for each BEFORE_THE_FLAG flag the record predates
+    (an older record has no key for it; one whose history a later launch extended holds null there)."""
+    return {**recorded, **{name: value for name, value in BEFORE_THE_FLAG.items() if recorded.get(name) is None}}
+
+
 def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then",
                 computed: Optional[str] = None) -> list[str]:
     """`--flag: old {before}, new now` for each flag both hold with another value (paths compared resolved: a
     record written before they were recorded so; --torch_dtype by the dtype it trains in, `computed` being the
-    dtype the recorded run computed in, so that an explicit dtype equal to what its auto resolved is the same; a
-    record without a BEFORE_THE_FLAG flag by the value it trained with)."""
-    then = {**BEFORE_THE_FLAG, **then}
+    dtype the recorded run computed in, so that an explicit dtype equal to what its auto resolved is the same).
+    Records are read complete (`complete`)."""
     return [f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
             for name in sorted(then.keys() & now.keys()) if not _same(name, then[name], now[name], computed)]
 
@@ -105,9 +111,10 @@ def compared(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _history_to(saved: dict[str, Any], step: int) -> list[dict[str, Any]]:
-    """The step ranges of a checkpoint's saved config (its settings history) that began by `step`; [] for a
-    checkpoint written before histories were kept."""
-    return [segment for segment in saved.get(SETTINGS_KEY) or [] if segment["from_step"] <= step]
+    """The step ranges of a checkpoint's saved config (its settings history) that began by `step`, each range's
+    settings complete; [] for a checkpoint written before histories were kept."""
+    return [{**segment, "settings": complete(segment["settings"])} for segment in saved.get(SETTINGS_KEY) or []
+            if segment["from_step"] <= step]
 
 
 def checkpoint_settings(state: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +122,7 @@ def checkpoint_settings(state: dict[str, Any]) -> dict[str, Any]:
     range up to its step, else (written before histories were kept) its resolved config's."""
     saved = state.get("config") or {}
     history = _history_to(saved, state.get("step", 0))
-    return history[-1]["settings"] if history else _flat(saved)
+    return history[-1]["settings"] if history else complete(_flat(saved))
 
 
 def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any], allow: bool,
@@ -131,7 +138,7 @@ def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any]
     if history:
         changed = differences(history[-1]["settings"], compared(now), "in the checkpoint", computed)
     else:  # an older checkpoint: its resolved config against this launch's
-        then, current = _flat(saved), _flat(resolved)
+        then, current = complete(_flat(saved)), _flat(resolved)
         changed = differences(then, compared(current), "in the checkpoint", computed)
         history = [{"from_step": 1, "settings": {**now, **{k: then[k] for k in then.keys() & current.keys()
                                                             if then[k] != current[k]}}}]
@@ -165,12 +172,13 @@ def by_steps(history: list[dict[str, Any]], last_step: int) -> list[dict[str, An
 
 
 def recorded_settings(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The settings of each step range a completion record holds (the last one's alone where it has no ranges);
-    [] for a record written before settings were kept."""
+    """The settings of each step range a completion record holds (the last one's alone where it has no ranges),
+    each complete; [] for a record written before settings were kept."""
     last = record.get("settings")
     if not isinstance(last, dict):
         return []
-    return [{**last, **segment.get("changed", {})} for segment in record.get(SETTINGS_KEY) or []] or [last]
+    return [complete({**last, **segment.get("changed", {})}) for segment in record.get(SETTINGS_KEY) or []] \
+        or [complete(last)]
 
 
 def matching(recorded: list[dict[str, Any]], now: dict[str, Any],

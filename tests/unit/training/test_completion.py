@@ -347,7 +347,40 @@ def test_changed_adam_betas_are_a_changed_setting_and_a_checkpoint_before_the_fl
     with pytest.raises(UserError, match=r"  - --adam_beta2: 0.999 in the checkpoint, 0.95 now\n"):
         completion.check_resume_point(resume_point(tmp_path, 29, before), 60, olmo_core, olmo_core.to_dict(), True)
     assert completion.check_resume_point(resume_point(tmp_path, 29, before), 60, first, first.to_dict(), True) \
-        == before  # the same run, relaunched by the same command
+        == history  # the same run, relaunched by the same command: its history read with the betas it trained with
+
+
+def test_a_record_from_before_the_flags_is_read_with_what_it_trained_with_by_every_reader(tmp_path) -> None:
+    """The betas' old values were filled in by `differences` alone, into whatever it was given (a false blame came
+    of it: a record cut to the data's flags got betas this launch's side lacked). They are filled where a record is
+    read: a checkpoint's settings and history, a completion record; so the history a resume under
+    --allow_changed_settings writes says steps 1-29 trained with beta2 0.999 (it said null)."""
+    from open_sft.training.run_settings import by_steps, checkpoint_settings, differences, recorded_settings
+
+    first = launch(tmp_path, "--learning_rate", "3e-3")
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), True)
+    old_betas = {"adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+    unrecorded = {k: v for k, v in history[0]["settings"].items() if k not in old_betas}  # before the flags
+    assert differences(unrecorded, completion.settings(launch(tmp_path, "--learning_rate", "3e-3", "--adam_beta2",
+                                                             "0.95"))) == []
+    before = [{"from_step": 1, "settings": unrecorded}]
+    assert checkpoint_settings({"step": 29, "config": {completion.SETTINGS_KEY: before}}) == history[0]["settings"]
+    old_config = first.to_dict()
+    old_config["train"] = {k: v for k, v in old_config["train"].items() if k not in old_betas}
+    assert {k: checkpoint_settings({"step": 29, "config": old_config})[k] for k in old_betas} == old_betas
+    olmo_core = launch(tmp_path, "--learning_rate", "3e-3", "--num_epochs", "1", "--allow_changed_settings")
+    resumed = completion.check_resume_point(resume_point(tmp_path, 29, before), 60, olmo_core, olmo_core.to_dict(),
+                                            False)
+    assert by_steps(resumed, 60) == [
+        {"steps": [1, 29], "changed": {"adam_beta2": 0.999, "num_train_epochs": 2, "packing": False}},
+        {"steps": [30, 60], "changed": {"adam_beta2": 0.95, "num_train_epochs": 1, "packing": True}}]
+    # a completion record without them, or whose ranges hold null for them (a history extended before this)
+    record = {"settings": {"learning_rate": 0.001, "adam_beta2": 0.95},
+              completion.SETTINGS_KEY: [{"steps": [1, 29], "changed": {"learning_rate": 0.003, "adam_beta2": None}},
+                                        {"steps": [30, 60], "changed": {"learning_rate": 0.001, "adam_beta2": 0.95}}]}
+    assert recorded_settings(record) == [{"learning_rate": 0.003, **old_betas},
+                                         {"learning_rate": 0.001, **old_betas, "adam_beta2": 0.95}]
+    assert recorded_settings({"settings": {"learning_rate": 0.001}}) == [{"learning_rate": 0.001, **old_betas}]
 
 
 def test_an_accumulation_the_identity_check_accepted_is_no_changed_setting(tmp_path) -> None:
