@@ -91,7 +91,8 @@ def plan_launch(config: FinetuneConfig) -> Job:
     resuming = None if config.data.cache_dataset_only else peek(config)  # read once: fit_to_checkpoint's too
     resumed = resumed_choice(resuming) if config.model.torch_dtype == "auto" else None  # a resume keeps its dtype
     plan = reconcile(config.train, config.model, config.explicit,
-                     lambda: resumed or choose_dtype(config.model, config.lora.use_qlora), resumed=batch_of(resuming))
+                     lambda: resumed or choose_dtype(config.model, config.lora.use_qlora), resumed=batch_of(resuming),
+                     implied=config.implied)
     if _is_main_rank():
         for note in config.notes:
             logger.info("%s", note)

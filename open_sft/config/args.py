@@ -374,6 +374,9 @@ class FinetuneConfig:
     explicit: frozenset[str] = frozenset()
     """The settings the user gave (flags and run-YAML keys), as opposed to defaults: a given flag wins over
     a launch config's value, a default does not (open_sft.config.launch)."""
+    implied: dict[str, str] = field(default_factory=dict)
+    """The settings in `explicit` that no flag of the user's names but a command line implies, each with what
+    implies it (`--adam_beta2`: "the OLMo-core command line sets ..."): a refusal of one says where it came from."""
     notes: tuple[str, ...] = ()
     """One line per open-instruct flag translated or ignored (open_sft.config.open_instruct), logged once at start."""
     warnings: tuple[str, ...] = ()

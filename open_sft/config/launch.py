@@ -190,9 +190,10 @@ def _picked(train: TrainingArguments, cfg: Optional[dict], env: Mapping[str, str
 
 def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: frozenset[str],
                 choose: Callable[[], DtypeChoice], env: Mapping[str, str] = os.environ,
-                resumed: Optional[tuple[int, int]] = None) -> LaunchPlan:
+                resumed: Optional[tuple[int, int]] = None, implied: Optional[Mapping[str, str]] = None) -> LaunchPlan:
     """Decide the run's accumulation, clipping, micro-batch, optimizer, schedule and dtype from the flags and the
-    launch config (its DeepSpeed config keeps "auto" where they fill it); `resumed`: elastic.batch_of's checkpoint."""
+    launch config (its DeepSpeed config keeps "auto" where they fill it); `resumed`: elastic.batch_of's checkpoint;
+    `implied`: FinetuneConfig.implied."""
     cfg, path, settings = deepspeed_request(env)
     fsdp = fsdp_request(env)
     if cfg is not None and fsdp is not None:
@@ -202,7 +203,8 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
     problems: list[str] = []
     section_notes: list[str] = []
     if cfg is not None:
-        cfg, section_updates, section_notes, problems = replace_trainer_sections(cfg, path, train, explicit)
+        cfg, section_updates, section_notes, problems = replace_trainer_sections(cfg, path, train, explicit,
+                                                                                 implied or {})
         updates.update(section_updates)
     decider = _Decider(explicit, path, problems)
     decider.notes += section_notes

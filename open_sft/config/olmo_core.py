@@ -81,6 +81,10 @@ ATTENTION = {"flash_2": "flash_attention_2", "flash": "flash_attention_2", "torc
 # open-instruct's docs/algorithms/finetune.md gives them as flash-2, flash-3 (its parser takes OLMo-core's flash_2)
 ATTENTION.update({name.replace("_", "-"): ours for name, ours in ATTENTION.items() if "_" in name})
 OLMO_CORE_BETA2 = 0.95  # olmo_core_finetune.py's SkipStepAdamWConfig betas=(0.9, 0.95), hard-coded
+# what sets the flags an OLMo-core command line implies (FinetuneConfig.implied)
+IMPLIED = {"packing": "the OLMo-core command line sets (it packs examples into --max_seq_length sequences)",
+           "adam_beta2": f"the OLMo-core command line sets (olmo_core_finetune.py's AdamW has betas "
+                         f"(0.9, {OLMO_CORE_BETA2}))"}
 # olmo_core_finetune.py's defaults that change what is trained and differ from ours: (its flag, ours, its value)
 DEFAULTS = (("num_epochs", "num_train_epochs", "3"), ("learning_rate", "learning_rate", "8e-05"),
             ("max_seq_length", "max_seq_length", "4096"), ("max_grad_norm", "clip_grad_norm", "none (no clipping)"))
@@ -119,7 +123,9 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
     _explain(t, given)
     result = t.result()
     added = {name for changes in t.changes.values() for name in changes}  # the flags the OLMo-core ones set
-    return dataclasses.replace(result, explicit=result.explicit | added), oi, refusals(config, given)
+    implied = {**result.implied, **{name: IMPLIED[name] for name in added if name in IMPLIED and given}}
+    return (dataclasses.replace(result, explicit=result.explicit | added, implied=implied), oi,
+            refusals(config, given))
 
 
 def refusals(config: Any, given: list[str]) -> list[str]:

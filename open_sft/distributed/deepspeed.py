@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -87,10 +87,12 @@ def _section_type(section: dict, name: str, path: Optional[str]) -> str:
     return kind
 
 
-def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: Any, explicit: frozenset[str]
+def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: Any, explicit: frozenset[str],
+                             implied: Optional[Mapping[str, str]] = None
                              ) -> tuple[dict[str, Any], dict[str, Any], list[str], list[str]]:
     """(the config without optimizer/scheduler, flag values they set, one note per decision, every param that
-    conflicts with a flag or cannot be honoured: the caller refuses them all at once, so one relaunch fixes them)."""
+    conflicts with a flag or cannot be honoured: the caller refuses them all at once, so one relaunch fixes them).
+    `implied`: the flags in `explicit` that a command line implies, with what sets them (FinetuneConfig.implied)."""
     if "optimizer" not in cfg and "scheduler" not in cfg:
         return cfg, {}, [], []
     cfg = copy.deepcopy(cfg)
@@ -118,7 +120,7 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
         for key, value in params.items():
             if value == "auto" or key in IGNORED:
                 continue
-            problem = _param_problem(name, key, value, train, explicit, updates)
+            problem = _param_problem(name, key, value, train, explicit, updates, implied or {})
             if problem:
                 problems.append(f"DeepSpeed config {path}: {name}.params.{key}={value!r} {problem}")
                 continue
@@ -132,7 +134,7 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
 
 
 def _param_problem(name: str, key: str, value: Any, train: Any, explicit: frozenset[str],
-                   updates: dict[str, Any]) -> Optional[str]:
+                   updates: dict[str, Any], implied: Mapping[str, str]) -> Optional[str]:
     """Why a section param cannot stand (the rest of the refusal after `DeepSpeed config PATH: name.params.key=v`),
     or None when it is honoured or agrees with the flags."""
     if key in FIXED:
@@ -145,7 +147,7 @@ def _param_problem(name: str, key: str, value: Any, train: Any, explicit: frozen
     if isinstance(flags, tuple) and (not isinstance(value, list) or len(value) != len(flags)):
         return f"must be a list of {len(flags)} numbers ({', '.join(flags)}) or \"auto\""
     for flag, number in _flag_values(name, key, value):
-        problem = _flag_problem(flag, number, train, explicit, updates)
+        problem = _flag_problem(flag, number, train, explicit, updates, implied)
         if problem:
             return problem
     return None
@@ -159,8 +161,8 @@ def _flag_values(name: str, key: str, value: Any) -> list[tuple[str, Any]]:
     return list(zip(flags, value)) if isinstance(flags, tuple) else [(flags, value)]
 
 
-def _flag_problem(flag: str, value: Any, train: Any, explicit: frozenset[str], updates: dict[str, Any]
-                  ) -> Optional[str]:
+def _flag_problem(flag: str, value: Any, train: Any, explicit: frozenset[str], updates: dict[str, Any],
+                  implied: Mapping[str, str]) -> Optional[str]:
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -173,6 +175,9 @@ def _flag_problem(flag: str, value: Any, train: Any, explicit: frozenset[str], u
     current = updates.get(flag, getattr(train, flag))
     if current is not None and _number_equal(value, current):
         return None
+    if flag in implied:  # no flag to drop: the value is the command line's, and a flag or the file changes it
+        return (f"conflicts with --{flag} {getattr(train, flag)}, which {implied[flag]}, no --{flag} given; pass "
+                f"--{flag} {value} to train with the file's value, or set it to \"auto\" in the file")
     if flag in explicit:
         return f"conflicts with --{flag} {getattr(train, flag)}; set it to \"auto\" in the file or drop the flag"
     other = ALSO_SET_BY.get(flag)

@@ -190,3 +190,38 @@ def test_olmo_core_keys_in_a_yaml_config(tmp_path) -> None:
     assert (config.data.dataset_mixer_list, config.train.num_train_epochs, config.train.clip_grad_norm,
             config.data.train_on, config.train.packing) == (["d.jsonl", "1.0"], 1, -1.0, "all_assistant", True)
     assert config.warnings == (OPTIMIZER,)
+
+
+def test_a_deepspeed_jsons_betas_against_the_olmo_core_lines_beta2_say_where_it_came_from(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch) -> None:
+    """An OLMo-core command line sets --adam_beta2 0.95 (its AdamW's), as it sets --packing; a Trainer-style
+    DeepSpeed JSON with betas [0.9, 0.999] is refused beside it, as beside a typed --adam_beta2 0.95, but the
+    error said "drop the flag" of a flag the user never gave. It now says where 0.95 came from and the two ways
+    on, each of which plans; a typed flag keeps its own message."""
+    import json
+
+    from open_sft.run import plan_launch
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {
+        "type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.999], "eps": "auto", "weight_decay": "auto"}}}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ds_json))
+
+    def planned(*flags: str):
+        return plan_launch(parse_config(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list",
+                                         "d.jsonl", "1.0", "--output_dir", str(tmp_path / "out"), *flags]))
+
+    with pytest.raises(UserError) as refused:
+        planned("--num_epochs", "1")
+    assert str(refused.value) == (
+        f"DeepSpeed config {ds_json}: optimizer.params.betas=[0.9, 0.999] conflicts with --adam_beta2 0.95, which "
+        "the OLMo-core command line sets (olmo_core_finetune.py's AdamW has betas (0.9, 0.95)), no --adam_beta2 "
+        "given; pass --adam_beta2 0.999 to train with the file's value, or set it to \"auto\" in the file")
+    assert planned("--num_epochs", "1", "--adam_beta2", "0.999").launch.train.adam_beta2 == 0.999
+    with pytest.raises(UserError, match=r"conflicts with --adam_beta2 0.95; set it to \"auto\" in the file or drop "
+                                        r"the flag$"):
+        planned("--adam_beta2", "0.95")
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {
+        "type": "AdamW", "params": {"betas": "auto"}}}))
+    assert planned("--num_epochs", "1").launch.train.adam_beta2 == 0.95
