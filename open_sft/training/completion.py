@@ -21,7 +21,10 @@ The record also holds the settings the run was launched with (every flag but tho
 trained or exported: logging, trackers, checkpoint cadence, caches, the Hub; open_sft.training.run_settings),
 and, for a run resumed with --allow_changed_settings, the step ranges each set of them trained. A relaunch with
 settings that match none of them (a new model, data or learning rate into the same directory) would otherwise
-exit 0 with the old model: it is refused, naming each difference from the last range's.
+exit 0 with the old model: it is refused, naming each difference from the last range's. The record holds the
+settings the run's command gave too (GIVEN_KEY): the same command, whose settings differ only where what it means
+changed since (a default, or what a command line implies: an OLMo-core line's --adam_beta2 0.95 against the 0.999 a
+run before that trained with), is `already complete` and names what it means now; a requeue of it stays a no-op.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from typing import Any, Mapping, Optional
 from open_sft.durable import write_json
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY
-from open_sft.training.run_settings import (SETTINGS_KEY, compared, differences, history_on_resume, matching,
-                                            recorded_settings, settings)
+from open_sft.training.run_settings import (SETTINGS_KEY, compared, differences, given_settings, history_on_resume,
+                                            matching, recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded
 #: In the record while the run's --push_checkpoints uploads are awaited (removed once none is left): a relaunch that
 #: finds it uploads the checkpoints not recorded as uploaded (the end was stopped or killed during the wait)
 UPLOADS_KEY = "checkpoint_uploads_left"
+GIVEN_KEY = "given"  # in the record: the settings the run's command line gave (run_settings.given_settings)
 BATCH_KEY = "trained_batch"  # in the record: the layout of the global batch the last steps trained (trained_batch)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
@@ -113,10 +117,10 @@ def already_complete(config: Any) -> Optional[str]:
                         f"lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; restore the files, or "
                         "pass --overwrite_output_dir to train again from scratch")
     differences = _differences(record, config)
-    if differences:
+    lines = "\n".join(f"  - {d}" for d in differences)
+    if differences and not _same_command(record, config, differences):
         from open_sft.training.checkpoint import CHECKPOINTS, newest_usable
 
-        lines = "\n".join(f"  - {d}" for d in differences)
         last = newest_usable(output_dir / CHECKPOINTS)  # none where --clean_checkpoints_at_end removed them
         on = (f"; or, to train on from its last checkpoint with these settings (more epochs or steps, another "
               f"learning rate: the steps after it train with them, recorded), --resume_from_checkpoint {last} "
@@ -127,12 +131,32 @@ def already_complete(config: Any) -> Optional[str]:
     hub = config.hub
     upload = ""
     if hub.push_to_hub:
-        done = pushed(record, hub.hub_model_id, hub.hub_revision)
-        upload = (f"; its export was uploaded to {done}" if done else
+        url = pushed(record, hub.hub_model_id, hub.hub_revision)
+        upload = (f"; its export was uploaded to {url}" if url else
                   f"; its export is not on the Hub at {hub.hub_model_id} ({hub.hub_revision}) yet: uploading it")
-    return (f"already complete: {output_dir} (trained to step {record.get('step')}, finished at "
-            f"{record.get('finished_at')}); nothing to train{upload}. To train again from scratch pass "
-            "--overwrite_output_dir (the earlier checkpoints are moved aside), or choose another --output_dir")
+    done = (f"already complete: {output_dir} (trained to step {record.get('step')}, finished at "
+            f"{record.get('finished_at')}); nothing to train{upload}.")
+    if differences:  # the run's own command, which means other settings now
+        return (f"{done} This command line now means settings the run did not train with (what it implies or "
+                f"defaults to changed since; the export is what the run trained):\n{lines}\nTo train again with "
+                "these settings pass --overwrite_output_dir (the earlier checkpoints are moved aside), or choose "
+                "another --output_dir")
+    return (f"{done} To train again from scratch pass --overwrite_output_dir (the earlier checkpoints are moved "
+            "aside), or choose another --output_dir")
+
+
+def _same_command(record: dict[str, Any], config: Any, changed: list[str]) -> bool:
+    """Whether this launch gives what the completed run's command gave, its settings differing only in what that
+    command means now (a default, or what a command line implies: an OLMo-core line's --adam_beta2, changed): a
+    relaunch of it (a requeue, a re-run script) trains nothing, as for the same settings. The settings the run's
+    command gave as recorded (GIVEN_KEY), else (an older record) none of the flags that differ given now; a
+    relaunch that gives other settings, or gives one the run's command did not or leaves out one it gave, is
+    another command."""
+    now = given_settings(config)
+    then = record.get(GIVEN_KEY)
+    if isinstance(then, dict):
+        return then.keys() == now.keys() and not differences(then, now, computed=record.get(COMPUTE_DTYPE_KEY))
+    return not {line.split(":")[0].removeprefix("--") for line in changed} & now.keys()
 
 
 def pushed(record: dict[str, Any], repo_id: str, revision: str) -> Optional[str]:
@@ -193,6 +217,7 @@ def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optio
     `uploads_left`: --push_checkpoints uploads are still to be awaited (UPLOADS_KEY)."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
+              **({GIVEN_KEY: given_settings(launched)} if launched else {}),
               **({SETTINGS_KEY: by_steps} if by_steps else {}), **({BATCH_KEY: batch} if batch else {}),
               **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {}),
               **({UPLOADS_KEY: True} if uploads_left else {})}

@@ -57,6 +57,12 @@ def settings(config: Any) -> dict[str, Any]:
     return _flat({name: dataclasses.asdict(getattr(config, name)) for name in SECTIONS})
 
 
+def given_settings(config: Any) -> dict[str, Any]:
+    """The settings the user's command line gave (flags and run-YAML keys), not those it left to their default
+    or that a command line implies (FinetuneConfig.implied)."""
+    return {k: v for k, v in settings(config).items() if k in config.explicit and k not in config.implied}
+
+
 def _flat(sections: dict[str, Any]) -> dict[str, Any]:
     flat = {}
     for name in SECTIONS:

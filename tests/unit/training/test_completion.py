@@ -383,6 +383,42 @@ def test_a_record_from_before_the_flags_is_read_with_what_it_trained_with_by_eve
     assert recorded_settings({"settings": {"learning_rate": 0.001}}) == [{"learning_rate": 0.001, **old_betas}]
 
 
+def test_the_same_command_of_a_completed_run_that_means_other_settings_now_is_complete_saying_so(tmp_path) -> None:
+    """A completed OLMo-core run from before the betas change (its record: --adam_beta2 0.999; the same command line
+    now means 0.95) was refused on relaunch as a run 'launched with other settings', with --overwrite_output_dir
+    to train again: a requeue of the very command that completed failed. A relaunch trains nothing either way; what
+    a user must not be told is that a command they changed is complete. So the run's own command (the settings it
+    gave the same; an older record: no flag that differs given now) is `already complete`, naming what it means
+    now and the way to train that; a command that gives other settings is refused as before."""
+    olmo_core = launch(tmp_path, "--num_epochs", "1")
+    finished_run(tmp_path)
+    completion.mark_complete(tmp_path, 4, 1.0, olmo_core)
+    record = json.loads((tmp_path / "RUN_COMPLETE").read_text())
+    assert record["given"]["num_train_epochs"] == 1 and "adam_beta2" not in record["given"]  # implied, not given
+    for old_settings in ({**record["settings"], "adam_beta2": 0.999},  # before the change, and before the flags
+                         {k: v for k, v in record["settings"].items() if not k.startswith("adam_")}):
+        (tmp_path / "RUN_COMPLETE").write_text(json.dumps(
+            {k: v for k, v in {**record, "settings": old_settings}.items() if k != "given"}))
+        message = completion.already_complete(olmo_core)
+        assert message.startswith(f"already complete: {tmp_path} (trained to step 4, ") and message.endswith(
+            "; nothing to train. This command line now means settings the run did not train with (what it implies "
+            "or defaults to changed since; the export is what the run trained):\n  - --adam_beta2: 0.999 then, 0.95 "
+            "now\nTo train again with these settings pass --overwrite_output_dir (the earlier checkpoints are moved "
+            "aside), or choose another --output_dir")
+        for changed in (["--adam_beta2", "0.95"], ["--learning_rate", "1e-3"]):  # given: another command
+            with pytest.raises(UserError, match="holds a completed run launched with other settings"):
+                completion.already_complete(launch(tmp_path, "--num_epochs", "1", *changed))
+    # a record with the settings its command gave: a default changed since is the same command; a flag left out
+    typed = launch(tmp_path, "--learning_rate", "1e-5")
+    completion.mark_complete(tmp_path, 4, 1.0, typed)
+    record = json.loads((tmp_path / "RUN_COMPLETE").read_text())
+    (tmp_path / "RUN_COMPLETE").write_text(json.dumps({**record, "settings": {**record["settings"],
+                                                                               "warmup_ratio": 0.05}}))
+    assert "  - --warmup_ratio: 0.05 then, 0.03 now\n" in completion.already_complete(typed)
+    with pytest.raises(UserError, match=r"--learning_rate: 1e-05 then, 2e-05 now"):  # the flag left out
+        completion.already_complete(launch(tmp_path))
+
+
 def test_an_accumulation_the_identity_check_accepted_is_no_changed_setting(tmp_path) -> None:
     """A checkpoint of 2 ranks resumed on 1 with --gradient_accumulation_steps doubled keeps the global batch
     (open_sft.training.elastic; check_compatible accepts it): no refusal, as for the same command relaunched, which
