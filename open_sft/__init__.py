@@ -11,9 +11,17 @@ import os as _os
 # (USE_HUB_KERNELS=YES); Liger (--use_liger_kernel) is open_sft's kernel choice.
 _os.environ.setdefault("USE_HUB_KERNELS", "NO")
 
-# bitsandbytes' CPU backend (imported by peft, so by every LoRA run and the side commands that load an adapter)
-# asks `kernels` at import for a 4-bit kernel from the Hub and warns when it cannot have it; quiet here, the one
-# place every entry point passes before peft (open_sft.monitor.quiet says why)
+# bitsandbytes' CPU backend (imported by peft, so by every LoRA run and the side commands that load an adapter), on
+# a CPU with AVX512-BF16, fetches a 4-bit kernel from the Hub when it is imported, through `kernels` (get_kernel of
+# BNB_CPU_KERNEL): code downloaded and run by a run that asked for none, for a one-token inference op (gemv_4bit)
+# training never calls. `kernels` loads a kernel that LOCAL_KERNELS names from the path given there instead of the
+# Hub; given none (os.devnull), the load fails before any Hub request and bitsandbytes keeps its own kernel. Not
+# where the user sets LOCAL_KERNELS or asks for the Hub's kernels (USE_HUB_KERNELS=YES). Set here, the one place
+# every entry point passes before peft, as is the quieting of the warnings about it (open_sft.monitor.quiet).
+BNB_CPU_KERNEL = "kernels-community/quantization-bitsandbytes"
+if _os.environ["USE_HUB_KERNELS"].upper() not in ("1", "ON", "YES", "TRUE"):
+    _os.environ.setdefault("LOCAL_KERNELS", f"{BNB_CPU_KERNEL}={_os.devnull}")
+
 from open_sft.monitor.quiet import quiet_kernel_fetch as _quiet_kernel_fetch  # noqa: E402
 
 _quiet_kernel_fetch()

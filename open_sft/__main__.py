@@ -46,7 +46,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if command in LOADS_A_MODEL and not {"-h", "--help"} & set(rest):
         from open_sft.monitor.quiet import quiet_third_parties
 
-        quiet_third_parties(qlora=False)  # as a run does: no progress bars in a redirected log, no peft notices
+        quiet_third_parties()  # as a run does: no progress bars in a redirected log, no peft notices
     module = importlib.import_module(COMMANDS[command][0])
     return module.main(rest, prog=f"open_sft {command}")
 

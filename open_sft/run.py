@@ -326,7 +326,7 @@ def run(config: FinetuneConfig) -> dict:
             print(done, flush=True)
             upload_pending(config)  # an upload of the export that failed or was stopped: this relaunch does it
         return {"already_complete": config.train.output_dir}
-    quiet_third_parties(config.lora.use_qlora)
+    quiet_third_parties()
     job = plan_launch(config)
     with lock_output_dir(job.config, _is_main_rank()):  # held until the run has ended, however it ends
         return _phases(job)

@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "open_sft embedded") -> 
     try:
         _check_flags(args)
         setup_cpu_environment()  # (DeepSpeed, which transformers imports to save, says nothing of its accelerator)
-        quiet_third_parties(qlora=False)
+        quiet_third_parties()
         path = _build(args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

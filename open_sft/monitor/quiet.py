@@ -2,9 +2,9 @@
 
 - Progress bars (transformers' "Loading weights", "Writing model shards", datasets', huggingface_hub's) are
   drawn only on a terminal: in a redirected log they are carriage-return noise between the log lines.
-- bitsandbytes warns at import that its optional `kernels` package is missing for a 4-bit CPU kernel (with the
-  exception's text, once per process: every rank); peft imports bitsandbytes on every LoRA run. The warning is
-  silenced, and a --use_qlora run without `kernels` says once, in our own line, what it means and the fix.
+- bitsandbytes warns at import that it could not load its 4-bit CPU inference kernel from the Hub (with the
+  exception's text, once per process: every rank); peft imports bitsandbytes on every LoRA run. open_sft stops
+  that fetch (open_sft/__init__.py: LOCAL_KERNELS) and training never calls the kernel: the warning is silenced.
 - transformers' FutureWarning about `is_gradient_checkpointing` is raised by peft's own call, not by anything a
   user wrote or can change; peft's warning that it saves the embedding layers of a resized vocabulary says what
   open_sft meant it to do (added tokens' rows are trained and saved; the log says which tokens).
@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
 import warnings
@@ -54,10 +53,6 @@ def setup_logging(main_rank: bool) -> None:
     # torch.distributed's own deprecation notices, emitted from inside DeepSpeed's collectives.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
-NO_KERNELS = ("--use_qlora: the optional `kernels` package is not installed, so on a CPU bitsandbytes computes its "
-              "4-bit layers with its own (slower) kernel instead of the kernels-community one; pip install "
-              "'kernels>=0.11.1' for it (it is fetched from the Hub once, then cached). A GPU does not use it")
-
 
 class _DropLines(logging.Filter):
     """Drops a logger's records whose message contains one of `texts`."""
@@ -85,15 +80,16 @@ SAVE_NOISE = {"accelerate.utils.other": _DropLines("Removed shared tensor ")}
 
 def quiet_kernel_fetch() -> None:
     """bitsandbytes' CPU backend, on a CPU with AVX512-BF16, calls kernels.get_kernel("kernels-community/
-    quantization-bitsandbytes") when it is imported and warns, with the exception's text, when that fails (offline,
-    or `kernels` missing): the CPU falls back to bitsandbytes' own kernel. `kernels` (transformers 5.25's
+    quantization-bitsandbytes") when it is imported and warns, with the exception's text, when that fails (as it
+    does under open_sft, which stops the fetch: open_sft/__init__.py; offline; `kernels` missing): the CPU falls
+    back to bitsandbytes' own kernel. `kernels` (transformers 5.25's
     requirement) says offline that it skipped the publisher's trust check. Neither applies to what the user asked;
     called by open_sft/__init__.py, before any entry point imports peft."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     logging.getLogger("kernels._internals.hf_hub").setLevel(logging.ERROR)
 
 
-def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
+def quiet_third_parties(terminal: bool | None = None) -> None:
     """Silence what does not apply to this run; `terminal` defaults to whether stderr is one."""
     if not (sys.stderr.isatty() if terminal is None else terminal):
         import datasets
@@ -109,6 +105,4 @@ def quiet_third_parties(qlora: bool, terminal: bool | None = None) -> None:
     for name, drop in {**IMPORT_NOISE, **SAVE_NOISE, hub_torch.__file__: STAGED_SAVE}.items():
         if drop not in logging.getLogger(name).filters:
             logging.getLogger(name).addFilter(drop)
-    if qlora and importlib.util.find_spec("kernels") is None:
-        logger.info(NO_KERNELS)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)

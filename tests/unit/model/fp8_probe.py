@@ -82,5 +82,5 @@ def nothing_gains() -> str:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
-    quiet_third_parties(qlora=False)  # as a run does: torchao's import noise left out
+    quiet_third_parties()  # as a run does: torchao's import noise left out
     print(json.dumps({"layers": layer_verdicts(), "train": train(), "nothing_gains": nothing_gains()}))

@@ -1,9 +1,8 @@
-"""Third-party noise a run's log does not need: bitsandbytes' warning that `kernels` is missing is silenced, and a
-QLoRA run without `kernels` says once, in its own line, what that means and the fix."""
+"""Third-party noise a run's log does not need (bitsandbytes' warning that it could not load its CPU kernel from the
+Hub is silenced), and code a run does not ask for is not fetched (bitsandbytes' CPU kernel)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import pytest
@@ -11,27 +10,56 @@ import pytest
 from open_sft.monitor import quiet
 
 
-@pytest.mark.parametrize("qlora", [True, False])
-def test_bitsandbytes_kernels_warning_is_replaced_by_one_line_of_ours(qlora, monkeypatch, caplog) -> None:
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kernels" else object())
+def test_bitsandbytes_kernel_warning_is_silenced(caplog) -> None:
     bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    monkeypatch.setattr(bnb, "level", logging.NOTSET)
     with caplog.at_level(logging.INFO):
         caplog.set_level(logging.INFO, logger="open_sft")
-        quiet.quiet_third_parties(qlora, terminal=True)
-        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
-                    "Please make sure you already `pip install kernels` and the kernels >= 0.11.1")
-    messages = [r.getMessage() for r in caplog.records]
-    assert not any("Failed to load CPU gemm_4bit_forward" in m for m in messages)
-    assert messages == ([quiet.NO_KERNELS] if qlora else [])
-    assert "pip install 'kernels>=0.11.1'" in quiet.NO_KERNELS
+        quiet.quiet_third_parties(terminal=True)
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: Cannot find a build variant for "
+                    "this system in /dev/null. Please make sure you already `pip install kernels` and the kernels "
+                    ">= 0.11.1")
+    assert [r.getMessage() for r in caplog.records] == []
 
 
-def test_with_kernels_installed_a_qlora_run_says_nothing(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    with caplog.at_level(logging.INFO):
-        quiet.quiet_third_parties(True, terminal=True)
-    assert quiet.NO_KERNELS not in [r.getMessage() for r in caplog.records]
+def test_importing_open_sft_stops_bitsandbytes_fetching_its_cpu_kernel_from_the_hub(monkeypatch) -> None:
+    """`import bitsandbytes` (peft's, in every LoRA run) on a CPU with AVX512-BF16 called
+    kernels.get_kernel("kernels-community/quantization-bitsandbytes", version=1): online, a publisher check, then
+    the kernel's code downloaded and imported, for a one-token inference op training never calls. open_sft's
+    package (imported before any of its modules, so before peft) names that kernel in LOCAL_KERNELS with no path:
+    the same call now fails in kernels' local resolver, and its Hub resolvers (made to raise here) are never
+    asked. A user's own LOCAL_KERNELS, or USE_HUB_KERNELS=YES, is left as it is."""
+    import importlib
+    import inspect
+    import os
+
+    import bitsandbytes.backends.cpu.ops as bnb_cpu
+    from kernels import get_kernel
+    from kernels._internals import resolver
+
+    import open_sft
+
+    assert f'"{open_sft.BNB_CPU_KERNEL}", version=1' in inspect.getsource(bnb_cpu)  # bitsandbytes' own call
+    monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    importlib.reload(open_sft)
+    assert os.environ["LOCAL_KERNELS"] == f"kernels-community/quantization-bitsandbytes={os.devnull}"
+
+    def asks_the_hub(self, **kwargs):
+        raise AssertionError(f"{kwargs['kernel'].repo_id}: the Hub was asked")
+
+    for hub in (resolver.HubResolver, resolver.HubCacheResolver, resolver.LatestHubResolver,
+                resolver.LockedHubResolver, resolver.LockedHubCacheResolver):
+        monkeypatch.setattr(hub, "resolve", asks_the_hub)
+    with pytest.raises(FileNotFoundError, match=f"Cannot find a build variant for this system in {os.devnull}"):
+        get_kernel(open_sft.BNB_CPU_KERNEL, version=1)
+    monkeypatch.delenv("LOCAL_KERNELS")
+    with pytest.raises(AssertionError, match="the Hub was asked"):  # what the call did before
+        get_kernel(open_sft.BNB_CPU_KERNEL, version=1)
+    for name, value in {"LOCAL_KERNELS": "org/kernel=/opt/kernel", "USE_HUB_KERNELS": "yes"}.items():
+        monkeypatch.setenv(name, value)
+        importlib.reload(open_sft)
+        assert os.environ.get("LOCAL_KERNELS") == ("org/kernel=/opt/kernel" if name == "LOCAL_KERNELS" else None)
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -76,7 +104,7 @@ def test_the_staging_directory_of_an_export_is_not_named_as_where_the_model_is(t
     import torch
     from huggingface_hub import save_torch_state_dict
 
-    quiet.quiet_third_parties(False, terminal=True)
+    quiet.quiet_third_parties(terminal=True)
     (tmp_path / ".export.tmp").mkdir()
     with caplog.at_level(logging.INFO):
         save_torch_state_dict({"w": torch.zeros(2)}, tmp_path / ".export.tmp")
@@ -99,7 +127,7 @@ def test_a_tied_lm_head_dropped_at_a_checkpoint_is_not_reported_and_comes_back_o
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    quiet.quiet_third_parties(False, terminal=True)
+    quiet.quiet_third_parties(terminal=True)
     PartialState()  # accelerate's logger asks for it (one process: no process group)
     try:
         with caplog.at_level(logging.INFO):
