@@ -280,7 +280,7 @@ def default_limits(directory: Path, tokenizer, template: str | None, rows: list[
     a tool call, or REASONING_MAX_NEW_TOKENS for every task under a template that writes reasoning before the answer
     (said on stderr): MAX_NEW_TOKENS ends most reasoning replies inside their trace, and most calls inside their
     arguments."""
-    from open_sft.export.reply import writes_reasoning
+    from open_sft.export.trace_layout import writes_reasoning
 
     if not writes_reasoning(template, tokenizer):
         return [CALL_MAX_NEW_TOKENS if scores_calls(row) else MAX_NEW_TOKENS for row in rows]

@@ -8,10 +8,10 @@ history that holds the reply as flat content renders a context the model never s
 special tokens, so a decoded reply loses them: `analysisTRACEassistantfinalANSWER`).
 
 The split is the template's own: a tokenizer with a `response_template` parses the reply with transformers'
-parse_response; otherwise the template renders a probe message (`reasoning_content` TRACE, content ANSWER, which
-transformers also hands over as `thinking`) after the generation prompt, and the text it writes around the two
-names the reasoning's opening and the marker the answer follows (`</think>`, `<|channel|>final<|message|>`).
-A template that writes no reasoning field leaves the trace written in the content, DeepSeek-R1 distills' way
+parse_response; otherwise by the template's reasoning layout, read off its renderings of probe messages
+(open_sft.export.trace_layout): the reasoning's opening and the marker the answer follows (`</think>`,
+`<|channel|>final<|message|>`, Gemma 4's `<channel|>` after `<|channel>thought`, Apriel-1.6's `[BEGIN FINAL
+RESPONSE]` after a trace its generation prompt opens with words). A template with no such layout leaves the trace written in the content, DeepSeek-R1 distills' way
 (`trace</think>answer`, the open tag in the generation prompt): the answer is what follows its last `</think>`.
 """
 
@@ -22,12 +22,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from open_sft.data.per_tokenizer import PerTokenizer
-from open_sft.export.template_text import common_suffix, strip_specials
-
-PROBE_TRACE, PROBE_ANSWER = "TRACE_8d1f", "ANSWER_5c2e"  # text no template writes by itself
-INLINE_OPEN, INLINE_CLOSE = "<think>", "</think>"  # a trace in the content (open_sft.data.chat.reasoning)
-_LAYOUTS = PerTokenizer()  # reasoning_layout's
+from open_sft.export.template_text import strip_specials
+from open_sft.export.trace_layout import INLINE_CLOSE, INLINE_OPEN, reasoning_layout
 
 
 @dataclass(frozen=True)
@@ -73,63 +69,6 @@ def call_id(n: int) -> str:
     return f"call{n:05d}"
 
 
-@dataclass(frozen=True)
-class ReasoningLayout:
-    """What the template writes before a trace (`opening`, e.g. `<think>`), between trace and answer
-    (`between`, e.g. `\\n</think>\\n\\n`) and where an answer without a trace starts (`answer_marker`, the part
-    of `between` it shares: `</think>`, gpt-oss's `<|channel|>final<|message|>`)."""
-
-    opening: str
-    between: str
-    answer_marker: str
-
-
-def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
-    """The reasoning layout of the tokenizer's template (`template`), read from its rendering of a probe message after
-    a user turn; None when it writes no reasoning field after the generation prompt (an instruct template, or one
-    that fails). Read once per tokenizer (not kept alive by it), again if its template or tokens change."""
-    return _LAYOUTS.get(tokenizer, (template, len(tokenizer)), lambda: _reasoning_layout(tokenizer))
-
-
-def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
-    user = [{"role": "user", "content": "Q"}]
-    try:
-        prompt = tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": PROBE_ANSWER,
-                                                      "reasoning_content": PROBE_TRACE}], tokenize=False)
-        bare = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": PROBE_ANSWER}], tokenize=False)
-    except Exception:  # noqa: BLE001  (a template that cannot render the probe is read as having no layout)
-        return None
-    if not (full.startswith(prompt) and bare.startswith(prompt)):
-        return None
-    full, bare = full[len(prompt):], bare[len(prompt):]
-    trace, answer = full.find(PROBE_TRACE), full.find(PROBE_ANSWER)
-    if trace < 0 or answer < trace:
-        return None
-    between = full[trace + len(PROBE_TRACE):answer].strip()
-    marker = common_suffix(between, bare[:max(bare.find(PROBE_ANSWER), 0)].strip()) or between
-    if not marker.strip():
-        return None
-    return ReasoningLayout(full[:trace].strip(), between, marker.strip())
-
-
-def opens_reasoning(tokenizer) -> bool:
-    """Whether the template's generation prompt opens a trace the reply writes into (`<think>` last: DeepSeek-R1
-    distills, open-instruct's thinker and r1_simple_chat templates): the answer follows the reply's `</think>`."""
-    try:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
-                                               tokenize=False)
-    except Exception:  # noqa: BLE001  (a template that cannot render the probe opens nothing)
-        return False
-    return isinstance(prompt, str) and prompt.rstrip().endswith(INLINE_OPEN)
-
-
-def writes_reasoning(template: str | None, tokenizer) -> bool:
-    """Whether replies under the template begin with reasoning: a reasoning field it writes, or a trace its
-    generation prompt opens."""
-    return template is not None and (reasoning_layout(template, tokenizer) is not None or opens_reasoning(tokenizer))
-
-
 def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> ReplyParts:
     """`text` (the reply decoded with its special tokens, less the token that ended it) split into reasoning and
     answer by the template's layout (module docstring); `plain` (decoded without them, as generated, whitespace
@@ -149,6 +88,8 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
     head, found, answer = text.rpartition(layout.answer_marker)
     if not found:
         start = text.lstrip()
+        if layout.opened:  # the prompt opened the trace (Apriel-1.6's words): stopped inside it
+            return ReplyParts("", strip_specials(start, tokenizer).strip(), answered=False)
         if layout.opening and start.startswith(layout.opening):  # stopped inside the trace
             return ReplyParts("", strip_specials(start[len(layout.opening):], tokenizer).strip(), answered=False)
         if start and (layout.opening.startswith(start) or layout.answer_marker.startswith(start)):
@@ -176,6 +117,8 @@ def _answer_start(tokenizer, text: str, opened: bool) -> int | None:
             return 0
         return None if (at := text.find(INLINE_CLOSE)) < 0 else at + len(INLINE_CLOSE)
     start = text.lstrip()
+    if layout.opened:
+        return None if (at := text.find(layout.answer_marker)) < 0 else at
     if not (layout.opening and start.startswith(layout.opening)):
         return 0
     calls = call_layout(tokenizer)
