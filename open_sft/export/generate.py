@@ -59,6 +59,7 @@ class Generation:
     unreadable_call: str | None = None  # a call written that does not read as one, as written (from its marker)
     call_ids: tuple[str, ...] = ()  # ReplyParts': the ids the reply wrote, where its template writes them as names
     text_arguments: bool = False  # ReplyParts': the template takes arguments as JSON text
+    thinking_chunk: bool = False  # ReplyParts': the template takes the trace as a `thinking` chunk of the content
 
     def message(self) -> dict:
         """The reply as the assistant message a chat history keeps (its trace as the template reads it, its calls
@@ -66,7 +67,8 @@ class Generation:
         from open_sft.export.reply import ReplyParts
 
         return ReplyParts(self.text, self.reasoning, self.answered, self.verbatim, self.tool_calls,
-                          call_ids=self.call_ids, text_arguments=self.text_arguments).message()
+                          call_ids=self.call_ids, text_arguments=self.text_arguments,
+                          thinking_chunk=self.thinking_chunk).message()
 
     def unreadable_line(self) -> str:
         """`[tool call, unreadable] to=functions.get_weather<|channel|>...{"city": "Oslo"` ("" when none)."""
@@ -129,7 +131,7 @@ def generate_reply(model, tokenizer, messages: list[dict], max_new_tokens: int =
     return Generation(parts.answer, stop_reason, prompt_tokens, len(new),
                       tokenizer.convert_ids_to_tokens(new[-1]) if ended else None, hidden, parts.reasoning,
                       parts.answered, parts.verbatim, parts.tool_calls, parts.unreadable_call, parts.call_ids,
-                      parts.text_arguments)
+                      parts.text_arguments, parts.thinking_chunk)
 
 
 def _start_token(tokenizer) -> int:

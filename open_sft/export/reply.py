@@ -40,13 +40,15 @@ class ReplyParts:
     unreadable_call: str | None = None  # the reply's call as written (from its marker on), where it does not read
     call_ids: tuple[str, ...] = ()  # the ids the reply wrote, where its template writes them as names (Kimi-K2's)
     text_arguments: bool = False  # the template takes arguments as JSON text (DeepSeek's concatenate them)
+    thinking_chunk: bool = False  # the template takes the trace as a `thinking` chunk of the content (Mistral's)
 
     def message(self) -> dict:
         """The reply as the assistant message the template renders back: the trace as `reasoning_content`
         (transformers hands it to the template as `thinking` too), so the history renders as training did; an
         empty trace is left out (gpt-oss's template would write an empty analysis message for it). A template
         with no reasoning field (`verbatim`: the trace was written in the content) keeps the reply as written,
-        trace and tags in the content, as its training rows held it (reasoning_content would be dropped). The calls
+        trace and tags in the content, as its training rows held it (reasoning_content would be dropped); one
+        that takes the trace as a `thinking` chunk (`thinking_chunk`, Mistral's) gets it so, before the answer. The calls
         are the message's `tool_calls`, as a training row holds them (ids `call00001`...: Mistral's templates take
         nine alphanumeric characters; the ids the reply wrote where its template writes them as names), their arguments
         as JSON text where the template takes text, so a tool result can follow and the history renders as the model
@@ -54,7 +56,10 @@ class ReplyParts:
         if self.verbatim is not None and not self.tool_calls:
             return {"role": "assistant", "content": self.verbatim}
         message = {"role": "assistant", "content": self.answer}
-        if self.reasoning:
+        if self.reasoning and self.thinking_chunk:
+            message["content"] = [{"type": "thinking", "thinking": self.reasoning}] + (
+                [{"type": "text", "text": self.answer}] if self.answer else [])
+        elif self.reasoning:
             message["reasoning_content"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [
@@ -101,7 +106,8 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
     rest = layout.between[:len(layout.between) - len(layout.answer_marker)].strip()  # gpt-oss: <|end|><|start|>...
     if rest and head.rstrip().endswith(rest):
         head = head.rstrip()[:-len(rest)]
-    return ReplyParts(strip_specials(answer, tokenizer).strip(), strip_specials(head, tokenizer).strip())
+    return ReplyParts(strip_specials(answer, tokenizer).strip(), strip_specials(head, tokenizer).strip(),
+                      thinking_chunk=layout.chunks)
 
 
 def _answer_start(tokenizer, text: str, opened: bool) -> int | None:

@@ -1,12 +1,15 @@
 """A chat template's reasoning layout: where a reply writes its trace and where its answer starts, read off the
 template's renderings of probe messages after a user turn (open_sft.export.reply splits replies by it).
 
-A template shows it in one of three ways:
+A template shows it in one of four ways:
 
 - It writes a message's reasoning field (`reasoning_content` TRACE, content ANSWER, which transformers also hands
   over as `thinking`) after the generation prompt: what it writes before the trace is the `opening` (`<think>`),
   what it writes between the two is `between`, and the part of that the message without a trace writes too is the
   marker the answer follows (`</think>`, gpt-oss's `<|channel|>final<|message|>`).
+- It writes a trace given as a content chunk of type `thinking` (mistral-common's and Anthropic's form; the reasoning
+  templates of Mistral's models, `[THINK]TRACE[/THINK]ANSWER`) and no reasoning field: read as the field is, and a
+  reply's trace goes back into its message as such a chunk (`chunks`), where the template writes it in history too.
 - Its generation prompt opens the trace with words the message's rendering leaves out, and that rendering writes the
   trace right where those words stand (Apriel-1.6's prompt ends `<|begin_assistant|>\\nHere are my reasoning
   steps:\\n`; its turn is `TRACE\\n[BEGIN FINAL RESPONSE]\\nANSWER`): the reply starts inside its trace (`opened`), and
@@ -22,7 +25,7 @@ A template shows it in one of three ways:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from open_sft.data.chat.elements import closed_block, element
@@ -43,13 +46,15 @@ class ReasoningLayout:
     (`between`, e.g. `\\n</think>\\n\\n`) and where an answer without a trace starts (`answer_marker`, the part
     of `between` it shares: `</think>`, gpt-oss's `<|channel|>final<|message|>`); `opened`: the generation prompt
     opens the trace (the reply starts inside it: one without the marker stopped there); `closed`: the generation
-    prompt closes an empty trace (the reply is its answer)."""
+    prompt closes an empty trace (the reply is its answer); `chunks`: the template takes the trace as a `thinking`
+    chunk of the content."""
 
     opening: str
     between: str
     answer_marker: str
     opened: bool = False
     closed: bool = False
+    chunks: bool = False
 
 
 def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
@@ -74,7 +79,7 @@ def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
     bare = render({"role": "assistant", "content": PROBE_ANSWER})
     if prompt is None or full is None or bare is None:
         return None
-    if (layout := _field_layout(prompt, full, bare)) is not None or context is None:
+    if (layout := _field_layout(prompt, full, bare) or _chunk_layout(prompt, bare, render)) is not None or context is None:
         return layout
     return _worded_layout(prompt, context, full, bare) or _content_block_layout(prompt, context, bare, render)
 
@@ -92,6 +97,17 @@ def _field_layout(prompt: str, full: str, bare: str) -> ReasoningLayout | None:
     if not marker.strip():
         return None
     return ReasoningLayout(full[:trace].strip(), between, marker.strip())
+
+
+def _chunk_layout(prompt: str, bare: str, render) -> ReasoningLayout | None:
+    """The layout of a template that writes a `thinking` chunk of the content (Mistral's reasoning templates); one
+    that writes a text chunk as it writes the text (not the chunk as JSON, GigaChat3's)."""
+    full = render({"role": "assistant", "content": [{"type": "thinking", "thinking": PROBE_TRACE},
+                                                    {"type": "text", "text": PROBE_ANSWER}]})
+    if full is None or render({"role": "assistant", "content": [{"type": "text", "text": PROBE_ANSWER}]}) != bare:
+        return None
+    layout = _field_layout(prompt, full, bare)
+    return replace(layout, chunks=True) if layout is not None else None
 
 
 def _worded_layout(prompt: str, context: str, full: str, bare: str) -> ReasoningLayout | None:

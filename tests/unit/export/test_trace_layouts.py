@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from transformers import AutoTokenizer
 
 from open_sft.export import compare
 from open_sft.export.chat import chat
@@ -51,20 +52,59 @@ def apriel_reply(tokenizer) -> str:
     return turn.removeprefix("\n<|begin_assistant|>\n")
 
 
-FAMILIES = {"gemma4": (gemma4_tokenizer, gemma4_reply, "<turn|>"), "apriel": (apriel_tokenizer, apriel_reply, "<|end|>")}
+# the shape of Mistral's reasoning templates (Magistral's, Ministral-3-Reasoning's): a trace is a `thinking` chunk of
+# the content, written `[THINK]...[/THINK]` (special tokens), in history too; no generation prompt, eos after a turn
+MISTRAL_THINK_SHAPE = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{{- '[INST]' + message['content'] + '[/INST]' }}{%- elif message['role'] == 'assistant' %}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- elif block['type'] == 'thinking' %}"
+    "{{- '[THINK]' + block['thinking'] + '[/THINK]' }}{%- endif %}{%- endfor %}{%- endif %}{{- eos_token }}"
+    "{%- endif %}{%- endfor %}")
+CHUNKED = {"role": "assistant", "content": [{"type": "thinking", "thinking": TRACE}, {"type": "text", "text": ANSWER}]}
+
+
+def mistral_tokenizer(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "additional_special_tokens": [
+        "[INST]", "[/INST]", "[THINK]", "[/THINK]"]})
+    tokenizer.chat_template = MISTRAL_THINK_SHAPE
+    return tokenizer
+
+
+def mistral_reply(tokenizer) -> str:
+    """What the template writes for a turn with a thinking chunk after the prompt, less the eos it stops at."""
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    return tokenizer.apply_chat_template(QUESTION + [CHUNKED], tokenize=False)[len(prompt):].removesuffix("</s>")
+
+
+FAMILIES = {"gemma4": (gemma4_tokenizer, gemma4_reply, "<turn|>"), "apriel": (apriel_tokenizer, apriel_reply, "<|end|>"),
+            "mistral": (mistral_tokenizer, mistral_reply, "</s>")}
 
 
 def test_the_layouts_are_read_off_the_templates(tiny_model_dir) -> None:
-    gemma, apriel = gemma4_tokenizer(tiny_model_dir), apriel_tokenizer(tiny_model_dir)
+    gemma, apriel, mistral = (make(tiny_model_dir) for make in (gemma4_tokenizer, apriel_tokenizer, mistral_tokenizer))
     assert reasoning_layout(gemma.chat_template, gemma) == ReasoningLayout(
         "<|channel>thought", "<channel|>", "<channel|>", closed=True)
     assert reasoning_layout(apriel.chat_template, apriel) == ReasoningLayout(
         "", "[BEGIN FINAL RESPONSE]", "[BEGIN FINAL RESPONSE]", opened=True)
-    assert (gemma4_reply(gemma), apriel_reply(apriel)) == (
-        "<|channel>thought\nTwo plus two is four.<channel|>4.", "Two plus two is four.\n[BEGIN FINAL RESPONSE]\n4.")
+    assert reasoning_layout(mistral.chat_template, mistral) == ReasoningLayout(
+        "[THINK]", "[/THINK]", "[/THINK]", chunks=True)
+    assert (gemma4_reply(gemma), apriel_reply(apriel), mistral_reply(mistral)) == (
+        "<|channel>thought\nTwo plus two is four.<channel|>4.", "Two plus two is four.\n[BEGIN FINAL RESPONSE]\n4.",
+        "[THINK]Two plus two is four.[/THINK]4.")
     # Gemma 4's default prompt closes the trace (its replies are answers: compare's default budget); Apriel's opens it
-    assert (writes_reasoning(gemma.chat_template, gemma), writes_reasoning(apriel.chat_template, apriel)) == (
-        False, True)
+    assert [writes_reasoning(t.chat_template, t) for t in (gemma, apriel, mistral)] == [False, True, True]
+
+
+def test_a_template_that_writes_a_content_list_as_json_has_no_chunk_layout(tiny_model_dir) -> None:
+    """GigaChat3's writes a list content as JSON (`[{"type": "thinking", ...}]`): no trace it reads."""
+    from ..data.test_reasoning_tool_calls import TEMPLATES
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = (TEMPLATES / "gigachat3.jinja").read_text()
+    assert '"thinking": "' in tokenizer.apply_chat_template(QUESTION + [CHUNKED], tokenize=False)
+    assert reasoning_layout(tokenizer.chat_template, tokenizer) is None
 
 
 def test_a_template_that_keeps_such_a_block_in_the_content_has_no_layout(tiny_model_dir) -> None:
@@ -78,7 +118,7 @@ def test_a_template_that_keeps_such_a_block_in_the_content_has_no_layout(tiny_mo
     assert parse_reply(tokenizer, _ids(tokenizer, reply), []).reasoning is None
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", ["apriel", "gemma4"])
 def test_generate_splits_the_reply_and_chat_keeps_history_as_training_did(tiny_model_dir, model, monkeypatch, tmp_path,
                                                                           family) -> None:
     """The answer is `4.`, the trace `reasoning`; chat's next prompt is what training shows as the context of a
@@ -104,6 +144,24 @@ def test_generate_splits_the_reply_and_chat_keeps_history_as_training_did(tiny_m
                                            "<|channel>thought\n<channel|>",
                                  "apriel": "\n<|begin_assistant|>\n4.\n<|end|>\n<|begin_user|>\nAgain?" + "\n" + PREFIX
                                  }[family])
+
+
+def test_a_mistral_trace_is_split_and_kept_in_history_as_the_model_wrote_it(tiny_model_dir, model, monkeypatch) -> None:
+    """`[THINK]TRACE[/THINK]ANSWER` was the answer `TRACEANSWER` (its special tokens decoded away). The reply's message
+    holds the trace as the thinking chunk the template writes, so chat's next prompt is the first one, the reply as
+    the model wrote it and its eos, then the new user turn."""
+    tokenizer = mistral_tokenizer(tiny_model_dir)
+    written = mistral_reply(tokenizer)
+    generating(monkeypatch, model, tokenizer, [written + "</s>"] * 3)
+    reply = generate_reply(model, tokenizer, QUESTION, 64)
+    assert (reply.text, reply.reasoning, reply.answered, reply.stop_token) == (ANSWER, TRACE, True, "</s>")
+    assert reply.message() == CHUNKED
+    prompts, _ = recording_prompts(monkeypatch, tokenizer)
+    lines, out = iter(["What is 2+2?", "Again?"]), io.StringIO()
+    assert chat(model, tokenizer, lambda: next(lines, None), out, max_new_tokens=64) == 2
+    assert out.getvalue().startswith(f"[reasoning]\n{TRACE}\n[/reasoning]\n{ANSWER}\n[end of turn (</s>)")
+    assert prompts == [prompts[0], prompts[0] + written + "</s>[INST]Again?[/INST]"]
+    assert prompts[-1] == "<s>[INST]What is 2+2?[/INST][THINK]Two plus two is four.[/THINK]4.</s>[INST]Again?[/INST]"
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
