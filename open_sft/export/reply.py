@@ -11,7 +11,8 @@ The split is the template's own: a tokenizer with a `response_template` parses t
 parse_response; otherwise by the template's reasoning layout, read off its renderings of probe messages
 (open_sft.export.trace_layout): the reasoning's opening and the marker the answer follows (`</think>`,
 `<|channel|>final<|message|>`, Gemma 4's `<channel|>` after `<|channel>thought`, Apriel-1.6's `[BEGIN FINAL
-RESPONSE]` after a trace its generation prompt opens with words). A template with no such layout leaves the trace written in the content, DeepSeek-R1 distills' way
+RESPONSE]` after a trace its generation prompt opens with words, Mistral's `[/THINK]`). A template with no such
+layout leaves the trace written in the content, DeepSeek-R1 distills' way
 (`trace</think>answer`, the open tag in the generation prompt): the answer is what follows its last `</think>`.
 """
 
@@ -48,11 +49,11 @@ class ReplyParts:
         empty trace is left out (gpt-oss's template would write an empty analysis message for it). A template
         with no reasoning field (`verbatim`: the trace was written in the content) keeps the reply as written,
         trace and tags in the content, as its training rows held it (reasoning_content would be dropped); one
-        that takes the trace as a `thinking` chunk (`thinking_chunk`, Mistral's) gets it so, before the answer. The calls
-        are the message's `tool_calls`, as a training row holds them (ids `call00001`...: Mistral's templates take
-        nine alphanumeric characters; the ids the reply wrote where its template writes them as names), their arguments
-        as JSON text where the template takes text, so a tool result can follow and the history renders as the model
-        wrote it."""
+        that takes the trace as a `thinking` chunk (`thinking_chunk`, Mistral's) gets it so, before the answer.
+        The calls are the message's `tool_calls`, as a training row holds them (ids `call00001`...: Mistral's
+        templates take nine alphanumeric characters; the ids the reply wrote where its template writes them as
+        names), their arguments as JSON text where the template takes text, so a tool result can follow and the
+        history renders as the model wrote it."""
         if self.verbatim is not None and not self.tool_calls:
             return {"role": "assistant", "content": self.verbatim}
         message = {"role": "assistant", "content": self.answer}

@@ -79,7 +79,8 @@ def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
     bare = render({"role": "assistant", "content": PROBE_ANSWER})
     if prompt is None or full is None or bare is None:
         return None
-    if (layout := _field_layout(prompt, full, bare) or _chunk_layout(prompt, bare, render)) is not None or context is None:
+    layout = _field_layout(prompt, full, bare) or _chunk_layout(prompt, bare, render)
+    if layout is not None or context is None:
         return layout
     return _worded_layout(prompt, context, full, bare) or _content_block_layout(prompt, context, bare, render)
 

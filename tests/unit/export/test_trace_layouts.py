@@ -78,7 +78,8 @@ def mistral_reply(tokenizer) -> str:
     return tokenizer.apply_chat_template(QUESTION + [CHUNKED], tokenize=False)[len(prompt):].removesuffix("</s>")
 
 
-FAMILIES = {"gemma4": (gemma4_tokenizer, gemma4_reply, "<turn|>"), "apriel": (apriel_tokenizer, apriel_reply, "<|end|>"),
+FAMILIES = {"gemma4": (gemma4_tokenizer, gemma4_reply, "<turn|>"),
+            "apriel": (apriel_tokenizer, apriel_reply, "<|end|>"),
             "mistral": (mistral_tokenizer, mistral_reply, "</s>")}
 
 
@@ -229,5 +230,6 @@ def test_an_apriel_call_is_read_after_the_marker_and_one_inside_the_trace_is_rea
         parts = parse_reply(tokenizer, ids[:cut], prompt, TOOLS, "")
         text = tokenizer.decode(ids[:cut])
         assert parts.tool_calls == () and "<tool_calls>".startswith(parts.answer), cut  # "<": text so far
-        assert parts.unreadable_call == (text[text.index("<tool_calls>"):].strip() if "<tool_calls>" in text else None), cut
+        called = text[text.index("<tool_calls>"):].strip() if "<tool_calls>" in text else None
+        assert parts.unreadable_call == called, cut
         assert parts.reasoning == ("Need weather." if "[BEGIN FINAL RESPONSE]" in text else text.strip()), cut
