@@ -1,7 +1,7 @@
 """Tool calls in a generated reply, read by the chat template's own layout of a call.
 
 The template renders a probe assistant message that calls PROBE_NAME with PROBE_ARGUMENTS, and the text it
-writes says where a call's name and arguments sit; four layouts cover the templates models ship:
+writes says where a call's name and arguments sit; five layouts cover the templates models ship:
 
 - `json`: one JSON value holds the name and the arguments (Qwen3's and Hermes' `<tool_call>\\n{"name": ...,
   "arguments": {...}}\\n</tool_call>`, Mistral's `[TOOL_CALLS] [{"name": ..., "arguments": {...}}]`, a list: each
@@ -15,6 +15,8 @@ writes says where a call's name and arguments sit; four layouts cover the templa
 - `object`: the name as text, the arguments as an object in the template's own notation (Gemma 4's
   `<|tool_call>call:NAME{city:<|"|>Bern<|"|>,days:3}<tool_call|>`), read off the probe and checked on a probe of
   every JSON kind (open_sft.export.call_objects).
+- `python`: a Python call, keyword arguments of literal values (LFM2's `<|tool_call_start|>[NAME(city='Bern')]
+  <|tool_call_end|>`), read with Python's parser and checked likewise (open_sft.export.call_python).
 
 Each call starts at the template's call `marker`: what it writes right before the name (or the JSON value) both
 when the call is the whole message and after some content (`<tool_call>`, `to=functions.`, `[TOOL_CALLS]`); a
@@ -49,6 +51,7 @@ from open_sft.export.call_objects import NOTATION_PROBE, Notation, checked_notat
 from open_sft.export.call_pairs import (PROBE_ARGUMENTS, as_arguments, literal, pair_arguments, pair_layout,
                                        schema_types)
 from open_sft.export.call_probe import NAME_CHARS, PROBE_NAME, name_in_id, probe_form, rendered_reply
+from open_sft.export.call_python import probe_python, read_python, reads_every_kind
 from open_sft.export.template_text import common_suffix, strip_specials, without_shared_ending
 
 PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
@@ -58,10 +61,10 @@ NAME = re.compile(rf"\s*({NAME_CHARS}+)")
 
 @dataclass(frozen=True)
 class CallLayout:
-    """Where a template writes a call (module docstring): `kind` (json, name_json or pairs), the `marker` a call
-    starts at, in `json` the key paths of the name and the arguments in a call object (`listed`: the calls are a
-    JSON list), in `pairs` the key's opening, the text between a key and its value and the value's closing;
-    `before_call`: what the template writes between a trace and a call."""
+    """Where a template writes a call (module docstring): `kind` (json, name_json, pairs, object, python), the
+    `marker` a call starts at, in `json` the key paths of the name and the arguments in a call object (`listed`: the
+    calls are a JSON list; in `python` a Python list), in `pairs` the key's opening, the text between a key and its
+    value and the value's closing; `before_call`: what the template writes between a trace and a call."""
 
     kind: str
     marker: str
@@ -139,6 +142,8 @@ def _anchor(text: str) -> Optional[tuple[int, dict, int]]:
             return name_at, {"kind": "name_json", "arguments_after": last, "channel": " ".join(channel)}, end
     if (notation := probe_notation(text[after:])) is not None:
         return name_at, {"kind": "object", "notation": notation[0]}, after + notation[1]
+    if (python := probe_python(text, name_at)) is not None:
+        return python[0], {"kind": "python", "listed": python[1]}, python[2]
     pair = pair_layout(text[after:])
     if not pair:
         return None
@@ -152,6 +157,9 @@ def _layout(tokenizer) -> Optional[CallLayout]:
     alone = form.reply(tokenizer)
     start, parts, end = _anchor(alone)
     if parts["kind"] == "object" and (parts := _checked(tokenizer, form, parts)) is None:
+        return None
+    if parts["kind"] == "python" and not reads_every_kind(replace(form, arguments=NOTATION_PROBE).reply(tokenizer)
+                                                          or ""):
         return None
     answer = rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
     closing = without_shared_ending(alone[end:], answer[answer.find(PROBE_CONTENT) + len(PROBE_CONTENT):], tokenizer) \
@@ -170,7 +178,7 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         at = rest.find(marker.strip()) if marker.strip() else -1
         before_call = rest[:at].strip() if at >= 0 else ""
     two = form.reply(tokenizer, calls=2)
-    following = _next_marker(two, alone[:start]) if two and parts["kind"] != "json" else ""
+    following = _next_marker(two, alone[:start]) if two and parts["kind"] not in ("json", "python") else ""
     following = following if following != marker.strip() and marker.strip().endswith(following) else ""
     if following:  # a call inside the block closes with what the template writes before the next one too
         between = two[two.find(PROBE_NAME):two.rfind(PROBE_NAME)]
@@ -236,6 +244,10 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
         end = _closed(layout, segment, values[0][1])
         return ([{**c, "arguments": c["arguments"] or {}} for c in calls], end) if calls and readable \
             and end is not None else None
+    if layout.kind == "python":  # a Python call (or list of them), its closing after it
+        read = read_python(segment, layout.listed)
+        end = _closed(layout, segment, read[1]) if read else None
+        return (read[0], end) if end is not None else None
     named = NAME.match(segment)
     name = name_in_id(layout.id_name, named.group(1)) if named else None
     if name is None:
