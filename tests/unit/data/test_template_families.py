@@ -84,15 +84,16 @@ def test_lfm2_a_call_turn_in_history_trains_through_im_end(tiny_model_dir, tmp_p
     assert end_of_turn_ids(tokenizer) == tokenizer.convert_tokens_to_ids(["<|im_end|>"])
 
 
-def test_lfm2_calls_written_as_python_stay_the_replys_text(tiny_model_dir) -> None:
-    """generate/chat --tools under LFM2's template: its calls are Python expressions, which none of the call layouts
-    reads; the reply is shown as the model wrote it, no call made up from it."""
+def test_lfm2_calls_written_as_python_read_as_calls(tiny_model_dir) -> None:
+    """generate/chat --tools under LFM2's template: its calls are Python expressions, read by the python layout
+    (tests/unit/export/test_python_calls.py); before it the reply was shown as text."""
     from open_sft.export.tool_calls import call_layout, split_calls
 
     tokenizer = lfm_tokenizer(tiny_model_dir)
     reply = "Sure.<|tool_call_start|>[get_weather(city='Bern'), get_weather(city='Chur')]<|tool_call_end|>"
-    assert call_layout(tokenizer) is None
-    assert split_calls(tokenizer, reply, TOOLS) == (reply, [])
+    assert call_layout(tokenizer).kind == "python"
+    assert split_calls(tokenizer, reply, TOOLS) == ("Sure.", [{"name": "get_weather", "arguments": {"city": "Bern"}},
+                                                            {"name": "get_weather", "arguments": {"city": "Chur"}}])
 
 
 def nemotron_tokenizer(tiny_model_dir):
