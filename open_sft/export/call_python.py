@@ -38,10 +38,10 @@ def probe_python(text: str, name_at: int) -> Optional[tuple[int, bool, int]]:
     return start, listed, start + read[1]
 
 
-def reads_every_kind(text: str) -> bool:
-    """Whether the template's rendering of the probe call holding a value of each JSON kind (`text`) reads back as
-    exactly that call."""
-    name_at = text.find(PROBE_NAME)
+def reads_every_kind(text: Optional[str]) -> bool:
+    """Whether the template's rendering of the probe call holding a value of each JSON kind (`text`, None where it
+    fails) reads back as exactly that call."""
+    name_at = text.find(PROBE_NAME) if text is not None else -1
     before = text[:max(name_at, 0)].rstrip()
     listed = before.endswith("[")
     read = read_python(text[len(before) - 1 if listed else name_at:], listed) if name_at >= 0 else None

@@ -71,7 +71,7 @@ class CallLayout:
     name_path: tuple = ()
     arguments_path: tuple = ()
     listed: bool = False
-    pair: tuple[str, str, str] = ("", "", "")
+    pair: tuple[str, ...] = ("", "", "")
     before_call: str = ""
     closing: str = ""  # what it writes after a call's arguments and not after an answer (`</tool_call>`, `<|call|>`)
     arguments_after: str = ""  # name_json: the end of what it writes between name and arguments (`json<|message|>`)
@@ -79,6 +79,7 @@ class CallLayout:
     # where a turn's later calls start inside the block its first opens, if that is less than `marker` (MiniMax-M2's
     # `<invoke name="` after `<minimax:tool_call>\n<invoke name="`): _next_marker
     next_marker: str = ""
+    block_end: str = ""  # what closes that block after its last call (`</minimax:tool_call>`): a call without it is cut
     id_name: str = ""  # a regex reading the name out of the id written in its place (open_sft.export.call_probe)
     text_arguments: bool = False  # it takes a call's arguments as JSON text (open_sft.export.call_probe)
     notation: Optional[Notation] = None  # object: the template's notation of the arguments (call_objects)
@@ -158,8 +159,7 @@ def _layout(tokenizer) -> Optional[CallLayout]:
     start, parts, end = _anchor(alone)
     if parts["kind"] == "object" and (parts := _checked(tokenizer, form, parts)) is None:
         return None
-    if parts["kind"] == "python" and not reads_every_kind(replace(form, arguments=NOTATION_PROBE).reply(tokenizer)
-                                                          or ""):
+    if parts["kind"] == "python" and not reads_every_kind(replace(form, arguments=NOTATION_PROBE).reply(tokenizer)):
         return None
     answer = rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
     closing = without_shared_ending(alone[end:], answer[answer.find(PROBE_CONTENT) + len(PROBE_CONTENT):], tokenizer) \
@@ -180,12 +180,16 @@ def _layout(tokenizer) -> Optional[CallLayout]:
     two = form.reply(tokenizer, calls=2)
     following = _next_marker(two, alone[:start]) if two and parts["kind"] not in ("json", "python") else ""
     following = following if following != marker.strip() and marker.strip().endswith(following) else ""
+    block_end = ""
     if following:  # a call inside the block closes with what the template writes before the next one too
-        between = two[two.find(PROBE_NAME):two.rfind(PROBE_NAME)]
+        between, whole = two[two.find(PROBE_NAME):two.rfind(PROBE_NAME)], closing.strip()
         while closing and closing not in between:
             closing = closing[:-1]
         closing = re.sub(r"[^>\s]*$", "", closing).strip()  # in whole tags
+        ends = re.match(r"\s*(<[^<>]*>)", whole[len(closing):]) if whole.startswith(closing) else None
+        block_end = ends.group(1) if ends else ""  # its first tag
     return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), next_marker=following,
+                      block_end=block_end,
                       id_name=form.id_name, text_arguments=isinstance(form.arguments, str), **parts)
 
 
@@ -307,6 +311,9 @@ def read_calls(tokenizer, text: str, tools: Optional[list] = None, ended_by: str
         calls += read[0]
         after = text[match.end():end][read[1]:]
         ids += [NAME.match(text[match.end():end]).group(1)] if layout.id_name else []
+    if layout.block_end and not (closed := re.match(r"\s*" + literal(layout.block_end), after)):
+        return ReadCalls(head, unreadable=written[found[0].start():].strip())  # cut before its block's end
+    after = after[closed.end():] if layout.block_end else after
     return ReadCalls(head, tuple(calls), strip_specials(f"{preamble}\n\n{after}", tokenizer).strip(),
                      ids=tuple(ids), text_arguments=layout.text_arguments)
 
