@@ -97,7 +97,8 @@ def split_reply(tokenizer, text: str, plain: str, opened: bool = False) -> Reply
         if layout.opened:  # the prompt opened the trace (Apriel-1.6's words): stopped inside it
             return ReplyParts("", strip_specials(start, tokenizer).strip(), answered=False)
         if layout.opening and start.startswith(layout.opening):  # stopped inside the trace
-            return ReplyParts("", strip_specials(start[len(layout.opening):], tokenizer).strip(), answered=False)
+            return ReplyParts("", strip_specials(start[len(layout.opening):], tokenizer).strip(), answered=False,
+                              thinking_chunk=layout.chunks)
         if start and (layout.opening.startswith(start) or layout.answer_marker.startswith(start)):
             return ReplyParts("", "", answered=False)  # stopped inside the markup before the trace or the answer
         return ReplyParts(plain)

@@ -162,6 +162,9 @@ def test_a_mistral_trace_is_split_and_kept_in_history_as_the_model_wrote_it(tiny
     assert chat(model, tokenizer, lambda: next(lines, None), out, max_new_tokens=64) == 2
     assert out.getvalue().startswith(f"[reasoning]\n{TRACE}\n[/reasoning]\n{ANSWER}\n[end of turn (</s>)")
     assert prompts == [prompts[0], prompts[0] + written + "</s>[INST]Again?[/INST]"]
+    cut = parse_reply(tokenizer, _ids(tokenizer, "[THINK]Two plus"), _ids(tokenizer, prompts[0]))
+    assert (cut.answered, cut.message()) == (False, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Two plus"}]})  # a trace cut short stays the template's chunk too
     assert prompts[-1] == "<s>[INST]What is 2+2?[/INST][THINK]Two plus two is four.[/THINK]4.</s>[INST]Again?[/INST]"
 
 
