@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from open_sft.data.dataset_shapes import decoded_list, shape_of
 from open_sft.errors import UserError
 
 
@@ -13,21 +14,26 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
     """The format of a source, from the columns of its first row (a --dataset_text_field column named: text)."""
     if text_field != "text" and text_field in row:
         return "text"
-    for key in dict.fromkeys((messages_key, "conversations")):  # either holds role/content or from/value turns
+    # any of these holds role/content or from/value turns ('conversation': LMSYS-Chat-1M's, WildChat's)
+    for key in dict.fromkeys((messages_key, "conversations", "conversation")):
         if key in row:
-            return sharegpt_format(key) if _sharegpt_turns(row[key]) else messages_format(key)
+            return sharegpt_format(key) if _sharegpt_turns(decoded_list(row[key])) else messages_format(key)
     if "instruction" in row and "output" in row:
         return "alpaca"
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
+    shape = shape_of(row)  # a popular dataset's own columns (open_sft.data.dataset_shapes)
+    if shape:
+        return shape
     if "text" in row:
         return "text"
     raise UserError(
         f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
         "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
-        "documents). Rename the columns or convert the file (a messages column of another name: "
-        "--sft_messages_key; a text column of another name: --dataset_text_field NAME)"
+        "documents), and the columns of xLAM, Llama-Nemotron, OpenMathReasoning and s1K (README \"Data formats\"). "
+        "Rename the columns or convert the file (a messages column of another name: --sft_messages_key; a text "
+        "column of another name: --dataset_text_field NAME)"
     )
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
+from open_sft.data.dataset_shapes import SHAPES, decoded_list, messages_row
+from open_sft.data.row_error import RowError
+
 
 # environment: OLMo's tool results; developer: OpenAI's newer name of the system turn (gpt-oss's template has both)
 ROLES = ("system", "developer", "user", "assistant", "tool", "environment")
@@ -58,25 +61,14 @@ def _with_row_system(row: dict[str, Any], messages: Messages) -> Messages:
     return messages
 
 
-class RowError(ValueError):
-    """What is wrong with one row; the caller adds the file and line. `reason` is the short code
-    counted in the data report when --on_bad_row drop skips the row."""
-
-    def __init__(self, message: str, reason: str = "invalid_row"):
-        super().__init__(message)
-        self.reason = reason
-
-    def __reduce__(self):  # keep the reason when sent back from a render worker process
-        return (RowError, (str(self), self.reason))
-
-
 def _from_messages(row: dict[str, Any]) -> Messages:
     if "messages" not in row:
         raise RowError(f"row has no 'messages' (columns: {sorted(row)}); every row of this source needs a "
                        "'messages' list of {role, content}", "missing_messages")
-    messages = row["messages"]
+    messages = decoded_list(row["messages"])  # a JSON string of the list too (Toucan-1.5M's parquet column)
     if not isinstance(messages, list) or not messages:
-        raise RowError("'messages' must be a non-empty list of {role, content} objects", "missing_messages")
+        raise RowError("'messages' must be a non-empty list of {role, content} objects (or that list as a JSON "
+                       "string)", "missing_messages")
     out = []
     for i, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
@@ -221,7 +213,7 @@ def _alpaca_history(history: Any) -> Messages:
 
 
 def _from_sharegpt(row: dict[str, Any]) -> Messages:
-    turns = row.get("conversations")
+    turns = decoded_list(row.get("conversations"))
     if not isinstance(turns, list) or not turns:
         raise RowError("'conversations' must be a non-empty list of {from, value} objects", "missing_messages")
     out = []
@@ -381,6 +373,8 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
             raise RowError(f"row has no {key!r} (the column of this source's from/value turns; columns: "
                            f"{sorted(row)})", "missing_messages")
         row, fmt = {**row, "conversations": row[key]}, "sharegpt"
+    elif fmt in SHAPES:  # a popular dataset's own columns (open_sft.data.dataset_shapes)
+        row, fmt = messages_row(row, fmt), "messages"
     messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
     messages.tools = row_tools(row)

@@ -1,0 +1,108 @@
+"""Popular datasets' own row shapes, read as the messages rows they mean: --dataset_format auto knows each by its
+columns (`shape_of`), and `messages_row` gives the row's conversation (and tools) as a `messages` row does.
+
+- xlam: Salesforce/xlam-function-calling-60k (APIGen): `query`, `answers` (the calls, a JSON string of
+  [{name, arguments}]) and `tools` (a JSON string of bare schemas): the user's query, then an assistant turn of
+  those calls, the tools handed to the template.
+- nemotron: nvidia/Llama-Nemotron-Post-Training-Dataset: `input` (the conversation so far, role/content
+  messages), `output` (the reply, its trace inline as `<think>…</think>`) and `system_prompt` ("detailed
+  thinking on"/"off", the switch the model was trained with), the conversation's system turn.
+- openmath: nvidia/OpenMathReasoning: `problem` and `generated_solution` (trace inline).
+- s1k: simplescaling/s1K: `question`, `thinking_trajectories` (a list of traces) and `attempt` (the answer):
+  the traces, joined by a newline, are the answer's `reasoning_content`; s1K-1.1's `deepseek_thinking_trajectory`
+  and `deepseek_attempt` (what s1.1 trained on) likewise.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+from open_sft.data.row_error import RowError
+
+
+def decoded_list(value: Any) -> Any:
+    """A column that holds a list, decoded where the dataset stores it as a JSON string (Toucan-1.5M's `messages`,
+    xLAM's `answers`: a parquet column of type string); anything else as it is (the caller's to refuse)."""
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _text(row: dict[str, Any], column: str, shape: str) -> str:
+    value = row.get(column)
+    if not isinstance(value, str):
+        raise RowError(f"{shape} row needs a string {column!r}, got {type(value).__name__}", "missing_field")
+    return value
+
+
+def _xlam(row: dict[str, Any]) -> dict[str, Any]:
+    calls = decoded_list(row.get("answers"))
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RowError("xLAM row's 'answers' must be a list of {name, arguments} calls, or that list as a JSON "
+                       "string", "bad_tool_calls")
+    if not calls:
+        raise RowError("xLAM row's 'answers' is empty: the row has no call to train (an irrelevance row needs "
+                       "the reply the model should give instead; convert it to a messages row)", "empty_assistant")
+    tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
+                  for c in calls]
+    return {"tools": row.get("tools"), "messages": [
+        {"role": "user", "content": _text(row, "query", "xLAM")},
+        {"role": "assistant", "content": "", "tool_calls": tool_calls}]}
+
+
+def _nemotron(row: dict[str, Any]) -> dict[str, Any]:
+    turns = decoded_list(row.get("input"))
+    if not isinstance(turns, list) or not turns:
+        raise RowError(f"Nemotron row's 'input' is a {type(turns).__name__}; this shape needs the conversation "
+                       "so far as a list of role/content messages (a prompt already written in a chat template's "
+                       "text cannot be rendered again: convert it to messages)", "missing_messages")
+    messages = [*turns, {"role": "assistant", "content": _text(row, "output", "Nemotron")}]
+    system = row.get("system_prompt")
+    opens = isinstance(turns[0], dict) and turns[0].get("role") in ("system", "developer")
+    if isinstance(system, str) and system.strip() and not opens:
+        messages.insert(0, {"role": "system", "content": system})
+    return {"tools": row.get("tools"), "messages": messages}
+
+
+def _openmath(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": _text(row, "problem", "OpenMathReasoning")},
+                         {"role": "assistant", "content": _text(row, "generated_solution", "OpenMathReasoning")}]}
+
+
+def _s1k(row: dict[str, Any]) -> dict[str, Any]:
+    trace, answer = ("thinking_trajectories", "attempt") if "attempt" in row else (
+        "deepseek_thinking_trajectory", "deepseek_attempt")
+    traces = row.get(trace)
+    traces = [traces] if isinstance(traces, str) else traces
+    if not isinstance(traces, list) or not all(isinstance(t, str) for t in traces):
+        raise RowError(f"s1K row's {trace!r} must be a list of strings (the traces)", "bad_content_type")
+    return {"messages": [{"role": "user", "content": _text(row, "question", "s1K")},
+                         {"role": "assistant", "content": _text(row, answer, "s1K"),
+                          "reasoning_content": "\n".join(traces)}]}
+
+
+# format name: (the column sets, any of which names the shape; the converter to a messages row)
+SHAPES: dict[str, tuple[tuple[frozenset, ...], Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    "xlam": ((frozenset({"query", "answers", "tools"}),), _xlam),
+    "nemotron": ((frozenset({"input", "output", "system_prompt"}),), _nemotron),
+    "openmath": ((frozenset({"problem", "generated_solution"}),), _openmath),
+    "s1k": ((frozenset({"question", "thinking_trajectories", "attempt"}),
+             frozenset({"question", "deepseek_thinking_trajectory", "deepseek_attempt"})), _s1k),
+}
+
+
+def shape_of(row: dict[str, Any]) -> Optional[str]:
+    """The name of the dataset shape whose columns the row has, or None."""
+    for name, (column_sets, _) in SHAPES.items():
+        if any(columns <= row.keys() for columns in column_sets):
+            return name
+    return None
+
+
+def messages_row(row: dict[str, Any], shape: str) -> dict[str, Any]:
+    """The row as a messages row: its conversation under `messages`, its tools (where it has any) under `tools`."""
+    return SHAPES[shape][1](row)
