@@ -84,8 +84,9 @@ logger = logging.getLogger(__name__)
 # a field the model does not write (Gemma 4's tool_responses) is context past the token opening it, where the turn
 # stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the
 # turn's whole context, an empty trace closed where none; 35: the report names the special tokens whose text the rows
-# hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted
-CACHE_FORMAT_VERSION = 35
+# hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted; 36: a from/value
+# turn's weight 0 is context; JSON-string conversations and data/dataset_shapes.py's rows are read (were bad rows)
+CACHE_FORMAT_VERSION = 36
 COMPLETE = "COMPLETE"
 
 

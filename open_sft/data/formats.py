@@ -226,6 +226,8 @@ def _from_sharegpt(row: dict[str, Any]) -> Messages:
         calls = _sharegpt_calls(turn["value"]) if speaker == "function_call" else None
         out.append({"role": "assistant", "content": "", "tool_calls": calls} if calls else
                    {"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+        if turn.get("weight") is not None:  # OpenHermes-2.5's per-turn weight: 0 is context (as OpenAI's)
+            out[-1]["weight"] = turn["weight"]
     return _with_row_system(row, out)
 
 

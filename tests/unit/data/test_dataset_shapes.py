@@ -1,0 +1,143 @@
+"""Popular reasoning, tool-calling and chat datasets in their own row shapes (field names, nesting, JSON-string
+columns as their cards and parquet files give them) train as the messages rows they mean, under Qwen3's template:
+each is compared token for token with its plain messages form, and its trained text is spelt out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from open_sft.data.format_detect import detect_format
+from open_sft.data.formats import RowError, to_messages
+from open_sft.data.labels import trained_token_runs
+from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
+from tests.unit.data.test_users_rows import examples_of
+
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city.",
+                "parameters": {"city": {"description": "The city.", "type": "str", "default": "Oslo"}}}
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_model_dir):
+    return family_tokenizer(tiny_model_dir, "qwen3")
+
+
+def trained_texts(tokenizer, examples: list) -> list[str]:
+    return [tokenizer.decode(run) for ids, labels in examples for run in trained_token_runs(ids, labels)]
+
+
+def test_openhermes_per_turn_weight_0_is_context(qwen3, tmp_path) -> None:
+    """OpenHermes-2.5's from/value turns carry `weight` (null, 0.0 or 1.0): a 0 answer was trained as any other."""
+    row = {"conversations": [{"from": "system", "value": "You are helpful.", "weight": None},
+                             {"from": "human", "value": "Hi", "weight": 0.0},
+                             {"from": "gpt", "value": "Hello there.", "weight": 0.0},
+                             {"from": "human", "value": "Bye", "weight": None},
+                             {"from": "gpt", "value": "Goodbye.", "weight": 1.0}], "source": "airoboros2.2"}
+    examples = examples_of(qwen3, tmp_path, [row])
+    assert trained_texts(qwen3, examples) == [EMPTY_THINK + "Goodbye.<|im_end|>"]
+    assert "<|im_start|>assistant\nHello there.<|im_end|>" in qwen3.decode(examples[0][0])  # context
+    with pytest.raises(RowError, match="every assistant turn has weight 0"):
+        to_messages({"conversations": row["conversations"][:3]}, "sharegpt")
+
+
+def test_a_conversation_stored_as_a_json_string_is_read(qwen3, tmp_path) -> None:
+    """Toucan-1.5M's parquet holds `messages` as a JSON string (legacy function_call/function turns inside); a
+    from/value list stored so is sharegpt: both were refused ("'messages' must be a non-empty list")."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "", "function_call": {"name": "get_weather",
+                                                                       "arguments": "{\"city\": \"Oslo\"}"}},
+                {"role": "function", "name": "get_weather", "content": "{\"temp_c\": -3}"},
+                {"role": "assistant", "content": "It is -3 in Oslo."}]
+    toucan = {"uuid": "u1", "subset_name": "single-turn", "messages": json.dumps(messages), "question": "Weather?"}
+    assert detect_format(toucan, "f") == "messages"
+    examples = examples_of(qwen3, tmp_path, [toucan])
+    assert examples == examples_of(qwen3, tmp_path, [{"messages": messages}])
+    assert trained_texts(qwen3, examples) == [
+        EMPTY_THINK + '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>',
+        EMPTY_THINK + "It is -3 in Oslo.<|im_end|>"]
+    sharegpt = {"conversations": json.dumps([{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}])}
+    assert detect_format(sharegpt, "f") == "sharegpt"
+    assert list(to_messages(sharegpt, "sharegpt")) == [{"role": "user", "content": "Hi"},
+                                                       {"role": "assistant", "content": "Hello."}]
+
+
+def test_lmsys_and_wildchat_conversation_columns_are_messages(qwen3, tmp_path) -> None:
+    """LMSYS-Chat-1M and WildChat keep role/content turns under `conversation`: the format was not told (only
+    --sft_messages_key conversation read them); their turns' own keys (WildChat's country, header, ...) stay out of
+    the text."""
+    lmsys = {"conversation_id": "c1", "model": "vicuna-13b", "turn": 1, "language": "English", "redacted": False,
+             "conversation": [{"content": "Hi", "role": "user"}, {"content": "Hello.", "role": "assistant"}],
+             "openai_moderation": [{"categories": {"harassment": False}, "flagged": False}]}
+    wildchat = {"conversation_hash": "h", "model": "gpt-4", "turn": 1, "toxic": False, "conversation": [
+        {"content": "Hi", "role": "user", "country": "US", "header": {"accept-language": "en"}, "timestamp": None,
+         "toxic": False, "turn_identifier": 1},
+        {"content": "Hello.", "role": "assistant", "country": None, "header": None, "language": "English",
+         "timestamp": "2023-04-09 00:02:53+00:00", "toxic": False, "turn_identifier": 1}]}
+    plain = examples_of(qwen3, tmp_path, [{"messages": lmsys["conversation"]}])
+    for row in (lmsys, wildchat):
+        assert detect_format(row, "f") == "messages:conversation"
+        assert examples_of(qwen3, tmp_path, [row]) == plain
+    assert qwen3.decode(plain[0][0]) == f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n{EMPTY_THINK}" \
+                                        "Hello.<|im_end|>\n"
+
+
+def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tmp_path) -> None:
+    """Salesforce/xlam-function-calling-60k: `query`, `answers` and `tools`, the last two JSON strings (refused:
+    "cannot tell the data format")."""
+    calls = [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments":
+                                                                          {"city": "Bern"}}]
+    row = {"id": 0, "query": "Weather in Oslo and Bern?", "answers": json.dumps(calls),
+           "tools": json.dumps([WEATHER_TOOL])}
+    assert detect_format(row, "f") == "xlam"
+    examples = examples_of(qwen3, tmp_path, [row])
+    assert examples == examples_of(qwen3, tmp_path, [{"tools": [{"type": "function", "function": WEATHER_TOOL}],
+                                                      "messages": [{"role": "user", "content": row["query"]}, {
+        "role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c} for c in calls]}]}])
+    assert trained_texts(qwen3, examples) == [EMPTY_THINK + "".join(
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>' + end
+        for city, end in (("Oslo", "\n"), ("Bern", "<|im_end|>")))]
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", ' \
+           '"parameters": {"city": {"description": "The city.", "type": "str", "default": "Oslo"}}}}\n</tools>' \
+           in qwen3.decode(examples[0][0])
+    with pytest.raises(RowError, match="xLAM row's 'answers' is empty: the row has no call to train"):
+        to_messages({**row, "answers": "[]"}, "xlam")
+
+
+def test_llama_nemotron_rows_open_with_their_system_prompt(qwen3, tmp_path) -> None:
+    """nvidia/Llama-Nemotron-Post-Training-Dataset: `input` messages, `output` (trace inline) and `system_prompt`,
+    the thinking switch the model learns to follow (refused: "cannot tell the data format")."""
+    row = {"input": [{"role": "user", "content": "What is 7+5?"}], "output": "<think>\nSeven and five.\n</think>\n\n12",
+           "category": "math", "license": "cc-by-4.0", "reasoning": "on", "generator": "DeepSeek-R1",
+           "used_in_training": "Ultra, Super, Nano", "version": "v1.1", "system_prompt": "detailed thinking on"}
+    assert detect_format(row, "f") == "nemotron"
+    examples = examples_of(qwen3, tmp_path, [row])
+    assert qwen3.decode(examples[0][0]).startswith("<|im_start|>system\ndetailed thinking on<|im_end|>\n")
+    assert trained_texts(qwen3, examples) == ["<think>\nSeven and five.\n</think>\n\n12<|im_end|>"]
+    with pytest.raises(RowError, match="Nemotron row's 'input' is a str; this shape needs the conversation so far"):
+        to_messages({**row, "input": "<|start_header_id|>user<|end_header_id|>\n\nWhat is 7+5?<|eot_id|>"},
+                    "nemotron")
+
+
+def test_openmathreasoning_and_s1k_rows_train_trace_and_answer(qwen3, tmp_path) -> None:
+    """nvidia/OpenMathReasoning (`problem`, `generated_solution` with its trace inline) and simplescaling/s1K
+    (`question`, `thinking_trajectories`, `attempt`; s1K-1.1's `deepseek_*` columns): both were refused."""
+    openmath = {"expected_answer": "12", "problem_type": "has_answer_extracted", "problem_source": "aops_c4",
+                "generation_model": "DeepSeek-R1", "pass_rate_72b_tir": "0.9", "problem": "What is 7+5?",
+                "generated_solution": "<think>\nSeven and five.\n</think>\n\n\\boxed{12}", "inference_mode": "cot",
+                "used_in_kaggle": True}
+    s1k = {"solution": "12", "question": "What is 7+5?", "cot_type": "math", "source_type": "x", "metadata": "{}",
+           "cot": None, "thinking_trajectories": ["Seven and five."], "attempt": "\\boxed{12}"}
+    s1k_1_1 = {"solution": "12", "question": "What is 7+5?", "gemini_thinking_trajectory": "Other.",
+               "gemini_attempt": "12", "deepseek_thinking_trajectory": "Seven and five.",
+               "deepseek_attempt": "\\boxed{12}"}
+    expected = ["<think>\nSeven and five.\n</think>\n\n\\boxed{12}<|im_end|>"]
+    for row, shape in ((openmath, "openmath"), (s1k, "s1k"), (s1k_1_1, "s1k")):
+        assert detect_format(row, "f") == shape
+        examples = examples_of(qwen3, tmp_path, [row])
+        assert qwen3.decode(examples[0][0]).startswith("<|im_start|>user\nWhat is 7+5?<|im_end|>\n")
+        assert trained_texts(qwen3, examples) == expected
+    with pytest.raises(RowError, match="s1K row's 'thinking_trajectories' must be a list of strings"):
+        to_messages({**s1k, "thinking_trajectories": None}, "s1k")
