@@ -11,11 +11,18 @@ columns (`shape_of`), and `messages_row` gives the row's conversation (and tools
 - s1k: simplescaling/s1K: `question`, `thinking_trajectories` (a list of traces) and `attempt` (the answer):
   the traces, joined by a newline, are the answer's `reasoning_content`; s1K-1.1's `deepseek_thinking_trajectory`
   and `deepseek_attempt` (what s1.1 trained on) likewise.
+- glaive: glaiveai/glaive-function-calling-v2: `system` ("SYSTEM: …" then the tool schemas, JSON objects one after
+  another) and `chat`, one string of "USER: ", "ASSISTANT: " and "FUNCTION RESPONSE: " turns three newlines apart,
+  each answer closed by a literal `<|endoftext|>` and a call written `<functioncall> {"name": …, "arguments": '…'}`
+  (its arguments a JSON object in single quotes): the system text, the schemas as the row's tools, the turns as
+  user, assistant (the call a tool call, the `<|endoftext|>` dropped: the template writes its own end of turn)
+  and tool messages.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable, Optional
 
 from open_sft.data.row_error import RowError
@@ -85,6 +92,64 @@ def _s1k(row: dict[str, Any]) -> dict[str, Any]:
                           "reasoning_content": "\n".join(traces)}]}
 
 
+GLAIVE_TURN = re.compile(r"(?:^|\n\n\n)(USER|ASSISTANT|FUNCTION RESPONSE): ")
+GLAIVE_ROLES = {"USER": "user", "ASSISTANT": "assistant", "FUNCTION RESPONSE": "tool"}
+GLAIVE_CALL = re.compile(r'\{"name":\s*"([^"]+)",\s*"arguments":\s*\'(.*)\'\s*\}', re.DOTALL)
+
+
+def _glaive(row: dict[str, Any]) -> dict[str, Any]:
+    system, tools = _glaive_system(_text(row, "system", "glaive"))
+    parts = GLAIVE_TURN.split(_text(row, "chat", "glaive"))
+    if parts[0].strip() or len(parts) < 3:
+        raise RowError("glaive row's 'chat' must be turns opened by 'USER: ', 'ASSISTANT: ' or 'FUNCTION RESPONSE: ', "
+                       "three newlines apart", "missing_messages")
+    messages = [{"role": "system", "content": system}] if system else []
+    for speaker, text in zip(parts[1::2], parts[2::2]):
+        text = text.strip().removesuffix("<|endoftext|>").rstrip()
+        messages.append(_glaive_answer(text) if speaker == "ASSISTANT" else
+                        {"role": GLAIVE_ROLES[speaker], "content": text})
+    return {"tools": tools, "messages": messages}
+
+
+def _glaive_system(text: str) -> tuple[str, Optional[list]]:
+    """The system prompt without its "SYSTEM: " and the tool schemas written after it (None where it has none, or
+    where they are not JSON objects one after another: the text is then the prompt as written)."""
+    text = text.removeprefix("SYSTEM:").strip()
+    start = text.find("{")
+    if start < 0:
+        return text, None
+    schemas, decoder, position = [], json.JSONDecoder(), start
+    while position < len(text):
+        try:
+            schema, end = decoder.raw_decode(text, position)
+        except ValueError:
+            return text, None
+        schemas.append(schema)
+        position = end + len(text[end:]) - len(text[end:].lstrip())  # past the whitespace between schemas
+    if not all(isinstance(schema, dict) for schema in schemas):
+        return text, None
+    return text[:start].strip(), schemas
+
+
+def _glaive_answer(text: str) -> dict[str, Any]:
+    """An assistant turn; its `<functioncall> {...}` (what follows the tag) the turn's tool call."""
+    content, tag, call = text.partition("<functioncall>")
+    if not tag:
+        return {"role": "assistant", "content": text}
+    call = call.strip()
+    try:
+        parsed = json.loads(call)
+        name, arguments = parsed["name"], parsed.get("arguments", {})
+    except (ValueError, TypeError, KeyError):
+        match = GLAIVE_CALL.fullmatch(call)
+        if not match:
+            raise RowError(f"glaive row's call {call[:80]!r} is not {{\"name\": …, \"arguments\": '…'}}",
+                           "bad_tool_calls") from None
+        name, arguments = match.groups()
+    return {"role": "assistant", "content": content.strip(),
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+
+
 # format name: (the column sets, any of which names the shape; the converter to a messages row)
 SHAPES: dict[str, tuple[tuple[frozenset, ...], Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "xlam": ((frozenset({"query", "answers", "tools"}),), _xlam),
@@ -92,6 +157,7 @@ SHAPES: dict[str, tuple[tuple[frozenset, ...], Callable[[dict[str, Any]], dict[s
     "openmath": ((frozenset({"problem", "generated_solution"}),), _openmath),
     "s1k": ((frozenset({"question", "thinking_trajectories", "attempt"}),
              frozenset({"question", "deepseek_thinking_trajectory", "deepseek_attempt"})), _s1k),
+    "glaive": ((frozenset({"system", "chat"}),), _glaive),
 }
 
 

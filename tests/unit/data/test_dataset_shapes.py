@@ -141,3 +141,41 @@ def test_openmathreasoning_and_s1k_rows_train_trace_and_answer(qwen3, tmp_path) 
         assert trained_texts(qwen3, examples) == expected
     with pytest.raises(RowError, match="s1K row's 'thinking_trajectories' must be a list of strings"):
         to_messages({**s1k, "thinking_trajectories": None}, "s1k")
+
+
+def test_glaive_function_calling_rows_are_parsed_into_tools_calls_and_results(qwen3, tmp_path) -> None:
+    """glaiveai/glaive-function-calling-v2: a `system` string holding the schemas and one `chat` string of turns,
+    calls as `<functioncall>` text with single-quoted arguments (refused: "cannot tell the data format")."""
+    news = {"name": "get_news", "description": "Latest headlines.", "parameters": {
+        "type": "object", "properties": {"country": {"type": "string"}}, "required": ["country"]}}
+    bmi = {"name": "bmi", "description": "Body mass index.", "parameters": {"type": "object", "properties": {}}}
+    system = ("SYSTEM: You are a helpful assistant with access to the following functions. Use them if required -\n"
+              + json.dumps(news, indent=4) + "\n\n" + json.dumps(bmi, indent=4) + "\n")
+    chat = ("USER: News for the US?\n\n\nASSISTANT: <functioncall> {\"name\": \"get_news\", \"arguments\": "
+            "'{\"country\": \"United States\"}'} <|endoftext|>\n\n\nFUNCTION RESPONSE: {\"headlines\": [\"Rain\"]}"
+            "\n\n\nASSISTANT: Today's headline: Rain. <|endoftext|>\n\n\nUSER: Thanks!\n\n\nASSISTANT: You're "
+            "welcome! <|endoftext|>\n")
+    row = {"system": system, "chat": chat}
+    assert detect_format(row, "f") == "glaive"
+    plain = {"tools": [{"type": "function", "function": news}, {"type": "function", "function": bmi}], "messages": [
+        {"role": "system", "content": "You are a helpful assistant with access to the following functions. Use "
+                                      "them if required -"},
+        {"role": "user", "content": "News for the US?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_news", "arguments": {"country": "United States"}}}]},
+        {"role": "tool", "content": "{\"headlines\": [\"Rain\"]}"},
+        {"role": "assistant", "content": "Today's headline: Rain."},
+        {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You're welcome!"}]}
+    examples = examples_of(qwen3, tmp_path, [row])
+    assert examples == examples_of(qwen3, tmp_path, [plain])
+    assert trained_texts(qwen3, examples) == [
+        EMPTY_THINK + '<tool_call>\n{"name": "get_news", "arguments": {"country": "United States"}}\n</tool_call>'
+        "<|im_end|>", EMPTY_THINK + "Today's headline: Rain.<|im_end|>", EMPTY_THINK + "You're welcome!<|im_end|>"]
+    no_tools = {"system": "SYSTEM: You are a helpful assistant, with no access to external functions.",
+                "chat": "USER: Hi\n\n\nASSISTANT: Hello! <|endoftext|>\n"}
+    converted = to_messages(no_tools, "glaive")
+    assert (list(converted), converted.tools) == ([
+        {"role": "system", "content": "You are a helpful assistant, with no access to external functions."},
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], None)
+    with pytest.raises(RowError, match="glaive row's call 'get_news\\(country=\"US\"\\)' is not"):
+        to_messages({**no_tools, "chat": "USER: Hi\n\n\nASSISTANT: <functioncall> get_news(country=\"US\")"}, "glaive")
