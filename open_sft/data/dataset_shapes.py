@@ -2,8 +2,9 @@
 columns (`shape_of`), and `messages_row` gives the row's conversation (and tools) as a `messages` row does.
 
 - xlam: Salesforce/xlam-function-calling-60k (APIGen): `query`, `answers` (the calls, a JSON string of
-  [{name, arguments}]) and `tools` (a JSON string of bare schemas): the user's query, then an assistant turn of
-  those calls, the tools handed to the template.
+  [{name, arguments}]) and `tools` (a JSON string of bare schemas whose `parameters` are JSON Schema's
+  `properties`): the user's query, then an assistant turn of those calls, the tools handed to the template (their
+  parameters as the object schema `{"type": "object", "properties": …}`).
 - nemotron: nvidia/Llama-Nemotron-Post-Training-Dataset: `input` (the conversation so far, role/content
   messages), `output` (the reply, its trace inline as `<think>…</think>`) and `system_prompt` ("detailed
   thinking on"/"off", the switch the model was trained with), the conversation's system turn.
@@ -56,9 +57,21 @@ def _xlam(row: dict[str, Any]) -> dict[str, Any]:
                        "the reply the model should give instead; convert it to a messages row)", "empty_assistant")
     tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
                   for c in calls]
-    return {"tools": row.get("tools"), "messages": [
+    return {"tools": _xlam_schemas(row.get("tools")), "messages": [
         {"role": "user", "content": _text(row, "query", "xLAM")},
         {"role": "assistant", "content": "", "tool_calls": tool_calls}]}
+
+
+def _xlam_schemas(tools: Any) -> Any:
+    """xLAM's tool schemas, each `parameters` (JSON Schema's `properties`, as xLAM writes them: {name: {type,
+    description, default}}) within the object schema templates read (gpt-oss's writes a tool's arguments from its
+    `properties` and, without them, none); anything else as it is (formats.row_tools checks it)."""
+    tools = decoded_list(tools)
+    if not isinstance(tools, list):
+        return tools
+    return [{**tool, "parameters": {"type": "object", "properties": tool["parameters"]}}
+            if isinstance(tool, dict) and isinstance(tool.get("parameters"), dict)
+            and "properties" not in tool["parameters"] else tool for tool in tools]
 
 
 def _nemotron(row: dict[str, Any]) -> dict[str, Any]:

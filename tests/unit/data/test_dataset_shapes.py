@@ -84,24 +84,30 @@ def test_lmsys_and_wildchat_conversation_columns_are_messages(qwen3, tmp_path) -
                                         "Hello.<|im_end|>\n"
 
 
-def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tmp_path) -> None:
+def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp_path) -> None:
     """Salesforce/xlam-function-calling-60k: `query`, `answers` and `tools`, the last two JSON strings (refused:
-    "cannot tell the data format")."""
+    "cannot tell the data format"); a schema's `parameters` are JSON Schema's `properties`, handed over within the
+    object schema, which gpt-oss's template needs to write them."""
     calls = [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments":
                                                                           {"city": "Bern"}}]
     row = {"id": 0, "query": "Weather in Oslo and Bern?", "answers": json.dumps(calls),
            "tools": json.dumps([WEATHER_TOOL])}
     assert detect_format(row, "f") == "xlam"
+    schema = {**WEATHER_TOOL, "parameters": {"type": "object", "properties": WEATHER_TOOL["parameters"]}}
     examples = examples_of(qwen3, tmp_path, [row])
-    assert examples == examples_of(qwen3, tmp_path, [{"tools": [{"type": "function", "function": WEATHER_TOOL}],
+    assert examples == examples_of(qwen3, tmp_path, [{"tools": [{"type": "function", "function": schema}],
                                                       "messages": [{"role": "user", "content": row["query"]}, {
         "role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": c} for c in calls]}]}])
     assert trained_texts(qwen3, examples) == [EMPTY_THINK + "".join(
         f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>' + end
         for city, end in (("Oslo", "\n"), ("Bern", "<|im_end|>")))]
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", ' \
-           '"parameters": {"city": {"description": "The city.", "type": "str", "default": "Oslo"}}}}\n</tools>' \
-           in qwen3.decode(examples[0][0])
+           '"parameters": {"type": "object", "properties": {"city": {"description": "The city.", "type": "str", ' \
+           '"default": "Oslo"}}}}}\n</tools>' in qwen3.decode(examples[0][0])
+    gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
+    (ids, _), = examples_of(gpt_oss, tmp_path, [{**row, "answers": json.dumps(calls[:1])}])
+    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity?: any, // default: "Oslo",\n}) => any;'
+    assert written in gpt_oss.decode(ids)  # without the object schema: "type get_weather = () => any;"
     with pytest.raises(RowError, match="xLAM row's 'answers' is empty: the row has no call to train"):
         to_messages({**row, "answers": "[]"}, "xlam")
 
