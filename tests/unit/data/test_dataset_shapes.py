@@ -106,7 +106,8 @@ def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp
            '"default": "Oslo"}}}}}\n</tools>' in qwen3.decode(examples[0][0])
     gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
     (ids, _), = examples_of(gpt_oss, tmp_path, [{**row, "answers": json.dumps(calls[:1])}])
-    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity?: any, // default: "Oslo",\n}) => any;'
+    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity?: any, // default: "Oslo",\n}) ' \
+              '=> any;'
     assert written in gpt_oss.decode(ids)  # without the object schema: "type get_weather = () => any;"
     with pytest.raises(RowError, match="xLAM row's 'answers' is empty: the row has no call to train"):
         to_messages({**row, "answers": "[]"}, "xlam")
