@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 from open_sft.data.dataset_shapes import SHAPES, decoded_list, messages_row
 from open_sft.data.row_error import RowError
+from open_sft.data.tool_schemas import row_tools
 
 
 # environment: OLMo's tool results; developer: OpenAI's newer name of the system turn (gpt-oss's template has both)
@@ -297,43 +298,6 @@ def check_trainable(messages: Messages) -> None:
         if message["role"] == "assistant" and not message["content"].strip() and not (
                 message.get("tool_calls") or message.get("function_calls")):
             raise RowError(f"message {i} (assistant) is empty", "empty_assistant")
-
-
-def row_tools(row: dict[str, Any]) -> Optional[list]:
-    """The `tools` column (and OpenAI's legacy `functions`, bare schemas): a list of tool schemas (objects), or
-    that list as a JSON string (as sharegpt files and parquet columns often carry it); absent, null or empty
-    means no tools."""
-    tools = _schemas(row, "tools") + _legacy_functions(row)
-    if not tools:
-        return None
-    # a bare schema {name, description, parameters} (LLaMA-Factory's sharegpt tools, OpenAI's older `functions`)
-    # in the {type: function, function: ...} form templates read (gpt-oss's refuses a bare one), as LLaMA-Factory
-    # wraps it
-    return [tool if "function" in tool or "name" not in tool else {"type": "function", "function": tool}
-            for tool in tools]
-
-
-def _schemas(row: dict[str, Any], column: str) -> list:
-    schemas = row.get(column)
-    if isinstance(schemas, str):
-        try:
-            schemas = json.loads(schemas) if schemas.strip() else None
-        except ValueError as exc:
-            raise RowError(f"{column!r} is a string but not JSON ({exc}); give a list of tool schemas", "bad_tools")
-    if schemas is None:
-        return []
-    if not isinstance(schemas, list) or not all(isinstance(schema, dict) for schema in schemas):
-        raise RowError(f"{column!r} must be a list of tool schemas (JSON objects)", "bad_tools")
-    return schemas
-
-
-def _legacy_functions(row: dict[str, Any]) -> list:
-    """OpenAI's legacy `functions` column, where it is that (a list of schema objects, or that list as JSON): a column
-    of that name in another shape is some other dataset's, not read (as before open_sft read this one)."""
-    try:
-        return _schemas(row, "functions")
-    except RowError:
-        return []
 
 
 def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:

@@ -186,3 +186,19 @@ def test_glaive_function_calling_rows_are_parsed_into_tools_calls_and_results(qw
         {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], None)
     with pytest.raises(RowError, match="glaive row's call 'get_news\\(country=\"US\"\\)' is not"):
         to_messages({**no_tools, "chat": "USER: Hi\n\n\nASSISTANT: <functioncall> get_news(country=\"US\")"}, "glaive")
+
+
+def test_tool_schemas_each_given_as_a_json_string_are_read(qwen3, tmp_path) -> None:
+    """When2Call's `tools` (a list<string> column: each schema a JSON string of its own) were a bad row ("'tools'
+    must be a list of tool schemas"); they reach the template as the objects."""
+    schema = {"type": "function", "function": WEATHER_TOOL}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "<TOOLCALL>[{\"name\": \"get_weather\", \"arguments\": "
+                                                 "{\"city\": \"Oslo\"}}]</TOOLCALL>"}]
+    row = {"uuid": "u", "source": "BFCL", "tools": [json.dumps(WEATHER_TOOL)], "messages": messages}
+    assert to_messages(row, "messages").tools == [schema]
+    examples = examples_of(qwen3, tmp_path, [row])
+    assert examples == examples_of(qwen3, tmp_path, [{"tools": [schema], "messages": messages}])
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in qwen3.decode(examples[0][0])
+    with pytest.raises(RowError, match="'tools' must be a list of tool schemas \\(JSON objects, or each such"):
+        to_messages({**row, "tools": ["get_weather(city)"]}, "messages")
