@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 # stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the
 # turn's whole context, an empty trace closed where none; 35: the report names the special tokens whose text the rows
 # hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted; 36: a from/value
-# turn's weight 0 is context; JSON-string conversations and data/dataset_shapes.py's rows are read (were bad rows)
+# turn's weight 0 is context; JSON-string conversations/schemas and data/dataset_shapes.py's rows read (were bad)
 CACHE_FORMAT_VERSION = 36
 COMPLETE = "COMPLETE"
 
