@@ -12,6 +12,10 @@ columns (`shape_of`), and `messages_row` gives the row's conversation (and tools
 - s1k: simplescaling/s1K: `question`, `thinking_trajectories` (a list of traces) and `attempt` (the answer):
   the traces, joined by a newline, are the answer's `reasoning_content`; s1K-1.1's `deepseek_thinking_trajectory`
   and `deepseek_attempt` (what s1.1 trained on) likewise.
+- openthoughts: OpenThoughts-114k's `metadata` config: `problem`, `deepseek_reasoning` (the trace, the answer's
+  `reasoning_content`) and `deepseek_solution` (its default config is sharegpt rows, their traces in the text
+  between Sky-T1's `<|begin_of_thought|>` tags, as the dataset's system prompt asks for them).
+- problem_solution: `problem` and `solution` alone (NuminaMath-1.5, MATH): the user's problem, the answer.
 - glaive: glaiveai/glaive-function-calling-v2: `system` ("SYSTEM: …" then the tool schemas, JSON objects one after
   another) and `chat`, one string of "USER: ", "ASSISTANT: " and "FUNCTION RESPONSE: " turns three newlines apart,
   each answer closed by a literal `<|endoftext|>` and a call written `<functioncall> {"name": …, "arguments": '…'}`
@@ -93,6 +97,17 @@ def _openmath(row: dict[str, Any]) -> dict[str, Any]:
                          {"role": "assistant", "content": _text(row, "generated_solution", "OpenMathReasoning")}]}
 
 
+def _openthoughts(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": _text(row, "problem", "OpenThoughts")},
+                         {"role": "assistant", "content": _text(row, "deepseek_solution", "OpenThoughts"),
+                          "reasoning_content": _text(row, "deepseek_reasoning", "OpenThoughts")}]}
+
+
+def _problem_solution(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": _text(row, "problem", "problem/solution")},
+                         {"role": "assistant", "content": _text(row, "solution", "problem/solution")}]}
+
+
 def _s1k(row: dict[str, Any]) -> dict[str, Any]:
     trace, answer = ("thinking_trajectories", "attempt") if "attempt" in row else (
         "deepseek_thinking_trajectory", "deepseek_attempt")
@@ -171,6 +186,8 @@ SHAPES: dict[str, tuple[tuple[frozenset, ...], Callable[[dict[str, Any]], dict[s
     "s1k": ((frozenset({"question", "thinking_trajectories", "attempt"}),
              frozenset({"question", "deepseek_thinking_trajectory", "deepseek_attempt"})), _s1k),
     "glaive": ((frozenset({"system", "chat"}),), _glaive),
+    "openthoughts": ((frozenset({"problem", "deepseek_reasoning", "deepseek_solution"}),), _openthoughts),
+    "problem_solution": ((frozenset({"problem", "solution"}),), _problem_solution),  # after those with more columns
 }
 
 

@@ -128,9 +128,11 @@ def test_llama_nemotron_rows_open_with_their_system_prompt(qwen3, tmp_path) -> N
                     "nemotron")
 
 
-def test_openmathreasoning_and_s1k_rows_train_trace_and_answer(qwen3, tmp_path) -> None:
-    """nvidia/OpenMathReasoning (`problem`, `generated_solution` with its trace inline) and simplescaling/s1K
-    (`question`, `thinking_trajectories`, `attempt`; s1K-1.1's `deepseek_*` columns): both were refused."""
+def test_math_reasoning_rows_train_trace_and_answer(qwen3, tmp_path) -> None:
+    """nvidia/OpenMathReasoning (`problem`, `generated_solution` with its trace inline), simplescaling/s1K
+    (`question`, `thinking_trajectories`, `attempt`; s1K-1.1's `deepseek_*` columns), OpenThoughts-114k's metadata
+    config (`problem`, `deepseek_reasoning`, `deepseek_solution`) and NuminaMath-1.5 (`problem`, `solution`): all
+    were refused ("cannot tell the data format")."""
     openmath = {"expected_answer": "12", "problem_type": "has_answer_extracted", "problem_source": "aops_c4",
                 "generation_model": "DeepSeek-R1", "pass_rate_72b_tir": "0.9", "problem": "What is 7+5?",
                 "generated_solution": "<think>\nSeven and five.\n</think>\n\n\\boxed{12}", "inference_mode": "cot",
@@ -140,14 +142,22 @@ def test_openmathreasoning_and_s1k_rows_train_trace_and_answer(qwen3, tmp_path) 
     s1k_1_1 = {"solution": "12", "question": "What is 7+5?", "gemini_thinking_trajectory": "Other.",
                "gemini_attempt": "12", "deepseek_thinking_trajectory": "Seven and five.",
                "deepseek_attempt": "\\boxed{12}"}
+    openthoughts = {"problem": "What is 7+5?", "deepseek_reasoning": "Seven and five.",
+                    "deepseek_solution": "\\boxed{12}", "ground_truth_solution": "12", "domain": "math",
+                    "source": "amc_aime", "test_cases": None, "starter_code": None}
     expected = ["<think>\nSeven and five.\n</think>\n\n\\boxed{12}<|im_end|>"]
-    for row, shape in ((openmath, "openmath"), (s1k, "s1k"), (s1k_1_1, "s1k")):
+    for row, shape in ((openmath, "openmath"), (s1k, "s1k"), (s1k_1_1, "s1k"), (openthoughts, "openthoughts")):
         assert detect_format(row, "f") == shape
         examples = examples_of(qwen3, tmp_path, [row])
         assert qwen3.decode(examples[0][0]).startswith("<|im_start|>user\nWhat is 7+5?<|im_end|>\n")
         assert trained_texts(qwen3, examples) == expected
     with pytest.raises(RowError, match="s1K row's 'thinking_trajectories' must be a list of strings"):
         to_messages({**s1k, "thinking_trajectories": None}, "s1k")
+    numina = {"problem": "What is 7+5?", "solution": "7+5=12", "answer": "12", "problem_type": "Algebra",
+              "question_type": "math-word-problem", "problem_is_valid": "Yes", "solution_is_valid": "Yes",
+              "source": "amc_aime", "synthetic": False}  # NuminaMath-1.5
+    assert detect_format(numina, "f") == "problem_solution"
+    assert trained_texts(qwen3, examples_of(qwen3, tmp_path, [numina])) == [EMPTY_THINK + "7+5=12<|im_end|>"]
 
 
 def test_glaive_function_calling_rows_are_parsed_into_tools_calls_and_results(qwen3, tmp_path) -> None:
