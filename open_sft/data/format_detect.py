@@ -14,10 +14,11 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
     """The format of a source, from the columns of its first row (a --dataset_text_field column named: text)."""
     if text_field != "text" and text_field in row:
         return "text"
-    # any of these holds role/content or from/value turns ('conversation': LMSYS-Chat-1M's, WildChat's)
-    for key in dict.fromkeys((messages_key, "conversations", "conversation")):
+    for key in dict.fromkeys((messages_key, "conversations")):  # either holds role/content or from/value turns
         if key in row:
-            return sharegpt_format(key) if _sharegpt_turns(decoded_list(row[key])) else messages_format(key)
+            return _turns_format(key, row[key])
+    if isinstance(decoded_list(row.get("conversation")), list):  # LMSYS-Chat-1M's and WildChat's turns
+        return _turns_format("conversation", row["conversation"])
     if "instruction" in row and "output" in row:
         return "alpaca"
     if "prompt" in row and "completion" in row:
@@ -36,6 +37,11 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         "messages column of another name: --sft_messages_key; a text column of another name: --dataset_text_field "
         "NAME)"
     )
+
+
+def _turns_format(key: str, turns: Any) -> str:
+    """The format of a source whose conversation is in column `key`: sharegpt or messages, as its first turn says."""
+    return sharegpt_format(key) if _sharegpt_turns(decoded_list(turns)) else messages_format(key)
 
 
 def _sharegpt_turns(turns: Any) -> bool:

@@ -82,6 +82,7 @@ def test_lmsys_and_wildchat_conversation_columns_are_messages(qwen3, tmp_path) -
         assert examples_of(qwen3, tmp_path, [row]) == plain
     assert qwen3.decode(plain[0][0]) == f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n{EMPTY_THINK}" \
                                         "Hello.<|im_end|>\n"
+    assert detect_format({"conversation": "A: hi B: hello", "text": "A: hi B: hello"}, "f") == "text"  # not turns
 
 
 def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp_path) -> None:
