@@ -84,8 +84,8 @@ logger = logging.getLogger(__name__)
 # a field the model does not write (Gemma 4's tool_responses) is context past the token opening it, where the turn
 # stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the
 # turn's whole context, an empty trace closed where none; 35: the report names the special tokens whose text the rows
-# hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted; 36: a from/value
-# turn's weight 0 is context; JSON-string conversations/schemas and data/dataset_shapes.py's rows read (were bad)
+# hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted; 36: from/value
+# weight 0 is context, JSON-string turns/schemas and dataset_shapes.py rows read, tools_listed_twice in the report
 CACHE_FORMAT_VERSION = 36
 COMPLETE = "COMPLETE"
 

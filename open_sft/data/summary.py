@@ -50,6 +50,10 @@ _NOTES = {
                               "as the answer's text, tags and all, where it writes reasoning its own way (gpt-oss's "
                               "analysis channel), so the model learns to write think tags in its answer; give the "
                               "trace as reasoning_content (or thinking) and the answer alone as the content",
+    "tools_listed_twice": "list their tool schemas in a system message (Hermes-style rows: <tools>…</tools>) and in a "
+                          "tools column too, which the chat template writes again, so the context shows every tool "
+                          "twice, as the model never sees it at inference; drop the tools column (or the list in "
+                          "the system message)",
     "tool_results_wrapped_twice": "have tool results that carry their own tags (<tool_response>…</tool_response>, as "
                                   "Hermes-style rows give them) which the chat template writes around every tool "
                                   "result again, so the context doubles them, as the model never sees it at "
@@ -101,6 +105,7 @@ class SourceReport:
     tool_results_wrapped_twice: int = 0  # rows with a tool result whose own tags the template writes around it again
     reasoning_opened_by_prompt: int = 0  # rows with a turn trained after a think block its prompt opens
     reasoning_block_filled: int = 0  # rows with a turn's trace trained in a think block its template writes empty
+    tools_listed_twice: int = 0  # rows whose tools a system message lists and the template writes again
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,7 +127,8 @@ class SourceReport:
             "reasoning_tags_as_text": self.reasoning_tags_as_text,
             "tool_results_wrapped_twice": self.tool_results_wrapped_twice,
             "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt,
-            "reasoning_block_filled": self.reasoning_block_filled, "hub_dataset": self.hub_dataset,
+            "reasoning_block_filled": self.reasoning_block_filled, "tools_listed_twice": self.tools_listed_twice,
+            "hub_dataset": self.hub_dataset,
         }
 
     def add_notes(self, notes: Counter, flagged: dict[str, list[int]], where: Any) -> None:

@@ -62,3 +62,19 @@ def _legacy_functions(row: dict[str, Any]) -> list:
         return _schemas(row, "functions")
     except RowError:
         return []
+
+
+def listed_in_system(tools: list, messages: list) -> bool:
+    """Whether a system (or developer) message already lists every one of the row's tool schemas, its name and its
+    description (Hermes-style rows: `<tools>[…]</tools>` in the system prompt, the same schemas in a `tools` column):
+    a template that writes the tools column too shows the model every tool twice, as it never sees them at
+    inference."""
+    def listed(tool: Any, text: str) -> bool:
+        function = function_of(tool)
+        name, description = (function.get("name"), function.get("description")) if isinstance(function, dict) \
+            else (None, None)
+        return isinstance(name, str) and name in text and (not isinstance(description, str) or any(
+            form in text for form in (description, json.dumps(description)[1:-1])))
+
+    return any(message.get("role") in ("system", "developer") and isinstance(message.get("content"), str)
+               and all(listed(tool, message["content"]) for tool in tools) for message in messages)

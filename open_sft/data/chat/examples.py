@@ -35,6 +35,7 @@ from open_sft.data.chat.turn_enders import TurnEnders, turn_enders
 from open_sft.data.chat.turn_render import group_turns, kept_history, render_turn
 from open_sft.data.chat.turns import call_written, prefix_renders
 from open_sft.data.formats import Messages, RowError, same_kind, trains
+from open_sft.data.tool_schemas import listed_in_system
 
 @dataclass(frozen=True)
 class RowRender:
@@ -55,6 +56,7 @@ class RowRender:
     turns_in_one_rendering: bool = False  # a trained turn not located after its own context (_partly_per_turn)
     reasoning_tags_as_text: bool = False  # an inline trace written as text by a tagless template (reasoning.py)
     tool_results_wrapped_twice: bool = False  # a tool result's own tags written around it again (tool_arguments.py)
+    tools_listed_twice: bool = False  # the template writes the tools a system message already lists (tool_schemas.py)
     reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
     reasoning_block_filled: bool = False  # a turn's trace trained in the think block its template writes empty
     # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
@@ -65,7 +67,8 @@ class RowRender:
 RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning_history_not_kept",
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
                 "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
-                "tool_results_wrapped_twice", "reasoning_opened_by_prompt", "reasoning_block_filled")
+                "tool_results_wrapped_twice", "reasoning_opened_by_prompt", "reasoning_block_filled",
+                "tools_listed_twice")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -158,6 +161,8 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     tools = getattr(messages, "tools", None)
     if tools and not tools_written(tools, rendered.examples[0][0]):
         rendered = dataclasses.replace(rendered, tools_not_rendered=True)
+    elif tools and listed_in_system(tools, messages):
+        rendered = dataclasses.replace(rendered, tools_listed_twice=True)
     if strings:
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
     if found := render.special_text_in(tokenizer, markers, (

@@ -12,7 +12,7 @@ from open_sft.data.format_detect import detect_format
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import trained_token_runs
 from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
-from tests.unit.data.test_users_rows import examples_of
+from tests.unit.data.test_users_rows import built_and_warned, examples_of
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city.",
@@ -213,3 +213,23 @@ def test_tool_schemas_each_given_as_a_json_string_are_read(qwen3, tmp_path) -> N
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in qwen3.decode(examples[0][0])
     with pytest.raises(RowError, match="'tools' must be a list of tool schemas \\(JSON objects, or each such"):
         to_messages({**row, "tools": ["get_weather(city)"]}, "messages")
+
+
+def test_tools_a_system_message_lists_and_a_tools_column_repeats_are_counted(qwen3, tmp_path, caplog) -> None:
+    """interstellarninja/hermes_reasoning_tool_use (and NousResearch's Hermes sets with a tools column): the system
+    turn lists the schemas in <tools> and the `tools` column holds them again; the template writes both, so the
+    context shows every tool twice: counted and named. APIGen-MT's system prompt without the list is not."""
+    schema = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a \"city\".",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    system = ("You are a function calling AI model. You are provided with function signatures within <tools> "
+              f"</tools> XML tags. <tools>\n{json.dumps([schema])}\n</tools>")
+    turns = [{"from": "human", "value": "Weather in Oslo?"}, {"from": "gpt", "value": "<think>\nNo call needed."
+             "\n</think>\nIt is cold."}]
+    hermes = {"conversations": [{"from": "system", "value": system}, *turns], "tools": json.dumps([schema]),
+              "task": "t", "category": "c", "source": "s", "scenario_category": "relevance"}
+    report, warned = built_and_warned(qwen3, tmp_path, caplog, [hermes], "tool schemas in a system message")
+    assert report.tools_listed_twice == 1 and len(warned) == 1 and "drop the tools column" in warned[0]
+    (ids, _), = examples_of(qwen3, tmp_path, [hermes])
+    assert qwen3.decode(ids).count('"description": "Weather of a \\"city\\"."') == 2  # the system's and the template's
+    apigen = {"conversations": turns, "tools": json.dumps([schema]), "system": "You are a weather agent."}
+    assert built_and_warned(qwen3, tmp_path, caplog, [apigen], "tool schemas in a system")[0].tools_listed_twice == 0
