@@ -15,7 +15,8 @@ columns (`shape_of`), and `messages_row` gives the row's conversation (and tools
 - openthoughts: OpenThoughts-114k's `metadata` config: `problem`, `deepseek_reasoning` (the trace, the answer's
   `reasoning_content`) and `deepseek_solution` (its default config is sharegpt rows, their traces in the text
   between Sky-T1's `<|begin_of_thought|>` tags, as the dataset's system prompt asks for them).
-- problem_solution: `problem` and `solution` alone (NuminaMath-1.5, MATH): the user's problem, the answer.
+- problem_solution: `problem` and `solution` alone (NuminaMath-1.5, MATH): the user's problem, the answer;
+  question_answer: `question` and `answer` (GSM8K) likewise.
 - glaive: glaiveai/glaive-function-calling-v2: `system` ("SYSTEM: …" then the tool schemas, JSON objects one after
   another) and `chat`, one string of "USER: ", "ASSISTANT: " and "FUNCTION RESPONSE: " turns three newlines apart,
   each answer closed by a literal `<|endoftext|>` and a call written `<functioncall> {"name": …, "arguments": '…'}`
@@ -108,6 +109,11 @@ def _problem_solution(row: dict[str, Any]) -> dict[str, Any]:
                          {"role": "assistant", "content": _text(row, "solution", "problem/solution")}]}
 
 
+def _question_answer(row: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": _text(row, "question", "question/answer")},
+                         {"role": "assistant", "content": _text(row, "answer", "question/answer")}]}
+
+
 def _s1k(row: dict[str, Any]) -> dict[str, Any]:
     trace, answer = ("thinking_trajectories", "attempt") if "attempt" in row else (
         "deepseek_thinking_trajectory", "deepseek_attempt")
@@ -187,7 +193,9 @@ SHAPES: dict[str, tuple[tuple[frozenset, ...], Callable[[dict[str, Any]], dict[s
              frozenset({"question", "deepseek_thinking_trajectory", "deepseek_attempt"})), _s1k),
     "glaive": ((frozenset({"system", "chat"}),), _glaive),
     "openthoughts": ((frozenset({"problem", "deepseek_reasoning", "deepseek_solution"}),), _openthoughts),
-    "problem_solution": ((frozenset({"problem", "solution"}),), _problem_solution),  # after those with more columns
+    # after those with more columns
+    "problem_solution": ((frozenset({"problem", "solution"}),), _problem_solution),
+    "question_answer": ((frozenset({"question", "answer"}),), _question_answer),
 }
 
 

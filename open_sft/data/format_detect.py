@@ -33,9 +33,9 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
         "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
         "documents), and the columns of xLAM, Llama-Nemotron, OpenMathReasoning, s1K, OpenThoughts' metadata, "
-        "problem/solution and glaive (README \"Data formats\"). Rename the columns or convert the file (a "
-        "messages column of another name: --sft_messages_key; a text column of another name: --dataset_text_field "
-        "NAME)"
+        "problem/solution, question/answer and glaive (README \"Data formats\"). Rename the columns or convert the "
+        "file (a messages column of another name: --sft_messages_key; a text column of another name: "
+        "--dataset_text_field NAME)"
     )
 
 

@@ -132,8 +132,8 @@ def test_llama_nemotron_rows_open_with_their_system_prompt(qwen3, tmp_path) -> N
 def test_math_reasoning_rows_train_trace_and_answer(qwen3, tmp_path) -> None:
     """nvidia/OpenMathReasoning (`problem`, `generated_solution` with its trace inline), simplescaling/s1K
     (`question`, `thinking_trajectories`, `attempt`; s1K-1.1's `deepseek_*` columns), OpenThoughts-114k's metadata
-    config (`problem`, `deepseek_reasoning`, `deepseek_solution`) and NuminaMath-1.5 (`problem`, `solution`): all
-    were refused ("cannot tell the data format")."""
+    config (`problem`, `deepseek_reasoning`, `deepseek_solution`), NuminaMath-1.5 (`problem`, `solution`) and GSM8K
+    (`question`, `answer`): all were refused ("cannot tell the data format")."""
     openmath = {"expected_answer": "12", "problem_type": "has_answer_extracted", "problem_source": "aops_c4",
                 "generation_model": "DeepSeek-R1", "pass_rate_72b_tir": "0.9", "problem": "What is 7+5?",
                 "generated_solution": "<think>\nSeven and five.\n</think>\n\n\\boxed{12}", "inference_mode": "cot",
@@ -159,6 +159,12 @@ def test_math_reasoning_rows_train_trace_and_answer(qwen3, tmp_path) -> None:
               "source": "amc_aime", "synthetic": False}  # NuminaMath-1.5
     assert detect_format(numina, "f") == "problem_solution"
     assert trained_texts(qwen3, examples_of(qwen3, tmp_path, [numina])) == [EMPTY_THINK + "7+5=12<|im_end|>"]
+    gsm8k = {"question": "What is 7+5?", "answer": "7+5=<<7+5=12>>12\n#### 12"}
+    assert detect_format(gsm8k, "f") == "question_answer"
+    assert trained_texts(qwen3, examples_of(qwen3, tmp_path, [gsm8k])) == [
+        EMPTY_THINK + "7+5=<<7+5=12>>12\n#### 12<|im_end|>"]
+    with pytest.raises(RowError, match="question/answer row needs a string 'answer', got dict"):
+        to_messages({"question": "Who?", "answer": {"aliases": ["Ada"], "value": "Ada"}}, "question_answer")
 
 
 def test_glaive_function_calling_rows_are_parsed_into_tools_calls_and_results(qwen3, tmp_path) -> None:
