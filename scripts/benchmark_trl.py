@@ -16,8 +16,11 @@ finished one-process open_sft run (launched with OPEN_SFT_RECORD_DATA_ORDER=1 an
 directory its --model_name_or_path is relative to) trained: its tokenized cache (the same input_ids and labels), each
 step's examples as one batch (padding-free under --packing), the run's AdamW settings, schedule, clipping and seed,
 the model in fp32 (`fp32`), under bf16 autocast (`autocast`, TRL's bf16=True) or loaded in bf16 (`bf16_weights`).
-Prints each step's loss beside the run's and the largest relative difference. A full fine-tune only: LoRA's random A
-matrices are drawn from each side's generator state, so the two runs' adapters start apart."""
+A --use_lora / --use_qlora run is trained by TRL + PEFT with the run's rank, alpha, dropout and target modules (its
+peft_config); QLoRA's base loaded as open_sft loads it (4-bit NF4, double quantization, the run's compute dtype, the
+other weights fp32). Both sides draw LoRA's A matrices right after seeding torch with the run's seed (TRL's set_seed
+before get_peft_model), so the adapters start the same. Prints each step's loss beside the run's and the largest
+relative difference."""
 
 from __future__ import annotations
 
@@ -136,11 +139,33 @@ def _step_examples(run_dir: str, rows) -> list[list[int]]:
     return steps
 
 
+def _compare_model(run: dict, precision: str):
+    """The model TRL trains for --compare_loss, and the peft LoraConfig of a LoRA / QLoRA run (else None)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    lora = run["args"]["lora"]
+    kwargs = {"dtype": torch.bfloat16 if precision == "bf16_weights" else torch.float32}
+    if lora["use_qlora"]:  # as open_sft.model.lora.quantization_config; the other weights fp32, as open_sft loads them
+        compute = torch.float16 if run["compute_dtype"] == "torch.float16" else torch.bfloat16
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute)
+    model = AutoModelForCausalLM.from_pretrained(run["args"]["model"]["model_name_or_path"], **kwargs)
+    if not (lora["use_lora"] or lora["use_qlora"]):
+        return model, None
+    from peft import LoraConfig
+
+    names = lora["lora_target_modules"]
+    return model, LoraConfig(r=lora["lora_rank"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
+                             bias="none", task_type="CAUSAL_LM",
+                             target_modules="all-linear" if names == ["all-linear"] else names)
+
+
 def compare_loss(argv: list[str]) -> None:
     import datasets
-    import torch
     from torch.utils.data import DataLoader
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # open_sft from this checkout
@@ -148,20 +173,23 @@ def compare_loss(argv: list[str]) -> None:
 
     parser = WholeFlagParser("benchmark_trl.py --compare_loss")
     parser.add_argument("--compare_loss", required=True, metavar="RUN_DIR")
-    parser.add_argument("--trl_precision", choices=("fp32", "autocast", "bf16_weights"), default="fp32")
+    parser.add_argument("--trl_precision", choices=("fp32", "autocast", "bf16_weights"),
+                        help="default: the run's, fp32 or (bf16 runs) autocast")
+    parser.add_argument("--fp32_adapters", action="store_true",
+                        help="QLoRA: TRL's adapters kept fp32, as open_sft keeps them (TRL casts them to bf16)")
     parser.add_argument("--out", help="a JSON file for both sides' per-step losses and grad norms")
     args = parser.parse_args(argv)
     run = json.load(open(f"{args.compare_loss}/run.json"))
+    args.trl_precision = args.trl_precision or ("autocast" if run["compute_dtype"] == "torch.bfloat16" else "fp32")
     train, model_args = run["args"]["train"], run["args"]["model"]
-    if run["args"]["lora"]["use_lora"] or run["schedule"]["warmup_steps"] or run["world_size"] != 1:
-        sys.exit("--compare_loss takes a one-process full fine-tune without warmup (TRL's warmup starts at lr 0 by "
-                 "design, README \"Batching, schedules and the loss\")")
+    if run["schedule"]["warmup_steps"] or run["world_size"] != 1:
+        sys.exit("--compare_loss takes a one-process run without warmup (TRL's warmup starts at lr 0 by design, "
+                 "README \"Batching, schedules and the loss\")")
     if train.get("final_lr_ratio") is not None or train["lr_scheduler_type"] == "wsd":
         sys.exit("--compare_loss takes the schedules TRL has: no --final_lr_ratio, no wsd")
     rows = datasets.load_from_disk(run["dataset_cache_path"]).select_columns(["input_ids", "labels"])
     steps = _step_examples(args.compare_loss, rows)
-    dtype = torch.bfloat16 if args.trl_precision == "bf16_weights" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_args["model_name_or_path"], dtype=dtype)
+    model, peft_config = _compare_model(run, args.trl_precision)
     config = SFTConfig(output_dir="/tmp/benchmark_trl_compare", report_to="none", save_strategy="no", use_cpu=True,
                        bf16=args.trl_precision != "fp32", max_length=None, logging_steps=1, max_steps=len(steps),
                        learning_rate=train["learning_rate"], lr_scheduler_type=train["lr_scheduler_type"],
@@ -169,9 +197,13 @@ def compare_loss(argv: list[str]) -> None:
                        adam_beta1=train.get("adam_beta1", 0.9), adam_beta2=train.get("adam_beta2", 0.999),
                        adam_epsilon=train.get("adam_epsilon", 1e-8),
                        seed=train["seed"], padding_free=train["packing"], dataloader_num_workers=0)
-    trainer = SFTTrainer(model=model, args=config, train_dataset=rows,
+    trainer = SFTTrainer(model=model, args=config, train_dataset=rows, peft_config=peft_config,
                          processing_class=AutoTokenizer.from_pretrained(model_args["model_name_or_path"]))
     trainer.get_train_dataloader = lambda: DataLoader(rows, batch_sampler=steps, collate_fn=trainer.data_collator)
+    if args.fp32_adapters:  # before train() builds the optimizer over them
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
     trainer.train()
     theirs = [entry for entry in trainer.state.log_history if "loss" in entry]
     ours = [m for m in map(json.loads, open(f"{args.compare_loss}/metrics.jsonl")) if "loss" in m]
