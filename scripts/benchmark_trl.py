@@ -11,16 +11,18 @@ same kernel), or "sdpa" (a dense block-diagonal mask over the whole flattened ro
 reference). `peft` "lora" / "qlora": TRL + PEFT with LoRA on every linear layer (QLoRA: the base in 4-bit NF4 with
 double quantization, bf16 compute), as open_sft's --use_lora / --use_qlora.
 
-`--compare_loss RUN_DIR [--trl_precision fp32|autocast|bf16_weights] [--out FILE]`: TRL's SFTTrainer trains what a
-finished one-process open_sft run (launched with OPEN_SFT_RECORD_DATA_ORDER=1 and --logging_steps 1, run from the
-directory its --model_name_or_path is relative to) trained: its tokenized cache (the same input_ids and labels), each
-step's examples as one batch (padding-free under --packing), the run's AdamW settings, schedule, clipping and seed,
-the model in fp32 (`fp32`), under bf16 autocast (`autocast`, TRL's bf16=True) or loaded in bf16 (`bf16_weights`).
-A --use_lora / --use_qlora run is trained by TRL + PEFT with the run's rank, alpha, dropout and target modules (its
-peft_config); QLoRA's base loaded as open_sft loads it (4-bit NF4, double quantization, the run's compute dtype, the
-other weights fp32). Both sides draw LoRA's A matrices right after seeding torch with the run's seed (TRL's set_seed
-before get_peft_model), so the adapters start the same. Prints each step's loss beside the run's and the largest
-relative difference."""
+`--compare_loss RUN_DIR [--trl_precision fp32|autocast|bf16_weights] [--fp32_adapters] [--out FILE]`: TRL's
+SFTTrainer trains what a finished one-process open_sft run (launched with OPEN_SFT_RECORD_DATA_ORDER=1 and
+--logging_steps 1, run from the directory its --model_name_or_path is relative to) trained: its tokenized cache (the
+same input_ids and labels), each step's examples as one batch (padding-free under --packing), the run's AdamW
+settings, schedule, clipping and seed, the model in fp32 (`fp32`), under bf16 autocast (`autocast`, TRL's bf16=True)
+or loaded in bf16 (`bf16_weights`); by default as the run computed (fp32, or autocast for a bf16 run). A --use_lora /
+--use_qlora run is trained by TRL + PEFT with the run's adapter_config.json as its peft_config (what the run adapted,
+its rank, alpha and dropout; a run that added tokens is refused); QLoRA's base loaded as open_sft loads it (4-bit NF4,
+double quantization, the run's compute dtype, the other weights fp32), and `--fp32_adapters` keeps TRL's adapters
+fp32 as open_sft does (TRL casts them to bf16). Both sides draw LoRA's A matrices right after seeding torch with the
+run's seed (TRL's set_seed before get_peft_model), so the adapters start the same. Prints each step's loss beside
+the run's and the largest relative difference."""
 
 from __future__ import annotations
 
@@ -139,8 +141,9 @@ def _step_examples(run_dir: str, rows) -> list[list[int]]:
     return steps
 
 
-def _compare_model(run: dict, precision: str):
-    """The model TRL trains for --compare_loss, and the peft LoraConfig of a LoRA / QLoRA run (else None)."""
+def _compare_model(run_dir: str, run: dict, precision: str):
+    """The model TRL trains for --compare_loss, and the peft LoraConfig of a LoRA / QLoRA run (else None): the run's
+    own adapter_config.json, what it adapted (all-linear resolved to module names) with its rank, alpha and dropout."""
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -156,10 +159,13 @@ def _compare_model(run: dict, precision: str):
         return model, None
     from peft import LoraConfig
 
-    names = lora["lora_target_modules"]
-    return model, LoraConfig(r=lora["lora_rank"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
-                             bias="none", task_type="CAUSAL_LM",
-                             target_modules="all-linear" if names == ["all-linear"] else names)
+    config = LoraConfig.from_pretrained(run_dir)
+    if config.trainable_token_indices:
+        sys.exit(f"--compare_loss {run_dir}: the run added tokens and trained their rows (trainable_token_indices), "
+                 "which open_sft starts at the mean of the trained rows and TRL would not have; compare a run that "
+                 "adds no tokens")
+    config.inference_mode = False  # saved adapters say True: their weights frozen
+    return model, config
 
 
 def compare_loss(argv: list[str]) -> None:
@@ -189,7 +195,7 @@ def compare_loss(argv: list[str]) -> None:
         sys.exit("--compare_loss takes the schedules TRL has: no --final_lr_ratio, no wsd")
     rows = datasets.load_from_disk(run["dataset_cache_path"]).select_columns(["input_ids", "labels"])
     steps = _step_examples(args.compare_loss, rows)
-    model, peft_config = _compare_model(run, args.trl_precision)
+    model, peft_config = _compare_model(args.compare_loss, run, args.trl_precision)
     config = SFTConfig(output_dir="/tmp/benchmark_trl_compare", report_to="none", save_strategy="no", use_cpu=True,
                        bf16=args.trl_precision != "fp32", max_length=None, logging_steps=1, max_steps=len(steps),
                        learning_rate=train["learning_rate"], lr_scheduler_type=train["lr_scheduler_type"],
