@@ -29,18 +29,19 @@ run before that trained with), is `already complete` and names what it means now
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from open_sft.durable import write_json
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY
-from open_sft.training.run_settings import (SETTINGS_KEY, compared, differences, given_settings, history_on_resume,
-                                            matching, recorded_settings, settings)
+from open_sft.training.run_settings import (BEFORE_THE_FLAG, SECTIONS, SETTINGS_KEY, compared, differences, differing,
+                                            given_settings, history_on_resume, matching, recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
@@ -76,19 +77,19 @@ def _keeps_global_batch(record: dict[str, Any], now: dict[str, Any], env: Mappin
         micro * int(batch["gradient_accumulation_steps"]) * world_then)
 
 
-def _differences(record: dict[str, Any], config: Any, env: Mapping[str, str] = os.environ) -> list[str]:
+def _differences(record: dict[str, Any], config: Any, env: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Nothing when this launch's settings match those of any step range the run recorded (the command that
     trained its first steps, before a resume with --allow_changed_settings, is as much its command as the last;
     the accumulation counts by the global batch it trains on this launch's ranks); else the differences from the
-    last range's."""
+    last range's, each setting's name with its line (run_settings.differing)."""
     recorded = recorded_settings(record)
     now = settings(config)
     if _keeps_global_batch(record, now, env):
         recorded, now = [compared(then) for then in recorded], compared(now)
     computed = record.get(COMPUTE_DTYPE_KEY)
     if not recorded or matching(recorded, now, computed) is not None:
-        return []
-    return differences(recorded[-1], now, computed=computed)
+        return {}
+    return differing(recorded[-1], now, computed=computed)
 
 
 def checks_completion(config: Any) -> bool:
@@ -116,9 +117,9 @@ def already_complete(config: Any) -> Optional[str]:
         raise UserError(f"--output_dir {output_dir}: the run there completed ({output_dir / MARKER}) but its export "
                         f"lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; restore the files, or "
                         "pass --overwrite_output_dir to train again from scratch")
-    differences = _differences(record, config)
-    lines = "\n".join(f"  - {d}" for d in differences)
-    if differences and not _same_command(record, config, differences):
+    changed = _differences(record, config)
+    lines = "\n".join(f"  - {line}" for line in changed.values())
+    if changed and not _same_command(record, config, changed.keys()):
         from open_sft.training.checkpoint import CHECKPOINTS, newest_usable
 
         last = newest_usable(output_dir / CHECKPOINTS)  # none where --clean_checkpoints_at_end removed them
@@ -136,7 +137,7 @@ def already_complete(config: Any) -> Optional[str]:
                   f"; its export is not on the Hub at {hub.hub_model_id} ({hub.hub_revision}) yet: uploading it")
     done = (f"already complete: {output_dir} (trained to step {record.get('step')}, finished at "
             f"{record.get('finished_at')}); nothing to train{upload}.")
-    if differences:  # the run's own command, which means other settings now
+    if changed:  # the run's own command, which means other settings now
         return (f"{done} This command line now means settings the run did not train with (what it implies or "
                 f"defaults to changed since; the export is what the run trained):\n{lines}\nTo train again with "
                 "these settings pass --overwrite_output_dir (the earlier checkpoints are moved aside), or choose "
@@ -145,18 +146,35 @@ def already_complete(config: Any) -> Optional[str]:
             "aside), or choose another --output_dir")
 
 
-def _same_command(record: dict[str, Any], config: Any, changed: list[str]) -> bool:
-    """Whether this launch gives what the completed run's command gave, its settings differing only in what that
-    command means now (a default, or what a command line implies: an OLMo-core line's --adam_beta2, changed): a
-    relaunch of it (a requeue, a re-run script) trains nothing, as for the same settings. The settings the run's
-    command gave as recorded (GIVEN_KEY), else (an older record) none of the flags that differ given now; a
-    relaunch that gives other settings, or gives one the run's command did not or leaves out one it gave, is
-    another command."""
+def _same_command(record: dict[str, Any], config: Any, changed: Collection[str]) -> bool:
+    """Whether this launch gives what the completed run's command gave, its settings (`changed`: the names of
+    those that differ) differing only in what that command means now (a default, or what a command line implies:
+    an OLMo-core line's --adam_beta2, changed): a relaunch of it (a requeue, a re-run script) trains nothing, as for
+    the same settings. The settings the run's command gave as recorded (GIVEN_KEY); a relaunch that gives other
+    settings, or gives one the run's command did not or leaves out one it gave, is another command. An older
+    record does not say what its command gave: each setting that differs must be one whose meaning changed
+    (`_meaning_changed`), not given now."""
     now = given_settings(config)
     then = record.get(GIVEN_KEY)
     if isinstance(then, dict):
         return then.keys() == now.keys() and not differences(then, now, computed=record.get(COMPUTE_DTYPE_KEY))
-    return not {line.split(":")[0].removeprefix("--") for line in changed} & now.keys()
+    trained = recorded_settings(record)[-1]
+    return all(name not in now and _meaning_changed(config, name, trained[name]) for name in changed)
+
+
+def _meaning_changed(config: Any, name: str, trained: Any) -> bool:
+    """Whether setting `name`, left out of a command line, meant `trained` (what the run trained with) before and
+    means otherwise now: a setting a command line implies now (FinetuneConfig.implied: an OLMo-core line's
+    --packing and --adam_beta2), or one that was no flag then (BEFORE_THE_FLAG), the run having trained with what
+    it meant when left out (its default; BEFORE_THE_FLAG's value). Another setting that differs and is not given
+    now is a flag the run's command gave and this one leaves out."""
+    if name not in config.implied and name not in BEFORE_THE_FLAG:
+        return False
+    if name in BEFORE_THE_FLAG:
+        return trained == BEFORE_THE_FLAG[name]
+    field = next(f for section in SECTIONS for f in dataclasses.fields(getattr(config, section)) if f.name == name)
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return trained == json.loads(json.dumps(default, default=str))
 
 
 def pushed(record: dict[str, Any], repo_id: str, revision: str) -> Optional[str]:

@@ -101,14 +101,20 @@ def complete(recorded: dict[str, Any]) -> dict[str, Any]:
     return {**recorded, **{name: value for name, value in BEFORE_THE_FLAG.items() if recorded.get(name) is None}}
 
 
+def differing(then: dict[str, Any], now: dict[str, Any], before: str = "then",
+              computed: Optional[str] = None) -> dict[str, str]:
+    """Each flag both hold with another value, by name, with its line `--flag: old {before}, new now` (paths
+    compared resolved: a record written before they were recorded so; --torch_dtype by the dtype it trains in,
+    `computed` being the dtype the recorded run computed in, so that an explicit dtype equal to what its auto
+    resolved is the same). Records are read complete (`complete`)."""
+    return {name: f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
+            for name in sorted(then.keys() & now.keys()) if not _same(name, then[name], now[name], computed)}
+
+
 def differences(then: dict[str, Any], now: dict[str, Any], before: str = "then",
                 computed: Optional[str] = None) -> list[str]:
-    """`--flag: old {before}, new now` for each flag both hold with another value (paths compared resolved: a
-    record written before they were recorded so; --torch_dtype by the dtype it trains in, `computed` being the
-    dtype the recorded run computed in, so that an explicit dtype equal to what its auto resolved is the same).
-    Records are read complete (`complete`)."""
-    return [f"--{name}: {then[name]!r} {before}, {now[name]!r} now"
-            for name in sorted(then.keys() & now.keys()) if not _same(name, then[name], now[name], computed)]
+    """The lines of `differing`, in the flags' order."""
+    return list(differing(then, now, before, computed).values())
 
 
 def compared(settings: dict[str, Any]) -> dict[str, Any]:

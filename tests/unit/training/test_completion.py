@@ -388,7 +388,7 @@ def test_the_same_command_of_a_completed_run_that_means_other_settings_now_is_co
     now means 0.95) was refused on relaunch as a run 'launched with other settings', with --overwrite_output_dir
     to train again: a requeue of the very command that completed failed. A relaunch trains nothing either way; what
     a user must not be told is that a command they changed is complete. So the run's own command (the settings it
-    gave the same; an older record: no flag that differs given now) is `already complete`, naming what it means
+    gave the same; an older record: test_an_older_record_is_complete_only_for_...) is `already complete`, naming what it means
     now and the way to train that; a command that gives other settings is refused as before."""
     olmo_core = launch(tmp_path, "--num_epochs", "1")
     finished_run(tmp_path)
@@ -417,6 +417,40 @@ def test_the_same_command_of_a_completed_run_that_means_other_settings_now_is_co
     assert "  - --warmup_ratio: 0.05 then, 0.03 now\n" in completion.already_complete(typed)
     with pytest.raises(UserError, match=r"--learning_rate: 1e-05 then, 2e-05 now"):  # the flag left out
         completion.already_complete(launch(tmp_path))
+
+
+def older_record(output_dir, config, **trained) -> None:
+    """The record a run of `config` wrote before records said what its command gave (no GIVEN_KEY), its settings
+    with `trained` in place."""
+    completion.mark_complete(output_dir, 4, 1.0, config)
+    record = json.loads((output_dir / "RUN_COMPLETE").read_text())
+    (output_dir / "RUN_COMPLETE").write_text(json.dumps(
+        {**{k: v for k, v in record.items() if k != completion.GIVEN_KEY},
+         "settings": {**record["settings"], **trained}}))
+
+
+def test_an_older_record_is_complete_only_for_settings_whose_meaning_changed_not_for_a_flag_left_out(tmp_path):
+    """A record without the settings its command gave was answered "already complete ... what it implies or
+    defaults to changed" for any differing setting not given now, so a relaunch that left out the run's
+    --learning_rate 1e-4 (now its default) was told it was the same command. Only a setting whose meaning is known
+    to have changed passes: one a command line implies now, or one that was no flag then, the record holding what
+    it meant when left out; a flag the run's command gave, left out now, is refused as before."""
+    finished_run(tmp_path)
+    older_record(tmp_path, launch(tmp_path, "--learning_rate", "1e-4"))
+    with pytest.raises(UserError, match=r"launched with other settings:\n  - --learning_rate: 0.0001 then, 2e-05 now"):
+        completion.already_complete(launch(tmp_path))
+    older_record(tmp_path, launch(tmp_path, "--adam_beta2", "0.98"))  # given then, no flag's default now
+    with pytest.raises(UserError, match=r"other settings:\n  - --adam_beta2: 0.98 then, 0.999 now\n"):
+        completion.already_complete(launch(tmp_path))
+    olmo_core = ["--num_epochs", "1"]
+    older_record(tmp_path, launch(tmp_path, *olmo_core, "--adam_beta2", "0.98"))  # now implied: 0.95
+    with pytest.raises(UserError, match=r"other settings:\n  - --adam_beta2: 0.98 then, 0.95 now\n"):
+        completion.already_complete(launch(tmp_path, *olmo_core))
+    # an OLMo-core line from before it implied --packing and --adam_beta2: both changed meaning
+    older_record(tmp_path, launch(tmp_path, *olmo_core), packing=False, adam_beta2=0.999)
+    assert "the run did not train with (what it implies or defaults to changed since; the export is what the run " \
+           "trained):\n  - --adam_beta2: 0.999 then, 0.95 now\n  - --packing: False then, True now\nTo train " \
+           "again" in completion.already_complete(launch(tmp_path, *olmo_core))
 
 
 def test_an_accumulation_the_identity_check_accepted_is_no_changed_setting(tmp_path) -> None:
