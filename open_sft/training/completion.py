@@ -51,6 +51,7 @@ PUSHED_KEY = "pushed"  # in the record: each upload of the export that succeeded
 #: finds it uploads the checkpoints not recorded as uploaded (the end was stopped or killed during the wait)
 UPLOADS_KEY = "checkpoint_uploads_left"
 GIVEN_KEY = "given"  # in the record: the settings the run's command line gave (run_settings.given_settings)
+IMPLIED_KEY = "implied"  # in the record: the names of the settings its command line implied (FinetuneConfig.implied)
 BATCH_KEY = "trained_batch"  # in the record: the layout of the global batch the last steps trained (trained_batch)
 # what the export is not: run bookkeeping and the training state, left out of the record's file list
 NOT_EXPORT = ("checkpoints", "checkpoints.previous-", "tensorboard.previous-", ".open_sft.lock", "data_order.rank",
@@ -150,14 +151,17 @@ def _same_command(record: dict[str, Any], config: Any, changed: Collection[str])
     """Whether this launch gives what the completed run's command gave, its settings (`changed`: the names of
     those that differ) differing only in what that command means now (a default, or what a command line implies:
     an OLMo-core line's --adam_beta2, changed): a relaunch of it (a requeue, a re-run script) trains nothing, as for
-    the same settings. The settings the run's command gave as recorded (GIVEN_KEY); a relaunch that gives other
-    settings, or gives one the run's command did not or leaves out one it gave, is another command. An older
+    the same settings. The settings the run's command gave as recorded (GIVEN_KEY), and those it implied
+    (IMPLIED_KEY: a flag that sets no setting, an OLMo-core line's --wandb_project, implies --packing and
+    --adam_beta2); a relaunch that gives other settings, or gives one the run's command did not or leaves out one
+    it gave, or implies others, is another command. An older
     record does not say what its command gave: each setting that differs must be one whose meaning changed
     (`_meaning_changed`), not given now."""
     now = given_settings(config)
     then = record.get(GIVEN_KEY)
     if isinstance(then, dict):
-        return then.keys() == now.keys() and not differences(then, now, computed=record.get(COMPUTE_DTYPE_KEY))
+        return (then.keys() == now.keys() and record.get(IMPLIED_KEY, []) == sorted(config.implied)
+                and not differences(then, now, computed=record.get(COMPUTE_DTYPE_KEY)))
     trained = recorded_settings(record)[-1]
     return all(name not in now and _meaning_changed(config, name, trained[name]) for name in changed)
 
@@ -235,7 +239,7 @@ def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optio
     `uploads_left`: --push_checkpoints uploads are still to be awaited (UPLOADS_KEY)."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
-              **({GIVEN_KEY: given_settings(launched)} if launched else {}),
+              **({GIVEN_KEY: given_settings(launched), IMPLIED_KEY: sorted(launched.implied)} if launched else {}),
               **({SETTINGS_KEY: by_steps} if by_steps else {}), **({BATCH_KEY: batch} if batch else {}),
               **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {}),
               **({UPLOADS_KEY: True} if uploads_left else {})}

@@ -453,6 +453,26 @@ def test_an_older_record_is_complete_only_for_settings_whose_meaning_changed_not
            "again" in completion.already_complete(launch(tmp_path, *olmo_core))
 
 
+def test_a_flag_that_sets_no_setting_but_implies_some_is_another_command(tmp_path) -> None:
+    """A completed plain run relaunched with an OLMo-core flag that sets no setting (--wandb_project: a tracker's,
+    --local_cache_dir: a cache's) gave the same settings, while that line implies --packing and --adam_beta2 0.95:
+    "already complete" for a changed command. RUN_COMPLETE records the names of the settings a command implied
+    (`implied`), which must be the same."""
+    finished_run(tmp_path)
+    completion.mark_complete(tmp_path, 4, 1.0, launch(tmp_path))
+    assert json.loads((tmp_path / "RUN_COMPLETE").read_text())["implied"] == []
+    for olmo_core in (["--wandb_project", "p"], ["--local_cache_dir", str(tmp_path / "cache")]):
+        with pytest.raises(UserError, match=r"launched with other settings:\n  - --adam_beta2: 0.999 then, 0.95 now\n"
+                                            r"  - --packing: False then, True now\n"):
+            completion.already_complete(launch(tmp_path, *olmo_core))
+    olmo_core = launch(tmp_path, "--wandb_project", "p")
+    completion.mark_complete(tmp_path, 4, 1.0, olmo_core)
+    assert json.loads((tmp_path / "RUN_COMPLETE").read_text())["implied"] == ["adam_beta2", "packing"]
+    assert completion.already_complete(olmo_core).endswith("nothing to train. To train again from scratch pass "
+                                                           "--overwrite_output_dir (the earlier checkpoints are "
+                                                           "moved aside), or choose another --output_dir")
+
+
 def test_an_accumulation_the_identity_check_accepted_is_no_changed_setting(tmp_path) -> None:
     """A checkpoint of 2 ranks resumed on 1 with --gradient_accumulation_steps doubled keeps the global batch
     (open_sft.training.elastic; check_compatible accepts it): no refusal, as for the same command relaunched, which
