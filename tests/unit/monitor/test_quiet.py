@@ -27,7 +27,8 @@ def test_importing_open_sft_stops_bitsandbytes_fetching_its_cpu_kernel_from_the_
     the kernel's code downloaded and imported, for a one-token inference op training never calls. open_sft's
     package (imported before any of its modules, so before peft) names that kernel in LOCAL_KERNELS with no path:
     the same call now fails in kernels' local resolver, and its Hub resolvers (made to raise here) are never
-    asked. A user's own LOCAL_KERNELS, or USE_HUB_KERNELS=YES, is left as it is."""
+    asked, also where the user's LOCAL_KERNELS names other kernels (ours is added to it); one naming this kernel,
+    or USE_HUB_KERNELS=YES, is left as it is."""
     import importlib
     import inspect
     import os
@@ -42,7 +43,8 @@ def test_importing_open_sft_stops_bitsandbytes_fetching_its_cpu_kernel_from_the_
     monkeypatch.delenv("LOCAL_KERNELS", raising=False)
     monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     importlib.reload(open_sft)
-    assert os.environ["LOCAL_KERNELS"] == f"kernels-community/quantization-bitsandbytes={os.devnull}"
+    ours = f"kernels-community/quantization-bitsandbytes={os.devnull}"
+    assert os.environ["LOCAL_KERNELS"] == ours
 
     def asks_the_hub(self, **kwargs):
         raise AssertionError(f"{kwargs['kernel'].repo_id}: the Hub was asked")
@@ -55,11 +57,20 @@ def test_importing_open_sft_stops_bitsandbytes_fetching_its_cpu_kernel_from_the_
     monkeypatch.delenv("LOCAL_KERNELS")
     with pytest.raises(AssertionError, match="the Hub was asked"):  # what the call did before
         get_kernel(open_sft.BNB_CPU_KERNEL, version=1)
-    for name, value in {"LOCAL_KERNELS": "org/kernel=/opt/kernel", "USE_HUB_KERNELS": "yes"}.items():
+    # a user's own LOCAL_KERNELS keeps its kernels and gains ours (kernels splits the entries on ':'), unless it
+    # names this one itself; USE_HUB_KERNELS=YES leaves the Hub's kernels to the user
+    for name, value, then in (("LOCAL_KERNELS", "org/kernel=/opt/kernel", f"org/kernel=/opt/kernel:{ours}"),
+                               ("LOCAL_KERNELS", *[f"{open_sft.BNB_CPU_KERNEL}=/opt/bnb"] * 2),
+                               ("LOCAL_KERNELS", "", ours), ("USE_HUB_KERNELS", "yes", None)):
         monkeypatch.setenv(name, value)
         importlib.reload(open_sft)
-        assert os.environ.get("LOCAL_KERNELS") == ("org/kernel=/opt/kernel" if name == "LOCAL_KERNELS" else None)
+        assert os.environ.get("LOCAL_KERNELS") == then
         monkeypatch.delenv(name)
+        monkeypatch.delenv("LOCAL_KERNELS", raising=False)
+    monkeypatch.setenv("LOCAL_KERNELS", f"org/kernel={os.devnull}")
+    importlib.reload(open_sft)
+    with pytest.raises(FileNotFoundError, match=f"Cannot find a build variant for this system in {os.devnull}"):
+        get_kernel(open_sft.BNB_CPU_KERNEL, version=1)  # not from the Hub with the user's kernel named there
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
