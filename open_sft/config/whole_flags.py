@@ -47,8 +47,8 @@ def unknown_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[
         if arg == "--" or arg in commands:
             break
         name = arg.split("=", 1)[0]
-        if arg.startswith("--") and " " not in arg and name not in parser._option_string_actions:
-            unknown.append(name)  # (argparse reads a word with a space as a value, whatever it begins with)
+        if arg.startswith("--") and " " not in name and name not in parser._option_string_actions:
+            unknown.append(name)  # a word with a space is a value (`--prompt "--a b"`), not --flag="a b"
     return unknown
 
 

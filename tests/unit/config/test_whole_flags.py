@@ -64,6 +64,16 @@ def test_whole_flags_read_as_before_and_every_unknown_one_is_named_at_once(capsy
         "--promt (did you mean --prompt?), --zzz")
 
 
+def test_a_mistyped_flag_given_a_value_with_a_space_by_equals_is_refused(capsys) -> None:
+    """`--outdir="my dir"` (no such flag: the shell passes `--outdir=my dir`) was read as a positional argument,
+    the word holding a space; only a space before the `=` makes a word a value."""
+    args = _parser().parse_args(["--model=my model", "--prompt", "--a b=c", "--model_revision=--x=a b"])
+    assert (args.model, args.prompt, args.model_revision) == ("my model", "--a b=c", "--x=a b")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--model", "m", "--outdir=my dir", "--a b=c"])
+    assert capsys.readouterr().err.splitlines()[-1] == "tool: error: unknown flag --outdir"
+
+
 def test_a_sub_commands_flags_are_its_own_parsers() -> None:
     parser = WholeFlagParser(prog="tool")
     sub = parser.add_subparsers(dest="command").add_parser("build")
