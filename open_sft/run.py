@@ -60,7 +60,7 @@ class Job:
     baseline_bytes: int = 0  # this process's memory before the model
     # each step range's settings (training.run_settings): several only after --allow_changed_settings
     settings_history: list = dataclasses.field(default_factory=list)
-    given: Optional[FinetuneConfig] = None  # as parsed, before the plan: what the completion record keeps
+    as_parsed: Optional[FinetuneConfig] = None  # the config before the plan: what the completion record keeps
     resuming: Optional[dict] = None  # the trainer state of the checkpoint a resume would read (elastic.peek)
 
     @property
@@ -99,7 +99,7 @@ def plan_launch(config: FinetuneConfig) -> Job:
         for warning in config.warnings:
             logger.warning("%s", warning)
         plan.log()
-    job = Job(dataclasses.replace(config, train=plan.train), plan, given=config, resuming=resuming)
+    job = Job(dataclasses.replace(config, train=plan.train), plan, as_parsed=config, resuming=resuming)
     check_launch(job.config, plan)
     torch.manual_seed(plan.train.seed)
     return job
@@ -138,7 +138,7 @@ def prepare_data(job: Job) -> None:
         current = run_identity(job.config, exc.key, job.launch.parallelism)
         if job.config.train.auto_micro_batch_size:  # settled by build_model, later: not compared here
             del current["micro_batch_size"], current["gradient_accumulation_steps"]
-        raise changed_data_refusal(job.resuming, settings(job.given or job.config), current) from None
+        raise changed_data_refusal(job.resuming, settings(job.as_parsed or job.config), current) from None
     if _is_main_rank() and not d.cache_dataset_only:
         report_data(job.data, job.eval_data, d, job.tokenizer, examples=job.config.train.dry_run)
 
@@ -252,7 +252,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
     identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
     resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process)
-    job.settings_history = check_resume_point(resume, job.steps.total_steps, job.given or config, config.to_dict(),
+    job.settings_history = check_resume_point(resume, job.steps.total_steps, job.as_parsed or config, config.to_dict(),
                                               acc.is_main_process)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -311,7 +311,7 @@ def export(job: Job, trainer: Any, checkpointer: Any) -> None:
         lifeline.release()  # the last collective: ranks may now finish one after another
         acc.end_training()
         if acc.is_main_process:  # "already complete" from here: a relaunch does the uploads left, never trains again
-            mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.given,
+            mark_complete(output_dir, job.steps.total_steps, trainer.elapsed(), job.as_parsed,
                           by_steps(job.settings_history, job.steps.total_steps), job.dtype,
                           trained_batch(config.train, job.launch.parallelism.world_size),
                           uploads_left=checkpointer.uploader is not None)

@@ -99,7 +99,8 @@ def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -
         takes = f" (after {after}, which takes {counts[action.nargs]})" if action and action.nargs in counts else ""
         return UserError(f"unexpected argument(s) {' '.join(leftover)}{takes}: every value follows a --flag "
                          "(see python finetune.py --help)")
-    # (a --flag it lacks the parser refused before reading values: WholeFlagParser; here a -x one)
+    # (a --flag the parser lacks was refused before any value was read, by WholeFlagParser: the flags left here
+    # are single-dash ones, -x, and words argparse took for values, a space before any '=')
     return UserError(f"unknown flag {', '.join(map(parser.flag_hint, flags))}; see python finetune.py --help")
 
 

@@ -2,9 +2,11 @@
 
 A prefix that named one flag would name another, or none, once a flag is added (the OLMo-core flags made finetune's
 --config and --loss ambiguous; `--lr 1e-4` was read as --lr_scheduler_type), and the same prefix meant different
-flags in different tools (`--model`). Each command line's parser is a `WholeFlagParser`: a flag it does not have is
-refused before anything is read, all of them in one error that names the flags a prefix begins (or the nearest
-flag), as finetune.py, the `open_sft <command>` tools and the user-facing scripts/ say alike.
+flags in different tools (`--model`). Each command line's parser is a `WholeFlagParser`: a `--flag` it does not have
+is refused before argparse reads the arguments (so before it complains of a missing required one, or takes the
+value after the unknown flag for a positional), all of them in one error that names the flags a prefix begins (or
+the nearest flag), as finetune.py, the `open_sft <command>` tools and the user-facing scripts/ say alike. What a
+command does with its arguments comes after; finetune.py reads its run YAML and refuses a repeated list flag first.
 """
 
 from __future__ import annotations
