@@ -187,8 +187,10 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
       `<|channel>thought\n<channel|>`): the whole prompt is the context, as at inference.
     - A template that rewrites earlier turns once this one follows them (gpt-oss drops the analysis of a tool
       call once a final answer follows; Mistral v0.3's and Nemo's write the system prompt into the last user
-      turn only while it is the last message): the turn is what follows, in `through`, the end of the messages
-      before it (the longest end of their rendering that `through` has) and the generation prompt. Where the
+      turn only while it is the last message; Hermes 2 Pro's and 3's close a tool result `</tool_response>\n
+      <|im_end|>` once a turn follows it, `</tool_response><|im_end|>` while it is the last message): the turn is
+      what follows, in `through`, the end of the messages before it (the longest end of their rendering that
+      `through` has followed by the generation prompt's text) and that text. Where the
       generation prompt opens nothing (Mistral's), that end must reach into the text of the message before the
       turn (`previous`, its content), not only the tags the template closes it with."""
     if not prompt.startswith(bare):
@@ -199,17 +201,16 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
         if closed_block(opening[shared:]):  # an empty thought block the prompt closes: context, as at inference
             return prompt, through[len(bare) + shared:]
         return prompt[: len(bare) + shared], through[len(bare) + shared:]
-    low, high = 0, len(bare)  # the longest end of `bare` that occurs in `through` (shorter ends occur too)
-    while low < high:
+    low, high = 0, len(bare)  # the longest end of `bare` that `through` has before the generation prompt's text
+    while low < high:  # (shorter ends have it too)
         middle = (low + high + 1) // 2
-        if through.find(bare[len(bare) - middle:]) >= 0:
+        if through.find(bare[len(bare) - middle:] + opening) >= 0:
             low = middle
         else:
             high = middle - 1
     if low == 0 or not opening and not _reaches_into(bare, low, previous):
         return prompt, None
-    at = through.rfind(bare[len(bare) - low:]) + low
-    return prompt, (through[at + len(opening):] if through.startswith(opening, at) else None)
+    return prompt, through[through.rfind(bare[len(bare) - low:] + opening) + low + len(opening):]
 
 
 def _reaches_into(bare: str, length: int, previous: object) -> bool:

@@ -1,0 +1,65 @@
+"""Tool-calling and reasoning rows under more families' templates, written here in their shapes (Hermes 2 Pro's and
+3's tool_use template, under the Llama 3 licences; SmolLM3's, whose `{% generation %}` block holds the turn's header):
+every assistant turn trains after exactly the context apply_chat_template gives it with the generation prompt,
+through the token the model stops at."""
+
+from __future__ import annotations
+
+from open_sft.data.formats import to_messages
+from tests.unit.data.test_call_closers import template_tokenizer
+from tests.unit.data.test_reasoning_tool_calls import TOOLS, build, call, tool, trained_runs
+
+# The shape of NousResearch's Hermes 2 Pro / Hermes 3 tool_use template: ChatML, the tools in the system turn, a call
+# turn `<tool_call>\n{json}\n</tool_call>` (its content not written), tool results in one `tool` turn, each
+# `<tool_response>\n...\n</tool_response>` followed by "\n" unless it is the conversation's last message, and the
+# turn closed by `<|im_end|>` with no newline after it.
+HERMES_SHAPE = (
+    "{{- bos_token }}{{- '<|im_start|>system\\nTools: <tools> ' }}{%- for t in tools %}{{- t.function.name + ' ' }}"
+    "{%- endfor %}{{- '</tools><|im_end|>\\n' }}{%- for m in messages %}"
+    "{%- if m.role == 'user' or m.role == 'system' or (m.role == 'assistant' and m.tool_calls is not defined) %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- elif m.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}{%- for c in m.tool_calls %}{{- '\\n<tool_call>\\n{\"name\": \"' + c.function.name"
+    " + '\", \"arguments\": ' + c.function.arguments | tojson + '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- elif m.role == 'tool' %}{%- if loop.previtem and loop.previtem.role != 'tool' %}"
+    "{{- '<|im_start|>tool\\n' }}{%- endif %}{{- '<tool_response>\\n' + m.content }}"
+    "{%- if not loop.last %}{{- '\\n</tool_response>\\n' }}{%- else %}{{- '\\n</tool_response>' }}{%- endif %}"
+    "{%- if not loop.last and loop.nextitem.role != 'tool' %}{{- '<|im_end|>' }}{%- elif loop.last %}"
+    "{{- '<|im_end|>' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+HERMES_ROW = {"tools": TOOLS, "messages": [  # parallel calls, their results, an answer; then a call without an id
+    {"role": "user", "content": "Weather in Paris and Lyon?"},
+    {"role": "assistant", "content": None, "tool_calls": [call("get_weather", {"city": "Paris"}, 4),
+                                                          call("get_weather", {"city": "Lyon"}, 5)]},
+    tool('{"temp_c": 12}', 4), tool('{"temp_c": 15}', 5),
+    {"role": "assistant", "content": "Paris 12, Lyon 15."},
+    {"role": "user", "content": "And Bern?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Bern"}'}}]},
+    {"role": "tool", "content": '{"temp_c": 5}'},
+    {"role": "assistant", "content": "Bern has 5 degrees."}]}
+
+
+def test_hermes_an_answer_after_tool_results_trains_after_the_prompt_that_ends_them(tiny_model_dir, tmp_path) -> None:
+    """Hermes 2 Pro's and 3's templates close a tool result `</tool_response>\\n<|im_end|>` once a turn follows it and
+    `</tool_response><|im_end|>` while it is the last message, as at inference: every answer after a tool result was
+    refused ('what the template writes for this turn does not follow the generation prompt ...; choose another
+    template'), the row with it, under the template the model was trained with. The answer trains after the prompt
+    the model sees."""
+    tokenizer = template_tokenizer(tiny_model_dir, HERMES_SHAPE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>",
+                                   "<|begin_of_text|>")
+    examples, (report,) = build(tokenizer, tmp_path, [HERMES_ROW])
+    messages = to_messages(HERMES_ROW, "messages")
+    contexts = [tokenizer.apply_chat_template(messages[:k], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+                for k in (1, 4, 6, 8)]
+    assert contexts[1].endswith('{"temp_c": 15}\n</tool_response><|im_end|><|im_start|>assistant\n')
+    assert dict(trained_runs(tokenizer, examples)) == dict(zip(contexts, [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call><|im_end|>',
+        "Paris 12, Lyon 15.<|im_end|>",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bern"}}\n</tool_call><|im_end|>',
+        "Bern has 5 degrees.<|im_end|>"]))
+    assert len(trained_runs(tokenizer, examples)) == 4
+    assert report.rows_kept == 1 and not report.dropped
+    # the history writes the answer's context otherwise: it trains in an example of its own
+    assert report.examples == 2
