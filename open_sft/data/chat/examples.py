@@ -293,7 +293,9 @@ def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rende
                    options: ChatOptions) -> bool:
     """Whether a trained span is not what the template marks with `{% generation %}` (a second opinion on the
     labels, from transformers' own tracking): each example's trained texts, stripped, must each be the text of
-    a generation block of the template's rendering of the conversation through that example's last turn."""
+    a generation block of the template's rendering of the conversation through that example's last turn, or its
+    end where what the block marks before it is the end of the span's context (SmolLM3's block holds the turn's
+    `<|im_start|>assistant\n`, which the generation prompt writes: context, never trained)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     assistant = any(m["role"] == "assistant" for m in messages)
@@ -305,9 +307,16 @@ def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rende
         except Exception:  # noqa: BLE001 (the row rendered above; nothing to compare otherwise)
             return True
         marked = {whole[a:b].strip() for a, b in blocks}
-        if any(text[a:b].strip() not in marked for a, b in spans) or (not spans and assistant):
+        if any(not _marked(text[:a], text[a:b].strip(), marked) for a, b in spans) or (not spans and assistant):
             return True
     return False
+
+
+def _marked(context: str, trained: str, marked: set[str]) -> bool:
+    """Whether a generation block marks the trained text, alone or after the end of its context."""
+    return trained in marked or any(
+        block.endswith(trained) and context.rstrip().endswith(block[: len(block) - len(trained)].strip())
+        for block in marked if len(block) > len(trained))
 
 
 def trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],

@@ -63,3 +63,52 @@ def test_hermes_an_answer_after_tool_results_trains_after_the_prompt_that_ends_t
     assert report.rows_kept == 1 and not report.dropped
     # the history writes the answer's context otherwise: it trains in an example of its own
     assert report.examples == 2
+
+
+# The shape of SmolLM3's template: the reasoning mode from enable_thinking (or /think, /no_think in the system
+# prompt) in the system turn; each assistant turn inside one `{% generation %}` block that holds its header too,
+# `<|im_start|>assistant\n` + content + `<|im_end|>\n` (under /no_think with an empty think block after the header),
+# tool results as user turns; the generation prompt writes the header (and, under /no_think, the empty think block).
+SMOLLM3_SHAPE = (
+    "{%- if enable_thinking is not defined %}{%- set enable_thinking = true %}{%- endif %}"
+    "{%- set mode = '/think' if enable_thinking else '/no_think' %}"
+    "{%- if messages[0].role == 'system' and '/no_think' in messages[0].content %}{%- set mode = '/no_think' %}"
+    "{%- endif %}{{- '<|im_start|>system\\nReasoning Mode: ' + mode + '\\n<|im_end|>\\n' }}"
+    "{%- for message in messages %}{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'user' or message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}{%- elif message.role == 'assistant' %}"
+    "{% generation %}{%- if mode == '/think' %}{{- '<|im_start|>assistant\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{%- endif %}{% endgeneration %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if mode == '/no_think' %}{{- '<think>\\n\\n</think>\\n' }}{%- endif %}{%- endif %}"
+)
+THOUGHT = {"messages": [  # SmolLM3's data writes the trace in the content
+    {"role": "user", "content": "What is 6 times 7?"},
+    {"role": "assistant", "content": "<think>\nSix sevens are forty-two.\n</think>\n42."},
+    {"role": "user", "content": "Thanks!"}, {"role": "assistant", "content": "You are welcome."}]}
+
+
+def test_smollm3_generation_blocks_that_hold_the_header_agree_with_the_labels(tiny_model_dir, tmp_path,
+                                                                               caplog) -> None:
+    """SmolLM3's template marks `<|im_start|>assistant\\n` in each turn's `{% generation %}` block; the generation
+    prompt writes it, so it is context and the turn trains without it. Every row was counted and warned about as
+    'labelled otherwise than the chat template's {% generation %} tags mark ... check the tags, or the template', on
+    the model's own template and right labels. A block's text before the trained run that is the end of the run's
+    context agrees now; a block that leaves the end-of-turn token out is still counted."""
+    tokenizer = template_tokenizer(tiny_model_dir, SMOLLM3_SHAPE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>")
+    no_think = {"messages": [{"role": "system", "content": "Be brief. /no_think"}, *THOUGHT["messages"][2:]]}
+    with caplog.at_level("WARNING"):
+        examples, (report,) = build(tokenizer, tmp_path, [THOUGHT, no_think])
+    assert report.generation_tags_disagree == 0 and report.rows_kept == 2
+    assert not [r for r in caplog.records if "{% generation %}" in r.getMessage()]
+    runs = trained_runs(tokenizer, examples)
+    assert [run for _, run in runs] == ["<think>\nSix sevens are forty-two.\n</think>\n42.<|im_end|>",
+                                        "You are welcome.<|im_end|>", "You are welcome.<|im_end|>"]
+    assert runs[2][0].endswith("Thanks!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n")
+    for (before, _), (row, k) in zip(runs, [(THOUGHT, 1), (THOUGHT, 3), (no_think, 2)]):
+        assert before == tokenizer.apply_chat_template(row["messages"][:k], add_generation_prompt=True,
+                                                       tokenize=False)
+    tokenizer.chat_template = SMOLLM3_SHAPE.replace(" + '<|im_end|>\\n' }}{%- else %}", " }}{%- else %}")
+    _, (report,) = build(tokenizer, tmp_path, [THOUGHT])  # /think turns' blocks without their <|im_end|>
+    assert report.generation_tags_disagree == 1
