@@ -85,6 +85,8 @@ def render_turn(draw: Draw, messages: Messages, tools: Optional[list], i: int, e
         if not opened:
             prompt, target = _turn_after_rewritten_history(prompt, through, bare, messages[i - 1].get("content"))
         if target is None:
+            target = _turn_before_trailer(prompt, through, bare, messages[i])
+        if target is None:
             raise RowError(f"{where}: {_unlocated(draw, messages, tools, i)}", "turn_not_located")
     if enders.header and target.startswith(enders.header):  # a header the generation prompt leaves out
         target = target[len(enders.header):]
@@ -211,6 +213,28 @@ def _turn_after_rewritten_history(prompt: str, through: str, bare: str, previous
     if low == 0 or not opening and not _reaches_into(bare, low, previous):
         return prompt, None
     return prompt, through[through.rfind(bare[len(bare) - low:] + opening) + low + len(opening):]
+
+
+def _turn_before_trailer(prompt: str, through: str, bare: str, message: dict) -> Optional[str]:
+    """What the template writes for a turn where it writes the same text after whatever message comes last,
+    generation prompt or not (Hunyuan's, with enable_thinking false, ends every rendering with
+    `<think>\n\n</think>\n`): that trailer is the end `bare` and `through` share, from a whole tag or line on; the
+    turn is what `through` holds between the messages before it and the trailer. The context stays the whole prompt,
+    trailer and all, as the model sees it at inference. None where the prompt does not end with such a trailer, or
+    the text between does not hold the turn's content and its calls' names."""
+    shared = min(len(os.path.commonprefix([bare[::-1], through[::-1]])), len(bare) - 1)
+    while shared > 0 and not (bare[-shared - 1] == ">" or bare[-shared - 1].isspace()):
+        shared -= 1
+    trailer, before = bare[len(bare) - shared:], bare[: len(bare) - shared]
+    if not trailer.strip() or not prompt.endswith(trailer) or not through.startswith(before) or (
+            len(through) - shared < len(before)):
+        return None
+    turn = through[len(before): len(through) - shared]
+    content = message.get("content")
+    said = [after_trace(content).strip() if isinstance(content, str) else ""] + [
+        f["name"] for f in map(function_of, message.get("tool_calls") or []) if isinstance(f, dict)
+        and isinstance(f.get("name"), str)]
+    return turn if all(piece in turn for piece in said) else None
 
 
 def _reaches_into(bare: str, length: int, previous: object) -> bool:

@@ -112,3 +112,49 @@ def test_smollm3_generation_blocks_that_hold_the_header_agree_with_the_labels(ti
     tokenizer.chat_template = SMOLLM3_SHAPE.replace(" + '<|im_end|>\\n' }}{%- else %}", " }}{%- else %}")
     _, (report,) = build(tokenizer, tmp_path, [THOUGHT])  # /think turns' blocks without their <|im_end|>
     assert report.generation_tags_disagree == 1
+
+
+# The shape of Hunyuan's template (Tencent's Hunyuan-A13B, whose licence limits use, so its text is not here): no
+# generation prompt (an assistant turn follows the user's `<|extra_0|>` directly), calls as
+# `<tool_calls>[json]</tool_calls>`, a turn closed by `<|eos|>`; with enable_thinking false it ends every rendering,
+# generation prompt or not, with an empty think block.
+HUNYUAN_SHAPE = (
+    "{%- for m in messages %}{%- if m.role == 'system' %}{{- '<|startoftext|>' + m.content + '<|extra_4|>' }}"
+    "{%- elif m.role == 'user' %}{{- '<|startoftext|>' + m.content + '<|extra_0|>' }}"
+    "{%- elif m.role == 'tool' %}{{- '<tool_response>' + m.content + '</tool_response><|extra_0|>' }}"
+    "{%- elif m.role == 'assistant' %}{{- m.content or '' }}{%- if m.tool_calls %}{{- '<tool_calls>[' }}"
+    "{%- for c in m.tool_calls %}{{- ', ' if not loop.first }}{{- '{\"name\": \"' + c.function.name + '\", "
+    "\"arguments\": ' + c.function.arguments | tojson + '}' }}{%- endfor %}{{- ']</tool_calls>' }}{%- endif %}"
+    "{{- '<|eos|>' }}{%- endif %}{%- endfor %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n' }}{%- endif %}"
+)
+
+
+def test_hunyuan_without_thinking_trains_each_turn_after_the_trailing_think_block(tiny_model_dir, tmp_path,
+                                                                                 caplog) -> None:
+    """Hunyuan's template with enable_thinking false writes its empty think block after the last message of every
+    rendering, so a turn's rendering does not go on from its prompt (`...<|extra_0|><think>\\n\\n</think>\\n`) but from
+    the messages before it: a call turn was refused ('does not follow the generation prompt ...; choose another
+    template'), and a row without calls trained in one rendering, warned about as 'a turn answering an empty user
+    message' under Mistral v0.3's template. Each turn trains after the prompt the model sees, trailer and all, what
+    the template writes between the messages before it and that trailer."""
+    tokenizer = template_tokenizer(tiny_model_dir, HUNYUAN_SHAPE, ["<|startoftext|>", "<|extra_0|>", "<|extra_4|>",
+                                                                  "<|eos|>"], "<|eos|>")
+    rows = [{"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Weather in Bern?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Bern"}, 1)]},
+        tool('{"temp_c": 5}', 1), {"role": "assistant", "content": "Bern has 5 degrees."}]},
+        {"messages": [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello!"}]}]
+    with caplog.at_level("WARNING"):
+        examples, (report,) = build(tokenizer, tmp_path, rows, chat_template_kwargs='{"enable_thinking": false}')
+    assert report.rows_kept == 2 and not report.dropped and report.turns_in_one_rendering == 0
+    assert not [r for r in caplog.records if "empty user" in r.getMessage()]
+    contexts = [tokenizer.apply_chat_template(to_messages(row, "messages")[:k], tools=row.get("tools"),
+                                              add_generation_prompt=True, tokenize=False, enable_thinking=False)
+                for row, k in ((rows[0], 1), (rows[0], 3), (rows[1], 1))]
+    assert [context.endswith(end + "<|extra_0|><think>\n\n</think>\n") for context, end in zip(
+        contexts, ["Bern?", "</tool_response>", "hello."])] == [True] * 3
+    assert dict(trained_runs(tokenizer, examples)) == dict(zip(contexts, [
+        '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Bern"}}]</tool_calls><|eos|>',
+        "Bern has 5 degrees.<|eos|>", "Hello!<|eos|>"]))
+    assert len(trained_runs(tokenizer, examples)) == 3
