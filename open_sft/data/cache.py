@@ -85,8 +85,11 @@ logger = logging.getLogger(__name__)
 # stops; 34: a generation prompt opening the trace with words (Apriel-1.6's "Here are my reasoning steps:\n") is the
 # turn's whole context, an empty trace closed where none; 35: the report names the special tokens whose text the rows
 # hold (special_tokens_in_text_by_token), those the user added (--add_special_tokens) not counted; 36: from/value
-# weight 0 is context, JSON-string turns/schemas and dataset_shapes.py rows read, tools_listed_twice in the report
-CACHE_FORMAT_VERSION = 36
+# weight 0 is context, JSON-string turns/schemas and dataset_shapes.py rows read, tools_listed_twice in the report;
+# 37: an answer after a tool result that the template closes otherwise once a turn follows (Hermes 2 Pro's, 3's)
+# trains after its prompt (a bad row), a trailer written after every rendering (Hunyuan's empty think block) is
+# context before each turn
+CACHE_FORMAT_VERSION = 37
 COMPLETE = "COMPLETE"
 
 
