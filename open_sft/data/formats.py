@@ -16,16 +16,8 @@ from open_sft.data.tool_schemas import row_tools
 
 # environment: OLMo's tool results; developer: OpenAI's newer name of the system turn (gpt-oss's template has both)
 ROLES = ("system", "developer", "user", "assistant", "tool", "environment")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "function_call": "assistant",
-    "observation": "tool",
-    "tool": "tool",
-}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
 
 Messages = list[dict[str, str]]
 
@@ -88,7 +80,9 @@ def _from_messages(row: dict[str, Any]) -> Messages:
         if content is None and (calls or message.get("function_calls")):  # a turn that only calls tools
             content = ""
         if isinstance(content, list):
-            content = _text_of_parts(content, f"message {i} ({role})")
+            content, trace = _text_of_parts(content, f"message {i} ({role})", role == "assistant")
+            if trace and not any(isinstance(message.get(key), str) for key in ("reasoning_content", "thinking")):
+                message = {**message, "reasoning_content": trace}
         if not isinstance(content, str):
             beside = " (null only beside the turn's tool_calls, or OpenAI's legacy function_call)" \
                 if content is None and role == "assistant" else ""
@@ -133,21 +127,25 @@ def _from_legacy_functions(message: dict, i: int) -> dict:
 TEXT_PARTS = ("text", "input_text", "output_text")  # Chat Completions' part, the Responses API's two
 
 
-def _text_of_parts(parts: list, where: str) -> str:
+def _text_of_parts(parts: list, where: str, assistant: bool = False) -> tuple[str, str]:
     """OpenAI's content parts ([{"type": "text", "text": ...}, ...]; the Responses API's input_text/output_text) as
-    one string, the texts joined by a newline (as vLLM gives a text-only model such content). Other parts (images,
-    audio) are not text a causal LM trains on: the row's error."""
-    texts = []
+    one string, the texts joined by a newline (as vLLM gives a text-only model such content), and an assistant's
+    thinking parts (`{"type": "thinking", "thinking": ...}`, Mistral's and Anthropic's form of the trace) as its
+    trace. Other parts (images, audio) are not text a causal LM trains on: the row's error."""
+    texts, traces = [], []
     for k, part in enumerate(parts, start=1):
         if isinstance(part, str):
             texts.append(part)
         elif isinstance(part, dict) and part.get("type", "text") in TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif assistant and isinstance(part, dict) and part.get("type") == "thinking" and isinstance(
+                part.get("thinking"), str):
+            traces.append(part["thinking"])
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise RowError(f"{where} content part {k} is {kind!r}; only text parts ({{\"type\": \"text\", "
-                           "\"text\": ...}) can be trained on", "bad_content_type")
-    return "\n".join(texts)
+                           "\"text\": ...}) can be trained on (and an assistant's thinking parts)", "bad_content_type")
+    return "\n".join(texts), "\n".join(traces)
 
 
 class JsonArguments(dict):

@@ -22,6 +22,7 @@ from open_sft.data.formats import Messages, RowError
 from open_sft.data.tool_schemas import function_of
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing, has_generation_tags, is_builtin_template
+from open_sft.data.chat.thinking_blocks import reads_thinking_blocks, with_thinking_blocks
 from open_sft.data.chat.turn_enders import TurnEnders, split_turn_closers
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,8 @@ def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DE
         cached = TemplateState(tokenizer.chat_template, _guarded(_direct_renderer(tokenizer, kwargs)
                                                              or _public_renderer(tokenizer, kwargs),
                                                              tokenizer.chat_template))
+        if reads_thinking_blocks(cached.draw):  # Magistral's: a trace as a content block only
+            cached.draw = with_thinking_blocks(cached.draw)
         cached.builtin = is_builtin_template(tokenizer.chat_template)
         cached.generation_tags = has_generation_tags(tokenizer.chat_template)
         contents = content_writing(tokenizer.chat_template)

@@ -30,3 +30,19 @@ def test_alpaca_history_turns_precede_the_rows_own() -> None:
 def test_a_malformed_history_is_the_rows_error(history, message) -> None:
     with pytest.raises(RowError, match=message.replace("[", r"\[").replace("]", r"\]")):
         to_messages({"instruction": "q", "output": "a", "history": history}, "alpaca")
+
+
+def test_an_assistants_thinking_parts_are_its_trace() -> None:
+    """Mistral's and Anthropic's form of a trace, a content part {"type": "thinking", "thinking": ...} beside the
+    text: the assistant message's reasoning_content (a row was refused: only text parts could be trained on). A trace
+    the message gives as a field stays; a user's thinking part is still the row's error."""
+    def assistant(content: list, **extra) -> dict:
+        row = {"messages": [{"role": "user", "content": "6 x 7?"}, {"role": "assistant", "content": content, **extra}]}
+        return list(to_messages(row, "messages"))[1]
+
+    parts = [{"type": "thinking", "thinking": "Six sevens."}, {"type": "text", "text": "42."}]
+    assert assistant(parts) == {"role": "assistant", "content": "42.", "reasoning_content": "Six sevens."}
+    assert assistant(parts, reasoning_content="Mine.") == {"role": "assistant", "content": "42.",
+                                                           "reasoning_content": "Mine."}
+    with pytest.raises(RowError, match=r"message 1 \(user\) content part 1 is 'thinking'; only text parts"):
+        to_messages({"messages": [{"role": "user", "content": parts}]}, "messages")

@@ -77,7 +77,8 @@ SMOLLM3_SHAPE = (
     "{%- for message in messages %}{%- set content = message.content if message.content is string else '' %}"
     "{%- if message.role == 'user' or message.role == 'tool' %}"
     "{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}{%- elif message.role == 'assistant' %}"
-    "{% generation %}{%- if mode == '/think' %}{{- '<|im_start|>assistant\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    "{% generation %}{%- if mode == '/think' %}"
+    "{{- '<|im_start|>assistant\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
     "{%- else %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n' + content.lstrip('\\n') + '<|im_end|>\\n' }}"
     "{%- endif %}{% endgeneration %}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
@@ -158,3 +159,40 @@ def test_hunyuan_without_thinking_trains_each_turn_after_the_trailing_think_bloc
         '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Bern"}}]</tool_calls><|eos|>',
         "Bern has 5 degrees.<|eos|>", "Hello!<|eos|>"]))
     assert len(trained_runs(tokenizer, examples)) == 3
+
+
+MINISTRAL_SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]",
+                      "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[THINK]", "[/THINK]", "[AVAILABLE_TOOLS]",
+                      "[/AVAILABLE_TOOLS]"]
+
+
+def test_ministral_reasoning_trains_traces_its_template_reads_as_thinking_blocks(tiny_model_dir, tmp_path) -> None:
+    """Ministral-3-Reasoning's (and Magistral's) template writes a trace given as a content part
+    `{"type": "thinking", "thinking": ...}` (`[THINK]trace[/THINK]answer`) and reads no reasoning field: a row's
+    reasoning_content was left out under the model's own template (counted as reasoning the template does not write,
+    'choose a template that writes it'), and a row in Mistral's own form, thinking parts, was refused ('content part 1
+    is 'thinking'; only text parts ... can be trained on'). Both train the trace now, as the template writes it."""
+    tokenizer = template_tokenizer(tiny_model_dir, "ministral_3_reasoning.jinja", MINISTRAL_SPECIALS, "</s>", "<s>")
+    field = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "How cold is Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I need the weather in Oslo.",
+         "tool_calls": [call("get_weather", {"city": "Oslo"}, 1)]},
+        tool('{"temp_c": -3}', 1), {"role": "assistant", "content": "-3 degrees.", "reasoning_content": "It said -3."}]}
+    parts = {"messages": [{"role": "user", "content": "What is 6 times 7?"}, {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "Six sevens."}, {"type": "text", "text": "42."}]}]}
+    examples, (report,) = build(tokenizer, tmp_path, [field, parts])
+    assert report.reasoning_not_rendered == 0 and report.rows_kept == 2 and not report.dropped
+    blocks = [dict(m) for m in field["messages"]]  # the field row as the template reads a trace: a thinking part
+    for m in blocks:
+        if m.get("reasoning_content"):
+            m["content"] = [{"type": "thinking", "thinking": m.pop("reasoning_content")},
+                            {"type": "text", "text": m["content"]}]
+    contexts = [tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+                for messages, tools in ((blocks[:1], TOOLS), (blocks[:3], TOOLS), (parts["messages"][:1], None))]
+    assert contexts[1].endswith('[/INST][THINK]I need the weather in Oslo.[/THINK][TOOL_CALLS]get_weather[ARGS]'
+                                '{"city": "Oslo"}</s>[TOOL_RESULTS]{"temp_c": -3}[/TOOL_RESULTS]')
+    assert dict(trained_runs(tokenizer, examples)) == dict(zip(contexts, [
+        '[THINK]I need the weather in Oslo.[/THINK][TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}</s>',
+        "[THINK]It said -3.[/THINK]-3 degrees.</s>", "[THINK]Six sevens.[/THINK]42.</s>"]))
+    assert tokenizer.apply_chat_template(parts["messages"], tokenize=False).endswith(
+        "[/INST][THINK]Six sevens.[/THINK]42.</s>")
