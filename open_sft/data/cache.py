@@ -88,7 +88,8 @@ logger = logging.getLogger(__name__)
 # weight 0 is context, JSON-string turns/schemas and dataset_shapes.py rows read, tools_listed_twice in the report;
 # 37: an answer after a tool result that the template closes otherwise once a turn follows (Hermes 2 Pro's, 3's)
 # trains after its prompt (a bad row), a trailer written after every rendering (Hunyuan's empty think block) is
-# context before each turn, an assistant's thinking parts (Magistral's) are its trace
+# context before each turn, an assistant's thinking parts (Magistral's) are its trace, content_not_rendered in the
+# report
 CACHE_FORMAT_VERSION = 37
 COMPLETE = "COMPLETE"
 

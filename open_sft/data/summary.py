@@ -69,6 +69,10 @@ _NOTES = {
                               "writes for them as the last message, though it writes other turns' traces there "
                               "(Kimi-K2-Thinking's final answers, <think></think>answer): each trains its trace in "
                               "that block (<think>trace</think>answer), as the model writes it at inference",
+    "content_not_rendered": "have tool-call turns whose content (the text beside the calls) the chat template does "
+                            "not write (Hermes 2 Pro's and 3's, Mistral's write the calls alone), so that text is not "
+                            "trained: the model learns the calls alone, as its template writes them; to train it, "
+                            "choose a template that writes it (--chat_template_path FILE)",
     "special_tokens_in_text": "hold the literal text of a special token ({found}), which "
                               "the tokenizer encodes as that control token, so the model learns a fake end of turn or "
                               "of document there; remove or rewrite that text in the data",
@@ -106,6 +110,7 @@ class SourceReport:
     reasoning_opened_by_prompt: int = 0  # rows with a turn trained after a think block its prompt opens
     reasoning_block_filled: int = 0  # rows with a turn's trace trained in a think block its template writes empty
     tools_listed_twice: int = 0  # rows whose tools a system message lists and the template writes again
+    content_not_rendered: int = 0  # rows with a call turn whose content the template leaves out
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,6 +133,7 @@ class SourceReport:
             "tool_results_wrapped_twice": self.tool_results_wrapped_twice,
             "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt,
             "reasoning_block_filled": self.reasoning_block_filled, "tools_listed_twice": self.tools_listed_twice,
+            "content_not_rendered": self.content_not_rendered,
             "hub_dataset": self.hub_dataset,
         }
 

@@ -27,8 +27,8 @@ from open_sft.data.chat.content_place import end_of_turn_length, marked_place, p
 from open_sft.data.chat.emptied_trace import inline_moved
 from open_sft.data.chat.foreign_fields import around, message_fields
 from open_sft.data.chat.raw_rows import raw_completion
-from open_sft.data.chat.reasoning import (inline_reasoning, inline_unwritten, masked, reasoning_of, tags_as_text,
-                                         trace_of, with_reasoning_aliases)
+from open_sft.data.chat.reasoning import (after_trace, inline_reasoning, inline_unwritten, masked, reasoning_of,
+                                         tags_as_text, trace_of, with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, TemplateState
 from open_sft.data.chat.tool_arguments import as_template_takes, string_arguments, tools_written, wrapped_twice
 from open_sft.data.chat.turn_enders import TurnEnders, turn_enders
@@ -59,6 +59,7 @@ class RowRender:
     tools_listed_twice: bool = False  # the template writes the tools a system message already lists (tool_schemas.py)
     reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
     reasoning_block_filled: bool = False  # a turn's trace trained in the think block its template writes empty
+    content_not_rendered: bool = False  # a call turn's content (beside its calls) its template leaves out
     # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
     cuts: tuple[tuple[int, ...], ...] = ()
 
@@ -68,7 +69,7 @@ RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
                 "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
                 "tool_results_wrapped_twice", "reasoning_opened_by_prompt", "reasoning_block_filled",
-                "tools_listed_twice")
+                "tools_listed_twice", "content_not_rendered")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -258,7 +259,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
     if keep and len(examples) > 1:
         joined = kept_history(state.draw, messages, tools, examples, enders)
         examples, not_kept = ([joined], False) if joined is not None else (examples, True)
-    unwritten = closed = opened = filled = False
+    unwritten = closed = opened = filled = dropped = False
     for i, turn in turns.items():
         message = messages[i]
         where = f"message {i + 1} (assistant, with {'tool calls' if message.get('tool_calls') else 'more than a content'})"
@@ -276,6 +277,8 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         opened |= turn.reasoning_opened
         filled |= turn.reasoning_filled
         unwritten |= bool(reasoning) and not turn.reasoning_closed and reasoning.strip() not in turn.target
+        said = after_trace(message.get("content") or "").strip() if message.get("tool_calls") else ""
+        dropped |= bool(said) and said not in turn.target
     out, cuts = [], tuple(tuple(a for i, (a, _) in example.turns if turns[i].reasoning_opened) for example in examples)
     for example in examples:
         spans: list[tuple[int, int]] = []
@@ -286,7 +289,8 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         out.append((example.text, _joined(spans)))
     return RowRender(out, unwritten, ends=tuple(max(i for i, _ in example.turns) for example in examples),
                      reasoning_history_not_kept=not_kept, reasoning_closed_by_prompt=closed,
-                     reasoning_opened_by_prompt=opened, cuts=cuts if opened else (), reasoning_block_filled=filled)
+                     reasoning_opened_by_prompt=opened, cuts=cuts if opened else (), reasoning_block_filled=filled,
+                     content_not_rendered=dropped)
 
 
 def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rendered: RowRender,

@@ -196,3 +196,25 @@ def test_ministral_reasoning_trains_traces_its_template_reads_as_thinking_blocks
         "[THINK]It said -3.[/THINK]-3 degrees.</s>", "[THINK]Six sevens.[/THINK]42.</s>"]))
     assert tokenizer.apply_chat_template(parts["messages"], tokenize=False).endswith(
         "[/INST][THINK]Six sevens.[/THINK]42.</s>")
+
+
+def test_content_beside_calls_a_template_leaves_out_is_counted(tiny_model_dir, tmp_path, caplog) -> None:
+    """Hermes' template writes a call turn's calls alone: the text a row gives beside them ('Let me check.') was
+    neither trained nor said to be left out. Such rows are counted per source (content_not_rendered) and the first
+    named in a warning; under a template that writes it (Qwen3's), not."""
+    from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
+
+    said = {"tools": TOOLS, "messages": [{"role": "user", "content": "Weather in Bern?"}, {
+        "role": "assistant", "content": "Let me check.", "tool_calls": [call("get_weather", {"city": "Bern"}, 1)]}]}
+    hermes = template_tokenizer(tiny_model_dir, HERMES_SHAPE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>",
+                                "<|begin_of_text|>")
+    with caplog.at_level("WARNING"):
+        examples, (report,) = build(hermes, tmp_path, [HERMES_ROW, said])
+    assert report.content_not_rendered == 1 and report.to_dict()["content_not_rendered"] == 1
+    assert [run for _, run in trained_runs(hermes, examples)][-1] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bern"}}\n</tool_call><|im_end|>')
+    warned = [r.getMessage() for r in caplog.records if "text beside the calls" in r.getMessage()]
+    assert len(warned) == 1 and "1 row(s)" in warned[0] and "line 2)" in warned[0]
+    qwen3 = family_tokenizer(tiny_model_dir, "qwen3")
+    examples, (report,) = build(qwen3, tmp_path, [said])
+    assert report.content_not_rendered == 0 and "Let me check." in trained_runs(qwen3, examples)[0][1]
