@@ -18,6 +18,10 @@ from open_sft.data.chat.probes import PROBE_TOOLS, PROBE_USER, probe_call, probe
 from open_sft.data.chat.render import TemplateState
 from open_sft.data.formats import Messages, RowError, same_kind
 
+# ids of 9 letters and digits, the form Mistral's templates check for (Mistral-Small-3.2's raises on any other)
+_FILLS = ("a1b2c3d4e", "z9y8x7w6v")
+
+
 def _probe(call_id: str, result_id: str) -> list[dict]:
     return [PROBE_USER, probe_call(call_id=call_id), probe_result(result_id)]
 
@@ -28,7 +32,7 @@ def reads_call_ids(state: TemplateState) -> tuple[bool, bool]:
     if state.call_ids is None:
         try:
             first, calls, results = (state.draw(_probe(a, b), False, PROBE_TOOLS) for a, b in (
-                ("call0a1b2c3d", "call0a1b2c3d"), ("call9z8y7x6w", "call0a1b2c3d"), ("call0a1b2c3d", "call9z8y7x6w")))
+                (_FILLS[0], _FILLS[0]), (_FILLS[1], _FILLS[0]), (_FILLS[0], _FILLS[1])))
             state.call_ids = (first != calls, first != results)
         except RowError:
             state.call_ids = (False, False)
@@ -40,14 +44,18 @@ def _id_of(value: object) -> bool:
 
 
 def _filled(messages: Messages, fill: str) -> Messages:
-    """The row with every missing call id and tool_call_id filled with `fill` and a number."""
+    """The row with every missing call id and tool_call_id filled with `fill` ending in a number, as long as it."""
     count = itertools.count()
 
+    def numbered() -> str:
+        n = str(next(count))
+        return fill[: len(fill) - len(n)] + n
+
     def call(c):
-        return c if not isinstance(c, dict) or _id_of(c.get("id")) else {**c, "id": f"{fill}{next(count)}"}
+        return c if not isinstance(c, dict) or _id_of(c.get("id")) else {**c, "id": numbered()}
     return same_kind(messages, (
         {**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if m["role"] == "assistant" and m.get("tool_calls")
-        else {**m, "tool_call_id": f"{fill}{next(count)}"} if m["role"] == "tool" and not _id_of(m.get("tool_call_id"))
+        else {**m, "tool_call_id": numbered()} if m["role"] == "tool" and not _id_of(m.get("tool_call_id"))
         else m for m in messages))
 
 
@@ -57,8 +65,7 @@ def _writes_ids(state: TemplateState, messages: Messages) -> bool:
     fails on the filled row is left to the row's own rendering, which names that failure."""
     tools = getattr(messages, "tools", None)
     try:
-        first, second = (state.draw(_filled(messages, fill), False, tools)
-                         for fill in ("call0a1b2c3d", "call9z8y7x6w"))
+        first, second = (state.draw(_filled(messages, fill), False, tools) for fill in _FILLS)
     except RowError:
         return False
     return first != second

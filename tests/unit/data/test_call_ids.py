@@ -93,3 +93,24 @@ def test_ids_a_template_writes_in_history_only_are_asked_of_rows_that_have_histo
     assert dict(report.dropped) == {"tool_call_ids_missing": 1} and report.rows_kept == 1
     assert [run for _, run in trained_runs(tokenizer, examples)] == [
         '\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_calls>\n<|end|>\n<|endoftext|>']
+
+
+def test_mistral_small_3_2_names_rows_without_ids(tiny_model_dir, tmp_path) -> None:
+    """Mistral-Small-3.2's template writes `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` and raises unless every id is 9
+    characters long: the probes' ids (12 characters) failed it, so the template was taken for one that writes no ids
+    and an xLAM row was refused with the template's own 'Tool call IDs should be alphanumeric strings with length 9!'
+    (counted as template_error). The probes use 9 letters and digits now: such a row is the named bad row
+    (tool_call_ids_missing), and a row with Mistral's ids trains them."""
+    specials = MISTRAL_SPECIALS + ["[CALL_ID]", "[ARGS]", "[TOOL_CONTENT]"]
+    tokenizer = template_tokenizer(tiny_model_dir, "mistral_small_3_2.jinja", specials, "</s>", "<s>")
+    with_ids = copy.deepcopy(WITH_IDS)
+    with_ids["messages"][2]["tool_calls"][0]["id"] = with_ids["messages"][3]["tool_call_id"] = "a1b2c3d4e"
+    examples, (report,) = build(tokenizer, tmp_path, [with_ids])
+    assert [run for _, run in trained_runs(tokenizer, examples)] == [
+        '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}</s>', "Oslo is at -3 degrees.</s>"]
+    row = _without(_without(WITH_IDS, "id"), "tool_call_id")
+    with pytest.raises(UserError, match=r"line 2: message 3 \(assistant, with tool calls\): a tool call has no 'id', "
+                                        r"and the chat template writes tool call ids .*9 letters and digits"):
+        build(tokenizer, tmp_path, [with_ids, row])
+    _, (report,) = build(tokenizer, tmp_path, [with_ids, row], on_bad_row="drop")
+    assert dict(report.dropped) == {"tool_call_ids_missing": 1} and report.rows_kept == 1
