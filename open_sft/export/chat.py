@@ -31,6 +31,7 @@ from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.export.generate import (CONTEXT_FULL, END_OF_TURN, Generation, add_model_arguments, context_length,
                                       generate_reply, load_or_exit, plain_continuation,
                                       tools_before_loading)
+from open_sft.export.template_kwargs import bind_template_kwargs, template_kwargs_or_exit
 
 EXIT, RESET, TOOL = ("/exit", "/quit"), "/reset", "/tool"
 PROMPT = "you> "
@@ -196,13 +197,17 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft chat") -> int:
     add_model_arguments(parser, max_new_tokens=256)
     parser.add_argument("--system", default=None, help="a system message that starts every conversation")
     args = parser.parse_args(argv)
-    tools, problem = tools_before_loading(args)
+    kwargs = template_kwargs_or_exit(args, (args.model_dir,))
+    if kwargs is None:
+        return 2
+    tools, problem = tools_before_loading(args, kwargs)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     loaded = load_or_exit(args)
     if loaded is None:
         return 2
+    bind_template_kwargs(loaded.tokenizer, kwargs)
     print(f"chatting with {loaded.description}; {COMMANDS} (or Ctrl-D)", file=sys.stderr, flush=True)
     raw = plain_continuation(args, loaded.tokenizer)
     if raw and args.system:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from open_sft.config.whole_flags import WholeFlagParser
 from open_sft.export.compare_tools import checked_tools
+from open_sft.export.template_kwargs import add_template_kwargs_argument, template_kwargs_or_exit
 from open_sft.export.tool_calls import scores_calls
 from open_sft.export.tool_schemas import add_tools_argument
 from open_sft.file_modes import output_file_problem
@@ -258,21 +259,22 @@ def _calls_fields(row: dict, i: int, before: TaskScore, after: TaskScore) -> dic
     return fields
 
 
-def _load(directory: Path, tokenizer_only: bool = False):
-    """(model, tokenizer) of a model directory or a run's output (`tokenizer_only`: its tokenizer), or None after
-    printing the error."""
+def _load(directory: Path, kwargs: dict, tokenizer_only: bool = False):
+    """(model, tokenizer) of a model directory or a run's output (`tokenizer_only`: its tokenizer), its template
+    rendering with the chat template variables `kwargs`, or None after printing the error."""
     from open_sft.errors import UserError
     from open_sft.export.run_dir import load_run_model, load_saved_tokenizer, model_kind
+    from open_sft.export.template_kwargs import bind_template_kwargs
 
     try:
         if tokenizer_only:
             model_kind(directory)  # a directory with no model is named as such, before its tokenizer is looked for
-            return load_saved_tokenizer(directory)
+            return bind_template_kwargs(load_saved_tokenizer(directory), kwargs)
         loaded = load_run_model(directory)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
-    return loaded.model, loaded.tokenizer
+    return loaded.model, bind_template_kwargs(loaded.tokenizer, kwargs)
 
 
 def default_limits(directory: Path, tokenizer, template: str | None, rows: list[dict]) -> list[int]:
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
                              "for a model whose chat template writes reasoning before the answer)")
     parser.add_argument("--json", type=Path, default=None, help="also write every answer and score here")
     add_tools_argument(parser)
+    add_template_kwargs_argument(parser)
     args = parser.parse_args(argv)
     if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.show < 0:
         parser.error("--max_new_tokens must be at least 1 and --show at least 0")
@@ -322,7 +325,10 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
 
     hf_logging.disable_progress_bar()
     directories = (args.before, args.after)
-    tokenizers = [_load(directory, tokenizer_only=True) for directory in directories]  # the models one at a time
+    kwargs = template_kwargs_or_exit(args, directories[::-1])  # the run's: both models answer the same prompts
+    if kwargs is None:
+        return 2
+    tokenizers = [_load(directory, kwargs, tokenizer_only=True) for directory in directories]  # models one at a time
     if None in tokenizers:
         return 2
     formats = prompt_formats(directories, tuple(tokenizer.chat_template for tokenizer in tokenizers))
@@ -332,7 +338,7 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
         return 2
     scores, notes = [], []
     for name, directory, template in zip(("before", "after"), directories, formats):
-        loaded = _load(directory)
+        loaded = _load(directory, kwargs)
         if loaded is None:
             return 2
         model, tokenizer = loaded

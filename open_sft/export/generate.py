@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from open_sft.config.whole_flags import WholeFlagParser
+from open_sft.export.template_kwargs import add_template_kwargs_argument, bind_template_kwargs, template_kwargs_or_exit
 from open_sft.export.tool_schemas import add_tools_argument
 
 HELD_OUT_SEED = 20261122  # the bundled sample is generated with seed 0
@@ -186,6 +187,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) ->
                         help="plain continuation: the text typed is continued as it is, without the chat template "
                              "(a model trained on plain text); the default when the tokenizer has no chat template")
     add_tools_argument(parser)
+    add_template_kwargs_argument(parser)
 
 
 def tools_for(args: argparse.Namespace, tokenizer, raw: bool) -> tuple[list[dict] | None, str | None]:
@@ -199,9 +201,10 @@ def tools_for(args: argparse.Namespace, tokenizer, raw: bool) -> tuple[list[dict
     return tools_or_exit(args.tools, tokenizer, f"--tools {args.tools}")
 
 
-def tools_before_loading(args: argparse.Namespace) -> tuple[list[dict] | None, str | None]:
-    """tools_for with the directory's tokenizer alone, before any model loads: a --tools file that is missing, not
-    tool schemas, or not written by the template costs no model load. (None, None) without --tools."""
+def tools_before_loading(args: argparse.Namespace, kwargs: dict | None = None) -> tuple[list[dict] | None, str | None]:
+    """tools_for with the directory's tokenizer alone (rendering with the chat template variables `kwargs`), before
+    any model loads: a --tools file that is missing, not tool schemas, or not written by the template costs no model
+    load. (None, None) without --tools."""
     from open_sft.errors import UserError
     from open_sft.export.run_dir import load_saved_tokenizer, model_kind
 
@@ -212,7 +215,7 @@ def tools_before_loading(args: argparse.Namespace) -> tuple[list[dict] | None, s
 
         read_tools(args.tools)  # the file first: it needs no tokenizer
         model_kind(args.model_dir)  # a directory with no model is named as such, before its tokenizer
-        tokenizer = load_saved_tokenizer(args.model_dir)
+        tokenizer = bind_template_kwargs(load_saved_tokenizer(args.model_dir), kwargs or {})
     except UserError as exc:
         return None, str(exc)
     return tools_for(args, tokenizer, args.raw or not tokenizer.chat_template)
@@ -259,14 +262,17 @@ def main(argv: list[str] | None = None, prog: str = "open_sft generate") -> int:
     args = parser.parse_args(argv)
     if args.score_sample < 0:
         parser.error(f"--score_sample must be 0 or more (a number of sample tasks), got {args.score_sample}")
-    tools, problem = tools_before_loading(args)
+    kwargs = template_kwargs_or_exit(args, (args.model_dir,))
+    if kwargs is None:
+        return 2
+    tools, problem = tools_before_loading(args, kwargs)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     loaded = load_or_exit(args)
     if loaded is None:
         return 2
-    model, tokenizer = loaded.model, loaded.tokenizer
+    model, tokenizer = loaded.model, bind_template_kwargs(loaded.tokenizer, kwargs)
     raw = plain_continuation(args, tokenizer)
     if raw and (args.system or args.score_sample):
         print(f"error: {'--system' if args.system else '--score_sample'} needs a chat template; plain continuation "

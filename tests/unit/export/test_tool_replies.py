@@ -670,7 +670,7 @@ def test_compare_names_the_borrowed_template_a_tools_check_failed_on(tiny_model_
     bos_token it lacks) the --tools error named the template-less model alone, as if its own template failed."""
     from open_sft.export import compare
 
-    def load(directory, tokenizer_only=False):  # a fresh tokenizer each time, as from its directory
+    def load(directory, kwargs, tokenizer_only=False):  # a fresh tokenizer each time, as from its directory
         assert tokenizer_only, "a model was loaded"
         tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
         if str(directory) == "before":

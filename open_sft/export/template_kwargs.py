@@ -1,0 +1,112 @@
+"""The chat template variables `generate`, `chat` and `compare` render with (--chat_template_kwargs): the flag's,
+else the ones the run trained with (its run.json), so that a prompt is the context training rendered (Qwen3 trained
+with enable_thinking false closes an empty think block in its prompt; Gemma 4 trained with enable_thinking true writes
+`<|think|>` in its system turn). They are bound to the loaded tokenizer, so every render of a command has them: its
+prompts and the probes that read a template's reasoning and call layouts (open_sft.export.trace_layout, call_probe).
+
+A run whose sources trained with different variables (a per-source chat_template_kwargs) has no one set its prompts
+follow: the run's --chat_template_kwargs are used, and the sources that differed are named with the flag to choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from open_sft.errors import UserError
+
+FLAG = "--chat_template_kwargs"
+MERGED_DIR = "merged"  # a LoRA run's merged model, inside its output directory (open_sft.export.model_card)
+
+
+def add_template_kwargs_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(FLAG, default=None, metavar="JSON",
+                        help="a JSON object of chat template variables passed to every render, as finetune's "
+                             "--chat_template_kwargs (e.g. '{\"enable_thinking\": false}'); default: the ones the run "
+                             "in the model directory trained with (its run.json), else none")
+
+
+def parse_template_kwargs(value: str) -> dict[str, Any]:
+    """--chat_template_kwargs as finetune reads it (open_sft.data.chat.templates.template_kwargs_problems)."""
+    from open_sft.data.chat.templates import template_kwargs_problems
+
+    problems = template_kwargs_problems(value)
+    if problems:
+        raise UserError("; ".join(problems))
+    return json.loads(value)
+
+
+def run_record(directory: Path) -> Optional[Path]:
+    """The run.json of the run that wrote `directory` (its output directory, an `open_sft export` of a checkpoint,
+    or its merged/), None where there is none (a base model, a directory copied without it)."""
+    for candidate in (directory, directory.parent if directory.name == MERGED_DIR else None):
+        if candidate is not None and (candidate / "run.json").is_file():
+            return candidate / "run.json"
+    return None
+
+
+def trained_kwargs(record: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the variables a run's prompts render with, the sources that trained with others) from run.json: every
+    source's own (its per-source chat_template_kwargs over the run's) where they are all the same, else the run's
+    --chat_template_kwargs, and each source that differs from them named with its variables."""
+    data = record.get("args", {}).get("data", {})
+    shared = json.loads(data.get("chat_template_kwargs") or "{}")
+    per_source = data.get("dataset_mixer_list_chat_template_kwargs") or []
+    if not per_source:
+        return shared, []
+    names = (data.get("dataset_mixer_list") or [])[0::2] or [f"source {i + 1}" for i in range(len(per_source))]
+    own = [{**shared, **json.loads(per_source[0 if len(per_source) == 1 else i] or "{}")} for i in range(len(names))]
+    if all(kwargs == own[0] for kwargs in own):
+        return own[0], []
+    return shared, [f"{name} {json.dumps(kwargs, sort_keys=True)}" for name, kwargs in zip(names, own)
+                    if kwargs != shared]
+
+
+def template_kwargs(value: Optional[str], directories: tuple[Path, ...]) -> tuple[dict[str, Any], Optional[str]]:
+    """(the variables to render with, the line that says where they come from: None where there are none to say):
+    --chat_template_kwargs `value` when given, else those of the first of `directories` that a run wrote (compare
+    asks its AFTER directory first: both models answer the same prompts). A bad flag is a UserError naming it."""
+    if value is not None:
+        return parse_template_kwargs(value), None
+    for directory in directories:
+        path = run_record(directory)
+        if path is None:
+            continue
+        try:
+            kwargs, differing = trained_kwargs(json.loads(path.read_text()))
+        except (OSError, ValueError, AttributeError) as exc:
+            raise UserError(f"{path} is not a readable run record ({exc}); pass {FLAG} JSON with the chat template "
+                            f"variables the run trained with ('{{}}' for none)") from exc
+        if not kwargs and not differing:
+            return {}, None
+        line = f"{directory}: prompts render with the chat template variables the run trained with, " \
+               f"{json.dumps(kwargs, sort_keys=True)} ({path}; {FLAG} JSON overrides)"
+        if differing:
+            line += f"; its sources trained with others, not used here: {', '.join(differing)}"
+        return kwargs, line
+    return {}, None
+
+
+def bind_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
+    """`tokenizer` with `kwargs` passed to each of its apply_chat_template calls (a call's own arguments over them);
+    bound before anything renders with it, as the probes' readings are kept per tokenizer."""
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return tokenizer
+
+
+def template_kwargs_or_exit(args: argparse.Namespace, directories: tuple[Path, ...]) -> Optional[dict[str, Any]]:
+    """template_kwargs for a command's arguments, their line said on stderr; None after printing the error."""
+    import sys
+
+    try:
+        kwargs, line = template_kwargs(args.chat_template_kwargs, directories)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return kwargs

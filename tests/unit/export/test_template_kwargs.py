@@ -1,0 +1,141 @@
+"""generate, chat and compare render prompts with the chat template variables the run trained with (its run.json's
+--chat_template_kwargs), or --chat_template_kwargs' (open_sft.export.template_kwargs). They passed none: a Qwen3 run
+trained with enable_thinking false was asked with thinking on (`<|im_start|>assistant\\n`, no empty think block), a
+Gemma 4 run trained with enable_thinking true without the `<|think|>` its system turn trained with."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+
+import pytest
+import torch
+
+from open_sft.export import chat, compare, generate
+from open_sft.export.template_kwargs import run_record, trained_kwargs
+
+from ..data.test_reasoning_tool_calls import build, family_tokenizer, trained_runs
+from ..data.test_template_families import gemma4_tokenizer
+
+QUESTION = [{"role": "user", "content": "Q"}]
+QWEN3_NO_THINKING = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+QWEN3_THINKING = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+GEMMA4_THINKING = "<bos><|turn>system\n<|think|><turn|>\n<|turn>user\nQ<turn|>\n<|turn>model\n"
+
+
+def run_dir(tiny_model_dir, tmp_path, tokenizer, data: dict | None, name: str = "run"):
+    """A run's output directory: the tiny model, `tokenizer` saved beside it, run.json with `data` as its data
+    arguments (None: no run.json, a base model's directory)."""
+    out = tmp_path / name
+    shutil.copytree(tiny_model_dir, out)
+    tokenizer.save_pretrained(out)
+    if data is not None:
+        (out / "run.json").write_text(json.dumps({"args": {"data": data}}))
+    return out
+
+
+def recording(monkeypatch, module) -> list[str]:
+    """The prompts the model `module` loads is asked, as text; it ends its turn at once (eos)."""
+    prompts, real = [], module.load_or_exit
+
+    def loading(args):
+        loaded = real(args)
+        answer_with_eos(loaded.model, lambda: loaded.tokenizer, prompts)
+        return loaded
+
+    monkeypatch.setattr(module, "load_or_exit", loading)
+    return prompts
+
+
+def answer_with_eos(model, tokenizer, prompts: list[str]) -> None:
+    def generate_eos(**kwargs):
+        prompts.append(tokenizer().decode(kwargs["input_ids"][0]))
+        return torch.cat([kwargs["input_ids"], torch.tensor([[tokenizer().eos_token_id]])], dim=1)
+
+    model.generate = generate_eos
+
+
+def trained_context(tokenizer, tmp_path, kwargs: str) -> str:
+    """What training rendered before the reply to QUESTION with these variables (the data side's own example)."""
+    examples, _ = build(tokenizer, tmp_path, [{"messages": QUESTION + [{"role": "assistant", "content": "A"}]}],
+                        chat_template_kwargs=kwargs)
+    return trained_runs(tokenizer, examples)[0][0]
+
+
+def test_generate_renders_the_runs_kwargs_and_the_flag_overrides_them(tiny_model_dir, tmp_path, monkeypatch,
+                                                                     capsys) -> None:
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    out = run_dir(tiny_model_dir, tmp_path, tokenizer, {"chat_template_kwargs": '{"enable_thinking": false}'})
+    prompts = recording(monkeypatch, generate)
+    assert generate.main([str(out), "--prompt", "Q"]) == 0
+    assert generate.main([str(out), "--prompt", "Q", "--chat_template_kwargs", '{"enable_thinking": true}']) == 0
+    assert prompts == [QWEN3_NO_THINKING, QWEN3_THINKING]
+    assert prompts[0] == trained_context(tokenizer, tmp_path, '{"enable_thinking": false}')
+    err = capsys.readouterr().err
+    assert f'{out}: prompts render with the chat template variables the run trained with, {{"enable_thinking": ' \
+           f'false}} ({out / "run.json"}; --chat_template_kwargs JSON overrides)' in err
+    assert err.count("prompts render with") == 1  # the flag's run says nothing of the run's
+
+
+@pytest.mark.parametrize("value, why", [
+    ("{enable_thinking: false}", "--chat_template_kwargs '{enable_thinking: false}' is not JSON"),
+    ('["enable_thinking"]', "--chat_template_kwargs '[\"enable_thinking\"]': give a JSON object"),
+    ('{"tools": []}', "--chat_template_kwargs sets tools, which open_sft passes itself")])
+def test_a_bad_flag_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, value, why) -> None:
+    monkeypatch.setattr(generate, "load_or_exit", lambda args: pytest.fail("a model was loaded"))
+    for main in (generate.main, chat.main):
+        assert main([str(tmp_path), "--chat_template_kwargs", value]) == 2
+        assert f"error: {why}" in capsys.readouterr().err
+    assert compare.main([str(tmp_path), str(tmp_path), "--tasks", str(tmp_path / "none.jsonl")]) == 2
+
+
+def test_chat_renders_gemma4_as_it_trained_with_enable_thinking(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """The helper's measurement: chat rendered `<bos><|turn>user\\nQ<turn|>\\n<|turn>model\\n<|channel>thought\\n
+    <channel|>`, training `<|think|>` in a system turn and no closed thought block."""
+    tokenizer = gemma4_tokenizer(tiny_model_dir)
+    out = run_dir(tiny_model_dir, tmp_path, tokenizer, {"chat_template_kwargs": '{"enable_thinking": true}'})
+    prompts = recording(monkeypatch, chat)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Q\n"))
+    assert chat.main([str(out)]) == 0
+    assert prompts == [GEMMA4_THINKING] == [trained_context(tokenizer, tmp_path, '{"enable_thinking": true}')]
+
+
+def test_compare_asks_both_models_with_the_runs_kwargs(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    after = run_dir(tiny_model_dir, tmp_path, tokenizer, {"chat_template_kwargs": '{"enable_thinking": false}'})
+    before = run_dir(tiny_model_dir, tmp_path, tokenizer, None, "base")
+    (tasks := tmp_path / "tasks.jsonl").write_text(json.dumps({"messages": QUESTION + [
+        {"role": "assistant", "content": "A"}], "answer": "A"}) + "\n")
+    prompts, real = [], compare._load
+
+    def loading(directory, kwargs, tokenizer_only=False):
+        loaded = real(directory, kwargs, tokenizer_only)
+        if not tokenizer_only:
+            answer_with_eos(loaded[0], lambda: loaded[1], prompts)
+        return loaded
+
+    monkeypatch.setattr(compare, "_load", loading)
+    assert compare.main([str(before), str(after), "--tasks", str(tasks)]) == 0
+    assert prompts == [QWEN3_NO_THINKING] * 2
+    assert f"{after}: prompts render with the chat template variables the run trained with" in capsys.readouterr().err
+
+
+def test_sources_that_trained_with_other_kwargs_are_named() -> None:
+    """One set for all sources is theirs; sources that differ: the run's --chat_template_kwargs, the others named."""
+    def record(shared, per_source):
+        return {"args": {"data": {"dataset_mixer_list": ["a.jsonl", "1.0", "b.jsonl", "1.0"],
+                                  "chat_template_kwargs": shared,
+                                  "dataset_mixer_list_chat_template_kwargs": per_source}}}
+
+    assert trained_kwargs(record(None, ['{"enable_thinking": false}'])) == ({"enable_thinking": False}, [])
+    assert trained_kwargs(record('{"enable_thinking": false}', ["{}", '{"enable_thinking": true}'])) == (
+        {"enable_thinking": False}, ['b.jsonl {"enable_thinking": true}'])
+    assert trained_kwargs({"args": {"data": {"chat_template_kwargs": None}}}) == ({}, [])
+
+
+def test_a_merged_model_reads_its_runs_record(tmp_path) -> None:
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "run.json").write_text("{}")
+    assert run_record(tmp_path / "merged") == run_record(tmp_path) == tmp_path / "run.json"
+    assert run_record(tmp_path / "merged" / "elsewhere") is None
