@@ -291,7 +291,7 @@ def default_limits(directory: Path, tokenizer, template: str | None, rows: list[
     return [REASONING_MAX_NEW_TOKENS] * len(rows)
 
 
-def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
+def _parser(prog: str) -> WholeFlagParser:
     parser = WholeFlagParser(prog=prog, description=__doc__,
                              formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("before", type=Path, help="the model before fine-tuning (a model directory)")
@@ -305,12 +305,20 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write every answer and score here")
     add_tools_argument(parser)
     add_template_kwargs_argument(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if (args.max_new_tokens is not None and args.max_new_tokens < 1) or args.show < 0:
         parser.error("--max_new_tokens must be at least 1 and --show at least 0")
     why = output_file_problem(args.json) if args.json is not None else None
     if why:  # said before the models load and score, not after
         print(f"error: --json {args.json}: {why}", file=sys.stderr)
+        return 2
+    kwargs = template_kwargs_or_exit(args, (args.after, args.before))  # the run's: both answer the same prompts
+    if kwargs is None:
         return 2
     try:
         rows = read_tasks(args.tasks)
@@ -325,9 +333,6 @@ def main(argv: list[str] | None = None, prog: str = "open_sft compare") -> int:
 
     hf_logging.disable_progress_bar()
     directories = (args.before, args.after)
-    kwargs = template_kwargs_or_exit(args, directories[::-1])  # the run's: both models answer the same prompts
-    if kwargs is None:
-        return 2
     tokenizers = [_load(directory, kwargs, tokenizer_only=True) for directory in directories]  # models one at a time
     if None in tokenizers:
         return 2

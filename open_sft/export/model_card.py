@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.config.whole_flags import WholeFlagParser
+from open_sft.export.template_kwargs import card_section
 
 HYPERPARAMETERS = (
     ("train", "learning_rate"), ("train", "lr_scheduler_type"), ("train", "warmup_ratio"),
@@ -254,6 +255,7 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
         body += _adapter_section(adapter, bool(args.get("lora", {}).get("use_qlora")), base_model)
     report = _read_json(output_dir / "data_report.json")
     body += _data_section(report)
+    body += card_section(info)
     body += _hyperparameter_section(args, epochs)
     body += _settings_by_steps_section(info.get("settings_by_steps") or [])
     metrics = output_dir / "metrics.jsonl"

@@ -110,3 +110,25 @@ def template_kwargs_or_exit(args: argparse.Namespace, directories: tuple[Path, .
     if line:
         print(line, file=sys.stderr, flush=True)
     return kwargs
+
+
+def card_section(record: dict[str, Any]) -> list[str]:
+    """The model card's section on the variables the run rendered its template with (none: no section): no file of a
+    model directory carries them to other tools (transformers' apply_chat_template takes them per call, vLLM per
+    request or by `vllm serve --default-chat-template-kwargs`), so the card says how to pass them."""
+    kwargs, differing = trained_kwargs(record)
+    if not kwargs and not differing:
+        return []
+    text = json.dumps(kwargs, sort_keys=True)
+    python = ", ".join(f"{name}={value!r}" for name, value in sorted(kwargs.items()) if name.isidentifier())
+    lines = ["## Chat template variables", "",
+             f"The run rendered its chat template with `{text}` (--chat_template_kwargs): render prompts with them, "
+             "as the model trained, or it is asked in a form it never saw (a think block opened or closed, a system "
+             "turn's marker). They are not stored in the model's files; pass them:", "",
+             f"- transformers: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, {python})`",
+             f"- vLLM: `vllm serve MODEL_DIR --default-chat-template-kwargs '{text}'`, or per request "
+             f"`\"chat_template_kwargs\": {text}`",
+             "- `open_sft generate`, `chat` and `compare` read them from run.json (--chat_template_kwargs overrides)"]
+    if differing:
+        lines += ["", "Sources that trained with their own variables: " + "; ".join(f"`{d}`" for d in differing)]
+    return lines + [""]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from open_sft.export import chat, compare, generate
+from open_sft.export.model_card import render_model_card
 from open_sft.export.template_kwargs import run_record, trained_kwargs
 
 from ..data.test_reasoning_tool_calls import build, family_tokenizer, trained_runs
@@ -70,7 +71,8 @@ def test_generate_renders_the_runs_kwargs_and_the_flag_overrides_them(tiny_model
     prompts = recording(monkeypatch, generate)
     assert generate.main([str(out), "--prompt", "Q"]) == 0
     assert generate.main([str(out), "--prompt", "Q", "--chat_template_kwargs", '{"enable_thinking": true}']) == 0
-    assert prompts == [QWEN3_NO_THINKING, QWEN3_THINKING]
+    assert generate.main([str(out), "--prompt", "Q", "--chat_template_kwargs", "{}"]) == 0  # none: the default
+    assert prompts == [QWEN3_NO_THINKING, QWEN3_THINKING, QWEN3_THINKING]
     assert prompts[0] == trained_context(tokenizer, tmp_path, '{"enable_thinking": false}')
     err = capsys.readouterr().err
     assert f'{out}: prompts render with the chat template variables the run trained with, {{"enable_thinking": ' \
@@ -84,10 +86,13 @@ def test_generate_renders_the_runs_kwargs_and_the_flag_overrides_them(tiny_model
     ('{"tools": []}', "--chat_template_kwargs sets tools, which open_sft passes itself")])
 def test_a_bad_flag_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, value, why) -> None:
     monkeypatch.setattr(generate, "load_or_exit", lambda args: pytest.fail("a model was loaded"))
-    for main in (generate.main, chat.main):
-        assert main([str(tmp_path), "--chat_template_kwargs", value]) == 2
-        assert f"error: {why}" in capsys.readouterr().err
-    assert compare.main([str(tmp_path), str(tmp_path), "--tasks", str(tmp_path / "none.jsonl")]) == 2
+    monkeypatch.setattr(compare, "_load", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    (tasks := tmp_path / "tasks.jsonl").write_text(json.dumps({"messages": QUESTION + [
+        {"role": "assistant", "content": "A"}], "answer": "A"}) + "\n")
+    for main, argv in ((generate.main, [tmp_path]), (chat.main, [tmp_path]),
+                       (compare.main, [tmp_path, tmp_path, "--tasks", tasks])):
+        assert main([*map(str, argv), "--chat_template_kwargs", value]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {why}")
 
 
 def test_chat_renders_gemma4_as_it_trained_with_enable_thinking(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
@@ -139,3 +144,14 @@ def test_a_merged_model_reads_its_runs_record(tmp_path) -> None:
     (tmp_path / "run.json").write_text("{}")
     assert run_record(tmp_path / "merged") == run_record(tmp_path) == tmp_path / "run.json"
     assert run_record(tmp_path / "merged" / "elsewhere") is None
+
+
+def test_the_model_card_says_how_to_pass_them(tmp_path) -> None:
+    (tmp_path / "run.json").write_text(json.dumps({"args": {"data": {"chat_template_kwargs": '{"enable_thinking": false}'}}}))
+    card = render_model_card(tmp_path)
+    section = card[card.index("## Chat template variables"):card.index("## Hyperparameters")]
+    assert "- transformers: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, " \
+           "enable_thinking=False)`" in section
+    assert "- vLLM: `vllm serve MODEL_DIR --default-chat-template-kwargs '{\"enable_thinking\": false}'`" in section
+    (tmp_path / "run.json").write_text(json.dumps({"args": {"data": {"chat_template_kwargs": None}}}))
+    assert "## Chat template variables" not in render_model_card(tmp_path)
