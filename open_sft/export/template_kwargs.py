@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from open_sft.errors import UserError
 
 FLAG = "--chat_template_kwargs"
+_UNBOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer → its apply_chat_template unbound
 MERGED_DIR = "merged"  # a LoRA run's merged model, inside its output directory (open_sft.export.model_card)
 
 
@@ -94,8 +96,15 @@ def bind_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
     """`tokenizer` with `kwargs` passed to each of its apply_chat_template calls (a call's own arguments over them);
     bound before anything renders with it, as the probes' readings are kept per tokenizer."""
     if kwargs:
+        _UNBOUND[tokenizer] = tokenizer.apply_chat_template
         tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
     return tokenizer
+
+
+def unbound_renderer(tokenizer: Any) -> Optional[Callable[..., Any]]:
+    """The tokenizer's apply_chat_template without the variables bound to it (its template's defaults), None where
+    none are bound."""
+    return _UNBOUND.get(tokenizer)
 
 
 def template_kwargs_or_exit(args: argparse.Namespace, directories: tuple[Path, ...]) -> Optional[dict[str, Any]]:

@@ -65,11 +65,23 @@ def reasoning_layout(template: str, tokenizer) -> ReasoningLayout | None:
 
 
 def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
+    """The layout the template shows with the chat template variables bound to the tokenizer (open_sft.export.
+    template_kwargs), else with its defaults: a run's variables may hide the layout (Gemma 4's enable_thinking leaves
+    out the empty block its default prompt closes, the block its replies then write their trace in); the reply is
+    read against the prompt it followed (open_sft.export.reply)."""
+    from open_sft.export.template_kwargs import unbound_renderer
+
+    layout = _rendered_layout(tokenizer.apply_chat_template)
+    defaults = unbound_renderer(tokenizer)
+    return layout if layout is not None or defaults is None else _rendered_layout(defaults)
+
+
+def _rendered_layout(apply_chat_template) -> ReasoningLayout | None:
     user = [{"role": "user", "content": "Q"}]
 
     def render(message: Optional[dict] = None, **kwargs) -> str | None:
         try:
-            text = tokenizer.apply_chat_template(user + ([message] if message else []), tokenize=False, **kwargs)
+            text = apply_chat_template(user + ([message] if message else []), tokenize=False, **kwargs)
         except Exception:  # noqa: BLE001  (a template that cannot render a probe is read as having no layout)
             return None
         return text if isinstance(text, str) else None
@@ -147,21 +159,29 @@ def _content_block_layout(prompt: str, context: str, bare: str, render) -> Reaso
     return ReasoningLayout(start.strip(), closer, closer, closed=True)
 
 
-def opens_reasoning(tokenizer) -> bool:
-    """Whether the template's generation prompt opens a trace the reply writes into (`<think>` last: DeepSeek-R1
-    distills, open-instruct's thinker and r1_simple_chat templates): the answer follows the reply's `</think>`."""
+def _generation_prompt(tokenizer) -> str | None:
+    """The template's generation prompt after a user turn (with the variables bound to the tokenizer), None where it
+    fails."""
     try:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], add_generation_prompt=True,
                                                tokenize=False)
     except Exception:  # noqa: BLE001  (a template that cannot render the probe opens nothing)
-        return False
-    return isinstance(prompt, str) and prompt.rstrip().endswith(INLINE_OPEN)
+        return None
+    return prompt if isinstance(prompt, str) else None
+
+
+def opens_reasoning(tokenizer) -> bool:
+    """Whether the template's generation prompt opens a trace the reply writes into (`<think>` last: DeepSeek-R1
+    distills, open-instruct's thinker and r1_simple_chat templates): the answer follows the reply's `</think>`."""
+    prompt = _generation_prompt(tokenizer)
+    return prompt is not None and prompt.rstrip().endswith(INLINE_OPEN)
 
 
 def writes_reasoning(template: str | None, tokenizer) -> bool:
     """Whether replies under the template begin with reasoning: a reasoning field it writes, or a trace its
-    generation prompt opens (not one it closes empty, Gemma 4's)."""
+    generation prompt opens; not where the prompt closes the trace empty (Gemma 4's by default, Qwen3's under
+    enable_thinking false: it ends in the layout's answer marker)."""
     if template is None:
         return False
-    layout = reasoning_layout(template, tokenizer)
-    return layout is not None and not layout.closed or opens_reasoning(tokenizer)
+    layout, prompt = reasoning_layout(template, tokenizer), _generation_prompt(tokenizer) or ""
+    return layout is not None and not prompt.rstrip().endswith(layout.answer_marker) or opens_reasoning(tokenizer)

@@ -14,7 +14,7 @@ import torch
 
 from open_sft.export import chat, compare, generate
 from open_sft.export.model_card import render_model_card
-from open_sft.export.template_kwargs import run_record, trained_kwargs
+from open_sft.export.template_kwargs import bind_template_kwargs, run_record, trained_kwargs
 
 from ..data.test_reasoning_tool_calls import build, family_tokenizer, trained_runs
 from ..data.test_template_families import gemma4_tokenizer
@@ -36,23 +36,25 @@ def run_dir(tiny_model_dir, tmp_path, tokenizer, data: dict | None, name: str = 
     return out
 
 
-def recording(monkeypatch, module) -> list[str]:
-    """The prompts the model `module` loads is asked, as text; it ends its turn at once (eos)."""
+def recording(monkeypatch, module, reply: str = "") -> list[str]:
+    """The prompts the model `module` loads is asked, as text; it writes `reply` and ends its turn (eos)."""
     prompts, real = [], module.load_or_exit
 
     def loading(args):
         loaded = real(args)
-        answer_with_eos(loaded.model, lambda: loaded.tokenizer, prompts)
+        answer_with_eos(loaded.model, lambda: loaded.tokenizer, prompts, reply)
         return loaded
 
     monkeypatch.setattr(module, "load_or_exit", loading)
     return prompts
 
 
-def answer_with_eos(model, tokenizer, prompts: list[str]) -> None:
+def answer_with_eos(model, tokenizer, prompts: list[str], reply: str = "") -> None:
+    """`model` made to write `reply` and eos after any prompt, each prompt kept (as text) in `prompts`."""
     def generate_eos(**kwargs):
         prompts.append(tokenizer().decode(kwargs["input_ids"][0]))
-        return torch.cat([kwargs["input_ids"], torch.tensor([[tokenizer().eos_token_id]])], dim=1)
+        written = tokenizer()(reply, add_special_tokens=False)["input_ids"] + [tokenizer().eos_token_id]
+        return torch.cat([kwargs["input_ids"], torch.tensor([written])], dim=1)
 
     model.generate = generate_eos
 
@@ -106,6 +108,23 @@ def test_chat_renders_gemma4_as_it_trained_with_enable_thinking(tiny_model_dir, 
     assert prompts == [GEMMA4_THINKING] == [trained_context(tokenizer, tmp_path, '{"enable_thinking": true}')]
 
 
+def test_a_gemma4_reply_after_its_thinking_prompt_is_split(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """The layout is read where the run's variables hide it (enable_thinking leaves out the empty block Gemma 4's
+    default prompt closes): the trace the reply writes in that block is `reasoning`, not `thought\nTRACE` in the
+    answer; and such a model writes reasoning first (compare's budget), Qwen3 under enable_thinking false does not."""
+    tokenizer = gemma4_tokenizer(tiny_model_dir)
+    out = run_dir(tiny_model_dir, tmp_path, tokenizer, {"chat_template_kwargs": '{"enable_thinking": true}'})
+    recording(monkeypatch, generate, "<|channel>thought\nTRACE<channel|>ANSWER")
+    assert generate.main([str(out), "--prompt", "Q"]) == 0
+    line = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert (line["generation"], line["reasoning"], line["stop_token"]) == ("ANSWER", "TRACE", "<turn|>")
+    for family, kwargs, limit in (("gemma4", {"enable_thinking": True}, 256), ("gemma4", {}, 16),
+                                  ("qwen3", {"enable_thinking": False}, 16), ("qwen3", {}, 256)):
+        made = gemma4_tokenizer(tiny_model_dir) if family == "gemma4" else family_tokenizer(tiny_model_dir, family)
+        bind_template_kwargs(made, kwargs)
+        assert compare.default_limits(out, made, made.chat_template, [{"messages": QUESTION}]) == [limit], kwargs
+
+
 def test_compare_asks_both_models_with_the_runs_kwargs(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
     tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
     after = run_dir(tiny_model_dir, tmp_path, tokenizer, {"chat_template_kwargs": '{"enable_thinking": false}'})
@@ -147,7 +166,8 @@ def test_a_merged_model_reads_its_runs_record(tmp_path) -> None:
 
 
 def test_the_model_card_says_how_to_pass_them(tmp_path) -> None:
-    (tmp_path / "run.json").write_text(json.dumps({"args": {"data": {"chat_template_kwargs": '{"enable_thinking": false}'}}}))
+    run = {"args": {"data": {"chat_template_kwargs": '{"enable_thinking": false}'}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
     card = render_model_card(tmp_path)
     section = card[card.index("## Chat template variables"):card.index("## Hyperparameters")]
     assert "- transformers: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, " \
