@@ -79,7 +79,7 @@ def template_kwargs(value: Optional[str], directories: tuple[Path, ...]) -> tupl
             continue
         try:
             kwargs, differing = trained_kwargs(json.loads(path.read_text()))
-        except (OSError, ValueError, AttributeError) as exc:
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
             raise UserError(f"{path} is not a readable run record ({exc}); pass {FLAG} JSON with the chat template "
                             f"variables the run trained with ('{{}}' for none)") from exc
         if not kwargs and not differing:
