@@ -32,6 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # open_sft from this checkout
+# before trl imports peft (so bitsandbytes): the package keeps bitsandbytes from fetching its CPU kernel from the Hub
+# and transformers from kernelizing with Hub kernels (LOCAL_KERNELS, USE_HUB_KERNELS), as in the run compared
+import open_sft  # noqa: E402,F401
+
 
 def _attention(name: str, root: str) -> str:
     """The attn_implementation to load the model with ("varlen": registered here, from open_sft's checkout)."""
@@ -169,12 +174,6 @@ def _compare_model(run_dir: str, run: dict, precision: str):
 
 
 def compare_loss(argv: list[str]) -> None:
-    import datasets
-    from torch.utils.data import DataLoader
-    from transformers import AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # open_sft from this checkout
     from open_sft.config.whole_flags import WholeFlagParser
 
     parser = WholeFlagParser("benchmark_trl.py --compare_loss")
@@ -184,7 +183,12 @@ def compare_loss(argv: list[str]) -> None:
     parser.add_argument("--fp32_adapters", action="store_true",
                         help="QLoRA: TRL's adapters kept fp32, as open_sft keeps them (TRL casts them to bf16)")
     parser.add_argument("--out", help="a JSON file for both sides' per-step losses and grad norms")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # a mistyped flag is refused before TRL is imported
+    import datasets
+    from torch.utils.data import DataLoader
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
     run = json.load(open(f"{args.compare_loss}/run.json"))
     args.trl_precision = args.trl_precision or ("autocast" if run["compute_dtype"] == "torch.bfloat16" else "fp32")
     train, model_args = run["args"]["train"], run["args"]["model"]
@@ -226,8 +230,13 @@ def compare_loss(argv: list[str]) -> None:
                    "trl_precision": args.trl_precision}, open(args.out, "w"))
 
 
-if __name__ == "__main__":
-    if "--compare_loss" in sys.argv:
-        compare_loss(sys.argv[1:])
-    else:
+def cli(argv: list[str]) -> None:
+    """benchmark.py's one JSON argument runs main(); any other command line is --compare_loss's, read whole."""
+    if len(argv) == 1 and argv[0].lstrip().startswith("{"):
         main()
+    else:
+        compare_loss(argv)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])
