@@ -242,17 +242,19 @@ def eval_split_note(train: dict[str, Any], held_out: dict[str, Any], ratio: floa
 
 def format_data_report(report: dict[str, Any]) -> str:
     """The data report as a fixed-width table, one line per source plus the mixture total."""
-    header = f"{'source':<40} {'format':<9} {'rows in':>8} {'kept':>8} {'dropped':>8} {'trunc':>6} {'examples':>9} " \
-             f"{'tokens':>11} {'trained':>7} {'% ex':>6} {'% tok':>6}"
+    # as wide as the longest format name (question_answer, messages:conversation), so the columns stay aligned
+    width = max([9] + [len(source["format"]) for source in report["sources"]])
+    header = f"{'source':<40} {'format':<{width}} {'rows in':>8} {'kept':>8} {'dropped':>8} {'trunc':>6} " \
+             f"{'examples':>9} {'tokens':>11} {'trained':>7} {'% ex':>6} {'% tok':>6}"
     lines = ["data report", header, "-" * len(header)]
     for source in report["sources"]:
         name = source["name"] if len(source["name"]) <= 40 else "…" + source["name"][-39:]
         dropped = sum(source["rows_dropped"].values())
         share = source["trained_tokens"] / max(source["tokens"], 1)
         of_examples, of_tokens = mixture_shares(report, source)  # the source's share of the mixture
-        lines.append(f"{name:<40} {source['format']:<9} {source['rows_in']:>8} {source['rows_kept']:>8} {dropped:>8} "
-                     f"{source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} {share:>7.1%} "
-                     f"{of_examples:>6.1%} {of_tokens:>6.1%}")
+        lines.append(f"{name:<40} {source['format']:<{width}} {source['rows_in']:>8} {source['rows_kept']:>8} "
+                     f"{dropped:>8} {source['truncated']:>6} {source['examples']:>9} {source['tokens']:>11} "
+                     f"{share:>7.1%} {of_examples:>6.1%} {of_tokens:>6.1%}")
         if source.get("upsample_factor", 1.0) > 1.0:
             lines.append(f"{'':<4}upsampled ×{source['upsample_factor']:.2f} (rows repeated to reach the amount)")
         if source.get("rows_split"):
@@ -267,8 +269,8 @@ def format_data_report(report: dict[str, Any]) -> str:
             lines.append(f"{'':<4}dropped {count} row(s): {reason}")
     share = report["trained_tokens"] / max(report["tokens"], 1)
     lines.append("-" * len(header))
-    lines.append(f"{'mixture':<40} {'':<9} {'':>8} {'':>8} {'':>8} {'':>6} {report['examples']:>9} "
-                 f"{report['tokens']:>11} {share:>7.1%} {1:>6.1%} {1:>6.1%}")
+    lines.append(f"{'mixture':<40} {'':<{width}} {'':>8} {'':>8} {'':>8} {'':>6} "
+                 f"{report['examples']:>9} {report['tokens']:>11} {share:>7.1%} {1:>6.1%} {1:>6.1%}")
     if report.get("length_percentiles"):
         percentiles = report["length_percentiles"]
         lines.append("example length (tokens): " + ", ".join(f"{k} {percentiles[k]}" for k in ("p50", "p90", "p99", "max")))

@@ -36,3 +36,20 @@ def test_fractions_that_look_like_shares_are_explained() -> None:
                                              dataset_mixer_unit="share")) is None  # they are the shares asked for
     assert note("alpaca.json", "700", "sample.jsonl", "300") is None  # row counts: the shares asked for
     assert note("alpaca.json", "1.0") is None and note("alpaca.json", "0.5", "sample.jsonl", "1.0") is None
+
+
+def test_a_long_format_name_keeps_the_columns_aligned() -> None:
+    """GSM8K's and LMSYS's format names (question_answer, messages:conversation) overran the 9-character format
+    column: every number after them stood one to twelve characters right of its heading."""
+    report = {**REPORT, "sources": [source("gsm8k.jsonl", 699, 190_000), source("lmsys.jsonl", 600, 10_000),
+                                    source("chat.jsonl", 1, 10)]}
+    report["sources"][0]["format"], report["sources"][1]["format"] = "question_answer", "messages:conversation"
+    lines = format_data_report(report).splitlines()
+    heading = lines[1]
+    rows_in_ends = heading.index("rows in") + len("rows in")
+    for line, format_, rows in ((lines[3], "question_answer", "699"), (lines[4], "messages:conversation", "600"),
+                                (lines[5], "messages", "1")):
+        assert line.split()[1:3] == [format_, rows]
+        assert line.index(f" {rows} ") + 1 + len(rows) == rows_in_ends  # the count under its heading
+        assert len(line) == len(heading)  # and so every column after it
+    assert len(lines[2]) == len(lines[-1]) == len(heading)
