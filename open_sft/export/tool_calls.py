@@ -51,7 +51,7 @@ from open_sft.export.call_objects import NOTATION_PROBE, Notation, checked_notat
 from open_sft.export.call_pairs import (PROBE_ARGUMENTS, as_arguments, literal, pair_arguments, pair_layout,
                                        schema_types)
 from open_sft.export.call_probe import NAME_CHARS, PROBE_NAME, name_in_id, probe_form, rendered_reply
-from open_sft.export.call_python import probe_python, read_python, reads_every_kind
+from open_sft.export.call_python import checked_python, probe_python, read_python
 from open_sft.export.template_text import common_suffix, strip_specials, without_shared_ending
 
 PROBE_CONTENT, PROBE_TRACE = "ANSWER_5c2e", "TRACE_8d1f"
@@ -83,6 +83,7 @@ class CallLayout:
     id_name: str = ""  # a regex reading the name out of the id written in its place (open_sft.export.call_probe)
     text_arguments: bool = False  # it takes a call's arguments as JSON text (open_sft.export.call_probe)
     notation: Optional[Notation] = None  # object: the template's notation of the arguments (call_objects)
+    raw_strings: bool = False  # python: it writes a string between quotes unescaped (call_python.checked_python)
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,8 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         return None
     alone = form.reply(tokenizer)
     start, parts, end = _anchor(alone)
-    if parts["kind"] == "object" and (parts := _checked(tokenizer, form, parts)) is None:
-        return None
-    if parts["kind"] == "python" and not reads_every_kind(replace(form, arguments=NOTATION_PROBE).reply(tokenizer)):
+    checked = {"object": _checked, "python": checked_python}.get(parts["kind"])  # read back on every JSON kind
+    if checked is not None and (parts := checked(tokenizer, form, parts)) is None:
         return None
     answer = rendered_reply(tokenizer, {"role": "assistant", "content": PROBE_CONTENT})
     closing = without_shared_ending(alone[end:], answer[answer.find(PROBE_CONTENT) + len(PROBE_CONTENT):], tokenizer) \
@@ -188,9 +188,9 @@ def _layout(tokenizer) -> Optional[CallLayout]:
         closing = re.sub(r"[^>\s]*$", "", closing).strip()  # in whole tags
         ends = re.match(r"\s*(<[^<>]*>)", whole[len(closing):]) if whole.startswith(closing) else None
         block_end = ends.group(1) if ends else ""  # its first tag
-    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), next_marker=following,
-                      block_end=block_end,
-                      id_name=form.id_name, text_arguments=isinstance(form.arguments, str), **parts)
+    return CallLayout(marker=marker.strip(), before_call=before_call, closing=closing.strip(), id_name=form.id_name,
+                      next_marker=following, block_end=block_end, text_arguments=isinstance(form.arguments, str),
+                      **parts)
 
 
 def _checked(tokenizer, form, parts: dict) -> Optional[dict]:
@@ -249,7 +249,7 @@ def _calls_in(layout: CallLayout, segment: str, tools: Optional[list]) -> Option
         return ([{**c, "arguments": c["arguments"] or {}} for c in calls], end) if calls and readable \
             and end is not None else None
     if layout.kind == "python":  # a Python call (or list of them), its closing after it
-        read = read_python(segment, layout.listed)
+        read = read_python(segment, layout.listed, layout.raw_strings)
         end = _closed(layout, segment, read[1]) if read else None
         return (read[0], end) if end is not None else None
     named = NAME.match(segment)

@@ -117,3 +117,46 @@ def test_a_template_whose_values_do_not_read_as_python_keeps_replies_as_text(tin
     assert call_layout(tokenizer) is None
     written = "<|tool_call_start|>[get_weather(city='Bern')]<|tool_call_end|>"
     assert read_calls(tokenizer, written, TOOLS).calls == ()
+
+
+@pytest.mark.parametrize("written", [
+    r"[get_weather(city='\bBern\b')]",  # Python reads backspaces where the model wrote a backslash and `b`
+    r"[get_weather(city='C:\new\table')]",  # a newline and a tab
+    r"[get_weather(city='it\'s')]",  # a quote the template does not escape
+    "[get_weather(city='''it's''')]",  # nor writes in triple quotes
+    "[get_weather(city='Be' 'rn')]",  # nor as two strings
+    r"[get_weather(city=r'\d')]"])
+def test_a_string_the_raw_template_cannot_have_written_is_unreadable(tiny_model_dir, written) -> None:
+    """LFM2 writes a string between quotes as it is: Python's reading of a backslash in it would be a call with
+    arguments the model never wrote (`'\\x08Bern\\x08'`), so it stays text."""
+    tokenizer = lfm_tokenizer(tiny_model_dir)
+    assert call_layout(tokenizer).raw_strings is True
+    raw = f"<|tool_call_start|>{written}<|tool_call_end|>"
+    read = read_calls(tokenizer, raw, TOOLS, STOP)
+    assert (read.calls, read.unreadable) == ((), raw)
+    quoted = "<|tool_call_start|>[get_weather(city='say \"hi\"', units={\"rain\": \"mm\"})]<|tool_call_end|>"
+    assert read_calls(tokenizer, quoted, TOOLS, STOP).calls == (
+        {"name": "get_weather", "arguments": {"city": 'say "hi"', "units": {"rain": "mm"}}},)
+
+
+def test_a_template_that_escapes_its_strings_reads_them_with_pythons_rules(tiny_model_dir) -> None:
+    """The shape writing a string as JSON (`city="C:\\\\new"`): the probe string's backslash and quotes read back,
+    so a backslash escape reads as Python (and JSON) reads it."""
+    tokenizer = lfm_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = LFM2_SHAPE.replace("\"'\" + v + \"'\" if v is string", "v | tojson if v is string")
+    message = {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "C:\\new 'x'"}, 1)]}
+    reply = _written(tokenizer, message)
+    assert reply == "<|tool_call_start|>[get_weather(city=\"C:\\\\new 'x'\")]<|tool_call_end|>"
+    assert call_layout(tokenizer).raw_strings is False
+    assert _parsed(tokenizer, reply).tool_calls == ({"name": "get_weather", "arguments": {"city": "C:\\new 'x'"}},)
+
+
+def test_a_template_whose_probe_render_fails_has_no_layout_not_a_crash(tiny_model_dir) -> None:
+    """A template raising on a null value fails its probe of every JSON kind: no layout, and parse_reply (run on
+    every reply of generate, chat and compare) reads the call as text rather than crashing."""
+    tokenizer = lfm_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = LFM2_SHAPE.replace(
+        "{{- k + '=' }}", "{%- if v is none %}{{ raise_exception('no null') }}{%- endif %}{{- k + '=' }}")
+    assert call_layout(tokenizer) is None
+    reply = "<|tool_call_start|>[get_weather(city='Bern')]<|tool_call_end|>"
+    assert _parsed(tokenizer, reply).tool_calls == ()
