@@ -17,10 +17,11 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from open_sft.data.per_tokenizer import renders_changed
 from open_sft.errors import UserError
 
 FLAG = "--chat_template_kwargs"
-_UNBOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer → its apply_chat_template unbound
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer → the variables bound to it
 MERGED_DIR = "merged"  # a LoRA run's merged model, inside its output directory (open_sft.export.model_card)
 
 
@@ -94,17 +95,27 @@ def template_kwargs(value: Optional[str], directories: tuple[Path, ...]) -> tupl
 
 def bind_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> Any:
     """`tokenizer` with `kwargs` passed to each of its apply_chat_template calls (a call's own arguments over them);
-    bound before anything renders with it, as the probes' readings are kept per tokenizer."""
+    what was read off its renders before (the probes' layouts, kept per tokenizer) is read again. Binding twice is
+    an error (the second set would stack on the first): bind once, after loading it."""
+    if tokenizer in _BOUND:
+        raise ValueError(f"chat template variables {json.dumps(_BOUND[tokenizer], sort_keys=True)} are bound to this "
+                         "tokenizer already")
     if kwargs:
-        _UNBOUND[tokenizer] = tokenizer.apply_chat_template
-        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+        _BOUND[tokenizer] = dict(kwargs)  # the variables alone: a method here would keep the tokenizer alive
+        tokenizer.apply_chat_template = functools.partial(unbound(tokenizer), **kwargs)
+        renders_changed(tokenizer)
     return tokenizer
+
+
+def unbound(tokenizer: Any) -> Callable[..., Any]:
+    """The tokenizer's own apply_chat_template, whatever is bound to it."""
+    return type(tokenizer).apply_chat_template.__get__(tokenizer)
 
 
 def unbound_renderer(tokenizer: Any) -> Optional[Callable[..., Any]]:
     """The tokenizer's apply_chat_template without the variables bound to it (its template's defaults), None where
     none are bound."""
-    return _UNBOUND.get(tokenizer)
+    return unbound(tokenizer) if tokenizer in _BOUND else None
 
 
 def template_kwargs_or_exit(args: argparse.Namespace, directories: tuple[Path, ...]) -> Optional[dict[str, Any]]:

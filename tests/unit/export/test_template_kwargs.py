@@ -5,16 +5,19 @@ Gemma 4 run trained with enable_thinking true without the `<|think|>` its system
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import shutil
+import weakref
 
 import pytest
 import torch
 
 from open_sft.export import chat, compare, generate
 from open_sft.export.model_card import render_model_card
-from open_sft.export.template_kwargs import bind_template_kwargs, run_record, trained_kwargs
+from open_sft.export.template_kwargs import bind_template_kwargs, run_record, trained_kwargs, unbound_renderer
+from open_sft.export.trace_layout import ReasoningLayout, reasoning_layout
 
 from ..data.test_reasoning_tool_calls import build, family_tokenizer, trained_runs
 from ..data.test_template_families import gemma4_tokenizer
@@ -175,3 +178,31 @@ def test_the_model_card_says_how_to_pass_them(tmp_path) -> None:
     assert "- vLLM: `vllm serve MODEL_DIR --default-chat-template-kwargs '{\"enable_thinking\": false}'`" in section
     (tmp_path / "run.json").write_text(json.dumps({"args": {"data": {"chat_template_kwargs": None}}}))
     assert "## Chat template variables" not in render_model_card(tmp_path)
+
+
+def test_variables_bind_once_and_the_tokenizer_is_still_freed(tiny_model_dir) -> None:
+    """The template's defaults stay at hand (its unbound renderer renders thinking on), a second bind is refused
+    rather than stacked on the first, and nothing kept per tokenizer holds a bound one alive."""
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    bind_template_kwargs(tokenizer, {"enable_thinking": False})
+    assert tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False) == QWEN3_NO_THINKING
+    assert unbound_renderer(tokenizer)(QUESTION, add_generation_prompt=True, tokenize=False) == QWEN3_THINKING
+    with pytest.raises(ValueError, match='variables {"enable_thinking": false} are bound to this tokenizer already'):
+        bind_template_kwargs(tokenizer, {"enable_thinking": True})
+    gone = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_layout_read_before_the_bind_is_read_again(tiny_model_dir) -> None:
+    """A shape template writing the trace only under a variable: probed before the bind, it had no layout, which
+    was kept for the tokenizer; the bind reads it again."""
+    tokenizer = family_tokenizer(tiny_model_dir, "qwen3")
+    tokenizer.chat_template = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}{%- if m.reasoning_content and show_trace %}"
+        "{{- '<think>' + m.reasoning_content + '</think>' }}{%- endif %}{{- m.content + '<|im_end|>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    assert reasoning_layout(tokenizer.chat_template, tokenizer) is None
+    bind_template_kwargs(tokenizer, {"show_trace": True})
+    assert reasoning_layout(tokenizer.chat_template, tokenizer) == ReasoningLayout("<think>", "</think>", "</think>")
