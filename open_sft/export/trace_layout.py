@@ -68,12 +68,17 @@ def _reasoning_layout(tokenizer) -> ReasoningLayout | None:
     """The layout the template shows with the chat template variables bound to the tokenizer (open_sft.export.
     template_kwargs), else with its defaults: a run's variables may hide the layout (Gemma 4's enable_thinking leaves
     out the empty block its default prompt closes, the block its replies then write their trace in); the reply is
-    read against the prompt it followed (open_sft.export.reply)."""
+    read against the prompt it followed (open_sft.export.reply). The defaults' layout holds for the bound prompt only
+    where it is `closed` (the reply, an answer there, may write the block that prompt closes): an `opened` one would
+    read the bound prompt's whole answers as cut inside a trace."""
     from open_sft.export.template_kwargs import unbound_renderer
 
     layout = _rendered_layout(tokenizer.apply_chat_template)
     defaults = unbound_renderer(tokenizer)
-    return layout if layout is not None or defaults is None else _rendered_layout(defaults)
+    if layout is not None or defaults is None:
+        return layout
+    default = _rendered_layout(defaults)
+    return default if default is not None and default.closed else None
 
 
 def _rendered_layout(apply_chat_template) -> ReasoningLayout | None:

@@ -16,6 +16,7 @@ import torch
 
 from open_sft.export import chat, compare, generate
 from open_sft.export.model_card import render_model_card
+from open_sft.export.reply import parse_reply
 from open_sft.export.template_kwargs import bind_template_kwargs, run_record, trained_kwargs, unbound_renderer
 from open_sft.export.trace_layout import ReasoningLayout, reasoning_layout
 
@@ -206,3 +207,23 @@ def test_a_layout_read_before_the_bind_is_read_again(tiny_model_dir) -> None:
     assert reasoning_layout(tokenizer.chat_template, tokenizer) is None
     bind_template_kwargs(tokenizer, {"show_trace": True})
     assert reasoning_layout(tokenizer.chat_template, tokenizer) == ReasoningLayout("<think>", "</think>", "</think>")
+
+
+def test_an_opened_default_layout_does_not_read_the_bound_prompts_replies(tiny_model_dir) -> None:
+    """Apriel-1.6's template, a shape writing no trace under a variable around it: the bound prompt opens no trace,
+    so its reply `4.` is the answer; read with the default (opened) layout it was a trace cut before any answer."""
+    from ..data.test_worded_opening import apriel_tokenizer
+
+    tokenizer = apriel_tokenizer(tiny_model_dir)
+    tokenizer.chat_template = (
+        "{%- if plain %}{%- for m in messages %}{{- '<|begin_' + m.role + '|>\\n' + m.content + '\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|begin_assistant|>\\n' }}{%- endif %}{%- else %}"
+        + tokenizer.chat_template + "{%- endif %}")
+    assert reasoning_layout(tokenizer.chat_template, tokenizer).opened is True
+    bind_template_kwargs(tokenizer, {"plain": True})
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|begin_user|>\nQ\n<|begin_assistant|>\n"
+    assert reasoning_layout(tokenizer.chat_template, tokenizer) is None
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("4.", prompt)]
+    parts = parse_reply(tokenizer, ids[0], ids[1], None, "<|end|>")
+    assert (parts.answer, parts.reasoning, parts.answered) == ("4.", None, True)
