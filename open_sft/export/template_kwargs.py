@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import keyword
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -139,16 +140,29 @@ def card_section(record: dict[str, Any]) -> list[str]:
     kwargs, differing = trained_kwargs(record)
     if not kwargs and not differing:
         return []
-    text = json.dumps(kwargs, sort_keys=True)
-    python = ", ".join(f"{name}={value!r}" for name, value in sorted(kwargs.items()) if name.isidentifier())
-    lines = ["## Chat template variables", "",
-             f"The run rendered its chat template with `{text}` (--chat_template_kwargs): render prompts with them, "
-             "as the model trained, or it is asked in a form it never saw (a think block opened or closed, a system "
-             "turn's marker). They are not stored in the model's files; pass them:", "",
-             f"- transformers: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, {python})`",
-             f"- vLLM: `vllm serve MODEL_DIR --default-chat-template-kwargs '{text}'`, or per request "
-             f"`\"chat_template_kwargs\": {text}`",
-             "- `open_sft generate`, `chat` and `compare` read them from run.json (--chat_template_kwargs overrides)"]
+    lines = ["## Chat template variables", ""]
+    if kwargs:
+        text = json.dumps(kwargs, sort_keys=True)
+        lines += [f"The run rendered its chat template with `{text}` (--chat_template_kwargs): render prompts with "
+                  "them, as the model trained, or it is asked in a form it never saw (a think block opened or closed, a "
+                  "system turn's marker). They are not stored in the model's files; pass them:", "",
+                  f"- transformers: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, "
+                  f"{python_keywords(kwargs)})`",
+                  f"- vLLM: `vllm serve MODEL_DIR --default-chat-template-kwargs '{text}'`, or per request "
+                  f"`\"chat_template_kwargs\": {text}`",
+                  "- `open_sft generate`, `chat` and `compare` read them from run.json (--chat_template_kwargs overrides)"]
+    else:
+        lines.append("The run set no chat template variables (--chat_template_kwargs); its sources rendered the "
+                     "template with their own, so no one set is the form the model trained in.")
     if differing:
         lines += ["", "Sources that trained with their own variables: " + "; ".join(f"`{d}`" for d in differing)]
     return lines + [""]
+
+
+def python_keywords(kwargs: dict[str, Any]) -> str:
+    """`kwargs` as a Python call's keyword arguments: `enable_thinking=False`, a key no keyword can name in
+    `**{...}`."""
+    named = {name: value for name, value in kwargs.items() if name.isidentifier() and not keyword.iskeyword(name)}
+    others = {name: value for name, value in kwargs.items() if name not in named}
+    words = [f"{name}={value!r}" for name, value in sorted(named.items())]
+    return ", ".join(words + ([f"**{dict(sorted(others.items()))!r}"] if others else []))

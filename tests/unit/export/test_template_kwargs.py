@@ -227,3 +227,19 @@ def test_an_opened_default_layout_does_not_read_the_bound_prompts_replies(tiny_m
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in ("4.", prompt)]
     parts = parse_reply(tokenizer, ids[0], ids[1], None, "<|end|>")
     assert (parts.answer, parts.reasoning, parts.answered) == ("4.", None, True)
+
+
+def test_the_card_passes_every_key_and_says_when_only_sources_set_them(tmp_path) -> None:
+    run = {"args": {"data": {"chat_template_kwargs": '{"enable_thinking": false, "reasoning-effort": "low", '
+                                                     '"class": 1}'}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert "- transformers: `tokenizer.apply_chat_template(messages, add_generation_prompt=True, " \
+           "enable_thinking=False, **{'class': 1, 'reasoning-effort': 'low'})`" in render_model_card(tmp_path)
+    run = {"args": {"data": {"chat_template_kwargs": None, "dataset_mixer_list": ["a.jsonl", "1", "b.jsonl", "1"],
+                             "dataset_mixer_list_chat_template_kwargs": ["{}", '{"enable_thinking": true}']}}}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    card = render_model_card(tmp_path)
+    assert card[card.index("## Chat template variables"):card.index("## Hyperparameters")] == (
+        "## Chat template variables\n\nThe run set no chat template variables (--chat_template_kwargs); its sources "
+        "rendered the template with their own, so no one set is the form the model trained in.\n\n"
+        "Sources that trained with their own variables: `b.jsonl {\"enable_thinking\": true}`\n\n")
