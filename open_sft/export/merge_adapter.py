@@ -17,6 +17,7 @@ from open_sft.export.run_dir import (adapter_base, base_loading, fit_base_to_ada
                                      load_saved_tokenizer)
 from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, staged_export, write_generation_config
 from open_sft.export.target import check_target
+from open_sft.export.template_kwargs import run_record
 from open_sft.file_modes import writable_dir_problem
 
 COMMAND = "open_sft merge-lora"
@@ -61,6 +62,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
             save_tokenizer(tokenizer, staging)
             write_generation_config(peft_model.get_base_model().generation_config, tokenizer, staging)
             (staging / "README.md").write_text(render_model_card(adapter_dir, merged=True))
+            if (record := run_record(adapter_dir)) is not None:  # generate/chat render with the run's variables
+                shutil.copy2(record, staging / "run.json")
     except BaseException:
         if created:
             shutil.rmtree(output_dir, ignore_errors=True)

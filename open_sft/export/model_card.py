@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.config.whole_flags import WholeFlagParser
+from open_sft.export.names import MERGED_DIR
 from open_sft.export.template_kwargs import card_section
 
 HYPERPARAMETERS = (
@@ -36,7 +37,6 @@ HYPERPARAMETERS = (
 )
 FINAL_METRICS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
 EVAL_METRICS = ("eval_loss", "eval_tokens")  # and eval_loss/<source>, from the last evaluation
-MERGED_DIR = "merged"  # open_sft.export.save.MERGED_DIR (not imported: that module pulls in torch and peft)
 EXPORT_RECORD = "export.json"  # open_sft.export.from_checkpoint's record of the checkpoint it exported
 HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<id>[^/]+)/snapshots/[^/]+/?$")  # the cache writes ORG/NAME as ORG--NAME
 

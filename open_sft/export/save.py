@@ -31,6 +31,7 @@ from open_sft.data.chat.turn_enders import turn_enders
 from open_sft.durable import free_before_cleanup, write_json
 from open_sft.file_modes import share_as_umask
 from open_sft.model.anatomy import is_peft_model
+from open_sft.export.names import MERGED_DIR
 from open_sft.model.lora import ADAPTER
 
 # peft (and open_sft.export.lora_merge, which needs it) is imported by the LoRA paths only: every run imports this
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STAGING = ".export.tmp"
-MERGED_DIR = "merged"  # --merge_lora_on_save writes the full model here, inside --output_dir
 # What an earlier export may have left that the new one must not be mixed with: weights of another sharding, a
 # full model's config.json beside an adapter (loaders would apply the adapter to it), an adapter beside a full
 # model, a stale merge.

@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional
 
 from open_sft.data.per_tokenizer import renders_changed
 from open_sft.errors import UserError
+from open_sft.export.names import MERGED_DIR
 
 FLAG = "--chat_template_kwargs"
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer → the variables bound to it
-MERGED_DIR = "merged"  # a LoRA run's merged model, inside its output directory (open_sft.export.model_card)
 
 
 def add_template_kwargs_argument(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +128,7 @@ def template_kwargs_or_exit(args: argparse.Namespace, directories: tuple[Path, .
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
-    if line:
+    if line and not getattr(args, "raw", False):  # --raw renders no template: nothing to say
         print(line, file=sys.stderr, flush=True)
     return kwargs
 

@@ -243,3 +243,25 @@ def test_the_card_passes_every_key_and_says_when_only_sources_set_them(tmp_path)
         "## Chat template variables\n\nThe run set no chat template variables (--chat_template_kwargs); its sources "
         "rendered the template with their own, so no one set is the form the model trained in.\n\n"
         "Sources that trained with their own variables: `b.jsonl {\"enable_thinking\": true}`\n\n")
+
+
+def test_a_merge_lora_output_renders_with_the_runs_variables(tiny_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """merge-lora wrote no run.json: generate and chat on its output rendered with the template's defaults. chat
+    --raw renders no template, so it says nothing of the variables."""
+    from open_sft.export.merge_adapter import merge_adapter_dir
+
+    from .test_lora_added_tokens import _trained_run
+
+    run = tmp_path / "run"
+    _trained_run(tiny_model_dir, run)
+    record = {"args": {"data": {"chat_template_kwargs": '{"enable_thinking": false}'}}}
+    (run / "run.json").write_text(json.dumps(record))
+    out = merge_adapter_dir(run, tmp_path / "out")
+    assert json.loads((out / "run.json").read_text()) == record
+    recording(monkeypatch, chat)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Q\n"))
+    assert chat.main([str(out)]) == 0
+    assert f"{out}: prompts render with the chat template variables the run trained with" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", io.StringIO("Q\n"))
+    assert chat.main([str(out), "--raw"]) == 0
+    assert "prompts render with" not in capsys.readouterr().err
