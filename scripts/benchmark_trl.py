@@ -16,11 +16,12 @@ SFTTrainer trains what a finished one-process open_sft run (launched with OPEN_S
 --logging_steps 1, run from the directory its --model_name_or_path is relative to) trained: its tokenized cache (the
 same input_ids and labels), each step's examples as one batch (padding-free under --packing), the run's AdamW
 settings, schedule, clipping and seed, the model in fp32 (`fp32`), under bf16 autocast (`autocast`, TRL's bf16=True)
-or loaded in bf16 (`bf16_weights`); by default as the run computed (fp32, or autocast for a bf16 run). A --use_lora /
+or loaded in bf16 (`bf16_weights`); by default as the run computed (fp32, or autocast for a bf16 run; an fp16 run is
+refused without --trl_precision: TRL has no CPU fp16 mode). A --use_lora /
 --use_qlora run is trained by TRL + PEFT with the run's adapter_config.json as its peft_config (what the run adapted,
 its rank, alpha and dropout; a run that added tokens is refused); QLoRA's base loaded as open_sft loads it (4-bit NF4,
 double quantization, the run's compute dtype, the other weights fp32), and `--fp32_adapters` keeps TRL's adapters
-fp32 as open_sft does (TRL casts them to bf16). Both sides draw LoRA's A matrices right after seeding torch with the
+fp32 as open_sft does (TRL casts them to bf16; refused for a full fine-tune, whose whole model it would cast). Both sides draw LoRA's A matrices right after seeding torch with the
 run's seed (TRL's set_seed before get_peft_model), so the adapters start the same. Prints each step's loss beside
 the run's and the largest relative difference."""
 
@@ -146,20 +147,43 @@ def _step_examples(run_dir: str, rows) -> list[list[int]]:
     return steps
 
 
+def _loading(run: dict, precision: str) -> dict:
+    """from_pretrained's arguments for --compare_loss's model: its dtype, and a QLoRA run's quantization as open_sft
+    loads it (open_sft.model.lora.quantization_config, the run's compute dtype; the other weights fp32)."""
+    import torch
+
+    from open_sft.config.args import LoraArguments
+    from open_sft.model.lora import quantization_config
+
+    kwargs = {"dtype": torch.bfloat16 if precision == "bf16_weights" else torch.float32}
+    if run["args"]["lora"]["use_qlora"]:
+        kwargs["quantization_config"] = quantization_config(LoraArguments(use_qlora=True),
+                                                            fp16=run["compute_dtype"] == "torch.float16")
+    return kwargs
+
+
+def _trl_precision(args, run: dict) -> str:
+    """--trl_precision, by default the run's (fp32, or autocast for a bf16 run); exits where the flags do not fit the
+    run: --fp32_adapters on a run without adapters (it would cast the whole model to fp32), an fp16 run without
+    --trl_precision (TRL on the CPU has no fp16 mode, so no default is the run's precision)."""
+    lora = run["args"]["lora"]
+    if args.fp32_adapters and not (lora["use_lora"] or lora["use_qlora"]):
+        sys.exit(f"--fp32_adapters: {args.compare_loss} is a full fine-tune, with no adapters to keep fp32 (the "
+                 "flag would cast the whole model to fp32); drop it, or pass --trl_precision fp32")
+    if args.trl_precision is None and run["compute_dtype"] == "torch.float16":
+        sys.exit(f"--compare_loss {args.compare_loss}: the run computed in fp16, which TRL has no CPU mode for; "
+                 "pass --trl_precision fp32 or autocast (bf16) to compare it against that precision")
+    return args.trl_precision or ("autocast" if run["compute_dtype"] == "torch.bfloat16" else "fp32")
+
+
 def _compare_model(run_dir: str, run: dict, precision: str):
     """The model TRL trains for --compare_loss, and the peft LoraConfig of a LoRA / QLoRA run (else None): the run's
     own adapter_config.json, what it adapted (all-linear resolved to module names) with its rank, alpha and dropout."""
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     lora = run["args"]["lora"]
-    kwargs = {"dtype": torch.bfloat16 if precision == "bf16_weights" else torch.float32}
-    if lora["use_qlora"]:  # as open_sft.model.lora.quantization_config; the other weights fp32, as open_sft loads them
-        compute = torch.float16 if run["compute_dtype"] == "torch.float16" else torch.bfloat16
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute)
-    model = AutoModelForCausalLM.from_pretrained(run["args"]["model"]["model_name_or_path"], **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(run["args"]["model"]["model_name_or_path"],
+                                                 **_loading(run, precision))
     if not (lora["use_lora"] or lora["use_qlora"]):
         return model, None
     from peft import LoraConfig
@@ -181,7 +205,8 @@ def compare_loss(argv: list[str]) -> None:
     parser.add_argument("--trl_precision", choices=("fp32", "autocast", "bf16_weights"),
                         help="default: the run's, fp32 or (bf16 runs) autocast")
     parser.add_argument("--fp32_adapters", action="store_true",
-                        help="QLoRA: TRL's adapters kept fp32, as open_sft keeps them (TRL casts them to bf16)")
+                        help="LoRA/QLoRA runs: TRL's adapters kept fp32, as open_sft keeps them (TRL casts them to "
+                             "bf16)")
     parser.add_argument("--out", help="a JSON file for both sides' per-step losses and grad norms")
     args = parser.parse_args(argv)  # a mistyped flag is refused before TRL is imported
     import datasets
@@ -190,7 +215,7 @@ def compare_loss(argv: list[str]) -> None:
     from trl import SFTConfig, SFTTrainer
 
     run = json.load(open(f"{args.compare_loss}/run.json"))
-    args.trl_precision = args.trl_precision or ("autocast" if run["compute_dtype"] == "torch.bfloat16" else "fp32")
+    args.trl_precision = _trl_precision(args, run)
     train, model_args = run["args"]["train"], run["args"]["model"]
     if run["schedule"]["warmup_steps"] or run["world_size"] != 1:
         sys.exit("--compare_loss takes a one-process run without warmup (TRL's warmup starts at lr 0 by design, "
