@@ -23,11 +23,11 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         return "alpaca"
     if "prompt" in row and "completion" in row:
         return "prompt_completion"
+    if "text" in row:  # before the shapes: a text column beside question/answer (or problem/solution) is documents
+        return "text"
     shape = shape_of(row)  # a popular dataset's own columns (open_sft.data.dataset_shapes)
     if shape:
         return shape
-    if "text" in row:
-        return "text"
     raise UserError(
         f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "

@@ -239,3 +239,11 @@ def test_tools_a_system_message_lists_and_a_tools_column_repeats_are_counted(qwe
     assert qwen3.decode(ids).count('"description": "Weather of a \\"city\\"."') == 2  # the system's and the template's
     apigen = {"conversations": turns, "tools": json.dumps([schema]), "system": "You are a weather agent."}
     assert built_and_warned(qwen3, tmp_path, caplog, [apigen], "tool schemas in a system")[0].tools_listed_twice == 0
+
+
+def test_a_text_column_beside_question_and_answer_is_documents() -> None:
+    """A row with `text` and question/answer (or problem/solution) columns was read as a user turn and its answer,
+    the text dropped; it is text documents, as before the dataset shapes."""
+    assert detect_format({"text": "A document.", "question": "Q?", "answer": "A."}, "f") == "text"
+    assert detect_format({"text": "A document.", "problem": "P?", "solution": "S."}, "f") == "text"
+    assert detect_format({"question": "Q?", "answer": "A."}, "f") == "question_answer"
