@@ -15,8 +15,11 @@ columns (`shape_of`), and `messages_row` gives the row's conversation (and tools
 - openthoughts: OpenThoughts-114k's `metadata` config: `problem`, `deepseek_reasoning` (the trace, the answer's
   `reasoning_content`) and `deepseek_solution` (its default config is sharegpt rows, their traces in the text
   between Sky-T1's `<|begin_of_thought|>` tags, as the dataset's system prompt asks for them).
-- problem_solution: `problem` and `solution` alone (NuminaMath-1.5, MATH): the user's problem, the answer;
-  question_answer: `question` and `answer` (GSM8K) likewise.
+- problem_solution: `problem` and `solution` (NuminaMath-1.5, MATH): the user's problem, the answer;
+  question_answer: `question` and `answer` (GSM8K) likewise. Their other columns may only be metadata
+  (`METADATA_COLUMNS`: an id, the source, level, subject, a final answer, ...): any other (a RAG `context`, a
+  multiple choice's `choices`) may be what the answer depends on, and the row, read as these two, would drop it
+  (`unread_columns`; detection refuses such a source).
 - glaive: glaiveai/glaive-function-calling-v2: `system` ("SYSTEM: …" then the tool schemas, JSON objects one after
   another) and `chat`, one string of "USER: ", "ASSISTANT: " and "FUNCTION RESPONSE: " turns three newlines apart,
   each answer closed by a literal `<|endoftext|>` and a call written `<functioncall> {"name": …, "arguments": '…'}`
@@ -197,6 +200,26 @@ SHAPES: dict[str, tuple[tuple[frozenset, ...], Callable[[dict[str, Any]], dict[s
     "problem_solution": ((frozenset({"problem", "solution"}),), _problem_solution),
     "question_answer": ((frozenset({"question", "answer"}),), _question_answer),
 }
+
+
+# Columns that describe a problem_solution or question_answer row rather than say what its answer answers (an id,
+# where it comes from, how hard, its topic, a final answer the solution also writes, a validity flag): NuminaMath-1.5's,
+# MATH's, MATH-500's and GSM8K's. An allowlist, not a list of the columns an answer may depend on: a column that is
+# not known cannot be known to be safe to drop (context, passage, choices, options, input, system, table, ...).
+METADATA_COLUMNS = frozenset({
+    "id", "uuid", "idx", "index", "unique_id", "source", "url", "license", "language", "split", "level", "difficulty",
+    "type", "problem_type", "question_type", "subject", "topic", "category", "domain", "tags", "metadata",
+    "synthetic", "problem_is_valid", "solution_is_valid", "answer", "final_answer", "expected_answer"})
+GENERIC_SHAPES = ("problem_solution", "question_answer")
+
+
+def unread_columns(row: dict[str, Any], shape: str) -> list[str]:
+    """The columns of a generic shape's row (GENERIC_SHAPES) beyond its own two and METADATA_COLUMNS, which reading
+    it would drop; [] for the other shapes (each is its dataset's columns, their metadata known)."""
+    if shape not in GENERIC_SHAPES:
+        return []
+    own = SHAPES[shape][0][0]
+    return sorted(column for column in row if column not in own and column not in METADATA_COLUMNS)
 
 
 def shape_of(row: dict[str, Any]) -> Optional[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from open_sft.data.dataset_shapes import decoded_list, shape_of
+from open_sft.data.dataset_shapes import SHAPES, decoded_list, shape_of, unread_columns
 from open_sft.errors import UserError
 
 
@@ -27,7 +27,7 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         return "text"
     shape = shape_of(row)  # a popular dataset's own columns (open_sft.data.dataset_shapes)
     if shape:
-        return shape
+        return _all_read(row, shape, where)
     raise UserError(
         f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
@@ -37,6 +37,19 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         "file (a messages column of another name: --sft_messages_key; a text column of another name: "
         "--dataset_text_field NAME)"
     )
+
+
+def _all_read(row: dict[str, Any], shape: str, where: str) -> str:
+    """`shape`, unless reading the row as it would drop columns its answer may depend on (a RAG context, choices)."""
+    dropped = unread_columns(row, shape)
+    if dropped:
+        own = " and ".join(repr(column) for column in sorted(SHAPES[shape][0][0]))
+        raise UserError(
+            f"{where}: the columns {own} would be read as a user turn and its answer ({shape}), dropping the "
+            f"columns {dropped}, which the answer may depend on (a passage, the choices) and the model would never "
+            "see. Convert the rows to messages (the user turn written with what they hold) or prompt_completion "
+            "('prompt' and 'completion'); where those columns are only metadata, drop them from the file")
+    return shape
 
 
 def _turns_format(key: str, turns: Any) -> str:

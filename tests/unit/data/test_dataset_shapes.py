@@ -11,6 +11,7 @@ import pytest
 from open_sft.data.format_detect import detect_format
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import trained_token_runs
+from open_sft.errors import UserError
 from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
 from tests.unit.data.test_users_rows import built_and_warned, examples_of
 
@@ -247,3 +248,20 @@ def test_a_text_column_beside_question_and_answer_is_documents() -> None:
     assert detect_format({"text": "A document.", "question": "Q?", "answer": "A."}, "f") == "text"
     assert detect_format({"text": "A document.", "problem": "P?", "solution": "S."}, "f") == "text"
     assert detect_format({"question": "Q?", "answer": "A."}, "f") == "question_answer"
+
+
+def test_question_answer_rows_with_columns_the_answer_needs_are_refused() -> None:
+    """{context, question, answer} (RAG) and {question, answer, choices} were read as question/answer, dropping the
+    passage or the choices the answer is about; detection refuses them, naming the columns and the fix. Metadata
+    columns (MATH's level and type, an id) are no reason to."""
+    with pytest.raises(UserError, match=r"^f: the columns 'answer' and 'question' would be read as a user turn and its "
+                                        r"answer \(question_answer\), dropping the columns \['context'\], .* Convert "
+                                        r"the rows to messages .* or prompt_completion"):
+        detect_format({"context": "Oslo is cold.", "question": "Is Oslo cold?", "answer": "Yes."}, "f")
+    with pytest.raises(UserError, match=r"dropping the columns \['choices', 'label'\]"):
+        detect_format({"question": "2+2?", "answer": "B", "choices": ["3", "4"], "label": 1, "id": "q1"}, "f")
+    with pytest.raises(UserError, match=r"'problem' and 'solution' would be read .* dropping the columns \['hint'\]"):
+        detect_format({"problem": "P?", "solution": "S.", "hint": "Use symmetry."}, "f")
+    math = {"problem": "What is 7+5?", "level": "Level 1", "type": "Algebra", "solution": "12", "unique_id": "t/1"}
+    assert detect_format(math, "f") == "problem_solution"
+    assert detect_format({"id": 3, "question": "Q?", "answer": "A.", "source": "gsm8k"}, "f") == "question_answer"
