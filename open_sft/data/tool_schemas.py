@@ -66,15 +66,21 @@ def _legacy_functions(row: dict[str, Any]) -> list:
 
 def listed_in_system(tools: list, messages: list) -> bool:
     """Whether a system (or developer) message already lists every one of the row's tool schemas, its name and its
-    description (Hermes-style rows: `<tools>[…]</tools>` in the system prompt, the same schemas in a `tools` column):
-    a template that writes the tools column too shows the model every tool twice, as it never sees them at
-    inference."""
+    description as JSON strings, quoted, as a JSON list of them writes them (Hermes-style rows: `<tools>[…]</tools>`
+    in the system prompt, the same schemas in a `tools` column): a template that writes the tools column too shows
+    the model every tool twice, as it never sees them at inference. A prompt that only names a tool ("Always search
+    first") lists nothing."""
     def listed(tool: Any, text: str) -> bool:
         function = function_of(tool)
         name, description = (function.get("name"), function.get("description")) if isinstance(function, dict) \
             else (None, None)
-        return isinstance(name, str) and name in text and (not isinstance(description, str) or any(
-            form in text for form in (description, json.dumps(description)[1:-1])))
+        return isinstance(name, str) and _in_json(name, text) and (
+            not isinstance(description, str) or _in_json(description, text))
 
     return any(message.get("role") in ("system", "developer") and isinstance(message.get("content"), str)
                and all(listed(tool, message["content"]) for tool in tools) for message in messages)
+
+
+def _in_json(value: str, text: str) -> bool:
+    """Whether `text` holds `value` as a JSON string, quoted (its non-ASCII characters escaped or not)."""
+    return json.dumps(value) in text or json.dumps(value, ensure_ascii=False) in text

@@ -11,6 +11,7 @@ import pytest
 from open_sft.data.format_detect import detect_format
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import trained_token_runs
+from open_sft.data.tool_schemas import listed_in_system
 from open_sft.errors import UserError
 from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
 from tests.unit.data.test_users_rows import built_and_warned, examples_of
@@ -265,3 +266,18 @@ def test_question_answer_rows_with_columns_the_answer_needs_are_refused() -> Non
     math = {"problem": "What is 7+5?", "level": "Level 1", "type": "Algebra", "solution": "12", "unique_id": "t/1"}
     assert detect_format(math, "f") == "problem_solution"
     assert detect_format({"id": 3, "question": "Q?", "answer": "A.", "source": "gsm8k"}, "f") == "question_answer"
+
+
+def test_a_system_prompt_naming_a_tool_does_not_list_its_schema() -> None:
+    """A system prompt that only names the tool ("Always search ...") and says what it does was taken for the
+    schemas listed again, and the warning advised dropping the row's only schemas; a listing is the quoted name and
+    description as a JSON list of the schemas writes them (non-ASCII characters escaped or not)."""
+    search = {"type": "function", "function": {"name": "search", "description": "Search the web.",
+                                               "parameters": {"type": "object", "properties": {}}}}
+    assert not listed_in_system([search], [{"role": "system", "content": "Always search before answering. You "
+                                            "can Search the web."}])
+    assert listed_in_system([search], [{"role": "system", "content": f"<tools>{json.dumps([search])}</tools>"}])
+    meteo = {"name": "météo", "description": "Le temps qu'il fait à \"Oslo\"."}
+    for listing in (json.dumps([meteo]), json.dumps([meteo], ensure_ascii=False)):
+        assert listed_in_system([meteo], [{"role": "developer", "content": listing}])
+    assert not listed_in_system([meteo], [{"role": "user", "content": json.dumps([meteo])}])
