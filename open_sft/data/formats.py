@@ -10,6 +10,7 @@ import json
 from typing import Any, Callable, Optional
 
 from open_sft.data.dataset_shapes import SHAPES, decoded_list, messages_row
+from open_sft.data.reasoning_fields import reasoning_of
 from open_sft.data.row_error import RowError
 from open_sft.data.tool_schemas import row_tools
 
@@ -81,7 +82,7 @@ def _from_messages(row: dict[str, Any]) -> Messages:
             content = ""
         if isinstance(content, list):
             content, trace = _text_of_parts(content, f"message {i} ({role})", role == "assistant")
-            if trace and not any(isinstance(message.get(key), str) for key in ("reasoning_content", "thinking")):
+            if trace and not reasoning_of(message):  # a field's trace wins; an empty field is none
                 message = {**message, "reasoning_content": trace}
         if not isinstance(content, str):
             beside = " (null only beside the turn's tool_calls, or OpenAI's legacy function_call)" \

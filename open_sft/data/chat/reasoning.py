@@ -15,20 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from open_sft.data.formats import Messages, same_kind
+from open_sft.data.reasoning_fields import REASONING_KEYS, reasoning_of
 
 if TYPE_CHECKING:
     from open_sft.data.chat.render import TemplateState
-
-REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' order
-
-
-def reasoning_of(message: dict) -> str:
-    """The message's reasoning trace ("" if none)."""
-    for key in REASONING_KEYS:
-        value = message.get(key)
-        if isinstance(value, str) and value.strip():
-            return value
-    return ""
 
 
 def inline_reasoning(message: dict) -> str:

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from open_sft.data.formats import Messages, RowError, same_kind
+from open_sft.data.reasoning_fields import reasoning_of
 
 Renderer = Callable[[Messages, bool, Optional[list]], str]
 
 _TRACE = "Adding the two numbers gives four."
-_TRACE_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _probe(assistant: dict) -> list[dict]:
@@ -41,17 +41,13 @@ def as_blocks(trace: str, content: str) -> list[dict]:
     return [{"type": "thinking", "thinking": trace}, {"type": "text", "text": content}]
 
 
-def _trace(message: dict) -> str:
-    return next((value for key in _TRACE_KEYS if isinstance(value := message.get(key), str) and value.strip()), "")
-
-
 def with_thinking_blocks(draw: Renderer) -> Renderer:
     """The renderer, every assistant message with a trace handed to the template with it as a thinking block."""
     def blocks(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
-        if any(m.get("role") == "assistant" and _trace(m) for m in messages):
+        if any(m.get("role") == "assistant" and reasoning_of(m) for m in messages):
             messages = same_kind(messages, (
-                {**m, "content": as_blocks(_trace(m), m.get("content") or "")}
-                if m.get("role") == "assistant" and _trace(m) and isinstance(m.get("content", ""), str) else m
+                {**m, "content": as_blocks(reasoning_of(m), m.get("content") or "")}
+                if m.get("role") == "assistant" and reasoning_of(m) and isinstance(m.get("content", ""), str) else m
                 for m in messages))
         return draw(messages, add_generation_prompt, tools)
     return blocks

@@ -44,5 +44,12 @@ def test_an_assistants_thinking_parts_are_its_trace() -> None:
     assert assistant(parts) == {"role": "assistant", "content": "42.", "reasoning_content": "Six sevens."}
     assert assistant(parts, reasoning_content="Mine.") == {"role": "assistant", "content": "42.",
                                                            "reasoning_content": "Mine."}
+    # Arrow gives every message every key: an empty reasoning_content beside the parts dropped their trace
+    assert assistant(parts, reasoning_content="") == {"role": "assistant", "content": "42.",
+                                                      "reasoning_content": "Six sevens."}
+    assert assistant(parts, reasoning_content=None, thinking="  ") == {
+        "role": "assistant", "content": "42.", "thinking": "  ", "reasoning_content": "Six sevens."}
+    # vLLM's and OpenRouter's `reasoning` field is a trace the message gives (the parts' one was added beside it)
+    assert assistant(parts, reasoning="Mine.") == {"role": "assistant", "content": "42.", "reasoning": "Mine."}
     with pytest.raises(RowError, match=r"message 1 \(user\) content part 1 is 'thinking'; only text parts"):
         to_messages({"messages": [{"role": "user", "content": parts}]}, "messages")
