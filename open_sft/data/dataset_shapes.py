@@ -145,6 +145,9 @@ def _glaive(row: dict[str, Any]) -> dict[str, Any]:
         text = text.strip().removesuffix("<|endoftext|>").rstrip()
         messages.append(_glaive_answer(text) if speaker == "ASSISTANT" else
                         {"role": GLAIVE_ROLES[speaker], "content": text})
+    if tools is None and any("tool_calls" in message for message in messages):
+        raise RowError("glaive row calls a tool but its 'system' text holds no tool schemas (JSON objects one after "
+                       "another after the prompt): its calls would train with no tools given", "bad_tools")
     return {"tools": tools, "messages": messages}
 
 
@@ -184,7 +187,29 @@ def _glaive_answer(text: str) -> dict[str, Any]:
                            "bad_tool_calls") from None
         name, arguments = match.groups()
     return {"role": "assistant", "content": content.strip(),
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+            "tool_calls": [{"type": "function", "function": {"name": _glaive_name(name, call),
+                                                             "arguments": _glaive_arguments(arguments, call)}}]}
+
+
+def _glaive_name(name: Any, call: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise RowError(f"glaive row's call {call[:80]!r} has a name of type {type(name).__name__}; a call's name is "
+                       "a non-empty string", "bad_tool_calls")
+    return name
+
+
+def _glaive_arguments(arguments: Any, call: str) -> dict:
+    """A call's arguments: a JSON object, or one written as a string (glaive's single-quoted text)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise RowError(f"glaive row's call {call[:80]!r} has arguments that are not JSON ({exc})",
+                           "bad_tool_calls") from None
+    if not isinstance(arguments, dict):
+        raise RowError(f"glaive row's call {call[:80]!r} has arguments of type {type(arguments).__name__}; a call's "
+                       "arguments are a JSON object", "bad_tool_calls")
+    return arguments
 
 
 # format name: (the column sets, any of which names the shape; the converter to a messages row)
@@ -222,10 +247,16 @@ def unread_columns(row: dict[str, Any], shape: str) -> list[str]:
     return sorted(column for column in row if column not in own and column not in METADATA_COLUMNS)
 
 
+# a shape's columns whose value must be of a type for a row to be that shape: a glaive `chat` that is a list is some
+# other dataset's conversation (read as messages with --sft_messages_key chat), not glaive's one string of turns
+SHAPE_TYPES: dict[str, dict[str, type]] = {"glaive": {"system": str, "chat": str}}
+
+
 def shape_of(row: dict[str, Any]) -> Optional[str]:
-    """The name of the dataset shape whose columns the row has, or None."""
+    """The name of the dataset shape whose columns the row has (of the types SHAPE_TYPES names), or None."""
     for name, (column_sets, _) in SHAPES.items():
-        if any(columns <= row.keys() for columns in column_sets):
+        if any(columns <= row.keys() for columns in column_sets) and all(
+                isinstance(row[column], kind) for column, kind in SHAPE_TYPES.get(name, {}).items()):
             return name
     return None
 

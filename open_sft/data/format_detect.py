@@ -28,8 +28,10 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
     shape = shape_of(row)  # a popular dataset's own columns (open_sft.data.dataset_shapes)
     if shape:
         return _all_read(row, shape, where)
+    turns = [column for column, value in row.items() if _holds_turns(decoded_list(value))]
+    hint = f" (the column {turns[0]!r} holds turns: --sft_messages_key {turns[0]})" if turns else ""
     raise UserError(
-        f"{where}: cannot tell the data format from the columns {sorted(row)}; accepted: messages "
+        f"{where}: cannot tell the data format from the columns {sorted(row)}{hint}; accepted: messages "
         "(a 'messages' list of role/content), alpaca (instruction/input/output), sharegpt ('conversations' "
         "of from/value), prompt_completion (TRL's 'prompt' and 'completion'), text (a 'text' column of raw "
         "documents), and the columns of xLAM, Llama-Nemotron, OpenMathReasoning, s1K, OpenThoughts' metadata, "
@@ -37,6 +39,12 @@ def detect_format(row: dict[str, Any], where: str, messages_key: str = "messages
         "file (a messages column of another name: --sft_messages_key; a text column of another name: "
         "--dataset_text_field NAME)"
     )
+
+
+def _holds_turns(value: Any) -> bool:
+    """Whether a column holds a conversation: a list of role/content messages or from/value turns."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(turn, dict) and ("role" in turn or "from" in turn) for turn in value)
 
 
 def _all_read(row: dict[str, Any], shape: str, where: str) -> str:

@@ -281,3 +281,35 @@ def test_a_system_prompt_naming_a_tool_does_not_list_its_schema() -> None:
     for listing in (json.dumps([meteo]), json.dumps([meteo], ensure_ascii=False)):
         assert listed_in_system([meteo], [{"role": "developer", "content": listing}])
     assert not listed_in_system([meteo], [{"role": "user", "content": json.dumps([meteo])}])
+
+
+def test_glaive_calls_and_columns_of_other_kinds_are_named() -> None:
+    """A glaive call whose name is not a string or whose arguments are not a JSON object, and a call in a row whose
+    system text gives no schemas, were read as they were (a call trained with no tools given): each is a named bad
+    row. A `chat` that is a list of messages is some other dataset's conversation, not glaive's string of turns."""
+    system = "SYSTEM: You may call -\n" + json.dumps({"name": "get_news", "parameters": {"type": "object"}})
+
+    def error_of(call: str, system: str = system) -> tuple[str, str]:
+        with pytest.raises(RowError) as caught:
+            to_messages({"system": system, "chat": f"USER: News?\n\n\nASSISTANT: <functioncall> {call}"}, "glaive")
+        return str(caught.value), caught.value.reason
+
+    assert error_of("{\"name\": \"get_news\", \"arguments\": '{country: US}'}") == (
+        "glaive row's call '{\"name\": \"get_news\", \"arguments\": \\'{country: US}\\'}' has arguments that are not "
+        "JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))", "bad_tool_calls")
+    assert error_of("{\"name\": \"get_news\", \"arguments\": '[\"US\"]'}")[0].endswith(
+        "has arguments of type list; a call's arguments are a JSON object")
+    assert error_of('{"name": 7, "arguments": {}}') == (
+        "glaive row's call '{\"name\": 7, \"arguments\": {}}' has a name of type int; a call's name is a non-empty "
+        "string", "bad_tool_calls")
+    no_schemas = error_of('{"name": "get_news", "arguments": {"country": "US"}}', "SYSTEM: You may call get_news.")
+    assert no_schemas == ("glaive row calls a tool but its 'system' text holds no tool schemas (JSON objects one "
+                          "after another after the prompt): its calls would train with no tools given", "bad_tools")
+    call = to_messages({"system": system, "chat": "USER: News?\n\n\nASSISTANT: <functioncall> {\"name\": "
+                        "\"get_news\", \"arguments\": '{\"country\": \"US\"}'}"}, "glaive")[2]["tool_calls"]
+    assert call == [{"type": "function", "function": {"name": "get_news", "arguments": {"country": "US"}}}]
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    with pytest.raises(UserError, match=r"^f: cannot tell the data format from the columns \['chat', 'system'\] "
+                                        r"\(the column 'chat' holds turns: --sft_messages_key chat\); accepted"):
+        detect_format({"system": "Be brief.", "chat": chat}, "f")
+    assert detect_format({"system": "Be brief.", "chat": chat}, "f", messages_key="chat") == "messages:chat"
