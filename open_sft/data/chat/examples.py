@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
 
@@ -298,29 +298,37 @@ def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rende
     """Whether a trained span is not what the template marks with `{% generation %}` (a second opinion on the
     labels, from transformers' own tracking): each example's trained texts, stripped, must each be the text of
     a generation block of the template's rendering of the conversation through that example's last turn, or its
-    end where what the block marks before it is the end of the span's context (SmolLM3's block holds the turn's
-    `<|im_start|>assistant\n`, which the generation prompt writes: context, never trained)."""
+    end where what the block marks before it is the generation prompt, which ends the span's context (SmolLM3's
+    block holds the turn's `<|im_start|>assistant\n`, which the generation prompt writes: context, never trained;
+    any other untrained start, a trace left out of the labels, disagrees)."""
     from transformers.utils.chat_template_utils import render_jinja_template
+
+    def render(conversation: list, **kwargs: Any) -> tuple:
+        return render_jinja_template([conversation], tools=getattr(messages, "tools", None),
+                                     chat_template=tokenizer.chat_template, **kwargs,
+                                     **tokenizer.special_tokens_map, **options.kwargs())
 
     assistant = any(m["role"] == "assistant" for m in messages)
     for (text, spans), last in zip(rendered.examples, rendered.ends or [len(messages) - 1]):
         try:
-            (whole,), (blocks,) = render_jinja_template(
-                [messages[: last + 1]], tools=getattr(messages, "tools", None), chat_template=tokenizer.chat_template,
-                return_assistant_tokens_mask=True, **tokenizer.special_tokens_map, **options.kwargs())
+            (whole,), (blocks,) = render(messages[: last + 1], return_assistant_tokens_mask=True)
+            (before,), _ = render(messages[:last])
+            (prompted,), _ = render(messages[:last], add_generation_prompt=True)
         except Exception:  # noqa: BLE001 (the row rendered above; nothing to compare otherwise)
             return True
+        prompt = prompted[len(before):].strip() if last and prompted.startswith(before) else None
         marked = {whole[a:b].strip() for a, b in blocks}
-        if any(not _marked(text[:a], text[a:b].strip(), marked) for a, b in spans) or (not spans and assistant):
+        if any(not _marked(text[:a], text[a:b].strip(), marked, prompt) for a, b in spans) or (
+                not spans and assistant):
             return True
     return False
 
 
-def _marked(context: str, trained: str, marked: set[str]) -> bool:
-    """Whether a generation block marks the trained text, alone or after the end of its context."""
-    return trained in marked or any(
-        block.endswith(trained) and context.rstrip().endswith(block[: len(block) - len(trained)].strip())
-        for block in marked if len(block) > len(trained))
+def _marked(context: str, trained: str, marked: set[str], prompt: Optional[str]) -> bool:
+    """Whether a generation block marks the trained text, alone or after the generation prompt (`prompt`,
+    stripped), which ends its context."""
+    return trained in marked or bool(prompt) and context.rstrip().endswith(prompt) and any(
+        block.endswith(trained) and block[: len(block) - len(trained)].strip() == prompt for block in marked)
 
 
 def trained_spans(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_on: str, markers: tuple[str, ...],

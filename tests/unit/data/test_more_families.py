@@ -5,6 +5,8 @@ through the token the model stops at."""
 
 from __future__ import annotations
 
+from open_sft.data.chat.examples import RowRender, _tags_disagree, row_examples
+from open_sft.data.chat.render import DEFAULT_OPTIONS, special_markers
 from open_sft.data.formats import to_messages
 from tests.unit.data.test_call_closers import template_tokenizer
 from tests.unit.data.test_reasoning_tool_calls import TOOLS, build, call, tool, trained_runs
@@ -218,3 +220,19 @@ def test_content_beside_calls_a_template_leaves_out_is_counted(tiny_model_dir, t
     qwen3 = family_tokenizer(tiny_model_dir, "qwen3")
     examples, (report,) = build(qwen3, tmp_path, [said])
     assert report.content_not_rendered == 0 and "Let me check." in trained_runs(qwen3, examples)[0][1]
+
+
+def test_a_generation_block_whose_trace_the_labels_leave_out_disagrees(tiny_model_dir) -> None:
+    """The check of the labels against SmolLM3's `{% generation %}` blocks let a block agree whatever it marked
+    before the trained text, so long as that ended the context: labels leaving the turn's `<think>…</think>` out (a
+    labelling bug) agreed. Only the generation prompt's text may come before the trained run now."""
+    tokenizer = template_tokenizer(tiny_model_dir, SMOLLM3_SHAPE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>")
+    messages = to_messages(THOUGHT, "messages")
+    rendered = row_examples(tokenizer, messages, "all_assistant", special_markers(tokenizer))
+    (text, spans), = rendered.examples
+    assert [text[a:b] for a, b in spans] == ["<think>\nSix sevens are forty-two.\n</think>\n42.<|im_end|>",
+                                             "You are welcome.<|im_end|>"]
+    assert not _tags_disagree(tokenizer, messages, rendered, DEFAULT_OPTIONS)
+    (a, b), rest = spans[0], spans[1:]
+    trace_untrained = [(text.index("42.", a), b), *rest]
+    assert _tags_disagree(tokenizer, messages, RowRender([(text, trace_untrained)]), DEFAULT_OPTIONS)
