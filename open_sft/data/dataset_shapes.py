@@ -48,6 +48,19 @@ def decoded_list(value: Any) -> Any:
         return value
 
 
+def json_error(value: Any) -> str:
+    """Why a column that looks like a JSON list (a string opening with "[") is not one, with the position
+    (" (not JSON: Expecting ',' delimiter: line 1 column 9 (char 8))"), for the refusal of what decoded_list left as
+    it was; "" for anything else."""
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return ""
+    try:
+        json.loads(value)
+    except ValueError as exc:
+        return f" (not JSON: {exc})"
+    return ""
+
+
 def _text(row: dict[str, Any], column: str, shape: str) -> str:
     value = row.get(column)
     if not isinstance(value, str):
@@ -59,7 +72,7 @@ def _xlam(row: dict[str, Any]) -> dict[str, Any]:
     calls = decoded_list(row.get("answers"))
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
         raise RowError("xLAM row's 'answers' must be a list of {name, arguments} calls, or that list as a JSON "
-                       "string", "bad_tool_calls")
+                       f"string{json_error(row.get('answers'))}", "bad_tool_calls")
     if not calls:
         raise RowError("xLAM row's 'answers' is empty: the row has no call to train (an irrelevance row needs "
                        "the reply the model should give instead; convert it to a messages row)", "empty_assistant")
@@ -79,15 +92,16 @@ def _xlam_schemas(tools: Any) -> Any:
         return tools
     return [{**tool, "parameters": {"type": "object", "properties": tool["parameters"]}}
             if isinstance(tool, dict) and isinstance(tool.get("parameters"), dict)
-            and "properties" not in tool["parameters"] else tool for tool in tools]
+            and tool["parameters"].get("type") != "object" else tool for tool in tools]
 
 
 def _nemotron(row: dict[str, Any]) -> dict[str, Any]:
     turns = decoded_list(row.get("input"))
     if not isinstance(turns, list) or not turns:
         raise RowError(f"Nemotron row's 'input' is a {type(turns).__name__}; this shape needs the conversation "
-                       "so far as a list of role/content messages (a prompt already written in a chat template's "
-                       "text cannot be rendered again: convert it to messages)", "missing_messages")
+                       "so far as a non-empty list of role/content messages (or that list as a JSON string); convert "
+                       "the row to messages (a plain prompt: one user turn; one written in a chat template's "
+                       f"text: the turns it writes){json_error(turns)}", "missing_messages")
     messages = [*turns, {"role": "assistant", "content": _text(row, "output", "Nemotron")}]
     system = row.get("system_prompt")
     opens = isinstance(turns[0], dict) and turns[0].get("role") in ("system", "developer")
@@ -118,7 +132,8 @@ def _question_answer(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _s1k(row: dict[str, Any]) -> dict[str, Any]:
-    trace, answer = ("thinking_trajectories", "attempt") if "attempt" in row else (
+    columns = next(columns for columns in SHAPES["s1k"][0] if columns <= row.keys())  # as shape_of matched them
+    trace, answer = ("thinking_trajectories", "attempt") if "attempt" in columns else (
         "deepseek_thinking_trajectory", "deepseek_attempt")
     traces = row.get(trace)
     traces = [traces] if isinstance(traces, str) else traces

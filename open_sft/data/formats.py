@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
-from open_sft.data.dataset_shapes import SHAPES, decoded_list, messages_row
+from open_sft.data.dataset_shapes import SHAPES, decoded_list, json_error, messages_row
 from open_sft.data.reasoning_fields import reasoning_of
 from open_sft.data.row_error import RowError
 from open_sft.data.tool_schemas import row_tools
@@ -62,7 +62,7 @@ def _from_messages(row: dict[str, Any]) -> Messages:
     messages = decoded_list(row["messages"])  # a JSON string of the list too (Toucan-1.5M's parquet column)
     if not isinstance(messages, list) or not messages:
         raise RowError("'messages' must be a non-empty list of {role, content} objects (or that list as a JSON "
-                       "string)", "missing_messages")
+                       f"string){json_error(row['messages'])}", "missing_messages")
     out = []
     for i, message in enumerate(messages, start=1):
         if not isinstance(message, dict):
@@ -215,7 +215,8 @@ def _alpaca_history(history: Any) -> Messages:
 def _from_sharegpt(row: dict[str, Any]) -> Messages:
     turns = decoded_list(row.get("conversations"))
     if not isinstance(turns, list) or not turns:
-        raise RowError("'conversations' must be a non-empty list of {from, value} objects", "missing_messages")
+        raise RowError("'conversations' must be a non-empty list of {from, value} objects (or that list as a JSON "
+                       f"string){json_error(row.get('conversations'))}", "missing_messages")
     out = []
     for i, turn in enumerate(turns, start=1):
         speaker = turn.get("from") if isinstance(turn, dict) else None

@@ -313,3 +313,41 @@ def test_glaive_calls_and_columns_of_other_kinds_are_named() -> None:
                                         r"\(the column 'chat' holds turns: --sft_messages_key chat\); accepted"):
         detect_format({"system": "Be brief.", "chat": chat}, "f")
     assert detect_format({"system": "Be brief.", "chat": chat}, "f", messages_key="chat") == "messages:chat"
+
+
+def test_s1k_xlam_and_nemotron_rows_read_by_the_columns_they_have() -> None:
+    """s1K-1.1's columns beside an `attempt` of some other kind were read as s1K's (thinking_trajectories, missing);
+    an xLAM parameter named `properties` kept its schema from being wrapped; Nemotron's refusal of a string input
+    said it was a chat template's text, which a plain prompt is not."""
+    s1k_1_1 = {"question": "What is 7+5?", "deepseek_thinking_trajectory": "Seven and five.",
+               "deepseek_attempt": "12", "attempt": None}
+    assert detect_format(s1k_1_1, "f") == "s1k"
+    assert list(to_messages(s1k_1_1, "s1k"))[1] == {"role": "assistant", "content": "12",
+                                                    "reasoning_content": "Seven and five."}
+    columns = {"name": "pick", "description": "Columns to pick.", "parameters": {
+        "properties": {"type": "List[str]", "description": "The columns."}}}
+    given = {"name": "pick", "parameters": {"type": "object", "properties": {}}}
+    row = {"query": "Pick.", "answers": json.dumps([{"name": "pick", "arguments": {"properties": ["a"]}}])}
+    assert to_messages({**row, "tools": json.dumps([columns, given])}, "xlam").tools == [
+        {"type": "function", "function": {**columns, "parameters": {"type": "object",
+                                                                    "properties": columns["parameters"]}}},
+        {"type": "function", "function": given}]
+    with pytest.raises(RowError) as caught:
+        to_messages({"input": "What is 7+5?", "output": "12", "system_prompt": ""}, "nemotron")
+    assert str(caught.value) == (
+        "Nemotron row's 'input' is a str; this shape needs the conversation so far as a non-empty list of role/content "
+        "messages (or that list as a JSON string); convert the row to messages (a plain prompt: one user turn; one "
+        "written in a chat template's text: the turns it writes)")
+
+
+def test_a_conversation_column_that_is_not_json_names_the_error() -> None:
+    """A messages, conversations or xLAM answers column stored as a JSON string that does not parse was refused as
+    not a list, the JSON error (and where it is) hidden."""
+    broken = '[{"role": "user" "content": "Hi"}]'
+    where = "(not JSON: Expecting ',' delimiter: line 1 column 18 (char 17))"
+    for row, fmt in (({"messages": broken}, "messages"), ({"conversations": broken}, "sharegpt"),
+                     ({"query": "Q", "answers": broken, "tools": "[]"}, "xlam"),
+                     ({"input": broken, "output": "A", "system_prompt": ""}, "nemotron")):
+        with pytest.raises(RowError) as caught:
+            to_messages(row, fmt)
+        assert str(caught.value).endswith(where), str(caught.value)
