@@ -27,7 +27,7 @@ from open_sft.data.chat.content_place import end_of_turn_length, marked_place, p
 from open_sft.data.chat.emptied_trace import inline_moved
 from open_sft.data.chat.foreign_fields import around, message_fields
 from open_sft.data.chat.raw_rows import raw_completion
-from open_sft.data.chat.reasoning import (after_trace, inline_reasoning, inline_unwritten, masked, reasoning_of,
+from open_sft.data.chat.reasoning import (answer_of, inline_reasoning, inline_unwritten, masked, reasoning_of,
                                          tags_as_text, trace_of, with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, TemplateState
 from open_sft.data.chat.tool_arguments import as_template_takes, string_arguments, tools_written, wrapped_twice
@@ -277,7 +277,7 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
         opened |= turn.reasoning_opened
         filled |= turn.reasoning_filled
         unwritten |= bool(reasoning) and not turn.reasoning_closed and reasoning.strip() not in turn.target
-        said = after_trace(message.get("content") or "").strip() if message.get("tool_calls") else ""
+        said = answer_of(message) if message.get("tool_calls") else ""
         dropped |= bool(said) and said not in turn.target
     out, cuts = [], tuple(tuple(a for i, (a, _) in example.turns if turns[i].reasoning_opened) for example in examples)
     for example in examples:

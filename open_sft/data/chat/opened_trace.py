@@ -42,7 +42,7 @@ import os
 import re
 from typing import Callable, Optional
 
-from open_sft.data.chat.reasoning import REASONING_KEYS, after_trace, reasoning_of
+from open_sft.data.chat.reasoning import REASONING_KEYS, answer_of, reasoning_of
 
 _OPENING = re.compile(r"<([A-Za-z_][\w-]*)>(\s*)")  # one tag opened, then whitespace: "<think>\n"
 _TAG = re.compile(r"<[^<>]*>|\[[^\[\]]*\]")  # a tag or a bracketed token: <think>, [THINK]
@@ -75,8 +75,7 @@ def opened_turn(message: dict, prompt: str, bare: str, through: str) -> Optional
     start, closer = f"<{tag}>", f"</{tag}>"
     written = turn[shared:]
     trace = _inline(message.get("content"), start, closer, space) or _as_opened(reasoning_of(message), space, closer)
-    said, content = trace[: trace.rindex(closer)].strip(), message.get("content")
-    answer = after_trace(content).strip() if isinstance(content, str) else ""
+    said, answer = trace[: trace.rindex(closer)].strip(), answer_of(message)
     beside = written.replace(answer, "", 1) if answer else written  # a trace may recur in the answer ("42")
     if start in written or said and said in beside:
         return None  # the template writes a block, or the trace, itself: not this case

@@ -40,6 +40,13 @@ def after_trace(content: str) -> str:
     return content[content.rfind("</think>") + len("</think>"):] if "</think>" in content else content
 
 
+def answer_of(message: dict) -> str:
+    """What an assistant message says beside its trace: its content after any trace written in it (after_trace),
+    stripped; "" where its content is not a string (a turn of calls alone)."""
+    content = message.get("content")
+    return after_trace(content).strip() if isinstance(content, str) else ""
+
+
 def inline_unwritten(messages: Messages, indices: list[int], texts: list[str]) -> bool:
     """Whether a trained turn's trace written in its content (inline_reasoning) is in none of `texts`, the
     conversation's examples: DeepSeek-R1 distills' own template keeps only what follows `</think>` in every turn,

@@ -28,7 +28,7 @@ from open_sft.data.chat.elements import closed_block
 from open_sft.data.chat.emptied_trace import filled_turn
 from open_sft.data.chat.foreign_fields import Span, context_hole
 from open_sft.data.chat.opened_trace import opened_turn, shared_opening, worded_turn
-from open_sft.data.chat.reasoning import after_trace, trace_of, without_reasoning
+from open_sft.data.chat.reasoning import answer_of, trace_of, without_reasoning
 from open_sft.data.chat.turn_enders import Draw, TurnEnders
 from open_sft.data.chat.turns import call_written
 from open_sft.data.formats import Messages, RowError
@@ -124,8 +124,7 @@ def _as_in_history(draw: Draw, messages: Messages, tools: Optional[list], i: int
         turn = history[len(bare) + shared:]
         ends = [at + len(token) for token in enders.stops if 0 <= (at := turn.find(token))]
         turn = turn[: min(ends)] if ends else ""
-        content = message.get("content")
-        said = after_trace(content).strip() if isinstance(content, str) else ""
+        said = answer_of(message)
         if turn and said in turn and not call_written(message, turn):
             return prompt[: len(bare) + shared], turn
     carried = _carried_call_state(draw, messages, tools, i)  # R1's second call turn with content lands here
@@ -230,8 +229,7 @@ def _turn_before_trailer(prompt: str, through: str, bare: str, message: dict) ->
             len(through) - shared < len(before)):
         return None
     turn = through[len(before): len(through) - shared]
-    content = message.get("content")
-    said = [after_trace(content).strip() if isinstance(content, str) else ""] + [
+    said = [answer_of(message)] + [
         f["name"] for f in map(function_of, message.get("tool_calls") or []) if isinstance(f, dict)
         and isinstance(f.get("name"), str)]
     return turn if all(piece in turn for piece in said) else None
@@ -324,7 +322,7 @@ def _history_end(draw: Draw, messages: Messages, tools: Optional[list], j: int, 
     last writing is found by what it ends with: its content (what follows a trace written in it, `<think>trace
     </think>answer`, which templates keep alone in history), else its last tool call's name."""
     calls = messages[j].get("tool_calls") or []
-    anchor = after_trace(messages[j]["content"]).strip() or (
+    anchor = answer_of(messages[j]) or (
         calls and (calls[-1].get("function") or calls[-1]).get("name"))
     if not isinstance(anchor, str) or not anchor or j + 1 >= len(messages):
         return None
