@@ -57,5 +57,8 @@ changed."""
 # 37: an answer after a tool result that the template closes otherwise once a turn follows (Hermes 2 Pro's, 3's)
 # trains after its prompt (a bad row), a trailer written after every rendering (Hunyuan's empty think block) is
 # context before each turn, an assistant's thinking parts (Magistral's) are its trace, content_not_rendered in the
-# report
-CACHE_FORMAT_VERSION = 37
+# report; 38: a text column beside question/answer is documents, question/answer with unknown columns refused, thinking
+# parts beside an empty reasoning field are the trace, glaive calls without a string name or JSON-object arguments (or
+# without schemas) bad rows, s1K-1.1 rows with an 'attempt' column read, xLAM parameters named 'properties' wrapped,
+# the {% generation %} check admitting only the generation prompt before a trained run
+CACHE_FORMAT_VERSION = 38
