@@ -6,20 +6,15 @@ uploads nothing; open-instruct pushes by default). --eval_steps without evaluati
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from open_sft.config.args import FinetuneConfig, LoraArguments
+from open_sft.config.fields import field_default
 
 OPEN_INSTRUCT_LORA_SETTINGS = ("lora_rank", "lora_alpha", "lora_dropout")  # open-instruct's flags
 OWN_LORA_SETTINGS = ("lora_target_modules",)
 HUB_SETTINGS = ("hub_model_id", "hub_revision", "hub_private")
 OPEN_INSTRUCT_HUB_NAMING = ("hf_entity", "hf_repo_id")  # open-instruct's flags that make --hub_model_id
-
-
-def _default(cls: type, name: str) -> Any:
-    field = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
 
 
 def _lora_given(config: FinetuneConfig, names: tuple[str, ...]) -> list[str]:
@@ -30,7 +25,7 @@ def _lora_given(config: FinetuneConfig, names: tuple[str, ...]) -> list[str]:
     if lora.use_lora or lora.use_qlora:
         return []
     return [f"--{name} {_shown(getattr(lora, name))}" for name in names
-            if name in config.explicit and getattr(lora, name) != _default(LoraArguments, name)]
+            if name in config.explicit and getattr(lora, name) != field_default(name, LoraArguments)]
 
 
 def companion_problems(config: FinetuneConfig) -> list[str]:

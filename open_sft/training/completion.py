@@ -29,7 +29,6 @@ run before that trained with), is `already complete` and names what it means now
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, Collection, Mapping, Optional
 
+from open_sft.config.fields import field_default
 from open_sft.durable import write_json
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY
@@ -176,8 +176,7 @@ def _meaning_changed(config: Any, name: str, trained: Any) -> bool:
         return False
     if name in BEFORE_THE_FLAG:
         return trained == BEFORE_THE_FLAG[name]
-    field = next(f for section in SECTIONS for f in dataclasses.fields(getattr(config, section)) if f.name == name)
-    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    default = field_default(name, *(type(getattr(config, section)) for section in SECTIONS))
     return trained == json.loads(json.dumps(default, default=str))
 
 
