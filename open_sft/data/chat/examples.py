@@ -312,22 +312,27 @@ def _tags_disagree(tokenizer: PreTrainedTokenizerBase, messages: Messages, rende
     for (text, spans), last in zip(rendered.examples, rendered.ends or [len(messages) - 1]):
         try:
             (whole,), (blocks,) = render(messages[: last + 1], return_assistant_tokens_mask=True)
-            (before,), _ = render(messages[:last])
-            (prompted,), _ = render(messages[:last], add_generation_prompt=True)
+            marked = {whole[a:b].strip() for a, b in blocks}
+            # the generation prompt's two renders only for a span no block marks whole (a row's one render else)
+            unmarked = [(text[:a], text[a:b].strip()) for a, b in spans if text[a:b].strip() not in marked]
+            if unmarked:
+                (before,), _ = render(messages[:last])
+                (prompted,), _ = render(messages[:last], add_generation_prompt=True)
         except Exception:  # noqa: BLE001 (the row rendered above; nothing to compare otherwise)
             return True
-        prompt = prompted[len(before):].strip() if last and prompted.startswith(before) else None
-        marked = {whole[a:b].strip() for a, b in blocks}
-        if any(not _marked(text[:a], text[a:b].strip(), marked, prompt) for a, b in spans) or (
-                not spans and assistant):
+        if unmarked:
+            prompt = prompted[len(before):].strip() if last and prompted.startswith(before) else None
+            if not all(_marked_after_prompt(context, trained, marked, prompt) for context, trained in unmarked):
+                return True
+        if not spans and assistant:
             return True
     return False
 
 
-def _marked(context: str, trained: str, marked: set[str], prompt: Optional[str]) -> bool:
-    """Whether a generation block marks the trained text, alone or after the generation prompt (`prompt`,
-    stripped), which ends its context."""
-    return trained in marked or bool(prompt) and context.rstrip().endswith(prompt) and any(
+def _marked_after_prompt(context: str, trained: str, marked: set[str], prompt: Optional[str]) -> bool:
+    """Whether a generation block marks the trained text after the generation prompt (`prompt`, stripped), which
+    ends its context."""
+    return bool(prompt) and context.rstrip().endswith(prompt) and any(
         block.endswith(trained) and block[: len(block) - len(trained)].strip() == prompt for block in marked)
 
 
