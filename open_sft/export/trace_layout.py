@@ -188,5 +188,5 @@ def writes_reasoning(template: str | None, tokenizer) -> bool:
     enable_thinking false: it ends in the layout's answer marker)."""
     if template is None:
         return False
-    layout, prompt = reasoning_layout(template, tokenizer), _generation_prompt(tokenizer) or ""
-    return layout is not None and not prompt.rstrip().endswith(layout.answer_marker) or opens_reasoning(tokenizer)
+    layout, prompt = reasoning_layout(template, tokenizer), (_generation_prompt(tokenizer) or "").rstrip()
+    return layout is not None and not prompt.endswith(layout.answer_marker) or prompt.endswith(INLINE_OPEN)

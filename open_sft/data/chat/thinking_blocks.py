@@ -44,10 +44,10 @@ def as_blocks(trace: str, content: str) -> list[dict]:
 def with_thinking_blocks(draw: Renderer) -> Renderer:
     """The renderer, every assistant message with a trace handed to the template with it as a thinking block."""
     def blocks(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
-        if any(m.get("role") == "assistant" and reasoning_of(m) for m in messages):
-            messages = same_kind(messages, (
-                {**m, "content": as_blocks(reasoning_of(m), m.get("content") or "")}
-                if m.get("role") == "assistant" and reasoning_of(m) and isinstance(m.get("content", ""), str) else m
-                for m in messages))
+        traces = [reasoning_of(m) if m.get("role") == "assistant" and isinstance(m.get("content", ""), str) else ""
+                  for m in messages]  # each message's trace read once (a render of every prefix comes here)
+        if any(traces):
+            messages = same_kind(messages, ({**m, "content": as_blocks(trace, m.get("content") or "")} if trace else m
+                                            for m, trace in zip(messages, traces)))
         return draw(messages, add_generation_prompt, tools)
     return blocks
