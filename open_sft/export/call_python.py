@@ -33,11 +33,7 @@ def probe_python(text: str, name_at: int) -> Optional[tuple[int, bool, int]]:
     and arguments is written there."""
     if not text.startswith("(", name_at + len(PROBE_NAME)):
         return None
-    start, listed = _expression_start(text, name_at)
-    read = read_python(text[start:], listed)
-    if read is None or read[0][0] != {"name": PROBE_NAME, "arguments": PROBE_ARGUMENTS}:
-        return None
-    return start, listed, start + read[1]
+    return _probe_call(text, name_at, PROBE_ARGUMENTS, raw=False)
 
 
 def checked_python(tokenizer, form, parts: dict) -> Optional[dict]:
@@ -60,11 +56,17 @@ def _reads_back(text: Optional[str], arguments: dict, raw: bool) -> bool:
     """Whether the template's rendering of the probe call holding `arguments` (`text`, None where it fails) reads back
     as exactly that call."""
     name_at = text.find(PROBE_NAME) if text is not None else -1
-    if name_at < 0:
-        return False
+    return name_at >= 0 and _probe_call(text, name_at, arguments, raw) is not None
+
+
+def _probe_call(text: str, name_at: int, arguments: dict, raw: bool) -> Optional[tuple[int, bool, int]]:
+    """(where the Python expression holding the probe call named at `name_at` starts, whether it is a list of calls,
+    where it ends), None where its first call does not read back as the probe's name with `arguments`."""
     start, listed = _expression_start(text, name_at)
     read = read_python(text[start:], listed, raw)
-    return read is not None and read[0][0] == {"name": PROBE_NAME, "arguments": arguments}
+    if read is None or read[0][0] != {"name": PROBE_NAME, "arguments": arguments}:
+        return None
+    return start, listed, start + read[1]
 
 
 def _expression_start(text: str, name_at: int) -> tuple[int, bool]:
