@@ -60,5 +60,6 @@ changed."""
 # report; 38: a text column beside question/answer is documents, question/answer with unknown columns refused, thinking
 # parts beside an empty reasoning field are the trace, glaive calls without a string name or JSON-object arguments (or
 # without schemas) bad rows, s1K-1.1 rows with an 'attempt' column read, xLAM parameters named 'properties' wrapped,
-# the {% generation %} check admitting only the generation prompt before a trained run
-CACHE_FORMAT_VERSION = 38
+# the {% generation %} check admitting only the generation prompt before a trained run; 39: a row's own
+# chat_template_kwargs column (smoltalk2's) renders it, over --chat_template_kwargs (it was ignored)
+CACHE_FORMAT_VERSION = 39

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from open_sft.data.dataset_shapes import SHAPES, decoded_list, json_error, messages_row
 from open_sft.data.reasoning_fields import reasoning_of
 from open_sft.data.row_error import RowError
+from open_sft.data.row_template_kwargs import COLUMN as TEMPLATE_KWARGS, row_template_kwargs
 from open_sft.data.tool_schemas import row_tools
 
 
@@ -34,6 +35,8 @@ class Conversation(list):
     # a TRL prompt-completion row of two strings: raw text, no chat template (its user turn is the prompt, its
     # assistant turn the completion; open_sft.data.chat.raw_rows.raw_completion)
     raw_text: bool = False
+    # the row's own chat template variables (its chat_template_kwargs column: smoltalk2's), over the source's
+    template_kwargs: Optional[dict] = None
 
 
 def same_kind(messages: Messages, items: Any) -> Messages:
@@ -304,11 +307,12 @@ def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:
     """A row read from an Arrow table (parquet, `save_to_disk`, a Hub dataset) without the nulls Arrow filled in:
     a column of objects is one struct type over all rows, so each tool call's arguments and each tool schema got
     every key any row's had, null where the row had none (`{"city": "Oslo", "query": null, "limit": null}`), and
-    the template would write them and the model learn them. Nulls inside tool calls and tool schemas are removed
+    the template would write them and the model learn them. Nulls inside tool calls, tool schemas and a row's
+    chat_template_kwargs are removed
     (a null a row really held there cannot be told apart from the fill); messages' own null keys are dropped by
     `_from_messages` whatever the source."""
-    for column in ("tools", "functions"):
-        if isinstance(row.get(column), list):
+    for column in ("tools", "functions", TEMPLATE_KWARGS):  # TEMPLATE_KWARGS: smoltalk2's struct column
+        if isinstance(row.get(column), (list, dict)):
             row[column] = _without_nulls(row[column])
     for value in row.values():
         if isinstance(value, list):
@@ -344,6 +348,7 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
     messages = Conversation(CONVERTERS[fmt](row))
     check_trainable(messages)
     messages.tools = row_tools(row)
+    messages.template_kwargs = row_template_kwargs(row)
     if fmt == "prompt_completion" and isinstance(row.get("prompt"), list):
         messages.first_trained = len(messages) - len(row["completion"])
     messages.raw_text = fmt == "prompt_completion" and isinstance(row.get("prompt"), str)

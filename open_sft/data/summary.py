@@ -111,6 +111,7 @@ class SourceReport:
     reasoning_block_filled: int = 0  # rows with a turn's trace trained in a think block its template writes empty
     tools_listed_twice: int = 0  # rows whose tools a system message lists and the template writes again
     content_not_rendered: int = 0  # rows with a call turn whose content the template leaves out
+    row_template_kwargs: int = 0  # rows rendered with their own chat_template_kwargs (smoltalk2's): no warning
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,7 +134,7 @@ class SourceReport:
             "tool_results_wrapped_twice": self.tool_results_wrapped_twice,
             "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt,
             "reasoning_block_filled": self.reasoning_block_filled, "tools_listed_twice": self.tools_listed_twice,
-            "content_not_rendered": self.content_not_rendered,
+            "content_not_rendered": self.content_not_rendered, "row_template_kwargs": self.row_template_kwargs,
             "hub_dataset": self.hub_dataset,
         }
 
@@ -142,6 +143,7 @@ class SourceReport:
         special tokens whose text they hold, FOUND_NOTE's keys)."""
         found = Counter({key[len(FOUND_NOTE):]: n for key, n in notes.items() if key.startswith(FOUND_NOTE)})
         self.special_tokens_in_text_by_token.update(found)
+        self.row_template_kwargs += notes.get("row_template_kwargs", 0)
         for note, what in _NOTES.items():
             if notes.get(note):
                 setattr(self, note, getattr(self, note) + notes[note])

@@ -60,6 +60,7 @@ class RowRender:
     reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
     reasoning_block_filled: bool = False  # a turn's trace trained in the think block its template writes empty
     content_not_rendered: bool = False  # a call turn's content (beside its calls) its template leaves out
+    row_template_kwargs: bool = False  # rendered with the row's own chat template variables (render.row_options)
     # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
     cuts: tuple[tuple[int, ...], ...] = ()
 
@@ -69,7 +70,7 @@ RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
                 "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
                 "tool_results_wrapped_twice", "reasoning_opened_by_prompt", "reasoning_block_filled",
-                "tools_listed_twice", "content_not_rendered")
+                "tools_listed_twice", "content_not_rendered", "row_template_kwargs")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -143,6 +144,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     if not tokenizer.chat_template:  # a source of raw rows (checked by its first) may hold a row of messages
         raise RowError("a row of messages needs a chat template and the tokenizer has none; choose one with "
                        "--chat_template_name or --chat_template_path FILE", "template_error")
+    options = render.row_options(options, messages)
     state = render.template_state(tokenizer, options)
     strings = string_arguments(messages)  # before the template's own form: what the row gave
     messages = _developer_turns(messages, state.source)
@@ -173,6 +175,8 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)
     if wrapped_twice(messages, texts):
         rendered = dataclasses.replace(rendered, tool_results_wrapped_twice=True)
+    if getattr(messages, "template_kwargs", None):
+        rendered = dataclasses.replace(rendered, row_template_kwargs=True)
     return rendered
 
 

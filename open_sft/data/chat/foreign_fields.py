@@ -12,6 +12,7 @@ read off a probe call turn holding the probe result as the field's one entry (`o
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Callable, Optional
@@ -30,6 +31,7 @@ _STANDARD = frozenset({"role", "content", "tool_calls", "function_call", "name",
 _GENERATION_TAGS = re.compile(r"{%-?\s*(?:end)?generation\s*-?%}")  # transformers' own tag: no jinja2 parser knows it
 
 
+@functools.lru_cache(maxsize=8)  # a template state per row's own variables (smoltalk2's) asks again: parsed once
 def message_fields(source: Optional[str]) -> tuple[str, ...]:
     """The keys the template reads off a message (`message`, or the variable of a loop over a `…messages` list)
     other than the standard ones (role, content, tool_calls, a trace, a tool message's name and call id); () for a

@@ -6,6 +6,7 @@ How a rendered conversation becomes training examples (which characters train) i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -203,14 +204,29 @@ def chat_options(args, spec=None) -> ChatOptions:
     return ChatOptions(json.dumps(kwargs, sort_keys=True), args.reasoning_loss, args.reasoning_history)
 
 
+def row_options(options: ChatOptions, messages: Messages) -> ChatOptions:
+    """`options` with the row's own template variables over theirs (its chat_template_kwargs column, smoltalk2's:
+    data/row_template_kwargs.py): the row's value of a variable wins over the source's and --chat_template_kwargs'."""
+    own = getattr(messages, "template_kwargs", None)
+    if not own:
+        return options
+    return dataclasses.replace(options, template_kwargs=json.dumps({**options.kwargs(), **own}, sort_keys=True))
+
+
+_MAX_OPTION_STATES = 64  # template states kept per tokenizer: rows with their own variables (tools) make many
+
+
 def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DEFAULT_OPTIONS) -> TemplateState:
-    """The tokenizer's template state for these options, made again when its template changes."""
+    """The tokenizer's template state for these options, made again when its template changes (the states of the
+    least recently made options dropped past _MAX_OPTION_STATES)."""
     by_options = _RENDERERS.get(tokenizer)
     if by_options is None or by_options.get("source") != tokenizer.chat_template:
         by_options = {"source": tokenizer.chat_template}
         _RENDERERS[tokenizer] = by_options
     cached = by_options.get(options.template_kwargs)
     if cached is None:
+        if len(by_options) > _MAX_OPTION_STATES:
+            del by_options[next(key for key in by_options if key != "source")]
         kwargs = options.kwargs()
         cached = TemplateState(tokenizer.chat_template, _guarded(_direct_renderer(tokenizer, kwargs)
                                                              or _public_renderer(tokenizer, kwargs),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from open_sft.data.chat.oi_templates import CHATML_TOKENS, OPEN_INSTRUCT_TEMPLATES
+from open_sft.data.row_template_kwargs import RESERVED_KWARGS
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -172,12 +173,6 @@ def chat_template_problems(name: Optional[str], path: Optional[str]) -> list[str
     return []
 
 
-# apply_chat_template's own arguments, and what every render is given: not template variables to set
-_RESERVED_KWARGS = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                    "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask", "padding",
-                    "truncation", "max_length", "return_tensors", "tokenizer_kwargs"}
-
-
 def template_kwargs_problems(value: Optional[str]) -> list[str]:
     """What is wrong with --chat_template_kwargs (a JSON object of template variables)."""
     if value is None:
@@ -192,7 +187,7 @@ def template_kwargs_problems(value: Optional[str]) -> list[str]:
     if not isinstance(kwargs, dict):
         return [f"--chat_template_kwargs {value!r}: give a JSON object of template variables, such as "
                 "'{\"enable_thinking\": false}'"]
-    reserved = sorted(set(kwargs) & _RESERVED_KWARGS)
+    reserved = sorted(set(kwargs) & RESERVED_KWARGS)
     if reserved:
         return [f"--chat_template_kwargs sets {', '.join(reserved)}, which open_sft passes itself (the row's "
                 "messages and tools, the generation prompt); remove them"]
