@@ -31,6 +31,7 @@ from open_sft.data.chat.reasoning import (answer_of, inline_reasoning, inline_un
                                          tags_as_text, trace_of, with_reasoning_aliases)
 from open_sft.data.chat.render import DEFAULT_OPTIONS, ChatOptions, TemplateState
 from open_sft.data.chat.tool_arguments import as_template_takes, string_arguments, tools_written, wrapped_twice
+from open_sft.data.chat.trace_markers import own_texts, trace_markers
 from open_sft.data.chat.turn_enders import TurnEnders, turn_enders
 from open_sft.data.chat.turn_render import group_turns, kept_history, render_turn
 from open_sft.data.chat.turns import call_written, prefix_renders
@@ -168,8 +169,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, tools_listed_twice=True)
     if strings:
         rendered = dataclasses.replace(rendered, tool_arguments_not_json=True)
-    if found := render.special_text_in(tokenizer, markers, (
-            text for message in messages for text in (message.get("content"), message.get("reasoning_content")))):
+    if found := render.special_text_in(tokenizer, markers, own_texts(messages, trace_markers(state, markers))):
         rendered = dataclasses.replace(rendered, special_tokens_in_text=found)
     if tags_as_text(state, messages, trained, texts):
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)

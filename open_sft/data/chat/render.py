@@ -98,6 +98,7 @@ class TemplateState:
     string_arguments: Optional[bool] = None  # it takes tool-call arguments as strings only (tool_arguments.py)
     tagless_reasoning: Optional[bool] = None  # it writes a reasoning field without <think> tags (reasoning.py)
     call_ids: Optional[tuple[bool, bool]] = None  # it writes calls' ids, results' tool_call_id (call_ids.py)
+    trace_markers: Optional[tuple[str, str]] = None  # the special tokens around a trace it writes (trace_markers.py)
 
 
 def schema_key_hint(problem: str, tools: Optional[list]) -> str:

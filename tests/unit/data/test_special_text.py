@@ -101,3 +101,24 @@ def test_the_users_tokens_enter_the_cache_key(qwen3_with_tool_token, tiny_model_
     assert declared["user_tokens"] == ["<tool_x>"]
     del qwen3_with_tool_token.open_sft_user_tokens
     assert "user_tokens" not in key_inputs(args, qwen3_with_tool_token, 0)
+
+
+def test_magistral_trace_blocks_written_in_the_content_are_not_special_text(tiny_model_dir, tmp_path) -> None:
+    """Magistral's (and Ministral-3-Reasoning's) template writes a trace `[THINK]trace[/THINK]answer`, special tokens
+    both; a row storing its turn in that form trained right but was counted and warned about as holding the text of
+    [THINK] and [/THINK] (a fake control token). Those two, where the template writes them (opening the content, and
+    the first [/THINK] after), are the template's own now; anywhere else they are still counted."""
+    from tests.unit.data.test_call_closers import template_tokenizer
+    from tests.unit.data.test_more_families import MINISTRAL_SPECIALS
+    from tests.unit.data.test_reasoning_tool_calls import build, trained_runs
+
+    tokenizer = template_tokenizer(tiny_model_dir, "ministral_3_reasoning.jinja", MINISTRAL_SPECIALS, "</s>", "<s>")
+    inline = row("What is 6 times 7?", "[THINK]Six sevens.[/THINK]42.")
+    examples, (report,) = build(tokenizer, tmp_path, [inline])
+    assert report.special_tokens_in_text == 0 and report.rows_kept == 1
+    assert [run for _, run in trained_runs(tokenizer, examples)] == ["[THINK]Six sevens.[/THINK]42.</s>"]
+    stray = [row("Say [/THINK] please.", "[THINK]Asked.[/THINK]Done."), row("Hi", "Hello [THINK]there"),
+             row("Hi", "[THINK]One.[/THINK]Two.[/THINK]")]
+    _, (report,) = build(tokenizer, tmp_path, [inline, *stray])
+    assert report.special_tokens_in_text == 3
+    assert dict(report.special_tokens_in_text_by_token) == {"[/THINK]": 2, "[THINK]": 1}

@@ -1,0 +1,55 @@
+"""The special tokens a template writes around a trace, and a row's text without them where it writes them so.
+
+Magistral's and Ministral-3-Reasoning's templates write a trace `[THINK]trace[/THINK]answer`, special tokens both;
+datasets store such turns with the trace in the content in that form. The tokenizer encodes that text as the two
+control tokens, as the template writes them, so the turn trains as the model generates it: it is not the literal
+text of a special token in the data (special_tokens_in_text, a fake end of turn), and is not counted as such. The
+same tokens elsewhere in a message (a second block, one in a user turn) still are.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from open_sft.data.chat.probes import PROBE_USER
+from open_sft.data.formats import Messages
+
+if TYPE_CHECKING:
+    from open_sft.data.chat.render import TemplateState
+
+_TRACE = "probe trace"
+_PROBE = [PROBE_USER, {"role": "assistant", "content": "Hello there", "reasoning_content": _TRACE, "thinking": _TRACE}]
+
+
+def trace_markers(state: TemplateState, markers: tuple[str, ...]) -> tuple[str, str]:
+    """The special tokens (of `markers`, longest first) the template writes right before and right after a turn's
+    trace (`[THINK]`, `[/THINK]`), read off a probe answer once per template state; ("", "") where it writes no
+    trace, or none such around it (Qwen3's `<think>` is no special token)."""
+    if state.trace_markers is None:
+        state.trace_markers = ("", "")
+        try:
+            text = state.draw(_PROBE, False, None)
+        except Exception:  # noqa: BLE001 (a template that refuses the probe tells nothing)
+            return state.trace_markers
+        at = text.find(_TRACE)
+        before, after = text[:at].rstrip(), text[at + len(_TRACE):].lstrip()
+        opening = next((m for m in markers if before.endswith(m)), "") if at >= 0 else ""
+        closing = next((m for m in markers if after.startswith(m)), "") if opening else ""
+        if closing:
+            state.trace_markers = (opening, closing)
+    return state.trace_markers
+
+
+def own_texts(messages: Messages, block: tuple[str, str]) -> Iterator[str]:
+    """The messages' texts (contents, reasoning fields) to search for special tokens' text: an assistant content
+    that opens with the template's trace block (`block`, trace_markers) without those two tokens, where the template
+    writes them."""
+    opening, closing = block
+    for message in messages:
+        content = message.get("content")
+        if opening and message["role"] == "assistant" and isinstance(content, str) \
+                and content.lstrip().startswith(opening) and closing in content:
+            inner = content.lstrip()[len(opening):]
+            content = inner.replace(closing, "", 1)
+        yield content
+        yield message.get("reasoning_content")
