@@ -62,5 +62,6 @@ changed."""
 # without schemas) bad rows, s1K-1.1 rows with an 'attempt' column read, xLAM parameters named 'properties' wrapped,
 # the {% generation %} check admitting only the generation prompt before a trained run; 39: a row's own
 # chat_template_kwargs column (smoltalk2's) renders it, over --chat_template_kwargs (it was ignored), and a content's
-# [THINK]…[/THINK] where Magistral's template writes them is not counted as special_tokens_in_text
+# [THINK]…[/THINK] where Magistral's template writes them is not counted as special_tokens_in_text, and xLAM's Python
+# type names are JSON Schema's (str → string, ...), `, optional` ones not required, the others required
 CACHE_FORMAT_VERSION = 39

@@ -4,7 +4,8 @@ columns (`shape_of`), and `messages_row` gives the row's conversation (and tools
 - xlam: Salesforce/xlam-function-calling-60k (APIGen): `query`, `answers` (the calls, a JSON string of
   [{name, arguments}]) and `tools` (a JSON string of bare schemas whose `parameters` are JSON Schema's
   `properties`): the user's query, then an assistant turn of those calls, the tools handed to the template (their
-  parameters as the object schema `{"type": "object", "properties": …}`).
+  parameters as the object schema `{"type": "object", "properties": …}`, Python's type names as JSON Schema's:
+  python_types.py).
 - nemotron: nvidia/Llama-Nemotron-Post-Training-Dataset: `input` (the conversation so far, role/content
   messages), `output` (the reply, its trace inline as `<think>…</think>`) and `system_prompt` ("detailed
   thinking on"/"off", the switch the model was trained with), the conversation's system turn.
@@ -34,7 +35,11 @@ import json
 import re
 from typing import Any, Callable, Optional
 
+from open_sft.data.python_types import json_schema_types
 from open_sft.data.row_error import RowError
+
+# the key of a converted row (messages_row) saying its tool schemas' Python type names were mapped (xLAM's)
+TYPES_MAPPED = "tool_types_mapped"
 
 
 def decoded_list(value: Any) -> Any:
@@ -78,21 +83,30 @@ def _xlam(row: dict[str, Any]) -> dict[str, Any]:
                        "the reply the model should give instead; convert it to a messages row)", "empty_assistant")
     tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}}
                   for c in calls]
-    return {"tools": _xlam_schemas(row.get("tools")), "messages": [
+    tools, mapped = _xlam_schemas(row.get("tools"))
+    return {"tools": tools, TYPES_MAPPED: mapped, "messages": [
         {"role": "user", "content": _text(row, "query", "xLAM")},
         {"role": "assistant", "content": "", "tool_calls": tool_calls}]}
 
 
-def _xlam_schemas(tools: Any) -> Any:
+def _xlam_schemas(tools: Any) -> tuple[Any, bool]:
     """xLAM's tool schemas, each `parameters` (JSON Schema's `properties`, as xLAM writes them: {name: {type,
     description, default}}) within the object schema templates read (gpt-oss's writes a tool's arguments from its
-    `properties` and, without them, none); anything else as it is (formats.row_tools checks it)."""
+    `properties` and, without them, none), their Python type names as JSON Schema's (python_types.py), and whether
+    any was mapped; anything else as it is (formats.row_tools checks it)."""
     tools = decoded_list(tools)
     if not isinstance(tools, list):
-        return tools
-    return [{**tool, "parameters": {"type": "object", "properties": tool["parameters"]}}
-            if isinstance(tool, dict) and isinstance(tool.get("parameters"), dict)
-            and tool["parameters"].get("type") != "object" else tool for tool in tools]
+        return tools, False
+    schemas, mapped = [], False
+    for tool in tools:
+        if isinstance(tool, dict) and isinstance(tool.get("parameters"), dict) and \
+                tool["parameters"].get("type") != "object":
+            properties, required, changed = json_schema_types(tool["parameters"])
+            tool = {**tool, "parameters": {"type": "object", "properties": properties,
+                                           **({"required": required} if changed and required else {})}}
+            mapped |= changed
+        schemas.append(tool)
+    return schemas, mapped
 
 
 def _nemotron(row: dict[str, Any]) -> dict[str, Any]:

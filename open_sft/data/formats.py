@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
-from open_sft.data.dataset_shapes import SHAPES, decoded_list, json_error, messages_row
+from open_sft.data.dataset_shapes import SHAPES, TYPES_MAPPED, decoded_list, json_error, messages_row
 from open_sft.data.reasoning_fields import reasoning_of
 from open_sft.data.row_error import RowError
 from open_sft.data.row_template_kwargs import COLUMN as TEMPLATE_KWARGS, row_template_kwargs
@@ -37,6 +37,7 @@ class Conversation(list):
     raw_text: bool = False
     # the row's own chat template variables (its chat_template_kwargs column: smoltalk2's), over the source's
     template_kwargs: Optional[dict] = None
+    tool_types_mapped: bool = False  # its tool schemas' Python type names read as JSON Schema's (xLAM's)
 
 
 def same_kind(messages: Messages, items: Any) -> Messages:
@@ -343,9 +344,11 @@ def to_messages(row: dict[str, Any], fmt: str) -> Conversation:
             raise RowError(f"row has no {key!r} (the column of this source's from/value turns; columns: "
                            f"{sorted(row)})", "missing_messages")
         row, fmt = {**row, "conversations": row[key]}, "sharegpt"
-    elif fmt in SHAPES:  # a popular dataset's own columns (open_sft.data.dataset_shapes)
+    shaped = fmt in SHAPES
+    if shaped:  # a popular dataset's own columns (open_sft.data.dataset_shapes)
         row, fmt = messages_row(row, fmt), "messages"
     messages = Conversation(CONVERTERS[fmt](row))
+    messages.tool_types_mapped = shaped and bool(row.get(TYPES_MAPPED))
     check_trainable(messages)
     messages.tools = row_tools(row)
     messages.template_kwargs = row_template_kwargs(row)

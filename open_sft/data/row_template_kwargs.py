@@ -29,7 +29,8 @@ def row_template_kwargs(row: dict[str, Any]) -> Optional[dict]:
             value = json.loads(value) if value.strip() else None
         except ValueError as exc:
             raise RowError(f"{COLUMN!r} is a string but not JSON ({exc}); give an object of the chat template's "
-                           "variables for this row, such as {\"enable_thinking\": false}", "bad_template_kwargs") from None
+                           "variables for this row, such as {\"enable_thinking\": false}",
+                           "bad_template_kwargs") from None
     if value is None:
         return None
     if not isinstance(value, dict):

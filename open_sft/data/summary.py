@@ -112,6 +112,7 @@ class SourceReport:
     tools_listed_twice: int = 0  # rows whose tools a system message lists and the template writes again
     content_not_rendered: int = 0  # rows with a call turn whose content the template leaves out
     row_template_kwargs: int = 0  # rows rendered with their own chat_template_kwargs (smoltalk2's): no warning
+    tool_types_mapped: int = 0  # rows whose tool schemas' Python type names were read as JSON Schema's (xLAM's)
     hub_dataset: bool = False  # read from the Hub by its id (not a local file or directory): the card names it
 
     def to_dict(self) -> dict[str, Any]:
@@ -135,6 +136,7 @@ class SourceReport:
             "reasoning_opened_by_prompt": self.reasoning_opened_by_prompt,
             "reasoning_block_filled": self.reasoning_block_filled, "tools_listed_twice": self.tools_listed_twice,
             "content_not_rendered": self.content_not_rendered, "row_template_kwargs": self.row_template_kwargs,
+            "tool_types_mapped": self.tool_types_mapped,
             "hub_dataset": self.hub_dataset,
         }
 
@@ -144,6 +146,7 @@ class SourceReport:
         found = Counter({key[len(FOUND_NOTE):]: n for key, n in notes.items() if key.startswith(FOUND_NOTE)})
         self.special_tokens_in_text_by_token.update(found)
         self.row_template_kwargs += notes.get("row_template_kwargs", 0)
+        self.tool_types_mapped += notes.get("tool_types_mapped", 0)
         for note, what in _NOTES.items():
             if notes.get(note):
                 setattr(self, note, getattr(self, note) + notes[note])

@@ -62,6 +62,7 @@ class RowRender:
     reasoning_block_filled: bool = False  # a turn's trace trained in the think block its template writes empty
     content_not_rendered: bool = False  # a call turn's content (beside its calls) its template leaves out
     row_template_kwargs: bool = False  # rendered with the row's own chat template variables (render.row_options)
+    tool_types_mapped: bool = False  # its tool schemas' Python type names read as JSON Schema's (data/python_types.py)
     # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
     cuts: tuple[tuple[int, ...], ...] = ()
 
@@ -71,7 +72,8 @@ RENDER_NOTES = ("reasoning_not_rendered", "generation_tags_disagree", "reasoning
                 "tools_not_rendered", "tool_arguments_not_json", "special_tokens_in_text",
                 "reasoning_closed_by_prompt", "turns_in_one_rendering", "reasoning_tags_as_text",
                 "tool_results_wrapped_twice", "reasoning_opened_by_prompt", "reasoning_block_filled",
-                "tools_listed_twice", "content_not_rendered", "row_template_kwargs")
+                "tools_listed_twice", "content_not_rendered", "row_template_kwargs",
+                "tool_types_mapped")
 
 
 def _trained_indices(messages: Messages, train_on: str) -> list[int]:
@@ -175,8 +177,9 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)
     if wrapped_twice(messages, texts):
         rendered = dataclasses.replace(rendered, tool_results_wrapped_twice=True)
-    if getattr(messages, "template_kwargs", None):
-        rendered = dataclasses.replace(rendered, row_template_kwargs=True)
+    own_kwargs, mapped = bool(getattr(messages, "template_kwargs", None)), getattr(messages, "tool_types_mapped", False)
+    if own_kwargs or mapped:
+        rendered = dataclasses.replace(rendered, row_template_kwargs=own_kwargs, tool_types_mapped=mapped)
     return rendered
 
 

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from open_sft.config.args import DataArguments
+from open_sft.data.build import build_examples
 from open_sft.data.format_detect import detect_format
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import trained_token_runs
@@ -96,7 +98,8 @@ def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp
     row = {"id": 0, "query": "Weather in Oslo and Bern?", "answers": json.dumps(calls),
            "tools": json.dumps([WEATHER_TOOL])}
     assert detect_format(row, "f") == "xlam"
-    schema = {**WEATHER_TOOL, "parameters": {"type": "object", "properties": WEATHER_TOOL["parameters"]}}
+    schema = {**WEATHER_TOOL, "parameters": {"type": "object", "properties": {"city": {  # Python's str: string
+        "description": "The city.", "type": "string", "default": "Oslo"}}, "required": ["city"]}}
     examples = examples_of(qwen3, tmp_path, [row])
     assert examples == examples_of(qwen3, tmp_path, [{"tools": [{"type": "function", "function": schema}],
                                                       "messages": [{"role": "user", "content": row["query"]}, {
@@ -105,11 +108,11 @@ def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp
         f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>' + end
         for city, end in (("Oslo", "\n"), ("Bern", "<|im_end|>")))]
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", ' \
-           '"parameters": {"type": "object", "properties": {"city": {"description": "The city.", "type": "str", ' \
-           '"default": "Oslo"}}}}}\n</tools>' in qwen3.decode(examples[0][0])
+           '"parameters": {"type": "object", "properties": {"city": {"description": "The city.", "type": "string", ' \
+           '"default": "Oslo"}}, "required": ["city"]}}}\n</tools>' in qwen3.decode(examples[0][0])
     gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
     (ids, _), = examples_of(gpt_oss, tmp_path, [{**row, "answers": json.dumps(calls[:1])}])
-    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity?: any, // default: "Oslo",\n}) ' \
+    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity: string, // default: "Oslo",\n}) ' \
               '=> any;'
     assert written in gpt_oss.decode(ids)  # without the object schema: "type get_weather = () => any;"
     with pytest.raises(RowError, match="xLAM row's 'answers' is empty: the row has no call to train"):
@@ -329,8 +332,9 @@ def test_s1k_xlam_and_nemotron_rows_read_by_the_columns_they_have() -> None:
     given = {"name": "pick", "parameters": {"type": "object", "properties": {}}}
     row = {"query": "Pick.", "answers": json.dumps([{"name": "pick", "arguments": {"properties": ["a"]}}])}
     assert to_messages({**row, "tools": json.dumps([columns, given])}, "xlam").tools == [
-        {"type": "function", "function": {**columns, "parameters": {"type": "object",
-                                                                    "properties": columns["parameters"]}}},
+        {"type": "function", "function": {**columns, "parameters": {"type": "object", "properties": {"properties": {
+            "type": "array", "description": "The columns.", "items": {"type": "string"}}},
+            "required": ["properties"]}}},
         {"type": "function", "function": given}]
     with pytest.raises(RowError) as caught:
         to_messages({"input": "What is 7+5?", "output": "12", "system_prompt": ""}, "nemotron")
@@ -351,3 +355,31 @@ def test_a_conversation_column_that_is_not_json_names_the_error() -> None:
         with pytest.raises(RowError) as caught:
             to_messages(row, fmt)
         assert str(caught.value).endswith(where), str(caught.value)
+
+
+def test_xlam_python_type_names_are_written_as_json_schema_types(tiny_model_dir, tmp_path) -> None:
+    """xLAM types its parameters by Python's names (`str`, `List[int]`, `int, optional`) and lists no `required`:
+    gpt-oss's template wrote every parameter `any`, optional (`a?: any`). The unambiguous names are JSON Schema's
+    now, `, optional` not required, the others required; a name that is not one of them is left as written; the
+    data report counts the rows (tool_types_mapped)."""
+    tools = [{"name": "f", "description": "F.", "parameters": {
+        "a": {"type": "str", "description": "A."}, "b": {"type": "List[int]", "description": "B.", "default": [1]},
+        "c": {"type": "int, optional", "description": "C.", "default": 3},
+        "d": {"type": "Callable", "description": "D."}, "e": {"type": "Dict[str, Any]", "description": "E."},
+        "g": {"type": "bool, optional", "description": "G."}}}]
+    row = {"query": "Call f.", "answers": json.dumps([{"name": "f", "arguments": {"a": "x"}}]),
+           "tools": json.dumps(tools)}
+    parameters = to_messages(row, "xlam").tools[0]["function"]["parameters"]
+    assert {name: spec["type"] for name, spec in parameters["properties"].items()} == {
+        "a": "string", "b": "array", "c": "integer", "d": "Callable", "e": "object", "g": "boolean"}
+    assert parameters["properties"]["b"]["items"] == {"type": "integer"}
+    assert parameters["required"] == ["a", "b", "d", "e"]
+    gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
+    path = tmp_path / "xlam.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [row, {**row, "tools": json.dumps([{**tools[0],
+                                                                                            "parameters": {}}])}]))
+    examples, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), gpt_oss, 0)
+    assert "type f = (_: {\n// A.\na: string,\n// B.\nb: number[], // default: [1],\n// C.\nc?: number, // default: " \
+           "3,\n// D.\nd: any,\n// E.\ne: object,\n// G.\ng?: boolean,\n}) => any;" in gpt_oss.decode(
+               examples[0].input_ids)
+    assert report.tool_types_mapped == 1 and report.to_dict()["tool_types_mapped"] == 1

@@ -29,7 +29,8 @@ def test_each_row_renders_with_its_own_template_variables(smollm3, tmp_path) -> 
     ...}`): the column was ignored, and a no-think row trained '42.' after a '/think' system turn, without the empty
     think block its generation prompt writes. Each row renders as apply_chat_template(**its kwargs) now, the row's
     value over --chat_template_kwargs', and the data report counts the rows."""
-    rows = [{"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False, "custom_instructions": "Be terse."}},
+    rows = [{"messages": QUESTION,
+             "chat_template_kwargs": {"enable_thinking": False, "custom_instructions": "Be terse."}},
             {"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": None, "python_tools": None}},
             {"messages": QUESTION}]
     examples, (report,) = build(smollm3, tmp_path, rows, chat_template_kwargs='{"enable_thinking": true}')
@@ -63,7 +64,8 @@ def test_a_parquet_struct_column_of_variables_loses_the_nulls_arrow_fills_in(tmp
     none; a null enable_thinking would switch SmolLM3's thinking off (`if enable_thinking`), and xml_tools' schemas
     would carry other rows' keys."""
     rows = [{"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}},
-            {"messages": QUESTION, "chat_template_kwargs": {"xml_tools": [{"name": "add", "strict": True}, {"name": "f"}]}}]
+            {"messages": QUESTION,
+             "chat_template_kwargs": {"xml_tools": [{"name": "add", "strict": True}, {"name": "f"}]}}]
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path)
     read = [without_arrow_fill(row) for row in pq.read_table(path).to_pylist()]
