@@ -25,6 +25,7 @@ from open_sft.data.chat import render
 from open_sft.data.chat.call_ids import check_call_ids
 from open_sft.data.chat.content_place import end_of_turn_length, marked_place, prefix_place
 from open_sft.data.chat.emptied_trace import inline_moved
+from open_sft.data.chat.environment_turns import environment_hint
 from open_sft.data.chat.foreign_fields import around, message_fields
 from open_sft.data.chat.raw_rows import raw_completion
 from open_sft.data.chat.reasoning import (answer_of, inline_reasoning, inline_unwritten, masked, reasoning_of,
@@ -275,7 +276,8 @@ def _per_turn(state: TemplateState, tokenizer: PreTrainedTokenizerBase, messages
             raise RowError(f"{where}: the chat template does not write its tool calls ({', '.join(missing)}: some or "
                            "all of them, or their arguments); use a template that renders them (the model's own, or "
                            "--chat_template_path FILE); a template that writes one call a turn (gpt-oss's) needs "
-                           "parallel calls split into turns", "tool_calls_not_rendered")
+                           f"parallel calls split into turns{environment_hint(state.source, messages)}",
+                           "tool_calls_not_rendered")
         if not turn.target.strip():
             raise RowError(f"message {i + 1} (assistant): the chat template writes nothing for this turn; choose "
                            "another template")

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from open_sft.data.formats import Messages, RowError
 from open_sft.data.tool_schemas import function_of
+from open_sft.data.chat.environment_turns import environment_hint
 from open_sft.data.chat.shape_render import ShapeRender, render_shape
 from open_sft.data.chat.templates import content_writing, has_generation_tags, is_builtin_template
 from open_sft.data.chat.thinking_blocks import reads_thinking_blocks, with_thinking_blocks
@@ -137,7 +138,7 @@ def _guarded(draw: Renderer, source: str = "") -> Renderer:
                                "Jinja2. Give a form written for Jinja2 (the model repository's own, or one that keeps "
                                "such values in a {% set ns = namespace(...) %}) with --chat_template_path",
                                "template_not_jinja2") from None
-            problem += schema_key_hint(problem, tools)
+            problem += schema_key_hint(problem, tools) + environment_hint(source, messages)
             if not tools and _renders_with_tools(draw, messages, add_generation_prompt):
                 raise RowError(f"the chat template cannot render a conversation without tools ({problem}; it renders "
                                "this one given a tools list): the row is fine, the template needs a tools list. Choose "

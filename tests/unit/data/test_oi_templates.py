@@ -4,6 +4,7 @@ template has no turn for rejected, and the trained tokens of each template what 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from jinja2 import TemplateError
@@ -82,3 +83,50 @@ def test_trained_tokens_are_what_each_assistant_turn_writes(tiny_model_dir, tmp_
     ends = {next(i for i in reversed(run) if i in special)
             for run in trained_token_runs(examples[0].input_ids, examples[0].labels) if special & set(run)}
     assert ends <= set(end_of_turn_ids(tokenizer)) and (ends or name.endswith("simple_chat"))
+
+
+OPENAI_TOOL_ROW = {"tools": [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}], "messages": [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "add", "arguments": {"a": 2, "b": 3}}}]},
+    {"role": "tool", "content": "5"}, {"role": "assistant", "content": "It is 5."}]}
+HINT = ("this template (OLMo's, as open-instruct and Olmo 3's Think models write it) has no 'tool' role and reads no "
+        "OpenAI 'tool_calls': it writes a tool's result as an 'environment' turn")
+
+
+def test_openai_tool_rows_under_olmo_templates_say_the_form_they_need(tiny_model_dir) -> None:
+    """OLMo's templates (open-instruct's olmo*, Olmo 3 Think's own) write tool results as `environment` turns and
+    calls from a `function_calls` string: an OpenAI tool row was refused with 'the olmo chat template has no turn for
+    role tool' (open_sft's copy of open-instruct's olmo), or, under open-instruct's form that leaves the turn out,
+    'does not write its tool calls', neither saying what the template reads. Both errors say it now, and how to give
+    the row; the row in that form trains its calls."""
+    from transformers import AutoTokenizer
+
+    from open_sft.data.chat.examples import row_examples
+    from open_sft.data.chat.render import special_markers
+    from open_sft.data.chat.templates import apply_chat_template_choice
+    from open_sft.data.formats import RowError, to_messages
+    from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    apply_chat_template_choice(tokenizer, "olmo", None)
+    markers = special_markers(tokenizer)
+    with pytest.raises(RowError, match=re.escape("no turn for role tool; " + HINT)) as refused:
+        row_examples(tokenizer, to_messages(OPENAI_TOOL_ROW, "messages"), "all_assistant", markers)
+    assert refused.value.reason == "template_error" and "--chat_template_path FILE" in str(refused.value)
+    source = OPEN_INSTRUCT_TEMPLATES["olmo"][0]
+    tokenizer.chat_template = source[:source.index("{% else %}{{ raise_exception")] + source[source.rindex(
+        "{% endif %}{% if loop.last and add_generation_prompt"):]  # open-instruct's own: a tool turn left out
+    with pytest.raises(RowError, match="does not write its tool calls .*; " + re.escape(HINT)) as refused:
+        row_examples(tokenizer, to_messages(OPENAI_TOOL_ROW, "messages"), "all_assistant", markers)
+    assert refused.value.reason == "tool_calls_not_rendered"
+    olmo_form = [OPENAI_TOOL_ROW["messages"][0],
+                 {"role": "assistant", "content": "", "function_calls": "add(a=2, b=3)"},
+                 {"role": "environment", "content": "5"}, OPENAI_TOOL_ROW["messages"][3]]
+    examples = row_examples(tokenizer, to_messages({"messages": olmo_form}, "messages"), "all_assistant",
+                            markers).examples
+    assert [text[a:b] for text, spans in examples for a, b in spans] == [
+        "<function_calls>add(a=2, b=3)</function_calls>" + tokenizer.eos_token, "It is 5." + tokenizer.eos_token]
+    qwen3 = family_tokenizer(tiny_model_dir, "qwen3")  # a template of OpenAI's form: no such hint
+    assert row_examples(qwen3, to_messages(OPENAI_TOOL_ROW, "messages"), "all_assistant", special_markers(qwen3))
