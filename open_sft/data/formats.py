@@ -309,9 +309,8 @@ def without_arrow_fill(row: dict[str, Any]) -> dict[str, Any]:
     a column of objects is one struct type over all rows, so each tool call's arguments and each tool schema got
     every key any row's had, null where the row had none (`{"city": "Oslo", "query": null, "limit": null}`), and
     the template would write them and the model learn them. Nulls inside tool calls, tool schemas and a row's
-    chat_template_kwargs are removed
-    (a null a row really held there cannot be told apart from the fill); messages' own null keys are dropped by
-    `_from_messages` whatever the source."""
+    chat_template_kwargs are removed (a null a row really held there cannot be told apart from the fill); messages'
+    own null keys are dropped by `_from_messages` whatever the source."""
     for column in ("tools", "functions", TEMPLATE_KWARGS):  # TEMPLATE_KWARGS: smoltalk2's struct column
         if isinstance(row.get(column), (list, dict)):
             row[column] = _without_nulls(row[column])

@@ -43,4 +43,9 @@ def row_template_kwargs(row: dict[str, Any]) -> Optional[dict]:
                        "tools, the generation prompt); give those as the row's columns and remove them here",
                        "bad_template_kwargs")
     kwargs = {key: item for key, item in value.items() if item is not None}
+    try:
+        json.dumps(kwargs)  # the row's render options are keyed by them as JSON (data/chat/render.row_options)
+    except (TypeError, ValueError) as exc:
+        raise RowError(f"{COLUMN!r} holds a value that is not JSON ({exc}); give the template's variables as JSON "
+                       "values (strings, numbers, booleans, lists, objects)", "bad_template_kwargs") from None
     return kwargs or None
