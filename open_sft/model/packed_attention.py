@@ -238,7 +238,9 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         # example: a sliding window or chunks that some families (Phi-MoE, Qwen2-MoE, Llama-4) put only there
         allowed = _allowed(attention_mask, length)
         masked = allowed is not None and not kinds.plain(attention_mask, allowed, lengths)
-        plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None
+        # values as wide as queries and keys: not multi-head latent attention's (DeepSeek-V2/V3, Kimi), whose values
+        # are narrower, which the variable-length kernel does not take
+        plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None and value.shape[3] == query.shape[3]
                  and kwargs.get("sliding_window") is None and not masked)
         dtype = _varlen_dtype(query)
         if kernel is not None and plain and dtype is not None:
@@ -261,7 +263,7 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
                 out, _ = inner(module, *padded, None, is_causal=True, **kwargs)
             outputs.append(out[0, :n])  # [example, heads, head_dim]: transformers' functions return [b, t, h, d]
             offset += n
-        return torch.cat(outputs).view(batch, length, query.shape[1], query.shape[3]), None
+        return torch.cat(outputs).view(batch, length, query.shape[1], value.shape[3]), None  # the values' width
 
     # under --torch_compile the lengths (a host list that changes every batch) would be baked into the layer's
     # graph and recompiled for at every batch: the call stays eager between the layer's compiled halves

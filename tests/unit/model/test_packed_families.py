@@ -29,6 +29,10 @@ EXPERTS = {
     "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []},
+    # multi-head latent attention (DeepSeek-V3's): values narrower than queries and keys, heads all key/value heads
+    "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1,
+                    "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "num_key_value_heads": 4},
 }
 
 
@@ -260,3 +264,19 @@ def test_a_causal_lm_whose_prefix_is_not_its_decoder_trains(sdpa_entry) -> None:
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
     packed_attention.install(model)
     assert "keeps packed examples apart" in check_packing(model)
+
+
+def test_values_narrower_than_queries_are_packed(sdpa_entry) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) gives values narrower than queries and keys
+    (DeepSeek-V3: 128 against 192): the per-example calls' output was viewed at the queries' width, and every --packing
+    run of such a model stopped with "shape '[1, 16, 4, 24]' is invalid" (found by a family sweep)."""
+    model = build("deepseek_v3", window=False)
+    attention = model.model.model.layers[0].self_attn
+    assert attention.qk_head_dim == 16 and attention.v_head_dim == 8
+    ids = examples(SMALL["vocab_size"])
+    reference, reference_grads = alone(model, ids)
+    assert packed_attention.install(model.model)
+    loss, grads = packed(model, ids)
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference_grads[name], rtol=1e-4, atol=1e-5)
