@@ -4,10 +4,13 @@ A packed row holds several examples, told apart only by position_ids restarting.
 block-diagonal mask (or open_sft's per-example attention splits the row) for the families whose mask is built
 from position_ids; a family whose mask ignores them (gpt-oss, Bloom, MPT, XGLM, Granite-4.0-H's hybrid layers in
 transformers 5) gives the whole row one causal mask, and every example attends to the ones packed before it: a
-loss that trains, but not on the data (found by a family sweep). Families in VERIFIED are held to it by
-tests/unit/model/test_packed_families.py; any other is checked here on the model itself: the hidden states of a
-short example alone against the same example packed after another. A difference stops the run with the family
-named, before any step is taken.
+loss that trains, but not on the data (found by a family sweep). A recurrent layer (Mamba's, LFM2's short
+convolution, Qwen3-Next's linear attention) carries its state from one example into the next whatever the
+positions say. Families in VERIFIED are held to it by tests/unit/model/test_packed_families.py; any other is
+checked here on the model itself, as the run computes (autocast in its dtype): the hidden states of a short
+example alone against the same example packed after another, and the gradient of the second example's hidden
+states with respect to the first's embeddings, which is exactly 0 where examples are kept apart. A difference
+stops the run with the family named, before any step is taken.
 """
 
 from __future__ import annotations
@@ -29,11 +32,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# families whose packed examples attend to each other (tests/unit/model/test_packed_families.py holds each to its
-# leak): refused by name also where the model is partitioned and the check cannot run
-LEAKS = frozenset({"gpt_oss"})
+# families whose packed examples see each other, and why (tests/unit/model/test_packing_leaks.py holds each to its
+# leak): refused by name, also where the model is partitioned and the check cannot run. The recurrent ones:
+# transformers resets their state only where flash-attention's cu_seq_lens are passed, which packed rows do not pass
+_RECURRENT = ("its recurrent layers (Mamba, a short convolution or linear attention) carry their state from one "
+              "example into the next")
+LEAKS = {"gpt_oss": "its eager attention mask is one causal mask over the whole row", **dict.fromkeys((
+    "lfm2", "lfm2_moe", "falcon_h1", "bamba", "jamba", "granitemoehybrid", "nemotron_h", "zamba2", "qwen3_next",
+    "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "minimax", "kimi_linear", "olmo_hybrid", "mamba",
+    "mamba2", "falcon_mamba"), _RECURRENT)}
 FIRST, SECOND = 7, 9  # tokens of the example packed first and of the one checked after it
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # of the hidden states' scale; half precision: 2e-2
+# the second example's gradient with respect to the first's embeddings, relative to that with respect to its own:
+# exactly 0 where they are kept apart (no path joins them, or only masked attention weights, exact zeros), in any
+# dtype; a recurrent state gives ~1e-3 (LFM2's short convolution at initialisation) to 1
+DEPENDENCE_TOL = 1e-6
+HALF = (torch.bfloat16, torch.float16)
 
 
 def _backbone(model: nn.Module) -> nn.Module:
@@ -58,6 +72,14 @@ def _partitioned(model: nn.Module) -> bool:
     return any(getattr(p, "ds_numel", None) is not None or isinstance(p, DTensor) for p in model.parameters())
 
 
+def _computing(model: nn.Module, dtype: Optional[torch.dtype]) -> contextlib.AbstractContextManager:
+    """Autocast in the run's half-precision compute dtype, as training computes (a LoRA run's frozen decoder weights
+    may be bf16 beside fp32 embeddings and adapters, which only autocast multiplies together); else nothing."""
+    if dtype not in HALF:
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
 @torch.no_grad()
 def packing_leak(model: nn.Module) -> float:
     """How far the second of two packed examples' hidden states move from those it has alone, relative to their
@@ -72,6 +94,34 @@ def packing_leak(model: nn.Module) -> float:
         alone = backbone(input_ids=ids[:, FIRST:], use_cache=False).last_hidden_state.float()
         packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, FIRST:].float()
     return float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-12))
+
+
+def packing_dependence(model: nn.Module) -> float:
+    """How much the second of two packed examples depends on the first: the gradient of a fixed projection of its
+    last hidden states with respect to the first example's input embeddings, relative to the gradient with respect to
+    its own (0 for a model that keeps packed examples apart, whatever the dtype: where the hidden states' difference
+    can sit under half precision's rounding, as LFM2's short convolution does at bf16)."""
+    config = text_config(model.config)
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=generator).to(device)
+    positions = torch.cat([torch.arange(FIRST), torch.arange(SECOND)])[None].to(device)
+    embedded: list[torch.Tensor] = []
+
+    def leaf(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        embedded.append(output.detach().requires_grad_())
+        return embedded[-1]
+
+    hook = causal_lm_of(model).get_input_embeddings().register_forward_hook(leaf)
+    try:
+        with _evaluating(model), torch.enable_grad():
+            hidden = _backbone(model)(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+            projection = torch.randn(hidden.shape[-1], generator=generator).to(device)
+            (grad,) = torch.autograd.grad((hidden[:, FIRST:].float() @ projection).sum(), embedded[0])
+    finally:
+        hook.remove()
+    grad = grad.float().abs()
+    return float(grad[:, :FIRST].max() / grad[:, FIRST:].max().clamp_min(1e-30))
 
 
 def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
@@ -100,42 +150,45 @@ def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
     return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
 
 
-def check_packing(model: nn.Module) -> Optional[str]:
+def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """For a --packing run of a family outside VERIFIED: raises UserError when packed examples see each other;
-    returns a log line (None for verified families)."""
+    returns a log line (None for verified families). `compute_dtype`: the run's (autocast where half)."""
     family = getattr(model.config, "model_type", type(model).__name__)
     if family in VERIFIED:
         return None
     if family in LEAKS:
-        raise _leaking(family, "its eager attention mask is one causal mask over the whole row")
+        raise _leaking(family, LEAKS[family])
     if _partitioned(model):
         logger.warning("--packing: model type %r is not among the families open_sft has verified to keep packed "
                        "examples apart, and its parameters are partitioned here, so it is not checked at start; "
                        "check it once without ZeRO-3/FSDP/TP (a one-process run of a few steps)", family)
         return None
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype if compute_dtype in HALF else next(model.parameters()).dtype
     try:
-        leak = packing_leak(model)
+        with _computing(model, compute_dtype):
+            leak, dependence = packing_leak(model), packing_dependence(model)
+            finite = packed_gradients_finite(model)
     except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
         raise UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
                         "examples are told apart; train without --packing") from None
-    if leak > RTOL.get(dtype, 2e-2):
+    if leak > RTOL.get(dtype, 2e-2) or dependence > DEPENDENCE_TOL:
         raise _leaking(family, f"an example's hidden states moved by {leak:.2e} (relative) when another was packed "
-                       "before it: its attention mask is not built from position_ids, or a recurrent layer carries its "
-                       "state across examples")
-    if not packed_gradients_finite(model):
-        raise UserError(f"--packing: model type {family!r} gives non-finite gradients on a packed row (its block of pad "
-                        "tokens), so every packed step would be skipped; train without --packing (padded batches are "
-                        "fine); please report the model type")
+                       f"before it, and depend on its tokens ({dependence:.1e}, relative): its attention mask is not "
+                       "built from position_ids, or a recurrent layer carries its state across examples")
+    if not finite:
+        raise UserError(f"--packing: model type {family!r} gives non-finite gradients on a packed row (its block of "
+                        "pad tokens), so every packed step would be skipped; train without --packing (padded batches "
+                        "are fine); please report the model type")
     return f"--packing: model type {family!r} keeps packed examples apart (checked at start: {leak:.1e})"
 
 
 def _leaking(family: str, why: str) -> UserError:
-    return UserError(f"--packing: model type {family!r} lets packed examples attend to each other ({why}). Train "
+    return UserError(f"--packing: model type {family!r} lets packed examples see each other ({why}). Train "
                      "without --packing (padded batches keep examples apart); please report the model type")
 
 
-def route_packed_rows(model: nn.Module, train: TrainingArguments, parallelism: Parallelism) -> None:
+def route_packed_rows(model: nn.Module, train: TrainingArguments, parallelism: Parallelism,
+                      compute_dtype: Optional[torch.dtype] = None) -> None:
     """Packed rows' attention for the run (open_sft.model.packed_attention: per example, or torch's variable-length
     flash attention on a GPU), then, for --packing, the family checked to keep packed examples apart (on the whole
     model: not under pipeline parallelism, whose stages hold a part of it)."""
@@ -147,6 +200,6 @@ def route_packed_rows(model: nn.Module, train: TrainingArguments, parallelism: P
                     "torch's variable-length flash attention" if on_gpu and packed_attention.varlen_kernel()
                     else "sdpa has no variable-length kernel here")
     if train.packing and not parallelism.pp_enabled:
-        note = check_packing(model)
+        note = check_packing(model, compute_dtype)
         if note:
             logger.info("%s", note)
