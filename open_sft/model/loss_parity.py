@@ -21,6 +21,7 @@ from open_sft.model.loss import TokenLossModel
 VERIFIED = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
     "olmo", "olmo2", "olmoe", "granite", "granitemoe", "cohere", "cohere2", "gpt_neox", "starcoder2", "smollm3",
+    "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "hunyuan_v1_moe", "minimax_m2",
 })
 # ... and those whose loss alone is held to the model's own by the same test: a --packing run still checks them at
 # load (open_sft.model.packing_check; gpt-oss's eager mask ignores position_ids and is refused there). gemma3 is

@@ -17,6 +17,12 @@ from open_sft.model.loss_parity import LOSS_VERIFIED, VERIFIED, check_loss_parit
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+# DeepSeek-style routed experts (one dense layer first), and multi-head latent attention: values narrower than
+# queries and keys, as many key/value heads as query heads
+ROUTED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
+          "first_k_dense_replace": 1}
+LATENT = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+          "num_key_value_heads": 4}
 # each family's own knobs, and a transform strong enough to matter at these weights
 FAMILY = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -36,6 +42,13 @@ FAMILY = {
     "cohere2": {"logit_scale": 0.25},
     "gpt_neox": {"rotary_pct": 0.5},
     "phi": {"partial_rotary_factor": 0.5},
+    "deepseek_v2": {**ROUTED, **LATENT, "n_shared_experts": 1},
+    "deepseek_v3": {**ROUTED, **LATENT, "n_shared_experts": 1},
+    "glm4_moe": {**ROUTED, "n_shared_experts": 1},
+    "glm4_moe_lite": {**ROUTED, **LATENT, "n_shared_experts": 1},
+    "dots1": {**ROUTED, "n_shared_experts": 1},
+    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
+    "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},
 }
 TRANSFORMED = {"gemma2", "gemma3_text", "granite", "granitemoe", "cohere", "cohere2"}
 
@@ -167,7 +180,7 @@ def test_load_model_refuses_a_family_whose_transform_it_does_not_know(tmp_path, 
         load_model(ModelArguments(model_name_or_path=str(tmp_path)))
 
 
-MOE = ["granitemoe", "mixtral", "olmoe", "qwen3_moe"]
+MOE = ["granitemoe", "minimax_m2", "mixtral", "olmoe", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", MOE)
