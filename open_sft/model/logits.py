@@ -2,7 +2,8 @@
 
 open_sft runs the backbone and the LM head itself (open_sft.model.loss), so anything a family's
 `ForCausalLM.forward` applies to the logits would be skipped: Gemma-2/3 cap them (`final_logit_softcapping`:
-cap · tanh(z / cap)), Granite divides them (`logits_scaling`), Cohere multiplies them (`logit_scale`). Those
+cap · tanh(z / cap); RecurrentGemma's `logits_soft_cap`, xLSTM's `output_logit_soft_cap`), Granite divides them
+(`logits_scaling`), Cohere multiplies them (`logit_scale`). Those
 are elementwise, so the fused, chunked loss applies them to each block of logits (open_sft.model.fused_ce)
 and the full logits still never exist. That a family's loss is ours is checked at load (open_sft.model.loss_parity).
 """
@@ -55,5 +56,7 @@ def logit_transform(config: Any) -> LogitTransform:
         scale *= float(config.logit_scale)
     if getattr(config, "logits_scaling", None):  # Granite, GraniteMoE
         scale /= float(config.logits_scaling)
-    softcap = getattr(config, "final_logit_softcapping", None)  # Gemma-2, Gemma-3
+    softcap = (getattr(config, "final_logit_softcapping", None)  # Gemma-2, Gemma-3
+               or getattr(config, "logits_soft_cap", None)  # RecurrentGemma
+               or getattr(config, "output_logit_soft_cap", None))  # xLSTM
     return LogitTransform(scale, float(softcap) if softcap else None)

@@ -28,7 +28,7 @@ VERIFIED = frozenset({
 # Gemma-3 4B-27B's multimodal Gemma3ForConditionalGeneration, trained on text (its forward applies no logit cap).
 LOSS_VERIFIED = VERIFIED | frozenset({
     "gemma3", "olmo3", "gpt_oss", "qwen2_moe", "phimoe", "glm", "glm4", "ministral", "exaone4", "seed_oss", "helium",
-    "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense",
+    "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "recurrent_gemma", "xlstm",
 })
 PARITY_TOKENS = 24
 PARITY_RTOL = 1e-4

@@ -49,8 +49,12 @@ FAMILY = {
     "dots1": {**ROUTED, "n_shared_experts": 1},
     "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
     "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "recurrent_gemma": {"logits_soft_cap": 0.5, "lru_width": 32, "attention_window_size": 8,
+                        "block_types": ["recurrent", "attention"]},
+    "xlstm": {"output_logit_soft_cap": 0.5, "embedding_dim": 32, "num_heads": 4, "num_blocks": 2, "qk_dim_factor": 0.5,
+              "v_dim_factor": 1.0, "chunk_size": 4},
 }
-TRANSFORMED = {"gemma2", "gemma3_text", "granite", "granitemoe", "cohere", "cohere2"}
+TRANSFORMED = {"gemma2", "gemma3_text", "granite", "granitemoe", "cohere", "cohere2", "recurrent_gemma", "xlstm"}
 
 
 def gemma3_multimodal_config(**text):
@@ -127,6 +131,8 @@ def test_transforms_read_from_configs() -> None:
     assert logit_transform(tiny("gemma2").config) == LogitTransform(1.0, 0.5)
     assert logit_transform(tiny("granite").config) == LogitTransform(0.25, None)
     assert logit_transform(tiny("cohere").config) == LogitTransform(0.25, None)
+    assert logit_transform(tiny("recurrent_gemma").config) == LogitTransform(1.0, 0.5)
+    assert logit_transform(tiny("xlstm").config) == LogitTransform(1.0, 0.5)
     assert LogitTransform(2.0, 3.0).describe() == "scaled by 2, capped at 3 (tanh)"
 
 

@@ -51,6 +51,9 @@ TINY = {
     "olmo_hybrid": LINEAR,
     "mamba": {"state_size": 8}, "falcon_mamba": {"state_size": 8},
     "mamba2": {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 8},
+    "recurrent_gemma": {"lru_width": 32, "attention_window_size": 8, "block_types": ["recurrent", "attention"]},
+    "xlstm": {"embedding_dim": 32, "num_heads": 4, "num_blocks": 2, "qk_dim_factor": 0.5, "v_dim_factor": 1.0,
+              "chunk_size": 4},
 }
 COMPOSITE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # multimodal checkpoints of a text family
 
