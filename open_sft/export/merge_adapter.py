@@ -19,6 +19,7 @@ from open_sft.export.save import cast_floating, save_dtype, save_tokenizer, stag
 from open_sft.export.target import check_target
 from open_sft.export.template_kwargs import run_record
 from open_sft.file_modes import writable_dir_problem
+from open_sft.model.lora_targets import linear_targets_kept
 
 COMMAND = "open_sft merge-lora"
 
@@ -51,7 +52,8 @@ def merge_adapter_dir(adapter_dir: Path, output_dir: Path, dtype: str = "auto",
     torch_dtype = None if qlora_auto else save_dtype(dtype, model.config)
     tokenizer = load_saved_tokenizer(adapter_dir)
     fit_base_to_adapter(model, adapter_dir, tokenizer)
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    with linear_targets_kept():  # the adapters of shared experts and dense MLPs too (open_sft.model.lora_targets)
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     # on the CPU, as a run's gathered state dict is: a QLoRA base on the GPU (base_loading's) is dequantized to it
     merged = merged_state_dict(peft_model, {k: v.cpu() for k, v in peft_model.state_dict().items()})
     created = not output_dir.exists()

@@ -164,10 +164,13 @@ def load_adapter_base(directory: Path, base_model: Optional[str], **loading: Any
 def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) -> tuple[Any, str]:
     from peft import PeftModel
 
+    from open_sft.model.lora_targets import linear_targets_kept
+
     model, base = load_adapter_base(directory, base_model, **base_loading(directory))
     fit_base_to_adapter(model, directory, tokenizer)
     try:
-        with warnings.catch_warnings():  # peft asks transformers' deprecated name; nothing the user can change
+        with warnings.catch_warnings(), linear_targets_kept():  # the shared experts' adapters too (lora_targets)
+            # peft asks transformers' deprecated name; nothing the user can change
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = PeftModel.from_pretrained(model, str(directory))
     except (RuntimeError, ValueError) as exc:  # shapes that do not fit: another base than the run's

@@ -34,7 +34,7 @@ from transformers import BitsAndBytesConfig, PreTrainedModel
 from open_sft.config.args import LoraArguments
 from open_sft.errors import UserError
 from open_sft.model.anatomy import decoder_layers, outside_text_path, param_numel
-from open_sft.model.lora_targets import describe, parameter_targets, split_targets
+from open_sft.model.lora_targets import describe, linear_targets_kept, parameter_targets, split_targets
 
 # peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
 # uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds
@@ -128,7 +128,7 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
                            "leave them out)", args.lora_dropout, " ".join(args.lora_target_modules),
                            ", ".join(targets[1]))
             dropout = 0.0
-        with _trainable_tokens_off_cuda(model if rows else None):
+        with _trainable_tokens_off_cuda(model if rows else None), linear_targets_kept():
             peft_model = get_peft_model(model, lora_config(args, rows, dropout, targets, outside_text_modules(model)))
         said = describe(peft_model, held)
         if said:

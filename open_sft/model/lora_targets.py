@@ -6,11 +6,20 @@ weight (gpt-oss's `router.weight`): linear maps that are no nn.Linear, so peft's
 its own v4-to-v5 conversion knows the family (Mixtral, the Qwen2-MoE kin), and never gpt-oss's, which left ~97 % of
 gpt-oss's decoder weights without an adapter. peft adapts such a weight as a parameter (`target_parameters`, its
 ParamWrapper, as OpenAI's gpt-oss LoRA recipe does), without dropout. Here all-linear names them too, and a user may
-name them (or their module: `experts`, `router`) in --lora_target_modules."""
+name them (or their module: `experts`, `router`) in --lora_target_modules.
+
+peft converts the LoRA config of the MoE families whose experts transformers 5 fused (DeepSeek-V2/V3, GLM-4.5,
+Qwen3-Next, ERNIE-4.5-MoE, Hunyuan-A13B, ... the "qwen2_moe" and "mixtral" patterns) from v4's expert names to v5's:
+every target named gate_proj, up_proj or down_proj becomes the experts' fused parameter, and the nn.Linear layers of
+those names that are no experts (the dense layers before the first MoE layer, the shared experts) were left without
+an adapter: all-linear on DeepSeek-V3 adapted the attention and the routed experts only. `linear_targets_kept` keeps
+them wherever open_sft hands peft a config (a run's get_peft_model, generate/chat/compare's and merge-lora's
+PeftModel.from_pretrained)."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import contextlib
+from typing import Iterator, Optional, Union
 
 from torch import nn
 
@@ -93,3 +102,40 @@ def describe(peft_model: nn.Module, before: dict[str, str]) -> Optional[str]:
     left = [full for full in before if full not in adapted]
     return (f"LoRA on this MoE's weights held as parameters (peft target_parameters, no dropout): adapted "
             f"{kinds(adapted)} ({len(adapted)} tensors); without an adapter {kinds(left)} ({len(left)} tensors)")
+
+
+# v4's expert projection names, which peft's conversion maps to the fused experts' parameters (not the router's gate)
+_PROJECTIONS = frozenset({"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
+
+@contextlib.contextmanager
+def linear_targets_kept() -> Iterator[None]:
+    """peft's v4-to-v5 MoE conversion of a LoRA config, keeping the targets that name nn.Linear layers of the model
+    (a shared expert's or a dense layer's gate_proj / up_proj / down_proj) beside the experts' fused parameters it
+    maps them to. For the duration of a get_peft_model or PeftModel.from_pretrained."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    original = conversion._convert_peft_config_moe
+
+    def keeping_linear_layers(peft_config, model: nn.Module) -> None:
+        given = peft_config.target_modules
+        original(peft_config, model)
+        converted = peft_config.target_modules
+        if given is None or isinstance(converted, str) or converted == given or (
+                isinstance(given, str) and given.lower() != "all-linear"):
+            return  # a family peft does not convert (its targets as given), or a regex
+        linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+        named = linear if isinstance(given, str) else set(given)
+        kept = {name for name in named if _leaf(name) in _PROJECTIONS & linear}
+        if kept:
+            peft_config.target_modules = set(peft_config.target_modules or ()) | kept
+
+    conversion._convert_peft_config_moe = keeping_linear_layers
+    try:
+        yield
+    finally:
+        conversion._convert_peft_config_moe = original
+
+
+def _leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]

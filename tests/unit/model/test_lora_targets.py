@@ -64,3 +64,61 @@ def test_a_merge_of_gpt_oss_experts_adapters_is_the_adapted_model() -> None:
     ids, plain = merge_is_the_adapted_model(peft_model, tiny_gpt_oss)
     with torch.no_grad(), peft_model.disable_adapter():
         torch.testing.assert_close(peft_model(input_ids=ids).logits, plain)
+
+
+DEEPSEEK = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "max_position_embeddings": 64,
+            "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+            "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 16,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
+DENSE_AND_SHARED = [f"model.layers.0.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")] + [
+    f"model.layers.1.mlp.shared_experts.{p}" for p in ("down_proj", "gate_proj", "up_proj")]
+
+
+def tiny_deepseek() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **DEEPSEEK))
+
+
+def adapted_layers(peft_model: torch.nn.Module) -> set[str]:
+    return {name.split(".lora_")[0].removeprefix("base_model.model.").replace(".base_layer", "")
+            for name, param in peft_model.named_parameters() if param.requires_grad and ".lora_A" in name}
+
+
+def test_all_linear_on_deepseek_adapts_its_dense_layers_and_shared_experts(tmp_path) -> None:
+    """peft's v4-to-v5 MoE conversion turns every target named gate_proj/up_proj/down_proj into the routed experts'
+    fused parameters: all-linear on DeepSeek-V3 (GLM-4.5, Qwen3-Next, ERNIE-4.5-MoE, ...) left the dense first layers'
+    MLP and every shared expert without an adapter (found by a family sweep). They are adapted now, and the saved
+    adapter loads back whole where open_sft loads it (generate/chat/compare, merge-lora): same logits."""
+    from peft import PeftModel
+
+    from open_sft.model.lora_targets import linear_targets_kept
+
+    model = apply_lora(tiny_deepseek(), LoraArguments(use_lora=True), False, dropout_given=False)
+    adapted = adapted_layers(model)
+    assert set(DENSE_AND_SHARED) <= adapted, sorted(adapted)
+    assert {"model.layers.1.mlp.experts", "model.layers.1.self_attn.q_b_proj"} <= adapted
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = model.eval()(input_ids=ids).logits
+    with linear_targets_kept():
+        loaded = PeftModel.from_pretrained(tiny_deepseek(), str(tmp_path)).eval()
+    assert {n.split(".lora_")[0] for n, _ in loaded.named_parameters() if ".lora_A" in n} >= {
+        f"base_model.model.{name}" for name in DENSE_AND_SHARED}
+    torch.testing.assert_close(loaded.eval()(input_ids=ids).logits, expected)
+    without = PeftModel.from_pretrained(tiny_deepseek(), str(tmp_path)).eval()  # peft alone drops them
+    assert not any("shared_experts" in n and ".lora_A" in n for n, _ in without.named_parameters())
+
+
+def test_all_linear_on_a_family_peft_does_not_convert_adapts_every_linear_layer() -> None:
+    """The conversion kept as it was where peft does not convert: all-linear stays every linear layer of Llama."""
+    config = AutoConfig.for_model("llama", **{k: GPT_OSS[k] for k in list(GPT_OSS)[:7]})
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), LoraArguments(use_lora=True), False)
+    assert adapted_layers(model) == {f"model.layers.{i}.{part}" for i in range(2) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+        "mlp.down_proj")}
