@@ -34,7 +34,8 @@ from transformers import BitsAndBytesConfig, PreTrainedModel
 from open_sft.config.args import LoraArguments
 from open_sft.errors import UserError
 from open_sft.model.anatomy import decoder_layers, outside_text_path, param_numel
-from open_sft.model.lora_targets import describe, linear_targets_kept, parameter_targets, split_targets
+from open_sft.model.lora_targets import (describe, linear_routers, linear_targets_kept, parameter_targets,
+                                        split_targets)
 
 # peft is imported where a LoRA run calls it, not here: every run imports this module (load_model asks
 # uses_lora), and `import peft` imports bitsandbytes, whose ops module sets up torch.compile, several seconds
@@ -80,10 +81,12 @@ def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[i
 
 def outside_text_modules(model: PreTrainedModel) -> Optional[str]:
     """A regex (peft's exclude_modules) of the modules text never runs, a multimodal model's vision tower and
-    projector: adapters there would get no gradient (their q_proj and fc1 match all-linear and named targets)."""
+    projector: adapters there would get no gradient (their q_proj and fc1 match all-linear and named targets); and
+    of the routers adapted as a weight that peft would also take for linear layers (lora_targets.linear_routers)."""
     parts = {id(part) for part in outside_text_path(model).values()}
-    names = [re.escape(name) for name, module in model.named_modules() if id(module) in parts]
-    return rf"({'|'.join(names)})(\..*)?" if names else None
+    names = [rf"{re.escape(name)}(\..*)?" for name, module in model.named_modules() if id(module) in parts]
+    names += [re.escape(name) for name in linear_routers(model)]
+    return "|".join(f"({name})" for name in names) if names else None
 
 
 def trainable_token_rows(model: PreTrainedModel, new_ids: list[int]) -> dict[str, list[int]]:

@@ -55,6 +55,16 @@ def parameter_targets(model: nn.Module) -> dict[str, str]:
     return found
 
 
+def linear_routers(model: nn.Module) -> list[str]:
+    """The routers parameter_targets adapts as a weight that are nn.Linear subclasses with a forward of their own
+    (Llama-4's Llama4Router returns scores and logits): peft's all-linear would wrap them as layers too, which peft
+    refuses beside the weight ('not a valid target'), and a LoRA layer around one fails on its tuple. Module names,
+    for peft's exclude_modules."""
+    modules = dict(model.named_modules())
+    return sorted({owner for owner in parameter_targets(model).values()
+                   if isinstance(modules[owner], nn.Linear) and type(modules[owner]) is not nn.Linear})
+
+
 def _ends_with(full: str, name: str) -> bool:
     return full == name or full.endswith("." + name)
 

@@ -122,3 +122,25 @@ def test_all_linear_on_a_family_peft_does_not_convert_adapts_every_linear_layer(
     assert adapted_layers(model) == {f"model.layers.{i}.{part}" for i in range(2) for part in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
         "mlp.down_proj")}
+
+
+def test_all_linear_on_llama4_adapts_its_router_as_a_weight() -> None:
+    """Llama-4's router is an nn.Linear subclass whose forward returns a tuple: all-linear handed it to peft both as
+    a weight (lora_targets.parameter_targets) and as a linear layer, and every Llama-4 LoRA run was refused ('not a
+    valid target', with advice about Mamba blocks). It is adapted as a weight alone now, and trains."""
+    from open_sft.model.lora_targets import adapted_parameters, linear_routers
+
+    config = AutoConfig.for_model("llama4_text", vocab_size=96, hidden_size=32, intermediate_size=64,
+                                  intermediate_size_mlp=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=8, num_local_experts=2)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    assert linear_routers(base) == [f"model.layers.{i}.feed_forward.router" for i in range(2)]
+    model = apply_lora(base, LoraArguments(use_lora=True), False, dropout_given=False)
+    assert [p.removeprefix("base_model.model.") for p in adapted_parameters(model)] == sorted(
+        f"model.layers.{i}.feed_forward.{w}" for i in range(2) for w in ("experts.down_proj", "experts.gate_up_proj",
+                                                                          "router.weight"))
+    assert {f"model.layers.{i}.feed_forward.shared_expert.gate_proj" for i in range(2)} <= adapted_layers(model)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad and "layers.0" in n)
