@@ -127,7 +127,8 @@ def test_examples_kept_apart_depend_on_nothing_before_them_in_any_dtype(family) 
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         packed_attention.install(model)
         assert packing_dependence(model) == 0.0, (family, dtype)
-        assert "keeps packed examples apart" in check_packing(model)
+        note = check_packing(model)  # verified families are not checked at start
+        assert note is None if family in VERIFIED else "keeps packed examples apart" in note
 
 
 def test_a_lora_model_with_bf16_frozen_weights_is_checked_under_the_runs_autocast() -> None:
