@@ -51,6 +51,25 @@ def test_packed_plan_covers_each_example_once_within_budget() -> None:
     assert not set(sum(per_rank[0], [])) & set(sum(per_rank[1], []))
 
 
+
+def _examples_per_step(micro_batch: int, accumulation: int, world: int, max_seq_length: int = 10) -> list[int]:
+    """Examples in each packed step of twelve 6-token examples (all alike: the shuffle cannot matter) under the
+    default budget, micro_batch × max_seq_length tokens per micro-batch."""
+    layout = BatchLayout(micro_batch, accumulation, world)
+    plan = PackedPlan([6] * 12, layout, seed=0, max_tokens=micro_batch * max_seq_length)
+    return [sum(len(slot) for slot in step) for step in plan.epoch(0)]
+
+
+def test_packed_steps_follow_the_micro_batch_budget_not_only_the_step_budget() -> None:
+    """The README's word: a packed step is the same for any split of its micro-batches between accumulation and
+    ranks, not for another budget per micro-batch. Each step has 40 tokens of room in every layout below; four
+    10-token micro-batches hold one 6-token example each (the window's other two wait), two 20-token ones three
+    each, one 40-token one six."""
+    assert _examples_per_step(1, 4, 1) == _examples_per_step(1, 2, 2) == _examples_per_step(1, 1, 4) == [4, 4, 4]
+    assert _examples_per_step(2, 2, 1) == _examples_per_step(2, 1, 2) == [6, 6]
+    assert _examples_per_step(4, 1, 1) == [6, 6]
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     torch.manual_seed(0)
