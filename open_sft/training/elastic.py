@@ -192,11 +192,22 @@ def rng_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 1_009 + rank
 
 
-def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: int, seed: int) -> None:
+def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: int, seed: int,
+                     model: Optional[torch.nn.Module] = None) -> None:
     """A rank whose random state the checkpoint lacks (it had fewer ranks): python, numpy and torch seeded from
-    (seed, step, rank), said once by the main process. accelerate's load_state skipped such a rank quietly."""
+    (seed, step, rank), said once by the main process. accelerate's load_state skipped such a rank quietly.
+    On another number of ranks a `model` that draws dropout masks is warned about (`dropout_in`)."""
     saved = int((resume.state.get("identity") or {}).get("world_size", world)) if resume else world
-    if resume is None or saved >= world:
+    if resume is None or saved == world:
+        return
+    drawn = dropout_in(model) if model is not None and process_index == 0 else []
+    if drawn:
+        logger.warning("the %d-rank checkpoint resumes on %d rank(s) with dropout on (%s): each rank draws its masks "
+                       "from its own random stream, so the steps from here train on other masks than the "
+                       "uninterrupted run's (alike in distribution, not the same numbers; the losses and weights "
+                       "follow it within rounding only without dropout, e.g. --lora_dropout 0 from the first step)",
+                       saved, world, ", ".join(drawn))
+    if saved > world:
         return
     if process_index == 0:
         logger.info("the %d-rank checkpoint has no random state for rank(s) %s: theirs are derived from --seed, "
@@ -207,3 +218,19 @@ def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: i
     random.seed(derived)
     np.random.seed(derived % 2**32)
     torch.manual_seed(derived)
+
+
+def dropout_in(model: torch.nn.Module) -> list[str]:
+    """Where `model` draws random masks in training, as `name p`: its nn.Dropout modules of p > 0 (LoRA's
+    lora_dropout among them) and the dropout probabilities above 0 of its configs (attention dropout is a function
+    argument, not a module)."""
+    found = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            parts = [part for part in name.split(".") if part != "default" and not part.isdigit()]
+            found.add(f"{parts[-1] if parts else 'dropout'} {module.p:g}")
+        config = getattr(module, "config", None)
+        for key, value in (vars(config).items() if hasattr(config, "to_dict") else ()):
+            if key.endswith(("dropout", "pdrop", "dropout_prob")) and isinstance(value, float) and value > 0:
+                found.add(f"{key} {value:g}")
+    return sorted(found)

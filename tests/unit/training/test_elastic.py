@@ -201,6 +201,33 @@ def test_a_rank_the_checkpoint_lacked_gets_random_states_from_seed_step_and_rank
                                                "are derived from --seed, the step and the rank")
 
 
+def test_a_resume_on_other_ranks_with_dropout_says_the_masks_differ(tmp_path, caplog) -> None:
+    """Each rank draws dropout masks from its own random stream, and on other ranks a micro-batch is another rank's
+    draw: the resumed steps cannot follow the uninterrupted run, which the line says, naming the dropout (LoRA's
+    modules, a config's attention dropout); without dropout, or on the checkpoint's own ranks, nothing is said."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    plain = LlamaForCausalLM(LlamaConfig(**shape))
+    lora = get_peft_model(LlamaForCausalLM(LlamaConfig(**shape)),
+                          LoraConfig(r=2, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))
+    attention = LlamaForCausalLM(LlamaConfig(**shape, attention_dropout=0.05))
+    resume = ResumePoint(tmp_path, {"step": 6, "identity": identity(2, 2)})
+    caplog.set_level(logging.INFO, logger="open_sft.training.elastic")
+    said = []
+    for model, world, rank in ((lora, 1, 0), (attention, 4, 0), (lora, 1, 1), (plain, 1, 0), (lora, 2, 0)):
+        caplog.clear()
+        reseed_new_ranks(resume, process_index=rank, world=world, seed=1, model=model)
+        said.append([r.getMessage() for r in caplog.records if r.levelno == logging.WARNING])
+    assert said[0] == ["the 2-rank checkpoint resumes on 1 rank(s) with dropout on (lora_dropout 0.1): each rank draws "
+                       "its masks from its own random stream, so the steps from here train on other masks than the "
+                       "uninterrupted run's (alike in distribution, not the same numbers; the losses and weights "
+                       "follow it within rounding only without dropout, e.g. --lora_dropout 0 from the first step)"]
+    assert "on 4 rank(s) with dropout on (attention_dropout 0.05)" in said[1][0]
+    assert said[2:] == [[], [], []]  # another rank than the main one; no dropout; the checkpoint's own ranks
+
+
 def _steps(plan, world: int, steps: int) -> list[tuple[list[int], list[list[int]]]]:
     """Each step's examples (sorted) and its micro-batches (each sorted, as a sorted list) over all ranks."""
     out = []
