@@ -31,7 +31,7 @@ HYPERPARAMETERS = (
     ("train", "num_train_epochs"), ("train", "max_train_steps"),
     ("train", "per_device_train_batch_size"), ("train", "gradient_accumulation_steps"),
     ("train", "clip_grad_norm"), ("train", "loss_normalization"), ("train", "seed"),
-    ("data", "max_seq_length"), ("data", "train_on"), ("data", "truncation"),
+    ("data", "max_seq_length"), ("train", "packing"), ("data", "train_on"), ("data", "truncation"),
     ("model", "torch_dtype"), ("lora", "use_lora"), ("lora", "use_qlora"), ("lora", "lora_rank"),
     ("lora", "lora_alpha"),
 )
@@ -210,11 +210,26 @@ def _how_spread(info: dict[str, Any]) -> str:
             + (f" (ZeRO stage {stage['stage']})" if "stage" in stage else ""))
 
 
+def _global_batch(schedule: dict[str, Any], args: dict[str, Any]) -> str:
+    """A step's batch as the log says it: examples, or under --packing micro-batches of up to N packed tokens (the
+    examples a step takes vary with their lengths; per_device_train_batch_size does not count them). A run.json
+    written before the schedule named the budget gives it by the flags (open_sft.training.steps.plan_steps)."""
+    train = args.get("train", {})
+    tokens = schedule.get("packed_tokens_per_micro_batch") or (train.get("packing") and (
+        train.get("max_tokens_per_batch")
+        or train.get("per_device_train_batch_size", 0) * args.get("data", {}).get("max_seq_length", 0)))
+    if not tokens:
+        return f"{schedule.get('global_batch_size')} examples"
+    return (f"up to {tokens * schedule.get('gradient_accumulation_steps', 1) * schedule.get('world_size', 1)} packed "
+            f"tokens ({tokens} per micro-batch × {schedule.get('gradient_accumulation_steps')} accumulation × "
+            f"{schedule.get('world_size')} rank(s))")
+
+
 def _training_section(info: dict[str, Any]) -> list[str]:
     schedule = info.get("schedule", {})
     versions = info.get("versions", {})
     how = [f"- {_how_spread(info)}; compute dtype {info.get('compute_dtype')}",
-           f"- global batch {schedule.get('global_batch_size')} examples, {schedule.get('total_steps')} optimizer "
+           f"- global batch {_global_batch(schedule, info.get('args', {}))}, {schedule.get('total_steps')} optimizer "
            f"steps ({schedule.get('warmup_steps')} warmup)",
            f"- loss: {info.get('loss_normalization')}-normalised cross-entropy on the trained tokens",
            "- libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),

@@ -53,11 +53,14 @@ class StepPlan:
                 + ("; ranks balanced by tokens" if self.balanced else ""))
 
     def to_dict(self) -> dict:
+        # --packing: a step is micro-batches of up to this many tokens, not global_batch_size examples
+        tokens = getattr(self.plan, "max_tokens", None)
         return {"micro_batch_size": self.layout.micro_batch_size,
                 "gradient_accumulation_steps": self.layout.gradient_accumulation_steps,
                 "world_size": self.layout.world_size, "global_batch_size": self.layout.global_batch_size,
                 "steps_per_epoch": self.steps_per_epoch, "total_steps": self.total_steps,
-                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs, "balanced": self.balanced}
+                "warmup_steps": self.warmup_steps, "num_epochs": self.num_epochs, "balanced": self.balanced,
+                **({"packed_tokens_per_micro_batch": tokens} if tokens else {})}
 
 
 def plan_steps(args: TrainingArguments, data: PreparedData, world_size: int, max_seq_length: int) -> StepPlan:

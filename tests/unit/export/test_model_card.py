@@ -116,3 +116,36 @@ def test_the_card_and_run_json_args_give_the_adam_settings(tmp_path) -> None:
     (run / "run.json").write_text(json.dumps({"args": args}))
     card = render_model_card(run)
     assert "| weight_decay | 0.0 |\n| adam_beta1 | 0.9 |\n| adam_beta2 | 0.95 |\n| adam_epsilon | 1e-06 |\n" in card
+
+
+def test_a_packed_run_s_card_gives_its_batch_in_packed_tokens_not_per_device_examples(tmp_path) -> None:
+    """Under --packing a step is micro-batches of up to --max_tokens_per_batch tokens (the log says so); the card
+    said "global batch 16 examples" there (per_device_train_batch_size × accumulation × ranks), a count the packed
+    steps do not hold. A run.json written before the schedule named the budget gives it by the flags."""
+    from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan
+    from open_sft.export.model_card import render_model_card
+    from open_sft.training.steps import StepPlan
+
+    layout = BatchLayout(8, 2, 1)
+    packed = PackedPlan([64] * 40 + [20] * 10, layout, seed=0, max_tokens=512)
+    unpacked = UnpackedPlan(50, layout, seed=0)
+    for inner, batch in ((packed, "up to 1024 packed tokens (512 per micro-batch × 2 accumulation × 1 rank(s))"),
+                         (unpacked, "16 examples")):
+        plan = StepPlan(layout, inner.steps_in_epoch(0), inner.steps_in_epoch(0), 1, 1, inner, 64)
+        schedule = plan.to_dict()
+        assert ("packed_tokens_per_micro_batch" in schedule) is (inner is packed)
+        run = tmp_path / ("packed" if inner is packed else "padded")
+        run.mkdir()
+        (run / "run.json").write_text(json.dumps({"schedule": schedule, "args": {"train": {
+            "packing": inner is packed, "per_device_train_batch_size": 8}}}))
+        card = render_model_card(run)
+        assert f"- global batch {batch}, {plan.total_steps} optimizer steps (1 warmup)\n" in card
+        assert f"| packing | {inner is packed} |\n" in card
+    older = json.loads((tmp_path / "packed" / "run.json").read_text())
+    del older["schedule"]["packed_tokens_per_micro_batch"]
+    older["args"]["data"] = {"max_seq_length": 64}
+    (tmp_path / "packed" / "run.json").write_text(json.dumps(older))
+    assert "- global batch up to 1024 packed tokens (512 per micro-batch" in render_model_card(tmp_path / "packed")
+    older["args"]["train"]["max_tokens_per_batch"] = 300
+    (tmp_path / "packed" / "run.json").write_text(json.dumps(older))
+    assert "- global batch up to 600 packed tokens (300 per micro-batch" in render_model_card(tmp_path / "packed")
