@@ -48,7 +48,10 @@ def sha256_file(path: Path) -> str:
 
 # A local source's sha256 enters the cache key: hashing an 8 GB corpus took ~10 s of every launch, on every rank.
 # Files of MEMO_BYTES or more have their hash remembered under <cache_dir>/file_hashes/, keyed by what changes when
-# the file does (real path, device, inode, size, modification time in ns): the bet git's index makes.
+# the file does (real path, device, inode, size, modification and status-change times in ns): the bet git's index
+# makes. The status-change time (ctime) because the others can all stay: new contents of the same size written in
+# place with the old mtime put back (cp -p or rsync --inplace -t onto the file, touch -r) would read the old hash,
+# and so the old cache entry; no tool can set a ctime, and one that moves for a chmod only costs a hash.
 MEMO_BYTES = 64 << 20
 
 
@@ -57,7 +60,7 @@ def content_hash(path: Path, cache_dir: Optional[Path]) -> str:
     stat = path.stat()
     if cache_dir is None or stat.st_size < MEMO_BYTES:
         return sha256_file(path)
-    stamp = f"{path.resolve()}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    stamp = f"{path.resolve()}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ctime_ns}"
     memo = cache_dir / "file_hashes" / hashlib.sha256(stamp.encode()).hexdigest()
     try:
         remembered = memo.read_text().strip()
@@ -66,7 +69,8 @@ def content_hash(path: Path, cache_dir: Optional[Path]) -> str:
     except OSError:
         pass
     digest = sha256_file(path)
-    if path.stat().st_mtime_ns == stat.st_mtime_ns:  # not written to while it was read
+    after = path.stat()
+    if (after.st_mtime_ns, after.st_ctime_ns) == (stat.st_mtime_ns, stat.st_ctime_ns):  # not written while read
         try:  # a memo: a cache that cannot be written is named where its entry is locked
             memo.parent.mkdir(parents=True, exist_ok=True)
             staged = memo.with_name(f"{memo.name}.tmp-{os.getpid()}")

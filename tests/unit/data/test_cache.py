@@ -248,6 +248,35 @@ def test_a_large_files_hash_is_remembered_while_its_stat_is_unchanged(tmp_path, 
     assert cache.content_hash(corpus, None) == cache.sha256_file(corpus)  # --dataset_skip_cache: no memo
 
 
+def test_new_contents_with_the_old_size_and_mtime_put_back_are_hashed_again(tmp_path, monkeypatch) -> None:
+    """cp -p or rsync --inplace -t onto a corpus (or touch -r after an edit) writes new contents of the same size
+    into the same inode and puts its old mtime back: the remembered hash was read, and the run trained on the old
+    entry's tokens. The status-change time, which no tool can set, is in the memo's stamp too."""
+    import os
+    import time
+
+    from open_sft.data import cache
+
+    monkeypatch.setattr(cache, "MEMO_BYTES", 100)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(b'{"text": "the first corpus"}\n' * 8)
+    old = cache.sha256_file(corpus)
+    assert cache.content_hash(corpus, tmp_path / "c") == old
+    before = corpus.stat()
+    while corpus.stat().st_ctime_ns == before.st_ctime_ns:  # a coarse clock: let the ctime move
+        time.sleep(0.01)
+        with corpus.open("r+b") as handle:  # in place: the same inode
+            handle.write(b'{"text": "the other corpus"}\n' * 8)
+        os.utime(corpus, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = corpus.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    new = cache.sha256_file(corpus)
+    assert new != old
+    assert cache.content_hash(corpus, tmp_path / "c") == new
+    assert cache.content_hash(corpus, tmp_path / "c") == new  # and remembered under its new stamp
+    assert len(list((tmp_path / "c" / "file_hashes").iterdir())) == 2
+
+
 def test_an_entry_another_rank_built_while_this_one_waited_is_not_called_loaded_from_cache(tmp_path) -> None:
     """A 2-rank launch logged "tokenized data loaded from cache" for the entry its other rank had just built."""
     import os
