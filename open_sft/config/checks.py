@@ -136,6 +136,21 @@ def _share_problems(d: DataArguments) -> list[str]:
     return problems
 
 
+def _amount_problems(d: DataArguments) -> list[str]:
+    """Each AMOUNT of the mixer lists as the data phase reads it (open_sft.data.sources.amount_problem), said with
+    the flags' problems rather than after the model is probed; under --dataset_mixer_unit share the training list's
+    values above 0 are judged as shares (_share_problems)."""
+    from open_sft.data.sources import amount_problem
+
+    problems = []
+    for flag in ("dataset_mixer_list", "eval_dataset_mixer_list"):
+        values = getattr(d, flag)
+        shares = flag == "dataset_mixer_list" and d.dataset_mixer_unit == "share"
+        problems += [problem for name, raw in zip(values[0::2], values[1::2])
+                     if (problem := amount_problem(f"--{flag}", name, raw, positive=not shares))]
+    return problems
+
+
 def _finished(config: FinetuneConfig) -> bool:
     """The output directory holds the run, completed: a relaunch reads no data (it says so, or uploads the export)."""
     from open_sft.training.completion import MARKER
@@ -161,7 +176,7 @@ def _data_problems(d: DataArguments) -> list[str]:
             f"--dataset_mixer_list takes NAME AMOUNT pairs; got {len(d.dataset_mixer_list)} values "
             f"({' '.join(d.dataset_mixer_list)})"
         )
-    problems += _share_problems(d)
+    problems += _share_problems(d) + _amount_problems(d)
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         problems.append(f"--preprocessing_num_workers {d.preprocessing_num_workers}: give 1 or more processes, "
                         "or leave it unset for one per usable core")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -59,15 +60,11 @@ def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--datase
     specs = []
     for i in range(0, len(values), 2):
         name, raw = values[i], values[i + 1]
+        problem = amount_problem(flag, name, raw)
+        if problem:
+            raise UserError(problem)
         is_fraction = "." in raw
-        try:
-            amount = float(raw) if is_fraction else int(raw)
-        except ValueError:
-            raise UserError(
-                f"{flag}: amount {raw!r} for {name} is not a number; use a fraction like 1.0 or a row count like 500"
-            ) from None
-        if amount <= 0:
-            raise UserError(f"{flag}: amount {raw} for {name} must be positive")
+        amount = float(raw) if is_fraction else int(raw)
         split = splits[0] if len(splits) == 1 else splits[i // 2]
         if split != "train" and name.endswith(LOCAL_SUFFIXES) and Path(name).expanduser().is_file():
             if len(splits) > 1:  # asked for this file by name
@@ -80,6 +77,33 @@ def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--datase
         specs.append(SourceSpec(name=name, amount=amount, is_fraction=is_fraction, split=split,
                                 config_name=config_name, chat_template_kwargs=None if variables == "{}" else variables))
     return specs
+
+
+def amount_problem(flag: str, name: str, raw: str, positive: bool = True) -> Optional[str]:
+    """What is wrong with the AMOUNT `raw` given to `flag` for source `name` (None when nothing): a fraction (with a
+    '.') or a whole row count, finite and, with `positive`, above 0; checked with the flags, and again when read."""
+    try:
+        amount = float(raw) if "." in raw else int(raw)
+    except ValueError:
+        return f"{flag}: amount {raw!r} for {name} is not a number; {_amount_hint(raw)}"
+    if not math.isfinite(amount) or (positive and amount <= 0):
+        return (f"{flag}: amount {raw} for {name} must be a finite number above 0 (a fraction like 1.0 or a row count "
+                "like 500); leave out a source you want none of")
+    return None
+
+
+def _amount_hint(raw: str) -> str:
+    """The fix for an AMOUNT that is not a number: the same amount written as one, where it was one in another form."""
+    number = raw.strip().removesuffix("%")
+    try:
+        value = float(number)
+    except ValueError:
+        return "use a fraction like 1.0 or a row count like 500"
+    if raw.strip().endswith("%"):
+        return f"a percentage is written as a fraction: {value / 100:g}" + ("" if value % 100 else ".0")
+    if value.is_integer():
+        return f"a row count is a whole number written out, {int(value)} (an amount with a '.' is a fraction)"
+    return "use a fraction like 1.0 or a row count like 500"
 
 
 @dataclass

@@ -101,3 +101,41 @@ def test_a_chat_template_file_that_renders_no_conversation_is_refused_up_front(t
                                           r"assistant reply \(TemplateError: only system messages\)"):
         parse_config(BASE + ["--output_dir", str(tmp_path / "o"), "--chat_template_path", str(failing)])
     assert not [name for name, template in BUILTIN_TEMPLATES.items() if conversation_render_problem(template.source)]
+
+
+@pytest.mark.parametrize("amount, expected", [
+    ("0", "--dataset_mixer_list: amount 0 for a.jsonl must be a finite number above 0 (a fraction like 1.0 or a row "
+          "count like 500); leave out a source you want none of"),
+    ("-1", "--dataset_mixer_list: amount -1 for a.jsonl must be a finite number above 0"),
+    ("0.0", "--dataset_mixer_list: amount 0.0 for a.jsonl must be a finite number above 0"),
+    ("1.0e999", "--dataset_mixer_list: amount 1.0e999 for a.jsonl must be a finite number above 0"),
+    ("50%", "--dataset_mixer_list: amount '50%' for a.jsonl is not a number; a percentage is written as a fraction: "
+            "0.5"),
+    ("200%", "--dataset_mixer_list: amount '200%' for a.jsonl is not a number; a percentage is written as a "
+             "fraction: 2.0"),
+    ("1e3", "--dataset_mixer_list: amount '1e3' for a.jsonl is not a number; a row count is a whole number written "
+            "out, 1000 (an amount with a '.' is a fraction)"),
+    ("all", "--dataset_mixer_list: amount 'all' for a.jsonl is not a number; use a fraction like 1.0 or a row count "
+            "like 500"),
+])
+def test_a_mixer_amount_that_is_no_positive_number_is_said_with_the_other_flags_problems(amount, expected) -> None:
+    """Said with the flags' problems (before, the data phase said it alone, after the model's dtype probe)."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", amount,
+                      "--learning_rate", "inf"])
+    assert any(problem.startswith(expected) for problem in raised.value.problems), raised.value.problems
+    assert any(problem.startswith("--learning_rate") for problem in raised.value.problems)
+
+
+def test_an_evaluation_amount_is_named_by_its_own_flag_and_shares_keep_their_own_check() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(BASE + ["--eval_dataset_mixer_list", "b.jsonl", "-5"])
+    assert raised.value.problems == ["--eval_dataset_mixer_list: amount -5 for b.jsonl must be a finite number above "
+                                     "0 (a fraction like 1.0 or a row count like 500); leave out a source you want "
+                                     "none of"]
+    with pytest.raises(ConfigError) as raised:  # one problem for a share of 0, the share check's
+        parse_config(["--model_name_or_path", "org/model", "--dataset_mixer_unit", "share", "--dataset_mixer_list",
+                      "a.jsonl", "0"])
+    assert [p.split(" must")[0] for p in raised.value.problems] == ["--dataset_mixer_list: share 0 for a.jsonl"]
+    assert parse_config(BASE + ["--eval_dataset_mixer_list", "b.jsonl", "20"]).data.eval_dataset_mixer_list == [
+        "b.jsonl", "20"]

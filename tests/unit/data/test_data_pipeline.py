@@ -342,8 +342,8 @@ def test_mixer_amounts() -> None:
     assert sorted(Counter(select_indices(specs[1], 2, seed=1)).values()) == [1, 2]
     seven = Counter(select_indices(SourceSpec("b.jsonl", 7, False, "train"), 3, seed=1))
     assert sorted(seven.values()) == [2, 2, 3]
-    for bad, message in (("x", "is not a number"), ("0", "must be positive"), ("-3", "must be positive"),
-                         ("-0.5", "must be positive")):
+    for bad, message in (("x", "is not a number"), ("0", "must be a finite number above 0"),
+                         ("-3", "must be a finite number above 0"), ("-0.5", "must be a finite number above 0")):
         with pytest.raises(UserError, match=f"amount '?{bad}'? for a.jsonl {message}"):
             parse_mixer_list(["a.jsonl", bad], ["train"])
 
