@@ -47,7 +47,8 @@ def _is_local_path(name: str) -> bool:
 def validate(config: FinetuneConfig, check_data_files: bool = False) -> None:
     """Collect every problem in the configuration and raise them together; `check_data_files`: with the local
     data files named that do not exist (the data phase would stop at the first, after these were fixed)."""
-    problems = _choice_problems(config) + _model_problems(config.model) + _data_problems(config.data)
+    problems = _choice_problems(config) + _model_problems(config.model, config.data.cache_dataset_only)
+    problems += _data_problems(config.data)
     problems += _missing_data_files(config.data) if check_data_files and not _finished(config) else []
     problems += numeric_problems(config) + companion_problems(config)
     problems += _training_problems(config.train, config.data)
@@ -70,7 +71,8 @@ def _choice_problems(config: FinetuneConfig) -> list[str]:
     return problems
 
 
-def _model_problems(m: ModelArguments) -> list[str]:
+def _model_problems(m: ModelArguments, cache_only: bool = False) -> list[str]:
+    """`cache_only`: --cache_dataset_only, which reads the tokenizer alone (no config.json, no weights)."""
     problems = []
     if not m.model_name_or_path:
         problems.append("--model_name_or_path is required (a local model directory or a Hub id)")
@@ -81,8 +83,10 @@ def _model_problems(m: ModelArguments) -> list[str]:
             problems.append(problem)
     if problems or not m.model_name_or_path:
         return problems
-    # files only: what a directory holds is judged when the tokenizer loads (open_sft.model.tokenizer)
-    model_problem = model_file_problem(m.model_name_or_path)
+    # a directory's config.json and weights; its tokenizer files are judged when the tokenizer loads
+    # (open_sft.model.tokenizer)
+    model_problem = model_file_problem(m.model_name_or_path, config_given=bool(m.config_name) or cache_only,
+                                       weights_needed=not cache_only)
     tokens = m.tokenizer_name_or_path and Path(m.tokenizer_name_or_path).expanduser().is_file() and \
         tokenizer_problem("--tokenizer_name_or_path", m.tokenizer_name_or_path)
     return [problem for problem in (model_problem, tokens) if problem]

@@ -104,10 +104,33 @@ def tokenizer_problem(flag: str, name: str) -> Optional[str]:
     return f"{flag} {name} holds no tokenizer files ({_TOKENIZER_NAMES}); pass the directory that holds them"
 
 
-def model_file_problem(name: str) -> Optional[str]:
-    """Why the local `name` given to --model_name_or_path is no model directory: a file, or a LoRA run's output
+def model_file_problem(name: str, config_given: bool = False, weights_needed: bool = True) -> Optional[str]:
+    """Why the local `name` given to --model_name_or_path is no model directory: a file, a LoRA run's output
     (an adapter without config.json, which transformers calls 'Unrecognized model ... Should have a model_type key
-    in its config.json' after the data is tokenized); None otherwise."""
+    in its config.json' after the data is tokenized), a run's output directory or step checkpoint before its
+    export, or a directory without config.json (unless `config_given`: --config_name) or, `weights_needed`, without
+    weights (both said by transformers only after the data is tokenized); None otherwise."""
+    problem = _not_a_model_dir(name)
+    path = Path(name).expanduser()
+    if problem or not path.is_dir() or (path / "adapter_config.json").is_file() or not has_tokenizer_files(path):
+        return problem  # (a directory without tokenizer files is named when the tokenizer loads: tokenizer_problem)
+    if not config_given and not (path / "config.json").is_file():
+        return (f"--model_name_or_path {name} holds no config.json (the model's architecture); pass the directory of "
+                "a downloaded or exported model, or name its config with --config_name")
+    if weights_needed and not any(next(path.glob(pattern), None) for pattern in WEIGHT_FILES):
+        return (f"--model_name_or_path {name} holds no weights (model.safetensors, pytorch_model.bin or their "
+                "shards); copy or download them "
+                "beside its config.json (a copy cut short?), or pass the directory of a downloaded or exported model")
+    return None
+
+
+# What transformers loads a model's weights from (sharded ones have an index beside them)
+WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def _not_a_model_dir(name: str) -> Optional[str]:
+    """Why the local `name` is something other than a model directory: a file, a LoRA adapter, a run's output
+    directory or step checkpoint from which no model was exported; None otherwise."""
     path = Path(name).expanduser()
     if path.is_file():
         return (f"--model_name_or_path {name} is a file; pass the directory holding the model's config.json and "
@@ -119,6 +142,14 @@ def model_file_problem(name: str) -> Optional[str]:
                "and pass that directory")
         return (f"--model_name_or_path {name} is a LoRA adapter (adapter_config.json, no config.json), not a model "
                 f"to fine-tune from; {way}")
+    if (path / "COMPLETE").is_file():
+        return (f"--model_name_or_path {name} is a training checkpoint, not a model; export it first, `python -m "
+                f"open_sft export {name} OUT`, and pass OUT")
+    if (path / "checkpoints").is_dir() and not (path / "config.json").is_file():
+        steps = [done.parent for done in path.glob("checkpoints/step_*/COMPLETE") if done.parent.name[5:].isdigit()]
+        newest = max(steps, key=lambda step: int(step.name[5:]), default=path / "checkpoints" / "step_N")
+        return (f"--model_name_or_path {name} is a run's output directory from which no model was exported yet; "
+                f"export its newest complete checkpoint, `python -m open_sft export {newest} OUT`, and pass OUT")
     return None
 
 

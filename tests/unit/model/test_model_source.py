@@ -82,3 +82,49 @@ def test_a_lora_runs_output_is_named_as_an_adapter_with_the_way_on(tmp_path) -> 
     (adapter / "merged" / "config.json").write_text("{}")
     assert f"; pass its merged model, {adapter / 'merged'} (--merge_lora_on_save wrote it)" in problems(
         tmp_path, "--model_name_or_path", str(adapter))
+
+
+def _copy_without(tiny_model_dir, target, *dropped: str):
+    import shutil
+
+    shutil.copytree(tiny_model_dir, target)
+    for name in dropped:
+        (target / name).unlink()
+    return target
+
+
+def test_a_model_directory_without_config_or_weights_is_refused_up_front(tmp_path, tiny_model_dir) -> None:
+    """transformers said these after the data was tokenized, one of them wrongly ('Should have a `model_type` key in
+    its config.json' of a directory without config.json); --cache_dataset_only reads neither, so neither is asked."""
+    no_config = _copy_without(tiny_model_dir, tmp_path / "no_config", "config.json")
+    assert (f"--model_name_or_path {no_config} holds no config.json (the model's architecture); pass the directory "
+            "of a downloaded or exported model, or name its config with --config_name") in problems(
+        tmp_path, "--model_name_or_path", str(no_config))
+    no_weights = _copy_without(tiny_model_dir, tmp_path / "no_weights", "model.safetensors")
+    assert (f"--model_name_or_path {no_weights} holds no weights (model.safetensors, pytorch_model.bin or their "
+            "shards); copy or download them beside its config.json") in problems(
+        tmp_path, "--model_name_or_path", str(no_weights))
+    for model in (no_config, no_weights):
+        assert parse_config(["--model_name_or_path", str(model), "--dataset_mixer_list", "a.jsonl", "1.0",
+                             "--cache_dataset_only"]).data.cache_dataset_only
+    config = parse_config(["--model_name_or_path", str(no_config), "--config_name", str(tiny_model_dir),
+                           "--dataset_mixer_list", "a.jsonl", "1.0", "--output_dir", str(tmp_path / "out")])
+    assert config.model.config_name == str(tiny_model_dir)  # weights here, config there: loadable
+    (no_weights / "pytorch_model-00001-of-00002.bin").write_bytes(b"")  # any shard counts
+    assert parse_config(["--model_name_or_path", str(no_weights), "--dataset_mixer_list", "a.jsonl", "1.0",
+                         "--output_dir", str(tmp_path / "out")]).model.model_name_or_path == str(no_weights)
+
+
+def test_a_checkpoint_or_an_unexported_run_is_refused_with_the_export_command(tmp_path, tiny_model_dir) -> None:
+    run = _copy_without(tiny_model_dir, tmp_path / "run", "config.json", "model.safetensors")
+    for step in (5, 10, 40):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "model.safetensors").write_bytes(b"")
+    for step in (5, 10):  # step_40 is incomplete (a kill while saving)
+        (run / "checkpoints" / f"step_{step}" / "COMPLETE").write_text("{}")
+    step_10 = run / "checkpoints" / "step_10"
+    assert (f"--model_name_or_path {run} is a run's output directory from which no model was exported yet; export "
+            f"its newest complete checkpoint, `python -m open_sft export {step_10} OUT`, and pass OUT") in problems(
+        tmp_path, "--model_name_or_path", str(run))
+    assert (f"--model_name_or_path {step_10} is a training checkpoint, not a model; export it first, `python -m "
+            f"open_sft export {step_10} OUT`, and pass OUT") in problems(tmp_path, "--model_name_or_path", str(step_10))
