@@ -157,12 +157,35 @@ def _load_hub(spec: SourceSpec, where: str) -> Any:
         return datasets.load_dataset(where, name=spec.config_name, split=spec.split)
     except Exception as exc:  # datasets raises many types; the user needs the name and the cause
         config = f", config {spec.config_name!r}" if spec.config_name else ""
+        if _offline_and_not_cached(exc, where):
+            raise UserError(f"dataset {spec.name!r} (split {spec.split!r}{config}): HF_HUB_OFFLINE is set and the "
+                            "local Hugging Face caches do not hold it, so it cannot be loaded. Give a local copy "
+                            "instead: a .jsonl, .json or .parquet file, or a directory of them (on a machine with "
+                            f"network: `hf download {spec.name} --repo-type dataset --local-dir DIR`, then "
+                            "--dataset_mixer_list DIR AMOUNT); or unset HF_HUB_OFFLINE where the Hub can be "
+                            "reached. If it is meant to be a local path, check it") from exc
         hint = ("Check the split (--dataset_mixer_list_splits) and the config (--dataset_config_name); a local "
                 "directory's data files must share one set of columns (one format)" if Path(where).is_dir() else
                 "If it is meant to be a local file, check the path; if a Hub dataset, check the id, the split "
                 "(--dataset_mixer_list_splits), the config (--dataset_config_name) and network access")
         raise UserError(f"dataset {spec.name!r} (split {spec.split!r}{config}) could not be loaded: "
                         f"{_with_causes(exc).rstrip('.')}. {hint}") from exc
+
+
+def _offline_and_not_cached(exc: BaseException, where: str) -> bool:
+    """Whether `where`, no local path, failed to load because HF_HUB_OFFLINE is set and no cache holds it (datasets
+    says "Couldn't reach ... (OfflineModeIsEnabled)" and "is not cached in None")."""
+    from open_sft.model.source import hub_offline
+
+    if Path(where).expanduser().exists() or not hub_offline():
+        return False
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, (ConnectionError, FileNotFoundError)):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _with_causes(exc: BaseException, limit: int = 600) -> str:

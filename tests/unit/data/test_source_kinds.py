@@ -211,3 +211,17 @@ def test_a_json_lists_errors_name_the_line_json_names(tmp_path, text, error) -> 
         with pytest.raises(json.JSONDecodeError) as raised:
             json.loads(text)
         assert f"line {raised.value.lineno}: " in error and f"column {raised.value.colno})" in error
+
+
+def test_a_hub_dataset_offline_outside_the_cache_says_so_and_how_to_give_a_local_copy(monkeypatch) -> None:
+    """datasets said "Couldn't reach ... (OfflineModeIsEnabled) <- ... is not cached in None"."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    spec, = parse_mixer_list(["open-sft-nobody/no-such-dataset", "1.0"], ["test"])
+    with pytest.raises(UserError) as raised:
+        source_identity(spec)
+    assert str(raised.value) == (
+        "dataset 'open-sft-nobody/no-such-dataset' (split 'test'): HF_HUB_OFFLINE is set and the local Hugging Face "
+        "caches do not hold it, so it cannot be loaded. Give a local copy instead: a .jsonl, .json or .parquet file, "
+        "or a directory of them (on a machine with network: `hf download open-sft-nobody/no-such-dataset "
+        "--repo-type dataset --local-dir DIR`, then --dataset_mixer_list DIR AMOUNT); or unset HF_HUB_OFFLINE where "
+        "the Hub can be reached. If it is meant to be a local path, check it")
