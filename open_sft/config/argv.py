@@ -9,6 +9,16 @@ from typing import Optional
 from open_sft.errors import UserError
 
 
+RUN_CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def late_run_config(path: str, which: str) -> str:
+    """What to say of the run config `path` found where no run config is read (`which`: where it was)."""
+    return (f"{path}: a run config is read only as the first argument (python finetune.py run.yaml --flag value "
+            f"...), and this is {which}; give it first, and one only (merge the settings of two into one file, or "
+            "pass them as flags)")
+
+
 def _action(parser: argparse.ArgumentParser, arg: str) -> tuple[Optional[argparse.Action], str]:
     """The action a `--flag` (or `--flag=value`) argument is read as (flags are read whole), and the name as given."""
     name = arg.split("=", 1)[0]
@@ -29,6 +39,8 @@ def refuse_repeated_lists(parser: argparse.ArgumentParser, argv: list[str]) -> N
                 current = [arg.split("=", 1)[1]] if "=" in arg else []
                 seen.setdefault(action.option_strings[0], []).append(current)
         elif current is not None:
+            if arg.endswith(RUN_CONFIG_SUFFIXES):  # argparse would take it as one of the list's values
+                raise UserError(late_run_config(arg, f"one given after a flag: it was read as a value of {name}"))
             current.append(arg)
     repeated = {flag: lists for flag, lists in seen.items() if len(lists) > 1}
     if repeated:

@@ -21,7 +21,7 @@ from transformers.hf_argparser import string_to_bool
 
 from open_sft.config import olmo_core
 from open_sft.config import open_instruct as compat
-from open_sft.config.argv import refuse_repeated_lists
+from open_sft.config.argv import RUN_CONFIG_SUFFIXES, late_run_config, refuse_repeated_lists
 from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneConfig, HubArguments, LoraArguments,
                              ModelArguments, TrainingArguments)
 from open_sft.config.checks import validate
@@ -88,6 +88,10 @@ def _say_what_the_negation_does(action: argparse.Action) -> None:
 
 def _unknown_flag_error(parser: _Parser, leftover: list[str], argv: list[str]) -> UserError:
     flags = [arg.split("=", 1)[0] for arg in leftover if arg.startswith("-")]
+    configs = [arg for arg in leftover if arg.endswith(RUN_CONFIG_SUFFIXES)]
+    if not flags and configs:  # (the first argument, a run config, was read: this is another, or one given late)
+        return UserError(late_run_config(configs[0], "a second one" if configs[0] == argv[0] else "one given after "
+                                         "a flag"))
     if not flags and argv and leftover[0] == argv[0] and "." in Path(argv[0]).name:  # a run config, not YAML
         return UserError(f"{argv[0]}: a run config is a YAML file (.yaml or .yml), given first; "
                          f"{Path(argv[0]).suffix or 'this'} files are not read (a JSON object is YAML: rename it to "
@@ -138,11 +142,44 @@ FOREIGN_FLAGS = {
 }
 
 
+class _RepeatedKey(Exception):
+    """A key a YAML mapping gives twice (`key`, 1-based `lines`)."""
+
+    def __init__(self, key: Any, lines: tuple[int, int]) -> None:
+        super().__init__(key, lines)
+        self.key, self.lines = key, lines
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of a key given twice in one mapping, without a word: a run config with two
+    learning_rate lines trained with the second. A repeated key is refused (a merge key `<<`'s keys may be
+    overridden, as YAML means them to be)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _RepeatedKey(key, (seen[key], line))
+                seen[key] = line
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                break
+        return super().construct_mapping(node, deep=deep)
+
+
 def _yaml_defaults(path: Path) -> dict[str, Any]:
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid YAML ({exc}); fix the file or pass the settings as flags") from exc
+    except _RepeatedKey as repeated:
+        first, second = repeated.lines
+        raise UserError(f"{path} line {second}: {repeated.key} is given again (first on line {first}); YAML would keep "
+                        "the last without a word: keep one") from None
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
@@ -301,7 +338,7 @@ def parse_config(argv: list[str], check_data_files: bool = False) -> FinetuneCon
 def _parse(parser: _Parser, argv: list[str], check_data_files: bool = False) -> FinetuneConfig:
     """The parse itself: the YAML config's settings as defaults, the flags over them, validated."""
     explicit: set[str] = set()
-    if argv and argv[0].endswith((".yaml", ".yml")):
+    if argv and argv[0].endswith(RUN_CONFIG_SUFFIXES):
         path = Path(argv[0])
         if not path.is_file():
             raise UserError(f"config file {path} does not exist; pass an existing YAML file or only flags")

@@ -65,3 +65,42 @@ def test_open_instructs_ignored_settings_are_not_judged(tmp_path) -> None:
     _, config = _parse(tmp_path, "dataset_mixer_list: [a.jsonl, '1.0']\noe_eval_tasks: mmlu:mc::tulu,gsm8k::tulu\n"
                                  "oe_eval_max_length: [4096]\n")
     assert config.data.dataset_mixer_list == ["a.jsonl", "1.0"]
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path) -> None:
+    """PyYAML keeps the last of two learning_rate lines without a word (the run trained with 2e-4)."""
+    from open_sft.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        _parse(tmp_path, "dataset_mixer_list: [a.jsonl, '1.0']\nlearning_rate: 1.0e-4\nnum_train_epochs: 1\n"
+                         "learning_rate: 2.0e-4\n")
+    assert str(info.value) == (f"{tmp_path / 'run.yaml'} line 5: learning_rate is given again (first on line 3); "
+                               "YAML would keep the last without a word: keep one")
+    with pytest.raises(UserError, match=r"run.yaml line 4: a.jsonl is given again \(first on line 3\)"):
+        _parse(tmp_path, "dataset_mixer_list:\n  a.jsonl: 1.0\n  a.jsonl: 0.5\n")
+    # a merge key's settings may be overridden, as YAML means: no repeat
+    _, config = _parse(tmp_path, "dataset_mixer_list: [a.jsonl, '1.0']\nadditional_model_arguments:\n"
+                                 "  <<: {attention_dropout: 0.1, rope_theta: 1000.0}\n  attention_dropout: 0.2\n")
+    assert "attention_dropout: 0.2" in config.model.additional_model_arguments
+
+
+@pytest.mark.parametrize("argv, which", [
+    (["SECOND"], "a second one"),
+    (["--report_to", "none", "SECOND"], "one given after a flag: it was read as a value of --report_to"),
+    (["--dataset_mixer_list", "b.jsonl", "1.0", "SECOND"],
+     "one given after a flag: it was read as a value of --dataset_mixer_list"),
+    (["--learning_rate", "1e-4", "SECOND"], "one given after a flag"),
+])
+def test_a_run_config_that_is_not_the_first_argument_is_named_as_such(tmp_path, argv, which) -> None:
+    """It read as a stray value (`--report_to none run.yaml: give one or more of tensorboard, ...`), a mixer list
+    of three values, or a second config 'of .yaml files, which are not read: rename it to second.yaml'."""
+    from open_sft.errors import UserError
+
+    first, second = tmp_path / "run.yaml", tmp_path / "second.yaml"
+    first.write_text("model_name_or_path: org/model\ndataset_mixer_list: [a.jsonl, '1.0']\n")
+    second.write_text("learning_rate: 1.0e-4\n")
+    with pytest.raises(UserError) as info:
+        parse_config([str(first), *[str(second) if arg == "SECOND" else arg for arg in argv]])
+    assert str(info.value) == (f"{second}: a run config is read only as the first argument (python finetune.py "
+                               f"run.yaml --flag value ...), and this is {which}; give it first, and one only (merge "
+                               "the settings of two into one file, or pass them as flags)")
