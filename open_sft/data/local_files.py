@@ -22,6 +22,12 @@ def json_error(exc: json.JSONDecodeError) -> str:
     return f"{exc.msg.removesuffix(' at')} at column {exc.colno}"
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type (a row that is `null` is no 'NoneType' to the user)."""
+    names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
+    return names.get(type(value), type(value).__name__)
+
+
 def parse_json_line(line: str) -> dict[str, Any]:
     """One JSON Lines row; RowError (reason invalid_json) says what is wrong, the caller adds where."""
     try:
@@ -30,7 +36,7 @@ def parse_json_line(line: str) -> dict[str, Any]:
         raise RowError(f"not valid JSON ({json_error(exc)}); each line must be one JSON object",
                        "invalid_json") from None
     if not isinstance(row, dict):
-        raise RowError(f"expected a JSON object, got {type(row).__name__}", "invalid_json")
+        raise RowError(f"expected a JSON object, got {json_type(row)}", "invalid_json")
     return row
 
 
@@ -49,9 +55,12 @@ def _decode(path: Path, data: bytes, lines_before: int) -> str:
     except UnicodeDecodeError as exc:
         line = lines_before + data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        utf16 = not lines_before and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+        what = "it is UTF-16 (its byte order mark says so)" if utf16 else \
+            f"byte 0x{data[exc.start]:02x} at column {column}"
         raise UserError(
-            f"{path} line {line}: not UTF-8 (byte 0x{data[exc.start]:02x} at column {column}); data files must be "
-            f"UTF-8: re-encode it, e.g. iconv -f latin1 -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
+            f"{path} line {line}: not UTF-8 ({what}); data files must be UTF-8: re-encode it, e.g. iconv -f "
+            f"{'utf-16' if utf16 else 'latin1'} -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
         ) from None
 
 
@@ -212,7 +221,7 @@ def read_json(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
     lines = _line_numbers(text, starts)
     for row, line in zip(loaded, lines):
         if not isinstance(row, dict):
-            raise UserError(f"{path} line {line}: expected a JSON object, got {type(row).__name__}")
+            raise UserError(f"{path} line {line}: expected a JSON object, got {json_type(row)}")
     return loaded, lines
 
 

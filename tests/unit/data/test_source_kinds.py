@@ -225,3 +225,27 @@ def test_a_hub_dataset_offline_outside_the_cache_says_so_and_how_to_give_a_local
         "or a directory of them (on a machine with network: `hf download open-sft-nobody/no-such-dataset "
         "--repo-type dataset --local-dir DIR`, then --dataset_mixer_list DIR AMOUNT); or unset HF_HUB_OFFLINE where "
         "the Hub can be reached. If it is meant to be a local path, check it")
+
+
+def test_a_utf16_file_is_named_as_such_with_its_conversion(tmp_path) -> None:
+    """It read 'not UTF-8 (byte 0xff at column 1) ... iconv -f latin1', a conversion that would garble it."""
+    path = tmp_path / "u16.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in TRAIN), encoding="utf-16")
+    with pytest.raises(UserError) as raised:
+        rows_of(str(path))
+    assert str(raised.value) == (f"{path} line 1: not UTF-8 (it is UTF-16 (its byte order mark says so)); data files "
+                                 f"must be UTF-8: re-encode it, e.g. iconv -f utf-16 -t utf-8 {path} > u16.utf8.jsonl")
+
+
+@pytest.mark.parametrize("line, name", [("null", "null"), ('"a row"', "string"), ("7", "number"),
+                                        ("true", "boolean"), ("[1, 2]", "list")])
+def test_a_row_that_is_no_object_is_named_by_its_json_type(tmp_path, line, name) -> None:
+    """A `null` line read 'expected a JSON object, got NoneType'."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(TRAIN[0]) + "\n" + line + "\n")
+    with pytest.raises(UserError, match=f"rows.jsonl line 2: expected a JSON object, got {name}$"):
+        rows_of(str(path))
+    listed = tmp_path / "rows.json"
+    listed.write_text(f"[{json.dumps(TRAIN[0])},\n{line}]")
+    with pytest.raises(UserError, match=f"rows.json line 2: expected a JSON object, got {name}$"):
+        rows_of(str(listed))
