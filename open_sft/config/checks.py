@@ -164,11 +164,10 @@ def _finished(config: FinetuneConfig) -> bool:
 
 def _missing_data_files(d: DataArguments) -> list[str]:
     """Local data files (by their suffix, as open_sft.data.sources reads them) that do not exist."""
-    from open_sft.data.sources import LOCAL_SUFFIXES
+    from open_sft.data.sources import missing_file_problem
 
-    return [f"--{flag}: data file {name} does not exist; check the path"
-            for flag in ("dataset_mixer_list", "eval_dataset_mixer_list") for name in getattr(d, flag)[0::2]
-            if name.endswith(LOCAL_SUFFIXES) and not Path(name).expanduser().exists()]
+    return [problem for flag in ("dataset_mixer_list", "eval_dataset_mixer_list") for name in getattr(d, flag)[0::2]
+            if (problem := missing_file_problem(f"--{flag}", name))]
 
 
 def _data_problems(d: DataArguments) -> list[str]:

@@ -121,11 +121,22 @@ class LoadedSource:
         return f"{self.spec.name} row {index + 1}"  # 1-based, as a line is: row 1 is the first
 
 
+def missing_file_problem(flag: str, name: str) -> Optional[str]:
+    """Why the local data file `name` (by its suffix) given to `flag` cannot be read because it is not there, with
+    the fix (a glob pattern that reached us unexpanded: the directory instead); None when it is there or no file."""
+    if not name.endswith(LOCAL_SUFFIXES) or Path(name).expanduser().exists():
+        return None
+    if any(char in name for char in "*?["):
+        return (f"{flag}: data file {name} does not exist: a glob pattern is not expanded; give the directory that "
+                "holds the files (all of them are read, one format), or each file with its own amount")
+    return f"{flag}: data file {name} does not exist; check the path"
+
+
 def _local_path(spec: SourceSpec) -> Path:
-    path = Path(spec.name).expanduser()
-    if spec.name.endswith(LOCAL_SUFFIXES) and not path.exists():
-        raise UserError(f"--dataset_mixer_list: data file {spec.name} does not exist; check the path")
-    return path
+    problem = missing_file_problem("--dataset_mixer_list", spec.name)
+    if problem:
+        raise UserError(problem)
+    return Path(spec.name).expanduser()
 
 
 def source_identity(spec: SourceSpec, cache_dir: Optional[Path] = None) -> str:

@@ -63,6 +63,16 @@ def test_missing_data_file(tmp_path, capsys, tiny_model_dir) -> None:
     assert "data file" in err and "nope.jsonl does not exist" in err
 
 
+def test_an_unexpanded_glob_is_said_as_such_with_the_directory_instead(tmp_path, capsys, tiny_model_dir) -> None:
+    """A quoted glob (or a YAML one) read 'data file DIR/*.jsonl does not exist; check the path'."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "a.jsonl").write_text(json.dumps(GOOD) + "\n")
+    err = run_main(capsys, str(tiny_model_dir), str(tmp_path / "shards" / "*.jsonl"), tmp_path / "out")
+    assert (f"--dataset_mixer_list: data file {tmp_path / 'shards' / '*.jsonl'} does not exist: a glob pattern is not "
+            "expanded; give the directory that holds the files (all of them are read, one format), or each file "
+            "with its own amount") in err
+
+
 def test_a_missing_data_file_is_said_with_the_flags_problems(tmp_path, capsys, tiny_model_dir) -> None:
     """A missing data file was said only after the other flags' problems were fixed (with a Hub problem: only it)."""
     code = main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(tmp_path / "nope.jsonl"),
