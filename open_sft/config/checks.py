@@ -263,7 +263,9 @@ def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
                         f"{c.resume_from_checkpoint} continues that checkpoint; give one of the two")
     elif (c.resume_from_checkpoint not in ("auto", "none") and not Path(c.resume_from_checkpoint).expanduser().is_dir()
           and continued(c.resume_from_checkpoint, Path(output_dir)) is None):  # a requeue goes on where it was
-        problems.append(f"--resume_from_checkpoint {c.resume_from_checkpoint}: no such directory; pass a complete "
+        what = "a file, not a directory" if Path(c.resume_from_checkpoint).expanduser().is_file() else \
+            "no such directory"
+        problems.append(f"--resume_from_checkpoint {c.resume_from_checkpoint}: {what}; pass a complete "
                         "checkpoint directory (OUTPUT_DIR/checkpoints/step_N), auto (the newest in --output_dir), or "
                         "none (start over)")
     return problems

@@ -82,7 +82,7 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 def problem_with(path: Path) -> Optional[str]:
     """Why `path` is not a usable checkpoint, or None if it is."""
     if not path.is_dir():
-        return "no such directory"
+        return "a file, not a directory" if path.is_file() else "no such directory"
     complete = path / COMPLETE
     if not complete.is_file():
         return what_else(path) or "no COMPLETE marker (interrupted while being written)"

@@ -361,12 +361,19 @@ def test_a_lowered_keep_says_so_when_the_resume_prunes(tmp_path, caplog) -> None
 def test_a_missing_resume_path_is_refused_before_anything_loads(tmp_path) -> None:
     from open_sft.config.parse import parse_config
     from open_sft.errors import ConfigError
+    from open_sft.training.checkpoint import problem_with
 
     missing = tmp_path / "checkpoints" / "step_8"
     args = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(tmp_path)]
     with pytest.raises(ConfigError, match=re.escape(f"--resume_from_checkpoint {missing}: no such directory; pass a "
                                                     "complete checkpoint directory")):
         parse_config([*args, "--resume_from_checkpoint", str(missing)])
+    weights = tmp_path / "model.safetensors"  # a file: it read 'no such directory'
+    weights.write_bytes(b"")
+    with pytest.raises(ConfigError, match=re.escape(f"--resume_from_checkpoint {weights}: a file, not a directory; "
+                                                    "pass a complete checkpoint directory")):
+        parse_config([*args, "--resume_from_checkpoint", str(weights)])
+    assert problem_with(weights) == "a file, not a directory"
     missing.mkdir(parents=True)
     assert parse_config([*args, "--resume_from_checkpoint", str(missing)]).checkpoint.resume_from_checkpoint == \
         str(missing)
