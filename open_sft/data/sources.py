@@ -122,14 +122,17 @@ class LoadedSource:
 
 
 def missing_file_problem(flag: str, name: str) -> Optional[str]:
-    """Why the local data file `name` (by its suffix) given to `flag` cannot be read because it is not there, with
-    the fix (a glob pattern that reached us unexpanded: the directory instead); None when it is there or no file."""
-    if not name.endswith(LOCAL_SUFFIXES) or Path(name).expanduser().exists():
+    """Why the local data file `name` (by its suffix) or directory (a path: ./, /, ~) given to `flag` cannot be read
+    because it is not there, with the fix (a glob pattern that reached us unexpanded: the directory instead); None
+    when it is there or names no local path (a Hub id)."""
+    path_like = name.startswith((".", "/", "~"))  # no Hub id: a local directory meant
+    if not (name.endswith(LOCAL_SUFFIXES) or path_like) or Path(name).expanduser().exists():
         return None
+    what = "data file" if name.endswith(LOCAL_SUFFIXES) else "data directory"
     if any(char in name for char in "*?["):
-        return (f"{flag}: data file {name} does not exist: a glob pattern is not expanded; give the directory that "
+        return (f"{flag}: {what} {name} does not exist: a glob pattern is not expanded; give the directory that "
                 "holds the files (all of them are read, one format), or each file with its own amount")
-    return f"{flag}: data file {name} does not exist; check the path"
+    return f"{flag}: {what} {name} does not exist; check the path"
 
 
 def _local_path(spec: SourceSpec) -> Path:
@@ -188,7 +191,7 @@ def _offline_and_not_cached(exc: BaseException, where: str) -> bool:
     says "Couldn't reach ... (OfflineModeIsEnabled)" and "is not cached in None")."""
     from open_sft.model.source import hub_offline
 
-    if Path(where).expanduser().exists() or not hub_offline():
+    if Path(where).expanduser().exists() or where.startswith((".", "/", "~")) or not hub_offline():
         return False
     seen = set()
     while exc is not None and id(exc) not in seen:

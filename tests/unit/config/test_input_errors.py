@@ -71,6 +71,9 @@ def test_an_unexpanded_glob_is_said_as_such_with_the_directory_instead(tmp_path,
     assert (f"--dataset_mixer_list: data file {tmp_path / 'shards' / '*.jsonl'} does not exist: a glob pattern is not "
             "expanded; give the directory that holds the files (all of them are read, one format), or each file "
             "with its own amount") in err
+    err = run_main(capsys, str(tiny_model_dir), str(tmp_path / "shard_dir"), tmp_path / "out")  # said up front
+    assert err.startswith("error: invalid configuration (1 problem(s)):\n  - --dataset_mixer_list: data directory "
+                          f"{tmp_path / 'shard_dir'} does not exist; check the path"), err
 
 
 def test_a_missing_data_file_is_said_with_the_flags_problems(tmp_path, capsys, tiny_model_dir) -> None:

@@ -249,3 +249,13 @@ def test_a_row_that_is_no_object_is_named_by_its_json_type(tmp_path, line, name)
     listed.write_text(f"[{json.dumps(TRAIN[0])},\n{line}]")
     with pytest.raises(UserError, match=f"rows.json line 2: expected a JSON object, got {name}$"):
         rows_of(str(listed))
+
+
+def test_a_missing_directory_path_is_named_as_a_path_not_a_hub_dataset(tmp_path, monkeypatch) -> None:
+    """./data_typo (no suffix) went to datasets as a Hub id: 'HF_HUB_OFFLINE is set ... hf download ./data_typo'."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for name in ("./no_such_data_dir", str(tmp_path / "gone")):
+        spec, = parse_mixer_list([name, "1.0"], ["train"])
+        with pytest.raises(UserError) as raised:
+            source_identity(spec)
+        assert str(raised.value) == f"--dataset_mixer_list: data directory {name} does not exist; check the path"
