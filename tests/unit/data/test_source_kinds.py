@@ -197,7 +197,7 @@ def test_a_json_documents_rows_know_the_line_they_begin_on(tmp_path, text, lines
     ('[\n {"a": 1}\n {"a": 2}\n]', "line 3: not valid JSON (Expecting ',' delimiter at column 2)"),
     ('[\n {"a": 1},\n]', "line 3: not valid JSON (Expecting value at column 1)"),
     ('[\n {"a": 1},', "line 2: not valid JSON (Expecting value at column 11)"),
-    ('[\n {"a": 1},\n 5\n]', "line 3: expected a JSON object, got int"),
+    ('[\n {"a": 1},\n 5\n]', "line 3: expected a JSON object, got number"),
 ])
 def test_a_json_lists_errors_name_the_line_json_names(tmp_path, text, error) -> None:
     """Decoding a list an element at a time keeps json's own message and place (checked against json.loads)."""
