@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
@@ -128,6 +129,9 @@ class WandbTracker:
         settings = wandb.Settings(x_disable_meta=True, save_code=False, disable_git=True)
         id_file = output_dir / WANDB_RUN_ID
         run_id = id_file.read_text().strip() if resume_step and id_file.exists() else None
+        # what a failed start writes in the output directory is removed: with nothing else there, the run leaves
+        # no directory behind (open_sft.training.output_lock), as for any other mistake of the user's
+        fresh = None if os.environ.get("WANDB_DIR") or (output_dir / "wandb").exists() else output_dir / "wandb"
         try:
             self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT", "open_sft"),
                                   name=name or output_dir.name, entity=entity,
@@ -135,6 +139,8 @@ class WandbTracker:
                                   config=redact_secrets(run_config), settings=settings,
                                   **({"id": run_id, "resume": "allow"} if run_id else {}))
         except wandb.errors.Error as exc:  # no login, a refused key, an unreachable server: the user's to fix
+            if fresh is not None:
+                shutil.rmtree(fresh, ignore_errors=True)
             raise UserError(f"--report_to wandb: W&B did not start ({type(exc).__name__}: {exc}); "
                             f"{WANDB_LOGIN_HINT}") from None
         id_file.write_text(self.run.id + "\n")

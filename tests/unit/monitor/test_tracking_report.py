@@ -102,3 +102,24 @@ def test_wandb_missing_names_the_extra(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.raises(UserError, match=r"pip install -e '\.\[wandb\]' in the open_sft checkout"):
         build_trackers("wandb", tmp_path)
+
+
+def test_a_wandb_start_that_fails_leaves_nothing_in_the_output_dir(tmp_path, monkeypatch) -> None:
+    """W&B without network (a key set) failed after its timeout with a clear error, but left OUTPUT_DIR/wandb/run-*/
+    (and so the output directory and its lock) behind; a wandb/ that was there before is kept."""
+    import wandb
+
+    def init_that_fails(**kwargs):
+        (tmp_path / "out" / "wandb" / "run-1" / "logs").mkdir(parents=True)  # what wandb writes before giving up
+        raise wandb.errors.CommError("Timed out while retrying: dial tcp: lookup api.wandb.ai: no such host")
+
+    monkeypatch.setattr(wandb, "init", init_that_fails)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(UserError, match=r"^--report_to wandb: W&B did not start \(CommError: Timed out while "):
+        build_trackers("wandb", tmp_path / "out")
+    assert list((tmp_path / "out").iterdir()) == []
+    with pytest.raises(UserError):  # the second start finds the first one's directory: not ours to remove
+        (tmp_path / "out" / "wandb").mkdir()
+        build_trackers("wandb", tmp_path / "out")
+    assert (tmp_path / "out" / "wandb" / "run-1" / "logs").is_dir()
