@@ -240,7 +240,9 @@ def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, An
     string to us, and YAML 1.1 reads `learning_rate: 5e-06` (no dot) as a string. A value of the wrong shape (a
     string where the flag takes a list, a list or mapping where it takes one value) is a problem, all of them
     reported at once (a string kept where a list belongs was read character by character: one was '/')."""
-    actions = {action.dest: action for action in parser._actions}
+    actions: dict[str, argparse.Action] = {}
+    for action in parser._actions:  # the flag's own action, not its --no_X negation (no type: nothing converted)
+        actions.setdefault(action.dest, action)
     out, problems = {}, []
     for name, value in values.items():
         action = actions.get(name)
@@ -257,7 +259,7 @@ def _coerce(parser: _Parser, path: Path, values: dict[str, Any]) -> dict[str, An
                 out[name] = [convert(v if convert is not str else str(v)) for v in _as_list(value)]
             else:
                 out[name] = convert(str(value) if not isinstance(value, bool) or convert is str else value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             problems.append(f"{path}: {name}: {value!r} is not a valid value ({exc})")
     if problems:
         raise ConfigError(problems)

@@ -104,3 +104,15 @@ def test_a_run_config_that_is_not_the_first_argument_is_named_as_such(tmp_path, 
     assert str(info.value) == (f"{second}: a run config is read only as the first argument (python finetune.py "
                                f"run.yaml --flag value ...), and this is {which}; give it first, and one only (merge "
                                "the settings of two into one file, or pass them as flags)")
+
+
+def test_a_switch_given_no_truth_value_in_yaml_is_refused_with_the_others(tmp_path) -> None:
+    """`use_lora: 2` was kept as the int 2 (the switch's --no_use_lora action, which converts nothing, was the one
+    consulted), and `packing: maybe` was refused alone by argparse without the file's name."""
+    with pytest.raises(ConfigError) as info:
+        _parse(tmp_path, "dataset_mixer_list: [a.jsonl, '1.0']\nuse_lora: 2\npacking: maybe\n")
+    path = tmp_path / "run.yaml"
+    assert [problem.split(" (")[0] for problem in info.value.problems] == [
+        f"{path}: use_lora: 2 is not a valid value", f"{path}: packing: 'maybe' is not a valid value"]
+    _, config = _parse(tmp_path, "dataset_mixer_list: [a.jsonl, '1.0']\nuse_lora: 'false'\npacking: 1\n")
+    assert config.lora.use_lora is False and config.train.packing is True
