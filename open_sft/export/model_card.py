@@ -38,6 +38,18 @@ HYPERPARAMETERS = (
 FINAL_METRICS = ("step", "epoch", "loss", "learning_rate", "grad_norm", "train_tokens", "total_tokens")
 EVAL_METRICS = ("eval_loss", "eval_tokens")  # and eval_loss/<source>, from the last evaluation
 EXPORT_RECORD = "export.json"  # open_sft.export.from_checkpoint's record of the checkpoint it exported
+SFT, CPT = "supervised fine-tuning", "continual pretraining"  # what a run trained, by its sources' formats
+HOW_TRAINED = {
+    (SFT,): "Fine-tuned with open_sft (Accelerate/DeepSpeed supervised fine-tuning).",
+    (CPT,): "Trained with open_sft (Accelerate/DeepSpeed continual pretraining on text documents, every token "
+            "trained).",
+    (SFT, CPT): "Trained with open_sft (Accelerate/DeepSpeed): supervised fine-tuning on the chat/instruction sources "
+                "and continual pretraining on the text sources, in one mixture.",
+}
+WHAT = {(SFT,): "A fine-tune of `{base}`.", (CPT,): "A continual pretraining of `{base}` on text documents.",
+        (SFT, CPT): "A fine-tune of `{base}` on chat/instruction data, with continual pretraining on text documents "
+                    "in the same mixture."}
+TAGS = {SFT: "sft", CPT: "continual-pretraining"}
 HUB_CACHE_SNAPSHOT = re.compile(r"models--(?P<id>[^/]+)/snapshots/[^/]+/?$")  # the cache writes ORG/NAME as ORG--NAME
 
 
@@ -75,6 +87,17 @@ def epochs_trained(output_dir: Path, info: dict[str, Any]) -> tuple[Optional[flo
     return (round(steps / per_epoch, 4) if steps and per_epoch else None), steps
 
 
+def trained_kinds(report: dict[str, Any]) -> tuple[str, ...]:
+    """What the run trained, by its sources' formats (data_report.json): ("continual pretraining",) for text
+    documents only, ("supervised fine-tuning",) for chat/instruction data only (or no report), both for a mix."""
+    formats = {s.get("format") for s in report.get("sources", [])}
+    return ((SFT,) if formats - {"text"} or not formats else ()) + ((CPT,) if "text" in formats else ())
+
+
+def _plural(count: float, noun: str) -> str:
+    return f"{count:g} {noun}" + ("" if count == 1 else "s")
+
+
 def _looks_like_hub_id(name: str) -> bool:
     # a run records a local base as its absolute path (open_sft.model.base_record); nothing here asks
     # the current directory
@@ -91,10 +114,11 @@ def hub_id(name: str) -> Optional[str]:
 
 
 def _front_matter(base_model: str, library: str = "transformers", lora: bool = False,
-                  datasets: tuple[str, ...] = ()) -> str:
+                  datasets: tuple[str, ...] = (), kinds: tuple[str, ...] = (SFT,)) -> str:
     """The card's metadata: `datasets` are the Hub datasets the run read (the Hub links the model to them;
-    local files are named in the card's text only)."""
-    lines = ["---", f"library_name: {library}", "tags:", "- open_sft", "- sft"] + (["- lora"] if lora else [])
+    local files are named in the card's text only); a tag per kind of training (`sft`, `continual-pretraining`)."""
+    lines = (["---", f"library_name: {library}", "tags:", "- open_sft"] + [f"- {TAGS[kind]}" for kind in kinds]
+             + (["- lora"] if lora else []))
     if hub_id(base_model):
         lines.append(f"base_model: {hub_id(base_model)}")
     if datasets:
@@ -139,10 +163,12 @@ def _adapter_section(adapter: dict[str, Any], qlora: bool, base_model: str) -> l
     return ["## Adapter", "", "| setting | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows] + [""]
 
 
-def _what(base_model: str, adapter: dict[str, Any], merged: bool, has_merged: bool) -> str:
-    """The card's first sentence: a full fine-tune, an adapter, or an adapter merged into its base."""
+def _what(base_model: str, adapter: dict[str, Any], merged: bool, has_merged: bool,
+          kinds: tuple[str, ...] = (SFT,)) -> str:
+    """The card's first sentence: a full fine-tune (or continual pretraining on text), an adapter, or an adapter
+    merged into its base."""
     if not adapter:
-        return f"A fine-tune of `{base_model}`."
+        return WHAT[kinds].format(base=base_model)
     if merged:
         return (f"`{base_model}` fine-tuned with LoRA, the adapter merged into its weights: a full model (the "
                 "adapter itself is in the directory above).")
@@ -158,7 +184,8 @@ def _intro(name: str, what: str, base_model: str, epochs: Optional[float], steps
         lines += [f"Exported from the checkpoint of step {exported['step']}{total} (`{exported['checkpoint']}`, "
                   f"written by {exported['engine']}) with `open_sft export`.", ""]
     if epochs is not None:
-        lines += [f"Trained for {epochs:g} epochs" + (f" ({steps} optimizer steps)." if steps else "."), ""]
+        lines += [f"Trained for {_plural(epochs, 'epoch')}" + (f" ({_plural(steps, 'optimizer step')})."
+                                                                  if steps else "."), ""]
     if not hub_id(base_model):
         lines += [f"The base model `{base_model}` is a local directory, not a Hugging Face Hub id, so the front "
                   "matter names no `base_model` (the Hub accepts only ids there); add `base_model: ORG/NAME` "
@@ -225,7 +252,7 @@ def _global_batch(schedule: dict[str, Any], args: dict[str, Any]) -> str:
             f"{schedule.get('world_size')} rank(s))")
 
 
-def _training_section(info: dict[str, Any]) -> list[str]:
+def _training_section(info: dict[str, Any], kinds: tuple[str, ...]) -> list[str]:
     schedule = info.get("schedule", {})
     versions = info.get("versions", {})
     how = [f"- {_how_spread(info)}; compute dtype {info.get('compute_dtype')}",
@@ -234,8 +261,7 @@ def _training_section(info: dict[str, Any]) -> list[str]:
            f"- loss: {info.get('loss_normalization')}-normalised cross-entropy on the trained tokens",
            "- libraries: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v),
            f"- open_sft git revision {info.get('git_revision')}, tokenized data {info.get('dataset_cache_key')}"]
-    return ["## How it was trained", "", "Fine-tuned with open_sft (Accelerate/DeepSpeed supervised fine-tuning).",
-            ""] + how + [""]
+    return ["## How it was trained", "", HOW_TRAINED[kinds], ""] + how + [""]
 
 
 def _metrics_section(record: Optional[dict[str, Any]], evaluation: Optional[dict[str, Any]]) -> list[str]:
@@ -263,22 +289,23 @@ def render_model_card(output_dir: Path, merged: bool = False) -> str:
                   or args.get("model", {}).get("model_name_or_path") or "unknown")
     name = args.get("hub", {}).get("hub_model_id") or output_dir.name
     epochs, steps = epochs_trained(output_dir, info)
-    what = _what(base_model, adapter, merged, (output_dir / MERGED_DIR / "config.json").is_file())
+    report = _read_json(output_dir / "data_report.json")
+    kinds = trained_kinds(report)
+    what = _what(base_model, adapter, merged, (output_dir / MERGED_DIR / "config.json").is_file(), kinds)
     body = _intro(f"{name}/{MERGED_DIR}" if merged else name, what, base_model, epochs, steps,
                   _read_json(output_dir / EXPORT_RECORD))
     if adapter:
         body += _adapter_section(adapter, bool(args.get("lora", {}).get("use_qlora")), base_model)
-    report = _read_json(output_dir / "data_report.json")
     body += _data_section(report)
     body += card_section(info)
     body += _hyperparameter_section(args, epochs)
     body += _settings_by_steps_section(info.get("settings_by_steps") or [])
     metrics = output_dir / "metrics.jsonl"
     body += _metrics_section(_last_record(metrics, "loss"), _last_record(metrics, "eval_loss"))
-    body += _training_section(info)
+    body += _training_section(info, kinds)
     library = "peft" if adapter and not merged else "transformers"
     datasets = tuple(s["name"] for s in report.get("sources", []) if s.get("hub_dataset") and s.get("name"))
-    return _front_matter(base_model, library, lora=bool(adapter), datasets=datasets) + "\n".join(body)
+    return _front_matter(base_model, library, bool(adapter), datasets, kinds) + "\n".join(body)
 
 
 def _write(path: Path, text: str) -> Path:

@@ -149,3 +149,51 @@ def test_a_packed_run_s_card_gives_its_batch_in_packed_tokens_not_per_device_exa
     older["args"]["train"]["max_tokens_per_batch"] = 300
     (tmp_path / "packed" / "run.json").write_text(json.dumps(older))
     assert "- global batch up to 600 packed tokens (300 per micro-batch" in render_model_card(tmp_path / "packed")
+
+
+@pytest.mark.parametrize(("formats", "tags", "what", "how"), [
+    (["text"], ["open_sft", "continual-pretraining"], "A continual pretraining of `gpt2` on text documents.",
+     "Trained with open_sft (Accelerate/DeepSpeed continual pretraining on text documents, every token trained)."),
+    (["messages", "text"], ["open_sft", "sft", "continual-pretraining"],
+     "A fine-tune of `gpt2` on chat/instruction data, with continual pretraining on text documents in the same "
+     "mixture.", "supervised fine-tuning on the chat/instruction sources and continual pretraining on the text"),
+    (["messages", "alpaca"], ["open_sft", "sft"], "A fine-tune of `gpt2`.",
+     "Fine-tuned with open_sft (Accelerate/DeepSpeed supervised fine-tuning)."),
+])
+def test_the_card_says_what_the_sources_trained_continual_pretraining_on_text(tmp_path, formats, tags, what,
+                                                                               how) -> None:
+    """A run on text documents (README "Continual pretraining on text") is continual pretraining, not supervised
+    fine-tuning: its card said "supervised fine-tuning" and tagged it `sft`. The kinds come from data_report.json's
+    source formats; a mix of text and chat sources says both."""
+    import yaml
+
+    from open_sft.data.summary import SourceReport
+    from open_sft.export.model_card import render_model_card
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"args": {"model": {"model_name_or_path": "gpt2"}}}))
+    sources = [SourceReport(name=f"s{i}.jsonl", format=f, rows_in=1).to_dict() for i, f in enumerate(formats)]
+    (run / "data_report.json").write_text(json.dumps({"sources": sources}))
+    card = render_model_card(run)
+    front, body = card[4:].split("\n---\n", 1)
+    assert yaml.safe_load(front)["tags"] == tags
+    assert f"\n{what}\n" in body and how in body
+    assert ("supervised fine-tuning" in card) == ("sft" in tags)
+
+
+@pytest.mark.parametrize(("epoch", "step", "line"), [
+    (1.0, 1, "Trained for 1 epoch (1 optimizer step)."),
+    (2.0, 8, "Trained for 2 epochs (8 optimizer steps)."),
+    (0.5, 3, "Trained for 0.5 epochs (3 optimizer steps)."),
+])
+def test_the_card_counts_epochs_and_steps_in_words_a_reader_reads(tmp_path, epoch, step, line) -> None:
+    """A one-epoch run's card read "Trained for 1 epochs"; one and only one is singular."""
+    from open_sft.export.model_card import render_model_card
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"args": {"model": {"model_name_or_path": "gpt2"}}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": step, "epoch": epoch, "loss": 2.5}) + "\n")
+    body = render_model_card(run)
+    assert f"\n{line}\n" in body and f"| epochs trained | {epoch:g} |" in body
