@@ -16,6 +16,10 @@ from torch import nn
 from open_sft.errors import UserError
 
 
+EXPERT_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")  # configs' names for it
+ROUTING_BIASES = ("e_score_correction_bias", "expert_bias")  # DeepSeek-V3/GLM-4.5's, LFM2-MoE's per-expert bias
+
+
 class RouterLoss(NamedTuple):
     function: Callable  # the modeling module's load_balancing_loss_func
     experts: int
@@ -43,6 +47,23 @@ def router_loss_choice(flag: Optional[bool], config: Any) -> tuple[bool, Optiona
     return False, None
 
 
+def _without_router_loss(causal_lm: nn.Module) -> str:
+    """Why a model has no router loss, in words: a mixture of experts balanced by a per-expert bias on its router's
+    scores (DeepSeek-V3, GLM-4.5, LFM2-MoE: aux-loss-free), another MoE whose transformers code has no aux loss,
+    or a dense model."""
+    tensors = dict(causal_lm.named_parameters()) | dict(causal_lm.named_buffers())
+    bias = next((name for name in tensors if name.rsplit(".", 1)[-1] in ROUTING_BIASES), None)
+    if bias is not None:
+        return (f"is a mixture of experts balanced without an auxiliary loss: bias-based routing (a per-expert bias "
+                f"on the router's scores, {bias.rsplit('.', 1)[-1]}) evens the experts' load instead")
+    experts = next((getattr(causal_lm.config, name) for name in EXPERT_COUNTS
+                    if isinstance(getattr(causal_lm.config, name, None), int)), None)
+    if experts and experts > 1:
+        return (f"is a mixture of {experts} experts whose transformers model computes no router auxiliary loss "
+                "(no load_balancing_loss_func)")
+    return "is not a mixture-of-experts model"
+
+
 def router_loss(causal_lm: nn.Module, from_config: bool = False) -> RouterLoss:
     """(load_balancing_loss_func, experts, experts per token, coefficient) of an MoE model, read where its own
     forward reads them (Mixtral, Qwen2/3-MoE, OLMoE, GraniteMoE, gpt-oss: the function in its modeling module, the
@@ -57,6 +78,6 @@ def router_loss(causal_lm: nn.Module, from_config: bool = False) -> RouterLoss:
                             "true), which open_sft cannot compute as its forward does (no load_balancing_loss_func "
                             "and expert counts); set --additional_model_arguments '{\"output_router_logits\": false}' "
                             "or pass --no_load_balancing_loss")
-        raise UserError(f"--load_balancing_loss: model type {family!r} has no router load-balancing loss (it is not "
-                        "a mixture-of-experts model transformers trains with one); drop the flag")
+        raise UserError(f"--load_balancing_loss: model type {family!r} {_without_router_loss(causal_lm)}, so there "
+                        "is no router load-balancing loss to add; drop the flag")
     return RouterLoss(function, *parts)

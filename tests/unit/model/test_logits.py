@@ -225,5 +225,5 @@ def test_router_loss_is_the_models_own(family) -> None:
 
 
 def test_load_balancing_on_a_dense_model_is_refused() -> None:
-    with pytest.raises(UserError, match="--load_balancing_loss: model type 'llama' has no router"):
+    with pytest.raises(UserError, match="--load_balancing_loss: model type 'llama' is not a mixture-of-experts model, so there is no router"):
         TokenLossModel(tiny("llama"), load_balancing=True)

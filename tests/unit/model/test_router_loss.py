@@ -96,3 +96,32 @@ def test_a_config_asking_for_a_router_loss_the_model_has_not_is_refused_with_the
     with pytest.raises(UserError, match="its config asks for the router's aux loss.*output_router_logits"):
         TokenLossModel(model, load_balancing=None)
     assert TokenLossModel(model, load_balancing=False).router is None
+
+
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}
+
+
+@pytest.mark.parametrize(("family", "extra", "why"), [
+    ("deepseek_v3", {**MOE, **MLA, "n_routed_experts": 4, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1},
+     "is a mixture of experts balanced without an auxiliary loss: bias-based routing (a per-expert bias on the "
+     "router's scores, e_score_correction_bias) evens the experts' load instead"),
+    ("glm4_moe", {**MOE, "n_routed_experts": 4, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1},
+     "is a mixture of experts balanced without an auxiliary loss: bias-based routing (a per-expert bias on the "
+     "router's scores, e_score_correction_bias) evens the experts' load instead"),
+    ("lfm2_moe", {**MOE, "num_experts": 4, "num_dense_layers": 0, "layer_types": ["full_attention", "conv"]},
+     "is a mixture of experts balanced without an auxiliary loss: bias-based routing (a per-expert bias on the "
+     "router's scores, expert_bias) evens the experts' load instead"),
+    ("deepseek_v2", {**MOE, **MLA, "n_routed_experts": 4, "first_k_dense_replace": 0},
+     "is a mixture of 4 experts whose transformers model computes no router auxiliary loss "
+     "(no load_balancing_loss_func)"),
+    ("llama", {}, "is not a mixture-of-experts model"),
+])
+def test_load_balancing_on_a_model_without_a_router_loss_says_why(family, extra, why) -> None:
+    """An aux-loss-free MoE (DeepSeek-V3, GLM-4.5, LFM2-MoE) was refused as "not a mixture-of-experts model
+    transformers trains with one": the refusal stays, and says the family is an MoE balanced by bias-based routing,
+    so there is no loss to add and the flag should be dropped."""
+    with pytest.raises(UserError) as refused:
+        TokenLossModel(tiny(family, **extra), load_balancing=True)
+    assert str(refused.value) == (f"--load_balancing_loss: model type {family!r} {why}, so there is no router "
+                                  "load-balancing loss to add; drop the flag")
