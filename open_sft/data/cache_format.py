@@ -63,5 +63,7 @@ changed."""
 # the {% generation %} check admitting only the generation prompt before a trained run; 39: a row's own
 # chat_template_kwargs column (smoltalk2's) renders it, over --chat_template_kwargs (it was ignored), and a content's
 # [THINK]…[/THINK] where Magistral's template writes them is not counted as special_tokens_in_text, and xLAM's Python
-# type names are JSON Schema's (str → string, ...), `, optional` ones not required, the others required
-CACHE_FORMAT_VERSION = 39
+# type names are JSON Schema's (str → string, ...), `, optional` ones not required, the others required; 40: a
+# content's special tokens around a trace are the template's own only where it renders that inline form as the trace
+# given apart (gpt-oss's <|message|>x<|end|>y is counted as special_tokens_in_text again)
+CACHE_FORMAT_VERSION = 40

@@ -14,7 +14,7 @@ from open_sft.data.build import build_examples
 from open_sft.data.cache_inputs import key_inputs
 from open_sft.data.summary import format_data_report
 from open_sft.model.added_tokens import add_tokens
-from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
+from tests.unit.data.test_reasoning_tool_calls import build, family_tokenizer, trained_runs
 from tests.unit.data.test_stream import in_memory, small_chunks, streamed  # noqa: F401 (small_chunks: a fixture)
 
 WARNING = "literal text of a special token"
@@ -122,3 +122,23 @@ def test_magistral_trace_blocks_written_in_the_content_are_not_special_text(tiny
     _, (report,) = build(tokenizer, tmp_path, [inline, *stray])
     assert report.special_tokens_in_text == 3
     assert dict(report.special_tokens_in_text_by_token) == {"[/THINK]": 2, "[THINK]": 1}
+
+
+def test_gpt_oss_channel_tokens_in_a_content_are_special_text_glms_own_think_block_is_not(tiny_model_dir,
+                                                                                         tmp_path) -> None:
+    """gpt-oss's template writes a trace between `<|message|>` and `<|end|>`, special tokens both, so the probe took
+    them for its trace block: a content `<|message|>x<|end|>y`, which the template writes inside its final channel (a
+    fake end of turn the model trains on), went uncounted. The block is the template's own only where it renders the
+    inline form as it renders the trace given apart: GLM-4.5's does (it reads the trace out of the content), gpt-oss's
+    does not."""
+    fake = row("Hi", "<|message|>x<|end|>y")
+    gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
+    examples, (report,) = build(gpt_oss, tmp_path, [fake, row("Hi", "Hello")])
+    assert report.rows_kept == 2 and report.special_tokens_in_text == 1
+    assert dict(report.special_tokens_in_text_by_token) == {"<|end|>": 1, "<|message|>": 1}
+    assert trained_runs(gpt_oss, examples)[0][1] == "<|channel|>final<|message|><|message|>x<|end|>y<|return|>"
+
+    glm = family_tokenizer(tiny_model_dir, "glm")
+    examples, (report,) = build(glm, tmp_path, [row("Hi", "<think>x</think>y"), row("Hi", "Hello </think>")])
+    assert report.special_tokens_in_text == 1 and dict(report.special_tokens_in_text_by_token) == {"</think>": 1}
+    assert trained_runs(glm, examples)[0][1] == "\n<think>x</think>\ny<|user|>"  # GLM ends a turn at the next header
