@@ -65,5 +65,6 @@ changed."""
 # [THINK]…[/THINK] where Magistral's template writes them is not counted as special_tokens_in_text, and xLAM's Python
 # type names are JSON Schema's (str → string, ...), `, optional` ones not required, the others required; 40: a
 # content's special tokens around a trace are the template's own only where it renders that inline form as the trace
-# given apart (gpt-oss's <|message|>x<|end|>y is counted as special_tokens_in_text again)
+# given apart (gpt-oss's <|message|>x<|end|>y is counted as special_tokens_in_text again), an xLAM parameter with a
+# default, Optional[X] (typed X) or `,optional` in any spacing is not required
 CACHE_FORMAT_VERSION = 40

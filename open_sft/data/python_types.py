@@ -4,8 +4,9 @@ Salesforce/xlam-function-calling-60k writes a parameter's type as Python does (`
 `"str, optional"`) and lists no `required`: templates that write a parameter's JSON Schema type (gpt-oss's TypeScript
 form) know none of them and write every parameter `any`, optional. The unambiguous names are mapped: str → string,
 int → integer, float → number, bool → boolean, list / List[...] → array (its `items` where the inner name is one of
-these), dict / Dict[...] → object; `, optional` makes a parameter not required, every other parameter of a schema
-whose types are all strings is required. Anything else (`Any`, `Union[...]`, `Callable`) is left as written.
+these), dict / Dict[...] → object, Optional[X] as X; `, optional` (any case and spacing: `str,optional`), Optional[X]
+or a `default` make a parameter not required, every other parameter of a schema whose types are all strings is
+required. Anything else (`Any`, `Union[...]`, `Callable`) is left as written.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 
 _SCALARS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 _GENERIC = re.compile(r"(list|List|dict|Dict)(?:\[(.*)\])?")
-_OPTIONAL = ", optional"
+_OPTIONAL = re.compile(r",\s*optional\s*$", re.IGNORECASE)  # "int, optional", "str,optional", "int, Optional"
+_OPTIONAL_OF = re.compile(r"Optional\[(.*)\]")
 
 
 def _json_type(name: str) -> dict:
@@ -31,19 +33,26 @@ def _json_type(name: str) -> dict:
     return {"type": "array", **({"items": {"type": _SCALARS[inner]}} if inner in _SCALARS else {})}
 
 
+def _written_type(written: str) -> tuple[str, bool]:
+    """The type name a parameter's `type` writes (`int` of `int, optional` and of `Optional[int]`), and whether it
+    says the parameter is optional."""
+    bare = _OPTIONAL.sub("", written).strip()
+    optional_of = _OPTIONAL_OF.fullmatch(bare)
+    return (optional_of.group(1).strip(), True) if optional_of else (bare, bare != written)
+
+
 def json_schema_types(properties: dict) -> tuple[dict, list[str], bool]:
     """xLAM's `properties` ({name: {type, description, default}}) with their Python type names as JSON Schema's, the
-    names of the required ones (those not `, optional`), and whether any type was mapped; the properties as they are,
-    no required list and False where some type is not a string (not xLAM's form)."""
+    names of the required ones (those neither optional nor with a `default`), and whether any type was mapped; the
+    properties as they are, no required list and False where some type is not a string (not xLAM's form)."""
     if not all(isinstance(spec, dict) and isinstance(spec.get("type"), str) for spec in properties.values()):
         return properties, [], False
     mapped, required, changed = {}, [], False
     for name, spec in properties.items():
-        written = spec["type"].strip()
-        optional = written.endswith(_OPTIONAL)
-        json_type = _json_type(written[: -len(_OPTIONAL)].strip() if optional else written)
+        written, optional = _written_type(spec["type"].strip())
+        json_type = _json_type(written)
         mapped[name] = {**spec, **json_type} if json_type else spec
         changed |= bool(json_type)
-        if not optional:
+        if not optional and "default" not in spec:
             required.append(name)
     return mapped, required, changed

@@ -13,6 +13,7 @@ from open_sft.data.build import build_examples
 from open_sft.data.format_detect import detect_format
 from open_sft.data.formats import RowError, to_messages
 from open_sft.data.labels import trained_token_runs
+from open_sft.data.python_types import json_schema_types
 from open_sft.data.tool_schemas import listed_in_system
 from open_sft.errors import UserError
 from tests.unit.data.test_reasoning_tool_calls import family_tokenizer
@@ -99,7 +100,7 @@ def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp
            "tools": json.dumps([WEATHER_TOOL])}
     assert detect_format(row, "f") == "xlam"
     schema = {**WEATHER_TOOL, "parameters": {"type": "object", "properties": {"city": {  # Python's str: string
-        "description": "The city.", "type": "string", "default": "Oslo"}}, "required": ["city"]}}
+        "description": "The city.", "type": "string", "default": "Oslo"}}}}  # a default: not required
     examples = examples_of(qwen3, tmp_path, [row])
     assert examples == examples_of(qwen3, tmp_path, [{"tools": [{"type": "function", "function": schema}],
                                                       "messages": [{"role": "user", "content": row["query"]}, {
@@ -109,10 +110,10 @@ def test_xlam_rows_train_their_calls_with_their_tools(qwen3, tiny_model_dir, tmp
         for city, end in (("Oslo", "\n"), ("Bern", "<|im_end|>")))]
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", ' \
            '"parameters": {"type": "object", "properties": {"city": {"description": "The city.", "type": "string", ' \
-           '"default": "Oslo"}}, "required": ["city"]}}}\n</tools>' in qwen3.decode(examples[0][0])
+           '"default": "Oslo"}}}}}\n</tools>' in qwen3.decode(examples[0][0])
     gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
     (ids, _), = examples_of(gpt_oss, tmp_path, [{**row, "answers": json.dumps(calls[:1])}])
-    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity: string, // default: "Oslo",\n}) ' \
+    written = '// Weather of a city.\ntype get_weather = (_: {\n// The city.\ncity?: string, // default: "Oslo",\n}) ' \
               '=> any;'
     assert written in gpt_oss.decode(ids)  # without the object schema: "type get_weather = () => any;"
     with pytest.raises(RowError, match="xLAM row's 'answers' is empty: the row has no call to train"):
@@ -360,8 +361,8 @@ def test_a_conversation_column_that_is_not_json_names_the_error() -> None:
 def test_xlam_python_type_names_are_written_as_json_schema_types(tiny_model_dir, tmp_path) -> None:
     """xLAM types its parameters by Python's names (`str`, `List[int]`, `int, optional`) and lists no `required`:
     gpt-oss's template wrote every parameter `any`, optional (`a?: any`). The unambiguous names are JSON Schema's
-    now, `, optional` not required, the others required; a name that is not one of them is left as written; the
-    data report counts the rows (tool_types_mapped)."""
+    now, `, optional` ones and those with a default not required, the others required; a name that is not one of
+    them is left as written; the data report counts the rows (tool_types_mapped)."""
     tools = [{"name": "f", "description": "F.", "parameters": {
         "a": {"type": "str", "description": "A."}, "b": {"type": "List[int]", "description": "B.", "default": [1]},
         "c": {"type": "int, optional", "description": "C.", "default": 3},
@@ -373,13 +374,29 @@ def test_xlam_python_type_names_are_written_as_json_schema_types(tiny_model_dir,
     assert {name: spec["type"] for name, spec in parameters["properties"].items()} == {
         "a": "string", "b": "array", "c": "integer", "d": "Callable", "e": "object", "g": "boolean"}
     assert parameters["properties"]["b"]["items"] == {"type": "integer"}
-    assert parameters["required"] == ["a", "b", "d", "e"]
+    assert parameters["required"] == ["a", "d", "e"]
     gpt_oss = family_tokenizer(tiny_model_dir, "gpt_oss")
     path = tmp_path / "xlam.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in [row, {**row, "tools": json.dumps([{**tools[0],
                                                                                             "parameters": {}}])}]))
     examples, (report,) = build_examples(DataArguments(dataset_mixer_list=[str(path), "1.0"]), gpt_oss, 0)
-    assert "type f = (_: {\n// A.\na: string,\n// B.\nb: number[], // default: [1],\n// C.\nc?: number, // default: " \
+    assert "type f = (_: {\n// A.\na: string,\n// B.\nb?: number[], // default: [1],\n// C.\nc?: number, // default: " \
            "3,\n// D.\nd: any,\n// E.\ne: object,\n// G.\ng?: boolean,\n}) => any;" in gpt_oss.decode(
                examples[0].input_ids)
     assert report.tool_types_mapped == 1 and report.to_dict()["tool_types_mapped"] == 1
+
+
+def test_xlam_parameters_with_a_default_or_optional_in_any_spelling_are_not_required() -> None:
+    """Every xLAM parameter not ending exactly ", optional" was required: `{"type": "str", "default": "us"}` (xLAM's
+    usual optional parameter), "Optional[int]" (left unmapped too) and "str,optional". A default, Optional[X] (typed
+    X) and `,optional` in any spacing or case make a parameter optional now; only `a` and `f` are required."""
+    properties = {"a": {"type": "str"}, "country": {"type": "str", "default": "us"},
+                  "limit": {"type": "Optional[int]"}, "lang": {"type": "str,optional"},
+                  "page": {"type": "int , Optional ", "default": None}, "f": {"type": "Callable"},
+                  "tags": {"type": "Optional[List[str]], optional"}}
+    mapped, required, changed = json_schema_types(properties)
+    assert required == ["a", "f"] and changed
+    assert {name: spec["type"] for name, spec in mapped.items()} == {
+        "a": "string", "country": "string", "limit": "integer", "lang": "string", "page": "integer", "f": "Callable",
+        "tags": "array"}
+    assert mapped["tags"]["items"] == {"type": "string"} and mapped["country"]["default"] == "us"
