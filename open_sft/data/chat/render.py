@@ -220,13 +220,16 @@ _MAX_OPTION_STATES = 64  # template states kept per tokenizer: rows with their o
 
 def template_state(tokenizer: PreTrainedTokenizerBase, options: ChatOptions = DEFAULT_OPTIONS) -> TemplateState:
     """The tokenizer's template state for these options, made again when its template changes (the states of the
-    least recently made options dropped past _MAX_OPTION_STATES)."""
+    least recently used options dropped past _MAX_OPTION_STATES: the source's own, which most rows use between rows
+    with variables of their own, stays)."""
     by_options = _RENDERERS.get(tokenizer)
     if by_options is None or by_options.get("source") != tokenizer.chat_template:
         by_options = {"source": tokenizer.chat_template}
         _RENDERERS[tokenizer] = by_options
-    cached = by_options.get(options.template_kwargs)
-    if cached is None:
+    cached = by_options.pop(options.template_kwargs, None)
+    if cached is not None:  # the most recently used now: last in the dict's order
+        by_options[options.template_kwargs] = cached
+    else:
         if len(by_options) > _MAX_OPTION_STATES:
             del by_options[next(key for key in by_options if key != "source")]
         kwargs = options.kwargs()

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from open_sft.data.chat import render
 from open_sft.data.formats import RowError, to_messages, without_arrow_fill
 from tests.unit.data.test_call_closers import template_tokenizer
 from tests.unit.data.test_more_families import SMOLLM3_SHAPE
@@ -73,3 +74,24 @@ def test_a_parquet_struct_column_of_variables_loses_the_nulls_arrow_fills_in(tmp
     assert [to_messages(row, "messages").template_kwargs for row in read] == [
         {"enable_thinking": False}, {"xml_tools": [{"name": "add", "strict": True}, {"name": "f"}]}]
     assert json.dumps(read[0]["chat_template_kwargs"]) == '{"enable_thinking": false}'
+
+
+def test_the_sources_template_state_outlives_a_hundred_rows_with_variables_of_their_own(smollm3, monkeypatch) -> None:
+    """Template states were dropped in the order they were made (64 kept): after 64 rows with distinct variables of
+    their own (smoltalk2's xml_tools), the state every other row shares was dropped and made again, with all its
+    probes, and again every 64 rows. The least recently used one is dropped now: 100 such rows between plain rows
+    make 101 states, the plain rows' one state throughout."""
+    made, direct = [], render._direct_renderer
+
+    def counted(tokenizer, kwargs):  # once per state made
+        made.append(kwargs)
+        return direct(tokenizer, kwargs)
+
+    monkeypatch.setattr(render, "_direct_renderer", counted)
+    shared = render.template_state(smollm3, render.DEFAULT_OPTIONS)
+    for k in range(100):
+        own = to_messages({"messages": QUESTION, "chat_template_kwargs": {"xml_tools": [{"name": f"tool_{k}"}]}},
+                          "messages")
+        render.template_state(smollm3, render.row_options(render.DEFAULT_OPTIONS, own))
+        assert render.template_state(smollm3, render.row_options(render.DEFAULT_OPTIONS, QUESTION)) is shared
+    assert len(made) == 101 and made[0] == {} and made[100] == {"xml_tools": [{"name": "tool_99"}]}
