@@ -66,5 +66,6 @@ changed."""
 # type names are JSON Schema's (str → string, ...), `, optional` ones not required, the others required; 40: a
 # content's special tokens around a trace are the template's own only where it renders that inline form as the trace
 # given apart (gpt-oss's <|message|>x<|end|>y is counted as special_tokens_in_text again), an xLAM parameter with a
-# default, Optional[X] (typed X) or `,optional` in any spacing is not required
+# default, Optional[X] (typed X) or `,optional` in any spacing is not required, and row_template_kwargs counts only
+# rows whose variables differ from the source's
 CACHE_FORMAT_VERSION = 40

@@ -62,7 +62,7 @@ class RowRender:
     reasoning_opened_by_prompt: bool = False  # a turn trained after a think block its prompt opens (opened_trace.py)
     reasoning_block_filled: bool = False  # a turn's trace trained in the think block its template writes empty
     content_not_rendered: bool = False  # a call turn's content (beside its calls) its template leaves out
-    row_template_kwargs: bool = False  # rendered with the row's own chat template variables (render.row_options)
+    row_template_kwargs: bool = False  # rendered with variables of its own, not the source's (render.row_options)
     tool_types_mapped: bool = False  # its tool schemas' Python type names read as JSON Schema's (data/python_types.py)
     # per example, where such turns start: the text is tokenized apart there, as at inference (data/cuts.py); () none
     cuts: tuple[tuple[int, ...], ...] = ()
@@ -148,7 +148,8 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
     if not tokenizer.chat_template:  # a source of raw rows (checked by its first) may hold a row of messages
         raise RowError("a row of messages needs a chat template and the tokenizer has none; choose one with "
                        "--chat_template_name or --chat_template_path FILE", "template_error")
-    options = render.row_options(options, messages)
+    own_options = render.row_options(options, messages)
+    own_kwargs, options = own_options != options, own_options  # the row's variables change what the template gets
     state = render.template_state(tokenizer, options)
     strings = string_arguments(messages)  # before the template's own form: what the row gave
     messages = _developer_turns(messages, state.source)
@@ -178,7 +179,7 @@ def row_examples(tokenizer: PreTrainedTokenizerBase, messages: Messages, train_o
         rendered = dataclasses.replace(rendered, reasoning_tags_as_text=True)
     if wrapped_twice(messages, texts):
         rendered = dataclasses.replace(rendered, tool_results_wrapped_twice=True)
-    own_kwargs, mapped = bool(getattr(messages, "template_kwargs", None)), getattr(messages, "tool_types_mapped", False)
+    mapped = getattr(messages, "tool_types_mapped", False)
     if own_kwargs or mapped:
         rendered = dataclasses.replace(rendered, row_template_kwargs=own_kwargs, tool_types_mapped=mapped)
     return rendered

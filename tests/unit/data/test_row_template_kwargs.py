@@ -95,3 +95,20 @@ def test_the_sources_template_state_outlives_a_hundred_rows_with_variables_of_th
         render.template_state(smollm3, render.row_options(render.DEFAULT_OPTIONS, own))
         assert render.template_state(smollm3, render.row_options(render.DEFAULT_OPTIONS, QUESTION)) is shared
     assert len(made) == 101 and made[0] == {} and made[100] == {"xml_tools": [{"name": "tool_99"}]}
+
+
+def test_only_rows_whose_variables_change_what_the_template_gets_are_counted(smollm3, tmp_path) -> None:
+    """A row whose column repeats the source's variables (`enable_thinking: true` under --chat_template_kwargs
+    '{"enable_thinking": true}', smoltalk2's thinking subsets) renders as the source's rows do, yet was counted as
+    row_template_kwargs; only the row that sets another value (or a variable the source does not) counts now."""
+    rows = [{"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": True}},
+            {"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": True, "python_tools": None}},
+            {"messages": QUESTION, "chat_template_kwargs": {"enable_thinking": False}},
+            {"messages": QUESTION,
+             "chat_template_kwargs": {"enable_thinking": True, "custom_instructions": "Be terse."}}]
+    examples, (report,) = build(smollm3, tmp_path, rows, chat_template_kwargs='{"enable_thinking": true}')
+    assert report.rows_kept == 4 and report.row_template_kwargs == 2
+    contexts = [context for context, _ in trained_runs(smollm3, examples)]
+    assert contexts[0] == contexts[1] == smollm3.apply_chat_template(QUESTION[:1], add_generation_prompt=True,
+                                                                     tokenize=False)
+    assert "/no_think" in contexts[2] and "Be terse.<|im_end|>" in contexts[3]
