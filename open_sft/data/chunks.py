@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from open_sft.data.formats import RowError, without_arrow_fill
+from open_sft.data.compressed import data_suffix
 from open_sft.data.local_files import holds_json_lines, line_chunks, parse_json_line, text_blocks
 from open_sft.data.sources import TEXT_SUFFIX, open_dataset
 
@@ -39,14 +40,14 @@ class Reader:
     def __init__(self, spec: Any, dataset: Any = None):
         self.spec, self.dataset = spec, dataset
         self.path = Path(spec.name).expanduser()
-        self.blocks = dataset is None and self.path.suffix == TEXT_SUFFIX  # a .txt file: {"text": block} rows
+        self.blocks = dataset is None and data_suffix(self.path) == TEXT_SUFFIX  # a .txt file: {"text": block} rows
 
     @classmethod
     def open(cls, spec: Any) -> Optional["Reader"]:
         """None for a JSON document file (a list of objects: read whole, by the in-memory build)."""
         path = Path(spec.name).expanduser()
-        if path.suffix in (".json", ".jsonl", TEXT_SUFFIX) and path.is_file():
-            return cls(spec) if path.suffix == TEXT_SUFFIX or holds_json_lines(path) else None
+        if data_suffix(path) in (".json", ".jsonl", TEXT_SUFFIX) and path.is_file():
+            return cls(spec) if data_suffix(path) == TEXT_SUFFIX or holds_json_lines(path) else None
         return cls(spec, open_dataset(spec))
 
     @property

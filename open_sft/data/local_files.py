@@ -10,9 +10,10 @@ import codecs
 import json
 from collections.abc import Iterator, Sequence
 from itertools import chain
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
+from open_sft.data.compressed import PACK, UNPACK, DataReader, compression, data_suffix
 from open_sft.data.formats import RowError
 from open_sft.errors import UserError
 
@@ -41,8 +42,9 @@ def parse_json_line(line: str) -> dict[str, Any]:
 
 
 def read_utf8(path: Path) -> str:
-    """The file's text; a file that is not UTF-8 is a UserError naming the line and the fix."""
-    return _decode(path, path.read_bytes(), 0)
+    """The file's text (decompressed); a file that is not UTF-8 is a UserError naming the line and the fix."""
+    with DataReader(path) as handle:
+        return _decode(path, handle.read(), 0)
 
 
 def _decode(path: Path, data: bytes, lines_before: int) -> str:
@@ -58,10 +60,12 @@ def _decode(path: Path, data: bytes, lines_before: int) -> str:
         utf16 = not lines_before and data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
         what = "it is UTF-16 (its byte order mark says so)" if utf16 else \
             f"byte 0x{data[exc.start]:02x} at column {column}"
-        raise UserError(
-            f"{path} line {line}: not UTF-8 ({what}); data files must be UTF-8: re-encode it, e.g. iconv -f "
-            f"{'utf-16' if utf16 else 'latin1'} -t utf-8 {path} > {path.stem}.utf8{path.suffix}"
-        ) from None
+        iconv = f"iconv -f {'utf-16' if utf16 else 'latin1'} -t utf-8"
+        kind = compression(path)
+        fix = f"{iconv} {path} > {path.stem}.utf8{path.suffix}" if not kind else \
+            f"{UNPACK[kind]} {path} | {iconv} | {PACK[kind]} > {PurePath(path.stem).stem}.utf8{data_suffix(path)}{kind}"
+        raise UserError(f"{path} line {line}: not UTF-8 ({what}); data files must be UTF-8: re-encode it, e.g. {fix}"
+                        ) from None
 
 
 READ_BYTES = 1 << 22  # a JSON Lines file is read this much at a time (whole lines)
@@ -72,7 +76,7 @@ def _lines_blockwise(path: Path) -> Iterator[tuple[int, list[str]]]:
     at a time: (the number of the block's first line, from 1; its lines)."""
     number = raw_lines = 0
     carry = b""
-    with path.open("rb") as handle:
+    with DataReader(path) as handle:  # decompressed a block at a time
         while True:
             block = handle.read(READ_BYTES)
             data = carry + block
@@ -160,9 +164,9 @@ def holds_json_lines(path: Path) -> bool:
     TRL's and LLaMA-Factory's reader) takes JSON Lines in a .json file, and many datasets are published that way;
     a JSON document (a list, or one object holding it) begins with a line that is not a whole object, or is the
     file's only line. Reads the file only up to its second non-blank line."""
-    if path.suffix == ".jsonl":
+    if data_suffix(path) == ".jsonl":
         return True
-    if path.suffix != ".json":
+    if data_suffix(path) != ".json":
         return False
     first = None
     for _, lines in _lines_blockwise(path):

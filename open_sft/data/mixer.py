@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from open_sft.data.compressed import data_stem
 from open_sft.data.sources import LOCAL_SUFFIXES, SourceSpec
 from open_sft.errors import UserError
 
@@ -93,7 +94,7 @@ def source_names(entries: list[str]) -> list[str]:
     names: list[str] = []
     for entry in entries:
         path = PurePath(entry)
-        stem = path.stem if path.suffix in LOCAL_SUFFIXES else entry
+        stem = data_stem(path) if entry.endswith(LOCAL_SUFFIXES) else entry
         base = re.sub(r"[^A-Za-z0-9._-]+", "_", stem.strip("/")).strip("._") or "source"
         name, copy = base, 1
         while name in names:

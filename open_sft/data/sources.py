@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from open_sft.data.compressed import COMPRESSIONS, compression, data_suffix
 from open_sft.data.formats import without_arrow_fill
 from open_sft.data.local_files import holds_json_lines, read_json, read_jsonl, text_blocks
 from open_sft.errors import UserError
@@ -23,7 +24,10 @@ from open_sft.errors import UserError
 logger = logging.getLogger(__name__)
 
 TEXT_SUFFIX = ".txt"  # plain text for continual pretraining: one document per blank-line-separated block
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", TEXT_SUFFIX)
+PLAIN_SUFFIXES = (".jsonl", ".json", ".parquet", TEXT_SUFFIX)
+# JSON Lines, JSON and text files may be compressed (x.jsonl.gz): read as the inner suffix says, decompressed
+LOCAL_SUFFIXES = PLAIN_SUFFIXES + tuple(f"{name}{kind}" for name in (".jsonl", ".json", TEXT_SUFFIX)
+                                        for kind in COMPRESSIONS)
 
 
 @dataclass(frozen=True)
@@ -238,16 +242,25 @@ def open_dataset(spec: SourceSpec) -> Any:
             loaded = loaded[spec.split]
         return loaded
     if path.is_file():
-        if path.suffix in (".jsonl", ".json", TEXT_SUFFIX):
+        if data_suffix(path) in (".jsonl", ".json", TEXT_SUFFIX):
             return None
         if path.suffix != ".parquet":
-            raise UserError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(LOCAL_SUFFIXES)} "
-                            f"({TEXT_SUFFIX}: plain text, one document per blank-line-separated block)")
+            raise UserError(_unsupported(path))
         loaded = _read_parquet(path)
         if not len(loaded):
             raise UserError(f"{path}: the file has no rows")
         return loaded
     return _load_hub(spec, spec.name)
+
+
+def _unsupported(path: Path) -> str:
+    """Why a local file is not read, by its suffixes (a compressed parquet file: parquet compresses inside)."""
+    kinds = "/".join(COMPRESSIONS)
+    what = "".join(path.suffixes[-2:]) if compression(path) else path.suffix
+    fix = " (parquet compresses its columns itself: decompress the file)" if data_suffix(path) == ".parquet" else ""
+    return (f"{path}: unsupported file type {what!r}{fix}; use one of {', '.join(PLAIN_SUFFIXES)} ({TEXT_SUFFIX}: "
+            f"plain text, one document per blank-line-separated block), a .jsonl, .json or {TEXT_SUFFIX} file may "
+            f"be compressed ({kinds})")
 
 
 def _read_parquet(path: Path) -> Any:
@@ -274,7 +287,7 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     line_numbers, unreadable = None, 0
     if holds_json_lines(path):
         rows, line_numbers, unreadable = read_jsonl(path, drop_bad)
-    elif path.suffix == TEXT_SUFFIX:
+    elif data_suffix(path) == TEXT_SUFFIX:
         rows, line_numbers = [], []
         for texts, numbers in text_blocks(path):
             rows += [{"text": text} for text in texts]
@@ -282,5 +295,5 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     else:
         rows, line_numbers = read_json(path)
     if not rows:
-        raise UserError(f"{path}: the file has no rows" + NO_TEXT * (path.suffix == TEXT_SUFFIX))
+        raise UserError(f"{path}: the file has no rows" + NO_TEXT * (data_suffix(path) == TEXT_SUFFIX))
     return LoadedSource(spec, rows, line_numbers, unreadable)

@@ -217,10 +217,10 @@ def training_texts(path: str | Path) -> list[str]:
     from open_sft.data.documents import to_text
     from open_sft.data.format_detect import detect_format
     from open_sft.data.formats import RowError, to_messages
-    from open_sft.data.sources import LOCAL_SUFFIXES, parse_mixer_list, read_source
+    from open_sft.data.sources import PLAIN_SUFFIXES, parse_mixer_list, read_source
 
     if not Path(path).expanduser().is_file():
-        raise UserError(f"--data_path {path}: no such file; give a {'/'.join(LOCAL_SUFFIXES)} file of chat or text "
+        raise UserError(f"--data_path {path}: no such file; give a {'/'.join(PLAIN_SUFFIXES)} file of chat or text "
                         "rows (the tokenizer is trained on their text)")
     spec, = parse_mixer_list([str(path), "1.0"], ["train"], flag="--data_path")
     source = read_source(spec)

@@ -1,0 +1,125 @@
+"""Local data files compressed with gzip (.gz), bzip2 (.bz2), xz (.xz) or Zstandard (.zst), as corpus shards are
+published (Dolma's .json.gz, newer mixes' .jsonl.zst). The format is the inner suffix (`x.jsonl.gz` is JSON Lines);
+the text is decompressed as a stream, a block at a time, never the whole file in memory where the file is read a
+block at a time. A damaged or cut-short archive is a UserError naming the file, never a traceback.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import lzma
+import zlib
+from pathlib import Path, PurePath
+from typing import Any, BinaryIO
+
+from open_sft.errors import UserError
+
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "Zstandard"}
+UNPACK = {".gz": "zcat", ".bz2": "bzcat", ".xz": "xzcat", ".zst": "zstdcat"}  # the commands a fix names
+PACK = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+ZSTD_IN = 1 << 13  # compressed bytes fed at a time: what one feed decompresses to stays small
+CUT_SHORT = "Compressed file ended before the end-of-stream marker was reached"  # the stdlib's own EOFError text
+
+
+def compression(path: PurePath | str) -> str | None:
+    """The compression suffix of `path` (".gz", ...), None for a plain file."""
+    suffix = PurePath(path).suffix
+    return suffix if suffix in COMPRESSIONS else None
+
+
+def data_suffix(path: PurePath | str) -> str:
+    """The suffix that says a file's format, under any compression suffix: `x.jsonl.gz` → ".jsonl"."""
+    path = PurePath(path)
+    return PurePath(path.stem).suffix if compression(path) else path.suffix
+
+
+def data_stem(path: PurePath | str) -> str:
+    """The name less its format and compression suffixes: `data/web.jsonl.gz` → "web"."""
+    path = PurePath(path)
+    return PurePath(path.stem).stem if compression(path) else path.stem
+
+
+class DataReader:
+    """The bytes of a data file, decompressed where it is compressed, read `read(size)` at a time. A damaged or
+    cut-short archive raises UserError naming the file and how many lines of its text came before."""
+
+    def __init__(self, path: Path):
+        self.path, self.kind = path, compression(path)
+        self.lines = 0  # the newlines read so far: where a damaged archive goes wrong
+        self._raw = path.open("rb")
+        opener = {".gz": gzip.GzipFile, ".bz2": bz2.BZ2File, ".xz": lzma.LZMAFile, ".zst": _ZstdStream}.get(self.kind)
+        self._handle: Any = opener(fileobj=self._raw) if self.kind == ".gz" else opener(self._raw) \
+            if opener else self._raw
+
+    def __enter__(self) -> "DataReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._raw.close()
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            data = self._handle.read(size)
+        except (EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
+            if isinstance(exc, OSError) and exc.errno is not None:
+                raise  # the system's own failure (no permission, a failing disk): not the file's content
+            raise UserError(self._problem(exc)) from None
+        except Exception as exc:  # zstandard.ZstdError, whose module is imported only for a .zst file
+            if type(exc).__name__ != "ZstdError":
+                raise
+            raise UserError(self._problem(exc)) from None
+        self.lines += data.count(b"\n")
+        return data
+
+    def _problem(self, exc: BaseException) -> str:
+        name = COMPRESSIONS[self.kind or ""]
+        where = f"after line {self.lines} of its text" if self.lines else "at its start"
+        if isinstance(exc, EOFError):
+            return (f"{self.path}: the {name} stream ends before its end ({where}): the file is cut short (an "
+                    "interrupted download or copy); fetch it again")
+        detail = " ".join(str(exc).split())
+        return (f"{self.path}: not a readable {name} file ({detail}; {where}); check the file: a damaged copy, or "
+                f"another format named {self.kind} (an uncompressed file is named without it)")
+
+
+class _ZstdStream:
+    """A Zstandard file's decompressed bytes; frames one after another are read as one stream (as `zstd -d`
+    does). zstandard's stream_reader takes a cut-short file for a whole one, so frames are decompressed here and
+    a file that ends inside one raises EOFError."""
+
+    def __init__(self, raw: BinaryIO):
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"{getattr(raw, 'name', 'a .zst file')}: reading .zst files needs the zstandard "
+                            "package: pip install zstandard") from None
+        self._raw, self._zstd = raw, zstandard
+        self._frame: Any = None  # the frame being decompressed; None between frames
+        self._pending: list[bytes] = []
+        self._size = 0
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or self._size < size:
+            data = self._raw.read(ZSTD_IN)
+            if not data:
+                if self._frame is not None:
+                    raise EOFError(CUT_SHORT)
+                break
+            self._feed(data)
+        data = b"".join(self._pending)
+        cut = len(data) if size < 0 else size
+        self._pending = [data[cut:]] if len(data) > cut else []
+        self._size = len(data) - cut if len(data) > cut else 0
+        return data[:cut]
+
+    def _feed(self, data: bytes) -> None:
+        while data:
+            if self._frame is None:
+                self._frame = self._zstd.ZstdDecompressor().decompressobj()
+            out = self._frame.decompress(data)
+            self._pending.append(out)
+            self._size += len(out)
+            data = b""
+            if self._frame.eof:
+                data, self._frame = self._frame.unused_data, None

@@ -1,0 +1,173 @@
+"""Compressed local data files (.gz, .bz2, .xz, .zst): read as the inner suffix says, decompressed a block at a time,
+giving the plain file's examples bit for bit; a bad line named by its line in the decompressed text; a cut-short
+or damaged archive a UserError naming the file."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+
+import datasets
+import pytest
+import zstandard
+from transformers import AutoTokenizer
+
+from conftest import SAMPLE
+from open_sft.config.args import DataArguments
+from open_sft.data import chunks, local_files, spill
+from open_sft.data.build import build_sources
+from open_sft.data.in_memory import build_rows
+from open_sft.data.mixer import source_names
+from open_sft.data.sources import parse_mixer_list, read_source, source_identity
+from open_sft.errors import UserError
+
+LINES = SAMPLE.read_text().splitlines()[:40]
+COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
+            "zst": lambda data: zstandard.ZstdCompressor().compress(data)}
+NAMES = {"gz": "gzip", "bz2": "bzip2", "xz": "xz", "zst": "Zstandard"}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(chunks, "CHUNK_ROWS", 7)
+    monkeypatch.setattr(local_files, "READ_BYTES", 300)
+    monkeypatch.setattr(spill, "SHARD_BYTES", 2000)
+
+
+def write(path, text: str, kind: str | None = None):
+    data = text.encode()
+    path.write_bytes(COMPRESS[kind](data) if kind else data)
+    return str(path)
+
+
+def built(files: list[str], tokenizer, tmp_path, streamed: bool, **more):
+    args = DataArguments(dataset_mixer_list=[x for f in files for x in (f, "1.0")], max_seq_length=64, **more)
+    if streamed:
+        writer, reports = build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+        writer.finish("")
+        table = datasets.load_from_disk(str(tmp_path / "data")).data.table
+        ids, labels = table["input_ids"].to_pylist(), table["labels"].to_pylist()
+    else:
+        rows, reports = build_rows(args, tokenizer, 3)
+        ids = [rows.ids[rows.bounds[r]: rows.bounds[r + 1]].tolist() for r in range(len(rows))]
+        labels = [rows.labels[rows.bounds[r]: rows.bounds[r + 1]].tolist() for r in range(len(rows))]
+    return ids, labels, [{**r.to_dict(), "name": "x"} for r in reports]
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("kind", sorted(COMPRESS))
+def test_a_compressed_file_gives_the_plain_files_examples(kind, streamed, tokenizer, tmp_path, small_chunks) -> None:
+    """chat.jsonl.KIND (chat rows), web.json.KIND (Dolma: one object per line in a .json file) and corpus.txt.KIND
+    (blank-line-separated documents) give the tokens, labels and reports of the same files uncompressed."""
+    web = "".join(json.dumps({"id": f"d{k}", "text": f"Document {k}. " * (k % 5 + 1)}) + "\n" for k in range(30))
+    corpus = "\n\n".join(f"Paragraph {k} line one.\nline two of {k}." for k in range(25)) + "\n"
+    plain = [write(tmp_path / "chat.jsonl", "\n".join(LINES) + "\n"), write(tmp_path / "web.json", web),
+             write(tmp_path / "corpus.txt", corpus)]
+    packed = [write(tmp_path / f"chat.jsonl.{kind}", "\n".join(LINES) + "\n", kind),
+              write(tmp_path / f"web.json.{kind}", web, kind), write(tmp_path / f"corpus.txt.{kind}", corpus, kind)]
+    (tmp_path / "plain").mkdir(), (tmp_path / "packed").mkdir()
+    expected = built(plain, tokenizer, tmp_path / "plain", streamed)
+    got = built(packed, tokenizer, tmp_path / "packed", streamed)
+    assert len(got[0]) > 0 and got == expected
+    assert [(r["format"], r["rows_in"]) for r in got[2]] == [("messages", 40), ("text", 30), ("text", 25)]
+    # the first chat row's tokens, decoded: the compressed file's text, rendered by the tiny chat template
+    assert tokenizer.decode(got[0][0]) == tokenizer.decode(expected[0][0])
+    assert got[0][0] == expected[0][0] and got[1][0] == expected[1][0]
+
+
+def test_rows_and_their_line_numbers_and_names(tmp_path) -> None:
+    text = "\n\n".join(["first doc\n  its second line", "second doc", "third"]) + "\n"
+    spec, = parse_mixer_list([write(tmp_path / "c.txt.xz", text, "xz"), "1.0"], ["train"])
+    source = read_source(spec)
+    assert source.rows == [{"text": "first doc\n  its second line"}, {"text": "second doc"}, {"text": "third"}]
+    assert source.line_numbers == [1, 4, 6]
+    assert source_names(["data/web.jsonl.gz", "web.json.zst", "notes.txt.bz2", "a.b.jsonl"]) == \
+        ["web", "web_2", "notes", "a.b"]
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESS))
+def test_a_bad_line_is_named_by_its_line_in_the_decompressed_text(kind, tokenizer, tmp_path, small_chunks) -> None:
+    bad = list(LINES)
+    bad[12] = "{not json"
+    path = write(tmp_path / f"bad.jsonl.{kind}", "\n".join(bad) + "\n", kind)
+    args = DataArguments(dataset_mixer_list=[path, "1.0"], max_seq_length=64)
+    message = rf"bad\.jsonl\.{kind} line 13: not valid JSON"
+    with pytest.raises(UserError, match=message):
+        build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+    with pytest.raises(UserError, match=message):
+        build_rows(args, tokenizer, 3)
+    latin = "\n".join(LINES[:5]).encode() + b"\n" + '{"text": "caf\u00e9"}\n'.encode("latin1")
+    (tmp_path / f"latin.jsonl.{kind}").write_bytes(COMPRESS[kind](latin))
+    spec, = parse_mixer_list([str(tmp_path / f"latin.jsonl.{kind}"), "1.0"], ["train"])
+    unpack = {"gz": "zcat", "bz2": "bzcat", "xz": "xzcat", "zst": "zstdcat"}[kind]
+    pack = {"gz": "gzip", "bz2": "bzip2", "xz": "xz", "zst": "zstd"}[kind]
+    with pytest.raises(UserError, match=rf"latin\.jsonl\.{kind} line 6: not UTF-8 \(byte 0xe9 at column 14\); data "
+                                        rf"files must be UTF-8: re-encode it, e\.g\. {unpack} \S+latin\.jsonl\.{kind} "
+                                        rf"\| iconv -f latin1 -t utf-8 \| {pack} > latin\.utf8\.jsonl\.{kind}$"):
+        read_source(spec)
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESS))
+def test_a_cut_short_archive_says_so_naming_the_file(kind, tokenizer, tmp_path, small_chunks) -> None:
+    """Half of the compressed bytes: the stream ends inside, after some lines of text (how many depends on the
+    compressor's blocks), never a traceback nor rows cut off in silence; streamed and read whole alike."""
+    whole = COMPRESS[kind](("\n".join(LINES * 20) + "\n").encode())
+    path = tmp_path / f"cut.jsonl.{kind}"
+    path.write_bytes(whole[:len(whole) // 2])
+    args = DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=64)
+    message = (rf"cut\.jsonl\.{kind}: the {NAMES[kind]} stream ends before its end \((after line \d+ of its text|at "
+               r"its start)\): the file is cut short \(an interrupted download or copy\); fetch it again")
+    with pytest.raises(UserError, match=message):
+        build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
+    with pytest.raises(UserError, match=message):
+        build_rows(args, tokenizer, 3)
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").glob("*.arrow"))
+
+
+@pytest.mark.parametrize("kind, detail", [("gz", "Not a gzipped file"), ("bz2", "Invalid data stream"),
+                                          ("xz", "Input format not supported by decoder"),
+                                          ("zst", "Unknown frame descriptor")])
+def test_a_file_that_is_not_its_compression_is_named(kind, detail, tmp_path) -> None:
+    """A plain JSON Lines file named .KIND: what the decompressor says, and that an uncompressed file drops it."""
+    spec, = parse_mixer_list([write(tmp_path / f"plain.jsonl.{kind}", "\n".join(LINES) + "\n"), "1.0"], ["train"])
+    with pytest.raises(UserError, match=rf"plain\.jsonl\.{kind}: not a readable {NAMES[kind]} file \(.*{detail}.*; "
+                                        rf"at its start\); check the file: a damaged copy, or another format named "
+                                        rf"\.{kind} \(an uncompressed file is named without it\)"):
+        read_source(spec)
+
+
+def test_the_cache_key_is_the_compressed_bytes_and_other_suffixes_are_refused(tmp_path) -> None:
+    text = "\n".join(LINES) + "\n"
+    keys = {kind: source_identity(parse_mixer_list([write(tmp_path / f"a.jsonl.{kind}", text, kind), "1.0"],
+                                                   ["train"])[0]) for kind in COMPRESS}
+    assert len(set(keys.values())) == 4  # the same rows compressed otherwise: another key (another file)
+    (tmp_path / "b.jsonl.gz").write_bytes((tmp_path / "a.jsonl.gz").read_bytes())
+    assert source_identity(parse_mixer_list([str(tmp_path / "b.jsonl.gz"), "1.0"], ["train"])[0]) == keys["gz"]
+    datasets.Dataset.from_list([{"text": "x"}]).to_parquet(str(tmp_path / "t.parquet"))
+    (tmp_path / "t.parquet.gz").write_bytes(gzip.compress((tmp_path / "t.parquet").read_bytes()))
+    spec, = parse_mixer_list([str(tmp_path / "t.parquet.gz"), "1.0"], ["train"])
+    with pytest.raises(UserError, match=r"t\.parquet\.gz: unsupported file type '\.parquet\.gz' \(parquet compresses "
+                                        r"its columns itself: decompress the file\); use one of \.jsonl, \.json, "
+                                        r"\.parquet, \.txt .*may be compressed \(\.gz/\.bz2/\.xz/\.zst\)"):
+        read_source(spec)
+    spec, = parse_mixer_list([str(tmp_path / "gone.jsonl.zst"), "1.0"], ["train"])
+    with pytest.raises(UserError, match=r"data file .*gone\.jsonl\.zst does not exist; check the path"):
+        read_source(spec)
+
+
+def test_a_directory_of_compressed_shards_reads_all_their_rows(tmp_path) -> None:
+    """A Dolma directory (shards of .json.gz, one object per line) goes to datasets' JSON loader, which
+    decompresses them: every row of every shard."""
+    (tmp_path / "dolma").mkdir()
+    for shard in range(2):
+        write(tmp_path / "dolma" / f"part-{shard}.json.gz", "".join(json.dumps(
+            {"id": f"{shard}-{k}", "text": f"doc {shard} {k}"}) + "\n" for k in range(3)), "gz")
+    spec, = parse_mixer_list([str(tmp_path / "dolma"), "1.0"], ["train"])
+    assert sorted(row["id"] for row in read_source(spec).rows) == ["0-0", "0-1", "0-2", "1-0", "1-1", "1-2"]
