@@ -18,6 +18,7 @@ from open_sft.errors import UserError
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "Zstandard"}
 UNPACK = {".gz": "zcat", ".bz2": "bzcat", ".xz": "xzcat", ".zst": "zstdcat"}  # the commands a fix names
 PACK = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+PIECE = 1 << 13  # decompressed bytes taken at a time: a cut-short archive's error counts the lines before, to 8 kB
 ZSTD_IN = 1 << 13  # compressed bytes fed at a time: what one feed decompresses to stays small
 CUT_SHORT = "Compressed file ended before the end-of-stream marker was reached"  # the stdlib's own EOFError text
 
@@ -59,6 +60,18 @@ class DataReader:
         self._raw.close()
 
     def read(self, size: int = -1) -> bytes:
+        """Up to `size` bytes (all, for -1), fewer only at the end. Taken from the decompressor a piece at a time, so
+        that a damaged archive's error counts the lines before the damage."""
+        pieces = []
+        while size < 0 or size > 0:
+            piece = self._piece(PIECE if size < 0 else min(size, PIECE))
+            if not piece:
+                break
+            pieces.append(piece)
+            size -= len(piece) if size > 0 else 0
+        return b"".join(pieces)
+
+    def _piece(self, size: int) -> bytes:
         try:
             data = self._handle.read(size)
         except (EOFError, OSError, zlib.error, lzma.LZMAError) as exc:

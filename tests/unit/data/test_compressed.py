@@ -8,6 +8,7 @@ import bz2
 import gzip
 import json
 import lzma
+import random
 
 import datasets
 import pytest
@@ -24,7 +25,7 @@ from open_sft.data.sources import parse_mixer_list, read_source, source_identity
 from open_sft.errors import UserError
 
 LINES = SAMPLE.read_text().splitlines()[:40]
-COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress,
+COMPRESS = {"gz": gzip.compress, "bz2": lambda data: bz2.compress(data, 3), "xz": lzma.compress,
             "zst": lambda data: zstandard.ZstdCompressor().compress(data)}
 NAMES = {"gz": "gzip", "bz2": "bzip2", "xz": "xz", "zst": "Zstandard"}
 
@@ -116,14 +117,17 @@ def test_a_bad_line_is_named_by_its_line_in_the_decompressed_text(kind, tokenize
 
 @pytest.mark.parametrize("kind", sorted(COMPRESS))
 def test_a_cut_short_archive_says_so_naming_the_file(kind, tokenizer, tmp_path, small_chunks) -> None:
-    """Half of the compressed bytes: the stream ends inside, after some lines of text (how many depends on the
+    """Half of the compressed bytes: the stream ends inside, after some of its 2,000 lines (how many depends on the
     compressor's blocks), never a traceback nor rows cut off in silence; streamed and read whole alike."""
-    whole = COMPRESS[kind](("\n".join(LINES * 20) + "\n").encode())
+    rng = random.Random(0)
+    words = [f"w{k}" for k in range(5000)]
+    text = "".join(json.dumps({"text": " ".join(rng.choices(words, k=80))}) + "\n" for _ in range(2000))
+    whole = COMPRESS[kind](text.encode())  # 0.95 MB of text; bzip2 (level 3) in 4 blocks
     path = tmp_path / f"cut.jsonl.{kind}"
     path.write_bytes(whole[:len(whole) // 2])
     args = DataArguments(dataset_mixer_list=[str(path), "1.0"], max_seq_length=64)
-    message = (rf"cut\.jsonl\.{kind}: the {NAMES[kind]} stream ends before its end \((after line \d+ of its text|at "
-               r"its start)\): the file is cut short \(an interrupted download or copy\); fetch it again")
+    message = (rf"cut\.jsonl\.{kind}: the {NAMES[kind]} stream ends before its end \(after line [1-9]\d* of its "
+               r"text\): the file is cut short \(an interrupted download or copy\); fetch it again")
     with pytest.raises(UserError, match=message):
         build_sources(args, tokenizer, 3, None, tmp_path / "data", tmp_path / "spill")
     with pytest.raises(UserError, match=message):
