@@ -19,7 +19,7 @@ COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "Zstandard"
 UNPACK = {".gz": "zcat", ".bz2": "bzcat", ".xz": "xzcat", ".zst": "zstdcat"}  # the commands a fix names
 PACK = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
 PIECE = 1 << 13  # decompressed bytes taken at a time: a cut-short archive's error counts the lines before, to 8 kB
-ZSTD_IN = 1 << 13  # compressed bytes fed at a time: what one feed decompresses to stays small
+ZSTD_IN = 1 << 12  # compressed bytes fed at a time: what one feed decompresses to stays small (text: ~20 kB)
 CUT_SHORT = "Compressed file ended before the end-of-stream marker was reached"  # the stdlib's own EOFError text
 
 
@@ -62,6 +62,8 @@ class DataReader:
     def read(self, size: int = -1) -> bytes:
         """Up to `size` bytes (all, for -1), fewer only at the end. Taken from the decompressor a piece at a time, so
         that a damaged archive's error counts the lines before the damage."""
+        if not self.kind:
+            return self._raw.read(size)  # a plain file: no decompressor to fail, read as it always was
         pieces = []
         while size < 0 or size > 0:
             piece = self._piece(PIECE if size < 0 else min(size, PIECE))
@@ -109,30 +111,28 @@ class _ZstdStream:
                             "package: pip install zstandard") from None
         self._raw, self._zstd = raw, zstandard
         self._frame: Any = None  # the frame being decompressed; None between frames
-        self._pending: list[bytes] = []
-        self._size = 0
+        self._buffer, self._at = bytearray(), 0  # decompressed bytes not yet read: self._buffer[self._at:]
 
     def read(self, size: int = -1) -> bytes:
-        while size < 0 or self._size < size:
+        while size < 0 or len(self._buffer) - self._at < size:
             data = self._raw.read(ZSTD_IN)
             if not data:
                 if self._frame is not None:
                     raise EOFError(CUT_SHORT)
                 break
             self._feed(data)
-        data = b"".join(self._pending)
-        cut = len(data) if size < 0 else size
-        self._pending = [data[cut:]] if len(data) > cut else []
-        self._size = len(data) - cut if len(data) > cut else 0
-        return data[:cut]
+        end = len(self._buffer) if size < 0 else min(len(self._buffer), self._at + size)
+        data, self._at = bytes(self._buffer[self._at:end]), end
+        if self._at > len(self._buffer) // 2:  # what was read goes, copying no more than what is left
+            del self._buffer[:self._at]
+            self._at = 0
+        return data
 
     def _feed(self, data: bytes) -> None:
         while data:
             if self._frame is None:
                 self._frame = self._zstd.ZstdDecompressor().decompressobj()
-            out = self._frame.decompress(data)
-            self._pending.append(out)
-            self._size += len(out)
+            self._buffer += self._frame.decompress(data)
             data = b""
             if self._frame.eof:
                 data, self._frame = self._frame.unused_data, None
