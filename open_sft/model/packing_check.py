@@ -16,7 +16,9 @@ stops the run with the family named, before any step is taken.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import math
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -78,6 +80,21 @@ def _computing(model: nn.Module, dtype: Optional[torch.dtype]) -> contextlib.Abs
     if dtype not in HALF:
         return contextlib.nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _in_fp32(model: nn.Module) -> Iterator[None]:
+    """The model's floating-point parameters and buffers in fp32 for a probe, back in their own dtypes after (exact:
+    fp32 holds every half-precision value)."""
+    tensors = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
+    dtypes = [t.dtype for t in tensors]
+    for tensor in tensors:
+        tensor.data = tensor.data.float()
+    try:
+        yield
+    finally:
+        for tensor, dtype in zip(tensors, dtypes):
+            tensor.data = tensor.data.to(dtype)
 
 
 @torch.no_grad()
@@ -168,10 +185,19 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
         with _computing(model, compute_dtype):
             leak, dependence = packing_leak(model), packing_dependence(model)
             finite = packed_gradients_finite(model)
+        if not (math.isfinite(leak) and math.isfinite(dependence)):
+            # half precision overflowed in the probe (fp16's gradients): it cannot tell; whether examples are kept
+            # apart is structural, and fp32 tells it
+            with _in_fp32(model):
+                leak, dependence, dtype = packing_leak(model), packing_dependence(model), None
     except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
         raise UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
                         "examples are told apart; train without --packing") from None
-    if leak > RTOL.get(dtype, 2e-2) or dependence > DEPENDENCE_TOL:
+    if not (math.isfinite(leak) and math.isfinite(dependence)):
+        raise UserError(f"--packing: model type {family!r} gives non-finite hidden states or gradients when checked "
+                        "for keeping packed examples apart, also in fp32, so it cannot be told; train without "
+                        "--packing; please report the model type")
+    if leak > RTOL.get(dtype or torch.float32, 2e-2) or dependence > DEPENDENCE_TOL:
         raise _leaking(family, f"an example's hidden states moved by {leak:.2e} (relative) when another was packed "
                        f"before it, and depend on its tokens ({dependence:.1e}, relative): its attention mask is not "
                        "built from position_ids, or a recurrent layer carries its state across examples")
@@ -179,7 +205,9 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
         raise UserError(f"--packing: model type {family!r} gives non-finite gradients on a packed row (its block of "
                         "pad tokens), so every packed step would be skipped; train without --packing (padded batches "
                         "are fine); please report the model type")
-    return f"--packing: model type {family!r} keeps packed examples apart (checked at start: {leak:.1e})"
+    return (f"--packing: model type {family!r} keeps packed examples apart (checked at start"
+            f"{' in fp32: half precision overflowed' if dtype is None else ''}: {leak:.1e}, "
+            f"dependence {dependence:.1e})")
 
 
 def _leaking(family: str, why: str) -> UserError:
