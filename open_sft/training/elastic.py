@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from open_sft.errors import UserError
+from open_sft.model.anatomy import causal_lm_of, outside_text_path, text_config
 from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, newest_usable,
                                          problem_with)
 from open_sft.training.completion import resume_setting
@@ -220,17 +221,28 @@ def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: i
     torch.manual_seed(derived)
 
 
+# config keys transformers' causal LMs apply as dropout(p=...) in their forward, with no nn.Dropout module: attention
+# dropout (`dropout=0.0 if not self.training else self.attention_dropout`, 400+ families), GPT-BigCode's attn_pdrop,
+# BERT-style decoders' attention_probs_dropout_prob, BART-style decoders' (OPT's) dropout and activation_dropout
+FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout", "dropout",
+                      "activation_dropout")
+
+
 def dropout_in(model: torch.nn.Module) -> list[str]:
-    """Where `model` draws random masks in training, as `name p`: its nn.Dropout modules of p > 0 (LoRA's
-    lora_dropout among them) and the dropout probabilities above 0 of its configs (attention dropout is a function
-    argument, not a module)."""
+    """Where `model` draws random masks in training a causal LM on text, as `name p`: the nn.Dropout modules of p > 0
+    on its text path (LoRA's lora_dropout among them; not a vision tower's) and its text config's dropout
+    probabilities above 0 that its attention or layers apply as a function argument, not a module. A config's
+    other keys are for heads a causal LM does not have (GPT-NeoX's classifier_dropout, GPT-2's summary_first_dropout)."""
+    causal_lm = causal_lm_of(model)
+    elsewhere = [module for part in outside_text_path(model).values() for module in part.modules()]
     found = set()
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+    for name, module in causal_lm.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0 and not any(module is m for m in elsewhere):
             parts = [part for part in name.split(".") if part != "default" and not part.isdigit()]
             found.add(f"{parts[-1] if parts else 'dropout'} {module.p:g}")
-        config = getattr(module, "config", None)
-        for key, value in (vars(config).items() if hasattr(config, "to_dict") else ()):
-            if key.endswith(("dropout", "pdrop", "dropout_prob")) and isinstance(value, float) and value > 0:
-                found.add(f"{key} {value:g}")
+    config = text_config(causal_lm.config)
+    for key in FUNCTIONAL_DROPOUT:
+        value = getattr(config, key, None)
+        if isinstance(value, float) and value > 0:
+            found.add(f"{key} {value:g}")
     return sorted(found)
