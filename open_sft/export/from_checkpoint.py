@@ -114,6 +114,8 @@ def _peft_skeleton(files: Path) -> Any:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from open_sft.model.lora_targets import linear_targets_kept
+
     config = AutoConfig.from_pretrained(files)
     if hasattr(config, "quantization_config"):  # QLoRA's: the skeleton holds no weights to quantize
         del config.quantization_config
@@ -121,7 +123,8 @@ def _peft_skeleton(files: Path) -> Any:
         base = AutoModelForCausalLM.from_config(config)
     adapter = LoraConfig.from_pretrained(files)
     base.name_or_path = adapter.base_model_name_or_path or ""  # the base it names (peft warned of a rename)
-    return get_peft_model(base, adapter)
+    with linear_targets_kept():  # an MoE's dense MLP and shared experts keep their adapters, as in training
+        return get_peft_model(base, adapter)
 
 
 def write_lora(weights: CheckpointWeights, files: Path, directory: Path, merge: bool,

@@ -144,3 +144,19 @@ def test_all_linear_on_llama4_adapts_its_router_as_a_weight() -> None:
     ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad and "layers.0" in n)
+
+
+def test_an_exported_deepseek_checkpoints_skeleton_keeps_the_dense_and_shared_adapters(tmp_path) -> None:
+    """`open_sft export` of an all-linear LoRA step checkpoint of DeepSeek-V3 built its skeleton with peft's
+    conversion alone, which maps gate_proj/up_proj/down_proj to the routed experts: the dense layer-0 MLP's and the
+    shared experts' adapters were left out of the export and the merge. The skeleton adapts what training did."""
+    from open_sft.export.from_checkpoint import _peft_skeleton
+
+    model = apply_lora(tiny_deepseek(), LoraArguments(use_lora=True), False, dropout_given=False)
+    model.save_pretrained(tmp_path)
+    model.base_model.model.config.save_pretrained(tmp_path)
+    skeleton = _peft_skeleton(tmp_path)
+    with_adapter = {name.split(".lora_")[0].removeprefix("base_model.model.").replace(".base_layer", "")
+                    for name, _ in skeleton.named_parameters() if ".lora_A" in name}  # inference mode: frozen
+    assert with_adapter == adapted_layers(model)
+    assert set(DENSE_AND_SHARED) <= with_adapter
