@@ -48,17 +48,24 @@ def _lora_delta(layer: LoraLayer, name: str, state_dict: dict[str, torch.Tensor]
 def _parameter_delta(layer: ParamWrapper, name: str, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
     """The delta of a LoRA on a parameter (peft's ParamWrapper: an MoE's fused expert weights, a router's weight),
     computed by peft's own get_delta_weight (its layout of experts × rank) on the gathered factors, swapped in for
-    the call: under ZeRO-3 the live ones are shards."""
-    factors = (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight)
-    live = [f.data for f in factors]
+    the call: under ZeRO-3 the live ones are shards; an export's skeleton (on the meta device) has none, and
+    it computes where the checkpoint's tensors are."""
+    modules = (layer.lora_A[ADAPTER], layer.lora_B[ADAPTER])
+    live = [module._parameters["weight"] for module in modules]
     try:
-        for factor, part in zip(factors, "AB"):
-            factor.data = state_dict[f"{name}.lora_{part}.{ADAPTER}.weight"].to(factor.device, torch.float32)
+        for module, factor, part in zip(modules, live, "AB"):
+            tensor = state_dict[f"{name}.lora_{part}.{ADAPTER}.weight"]
+            module._parameters["weight"] = torch.nn.Parameter(
+                tensor.to(tensor.device if factor.is_meta else factor.device, torch.float32), requires_grad=False)
+        base = layer.get_param()
+        if base.is_meta:  # peft moves the delta to the base parameter's device: here, that of the factors
+            layer.get_param = lambda: torch.empty(0, dtype=base.dtype)
         with torch.no_grad():
             return layer.get_delta_weight(ADAPTER).float().cpu()
     finally:
-        for factor, data in zip(factors, live):
-            factor.data = data
+        vars(layer).pop("get_param", None)
+        for module, factor in zip(modules, live):
+            module._parameters["weight"] = factor
 
 
 def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

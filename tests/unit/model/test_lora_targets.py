@@ -160,3 +160,28 @@ def test_an_exported_deepseek_checkpoints_skeleton_keeps_the_dense_and_shared_ad
                     for name, _ in skeleton.named_parameters() if ".lora_A" in name}  # inference mode: frozen
     assert with_adapter == adapted_layers(model)
     assert set(DENSE_AND_SHARED) <= with_adapter
+
+
+def test_an_export_merges_a_gpt_oss_checkpoints_expert_adapters_on_its_meta_skeleton(tmp_path) -> None:
+    """`open_sft export --merge` of a LoRA step checkpoint of an MoE with adapters on its fused experts (peft's
+    ParamWrapper) stopped with "Cannot copy out of meta tensor": the delta was computed on the weightless skeleton's
+    device. It is the live model's merge, expert for expert."""
+    from open_sft.export.from_checkpoint import _peft_skeleton
+    from open_sft.export.lora_merge import merged_state_dict
+
+    model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0), False)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(tmp_path)
+    model.base_model.model.config.save_pretrained(tmp_path)
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    merged = merged_state_dict(_peft_skeleton(tmp_path), state)
+    expected = merged_state_dict(model, state)
+    assert merged.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(merged[name], expected[name], rtol=0, atol=0, msg=name)
+    base = "model.layers.0.mlp.experts.gate_up_proj"
+    (before,) = [t for n, t in state.items() if n.endswith("gate_up_proj") and "layers.0.mlp.experts." in n]
+    assert not torch.equal(merged[base], before)  # the experts' adapter is in it
