@@ -19,11 +19,17 @@ PeftModel.from_pretrained)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 from typing import Iterator, Optional, Union
 
 from torch import nn
 
 from open_sft.model.anatomy import is_routed_expert, param_shape
+
+logger = logging.getLogger(__name__)
+_CONVERSION = "peft.utils.transformers_weight_conversion"
+_warned: set[str] = set()  # the missing peft function is said once a process
 
 # the module types peft's LoRA adapts as modules (its supported layers)
 _PEFT_LAYER_TYPES = ("Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention", "Linear4bit",
@@ -123,9 +129,15 @@ def linear_targets_kept() -> Iterator[None]:
     """peft's v4-to-v5 MoE conversion of a LoRA config, keeping the targets that name nn.Linear layers of the model
     (a shared expert's or a dense layer's gate_proj / up_proj / down_proj) beside the experts' fused parameters it
     maps them to. For the duration of a get_peft_model or PeftModel.from_pretrained."""
-    from peft.utils import transformers_weight_conversion as conversion
-
-    original = conversion._convert_peft_config_moe
+    try:
+        conversion = importlib.import_module(_CONVERSION)
+    except ImportError:
+        conversion = None
+    original = getattr(conversion, "_convert_peft_config_moe", None)
+    if original is None:  # a private function of peft's: another version may not have it
+        _say_not_kept()
+        yield
+        return
 
     def keeping_linear_layers(peft_config, model: nn.Module) -> None:
         given = peft_config.target_modules
@@ -145,6 +157,16 @@ def linear_targets_kept() -> Iterator[None]:
         yield
     finally:
         conversion._convert_peft_config_moe = original
+
+
+def _say_not_kept() -> None:
+    if not _warned:
+        _warned.add(_CONVERSION)
+        logger.warning("this peft has no %s._convert_peft_config_moe, which open_sft wraps to keep the LoRA targets "
+                       "that name nn.Linear gate_proj/up_proj/down_proj layers beside an MoE's fused experts: where "
+                       "peft maps those names to the experts (DeepSeek-V2/V3, GLM-4.5, Qwen3-Next, ERNIE-4.5-MoE, "
+                       "...), the dense first layers' MLP and the shared experts may be left without an adapter; "
+                       "check which modules carry an adapter (peft 0.21 has the function)", _CONVERSION)
 
 
 def _leaf(name: str) -> str:

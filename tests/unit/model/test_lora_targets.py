@@ -185,3 +185,26 @@ def test_an_export_merges_a_gpt_oss_checkpoints_expert_adapters_on_its_meta_skel
     base = "model.layers.0.mlp.experts.gate_up_proj"
     (before,) = [t for n, t in state.items() if n.endswith("gate_up_proj") and "layers.0.mlp.experts." in n]
     assert not torch.equal(merged[base], before)  # the experts' adapter is in it
+
+
+def test_a_peft_without_its_private_conversion_function_trains_and_says_what_is_not_kept(monkeypatch, caplog) -> None:
+    """linear_targets_kept patches peft's private _convert_peft_config_moe on every LoRA run, and peft has no upper
+    bound: a peft without it stopped every LoRA run with an AttributeError. It is skipped, said once a process."""
+    import logging
+
+    from peft.utils import transformers_weight_conversion
+
+    from open_sft.model import lora_targets
+
+    monkeypatch.delattr(transformers_weight_conversion, "_convert_peft_config_moe")
+    monkeypatch.setattr(lora_targets, "_warned", set(), raising=False)
+    caplog.set_level(logging.WARNING, logger="open_sft.model.lora_targets")
+    for _ in range(2):
+        with lora_targets.linear_targets_kept():
+            pass
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith(
+        "this peft has no peft.utils.transformers_weight_conversion._convert_peft_config_moe"), said
+    assert "the dense first layers' MLP and the shared experts may be left without an adapter" in said[0]
+    model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
+    assert set(model.peft_config["default"].target_parameters) == set(HELD)
