@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from open_sft.errors import UserError
 from open_sft.model import packed_attention
 from open_sft.model.loss_parity import VERIFIED
-from open_sft.model.packing_check import LEAKS, check_packing, packing_dependence, packing_leak
+from open_sft.model.packing_check import LEAKS, RTOL, check_packing, packing_dependence, packing_leak
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
@@ -116,6 +116,21 @@ ROUTED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_siz
 LATENT = {"kv_lora_rank": 8, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
           "num_key_value_heads": 4}
 APART = {"olmo3": {}, "glm4_moe": ROUTED, "deepseek_v3": {**ROUTED, **LATENT}}
+
+
+@pytest.mark.parametrize("family", sorted(APART))
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_transformers_own_attention_keeps_examples_apart_exactly(family, attention) -> None:
+    """Without open_sft's per-example attention (which on the CPU computes each example alone, 0 by construction):
+    transformers' own eager and sdpa attention with the block-diagonal mask it builds from position_ids, at fp32
+    and at bf16, exactly 0 too: the masked weights are exact zeros."""
+    for dtype in (torch.float32, torch.bfloat16):
+        config = AutoConfig.for_model(family, **{**SMALL, **APART[family]})
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+        assert packing_dependence(model) == 0.0, (family, attention, dtype)
+        assert packing_leak(model) < RTOL.get(dtype, 2e-2), (family, attention, dtype)
+        assert packing_dependence(tiny("lfm2", dtype)) > 1e-4  # the probe sees a dependence where there is one
 
 
 @pytest.mark.parametrize("family", sorted(APART))
