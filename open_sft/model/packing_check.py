@@ -178,6 +178,10 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
     if family in LEAKS:
         raise _leaking(family, LEAKS[family])
     if _partitioned(model):
+        recurrent = recurrent_layers(model)
+        if recurrent:
+            raise _leaking(family, f"{recurrent}: {_RECURRENT}; its parameters are partitioned here, so it cannot be "
+                           "checked at start")
         logger.warning("--packing: model type %r is not among the families open_sft has verified to keep packed "
                        "examples apart, and its parameters are partitioned here, so it is not checked at start; "
                        "check it once without ZeRO-3/FSDP/TP (a one-process run of a few steps)", family)
@@ -210,6 +214,26 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
     return (f"--packing: model type {family!r} keeps packed examples apart (checked at start"
             f"{' in fp32: half precision overflowed' if dtype is None else ''}: {leak:.1e}, "
             f"dependence {dependence:.1e})")
+
+
+_RECURRENT_WORDS = ("mamba", "conv", "linear_attention", "recurrent", "ssm", "rwkv", "lstm")
+
+
+def recurrent_layers(model: nn.Module) -> Optional[str]:
+    """What marks a recurrent layer in the text model, by structure alone (it holds under ZeRO-3's partitioning):
+    its config's layer types (`layer_types`, `layers_block_type`, `block_types`) naming a Mamba, convolution,
+    linear-attention or recurrent layer, or an nn.Conv1d module (a short causal convolution); None without."""
+    config = text_config(model.config)
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        kinds = getattr(config, key, None)
+        named = sorted({k for k in kinds if any(w in str(k).lower() for w in _RECURRENT_WORDS)}) if isinstance(
+            kinds, (list, tuple)) else []
+        if named:
+            return f"its config's {key} holds {', '.join(map(str, named))}"
+    for name, module in text_decoder_of(causal_lm_of(model)).named_modules():
+        if isinstance(module, nn.Conv1d):
+            return f"its layer {name} is a convolution"
+    return None
 
 
 def _leaking(family: str, why: str) -> UserError:

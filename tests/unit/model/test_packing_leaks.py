@@ -217,3 +217,20 @@ def test_every_family_whose_modeling_code_holds_a_recurrent_state_is_refused_by_
     found = {t for t in found if not t.endswith(("_vision", "_audio"))}
     assert {"lfm2", "mamba", "qwen3_next", "zaya", "inkling2_text"} <= found  # the scan finds what it is meant to
     assert found - set(LEAKS) == set(), sorted(found - set(LEAKS))
+
+
+@pytest.mark.parametrize("family", ["lfm2", "nemotron_h", "qwen3_next", "mamba"])
+def test_a_recurrent_family_not_named_is_refused_by_structure_when_partitioned(family, monkeypatch) -> None:
+    """A recurrent family not in LEAKS (a new one) under ZeRO-3/FSDP, where the check cannot run: it trained leaking
+    after a warning. Its layer types or convolution modules say it is recurrent, and it is refused; an attention
+    family there is still only warned about."""
+    monkeypatch.setattr("open_sft.model.packing_check.LEAKS", {})
+    for name in (family, "olmo3"):
+        model = tiny(name)
+        for param in model.parameters():  # what deepspeed.zero.Init leaves on each parameter
+            param.ds_numel = param.numel()
+        if name == family:
+            with pytest.raises(UserError, match=rf"model type '{family}' lets packed examples see each other \(its "):
+                check_packing(model)
+        else:
+            assert check_packing(model) is None
