@@ -12,7 +12,6 @@ required. Anything else (`Any`, `Union[...]`, `Callable`) is left as written.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 _SCALARS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 _GENERIC = re.compile(r"(list|List|dict|Dict)(?:\[(.*)\])?")
