@@ -13,16 +13,11 @@ from open_sft.model.fused_ce import gpu_layout  # noqa: F401  (the GPU layout is
 from open_sft.model.logits import LogitTransform, logit_transform
 from open_sft.model.loss import TokenLossModel
 from open_sft.model.loss_parity import LOSS_VERIFIED, VERIFIED, check_loss_parity
+from tests.unit.model.tiny_moe import ROUTED_FAMILIES
 
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-# DeepSeek-style routed experts (one dense layer first), and multi-head latent attention: values narrower than
-# queries and keys, as many key/value heads as query heads
-ROUTED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
-          "first_k_dense_replace": 1}
-LATENT = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-          "num_key_value_heads": 4}
 # each family's own knobs, and a transform strong enough to matter at these weights
 FAMILY = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
@@ -42,13 +37,7 @@ FAMILY = {
     "cohere2": {"logit_scale": 0.25},
     "gpt_neox": {"rotary_pct": 0.5},
     "phi": {"partial_rotary_factor": 0.5},
-    "deepseek_v2": {**ROUTED, **LATENT, "n_shared_experts": 1},
-    "deepseek_v3": {**ROUTED, **LATENT, "n_shared_experts": 1},
-    "glm4_moe": {**ROUTED, "n_shared_experts": 1},
-    "glm4_moe_lite": {**ROUTED, **LATENT, "n_shared_experts": 1},
-    "dots1": {**ROUTED, "n_shared_experts": 1},
-    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
-    "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    **ROUTED_FAMILIES,
     "recurrent_gemma": {"logits_soft_cap": 0.5, "lru_width": 32, "attention_window_size": 8,
                         "block_types": ["recurrent", "attention"]},
     "xlstm": {"output_logit_soft_cap": 0.5, "embedding_dim": 32, "num_heads": 4, "num_blocks": 2, "qk_dim_factor": 0.5,

@@ -14,18 +14,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from open_sft.model import packed_attention
 from open_sft.model.loss_parity import VERIFIED
 from open_sft.model.loss import TokenLossModel
+from tests.unit.model.tiny_moe import ROUTED_FAMILIES
 
 WINDOW = 5
 LENGTHS = [13, 9, 4]  # two examples longer than the window, one inside it
 SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "attention_dropout": 0.0}
-# DeepSeek-style routed experts (one dense layer first), and multi-head latent attention (DeepSeek-V2/V3's, GLM-4.7-
-# Flash's): values narrower than queries and keys, as many key/value heads as query heads
-ROUTED = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1,
-          "first_k_dense_replace": 1}
-LATENT = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-          "num_key_value_heads": 4}
 EXPERTS = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
@@ -35,13 +30,7 @@ EXPERTS = {
     "phimoe": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                   "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1, "mlp_only_layers": []},
-    "deepseek_v2": {**ROUTED, **LATENT, "n_shared_experts": 1},
-    "deepseek_v3": {**ROUTED, **LATENT, "n_shared_experts": 1},
-    "glm4_moe": {**ROUTED, "n_shared_experts": 1},
-    "glm4_moe_lite": {**ROUTED, **LATENT, "n_shared_experts": 1},
-    "dots1": {**ROUTED, "n_shared_experts": 1},
-    "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
-    "minimax_m2": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    **ROUTED_FAMILIES,
 }
 
 
