@@ -274,7 +274,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                                            state_io=checkpoint_io(resume, trainer, identity, config.lora.use_qlora),
                                            model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
-    reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed, trainer.model)
+    reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed, trainer.loss_model.model)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)
     timer = run_timer(job, trainer, start_step, logger.info if acc.is_main_process else None,
                       checkpointer.save_seconds)

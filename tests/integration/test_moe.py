@@ -54,4 +54,4 @@ def test_a_dense_model_is_refused(tiny_model_dir, tmp_path) -> None:
     result = run_finetune(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "16",
                            "--output_dir", str(tmp_path), "--max_train_steps", "1", "--load_balancing_loss"],
                           check=False)
-    assert result.returncode == 2 and "--load_balancing_loss: model type 'llama' has no router" in result.stdout + result.stderr
+    assert result.returncode == 2 and "--load_balancing_loss: model type 'llama' is not a mixture-of-experts model, so there is no router " in result.stdout + result.stderr
