@@ -37,10 +37,15 @@ def _dequantized_4bit_weights(model: PeftModel) -> dict[str, torch.Tensor]:
     return out
 
 
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in the dtype a merge computes in: fp32, or the tensor's own where it is wider (a float64 model)."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def _lora_delta(layer: LoraLayer, name: str, state_dict: dict[str, torch.Tensor]) -> torch.Tensor:
-    """scaling · B · A of one LoRA layer, in fp32, in the base weight's layout."""
-    lora_a = state_dict[f"{name}.lora_A.{ADAPTER}.weight"].float()
-    lora_b = state_dict[f"{name}.lora_B.{ADAPTER}.weight"].float()
+    """scaling · B · A of one LoRA layer, in fp32 (or wider), in the base weight's layout."""
+    lora_a = _wide(state_dict[f"{name}.lora_A.{ADAPTER}.weight"])
+    lora_b = _wide(state_dict[f"{name}.lora_B.{ADAPTER}.weight"])
     delta = (lora_b @ lora_a) * layer.scaling[ADAPTER]
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
@@ -56,12 +61,12 @@ def _parameter_delta(layer: ParamWrapper, name: str, state_dict: dict[str, torch
         for module, factor, part in zip(modules, live, "AB"):
             tensor = state_dict[f"{name}.lora_{part}.{ADAPTER}.weight"]
             module._parameters["weight"] = torch.nn.Parameter(
-                tensor.to(tensor.device if factor.is_meta else factor.device, torch.float32), requires_grad=False)
+                _wide(tensor).to(tensor.device if factor.is_meta else factor.device), requires_grad=False)
         base = layer.get_param()
         if base.is_meta:  # peft moves the delta to the base parameter's device: here, that of the factors
             layer.get_param = lambda: torch.empty(0, dtype=base.dtype)
         with torch.no_grad():
-            return layer.get_delta_weight(ADAPTER).float().cpu()
+            return _wide(layer.get_delta_weight(ADAPTER)).cpu()
     finally:
         vars(layer).pop("get_param", None)
         for module, factor in zip(modules, live):
@@ -83,10 +88,10 @@ def merged_state_dict(model: PeftModel, state_dict: dict[str, torch.Tensor]) -> 
     for name, layer in model.named_modules():
         if isinstance(layer, ParamWrapper):  # the parameter sits on the module the wrapper (or wrappers) wrap
             key = f"{names[id(layer.get_base_layer())]}.{layer.parameter_name}"
-            full[key] = full[key].float() + _parameter_delta(layer, name, state_dict).to(full[key].device)
+            full[key] = _wide(full[key]) + _parameter_delta(layer, name, state_dict).to(full[key].device)
         elif isinstance(layer, LoraLayer):
             key = f"{name}.base_layer.weight"
-            full[key] = full[key].float() + _lora_delta(layer, name, state_dict)
+            full[key] = _wide(full[key]) + _lora_delta(layer, name, state_dict)
         elif isinstance(layer, TrainableTokensLayer):  # the trained rows of added tokens replace the base's
             key, rows = f"{name}.base_layer.weight", f"{name}.trainable_tokens_delta.{ADAPTER}"
             if key in full and rows in state_dict:

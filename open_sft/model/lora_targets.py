@@ -14,7 +14,8 @@ every target named gate_proj, up_proj or down_proj becomes the experts' fused pa
 those names that are no experts (the dense layers before the first MoE layer, the shared experts) were left without
 an adapter: all-linear on DeepSeek-V3 adapted the attention and the routed experts only. `linear_targets_kept` keeps
 them wherever open_sft hands peft a config (a run's get_peft_model, generate/chat/compare's and merge-lora's
-PeftModel.from_pretrained)."""
+PeftModel.from_pretrained). peft 0.22 keeps them itself (the union kept here then adds nothing); setup.cfg still
+admits 0.21."""
 
 from __future__ import annotations
 

@@ -196,24 +196,36 @@ def test_all_linear_on_moe_experts_takes_dropout_0_unless_the_user_set_one() -> 
 
 def merge_is_the_adapted_model(peft_model, fresh_base) -> tuple[torch.Tensor, torch.Tensor]:
     """Adapters given trained values (B no longer 0): the merged state dict, in a model built from the config, gives
-    the adapted model's logits, which differ from the base's (`fresh_base()`). Returns (ids, the base's logits)."""
+    the adapted model's logits, which differ from the base's (`fresh_base()`). Returns (ids, the base's logits), the
+    models left in float64.
+
+    In float64: with adapters this large the activations reach ~100, and in float32 the merged weights' rounding
+    (~1e-7 relative) moved a router's scores by ~1e-5, enough to flip a near-tied top-k choice of expert on one token
+    (gpt-oss under peft 0.22's draw of the A matrices: 8e-5 on 72 logits). float64 keeps the comparison about the
+    merge, not about rounding; the experts run eagerly there (torch's grouped_mm takes no float64)."""
     from transformers import AutoModelForCausalLM
 
     from open_sft.export.lora_merge import merged_state_dict
+
+    def float64(model: torch.nn.Module) -> torch.nn.Module:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if getattr(base.config, "_experts_implementation", None) not in (None, "eager"):
+            base.set_experts_implementation("eager")
+        return model.double().eval()
 
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
-    peft_model.eval()
-    merged = AutoModelForCausalLM.from_config(peft_model.get_base_model().config)
+    float64(peft_model)
+    merged = float64(AutoModelForCausalLM.from_config(peft_model.get_base_model().config))
     merged.load_state_dict(merged_state_dict(peft_model, dict(peft_model.state_dict())))
     with torch.no_grad():
-        adapted, plain = peft_model(input_ids=ids).logits, fresh_base().eval()(input_ids=ids).logits
-        out = merged.eval()(input_ids=ids).logits
-    assert float((plain - adapted).abs().max()) > 1e-2  # the adapters change the model
-    torch.testing.assert_close(out, adapted, rtol=1e-5, atol=1e-5)
+        adapted, plain = peft_model(input_ids=ids).logits, float64(fresh_base())(input_ids=ids).logits
+        out = merged(input_ids=ids).logits
+    assert out.dtype == torch.float64 and float((plain - adapted).abs().max()) > 1e-2  # the adapters change the model
+    torch.testing.assert_close(out, adapted, rtol=1e-10, atol=1e-10)
     return ids, plain
 
 
