@@ -62,9 +62,11 @@ def _parameter_delta(layer: ParamWrapper, name: str, state_dict: dict[str, torch
             tensor = state_dict[f"{name}.lora_{part}.{ADAPTER}.weight"]
             module._parameters["weight"] = torch.nn.Parameter(
                 _wide(tensor).to(tensor.device if factor.is_meta else factor.device), requires_grad=False)
-        base = layer.get_param()
-        if base.is_meta:  # peft moves the delta to the base parameter's device: here, that of the factors
-            layer.get_param = lambda: torch.empty(0, dtype=base.dtype)
+        # peft moves the delta to the base parameter's device and casts it to its dtype: here it stays where the
+        # factors are (an export's skeleton is on the meta device) and in fp32 or wider (a bf16 skeleton or frozen
+        # base would round it to bf16 before the fp32 sum)
+        wide = _wide(torch.empty(0, dtype=layer.get_param().dtype, device=modules[0].weight.device))
+        layer.get_param = lambda: wide
         with torch.no_grad():
             return _wide(layer.get_delta_weight(ADAPTER)).cpu()
     finally:
