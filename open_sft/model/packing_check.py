@@ -129,7 +129,7 @@ def packing_dependence(model: nn.Module) -> float:
 
     def leaf(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
         embedded.append(output.detach().requires_grad_())
-        return embedded[-1]
+        return embedded[-1].clone()  # a leaf the forward may scale in place (CTRL: inputs_embeds *= sqrt(d))
 
     hook = causal_lm_of(model).get_input_embeddings().register_forward_hook(leaf)
     try:

@@ -234,3 +234,14 @@ def test_a_recurrent_family_not_named_is_refused_by_structure_when_partitioned(f
                 check_packing(model)
         else:
             assert check_packing(model) is None
+
+
+def test_a_family_that_scales_its_embeddings_in_place_is_checked() -> None:
+    """CTRL's forward scales its input embeddings in place (`inputs_embeds *= sqrt(d)`): the gradient probe handed it
+    its leaf tensor, and a --packing run stopped with 'a leaf Variable that requires grad is being used in an in-place
+    operation' (a traceback), where the check before it said the family keeps packed examples apart."""
+    config = AutoConfig.for_model("ctrl", vocab_size=96, n_positions=64, n_embd=32, dff=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    assert packing_dependence(model) == 0.0
+    assert "keeps packed examples apart" in check_packing(model)
