@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from open_sft.data.chat.probes import PROBE_USER
 from open_sft.data.formats import Messages
+from open_sft.data.reasoning_fields import reasoning_of
 
 if TYPE_CHECKING:
     from open_sft.data.chat.render import TemplateState
@@ -56,11 +57,12 @@ def _writes_inline(state: TemplateState, content: str, apart: str) -> bool:
 def own_texts(messages: Messages, block: tuple[str, str]) -> Iterator[str]:
     """The messages' texts (contents, reasoning fields) to search for special tokens' text: an assistant content
     that opens with the template's trace block (`block`, trace_markers) without those two tokens, where the template
-    writes them."""
+    writes them and the message gives no trace apart (the template would write that one's block, and the content's
+    would be a second)."""
     opening, closing = block
     for message in messages:
         content = message.get("content")
-        if opening and message["role"] == "assistant" and isinstance(content, str) \
+        if opening and message["role"] == "assistant" and isinstance(content, str) and not reasoning_of(message) \
                 and content.lstrip().startswith(opening) and closing in content:
             inner = content.lstrip()[len(opening):]
             content = inner.replace(closing, "", 1)

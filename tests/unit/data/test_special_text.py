@@ -122,6 +122,13 @@ def test_magistral_trace_blocks_written_in_the_content_are_not_special_text(tiny
     _, (report,) = build(tokenizer, tmp_path, [inline, *stray])
     assert report.special_tokens_in_text == 3
     assert dict(report.special_tokens_in_text_by_token) == {"[/THINK]": 2, "[THINK]": 1}
+    # a trace given apart too: the template writes its block, and the content's is a second one, trained as text
+    both = row("What is 6 times 7?", "[THINK]Six sevens.[/THINK]42.")
+    both["messages"][-1]["reasoning_content"] = "Multiply."
+    examples, (report,) = build(tokenizer, tmp_path, [both])
+    assert [run for _, run in trained_runs(tokenizer, examples)] == [
+        "[THINK]Multiply.[/THINK][THINK]Six sevens.[/THINK]42.</s>"]
+    assert dict(report.special_tokens_in_text_by_token) == {"[/THINK]": 1, "[THINK]": 1}
 
 
 def test_gpt_oss_channel_tokens_in_a_content_are_special_text_glms_own_think_block_is_not(tiny_model_dir,
