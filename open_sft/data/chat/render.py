@@ -50,26 +50,46 @@ def _public_renderer(tokenizer: PreTrainedTokenizerBase, kwargs: Optional[dict] 
     return public
 
 
+# per tokenizer, (its template, whether the direct renderer reproduced apply_chat_template on the probes): the probes
+# (20 renders) run once per template, not again for each row with template variables of its own (smoltalk2's)
+_DIRECT_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _direct_renderer(tokenizer: PreTrainedTokenizerBase, kwargs: Optional[dict] = None) -> Optional[Renderer]:
     """Render with the compiled Jinja template and a context built from a dict prepared once.
 
     apply_chat_template's per-call argument handling, and Jinja's own `Template.render` (which merges
     the environment's globals, a ChainMap, into a new dict on every call), cost about 4× the template
     itself on short rows. Used only if it reproduces apply_chat_template exactly on probe
-    conversations with and without tools; otherwise None (use the public API)."""
+    conversations with and without tools (checked once per template: the variables only fill its
+    context); otherwise None (use the public API)."""
+    template, checked = _DIRECT_CHECKED.get(tokenizer, (None, None))
+    if template == tokenizer.chat_template and checked is not None:
+        return _compiled_renderer(tokenizer, kwargs) if checked else None
+    direct = _checked_renderer(tokenizer, kwargs)
+    _DIRECT_CHECKED[tokenizer] = (tokenizer.chat_template, direct is not None)
+    return direct
+
+
+def _compiled_renderer(tokenizer: PreTrainedTokenizerBase, kwargs: Optional[dict] = None) -> Renderer:
+    from jinja2.runtime import new_context
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    compiled = _compile_jinja_template(tokenizer.chat_template)
+    environment = compiled.environment
+    base = {**compiled.globals, **tokenizer.special_tokens_map, "documents": None, **(kwargs or {})}
+
+    def direct(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
+        variables = {**base, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools}
+        context = new_context(environment, compiled.name, compiled.blocks, variables, shared=True)
+        return environment.concat(compiled.root_render_func(context))
+    return direct
+
+
+def _checked_renderer(tokenizer: PreTrainedTokenizerBase, kwargs: Optional[dict] = None) -> Optional[Renderer]:
+    """The compiled renderer where it reproduces apply_chat_template on the probe conversations, else None."""
     try:
-        from jinja2.runtime import new_context
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        compiled = _compile_jinja_template(tokenizer.chat_template)
-        environment = compiled.environment
-        base = {**compiled.globals, **tokenizer.special_tokens_map, "documents": None, **(kwargs or {})}
-
-        def direct(messages: Messages, add_generation_prompt: bool, tools: Optional[list]) -> str:
-            variables = {**base, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools}
-            context = new_context(environment, compiled.name, compiled.blocks, variables, shared=True)
-            return environment.concat(compiled.root_render_func(context))
-
+        direct = _compiled_renderer(tokenizer, kwargs)
         public = _public_renderer(tokenizer, kwargs)
         for tools in (None, _PROBE_TOOLS):
             for k in range(1, len(_PROBE) + 1):
