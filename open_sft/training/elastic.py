@@ -223,9 +223,10 @@ def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: i
 
 # config keys transformers' causal LMs apply as dropout(p=...) in their forward, with no nn.Dropout module: attention
 # dropout (`dropout=0.0 if not self.training else self.attention_dropout`, 400+ families), GPT-BigCode's attn_pdrop,
-# BERT-style decoders' attention_probs_dropout_prob, BART-style decoders' (OPT's) dropout and activation_dropout
+# BERT-style decoders' attention_probs_dropout_prob, BART-style decoders' (OPT's) dropout and activation_dropout,
+# Falcon's and Bloom's hidden_dropout (dropout_add on the residual stream)
 FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout", "dropout",
-                      "activation_dropout")
+                      "activation_dropout", "hidden_dropout")
 
 
 def dropout_in(model: torch.nn.Module) -> list[str]:

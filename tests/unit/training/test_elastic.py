@@ -261,7 +261,8 @@ def test_dropout_of_heads_a_causal_lm_does_not_have_is_not_said() -> None:
     """GPT-NeoX's config defaults classifier_dropout to 0.1 (a sequence-classification head's): a Pythia full fine-tune
     resumed on other ranks was told its masks differ and to use --lora_dropout 0. Only dropout its causal LM
     draws is said: nn.Dropout modules of p > 0 and the attention dropout its config gives as a function argument."""
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import (FalconConfig, FalconForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+                              GPTNeoXForCausalLM)
 
     from open_sft.training.elastic import dropout_in
 
@@ -269,7 +270,12 @@ def test_dropout_of_heads_a_causal_lm_does_not_have_is_not_said() -> None:
     pythia = GPTNeoXForCausalLM(GPTNeoXConfig(**shape))
     assert pythia.config.classifier_dropout == 0.1 and dropout_in(pythia) == []
     assert dropout_in(GPTNeoXForCausalLM(GPTNeoXConfig(**shape, attention_dropout=0.2, hidden_dropout=0.1))) == [
-        "attention_dropout 0.2", "emb_dropout 0.1", "post_attention_dropout 0.1", "post_mlp_dropout 0.1"]
+        "attention_dropout 0.2", "emb_dropout 0.1", "hidden_dropout 0.1", "post_attention_dropout 0.1",
+        "post_mlp_dropout 0.1"]
+    # Falcon's (and Bloom's) hidden_dropout is a function argument on the residual stream, no nn.Dropout module
+    falcon = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    assert dropout_in(FalconForCausalLM(FalconConfig(**falcon))) == []
+    assert dropout_in(FalconForCausalLM(FalconConfig(**falcon, hidden_dropout=0.1))) == ["hidden_dropout 0.1"]
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0))
     assert gpt2.config.summary_first_dropout == 0.1 and dropout_in(gpt2) == []
