@@ -44,7 +44,7 @@ LEAKS = {"gpt_oss": "its eager attention mask is one causal mask over the whole 
     "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "minimax", "kimi_linear", "olmo_hybrid", "mamba",
     "mamba2", "falcon_mamba", "recurrent_gemma", "xlstm", "zamba", "lfm3", "bailing_hybrid", "glm5_next",
     "glm5_next_text", "qwen4_exp", "qwen4_exp_text", "inkling_text", "inkling_mm_model", "inkling2", "inkling2_text",
-    "inkling2_loop", "inkling2_loop_text", "lara_mini", "zaya"), _RECURRENT)}
+    "inkling2_loop", "inkling2_loop_text", "lara_mini", "zaya", "rwkv"), _RECURRENT)}
 FIRST, SECOND = 7, 9  # tokens of the example packed first and of the one checked after it
 RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}  # of the hidden states' scale; half precision: 2e-2
 # the second example's gradient with respect to the first's embeddings, relative to that with respect to its own:

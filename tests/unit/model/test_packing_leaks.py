@@ -55,6 +55,7 @@ TINY = {
     "xlstm": {"embedding_dim": 32, "num_heads": 4, "num_blocks": 2, "qk_dim_factor": 0.5, "v_dim_factor": 1.0,
               "chunk_size": 4},
     "lfm3": {}, "bailing_hybrid": {}, "lara_mini": {}, "zaya": {},
+    "rwkv": {"context_length": 64, "attention_hidden_size": 32},
 }
 COMPOSITE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # multimodal checkpoints of a text family
 # refused by name from their modeling code (a conv/SSM/recurrent state; transformers 5.25), not built here: their
@@ -211,11 +212,11 @@ def test_every_family_whose_modeling_code_holds_a_recurrent_state_is_refused_by_
 
     found = set()
     for modeling in Path(transformers.models.__path__[0]).glob("*/modeling_*.py"):
-        if re.search(r"conv_state|ssm_state|recurrent_state", modeling.read_text()):
+        if re.search(r"conv_state|ssm_state|recurrent_state|wkv", modeling.read_text()):  # wkv: RWKV's time mixing
             for configuration in modeling.parent.glob("configuration_*.py"):
                 found |= set(re.findall(r'^\s+model_type = "(\w+)"', configuration.read_text(), re.M))
     found = {t for t in found if not t.endswith(("_vision", "_audio"))}
-    assert {"lfm2", "mamba", "qwen3_next", "zaya", "inkling2_text"} <= found  # the scan finds what it is meant to
+    assert {"lfm2", "mamba", "qwen3_next", "zaya", "inkling2_text", "rwkv"} <= found  # it finds what it is meant to
     assert found - set(LEAKS) == set(), sorted(found - set(LEAKS))
 
 
