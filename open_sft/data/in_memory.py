@@ -25,6 +25,7 @@ from open_sft.data.chunks import Progress
 from open_sft.data.documents import document_markers, special_text_notes, to_text, with_special_text
 from open_sft.data.format_detect import source_format
 from open_sft.data.formats import RowError, needs_chat_template, to_messages
+from open_sft.data.row_error import bad_row_error
 from open_sft.data.mixer import select_rows
 from open_sft.data.cache import resolve_cache_dir
 from open_sft.data.chat.render import chat_options
@@ -58,7 +59,7 @@ class _RowSink:
 
     def reject(self, index: int, error: RowError) -> None:
         if not self.drop:
-            raise UserError(f"{self.where(index)}: {error}") from None
+            raise bad_row_error(self.where(index), error) from None
         self.report.dropped[error.reason] += 1
 
 
@@ -143,7 +144,7 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
         return _chat_rows(spec, args, labelled, picked, sink, report, seed), report
     if args.on_bad_row != "drop":  # as the serial read reports them: a line that is not JSON first
         i, error = min(labelled.invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
-        raise UserError(f"{str(path) if error.reason == 'invalid_json' else spec.name} line {numbers[i]}: {error}")
+        raise bad_row_error(f"{str(path) if error.reason == 'invalid_json' else spec.name} line {numbers[i]}", error)
     rows = _dropping_bad_rows(spec, args, tokenizer, lines, numbers, labelled, picked is not None, convert, report,
                               seed)
     return rows, report

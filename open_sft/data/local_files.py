@@ -15,6 +15,7 @@ from typing import Any
 
 from open_sft.data.compressed import PACK, UNPACK, DataReader, compression, data_suffix
 from open_sft.data.formats import RowError
+from open_sft.data.row_error import bad_row_error
 from open_sft.errors import UserError
 
 
@@ -191,7 +192,7 @@ def read_jsonl(path: Path, drop_bad: bool) -> tuple[list[dict[str, Any]], list[i
             if drop_bad:
                 unreadable += 1
                 continue
-            raise UserError(f"{path} line {lineno}: {exc}") from None
+            raise bad_row_error(f"{path} line {lineno}", exc) from None
         line_numbers.append(lineno)
     return rows, line_numbers, unreadable
 

@@ -3,6 +3,8 @@ datasets' own row shapes, open_sft.data.dataset_shapes, can raise it without imp
 
 from __future__ import annotations
 
+from open_sft.errors import UserError
+
 
 class RowError(ValueError):
     """What is wrong with one row; the caller adds the file and line. `reason` is the short code
@@ -14,3 +16,16 @@ class RowError(ValueError):
 
     def __reduce__(self):  # keep the reason when sent back from a render worker process
         return (RowError, (str(self), self.reason))
+
+
+SKIP = "--on_bad_row drop"
+
+
+def bad_row_error(where: str, error: Exception) -> UserError:
+    """--on_bad_row error: the error that stops the build at a bad row, naming its place, the problem and the way on
+    without the row (unless the problem names it already). Data that trains elsewhere can hold rows open_sft
+    refuses: open-instruct's default sft_tulu_filter_v1 drops a conversation with no assistant turn unsaid."""
+    problem = str(error)
+    if SKIP not in problem:
+        problem += f"; {SKIP} skips such rows (each counted in the data report)"
+    return UserError(f"{where}: {problem}")

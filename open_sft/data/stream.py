@@ -29,6 +29,7 @@ from open_sft.data.chat.render import chat_options
 from open_sft.data.chunks import Progress, Reader
 from open_sft.data.documents import document_markers, special_text_notes, to_text, with_special_text
 from open_sft.data.formats import RowError, to_messages
+from open_sft.data.row_error import bad_row_error
 from open_sft.data.labels import plain_backend
 from open_sft.data.local_files import parse_json_line
 from open_sft.data.spill import ExampleWriter, Spill, pieces
@@ -189,10 +190,10 @@ def _raise_first(reader: Reader, invalid: list, errors: list, numbers: Optional[
     if invalid:
         i, error = min(invalid, key=lambda item: (item[1].reason != "invalid_json", item[0]))
         if reader.lines and error.reason == "invalid_json":
-            raise UserError(f"{reader.path} line {numbers[i - start]}: {error}")
+            raise bad_row_error(f"{reader.path} line {numbers[i - start]}", error)
     else:
         i, error = errors[0]
-    raise UserError(f"{reader.where(i, numbers, start)}: {error}")
+    raise bad_row_error(reader.where(i, numbers, start), error)
 
 
 class _Lengths:
@@ -268,7 +269,7 @@ def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[li
                 item = parse_json_line(item)
             except RowError as exc:
                 if not drop:
-                    raise UserError(f"{reader.path} line {numbers[k]}: {exc}") from None
+                    raise bad_row_error(f"{reader.path} line {numbers[k]}", exc) from None
                 report.dropped["invalid_json"] += 1
                 continue
         row, rows_seen = rows_seen, rows_seen + 1
@@ -277,7 +278,7 @@ def _documents(spec: Any, reader: Reader, items: list[Any], numbers: Optional[li
         except RowError as exc:
             if not drop:
                 where = f"line {numbers[k]}" if numbers else f"row {row + 1}"
-                raise UserError(f"{spec.name} {where}: {exc}") from None
+                raise bad_row_error(f"{spec.name} {where}", exc) from None
             report.dropped[exc.reason] += 1
             continue
         indices.append(row)

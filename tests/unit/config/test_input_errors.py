@@ -131,3 +131,41 @@ def test_ctrl_c_outside_the_training_loop_is_a_message_not_a_traceback(tmp_path,
     assert main(["--model_name_or_path", "m", "--dataset_mixer_list", data, "1.0"]) == 130
     err = capsys.readouterr().err
     assert "open_sft: interrupted (Ctrl-C); the same command starts again from where it can" in err and "Traceback" not in err
+
+
+ONLY_A_QUESTION = {"messages": [{"role": "user", "content": "only a question"}]}
+EMPTY_ANSWER = {"messages": [{"role": "user", "content": "say nothing"}, {"role": "assistant", "content": ""}]}
+SKIP = "; --on_bad_row drop skips such rows (each counted in the data report)"
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("d.jsonl", "\n".join([json.dumps(GOOD), json.dumps(ONLY_A_QUESTION)]),
+     "d.jsonl line 2: the conversation has no assistant turn (it ends with a user turn); a training conversation "
+     "needs one" + SKIP),
+    ("d.jsonl", "\n".join([json.dumps(GOOD), json.dumps(EMPTY_ANSWER)]),
+     "d.jsonl line 2: message 2 (assistant) is empty" + SKIP),
+    ("d.jsonl", "\n".join([json.dumps(GOOD), "{not json"]), "d.jsonl line 2: not valid JSON"),
+    ("d.json", json.dumps([GOOD, ONLY_A_QUESTION], indent=1),
+     "d.json line 14: the conversation has no assistant turn (it ends with a user turn); a training conversation "
+     "needs one" + SKIP),
+    ("t.jsonl", "\n".join([json.dumps({"text": "a document"}), json.dumps({"text": ""})]),
+     "t.jsonl line 2: 'text' is empty" + SKIP),
+], ids=["no-assistant-turn", "empty-assistant-turn", "not-json", "json-list-file", "empty-text"])
+def test_a_bad_row_stops_the_build_saying_how_to_skip_such_rows(tmp_path, capsys, tiny_model_dir, name, text,
+                                                                 expected) -> None:
+    """open-instruct's default sft_tulu_filter_v1 drops a conversation with no assistant turn unsaid (and trains an
+    empty answer's eos): its users' data can hold rows open_sft stops at. The error named the row and the problem
+    but not the way on; it now says --on_bad_row drop skips such rows, once (a problem that names it already keeps
+    its own words)."""
+    (tmp_path / name).write_text(text + "\n")
+    err = run_main(capsys, str(tiny_model_dir), str(tmp_path / name), tmp_path / "out")
+    assert expected in err and err.count("--on_bad_row drop") == 1, err
+
+
+def test_a_bad_row_whose_problem_names_the_skip_says_it_once(tmp_path, capsys, tiny_model_dir) -> None:
+    tool_row = {"messages": [{"role": "user", "content": "add 1 and 2"}, {"role": "tool", "content": "3"},
+                             {"role": "assistant", "content": "3"}]}  # the tiny model's own template has no tool role
+    data = write_lines(tmp_path / "d.jsonl", [json.dumps(GOOD), json.dumps(tool_row)])
+    err = run_main(capsys, str(tiny_model_dir), data, tmp_path / "out")
+    assert "d.jsonl line 2: the chat template rejects this conversation (Unknown role: tool)" in err
+    assert err.count("--on_bad_row drop") == 1, err

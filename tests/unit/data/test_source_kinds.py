@@ -243,7 +243,8 @@ def test_a_row_that_is_no_object_is_named_by_its_json_type(tmp_path, line, name)
     """A `null` line read 'expected a JSON object, got NoneType'."""
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(TRAIN[0]) + "\n" + line + "\n")
-    with pytest.raises(UserError, match=f"rows.jsonl line 2: expected a JSON object, got {name}$"):
+    with pytest.raises(UserError, match=f"rows.jsonl line 2: expected a JSON object, got {name}; --on_bad_row drop "
+                       r"skips such rows \(each counted in the data report\)$"):
         rows_of(str(path))
     listed = tmp_path / "rows.json"
     listed.write_text(f"[{json.dumps(TRAIN[0])},\n{line}]")
