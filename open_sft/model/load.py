@@ -213,7 +213,7 @@ def load_model(args: ModelArguments, tokenizer: Optional[PreTrainedTokenizerBase
     model.config.use_cache = False
     if adapted:  # every row the run set is a trainable token: the adapter saves it, the frozen base stays out
         new_ids = sorted(set(getattr(tokenizer, "open_sft_new_ids", [])) | set(initialised))
-        model = apply_lora(model, lora, args.gradient_checkpointing, new_ids, lora_dropout_given)
+        model = apply_lora(model, lora, new_ids, lora_dropout_given)
         if parallelism is not None and not lora.use_qlora:
             frozen_base_in_compute_dtype(model, compute_dtype, load_model_config(args), parallelism)
     if args.fp8:  # before compiling: the compiled layers trace torchao's FP8 layers

@@ -104,8 +104,8 @@ def trainable_token_rows(model: PreTrainedModel, new_ids: list[int]) -> dict[str
     return rows
 
 
-def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointing: bool,
-               new_ids: Optional[list[int]] = None, dropout_given: bool = True) -> PeftModel:
+def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[list[int]] = None,
+               dropout_given: bool = True) -> PeftModel:
     """Freeze the base model and inject LoRA adapters in place (and make the rows of `new_ids`, tokens the run
     added, trainable); returns the PeftModel. `dropout_given`: --lora_dropout was set by the user (else its
     default yields to 0 where peft adapts MoE experts' fused weights, which it trains only without dropout)."""
@@ -114,10 +114,11 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, gradient_checkpointi
     from open_sft.model.base_record import base_model_record
 
     if args.use_qlora:
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+        # Activation checkpointing is load_model's (non-reentrant, so no input needs a gradient): peft enabling it
+        # again warned on every QLoRA run with --gradient_checkpointing, by either name of its kwargs (peft 0.22
+        # deprecates `gradient_checkpointing_kwargs`; peft 0.21 calls transformers' deprecated
+        # `gradient_checkpointing_enable`)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         _keep_4bit_layout_for_training(model)
     held = parameter_targets(model)  # an MoE's fused experts and plain router weights: peft target_parameters
     targets = split_targets(model, list(args.lora_target_modules))

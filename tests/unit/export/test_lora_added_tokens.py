@@ -116,7 +116,7 @@ def test_an_adapter_that_holds_its_resized_embedding_still_loads(tiny_model_dir,
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64, mean_resizing=False)
     added = [len(tokenizer) - 2, len(tokenizer) - 1]
-    model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, added)
+    model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), added)
     run = tmp_path / "old"
     model.save_pretrained(run, save_embedding_layers=True)
     tokenizer.save_pretrained(run)

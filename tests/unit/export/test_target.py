@@ -52,8 +52,7 @@ def test_merge_lora_refuses_the_base_and_the_adapter_and_replaces_its_own_output
     base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(base), LoraArguments(use_lora=True, lora_rank=4), False,
-                       [])
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(base), LoraArguments(use_lora=True, lora_rank=4), [])
     torch.manual_seed(0)
     with torch.no_grad():
         for param in (p for p in model.parameters() if p.requires_grad):

@@ -94,6 +94,41 @@ def test_qlora_trains_through_its_4bit_layers_after_an_evaluation(tiny_model_dir
         assert torch.equal(before[name], after[name]), name
 
 
+def test_qlora_with_gradient_checkpointing_says_nothing_and_computes_what_it_computes_without(tiny_model_dir) -> None:
+    """peft 0.22 warned on every QLoRA run with --gradient_checkpointing ("`gradient_checkpointing_kwargs` is
+    deprecated ... Use `activation_checkpointing_kwargs`"), peft 0.21 through transformers' deprecated
+    `gradient_checkpointing_enable`: open_sft's call enabled checkpointing a second time. load_model enables it
+    (non-reentrant) and peft leaves it be: no warning, every layer checkpointed without reentrance, and the loss and
+    every adapter's gradient are those of the run without checkpointing."""
+    import warnings
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def run(checkpointing: bool) -> tuple[float, dict[str, torch.Tensor], list[str], list]:
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = load_model(model_args(tiny_model_dir, gradient_checkpointing=checkpointing),
+                               lora=LoraArguments(use_qlora=True, lora_rank=4, lora_dropout=0.0))
+        said = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))
+                and "checkpointing" in str(w.message)]
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        loss = TokenLossModel(model).train()(**make_batch())
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return float(loss), grads, said, layers
+
+    loss, grads, said, layers = run(True)
+    plain_loss, plain_grads, _, plain_layers = run(False)
+    assert said == []
+    assert len(layers) == 2 and all(layer.gradient_checkpointing for layer in layers)
+    assert all(layer._gradient_checkpointing_func.keywords == {"use_reentrant": False} for layer in layers)
+    assert not any(layer.gradient_checkpointing for layer in plain_layers)
+    assert loss == plain_loss and grads.keys() == plain_grads.keys() and len(grads) == 2 * 7 * 2
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=0, atol=0)
+
+
 def test_a_bf16_checkpoints_frozen_base_stays_bf16_with_the_same_numbers(tiny_model_dir, tmp_path) -> None:
     """LoRA in bf16 on a checkpoint stored in bf16: the decoder layers' frozen linear weights stay bf16 (half the
     bytes, no cast per forward), the LM head, norms and embeddings as before; the loss and every adapter's gradient
@@ -157,7 +192,7 @@ def test_added_tokens_are_trainable_rows_under_lora(tied) -> None:
     assert trainable_token_rows(model, [90, 91]) == expected
     assert trainable_token_rows(model, []) == {}
     model.name_or_path = "Org/name"  # what from_pretrained was given: a Hub id is recorded as given
-    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, [90, 91])
+    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), [90, 91])
     assert peft_model.peft_config["default"].base_model_name_or_path == "Org/name"
     trained = [n for n, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in n]
     assert len(trained) == (1 if tied else 2) and all("trainable_tokens_delta" in n for n in trained)
@@ -184,14 +219,14 @@ def test_all_linear_on_moe_experts_takes_dropout_0_unless_the_user_set_one() -> 
     from open_sft.model.lora import apply_lora
 
     lora = LoraArguments(use_lora=True, lora_rank=2)  # lora_dropout: its default, 0.1
-    peft_model = apply_lora(tiny_moe(), lora, False, dropout_given=False)
+    peft_model = apply_lora(tiny_moe(), lora, dropout_given=False)
     assert peft_model.peft_config["default"].lora_dropout == 0.0
     assert {"gate_up_proj", "down_proj"} <= set(peft_model.peft_config["default"].target_parameters)
     assert not [n for n, _ in peft_model.named_modules() if "base_layer.base_layer" in n and "self_attn" in n]
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_" in n for n in trainable)  # the base stays frozen
     with pytest.raises(UserError, match="pass --lora_dropout 0, or name the modules to adapt"):
-        apply_lora(tiny_moe(), lora, False, dropout_given=True)
+        apply_lora(tiny_moe(), lora, dropout_given=True)
 
 
 def merge_is_the_adapted_model(peft_model, fresh_base) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,8 +269,8 @@ def test_a_merge_of_adapters_on_moe_experts_is_the_adapted_model() -> None:
     router's weight: the merged model's logits are the adapted model's."""
     from open_sft.model.lora import apply_lora
 
-    merge_is_the_adapted_model(apply_lora(tiny_moe(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0),
-                                          False), tiny_moe)
+    merge_is_the_adapted_model(apply_lora(tiny_moe(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0)),
+                               tiny_moe)
 
 
 def test_a_default_lora_run_of_an_moe_model_trains_and_merges(tiny_model_dir, tmp_path) -> None:
@@ -276,7 +311,7 @@ def test_a_short_conv_models_3d_weights_are_not_taken_for_experts() -> None:
                                   num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
     model = AutoModelForCausalLM.from_config(config)
     assert any(p.dim() == 3 for p in model.parameters())
-    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
+    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=2), dropout_given=False)
     assert peft_model.peft_config["default"].lora_dropout == 0.1
 
 
@@ -300,7 +335,7 @@ def test_merge_lora_cli_writes_what_merge_lora_on_save_writes(tiny_model_dir, tm
     rows = model.get_input_embeddings().weight.shape[0]
     model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     assert model.get_input_embeddings().weight.shape[0] > rows
-    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), False, [len(tokenizer) - 1])
+    peft_model = apply_lora(model, LoraArguments(use_lora=True, lora_rank=4), [len(tokenizer) - 1])
     torch.manual_seed(0)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():

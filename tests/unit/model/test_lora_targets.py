@@ -40,7 +40,7 @@ def test_the_weights_held_as_parameters_and_how_names_resolve() -> None:
 def test_all_linear_adapts_every_decoder_weight_of_gpt_oss() -> None:
     """Every decoder weight of two or more dimensions (biases aside) carries an adapter, the experts' and the
     router's included; they take gradients; dropout yields to 0; a dropout the user gave is refused."""
-    peft_model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
+    peft_model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), dropout_given=False)
     config = peft_model.peft_config["default"]
     assert config.lora_dropout == 0.0 and set(config.target_parameters) == set(HELD)
     wrapped = {f"{n.replace('.base_layer', '')}.{m.parameter_name}" for n, m in peft_model.named_modules()
@@ -56,11 +56,11 @@ def test_all_linear_adapts_every_decoder_weight_of_gpt_oss() -> None:
         if "lora_A" in name and ("experts" in name or "router" in name):
             assert param.grad is not None, name
     with pytest.raises(UserError, match="pass --lora_dropout 0, or name the modules to adapt"):
-        apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=True)
+        apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), dropout_given=True)
 
 
 def test_a_merge_of_gpt_oss_experts_adapters_is_the_adapted_model() -> None:
-    peft_model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0), False)
+    peft_model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0))
     ids, plain = merge_is_the_adapted_model(peft_model, tiny_gpt_oss)
     with torch.no_grad(), peft_model.disable_adapter():
         torch.testing.assert_close(peft_model(input_ids=ids).logits, plain)
@@ -96,7 +96,7 @@ def test_all_linear_on_deepseek_adapts_its_dense_layers_and_shared_experts(tmp_p
 
     from open_sft.model.lora_targets import linear_targets_kept
 
-    model = apply_lora(tiny_deepseek(), LoraArguments(use_lora=True), False, dropout_given=False)
+    model = apply_lora(tiny_deepseek(), LoraArguments(use_lora=True), dropout_given=False)
     adapted = adapted_layers(model)
     assert set(DENSE_AND_SHARED) <= adapted, sorted(adapted)
     assert {"model.layers.1.mlp.experts", "model.layers.1.self_attn.q_b_proj"} <= adapted
@@ -124,7 +124,7 @@ def test_all_linear_on_a_family_peft_does_not_convert_adapts_every_linear_layer(
     """The conversion kept as it was where peft does not convert: all-linear stays every linear layer of Llama."""
     config = AutoConfig.for_model("llama", **{k: GPT_OSS[k] for k in list(GPT_OSS)[:7]})
     torch.manual_seed(0)
-    model = apply_lora(AutoModelForCausalLM.from_config(config), LoraArguments(use_lora=True), False)
+    model = apply_lora(AutoModelForCausalLM.from_config(config), LoraArguments(use_lora=True))
     assert adapted_layers(model) == {f"model.layers.{i}.{part}" for i in range(2) for part in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
         "mlp.down_proj")}
@@ -142,7 +142,7 @@ def test_all_linear_on_llama4_adapts_its_router_as_a_weight() -> None:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config)
     assert linear_routers(base) == [f"model.layers.{i}.feed_forward.router" for i in range(2)]
-    model = apply_lora(base, LoraArguments(use_lora=True), False, dropout_given=False)
+    model = apply_lora(base, LoraArguments(use_lora=True), dropout_given=False)
     assert [p.removeprefix("base_model.model.") for p in adapted_parameters(model)] == sorted(
         f"model.layers.{i}.feed_forward.{w}" for i in range(2) for w in ("experts.down_proj", "experts.gate_up_proj",
                                                                           "router.weight"))
@@ -158,7 +158,7 @@ def test_an_exported_deepseek_checkpoints_skeleton_keeps_the_dense_and_shared_ad
     shared experts' adapters were left out of the export and the merge. The skeleton adapts what training did."""
     from open_sft.export.from_checkpoint import _peft_skeleton
 
-    model = apply_lora(tiny_deepseek(), LoraArguments(use_lora=True), False, dropout_given=False)
+    model = apply_lora(tiny_deepseek(), LoraArguments(use_lora=True), dropout_given=False)
     model.save_pretrained(tmp_path)
     model.base_model.model.config.save_pretrained(tmp_path)
     skeleton = _peft_skeleton(tmp_path)
@@ -175,7 +175,7 @@ def test_an_export_merges_a_gpt_oss_checkpoints_expert_adapters_on_its_meta_skel
     from open_sft.export.from_checkpoint import _peft_skeleton
     from open_sft.export.lora_merge import merged_state_dict
 
-    model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0), False)
+    model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -216,5 +216,5 @@ def test_a_peft_without_its_private_conversion_function_trains_and_says_what_is_
     assert len(said) == 1 and said[0].startswith(
         "this peft has no peft.utils.transformers_weight_conversion._convert_peft_config_moe"), said
     assert "the dense first layers' MLP and the shared experts may be left without an adapter" in said[0]
-    model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), False, dropout_given=False)
+    model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), dropout_given=False)
     assert set(model.peft_config["default"].target_parameters) == set(HELD)
