@@ -122,8 +122,9 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[li
         _keep_4bit_layout_for_training(model)
     held = parameter_targets(model)  # an MoE's fused experts and plain router weights: peft target_parameters
     targets = split_targets(model, list(args.lora_target_modules))
+    rows = trainable_token_rows(model, new_ids or [])
+    _check_head_bias_kept(model, rows, new_ids or [])
     try:
-        rows = trainable_token_rows(model, new_ids or [])
         dropout = None
         if not dropout_given and args.lora_dropout and targets[1]:
             logger.warning("LoRA dropout 0 for every adapter (not the default %g): --lora_target_modules %s adapts "
@@ -160,6 +161,23 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[li
     logger.info("%s: %d trainable adapter parameters of %d (%.3f%%)", "QLoRA" if args.use_qlora else "LoRA",
                 trainable, total, 100 * trainable / max(total, 1))
     return peft_model
+
+
+def _check_head_bias_kept(model: PreTrainedModel, rows: dict[str, list[int]], new_ids: list[int]) -> None:
+    """peft before 0.22 computes a trainable-tokens LM head without its bias (the head of an added token's rows): a
+    model whose LM head has one (Phi-1/1.5/2, GPT-J, CodeGen) trained with every logit off by it, and its export,
+    which has the bias, was not the model training saw. Refused there, with the fix."""
+    import peft
+    from packaging.version import Version
+
+    head = model.get_output_embeddings()
+    if not rows or head is None or getattr(head, "bias", None) is None or Version(peft.__version__) >= Version("0.22"):
+        return
+    raise UserError(f"LoRA with the {len(new_ids)} tokens this run adds (their embedding rows train as peft trainable "
+                    f"tokens) on a model whose LM head has a bias needs peft >= 0.22: peft {peft.__version__} "
+                    "leaves the bias out of the logits it trains on, so the exported model (which has it) would not be "
+                    "the trained one. Upgrade peft (pip install -U 'peft>=0.22'; it needs Python >= 3.11), or add no "
+                    "tokens (a chat template whose tokens the tokenizer has; no --add_tokens/--add_special_tokens)")
 
 
 def _keep_4bit_layout_for_training(model: torch.nn.Module) -> None:
