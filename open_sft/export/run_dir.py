@@ -168,6 +168,7 @@ def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) ->
 
     model, base = load_adapter_base(directory, base_model, **base_loading(directory))
     fit_base_to_adapter(model, directory, tokenizer)
+    _check_head_bias_kept(directory, model)
     try:
         with warnings.catch_warnings(), linear_targets_kept():  # the shared experts' adapters too (lora_targets)
             # peft asks transformers' deprecated name; nothing the user can change
@@ -177,6 +178,23 @@ def _load_adapter(directory: Path, tokenizer: Any, base_model: Optional[str]) ->
         raise UserError(f"the adapter in {directory} does not fit the base model {base} "
                         f"({str(exc).splitlines()[0]}); pass --base_model with the model the run trained from") from exc
     return model, base
+
+
+def _check_head_bias_kept(directory: Path, base: Any) -> None:
+    """An adapter whose run added tokens (peft trainable tokens) on a base whose LM head has a bias is refused where
+    this peft would leave the bias out of every logit (open_sft.model.lora.peft_drops_head_bias): generation would not
+    be the trained model's. open_sft's merge keeps the bias, under any peft."""
+    import peft
+
+    from open_sft.model.lora import peft_drops_head_bias
+
+    rows = json.loads((directory / "adapter_config.json").read_text()).get("trainable_token_indices")
+    if rows and peft_drops_head_bias(base):
+        raise UserError(f"the adapter in {directory} trains the rows of tokens its run added, on an LM head with a "
+                        f"bias, which peft {peft.__version__} leaves out of the logits (peft >= 0.22 keeps it): "
+                        "upgrade peft (pip install -U 'peft>=0.22'; it needs Python >= 3.11), or use the merged model "
+                        f"(the run's {directory / 'merged'} with --merge_lora_on_save, or "
+                        f"`open_sft merge-lora {directory} OUT`)")
 
 
 def load_run_model(directory: Path, base_model: Optional[str] = None) -> RunModel:

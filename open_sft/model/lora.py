@@ -163,15 +163,23 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[li
     return peft_model
 
 
-def _check_head_bias_kept(model: PreTrainedModel, rows: dict[str, list[int]], new_ids: list[int]) -> None:
-    """peft before 0.22 computes a trainable-tokens LM head without its bias (the head of an added token's rows): a
-    model whose LM head has one (Phi-1/1.5/2, GPT-J, CodeGen) trained with every logit off by it, and its export,
-    which has the bias, was not the model training saw. Refused there, with the fix."""
+def peft_drops_head_bias(model: PreTrainedModel) -> bool:
+    """Whether this peft computes the LM head of `model` without its bias once the head holds trainable tokens (the
+    rows of tokens a run added): peft before 0.22 does, on a model whose LM head has a bias (Phi-1/1.5/2, GPT-J,
+    CodeGen), so every logit is off by the bias, and the export (which has it) is not the model peft computes."""
     import peft
     from packaging.version import Version
 
     head = model.get_output_embeddings()
-    if not rows or head is None or getattr(head, "bias", None) is None or Version(peft.__version__) >= Version("0.22"):
+    return (head is not None and getattr(head, "bias", None) is not None
+            and Version(peft.__version__) < Version("0.22"))
+
+
+def _check_head_bias_kept(model: PreTrainedModel, rows: dict[str, list[int]], new_ids: list[int]) -> None:
+    """A run that would train on logits without the LM head's bias (peft_drops_head_bias) is refused, with the fix."""
+    import peft
+
+    if not rows or not peft_drops_head_bias(model):
         return
     raise UserError(f"LoRA with the {len(new_ids)} tokens this run adds (their embedding rows train as peft trainable "
                     f"tokens) on a model whose LM head has a bias needs peft >= 0.22: peft {peft.__version__} "

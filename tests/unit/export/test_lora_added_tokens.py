@@ -128,3 +128,43 @@ def test_an_adapter_that_holds_its_resized_embedding_still_loads(tiny_model_dir,
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, expected, atol=2e-5)
+
+
+def test_an_added_tokens_adapter_on_a_biased_lm_head_is_refused_where_peft_drops_the_bias(tiny_model_dir, tmp_path,
+                                                                                           monkeypatch) -> None:
+    """open_sft generate/chat/compare of such an adapter (a Phi-2 run that added tokens, trained under peft 0.22)
+    under a peft before 0.22 gave logits without the LM head's bias (3.4 off on a tiny Phi): refused, naming the
+    merged model and merge-lora, which keep the bias (merge-lora's logits are the adapted model's). An adapter on a
+    head without a bias loads as before."""
+    import peft
+    from packaging.version import Version
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from open_sft.errors import UserError
+    from open_sft.export.merge_adapter import merge_adapter_dir
+    from open_sft.export.run_dir import load_run_model
+
+    if Version(peft.__version__) < Version("0.22"):
+        pytest.skip("the run itself is refused under this peft (test_lora.py)")
+    config = AutoConfig.for_model("phi", vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    phi = tmp_path / "phi"
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.lm_head.bias.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+    model.save_pretrained(phi)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(phi)
+    _, adapted = _trained_run(phi, tmp_path / "run")
+    _trained_run(tiny_model_dir, tmp_path / "llama_run")
+    ids = torch.randint(0, 1024, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = adapted.eval()(input_ids=ids).logits
+    monkeypatch.setattr(peft, "__version__", "0.21.2")
+    with pytest.raises(UserError, match=r"leaves out of the logits .* `open_sft merge-lora .*/run OUT`"):
+        load_run_model(tmp_path / "run")
+    merge_adapter_dir(tmp_path / "run", tmp_path / "merged")
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=ids).logits
+    torch.testing.assert_close(merged, want, rtol=1e-5, atol=1e-5)
+    assert load_run_model(tmp_path / "llama_run").kind == "LoRA adapter"

@@ -213,35 +213,41 @@ def tiny_moe(vocab: int = 96):
     return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", vocab_size=vocab, **MOE))
 
 
-def test_added_tokens_on_an_lm_head_with_a_bias_train_with_the_bias_or_are_refused() -> None:
+def test_added_tokens_on_an_lm_head_with_a_bias_train_with_the_bias_or_are_refused(monkeypatch) -> None:
     """A LoRA run that adds tokens makes an untied LM head's rows trainable tokens; peft 0.21 computed that head
     without its bias (Phi-2's, GPT-J's): every logit the run trained on was off by it (2.4 here), and the export,
     with the bias, was another model. peft 0.22 keeps it: the adapted model at initialisation is the base, to the
-    bit; with peft 0.21 the run is refused, saying the fix."""
+    bit; under a peft before 0.22 the run is refused, saying the fix, and a head without a bias is not."""
     import peft
     from packaging.version import Version
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from open_sft.model.lora import apply_lora
 
-    config = AutoConfig.for_model("phi", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        model.lm_head.bias.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+    def phi(bias: bool = True) -> torch.nn.Module:
+        config = AutoConfig.for_model("phi", vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            model.lm_head.bias.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+        if not bias:
+            model.lm_head.bias = None
+        return model
+
     ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base_logits = model(input_ids=ids).logits
     lora = LoraArguments(use_lora=True, lora_rank=2, lora_dropout=0.0)
-    if Version(peft.__version__) < Version("0.22"):
-        with pytest.raises(UserError, match=r"LoRA with the 2 tokens this run adds .* needs peft >= 0\.22"):
-            apply_lora(model, lora, [94, 95])
-        return
-    peft_model = apply_lora(model, lora, [94, 95]).eval()
-    assert type(peft_model.get_base_model().lm_head).__name__ == "TrainableTokensWrapper"
-    with torch.no_grad():
-        assert torch.equal(peft_model(input_ids=ids).logits, base_logits)
+    if Version(peft.__version__) >= Version("0.22"):
+        with torch.no_grad():
+            base_logits = phi()(input_ids=ids).logits
+            peft_model = apply_lora(phi(), lora, [94, 95]).eval()
+            assert type(peft_model.get_base_model().lm_head).__name__ == "TrainableTokensWrapper"
+            assert torch.equal(peft_model(input_ids=ids).logits, base_logits)
+        monkeypatch.setattr(peft, "__version__", "0.21.2")  # the refusal below, as under peft 0.21
+    with pytest.raises(UserError, match=r"LoRA with the 2 tokens this run adds .* needs peft >= 0\.22"):
+        apply_lora(phi(), lora, [94, 95])
+    apply_lora(phi(bias=False), lora, [94, 95])
+    apply_lora(phi(), lora)  # no added tokens: the head is no trainable token
 
 
 def test_all_linear_on_moe_experts_takes_dropout_0_unless_the_user_set_one() -> None:
