@@ -267,9 +267,10 @@ def test_all_linear_on_moe_experts_takes_dropout_0_unless_the_user_set_one() -> 
 
 
 def merge_is_the_adapted_model(peft_model, fresh_base) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adapters given trained values (B no longer 0): the merged state dict, in a model built from the config, gives
-    the adapted model's logits, which differ from the base's (`fresh_base()`). Returns (ids, the base's logits), the
-    models left in float64.
+    """Adapters given trained values (B no longer 0; A and B both set here, seeded by name, so that the numbers do not
+    hang on peft's draw of A, which peft 0.22 changed for MoE models): the merged state dict, in a model built from
+    the config, gives the adapted model's logits, which differ from the base's (`fresh_base()`). Returns (ids, the
+    base's logits), the models left in float64.
 
     In float64: with adapters this large the activations reach ~100, and in float32 the merged weights' rounding
     (~1e-7 relative) moved a router's scores by ~1e-5, enough to flip a near-tied top-k choice of expert on one token
@@ -289,6 +290,8 @@ def merge_is_the_adapted_model(peft_model, fresh_base) -> tuple[torch.Tensor, to
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+            elif "lora_A" in name:  # the spread of peft's own draw (kaiming-uniform over the input width)
+                p.normal_(0, p.shape[-1] ** -0.5, generator=torch.Generator().manual_seed(len(name)))
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     float64(peft_model)
     merged = float64(AutoModelForCausalLM.from_config(peft_model.get_base_model().config))
