@@ -181,7 +181,7 @@ def _check_head_bias_kept(model: PreTrainedModel, rows: dict[str, list[int]], ne
 
     if not rows or not peft_drops_head_bias(model):
         return
-    raise UserError(f"LoRA with the {len(new_ids)} tokens this run adds (their embedding rows train as peft trainable "
+    raise UserError(f"LoRA with tokens this run adds ({len(new_ids)}; their embedding rows train as peft trainable "
                     f"tokens) on a model whose LM head has a bias needs peft >= 0.22: peft {peft.__version__} "
                     "leaves the bias out of the logits it trains on, so the exported model (which has it) would not be "
                     "the trained one. Upgrade peft (pip install -U 'peft>=0.22'; it needs Python >= 3.11), or add no "
