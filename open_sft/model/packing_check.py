@@ -191,11 +191,12 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
         with _computing(model, compute_dtype):
             leak, dependence = packing_leak(model), packing_dependence(model)
             finite = packed_gradients_finite(model)
-        if not (math.isfinite(leak) and math.isfinite(dependence)):
-            # half precision overflowed in the probe (fp16's gradients): it cannot tell; whether examples are kept
-            # apart is structural, and fp32 tells it
+        if not (math.isfinite(leak) and math.isfinite(dependence) and finite):
+            # half precision overflowed in a probe (fp16's gradients): it cannot tell; whether examples are kept
+            # apart, and whether a packed row's gradients are finite, is structural, and fp32 tells it
             with _in_fp32(model):
                 leak, dependence, dtype = packing_leak(model), packing_dependence(model), None
+                finite = packed_gradients_finite(model)
     except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
         raise UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
                         "examples are told apart; train without --packing") from None
