@@ -74,8 +74,8 @@ class DataReader:
         return b"".join(pieces)
 
     def _piece(self, size: int) -> bytes:
-        try:
-            data = self._handle.read(size)
+        try:  # read1: what one read of the archive decompressed, handed back before a cut-short end raises
+            data = self._handle.read1(size)
         except (EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
             if isinstance(exc, OSError) and exc.errno is not None:
                 raise  # the system's own failure (no permission, a failing disk): not the file's content
@@ -113,11 +113,13 @@ class _ZstdStream:
         self._frame: Any = None  # the frame being decompressed; None between frames
         self._buffer, self._at = bytearray(), 0  # decompressed bytes not yet read: self._buffer[self._at:]
 
-    def read(self, size: int = -1) -> bytes:
+    def read1(self, size: int = -1) -> bytes:
+        """Up to `size` bytes (all, for -1), fewer only at the end. A file that ends inside a frame hands back what
+        it decompressed first and raises EOFError on the next read."""
         while size < 0 or len(self._buffer) - self._at < size:
             data = self._raw.read(ZSTD_IN)
             if not data:
-                if self._frame is not None:
+                if self._frame is not None and self._at == len(self._buffer):
                     raise EOFError(CUT_SHORT)
                 break
             self._feed(data)

@@ -135,6 +135,26 @@ def test_a_cut_short_archive_says_so_naming_the_file(kind, tokenizer, tmp_path, 
     assert not (tmp_path / "data").exists() or not list((tmp_path / "data").glob("*.arrow"))
 
 
+# bytes cut off the end, inside the archive's trailer (gzip's CRC and size, bzip2's end-of-stream marker and CRC,
+# xz's index and footer, the content checksum the zstd command writes): all of the text can be decompressed
+TRAILER_CUT = {"gz": 6, "bz2": 6, "xz": 6, "zst": 3}
+
+
+@pytest.mark.parametrize("kind", sorted(COMPRESS))
+def test_a_small_archive_cut_in_its_trailer_names_its_last_whole_line(kind, tmp_path) -> None:
+    """300 short JSON lines, all decompressed before the end is found missing: the read that hit the end threw away
+    what it had decompressed, and the message said the stream ends 'at its start'. That text is handed back first;
+    the next read raises, after line 300."""
+    text = "".join(json.dumps({"text": f"row {k}"}) + "\n" for k in range(300)).encode()
+    whole = zstandard.ZstdCompressor(write_checksum=True).compress(text) if kind == "zst" else COMPRESS[kind](text)
+    path = tmp_path / f"cut.jsonl.{kind}"
+    path.write_bytes(whole[:-TRAILER_CUT[kind]])
+    spec, = parse_mixer_list([str(path), "1.0"], ["train"])
+    with pytest.raises(UserError, match=rf"cut\.jsonl\.{kind}: the {NAMES[kind]} stream ends before its end \(after "
+                                        r"line 300 of its text\): the file is cut short"):
+        read_source(spec)
+
+
 @pytest.mark.parametrize("kind, detail", [("gz", "Not a gzipped file"), ("bz2", "Invalid data stream"),
                                           ("xz", "Input format not supported by decoder"),
                                           ("zst", "Unknown frame descriptor")])
