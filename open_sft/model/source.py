@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from open_sft.training.checkpoint import COMPLETE
+
 # Files a tokenizer loads from: the fast tokenizer, its config, and the vocabularies slow tokenizers read
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
                    "vocab.txt", "tiktoken.model")
@@ -142,11 +144,11 @@ def _not_a_model_dir(name: str) -> Optional[str]:
                "and pass that directory")
         return (f"--model_name_or_path {name} is a LoRA adapter (adapter_config.json, no config.json), not a model "
                 f"to fine-tune from; {way}")
-    if (path / "COMPLETE").is_file():
+    if (path / COMPLETE).is_file():
         return (f"--model_name_or_path {name} is a training checkpoint, not a model; export it first, `python -m "
                 f"open_sft export {name} OUT`, and pass OUT")
     if (path / "checkpoints").is_dir() and not (path / "config.json").is_file():
-        steps = [done.parent for done in path.glob("checkpoints/step_*/COMPLETE") if done.parent.name[5:].isdigit()]
+        steps = [done.parent for done in path.glob(f"checkpoints/step_*/{COMPLETE}") if done.parent.name[5:].isdigit()]
         newest = max(steps, key=lambda step: int(step.name[5:]), default=path / "checkpoints" / "step_N")
         return (f"--model_name_or_path {name} is a run's output directory from which no model was exported yet; "
                 f"export its newest complete checkpoint, `python -m open_sft export {newest} OUT`, and pass OUT")
