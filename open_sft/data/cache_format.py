@@ -68,5 +68,6 @@ changed."""
 # given apart (gpt-oss's <|message|>x<|end|>y is counted as special_tokens_in_text again), an xLAM parameter with a
 # default, Optional[X] (typed X) or `,optional` in any spacing is not required, and row_template_kwargs counts only
 # rows whose variables differ from the source's; 41: a content's trace block is the template's own only where the
-# message gives no trace apart (Magistral's [THINK]c[/THINK][THINK]a[/THINK]b is counted again)
-CACHE_FORMAT_VERSION = 41
+# message gives no trace apart (Magistral's [THINK]c[/THINK][THINK]a[/THINK]b is counted again); 42: an xLAM
+# parameter typed `X | None`, `None | X` or `X, optional, default=...` is typed X and not required
+CACHE_FORMAT_VERSION = 42

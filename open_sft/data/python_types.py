@@ -4,9 +4,10 @@ Salesforce/xlam-function-calling-60k writes a parameter's type as Python does (`
 `"str, optional"`) and lists no `required`: templates that write a parameter's JSON Schema type (gpt-oss's TypeScript
 form) know none of them and write every parameter `any`, optional. The unambiguous names are mapped: str → string,
 int → integer, float → number, bool → boolean, list / List[...] → array (its `items` where the inner name is one of
-these), dict / Dict[...] → object, Optional[X] as X; `, optional` (any case and spacing: `str,optional`), Optional[X]
-or a `default` make a parameter not required, every other parameter of a schema whose types are all strings is
-required. Anything else (`Any`, `Union[...]`, `Callable`) is left as written.
+these), dict / Dict[...] → object, Optional[X], `X | None` and `None | X` as X; `, optional` (any case and spacing:
+`str,optional`, also followed by `, default=...`), Optional[X], `X | None`, `None | X` or a `default` make a parameter
+not required, every other parameter of a schema whose types are all strings is required. Anything else (`Any`,
+`Union[...]`, `Callable`) is left as written.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import re
 
 _SCALARS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}
 _GENERIC = re.compile(r"(list|List|dict|Dict)(?:\[(.*)\])?")
-_OPTIONAL = re.compile(r",\s*optional\s*$", re.IGNORECASE)  # "int, optional", "str,optional", "int, Optional"
-_OPTIONAL_OF = re.compile(r"Optional\[(.*)\]")
+# "int, optional", "str,optional", "int, Optional", "str, optional, default='us'"
+_OPTIONAL = re.compile(r",\s*optional\s*(,\s*default\b.*)?$", re.IGNORECASE | re.DOTALL)
+_OPTIONAL_OF = re.compile(r"Optional\[(.*)\]|(.*?)\s*\|\s*None|None\s*\|\s*(.*)", re.DOTALL)  # X | None, None | X
 
 
 def _json_type(name: str) -> dict:
@@ -37,7 +39,9 @@ def _written_type(written: str) -> tuple[str, bool]:
     says the parameter is optional."""
     bare = _OPTIONAL.sub("", written).strip()
     optional_of = _OPTIONAL_OF.fullmatch(bare)
-    return (optional_of.group(1).strip(), True) if optional_of else (bare, bare != written)
+    if optional_of:
+        return next(group for group in optional_of.groups() if group is not None).strip(), True
+    return bare, bare != written
 
 
 def json_schema_types(properties: dict) -> tuple[dict, list[str], bool]:

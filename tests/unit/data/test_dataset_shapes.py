@@ -400,3 +400,18 @@ def test_xlam_parameters_with_a_default_or_optional_in_any_spelling_are_not_requ
         "a": "string", "country": "string", "limit": "integer", "lang": "string", "page": "integer", "f": "Callable",
         "tags": "array"}
     assert mapped["tags"]["items"] == {"type": "string"} and mapped["country"]["default"] == "us"
+
+
+def test_xlam_union_with_none_and_optional_with_a_default_are_typed_and_not_required() -> None:
+    """`str | None`, `None | List[int]` and `str, optional, default='us'` (xLAM's) were required and left unmapped
+    (gpt-oss wrote `a: any`): they are typed as X and not required now. A union with None inside a generic, or of two
+    types, is not mistaken for one: `List[int | None]` is an array, required; `int | str | None` optional, unmapped."""
+    properties = {"a": {"type": "str | None"}, "b": {"type": "None | List[int]"},
+                  "c": {"type": "str, optional, default='us'"}, "d": {"type": "int, Optional, default = 10"},
+                  "e": {"type": "List[int | None]"}, "f": {"type": "int | str | None"}, "g": {"type": "int | str"}}
+    mapped, required, changed = json_schema_types(properties)
+    assert required == ["e", "g"] and changed
+    assert {name: spec["type"] for name, spec in mapped.items()} == {
+        "a": "string", "b": "array", "c": "string", "d": "integer", "e": "array", "f": "int | str | None",
+        "g": "int | str"}
+    assert mapped["b"]["items"] == {"type": "integer"} and "items" not in mapped["e"]
