@@ -224,9 +224,10 @@ def reseed_new_ranks(resume: Optional[ResumePoint], process_index: int, world: i
 # config keys transformers' causal LMs apply as dropout(p=...) in their forward, with no nn.Dropout module: attention
 # dropout (`dropout=0.0 if not self.training else self.attention_dropout`, 400+ families), GPT-BigCode's attn_pdrop,
 # BERT-style decoders' attention_probs_dropout_prob, BART-style decoders' (OPT's) dropout and activation_dropout,
-# Falcon's and Bloom's hidden_dropout (dropout_add on the residual stream)
+# Falcon's and Bloom's hidden_dropout (dropout_add on the residual stream), DBRX's resid_pdrop and emb_pdrop; read
+# also in a text config's sub-configs (DBRX's and MPT's attn_config.attn_pdrop)
 FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout", "dropout",
-                      "activation_dropout", "hidden_dropout")
+                      "activation_dropout", "hidden_dropout", "resid_pdrop", "emb_pdrop")
 
 
 def dropout_in(model: torch.nn.Module) -> list[str]:
@@ -242,8 +243,18 @@ def dropout_in(model: torch.nn.Module) -> list[str]:
             parts = [part for part in name.split(".") if part != "default" and not part.isdigit()]
             found.add(f"{parts[-1] if parts else 'dropout'} {module.p:g}")
     config = text_config(causal_lm.config)
-    for key in FUNCTIONAL_DROPOUT:
-        value = getattr(config, key, None)
-        if isinstance(value, float) and value > 0:
-            found.add(f"{key} {value:g}")
+    for where, part in [("", config), *((f"{name}.", getattr(config, name, None)) for name in _sub_configs(config))]:
+        for key in FUNCTIONAL_DROPOUT:
+            value = part.get(key) if isinstance(part, dict) else getattr(part, key, None)
+            if isinstance(value, float) and value > 0:
+                found.add(f"{where}{key} {value:g}")
     return sorted(found)
+
+
+def _sub_configs(config: Any) -> list[str]:
+    """The names of a text config's own sub-configs (DBRX's and MPT's attn_config and ffn_config), as transformers
+    declares them or, in remote code (MPT's), as plain dicts named *_config; not a tower's or quantization's."""
+    declared = list(getattr(config, "sub_configs", None) or {})
+    plain = [name for name, value in vars(config).items() if name.endswith("_config") and isinstance(value, dict)]
+    return sorted({name for name in declared + plain if not any(
+        word in name for word in ("vision", "audio", "speech", "quantization"))})

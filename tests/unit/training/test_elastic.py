@@ -279,3 +279,23 @@ def test_dropout_of_heads_a_causal_lm_does_not_have_is_not_said() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
                                       attn_pdrop=0.0))
     assert gpt2.config.summary_first_dropout == 0.1 and dropout_in(gpt2) == []
+
+
+def test_dropout_a_config_gives_in_a_sub_config_or_as_pdrop_is_said() -> None:
+    """DBRX applies resid_pdrop, emb_pdrop and its attn_config's attn_pdrop as function arguments, no nn.Dropout
+    module: a DBRX run with them resumed on other ranks was not warned that its masks differ. They are read, and a
+    sub-config given as a plain dict (MPT's remote code keeps attn_config so) is read too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from open_sft.training.elastic import dropout_in
+
+    shape = dict(d_model=32, n_heads=4, n_layers=1, vocab_size=64, max_seq_len=64,
+                 ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 2, "moe_top_k": 1})
+    attention = {"kv_n_heads": 2, "rope_theta": 10000.0}
+    quiet = AutoModelForCausalLM.from_config(AutoConfig.for_model("dbrx", **shape, attn_config=attention))
+    assert dropout_in(quiet) == []
+    dbrx = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "dbrx", **shape, attn_config={**attention, "attn_pdrop": 0.2}, resid_pdrop=0.1, emb_pdrop=0.05))
+    assert dropout_in(dbrx) == ["attn_config.attn_pdrop 0.2", "emb_pdrop 0.05", "resid_pdrop 0.1"]
+    quiet.config.attn_config = {"attn_pdrop": 0.3, "attn_impl": "torch"}
+    assert dropout_in(quiet) == ["attn_config.attn_pdrop 0.3"]
