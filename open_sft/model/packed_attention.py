@@ -139,8 +139,13 @@ def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
 def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  lengths: list[int], scaling: Optional[float]) -> torch.Tensor:
     """One causal variable-length attention over the examples of a [batch, heads, row, head_dim] micro-batch;
-    returns [batch, row, heads, head_dim], as transformers' attention functions do."""
+    returns [batch, row, heads, the values' head_dim], as transformers' attention functions do. Values narrower
+    than the queries (multi-head latent attention's: DeepSeek-V2/V3, Kimi), which the kernel does not take, are
+    padded with zero columns, whose outputs are exactly zero, and those are cut off again."""
     batch, heads, length, dim = query.shape
+    width = value.shape[3]
+    if width < dim:
+        value = torch.nn.functional.pad(value, (0, dim - width))
     params = _parameters(kernel)
     if key.shape[1] != heads and "enable_gqa" not in params:
         key, value = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
@@ -154,7 +159,7 @@ def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value
     else:  # later releases: causal is the window (-1, 0)
         options["window_size"] = (-1, 0)
     out = kernel(*flat, cu, cu, max(lengths), max(lengths), **options)
-    return out.view(batch, length, heads, dim)
+    return out.view(batch, length, heads, dim)[..., :width]
 
 
 def _varlen_dtype(query: torch.Tensor) -> Optional[torch.dtype]:
@@ -238,9 +243,8 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         # example: a sliding window or chunks that some families (Phi-MoE, Qwen2-MoE, Llama-4) put only there
         allowed = _allowed(attention_mask, length)
         masked = allowed is not None and not kinds.plain(attention_mask, allowed, lengths)
-        # values as wide as queries and keys: not multi-head latent attention's (DeepSeek-V2/V3, Kimi), whose values
-        # are narrower, which the variable-length kernel does not take
-        plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None and value.shape[3] == query.shape[3]
+        # values no wider than queries and keys (multi-head latent attention's are narrower: padded for the kernel)
+        plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None and value.shape[3] <= query.shape[3]
                  and kwargs.get("sliding_window") is None and not masked)
         dtype = _varlen_dtype(query)
         if kernel is not None and plain and dtype is not None:

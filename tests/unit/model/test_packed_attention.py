@@ -222,6 +222,36 @@ def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
     torch.testing.assert_close(out_autocast, expected, rtol=1e-2, atol=1e-2)
 
 
+def test_latent_attentions_narrower_values_take_the_varlen_kernel_padded_with_zeros() -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi): values 8 wide beside queries and keys 12 wide, which the
+    kernel does not take (one head_dim for all three), so such layers never reached it on a GPU. The values go to it
+    padded with zero columns, which attend to exactly zero, cut off again: what the block-diagonal mask gives."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
+    q, k = (torch.randn(2, 4, 10, 12, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 4, 10, 8, dtype=torch.bfloat16)
+    segment = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
+    mask = (segment[:, :, None] == segment[:, None, :]) & torch.ones(10, 10, dtype=torch.bool).tril()
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask[:, None], scaling=12 ** -0.5)
+    seen = []
+
+    def kernel(*args, **kwargs):
+        seen.append(args[2])
+        out = reference_varlen(*args, **kwargs)
+        assert out.shape[-1] == 12 and torch.equal(out[..., 8:], torch.zeros_like(out[..., 8:]))
+        return out
+
+    wrapped = packed_attention._per_example(sdpa_attention_forward, kernel)
+    out, _ = wrapped(module, q, k, v, mask[:, None], position_ids=position_ids, scaling=12 ** -0.5)
+    assert len(seen) == 1 and seen[0].shape == (20, 4, 12) and not seen[0][..., 8:].any()
+    assert out.shape == expected.shape == (2, 10, 4, 8)
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
 def test_a_query_the_mask_gives_no_key_sees_itself() -> None:
     """sdpa gives NaN for a query with no key, and NaN times a zero gradient is NaN in the keys' gradients: such a
     query (none in causal or windowed masks) gets its own key in an example's block."""
