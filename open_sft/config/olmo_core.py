@@ -57,7 +57,9 @@ class OlmoCoreArguments:
         "Ignored (--gradient_checkpointing recomputes whole decoder layers).")
     data_loader_seed: Optional[int] = _help("Ignored (the data order follows --seed).")
     ephemeral_save_interval: Optional[int] = _help(
-        "Ignored (checkpoints are --checkpointing_steps; a run resumes from the newest).")
+        "OLMo-core SFT's checkpoint every N steps (there 250 unless given, 0 or less none, besides a kept one every "
+        "500): --checkpointing_steps N (else 500) where that is not given (a run resumes from the newest; the newest "
+        "--keep_last_n_checkpoints are kept).")
     save_async: Optional[bool] = _help("Ignored (checkpoints are written before training goes on).")
     cache_mode: Optional[str] = _help("Ignored (open_sft's cache is local: --dataset_local_cache_dir).")
     config_hash: Optional[str] = _help("Ignored (open_sft computes its cache key).")
@@ -73,18 +75,21 @@ RENAMES = {  # OLMo-core flag → (config section, our flag)
     "max_grad_norm": ("train", "clip_grad_norm"), "compile_model": ("model", "torch_compile"),
     "wandb_project": ("train", "wandb_project_name"), "cp_degree": ("train", "sequence_parallel_size"),
 }
-IGNORED = ("cp_strategy", "activation_checkpointing_modules", "data_loader_seed", "ephemeral_save_interval",
-           "save_async", "cache_mode", "config_hash", "loss_implementation", "wandb_group_name")
+IGNORED = ("cp_strategy", "activation_checkpointing_modules", "data_loader_seed", "save_async", "cache_mode", "config_hash", "loss_implementation", "wandb_group_name")
 ROPE = ("rope_scaling_factor", "rope_scaling_beta_fast", "rope_scaling_beta_slow", "rope_scaling_old_context_len")
 ATTENTION = {"flash_2": "flash_attention_2", "flash": "flash_attention_2", "torch": "sdpa", "te": "sdpa",  # OLMo-core's
              "flash_3": "auto", "flash_4": "auto"}  # (the same attention; auto: FlashAttention 2 where installed)
 # open-instruct's docs/algorithms/finetune.md gives them as flash-2, flash-3 (its parser takes OLMo-core's flash_2)
 ATTENTION.update({name.replace("_", "-"): ours for name, ours in ATTENTION.items() if "_" in name})
 OLMO_CORE_BETA2 = 0.95  # olmo_core_finetune.py's SkipStepAdamWConfig betas=(0.9, 0.95), hard-coded
+OLMO_CORE_EPHEMERAL = 250  # olmo_core_finetune.py's default --ephemeral_save_interval
+OLMO_CORE_SAVE_INTERVAL = 500  # its CheckpointConfig.checkpointing_steps default (the checkpoints it keeps)
 # what sets the flags an OLMo-core command line implies (FinetuneConfig.implied)
 IMPLIED = {"packing": "the OLMo-core command line sets (it packs examples into --max_seq_length sequences)",
            "adam_beta2": f"the OLMo-core command line sets (olmo_core_finetune.py's AdamW has betas "
-                         f"(0.9, {OLMO_CORE_BETA2}))"}
+                         f"(0.9, {OLMO_CORE_BETA2}))",
+           "checkpointing_steps": "the OLMo-core command line sets (olmo_core_finetune.py checkpoints every "
+                                  "--ephemeral_save_interval steps, 250 unless given)"}
 # olmo_core_finetune.py's defaults that change what is trained and differ from ours: (its flag, ours, its value)
 DEFAULTS = (("num_epochs", "num_train_epochs", "3"), ("learning_rate", "learning_rate", "8e-05"),
             ("max_seq_length", "max_seq_length", "4096"), ("max_grad_norm", "clip_grad_norm", "none (no clipping)"))
@@ -116,6 +121,8 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
     if given and "adam_beta2" not in config.explicit:  # its SkipStepAdamWConfig(betas=(0.9, 0.95)), no flag there
         t.changes.setdefault("train", {})["adam_beta2"] = OLMO_CORE_BETA2
         t.notes.append(f"OLMo-core SFT's AdamW has betas (0.9, {OLMO_CORE_BETA2}): --adam_beta2 {OLMO_CORE_BETA2}")
+    if given and "checkpointing_steps" not in config.explicit:
+        _checkpoint_as_olmo_core(t, oc)
     if attention is not None:
         t.changes.setdefault("model", {})["attn_implementation"] = attention
         t.notes.append(f"--attn_implementation {config.model.attn_implementation} (OLMo-core's name) = {attention}")
@@ -126,6 +133,21 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
     implied = {**result.implied, **{name: IMPLIED[name] for name in added if name in IMPLIED and given}}
     return (dataclasses.replace(result, explicit=result.explicit | added, implied=implied), oi,
             refusals(config, given))
+
+
+def _checkpoint_as_olmo_core(t: Translation, oc: OlmoCoreArguments) -> None:
+    """OLMo-core SFT keeps a checkpoint every 500 steps (its --checkpointing_steps default) and writes one every
+    --ephemeral_save_interval steps between (250 unless given; 0 or less: none), each deleted when the next is written:
+    a run of its command line killed after step 250 resumes there. The same command line here checkpoints at the
+    shorter of the two (the newest --keep_last_n_checkpoints kept) rather than only when preempted (our default), so a
+    kill -9 loses what it lost there."""
+    ephemeral = oc.ephemeral_save_interval if oc.ephemeral_save_interval is not None else OLMO_CORE_EPHEMERAL
+    every = ephemeral if 0 < ephemeral < OLMO_CORE_SAVE_INTERVAL else OLMO_CORE_SAVE_INTERVAL
+    t.changes.setdefault("checkpoint", {})["checkpointing_steps"] = str(every)
+    because = ("its --ephemeral_save_interval" + ("" if oc.ephemeral_save_interval is not None else " default")
+               if every == ephemeral else "its --checkpointing_steps default")
+    t.notes.append(f"OLMo-core SFT checkpoints every {every} steps ({because}): --checkpointing_steps {every}, the "
+                   "newest --keep_last_n_checkpoints kept (give --checkpointing_steps to choose)")
 
 
 def refusals(config: Any, given: list[str]) -> list[str]:

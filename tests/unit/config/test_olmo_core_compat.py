@@ -49,6 +49,8 @@ PACKING = ("OLMo-core SFT packs examples into --max_seq_length sequences, --per_
            "micro-batch: --packing (a micro-batch of at most --max_tokens_per_batch, default "
            "per_device_train_batch_size × max_seq_length, tokens)")
 BETAS = "OLMo-core SFT's AdamW has betas (0.9, 0.95): --adam_beta2 0.95"
+CHECKPOINTS = ("OLMo-core SFT checkpoints every 250 steps (its --ephemeral_save_interval default): --checkpointing_steps "
+               "250, the newest --keep_last_n_checkpoints kept (give --checkpointing_steps to choose)")
 OPTIMIZER = ("OLMo-core SFT's AdamW skips a step whose loss or gradient norm spikes (SkipStepAdamW); open_sft's takes "
              "every step (--clip_grad_norm bounds a spike)")
 
@@ -82,8 +84,12 @@ def test_the_olmo_core_debug_script_means_the_same() -> None:
     # its per_device_train_batch_size 1 is one packed 1024-token sequence, not one example
     assert (config.train.packing, config.train.max_tokens_per_batch, config.train.per_device_train_batch_size) == \
         (True, None, 1)  # None: per_device_train_batch_size × max_seq_length = 1024 tokens
-    assert config.notes == (PACKING, BETAS, "OLMo-core SFT flags accepted and ignored: --ephemeral_save_interval "
-                                            "(checkpoints are --checkpointing_steps; a run resumes from the newest)")
+    # it checkpoints every 100 steps there (--ephemeral_save_interval 100): so does the same command line here
+    assert config.notes == (PACKING, BETAS, "OLMo-core SFT checkpoints every 100 steps (its --ephemeral_save_interval"
+                                            "): --checkpointing_steps 100, the newest --keep_last_n_checkpoints kept "
+                                            "(give --checkpointing_steps to choose)")
+    assert (config.checkpoint.checkpointing_steps, config.checkpoint.keep_last_n_checkpoints) == ("100", 3)
+    assert "checkpointing_steps" in config.explicit and "checkpointing_steps" in config.implied
     assert (config.train.adam_beta1, config.train.adam_beta2, config.train.adam_epsilon) == (0.9, 0.95, 1e-8)
     # olmo_core_finetune.py does not clip unless told; open_sft clips at 1.0: said, as the one default left out
     assert config.warnings == (
@@ -91,6 +97,28 @@ def test_the_olmo_core_debug_script_means_the_same() -> None:
         "OLMo-core SFT flags (--num_epochs, --mixer_list, --compile_model, --ephemeral_save_interval) given, but not "
         "--max_grad_norm: olmo_core_finetune.py's defaults for those are none (no clipping); open_sft's are "
         "--clip_grad_norm 1.0. Give them to train as that command line did there",)
+
+
+@pytest.mark.parametrize("flags, every, because", [
+    ("", "250", "its --ephemeral_save_interval default"),
+    ("--ephemeral_save_interval 40", "40", "its --ephemeral_save_interval"),
+    ("--ephemeral_save_interval -1", "500", "its --checkpointing_steps default"),  # non-positive: no ephemeral ones
+    ("--ephemeral_save_interval 0", "500", "its --checkpointing_steps default"),
+    ("--ephemeral_save_interval 800", "500", "its --checkpointing_steps default"),  # the kept ones come first
+])
+def test_an_olmo_core_command_line_checkpoints_as_it_did_there(flags, every, because) -> None:
+    """olmo_core_finetune.py keeps a checkpoint every 500 steps and writes an ephemeral one every 250 (unless told):
+    its command line killed after step 250 resumed there. Here the same command line had no checkpoints (ours only
+    when preempted), so a kill -9 restarted it from step 0; it checkpoints at the shorter interval now."""
+    config = parse_config(f"--model_name_or_path m --mixer_list d.jsonl 1.0 {flags}".split())
+    assert config.checkpoint.checkpointing_steps == every
+    assert f"OLMo-core SFT checkpoints every {every} steps ({because}): --checkpointing_steps {every}" in "".join(
+        config.notes)
+    given = parse_config(f"--model_name_or_path m --mixer_list d.jsonl 1.0 {flags} --checkpointing_steps 7".split())
+    assert given.checkpoint.checkpointing_steps == "7"  # given: it chooses
+    assert not any("checkpoints every" in note for note in given.notes)
+    plain = parse_config("--model_name_or_path m --dataset_mixer_list d.jsonl 1.0".split())
+    assert plain.checkpoint.checkpointing_steps is None  # finetune.py's command lines: as before
 
 
 def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
@@ -132,9 +160,9 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
     (["--activation_memory_budget", "1.0"], lambda c: c.model.gradient_checkpointing is False),
     (["--activation_memory_budget", "0.5"], lambda c: c.model.gradient_checkpointing is True),
     (["--num_epochs", "3", "--learning_rate", "8e-5", "--max_seq_length", "4096", "--max_grad_norm", "1"],
-     lambda c: c.warnings == (OPTIMIZER,) and c.notes == (PACKING, BETAS)),
+     lambda c: c.warnings == (OPTIMIZER,) and c.notes == (PACKING, BETAS, CHECKPOINTS)),
     (["--num_epochs", "1", "--packing", "false", "--adam_beta2", "0.98"],
-     lambda c: (c.train.packing, c.train.adam_beta2, c.notes) == (False, 0.98, ())),  # given flags win
+     lambda c: (c.train.packing, c.train.adam_beta2, c.notes) == (False, 0.98, (CHECKPOINTS,))),  # given flags win
     (["--num_epochs", "1", "--adam_beta2", "0.999"], lambda c: c.train.adam_beta2 == 0.999 and BETAS not in c.notes),
     (["--num_epochs", "1"], lambda c: c.train.adam_beta2 == 0.95 and "adam_beta2" in c.explicit),
     (["--cache_mode", "local"], lambda c: c.warnings[1:] == (
