@@ -69,5 +69,6 @@ changed."""
 # default, Optional[X] (typed X) or `,optional` in any spacing is not required, and row_template_kwargs counts only
 # rows whose variables differ from the source's; 41: a content's trace block is the template's own only where the
 # message gives no trace apart (Magistral's [THINK]c[/THINK][THINK]a[/THINK]b is counted again); 42: an xLAM
-# parameter typed `X | None`, `None | X` or `X, optional, default=...` is typed X and not required
-CACHE_FORMAT_VERSION = 42
+# parameter typed `X | None`, `None | X` or `X, optional, default=...` is typed X and not required; 43: a fraction f of
+# a source's n rows takes floor(f × n) of them, as open-instruct (round() took one more where the rest was ≥ a half)
+CACHE_FORMAT_VERSION = 43

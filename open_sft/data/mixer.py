@@ -9,6 +9,7 @@ import math
 import random
 import re
 from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import PurePath
 from typing import Any
 
@@ -22,7 +23,7 @@ from open_sft.errors import UserError
 def select_indices(spec: SourceSpec, n_rows: int, seed: int) -> list[int]:
     """Row indices of a source with n_rows rows that the mixture takes, in a seeded order.
 
-    A fraction f takes floor(f) whole copies plus a seeded sample of round((f - floor(f)) * n) rows;
+    A fraction f takes floor(f × n) rows, as open-instruct: floor(f) whole copies plus a seeded sample of the rest;
     a count c takes a seeded sample of c distinct rows, and above the source's size (as open-instruct
     does) c // n whole copies plus a seeded sample of c % n rows.
     """
@@ -42,7 +43,7 @@ def _draw(spec: SourceSpec, n_rows: int, seed: int) -> tuple[int, list[int]]:
     rng = random.Random(f"{seed}:{spec.draw_key}:{spec.split}")
     if spec.is_fraction:
         whole = math.floor(spec.amount)
-        rest = round((spec.amount - whole) * n_rows)
+        rest = _fraction_rows(spec.amount, n_rows) - whole * n_rows
         if not (whole and n_rows) and not rest:
             raise UserError(
                 f"--dataset_mixer_list: {spec.amount} of {spec.name} ({n_rows} rows) selects no rows; raise the amount"
@@ -53,6 +54,12 @@ def _draw(spec: SourceSpec, n_rows: int, seed: int) -> tuple[int, list[int]]:
         raise UserError(f"--dataset_mixer_list: {spec.name} has no usable rows to take {count} from")
     whole, rest = divmod(count, n_rows)
     return whole, sorted(rng.sample(range(n_rows), rest))
+
+
+def _fraction_rows(amount: float, n_rows: int) -> int:
+    """The rows a fraction of a source takes, open-instruct's int(f × n) (0.5 of 7 rows: 3; 1.5 of 3: 4), computed on
+    the decimal the user wrote (its shortest repr), so that 0.29 of 100 rows is 29, where float's 28.999... gave 28."""
+    return math.floor(Fraction(repr(amount)) * n_rows)
 
 
 def select_by_tokens(spec: SourceSpec, lengths: list[int], seed: int) -> list[int]:

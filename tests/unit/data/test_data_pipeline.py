@@ -328,6 +328,19 @@ def test_on_bad_row_drop_counts_reasons(tokenizer, tmp_path) -> None:
     assert reports[0].rows_in == 7 and reports[0].rows_kept == 2
 
 
+@pytest.mark.parametrize("amount, n_rows, taken", [
+    (0.5, 7, 3), (1.5, 3, 4), (0.5, 10, 5), (0.29, 100, 29), (2.25, 8, 18), (0.7, 10, 7), (1.0, 9, 9), (0.999, 1000, 999),
+    (0.15, 10, 1), (2.5, 5, 12)])
+def test_a_fraction_takes_the_rows_open_instruct_takes(amount, n_rows, taken) -> None:
+    """open-instruct takes int(f × n) rows of a fraction f of n rows; round() took one more wherever the rest was a half
+    or above (0.5 of 7: 4 rows, 1.5 of 3: 5, 0.15 of 10: 2), so the same command line trained other rows. Counted on
+    the decimal as written: 0.29 of 100 is 29 (float's 0.29 × 100 is 28.999..., which int() takes to 28)."""
+    indices = select_indices(SourceSpec("a.jsonl", amount, True, "train"), n_rows, seed=1)
+    assert len(indices) == taken
+    copies = Counter(indices)
+    assert set(copies) <= set(range(n_rows)) and max(copies.values()) - min(copies.values()) <= 1
+
+
 def test_mixer_amounts() -> None:
     specs = parse_mixer_list(["a.jsonl", "0.5", "b.jsonl", "3", "c.jsonl", "2.25"], ["train"])
     assert [(s.amount, s.is_fraction) for s in specs] == [(0.5, True), (3, False), (2.25, True)]
