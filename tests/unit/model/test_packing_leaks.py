@@ -287,3 +287,45 @@ def test_a_family_that_scales_its_embeddings_in_place_is_checked() -> None:
     model = AutoModelForCausalLM.from_config(config)
     assert packing_dependence(model) == 0.0
     assert "keeps packed examples apart" in check_packing(model)
+
+
+def test_an_expert_choice_flipped_by_half_precision_rounding_is_judged_in_fp32() -> None:
+    """A tiny Phi-3.5-MoE that keeps packed examples apart (no dependence; 2e-7 moved in fp32) was refused under bf16
+    autocast on AVX-512 BF16: the packed row's bf16 kernels round otherwise than the example's alone, and its router's
+    threshold on experts (sparsemixer's) turned that into 5.7e-2 on two tokens, over half precision's 2e-2 (on AVX2
+    the two round alike: 2e-7). Past that tolerance, with no dependence, the move is measured again in fp32 and
+    judged there. The refusal it replaces needs that CPU kind; the next test holds the logic to it on any."""
+    from open_sft.model.packing_check import RTOL_HALF
+
+    config = AutoConfig.for_model("phimoe", **{**SMALL, "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                                               "num_hidden_layers": 6, "num_attention_heads": 4, "head_dim": 32,
+                                               "num_local_experts": 8, "num_experts_per_tok": 2})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    packed_attention.install(model)
+    assert packing_leak(model) < RTOL[torch.float32]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half, dependence = packing_leak(model), packing_dependence(model)
+    assert dependence == 0.0
+    note = check_packing(model, torch.bfloat16)
+    assert "keeps packed examples apart" in note, note
+    assert (f"in fp32: half precision's rounding moved them by {half:.1e}: " in note) == (half > RTOL_HALF), note
+
+
+def test_past_half_precisions_tolerance_the_fp32_move_decides(monkeypatch) -> None:
+    """The half-precision probe stood in for by one that moves OLMo-3's hidden states by 5e-2 under autocast: the
+    check passes where fp32 finds them kept apart, and refuses a move fp32 finds too (1e-3: positions not taken from
+    position_ids, say, which no gradient shows), with the fp32 number named."""
+    from open_sft.model import packing_check
+
+    real = packing_check.packing_leak
+    for fp32_move, kept_apart in ((None, True), (1e-3, False)):
+        monkeypatch.setattr(packing_check, "packing_leak", lambda model: 5e-2 if torch.is_autocast_enabled("cpu") else (
+            real(model) if fp32_move is None else fp32_move))
+        if kept_apart:
+            note = check_packing(tiny("olmo3"), torch.bfloat16)
+            assert "in fp32: half precision's rounding moved them by 5.0e-02: " in note, note
+            assert note.endswith("dependence 0.0e+00)") and float(note.split(": ")[-1].split(",")[0]) < 1e-4, note
+        else:
+            with pytest.raises(UserError, match=r"hidden states moved by 1\.00e-03 \(relative\)"):
+                check_packing(tiny("olmo3"), torch.bfloat16)
