@@ -467,7 +467,8 @@ def test_a_flag_that_sets_no_setting_but_implies_some_is_another_command(tmp_pat
             completion.already_complete(launch(tmp_path, *olmo_core))
     olmo_core = launch(tmp_path, "--wandb_project", "p")
     completion.mark_complete(tmp_path, 4, 1.0, olmo_core)
-    assert json.loads((tmp_path / "RUN_COMPLETE").read_text())["implied"] == ["adam_beta2", "packing"]
+    assert json.loads((tmp_path / "RUN_COMPLETE").read_text())["implied"] == ["adam_beta2", "checkpointing_steps",
+                                                                            "packing"]
     assert completion.already_complete(olmo_core).endswith("nothing to train. To train again from scratch pass "
                                                            "--overwrite_output_dir (the earlier checkpoints are "
                                                            "moved aside), or choose another --output_dir")
