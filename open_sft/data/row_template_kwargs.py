@@ -12,11 +12,23 @@ from open_sft.data.row_error import RowError
 
 COLUMN = "chat_template_kwargs"
 
+def _apply_chat_template_arguments() -> frozenset[str]:
+    """The installed transformers' apply_chat_template arguments (5.25 added sanitize_control_tokens): a variable of
+    such a name would be taken as the argument, not handed to the template, and rendered otherwise by the compiled
+    renderer than by apply_chat_template."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+
+
 # apply_chat_template's own arguments, and what every render is given: not template variables to set
 RESERVED_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
     "chat_template", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
-    "return_tensors", "tokenizer_kwargs"})
+    "return_tensors", "tokenizer_kwargs"}) | _apply_chat_template_arguments()
 
 
 def row_template_kwargs(row: dict[str, Any]) -> Optional[dict]:
@@ -39,8 +51,9 @@ def row_template_kwargs(row: dict[str, Any]) -> Optional[dict]:
                        "bad_template_kwargs")
     reserved = sorted(set(value) & RESERVED_KWARGS)
     if reserved:
-        raise RowError(f"{COLUMN!r} sets {', '.join(reserved)}, which open_sft passes itself (the row's messages and "
-                       "tools, the generation prompt); give those as the row's columns and remove them here",
+        raise RowError(f"{COLUMN!r} sets {', '.join(reserved)}: apply_chat_template's own arguments, not template "
+                       "variables (open_sft passes the row's messages and tools and the generation prompt itself); give "
+                       "those as the row's columns and remove them here",
                        "bad_template_kwargs")
     kwargs = {key: item for key, item in value.items() if item is not None}
     try:

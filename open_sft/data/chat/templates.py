@@ -189,8 +189,9 @@ def template_kwargs_problems(value: Optional[str]) -> list[str]:
                 "'{\"enable_thinking\": false}'"]
     reserved = sorted(set(kwargs) & RESERVED_KWARGS)
     if reserved:
-        return [f"--chat_template_kwargs sets {', '.join(reserved)}, which open_sft passes itself (the row's "
-                "messages and tools, the generation prompt); remove them"]
+        return [f"--chat_template_kwargs sets {', '.join(reserved)}: apply_chat_template's own arguments, not "
+                "template variables (open_sft passes the row's messages and tools and the generation prompt itself); "
+                "remove them"]
     return []
 
 

@@ -217,7 +217,10 @@ def test_chat_template_kwargs_from_a_flag_or_a_yaml_mapping_and_bad_ones_named(t
     assert chat_options(parse_config(BASE).data) == DEFAULT_OPTIONS
     for value, message in [("{enable_thinking: false}", "--chat_template_kwargs '{enable_thinking: false}' is not JSON"),
                            ("[1]", "--chat_template_kwargs '[1]': give a JSON object of template variables"),
-                           ('{"tools": []}', "--chat_template_kwargs sets tools, which open_sft passes itself")]:
+                           ('{"tools": []}', "--chat_template_kwargs sets tools: apply_chat_template's own arguments"),
+                           # transformers 5.25's own argument: taken as the argument, every row refused at render
+                           ('{"sanitize_control_tokens": true}',
+                            "--chat_template_kwargs sets sanitize_control_tokens: apply_chat_template's own")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(BASE + ["--chat_template_kwargs", value])
     with pytest.raises(ConfigError, match="reasoning_loss"):

@@ -49,7 +49,9 @@ def test_each_row_renders_with_its_own_template_variables(smollm3, tmp_path) -> 
 def test_a_row_whose_template_variables_are_no_object_is_a_named_bad_row(smollm3, tmp_path) -> None:
     for value, named in [(["enable_thinking"], "'chat_template_kwargs' is a list"),
                          ("enable_thinking=False", "'chat_template_kwargs' is a string but not JSON"),
-                         ({"tools": []}, "'chat_template_kwargs' sets tools, which open_sft passes itself"),
+                         ({"tools": []}, "'chat_template_kwargs' sets tools: apply_chat_template's own arguments"),
+                         ({"sanitize_control_tokens": True},
+                          "'chat_template_kwargs' sets sanitize_control_tokens: apply_chat_template's own arguments"),
                          ({"date": b"2025"}, "'chat_template_kwargs' holds a value that is not JSON")]:
         with pytest.raises(RowError, match=named) as error:
             to_messages({"messages": QUESTION, "chat_template_kwargs": value}, "messages")

@@ -89,7 +89,7 @@ def test_generate_renders_the_runs_kwargs_and_the_flag_overrides_them(tiny_model
 @pytest.mark.parametrize("value, why", [
     ("{enable_thinking: false}", "--chat_template_kwargs '{enable_thinking: false}' is not JSON"),
     ('["enable_thinking"]', "--chat_template_kwargs '[\"enable_thinking\"]': give a JSON object"),
-    ('{"tools": []}', "--chat_template_kwargs sets tools, which open_sft passes itself")])
+    ('{"tools": []}', "--chat_template_kwargs sets tools: apply_chat_template's own arguments")])
 def test_a_bad_flag_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys, value, why) -> None:
     monkeypatch.setattr(generate, "load_or_exit", lambda args: pytest.fail("a model was loaded"))
     monkeypatch.setattr(compare, "_load", lambda *args, **kwargs: pytest.fail("a model was loaded"))
