@@ -210,6 +210,7 @@ def test_a_template_that_assigns_to_a_message_attribute_names_the_statement(toke
     assert "rows.jsonl line 1: the chat template assigns to an attribute" in message
     assert "{% set message.tool_calls = … %} (line 4)" in message and "the row is fine" in message
     assert "ns.seen" not in message and "--chat_template_path" in message
+    assert "--on_bad_row" not in message  # a way on that drops every row is none
     with pytest.raises(UserError, match="template_not_jinja2 1"):
         build_examples(DataArguments(**args, on_bad_row="drop"), tokenizer, 0)
 
