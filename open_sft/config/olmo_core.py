@@ -121,7 +121,7 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
     if given and "adam_beta2" not in config.explicit:  # its SkipStepAdamWConfig(betas=(0.9, 0.95)), no flag there
         t.changes.setdefault("train", {})["adam_beta2"] = OLMO_CORE_BETA2
         t.notes.append(f"OLMo-core SFT's AdamW has betas (0.9, {OLMO_CORE_BETA2}): --adam_beta2 {OLMO_CORE_BETA2}")
-    if given and "checkpointing_steps" not in config.explicit:
+    if given:
         _checkpoint_as_olmo_core(t, oc)
     if attention is not None:
         t.changes.setdefault("model", {})["attn_implementation"] = attention
@@ -136,18 +136,29 @@ def fold(config: Any, oc: OlmoCoreArguments, oi: Any) -> tuple[Any, Any, list[st
 
 
 def _checkpoint_as_olmo_core(t: Translation, oc: OlmoCoreArguments) -> None:
-    """OLMo-core SFT keeps a checkpoint every 500 steps (its --checkpointing_steps default) and writes one every
+    """OLMo-core SFT keeps a checkpoint every --checkpointing_steps steps (500 by default) and writes one every
     --ephemeral_save_interval steps between (250 unless given; 0 or less: none), each deleted when the next is written:
     a run of its command line killed after step 250 resumes there. The same command line here checkpoints at the
     shorter of the two (the newest --keep_last_n_checkpoints kept) rather than only when preempted (our default), so a
-    kill -9 loses what it lost there."""
+    kill -9 loses what it lost there. `--checkpointing_steps epoch` (ours; OLMo-core counts steps) is kept."""
+    given = t.config.checkpoint.checkpointing_steps if t.given("checkpointing_steps") else None
+    if given is not None and not str(given).isdigit():
+        if oc.ephemeral_save_interval is not None:
+            t.notes.append(f"--ephemeral_save_interval {oc.ephemeral_save_interval} ignored: --checkpointing_steps "
+                           f"{given} chooses")
+        return
+    kept = OLMO_CORE_SAVE_INTERVAL if given is None else int(given)
     ephemeral = oc.ephemeral_save_interval if oc.ephemeral_save_interval is not None else OLMO_CORE_EPHEMERAL
-    every = ephemeral if 0 < ephemeral < OLMO_CORE_SAVE_INTERVAL else OLMO_CORE_SAVE_INTERVAL
+    every = ephemeral if 0 < ephemeral < kept else kept
+    if every == kept and given is not None:
+        return  # the one given is the shorter
     t.changes.setdefault("checkpoint", {})["checkpointing_steps"] = str(every)
     because = ("its --ephemeral_save_interval" + ("" if oc.ephemeral_save_interval is not None else " default")
                if every == ephemeral else "its --checkpointing_steps default")
-    t.notes.append(f"OLMo-core SFT checkpoints every {every} steps ({because}): --checkpointing_steps {every}, the "
-                   "newest --keep_last_n_checkpoints kept (give --checkpointing_steps to choose)")
+    t.notes.append(f"OLMo-core SFT checkpoints every {every} steps ({because}"
+                   f"{f', between those of --checkpointing_steps {given}' if given is not None else ''}): "
+                   f"--checkpointing_steps {every}, the newest --keep_last_n_checkpoints kept"
+                   f"{' (give --checkpointing_steps to choose)' if given is None else ''}")
 
 
 def refusals(config: Any, given: list[str]) -> list[str]:

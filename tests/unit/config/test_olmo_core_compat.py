@@ -115,10 +115,25 @@ def test_an_olmo_core_command_line_checkpoints_as_it_did_there(flags, every, bec
     assert f"OLMo-core SFT checkpoints every {every} steps ({because}): --checkpointing_steps {every}" in "".join(
         config.notes)
     given = parse_config(f"--model_name_or_path m --mixer_list d.jsonl 1.0 {flags} --checkpointing_steps 7".split())
-    assert given.checkpoint.checkpointing_steps == "7"  # given: it chooses
+    assert given.checkpoint.checkpointing_steps == "7"  # given and the shorter: it holds
     assert not any("checkpoints every" in note for note in given.notes)
+    epoch = parse_config(f"--model_name_or_path m --mixer_list d.jsonl 1.0 {flags} --checkpointing_steps epoch".split())
+    assert epoch.checkpoint.checkpointing_steps == "epoch"  # ours, kept
+    assert any("--ephemeral_save_interval" in note and "--checkpointing_steps epoch chooses" in note
+               for note in epoch.notes) == bool(flags)
     plain = parse_config("--model_name_or_path m --dataset_mixer_list d.jsonl 1.0".split())
     assert plain.checkpoint.checkpointing_steps is None  # finetune.py's command lines: as before
+
+
+def test_an_ephemeral_interval_under_the_checkpointing_steps_given_checkpoints_between_them() -> None:
+    """`--ephemeral_save_interval 100 --checkpointing_steps 1000` checkpoints every 100 steps there; here the given
+    --checkpointing_steps 1000 held and the interval was dropped unsaid (a kill at step 900 lost 900 steps, not 100)."""
+    for flags, every in (("--ephemeral_save_interval 100 ", "100"), ("", "250")):  # 250: its default interval
+        config = parse_config(f"--model_name_or_path m --mixer_list d.jsonl 1.0 {flags}--checkpointing_steps 1000"
+                              .split())
+        assert config.checkpoint.checkpointing_steps == every
+        assert any(note.startswith(f"OLMo-core SFT checkpoints every {every} steps (its --ephemeral_save_interval")
+                   and "between those of --checkpointing_steps 1000" in note for note in config.notes), config.notes
 
 
 def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
