@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from open_sft.errors import UserError
-from open_sft.model.anatomy import backbone_of, causal_lm_of, text_config, text_decoder_of
+from open_sft.model.anatomy import active_experts, backbone_of, causal_lm_of, text_config, text_decoder_of
 from open_sft.model.loss_parity import VERIFIED
 
 if TYPE_CHECKING:
@@ -96,13 +96,14 @@ def _in_fp32(model: nn.Module) -> Iterator[None]:
     """The model's floating-point parameters and buffers in fp32 for a probe, back in their own dtypes after (exact:
     fp32 holds every half-precision value)."""
     tensors = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
-    dtypes = [t.dtype for t in tensors]
-    for tensor in tensors:
-        tensor.data = tensor.data.float()
-    try:
+    converted = []
+    try:  # converted one by one inside: an out-of-memory part way leaves none in fp32
+        for tensor in tensors:
+            converted.append((tensor, tensor.dtype))
+            tensor.data = tensor.data.float()
         yield
     finally:
-        for tensor, dtype in zip(tensors, dtypes):
+        for tensor, dtype in converted:
             tensor.data = tensor.data.to(dtype)
 
 
@@ -206,9 +207,12 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
                 leak, dependence, dtype = packing_leak(model), packing_dependence(model), None
                 finite = packed_gradients_finite(model)
             redone = "half precision overflowed"
-        elif dtype in HALF and leak > RTOL_HALF and dependence <= DEPENDENCE_TOL:
-            with _in_fp32(model):  # the hidden states' move judged in fp32; the dependence stays the run's dtype's
-                leak, dtype, redone = packing_leak(model), None, f"half precision's rounding moved them by {leak:.1e}"
+        elif dtype in HALF and leak > RTOL_HALF and dependence <= DEPENDENCE_TOL and active_experts(model.config):
+            # a router's choice of experts, rounded otherwise: the move judged in fp32 (the dependence stays the run's
+            # dtype's). Routed models only: on a GPU fp32 takes the per-example attention, not the varlen kernel, so
+            # for a dense model this would judge another path than the one trained
+            redone = f"half precision's rounding moved them by {leak:.1e}"
+            leak, dtype = _fp32_leak(model, family, leak), None
     except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
         raise UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
                         "examples are told apart; train without --packing") from None
@@ -226,6 +230,21 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
                         "are fine); please report the model type")
     return (f"--packing: model type {family!r} keeps packed examples apart (checked at start"
             f"{f' in fp32: {redone}' if redone else ''}: {leak:.1e}, dependence {dependence:.1e})")
+
+
+def _fp32_leak(model: nn.Module, family: str, half: float) -> float:
+    """packing_leak in fp32 (the model's weights converted for the probe: twice a bf16 base's memory), or, where that
+    does not fit, the refusal with the half-precision move."""
+    try:
+        with _in_fp32(model):
+            return packing_leak(model)
+    except torch.OutOfMemoryError:
+        raise UserError(f"--packing: model type {family!r}: an example's hidden states moved by {half:.2e} (relative) "
+                        "in half precision when another was packed before it, over half precision's rounding; a "
+                        "router's choice of experts can move that much by rounding alone, but measuring it again in "
+                        "fp32 ran out of memory, so it cannot be told whether packed examples are kept apart. Train "
+                        "without --packing (padded batches keep examples apart), or check it once where the model "
+                        "fits twice (a one-process run of a few steps); please report the model type") from None
 
 
 _RECURRENT_WORDS = ("mamba", "conv", "linear_attention", "recurrent", "ssm", "rwkv", "lstm")

@@ -312,10 +312,22 @@ def test_an_expert_choice_flipped_by_half_precision_rounding_is_judged_in_fp32()
     assert (f"in fp32: half precision's rounding moved them by {half:.1e}: " in note) == (half > RTOL_HALF), note
 
 
-def test_past_half_precisions_tolerance_the_fp32_move_decides(monkeypatch) -> None:
-    """The half-precision probe stood in for by one that moves OLMo-3's hidden states by 5e-2 under autocast: the
-    check passes where fp32 finds them kept apart, and refuses a move fp32 finds too (1e-3: positions not taken from
-    position_ids, say, which no gradient shows), with the fp32 number named."""
+def tiny_phimoe() -> torch.nn.Module:
+    """A small unverified MoE (Phi-3.5-MoE) that keeps packed examples apart."""
+    config = AutoConfig.for_model("phimoe", **{**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    packed_attention.install(model)
+    return model
+
+
+def test_past_half_precisions_tolerance_the_fp32_move_decides_for_a_routed_model(monkeypatch) -> None:
+    """The half-precision probe stood in for by one that moves the hidden states by 5e-2 under autocast. A routed
+    model (Phi-3.5-MoE) passes where fp32 finds them kept apart, and is refused on a move fp32 finds too (1e-3:
+    positions not taken from position_ids, say, which no gradient shows), the fp32 number named. A dense model (OLMo-3)
+    is judged in half precision, as before: on a GPU fp32 takes the per-example attention, not the varlen kernel the
+    run trains with, so a faulty kernel would pass an fp32 re-measure. Where the fp32 copy does not fit, the refusal
+    says so, and the weights are back in their dtype."""
     from open_sft.model import packing_check
 
     real = packing_check.packing_leak
@@ -323,9 +335,22 @@ def test_past_half_precisions_tolerance_the_fp32_move_decides(monkeypatch) -> No
         monkeypatch.setattr(packing_check, "packing_leak", lambda model: 5e-2 if torch.is_autocast_enabled("cpu") else (
             real(model) if fp32_move is None else fp32_move))
         if kept_apart:
-            note = check_packing(tiny("olmo3"), torch.bfloat16)
+            note = check_packing(tiny_phimoe(), torch.bfloat16)
             assert "in fp32: half precision's rounding moved them by 5.0e-02: " in note, note
             assert note.endswith("dependence 0.0e+00)") and float(note.split(": ")[-1].split(",")[0]) < 1e-4, note
+            with pytest.raises(UserError, match=r"hidden states moved by 5\.00e-02 \(relative\)"):
+                check_packing(tiny("olmo3"), torch.bfloat16)  # dense: half precision's move stands
         else:
             with pytest.raises(UserError, match=r"hidden states moved by 1\.00e-03 \(relative\)"):
-                check_packing(tiny("olmo3"), torch.bfloat16)
+                check_packing(tiny_phimoe(), torch.bfloat16)
+
+    def out_of_memory(model):
+        if torch.is_autocast_enabled("cpu"):
+            return 5e-2
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(packing_check, "packing_leak", out_of_memory)
+    model = tiny_phimoe().to(torch.bfloat16)
+    with pytest.raises(UserError, match=r"moved by 5\.00e-02 .* measuring it again in fp32 ran out of memory, so it "
+                                        r"cannot be told"):
+        check_packing(model, torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
