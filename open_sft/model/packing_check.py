@@ -248,13 +248,20 @@ def _fp32_leak(model: nn.Module, family: str, half: float) -> float:
 
 
 _RECURRENT_WORDS = ("mamba", "conv", "linear_attention", "recurrent", "ssm", "rwkv", "lstm")
+# in a model type or a layer's class name (remote code: RWKV-5/6/7's rwkv5..7, an Rwkv7Attention block), which layer
+# types and Conv1d modules do not show
+_RECURRENT_NAMES = ("mamba", "rwkv", "recurrent", "lstm", "ssm", "hyena", "retnet")
 
 
 def recurrent_layers(model: nn.Module) -> Optional[str]:
     """What marks a recurrent layer in the text model, by structure alone (it holds under ZeRO-3's partitioning):
     its config's layer types (`layer_types`, `layers_block_type`, `block_types`) naming a Mamba, convolution,
-    linear-attention or recurrent layer, or an nn.Conv1d module (a short causal convolution); None without."""
+    linear-attention or recurrent layer, an nn.Conv1d module (a short causal convolution), or a model type or layer
+    class named for one (RWKV, Mamba, an SSM, ...); None without."""
     config = text_config(model.config)
+    family = str(getattr(model.config, "model_type", "")).lower()
+    if any(word in family for word in _RECURRENT_NAMES):
+        return f"its model type {family!r} names a recurrent layer"
     for key in ("layer_types", "layers_block_type", "block_types"):
         kinds = getattr(config, key, None)
         named = sorted({k for k in kinds if any(w in str(k).lower() for w in _RECURRENT_WORDS)}) if isinstance(
@@ -264,6 +271,8 @@ def recurrent_layers(model: nn.Module) -> Optional[str]:
     for name, module in text_decoder_of(causal_lm_of(model)).named_modules():
         if isinstance(module, nn.Conv1d):
             return f"its layer {name} is a convolution"
+        if any(word in type(module).__name__.lower() for word in _RECURRENT_NAMES):
+            return f"its {f'layer {name}' if name else 'decoder'} is a {type(module).__name__}"
     return None
 
 

@@ -261,7 +261,7 @@ def test_every_family_whose_modeling_code_holds_a_recurrent_state_is_refused_by_
     assert found - set(LEAKS) == set(), sorted(found - set(LEAKS))
 
 
-@pytest.mark.parametrize("family", ["lfm2", "nemotron_h", "qwen3_next", "mamba"])
+@pytest.mark.parametrize("family", ["lfm2", "nemotron_h", "qwen3_next", "mamba", "rwkv"])
 def test_a_recurrent_family_not_named_is_refused_by_structure_when_partitioned(family, monkeypatch) -> None:
     """A recurrent family not in LEAKS (a new one) under ZeRO-3/FSDP, where the check cannot run: it trained leaking
     after a warning. Its layer types or convolution modules say it is recurrent, and it is refused; an attention
@@ -276,6 +276,30 @@ def test_a_recurrent_family_not_named_is_refused_by_structure_when_partitioned(f
                 check_packing(model)
         else:
             assert check_packing(model) is None
+
+
+def test_remote_code_rwkv_is_refused_by_its_names_when_partitioned(monkeypatch) -> None:
+    """RWKV-5/6/7 as remote code (model types rwkv5..rwkv7, in no list) have no layer types and no nn.Conv1d: under
+    ZeRO-3/FSDP they were only warned about and trained with each packed example reading the state of the one before.
+    The model type, or a layer's class, naming a recurrent layer refuses them."""
+    model = tiny("rwkv")
+    for param in model.parameters():
+        param.ds_numel = param.numel()
+    monkeypatch.setattr(type(model.config), "model_type", "rwkv7")
+    with pytest.raises(UserError, match=r"model type 'rwkv7' lets packed examples see each other \(its model type "
+                                        r"'rwkv7' names a recurrent layer"):
+        check_packing(model)
+    monkeypatch.setattr(type(model.config), "model_type", "my_lm")  # a generic name: its classes tell
+    with pytest.raises(UserError, match=r"its decoder is a RwkvModel"):
+        check_packing(model)
+
+
+def test_no_attention_family_is_taken_for_recurrent_by_its_names() -> None:
+    """The names looked for do not refuse the attention families open_sft verified."""
+    from open_sft.model.packing_check import recurrent_layers
+
+    for family in ("olmo3", "llama", "qwen3_moe", "gemma3_text", "phimoe"):
+        assert recurrent_layers(tiny(family) if family != "phimoe" else tiny_phimoe()) is None, family
 
 
 def test_a_family_that_scales_its_embeddings_in_place_is_checked() -> None:
