@@ -253,8 +253,9 @@ def dropout_in(model: torch.nn.Module) -> list[str]:
 
 def _sub_configs(config: Any) -> list[str]:
     """The names of a text config's own sub-configs (DBRX's and MPT's attn_config and ffn_config), as transformers
-    declares them or, in remote code (MPT's), as plain dicts named *_config; not a tower's or quantization's."""
+    declares them or, in remote code (MPT's), as plain dicts named *_config; not a tower's, an image tokenizer's
+    (Chameleon's vq_config) or quantization's."""
     declared = list(getattr(config, "sub_configs", None) or {})
     plain = [name for name, value in vars(config).items() if name.endswith("_config") and isinstance(value, dict)]
     return sorted({name for name in declared + plain if not any(
-        word in name for word in ("vision", "audio", "speech", "quantization"))})
+        word in name for word in ("vision", "audio", "speech", "quantization", "vq"))})  # vq: an image tokenizer's

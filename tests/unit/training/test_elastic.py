@@ -299,3 +299,5 @@ def test_dropout_a_config_gives_in_a_sub_config_or_as_pdrop_is_said() -> None:
     assert dropout_in(dbrx) == ["attn_config.attn_pdrop 0.2", "emb_pdrop 0.05", "resid_pdrop 0.1"]
     quiet.config.attn_config = {"attn_pdrop": 0.3, "attn_impl": "torch"}
     assert dropout_in(quiet) == ["attn_config.attn_pdrop 0.3"]
+    quiet.config.vq_config = {"dropout": 0.1}  # an image tokenizer's (Chameleon's), not the text path's
+    assert dropout_in(quiet) == ["attn_config.attn_pdrop 0.3"]
