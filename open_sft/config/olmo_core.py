@@ -75,7 +75,8 @@ RENAMES = {  # OLMo-core flag → (config section, our flag)
     "max_grad_norm": ("train", "clip_grad_norm"), "compile_model": ("model", "torch_compile"),
     "wandb_project": ("train", "wandb_project_name"), "cp_degree": ("train", "sequence_parallel_size"),
 }
-IGNORED = ("cp_strategy", "activation_checkpointing_modules", "data_loader_seed", "save_async", "cache_mode", "config_hash", "loss_implementation", "wandb_group_name")
+IGNORED = ("cp_strategy", "activation_checkpointing_modules", "data_loader_seed", "save_async", "cache_mode",
+           "config_hash", "loss_implementation", "wandb_group_name")
 ROPE = ("rope_scaling_factor", "rope_scaling_beta_fast", "rope_scaling_beta_slow", "rope_scaling_old_context_len")
 ATTENTION = {"flash_2": "flash_attention_2", "flash": "flash_attention_2", "torch": "sdpa", "te": "sdpa",  # OLMo-core's
              "flash_3": "auto", "flash_4": "auto"}  # (the same attention; auto: FlashAttention 2 where installed)

@@ -12,6 +12,7 @@ from open_sft.data.row_error import RowError
 
 COLUMN = "chat_template_kwargs"
 
+
 def _apply_chat_template_arguments() -> frozenset[str]:
     """The installed transformers' apply_chat_template arguments (5.25 added sanitize_control_tokens): a variable of
     such a name would be taken as the argument, not handed to the template, and rendered otherwise by the compiled
@@ -21,10 +22,12 @@ def _apply_chat_template_arguments() -> frozenset[str]:
     from transformers import PreTrainedTokenizerBase
 
     parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters.values()
-    return frozenset(p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+    return frozenset(p.name for p in parameters
+                     if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
 
 
-# apply_chat_template's own arguments, and what every render is given: not template variables to set
+# apply_chat_template's own arguments, and what every render is given: not template variables to set (the names
+# written here hold whatever the installed transformers' signature says; `messages` is what templates read)
 RESERVED_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize",
     "chat_template", "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
@@ -52,8 +55,8 @@ def row_template_kwargs(row: dict[str, Any]) -> Optional[dict]:
     reserved = sorted(set(value) & RESERVED_KWARGS)
     if reserved:
         raise RowError(f"{COLUMN!r} sets {', '.join(reserved)}: apply_chat_template's own arguments, not template "
-                       "variables (open_sft passes the row's messages and tools and the generation prompt itself); give "
-                       "those as the row's columns and remove them here",
+                       "variables (open_sft passes the row's messages and tools and the generation prompt itself); "
+                       "give those as the row's columns and remove them here",
                        "bad_template_kwargs")
     kwargs = {key: item for key, item in value.items() if item is not None}
     try:
