@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.data.compressed import COMPRESSIONS, compression, data_suffix
+from open_sft.data.damaged_files import damaged_file, failed_reading
 from open_sft.data.formats import without_arrow_fill
 from open_sft.data.local_files import holds_json_lines, read_json, read_jsonl, text_blocks
 from open_sft.errors import UserError
@@ -182,6 +183,10 @@ def _load_hub(spec: SourceSpec, where: str) -> Any:
                             f"network: `hf download {spec.name} --repo-type dataset --local-dir DIR`, then "
                             "--dataset_mixer_list DIR AMOUNT); or unset HF_HUB_OFFLINE where the Hub can be "
                             "reached. If it is meant to be a local path, check it") from exc
+        damaged = damaged_file(Path(where)) if Path(where).is_dir() and failed_reading(exc) else None
+        if damaged:
+            raise UserError(f"{damaged}; or move that file out of the directory {spec.name} to train on its other "
+                            "files") from exc
         hint = ("Check the split (--dataset_mixer_list_splits) and the config (--dataset_config_name); a local "
                 "directory's data files must share one set of columns (one format)" if Path(where).is_dir() else
                 "If it is meant to be a local file, check the path; if a Hub dataset, check the id, the split "

@@ -9,6 +9,7 @@ import gzip
 import json
 import lzma
 import random
+import zlib
 
 import datasets
 import pytest
@@ -195,3 +196,42 @@ def test_a_directory_of_compressed_shards_reads_all_their_rows(tmp_path) -> None
             {"id": f"{shard}-{k}", "text": f"doc {shard} {k}"}) + "\n" for k in range(3)), "gz")
     spec, = parse_mixer_list([str(tmp_path / "dolma"), "1.0"], ["train"])
     assert sorted(row["id"] for row in read_source(spec).rows) == ["0-0", "0-1", "0-2", "1-0", "1-1", "1-2"]
+
+
+def test_a_damaged_shard_of_a_directory_is_named_with_its_last_whole_line(tokenizer, tmp_path, monkeypatch) -> None:
+    """A directory of .jsonl.gz shards, one cut short: datasets' JSON loader said only "Compressed file ended before
+    the end-of-stream marker was reached". The error names the shard, the last whole line of its text (as many as
+    zlib decompresses from the cut bytes) and the fix; the build leaves no cache entry. A shard with a line that is
+    not JSON is named with that line (datasets said "JSON parse error: ... in row 12", naming no file)."""
+    from open_sft.data.prepare import prepare_data
+
+    monkeypatch.setenv("OPEN_SFT_CACHE", str(tmp_path / "cache"))
+    shards = tmp_path / "data"
+    shards.mkdir()
+    for shard in range(4):
+        text = "".join(json.dumps({"id": f"{shard}-{k}", "text": f"document {k} of shard {shard}. " * 4}) + "\n"
+                       for k in range(300))
+        write(shards / f"train-{shard:05d}.jsonl.gz", text, "gz")
+    cut = (shards / "train-00002.jsonl.gz").read_bytes()
+    cut = cut[:len(cut) // 2]
+    (shards / "train-00002.jsonl.gz").write_bytes(cut)
+    whole = zlib.decompressobj(31).decompress(cut).count(b"\n")  # the lines gzip's own decompressor gets back
+    assert 0 < whole < 300
+    args = DataArguments(dataset_mixer_list=[str(shards), "1.0"], max_seq_length=64)
+    with pytest.raises(UserError) as info:
+        prepare_data(args, tokenizer, 3)
+    assert str(info.value) == (
+        f"{shards}/train-00002.jsonl.gz: the gzip stream ends before its end (after line {whole} of its text): the "
+        "file is cut short (an interrupted download or copy); fetch it again; or move that file out of the directory "
+        f"{shards} to train on its other files")
+    assert not [path for path in (tmp_path / "cache").iterdir() if not path.name.endswith(".lock")]
+
+    lines = [json.dumps({"text": f"line {k}"}) for k in range(20)]
+    lines[11] = '{"text": "cut here'
+    write(shards / "train-00002.jsonl.gz", "\n".join(lines) + "\n", "gz")
+    spec, = parse_mixer_list([str(shards), "1.0"], ["train"])
+    with pytest.raises(UserError, match=rf"^{shards}/train-00002\.jsonl\.gz line 12: not valid JSON \(Unterminated "
+                                        r"string starting at column 10\); each line must be one JSON object; datasets' "
+                                        r"JSON loader, .* stops there \(--on_bad_row drop cannot skip it\): fix or "
+                                        r"remove that line; or move that file out of the directory"):
+        read_source(spec)

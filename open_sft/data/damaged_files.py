@@ -1,0 +1,76 @@
+"""The damaged file of a data directory that `datasets` failed to read. A directory of JSON Lines shards (Dolma's
+`.json.gz`) goes to datasets' JSON loader, whose error for a cut-short archive or a line that is not JSON names
+neither the file nor the line ("Compressed file ended before the end-of-stream marker was reached", "JSON parse
+error ... in row 50"). After such a failure the directory's files are read here, in the order datasets reads them,
+a block at a time, until one fails: its error names the file, the line and the fix. Nothing is read while the load
+succeeds.
+"""
+
+from __future__ import annotations
+
+import lzma
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Optional
+
+from open_sft.data.compressed import compression, data_suffix
+from open_sft.data.local_files import holds_json_lines, line_chunks, parse_json_line, read_json, text_blocks
+from open_sft.data.row_error import RowError
+from open_sft.errors import UserError
+
+READ_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError, UnicodeDecodeError, ValueError)
+# ValueError: pyarrow's ArrowInvalid ("JSON parse error") and json's JSONDecodeError; zstandard's by name
+READ_ERROR_NAMES = frozenset({"ZstdError"})
+
+
+def failed_reading(exc: BaseException) -> bool:
+    """Whether `exc` (datasets' error) or one behind it is a file that could not be read: a damaged or cut-short
+    archive, text that is not UTF-8, a line that is not JSON (not a split or config asked for that is not there)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, READ_ERRORS) or type(exc).__name__ in READ_ERROR_NAMES:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def damaged_file(directory: Path) -> Optional[str]:
+    """What is wrong with the first data file under `directory` that cannot be read, None when each reads: a cut-short
+    or damaged archive (with the lines of its text before the damage), text that is not UTF-8, a JSON Lines line
+    that is not a JSON object, a JSON document that does not parse."""
+    for path in data_files(directory):
+        try:
+            _read_through(path)
+        except UserError as exc:
+            return str(exc)
+    return None
+
+
+def data_files(directory: Path) -> Iterator[Path]:
+    """The JSON, JSON Lines and text files under `directory` (compressed or not), sorted, as datasets lists them:
+    without hidden files and those under a hidden or `__` directory, which it leaves out."""
+    for path in sorted(directory.rglob("*")):
+        parts = path.relative_to(directory).parts
+        if path.is_file() and not any(part.startswith((".", "__")) for part in parts) and (
+                data_suffix(path) in (".jsonl", ".json", ".txt") or compression(path)):
+            yield path
+
+
+def _read_through(path: Path) -> None:
+    """Read `path` to its end as its format says, raising UserError at the first thing that cannot be read."""
+    if data_suffix(path) not in (".jsonl", ".json"):
+        for _ in text_blocks(path, rows=1 << 14):  # decompressed and decoded, a block at a time
+            pass
+    elif holds_json_lines(path):
+        for lines, numbers in line_chunks(path, rows=1 << 14):
+            for line, number in zip(lines, numbers):
+                try:
+                    parse_json_line(line)
+                except RowError as exc:
+                    raise UserError(f"{path} line {number}: {exc}; datasets' JSON loader, which reads a directory's "
+                                    "files, stops there (--on_bad_row drop cannot skip it): fix or remove that line"
+                                    ) from None
+    else:
+        read_json(path)
