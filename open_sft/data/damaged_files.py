@@ -3,7 +3,9 @@
 neither the file nor the line ("Compressed file ended before the end-of-stream marker was reached", "JSON parse
 error ... in row 50"). After such a failure the directory's files are read here, in the order datasets reads them,
 a block at a time, until one fails: its error names the file, the line and the fix. Nothing is read while the load
-succeeds.
+succeeds. A Zstandard shard cut short is not even an error there (zstandard's stream reader, which datasets reads
+.zst files with, takes the text before the cut for the whole file: a shard cut inside its one frame gave no row):
+a directory's .zst files are walked frame by frame and block by block from their headers before it is loaded.
 """
 
 from __future__ import annotations
@@ -46,6 +48,57 @@ def damaged_file(directory: Path) -> Optional[str]:
         except UserError as exc:
             return str(exc)
     return None
+
+
+def cut_short_zstd(directory: Path) -> Optional[str]:
+    """What is wrong with the first Zstandard file under `directory` that ends inside a frame (with the lines of its
+    text before the cut), None when none does. Only the headers are read (RFC 8878), not the compressed data."""
+    for path in data_files(directory):
+        if compression(path) == ".zst" and ends_inside_a_frame(path):
+            try:
+                _read_through(path)
+            except UserError as exc:
+                return str(exc)
+            return f"{path}: the Zstandard stream ends inside a frame: the file is cut short; fetch it again"
+    return None
+
+
+ZSTD_MAGIC, SKIPPABLE_MAGIC = 0xFD2FB528, 0x184D2A50  # a skippable frame's magic is 0x184D2A5? (any last digit)
+
+
+def ends_inside_a_frame(path: Path) -> bool:
+    """Whether a Zstandard file ends inside a frame: each frame's header, then its blocks' 3-byte headers (the last
+    block flagged), then its checksum where it has one, end to end; False for a file that is no Zstandard stream
+    (its decompressor says what it is)."""
+    size, at = path.stat().st_size, 0
+    with path.open("rb") as handle:
+        while at < size:
+            handle.seek(at)
+            head = handle.read(8)
+            magic = int.from_bytes(head[:4], "little")
+            if len(head) >= 4 and magic & 0xFFFFFFF0 == SKIPPABLE_MAGIC:
+                at += 8 + int.from_bytes(head[4:8], "little")
+                continue
+            if len(head) >= 4 and magic != ZSTD_MAGIC:
+                return False
+            if len(head) < 5:
+                return True
+            flags = head[4]  # Frame_Header_Descriptor: content size, single segment, checksum, dictionary id
+            single = flags >> 5 & 1
+            at += 5 + (1 - single) + (0, 1, 2, 4)[flags & 3] + (single, 2, 4, 8)[flags >> 6]
+            last = 0
+            while not last:
+                handle.seek(at)
+                header = handle.read(3)
+                if len(header) < 3:
+                    return True
+                block = int.from_bytes(header, "little")
+                last, kind, length = block & 1, block >> 1 & 3, block >> 3
+                at += 3 + (1 if kind == 1 else length)  # an RLE block holds its one byte
+                if at > size:
+                    return True
+            at += 4 * (flags >> 2 & 1)
+    return at > size
 
 
 def data_files(directory: Path) -> Iterator[Path]:

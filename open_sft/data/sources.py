@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from open_sft.data.compressed import COMPRESSIONS, compression, data_suffix
-from open_sft.data.damaged_files import damaged_file, failed_reading
+from open_sft.data.damaged_files import cut_short_zstd, damaged_file, failed_reading
 from open_sft.data.formats import without_arrow_fill
 from open_sft.data.local_files import holds_json_lines, read_json, read_jsonl, text_blocks
 from open_sft.errors import UserError
@@ -185,14 +185,18 @@ def _load_hub(spec: SourceSpec, where: str) -> Any:
                             "reached. If it is meant to be a local path, check it") from exc
         damaged = damaged_file(Path(where)) if Path(where).is_dir() and failed_reading(exc) else None
         if damaged:
-            raise UserError(f"{damaged}; or move that file out of the directory {spec.name} to train on its other "
-                            "files") from exc
+            raise UserError(in_directory(damaged, spec)) from exc
         hint = ("Check the split (--dataset_mixer_list_splits) and the config (--dataset_config_name); a local "
                 "directory's data files must share one set of columns (one format)" if Path(where).is_dir() else
                 "If it is meant to be a local file, check the path; if a Hub dataset, check the id, the split "
                 "(--dataset_mixer_list_splits), the config (--dataset_config_name) and network access")
         raise UserError(f"dataset {spec.name!r} (split {spec.split!r}{config}) could not be loaded: "
                         f"{_with_causes(exc).rstrip('.')}. {hint}") from exc
+
+
+def in_directory(problem: str, spec: SourceSpec) -> str:
+    """The problem of a file of the directory `spec` names, with the way on without it."""
+    return f"{problem}; or move that file out of the directory {spec.name} to train on its other files"
 
 
 def _offline_and_not_cached(exc: BaseException, where: str) -> bool:
@@ -237,6 +241,9 @@ def open_dataset(spec: SourceSpec) -> Any:
 
     path = _local_path(spec)
     if path.is_dir() and not _saved_by_datasets(path):
+        cut = cut_short_zstd(path)  # which datasets would read without a word, short of the rows after the cut
+        if cut:
+            raise UserError(in_directory(cut, spec))
         return _load_hub(spec, str(path))
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))

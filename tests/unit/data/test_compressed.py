@@ -235,3 +235,55 @@ def test_a_damaged_shard_of_a_directory_is_named_with_its_last_whole_line(tokeni
                                         r"JSON loader, .* stops there \(--on_bad_row drop cannot skip it\): fix or "
                                         r"remove that line; or move that file out of the directory"):
         read_source(spec)
+
+
+def test_a_cut_short_zstd_shard_of_a_directory_is_refused_not_read_short(tmp_path) -> None:
+    """zstandard's stream reader (datasets' for .zst) takes a file cut inside a frame for a whole one: a directory
+    whose shard was cut where its decompressed text ends with a whole line (here inside the second of two blocks)
+    trained on the 3 whole shards and that shard's first 300 of 600 rows without a word. The shards are walked
+    frame by frame from their headers before datasets reads them; the cut one is named with its last whole line."""
+    shards = tmp_path / "data"
+    shards.mkdir()
+    lines = [json.dumps({"text": f"document {k}: " + "words of it " * (k % 40)}) + "\n" for k in range(600)]
+    for shard in range(4):
+        write(shards / f"part-{shard}.jsonl.zst", "".join(lines), "zst")
+    stream = zstandard.ZstdCompressor(write_checksum=True).compressobj()
+    first = stream.compress("".join(lines[:300]).encode()) + stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    rest = stream.compress("".join(lines[300:]).encode()) + stream.flush()  # each under a block's 128 kB
+    (shards / "part-1.jsonl.zst").write_bytes(first + rest[:len(rest) // 2])
+    spec, = parse_mixer_list([str(shards), "1.0"], ["train"])
+    with pytest.raises(UserError) as info:
+        read_source(spec)
+    assert str(info.value) == (
+        f"{shards}/part-1.jsonl.zst: the Zstandard stream ends before its end (after line 300 of its text): the "
+        "file is cut short (an interrupted download or copy); fetch it again; or move that file out of the directory "
+        f"{shards} to train on its other files")
+
+
+def test_a_zstd_file_ends_inside_a_frame_wherever_it_is_cut(tmp_path) -> None:
+    """Frames with and without a checksum and content size, a skippable frame, RLE blocks, a frame of two compressed
+    blocks: whole, the walk ends at the file's end; cut anywhere but between two frames (each byte near a frame's
+    ends, every 97th elsewhere), it ends inside one."""
+    from open_sft.data.damaged_files import ends_inside_a_frame
+
+    def frames(tmp, parts: list[bytes]) -> list[int]:
+        path = tmp / "x.jsonl.zst"
+        data = b"".join(parts)
+        path.write_bytes(data)
+        assert not ends_inside_a_frame(path)
+        bounds = {sum(len(p) for p in parts[:k]) for k in range(len(parts) + 1)}
+        cut_inside = []
+        for end in (end for end in range(1, len(data)) if end % 97 == 0 or min(abs(end - b) for b in bounds) <= 16):
+            path.write_bytes(data[:end])
+            if ends_inside_a_frame(path) != (end not in bounds):
+                cut_inside.append(end)
+        return cut_inside
+
+    text = ("".join(json.dumps({"text": f"doc {k} " * 9}) + "\n" for k in range(2000))).encode()  # 178 kB: 2 blocks
+    plain = zstandard.ZstdCompressor(write_checksum=False, write_content_size=False).compress(text[:5000])
+    checked = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(text)
+    rle = zstandard.ZstdCompressor(write_checksum=True).compress(b"a" * 300_000)
+    skippable = (0x184D2A53).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"12345"
+    assert frames(tmp_path, [checked, skippable, plain, rle]) == []
+    (tmp_path / "y.jsonl.zst").write_bytes(b"not zstd at all")
+    assert not ends_inside_a_frame(tmp_path / "y.jsonl.zst")
