@@ -86,17 +86,22 @@ def content_hash(path: Path, cache_dir: Optional[Path]) -> str:
 _LOAD_ONLY_KEYS = ("local_files_only", "name_or_path", "_commit_hash", "cache_dir", "revision", "token")
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> dict[str, str]:
-    """sha256 of every file the tokenizer saves: vocabulary, merges, special tokens, chat template."""
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # where save_pretrained writes the chat template
+
+
+def tokenizer_fingerprint(tokenizer: Any, template: bool = True) -> dict[str, str]:
+    """sha256 of every file the tokenizer saves: vocabulary, merges, special tokens, chat template (without it where
+    `template` is False: a mixture of text documents, which no template renders)."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         config = Path(tmp) / "tokenizer_config.json"
         if config.exists():
             settings = json.loads(config.read_text())
-            for key in _LOAD_ONLY_KEYS:
+            for key in _LOAD_ONLY_KEYS + (() if template else ("chat_template",)):
                 settings.pop(key, None)
             config.write_text(json.dumps(settings, sort_keys=True))
-        return {p.name: sha256_file(p) for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+        return {p.name: sha256_file(p) for p in sorted(Path(tmp).iterdir())
+                if p.is_file() and (template or p.name not in TEMPLATE_FILES)}
 
 
 # The libraries whose code turns the same files and template into tokens: an upgrade may change what they make

@@ -4,6 +4,7 @@ cache_key), written beside the entry as key.json."""
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
@@ -11,8 +12,12 @@ from transformers import PreTrainedTokenizerBase
 from open_sft.config.args import DataArguments
 from open_sft.data.cache import resolve_cache_dir, tokenizer_fingerprint, tokenizing_libraries
 from open_sft.data.chat.render import DEFAULT_OPTIONS, chat_options
-from open_sft.data.sources import parse_mixer_list, source_identity
+from open_sft.data.chunks import Reader
+from open_sft.data.compressed import data_suffix
+from open_sft.data.format_detect import source_format
+from open_sft.data.sources import TEXT_SUFFIX, SourceSpec, parse_mixer_list, source_identity
 from open_sft.data.template_date import template_dates
+from open_sft.errors import UserError
 
 
 def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: int,
@@ -29,8 +34,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         later["dataset_text_field"] = args.dataset_text_field
     if args.add_bos:  # the chat template says it for chat rows; text documents take bos from the flag itself
         later["add_bos"] = True
+    documents = text_only(args, specs)  # no chat template renders them: the template is no input
     options = chat_options(args)
-    if options != DEFAULT_OPTIONS:
+    if options != DEFAULT_OPTIONS and not documents:
         later["chat_options"] = {"template_kwargs": options.template_kwargs, "reasoning_loss": options.reasoning_loss,
                                  **({"reasoning_history": options.reasoning_history}
                                     if options.reasoning_history != "template" else {})}
@@ -40,7 +46,7 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
     user_tokens = getattr(tokenizer, "open_sft_user_tokens", ())
     if user_tokens:  # --add_tokens / --add_special_tokens: their text in the data is no special text (the report)
         later["user_tokens"] = list(user_tokens)
-    dates = template_dates(tokenizer.chat_template, clock)
+    dates = None if documents else template_dates(tokenizer.chat_template, clock)
     if dates:  # Llama 3.1's "Today Date: ...": another day's examples are other tokens
         later["template_date"] = dates
     return {
@@ -58,9 +64,31 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         "dataset_format": args.dataset_format,
         "dataset_mixer_unit": args.dataset_mixer_unit,
         "on_bad_row": args.on_bad_row,
-        "tokenizer_files": tokenizer_fingerprint(tokenizer),
-        "chat_template": tokenizer.chat_template,
+        "tokenizer_files": tokenizer_fingerprint(tokenizer, template=not documents),
+        **({} if documents else {"chat_template": tokenizer.chat_template}),
         "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
         "libraries": tokenizing_libraries(),
     }
 
+
+
+def text_only(args: DataArguments, specs: list[SourceSpec]) -> bool:
+    """Whether every source is text documents, known before the build: under --dataset_format text, or each source a
+    .txt file or a JSON Lines file whose first row is a document (the build takes a source's format from that row).
+    Another kind of source (parquet, a directory, a Hub dataset, a JSON document) is loaded whole before its first
+    row is read: a mixture holding one keeps the template in its key."""
+    if args.dataset_format != "auto":
+        return args.dataset_format == "text"
+    return all(_text_file(spec, args) for spec in specs)
+
+
+def _text_file(spec: SourceSpec, args: DataArguments) -> bool:
+    path = Path(spec.name).expanduser()
+    if not path.is_file() or data_suffix(path) not in (".jsonl", ".json", TEXT_SUFFIX):
+        return False
+    try:  # a file that cannot be read is the build's to name
+        reader = Reader.open(spec)  # None: a JSON document
+        first, where = reader.first() if reader is not None else (None, "")
+        return first is not None and source_format(args, first, where) == "text"
+    except UserError:
+        return False

@@ -346,3 +346,43 @@ def test_a_launch_waiting_on_another_build_of_its_entry_says_so_and_keeps_saying
     with caplog.at_level(logging.INFO, logger="open_sft.data.cache"):
         cache.wait_for_lock(lock).close()  # free: taken at once, nothing said
     assert not caplog.records
+
+
+def test_a_text_only_mixture_is_one_entry_whatever_the_chat_template(tokenizer, tmp_path) -> None:
+    """Continual pretraining on documents: no chat template renders them (each is its tokens + eos), yet the key held
+    the template, so --chat_template_name tulu then zephyr tokenized the corpus twice into equal entries. A mixture
+    whose every source is known for documents before the build (a .txt file, JSON Lines whose first row is a
+    document, --dataset_format text) leaves the template out of its key: the other template finds the entry; a chat
+    source in the mixture, or a source read whole before its first row (parquet), keeps the template in the key."""
+    import datasets
+
+    texts = [f"document {k}: " + "some words " * (k % 7) for k in range(30)]
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("first paragraph\nof the corpus\n\nsecond paragraph\n")
+    other = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    other.chat_template = other.chat_template.replace("<|user|>", "<|user|> ")
+    cache_dir = tmp_path / "cache"
+    documents = args_for(docs, cache_dir, dataset_mixer_list=[str(docs), "1.0", str(corpus), "1.0"])
+    assert key_of(documents, tokenizer) == key_of(documents, other)
+    assert "chat_template" not in key_inputs(documents, tokenizer, 1)
+    built, found = prepare_data(documents, tokenizer, 1), prepare_data(documents, other, 1)
+    assert (built.cache_hit, found.cache_hit, found.cache_path) == (False, True, built.cache_path)
+    uncached = prepare_data(args_for(docs, cache_dir, dataset_mixer_list=documents.dataset_mixer_list,
+                                     dataset_skip_cache=True), other, 1)  # what the other template builds
+    ids = [list(row["input_ids"]) for row in built.dataset]
+    assert ids == [list(row["input_ids"]) for row in uncached.dataset]
+    eos = tokenizer.eos_token_id
+    expected = [token for text in texts for token in tokenizer(text)["input_ids"] + [eos]]
+    expected += tokenizer("first paragraph\nof the corpus")["input_ids"] + [eos] + tokenizer("second paragraph")[
+        "input_ids"] + [eos]
+    assert [token for example in ids for token in example] == expected
+
+    chat = args_for(docs, cache_dir, dataset_mixer_list=[str(docs), "1.0", str(SAMPLE), "1.0"])
+    assert key_of(chat, tokenizer) != key_of(chat, other)
+    parquet = tmp_path / "docs.parquet"
+    datasets.Dataset.from_list([{"text": text} for text in texts]).to_parquet(str(parquet))
+    assert key_of(args_for(parquet, cache_dir), tokenizer) != key_of(args_for(parquet, cache_dir), other)
+    forced = args_for(parquet, cache_dir, dataset_format="text")
+    assert key_of(forced, tokenizer) == key_of(forced, other)
