@@ -122,6 +122,7 @@ def prepare_data(job: Job) -> None:
     from open_sft.data.chat.templates import apply_chat_template_choice
     from open_sft.data.prepare import ResumedDataDiffer, prepare_run_data
     from open_sft.data.summary import report_data
+    from open_sft.model.head_bias import refuse_dropped_head_bias
     from open_sft.model.tokenizer import add_bos_to_template, load_tokenizer
     from open_sft.training.resume import changed_data_refusal, run_identity
     from open_sft.training.run_settings import settings
@@ -129,6 +130,7 @@ def prepare_data(job: Job) -> None:
     m, d, seed = job.config.model, job.config.data, job.config.train.seed
     job.tokenizer = load_tokenizer(m)
     apply_chat_template_choice(job.tokenizer, d.chat_template_name, d.chat_template_path)
+    refuse_dropped_head_bias(job.config, job.tokenizer)  # the tokens the run adds are known: before tokenizing
     warn_split_turn_closers(job.tokenizer)
     if d.add_bos:
         add_bos_to_template(job.tokenizer)

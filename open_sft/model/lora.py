@@ -123,7 +123,7 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[li
     held = parameter_targets(model)  # an MoE's fused experts and plain router weights: peft target_parameters
     targets = split_targets(model, list(args.lora_target_modules))
     rows = trainable_token_rows(model, new_ids or [])
-    _check_head_bias_kept(model, rows, new_ids or [])
+    check_head_bias_kept(model, rows, new_ids or [])
     try:
         dropout = None
         if not dropout_given and args.lora_dropout and targets[1]:
@@ -175,7 +175,7 @@ def peft_drops_head_bias(model: PreTrainedModel) -> bool:
             and Version(peft.__version__) < Version("0.22"))
 
 
-def _check_head_bias_kept(model: PreTrainedModel, rows: dict[str, list[int]], new_ids: list[int]) -> None:
+def check_head_bias_kept(model: PreTrainedModel, rows: dict[str, list[int]], new_ids: list[int]) -> None:
     """A run that would train on logits without the LM head's bias (peft_drops_head_bias) is refused, with the fix."""
     import peft
 
