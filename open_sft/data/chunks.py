@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from open_sft.data.formats import RowError, without_arrow_fill
 from open_sft.data.compressed import data_suffix
 from open_sft.data.local_files import holds_json_lines, line_chunks, parse_json_line, text_blocks
-from open_sft.data.sources import TEXT_SUFFIX, open_dataset
+from open_sft.data.sources import TEXT_SUFFIX, decoded_rows, open_dataset
 
 if TYPE_CHECKING:
     from open_sft.data.spill import Spill
@@ -73,7 +73,8 @@ class Reader:
         row_bytes = self.dataset.data.nbytes / max(1, len(self.dataset))
         rows = rows or max(1, min(CHUNK_ROWS, int(CHUNK_BYTES / max(row_bytes, 1.0))))
         for start in range(skip * rows, len(self.dataset), rows):
-            chunk = self.dataset.select(range(start, min(len(self.dataset), start + rows))).to_list()
+            chunk = decoded_rows(self.spec, self.dataset.select(range(start, min(len(self.dataset), start + rows))),
+                                 start)
             yield start, [without_arrow_fill(row) for row in chunk], None
 
     def chunking(self) -> list[Any]:

@@ -265,6 +265,21 @@ def open_dataset(spec: SourceSpec) -> Any:
     return _load_hub(spec, spec.name)
 
 
+def decoded_rows(spec: SourceSpec, dataset: Any, start: int = 0) -> list[dict[str, Any]]:
+    """`dataset.to_list()`, rows `start` on of the source. datasets' JSON loader takes text that is not UTF-8 into
+    its Arrow strings without a word, and reading such a row raised UnicodeDecodeError: the file and line are named
+    (a directory's files read again to find them), else the rows."""
+    try:
+        return dataset.to_list()
+    except UnicodeDecodeError:
+        path = Path(spec.name).expanduser()
+        damaged = damaged_file(path) if path.is_dir() else None
+        if damaged:
+            raise UserError(in_directory(damaged, spec)) from None
+        raise UserError(f"{spec.name} rows {start + 1} to {start + len(dataset)}: a string that is not UTF-8; data "
+                        "must be UTF-8: re-encode the source") from None
+
+
 def _unsupported(path: Path) -> str:
     """Why a local file is not read, by its suffixes (a compressed parquet file: parquet compresses inside)."""
     kinds = "/".join(COMPRESSIONS)
@@ -294,7 +309,7 @@ def read_source(spec: SourceSpec, drop_bad: bool = False) -> LoadedSource:
     """All rows of one source, in file order."""
     dataset = open_dataset(spec)
     if dataset is not None:
-        return LoadedSource(spec, [without_arrow_fill(row) for row in dataset.to_list()])
+        return LoadedSource(spec, [without_arrow_fill(row) for row in decoded_rows(spec, dataset)])
     path = _local_path(spec)
     line_numbers, unreadable = None, 0
     if holds_json_lines(path):

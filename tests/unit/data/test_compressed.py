@@ -287,3 +287,24 @@ def test_a_zstd_file_ends_inside_a_frame_wherever_it_is_cut(tmp_path) -> None:
     assert frames(tmp_path, [checked, skippable, plain, rle]) == []
     (tmp_path / "y.jsonl.zst").write_bytes(b"not zstd at all")
     assert not ends_inside_a_frame(tmp_path / "y.jsonl.zst")
+
+
+def test_a_shard_that_is_not_utf8_in_a_directory_is_named_not_a_traceback(tokenizer, tmp_path) -> None:
+    """datasets' JSON loader takes a Latin-1 line into its Arrow strings without a word; reading that row raised
+    UnicodeDecodeError out of the build (a traceback). The streamed and the in-memory build name the shard, its line
+    and column, and the re-encoding."""
+    shards = tmp_path / "data"
+    shards.mkdir()
+    for shard in range(3):
+        rows = [json.dumps({"text": f"document {k} of shard {shard}"}, ensure_ascii=False) for k in range(20)]
+        if shard == 1:
+            rows[4] = json.dumps({"text": "un caf\u00e9 noir"}, ensure_ascii=False)
+        (shards / f"part-{shard}.jsonl").write_bytes(("\n".join(rows) + "\n").encode("latin1"))
+    message = (rf"^{shards}/part-1\.jsonl line 5: not UTF-8 \(byte 0xe9 at column 17\); data files must be UTF-8: "
+               r"re-encode it, e\.g\. iconv -f latin1 -t utf-8 .*; or move that file out of the directory")
+    args = DataArguments(dataset_mixer_list=[str(shards), "1.0"], max_seq_length=64)
+    with pytest.raises(UserError, match=message):
+        build_sources(args, tokenizer, 3, None, tmp_path / "out", tmp_path / "spill")
+    spec, = parse_mixer_list([str(shards), "1.0"], ["train"])
+    with pytest.raises(UserError, match=message):
+        read_source(spec)
