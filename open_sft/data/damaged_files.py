@@ -21,9 +21,10 @@ from open_sft.data.local_files import holds_json_lines, line_chunks, parse_json_
 from open_sft.data.row_error import RowError
 from open_sft.errors import UserError
 
-READ_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError, UnicodeDecodeError, ValueError)
-# ValueError: pyarrow's ArrowInvalid ("JSON parse error") and json's JSONDecodeError; zstandard's by name
-READ_ERROR_NAMES = frozenset({"ZstdError"})
+READ_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError, UnicodeDecodeError)
+# by name: zstandard's, pyarrow's "JSON parse error" and json's (not datasets' CastError, files of other columns: no
+# file is damaged, and reading them all again would only delay its message)
+READ_ERROR_NAMES = frozenset({"ZstdError", "ArrowInvalid", "JSONDecodeError"})
 
 
 def failed_reading(exc: BaseException) -> bool:

@@ -308,3 +308,19 @@ def test_a_shard_that_is_not_utf8_in_a_directory_is_named_not_a_traceback(tokeni
     spec, = parse_mixer_list([str(shards), "1.0"], ["train"])
     with pytest.raises(UserError, match=message):
         read_source(spec)
+
+
+def test_a_directory_of_files_with_other_columns_is_not_read_again(tmp_path, monkeypatch) -> None:
+    """datasets' CastError (one shard of documents, one of conversations) damages no file: its own message, with the
+    hint, comes at once, without reading every shard again to look for damage."""
+    from open_sft.data import sources
+
+    shards = tmp_path / "data"
+    shards.mkdir()
+    write(shards / "a.jsonl.gz", json.dumps({"text": "a document"}) + "\n", "gz")
+    write(shards / "b.jsonl.gz", LINES[0] + "\n", "gz")
+    monkeypatch.setattr(sources, "damaged_file", lambda directory: pytest.fail(f"{directory} read again"))
+    spec, = parse_mixer_list([str(shards), "1.0"], ["train"])
+    with pytest.raises(UserError, match=r"could not be loaded: .*a local directory's data files must share one set of "
+                                        r"columns \(one format\)$"):
+        read_source(spec)
