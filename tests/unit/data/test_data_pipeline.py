@@ -536,8 +536,9 @@ def test_counts_above_the_valid_rows_upsample_alike_in_workers_and_serially(toke
 
 
 def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monkeypatch) -> None:
-    """With two workers the parent splits the file into lines and parses only the first (for the format):
-    every other row is parsed in the worker processes (whose calls the parent does not see)."""
+    """With two workers the parent splits the file into lines and parses only the first (for the cache key, whether
+    the source is documents, and for the format): every other row is parsed in the worker processes (whose calls the
+    parent does not see)."""
     from conftest import SAMPLE
     from open_sft.data import chunks, in_memory, local_files, stream
 
@@ -547,7 +548,7 @@ def test_the_parent_reads_only_the_first_line_of_a_jsonl_source(tokenizer, monke
         monkeypatch.setattr(module, "parse_json_line", lambda line: calls.append(line) or original(line))
     built = prepare_data(DataArguments(dataset_mixer_list=[str(SAMPLE), "1.0"], dataset_skip_cache=True,
                                        preprocessing_num_workers=2), tokenizer, 0)
-    assert len(built) == 2000 and len(calls) == 1
+    assert len(built) == 2000 and calls == [SAMPLE.read_text().splitlines()[0]] * 2
 
 
 @pytest.mark.parametrize("template", sorted(BUILTIN_TEMPLATES))
