@@ -11,13 +11,14 @@ checked here on the model itself, as the run computes (autocast in its dtype): t
 example alone against the same example packed after another, and the gradient of the second example's hidden
 states with respect to the first's embeddings, which is exactly 0 where examples are kept apart. A difference
 stops the run with the family named, before any step is taken. Where half precision's rounding moves the hidden
-states past its tolerance and nothing depends on the first example, the move is measured again in fp32.
+states past its tolerance and nothing depends on the first example (a routed model: a router's choice flipped by
+rounding), the move is measured again in fp32, and the packed attention held to the per-example one at the first
+attention layer in the run's dtype (open_sft.model.packing_precision).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 from typing import TYPE_CHECKING, Iterator, Optional
@@ -28,6 +29,7 @@ from torch import nn
 from open_sft.errors import UserError
 from open_sft.model.anatomy import active_experts, backbone_of, causal_lm_of, text_config, text_decoder_of
 from open_sft.model.loss_parity import VERIFIED
+from open_sft.model.packing_precision import first_attention_move, fp32_by_layer, in_fp32
 
 if TYPE_CHECKING:
     from open_sft.config.args import TrainingArguments
@@ -89,22 +91,6 @@ def _computing(model: nn.Module, dtype: Optional[torch.dtype]) -> contextlib.Abs
     if dtype not in HALF:
         return contextlib.nullcontext()
     return torch.autocast(next(model.parameters()).device.type, dtype=dtype)
-
-
-@contextlib.contextmanager
-def _in_fp32(model: nn.Module) -> Iterator[None]:
-    """The model's floating-point parameters and buffers in fp32 for a probe, back in their own dtypes after (exact:
-    fp32 holds every half-precision value)."""
-    tensors = [t for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
-    converted = []
-    try:  # converted one by one inside: an out-of-memory part way leaves none in fp32
-        for tensor in tensors:
-            converted.append((tensor, tensor.dtype))
-            tensor.data = tensor.data.float()
-        yield
-    finally:
-        for tensor, dtype in converted:
-            tensor.data = tensor.data.to(dtype)
 
 
 @torch.no_grad()
@@ -195,7 +181,7 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
                        "check it once without ZeRO-3/FSDP/TP (a one-process run of a few steps)", family)
         return None
     dtype = compute_dtype if compute_dtype in HALF else next(model.parameters()).dtype
-    redone = ""
+    redone = kernel = ""
     try:
         with _computing(model, compute_dtype):
             leak, dependence = packing_leak(model), packing_dependence(model)
@@ -203,14 +189,16 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
         if not (math.isfinite(leak) and math.isfinite(dependence) and finite):
             # half precision overflowed in a probe (fp16's gradients): it cannot tell; whether examples are kept
             # apart, and whether a packed row's gradients are finite, is structural, and fp32 tells it
-            with _in_fp32(model):
+            with in_fp32(model):
                 leak, dependence, dtype = packing_leak(model), packing_dependence(model), None
                 finite = packed_gradients_finite(model)
             redone = "half precision overflowed"
         elif dtype in HALF and leak > RTOL_HALF and dependence <= DEPENDENCE_TOL and active_experts(model.config):
             # a router's choice of experts, rounded otherwise: the move judged in fp32 (the dependence stays the run's
             # dtype's). Routed models only: on a GPU fp32 takes the per-example attention, not the varlen kernel, so
-            # for a dense model this would judge another path than the one trained
+            # for a dense model this would judge another path than the one trained; for a routed one the kernel is
+            # held to the per-example attention at the first attention layer, before any router, in the run's dtype
+            kernel = _kernel_at_first_layer(model, family, compute_dtype)
             redone = f"half precision's rounding moved them by {leak:.1e}"
             leak, dtype = _fp32_leak(model, family, leak), None
     except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
@@ -229,14 +217,32 @@ def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None)
                         "pad tokens), so every packed step would be skipped; train without --packing (padded batches "
                         "are fine); please report the model type")
     return (f"--packing: model type {family!r} keeps packed examples apart (checked at start"
-            f"{f' in fp32: {redone}' if redone else ''}: {leak:.1e}, dependence {dependence:.1e})")
+            f"{f' in fp32: {redone}' if redone else ''}: {leak:.1e}, dependence {dependence:.1e}{kernel})")
+
+
+def _kernel_at_first_layer(model: nn.Module, family: str, compute_dtype: Optional[torch.dtype]) -> str:
+    """The packed attention (torch's variable-length kernel on a GPU) against each example attended alone at the
+    first attention layer, in the run's dtype: refused over half precision's tolerance, else a note for the log."""
+    config = text_config(model.config)
+    ids = torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=torch.Generator().manual_seed(2))
+    with _evaluating(model), _computing(model, compute_dtype):
+        move = first_attention_move(model, ids.to(next(model.parameters()).device), [FIRST, SECOND])
+    if move is None:
+        return ""
+    if not move <= RTOL_HALF:
+        raise UserError(f"--packing: model type {family!r}: the attention of packed rows (torch's variable-length "
+                        f"kernel on a GPU) gave the first attention layer outputs {move:.2e} (relative) from the same "
+                        f"examples attended one at a time, over half precision's {RTOL_HALF:.0e}: packed rows would "
+                        "not train as the examples do. Train without --packing (padded batches do not take that "
+                        "kernel); please report it with the model type and the torch version")
+    return f"; the packed attention at the first layer, in the run's dtype: {move:.1e} from per-example"
 
 
 def _fp32_leak(model: nn.Module, family: str, half: float) -> float:
-    """packing_leak in fp32 (the model's weights converted for the probe: twice a bf16 base's memory), or, where that
+    """packing_leak in fp32 (one decoder layer's weights upcast at a time, `fp32_by_layer`), or, where even that
     does not fit, the refusal with the half-precision move."""
     try:
-        with _in_fp32(model):
+        with fp32_by_layer(model):
             return packing_leak(model)
     except torch.OutOfMemoryError:
         raise UserError(f"--packing: model type {family!r}: an example's hidden states moved by {half:.2e} (relative) "
@@ -244,7 +250,7 @@ def _fp32_leak(model: nn.Module, family: str, half: float) -> float:
                         "router's choice of experts can move that much by rounding alone, but measuring it again in "
                         "fp32 ran out of memory, so it cannot be told whether packed examples are kept apart. Train "
                         "without --packing (padded batches keep examples apart), or check it once where the model "
-                        "fits twice (a one-process run of a few steps); please report the model type") from None
+                        "has more room (a one-process run of a few steps); please report the model type") from None
 
 
 _RECURRENT_WORDS = ("mamba", "conv", "linear_attention", "recurrent", "ssm", "rwkv", "lstm")
