@@ -23,7 +23,7 @@ KEY_FIGURES = ("max_rel_diff", "tolerance", "bitwise", "run_to_run_rel_diff", "c
                "export_reloads", "micro_batch_chosen", "fastest_correct", "attention", "liger_modules", "why",
                "error", "targets", "failed", "profile", "bfloat16", "float32", "fp32", "bf16", "wrong_positions_loss_rel_change",
                "lm_head_loss", "max_rel_diff_to_eager", "compiled", "skipped", "profile_fastest", "fp8_over_bf16",
-               "fp8_over_bf16_compiled", "loss", "plot")
+               "fp8_over_bf16_compiled", "loss", "plot", "kernel", "latent_bf16", "first_layer_moves", "kernel_error")
 
 
 def runs_table(runs: list[dict]) -> list[str]:

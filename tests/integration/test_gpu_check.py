@@ -44,6 +44,12 @@ def test_smoke_parts_pass_with_their_figures(smoke) -> None:
     resume = parts["kill_resume"]
     assert resume["killed_exit"] == -signal.SIGKILL and resume["bitwise"] is True  # CPU kernels: bit for bit
     assert parts["packed"]["fp32"]["loss_rel_error"] < 1e-5 and parts["packed"]["wrong_positions_loss_rel_change"] > 1e-4
+    # the varlen kernel's own figures (its CPU stand-in here): latent attention's layers each through it once in bf16
+    assert parts["packed"]["kernel"].startswith("cpu_stand_in")
+    assert {f: r["varlen_kernel_calls"] for f, r in parts["packed"]["latent_bf16"].items()} == {
+        "deepseek_v3": 2, "deepseek_v2": 2, "glm4_moe_lite": 2}
+    moves = parts["packed"]["first_layer_moves"]
+    assert max(moves[f] for f in ("llama", "qwen3_moe", "mixtral", "phimoe")) < 2e-2 < moves["llama_acausal"], moves
     assert all(parts["attention"][c]["cross_example_change"] == 0.0 for c in ("sdpa_block_mask", "per_example_sdpa"))
     for name in ("dtype_auto", "zero2", "zero3", "fsdp2", "gradient_checkpointing", "auto_micro_batch_size",
                  "torch_compile"):
@@ -65,6 +71,7 @@ def test_smoke_report_markdown_and_logs(smoke) -> None:
     for name in CPU_PARTS + ["liger", "qlora"]:
         assert f"| {name} |" in table
     assert "| open_sft float32 |" in table  # the speed table
+    assert "first_layer_moves: {llama: " in table and "latent_bf16: {deepseek_v3: {" in table
     assert (out / "gpu_check_logs.tar.gz").stat().st_size > 0
 
 
