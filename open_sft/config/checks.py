@@ -300,7 +300,7 @@ def _online_problems(config: FinetuneConfig) -> list[str]:
     if config.hub.push_to_hub and hub_offline():
         problems.append("--push_to_hub cannot upload with HF_HUB_OFFLINE set: unset it for this run (a local model "
                         "and local data load offline either way), or drop --push_to_hub and upload the export "
-                        "later with python -m open_sft push OUTPUT_DIR --hub_model_id ID")
+                        "later with python -m open_sft push OUTPUT_DIR --hub_model_id ID, HF_HUB_OFFLINE unset")
     return problems
 
 

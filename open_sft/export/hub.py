@@ -357,6 +357,11 @@ def main(argv: Optional[list[str]] = None, prog: str = "open_sft push") -> int:
     problems = _push_input_problems(args.output_dir, args.hub_model_id)  # what the user can fix here, first
     if not has_token(args.hub_token):  # before any network wait: without a token nothing can be uploaded
         problems.append("no Hugging Face token: pass --hub_token, set HF_TOKEN, or log in once with `hf auth login`")
+    from open_sft.model.source import hub_offline
+
+    if hub_offline():  # the upload would fail (exit 3) and print this same command as the retry
+        problems.append("HF_HUB_OFFLINE is set, so nothing can be uploaded: unset it for this command "
+                        f"(HF_HUB_OFFLINE= {prog} ...)")
     if problems:
         print("error: " + "\n  ".join(problems), file=sys.stderr)
         return 2

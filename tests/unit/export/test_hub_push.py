@@ -15,6 +15,7 @@ def test_no_token_is_an_error_before_any_network_wait(tmp_path, monkeypatch, cap
     from huggingface_hub import constants
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the suite sets it; a user's shell need not
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))  # no stored login either
     monkeypatch.setenv("HF_ENDPOINT", "http://no-such-host.invalid")
     (tmp_path / "out").mkdir()
@@ -33,6 +34,7 @@ def test_the_directory_and_the_id_are_checked_before_the_token(tmp_path, monkeyp
     from huggingface_hub import constants
 
     monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
     assert hub.main([str(tmp_path / "nonexist"), "--hub_model_id", "bad id"]) == 2
     err = capsys.readouterr().err
@@ -45,6 +47,25 @@ def test_the_directory_and_the_id_are_checked_before_the_token(tmp_path, monkeyp
     assert capsys.readouterr().err == (f"error: {tmp_path / 'dataset'} has no exported model (config.json) and is not "
                                        "a complete checkpoint (COMPLETE); pass the --output_dir of a finished run or "
                                        "OUTPUT_DIR/checkpoints/step_N\n")
+
+
+def test_hf_hub_offline_is_refused_before_the_upload(tmp_path, monkeypatch, capsys) -> None:
+    """`HF_HUB_OFFLINE=1 open_sft push OUT --hub_model_id org/model` (the shell of an offline run, whose
+    --push_to_hub finetune refuses pointing here) tried the upload, failed with exit 3 and printed this same
+    command as the retry; it is refused at once, exit 2, saying to unset it."""
+    monkeypatch.setenv("HF_TOKEN", "hf_given")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    uploads = []
+    monkeypatch.setattr(hub, "push_folder", lambda *args, **kwargs: uploads.append(args))
+    assert hub.main([str(tmp_path / "out"), "--hub_model_id", "org/model"]) == 2 and uploads == []
+    assert capsys.readouterr().err == ("error: HF_HUB_OFFLINE is set, so nothing can be uploaded: unset it for this "
+                                       "command (HF_HUB_OFFLINE= open_sft push ...)\n")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # read as huggingface_hub reads it: "0" is online
+    monkeypatch.setattr(hub, "push_export", lambda *args: "https://hub/org/model")
+    monkeypatch.setattr("open_sft.training.completion.mark_pushed", lambda *args: None)
+    assert hub.main([str(tmp_path / "out"), "--hub_model_id", "org/model"]) == 0
 
 
 def test_a_run_pushing_to_a_bad_hub_id_is_refused_with_the_flags(monkeypatch) -> None:
