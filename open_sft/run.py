@@ -141,8 +141,8 @@ def prepare_data(job: Job) -> None:
         if job.config.train.auto_micro_batch_size:  # settled by build_model, later: not compared here
             del current["micro_batch_size"], current["gradient_accumulation_steps"]
         raise changed_data_refusal(job.resuming, settings(job.as_parsed or job.config), current) from None
-    if _is_main_rank() and not d.cache_dataset_only:
-        report_data(job.data, job.eval_data, d, job.tokenizer, examples=job.config.train.dry_run)
+    if _is_main_rank():  # --cache_dataset_only: the notes here, the report last (cache_only_summary)
+        report_data(job.data, job.eval_data, d, job.tokenizer, job.config.train.dry_run, not d.cache_dataset_only)
 
 
 def build_model(job: Job) -> None:

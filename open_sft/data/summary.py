@@ -308,12 +308,15 @@ def print_examples(data: Any, tokenizer: Any, color: bool, count: int = 3) -> No
         print(mark_trained(tokenizer, example.input_ids, example.labels, color))
 
 
-def report_data(data: Any, eval_data: Any, args: Any, tokenizer: Any, examples: bool = False) -> None:
+def report_data(data: Any, eval_data: Any, args: Any, tokenizer: Any, examples: bool = False,
+                table: bool = True) -> None:
     """What the main process says of the prepared data (`data`, `eval_data`: PreparedData; `args`: DataArguments):
-    the data report, the mixture-shares and eval-split notes, and (`examples`: --dry_run) the examples as trained."""
+    the data report, the mixture-shares and eval-split notes, and (`examples`: --dry_run) the examples as trained.
+    `table` False (--cache_dataset_only, whose cache_only_summary prints the report last): the notes alone."""
     import sys
 
-    print(format_data_report(data.report), flush=True)
+    if table:
+        print(format_data_report(data.report), flush=True)
     if note := shares_note(data.report, args):
         logger.warning("%s", note)
     ratio = args.eval_split_ratio

@@ -53,3 +53,25 @@ def test_a_long_format_name_keeps_the_columns_aligned() -> None:
         assert line.index(f" {rows} ") + 1 + len(rows) == rows_in_ends  # the count under its heading
         assert len(line) == len(heading)  # and so every column after it
     assert len(lines[2]) == len(lines[-1]) == len(heading)
+
+
+def test_cache_dataset_only_says_the_notes_too(capsys, caplog) -> None:
+    """`scripts/prepare_data.sh ... --dataset_mixer_list a 0.7 b 0.3` (--cache_dataset_only, the README's way to build a
+    large corpus ahead) printed the data report without the note on amounts that look like shares, which only the
+    training run then said; the notes are logged either way, the table printed where the caller asks for it."""
+    import logging
+    from types import SimpleNamespace
+
+    from open_sft.data.summary import report_data
+
+    args = DataArguments(dataset_mixer_list=["alpaca.json", "0.7", "sample.jsonl", "0.3"])
+    data = SimpleNamespace(report=REPORT)
+    with caplog.at_level(logging.WARNING, logger="open_sft.data.summary"):
+        report_data(data, None, args, tokenizer=None, table=False)
+    assert capsys.readouterr().out == ""  # --cache_dataset_only prints the table itself, the cache path last
+    assert [r.getMessage() for r in caplog.records] == [shares_note(REPORT, args)]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="open_sft.data.summary"):
+        report_data(data, None, args, tokenizer=None)
+    assert capsys.readouterr().out == format_data_report(REPORT) + "\n"
+    assert [r.getMessage() for r in caplog.records] == [shares_note(REPORT, args)]
