@@ -19,10 +19,12 @@ the tokens it pads: no real token attends a pad either way, so the real tokens' 
 On a GPU without the flash-attn package, transformers' "sdpa" gives packed rows the same dense block-diagonal
 mask, which keeps torch off its flash kernel (a mask forces the memory-efficient or math kernel, over whole
 rows). There the examples of the whole micro-batch go to one call of torch's variable-length flash attention
-(`torch.nn.attention.varlen`, bf16/fp16, cumulative example lengths); other dtypes, softcapping or sliding
-windows take the per-example calls above. Where the mask transformers built for the packed rows is more than
-causal attention within each example (a sliding window, Llama-4's chunks), each example's call gets its own block
-of that mask; a window passed as an argument with no mask, a banded causal mask of the example's own.
+(`torch.nn.attention.varlen`, bf16/fp16, cumulative example lengths, a sliding layer's window as the kernel's);
+other dtypes, softcapping, head sizes the kernel has no kernels for (over 256, or not a multiple of 8: Gemma-4's
+512-wide full-attention layers) and tensors not on the GPU take the per-example calls above. Where the mask
+transformers built for the packed rows is more than causal attention within each example (within the layer's
+window: Llama-4's chunks), each example's call gets its own block of that mask; a window passed as an argument, a
+banded causal mask of the example's own.
 scripts/gpu_check.py measures these candidates against each other.
 """
 
@@ -40,6 +42,11 @@ from open_sft.data.batching import host_to_device
 
 FLAG = "_open_sft_packed_attention"
 VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+# the device type whose tensors the kernel takes: aten::_flash_attention_forward has no CPU kernel, and a model can
+# be on the CPU where the kernel is installed (the start-up packing check before accelerate moves it to the GPU)
+KERNEL_DEVICE = "cuda"
+# torch's mha_varlen_fwd refuses other head sizes: Gemma-4's full-attention layers (512) take the per-example calls
+MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 256, 8
 
 
 def segment_lengths(position_ids: torch.Tensor) -> Optional[list[int]]:
@@ -136,12 +143,30 @@ def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
     return cu
 
 
+def _kernel_takes(query: torch.Tensor) -> bool:
+    """Whether the kernel takes these queries: on its device, of a head size it has kernels for."""
+    dim = query.shape[-1]
+    return query.device.type == KERNEL_DEVICE and dim <= MAX_HEAD_DIM and dim % HEAD_DIM_MULTIPLE == 0
+
+
+def _kernel_window(kernel: Callable, window: Optional[int], lengths: list[int]) -> Optional[tuple[int, int]]:
+    """The kernel's window (left, right) for a layer's sliding window, or None where it cannot apply it.
+    transformers' window: query i sees keys j with i - window < j <= i (sliding_window_overlay); the kernel's: keys
+    i - left <= j <= i + right, so (window - 1, 0). Where no example is longer than the window it changes nothing:
+    causal, (-1, 0), which torch 2.10/2.11's kernel (is_causal, no window) takes too."""
+    if window is None or max(lengths) <= window:
+        return (-1, 0)
+    params = _parameters(kernel)
+    return (window - 1, 0) if "window_size" in params and "is_causal" not in params else None
+
+
 def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 lengths: list[int], scaling: Optional[float]) -> torch.Tensor:
-    """One causal variable-length attention over the examples of a [batch, heads, row, head_dim] micro-batch;
-    returns [batch, row, heads, the values' head_dim], as transformers' attention functions do. Values narrower
-    than the queries (multi-head latent attention's: DeepSeek-V2/V3, Kimi), which the kernel does not take, are
-    padded with zero columns, whose outputs are exactly zero, and those are cut off again."""
+                 lengths: list[int], scaling: Optional[float], window: tuple[int, int] = (-1, 0)) -> torch.Tensor:
+    """One variable-length attention over the examples of a [batch, heads, row, head_dim] micro-batch, causal within
+    `window` (the kernel's (left, 0): `_kernel_window`); returns [batch, row, heads, the values' head_dim], as
+    transformers' attention functions do. Values narrower than the queries (multi-head latent attention's:
+    DeepSeek-V2/V3, Kimi), which the kernel does not take, are padded with zero columns, whose outputs are exactly
+    zero, and those are cut off again."""
     batch, heads, length, dim = query.shape
     width = value.shape[3]
     if width < dim:
@@ -154,10 +179,10 @@ def _varlen_call(kernel: Callable, query: torch.Tensor, key: torch.Tensor, value
     options: dict[str, Any] = {"scale": scaling}
     if "enable_gqa" in params:
         options["enable_gqa"] = key.shape[1] != heads
-    if "is_causal" in params:  # torch 2.10/2.11
+    if "is_causal" in params:  # torch 2.10/2.11: causal only (_kernel_window passes no other window)
         options["is_causal"] = True
     else:  # later releases: causal is the window (-1, 0)
-        options["window_size"] = (-1, 0)
+        options["window_size"] = window
     out = kernel(*flat, cu, cu, max(lengths), max(lengths), **options)
     return out.view(batch, length, heads, dim)[..., :width]
 
@@ -175,33 +200,49 @@ def _varlen_dtype(query: torch.Tensor) -> Optional[torch.dtype]:
 
 
 class _MaskKinds:
-    """Whether each attention mask of the forward pass in progress is the plain block-diagonal causal mask of its
-    packed rows (one per kind of layer: full and sliding layers get different masks), judged once per mask
-    tensor (weak references: a new batch is a new mask)."""
+    """Whether each attention mask of the forward pass in progress is, within each packed example, plain causal
+    attention (within the layer's window), what the kernel and the unmasked per-example calls compute (one per kind
+    of layer: full and sliding layers get different masks), judged once per mask tensor (weak references: a new
+    batch is a new mask). What a mask says across examples is not judged: each example attends to its own keys only
+    here, also where a family's mask spans the whole row (Gemma-4's sliding layers)."""
 
     def __init__(self) -> None:
         self._seen: dict[int, tuple[weakref.ref, bool]] = {}
 
-    def plain(self, mask: torch.Tensor, allowed: torch.Tensor, lengths: list[int]) -> bool:
+    def plain(self, mask: torch.Tensor, allowed: torch.Tensor, lengths: list[int],
+              window: Optional[int] = None) -> bool:
         """`mask`: the tensor transformers passed (the same object to every layer of its kind in a forward, so
         the key); `allowed`: its booleans (a new tensor at every call: keyed by it, every layer judged it again,
-        a device synchronisation each)."""
-        entry = self._seen.get(id(mask))
+        a device synchronisation each); `window`: the layer's sliding window, which the plain mask then holds."""
+        key = (id(mask), window)
+        entry = self._seen.get(key)
         if entry is not None and entry[0]() is mask:
             return entry[1]
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
-        plain = bool((allowed == block_causal(lengths, allowed.shape[0], allowed.shape[-1],
-                                              allowed.device)[:, None]).all())
-        self._seen[id(mask)] = (weakref.ref(mask), plain)
+        same = same_example(lengths, allowed.shape[0], allowed.shape[-1], allowed.device)[:, None]
+        plain = bool((~same | (allowed == causal(allowed.shape[-1], allowed.device, window))).all())
+        self._seen[key] = (weakref.ref(mask), plain)
         return plain
+
+
+def same_example(lengths: list[int], batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """[batch, length, length]: whether query and key are of one packed example."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      torch.tensor(lengths, device=device)).view(batch, length)
+    return segment[:, :, None] == segment[:, None, :]
+
+
+def causal(length: int, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
+    """[length, length]: causal attention (within `window`: query i sees keys j with i - window < j <= i, as
+    transformers' sliding window)."""
+    position = torch.arange(length, device=device)
+    distance = position[:, None] - position[None, :]
+    return (distance >= 0) & (distance < window) if window is not None else distance >= 0
 
 
 def block_causal(lengths: list[int], batch: int, length: int, device: torch.device) -> torch.Tensor:
     """[batch, length, length]: causal attention within each packed example, none across."""
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                      torch.tensor(lengths, device=device)).view(batch, length)
-    position = torch.arange(length, device=device)
-    return (segment[:, :, None] == segment[:, None, :]) & (position[:, None] >= position[None, :])
+    return same_example(lengths, batch, length, device) & causal(length, device)
 
 
 def _allowed(attention_mask: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
@@ -239,18 +280,20 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
         lengths = segments(position_ids) if usable else None
         if lengths is None:
             return inner(module, query, key, value, attention_mask, **kwargs)
+        window = kwargs.get("sliding_window")
         # The mask transformers built for the packed rows, where it is more than causal attention within each
-        # example: a sliding window or chunks that some families (Phi-MoE, Qwen2-MoE, Llama-4) put only there
+        # example (within the layer's window): a window or chunks that some families (Phi-MoE, Qwen2-MoE, Llama-4)
+        # put only there
         allowed = _allowed(attention_mask, length)
-        masked = allowed is not None and not kinds.plain(attention_mask, allowed, lengths)
+        masked = allowed is not None and not kinds.plain(attention_mask, allowed, lengths, window)
         # values no wider than queries and keys (multi-head latent attention's are narrower: padded for the kernel)
         plain = (not kwargs.get("dropout") and kwargs.get("softcap") is None and value.shape[3] <= query.shape[3]
-                 and kwargs.get("sliding_window") is None and not masked)
+                 and not masked)
         dtype = _varlen_dtype(query)
-        if kernel is not None and plain and dtype is not None:
+        around = _kernel_window(kernel, window, lengths) if kernel is not None and plain else None
+        if around is not None and dtype is not None and _kernel_takes(query):
             q, k, v = (t.to(dtype) for t in (query, key, value))
-            return _varlen_call(kernel, q, k, v, lengths, kwargs.get("scaling")), None
-        window = kwargs.get("sliding_window")
+            return _varlen_call(kernel, q, k, v, lengths, kwargs.get("scaling"), around), None
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], t.shape[3]) for t in (query, key, value)]
         outputs, offset = [], 0
@@ -281,9 +324,7 @@ def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
     i - window < j <= i (transformers' sliding_window_overlay). Mistral, Qwen2, Gemma-3, Phi-3, OLMo-3 and other
     families pass their sliding layers' window to the attention function, and sdpa applies it only through a
     mask: this one where transformers passed none for the row."""
-    i = torch.arange(length, device=device)
-    distance = i[:, None] - i[None, :]
-    return ((distance >= 0) & (distance < window))[None, None]
+    return causal(length, device, window)[None, None]
 
 
 def installed() -> bool:

@@ -9,6 +9,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from open_sft.model import packed_attention
 from open_sft.model.loss import TokenLossModel
+from tests.unit.model.varlen_stand_in import cpu_as_gpu, reference_varlen  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
@@ -163,22 +164,8 @@ def test_only_sdpa_models_are_routed(tiny_model_dir, sdpa_entry) -> None:
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
 
 
-def reference_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                     enable_gqa=False):
-    """torch.nn.attention.varlen.varlen_attn's contract ([tokens, heads, dim], cumulative lengths, causal as the
-    window (-1, 0)) computed per example with sdpa: the CUDA kernel's stand-in on CPU."""
-    assert window_size == (-1, 0) and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
-    out = []
-    for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:]):
-        q, k, v = (t[a:b].transpose(0, 1)[None] for t in (query, key, value))
-        out.append(torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1))
-    assert max(b - a for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:])) == max_q == max_k
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
+def test_varlen_call_equals_the_block_diagonal_mask(kv_heads, cpu_as_gpu) -> None:
     """The one variable-length call GPUs take: flattened rows, cumulative lengths and grouped kv heads give what
     the block-diagonal mask gives, in bf16 (the dtypes the kernel takes); fp32 keeps the per-example calls."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -222,33 +209,34 @@ def test_varlen_call_equals_the_block_diagonal_mask(kv_heads) -> None:
     torch.testing.assert_close(out_autocast, expected, rtol=1e-2, atol=1e-2)
 
 
-def test_latent_attentions_narrower_values_take_the_varlen_kernel_padded_with_zeros() -> None:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi): values 8 wide beside queries and keys 12 wide, which the
-    kernel does not take (one head_dim for all three), so such layers never reached it on a GPU. The values go to it
-    padded with zero columns, which attend to exactly zero, cut off again: what the block-diagonal mask gives."""
+def test_latent_attentions_narrower_values_take_the_varlen_kernel_padded_with_zeros(cpu_as_gpu) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi): values 16 wide beside queries and keys 24 wide (128 and
+    192 in DeepSeek-V3), which the kernel does not take (one head_dim for all three), so such layers never reached it
+    on a GPU. The values go to it padded with zero columns, which attend to exactly zero, cut off again: what the
+    block-diagonal mask gives."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     torch.manual_seed(0)
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])
-    q, k = (torch.randn(2, 4, 10, 12, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(2, 4, 10, 8, dtype=torch.bfloat16)
+    q, k = (torch.randn(2, 4, 10, 24, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 4, 10, 16, dtype=torch.bfloat16)
     segment = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
     mask = (segment[:, :, None] == segment[:, None, :]) & torch.ones(10, 10, dtype=torch.bool).tril()
     module = torch.nn.Module()
     module.is_causal, module.num_key_value_groups = True, 1
-    expected, _ = sdpa_attention_forward(module, q, k, v, mask[:, None], scaling=12 ** -0.5)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask[:, None], scaling=24 ** -0.5)
     seen = []
 
     def kernel(*args, **kwargs):
         seen.append(args[2])
         out = reference_varlen(*args, **kwargs)
-        assert out.shape[-1] == 12 and torch.equal(out[..., 8:], torch.zeros_like(out[..., 8:]))
+        assert out.shape[-1] == 24 and torch.equal(out[..., 16:], torch.zeros_like(out[..., 16:]))
         return out
 
     wrapped = packed_attention._per_example(sdpa_attention_forward, kernel)
-    out, _ = wrapped(module, q, k, v, mask[:, None], position_ids=position_ids, scaling=12 ** -0.5)
-    assert len(seen) == 1 and seen[0].shape == (20, 4, 12) and not seen[0][..., 8:].any()
-    assert out.shape == expected.shape == (2, 10, 4, 8)
+    out, _ = wrapped(module, q, k, v, mask[:, None], position_ids=position_ids, scaling=24 ** -0.5)
+    assert len(seen) == 1 and seen[0].shape == (20, 4, 24) and not seen[0][..., 16:].any()
+    assert out.shape == expected.shape == (2, 10, 4, 16)
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
 
 
@@ -267,8 +255,8 @@ def test_a_plain_familys_packed_mask_is_judged_plain(tiny_model_dir, sdpa_entry,
     verdicts = []
     judge = packed_attention._MaskKinds.plain
 
-    def recording(self, mask, allowed, lengths):
-        verdicts.append(judge(self, mask, allowed, lengths))
+    def recording(self, mask, allowed, lengths, window=None):
+        verdicts.append(judge(self, mask, allowed, lengths, window))
         return verdicts[-1]
 
     monkeypatch.setattr(packed_attention._MaskKinds, "plain", recording)
@@ -290,13 +278,13 @@ def test_each_mask_is_judged_once_per_forward_not_at_every_layer(monkeypatch) ->
                                         attn_implementation="sdpa")
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config).eval()
-    calls, build = [], packed_attention.block_causal
+    calls, build = [], packed_attention.same_example
 
     def counting(*args, **kwargs):
         calls.append(1)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "block_causal", counting)
+    monkeypatch.setattr(packed_attention, "same_example", counting)
     ids = torch.randint(0, 64, (2, 20))
     positions = torch.cat([torch.arange(8), torch.arange(12)])[None].repeat(2, 1)
     assert packed_attention.install(model)
