@@ -181,7 +181,7 @@ def build_model(job: Job) -> None:
     if not spread.sp_enabled:  # after bf16_matmul's: it wraps what that put in place
         from open_sft.model.packing_check import route_packed_rows
 
-        route_packed_rows(job.model, config.train, spread, job.dtype)
+        route_packed_rows(job.model, config.train, spread, job.dtype, job.accelerator.device)
 
 
 def preflight(job: Job) -> None:

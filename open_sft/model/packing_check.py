@@ -163,6 +163,10 @@ def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
     return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
 
 
+# --torch_compile compiled the decoder layers already: the probes' shapes (one short row, no grad, eval mode) would
+# recompile them up to dynamo's recompile limit (8, reached by transformers' shared deprecate_kwarg frame), and the
+# first training forward would then run every layer eagerly for the whole run. The probes run eagerly instead
+@torch.compiler.set_stance("force_eager")
 def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """For a --packing run of a family outside VERIFIED: raises UserError when packed examples see each other;
     returns a log line (None for verified families). `compute_dtype`: the run's (autocast where half)."""
@@ -287,11 +291,23 @@ def _leaking(family: str, why: str) -> UserError:
                      "without --packing (padded batches keep examples apart); please report the model type")
 
 
+def check_device(model: nn.Module, device: Optional[torch.device], parallelism: Parallelism) -> Optional[torch.device]:
+    """Where the start-up check moves the model first, so that it runs the attention kernel that trains (on a GPU
+    torch's variable-length flash attention, which takes CUDA tensors only): the run's device, where the run puts
+    the whole model there in its own dtypes anyway (one process, DDP: accelerate's prepare moves it; this only moves
+    it earlier). None, checked where it is: on a CPU run; under DeepSpeed (which casts it to half precision before
+    moving it), FSDP or tensor parallelism (shards); where it is placed already (QLoRA's device map)."""
+    if device is None or device.type == "cpu" or parallelism.deepspeed or parallelism.fsdp or parallelism.tp_enabled:
+        return None
+    return device if all(p.device.type == "cpu" for p in model.parameters()) else None
+
+
 def route_packed_rows(model: nn.Module, train: TrainingArguments, parallelism: Parallelism,
-                      compute_dtype: Optional[torch.dtype] = None) -> None:
+                      compute_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
     """Packed rows' attention for the run (open_sft.model.packed_attention: per example, or torch's variable-length
     flash attention on a GPU), then, for --packing, the family checked to keep packed examples apart (on the whole
-    model: not under pipeline parallelism, whose stages hold a part of it)."""
+    model: not under pipeline parallelism, whose stages hold a part of it), on `device`, the run's, where
+    `check_device` says so."""
     from open_sft.model import packed_attention
 
     on_gpu = torch.cuda.is_available()
@@ -300,6 +316,9 @@ def route_packed_rows(model: nn.Module, train: TrainingArguments, parallelism: P
                     "torch's variable-length flash attention" if on_gpu and packed_attention.varlen_kernel()
                     else "sdpa has no variable-length kernel here")
     if train.packing and not parallelism.pp_enabled:
+        target = check_device(model, device, parallelism)
+        if target is not None and getattr(model.config, "model_type", None) not in VERIFIED:
+            model.to(target)
         note = check_packing(model, compute_dtype)
         if note:
             logger.info("%s", note)
