@@ -219,30 +219,47 @@ class _MaskKinds:
         if entry is not None and entry[0]() is mask:
             return entry[1]
         self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None}
-        same = same_example(lengths, allowed.shape[0], allowed.shape[-1], allowed.device)[:, None]
-        plain = bool((~same | (allowed == causal(allowed.shape[-1], allowed.device, window))).all())
+        plain = _causal_within_examples(allowed, lengths, window)
         self._seen[key] = (weakref.ref(mask), plain)
         return plain
 
 
-def same_example(lengths: list[int], batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """[batch, length, length]: whether query and key are of one packed example."""
-    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
-                                      torch.tensor(lengths, device=device)).view(batch, length)
-    return segment[:, :, None] == segment[:, None, :]
+# elements of the [batch, query rows, row] blocks a mask is judged in: its temporaries stay a few of these bytes (a
+# whole 1 × 32,768 row at once made ~3 of 1 GiB each), the answer still read off the device once
+JUDGED_AT_ONCE = 2**26
 
 
-def causal(length: int, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
-    """[length, length]: causal attention (within `window`: query i sees keys j with i - window < j <= i, as
-    transformers' sliding window)."""
-    position = torch.arange(length, device=device)
-    distance = position[:, None] - position[None, :]
+def _causal_within_examples(allowed: torch.Tensor, lengths: list[int], window: Optional[int]) -> bool:
+    """Whether the [batch, heads or 1, row, row] booleans are causal (within `window`) within each example, judged
+    in blocks of query rows; the examples' ids made on the host and copied from pinned memory (built on the device
+    from the lengths, repeat_interleave waits for the device)."""
+    batch, length = allowed.shape[0], allowed.shape[-1]
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).view(batch, length)
+    segment = host_to_device(ids, allowed.device)
+    position = torch.arange(length, device=allowed.device)
+    step = max(1, JUDGED_AT_ONCE // (batch * length))
+    verdicts = []
+    for start in range(0, length, step):
+        rows = slice(start, start + step)
+        wanted = causal(position[rows], position, window)
+        across = (segment[:, rows, None] != segment[:, None, :])[:, None]
+        verdicts.append((across | (allowed[:, :, rows] == wanted)).all())
+    return bool(torch.stack(verdicts).all())
+
+
+def causal(queries: torch.Tensor, keys: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """[queries, keys] of positions: causal attention (within `window`: query i sees keys j with i - window < j <= i,
+    as transformers' sliding window)."""
+    distance = queries[:, None] - keys[None, :]
     return (distance >= 0) & (distance < window) if window is not None else distance >= 0
 
 
 def block_causal(lengths: list[int], batch: int, length: int, device: torch.device) -> torch.Tensor:
     """[batch, length, length]: causal attention within each packed example, none across."""
-    return same_example(lengths, batch, length, device) & causal(length, device)
+    segment = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      torch.tensor(lengths, device=device)).view(batch, length)
+    position = torch.arange(length, device=device)
+    return (segment[:, :, None] == segment[:, None, :]) & causal(position, position)
 
 
 def _allowed(attention_mask: Optional[torch.Tensor], length: int) -> Optional[torch.Tensor]:
@@ -324,7 +341,8 @@ def window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
     i - window < j <= i (transformers' sliding_window_overlay). Mistral, Qwen2, Gemma-3, Phi-3, OLMo-3 and other
     families pass their sliding layers' window to the attention function, and sdpa applies it only through a
     mask: this one where transformers passed none for the row."""
-    return causal(length, device, window)[None, None]
+    position = torch.arange(length, device=device)
+    return causal(position, position, window)[None, None]
 
 
 def installed() -> bool:

@@ -278,13 +278,13 @@ def test_each_mask_is_judged_once_per_forward_not_at_every_layer(monkeypatch) ->
                                         attn_implementation="sdpa")
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(config).eval()
-    calls, build = [], packed_attention.same_example
+    calls, build = [], packed_attention._causal_within_examples
 
     def counting(*args, **kwargs):
         calls.append(1)
         return build(*args, **kwargs)
 
-    monkeypatch.setattr(packed_attention, "same_example", counting)
+    monkeypatch.setattr(packed_attention, "_causal_within_examples", counting)
     ids = torch.randint(0, 64, (2, 20))
     positions = torch.cat([torch.arange(8), torch.arange(12)])[None].repeat(2, 1)
     assert packed_attention.install(model)

@@ -108,6 +108,22 @@ def test_a_kernel_without_window_takes_sliding_layers_only_where_every_example_f
     torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("at_once", [2**26, 20])
+def test_a_mask_is_judged_within_each_example_in_blocks_of_query_rows(at_once, monkeypatch) -> None:
+    """A mask is plain where it is causal (within the layer's window) inside each example; across examples it is not
+    judged (each example attends to its own keys only), so Gemma-4's sliding mask over the whole row is plain. Judged
+    in blocks of query rows (20 elements: one row at a time) the verdicts are the same."""
+    monkeypatch.setattr(packed_attention, "JUDGED_AT_ONCE", at_once)
+    judge, lengths = packed_attention._causal_within_examples, [3, 2, 5, 6, 4]
+    assert judge(block_mask(), lengths, None) and judge(block_mask(3), lengths, 3)
+    assert not judge(block_mask(3), lengths, None) and not judge(block_mask(), lengths, 3)
+    whole = torch.ones(10, 10, dtype=torch.bool).tril()[None, None].expand(2, 1, 10, 10)
+    assert judge(whole, lengths, None)
+    late = block_mask().clone()
+    late[1, 0, 9, 6] = False  # the last query of the last example does not see its example's first key
+    assert not judge(late, lengths, None)
+
+
 def tiny_gemma4() -> transformers.PreTrainedModel:
     config = transformers.Gemma4TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16)
