@@ -163,13 +163,18 @@ def packed_gradients_finite(model: nn.Module, padding: int = 5) -> bool:
     return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
 
 
-# --torch_compile compiled the decoder layers already: the probes' shapes (one short row, no grad, eval mode) would
-# recompile them up to dynamo's recompile limit (8, reached by transformers' shared deprecate_kwarg frame), and the
-# first training forward would then run every layer eagerly for the whole run. The probes run eagerly instead
-@torch.compiler.set_stance("force_eager")
 def check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """For a --packing run of a family outside VERIFIED: raises UserError when packed examples see each other;
-    returns a log line (None for verified families). `compute_dtype`: the run's (autocast where half)."""
+    returns a log line (None for verified families). `compute_dtype`: the run's (autocast where half).
+
+    Eagerly: --torch_compile compiled the decoder layers already, and the probes' shapes (one short row, no grad,
+    eval mode) would recompile them up to dynamo's recompile limit (8, reached by transformers' shared
+    deprecate_kwarg frame); the first training forward would then run every layer eagerly for the whole run."""
+    with torch.compiler.set_stance("force_eager"):
+        return _check_packing(model, compute_dtype)
+
+
+def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Optional[str]:
     family = getattr(model.config, "model_type", type(model).__name__)
     if family in VERIFIED:
         return None
