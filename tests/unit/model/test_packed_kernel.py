@@ -22,7 +22,12 @@ SEGMENT = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1,
 
 @pytest.fixture(autouse=True)
 def sdpa_entry():
+    """transformers' own "sdpa" entry for each test (one installed before would be kept: install does not wrap
+    twice), and what was there put back after."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
     yield
     ALL_ATTENTION_FUNCTIONS["sdpa"] = before
 

@@ -19,7 +19,12 @@ from tests.unit.model.varlen_stand_in import reference_varlen
 
 @pytest.fixture(autouse=True)
 def sdpa_entry():
+    """transformers' own "sdpa" entry for each test (one installed before would be kept: install does not wrap
+    twice), and what was there put back after."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
     yield
     ALL_ATTENTION_FUNCTIONS["sdpa"] = before
 
