@@ -78,13 +78,16 @@ def _through(model: torch.nn.Module, use) -> Iterator[list[int]]:
     from open_sft.model import packed_attention
 
     sdpa, varlen_kernel = ALL_ATTENTION_FUNCTIONS["sdpa"], packed_attention.varlen_kernel
+    kernel_device = packed_attention.KERNEL_DEVICE
     try:
         packed_attention.varlen_kernel = lambda: use
+        packed_attention.KERNEL_DEVICE = DEVICE  # the stand-in takes the CPU's tensors as the kernel the GPU's
         calls = _count_varlen_calls(packed_attention)
         packed_attention.install(model, varlen=True)
         yield calls
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"], packed_attention.varlen_kernel = sdpa, varlen_kernel
+        packed_attention.KERNEL_DEVICE = kernel_device
 
 
 def measure(vocab: int) -> dict:

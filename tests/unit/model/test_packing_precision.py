@@ -36,6 +36,7 @@ def through(model: torch.nn.Module, kernel, monkeypatch) -> list[list[int]]:
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: recording)
+    monkeypatch.setattr(packed_attention, "KERNEL_DEVICE", "cpu")  # the CPU stands in for the kernel's GPU
     assert not packed_attention.installed() and packed_attention.install(model, varlen=True)
     return calls
 
