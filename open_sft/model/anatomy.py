@@ -35,6 +35,16 @@ def text_config(config):
     return get_text_config(decoder=True) if callable(get_text_config) else config
 
 
+def layer_values(config: Any, key: str, default: Any = None) -> list[Any]:
+    """`key` of each decoder layer. A heterogeneous config (transformers 5's per_layer_config: Gemma 4's full-attention
+    layers' head_dim, 512 beside its sliding layers' 256) gives it layer by layer, and reading such a key at the top
+    raises (AmbiguousGlobalPerLayerAttributeError, no AttributeError: getattr's default does not catch it); any other
+    config gives its one value for every layer."""
+    if key in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(layer, key, default) for layer in config.per_layer_config]
+    return [getattr(config, key, default)] * (getattr(config, "num_hidden_layers", None) or 1)
+
+
 def text_decoder_of(causal_lm: nn.Module) -> nn.Module:
     """The decoder text runs through: the backbone, or a multimodal backbone's language_model (Gemma3Model holds
     the vision tower, the projector and the language model; on text alone only the last runs)."""

@@ -15,7 +15,7 @@ import torch
 
 from open_sft.durable import refused_write
 from open_sft.errors import UserError
-from open_sft.model.anatomy import text_config
+from open_sft.model.anatomy import layer_values, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +25,13 @@ GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12,
                  "L4": 121e12, "B200": 2250e12, "MI300X": 1307e12, "V100": 125e12, "T4": 65e12}
 
 
-def attention_width(config: Any) -> int:
-    """Query heads × head size: the width of the attention scores' matmuls (the hidden size in most models;
-    Qwen3's and Gemma's head size makes it another)."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads * head_dim
+def attention_width(config: Any) -> float:
+    """Query heads × head size, the width of the attention scores' matmuls (the hidden size in most models; Qwen3's
+    and Gemma's head size makes it another), averaged over the layers where they differ (Gemma 4's full-attention
+    layers have twice its sliding layers' head size)."""
+    widths = [heads * (head_dim or config.hidden_size // heads) for heads, head_dim in
+              zip(layer_values(config, "num_attention_heads"), layer_values(config, "head_dim"))]
+    return sum(widths) / len(widths)
 
 
 class FlopCounter:

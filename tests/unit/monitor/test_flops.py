@@ -41,6 +41,11 @@ def _measured(model, batch: dict) -> int:
     (transformers.LlamaConfig, {"tie_word_embeddings": False}),
     (transformers.LlamaConfig, {"tie_word_embeddings": True}),  # a tied head's matmul counts as well
     (transformers.Qwen3Config, {"head_dim": 32}),  # heads × head size (128) is not the hidden size (64)
+    # Gemma 4: a head size per layer (transformers 5's per_layer_config; reading config.head_dim raises), its
+    # full-attention layer's twice its sliding layer's, and per-layer input embeddings
+    (transformers.Gemma4TextConfig, {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
+                                     "per_layer_config": {1: {"head_dim": 32}}, "sliding_window": 64,
+                                     "vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 8}),
 ])
 def test_palm_count_is_what_a_forward_and_backward_computes(config_class, extra) -> None:
     model, config = _model(config_class, **extra)
@@ -48,6 +53,12 @@ def test_palm_count_is_what_a_forward_and_backward_computes(config_class, extra)
     ids = torch.randint(0, SHAPE["vocab_size"], (1, tokens))
     counter = FlopCounter(config, *matmul_params(model))
     assert counter.palm_flops(tokens, tokens**2) == _measured(model, {"input_ids": ids, "labels": ids})
+
+
+def test_attention_width_of_a_config_with_a_head_size_per_layer() -> None:
+    config = transformers.Gemma4TextConfig(**SHAPE, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+                                           per_layer_config={1: {"head_dim": 32}})
+    assert attention_width(config) == (4 * 16 + 4 * 32) / 2
 
 
 def test_palm_count_of_two_rows_sums_each_rows_square() -> None:
