@@ -3,7 +3,8 @@
 open_sft runs the backbone and the LM head itself (open_sft.model.loss), so anything a family's
 `ForCausalLM.forward` applies to the logits would be skipped: Gemma-2/3 cap them (`final_logit_softcapping`:
 cap · tanh(z / cap); RecurrentGemma's `logits_soft_cap`, xLSTM's `output_logit_soft_cap`), Granite divides them
-(`logits_scaling`), Cohere multiplies them (`logit_scale`). Those
+(`logits_scaling`), Cohere multiplies them (`logit_scale`); a multimodal class applies its text model's (Gemma 4's
+cap; Gemma-3's multimodal class applies none). Those
 are elementwise, so the fused, chunked loss applies them to each block of logits (open_sft.model.fused_ce)
 and the full logits still never exist. That a family's loss is ours is checked at load (open_sft.model.loss_parity).
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
+
+from open_sft.model.anatomy import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +52,17 @@ class LogitTransform:
         return ", ".join(parts) or "as the LM head gives them"
 
 
+# configs of the multimodal classes whose forward leaves their text model's transform out (Gemma-3 4B-27B's and
+# ShieldGemma-2's Gemma3ForConditionalGeneration); the others apply it as their text model does (Gemma 3n's and
+# Gemma 4's cap)
+TEXT_TRANSFORM_SKIPPED = frozenset({"Gemma3Config", "ShieldGemma2Config"})
+
+
 def logit_transform(config: Any) -> LogitTransform:
-    """The transform a model's config declares (the attribute names transformers' families use)."""
+    """The transform a model's config declares (the attribute names transformers' families use); a multimodal
+    model's is in its text_config."""
+    if type(config).__name__ not in TEXT_TRANSFORM_SKIPPED:
+        config = text_config(config)
     scale = 1.0
     if getattr(config, "logit_scale", None) is not None:  # Cohere, Cohere2
         scale *= float(config.logit_scale)

@@ -25,10 +25,12 @@ VERIFIED = frozenset({
 })
 # ... and those whose loss alone is held to the model's own by the same test: a --packing run still checks them at
 # load (open_sft.model.packing_check; gpt-oss's eager mask ignores position_ids and is refused there). gemma3 is
-# Gemma-3 4B-27B's multimodal Gemma3ForConditionalGeneration, trained on text (its forward applies no logit cap).
+# Gemma-3 4B-27B's multimodal Gemma3ForConditionalGeneration, trained on text (its forward applies no logit cap);
+# gemma4 Gemma 4's Gemma4ForConditionalGeneration (whose forward applies its text model's cap).
 LOSS_VERIFIED = VERIFIED | frozenset({
     "gemma3", "olmo3", "gpt_oss", "qwen2_moe", "phimoe", "glm", "glm4", "ministral", "exaone4", "seed_oss", "helium",
-    "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "recurrent_gemma", "xlstm",
+    "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "recurrent_gemma", "xlstm", "gemma4",
+    "gemma4_text",
 })
 PARITY_TOKENS = 24
 PARITY_RTOL = 1e-4
