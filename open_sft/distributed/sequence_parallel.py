@@ -29,6 +29,7 @@ import torch
 
 from open_sft.data.batching import COUNT_KEYS
 from open_sft.data.labels import IGNORE_INDEX
+from open_sft.model.anatomy import layer_values
 
 if TYPE_CHECKING:
     from open_sft.distributed.parallelism import Parallelism
@@ -51,10 +52,10 @@ def sequence_parallel_problems(size: int, world: int, deepspeed: bool, args: Any
                         "training")
     if attn_implementation == "eager":
         problems.append(f"{flag} needs sdpa or flash_attention_2 (eager builds a full attention mask per rank)")
-    heads = getattr(model_config, "num_attention_heads", None)
-    if heads is not None and heads % size:
-        problems.append(f"{flag} must divide the model's attention heads ({heads}): each rank attends with 1/N "
-                        "of them")
+    for heads in dict.fromkeys(h for h in layer_values(model_config, "num_attention_heads") if h is not None):
+        if heads % size:  # each layer's (a per_layer_config may give them layer by layer)
+            problems.append(f"{flag} must divide the model's attention heads ({heads}): each rank attends with 1/N "
+                            "of them")
     if args.train.loss_normalization == "mean":
         problems.append(f"{flag} does not work with --loss_normalization mean (a micro-batch's mean spans ranks); "
                         "use token or sum")

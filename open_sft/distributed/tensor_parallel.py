@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from open_sft.model.anatomy import layer_values
+
 if TYPE_CHECKING:
     from open_sft.distributed.parallelism import Parallelism
 
@@ -62,11 +64,11 @@ def tensor_parallel_problems(parallelism: Parallelism, train: Any, lora: Any, mo
         problems.append(f"{flag} with --sequence_parallel_size: Ulysses SP runs on DeepSpeed, TP on FSDP2; pick one")
     if lora.use_qlora:
         problems.append(f"{flag} with --use_qlora: 4-bit weights cannot be sliced into DTensors; use --use_lora")
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(model_config, name, None)
-        if heads is not None and heads % tp:
-            problems.append(f"{flag} must divide the model's {name} ({heads}): each rank attends with 1/{tp} "
-                            "of the heads")
+    for name in ("num_attention_heads", "num_key_value_heads"):  # each layer's (Gemma 4's differ: per_layer_config)
+        for heads in dict.fromkeys(h for h in layer_values(model_config, name) if h is not None):
+            if heads % tp:
+                problems.append(f"{flag} must divide the model's {name} ({heads}): each rank attends with 1/{tp} "
+                                "of the heads")
     if not (getattr(model_config, "base_model_tp_plan", None) or {}):
         problems.append(f"{flag}: the model ({getattr(model_config, 'model_type', '?')}) has no tensor-parallel plan "
                         "in transformers (base_model_tp_plan); drop TP and shard with FSDP2 alone")

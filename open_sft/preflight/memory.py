@@ -64,7 +64,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
-        from open_sft.model.anatomy import param_numel, param_shape, text_config
+        from open_sft.model.anatomy import layer_values, param_numel, param_shape, text_config
 
         config = text_config(model.config)  # a multimodal model's sizes are its text model's
 
@@ -78,7 +78,7 @@ class ModelShape:
             matmul_params=sum(param_numel(p) for p in params if p.requires_grad and len(param_shape(p)) == 2),
             hidden=hidden, layers=config.num_hidden_layers,
             intermediate=_widest(getattr(config, "intermediate_size", None)) or 4 * hidden, vocab=config.vocab_size,
-            heads=getattr(config, "num_attention_heads", 1), lora_dropout_inputs=_lora_dropout_inputs(model),
+            heads=max(layer_values(config, "num_attention_heads", 1)), lora_dropout_inputs=_lora_dropout_inputs(model),
         )
 
 

@@ -70,6 +70,36 @@ def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
                        "(base_model_tp_plan); drop TP and shard with FSDP2 alone"]
 
 
+def test_heads_given_layer_by_layer_are_checked_layer_by_layer() -> None:
+    """Gemma 4 31B's layout: its full-attention layers' key/value heads (num_global_key_value_heads) in transformers
+    5's per_layer_config, where reading config.num_key_value_heads raises; every TP launch of it stopped with
+    AmbiguousGlobalPerLayerAttributeError. Each layer's count is checked; so are sequence parallelism's and the
+    memory model's attention heads, here given per layer too (as dots.llm3's are)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from open_sft.distributed.sequence_parallel import sequence_parallel_problems
+
+    def gemma4(**full_layer):
+        return AutoConfig.for_model("gemma4_text", vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    per_layer_config={1: {"head_dim": 32, "num_key_value_heads": 1, **full_layer}},
+                                    layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                    vocab_size_per_layer_input=128, hidden_size_per_layer_input=0)
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gemma4())  # Gemma 4's own code takes per-layer key/value heads only
+    gemma4 = model.config = gemma4(num_attention_heads=2)
+    assert gemma4.per_layer_attributes == {"head_dim", "num_key_value_heads", "num_attention_heads"}
+    assert problems(model=gemma4) == [
+        "--parallelism_config_tp_size 2 must divide the model's num_key_value_heads (1): each rank attends with 1/2 "
+        "of the heads"]
+    assert problems(tp=1, model=gemma4) == []
+    assert sequence_parallel_problems(4, 4, True, config(), gemma4, "sdpa") == [
+        "--sequence_parallel_size 4 must divide the model's attention heads (2): each rank attends with 1/N of them"]
+    assert sequence_parallel_problems(2, 2, True, config(), gemma4, "sdpa") == []
+    assert ModelShape.of(model).heads == 4
+
+
 def test_lora_layers_keep_the_style_on_their_base_and_slice_one_adapter() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaForCausalLM
