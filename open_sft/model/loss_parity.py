@@ -17,20 +17,20 @@ from open_sft.model.loss import TokenLossModel
 
 # model_type of each family whose loss, with its logit transform, equals the model's own loss and gradients
 # (tests/unit/model/test_logits.py, tiny random configs of each) and whose packed examples stay apart
-# (tests/unit/model/test_packed_families.py): neither is checked at load.
+# (tests/unit/model/test_packed_families.py): neither is checked at load. gemma4 is Gemma 4's checkpoints'
+# Gemma4ForConditionalGeneration, trained on text (its forward applies its text model's logit cap).
 VERIFIED = frozenset({
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi", "phi3",
     "olmo", "olmo2", "olmoe", "granite", "granitemoe", "cohere", "cohere2", "gpt_neox", "starcoder2", "smollm3",
-    "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "hunyuan_v1_moe", "minimax_m2",
+    "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "hunyuan_v1_moe", "minimax_m2", "gemma4_text",
+    "gemma4",
 })
 # ... and those whose loss alone is held to the model's own by the same test: a --packing run still checks them at
 # load (open_sft.model.packing_check; gpt-oss's eager mask ignores position_ids and is refused there). gemma3 is
-# Gemma-3 4B-27B's multimodal Gemma3ForConditionalGeneration, trained on text (its forward applies no logit cap);
-# gemma4 Gemma 4's Gemma4ForConditionalGeneration (whose forward applies its text model's cap).
+# Gemma-3 4B-27B's multimodal Gemma3ForConditionalGeneration, trained on text (its forward applies no logit cap).
 LOSS_VERIFIED = VERIFIED | frozenset({
     "gemma3", "olmo3", "gpt_oss", "qwen2_moe", "phimoe", "glm", "glm4", "ministral", "exaone4", "seed_oss", "helium",
-    "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "recurrent_gemma", "xlstm", "gemma4",
-    "gemma4_text",
+    "apertus", "arcee", "ernie4_5", "ernie4_5_moe", "hunyuan_v1_dense", "recurrent_gemma", "xlstm",
 })
 PARITY_TOKENS = 24
 PARITY_RTOL = 1e-4
