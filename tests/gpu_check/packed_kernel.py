@@ -73,6 +73,7 @@ def _tiny(family: str, vocab: int, knobs: dict) -> torch.nn.Module:
 def _through(model: torch.nn.Module, use) -> Iterator[list[int]]:
     """`use` (a kernel) as the packed attention's kernel for `model`, its calls counted; transformers' "sdpa" entry
     and packed_attention.varlen_kernel as they were after."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from open_sft.model import packed_attention
@@ -80,6 +81,9 @@ def _through(model: torch.nn.Module, use) -> Iterator[list[int]]:
     sdpa, varlen_kernel = ALL_ATTENTION_FUNCTIONS["sdpa"], packed_attention.varlen_kernel
     kernel_device = packed_attention.KERNEL_DEVICE
     try:
+        # from transformers' own entry: install keeps a packed attention installed before (another test's, in the
+        # unit run), which would not take `use`
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
         packed_attention.varlen_kernel = lambda: use
         packed_attention.KERNEL_DEVICE = DEVICE  # the stand-in takes the CPU's tensors as the kernel the GPU's
         calls = _count_varlen_calls(packed_attention)
