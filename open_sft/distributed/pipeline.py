@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from open_sft.distributed.pipeline_plan import PipelineLayout
+from open_sft.model.flash_packing import backbone_kwargs, packed_rows, uses_flash
 
 # --------------------------------------------------------------------------------------------------------------
 # Stages
@@ -90,6 +91,11 @@ class StageModule(nn.Module):
         backbone = _backbone(loss_model)
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         routing = self.routed and loss_model.training
+        if attention_mask is None and position_ids is not None and uses_flash(loss_model.causal_lm()):
+            # packed rows under flash_attention_2: where each example starts (open_sft.model.flash_packing), read
+            # off this micro-batch's position ids (once per stage pass, not per layer)
+            rows = packed_rows(position_ids.cpu(), position_ids.device)
+            inputs.update(backbone_kwargs(rows.get("cu_seq_lens"), rows.get("max_length")))
         with self.autocast(), self.as_backbone(backbone):
             out = backbone(**inputs, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                            **({"output_router_logits": routing} if loss_model.router_switch or routing else {}))

@@ -19,6 +19,7 @@ from torch import nn
 from open_sft.data.labels import IGNORE_INDEX
 from open_sft.model import liger_loss
 from open_sft.model.anatomy import backbone_of, causal_lm_of
+from open_sft.model.flash_packing import backbone_kwargs
 from open_sft.model.fused_ce import lm_head_loss_sum
 from open_sft.model.liger_loss import liger_loss_sum
 from open_sft.model.lm_head import supports_fused
@@ -57,18 +58,21 @@ class TokenLossModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 shift_labels: Optional[torch.Tensor] = None,
-                trained_index: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask. A sequence-
-        parallel slice passes `shift_labels` (each position's target, shifted before the sequence was cut). The
-        trainer passes `trained_index` (open_sft.data.batching.trained_index: the trained positions, found on the
-        host) with `labels`."""
+                trained_index: Optional[torch.Tensor] = None, cu_seq_lens: Optional[torch.Tensor] = None,
+                max_length: Optional[int] = None) -> torch.Tensor:
+        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask; under
+        flash_attention_2 also where each example starts (`cu_seq_lens`, `max_length`: open_sft.model.flash_packing,
+        found on the host). A sequence-parallel slice passes `shift_labels` (each position's target, shifted before
+        the sequence was cut). The trainer passes `trained_index` (open_sft.data.batching.trained_index: the trained
+        positions, found on the host) with `labels`."""
         causal_lm = self.causal_lm()
         backbone = backbone_of(causal_lm)
         # use_cache=False also matters for packing: transformers derives the block-diagonal mask from
         # position_ids only when no KV cache is passed.
         routed = self.router is not None and self.training
         out = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False, **({"output_router_logits": routed} if self.router_switch or routed else {}))
+                       use_cache=False, **({"output_router_logits": routed} if self.router_switch or routed else {}),
+                       **backbone_kwargs(cu_seq_lens, max_length))
         loss, trained_count = self.head_loss(out.last_hidden_state, labels, shift_labels, trained_index)
         if routed:
             router = self.router

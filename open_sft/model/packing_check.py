@@ -28,6 +28,7 @@ from torch import nn
 
 from open_sft.errors import UserError
 from open_sft.model.anatomy import active_experts, backbone_of, causal_lm_of, text_config, text_decoder_of
+from open_sft.model.flash_packing import backbone_kwargs, packed_rows, uses_flash
 from open_sft.model.loss_parity import VERIFIED
 from open_sft.model.packing_precision import first_attention_move, fp32_by_layer, in_fp32
 
@@ -105,8 +106,18 @@ def packing_leak(model: nn.Module) -> float:
     backbone = _backbone(model)
     with _evaluating(model):
         alone = backbone(input_ids=ids[:, FIRST:], use_cache=False).last_hidden_state.float()
-        packed = backbone(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state[:, FIRST:].float()
+        packed = backbone(**_as_trained(model, ids, positions), use_cache=False).last_hidden_state[:, FIRST:].float()
     return float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-12))
+
+
+def _as_trained(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> dict:
+    """A packed probe row as training hands packed rows to the backbone: in a micro-batch of two rows (under
+    flash_attention_2 transformers finds the examples of one row itself, not of more), with where each example
+    starts under flash_attention_2 (open_sft.model.flash_packing), which a model's forward must hand on."""
+    ids, positions = ids.expand(2, -1), positions.expand(2, -1)
+    rows = packed_rows(positions.cpu(), positions.device) if uses_flash(causal_lm_of(model)) else {}
+    return {"input_ids": ids, "position_ids": positions,
+            **backbone_kwargs(rows.get("cu_seq_lens"), rows.get("max_length"))}
 
 
 def packing_dependence(model: nn.Module) -> float:
@@ -128,7 +139,7 @@ def packing_dependence(model: nn.Module) -> float:
     hook = causal_lm_of(model).get_input_embeddings().register_forward_hook(leaf)
     try:
         with _evaluating(model), torch.enable_grad():
-            hidden = _backbone(model)(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+            hidden = _backbone(model)(**_as_trained(model, ids, positions), use_cache=False).last_hidden_state
             projection = torch.randn(hidden.shape[-1], generator=generator).to(device)
             (grad,) = torch.autograd.grad((hidden[:, FIRST:].float() @ projection).sum(), embedded[0])
     finally:

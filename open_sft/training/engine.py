@@ -27,6 +27,7 @@ import torch
 from open_sft.data.batching import host_to_device, to_device, trained_index
 from open_sft.distributed.collectives import gather_full_state_dict
 from open_sft.errors import UserError
+from open_sft.model.flash_packing import packed_rows, uses_flash
 from open_sft.model.packed_attention import known_segments
 from open_sft.training.evaluate import evaluate
 
@@ -98,6 +99,8 @@ class AccelerateEngine:
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
         self.skips_on_device = self._can_skip_on_device()
+        # packed rows under flash_attention_2 are told where each example starts (Ulysses SP: its own attention)
+        self.flash_rows = uses_flash(trainer.loss_model.causal_lm()) and trainer.batches.sp_size == 1
 
     def _can_skip_on_device(self) -> bool:
         """Whether the step's non-finite verdict can stay a device tensor the optimizer reads (`optimizer_step`):
@@ -132,6 +135,8 @@ class AccelerateEngine:
         if "labels" in batch and "shift_labels" not in batch:
             inputs["trained_index"] = host_to_device(trained_index(batch["labels"]), t.accelerator.device)
         known_segments(inputs.get("position_ids"), batch.get("position_ids"))
+        if self.flash_rows and "position_ids" in batch and "attention_mask" not in batch:
+            inputs.update(packed_rows(batch["position_ids"], t.accelerator.device))
         with t.accelerator.accumulate(t.model):
             with t.precision.autocast(), (t.saved_activations.measure() if t.saved_activations
                                           else contextlib.nullcontext()):

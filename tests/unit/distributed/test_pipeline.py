@@ -15,6 +15,7 @@ from open_sft.distributed.pipeline_plan import (PipelineLayout, parse_layers, pi
                                                 stage_ranges)
 from open_sft.model.loss import TokenLossModel
 from open_sft.training.pipeline_engine import fit_shape, schedule_shape
+from tests.unit.model.flash_stub import flash_stub  # noqa: F401 (a fixture)
 
 VOCAB = 96
 
@@ -76,6 +77,32 @@ def test_stages_chained_by_hand_give_the_unsplit_loss_and_gradients(family, size
     assert grads.keys() == expected.keys()
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_packed_rows_under_flash_attention_2_stay_apart_in_the_stages(flash_stub) -> None:
+    """Each stage of a packed micro-batch of two rows under flash_attention_2 (flash-attn stood in for on CPU) tells
+    flash-attn where each example starts, read off the micro-batch's position ids: the loss is each example's alone
+    (without, each row was one causal sequence)."""
+    from open_sft.data.batching import collate_packed
+    from open_sft.data.labels import Example
+
+    g = torch.Generator().manual_seed(3)
+    examples = [Example(ids, ids) for ids in (torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 5, 7))]
+    packed = collate_packed(examples, pad_token_id=0, row_capacity=14)  # rows [9, 5] and [7] with 7 of padding
+    model = tiny("llama")
+    model.config._attn_implementation = "flash_attention_2"  # what loading sets where flash-attn exists
+    alone = sum(TokenLossModel(model)(input_ids=torch.tensor([e.input_ids]), labels=torch.tensor([e.labels]))
+                for e in examples)
+    modules = {}
+    for position in range(2):  # each "rank" its own copy, holding its stage only
+        where = layout(position)
+        modules.update(zip(where.stage_ids(), split_model(TokenLossModel(copy.deepcopy(model)), where,
+                                                          stage_ranges([1] * 4, 2), torch.device("cpu"))))
+    x = packed["input_ids"]
+    for index in range(2):
+        x = modules[index](x, position_ids=packed["position_ids"], labels=packed["labels"])
+    assert {tuple(bounds) for kind, bounds, _ in flash_stub.calls if kind == "varlen"} == {(0, 9, 14, 21, 28)}
+    torch.testing.assert_close(x[0], alone.detach(), rtol=1e-5, atol=0)
 
 
 def test_a_rank_holds_only_its_stage_and_keeps_the_whole_models_names() -> None:

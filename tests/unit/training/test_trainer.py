@@ -24,6 +24,7 @@ from open_sft.training.optim import build_optimizer
 from open_sft.training.steps import plan_steps
 from open_sft.distributed.deepspeed import deepspeed_nonfinite_problems
 from open_sft.training.trainer import NonFiniteError, Trainer
+from tests.unit.model.flash_stub import flash_stub  # noqa: F401 (a fixture)
 
 
 class Poisoned(TokenLossModel):
@@ -48,11 +49,12 @@ def setup(tiny_model_dir):
     return tokenizer, data, accelerator
 
 
-def make_trainer(setup, tiny_model_dir, poison: set[int], **train_kwargs):
+def make_trainer(setup, tiny_model_dir, poison: set[int], attention: str = "sdpa", **train_kwargs):
     tokenizer, data, accelerator = setup
     args = TrainingArguments(**{"per_device_train_batch_size": 4, "learning_rate": 1e-3, "logging_steps": 1,
                                 "seed": 0, "max_train_steps": 6, **train_kwargs})
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base.config._attn_implementation = attention  # flash_attention_2: what loading sets where flash-attn exists
     model = Poisoned(base, poison)
     optimizer = build_optimizer(model, args.learning_rate, 0.0)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -115,6 +117,28 @@ def test_a_filler_micro_batch_is_not_data(setup, tiny_model_dir, packing) -> Non
     squares = sum(n * n for n in lengths)
     assert counts[0][:2] == counts[1][:2] == (2 * sum(lengths), 2 * squares)
     assert packing or counts[0][2] == counts[1][2] == 2 * squares  # unpacked: a row is an example
+
+
+def test_packed_steps_under_flash_attention_2_are_those_of_sdpa(setup, tiny_model_dir, flash_stub) -> None:
+    """A packed micro-batch's rows (here 4 × 256 tokens of examples in rows of 256) under flash_attention_2 (flash-attn
+    stood in for by plain attention): the trainer hands where each example starts, and each step's loss is the one
+    sdpa's block-diagonal mask gives; without them each row was one causal sequence and the loss another."""
+    losses = {}
+    for attention in ("sdpa", "flash_attention_2", "unsplit"):
+        trainer, _ = make_trainer(setup, tiny_model_dir, set(), "sdpa" if attention == "sdpa" else "flash_attention_2",
+                                  packing=True)
+        assert trainer.engine.flash_rows == (attention != "sdpa")
+        trainer.engine.flash_rows = attention == "flash_attention_2"  # "unsplit": as before
+        flash_stub.calls.clear()
+        losses[attention] = trainer.train_step(0)["loss_sum"]
+        if attention == "flash_attention_2":
+            assert {kind for kind, _, _ in flash_stub.calls} == {"varlen"}
+            # the step's micro-batch: 4 rows of 255 positions, 50 blocks (its examples, and the padding at the end of a
+            # row as a block of its own), none across a row
+            (bounds,) = {tuple(b) for _, b, _ in flash_stub.calls}
+            assert len(bounds) - 1 == 50 and bounds[-1] == 4 * 255 and {255, 510, 765} <= set(bounds)
+    assert losses["flash_attention_2"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    assert abs(losses["unsplit"] - losses["sdpa"]) > 1e-4 * losses["sdpa"]  # 7e-4 here
 
 
 def test_eval_loss_is_token_weighted(setup, tiny_model_dir) -> None:

@@ -1,0 +1,102 @@
+"""Packed rows under flash_attention_2 (flash-attn's kernels stood in for on CPU by tests/unit/model/flash_stub.py,
+with plain attention): a packed micro-batch of several rows gives each example the loss and gradients it has alone
+once the trainer hands where each example starts; without them transformers ran causal attention over each whole
+row (it finds examples from position ids only for one row) and the examples packed later attended to the earlier
+ones. Every verified family that runs flash_attention_2 hands the lengths from its forward to its attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from open_sft.data.batching import collate_packed
+from open_sft.data.labels import Example
+from open_sft.model.flash_packing import FLASH, packed_rows, uses_flash
+from open_sft.model.loss import TokenLossModel
+from open_sft.model.loss_parity import VERIFIED
+from tests.unit.model.flash_stub import flash_stub  # noqa: F401 (a fixture)
+from tests.unit.model.test_packed_families import SMALL, config_of
+
+LENGTHS = [13, 9, 4, 6]  # in rows of 20: [13, 6] and [9, 4] with 6 positions of padding, the window 5 shorter
+ROW = 20
+
+
+def flash_families() -> list[str]:
+    return sorted(f for f in VERIFIED
+                  if AutoModelForCausalLM._model_mapping[type(config_of(f, False))]._supports_flash_attn)
+
+
+def flash_model(family: str) -> TokenLossModel:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of(family, True), dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():  # attention that matters at these sizes
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() == 2 else None
+    model.config._attn_implementation = FLASH  # what loading with flash_attention_2 sets, where flash-attn exists
+    return TokenLossModel(model)
+
+
+def examples() -> list[Example]:
+    g = torch.Generator().manual_seed(3)
+    return [Example(ids, ids) for ids in (torch.randint(3, SMALL["vocab_size"], (n,), generator=g).tolist()
+                                          for n in LENGTHS)]
+
+
+def losses_and_grads(model: TokenLossModel, batches: list[dict]):
+    model.zero_grad(set_to_none=True)
+    loss = sum(model(**batch) for batch in batches)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_the_lengths_of_a_collated_packed_batch() -> None:
+    batch = collate_packed(examples(), pad_token_id=0, row_capacity=ROW)
+    assert batch["position_ids"].tolist() == [list(range(13)) + list(range(6)), list(range(9)) + list(range(4))
+                                              + list(range(6))]
+    found = packed_rows(batch["position_ids"], torch.device("cpu"))
+    assert found["cu_seq_lens"].dtype == torch.int32
+    assert found["cu_seq_lens"].tolist() == [0, 13, 19, 28, 32, 38] and found["max_length"] == 13  # padding: its own
+    assert packed_rows(torch.arange(5).repeat(3, 1), torch.device("cpu")) == {}  # one example a row: causal is right
+
+
+@pytest.mark.parametrize("family", flash_families())
+def test_packed_rows_train_as_each_example_alone(family, flash_stub) -> None:
+    model = flash_model(family)
+    assert uses_flash(model.causal_lm())
+    batch = collate_packed(examples(), pad_token_id=0, row_capacity=ROW)
+    batch = {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    alone = [{"input_ids": torch.tensor([e.input_ids]), "labels": torch.tensor([e.labels])} for e in examples()]
+    reference, reference_grads = losses_and_grads(model, alone)
+    flash_stub.calls.clear()
+    loss, grads = losses_and_grads(model, [{**batch, **packed_rows(batch["position_ids"], torch.device("cpu"))}])
+    assert flash_stub.calls == [("varlen", [0, 13, 19, 28, 32, 38], 13)] * len(flash_stub.calls) != []
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=0)
+    assert grads.keys() == reference_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference_grads[name], rtol=1e-4, atol=1e-5)
+    _, unsplit = losses_and_grads(model, [batch])  # as before: causal attention over each whole row
+    assert {kind for kind, _, _ in flash_stub.calls[-2:]} == {"rows"}
+    assert not all(torch.allclose(unsplit[n], reference_grads[n], rtol=1e-4, atol=1e-5) for n in unsplit), family
+
+
+def test_the_start_up_check_holds_a_family_to_handing_the_lengths_on(flash_stub, monkeypatch) -> None:
+    """A family outside VERIFIED under flash_attention_2 is checked as training runs it (two rows, the lengths
+    handed to the backbone): OLMo-3 keeps packed examples apart; the same model with a forward that drops the lengths
+    (as a model whose forward does not hand them to its attention would) is refused by name."""
+    from open_sft.errors import UserError
+    from open_sft.model.packing_check import check_packing
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of("olmo3", False), dtype=torch.float32,
+                                             attn_implementation="eager")
+    model.config._attn_implementation = FLASH
+    assert "olmo3" not in VERIFIED and "keeps packed examples apart" in check_packing(model)
+    assert {kind for kind, _, _ in flash_stub.calls} == {"rows", "varlen"}  # each example alone; the packed rows
+    backbone = model.model
+    forward = backbone.forward
+    monkeypatch.setattr(backbone, "forward", lambda **kw: forward(**{k: v for k, v in kw.items()
+                                                                    if not k.startswith(("cu_seq", "max_length"))}))
+    with pytest.raises(UserError, match="--packing: model type 'olmo3' lets packed examples see each other"):
+        check_packing(model)
