@@ -41,10 +41,12 @@ def needs_model_config(launch: LaunchPlan) -> bool:
 
 def check_launch(config: FinetuneConfig, launch: LaunchPlan) -> None:
     """Raise one UserError naming every problem of this launch; the model's config.json is read when the launch
-    splits the model (no weights are loaded), and when --additional_model_arguments are given: a key the config
-    lacks is refused there, before the data is tokenized (it was found when the model loaded, after it)."""
+    splits the model (no weights are loaded), when --additional_model_arguments are given: a key the config
+    lacks is refused there, before the data is tokenized (it was found when the model loaded, after it), and for
+    --attn_implementation flash_attention_2 (a model whose attention flash-attn 2 does not compute is refused)."""
     model_config = None
-    if needs_model_config(launch) or config.model.additional_model_arguments:
+    flash = config.model.attn_implementation == "flash_attention_2"  # whether the model's attention is flash-attn's
+    if needs_model_config(launch) or config.model.additional_model_arguments or flash:
         from open_sft.model.load import load_model_config
 
         model_config = load_model_config(config.model)
@@ -73,6 +75,10 @@ def launch_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
     if config.model.torch_compile:
         problems += compile_problems(config.lora, p)
     problems += fp8_problems(config, launch)
+    if config.model.attn_implementation == "flash_attention_2" and model_config is not None:
+        from open_sft.model.load import flash_attention_problem
+
+        problems += [problem for problem in [flash_attention_problem(model_config)] if problem]
     return problems + spread_problems(config, launch, model_config)
 
 

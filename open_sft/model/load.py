@@ -23,18 +23,51 @@ EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
 def attn_implementation(args: ModelArguments, config: Any = None) -> str:
     """The kernel `auto` stands for here: flash-attn on a GPU that has the package, else sdpa, for a model class
     that supports it; a class that does not (Gemma-2, gpt-oss, Bloom, MPT, XGLM: transformers refuses sdpa for
-    them) gets eager attention, as transformers' own default gives it. An explicit choice was checked against the
-    machine up front (config.checks)."""
+    them) gets eager attention, as transformers' own default gives it, and so does a class whose attention flash-attn
+    2 does not compute (`flash_problem`: gpt-oss's sinks). An explicit choice was checked against the machine up
+    front (config.checks), and flash_attention_2 against the model (config.launch_check); refused here too."""
+    model_class = _model_class(config)
+    flash_problem = flash_attention_problem(config)
+    if args.attn_implementation == "flash_attention_2" and flash_problem:
+        raise UserError(flash_problem)
     if args.attn_implementation != "auto":
         return args.attn_implementation
-    model_class = _model_class(config)
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    if torch.cuda.is_available() and has_flash and getattr(model_class, "_supports_flash_attn", True):
+    if (torch.cuda.is_available() and has_flash and getattr(model_class, "_supports_flash_attn", True)
+            and not flash_problem):
         return "flash_attention_2"
     if getattr(model_class, "_supports_sdpa", True):
         return "sdpa"
     logger.info("attention: eager (%s does not support sdpa)", model_class.__name__)
     return "eager"
+
+
+def flash_attention_problem(config: Any) -> Optional[str]:
+    """Why flash-attn 2 does not compute the attention of the model class of this config, with the fix; None where it
+    does or the class is not known here (remote code). Learned attention sinks (gpt-oss, MiMo-V2-Flash, Granite-SWA,
+    Flint: their attention passes `s_aux`): flash-attn 2 takes no sink, and transformers drops them there, or, for a
+    class that lists the flash kernels computing it (`_compatible_flash_implementations`: gpt-oss's in transformers
+    5.25), swaps one of those in, code fetched from the Hub as the model loads (offline, the load fails)."""
+    model_class = _model_class(config)
+    if model_class is None:
+        return None
+    import inspect
+    import sys
+
+    kernels = getattr(model_class, "_compatible_flash_implementations", None)
+    try:
+        sinks = "s_aux=" in inspect.getsource(sys.modules[model_class.__module__])
+    except (OSError, TypeError, KeyError):
+        sinks = False
+    if not sinks and (kernels is None or "flash_attention_2" in kernels):
+        return None
+    what = "adds learned attention sinks, which flash-attn 2 does not compute" if sinks else \
+        "is not computed by flash-attn 2"
+    swap = (f"; transformers would swap in one of {', '.join(kernels)}, code fetched from the Hub as the model loads"
+            if kernels else "; transformers would drop them")
+    kind = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    return (f"--attn_implementation flash_attention_2: {model_class.__name__}'s attention {what}{swap}; use "
+            f"--attn_implementation auto (here: {kind}, which computes it as the model defines it) or {kind}")
 
 
 def _model_class(config: Any) -> Optional[type]:

@@ -78,6 +78,55 @@ def test_auto_attention_is_eager_for_a_class_without_sdpa(family, tmp_path) -> N
     assert attn_implementation(ModelArguments(model_name_or_path="m"), None) == "sdpa"  # class unknown: auto's kernel
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "mimo_v2_flash", "granite_swa"])
+def test_flash_attention_2_is_not_taken_where_it_would_drop_attention_sinks(family, monkeypatch) -> None:
+    """gpt-oss-style attention adds learned sinks (s_aux), which flash-attn 2 does not compute: on a GPU with
+    flash-attn, `auto` gives such a class what transformers' own default gives it (eager for gpt-oss), not
+    flash_attention_2; an explicit flash_attention_2 is refused up front (config.json read, no weights) with the
+    reason and the fix. Llama still gets flash_attention_2."""
+    import importlib.util
+
+    from transformers import AutoConfig, LlamaConfig
+
+    from open_sft.config.launch import LaunchPlan
+    from open_sft.config.launch_check import launch_problems
+    from open_sft.distributed.parallelism import Parallelism
+    from open_sft.errors import UserError
+    from open_sft.model import load
+
+    run = _run_config()  # parsed before the machine below is made up
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = AutoConfig.for_model(family)
+    auto = ModelArguments(model_name_or_path="m")
+    kind = "eager"  # transformers' own default for these classes (no sdpa: it cannot add the sinks either)
+    assert load.attn_implementation(auto, config) == kind
+    assert load.attn_implementation(auto, LlamaConfig()) == "flash_attention_2"
+    flash = ModelArguments(model_name_or_path="m", attn_implementation="flash_attention_2")
+    assert load.flash_attention_problem(LlamaConfig()) is None
+    problem = load.flash_attention_problem(config)
+    name = load._model_class(config).__name__
+    assert problem.startswith(f"--attn_implementation flash_attention_2: {name}'s attention adds learned attention "
+                              "sinks, which flash-attn 2 does not compute; transformers would swap in one of ")
+    assert problem.endswith(f"use --attn_implementation auto (here: {kind}, which computes it as the model defines "
+                            f"it) or {kind}")
+    with pytest.raises(UserError, match="adds learned attention sinks"):
+        load.attn_implementation(flash, config)
+    run.model.attn_implementation = "flash_attention_2"
+    launch = LaunchPlan(run.train, torch.bfloat16, None, Parallelism("single", 1))
+    assert launch_problems(run, launch, config) == [problem]
+    assert launch_problems(run, launch, LlamaConfig()) == []
+
+
+def _run_config(*flags: str):
+    from open_sft.config.parse import parse_config
+
+    return parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir",
+                         "unused", *flags])
+
+
 def test_cuda_only_kernels_on_cpu_are_refused_up_front_together(tiny_model_dir, tmp_path) -> None:
     """flash-attn and Liger need CUDA: refused with the flags, both at once, before any model loads."""
     from open_sft.config.parse import parse_config
