@@ -230,6 +230,11 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
         problems.append("--attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
                         f"(CUDA available: {cuda}, flash-attn installed: {flash}); "
                         "use --attn_implementation sdpa")
+    elif m.attn_implementation == "flash_attention_2" and torch.cuda.get_device_capability() < (8, 0):
+        problems.append("--attn_implementation flash_attention_2 needs a GPU of compute capability 8.0 or later "
+                        "(Ampere: A100, A10, RTX 30xx, and newer); this one is "
+                        f"{'.'.join(map(str, torch.cuda.get_device_capability()))} ({torch.cuda.get_device_name()}), "
+                        "which flash-attn 2 refuses; use --attn_implementation sdpa")
     if m.use_liger_kernel and not cuda:
         problems.append("--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton); this machine "
                         "has no CUDA device. Drop --use_liger_kernel: open_sft's own loss path already avoids full "

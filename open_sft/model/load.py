@@ -21,9 +21,9 @@ EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
 
 
 def attn_implementation(args: ModelArguments, config: Any = None) -> str:
-    """The kernel `auto` stands for here: flash-attn on a GPU that has the package, else sdpa, for a model class
-    that supports it; a class that does not (Gemma-2, gpt-oss, Bloom, MPT, XGLM: transformers refuses sdpa for
-    them) gets eager attention, as transformers' own default gives it, and so does a class whose attention flash-attn
+    """The kernel `auto` stands for here: flash-attn on a GPU (Ampere or later) that has the package, else sdpa, for a
+    model class that supports it; a class that does not (Gemma-2, gpt-oss, Bloom, MPT, XGLM: transformers refuses sdpa
+    for them) gets eager attention, as transformers' own default gives it, and so does a class whose attention flash-attn
     2 does not compute (`flash_problem`: gpt-oss's sinks). An explicit choice was checked against the machine up
     front (config.checks), and flash_attention_2 against the model (config.launch_check); refused here too."""
     model_class = _model_class(config)
@@ -33,8 +33,9 @@ def attn_implementation(args: ModelArguments, config: Any = None) -> str:
     if args.attn_implementation != "auto":
         return args.attn_implementation
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    if (torch.cuda.is_available() and has_flash and getattr(model_class, "_supports_flash_attn", True)
-            and not flash_problem):
+    # flash-attn 2 runs on Ampere (compute capability 8.0) and later GPUs only
+    ampere = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+    if ampere and has_flash and getattr(model_class, "_supports_flash_attn", True) and not flash_problem:
         return "flash_attention_2"
     if getattr(model_class, "_supports_sdpa", True):
         return "sdpa"

@@ -75,7 +75,11 @@ def _to_bucket(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def varlen_kernel() -> Optional[Callable]:
-    """torch's variable-length flash attention (torch >= 2.10, CUDA), or None."""
+    """torch's variable-length flash attention (torch >= 2.10, a CUDA GPU of compute capability 8.0 or later), or
+    None: its flash kernel refuses older GPUs (T4, V100: "FlashAttention only supports Ampere GPUs or newer"), where
+    packed rows take the per-example sdpa calls."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:

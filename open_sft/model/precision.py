@@ -301,15 +301,20 @@ def choose_dtype(args: Any, qlora: bool = False,
     requested = FLAG_DTYPES.get(wanted)
     if requested == torch.float32:
         return DtypeChoice(torch.float32, "requested by --torch_dtype")
-    gpu_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+    # torch counts bf16 that a GPU only emulates (T4, V100: no bf16 units before Ampere, compute capability 8.0) as
+    # supported by default: those run bf16 slowly, and fp16 natively
+    gpu_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
     if requested == torch.float16:
         return _requested_fp16()
     if gpu_without_bf16 and wanted == "auto":
-        return DtypeChoice(torch.float16, "auto: float16 with dynamic loss scaling (this GPU has no bf16)")
+        return DtypeChoice(torch.float16, "auto: float16 with dynamic loss scaling (this GPU has no bf16 units; "
+                                          "torch would emulate bf16, slowly)")
     if qlora and wanted == "auto":
         return DtypeChoice(torch.bfloat16, "auto: bfloat16 — QLoRA's 4-bit base computes in bf16")
     if torch.cuda.is_available():
-        return DtypeChoice(torch.bfloat16, "requested by --torch_dtype" if wanted != "auto" else
+        emulated = " (this GPU has no bf16 units: torch emulates it, slowly; float16 runs natively)" \
+            if gpu_without_bf16 else ""
+        return DtypeChoice(torch.bfloat16, f"requested by --torch_dtype{emulated}" if wanted != "auto" else
                            "auto: bfloat16 (the GPU supports it)")
     cpu, flags = cpu_flags()
     native = bool(flags & set(NATIVE_BF16_FLAGS))

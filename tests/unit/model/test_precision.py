@@ -204,3 +204,25 @@ def test_the_probe_measures_one_thread_and_gives_the_threads_back(monkeypatch) -
         assert seen == [1] * 2 * precision.PROBE_ROUNDS and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 5), torch.float16), ((7, 0), torch.float16),
+                                                  ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_takes_fp16_on_a_gpu_that_only_emulates_bf16(monkeypatch, capability, expected) -> None:
+    """A T4 (7.5) or V100 (7.0) has no bf16 units; torch.cuda.is_bf16_supported() counts its emulation by default
+    (True there), so `auto` took the slow emulated bf16 instead of fp16. Native bf16 only: Ampere (8.0) and later.
+    An explicit bfloat16 there runs as asked, the reason saying it is emulated."""
+    def is_bf16_supported(including_emulation: bool = True) -> bool:  # torch's answer on such a GPU
+        return capability >= (8, 0) or including_emulation
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    choice = choose_dtype(args())
+    assert choice.dtype == expected
+    if expected == torch.float16:
+        assert choice.reason == ("auto: float16 with dynamic loss scaling (this GPU has no bf16 units; torch would "
+                                 "emulate bf16, slowly)")
+        assert "torch emulates it, slowly; float16 runs natively" in choose_dtype(args("bfloat16")).reason
+    else:
+        assert choice.reason == "auto: bfloat16 (the GPU supports it)"
+        assert choose_dtype(args("bfloat16")).reason == "requested by --torch_dtype"
