@@ -65,7 +65,8 @@ def fsdp_problems(train: Any, lora: Any, dtype: torch.dtype) -> list[str]:
                         "(configs/accelerate/deepspeed_zero3.yaml) instead of FSDP, or drop the flag")
     if lora.use_qlora:
         problems.append("--use_qlora under FSDP2: 4-bit weights cannot be sharded into DTensors here; use "
-                        "--use_lora, or train QLoRA under DeepSpeed ZeRO-2 or on one process")
+                        "--use_lora, or train QLoRA with DDP (accelerate launch --multi_gpu --num_processes N "
+                        "finetune.py ...) or in one process (python finetune.py ...)")
     if dtype == torch.float16:
         problems.append("fp16 under FSDP2 is not supported (its loss scaling needs a sharded grad scaler); pass "
                         "--torch_dtype bfloat16 or float32, or use DeepSpeed for fp16")

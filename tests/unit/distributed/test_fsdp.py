@@ -61,6 +61,24 @@ def test_what_fsdp2_cannot_do_is_named_with_its_fix() -> None:
     assert "bfloat16 or float32" in fsdp.fsdp_problems(plain.train, plain.lora, torch.float16)[0]
 
 
+def test_the_qlora_advice_names_only_launches_that_run_qlora() -> None:
+    """FSDP2's refusal of --use_qlora advised DeepSpeed ZeRO-2, which the launch check refuses for QLoRA too (every
+    DeepSpeed stage): it names DDP and one process, and the launch check takes both."""
+    from open_sft.config.launch import LaunchPlan
+    from open_sft.config.launch_check import QLORA_UNDER_DEEPSPEED, launch_problems
+
+    c = config("--use_qlora")
+    assert fsdp.fsdp_problems(c.train, c.lora, torch.bfloat16) == [
+        "--use_qlora under FSDP2: 4-bit weights cannot be sharded into DTensors here; use --use_lora, or train QLoRA "
+        "with DDP (accelerate launch --multi_gpu --num_processes N finetune.py ...) or in one process (python "
+        "finetune.py ...)"]
+    for parallelism in (Parallelism("ddp", 2, dp_replicate=2), Parallelism("single", 1)):
+        assert launch_problems(c, LaunchPlan(c.train, torch.bfloat16, None, parallelism), None) == []
+    deepspeed = LaunchPlan(c.train, torch.bfloat16, {"zero_optimization": {"stage": 2}},
+                           Parallelism("deepspeed", 2, dp_shard=2))
+    assert QLORA_UNDER_DEEPSPEED in launch_problems(c, deepspeed, None)
+
+
 @pytest.fixture
 def llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
