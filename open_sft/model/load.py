@@ -23,9 +23,10 @@ EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
 def attn_implementation(args: ModelArguments, config: Any = None) -> str:
     """The kernel `auto` stands for here: flash-attn on a GPU (Ampere or later) that has the package, else sdpa, for a
     model class that supports it; a class that does not (Gemma-2, gpt-oss, Bloom, MPT, XGLM: transformers refuses sdpa
-    for them) gets eager attention, as transformers' own default gives it, and so does a class whose attention flash-attn
-    2 does not compute (`flash_problem`: gpt-oss's sinks). An explicit choice was checked against the machine up
-    front (config.checks), and flash_attention_2 against the model (config.launch_check); refused here too."""
+    for them) gets eager attention, as transformers' own default gives it, and so does a class whose attention
+    flash-attn 2 does not compute (`flash_attention_problem`: gpt-oss's sinks). An explicit choice was checked against
+    the machine up front (config.checks), and flash_attention_2 against the model (config.launch_check); refused here
+    too."""
     model_class = _model_class(config)
     flash_problem = flash_attention_problem(config)
     if args.attn_implementation == "flash_attention_2" and flash_problem:

@@ -142,6 +142,7 @@ def test_the_olmo3_training_script_means_the_same(monkeypatch) -> None:
     from open_sft.config import checks
 
     monkeypatch.setattr(checks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checks.torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100
     monkeypatch.setattr(checks, "_installed", lambda package: True)
     config = parse_config(
         "--model_name_or_path m --tokenizer_name_or_path tok --max_seq_length 32768 --per_device_train_batch_size 1 "

@@ -95,11 +95,13 @@ def online_services(monkeypatch) -> None:
 
 @pytest.fixture
 def gpu_machine(monkeypatch) -> None:
-    """A CUDA machine with flash-attn and liger-kernel installed (what --use_flash_attn and --use_liger_kernel need;
-    on a CPU they are refused up front, which test_model_options checks)."""
+    """A CUDA machine (an H100: flash-attn 2 needs Ampere or later) with flash-attn and liger-kernel installed (what
+    --use_flash_attn and --use_liger_kernel need; on a CPU they are refused up front, which test_model_options
+    checks)."""
     from open_sft.config import checks
 
     monkeypatch.setattr(checks.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checks.torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(checks, "_installed", lambda package: True)
 
 

@@ -99,6 +99,7 @@ def test_flash_attention_2_is_not_taken_where_it_would_drop_attention_sinks(fami
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
                         else find_spec(name, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100
     config = AutoConfig.for_model(family)
     auto = ModelArguments(model_name_or_path="m")
     kind = "eager"  # transformers' own default for these classes (no sdpa: it cannot add the sinks either)
