@@ -79,6 +79,28 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+_PARTITIONED = "its parameters are partitioned here"
+_FLASH_OFF_DEVICE = ("its flash_attention_2 (the flash-attn package: CUDA tensors only) cannot run where the model is "
+                     "checked (before DeepSpeed places it on the GPU)")
+_CHECK_ELSEWHERE = {_PARTITIONED: "check it once without ZeRO-3/FSDP/TP (a one-process run of a few steps)",
+                    _FLASH_OFF_DEVICE: "check it once in one process (python finetune.py ... --max_train_steps 2) or "
+                                       "train it with --attn_implementation sdpa"}
+
+
+def _not_run_here(model: nn.Module) -> Optional[str]:
+    """Why the probes cannot run the model here, or None: parameters not whole on this rank (ZeRO-3, FSDP2, TP), or
+    flash_attention_2 with the model where flash-attn cannot run it (on the CPU under DeepSpeed ZeRO-1/2, which places
+    the model itself after this check: check_device)."""
+    from open_sft.model import packed_attention
+
+    if _partitioned(model):
+        return _PARTITIONED
+    device = next(model.parameters()).device
+    if uses_flash(causal_lm_of(model)) and device.type != packed_attention.KERNEL_DEVICE:
+        return _FLASH_OFF_DEVICE
+    return None
+
+
 def _partitioned(model: nn.Module) -> bool:
     """Parameters that are not whole on this rank (ZeRO-3, FSDP2, TP): no forward outside the training engine."""
     from torch.distributed.tensor import DTensor
@@ -191,14 +213,13 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
         return None
     if family in LEAKS:
         raise _leaking(family, LEAKS[family])
-    if _partitioned(model):
+    why = _not_run_here(model)
+    if why:
         recurrent = recurrent_layers(model)
         if recurrent:
-            raise _leaking(family, f"{recurrent}: {_RECURRENT}; its parameters are partitioned here, so it cannot be "
-                           "checked at start")
+            raise _leaking(family, f"{recurrent}: {_RECURRENT}; {why}, so it cannot be checked at start")
         logger.warning("--packing: model type %r is not among the families open_sft has verified to keep packed "
-                       "examples apart, and its parameters are partitioned here, so it is not checked at start; "
-                       "check it once without ZeRO-3/FSDP/TP (a one-process run of a few steps)", family)
+                       "examples apart, and %s, so it is not checked at start; %s", family, why, _CHECK_ELSEWHERE[why])
         return None
     dtype = compute_dtype if compute_dtype in HALF else next(model.parameters()).dtype
     redone = kernel = ""

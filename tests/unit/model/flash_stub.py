@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import modeling_flash_attention_utils as flash_utils
 
+from open_sft.model import packed_attention
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None,
             window: tuple[int, int], softcap: float) -> torch.Tensor:
@@ -63,5 +65,6 @@ def flash_stub(monkeypatch) -> Iterator[FlashStub]:
     entry = (stub.flash_attn_func, stub.flash_attn_varlen_func, None, flash_utils._pad_input, flash_utils._unpad_input)
     monkeypatch.setattr(flash_utils, "_lazy_imports", lambda *args, **kwargs: entry)
     monkeypatch.setattr(flash_utils, "_loaded_implementation", None)
+    monkeypatch.setattr(packed_attention, "KERNEL_DEVICE", "cpu")  # the CPU stands in for flash-attn's GPU
     yield stub
     flash_utils._loaded_implementation = None

@@ -100,3 +100,22 @@ def test_the_start_up_check_holds_a_family_to_handing_the_lengths_on(flash_stub,
                                                                     if not k.startswith(("cu_seq", "max_length"))}))
     with pytest.raises(UserError, match="--packing: model type 'olmo3' lets packed examples see each other"):
         check_packing(model)
+
+
+def test_flash_attention_2_where_flash_attn_cannot_run_is_not_run_by_the_start_up_check(flash_stub, monkeypatch,
+                                                                                        caplog) -> None:
+    """Under DeepSpeed ZeRO-1/2 the start-up check runs before DeepSpeed places the model on the GPU: flash-attn's
+    kernels take CUDA tensors only, so an unverified family under flash_attention_2 is not run there (it would stop
+    the run with flash-attn's error) but named in a warning with the fix; a recurrent one is still refused by name."""
+    from open_sft.model import packed_attention
+    from open_sft.model.packing_check import check_packing
+
+    monkeypatch.setattr(packed_attention, "KERNEL_DEVICE", "cuda")  # flash-attn's device, the model on the CPU
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_of("olmo3", False), dtype=torch.float32,
+                                             attn_implementation="eager")
+    model.config._attn_implementation = FLASH
+    with caplog.at_level("WARNING", logger="open_sft.model.packing_check"):
+        assert check_packing(model) is None
+    assert flash_stub.calls == []
+    assert "model type 'olmo3'" in caplog.text and "--attn_implementation sdpa" in caplog.text
