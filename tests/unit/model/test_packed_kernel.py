@@ -11,25 +11,12 @@ import pytest
 import torch
 import transformers
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from open_sft.model import packed_attention
-from tests.unit.model.varlen_stand_in import cpu_as_gpu, reference_varlen  # noqa: F401 (a fixture)
+from tests.unit.model.varlen_stand_in import cpu_as_gpu, own_sdpa_entry, reference_varlen  # noqa: F401 (fixtures)
 
 POSITIONS = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]])  # examples 3 2 5 | 6 4
 SEGMENT = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2], [0, 0, 0, 0, 0, 0, 1, 1, 1, 1]])
-
-
-@pytest.fixture(autouse=True)
-def sdpa_entry():
-    """transformers' own "sdpa" entry for each test (one installed before would be kept: install does not wrap
-    twice), and what was there put back after."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
-    yield
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = before
 
 
 def block_mask(window: int | None = None) -> torch.Tensor:

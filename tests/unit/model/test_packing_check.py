@@ -6,27 +6,13 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 import transformers
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from open_sft.distributed.parallelism import Parallelism
 from open_sft.model import packed_attention
 from open_sft.model.packing_check import check_device, check_packing, route_packed_rows
-from tests.unit.model.varlen_stand_in import reference_varlen
-
-
-@pytest.fixture(autouse=True)
-def sdpa_entry():
-    """transformers' own "sdpa" entry for each test (one installed before would be kept: install does not wrap
-    twice), and what was there put back after."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
-    yield
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = before
+from tests.unit.model.varlen_stand_in import own_sdpa_entry, reference_varlen  # noqa: F401 (a fixture)
 
 
 def test_the_start_up_check_on_a_gpu_machine_runs_while_the_model_is_on_the_cpu(monkeypatch, caplog) -> None:

@@ -13,8 +13,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from open_sft.model import packed_attention
+
+
+@pytest.fixture(autouse=True)
+def own_sdpa_entry():
+    """transformers' own "sdpa" entry for each test of a module that imports this fixture (one installed before would be kept: install does not wrap
+    twice), and what was there put back after."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    yield
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = before
 
 
 @pytest.fixture
