@@ -13,11 +13,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 
 from open_sft.config.args import LoraArguments, ModelArguments
 from open_sft.errors import UserError
-from open_sft.model.anatomy import outside_text_path, param_numel, param_shape, text_config
+from open_sft.model.anatomy import layer_values, outside_text_path, param_numel, param_shape, text_config
 from open_sft.model.source import unreachable_problem
 
 logger = logging.getLogger(__name__)
 EMBEDDING_MULTIPLE = 64  # rows a full model's grown embedding is padded to
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's kernels
 
 
 def attn_implementation(args: ModelArguments, config: Any = None) -> str:
@@ -53,6 +54,11 @@ def flash_attention_problem(config: Any) -> Optional[str]:
     model_class = _model_class(config)
     if model_class is None:
         return None
+    widest = max((d for d in layer_values(text_config(config), "head_dim") if isinstance(d, int)), default=0)
+    if widest > FLASH_MAX_HEAD_DIM:  # Gemma 4's full-attention layers: 512
+        return (f"--attn_implementation flash_attention_2: {model_class.__name__}'s attention heads are up to {widest} "
+                f"wide, over the {FLASH_MAX_HEAD_DIM} flash-attn 2 computes; use --attn_implementation auto (here: "
+                "sdpa) or sdpa")
     import inspect
     import sys
 

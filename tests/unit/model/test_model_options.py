@@ -373,3 +373,33 @@ def test_an_override_that_changes_the_weights_shapes_is_named(tiny_model_dir) ->
     assert "attention_dropout" not in message and "drop it" in message
     assert load_model(model_args(tiny_model_dir, additional_model_arguments='{"attention_dropout": 0.1}')) \
         .config.attention_dropout == 0.1
+
+
+def test_flash_attention_2_is_not_taken_where_heads_are_wider_than_flash_attn_computes(monkeypatch) -> None:
+    """Gemma 4's full-attention layers are 512 wide (global_head_dim), over the 256 flash-attn 2 has kernels for: its
+    first forward there would stop. `auto` gives sdpa on a GPU with flash-attn; an explicit flash_attention_2 is
+    refused with the width and the fix; Gemma 3 (256) and Llama (128) still take flash-attn."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    from open_sft.errors import UserError
+    from open_sft.model import load
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100
+    auto = ModelArguments(model_name_or_path="m")
+    flash = ModelArguments(model_name_or_path="m", attn_implementation="flash_attention_2")
+    for family, name in [("gemma4_text", "Gemma4ForCausalLM"), ("gemma4", "Gemma4ForConditionalGeneration")]:
+        config = AutoConfig.for_model(family)
+        assert load.attn_implementation(auto, config) == "sdpa"
+        assert load.flash_attention_problem(config) == (
+            f"--attn_implementation flash_attention_2: {name}'s attention heads are up to 512 wide, over the 256 "
+            "flash-attn 2 computes; use --attn_implementation auto (here: sdpa) or sdpa")
+        with pytest.raises(UserError, match="up to 512 wide"):
+            load.attn_implementation(flash, config)
+    for family in ["gemma3_text", "llama"]:
+        assert load.attn_implementation(auto, AutoConfig.for_model(family)) == "flash_attention_2"
