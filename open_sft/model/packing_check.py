@@ -230,6 +230,7 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
         if not (math.isfinite(leak) and math.isfinite(dependence) and finite):
             # half precision overflowed in a probe (fp16's gradients): it cannot tell; whether examples are kept
             # apart, and whether a packed row's gradients are finite, is structural, and fp32 tells it
+            _fp32_runs(model, family, "half precision overflowed in it")
             with in_fp32(model):
                 leak, dependence, dtype = packing_leak(model), packing_dependence(model), None
                 finite = packed_gradients_finite(model)
@@ -239,8 +240,9 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
             # dtype's). Routed models only: on a GPU fp32 takes the per-example attention, not the varlen kernel, so
             # for a dense model this would judge another path than the one trained; for a routed one the kernel is
             # held to the per-example attention at the first attention layer, before any router, in the run's dtype
-            kernel = _kernel_at_first_layer(model, family, compute_dtype)
             redone = f"half precision's rounding moved them by {leak:.1e}"
+            _fp32_runs(model, family, redone)
+            kernel = _kernel_at_first_layer(model, family, compute_dtype)
             leak, dtype = _fp32_leak(model, family, leak), None
     except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
         raise UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
@@ -259,6 +261,16 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
                         "are fine); please report the model type")
     return (f"--packing: model type {family!r} keeps packed examples apart (checked at start"
             f"{f' in fp32: {redone}' if redone else ''}: {leak:.1e}, dependence {dependence:.1e}{kernel})")
+
+
+def _fp32_runs(model: nn.Module, family: str, why: str) -> None:
+    """Refused where the check's fp32 measure cannot run: flash-attn computes bf16/fp16 only (under
+    flash_attention_2 fp32 queries stop it)."""
+    if uses_flash(causal_lm_of(model)):
+        raise UserError(f"--packing: model type {family!r} could not be checked at start for keeping packed examples "
+                        f"apart: {why}, and the fp32 measure that tells it cannot run under flash_attention_2 "
+                        "(flash-attn computes bf16/fp16 only); train with --attn_implementation sdpa (checked in fp32 "
+                        "there), or without --packing")
 
 
 def _kernel_at_first_layer(model: nn.Module, family: str, compute_dtype: Optional[torch.dtype]) -> str:
