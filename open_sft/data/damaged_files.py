@@ -10,6 +10,7 @@ a directory's .zst files are walked frame by frame and block by block from their
 
 from __future__ import annotations
 
+import logging
 import lzma
 import zlib
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from open_sft.data.local_files import holds_json_lines, line_chunks, parse_json_
 from open_sft.data.row_error import RowError
 from open_sft.errors import UserError
 
+logger = logging.getLogger(__name__)
 READ_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError, UnicodeDecodeError)
 # by name: zstandard's, pyarrow's "JSON parse error" and json's (not datasets' CastError, files of other columns: no
 # file is damaged, and reading them all again would only delay its message)
@@ -43,7 +45,10 @@ def damaged_file(directory: Path) -> Optional[str]:
     """What is wrong with the first data file under `directory` that cannot be read, None when each reads: a cut-short
     or damaged archive (with the lines of its text before the damage), text that is not UTF-8, a JSON Lines line
     that is not a JSON object, a JSON document that does not parse."""
-    for path in data_files(directory):
+    files = list(data_files(directory))
+    logger.info("%s: datasets could not read one of its %d data files and does not say which: reading them again, in "
+                "its order, to name it", directory, len(files))
+    for path in files:
         try:
             _read_through(path)
         except UserError as exc:

@@ -198,7 +198,8 @@ def test_a_directory_of_compressed_shards_reads_all_their_rows(tmp_path) -> None
     assert sorted(row["id"] for row in read_source(spec).rows) == ["0-0", "0-1", "0-2", "1-0", "1-1", "1-2"]
 
 
-def test_a_damaged_shard_of_a_directory_is_named_with_its_last_whole_line(tokenizer, tmp_path, monkeypatch) -> None:
+def test_a_damaged_shard_of_a_directory_is_named_with_its_last_whole_line(tokenizer, tmp_path, monkeypatch,
+                                                                           caplog) -> None:
     """A directory of .jsonl.gz shards, one cut short: datasets' JSON loader said only "Compressed file ended before
     the end-of-stream marker was reached". The error names the shard, the last whole line of its text (as many as
     zlib decompresses from the cut bytes) and the fix; the build leaves no cache entry. A shard with a line that is
@@ -218,8 +219,11 @@ def test_a_damaged_shard_of_a_directory_is_named_with_its_last_whole_line(tokeni
     whole = zlib.decompressobj(31).decompress(cut).count(b"\n")  # the lines gzip's own decompressor gets back
     assert 0 < whole < 300
     args = DataArguments(dataset_mixer_list=[str(shards), "1.0"], max_seq_length=64)
-    with pytest.raises(UserError) as info:
+    with pytest.raises(UserError) as info, caplog.at_level("INFO", logger="open_sft.data.damaged_files"):
         prepare_data(args, tokenizer, 3)
+    # said before the files are read again (a large corpus takes a while)
+    assert f"{shards}: datasets could not read one of its 4 data files and does not say which: reading them " \
+           "again, in its order, to name it" in caplog.text
     assert str(info.value) == (
         f"{shards}/train-00002.jsonl.gz: the gzip stream ends before its end (after line {whole} of its text): the "
         "file is cut short (an interrupted download or copy); fetch it again; or move that file out of the directory "
