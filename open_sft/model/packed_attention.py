@@ -322,8 +322,10 @@ def _per_example(inner: Callable, kernel: Optional[Callable] = None) -> Callable
             n = q.shape[0]
             padded = [_to_bucket(t.transpose(0, 1)[None], n) for t in (q, k, v)]
             size = padded[0].shape[2]
-            if masked:  # the example's own block of transformers' mask
+            if masked:  # the example's own block of transformers' mask, and the layer's window where it is shorter
                 mask = _example_mask(allowed, offset // length, offset % length, n, size)
+                if window is not None and n > window:  # (its diagonal kept: no query left without a key)
+                    mask = mask & window_mask(size, window, q.device)
                 out, _ = inner(module, *padded, mask, is_causal=False, **kwargs)
             elif window is not None and n > window:  # the layer's window, which sdpa reads only from a mask
                 out, _ = inner(module, *padded, window_mask(size, window, q.device), is_causal=False, **kwargs)

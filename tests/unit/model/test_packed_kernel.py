@@ -145,3 +145,20 @@ def test_gemma4_packed_rows_train_on_the_kernel_where_it_applies(cpu_as_gpu, mon
         alone = torch.cat([model(input_ids=ids[:, :10]).logits, model(input_ids=ids[:, 10:]).logits], dim=1).float()
     assert shapes == [(32, (15, 0))] * 5
     torch.testing.assert_close(packed, alone, rtol=5e-2, atol=5e-2)
+
+
+def test_a_mask_wider_than_the_layers_window_still_gets_the_window() -> None:
+    """A sliding layer whose mask from transformers allows more than its window (causal within each example, no
+    window) is judged not plain and attends each example through its block of that mask: the layer's window is
+    applied to that block too, as an example alone gets it, not dropped (window 3; examples of 3, 2, 5 | 6, 4)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 10, 16)
+    k, v = (torch.randn(2, 2, 10, 16) for _ in range(2))
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    expected, _ = sdpa_attention_forward(module, q, k, v, block_mask(3), scaling=0.3)
+    wider, _ = sdpa_attention_forward(module, q, k, v, block_mask(None), scaling=0.3)
+    assert (expected - wider).abs().max() > 0.1  # the window matters here
+    wrapped = packed_attention._per_example(sdpa_attention_forward)
+    out, _ = wrapped(module, q, k, v, block_mask(None), position_ids=POSITIONS, scaling=0.3, sliding_window=3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
