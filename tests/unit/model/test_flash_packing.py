@@ -16,7 +16,7 @@ from open_sft.model.flash_packing import FLASH, packed_rows, uses_flash
 from open_sft.model.loss import TokenLossModel
 from open_sft.model.loss_parity import VERIFIED
 from tests.unit.model.flash_stub import flash_stub  # noqa: F401 (a fixture)
-from tests.unit.model.test_packed_families import SMALL, config_of
+from tests.unit.model.test_packed_families import SMALL, build, config_of
 
 LENGTHS = [13, 9, 4, 6]  # in rows of 20: [13, 6] and [9, 4] with 6 positions of padding, the window 5 shorter
 ROW = 20
@@ -28,14 +28,9 @@ def flash_families() -> list[str]:
 
 
 def flash_model(family: str) -> TokenLossModel:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_of(family, True), dtype=torch.float32,
-                                             attn_implementation="eager").eval()
-    with torch.no_grad():  # attention that matters at these sizes
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() == 2 else None
-    model.config._attn_implementation = FLASH  # what loading with flash_attention_2 sets, where flash-attn exists
-    return TokenLossModel(model)
+    model = build(family, True, attn_implementation="eager")
+    model.causal_lm().config._attn_implementation = FLASH  # what loading with flash_attention_2 sets, with flash-attn
+    return model
 
 
 def examples() -> list[Example]:

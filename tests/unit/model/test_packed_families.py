@@ -57,10 +57,10 @@ def sdpa_families() -> list[str]:
                   if AutoModelForCausalLM._model_mapping[type(config_of(f, False))]._supports_sdpa)
 
 
-def build(family: str, window: bool, state: dict | None = None) -> TokenLossModel:
+def build(family: str, window: bool, state: dict | None = None, attn_implementation: str = "sdpa") -> TokenLossModel:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_of(family, window), dtype=torch.float32,
-                                             attn_implementation="sdpa").eval()
+                                             attn_implementation=attn_implementation).eval()
     with torch.no_grad():  # attention that matters at these sizes
         for p in model.parameters():
             p.mul_(4.0) if p.dim() == 2 else None
