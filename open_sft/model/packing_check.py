@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -244,9 +245,8 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
             _fp32_runs(model, family, redone)
             kernel = _kernel_at_first_layer(model, family, compute_dtype)
             leak, dtype = _fp32_leak(model, family, leak), None
-    except TypeError as exc:  # a forward that takes no position_ids cannot be told where examples start
-        raise UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
-                        "examples are told apart; train without --packing") from None
+    except TypeError as exc:
+        raise _not_taken(family, exc) from None
     if not (math.isfinite(leak) and math.isfinite(dependence)):
         raise UserError(f"--packing: model type {family!r} gives non-finite hidden states or gradients when checked "
                         "for keeping packed examples apart, also in fp32, so it cannot be told; train without "
@@ -261,6 +261,28 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
                         "are fine); please report the model type")
     return (f"--packing: model type {family!r} keeps packed examples apart (checked at start"
             f"{f' in fp32: {redone}' if redone else ''}: {leak:.1e}, dependence {dependence:.1e}{kernel})")
+
+
+_UNTAKEN = re.compile(r"unexpected keyword argument '(position_ids|cu_seq_lens_[qk]|max_length_[qk])'")
+
+
+def _not_taken(family: str, exc: TypeError) -> Exception:
+    """The refusal for a forward that does not take what tells packed examples apart (position_ids; under
+    flash_attention_2 also flash-attention's cu_seq_lens and max_length); any other TypeError is the probe's or the
+    model's fault, and is raised as it is, with a note to report it."""
+    untaken = _UNTAKEN.search(str(exc))
+    if untaken is None:
+        exc.add_note(f"--packing: raised by model type {family!r} while open_sft checked at start that it keeps packed "
+                     "examples apart; please report it with the model type (training without --packing skips the "
+                     "check)")
+        return exc
+    name = untaken.group(1)
+    if name == "position_ids":
+        return UserError(f"--packing: model type {family!r} does not take position_ids ({exc}), which is how packed "
+                         "examples are told apart; train without --packing")
+    return UserError(f"--packing: model type {family!r} does not take {name} ({exc}), which is how packed examples "
+                     "are told apart under flash_attention_2; train with --attn_implementation sdpa, or without "
+                     "--packing")
 
 
 def _fp32_runs(model: nn.Module, family: str, why: str) -> None:

@@ -1,15 +1,18 @@
 """The start-up packing check on a GPU machine and under --torch_compile: it ran the model on the CPU, where torch's
 CUDA variable-length kernel (installed on every GPU machine) refused it, and ran its probes through the compiled
-layers until dynamo's recompile limit, which left them eager for the whole run."""
+layers until dynamo's recompile limit, which left them eager for the whole run. And what a forward that raises
+TypeError is told."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 import transformers
 
 from open_sft.distributed.parallelism import Parallelism
+from open_sft.errors import UserError
 from open_sft.model import packed_attention
 from open_sft.model.packing_check import check_device, check_packing, route_packed_rows
 from tests.unit.model.varlen_stand_in import own_sdpa_entry, reference_varlen  # noqa: F401 (a fixture)
@@ -74,3 +77,61 @@ def test_the_start_up_check_leaves_compiled_layers_for_training_to_compile() -> 
         assert counters["stats"]["unique_graphs"] >= 2  # none at the recompile limit (before: 14 graphs, 0 new)
     finally:
         torch._dynamo.reset()
+
+
+def tiny_ctrl() -> torch.nn.Module:
+    """A small family outside the verified ones, so checked at start."""
+    config = transformers.CTRLConfig(vocab_size=96, n_positions=64, n_embd=32, dff=64, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_a_type_error_inside_the_forward_is_not_taken_for_a_forward_without_position_ids() -> None:
+    """Every TypeError the probes raised was reported as 'model type X does not take position_ids', also one from a
+    bug inside a decoder layer, which the user then could neither fix nor report as what it was. That one is raised
+    as it is (its traceback), with a note naming the family and the check; a forward that really has no
+    position_ids is still refused with the fix."""
+    model = tiny_ctrl()
+
+    def broken_layer(*args, **kwargs):
+        return len(None)
+
+    model.transformer.h[1].forward = broken_layer
+    with pytest.raises(TypeError, match=r"object of type 'NoneType' has no len\(\)") as raised:
+        check_packing(model)
+    assert not isinstance(raised.value, UserError)
+    assert raised.value.__notes__ == [
+        "--packing: raised by model type 'ctrl' while open_sft checked at start that it keeps packed examples apart; "
+        "please report it with the model type (training without --packing skips the check)"]
+
+    model = tiny_ctrl()
+    backbone = model.transformer.forward
+
+    def no_positions(input_ids, use_cache=None):
+        return backbone(input_ids=input_ids, use_cache=use_cache)
+
+    model.transformer.forward = no_positions
+    with pytest.raises(UserError, match=r"^--packing: model type 'ctrl' does not take position_ids \(.*no_positions\(\) "
+                                        r"got an unexpected keyword argument 'position_ids'\), which is how packed "
+                                        r"examples are told apart; train without --packing$"):
+        check_packing(model)
+
+
+def test_a_forward_without_flash_attentions_packed_arguments_is_refused_with_sdpa_as_the_fix(monkeypatch) -> None:
+    """Under flash_attention_2 the probes hand the backbone where each example starts (cu_seq_lens_q, ...), as
+    training does: a forward that takes position_ids but not those is refused naming them, with sdpa as the fix."""
+    from open_sft.model import packing_check
+
+    model = tiny_ctrl()
+    backbone = model.transformer.forward
+
+    def positions_only(input_ids, position_ids=None, use_cache=None):
+        return backbone(input_ids=input_ids, position_ids=position_ids, use_cache=use_cache)
+
+    model.transformer.forward = positions_only
+    monkeypatch.setattr(packing_check, "uses_flash", lambda model: True)
+    monkeypatch.setattr(packing_check, "_not_run_here", lambda model: None)
+    with pytest.raises(UserError, match=r"^--packing: model type 'ctrl' does not take cu_seq_lens_q \(.*\), which is "
+                                        r"how packed examples are told apart under flash_attention_2; train with "
+                                        r"--attn_implementation sdpa, or without --packing$"):
+        check_packing(model)
