@@ -226,15 +226,15 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
     open_sft.config.launch_check)."""
     m, lora, problems = config.model, config.lora, []
     cuda, flash = torch.cuda.is_available(), _installed("flash_attn")
+    given, fix = _flash_flag(config)
     if m.attn_implementation == "flash_attention_2" and not (cuda and flash):
-        problems.append("--attn_implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-                        f"(CUDA available: {cuda}, flash-attn installed: {flash}); "
-                        "use --attn_implementation sdpa")
+        problems.append(f"{given} needs a CUDA GPU and the flash-attn package "
+                        f"(CUDA available: {cuda}, flash-attn installed: {flash}); {fix}")
     elif m.attn_implementation == "flash_attention_2" and torch.cuda.get_device_capability() < (8, 0):
-        problems.append("--attn_implementation flash_attention_2 needs a GPU of compute capability 8.0 or later "
+        problems.append(f"{given} needs a GPU of compute capability 8.0 or later "
                         "(Ampere: A100, A10, RTX 30xx, and newer); this one is "
                         f"{'.'.join(map(str, torch.cuda.get_device_capability()))} ({torch.cuda.get_device_name()}), "
-                        "which flash-attn 2 refuses; use --attn_implementation sdpa")
+                        f"which flash-attn 2 refuses; {fix}")
     if m.use_liger_kernel and not cuda:
         problems.append("--use_liger_kernel needs a CUDA GPU (Liger's kernels are written in Triton); this machine "
                         "has no CUDA device. Drop --use_liger_kernel: open_sft's own loss path already avoids full "
@@ -252,6 +252,17 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
         problems.append("--use_qlora needs bitsandbytes>=0.50 (it has a CPU backend): pip install -e '.[qlora]' in the "
                         "open_sft checkout")
     return problems + chat_template_problems(config.data.chat_template_name, config.data.chat_template_path)
+
+
+def _flash_flag(config: FinetuneConfig) -> tuple[str, str]:
+    """The flag that asked for flash_attention_2 as the user gave it, and its fix: open-instruct's --use_flash_attn
+    (translated onto --attn_implementation, which it contradicts when also given otherwise), ours, or both."""
+    if "use_flash_attn" not in config.explicit:
+        return "--attn_implementation flash_attention_2", "use --attn_implementation sdpa"
+    if "attn_implementation" not in config.explicit:
+        return "--use_flash_attn", "drop --use_flash_attn (or give --use_flash_attn false): attention is then sdpa"
+    return ("--use_flash_attn (and --attn_implementation flash_attention_2)",
+            "drop --use_flash_attn and use --attn_implementation sdpa")
 
 
 def _installed(package: str) -> bool:

@@ -54,3 +54,42 @@ def test_an_explicit_flash_attention_2_is_refused_with_the_flags_before_ampere(g
     assert info.value.problems == [
         "--attn_implementation flash_attention_2 needs a GPU of compute capability 8.0 or later (Ampere: A100, A10, "
         "RTX 30xx, and newer); this one is 7.5 (Tesla T4), which flash-attn 2 refuses; use --attn_implementation sdpa"]
+
+
+@pytest.mark.parametrize("flags, given, fix", [
+    (["--use_flash_attn"], "--use_flash_attn",
+     "drop --use_flash_attn (or give --use_flash_attn false): attention is then sdpa"),
+    (["--use_flash_attn", "--attn_implementation", "flash_attention_2"],
+     "--use_flash_attn (and --attn_implementation flash_attention_2)",
+     "drop --use_flash_attn and use --attn_implementation sdpa")])
+def test_open_instructs_use_flash_attn_is_refused_by_its_own_name_before_ampere(gpu, tmp_path, flags, given, fix):
+    """open-instruct's --use_flash_attn on a T4 was refused naming --attn_implementation flash_attention_2, a flag the
+    user never typed, and its fix (add --attn_implementation sdpa) contradicts --use_flash_attn; the flag given is
+    named with a fix that parses, and that fix gives sdpa there."""
+    from open_sft.config.parse import parse_config
+    from open_sft.errors import ConfigError
+
+    gpu((7, 5))
+    argv = ["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir", str(tmp_path)]
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv + flags)
+    assert info.value.problems == [
+        f"{given} needs a GPU of compute capability 8.0 or later (Ampere: A100, A10, RTX 30xx, and newer); this one "
+        f"is 7.5 (Tesla T4), which flash-attn 2 refuses; {fix}"]
+    fixed = parse_config(argv + ["--use_flash_attn", "false"])
+    assert load.attn_implementation(fixed.model) == "sdpa"
+
+
+def test_use_flash_attn_without_the_package_is_refused_by_its_own_name(gpu, monkeypatch, tmp_path) -> None:
+    from open_sft.config import checks
+    from open_sft.config.parse import parse_config
+    from open_sft.errors import ConfigError
+
+    gpu((9, 0))
+    monkeypatch.setattr(checks, "_installed", lambda package: package != "flash_attn")
+    with pytest.raises(ConfigError) as info:
+        parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", "d.jsonl", "1.0", "--output_dir",
+                      str(tmp_path), "--use_flash_attn"])
+    assert info.value.problems == [
+        "--use_flash_attn needs a CUDA GPU and the flash-attn package (CUDA available: True, flash-attn installed: "
+        "False); drop --use_flash_attn (or give --use_flash_attn false): attention is then sdpa"]
