@@ -27,6 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # open_sft from
 from open_sft.config.whole_flags import WholeFlagParser  # noqa: E402
 
 
+def training_tokenizer(path: str, chat_template_name: str | None):
+    """The tokenizer as finetune.py loads it (open_sft.model.tokenizer.load_tokenizer: a bare tokenizer.json's eos
+    and pad filled in, so templates end turns with eos as training's do) with the run's chat template. A
+    `tokenizers` JSON file (which finetune.py refuses) is loaded as the directory holding only it that its refusal
+    says to make."""
+    import shutil
+
+    from open_sft.config.args import ModelArguments
+    from open_sft.data.chat.templates import apply_chat_template_choice
+    from open_sft.model.tokenizer import load_tokenizer
+
+    if Path(path).is_file():
+        with tempfile.TemporaryDirectory() as directory:
+            shutil.copy(path, Path(directory) / "tokenizer.json")
+            tokenizer = load_tokenizer(ModelArguments(model_name_or_path=directory))
+    else:
+        tokenizer = load_tokenizer(ModelArguments(model_name_or_path=path))
+    apply_chat_template_choice(tokenizer, chat_template_name, None)
+    return tokenizer
+
+
 def main() -> int:
     parser = WholeFlagParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: build the embedded one)")
@@ -40,8 +61,6 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="timed builds (each after a timed raw encode)")
     args = parser.parse_args()
 
-    from transformers import AutoTokenizer
-
     from open_sft.config.args import DataArguments
     from open_sft.data.documents import to_text
     from open_sft.data.format_detect import detect_format
@@ -49,7 +68,6 @@ def main() -> int:
     from open_sft.data.prepare import prepare_data
     from open_sft.data.chat.render import render
     from open_sft.data.sources import parse_mixer_list, read_source
-    from open_sft.data.chat.templates import apply_chat_template_choice
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -57,8 +75,7 @@ def main() -> int:
             from open_sft.embedded.factory import build_embedded_default
 
             args.tokenizer = str(build_embedded_default(tmp_path / "model", hidden_size=32, num_layers=1))
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        apply_chat_template_choice(tokenizer, args.chat_template_name, None)
+        tokenizer = training_tokenizer(args.tokenizer, args.chat_template_name)
         if args.data is None:
             from open_sft.embedded.sample_data import generate_examples, write_jsonl
 

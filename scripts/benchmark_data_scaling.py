@@ -89,23 +89,11 @@ print(json.dumps({"rows": len(texts), "tokens": sum(map(len, encoded)), "seconds
 
 
 def load_tokenizer(path: str, template: str):
-    """A tokenizer directory, or a `tokenizers` JSON file (eos/bos <|endoftext|>, pad <|padding|> when it has
-    them), with --chat_template_name applied."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """A tokenizer directory, or a `tokenizers` JSON file, as finetune.py loads it (benchmark_data's), with
+    --chat_template_name applied."""
+    from scripts.benchmark_data import training_tokenizer
 
-    from open_sft.data.chat.templates import apply_chat_template_choice
-
-    if Path(path).is_file():
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=path)
-        vocab = tokenizer.get_vocab()
-        eos = "<|endoftext|>" if "<|endoftext|>" in vocab else None
-        tokenizer.add_special_tokens({k: v for k, v in (("eos_token", eos), ("bos_token", eos),
-                                                        ("pad_token", "<|padding|>" if "<|padding|>" in vocab else eos))
-                                      if v})
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    apply_chat_template_choice(tokenizer, template or None, None)
-    return tokenizer
+    return training_tokenizer(path, template or None)
 
 
 def write_corpus(rows: list[dict], path: Path, size: int) -> int:
