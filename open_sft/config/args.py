@@ -159,8 +159,9 @@ class DataArguments:
     add_bos: bool = _help(
         "Begin every chat example with the tokenizer's bos token (prepended to the chat template, as "
         "open-instruct does, unless the template's rendering already opens with it; a tokenizer without one, "
-        "such as GPT-NeoX/OLMo's, uses its eos token), and every text document (which has it anyway where the "
-        "tokenizer's encoding begins a text with it; where bos is eos, it is the one eos between documents).",
+        "such as GPT-NeoX/OLMo's, uses its eos token; a bare tokenizer.json, naming neither, is refused), and "
+        "every text document (which has it anyway where the tokenizer's encoding begins a text with it; where bos "
+        "is eos, it is the one eos between documents).",
         default=False)
     sft_messages_key: str = _help("The column holding the conversation in messages-format rows.",
                                   default="messages")

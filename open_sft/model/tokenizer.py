@@ -37,6 +37,7 @@ def _fill_special_tokens(tokenizer: PreTrainedTokenizerBase, where: str) -> None
         logger.warning("tokenizer names no eos token; using %r, which it has (name eos_token in its "
                        "tokenizer_config.json to choose another)", found, **SAID_ALIKE_BY_EVERY_RANK)
         tokenizer.eos_token = found
+        tokenizer.open_sft_eos_from_vocab = where  # the tokenizer names no special tokens: add_bos_to_template asks
     if tokenizer.pad_token_id is None:
         pad = next((t for t in PAD_CANDIDATES if t in vocab and t != tokenizer.eos_token), None)
         # eos pads the batches only: the export names no pad token (open_sft.export.save.save_tokenizer)
@@ -70,9 +71,18 @@ def add_bos_to_template(tokenizer: PreTrainedTokenizerBase) -> None:
     """--add_bos: the chat template writes the bos token first, as open-instruct's does; a GPT-NeoX tokenizer (OLMo's
     first models) without a bos token uses its eos token, as open-instruct does. Any other tokenizer without one
     (Qwen's) gets nothing: open-instruct's `{{ bos_token }}` renders empty there, and an eos token before every
-    example would be a token the model never sees opening a prompt."""
+    example would be a token the model never sees opening a prompt. A tokenizer that names no special tokens at all
+    (a bare tokenizer.json: no class, its eos taken from its vocabulary) could be either: refused, naming the fix."""
     from transformers import GPTNeoXTokenizer
 
+    if tokenizer.bos_token is None and getattr(tokenizer, "open_sft_eos_from_vocab", None):
+        raise UserError(
+            f"--add_bos: the tokenizer of {tokenizer.open_sft_eos_from_vocab} names no bos token, nor eos (its "
+            f"{tokenizer.eos_token!r} was taken from its vocabulary: a tokenizer.json without a tokenizer_config.json "
+            "naming its special tokens), so the token that opens an example cannot be told: GPT-NeoX's and OLMo's "
+            "open with their eos (open-instruct stands it in for a GPTNeoXTokenizer), Qwen's with none. Name it in "
+            "a tokenizer_config.json beside the tokenizer.json, e.g. {\"bos_token\": \"<|endoftext|>\"} for "
+            "GPT-NeoX/OLMo's, or drop --add_bos")
     if tokenizer.bos_token is None:
         if not isinstance(tokenizer, GPTNeoXTokenizer):
             logger.warning("--add_bos: the tokenizer has no bos token; nothing to add (open-instruct stands its eos "
