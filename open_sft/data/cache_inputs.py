@@ -15,7 +15,8 @@ from open_sft.data.chat.render import DEFAULT_OPTIONS, chat_options
 from open_sft.data.chunks import Reader
 from open_sft.data.compressed import data_suffix
 from open_sft.data.format_detect import source_format
-from open_sft.data.sources import TEXT_SUFFIX, SourceSpec, parse_mixer_list, source_identity
+from open_sft.data.formats import without_arrow_fill
+from open_sft.data.sources import TEXT_SUFFIX, SourceSpec, parse_mixer_list, saved_by_datasets, source_identity
 from open_sft.data.template_date import template_dates
 from open_sft.errors import UserError
 
@@ -73,22 +74,39 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
 
 
 def text_only(args: DataArguments, specs: list[SourceSpec]) -> bool:
-    """Whether every source is text documents, known before the build: under --dataset_format text, or each source a
-    .txt file or a JSON Lines file whose first row is a document (the build takes a source's format from that row).
-    Another kind of source (parquet, a directory, a Hub dataset, a JSON document) is loaded whole before its first
-    row is read: a mixture holding one keeps the template in its key."""
+    """Whether every source is text documents, known before the build: under --dataset_format text, or each source's
+    first row a document (the build takes a source's format from that row) where that row is cheap to read as the
+    build reads it: a .txt file, JSON Lines, a parquet file (its first record batch), a `save_to_disk` directory
+    (memory-mapped). A JSON document, a directory laid out as a Hub dataset (datasets picks its split's files and
+    unifies their columns as it loads them all) and a Hub dataset are loaded whole first: a mixture holding one keeps
+    the template in its key."""
     if args.dataset_format != "auto":
         return args.dataset_format == "text"
-    return all(_text_file(spec, args) for spec in specs)
+    return all(_documents(spec, args) for spec in specs)
 
 
-def _text_file(spec: SourceSpec, args: DataArguments) -> bool:
-    path = Path(spec.name).expanduser()
-    if not path.is_file() or data_suffix(path) not in (".jsonl", ".json", TEXT_SUFFIX):
-        return False
-    try:  # a file that cannot be read is the build's to name
-        reader = Reader.open(spec)  # None: a JSON document
-        first, where = reader.first() if reader is not None else (None, "")
+def _documents(spec: SourceSpec, args: DataArguments) -> bool:
+    import pyarrow
+
+    try:  # a source that cannot be read is the build's to name
+        first, where = _first_row(spec)
         return first is not None and source_format(args, first, where) == "text"
-    except UserError:
+    except (UserError, OSError, ValueError, pyarrow.ArrowException):
         return False
+
+
+def _first_row(spec: SourceSpec) -> tuple[Optional[dict], str]:
+    """The source's first row as the build reads it (chunks.Reader.first), where that is cheap; else None."""
+    path = Path(spec.name).expanduser()
+    if path.is_file() and data_suffix(path) in (".jsonl", ".json", TEXT_SUFFIX):
+        reader = Reader.open(spec)  # None: a JSON document
+        return reader.first() if reader is not None else (None, "")
+    if path.is_file() and path.suffix == ".parquet":  # the build's datasets.Dataset.from_parquet converts it whole
+        import pyarrow.parquet
+
+        batch = next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=1), None)
+        row = batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+        return (None if row is None else without_arrow_fill(row)), f"{spec.name} row 0"
+    if path.is_dir() and saved_by_datasets(path):
+        return Reader.open(spec).first()  # datasets.load_from_disk, as the build opens it
+    return None, ""

@@ -228,7 +228,7 @@ def _with_causes(exc: BaseException, limit: int = 600) -> str:
     return " <- ".join(parts)
 
 
-def _saved_by_datasets(path: Path) -> bool:
+def saved_by_datasets(path: Path) -> bool:
     """A directory `Dataset.save_to_disk` / `DatasetDict.save_to_disk` wrote (else a Hub repository layout)."""
     return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
 
@@ -240,7 +240,7 @@ def open_dataset(spec: SourceSpec) -> Any:
     import datasets
 
     path = _local_path(spec)
-    if path.is_dir() and not _saved_by_datasets(path):
+    if path.is_dir() and not saved_by_datasets(path):
         cut = cut_short_zstd(path)  # which datasets would read without a word, short of the rows after the cut
         if cut:
             raise UserError(in_directory(cut, spec))

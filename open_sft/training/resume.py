@@ -197,8 +197,9 @@ def changed_data_refusal(state: dict[str, Any], now: dict[str, Any], current: di
         if line.startswith(IDENTITY_FLAGS["dataset_cache_key"]):
             lines += named or [f"{line} (no flag that shapes them changed: a source file's contents, the tokenizer's "
                                "files or the chat template did, or open_sft's tokenized data changed with an upgrade "
-                               "(its cache format, or a text-only mixture's key without the chat template since "
-                               "cache format 43))"]
+                               "(its cache format, or a text-only mixture's key without the chat template: since "
+                               "cache format 43 for .txt and JSON Lines sources, since a later upgrade for parquet "
+                               "files and save_to_disk directories))"]
         else:
             lines.append(line)
     return _refusal(state.get(PEEKED_PATH, "the checkpoint"), lines)

@@ -353,7 +353,8 @@ def test_a_text_only_mixture_is_one_entry_whatever_the_chat_template(tokenizer, 
     the template, so --chat_template_name tulu then zephyr tokenized the corpus twice into equal entries. A mixture
     whose every source is known for documents before the build (a .txt file, JSON Lines whose first row is a
     document, --dataset_format text) leaves the template out of its key: the other template finds the entry; a chat
-    source in the mixture, or a source read whole before its first row (parquet), keeps the template in the key."""
+    source in the mixture, or a source read whole before its first row (a directory laid out as a Hub dataset), keeps
+    the template in the key."""
     import datasets
 
     texts = [f"document {k}: " + "some words " * (k % 7) for k in range(30)]
@@ -381,8 +382,44 @@ def test_a_text_only_mixture_is_one_entry_whatever_the_chat_template(tokenizer, 
 
     chat = args_for(docs, cache_dir, dataset_mixer_list=[str(docs), "1.0", str(SAMPLE), "1.0"])
     assert key_of(chat, tokenizer) != key_of(chat, other)
-    parquet = tmp_path / "docs.parquet"
-    datasets.Dataset.from_list([{"text": text} for text in texts]).to_parquet(str(parquet))
-    assert key_of(args_for(parquet, cache_dir), tokenizer) != key_of(args_for(parquet, cache_dir), other)
-    forced = args_for(parquet, cache_dir, dataset_format="text")
+    hub_layout = tmp_path / "hub_layout"
+    hub_layout.mkdir()
+    datasets.Dataset.from_list([{"text": text} for text in texts]).to_parquet(str(hub_layout / "train.parquet"))
+    assert key_of(args_for(hub_layout, cache_dir), tokenizer) != key_of(args_for(hub_layout, cache_dir), other)
+    forced = args_for(hub_layout, cache_dir, dataset_format="text")
     assert key_of(forced, tokenizer) == key_of(forced, other)
+
+
+def test_a_parquet_file_or_saved_dataset_of_documents_is_one_entry_whatever_the_chat_template(tokenizer,
+                                                                                             tmp_path) -> None:
+    """A parquet file or a `save_to_disk` directory of documents kept the template in its key (their rows were read
+    only by loading them whole: datasets converts a parquet file into its own cache), so another
+    --chat_template_name tokenized the corpus again. Their first row is read cheaply as the build reads it (the
+    parquet file's first record batch; the saved dataset memory-mapped): documents leave the template out; chat rows,
+    and a directory laid out as a Hub dataset (datasets picks and unifies its files as it loads them), keep it."""
+    import datasets
+
+    texts = [f"document {k}: " + "some words " * (k % 5) for k in range(12)]
+    documents = datasets.Dataset.from_list([{"text": text, "url": f"u{k}"} for k, text in enumerate(texts)])
+    parquet, saved = tmp_path / "docs.parquet", tmp_path / "saved"
+    documents.to_parquet(str(parquet))
+    datasets.DatasetDict({"train": documents}).save_to_disk(str(saved))
+    chat = datasets.Dataset.from_list([json.loads(line) for line in SAMPLE.read_text().splitlines()[:4]])
+    chat.to_parquet(str(tmp_path / "chat.parquet"))
+    chat.save_to_disk(str(tmp_path / "chat_saved"))
+    other = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    other.chat_template = other.chat_template.replace("<|user|>", "<|user|> ")
+    cache_dir = tmp_path / "cache"
+    for source in (parquet, saved):
+        args = args_for(source, cache_dir, dataset_mixer_list=[str(source), "1.0"])
+        assert "chat_template" not in key_inputs(args, tokenizer, 1) and key_of(args, tokenizer) == key_of(args, other)
+        built, found = prepare_data(args, tokenizer, 1), prepare_data(args, other, 1)
+        assert (built.cache_hit, found.cache_hit, found.cache_path) == (False, True, built.cache_path)
+        eos = tokenizer.eos_token_id
+        assert [token for row in found.dataset for token in row["input_ids"]] == [
+            token for text in texts for token in tokenizer(text)["input_ids"] + [eos]]
+    for source in (tmp_path / "chat.parquet", tmp_path / "chat_saved", parquet):
+        mixture = [str(source), "1.0"] + ([str(tmp_path / "chat.parquet"), "1.0"] if source == parquet else [])
+        args = args_for(source, cache_dir, dataset_mixer_list=mixture)
+        assert key_inputs(args, tokenizer, 1)["chat_template"] == tokenizer.chat_template
+        assert key_of(args, tokenizer) != key_of(args, other)

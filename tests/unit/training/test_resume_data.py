@@ -62,8 +62,9 @@ def test_other_data_are_refused_before_they_are_tokenized_naming_the_flag(tmp_pa
     refusal = changed_data_refusal(state, settings(then), run_identity(then, "666d", ONE))
     assert f"  - {KEY_LINE}: checkpoint {first.cache_key!r}, now '666d' (no flag that shapes them changed: a " \
            "source file's contents, the tokenizer's files or the chat template did, or open_sft's tokenized data " \
-           "changed with an upgrade (its cache format, or a text-only mixture's key without the chat template since " \
-           "cache format 43))\n" in str(refusal)
+           "changed with an upgrade (its cache format, or a text-only mixture's key without the chat template: since " \
+           "cache format 43 for .txt and JSON Lines sources, since a later upgrade for parquet files and save_to_disk " \
+           "directories))\n" in str(refusal)
     # another --seed (it enters the key, and is an identity setting of its own): named once, no keys
     seeded = config(chat, "1.0", "--seed", "7")
     refusal = str(changed_data_refusal(state, settings(seeded), run_identity(seeded, "666d", ONE)))
