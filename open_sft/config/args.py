@@ -294,7 +294,8 @@ class TrainingArguments(OptimizerArguments):
     auto_micro_batch_size: bool = _help(
         "Use the largest micro-batch (a divisor of per_device_train_batch_size × gradient_accumulation_steps) "
         "whose estimated memory fits the rank, and raise the accumulation so the global batch, and so the "
-        "training math, stays the same. Not with --packing (the packing would change).", default=False
+        "training math, stays the same. Not with --packing (the packing would change), --loss_normalization mean "
+        "or a router load-balancing loss (both depend on the micro-batch).", default=False
     )
     max_memory_per_rank_gib: Optional[float] = _help(
         "Memory one rank may use, for the preflight warning and --auto_micro_batch_size. Default: the GPU's "

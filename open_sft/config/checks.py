@@ -218,6 +218,26 @@ def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
     if t.auto_micro_batch_size and t.packing:
         problems.append("--auto_micro_batch_size cannot keep the packing of --packing runs; set "
                         "--max_tokens_per_batch (the packed micro-batch's token budget) instead")
+    problems += _split_dependent_problems(t)
+    return problems
+
+
+def _split_dependent_problems(t: TrainingArguments) -> list[str]:
+    """--auto_micro_batch_size keeps the per-rank batch but splits it into other micro-batches: the same run only
+    where the loss does not depend on the split (--loss_normalization token or sum, no router loss)."""
+    if not t.auto_micro_batch_size:
+        return []
+    fix = ("set --per_device_train_batch_size and --gradient_accumulation_steps yourself (the preflight's memory "
+           "estimate says what fits; --dry_run shows it)")
+    problems = []
+    if t.loss_normalization == "mean":
+        problems.append("--auto_micro_batch_size with --loss_normalization mean: under mean each micro-batch's own "
+                        "mean counts, so another micro-batch size trains other gradients (micro-batch 8 and 2 × "
+                        f"accumulation 4 differ); {fix}, or use --loss_normalization token")
+    if t.load_balancing_loss:
+        problems.append("--auto_micro_batch_size with --load_balancing_loss: the router's load-balancing loss is "
+                        "computed over each micro-batch's routing, so another micro-batch size trains another "
+                        f"loss; {fix}, or drop --load_balancing_loss")
     return problems
 
 

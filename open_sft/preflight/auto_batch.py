@@ -5,7 +5,9 @@ HF Trainer's auto_find_batch_size halves the batch after an out-of-memory error,
 batch (and so the training math), and refuses ZeRO-3. Here the choice is made before anything is
 allocated, from the preflight memory estimate (on CPU an out-of-memory kills the process, so trying and
 catching is not an option), and only among micro-batches that divide the per-rank batch exactly: with
-token-normalised loss the run is then the same run, only split differently.
+token-normalised loss the run is then the same run, only split differently. A loss that depends on the split is
+refused: --loss_normalization mean and --load_balancing_loss with the flags (open_sft.config.checks), a router loss
+the model's config asks for here, once the model is known.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from open_sft.errors import UserError
+from open_sft.model.anatomy import causal_lm_of
+from open_sft.model.router_loss import router_loss_choice
 from open_sft.preflight.estimate import GIB, estimate_run
 
 if TYPE_CHECKING:
@@ -53,6 +57,7 @@ def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bo
     from open_sft.training.steps import plan_steps
 
     t = config.train
+    refuse_a_router_loss(t.load_balancing_loss, model)
     per_rank = t.per_device_train_batch_size * t.gradient_accumulation_steps
     world_size = parallelism.world_size
     candidates, fits, tried = [], [], []
@@ -76,3 +81,14 @@ def fit_micro_batch(config: Any, model: Any, data: Any, ds_config: Any, bf16: bo
         f"--auto_micro_batch_size: no micro-batch fits {SAFETY_FRACTION:.0%} of the memory per rank "
         f"({estimate.device_bytes / GIB:.2f} GiB, {estimate.device_name}); estimates: {'; '.join(tried)}. Use "
         "--gradient_checkpointing, a shorter --max_seq_length, ZeRO-3 or LoRA, or more memory")
+
+
+def refuse_a_router_loss(flag: Any, model: Any) -> None:
+    """A router load-balancing loss that the model's config turns on (output_router_logits: true, the flag not
+    given) is computed over each micro-batch's routing: another micro-batch size would train another loss."""
+    on, _ = router_loss_choice(flag, causal_lm_of(model).config)
+    if on:
+        raise UserError("--auto_micro_batch_size: the model's config trains the router's load-balancing loss "
+                        "(output_router_logits: true), which is computed over each micro-batch's routing, so "
+                        "another micro-batch size would train another loss; set --per_device_train_batch_size and "
+                        "--gradient_accumulation_steps yourself, or pass --no_load_balancing_loss")

@@ -139,3 +139,23 @@ def test_an_evaluation_amount_is_named_by_its_own_flag_and_shares_keep_their_own
     assert [p.split(" must")[0] for p in raised.value.problems] == ["--dataset_mixer_list: share 0 for a.jsonl"]
     assert parse_config(BASE + ["--eval_dataset_mixer_list", "b.jsonl", "20"]).data.eval_dataset_mixer_list == [
         "b.jsonl", "20"]
+
+
+def test_auto_micro_batch_size_is_refused_where_the_micro_batch_split_changes_the_loss() -> None:
+    """Under --loss_normalization mean (open-instruct's --reduce_loss mean) each micro-batch's mean counts, and the
+    router's load-balancing loss is computed per micro-batch: another split is another run
+    (tests/unit/training/test_loss_normalization.py measures it), so the flag that chooses the split is refused."""
+    auto = ["--auto_micro_batch_size", "--per_device_train_batch_size", "8"]
+    with pytest.raises(ConfigError) as error:
+        parse_config(BASE + auto + ["--reduce_loss", "mean"])
+    assert ("--auto_micro_batch_size with --loss_normalization mean: under mean each micro-batch's own mean counts"
+            in str(error.value))
+    assert "set --per_device_train_batch_size and --gradient_accumulation_steps yourself" in str(error.value)
+    assert "or use --loss_normalization token" in str(error.value)
+    with pytest.raises(ConfigError, match=r"--auto_micro_batch_size with --load_balancing_loss: the router's "
+                                          r"load-balancing loss is computed over each micro-batch's routing.*drop "
+                                          r"--load_balancing_loss"):
+        parse_config(BASE + auto + ["--load_balancing_loss"])
+    for fine in (["--loss_normalization", "token"], ["--loss_normalization", "sum"], ["--no_load_balancing_loss"]):
+        assert parse_config(BASE + auto + fine).train.auto_micro_batch_size
+    assert parse_config(BASE + ["--loss_normalization", "mean", "--load_balancing_loss"]).train.load_balancing_loss

@@ -125,3 +125,22 @@ def test_load_balancing_on_a_model_without_a_router_loss_says_why(family, extra,
         TokenLossModel(tiny(family, **extra), load_balancing=True)
     assert str(refused.value) == (f"--load_balancing_loss: model type {family!r} {why}, so there is no router "
                                   "load-balancing loss to add; drop the flag")
+
+
+@pytest.mark.parametrize(("flag", "asks", "refused"), [(None, True, True), (False, True, False), (None, False, False)])
+def test_auto_micro_batch_size_refuses_a_router_loss_the_models_config_turns_on(flag, asks, refused) -> None:
+    """The router loss is computed over each micro-batch's routing: --auto_micro_batch_size's other split would train
+    another loss. The flag is refused with --load_balancing_loss up front (open_sft.config.checks); the config's
+    own request is known once the model is, where the micro-batch is chosen."""
+    from open_sft.preflight.auto_batch import fit_micro_batch, refuse_a_router_loss
+
+    model = tiny("qwen3_moe", **QWEN3_MOE, output_router_logits=asks)
+    if not refused:
+        refuse_a_router_loss(flag, model)
+        return
+    config = SimpleNamespace(train=SimpleNamespace(load_balancing_loss=flag, per_device_train_batch_size=8,
+                                                   gradient_accumulation_steps=1))
+    with pytest.raises(UserError, match=r"--auto_micro_batch_size: the model's config trains the router's "
+                                        r"load-balancing loss \(output_router_logits: true\).*pass "
+                                        r"--no_load_balancing_loss"):
+        fit_micro_batch(config, model, None, None, False, 0, SimpleNamespace(world_size=1, distributed=False))
