@@ -10,8 +10,9 @@ over the global batch and normalised once, is the same sum taken in another orde
 
 What stays refused, and why:
   - a global batch that M ranks cannot hold in whole micro-batches (2 ranks × accumulation 1 → 4 ranks);
-  - --loss_normalization mean with token-balanced micro-batches: balancing groups a step's examples into
-    micro-batches by the number of ranks, and under mean each micro-batch's own mean counts;
+  - --loss_normalization mean, or an MoE router's load-balancing loss, with token-balanced micro-batches:
+    balancing groups a step's examples into micro-batches by the number of ranks, and under mean each
+    micro-batch's own mean counts, as each micro-batch's routing does in the router loss;
   - pipeline, tensor and sequence parallelism: their groups, not only the data-parallel degree, would change.
 
 Plain and DDP checkpoints hold the whole model and optimizer (accelerate's save_state on the main process); FSDP2
@@ -64,9 +65,10 @@ def batch_of(state: Optional[dict[str, Any]]) -> Optional[tuple[int, int]]:
     return global_batch(saved), int(saved["world_size"])
 
 
-def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> Optional[str]:
+def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str,
+             router_loss: bool = False) -> Optional[str]:
     """Why the checkpoint's steps cannot be trained on this run's number of ranks, whatever the accumulation;
-    None when they can."""
+    None when they can. `router_loss`: the run trains an MoE router's load-balancing loss."""
     engine = saved.get("engine", "torch")
     if engine != now.get("engine", engine) and not convertible(saved, now):
         return None  # the check names the other engine
@@ -81,6 +83,11 @@ def _refusal(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str
                 "micro-batches by the number of ranks, and under mean each micro-batch's mean counts; relaunch on "
                 f"{saved['world_size']} process(es) (a run that may change its ranks: --balance_micro_batches false "
                 "from its first step)")
+    if router_loss and now.get("balanced"):
+        return ("the router's load-balancing loss with --balance_micro_batches: balancing groups a step's examples "
+                "into micro-batches by the number of ranks, and the router loss is computed over each micro-batch's "
+                f"routing; relaunch on {saved['world_size']} process(es) (a run that may change its ranks: "
+                "--balance_micro_batches false from its first step)")
     return None
 
 
@@ -90,13 +97,14 @@ def convertible(saved: dict[str, Any], now: dict[str, Any]) -> bool:
     return saved.get("engine", "torch") in RESHARDABLE and now.get("engine", "torch") in RESHARDABLE
 
 
-def fitted_accumulation(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str) -> int:
+def fitted_accumulation(saved: dict[str, Any], now: dict[str, Any], loss_normalization: str,
+                        router_loss: bool = False) -> int:
     """The accumulation that keeps the checkpoint's global batch on this run's number of ranks. `now['
     gradient_accumulation_steps']` is the launch's: the checkpoint's (the same command relaunched) is fitted, any
     other must keep the global batch itself. Raises UserError naming the reason and the fix."""
     world, micro = int(now["world_size"]), int(now["micro_batch_size"])
     was = f"the {saved['world_size']}-rank checkpoint"
-    refusal = _refusal(saved, now, loss_normalization)
+    refusal = _refusal(saved, now, loss_normalization, router_loss)
     if refusal:
         raise UserError(f"cannot resume {was} on {world} process(es): {refusal}")
     total = global_batch(saved)
@@ -167,10 +175,21 @@ def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], state: O
             saved.get("micro_batch_size") != identity["micro_batch_size"]):
         return config
     t = config.train
-    accumulation = fitted_accumulation(saved, identity, t.loss_normalization)
+    accumulation = fitted_accumulation(saved, identity, t.loss_normalization,
+                                       bool(identity.get("balanced")) and trains_router_loss(config))
     if is_main:
         logger.info("%s", describe(saved, accumulation, identity["world_size"], t.packing))
     return dataclasses.replace(config, train=dataclasses.replace(t, gradient_accumulation_steps=accumulation))
+
+
+def trains_router_loss(config: FinetuneConfig) -> bool:
+    """Whether the run trains an MoE router's load-balancing loss: --load_balancing_loss where given, else the
+    model's config (read here, before the model loads; open_sft.model.router_loss decides alike)."""
+    from open_sft.model.load import load_model_config
+    from open_sft.model.router_loss import router_loss_choice
+
+    flag = config.train.load_balancing_loss
+    return bool(flag) if flag is not None else router_loss_choice(None, load_model_config(config.model))[0]
 
 
 def keeps_global_batch(saved: dict[str, Any], now: dict[str, Any]) -> bool:

@@ -140,9 +140,36 @@ def test_the_check_accepts_another_number_of_ranks_only_with_the_same_global_bat
                          identity(1, 4, engine="pipeline", pipeline_parallel_size="2"))
 
 
-def _config(accumulation: int, normalization: str = "token"):
-    train = SimpleNamespace(gradient_accumulation_steps=accumulation, loss_normalization=normalization, packing=False)
-    return SimpleNamespace(train=train)
+def _config(accumulation: int, normalization: str = "token", load_balancing_loss=False, model=None):
+    train = SimpleNamespace(gradient_accumulation_steps=accumulation, loss_normalization=normalization, packing=False,
+                            load_balancing_loss=load_balancing_loss)
+    return SimpleNamespace(train=train, model=model)
+
+
+def test_a_router_loss_with_balanced_micro_batches_is_refused_on_other_ranks(tmp_path) -> None:
+    """The router's load-balancing loss is computed over each micro-batch's routing, and balancing groups a step's
+    examples into micro-batches by the number of ranks: on other ranks the loss would change. Asked by the flag or,
+    the flag not given, by the model's config (read before the model loads)."""
+    from transformers import AutoConfig
+
+    from open_sft.config.args import ModelArguments
+
+    with pytest.raises(UserError) as error:
+        fitted_accumulation(identity(2, 2), identity(1, 2), "token", router_loss=True)
+    assert str(error.value) == (
+        "cannot resume the 2-rank checkpoint on 1 process(es): the router's load-balancing loss with "
+        "--balance_micro_batches: balancing groups a step's examples into micro-batches by the number of ranks, and "
+        "the router loss is computed over each micro-batch's routing; relaunch on 2 process(es) (a run that may "
+        "change its ranks: --balance_micro_batches false from its first step)")
+    assert fitted_accumulation(identity(2, 2, balanced=False), identity(1, 2, balanced=False), "token",
+                               router_loss=True) == 4
+    AutoConfig.for_model("qwen3_moe", num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                         hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    asks = _config(2, load_balancing_loss=None, model=ModelArguments(model_name_or_path=str(tmp_path)))
+    with pytest.raises(UserError, match="the router's load-balancing loss with --balance_micro_batches"):
+        fit_to_checkpoint(asks, identity(1, 2), {"identity": identity(2, 2)}, is_main=True)
+    with pytest.raises(UserError, match="the router's load-balancing loss with --balance_micro_batches"):
+        fit_to_checkpoint(_config(2, load_balancing_loss=True), identity(1, 2), {"identity": identity(2, 2)}, True)
 
 
 def test_fit_to_checkpoint_changes_only_the_accumulation_and_says_so_once(caplog, monkeypatch) -> None:
