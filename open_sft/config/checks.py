@@ -218,8 +218,22 @@ def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
     if t.auto_micro_batch_size and t.packing:
         problems.append("--auto_micro_batch_size cannot keep the packing of --packing runs; set "
                         "--max_tokens_per_batch (the packed micro-batch's token budget) instead")
-    problems += _split_dependent_problems(t)
+    problems += _split_dependent_problems(t) + _schedule_problems(t)
     return problems
+
+
+def _schedule_problems(t: TrainingArguments) -> list[str]:
+    """A wsd warmup that runs into its decay, where --max_train_steps gives the steps (else the step plan, after
+    the data, refuses it: open_sft.training.steps); values out of range are numeric_problems'."""
+    from open_sft.training.optim import warmup_flag, warmup_steps_for, wsd_overlap_problem
+
+    steps, ratio, decay = t.max_train_steps, t.warmup_ratio, t.wsd_decay_ratio
+    if t.lr_scheduler_type != "wsd" or not steps or steps < 1 or not (0 <= ratio <= 1 and 0 <= decay <= 1) or (
+            t.warmup_steps is not None and t.warmup_steps < 0):
+        return []
+    warmup = t.warmup_steps if t.warmup_steps is not None else warmup_steps_for(ratio, steps)
+    problem = wsd_overlap_problem("wsd", warmup, steps, decay, warmup_flag(t))
+    return [problem] if problem else []
 
 
 def _split_dependent_problems(t: TrainingArguments) -> list[str]:

@@ -4,7 +4,7 @@ as pure functions of the step."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -111,8 +111,8 @@ def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, dec
     if kind in ("constant", "constant_with_warmup"):
         return 1.0
     if kind == "wsd":  # warmup, stable at the peak, then linear decay over the last decay_ratio of steps
-        decay_steps = max(1, math.ceil(decay_ratio * total_steps))
-        decay_start = total_steps - decay_steps
+        decay_start = total_steps - wsd_decay_steps(decay_ratio, total_steps)
+        decay_steps = total_steps - decay_start
         return 1.0 if step < decay_start else max(0.0, 1.0 - (step - decay_start + 1) / (decay_steps + 1))
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     if kind in ("linear", "polynomial"):  # polynomial of power 1, transformers' default, is linear to lr_end
@@ -120,6 +120,34 @@ def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, dec
     if kind in ("cosine", "cosine_with_restarts"):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown schedule {kind!r}")
+
+
+def wsd_decay_steps(decay_ratio: float, total_steps: int) -> int:
+    """The last steps over which wsd decays: ceil(ratio × steps), at least one."""
+    return max(1, math.ceil(decay_ratio * total_steps))
+
+
+def warmup_flag(args: Any) -> str:
+    """The flag that set the warmup (TrainingArguments' --warmup_steps or --warmup_ratio), as given."""
+    return f"--warmup_steps {args.warmup_steps}" if args.warmup_steps is not None else \
+        f"--warmup_ratio {args.warmup_ratio:g}"
+
+
+def wsd_overlap_problem(kind: str, warmup_steps: int, total_steps: int, decay_ratio: float,
+                        warmup_flag: str) -> str | None:
+    """Why a wsd schedule's warmup runs into its decay (the rate would climb to the peak inside the decay, then drop
+    back to the decay's line: --max_train_steps 20, --warmup_ratio 0.5, --wsd_decay_ratio 0.6 trained steps 9-11 at
+    0.9, 1.0, 0.77 of the peak), or None. `warmup_flag`: the flag that set the warmup, as given. One step has no
+    shape to break."""
+    if kind != "wsd" or total_steps <= 1:
+        return None
+    decay = wsd_decay_steps(decay_ratio, total_steps)
+    if warmup_steps <= total_steps - decay:
+        return None
+    return (f"--lr_scheduler_type wsd: {warmup_flag} makes {warmup_steps} warmup steps, which run into the decay over "
+            f"the last {decay} of the {total_steps} steps (--wsd_decay_ratio {decay_ratio:g}): the learning rate would "
+            f"rise to its peak inside the decay, then drop; lower {warmup_flag} or --wsd_decay_ratio so that warmup "
+            f"and decay fit in {total_steps} steps")
 
 
 POLYNOMIAL_LR_END = 1e-7  # transformers' get_polynomial_decay_schedule_with_warmup default, as open-instruct uses it

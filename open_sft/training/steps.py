@@ -9,7 +9,8 @@ from typing import Any
 from open_sft.config.args import TrainingArguments
 from open_sft.data.batching import BatchLayout, PackedPlan, UnpackedPlan, locate
 from open_sft.data.prepare import PreparedData
-from open_sft.training.optim import warmup_steps_for
+from open_sft.errors import UserError
+from open_sft.training.optim import warmup_flag, warmup_steps_for, wsd_overlap_problem
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,9 @@ def plan_steps(args: TrainingArguments, data: PreparedData, world_size: int, max
     warmup = args.warmup_steps if args.warmup_steps is not None else warmup_steps_for(args.warmup_ratio, total)
     if args.lr_scheduler_type == "constant":  # no warmup, as transformers' (constant_with_warmup has one): none said
         warmup = 0
+    overlap = wsd_overlap_problem(args.lr_scheduler_type, warmup, total, args.wsd_decay_ratio, warmup_flag(args))
+    if overlap:  # the flags' check (open_sft.config.checks) knew the steps only with --max_train_steps
+        raise UserError(overlap)
     return StepPlan(layout, per_epoch, total, warmup, epochs, plan, max_seq_length, balanced)
 
 

@@ -120,3 +120,48 @@ def test_a_resume_steps_with_the_flags_hyperparameters_not_the_checkpoints() -> 
                                                                                           ((0.9, 0.95), 1e-6, 0.0)]
     weight = model[0].weight
     assert torch.equal(resumed.state[weight]["exp_avg"], saved.state[weight]["exp_avg"])
+
+
+def test_a_wsd_warmup_running_into_its_decay_is_refused_naming_both_flags() -> None:
+    """--max_train_steps 20 --warmup_ratio 0.5 --wsd_decay_ratio 0.6: 10 warmup steps, decay over the last 12 (from
+    step 8), so the rate climbed to the peak at step 9 inside the decay and fell to 0.77 at step 10. Refused with
+    the flags; the most warmup that fits (8 steps) gives a schedule that rises to the peak, then falls."""
+    from open_sft.config.parse import parse_config
+    from open_sft.errors import ConfigError
+    from open_sft.training.optim import wsd_overlap_problem
+
+    assert [round(lr_multiplier("wsd", s, 10, 20, 0.6), 3) for s in (8, 9, 10)] == [0.9, 1.0, 0.769]  # the bug
+    expected = ("--lr_scheduler_type wsd: --warmup_ratio 0.5 makes 10 warmup steps, which run into the decay over "
+                "the last 12 of the 20 steps (--wsd_decay_ratio 0.6): the learning rate would rise to its peak inside "
+                "the decay, then drop; lower --warmup_ratio 0.5 or --wsd_decay_ratio so that warmup and decay fit in "
+                "20 steps")
+    assert wsd_overlap_problem("wsd", 10, 20, 0.6, "--warmup_ratio 0.5") == expected
+    base = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0", "--lr_scheduler_type",
+            "wsd", "--max_train_steps", "20", "--wsd_decay_ratio", "0.6"]
+    with pytest.raises(ConfigError) as error:
+        parse_config(base + ["--warmup_ratio", "0.5"])
+    assert expected in str(error.value)
+    with pytest.raises(ConfigError, match=r"--warmup_steps 9 makes 9 warmup steps, which run into the decay"):
+        parse_config(base + ["--warmup_steps", "9"])
+    assert parse_config(base + ["--warmup_steps", "8"]).train.warmup_steps == 8
+    fits = [lr_multiplier("wsd", s, 8, 20, 0.6) for s in range(20)]
+    assert fits[:8] == sorted(fits[:8]) and fits[7] == 1.0 and fits[7:] == sorted(fits[7:], reverse=True)
+    for other in ("linear", "cosine"):  # only wsd has a decay of its own to run into
+        assert wsd_overlap_problem(other, 10, 20, 0.6, "--warmup_ratio 0.5") is None
+    assert wsd_overlap_problem("wsd", 1, 1, 0.1, "--warmup_ratio 0.03") is None  # one step: no shape to break
+
+
+def test_the_step_plan_refuses_a_wsd_overlap_the_flags_could_not_see() -> None:
+    """Without --max_train_steps the steps are known only from the data: the step plan refuses it there."""
+    from open_sft.config.args import TrainingArguments
+    from open_sft.errors import UserError
+    from open_sft.training.steps import plan_steps
+
+    data = type("Data", (), {"lengths": lambda self: [8] * 20, "__len__": lambda self: 20})()  # 2 epochs of 10 steps
+    args = TrainingArguments(per_device_train_batch_size=2, lr_scheduler_type="wsd", warmup_ratio=0.5,
+                             wsd_decay_ratio=0.6, balance_micro_batches=False)
+    with pytest.raises(UserError, match=r"--warmup_ratio 0.5 makes 10 warmup steps, which run into the decay over the "
+                                        r"last 12 of the 20 steps"):
+        plan_steps(args, data, 1, 64)
+    assert plan_steps(TrainingArguments(per_device_train_batch_size=2, lr_scheduler_type="wsd", warmup_ratio=0.4,
+                                        wsd_decay_ratio=0.6, balance_micro_batches=False), data, 1, 64).warmup_steps == 8
