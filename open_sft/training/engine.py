@@ -226,7 +226,9 @@ class DeepSpeedEngine(AccelerateEngine):
         return skipped
 
     def grad_norm(self, measured: float) -> float:
-        return float(self.trainer.model.get_global_grad_norm() or float("nan"))
+        """DeepSpeed's global gradient norm of the step; NaN where it has none (a 0.0 norm is a norm)."""
+        norm = self.trainer.model.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
 
     def full_state_dict(self, fp32: bool = False) -> dict[str, torch.Tensor]:
         """The module's 16-bit weights gathered; with `fp32` the trained parameters are DeepSpeed's fp32 master

@@ -171,6 +171,20 @@ def test_deepspeed_settings_that_would_apply_a_nan_step() -> None:
     assert ["compute_grad_norm" in p for p in no_norm] == [True]
 
 
+@pytest.mark.parametrize("deepspeeds, logged", [(0.0, 0.0), (torch.tensor(0.0), 0.0), (2.5, 2.5), (None, "nan")])
+def test_the_deepspeed_gradient_norm_is_logged_as_deepspeed_gives_it(deepspeeds, logged) -> None:
+    """A step whose gradients are all zero (every label masked, a frozen model) has norm 0.0, which was logged as
+    NaN (`norm or nan`); NaN stays for a step DeepSpeed measured no norm of."""
+    from types import SimpleNamespace
+
+    from open_sft.training.engine import DeepSpeedEngine
+
+    engine = DeepSpeedEngine.__new__(DeepSpeedEngine)  # grad_norm reads the model alone
+    engine.trainer = SimpleNamespace(model=SimpleNamespace(get_global_grad_norm=lambda: deepspeeds))
+    norm = engine.grad_norm(float("nan"))
+    assert math.isnan(norm) if logged == "nan" else norm == logged
+
+
 @pytest.mark.parametrize("eval_batch, expected", [(None, 4), (13, 13)])
 def test_evaluation_batches_by_the_eval_batch_size(setup, tiny_model_dir, monkeypatch, eval_batch, expected) -> None:
     """--per_device_eval_batch_size sets the evaluation batch (default: the training micro-batch, 4 here)."""
