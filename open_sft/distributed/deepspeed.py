@@ -33,7 +33,7 @@ PARAM_FLAGS = {
 # refused rather than dropped (--final_lr_ratio, our one floor, is linear's alone, as in open-instruct).
 FIXED = {"warmup_min_lr": (0, "open_sft's schedules warm up from 0"),
          "warmup_min_ratio": (0, "open_sft's schedules warm up from 0"),
-         "warmup_type": ("linear", "open_sft's warmup rises linearly"),
+         "warmup_type": ("linear", "open_sft's warmup rises linearly"),  # left out: DeepSpeed's log (said)
          "cos_min_ratio": (0, "open_sft's cosine decays to 0"),
          "adam_w_mode": (True, "open_sft trains with AdamW (decoupled weight decay)")}
 IGNORED = ("torch_adam", "last_batch_iteration")  # how DeepSpeed runs or resumes, not what it computes
@@ -99,6 +99,7 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
     updates: dict[str, Any] = {}
     notes: list[str] = []
     problems: list[str] = []
+    warmup = ""  # what DeepSpeed's warmup would have been, where the file leaves it to DeepSpeed's default
     for name in ("optimizer", "scheduler"):
         section = cfg.pop(name, None)
         if section is None:
@@ -117,6 +118,9 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
         params = section.get("params") or {}
         if not isinstance(params, dict):
             raise UserError(f"DeepSpeed config {path}: {name}.params must be an object")
+        if name == "scheduler" and "warmup_type" not in params:
+            warmup = (f"; its {section['type']} gives no warmup_type, so DeepSpeed would warm up log-shaped (its "
+                      "default), and open_sft's warmup rises linearly")
         for key, value in params.items():
             if value == "auto" or key in IGNORED:
                 continue
@@ -129,7 +133,7 @@ def replace_trainer_sections(cfg: dict[str, Any], path: Optional[str], train: An
                 if current is None or not _number_equal(number, current):
                     updates[flag] = type(current)(number) if current is not None else int(number)
     notes.append(f"the optimizer/scheduler sections of {path} are replaced by open_sft's AdamW and "
-                 f"--lr_scheduler_type schedule" + (f" (from them: {_describe(updates)})" if updates else ""))
+                 f"--lr_scheduler_type schedule" + (f" (from them: {_describe(updates)})" if updates else "") + warmup)
     return cfg, updates, notes, problems
 
 

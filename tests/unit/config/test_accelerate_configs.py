@@ -228,6 +228,15 @@ def test_trainer_sections_become_our_optimizer_and_schedule(tmp_path) -> None:
     result = plan([], env)
     assert (result.train.learning_rate, result.train.weight_decay, result.train.warmup_steps) == (1e-4, 0.1, 7)
     assert result.train.lr_scheduler_type == "constant_with_warmup"
+    # DeepSpeed's WarmupLR without a warmup_type warms up log-shaped: the replacement says the shape changes
+    shaped = "its WarmupLR gives no warmup_type, so DeepSpeed would warm up log-shaped (its default), and open_sft's " \
+        "warmup rises linearly"
+    assert [n for n in result.notes if "replaced by open_sft's AdamW" in n][0].endswith(shaped)
+    explicit["scheduler"]["params"]["warmup_type"] = "linear"
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, explicit)
+    assert not any(shaped in n for n in plan([], env).notes)
+    del explicit["scheduler"]["params"]["warmup_type"]
+    env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = write_json(tmp_path, explicit)
     with pytest.raises(UserError, match=r"optimizer.params.lr=0.0001 conflicts with --learning_rate 0.001"):
         plan(["--learning_rate", "1e-3"], env)
     assert plan(["--lr_scheduler_type", "cosine"], env).train.lr_scheduler_type == "cosine"  # a given flag wins
