@@ -106,6 +106,12 @@ def collate(examples: list[Example], pad_token_id: int, loss_free: bool = False,
     return as_filler(batch) if loss_free else batch
 
 
+def real_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """1 at each row's real tokens (its `row_lengths`), 0 at the padding after them, as an attention mask marks
+    them: what an MoE router's load-balancing loss counts in packed rows, which have no attention mask."""
+    return (torch.arange(batch["input_ids"].shape[1]) < batch["row_lengths"][:, None]).long()
+
+
 def as_filler(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A collated micro-batch made a filler: what an empty micro-batch slot computes (the last step of an epoch),
     so that every rank runs the same passes. It is not data: it trains no label and its counts are zero, so its

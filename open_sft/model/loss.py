@@ -59,8 +59,9 @@ class TokenLossModel(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                 shift_labels: Optional[torch.Tensor] = None,
                 trained_index: Optional[torch.Tensor] = None, cu_seq_lens: Optional[torch.Tensor] = None,
-                max_length: Optional[int] = None) -> torch.Tensor:
-        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask; under
+                max_length: Optional[int] = None, router_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Packed micro-batches pass position_ids (restarting per example) and no attention_mask (training an MoE's
+        router loss, `router_mask`: the rows' real positions, which the router loss counts in place of it); under
         flash_attention_2 also where each example starts (`cu_seq_lens`, `max_length`: open_sft.model.flash_packing,
         found on the host). A sequence-parallel slice passes `shift_labels` (each position's target, shifted before
         the sequence was cut). The trainer passes `trained_index` (open_sft.data.batching.trained_index: the trained
@@ -76,7 +77,8 @@ class TokenLossModel(nn.Module):
         loss, trained_count = self.head_loss(out.last_hidden_state, labels, shift_labels, trained_index)
         if routed:
             router = self.router
-            aux = router.function(out.router_logits, router.experts, router.top_k, attention_mask).float()
+            counted = router_mask if router_mask is not None else attention_mask  # None: every position
+            aux = router.function(out.router_logits, router.experts, router.top_k, counted).float()
             # token-weighted like the language-model loss: after the trainer divides the step's sum by its trained
             # tokens, a single micro-batch's loss is the model's own, mean cross-entropy + coefficient × aux
             self.aux_sum = (aux * trained_count).detach()

@@ -9,7 +9,8 @@ from typing import Any, Optional
 
 import torch
 
-from open_sft.data.batching import COUNT_KEYS, as_filler, collate, collate_packed, count_trained_batch, locate
+from open_sft.data.batching import (COUNT_KEYS, as_filler, collate, collate_packed, count_trained_batch, locate,
+                                   real_positions)
 from open_sft.data.token_rows import IGNORE_INDEX
 from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
 
@@ -21,7 +22,8 @@ Pass = tuple[Batch, Optional[torch.Tensor], int]
 class StepBatches:
     """Collates the plan's micro-batches for a rank (`for_rank`; a step's own, collated ahead: `for_step`), and the
     forward passes this rank runs (`passes`); `sp_size` > 1: Ulysses sequence parallelism, `tp_ranks`: this rank's
-    TP group.
+    TP group; `routed`: the model trains an MoE router's load-balancing loss (packed micro-batches then carry
+    `router_mask`, their real positions: the padding after a row's examples is not routed data).
 
     `ahead` (on a GPU): while the device computes a step, a background thread collates the next step's
     micro-batches into pinned memory, so the host does not collate between the steps while the device waits (7.5 ms
@@ -30,9 +32,10 @@ class StepBatches:
     (tested). Not on a CPU, where the thread would take cores from the step itself."""
 
     def __init__(self, data: Any, steps: Any, args: Any, pad_token_id: int, process_index: int, sp_size: int = 1,
-                 tp_ranks: Optional[list[int]] = None, ahead: bool = False):
+                 tp_ranks: Optional[list[int]] = None, ahead: bool = False, routed: bool = False):
         self.data, self.steps, self.args, self.pad_token_id = data, steps, args, pad_token_id
         self.process_index, self.sp_size, self.tp_ranks = process_index, sp_size, tp_ranks or []
+        self.routed = routed
         self.example_lengths = data.lengths() if sp_size > 1 else []  # the plan's, for SP group widths
         self.ahead = ThreadPoolExecutor(1, thread_name_prefix="open_sft-collate") if ahead else None
         self.pending: Optional[tuple[int, Future]] = None  # (step, its micro-batches being collated)
@@ -61,6 +64,8 @@ class StepBatches:
             # Under SP a packed micro-batch is one row of the whole budget (Ulysses wants fixed rows).
             capacity = self.steps.max_seq_length if self.sp_size == 1 else self.steps.plan.max_tokens
             batch = collate_packed(examples, self.pad_token_id, capacity, sources)
+            if self.routed and self.sp_size == 1:  # before a filler's counts are zeroed: a mask of no position is NaN
+                batch["router_mask"] = real_positions(batch)
             if loss_free:
                 batch = as_filler(batch)
         else:

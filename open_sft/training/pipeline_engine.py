@@ -282,8 +282,8 @@ class PipelineEngine(AccelerateEngine):
 
 def router_mask(batch: dict[str, torch.Tensor], rows: int, width: int) -> torch.Tensor:
     """The positions a micro-batch's router loss counts, at the schedule's (rows, width): its attention mask
-    (packed rows: every position it has), the padding `fit_shape` adds left out."""
+    (packed rows: their real positions, `router_mask`), the padding `fit_shape` adds left out."""
     have_rows, have_width = batch["input_ids"].shape
     mask = torch.zeros((rows, width), dtype=torch.long)
-    mask[:have_rows, :have_width] = batch["attention_mask"] if "attention_mask" in batch else 1
+    mask[:have_rows, :have_width] = batch.get("attention_mask", batch.get("router_mask", 1))
     return mask

@@ -69,7 +69,8 @@ class Trainer:
         # tensor parallelism: a TP group computes its members' micro-batches together (distributed.tensor_parallel)
         self.batches = StepBatches(data, steps, args, pad_token_id, accelerator.process_index, parallelism.sp,
                                    group_ranks(accelerator) if parallelism.tp_enabled else [],
-                                   ahead=accelerator.device.type == "cuda")
+                                   ahead=accelerator.device.type == "cuda",
+                                   routed=accelerator.unwrap_model(model).router is not None)
         if accelerator.is_main_process:
             logger.info("optimizer: %s", optimizer_impl(optimizer))
         self.train_tokens = 0

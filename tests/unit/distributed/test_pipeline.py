@@ -238,3 +238,18 @@ def test_a_split_the_model_cannot_take_is_a_user_error_before_training() -> None
     assert ranges == [range(0, 2), range(2, 4)] and len(sizes.layers) == 4 and sizes.first == sizes.last - 32
     with pytest.raises(UserError, match="--pipeline_parallel_size 2: 2 pipeline stages need at least one"):
         stage_view(tiny("llama"), SimpleNamespace(**vars(flags(pipeline_layers="9")), gradient_accumulation_steps=1))
+
+
+def test_the_pipelines_router_mask_counts_a_packed_rows_real_tokens() -> None:
+    """The last stage's router loss counts what each micro-batch really has at the schedule's shape: an unpacked
+    one's attention mask, a packed one's real positions (the padding after its short row left out, as the other
+    engines' forward does), never the columns and rows fit_shape adds."""
+    from open_sft.data.batching import collate, collate_packed, real_positions
+    from open_sft.data.labels import Example
+    from open_sft.training.pipeline_engine import router_mask
+
+    examples = [Example(list(range(3, 3 + n)), list(range(3, 3 + n))) for n in (6, 2)]
+    packed = collate_packed(examples, 0, row_capacity=6)
+    packed["router_mask"] = real_positions(packed)
+    assert router_mask(packed, 3, 8).tolist() == [[1] * 6 + [0, 0], [1, 1] + [0] * 6, [0] * 8]
+    assert router_mask(collate(examples, 0), 2, 8).tolist() == [[1] * 6 + [0, 0], [1, 1] + [0] * 6]

@@ -144,3 +144,54 @@ def test_auto_micro_batch_size_refuses_a_router_loss_the_models_config_turns_on(
                                         r"load-balancing loss \(output_router_logits: true\).*pass "
                                         r"--no_load_balancing_loss"):
         fit_micro_batch(config, model, None, None, False, 0, SimpleNamespace(world_size=1, distributed=False))
+
+
+def test_the_router_loss_of_packed_rows_counts_their_real_tokens_not_the_padding() -> None:
+    """Examples of 40 and 12 tokens: one padded micro-batch, one packed row of 52, and two packed rows (40, and
+    12 + 28 padding) route the same tokens, so their aux losses and router gradients are equal; the padding after
+    the short row was routed and averaged in, and took router gradient. The trainer's micro-batches (StepBatches)
+    carry the rows' real positions, a filler's too (taken before its counts are zeroed: no position would be NaN)."""
+    from types import SimpleNamespace
+
+    from open_sft.data.batching import collate, collate_packed, pop_counts, real_positions
+    from open_sft.data.labels import Example
+    from open_sft.training.micro_batches import StepBatches
+
+    model = tiny("qwen3_moe", **QWEN3_MOE)
+    loss_model = TokenLossModel(model, load_balancing=True).train()
+    generator = torch.Generator().manual_seed(1)
+    examples = [Example(ids, ids) for ids in (torch.randint(3, 96, (n,), generator=generator).tolist()
+                                              for n in (40, 12))]
+    trained = 50  # 39 + 11: each example's first token has no label
+
+    def aux_and_router_grads(batch: dict, masked: bool) -> tuple[float, torch.Tensor]:
+        inputs = {**batch, **({"router_mask": real_positions(batch)} if masked else {})}
+        pop_counts(inputs)
+        model.zero_grad(set_to_none=True)
+        loss_model(**inputs).backward()
+        routers = torch.cat([p.grad.flatten() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")])
+        return float(loss_model.aux_sum) / trained, routers
+
+    padded = aux_and_router_grads(collate(examples, 0), masked=False)
+    one_row = aux_and_router_grads(collate_packed(examples, 0, row_capacity=52), masked=True)
+    two_rows = collate_packed(examples, 0, row_capacity=40)
+    assert two_rows["row_lengths"].tolist() == [40, 12] and two_rows["input_ids"].shape == (2, 40)
+    assert real_positions(two_rows).sum(dim=1).tolist() == [40, 12]
+    masked = aux_and_router_grads(two_rows, masked=True)
+    unmasked = aux_and_router_grads(collate_packed(examples, 0, row_capacity=40), masked=False)
+    for same in (one_row, masked):
+        assert same[0] == pytest.approx(padded[0], rel=1e-6)
+        assert float((same[1] - padded[1]).norm() / padded[1].norm()) < 1e-5
+    assert abs(unmasked[0] - padded[0]) > 1e-4  # what counting the padding did, to the loss and its gradient
+    assert float((unmasked[1] - padded[1]).norm() / padded[1].norm()) > 1e-4
+
+    data = SimpleNamespace(example=lambda i: examples[i], source=lambda i: 0)
+    args, steps = SimpleNamespace(packing=True), SimpleNamespace(max_seq_length=40)
+    for routed in (True, False):
+        batches = StepBatches(data, steps, args, 0, 0, routed=routed)
+        real, filler = batches.collate([0, 1]), batches.collate([0, 1], loss_free=True)
+        assert ("router_mask" in real) is routed and ("router_mask" in filler) is routed
+    assert real_positions(two_rows).equal(StepBatches(data, steps, args, 0, 0, routed=True).collate([0, 1])[
+        "router_mask"])
+    assert filler["row_lengths"].sum() == 0
+    assert StepBatches(data, steps, args, 0, 0, routed=True).collate([0, 1], loss_free=True)["router_mask"].sum() == 52
