@@ -12,8 +12,9 @@ example alone against the same example packed after another, and the gradient of
 states with respect to the first's embeddings, which is exactly 0 where examples are kept apart. A difference
 stops the run with the family named, before any step is taken. Where half precision's rounding moves the hidden
 states past its tolerance and nothing depends on the first example (a routed model: a router's choice flipped by
-rounding), the move is measured again in fp32, and the packed attention held to the per-example one at the first
-attention layer in the run's dtype (open_sft.model.packing_precision).
+rounding; a deep dense one: rounding adding up over its layers), the move is measured again in fp32, and the packed
+attention held to the per-example one at the first layer of each kind of attention (full, sliding) in the run's
+dtype (open_sft.model.packing_precision).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import torch
 from torch import nn
 
 from open_sft.errors import UserError
-from open_sft.model.anatomy import active_experts, backbone_of, causal_lm_of, text_config, text_decoder_of
+from open_sft.model.anatomy import backbone_of, causal_lm_of, text_config, text_decoder_of
 from open_sft.model.flash_packing import backbone_kwargs, packed_rows, uses_flash
 from open_sft.model.loss_parity import VERIFIED
-from open_sft.model.packing_precision import first_attention_move, fp32_by_layer, in_fp32
+from open_sft.model.packing_precision import attention_moves, fp32_by_layer, in_fp32
 
 if TYPE_CHECKING:
     from open_sft.config.args import TrainingArguments
@@ -236,14 +237,15 @@ def _check_packing(model: nn.Module, compute_dtype: Optional[torch.dtype]) -> Op
                 leak, dependence, dtype = packing_leak(model), packing_dependence(model), None
                 finite = packed_gradients_finite(model)
             redone = "half precision overflowed"
-        elif dtype in HALF and leak > RTOL_HALF and dependence <= DEPENDENCE_TOL and active_experts(model.config):
-            # a router's choice of experts, rounded otherwise: the move judged in fp32 (the dependence stays the run's
-            # dtype's). Routed models only: on a GPU fp32 takes the per-example attention, not the varlen kernel, so
-            # for a dense model this would judge another path than the one trained; for a routed one the kernel is
-            # held to the per-example attention at the first attention layer, before any router, in the run's dtype
-            redone = f"half precision's rounding moved them by {leak:.1e}"
+        elif dtype in HALF and leak > RTOL_HALF and dependence <= DEPENDENCE_TOL:
+            # rounding, where nothing depends on the example before: a router's choice of experts flipped by it, or a
+            # deep model's rounding adding up over its layers (tiny 32-layer OLMo-3 in bf16: 3.3e-2 on AVX-512 BF16).
+            # The move judged in fp32 (the dependence stays the run's dtype's); on a GPU fp32 takes the per-example
+            # attention, not the varlen kernel trained with, so that is held to the per-example attention at the
+            # first layer of each kind of attention, in the run's dtype
+            redone = f"half precision's rounding moved them by {leak:.1e}, over its {RTOL_HALF:.0e}"
             _fp32_runs(model, family, redone)
-            kernel = _kernel_at_first_layer(model, family, compute_dtype)
+            kernel = _kernel_by_kind(model, family, compute_dtype)
             leak, dtype = _fp32_leak(model, family, leak), None
     except TypeError as exc:
         raise _not_taken(family, exc) from None
@@ -295,22 +297,34 @@ def _fp32_runs(model: nn.Module, family: str, why: str) -> None:
                         "there), or without --packing")
 
 
-def _kernel_at_first_layer(model: nn.Module, family: str, compute_dtype: Optional[torch.dtype]) -> str:
+# the longest sliding window the attention probe reaches (its examples made longer than it, so that the kernel is
+# given the window): a 2,000-token row; a longer one is named "not reached" in the log line
+WINDOW_PROBED = 1024
+
+
+def _kernel_by_kind(model: nn.Module, family: str, compute_dtype: Optional[torch.dtype]) -> str:
     """The packed attention (torch's variable-length kernel on a GPU) against each example attended alone at the
-    first attention layer, in the run's dtype: refused over half precision's tolerance, else a note for the log."""
+    first layer of each kind of attention (`attention_moves`), in the run's dtype: refused over half precision's
+    tolerance, else a note for the log."""
     config = text_config(model.config)
-    ids = torch.randint(0, config.vocab_size, (1, FIRST + SECOND), generator=torch.Generator().manual_seed(2))
+    window = getattr(config, "sliding_window", None)
+    reach = window if isinstance(window, int) and 0 < window <= WINDOW_PROBED else 0
+    lengths = [FIRST + reach, SECOND + reach]
+    ids = torch.randint(0, config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
     with _evaluating(model), _computing(model, compute_dtype):
-        move = first_attention_move(model, ids.to(next(model.parameters()).device), [FIRST, SECOND])
-    if move is None:
+        moves = attention_moves(model, ids.to(next(model.parameters()).device), lengths)
+    if not moves:
         return ""
+    label, move = max(moves.items(), key=lambda item: item[1])
     if not move <= RTOL_HALF:
         raise UserError(f"--packing: model type {family!r}: the attention of packed rows (torch's variable-length "
-                        f"kernel on a GPU) gave the first attention layer outputs {move:.2e} (relative) from the same "
-                        f"examples attended one at a time, over half precision's {RTOL_HALF:.0e}: packed rows would "
-                        "not train as the examples do. Train without --packing (padded batches do not take that "
-                        "kernel); please report it with the model type and the torch version")
-    return f"; the packed attention at the first layer, in the run's dtype: {move:.1e} from per-example"
+                        f"kernel on a GPU) gave the first attention layer of its kind, {label}, outputs {move:.2e} "
+                        f"(relative) from the same examples attended one at a time, over half precision's "
+                        f"{RTOL_HALF:.0e}: packed rows would not train as the examples do. Train without --packing "
+                        "(padded batches do not take that kernel); please report it with the model type and the "
+                        "torch version")
+    return (f"; the packed attention at the first layer of each kind ({', '.join(moves)}), in the run's dtype: at "
+            f"most {move:.1e} from per-example")
 
 
 def _fp32_leak(model: nn.Module, family: str, half: float) -> float:
@@ -321,11 +335,12 @@ def _fp32_leak(model: nn.Module, family: str, half: float) -> float:
             return packing_leak(model)
     except torch.OutOfMemoryError:
         raise UserError(f"--packing: model type {family!r}: an example's hidden states moved by {half:.2e} (relative) "
-                        "in half precision when another was packed before it, over half precision's rounding; a "
-                        "router's choice of experts can move that much by rounding alone, but measuring it again in "
-                        "fp32 ran out of memory, so it cannot be told whether packed examples are kept apart. Train "
-                        "without --packing (padded batches keep examples apart), or check it once where the model "
-                        "has more room (a one-process run of a few steps); please report the model type") from None
+                        "in half precision when another was packed before it, over half precision's tolerance; a "
+                        "router's choice of experts, or rounding over many layers, can move them that much, but "
+                        "measuring it again in fp32 ran out of memory, so it cannot be told whether packed examples "
+                        "are kept apart. Train without --packing (padded batches keep examples apart), or check it "
+                        "once where the model has more room (a one-process run of a few steps); please report the "
+                        "model type") from None
 
 
 _RECURRENT_WORDS = ("mamba", "conv", "linear_attention", "recurrent", "ssm", "rwkv", "lstm")

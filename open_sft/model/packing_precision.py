@@ -1,24 +1,26 @@
 """What the packing check (open_sft.model.packing_check) measures where half precision cannot tell whether packed
-examples are kept apart: a routed model whose expert choice rounding flipped is measured again in fp32.
+examples are kept apart: a model whose hidden states rounding moved past half precision's tolerance, with nothing
+depending on the example packed before (a routed model whose expert choice rounding flipped; a deep dense one,
+rounding adding up over its layers: tiny 32-layer OLMo-3 and EXAONE-4 in bf16, 3.3e-2), is measured again in fp32.
 
 Two things make that measure sound and affordable. On a GPU fp32 takes the per-example attention, not torch's
 variable-length kernel that half-precision packed rows train with, so an fp32 measure alone would pass a faulty
-kernel (or multi-head latent attention's zero-padded values): `first_attention_move` holds the kernel to the
-per-example attention at the first attention layer, before any router, in the run's dtype. And converting the
-whole model to fp32 doubles a bf16 model's memory (an 8B: 16 GB more): `fp32_by_layer` upcasts one decoder layer
-at a time.
+kernel (or multi-head latent attention's zero-padded values): `attention_moves` holds the kernel to the
+per-example attention at the first layer of each kind of attention (full, sliding with its window), in the run's
+dtype, on that layer's own inputs. And converting the whole model to fp32 doubles a bf16 model's memory (an 8B:
+16 GB more): `fp32_by_layer` upcasts one decoder layer at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
 
-from open_sft.model.anatomy import backbone_of, causal_lm_of, text_decoder_of
+from open_sft.model.anatomy import backbone_of, causal_lm_of, text_config, text_decoder_of
 
 
 def _floating(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -89,46 +91,96 @@ def fp32_by_layer(model: nn.Module) -> Iterator[None]:
 
 
 class _Stop(Exception):
-    """Raised by the recording attention function once it has the first layer's output: nothing after it runs."""
+    """Raised by the recording attention function once each kind of attention layer has been compared: nothing
+    after it runs."""
 
 
-def _first_attention(backbone: nn.Module, ids: torch.Tensor, positions: Optional[torch.Tensor]) -> Optional[
-        torch.Tensor]:
-    """The output of the first call of the "sdpa" attention function in a forward pass of `ids` ([batch, row, heads,
-    the values' head_dim]), the pass stopped there; None where no call reached it."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _layer_type(config: object, module: nn.Module) -> Optional[str]:
+    """The kind of attention layer `module` is (its config's `layer_types` entry: full_attention,
+    sliding_attention, ...), or None where the config does not say."""
+    layer_types, index = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if isinstance(layer_types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(layer_types):
+        return str(layer_types[index])
+    kind = getattr(module, "attention_type", None)
+    return kind if isinstance(kind, str) else None
 
-    installed, outputs = ALL_ATTENTION_FUNCTIONS["sdpa"], []
 
-    def recording(*args, **kwargs):
-        outputs.append(installed(*args, **kwargs)[0])
-        raise _Stop
+def _kinds(config: object) -> set[Optional[str]]:
+    """The kinds of attention layer the forward pass holds: once each has been compared, it stops."""
+    layer_types = getattr(config, "layer_types", None)
+    return {str(k) for k in layer_types} if isinstance(layer_types, (list, tuple)) and layer_types else {None}
 
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = recording
-    try:
-        backbone(input_ids=ids, position_ids=positions, use_cache=False)
-    except _Stop:
-        pass
-    finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = installed
-    return outputs[0].float() if outputs else None
+
+def _alone(attention: Callable, module: nn.Module, qkv: list[torch.Tensor], mask: Optional[torch.Tensor],
+           lengths: list[int], kwargs: dict) -> torch.Tensor:
+    """Each example of a packed [1, heads, row, head_dim] call attended alone on the call's own queries, keys and
+    values, by the attention function the packed attention wraps (given no position ids, it hands an example's call
+    on): through the example's block of the row's mask (what transformers built from the positions: causal, within a
+    window or a chunk), or, where the row got none, causal within the layer's window. [1, row, heads, head_dim]."""
+    from open_sft.model.packed_attention import window_mask
+
+    window = kwargs.get("sliding_window")
+    rest = {k: v for k, v in kwargs.items() if k not in ("position_ids", "is_causal")}
+    outputs, start = [], 0
+    for n in lengths:
+        part = [t[:, :, start:start + n] for t in qkv]
+        if mask is not None and mask.dim() == 4:
+            block = mask[..., start:start + n, start:start + n]
+        else:
+            block = window_mask(n, window, part[0].device) if isinstance(window, int) and n > window else None
+        outputs.append(attention(module, *part, block, **rest)[0])
+        start += n
+    return torch.cat(outputs, dim=1)
+
+
+def _label(module: nn.Module, layer_type: Optional[str], window: Optional[int], call: int, longest: int) -> str:
+    """"layer 1 (sliding_attention, window 4)": the layer (its call's number where the module does not say), its kind,
+    and its window, "not reached" where no example of the probe is longer than it (`longest`)."""
+    index = getattr(module, "layer_idx", None)
+    where = f"layer {index if isinstance(index, int) else call}"
+    reached = "" if not isinstance(window, int) or longest > window else " not reached"
+    said = [s for s in (layer_type, f"window {window}{reached}" if isinstance(window, int) else None) if s]
+    return f"{where} ({', '.join(said)})" if said else where
 
 
 @torch.no_grad()
-def first_attention_move(model: nn.Module, ids: torch.Tensor, lengths: list[int]) -> Optional[float]:
-    """How far the first attention layer's outputs for the examples of `ids` ([1, row]) packed in one row (torch's
-    variable-length kernel, on a GPU in half precision) are from each example's attended alone (per-example sdpa),
-    relative to their largest magnitude; None where packed rows do not go through open_sft's packed attention
+def attention_moves(model: nn.Module, ids: torch.Tensor, lengths: list[int]) -> Optional[dict[str, float]]:
+    """At the first layer of each kind of attention (full, sliding with its window: `layer_types`), how far the
+    packed attention of the examples of `ids` ([1, row]) in one row (torch's variable-length kernel, on a GPU in half
+    precision) is from each example attended alone (`_alone`: per-example sdpa) on the same queries, keys and values,
+    relative to the latter's largest magnitude, by the layer's label (`_label`); the forward pass stopped once every
+    kind was compared. The layer's own inputs, not a pass of each example alone: the layers before a kind's first
+    would move those by rounding. None where packed rows do not go through open_sft's packed attention
     (open_sft.model.packed_attention). Run under the autocast of the run's dtype, in eval mode."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     from open_sft.model import packed_attention
 
     if not packed_attention.installed() or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return None
-    backbone = backbone_of(causal_lm_of(model))
+    config = text_config(model.config)
+    expected, done, moves, calls = _kinds(config), set(), {}, []
+    installed = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def recording(module, query, key, value, attention_mask, **kwargs):
+        out = installed(module, query, key, value, attention_mask, **kwargs)
+        layer_type, window = _layer_type(config, module), kwargs.get("sliding_window")
+        calls.append(layer_type)
+        if (layer_type, window) not in done:
+            done.add((layer_type, window))
+            alone = _alone(installed, module, [query, key, value], attention_mask, lengths, kwargs).float()
+            moves[_label(module, layer_type, window, len(calls) - 1, max(lengths))] = float(
+                (out[0].float() - alone).abs().max() / alone.abs().max().clamp_min(1e-12))
+        if {kind for kind, _ in done} >= expected:
+            raise _Stop
+        return out
+
     positions = torch.cat([torch.arange(n) for n in lengths])[None].to(ids.device)
-    packed = _first_attention(backbone, ids, positions)
-    alone = [_first_attention(backbone, part, None) for part in ids.split(lengths, dim=1)]
-    if packed is None or any(a is None for a in alone):
-        return None
-    reference = torch.cat(alone, dim=1)
-    return float((packed - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = recording
+    try:
+        backbone_of(causal_lm_of(model))(input_ids=ids, position_ids=positions, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = installed
+    return moves or None

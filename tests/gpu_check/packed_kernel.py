@@ -6,8 +6,9 @@ bf16, the dtype it runs in:
   code; GLM-4.7-Flash's, 256 wide throughout), packed rows through the kernel against the examples padded one per
   row, loss and gradients, and the kernel's calls counted (not the per-example fallback);
 - first_layer: the first attention layer's output (before any router) for one packed row through the kernel
-  against each example attended alone, for a dense model and MoEs (Qwen3-MoE, Mixtral, Phi-3.5-MoE): the
-  comparison open_sft.model.packing_check makes at start where it measures a routed model again in fp32; then a
+  against each example attended alone on the same queries, keys and values, for a dense model and MoEs (Qwen3-MoE,
+  Mixtral, Phi-3.5-MoE; one kind of attention layer each): the comparison open_sft.model.packing_check makes at
+  start, at the first layer of each kind, where it measures a model again in fp32; then a
   planted acausal kernel, which it must find, and the packing check's verdict on a Phi-3.5-MoE with each kernel.
 """
 
@@ -132,7 +133,7 @@ def _first_layer(vocab: int, use) -> dict:
     """The first attention layer, packed through the kernel against each example alone (bf16 autocast, as a run
     computes), per family; the same with the kernel made acausal; the packing check's verdict on Phi-3.5-MoE with
     the kernel and with the acausal one."""
-    from open_sft.model.packing_precision import first_attention_move
+    from open_sft.model.packing_precision import attention_moves
 
     lengths = LENGTHS[:4]
     ids = torch.randint(10, vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -140,8 +141,8 @@ def _first_layer(vocab: int, use) -> dict:
     for label, family, kernel_used in [(f, f, use) for f in FIRST_LAYER] + [("llama_acausal", "llama", acausal(use))]:
         model = _tiny(family, vocab, FIRST_LAYER[family]).eval()
         with _through(model, kernel_used) as calls, torch.autocast(DEVICE, dtype=torch.bfloat16):
-            move = first_attention_move(model, ids, lengths)
-        result[label] = {"move": move, "varlen_kernel_calls": calls[0]}
+            moves = attention_moves(model, ids, lengths)
+        result[label] = {"move": max(moves.values()) if moves else None, "varlen_kernel_calls": calls[0]}
     result["packing_check_phimoe"] = {label: _packing_check(vocab, k) for label, k in (("kernel", use),
                                                                                       ("acausal", acausal(use)))}
     return result

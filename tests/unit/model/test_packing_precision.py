@@ -1,18 +1,19 @@
-"""Where half precision cannot tell whether a routed model keeps packed examples apart, the packing check measures
-again in fp32: there, on a GPU, packed rows take the per-example attention, not torch's variable-length kernel that
-bf16 trains them with, so the kernel is held to the per-example attention at the first attention layer in the run's
-dtype (here the kernel's CPU stand-in, tests/gpu_check/stand_in.py, and a faulty one planted); and the fp32 measure
-upcasts one decoder layer at a time, not the whole model (an 8B in bf16 did not fit twice)."""
+"""Where half precision cannot tell whether a model keeps packed examples apart, the packing check measures again in
+fp32: there, on a GPU, packed rows take the per-example attention, not torch's variable-length kernel that bf16
+trains them with, so the kernel is held to the per-example attention at the first layer of each kind of attention in
+the run's dtype (here the kernel's CPU stand-in, tests/gpu_check/stand_in.py, and a faulty one planted); and the
+fp32 measure upcasts one decoder layer at a time, not the whole model (an 8B in bf16 did not fit twice)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from open_sft.errors import UserError
 from open_sft.model import packed_attention, packing_check
 from open_sft.model.packing_check import RTOL_HALF, check_packing, packing_dependence, packing_leak
-from open_sft.model.packing_precision import first_attention_move, fp32_by_layer, in_fp32
+from open_sft.model.packing_precision import attention_moves, fp32_by_layer, in_fp32
 from tests.gpu_check.stand_in import acausal, varlen_stand_in
 from tests.unit.model.test_packing_leaks import tiny, tiny_phimoe
 
@@ -64,7 +65,8 @@ def test_a_routed_model_with_an_acausal_kernel_is_refused_at_its_first_attention
     with in_fp32(model):
         assert packing_leak(model) < 1e-6  # what the fp32 measure alone found
     with pytest.raises(UserError, match=r"'phimoe': the attention of packed rows \(torch's variable-length kernel on "
-                                        r"a GPU\) gave the first attention layer outputs [1-9]\.\d\de-01 \(relative\)"):
+                                        r"a GPU\) gave the first attention layer of its kind, layer 0, outputs "
+                                        r"[1-9]\.\d\de-01 \(relative\)"):
         check_packing(model, torch.bfloat16)
 
 
@@ -77,16 +79,17 @@ def test_a_routed_model_with_a_sound_kernel_passes_and_its_first_layer_figure_is
     real = packing_check.packing_leak
     monkeypatch.setattr(packing_check, "packing_leak", lambda m: 5e-2 if torch.is_autocast_enabled("cpu") else real(m))
     note = check_packing(model, torch.bfloat16)
-    assert "in fp32: half precision's rounding moved them by 5.0e-02: " in note, note
-    move = float(note.split("in the run's dtype: ")[1].split(" ")[0])
+    assert "in fp32: half precision's rounding moved them by 5.0e-02, over its 2e-02: " in note, note
+    assert "the packed attention at the first layer of each kind (layer 0), in the run's dtype: at most " in note, note
+    move = float(note.split("at most ")[1].split(" ")[0])
     assert move < RTOL_HALF and note.endswith(" from per-example)"), note
     assert [0, 7, 16] in calls
 
 
-def test_the_first_layer_comparison_stops_at_the_first_attention_layer(monkeypatch) -> None:
-    """One kernel call (the packed row's first layer; each example alone takes plain sdpa), no layer after it: a
-    probe of one layer at start, whatever the model's depth; None where packed rows do not go through open_sft's
-    packed attention (eager attention)."""
+def test_the_attention_comparison_stops_once_each_kind_of_layer_is_compared(monkeypatch) -> None:
+    """Phi-3.5-MoE has one kind of attention layer: one kernel call (the packed row's first layer; each example alone
+    takes plain sdpa on the same queries, keys and values), no layer after it, whatever the model's depth; None
+    where packed rows do not go through open_sft's packed attention (eager attention)."""
     model = fresh_phimoe().eval()
     calls = through(model, varlen_stand_in, monkeypatch)
     reached = []
@@ -94,18 +97,32 @@ def test_the_first_layer_comparison_stops_at_the_first_attention_layer(monkeypat
         layer.register_forward_hook(lambda *_, i=i: reached.append(i))
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        move = first_attention_move(model, ids, [7, 9])
-    assert calls == [[0, 7, 16]] and reached == [] and 0 <= move < RTOL_HALF
+        moves = attention_moves(model, ids, [7, 9])
+    assert calls == [[0, 7, 16]] and reached == [] and list(moves) == ["layer 0"] and 0 <= moves["layer 0"] < RTOL_HALF
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert first_attention_move(model, ids, [10, 6]) < RTOL_HALF and calls[-1] == [0, 10, 16]
+        assert attention_moves(model, ids, [10, 6])["layer 0"] < RTOL_HALF and calls[-1] == [0, 10, 16]
+    # two kinds: the pass goes on to the first sliding layer (the 4-token window in its label), and stops in it
+    config = transformers.Olmo3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                      sliding_window=4, layer_types=[
+                                          "full_attention", "full_attention", "sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    olmo3 = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    reached.clear()
+    for i, layer in enumerate(olmo3.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: reached.append(i))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moves = attention_moves(olmo3, ids, [7, 9])
+    assert list(moves) == ["layer 0 (full_attention)", "layer 2 (sliding_attention, window 4)"] and reached == [0, 1]
+    assert max(moves.values()) < RTOL_HALF, moves
     faulty = fresh_phimoe().eval()
     through(faulty, acausal(varlen_stand_in), monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert first_attention_move(faulty, ids, [7, 9]) > 10 * RTOL_HALF
-    assert first_attention_move(faulty, ids, [7, 9]) < 1e-6  # fp32 takes the per-example attention, not the kernel
+        assert attention_moves(faulty, ids, [7, 9])["layer 0"] > 10 * RTOL_HALF
+    assert attention_moves(faulty, ids, [7, 9])["layer 0"] < 1e-6  # fp32 takes the per-example attention
     eager = tiny("olmo3")
     eager.config._attn_implementation = "eager"
-    assert first_attention_move(eager, ids, [7, 9]) is None
+    assert attention_moves(eager, ids, [7, 9]) is None
 
 
 def test_the_fp32_measure_upcasts_one_layer_at_a_time_and_gives_the_whole_models_figure() -> None:
