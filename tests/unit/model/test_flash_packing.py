@@ -118,24 +118,26 @@ def test_flash_attention_2_where_flash_attn_cannot_run_is_not_run_by_the_start_u
 
 def test_where_the_check_would_measure_again_in_fp32_flash_attention_2_is_refused_with_the_fix(flash_stub,
                                                                                               monkeypatch) -> None:
-    """flash-attn computes bf16/fp16 only, so the check's fp32 measure (a routed model moved past half precision's
-    tolerance; half precision overflowing) cannot run under flash_attention_2: fp32 queries stopped the run with
-    flash-attn's dtype error. It is refused with the fix (sdpa, checked in fp32 there) before anything runs in fp32."""
+    """flash-attn computes bf16/fp16 only, so the check's fp32 measure (a routed model or a deep dense one moved past
+    half precision's tolerance; half precision overflowing) cannot run under flash_attention_2: fp32 queries stopped
+    the run with flash-attn's dtype error. It is refused with the fix (sdpa, checked in fp32 there) before anything
+    runs in fp32."""
     from open_sft.errors import UserError
     from open_sft.model import packing_check
 
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_of("phimoe", False), dtype=torch.float32,
-                                             attn_implementation="eager")
-    model.config._attn_implementation = FLASH
     monkeypatch.setattr(packing_check, "in_fp32", None)  # neither fp32 measure may start
     monkeypatch.setattr(packing_check, "fp32_by_layer", None)
-    for half_move, why in ((5e-2, "half precision's rounding moved them by 5.0e-02"),
-                           (float("nan"), "half precision overflowed in it")):
-        monkeypatch.setattr(packing_check, "packing_leak", lambda model, move=half_move: move)
-        with pytest.raises(UserError) as refused:
-            packing_check.check_packing(model, torch.bfloat16)
-        assert str(refused.value) == (
-            f"--packing: model type 'phimoe' could not be checked at start for keeping packed examples apart: {why}, "
-            "and the fp32 measure that tells it cannot run under flash_attention_2 (flash-attn computes bf16/fp16 "
-            "only); train with --attn_implementation sdpa (checked in fp32 there), or without --packing")
+    for family in ("phimoe", "olmo3"):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config_of(family, False), dtype=torch.float32,
+                                                 attn_implementation="eager")
+        model.config._attn_implementation = FLASH
+        for half_move, why in ((5e-2, "half precision's rounding moved them by 5.0e-02, over its 2e-02"),
+                               (float("nan"), "half precision overflowed in it")):
+            monkeypatch.setattr(packing_check, "packing_leak", lambda model, move=half_move: move)
+            with pytest.raises(UserError) as refused:
+                packing_check.check_packing(model, torch.bfloat16)
+            assert str(refused.value) == (
+                f"--packing: model type '{family}' could not be checked at start for keeping packed examples apart: "
+                f"{why}, and the fp32 measure that tells it cannot run under flash_attention_2 (flash-attn computes "
+                "bf16/fp16 only); train with --attn_implementation sdpa (checked in fp32 there), or without --packing")
