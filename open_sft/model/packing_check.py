@@ -297,8 +297,9 @@ def _fp32_runs(model: nn.Module, family: str, why: str) -> None:
                         "there), or without --packing")
 
 
-# the longest sliding window the attention probe reaches (its examples made longer than it, so that the kernel is
-# given the window): a 2,000-token row; a longer one is named "not reached" in the log line
+# the longest sliding window the attention probe reaches where the model is on the kernel's device (its examples made
+# longer than it, so that the kernel is given the window): a 2,000-token row; a longer one, or one on the CPU (no
+# kernel there: the per-example calls, whose window the unit tests hold), is named "not reached" in the log line
 WINDOW_PROBED = 1024
 
 
@@ -306,9 +307,12 @@ def _kernel_by_kind(model: nn.Module, family: str, compute_dtype: Optional[torch
     """The packed attention (torch's variable-length kernel on a GPU) against each example attended alone at the
     first layer of each kind of attention (`attention_moves`), in the run's dtype: refused over half precision's
     tolerance, else a note for the log."""
+    from open_sft.model import packed_attention
+
     config = text_config(model.config)
     window = getattr(config, "sliding_window", None)
-    reach = window if isinstance(window, int) and 0 < window <= WINDOW_PROBED else 0
+    on_kernel = next(model.parameters()).device.type == packed_attention.KERNEL_DEVICE
+    reach = window if on_kernel and isinstance(window, int) and 0 < window <= WINDOW_PROBED else 0
     lengths = [FIRST + reach, SECOND + reach]
     ids = torch.randint(0, config.vocab_size, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
     with _evaluating(model), _computing(model, compute_dtype):

@@ -84,7 +84,7 @@ def test_latent_attention_takes_the_kernel_and_trains_as_the_padded_batch(figure
 
 
 def test_the_first_attention_layer_through_the_kernel_is_per_example_attention(figures) -> None:
-    """Before any router: what the packing check relies on where it measures a routed model again in fp32 (fp32
+    """Before any router: what the packing check relies on where it measures a model again in fp32 (fp32
     takes the per-example attention, not the kernel), held to the dense model's figure and to the check's tolerance,
     and an acausal kernel found by it and refused by the packing check."""
     from open_sft.model.packing_check import RTOL_HALF
