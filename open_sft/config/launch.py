@@ -230,6 +230,7 @@ def plan_launch(train: TrainingArguments, model_args: ModelArguments, explicit: 
                 raise UserError(f"DeepSpeed config {path}: {name} must be an object, e.g. {{\"enabled\": \"auto\"}}")
             section["enabled"] = "auto"
         _refuse_unfilled_auto(cfg, path)
+        _gather_on_save(cfg, path, settings, decider.notes)
         for var in _MERGED_ENV:  # merged above: accelerate would refuse them beside our own config
             os.environ.pop(var, None)
         os.environ.pop(ENV_FIELDS_FROM_YAML, None)
@@ -250,6 +251,21 @@ def _refuse_unfilled_auto(cfg: dict, path: Optional[str]) -> None:
                         f"fills for {', '.join(leftover)}; give {'it' if len(leftover) == 1 else 'each'} a value, "
                         "or remove the key for DeepSpeed's default. \"auto\" is filled for "
                         f"{', '.join(FILLED_AUTO)} (and, under ZeRO-3, {STAGE3_AUTO})")
+
+
+def _gather_on_save(cfg: dict, path: Optional[str], settings: dict, notes: list[str]) -> None:
+    """Under ZeRO-3 the export at the end gathers the full weights (accelerator.get_state_dict), which DeepSpeed
+    allows only with stage3_gather_16bit_weights_on_model_save on: a false one (`accelerate config` answers no by
+    default, writing zero3_save_16bit_model: false) would train to the end and fail there. It is switched on with a
+    line: in DeepSpeed 0.19 and accelerate 1.16 it changes nothing but that save-time gather."""
+    zero = cfg.get("zero_optimization", {})
+    if zero_stage(cfg) != 3 or zero.get("stage3_gather_16bit_weights_on_model_save", "auto") in ("auto", True):
+        return
+    zero["stage3_gather_16bit_weights_on_model_save"] = True
+    from_accelerate = settings.get("zero3_save_16bit_model") is False
+    where = "(accelerate's zero3_save_16bit_model)" if from_accelerate else f"in {path}"
+    notes.append(f"stage3_gather_16bit_weights_on_model_save false {where} is set to true: the export at the end "
+                 "gathers the ZeRO-3 shards into full weights, which needs it (it changes nothing else)")
 
 
 def _zero3_init(cfg: Optional[dict], settings: dict, notes: list[str]) -> bool:

@@ -67,6 +67,28 @@ def test_yaml_settings_build_the_deepspeed_config() -> None:
     assert result.zero3_init and result.record["zero3_init"]
 
 
+def test_zero3_save_gather_switched_off_is_switched_on_with_a_line(tmp_path) -> None:
+    """`accelerate config` answers no to saving 16-bit weights under ZeRO-3 by default (zero3_save_16bit_model:
+    false): the export at the end needs the gather (accelerator.get_state_dict refuses without it), so the plan
+    switches it on and says so, rather than the run failing after training."""
+    result = plan([], {**YAML_ENV, "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "false"})
+    assert result.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert ("stage3_gather_16bit_weights_on_model_save false (accelerate's zero3_save_16bit_model) is set to true: "
+            "the export at the end gathers the ZeRO-3 shards into full weights, which needs it (it changes nothing "
+            "else)") in result.notes
+    path = write_json(tmp_path, {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}})
+    result = plan([], {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": path})
+    assert result.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert [n for n in result.notes if "gather" in n] == [
+        f"stage3_gather_16bit_weights_on_model_save false in {path} is set to true: the export at the end gathers "
+        "the ZeRO-3 shards into full weights, which needs it (it changes nothing else)"]
+    # ZeRO-2 exports without any gather: the value is left as given, nothing said.
+    env = {**YAML_ENV, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "false"}
+    result = plan([], env)
+    assert result.deepspeed_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is False
+    assert not [n for n in result.notes if "gather" in n]
+
+
 @pytest.mark.parametrize("env,expected", [
     ({"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}, False),  # accelerate's flag off: loaded whole
     ({}, True),  # stage 3 without the flag: partitioned, as accelerate and the HF Trainer default to
