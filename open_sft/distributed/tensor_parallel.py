@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from open_sft.model.anatomy import layer_values
+from open_sft.errors import UserError
+from open_sft.model.anatomy import layer_values, text_config
 
 if TYPE_CHECKING:
     from open_sft.distributed.parallelism import Parallelism
@@ -39,6 +40,15 @@ if TYPE_CHECKING:
 PER_HEAD = "replicated_with_grad_allreduce"
 # the styles whose training under FSDP2 + TP the tests compare with one process (Llama, Qwen3 and OLMo2 plans)
 VERIFIED_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", PER_HEAD}
+
+
+def tied_problem(flag: str) -> str:
+    """Why a model whose LM head is its input embedding cannot be split: transformers' plan names the head's weight,
+    which the model holds only under the embedding's name (its tp_plan would fail with KeyError 'lm_head.weight'),
+    and sharding the embedding alone would leave the head a whole weight, no longer tied."""
+    return (f"{flag}: the model ties its LM head to its input embeddings (tie_word_embeddings, as Llama-3.2 1B/3B, "
+            "Qwen2.5 0.5B-3B, Qwen3 0.6B-4B and Gemma do), which tensor parallelism cannot split as one weight; drop "
+            "TP and shard with FSDP2 alone")
 
 
 def tensor_parallel_problems(parallelism: Parallelism, train: Any, lora: Any, model_config: Any) -> list[str]:
@@ -72,6 +82,8 @@ def tensor_parallel_problems(parallelism: Parallelism, train: Any, lora: Any, mo
     if not (getattr(model_config, "base_model_tp_plan", None) or {}):
         problems.append(f"{flag}: the model ({getattr(model_config, 'model_type', '?')}) has no tensor-parallel plan "
                         "in transformers (base_model_tp_plan); drop TP and shard with FSDP2 alone")
+    elif getattr(text_config(model_config), "tie_word_embeddings", False):
+        problems.append(tied_problem(flag))
     return problems
 
 
@@ -89,11 +101,14 @@ def apply(model: torch.nn.Module, tp_mesh: Any) -> list[str]:
     tp_plan, _, _ = causal_lm._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
     untested = sorted(set(tp_plan.values()) - VERIFIED_STYLES)
     if untested:
-        from open_sft.errors import UserError
-
         raise UserError(f"tensor parallelism: the model's tp_plan uses {', '.join(untested)}, which open_sft has not "
                         "verified under FSDP2 + TP (only " + ", ".join(sorted(VERIFIED_STYLES)) + "); drop "
                         "--parallelism_config_tp_size and shard the model with FSDP2 alone")
+    parameters = dict(causal_lm.named_parameters())
+    aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)} - parameters.keys()
+    if aliases & tp_plan.keys():  # tied weights the config did not announce (tensor_parallel_problems checks it)
+        raise UserError(f"tensor parallelism: {tied_problem(f'--parallelism_config_tp_size {tp_mesh.size()}')} "
+                        f"({', '.join(sorted(aliases & tp_plan.keys()))} is a second name of a weight)")
     modules = dict(causal_lm.named_modules())
     tp_plan = with_adapters(tp_plan, modules)
     for name, style in tp_plan.items():
@@ -111,8 +126,6 @@ def with_adapters(tp_plan: dict[str, str], modules: dict[str, torch.nn.Module]) 
     to rank r, stays whole. Rowwise (the input sliced): lora_A's input rows, whose partial products the style
     sums as it does the base layer's; lora_B stays whole. The whole matrices are replicated (accelerate's
     `prepare` under TP)."""
-    from open_sft.errors import UserError
-
     planned = {}
     for name, style in tp_plan.items():
         module = modules.get(name)

@@ -70,6 +70,36 @@ def test_what_tensor_parallel_cannot_do_is_named_with_its_fix() -> None:
                        "(base_model_tp_plan); drop TP and shard with FSDP2 alone"]
 
 
+def test_a_model_whose_head_is_its_embedding_is_refused_before_it_loads() -> None:
+    """Llama-3.2 1B/3B, Qwen2.5 0.5B-3B, Qwen3 0.6B-4B and Gemma tie the LM head to the embeddings: transformers'
+    plan names lm_head.weight, which the model holds only as model.embed_tokens.weight, and every rank crashed with
+    KeyError 'lm_head.weight' after loading. Refused with the launch's other problems (a multimodal config by its
+    text model's flag); a tie the config does not announce is refused by apply, not a KeyError."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    tied = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                       tie_word_embeddings=True)
+    refusal = ("--parallelism_config_tp_size 2: the model ties its LM head to its input embeddings "
+               "(tie_word_embeddings, as Llama-3.2 1B/3B, Qwen2.5 0.5B-3B, Qwen3 0.6B-4B and Gemma do), which tensor "
+               "parallelism cannot split as one weight; drop TP and shard with FSDP2 alone")
+    assert problems(model=tied) == [refusal]
+    assert problems(model=AutoConfig.for_model("gemma3_text")) == [refusal]
+    untied_text = AutoConfig.for_model("mistral3")  # tie_word_embeddings true, its text model's false
+    untied_text.base_model_tp_plan = untied_text.text_config.base_model_tp_plan
+    assert problems(model=untied_text) == []
+    assert problems(tp=1, fsdp_on=False, model=tied) == []
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(LlamaConfig(**small, tie_word_embeddings=True))
+    model.config.tie_word_embeddings = False  # the weights stay tied: the plan still names the head
+    mesh = type("Mesh", (), {"size": lambda self: 2})()
+    with pytest.raises(UserError) as info:
+        tensor_parallel.apply(model, mesh)
+    assert str(info.value) == f"tensor parallelism: {refusal} (lm_head.weight is a second name of a weight)"
+
+
 def test_heads_given_layer_by_layer_are_checked_layer_by_layer() -> None:
     """Gemma 4 31B's layout: its full-attention layers' key/value heads (num_global_key_value_heads) in transformers
     5's per_layer_config, where reading config.num_key_value_heads raises; every TP launch of it stopped with
@@ -84,7 +114,8 @@ def test_heads_given_layer_by_layer_are_checked_layer_by_layer() -> None:
                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     per_layer_config={1: {"head_dim": 32, "num_key_value_heads": 1, **full_layer}},
                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8,
-                                    vocab_size_per_layer_input=128, hidden_size_per_layer_input=0)
+                                    vocab_size_per_layer_input=128, hidden_size_per_layer_input=0,
+                                    tie_word_embeddings=False)  # the heads alone (a tied head is refused too)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(gemma4())  # Gemma 4's own code takes per-layer key/value heads only
