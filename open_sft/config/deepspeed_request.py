@@ -41,8 +41,27 @@ ZERO_SETTINGS = {
 }
 
 
+# What deepspeed/launcher/launch.py (0.19) sets for each worker and torchrun does not: under `accelerate launch`
+# only its multi-node DeepSpeed launchers (pdsh, ...) set them, and those pass ACCELERATE_USE_DEEPSPEED along.
+DEEPSPEED_LAUNCHER_ENV = ("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE")
+
+
 def uses_deepspeed(env: Mapping[str, str] = os.environ) -> bool:
     return env.get(ENV_USE_DEEPSPEED, "false").lower() == "true"
+
+
+def check_launcher(env: Mapping[str, str] = os.environ) -> None:
+    """`deepspeed --num_gpus 8 finetune.py ... --no_local_rank` starts workers without accelerate's settings: the
+    run would be plain data parallelism, no ZeRO, without a word. Refused with the accelerate command line."""
+    if uses_deepspeed(env) or not all(name in env for name in DEEPSPEED_LAUNCHER_ENV):
+        return
+    world, nodes = env.get("WORLD_SIZE", "N"), env["CROSS_SIZE"]
+    machines = (f" --num_machines {nodes} --machine_rank {env['CROSS_RANK']} --main_process_ip "
+                f"{env.get('MASTER_ADDR', 'HOST')}" if nodes != "1" else "")
+    raise UserError("started by DeepSpeed's own launcher (`deepspeed finetune.py`: CROSS_RANK, CROSS_SIZE and "
+                    "LOCAL_SIZE are set, no accelerate DeepSpeed settings), which would train plain data parallelism "
+                    f"without ZeRO; launch with accelerate: accelerate launch --num_processes {world}{machines} "
+                    "--use_deepspeed --deepspeed_config_file configs/ds/zero2.json finetune.py ...")
 
 
 def _set_path(node: dict, dotted: str, value: Any) -> None:
@@ -148,6 +167,7 @@ def deepspeed_request(env: Mapping[str, str] = os.environ) -> tuple[Optional[dic
     """(DeepSpeed config with accelerate's ZeRO settings merged in, its JSON path or None, the accelerate
     settings given), or (None, None, {}) without DeepSpeed. A setting that contradicts an explicit value
     of the JSON is an error naming both."""
+    check_launcher(env)
     if not uses_deepspeed(env):
         return None, None, {}
     path = env.get(ENV_CONFIG_FILE, "none")

@@ -120,8 +120,11 @@ def _flag_before(argv: list[str], leftover: list[str]) -> str | None:
 # name is often another thing: --save_steps → --save_dtype, --deepspeed → --seed).
 _DEEPSPEED = ("DeepSpeed is the launcher's: accelerate launch --use_deepspeed --deepspeed_config_file "
               "configs/ds/zero2.json finetune.py ...")
+# `deepspeed finetune.py` and `python -m torch.distributed.launch` hand each rank --local_rank (--local-rank)
+_LOCAL_RANK = ("passed by the `deepspeed` launcher or torch.distributed.launch; launch with accelerate: accelerate "
+               "launch --num_processes N --use_deepspeed --deepspeed_config_file configs/ds/zero2.json finetune.py ...")
 FOREIGN_FLAGS = {
-    "deepspeed": _DEEPSPEED, "zero_stage": _DEEPSPEED,
+    "deepspeed": _DEEPSPEED, "zero_stage": _DEEPSPEED, "local_rank": _LOCAL_RANK,
     "save_steps": "use --checkpointing_steps N", "save_strategy": "use --checkpointing_steps N or epoch",
     "save_total_limit": "use --keep_last_n_checkpoints", "max_steps": "use --max_train_steps",
     "bf16": "use --torch_dtype bfloat16 (auto picks it where it is fast)", "fp16": "use --torch_dtype float16",

@@ -89,6 +89,27 @@ def test_zero3_save_gather_switched_off_is_switched_on_with_a_line(tmp_path) -> 
     assert not [n for n in result.notes if "gather" in n]
 
 
+def test_deepspeeds_own_launcher_is_refused_with_the_accelerate_line() -> None:
+    """`deepspeed --num_gpus 8 finetune.py ... --no_local_rank` gives no accelerate settings: the run trained plain
+    DDP, no ZeRO, without a word. Refused naming the accelerate command; under accelerate's own multi-node DeepSpeed
+    launchers (which run DeepSpeed's with accelerate's settings) it goes on."""
+    launcher = {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.1", "CROSS_RANK": "0",
+                "CROSS_SIZE": "1", "LOCAL_SIZE": "8"}
+    with pytest.raises(UserError) as info:
+        plan([], launcher)
+    assert str(info.value) == (
+        "started by DeepSpeed's own launcher (`deepspeed finetune.py`: CROSS_RANK, CROSS_SIZE and LOCAL_SIZE are set, "
+        "no accelerate DeepSpeed settings), which would train plain data parallelism without ZeRO; launch with "
+        "accelerate: accelerate launch --num_processes 8 --use_deepspeed --deepspeed_config_file configs/ds/zero2.json "
+        "finetune.py ...")
+    with pytest.raises(UserError, match=r"accelerate launch --num_processes 16 --num_machines 2 --machine_rank 1 "
+                                        r"--main_process_ip 10.0.0.1 --use_deepspeed "):
+        plan([], {**launcher, "WORLD_SIZE": "16", "CROSS_SIZE": "2", "CROSS_RANK": "1"})
+    result = plan([], {**YAML_ENV, **launcher, "CROSS_SIZE": "2", "WORLD_SIZE": "16"})  # accelerate's pdsh launch
+    assert result.deepspeed_config["zero_optimization"]["stage"] == 3
+    assert plan([], {"RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8"}).deepspeed_config is None  # torchrun: DDP
+
+
 @pytest.mark.parametrize("env,expected", [
     ({"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false"}, False),  # accelerate's flag off: loaded whole
     ({}, True),  # stage 3 without the flag: partitioned, as accelerate and the HF Trainer default to

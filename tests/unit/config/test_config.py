@@ -158,7 +158,12 @@ def test_eval_sources_have_their_own_splits_checked_up_front(tmp_path) -> None:
     ("--bf16", "use --torch_dtype bfloat16"), ("--mixed-precision", "use --torch_dtype"),
     ("--sequence_len", "use --max_seq_length"), ("--micro_batch_size", "use --per_device_train_batch_size"),
     ("--dataset_train_split", "use --dataset_mixer_list_splits"),
-    ("--dataset_test_split", "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits")])
+    ("--dataset_test_split", "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits"),
+    # `deepspeed finetune.py` and torch.distributed.launch add it to every rank's command line
+    ("--local_rank", "passed by the `deepspeed` launcher or torch.distributed.launch; launch with accelerate: "
+                     "accelerate launch --num_processes N --use_deepspeed --deepspeed_config_file "
+                     "configs/ds/zero2.json finetune.py ...)"),
+    ("--local-rank", "passed by the `deepspeed` launcher or torch.distributed.launch; launch with accelerate:")])
 def test_flags_of_other_trainers_name_open_sfts_own(flag, hint, tmp_path) -> None:
     """HF Trainer / TRL / axolotl flags get open_sft's way to say the same, not difflib's nearest name (--save_steps
     used to suggest --save_dtype, --deepspeed --seed, TRL's --dataset_train_split --dataset_mixer_list), as flags
