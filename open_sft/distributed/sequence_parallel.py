@@ -56,6 +56,10 @@ def sequence_parallel_problems(size: int, world: int, deepspeed: bool, args: Any
         if heads % size:  # each layer's (a per_layer_config may give them layer by layer)
             problems.append(f"{flag} must divide the model's attention heads ({heads}): each rank attends with 1/N "
                             "of them")
+    for kv in dict.fromkeys(h for h in layer_values(model_config, "num_key_value_heads") if h is not None):
+        if kv % size and size % kv:  # DeepSpeed's Ulysses splits the key/value heads or repeats them over ranks
+            problems.append(f"{flag} and the model's key/value heads ({kv}): one must divide the other (each rank "
+                            "attends with 1/N of the heads, DeepSpeed Ulysses splits or repeats the key/value ones)")
     if args.train.loss_normalization == "mean":
         problems.append(f"{flag} does not work with --loss_normalization mean (a micro-batch's mean spans ranks); "
                         "use token or sum")

@@ -65,6 +65,22 @@ def test_what_sequence_parallelism_cannot_do_is_refused() -> None:
                                       "sdpa") == []
 
 
+def test_key_value_heads_must_divide_or_be_divided_by_the_size() -> None:
+    """DeepSpeed's Ulysses needs kv % sp == 0 or sp % kv == 0, else a ValueError from prepare after the model
+    loaded (Qwen2.5-7B: 28 heads, 4 key/value heads, under sp 7; Qwen2.5-14B: 40 and 8 under sp 5)."""
+    qwen7b = SimpleNamespace(num_attention_heads=28, num_key_value_heads=4)
+    assert sequence_parallel_problems(7, 7, True, config(), qwen7b, "sdpa") == [
+        "--sequence_parallel_size 7 and the model's key/value heads (4): one must divide the other (each rank attends "
+        "with 1/N of the heads, DeepSpeed Ulysses splits or repeats the key/value ones)"]
+    qwen14b = SimpleNamespace(num_attention_heads=40, num_key_value_heads=8)
+    assert len(sequence_parallel_problems(5, 5, True, config(), qwen14b, "sdpa")) == 1
+    assert sequence_parallel_problems(2, 2, True, config(), qwen7b, "sdpa") == []  # 4 split over 2
+    assert sequence_parallel_problems(4, 4, True, config(), qwen7b, "sdpa") == []  # 1 each
+    assert sequence_parallel_problems(4, 4, True, config(), qwen14b, "sdpa") == []  # 2 each
+    assert sequence_parallel_problems(8, 8, True, config(), SimpleNamespace(num_attention_heads=32,
+                                                                             num_key_value_heads=2), "sdpa") == []
+
+
 def test_balancing_is_off_for_padded_sequence_parallel_runs_by_default() -> None:
     assert balances(config("--sequence_parallel_size", "2").train) is False
     assert balances(config("--sequence_parallel_size", "2", "--packing").train) is True
