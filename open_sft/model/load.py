@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
-import os
 from typing import Any, Optional
 
 import torch
@@ -167,14 +166,12 @@ def _unknown_key(config: Any, key: str) -> str:
 
 def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
                      compute_dtype: torch.dtype) -> PreTrainedModel:
-    from open_sft.model.lora import quantization_config
+    from open_sft.model.lora import quantization_config, quantized_device
 
     kwargs = hub_kwargs(args)
     quantization = quantization_config(lora, compute_dtype == torch.float16) if lora is not None else None
     if quantization is not None:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        kwargs.update(quantization_config=quantization,
-                      device_map={"": f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"})
+        kwargs.update(quantization_config=quantization, device_map={"": quantized_device()})
     config = load_model_config(args)
     try:
         return AutoModelForCausalLM.from_pretrained(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -60,6 +61,14 @@ def quantization_config(args: LoraArguments, fp16: bool = False) -> Optional[Bit
         return None
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.float16 if fp16 else torch.bfloat16)
+
+
+def quantized_device() -> str:
+    """Where this rank loads a 4-bit model: its GPU as accelerate picks it (the local rank modulo the GPUs this
+    process sees: under SLURM's --gpus-per-task=1 each rank sees one, cuda:0, whatever its LOCAL_RANK), or the CPU."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % torch.cuda.device_count()}"
 
 
 def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[int]]] = None,

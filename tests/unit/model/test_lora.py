@@ -94,6 +94,33 @@ def test_qlora_trains_through_its_4bit_layers_after_an_evaluation(tiny_model_dir
         assert torch.equal(before[name], after[name]), name
 
 
+@pytest.mark.parametrize("local_rank, gpus, device", [("3", 1, "cuda:0"), ("3", 8, "cuda:3"), ("5", 4, "cuda:1"),
+                                                      (None, 2, "cuda:0")])
+def test_qlora_loads_on_the_gpu_accelerate_gives_the_rank(tiny_model_dir, monkeypatch, local_rank, gpus,
+                                                          device) -> None:
+    """The 4-bit model is placed where accelerate puts the rank (its local index modulo the visible GPUs): under
+    SLURM's --gpus-per-task=1 each rank sees one GPU, and cuda:{LOCAL_RANK} (cuda:3) was an invalid device."""
+    from open_sft.model import load
+
+    captured = {}
+
+    def from_pretrained(*_args, **kwargs):
+        captured.update(kwargs)
+        raise KeyboardInterrupt  # stop before anything is built
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(load.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with pytest.raises(KeyboardInterrupt):
+        load._from_pretrained(model_args(tiny_model_dir, attn_implementation="sdpa"), LoraArguments(use_qlora=True),
+                              torch.bfloat16)
+    assert captured["device_map"] == {"": device}
+
+
 def test_qlora_with_gradient_checkpointing_says_nothing_and_computes_what_it_computes_without(tiny_model_dir) -> None:
     """peft 0.22 warned on every QLoRA run with --gradient_checkpointing ("`gradient_checkpointing_kwargs` is
     deprecated ... Use `activation_checkpointing_kwargs`"), peft 0.21 through transformers' deprecated
