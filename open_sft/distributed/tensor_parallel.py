@@ -42,6 +42,13 @@ PER_HEAD = "replicated_with_grad_allreduce"
 VERIFIED_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", PER_HEAD}
 
 
+def untested_styles(styles: list[str]) -> str:
+    """The sharding styles of a model's plan (DeepSeek-V3's mla_kv_a_proj, Llama 4's packed_rowwise) that the
+    tests do not cover."""
+    return (f"the model's tp_plan uses {', '.join(styles)}, which open_sft has not verified under FSDP2 + TP (only "
+            + ", ".join(sorted(VERIFIED_STYLES)) + ")")
+
+
 def tied_problem(flag: str) -> str:
     """Why a model whose LM head is its input embedding cannot be split: transformers' plan names the head's weight,
     which the model holds only under the embedding's name (its tp_plan would fail with KeyError 'lm_head.weight'),
@@ -79,11 +86,16 @@ def tensor_parallel_problems(parallelism: Parallelism, train: Any, lora: Any, mo
             if heads % tp:
                 problems.append(f"{flag} must divide the model's {name} ({heads}): each rank attends with 1/{tp} "
                                 "of the heads")
-    if not (getattr(model_config, "base_model_tp_plan", None) or {}):
+    plan = getattr(model_config, "base_model_tp_plan", None) or {}
+    if not plan:
         problems.append(f"{flag}: the model ({getattr(model_config, 'model_type', '?')}) has no tensor-parallel plan "
                         "in transformers (base_model_tp_plan); drop TP and shard with FSDP2 alone")
     elif getattr(text_config(model_config), "tie_word_embeddings", False):
         problems.append(tied_problem(flag))
+    # the config's plan, before the model loads (the causal LM classes' own, for the LM head, use verified styles)
+    untested = sorted(set(plan.values()) - VERIFIED_STYLES)
+    if untested:
+        problems.append(f"{flag}: {untested_styles(untested)}; drop TP and shard with FSDP2 alone")
     return problems
 
 
@@ -101,9 +113,8 @@ def apply(model: torch.nn.Module, tp_mesh: Any) -> list[str]:
     tp_plan, _, _ = causal_lm._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))
     untested = sorted(set(tp_plan.values()) - VERIFIED_STYLES)
     if untested:
-        raise UserError(f"tensor parallelism: the model's tp_plan uses {', '.join(untested)}, which open_sft has not "
-                        "verified under FSDP2 + TP (only " + ", ".join(sorted(VERIFIED_STYLES)) + "); drop "
-                        "--parallelism_config_tp_size and shard the model with FSDP2 alone")
+        raise UserError(f"tensor parallelism: {untested_styles(untested)}; drop --parallelism_config_tp_size and "
+                        "shard the model with FSDP2 alone")
     parameters = dict(causal_lm.named_parameters())
     aliases = {name for name, _ in causal_lm.named_parameters(remove_duplicate=False)} - parameters.keys()
     if aliases & tp_plan.keys():  # tied weights the config did not announce (tensor_parallel_problems checks it)

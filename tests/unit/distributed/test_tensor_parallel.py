@@ -100,6 +100,23 @@ def test_a_model_whose_head_is_its_embedding_is_refused_before_it_loads() -> Non
     assert str(info.value) == f"tensor parallelism: {refusal} (lm_head.weight is a second name of a weight)"
 
 
+def test_a_plan_with_styles_not_verified_here_is_refused_before_the_model_loads() -> None:
+    """DeepSeek-V3's plan (mla_kv_a_proj) and Llama 4's (packed_rowwise, moe_tp_experts) were refused by apply, after
+    every rank had loaded the whole model; the config's plan is read with the launch's other problems."""
+    from transformers import AutoConfig
+
+    deepseek = AutoConfig.for_model("deepseek_v3", num_attention_heads=4, num_key_value_heads=4,
+                                    tie_word_embeddings=False)
+    assert problems(model=deepseek) == [
+        "--parallelism_config_tp_size 2: the model's tp_plan uses mla_kv_a_proj, which open_sft has not verified "
+        "under FSDP2 + TP (only colwise, colwise_gather_output, embedding_rowwise, replicated_with_grad_allreduce, "
+        "rowwise, rowwise_split_input); drop TP and shard with FSDP2 alone"]
+    llama4 = AutoConfig.for_model("llama4_text", num_attention_heads=4, num_key_value_heads=2)
+    assert [p.split(",", 1)[0] for p in problems(model=llama4)] == [
+        "--parallelism_config_tp_size 2: the model's tp_plan uses moe_tp_experts"]
+    assert problems(model=AutoConfig.for_model("qwen3_moe", num_attention_heads=4, num_key_value_heads=2)) == []
+
+
 def test_heads_given_layer_by_layer_are_checked_layer_by_layer() -> None:
     """Gemma 4 31B's layout: its full-attention layers' key/value heads (num_global_key_value_heads) in transformers
     5's per_layer_config, where reading config.num_key_value_heads raises; every TP launch of it stopped with
