@@ -14,20 +14,33 @@ SHARDED = "pipeline_sharded"  # torch.distributed.checkpoint's directory of an F
 
 
 def gather_state_dict(pipeline: Pipeline, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on the main process (each stage's from the first replica), {} elsewhere."""
+    """The whole model's weights on the main process (each stage's from the first replica), {} elsewhere. The names,
+    shapes and dtypes travel as objects, the tensors one at a time to CPU memory on the main process: a stage's
+    state dict as one object (gather_object) would be pickled into a buffer on the communication device, every
+    stage's at once on the main process's GPU under NCCL."""
     layout, dist = pipeline.layout, torch.distributed
     # an FSDP2-sharded stage is gathered over its replicas first (collective: every replica takes part)
     mine = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
             for k, v in owned_state_dict(model).items()}
     if layout.replica != 0:
         return {}
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in mine.items()}
     parts = [None] * layout.size if dist.get_rank() == 0 else None
-    dist.gather_object(mine, parts, dst=0, group=layout.pipe_group)
+    dist.gather_object(shapes, parts, dst=0, group=layout.pipe_group)
+    device = torch.device("cpu") if "gloo" in dist.get_backend(layout.pipe_group) else \
+        torch.device("cuda", torch.cuda.current_device())
     if dist.get_rank() != 0:
+        for tensor in mine.values():
+            dist.send(tensor.contiguous().to(device), dst=0, group=layout.pipe_group)
         return {}
-    whole: dict[str, torch.Tensor] = {}
-    for part in parts:
-        whole.update(part)
+    whole = dict(mine)
+    for member, part in zip(dist.get_process_group_ranks(layout.pipe_group), parts):
+        if member == 0:
+            continue
+        for name, (shape, dtype) in part.items():
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src=member, group=layout.pipe_group)
+            whole[name] = buffer.cpu()
     return whole
 
 

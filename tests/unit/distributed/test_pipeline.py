@@ -253,3 +253,54 @@ def test_the_pipelines_router_mask_counts_a_packed_rows_real_tokens() -> None:
     packed["router_mask"] = real_positions(packed)
     assert router_mask(packed, 3, 8).tolist() == [[1] * 6 + [0, 0], [1, 1] + [0] * 6, [0] * 8]
     assert router_mask(collate(examples, 0), 2, 8).tolist() == [[1] * 6 + [0, 0], [1, 1] + [0] * 6]
+
+
+class _Stage(torch.nn.Module):
+    """A stage position's module: the whole model's parameters, those of other stages on the meta device."""
+
+    def __init__(self, owned: dict[str, torch.Tensor], others: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, tensor in {**owned, **{n: t.to("meta") for n, t in others.items()}}.items():
+            self.register_parameter(name, torch.nn.Parameter(tensor.clone(), requires_grad=False))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_export_gathers_stage_weights_one_tensor_at_a_time(monkeypatch, rank) -> None:
+    """The export gathered each stage's whole state dict as one object onto rank 0 (gather_object): under NCCL every
+    stage's weights were pickled into buffers on rank 0's GPU at once (pp × a stage: CUDA out of memory at the end
+    of an 8B run). Only names, shapes and dtypes travel as objects; each tensor goes alone, from its stage to rank 0's
+    CPU memory."""
+    from open_sft.training import pipeline_state
+
+    torch.manual_seed(0)
+    stages = [{"embed": torch.randn(4, 3)}, {"mid": torch.randn(5).to(torch.bfloat16)},
+              {"head": torch.randn(2, 3), "norm": torch.randn(3)}]
+    whole = {name: t for stage in stages for name, t in stage.items()}
+    dist, gathered, received, sent = torch.distributed, [], [], []
+
+    def gather_object(obj, parts, dst, group):
+        gathered.append(obj)
+        if parts is not None:
+            parts[:] = [{n: (tuple(t.shape), t.dtype) for n, t in stage.items()} for stage in stages]
+
+    def recv(buffer, src, group):
+        name = next(n for n in stages[src] if n not in {r[1] for r in received})
+        received.append((src, name, tuple(buffer.shape), buffer.dtype))
+        buffer.copy_(stages[src][name])
+
+    for name, fake in {"get_rank": lambda: rank, "gather_object": gather_object, "get_backend": lambda group: "gloo",
+                       "get_process_group_ranks": lambda group: [0, 1, 2], "recv": recv,
+                       "send": lambda tensor, dst, group: sent.append((dst, tensor.clone()))}.items():
+        monkeypatch.setattr(dist, name, fake)
+    layout = SimpleNamespace(replica=0, size=3, pipe_group="pipe")
+    model = _Stage(stages[rank], {n: t for n, t in whole.items() if n not in stages[rank]})
+    result = pipeline_state.gather_state_dict(SimpleNamespace(layout=layout), model)
+    assert gathered == [{n: (tuple(t.shape), t.dtype) for n, t in stages[rank].items()}]  # no tensor in an object
+    if rank == 0:
+        assert received == [(1, "mid", (5,), torch.bfloat16), (2, "head", (2, 3), torch.float32),
+                            (2, "norm", (3,), torch.float32)]
+        assert result.keys() == whole.keys() and all(torch.equal(result[n], whole[n]) for n in whole)
+        assert all(t.device.type == "cpu" for t in result.values()) and sent == []
+    else:
+        assert result == {} and received == []
+        assert [(dst, t.dtype) for dst, t in sent] == [(0, torch.bfloat16)] and torch.equal(sent[0][1], whole["mid"])
