@@ -51,12 +51,24 @@ def write_json(path: Path, value: Any, indent: int | None = 1) -> None:
 
 def set_aside(directory: Path) -> Path | None:
     """An earlier run's non-empty `directory` renamed to NAME.previous-N (the first N free), returned; None when
-    there is nothing to keep."""
+    there is nothing to keep. A symlink to a directory (a user's routing of it to another disk) stays: its target is
+    renamed beside itself, on its disk, and made again empty, so the new run's files follow the link as before."""
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
-    target = next_previous(directory)
-    directory.rename(target)
+    real = directory.resolve() if directory.is_symlink() else directory
+    target = next_previous(real)
+    real.rename(target)
+    if real != directory:
+        real.mkdir()
     return target
+
+
+def remove_tree(path: Path) -> None:
+    """The directory `path` deleted; a symlink to one is unlinked and its target, the user's, left whole."""
+    if path.is_symlink():
+        path.unlink()
+    else:
+        shutil.rmtree(path)
 
 
 def next_previous(directory: Path) -> Path:

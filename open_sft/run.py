@@ -242,7 +242,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.model.precision import COMPUTE_DTYPE_KEY
     from open_sft.monitor.run_info import write_run_files
     from open_sft.preflight.timing import run_timer
-    from open_sft.training import checkpoint
+    from open_sft.training.checkpointer import Checkpointer
     from open_sft.training.completion import SETTINGS_KEY, check_resume_point, clear_marker, resume_setting
     from open_sft.training.build import build_trainer
     from open_sft.training.elastic import reseed_new_ranks
@@ -270,11 +270,11 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
         write_run_files(job, trainer)
     saved_config = {**config.to_dict(), SETTINGS_KEY: job.settings_history,  # each checkpoint carries the history
                     COMPUTE_DTYPE_KEY: str(job.dtype).removeprefix("torch.")}  # and the dtype a resume keeps
-    checkpointer = checkpoint.Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
-                                           reduce_sum=all_reduce_sum, stop=StopRequest().install(),
-                                           uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
-                                           state_io=checkpoint_io(resume, trainer, identity, config.lora.use_qlora),
-                                           model_files=model_files_writer(config, acc, trainer, job.tokenizer))
+    checkpointer = Checkpointer(acc, trainer, output_dir, config.checkpoint, identity, saved_config,
+                               reduce_sum=all_reduce_sum, stop=StopRequest().install(),
+                               uploader=CheckpointUploader.for_run(config.hub, acc.is_main_process),
+                               state_io=checkpoint_io(resume, trainer, identity, config.lora.use_qlora),
+                               model_files=model_files_writer(config, acc, trainer, job.tokenizer))
     start_step = checkpointer.restore(resume)
     reseed_new_ranks(resume, acc.process_index, acc.num_processes, config.train.seed, trainer.loss_model.model)
     progress = ProgressBar.for_rank(job.steps.total_steps, start_step, acc.is_main_process)

@@ -136,7 +136,7 @@ def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) ->
     other = [path for number, path in step_dirs(root) if not inside or number > resume.step]
     if not other:
         return
-    target = next_previous(root)
+    target = next_previous(root.resolve())  # beside a symlinked checkpoints/ target: a rename crosses no disk
     target.mkdir()
     for path in other:
         path.rename(target / path.name)

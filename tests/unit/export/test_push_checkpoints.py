@@ -136,14 +136,14 @@ def test_a_stop_waits_briefly_for_the_uploads_after_releasing_the_peers(tmp_path
     ranks, which had exited: it died with exit 4, 'rank 1 is gone ... without writing a checkpoint'. The peers are
     released first and the wait is STOP_WAIT_S; what is left is the relaunch's."""
     from open_sft.export import hub_checkpoints
-    from open_sft.training import checkpoint
+    from open_sft.training import checkpointer as checkpointing
     from open_sft.training.preemption import Preempted
 
     assert hub_checkpoints.STOP_WAIT_S <= 10  # inside docker stop's grace, let alone torchrun's and SLURM's 30 s
     root = tmp_path / "checkpoints"
     _publish_steps(root, (2,))
     events: list[str] = []
-    monkeypatch.setattr(checkpoint.lifeline, "release", lambda: events.append("release"))
+    monkeypatch.setattr(checkpointing.lifeline, "release", lambda: events.append("release"))
     checkpointer = _checkpointer(tmp_path, keep=1)
     checkpointer.stop = SimpleNamespace(uninstall=lambda: None)
     checkpointer.accelerator.end_training = lambda: None

@@ -305,7 +305,7 @@ class _StateIO:
 
 
 def _checkpointer(output_dir: Path, keep: int):
-    from open_sft.training.checkpoint import Checkpointer
+    from open_sft.training.checkpointer import Checkpointer
 
     steps = SimpleNamespace(position=lambda step: (0, step), epochs_done=lambda step: 0.0, to_dict=dict)
     trainer = SimpleNamespace(steps=steps, state_dict=dict, load_state_dict=lambda state: None)
@@ -335,7 +335,7 @@ def test_a_resume_completes_the_pruning_a_kill_left_undone(tmp_path, caplog) -> 
     _publish_steps(root, (2, 4, 6))
     _checkpointer(tmp_path, keep=2).restore(ResumePoint(root / "step_4", {"step": 4}))
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
-    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpointer"):
         assert _checkpointer(tmp_path, keep=2).restore(ResumePoint(root / "step_6", {"step": 6})) == 6
     assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
     assert f"deleted old checkpoint {root / 'step_2'} (--keep_last_n_checkpoints 2): the pruning the last run was " \
@@ -350,7 +350,7 @@ def test_a_lowered_keep_says_so_when_the_resume_prunes(tmp_path, caplog) -> None
     root = tmp_path / "checkpoints"
     _publish_steps(root, (2, 4, 6))
     state = {"step": 6, "config": {"checkpoint": {"keep_last_n_checkpoints": 3}}}
-    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="open_sft.training.checkpointer"):
         _checkpointer(tmp_path, keep=1).restore(ResumePoint(root / "step_6", state))
     assert sorted(p.name for p in root.iterdir()) == ["step_6"]
     assert f"deleted old checkpoint {root / 'step_4'} (--keep_last_n_checkpoints 1): lowered from 3 since the " \
@@ -431,3 +431,88 @@ def test_a_refused_resume_names_the_world_size_only_where_the_ranks_are_what_is_
     staged = {**saved, "engine": "pipeline", "pipeline_parallel_size": 2}  # written per rank: the ranks are refused
     with pytest.raises(UserError, match=r"the number of processes \(world size\): checkpoint 2, now 1"):
         check_compatible(tmp_path, staged, {**now, "engine": "pipeline", "pipeline_parallel_size": 2})
+
+
+def test_pruning_a_symlinked_checkpoint_removes_the_link_and_leaves_its_target(tmp_path, caplog) -> None:
+    """review ckpt 2: checkpoints/step_2 -> a bigger disk: pruning deleted COMPLETE through the link, then
+    shutil.rmtree raised 'Cannot call rmtree on a symbolic link' after the new checkpoint was published (and at
+    every later save). The link is removed; the target, the user's and outside the run, is left whole."""
+    from open_sft.training.checkpoint import prune
+
+    root, big = tmp_path / "out" / "checkpoints", tmp_path / "big"
+    _publish_steps(big, (2,))
+    _publish_steps(root, (4, 6))
+    (root / "step_2").symlink_to(big / "step_2")
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.checkpoint"):
+        assert [p.name for p in prune(root, keep=1)] == ["step_4", "step_2"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_6"]
+    assert sorted(p.name for p in (big / "step_2").iterdir()) == ["COMPLETE", "trainer_state.json"]
+    assert (f"old checkpoint {root / 'step_2'} is a link to {big / 'step_2'}: the link was removed, its target is "
+            "left (delete it yourself to free its space)") in caplog.text
+
+
+def test_a_checkpoint_pruning_cannot_delete_is_a_warning_and_the_next_pruning_deletes_it(tmp_path, monkeypatch,
+                                                                                        caplog) -> None:
+    """review ckpt 2: on NFS, deleting a checkpoint another process reads leaves .nfsXXXX files and rmtree fails
+    ENOTEMPTY: the run died after publishing its checkpoint. Pruning warns; the next one deletes what is left."""
+    import errno
+    import shutil
+
+    from open_sft.training import checkpoint
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (2, 4))
+    real = shutil.rmtree
+
+    def busy(path, *args, **kwargs):
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", str(path / ".nfs0000000000a1"))
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", busy)
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.checkpoint"):
+        assert checkpoint.prune(root, keep=1) == []
+    assert f"could not delete old checkpoint {root / 'step_2'} (" in caplog.text
+    assert "Directory not empty" in caplog.text and "the next pruning deletes what is left" in caplog.text
+    assert sorted(p.name for p in (root / "step_2").iterdir()) == ["trainer_state.json"]  # COMPLETE went first
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real)
+    _publish_steps(root, (6,))
+    assert [p.name for p in checkpoint.prune(root, keep=1)] == ["step_4"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_6"]
+
+
+def _linked_root(tmp_path) -> tuple[Path, Path]:
+    """OUT/checkpoints, a link to BIG/ckpts (a run's checkpoints routed to a bigger disk), with step_2 and step_4."""
+    out, big = tmp_path / "out", tmp_path / "big" / "ckpts"
+    _publish_steps(big, (2, 4))
+    out.mkdir()
+    (out / "checkpoints").symlink_to(big)
+    return out, big
+
+
+def test_clean_checkpoints_at_end_empties_a_symlinked_checkpoints_dir_and_keeps_the_link(tmp_path) -> None:
+    """review ckpt 2: --clean_checkpoints_at_end on a symlinked checkpoints/ crashed in shutil.rmtree. The run's
+    checkpoints in the target are deleted; the link, the target and what else it holds stay."""
+    from open_sft.training.checkpoint import remove_all
+
+    out, big = _linked_root(tmp_path)
+    (big / "step_6.tmp").mkdir()
+    (big / "notes.txt").write_text("mine")
+    remove_all(out)
+    assert (out / "checkpoints").is_symlink() and [p.name for p in big.iterdir()] == ["notes.txt"]
+
+
+def test_starting_over_keeps_a_symlinked_checkpoints_dir_routed_to_its_disk(tmp_path) -> None:
+    """review ckpt 2: --resume_from_checkpoint none renamed the link itself, so the new run wrote a new checkpoints/
+    onto the output disk. The earlier checkpoints move beside the target (on its disk); the link stays, to an empty
+    directory; a rewind's abandoned checkpoints move beside the target as well (a rename across disks fails)."""
+    from open_sft.training.resume import IDENTITY_BEFORE_RECORDED, resolve_resume, set_aside_other_timeline
+
+    out, big = _linked_root(tmp_path)
+    assert resolve_resume("none", out, {}, is_main=True) is None
+    assert (out / "checkpoints").resolve() == big and list(big.iterdir()) == []
+    assert sorted(p.name for p in big.with_name("ckpts.previous-1").iterdir()) == ["step_2", "step_4"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
+    _publish_steps(big, (2, 4))
+    resume = resolve_resume(str(out / "checkpoints" / "step_2"), out, dict(IDENTITY_BEFORE_RECORDED), is_main=True)
+    set_aside_other_timeline(resume, out)
+    assert [p.name for p in big.iterdir()] == ["step_2"]
+    assert [p.name for p in big.with_name("ckpts.previous-2").iterdir()] == ["step_4"]

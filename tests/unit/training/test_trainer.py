@@ -239,7 +239,7 @@ def test_evaluation_and_checkpoint_saves_are_not_training_time(tiny_model_dir, t
     import time
 
     from open_sft.run import main
-    from open_sft.training.checkpoint import Checkpointer
+    from open_sft.training.checkpointer import Checkpointer
 
     real, offset = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
