@@ -61,13 +61,17 @@ DATA_FLAGS = frozenset({
     "tokenizer_revision", "model_revision", "add_tokens", "add_special_tokens", "seed"})
 
 
-def newest_complete(root: Path) -> Optional[Path]:
-    """The newest usable checkpoint; every newer unusable one is skipped with a warning naming it.
-    A step_N.tmp left by a crash is deleted: only this run writes into its output dir, and no save is
-    under way before it starts (left in place, nothing would ever remove one past the last step)."""
+def remove_partials(root: Path) -> None:
+    """A step_N.tmp left by a crash mid-save (and a load's step_N.universal.tmp/.portable.tmp scratch) is deleted:
+    only this run writes into its output dir (its lock), and no save or load is under way before it starts (left in
+    place, nothing would ever remove one: pruning counts step_N alone)."""
     for partial in sorted(root.glob("step_*.tmp")) if root.is_dir() else []:
         logger.warning("removing partial checkpoint %s (interrupted while being written)", partial)
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def newest_complete(root: Path) -> Optional[Path]:
+    """The newest usable checkpoint; every newer unusable one is skipped with a warning naming it."""
     for _, path in step_dirs(root):
         problem = problem_with(path)
         if problem is None:
@@ -95,6 +99,7 @@ def _choose(setting: str, output_dir: Path) -> tuple[Optional[Path], Optional[st
     if setting == "none":
         return None, None
     root = output_dir / CHECKPOINTS
+    remove_partials(root)  # under none the whole directory is moved aside
     if setting == "auto":
         newest = newest_complete(root)
         return newest, timeline_of(newest)

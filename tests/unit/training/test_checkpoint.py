@@ -516,3 +516,19 @@ def test_starting_over_keeps_a_symlinked_checkpoints_dir_routed_to_its_disk(tmp_
     set_aside_other_timeline(resume, out)
     assert [p.name for p in big.iterdir()] == ["step_2"]
     assert [p.name for p in big.with_name("ckpts.previous-2").iterdir()] == ["step_4"]
+
+
+def test_a_named_resume_removes_the_partial_checkpoints_of_its_output_dir(tmp_path, caplog) -> None:
+    """review ckpt 4: only --resume_from_checkpoint auto removed a step_N.tmp a SIGKILL left mid-save, and the
+    .universal.tmp/.portable.tmp scratch of a load: a requeued command naming its checkpoint kept them forever (no
+    pruning counts them). Every resume but none (which moves the whole directory aside) removes them."""
+    from open_sft.training.resume import _choose
+
+    root = tmp_path / "checkpoints"
+    _publish_steps(root, (5,))
+    for partial in ("step_7.tmp", "step_5.universal.tmp", "step_5.portable.tmp"):
+        (root / partial / "pytorch_model").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.resume"):
+        assert _choose(str(root / "step_5"), tmp_path) == (root / "step_5", str((root / "step_5").resolve()))
+    assert [p.name for p in root.iterdir()] == ["step_5"]
+    assert f"removing partial checkpoint {root / 'step_7.tmp'} (interrupted while being written)" in caplog.text
