@@ -149,7 +149,11 @@ class Checkpointer:
         """Collective: every rank writes its part into step_N.tmp; the main rank publishes it. A disk that is full
         is a UserError on the rank that found it (saying where the rerun resumes); its exit stops the others
         (the launcher ends the run, a peer's lifeline notices), none waits at a barrier."""
-        what = f"checkpoint step_{step} could not be written (its unfinished step_{step}.tmp is never resumed from)"
+        def what(exc: BaseException) -> str:  # what it left: step_N.tmp, or step_N once renamed (COMPLETE failed)
+            renamed = not (self.root / f"step_{step}.tmp").exists() and (self.root / f"step_{step}").is_dir()
+            left = f"step_{step}, without COMPLETE," if renamed else f"step_{step}.tmp"
+            return f"checkpoint step_{step} could not be written (its unfinished {left} is never resumed from)"
+
         with rerun_after_full_disk(self.root, self.root, what, "fewer --keep_last_n_checkpoints keeps less"):
             return self._save(step, preempted)
 

@@ -78,6 +78,27 @@ def test_a_checkpoint_on_a_full_disk_says_so_and_where_the_rerun_resumes(tmp_pat
     assert not (root / "step_4").exists()
 
 
+def test_a_full_disk_once_the_checkpoint_is_renamed_names_the_step_dir_it_left(tmp_path, monkeypatch) -> None:
+    """review ckpt 7a: a disk filling while COMPLETE was written (after step_N.tmp was renamed to step_N) was said to
+    leave step_N.tmp, which no longer existed; the leftover is step_N without COMPLETE."""
+    from open_sft.training import checkpoint
+
+    def full(path, value, indent=1):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    checkpointer, root = _checkpointer(tmp_path, keep=2), tmp_path / "checkpoints"
+    checkpointer.state_io = _Writes()
+    _free(monkeypatch, 0)
+    monkeypatch.setattr(checkpoint, "write_json", full)
+    with pytest.raises(UserError) as info:
+        checkpointer.save(2)
+    assert str(info.value) == (f"{root}: the disk is full (0 bytes free): checkpoint step_2 could not be written (its "
+                               "unfinished step_2, without COMPLETE, is never resumed from); free space there (fewer "
+                               "--keep_last_n_checkpoints keeps less) and rerun the same command: it resumes from "
+                               "step 0 (no complete checkpoint yet)")
+    assert [p.name for p in root.iterdir()] == ["step_2"] and not (root / "step_2" / "COMPLETE").exists()
+
+
 def test_other_failures_of_a_save_keep_their_traceback(tmp_path) -> None:
     checkpointer = _checkpointer(tmp_path, keep=2)
 
