@@ -12,15 +12,16 @@ with --merge_lora, the merged model (held whole while merging, as the run's own 
 
 The run's directory is only read: OUT is written through a staging directory inside OUT, so a failed export leaves
 OUT as it was, and OUT may not be the run's output directory nor inside its checkpoints, nor a directory of files
-these commands did not write (open_sft.export.target). Beside the model OUT gets
-the run's run.json and data_report.json, metrics.jsonl up to the checkpoint's step, export.json (which checkpoint,
-which step, the engine that wrote it) and a model card that names the step.
+these commands did not write (open_sft.export.target). Beside the model OUT gets export.json (which checkpoint,
+which step, the engine that wrote it), a model card that names the step and, for a checkpoint in a run's live
+checkpoints/ (`run_of`), the run's run.json and data_report.json and metrics.jsonl up to the checkpoint's step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -58,15 +59,26 @@ def _checkpoint_of(path: Path) -> tuple[Path, dict[str, Any]]:
     return path / MODEL_FILES, json.loads((path / STATE_FILE).read_text())
 
 
-def _refuse_run_paths(checkpoint: Path, out: Path) -> None:
-    run_dir = checkpoint.resolve().parent.parent
+def run_of(checkpoint: Path) -> Optional[Path]:
+    """The output dir of the run whose live checkpoints/ holds `checkpoint` (its parent, as given, is named
+    checkpoints, with the run's run.json beside it); None for a checkpoint copied elsewhere or moved aside
+    (checkpoints.previous-K), where the files two levels up are no run's or another timeline's."""
+    from open_sft.training.checkpoint import CHECKPOINTS
+
+    parent = Path(os.path.abspath(checkpoint)).parent
+    return parent.parent if parent.name == CHECKPOINTS and (parent.parent / "run.json").is_file() else None
+
+
+def _refuse_run_paths(checkpoint: Path, run_dir: Optional[Path], out: Path) -> None:
     target = out.resolve()
-    if target == run_dir:
+    if run_dir is not None and target == run_dir.resolve():
         raise UserError(f"{out} is the run's own --output_dir: its export would be overwritten; pass another "
                         "directory for the checkpoint's model")
-    if target.is_relative_to(checkpoint.resolve().parent):
+    if run_dir is not None and target.is_relative_to(checkpoint.parent.resolve()):
         raise UserError(f"{out} is inside the run's checkpoints ({checkpoint.parent}), which the run prunes; pass "
                         "a directory outside them")
+    if target.is_relative_to(checkpoint.resolve()):
+        raise UserError(f"{out} is inside the checkpoint {checkpoint}; pass a directory outside it")
     why = writable_dir_problem(out)
     if why:
         raise UserError(f"{out}: {why}; pass a directory for the checkpoint's model (it is created if missing)")
@@ -158,10 +170,15 @@ def _copy_model_files(files: Path, directory: Path, dtype: Optional[torch.dtype]
         (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _copy_run_files(run_dir: Path, directory: Path, step: int) -> None:
-    """run.json, data_report.json and metrics.jsonl up to `step` (the model card reads them)."""
+def _copy_run_files(checkpoint: Path, run_dir: Optional[Path], directory: Path, step: int) -> None:
+    """run.json, data_report.json and metrics.jsonl up to `step` (the model card reads them), from the run whose
+    live checkpoint it is (`run_of`); none, said, for another checkpoint."""
     from open_sft.training.resume import metrics_up_to
 
+    if run_dir is None:
+        logger.info("%s is not in a run's checkpoints/ (its parent is not named checkpoints with the run's run.json "
+                    "beside it): %s and metrics.jsonl are left out of the export", checkpoint, ", ".join(RUN_FILES))
+        return
     for name in RUN_FILES:
         if (run_dir / name).is_file():
             shutil.copy2(run_dir / name, directory / name)
@@ -179,7 +196,8 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
     from open_sft.export.save import PLACED, save_dtype, staged_export
 
     files, state = _checkpoint_of(checkpoint)
-    _refuse_run_paths(checkpoint, out)
+    run_dir = run_of(checkpoint)
+    _refuse_run_paths(checkpoint, run_dir, out)
     check_target(out, "open_sft export", {})
     config = AutoConfig.from_pretrained(files)
     dtype = save_dtype(dtype_flag, config)
@@ -208,7 +226,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype_flag: str = "auto",
             _copy_model_files(files, staging, dtype, adapter)
             if adapter and merge:
                 _copy_model_files(files, staging / "merged", None, adapter=True)
-            _copy_run_files(checkpoint.resolve().parent.parent, staging, int(state["step"]))
+            _copy_run_files(checkpoint, run_dir, staging, int(state["step"]))
             record = {"checkpoint": str(checkpoint.resolve()), "step": int(state["step"]),
                       "total_steps": state.get("schedule", {}).get("total_steps"), "engine": weights.engine,
                       "dtype": str(dtype).removeprefix("torch."), "lora": adapter, "merged": adapter and merge}

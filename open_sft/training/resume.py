@@ -256,8 +256,10 @@ def metrics_up_to(path: Path, step: int) -> str:
 
 def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
     """Fresh run: no metrics.jsonl. Resumed: keep the lines up to the checkpoint's step, drop later ones
-    (they are logged again) and any line a kill cut short."""
-    if resume is None or not path.exists():
+    (they are logged again) and any line a kill cut short. A warm start (a checkpoint outside OUTPUT_DIR/checkpoints:
+    another run's, or one moved aside) begins anew too: the lines there are another timeline's."""
+    own = resume is not None and resume.path.resolve().parent == (path.parent / CHECKPOINTS).resolve()
+    if not own or not path.exists():
         path.unlink(missing_ok=True)
         return
     tmp = path.with_suffix(".jsonl.tmp")

@@ -120,6 +120,36 @@ def test_export_copies_the_run_files_up_to_the_step_and_the_card_names_it(tiny_m
         assert (out / name).is_file()
 
 
+def test_a_checkpoint_outside_a_runs_checkpoints_exports_beside_itself_without_another_runs_files(
+        tiny_model_dir, tmp_path, caplog) -> None:
+    """review ckpt 3: the run was taken to be two levels above any checkpoint. A copied /scratch/step_4 was refused
+    'inside the run's checkpoints (/scratch), which the run prunes' for OUT /scratch/exported, and run.json and
+    metrics.jsonl were copied from whatever sat two levels up; a checkpoint moved aside (checkpoints.previous-1)
+    got the live timeline's metrics.jsonl and run.json, so its card showed another run's losses. A checkpoint is a
+    run's when its parent is named checkpoints with run.json beside it; else the run's files are left out, said."""
+    import logging
+    import shutil
+
+    checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4, metrics=6)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    copied = Path(shutil.copytree(checkpoint, scratch / "step_4"))
+    aside = tmp_path / "run" / "checkpoints.previous-1"
+    aside.mkdir()
+    moved = Path(shutil.copytree(checkpoint, aside / "step_4"))
+    for source, out in ((copied, scratch / "exported"), (moved, tmp_path / "run" / "exported")):
+        with caplog.at_level(logging.INFO, logger="open_sft.export.from_checkpoint"):
+            export_checkpoint(source, out)
+        assert (out / "model.safetensors").is_file() and (out / "export.json").is_file()
+        assert not any((out / name).exists() for name in ("run.json", "metrics.jsonl", "data_report.json"))
+        assert (f"{source} is not in a run's checkpoints/ (its parent is not named checkpoints with the run's "
+                "run.json beside it): run.json, data_report.json and metrics.jsonl are left out of the export"
+                ) in caplog.text
+        assert "Exported from the checkpoint of step 4 of 10" in (out / "README.md").read_text()
+    with pytest.raises(UserError, match="is inside the checkpoint"):
+        export_checkpoint(copied, copied / "model_out")
+
+
 def test_a_second_export_into_the_same_directory_replaces_the_first(tiny_model_dir, tmp_path) -> None:
     checkpoint, _ = _checkpoint(tiny_model_dir, tmp_path / "run", 4)
     out = export_checkpoint(checkpoint, tmp_path / "out", max_shard_size="100KB")

@@ -532,3 +532,22 @@ def test_a_named_resume_removes_the_partial_checkpoints_of_its_output_dir(tmp_pa
         assert _choose(str(root / "step_5"), tmp_path) == (root / "step_5", str((root / "step_5").resolve()))
     assert [p.name for p in root.iterdir()] == ["step_5"]
     assert f"removing partial checkpoint {root / 'step_7.tmp'} (interrupted while being written)" in caplog.text
+
+
+def test_a_warm_start_begins_metrics_anew_and_a_rewind_keeps_its_own_lines(tmp_path) -> None:
+    """review ckpt 3: a warm start from another run's checkpoint kept the output dir's earlier run's metrics.jsonl
+    lines up to the step, mixed with the new run's. A resume from a checkpoint outside OUT/checkpoints begins
+    metrics.jsonl anew (as a fresh start); one inside (auto, a rewind, a requeue) keeps its lines up to the step."""
+    from open_sft.training.checkpoint import ResumePoint
+    from open_sft.training.resume import prepare_metrics_file
+
+    out, other = tmp_path / "out", tmp_path / "other" / "checkpoints"
+    _publish_steps(other, (4,))
+    _publish_steps(out / "checkpoints", (4,))
+    metrics, lines = out / "metrics.jsonl", "".join(f'{{"step": {s}, "loss": {s}}}\n' for s in range(1, 7))
+    metrics.write_text(lines)
+    prepare_metrics_file(metrics, ResumePoint(out / "checkpoints" / "step_4", {"step": 4}))
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    metrics.write_text(lines)
+    prepare_metrics_file(metrics, ResumePoint(other / "step_4", {"step": 4}, str((other / "step_4").resolve())))
+    assert not metrics.exists()
