@@ -163,14 +163,17 @@ def fit_to_checkpoint(config: FinetuneConfig, identity: dict[str, Any], state: O
                       is_main: bool, dtype: Optional[torch.dtype] = None) -> FinetuneConfig:
     """The config with the accumulation that trains the checkpoint's global batch on this run's ranks (logged
     in one line), or unchanged: no checkpoint, the same number of ranks, or another micro-batch (the resume
-    refuses that with the other differences). A checkpoint of another engine is refused here, before anything
-    loads, when it cannot be converted (open_sft.training.portable.refusal); `dtype`: this run's compute dtype."""
+    refuses that with the other differences). Under --auto_micro_batch_size, the per-rank batch that trains it
+    (`_auto_fit`). A checkpoint of another engine is refused here, before anything loads, when it cannot be
+    converted (open_sft.training.portable.refusal); `dtype`: this run's compute dtype."""
     saved = (state or {}).get("identity")
     if saved and saved.get("engine", "torch") != identity["engine"] and convertible(saved, identity):
         reason = refusal(state, config.to_dict(), dtype)
         if reason:
             raise UserError(f"cannot resume the {ENGINE_WORDS[saved.get('engine', 'torch')]} checkpoint under "
                             f"{ENGINE_WORDS[identity['engine']]}: {reason}")
+    if config.train.auto_micro_batch_size and batch_of(state) is not None:
+        return _auto_fit(config, identity, state, is_main)
     if not saved or "world_size" not in saved or saved["world_size"] == identity["world_size"] or (
             saved.get("micro_batch_size") != identity["micro_batch_size"]):
         return config
@@ -190,6 +193,53 @@ def trains_router_loss(config: FinetuneConfig) -> bool:
 
     flag = config.train.load_balancing_loss
     return bool(flag) if flag is not None else router_loss_choice(None, load_model_config(config.model))[0]
+
+
+def split_is_free(train: Any) -> bool:
+    """Whether a run's split of its global batch into micro-batches is a performance choice alone, so that a resume
+    may take another split of the checkpoint's global batch: --auto_micro_batch_size chooses it by memory (never
+    packed), and the loss is normalised over the global batch, not a mean of micro-batch means."""
+    return bool(train.auto_micro_batch_size) and not train.packing and train.loss_normalization != "mean"
+
+
+def _auto_fit(config: FinetuneConfig, identity: dict[str, Any], state: dict[str, Any],
+              is_main: bool) -> FinetuneConfig:
+    """--auto_micro_batch_size resuming: the checkpoint's global batch on this run's ranks, each rank's share split
+    by auto (open_sft.preflight.auto_batch, from the model) where split_is_free, else the checkpoint's micro-batch
+    kept with the accumulation fitted. The flags may keep the global batch themselves, or be the command's (its
+    --gradient_accumulation_steps as the checkpoint's settings record it): auto's split is not the command's."""
+    from open_sft.training.run_settings import checkpoint_settings
+
+    saved, t, world = state["identity"], config.train, int(identity["world_size"])
+    was, total, micro = f"the {saved['world_size']}-rank checkpoint", global_batch(saved), int(saved[
+        "micro_batch_size"])
+    reason = _refusal(saved, identity, t.loss_normalization) if saved["world_size"] != world else None
+    if reason:
+        raise UserError(f"cannot resume {was} on {world} process(es): {reason}")
+    given, launched = t.gradient_accumulation_steps, checkpoint_settings(state).get("gradient_accumulation_steps")
+    if t.per_device_train_batch_size * given * world != total and given != launched:
+        raise UserError(
+            f"cannot resume {was} on {world} process(es) with --gradient_accumulation_steps {given}: micro-batch "
+            f"{t.per_device_train_batch_size} × {given} × {world} ranks is not its global batch of {total}; pass the "
+            f"command's --gradient_accumulation_steps {launched} (the global batch is fitted to the ranks)")
+    free = split_is_free(t)
+    if total % (world * (1 if free else micro)):
+        raise UserError(
+            f"cannot resume {was} on {world} process(es): its global batch of {total} (micro-batch {micro} × "
+            f"accumulation {saved['gradient_accumulation_steps']} × {saved['world_size']} ranks) is not a whole "
+            f"number of {'examples' if free else f'micro-batches of {micro}'} on each of {world} ranks; launch a "
+            f"number of processes that divides {total // (1 if free else micro)}, or start over with "
+            "--resume_from_checkpoint none")
+    share = total // world
+    micro = micro if share % micro == 0 else share
+    if is_main:
+        split = ("split by the memory estimate" if free else f"micro-batch {micro} kept (under --loss_normalization "
+                 "mean each micro-batch's mean counts: --auto_micro_batch_size chooses no other)")
+        logger.info("--auto_micro_batch_size resumes %s's global batch of %d sequences on %d rank%s: %d per rank (the "
+                    "checkpoint's split: micro-batch %d × accumulation %d), %s", was, total, world, "s" * (world != 1),
+                    share, saved["micro_batch_size"], saved["gradient_accumulation_steps"], split)
+    return dataclasses.replace(config, train=dataclasses.replace(
+        t, per_device_train_batch_size=micro, gradient_accumulation_steps=share // micro, auto_micro_batch_size=free))
 
 
 def keeps_global_batch(saved: dict[str, Any], now: dict[str, Any]) -> bool:

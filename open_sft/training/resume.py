@@ -19,7 +19,7 @@ from open_sft.errors import UserError
 from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, newest_usable,
                                          problem_with, step_dirs, timeline_of)
 from open_sft.training.damage import DAMAGED
-from open_sft.training.elastic import convertible, keeps_global_batch, rescalable
+from open_sft.training.elastic import convertible, keeps_global_batch, rescalable, split_is_free
 from open_sft.training.steps import balances
 
 if TYPE_CHECKING:
@@ -149,9 +149,10 @@ def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) ->
                    ", ".join(path.name for path in reversed(other)), target)
 
 
-def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def _differences(saved: dict[str, Any], current: dict[str, Any], free_split: bool = False) -> list[str]:
     """The identity settings a resume may not change, each as `what: checkpoint X, now Y` (of those `current`
-    holds)."""
+    holds). `free_split`: this run's micro-batch is a performance choice (elastic.split_is_free): another split of
+    the checkpoint's global batch goes on (unpacked: the same examples at every step, the same loss sum)."""
     saved = {**IDENTITY_BEFORE_RECORDED, **saved}
     # another number of ranks goes on when the global batch is kept (open_sft.training.elastic fitted the
     # accumulation, or refused, before the model was built)
@@ -162,6 +163,8 @@ def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         {"engine"} if convertible(saved, current) else set())
     if keeps_global_batch(saved, current):
         allowed.add("world_size")  # the ranks alone would resume (the same global batch): another line is refused
+    if free_split and not saved.get("packing") and keeps_global_batch(saved, current):
+        allowed |= {"micro_batch_size", "gradient_accumulation_steps", "world_size"}
     if saved.get("pipeline_parallel_size") != current.get("pipeline_parallel_size"):
         allowed.add("engine")  # the pipeline's own line names the reason (stages, not another engine's format)
     return [f"{IDENTITY_FLAGS[key]}: checkpoint {saved.get(key)!r}, now {current[key]!r}"
@@ -178,9 +181,9 @@ def _refusal(path: Any, differences: list[str]) -> UserError:
     )
 
 
-def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+def check_compatible(path: Path, saved: dict[str, Any], current: dict[str, Any], free_split: bool = False) -> None:
     """Refuse to resume when the data or the batch layout differ: the run would silently not be the same."""
-    differences = _differences(saved, current)
+    differences = _differences(saved, current, free_split)
     if differences:
         raise _refusal(path, differences)
 
@@ -210,9 +213,11 @@ def changed_data_refusal(state: dict[str, Any], now: dict[str, Any], current: di
     return _refusal(state.get(PEEKED_PATH, "the checkpoint"), lines)
 
 
-def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_main: bool) -> Optional[ResumePoint]:
+def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_main: bool,
+                   train: Any = None) -> Optional[ResumePoint]:
     """Pick the checkpoint to resume from (main rank decides, every rank gets the same answer) and check
-    it matches this run. Collective when distributed. Raises UserError on a mismatch."""
+    it matches this run (`train`: its training arguments, whose micro-batch split may be free:
+    elastic.split_is_free). Collective when distributed. Raises UserError on a mismatch."""
     chosen = timeline = error = None
     if is_main:
         try:
@@ -228,7 +233,7 @@ def resolve_resume(setting: str, output_dir: Path, identity: dict[str, Any], is_
         return None
     path = Path(chosen)
     state = json.loads((path / STATE_FILE).read_text())
-    check_compatible(path, state.get("identity", {}), identity)
+    check_compatible(path, state.get("identity", {}), identity, train is not None and split_is_free(train))
     logger.info("resuming from %s (step %d)", path, state["step"])
     return ResumePoint(path, state, timeline)
 

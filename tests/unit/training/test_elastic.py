@@ -142,7 +142,7 @@ def test_the_check_accepts_another_number_of_ranks_only_with_the_same_global_bat
 
 def _config(accumulation: int, normalization: str = "token", load_balancing_loss=False, model=None):
     train = SimpleNamespace(gradient_accumulation_steps=accumulation, loss_normalization=normalization, packing=False,
-                            load_balancing_loss=load_balancing_loss)
+                            load_balancing_loss=load_balancing_loss, auto_micro_batch_size=False)
     return SimpleNamespace(train=train, model=model)
 
 
@@ -328,3 +328,72 @@ def test_dropout_a_config_gives_in_a_sub_config_or_as_pdrop_is_said() -> None:
     assert dropout_in(quiet) == ["attn_config.attn_pdrop 0.3"]
     quiet.config.vq_config = {"dropout": 0.1}  # an image tokenizer's (Chameleon's), not the text path's
     assert dropout_in(quiet) == ["attn_config.attn_pdrop 0.3"]
+
+
+def _auto_config(micro: int, accumulation: int, normalization: str = "token"):
+    train = SimpleNamespace(per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation,
+                            loss_normalization=normalization, packing=False, auto_micro_batch_size=True)
+    return SimpleNamespace(train=train)
+
+
+def _auto_state(micro: int, accumulation: int, world: int, flags: tuple[int, int], **extra) -> dict:
+    """A checkpoint of an --auto_micro_batch_size run: its identity has the split auto chose (micro, accumulation on
+    world ranks), its settings the flags the command gave."""
+    from open_sft.training.run_settings import SETTINGS_KEY
+
+    settings = {"per_device_train_batch_size": flags[0], "gradient_accumulation_steps": flags[1]}
+    return {"step": 10, "identity": identity(world, accumulation, micro=micro, **extra),
+            "config": {SETTINGS_KEY: [{"from_step": 1, "settings": settings}]}}
+
+
+def test_an_auto_micro_batch_checkpoint_resumes_on_other_ranks_and_other_memory(tmp_path, caplog,
+                                                                                monkeypatch) -> None:
+    """review ckpt 1: `--per_device_train_batch_size 8 --auto_micro_batch_size` on 2 ranks, auto chose 4 × 2. Requeued
+    on 1 rank it was refused 'the number of processes (world size): checkpoint 2, now 1' (fit_to_checkpoint compared
+    auto's micro-batch with the flag's and fitted nothing); on larger GPUs, '--per_device_train_batch_size: checkpoint
+    4, now 8; --gradient_accumulation_steps: checkpoint 2, now 1' though the command was the same. Under auto the
+    launch trains the checkpoint's global batch (16) on its ranks, auto splitting each rank's share; the check
+    accepts another split of the same global batch (unpacked, the loss not a mean of micro-batch means)."""
+    import dataclasses
+
+    monkeypatch.setattr(dataclasses, "replace", lambda obj, **kw: SimpleNamespace(**{**vars(obj), **kw}))
+    caplog.set_level(logging.INFO, logger="open_sft.training.elastic")
+    state, saved = _auto_state(4, 2, 2, flags=(8, 1)), identity(2, 2, micro=4)
+    fitted = fit_to_checkpoint(_auto_config(8, 1), identity(1, 1, micro=8), state, is_main=True).train
+    assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps) == (4, 4)  # 16 on the one rank
+    assert fitted.auto_micro_batch_size
+    assert caplog.records[-1].getMessage() == (
+        "--auto_micro_batch_size resumes the 2-rank checkpoint's global batch of 16 sequences on 1 rank: 16 per rank "
+        "(the checkpoint's split: micro-batch 4 × accumulation 2), split by the memory estimate")
+    check_compatible(tmp_path, saved, identity(1, 2, micro=8), free_split=True)  # auto then chose 8 × 2
+    fitted = fit_to_checkpoint(_auto_config(8, 1), identity(2, 1, micro=8), state, is_main=True).train
+    assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps) == (4, 2)  # the same 2 ranks
+    check_compatible(tmp_path, saved, identity(2, 1, micro=8), free_split=True)  # larger GPUs: auto chose 8 × 1
+    with pytest.raises(UserError, match=r"--per_device_train_batch_size: checkpoint 4, now 8"):
+        check_compatible(tmp_path, saved, identity(2, 1, micro=8))  # a run whose split is the math's
+    with pytest.raises(UserError, match=r"--per_device_train_batch_size: checkpoint 4, now 2"):
+        check_compatible(tmp_path, saved, identity(2, 1, micro=2), free_split=True)  # another global batch
+
+
+def test_an_auto_micro_batch_resume_keeps_the_checkpoints_micro_batch_under_mean_and_refuses_another_batch(
+        monkeypatch) -> None:
+    """Under --loss_normalization mean each micro-batch's mean counts: the checkpoint's micro-batch is kept (auto
+    does not choose another); an accumulation that is not the command's and does not keep the global batch is
+    refused as without auto."""
+    import dataclasses
+
+    monkeypatch.setattr(dataclasses, "replace", lambda obj, **kw: SimpleNamespace(**{**vars(obj), **kw}))
+    state = _auto_state(4, 2, 2, flags=(8, 1), balanced=False)  # balanced under mean: no other ranks (above)
+    fitted = fit_to_checkpoint(_auto_config(8, 1, "mean"), identity(1, 1, micro=8, balanced=False), state,
+                               is_main=True).train
+    assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps) == (4, 4)
+    assert not fitted.auto_micro_batch_size
+    fitted = fit_to_checkpoint(_auto_config(8, 2), identity(1, 2, micro=8), state, is_main=True).train  # 8 × 2 × 1
+    assert (fitted.per_device_train_batch_size * fitted.gradient_accumulation_steps) == 16
+    with pytest.raises(UserError, match=r"cannot resume the 2-rank checkpoint on 1 process\(es\) with "
+                                        r"--gradient_accumulation_steps 3: micro-batch 8 × 3 × 1 ranks is not its "
+                                        r"global batch of 16; pass the command's --gradient_accumulation_steps 1"):
+        fit_to_checkpoint(_auto_config(8, 3), identity(1, 3, micro=8), state, is_main=True)
+    with pytest.raises(UserError, match=r"its global batch of 16 .* is not a whole number of micro-batches of 4 on "
+                                        r"each of 3 ranks"):
+        fit_to_checkpoint(_auto_config(8, 1, "mean"), identity(3, 1, micro=8, balanced=False), state, is_main=True)
