@@ -291,7 +291,7 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_and_the_ways_on(t
     assert "--allow_changed_settings" in message and "--resume_from_checkpoint none" in message
     # what alters neither the weights nor the export is free to change, the flag itself included
     free = launch(tmp_path, "--learning_rate", "3e-3", "--logging_steps", "1", "--checkpointing_steps", "5",
-                  "--allow_changed_settings")
+                  "--allow_changed_settings", "--max_memory_per_rank_gib", "70")  # another GPU: auto's split
     assert completion.check_resume_point(resume_point(tmp_path, 29, history), 60, free, free.to_dict(), True) \
         == history
 
