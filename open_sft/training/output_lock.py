@@ -7,8 +7,10 @@ flags) write checkpoints, prune each other's and export into the same files. The
 - an advisory `flock` on it, which the kernel releases when the process dies however it dies, so a lock whose
   holder is gone is simply free again (the next run takes it over and says so);
 - a lease written in it (host, pid, start time, a heartbeat renewed every HEARTBEAT_S seconds), because on some
-  shared filesystems a flock taken on one host is not seen on another: a lease of another host whose heartbeat
-  is fresher than STALE_AFTER_S is a live run there.
+  shared filesystems a flock taken on one host is not seen on another: a running lease of another host (or any,
+  where the filesystem refuses flock) is watched for WATCH_S, and a run there is live when its heartbeat advances.
+  The heartbeat's values are compared with each other, never with this host's clock: hosts' clocks differ, and a
+  skew would keep a dead run's lease live or make a live one look stale.
 
 A second run finds the lock held and stops at once with `error:` naming the live run. `--dry_run` and
 `--cache_dataset_only` write nothing there and take no lock. The file stays after the run (its lease says the
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".open_sft.lock"
 HEARTBEAT_S = 30.0
-STALE_AFTER_S = 120.0
+WATCH_MARGIN_S = 15.0  # WATCH_S = HEARTBEAT_S + this: a renewal delayed by a slow filesystem is still seen
 
 
 @dataclass
@@ -103,17 +105,22 @@ class OutputDirLock:
                 os.close(fd)
                 raise UserError(_busy(output_dir, read_lease(path), path)) from None
             # ENOLCK and the like: a filesystem without flock; the lease alone decides
+            flocked = False
             logger.warning("--output_dir %s: this filesystem refused a file lock (%s); relying on the lease in %s",
                            output_dir, exc.strerror, path)
+        else:
+            flocked = True
         previous = read_lease(path)
         host = socket.gethostname()
         if previous is not None and previous.state == "running":
-            fresh = time.time() - previous.heartbeat < STALE_AFTER_S
-            if previous.host != host and fresh:  # the flock is not shared across hosts here; the lease is
-                os.close(fd)
-                raise UserError(_busy(output_dir, previous, path))
-            logger.warning("--output_dir %s: taking over the lock of a run that is gone (%s)", output_dir,
-                           previous.describe())
+            why = ""
+            if previous.host != host or not flocked:  # this host's flock cannot tell: the heartbeat does
+                live, why = _watch(output_dir, path, previous)
+                if live is not None:
+                    os.close(fd)
+                    raise UserError(_busy(output_dir, live, path, why))
+            logger.warning("--output_dir %s: taking over the lock of a run that is gone (%s%s)", output_dir,
+                           previous.describe(), why)
         lease = Lease(host, os.getpid(), time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.time())
         try:
             _write(fd, lease)
@@ -167,7 +174,25 @@ def _write(fd: int, lease: Lease) -> None:
     os.fsync(fd)
 
 
-def _busy(output_dir: Path, lease: Optional[Lease], path: Path) -> str:
+def _watch(output_dir: Path, path: Path, previous: Lease) -> tuple[Optional[Lease], str]:
+    """(the lease, or None when its run is gone; what the watch saw) of a running lease this host's flock cannot
+    judge: read again each second for WATCH_S, a heartbeat (or holder) other than `previous`'s is a live run's."""
+    watch = HEARTBEAT_S + WATCH_MARGIN_S
+    logger.warning("--output_dir %s: its lock names a run that may be live (%s); watching its heartbeat for %.0f s "
+                   "(it is renewed every %.0f s)", output_dir, previous.describe(), watch, HEARTBEAT_S)
+    deadline = time.monotonic() + watch
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, watch))
+        now = read_lease(path)
+        if now is not None and now.state != "running":
+            return None, "; it ended while watched"
+        if now is not None and (now.host, now.pid, now.heartbeat) != (previous.host, previous.pid, previous.heartbeat):
+            return now, "; its heartbeat advanced while watched"
+    return None, f"; its heartbeat did not advance in {watch:.0f} s"
+
+
+def _busy(output_dir: Path, lease: Optional[Lease], path: Path, why: str = "") -> str:
     who = lease.describe() if lease is not None else "its lease is not written yet"
-    return (f"--output_dir {output_dir} is in use by a live run ({who}; lock file {path}). Two runs would write "
-            "and prune each other's checkpoints: wait for that run to finish, stop it, or pick another --output_dir")
+    return (f"--output_dir {output_dir} is in use by a live run ({who}{why}; lock file {path}). Two runs would "
+            "write and prune each other's checkpoints: wait for that run to finish, stop it, or pick another "
+            "--output_dir")

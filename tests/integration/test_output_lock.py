@@ -80,22 +80,6 @@ def test_a_run_that_wrote_nothing_leaves_nothing(tmp_path) -> None:
     assert (tmp_path / "empty").is_dir() and not (tmp_path / "empty" / LOCK_NAME).exists()
 
 
-def plant_lease(output_dir: Path, host: str, age_s: float) -> None:
-    output_dir.mkdir(exist_ok=True)
-    lease = {"host": host, "pid": 12345, "started_at": "2026-01-01T00:00:00+0000", "heartbeat": time.time() - age_s,
-             "state": "running"}
-    (output_dir / LOCK_NAME).write_text(json.dumps(lease))
-
-
-def test_a_fresh_lease_of_another_host_is_a_live_run_there(tmp_path) -> None:
-    """On a shared filesystem whose flock other hosts do not see, the lease's heartbeat decides."""
-    plant_lease(tmp_path, "node-17", age_s=5)
-    with pytest.raises(UserError, match=r"in use by a live run \(pid 12345 on node-17"):
-        OutputDirLock.acquire(tmp_path)
-    plant_lease(tmp_path, "node-17", age_s=output_lock.STALE_AFTER_S + 1)
-    OutputDirLock.acquire(tmp_path).release()
-
-
 def test_the_heartbeat_renews_the_lease(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(output_lock, "HEARTBEAT_S", 0.05)
     with OutputDirLock.acquire(tmp_path):

@@ -1,0 +1,64 @@
+"""The output dir's lease where this host's flock cannot judge it (another host's run on a shared filesystem; a
+filesystem without flock): its heartbeat watched, its values compared with each other, never with this host's
+clock. The flock itself, with real processes holding and dying with it: tests/integration/test_output_lock.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from open_sft.errors import UserError
+from open_sft.training import output_lock
+from open_sft.training.output_lock import LOCK_NAME, OutputDirLock
+
+
+def plant_lease(output_dir: Path, host: str, heartbeat: float) -> None:
+    output_dir.mkdir(exist_ok=True)
+    lease = {"host": host, "pid": 12345, "started_at": "2026-01-01T00:00:00+0000", "heartbeat": heartbeat,
+             "state": "running"}
+    (output_dir / LOCK_NAME).write_text(json.dumps(lease))
+
+
+@pytest.fixture
+def short_watch(monkeypatch) -> None:
+    monkeypatch.setattr(output_lock, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(output_lock, "WATCH_MARGIN_S", 0.1)
+
+
+@pytest.mark.parametrize("age_s", [20.0, -600.0])  # a requeue 20 s after a hard kill there; a clock 10 min ahead
+def test_a_dead_runs_lease_of_another_host_is_taken_over_once_its_heartbeat_stands_still(tmp_path, short_watch,
+                                                                                          caplog, age_s) -> None:
+    """review ckpt 5: a hard-killed run's lease stays 'running': a requeue on another host within 120 s was refused
+    'in use by a live run' (exit 2, so the scheduler did not retry), and a lease from a host whose clock is ahead
+    stayed live for as long. Its heartbeat is watched for a renewal period instead."""
+    plant_lease(tmp_path, "node-17", time.time() - age_s)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.output_lock"):
+        OutputDirLock.acquire(tmp_path).release()
+    assert time.monotonic() - started >= 0.3  # watched one renewal period and its margin
+    assert "its lock names a run that may be live (pid 12345 on node-17" in caplog.text
+    assert "watching its heartbeat for 0 s (it is renewed every 0 s)" in caplog.text
+    assert "taking over the lock of a run that is gone (pid 12345 on node-17" in caplog.text
+    assert "its heartbeat did not advance in 0 s)" in caplog.text
+
+
+def test_a_live_run_of_another_host_is_refused_whatever_its_clock_says(tmp_path, short_watch, monkeypatch) -> None:
+    """A live run there renews its heartbeat: refused (naming it), even when this host's clock makes the lease look
+    long stale (a skew of 10 minutes took a live run's directory before)."""
+    plant_lease(tmp_path, "node-17", time.time() - 600)
+    sleep = time.sleep
+
+    def renewed_there(seconds: float) -> None:  # the other host's heartbeat thread, renewing during the watch
+        lease = json.loads((tmp_path / LOCK_NAME).read_text())
+        plant_lease(tmp_path, "node-17", lease["heartbeat"] + 0.2)
+        sleep(seconds)
+
+    monkeypatch.setattr(output_lock.time, "sleep", renewed_there)
+    with pytest.raises(UserError, match=r"in use by a live run \(pid 12345 on node-17, .*; its heartbeat advanced "
+                                        r"while watched; lock file"):
+        OutputDirLock.acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == "node-17"  # left as it was
