@@ -252,7 +252,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
                                           set_aside_other_timeline)
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
-    identity = run_identity(config, job.data.cache_key, job.launch.parallelism)
+    identity = run_identity(config, job.data.cache_key, job.launch.parallelism, job.model.config)
     resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process, config.train)
     job.settings_history = check_resume_point(resume, job.steps.total_steps, job.as_parsed or config, config.to_dict(),
                                               acc.is_main_process)

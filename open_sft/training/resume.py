@@ -21,6 +21,7 @@ from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, 
 from open_sft.training.damage import DAMAGED
 from open_sft.training.elastic import convertible, keeps_global_batch, rescalable, split_is_free
 from open_sft.training.steps import balances
+from open_sft.training.trained_state import base_fingerprint
 
 if TYPE_CHECKING:
     from open_sft.distributed.parallelism import Parallelism
@@ -45,6 +46,8 @@ IDENTITY_FLAGS = {
     "pipeline_parallel_size": "--pipeline_parallel_size and its stages (each writes its own part)",
     "adapters": "what trains: the full model, or LoRA adapters (--use_lora / --use_qlora, --lora_rank, "
                 "--lora_alpha, --lora_target_modules)",
+    "base": "the QLoRA base's weights (--model_name_or_path: each start quantizes it again, the checkpoint holds the "
+            "adapter alone; pin the checkpoint's Hub revision with --model_revision, or restore its files)",
 }
 # What a checkpoint written before a setting was recorded ran with (packing and its budget, recorded since
 # the same version, are not compared with such a checkpoint).
@@ -272,10 +275,12 @@ def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
     os.replace(tmp, path)
 
 
-def run_identity(config: Any, cache_key: str, parallelism: Parallelism) -> dict[str, Any]:
+def run_identity(config: Any, cache_key: str, parallelism: Parallelism, model_config: Any = None) -> dict[str, Any]:
     """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); the run's engine decides
-    the checkpoint format (ENGINES)."""
+    the checkpoint format (ENGINES). `model_config`: the loaded model's, from which a QLoRA run's base is named
+    (trained_state.base_fingerprint; before the model loads, not compared)."""
     t, pipeline = config.train, parallelism.pp_enabled
+    qlora = config.lora.use_qlora and model_config is not None
     return {"engine": "pipeline" if pipeline else ENGINES.get(parallelism.engine, "torch"),
             "pipeline_parallel_size": f"{t.pipeline_parallel_size} ({t.pipeline_virtual_stages} per rank, layers "
                                       f"{t.pipeline_layers or 'balanced'}{', FSDP2' * parallelism.fsdp})"
@@ -285,6 +290,7 @@ def run_identity(config: Any, cache_key: str, parallelism: Parallelism) -> dict[
             "max_tokens_per_batch": t.max_tokens_per_batch, "balanced": balances(t),
             "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": parallelism.tp,
             "adapters": adapters(config.lora),
+            **({"base": base_fingerprint(config.model.model_name_or_path, model_config)} if qlora else {}),
             **({"template_date": dated} if (dated := dates_of(cache_key)) else {})}  # not compared: data/prepare.py
 
 

@@ -18,6 +18,7 @@ The optimizer, RNG states and the rest are accelerate's save_state and load_stat
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,29 @@ import torch
 from open_sft.errors import UserError
 
 MODEL_FILE = "model{}.safetensors"  # accelerate's save_state: model.safetensors, model_1.safetensors, ...
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+SAMPLED = 64 << 10  # bytes of each weight file's start and end a local base's fingerprint reads
+
+
+def base_fingerprint(name: str, model_config: Any) -> str:
+    """What names the base a QLoRA run quantizes again at every start (its checkpoint records it: resume.run_identity):
+    its Hub commit (the loaded config's _commit_hash), else, for a local directory, a digest of each weight file's
+    name, size and first and last SAMPLED bytes (a safetensors header and the first tensors: another fine-tune of
+    the same shapes differs there; a multi-GB base is not read whole at each start). Full and LoRA checkpoints hold
+    their base's weights and record none."""
+    commit = getattr(model_config, "_commit_hash", None)
+    if commit:
+        return f"revision {commit}"
+    directory = Path(name).expanduser()
+    files = sorted({f for pattern in WEIGHT_FILES for f in directory.glob(pattern)}) if directory.is_dir() else []
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            head = handle.read(SAMPLED)
+            handle.seek(max(size - SAMPLED, 0))
+            digest.update(f"{file.name}\0{size}\0".encode() + head + handle.read(SAMPLED))
+    return f"local files {digest.hexdigest()[:16]}" if files else f"{name} (no revision, no local weight files)"
 
 
 def trained_names(model: torch.nn.Module) -> list[str]:

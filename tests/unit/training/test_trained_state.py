@@ -114,3 +114,40 @@ def test_a_checkpoint_holding_the_whole_4bit_base_resumes_and_a_missing_trained_
     save_file({k: v for k, v in whole.items() if k != lost}, str(tmp_path / "model.safetensors"))
     with pytest.raises(UserError, match=rf"missing 1: {re.escape(lost)};.*adapters it was trained with"):
         TrainedWeightsState(_Accelerator(_qlora(tiny_model_dir, seed=1))).load(str(tmp_path))
+
+
+def test_a_qlora_resume_on_another_base_is_refused_naming_the_revision(tmp_path, tiny_model_dir) -> None:
+    """review ckpt 6: a QLoRA checkpoint holds the adapter alone and each start quantizes --model_name_or_path again,
+    so a base moved to another Hub revision (or local files replaced) resumed the adapter on weights it was never
+    trained on, silently. The identity records the base: its Hub commit, or a local directory's fingerprint (each
+    weight file's size, header and first and last 64 KiB); full and LoRA checkpoints hold their base and record none."""
+    import shutil
+    from types import SimpleNamespace
+
+    from open_sft.config.parse import parse_config
+    from open_sft.distributed.parallelism import Parallelism
+    from open_sft.training.resume import check_compatible, run_identity
+
+    base = Path(shutil.copytree(tiny_model_dir, tmp_path / "base"))
+
+    def identity(*flags: str, model_config=None) -> dict:
+        config = parse_config(["--model_name_or_path", str(base), "--output_dir", str(tmp_path / "out"),
+                               "--dataset_mixer_list", "d.jsonl", "1.0", *flags])
+        return run_identity(config, "k", Parallelism(engine="single"), model_config)
+
+    local = SimpleNamespace(_commit_hash=None)
+    saved = identity("--use_qlora", model_config=local)
+    assert re.fullmatch(r"local files [0-9a-f]{16}", saved["base"])
+    assert identity("--use_qlora", model_config=local) == saved  # the same files: the same fingerprint
+    assert "base" not in identity("--use_lora", model_config=local) and "base" not in identity(model_config=local)
+    weights = load_file(base / "model.safetensors")
+    save_file({name: tensor + 1 for name, tensor in weights.items()}, str(base / "model.safetensors"))  # same shapes
+    now = identity("--use_qlora", model_config=local)
+    with pytest.raises(UserError) as refused:
+        check_compatible(tmp_path, saved, now)
+    assert ("  - the QLoRA base's weights (--model_name_or_path: each start quantizes it again, the checkpoint holds "
+            "the adapter alone; pin the checkpoint's Hub revision with --model_revision, or restore its files): "
+            f"checkpoint {saved['base']!r}, now {now['base']!r}") in str(refused.value)
+    hub = identity("--use_qlora", model_config=SimpleNamespace(_commit_hash="0123abc"))
+    assert hub["base"] == "revision 0123abc"
+    check_compatible(tmp_path, {k: v for k, v in saved.items() if k != "base"}, now)  # a checkpoint before the record
