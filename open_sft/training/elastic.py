@@ -211,8 +211,8 @@ def _auto_fit(config: FinetuneConfig, identity: dict[str, Any], state: dict[str,
     from open_sft.training.run_settings import checkpoint_settings
 
     saved, t, world = state["identity"], config.train, int(identity["world_size"])
-    was, total, micro = f"the {saved['world_size']}-rank checkpoint", global_batch(saved), int(saved[
-        "micro_batch_size"])
+    total, micro = global_batch(saved), int(saved["micro_batch_size"])
+    was = f"the {saved['world_size']}-rank checkpoint"
     reason = _refusal(saved, identity, t.loss_normalization) if saved["world_size"] != world else None
     if reason:
         raise UserError(f"cannot resume {was} on {world} process(es): {reason}")
