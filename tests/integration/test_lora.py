@@ -265,6 +265,8 @@ def test_qlora_under_ddp_matches_one_process_and_resumes_exactly(tiny_model_dir,
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
     stored = load_file(tmp_path / "ddp" / "checkpoints" / "step_2" / "model.safetensors")
     assert len(stored) == len(straight) and all(".lora_" in k for k in stored)  # the trained weights alone
+    identity = json.loads((tmp_path / "ddp" / "checkpoints" / "step_2" / "trainer_state.json").read_text())["identity"]
+    assert re.fullmatch(r"local files [0-9a-f]{16}", identity["base"])  # the base it quantizes again: the resume's
     # bf16 compute: the two layouts' matmuls round differently
     assert losses["ddp"] == pytest.approx(losses["one"], rel=2e-3), losses
 
