@@ -17,6 +17,7 @@ from open_sft.config.args import (CheckpointArguments, DataArguments, FinetuneCo
 from open_sft.config.companions import companion_problems
 from open_sft.config.output_dir import output_dir_problems
 from open_sft.config.ranges import numeric_problems
+from open_sft.config.training_checks import training_problems
 from open_sft.config.deepspeed_request import ENV_CONFIG_FILE, missing_config_hint, uses_deepspeed
 from open_sft.distributed.pipeline_plan import pipeline_flag_problems
 from open_sft.data.cache import cache_dir_flag, resolve_cache_dir
@@ -51,7 +52,7 @@ def validate(config: FinetuneConfig, check_data_files: bool = False) -> None:
     problems += _data_problems(config.data)
     problems += _missing_data_files(config.data) if check_data_files and not _finished(config) else []
     problems += numeric_problems(config) + companion_problems(config)
-    problems += _training_problems(config.train, config.data)
+    problems += training_problems(config.train, config.data)
     problems += _open_instruct_problems(config)
     problems += _lora_and_model_problems(config)
     problems += _checkpoint_problems(config.checkpoint, config.train.output_dir) + _hub_problems(config.hub)
@@ -207,51 +208,6 @@ def _data_problems(d: DataArguments) -> list[str]:
     for value in per_source:
         problems += [p.replace("--chat_template_kwargs", "--dataset_mixer_list_chat_template_kwargs", 1)
                      for p in template_kwargs_problems(value)]
-    return problems
-
-
-def _training_problems(t: TrainingArguments, d: DataArguments) -> list[str]:
-    problems = []
-    if t.max_tokens_per_batch is not None and t.max_tokens_per_batch < d.max_seq_length:
-        problems.append(f"--max_tokens_per_batch {t.max_tokens_per_batch} is below --max_seq_length "
-                        f"{d.max_seq_length}; every example must fit a micro-batch, raise it")
-    if t.auto_micro_batch_size and t.packing:
-        problems.append("--auto_micro_batch_size cannot keep the packing of --packing runs; set "
-                        "--max_tokens_per_batch (the packed micro-batch's token budget) instead")
-    problems += _split_dependent_problems(t) + _schedule_problems(t)
-    return problems
-
-
-def _schedule_problems(t: TrainingArguments) -> list[str]:
-    """A wsd warmup that runs into its decay, where --max_train_steps gives the steps (else the step plan, after
-    the data, refuses it: open_sft.training.steps); values out of range are numeric_problems'."""
-    from open_sft.training.optim import warmup_flag, warmup_steps_for, wsd_overlap_problem
-
-    steps, ratio, decay = t.max_train_steps, t.warmup_ratio, t.wsd_decay_ratio
-    if t.lr_scheduler_type != "wsd" or not steps or steps < 1 or not (0 <= ratio <= 1 and 0 <= decay <= 1) or (
-            t.warmup_steps is not None and t.warmup_steps < 0):
-        return []
-    warmup = t.warmup_steps if t.warmup_steps is not None else warmup_steps_for(ratio, steps)
-    problem = wsd_overlap_problem("wsd", warmup, steps, decay, warmup_flag(t))
-    return [problem] if problem else []
-
-
-def _split_dependent_problems(t: TrainingArguments) -> list[str]:
-    """--auto_micro_batch_size keeps the per-rank batch but splits it into other micro-batches: the same run only
-    where the loss does not depend on the split (--loss_normalization token or sum, no router loss)."""
-    if not t.auto_micro_batch_size:
-        return []
-    fix = ("set --per_device_train_batch_size and --gradient_accumulation_steps yourself (the preflight's memory "
-           "estimate says what fits; --dry_run shows it)")
-    problems = []
-    if t.loss_normalization == "mean":
-        problems.append("--auto_micro_batch_size with --loss_normalization mean: under mean each micro-batch's own "
-                        "mean counts, so another micro-batch size trains other gradients (micro-batch 8 and 2 × "
-                        f"accumulation 4 differ); {fix}, or use --loss_normalization token")
-    if t.load_balancing_loss:
-        problems.append("--auto_micro_batch_size with --load_balancing_loss: the router's load-balancing loss is "
-                        "computed over each micro-batch's routing, so another micro-batch size trains another "
-                        f"loss; {fix}, or drop --load_balancing_loss")
     return problems
 
 
