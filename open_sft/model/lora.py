@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name; saved files drop it from the keys
 PEFT_PREFIX = "base_model.model."  # PeftModel state-dict keys = this + the base model's keys
+# peft's _check_lora_target_modules_mamba: LoRA on a layer of these names in these model types raises
+PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
 
 
 def uses_lora(args: LoraArguments) -> bool:
@@ -88,14 +91,29 @@ def lora_config(args: LoraArguments, trainable_tokens: Optional[dict[str, list[i
     )
 
 
-def outside_text_modules(model: PreTrainedModel) -> Optional[str]:
+def outside_text_modules(model: PreTrainedModel, mamba_kept: Optional[list[str]] = None) -> Optional[str]:
     """A regex (peft's exclude_modules) of the modules text never runs, a multimodal model's vision tower and
-    projector: adapters there would get no gradient (their q_proj and fc1 match all-linear and named targets); and
-    of the routers adapted as a weight that peft would also take for linear layers (lora_targets.linear_routers)."""
+    projector: adapters there would get no gradient (their q_proj and fc1 match all-linear and named targets); of
+    the routers adapted as a weight that peft would also take for linear layers (lora_targets.linear_routers); and
+    of `mamba_kept`, the Mamba blocks' layers all-linear leaves to peft's refusal (mamba_layers_refused)."""
     parts = {id(part) for part in outside_text_path(model).values()}
     names = [rf"{re.escape(name)}(\..*)?" for name, module in model.named_modules() if id(module) in parts]
-    names += [re.escape(name) for name in linear_routers(model)]
+    names += [re.escape(name) for name in linear_routers(model) + (mamba_kept or [])]
     return "|".join(f"({name})" for name in names) if names else None
+
+
+def mamba_layers_refused(model: PreTrainedModel, names: list[str]) -> list[str]:
+    """The layers all-linear leaves without an adapter on a model peft keeps LoRA off its Mamba blocks' out_proj and
+    conv1d (Falcon-H1, Mamba, Mamba-2, Falcon-Mamba, Nemotron-H: peft refuses the whole adapter if one is targeted,
+    as the fused Mamba kernels read those weights directly); none for targets the user named."""
+    if names != ["all-linear"] or getattr(model.config, "model_type", None) not in PEFT_MAMBA_TYPES:
+        return []
+    kept = [name for name, module in model.named_modules()
+            if name.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED and isinstance(module, nn.Linear)]
+    if kept:
+        logger.info("all-linear leaves the Mamba blocks' %s without an adapter (%d layers): peft does not adapt them "
+                    "in this model type", "/".join(sorted({name.rsplit(".", 1)[-1] for name in kept})), len(kept))
+    return kept
 
 
 def trainable_token_rows(model: PreTrainedModel, new_ids: list[int]) -> dict[str, list[int]]:
@@ -142,8 +160,9 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[li
                            "leave them out)", args.lora_dropout, " ".join(args.lora_target_modules),
                            ", ".join(targets[1]))
             dropout = 0.0
+        exclude = outside_text_modules(model, mamba_layers_refused(model, list(args.lora_target_modules)))
         with _trainable_tokens_off_cuda(model if rows else None), linear_targets_kept():
-            peft_model = get_peft_model(model, lora_config(args, rows, dropout, targets, outside_text_modules(model)))
+            peft_model = get_peft_model(model, lora_config(args, rows, dropout, targets, exclude))
         said = describe(peft_model, held)
         if said:
             logger.info("%s", said)

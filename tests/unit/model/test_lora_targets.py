@@ -218,3 +218,28 @@ def test_a_peft_without_its_private_conversion_function_trains_and_says_what_is_
     assert "the dense first layers' MLP and the shared experts may be left without an adapter" in said[0]
     model = apply_lora(tiny_gpt_oss(), LoraArguments(use_lora=True, lora_rank=2), dropout_given=False)
     assert set(model.peft_config["default"].target_parameters) == set(HELD)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1"])
+def test_all_linear_on_a_mamba_family_leaves_out_the_layers_peft_refuses(family, caplog) -> None:
+    """peft refuses LoRA on a Mamba block's out_proj in these model types, so every all-linear LoRA run of
+    Nemotron-H, Falcon-H1 (and Mamba, Mamba-2, Falcon-Mamba) was refused ('Module out_proj is incompatible with Mamba-based models'; found by
+    a family sweep). all-linear adapts every other linear layer now, and says which it left out; a named out_proj is
+    still refused with peft's reason."""
+    from unit.model.test_packing_leaks import tiny
+
+    base = tiny(family)
+    linear = {n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    out_proj = {n for n in linear if n.endswith(".out_proj")}
+    assert out_proj and linear - out_proj
+    with caplog.at_level("INFO", logger="open_sft.model.lora"):
+        model = apply_lora(base, LoraArguments(use_lora=True, lora_dropout=0.0))
+    assert adapted_layers(model) == linear - out_proj
+    assert f"all-linear leaves the Mamba blocks' out_proj without an adapter ({len(out_proj)} layers)" in caplog.text
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    trained = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in trained.values())  # lora_B, zero at start, is what moves first
+    assert all(g.abs().sum() > 0 for n, g in trained.items() if ".lora_B." in n)
+    with pytest.raises(UserError, match="out_proj' is incompatible with Mamba-based models"):
+        apply_lora(tiny(family), LoraArguments(use_lora=True, lora_target_modules=["in_proj", "out_proj"]))
