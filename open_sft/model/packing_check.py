@@ -351,6 +351,7 @@ _RECURRENT_WORDS = ("mamba", "conv", "linear_attention", "recurrent", "ssm", "rw
 # in a model type or a layer's class name (remote code: RWKV-5/6/7's rwkv5..7, an Rwkv7Attention block), which layer
 # types and Conv1d modules do not show
 _RECURRENT_NAMES = ("mamba", "rwkv", "recurrent", "lstm", "ssm", "hyena", "retnet")
+_WORD_START = re.compile(r"(?<=[a-z0-9])[A-Z]|(?<=[A-Z])[A-Z](?=[a-z])|(?<=[A-Za-z])[0-9]")
 
 
 def recurrent_layers(model: nn.Module) -> Optional[str]:
@@ -371,9 +372,17 @@ def recurrent_layers(model: nn.Module) -> Optional[str]:
     for name, module in text_decoder_of(causal_lm_of(model)).named_modules():
         if isinstance(module, nn.Conv1d):
             return f"its layer {name} is a convolution"
-        if any(word in type(module).__name__.lower() for word in _RECURRENT_NAMES):
+        if _names_recurrent(type(module).__name__):
             return f"its {f'layer {name}' if name else 'decoder'} is a {type(module).__name__}"
     return None
+
+
+def _names_recurrent(class_name: str) -> bool:
+    """A recurrent word that begins one of the class name's CamelCase words (NemotronHMamba2Mixer, xLSTMBlock,
+    Rwkv7Attention): inside SeedOssModel, GptOssModel and CohereCompassModel, "ssm" spans two words."""
+    starts = {0} | {match.start() for match in _WORD_START.finditer(class_name)}
+    lower = class_name.lower()
+    return any(lower.startswith(word, start) for word in _RECURRENT_NAMES for start in starts)
 
 
 def _leaking(family: str, why: str) -> UserError:

@@ -135,3 +135,26 @@ def test_a_forward_without_flash_attentions_packed_arguments_is_refused_with_sdp
                                         r"how packed examples are told apart under flash_attention_2; train with "
                                         r"--attn_implementation sdpa, or without --packing$"):
         check_packing(model)
+
+
+def test_seed_oss_is_not_taken_for_a_recurrent_family_where_it_cannot_be_checked(caplog) -> None:
+    """Seed-OSS's classes are SeedOssModel and SeedOssMLP, whose lowercase names hold "ssm": a --packing run of
+    Seed-OSS-36B where the start-up check cannot run (ZeRO-3's partitioned loading, which its verified loss allows;
+    FSDP2) was refused as a family with Mamba layers (found by a family sweep). It is trained with the warning any
+    unverified attention family gets there, and the check itself finds its examples apart (RwkvModel's class still
+    refuses: test_packing_leaks)."""
+    from open_sft.model.packing_check import recurrent_layers
+
+    config = transformers.SeedOssConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        attention_dropout=0.0, residual_dropout=0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    packed_attention.install(model)
+    assert recurrent_layers(model) is None
+    assert "model type 'seed_oss' keeps packed examples apart" in check_packing(model)
+    for param in model.parameters():  # what deepspeed.zero.Init leaves on each parameter
+        param.ds_numel = param.numel()
+    with caplog.at_level(logging.WARNING, logger="open_sft.model.packing_check"):
+        assert check_packing(model) is None
+    assert "model type 'seed_oss' is not among the families open_sft has verified" in caplog.text
