@@ -28,8 +28,8 @@ GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12,
 def attention_width(config: Any) -> float:
     """Query heads × head size, the width of the attention scores' matmuls (the hidden size in most models; Qwen3's
     and Gemma's head size makes it another), averaged over the layers where they differ (Gemma 4's full-attention
-    layers have twice its sliding layers' head size)."""
-    widths = [heads * (head_dim or config.hidden_size // heads) for heads, head_dim in
+    layers have twice its sliding layers' head size); 0 for a model without attention heads (Mamba, RWKV, xLSTM)."""
+    widths = [heads * (head_dim or config.hidden_size // heads) if heads else 0 for heads, head_dim in
               zip(layer_values(config, "num_attention_heads"), layer_values(config, "head_dim"))]
     return sum(widths) / len(widths)
 

@@ -167,3 +167,24 @@ def test_each_families_expert_fields_are_read(family, fields, expected) -> None:
     from open_sft.model.anatomy import active_experts
 
     assert active_experts(transformers.AutoConfig.for_model(family, **fields)) == expected
+
+
+@pytest.mark.parametrize("family, sizes", [
+    ("mamba", {"state_size": 8}),
+    ("mamba2", {"num_heads": 8, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 8}),
+    ("rwkv", {"context_length": 64, "attention_hidden_size": 64}),
+    ("xlstm", {"embedding_dim": 64, "num_heads": 4, "num_blocks": 2, "qk_dim_factor": 0.5, "v_dim_factor": 1.0}),
+])
+def test_a_model_without_attention_heads_counts_its_matmuls_alone(family, sizes) -> None:
+    """Mamba's, Mamba-2's, RWKV's and xLSTM's configs name no attention heads (Mamba-2's num_heads are its SSM's):
+    every run of them stopped at start with a TypeError from the MFU count's attention width (found by a family
+    sweep). They have no attention scores to count: PaLM's count is 6 × the matmul weights per token."""
+    config = transformers.AutoConfig.for_model(family, vocab_size=96, hidden_size=64, num_hidden_layers=2, **sizes)
+    assert getattr(config, "num_attention_heads", None) is None
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    backbone, head = matmul_params(model)
+    counter = FlopCounter(config, backbone, head)
+    assert attention_width(config) == 0 and counter.attention == 0
+    assert counter.palm_flops(37, 37**2) == 6 * (backbone + head) * 37
+    assert counter.step_flops(37, 30, 37**2) == 6 * backbone * 37 + 6 * head * 30
