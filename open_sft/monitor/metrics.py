@@ -29,9 +29,20 @@ def attention_width(config: Any) -> float:
     """Query heads × head size, the width of the attention scores' matmuls (the hidden size in most models; Qwen3's
     and Gemma's head size makes it another), averaged over the layers where they differ (Gemma 4's full-attention
     layers have twice its sliding layers' head size); 0 for a model without attention heads (Mamba, RWKV, xLSTM)."""
-    widths = [heads * (head_dim or config.hidden_size // heads) if heads else 0 for heads, head_dim in
+    latent = _latent_head_width(config)
+    widths = [heads * (latent or head_dim or config.hidden_size // heads) if heads else 0 for heads, head_dim in
               zip(layer_values(config, "num_attention_heads"), layer_values(config, "head_dim"))]
     return sum(widths) / len(widths)
+
+
+def _latent_head_width(config: Any) -> Optional[float]:
+    """Multi-head latent attention's (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash, MiniCPM3): its scores are over
+    qk_nope_head_dim + qk_rope_head_dim per head and its values v_head_dim wide (DeepSeek-V3: 192 and 128), while
+    config.head_dim is the rope part alone (64); the mean of the two matmuls' widths. None for other attention."""
+    sizes = [getattr(config, key, None) for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")]
+    if all(isinstance(size, int) and size > 0 for size in sizes):
+        return (sizes[0] + sizes[1] + sizes[2]) / 2
+    return None
 
 
 class FlopCounter:

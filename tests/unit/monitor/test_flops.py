@@ -21,7 +21,7 @@ SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 
 def _model(config_class, **extra):
     torch.manual_seed(0)
-    config = config_class(**SHAPE, **extra)
+    config = config_class(**{**SHAPE, **extra})
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager"), config
 
 
@@ -46,6 +46,13 @@ def _measured(model, batch: dict) -> int:
     (transformers.Gemma4TextConfig, {"head_dim": 16, "layer_types": ["sliding_attention", "full_attention"],
                                      "per_layer_config": {1: {"head_dim": 32}}, "sliding_window": 64,
                                      "vocab_size_per_layer_input": 300, "hidden_size_per_layer_input": 8}),
+    # multi-head latent attention: scores 32 wide per head (qk_nope 24 + qk_rope 8), values 16; head_dim is 8
+    # (DeepSeek-V3's layers dense here: torch counts no FLOPs in the experts' grouped matmul)
+    (transformers.DeepseekV3Config, {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                                     "qk_nope_head_dim": 24, "v_head_dim": 16, "first_k_dense_replace": 2,
+                                     "num_key_value_heads": 4}),
+    (transformers.MiniCPM3Config, {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8,
+                                   "qk_nope_head_dim": 24, "v_head_dim": 16, "num_key_value_heads": 4}),
 ])
 def test_palm_count_is_what_a_forward_and_backward_computes(config_class, extra) -> None:
     model, config = _model(config_class, **extra)
