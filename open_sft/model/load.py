@@ -179,10 +179,13 @@ def _from_pretrained(args: ModelArguments, lora: Optional[LoraArguments],
             attn_implementation=attn_implementation(args, config), **kwargs,
         )
     except (OSError, ValueError) as exc:
-        raise UserError(
-            f"--model_name_or_path {args.model_name_or_path}: could not load the model ({exc}); "
-            "check the path (a directory with config.json and weights) or the Hub id"
-        ) from exc
+        flag = f"--model_name_or_path {args.model_name_or_path}"
+        if "Unrecognized configuration class" in str(exc):  # transformers then lists every class it knows
+            raise UserError(f"{flag}: transformers has no causal-LM class for model type {config.model_type!r} "
+                            f"(AutoModelForCausalLM does not build a {type(config).__name__}: a vision-language, "
+                            "speech or encoder model); open_sft trains the models AutoModelForCausalLM loads") from None
+        raise UserError(f"{flag}: could not load the model ({exc}); check the path (a directory with config.json "
+                        "and weights) or the Hub id") from exc
     except RuntimeError as exc:  # transformers: "You set `ignore_mismatched_sizes` to `False`, ..." (its report logged)
         if "ignore_mismatched_sizes" not in str(exc) or not _config_overrides(args):
             raise

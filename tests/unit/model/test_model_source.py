@@ -128,3 +128,26 @@ def test_a_checkpoint_or_an_unexported_run_is_refused_with_the_export_command(tm
         tmp_path, "--model_name_or_path", str(run))
     assert (f"--model_name_or_path {step_10} is a training checkpoint, not a model; export it first, `python -m "
             f"open_sft export {step_10} OUT`, and pass OUT") in problems(tmp_path, "--model_name_or_path", str(step_10))
+
+
+def test_a_model_no_causal_lm_class_builds_is_named_with_its_type(tmp_path) -> None:
+    """Qwen3-VL (a vision-language model AutoModelForCausalLM does not build) was refused with transformers' list of
+    every config class it knows, some 200 names, and advice to check the path, which was right."""
+    import torch
+    from transformers import AutoConfig
+
+    from open_sft.config.args import ModelArguments
+    from open_sft.errors import UserError
+    from open_sft.model.load import _from_pretrained
+
+    AutoConfig.for_model("qwen3_vl", text_config={"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+                                                  "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                  "num_key_value_heads": 2, "head_dim": 8},
+                         vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                        "out_hidden_size": 32}).save_pretrained(tmp_path)
+    with pytest.raises(UserError) as refused:
+        _from_pretrained(ModelArguments(model_name_or_path=str(tmp_path)), None, torch.float32)
+    assert str(refused.value) == (
+        f"--model_name_or_path {tmp_path}: transformers has no causal-LM class for model type 'qwen3_vl' "
+        "(AutoModelForCausalLM does not build a Qwen3VLConfig: a vision-language, speech or encoder model); open_sft "
+        "trains the models AutoModelForCausalLM loads")
