@@ -111,8 +111,9 @@ def mamba_layers_refused(model: PreTrainedModel, names: list[str]) -> list[str]:
     kept = [name for name, module in model.named_modules()
             if name.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED and isinstance(module, nn.Linear)]
     if kept:
-        logger.info("all-linear leaves the Mamba blocks' %s without an adapter (%d layers): peft does not adapt them "
-                    "in this model type", "/".join(sorted({name.rsplit(".", 1)[-1] for name in kept})), len(kept))
+        leaves = "/".join(sorted({name.rsplit(".", 1)[-1] for name in kept}))
+        logger.info("all-linear leaves the Mamba blocks' %s without an adapter (%d of the linear layers): peft does "
+                    "not adapt them in this model type", leaves, len(kept))
     return kept
 
 

@@ -223,9 +223,9 @@ def test_a_peft_without_its_private_conversion_function_trains_and_says_what_is_
 @pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1"])
 def test_all_linear_on_a_mamba_family_leaves_out_the_layers_peft_refuses(family, caplog) -> None:
     """peft refuses LoRA on a Mamba block's out_proj in these model types, so every all-linear LoRA run of
-    Nemotron-H, Falcon-H1 (and Mamba, Mamba-2, Falcon-Mamba) was refused ('Module out_proj is incompatible with Mamba-based models'; found by
-    a family sweep). all-linear adapts every other linear layer now, and says which it left out; a named out_proj is
-    still refused with peft's reason."""
+    Nemotron-H, Falcon-H1 (and Mamba, Mamba-2, Falcon-Mamba) was refused ('Module out_proj is incompatible with
+    Mamba-based models'; found by a family sweep). all-linear adapts every other linear layer now, and says which it
+    left out; a named out_proj is still refused with peft's reason."""
     from unit.model.test_packing_leaks import tiny
 
     base = tiny(family)
@@ -235,7 +235,8 @@ def test_all_linear_on_a_mamba_family_leaves_out_the_layers_peft_refuses(family,
     with caplog.at_level("INFO", logger="open_sft.model.lora"):
         model = apply_lora(base, LoraArguments(use_lora=True, lora_dropout=0.0))
     assert adapted_layers(model) == linear - out_proj
-    assert f"all-linear leaves the Mamba blocks' out_proj without an adapter ({len(out_proj)} layers)" in caplog.text
+    said = f"all-linear leaves the Mamba blocks' out_proj without an adapter ({len(out_proj)} of the linear layers)"
+    assert said in caplog.text
     ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids).loss.backward()
     trained = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
