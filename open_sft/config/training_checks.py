@@ -39,7 +39,8 @@ def _split_dependent_problems(t: TrainingArguments) -> list[str]:
     if not t.auto_micro_batch_size:
         return []
     fix = ("set --per_device_train_batch_size and --gradient_accumulation_steps yourself (the preflight's memory "
-           "estimate says what fits; --dry_run shows it)")
+           "estimate says what fits; --dry_run shows it; a resume of a checkpoint trained with "
+           "--auto_micro_batch_size also needs --allow_changed_settings, as the flag is one of its recorded settings)")
     problems = []
     if t.loss_normalization == "mean":
         problems.append("--auto_micro_batch_size with --loss_normalization mean: under mean each micro-batch's own "

@@ -205,9 +205,10 @@ def split_is_free(train: Any) -> bool:
 def _auto_fit(config: FinetuneConfig, identity: dict[str, Any], state: dict[str, Any],
               is_main: bool) -> FinetuneConfig:
     """--auto_micro_batch_size resuming: the checkpoint's global batch on this run's ranks, each rank's share split
-    by auto (open_sft.preflight.auto_batch, from the model) where split_is_free, else the checkpoint's micro-batch
-    kept with the accumulation fitted. The flags may keep the global batch themselves, or be the command's (its
-    --gradient_accumulation_steps as the checkpoint's settings record it): auto's split is not the command's."""
+    by auto (open_sft.preflight.auto_batch, from the model). The flags may keep the global batch themselves, or be
+    the command's (its --gradient_accumulation_steps as the checkpoint's settings record it): auto's split is not the
+    command's. The split is always free here: the flag is refused up front with --packing, --loss_normalization
+    mean or --load_balancing_loss (open_sft.config.training_checks)."""
     from open_sft.training.run_settings import checkpoint_settings
 
     saved, t, world = state["identity"], config.train, int(identity["world_size"])
@@ -222,24 +223,20 @@ def _auto_fit(config: FinetuneConfig, identity: dict[str, Any], state: dict[str,
             f"cannot resume {was} on {world} process(es) with --gradient_accumulation_steps {given}: micro-batch "
             f"{t.per_device_train_batch_size} × {given} × {world} ranks is not its global batch of {total}; pass the "
             f"command's --gradient_accumulation_steps {launched} (the global batch is fitted to the ranks)")
-    free = split_is_free(t)
-    if total % (world * (1 if free else micro)):
+    if total % world:
         raise UserError(
             f"cannot resume {was} on {world} process(es): its global batch of {total} (micro-batch {micro} × "
             f"accumulation {saved['gradient_accumulation_steps']} × {saved['world_size']} ranks) is not a whole "
-            f"number of {'examples' if free else f'micro-batches of {micro}'} on each of {world} ranks; launch a "
-            f"number of processes that divides {total // (1 if free else micro)}, or start over with "
-            "--resume_from_checkpoint none")
+            f"number of examples on each of {world} ranks; launch a number of processes that divides {total}, or "
+            "start over with --resume_from_checkpoint none")
     share = total // world
     micro = micro if share % micro == 0 else share
     if is_main:
-        split = ("split by the memory estimate" if free else f"micro-batch {micro} kept (under --loss_normalization "
-                 "mean each micro-batch's mean counts: --auto_micro_batch_size chooses no other)")
         logger.info("--auto_micro_batch_size resumes %s's global batch of %d sequences on %d rank%s: %d per rank (the "
-                    "checkpoint's split: micro-batch %d × accumulation %d), %s", was, total, world, "s" * (world != 1),
-                    share, saved["micro_batch_size"], saved["gradient_accumulation_steps"], split)
+                    "checkpoint's split: micro-batch %d × accumulation %d), split by the memory estimate", was, total,
+                    world, "s" * (world != 1), share, saved["micro_batch_size"], saved["gradient_accumulation_steps"])
     return dataclasses.replace(config, train=dataclasses.replace(
-        t, per_device_train_batch_size=micro, gradient_accumulation_steps=share // micro, auto_micro_batch_size=free))
+        t, per_device_train_batch_size=micro, gradient_accumulation_steps=share // micro, auto_micro_batch_size=True))
 
 
 def keeps_global_batch(saved: dict[str, Any], now: dict[str, Any]) -> bool:

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 # Flags that change neither the weights a run trains nor its export: a relaunch may differ in these.
 # --max_memory_per_rank_gib: the memory of the rank a requeue lands on; --auto_micro_batch_size's split of it is
-# checked by the identity (the same global batch; under mean the checkpoint's micro-batch: training.elastic).
+# checked by the identity (the same global batch: training.elastic).
 NOT_SETTINGS = frozenset({
     "output_dir", "exp_name", "logging_steps", "report_to", "with_tracking", "wandb_project_name", "wandb_entity",
     "timeout", "preprocessing_num_workers", "dataset_local_cache_dir", "dataset_skip_cache", "cache_dataset_only",

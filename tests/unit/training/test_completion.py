@@ -296,6 +296,25 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_and_the_ways_on(t
         == history
 
 
+def test_a_checkpoint_of_auto_under_mean_resumes_with_the_batch_flags_and_allow_changed_settings(tmp_path) -> None:
+    """--auto_micro_batch_size with --loss_normalization mean is refused up front now; a run checkpointed with
+    both before resumes as the refusal says: the batch flags set, --auto_micro_batch_size dropped (a changed
+    setting, refused unless --allow_changed_settings)."""
+    batch = ["--loss_normalization", "mean", "--per_device_train_batch_size", "8"]
+    with pytest.raises(ConfigError, match=r"a resume of a checkpoint trained with --auto_micro_batch_size also "
+                                          r"needs --allow_changed_settings"):
+        launch(tmp_path, *batch, "--auto_micro_batch_size")
+    before = [{"from_step": 1, "settings": {**completion.settings(launch(tmp_path, *batch)),
+                                            "auto_micro_batch_size": True}}]
+    with pytest.raises(UserError, match=r"  - --auto_micro_batch_size: True in the checkpoint, False now"):
+        completion.check_resume_point(resume_point(tmp_path, 29, before), 60, launch(tmp_path, *batch),
+                                      launch(tmp_path, *batch).to_dict(), True)
+    allowed = launch(tmp_path, *batch, "--allow_changed_settings")
+    history = completion.check_resume_point(resume_point(tmp_path, 29, before), 60, allowed, allowed.to_dict(), True)
+    assert [h["from_step"] for h in history] == [1, 30]
+    assert history[1]["settings"]["auto_micro_batch_size"] is False
+
+
 def test_allowed_changes_are_recorded_per_step_range(tmp_path, caplog) -> None:
     import logging
 

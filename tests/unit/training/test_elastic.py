@@ -375,25 +375,20 @@ def test_an_auto_micro_batch_checkpoint_resumes_on_other_ranks_and_other_memory(
         check_compatible(tmp_path, saved, identity(2, 1, micro=2), free_split=True)  # another global batch
 
 
-def test_an_auto_micro_batch_resume_keeps_the_checkpoints_micro_batch_under_mean_and_refuses_another_batch(
+def test_an_auto_micro_batch_resume_refuses_an_accumulation_that_is_not_the_commands_nor_keeps_the_batch(
         monkeypatch) -> None:
-    """Under --loss_normalization mean each micro-batch's mean counts: the checkpoint's micro-batch is kept (auto
-    does not choose another); an accumulation that is not the command's and does not keep the global batch is
-    refused as without auto."""
+    """The checkpoint's flags (8 × 1 on 2 ranks, auto chose 4 × 2) resume on 1 rank: the command's accumulation or
+    one that keeps the global batch of 16 is fitted; another is refused as without auto."""
     import dataclasses
 
     monkeypatch.setattr(dataclasses, "replace", lambda obj, **kw: SimpleNamespace(**{**vars(obj), **kw}))
-    state = _auto_state(4, 2, 2, flags=(8, 1), balanced=False)  # balanced under mean: no other ranks (above)
-    fitted = fit_to_checkpoint(_auto_config(8, 1, "mean"), identity(1, 1, micro=8, balanced=False), state,
-                               is_main=True).train
-    assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps) == (4, 4)
-    assert not fitted.auto_micro_batch_size
+    state = _auto_state(4, 2, 2, flags=(8, 1))
     fitted = fit_to_checkpoint(_auto_config(8, 2), identity(1, 2, micro=8), state, is_main=True).train  # 8 × 2 × 1
-    assert (fitted.per_device_train_batch_size * fitted.gradient_accumulation_steps) == 16
+    assert (fitted.per_device_train_batch_size, fitted.gradient_accumulation_steps) == (4, 4)
     with pytest.raises(UserError, match=r"cannot resume the 2-rank checkpoint on 1 process\(es\) with "
                                         r"--gradient_accumulation_steps 3: micro-batch 8 × 3 × 1 ranks is not its "
                                         r"global batch of 16; pass the command's --gradient_accumulation_steps 1"):
         fit_to_checkpoint(_auto_config(8, 3), identity(1, 3, micro=8), state, is_main=True)
-    with pytest.raises(UserError, match=r"its global batch of 16 .* is not a whole number of micro-batches of 4 on "
-                                        r"each of 3 ranks"):
-        fit_to_checkpoint(_auto_config(8, 1, "mean"), identity(3, 1, micro=8, balanced=False), state, is_main=True)
+    with pytest.raises(UserError, match=r"its global batch of 16 .* is not a whole number of examples on each of 3 "
+                                        r"ranks; launch a number of processes that divides 16"):
+        fit_to_checkpoint(_auto_config(8, 1), identity(3, 1, micro=8), state, is_main=True)
