@@ -28,15 +28,17 @@ from open_sft.errors import UserError
 
 MODEL_FILE = "model{}.safetensors"  # accelerate's save_state: model.safetensors, model_1.safetensors, ...
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-SAMPLED = 64 << 10  # bytes of each weight file's start and end a local base's fingerprint reads
+SAMPLES, SAMPLE = 8, 8 << 10  # a local base's fingerprint: 8 windows of 8 KiB spread over each file's tensor data
+HEADER_MAX = 100 << 20  # safetensors' own limit on a header; a larger length is no safetensors header
 
 
 def base_fingerprint(name: str, model_config: Any) -> str:
     """What names the base a QLoRA run quantizes again at every start (its checkpoint records it: resume.run_identity):
     its Hub commit (the loaded config's _commit_hash), else, for a local directory, a digest of each weight file's
-    name, size and first and last SAMPLED bytes (a safetensors header and the first tensors: another fine-tune of
-    the same shapes differs there; a multi-GB base is not read whole at each start). Full and LoRA checkpoints hold
-    their base's weights and record none."""
+    name, size, safetensors header (the tensors' names, shapes and offsets) and SAMPLES windows of SAMPLE bytes
+    spread evenly over its tensor data, first and last included (another fine-tune of the same shapes has the same
+    header, MoE shards' headers are over 100 KB: its weights differ in the data). A multi-GB base is not read whole
+    at each start: 64 KiB of data per file. Full and LoRA checkpoints hold their base's weights and record none."""
     commit = getattr(model_config, "_commit_hash", None)
     if commit:
         return f"revision {commit}"
@@ -45,11 +47,32 @@ def base_fingerprint(name: str, model_config: Any) -> str:
     digest = hashlib.sha256()
     for file in files:
         size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
         with file.open("rb") as handle:
-            head = handle.read(SAMPLED)
-            handle.seek(max(size - SAMPLED, 0))
-            digest.update(f"{file.name}\0{size}\0".encode() + head + handle.read(SAMPLED))
+            data = _data_start(handle, size) if file.suffix == ".safetensors" else 0
+            handle.seek(0)
+            digest.update(handle.read(data))  # the header (nothing for other formats)
+            for offset, length in _windows(data, size):
+                handle.seek(offset)
+                digest.update(handle.read(length))
     return f"local files {digest.hexdigest()[:16]}" if files else f"{name} (no revision, no local weight files)"
+
+
+def _data_start(handle: Any, size: int) -> int:
+    """Where a safetensors file's tensor data begins (after its 8-byte little-endian header length and the header),
+    or 0 where the length is no header's (the windows then spread over the whole file)."""
+    length = int.from_bytes(handle.read(8), "little")
+    return 8 + length if 8 + length <= size and length <= HEADER_MAX else 0
+
+
+def _windows(start: int, end: int) -> list[tuple[int, int]]:
+    """(offset, length) of SAMPLES windows of SAMPLE bytes spread evenly over [start, end), the first at start and
+    the last ending at end; the whole span in one where it is no longer than the windows together."""
+    span = end - start
+    if span <= SAMPLES * SAMPLE:
+        return [(start, span)]
+    step = (span - SAMPLE) / (SAMPLES - 1)
+    return [(start + round(i * step), SAMPLE) for i in range(SAMPLES)]
 
 
 def trained_names(model: torch.nn.Module) -> list[str]:

@@ -120,7 +120,7 @@ def test_a_qlora_resume_on_another_base_is_refused_naming_the_revision(tmp_path,
     """review ckpt 6: a QLoRA checkpoint holds the adapter alone and each start quantizes --model_name_or_path again,
     so a base moved to another Hub revision (or local files replaced) resumed the adapter on weights it was never
     trained on, silently. The identity records the base: its Hub commit, or a local directory's fingerprint (each
-    weight file's size, header and first and last 64 KiB); full and LoRA checkpoints hold their base and record none."""
+    weight file's size, header and 8 × 8 KiB of its data); full and LoRA checkpoints hold their base and record none."""
     import shutil
     from types import SimpleNamespace
 
@@ -151,3 +151,29 @@ def test_a_qlora_resume_on_another_base_is_refused_naming_the_revision(tmp_path,
     hub = identity("--use_qlora", model_config=SimpleNamespace(_commit_hash="0123abc"))
     assert hub["base"] == "revision 0123abc"
     check_compatible(tmp_path, {k: v for k, v in saved.items() if k != "base"}, now)  # a checkpoint before the record
+
+
+def test_a_local_base_fingerprint_sees_a_middle_tensor_behind_a_large_header(tmp_path) -> None:
+    """An MoE shard's header (~700 tensors) is over 64 KiB: the first 64 KiB of two fine-tunes of the same shapes
+    were the same header, and their last 64 KiB the same last tensors, so a base whose middle tensor changed kept
+    its fingerprint. The tensor data is sampled evenly now (8 × 8 KiB), the header read whole."""
+    from types import SimpleNamespace
+
+    from open_sft.training.trained_state import base_fingerprint
+
+    tensors = {f"model.layers.{i:03d}.mlp.experts.{e}.down_proj.weight": torch.zeros(64)
+               for i in range(100) for e in range(7)}
+    tensors["model.layers.050.mlp.experts.3.middle.weight"] = torch.zeros(1 << 20)  # 4 MiB, in the data's middle
+    files = []
+    for name, shift in (("one", 0.0), ("two", 1.0)):
+        (tmp_path / name).mkdir()
+        save_file({k: v + shift if "middle" in k else v for k, v in tensors.items()},
+                  str(tmp_path / name / "model.safetensors"))
+        files.append((tmp_path / name / "model.safetensors").read_bytes())
+    header = 8 + int.from_bytes(files[0][:8], "little")
+    assert header > 64 << 10 and len(files[0]) == len(files[1])
+    assert files[0][:64 << 10] == files[1][:64 << 10] and files[0][-(64 << 10):] == files[1][-(64 << 10):]
+    local = SimpleNamespace(_commit_hash=None)
+    one, two = (base_fingerprint(str(tmp_path / name), local) for name in ("one", "two"))
+    assert re.fullmatch(r"local files [0-9a-f]{16}", one) and one != two
+    assert base_fingerprint(str(tmp_path / "one"), local) == one
