@@ -3,7 +3,10 @@
 One way for every marker and record open_sft writes (a checkpoint's COMPLETE manifest, RUN_COMPLETE, the
 tokenization spill's state): write a temporary file beside it, flush and fsync it, rename it into place, and
 fsync the directory so the rename itself is on disk. And one way to keep an earlier run's directory when a run
-starts over (`set_aside`): renamed whole, never mixed with the new run's files.
+starts over (`set_aside`): renamed whole, never mixed with the new run's files; a symlink to a directory (a user's
+routing of checkpoints/ or tensorboard/ to another disk) keeps its link and its target, the earlier files moved into
+previous-N inside the target (renames on its own disk, needing no write access beside it; a target that is a mount
+point cannot be renamed at all).
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Optional
+
+logger = logging.getLogger(__name__)
+PREVIOUS = re.compile(r"^previous-\d+$")  # set_aside's folders inside a symlinked directory's target
 
 
 def fsync_path(path: Path) -> None:
@@ -51,16 +58,45 @@ def write_json(path: Path, value: Any, indent: int | None = 1) -> None:
 
 def set_aside(directory: Path) -> Path | None:
     """An earlier run's non-empty `directory` renamed to NAME.previous-N (the first N free), returned; None when
-    there is nothing to keep. A symlink to a directory (a user's routing of it to another disk) stays: its target is
-    renamed beside itself, on its disk, and made again empty, so the new run's files follow the link as before."""
+    there is nothing to keep. A symlink to a directory stays, and so does its target (the user's, perhaps a mount
+    point or in a directory they cannot write): the target's entries move into its previous-N (first_previous; the
+    earlier previous-K stay where they are), so the new run's files follow the link as before. Where that fails,
+    the link itself is renamed aside and an empty directory made in its place, with a warning."""
     if not directory.is_dir() or not any(directory.iterdir()):
         return None
-    real = directory.resolve() if directory.is_symlink() else directory
-    target = next_previous(real)
-    real.rename(target)
-    if real != directory:
-        real.mkdir()
-    return target
+    if not directory.is_symlink():
+        target = next_previous(directory)
+        directory.rename(target)
+        return target
+    real = directory.resolve()
+    entries = [entry for entry in real.iterdir() if not PREVIOUS.match(entry.name)]
+    if not entries:
+        return None
+    target = first_previous(real)
+    try:
+        target.mkdir()
+        for entry in entries:
+            entry.rename(target / entry.name)
+        return target
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # nothing moved yet: no empty previous-N left in the user's directory
+            target.rmdir()
+        aside = next_previous(directory)
+        directory.rename(aside)
+        directory.mkdir()
+        logger.warning("%s links to %s, whose earlier files could not be moved into %s there (%s): the link was "
+                       "renamed to %s instead, and the new run writes to a new directory %s on the output directory's "
+                       "disk; to route it again, replace it with a link to an empty directory before the next launch",
+                       directory, real, target.name, exc, aside, directory)
+        return aside
+
+
+def first_previous(real: Path) -> Path:
+    """previous-N inside the directory `real`, the first N free: where a symlinked directory's earlier files go."""
+    k = 1
+    while (real / f"previous-{k}").exists():
+        k += 1
+    return real / f"previous-{k}"
 
 
 def remove_tree(path: Path) -> None:

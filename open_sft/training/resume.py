@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from open_sft.data.template_date import dates_of
 from open_sft.distributed.collectives import broadcast_object
-from open_sft.durable import next_previous, set_aside
+from open_sft.durable import first_previous, next_previous, set_aside
 from open_sft.errors import UserError
 from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, ResumePoint, continued, newest_usable,
                                          problem_with, step_dirs, timeline_of)
@@ -135,8 +135,9 @@ def relaunch_point(setting: str, output_dir: Path) -> Optional[Path]:
 def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) -> None:
     """A run restarted from a named checkpoint must not mix its checkpoints with another timeline's (pruning would
     count them, auto would resume from them): the newer checkpoints of its output dir when the named one is
-    there (a rewind), else all of them (a warm start from another run), move to checkpoints.previous-K. Main
-    process, once the resume is accepted (a refused launch changes nothing)."""
+    there (a rewind), else all of them (a warm start from another run), move to checkpoints.previous-K (a symlinked
+    checkpoints/: previous-K inside its target). Main process, once the resume is accepted (a refused launch
+    changes nothing)."""
     if resume is None or resume.timeline is None or resume.path.resolve() != Path(resume.timeline):
         return  # a fresh start, an auto resume, or a requeue resuming this timeline's own checkpoint
     root = output_dir / CHECKPOINTS
@@ -144,7 +145,8 @@ def set_aside_other_timeline(resume: Optional[ResumePoint], output_dir: Path) ->
     other = [path for number, path in step_dirs(root) if not inside or number > resume.step]
     if not other:
         return
-    target = next_previous(root.resolve())  # beside a symlinked checkpoints/ target: a rename crosses no disk
+    # a symlinked checkpoints/: inside its target (durable.set_aside), where a rename crosses no disk
+    target = first_previous(root.resolve()) if root.is_symlink() else next_previous(root)
     target.mkdir()
     for path in other:
         path.rename(target / path.name)

@@ -137,7 +137,10 @@ def test_a_checkpoint_outside_a_runs_checkpoints_exports_beside_itself_without_a
     aside = tmp_path / "run" / "checkpoints.previous-1"
     aside.mkdir()
     moved = Path(shutil.copytree(checkpoint, aside / "step_4"))
-    for source, out in ((copied, scratch / "exported"), (moved, tmp_path / "run" / "exported")):
+    # moved aside inside a symlinked checkpoints/ target (open_sft.durable.set_aside): checkpoints/previous-1/step_4
+    inside = Path(shutil.copytree(checkpoint, tmp_path / "run" / "checkpoints" / "previous-1" / "step_4"))
+    for source, out in ((copied, scratch / "exported"), (moved, tmp_path / "run" / "exported"),
+                        (inside, tmp_path / "run" / "exported_inside")):
         with caplog.at_level(logging.INFO, logger="open_sft.export.from_checkpoint"):
             export_checkpoint(source, out)
         assert (out / "model.safetensors").is_file() and (out / "export.json").is_file()

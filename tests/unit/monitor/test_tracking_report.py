@@ -77,6 +77,27 @@ def test_a_fresh_start_moves_the_earlier_runs_events_aside(tmp_path) -> None:
     assert len(list(log_dir.iterdir())) == 1
 
 
+def test_a_fresh_start_in_a_symlinked_events_dir_keeps_the_link_and_its_target(tmp_path) -> None:
+    """A tensorboard/ linked to another disk: the earlier events move into previous-N inside the target (the link
+    and the target stay where the user put them), and the new run's events follow the link."""
+    from open_sft.monitor.tracking import TensorBoardTracker
+
+    target = tmp_path / "disk" / "events"
+    target.mkdir(parents=True)
+    (tmp_path / "out").mkdir()
+    log_dir = tmp_path / "out" / "tensorboard"
+    log_dir.symlink_to(target)
+    for _ in range(2):
+        tracker = TensorBoardTracker(log_dir, 0)
+        tracker.log({"train/loss": 1.0}, step=1)
+        tracker.close()
+    assert log_dir.is_symlink() and [p.name for p in tmp_path.iterdir() if p.name != "out"] == ["disk"]
+    assert sorted(p.name for p in target.iterdir() if not p.name.startswith("events.out")) == ["previous-1"]
+    assert len(list(target.glob("events.out*"))) == 1 and len(list((target / "previous-1").iterdir())) == 1
+    assert [p.name for p in (tmp_path / "disk").iterdir()] == ["events"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["tensorboard"]
+
+
 def test_tracker_names_and_scalars() -> None:
     assert trackers_for("all") == ("tensorboard", "wandb")
     assert trackers_for("none") == ()

@@ -500,22 +500,73 @@ def test_clean_checkpoints_at_end_empties_a_symlinked_checkpoints_dir_and_keeps_
     assert (out / "checkpoints").is_symlink() and [p.name for p in big.iterdir()] == ["notes.txt"]
 
 
-def test_starting_over_keeps_a_symlinked_checkpoints_dir_routed_to_its_disk(tmp_path) -> None:
+def test_starting_over_keeps_a_symlinked_checkpoints_dir_and_its_target_in_place(tmp_path, monkeypatch) -> None:
     """review ckpt 2: --resume_from_checkpoint none renamed the link itself, so the new run wrote a new checkpoints/
-    onto the output disk. The earlier checkpoints move beside the target (on its disk); the link stays, to an empty
-    directory; a rewind's abandoned checkpoints move beside the target as well (a rename across disks fails)."""
+    onto the output disk; then it renamed the link's target, which needs write access beside it (a link to
+    /scratch/$USER: EACCES; to a mount point: EBUSY) and renamed a folder the user may keep other things in. The
+    earlier files move into previous-N inside the target (on its disk); the link and the target stay; a rewind's
+    abandoned checkpoints move there as well; step_dirs and pruning see none of them."""
+    import errno
+
+    from open_sft.training import checkpoint
     from open_sft.training.resume import IDENTITY_BEFORE_RECORDED, resolve_resume, set_aside_other_timeline
 
     out, big = _linked_root(tmp_path)
+    (big / "notes.txt").write_text("mine")
+    real_rename = Path.rename
+
+    def rename(self, target):  # the target's parent is not the user's to write (the tests run as root: chmod can't)
+        if self == big or Path(target).parent == big.parent:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
     assert resolve_resume("none", out, {}, is_main=True) is None
-    assert (out / "checkpoints").resolve() == big and list(big.iterdir()) == []
-    assert sorted(p.name for p in big.with_name("ckpts.previous-1").iterdir()) == ["step_2", "step_4"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]
+    assert (out / "checkpoints").is_symlink() and (out / "checkpoints").resolve() == big
+    assert [p.name for p in big.iterdir()] == ["previous-1"]
+    assert sorted(p.name for p in (big / "previous-1").iterdir()) == ["notes.txt", "step_2", "step_4"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints"] and list(big.parent.iterdir()) == [big]
     _publish_steps(big, (2, 4))
     resume = resolve_resume(str(out / "checkpoints" / "step_2"), out, dict(IDENTITY_BEFORE_RECORDED), is_main=True)
     set_aside_other_timeline(resume, out)
-    assert [p.name for p in big.iterdir()] == ["step_2"]
-    assert [p.name for p in big.with_name("ckpts.previous-2").iterdir()] == ["step_4"]
+    assert sorted(p.name for p in big.iterdir()) == ["previous-1", "previous-2", "step_2"]
+    assert [p.name for p in (big / "previous-2").iterdir()] == ["step_4"]
+    assert [n for n, _ in checkpoint.step_dirs(out / "checkpoints")] == [2]
+    assert [p.name for p in checkpoint.prune(out / "checkpoints", keep=0)] == ["step_2"]
+    assert sorted(p.name for p in big.iterdir()) == ["previous-1", "previous-2"]
+    _publish_steps(big, (6,))  # a second start over: the earlier previous-K stay where they are
+    assert resolve_resume("none", out, {}, is_main=True) is None
+    assert sorted(p.name for p in big.iterdir()) == ["previous-1", "previous-2", "previous-3"]
+    assert [p.name for p in (big / "previous-3").iterdir()] == ["step_6"]
+
+
+def test_a_symlinked_checkpoints_dir_whose_files_cannot_move_is_set_aside_as_a_link(tmp_path, monkeypatch,
+                                                                                   caplog) -> None:
+    """Where the target's entries cannot be moved inside it (EXDEV from a mount under it, a read-only target), the
+    link is renamed aside, as before, and the run says its checkpoints are now on the output directory's disk."""
+    import errno
+
+    from open_sft.training.resume import resolve_resume
+
+    out, big = _linked_root(tmp_path)
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self.parent == big:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume("none", out, {}, is_main=True) is None
+    assert (out / "checkpoints.previous-1").is_symlink() and (out / "checkpoints.previous-1").resolve() == big
+    assert not (out / "checkpoints").is_symlink() and list((out / "checkpoints").iterdir()) == []
+    assert sorted(p.name for p in big.iterdir()) == ["step_2", "step_4"]
+    assert (f"{out / 'checkpoints'} links to {big}, whose earlier files could not be moved into previous-1 there "
+            f"([Errno {errno.EXDEV}] Invalid cross-device link): the link was renamed to "
+            f"{out / 'checkpoints.previous-1'} instead, and the new run writes to a new directory "
+            f"{out / 'checkpoints'} on the output directory's disk") in caplog.text
+    assert f"the earlier checkpoints were moved to {out / 'checkpoints.previous-1'}" in caplog.text
 
 
 def test_a_named_resume_removes_the_partial_checkpoints_of_its_output_dir(tmp_path, caplog) -> None:
