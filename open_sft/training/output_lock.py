@@ -10,7 +10,9 @@ flags) write checkpoints, prune each other's and export into the same files. The
   shared filesystems a flock taken on one host is not seen on another: a running lease of another host (or any,
   where the filesystem refuses flock) is watched for WATCH_S, and a run there is live when its heartbeat advances.
   The heartbeat's values are compared with each other, never with this host's clock: hosts' clocks differ, and a
-  skew would keep a dead run's lease live or make a live one look stale.
+  skew would keep a dead run's lease live or make a live one look stale. Where the filesystem refuses flock, a
+  lease of this host and this pid namespace is judged at once by its pid (a dead one is taken over without the
+  watch); the lease's host names the namespace, because two containers may share a hostname but not their pids.
 
 A second run finds the lock held and stops at once with `error:` naming the live run. `--dry_run` and
 `--cache_dataset_only` write nothing there and take no lock. The file stays after the run (its lease says the
@@ -45,7 +47,7 @@ WATCH_MARGIN_S = 15.0  # WATCH_S = HEARTBEAT_S + this: a renewal delayed by a sl
 
 @dataclass
 class Lease:
-    host: str
+    host: str  # where: the hostname, then the pid namespace where /proc names it ("node-3 pid:[4026531836]")
     pid: int
     started_at: str  # local time, ISO 8601
     heartbeat: float  # time.time() of the last renewal
@@ -53,7 +55,7 @@ class Lease:
 
     def describe(self) -> str:
         beat = time.time() - self.heartbeat
-        return f"pid {self.pid} on {self.host}, started at {self.started_at}, last heartbeat {beat:.0f} s ago"
+        return f"pid {self.pid} on {self.host.split(' ')[0]}, started at {self.started_at}, last heartbeat {beat:.0f} s ago"
 
 
 def read_lease(path: Path) -> Optional[Lease]:
@@ -111,10 +113,12 @@ class OutputDirLock:
         else:
             flocked = True
         previous = read_lease(path)
-        host = socket.gethostname()
+        host = where()
         if previous is not None and previous.state == "running":
             why = ""
-            if previous.host != host or not flocked:  # this host's flock cannot tell: the heartbeat does
+            if previous.host == host and not flocked and _gone(previous.pid):
+                why = "; its process is gone from this host"
+            elif previous.host.split(" ")[0] != host.split(" ")[0] or not flocked:  # the heartbeat tells
                 live, why = _watch(output_dir, path, previous)
                 if live is not None:
                     os.close(fd)
@@ -165,6 +169,26 @@ def lock_output_dir(config: Any, main_process: bool) -> ContextManager[Any]:
     if config.train.dry_run or config.data.cache_dataset_only or not main_process:
         return contextlib.nullcontext()
     return OutputDirLock.acquire(Path(config.train.output_dir))
+
+
+def where() -> str:
+    """This process's host as its lease records it: the hostname, and its pid namespace where /proc shows it (a
+    lease written by an open_sft before this, the hostname alone, is then another host's: its heartbeat is watched)."""
+    try:
+        return f"{socket.gethostname()} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return socket.gethostname()
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process `pid` lives in this pid namespace (one of another user's is alive: PermissionError)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _write(fd: int, lease: Lease) -> None:

@@ -62,3 +62,55 @@ def test_a_live_run_of_another_host_is_refused_whatever_its_clock_says(tmp_path,
                                         r"while watched; lock file"):
         OutputDirLock.acquire(tmp_path)
     assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == "node-17"  # left as it was
+
+
+@pytest.fixture
+def no_flock(monkeypatch) -> None:
+    """A filesystem that refuses flock (ENOLCK): the lease alone decides."""
+    import errno
+
+    def refuse(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(output_lock.fcntl, "flock", refuse)
+
+
+def test_without_flock_a_dead_pid_of_this_host_is_taken_over_at_once(tmp_path, no_flock, monkeypatch,
+                                                                     caplog) -> None:
+    """Without flock a requeue on the same host watched the dead run's heartbeat for 45 s, though its pid can be
+    checked on the spot: gone (ProcessLookupError) is taken over at once; a live pid (this process, another
+    user's: PermissionError) and a lease of another pid namespace are watched as before."""
+    monkeypatch.setattr(output_lock, "HEARTBEAT_S", 30.0)  # a watch would take 45 s: the test would time out
+    plant_lease(tmp_path, output_lock.where(), time.time())
+    killed = []
+
+    def kill(pid: int, signal: int) -> None:
+        killed.append((pid, signal))
+        raise ProcessLookupError(pid)
+
+    monkeypatch.setattr(output_lock.os, "kill", kill)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.output_lock"):
+        OutputDirLock.acquire(tmp_path).release()
+    assert time.monotonic() - started < 5 and killed == [(12345, 0)]
+    assert "taking over the lock of a run that is gone (pid 12345 on " in caplog.text
+    assert "; its process is gone from this host)" in caplog.text and "watching its heartbeat" not in caplog.text
+
+
+@pytest.mark.parametrize("case", ["alive", "another user's", "another pid namespace"])
+def test_without_flock_a_live_pid_or_another_namespace_is_still_watched(tmp_path, no_flock, short_watch,
+                                                                        monkeypatch, caplog, case) -> None:
+    host = output_lock.where()
+    plant_lease(tmp_path, host.split(" ")[0] + " pid:[1]" if case == "another pid namespace" else host, time.time())
+
+    def kill(pid: int, signal: int) -> None:
+        if case == "another user's":
+            raise PermissionError(pid)
+        if case == "another pid namespace":
+            raise ProcessLookupError(pid)  # not there, in this namespace: no reason to think it dead
+
+    monkeypatch.setattr(output_lock.os, "kill", kill)
+    with caplog.at_level(logging.WARNING, logger="open_sft.training.output_lock"):
+        OutputDirLock.acquire(tmp_path).release()
+    assert "watching its heartbeat" in caplog.text and "its heartbeat did not advance in 0 s)" in caplog.text
+    assert "its process is gone" not in caplog.text
