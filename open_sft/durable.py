@@ -79,7 +79,7 @@ def set_aside(directory: Path) -> Path | None:
             entry.rename(target / entry.name)
         return target
     except OSError as exc:
-        with contextlib.suppress(OSError):  # nothing moved yet: no empty previous-N left in the user's directory
+        with contextlib.suppress(OSError):  # left in the target only if something was moved into it
             target.rmdir()
         aside = next_previous(directory)
         directory.rename(aside)
