@@ -122,7 +122,8 @@ _DEEPSPEED = ("DeepSpeed is the launcher's: accelerate launch --use_deepspeed --
               "configs/ds/zero2.json finetune.py ...")
 # `deepspeed finetune.py` and `python -m torch.distributed.launch` hand each rank --local_rank (--local-rank)
 _LOCAL_RANK = ("passed by the `deepspeed` launcher or torch.distributed.launch; launch with accelerate: accelerate "
-               "launch --num_processes N --use_deepspeed --deepspeed_config_file configs/ds/zero2.json finetune.py ...")
+               "launch --num_processes N finetune.py ... (for DeepSpeed ZeRO add --use_deepspeed "
+               "--deepspeed_config_file configs/ds/zero2.json)")
 FOREIGN_FLAGS = {
     "deepspeed": _DEEPSPEED, "zero_stage": _DEEPSPEED, "local_rank": _LOCAL_RANK,
     "save_steps": "use --checkpointing_steps N", "save_strategy": "use --checkpointing_steps N or epoch",

@@ -160,9 +160,10 @@ def test_eval_sources_have_their_own_splits_checked_up_front(tmp_path) -> None:
     ("--dataset_train_split", "use --dataset_mixer_list_splits"),
     ("--dataset_test_split", "use --eval_dataset_mixer_list NAME AMOUNT with --eval_dataset_mixer_list_splits"),
     # `deepspeed finetune.py` and torch.distributed.launch add it to every rank's command line
+    # a plain multi-GPU launch needs no DeepSpeed; ZeRO is the addition, not the way to launch
     ("--local_rank", "passed by the `deepspeed` launcher or torch.distributed.launch; launch with accelerate: "
-                     "accelerate launch --num_processes N --use_deepspeed --deepspeed_config_file "
-                     "configs/ds/zero2.json finetune.py ...)"),
+                     "accelerate launch --num_processes N finetune.py ... (for DeepSpeed ZeRO add --use_deepspeed "
+                     "--deepspeed_config_file configs/ds/zero2.json))"),
     ("--local-rank", "passed by the `deepspeed` launcher or torch.distributed.launch; launch with accelerate:")])
 def test_flags_of_other_trainers_name_open_sfts_own(flag, hint, tmp_path) -> None:
     """HF Trainer / TRL / axolotl flags get open_sft's way to say the same, not difflib's nearest name (--save_steps
