@@ -123,8 +123,9 @@ def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, dec
 
 
 def wsd_decay_steps(decay_ratio: float, total_steps: int) -> int:
-    """The last steps over which wsd decays: ceil(ratio × steps), at least one."""
-    return max(1, math.ceil(decay_ratio * total_steps))
+    """The last steps over which wsd decays: ceil(ratio × steps), at least one, of the product rounded first as
+    warmup_steps_for rounds it (0.07 × 100 is 7.000000000000001: 7 decay steps, not 8)."""
+    return max(1, math.ceil(round(decay_ratio * total_steps, 9)))
 
 
 def warmup_flag(args: Any) -> str:
@@ -138,11 +139,12 @@ def wsd_overlap_problem(kind: str, warmup_steps: int, total_steps: int, decay_ra
     """Why a wsd schedule's warmup runs into its decay (the rate would climb to the peak inside the decay, then drop
     back to the decay's line: --max_train_steps 20, --warmup_ratio 0.5, --wsd_decay_ratio 0.6 trained steps 9-11 at
     0.9, 1.0, 0.77 of the peak), or None. `warmup_flag`: the flag that set the warmup, as given. One step has no
-    shape to break."""
+    shape to break. The warmup's last step may be the decay's first: that step trains at the peak and the decay
+    goes on from it (ratios adding to 1.0, each rounded up: 0.1 and 0.9 of 15 steps are 2 and 14)."""
     if kind != "wsd" or total_steps <= 1:
         return None
     decay = wsd_decay_steps(decay_ratio, total_steps)
-    if warmup_steps <= total_steps - decay:
+    if warmup_steps <= total_steps - decay + 1:
         return None
     return (f"--lr_scheduler_type wsd: {warmup_flag} makes {warmup_steps} warmup steps, which run into the decay over "
             f"the last {decay} of the {total_steps} steps (--wsd_decay_ratio {decay_ratio:g}): the learning rate would "

@@ -141,14 +141,47 @@ def test_a_wsd_warmup_running_into_its_decay_is_refused_naming_both_flags() -> N
     with pytest.raises(ConfigError) as error:
         parse_config(base + ["--warmup_ratio", "0.5"])
     assert expected in str(error.value)
-    with pytest.raises(ConfigError, match=r"--warmup_steps 9 makes 9 warmup steps, which run into the decay"):
-        parse_config(base + ["--warmup_steps", "9"])
-    assert parse_config(base + ["--warmup_steps", "8"]).train.warmup_steps == 8
-    fits = [lr_multiplier("wsd", s, 8, 20, 0.6) for s in range(20)]
-    assert fits[:8] == sorted(fits[:8]) and fits[7] == 1.0 and fits[7:] == sorted(fits[7:], reverse=True)
+    with pytest.raises(ConfigError, match=r"--warmup_steps 10 makes 10 warmup steps, which run into the decay"):
+        parse_config(base + ["--warmup_steps", "10"])
+    assert parse_config(base + ["--warmup_steps", "9"]).train.warmup_steps == 9
+    # 9 warmup steps: the last (step 8) is the decay's first, at the peak; the decay goes on from it
+    fits = [lr_multiplier("wsd", s, 9, 20, 0.6) for s in range(20)]
+    assert fits[:9] == sorted(fits[:9]) and fits[8] == 1.0 and fits[8:] == sorted(fits[8:], reverse=True)
+    assert fits[9] == pytest.approx(1 - 2 / 13)
     for other in ("linear", "cosine"):  # only wsd has a decay of its own to run into
         assert wsd_overlap_problem(other, 10, 20, 0.6, "--warmup_ratio 0.5") is None
     assert wsd_overlap_problem("wsd", 1, 1, 0.1, "--warmup_ratio 0.03") is None  # one step: no shape to break
+
+
+@pytest.mark.parametrize("warmup_ratio, decay_ratio, steps, warmup, decay", [
+    (0.93, 0.07, 100, 93, 7), (0.1, 0.9, 15, 2, 14), (0.1, 0.9, 25, 3, 23), (0.1, 0.9, 33, 4, 30),
+    (0.1, 0.9, 1001, 101, 901)])
+def test_wsd_ratios_adding_to_one_are_accepted(warmup_ratio, decay_ratio, steps, warmup, decay) -> None:
+    """The decay is rounded as the warmup is (0.07 × 100 was 8 decay steps), and the warmup's last step may be the
+    decay's first: each of these was refused as an overlap. The rate rises to the peak, then only falls."""
+    from open_sft.config.parse import parse_config
+    from open_sft.training.optim import wsd_decay_steps
+
+    assert (warmup_steps_for(warmup_ratio, steps), wsd_decay_steps(decay_ratio, steps)) == (warmup, decay)
+    flags = ["--model_name_or_path", "org/model", "--dataset_mixer_list", "a.jsonl", "1.0", "--lr_scheduler_type",
+             "wsd", "--max_train_steps", str(steps), "--warmup_ratio", str(warmup_ratio), "--wsd_decay_ratio",
+             str(decay_ratio)]
+    assert parse_config(flags).train.wsd_decay_ratio == decay_ratio
+    rates = [lr_multiplier("wsd", s, warmup, steps, decay_ratio) for s in range(steps)]
+    assert rates[warmup - 1] == 1.0 and rates[:warmup] == sorted(rates[:warmup])
+    assert rates[warmup - 1:] == sorted(rates[warmup - 1:], reverse=True) and rates[-1] == pytest.approx(1 / (decay + 1))
+
+
+def test_a_wsd_warmup_one_step_further_into_the_decay_is_refused() -> None:
+    """0.1 and 0.9 of 15 steps share one step (2 warmup, decay from step 1); a third warmup step would climb to
+    the peak at step 2, above the decay's line at step 1."""
+    from open_sft.training.optim import wsd_overlap_problem
+
+    assert wsd_overlap_problem("wsd", 2, 15, 0.9, "--warmup_steps 2") is None
+    assert "3 warmup steps, which run into the decay over the last 14 of the 15 steps" in \
+        wsd_overlap_problem("wsd", 3, 15, 0.9, "--warmup_steps 3")
+    assert "95 warmup steps, which run into the decay over the last 7 of the 100 steps" in \
+        wsd_overlap_problem("wsd", 95, 100, 0.07, "--warmup_ratio 0.95")
 
 
 def test_the_step_plan_refuses_a_wsd_overlap_the_flags_could_not_see() -> None:
