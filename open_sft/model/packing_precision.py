@@ -105,10 +105,19 @@ def _layer_type(config: object, module: nn.Module) -> Optional[str]:
     return kind if isinstance(kind, str) else None
 
 
+# `layer_types` kinds whose layers call no attention function (transformers' names: Mamba, gated delta net and
+# lightning layers are linear_attention, LFM2's convolutions conv, Nemotron-H's expert layers moe; mamba and
+# recurrent as older configs say): waiting for them ran the whole forward pass. An unknown kind is still waited for
+# (it costs the rest of the pass, where skipping it could leave an attention kind uncompared).
+NOT_ATTENTION = frozenset({"linear_attention", "conv", "moe", "mamba", "recurrent", "sparse", "dense"})
+
+
 def _kinds(config: object) -> set[Optional[str]]:
     """The kinds of attention layer the forward pass holds: once each has been compared, it stops."""
     layer_types = getattr(config, "layer_types", None)
-    return {str(k) for k in layer_types} if isinstance(layer_types, (list, tuple)) and layer_types else {None}
+    if not isinstance(layer_types, (list, tuple)) or not layer_types:
+        return {None}
+    return {str(k) for k in layer_types} - NOT_ATTENTION
 
 
 def _alone(attention: Callable, module: nn.Module, qkv: list[torch.Tensor], mask: Optional[torch.Tensor],

@@ -125,6 +125,35 @@ def test_the_attention_comparison_stops_once_each_kind_of_layer_is_compared(monk
     assert attention_moves(eager, ids, [7, 9]) is None
 
 
+@pytest.mark.parametrize("family, other", [("lfm2", "conv"), ("qwen3_5_text", "linear_attention")])
+def test_the_attention_comparison_does_not_wait_for_layers_without_attention(family, other, monkeypatch) -> None:
+    """Layers of a kind that calls no attention function (LFM2's convolutions, Qwen3.5's gated delta nets) were
+    waited for as a kind still to compare, so the probe ran every layer: with attention in layer 1 of 4 it stops
+    there, layer 0 alone run to its end, the attention compared once."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from open_sft.model.packing_precision import _kinds
+    from tests.unit.model.test_packing_leaks import SMALL, TINY
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    known = transformers.AutoConfig.for_model(family).to_dict().keys()
+    config = transformers.AutoConfig.for_model(family, **{**{k: v for k, v in SMALL.items() if k in known}, **TINY[family],
+                                                          "num_hidden_layers": 4,
+                                                          "layer_types": [other, "full_attention", other, other]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    calls = through(model, varlen_stand_in, monkeypatch)
+    reached = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: reached.append(i))
+    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moves = attention_moves(model, ids, [7, 9])
+    assert reached == [0] and calls == [[0, 7, 16]] and list(moves) == ["layer 1 (full_attention)"]
+    assert moves["layer 1 (full_attention)"] < RTOL_HALF and _kinds(config) == {"full_attention"}
+
+
 def test_the_fp32_measure_upcasts_one_layer_at_a_time_and_gives_the_whole_models_figure() -> None:
     """A bf16 Phi-3.5-MoE: while each decoder layer runs, it alone of the layers is in fp32 (with what lies outside
     the layers: embeddings, final norm); the leak measured is bit for bit the one measured with the whole model in
