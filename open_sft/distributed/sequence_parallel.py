@@ -127,6 +127,15 @@ def shard(accelerator: Any, model: Any, batches: list[dict[str, torch.Tensor]]) 
     return [next(adapter) for _ in range(len(batches) * accelerator.parallelism_config.sp_size)]
 
 
+def slice_inputs(shard_batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A slice's model inputs: without `sources`, and without a `router_mask` of no real position (a slice of
+    padding alone, after a short micro-batch of the group: the router loss of no position is NaN; unmasked it is
+    finite, and weighted by the slice's trained tokens, none, it adds nothing)."""
+    drop = {"sources"} | ({"router_mask"} if "router_mask" in shard_batch and not shard_batch["router_mask"].any()
+                          else set())
+    return {k: v for k, v in shard_batch.items() if k not in drop}
+
+
 def trained_shard_sources(shard_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The source of each trained position of a slice, in the order the loss visits them."""
     return shard_batch["sources"][shard_batch["shift_labels"] != IGNORE_INDEX]

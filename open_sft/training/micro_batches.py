@@ -12,7 +12,8 @@ import torch
 from open_sft.data.batching import (COUNT_KEYS, as_filler, collate, collate_packed, count_trained_batch, locate,
                                    real_positions)
 from open_sft.data.token_rows import IGNORE_INDEX
-from open_sft.distributed.sequence_parallel import fit_for_ulysses, group_widths, shard, trained_shard_sources
+from open_sft.distributed.sequence_parallel import (fit_for_ulysses, group_widths, shard, slice_inputs,
+                                                    trained_shard_sources)
 
 Batch = dict[str, torch.Tensor]
 # a forward pass: inputs, each trained position's source (None: a TP group member's pass), trained tokens
@@ -23,7 +24,8 @@ class StepBatches:
     """Collates the plan's micro-batches for a rank (`for_rank`; a step's own, collated ahead: `for_step`), and the
     forward passes this rank runs (`passes`); `sp_size` > 1: Ulysses sequence parallelism, `tp_ranks`: this rank's
     TP group; `routed`: the model trains an MoE router's load-balancing loss (packed micro-batches then carry
-    `router_mask`, their real positions: the padding after a row's examples is not routed data).
+    `router_mask`, their real positions: the padding after a row's examples is not routed data; so do padded ones
+    under SP, which drops their attention mask).
 
     `ahead` (on a GPU): while the device computes a step, a background thread collates the next step's
     micro-batches into pinned memory, so the host does not collate between the steps while the device waits (7.5 ms
@@ -64,13 +66,15 @@ class StepBatches:
             # Under SP a packed micro-batch is one row of the whole budget (Ulysses wants fixed rows).
             capacity = self.steps.max_seq_length if self.sp_size == 1 else self.steps.plan.max_tokens
             batch = collate_packed(examples, self.pad_token_id, capacity, sources)
-            if self.routed and self.sp_size == 1:  # before a filler's counts are zeroed: a mask of no position is NaN
+            if self.routed:  # before a filler's counts are zeroed: a mask of no position is NaN
                 batch["router_mask"] = real_positions(batch)
             if loss_free:
                 batch = as_filler(batch)
         else:
             batch = collate(examples, self.pad_token_id, loss_free=loss_free, sources=sources)
-        if self.sp_size > 1:
+            if self.routed and self.sp_size > 1:  # Ulysses takes no attention mask: the router loss keeps it
+                batch["router_mask"] = batch["attention_mask"]
+        if self.sp_size > 1:  # router_mask grows with 0 (padding) and is cut per rank as the input ids are
             rows = 1 if self.args.packing else self.steps.layout.micro_batch_size
             batch = fit_for_ulysses(batch, self.sp_size, rows, self.pad_token_id, width)
         return batch
@@ -106,8 +110,8 @@ class StepBatches:
         loss is counted on its own rank)."""
         if self.sp_size > 1:
             slices = shard(accelerator, model, batches)
-            return [({k: v for k, v in s.items() if k != "sources"}, trained_shard_sources(s),
-                     int((s["shift_labels"] != IGNORE_INDEX).sum())) for s in slices]
+            return [(slice_inputs(s), trained_shard_sources(s), int((s["shift_labels"] != IGNORE_INDEX).sum()))
+                    for s in slices]
         own = [({k: v for k, v in b.items() if k != "sources"}, p, c) for b, p, c in zip(batches, positions, counts)]
         if not self.tp_ranks:
             return own

@@ -4,6 +4,7 @@ forward, HF's Trainer and open-instruct's finetune.py train it without a flag, a
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -195,3 +196,58 @@ def test_the_router_loss_of_packed_rows_counts_their_real_tokens_not_the_padding
         "router_mask"])
     assert filler["row_lengths"].sum() == 0
     assert StepBatches(data, steps, args, 0, 0, routed=True).collate([0, 1], loss_free=True)["router_mask"].sum() == 52
+
+
+def ulysses_cut(batch: dict, rank: int, size: int) -> dict:
+    """Rank `rank`'s slice of a micro-batch as DeepSpeed's UlyssesSPDataLoaderAdapter cuts it: the labels become
+    `shift_labels` (each position's target, shifted before the cut), then every [rows, length] tensor is cut along
+    the sequence."""
+    batch = {k: v for k, v in batch.items() if k not in ("lengths", "row_lengths")}
+    labels = torch.nn.functional.pad(batch.pop("labels"), (0, 1), value=-100)
+    batch["shift_labels"] = labels[..., 1:]
+    chunk = batch["input_ids"].shape[1] // size
+    return {k: v[:, chunk * rank:chunk * (rank + 1)] for k, v in batch.items()}
+
+
+def test_under_sequence_parallelism_each_slice_routes_its_real_tokens_alone() -> None:
+    """Ulysses SP drops the attention mask and pads a micro-batch to its group's width: packed (40 + 12 tokens in one
+    row) and padded (two rows) micro-batches carried no router_mask, so each slice routed every position it held,
+    the padding too. They carry their real positions, grown with 0, cut as the input ids are: a slice's aux loss is
+    that of its real tokens alone, and a slice of padding alone drops its mask (no position: NaN) and adds 0."""
+    from open_sft.data.labels import Example
+    from open_sft.distributed.sequence_parallel import slice_inputs
+    from open_sft.training.micro_batches import StepBatches
+
+    generator = torch.Generator().manual_seed(1)
+    examples = [Example(ids, ids) for ids in (torch.randint(3, 96, (n,), generator=generator).tolist()
+                                              for n in (40, 12))]
+    data = SimpleNamespace(example=lambda i: examples[i], source=lambda i: 0, lengths=lambda: [40, 12])
+    packed_steps = SimpleNamespace(plan=SimpleNamespace(max_tokens=52))
+    padded_steps = SimpleNamespace(layout=SimpleNamespace(micro_batch_size=2))
+    packed = StepBatches(data, packed_steps, SimpleNamespace(packing=True), 0, 0, sp_size=2, routed=True)
+    padded = StepBatches(data, padded_steps, SimpleNamespace(packing=False), 0, 0, sp_size=2, routed=True)
+    row = packed.collate([0, 1], width=64)
+    assert row["router_mask"].tolist() == [[1] * 52 + [0] * 12] and row["input_ids"].shape == (1, 64)
+    rows = padded.collate([0, 1], width=128)
+    assert rows["router_mask"].tolist() == [[1] * 40 + [0] * 88, [1] * 12 + [0] * 116]
+    assert "attention_mask" not in rows and rows["input_ids"].shape == (2, 128)
+    assert "router_mask" not in StepBatches(data, packed_steps, SimpleNamespace(packing=True), 0, 0,
+                                            sp_size=2).collate([0, 1], width=64)
+
+    model = tiny("qwen3_moe", **QWEN3_MOE)
+    loss_model = TokenLossModel(model, load_balancing=True).train()
+
+    def aux(inputs: dict) -> float:
+        loss_model(**inputs)
+        return float(loss_model.aux_sum)
+
+    # positions 32-63: 8 of the first example, the 12 of the second, 12 of padding
+    second = slice_inputs(ulysses_cut(row, 1, 2))
+    assert second["router_mask"].sum() == 20 and "sources" not in second
+    real = {k: v[:, :20] for k, v in second.items() if k != "router_mask"}
+    assert aux(second) == pytest.approx(aux(real), rel=1e-5)
+    assert abs(aux({k: v for k, v in second.items() if k != "router_mask"}) - aux(real)) > 1e-4 * aux(real)  # the bug
+    empty = ulysses_cut(packed.collate([0, 1], width=128), 1, 2)  # positions 64-127: padding alone
+    with torch.no_grad():
+        assert math.isnan(float(loss_model(**{k: v for k, v in empty.items() if k != "sources"})))
+        assert "router_mask" not in slice_inputs(empty) and float(loss_model(**slice_inputs(empty))) == 0.0
