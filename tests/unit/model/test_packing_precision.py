@@ -86,21 +86,31 @@ def test_a_routed_model_with_a_sound_kernel_passes_and_its_first_layer_figure_is
     assert [0, 7, 16] in calls
 
 
+def layers_reached(model: torch.nn.Module) -> list[int]:
+    """The indices of the decoder layers that ran to their end, appended as they end."""
+    reached = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: reached.append(i))
+    return reached
+
+
+IDS = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
+
+
+def bf16_moves(model: torch.nn.Module, lengths: list[int]) -> dict:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return attention_moves(model, IDS, lengths)
+
+
 def test_the_attention_comparison_stops_once_each_kind_of_layer_is_compared(monkeypatch) -> None:
     """Phi-3.5-MoE has one kind of attention layer: one kernel call (the packed row's first layer; each example alone
     takes plain sdpa on the same queries, keys and values), no layer after it, whatever the model's depth; None
     where packed rows do not go through open_sft's packed attention (eager attention)."""
     model = fresh_phimoe().eval()
-    calls = through(model, varlen_stand_in, monkeypatch)
-    reached = []
-    for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(lambda *_, i=i: reached.append(i))
-    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        moves = attention_moves(model, ids, [7, 9])
+    calls, reached = through(model, varlen_stand_in, monkeypatch), layers_reached(model)
+    moves = bf16_moves(model, [7, 9])
     assert calls == [[0, 7, 16]] and reached == [] and list(moves) == ["layer 0"] and 0 <= moves["layer 0"] < RTOL_HALF
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert attention_moves(model, ids, [10, 6])["layer 0"] < RTOL_HALF and calls[-1] == [0, 10, 16]
+    assert bf16_moves(model, [10, 6])["layer 0"] < RTOL_HALF and calls[-1] == [0, 10, 16]
     # two kinds: the pass goes on to the first sliding layer (the 4-token window in its label), and stops in it
     config = transformers.Olmo3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
@@ -108,21 +118,17 @@ def test_the_attention_comparison_stops_once_each_kind_of_layer_is_compared(monk
                                           "full_attention", "full_attention", "sliding_attention", "full_attention"])
     torch.manual_seed(0)
     olmo3 = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    reached.clear()
-    for i, layer in enumerate(olmo3.model.layers):
-        layer.register_forward_hook(lambda *_, i=i: reached.append(i))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        moves = attention_moves(olmo3, ids, [7, 9])
+    reached = layers_reached(olmo3)
+    moves = bf16_moves(olmo3, [7, 9])
     assert list(moves) == ["layer 0 (full_attention)", "layer 2 (sliding_attention, window 4)"] and reached == [0, 1]
     assert max(moves.values()) < RTOL_HALF, moves
     faulty = fresh_phimoe().eval()
     through(faulty, acausal(varlen_stand_in), monkeypatch)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert attention_moves(faulty, ids, [7, 9])["layer 0"] > 10 * RTOL_HALF
-    assert attention_moves(faulty, ids, [7, 9])["layer 0"] < 1e-6  # fp32 takes the per-example attention
+    assert bf16_moves(faulty, [7, 9])["layer 0"] > 10 * RTOL_HALF
+    assert attention_moves(faulty, IDS, [7, 9])["layer 0"] < 1e-6  # fp32 takes the per-example attention
     eager = tiny("olmo3")
     eager.config._attn_implementation = "eager"
-    assert attention_moves(eager, ids, [7, 9]) is None
+    assert attention_moves(eager, IDS, [7, 9]) is None
 
 
 @pytest.mark.parametrize("family, other", [("lfm2", "conv"), ("qwen3_5_text", "linear_attention")])
@@ -143,13 +149,8 @@ def test_the_attention_comparison_does_not_wait_for_layers_without_attention(fam
                                                           "layer_types": [other, "full_attention", other, other]})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    calls = through(model, varlen_stand_in, monkeypatch)
-    reached = []
-    for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(lambda *_, i=i: reached.append(i))
-    ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        moves = attention_moves(model, ids, [7, 9])
+    calls, reached = through(model, varlen_stand_in, monkeypatch), layers_reached(model)
+    moves = bf16_moves(model, [7, 9])
     assert reached == [0] and calls == [[0, 7, 16]] and list(moves) == ["layer 1 (full_attention)"]
     assert moves["layer 1 (full_attention)"] < RTOL_HALF and _kinds(config) == {"full_attention"}
 
