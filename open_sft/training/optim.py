@@ -111,8 +111,8 @@ def lr_multiplier(kind: str, step: int, warmup_steps: int, total_steps: int, dec
     if kind in ("constant", "constant_with_warmup"):
         return 1.0
     if kind == "wsd":  # warmup, stable at the peak, then linear decay over the last decay_ratio of steps
-        decay_start = total_steps - wsd_decay_steps(decay_ratio, total_steps)
-        decay_steps = total_steps - decay_start
+        decay_steps = wsd_decay_steps(decay_ratio, total_steps)
+        decay_start = total_steps - decay_steps
         return 1.0 if step < decay_start else max(0.0, 1.0 - (step - decay_start + 1) / (decay_steps + 1))
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     if kind in ("linear", "polynomial"):  # polynomial of power 1, transformers' default, is linear to lr_end
