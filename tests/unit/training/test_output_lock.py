@@ -29,17 +29,30 @@ def short_watch(monkeypatch) -> None:
     monkeypatch.setattr(output_lock, "WATCH_MARGIN_S", 0.1)
 
 
+@pytest.fixture
+def slept(monkeypatch) -> list[float]:
+    """The watch's sleeps, on a clock they advance: no real waiting, and no wall time judged."""
+    clock, sleeps = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock[0] += seconds
+
+    monkeypatch.setattr(output_lock.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(output_lock.time, "sleep", sleep)
+    return sleeps
+
+
 @pytest.mark.parametrize("age_s", [20.0, -600.0])  # a requeue 20 s after a hard kill there; a clock 10 min ahead
 def test_a_dead_runs_lease_of_another_host_is_taken_over_once_its_heartbeat_stands_still(tmp_path, short_watch,
-                                                                                          caplog, age_s) -> None:
+                                                                                          slept, caplog, age_s) -> None:
     """review ckpt 5: a hard-killed run's lease stays 'running': a requeue on another host within 120 s was refused
     'in use by a live run' (exit 2, so the scheduler did not retry), and a lease from a host whose clock is ahead
     stayed live for as long. Its heartbeat is watched for a renewal period instead."""
     plant_lease(tmp_path, "node-17", time.time() - age_s)
-    started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="open_sft.training.output_lock"):
         OutputDirLock.acquire(tmp_path).release()
-    assert time.monotonic() - started >= 0.3  # watched one renewal period and its margin
+    assert sum(slept) >= 0.3  # watched one renewal period and its margin
     assert "its lock names a run that may be live (pid 12345 on node-17" in caplog.text
     assert "watching its heartbeat for 0 s (it is renewed every 0 s)" in caplog.text
     assert "taking over the lock of a run that is gone (pid 12345 on node-17" in caplog.text
@@ -75,7 +88,7 @@ def no_flock(monkeypatch) -> None:
     monkeypatch.setattr(output_lock.fcntl, "flock", refuse)
 
 
-def test_without_flock_a_dead_pid_of_this_host_is_taken_over_at_once(tmp_path, no_flock, monkeypatch,
+def test_without_flock_a_dead_pid_of_this_host_is_taken_over_at_once(tmp_path, no_flock, monkeypatch, slept,
                                                                      caplog) -> None:
     """Without flock a requeue on the same host watched the dead run's heartbeat for 45 s, though its pid can be
     checked on the spot: gone (ProcessLookupError) is taken over at once; a live pid (this process, another
@@ -89,10 +102,9 @@ def test_without_flock_a_dead_pid_of_this_host_is_taken_over_at_once(tmp_path, n
         raise ProcessLookupError(pid)
 
     monkeypatch.setattr(output_lock.os, "kill", kill)
-    started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="open_sft.training.output_lock"):
         OutputDirLock.acquire(tmp_path).release()
-    assert time.monotonic() - started < 5 and killed == [(12345, 0)]
+    assert slept == [] and killed == [(12345, 0)]  # taken over without a watch
     assert "taking over the lock of a run that is gone (pid 12345 on " in caplog.text
     assert "; its process is gone from this host)" in caplog.text and "watching its heartbeat" not in caplog.text
 
