@@ -216,7 +216,7 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
     open_sft.config.launch_check)."""
     m, lora, problems = config.model, config.lora, []
     cuda, flash = torch.cuda.is_available(), _installed("flash_attn")
-    given, fix = _flash_flag(config)
+    given, fix = flash_flag(config)
     if m.attn_implementation == "flash_attention_2" and not (cuda and flash):
         problems.append(f"{given} needs a CUDA GPU and the flash-attn package "
                         f"(CUDA available: {cuda}, flash-attn installed: {flash}); {fix}")
@@ -244,7 +244,7 @@ def _environment_problems(config: FinetuneConfig) -> list[str]:
     return problems + chat_template_problems(config.data.chat_template_name, config.data.chat_template_path)
 
 
-def _flash_flag(config: FinetuneConfig) -> tuple[str, str]:
+def flash_flag(config: FinetuneConfig) -> tuple[str, str]:
     """The flag that asked for flash_attention_2 as the user gave it, and its fix: open-instruct's --use_flash_attn
     (translated onto --attn_implementation, which it contradicts when also given otherwise), ours, or both."""
     if "use_flash_attn" not in config.explicit:

@@ -76,9 +76,10 @@ def launch_problems(config: FinetuneConfig, launch: LaunchPlan, model_config: Op
         problems += compile_problems(config.lora, p)
     problems += fp8_problems(config, launch)
     if config.model.attn_implementation == "flash_attention_2" and model_config is not None:
+        from open_sft.config.checks import flash_flag
         from open_sft.model.load import flash_attention_problem
 
-        problems += [problem for problem in [flash_attention_problem(model_config)] if problem]
+        problems += [problem for problem in [flash_attention_problem(model_config, flash_flag(config)[0])] if problem]
     return problems + spread_problems(config, launch, model_config)
 
 

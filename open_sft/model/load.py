@@ -44,9 +44,10 @@ def attn_implementation(args: ModelArguments, config: Any = None) -> str:
     return "eager"
 
 
-def flash_attention_problem(config: Any) -> Optional[str]:
+def flash_attention_problem(config: Any, given: str = "--attn_implementation flash_attention_2") -> Optional[str]:
     """Why flash-attn 2 does not compute the attention of the model class of this config, with the fix; None where it
-    does or the class is not known here (remote code). Learned attention sinks (gpt-oss, MiMo-V2-Flash, Granite-SWA,
+    does or the class is not known here (remote code). `given`: the flags that asked for it as the user typed them
+    (open-instruct's --use_flash_attn is dropped, not contradicted). Learned attention sinks (gpt-oss, MiMo-V2-Flash, Granite-SWA,
     Flint: their attention passes `s_aux`): flash-attn 2 takes no sink, and transformers drops them there, or, for a
     class that lists the flash kernels computing it (`_compatible_flash_implementations`: gpt-oss's in transformers
     5.25), swaps one of those in, code fetched from the Hub as the model loads (offline, the load fails)."""
@@ -55,9 +56,8 @@ def flash_attention_problem(config: Any) -> Optional[str]:
         return None
     widest = max((d for d in layer_values(text_config(config), "head_dim") if isinstance(d, int)), default=0)
     if widest > FLASH_MAX_HEAD_DIM:  # Gemma 4's full-attention layers: 512
-        return (f"--attn_implementation flash_attention_2: {model_class.__name__}'s attention heads are up to {widest} "
-                f"wide, over the {FLASH_MAX_HEAD_DIM} flash-attn 2 computes; use --attn_implementation auto (here: "
-                "sdpa) or sdpa")
+        return (f"{given}: {model_class.__name__}'s attention heads are up to {widest} wide, over the "
+                f"{FLASH_MAX_HEAD_DIM} flash-attn 2 computes; {_flash_fix(given, 'sdpa')}")
     import inspect
     import sys
 
@@ -73,8 +73,17 @@ def flash_attention_problem(config: Any) -> Optional[str]:
     swap = (f"; transformers would swap in one of {', '.join(kernels)}, code fetched from the Hub as the model loads"
             if kernels else "; transformers would drop them")
     kind = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
-    return (f"--attn_implementation flash_attention_2: {model_class.__name__}'s attention {what}{swap}; use "
-            f"--attn_implementation auto (here: {kind}, which computes it as the model defines it) or {kind}")
+    return (f"{given}: {model_class.__name__}'s attention {what}{swap}; "
+            f"{_flash_fix(given, f'{kind}, which computes it as the model defines it', kind)}")
+
+
+def _flash_fix(given: str, auto_kind: str, kind: str = "sdpa") -> str:
+    """The fix of a refused flash-attn 2: drop open-instruct's --use_flash_attn where it was given (auto then picks),
+    else name our flag's working values."""
+    if "--use_flash_attn" not in given:
+        return f"use --attn_implementation auto (here: {auto_kind}) or {kind}"
+    also = " and --attn_implementation flash_attention_2" if "--attn_implementation" in given else ""
+    return f"drop --use_flash_attn{also}: attention is then auto (here: {auto_kind})"
 
 
 def _model_class(config: Any) -> Optional[type]:

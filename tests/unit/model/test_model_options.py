@@ -121,6 +121,40 @@ def test_flash_attention_2_is_not_taken_where_it_would_drop_attention_sinks(fami
     assert launch_problems(run, launch, LlamaConfig()) == []
 
 
+@pytest.mark.parametrize("flags, given, fix", [
+    (["--use_flash_attn"], "--use_flash_attn", "drop --use_flash_attn: attention is then auto (here: eager, which "
+     "computes it as the model defines it)"),
+    (["--use_flash_attn", "--attn_implementation", "flash_attention_2"],
+     "--use_flash_attn (and --attn_implementation flash_attention_2)",
+     "drop --use_flash_attn and --attn_implementation flash_attention_2: attention is then auto (here: eager, which "
+     "computes it as the model defines it)")])
+def test_a_sink_model_under_open_instructs_use_flash_attn_is_refused_by_the_flag_given(flags, given, fix,
+                                                                                        monkeypatch) -> None:
+    """open-instruct's --use_flash_attn on gpt-oss was refused naming --attn_implementation flash_attention_2, a flag
+    the user never typed, with a fix (--attn_implementation eager) that contradicts --use_flash_attn."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    from open_sft.config.launch import LaunchPlan
+    from open_sft.config.launch_check import launch_problems
+    from open_sft.distributed.parallelism import Parallelism
+    from open_sft.model import load
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn"
+                        else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # an H100
+    run = _run_config(*flags)
+    config = AutoConfig.for_model("gpt_oss")
+    [problem] = launch_problems(run, LaunchPlan(run.train, torch.bfloat16, None, Parallelism("single", 1)), config)
+    name = load._model_class(config).__name__
+    assert problem.startswith(f"{given}: {name}'s attention adds learned attention sinks, which flash-attn 2 does not "
+                              "compute; transformers would swap in one of ")
+    assert problem.endswith(fix)
+
+
 def _run_config(*flags: str):
     from open_sft.config.parse import parse_config
 
