@@ -77,9 +77,20 @@ class ModelShape:
             largest_param=max(param_numel(p) for p in params),
             matmul_params=sum(param_numel(p) for p in params if p.requires_grad and len(param_shape(p)) == 2),
             hidden=hidden, layers=config.num_hidden_layers,
-            intermediate=_widest(getattr(config, "intermediate_size", None)) or 4 * hidden, vocab=config.vocab_size,
+            intermediate=_mlp_width(config) or 4 * hidden, vocab=config.vocab_size,
             heads=max(layer_values(config, "num_attention_heads", 1)), lora_dropout_inputs=_lora_dropout_inputs(model),
         )
+
+
+def _mlp_width(config: Any) -> Optional[int]:
+    """The widest MLP a layer runs: Llama 4's dense layers (those not in `moe_layers`: every other one in Maverick)
+    are `intermediate_size_mlp` wide, twice its experts' `intermediate_size`."""
+    widths = [_widest(getattr(config, "intermediate_size", None))]
+    moe_layers = getattr(config, "moe_layers", None)
+    if getattr(config, "intermediate_size_mlp", None) and isinstance(moe_layers, (list, tuple)) \
+            and len(set(moe_layers)) < config.num_hidden_layers:
+        widths.append(config.intermediate_size_mlp)
+    return max((w for w in widths if w), default=None)
 
 
 def _widest(intermediate: Any) -> Optional[int]:

@@ -241,3 +241,19 @@ def test_the_global_batch_line_of_a_packed_run_counts_tokens_not_examples() -> N
     padded = SimpleNamespace(steps_per_epoch=12, total_steps=12, num_epochs=1, layout=layout, plan=SimpleNamespace())
     assert "global batch: 8 per micro-batch × 2 accumulation × 1 rank(s) = 16 examples per step" in preflight.describe(
         padded, [0] * 188)
+
+
+@pytest.mark.parametrize("step, width", [(1, 64), (2, 128)])
+def test_llama4_dense_layers_mlp_width_is_intermediate_size_mlp(step, width) -> None:
+    """Llama 4's dense layers (every other one in Maverick: interleave_moe_layer_step 2) run an MLP
+    intermediate_size_mlp wide, twice its experts'; the estimate read the experts' intermediate_size and so counted
+    half the activations those layers keep. A model of experts only (Scout: step 1) has no such layer."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_size_mlp=128,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              num_local_experts=2, interleave_moe_layer_step=step)
+    model = Llama4ForCausalLM(config)
+    assert ModelShape.of(model).intermediate == width
+    dense = [m for name, m in model.named_modules() if name.endswith("feed_forward") and hasattr(m, "up_proj")]
+    assert len(dense) == (step - 1) and all(m.up_proj.out_features == 128 for m in dense)
