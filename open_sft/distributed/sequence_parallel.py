@@ -141,6 +141,22 @@ def trained_shard_sources(shard_batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return shard_batch["sources"][shard_batch["shift_labels"] != IGNORE_INDEX]
 
 
+def ulysses_config(config: Any) -> Any:
+    """The config accelerate's Ulysses setup reads off the prepared model: a copy whose text config states its
+    `head_dim`. DeepSpeed takes the head width as `getattr(config, "head_dim", hidden // heads)`, which a config
+    holding `head_dim: null` (Mixtral's) defeats: every rank crashed in torch.Size with None. The model keeps its
+    own config (an export writes it as it was)."""
+    import copy
+
+    text = config.get_text_config()
+    if getattr(text, "head_dim", 0) is not None:
+        return config
+    ulysses = copy.deepcopy(config)
+    ulysses_text = ulysses.get_text_config()
+    ulysses_text.head_dim = ulysses_text.hidden_size // ulysses_text.num_attention_heads
+    return ulysses
+
+
 def install_document_sdpa() -> None:
     """Make transformers' sdpa separate packed examples by their position ids when it gets no mask (under
     Ulysses); with a mask, or when no row restarts its positions, it is sdpa unchanged. Call before

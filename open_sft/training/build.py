@@ -36,7 +36,9 @@ def build_trainer(job: Job, metrics: Optional[MetricsWriter]) -> Trainer:
     if wrapped.router_choice:
         logger.info("%s", wrapped.router_choice)
     if spread.sp_enabled:
-        wrapped.config = model.config  # accelerate's Ulysses setup reads the prepared model's config
+        from open_sft.distributed.sequence_parallel import ulysses_config
+
+        wrapped.config = ulysses_config(model.config)  # accelerate's Ulysses setup reads the prepared model's config
     engine: Callable[[Trainer], AccelerateEngine] = DeepSpeedEngine if spread.deepspeed else AccelerateEngine
     if spread.pp_enabled:  # this rank's stages; the rest of the model goes to the meta device
         from open_sft.distributed.pipeline import describe, start_pipeline

@@ -85,3 +85,20 @@ def test_balancing_is_off_for_padded_sequence_parallel_runs_by_default() -> None
     assert balances(config("--sequence_parallel_size", "2").train) is False
     assert balances(config("--sequence_parallel_size", "2", "--packing").train) is True
     assert balances(config().train) is True
+
+
+def test_ulysses_reads_a_head_width_from_a_config_holding_head_dim_none() -> None:
+    """DeepSpeed's Ulysses registration takes `getattr(text_config, "head_dim", hidden // heads)`: Mixtral's config
+    holds head_dim None, so every rank of `--sequence_parallel_size 2` on Mixtral crashed in torch.Size. It reads a
+    copy stating the width the model computes with (hidden // heads); the model's own config is left as it was (an
+    export writes it unchanged), and a config that states its width is passed as it is."""
+    from transformers import LlamaConfig, MixtralConfig
+
+    from open_sft.distributed.sequence_parallel import ulysses_config
+
+    mixtral = MixtralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=None)
+    seen = ulysses_config(mixtral).get_text_config()
+    assert getattr(seen, "head_dim", seen.hidden_size // seen.num_attention_heads) == 16  # DeepSpeed's expression
+    assert mixtral.head_dim is None
+    llama = LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32)
+    assert ulysses_config(llama) is llama
