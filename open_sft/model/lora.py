@@ -51,6 +51,9 @@ PEFT_PREFIX = "base_model.model."  # PeftModel state-dict keys = this + the base
 # peft's _check_lora_target_modules_mamba: LoRA on a layer of these names in these model types raises
 PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
 PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+# Mamba mixers whose torch path reads dt_proj's weight directly (`dt_proj.weight @ time_step`, transformers 5.25):
+# an adapter there never runs, so it trains nothing. Falcon-Mamba's and Jamba's call the layer when quantized.
+WEIGHT_READ_DT_PROJ = {"mamba": True, "falcon_mamba": False, "jamba": False}  # model type: also when quantized
 
 
 def uses_lora(args: LoraArguments) -> bool:
@@ -102,18 +105,23 @@ def outside_text_modules(model: PreTrainedModel, mamba_kept: Optional[list[str]]
     return "|".join(f"({name})" for name in names) if names else None
 
 
-def mamba_layers_refused(model: PreTrainedModel, names: list[str]) -> list[str]:
+def mamba_layers_refused(model: PreTrainedModel, names: list[str], quantized: bool = False) -> list[str]:
     """The layers all-linear leaves without an adapter on a model peft keeps LoRA off its Mamba blocks' out_proj and
     conv1d (Falcon-H1, Mamba, Mamba-2, Falcon-Mamba, Nemotron-H: peft refuses the whole adapter if one is targeted,
-    as the fused Mamba kernels read those weights directly); none for targets the user named."""
-    if names != ["all-linear"] or getattr(model.config, "model_type", None) not in PEFT_MAMBA_TYPES:
+    as the fused Mamba kernels read those weights directly), and dt_proj where the mixer reads its weight itself
+    (WEIGHT_READ_DT_PROJ: the adapter would get no gradient); none for targets the user named."""
+    model_type = getattr(model.config, "model_type", None)
+    left = set(PEFT_MAMBA_REFUSED) if model_type in PEFT_MAMBA_TYPES else set()
+    if model_type in WEIGHT_READ_DT_PROJ and (WEIGHT_READ_DT_PROJ[model_type] or not quantized):
+        left.add("dt_proj")
+    if names != ["all-linear"] or not left:
         return []
     kept = [name for name, module in model.named_modules()
-            if name.rsplit(".", 1)[-1] in PEFT_MAMBA_REFUSED and isinstance(module, nn.Linear)]
+            if name.rsplit(".", 1)[-1] in left and isinstance(module, nn.Linear)]
     if kept:
         leaves = "/".join(sorted({name.rsplit(".", 1)[-1] for name in kept}))
         logger.info("all-linear leaves the Mamba blocks' %s without an adapter (%d of the linear layers): peft does "
-                    "not adapt them in this model type", leaves, len(kept))
+                    "not adapt them in this model type, or the model reads the weight itself", leaves, len(kept))
     return kept
 
 
@@ -161,7 +169,8 @@ def apply_lora(model: PreTrainedModel, args: LoraArguments, new_ids: Optional[li
                            "leave them out)", args.lora_dropout, " ".join(args.lora_target_modules),
                            ", ".join(targets[1]))
             dropout = 0.0
-        exclude = outside_text_modules(model, mamba_layers_refused(model, list(args.lora_target_modules)))
+        exclude = outside_text_modules(model, mamba_layers_refused(model, list(args.lora_target_modules),
+                                                                   args.use_qlora))
         with _trainable_tokens_off_cuda(model if rows else None), linear_targets_kept():
             peft_model = get_peft_model(model, lora_config(args, rows, dropout, targets, exclude))
         said = describe(peft_model, held)

@@ -244,3 +244,24 @@ def test_all_linear_on_a_mamba_family_leaves_out_the_layers_peft_refuses(family,
     assert all(g.abs().sum() > 0 for n, g in trained.items() if ".lora_B." in n)
     with pytest.raises(UserError, match="out_proj' is incompatible with Mamba-based models"):
         apply_lora(tiny(family), LoraArguments(use_lora=True, lora_target_modules=["in_proj", "out_proj"]))
+
+
+@pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "jamba"])
+def test_all_linear_leaves_out_a_dt_proj_the_mamba_mixer_reads_as_a_weight(family, caplog) -> None:
+    """These mixers' torch path computes `dt_proj.weight @ time_step`, never calling the layer: all-linear's adapter
+    on every dt_proj trained nothing (its lora_B got no gradient, found by a family sweep). all-linear leaves dt_proj
+    out now and says so; every adapter it makes gets a gradient."""
+    from unit.model.test_packing_leaks import tiny
+
+    base = tiny(family)
+    dt_proj = {n for n, m in base.named_modules() if n.endswith(".dt_proj")}
+    assert dt_proj
+    with caplog.at_level("INFO", logger="open_sft.model.lora"):
+        model = apply_lora(base, LoraArguments(use_lora=True, lora_dropout=0.0))
+    assert not adapted_layers(model) & dt_proj and adapted_layers(model)
+    assert "dt_proj" in caplog.text.split("all-linear leaves the Mamba blocks' ")[1].split(" without")[0]
+    ids = torch.randint(3, 96, (1, 8), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    untrained = [n for n, p in model.named_parameters() if ".lora_B." in n and (p.grad is None or not p.grad.any())]
+    assert untrained == []
