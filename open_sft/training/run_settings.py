@@ -30,13 +30,15 @@ logger = logging.getLogger(__name__)
 
 # Flags that change neither the weights a run trains nor its export: a relaunch may differ in these.
 # --max_memory_per_rank_gib: the memory of the rank a requeue lands on; --auto_micro_batch_size's split of it is
-# checked by the identity (the same global batch: training.elastic).
+# checked by the identity (the same global batch: training.elastic). --gradient_checkpointing: the recomputed forward
+# is the same computation (non-reentrant, RNG state restored: LoRA dropout's masks too; a run with and without it
+# logs identical losses and grad norms), and a requeue after an out-of-memory crash is where it gets added.
 NOT_SETTINGS = frozenset({
     "output_dir", "exp_name", "logging_steps", "report_to", "with_tracking", "wandb_project_name", "wandb_entity",
     "timeout", "preprocessing_num_workers", "dataset_local_cache_dir", "dataset_skip_cache", "cache_dataset_only",
     "dry_run", "eval_steps", "per_device_eval_batch_size", "checkpointing_steps", "keep_last_n_checkpoints",
     "clean_checkpoints_at_end", "resume_from_checkpoint", "overwrite_output_dir", "max_shard_size",
-    "allow_changed_settings", "max_memory_per_rank_gib"})
+    "allow_changed_settings", "max_memory_per_rank_gib", "gradient_checkpointing"})
 SECTIONS = ("model", "data", "train", "lora", "checkpoint")
 # What a resume's identity check decides (open_sft.training.resume.check_compatible): another accumulation is
 # accepted there where it keeps the global batch (a checkpoint resumed on another number of ranks), so it is no

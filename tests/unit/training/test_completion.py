@@ -296,6 +296,21 @@ def test_a_resume_with_changed_settings_is_refused_naming_each_and_the_ways_on(t
         == history
 
 
+def test_a_requeue_after_running_out_of_memory_may_add_gradient_checkpointing(tmp_path) -> None:
+    """A run that ran out of memory at step 29, requeued with --gradient_checkpointing, was refused as a changed
+    setting; the recomputation trains the same numbers (a run with it logs the same losses and grad norms as one
+    without, LoRA dropout included), so it is free to change, both ways, and no range records it."""
+    first = launch(tmp_path, "--learning_rate", "3e-3")
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), is_main=True)
+    assert "gradient_checkpointing" not in history[0]["settings"]
+    requeued = launch(tmp_path, "--learning_rate", "3e-3", "--gradient_checkpointing")
+    assert completion.check_resume_point(resume_point(tmp_path, 29, history), 60, requeued, requeued.to_dict(),
+                                         True) == history
+    older = [{"from_step": 1, "settings": {**history[0]["settings"], "gradient_checkpointing": True}}]
+    assert completion.check_resume_point(resume_point(tmp_path, 29, older), 60, first, first.to_dict(),
+                                         True) == older  # a checkpoint that recorded it
+
+
 def test_a_checkpoint_of_auto_under_mean_resumes_with_the_batch_flags_and_allow_changed_settings(tmp_path) -> None:
     """--auto_micro_batch_size with --loss_normalization mean is refused up front now; a run checkpointed with
     both before resumes as the refusal says: the batch flags set, --auto_micro_batch_size dropped (a changed
