@@ -262,9 +262,13 @@ def refuse_past_schedule(resume: Any, total_steps: int) -> None:
 
 
 def check_resume_point(resume: Any, total_steps: int, launched: Any, resolved: dict[str, Any],
-                       is_main: bool) -> list[dict[str, Any]]:
+                       is_main: bool, data_key: Optional[str] = None) -> list[dict[str, Any]]:
     """refuse_past_schedule, then the settings rule (open_sft.training.run_settings): returns this launch's
-    settings history. `launched`: the config as parsed; `resolved`: the config this launch trains with."""
+    settings history. `launched`: the config as parsed; `resolved`: the config this launch trains with; `data_key`:
+    its tokenized data's cache key (the same as the checkpoint's: the sources, tokenizer and template paths may
+    differ, the same files at another place)."""
     refuse_past_schedule(resume, total_steps)
+    same_data = resume is not None and data_key is not None and \
+        (resume.state.get("identity") or {}).get("dataset_cache_key") == data_key
     return history_on_resume(resume, settings(launched), resolved, launched.checkpoint.allow_changed_settings,
-                             is_main)
+                             is_main, same_data)

@@ -54,6 +54,10 @@ SETTINGS_KEY = "settings_by_steps"  # in the config a checkpoint saves: the hist
 # through a symlink) is the same setting; anything else (a Hub id, an amount) as written.
 PATH_FLAGS = frozenset({"model_name_or_path", "tokenizer_name_or_path", "config_name", "chat_template_path",
                         "dataset_mixer_list", "eval_dataset_mixer_list"})
+# The paths whose files the tokenized data's cache key holds by content (the sources, the tokenizer's files, the
+# template): where a resume's data have the checkpoint's key, these name the same inputs at another place (another
+# node's mount), no changed setting.
+DATA_PATH_FLAGS = frozenset({"dataset_mixer_list", "tokenizer_name_or_path", "chat_template_path"})
 
 
 def settings(config: Any) -> dict[str, Any]:
@@ -142,20 +146,24 @@ def checkpoint_settings(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any], allow: bool,
-                      is_main: bool) -> list[dict[str, Any]]:
+                      is_main: bool, same_data: bool = False) -> list[dict[str, Any]]:
     """The settings history of this launch: the checkpoint's, up to its step, and this launch's settings `now`
     from the step after it when they differ (refused without `allow`). `resolved`: this launch's resolved config,
-    compared with the resolved config a checkpoint written before histories were kept saved instead."""
+    compared with the resolved config a checkpoint written before histories were kept saved instead. `same_data`:
+    the data's cache key is the checkpoint's (DATA_PATH_FLAGS then differ in place only)."""
     if resume is None:
         return [{"from_step": 1, "settings": now}]
     saved = resume.state.get("config") or {}
     computed = saved.get(COMPUTE_DTYPE_KEY)
     history = _history_to(saved, resume.step)
+    moved = DATA_PATH_FLAGS if same_data else frozenset()
     if history:
-        changed = differences(history[-1]["settings"], compared(now), "in the checkpoint", computed)
+        changed = differences(_without(history[-1]["settings"], moved), _without(compared(now), moved),
+                              "in the checkpoint", computed)
     else:  # an older checkpoint: its resolved config against this launch's
         then, current = complete(_flat(saved)), _flat(resolved)
-        changed = differences(then, compared(current), "in the checkpoint", computed)
+        changed = differences(_without(then, moved), _without(compared(current), moved), "in the checkpoint",
+                              computed)
         history = [{"from_step": 1, "settings": {**now, **{k: then[k] for k in then.keys() & current.keys()
                                                             if then[k] != current[k]}}}]
     if not changed:
@@ -173,6 +181,10 @@ def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any]
                        "trained with the checkpoint's, the steps from here use these (recorded as settings_by_steps "
                        "in run.json, RUN_COMPLETE and the model card):\n%s", resume.step, resume.step, lines)
     return history + [{"from_step": resume.step + 1, "settings": now}]
+
+
+def _without(settings: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in names}
 
 
 def by_steps(history: list[dict[str, Any]], last_step: int) -> list[dict[str, Any]]:

@@ -311,6 +311,33 @@ def test_a_requeue_after_running_out_of_memory_may_add_gradient_checkpointing(tm
                                          True) == older  # a checkpoint that recorded it
 
 
+def test_a_requeue_on_a_node_mounting_the_data_elsewhere_resumes(tmp_path) -> None:
+    """The data's cache key holds the sources, the tokenizer's files and the template by content, so a requeue on a
+    node that mounts them at another path tokenizes to the same key (a cache hit) and passes the identity check;
+    the settings rule then refused it as changed --dataset_mixer_list and --tokenizer_name_or_path. The paths are no
+    changed setting where the key is the checkpoint's; another amount, or another key, still is."""
+    from open_sft.training.checkpoint import ResumePoint
+
+    def mounted(root, *flags):
+        (tmp_path / root / "tok").mkdir(parents=True, exist_ok=True)
+        (tmp_path / root / "d.jsonl").write_text("{}\n")
+        return parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", str(tmp_path / root / "d.jsonl"),
+                             "1.0", "--tokenizer_name_or_path", str(tmp_path / root / "tok"), "--output_dir",
+                             str(tmp_path / "out"), "--max_train_steps", "60", *flags])
+
+    first = mounted("mnt")
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), True)
+    state = {"step": 29, "config": {completion.SETTINGS_KEY: history}, "identity": {"dataset_cache_key": "k1"}}
+    at = ResumePoint(tmp_path / "checkpoints" / "step_29", state)
+    elsewhere = mounted("data")
+    assert completion.check_resume_point(at, 60, elsewhere, elsewhere.to_dict(), True, data_key="k1") == history
+    with pytest.raises(UserError, match="--dataset_mixer_list: .* in the checkpoint"):
+        completion.check_resume_point(at, 60, elsewhere, elsewhere.to_dict(), True, data_key="k2")
+    with pytest.raises(UserError, match="--learning_rate"):  # the rest is still compared
+        other = mounted("data", "--learning_rate", "1e-3")
+        completion.check_resume_point(at, 60, other, other.to_dict(), True, data_key="k1")
+
+
 def test_a_checkpoint_of_auto_under_mean_resumes_with_the_batch_flags_and_allow_changed_settings(tmp_path) -> None:
     """--auto_micro_batch_size with --loss_normalization mean is refused up front now; a run checkpointed with
     both before resumes as the refusal says: the batch flags set, --auto_micro_batch_size dropped (a changed
