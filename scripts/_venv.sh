@@ -6,6 +6,12 @@ VENV="${OPEN_SFT_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 EXTRAS="${1:-}"
 
+# OPEN_SFT_VENV=none: no venv and no install, the python on PATH as it is (the Docker image sets it: open_sft and
+# its dependencies are installed there, and the checkout in it is not writable).
+if [ "$VENV" = none ]; then
+    return 0
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV"
     "$PYTHON" -m venv "$VENV"

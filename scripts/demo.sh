@@ -42,5 +42,5 @@ cat <<EOF
   chat with the model                            open_sft chat $OUT
   one answer                                     open_sft generate $OUT --prompt "Translate to French: red bird"
   push it to the Hugging Face Hub                open_sft push $OUT --hub_model_id YOUR_NAME/open-sft-demo
-(open_sft is in $VENV/bin: source $VENV/bin/activate first)
 EOF
+[ "$VENV" = none ] || echo "(open_sft is in $VENV/bin: source $VENV/bin/activate first)"

@@ -3,7 +3,8 @@
 # help, a 2-rank DeepSpeed ZeRO-2 training job as the image's non-root user with data, output and cache on
 # mounted volumes, output readable by the host user, SIGTERM → checkpoint + exit 75 → the same command resumes
 # to the uninterrupted run's final loss, --push_to_hub to a Hub on loopback with HF_TOKEN from the environment
-# (the token in no output file and no log line), and an unreadable mounted model named as such.
+# (the token in no output file and no log line), an unreadable mounted model named as such, and the demo run as
+# another uid (`--user`) without a /cache volume.
 # Not part of ./scripts/test.sh: it needs a container engine (and usually root).
 #
 #   scripts/test_container.sh [BASE_IMAGE]        BASE_IMAGE: any image with python, pip and torch
@@ -152,6 +153,16 @@ status=$?
 [ "$status" = 2 ] && grep -q "/locked/model.safetensors cannot be read by this user" "$LOGS/unreadable.log" \
     && [ ! -e "$WORK/out/locked" ]
 result "an unreadable mounted model is named as such" $? "exit $status: $(grep -m1 'cannot be read' "$LOGS/unreadable.log" | head -c 160)"
+
+# --- the demo, as a cluster runs it: another uid (--user), no /cache mounted ----------------------------------
+# Its home is not writable and /cache is the volume the engine makes: every cache must land there, with no warning.
+started=$SECONDS
+run --user 4321:4321 -e DEMO_DIR=/out/demo -v "$WORK/out:/out" "$IMAGE" /opt/open_sft/scripts/demo.sh \
+    > "$LOGS/demo.log" 2>&1
+status=$?
+accuracy="$(grep -m1 "exact-answer accuracy" "$LOGS/demo.log" | sed 's/.*-> after //')"
+[ "$status" = 0 ] && [[ "$accuracy" =~ ^(0\.9|1\.0) ]] && ! grep -qiE "permission denied|MPLCONFIGDIR" "$LOGS/demo.log"
+result "the demo as uid 4321 with no /cache mounted" $? "exit $status, $((SECONDS - started)) s, accuracy after ${accuracy:-?}"
 
 # --- what the jobs wrote, as the host user sees it -----------------------------------------------------------
 unreadable="$(find "$WORK/out" "$WORK/cache" \( -type f ! -perm -0444 \) -o \( -type d ! -perm -0555 \) 2>/dev/null)"

@@ -128,3 +128,31 @@ def test_entrypoint_hands_launch_options_and_flags_to_the_launch_script() -> Non
     assert command[command.index("--num_processes") + 1] == "2"
     assert command[-3:] == [str(ROOT / "finetune.py"), "--seed", "3"]
     assert re.search(r'^\s*""\|-\*\) exec ', ENTRYPOINT.read_text(), re.M)
+
+
+def test_every_cache_a_job_writes_is_under_cache_and_open_to_any_uid() -> None:
+    """A cluster runs the image as its own uid (`--user $(id -u):$(id -g)`), whose home it cannot write (/ under
+    Docker): matplotlib warned on every run and Triton (Liger's kernels) compiles into its home. Every cache goes
+    to /cache, which any uid can write, so the volume Docker makes when none is mounted works too."""
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(arg for op, arg in instructions() if op == "ENV")))
+    for name in ("XDG_CACHE_HOME", "HF_HOME", "OPEN_SFT_CACHE", "MPLCONFIGDIR", "TRITON_HOME"):
+        assert env.get(name, "").startswith("/cache"), f"{name}={env.get(name)}: put it under /cache"
+    made = " ".join(arg for op, arg in instructions() if op == "RUN" and "/cache" in arg)
+    assert re.search(r"chmod 1777 /cache\b", made), made
+    assert [arg for op, arg in instructions() if op == "VOLUME"] == ['["/cache"]']
+
+
+def test_demo_uses_the_installed_package_in_the_image(tmp_path: Path) -> None:
+    """The image sets OPEN_SFT_VENV=none: scripts/demo.sh's setup makes no venv in the read-only checkout and
+    installs nothing; it uses the python on PATH."""
+    assert dict(re.findall(r"(\w+)=(\S+)", " ".join(a for op, a in instructions() if op == "ENV")))[
+        "OPEN_SFT_VENV"] == "none"
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "_venv.sh", checkout / "scripts")
+    result = subprocess.run(["bash", "-c", 'source scripts/_venv.sh && echo "venv=$VENV python=$(command -v python3)"'],
+                            cwd=checkout, capture_output=True, text=True, timeout=30,
+                            env={"PATH": "/usr/bin:/bin", "OPEN_SFT_VENV": "none"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"venv=none python={shutil.which('python3', path='/usr/bin:/bin')}\n"
+    assert sorted(p.name for p in checkout.iterdir()) == ["scripts"]
