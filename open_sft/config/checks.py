@@ -171,15 +171,31 @@ def _missing_data_files(d: DataArguments) -> list[str]:
             if (problem := missing_file_problem(f"--{flag}", name))]
 
 
+def _unpaired_problem(flag: str, values: list[str]) -> str:
+    """A mixer list of an odd number of values, naming the first NAME that no AMOUNT follows (reading the list as
+    NAME AMOUNT pairs from the start, an AMOUNT being a number) and the fix."""
+    index = 0
+    while index + 1 < len(values) and _is_number(values[index + 1]):
+        index += 2
+    name = values[min(index, len(values) - 1)]
+    return (f"{flag} takes NAME AMOUNT pairs; got {len(values)} value(s) ({' '.join(values)}): {name} has no AMOUNT "
+            f"after it; give one, e.g. {flag} {name} 1.0 for all its rows")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _data_problems(d: DataArguments) -> list[str]:
     problems = []
     if not d.dataset_mixer_list:
         problems.append("--dataset_mixer_list is required, e.g. --dataset_mixer_list data.jsonl 1.0")
     elif len(d.dataset_mixer_list) % 2:
-        problems.append(
-            f"--dataset_mixer_list takes NAME AMOUNT pairs; got {len(d.dataset_mixer_list)} values "
-            f"({' '.join(d.dataset_mixer_list)})"
-        )
+        problems.append(_unpaired_problem("--dataset_mixer_list", d.dataset_mixer_list))
     problems += _share_problems(d) + _amount_problems(d)
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         problems.append(f"--preprocessing_num_workers {d.preprocessing_num_workers}: give 1 or more processes, "
@@ -191,7 +207,7 @@ def _data_problems(d: DataArguments) -> list[str]:
             f"sources or one per source ({n_sources})"
         )
     if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list) % 2:
-        problems.append("--eval_dataset_mixer_list takes NAME AMOUNT pairs")
+        problems.append(_unpaired_problem("--eval_dataset_mixer_list", d.eval_dataset_mixer_list))
     n_eval = len(d.eval_dataset_mixer_list) // 2
     if d.eval_dataset_mixer_list and len(d.eval_dataset_mixer_list_splits) not in (1, n_eval):
         problems.append(f"--eval_dataset_mixer_list_splits has {len(d.eval_dataset_mixer_list_splits)} values; give "

@@ -66,6 +66,23 @@ def test_all_problems_reported_at_once(tmp_path) -> None:
     assert len(info.value.problems) == 6
 
 
+@pytest.mark.parametrize(("flag", "values", "named"), [
+    ("--dataset_mixer_list", ["a.jsonl"], "a.jsonl"),
+    ("--dataset_mixer_list", ["a.jsonl", "0.5", "b.json"], "b.json"),
+    ("--dataset_mixer_list", ["a.jsonl", "b.json", "300"], "a.jsonl"),
+    ("--eval_dataset_mixer_list", ["dev.jsonl"], "dev.jsonl"),
+])
+def test_a_name_without_its_amount_is_named_with_the_fix(flag, values, named) -> None:
+    """A mixer list of an odd number of values names the source that no amount follows and how to write one."""
+    args = ["--model_name_or_path", "m", "--output_dir", "out"] + (
+        [] if flag == "--dataset_mixer_list" else ["--dataset_mixer_list", "a.jsonl", "1.0"])
+    with pytest.raises(ConfigError) as info:
+        parse_config(args + [flag, *values])
+    expected = (f"{flag} takes NAME AMOUNT pairs; got {len(values)} value(s) ({' '.join(values)}): {named} has no "
+                f"AMOUNT after it; give one, e.g. {flag} {named} 1.0 for all its rows")
+    assert expected in info.value.problems
+
+
 def test_a_missing_deepspeed_config_is_said_with_the_flags_problems(tmp_path, monkeypatch) -> None:
     """open-instruct's command line, its DeepSpeed config path and all: the missing file is one of the problems
     said at once (it was said alone, after the flags' were fixed), naming our config that does the same."""
