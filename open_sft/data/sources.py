@@ -58,6 +58,9 @@ class SourceSpec:
         return self.seed_key or self.name
 
 
+_said_whole_file: set[tuple[str, str, str]] = set()  # (flag, split, file) said read whole
+
+
 def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--dataset_mixer_list",
                      config_name: Optional[str] = None, template_kwargs: Optional[list[str]] = None
                      ) -> list[SourceSpec]:
@@ -75,7 +78,9 @@ def parse_mixer_list(values: list[str], splits: list[str], flag: str = "--datase
             if len(splits) > 1:  # asked for this file by name
                 raise UserError(f"{flag}_splits: split {split!r} for {name}: a local file is one split, its rows are "
                                 "all read; give train for it (or a dataset directory with split files)")
-            logger.warning("%s_splits %s: %s is a local file, one split: all its rows are read", flag, split, name)
+            if (flag, split, name) not in _said_whole_file:  # parsed again by each phase: said once a process
+                _said_whole_file.add((flag, split, name))
+                logger.warning("%s_splits %s: %s is a local file, one split: all its rows are read", flag, split, name)
         variables = (template_kwargs[0] if len(template_kwargs) == 1 else template_kwargs[i // 2]) \
             if template_kwargs else None
         variables = json.dumps(json.loads(variables), sort_keys=True) if variables else None

@@ -126,6 +126,17 @@ def test_a_split_asked_of_a_single_local_file(tmp_path, caplog) -> None:
     assert parse_mixer_list([str(data), "1.0"], ["train"])[0].split == "train"
 
 
+def test_a_local_file_read_whole_for_a_split_is_said_once(tmp_path, caplog) -> None:
+    """The data phases each parse the mixer list (the build, the summary, the cache key): a run said the same
+    warning three times; it is said once."""
+    data = tmp_path / "once.jsonl"
+    data.write_text(json.dumps(TRAIN[0]) + "\n")
+    caplog.set_level("WARNING", logger="open_sft.data.sources")
+    for _ in range(3):
+        spec, = parse_mixer_list([str(data), "1.0"], ["validation"])
+    assert caplog.text.count("once.jsonl is a local file, one split: all its rows are read") == 1
+
+
 def test_a_utf8_byte_order_mark_opening_a_file_is_not_text(tmp_path) -> None:
     """A BOM at a file's start (Windows editors write one) is read as utf-8-sig: a .txt file's first document did
     start with U+FEFF (trained as a token) while a .jsonl file was refused (Unexpected UTF-8 BOM). Whole reads and
