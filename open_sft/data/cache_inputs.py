@@ -58,7 +58,9 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
                      **({"config": s.config_name} if s.config_name else {}),
                      **({"chat_template_kwargs": s.chat_template_kwargs} if s.chat_template_kwargs else {})}
                     for s in specs],
-        "seed": seed,
+        # the seed draws the rows a source gives (and those --eval_split_ratio holds out): not a key input where no
+        # draw is made, so that runs of other seeds over whole copies of their sources (1.0) share one entry
+        **({"seed": seed} if draws_rows(args, specs, holdout) else {}),
         "max_seq_length": args.max_seq_length,
         "truncation": args.truncation,
         "train_on": args.train_on,
@@ -71,6 +73,15 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
         "libraries": tokenizing_libraries(),
     }
 
+
+def draws_rows(args: DataArguments, specs: list[SourceSpec], holdout: Optional[tuple[str, float]]) -> bool:
+    """Whether the seed chooses rows (open_sft.data.mixer): a fraction f takes floor(f) whole copies of a source and
+    draws the rest, so a whole fraction (1.0, 2.0) draws none, by rows or by tokens; a row count, a share, and
+    --eval_split_ratio's held-out rows are drawn (whether a count is a multiple of the usable rows is known only once
+    they are read)."""
+    if holdout or args.dataset_mixer_unit == "share":
+        return True
+    return not all(spec.is_fraction and float(spec.amount).is_integer() for spec in specs)
 
 
 def text_only(args: DataArguments, specs: list[SourceSpec]) -> bool:
