@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 import open_sft.data.workers as workers
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
-from open_sft.data import cache
+from open_sft.data import cache, cache_check
 from open_sft.data.cache_inputs import key_inputs
 from open_sft.data.prepare import prepare_data
 
@@ -203,7 +203,7 @@ def test_a_large_entry_is_checked_by_sizes_and_edges_on_a_hit(tokenizer, data_fi
                                                                monkeypatch) -> None:
     """Above FULL_CHECK_BYTES a hit reads each file's size and first and last MiB, not every byte (a second per GB
     before training): a changed edge or a cut file is caught; the build itself hashed every byte."""
-    monkeypatch.setattr(cache, "FULL_CHECK_BYTES", 0)
+    monkeypatch.setattr(cache_check, "FULL_CHECK_BYTES", 0)
     args = args_for(data_file, tmp_path / "cache")
     entry = prepare_data(args, tokenizer, 1).cache_path
     manifest = json.loads((entry / "COMPLETE").read_text())
