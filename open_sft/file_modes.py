@@ -119,11 +119,11 @@ def writable_dir_problem(path: Path) -> str | None:
             return f"it cannot be reached ({exc.strerror or exc}: {existing})"
     if not existing.is_dir():
         return f"{'it is' if existing == path else f'it lies under {existing}, which is'} a file, not a directory"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:  # first: access() says no there too, as for a permission
+        return f"{existing} is on a read-only filesystem"
     if not permitted(existing, os.W_OK | os.X_OK):
         what = "" if existing == path else f" (its nearest existing parent {existing} is not writable)"
         return f"no permission to write there{what}"
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        return f"{existing} is on a read-only filesystem"
     return None
 
 

@@ -25,7 +25,7 @@ from open_sft.data.chat.templates import chat_template_problems, template_kwargs
 from open_sft.errors import ConfigError
 from open_sft.export.hub import repo_id_problem
 from open_sft.export.shard_size import shard_size_problem
-from open_sft.file_modes import unreadable, writable_dir_problem
+from open_sft.file_modes import permitted, unreadable, writable_dir_problem
 from open_sft.model.source import hub_offline, missing_problem, model_file_problem, tokenizer_problem
 from open_sft.monitor.tracking import REPORT_TO_CHOICES, trackers_for, wandb_login_problem
 from open_sft.training.checkpoint import continued
@@ -294,12 +294,15 @@ def _checkpoint_problems(c: CheckpointArguments, output_dir: str) -> list[str]:
 
 
 def _cache_dir_problems(d: DataArguments) -> list[str]:
-    """The tokenization cache's directory must be, or be creatable as, a directory this process can write (a hit
-    too takes the entry's lock file there): said before the model loads, not as an OSError from the cache."""
+    """The tokenization cache's directory must be, or be creatable as, a directory this process can write: said
+    before the model loads, not as an OSError from the cache. An existing directory it can only read is not refused
+    here: it may hold the run's entry, built ahead (open_sft.data.cache reads it, or says it is not there)."""
     if d.dataset_skip_cache:
         return []
-    where = cache_dir_flag()
-    why = writable_dir_problem(resolve_cache_dir(d.dataset_local_cache_dir))
+    where, path = cache_dir_flag(), resolve_cache_dir(d.dataset_local_cache_dir)
+    why = writable_dir_problem(path)
+    if why and os.path.isdir(path) and permitted(path, os.R_OK | os.X_OK):  # (isdir: False where it cannot look)
+        return []
     return [f"{where}: {why}; give a directory you can write, or --dataset_skip_cache to tokenize without a "
             "cache"] if why else []
 

@@ -8,7 +8,8 @@ so a damaged entry is detected: entries over FULL_CHECK_BYTES are checked on a h
 ones by every byte).
 
 Builds happen in `<key>.tmp-<pid>/` and are renamed into place. Concurrent processes (ranks, or
-jobs sharing the directory) serialise on a `fcntl` lock: the first builds, the others wait and load.
+jobs sharing the directory) serialise on a `fcntl` lock: the first builds, the others wait and load. A cache this
+process cannot write (a read-only mount) serves the entries it holds, under their locks taken shared.
 We lock by hand because `datasets`' own fingerprint cache neither covers the tokenizer and template
 nor keeps a crashed half-written build from being reused.
 """
@@ -16,6 +17,7 @@ nor keeps a crashed half-written build from being reused.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.metadata
@@ -190,20 +192,47 @@ def wait_for_lock(path: Path, poll_s: float = WAIT_POLL_S, say_s: float = WAIT_S
     return handle
 
 
+class UnwritableCache(UserError):
+    """The cache directory cannot be written (a read-only mount, no permission): an entry already there is read."""
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = wait_for_lock(path)
     except OSError as exc:  # read-only, under a file, no permission: checked up front, unless it changed since
-        raise UserError(f"{cache_dir_flag()}: the tokenization cache {path.parent} cannot be written "
-                        f"({exc.strerror or exc}); give a directory you can write, or --dataset_skip_cache to "
-                        "tokenize without a cache") from exc
+        kind = UnwritableCache if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else UserError
+        raise kind(f"{cache_dir_flag()}: the tokenization cache {path.parent} cannot be written "
+                   f"({exc.strerror or exc}); give a directory you can write, or --dataset_skip_cache to "
+                   "tokenize without a cache") from exc
     with handle:
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _shared(path: Path) -> Iterator[None]:
+    """A key's lock taken shared through a read-only file where the lock file is there: a build by a process that can
+    write the cache holds it until its entry is in place. Nothing is held without the file, or on a filesystem
+    without locks."""
+    try:
+        handle = path.open("rb")
+    except OSError:
+        handle = None
+    with handle or contextlib.nullcontext():
+        try:
+            if handle is not None:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for the tokenization cache entry %s, %s (lock %s)", path.with_suffix(""),
+                        _holder(path), path)
+            fcntl.flock(handle, fcntl.LOCK_SH)
+        except OSError:
+            pass
+        yield
 
 
 def _load(entry: Path) -> tuple[Any, dict]:
@@ -234,33 +263,62 @@ def load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
 def _load_or_build(cache_dir: Path, key: str, key_inputs: dict[str, Any],
                    build: Callable[[Path], dict]) -> tuple[Any, dict, Path, bool]:
     entry, lock = cache_dir / key, lock_path(cache_dir, key)
-    with _locked(lock):
-        if entry.exists():
-            problem = verify(entry)
-            if problem is None:
-                dataset, report = _load(entry)
-                return dataset, report, entry, True
-            logger.warning("cache entry %s is unusable (%s); rebuilding it", entry, problem)
-            shutil.rmtree(entry)
-        for stale in cache_dir.glob(f"{key}.tmp-*"):  # left by a killed build; we hold the lock
-            logger.warning("removing the partial build %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = cache_dir / f"{key}.tmp-{os.getpid()}"
-        staging.mkdir(parents=True)
-        try:
-            report = build(staging)
-        except BaseException:  # bad data, an interrupt: no half-written entry is left (a kill leaves it to the next)
-            shutil.rmtree(staging, ignore_errors=True)
-            lock.unlink(missing_ok=True)  # a key without an entry keeps no lock file (held: see open_lock)
-            raise
-        (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
-        (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        with (staging / COMPLETE).open("w") as handle:
-            json.dump({"key": key, **manifest(staging)}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        share_as_umask(staging)  # a cache shared by users or containers is readable as the umask says
-        os.replace(staging, entry)
-        logger.info("cached tokenized data at %s", entry)
+    try:
+        with _locked(lock):
+            if entry.exists():
+                problem = verify(entry)
+                if problem is None:
+                    dataset, report = _load(entry)
+                    return dataset, report, entry, True
+                logger.warning("cache entry %s is unusable (%s); rebuilding it", entry, problem)
+                shutil.rmtree(entry)
+            _build(cache_dir, key, key_inputs, build, entry, lock)
+    except UnwritableCache as refusal:
+        dataset, report = _read_only_hit(entry, lock, refusal)
+        return dataset, report, entry, True
     dataset, report = _load(entry)  # memory-mapped, like a hit
     return dataset, report, entry, False
+
+
+def _build(cache_dir: Path, key: str, key_inputs: dict[str, Any], build: Callable[[Path], dict], entry: Path,
+           lock: Path) -> None:
+    """The entry built in `<key>.tmp-<pid>/` and renamed into place, COMPLETE written last; under the key's lock."""
+    for stale in cache_dir.glob(f"{key}.tmp-*"):  # left by a killed build; we hold the lock
+        logger.warning("removing the partial build %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = cache_dir / f"{key}.tmp-{os.getpid()}"
+    staging.mkdir(parents=True)
+    try:
+        report = build(staging)
+    except BaseException:  # bad data, an interrupt: no half-written entry is left (a kill leaves it to the next)
+        shutil.rmtree(staging, ignore_errors=True)
+        lock.unlink(missing_ok=True)  # a key without an entry keeps no lock file (held: see open_lock)
+        raise
+    (staging / "key.json").write_text(json.dumps(key_inputs, indent=2, sort_keys=True) + "\n")
+    (staging / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    with (staging / COMPLETE).open("w") as handle:
+        json.dump({"key": key, **manifest(staging)}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    share_as_umask(staging)  # a cache shared by users or containers is readable as the umask says
+    os.replace(staging, entry)
+    logger.info("cached tokenized data at %s", entry)
+
+
+def _read_only_hit(entry: Path, lock: Path, refusal: UnwritableCache) -> tuple[Any, dict]:
+    """The entry of a cache this process cannot write (built ahead, and mounted read-only where the training runs),
+    checked and loaded as a hit is, under its lock taken shared; where it is not there or not usable, the refusal,
+    saying how to build it. (A read-only cache was refused even where it held the entry.)"""
+    cause = refusal.__cause__
+    why = getattr(cause, "strerror", None) or cause
+    with _shared(lock):
+        problem = verify(entry) if entry.exists() else None
+        if entry.exists() and problem is None:
+            logger.info("the tokenization cache %s cannot be written (%s): its entry is read as it is", entry.parent,
+                        why)
+            return _load(entry)
+    state = f"is unusable ({problem})" if problem else "is not there"
+    raise UnwritableCache(f"{cache_dir_flag()}: the tokenization cache {entry.parent} cannot be written ({why}) and "
+                          f"the entry of this data, {entry.name}, {state}: build it where the cache can be written "
+                          "(this command with --cache_dataset_only), or give a directory you can write, or "
+                          "--dataset_skip_cache to tokenize without a cache") from cause

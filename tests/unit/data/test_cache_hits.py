@@ -3,7 +3,13 @@ and an entry in a cache directory this process cannot write (a read-only mount o
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
+import os
 import shutil
+import threading
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -11,7 +17,7 @@ from transformers import AutoTokenizer
 import open_sft.data.workers as workers
 from conftest import SAMPLE
 from open_sft.config.args import DataArguments
-from open_sft.data import cache
+from open_sft.data import cache, cache_check
 from open_sft.data.cache_inputs import key_inputs
 from open_sft.data.prepare import prepare_data
 
@@ -60,3 +66,73 @@ def test_another_seed_over_whole_copies_of_the_sources_is_a_hit(tokenizer, data_
     fresh = prepare_data(DataArguments(dataset_mixer_list=[str(data_file), "2.0"], max_seq_length=256,
                                        dataset_skip_cache=True), tokenizer, 2)
     assert fresh.dataset["input_ids"] == hit.dataset["input_ids"] and fresh.dataset["labels"] == hit.dataset["labels"]
+
+
+def _read_only(monkeypatch) -> None:
+    """The cache directory as a read-only mount shows it to the cache: opening the lock file to write fails with
+    EROFS (root, who runs these tests, may write any mode, so permissions cannot make one)."""
+    def refuse(path, *_, **__):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(cache, "wait_for_lock", refuse)
+
+
+def test_an_entry_in_a_cache_this_process_cannot_write_is_a_hit(tokenizer, data_file, tmp_path, monkeypatch,
+                                                                 caplog) -> None:
+    """A cache built ahead (--cache_dataset_only on a CPU node) and mounted read-only where the training runs was
+    refused (its lock could not be taken), though it held the entry: the entry is checked and read as it is, nothing
+    is written there; one that is not there is refused naming the key and how to build it."""
+    args = DataArguments(dataset_mixer_list=[str(data_file), "0.5"], max_seq_length=256)
+    built = prepare_data(args, tokenizer, 1)
+    files = sorted((tmp_path / "cache").rglob("*"))
+    _read_only(monkeypatch)
+    monkeypatch.setattr(workers, "label_batch", lambda *_, **__: pytest.fail("a hit must not tokenize"))
+    with caplog.at_level(logging.INFO, logger="open_sft.data.cache"):
+        hit = prepare_data(args, tokenizer, 1)
+    assert hit.cache_hit and hit.cache_path == built.cache_path and len(hit) == 1000
+    assert hit.dataset["input_ids"] == built.dataset["input_ids"] and hit.dataset["labels"] == built.dataset["labels"]
+    assert f"the tokenization cache {tmp_path / 'cache'} cannot be written (Read-only file system): its entry is " \
+           "read as it is" in caplog.text
+    assert sorted((tmp_path / "cache").rglob("*")) == files
+
+    other = DataArguments(dataset_mixer_list=[str(data_file), "0.25"], max_seq_length=256)
+    key = cache.cache_key(key_inputs(other, tokenizer, 1))
+    with pytest.raises(cache.UnwritableCache) as info:
+        prepare_data(other, tokenizer, 1)
+    assert str(info.value) == (
+        f"OPEN_SFT_CACHE={tmp_path / 'cache'} (it overrides --dataset_local_cache_dir): the tokenization cache "
+        f"{tmp_path / 'cache'} cannot be written (Read-only file system) and the entry of this data, {key}, is not "
+        "there: build it where the cache can be written (this command with --cache_dataset_only), or give a "
+        "directory you can write, or --dataset_skip_cache to tokenize without a cache")
+    (built.cache_path / "COMPLETE").unlink()  # an interrupted build's: not read
+    with pytest.raises(cache.UnwritableCache, match=r", is unusable \(no COMPLETE marker \(an interrupted build\)\)"):
+        prepare_data(args, tokenizer, 1)
+
+
+def test_a_read_only_hit_waits_for_the_build_holding_the_entrys_lock(tmp_path, monkeypatch) -> None:
+    """A job reading the cache read-only while a job that can write it builds the entry: it takes the entry's lock
+    shared, so it waits for the build and loads what it put in place, rather than finding no entry."""
+    import fcntl
+
+    key = "cd" * 32
+    lock = cache.lock_path(tmp_path, key)
+    builder = cache.open_lock(lock)  # another open file: flock conflicts as with another process
+    _read_only(monkeypatch)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(
+        cache.load_or_build(tmp_path, key, {}, lambda staging: pytest.fail("a read-only cache builds nothing"))))
+    reader.start()
+    time.sleep(0.5)
+    assert not got and reader.is_alive()  # waiting on the build
+    import datasets
+
+    datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[-100, 2, 3]]}).save_to_disk(tmp_path / "staged")
+    (tmp_path / "staged" / "key.json").write_text("{}")
+    (tmp_path / "staged" / "report.json").write_text('{"examples": 1}')
+    (tmp_path / "staged" / "COMPLETE").write_text(json.dumps({"key": key, **cache_check.manifest(tmp_path / "staged")}))
+    os.replace(tmp_path / "staged", tmp_path / key)
+    fcntl.flock(builder, fcntl.LOCK_UN)
+    builder.close()
+    reader.join(timeout=30)
+    dataset, report, entry, hit = got[0]
+    assert hit and entry == tmp_path / key and report == {"examples": 1} and dataset["labels"] == [[-100, 2, 3]]
