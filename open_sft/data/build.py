@@ -24,7 +24,7 @@ from open_sft.data.labels import Example
 from open_sft.data.mixer import select_row_array
 from open_sft.data.spill import ExampleWriter
 from open_sft.data.stream import chat_source, text_source
-from open_sft.data.summary import SourceReport, length_percentiles, nothing_left_message
+from open_sft.data.summary import SourceReport, length_percentiles, no_usable_rows_message, nothing_left_message
 from open_sft.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,8 @@ def _stream_source(spec: Any, args: Any, tokenizer: Any, seed: int, writer: Exam
     report = SourceReport(name=spec.name, format=fmt, rows_in=0)
 
     def select(valid: Any, lengths: Any) -> np.ndarray:
+        if not len(valid):  # every row dropped as bad: counted by reason in the report by now
+            raise UserError(no_usable_rows_message(report))
         return select_row_array(spec, args.dataset_mixer_unit, valid, lengths, seed)
 
     if fmt == "text":

@@ -34,7 +34,7 @@ from open_sft.data.shares import resolve_shares
 from open_sft.data.local_files import holds_json_lines, parse_json_line, read_lines
 from open_sft.data.sources import LoadedSource, parse_mixer_list, read_source, source_identity
 from open_sft.data.stream import text_batches
-from open_sft.data.summary import SourceReport, nothing_left_message
+from open_sft.data.summary import SourceReport, no_usable_rows_message, nothing_left_message
 from open_sft.data.token_rows import (TokenRows, expand_groups, fit_rows, fitted_lengths, group_totals,
                                      rows_keeping_an_example, split_costs)
 from open_sft.data.workers import Labelled, Numbered, label_rows
@@ -90,7 +90,7 @@ def _chat_rows(spec, args: DataArguments, labelled: Labelled, picked: Optional[l
         labelled_rows = sorted(position)
         totals = group_totals(lengths, np.fromiter(map(position.get, labelled_rows), np.int64, len(labelled_rows)),
                               sizes)
-        picked = _select(spec, args, labelled_rows, dict(zip(labelled_rows, totals.tolist())), seed)
+        picked = _select(spec, args, labelled_rows, dict(zip(labelled_rows, totals.tolist())), seed, report)
     found = np.fromiter(map(position.get, picked, repeat(-1)), dtype=np.int64, count=len(picked))
     found = found[found >= 0]  # the selected rows that were labelled, in selection order
     report.rows_selected = len(found)
@@ -128,8 +128,8 @@ def _jsonl_chat_rows(spec, args: DataArguments, tokenizer, seed: int) -> Optiona
     if fmt == "text":
         return None
     try:
-        picked = None if args.dataset_mixer_unit == "tokens" else _select(spec, args, list(range(len(lines))), None,
-                                                                          seed)
+        picked = None if args.dataset_mixer_unit == "tokens" else select_rows(spec, args.dataset_mixer_unit,
+                                                                              list(range(len(lines))), None, seed)
     except UserError:  # more rows asked for than there are lines: the serial read says how many are valid
         return None
     convert = functools.partial(_parse_and_convert, fmt=fmt)
@@ -168,7 +168,8 @@ def _dropping_bad_rows(spec, args: DataArguments, tokenizer, lines: list[str], n
     invalid = {i for i, _ in labelled.invalid}
     picked, keep = None, None
     if by_rows:
-        picked = _select(spec, args, [row for row, line in enumerate(line_of) if line not in invalid], None, seed)
+        picked = _select(spec, args, [row for row, line in enumerate(line_of) if line not in invalid], None, seed,
+                         report)
         missing = sorted({line_of[row] for row in picked} - set(labelled.position) - {i for i, _ in labelled.errors})
         if missing:
             labelled = labelled.then(label_rows(tokenizer, [(i, lines[i]) for i in missing], args.train_on,
@@ -210,7 +211,10 @@ def _upsample_factor(picked: list[int]) -> float:
     return round(len(picked) / max(1, len(set(picked))), 4)
 
 
-def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int] | None, seed: int) -> list[int]:
+def _select(spec, args: DataArguments, valid: list[int], lengths: dict[int, int] | None, seed: int,
+            report: SourceReport) -> list[int]:
+    if not valid:  # every row dropped as bad: counted by reason in the report by now
+        raise UserError(no_usable_rows_message(report))
     return select_rows(spec, args.dataset_mixer_unit, valid, lengths, seed)
 
 
@@ -240,15 +244,15 @@ def _serial_rows(spec, args: DataArguments, tokenizer, seed: int) -> tuple[Token
         holding = with_special_text(tokenizer, [items[i] for i in valid])
         report.add_notes(special_text_notes(holding), {"special_tokens_in_text": [valid[k] for k in holding][:5]},
                          sink.where)
-        chosen = valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed)))
+        chosen = valid if by_tokens else sorted(set(_select(spec, args, valid, None, seed, report)))
         tokenized = _tokenize_text(tokenizer, items, chosen, args.add_bos, spec.name)
-        selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed) if by_tokens \
-            else _select(spec, args, valid, None, seed)
+        selected = _select(spec, args, valid, {i: len(t) for i, t in tokenized.items()}, seed, report) if by_tokens \
+            else _select(spec, args, valid, None, seed, report)
         report.rows_selected = report.rows_kept = len(selected)
         report.upsample_factor = _upsample_factor(selected)
         rows = _blocks([tokenized[i] for i in selected], args.max_seq_length)
     else:
-        picked = None if by_tokens else _select(spec, args, valid, None, seed)
+        picked = None if by_tokens else _select(spec, args, valid, None, seed, report)
         work = [(i, items[i]) for i in (valid if by_tokens else sorted(set(picked)))]
         progress = Progress(spec.name, len(work))
         labelled = label_rows(tokenizer, work, args.train_on, args.preprocessing_num_workers,

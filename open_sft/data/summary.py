@@ -201,6 +201,15 @@ def nothing_left_message(reports: list[Any], max_seq_length: int) -> str:
             f"{max_seq_length}):\n" + "\n".join(lines) + (f"\n{hint}" if hint else ""))
 
 
+def no_usable_rows_message(report: Any) -> str:
+    """The error of a source whose rows were all dropped before its amount is taken (--on_bad_row drop), by reason:
+    "1.0 of x.jsonl (0 rows) selects no rows; raise the amount" named neither the rows nor why."""
+    reasons = ", ".join(f"{reason} {count}" for reason, count in report.dropped.most_common() if count)
+    return (f"--dataset_mixer_list: {report.name} has no usable row to take its amount from: its {report.rows_in} "
+            f"row(s) were all dropped under --on_bad_row drop ({reasons or 'no reason recorded'}); fix its rows (run "
+            "without --on_bad_row drop to have the first bad one named), or leave the source out of the mixture")
+
+
 def mixture_shares(report: dict[str, Any], source: dict[str, Any]) -> tuple[float, float]:
     """A source's share of the mixture's examples and of its tokens."""
     return source["examples"] / max(report["examples"], 1), source["tokens"] / max(report["tokens"], 1)

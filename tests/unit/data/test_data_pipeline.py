@@ -328,6 +328,29 @@ def test_on_bad_row_drop_counts_reasons(tokenizer, tmp_path) -> None:
     assert reports[0].rows_in == 7 and reports[0].rows_kept == 2
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+@pytest.mark.parametrize("amount, unit", [("1.0", "rows"), ("3", "rows"), ("0.5", "tokens")])
+def test_a_source_whose_rows_are_all_dropped_says_why(tokenizer, tmp_path, suffix, amount, unit) -> None:
+    """Under --on_bad_row drop a source whose every row is bad said "1.0 of x.jsonl (0 rows) selects no rows; raise
+    the amount" (a count: "has no usable rows to take 3 from"), naming neither its rows nor why they went; the error
+    now counts them by reason, streamed (JSON Lines) or read whole (a JSON list)."""
+    rows = [{"messages": [{"role": "user", "content": "q"}]}, {"messages": [{"role": "gpt", "content": "x"}]},
+            {"messages": [{"role": "user", "content": "r"}]}]
+    bad = tmp_path / f"bad{suffix}"
+    bad.write_text("".join(json.dumps(row) + "\n" for row in rows) if suffix == ".jsonl" else json.dumps(rows))
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    args = DataArguments(dataset_mixer_list=[str(good), "1.0", str(bad), amount], on_bad_row="drop",
+                         dataset_mixer_unit=unit)
+    with pytest.raises(UserError) as info:
+        build_examples(args, tokenizer, 0)
+    assert str(info.value) == (
+        f"--dataset_mixer_list: {bad} has no usable row to take its amount from: its 3 row(s) were all dropped under "
+        "--on_bad_row drop (no_final_assistant 2, unknown_role 1); fix its rows (run without --on_bad_row drop to "
+        "have the first bad one named), or leave the source out of the mixture")
+
+
 @pytest.mark.parametrize("amount, n_rows, taken", [
     (0.5, 7, 3), (1.5, 3, 4), (0.5, 10, 5), (0.29, 100, 29), (2.25, 8, 18), (0.7, 10, 7), (1.0, 9, 9), (0.999, 1000, 999),
     (0.15, 10, 1), (2.5, 5, 12)])
