@@ -192,6 +192,11 @@ def wait_for_lock(path: Path, poll_s: float = WAIT_POLL_S, say_s: float = WAIT_S
     return handle
 
 
+# what flock says on a filesystem without locks (Lustre mounted without -o flock, NFS without its lock service): the
+# directory may be writable, so "cannot be written" misled
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
 class UnwritableCache(UserError):
     """The cache directory cannot be written (a read-only mount, no permission): an entry already there is read."""
 
@@ -202,6 +207,11 @@ def _locked(path: Path) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = wait_for_lock(path)
     except OSError as exc:  # read-only, under a file, no permission: checked up front, unless it changed since
+        if exc.errno in NO_LOCKS:
+            raise UserError(f"{cache_dir_flag()}: the filesystem of the tokenization cache {path.parent} has no file "
+                            f"locks (flock: {exc.strerror or exc}), which keep the builds of processes and jobs "
+                            "sharing the cache apart; mount it with locks (Lustre: -o flock), give a directory on "
+                            "another filesystem, or --dataset_skip_cache to tokenize without a cache") from exc
         kind = UnwritableCache if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) else UserError
         raise kind(f"{cache_dir_flag()}: the tokenization cache {path.parent} cannot be written "
                    f"({exc.strerror or exc}); give a directory you can write, or --dataset_skip_cache to "

@@ -115,3 +115,24 @@ def test_a_full_disk_under_dataset_skip_cache_names_the_temporary_directory_and_
         "directory); set TMPDIR to a directory on a disk with room, or drop --dataset_skip_cache and give the cache "
         "room (--dataset_local_cache_dir)")
     assert list((tmp_path / "tmp").iterdir()) == []  # the half-built data removed at once
+
+
+def test_a_cache_on_a_filesystem_without_locks_says_so(tmp_path, monkeypatch) -> None:
+    """flock fails on Lustre mounted without -o flock (ENOSYS) and on NFS without its lock service (ENOLCK): the cache
+    said it 'cannot be written', of a directory the user writes."""
+    import errno
+    import fcntl
+
+    monkeypatch.delenv("OPEN_SFT_CACHE")
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(UserError) as info:
+        cache.load_or_build(tmp_path / "cache", "k" * 64, {}, lambda staging: pytest.fail("built without a lock"))
+    assert str(info.value) == (
+        f"--dataset_local_cache_dir: the filesystem of the tokenization cache {tmp_path / 'cache'} has no file locks "
+        "(flock: Function not implemented), which keep the builds of processes and jobs sharing the cache apart; "
+        "mount it with locks (Lustre: -o flock), give a directory on another filesystem, or --dataset_skip_cache to "
+        "tokenize without a cache")
