@@ -143,6 +143,8 @@ def prepare_data(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: 
     key = cache_key(inputs)
     inputs, key, identity_key = _resumed_dates(args, inputs, key, resuming)
     recorded = ((resuming or {}).get("identity") or {}).get("dataset_cache_key")
+    if recorded and "seed" not in inputs and cache_key({**inputs, "seed": seed}) == recorded:
+        identity_key = recorded  # a checkpoint of a version that keyed every run's seed, drawn or not: the same rows
     if recorded and recorded != identity_key:  # the resume would refuse them, after tokenizing and the model
         raise ResumedDataDiffer(recorded, identity_key)
     remember(identity_key, inputs.get("template_date"))

@@ -136,3 +136,24 @@ def test_a_read_only_hit_waits_for_the_build_holding_the_entrys_lock(tmp_path, m
     reader.join(timeout=30)
     dataset, report, entry, hit = got[0]
     assert hit and entry == tmp_path / key and report == {"examples": 1} and dataset["labels"] == [[-100, 2, 3]]
+
+
+def test_a_checkpoint_whose_key_held_the_seed_resumes_on_the_same_rows(tokenizer, data_file) -> None:
+    """A run checkpointed by a version that put the seed in every key resumes after the upgrade (its rows are these
+    rows), known by its checkpoint's key; another seed, or other rows, are still refused."""
+    from open_sft.data.prepare import ResumedDataDiffer
+
+    args = DataArguments(dataset_mixer_list=[str(data_file), "1.0"], max_seq_length=256)
+    inputs = key_inputs(args, tokenizer, 7)
+    assert "seed" not in inputs
+    legacy = cache.cache_key({**inputs, "seed": 7})
+
+    def resuming(key: str) -> dict:
+        return {"identity": {"dataset_cache_key": key}}
+
+    resumed = prepare_data(args, tokenizer, 7, resuming=resuming(legacy))
+    assert resumed.cache_key == legacy and len(resumed) == 2000
+    with pytest.raises(ResumedDataDiffer):
+        prepare_data(args, tokenizer, 8, resuming=resuming(legacy))
+    with pytest.raises(ResumedDataDiffer):
+        prepare_data(args, tokenizer, 7, resuming=resuming(cache.cache_key({**inputs, "seed": 7, "max_seq_length": 9})))
