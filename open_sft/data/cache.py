@@ -118,8 +118,10 @@ def is_key(name: str) -> bool:
 
 
 def resolve_cache_dir(flag_value: str) -> Path:
-    """$OPEN_SFT_CACHE when set (it overrides --dataset_local_cache_dir, as CONTRACT.md says), else the flag."""
-    return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser()
+    """$OPEN_SFT_CACHE when set (it overrides --dataset_local_cache_dir, as CONTRACT.md says), else the flag; absolute
+    (the default is relative: --cache_dataset_only's last line, the log and run.json named the entry relative to the
+    directory the run started in, which a job started elsewhere did not find)."""
+    return Path(os.environ.get("OPEN_SFT_CACHE") or flag_value).expanduser().absolute()
 
 
 def cache_dir_flag() -> str:

@@ -157,3 +157,18 @@ def test_a_checkpoint_whose_key_held_the_seed_resumes_on_the_same_rows(tokenizer
         prepare_data(args, tokenizer, 8, resuming=resuming(legacy))
     with pytest.raises(ResumedDataDiffer):
         prepare_data(args, tokenizer, 7, resuming=resuming(cache.cache_key({**inputs, "seed": 7, "max_seq_length": 9})))
+
+
+def test_cache_dataset_only_names_the_entry_by_its_absolute_path(tiny_model_dir, data_file, tmp_path, monkeypatch,
+                                                                 capsys) -> None:
+    """The default cache directory is relative (local_dataset_cache): --cache_dataset_only's last line, which
+    scripts/prepare_data.sh hands on, was `local_dataset_cache/<key>`, of no use to a job started elsewhere."""
+    from open_sft.run import main
+
+    monkeypatch.delenv("OPEN_SFT_CACHE")
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", "data.jsonl", "1.0",
+                 "--cache_dataset_only", "--output_dir", str(tmp_path / "out")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    entries = [p for p in (tmp_path / "local_dataset_cache").iterdir() if cache.is_key(p.name)]
+    assert len(entries) == 1 and last == str(entries[0])
