@@ -218,7 +218,7 @@ class Trainer:
         seconds so far and the open logging window (its sums and the seconds it has run)."""
         return {"train_tokens": self.train_tokens, "total_tokens": self.total_tokens, "elapsed_s": self.elapsed(),
                 "nonfinite_steps": self.nonfinite_steps, "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                "window": self.window.to_state(), **self.precision.state_dict()}
+                "window": self.window.to_state(self.clock.now()), **self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state_dict()` (older checkpoints lack the non-finite counters and the elapsed

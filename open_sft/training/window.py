@@ -26,11 +26,12 @@ class Window:
     started: float = 0.0  # perf_counter when it opened (a resumed window: moved back by its seconds so far)
     carried: float = 0.0  # a resumed window's seconds before the checkpoint (not saved: `seconds` is)
 
-    def to_state(self) -> dict:
-        """Every accumulator, and the training seconds it has run, for a checkpoint."""
+    def to_state(self, now: float | None = None) -> dict:
+        """Every accumulator, and the training seconds it has run up to `now` (a perf_counter reading; None: now),
+        for a checkpoint."""
         state = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if f.name not in ("started", "carried")}
-        return {**state, "seconds": time.perf_counter() - self.started}
+        return {**state, "seconds": (time.perf_counter() if now is None else now) - self.started}
 
     @classmethod
     def from_state(cls, state: dict) -> "Window":
@@ -59,23 +60,31 @@ class TrainingClock:
     def __init__(self) -> None:
         self.started: float | None = None
         self.paused = 0.0
+        self.paused_since: float | None = None  # when the pause under way began (None: training)
 
     def start(self, window: Window) -> None:
         """The loop starts: the open window (fresh, or resumed with its seconds before) counts from now."""
         self.started, self.paused = time.perf_counter(), 0.0
         window.started = self.started - window.carried
 
+    def now(self) -> float:
+        """The perf_counter reading training time stands at: within a pause, the pause's start. A checkpoint saved in
+        one records the seconds before it (it recorded its own save too: the resumed run's elapsed_s and first
+        window counted the minutes a large model's save takes)."""
+        return time.perf_counter() if self.paused_since is None else self.paused_since
+
     def seconds(self) -> float:
-        return 0.0 if self.started is None else time.perf_counter() - self.started - self.paused
+        return 0.0 if self.started is None else self.now() - self.started - self.paused
 
     @contextlib.contextmanager
     def pause(self, window: Window):
         """What runs inside is not training time: this launch's seconds and the open window skip it."""
-        began = time.perf_counter()
+        began = self.paused_since = time.perf_counter()
         try:
             yield
         finally:
             took = time.perf_counter() - began
             self.paused += took
             window.started += took
+            self.paused_since = None
 
