@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,20 +86,37 @@ def source_series(records: list[dict[str, Any]], prefix: str) -> list[tuple[str,
              [r[key + name] for r in records if key + name in r], "o--" if prefix else "-") for name in names]
 
 
-def _plot(path: Path, title: str, ylabel: str, series: list[tuple[str, list[float], list[float], str]]) -> None:
-    """One PNG line chart; Figure without pyplot, so no global state and no display needed."""
+def lone_points(steps: list[float], values: list[float]) -> list[tuple[float, float]]:
+    """The points a line alone does not draw: finite values with no finite neighbour (a run that logged one step,
+    a window between two whose steps were all skipped, whose loss is NaN)."""
+    finite = [math.isfinite(value) for value in values]
+    return [(step, value) for i, (step, value) in enumerate(zip(steps, values)) if finite[i]
+            and not (i > 0 and finite[i - 1]) and not (i + 1 < len(values) and finite[i + 1])]
+
+
+def figure_of(title: str, ylabel: str, series: list[tuple[str, list[float], list[float], str]]) -> Any:
+    """A line chart (a matplotlib Figure, without pyplot: no global state, no display needed); a series drawn as a
+    line alone gets a marker on each of its lone points (they were not drawn: a one-step run's loss.png was empty)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4), dpi=100)
     axes = figure.add_subplot()
     for label, steps, values, style in series:
-        axes.plot(steps, values, style, label=label)
+        (line,) = axes.plot(steps, values, style, label=label)
+        lone = lone_points(steps, values)
+        if lone and line.get_marker() in ("None", None, ""):
+            axes.plot(*zip(*lone), "o", color=line.get_color())
     axes.set(title=title, xlabel="optimizer step", ylabel=ylabel)
     axes.grid(alpha=0.3)
     if len(series) > 1:
         axes.legend()
     figure.tight_layout()
-    figure.savefig(path, format="png")
+    return figure
+
+
+def _plot(path: Path, title: str, ylabel: str, series: list[tuple[str, list[float], list[float], str]]) -> None:
+    """One PNG line chart."""
+    figure_of(title, ylabel, series).savefig(path, format="png")
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

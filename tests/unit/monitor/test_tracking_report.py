@@ -10,6 +10,7 @@ The tests of this subject that launch real processes are in tests/integration/te
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -59,6 +60,38 @@ def test_per_source_plot_only_for_two_or_more_sources(tmp_path) -> None:
         write_report(records, report)
         assert (report / "loss_by_source.png").exists() == drawn
         assert ("loss_by_source.png" in (report / "summary.md").read_text()) == drawn
+
+
+def drawn_points(figure) -> set[tuple[float, float]]:
+    """The points a chart shows: a line's with a marker all of its finite ones, a bare line's those joined to a
+    finite neighbour (a segment needs two ends)."""
+    shown = set()
+    for line in figure.axes[0].get_lines():
+        xs, ys = line.get_xdata(), line.get_ydata()
+        finite = [math.isfinite(y) for y in ys]
+        marked = line.get_marker() not in ("None", None, "")
+        shown |= {(float(x), float(y)) for i, (x, y) in enumerate(zip(xs, ys)) if finite[i] and (
+            marked or (i > 0 and finite[i - 1]) or (i + 1 < len(ys) and finite[i + 1]))}
+    return shown
+
+
+def test_every_logged_loss_is_drawn(tmp_path) -> None:
+    """A run that logged one step, and a window between two whose every step was skipped (NaN loss), show their
+    loss: the train curve is a bare line, which drew no point of its own (loss.png of a one-step run was empty)."""
+    from open_sft.monitor.report import figure_of, lone_points
+
+    nan = float("nan")
+    assert lone_points([1, 2, 3, 4, 5, 6], [2.0, nan, 1.5, nan, 1.25, 1.0]) == [(1, 2.0), (3, 1.5)]
+    assert lone_points([1], [nan]) == [] and lone_points([1, 2], [2.0, 1.0]) == []
+    one = figure_of("Loss", "loss", [("train", [1], [2.0], "-"), ("eval", [1], [2.1], "o-")])
+    assert drawn_points(one) == {(1.0, 2.0), (1.0, 2.1)}
+    gaps = figure_of("Loss", "loss", [("train", [1, 2, 3, 4], [2.0, nan, 1.5, 1.25], "-")])
+    assert drawn_points(gaps) == {(1.0, 2.0), (3.0, 1.5), (4.0, 1.25)}
+    base = {"learning_rate": 1e-3, "train_tokens": 100, "total_tokens": 150, "mfu": 0.1, "peak_memory_gib": 1.0,
+            "elapsed_s": 2.0}
+    summary = write_report([{"step": 1, "loss": 2.0, **base}], tmp_path / "report")
+    assert summary.steps == 1 and summary.final_loss == 2.0
+    assert_png(tmp_path / "report" / "loss.png")
 
 
 def test_a_fresh_start_moves_the_earlier_runs_events_aside(tmp_path) -> None:
