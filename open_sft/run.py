@@ -248,7 +248,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     from open_sft.training.elastic import reseed_new_ranks
     from open_sft.training.portable import checkpoint_io
     from open_sft.training.preemption import StopRequest
-    from open_sft.training.resume import (prepare_metrics_file, resolve_resume, run_identity,
+    from open_sft.training.resume import (continued_step, prepare_metrics_file, resolve_resume, run_identity,
                                           set_aside_other_timeline)
 
     config, acc, output_dir = job.config, job.accelerator, job.output_dir
@@ -264,7 +264,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     logger.info("%s, compute dtype %s, %d threads per rank", job.launch.parallelism.describe(), job.dtype,
                 torch.get_num_threads())
     logger.info("schedule: %s", job.steps.describe())
-    metrics = MetricsWriter.for_job(job, resume.step if resume else 0) if acc.is_main_process else None
+    metrics = MetricsWriter.for_job(job, continued_step(resume, output_dir)) if acc.is_main_process else None
     trainer = build_trainer(job, metrics)
     if acc.is_main_process:
         write_run_files(job, trainer)

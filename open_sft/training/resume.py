@@ -264,12 +264,19 @@ def metrics_up_to(path: Path, step: int) -> str:
     return "".join(kept)
 
 
+def continued_step(resume: Optional[ResumePoint], output_dir: Path) -> int:
+    """The step after which the run continues the metrics.jsonl and trackers (TensorBoard events, the W&B run) of
+    output_dir: the checkpoint's when it is one of OUTPUT_DIR/checkpoints. 0 for a fresh start and a warm start (a
+    checkpoint outside them: another run's, or one moved aside), which begin them anew: what is there is another
+    timeline's (TensorBoard drew its steps before the warm start's, a W&B run went on with them)."""
+    own = resume is not None and resume.path.resolve().parent == (output_dir / CHECKPOINTS).resolve()
+    return resume.step if own else 0
+
+
 def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
     """Fresh run: no metrics.jsonl. Resumed: keep the lines up to the checkpoint's step, drop later ones
-    (they are logged again) and any line a kill cut short. A warm start (a checkpoint outside OUTPUT_DIR/checkpoints:
-    another run's, or one moved aside) begins anew too: the lines there are another timeline's."""
-    own = resume is not None and resume.path.resolve().parent == (path.parent / CHECKPOINTS).resolve()
-    if not own or not path.exists():
+    (they are logged again) and any line a kill cut short. A warm start begins anew (`continued_step`)."""
+    if not continued_step(resume, path.parent) or not path.exists():
         path.unlink(missing_ok=True)
         return
     tmp = path.with_suffix(".jsonl.tmp")

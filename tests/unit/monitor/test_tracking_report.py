@@ -177,3 +177,36 @@ def test_a_wandb_start_that_fails_leaves_nothing_in_the_output_dir(tmp_path, mon
         (tmp_path / "out" / "wandb").mkdir()
         build_trackers("wandb", tmp_path / "out")
     assert (tmp_path / "out" / "wandb" / "run-1" / "logs").is_dir()
+
+
+def test_a_warm_start_begins_its_trackers_anew(tiny_model_dir, tmp_path) -> None:
+    """A run warm-started in an output dir with a run of its own, from a checkpoint outside its checkpoints/ (another
+    run's; here a copy of its own step 2): its checkpoints go to checkpoints.previous-1 and metrics.jsonl begins
+    anew, and so do the trackers: the earlier events go to tensorboard.previous-1. TensorBoard drew steps 1-2 of
+    the earlier run before steps 3-4 of this one, which metrics.jsonl did not have."""
+    import json
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from conftest import SAMPLE
+    from open_sft.run import main
+
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "16",
+            "--checkpointing_steps", "2", "--max_train_steps", "4", "--per_device_train_batch_size", "4",
+            "--logging_steps", "1", "--max_seq_length", "128", "--torch_dtype", "float32", "--with_tracking",
+            "--report_to", "tensorboard", "--output_dir", str(out), "--dataset_local_cache_dir", str(tmp_path / "c")]
+    assert main(argv) == 0
+    shutil.copytree(out / "checkpoints" / "step_2", tmp_path / "elsewhere" / "step_2")
+    (out / "RUN_COMPLETE").unlink()  # a run there in progress
+    assert main([*argv, "--resume_from_checkpoint", str(tmp_path / "elsewhere" / "step_2")]) == 0
+    lines = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def logged(events) -> list[int]:
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        return [event.step for event in accumulator.Scalars("train/loss")]
+
+    assert lines == logged(out / "tensorboard") == [3, 4]
+    assert logged(out / "tensorboard.previous-1") == [1, 2, 3, 4]
