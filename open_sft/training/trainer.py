@@ -251,31 +251,7 @@ class Trainer:
             self.total_tokens += result["tokens"]
             done = step + 1
             if done % self.args.logging_steps == 0 or done == self.steps.total_steps:
-                seconds = max(time.perf_counter() - window.started, 1e-9)
-                record = {
-                    "step": done,
-                    "epoch": round(self.steps.epochs_done(done), 4),
-                    # A window whose every step was skipped (non-finite) has no loss: NaN, not a false 0.0.
-                    "loss": window.loss_sum / window.trained_tokens if window.trained_tokens else float("nan"),
-                    "learning_rate": result["lr"],
-                    "grad_norm": result["grad_norm"],
-                    "train_tokens": self.train_tokens,
-                    "total_tokens": self.total_tokens,
-                    "tokens_per_second": window.tokens / seconds,
-                    "mfu": window.flops / seconds / (self.peak_flops * self.steps.layout.world_size),
-                    "mfu_palm": window.flops_palm / seconds / (self.peak_flops * self.steps.layout.world_size),
-                    "peak_memory_gib": peak_memory_gib(),
-                    **reserved_memory(),
-                    "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
-                    # 1.0 when ranks computed equal shares; 1.5: each step waited for a rank with 1.5× the mean.
-                    "rank_tokens_max_over_mean": self.steps.layout.world_size * window.busiest_rank_slots
-                                                 / max(window.padded_slots, 1),
-                    "nonfinite_steps": self.nonfinite_steps,
-                    **({"loss_scale": self.precision.loss_scale} if self.precision.fp16 else {}),
-                    **({"aux_loss": window.aux_sum / max(window.trained_tokens, 1)} if self.loss_model.router else {}),
-                    "elapsed_s": self.elapsed(),
-                    **per_source(self.source_names, window.source_loss, window.source_tokens),
-                }
+                record = self._window_record(done, window, result)
                 records.append(record)
                 self._log(record)
                 self.window = Window(started=time.perf_counter())
@@ -293,6 +269,35 @@ class Trainer:
         self.batches.close()
         self.engine.after_training()
         return records
+
+    def _window_record(self, done: int, window: Window, result: dict) -> dict:
+        """The metrics.jsonl line of a logging window closing after `done` optimizer steps (`result`: its last step's,
+        Trainer.train_step's): the window's sums over its training seconds, the run's counters so far."""
+        seconds = max(time.perf_counter() - window.started, 1e-9)
+        return {
+            "step": done,
+            "epoch": round(self.steps.epochs_done(done), 4),
+            # A window whose every step was skipped (non-finite) has no loss: NaN, not a false 0.0.
+            "loss": window.loss_sum / window.trained_tokens if window.trained_tokens else float("nan"),
+            "learning_rate": result["lr"],
+            "grad_norm": result["grad_norm"],
+            "train_tokens": self.train_tokens,
+            "total_tokens": self.total_tokens,
+            "tokens_per_second": window.tokens / seconds,
+            "mfu": window.flops / seconds / (self.peak_flops * self.steps.layout.world_size),
+            "mfu_palm": window.flops_palm / seconds / (self.peak_flops * self.steps.layout.world_size),
+            "peak_memory_gib": peak_memory_gib(),
+            **reserved_memory(),
+            "padding_ratio": 1 - window.tokens / max(window.padded_slots, 1),
+            # 1.0 when ranks computed equal shares; 1.5: each step waited for a rank with 1.5× the mean.
+            "rank_tokens_max_over_mean": self.steps.layout.world_size * window.busiest_rank_slots
+                                         / max(window.padded_slots, 1),
+            "nonfinite_steps": self.nonfinite_steps,
+            **({"loss_scale": self.precision.loss_scale} if self.precision.fp16 else {}),
+            **({"aux_loss": window.aux_sum / max(window.trained_tokens, 1)} if self.loss_model.router else {}),
+            "elapsed_s": self.elapsed(),
+            **per_source(self.source_names, window.source_loss, window.source_tokens),
+        }
 
     def evaluate(self, done: int) -> dict:
         """Evaluate now and log an eval line: step, epoch, eval_loss, eval_tokens."""
