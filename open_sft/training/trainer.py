@@ -266,6 +266,7 @@ class Trainer:
                 stop = any([hook(done, seconds) for hook in after_step])  # a list: every hook runs
             if stop:
                 break
+        self.clock.stop()
         self.batches.close()
         self.engine.after_training()
         return records

@@ -64,8 +64,13 @@ class TrainingClock:
 
     def start(self, window: Window) -> None:
         """The loop starts: the open window (fresh, or resumed with its seconds before) counts from now."""
-        self.started, self.paused = time.perf_counter(), 0.0
+        self.started, self.paused, self.paused_since = time.perf_counter(), 0.0, None
         window.started = self.started - window.carried
+
+    def stop(self) -> None:
+        """The loop has ended: training time stands still from here (the export is not training: RUN_COMPLETE's
+        elapsed_s counted it, seconds to minutes past metrics.jsonl's last)."""
+        self.paused_since = time.perf_counter()
 
     def now(self) -> float:
         """The perf_counter reading training time stands at: within a pause, the pause's start. A checkpoint saved in

@@ -269,27 +269,31 @@ def test_evaluation_and_checkpoint_saves_are_not_training_time(tiny_model_dir, t
     assert summary["elapsed_s"] == train[-1]["elapsed_s"] and summary["tokens_per_second"] > 1.0
 
 
-def test_a_checkpoints_own_save_is_not_training_time(tiny_model_dir, tmp_path, monkeypatch) -> None:
+def test_a_checkpoints_own_save_and_the_export_are_not_training_time(tiny_model_dir, tmp_path, monkeypatch) -> None:
     """A checkpoint records the run's training seconds and its open window's while it saves: each save of the
-    model and optimizer states here takes 1,000 s (the clock moved inside it). The checkpoint of step 3 (mid-window
-    of --logging_steps 2) and the launch that resumes from it count training alone; they counted that save (a
-    resumed run's elapsed_s grew by the save it resumed from, its first window's tokens/s fell by as much)."""
+    model and optimizer states here takes 1,000 s (the clock moved inside it), and so does each export. The
+    checkpoint of step 3 (mid-window of --logging_steps 2), the launch that resumes from it and RUN_COMPLETE count
+    training alone; they counted that save (a resumed run's elapsed_s grew by the save it resumed from, its first
+    window's tokens/s fell by as much) and RUN_COMPLETE the export."""
     import json
     import time
 
     from accelerate import Accelerator
 
+    from open_sft.export import final
     from open_sft.run import main
 
     real, offset = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real() + offset[0])
-    save_state = Accelerator.save_state
 
-    def slow_save(self, *args, **kwargs):
-        offset[0] += 1000.0
-        return save_state(self, *args, **kwargs)
+    def slowed(method):
+        def wrapped(*args, **kwargs):
+            offset[0] += 1000.0
+            return method(*args, **kwargs)
+        return wrapped
 
-    monkeypatch.setattr(Accelerator, "save_state", slow_save)
+    monkeypatch.setattr(Accelerator, "save_state", slowed(Accelerator.save_state))
+    monkeypatch.setattr(final, "write_model_card", slowed(final.write_model_card))
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_mixer_list", str(SAMPLE), "24",
             "--checkpointing_steps", "3", "--max_train_steps", "6", "--per_device_train_batch_size", "4",
@@ -297,13 +301,15 @@ def test_a_checkpoints_own_save_is_not_training_time(tiny_model_dir, tmp_path, m
             "--output_dir", str(out), "--dataset_local_cache_dir", str(tmp_path / "cache")]
     assert main(argv) == 0
     state = json.loads((out / "checkpoints" / "step_3" / "trainer_state.json").read_text())
-    assert offset[0] == 2000.0 and state["elapsed_s"] < 500.0 and state["window"]["seconds"] < 500.0
+    assert offset[0] == 3000.0 and state["elapsed_s"] < 500.0 and state["window"]["seconds"] < 500.0
     (out / "RUN_COMPLETE").unlink()  # the launch after a kill between the two saves: it resumes from step 3
     shutil.rmtree(out / "checkpoints" / "step_6")
     assert main(argv) == 0
     train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in train] == [2, 4, 6] and offset[0] == 3000.0
+    assert [r["step"] for r in train] == [2, 4, 6] and offset[0] == 5000.0
     assert train[-1]["elapsed_s"] < 500.0 and train[1]["tokens_per_second"] > 1.0  # 0.1-0.5 with the save counted
+    complete = json.loads((out / "RUN_COMPLETE").read_text())["elapsed_s"]
+    assert complete == pytest.approx(train[-1]["elapsed_s"], abs=1.0)  # the steps' seconds, not the export's 1,000
 
 
 def test_collating_ahead_gives_each_step_the_batches_it_would_collate(setup, tiny_model_dir, monkeypatch) -> None:
