@@ -14,13 +14,21 @@ LIBRARIES = ("open_sft", "torch", "transformers", "accelerate", "deepspeed", "da
              "safetensors", "huggingface-hub")
 
 
-def git_revision() -> str | None:
+CHECKOUT = Path(__file__).resolve().parents[2]  # the directory holding open_sft/: a checkout's root, or site-packages
+
+
+def git_revision(checkout: Path = CHECKOUT) -> str | None:
+    """The commit of the open_sft checkout this code runs from; None for an installed copy (`pip install .`), whose
+    site-packages may lie inside another repository (a project's .venv/): its commit was recorded as open_sft's."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
+                             timeout=10, cwd=checkout)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    lines = out.stdout.split("\n")
+    if out.returncode != 0 or len(lines) < 2 or Path(lines[0]).resolve() != checkout.resolve():
+        return None
+    return lines[1].strip() or None
 
 
 def library_versions() -> dict[str, str | None]:
