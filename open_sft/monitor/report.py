@@ -126,7 +126,7 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def summary_markdown(summary: Summary, title: str, per_source_plot: bool = False) -> str:
     rows = [
         ("Optimizer steps", str(summary.steps)),
-        ("Wall time", f"{summary.elapsed_s:.1f} s"),
+        ("Training time (evaluations and checkpoint saves left out)", f"{summary.elapsed_s:.1f} s"),
         ("Trained tokens (with a label)", f"{summary.train_tokens:,}"),
         ("Tokens (padding excluded)", f"{summary.total_tokens:,}"),
         ("Throughput", f"{summary.tokens_per_second:.1f} tokens/s"),

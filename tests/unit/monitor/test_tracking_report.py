@@ -40,6 +40,7 @@ def test_report_with_eval_lines(tmp_path) -> None:
     assert summary.peak_memory_gib == pytest.approx(1.4)
     markdown = (tmp_path / "report" / "summary.md").read_text()
     assert "| Final eval loss | 2.2500 |" in markdown
+    assert "| Training time (evaluations and checkpoint saves left out) | 8.0 s |" in markdown  # not "Wall time"
     assert "| MFU, PaLM's count (torchtitan, OLMo-core, nanochat) | 37.50 % |" in markdown
     older = summarize([{k: v for k, v in r.items() if k != "mfu_palm"} for r in records])  # metrics before it
     assert older.mfu_palm is None and older.mfu == pytest.approx(0.25)
