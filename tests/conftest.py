@@ -116,9 +116,14 @@ def fp8_env(**extra: str) -> dict[str, str]:
 
 
 def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched process: offline, on CPU, importing this checkout's open_sft first (a script
+    run from tmp_path, or `python -m open_sft`, would otherwise import whatever copy the venv installed: another
+    checkout's, where a venv is shared)."""
     env = dict(os.environ)
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
-                "OPEN_SFT_RECORD_DATA_ORDER": "1", "PYTHONUNBUFFERED": "1"})
+                "OPEN_SFT_RECORD_DATA_ORDER": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                               if os.environ.get("PYTHONPATH") else []))})
     env.update(extra)
     return env
 
