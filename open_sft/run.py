@@ -255,7 +255,7 @@ def train(job: Job) -> tuple[Any, Any, list[dict]]:
     identity = run_identity(config, job.data.cache_key, job.launch.parallelism, job.model.config)
     resume = resolve_resume(resume_setting(config), output_dir, identity, acc.is_main_process, config.train)
     job.settings_history = check_resume_point(resume, job.steps.total_steps, job.as_parsed or config, config.to_dict(),
-                                              acc.is_main_process, job.data.cache_key)
+                                              acc.is_main_process, identity)
     if acc.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         clear_marker(output_dir)  # training starts: the directory holds a run in progress (a relaunch resumes it)

@@ -40,8 +40,10 @@ from open_sft.config.fields import field_default
 from open_sft.durable import write_json
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY
-from open_sft.training.run_settings import (BEFORE_THE_FLAG, SECTIONS, SETTINGS_KEY, compared, differences, differing,
-                                            given_settings, history_on_resume, matching, recorded_settings, settings)
+from open_sft.training.input_identity import INPUT_FLAGS, INPUTS_KEY, MODEL_FLAGS, identities, same_by_content
+from open_sft.training.run_settings import (BEFORE_THE_FLAG, DATA_PATH_FLAGS, SECTIONS, SETTINGS_KEY, compared,
+                                            differences, differing, given_settings, history_on_resume, matching,
+                                            recorded_settings, settings)
 
 logger = logging.getLogger(__name__)
 
@@ -84,13 +86,23 @@ def _differences(record: dict[str, Any], config: Any, env: Mapping[str, str] = o
     the accumulation counts by the global batch it trains on this launch's ranks); else the differences from the
     last range's, each setting's name with its line (run_settings.differing)."""
     recorded = recorded_settings(record)
-    now = settings(config)
+    now = _moved_back(record, recorded, settings(config), config)
     if _keeps_global_batch(record, now, env):
         recorded, now = [compared(then) for then in recorded], compared(now)
     computed = record.get(COMPUTE_DTYPE_KEY)
     if not recorded or matching(recorded, now, computed) is not None:
         return {}
     return differing(recorded[-1], now, computed=computed)
+
+
+def _moved_back(record: dict[str, Any], recorded: list[dict[str, Any]], now: dict[str, Any], config: Any
+                ) -> dict[str, Any]:
+    """This launch's settings, each input path (INPUT_FLAGS) that differs from the last range's taken as recorded
+    where its inputs are the run's by content (INPUTS_KEY: the same files at another place, a requeue on a node that
+    mounts them elsewhere); a record written before they were recorded: none."""
+    last = recorded[-1] if recorded else {}
+    moved = [flag for flag in INPUT_FLAGS if flag in last and now.get(flag) != last[flag]]
+    return {**now, **{flag: last[flag] for flag in same_by_content(record.get(INPUTS_KEY), config, moved)}}
 
 
 def checks_completion(config: Any) -> bool:
@@ -235,13 +247,15 @@ def mark_complete(output_dir: Path, step: int, elapsed_s: float, launched: Optio
     settings (open_sft.training.run_settings.by_steps), any of whose settings a relaunch may share; `computed`: the
     compute dtype (torch.dtype) the run trained in (a relaunch's --torch_dtype is compared by it); `batch`: the
     global batch's layout (trained_batch; a relaunch's accumulation is compared by the global batch it trains);
-    `uploads_left`: --push_checkpoints uploads are still to be awaited (UPLOADS_KEY)."""
+    `uploads_left`: --push_checkpoints uploads are still to be awaited (UPLOADS_KEY). The identities of the
+    launch's inputs (INPUTS_KEY) let a relaunch name them at another place."""
     record = {"step": step, "elapsed_s": elapsed_s, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "files": export_files(output_dir), **({"settings": settings(launched)} if launched else {}),
               **({GIVEN_KEY: given_settings(launched), IMPLIED_KEY: sorted(launched.implied)} if launched else {}),
               **({SETTINGS_KEY: by_steps} if by_steps else {}), **({BATCH_KEY: batch} if batch else {}),
               **({COMPUTE_DTYPE_KEY: str(computed).removeprefix("torch.")} if computed else {}),
-              **({UPLOADS_KEY: True} if uploads_left else {})}
+              **({UPLOADS_KEY: True} if uploads_left else {}),
+              **({INPUTS_KEY: identities(launched)} if launched else {})}
     write_json(output_dir / MARKER, record)
 
 
@@ -262,13 +276,18 @@ def refuse_past_schedule(resume: Any, total_steps: int) -> None:
 
 
 def check_resume_point(resume: Any, total_steps: int, launched: Any, resolved: dict[str, Any],
-                       is_main: bool, data_key: Optional[str] = None) -> list[dict[str, Any]]:
+                       is_main: bool, identity: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
     """refuse_past_schedule, then the settings rule (open_sft.training.run_settings): returns this launch's
-    settings history. `launched`: the config as parsed; `resolved`: the config this launch trains with; `data_key`:
-    its tokenized data's cache key (the same as the checkpoint's: the sources, tokenizer and template paths may
-    differ, the same files at another place)."""
+    settings history. `launched`: the config as parsed; `resolved`: the config this launch trains with; `identity`:
+    its run identity (resume.run_identity). The paths of the same inputs at another place are no changed setting:
+    the sources', tokenizer's and template's where its data's cache key is the checkpoint's, the model's and
+    config's where their identities are (input_identity; a checkpoint written before they were recorded: compared
+    as written)."""
     refuse_past_schedule(resume, total_steps)
-    same_data = resume is not None and data_key is not None and \
-        (resume.state.get("identity") or {}).get("dataset_cache_key") == data_key
+    saved, identity = (resume.state.get("identity") or {}) if resume else {}, identity or {}
+    moved = set(DATA_PATH_FLAGS) if resume and saved.get("dataset_cache_key") == identity.get("dataset_cache_key") \
+        and identity.get("dataset_cache_key") is not None else set()
+    recorded, now = saved.get(INPUTS_KEY) or {}, identity.get(INPUTS_KEY) or {}
+    moved |= {flag for flag in MODEL_FLAGS if recorded.get(flag) is not None and recorded[flag] == now.get(flag)}
     return history_on_resume(resume, settings(launched), resolved, launched.checkpoint.allow_changed_settings,
-                             is_main, same_data)
+                             is_main, moved)

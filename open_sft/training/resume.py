@@ -20,6 +20,7 @@ from open_sft.training.checkpoint import (CHECKPOINTS, PEEKED_PATH, STATE_FILE, 
                                          problem_with, step_dirs, timeline_of)
 from open_sft.training.damage import DAMAGED
 from open_sft.training.elastic import convertible, keeps_global_batch, rescalable, split_is_free
+from open_sft.training.input_identity import INPUTS_KEY, MODEL_FLAGS, identities
 from open_sft.training.steps import balances
 from open_sft.training.trained_state import base_fingerprint
 
@@ -287,7 +288,8 @@ def prepare_metrics_file(path: Path, resume: Optional[ResumePoint]) -> None:
 def run_identity(config: Any, cache_key: str, parallelism: Parallelism, model_config: Any = None) -> dict[str, Any]:
     """The settings a checkpoint records and a resume must match (see IDENTITY_FLAGS); the run's engine decides
     the checkpoint format (ENGINES). `model_config`: the loaded model's, from which a QLoRA run's base is named
-    (trained_state.base_fingerprint; before the model loads, not compared)."""
+    (trained_state.base_fingerprint; before the model loads, not compared); with it, the model's and config's
+    identities (input_identity: a resume lets their paths differ where they match, completion.check_resume_point)."""
     t, pipeline = config.train, parallelism.pp_enabled
     qlora = config.lora.use_qlora and model_config is not None
     return {"engine": "pipeline" if pipeline else ENGINES.get(parallelism.engine, "torch"),
@@ -300,6 +302,7 @@ def run_identity(config: Any, cache_key: str, parallelism: Parallelism, model_co
             "sequence_parallel_size": t.sequence_parallel_size, "tensor_parallel_size": parallelism.tp,
             "adapters": adapters(config.lora),
             **({"base": base_fingerprint(config.model.model_name_or_path, model_config)} if qlora else {}),
+            **({INPUTS_KEY: identities(config, MODEL_FLAGS)} if model_config is not None else {}),  # not compared
             **({"template_date": dated} if (dated := dates_of(cache_key)) else {})}  # not compared: data/prepare.py
 
 

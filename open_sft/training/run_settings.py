@@ -21,7 +21,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from open_sft.errors import UserError
 from open_sft.model.precision import COMPUTE_DTYPE_KEY, FLAG_DTYPES
@@ -146,17 +146,16 @@ def checkpoint_settings(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any], allow: bool,
-                      is_main: bool, same_data: bool = False) -> list[dict[str, Any]]:
+                      is_main: bool, moved: Collection[str] = ()) -> list[dict[str, Any]]:
     """The settings history of this launch: the checkpoint's, up to its step, and this launch's settings `now`
     from the step after it when they differ (refused without `allow`). `resolved`: this launch's resolved config,
-    compared with the resolved config a checkpoint written before histories were kept saved instead. `same_data`:
-    the data's cache key is the checkpoint's (DATA_PATH_FLAGS then differ in place only)."""
+    compared with the resolved config a checkpoint written before histories were kept saved instead. `moved`: the
+    path flags whose inputs are the checkpoint's by content (another place only: not compared)."""
     if resume is None:
         return [{"from_step": 1, "settings": now}]
     saved = resume.state.get("config") or {}
     computed = saved.get(COMPUTE_DTYPE_KEY)
     history = _history_to(saved, resume.step)
-    moved = DATA_PATH_FLAGS if same_data else frozenset()
     if history:
         changed = differences(_without(history[-1]["settings"], moved), _without(compared(now), moved),
                               "in the checkpoint", computed)
@@ -183,7 +182,7 @@ def history_on_resume(resume: Any, now: dict[str, Any], resolved: dict[str, Any]
     return history + [{"from_step": resume.step + 1, "settings": now}]
 
 
-def _without(settings: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+def _without(settings: dict[str, Any], names: Collection[str]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in names}
 
 

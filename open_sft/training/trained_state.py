@@ -46,16 +46,22 @@ def base_fingerprint(name: str, model_config: Any) -> str:
     files = sorted({f for pattern in WEIGHT_FILES for f in directory.glob(pattern)}) if directory.is_dir() else []
     digest = hashlib.sha256()
     for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}\0{size}\0".encode())
-        with file.open("rb") as handle:
-            data = _data_start(handle, size) if file.suffix == ".safetensors" else 0
-            handle.seek(0)
-            digest.update(handle.read(data))  # the header (nothing for other formats)
-            for offset, length in _windows(data, size):
-                handle.seek(offset)
-                digest.update(handle.read(length))
+        digest.update(f"{file.name}\0{file.stat().st_size}\0".encode())
+        sample_weights(file, digest)
     return f"local files {digest.hexdigest()[:16]}" if files else f"{name} (no revision, no local weight files)"
+
+
+def sample_weights(file: Path, digest: Any) -> None:
+    """Into `digest`: a weight file's safetensors header (nothing for other formats) and SAMPLES windows of SAMPLE
+    bytes spread over its tensor data (the whole file where it is no longer than the windows together)."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        data = _data_start(handle, size) if file.suffix == ".safetensors" else 0
+        handle.seek(0)
+        digest.update(handle.read(data))
+        for offset, length in _windows(data, size):
+            handle.seek(offset)
+            digest.update(handle.read(length))
 
 
 def _data_start(handle: Any, size: int) -> int:

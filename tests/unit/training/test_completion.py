@@ -330,12 +330,13 @@ def test_a_requeue_on_a_node_mounting_the_data_elsewhere_resumes(tmp_path) -> No
     state = {"step": 29, "config": {completion.SETTINGS_KEY: history}, "identity": {"dataset_cache_key": "k1"}}
     at = ResumePoint(tmp_path / "checkpoints" / "step_29", state)
     elsewhere = mounted("data")
-    assert completion.check_resume_point(at, 60, elsewhere, elsewhere.to_dict(), True, data_key="k1") == history
+    assert completion.check_resume_point(at, 60, elsewhere, elsewhere.to_dict(), True,
+                                         {"dataset_cache_key": "k1"}) == history
     with pytest.raises(UserError, match="--dataset_mixer_list: .* in the checkpoint"):
-        completion.check_resume_point(at, 60, elsewhere, elsewhere.to_dict(), True, data_key="k2")
+        completion.check_resume_point(at, 60, elsewhere, elsewhere.to_dict(), True, {"dataset_cache_key": "k2"})
     with pytest.raises(UserError, match="--learning_rate"):  # the rest is still compared
         other = mounted("data", "--learning_rate", "1e-3")
-        completion.check_resume_point(at, 60, other, other.to_dict(), True, data_key="k1")
+        completion.check_resume_point(at, 60, other, other.to_dict(), True, {"dataset_cache_key": "k1"})
 
 
 def test_a_checkpoint_of_auto_under_mean_resumes_with_the_batch_flags_and_allow_changed_settings(tmp_path) -> None:
