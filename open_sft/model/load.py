@@ -47,10 +47,11 @@ def attn_implementation(args: ModelArguments, config: Any = None) -> str:
 def flash_attention_problem(config: Any, given: str = "--attn_implementation flash_attention_2") -> Optional[str]:
     """Why flash-attn 2 does not compute the attention of the model class of this config, with the fix; None where it
     does or the class is not known here (remote code). `given`: the flags that asked for it as the user typed them
-    (open-instruct's --use_flash_attn is dropped, not contradicted). Learned attention sinks (gpt-oss, MiMo-V2-Flash, Granite-SWA,
-    Flint: their attention passes `s_aux`): flash-attn 2 takes no sink, and transformers drops them there, or, for a
-    class that lists the flash kernels computing it (`_compatible_flash_implementations`: gpt-oss's in transformers
-    5.25), swaps one of those in, code fetched from the Hub as the model loads (offline, the load fails)."""
+    (open-instruct's --use_flash_attn is dropped, not contradicted). Learned attention sinks (gpt-oss, MiMo-V2-Flash,
+    Granite-SWA, Flint: their attention passes `s_aux`): flash-attn 2 takes no sink, and transformers drops them
+    there, or, for a class that lists the flash kernels computing it (`_compatible_flash_implementations`: gpt-oss's
+    in transformers 5.25), swaps one of those in, code fetched from the Hub as the model loads (offline, the load
+    fails)."""
     model_class = _model_class(config)
     if model_class is None:
         return None
