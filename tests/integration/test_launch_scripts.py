@@ -196,7 +196,8 @@ def test_sbatch_requeues_only_when_preempted(tmp_path, srun_exit, sbatch_exit, r
     log = tmp_path / "calls.log"
     env = script_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_LOG=str(log),
                      FAKE_SRUN_EXIT=str(srun_exit), SLURM_JOB_ID="4242", SLURM_NNODES="2",
-                     SLURM_JOB_NODELIST="gpu-a[1-2]", SLURM_SUBMIT_DIR=str(ROOT), SLURM_CPUS_PER_TASK="32")
+                     SLURM_JOB_NODELIST="gpu-a[1-2]", SLURM_SUBMIT_DIR=str(ROOT), SLURM_CPUS_PER_TASK="32",
+                     OPEN_SFT_VENV="none")  # the Docker image's: its python, no venv to activate
     result = subprocess.run(["bash", str(SBATCH), "--output_dir", "/shared/out"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == sbatch_exit, result.stderr
