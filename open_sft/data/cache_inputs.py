@@ -84,6 +84,19 @@ def draws_rows(args: DataArguments, specs: list[SourceSpec], holdout: Optional[t
     return not all(spec.is_fraction and float(spec.amount).is_integer() for spec in specs)
 
 
+def keys_template(args: DataArguments) -> bool:
+    """Whether the data's cache key holds the chat template and the tokenizer's template (key_inputs): not for a
+    mixture of text documents alone (text_only), which no template renders; None-safe for a mixer list that does not
+    parse (the key holds it then: the data step refuses the list)."""
+    try:
+        specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                                 config_name=args.dataset_config_name,
+                                 template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
+    except UserError:
+        return True
+    return not text_only(args, specs)
+
+
 def text_only(args: DataArguments, specs: list[SourceSpec]) -> bool:
     """Whether every source is text documents, known before the build: under --dataset_format text, or each source's
     first row a document (the build takes a source's format from that row) where that row is cheap to read as the

@@ -287,6 +287,11 @@ def check_resume_point(resume: Any, total_steps: int, launched: Any, resolved: d
     saved, identity = (resume.state.get("identity") or {}) if resume else {}, identity or {}
     moved = set(DATA_PATH_FLAGS) if resume and saved.get("dataset_cache_key") == identity.get("dataset_cache_key") \
         and identity.get("dataset_cache_key") is not None else set()
+    if moved:
+        from open_sft.data.cache_inputs import keys_template
+
+        if not keys_template(launched.data):  # text documents: the key holds neither template, which the export does
+            moved -= {"tokenizer_name_or_path", "chat_template_path"}
     recorded, now = saved.get(INPUTS_KEY) or {}, identity.get(INPUTS_KEY) or {}
     moved |= {flag for flag in MODEL_FLAGS if recorded.get(flag) is not None and recorded[flag] == now.get(flag)}
     return history_on_resume(resume, settings(launched), resolved, launched.checkpoint.allow_changed_settings,

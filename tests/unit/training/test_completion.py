@@ -339,6 +339,36 @@ def test_a_requeue_on_a_node_mounting_the_data_elsewhere_resumes(tmp_path) -> No
         completion.check_resume_point(at, 60, other, other.to_dict(), True, {"dataset_cache_key": "k1"})
 
 
+def test_text_documents_free_their_sources_path_but_not_the_template_their_key_does_not_hold(tmp_path) -> None:
+    """A mixture of text documents alone has a cache key without the chat template (no template renders them), so an
+    equal key says nothing of --chat_template_path or the tokenizer's template, which the export writes: another
+    template (or tokenizer) on a resume was waved through as 'moved'. The sources' path is still free."""
+    from open_sft.training.checkpoint import ResumePoint
+
+    def mounted(root, template):
+        (tmp_path / root / "tok").mkdir(parents=True, exist_ok=True)
+        (tmp_path / root / "d.jsonl").write_text('{"text": "a document"}\n')
+        (tmp_path / root / "t.jinja").write_text(template)
+        return parse_config(["--model_name_or_path", "m", "--dataset_mixer_list", str(tmp_path / root / "d.jsonl"),
+                             "1.0", "--tokenizer_name_or_path", str(tmp_path / root / "tok"), "--chat_template_path",
+                             str(tmp_path / root / "t.jinja"), "--output_dir", str(tmp_path / "out"),
+                             "--max_train_steps", "60"])
+
+    from conftest import ROOT
+
+    templates = ROOT / "tests" / "data" / "chat_templates"
+    first = mounted("a", (templates / "qwen3.jinja").read_text())
+    history = completion.check_resume_point(None, 60, first, first.to_dict(), True)
+    state = {"step": 29, "config": {completion.SETTINGS_KEY: history}, "identity": {"dataset_cache_key": "k1"}}
+    at = ResumePoint(tmp_path / "checkpoints" / "step_29", state)
+    other = mounted("b", (templates / "gpt_oss.jinja").read_text())
+    with pytest.raises(UserError) as refused:
+        completion.check_resume_point(at, 60, other, other.to_dict(), True, {"dataset_cache_key": "k1"})
+    named = str(refused.value)
+    assert "--chat_template_path" in named and "--tokenizer_name_or_path" in named
+    assert "--dataset_mixer_list" not in named
+
+
 def test_a_checkpoint_of_auto_under_mean_resumes_with_the_batch_flags_and_allow_changed_settings(tmp_path) -> None:
     """--auto_micro_batch_size with --loss_normalization mean is refused up front now; a run checkpointed with
     both before resumes as the refusal says: the batch flags set, --auto_micro_batch_size dropped (a changed
