@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any, Collection, Optional
 
 from open_sft.errors import UserError
-from open_sft.training.trained_state import WEIGHT_FILES, sample_weights
+from open_sft.training.trained_state import HEADER_MAX, WEIGHT_FILES, sample_weights
 
 INPUTS_KEY = "inputs"  # in a checkpoint's identity and the completion record: {flag: identity}
 MODEL_FLAGS = ("model_name_or_path", "config_name")  # a checkpoint's: its data's cache key holds the others
 INPUT_FLAGS = (*MODEL_FLAGS, "tokenizer_name_or_path", "chat_template_path", "dataset_mixer_list")
+TENSOR_EDGE = 256  # bytes read at each end of every tensor of a safetensors file (tensor_edges)
 WHOLE_MAX = 64 << 20  # a larger file is sampled as weights are (a Hub snapshot's tf_model.h5, flax_model.msgpack)
 
 
@@ -62,11 +63,37 @@ def files_identity(name: Optional[str]) -> Optional[str]:
         digest.update(f"{file.stat().st_size}\0".encode())
         if file.stat().st_size > WHOLE_MAX or any(file.match(pattern) for pattern in WEIGHT_FILES):
             sample_weights(file, digest)
+            tensor_edges(file, digest)
         else:
             with file.open("rb") as handle:
                 for block in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(block)
     return f"{'file' if path.is_file() else 'dir'} {digest.hexdigest()}"
+
+
+def tensor_edges(file: Path, digest: Any) -> None:
+    """Into `digest`: the first and last TENSOR_EDGE bytes of every tensor of a safetensors file (nothing for other
+    formats). The file's windows (sample_weights) fall where they fall: another fine-tune of the same shapes that
+    changed some tensors only (a frozen part, a LoRA merged into q/v) could keep every window; each tensor's edges
+    catch it, at two small reads per tensor."""
+    if file.suffix != ".safetensors":
+        return
+    import json
+
+    with file.open("rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        if length > HEADER_MAX or 8 + length > file.stat().st_size:
+            return
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError:
+            return
+        spans = sorted(tuple(entry["data_offsets"]) for name, entry in header.items()
+                       if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry)
+        for begin, end in spans:
+            for offset in sorted({begin, max(begin, end - TENSOR_EDGE)}):
+                handle.seek(8 + length + offset)
+                digest.update(handle.read(min(TENSOR_EDGE, end - offset)))
 
 
 def _sources(data: Any) -> Optional[list[list[Any]]]:

@@ -8,6 +8,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from open_sft.config.parse import parse_config
 from open_sft.errors import UserError
@@ -115,3 +116,21 @@ def test_a_completed_run_relaunched_with_its_inputs_at_another_path_is_complete(
     with pytest.raises(UserError, match="launched with other settings") as refused:
         completion.already_complete(launch(tmp_path, b))
     assert len([line for line in str(refused.value).splitlines() if line.startswith("  - ")]) == 5
+
+
+def test_another_fine_tune_that_changed_some_tensors_only_is_another_model(tmp_path) -> None:
+    """A model's weight file is known by its header and 8 windows of its data: another fine-tune of the same shapes
+    that changed one tensor of 64 (a frozen rest) kept every window, and a resume or a completed run's relaunch
+    naming it at another path was taken as the same model. Each tensor's edges enter the identity too."""
+    from safetensors.torch import save_file
+
+    tensors = {f"layer{i}.weight": torch.full((64, 64), float(i)) for i in range(64)}  # 16 KiB each, 1 MiB in all
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    save_file(tensors, tmp_path / "a" / "model.safetensors")
+    changed = dict(tensors, **{"layer30.weight": tensors["layer30.weight"] + 1})  # a tensor between two windows
+    save_file(changed, tmp_path / "b" / "model.safetensors")
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() != (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert files_identity(str(tmp_path / "a")) != files_identity(str(tmp_path / "b"))
+    save_file(tensors, tmp_path / "b" / "model.safetensors")
+    assert files_identity(str(tmp_path / "a")) == files_identity(str(tmp_path / "b"))
