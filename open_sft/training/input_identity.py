@@ -25,6 +25,10 @@ INPUTS_KEY = "inputs"  # in a checkpoint's identity and the completion record: {
 MODEL_FLAGS = ("model_name_or_path", "config_name")  # a checkpoint's: its data's cache key holds the others
 INPUT_FLAGS = (*MODEL_FLAGS, "tokenizer_name_or_path", "chat_template_path", "dataset_mixer_list")
 TENSOR_EDGE = 256  # bytes read at each end of every tensor of a safetensors file (tensor_edges)
+# The data a completion record or a relaunch hashes to know its sources at another path (the end of every run
+# writes the record): beyond it (--dataset_skip_cache, whose hashes nobody remembers, or many small files), the
+# sources are compared by path as before.
+DATA_HASH_MAX = 2 << 30
 WHOLE_MAX = 64 << 20  # a larger file is sampled as weights are (a Hub snapshot's tf_model.h5, flax_model.msgpack)
 
 
@@ -105,6 +109,22 @@ def _sources(data: Any) -> Optional[list[list[Any]]]:
     memo = None if data.dataset_skip_cache else resolve_cache_dir(data.dataset_local_cache_dir)
     try:
         specs = parse_mixer_list(data.dataset_mixer_list, data.dataset_mixer_list_splits)
+        if _bytes_to_hash([s for s in specs if s.is_local], memo is not None) > DATA_HASH_MAX:
+            return None
         return [[source_identity(s, memo) if s.is_local else s.name, s.amount, s.is_fraction] for s in specs]
     except (UserError, OSError):
         return None
+
+
+def _bytes_to_hash(specs: list[Any], remembered: bool) -> int:
+    """The bytes source_identity would read for these local sources: every file's, or, where the cache remembers
+    large files' hashes (the build hashed them), the files below MEMO_BYTES'."""
+    from open_sft.data.cache import MEMO_BYTES
+
+    total = 0
+    for spec in specs:
+        path = Path(spec.name).expanduser()
+        for file in [path] if path.is_file() else (p for p in path.rglob("*") if p.is_file()):
+            size = file.stat().st_size
+            total += size if size < MEMO_BYTES or not remembered else 0
+    return total

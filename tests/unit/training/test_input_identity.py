@@ -134,3 +134,23 @@ def test_another_fine_tune_that_changed_some_tensors_only_is_another_model(tmp_p
     assert files_identity(str(tmp_path / "a")) != files_identity(str(tmp_path / "b"))
     save_file(tensors, tmp_path / "b" / "model.safetensors")
     assert files_identity(str(tmp_path / "a")) == files_identity(str(tmp_path / "b"))
+
+
+def test_sources_too_costly_to_hash_at_a_runs_end_are_compared_by_path(tmp_path, monkeypatch) -> None:
+    """The completion record, written at the end of every run, hashed every local source again: a whole 100 GB
+    dataset under --dataset_skip_cache (no remembered hashes), or a directory of many small shards. Beyond
+    DATA_HASH_MAX the sources get no identity (compared by path, as before identities were recorded); large files
+    whose hashes the cache remembers cost nothing."""
+    from open_sft.training import input_identity
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a document"}\n' * 100)
+    flags = ["--model_name_or_path", "m", "--dataset_mixer_list", str(data), "1.0", "--output_dir", str(tmp_path / "o"),
+             "--dataset_local_cache_dir", str(tmp_path / "cache")]
+    config = parse_config(flags)
+    assert identities(config, ["dataset_mixer_list"])["dataset_mixer_list"][0][0].startswith("file:")
+    monkeypatch.setattr(input_identity, "DATA_HASH_MAX", data.stat().st_size - 1)
+    assert identities(config, ["dataset_mixer_list"]) == {}
+    monkeypatch.setattr("open_sft.data.cache.MEMO_BYTES", 1)  # a remembered hash: no bytes to read again
+    assert "dataset_mixer_list" in identities(config, ["dataset_mixer_list"])
+    assert identities(parse_config(flags + ["--dataset_skip_cache"]), ["dataset_mixer_list"]) == {}
