@@ -26,9 +26,7 @@ def key_inputs(args: DataArguments, tokenizer: PreTrainedTokenizerBase, seed: in
                clock: Optional[datetime.datetime] = None) -> dict[str, Any]:
     """Everything that changes the tokenized output, for the cache key (and key.json); `clock`: the moment the
     build renders the template's clock at (template_date.clock_at; None: now)."""
-    specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                             config_name=args.dataset_config_name,
-                             template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
+    specs = mixer_specs(args)
     # Settings added later enter the key only when set, so the keys of existing caches stay valid.
     later = {"sft_messages_key": args.sft_messages_key} if args.sft_messages_key != "messages" else {}
     if args.dataset_text_field != "text":
@@ -86,15 +84,19 @@ def draws_rows(args: DataArguments, specs: list[SourceSpec], holdout: Optional[t
 
 def keys_template(args: DataArguments) -> bool:
     """Whether the data's cache key holds the chat template and the tokenizer's template (key_inputs): not for a
-    mixture of text documents alone (text_only), which no template renders; None-safe for a mixer list that does not
-    parse (the key holds it then: the data step refuses the list)."""
+    mixture of text documents alone (text_only), which no template renders; True for a mixer list that does not
+    parse (the data step refuses it)."""
     try:
-        specs = parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
-                                 config_name=args.dataset_config_name,
-                                 template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
+        return not text_only(args, mixer_specs(args))
     except UserError:
         return True
-    return not text_only(args, specs)
+
+
+def mixer_specs(args: DataArguments) -> list[SourceSpec]:
+    """--dataset_mixer_list's sources as the key reads them."""
+    return parse_mixer_list(args.dataset_mixer_list, args.dataset_mixer_list_splits,
+                            config_name=args.dataset_config_name,
+                            template_kwargs=args.dataset_mixer_list_chat_template_kwargs)
 
 
 def text_only(args: DataArguments, specs: list[SourceSpec]) -> bool:
